@@ -1,0 +1,2 @@
+// Training-throughput benchmark (placeholder).
+int main() { return 0; }

@@ -1,0 +1,95 @@
+// Run configuration: plain structs for every section of a TOML config, parsing with unknown-key and
+// type checks, `--set section.key=value` overrides, validation, and writing the resolved config.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace ddm {
+
+struct DataConfig {
+  std::string source = "fashion-mnist";  // fashion-mnist | folder | safetensors
+  std::string root;          // directory (fashion-mnist, folder) or file (safetensors); "" = default
+  std::string split = "train";  // fashion-mnist: train | test
+  bool hflip = false;        // random horizontal flip
+  int64_t limit = 0;         // use only the first N images (0 = all)
+};
+
+struct ModelConfig {
+  std::string preset = "unet-tiny";  // see src/model/presets.h; explicit keys below override it
+  std::string arch = "unet";         // unet | dit
+  // Filled from the dataset at train time (0 = take from data); recorded in the resolved config.
+  int64_t in_channels = 0;
+  int64_t image_size = 0;
+  int64_t num_classes = -1;          // -1 = take from data; 0 = unconditional
+  // U-Net
+  int64_t channels = 32;                       // base width
+  std::vector<int64_t> channel_mult = {1, 2};  // one entry per resolution level
+  int64_t res_blocks = 1;                      // residual blocks per level
+  std::vector<int64_t> attn_levels = {};       // levels (0 = full resolution) with self-attention
+  int64_t groups = 8;                          // GroupNorm groups
+  // DiT
+  int64_t patch = 4;
+  int64_t width = 128;
+  int64_t depth = 4;
+  int64_t heads = 4;
+  double mlp_ratio = 4.0;
+};
+
+struct DiffusionConfig {
+  std::string objective = "flow";     // flow (velocity) | eps | v
+  std::string schedule = "linear";    // eps / v only: linear | cosine (flow is always linear interp.)
+  std::string time_dist = "uniform";  // uniform | logit-normal
+  double logit_mean = 0.0;
+  double logit_std = 1.0;
+};
+
+struct TrainConfig {
+  int64_t steps = 1500;
+  int64_t batch_size = 128;
+  double lr = 2e-3;
+  std::string lr_schedule = "constant";  // constant | cosine (both after linear warm-up)
+  int64_t warmup = 100;
+  double weight_decay = 0.0;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double adam_eps = 1e-8;
+  double grad_clip = 1.0;        // max global grad norm (0 = off)
+  double ema_decay = 0.999;
+  double label_dropout = 0.1;    // probability of replacing the label by the null class
+  int64_t seed = 0;
+  int64_t threads = 0;           // intra-op threads (0 = all cores)
+  int64_t log_every = 50;
+  int64_t ckpt_every = 500;      // steps between checkpoints (a final one is always written)
+  int64_t keep_ckpts = 3;        // keep the last N checkpoints
+};
+
+struct SampleConfig {
+  std::string sampler = "euler";  // euler | heun | ddim | ddpm
+  int64_t steps = 20;
+  double cfg = 2.0;               // classifier-free guidance scale (1 = off, 0 = unconditional)
+  int64_t n = 100;
+  bool use_ema = true;
+};
+
+struct RunConfig {
+  DataConfig data;
+  ModelConfig model;
+  DiffusionConfig diffusion;
+  TrainConfig train;
+  SampleConfig sample;
+};
+
+// Parses TOML text (origin names the file in errors) plus overrides "section.key=value".
+// Unknown keys, ill-typed values and out-of-range values throw ddm::Error naming key and origin.
+RunConfig parse_config(const std::string& toml_text, const std::string& origin,
+                       const std::vector<std::string>& overrides = {});
+RunConfig load_config(const std::string& path, const std::vector<std::string>& overrides = {});
+// Validates ranges and choices; throws ddm::Error naming the key.
+void validate(const RunConfig& cfg);
+// The complete resolved config as TOML text (every key, including defaults).
+std::string to_toml(const RunConfig& cfg);
+// All valid keys, "section.key", for help and error messages.
+std::vector<std::string> config_keys();
+
+}  // namespace ddm

@@ -1,0 +1,29 @@
+// Reading and writing the safetensors format (https://github.com/huggingface/safetensors):
+// 8-byte little-endian header length, a JSON header {name: {dtype, shape, data_offsets}, ...,
+// "__metadata__": {str: str}}, then the raw little-endian tensor bytes. Written by hand because no
+// Debian package provides a C++ implementation; the format is small and fully specified.
+#pragma once
+#include <map>
+#include <string>
+
+#include <torch/types.h>
+
+namespace ddm {
+
+struct SafetensorsFile {
+  std::map<std::string, torch::Tensor> tensors;       // contiguous CPU tensors
+  std::map<std::string, std::string> metadata;        // the optional "__metadata__" table
+};
+
+// Serializes to bytes (tensors are moved to CPU and made contiguous). Supported dtypes:
+// F64 F32 F16 BF16 I64 I32 I16 I8 U8 BOOL.
+std::string safetensors_bytes(const SafetensorsFile& file);
+// Parses bytes; `origin` names the file in errors. Throws ddm::Error on a bad header, unknown dtype,
+// offsets out of range or overlapping, or sizes that do not match dtype x shape.
+SafetensorsFile parse_safetensors(const std::string& bytes, const std::string& origin);
+
+// File helpers. save_safetensors writes atomically (temporary name, fsync, rename).
+void save_safetensors(const std::string& path, const SafetensorsFile& file);
+SafetensorsFile load_safetensors(const std::string& path);
+
+}  // namespace ddm

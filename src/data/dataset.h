@@ -1,0 +1,64 @@
+// Datasets held in memory as uint8 images plus labels, loaded from Fashion-MNIST IDX files, a folder
+// of PNGs, or a safetensors file; and BatchLoader, the seeded shuffling batch iterator whose cursor
+// is saved in checkpoints so a resumed run sees exactly the same batches.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <torch/types.h>
+
+#include "core/config.h"
+
+namespace ddm {
+
+struct Dataset {
+  torch::Tensor images;                  // uint8 [N, C, H, W]
+  torch::Tensor labels;                  // int64 [N]; zeros when the source has no labels
+  int64_t num_classes = 0;               // 0 = unlabeled
+  std::vector<std::string> class_names;  // size num_classes (may be generic "class 3")
+  std::string description;               // e.g. "fashion-mnist train: 60000 x 1x28x28, 10 classes"
+};
+
+// Default root for the Debian package dataset-fashion-mnist.
+inline constexpr const char* kFashionMnistRoot = "/usr/share/datasets/fashion-mnist";
+
+// Loads according to cfg (source, root, split, limit). Throws ddm::Error with a clear message.
+Dataset load_dataset(const DataConfig& cfg);
+
+// uint8 [..] in 0..255 -> float [..] in [-1, 1].
+torch::Tensor to_unit_range(const torch::Tensor& images_u8);
+// float [-1, 1] -> uint8 0..255 (clamped, rounded).
+torch::Tensor to_uint8(const torch::Tensor& images);
+
+struct Batch {
+  torch::Tensor x;  // float [B, C, H, W] in [-1, 1]
+  torch::Tensor y;  // int64 [B]
+};
+
+// Epoch-wise shuffling without replacement. The order of epoch e is a permutation drawn from a
+// generator seeded with (seed, e); flips are drawn from (seed, e, position). So the batch sequence is
+// a pure function of (seed, cursor), and restoring the cursor reproduces it exactly.
+class BatchLoader {
+ public:
+  struct Cursor {
+    int64_t epoch = 0;
+    int64_t index = 0;  // position within the epoch's permutation
+  };
+  BatchLoader(const Dataset& data, int64_t batch_size, uint64_t seed, bool hflip);
+  Batch next();  // wraps into the next epoch when the current one runs out (batches stay full)
+  Cursor cursor() const { return cursor_; }
+  void set_cursor(const Cursor& c);
+
+ private:
+  void ensure_perm();
+  const Dataset& data_;
+  int64_t batch_size_;
+  uint64_t seed_;
+  bool hflip_;
+  Cursor cursor_;
+  int64_t perm_epoch_ = -1;
+  torch::Tensor perm_;  // int64 [N]
+};
+
+}  // namespace ddm

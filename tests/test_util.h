@@ -1,0 +1,29 @@
+// Helpers shared by the tests: temporary directories, running the ddm binary, file edits.
+#pragma once
+#include <string>
+
+namespace ddm::test {
+
+// A fresh empty directory under the system temp dir, removed at destruction.
+struct TempDir {
+  TempDir();
+  ~TempDir();
+  TempDir(const TempDir&) = delete;
+  TempDir& operator=(const TempDir&) = delete;
+  std::string path;
+  std::string operator/(const std::string& name) const { return path + "/" + name; }
+};
+
+struct CommandResult {
+  int exit_code = 0;
+  std::string output;  // stdout and stderr together
+};
+// Runs a shell command, capturing its output.
+CommandResult run_command(const std::string& cmd);
+// Runs the ddm binary built with the tests with the given argument string.
+CommandResult run_ddm(const std::string& args);
+
+void write_text(const std::string& path, const std::string& text);
+std::string read_text(const std::string& path);
+
+}  // namespace ddm::test
