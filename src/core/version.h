@@ -1,0 +1,5 @@
+// ddm's version string.
+#pragma once
+namespace ddm {
+const char* version();
+}
