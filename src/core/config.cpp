@@ -1,0 +1,325 @@
+// TOML config parsing for RunConfig: one table of fields (key, parse, dump) drives parsing,
+// unknown-key detection, `--set` overrides and writing the resolved config, so the three never
+// disagree.
+#include "core/config.h"
+
+#include <cerrno>
+#include <cstring>
+#include <fstream>
+#include <functional>
+#include <set>
+#include <sstream>
+
+#include <toml++/toml.h>
+
+#include "core/error.h"
+#include "model/presets.h"
+
+namespace ddm {
+namespace {
+
+struct Field {
+  std::string key;  // "section.name"
+  std::function<void(const toml::node&, const std::string& where)> set;
+  std::function<void(toml::table&)> dump;  // inserts name = value into the section's table
+};
+
+std::string type_name(const toml::node& n) {
+  std::ostringstream os;
+  os << n.type();
+  return os.str();
+}
+
+// The node's value as TOML text, for error messages.
+std::string node_str(const toml::node& n) {
+  std::ostringstream os;
+  n.visit([&os](auto&& v) { os << v; });
+  return os.str();
+}
+
+std::string leaf(const std::string& key) { return key.substr(key.find('.') + 1); }
+
+Field field(const std::string& key, int64_t* p) {
+  return {key,
+          [key, p](const toml::node& n, const std::string& where) {
+            auto v = n.value_exact<int64_t>();
+            DDM_CHECK(v, where << ": " << key << " must be an integer, got " << type_name(n) << " " << node_str(n));
+            *p = *v;
+          },
+          [key, p](toml::table& t) { t.insert_or_assign(leaf(key), *p); }};
+}
+
+Field field(const std::string& key, double* p) {
+  return {key,
+          [key, p](const toml::node& n, const std::string& where) {
+            auto v = n.value<double>();  // integers are accepted for float keys
+            DDM_CHECK(v && (n.is_floating_point() || n.is_integer()),
+                      where << ": " << key << " must be a number, got " << type_name(n) << " " << node_str(n));
+            *p = *v;
+          },
+          [key, p](toml::table& t) { t.insert_or_assign(leaf(key), *p); }};
+}
+
+Field field(const std::string& key, bool* p) {
+  return {key,
+          [key, p](const toml::node& n, const std::string& where) {
+            auto v = n.value_exact<bool>();
+            DDM_CHECK(v, where << ": " << key << " must be true or false, got " << type_name(n) << " " << node_str(n));
+            *p = *v;
+          },
+          [key, p](toml::table& t) { t.insert_or_assign(leaf(key), *p); }};
+}
+
+Field field(const std::string& key, std::string* p) {
+  return {key,
+          [key, p](const toml::node& n, const std::string& where) {
+            auto v = n.value_exact<std::string>();
+            DDM_CHECK(v, where << ": " << key << " must be a string, got " << type_name(n) << " " << node_str(n));
+            *p = *v;
+          },
+          [key, p](toml::table& t) { t.insert_or_assign(leaf(key), *p); }};
+}
+
+Field field(const std::string& key, std::vector<int64_t>* p) {
+  return {key,
+          [key, p](const toml::node& n, const std::string& where) {
+            const toml::array* arr = n.as_array();
+            DDM_CHECK(arr, where << ": " << key << " must be an array of integers, got " << type_name(n) << " " << node_str(n));
+            std::vector<int64_t> out;
+            for (const toml::node& e : *arr) {
+              auto v = e.value_exact<int64_t>();
+              DDM_CHECK(v, where << ": " << key << " must be an array of integers, got element " << node_str(e));
+              out.push_back(*v);
+            }
+            *p = out;
+          },
+          [key, p](toml::table& t) {
+            toml::array arr;
+            for (int64_t v : *p) arr.push_back(v);
+            t.insert_or_assign(leaf(key), arr);
+          }};
+}
+
+std::vector<Field> fields(RunConfig& c) {
+  return {
+      field("data.source", &c.data.source),
+      field("data.root", &c.data.root),
+      field("data.split", &c.data.split),
+      field("data.hflip", &c.data.hflip),
+      field("data.limit", &c.data.limit),
+      field("model.preset", &c.model.preset),
+      field("model.arch", &c.model.arch),
+      field("model.in_channels", &c.model.in_channels),
+      field("model.image_size", &c.model.image_size),
+      field("model.num_classes", &c.model.num_classes),
+      field("model.channels", &c.model.channels),
+      field("model.channel_mult", &c.model.channel_mult),
+      field("model.res_blocks", &c.model.res_blocks),
+      field("model.attn_levels", &c.model.attn_levels),
+      field("model.groups", &c.model.groups),
+      field("model.patch", &c.model.patch),
+      field("model.width", &c.model.width),
+      field("model.depth", &c.model.depth),
+      field("model.heads", &c.model.heads),
+      field("model.mlp_ratio", &c.model.mlp_ratio),
+      field("diffusion.objective", &c.diffusion.objective),
+      field("diffusion.schedule", &c.diffusion.schedule),
+      field("diffusion.time_dist", &c.diffusion.time_dist),
+      field("diffusion.logit_mean", &c.diffusion.logit_mean),
+      field("diffusion.logit_std", &c.diffusion.logit_std),
+      field("train.steps", &c.train.steps),
+      field("train.batch_size", &c.train.batch_size),
+      field("train.lr", &c.train.lr),
+      field("train.lr_schedule", &c.train.lr_schedule),
+      field("train.warmup", &c.train.warmup),
+      field("train.weight_decay", &c.train.weight_decay),
+      field("train.beta1", &c.train.beta1),
+      field("train.beta2", &c.train.beta2),
+      field("train.adam_eps", &c.train.adam_eps),
+      field("train.grad_clip", &c.train.grad_clip),
+      field("train.ema_decay", &c.train.ema_decay),
+      field("train.label_dropout", &c.train.label_dropout),
+      field("train.seed", &c.train.seed),
+      field("train.threads", &c.train.threads),
+      field("train.log_every", &c.train.log_every),
+      field("train.ckpt_every", &c.train.ckpt_every),
+      field("train.keep_ckpts", &c.train.keep_ckpts),
+      field("sample.sampler", &c.sample.sampler),
+      field("sample.steps", &c.sample.steps),
+      field("sample.cfg", &c.sample.cfg),
+      field("sample.n", &c.sample.n),
+      field("sample.use_ema", &c.sample.use_ema),
+  };
+}
+
+struct Entry {
+  std::string key;
+  const toml::node* node;
+  std::string where;
+};
+
+void flatten(const toml::table& t, const std::string& prefix, const std::string& where, std::vector<Entry>& out) {
+  for (auto&& [k, v] : t) {
+    std::string key = prefix.empty() ? std::string(k.str()) : prefix + "." + std::string(k.str());
+    if (const toml::table* sub = v.as_table())
+      flatten(*sub, key, where, out);
+    else
+      out.push_back({key, &v, where});
+  }
+}
+
+toml::table parse_toml(const std::string& text, const std::string& origin) {
+  try {
+    return toml::parse(text, origin);
+  } catch (const toml::parse_error& e) {
+    DDM_FAIL(origin << ":" << e.source().begin.line << ":" << e.source().begin.column
+                    << ": invalid TOML: " << e.description());
+  }
+}
+
+std::string join(const std::vector<std::string>& v, const std::string& sep) {
+  std::string s;
+  for (size_t i = 0; i < v.size(); ++i) s += (i ? sep : "") + v[i];
+  return s;
+}
+
+void check_choice(const std::string& key, const std::string& value, const std::vector<std::string>& choices) {
+  for (const auto& c : choices)
+    if (c == value) return;
+  DDM_FAIL(key << " = \"" << value << "\" is not one of: " << join(choices, ", "));
+}
+
+}  // namespace
+
+std::vector<std::string> config_keys() {
+  RunConfig c;
+  std::vector<std::string> keys;
+  for (const Field& f : fields(c)) keys.push_back(f.key);
+  return keys;
+}
+
+RunConfig parse_config(const std::string& toml_text, const std::string& origin,
+                       const std::vector<std::string>& overrides) {
+  std::vector<toml::table> tables;  // keeps the parsed nodes alive
+  tables.reserve(overrides.size() + 1);
+  std::vector<Entry> entries;
+  tables.push_back(parse_toml(toml_text, origin));
+  flatten(tables.back(), "", origin, entries);
+  for (const std::string& ov : overrides) {
+    const size_t eq = ov.find('=');
+    DDM_CHECK(eq != std::string::npos && eq > 0,
+              "--set " << ov << ": expected section.key=value, e.g. --set train.steps=100");
+    const std::string key = ov.substr(0, eq), value = ov.substr(eq + 1);
+    const std::string where = "--set " + ov;
+    toml::table t;
+    try {
+      t = toml::parse("v = " + value, where);
+    } catch (const toml::parse_error&) {
+      t = toml::table{};
+      t.insert("v", value);  // a bare word is taken as a string: --set model.preset=dit-tiny
+    }
+    tables.push_back(std::move(t));
+    entries.push_back({key, tables.back().get("v"), where});
+  }
+
+  RunConfig cfg;
+  std::vector<Field> fs = fields(cfg);
+  std::map<std::string, const Field*> by_key;
+  for (const Field& f : fs) by_key[f.key] = &f;
+  for (const Entry& e : entries)
+    DDM_CHECK(by_key.count(e.key), e.where << ": unknown config key '" << e.key << "'. Valid keys: "
+                                           << join(config_keys(), ", "));
+
+  // The preset is applied first so that explicit model keys override it.
+  for (const Entry& e : entries)
+    if (e.key == "model.preset") by_key["model.preset"]->set(*e.node, e.where);
+  apply_preset(cfg.model.preset, cfg.model);
+  for (const Entry& e : entries) by_key[e.key]->set(*e.node, e.where);
+  try {
+    validate(cfg);
+  } catch (const Error& err) {
+    DDM_FAIL(origin << ": " << err.what());
+  }
+  return cfg;
+}
+
+RunConfig load_config(const std::string& path, const std::vector<std::string>& overrides) {
+  std::ifstream f(path);
+  DDM_CHECK(f, "cannot read config file '" << path << "': " << std::strerror(errno));
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return parse_config(ss.str(), path, overrides);
+}
+
+void validate(const RunConfig& c) {
+  check_choice("data.source", c.data.source, {"fashion-mnist", "folder", "safetensors"});
+  check_choice("data.split", c.data.split, {"train", "test"});
+  DDM_CHECK(c.data.limit >= 0, "data.limit must be >= 0 (0 = all), got " << c.data.limit);
+
+  const ModelConfig& m = c.model;
+  check_choice("model.arch", m.arch, {"unet", "dit"});
+  DDM_CHECK(m.in_channels >= 0, "model.in_channels must be >= 0 (0 = from data), got " << m.in_channels);
+  DDM_CHECK(m.image_size >= 0, "model.image_size must be >= 0 (0 = from data), got " << m.image_size);
+  DDM_CHECK(m.num_classes >= -1, "model.num_classes must be >= -1 (-1 = from data), got " << m.num_classes);
+  DDM_CHECK(m.channels > 0, "model.channels must be > 0, got " << m.channels);
+  DDM_CHECK(!m.channel_mult.empty(), "model.channel_mult must have at least one level");
+  for (int64_t v : m.channel_mult) DDM_CHECK(v > 0, "model.channel_mult entries must be > 0, got " << v);
+  DDM_CHECK(m.res_blocks > 0, "model.res_blocks must be > 0, got " << m.res_blocks);
+  for (int64_t v : m.attn_levels)
+    DDM_CHECK(v >= 0 && v < static_cast<int64_t>(m.channel_mult.size()),
+              "model.attn_levels entry " << v << " is not a level index 0.." << m.channel_mult.size() - 1);
+  DDM_CHECK(m.groups > 0, "model.groups must be > 0, got " << m.groups);
+  DDM_CHECK(m.patch > 0, "model.patch must be > 0, got " << m.patch);
+  DDM_CHECK(m.width > 0, "model.width must be > 0, got " << m.width);
+  DDM_CHECK(m.depth > 0, "model.depth must be > 0, got " << m.depth);
+  DDM_CHECK(m.heads > 0, "model.heads must be > 0, got " << m.heads);
+  DDM_CHECK(m.mlp_ratio > 0, "model.mlp_ratio must be > 0, got " << m.mlp_ratio);
+
+  const DiffusionConfig& d = c.diffusion;
+  check_choice("diffusion.objective", d.objective, {"flow", "eps", "v"});
+  check_choice("diffusion.schedule", d.schedule, {"linear", "cosine"});
+  check_choice("diffusion.time_dist", d.time_dist, {"uniform", "logit-normal"});
+  DDM_CHECK(d.logit_std > 0, "diffusion.logit_std must be > 0, got " << d.logit_std);
+
+  const TrainConfig& t = c.train;
+  DDM_CHECK(t.steps > 0, "train.steps must be > 0, got " << t.steps);
+  DDM_CHECK(t.batch_size > 0, "train.batch_size must be > 0, got " << t.batch_size);
+  DDM_CHECK(t.lr > 0, "train.lr must be > 0, got " << t.lr);
+  check_choice("train.lr_schedule", t.lr_schedule, {"constant", "cosine"});
+  DDM_CHECK(t.warmup >= 0, "train.warmup must be >= 0, got " << t.warmup);
+  DDM_CHECK(t.weight_decay >= 0, "train.weight_decay must be >= 0, got " << t.weight_decay);
+  DDM_CHECK(t.beta1 >= 0 && t.beta1 < 1, "train.beta1 must be in [0, 1), got " << t.beta1);
+  DDM_CHECK(t.beta2 >= 0 && t.beta2 < 1, "train.beta2 must be in [0, 1), got " << t.beta2);
+  DDM_CHECK(t.adam_eps > 0, "train.adam_eps must be > 0, got " << t.adam_eps);
+  DDM_CHECK(t.grad_clip >= 0, "train.grad_clip must be >= 0 (0 = off), got " << t.grad_clip);
+  DDM_CHECK(t.ema_decay >= 0 && t.ema_decay < 1, "train.ema_decay must be in [0, 1), got " << t.ema_decay);
+  DDM_CHECK(t.label_dropout >= 0 && t.label_dropout <= 1,
+            "train.label_dropout must be in [0, 1], got " << t.label_dropout);
+  DDM_CHECK(t.seed >= 0, "train.seed must be >= 0, got " << t.seed);
+  DDM_CHECK(t.threads >= 0, "train.threads must be >= 0 (0 = all cores), got " << t.threads);
+  DDM_CHECK(t.log_every > 0, "train.log_every must be > 0, got " << t.log_every);
+  DDM_CHECK(t.ckpt_every > 0, "train.ckpt_every must be > 0, got " << t.ckpt_every);
+  DDM_CHECK(t.keep_ckpts > 0, "train.keep_ckpts must be > 0, got " << t.keep_ckpts);
+
+  const SampleConfig& s = c.sample;
+  check_choice("sample.sampler", s.sampler, {"euler", "heun", "ddim", "ddpm"});
+  DDM_CHECK(s.steps > 0, "sample.steps must be > 0, got " << s.steps);
+  DDM_CHECK(s.cfg >= 0, "sample.cfg must be >= 0 (1 = no guidance), got " << s.cfg);
+  DDM_CHECK(s.n > 0, "sample.n must be > 0, got " << s.n);
+}
+
+std::string to_toml(const RunConfig& cfg) {
+  RunConfig copy = cfg;
+  std::vector<Field> fs = fields(copy);
+  toml::table root;
+  for (const Field& f : fs) {
+    const std::string section = f.key.substr(0, f.key.find('.'));
+    if (!root.contains(section)) root.insert(section, toml::table{});
+    f.dump(*root.get_as<toml::table>(section));
+  }
+  std::ostringstream os;
+  os << root << "\n";
+  return os.str();
+}
+
+}  // namespace ddm

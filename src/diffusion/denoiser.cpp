@@ -1,0 +1,85 @@
+// Denoiser: converts any prediction type to x0 / eps / velocity estimates, with CFG.
+#include "diffusion/denoiser.h"
+
+#include "core/error.h"
+
+namespace ddm {
+namespace {
+torch::Tensor col(const torch::Tensor& v) { return v.view({-1, 1, 1, 1}); }
+}  // namespace
+
+Prediction prediction_for(const DiffusionConfig& cfg) {
+  if (cfg.objective == "flow") return Prediction::kVelocity;
+  if (cfg.objective == "eps") return Prediction::kEps;
+  if (cfg.objective == "v") return Prediction::kV;
+  DDM_FAIL("diffusion.objective = \"" << cfg.objective << "\" is not one of: flow, eps, v");
+}
+
+std::string prediction_name(Prediction p) {
+  switch (p) {
+    case Prediction::kVelocity: return "velocity";
+    case Prediction::kEps: return "eps";
+    case Prediction::kV: return "v";
+  }
+  return "?";
+}
+
+Scalings scalings(const NoisePath& path, Prediction pred, const torch::Tensor& t) {
+  auto a = col(path.alpha(t)), s = col(path.sigma(t));
+  switch (pred) {
+    case Prediction::kVelocity: {
+      // Solve x = a x0 + s eps, F = da x0 + ds eps for (x0, eps); det = a ds - s da.
+      auto da = col(path.dalpha(t)), ds = col(path.dsigma(t));
+      auto det = a * ds - s * da;
+      return {ds / det, -s / det, -da / det, a / det};
+    }
+    case Prediction::kEps:
+      // x0 = (x - s F) / a, eps = F.
+      return {1.0 / a, -s / a, torch::zeros_like(a), torch::ones_like(a)};
+    case Prediction::kV:
+      // VP (a^2 + s^2 = 1), v = a eps - s x0: x0 = a x - s F, eps = s x + a F.
+      return {a, -s, s, a};
+  }
+  DDM_FAIL("unknown prediction type");
+}
+
+torch::Tensor training_target(const NoisePath& path, Prediction pred, const torch::Tensor& x0,
+                              const torch::Tensor& eps, const torch::Tensor& t) {
+  switch (pred) {
+    case Prediction::kVelocity: return col(path.dalpha(t)) * x0 + col(path.dsigma(t)) * eps;
+    case Prediction::kEps: return eps;
+    case Prediction::kV: return col(path.alpha(t)) * eps - col(path.sigma(t)) * x0;
+  }
+  DDM_FAIL("unknown prediction type");
+}
+
+Denoiser::Denoiser(Net net, NoisePath path, Prediction pred, int64_t num_classes)
+    : net_(std::move(net)), path_(path), pred_(pred), num_classes_(num_classes) {}
+
+torch::Tensor Denoiser::raw(const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& y, double w) const {
+  ++nfe_;
+  const int64_t b = x.size(0);
+  auto null = torch::full({b}, num_classes_, torch::kLong);
+  if (num_classes_ == 0 || w == 1.0) return net_->forward(x, t, num_classes_ == 0 ? null : y);  // [B,C,H,W]
+  if (w == 0.0) return net_->forward(x, t, null);                                               // [B,C,H,W]
+  // Conditional and unconditional branches in one batch of 2B.
+  auto out = net_->forward(torch::cat({x, x}), torch::cat({t, t}), torch::cat({y, null}));  // [2B,C,H,W]
+  auto cond = out.narrow(0, 0, b), uncond = out.narrow(0, b, b);                            // [B,C,H,W]
+  return uncond + w * (cond - uncond);                                                       // [B,C,H,W]
+}
+
+Denoiser::Estimate Denoiser::estimate(const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& y,
+                                      double w) const {
+  auto f = raw(x, t, y, w);               // [B,C,H,W]
+  auto sc = scalings(path_, pred_, t);    // each [B,1,1,1]
+  return {sc.c_skip * x + sc.c_out * f,   // x0_hat [B,C,H,W]
+          sc.e_skip * x + sc.e_out * f};  // eps_hat [B,C,H,W]
+}
+
+torch::Tensor Denoiser::velocity(const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& y,
+                                 double w) const {
+  auto e = estimate(x, t, y, w);
+  return col(path_.dalpha(t)) * e.x0 + col(path_.dsigma(t)) * e.eps;  // [B,C,H,W]
+}
+
+}  // namespace ddm

@@ -1,0 +1,62 @@
+// Denoiser: the one interface between a trained network and every sampler (and, later, the expert
+// ensemble). Whatever the network was trained to predict (flow velocity, eps or v), the Denoiser
+// returns the data estimate x0_hat and noise estimate eps_hat, both affine in the raw output F:
+//   x0_hat  = c_skip * x + c_out * F,     eps_hat = e_skip * x + e_out * F
+//   velocity dx/dt = dalpha(t) * x0_hat + dsigma(t) * eps_hat
+// Classifier-free guidance is applied to F (equivalently to x0_hat / eps_hat, which are affine in F).
+#pragma once
+#include <functional>
+#include <string>
+
+#include <torch/types.h>
+
+#include "diffusion/path.h"
+#include "model/net.h"
+
+namespace ddm {
+
+enum class Prediction { kVelocity, kEps, kV };
+Prediction prediction_for(const DiffusionConfig& cfg);  // flow -> velocity, eps -> eps, v -> v
+std::string prediction_name(Prediction p);
+
+struct Scalings {
+  torch::Tensor c_skip, c_out, e_skip, e_out;  // each [B, 1, 1, 1]
+};
+// Scalings for a prediction type on a path at times t [B].
+Scalings scalings(const NoisePath& path, Prediction pred, const torch::Tensor& t);
+
+// The training target for the raw network output, given x0, eps and t [B]:
+// velocity: dalpha x0 + dsigma eps (= eps - x0 for flow); eps: eps; v: alpha eps - sigma x0.
+torch::Tensor training_target(const NoisePath& path, Prediction pred, const torch::Tensor& x0,
+                              const torch::Tensor& eps, const torch::Tensor& t);
+
+class Denoiser {
+ public:
+  // num_classes: the null class index used for the unconditional branch (0 = unconditional model).
+  Denoiser(Net net, NoisePath path, Prediction pred, int64_t num_classes);
+
+  struct Estimate {
+    torch::Tensor x0;   // [B, C, H, W]
+    torch::Tensor eps;  // [B, C, H, W]
+  };
+  // x [B,C,H,W] at times t [B]; y int64 [B]; guidance scale w (1 = conditional only, 0 =
+  // unconditional only). Counts one network evaluation (NFE) per call, whatever the batch.
+  Estimate estimate(const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& y, double w) const;
+  // The probability-flow velocity dx/dt at (x, t).
+  torch::Tensor velocity(const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& y, double w) const;
+
+  const NoisePath& path() const { return path_; }
+  int64_t num_classes() const { return num_classes_; }
+  int64_t nfe() const { return nfe_; }
+  void reset_nfe() { nfe_ = 0; }
+
+ private:
+  torch::Tensor raw(const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& y, double w) const;
+  Net net_;
+  NoisePath path_;
+  Prediction pred_;
+  int64_t num_classes_;
+  mutable int64_t nfe_ = 0;
+};
+
+}  // namespace ddm

@@ -1,0 +1,36 @@
+// Generating many samples from a Denoiser in batches: the noise of sample i depends only on
+// (seed, i), so results do not depend on the batch size; labels cycle through the classes (or
+// are all one class), so a grid shows one class per row.
+#pragma once
+#include <cstdint>
+#include <functional>
+
+#include <torch/types.h>
+
+#include "diffusion/sampler.h"
+
+namespace ddm {
+
+struct GenerateOptions {
+  int64_t n = 100;
+  SampleOptions sample;
+  int64_t class_id = -1;     // -1: sample i gets class (i / per_class) so rows are classes
+  int64_t per_class = 10;    // samples of each class in a row when class_id == -1
+  int64_t batch_size = 250;
+  uint64_t seed = 0;
+  std::function<void(int64_t done, int64_t total)> on_progress;
+};
+
+struct Generated {
+  torch::Tensor images;  // float [N, C, H, W] in [-1, 1] (clamped)
+  torch::Tensor labels;  // int64 [N] (num_classes = unconditional)
+  int64_t nfe = 0;       // network evaluations per sample
+  double seconds = 0;
+};
+
+// Labels for n samples as described in GenerateOptions.
+torch::Tensor sample_labels(int64_t n, int64_t num_classes, int64_t class_id, int64_t per_class);
+
+Generated generate(const Denoiser& den, int64_t channels, int64_t size, const GenerateOptions& opt);
+
+}  // namespace ddm

@@ -1,0 +1,18 @@
+// PNG image grids with optional row labels (class names), written atomically.
+#pragma once
+#include <string>
+#include <vector>
+
+#include <torch/types.h>
+
+namespace ddm {
+
+// images: float [N, C, H, W] in [-1, 1] (C = 1 or 3), laid out row-major with `cols` per row.
+// row_labels (optional) are drawn in a left margin, one per row. Each pixel is scaled `scale` x.
+void save_image_grid(const std::string& path, const torch::Tensor& images, int64_t cols,
+                     const std::vector<std::string>& row_labels = {}, int scale = 2);
+
+// Encodes an RGB uint8 image [H, W, 3] as PNG bytes.
+std::string encode_png(const torch::Tensor& rgb_u8);
+
+}  // namespace ddm

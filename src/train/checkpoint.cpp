@@ -1,0 +1,129 @@
+// Atomic, checksummed checkpoint directories (see checkpoint.h).
+#include "train/checkpoint.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <filesystem>
+
+#include "core/error.h"
+#include "core/fileio.h"
+#include "core/safetensors.h"
+
+namespace fs = std::filesystem;
+
+namespace ddm {
+namespace {
+constexpr const char* kFormat = "ddm-checkpoint-1";
+
+std::string step_name(int64_t step) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "step-%08lld", static_cast<long long>(step));
+  return buf;
+}
+
+bool is_step_dir(const fs::path& p) {
+  const std::string n = p.filename().string();
+  return n.size() == 13 && n.rfind("step-", 0) == 0 &&
+         std::all_of(n.begin() + 5, n.end(), [](char c) { return c >= '0' && c <= '9'; });
+}
+}  // namespace
+
+std::vector<std::string> list_checkpoints(const std::string& run_dir) {
+  std::vector<std::string> out;
+  const fs::path dir = fs::path(run_dir) / "ckpt";
+  std::error_code ec;
+  if (!fs::is_directory(dir, ec)) return out;
+  for (const auto& e : fs::directory_iterator(dir))
+    if (e.is_directory() && is_step_dir(e.path())) out.push_back(e.path().string());
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+std::optional<std::string> latest_checkpoint(const std::string& run_dir) {
+  auto all = list_checkpoints(run_dir);
+  if (all.empty()) return std::nullopt;
+  return all.back();
+}
+
+std::string write_checkpoint(const std::string& run_dir, const Checkpoint& ckpt, int64_t keep) {
+  const fs::path ckdir = fs::path(run_dir) / "ckpt";
+  fs::create_directories(ckdir);
+  const fs::path final_dir = ckdir / step_name(ckpt.step);
+  const fs::path tmp_dir = ckdir / (".tmp-" + step_name(ckpt.step));
+  std::error_code ec;
+  fs::remove_all(tmp_dir, ec);
+  fs::create_directories(tmp_dir);
+
+  nlohmann::json state = ckpt.state;
+  state["format"] = kFormat;
+  state["step"] = ckpt.step;
+  state["config"] = ckpt.config_toml;
+  const std::pair<const char*, const TensorMap*> parts[] = {
+      {"model.safetensors", &ckpt.model}, {"ema.safetensors", &ckpt.ema}, {"optim.safetensors", &ckpt.optim}};
+  for (const auto& [name, tensors] : parts) {
+    SafetensorsFile f;
+    f.tensors = *tensors;
+    f.metadata["format"] = kFormat;
+    f.metadata["step"] = std::to_string(ckpt.step);
+    const std::string bytes = safetensors_bytes(f);
+    write_file_atomic((tmp_dir / name).string(), bytes);
+    state["sha256"][name] = sha256_hex(bytes);
+  }
+  write_file_atomic((tmp_dir / "state.json").string(), state.dump(2) + "\n");
+  fsync_dir(tmp_dir.string());
+  fs::remove_all(final_dir, ec);  // a re-written step (after a resume) replaces the old one
+  fs::rename(tmp_dir, final_dir);
+  fsync_dir(ckdir.string());
+
+  auto all = list_checkpoints(run_dir);
+  for (size_t i = 0; i + keep < all.size(); ++i) fs::remove_all(all[i], ec);
+  return final_dir.string();
+}
+
+Checkpoint read_checkpoint(const std::string& ckpt_dir, bool weights_only) {
+  const fs::path dir(ckpt_dir);
+  const std::string state_path = (dir / "state.json").string();
+  DDM_CHECK(fs::is_regular_file(state_path),
+            "'" << ckpt_dir << "' is not a ddm checkpoint: " << state_path << " is missing");
+  nlohmann::json state;
+  try {
+    state = nlohmann::json::parse(read_file(state_path));
+  } catch (const nlohmann::json::exception& e) {
+    DDM_FAIL(state_path << " is not valid JSON (" << e.what() << "); the checkpoint is damaged: "
+                        << "delete " << ckpt_dir << " to fall back to the previous one");
+  }
+  DDM_CHECK(state.value("format", "") == kFormat,
+            state_path << ": unknown checkpoint format '" << state.value("format", "") << "' (expected " << kFormat << ")");
+  Checkpoint ck;
+  ck.step = state.at("step").get<int64_t>();
+  ck.config_toml = state.at("config").get<std::string>();
+  for (const char* name : {"model.safetensors", "ema.safetensors", "optim.safetensors"}) {
+    if (weights_only && std::string(name) == "optim.safetensors") continue;
+    const std::string path = (dir / name).string();
+    const std::string bytes = read_file(path);
+    const std::string want = state["sha256"].value(name, "");
+    const std::string got = sha256_hex(bytes);
+    DDM_CHECK(got == want, path << ": checksum mismatch (sha256 " << got << ", state.json says " << want
+                                << "); the checkpoint is damaged: delete " << ckpt_dir
+                                << " to resume from the previous checkpoint");
+    auto f = parse_safetensors(bytes, path);
+    TensorMap& dst = std::string(name) == "model.safetensors" ? ck.model
+                     : std::string(name) == "ema.safetensors" ? ck.ema
+                                                               : ck.optim;
+    dst = std::move(f.tensors);
+  }
+  state.erase("config");
+  ck.state = std::move(state);
+  return ck;
+}
+
+std::string resolve_checkpoint(const std::string& path) {
+  DDM_CHECK(fs::exists(path), "checkpoint path '" << path << "' does not exist");
+  if (fs::is_regular_file(fs::path(path) / "state.json")) return path;
+  auto latest = latest_checkpoint(path);
+  DDM_CHECK(latest, "'" << path << "' holds no checkpoint (expected " << path
+                        << "/ckpt/step-XXXXXXXX/ or a checkpoint directory); train first with ddm train");
+  return *latest;
+}
+
+}  // namespace ddm

@@ -1,0 +1,137 @@
+// FlatAdamW and module state helpers (see optimizer.h).
+#include "train/optimizer.h"
+
+#include <cmath>
+
+#include "core/error.h"
+
+namespace ddm {
+namespace {
+std::string shape_str(at::IntArrayRef s) {
+  std::string out = "[";
+  for (size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
+  return out + "]";
+}
+}  // namespace
+
+FlatAdamW::FlatAdamW(torch::nn::Module& module, AdamWOptions opt) : opt_(opt) {
+  auto params = module.named_parameters(/*recurse=*/true);
+  int64_t total = 0;
+  for (const auto& p : params) {
+    if (!p.value().requires_grad()) continue;
+    names_.push_back(p.key());
+    shapes_.push_back(p.value().sizes().vec());
+    offsets_.push_back(total);
+    total += p.value().numel();
+  }
+  DDM_CHECK(total > 0, "the model has no trainable parameters");
+  data_ = torch::empty({total}, torch::kFloat);
+  grad_ = torch::zeros({total}, torch::kFloat);
+  torch::NoGradGuard no_grad;
+  size_t i = 0;
+  for (const auto& p : params) {
+    if (!p.value().requires_grad()) continue;
+    torch::Tensor param = p.value();
+    auto slot = data_.narrow(0, offsets_[i], param.numel()).view(param.sizes());
+    slot.copy_(param);
+    param.set_data(slot);
+    // Autograd accumulates into an existing .grad in place, so gradients land in grad_.
+    param.mutable_grad() = grad_.narrow(0, offsets_[i], param.numel()).view(param.sizes());
+    ++i;
+  }
+  ema_ = data_.clone();
+  exp_avg_ = torch::zeros_like(data_);
+  exp_avg_sq_ = torch::zeros_like(data_);
+}
+
+double FlatAdamW::grad_norm() const { return grad_.norm().item<double>(); }
+
+double FlatAdamW::clip_grad_norm(double max_norm) {
+  const double norm = grad_norm();
+  if (max_norm > 0 && std::isfinite(norm) && norm > max_norm) grad_.mul_(max_norm / (norm + 1e-6));
+  return norm;
+}
+
+void FlatAdamW::step(double lr) {
+  torch::NoGradGuard no_grad;
+  ++step_;
+  if (opt_.weight_decay > 0) data_.mul_(1.0 - lr * opt_.weight_decay);
+  exp_avg_.mul_(opt_.beta1).add_(grad_, 1.0 - opt_.beta1);
+  exp_avg_sq_.mul_(opt_.beta2).addcmul_(grad_, grad_, 1.0 - opt_.beta2);
+  const double bc1 = 1.0 - std::pow(opt_.beta1, static_cast<double>(step_));
+  const double bc2 = 1.0 - std::pow(opt_.beta2, static_cast<double>(step_));
+  auto denom = (exp_avg_sq_.sqrt() / std::sqrt(bc2)).add_(opt_.eps);
+  data_.addcdiv_(exp_avg_, denom, -lr / bc1);
+}
+
+void FlatAdamW::ema_update(double decay) {
+  torch::NoGradGuard no_grad;
+  ema_.mul_(decay).add_(data_, 1.0 - decay);
+}
+
+TensorMap FlatAdamW::views(const torch::Tensor& flat) const {
+  TensorMap out;
+  for (size_t i = 0; i < names_.size(); ++i) {
+    int64_t n = 1;
+    for (int64_t d : shapes_[i]) n *= d;
+    out[names_[i]] = flat.narrow(0, offsets_[i], n).view(shapes_[i]);
+  }
+  return out;
+}
+
+TensorMap FlatAdamW::optimizer_state() const { return {{"exp_avg", exp_avg_}, {"exp_avg_sq", exp_avg_sq_}}; }
+
+void FlatAdamW::load(const TensorMap& params, const TensorMap& ema, const TensorMap& optim_state, int64_t step,
+                     const std::string& origin) {
+  torch::NoGradGuard no_grad;
+  auto copy_into = [&](const torch::Tensor& flat, const TensorMap& src, const char* what) {
+    auto dst = views(flat);
+    for (const auto& [name, t] : dst) {
+      auto it = src.find(name);
+      DDM_CHECK(it != src.end(), origin << ": " << what << " has no tensor '" << name
+                                        << "': the checkpoint belongs to a different model (check model.preset)");
+      DDM_CHECK(it->second.sizes() == t.sizes(),
+                origin << ": " << what << " tensor '" << name << "' has shape " << shape_str(it->second.sizes())
+                       << " but the model expects " << shape_str(t.sizes())
+                       << ": the checkpoint belongs to a different model shape");
+      t.copy_(it->second);
+    }
+  };
+  copy_into(data_, params, "model.safetensors");
+  copy_into(ema_, ema, "ema.safetensors");
+  for (const char* k : {"exp_avg", "exp_avg_sq"}) {
+    auto it = optim_state.find(k);
+    DDM_CHECK(it != optim_state.end() && it->second.numel() == data_.numel(),
+              origin << ": optim.safetensors '" << k << "' is missing or has the wrong size");
+  }
+  exp_avg_.copy_(optim_state.at("exp_avg").view({-1}));
+  exp_avg_sq_.copy_(optim_state.at("exp_avg_sq").view({-1}));
+  step_ = step;
+}
+
+void load_module_state(torch::nn::Module& module, const TensorMap& tensors, const std::string& origin) {
+  torch::NoGradGuard no_grad;
+  auto load_one = [&](const std::string& name, torch::Tensor& dst) {
+    auto it = tensors.find(name);
+    DDM_CHECK(it != tensors.end(), origin << " has no tensor '" << name
+                                          << "': it belongs to a different model (check model.preset)");
+    DDM_CHECK(it->second.sizes() == dst.sizes(),
+              origin << ": tensor '" << name << "' has shape " << shape_str(it->second.sizes())
+                     << " but the model expects " << shape_str(dst.sizes())
+                     << ": the checkpoint belongs to a different model shape");
+    dst.copy_(it->second);
+  };
+  for (auto& p : module.named_parameters(true)) load_one(p.key(), p.value());
+  for (auto& b : module.named_buffers(true)) {
+    if (tensors.count(b.key())) load_one(b.key(), b.value());
+  }
+}
+
+TensorMap module_state(const torch::nn::Module& module) {
+  TensorMap out;
+  for (const auto& p : module.named_parameters(true)) out[p.key()] = p.value().detach().contiguous();
+  for (const auto& b : module.named_buffers(true)) out[b.key()] = b.value().detach().contiguous();
+  return out;
+}
+
+}  // namespace ddm

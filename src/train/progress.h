@@ -1,0 +1,48 @@
+// Training progress: a live status line on a terminal (step, loss, img/s, ETA), plain periodic
+// lines otherwise, and metrics as JSON lines (one record per logging interval).
+#pragma once
+#include <chrono>
+#include <cstdint>
+#include <fstream>
+#include <string>
+
+namespace ddm {
+
+std::string format_duration(double seconds);  // "1h02m", "3m05s", "12s"
+
+class Progress {
+ public:
+  Progress(int64_t first_step, int64_t total_steps, bool quiet);
+  // Called after every step with its loss; prints as appropriate. img_per_s over the interval.
+  void step(int64_t step, double loss, double lr, double grad_norm, int64_t batch_size);
+  // Finishes the live line (if any).
+  void finish();
+  bool tty() const { return tty_; }
+  // Mean loss over the last completed interval, img/s, for the metrics record.
+  bool interval_done(int64_t log_every, int64_t step) const { return step % log_every == 0; }
+
+  double interval_loss() const { return interval_n_ ? interval_sum_ / interval_n_ : 0.0; }
+  double interval_img_per_s() const;
+  void reset_interval();
+
+ private:
+  using Clock = std::chrono::steady_clock;
+  int64_t first_step_, total_;
+  bool quiet_, tty_;
+  Clock::time_point start_, interval_start_, last_draw_;
+  double interval_sum_ = 0.0;
+  int64_t interval_n_ = 0, interval_images_ = 0, images_ = 0;
+  double last_loss_ = 0.0;
+};
+
+// Appends JSON lines; on resume, first drops records with step > resume_step.
+class MetricsLog {
+ public:
+  MetricsLog(const std::string& path, int64_t resume_step);
+  void write(const std::string& json_line);
+
+ private:
+  std::ofstream out_;
+};
+
+}  // namespace ddm

@@ -1,0 +1,286 @@
+// The training loop (see trainer.h).
+#include "train/trainer.h"
+
+#include <atomic>
+#include <cmath>
+#include <csignal>
+#include <filesystem>
+#include <iostream>
+#include <sstream>
+#include <thread>
+
+#include <nlohmann/json.hpp>
+
+#include "core/error.h"
+#include "core/fileio.h"
+#include "core/rng.h"
+#include "diffusion/path.h"
+#include "train/checkpoint.h"
+#include "train/optimizer.h"
+#include "train/progress.h"
+
+namespace fs = std::filesystem;
+
+namespace ddm {
+namespace {
+
+std::atomic<int> g_signal{0};
+void on_signal(int sig) { g_signal = sig; }
+
+double lr_at(const TrainConfig& t, int64_t step) {  // step is 0-based
+  double lr = t.lr;
+  if (t.warmup > 0 && step < t.warmup) return lr * static_cast<double>(step + 1) / t.warmup;
+  if (t.lr_schedule == "cosine") {
+    const double p = static_cast<double>(step - t.warmup) / std::max<int64_t>(1, t.steps - t.warmup);
+    lr *= 0.5 * (1.0 + std::cos(3.14159265358979323846 * std::min(1.0, p)));
+  }
+  return lr;
+}
+
+// Keys that may differ between a run and its resumption.
+RunConfig normalized_for_resume(RunConfig c) {
+  RunConfig d;
+  c.train.steps = d.train.steps;
+  c.train.log_every = d.train.log_every;
+  c.train.ckpt_every = d.train.ckpt_every;
+  c.train.keep_ckpts = d.train.keep_ckpts;
+  c.train.threads = d.train.threads;
+  c.sample = d.sample;
+  return c;
+}
+
+std::string first_difference(const std::string& a, const std::string& b) {
+  std::istringstream sa(a), sb(b);
+  std::string la, lb, section;
+  while (true) {
+    const bool ga = static_cast<bool>(std::getline(sa, la)), gb = static_cast<bool>(std::getline(sb, lb));
+    if (!ga && !gb) return "";
+    if (ga && !la.empty() && la[0] == '[') section = la;
+    if (la != lb) return section + " " + la + "  (stored run)  vs  " + lb + "  (now)";
+  }
+}
+
+void prepare_run_dir(const TrainOptions& opt, const RunConfig& cfg) {
+  const fs::path dir(opt.out_dir);
+  const fs::path cfg_path = dir / "config.toml";
+  if (fs::exists(cfg_path)) {
+    if (opt.resume) {
+      const RunConfig stored = load_config(cfg_path.string());
+      const std::string diff =
+          first_difference(to_toml(normalized_for_resume(stored)), to_toml(normalized_for_resume(cfg)));
+      DDM_CHECK(diff.empty(), "--resume: the config differs from the run stored in " << opt.out_dir << ": " << diff
+                                  << ". Only train.steps, log_every, ckpt_every, keep_ckpts, threads and sample.* may "
+                                     "change on resume; use a new --out or --force to start over");
+      return;
+    }
+    DDM_CHECK(opt.force, "'" << opt.out_dir << "' already holds a run (" << cfg_path.string()
+                             << "); use --resume to continue it, --force to overwrite it, or another --out");
+    std::error_code ec;
+    for (const char* name : {"ckpt", "metrics.jsonl", "config.toml", "samples.png", "train.log"})
+      fs::remove_all(dir / name, ec);
+  } else if (fs::exists(dir) && !fs::is_empty(dir) && !opt.force) {
+    DDM_FAIL("'" << opt.out_dir << "' is not empty and holds no ddm run; use another --out or --force");
+  }
+  fs::create_directories(dir);
+}
+
+}  // namespace
+
+int set_threads(int64_t threads) {
+  int n = threads > 0 ? static_cast<int>(threads) : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  torch::set_num_threads(n);
+  return n;
+}
+
+void resolve_data_shape(RunConfig& cfg, const Dataset& data) {
+  ModelConfig& m = cfg.model;
+  const int64_t c = data.images.size(1), h = data.images.size(2), w = data.images.size(3);
+  DDM_CHECK(h == w, "images must be square, got " << h << "x" << w << " from " << data.description);
+  DDM_CHECK(m.in_channels == 0 || m.in_channels == c,
+            "model.in_channels = " << m.in_channels << " but the data has " << c << " channels; remove the key");
+  DDM_CHECK(m.image_size == 0 || m.image_size == h,
+            "model.image_size = " << m.image_size << " but the data is " << h << "x" << w << "; remove the key");
+  DDM_CHECK(m.num_classes == -1 || m.num_classes == 0 || m.num_classes == data.num_classes,
+            "model.num_classes = " << m.num_classes << " but the data has " << data.num_classes
+                                   << " classes; use -1 (from data) or 0 (unconditional)");
+  m.in_channels = c;
+  m.image_size = h;
+  if (m.num_classes == -1) m.num_classes = data.num_classes;
+}
+
+TrainSummary train(RunConfig cfg, const TrainOptions& opt) {
+  DDM_CHECK(!opt.out_dir.empty(), "an output directory is required (--out DIR)");
+  validate(cfg);
+  const int threads = set_threads(cfg.train.threads);
+  const TrainConfig& tc = cfg.train;
+
+  Dataset data = load_dataset(cfg.data);
+  resolve_data_shape(cfg, data);
+  DDM_CHECK(data.images.size(0) > 0, "the dataset " << data.description << " is empty");
+
+  const std::string config_text = to_toml(cfg);
+  prepare_run_dir(opt, cfg);
+  const fs::path dir(opt.out_dir);
+  write_file_atomic((dir / "config.toml").string(), config_text);
+
+  const uint64_t seed = static_cast<uint64_t>(tc.seed);
+  torch::manual_seed(derive_seed({seed, static_cast<uint64_t>(RngPurpose::kInit)}));
+  Net net = make_net(cfg.model);
+  net->train();
+  FlatAdamW optim(*net, {tc.beta1, tc.beta2, tc.adam_eps, tc.weight_decay});
+  BatchLoader loader(data, tc.batch_size, derive_seed({seed, static_cast<uint64_t>(RngPurpose::kDataOrder)}),
+                     cfg.data.hflip);
+  const NoisePath path = make_path(cfg.diffusion);
+  const Prediction pred = prediction_for(cfg.diffusion);
+  const int64_t num_classes = cfg.model.num_classes;
+
+  TrainSummary summary;
+  int64_t step = 0;
+  std::string last_ckpt = "none yet";
+  if (opt.resume) {
+    if (auto latest = latest_checkpoint(opt.out_dir)) {
+      Checkpoint ck = read_checkpoint(*latest);
+      load_module_state(*net, ck.model, *latest + "/model.safetensors");
+      optim.load(ck.model, ck.ema, ck.optim, ck.state.at("optimizer_step").get<int64_t>(), *latest);
+      loader.set_cursor({ck.state.at("data_cursor").at("epoch").get<int64_t>(),
+                         ck.state.at("data_cursor").at("index").get<int64_t>()});
+      step = ck.step;
+      last_ckpt = *latest;
+      if (!opt.quiet) std::cout << "resuming from " << *latest << " (step " << step << ")\n";
+    } else if (!opt.quiet) {
+      std::cout << "no checkpoint in " << opt.out_dir << ": starting from step 0\n";
+    }
+  }
+  summary.first_step = step;
+
+  if (!opt.quiet) {
+    std::cout << "data:  " << data.description << "\n"
+              << "model: " << cfg.model.preset << " (" << cfg.model.arch << "), " << count_params(*net)
+              << " parameters, " << forward_flops_per_image(cfg.model) / 1e6 << " MFLOP/image forward\n"
+              << "diffusion: " << cfg.diffusion.objective << " on path " << path.name() << ", t "
+              << cfg.diffusion.time_dist << "\n"
+              << "train: " << tc.steps << " steps, batch " << tc.batch_size << ", lr " << tc.lr << ", "
+              << threads << " threads, seed " << tc.seed << "\n"
+              << "out:   " << opt.out_dir << std::endl;
+  }
+
+  auto save = [&](int64_t at_step) {
+    Checkpoint ck;
+    ck.step = at_step;
+    ck.config_toml = config_text;
+    ck.model = module_state(*net);
+    ck.ema = optim.named_ema();
+    ck.optim = optim.optimizer_state();
+    const auto cur = loader.cursor();
+    ck.state["optimizer_step"] = optim.step_count();
+    ck.state["data_cursor"] = {{"epoch", cur.epoch}, {"index", cur.index}};
+    ck.state["rng"] = {{"seed", tc.seed},
+                       {"scheme", "every draw uses a generator seeded from (seed, purpose, step): nothing else to save"}};
+    ck.state["class_names"] = data.class_names;
+    ck.state["threads"] = threads;
+    last_ckpt = write_checkpoint(opt.out_dir, ck, tc.keep_ckpts);
+    return last_ckpt;
+  };
+
+  MetricsLog metrics((dir / "metrics.jsonl").string(), step);
+  Progress progress(step, tc.steps, opt.quiet);
+  g_signal = 0;
+  auto old_int = std::signal(SIGINT, on_signal);
+  auto old_term = std::signal(SIGTERM, on_signal);
+  struct RestoreSignals {
+    decltype(old_int) i, t;
+    ~RestoreSignals() {
+      std::signal(SIGINT, i);
+      std::signal(SIGTERM, t);
+    }
+  } restore{old_int, old_term};
+
+  while (step < tc.steps) {
+    const uint64_t s = static_cast<uint64_t>(step);
+    Batch batch = loader.next();
+    const int64_t b = batch.x.size(0);
+    auto gen_noise = make_generator(derive_seed({seed, static_cast<uint64_t>(RngPurpose::kNoise), s}));
+    auto gen_time = make_generator(derive_seed({seed, static_cast<uint64_t>(RngPurpose::kTime), s}));
+    auto gen_drop = make_generator(derive_seed({seed, static_cast<uint64_t>(RngPurpose::kLabelDrop), s}));
+    auto eps = torch::randn(batch.x.sizes(), gen_noise);  // [B,C,H,W]
+    auto t = sample_time(cfg.diffusion, b, gen_time);     // [B]
+    auto y = batch.y;                                     // [B]
+    if (num_classes == 0) {
+      y = torch::zeros({b}, torch::kLong);
+    } else if (tc.label_dropout > 0) {
+      auto drop = torch::rand({b}, gen_drop) < tc.label_dropout;  // [B] bool
+      y = torch::where(drop, torch::full_like(y, num_classes), y);
+    }
+    auto xt = path.alpha(t).view({-1, 1, 1, 1}) * batch.x + path.sigma(t).view({-1, 1, 1, 1}) * eps;  // [B,C,H,W]
+    auto target = training_target(path, pred, batch.x, eps, t);                                      // [B,C,H,W]
+
+    optim.zero_grad();
+    auto out = net->forward(xt, t, y);                    // [B,C,H,W]
+    auto loss = torch::mse_loss(out, target);             // []
+    const double loss_val = loss.item<double>();
+    DDM_CHECK(std::isfinite(loss_val),
+              "step " << step + 1 << ": the loss is " << loss_val << "; training stopped. The last good checkpoint ("
+                      << last_ckpt << ") is intact. Lower train.lr (now " << tc.lr
+                      << ") or set train.grad_clip, then --resume");
+    loss.backward();
+    const double gnorm = optim.clip_grad_norm(tc.grad_clip);
+    DDM_CHECK(std::isfinite(gnorm), "step " << step + 1 << ": the gradient norm is " << gnorm
+                                            << "; training stopped. The last good checkpoint (" << last_ckpt
+                                            << ") is intact. Lower train.lr or set train.grad_clip, then --resume");
+    const double lr = lr_at(tc, step);
+    optim.step(lr);
+    // EMA with the usual warm-up so short runs are not dominated by the initial weights.
+    const double decay = std::min(tc.ema_decay, (1.0 + optim.step_count()) / (10.0 + optim.step_count()));
+    optim.ema_update(decay);
+    ++step;
+
+    progress.step(step, loss_val, lr, gnorm, b);
+    if (step % tc.log_every == 0 || step == tc.steps) {
+      nlohmann::json rec = {{"step", step},          {"loss", progress.interval_loss()}, {"lr", lr},
+                            {"grad_norm", gnorm},    {"img_per_s", progress.interval_img_per_s()},
+                            {"epoch", loader.cursor().epoch}};
+      metrics.write(rec.dump());
+      if (!progress.tty() && !opt.quiet) {
+        std::printf("step %lld/%lld  loss %.4f  lr %.2e  |g| %.3f  %.0f img/s\n", static_cast<long long>(step),
+                    static_cast<long long>(tc.steps), progress.interval_loss(), lr, gnorm,
+                    progress.interval_img_per_s());
+        std::fflush(stdout);
+      }
+      summary.final_loss = progress.interval_loss();
+      progress.reset_interval();
+    }
+    if (step % tc.ckpt_every == 0 || step == tc.steps) save(step);
+    if (g_signal != 0) {
+      progress.finish();
+      if (step % tc.ckpt_every != 0 && step != tc.steps) save(step);
+      std::cout << "stopped by signal " << g_signal.load() << " at step " << step << "; checkpoint " << last_ckpt
+                << " written; continue with --resume" << std::endl;
+      summary.interrupted = true;
+      break;
+    }
+  }
+  progress.finish();
+  summary.last_step = step;
+  summary.checkpoint = last_ckpt;
+  return summary;
+}
+
+LoadedModel load_model(const std::string& path, bool use_ema) {
+  LoadedModel m;
+  m.checkpoint = resolve_checkpoint(path);
+  Checkpoint ck = read_checkpoint(m.checkpoint, /*weights_only=*/true);
+  m.cfg = parse_config(ck.config_toml, m.checkpoint + "/state.json (config)");
+  m.step = ck.step;
+  if (ck.state.contains("class_names")) m.class_names = ck.state["class_names"].get<std::vector<std::string>>();
+  m.net = make_net(m.cfg.model);
+  load_module_state(*m.net, ck.model, m.checkpoint + "/model.safetensors");
+  if (use_ema) load_module_state(*m.net, ck.ema, m.checkpoint + "/ema.safetensors");
+  m.net->eval();
+  return m;
+}
+
+Denoiser make_denoiser(const LoadedModel& m) {
+  return Denoiser(m.net, make_path(m.cfg.diffusion), prediction_for(m.cfg.diffusion), m.cfg.model.num_classes);
+}
+
+}  // namespace ddm

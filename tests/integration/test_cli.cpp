@@ -1,0 +1,96 @@
+// The ddm binary on bad input: each case exits non-zero with a message naming the file / key /
+// value, and leaves what was already written intact. Also --help for every subcommand.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+
+#include "train/checkpoint.h"
+#include "test_util.h"
+
+namespace fs = std::filesystem;
+using namespace ddm;
+
+namespace {
+const char* kTiny =
+    "[data]\nlimit = 64\n[model]\nchannels = 8\nchannel_mult = [1, 2]\ngroups = 4\n"
+    "[train]\nsteps = 3\nbatch_size = 8\nthreads = 1\nlog_every = 1\n";
+
+void expect_error(const test::CommandResult& r, const std::string& needle) {
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find(needle), std::string::npos) << "expected '" << needle << "' in:\n" << r.output;
+}
+}  // namespace
+
+TEST(Cli, HelpForEverySubcommand) {
+  for (const char* sub : {"", "train", "sample", "quickstart", "presets"}) {
+    auto r = test::run_ddm(std::string(sub) + " --help");
+    EXPECT_EQ(r.exit_code, 0) << sub << r.output;
+    EXPECT_NE(r.output.find("Usage"), std::string::npos) << r.output;
+  }
+  auto r = test::run_ddm("presets");
+  EXPECT_EQ(r.exit_code, 0);
+  EXPECT_NE(r.output.find("dit-tiny"), std::string::npos) << r.output;
+}
+
+TEST(Cli, BadConfigInputs) {
+  test::TempDir dir;
+  test::write_text(dir / "bad_key.toml", "[train]\nsteps = 3\nbatchsize = 4\n");
+  expect_error(test::run_ddm("train --config " + (dir / "bad_key.toml") + " --out " + (dir / "r")),
+               "unknown config key 'train.batchsize'");
+  test::write_text(dir / "bad_type.toml", "[train]\nsteps = \"ten\"\n");
+  expect_error(test::run_ddm("train --config " + (dir / "bad_type.toml") + " --out " + (dir / "r")),
+               "train.steps must be an integer");
+  test::write_text(dir / "tiny.toml", kTiny);
+  expect_error(test::run_ddm("train --config " + (dir / "tiny.toml") + " --set train.steps=-1 --out " + (dir / "r")),
+               "train.steps must be > 0, got -1");
+  expect_error(test::run_ddm("train --config " + (dir / "tiny.toml") + " --set train.batch_size=0 --out " + (dir / "r")),
+               "train.batch_size must be > 0");
+  expect_error(test::run_ddm("train --config " + (dir / "missing.toml") + " --out " + (dir / "r")), "missing.toml");
+  expect_error(test::run_ddm("train --config " + (dir / "tiny.toml") + " --set data.root=/nonexistent --out " +
+                             (dir / "r")),
+               "dataset-fashion-mnist");
+  EXPECT_FALSE(fs::exists(dir / "r/ckpt"));
+}
+
+TEST(Cli, RunDirectoryProtection) {
+  test::TempDir dir;
+  test::write_text(dir / "tiny.toml", kTiny);
+  const std::string base = "train --quiet --config " + (dir / "tiny.toml") + " --out " + (dir / "run");
+  ASSERT_EQ(test::run_ddm(base).exit_code, 0);
+  const std::string before = test::read_text(dir / "run/config.toml");
+  // A second run into the same directory is refused and changes nothing.
+  expect_error(test::run_ddm(base + " --set train.lr=0.1"), "already holds a run");
+  EXPECT_EQ(test::read_text(dir / "run/config.toml"), before);
+  // Resuming with a different model is refused.
+  expect_error(test::run_ddm(base + " --resume --set model.channels=16"), "config differs");
+  // Resuming with more steps continues; --force starts over.
+  auto more = test::run_ddm(base + " --resume --set train.steps=5");
+  EXPECT_EQ(more.exit_code, 0) << more.output;
+  EXPECT_TRUE(fs::exists(dir / "run/ckpt/step-00000005"));
+  EXPECT_EQ(test::run_ddm(base + " --force").exit_code, 0);
+  EXPECT_FALSE(fs::exists(dir / "run/ckpt/step-00000005"));
+  // A non-empty directory that is not a run.
+  fs::create_directories(dir / "other");
+  test::write_text(dir / "other/file.txt", "x");
+  expect_error(test::run_ddm("train --quiet --config " + (dir / "tiny.toml") + " --out " + (dir / "other")),
+               "holds no ddm run");
+}
+
+TEST(Cli, BadSampleInputs) {
+  test::TempDir dir;
+  test::write_text(dir / "tiny.toml", kTiny);
+  ASSERT_EQ(test::run_ddm("train --quiet --config " + (dir / "tiny.toml") + " --out " + (dir / "run")).exit_code, 0);
+  expect_error(test::run_ddm("sample --ckpt " + (dir / "nope")), "does not exist");
+  expect_error(test::run_ddm("sample --ckpt " + (dir / "run") + " --cfg -1"), "cfg");
+  expect_error(test::run_ddm("sample --ckpt " + (dir / "run") + " --steps 0"), "steps");
+  expect_error(test::run_ddm("sample --ckpt " + (dir / "run") + " --sampler magic"), "sampler");
+  expect_error(test::run_ddm("sample --ckpt " + (dir / "run") + " --class 11 --out " + (dir / "g.png")),
+               "out of range");
+  // Corrupt the weights of the only checkpoint: sampling refuses with a checksum message.
+  const std::string w = *latest_checkpoint(dir / "run") + "/ema.safetensors";
+  std::string bytes = test::read_text(w);
+  bytes[bytes.size() / 2] ^= 0x11;
+  test::write_text(w, bytes);
+  expect_error(test::run_ddm("sample --ckpt " + (dir / "run") + " --out " + (dir / "g.png")), "checksum mismatch");
+  EXPECT_FALSE(fs::exists(dir / "g.png"));
+}

@@ -1,0 +1,95 @@
+// Config parsing: defaults, presets with overrides, --set, unknown / ill-typed / out-of-range keys,
+// and the resolved config round trip.
+#include <gtest/gtest.h>
+
+#include "core/config.h"
+#include "core/error.h"
+#include "test_util.h"
+
+using namespace ddm;
+
+namespace {
+std::string error_of(const std::string& toml, const std::vector<std::string>& ov = {}) {
+  try {
+    parse_config(toml, "test.toml", ov);
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+}  // namespace
+
+TEST(Config, DefaultsAndPresetOverride) {
+  RunConfig c = parse_config("[model]\npreset = \"dit-tiny\"\ndepth = 7\n", "test.toml");
+  EXPECT_EQ(c.model.arch, "dit");
+  EXPECT_EQ(c.model.depth, 7);  // the explicit key wins over the preset
+  EXPECT_EQ(c.train.batch_size, 128);
+}
+
+TEST(Config, SetOverridesWinAndBareWordsAreStrings) {
+  RunConfig c = parse_config("[train]\nsteps = 10\n", "test.toml",
+                             {"train.steps=20", "model.preset=dit-small", "train.lr=0.5", "data.hflip=true"});
+  EXPECT_EQ(c.train.steps, 20);
+  EXPECT_EQ(c.model.preset, "dit-small");
+  EXPECT_EQ(c.model.arch, "dit");
+  EXPECT_DOUBLE_EQ(c.train.lr, 0.5);
+  EXPECT_TRUE(c.data.hflip);
+}
+
+TEST(Config, IntegerAcceptedForFloatKey) {
+  RunConfig c = parse_config("[sample]\ncfg = 3\n", "test.toml");
+  EXPECT_DOUBLE_EQ(c.sample.cfg, 3.0);
+}
+
+TEST(Config, UnknownKeyIsAnErrorNamingKeyAndFile) {
+  const std::string e = error_of("[train]\nstepz = 10\n");
+  EXPECT_NE(e.find("unknown config key 'train.stepz'"), std::string::npos) << e;
+  EXPECT_NE(e.find("test.toml"), std::string::npos) << e;
+  EXPECT_NE(error_of("", {"nosuch.key=1"}).find("nosuch.key"), std::string::npos);
+}
+
+TEST(Config, IllTypedValues) {
+  EXPECT_NE(error_of("[train]\nsteps = \"many\"\n").find("train.steps must be an integer"), std::string::npos);
+  EXPECT_NE(error_of("[train]\nsteps = 1.5\n").find("train.steps must be an integer"), std::string::npos);
+  EXPECT_NE(error_of("[data]\nhflip = 1\n").find("data.hflip must be true or false"), std::string::npos);
+  EXPECT_NE(error_of("[model]\nchannel_mult = [1, \"x\"]\n").find("model.channel_mult"), std::string::npos);
+}
+
+TEST(Config, OutOfRangeValues) {
+  EXPECT_NE(error_of("", {"train.steps=-5"}).find("train.steps must be > 0, got -5"), std::string::npos);
+  EXPECT_NE(error_of("", {"train.batch_size=0"}).find("train.batch_size must be > 0"), std::string::npos);
+  EXPECT_NE(error_of("", {"sample.cfg=-1"}).find("sample.cfg must be >= 0"), std::string::npos);
+  EXPECT_NE(error_of("", {"diffusion.objective=score"}).find("not one of: flow, eps, v"), std::string::npos);
+  EXPECT_NE(error_of("", {"model.preset=huge"}).find("huge"), std::string::npos);
+  EXPECT_NE(error_of("", {"train.steps"}).find("expected section.key=value"), std::string::npos);
+}
+
+TEST(Config, InvalidTomlNamesLine) {
+  const std::string e = error_of("[train]\nsteps = = 3\n");
+  EXPECT_NE(e.find("test.toml:2"), std::string::npos) << e;
+}
+
+TEST(Config, ResolvedConfigRoundTrips) {
+  RunConfig c = parse_config("", "a", {"model.preset=dit-tiny", "train.steps=77", "model.attn_levels=[0]"});
+  c.model.channel_mult = {1, 2, 2};
+  const std::string text = to_toml(c);
+  RunConfig d = parse_config(text, "resolved");
+  EXPECT_EQ(to_toml(d), text);
+  EXPECT_EQ(d.train.steps, 77);
+  EXPECT_EQ(d.model.channel_mult, (std::vector<int64_t>{1, 2, 2}));
+}
+
+TEST(Config, MissingFile) {
+  try {
+    load_config("/nonexistent/x.toml");
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("/nonexistent/x.toml"), std::string::npos);
+  }
+}
+
+TEST(Config, QuickstartFileMatchesBuiltIn) {
+  // configs/quickstart.toml documents the built-in quickstart config; both must parse.
+  RunConfig c = load_config(std::string(DDM_SOURCE_DIR) + "/configs/quickstart.toml");
+  EXPECT_EQ(c.model.preset, "unet-tiny");
+}

@@ -1,0 +1,153 @@
+// FlatAdamW against LibTorch's AdamW, gradient clipping, EMA, module state loading with shape
+// checks, overfitting one batch, and checkpoint write / read / prune / corruption detection.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+
+#include "core/config.h"
+#include "core/error.h"
+#include "diffusion/denoiser.h"
+#include "model/net.h"
+#include "train/checkpoint.h"
+#include "train/optimizer.h"
+#include "test_util.h"
+
+using namespace ddm;
+
+namespace {
+torch::nn::Sequential small_mlp(int64_t hidden) {
+  return torch::nn::Sequential(torch::nn::Linear(4, hidden), torch::nn::SiLU(), torch::nn::Linear(hidden, 3));
+}
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+}  // namespace
+
+TEST(FlatAdamW, MatchesLibTorchAdamW) {
+  torch::manual_seed(0);
+  auto a = small_mlp(8), b = small_mlp(8);
+  {
+    torch::NoGradGuard ng;
+    for (size_t i = 0; i < a->parameters().size(); ++i) b->parameters()[i].copy_(a->parameters()[i]);
+  }
+  const double lr = 1e-2, wd = 0.1;
+  FlatAdamW flat(*a, {0.9, 0.99, 1e-8, wd});
+  torch::optim::AdamW ref(b->parameters(), torch::optim::AdamWOptions(lr).betas({0.9, 0.99}).eps(1e-8).weight_decay(wd));
+  auto x = torch::randn({16, 4}), y = torch::randn({16, 3});
+  for (int step = 0; step < 20; ++step) {
+    flat.zero_grad();
+    torch::mse_loss(a->forward(x), y).backward();
+    flat.step(lr);
+    ref.zero_grad();
+    torch::mse_loss(b->forward(x), y).backward();
+    ref.step();
+  }
+  for (size_t i = 0; i < a->parameters().size(); ++i)
+    EXPECT_TRUE(torch::allclose(a->parameters()[i], b->parameters()[i], 1e-5, 1e-6)) << i;
+}
+
+TEST(FlatAdamW, ClipAndEma) {
+  torch::manual_seed(0);
+  auto m = small_mlp(4);
+  FlatAdamW opt(*m, {});
+  opt.zero_grad();
+  (m->forward(torch::randn({8, 4})).sum() * 1000).backward();
+  const double before = opt.clip_grad_norm(1.0);
+  EXPECT_GT(before, 1.0);
+  EXPECT_NEAR(opt.grad_norm(), 1.0, 1e-4);
+  auto ema0 = opt.named_ema();
+  std::map<std::string, torch::Tensor> ema_before;
+  for (auto& [k, v] : ema0) ema_before[k] = v.clone();
+  opt.step(0.1);
+  opt.ema_update(0.75);
+  for (auto& [k, v] : opt.named_ema()) {
+    auto p = opt.named_params().at(k);
+    EXPECT_TRUE(torch::allclose(v, 0.75 * ema_before[k] + 0.25 * p, 1e-6, 1e-7)) << k;
+  }
+}
+
+TEST(FlatAdamW, OverfitsOneBatch) {
+  // A small U-Net must drive the flow-matching loss on one fixed (x0, eps, t) batch far down.
+  ModelConfig mc;
+  mc.preset = "unet-tiny";
+  mc.channels = 8;
+  mc.channel_mult = {1, 2};
+  mc.groups = 4;
+  mc.in_channels = 1;
+  mc.image_size = 8;
+  mc.num_classes = 2;
+  torch::manual_seed(1);
+  Net net = make_net(mc);
+  FlatAdamW opt(*net, {});
+  NoisePath path(PathKind::kFlow);
+  auto x0 = torch::rand({8, 1, 8, 8}) * 2 - 1, eps = torch::randn({8, 1, 8, 8});
+  auto t = torch::rand({8}), y = torch::randint(0, 2, {8});
+  auto xt = path.alpha(t).view({-1, 1, 1, 1}) * x0 + path.sigma(t).view({-1, 1, 1, 1}) * eps;
+  auto target = training_target(path, Prediction::kVelocity, x0, eps, t);
+  double first = 0, last = 0;
+  for (int i = 0; i < 300; ++i) {
+    opt.zero_grad();
+    auto loss = torch::mse_loss(net->forward(xt, t, y), target);
+    loss.backward();
+    opt.step(3e-3);
+    (i == 0 ? first : last) = loss.item<double>();
+  }
+  EXPECT_LT(last, first * 0.05) << "first " << first << " last " << last;
+}
+
+TEST(ModuleState, ShapeMismatchIsAClearError) {
+  auto a = small_mlp(8), b = small_mlp(16);
+  const std::string e = error_of([&] { load_module_state(*b, module_state(*a), "ckpt/model.safetensors"); });
+  EXPECT_NE(e.find("different model shape"), std::string::npos) << e;
+  EXPECT_NE(e.find("ckpt/model.safetensors"), std::string::npos) << e;
+  TensorMap partial = module_state(*a);
+  partial.erase(partial.begin());
+  EXPECT_NE(error_of([&] { load_module_state(*a, partial, "x"); }).find("has no tensor"), std::string::npos);
+}
+
+TEST(Checkpoint, RoundTripPruneAndCorruption) {
+  test::TempDir dir;
+  auto m = small_mlp(4);
+  FlatAdamW opt(*m, {});
+  for (int64_t step : {10, 20, 30, 40}) {
+    Checkpoint ck;
+    ck.step = step;
+    ck.config_toml = "[train]\nsteps = 40\n";
+    ck.model = module_state(*m);
+    ck.ema = opt.named_ema();
+    ck.optim = opt.optimizer_state();
+    ck.state["data_cursor"] = {{"epoch", 1}, {"index", step}};
+    write_checkpoint(dir.path, ck, /*keep=*/2);
+  }
+  auto all = list_checkpoints(dir.path);
+  ASSERT_EQ(all.size(), 2u);
+  EXPECT_NE(all[1].find("step-00000040"), std::string::npos);
+  Checkpoint back = read_checkpoint(all[1]);
+  EXPECT_EQ(back.step, 40);
+  EXPECT_EQ(back.state["data_cursor"]["index"], 40);
+  EXPECT_EQ(back.config_toml, "[train]\nsteps = 40\n");
+  for (auto& [k, v] : module_state(*m)) EXPECT_TRUE(torch::equal(back.model.at(k), v)) << k;
+  EXPECT_EQ(resolve_checkpoint(dir.path), all[1]);
+
+  // Flip one byte of the weights: loading must fail with a checksum message; the other one loads.
+  const std::string w = all[1] + "/model.safetensors";
+  std::string bytes = test::read_text(w);
+  bytes[bytes.size() - 3] ^= 0x5a;
+  test::write_text(w, bytes);
+  const std::string e = error_of([&] { read_checkpoint(all[1]); });
+  EXPECT_NE(e.find("checksum mismatch"), std::string::npos) << e;
+  EXPECT_NE(e.find("model.safetensors"), std::string::npos) << e;
+  EXPECT_NO_THROW(read_checkpoint(all[0]));
+
+  // A directory that is not a checkpoint.
+  EXPECT_NE(error_of([&] { resolve_checkpoint(dir / "nope"); }).find("does not exist"), std::string::npos);
+  std::filesystem::create_directories(dir / "empty");
+  EXPECT_NE(error_of([&] { resolve_checkpoint(dir / "empty"); }).find("holds no checkpoint"), std::string::npos);
+}
