@@ -1,0 +1,104 @@
+// DiT backbone (see dit.h).
+#include "model/dit.h"
+
+#include <cmath>
+#include <string>
+
+#include <torch/torch.h>
+
+#include "core/error.h"
+#include "model/flops.h"
+
+namespace ddm {
+
+namespace nn = torch::nn;
+
+namespace {
+constexpr int64_t kTimeFreqDim = 256;  // sinusoidal features fed to the time MLP (as in DiT)
+
+bool ends_with(const std::string& s, const std::string& suffix) {
+  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+}  // namespace
+
+int64_t dit_mlp_hidden(const ModelConfig& cfg) {
+  return static_cast<int64_t>(std::lround(static_cast<double>(cfg.width) * cfg.mlp_ratio));
+}
+
+void validate_dit(const ModelConfig& cfg) {
+  DDM_CHECK(cfg.patch > 0, "model.patch must be > 0, got " << cfg.patch);
+  DDM_CHECK(cfg.image_size % cfg.patch == 0,
+            "model.image_size = " << cfg.image_size << " is not divisible by model.patch = " << cfg.patch
+                                  << "; choose a patch size that divides the image size");
+  DDM_CHECK(cfg.width > 0, "model.width must be > 0, got " << cfg.width);
+  DDM_CHECK(cfg.depth >= 1, "model.depth must be >= 1, got " << cfg.depth);
+  DDM_CHECK(cfg.heads > 0, "model.heads must be > 0, got " << cfg.heads);
+  DDM_CHECK(cfg.width % cfg.heads == 0,
+            "model.width = " << cfg.width << " is not divisible by model.heads = " << cfg.heads);
+  DDM_CHECK(cfg.width % 4 == 0, "model.width = " << cfg.width
+                                    << " must be a multiple of 4 (2-D sin-cos position embedding)");
+  DDM_CHECK(std::isfinite(cfg.mlp_ratio) && cfg.mlp_ratio > 0 && dit_mlp_hidden(cfg) > 0,
+            "model.mlp_ratio must be > 0 (and width * mlp_ratio >= 1), got " << cfg.mlp_ratio);
+}
+
+DiTImpl::DiTImpl(const ModelConfig& cfg) : cfg_(cfg) {
+  validate_dit(cfg);
+  const int64_t p = cfg.patch, W = cfg.width, grid = cfg.image_size / p;
+  patch_embed_ = register_module("patch_embed", nn::Linear(cfg.in_channels * p * p, W));
+  pos_ = register_buffer("pos", pos_embed_2d(W, grid).unsqueeze(0));  // [1, N, W]
+  time_ = register_module("time", TimeEmbedder(kTimeFreqDim, W));
+  if (cfg.num_classes > 0) label_ = register_module("label", LabelEmbedder(cfg.num_classes, W));
+  for (int64_t i = 0; i < cfg.depth; ++i)
+    blocks_.push_back(register_module("block" + std::to_string(i), DiTBlock(W, cfg.heads, cfg.mlp_ratio)));
+  final_ = register_module("final", DiTFinalLayer(W, p * p * cfg.in_channels));
+
+  // DiT's initialization: Xavier-uniform linears with zero bias, N(0, 0.02) for the time MLP and
+  // the label table; the adaLN modulations and the output linear stay zero (adaLN-Zero).
+  torch::NoGradGuard ng;
+  for (auto& item : named_modules(/*name_prefix=*/"", /*include_self=*/false)) {
+    const std::string& name = item.key();
+    if (auto* lin = item.value()->as<nn::Linear>()) {
+      if (ends_with(name, ".ada") || name == "final.linear") continue;
+      if (name.rfind("time.", 0) == 0) {
+        nn::init::normal_(lin->weight, 0.0, 0.02);
+      } else {
+        nn::init::xavier_uniform_(lin->weight);
+      }
+      nn::init::zeros_(lin->bias);
+    } else if (auto* emb = item.value()->as<nn::Embedding>()) {
+      nn::init::normal_(emb->weight, 0.0, 0.02);
+    }
+  }
+}
+
+torch::Tensor DiTImpl::forward(const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& y) {
+  const int64_t C = cfg_.in_channels, S = cfg_.image_size, p = cfg_.patch;
+  DDM_CHECK(x.dim() == 4 && x.size(1) == C && x.size(2) == S && x.size(3) == S,
+            "DiT: expected x [B, " << C << ", " << S << ", " << S << "], got " << x.sizes());
+  auto h = patch_embed_(patchify(x, p)) + pos_;                  // [B, N, W]
+  auto c = time_(t);                                             // [B, W]
+  if (label_) {
+    DDM_CHECK(y.defined(), "DiT: class labels y are required (model.num_classes = " << cfg_.num_classes << ")");
+    c = c + label_(y);                                           // [B, W]
+  }
+  const auto c_act = torch::silu(c);                             // [B, W]
+  for (auto& block : blocks_) h = block->forward(h, c_act);      // [B, N, W]
+  h = final_(h, c_act);                                          // [B, N, p p C]
+  return unpatchify(h, p, C, S, S);                              // [B, C, S, S]
+}
+
+double dit_forward_flops(const ModelConfig& cfg) {
+  validate_dit(cfg);
+  const int64_t p = cfg.patch, W = cfg.width, C = cfg.in_channels;
+  const int64_t N = (cfg.image_size / p) * (cfg.image_size / p), hidden = dit_mlp_hidden(cfg);
+  double f = flops::linear(C * p * p, W, N);                             // patch embedding
+  f += flops::linear(kTimeFreqDim, W) + flops::linear(W, W);            // time MLP
+  const double block = flops::linear(W, 6 * W)                          // adaLN modulation
+                       + flops::linear(W, 3 * W, N) + flops::attention(N, W) + flops::linear(W, W, N)
+                       + flops::linear(W, hidden, N) + flops::linear(hidden, W, N);
+  f += static_cast<double>(cfg.depth) * block;
+  f += flops::linear(W, 2 * W) + flops::linear(W, p * p * C, N);        // final layer
+  return f;
+}
+
+}  // namespace ddm

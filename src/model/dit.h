@@ -1,0 +1,44 @@
+// DiT backbone (Peebles & Xie 2023, "Scalable Diffusion Models with Transformers"), for small
+// images:
+//   tokens = Linear(patchify(x, patch)) + fixed 2-D sin-cos position embedding   [B, N, width]
+//   c = TimeEmbedder(t) (+ LabelEmbedder(y) when num_classes > 0)                [B, width]
+//   depth x DiTBlock(tokens, SiLU(c))  (adaLN-Zero; one fused qkv and one modulation linear each)
+//   DiTFinalLayer (adaLN + zero-initialized linear) -> unpatchify                [B, C, H, W]
+// The linear patch embedding equals a Conv2d(C, width, patch, stride patch). With the zero
+// initialization the network outputs exactly 0 at init.
+#pragma once
+#include <vector>
+
+#include "core/config.h"
+#include "model/layers.h"
+#include "model/net.h"
+
+namespace ddm {
+
+class DiTImpl : public NetImpl {
+ public:
+  // Throws ddm::Error on invalid shapes (image_size % patch, width % heads, width % 4).
+  explicit DiTImpl(const ModelConfig& cfg);
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& y) override;
+
+  // Access for tests (e.g. re-initializing the modulation linears).
+  std::vector<DiTBlock>& blocks() { return blocks_; }
+
+ private:
+  ModelConfig cfg_;
+  torch::nn::Linear patch_embed_{nullptr};
+  torch::Tensor pos_;  // buffer [1, N, width], fixed
+  TimeEmbedder time_{nullptr};
+  LabelEmbedder label_{nullptr};
+  std::vector<DiTBlock> blocks_;
+  DiTFinalLayer final_{nullptr};
+};
+
+// Throws ddm::Error naming model.KEY if cfg is not a valid DiT configuration.
+void validate_dit(const ModelConfig& cfg);
+// Analytic forward FLOPs per image of the DiT described by cfg (see flops.h for the rule).
+double dit_forward_flops(const ModelConfig& cfg);
+// Hidden width of the DiT MLP: round(width * mlp_ratio).
+int64_t dit_mlp_hidden(const ModelConfig& cfg);
+
+}  // namespace ddm

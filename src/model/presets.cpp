@@ -1,0 +1,92 @@
+// Named model presets sized for CPU training on 28x28x1 images (see presets.h).
+// Parameter counts and FLOPs for 28x28x1 with 10 classes are listed in the report of
+// tests/unit/test_model.cpp (PresetsReport) and docs; approximate values:
+//   unet-tiny   ~0.52M params  U-Net 32/64/64, 1 res block per level, 28 -> 14 -> 7, no attention
+//   unet-small  ~3.3M  params  U-Net 64/128/128, 2 res blocks per level, attention at 7x7
+//   dit-tiny    ~0.82M params  DiT patch 4 (49 tokens), width 128, depth 4, 4 heads
+//   dit-small   ~2.7M  params  DiT patch 2 (196 tokens), width 192, depth 6, 6 heads
+#include "model/presets.h"
+
+#include <functional>
+#include <sstream>
+#include <utility>
+
+#include "core/error.h"
+
+namespace ddm {
+
+namespace {
+
+// A preset starts from the default architecture fields and overrides some of them.
+using PresetFn = std::function<void(ModelConfig&)>;
+
+const std::vector<std::pair<std::string, PresetFn>>& presets() {
+  static const std::vector<std::pair<std::string, PresetFn>> table = {
+      {"unet-tiny",
+       [](ModelConfig& m) {
+         m.arch = "unet";
+         m.channels = 32;
+         m.channel_mult = {1, 2, 2};
+         m.res_blocks = 1;
+         m.attn_levels = {};
+         m.groups = 8;
+       }},
+      {"unet-small",
+       [](ModelConfig& m) {
+         m.arch = "unet";
+         m.channels = 64;
+         m.channel_mult = {1, 2, 2};
+         m.res_blocks = 2;
+         m.attn_levels = {2};
+         m.groups = 16;
+         m.heads = 4;
+       }},
+      {"dit-tiny",
+       [](ModelConfig& m) {
+         m.arch = "dit";
+         m.patch = 4;
+         m.width = 128;
+         m.depth = 4;
+         m.heads = 4;
+         m.mlp_ratio = 4.0;
+       }},
+      {"dit-small",
+       [](ModelConfig& m) {
+         m.arch = "dit";
+         m.patch = 2;
+         m.width = 192;
+         m.depth = 6;
+         m.heads = 6;
+         m.mlp_ratio = 4.0;
+       }},
+  };
+  return table;
+}
+
+}  // namespace
+
+std::vector<std::string> preset_names() {
+  std::vector<std::string> names;
+  for (const auto& p : presets()) names.push_back(p.first);
+  return names;
+}
+
+void apply_preset(const std::string& name, ModelConfig& cfg) {
+  for (const auto& p : presets()) {
+    if (p.first != name) continue;
+    // Reset every architecture field to its default, then apply the preset's values.
+    ModelConfig m;
+    m.preset = cfg.preset;
+    m.in_channels = cfg.in_channels;
+    m.image_size = cfg.image_size;
+    m.num_classes = cfg.num_classes;
+    p.second(m);
+    cfg = m;
+    return;
+  }
+  std::ostringstream valid;
+  for (const auto& n : preset_names()) valid << (valid.tellp() > 0 ? ", " : "") << n;
+  DDM_FAIL("model.preset = '" << name << "' is not a known preset; valid names: " << valid.str());
+}
+
+}  // namespace ddm

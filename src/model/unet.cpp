@@ -1,0 +1,182 @@
+// Class-conditional U-Net backbone (see unet.h).
+#include "model/unet.h"
+
+#include <algorithm>
+#include <string>
+
+#include <torch/torch.h>
+
+#include "core/error.h"
+#include "model/flops.h"
+
+namespace ddm {
+
+namespace nn = torch::nn;
+
+namespace {
+
+int64_t level_channels(const ModelConfig& cfg, size_t l) { return cfg.channels * cfg.channel_mult[l]; }
+
+bool has_attn(const ModelConfig& cfg, size_t l) {
+  return std::find(cfg.attn_levels.begin(), cfg.attn_levels.end(), static_cast<int64_t>(l)) !=
+         cfg.attn_levels.end();
+}
+
+}  // namespace
+
+void validate_unet(const ModelConfig& cfg) {
+  DDM_CHECK(cfg.channels > 0, "model.channels must be > 0, got " << cfg.channels);
+  DDM_CHECK(!cfg.channel_mult.empty(), "model.channel_mult must list at least one level, got []");
+  for (auto m : cfg.channel_mult)
+    DDM_CHECK(m > 0, "model.channel_mult entries must be > 0, got " << m);
+  DDM_CHECK(cfg.res_blocks >= 1, "model.res_blocks must be >= 1, got " << cfg.res_blocks);
+  DDM_CHECK(cfg.groups > 0, "model.groups must be > 0, got " << cfg.groups);
+  const auto levels = static_cast<int64_t>(cfg.channel_mult.size());
+  for (size_t l = 0; l < cfg.channel_mult.size(); ++l) {
+    const int64_t ch = level_channels(cfg, l);
+    DDM_CHECK(ch % cfg.groups == 0, "model.groups = " << cfg.groups << " does not divide the "
+                                    << ch << " channels of level " << l
+                                    << " (model.channels * model.channel_mult[" << l << "])");
+    if (has_attn(cfg, l))
+      DDM_CHECK(cfg.heads > 0 && ch % cfg.heads == 0,
+                "model.heads = " << cfg.heads << " does not divide the " << ch
+                                 << " channels of attention level " << l);
+  }
+  for (auto a : cfg.attn_levels)
+    DDM_CHECK(a >= 0 && a < levels, "model.attn_levels entry " << a << " is out of range [0, "
+                                    << levels << ") for " << levels << " levels");
+  const int64_t factor = int64_t{1} << (levels - 1);
+  DDM_CHECK(cfg.image_size % factor == 0,
+            "model.image_size = " << cfg.image_size << " is not divisible by 2^(levels-1) = " << factor
+                                  << " needed by the U-Net's " << levels - 1
+                                  << " downsamplings; change model.image_size or model.channel_mult");
+}
+
+UNetImpl::UNetImpl(const ModelConfig& cfg) : cfg_(cfg) {
+  validate_unet(cfg);
+  const size_t L = cfg.channel_mult.size();
+  const int64_t emb_dim = 4 * cfg.channels;
+  time_ = register_module("time", TimeEmbedder(cfg.channels, emb_dim));
+  if (cfg.num_classes > 0) label_ = register_module("label", LabelEmbedder(cfg.num_classes, emb_dim));
+
+  auto make_stage = [&](const std::string& name, int64_t in, int64_t out, size_t l) {
+    Stage s;
+    s.res = register_module(name, ResBlock(in, out, emb_dim, cfg.groups));
+    if (has_attn(cfg, l)) s.attn = register_module(name + "_attn", AttentionBlock(out, cfg.heads, cfg.groups));
+    return s;
+  };
+  auto conv3 = [](int64_t in, int64_t out, int64_t stride) {
+    return nn::Conv2d(nn::Conv2dOptions(in, out, 3).stride(stride).padding(1));
+  };
+
+  int64_t cur = level_channels(cfg, 0);
+  in_conv_ = register_module("in_conv", conv3(cfg.in_channels, cur, 1));
+  std::vector<std::vector<int64_t>> skip_ch(L);
+  for (size_t l = 0; l + 1 < L; ++l) {
+    const int64_t ch = level_channels(cfg, l);
+    enc_.emplace_back();
+    for (int64_t j = 0; j < cfg.res_blocks; ++j) {
+      enc_[l].push_back(make_stage("enc" + std::to_string(l) + "_" + std::to_string(j), cur, ch, l));
+      cur = ch;
+      skip_ch[l].push_back(ch);
+    }
+    down_.push_back(register_module("down" + std::to_string(l), conv3(ch, ch, 2)));
+  }
+  for (int64_t j = 0; j < cfg.res_blocks; ++j) {
+    const int64_t ch = level_channels(cfg, L - 1);
+    mid_.push_back(make_stage("mid_" + std::to_string(j), cur, ch, L - 1));
+    cur = ch;
+  }
+  up_.assign(L - 1, nn::Conv2d(nullptr));
+  dec_.resize(L - 1);
+  for (size_t l = L - 1; l-- > 0;) {
+    up_[l] = register_module("up" + std::to_string(l), conv3(cur, cur, 1));
+    const int64_t ch = level_channels(cfg, l);
+    for (int64_t j = 0; j < cfg.res_blocks; ++j) {
+      const int64_t skip = skip_ch[l][cfg.res_blocks - 1 - j];
+      dec_[l].push_back(make_stage("dec" + std::to_string(l) + "_" + std::to_string(j), cur + skip, ch, l));
+      cur = ch;
+    }
+  }
+  out_norm_ = register_module("out_norm", nn::GroupNorm(cfg.groups, cur));
+  out_conv_ = register_module("out_conv", conv3(cur, cfg.in_channels, 1));
+  zero_init(*out_conv_);
+}
+
+torch::Tensor UNetImpl::run(Stage& s, const torch::Tensor& h, const torch::Tensor& emb_act) {
+  auto out = s.res->forward(h, emb_act);        // [B, ch, H, W]
+  return s.attn ? s.attn->forward(out) : out;   // [B, ch, H, W]
+}
+
+torch::Tensor UNetImpl::forward(const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& y) {
+  DDM_CHECK(x.dim() == 4 && x.size(1) == cfg_.in_channels && x.size(2) == cfg_.image_size &&
+                x.size(3) == cfg_.image_size,
+            "UNet: expected x [B, " << cfg_.in_channels << ", " << cfg_.image_size << ", "
+                                    << cfg_.image_size << "], got " << x.sizes());
+  auto emb = time_(t);                                           // [B, E]
+  if (label_) {
+    DDM_CHECK(y.defined(), "UNet: class labels y are required (model.num_classes = " << cfg_.num_classes << ")");
+    emb = emb + label_(y);                                       // [B, E]
+  }
+  const auto emb_act = torch::silu(emb);                         // [B, E]
+
+  auto h = in_conv_(x);                                          // [B, c0, S, S]
+  std::vector<torch::Tensor> skips;
+  for (size_t l = 0; l < enc_.size(); ++l) {
+    for (auto& s : enc_[l]) {
+      h = run(s, h, emb_act);                                    // [B, c_l, S_l, S_l]
+      skips.push_back(h);
+    }
+    h = down_[l](h);                                             // [B, c_l, S_l / 2, S_l / 2]
+  }
+  for (auto& s : mid_) h = run(s, h, emb_act);                   // [B, c_{L-1}, S_{L-1}, S_{L-1}]
+  for (size_t l = dec_.size(); l-- > 0;) {
+    h = torch::upsample_nearest2d(h, {h.size(2) * 2, h.size(3) * 2});  // [B, c_{l+1}, S_l, S_l]
+    h = up_[l](h);                                               // [B, c_{l+1}, S_l, S_l]
+    for (auto& s : dec_[l]) {
+      h = torch::cat({h, skips.back()}, 1);                      // [B, c + c_l, S_l, S_l]
+      skips.pop_back();
+      h = run(s, h, emb_act);                                    // [B, c_l, S_l, S_l]
+    }
+  }
+  h = torch::silu(out_norm_(h));                                 // [B, c0, S, S]
+  return out_conv_(h);                                           // [B, C, S, S]
+}
+
+double unet_forward_flops(const ModelConfig& cfg) {
+  validate_unet(cfg);
+  const size_t L = cfg.channel_mult.size();
+  const int64_t E = 4 * cfg.channels;
+  auto res = [&](int64_t in, int64_t out, int64_t s) {
+    double f = flops::conv2d(in, out, 3, s, s) + flops::linear(E, 2 * out) + flops::conv2d(out, out, 3, s, s);
+    if (in != out) f += flops::conv2d(in, out, 1, s, s);
+    return f;
+  };
+  auto attn = [&](int64_t c, int64_t s) {
+    return flops::conv2d(c, 3 * c, 1, s, s) + flops::attention(s * s, c) + flops::conv2d(c, c, 1, s, s);
+  };
+  auto stage = [&](int64_t in, int64_t out, int64_t s, size_t l) {
+    return res(in, out, s) + (has_attn(cfg, l) ? attn(out, s) : 0.0);
+  };
+  double f = flops::linear(cfg.channels, E) + flops::linear(E, E);  // time MLP
+  int64_t s = cfg.image_size, cur = level_channels(cfg, 0);
+  f += flops::conv2d(cfg.in_channels, cur, 3, s, s);
+  for (size_t l = 0; l + 1 < L; ++l) {
+    const int64_t ch = level_channels(cfg, l);
+    for (int64_t j = 0; j < cfg.res_blocks; ++j, cur = ch) f += stage(cur, ch, s, l);
+    s /= 2;
+    f += flops::conv2d(ch, ch, 3, s, s);
+  }
+  for (int64_t j = 0; j < cfg.res_blocks; ++j, cur = level_channels(cfg, L - 1))
+    f += stage(cur, level_channels(cfg, L - 1), s, L - 1);
+  for (size_t l = L - 1; l-- > 0;) {
+    s *= 2;
+    f += flops::conv2d(cur, cur, 3, s, s);
+    const int64_t ch = level_channels(cfg, l);
+    for (int64_t j = 0; j < cfg.res_blocks; ++j, cur = ch) f += stage(cur + ch, ch, s, l);
+  }
+  f += flops::conv2d(cur, cfg.in_channels, 3, s, s);
+  return f;
+}
+
+}  // namespace ddm

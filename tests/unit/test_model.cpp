@@ -1,0 +1,336 @@
+// Tests for src/model: embeddings against naive loops, patchify round trip, zero outputs at init,
+// shapes of every preset, null / absent class labels, config errors, float64 finite-difference
+// gradient checks of the building blocks, parameter and FLOP counting.
+#include <cmath>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include "core/error.h"
+#include "model/dit.h"
+#include "model/flops.h"
+#include "model/layers.h"
+#include "model/net.h"
+#include "model/presets.h"
+#include "model/unet.h"
+
+namespace ddm {
+namespace {
+
+ModelConfig preset_cfg(const std::string& name, int64_t num_classes = 10) {
+  ModelConfig cfg;
+  cfg.in_channels = 1;
+  cfg.image_size = 28;
+  cfg.num_classes = num_classes;
+  cfg.preset = name;
+  apply_preset(name, cfg);
+  return cfg;
+}
+
+// Fills every parameter of m with N(0, std^2) values (undoing zero initializations).
+void randomize(torch::nn::Module& m, double std = 0.3) {
+  torch::NoGradGuard ng;
+  for (auto& p : m.parameters()) p.normal_(0.0, std);
+}
+
+// Runs fn and returns the ddm::Error message (fails the test if nothing or something else is thrown).
+std::string error_of(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const Error& e) {
+    return e.what();
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << "expected ddm::Error, got another exception: " << e.what();
+    return "";
+  }
+  ADD_FAILURE() << "expected ddm::Error, nothing thrown";
+  return "";
+}
+
+// Compares the autograd gradient of the scalar f() with respect to every element of every leaf
+// against central differences; all leaves must be contiguous float64 tensors requiring grad.
+void expect_gradients_match(const std::function<torch::Tensor()>& f, const std::vector<torch::Tensor>& leaves,
+                            const std::string& what) {
+  auto grads = torch::autograd::grad({f()}, leaves);
+  const double eps = 1e-6;
+  for (size_t i = 0; i < leaves.size(); ++i) {
+    auto numeric = torch::zeros_like(leaves[i]);
+    {
+      torch::NoGradGuard ng;
+      double* p = leaves[i].data_ptr<double>();
+      double* g = numeric.data_ptr<double>();
+      for (int64_t j = 0; j < leaves[i].numel(); ++j) {
+        const double saved = p[j];
+        p[j] = saved + eps;
+        const double fp = f().item<double>();
+        p[j] = saved - eps;
+        const double fm = f().item<double>();
+        p[j] = saved;
+        g[j] = (fp - fm) / (2 * eps);
+      }
+    }
+    const double scale = std::max(grads[i].norm().item<double>(), numeric.norm().item<double>());
+    ASSERT_GT(scale, 0.0) << what << " leaf " << i << ": gradient is identically zero";
+    const double rel = (grads[i] - numeric).norm().item<double>() / scale;
+    EXPECT_LT(rel, 1e-5) << what << " leaf " << i << " (shape " << leaves[i].sizes() << ")";
+  }
+}
+
+// f = sum(out * w) with a fixed random w, so every output element matters.
+torch::Tensor weighted_sum(const torch::Tensor& out, const torch::Tensor& w) { return (out * w).sum(); }
+
+TEST(Embedding, TimestepMatchesNaiveLoop) {
+  auto t = torch::tensor({0.0, 0.1, 0.5, 0.731, 1.0}, torch::kFloat64);
+  for (int64_t dim : {16, 7}) {
+    auto e = timestep_embedding(t, dim);
+    ASSERT_EQ(e.sizes(), (std::vector<int64_t>{5, dim}));
+    const int64_t half = dim / 2;
+    for (int64_t b = 0; b < 5; ++b) {
+      const double s = 1000.0 * t[b].item<double>();
+      for (int64_t i = 0; i < half; ++i) {
+        const double f = std::pow(10000.0, -static_cast<double>(i) / half);
+        EXPECT_NEAR(e[b][i].item<double>(), std::cos(s * f), 1e-9) << "dim " << dim << " b " << b << " i " << i;
+        EXPECT_NEAR(e[b][half + i].item<double>(), std::sin(s * f), 1e-9);
+      }
+      if (dim % 2 == 1) {
+        EXPECT_EQ(e[b][dim - 1].item<double>(), 0.0);
+      }
+    }
+  }
+}
+
+TEST(Embedding, PosEmbed2dMatchesNaiveLoop) {
+  const int64_t dim = 8, grid = 3, q = dim / 4;
+  auto e = pos_embed_2d(dim, grid);
+  ASSERT_EQ(e.sizes(), (std::vector<int64_t>{grid * grid, dim}));
+  for (int64_t r = 0; r < grid; ++r)
+    for (int64_t c = 0; c < grid; ++c)
+      for (int64_t i = 0; i < q; ++i) {
+        const double w = std::pow(10000.0, -static_cast<double>(i) / q);
+        auto row = e[r * grid + c];
+        EXPECT_NEAR(row[i].item<float>(), std::sin(r * w), 1e-6);
+        EXPECT_NEAR(row[q + i].item<float>(), std::cos(r * w), 1e-6);
+        EXPECT_NEAR(row[2 * q + i].item<float>(), std::sin(c * w), 1e-6);
+        EXPECT_NEAR(row[3 * q + i].item<float>(), std::cos(c * w), 1e-6);
+      }
+}
+
+TEST(Patchify, RoundTripIsIdentityAndMatchesStridedConv) {
+  torch::manual_seed(0);
+  auto x = torch::randn({2, 3, 8, 12});
+  auto tokens = patchify(x, 4);
+  ASSERT_EQ(tokens.sizes(), (std::vector<int64_t>{2, 6, 48}));
+  EXPECT_TRUE(torch::equal(unpatchify(tokens, 4, 3, 8, 12), x));
+  // Linear on patches == Conv2d(kernel p, stride p) with the same weights.
+  torch::nn::Conv2d conv(torch::nn::Conv2dOptions(3, 5, 4).stride(4));
+  auto via_conv = conv(x).flatten(2).transpose(1, 2);                                 // [2, 6, 5]
+  auto via_linear = torch::nn::functional::linear(tokens, conv->weight.reshape({5, 48}), conv->bias);
+  EXPECT_TRUE(torch::allclose(via_conv, via_linear, 1e-5, 1e-5));
+  EXPECT_THROW(patchify(x, 5), Error);
+}
+
+TEST(Nets, DiTOutputsExactlyZeroAtInit) {
+  int n = 0;
+  for (const auto& name : preset_names()) {
+    auto cfg = preset_cfg(name);
+    if (cfg.arch != "dit") continue;
+    ++n;
+    auto net = make_net(cfg);
+    auto out = net->forward(torch::randn({3, 1, 28, 28}), torch::rand({3}), torch::tensor({0, 5, 10}));
+    EXPECT_TRUE(torch::equal(out, torch::zeros_like(out))) << name;
+  }
+  EXPECT_GE(n, 2);
+}
+
+TEST(Nets, UNetOutputsExactlyZeroAtInit) {
+  for (const auto& name : preset_names()) {
+    auto cfg = preset_cfg(name);
+    if (cfg.arch != "unet") continue;
+    auto net = make_net(cfg);
+    auto out = net->forward(torch::randn({2, 1, 28, 28}), torch::rand({2}), torch::tensor({1, 10}));
+    ASSERT_EQ(out.sizes(), (std::vector<int64_t>{2, 1, 28, 28}));
+    EXPECT_TRUE(torch::equal(out, torch::zeros_like(out))) << name;
+  }
+}
+
+TEST(Nets, AllPresetsGiveInputShapedFiniteOutputs) {
+  torch::manual_seed(1);
+  for (const auto& name : preset_names()) {
+    auto net = make_net(preset_cfg(name));
+    randomize(*net, 0.05);
+    auto x = torch::randn({3, 1, 28, 28});
+    auto out = net->forward(x, torch::rand({3}), torch::tensor({0, 9, 10}));
+    EXPECT_EQ(out.sizes(), x.sizes()) << name;
+    EXPECT_TRUE(torch::isfinite(out).all().item<bool>()) << name;
+  }
+}
+
+TEST(Nets, NullClassIsItsOwnLabel) {
+  torch::manual_seed(2);
+  for (const auto& name : {"unet-tiny", "dit-tiny"}) {
+    auto net = make_net(preset_cfg(name));
+    randomize(*net, 0.05);
+    auto x = torch::randn({1, 1, 28, 28}).repeat({2, 1, 1, 1});
+    auto t = torch::full({2}, 0.3);
+    auto out = net->forward(x, t, torch::tensor({10, 3}));  // null class, class 3
+    EXPECT_FALSE(torch::allclose(out[0], out[1])) << name << ": null class equals class 3";
+    EXPECT_ANY_THROW(net->forward(x, t, torch::tensor({11, 3}))) << name << ": label 11 accepted";
+  }
+}
+
+TEST(Nets, UnconditionalNetsIgnoreLabels) {
+  for (const auto& name : preset_names()) {
+    auto net = make_net(preset_cfg(name, /*num_classes=*/0));
+    for (const auto& p : net->named_parameters())
+      EXPECT_EQ(p.key().find("label"), std::string::npos) << name << ": " << p.key();
+    auto out = net->forward(torch::randn({2, 1, 28, 28}), torch::rand({2}), torch::Tensor());
+    EXPECT_EQ(out.sizes(), (std::vector<int64_t>{2, 1, 28, 28})) << name;
+  }
+}
+
+TEST(Nets, InvalidConfigsNameTheKey) {
+  struct Case {
+    std::string preset, key;
+    std::function<void(ModelConfig&)> edit;
+  };
+  const std::vector<Case> cases = {
+      {"unet-tiny", "model.arch", [](ModelConfig& c) { c.arch = "resnet"; }},
+      {"unet-tiny", "model.in_channels", [](ModelConfig& c) { c.in_channels = 0; }},
+      {"unet-tiny", "model.image_size", [](ModelConfig& c) { c.image_size = -1; }},
+      {"unet-tiny", "model.num_classes", [](ModelConfig& c) { c.num_classes = -1; }},
+      {"unet-tiny", "model.image_size", [](ModelConfig& c) { c.image_size = 30; }},
+      {"unet-tiny", "model.groups", [](ModelConfig& c) { c.groups = 7; }},
+      {"unet-tiny", "model.channel_mult", [](ModelConfig& c) { c.channel_mult = {}; }},
+      {"unet-tiny", "model.channel_mult", [](ModelConfig& c) { c.channel_mult = {1, 0}; }},
+      {"unet-tiny", "model.attn_levels", [](ModelConfig& c) { c.attn_levels = {3}; }},
+      {"unet-tiny", "model.res_blocks", [](ModelConfig& c) { c.res_blocks = 0; }},
+      {"unet-small", "model.heads", [](ModelConfig& c) { c.heads = 3; }},
+      {"dit-tiny", "model.patch", [](ModelConfig& c) { c.patch = 3; }},
+      {"dit-tiny", "model.heads", [](ModelConfig& c) { c.width = 132; c.heads = 8; }},
+      {"dit-tiny", "model.width", [](ModelConfig& c) { c.width = 126; c.heads = 3; }},
+      {"dit-tiny", "model.depth", [](ModelConfig& c) { c.depth = 0; }},
+      {"dit-tiny", "model.mlp_ratio", [](ModelConfig& c) { c.mlp_ratio = 0.0; }},
+  };
+  for (const auto& c : cases) {
+    auto cfg = preset_cfg(c.preset);
+    c.edit(cfg);
+    const auto msg = error_of([&] { make_net(cfg); });
+    EXPECT_NE(msg.find(c.key), std::string::npos) << "expected '" << c.key << "' in: " << msg;
+    const auto msg2 = error_of([&] { forward_flops_per_image(cfg); });
+    EXPECT_NE(msg2.find(c.key), std::string::npos) << "expected '" << c.key << "' in: " << msg2;
+  }
+  ModelConfig cfg;
+  const auto msg = error_of([&] { apply_preset("unet-huge", cfg); });
+  for (const auto& name : preset_names()) EXPECT_NE(msg.find(name), std::string::npos) << msg;
+  EXPECT_NE(msg.find("unet-huge"), std::string::npos) << msg;
+}
+
+TEST(GradCheck, ResBlock) {
+  torch::manual_seed(3);
+  ResBlock block(4, 6, 5, 2);
+  block->to(torch::kFloat64);
+  randomize(*block);
+  auto x = torch::randn({2, 4, 5, 5}, torch::kFloat64).requires_grad_();
+  auto e = torch::randn({2, 5}, torch::kFloat64).requires_grad_();
+  auto w = torch::randn({2, 6, 5, 5}, torch::kFloat64);
+  std::vector<torch::Tensor> leaves = {x, e};
+  for (auto& p : block->parameters()) leaves.push_back(p);
+  expect_gradients_match([&] { return weighted_sum(block->forward(x, e), w); }, leaves, "ResBlock");
+}
+
+TEST(GradCheck, AttentionBlock) {
+  torch::manual_seed(4);
+  AttentionBlock block(4, 2, 2);
+  block->to(torch::kFloat64);
+  randomize(*block);
+  auto x = torch::randn({2, 4, 3, 3}, torch::kFloat64).requires_grad_();
+  auto w = torch::randn({2, 4, 3, 3}, torch::kFloat64);
+  std::vector<torch::Tensor> leaves = {x};
+  for (auto& p : block->parameters()) leaves.push_back(p);
+  expect_gradients_match([&] { return weighted_sum(block->forward(x), w); }, leaves, "AttentionBlock");
+}
+
+TEST(GradCheck, DiTBlockWithNonZeroModulation) {
+  torch::manual_seed(5);
+  DiTBlock block(8, 2, 2.0);
+  block->to(torch::kFloat64);
+  randomize(*block);
+  ASSERT_GT(block->modulation()->weight.abs().sum().item<double>(), 0.0);
+  auto x = torch::randn({2, 5, 8}, torch::kFloat64).requires_grad_();
+  auto c = torch::randn({2, 8}, torch::kFloat64).requires_grad_();
+  auto w = torch::randn({2, 5, 8}, torch::kFloat64);
+  std::vector<torch::Tensor> leaves = {x, c};
+  for (auto& p : block->parameters()) leaves.push_back(p);
+  expect_gradients_match([&] { return weighted_sum(block->forward(x, c), w); }, leaves, "DiTBlock");
+}
+
+TEST(GradCheck, DiTFinalLayerAndTimeEmbedder) {
+  torch::manual_seed(6);
+  DiTFinalLayer fin(8, 12);
+  TimeEmbedder temb(6, 8);
+  fin->to(torch::kFloat64);
+  temb->to(torch::kFloat64);
+  randomize(*fin);
+  randomize(*temb);
+  auto x = torch::randn({2, 5, 8}, torch::kFloat64).requires_grad_();
+  auto t = torch::tensor({0.013, 0.0007}, torch::kFloat64).requires_grad_();
+  auto w = torch::randn({2, 5, 12}, torch::kFloat64);
+  std::vector<torch::Tensor> leaves = {x, t};
+  for (auto& p : fin->parameters()) leaves.push_back(p);
+  for (auto& p : temb->parameters()) leaves.push_back(p);
+  expect_gradients_match([&] { return weighted_sum(fin->forward(x, torch::silu(temb->forward(t))), w); }, leaves,
+                         "DiTFinalLayer+TimeEmbedder");
+}
+
+TEST(Counting, CountParamsIsSumOfNumel) {
+  for (const auto& name : preset_names()) {
+    auto net = make_net(preset_cfg(name));
+    int64_t n = 0;
+    for (const auto& p : net->named_parameters()) n += p.value().numel();
+    EXPECT_EQ(count_params(*net), n) << name;
+    EXPECT_GT(forward_flops_per_image(preset_cfg(name)), 0.0) << name;
+  }
+  const auto tiny = count_params(*make_net(preset_cfg("unet-tiny")));
+  EXPECT_GT(tiny, 450000);
+  EXPECT_LT(tiny, 650000);
+  const auto small = count_params(*make_net(preset_cfg("unet-small")));
+  EXPECT_GT(small, 2000000);
+  EXPECT_LT(small, 4000000);
+}
+
+TEST(Counting, FlopsMatchHandCounts) {
+  EXPECT_EQ(flops::conv2d(3, 8, 3, 10, 10), 2.0 * 3 * 8 * 9 * 100);
+  EXPECT_EQ(flops::linear(16, 32, 5), 2.0 * 16 * 32 * 5);
+  EXPECT_EQ(flops::attention(7, 12), 2.0 * (7 * 7 * 12) * 2);
+
+  // One-token DiT: 4x4x1 image, patch 4, width 4, depth 1, 1 head, mlp_ratio 1, unconditional.
+  ModelConfig dit;
+  dit.arch = "dit";
+  dit.in_channels = 1, dit.image_size = 4, dit.num_classes = 0;
+  dit.patch = 4, dit.width = 4, dit.depth = 1, dit.heads = 1, dit.mlp_ratio = 1.0;
+  const double dit_hand = 2.0 * 16 * 4                      // patch embedding
+                          + 2.0 * 256 * 4 + 2.0 * 4 * 4     // time MLP (256 frequencies)
+                          + 2.0 * 4 * 24                    // block adaLN
+                          + 2.0 * 4 * 12 + 4.0 * 1 * 1 * 4 + 2.0 * 4 * 4  // qkv, attention, proj
+                          + 2.0 * 4 * 4 + 2.0 * 4 * 4       // MLP
+                          + 2.0 * 4 * 8 + 2.0 * 4 * 16;     // final adaLN and linear
+  EXPECT_EQ(forward_flops_per_image(dit), dit_hand);
+
+  // One-level U-Net on a 2x2x1 image, 2 channels, one ResBlock: time MLP (2 -> 8 -> 8),
+  // in conv, ResBlock (two 3x3 convs + scale/shift linear 8 -> 4), out conv.
+  ModelConfig unet;
+  unet.arch = "unet";
+  unet.in_channels = 1, unet.image_size = 2, unet.num_classes = 0;
+  unet.channels = 2, unet.channel_mult = {1}, unet.res_blocks = 1, unet.groups = 1, unet.attn_levels = {};
+  const double unet_hand = (2.0 * 2 * 8 + 2.0 * 8 * 8) + 2.0 * 1 * 2 * 9 * 4 +
+                           (2.0 * 2 * 2 * 9 * 4 * 2 + 2.0 * 8 * 4) + 2.0 * 2 * 1 * 9 * 4;
+  EXPECT_EQ(forward_flops_per_image(unet), unet_hand);
+  EXPECT_EQ(make_net(unet)->forward(torch::randn({1, 1, 2, 2}), torch::rand({1}), {}).sizes(),
+            (std::vector<int64_t>{1, 1, 2, 2}));
+}
+
+}  // namespace
+}  // namespace ddm
