@@ -157,9 +157,18 @@ SafetensorsFile parse_safetensors(const std::string& bytes, const std::string& o
   DDM_CHECK(n <= bytes.size() - 8, origin << ": header length " << n << " goes beyond the file size ("
                                           << bytes.size() << " bytes); the file is truncated or not safetensors");
   DDM_CHECK(n >= 2 && bytes[8] == '{', origin << ": header does not start with '{'; not a safetensors file");
+  // nlohmann keeps the last of duplicate keys silently; a safetensors header must not have any.
+  std::vector<std::string> top_keys;
+  const json::parser_callback_t note_keys = [&top_keys](int depth, json::parse_event_t event, json& parsed) {
+    if (depth == 1 && event == json::parse_event_t::key) top_keys.push_back(parsed.get<std::string>());
+    return true;
+  };
   const json header = json::parse(bytes.begin() + 8, bytes.begin() + 8 + static_cast<std::ptrdiff_t>(n),
-                                  nullptr, /*allow_exceptions=*/false);
+                                  note_keys, /*allow_exceptions=*/false);
   DDM_CHECK(!header.is_discarded(), origin << ": header is not valid JSON");
+  std::sort(top_keys.begin(), top_keys.end());
+  const auto dup = std::adjacent_find(top_keys.begin(), top_keys.end());
+  DDM_CHECK(dup == top_keys.end(), origin << ": tensor '" << *dup << "' appears twice in the header");
   DDM_CHECK(header.is_object(), origin << ": header must be a JSON object");
 
   const uint64_t data_size = bytes.size() - 8 - n;

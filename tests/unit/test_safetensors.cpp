@@ -177,6 +177,10 @@ TEST(Safetensors, RejectsBadHeaders) {
                {"gap of 4 bytes before tensor 'b'"});
   expect_error(make_file(one(R"({"dtype":"F32","shape":[1],"data_offsets":[0,4]})"), eight),
                {"4 bytes after the last tensor 'w'"});
+  expect_error(make_file(R"({"w":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},)"
+                         R"("w":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})",
+                         four),
+               {"tensor 'w' appears twice"});
   expect_error(make_file(R"({"__metadata__":{"k":1}})", ""), {"'__metadata__' key 'k' must be a string"});
   expect_error(make_file(one(R"({"dtype":"BOOL","shape":[2],"data_offsets":[0,2]})"), std::string("\x01\x02", 2)),
                {"'w'", "BOOL", "must be 0 or 1"});
