@@ -1,0 +1,169 @@
+// load_dataset (Fashion-MNIST IDX files, image folders, safetensors files), pixel-range
+// conversions, and BatchLoader, the seeded epoch-wise shuffling loader whose batches are a pure
+// function of (seed, cursor).
+#include "data/dataset.h"
+
+#include <algorithm>
+#include <filesystem>
+#include <vector>
+
+#include "core/error.h"
+#include "core/rng.h"
+#include "data/idx.h"
+#include "data/image_folder.h"
+#include "data/tensor_file.h"
+
+namespace ddm {
+namespace {
+
+const char* kFashionClasses[] = {"T-shirt/top", "Trouser", "Pullover", "Dress", "Coat",
+                                 "Sandal",      "Shirt",   "Sneaker",  "Bag",   "Ankle boot"};
+
+const char* kInstallHint =
+    "install the Debian package dataset-fashion-mnist (apt-get install dataset-fashion-mnist) or set data.root";
+
+// "<root>/<stem>.gz", or the unpacked "<root>/<stem>" when only that exists.
+std::string fashion_file(const std::string& root, const std::string& stem) {
+  const std::string gz = root + "/" + stem + ".gz";
+  std::error_code ec;
+  if (std::filesystem::exists(gz, ec)) return gz;
+  if (std::filesystem::exists(root + "/" + stem, ec)) return root + "/" + stem;
+  DDM_FAIL("Fashion-MNIST file " << gz << " not found: " << kInstallHint);
+}
+
+Dataset load_fashion_mnist(const DataConfig& cfg) {
+  const std::string root = cfg.root.empty() ? kFashionMnistRoot : cfg.root;
+  DDM_CHECK(cfg.split == "train" || cfg.split == "test",
+            "data.split is '" << cfg.split << "'; Fashion-MNIST has the splits train and test");
+  std::error_code ec;
+  DDM_CHECK(std::filesystem::is_directory(root, ec),
+            "Fashion-MNIST directory " << root << " not found: " << kInstallHint);
+  const std::string prefix = cfg.split == "train" ? "train" : "t10k";
+  const std::string img_path = fashion_file(root, prefix + "-images-idx3-ubyte");
+  const std::string lab_path = fashion_file(root, prefix + "-labels-idx1-ubyte");
+
+  Dataset ds;
+  ds.images = read_idx_images(img_path);
+  ds.labels = read_idx_labels(lab_path);
+  DDM_CHECK(ds.images.size(0) == ds.labels.size(0),
+            img_path << " has " << ds.images.size(0) << " images but " << lab_path << " has "
+                     << ds.labels.size(0) << " labels; the files do not belong together");
+  DDM_CHECK(ds.labels.numel() == 0 || ds.labels.max().item<int64_t>() < 10,
+            lab_path << ": label " << ds.labels.max().item<int64_t>() << " is out of range 0..9");
+  ds.num_classes = 10;
+  ds.class_names.assign(std::begin(kFashionClasses), std::end(kFashionClasses));
+  ds.description = "fashion-mnist " + cfg.split;
+  return ds;
+}
+
+std::string shape_text(const torch::Tensor& images) {
+  return std::to_string(images.size(1)) + "x" + std::to_string(images.size(2)) + "x" +
+         std::to_string(images.size(3));
+}
+
+}  // namespace
+
+Dataset load_dataset(const DataConfig& cfg) {
+  DDM_CHECK(cfg.limit >= 0, "data.limit is " << cfg.limit << "; it must be >= 0 (0 = all images)");
+  Dataset ds;
+  if (cfg.source == "fashion-mnist") {
+    ds = load_fashion_mnist(cfg);
+  } else if (cfg.source == "folder") {
+    ds = load_image_folder(cfg.root);
+  } else if (cfg.source == "safetensors") {
+    ds = load_tensor_file(cfg.root);
+  } else {
+    DDM_FAIL("data.source is '" << cfg.source << "'; choose fashion-mnist, folder or safetensors");
+  }
+  DDM_CHECK(ds.images.dim() == 4 && ds.images.size(0) > 0, ds.description << ": the dataset has no images");
+  DDM_CHECK(ds.labels.dim() == 1 && ds.labels.size(0) == ds.images.size(0),
+            ds.description << ": " << ds.images.size(0) << " images but " << ds.labels.size(0) << " labels");
+  if (cfg.limit > 0 && cfg.limit < ds.images.size(0)) {
+    ds.images = ds.images.slice(0, 0, cfg.limit).contiguous();
+    ds.labels = ds.labels.slice(0, 0, cfg.limit).contiguous();
+  }
+  if (cfg.source == "fashion-mnist") {
+    ds.description += ": " + std::to_string(ds.images.size(0)) + " x " + shape_text(ds.images) + ", 10 classes";
+  } else if (cfg.limit > 0) {
+    ds.description += " (first " + std::to_string(ds.images.size(0)) + ")";
+  }
+  return ds;
+}
+
+torch::Tensor to_unit_range(const torch::Tensor& images_u8) {
+  DDM_CHECK(images_u8.scalar_type() == torch::kUInt8,
+            "to_unit_range expects uint8 images, got " << images_u8.scalar_type());
+  return images_u8.to(torch::kFloat32).div_(127.5).sub_(1.0);  // 0 -> -1, 255 -> 1 exactly
+}
+
+torch::Tensor to_uint8(const torch::Tensor& images) {
+  return images.detach().to(torch::kFloat32).add(1.0).mul_(127.5).round_().clamp_(0, 255).to(torch::kUInt8);
+}
+
+BatchLoader::BatchLoader(const Dataset& data, int64_t batch_size, uint64_t seed, bool hflip)
+    : data_(data), batch_size_(batch_size), seed_(seed), hflip_(hflip) {
+  DDM_CHECK(batch_size > 0, "batch size must be > 0, got " << batch_size);
+  DDM_CHECK(data.images.defined() && data.images.dim() == 4 && data.images.size(0) > 0 &&
+                data.images.scalar_type() == torch::kUInt8,
+            "BatchLoader needs a non-empty dataset of uint8 [N,C,H,W] images");
+  DDM_CHECK(data.labels.defined() && data.labels.dim() == 1 && data.labels.size(0) == data.images.size(0),
+            "BatchLoader: the dataset has " << data.images.size(0) << " images but "
+                                            << (data.labels.defined() ? data.labels.numel() : 0) << " labels");
+}
+
+void BatchLoader::set_cursor(const Cursor& c) {
+  const int64_t n = data_.images.size(0);
+  DDM_CHECK(c.epoch >= 0 && c.index >= 0 && c.index < n,
+            "data cursor (epoch " << c.epoch << ", index " << c.index << ") is out of range for a dataset of "
+                                  << n << " images; the checkpoint belongs to a different dataset or data.limit");
+  cursor_ = c;
+}
+
+void BatchLoader::ensure_perm() {
+  if (perm_epoch_ == cursor_.epoch) return;
+  at::Generator gen = make_generator(
+      derive_seed({seed_, static_cast<uint64_t>(RngPurpose::kDataOrder), static_cast<uint64_t>(cursor_.epoch)}));
+  perm_ = torch::randperm(data_.images.size(0), gen, torch::TensorOptions().dtype(torch::kInt64));
+  perm_epoch_ = cursor_.epoch;
+}
+
+Batch BatchLoader::next() {
+  const int64_t n = data_.images.size(0);
+  std::vector<torch::Tensor> pieces;
+  std::vector<uint8_t> flip;
+  if (hflip_) flip.reserve(static_cast<size_t>(batch_size_));
+  int64_t need = batch_size_;
+  while (need > 0) {
+    ensure_perm();
+    const int64_t take = std::min(need, n - cursor_.index);
+    pieces.push_back(perm_.slice(0, cursor_.index, cursor_.index + take));
+    if (hflip_) {
+      // One fair coin per (seed, epoch, position), from the same SplitMix hash that seeds generators.
+      for (int64_t i = cursor_.index; i < cursor_.index + take; ++i) {
+        const uint64_t h = derive_seed({seed_, static_cast<uint64_t>(RngPurpose::kFlip),
+                                        static_cast<uint64_t>(cursor_.epoch), static_cast<uint64_t>(i)});
+        flip.push_back(static_cast<uint8_t>(h >> 63));
+      }
+    }
+    need -= take;
+    cursor_.index += take;
+    if (cursor_.index == n) {
+      cursor_.epoch += 1;
+      cursor_.index = 0;
+    }
+  }
+  const torch::Tensor idx = pieces.size() == 1 ? pieces[0] : torch::cat(pieces);
+  torch::Tensor x = data_.images.index_select(0, idx);  // uint8 [B, C, H, W]
+  if (hflip_) {
+    const torch::Tensor mask = torch::from_blob(flip.data(), {batch_size_}, torch::TensorOptions().dtype(torch::kUInt8))
+                                   .to(torch::kBool)
+                                   .view({batch_size_, 1, 1, 1});
+    x = torch::where(mask, x.flip({3}), x);
+  }
+  Batch b;
+  b.x = to_unit_range(x);                        // float [B, C, H, W] in [-1, 1]
+  b.y = data_.labels.index_select(0, idx);       // int64 [B]
+  return b;
+}
+
+}  // namespace ddm

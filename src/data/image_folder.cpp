@@ -1,0 +1,125 @@
+// Image-folder datasets (see image_folder.h). stb_image's implementation lives in libstb.so, so
+// this file only includes the declarations (no STB_IMAGE_IMPLEMENTATION).
+#include "data/image_folder.h"
+
+#include <stb_image.h>
+
+#include <algorithm>
+#include <cctype>
+#include <cstring>
+#include <filesystem>
+#include <memory>
+
+#include "core/error.h"
+
+namespace ddm {
+namespace fs = std::filesystem;
+namespace {
+
+struct StbFree {
+  void operator()(unsigned char* p) const { stbi_image_free(p); }
+};
+
+// Sorted names of entries in `dir` that are directories (want_dirs) or regular files, skipping
+// hidden entries.
+std::vector<std::string> list_sorted(const std::string& dir, bool want_dirs) {
+  std::vector<std::string> names;
+  std::error_code ec;
+  for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    if (name.empty() || name[0] == '.') continue;
+    std::error_code ec2;
+    const bool is_dir = it->is_directory(ec2);
+    if (want_dirs ? is_dir : (!is_dir && it->is_regular_file(ec2))) names.push_back(name);
+  }
+  DDM_CHECK(!ec, dir << ": cannot list directory: " << ec.message());
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+std::string shape_str(const torch::Tensor& chw) {
+  return std::to_string(chw.size(0)) + "x" + std::to_string(chw.size(1)) + "x" + std::to_string(chw.size(2));
+}
+
+}  // namespace
+
+bool is_image_file_name(const std::string& name) {
+  static const char* kExt[] = {".png", ".jpg", ".jpeg", ".bmp", ".tga", ".gif", ".psd",
+                               ".pnm", ".ppm", ".pgm", ".hdr", ".pic"};
+  std::string lower = name;
+  std::transform(lower.begin(), lower.end(), lower.begin(), [](unsigned char c) { return std::tolower(c); });
+  for (const char* e : kExt) {
+    const size_t n = std::strlen(e);
+    if (lower.size() > n && lower.compare(lower.size() - n, n, e) == 0) return true;
+  }
+  return false;
+}
+
+torch::Tensor read_image(const std::string& path) {
+  int w = 0, h = 0, c = 0;
+  std::unique_ptr<unsigned char, StbFree> pixels(stbi_load(path.c_str(), &w, &h, &c, 0));
+  if (!pixels) {
+    const char* reason = stbi_failure_reason();
+    DDM_FAIL(path << ": cannot decode image: " << (reason ? reason : "unknown reason")
+                  << " (is it a valid PNG/JPEG/BMP/TGA/GIF file? replace or remove it)");
+  }
+  DDM_CHECK(w > 0 && h > 0 && c >= 1 && c <= 4, path << ": decoded to an unusable shape " << w << "x" << h
+                                                      << " with " << c << " channels");
+  auto hwc = torch::from_blob(pixels.get(), {h, w, c}, torch::TensorOptions().dtype(torch::kUInt8));
+  return hwc.permute({2, 0, 1}).contiguous();  // copies out of stb's buffer: [C, H, W]
+}
+
+Dataset load_image_folder(const std::string& root) {
+  DDM_CHECK(!root.empty(), "data.root is empty: set it to a folder with one sub-folder of images per class");
+  std::error_code ec;
+  DDM_CHECK(fs::is_directory(root, ec), root << ": image folder not found (set data.root to a directory "
+                                             << "with one sub-folder of images per class)");
+
+  Dataset ds;
+  std::vector<std::pair<std::string, int64_t>> files;  // (path, label)
+  const std::vector<std::string> classes = list_sorted(root, /*want_dirs=*/true);
+  if (classes.empty()) {
+    for (const auto& f : list_sorted(root, false))
+      if (is_image_file_name(f)) files.emplace_back(root + "/" + f, 0);
+  } else {
+    for (const auto& f : list_sorted(root, false)) {
+      DDM_CHECK(!is_image_file_name(f), root << "/" << f << ": image next to class sub-folders; move it into "
+                                             << "the sub-folder of its class (or remove it)");
+    }
+    for (size_t k = 0; k < classes.size(); ++k) {
+      const std::string dir = root + "/" + classes[k];
+      size_t before = files.size();
+      for (const auto& f : list_sorted(dir, false))
+        if (is_image_file_name(f)) files.emplace_back(dir + "/" + f, static_cast<int64_t>(k));
+      DDM_CHECK(files.size() > before, dir << ": class folder '" << classes[k] << "' contains no images "
+                                           << "(add images or remove the folder)");
+    }
+    ds.num_classes = static_cast<int64_t>(classes.size());
+    ds.class_names = classes;
+  }
+  DDM_CHECK(!files.empty(), root << ": no images found (expected .png/.jpg/... files, in one sub-folder per "
+                                 << "class or directly in the folder)");
+
+  const int64_t n = static_cast<int64_t>(files.size());
+  torch::Tensor first = read_image(files[0].first);
+  ds.images = torch::empty({n, first.size(0), first.size(1), first.size(2)},
+                           torch::TensorOptions().dtype(torch::kUInt8));
+  ds.images[0].copy_(first);
+  ds.labels = torch::empty({n}, torch::TensorOptions().dtype(torch::kInt64));
+  auto lab = ds.labels.accessor<int64_t, 1>();
+  lab[0] = files[0].second;
+  for (int64_t i = 1; i < n; ++i) {
+    torch::Tensor img = read_image(files[i].first);
+    DDM_CHECK(img.sizes() == first.sizes(),
+              files[i].first << ": image is " << shape_str(img) << " (channels x height x width) but "
+                             << files[0].first << " is " << shape_str(first)
+                             << "; all images in a folder dataset must share size and channel count");
+    ds.images[i].copy_(img);
+    lab[i] = files[i].second;
+  }
+  ds.description = "folder " + root + ": " + std::to_string(n) + " x " + shape_str(first) + ", " +
+                   (ds.num_classes ? std::to_string(ds.num_classes) + " classes" : std::string("unlabeled"));
+  return ds;
+}
+
+}  // namespace ddm

@@ -1,0 +1,24 @@
+// Loading a folder of images into a Dataset: one sub-folder per class (class names are the sorted
+// sub-folder names, labels their index), or images directly in the folder for an unlabeled set.
+// Files are decoded with stb_image (PNG, JPEG, BMP, TGA, GIF, PSD, PNM, HDR) from Debian's libstb.
+#pragma once
+#include <string>
+#include <vector>
+
+#include "data/dataset.h"
+
+namespace ddm {
+
+// True for file names whose extension stb_image decodes (case-insensitive).
+bool is_image_file_name(const std::string& name);
+
+// Decodes one image to uint8 [C, H, W] with its native channel count (1 gray, 2 gray+alpha, 3 RGB,
+// 4 RGBA). Throws ddm::Error naming the file and stb's reason when it cannot be decoded.
+torch::Tensor read_image(const std::string& path);
+
+// Loads every image under `root`. Images inside a class folder are taken in sorted file-name order;
+// files without an image extension and hidden entries (".*") are skipped. All images must have the
+// same size and channel count; the first one that differs is named in the error.
+Dataset load_image_folder(const std::string& root);
+
+}  // namespace ddm
