@@ -8,6 +8,34 @@
 
 namespace ddm {
 
+std::vector<double> time_grid(const NoisePath& path, int64_t steps) {
+  std::vector<double> grid(static_cast<size_t>(steps) + 1);
+  if (path.kind() == PathKind::kFlow) {
+    for (int64_t i = 0; i <= steps; ++i) grid[i] = 1.0 - static_cast<double>(i) / steps;
+    return grid;
+  }
+  // EDM (Karras et al. 2022) rho-schedule in r = sigma / alpha, mapped back to t by bisection
+  // (r is increasing in t); the last point is t = 0.
+  const double rho = 7.0, r_max = path.sigma(1.0) / path.alpha(1.0), r_min = 0.002;
+  auto t_of = [&](double r) {
+    double lo = 0.0, hi = 1.0;
+    for (int k = 0; k < 60; ++k) {
+      const double mid = 0.5 * (lo + hi);
+      (path.sigma(mid) / path.alpha(mid) < r ? lo : hi) = mid;
+    }
+    return 0.5 * (lo + hi);
+  };
+  grid[0] = 1.0;
+  for (int64_t i = 1; i < steps; ++i) {
+    const double f = static_cast<double>(i) / (steps - 1);
+    const double r = std::pow(std::pow(r_max, 1 / rho) + f * (std::pow(r_min, 1 / rho) - std::pow(r_max, 1 / rho)), rho);
+    grid[i] = t_of(r);
+  }
+  grid[steps] = 0.0;
+  if (steps == 1) grid[1] = 0.0;
+  return grid;
+}
+
 int64_t sampler_nfe(const std::string& sampler, int64_t steps) {
   return sampler == "heun" ? 2 * steps - 1 : steps;
 }
@@ -25,9 +53,9 @@ SampleResult sample(const Denoiser& den, const torch::Tensor& x1, const torch::T
   auto x = x1.clone();  // [N,C,H,W]
   auto tvec = [&](double t) { return torch::full({n}, t, x.options()); };
 
+  const std::vector<double> grid = time_grid(path, opt.steps);
   for (int64_t i = 0; i < opt.steps; ++i) {
-    const double t = 1.0 - static_cast<double>(i) / opt.steps;
-    const double t_next = 1.0 - static_cast<double>(i + 1) / opt.steps;
+    const double t = grid[i], t_next = grid[i + 1];
     const double h = t_next - t;  // negative
     if (kind == "euler" || kind == "heun") {
       auto v = den.velocity(x, tvec(t), y, opt.cfg);  // [N,C,H,W]

@@ -106,8 +106,9 @@ TEST(Train, ResumeAfterKillIsBitIdentical) {
   ASSERT_TRUE(at_kill.has_value());
   auto res = test::run_ddm("train --config " + cfg + sets + " --out " + out + " --resume");
   ASSERT_EQ(res.exit_code, 0) << res.output;
-  if (*at_kill != out + "/ckpt/step-00000200")
+  if (*at_kill != out + "/ckpt/step-00000200") {
     EXPECT_NE(res.output.find("resuming from"), std::string::npos) << res.output;
+  }
 
   EXPECT_EQ(loss_lines(dir / "ref/metrics.jsonl"), loss_lines(out + "/metrics.jsonl"));
   auto a = read_checkpoint(dir / "ref/ckpt/step-00000200"), b = read_checkpoint(out + "/ckpt/step-00000200");
