@@ -18,6 +18,7 @@
 #include "train/checkpoint.h"
 #include "train/optimizer.h"
 #include "train/progress.h"
+#include "train/step.h"
 
 namespace fs = std::filesystem;
 
@@ -26,16 +27,6 @@ namespace {
 
 std::atomic<int> g_signal{0};
 void on_signal(int sig) { g_signal = sig; }
-
-double lr_at(const TrainConfig& t, int64_t step) {  // step is 0-based
-  double lr = t.lr;
-  if (t.warmup > 0 && step < t.warmup) return lr * static_cast<double>(step + 1) / t.warmup;
-  if (t.lr_schedule == "cosine") {
-    const double p = static_cast<double>(step - t.warmup) / std::max<int64_t>(1, t.steps - t.warmup);
-    lr *= 0.5 * (1.0 + std::cos(3.14159265358979323846 * std::min(1.0, p)));
-  }
-  return lr;
-}
 
 // Keys that may differ between a run and its resumption.
 RunConfig normalized_for_resume(RunConfig c) {
@@ -127,12 +118,11 @@ TrainSummary train(RunConfig cfg, const TrainOptions& opt) {
   torch::manual_seed(derive_seed({seed, static_cast<uint64_t>(RngPurpose::kInit)}));
   Net net = make_net(cfg.model);
   net->train();
-  FlatAdamW optim(*net, {tc.beta1, tc.beta2, tc.adam_eps, tc.weight_decay});
+  DiffusionStep stepper(cfg, net);
+  FlatAdamW& optim = stepper.optim();
   BatchLoader loader(data, tc.batch_size, derive_seed({seed, static_cast<uint64_t>(RngPurpose::kDataOrder)}),
                      cfg.data.hflip);
   const NoisePath path = make_path(cfg.diffusion);
-  const Prediction pred = prediction_for(cfg.diffusion);
-  const int64_t num_classes = cfg.model.num_classes;
 
   TrainSummary summary;
   int64_t step = 0;
@@ -196,42 +186,15 @@ TrainSummary train(RunConfig cfg, const TrainOptions& opt) {
   } restore{old_int, old_term};
 
   while (step < tc.steps) {
-    const uint64_t s = static_cast<uint64_t>(step);
     Batch batch = loader.next();
     const int64_t b = batch.x.size(0);
-    auto gen_noise = make_generator(derive_seed({seed, static_cast<uint64_t>(RngPurpose::kNoise), s}));
-    auto gen_time = make_generator(derive_seed({seed, static_cast<uint64_t>(RngPurpose::kTime), s}));
-    auto gen_drop = make_generator(derive_seed({seed, static_cast<uint64_t>(RngPurpose::kLabelDrop), s}));
-    auto eps = torch::randn(batch.x.sizes(), gen_noise);  // [B,C,H,W]
-    auto t = sample_time(cfg.diffusion, b, gen_time);     // [B]
-    auto y = batch.y;                                     // [B]
-    if (num_classes == 0) {
-      y = torch::zeros({b}, torch::kLong);
-    } else if (tc.label_dropout > 0) {
-      auto drop = torch::rand({b}, gen_drop) < tc.label_dropout;  // [B] bool
-      y = torch::where(drop, torch::full_like(y, num_classes), y);
-    }
-    auto xt = path.alpha(t).view({-1, 1, 1, 1}) * batch.x + path.sigma(t).view({-1, 1, 1, 1}) * eps;  // [B,C,H,W]
-    auto target = training_target(path, pred, batch.x, eps, t);                                      // [B,C,H,W]
-
-    optim.zero_grad();
-    auto out = net->forward(xt, t, y);                    // [B,C,H,W]
-    auto loss = torch::mse_loss(out, target);             // []
-    const double loss_val = loss.item<double>();
-    DDM_CHECK(std::isfinite(loss_val),
-              "step " << step + 1 << ": the loss is " << loss_val << "; training stopped. The last good checkpoint ("
-                      << last_ckpt << ") is intact. Lower train.lr (now " << tc.lr
-                      << ") or set train.grad_clip, then --resume");
-    loss.backward();
-    const double gnorm = optim.clip_grad_norm(tc.grad_clip);
-    DDM_CHECK(std::isfinite(gnorm), "step " << step + 1 << ": the gradient norm is " << gnorm
-                                            << "; training stopped. The last good checkpoint (" << last_ckpt
-                                            << ") is intact. Lower train.lr or set train.grad_clip, then --resume");
-    const double lr = lr_at(tc, step);
-    optim.step(lr);
-    // EMA with the usual warm-up so short runs are not dominated by the initial weights.
-    const double decay = std::min(tc.ema_decay, (1.0 + optim.step_count()) / (10.0 + optim.step_count()));
-    optim.ema_update(decay);
+    const StepResult r = stepper.run(batch, step);
+    DDM_CHECK(r.finite, "step " << step + 1 << ": the " << (std::isfinite(r.loss) ? "gradient norm" : "loss") << " is "
+                                << (std::isfinite(r.loss) ? r.grad_norm : r.loss)
+                                << "; training stopped. The last good checkpoint (" << last_ckpt
+                                << ") is intact. Lower train.lr (now " << tc.lr
+                                << ") or set train.grad_clip, then --resume");
+    const double loss_val = r.loss, lr = r.lr, gnorm = r.grad_norm;
     ++step;
 
     progress.step(step, loss_val, lr, gnorm, b);

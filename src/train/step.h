@@ -1,0 +1,41 @@
+// One optimization step of diffusion training — noise, times, label dropout, forward, loss,
+// backward, clipping, AdamW, EMA — shared by the trainer and the training benchmark so that the
+// benchmark measures exactly what training runs. All randomness comes from (seed, step).
+#pragma once
+#include <cstdint>
+
+#include "core/config.h"
+#include "data/dataset.h"
+#include "diffusion/denoiser.h"
+#include "model/net.h"
+#include "train/optimizer.h"
+
+namespace ddm {
+
+struct StepResult {
+  double loss = 0;
+  double grad_norm = 0;  // before clipping
+  double lr = 0;
+  bool finite = true;    // false: loss or gradient not finite; no weight was changed
+};
+
+// Learning rate at a 0-based step: linear warm-up, then constant or cosine decay to 0.
+double lr_at(const TrainConfig& t, int64_t step);
+
+class DiffusionStep {
+ public:
+  // cfg.model must be resolved (in_channels, image_size, num_classes); net built from it.
+  DiffusionStep(const RunConfig& cfg, Net net);
+  StepResult run(const Batch& batch, int64_t step);
+  FlatAdamW& optim() { return optim_; }
+  const Net& net() const { return net_; }
+
+ private:
+  RunConfig cfg_;
+  Net net_;
+  FlatAdamW optim_;
+  NoisePath path_;
+  Prediction pred_;
+};
+
+}  // namespace ddm
