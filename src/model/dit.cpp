@@ -75,7 +75,9 @@ torch::Tensor DiTImpl::forward(const torch::Tensor& x, const torch::Tensor& t, c
   const int64_t C = cfg_.in_channels, S = cfg_.image_size, p = cfg_.patch;
   DDM_CHECK(x.dim() == 4 && x.size(1) == C && x.size(2) == S && x.size(3) == S,
             "DiT: expected x [B, " << C << ", " << S << ", " << S << "], got " << x.sizes());
-  auto h = patch_embed_(patchify(x, p)) + pos_;                  // [B, N, W]
+  const int64_t B = x.size(0), N = pos_.size(1);
+  auto tok = patchify(x, p).reshape({B * N, C * p * p});         // [B N, C p p]
+  auto h = patch_embed_(tok).view({B, N, -1}) + pos_;            // [B, N, W]
   auto c = time_(t);                                             // [B, W]
   if (label_) {
     DDM_CHECK(y.defined(), "DiT: class labels y are required (model.num_classes = " << cfg_.num_classes << ")");

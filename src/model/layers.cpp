@@ -148,17 +148,20 @@ DiTBlockImpl::DiTBlockImpl(int64_t width, int64_t heads, double mlp_ratio) : wid
 }
 
 torch::Tensor DiTBlockImpl::forward(const torch::Tensor& x, const torch::Tensor& c_act) {
-  const int64_t B = x.size(0), N = x.size(1), d = width_ / heads_;
-  auto m = ada_(c_act).unsqueeze(1).chunk(6, -1);                  // 6 x [B, 1, W]
-  auto h = torch::addcmul(m[0], norm1_(x), m[1] + 1.0);             // [B, N, W]
-  auto qkv = qkv_(h).reshape({B, N, 3, heads_, d})                  // [B, N, 3, h, d]
-                 .permute({2, 0, 3, 1, 4});                         // [3, B, h, N, d]
-  auto a = attention(qkv[0], qkv[1], qkv[2]);                       // [B, h, N, d]
-  a = proj_(a.transpose(1, 2).reshape({B, N, width_}));             // [B, N, W]
-  auto out = torch::addcmul(x, m[2], a);                            // [B, N, W]
-  h = torch::addcmul(m[3], norm2_(out), m[4] + 1.0);                // [B, N, W]
-  h = fc2_(torch::gelu(fc1_(h), "tanh"));                           // [B, N, hidden] -> [B, N, W]
-  return torch::addcmul(out, m[5], h);                              // [B, N, W]
+  // Linears run on 2-D [B N, W] views so LibTorch takes the fused addmm path (bias included).
+  const int64_t B = x.size(0), N = x.size(1), W = width_, d = W / heads_;
+  auto m = ada_(c_act).unsqueeze(1).chunk(6, -1);                      // 6 x [B, 1, W]
+  auto h = torch::addcmul(m[0], norm1_(x), m[1] + 1.0);                // [B, N, W]
+  auto qkv = qkv_(h.view({B * N, W})).view({B, N, 3, heads_, d})       // [B, N, 3, h, d]
+                 .unbind(2);                                           // 3 x [B, N, h, d]
+  auto a = attention(qkv[0].transpose(1, 2), qkv[1].transpose(1, 2),
+                     qkv[2].transpose(1, 2));                          // [B, h, N, d]
+  a = proj_(a.transpose(1, 2).reshape({B * N, W})).view({B, N, W});    // [B, N, W]
+  auto out = torch::addcmul(x, m[2], a);                               // [B, N, W]
+  h = torch::addcmul(m[3], norm2_(out), m[4] + 1.0);                   // [B, N, W]
+  h = torch::gelu(fc1_(h.view({B * N, W})));                           // [B N, hidden]
+  h = fc2_(h).view({B, N, W});                                         // [B, N, W]
+  return torch::addcmul(out, m[5], h);                                 // [B, N, W]
 }
 
 DiTFinalLayerImpl::DiTFinalLayerImpl(int64_t width, int64_t out_dim) {
@@ -170,9 +173,10 @@ DiTFinalLayerImpl::DiTFinalLayerImpl(int64_t width, int64_t out_dim) {
 }
 
 torch::Tensor DiTFinalLayerImpl::forward(const torch::Tensor& x, const torch::Tensor& c_act) {
-  auto m = ada_(c_act).unsqueeze(1).chunk(2, -1);                   // 2 x [B, 1, W]
-  auto h = torch::addcmul(m[0], norm_(x), m[1] + 1.0);              // [B, N, W]
-  return linear_(h);                                                // [B, N, out_dim]
+  const int64_t B = x.size(0), N = x.size(1);
+  auto m = ada_(c_act).unsqueeze(1).chunk(2, -1);                      // 2 x [B, 1, W]
+  auto h = torch::addcmul(m[0], norm_(x), m[1] + 1.0);                 // [B, N, W]
+  return linear_(h.view({B * N, x.size(2)})).view({B, N, -1});         // [B, N, out_dim]
 }
 
 }  // namespace ddm

@@ -1,10 +1,10 @@
 // Named model presets sized for CPU training on 28x28x1 images (see presets.h).
-// Parameter counts and FLOPs for 28x28x1 with 10 classes are listed in the report of
-// tests/unit/test_model.cpp (PresetsReport) and docs; approximate values:
-//   unet-tiny   ~0.52M params  U-Net 32/64/64, 1 res block per level, 28 -> 14 -> 7, no attention
-//   unet-small  ~3.3M  params  U-Net 64/128/128, 2 res blocks per level, attention at 7x7
-//   dit-tiny    ~0.82M params  DiT patch 4 (49 tokens), width 128, depth 4, 4 heads
-//   dit-small   ~2.7M  params  DiT patch 2 (196 tokens), width 192, depth 6, 6 heads
+// Sizes for 28x28x1 with 10 classes (count_params / forward_flops_per_image, forward FLOPs per image):
+//   unet-tiny   0.49M params, 0.20 GFLOP  U-Net 32/64/64, 1 res block per level, 28 -> 14 -> 7
+//   unet-small  3.61M params, 1.46 GFLOP  U-Net 64/128/128, 2 res blocks per level, attention at 7x7
+//   dit-tiny    1.28M params, 0.08 GFLOP  DiT patch 4 (49 tokens), width 128, depth 4, 4 heads
+//   dit-small   4.16M params, 1.22 GFLOP  DiT patch 2 (196 tokens), width 192, depth 6, 6 heads
+// unet-tiny has the shape of the 538k-parameter reference U-Net in docs/architecture.md.
 #include "model/presets.h"
 
 #include <functional>

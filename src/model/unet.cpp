@@ -90,8 +90,9 @@ UNetImpl::UNetImpl(const ModelConfig& cfg) : cfg_(cfg) {
   up_.assign(L - 1, nn::Conv2d(nullptr));
   dec_.resize(L - 1);
   for (size_t l = L - 1; l-- > 0;) {
-    up_[l] = register_module("up" + std::to_string(l), conv3(cur, cur, 1));
     const int64_t ch = level_channels(cfg, l);
+    up_[l] = register_module("up" + std::to_string(l), conv3(cur, ch, 1));
+    cur = ch;
     for (int64_t j = 0; j < cfg.res_blocks; ++j) {
       const int64_t skip = skip_ch[l][cfg.res_blocks - 1 - j];
       dec_[l].push_back(make_stage("dec" + std::to_string(l) + "_" + std::to_string(j), cur + skip, ch, l));
@@ -132,7 +133,7 @@ torch::Tensor UNetImpl::forward(const torch::Tensor& x, const torch::Tensor& t, 
   for (auto& s : mid_) h = run(s, h, emb_act);                   // [B, c_{L-1}, S_{L-1}, S_{L-1}]
   for (size_t l = dec_.size(); l-- > 0;) {
     h = torch::upsample_nearest2d(h, {h.size(2) * 2, h.size(3) * 2});  // [B, c_{l+1}, S_l, S_l]
-    h = up_[l](h);                                               // [B, c_{l+1}, S_l, S_l]
+    h = up_[l](h);                                               // [B, c_l, S_l, S_l]
     for (auto& s : dec_[l]) {
       h = torch::cat({h, skips.back()}, 1);                      // [B, c + c_l, S_l, S_l]
       skips.pop_back();
@@ -171,8 +172,9 @@ double unet_forward_flops(const ModelConfig& cfg) {
     f += stage(cur, level_channels(cfg, L - 1), s, L - 1);
   for (size_t l = L - 1; l-- > 0;) {
     s *= 2;
-    f += flops::conv2d(cur, cur, 3, s, s);
     const int64_t ch = level_channels(cfg, l);
+    f += flops::conv2d(cur, ch, 3, s, s);
+    cur = ch;
     for (int64_t j = 0; j < cfg.res_blocks; ++j, cur = ch) f += stage(cur + ch, ch, s, l);
   }
   f += flops::conv2d(cur, cfg.in_channels, 3, s, s);

@@ -5,8 +5,9 @@
 //   in_conv 3x3
 //   encoder, l = 0..L-2: res_blocks x (ResBlock [+ attention]) each pushing a skip; conv 3x3 stride 2
 //   bottleneck, l = L-1: res_blocks x (ResBlock [+ attention])
-//   decoder, l = L-2..0: nearest x2 upsample + conv 3x3; res_blocks x (concat skip, ResBlock
-//                        [+ attention])
+//   decoder, l = L-2..0: nearest x2 upsample + conv 3x3 to the level's channels (cheaper at full
+//                        resolution than keeping the coarser level's width); res_blocks x
+//                        (concat skip, ResBlock [+ attention])
 //   out: GroupNorm, SiLU, conv 3x3 (zero-initialized, so the net outputs exactly 0 at init)
 // Attention is added at the levels listed in attn_levels, with cfg.heads heads. Conditioning:
 // emb = TimeEmbedder(t) (+ LabelEmbedder(y) when num_classes > 0), emb_dim = 4 * channels; each

@@ -330,6 +330,22 @@ TEST(Counting, FlopsMatchHandCounts) {
   EXPECT_EQ(forward_flops_per_image(unet), unet_hand);
   EXPECT_EQ(make_net(unet)->forward(torch::randn({1, 1, 2, 2}), torch::rand({1}), {}).sizes(),
             (std::vector<int64_t>{1, 1, 2, 2}));
+
+  // Two levels (4x4 -> 2x2), attention (1 head) at level 1: exercises down, up, skip and attention.
+  unet.image_size = 4, unet.channel_mult = {1, 1}, unet.attn_levels = {1}, unet.heads = 1;
+  const double two_level_hand = (2.0 * 2 * 8 + 2.0 * 8 * 8)            // time MLP
+                                + 2.0 * 1 * 2 * 9 * 16                 // in conv, 4x4
+                                + (2 * 2.0 * 2 * 2 * 9 * 16 + 2.0 * 8 * 4)  // enc ResBlock, 4x4
+                                + 2.0 * 2 * 2 * 9 * 4                  // down conv -> 2x2
+                                + (2 * 2.0 * 2 * 2 * 9 * 4 + 2.0 * 8 * 4)   // mid ResBlock, 2x2
+                                + (2.0 * 2 * 6 * 4 + 4.0 * 4 * 4 * 2 + 2.0 * 2 * 2 * 4)  // attention
+                                + 2.0 * 2 * 2 * 9 * 16                 // up conv, 4x4
+                                + (2.0 * 4 * 2 * 9 * 16 + 2.0 * 2 * 2 * 9 * 16 + 2.0 * 8 * 4 +
+                                   2.0 * 4 * 2 * 16)                   // dec ResBlock 4 -> 2 (+1x1 skip)
+                                + 2.0 * 2 * 1 * 9 * 16;                // out conv
+  EXPECT_EQ(forward_flops_per_image(unet), two_level_hand);
+  EXPECT_EQ(make_net(unet)->forward(torch::randn({1, 1, 4, 4}), torch::rand({1}), {}).sizes(),
+            (std::vector<int64_t>{1, 1, 4, 4}));
 }
 
 }  // namespace
