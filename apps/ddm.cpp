@@ -12,6 +12,7 @@
 #include "core/config.h"
 #include "core/error.h"
 #include "core/fileio.h"
+#include "core/runtime.h"
 #include "core/safetensors.h"
 #include "core/version.h"
 #include "data/dataset.h"
@@ -223,6 +224,7 @@ int run(int argc, char** argv) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  ddm::configure_allocator();
   try {
     return run(argc, argv);
   } catch (const ddm::Error& e) {

@@ -15,6 +15,7 @@
 
 #include "core/config.h"
 #include "core/error.h"
+#include "core/runtime.h"
 #include "diffusion/generate.h"
 #include "model/net.h"
 #include "model/presets.h"
@@ -82,6 +83,7 @@ double matmul_peak(int64_t threads) {
 
 int main(int argc, char** argv) try {
   const Args a = parse(argc, argv);
+  if (!std::getenv("DDM_DEFAULT_MALLOC")) configure_allocator();
   if (a.mode == "peak") {
     std::printf("{\"impl\": \"cpp\", \"mode\": \"peak\", \"threads\": %lld, \"matmul_gflops\": %.2f}\n",
                 static_cast<long long>(a.threads), matmul_peak(a.threads) / 1e9);

@@ -3,6 +3,8 @@
 
 #include <cmath>
 
+#include <ATen/Parallel.h>
+
 #include "core/error.h"
 
 namespace ddm {
@@ -52,16 +54,32 @@ double FlatAdamW::clip_grad_norm(double max_norm) {
   return norm;
 }
 
-void FlatAdamW::step(double lr) {
+void FlatAdamW::step(double lr, double ema_decay) {
   torch::NoGradGuard no_grad;
   ++step_;
-  if (opt_.weight_decay > 0) data_.mul_(1.0 - lr * opt_.weight_decay);
-  exp_avg_.mul_(opt_.beta1).add_(grad_, 1.0 - opt_.beta1);
-  exp_avg_sq_.mul_(opt_.beta2).addcmul_(grad_, grad_, 1.0 - opt_.beta2);
-  const double bc1 = 1.0 - std::pow(opt_.beta1, static_cast<double>(step_));
-  const double bc2 = 1.0 - std::pow(opt_.beta2, static_cast<double>(step_));
-  auto denom = (exp_avg_sq_.sqrt() / std::sqrt(bc2)).add_(opt_.eps);
-  data_.addcdiv_(exp_avg_, denom, -lr / bc1);
+  // One pass over the flat buffers, no temporaries; same arithmetic and order as torch.optim.AdamW.
+  const float b1 = static_cast<float>(opt_.beta1), b2 = static_cast<float>(opt_.beta2);
+  const float eps = static_cast<float>(opt_.eps);
+  const float decay = static_cast<float>(1.0 - lr * opt_.weight_decay);
+  const float step_size = static_cast<float>(lr / (1.0 - std::pow(opt_.beta1, static_cast<double>(step_))));
+  const float bc2_sqrt = static_cast<float>(std::sqrt(1.0 - std::pow(opt_.beta2, static_cast<double>(step_))));
+  const bool ema = ema_decay >= 0;
+  const float ed = static_cast<float>(ema_decay);
+  float *p = data_.data_ptr<float>(), *m = exp_avg_.data_ptr<float>(), *v = exp_avg_sq_.data_ptr<float>();
+  float* e = ema_.data_ptr<float>();
+  const float* g = grad_.data_ptr<float>();
+  at::parallel_for(0, data_.numel(), 16384, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const float gi = g[i];
+      const float mi = m[i] * b1 + (1.0f - b1) * gi;
+      const float vi = v[i] * b2 + (1.0f - b2) * gi * gi;
+      m[i] = mi;
+      v[i] = vi;
+      const float pi = p[i] * decay - step_size * (mi / (std::sqrt(vi) / bc2_sqrt + eps));
+      p[i] = pi;
+      if (ema) e[i] = e[i] * ed + (1.0f - ed) * pi;
+    }
+  });
 }
 
 void FlatAdamW::ema_update(double decay) {

@@ -28,7 +28,9 @@ class FlatAdamW {
   double grad_norm() const;
   // Scales gradients so their global norm is at most max_norm; returns the norm before clipping.
   double clip_grad_norm(double max_norm);
-  void step(double lr);
+  // One AdamW step at learning rate lr; with ema_decay >= 0 also updates the EMA in the same pass
+  // (ema = d * ema + (1 - d) * params).
+  void step(double lr, double ema_decay = -1.0);
 
   // EMA of the parameters: ema = d * ema + (1 - d) * params.
   void ema_update(double decay);

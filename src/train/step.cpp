@@ -60,10 +60,9 @@ StepResult DiffusionStep::run(const Batch& batch, int64_t step) {
     r.finite = false;
     return r;
   }
-  optim_.step(r.lr);
   // EMA with the usual warm-up so short runs are not dominated by the initial weights.
-  const double decay = std::min(tc.ema_decay, (1.0 + optim_.step_count()) / (10.0 + optim_.step_count()));
-  optim_.ema_update(decay);
+  const double n = static_cast<double>(optim_.step_count() + 1);
+  optim_.step(r.lr, std::min(tc.ema_decay, (1.0 + n) / (10.0 + n)));
   return r;
 }
 

@@ -70,6 +70,13 @@ TEST(FlatAdamW, ClipAndEma) {
   for (auto& [k, v] : opt.named_ema()) {
     auto p = opt.named_params().at(k);
     EXPECT_TRUE(torch::allclose(v, 0.75 * ema_before[k] + 0.25 * p, 1e-6, 1e-7)) << k;
+    ema_before[k] = v.clone();
+  }
+  // The EMA fused into the optimizer pass gives the same update.
+  opt.step(0.1, 0.5);
+  for (auto& [k, v] : opt.named_ema()) {
+    auto p = opt.named_params().at(k);
+    EXPECT_TRUE(torch::allclose(v, 0.5 * ema_before[k] + 0.5 * p, 1e-6, 1e-7)) << k;
   }
 }
 
