@@ -2,6 +2,7 @@
 #include "core/runtime.h"
 
 #include <malloc.h>
+#include <sys/resource.h>
 
 namespace ddm {
 
@@ -11,6 +12,12 @@ void configure_allocator() {
   mallopt(M_TRIM_THRESHOLD, 1024 * 1024 * 1024);  // do not give the heap's top back after each step
   mallopt(M_TOP_PAD, 64 * 1024 * 1024);
 #endif
+}
+
+double peak_rss_mib() {
+  rusage usage{};
+  getrusage(RUSAGE_SELF, &usage);
+  return static_cast<double>(usage.ru_maxrss) / 1024.0;  // ru_maxrss is in KiB on Linux
 }
 
 }  // namespace ddm

@@ -9,4 +9,7 @@ namespace ddm {
 // touch, which cost 10-15% of a DiT step here (measured in docs/results.md). Call once from main().
 void configure_allocator();
 
+// Peak resident memory of this process so far, in MiB.
+double peak_rss_mib();
+
 }  // namespace ddm

@@ -36,6 +36,12 @@ double Progress::interval_img_per_s() const {
   return dt > 0 ? interval_images_ / dt : 0.0;
 }
 
+double Progress::eta_seconds(int64_t step) const {
+  const double elapsed = std::chrono::duration<double>(Clock::now() - start_).count();
+  const int64_t done = step - first_step_;
+  return done > 0 ? elapsed / done * static_cast<double>(total_ - step) : -1.0;
+}
+
 void Progress::reset_interval() {
   interval_sum_ = 0;
   interval_n_ = 0;
@@ -52,9 +58,7 @@ void Progress::step(int64_t step, double loss, double lr, double grad_norm, int6
   if (quiet_) return;
   const auto now = Clock::now();
   const double elapsed = std::chrono::duration<double>(now - start_).count();
-  const int64_t done = step - first_step_;
-  const double per_step = done > 0 ? elapsed / done : 0.0;
-  const double eta = per_step * (total_ - step);
+  const double eta = eta_seconds(step);
   const double img_s = elapsed > 0 ? images_ / elapsed : 0.0;
   if (tty_) {
     if (std::chrono::duration<double>(now - last_draw_).count() < 0.2 && step != total_) return;

@@ -23,6 +23,8 @@ class Progress {
 
   double interval_loss() const { return interval_n_ ? interval_sum_ / interval_n_ : 0.0; }
   double interval_img_per_s() const;
+  // Estimated seconds to reach the last step, from the average step time so far.
+  double eta_seconds(int64_t step) const;
   void reset_interval();
 
  private:

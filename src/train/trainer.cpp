@@ -204,9 +204,9 @@ TrainSummary train(RunConfig cfg, const TrainOptions& opt) {
                             {"epoch", loader.cursor().epoch}};
       metrics.write(rec.dump());
       if (!progress.tty() && !opt.quiet) {
-        std::printf("step %lld/%lld  loss %.4f  lr %.2e  |g| %.3f  %.0f img/s\n", static_cast<long long>(step),
-                    static_cast<long long>(tc.steps), progress.interval_loss(), lr, gnorm,
-                    progress.interval_img_per_s());
+        std::printf("step %lld/%lld  loss %.4f  lr %.2e  |g| %.3f  %.0f img/s  ETA %s\n",
+                    static_cast<long long>(step), static_cast<long long>(tc.steps), progress.interval_loss(), lr,
+                    gnorm, progress.interval_img_per_s(), format_duration(progress.eta_seconds(step)).c_str());
         std::fflush(stdout);
       }
       summary.final_loss = progress.interval_loss();

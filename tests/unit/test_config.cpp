@@ -2,6 +2,8 @@
 // and the resolved config round trip.
 #include <gtest/gtest.h>
 
+#include <filesystem>
+
 #include "core/config.h"
 #include "core/error.h"
 #include "test_util.h"
@@ -88,8 +90,20 @@ TEST(Config, MissingFile) {
   }
 }
 
-TEST(Config, QuickstartFileMatchesBuiltIn) {
-  // configs/quickstart.toml documents the built-in quickstart config; both must parse.
+TEST(Config, EveryShippedConfigParses) {
+  int n = 0;
+  for (const auto& e : std::filesystem::directory_iterator(std::string(DDM_SOURCE_DIR) + "/configs")) {
+    EXPECT_NO_THROW(load_config(e.path().string())) << e.path();
+    ++n;
+  }
+  EXPECT_GE(n, 3);
   RunConfig c = load_config(std::string(DDM_SOURCE_DIR) + "/configs/quickstart.toml");
   EXPECT_EQ(c.model.preset, "unet-tiny");
+}
+
+TEST(Config, QuickstartFileMatchesBuiltIn) {
+  // `ddm quickstart --print-config` shows the built-in config; configs/quickstart.toml documents it.
+  auto r = test::run_ddm("quickstart --print-config");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(r.output, test::read_text(std::string(DDM_SOURCE_DIR) + "/configs/quickstart.toml"));
 }
