@@ -56,6 +56,23 @@ steps = 20
 cfg = 2.0
 )";
 
+// Validators with readable messages (CLI11's numeric ranges print the whole double range).
+CLI::Validator number_at_least(double min, const std::string& what) {
+  return CLI::Validator(
+      [min, what](std::string& value) -> std::string {
+        try {
+          size_t used = 0;
+          const double v = std::stod(value, &used);
+          if (used == value.size() && v >= min) return "";
+        } catch (const std::exception&) {
+        }
+        return "must be " + what + ", got '" + value + "'";
+      },
+      what);
+}
+const CLI::Validator kPositive = number_at_least(1, "a positive integer");
+const CLI::Validator kNonNegative = number_at_least(0, "a number >= 0");
+
 struct SampleArgs {
   std::string ckpt, out = "samples.png", raw, sampler;
   int64_t n = 100, steps = 0, class_id = -1, seed = 0, batch = 250, threads = 0;
@@ -117,16 +134,16 @@ void write_samples(const SampleArgs& a) {
 }
 
 void add_sample_flags(CLI::App* cmd, SampleArgs& a) {
-  cmd->add_option("--n", a.n, "number of images")->check(CLI::PositiveNumber);
-  cmd->add_option("--steps", a.steps, "solver steps (default: the run's sample.steps)")->check(CLI::PositiveNumber);
+  cmd->add_option("--n", a.n, "number of images")->check(kPositive);
+  cmd->add_option("--steps", a.steps, "solver steps (default: the run's sample.steps)")->check(kPositive);
   cmd->add_option("--sampler", a.sampler, "euler | heun | ddim | ddpm (default: the run's sample.sampler)")
       ->check(CLI::IsMember({"euler", "heun", "ddim", "ddpm"}));
   cmd->add_option("--cfg", a.cfg, "classifier-free guidance scale; 1 = off, 0 = unconditional (default: the run's)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(kNonNegative);
   cmd->add_option("--class", a.class_id, "sample only this class (default: one row per class)");
-  cmd->add_option("--seed", a.seed, "sampling seed")->check(CLI::NonNegativeNumber);
-  cmd->add_option("--batch", a.batch, "images per network batch")->check(CLI::PositiveNumber);
-  cmd->add_option("--threads", a.threads, "intra-op threads (0 = all cores)")->check(CLI::NonNegativeNumber);
+  cmd->add_option("--seed", a.seed, "sampling seed")->check(kNonNegative);
+  cmd->add_option("--batch", a.batch, "images per network batch")->check(kPositive);
+  cmd->add_option("--threads", a.threads, "intra-op threads (0 = all cores)")->check(kNonNegative);
   cmd->add_flag("--no-ema", a.no_ema, "use the raw weights instead of the EMA");
 }
 
@@ -169,8 +186,8 @@ int run(int argc, char** argv) {
       "Train a small class-conditional model on Fashion-MNIST (about 11 minutes on 2 cores), then write a sample "
       "grid with one row per class. Re-running continues an interrupted run.");
   qs_cmd->add_option("--out", qs_out, "run directory");
-  qs_cmd->add_option("--steps", qs_steps, "training steps (default 1200)")->check(CLI::PositiveNumber);
-  qs_cmd->add_option("--threads", qs_threads, "intra-op threads (0 = all cores)")->check(CLI::NonNegativeNumber);
+  qs_cmd->add_option("--steps", qs_steps, "training steps (default 1200)")->check(kPositive);
+  qs_cmd->add_option("--threads", qs_threads, "intra-op threads (0 = all cores)")->check(kNonNegative);
   bool qs_print = false;
   qs_cmd->add_flag("--print-config", qs_print, "print the quickstart config (TOML) and exit");
 

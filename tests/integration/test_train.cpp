@@ -143,3 +143,26 @@ TEST(Train, SampleFromTrainedRun) {
   EXPECT_EQ(png.substr(1, 3), "PNG");
   EXPECT_TRUE(fs::exists(dir / "s.safetensors"));
 }
+
+TEST(Train, SigtermWritesCheckpointAndStops) {
+  test::TempDir dir;
+  test::write_text(dir / "tiny.toml", kTinyConfig);
+  const std::string out = dir / "run";
+  auto pid_res = test::run_command(std::string(DDM_BINARY) + " train --config " + (dir / "tiny.toml") +
+                                   " --set train.steps=1000000 --set train.ckpt_every=1000000 --out " + out + " > " +
+                                   (dir / "log.txt") + " 2>&1 & echo $!");
+  const std::string pid = std::to_string(std::stoi(pid_res.output));
+  // Wait until training is under way (metrics written), then ask it to stop.
+  for (int i = 0; i < 600 && !fs::exists(out + "/metrics.jsonl"); ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  test::run_command("kill -TERM " + pid);
+  test::run_command("while kill -0 " + pid + " 2>/dev/null; do sleep 0.05; done");
+  const std::string log = test::read_text(dir / "log.txt");
+  EXPECT_NE(log.find("stopped by signal 15"), std::string::npos) << log;
+  auto latest = latest_checkpoint(out);
+  ASSERT_TRUE(latest.has_value()) << log;
+  const Checkpoint ck = read_checkpoint(*latest);
+  EXPECT_GT(ck.step, 0);
+  EXPECT_LT(ck.step, 1000000);
+}
