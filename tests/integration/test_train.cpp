@@ -76,8 +76,9 @@ TEST(Train, GoldenLossCurve) {
     std::sscanf(line.c_str(), "%lld %lf", reinterpret_cast<long long*>(&step_want), &want);
     std::sscanf(got[i].c_str(), "%lld %lf", reinterpret_cast<long long*>(&step_got), &have);
     EXPECT_EQ(step_want, step_got);
-    // Same build, same thread count: identical up to BLAS kernel differences between CPUs.
-    EXPECT_NEAR(have, want, 1e-4 * std::abs(want)) << "step " << step_want;
+    // Same build and thread count give identical losses; 0.1% leaves room for BLAS kernels that
+    // differ between CPU models, far below what any change to the algorithm moves them.
+    EXPECT_NEAR(have, want, 1e-3 * std::abs(want)) << "step " << step_want;
   }
   EXPECT_EQ(i, got.size());
   // The loss goes down.

@@ -195,6 +195,8 @@ TEST(Generate, LabelsCycleByRow) {
   EXPECT_EQ(y[29].item<int64_t>(), 9);
   EXPECT_TRUE(torch::all(sample_labels(5, 10, 7, 1) == 7).item<bool>());
   EXPECT_THROW(sample_labels(5, 10, 12, 1), ddm::Error);
+  EXPECT_THROW(sample_labels(5, 0, 2, 1), ddm::Error);  // unconditional model, explicit class
+  EXPECT_TRUE(torch::all(sample_labels(4, 0, -1, 1) == 0).item<bool>());
 }
 
 TEST(Sampler, TimeGridsRunFromOneToZero) {
