@@ -44,8 +44,6 @@ class FlatAdamW {
   TensorMap optimizer_state() const;
   void load(const TensorMap& params, const TensorMap& ema, const TensorMap& optim_state, int64_t step,
             const std::string& origin);
-  // Copies the EMA weights into the live parameters (used for sampling).
-  void copy_ema_to_params() { data_.copy_(ema_); }
 
  private:
   TensorMap views(const torch::Tensor& flat) const;

@@ -18,9 +18,7 @@ class Progress {
   // Finishes the live line (if any).
   void finish();
   bool tty() const { return tty_; }
-  // Mean loss over the last completed interval, img/s, for the metrics record.
-  bool interval_done(int64_t log_every, int64_t step) const { return step % log_every == 0; }
-
+  // Mean loss and img/s over the current logging interval, for the metrics record.
   double interval_loss() const { return interval_n_ ? interval_sum_ / interval_n_ : 0.0; }
   double interval_img_per_s() const;
   // Estimated seconds to reach the last step, from the average step time so far.
