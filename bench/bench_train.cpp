@@ -6,9 +6,14 @@
 // usage: ddm_bench train PRESET [--batch 128] [--threads 2] [--steps 20] [--warmup 3]
 //        ddm_bench peak [--threads 2]
 //        ddm_bench sample PRESET [--n 256] [--nfe 50] [--threads 2]
+//        ddm_bench ops PRESET [--batch 128] [--threads 2] [--steps 20] [--warmup 3]
+//          (attention and fc1 + GELU of one DiT block, forward + backward: the fused CPU kernels against
+//           LibTorch's ops)
+// DDM_BENCH_TRACE=FILE with `train` writes a LibTorch profiler trace (Chrome JSON) of 3 steps.
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <functional>
 #include <string>
 
 #include <torch/torch.h>
@@ -17,6 +22,9 @@
 #include "core/error.h"
 #include "core/runtime.h"
 #include "diffusion/generate.h"
+#include "model/fused_cpu.h"
+#include "model/ops.h"
+#include "model/dit.h"
 #include "model/net.h"
 #include "model/presets.h"
 #include "train/step.h"
@@ -34,7 +42,7 @@ struct Args {
 
 Args parse(int argc, char** argv) {
   Args a;
-  DDM_CHECK(argc >= 2, "usage: ddm_bench train|peak|sample [PRESET] [--batch N] [--threads N] [--steps N]");
+  DDM_CHECK(argc >= 2, "usage: ddm_bench train|peak|sample|ops [PRESET] [--batch N] [--threads N] [--steps N]");
   a.mode = argv[1];
   int i = 2;
   if (a.mode != "peak") {
@@ -98,6 +106,10 @@ int main(int argc, char** argv) try {
     DiffusionStep stepper(cfg, net);
     Batch batch{torch::rand({a.batch, 1, 28, 28}) * 2 - 1, torch::randint(0, 10, {a.batch})};
     for (int64_t i = 0; i < a.warmup; ++i) stepper.run(batch, i);
+    if (const char* trace = std::getenv("DDM_BENCH_TRACE")) {  // LibTorch profiler trace of 3 steps
+      torch::autograd::profiler::RecordProfile guard(trace);
+      for (int64_t i = 0; i < 3; ++i) stepper.run(batch, a.warmup + i);
+    }
     auto t0 = Clock::now();
     for (int64_t i = 0; i < a.steps; ++i) stepper.run(batch, a.warmup + i);
     const double step_s = seconds_since(t0) / a.steps;
@@ -107,6 +119,50 @@ int main(int argc, char** argv) try {
                 "\"params\": %lld, \"step_s\": %.5f, \"img_per_s\": %.2f, \"train_gflops\": %.2f}\n",
                 a.preset.c_str(), static_cast<long long>(a.batch), static_cast<long long>(a.threads),
                 static_cast<long long>(count_params(*net)), step_s, a.batch / step_s, gflops);
+    return 0;
+  }
+  if (a.mode == "ops") {
+    // The two hand-written kernels against LibTorch's own ops, forward + backward, on the shapes of
+    // one block of the preset: best of --steps runs each.
+    DDM_CHECK(cfg.model.arch == "dit", "ddm_bench ops: needs a DiT preset");
+    DDM_CHECK(fused_attention_cpu_supported(torch::zeros({1, 3, 1, 1, 1})), "ddm_bench ops: needs an AVX2 + FMA CPU");
+    const int64_t N = (28 / cfg.model.patch) * (28 / cfg.model.patch), H = cfg.model.heads;
+    const int64_t d = cfg.model.width / H, hidden = dit_mlp_hidden(cfg.model);
+    auto best_of = [&](const std::function<void()>& once) {
+      for (int64_t i = 0; i < a.warmup; ++i) once();
+      double best = 1e30;
+      for (int64_t i = 0; i < a.steps; ++i) {
+        auto t0 = Clock::now();
+        once();
+        best = std::min(best, seconds_since(t0));
+      }
+      return best;
+    };
+    auto qkv_store = torch::randn({a.batch, N, 3, H, d}, torch::requires_grad());
+    auto attn_grad = torch::randn({a.batch, H, N, d});
+    auto attention_once = [&](bool fused) {
+      auto qkv = qkv_store.permute({0, 2, 3, 1, 4});  // [B, 3, H, N, d], as the DiT block makes it
+      auto u = qkv.unbind(1);
+      auto out = fused ? fused_attention_cpu(qkv) : attention_reference(u[0], u[1], u[2]);
+      out.backward(attn_grad);
+      qkv_store.mutable_grad() = torch::Tensor();
+    };
+    const int64_t W = cfg.model.width;
+    auto x = torch::randn({a.batch * N, W}, torch::requires_grad());
+    auto fc1 = torch::nn::Linear(W, hidden);
+    auto mlp_grad = torch::randn({a.batch * N, hidden});
+    auto mlp_once = [&](bool fused) {
+      (fused ? linear_gelu_cpu(x, fc1->weight, fc1->bias) : torch::gelu(fc1(x))).backward(mlp_grad);
+      x.mutable_grad() = torch::Tensor();
+      fc1->zero_grad();
+    };
+    const double att3 = best_of([&] { attention_once(false); }), attf = best_of([&] { attention_once(true); });
+    const double gel0 = best_of([&] { mlp_once(false); }), gelf = best_of([&] { mlp_once(true); });
+    std::printf("{\"impl\": \"cpp\", \"mode\": \"ops\", \"preset\": \"%s\", \"batch\": %lld, \"threads\": %lld, "
+                "\"attention_three_op_ms\": %.3f, \"attention_fused_ms\": %.3f, \"attention_speedup\": %.2f, "
+                "\"linear_gelu_aten_ms\": %.3f, \"linear_gelu_fused_ms\": %.3f, \"linear_gelu_speedup\": %.2f}\n",
+                a.preset.c_str(), static_cast<long long>(a.batch), static_cast<long long>(a.threads), att3 * 1e3,
+                attf * 1e3, att3 / attf, gel0 * 1e3, gelf * 1e3, gel0 / gelf);
     return 0;
   }
   if (a.mode == "sample") {
@@ -124,7 +180,7 @@ int main(int argc, char** argv) try {
                 static_cast<long long>(a.threads), out.seconds, a.n / out.seconds);
     return 0;
   }
-  DDM_FAIL("unknown mode " << a.mode << " (train | peak | sample)");
+  DDM_FAIL("unknown mode " << a.mode << " (train | peak | sample | ops)");
 } catch (const std::exception& e) {
   std::fprintf(stderr, "error: %s\n", e.what());
   return 1;

@@ -3,6 +3,7 @@
 # python3-torch, the same LibTorch 1.13), measured side by side: for each preset and batch size the
 # two run alternately, ROUNDS times, and the ratio of their best step times is reported.
 # usage: bench/compare_python.sh [THREADS] [ROUNDS] [BATCHES...]    (defaults: 2 2 128 32)
+#        PRESETS="dit-tiny dit-small" bench/compare_python.sh ...     (a subset of the presets)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 threads=${1:-2}
@@ -13,7 +14,7 @@ batches=("$@")
 py=/usr/bin/python3
 echo "| preset | batch | C++ img/s | Python img/s | C++ / Python | C++ train GFLOP/s |"
 echo "|---|---|---|---|---|---|"
-for preset in unet-tiny unet-small dit-tiny dit-small; do
+for preset in ${PRESETS:-unet-tiny unet-small dit-tiny dit-small}; do
   for batch in "${batches[@]}"; do
     steps=20
     case $preset in *small) steps=$((batch >= 128 ? 4 : 10));; esac

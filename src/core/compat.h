@@ -9,9 +9,11 @@
 
 namespace ddm {
 
+// LibTorch >= 2.0 has a fused scaled-dot-product attention (CPU and CUDA); 1.13 does not.
+constexpr bool kTorchHasSdpa = DDM_TORCH_AT_LEAST(2, 0);
+
 // softmax(q k^T / sqrt(d)) v over the last two dims; q, k, v: [B, heads, N, d].
-// 2.x has a fused kernel; 1.13 gets the plain three-op form (a hand-written fused CPU kernel was
-// measured slower here: OpenBLAS built for OpenMP serializes GEMM calls from parallel loops).
+// 2.x: the fused kernel; 1.13: the plain three-op form (model/ops.h picks a faster path where it can).
 inline torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) {
 #if DDM_TORCH_AT_LEAST(2, 0)
   return at::scaled_dot_product_attention(q, k, v);

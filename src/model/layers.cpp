@@ -5,8 +5,8 @@
 
 #include <torch/torch.h>
 
-#include "core/compat.h"
 #include "core/error.h"
+#include "model/ops.h"
 
 namespace ddm {
 
@@ -121,11 +121,9 @@ AttentionBlockImpl::AttentionBlockImpl(int64_t ch, int64_t heads, int64_t groups
 torch::Tensor AttentionBlockImpl::forward(const torch::Tensor& x) {
   const int64_t B = x.size(0), C = x.size(1), H = x.size(2), W = x.size(3);
   const int64_t d = C / heads_;
-  auto qkv = qkv_(norm_(x)).reshape({B, 3, heads_, d, H * W});    // [B, 3, h, d, N]
-  auto q = qkv.select(1, 0).transpose(-1, -2);                    // [B, h, N, d]
-  auto k = qkv.select(1, 1).transpose(-1, -2);                    // [B, h, N, d]
-  auto v = qkv.select(1, 2).transpose(-1, -2);                    // [B, h, N, d]
-  auto a = attention(q, k, v);                                    // [B, h, N, d]
+  auto qkv = qkv_(norm_(x)).reshape({B, 3, heads_, d, H * W})    // [B, 3, h, d, N]
+                 .transpose(-1, -2);                              // [B, 3, h, N, d]
+  auto a = attention_qkv(qkv);                                    // [B, h, N, d]
   a = a.transpose(-1, -2).reshape({B, C, H, W});                  // [B, C, H, W]
   return x + proj_(a);                                            // [B, C, H, W]
 }
@@ -153,13 +151,12 @@ torch::Tensor DiTBlockImpl::forward(const torch::Tensor& x, const torch::Tensor&
   auto m = ada_(c_act).unsqueeze(1).chunk(6, -1);                      // 6 x [B, 1, W]
   auto h = torch::addcmul(m[0], norm1_(x), m[1] + 1.0);                // [B, N, W]
   auto qkv = qkv_(h.view({B * N, W})).view({B, N, 3, heads_, d})       // [B, N, 3, h, d]
-                 .unbind(2);                                           // 3 x [B, N, h, d]
-  auto a = attention(qkv[0].transpose(1, 2), qkv[1].transpose(1, 2),
-                     qkv[2].transpose(1, 2));                          // [B, h, N, d]
+                 .permute({0, 2, 3, 1, 4});                            // [B, 3, h, N, d]
+  auto a = attention_qkv(qkv);                                         // [B, h, N, d]
   a = proj_(a.transpose(1, 2).reshape({B * N, W})).view({B, N, W});    // [B, N, W]
   auto out = torch::addcmul(x, m[2], a);                               // [B, N, W]
   h = torch::addcmul(m[3], norm2_(out), m[4] + 1.0);                   // [B, N, W]
-  h = torch::gelu(fc1_(h.view({B * N, W})));                           // [B N, hidden]
+  h = linear_gelu(h.view({B * N, W}), fc1_->weight, fc1_->bias);      // [B N, hidden]
   h = fc2_(h).view({B, N, W});                                         // [B, N, W]
   return torch::addcmul(out, m[5], h);                                 // [B, N, W]
 }

@@ -10,6 +10,8 @@
 #include <torch/torch.h>
 
 #include "core/error.h"
+#include "model/fused_cpu.h"
+#include "model/ops.h"
 #include "model/dit.h"
 #include "model/flops.h"
 #include "model/layers.h"
@@ -283,6 +285,149 @@ TEST(GradCheck, DiTFinalLayerAndTimeEmbedder) {
   for (auto& p : temb->parameters()) leaves.push_back(p);
   expect_gradients_match([&] { return weighted_sum(fin->forward(x, torch::silu(temb->forward(t))), w); }, leaves,
                          "DiTFinalLayer+TimeEmbedder");
+}
+
+// ---------------------------------------------------------------------------------------------
+// The fused CPU attention against the three-op form in float64, forward and backward, for the
+// two memory layouts the models use and for sizes that exercise every tile edge.
+struct AttnCase {
+  int64_t B, H, N, d;
+  double logit_scale;  // multiplies q and k: large values make the softmax nearly one-hot
+  bool unet_layout;    // qkv as [B, 3, H, d, N] storage (U-Net) instead of [B, N, 3, H, d] (DiT)
+};
+
+// qkv [B, 3, H, N, d] as a view of `storage` in the chosen layout.
+torch::Tensor qkv_view_of(const torch::Tensor& storage, bool unet_layout) {
+  return unet_layout ? storage.transpose(-1, -2) : storage.permute({0, 2, 3, 1, 4});
+}
+
+void check_fused_attention(const AttnCase& c) {
+  SCOPED_TRACE("B=" + std::to_string(c.B) + " H=" + std::to_string(c.H) + " N=" + std::to_string(c.N) +
+               " d=" + std::to_string(c.d) + " scale=" + std::to_string(c.logit_scale) +
+               (c.unet_layout ? " unet" : " dit"));
+  torch::manual_seed(7);
+  auto shape = c.unet_layout ? std::vector<int64_t>{c.B, 3, c.H, c.d, c.N} : std::vector<int64_t>{c.B, c.N, 3, c.H, c.d};
+  auto base = torch::randn(shape, torch::kFloat64);
+  {
+    // scale q and k only, so v keeps unit size
+    torch::NoGradGuard ng;
+    auto v = qkv_view_of(base, c.unet_layout);
+    v.narrow(1, 0, 2).mul_(c.logit_scale);
+  }
+  auto grad_out = torch::randn({c.B, c.H, c.N, c.d}, torch::kFloat64);
+
+  auto s32 = base.to(torch::kFloat32).detach().requires_grad_(true);
+  auto q32 = qkv_view_of(s32, c.unet_layout);
+  ASSERT_TRUE(fused_attention_cpu_supported(q32));
+  auto out32 = fused_attention_cpu(q32);
+  ASSERT_EQ(out32.sizes(), (std::vector<int64_t>{c.B, c.H, c.N, c.d}));
+  (out32 * grad_out.to(torch::kFloat32)).sum().backward();
+
+  auto s64 = base.detach().requires_grad_(true);
+  auto u = qkv_view_of(s64, c.unet_layout).unbind(1);
+  auto out64 = attention_reference(u[0], u[1], u[2]);
+  (out64 * grad_out).sum().backward();
+
+  EXPECT_LT((out32.to(torch::kFloat64) - out64).abs().max().item<double>(), 2e-5);
+  const double gscale = std::max(1.0, s64.grad().abs().max().item<double>());
+  EXPECT_LT((s32.grad().to(torch::kFloat64) - s64.grad()).abs().max().item<double>() / gscale, 5e-5);
+  EXPECT_TRUE(torch::isfinite(s32.grad()).all().item<bool>());
+}
+
+TEST(FusedAttention, MatchesThreeOpFormForwardAndBackward) {
+  if (!fused_attention_cpu_supported(torch::zeros({1, 3, 1, 1, 1}))) GTEST_SKIP() << "no AVX2/FMA CPU kernel here";
+  for (const AttnCase& c : {AttnCase{2, 2, 49, 32, 1.0, false}, AttnCase{1, 3, 196, 32, 1.0, false},
+                            AttnCase{2, 1, 7, 20, 1.0, false}, AttnCase{3, 2, 17, 8, 1.0, true},
+                            AttnCase{2, 4, 49, 32, 1.0, true}, AttnCase{1, 1, 1, 5, 1.0, false},
+                            AttnCase{2, 2, 23, 16, 6.0, false}})
+    check_fused_attention(c);
+}
+
+TEST(FusedAttention, ResultDoesNotDependOnThreadCount) {
+  if (!fused_attention_cpu_supported(torch::zeros({1, 3, 1, 1, 1}))) GTEST_SKIP() << "no AVX2/FMA CPU kernel here";
+  torch::manual_seed(3);
+  auto base = torch::randn({4, 49, 3, 4, 32});
+  const int threads = torch::get_num_threads();
+  auto run = [&](int n) {
+    torch::set_num_threads(n);
+    auto s = base.clone().requires_grad_(true);
+    auto out = fused_attention_cpu(qkv_view_of(s, false));
+    out.pow(2).sum().backward();
+    return std::make_pair(out.detach(), s.grad());
+  };
+  auto one = run(1), two = run(2);
+  torch::set_num_threads(threads);
+  EXPECT_TRUE(torch::equal(one.first, two.first));
+  EXPECT_TRUE(torch::equal(one.second, two.second));
+}
+
+TEST(FusedAttention, DispatchFallsBackForOtherDtypes) {
+  torch::manual_seed(5);
+  auto base = torch::randn({2, 9, 3, 2, 4}, torch::kFloat64);
+  auto qkv = qkv_view_of(base, false);
+  EXPECT_FALSE(fused_attention_cpu_supported(qkv));
+  auto u = qkv.unbind(1);
+  EXPECT_TRUE(torch::allclose(attention_qkv(qkv), attention_reference(u[0], u[1], u[2]), 1e-12, 1e-12));
+}
+
+TEST(FusedLinearGelu, MatchesLinearThenExactGeluWithGradients) {
+  torch::manual_seed(11);
+  // 137 rows: two full row blocks and a partial one; 13 outputs: one vector and a tail.
+  const int64_t M = 137, K = 20, H = 13;
+  auto x64 = torch::randn({M, K}, torch::kFloat64) * 2, w64 = torch::randn({H, K}, torch::kFloat64) * 0.5;
+  auto b64 = torch::randn({H}, torch::kFloat64), g64 = torch::randn({M, H}, torch::kFloat64);
+  auto x32 = x64.to(torch::kFloat32).requires_grad_(true), w32 = w64.to(torch::kFloat32).requires_grad_(true);
+  auto b32 = b64.to(torch::kFloat32).requires_grad_(true);
+  if (!linear_gelu_cpu_supported(x32, w32, b32)) GTEST_SKIP() << "no AVX2/FMA CPU kernel here";
+  auto y32 = linear_gelu_cpu(x32, w32, b32);
+  (y32 * g64.to(torch::kFloat32)).sum().backward();
+  auto x = x64.clone().requires_grad_(true), w = w64.clone().requires_grad_(true), b = b64.clone().requires_grad_(true);
+  auto y = torch::gelu(torch::linear(x, w, b));
+  (y * g64).sum().backward();
+  auto rel = [](const torch::Tensor& got, const torch::Tensor& want) {
+    return (got.to(torch::kFloat64) - want).abs().max().item<double>() / std::max(1.0, want.abs().max().item<double>());
+  };
+  EXPECT_LT(rel(y32, y), 2e-6);
+  EXPECT_LT(rel(x32.grad(), x.grad()), 5e-6);
+  EXPECT_LT(rel(w32.grad(), w.grad()), 5e-6);
+  EXPECT_LT(rel(b32.grad(), b.grad()), 5e-6);
+  // ops.h dispatches here for float32 and to torch::gelu(torch::linear(...)) otherwise.
+  EXPECT_TRUE(torch::equal(linear_gelu(x32.detach(), w32.detach(), b32.detach()), y32.detach()));
+  EXPECT_TRUE(torch::equal(linear_gelu(x64, w64, b64), torch::gelu(torch::linear(x64, w64, b64))));
+}
+
+TEST(FusedLinearGelu, GeluMatchesExactOverItsWholeRange) {
+  // GELU alone (identity weight, zero bias) from -12 to 12: Phi is good to 1.5e-7 absolute.
+  auto x64 = torch::linspace(-12, 12, 4001, torch::kFloat64).reshape({-1, 1});
+  auto one = torch::ones({1, 1}), zero = torch::zeros({1});
+  auto x32 = x64.to(torch::kFloat32).requires_grad_(true);
+  if (!linear_gelu_cpu_supported(x32, one, zero)) GTEST_SKIP() << "no AVX2/FMA CPU kernel here";
+  auto y32 = linear_gelu_cpu(x32, one, zero);
+  y32.sum().backward();
+  auto x = x64.clone().requires_grad_(true);
+  auto y = torch::gelu(x);
+  y.sum().backward();
+  auto tol = x64.abs() * 2e-7 + 1e-6;
+  EXPECT_TRUE(((y32.to(torch::kFloat64) - y).abs() <= tol).all().item<bool>())
+      << "max error " << (y32.to(torch::kFloat64) - y).abs().max().item<double>();
+  EXPECT_TRUE(((x32.grad().to(torch::kFloat64) - x.grad()).abs() <= tol).all().item<bool>())
+      << "max gradient error " << (x32.grad().to(torch::kFloat64) - x.grad()).abs().max().item<double>();
+}
+
+TEST(FusedLinearGelu, ResultDoesNotDependOnThreadCount) {
+  torch::manual_seed(2);
+  auto x = torch::randn({1000, 64}), w = torch::randn({96, 64}) * 0.1, b = torch::randn({96});
+  if (!linear_gelu_cpu_supported(x, w, b)) GTEST_SKIP() << "no AVX2/FMA CPU kernel here";
+  const int threads = torch::get_num_threads();
+  auto run = [&](int n) {
+    torch::set_num_threads(n);
+    auto bb = b.clone().requires_grad_(true);
+    linear_gelu_cpu(x, w, bb).pow(2).sum().backward();
+    return bb.grad();
+  };
+  auto one = run(1), two = run(2);
+  torch::set_num_threads(threads);
+  EXPECT_TRUE(torch::equal(one, two));
 }
 
 TEST(Counting, CountParamsIsSumOfNumel) {

@@ -1,0 +1,483 @@
+// Hand-written CPU kernels for x86-64 with AVX2 + FMA (see fused_cpu.h): fused multi-head
+// attention and linear + GELU. Written by hand because LibTorch 1.13 has neither fused op on the CPU.
+//
+// Attention. LibTorch 1.13's three-op form runs one small OpenBLAS GEMM per (batch, head), each
+// paying OpenBLAS' packing and threading overhead, and writes the N x N scores and probabilities of
+// every head to memory and reads them back in the backward pass. Here each (batch, head) is
+// computed entirely in per-thread scratch buffers that stay in cache, with a small register-blocked
+// GEMM kernel of its own (OpenBLAS is not called from inside the parallel loop):
+//   forward:  S = Q K^T, P = softmax(S / sqrt(d)) (row log-sum-exp kept), O = P V;
+//   backward: P recomputed from the log-sum-exp, dV = P^T dO, dP = dO V^T,
+//             dS = P * (dP - rowsum(dO * O)), dQ = dS K / sqrt(d), dK = dS^T Q / sqrt(d).
+// Each (batch, head) is computed the same way whatever the thread count, so results do not
+// depend on it.
+//
+// Linear + GELU. ATen's linear first copies the broadcast bias into its output and its backward
+// sums the bias gradient in a separate pass; here the bias is added, and its gradient summed, in
+// the GELU passes. ATen also evaluates erf to full float32 accuracy with a long polynomial in the
+// forward and again in the backward; GELU only needs Phi to float32 resolution in absolute terms,
+// which one exp and a degree-5 polynomial give (Abramowitz and Stegun 7.1.26).
+#include "model/fused_cpu.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include <ATen/Parallel.h>
+#include <torch/torch.h>
+
+#include "core/error.h"
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define DDM_HAVE_X86_KERNEL 1
+#define DDM_AVX2 __attribute__((target("avx2,fma")))
+#else
+#define DDM_HAVE_X86_KERNEL 0
+#endif
+
+namespace ddm {
+
+#if DDM_HAVE_X86_KERNEL
+namespace {
+
+constexpr int64_t kNR = 16;  // output columns per kernel tile (two 8-float registers)
+constexpr int64_t kMR = 6;   // output rows per kernel tile (12 accumulators)
+
+int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+// A read-only strided matrix operand: element (r, k) is p[r * rs + k * cs]. The kernel broadcasts
+// single elements of A, so A can be read in place from a tensor, or transposed, at no cost.
+struct Strided {
+  const float* p;
+  int64_t rs, cs;
+};
+
+// C[MR x 16] = A[MR x K] B[K x 16]; B and C row-major with leading dimensions ldb, ldc.
+// Named accumulators (not an array) so that GCC keeps all 12 in registers.
+template <int MR>
+DDM_AVX2 inline void tile(int64_t K, Strided A, const float* B, int64_t ldb, float* C, int64_t ldc) {
+  __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00, c30 = c00,
+         c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
+  const float* a = A.p;
+  for (int64_t k = 0; k < K; ++k, a += A.cs) {
+    const __m256 b0 = _mm256_loadu_ps(B + k * ldb), b1 = _mm256_loadu_ps(B + k * ldb + 8);
+#define DDM_TILE_ROW(r)                                            \
+  if constexpr (MR > r) {                                          \
+    const __m256 ar = _mm256_broadcast_ss(a + r * A.rs);           \
+    c##r##0 = _mm256_fmadd_ps(ar, b0, c##r##0);                    \
+    c##r##1 = _mm256_fmadd_ps(ar, b1, c##r##1);                    \
+  }
+    DDM_TILE_ROW(0) DDM_TILE_ROW(1) DDM_TILE_ROW(2) DDM_TILE_ROW(3) DDM_TILE_ROW(4) DDM_TILE_ROW(5)
+#undef DDM_TILE_ROW
+  }
+#define DDM_STORE_ROW(r)                                           \
+  if constexpr (MR > r) {                                          \
+    _mm256_storeu_ps(C + r * ldc, c##r##0);                        \
+    _mm256_storeu_ps(C + r * ldc + 8, c##r##1);                    \
+  }
+  DDM_STORE_ROW(0) DDM_STORE_ROW(1) DDM_STORE_ROW(2) DDM_STORE_ROW(3) DDM_STORE_ROW(4) DDM_STORE_ROW(5)
+#undef DDM_STORE_ROW
+}
+
+// C[M x N] = A[M x K] B[K x N]; N must be a multiple of 16 (callers pad B and C with zero columns).
+// Column panels outermost so a 16-column panel of B stays in L1 while all rows of A pass over it.
+DDM_AVX2 void gemm(int64_t M, int64_t N, int64_t K, Strided A, const float* B, int64_t ldb, float* C,
+                   int64_t ldc) {
+  for (int64_t j = 0; j < N; j += kNR) {
+    for (int64_t i = 0; i < M; i += kMR) {
+      const Strided a{A.p + i * A.rs, A.rs, A.cs};
+      const float* b = B + j;
+      float* c = C + i * ldc + j;
+      switch (std::min(kMR, M - i)) {
+        case 6: tile<6>(K, a, b, ldb, c, ldc); break;
+        case 5: tile<5>(K, a, b, ldb, c, ldc); break;
+        case 4: tile<4>(K, a, b, ldb, c, ldc); break;
+        case 3: tile<3>(K, a, b, ldb, c, ldc); break;
+        case 2: tile<2>(K, a, b, ldb, c, ldc); break;
+        default: tile<1>(K, a, b, ldb, c, ldc); break;
+      }
+    }
+  }
+}
+
+// exp(x) for x <= 0 in 8 lanes: Cody-Waite range reduction and a degree-6 polynomial (Cephes'
+// expf coefficients), relative error about 2e-7. Inputs below -80 are clamped (exp(-80) = 2e-35,
+// far below a float probability's resolution next to the row maximum, which is exp(0) = 1).
+DDM_AVX2 inline __m256 exp_nonpositive(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-80.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+// row[j] = exp(row[j] * scale - shift) for j < n, in place.
+DDM_AVX2 void exp_row(float* row, int64_t n, float scale, float shift) {
+  const __m256 vs = _mm256_set1_ps(scale), vb = _mm256_set1_ps(shift);
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8)
+    _mm256_storeu_ps(row + j, exp_nonpositive(_mm256_fmsub_ps(_mm256_loadu_ps(row + j), vs, vb)));
+  for (; j < n; ++j) row[j] = std::exp(std::max(row[j] * scale - shift, -80.0f));
+}
+
+DDM_AVX2 inline float hmax(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+}
+
+DDM_AVX2 inline float hsum(__m256 v) {
+  __m128 m = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_add_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_add_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+}
+
+// Softmax of row[0..n) * scale in place; returns the log-sum-exp of the scaled row.
+DDM_AVX2 float softmax_row(float* row, int64_t n, float scale) {
+  float mx = row[0];
+  int64_t j = 0;
+  if (n >= 8) {
+    __m256 vm = _mm256_loadu_ps(row);
+    for (j = 8; j + 8 <= n; j += 8) vm = _mm256_max_ps(vm, _mm256_loadu_ps(row + j));
+    mx = hmax(vm);
+  }
+  for (; j < n; ++j) mx = std::max(mx, row[j]);
+  const float shift = mx * scale;
+  exp_row(row, n, scale, shift);
+  __m256 vs = _mm256_setzero_ps();
+  for (j = 0; j + 8 <= n; j += 8) vs = _mm256_add_ps(vs, _mm256_loadu_ps(row + j));
+  float sum = hsum(vs);
+  for (; j < n; ++j) sum += row[j];
+  const float inv = 1.0f / sum;
+  for (j = 0; j < n; ++j) row[j] *= inv;
+  return shift + std::log(sum);
+}
+
+// ---------------------------------------------------------------------------------------------
+// GELU
+
+// Phi(x) and phi(x), the standard normal CDF and density, in 8 lanes. With z = |x| / sqrt(2),
+// erfc(z) ~ t (a1 + t (a2 + t (a3 + t (a4 + t a5)))) exp(-z^2), t = 1 / (1 + p z) (A&S 7.1.26).
+DDM_AVX2 inline void normal_cdf_pdf(__m256 x, __m256& cdf, __m256& pdf) {
+  const __m256 ax = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), x);
+  const __m256 z = _mm256_mul_ps(ax, _mm256_set1_ps(0.70710678118654752f));
+  const __m256 t = _mm256_div_ps(_mm256_set1_ps(1.0f), _mm256_fmadd_ps(z, _mm256_set1_ps(0.3275911f), _mm256_set1_ps(1.0f)));
+  __m256 poly = _mm256_set1_ps(1.061405429f);
+  poly = _mm256_fmadd_ps(poly, t, _mm256_set1_ps(-1.453152027f));
+  poly = _mm256_fmadd_ps(poly, t, _mm256_set1_ps(1.421413741f));
+  poly = _mm256_fmadd_ps(poly, t, _mm256_set1_ps(-0.284496736f));
+  poly = _mm256_fmadd_ps(poly, t, _mm256_set1_ps(0.254829592f));
+  poly = _mm256_mul_ps(poly, t);
+  const __m256 e = exp_nonpositive(_mm256_mul_ps(_mm256_mul_ps(x, x), _mm256_set1_ps(-0.5f)));  // exp(-z^2)
+  const __m256 tail = _mm256_mul_ps(_mm256_mul_ps(poly, e), _mm256_set1_ps(0.5f));           // Phi(-|x|)
+  const __m256 upper = _mm256_sub_ps(_mm256_set1_ps(1.0f), tail);                            // Phi(|x|)
+  cdf = _mm256_blendv_ps(upper, tail, x);  // sign bit of x set: Phi(x) = Phi(-|x|)
+  pdf = _mm256_mul_ps(e, _mm256_set1_ps(0.39894228040143268f));
+}
+
+DDM_AVX2 inline __m256 gelu_value(__m256 x) {
+  __m256 cdf, pdf;
+  normal_cdf_pdf(x, cdf, pdf);
+  return _mm256_mul_ps(x, cdf);  // x Phi(x)
+}
+
+DDM_AVX2 inline __m256 gelu_slope(__m256 x) {
+  __m256 cdf, pdf;
+  normal_cdf_pdf(x, cdf, pdf);
+  return _mm256_fmadd_ps(x, pdf, cdf);  // Phi(x) + x phi(x)
+}
+
+// Rows [r0, r1) of [M, H]: y = gelu(h + b). A row's last H % 8 elements go through the same
+// vector code via a small buffer, so every element is computed the same way.
+DDM_AVX2 void bias_gelu_rows(const float* h, const float* b, float* y, int64_t r0, int64_t r1, int64_t H) {
+  const int64_t H8 = H / 8 * 8;
+  for (int64_t r = r0; r < r1; ++r) {
+    const float* hr = h + r * H;
+    float* yr = y + r * H;
+    for (int64_t j = 0; j < H8; j += 8)
+      _mm256_storeu_ps(yr + j, gelu_value(_mm256_add_ps(_mm256_loadu_ps(hr + j), _mm256_loadu_ps(b + j))));
+    if (H8 < H) {
+      float buf[8] = {0};
+      for (int64_t j = H8; j < H; ++j) buf[j - H8] = hr[j] + b[j];
+      _mm256_storeu_ps(buf, gelu_value(_mm256_loadu_ps(buf)));
+      std::copy(buf, buf + (H - H8), yr + H8);
+    }
+  }
+}
+
+// Rows [r0, r1): gp = g * gelu'(h + b), and acc[j] += sum over the rows of gp[., j].
+DDM_AVX2 void bias_gelu_grad_rows(const float* h, const float* b, const float* g, float* gp, float* acc, int64_t r0,
+                                  int64_t r1, int64_t H) {
+  const int64_t H8 = H / 8 * 8;
+  for (int64_t r = r0; r < r1; ++r) {
+    const float *hr = h + r * H, *gr = g + r * H;
+    float* pr = gp + r * H;
+    for (int64_t j = 0; j < H8; j += 8) {
+      const __m256 pre = _mm256_add_ps(_mm256_loadu_ps(hr + j), _mm256_loadu_ps(b + j));
+      const __m256 v = _mm256_mul_ps(_mm256_loadu_ps(gr + j), gelu_slope(pre));
+      _mm256_storeu_ps(pr + j, v);
+      _mm256_storeu_ps(acc + j, _mm256_add_ps(_mm256_loadu_ps(acc + j), v));
+    }
+    if (H8 < H) {
+      float buf[8] = {0};
+      for (int64_t j = H8; j < H; ++j) buf[j - H8] = hr[j] + b[j];
+      _mm256_storeu_ps(buf, gelu_slope(_mm256_loadu_ps(buf)));
+      for (int64_t j = H8; j < H; ++j) {
+        pr[j] = gr[j] * buf[j - H8];
+        acc[j] += pr[j];
+      }
+    }
+  }
+}
+
+constexpr int64_t kRowBlock = 64;  // rows per partial bias-gradient sum (fixed: thread-count independent)
+
+// gelu(x W^T + b) for x [M, K], W [H, K], b [H]. The bias is added inside the GELU pass rather than
+// by addmm (which first copies the broadcast bias into its output), and the backward computes the
+// bias gradient in the same pass as the GELU derivative.
+struct LinearGelu : public torch::autograd::Function<LinearGelu> {
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x, const torch::Tensor& w,
+                               const torch::Tensor& b) {
+    const auto xc = x.contiguous(), bc = b.contiguous();
+    auto h = torch::mm(xc, w.t());  // [M, H], before bias
+    auto y = torch::empty_like(h);
+    const int64_t M = h.size(0), H = h.size(1);
+    const float *hp = h.data_ptr<float>(), *bp = bc.data_ptr<float>();
+    float* yp = y.data_ptr<float>();
+    at::parallel_for(0, M, std::max<int64_t>(1, 16384 / H),
+                     [&](int64_t r0, int64_t r1) { bias_gelu_rows(hp, bp, yp, r0, r1, H); });
+    ctx->save_for_backward({xc, w, bc, h});
+    return y;
+  }
+
+  static torch::autograd::tensor_list backward(torch::autograd::AutogradContext* ctx,
+                                               torch::autograd::tensor_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const torch::Tensor &x = saved[0], &w = saved[1], &b = saved[2], &h = saved[3];
+    const auto g = grads[0].contiguous();
+    const int64_t M = h.size(0), H = h.size(1), blocks = (M + kRowBlock - 1) / kRowBlock;
+    auto gp = torch::empty_like(h);
+    auto partial = torch::zeros({blocks, H}, h.options());
+    const float *hp = h.data_ptr<float>(), *bp = b.data_ptr<float>(), *gptr = g.data_ptr<float>();
+    float *gpp = gp.data_ptr<float>(), *pp = partial.data_ptr<float>();
+    at::parallel_for(0, blocks, 1, [&](int64_t k0, int64_t k1) {
+      for (int64_t k = k0; k < k1; ++k)
+        bias_gelu_grad_rows(hp, bp, gptr, gpp, pp + k * H, k * kRowBlock, std::min(M, (k + 1) * kRowBlock), H);
+    });
+    auto gb = torch::zeros({H}, h.options());
+    float* gbp = gb.data_ptr<float>();
+    for (int64_t k = 0; k < blocks; ++k)  // fixed order, whatever the thread count
+      for (int64_t j = 0; j < H; ++j) gbp[j] += pp[k * H + j];
+    return {gp.mm(w), gp.t().mm(x), gb};
+  }
+};
+
+// ---------------------------------------------------------------------------------------------
+// Attention
+
+// A strided [rows x cols] matrix view into a tensor's storage.
+struct View {
+  float* p;
+  int64_t row_stride, col_stride;
+  float& at(int64_t r, int64_t c) const { return p[r * row_stride + c * col_stride]; }
+  Strided operand() const { return Strided{p, row_stride, col_stride}; }
+};
+
+// Row-major buffer views used as kernel operands: as stored, or read transposed.
+Strided rows(const float* p, int64_t ld) { return Strided{p, ld, 1}; }
+Strided transposed(const float* p, int64_t ld) { return Strided{p, 1, ld}; }
+
+// dst[r * ld + c] = src(r, c)
+void pack(const View& src, int64_t nrows, int64_t ncols, float* dst, int64_t ld) {
+  for (int64_t r = 0; r < nrows; ++r) {
+    if (src.col_stride == 1) {
+      std::memcpy(dst + r * ld, src.p + r * src.row_stride, sizeof(float) * ncols);
+    } else {
+      for (int64_t c = 0; c < ncols; ++c) dst[r * ld + c] = src.at(r, c);
+    }
+  }
+}
+
+// dst[c * ld + r] = src(r, c)
+void pack_transposed(const View& src, int64_t nrows, int64_t ncols, float* dst, int64_t ld) {
+  for (int64_t r = 0; r < nrows; ++r)
+    for (int64_t c = 0; c < ncols; ++c) dst[c * ld + r] = src.at(r, c);
+}
+
+// dst(r, c) = src[r * ld + c] * scale
+void unpack(const float* src, int64_t ld, int64_t nrows, int64_t ncols, float scale, const View& dst) {
+  for (int64_t r = 0; r < nrows; ++r) {
+    if (dst.col_stride == 1) {
+      float* d = dst.p + r * dst.row_stride;
+      for (int64_t c = 0; c < ncols; ++c) d[c] = src[r * ld + c] * scale;
+    } else {
+      for (int64_t c = 0; c < ncols; ++c) dst.at(r, c) = src[r * ld + c] * scale;
+    }
+  }
+}
+
+// Geometry of one call: qkv [B, 3, H, N, d] with arbitrary strides.
+struct Geometry {
+  int64_t B, H, N, d, Np, dp;
+  float scale;
+  explicit Geometry(const torch::Tensor& qkv)
+      : B(qkv.size(0)), H(qkv.size(2)), N(qkv.size(3)), d(qkv.size(4)), Np(round_up(N, kNR)),
+        dp(round_up(d, kNR)), scale(static_cast<float>(1.0 / std::sqrt(static_cast<double>(qkv.size(4))))) {}
+};
+
+// The (batch b, head h) slice of part `which` (0 = q, 1 = k, 2 = v) of a [B, 3, H, N, d] tensor.
+View qkv_view(const torch::Tensor& t, int64_t which, int64_t b, int64_t h) {
+  float* p = t.data_ptr<float>() + b * t.stride(0) + which * t.stride(1) + h * t.stride(2);
+  return View{p, t.stride(3), t.stride(4)};
+}
+
+// The (b, h) slice of a [B, N, H, d] tensor.
+View bnhd_view(const torch::Tensor& t, int64_t b, int64_t h) {
+  float* p = t.data_ptr<float>() + b * t.stride(0) + h * t.stride(2);
+  return View{p, t.stride(1), t.stride(3)};
+}
+
+// out [B, N, H, d] and lse [B, H, N] for qkv [B, 3, H, N, d].
+void forward_kernel(const torch::Tensor& qkv, const torch::Tensor& out, const torch::Tensor& lse) {
+  const Geometry g(qkv);
+  float* lse_p = lse.data_ptr<float>();
+  at::parallel_for(0, g.B * g.H, 1, [&](int64_t begin, int64_t end) {
+    // Zero-filled once, so padding columns stay zero (they only ever meet ignored outputs).
+    std::vector<float> kt(g.d * g.Np, 0.0f), v(g.N * g.dp, 0.0f), s(g.N * g.Np, 0.0f), o(g.N * g.dp, 0.0f);
+    for (int64_t bh = begin; bh < end; ++bh) {
+      const int64_t b = bh / g.H, h = bh % g.H;
+      pack_transposed(qkv_view(qkv, 1, b, h), g.N, g.d, kt.data(), g.Np);
+      pack(qkv_view(qkv, 2, b, h), g.N, g.d, v.data(), g.dp);
+      gemm(g.N, g.Np, g.d, qkv_view(qkv, 0, b, h).operand(), kt.data(), g.Np, s.data(), g.Np);  // S = Q K^T
+      for (int64_t i = 0; i < g.N; ++i) lse_p[bh * g.N + i] = softmax_row(&s[i * g.Np], g.N, g.scale);
+      gemm(g.N, g.dp, g.N, rows(s.data(), g.Np), v.data(), g.dp, o.data(), g.dp);                 // O = P V
+      unpack(o.data(), g.dp, g.N, g.d, 1.0f, bnhd_view(out, b, h));
+    }
+  });
+}
+
+// dqkv [B, 3, H, N, d] from the saved qkv, out, lse and the incoming gradient dout [B, N, H, d].
+void backward_kernel(const torch::Tensor& qkv, const torch::Tensor& out, const torch::Tensor& lse,
+                     const torch::Tensor& dout, const torch::Tensor& dqkv) {
+  const Geometry g(qkv);
+  const float* lse_p = lse.data_ptr<float>();
+  at::parallel_for(0, g.B * g.H, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> q(g.N * g.dp, 0.0f), k(g.N * g.dp, 0.0f), kt(g.d * g.Np, 0.0f), vt(g.d * g.Np, 0.0f),
+        dov(g.N * g.dp, 0.0f), p(g.N * g.Np, 0.0f), ds(g.N * g.Np, 0.0f), dv(g.N * g.dp, 0.0f),
+        dq(g.N * g.dp, 0.0f), dk(g.N * g.dp, 0.0f), delta(g.N);
+    for (int64_t bh = begin; bh < end; ++bh) {
+      const int64_t b = bh / g.H, h = bh % g.H;
+      const View qv = qkv_view(qkv, 0, b, h), kv = qkv_view(qkv, 1, b, h), vv = qkv_view(qkv, 2, b, h);
+      const View ov = bnhd_view(out, b, h), gv = bnhd_view(dout, b, h);
+      pack(qv, g.N, g.d, q.data(), g.dp);
+      pack(kv, g.N, g.d, k.data(), g.dp);
+      pack_transposed(kv, g.N, g.d, kt.data(), g.Np);
+      pack_transposed(vv, g.N, g.d, vt.data(), g.Np);
+      pack(gv, g.N, g.d, dov.data(), g.dp);
+      for (int64_t i = 0; i < g.N; ++i) {
+        float acc = 0;
+        for (int64_t c = 0; c < g.d; ++c) acc += dov[i * g.dp + c] * ov.at(i, c);
+        delta[i] = acc;                                                                      // rowsum(dO * O)
+      }
+      gemm(g.N, g.Np, g.d, qv.operand(), kt.data(), g.Np, p.data(), g.Np);                 // S = Q K^T
+      for (int64_t i = 0; i < g.N; ++i) exp_row(&p[i * g.Np], g.N, g.scale, lse_p[bh * g.N + i]);  // P
+      gemm(g.N, g.Np, g.d, rows(dov.data(), g.dp), vt.data(), g.Np, ds.data(), g.Np);      // dP = dO V^T
+      for (int64_t i = 0; i < g.N; ++i) {
+        float* dsi = &ds[i * g.Np];
+        const float* pi = &p[i * g.Np];
+        for (int64_t j = 0; j < g.N; ++j) dsi[j] = pi[j] * (dsi[j] - delta[i]);             // dS (unscaled)
+      }
+      gemm(g.N, g.dp, g.N, transposed(p.data(), g.Np), dov.data(), g.dp, dv.data(), g.dp);  // dV = P^T dO
+      gemm(g.N, g.dp, g.N, rows(ds.data(), g.Np), k.data(), g.dp, dq.data(), g.dp);         // dQ = dS K
+      gemm(g.N, g.dp, g.N, transposed(ds.data(), g.Np), q.data(), g.dp, dk.data(), g.dp);   // dK = dS^T Q
+      unpack(dq.data(), g.dp, g.N, g.d, g.scale, qkv_view(dqkv, 0, b, h));
+      unpack(dk.data(), g.dp, g.N, g.d, g.scale, qkv_view(dqkv, 1, b, h));
+      unpack(dv.data(), g.dp, g.N, g.d, 1.0f, qkv_view(dqkv, 2, b, h));
+    }
+  });
+}
+
+struct FusedAttention : public torch::autograd::Function<FusedAttention> {
+  // qkv [B, 3, H, N, d] -> out [B, N, H, d]
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& qkv) {
+    const int64_t B = qkv.size(0), H = qkv.size(2), N = qkv.size(3), d = qkv.size(4);
+    auto out = torch::empty({B, N, H, d}, qkv.options());
+    auto lse = torch::empty({B, H, N}, qkv.options());
+    forward_kernel(qkv, out, lse);
+    ctx->save_for_backward({qkv, out});
+    ctx->saved_data["lse"] = lse;
+    return out;
+  }
+
+  static torch::autograd::tensor_list backward(torch::autograd::AutogradContext* ctx,
+                                               torch::autograd::tensor_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const torch::Tensor& qkv = saved[0];
+    // Same strides as qkv (when it is dense), so the gradient flows back through the caller's
+    // permute/reshape views without a copy.
+    auto dqkv = torch::empty_like(qkv);
+    backward_kernel(qkv, saved[1], ctx->saved_data["lse"].toTensor(), grads[0], dqkv);
+    return {dqkv};
+  }
+};
+
+}  // namespace
+
+bool fused_attention_cpu_supported(const torch::Tensor& qkv) {
+  static const bool cpu_ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return cpu_ok && qkv.device().is_cpu() && qkv.scalar_type() == torch::kFloat32 && qkv.dim() == 5 &&
+         qkv.size(1) == 3 && qkv.numel() > 0;
+}
+
+bool linear_gelu_cpu_supported(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b) {
+  static const bool cpu_ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  auto ok = [](const torch::Tensor& t, int64_t dim) {
+    return t.defined() && t.dim() == dim && t.device().is_cpu() && t.scalar_type() == torch::kFloat32;
+  };
+  return cpu_ok && ok(x, 2) && ok(w, 2) && ok(b, 1) && x.size(1) == w.size(1) && b.size(0) == w.size(0) &&
+         x.size(0) > 0 && w.size(0) > 0;
+}
+
+torch::Tensor linear_gelu_cpu(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b) {
+  DDM_CHECK(linear_gelu_cpu_supported(x, w, b),
+            "linear_gelu_cpu: needs float32 CPU tensors x [M, K], w [H, K], b [H] and a CPU with AVX2 + FMA, got x "
+                << x.sizes() << ", w " << w.sizes() << ", b " << b.sizes());
+  return LinearGelu::apply(x, w, b);
+}
+
+torch::Tensor fused_attention_cpu(const torch::Tensor& qkv) {
+  DDM_CHECK(fused_attention_cpu_supported(qkv),
+            "fused_attention_cpu: needs a float32 CPU tensor [B, 3, heads, N, d] and a CPU with AVX2 + FMA, got "
+                << qkv.scalar_type() << " " << qkv.sizes() << " on " << qkv.device());
+  return FusedAttention::apply(qkv).permute({0, 2, 1, 3});  // [B, N, H, d] -> [B, H, N, d]
+}
+
+#else  // no x86-64 kernel on this platform
+
+bool fused_attention_cpu_supported(const torch::Tensor&) { return false; }
+bool linear_gelu_cpu_supported(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&) { return false; }
+
+torch::Tensor linear_gelu_cpu(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&) {
+  DDM_FAIL("linear_gelu_cpu: not available on this platform (needs x86-64 with AVX2 + FMA)");
+}
+
+torch::Tensor fused_attention_cpu(const torch::Tensor&) {
+  DDM_FAIL("fused_attention_cpu: not available on this platform (needs x86-64 with AVX2 + FMA)");
+}
+
+#endif
+
+}  // namespace ddm

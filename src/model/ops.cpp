@@ -1,0 +1,32 @@
+// Dispatch between the implementations of attention and linear + GELU (see ops.h).
+#include "model/ops.h"
+
+#include <cmath>
+
+#include <torch/torch.h>
+
+#include "core/compat.h"
+#include "core/error.h"
+#include "model/fused_cpu.h"
+
+namespace ddm {
+
+torch::Tensor attention_reference(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) {
+  const double scale = 1.0 / std::sqrt(static_cast<double>(q.size(-1)));
+  auto w = torch::matmul(q, k.transpose(-2, -1)).mul(scale).softmax(-1);  // [B, h, N, N]
+  return torch::matmul(w, v);                                              // [B, h, N, d]
+}
+
+torch::Tensor attention_qkv(const torch::Tensor& qkv) {
+  DDM_CHECK(qkv.dim() == 5 && qkv.size(1) == 3, "attention: expected qkv [B, 3, heads, N, d], got " << qkv.sizes());
+  if (!kTorchHasSdpa && fused_attention_cpu_supported(qkv)) return fused_attention_cpu(qkv);  // [B, h, N, d]
+  auto u = qkv.unbind(1);                                                                    // 3 x [B, h, N, d]
+  return attention(u[0], u[1], u[2]);                                                        // [B, h, N, d]
+}
+
+torch::Tensor linear_gelu(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b) {
+  if (linear_gelu_cpu_supported(x, w, b)) return linear_gelu_cpu(x, w, b);  // [M, H]
+  return torch::gelu(torch::linear(x, w, b));                                // [M, H]
+}
+
+}  // namespace ddm

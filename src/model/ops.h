@@ -1,0 +1,24 @@
+// Model operations with more than one implementation: multi-head self-attention on packed q, k, v
+// and a linear layer followed by GELU. Each call picks the fastest exact implementation available:
+//   - attention: LibTorch >= 2.0's at::scaled_dot_product_attention (fused, CPU and CUDA); on
+//     LibTorch 1.13 with a float32 CPU tensor and an AVX2 + FMA CPU, the fused kernel of
+//     fused_cpu.h; otherwise the plain three-op form;
+//   - linear_gelu: the fused_cpu.h kernel for float32 CPU tensors on AVX2 + FMA CPUs, else
+//     torch::gelu(torch::linear(...)).
+#pragma once
+#include <torch/torch.h>
+
+namespace ddm {
+
+// qkv: [B, 3, heads, N, d] (any strides, e.g. a permuted view of a linear's output).
+// Returns softmax(q k^T / sqrt(d)) v as [B, heads, N, d]; on the fused CPU path it is a view of a
+// [B, N, heads, d] buffer, so a.transpose(1, 2).reshape(B N, heads d) costs no copy.
+torch::Tensor attention_qkv(const torch::Tensor& qkv);
+
+// The reference three-op form on separate q, k, v [B, heads, N, d]; used by tests and as fallback.
+torch::Tensor attention_reference(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v);
+
+// gelu(x w^T + b) with GELU = x Phi(x), the exact normal CDF; x [M, K], w [H, K], b [H] -> [M, H].
+torch::Tensor linear_gelu(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b);
+
+}  // namespace ddm
