@@ -12,15 +12,15 @@ namespace ddm {
 // LibTorch >= 2.0 has a fused scaled-dot-product attention (CPU and CUDA); 1.13 does not.
 constexpr bool kTorchHasSdpa = DDM_TORCH_AT_LEAST(2, 0);
 
-// softmax(q k^T / sqrt(d)) v over the last two dims; q, k, v: [B, heads, N, d].
-// 2.x: the fused kernel; 1.13: the plain three-op form (model/ops.h picks a faster path where it can).
-inline torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) {
+// softmax(q k^T / sqrt(d)) v over the last two dims with LibTorch's fused kernel; q, k, v:
+// [B, heads, N, d]. Only when kTorchHasSdpa; on 1.13 it returns an undefined tensor and callers use
+// model/ops.h's other implementations.
+inline torch::Tensor sdpa(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) {
 #if DDM_TORCH_AT_LEAST(2, 0)
   return at::scaled_dot_product_attention(q, k, v);
 #else
-  const double scale = 1.0 / std::sqrt(static_cast<double>(q.size(-1)));
-  auto w = torch::matmul(q, k.transpose(-2, -1)).mul_(scale).softmax(-1);  // [B, h, N, N]
-  return torch::matmul(w, v);                                               // [B, h, N, d]
+  (void)q, (void)k, (void)v;
+  return torch::Tensor();
 #endif
 }
 

@@ -42,6 +42,11 @@ namespace ddm {
 #if DDM_HAVE_X86_KERNEL
 namespace {
 
+bool cpu_has_avx2_fma() {
+  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return ok;
+}
+
 constexpr int64_t kNR = 16;  // output columns per kernel tile (two 8-float registers)
 constexpr int64_t kMR = 6;   // output rows per kernel tile (12 accumulators)
 
@@ -437,17 +442,15 @@ struct FusedAttention : public torch::autograd::Function<FusedAttention> {
 }  // namespace
 
 bool fused_attention_cpu_supported(const torch::Tensor& qkv) {
-  static const bool cpu_ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return cpu_ok && qkv.device().is_cpu() && qkv.scalar_type() == torch::kFloat32 && qkv.dim() == 5 &&
+  return cpu_has_avx2_fma() && qkv.device().is_cpu() && qkv.scalar_type() == torch::kFloat32 && qkv.dim() == 5 &&
          qkv.size(1) == 3 && qkv.numel() > 0;
 }
 
 bool linear_gelu_cpu_supported(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b) {
-  static const bool cpu_ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   auto ok = [](const torch::Tensor& t, int64_t dim) {
     return t.defined() && t.dim() == dim && t.device().is_cpu() && t.scalar_type() == torch::kFloat32;
   };
-  return cpu_ok && ok(x, 2) && ok(w, 2) && ok(b, 1) && x.size(1) == w.size(1) && b.size(0) == w.size(0) &&
+  return cpu_has_avx2_fma() && ok(x, 2) && ok(w, 2) && ok(b, 1) && x.size(1) == w.size(1) && b.size(0) == w.size(0) &&
          x.size(0) > 0 && w.size(0) > 0;
 }
 
