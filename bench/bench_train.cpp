@@ -7,14 +7,16 @@
 //        ddm_bench peak [--threads 2]
 //        ddm_bench sample PRESET [--n 256] [--nfe 50] [--threads 2]
 //        ddm_bench ops PRESET [--batch 128] [--threads 2] [--steps 20] [--warmup 3]
-//          (attention and fc1 + GELU of one DiT block, forward + backward: the fused CPU kernels against
-//           LibTorch's ops)
+//          (attention, fc1 + GELU, and adaLN + proj + gated residual of one DiT block, forward +
+//           backward: the fused CPU kernels against LibTorch's ops)
 // DDM_BENCH_TRACE=FILE with `train` writes a LibTorch profiler trace (Chrome JSON) of 3 steps.
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
 #include <string>
+#include <vector>
 
 #include <torch/torch.h>
 
@@ -25,6 +27,7 @@
 #include "model/fused_cpu.h"
 #include "model/ops.h"
 #include "model/dit.h"
+#include "model/layers.h"
 #include "model/net.h"
 #include "model/presets.h"
 #include "train/step.h"
@@ -60,6 +63,8 @@ Args parse(int argc, char** argv) {
     else if (k == "--nfe") a.nfe = v;
     else DDM_FAIL("unknown flag " << k);
   }
+  DDM_CHECK(a.batch >= 1 && a.threads >= 1 && a.steps >= 1 && a.warmup >= 0 && a.n >= 1 && a.nfe >= 1,
+            "ddm_bench: --batch, --threads, --steps, --n and --nfe must be >= 1 and --warmup >= 0");
   return a;
 }
 
@@ -110,9 +115,16 @@ int main(int argc, char** argv) try {
       torch::autograd::profiler::RecordProfile guard(trace);
       for (int64_t i = 0; i < 3; ++i) stepper.run(batch, a.warmup + i);
     }
-    auto t0 = Clock::now();
-    for (int64_t i = 0; i < a.steps; ++i) stepper.run(batch, a.warmup + i);
-    const double step_s = seconds_since(t0) / a.steps;
+    // Median step time: robust to bursts from other processes on a shared machine. reference.py
+    // reports the same statistic.
+    std::vector<double> times;
+    for (int64_t i = 0; i < a.steps; ++i) {
+      auto t0 = Clock::now();
+      stepper.run(batch, a.warmup + i);
+      times.push_back(seconds_since(t0));
+    }
+    std::sort(times.begin(), times.end());
+    const double step_s = times[times.size() / 2];
     // Training FLOPs: forward + backward ~ 3x forward.
     const double gflops = 3.0 * fwd_flops * a.batch / step_s / 1e9;
     std::printf("{\"impl\": \"cpp\", \"mode\": \"train\", \"preset\": \"%s\", \"batch\": %lld, \"threads\": %lld, "
@@ -122,7 +134,7 @@ int main(int argc, char** argv) try {
     return 0;
   }
   if (a.mode == "ops") {
-    // The two hand-written kernels against LibTorch's own ops, forward + backward, on the shapes of
+    // The hand-written kernels against LibTorch's own ops, forward + backward, on the shapes of
     // one block of the preset: best of --steps runs each.
     DDM_CHECK(cfg.model.arch == "dit", "ddm_bench ops: needs a DiT preset");
     DDM_CHECK(fused_attention_cpu_supported(torch::zeros({1, 3, 1, 1, 1})), "ddm_bench ops: needs an AVX2 + FMA CPU");
@@ -156,13 +168,38 @@ int main(int argc, char** argv) try {
       x.mutable_grad() = torch::Tensor();
       fc1->zero_grad();
     };
+    // LayerNorm + modulation, then the proj linear and the gated residual (one half of a block
+    // without its attention or MLP).
+    auto xr = torch::randn({a.batch, N, W}, torch::requires_grad());
+    auto mod = torch::randn({a.batch, 3 * W}, torch::requires_grad());
+    auto proj = torch::nn::Linear(W, W);
+    auto res_grad = torch::randn({a.batch, N, W});
+    auto residual_once = [&](bool fused) {
+      auto m = mod.chunk(3, -1);  // shift, scale, gate: 3 x [B, W]
+      torch::Tensor out;
+      if (fused) {
+        auto h = adaln_modulate_cpu(xr, m[0], m[1], kDiTNormEps).view({-1, W});
+        out = gated_residual_cpu(xr, m[2], torch::mm(h, proj->weight.t()).view({a.batch, N, W}), proj->bias);
+      } else {
+        auto h = torch::addcmul(m[0].unsqueeze(1), torch::layer_norm(xr, {W}, {}, {}, kDiTNormEps),
+                                m[1].unsqueeze(1) + 1.0);
+        out = torch::addcmul(xr, m[2].unsqueeze(1), proj(h.view({-1, W})).view({a.batch, N, W}));
+      }
+      out.backward(res_grad);
+      xr.mutable_grad() = torch::Tensor();
+      mod.mutable_grad() = torch::Tensor();
+      proj->zero_grad();
+    };
     const double att3 = best_of([&] { attention_once(false); }), attf = best_of([&] { attention_once(true); });
     const double gel0 = best_of([&] { mlp_once(false); }), gelf = best_of([&] { mlp_once(true); });
+    const double res0 = best_of([&] { residual_once(false); }), resf = best_of([&] { residual_once(true); });
     std::printf("{\"impl\": \"cpp\", \"mode\": \"ops\", \"preset\": \"%s\", \"batch\": %lld, \"threads\": %lld, "
                 "\"attention_three_op_ms\": %.3f, \"attention_fused_ms\": %.3f, \"attention_speedup\": %.2f, "
-                "\"linear_gelu_aten_ms\": %.3f, \"linear_gelu_fused_ms\": %.3f, \"linear_gelu_speedup\": %.2f}\n",
+                "\"linear_gelu_aten_ms\": %.3f, \"linear_gelu_fused_ms\": %.3f, \"linear_gelu_speedup\": %.2f, "
+                "\"adaln_proj_residual_aten_ms\": %.3f, \"adaln_proj_residual_fused_ms\": %.3f, "
+                "\"adaln_proj_residual_speedup\": %.2f}\n",
                 a.preset.c_str(), static_cast<long long>(a.batch), static_cast<long long>(a.threads), att3 * 1e3,
-                attf * 1e3, att3 / attf, gel0 * 1e3, gelf * 1e3, gel0 / gelf);
+                attf * 1e3, att3 / attf, gel0 * 1e3, gelf * 1e3, gel0 / gelf, res0 * 1e3, resf * 1e3, res0 / resf);
     return 0;
   }
   if (a.mode == "sample") {

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Training throughput of ddm (C++) against the same models and step in PyTorch (Debian's
 # python3-torch, the same LibTorch 1.13), measured side by side: for each preset and batch size the
-# two run alternately, ROUNDS times, and the ratio of their best step times is reported.
+# two run alternately, ROUNDS times, and the ratio of their best step times is reported (each run's
+# step time is the median of its steps).
 # usage: bench/compare_python.sh [THREADS] [ROUNDS] [BATCHES...]    (defaults: 2 2 128 32)
 #        PRESETS="dit-tiny dit-small" bench/compare_python.sh ...     (a subset of the presets)
 set -euo pipefail
@@ -26,7 +27,7 @@ for preset in ${PRESETS:-unet-tiny unet-small dit-tiny dit-small}; do
       ps=$(echo "$p" | $py -c 'import json,sys; print(json.load(sys.stdin)["step_s"])')
       best_c=$($py -c "print(min($best_c, $cs))")
       best_p=$($py -c "print(min($best_p, $ps))")
-      gf=$(echo "$c" | $py -c 'import json,sys; print(json.load(sys.stdin)["train_gflops"])')
+      gf=$(echo "$c" | $py -c "import json,sys; print(max($gf, json.load(sys.stdin)['train_gflops']))")  # of the best run
     done
     $py -c "print('| $preset | $batch | %.0f | %.0f | %.2fx | %.0f |' % ($batch/$best_c, $batch/$best_p, $best_p/$best_c, $gf))"
   done

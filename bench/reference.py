@@ -229,10 +229,12 @@ def main():
 
     for _ in range(a.warmup):
         step()
-    t0 = time.perf_counter()
+    times = []  # median step time, as ddm_bench reports: robust to bursts from other processes
     for _ in range(a.steps):
+        t0 = time.perf_counter()
         step()
-    dt = (time.perf_counter() - t0) / a.steps
+        times.append(time.perf_counter() - t0)
+    dt = sorted(times)[len(times) // 2]
     print(json.dumps({"impl": "python", "preset": a.preset, "batch": a.batch, "threads": a.threads,
                       "params": sum(p.numel() for p in model.parameters()), "step_s": dt,
                       "img_per_s": a.batch / dt}))

@@ -1,5 +1,6 @@
 // Hand-written CPU kernels for x86-64 with AVX2 + FMA (see fused_cpu.h): fused multi-head
-// attention and linear + GELU. Written by hand because LibTorch 1.13 has neither fused op on the CPU.
+// attention, linear + GELU, adaLN modulation and gated residual. Written by hand because LibTorch
+// 1.13 has none of these fused ops on the CPU.
 //
 // Attention. LibTorch 1.13's three-op form runs one small OpenBLAS GEMM per (batch, head), each
 // paying OpenBLAS' packing and threading overhead, and writes the N x N scores and probabilities of
@@ -17,6 +18,12 @@
 // the GELU passes. ATen also evaluates erf to full float32 accuracy with a long polynomial in the
 // forward and again in the backward; GELU only needs Phi to float32 resolution in absolute terms,
 // which one exp and a degree-5 polynomial give (Abramowitz and Stegun 7.1.26).
+//
+// adaLN modulation and gated residual (DiT blocks). In ATen, LayerNorm, the modulation
+// LN(x) * (1 + scale) + shift and the gated residual x + gate * (a + bias) are five or six
+// memory-bound passes forward and about twice as many backward (plus the broadcast-bias copy in
+// addmm); on DiT-sized rows they cost a tenth of a training step. Here each is one pass forward
+// and one backward over rows that stay in L1.
 #include "model/fused_cpu.h"
 
 #include <algorithm>
@@ -45,6 +52,10 @@ namespace {
 bool cpu_has_avx2_fma() {
   static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   return ok;
+}
+
+bool f32_cpu(const torch::Tensor& t, int64_t dim) {
+  return t.defined() && t.dim() == dim && t.device().is_cpu() && t.scalar_type() == torch::kFloat32;
 }
 
 constexpr int64_t kNR = 16;  // output columns per kernel tile (two 8-float registers)
@@ -291,6 +302,174 @@ struct LinearGelu : public torch::autograd::Function<LinearGelu> {
 };
 
 // ---------------------------------------------------------------------------------------------
+// adaLN modulation and gated residual. Each sample's rows are processed by one thread in a fixed
+// order (parallel over samples), so results do not depend on the thread count.
+
+// Sum of v[0..n): eight lanes, then the tail.
+DDM_AVX2 float row_sum(const float* v, int64_t n) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) acc = _mm256_add_ps(acc, _mm256_loadu_ps(v + j));
+  float s = hsum(acc);
+  for (; j < n; ++j) s += v[j];
+  return s;
+}
+
+// Sum of u[j] * v[j] over [0, n).
+DDM_AVX2 float row_dot(const float* u, const float* v, int64_t n) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(u + j), _mm256_loadu_ps(v + j), acc);
+  float s = hsum(acc);
+  for (; j < n; ++j) s += u[j] * v[j];
+  return s;
+}
+
+// One sample's N rows of width W: y = LayerNorm(x) * (1 + scale) + shift; the row mean and
+// 1 / std are stored for the backward pass. xc is scratch of W floats.
+DDM_AVX2 void adaln_sample(const float* __restrict x, const float* __restrict shift, const float* __restrict scale, float* __restrict y, float* __restrict mean, float* __restrict rstd,
+                           float* __restrict xc, int64_t N, int64_t W, float eps) {
+  const float inv_w = 1.0f / static_cast<float>(W);
+  for (int64_t n = 0; n < N; ++n) {
+    const float* xr = x + n * W;
+    float* yr = y + n * W;
+    const float mu = row_sum(xr, W) * inv_w;
+    for (int64_t j = 0; j < W; ++j) xc[j] = xr[j] - mu;
+    const float rs = 1.0f / std::sqrt(row_dot(xc, xc, W) * inv_w + eps);
+    for (int64_t j = 0; j < W; ++j) yr[j] = xc[j] * rs * (1.0f + scale[j]) + shift[j];
+    mean[n] = mu;
+    rstd[n] = rs;
+  }
+}
+
+// Backward of adaln_sample for one sample: dx, and dshift / dscale (sums over the sample's rows,
+// written to dshift[0..W), dscale[0..W)). xhat and g are scratch of W floats each.
+DDM_AVX2 void adaln_sample_backward(const float* __restrict x, const float* __restrict scale, const float* __restrict mean, const float* __restrict rstd,
+                                    const float* __restrict dy, float* __restrict dx, float* __restrict dshift, float* __restrict dscale, float* __restrict xhat, float* __restrict g,
+                                    int64_t N, int64_t W) {
+  const float inv_w = 1.0f / static_cast<float>(W);
+  for (int64_t j = 0; j < W; ++j) dshift[j] = dscale[j] = 0.0f;
+  for (int64_t n = 0; n < N; ++n) {
+    const float *xr = x + n * W, *dyr = dy + n * W;
+    float* dxr = dx + n * W;
+    const float mu = mean[n], rs = rstd[n];
+    for (int64_t j = 0; j < W; ++j) {
+      xhat[j] = (xr[j] - mu) * rs;
+      g[j] = dyr[j] * (1.0f + scale[j]);
+      dshift[j] += dyr[j];
+      dscale[j] += dyr[j] * xhat[j];
+    }
+    const float c1 = row_sum(g, W) * inv_w, c2 = row_dot(g, xhat, W) * inv_w;
+    for (int64_t j = 0; j < W; ++j) dxr[j] = rs * (g[j] - c1 - xhat[j] * c2);
+  }
+}
+
+// LayerNorm (no affine) followed by the adaLN modulation, x [B, N, W], shift and scale [B, W].
+struct AdaLN : public torch::autograd::Function<AdaLN> {
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x,
+                               const torch::Tensor& shift, const torch::Tensor& scale, double eps) {
+    const auto xc = x.contiguous(), sh = shift.contiguous(), sc = scale.contiguous();
+    const int64_t B = xc.size(0), N = xc.size(1), W = xc.size(2);
+    auto y = torch::empty_like(xc);
+    auto stats = torch::empty({2, B, N}, xc.options());  // row mean, row 1 / std
+    const float *xp = xc.data_ptr<float>(), *shp = sh.data_ptr<float>(), *scp = sc.data_ptr<float>();
+    float *yp = y.data_ptr<float>(), *mp = stats[0].data_ptr<float>(), *rp = stats[1].data_ptr<float>();
+    at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
+      std::vector<float> scratch(W);
+      for (int64_t b = b0; b < b1; ++b)
+        adaln_sample(xp + b * N * W, shp + b * W, scp + b * W, yp + b * N * W, mp + b * N, rp + b * N,
+                     scratch.data(), N, W, static_cast<float>(eps));
+    });
+    ctx->save_for_backward({xc, sc, stats});
+    return y;
+  }
+
+  static torch::autograd::tensor_list backward(torch::autograd::AutogradContext* ctx,
+                                               torch::autograd::tensor_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const torch::Tensor &x = saved[0], &scale = saved[1], &stats = saved[2];
+    const auto dy = grads[0].contiguous();
+    const int64_t B = x.size(0), N = x.size(1), W = x.size(2);
+    auto dx = torch::empty_like(x);
+    auto dshift = torch::empty({B, W}, x.options()), dscale = torch::empty({B, W}, x.options());
+    const float *xp = x.data_ptr<float>(), *scp = scale.data_ptr<float>(), *dyp = dy.data_ptr<float>();
+    const float *mp = stats[0].data_ptr<float>(), *rp = stats[1].data_ptr<float>();
+    float *dxp = dx.data_ptr<float>(), *dshp = dshift.data_ptr<float>(), *dscp = dscale.data_ptr<float>();
+    at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
+      std::vector<float> scratch(2 * W);
+      for (int64_t b = b0; b < b1; ++b)
+        adaln_sample_backward(xp + b * N * W, scp + b * W, mp + b * N, rp + b * N, dyp + b * N * W, dxp + b * N * W,
+                              dshp + b * W, dscp + b * W, scratch.data(), scratch.data() + W, N, W);
+    });
+    return {dx, dshift, dscale, torch::Tensor()};
+  }
+};
+
+// out = x + gate * (a + bias) for x, a [B, N, W], gate [B, W], bias [W]: the residual branch of a
+// DiT block with the bias of the linear that produced `a` folded in (so that linear runs as a
+// plain mm and ATen never copies the broadcast bias into its output).
+DDM_AVX2 void gated_residual_sample(const float* __restrict x, const float* __restrict gate, const float* __restrict a, const float* __restrict bias, float* __restrict out,
+                                    int64_t N, int64_t W) {
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t j = 0; j < W; ++j) out[n * W + j] = x[n * W + j] + gate[j] * (a[n * W + j] + bias[j]);
+}
+
+// Backward for one sample: da = dout * gate; dgate and this sample's share of dbias summed over
+// its rows.
+DDM_AVX2 void gated_residual_sample_backward(const float* __restrict gate, const float* __restrict a, const float* __restrict bias, const float* __restrict dout,
+                                             float* __restrict da, float* __restrict dgate, float* __restrict dbias_part, int64_t N, int64_t W) {
+  for (int64_t j = 0; j < W; ++j) dgate[j] = dbias_part[j] = 0.0f;
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t j = 0; j < W; ++j) {
+      const float d = dout[n * W + j];
+      da[n * W + j] = d * gate[j];
+      dbias_part[j] += d * gate[j];
+      dgate[j] += d * (a[n * W + j] + bias[j]);
+    }
+}
+
+struct GatedResidual : public torch::autograd::Function<GatedResidual> {
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x,
+                               const torch::Tensor& gate, const torch::Tensor& a, const torch::Tensor& bias) {
+    const auto xc = x.contiguous(), gc = gate.contiguous(), ac = a.contiguous(), bc = bias.contiguous();
+    const int64_t B = xc.size(0), N = xc.size(1), W = xc.size(2);
+    auto out = torch::empty_like(xc);
+    const float *xp = xc.data_ptr<float>(), *gp = gc.data_ptr<float>(), *ap = ac.data_ptr<float>();
+    const float* bp = bc.data_ptr<float>();
+    float* op = out.data_ptr<float>();
+    at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b)
+        gated_residual_sample(xp + b * N * W, gp + b * W, ap + b * N * W, bp, op + b * N * W, N, W);
+    });
+    ctx->save_for_backward({gc, ac, bc});
+    return out;
+  }
+
+  static torch::autograd::tensor_list backward(torch::autograd::AutogradContext* ctx,
+                                               torch::autograd::tensor_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const torch::Tensor &gate = saved[0], &a = saved[1], &bias = saved[2];
+    const auto dout = grads[0].contiguous();
+    const int64_t B = a.size(0), N = a.size(1), W = a.size(2);
+    auto da = torch::empty_like(a);
+    auto dgate = torch::empty({B, W}, a.options()), part = torch::empty({B, W}, a.options());
+    const float *gp = gate.data_ptr<float>(), *ap = a.data_ptr<float>(), *bp = bias.data_ptr<float>();
+    const float* dp = dout.data_ptr<float>();
+    float *dap = da.data_ptr<float>(), *dgp = dgate.data_ptr<float>(), *pp = part.data_ptr<float>();
+    at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b)
+        gated_residual_sample_backward(gp + b * W, ap + b * N * W, bp, dp + b * N * W, dap + b * N * W, dgp + b * W,
+                                       pp + b * W, N, W);
+    });
+    auto dbias = torch::zeros({W}, a.options());
+    float* dbp = dbias.data_ptr<float>();
+    for (int64_t b = 0; b < B; ++b)  // fixed order, whatever the thread count
+      for (int64_t j = 0; j < W; ++j) dbp[j] += pp[b * W + j];
+    return {dout, dgate, da, dbias};
+  }
+};
+
+// ---------------------------------------------------------------------------------------------
 // Attention
 
 // A strided [rows x cols] matrix view into a tensor's storage.
@@ -447,10 +626,7 @@ bool fused_attention_cpu_supported(const torch::Tensor& qkv) {
 }
 
 bool linear_gelu_cpu_supported(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b) {
-  auto ok = [](const torch::Tensor& t, int64_t dim) {
-    return t.defined() && t.dim() == dim && t.device().is_cpu() && t.scalar_type() == torch::kFloat32;
-  };
-  return cpu_has_avx2_fma() && ok(x, 2) && ok(w, 2) && ok(b, 1) && x.size(1) == w.size(1) && b.size(0) == w.size(0) &&
+  return cpu_has_avx2_fma() && f32_cpu(x, 2) && f32_cpu(w, 2) && f32_cpu(b, 1) && x.size(1) == w.size(1) && b.size(0) == w.size(0) &&
          x.size(0) > 0 && w.size(0) > 0;
 }
 
@@ -459,6 +635,35 @@ torch::Tensor linear_gelu_cpu(const torch::Tensor& x, const torch::Tensor& w, co
             "linear_gelu_cpu: needs float32 CPU tensors x [M, K], w [H, K], b [H] and a CPU with AVX2 + FMA, got x "
                 << x.sizes() << ", w " << w.sizes() << ", b " << b.sizes());
   return LinearGelu::apply(x, w, b);
+}
+
+bool adaln_modulate_cpu_supported(const torch::Tensor& x, const torch::Tensor& shift, const torch::Tensor& scale) {
+  return cpu_has_avx2_fma() && f32_cpu(x, 3) && f32_cpu(shift, 2) && f32_cpu(scale, 2) && x.numel() > 0 &&
+         shift.sizes() == scale.sizes() && shift.size(0) == x.size(0) && shift.size(1) == x.size(2);
+}
+
+torch::Tensor adaln_modulate_cpu(const torch::Tensor& x, const torch::Tensor& shift, const torch::Tensor& scale,
+                                 double eps) {
+  DDM_CHECK(adaln_modulate_cpu_supported(x, shift, scale),
+            "adaln_modulate_cpu: needs float32 CPU tensors x [B, N, W], shift and scale [B, W] and a CPU with AVX2 + "
+            "FMA, got x " << x.sizes() << ", shift " << shift.sizes() << ", scale " << scale.sizes());
+  return AdaLN::apply(x, shift, scale, eps);
+}
+
+bool gated_residual_cpu_supported(const torch::Tensor& x, const torch::Tensor& gate, const torch::Tensor& a,
+                                  const torch::Tensor& bias) {
+  return cpu_has_avx2_fma() && f32_cpu(x, 3) && f32_cpu(gate, 2) && f32_cpu(a, 3) && f32_cpu(bias, 1) &&
+         x.numel() > 0 && a.sizes() == x.sizes() && gate.size(0) == x.size(0) && gate.size(1) == x.size(2) &&
+         bias.size(0) == x.size(2);
+}
+
+torch::Tensor gated_residual_cpu(const torch::Tensor& x, const torch::Tensor& gate, const torch::Tensor& a,
+                                 const torch::Tensor& bias) {
+  DDM_CHECK(gated_residual_cpu_supported(x, gate, a, bias),
+            "gated_residual_cpu: needs float32 CPU tensors x and a [B, N, W], gate [B, W], bias [W] and a CPU with "
+            "AVX2 + FMA, got x " << x.sizes() << ", gate " << gate.sizes() << ", a " << a.sizes() << ", bias "
+                                 << bias.sizes());
+  return GatedResidual::apply(x, gate, a, bias);
 }
 
 torch::Tensor fused_attention_cpu(const torch::Tensor& qkv) {
@@ -472,6 +677,21 @@ torch::Tensor fused_attention_cpu(const torch::Tensor& qkv) {
 
 bool fused_attention_cpu_supported(const torch::Tensor&) { return false; }
 bool linear_gelu_cpu_supported(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&) { return false; }
+
+bool adaln_modulate_cpu_supported(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&) { return false; }
+bool gated_residual_cpu_supported(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
+                                  const torch::Tensor&) {
+  return false;
+}
+
+torch::Tensor adaln_modulate_cpu(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&, double) {
+  DDM_FAIL("adaln_modulate_cpu: not available on this platform (needs x86-64 with AVX2 + FMA)");
+}
+
+torch::Tensor gated_residual_cpu(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
+                                 const torch::Tensor&) {
+  DDM_FAIL("gated_residual_cpu: not available on this platform (needs x86-64 with AVX2 + FMA)");
+}
 
 torch::Tensor linear_gelu_cpu(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&) {
   DDM_FAIL("linear_gelu_cpu: not available on this platform (needs x86-64 with AVX2 + FMA)");

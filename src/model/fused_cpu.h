@@ -23,4 +23,23 @@ bool linear_gelu_cpu_supported(const torch::Tensor& x, const torch::Tensor& w, c
 // Precondition: linear_gelu_cpu_supported(x, w, b).
 torch::Tensor linear_gelu_cpu(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b);
 
+// True when adaln_modulate_cpu() can run on these tensors and this CPU.
+bool adaln_modulate_cpu_supported(const torch::Tensor& x, const torch::Tensor& shift, const torch::Tensor& scale);
+
+// LayerNorm over the last dim (no affine) then adaLN modulation, in one pass each way:
+// x [B, N, W], shift and scale [B, W] -> LN(x) * (1 + scale) + shift, [B, N, W].
+// Precondition: adaln_modulate_cpu_supported(x, shift, scale).
+torch::Tensor adaln_modulate_cpu(const torch::Tensor& x, const torch::Tensor& shift, const torch::Tensor& scale,
+                                 double eps);
+
+// True when gated_residual_cpu() can run on these tensors and this CPU.
+bool gated_residual_cpu_supported(const torch::Tensor& x, const torch::Tensor& gate, const torch::Tensor& a,
+                                  const torch::Tensor& bias);
+
+// x + gate * (a + bias): x, a [B, N, W], gate [B, W], bias [W] -> [B, N, W]. The bias of the linear
+// that produced `a` is folded in, so that linear can run without one.
+// Precondition: gated_residual_cpu_supported(x, gate, a, bias).
+torch::Tensor gated_residual_cpu(const torch::Tensor& x, const torch::Tensor& gate, const torch::Tensor& a,
+                                 const torch::Tensor& bias);
+
 }  // namespace ddm

@@ -134,11 +134,8 @@ DiTBlockImpl::DiTBlockImpl(int64_t width, int64_t heads, double mlp_ratio) : wid
             "DiTBlock: width " << width << " not divisible by heads " << heads);
   const auto hidden = static_cast<int64_t>(std::lround(static_cast<double>(width) * mlp_ratio));
   DDM_CHECK(hidden > 0, "DiTBlock: mlp_ratio " << mlp_ratio << " gives an empty MLP");
-  auto ln = nn::LayerNormOptions({width}).elementwise_affine(false).eps(1e-6);
-  norm1_ = register_module("norm1", nn::LayerNorm(ln));
   qkv_ = register_module("qkv", nn::Linear(width, 3 * width));
   proj_ = register_module("proj", nn::Linear(width, width));
-  norm2_ = register_module("norm2", nn::LayerNorm(ln));
   fc1_ = register_module("fc1", nn::Linear(width, hidden));
   fc2_ = register_module("fc2", nn::Linear(hidden, width));
   ada_ = register_module("ada", nn::Linear(width, 6 * width));
@@ -146,23 +143,23 @@ DiTBlockImpl::DiTBlockImpl(int64_t width, int64_t heads, double mlp_ratio) : wid
 }
 
 torch::Tensor DiTBlockImpl::forward(const torch::Tensor& x, const torch::Tensor& c_act) {
-  // Linears run on 2-D [B N, W] views so LibTorch takes the fused addmm path (bias included).
+  // Linears run on 2-D [B N, W] views. proj and fc2 run without their bias, which gated_residual
+  // adds (ops.h), so no pass copies a broadcast bias.
   const int64_t B = x.size(0), N = x.size(1), W = width_, d = W / heads_;
-  auto m = ada_(c_act).unsqueeze(1).chunk(6, -1);                      // 6 x [B, 1, W]
-  auto h = torch::addcmul(m[0], norm1_(x), m[1] + 1.0);                // [B, N, W]
+  auto m = ada_(c_act).chunk(6, -1);                                   // 6 x [B, W]
+  auto h = adaln_modulate(x, m[0], m[1], kDiTNormEps);                 // [B, N, W]
   auto qkv = qkv_(h.view({B * N, W})).view({B, N, 3, heads_, d})       // [B, N, 3, h, d]
                  .permute({0, 2, 3, 1, 4});                            // [B, 3, h, N, d]
   auto a = attention_qkv(qkv);                                         // [B, h, N, d]
-  a = proj_(a.transpose(1, 2).reshape({B * N, W})).view({B, N, W});    // [B, N, W]
-  auto out = torch::addcmul(x, m[2], a);                               // [B, N, W]
-  h = torch::addcmul(m[3], norm2_(out), m[4] + 1.0);                   // [B, N, W]
+  a = torch::mm(a.transpose(1, 2).reshape({B * N, W}), proj_->weight.t()).view({B, N, W});  // [B, N, W]
+  auto out = gated_residual(x, m[2], a, proj_->bias);                  // [B, N, W]
+  h = adaln_modulate(out, m[3], m[4], kDiTNormEps);                    // [B, N, W]
   h = linear_gelu(h.view({B * N, W}), fc1_->weight, fc1_->bias);      // [B N, hidden]
-  h = fc2_(h).view({B, N, W});                                         // [B, N, W]
-  return torch::addcmul(out, m[5], h);                                 // [B, N, W]
+  h = torch::mm(h, fc2_->weight.t()).view({B, N, W});                  // [B, N, W]
+  return gated_residual(out, m[5], h, fc2_->bias);                     // [B, N, W]
 }
 
 DiTFinalLayerImpl::DiTFinalLayerImpl(int64_t width, int64_t out_dim) {
-  norm_ = register_module("norm", nn::LayerNorm(nn::LayerNormOptions({width}).elementwise_affine(false).eps(1e-6)));
   ada_ = register_module("ada", nn::Linear(width, 2 * width));
   linear_ = register_module("linear", nn::Linear(width, out_dim));
   zero_init(*ada_);
@@ -171,8 +168,8 @@ DiTFinalLayerImpl::DiTFinalLayerImpl(int64_t width, int64_t out_dim) {
 
 torch::Tensor DiTFinalLayerImpl::forward(const torch::Tensor& x, const torch::Tensor& c_act) {
   const int64_t B = x.size(0), N = x.size(1);
-  auto m = ada_(c_act).unsqueeze(1).chunk(2, -1);                      // 2 x [B, 1, W]
-  auto h = torch::addcmul(m[0], norm_(x), m[1] + 1.0);                 // [B, N, W]
+  auto m = ada_(c_act).chunk(2, -1);                                   // 2 x [B, W]
+  auto h = adaln_modulate(x, m[0], m[1], kDiTNormEps);                 // [B, N, W]
   return linear_(h.view({B * N, x.size(2)})).view({B, N, -1});         // [B, N, out_dim]
 }
 

@@ -99,9 +99,13 @@ class AttentionBlockImpl : public torch::nn::Module {
 };
 TORCH_MODULE(AttentionBlock);
 
+// LayerNorm epsilon of the DiT blocks and final layer (as in DiT).
+constexpr double kDiTNormEps = 1e-6;
+
 // DiT block with adaLN-Zero conditioning (Peebles & Xie 2023). One Linear(width, 6 width) on
 // SiLU(c) yields (shift, scale, gate) for the attention and the MLP branch; it is zero-initialized,
-// so every block is the identity at init. Attention uses one fused qkv Linear.
+// so every block is the identity at init. Attention uses one fused qkv Linear. LayerNorm has no
+// affine parameters (epsilon kDiTNormEps) and runs fused with the modulation (ops.h).
 class DiTBlockImpl : public torch::nn::Module {
  public:
   DiTBlockImpl(int64_t width, int64_t heads, double mlp_ratio);
@@ -111,7 +115,6 @@ class DiTBlockImpl : public torch::nn::Module {
 
  private:
   int64_t width_, heads_;
-  torch::nn::LayerNorm norm1_{nullptr}, norm2_{nullptr};
   torch::nn::Linear qkv_{nullptr}, proj_{nullptr}, fc1_{nullptr}, fc2_{nullptr}, ada_{nullptr};
 };
 TORCH_MODULE(DiTBlock);
@@ -124,7 +127,6 @@ class DiTFinalLayerImpl : public torch::nn::Module {
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& c_act);  // -> [B, N, out_dim]
 
  private:
-  torch::nn::LayerNorm norm_{nullptr};
   torch::nn::Linear ada_{nullptr}, linear_{nullptr};
 };
 TORCH_MODULE(DiTFinalLayer);

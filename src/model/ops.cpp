@@ -1,4 +1,4 @@
-// Dispatch between the implementations of attention and linear + GELU (see ops.h).
+// Dispatch between the implementations of the model operations in ops.h.
 #include "model/ops.h"
 
 #include <cmath>
@@ -27,6 +27,19 @@ torch::Tensor attention_qkv(const torch::Tensor& qkv) {
 torch::Tensor linear_gelu(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b) {
   if (linear_gelu_cpu_supported(x, w, b)) return linear_gelu_cpu(x, w, b);  // [M, H]
   return torch::gelu(torch::linear(x, w, b));                                // [M, H]
+}
+
+torch::Tensor adaln_modulate(const torch::Tensor& x, const torch::Tensor& shift, const torch::Tensor& scale,
+                             double eps) {
+  if (adaln_modulate_cpu_supported(x, shift, scale)) return adaln_modulate_cpu(x, shift, scale, eps);  // [B, N, W]
+  auto h = torch::layer_norm(x, {x.size(-1)}, {}, {}, eps);                                            // [B, N, W]
+  return torch::addcmul(shift.unsqueeze(1), h, scale.unsqueeze(1) + 1.0);                              // [B, N, W]
+}
+
+torch::Tensor gated_residual(const torch::Tensor& x, const torch::Tensor& gate, const torch::Tensor& a,
+                             const torch::Tensor& bias) {
+  if (gated_residual_cpu_supported(x, gate, a, bias)) return gated_residual_cpu(x, gate, a, bias);  // [B, N, W]
+  return torch::addcmul(x, gate.unsqueeze(1), a + bias);                                           // [B, N, W]
 }
 
 }  // namespace ddm

@@ -1,10 +1,10 @@
-// Model operations with more than one implementation: multi-head self-attention on packed q, k, v
-// and a linear layer followed by GELU. Each call picks the fastest exact implementation available:
+// Model operations with more than one implementation: multi-head self-attention on packed q, k, v,
+// a linear layer followed by GELU, and DiT's adaLN modulation and gated residual. Each call picks the fastest exact implementation available:
 //   - attention: LibTorch >= 2.0's at::scaled_dot_product_attention (fused, CPU and CUDA); on
 //     LibTorch 1.13 with a float32 CPU tensor and an AVX2 + FMA CPU, the fused kernel of
 //     fused_cpu.h; otherwise the plain three-op form;
-//   - linear_gelu: the fused_cpu.h kernel for float32 CPU tensors on AVX2 + FMA CPUs, else
-//     torch::gelu(torch::linear(...)).
+//   - linear_gelu, adaln_modulate, gated_residual: the fused_cpu.h kernels for float32 CPU
+//     tensors on AVX2 + FMA CPUs, else the same expression in ATen ops.
 #pragma once
 #include <torch/torch.h>
 
@@ -20,5 +20,13 @@ torch::Tensor attention_reference(const torch::Tensor& q, const torch::Tensor& k
 
 // gelu(x w^T + b) with GELU = x Phi(x), the exact normal CDF; x [M, K], w [H, K], b [H] -> [M, H].
 torch::Tensor linear_gelu(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b);
+
+// LayerNorm(x) (no affine, epsilon eps) * (1 + scale) + shift; x [B, N, W], shift/scale [B, W].
+torch::Tensor adaln_modulate(const torch::Tensor& x, const torch::Tensor& shift, const torch::Tensor& scale,
+                             double eps);
+
+// x + gate * (a + bias); x, a [B, N, W], gate [B, W], bias [W] (the bias of the linear that made a).
+torch::Tensor gated_residual(const torch::Tensor& x, const torch::Tensor& gate, const torch::Tensor& a,
+                             const torch::Tensor& bias);
 
 }  // namespace ddm

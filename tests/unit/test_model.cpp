@@ -3,6 +3,7 @@
 // gradient checks of the building blocks, parameter and FLOP counting.
 #include <cmath>
 #include <functional>
+#include <tuple>
 #include <string>
 #include <vector>
 
@@ -428,6 +429,85 @@ TEST(FusedLinearGelu, ResultDoesNotDependOnThreadCount) {
   auto one = run(1), two = run(2);
   torch::set_num_threads(threads);
   EXPECT_TRUE(torch::equal(one, two));
+}
+
+namespace {
+// Max |got - want| relative to max(1, max |want|), got in any dtype, want in float64.
+double rel_err(const torch::Tensor& got, const torch::Tensor& want) {
+  return (got.to(torch::kFloat64) - want).abs().max().item<double>() / std::max(1.0, want.abs().max().item<double>());
+}
+}  // namespace
+
+TEST(FusedAdaLN, MatchesLayerNormThenModulateWithGradients) {
+  torch::manual_seed(12);
+  // W = 20: two vectors and a tail of 4; W = 128 (dit-tiny); one token; rows with a large offset.
+  for (auto [B, N, W] : {std::tuple<int64_t, int64_t, int64_t>{3, 7, 20}, {2, 49, 128}, {1, 1, 8}, {4, 5, 13}}) {
+    auto x64 = torch::randn({B, N, W}, torch::kFloat64) * 3 + torch::randn({B, N, 1}, torch::kFloat64) * 10;
+    auto sh64 = torch::randn({B, W}, torch::kFloat64), sc64 = torch::randn({B, W}, torch::kFloat64) * 0.5;
+    auto g64 = torch::randn({B, N, W}, torch::kFloat64);
+    auto x32 = x64.to(torch::kFloat32).requires_grad_(true), sh32 = sh64.to(torch::kFloat32).requires_grad_(true);
+    auto sc32 = sc64.to(torch::kFloat32).requires_grad_(true);
+    if (!adaln_modulate_cpu_supported(x32, sh32, sc32)) GTEST_SKIP() << "no AVX2/FMA CPU kernel here";
+    auto y32 = adaln_modulate_cpu(x32, sh32, sc32, 1e-6);
+    (y32 * g64.to(torch::kFloat32)).sum().backward();
+    auto x = x64.clone().requires_grad_(true), sh = sh64.clone().requires_grad_(true);
+    auto sc = sc64.clone().requires_grad_(true);
+    auto y = torch::layer_norm(x, {W}, {}, {}, 1e-6) * (1 + sc.unsqueeze(1)) + sh.unsqueeze(1);
+    (y * g64).sum().backward();
+    const std::string where = "B " + std::to_string(B) + " N " + std::to_string(N) + " W " + std::to_string(W);
+    EXPECT_LT(rel_err(y32, y), 2e-6) << where;
+    EXPECT_LT(rel_err(x32.grad(), x.grad()), 2e-5) << where;
+    EXPECT_LT(rel_err(sh32.grad(), sh.grad()), 2e-6) << where;
+    EXPECT_LT(rel_err(sc32.grad(), sc.grad()), 5e-6) << where;
+    // ops.h dispatches here for float32 and to ATen's layer_norm + addcmul otherwise.
+    EXPECT_TRUE(torch::equal(adaln_modulate(x32.detach(), sh32.detach(), sc32.detach(), 1e-6), y32.detach()));
+    EXPECT_LT(rel_err(adaln_modulate(x64, sh64, sc64, 1e-6), y.detach()), 1e-12);
+  }
+}
+
+TEST(FusedGatedResidual, MatchesAddcmulWithBiasAndGradients) {
+  torch::manual_seed(13);
+  for (auto [B, N, W] : {std::tuple<int64_t, int64_t, int64_t>{3, 7, 20}, {2, 49, 128}, {1, 1, 5}}) {
+    auto x64 = torch::randn({B, N, W}, torch::kFloat64), a64 = torch::randn({B, N, W}, torch::kFloat64);
+    auto gate64 = torch::randn({B, W}, torch::kFloat64), b64 = torch::randn({W}, torch::kFloat64);
+    auto g64 = torch::randn({B, N, W}, torch::kFloat64);
+    auto x32 = x64.to(torch::kFloat32).requires_grad_(true), a32 = a64.to(torch::kFloat32).requires_grad_(true);
+    auto gate32 = gate64.to(torch::kFloat32).requires_grad_(true), b32 = b64.to(torch::kFloat32).requires_grad_(true);
+    if (!gated_residual_cpu_supported(x32, gate32, a32, b32)) GTEST_SKIP() << "no AVX2/FMA CPU kernel here";
+    auto y32 = gated_residual_cpu(x32, gate32, a32, b32);
+    (y32 * g64.to(torch::kFloat32)).sum().backward();
+    auto x = x64.clone().requires_grad_(true), a = a64.clone().requires_grad_(true);
+    auto gate = gate64.clone().requires_grad_(true), b = b64.clone().requires_grad_(true);
+    auto y = x + gate.unsqueeze(1) * (a + b);
+    (y * g64).sum().backward();
+    EXPECT_LT(rel_err(y32, y), 2e-6);
+    EXPECT_LT(rel_err(x32.grad(), x.grad()), 1e-7);
+    EXPECT_LT(rel_err(a32.grad(), a.grad()), 2e-6);
+    EXPECT_LT(rel_err(gate32.grad(), gate.grad()), 5e-6);
+    EXPECT_LT(rel_err(b32.grad(), b.grad()), 5e-6);
+    EXPECT_TRUE(torch::equal(gated_residual(x32.detach(), gate32.detach(), a32.detach(), b32.detach()),
+                             y32.detach()));
+    EXPECT_LT(rel_err(gated_residual(x64, gate64, a64, b64), y.detach()), 1e-12);
+  }
+}
+
+TEST(FusedAdaLN, AdaLNAndGatedResidualDoNotDependOnThreadCount) {
+  torch::manual_seed(3);
+  auto x = torch::randn({16, 49, 128}), a = torch::randn({16, 49, 128});
+  auto shift = torch::randn({16, 128}), scale = torch::randn({16, 128}), bias = torch::randn({128});
+  if (!adaln_modulate_cpu_supported(x, shift, scale)) GTEST_SKIP() << "no AVX2/FMA CPU kernel here";
+  const int threads = torch::get_num_threads();
+  auto run = [&](int n) {
+    torch::set_num_threads(n);
+    auto xx = x.clone().requires_grad_(true), sc = scale.clone().requires_grad_(true);
+    auto bb = bias.clone().requires_grad_(true);
+    auto h = adaln_modulate_cpu(xx, shift, sc, 1e-6);
+    gated_residual_cpu(xx, sc, h, bb).pow(2).sum().backward();
+    return std::vector<torch::Tensor>{h.detach(), xx.grad(), sc.grad(), bb.grad()};
+  };
+  auto one = run(1), two = run(2);
+  torch::set_num_threads(threads);
+  for (size_t i = 0; i < one.size(); ++i) EXPECT_TRUE(torch::equal(one[i], two[i])) << i;
 }
 
 TEST(Counting, CountParamsIsSumOfNumel) {
