@@ -3,11 +3,15 @@
 //   sample      write a PNG grid (and optionally raw samples) from a checkpoint
 //   quickstart  train a small class-conditional model on Fashion-MNIST and write a sample grid
 //   presets     list model presets with parameter counts and FLOPs
+//   train-classifier  train the feature network that the evaluation metrics use
+//   eval        FD-fmnist, KID, precision/recall and class accuracy of a model's samples or a file
 #include <CLI/CLI.hpp>
 
 #include <chrono>
 #include <filesystem>
+#include <functional>
 #include <iostream>
+#include <memory>
 #include <unistd.h>
 
 #include "core/config.h"
@@ -18,6 +22,8 @@
 #include "core/version.h"
 #include "data/dataset.h"
 #include "diffusion/generate.h"
+#include "eval/evaluate.h"
+#include "eval/feature_net.h"
 #include "eval/grid.h"
 #include "model/net.h"
 #include "model/presets.h"
@@ -80,6 +86,20 @@ struct SampleArgs {
   bool no_ema = false;
 };
 
+// Sampling progress: a live counter on a terminal, otherwise a plain line at every 10%.
+std::function<void(int64_t, int64_t)> sampling_progress(bool tty) {
+  auto next_tenth = std::make_shared<int64_t>(1);
+  return [tty, next_tenth](int64_t done, int64_t total) {
+    if (tty) {
+      std::printf("\r  sampling %lld/%lld", static_cast<long long>(done), static_cast<long long>(total));
+    } else if (done * 10 >= *next_tenth * total) {
+      std::printf("  sampled %lld/%lld\n", static_cast<long long>(done), static_cast<long long>(total));
+      *next_tenth = done * 10 / total + 1;
+    }
+    std::fflush(stdout);
+  };
+}
+
 void write_samples(const SampleArgs& a) {
   set_threads(a.threads);
   LoadedModel m = load_model(a.ckpt, !a.no_ema);
@@ -95,10 +115,7 @@ void write_samples(const SampleArgs& a) {
   const int64_t classes = m.cfg.model.num_classes;
   g.per_class = classes > 0 && a.class_id < 0 ? std::max<int64_t>(1, a.n / classes) : a.n;
   const bool tty = isatty(fileno(stdout));
-  g.on_progress = [tty](int64_t done, int64_t total) {
-    if (tty) std::printf("\r  sampling %lld/%lld", static_cast<long long>(done), static_cast<long long>(total));
-    std::fflush(stdout);
-  };
+  g.on_progress = sampling_progress(tty);
   std::cout << "sampling " << a.n << " images from " << m.checkpoint << " (step " << m.step << ", "
             << (a.no_ema ? "raw" : "EMA") << " weights): " << g.sample.sampler << ", " << g.sample.steps
             << " steps, cfg " << g.sample.cfg << std::endl;
@@ -147,6 +164,142 @@ void add_sample_flags(CLI::App* cmd, SampleArgs& a) {
   cmd->add_flag("--no-ema", a.no_ema, "use the raw weights instead of the EMA");
 }
 
+struct ClassifierArgs {
+  std::string out = "feature-net.safetensors", root;
+  int64_t threads = 2;
+  bool force = false;
+  ClassifierTrainConfig cfg;
+};
+
+int train_classifier_cmd(const ClassifierArgs& a, const std::string& command) {
+  DDM_CHECK(a.force || !fs::exists(a.out),
+            a.out << " already exists; pass --force to replace it, or choose another --out");
+  set_threads(a.threads);
+  DataConfig dc;
+  dc.root = a.root;
+  const Dataset train = load_dataset(dc);
+  dc.split = "test";
+  const Dataset test = load_dataset(dc);
+  std::cout << "training the feature network on " << train.description << ": " << a.cfg.epochs << " epochs of batch "
+            << a.cfg.batch_size << ", seed " << a.cfg.seed << ", " << a.threads << " threads" << std::endl;
+  const auto t0 = std::chrono::steady_clock::now();
+  FeatureNet net = train_classifier(train, a.cfg);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const int64_t correct = count_correct(net, test), total = test.images.size(0);
+  const double acc = static_cast<double>(correct) / static_cast<double>(total);
+  const auto parent = fs::path(a.out).parent_path();
+  if (!parent.empty()) fs::create_directories(parent);
+  const std::string sha = save_feature_net(
+      a.out, net,
+      {{"command", command},
+       {"seed", std::to_string(a.cfg.seed)},
+       {"threads", std::to_string(a.threads)},
+       {"epochs", std::to_string(a.cfg.epochs)},
+       {"train_data", train.description},
+       {"test_correct", std::to_string(correct)},
+       {"test_total", std::to_string(total)},
+       {"ddm_version", version()}});
+  std::printf("test accuracy %.2f%% (%lld / %lld) after %.0f s\nwrote %s\nsha256 %s\n", 100.0 * acc,
+              static_cast<long long>(correct), static_cast<long long>(total), seconds, a.out.c_str(), sha.c_str());
+  return 0;
+}
+
+struct EvalArgs {
+  SampleArgs sample;  // --ckpt and the sampling flags
+  std::string samples_file, anchor, out;
+  EvalConfig cfg;
+};
+
+int eval_cmd(EvalArgs a) {
+  DDM_CHECK(a.sample.ckpt.empty() + a.samples_file.empty() + a.anchor.empty() == 2,
+            "ddm eval: give exactly one of --ckpt DIR, --samples FILE or --anchor train|noise");
+  set_threads(a.sample.threads);
+  SampleSet set;
+  std::string stem;
+  if (!a.anchor.empty()) {
+    set = anchor_samples(a.anchor, a.sample.n, static_cast<uint64_t>(a.sample.seed), a.cfg.data_root);
+    stem = "anchor-" + a.anchor + "-n" + std::to_string(a.sample.n);
+    if (a.out.empty()) a.out = "eval";
+  } else if (!a.samples_file.empty()) {
+    set = load_samples(a.samples_file);
+    if (set.images.size(0) > a.sample.n) {
+      std::cout << "using the first " << a.sample.n << " of " << set.images.size(0) << " images (--n)" << std::endl;
+      set.images = set.images.narrow(0, 0, a.sample.n);
+      if (set.labels.defined()) set.labels = set.labels.narrow(0, 0, a.sample.n);
+    }
+    stem = fs::path(a.samples_file).stem().string();
+    if (a.out.empty()) a.out = (fs::path(a.samples_file).parent_path() / "eval").string();
+  } else {
+    LoadedModel m = load_model(a.sample.ckpt, !a.sample.no_ema);
+    Denoiser den = make_denoiser(m);
+    GenerateOptions g;
+    g.n = a.sample.n;
+    g.sample.sampler = a.sample.sampler.empty() ? m.cfg.sample.sampler : a.sample.sampler;
+    g.sample.steps = a.sample.steps > 0 ? a.sample.steps : m.cfg.sample.steps;
+    g.sample.cfg = a.sample.cfg >= 0 ? a.sample.cfg : m.cfg.sample.cfg;
+    g.batch_size = a.sample.batch;
+    g.seed = static_cast<uint64_t>(a.sample.seed);
+    g.class_id = a.sample.class_id;
+    const int64_t classes = m.cfg.model.num_classes;
+    g.per_class = classes > 0 ? std::max<int64_t>(1, (a.sample.n + classes - 1) / classes) : a.sample.n;
+    const bool tty = isatty(fileno(stdout));
+    g.on_progress = sampling_progress(tty);
+    std::cout << "sampling " << a.sample.n << " images from " << m.checkpoint << ": " << g.sample.sampler << ", "
+              << g.sample.steps << " steps, cfg " << g.sample.cfg << std::endl;
+    Generated out = generate(den, m.cfg.model.in_channels, m.cfg.model.image_size, g);
+    if (tty) std::printf("\n");
+    std::printf("NFE %lld per image, %.0f s (%.1f img/s)\n", static_cast<long long>(out.nfe), out.seconds,
+                a.sample.n / out.seconds);
+    set.images = to_uint8(out.images);
+    if (classes > 0) set.labels = out.labels;
+    set.origin = m.checkpoint + " (" + g.sample.sampler + ", " + std::to_string(g.sample.steps) + " steps, cfg " +
+                 std::to_string(g.sample.cfg).substr(0, 4) + ", NFE " + std::to_string(out.nfe) + ")";
+    set.info = {{"checkpoint", m.checkpoint},
+                {"sampler", g.sample.sampler},
+                {"steps", std::to_string(g.sample.steps)},
+                {"cfg", std::to_string(g.sample.cfg)},
+                {"nfe", std::to_string(out.nfe)},
+                {"seed", std::to_string(g.seed)},
+                {"sampling_seconds", std::to_string(out.seconds)}};
+    stem = g.sample.sampler + "-" + std::to_string(g.sample.steps) + "steps-cfg" +
+           std::to_string(g.sample.cfg).substr(0, 4) + "-n" + std::to_string(a.sample.n);
+    if (a.out.empty()) a.out = (fs::path(a.sample.ckpt) / "eval").string();
+    fs::create_directories(a.out);
+    SafetensorsFile f;
+    f.tensors["images"] = set.images;
+    f.tensors["labels"] = out.labels;
+    f.metadata["origin"] = set.origin;
+    save_safetensors((fs::path(a.out) / (stem + ".safetensors")).string(), f);
+  }
+  EvalReport r = evaluate_samples(set, a.cfg);
+  std::cout << "\n" << r.table();
+  std::printf("(features and statistics: %.1f s)\n", r.seconds);
+  fs::create_directories(a.out);
+  const std::string json_path = (fs::path(a.out) / (stem + ".json")).string();
+  write_file_atomic(json_path, r.json() + "\n");
+  std::cout << "wrote " << json_path << std::endl;
+  // One row of up to 10 images per requested class, so a person can look as well as read.
+  if (set.labels.defined() && !r.class_names.empty()) {
+    std::vector<torch::Tensor> rows;
+    std::vector<std::string> names;
+    for (size_t c = 0; c < r.class_names.size(); ++c) {
+      auto idx = set.labels.eq(static_cast<int64_t>(c)).nonzero().flatten();
+      if (idx.numel() == 0) continue;
+      idx = idx.narrow(0, 0, std::min<int64_t>(10, idx.numel()));
+      auto imgs = set.images.index_select(0, idx);  // [<= 10, C, H, W]
+      imgs = imgs.scalar_type() == torch::kUInt8 ? to_unit_range(imgs) : imgs.to(torch::kFloat32);
+      if (imgs.size(0) < 10)  // pad the row with background
+        imgs = torch::cat({imgs, -torch::ones({10 - imgs.size(0), imgs.size(1), imgs.size(2), imgs.size(3)})});
+      rows.push_back(imgs);
+      names.push_back(r.class_names[c]);
+    }
+    const std::string png = (fs::path(a.out) / (stem + ".png")).string();
+    save_image_grid(png, torch::cat(rows), 10, names);
+    std::cout << "wrote " << png << " (one row per requested class)" << std::endl;
+  }
+  return 0;
+}
+
 int run(int argc, char** argv) {
   CLI::App app{"ddm: decentralized diffusion models. Train diffusion models, sample them, and (soon) train "
                "expert ensembles across independent compute islands."};
@@ -191,6 +344,46 @@ int run(int argc, char** argv) {
   bool qs_print = false;
   qs_cmd->add_flag("--print-config", qs_print, "print the quickstart config (TOML) and exit");
 
+  // train-classifier
+  ClassifierArgs ca;
+  auto* cls_cmd = app.add_subcommand(
+      "train-classifier",
+      "Train the CNN classifier whose features the evaluation metrics (FD-fmnist, KID, precision/recall) use, on "
+      "the Fashion-MNIST train split, and report its accuracy on the test split. Deterministic for a given seed "
+      "and thread count. ddm ships one in assets/feature-net/ (see its README for the command that made it).");
+  cls_cmd->add_option("--out", ca.out, "safetensors file to write");
+  cls_cmd->add_option("--data-root", ca.root, "Fashion-MNIST directory (default: the Debian package's)");
+  cls_cmd->add_option("--epochs", ca.cfg.epochs, "training epochs")->check(kPositive);
+  cls_cmd->add_option("--batch", ca.cfg.batch_size, "batch size")->check(kPositive);
+  cls_cmd->add_option("--lr", ca.cfg.lr, "peak AdamW learning rate")->check(kNonNegative);
+  cls_cmd->add_option("--seed", ca.cfg.seed, "seed (initialization, data order, augmentation, dropout)");
+  cls_cmd->add_option("--threads", ca.threads, "intra-op threads; results depend on it")->check(kPositive);
+  cls_cmd->add_flag("--force", ca.force, "replace an existing --out file");
+
+  // eval
+  EvalArgs ea;
+  ea.sample.n = 10000;
+  auto* eval_cmd_app = app.add_subcommand(
+      "eval",
+      "Measure sample quality against the Fashion-MNIST test split: FD-fmnist (Frechet distance in the shipped "
+      "feature network's space; not FID), KID, precision/recall and, for class-conditional samples, the feature "
+      "network's accuracy on each requested class. Samples a checkpoint (--ckpt), reads a file (--samples) "
+      "or draws a reference point (--anchor). Prints a table and writes JSON, a per-class PNG grid (and the samples) to --out.");
+  eval_cmd_app->add_option("--ckpt", ea.sample.ckpt, "run or checkpoint directory to sample from");
+  eval_cmd_app->add_option("--samples", ea.samples_file,
+                           "safetensors file with images (uint8, or float in [-1, 1]) and optional labels, e.g. "
+                           "from `ddm sample --raw`");
+  eval_cmd_app->add_option("--anchor", ea.anchor,
+                           "evaluate a reference point instead: train (random train images: the floor) or noise "
+                           "(per-pixel Gaussian with the data's mean and variance: a ceiling)")
+      ->check(CLI::IsMember({"train", "noise"}));
+  eval_cmd_app->add_option("--out", ea.out, "output directory (default: eval/ in the run directory or next to --samples)");
+  eval_cmd_app->add_option("--feature-net", ea.cfg.feature_net, "feature network file (default: the shipped one)");
+  eval_cmd_app->add_option("--cache-dir", ea.cfg.cache_dir, "reference-feature cache (default: ~/.cache/ddm)");
+  eval_cmd_app->add_option("--data-root", ea.cfg.data_root, "Fashion-MNIST directory (default: the Debian package's)");
+  add_sample_flags(eval_cmd_app, ea.sample);
+  eval_cmd_app->get_option("--n")->description("number of images (default 10000; report results at 10000)");
+
   // presets
   auto* presets_cmd = app.add_subcommand("presets", "List model presets with parameters and FLOPs per image.");
 
@@ -231,6 +424,12 @@ int run(int argc, char** argv) {
     std::cout << "\nNext: ddm sample --ckpt " << qs_out << " --sampler heun --steps 10 --out grid.png\n";
     return 0;
   }
+  if (*cls_cmd) {
+    std::string command = "ddm";
+    for (int i = 1; i < argc; ++i) command += std::string(" ") + argv[i];
+    return train_classifier_cmd(ca, command);
+  }
+  if (*eval_cmd_app) return eval_cmd(ea);
   if (*presets_cmd) {
     std::printf("%-12s %-5s %12s %16s\n", "preset", "arch", "parameters", "MFLOP/img fwd");
     for (const auto& name : preset_names()) {

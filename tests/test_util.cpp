@@ -10,7 +10,18 @@
 #include <stdexcept>
 #include <sys/wait.h>
 
+#include "core/error.h"
+
 namespace ddm::test {
+
+std::string error_message(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
 
 TempDir::TempDir() {
   std::string templ = (std::filesystem::temp_directory_path() / "ddm-test-XXXXXX").string();

@@ -1,5 +1,6 @@
-// Helpers shared by the tests: temporary directories, running the ddm binary, file edits.
+// Helpers shared by the tests: temporary directories, running the ddm binary, file edits, errors.
 #pragma once
+#include <functional>
 #include <string>
 
 namespace ddm::test {
@@ -22,6 +23,9 @@ struct CommandResult {
 CommandResult run_command(const std::string& cmd);
 // Runs the ddm binary built with the tests with the given argument string.
 CommandResult run_ddm(const std::string& args);
+
+// The message of the ddm::Error that f throws, or "" if it throws none.
+std::string error_message(const std::function<void()>& f);
 
 void write_text(const std::string& path, const std::string& text);
 std::string read_text(const std::string& path);

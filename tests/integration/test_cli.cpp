@@ -22,7 +22,7 @@ void expect_error(const test::CommandResult& r, const std::string& needle) {
 }  // namespace
 
 TEST(Cli, HelpForEverySubcommand) {
-  for (const char* sub : {"", "train", "sample", "quickstart", "presets"}) {
+  for (const char* sub : {"", "train", "sample", "quickstart", "presets", "eval", "train-classifier"}) {
     auto r = test::run_ddm(std::string(sub) + " --help");
     EXPECT_EQ(r.exit_code, 0) << sub << r.output;
     EXPECT_NE(r.output.find("Usage"), std::string::npos) << r.output;
@@ -93,4 +93,24 @@ TEST(Cli, BadSampleInputs) {
   test::write_text(w, bytes);
   expect_error(test::run_ddm("sample --ckpt " + (dir / "run") + " --out " + (dir / "g.png")), "checksum mismatch");
   EXPECT_FALSE(fs::exists(dir / "g.png"));
+}
+
+TEST(Cli, EvalWritesAReportAndRefusesBadSamples) {
+  test::TempDir dir;
+  const std::string cache = " --cache-dir " + (dir / "cache");
+  auto r = test::run_ddm("eval --anchor train --n 300 --threads 2 --out " + (dir / "e") + cache);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("FD-fmnist"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("Ankle boot"), std::string::npos) << r.output;  // per-class accuracy rows
+  const std::string json = test::read_text(dir / "e/anchor-train-n300.json");
+  EXPECT_NE(json.find("\"feature_net_sha256\": \"61e01b19"), std::string::npos) << json;
+  EXPECT_TRUE(fs::exists(dir / "e/anchor-train-n300.png"));
+
+  expect_error(test::run_ddm("eval --anchor train --samples x.safetensors" + cache), "exactly one of");
+  expect_error(test::run_ddm("eval --samples " + (dir / "missing.safetensors") + cache), "no such samples file");
+  test::write_text(dir / "junk.safetensors", "not a safetensors file");
+  expect_error(test::run_ddm("eval --samples " + (dir / "junk.safetensors") + cache), "junk.safetensors");
+  expect_error(test::run_ddm("eval --anchor train --n 100" + cache), "more samples than feature dimensions");
+  expect_error(test::run_ddm("eval --anchor train --feature-net " + (dir / "junk.safetensors") + cache),
+               "junk.safetensors");
 }

@@ -14,20 +14,13 @@
 #include "test_util.h"
 
 using namespace ddm;
+using ddm::test::error_message;
 
 namespace {
 torch::nn::Sequential small_mlp(int64_t hidden) {
   return torch::nn::Sequential(torch::nn::Linear(4, hidden), torch::nn::SiLU(), torch::nn::Linear(hidden, 3));
 }
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
 }  // namespace
 
 TEST(FlatAdamW, MatchesLibTorchAdamW) {
@@ -111,12 +104,12 @@ TEST(FlatAdamW, OverfitsOneBatch) {
 
 TEST(ModuleState, ShapeMismatchIsAClearError) {
   auto a = small_mlp(8), b = small_mlp(16);
-  const std::string e = error_of([&] { load_module_state(*b, module_state(*a), "ckpt/model.safetensors"); });
+  const std::string e = error_message([&] { load_module_state(*b, module_state(*a), "ckpt/model.safetensors"); });
   EXPECT_NE(e.find("different model shape"), std::string::npos) << e;
   EXPECT_NE(e.find("ckpt/model.safetensors"), std::string::npos) << e;
   TensorMap partial = module_state(*a);
   partial.erase(partial.begin());
-  EXPECT_NE(error_of([&] { load_module_state(*a, partial, "x"); }).find("has no tensor"), std::string::npos);
+  EXPECT_NE(error_message([&] { load_module_state(*a, partial, "x"); }).find("has no tensor"), std::string::npos);
 }
 
 TEST(Checkpoint, RoundTripPruneAndCorruption) {
@@ -148,13 +141,13 @@ TEST(Checkpoint, RoundTripPruneAndCorruption) {
   std::string bytes = test::read_text(w);
   bytes[bytes.size() - 3] ^= 0x5a;
   test::write_text(w, bytes);
-  const std::string e = error_of([&] { read_checkpoint(all[1]); });
+  const std::string e = error_message([&] { read_checkpoint(all[1]); });
   EXPECT_NE(e.find("checksum mismatch"), std::string::npos) << e;
   EXPECT_NE(e.find("model.safetensors"), std::string::npos) << e;
   EXPECT_NO_THROW(read_checkpoint(all[0]));
 
   // A directory that is not a checkpoint.
-  EXPECT_NE(error_of([&] { resolve_checkpoint(dir / "nope"); }).find("does not exist"), std::string::npos);
+  EXPECT_NE(error_message([&] { resolve_checkpoint(dir / "nope"); }).find("does not exist"), std::string::npos);
   std::filesystem::create_directories(dir / "empty");
-  EXPECT_NE(error_of([&] { resolve_checkpoint(dir / "empty"); }).find("holds no checkpoint"), std::string::npos);
+  EXPECT_NE(error_message([&] { resolve_checkpoint(dir / "empty"); }).find("holds no checkpoint"), std::string::npos);
 }

@@ -1,0 +1,260 @@
+// Sample evaluation against the Fashion-MNIST test split (see evaluate.h).
+#include "eval/evaluate.h"
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <iostream>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
+#include <torch/torch.h>
+
+#include "core/error.h"
+#include "core/fileio.h"
+#include "core/rng.h"
+#include "core/safetensors.h"
+#include "data/dataset.h"
+#include "data/tensor_file.h"
+
+namespace fs = std::filesystem;
+
+namespace ddm {
+
+namespace {
+
+std::string default_cache_dir() {
+  if (const char* x = std::getenv("XDG_CACHE_HOME"); x && *x) return (fs::path(x) / "ddm").string();
+  if (const char* h = std::getenv("HOME"); h && *h) return (fs::path(h) / ".cache" / "ddm").string();
+  return (fs::temp_directory_path() / "ddm-cache").string();
+}
+
+// Checks images against the feature network's input; returns them unchanged.
+void check_images(const SampleSet& s, const FeatureNetShape& shape) {
+  const auto& x = s.images;
+  DDM_CHECK(x.defined() && x.dim() == 4, s.origin << ": images must be a rank-4 tensor [N, C, H, W], got "
+                                                  << (x.defined() ? x.sizes() : at::IntArrayRef{}));
+  DDM_CHECK(x.size(1) == shape.in_channels && x.size(2) == shape.image_size && x.size(3) == shape.image_size,
+            s.origin << ": images are " << x.sizes() << " but the feature network takes [N, " << shape.in_channels
+                     << ", " << shape.image_size << ", " << shape.image_size << "] (Fashion-MNIST-shaped images)");
+  DDM_CHECK(x.size(0) > 0, s.origin << ": no images");
+  const auto t = x.scalar_type();
+  DDM_CHECK(t == torch::kUInt8 || t == torch::kFloat32 || t == torch::kFloat64,
+            s.origin << ": images must be uint8 (0..255) or float32/float64 in [-1, 1], got " << t);
+  if (t != torch::kUInt8) {
+    DDM_CHECK(torch::isfinite(x).all().item<bool>(), s.origin << ": images contain NaN or infinity");
+    const double lo = x.min().item<double>(), hi = x.max().item<double>();
+    DDM_CHECK(lo >= -1.001 && hi <= 1.001, s.origin << ": float images must lie in [-1, 1], got values in [" << lo
+                                                    << ", " << hi << "]; scale them (x / 127.5 - 1 for 0..255 "
+                                                                     "pixels) or store them as uint8");
+  }
+  if (s.labels.defined()) {
+    DDM_CHECK(s.labels.dim() == 1 && s.labels.size(0) == x.size(0),
+              s.origin << ": labels must be [N] with N = " << x.size(0) << ", got " << s.labels.sizes());
+    const auto lmin = s.labels.min().item<int64_t>(), lmax = s.labels.max().item<int64_t>();
+    DDM_CHECK(lmin >= 0 && lmax < shape.num_classes, s.origin << ": labels must be classes 0.." << shape.num_classes - 1
+                                                              << " of the feature network, got " << lmin << ".."
+                                                              << lmax);
+  }
+}
+
+struct Reference {
+  torch::Tensor features;  // float64 [N, D]
+  std::string description;
+  std::vector<std::string> class_names;
+};
+
+// Features of the test split, from the cache or computed and cached.
+Reference reference_features(FeatureNet& net, const std::string& net_sha, const EvalConfig& cfg) {
+  DataConfig dc;
+  dc.root = cfg.data_root;
+  dc.split = "test";
+  const Dataset test = load_dataset(dc);
+  const std::string data_sha = sha256_hex(std::string(static_cast<const char*>(test.images.data_ptr()),
+                                                      static_cast<size_t>(test.images.numel())));
+  const fs::path dir = cfg.cache_dir.empty() ? default_cache_dir() : cfg.cache_dir;
+  const fs::path path = dir / ("fmnist-test-" + data_sha.substr(0, 12) + "-net-" + net_sha.substr(0, 12) + ".safetensors");
+  Reference ref;
+  ref.description = test.description;
+  ref.class_names = test.class_names;
+  if (fs::exists(path)) {
+    SafetensorsFile f = load_safetensors(path.string());
+    const std::string got = f.metadata.count("feature_net_sha256") ? f.metadata["feature_net_sha256"] : "";
+    DDM_CHECK(got == net_sha, path.string() << ": this reference cache was computed with feature network "
+                                            << (got.empty() ? "(unknown)" : got) << ", not " << net_sha
+                                            << "; delete the file (it is recomputed in seconds)");
+    DDM_CHECK(f.metadata.count("data_sha256") && f.metadata["data_sha256"] == data_sha,
+              path.string() << ": this reference cache belongs to other test images; delete the file");
+    DDM_CHECK(f.tensors.count("features") && f.tensors["features"].dim() == 2 &&
+                  f.tensors["features"].size(0) == test.images.size(0),
+              path.string() << ": malformed reference cache (no features [" << test.images.size(0)
+                            << ", D]); delete the file");
+    ref.features = f.tensors["features"].to(torch::kFloat64);
+    return ref;
+  }
+  if (!cfg.quiet) std::cout << "computing reference features of " << test.description << " (cached in " << path.string() << ")" << std::endl;
+  ref.features = extract_features(net, test.images);
+  SafetensorsFile f;
+  f.tensors["features"] = ref.features;
+  f.metadata["feature_net_sha256"] = net_sha;
+  f.metadata["data_sha256"] = data_sha;
+  f.metadata["data"] = test.description;
+  fs::create_directories(dir);
+  save_safetensors(path.string(), f);
+  return ref;
+}
+
+}  // namespace
+
+SampleSet load_samples(const std::string& path) {
+  DDM_CHECK(fs::exists(path), path << ": no such samples file (write one with `ddm sample --raw FILE`)");
+  SafetensorsFile f = load_safetensors(path);
+  SampleSet s;
+  s.origin = path;
+  auto labels = f.tensors.find("labels");
+  if (f.tensors.count("samples") && !f.tensors.count("images")) {
+    s.images = f.tensors["samples"];
+    DDM_CHECK(s.images.is_floating_point(), path << ": tensor \"samples\" must be float in [-1, 1], got "
+                                                 << s.images.scalar_type());
+  } else {
+    DDM_CHECK(f.tensors.count("images"), path << ": no tensor named \"images\" (uint8 NCHW/NHWC, or float in "
+                                                 "[-1, 1]) or \"samples\" (float NCHW in [-1, 1])");
+    if (f.tensors["images"].scalar_type() == torch::kUInt8) {
+      Dataset d = load_tensor_file(path);  // uint8 layout rules and label checks
+      s.images = d.images;
+      if (labels != f.tensors.end()) s.labels = d.labels;
+      return s;
+    }
+    s.images = f.tensors["images"];
+  }
+  if (labels != f.tensors.end()) {
+    const auto t = labels->second.scalar_type();
+    DDM_CHECK(t == torch::kInt64 || t == torch::kInt32 || t == torch::kUInt8 || t == torch::kInt16 || t == torch::kInt8,
+              path << ": tensor \"labels\" must be integer, got " << t);
+    s.labels = labels->second.to(torch::kInt64);
+  }
+  return s;
+}
+
+SampleSet anchor_samples(const std::string& kind, int64_t n, uint64_t seed, const std::string& data_root) {
+  DDM_CHECK(kind == "train" || kind == "noise", "unknown anchor '" << kind << "' (train | noise)");
+  DataConfig dc;
+  dc.root = data_root;
+  const Dataset train = load_dataset(dc);
+  DDM_CHECK(n >= 1 && n <= train.images.size(0),
+            "anchor " << kind << ": n must be in 1.." << train.images.size(0) << ", got " << n);
+  auto gen = make_generator(derive_seed({seed, static_cast<uint64_t>(RngPurpose::kSample), 0xa7c4ULL}));
+  SampleSet s;
+  if (kind == "train") {
+    const auto idx = torch::randperm(train.images.size(0), gen, torch::kLong).narrow(0, 0, n);
+    s.images = train.images.index_select(0, idx);
+    s.labels = train.labels.index_select(0, idx);
+    s.origin = "anchor: " + std::to_string(n) + " random train images";
+  } else {
+    const auto x = to_unit_range(train.images).to(torch::kFloat64);  // [N, C, H, W]
+    const auto mean = x.mean(0), std = x.std(0);                     // [C, H, W] each
+    auto noise = torch::randn({n, x.size(1), x.size(2), x.size(3)}, gen, torch::kFloat64);
+    s.images = (mean + std * noise).clamp(-1, 1).to(torch::kFloat32);
+    s.origin = "anchor: per-pixel Gaussian noise with the train split's mean and variance";
+  }
+  return s;
+}
+
+LoadedFeatureNet load_eval_feature_net(const EvalConfig& cfg) {
+  if (cfg.feature_net.empty()) {
+    const std::string path = default_feature_net_path();
+    DDM_CHECK(fs::exists(path), path << ": the shipped feature network is missing; restore it from the repository "
+                                        "(git checkout assets/) or pass one with --feature-net");
+    return load_feature_net(path, kDefaultFeatureNetSha256);
+  }
+  return load_feature_net(cfg.feature_net);
+}
+
+EvalReport evaluate_samples(const SampleSet& samples, const EvalConfig& cfg) {
+  LoadedFeatureNet fnet = load_eval_feature_net(cfg);
+  check_images(samples, fnet.net->shape());
+  const Reference ref = reference_features(fnet.net, fnet.sha256, cfg);
+  const auto t0 = std::chrono::steady_clock::now();
+  EvalReport r;
+  r.origin = samples.origin;
+  r.info = samples.info;
+  r.feature_net_sha256 = fnet.sha256;
+  r.reference = ref.description;
+  r.n = samples.images.size(0);
+  r.reference_n = ref.features.size(0);
+  r.class_names = ref.class_names;
+  const auto feats = extract_features(fnet.net, samples.images);  // [N, D] float64
+  r.fd = frechet_distance(gaussian_stats(feats), gaussian_stats(ref.features));
+  r.kid = kernel_inception_distance(feats, ref.features, cfg.kid_subsets, cfg.kid_subset_size, cfg.seed);
+  r.pr = precision_recall(ref.features, feats, cfg.pr_k);
+  if (samples.labels.defined()) {
+    const auto pred = predict_classes(fnet.net, samples.images);
+    double sum = 0;
+    int64_t present = 0;
+    for (int64_t c = 0; c < fnet.net->shape().num_classes; ++c) {
+      const auto mask = samples.labels.eq(c);
+      const int64_t n = mask.sum().item<int64_t>();
+      const double acc = n ? pred.masked_select(mask).eq(c).sum().item<double>() / static_cast<double>(n) : -1.0;
+      r.class_accuracy.push_back(acc);
+      if (n) sum += acc, ++present;
+    }
+    r.mean_class_accuracy = present ? sum / static_cast<double>(present) : -1.0;
+  }
+  r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return r;
+}
+
+std::string EvalReport::json() const {
+  nlohmann::json j = {{"origin", origin},
+                      {"n", n},
+                      {"feature_net_sha256", feature_net_sha256},
+                      {"reference", reference},
+                      {"reference_n", reference_n},
+                      {"fd_fmnist", fd},
+                      {"kid_mean", kid.mean},
+                      {"kid_std", kid.std},
+                      {"kid_subsets", kid.subsets},
+                      {"kid_subset_size", kid.subset_size},
+                      {"precision", pr.precision},
+                      {"recall", pr.recall},
+                      {"pr_k", pr.k},
+                      {"seconds", seconds},
+                      {"info", info}};
+  if (mean_class_accuracy >= 0) {
+    j["class_accuracy"] = class_accuracy;  // -1 for classes without samples
+    j["class_names"] = class_names;
+    j["mean_class_accuracy"] = mean_class_accuracy;
+  }
+  return j.dump(2);
+}
+
+std::string EvalReport::table() const {
+  std::ostringstream o;
+  char buf[160];
+  o << "samples          " << n << " from " << origin << "\n";
+  o << "reference        " << reference << "\n";
+  o << "feature network  sha256 " << feature_net_sha256.substr(0, 16) << "...\n";
+  std::snprintf(buf, sizeof buf, "FD-fmnist        %.3f\n", fd);
+  o << buf;
+  std::snprintf(buf, sizeof buf, "KID              %.5f +- %.5f (%lld subsets of %lld)\n", kid.mean, kid.std,
+                static_cast<long long>(kid.subsets), static_cast<long long>(kid.subset_size));
+  o << buf;
+  std::snprintf(buf, sizeof buf, "precision        %.4f (k = %lld)\nrecall           %.4f\n", pr.precision,
+                static_cast<long long>(pr.k), pr.recall);
+  o << buf;
+  if (mean_class_accuracy >= 0) {
+    std::snprintf(buf, sizeof buf, "class accuracy   %.4f (feature network's accuracy on the requested class)\n",
+                  mean_class_accuracy);
+    o << buf;
+    for (size_t c = 0; c < class_accuracy.size(); ++c) {
+      if (class_accuracy[c] < 0) continue;
+      std::snprintf(buf, sizeof buf, "  %-14s %.3f\n", c < class_names.size() ? class_names[c].c_str() : "?",
+                    class_accuracy[c]);
+      o << buf;
+    }
+  }
+  return o.str();
+}
+
+}  // namespace ddm

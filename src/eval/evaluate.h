@@ -1,0 +1,71 @@
+// Evaluating a set of generated images against the Fashion-MNIST test split with the feature
+// network: FD-fmnist, KID, precision/recall, and for class-conditional samples the feature
+// network's accuracy per requested class. Reference features of the test split are cached on disk,
+// keyed by the feature network's sha256.
+#pragma once
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include <torch/types.h>
+
+#include "eval/feature_net.h"
+#include "eval/metrics.h"
+
+namespace ddm {
+
+struct EvalConfig {
+  std::string feature_net;   // "" = the shipped network (its hash is checked)
+  std::string cache_dir;     // "" = $XDG_CACHE_HOME/ddm, else ~/.cache/ddm
+  std::string data_root;     // Fashion-MNIST directory ("" = the Debian package's)
+  int64_t kid_subsets = 100;
+  int64_t kid_subset_size = 1000;
+  int64_t pr_k = 3;
+  uint64_t seed = 0;         // KID subsets
+  bool quiet = false;
+};
+
+// Generated (or real) images to evaluate: uint8 [N, C, H, W], or float in [-1, 1]; labels int64 [N]
+// (the requested classes) or undefined.
+struct SampleSet {
+  torch::Tensor images;
+  torch::Tensor labels;
+  std::string origin;        // for messages and the report
+  std::map<std::string, std::string> info;  // e.g. sampler settings, copied into the report's JSON
+};
+
+// Reads a safetensors file with `images` (uint8 NCHW/NHWC as in data/tensor_file.h, or float NCHW
+// in [-1, 1]) or `samples` (float NCHW in [-1, 1], as `ddm sample --raw` writes) and optional
+// `labels`. Errors name the file and say what is wrong.
+SampleSet load_samples(const std::string& path);
+
+// Reference points for the metrics, drawn with a generator seeded by `seed`:
+//   "train": n random images (with labels) of the Fashion-MNIST train split, the floor a perfect
+//            generator would reach against the test split;
+//   "noise": n images of independent per-pixel Gaussian noise with each pixel's mean and variance
+//            over the train split (clamped to [-1, 1]; no labels), a ceiling.
+SampleSet anchor_samples(const std::string& kind, int64_t n, uint64_t seed, const std::string& data_root = "");
+
+struct EvalReport {
+  std::string origin, feature_net_sha256, reference;
+  int64_t n = 0, reference_n = 0;
+  double fd = 0;
+  KidResult kid;
+  PrecisionRecall pr;
+  std::vector<double> class_accuracy;  // per requested class (empty without labels; -1 = no samples)
+  std::vector<std::string> class_names;
+  double mean_class_accuracy = -1;     // -1 without labels
+  double seconds = 0;                  // features + statistics
+  std::map<std::string, std::string> info;
+  std::string json() const;            // one JSON object
+  std::string table() const;           // human-readable
+};
+
+// Validates the images (shape, dtype, range), extracts features and computes every metric.
+EvalReport evaluate_samples(const SampleSet& samples, const EvalConfig& cfg);
+
+// The loaded feature network of cfg (shipped one by default, hash-checked).
+LoadedFeatureNet load_eval_feature_net(const EvalConfig& cfg);
+
+}  // namespace ddm

@@ -1,0 +1,96 @@
+// The feature network behind ddm's sample-quality metrics: a small CNN classifier trained on
+// Fashion-MNIST by ddm itself (no pretrained Inception weights exist on these machines; the FID
+// authors recommend a domain classifier for MNIST-like data). Its penultimate layer (128 dims) is
+// the feature space of FD-fmnist, KID and precision/recall; its logits give the per-class accuracy
+// of class-conditional samples. A trained network is identified everywhere by the sha256 of its
+// safetensors file.
+#pragma once
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <string>
+
+#include <torch/nn/module.h>
+#include <torch/nn/modules/batchnorm.h>
+#include <torch/nn/modules/conv.h>
+#include <torch/nn/modules/dropout.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/nn/pimpl.h>
+#include <torch/types.h>
+
+#include "data/dataset.h"
+
+namespace ddm {
+
+struct FeatureNetShape {
+  int64_t in_channels = 1;
+  int64_t image_size = 28;  // must be divisible by 4 (two 2x2 poolings)
+  int64_t num_classes = 10;
+  int64_t feature_dim = 128;
+};
+
+// conv(32) conv(32) pool conv(64) conv(64) pool -> linear(feature_dim) -> linear(num_classes);
+// 3x3 convolutions with BatchNorm and ReLU; dropout before the last linear while training.
+class FeatureNetImpl : public torch::nn::Module {
+ public:
+  explicit FeatureNetImpl(const FeatureNetShape& shape);
+  // x: float [B, C, S, S] in [-1, 1] -> features [B, feature_dim] (after BatchNorm and ReLU).
+  torch::Tensor features(const torch::Tensor& x);
+  // x -> logits [B, num_classes].
+  torch::Tensor forward(const torch::Tensor& x);
+  const FeatureNetShape& shape() const { return shape_; }
+
+ private:
+  FeatureNetShape shape_;
+  torch::nn::Conv2d c1_{nullptr}, c2_{nullptr}, c3_{nullptr}, c4_{nullptr};
+  torch::nn::BatchNorm2d b1_{nullptr}, b2_{nullptr}, b3_{nullptr}, b4_{nullptr};
+  torch::nn::Linear fc_{nullptr}, head_{nullptr};
+  torch::nn::BatchNorm1d bf_{nullptr};
+  torch::nn::Dropout drop_{nullptr};
+};
+TORCH_MODULE(FeatureNet);
+
+struct ClassifierTrainConfig {
+  int64_t epochs = 12;
+  int64_t batch_size = 128;
+  double lr = 2e-3;            // AdamW peak: linear warm-up over the first epoch, then cosine to 0
+  double weight_decay = 5e-4;
+  int64_t max_shift = 2;       // random translation by up to this many pixels (0 = off)
+  bool hflip = true;           // random horizontal flip
+  uint64_t seed = 0;
+  bool quiet = false;          // no progress output
+};
+
+// Trains a classifier on `train` (labels required), deterministically from cfg.seed for a given
+// thread count. Progress goes to stdout unless cfg.quiet.
+FeatureNet train_classifier(const Dataset& train, const ClassifierTrainConfig& cfg);
+
+// Features [N, feature_dim] (float64) or predicted classes [N] of uint8 images [N, C, S, S] or
+// float images in [-1, 1], in eval mode, in batches.
+torch::Tensor extract_features(FeatureNet& net, const torch::Tensor& images, int64_t batch = 500);
+torch::Tensor predict_classes(FeatureNet& net, const torch::Tensor& images, int64_t batch = 500);
+
+// Number of images of `data` classified correctly.
+int64_t count_correct(FeatureNet& net, const Dataset& data);
+
+// A trained network with its file's hash and the metadata written with it.
+struct LoadedFeatureNet {
+  FeatureNet net{nullptr};
+  std::string sha256;                         // of the safetensors file
+  std::map<std::string, std::string> metadata;
+};
+
+// Saves weights and buffers as safetensors (atomically) with the shape and `metadata`; returns the
+// file's sha256.
+std::string save_feature_net(const std::string& path, FeatureNet& net,
+                             const std::map<std::string, std::string>& metadata);
+
+// Loads a network. If expected_sha256 is non-empty, the file's hash must match it.
+LoadedFeatureNet load_feature_net(const std::string& path, const std::string& expected_sha256 = "");
+
+// The feature network shipped in the repository (assets/feature-net/) and its hash.
+std::string default_feature_net_path();
+inline constexpr const char* kDefaultFeatureNetSha256 =
+    "61e01b19145026eeb897f19bb69f40b46ecf18381471997799ac9f8085bf62ee";
+
+}  // namespace ddm

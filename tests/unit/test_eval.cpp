@@ -1,0 +1,283 @@
+// Tests of the evaluation metrics (FD, KID, precision/recall) against closed forms and synthetic
+// sets with known answers, and of the feature network's training, file and shipped weights.
+#include <cmath>
+#include <filesystem>
+#include <functional>
+#include <iterator>
+#include <string>
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include "core/error.h"
+#include "core/fileio.h"
+#include "core/safetensors.h"
+#include "data/dataset.h"
+#include "eval/evaluate.h"
+#include "eval/feature_net.h"
+#include "eval/metrics.h"
+#include "test_util.h"
+
+namespace fs = std::filesystem;
+using namespace ddm;
+using ddm::test::error_message;
+
+namespace {
+GaussianStats stats_of(torch::Tensor mu, torch::Tensor sigma) {
+  GaussianStats s;
+  s.mu = mu.to(torch::kFloat64);
+  s.sigma = sigma.to(torch::kFloat64);
+  s.n = 1000;
+  return s;
+}
+
+}  // namespace
+
+TEST(Frechet, SetWithItselfIsZero) {
+  torch::manual_seed(1);
+  auto f = torch::randn({500, 16}, torch::kFloat64) * 3 + 1;
+  const auto s = gaussian_stats(f);
+  EXPECT_LT(frechet_distance(s, s), 1e-9);
+}
+
+TEST(Frechet, MatchesClosedFormForDiagonalCovariances) {
+  // Commuting covariances: FD = |dmu|^2 + sum (sqrt(a_i) - sqrt(b_i))^2.
+  auto mu1 = torch::tensor({0.0, 1.0, -2.0}, torch::kFloat64);
+  auto mu2 = torch::tensor({0.5, 1.0, 0.0}, torch::kFloat64);
+  auto a = torch::tensor({1.0, 4.0, 0.25}, torch::kFloat64), b = torch::tensor({9.0, 1.0, 0.25}, torch::kFloat64);
+  const double want = (mu1 - mu2).pow(2).sum().item<double>() + (a.sqrt() - b.sqrt()).pow(2).sum().item<double>();
+  EXPECT_NEAR(frechet_distance(stats_of(mu1, torch::diag(a)), stats_of(mu2, torch::diag(b))), want, 1e-10);
+}
+
+TEST(Frechet, MatchesClosedFormForNonCommutingCovariances) {
+  // For 2x2 SPD A, B: tr sqrt(A^1/2 B A^1/2) = sqrt(tr(AB) + 2 sqrt(det A det B)).
+  auto A = torch::tensor({{2.0, 0.8}, {0.8, 1.0}}, torch::kFloat64);
+  auto B = torch::tensor({{1.0, -0.5}, {-0.5, 3.0}}, torch::kFloat64);
+  auto mu1 = torch::tensor({1.0, 2.0}, torch::kFloat64), mu2 = torch::tensor({-1.0, 0.5}, torch::kFloat64);
+  const double tr_cov = std::sqrt(A.mm(B).trace().item<double>() +
+                                  2 * std::sqrt(torch::det(A).item<double>() * torch::det(B).item<double>()));
+  const double want = (mu1 - mu2).pow(2).sum().item<double>() + A.trace().item<double>() + B.trace().item<double>() -
+                      2 * tr_cov;
+  EXPECT_NEAR(frechet_distance(stats_of(mu1, A), stats_of(mu2, B)), want, 1e-10);
+  // Symmetric in its arguments.
+  EXPECT_NEAR(frechet_distance(stats_of(mu2, B), stats_of(mu1, A)), want, 1e-10);
+}
+
+TEST(Frechet, FitsOfLargeSamplesApproachTheGaussiansDistance) {
+  torch::manual_seed(2);
+  const int64_t n = 200000;
+  auto x = torch::randn({n, 2}, torch::kFloat64);                                        // N(0, I)
+  auto y = torch::randn({n, 2}, torch::kFloat64) * torch::tensor({2.0, 1.0}) + 1.0;     // N(1, diag(4, 1))
+  const double want = 2.0 + 1.0;  // |dmu|^2 = 2, (sqrt 4 - 1)^2 = 1
+  EXPECT_NEAR(frechet_distance(gaussian_stats(x), gaussian_stats(y)), want, 0.05);
+}
+
+TEST(Frechet, FewerSamplesThanDimensionsIsAClearError) {
+  auto f = torch::randn({64, 128});
+  const std::string msg = error_message([&] { gaussian_stats(f); });
+  EXPECT_NE(msg.find("more samples than feature dimensions"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("got 64 samples of dimension 128"), std::string::npos) << msg;
+  EXPECT_NE(error_message([&] { gaussian_stats(torch::full({200, 4}, NAN)); }).find("NaN"), std::string::npos);
+}
+
+TEST(Kid, NearZeroForOneDistributionAndPositiveForTwo) {
+  torch::manual_seed(3);
+  auto x = torch::randn({2000, 8}), y = torch::randn({2000, 8}), z = torch::randn({2000, 8}) + 0.5;
+  const auto same = kernel_inception_distance(x, y, 50, 500, 7);
+  const auto diff = kernel_inception_distance(x, z, 50, 500, 7);
+  EXPECT_EQ(same.subset_size, 500);
+  EXPECT_LT(std::abs(same.mean), 3 * same.std / std::sqrt(50.0) + 1e-3);
+  EXPECT_GT(diff.mean, 10 * diff.std / std::sqrt(50.0));
+  EXPECT_GT(diff.mean, 20 * std::abs(same.mean));
+}
+
+TEST(Kid, EstimateIsUnbiasedOverRepeats) {
+  // Small subsets make the bias of the plug-in (V-statistic) estimate large: with m = 10 it is about
+  // (E k(x, x) - E k(x, y)) / m > 0. The unbiased estimate averages to 0 within its standard error.
+  torch::manual_seed(4);
+  const int reps = 400;
+  double sum = 0, sum_sq = 0;
+  for (int r = 0; r < reps; ++r) {
+    auto x = torch::randn({10, 4}), y = torch::randn({10, 4});
+    const double e = kernel_inception_distance(x, y, 1, 10, r).mean;
+    sum += e;
+    sum_sq += e * e;
+  }
+  const double mean = sum / reps, se = std::sqrt((sum_sq / reps - mean * mean) / reps);
+  EXPECT_LT(std::abs(mean), 4 * se) << "mean " << mean << " se " << se;
+  // The V-statistic's bias for comparison: (E k(x,x) - E k(x,y)) * 2 / m, far outside 4 standard errors.
+  auto big = torch::randn({20000, 4}, torch::kFloat64);
+  auto kxx = ((big * big).sum(1) / 4 + 1).pow(3).mean().item<double>();
+  auto kxy = ((big.narrow(0, 0, 10000) * big.narrow(0, 10000, 10000)).sum(1) / 4 + 1).pow(3).mean().item<double>();
+  EXPECT_GT((kxx - kxy) * 2 / 10, 8 * se);
+}
+
+TEST(Kid, DeterministicUnderASeed) {
+  torch::manual_seed(5);
+  auto x = torch::randn({300, 6}), y = torch::randn({300, 6}) * 1.1;
+  const auto a = kernel_inception_distance(x, y, 10, 100, 42), b = kernel_inception_distance(x, y, 10, 100, 42);
+  const auto c = kernel_inception_distance(x, y, 10, 100, 43);
+  EXPECT_EQ(a.mean, b.mean);
+  EXPECT_EQ(a.std, b.std);
+  EXPECT_NE(a.mean, c.mean);
+  EXPECT_EQ(kernel_inception_distance(x, y, 3, 5000, 1).subset_size, 300);  // reduced to the data size
+}
+
+TEST(PrecisionRecall, KnownOverlapOfSyntheticSets) {
+  torch::manual_seed(6);
+  auto real = torch::rand({2000, 2}, torch::kFloat64);
+  // Half of the fake set covers the real square, half lies far away.
+  auto fake = torch::cat({torch::rand({1000, 2}, torch::kFloat64), torch::rand({1000, 2}, torch::kFloat64) + 10});
+  const auto pr = precision_recall(real, fake, 3);
+  EXPECT_EQ(pr.k, 3);
+  EXPECT_NEAR(pr.precision, 0.5, 0.02);
+  EXPECT_GT(pr.recall, 0.97);
+  // The fake set covers only the left half of the square: precision ~1, recall ~0.5.
+  auto left = torch::rand({2000, 2}, torch::kFloat64) * torch::tensor({0.5, 1.0}, torch::kFloat64);
+  const auto half = precision_recall(real, left, 3);
+  EXPECT_GT(half.precision, 0.97);
+  EXPECT_NEAR(half.recall, 0.5, 0.04);
+  // Disjoint sets.
+  const auto none = precision_recall(real, real + 10, 3);
+  EXPECT_EQ(none.precision, 0.0);
+  EXPECT_EQ(none.recall, 0.0);
+  EXPECT_NE(error_message([&] { precision_recall(real, fake.narrow(0, 0, 3), 3); }).find("more than k samples"),
+            std::string::npos);
+}
+
+namespace {
+Dataset small_fmnist(const char* split, int64_t limit) {
+  DataConfig dc;
+  dc.split = split;
+  dc.limit = limit;
+  return load_dataset(dc);
+}
+}  // namespace
+
+TEST(FeatureNet, TrainingIsDeterministicAndFilesRoundTrip) {
+  const auto data = small_fmnist("train", 512);
+  ClassifierTrainConfig cfg;
+  cfg.epochs = 1;
+  cfg.quiet = true;
+  auto a = train_classifier(data, cfg), b = train_classifier(data, cfg);
+  auto pa = a->named_parameters(), pb = b->named_parameters();
+  for (const auto& p : pa) EXPECT_TRUE(torch::equal(p.value(), pb[p.key()])) << p.key();
+
+  const test::TempDir tmp;
+  const fs::path dir = tmp.path;
+  const std::string path = (dir / "net.safetensors").string();
+  const std::string sha = save_feature_net(path, a, {{"note", "test"}});
+  EXPECT_EQ(sha, sha256_file(path));
+  auto loaded = load_feature_net(path, sha);
+  EXPECT_EQ(loaded.metadata.at("note"), "test");
+  EXPECT_EQ(loaded.net->shape().feature_dim, 128);
+  auto x = to_unit_range(data.images.narrow(0, 0, 32));
+  auto fa = extract_features(a, x), fl = extract_features(loaded.net, x);
+  EXPECT_EQ(fa.sizes(), (torch::IntArrayRef{32, 128}));
+  EXPECT_EQ(fa.scalar_type(), torch::kFloat64);
+  EXPECT_TRUE(torch::equal(fa, fl));
+  EXPECT_TRUE(torch::equal(predict_classes(a, data.images.narrow(0, 0, 32)), predict_classes(loaded.net, x)));
+
+  // A hash that does not match, and a file that is not a feature network.
+  const std::string bad = error_message([&] { load_feature_net(path, std::string(64, '0')); });
+  EXPECT_NE(bad.find("hash mismatch"), std::string::npos) << bad;
+  EXPECT_NE(bad.find(path), std::string::npos) << bad;
+  SafetensorsFile other;
+  other.tensors["w"] = torch::zeros({2});
+  save_safetensors((dir / "other.safetensors").string(), other);
+  EXPECT_NE(error_message([&] { load_feature_net((dir / "other.safetensors").string()); }).find("not a ddm feature network"),
+            std::string::npos);
+  EXPECT_NE(error_message([&] { extract_features(a, torch::zeros({2, 3, 28, 28})); }).find("expected images"),
+            std::string::npos);
+}
+
+TEST(Evaluate, ScoresAreDeterministicOrderedAndBadInputsAreClear) {
+  const test::TempDir tmp;
+  const fs::path dir = tmp.path;
+  const auto train = small_fmnist("train", 2000);
+  EvalConfig cfg;  // the shipped feature network
+  cfg.cache_dir = (dir / "cache").string();
+  cfg.kid_subsets = 10;
+  cfg.quiet = true;
+
+  SampleSet real{train.images, train.labels, "train[:2000]", {}};
+  const auto a = evaluate_samples(real, cfg);  // computes and caches the reference
+  ASSERT_EQ(std::distance(fs::directory_iterator(cfg.cache_dir), fs::directory_iterator{}), 1);
+  const auto b = evaluate_samples(real, cfg);  // from the cache
+  EXPECT_EQ(a.fd, b.fd);
+  EXPECT_EQ(a.kid.mean, b.kid.mean);
+  EXPECT_EQ(a.pr.precision, b.pr.precision);
+  EXPECT_EQ(a.pr.recall, b.pr.recall);
+  EXPECT_EQ(a.n, 2000);
+  EXPECT_EQ(a.reference_n, 10000);
+  EXPECT_EQ(a.class_accuracy.size(), 10u);
+  EXPECT_GT(a.mean_class_accuracy, 0.9);  // real train images, so about the network's accuracy
+  EXPECT_NE(a.json().find("\"fd_fmnist\""), std::string::npos);
+  // Noise is far worse than real images on every metric.
+  torch::manual_seed(9);
+  SampleSet noise{torch::randint(0, 256, {2000, 1, 28, 28}).to(torch::kUInt8), {}, "noise", {}};
+  const auto n = evaluate_samples(noise, cfg);
+  EXPECT_GT(n.fd, 10 * a.fd);
+  EXPECT_GT(n.kid.mean, 10 * a.kid.mean);
+  EXPECT_LT(n.pr.precision, a.pr.precision);
+  EXPECT_EQ(n.mean_class_accuracy, -1);
+
+  // Bad samples: each error names the origin and what is wrong.
+  auto msg = [&](torch::Tensor images, torch::Tensor labels = {}) {
+    return error_message([&] { evaluate_samples(SampleSet{images, labels, "bad.safetensors", {}}, cfg); });
+  };
+  const std::string shape = msg(torch::zeros({200, 3, 28, 28}, torch::kUInt8));
+  EXPECT_NE(shape.find("feature network takes [N, 1, 28, 28]"), std::string::npos) << shape;
+  EXPECT_EQ(shape.rfind("bad.safetensors: ", 0), 0u) << shape;
+  EXPECT_NE(msg(torch::full({200, 1, 28, 28}, 255.0)).find("must lie in [-1, 1]"), std::string::npos);
+  EXPECT_NE(msg(torch::zeros({200, 1, 28, 28}, torch::kInt32)).find("must be uint8"), std::string::npos);
+  EXPECT_NE(msg(torch::zeros({200, 1, 28, 28}, torch::kUInt8), torch::full({200}, 10, torch::kLong)).find("labels"),
+            std::string::npos);
+  EXPECT_NE(msg(torch::zeros({100, 1, 28, 28}, torch::kUInt8)).find("more samples than feature dimensions"),
+            std::string::npos);
+
+  // A reference cache made with another feature network is refused.
+  ClassifierTrainConfig tc;
+  tc.epochs = 1;
+  tc.quiet = true;
+  auto other = train_classifier(small_fmnist("train", 256), tc);
+  EvalConfig cfg2 = cfg;
+  cfg2.feature_net = (dir / "net2.safetensors").string();
+  const std::string sha2 = save_feature_net(cfg2.feature_net, other, {});
+  const fs::path cached = fs::directory_iterator(cfg.cache_dir)->path();
+  std::string name = cached.filename().string();
+  name.replace(name.find("-net-") + 5, 12, sha2.substr(0, 12));
+  fs::copy_file(cached, cached.parent_path() / name);
+  const std::string stale = error_message([&] { evaluate_samples(real, cfg2); });
+  EXPECT_NE(stale.find("computed with feature network"), std::string::npos) << stale;
+
+  // Sample files: float `samples` in [-1, 1] are accepted; a file without images is refused.
+  SafetensorsFile f;
+  f.tensors["samples"] = to_unit_range(train.images.narrow(0, 0, 300));
+  f.tensors["labels"] = train.labels.narrow(0, 0, 300);
+  save_safetensors((dir / "s.safetensors").string(), f);
+  const auto loaded = load_samples((dir / "s.safetensors").string());
+  EXPECT_EQ(loaded.images.scalar_type(), torch::kFloat32);
+  EXPECT_EQ(loaded.labels.size(0), 300);
+  SafetensorsFile g;
+  g.tensors["pixels"] = torch::zeros({2, 1, 28, 28});
+  save_safetensors((dir / "g.safetensors").string(), g);
+  EXPECT_NE(error_message([&] { load_samples((dir / "g.safetensors").string()); }).find("no tensor named \"images\""),
+            std::string::npos);
+  EXPECT_NE(error_message([&] { load_samples((dir / "missing.safetensors").string()); }).find("no such samples file"),
+            std::string::npos);
+}
+
+TEST(FeatureNet, ShippedWeightsReproduceTheirStatedAccuracy) {
+  // The stated accuracy was measured with the thread count recorded in the file.
+  auto shipped = load_feature_net(default_feature_net_path(), kDefaultFeatureNetSha256);
+  const int threads = torch::get_num_threads();
+  torch::set_num_threads(std::stoi(shipped.metadata.at("threads")));
+  const auto test = small_fmnist("test", 0);
+  const int64_t correct = count_correct(shipped.net, test);
+  torch::set_num_threads(threads);
+  EXPECT_EQ(correct, std::stoll(shipped.metadata.at("test_correct")));
+  EXPECT_EQ(test.images.size(0), std::stoll(shipped.metadata.at("test_total")));
+  EXPECT_GE(correct, 9200) << "the feature network must reach 92% on the test split";
+  EXPECT_EQ(shipped.net->shape().feature_dim, 128);
+}
