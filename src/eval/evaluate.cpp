@@ -202,6 +202,28 @@ EvalReport evaluate_samples(const SampleSet& samples, const EvalConfig& cfg) {
     r.mean_class_accuracy = present ? sum / static_cast<double>(present) : -1.0;
   }
   r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  if (cfg.cas) {
+    DDM_CHECK(samples.labels.defined(), samples.origin << ": CAS needs labelled samples (class-conditional)");
+    Dataset gen;
+    gen.images = samples.images.scalar_type() == torch::kUInt8 ? samples.images : to_uint8(samples.images);
+    gen.labels = samples.labels;
+    gen.num_classes = fnet.net->shape().num_classes;
+    gen.class_names = ref.class_names;
+    gen.description = samples.origin;
+    DDM_CHECK(gen.images.size(0) >= 128, samples.origin << ": CAS needs at least 128 samples, got "
+                                                        << gen.images.size(0));
+    ClassifierTrainConfig tc;
+    tc.epochs = cfg.cas_epochs;
+    tc.seed = cfg.seed;
+    tc.quiet = cfg.quiet;
+    if (!cfg.quiet) std::cout << "CAS: training a classifier on the samples for " << tc.epochs << " epochs" << std::endl;
+    FeatureNet cas_net = train_classifier(gen, tc);
+    DataConfig dc;
+    dc.root = cfg.data_root;
+    dc.split = "test";
+    const Dataset test = load_dataset(dc);
+    r.cas = static_cast<double>(count_correct(cas_net, test)) / static_cast<double>(test.images.size(0));
+  }
   return r;
 }
 
@@ -221,6 +243,7 @@ std::string EvalReport::json() const {
                       {"pr_k", pr.k},
                       {"seconds", seconds},
                       {"info", info}};
+  if (cas >= 0) j["cas"] = cas;
   if (mean_class_accuracy >= 0) {
     j["class_accuracy"] = class_accuracy;  // -1 for classes without samples
     j["class_names"] = class_names;
@@ -253,6 +276,10 @@ std::string EvalReport::table() const {
                     class_accuracy[c]);
       o << buf;
     }
+  }
+  if (cas >= 0) {
+    std::snprintf(buf, sizeof buf, "CAS              %.4f (test accuracy of a classifier trained on the samples)\n", cas);
+    o << buf;
   }
   return o.str();
 }

@@ -1,6 +1,7 @@
 // Evaluating a set of generated images against the Fashion-MNIST test split with the feature
 // network: FD-fmnist, KID, precision/recall, and for class-conditional samples the feature
-// network's accuracy per requested class. Reference features of the test split are cached on disk,
+// network's accuracy per requested class and, on request, the classification accuracy score (CAS:
+// the test accuracy of a fresh classifier trained only on the samples, Ravuri & Vinyals 2019). Reference features of the test split are cached on disk,
 // keyed by the feature network's sha256.
 #pragma once
 #include <cstdint>
@@ -22,7 +23,9 @@ struct EvalConfig {
   int64_t kid_subsets = 100;
   int64_t kid_subset_size = 1000;
   int64_t pr_k = 3;
-  uint64_t seed = 0;         // KID subsets
+  uint64_t seed = 0;         // KID subsets and the CAS classifier
+  bool cas = false;          // also train a classifier on the (labelled) samples: slow
+  int64_t cas_epochs = 5;
   bool quiet = false;
 };
 
@@ -56,6 +59,7 @@ struct EvalReport {
   std::vector<double> class_accuracy;  // per requested class (empty without labels; -1 = no samples)
   std::vector<std::string> class_names;
   double mean_class_accuracy = -1;     // -1 without labels
+  double cas = -1;                     // -1 when not computed
   double seconds = 0;                  // features + statistics
   std::map<std::string, std::string> info;
   std::string json() const;            // one JSON object

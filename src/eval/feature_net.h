@@ -67,8 +67,8 @@ FeatureNet train_classifier(const Dataset& train, const ClassifierTrainConfig& c
 
 // Features [N, feature_dim] (float64) or predicted classes [N] of uint8 images [N, C, S, S] or
 // float images in [-1, 1], in eval mode, in batches.
-torch::Tensor extract_features(FeatureNet& net, const torch::Tensor& images, int64_t batch = 500);
-torch::Tensor predict_classes(FeatureNet& net, const torch::Tensor& images, int64_t batch = 500);
+torch::Tensor extract_features(FeatureNet& net, const torch::Tensor& images, int64_t batch = 250);
+torch::Tensor predict_classes(FeatureNet& net, const torch::Tensor& images, int64_t batch = 250);
 
 // Number of images of `data` classified correctly.
 int64_t count_correct(FeatureNet& net, const Dataset& data);

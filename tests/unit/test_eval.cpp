@@ -178,6 +178,8 @@ TEST(FeatureNet, TrainingIsDeterministicAndFilesRoundTrip) {
   EXPECT_TRUE(torch::equal(fa, fl));
   EXPECT_TRUE(torch::equal(predict_classes(a, data.images.narrow(0, 0, 32)), predict_classes(loaded.net, x)));
 
+  // Features do not depend on the batch size they are computed in (the reference cache relies on it).
+  EXPECT_TRUE(torch::equal(extract_features(a, x, 7), extract_features(a, x, 32)));
   // A hash that does not match, and a file that is not a feature network.
   const std::string bad = error_message([&] { load_feature_net(path, std::string(64, '0')); });
   EXPECT_NE(bad.find("hash mismatch"), std::string::npos) << bad;
@@ -213,6 +215,20 @@ TEST(Evaluate, ScoresAreDeterministicOrderedAndBadInputsAreClear) {
   EXPECT_EQ(a.class_accuracy.size(), 10u);
   EXPECT_GT(a.mean_class_accuracy, 0.9);  // real train images, so about the network's accuracy
   EXPECT_NE(a.json().find("\"fd_fmnist\""), std::string::npos);
+  // CAS: a classifier trained on correctly labelled images generalizes to the test split; one trained
+  // on the same images with shuffled labels stays near chance (0.1).
+  EvalConfig with_cas = cfg;
+  with_cas.cas = true;
+  with_cas.cas_epochs = 2;
+  EXPECT_EQ(a.cas, -1);
+  const auto good = evaluate_samples(real, with_cas);
+  EXPECT_GT(good.cas, 0.5);
+  SampleSet shuffled = real;
+  shuffled.labels = real.labels.index_select(0, torch::randperm(real.labels.size(0), torch::kLong));
+  EXPECT_LT(evaluate_samples(shuffled, with_cas).cas, 0.3);
+  EXPECT_NE(error_message([&] { evaluate_samples(SampleSet{real.images, {}, "unlabelled", {}}, with_cas); })
+                .find("CAS needs labelled samples"),
+            std::string::npos);
   // Noise is far worse than real images on every metric.
   torch::manual_seed(9);
   SampleSet noise{torch::randint(0, 256, {2000, 1, 28, 28}).to(torch::kUInt8), {}, "noise", {}};
