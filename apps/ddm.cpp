@@ -127,7 +127,8 @@ void write_samples(const SampleArgs& a) {
     cols = g.per_class;
     for (int64_t r = 0; r * cols < a.n; ++r) {
       const int64_t c = out.labels[r * cols].item<int64_t>();
-      labels.push_back(c < static_cast<int64_t>(m.class_names.size()) ? m.class_names[c] : "class " + std::to_string(c));
+      labels.push_back(c < static_cast<int64_t>(m.class_names.size()) ? m.class_names[c]
+                                                                      : "class " + std::to_string(c));
     }
   }
   const std::string parent = fs::path(a.out).parent_path().string();
@@ -368,7 +369,8 @@ int run(int argc, char** argv) {
       "Measure sample quality against the Fashion-MNIST test split: FD-fmnist (Frechet distance in the shipped "
       "feature network's space; not FID), KID, precision/recall and, for class-conditional samples, the feature "
       "network's accuracy on each requested class. Samples a checkpoint (--ckpt), reads a file (--samples) "
-      "or draws a reference point (--anchor). Prints a table and writes JSON, a per-class PNG grid (and the samples) to --out.");
+      "or draws a reference point (--anchor). Prints a table and writes JSON, a per-class PNG grid (and the samples) "
+      "to --out.");
   eval_cmd_app->add_option("--ckpt", ea.sample.ckpt, "run or checkpoint directory to sample from");
   eval_cmd_app->add_option("--samples", ea.samples_file,
                            "safetensors file with images (uint8, or float in [-1, 1]) and optional labels, e.g. "
@@ -377,7 +379,8 @@ int run(int argc, char** argv) {
                            "evaluate a reference point instead: train (random train images: the floor) or noise "
                            "(per-pixel Gaussian with the data's mean and variance: a ceiling)")
       ->check(CLI::IsMember({"train", "noise"}));
-  eval_cmd_app->add_option("--out", ea.out, "output directory (default: eval/ in the run directory or next to --samples)");
+  eval_cmd_app->add_option("--out", ea.out,
+                           "output directory (default: eval/ in the run directory or next to --samples)");
   eval_cmd_app->add_option("--feature-net", ea.cfg.feature_net, "feature network file (default: the shipped one)");
   eval_cmd_app->add_option("--cache-dir", ea.cfg.cache_dir, "reference-feature cache (default: ~/.cache/ddm)");
   eval_cmd_app->add_option("--data-root", ea.cfg.data_root, "Fashion-MNIST directory (default: the Debian package's)");

@@ -30,7 +30,7 @@ std::string default_cache_dir() {
   return (fs::temp_directory_path() / "ddm-cache").string();
 }
 
-// Checks images against the feature network's input; returns them unchanged.
+// Checks images (shape, dtype, range) and labels against the feature network's input.
 void check_images(const SampleSet& s, const FeatureNetShape& shape) {
   const auto& x = s.images;
   DDM_CHECK(x.defined() && x.dim() == 4, s.origin << ": images must be a rank-4 tensor [N, C, H, W], got "
@@ -74,7 +74,8 @@ Reference reference_features(FeatureNet& net, const std::string& net_sha, const 
   const std::string data_sha = sha256_hex(std::string(static_cast<const char*>(test.images.data_ptr()),
                                                       static_cast<size_t>(test.images.numel())));
   const fs::path dir = cfg.cache_dir.empty() ? default_cache_dir() : cfg.cache_dir;
-  const fs::path path = dir / ("fmnist-test-" + data_sha.substr(0, 12) + "-net-" + net_sha.substr(0, 12) + ".safetensors");
+  const fs::path path =
+      dir / ("fmnist-test-" + data_sha.substr(0, 12) + "-net-" + net_sha.substr(0, 12) + ".safetensors");
   Reference ref;
   ref.description = test.description;
   ref.class_names = test.class_names;
@@ -93,7 +94,9 @@ Reference reference_features(FeatureNet& net, const std::string& net_sha, const 
     ref.features = f.tensors["features"].to(torch::kFloat64);
     return ref;
   }
-  if (!cfg.quiet) std::cout << "computing reference features of " << test.description << " (cached in " << path.string() << ")" << std::endl;
+  if (!cfg.quiet)
+    std::cout << "computing reference features of " << test.description << " (cached in " << path.string() << ")"
+              << std::endl;
   ref.features = extract_features(net, test.images);
   SafetensorsFile f;
   f.tensors["features"] = ref.features;
@@ -216,7 +219,8 @@ EvalReport evaluate_samples(const SampleSet& samples, const EvalConfig& cfg) {
     tc.epochs = cfg.cas_epochs;
     tc.seed = cfg.seed;
     tc.quiet = cfg.quiet;
-    if (!cfg.quiet) std::cout << "CAS: training a classifier on the samples for " << tc.epochs << " epochs" << std::endl;
+    if (!cfg.quiet)
+      std::cout << "CAS: training a classifier on the samples for " << tc.epochs << " epochs" << std::endl;
     FeatureNet cas_net = train_classifier(gen, tc);
     DataConfig dc;
     dc.root = cfg.data_root;
@@ -278,7 +282,8 @@ std::string EvalReport::table() const {
     }
   }
   if (cas >= 0) {
-    std::snprintf(buf, sizeof buf, "CAS              %.4f (test accuracy of a classifier trained on the samples)\n", cas);
+    std::snprintf(buf, sizeof buf, "CAS              %.4f (test accuracy of a classifier trained on the samples)\n",
+                  cas);
     o << buf;
   }
   return o.str();

@@ -1,8 +1,8 @@
 // Evaluating a set of generated images against the Fashion-MNIST test split with the feature
 // network: FD-fmnist, KID, precision/recall, and for class-conditional samples the feature
 // network's accuracy per requested class and, on request, the classification accuracy score (CAS:
-// the test accuracy of a fresh classifier trained only on the samples, Ravuri & Vinyals 2019). Reference features of the test split are cached on disk,
-// keyed by the feature network's sha256.
+// the test accuracy of a fresh classifier trained only on the samples, Ravuri & Vinyals 2019).
+// Reference features of the test split are cached on disk, keyed by the feature network's sha256.
 #pragma once
 #include <cstdint>
 #include <map>

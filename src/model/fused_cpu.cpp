@@ -190,7 +190,8 @@ DDM_AVX2 float softmax_row(float* row, int64_t n, float scale) {
 DDM_AVX2 inline void normal_cdf_pdf(__m256 x, __m256& cdf, __m256& pdf) {
   const __m256 ax = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), x);
   const __m256 z = _mm256_mul_ps(ax, _mm256_set1_ps(0.70710678118654752f));
-  const __m256 t = _mm256_div_ps(_mm256_set1_ps(1.0f), _mm256_fmadd_ps(z, _mm256_set1_ps(0.3275911f), _mm256_set1_ps(1.0f)));
+  const __m256 t =
+      _mm256_div_ps(_mm256_set1_ps(1.0f), _mm256_fmadd_ps(z, _mm256_set1_ps(0.3275911f), _mm256_set1_ps(1.0f)));
   __m256 poly = _mm256_set1_ps(1.061405429f);
   poly = _mm256_fmadd_ps(poly, t, _mm256_set1_ps(-1.453152027f));
   poly = _mm256_fmadd_ps(poly, t, _mm256_set1_ps(1.421413741f));
@@ -303,7 +304,9 @@ struct LinearGelu : public torch::autograd::Function<LinearGelu> {
 
 // ---------------------------------------------------------------------------------------------
 // adaLN modulation and gated residual. Each sample's rows are processed by one thread in a fixed
-// order (parallel over samples), so results do not depend on the thread count.
+// order (parallel over samples), so results do not depend on the thread count. The row pointers
+// are __restrict: without it GCC cannot prove them distinct and leaves these loops scalar (3x
+// slower, measured).
 
 // Sum of v[0..n): eight lanes, then the tail.
 DDM_AVX2 float row_sum(const float* v, int64_t n) {
@@ -327,8 +330,9 @@ DDM_AVX2 float row_dot(const float* u, const float* v, int64_t n) {
 
 // One sample's N rows of width W: y = LayerNorm(x) * (1 + scale) + shift; the row mean and
 // 1 / std are stored for the backward pass. xc is scratch of W floats.
-DDM_AVX2 void adaln_sample(const float* __restrict x, const float* __restrict shift, const float* __restrict scale, float* __restrict y, float* __restrict mean, float* __restrict rstd,
-                           float* __restrict xc, int64_t N, int64_t W, float eps) {
+DDM_AVX2 void adaln_sample(const float* __restrict x, const float* __restrict shift, const float* __restrict scale,
+                           float* __restrict y, float* __restrict mean, float* __restrict rstd, float* __restrict xc,
+                           int64_t N, int64_t W, float eps) {
   const float inv_w = 1.0f / static_cast<float>(W);
   for (int64_t n = 0; n < N; ++n) {
     const float* xr = x + n * W;
@@ -344,9 +348,11 @@ DDM_AVX2 void adaln_sample(const float* __restrict x, const float* __restrict sh
 
 // Backward of adaln_sample for one sample: dx, and dshift / dscale (sums over the sample's rows,
 // written to dshift[0..W), dscale[0..W)). xhat and g are scratch of W floats each.
-DDM_AVX2 void adaln_sample_backward(const float* __restrict x, const float* __restrict scale, const float* __restrict mean, const float* __restrict rstd,
-                                    const float* __restrict dy, float* __restrict dx, float* __restrict dshift, float* __restrict dscale, float* __restrict xhat, float* __restrict g,
-                                    int64_t N, int64_t W) {
+DDM_AVX2 void adaln_sample_backward(const float* __restrict x, const float* __restrict scale,
+                                    const float* __restrict mean, const float* __restrict rstd,
+                                    const float* __restrict dy, float* __restrict dx, float* __restrict dshift,
+                                    float* __restrict dscale, float* __restrict xhat, float* __restrict g, int64_t N,
+                                    int64_t W) {
   const float inv_w = 1.0f / static_cast<float>(W);
   for (int64_t j = 0; j < W; ++j) dshift[j] = dscale[j] = 0.0f;
   for (int64_t n = 0; n < N; ++n) {
@@ -408,16 +414,18 @@ struct AdaLN : public torch::autograd::Function<AdaLN> {
 // out = x + gate * (a + bias) for x, a [B, N, W], gate [B, W], bias [W]: the residual branch of a
 // DiT block with the bias of the linear that produced `a` folded in (so that linear runs as a
 // plain mm and ATen never copies the broadcast bias into its output).
-DDM_AVX2 void gated_residual_sample(const float* __restrict x, const float* __restrict gate, const float* __restrict a, const float* __restrict bias, float* __restrict out,
-                                    int64_t N, int64_t W) {
+DDM_AVX2 void gated_residual_sample(const float* __restrict x, const float* __restrict gate, const float* __restrict a,
+                                    const float* __restrict bias, float* __restrict out, int64_t N, int64_t W) {
   for (int64_t n = 0; n < N; ++n)
     for (int64_t j = 0; j < W; ++j) out[n * W + j] = x[n * W + j] + gate[j] * (a[n * W + j] + bias[j]);
 }
 
 // Backward for one sample: da = dout * gate; dgate and this sample's share of dbias summed over
 // its rows.
-DDM_AVX2 void gated_residual_sample_backward(const float* __restrict gate, const float* __restrict a, const float* __restrict bias, const float* __restrict dout,
-                                             float* __restrict da, float* __restrict dgate, float* __restrict dbias_part, int64_t N, int64_t W) {
+DDM_AVX2 void gated_residual_sample_backward(const float* __restrict gate, const float* __restrict a,
+                                             const float* __restrict bias, const float* __restrict dout,
+                                             float* __restrict da, float* __restrict dgate,
+                                             float* __restrict dbias_part, int64_t N, int64_t W) {
   for (int64_t j = 0; j < W; ++j) dgate[j] = dbias_part[j] = 0.0f;
   for (int64_t n = 0; n < N; ++n)
     for (int64_t j = 0; j < W; ++j) {
@@ -626,8 +634,8 @@ bool fused_attention_cpu_supported(const torch::Tensor& qkv) {
 }
 
 bool linear_gelu_cpu_supported(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b) {
-  return cpu_has_avx2_fma() && f32_cpu(x, 2) && f32_cpu(w, 2) && f32_cpu(b, 1) && x.size(1) == w.size(1) && b.size(0) == w.size(0) &&
-         x.size(0) > 0 && w.size(0) > 0;
+  return cpu_has_avx2_fma() && f32_cpu(x, 2) && f32_cpu(w, 2) && f32_cpu(b, 1) && x.size(1) == w.size(1) &&
+         b.size(0) == w.size(0) && x.size(0) > 0 && w.size(0) > 0;
 }
 
 torch::Tensor linear_gelu_cpu(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b) {

@@ -187,8 +187,9 @@ TEST(FeatureNet, TrainingIsDeterministicAndFilesRoundTrip) {
   SafetensorsFile other;
   other.tensors["w"] = torch::zeros({2});
   save_safetensors((dir / "other.safetensors").string(), other);
-  EXPECT_NE(error_message([&] { load_feature_net((dir / "other.safetensors").string()); }).find("not a ddm feature network"),
-            std::string::npos);
+  EXPECT_NE(
+      error_message([&] { load_feature_net((dir / "other.safetensors").string()); }).find("not a ddm feature network"),
+      std::string::npos);
   EXPECT_NE(error_message([&] { extract_features(a, torch::zeros({2, 3, 28, 28})); }).find("expected images"),
             std::string::npos);
 }
