@@ -380,7 +380,8 @@ int run(int argc, char** argv) {
                            "(per-pixel Gaussian with the data's mean and variance: a ceiling)")
       ->check(CLI::IsMember({"train", "noise"}));
   eval_cmd_app->add_option("--out", ea.out,
-                           "output directory (default: eval/ in the run directory or next to --samples)");
+                           "output directory (default: eval/ in the run directory, next to --samples, or in the "
+                           "current directory for --anchor)");
   eval_cmd_app->add_option("--feature-net", ea.cfg.feature_net, "feature network file (default: the shipped one)");
   eval_cmd_app->add_option("--cache-dir", ea.cfg.cache_dir, "reference-feature cache (default: ~/.cache/ddm)");
   eval_cmd_app->add_option("--data-root", ea.cfg.data_root, "Fashion-MNIST directory (default: the Debian package's)");
