@@ -192,7 +192,11 @@ EvalReport evaluate_samples(const SampleSet& samples, const EvalConfig& cfg) {
   r.kid = kernel_inception_distance(feats, ref.features, cfg.kid_subsets, cfg.kid_subset_size, cfg.seed);
   r.pr = precision_recall(ref.features, feats, cfg.pr_k);
   if (samples.labels.defined()) {
-    const auto pred = predict_classes(fnet.net, samples.images);
+    torch::Tensor pred;  // [N]: the head on the features above (float64 holds float32 exactly)
+    {
+      torch::NoGradGuard ng;
+      pred = fnet.net->logits(feats.to(torch::kFloat32)).argmax(1);
+    }
     double sum = 0;
     int64_t present = 0;
     for (int64_t c = 0; c < fnet.net->shape().num_classes; ++c) {

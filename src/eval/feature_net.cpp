@@ -62,7 +62,11 @@ torch::Tensor FeatureNetImpl::features(const torch::Tensor& x) {
 }
 
 torch::Tensor FeatureNetImpl::forward(const torch::Tensor& x) {
-  return head_(drop_(features(x)));  // [B, num_classes]
+  return logits(features(x));  // [B, num_classes]
+}
+
+torch::Tensor FeatureNetImpl::logits(const torch::Tensor& features) {
+  return head_(drop_(features));  // [B, feature_dim] -> [B, num_classes]
 }
 
 namespace {

@@ -38,6 +38,9 @@ class FeatureNetImpl : public torch::nn::Module {
   torch::Tensor features(const torch::Tensor& x);
   // x -> logits [B, num_classes].
   torch::Tensor forward(const torch::Tensor& x);
+  // features [B, feature_dim] (float32) -> logits [B, num_classes]: the head alone, so a caller
+  // that already has features does not run the convolutions twice.
+  torch::Tensor logits(const torch::Tensor& features);
   const FeatureNetShape& shape() const { return shape_; }
 
  private:

@@ -215,6 +215,16 @@ TEST(Evaluate, ScoresAreDeterministicOrderedAndBadInputsAreClear) {
   EXPECT_EQ(a.reference_n, 10000);
   EXPECT_EQ(a.class_accuracy.size(), 10u);
   EXPECT_GT(a.mean_class_accuracy, 0.9);  // real train images, so about the network's accuracy
+  {  // the accuracies come from the head on the extracted features: the same as the whole network
+    auto net = load_feature_net(default_feature_net_path(), kDefaultFeatureNetSha256).net;
+    const auto pred = predict_classes(net, train.images);
+    for (int64_t c = 0; c < 10; ++c) {
+      const auto mask = train.labels.eq(c);
+      EXPECT_DOUBLE_EQ(a.class_accuracy[c],
+                       pred.masked_select(mask).eq(c).sum().item<double>() / mask.sum().item<double>())
+          << "class " << c;
+    }
+  }
   EXPECT_NE(a.json().find("\"fd_fmnist\""), std::string::npos);
   // CAS: a classifier trained on correctly labelled images generalizes to the test split; one trained
   // on the same images with shuffled labels stays near chance (0.1).
