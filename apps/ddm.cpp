@@ -5,7 +5,10 @@
 //   presets     list model presets with parameter counts and FLOPs
 //   train-classifier  train the feature network that the evaluation metrics use
 //   eval        FD-fmnist, KID, precision/recall and class accuracy of a model's samples or a file
+//   partition   (apps/decentral_cli.cpp) cluster a dataset into one subset per expert
 #include <CLI/CLI.hpp>
+
+#include "cli_util.h"
 
 #include <chrono>
 #include <filesystem>
@@ -61,23 +64,6 @@ sampler = "euler"
 steps = 20
 cfg = 2.0
 )";
-
-// Validators with readable messages (CLI11's numeric ranges print the whole double range).
-CLI::Validator number_at_least(double min, const std::string& what) {
-  return CLI::Validator(
-      [min, what](std::string& value) -> std::string {
-        try {
-          size_t used = 0;
-          const double v = std::stod(value, &used);
-          if (used == value.size() && v >= min) return "";
-        } catch (const std::exception&) {
-        }
-        return "must be " + what + ", got '" + value + "'";
-      },
-      what);
-}
-const CLI::Validator kPositive = number_at_least(1, "a positive integer");
-const CLI::Validator kNonNegative = number_at_least(0, "a number >= 0");
 
 struct SampleArgs {
   std::string ckpt, out = "samples.png", raw, sampler;
@@ -392,6 +378,9 @@ int run(int argc, char** argv) {
   add_sample_flags(eval_cmd_app, ea.sample);
   eval_cmd_app->get_option("--n")->description("number of images (default 10000; report results at 10000)");
 
+  // decentralized diffusion: partition, ...
+  const std::vector<Command> decentral = add_decentral_commands(app);
+
   // presets
   auto* presets_cmd = app.add_subcommand("presets", "List model presets with parameters and FLOPs per image.");
 
@@ -438,6 +427,8 @@ int run(int argc, char** argv) {
     return train_classifier_cmd(ca, command);
   }
   if (*eval_cmd_app) return eval_cmd(ea);
+  for (const Command& c : decentral)
+    if (*c.app) return c.run();
   if (*presets_cmd) {
     std::printf("%-12s %-5s %12s %16s\n", "preset", "arch", "parameters", "MFLOP/img fwd");
     for (const auto& name : preset_names()) {

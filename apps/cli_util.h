@@ -1,0 +1,39 @@
+// Shared pieces of the ddm command line: validators with readable messages and the Command record
+// that each group of subcommands returns to main.
+#pragma once
+
+#include <CLI/CLI.hpp>
+
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace ddm {
+
+// "must be a positive integer, got 'x'" (CLI11's numeric ranges print the whole double range).
+inline CLI::Validator number_at_least(double min, const std::string& what) {
+  return CLI::Validator(
+      [min, what](std::string& value) -> std::string {
+        try {
+          size_t used = 0;
+          const double v = std::stod(value, &used);
+          if (used == value.size() && v >= min) return "";
+        } catch (const std::exception&) {
+        }
+        return "must be " + what + ", got '" + value + "'";
+      },
+      what);
+}
+inline const CLI::Validator kPositive = number_at_least(1, "a positive integer");
+inline const CLI::Validator kNonNegative = number_at_least(0, "a number >= 0");
+
+// A subcommand and what runs when it was chosen (returns the exit code).
+struct Command {
+  CLI::App* app = nullptr;
+  std::function<int()> run;
+};
+
+// Decentralized-diffusion subcommands (apps/decentral_cli.cpp): partition, ...
+std::vector<Command> add_decentral_commands(CLI::App& app);
+
+}  // namespace ddm

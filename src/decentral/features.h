@@ -1,0 +1,48 @@
+// Feature sources for partitioning a dataset into clusters: one float32 row per image, in dataset
+// order. Specs (the `--features` flag of `ddm partition`):
+//   pixels[:D]         the images' pixels projected on their top D principal components (default 64)
+//   feature-net[:FILE] the 128-d penultimate layer of the evaluation feature network (default: the
+//                      shipped one; note it was trained with labels, so its clusters follow classes)
+//   autoencoder[:D]    the D-d bottleneck (default 32) of a conv autoencoder trained here on the images
+//                      alone, without labels (deterministic from the seed)
+//   file:PATH          rows computed elsewhere (DINOv2, CLIP, ...): a .npy (float32/float64, 2-D,
+//                      C order) or a .safetensors file with one 2-D tensor (or one named `features`)
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include <torch/types.h>
+
+#include "data/dataset.h"
+
+namespace ddm {
+
+struct FeatureSource {
+  std::string kind;  // pixels | feature-net | autoencoder | file
+  int64_t dim = 0;   // pixels / autoencoder
+  std::string path;  // feature-net (optional) / file
+  std::string spec() const;  // back to the flag's form
+};
+
+// Parses a spec as above; throws ddm::Error naming the spec and listing the valid forms.
+FeatureSource parse_feature_source(const std::string& spec);
+
+struct Features {
+  torch::Tensor rows;        // float32 [N, D]
+  std::string description;   // e.g. "pixels PCA 64 of 784 (86.1% of the variance)"
+};
+
+// Computes or loads the features of every image of `data` (rows must match it). Progress goes to
+// stdout unless quiet.
+Features compute_features(const Dataset& data, const FeatureSource& src, uint64_t seed, bool quiet);
+
+// Loads a 2-D features file (.npy or .safetensors) as float32.
+torch::Tensor load_features_file(const std::string& path);
+
+// Projection of x [N, F] on its top `dim` principal components (centred, covariance in float64,
+// each component's sign fixed so its largest entry is positive): float32 [N, dim]. explained gets
+// the fraction of the variance kept.
+torch::Tensor pca_project(const torch::Tensor& x, int64_t dim, double* explained = nullptr);
+
+}  // namespace ddm
