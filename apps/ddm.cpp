@@ -301,6 +301,17 @@ int run(int argc, char** argv) {
   train_cmd->add_option("--config", config_path, "TOML config file (see configs/)")->required();
   train_cmd->add_option("--set", overrides, "override a config key, e.g. --set train.steps=100 (repeatable)");
   train_cmd->add_option("--out", out_dir, "run directory (config, checkpoints, metrics)")->required();
+  std::string partition, budget;
+  int64_t expert = -1;
+  train_cmd->add_option("--partition", partition,
+                        "train an expert: a `ddm partition` directory (sets data.partition; needs --expert)");
+  train_cmd->add_option("--expert", expert, "the cluster this expert trains on, 0..K-1 (sets data.expert)")
+      ->check(kNonNegative);
+  train_cmd->add_option("--budget", budget,
+                        "full (train.* as written, per expert) | split-batch (batch_size / K) | split-steps "
+                        "(steps / K): with a split, K experts together cost what train.* describes "
+                        "(sets train.expert_budget)")
+      ->check(CLI::IsMember({"full", "split-batch", "split-steps"}));
   train_cmd->add_flag("--resume", resume, "continue from the latest checkpoint in --out");
   train_cmd->add_flag("--force", force, "overwrite a different run in --out");
   train_cmd->add_flag("--quiet", quiet, "no progress output");
@@ -387,6 +398,13 @@ int run(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
 
   if (*train_cmd) {
+    if (!partition.empty()) {  // a TOML literal string, so no path is mistaken for another TOML value
+      const std::string abs = fs::absolute(partition).string();
+      DDM_CHECK(abs.find('\'') == std::string::npos, "--partition: a path with a ' is not supported: " << abs);
+      overrides.push_back("data.partition='" + abs + "'");
+    }
+    if (expert >= 0) overrides.push_back("data.expert=" + std::to_string(expert));
+    if (!budget.empty()) overrides.push_back("train.expert_budget=" + budget);
     RunConfig cfg = load_config(config_path, overrides);
     TrainSummary s = train(cfg, {out_dir, resume, force, quiet});
     std::cout << "done: step " << s.last_step << ", checkpoint " << s.checkpoint << ", peak memory "

@@ -107,6 +107,8 @@ std::vector<Field> fields(RunConfig& c) {
       field("data.split", &c.data.split),
       field("data.hflip", &c.data.hflip),
       field("data.limit", &c.data.limit),
+      field("data.partition", &c.data.partition),
+      field("data.expert", &c.data.expert),
       field("model.preset", &c.model.preset),
       field("model.arch", &c.model.arch),
       field("model.in_channels", &c.model.in_channels),
@@ -144,6 +146,7 @@ std::vector<Field> fields(RunConfig& c) {
       field("train.log_every", &c.train.log_every),
       field("train.ckpt_every", &c.train.ckpt_every),
       field("train.keep_ckpts", &c.train.keep_ckpts),
+      field("train.expert_budget", &c.train.expert_budget),
       field("sample.sampler", &c.sample.sampler),
       field("sample.steps", &c.sample.steps),
       field("sample.cfg", &c.sample.cfg),
@@ -255,6 +258,13 @@ void validate(const RunConfig& c) {
   check_choice("data.source", c.data.source, {"fashion-mnist", "folder", "safetensors"});
   check_choice("data.split", c.data.split, {"train", "test"});
   DDM_CHECK(c.data.limit >= 0, "data.limit must be >= 0 (0 = all), got " << c.data.limit);
+  DDM_CHECK(c.data.expert >= -1, "data.expert must be a cluster index >= 0 (or -1 = none), got " << c.data.expert);
+  DDM_CHECK(c.data.partition.empty() == (c.data.expert == -1),
+            (c.data.partition.empty() ? "data.expert is set but data.partition is not; pass --partition DIR"
+                                      : "data.partition is set but data.expert is not; pass --expert k (0..K-1)"));
+  check_choice("train.expert_budget", c.train.expert_budget, {"full", "split-batch", "split-steps"});
+  DDM_CHECK(c.train.expert_budget == "full" || !c.data.partition.empty(),
+            "train.expert_budget = " << c.train.expert_budget << " applies only to experts (with data.partition)");
 
   const ModelConfig& m = c.model;
   check_choice("model.arch", m.arch, {"unet", "dit"});

@@ -13,6 +13,8 @@ struct DataConfig {
   std::string split = "train";  // fashion-mnist: train | test
   bool hflip = false;        // random horizontal flip
   int64_t limit = 0;         // use only the first N images (0 = all)
+  std::string partition;     // a `ddm partition` directory: train on one of its clusters ("" = all data)
+  int64_t expert = -1;       // the cluster to train on, 0..K-1 (required with partition)
 };
 
 struct ModelConfig {
@@ -62,6 +64,10 @@ struct TrainConfig {
   int64_t log_every = 50;
   int64_t ckpt_every = 500;      // steps between checkpoints (a final one is always written)
   int64_t keep_ckpts = 3;        // keep the last N checkpoints
+  // With data.partition: how an expert's budget relates to the numbers above. full: as written (per
+  // expert); split-batch: batch_size / K per step (the paper's 256 -> 8 x 32), so K experts together
+  // cost what one model with these numbers costs; split-steps: steps / K at the full batch size.
+  std::string expert_budget = "full";
 };
 
 struct SampleConfig {

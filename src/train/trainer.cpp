@@ -14,6 +14,7 @@
 #include "core/error.h"
 #include "core/fileio.h"
 #include "core/rng.h"
+#include "decentral/partition.h"
 #include "diffusion/path.h"
 #include "train/checkpoint.h"
 #include "train/optimizer.h"
@@ -67,12 +68,62 @@ void prepare_run_dir(const TrainOptions& opt, const RunConfig& cfg) {
     DDM_CHECK(opt.force, "'" << opt.out_dir << "' already holds a run (" << cfg_path.string()
                              << "); use --resume to continue it, --force to overwrite it, or another --out");
     std::error_code ec;
-    for (const char* name : {"ckpt", "metrics.jsonl", "config.toml", "samples.png", "train.log"})
+    for (const char* name : {"ckpt", "metrics.jsonl", "config.toml", "samples.png", "train.log", "expert.json"})
       fs::remove_all(dir / name, ec);
   } else if (fs::exists(dir) && !fs::is_empty(dir) && !opt.force) {
     DDM_FAIL("'" << opt.out_dir << "' is not empty and holds no ddm run; use another --out or --force");
   }
   fs::create_directories(dir);
+}
+
+// An expert trains on one cluster of a partition: checks that the partition belongs to this data,
+// keeps the cluster's images, and applies train.expert_budget. Returns a line for the run header.
+std::string select_expert_data(RunConfig& cfg, Dataset& data) {
+  const Partition p = load_partition(cfg.data.partition);
+  check_partition_matches(p, data);
+  data = cluster_subset(data, p, cfg.data.expert);
+  DDM_CHECK(data.images.size(0) > 0, "cluster " << cfg.data.expert << " of " << p.origin << " is empty");
+  TrainConfig& t = cfg.train;
+  std::ostringstream line;
+  line << "expert: cluster " << cfg.data.expert << " of " << p.k << " (" << data.images.size(0) << " images), budget "
+       << t.expert_budget;
+  if (t.expert_budget == "split-batch") {
+    DDM_CHECK(t.batch_size % p.k == 0, "train.expert_budget = split-batch: train.batch_size = "
+                                           << t.batch_size << " is not divisible by K = " << p.k
+                                           << "; use a multiple of " << p.k << " so the experts add up to it");
+    t.batch_size /= p.k;
+    line << " (global batch / " << p.k << ")";
+  } else if (t.expert_budget == "split-steps") {
+    DDM_CHECK(t.steps % p.k == 0, "train.expert_budget = split-steps: train.steps = "
+                                      << t.steps << " is not divisible by K = " << p.k << "; use a multiple of " << p.k);
+    t.steps /= p.k;
+    t.warmup = std::min(t.warmup, t.steps);
+    line << " (global steps / " << p.k << ")";
+  }
+  return line.str() + "\n";
+}
+
+// expert.json records the partition file's hash; a resumed expert must see the same partition.
+void check_expert_record(const TrainOptions& opt, const RunConfig& cfg) {
+  const Partition p = load_partition(cfg.data.partition);
+  const std::string sha = sha256_file(p.origin);
+  const fs::path record = fs::path(opt.out_dir) / "expert.json";
+  if (opt.resume && fs::exists(record)) {
+    const auto stored = nlohmann::json::parse(read_file(record.string()));
+    DDM_CHECK(stored.at("partition_sha256") == sha,
+              "--resume: the partition " << p.origin << " changed since this expert started (sha256 "
+                                         << stored.at("partition_sha256").get<std::string>().substr(0, 12) << ", now "
+                                         << sha.substr(0, 12)
+                                         << "); an expert must finish on the partition it started with. Restore "
+                                            "it, or start over with --force");
+    return;
+  }
+  const nlohmann::json j = {{"partition", p.origin},           {"partition_sha256", sha},
+                            {"k", p.k},                        {"expert", cfg.data.expert},
+                            {"images", p.sizes[cfg.data.expert].item<int64_t>()},
+                            {"expert_budget", cfg.train.expert_budget},
+                            {"batch_size", cfg.train.batch_size}, {"steps", cfg.train.steps}};
+  write_file_atomic(record.string(), j.dump(2) + "\n");
 }
 
 }  // namespace
@@ -110,9 +161,13 @@ TrainSummary train(RunConfig cfg, const TrainOptions& opt) {
   DDM_CHECK(data.images.size(0) > 0, "the dataset " << data.description << " is empty");
 
   const std::string config_text = to_toml(cfg);
-  prepare_run_dir(opt, cfg);
+  const RunConfig stored_cfg = cfg;  // an expert's config keeps the global budget; it runs on its share
+  std::string expert_line;
+  if (!cfg.data.partition.empty()) expert_line = select_expert_data(cfg, data);
+  prepare_run_dir(opt, stored_cfg);
   const fs::path dir(opt.out_dir);
   write_file_atomic((dir / "config.toml").string(), config_text);
+  if (!cfg.data.partition.empty()) check_expert_record(opt, cfg);
 
   const uint64_t seed = static_cast<uint64_t>(tc.seed);
   torch::manual_seed(derive_seed({seed, static_cast<uint64_t>(RngPurpose::kInit)}));
@@ -149,7 +204,7 @@ TrainSummary train(RunConfig cfg, const TrainOptions& opt) {
               << " parameters, " << forward_flops_per_image(cfg.model) / 1e6 << " MFLOP/image forward\n"
               << "diffusion: " << cfg.diffusion.objective << " on path " << path.name() << ", t "
               << cfg.diffusion.time_dist << "\n"
-              << "train: " << tc.steps << " steps, batch " << tc.batch_size << ", lr " << tc.lr << ", "
+              << expert_line << "train: " << tc.steps << " steps, batch " << tc.batch_size << ", lr " << tc.lr << ", "
               << threads << " threads, seed " << tc.seed << "\n"
               << "out:   " << opt.out_dir << std::endl;
   }

@@ -1,4 +1,4 @@
-// The decentralized pipeline through the ddm binary: partition, ... Each step on real Fashion-MNIST
+// The decentralized pipeline through the ddm binary: partition, expert training, ... Each step on real Fashion-MNIST
 // (a few thousand images), and each bad input exits non-zero with a clear message.
 #include <gtest/gtest.h>
 
@@ -58,4 +58,44 @@ TEST(DecentralCli, PartitionWritesBalancedClustersAndRefusesBadInput) {
   expect_error(test::run_ddm("partition --k 4 --data-root " + (dir / "nowhere") + " --out " + (dir / "x")),
                "nowhere");
   EXPECT_FALSE(fs::exists(dir / "x"));
+}
+
+TEST(DecentralCli, ExpertsTrainOnTheirClusterResumeExactlyAndRefuseForeignPartitions) {
+  const test::TempDir dir;
+  test::write_text(dir / "tiny.toml",
+                   "[data]\nlimit = 600\n[model]\nchannels = 8\nchannel_mult = [1, 2]\ngroups = 4\n"
+                   "[train]\nsteps = 8\nbatch_size = 16\nthreads = 1\nlog_every = 2\nckpt_every = 4\n");
+  ASSERT_EQ(test::run_ddm("partition --limit 600 --k 3 --fine 30 --out " + (dir / "p")).exit_code, 0);
+  const std::string base = "train --quiet --config " + (dir / "tiny.toml") + " --partition " + (dir / "p");
+  auto r = test::run_ddm(base + " --expert 1 --budget split-steps --set train.steps=9 --out " + (dir / "e1"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  auto rec = nlohmann::json::parse(test::read_text(dir / "e1/expert.json"));
+  EXPECT_EQ(rec["images"], 200);
+  EXPECT_EQ(rec["steps"], 3);  // 9 global steps / 3 experts
+  EXPECT_TRUE(fs::exists(dir / "e1/ckpt/step-00000003"));
+  EXPECT_NE(test::read_text(dir / "e1/config.toml").find("steps = 9"), std::string::npos);  // the global budget
+
+  // split-batch: interrupted at step 4 and resumed == uninterrupted (same EMA bytes).
+  const std::string sb = base + " --expert 0 --budget split-batch --set train.batch_size=15";
+  ASSERT_EQ(test::run_ddm(sb + " --out " + (dir / "full")).exit_code, 0);
+  ASSERT_EQ(test::run_ddm(sb + " --set train.steps=4 --out " + (dir / "half")).exit_code, 0);
+  r = test::run_ddm(sb + " --resume --out " + (dir / "half"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(test::read_text(dir / "half/ckpt/step-00000008/ema.safetensors"),
+            test::read_text(dir / "full/ckpt/step-00000008/ema.safetensors"));
+
+  expect_error(test::run_ddm(base + " --expert 3 --out " + (dir / "x")), "clusters 0..2");
+  expect_error(test::run_ddm(base + " --out " + (dir / "x")), "pass --expert");
+  expect_error(test::run_ddm("train --quiet --config " + (dir / "tiny.toml") + " --expert 0 --out " + (dir / "x")),
+               "pass --partition");
+  expect_error(test::run_ddm(base + " --expert 0 --budget split-batch --out " + (dir / "x")),
+               "not divisible by K = 3");
+  expect_error(test::run_ddm(base + " --expert 0 --set data.limit=500 --out " + (dir / "x")),
+               "has 500 images");
+  expect_error(test::run_ddm(base + " --expert 0 --set data.split=\"test\" --set data.limit=600 --out " + (dir / "x")),
+               "other images");
+  // A partition replaced under a running expert: resume refuses, the checkpoints stay.
+  ASSERT_EQ(test::run_ddm("partition --limit 600 --k 3 --fine 30 --seed 5 --force --out " + (dir / "p")).exit_code, 0);
+  expect_error(test::run_ddm(sb + " --resume --set train.steps=12 --out " + (dir / "half")), "changed since");
+  EXPECT_TRUE(fs::exists(dir / "half/ckpt/step-00000008/ema.safetensors"));
 }
