@@ -167,6 +167,28 @@ TEST(Sampler, ExactGaussianDenoiserReproducesMoments) {
   }
 }
 
+// On the straight flow path x_t = (1 - t) x0 + t eps, DDIM's deterministic update
+// x_s = (1 - s) x0_hat + s eps_hat is exactly the Euler step x_t + (s - t) (eps_hat - x0_hat), so the
+// two samplers give the same samples at every step count (docs/results.md shows equal FD-fmnist).
+TEST(Sampler, DdimEqualsEulerOnTheFlowPath) {
+  auto mu = torch::tensor({0.5, -1.0, 0.0, 2.0}, torch::kDouble).view({1, 1, 2, 2});
+  auto var = torch::tensor({0.25, 1.0, 0.04, 0.5}, torch::kDouble).view({1, 1, 2, 2});
+  NoisePath path(PathKind::kFlow);
+  Denoiser den(std::make_shared<ExactGaussianNet>(path, Prediction::kVelocity, mu, var), path, Prediction::kVelocity, 0);
+  auto x1 = torch::randn({500, 1, 2, 2}, at::make_generator<at::CPUGeneratorImpl>(2), torch::kDouble);
+  for (int steps : {4, 8, 64, 100}) {
+    SampleOptions opt;
+    opt.steps = steps;
+    opt.sampler = "euler";
+    const auto euler = sample(den, x1, torch::zeros({500}, torch::kLong), opt).x;
+    opt.sampler = "ddim";
+    const auto ddim = sample(den, x1, torch::zeros({500}, torch::kLong), opt).x;
+    EXPECT_LT((euler - ddim).abs().max().item<double>(), 1e-12) << steps << " steps";
+    opt.sampler = "heun";
+    EXPECT_GT((euler - sample(den, x1, torch::zeros({500}, torch::kLong), opt).x).abs().max().item<double>(), 1e-6);
+  }
+}
+
 TEST(Generate, SamplesDoNotDependOnBatchSize) {
   auto mu = torch::zeros({1, 1, 2, 2});
   auto var = torch::ones({1, 1, 2, 2}) * 0.3;
