@@ -78,8 +78,7 @@ void prepare_run_dir(const TrainOptions& opt, const RunConfig& cfg) {
 
 // An expert trains on one cluster of a partition: checks that the partition belongs to this data,
 // keeps the cluster's images, and applies train.expert_budget. Returns a line for the run header.
-std::string select_expert_data(RunConfig& cfg, Dataset& data) {
-  const Partition p = load_partition(cfg.data.partition);
+std::string select_expert_data(RunConfig& cfg, Dataset& data, const Partition& p) {
   check_partition_matches(p, data);
   data = cluster_subset(data, p, cfg.data.expert);
   DDM_CHECK(data.images.size(0) > 0, "cluster " << cfg.data.expert << " of " << p.origin << " is empty");
@@ -104,8 +103,7 @@ std::string select_expert_data(RunConfig& cfg, Dataset& data) {
 }
 
 // expert.json records the partition file's hash; a resumed expert must see the same partition.
-void check_expert_record(const TrainOptions& opt, const RunConfig& cfg) {
-  const Partition p = load_partition(cfg.data.partition);
+void check_expert_record(const TrainOptions& opt, const RunConfig& cfg, const Partition& p) {
   const std::string sha = sha256_file(p.origin);
   const fs::path record = fs::path(opt.out_dir) / "expert.json";
   if (opt.resume && fs::exists(record)) {
@@ -163,11 +161,15 @@ TrainSummary train(RunConfig cfg, const TrainOptions& opt) {
   const std::string config_text = to_toml(cfg);
   const RunConfig stored_cfg = cfg;  // an expert's config keeps the global budget; it runs on its share
   std::string expert_line;
-  if (!cfg.data.partition.empty()) expert_line = select_expert_data(cfg, data);
+  Partition partition;
+  if (!cfg.data.partition.empty()) {
+    partition = load_partition(cfg.data.partition);
+    expert_line = select_expert_data(cfg, data, partition);
+  }
   prepare_run_dir(opt, stored_cfg);
   const fs::path dir(opt.out_dir);
   write_file_atomic((dir / "config.toml").string(), config_text);
-  if (!cfg.data.partition.empty()) check_expert_record(opt, cfg);
+  if (!cfg.data.partition.empty()) check_expert_record(opt, cfg, partition);
 
   const uint64_t seed = static_cast<uint64_t>(tc.seed);
   torch::manual_seed(derive_seed({seed, static_cast<uint64_t>(RngPurpose::kInit)}));
