@@ -15,6 +15,7 @@
 #include <functional>
 #include <iostream>
 #include <memory>
+#include <optional>
 #include <unistd.h>
 
 #include "core/config.h"
@@ -24,12 +25,14 @@
 #include "core/safetensors.h"
 #include "core/version.h"
 #include "data/dataset.h"
+#include "decentral/ensemble_dir.h"
 #include "diffusion/generate.h"
 #include "eval/evaluate.h"
 #include "eval/feature_net.h"
 #include "eval/grid.h"
 #include "model/net.h"
 #include "model/presets.h"
+#include "model/router.h"
 #include "train/trainer.h"
 
 namespace fs = std::filesystem;
@@ -66,11 +69,44 @@ cfg = 2.0
 )";
 
 struct SampleArgs {
-  std::string ckpt, out = "samples.png", raw, sampler;
+  std::string ckpt, ensemble, routing, out = "samples.png", raw, sampler;
   int64_t n = 100, steps = 0, class_id = -1, seed = 0, batch = 250, threads = 0;
   double cfg = -1;
-  bool no_ema = false;
+  bool no_ema = false, allow_missing = false;
 };
+
+// What is sampled: one model (--ckpt) or a routed expert ensemble (--ensemble).
+struct Source {
+  std::optional<LoadedModel> model;
+  std::unique_ptr<LoadedEnsemble> members;
+  std::unique_ptr<Ensemble> ensemble;
+  std::optional<Denoiser> den;
+  std::string name;  // for messages and metadata
+  Routing routing;
+  const LoadedModel& defaults() const { return model ? *model : members->first_expert(); }
+  int64_t num_classes() const { return defaults().cfg.model.num_classes; }
+};
+
+Source open_source(const SampleArgs& a) {
+  DDM_CHECK(a.ckpt.empty() != a.ensemble.empty(), "give exactly one of --ckpt DIR and --ensemble DIR");
+  Source s;
+  if (!a.ckpt.empty()) {
+    DDM_CHECK(a.routing.empty() && !a.allow_missing, "--routing and --allow-missing apply only to --ensemble");
+    s.model = load_model(a.ckpt, !a.no_ema);
+    s.den = make_denoiser(*s.model);
+    s.name = s.model->checkpoint;
+    return s;
+  }
+  s.members = std::make_unique<LoadedEnsemble>(load_ensemble(a.ensemble, !a.no_ema, a.allow_missing));
+  s.routing = parse_routing(a.routing.empty() ? s.members->manifest.value("routing", "top1") : a.routing);
+  for (int64_t m : s.members->missing())
+    std::cout << "warning: expert " << m << " is missing (--allow-missing): its router probability is set to 0 and "
+              << "the rest renormalized; samples of its cluster come from the other experts" << std::endl;
+  s.ensemble = make_ensemble(*s.members, s.routing, static_cast<uint64_t>(a.seed));
+  s.den = s.ensemble->denoiser();
+  s.name = "ensemble " + a.ensemble + " (K = " + std::to_string(s.members->k) + ", routing " + s.routing.spec + ")";
+  return s;
+}
 
 // Sampling progress: a live counter on a terminal, otherwise a plain line at every 10%.
 std::function<void(int64_t, int64_t)> sampling_progress(bool tty) {
@@ -88,8 +124,9 @@ std::function<void(int64_t, int64_t)> sampling_progress(bool tty) {
 
 void write_samples(const SampleArgs& a) {
   set_threads(a.threads);
-  LoadedModel m = load_model(a.ckpt, !a.no_ema);
-  Denoiser den = make_denoiser(m);
+  Source src = open_source(a);
+  const LoadedModel& m = src.defaults();
+  const Denoiser& den = *src.den;
   GenerateOptions g;
   g.n = a.n;
   g.sample.sampler = a.sampler.empty() ? m.cfg.sample.sampler : a.sampler;
@@ -102,9 +139,9 @@ void write_samples(const SampleArgs& a) {
   g.per_class = classes > 0 && a.class_id < 0 ? std::max<int64_t>(1, a.n / classes) : a.n;
   const bool tty = isatty(fileno(stdout));
   g.on_progress = sampling_progress(tty);
-  std::cout << "sampling " << a.n << " images from " << m.checkpoint << " (step " << m.step << ", "
-            << (a.no_ema ? "raw" : "EMA") << " weights): " << g.sample.sampler << ", " << g.sample.steps
-            << " steps, cfg " << g.sample.cfg << std::endl;
+  std::cout << "sampling " << a.n << " images from " << src.name;
+  if (src.model) std::cout << " (step " << m.step << ", " << (a.no_ema ? "raw" : "EMA") << " weights)";
+  std::cout << ": " << g.sample.sampler << ", " << g.sample.steps << " steps, cfg " << g.sample.cfg << std::endl;
   Generated out = generate(den, m.cfg.model.in_channels, m.cfg.model.image_size, g);
   if (tty) std::printf("\n");
   std::vector<std::string> labels;
@@ -121,14 +158,15 @@ void write_samples(const SampleArgs& a) {
   if (!parent.empty()) fs::create_directories(parent);
   save_image_grid(a.out, out.images, cols, labels);
   std::cout << "NFE " << out.nfe << " per image" << (g.sample.cfg != 1.0 && classes > 0 ? " (CFG: batch of 2)" : "")
-            << ", " << out.seconds << " s, " << a.n / out.seconds << " img/s\n"
-            << "wrote " << a.out << std::endl;
+            << ", " << out.seconds << " s, " << a.n / out.seconds << " img/s\n";
+  if (src.ensemble) std::cout << src.ensemble->usage_report(a.n);
+  std::cout << "wrote " << a.out << std::endl;
   if (!a.raw.empty()) {
     SafetensorsFile f;
     f.tensors["images"] = to_uint8(out.images);
     f.tensors["labels"] = out.labels;
     f.tensors["samples"] = out.images;
-    f.metadata["checkpoint"] = m.checkpoint;
+    f.metadata["checkpoint"] = src.name;
     f.metadata["sampler"] = g.sample.sampler;
     f.metadata["steps"] = std::to_string(g.sample.steps);
     f.metadata["cfg"] = std::to_string(g.sample.cfg);
@@ -149,6 +187,14 @@ void add_sample_flags(CLI::App* cmd, SampleArgs& a) {
   cmd->add_option("--batch", a.batch, "images per network batch")->check(kPositive);
   cmd->add_option("--threads", a.threads, "intra-op threads (0 = all cores)")->check(kNonNegative);
   cmd->add_flag("--no-ema", a.no_ema, "use the raw weights instead of the EMA");
+  cmd->add_option("--ensemble", a.ensemble,
+                  "sample a decentralized ensemble: a directory with ensemble.json (from ddm ensemble)");
+  cmd->add_option("--routing", a.routing,
+                  "with --ensemble: top1 | topk:K | full | threshold:P | sample | oracle (default: the manifest's, "
+                  "normally top1). Per step and per sample; see docs/decentralized.md");
+  cmd->add_flag("--allow-missing", a.allow_missing,
+                "with --ensemble: sample even if some experts' checkpoints are missing (their probability is "
+                "renormalized over the rest)");
 }
 
 struct ClassifierArgs {
@@ -198,8 +244,8 @@ struct EvalArgs {
 };
 
 int eval_cmd(EvalArgs a) {
-  DDM_CHECK(a.sample.ckpt.empty() + a.samples_file.empty() + a.anchor.empty() == 2,
-            "ddm eval: give exactly one of --ckpt DIR, --samples FILE or --anchor train|noise");
+  DDM_CHECK(a.sample.ckpt.empty() + a.sample.ensemble.empty() + a.samples_file.empty() + a.anchor.empty() == 3,
+            "ddm eval: give exactly one of --ckpt DIR, --ensemble DIR, --samples FILE or --anchor train|noise");
   set_threads(a.sample.threads);
   SampleSet set;
   std::string stem;
@@ -217,8 +263,9 @@ int eval_cmd(EvalArgs a) {
     stem = fs::path(a.samples_file).stem().string();
     if (a.out.empty()) a.out = (fs::path(a.samples_file).parent_path() / "eval").string();
   } else {
-    LoadedModel m = load_model(a.sample.ckpt, !a.sample.no_ema);
-    Denoiser den = make_denoiser(m);
+    Source src = open_source(a.sample);
+    const LoadedModel& m = src.defaults();
+    const Denoiser& den = *src.den;
     GenerateOptions g;
     g.n = a.sample.n;
     g.sample.sampler = a.sample.sampler.empty() ? m.cfg.sample.sampler : a.sample.sampler;
@@ -231,26 +278,37 @@ int eval_cmd(EvalArgs a) {
     g.per_class = classes > 0 ? std::max<int64_t>(1, (a.sample.n + classes - 1) / classes) : a.sample.n;
     const bool tty = isatty(fileno(stdout));
     g.on_progress = sampling_progress(tty);
-    std::cout << "sampling " << a.sample.n << " images from " << m.checkpoint << ": " << g.sample.sampler << ", "
+    std::cout << "sampling " << a.sample.n << " images from " << src.name << ": " << g.sample.sampler << ", "
               << g.sample.steps << " steps, cfg " << g.sample.cfg << std::endl;
     Generated out = generate(den, m.cfg.model.in_channels, m.cfg.model.image_size, g);
     if (tty) std::printf("\n");
     std::printf("NFE %lld per image, %.0f s (%.1f img/s)\n", static_cast<long long>(out.nfe), out.seconds,
                 a.sample.n / out.seconds);
+    if (src.ensemble) std::cout << src.ensemble->usage_report(a.sample.n);
     set.images = to_uint8(out.images);
     if (classes > 0) set.labels = out.labels;
-    set.origin = m.checkpoint + " (" + g.sample.sampler + ", " + std::to_string(g.sample.steps) + " steps, cfg " +
+    set.origin = src.name + " (" + g.sample.sampler + ", " + std::to_string(g.sample.steps) + " steps, cfg " +
                  std::to_string(g.sample.cfg).substr(0, 4) + ", NFE " + std::to_string(out.nfe) + ")";
-    set.info = {{"checkpoint", m.checkpoint},
+    set.info = {{"checkpoint", src.name},
                 {"sampler", g.sample.sampler},
                 {"steps", std::to_string(g.sample.steps)},
                 {"cfg", std::to_string(g.sample.cfg)},
                 {"nfe", std::to_string(out.nfe)},
                 {"seed", std::to_string(g.seed)},
                 {"sampling_seconds", std::to_string(out.seconds)}};
-    stem = g.sample.sampler + "-" + std::to_string(g.sample.steps) + "steps-cfg" +
+    if (src.ensemble) {
+      const EnsembleUsage& u = src.ensemble->usage();
+      set.info["routing"] = src.routing.spec;
+      set.info["gflop_per_image"] = std::to_string((u.expert_flops + u.router_flops) / a.sample.n / 1e9);
+      set.info["router_gflop_per_image"] = std::to_string(u.router_flops / a.sample.n / 1e9);
+      std::string usage;
+      for (int64_t v : u.expert_evals) usage += (usage.empty() ? "" : " ") + std::to_string(v);
+      set.info["expert_sample_steps"] = usage;
+    }
+    stem = (src.ensemble ? "routing-" + src.routing.spec + "-" : std::string()) + g.sample.sampler + "-" +
+           std::to_string(g.sample.steps) + "steps-cfg" +
            std::to_string(g.sample.cfg).substr(0, 4) + "-n" + std::to_string(a.sample.n);
-    if (a.out.empty()) a.out = (fs::path(a.sample.ckpt) / "eval").string();
+    if (a.out.empty()) a.out = (fs::path(src.model ? a.sample.ckpt : a.sample.ensemble) / "eval").string();
     fs::create_directories(a.out);
     SafetensorsFile f;
     f.tensors["images"] = set.images;
@@ -324,7 +382,7 @@ int run(int argc, char** argv) {
   // sample
   SampleArgs sa;
   auto* sample_cmd = app.add_subcommand("sample", "Generate a labelled PNG grid from a trained model.");
-  sample_cmd->add_option("--ckpt", sa.ckpt, "run directory (latest checkpoint) or checkpoint directory")->required();
+  sample_cmd->add_option("--ckpt", sa.ckpt, "run directory (latest checkpoint) or checkpoint directory (or --ensemble)");
   sample_cmd->add_option("--out", sa.out, "PNG grid to write");
   sample_cmd->add_option("--raw", sa.raw, "also write the samples as safetensors");
   add_sample_flags(sample_cmd, sa);
@@ -448,7 +506,7 @@ int run(int argc, char** argv) {
   for (const Command& c : decentral)
     if (*c.app) return c.run();
   if (*presets_cmd) {
-    std::printf("%-12s %-5s %12s %16s\n", "preset", "arch", "parameters", "MFLOP/img fwd");
+    std::printf("%-17s %-11s %12s %16s\n", "preset", "arch", "parameters", "MFLOP/img fwd");
     for (const auto& name : preset_names()) {
       ModelConfig m;
       apply_preset(name, m);
@@ -456,11 +514,13 @@ int run(int argc, char** argv) {
       m.in_channels = 1;
       m.image_size = 28;
       m.num_classes = 10;
+      if (is_router_arch(m.arch)) m.num_experts = 4;
       Net net = make_net(m);
-      std::printf("%-12s %-5s %12lld %16.1f\n", name.c_str(), m.arch.c_str(),
+      std::printf("%-17s %-11s %12lld %16.1f\n", name.c_str(), m.arch.c_str(),
                   static_cast<long long>(count_params(*net)), forward_flops_per_image(m) / 1e6);
     }
-    std::printf("(28x28x1 images, 10 classes; training costs about 3x the forward FLOPs)\n");
+    std::printf("(28x28x1 images, 10 classes, routers with K = 4 experts; training costs about 3x the forward "
+                "FLOPs)\n");
     return 0;
   }
   return 0;

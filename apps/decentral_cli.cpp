@@ -1,5 +1,7 @@
 // The decentralized-diffusion subcommands of ddm:
-//   partition   cluster a dataset into K subsets, one per expert (two-stage balanced k-means, or random)
+//   partition     cluster a dataset into K subsets, one per expert (two-stage balanced k-means, or random)
+//   train-router  train the router p(cluster | x_t, t, class) and report its accuracy per noise level
+//   ensemble      check that a partition, its experts and a router belong together; write ensemble.json
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
@@ -12,6 +14,11 @@
 #include "data/dataset.h"
 #include "decentral/features.h"
 #include "decentral/partition.h"
+#include "decentral/ensemble_dir.h"
+#include "decentral/router_eval.h"
+#include "core/fileio.h"
+#include "model/presets.h"
+#include "model/router.h"
 #include "train/trainer.h"
 
 namespace fs = std::filesystem;
@@ -66,6 +73,81 @@ int partition_cmd(const PartitionArgs& a) {
   return 0;
 }
 
+struct RouterArgs {
+  std::string config, partition, out, preset = "router-dit-tiny";
+  std::vector<std::string> overrides;
+  int64_t holdout = 1000, buckets = 10;
+  bool resume = false, force = false, quiet = false, eval_only = false;
+};
+
+// The router's run config: the experts' config (same data, forward process, time distribution,
+// label dropout and seed) with the model replaced by a router preset, trained on every cluster.
+RunConfig router_config(const RouterArgs& a) {
+  RunConfig c = load_config(a.config);
+  ModelConfig m;
+  m.preset = a.preset;
+  apply_preset(a.preset, m);
+  DDM_CHECK(is_router_arch(m.arch), "--preset " << a.preset << " is not a router preset; use router-dit-tiny or "
+                                                   "router-conv-tiny (see `ddm presets`)");
+  m.num_classes = c.model.num_classes == 0 ? 0 : -1;  // conditioned like the experts
+  c.model = m;
+  const std::string abs = fs::absolute(a.partition).string();
+  c.data.partition = abs;
+  c.data.expert = -1;
+  c.data.holdout = a.holdout;
+  c.train.expert_budget = "full";
+  return parse_config(to_toml(c), "the router config made from " + a.config, a.overrides);
+}
+
+// Accuracy and calibration of the trained router (EMA weights) on the held-out images, written to
+// router_eval.json in the run directory.
+void evaluate_router_run(const std::string& out, int64_t buckets) {
+  LoadedModel r = load_model(out, /*use_ema=*/true);
+  DataConfig dc = r.cfg.data;
+  const Dataset data = load_dataset(dc);
+  const Partition p = load_partition(dc.partition);
+  check_partition_matches(p, data);
+  const int64_t n = data.images.size(0), h = dc.holdout;
+  const int64_t first = h > 0 ? n - h : 0, count = h > 0 ? h : std::min<int64_t>(n, 2000);
+  const std::string note = h > 0 ? "held-out images (the last " + std::to_string(h) + ", never trained on)"
+                                 : "training images (data.holdout = 0: none were held out)";
+  const RouterReport rep =
+      evaluate_router(r.net, r.cfg, to_unit_range(data.images.narrow(0, first, count)), data.labels.narrow(0, first, count),
+                      p.labels.narrow(0, first, count), buckets, static_cast<uint64_t>(r.cfg.train.seed) + 1, note);
+  std::cout << "\n" << rep.table();
+  nlohmann::json j = rep.json();
+  j["checkpoint"] = r.checkpoint;
+  const std::string path = (fs::path(out) / "router_eval.json").string();
+  write_file_atomic(path, j.dump(2) + "\n");
+  std::cout << "wrote " << path << std::endl;
+}
+
+int train_router_cmd(const RouterArgs& a) {
+  if (!a.eval_only) {
+    const RunConfig cfg = router_config(a);
+    TrainSummary s = train(cfg, {a.out, a.resume, a.force, a.quiet});
+    if (s.interrupted) return 130;
+    std::cout << "done: step " << s.last_step << ", checkpoint " << s.checkpoint << std::endl;
+  }
+  evaluate_router_run(a.out, a.buckets);
+  return 0;
+}
+
+int ensemble_cmd(const std::string& out, const EnsembleSpec& spec, bool force) {
+  DDM_CHECK(force || !fs::exists(fs::path(out) / "ensemble.json"),
+            out << "/ensemble.json already exists; use --force to replace it or another --out");
+  std::vector<std::string> notes;
+  const nlohmann::json m = assemble_ensemble(out, spec, notes);
+  for (const auto& n : notes) std::cout << "note: " << n << std::endl;
+  std::cout << "ensemble of " << m["k"] << " experts (";
+  for (const auto& e : m["experts"]) std::cout << (e["index"] == 0 ? "" : ", ") << e["preset"].get<std::string>() << " "
+                                               << e["objective"].get<std::string>();
+  std::cout << ") and router " << m["router"]["preset"].get<std::string>() << "; default routing " << spec.routing
+            << "\nwrote " << out << "/ensemble.json\n"
+            << "next: ddm sample --ensemble " << out << " --out grid.png" << std::endl;
+  return 0;
+}
+
 }  // namespace
 
 std::vector<Command> add_decentral_commands(CLI::App& app) {
@@ -104,6 +186,49 @@ std::vector<Command> add_decentral_commands(CLI::App& app) {
   part->add_option("--threads", pa->threads, "intra-op threads (0 = all cores)")->check(kNonNegative);
   part->add_flag("--force", pa->force, "replace an existing --out");
   cmds.push_back({part, [pa] { return partition_cmd(*pa); }});
+
+  auto ra = std::make_shared<RouterArgs>();
+  auto* router = app.add_subcommand(
+      "train-router",
+      "Train the router of a decentralized ensemble: a small classifier of p(cluster | x_t, t, class) on every "
+      "image of the partition's data, with noisy inputs from the experts' own forward process, time distribution "
+      "and label dropout (all taken from --config, the experts' config; the model is --preset). Then reports its "
+      "accuracy and calibration per noise level on --holdout images it never saw (router_eval.json).");
+  router->add_option("--config", ra->config, "the experts' training config (TOML)")->required();
+  router->add_option("--partition", ra->partition, "the `ddm partition` directory the experts were trained on")
+      ->required();
+  router->add_option("--out", ra->out, "run directory (config, checkpoints, metrics, router_eval.json)")->required();
+  router->add_option("--preset", ra->preset, "router-dit-tiny (DiT with a CLS token) | router-conv-tiny")
+      ->capture_default_str();
+  router->add_option("--holdout", ra->holdout,
+                     "withhold the last N images from training and measure the router on them (sets data.holdout)")
+      ->check(kNonNegative)
+      ->capture_default_str();
+  router->add_option("--set", ra->overrides, "override a config key, e.g. --set train.steps=600 (repeatable)");
+  router->add_option("--buckets", ra->buckets, "noise-level buckets in the report")->check(kPositive)->capture_default_str();
+  router->add_flag("--resume", ra->resume, "continue from the latest checkpoint in --out");
+  router->add_flag("--force", ra->force, "overwrite a different run in --out");
+  router->add_flag("--quiet", ra->quiet, "no training progress output");
+  router->add_flag("--eval-only", ra->eval_only, "only (re)compute the report of the router in --out");
+  cmds.push_back({router, [ra] { return train_router_cmd(*ra); }});
+
+  auto es = std::make_shared<EnsembleSpec>();
+  auto eout = std::make_shared<std::string>();
+  auto eforce = std::make_shared<bool>(false);
+  auto* ens = app.add_subcommand(
+      "ensemble",
+      "Assemble a decentralized ensemble: checks that the experts (one per cluster, in order) and the router were "
+      "trained on --partition and share the image shape, pins each to its latest checkpoint with the sha256 of its "
+      "weights, and writes ensemble.json to --out. Then sample it with ddm sample --ensemble DIR.");
+  ens->add_option("--out", *eout, "ensemble directory (may already hold the runs)")->required();
+  ens->add_option("--partition", es->partition, "the `ddm partition` directory")->required();
+  ens->add_option("--router", es->router, "the `ddm train-router` run directory")->required();
+  ens->add_option("--expert", es->experts, "an expert run directory; repeat once per cluster, in order 0..K-1")
+      ->required();
+  ens->add_option("--routing", es->routing, "default routing: top1 | topk:K | full | threshold:P | sample | oracle")
+      ->capture_default_str();
+  ens->add_flag("--force", *eforce, "replace an existing ensemble.json");
+  cmds.push_back({ens, [es, eout, eforce] { return ensemble_cmd(*eout, *es, *eforce); }});
 
   return cmds;
 }

@@ -109,11 +109,13 @@ std::vector<Field> fields(RunConfig& c) {
       field("data.limit", &c.data.limit),
       field("data.partition", &c.data.partition),
       field("data.expert", &c.data.expert),
+      field("data.holdout", &c.data.holdout),
       field("model.preset", &c.model.preset),
       field("model.arch", &c.model.arch),
       field("model.in_channels", &c.model.in_channels),
       field("model.image_size", &c.model.image_size),
       field("model.num_classes", &c.model.num_classes),
+      field("model.num_experts", &c.model.num_experts),
       field("model.channels", &c.model.channels),
       field("model.channel_mult", &c.model.channel_mult),
       field("model.res_blocks", &c.model.res_blocks),
@@ -259,15 +261,27 @@ void validate(const RunConfig& c) {
   check_choice("data.split", c.data.split, {"train", "test"});
   DDM_CHECK(c.data.limit >= 0, "data.limit must be >= 0 (0 = all), got " << c.data.limit);
   DDM_CHECK(c.data.expert >= -1, "data.expert must be a cluster index >= 0 (or -1 = none), got " << c.data.expert);
-  DDM_CHECK(c.data.partition.empty() == (c.data.expert == -1),
-            (c.data.partition.empty() ? "data.expert is set but data.partition is not; pass --partition DIR"
-                                      : "data.partition is set but data.expert is not; pass --expert k (0..K-1)"));
+  const ModelConfig& m = c.model;
+  const bool router = m.arch == "router-dit" || m.arch == "router-conv";
+  if (router) {
+    DDM_CHECK(!c.data.partition.empty(), "model.arch = " << m.arch << " trains a router, which needs "
+                                         "data.partition (use `ddm train-router --partition DIR`)");
+    DDM_CHECK(c.data.expert == -1, "data.expert = " << c.data.expert << " selects one cluster, but a router "
+                                   "trains on all of them; remove data.expert (or set it to -1)");
+  } else {
+    DDM_CHECK(c.data.partition.empty() == (c.data.expert == -1),
+              (c.data.partition.empty() ? "data.expert is set but data.partition is not; pass --partition DIR"
+                                        : "data.partition is set but data.expert is not; pass --expert k (0..K-1)"));
+    DDM_CHECK(c.data.holdout == 0, "data.holdout applies only to routers (model.arch = router-dit | router-conv)");
+  }
+  DDM_CHECK(c.data.holdout >= 0, "data.holdout must be >= 0, got " << c.data.holdout);
   check_choice("train.expert_budget", c.train.expert_budget, {"full", "split-batch", "split-steps"});
-  DDM_CHECK(c.train.expert_budget == "full" || !c.data.partition.empty(),
+  DDM_CHECK(c.train.expert_budget == "full" || (!c.data.partition.empty() && !router),
             "train.expert_budget = " << c.train.expert_budget << " applies only to experts (with data.partition)");
 
-  const ModelConfig& m = c.model;
-  check_choice("model.arch", m.arch, {"unet", "dit"});
+  check_choice("model.arch", m.arch, {"unet", "dit", "router-dit", "router-conv"});
+  DDM_CHECK(m.num_experts == 0 || m.num_experts >= 2,
+            "model.num_experts must be 0 (from the partition) or >= 2, got " << m.num_experts);
   DDM_CHECK(m.in_channels >= 0, "model.in_channels must be >= 0 (0 = from data), got " << m.in_channels);
   DDM_CHECK(m.image_size >= 0, "model.image_size must be >= 0 (0 = from data), got " << m.image_size);
   DDM_CHECK(m.num_classes >= -1, "model.num_classes must be >= -1 (-1 = from data), got " << m.num_classes);

@@ -14,23 +14,25 @@ struct DataConfig {
   bool hflip = false;        // random horizontal flip
   int64_t limit = 0;         // use only the first N images (0 = all)
   std::string partition;     // a `ddm partition` directory: train on one of its clusters ("" = all data)
-  int64_t expert = -1;       // the cluster to train on, 0..K-1 (required with partition)
+  int64_t expert = -1;       // the cluster to train on, 0..K-1 (an expert); -1 with a router model
+  int64_t holdout = 0;       // routers: withhold the last N images from training to measure accuracy on
 };
 
 struct ModelConfig {
   std::string preset = "unet-tiny";  // see src/model/presets.h; explicit keys below override it
-  std::string arch = "unet";         // unet | dit
+  std::string arch = "unet";         // unet | dit | router-dit | router-conv
   // Filled from the dataset at train time (0 = take from data); recorded in the resolved config.
   int64_t in_channels = 0;
   int64_t image_size = 0;
   int64_t num_classes = -1;          // -1 = take from data; 0 = unconditional
+  int64_t num_experts = 0;           // routers: K, the number of outputs (0 = take from the partition)
   // U-Net
   int64_t channels = 32;                       // base width
   std::vector<int64_t> channel_mult = {1, 2};  // one entry per resolution level
   int64_t res_blocks = 1;                      // residual blocks per level
   std::vector<int64_t> attn_levels = {};       // levels (0 = full resolution) with self-attention
   int64_t groups = 8;                          // GroupNorm groups
-  // DiT
+  // DiT (router-dit uses these too; router-conv uses patch and the U-Net keys)
   int64_t patch = 4;
   int64_t width = 128;
   int64_t depth = 4;

@@ -163,6 +163,7 @@ Batch BatchLoader::next() {
   Batch b;
   b.x = to_unit_range(x);                        // float [B, C, H, W] in [-1, 1]
   b.y = data_.labels.index_select(0, idx);       // int64 [B]
+  if (data_.clusters.defined()) b.k = data_.clusters.index_select(0, idx);  // int64 [B]
   return b;
 }
 

@@ -56,6 +56,9 @@ torch::Tensor training_target(const NoisePath& path, Prediction pred, const torc
 Denoiser::Denoiser(Net net, NoisePath path, Prediction pred, int64_t num_classes)
     : net_(std::move(net)), path_(path), pred_(pred), num_classes_(num_classes) {}
 
+Denoiser::Denoiser(EstimateFn fn, NoisePath path, int64_t num_classes)
+    : fn_(std::move(fn)), path_(path), pred_(Prediction::kVelocity), num_classes_(num_classes) {}
+
 torch::Tensor Denoiser::raw(const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& y, double w) const {
   ++nfe_;
   const int64_t b = x.size(0);
@@ -70,6 +73,10 @@ torch::Tensor Denoiser::raw(const torch::Tensor& x, const torch::Tensor& t, cons
 
 Denoiser::Estimate Denoiser::estimate(const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& y,
                                       double w) const {
+  if (fn_) {
+    ++nfe_;
+    return fn_(x, t, y, w);
+  }
   auto f = raw(x, t, y, w);               // [B,C,H,W]
   auto sc = scalings(path_, pred_, t);    // each [B,1,1,1]
   return {sc.c_skip * x + sc.c_out * f,   // x0_hat [B,C,H,W]

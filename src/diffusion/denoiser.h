@@ -32,13 +32,18 @@ torch::Tensor training_target(const NoisePath& path, Prediction pred, const torc
 
 class Denoiser {
  public:
-  // num_classes: the null class index used for the unconditional branch (0 = unconditional model).
-  Denoiser(Net net, NoisePath path, Prediction pred, int64_t num_classes);
-
   struct Estimate {
     torch::Tensor x0;   // [B, C, H, W]
     torch::Tensor eps;  // [B, C, H, W]
   };
+  // Any estimator of (x0_hat, eps_hat) at (x, t, y, guidance w) on `path`, e.g. a routed ensemble.
+  using EstimateFn = std::function<Estimate(const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& y,
+                                            double w)>;
+
+  // num_classes: the null class index used for the unconditional branch (0 = unconditional model).
+  Denoiser(Net net, NoisePath path, Prediction pred, int64_t num_classes);
+  // A denoiser defined by an estimator on `path` (the samplers then integrate on that path).
+  Denoiser(EstimateFn fn, NoisePath path, int64_t num_classes);
   // x [B,C,H,W] at times t [B]; y int64 [B]; guidance scale w (1 = conditional only, 0 =
   // unconditional only). Counts one network evaluation (NFE) per call, whatever the batch.
   Estimate estimate(const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& y, double w) const;
@@ -53,6 +58,7 @@ class Denoiser {
  private:
   torch::Tensor raw(const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& y, double w) const;
   Net net_;
+  EstimateFn fn_;
   NoisePath path_;
   Prediction pred_;
   int64_t num_classes_;

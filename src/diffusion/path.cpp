@@ -99,6 +99,35 @@ torch::Tensor NoisePath::dsigma(const torch::Tensor& t) const {
   return -alpha(t) * dalpha(t) / sigma(t);
 }
 
+PathMatch match_path(const NoisePath& from, const torch::Tensor& t, const NoisePath& to) {
+  if (from.kind() == to.kind()) return {t, torch::ones_like(t)};
+  const auto tc = t.to(torch::kDouble).contiguous();
+  auto t_to = torch::empty_like(tc), scale = torch::empty_like(tc);
+  const double* ti = tc.data_ptr<double>();
+  double* out_t = t_to.data_ptr<double>();
+  double* out_s = scale.data_ptr<double>();
+  for (int64_t i = 0; i < tc.numel(); ++i) {
+    const double a = from.alpha(ti[i]), s = from.sigma(ti[i]);
+    // Bisection on the log signal-to-noise ratio, which falls with t on every path.
+    double lo = 0.0, hi = 1.0;
+    if (a <= 0) {
+      lo = 1.0;
+    } else if (s <= 0) {
+      hi = 0.0;
+    } else {
+      const double target = std::log(a / s);
+      for (int k = 0; k < 60; ++k) {
+        const double mid = 0.5 * (lo + hi);
+        (std::log(to.alpha(mid) / to.sigma(mid)) > target ? lo : hi) = mid;
+      }
+    }
+    out_t[i] = 0.5 * (lo + hi);
+    const double at = to.alpha(out_t[i]), st = to.sigma(out_t[i]);
+    out_s[i] = std::sqrt(at * at + st * st) / std::sqrt(a * a + s * s);
+  }
+  return {t_to.to(t.scalar_type()), scale.to(t.scalar_type())};
+}
+
 NoisePath make_path(const DiffusionConfig& cfg) {
   if (cfg.objective == "flow") return NoisePath(PathKind::kFlow);
   if (cfg.schedule == "linear") return NoisePath(PathKind::kVpLinear);

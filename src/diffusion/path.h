@@ -38,6 +38,17 @@ class NoisePath {
   double tau_ = 1.0;  // cosine time scaling
 };
 
+// The same noisy sample on another path. Two paths meet wherever their signal-to-noise ratios
+// alpha / sigma agree, so x_t on `from` equals scale * x_t on `to` at the time t_to of equal ratio,
+// with scale = alpha_to(t_to) / alpha_from(t) (computed as the ratio of sqrt(alpha^2 + sigma^2),
+// which is the same where the ratios agree and defined at t = 1 of the flow path). A VP path has no
+// time of zero signal: beyond its noisiest point t_to is clamped to 1 (an approximation whose
+// error is that path's own alpha(1), about 0.007). t [B] -> t_to [B], scale [B].
+struct PathMatch {
+  torch::Tensor t, scale;
+};
+PathMatch match_path(const NoisePath& from, const torch::Tensor& t, const NoisePath& to);
+
 // objective flow -> flow path; eps / v -> VP path with diffusion.schedule.
 NoisePath make_path(const DiffusionConfig& cfg);
 

@@ -14,7 +14,6 @@ namespace ddm {
 namespace nn = torch::nn;
 
 namespace {
-constexpr int64_t kTimeFreqDim = 256;  // sinusoidal features fed to the time MLP (as in DiT)
 
 bool ends_with(const std::string& s, const std::string& suffix) {
   return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
@@ -52,10 +51,14 @@ DiTImpl::DiTImpl(const ModelConfig& cfg) : cfg_(cfg) {
     blocks_.push_back(register_module("block" + std::to_string(i), DiTBlock(W, cfg.heads, cfg.mlp_ratio)));
   final_ = register_module("final", DiTFinalLayer(W, p * p * cfg.in_channels));
 
+  init_dit_weights(*this);
+}
+
+void init_dit_weights(nn::Module& root) {
   // DiT's initialization: Xavier-uniform linears with zero bias, N(0, 0.02) for the time MLP and
   // the label table; the adaLN modulations and the output linear stay zero (adaLN-Zero).
   torch::NoGradGuard ng;
-  for (auto& item : named_modules(/*name_prefix=*/"", /*include_self=*/false)) {
+  for (auto& item : root.named_modules(/*name_prefix=*/"", /*include_self=*/false)) {
     const std::string& name = item.key();
     if (auto* lin = item.value()->as<nn::Linear>()) {
       if (ends_with(name, ".ada") || name == "final.linear") continue;

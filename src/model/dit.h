@@ -34,6 +34,13 @@ class DiTImpl : public NetImpl {
   DiTFinalLayer final_{nullptr};
 };
 
+// Sinusoidal features fed to the DiT time MLP (as in DiT).
+constexpr int64_t kTimeFreqDim = 256;
+
+// DiT's initialization of every submodule of root: Xavier-uniform linears with zero bias, N(0, 0.02)
+// for linears under "time." and for embedding tables; linears named "*.ada" and "final.linear" are
+// left alone (zero-initialized by their constructors: adaLN-Zero).
+void init_dit_weights(torch::nn::Module& root);
 // Throws ddm::Error naming model.KEY if cfg is not a valid DiT configuration.
 void validate_dit(const ModelConfig& cfg);
 // Analytic forward FLOPs per image of the DiT described by cfg (see flops.h for the rule).

@@ -5,6 +5,7 @@
 
 #include "core/error.h"
 #include "model/dit.h"
+#include "model/router.h"
 #include "model/unet.h"
 
 namespace ddm {
@@ -14,8 +15,8 @@ namespace {
 // Checks the fields every architecture needs; the arch-specific ones are checked by
 // validate_unet / validate_dit.
 void validate_common(const ModelConfig& cfg) {
-  DDM_CHECK(cfg.arch == "unet" || cfg.arch == "dit",
-            "model.arch = '" << cfg.arch << "' is not a known architecture; use unet or dit");
+  DDM_CHECK(cfg.arch == "unet" || cfg.arch == "dit" || is_router_arch(cfg.arch),
+            "model.arch = '" << cfg.arch << "' is not a known architecture; use unet, dit, router-dit or router-conv");
   DDM_CHECK(cfg.in_channels > 0, "model.in_channels must be > 0 (it is normally taken from the data), got "
                                      << cfg.in_channels);
   DDM_CHECK(cfg.image_size > 0, "model.image_size must be > 0 (it is normally taken from the data), got "
@@ -29,6 +30,8 @@ void validate_common(const ModelConfig& cfg) {
 Net make_net(const ModelConfig& cfg) {
   validate_common(cfg);
   if (cfg.arch == "unet") return std::make_shared<UNetImpl>(cfg);
+  if (cfg.arch == "router-dit") return std::make_shared<RouterDiTImpl>(cfg);
+  if (cfg.arch == "router-conv") return std::make_shared<RouterConvImpl>(cfg);
   return std::make_shared<DiTImpl>(cfg);
 }
 
@@ -41,6 +44,7 @@ int64_t count_params(const torch::nn::Module& m) {
 
 double forward_flops_per_image(const ModelConfig& cfg) {
   validate_common(cfg);
+  if (is_router_arch(cfg.arch)) return router_forward_flops(cfg);
   return cfg.arch == "unet" ? unet_forward_flops(cfg) : dit_forward_flops(cfg);
 }
 

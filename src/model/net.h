@@ -15,12 +15,13 @@ namespace ddm {
 class NetImpl : public torch::nn::Module {
  public:
   // x: float [B, C, H, W]; t: float [B] in [0, 1]; y: int64 [B], where y == num_classes is the
-  // null class (unconditional; used for classifier-free guidance). Returns float [B, C, H, W].
+  // null class (unconditional; used for classifier-free guidance). Returns float [B, C, H, W]
+  // (routers, model/router.h: logits [B, num_experts]).
   virtual torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& y) = 0;
 };
 using Net = std::shared_ptr<NetImpl>;
 
-// Builds the network described by cfg (arch unet | dit). cfg.in_channels, image_size and
+// Builds the network described by cfg (arch unet | dit | router-dit | router-conv). cfg.in_channels, image_size and
 // num_classes must already be resolved (> 0, > 0, >= 0). Throws ddm::Error on invalid shapes
 // (e.g. image_size not divisible by the DiT patch or by the U-Net's downsampling).
 Net make_net(const ModelConfig& cfg);

@@ -59,6 +59,25 @@ const std::vector<std::pair<std::string, PresetFn>>& presets() {
          m.heads = 6;
          m.mlp_ratio = 4.0;
        }},
+      // Routers: a few percent of an expert's FLOPs, so routed sampling costs about one expert.
+      {"router-dit-tiny",
+       [](ModelConfig& m) {
+         m.arch = "router-dit";
+         m.patch = 7;
+         m.width = 64;
+         m.depth = 3;
+         m.heads = 4;
+         m.mlp_ratio = 4.0;
+       }},
+      {"router-conv-tiny",
+       [](ModelConfig& m) {
+         m.arch = "router-conv";
+         m.patch = 2;
+         m.channels = 16;
+         m.channel_mult = {1, 2};
+         m.res_blocks = 1;
+         m.groups = 8;
+       }},
   };
   return table;
 }
@@ -80,6 +99,7 @@ void apply_preset(const std::string& name, ModelConfig& cfg) {
     m.in_channels = cfg.in_channels;
     m.image_size = cfg.image_size;
     m.num_classes = cfg.num_classes;
+    m.num_experts = cfg.num_experts;
     p.second(m);
     cfg = m;
     return;

@@ -4,7 +4,9 @@
 #include <cmath>
 
 #include "core/rng.h"
+#include "core/error.h"
 #include "diffusion/path.h"
+#include "model/router.h"
 
 namespace ddm {
 
@@ -23,7 +25,8 @@ DiffusionStep::DiffusionStep(const RunConfig& cfg, Net net)
       net_(std::move(net)),
       optim_(*net_, {cfg.train.beta1, cfg.train.beta2, cfg.train.adam_eps, cfg.train.weight_decay}),
       path_(make_path(cfg.diffusion)),
-      pred_(prediction_for(cfg.diffusion)) {}
+      pred_(prediction_for(cfg.diffusion)),
+      router_(is_router_arch(cfg.model.arch)) {}
 
 StepResult DiffusionStep::run(const Batch& batch, int64_t step) {
   const TrainConfig& tc = cfg_.train;
@@ -42,13 +45,18 @@ StepResult DiffusionStep::run(const Batch& batch, int64_t step) {
     y = torch::where(drop, torch::full_like(y, num_classes), y);
   }
   auto xt = path_.alpha(t).view({-1, 1, 1, 1}) * batch.x + path_.sigma(t).view({-1, 1, 1, 1}) * eps;  // [B,C,H,W]
-  auto target = training_target(path_, pred_, batch.x, eps, t);                                      // [B,C,H,W]
 
   StepResult r;
   r.lr = lr_at(tc, step);
   optim_.zero_grad();
-  auto out = net_->forward(xt, t, y);         // [B,C,H,W]
-  auto loss = torch::mse_loss(out, target);  // []
+  auto out = net_->forward(xt, t, y);  // [B,C,H,W], or a router's logits [B,K]
+  torch::Tensor loss;                  // []
+  if (router_) {
+    DDM_CHECK(batch.k.defined(), "router training needs the batch's clusters (Dataset::clusters)");
+    loss = torch::nn::functional::cross_entropy(out, batch.k);
+  } else {
+    loss = torch::mse_loss(out, training_target(path_, pred_, batch.x, eps, t));
+  }
   r.loss = loss.item<double>();
   if (!std::isfinite(r.loss)) {
     r.finite = false;

@@ -1,6 +1,9 @@
 // One optimization step of diffusion training — noise, times, label dropout, forward, loss,
 // backward, clipping, AdamW, EMA — shared by the trainer and the training benchmark so that the
 // benchmark measures exactly what training runs. All randomness comes from (seed, step).
+// A router (model/router.h) trains through the same step: the same noisy x_t, times and label
+// dropout as the experts, but the loss is the cross-entropy of its logits against the batch's
+// clusters (Batch::k).
 #pragma once
 #include <cstdint>
 
@@ -36,6 +39,7 @@ class DiffusionStep {
   FlatAdamW optim_;
   NoisePath path_;
   Prediction pred_;
+  bool router_;
 };
 
 }  // namespace ddm

@@ -16,6 +16,7 @@
 #include "core/rng.h"
 #include "decentral/partition.h"
 #include "diffusion/path.h"
+#include "model/router.h"
 #include "train/checkpoint.h"
 #include "train/optimizer.h"
 #include "train/progress.h"
@@ -68,7 +69,8 @@ void prepare_run_dir(const TrainOptions& opt, const RunConfig& cfg) {
     DDM_CHECK(opt.force, "'" << opt.out_dir << "' already holds a run (" << cfg_path.string()
                              << "); use --resume to continue it, --force to overwrite it, or another --out");
     std::error_code ec;
-    for (const char* name : {"ckpt", "metrics.jsonl", "config.toml", "samples.png", "train.log", "expert.json"})
+    for (const char* name :
+         {"ckpt", "metrics.jsonl", "config.toml", "samples.png", "train.log", "expert.json", "router.json"})
       fs::remove_all(dir / name, ec);
   } else if (fs::exists(dir) && !fs::is_empty(dir) && !opt.force) {
     DDM_FAIL("'" << opt.out_dir << "' is not empty and holds no ddm run; use another --out or --force");
@@ -102,18 +104,48 @@ std::string select_expert_data(RunConfig& cfg, Dataset& data, const Partition& p
   return line.str() + "\n";
 }
 
-// expert.json records the partition file's hash; a resumed expert must see the same partition.
-void check_expert_record(const TrainOptions& opt, const RunConfig& cfg, const Partition& p) {
+// A router trains on every cluster: checks the partition, fills model.num_experts, attaches each
+// image's cluster and withholds the last data.holdout images. Returns a line for the run header.
+std::string select_router_data(RunConfig& cfg, Dataset& data, const Partition& p) {
+  check_partition_matches(p, data);
+  ModelConfig& m = cfg.model;
+  DDM_CHECK(m.num_experts == 0 || m.num_experts == p.k, "model.num_experts = " << m.num_experts << " but the partition "
+                                                        << p.origin << " has K = " << p.k << "; remove the key");
+  m.num_experts = p.k;
+  data.clusters = p.labels;
+  const int64_t n = data.images.size(0), h = cfg.data.holdout;
+  DDM_CHECK(h < n, "data.holdout = " << h << " leaves no training images (the data has " << n << ")");
+  if (h > 0) {
+    data.images = data.images.narrow(0, 0, n - h);
+    data.labels = data.labels.narrow(0, 0, n - h);
+    data.clusters = data.clusters.narrow(0, 0, n - h);
+  }
+  std::ostringstream line;
+  line << "router: " << p.k << " clusters of " << p.origin << "; trains on " << n - h << " images, the last " << h
+       << " held out\n";
+  return line.str();
+}
+
+// expert.json (router.json for a router) records the partition file's hash; a resumed run must see
+// the same partition.
+void check_partition_record(const TrainOptions& opt, const RunConfig& cfg, const Partition& p) {
   const std::string sha = sha256_file(p.origin);
-  const fs::path record = fs::path(opt.out_dir) / "expert.json";
+  const bool router = is_router_arch(cfg.model.arch);
+  const fs::path record = fs::path(opt.out_dir) / (router ? "router.json" : "expert.json");
   if (opt.resume && fs::exists(record)) {
     const auto stored = nlohmann::json::parse(read_file(record.string()));
     DDM_CHECK(stored.at("partition_sha256") == sha,
-              "--resume: the partition " << p.origin << " changed since this expert started (sha256 "
+              "--resume: the partition " << p.origin << " changed since this run started (sha256 "
                                          << stored.at("partition_sha256").get<std::string>().substr(0, 12) << ", now "
                                          << sha.substr(0, 12)
-                                         << "); an expert must finish on the partition it started with. Restore "
+                                         << "); an expert or router must finish on the partition it started with. Restore "
                                             "it, or start over with --force");
+    return;
+  }
+  if (router) {
+    const nlohmann::json j = {{"partition", p.origin}, {"partition_sha256", sha}, {"k", p.k},
+                              {"holdout", cfg.data.holdout}};
+    write_file_atomic(record.string(), j.dump(2) + "\n");
     return;
   }
   const nlohmann::json j = {{"partition", p.origin},           {"partition_sha256", sha},
@@ -158,18 +190,18 @@ TrainSummary train(RunConfig cfg, const TrainOptions& opt) {
   resolve_data_shape(cfg, data);
   DDM_CHECK(data.images.size(0) > 0, "the dataset " << data.description << " is empty");
 
-  const std::string config_text = to_toml(cfg);
-  const RunConfig stored_cfg = cfg;  // an expert's config keeps the global budget; it runs on its share
+  const bool router = is_router_arch(cfg.model.arch);
   std::string expert_line;
   Partition partition;
-  if (!cfg.data.partition.empty()) {
-    partition = load_partition(cfg.data.partition);
-    expert_line = select_expert_data(cfg, data, partition);
-  }
+  if (!cfg.data.partition.empty()) partition = load_partition(cfg.data.partition);
+  if (router) expert_line = select_router_data(cfg, data, partition);
+  const std::string config_text = to_toml(cfg);
+  const RunConfig stored_cfg = cfg;  // an expert's config keeps the global budget; it runs on its share
+  if (!cfg.data.partition.empty() && !router) expert_line = select_expert_data(cfg, data, partition);
   prepare_run_dir(opt, stored_cfg);
   const fs::path dir(opt.out_dir);
   write_file_atomic((dir / "config.toml").string(), config_text);
-  if (!cfg.data.partition.empty()) check_expert_record(opt, cfg, partition);
+  if (!cfg.data.partition.empty()) check_partition_record(opt, cfg, partition);
 
   const uint64_t seed = static_cast<uint64_t>(tc.seed);
   torch::manual_seed(derive_seed({seed, static_cast<uint64_t>(RngPurpose::kInit)}));
@@ -300,6 +332,8 @@ LoadedModel load_model(const std::string& path, bool use_ema) {
 }
 
 Denoiser make_denoiser(const LoadedModel& m) {
+  DDM_CHECK(!is_router_arch(m.cfg.model.arch), m.checkpoint << " holds a router (" << m.cfg.model.arch
+                                                << "), not a diffusion model; sample an ensemble with --ensemble DIR");
   return Denoiser(m.net, make_path(m.cfg.diffusion), prediction_for(m.cfg.diffusion), m.cfg.model.num_classes);
 }
 

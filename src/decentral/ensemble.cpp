@@ -1,0 +1,200 @@
+// Routed expert ensemble (see ensemble.h).
+#include "decentral/ensemble.h"
+
+#include <cstdio>
+#include <sstream>
+
+#include <torch/torch.h>
+
+#include "core/error.h"
+#include "core/rng.h"
+#include "diffusion/path.h"
+
+namespace ddm {
+
+namespace {
+torch::Tensor col(const torch::Tensor& v) { return v.view({-1, 1, 1, 1}); }
+
+const char* kRoutingForms = "top1, topk:K (e.g. topk:2), full, threshold:P (e.g. threshold:0.05), sample, oracle";
+
+double parse_number(const std::string& spec, const std::string& text) {
+  try {
+    size_t used = 0;
+    const double v = std::stod(text, &used);
+    if (used == text.size()) return v;
+  } catch (const std::exception&) {
+  }
+  DDM_FAIL("--routing " << spec << ": '" << text << "' is not a number; the forms are " << kRoutingForms);
+}
+}  // namespace
+
+Routing parse_routing(const std::string& spec) {
+  Routing r;
+  r.spec = spec;
+  const size_t colon = spec.find(':');
+  const std::string name = spec.substr(0, colon), arg = colon == std::string::npos ? "" : spec.substr(colon + 1);
+  const bool has_arg = colon != std::string::npos;
+  if (name == "top1" && !has_arg) {
+    r.kind = Routing::Kind::kTop1;
+  } else if (name == "full" && !has_arg) {
+    r.kind = Routing::Kind::kFull;
+  } else if (name == "sample" && !has_arg) {
+    r.kind = Routing::Kind::kSample;
+  } else if (name == "oracle" && !has_arg) {
+    r.oracle = true;
+  } else if (name == "topk" && has_arg) {
+    const double k = parse_number(spec, arg);
+    DDM_CHECK(k >= 1 && k == static_cast<double>(static_cast<int64_t>(k)),
+              "--routing " << spec << ": K must be a whole number >= 1");
+    r.kind = Routing::Kind::kTopK;
+    r.k = static_cast<int64_t>(k);
+  } else if (name == "threshold" && has_arg) {
+    r.threshold = parse_number(spec, arg);
+    DDM_CHECK(r.threshold >= 0 && r.threshold < 1, "--routing " << spec << ": P must be in [0, 1)");
+    r.kind = Routing::Kind::kThreshold;
+  } else {
+    DDM_FAIL("--routing " << spec << " is not a routing strategy; the forms are " << kRoutingForms);
+  }
+  return r;
+}
+
+torch::Tensor routing_weights(const torch::Tensor& probs, const Routing& r, at::Generator& gen) {
+  const int64_t K = probs.size(1);
+  auto one_hot = [&](const torch::Tensor& idx) {  // idx int64 [B] -> [B, K]
+    return torch::zeros_like(probs).scatter_(1, idx.unsqueeze(1), 1.0);
+  };
+  auto renormalize = [](const torch::Tensor& w) { return w / w.sum(1, true); };
+  switch (r.kind) {
+    case Routing::Kind::kTop1: return one_hot(probs.argmax(1));
+    case Routing::Kind::kFull: return renormalize(probs);
+    case Routing::Kind::kSample: return one_hot(torch::multinomial(probs, 1, false, gen).squeeze(1));
+    case Routing::Kind::kTopK: {
+      auto top = probs.topk(std::min(r.k, K), 1);  // values, indices [B, k]
+      return renormalize(torch::zeros_like(probs).scatter_(1, std::get<1>(top), std::get<0>(top)));
+    }
+    case Routing::Kind::kThreshold: {
+      auto kept = torch::where(probs > r.threshold, probs, torch::zeros_like(probs));  // [B, K]
+      auto none = kept.sum(1, true).eq(0);                                             // [B, 1]
+      return renormalize(torch::where(none, one_hot(probs.argmax(1)), kept));
+    }
+  }
+  DDM_FAIL("unknown routing strategy");
+}
+
+RouterFn net_router(Net router, NoisePath router_path, NoisePath sampling_path) {
+  return [router, router_path, sampling_path](const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& y) {
+    const PathMatch m = match_path(sampling_path, t, router_path);
+    return torch::softmax(router->forward(x * col(m.scale), m.t, y), 1);  // [B, K]
+  };
+}
+
+RouterFn oracle_router(const Dataset& data, const torch::Tensor& clusters, int64_t k, NoisePath sampling_path) {
+  const int64_t n = data.images.size(0);
+  DDM_CHECK(clusters.size(0) == n, "oracle router: " << clusters.size(0) << " cluster labels for " << n << " images");
+  const auto x0 = to_unit_range(data.images).reshape({n, -1});  // [N, D]
+  const auto sq = x0.pow(2).sum(1);                               // [N]
+  const auto member = torch::one_hot(clusters, k).to(torch::kFloat32);  // [N, K]
+  const auto labels = data.labels;
+  const int64_t classes = data.num_classes;
+  return [=](const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& y) {
+    const int64_t b = x.size(0);
+    auto a = sampling_path.alpha(t).view({-1, 1}), s = sampling_path.sigma(t).view({-1, 1});  // [B, 1]
+    // log N(x; a x0_i, s^2 I) up to terms constant in i: (a x.x0_i - a^2 |x0_i|^2 / 2) / s^2.
+    auto logits = (a * torch::mm(x.reshape({b, -1}), x0.t()) - 0.5 * a * a * sq.unsqueeze(0)) / (s * s);  // [B, N]
+    if (classes > 0) {  // condition on the class unless the label is null
+      auto other = labels.unsqueeze(0).ne(y.unsqueeze(1)) & y.lt(classes).unsqueeze(1);  // [B, N]
+      logits = logits.masked_fill(other, -std::numeric_limits<float>::infinity());
+    }
+    auto w = torch::exp(logits - std::get<0>(logits.max(1, true)));  // [B, N]
+    auto p = torch::mm(w, member);                                     // [B, K]
+    return p / p.sum(1, true);
+  };
+}
+
+Ensemble::Ensemble(std::vector<std::optional<Denoiser>> experts, std::vector<double> expert_flops, RouterFn router,
+                   double router_flops, NoisePath sampling_path, int64_t num_classes, Routing routing, uint64_t seed)
+    : experts_(std::move(experts)),
+      expert_flops_(std::move(expert_flops)),
+      router_(std::move(router)),
+      router_flops_(router_flops),
+      path_(sampling_path),
+      num_classes_(num_classes),
+      routing_(std::move(routing)),
+      seed_(seed) {
+  const int64_t K = k();
+  DDM_CHECK(K >= 1 && static_cast<int64_t>(expert_flops_.size()) == K, "ensemble: one FLOP count per expert");
+  present_ = torch::zeros({K});
+  for (int64_t e = 0; e < K; ++e)
+    if (experts_[e]) present_[e] = 1.0;
+  DDM_CHECK(present_.sum().item<double>() > 0, "ensemble: no expert is present");
+  reset_usage();
+}
+
+void Ensemble::reset_usage() {
+  usage_ = EnsembleUsage();
+  usage_.expert_evals.assign(experts_.size(), 0);
+}
+
+Denoiser::Estimate Ensemble::estimate(const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& y,
+                                      double w) const {
+  const int64_t b = x.size(0);
+  // The router sees the class label, or the null label when the whole sample is unconditional.
+  auto y_route = num_classes_ == 0 ? torch::zeros({b}, torch::kLong)
+                                   : (w == 0.0 ? torch::full({b}, num_classes_, torch::kLong) : y);
+  auto probs = router_(x, t, y_route).to(torch::kFloat32) * present_.unsqueeze(0);  // [B, K]
+  auto mass = probs.sum(1, true);                                                  // [B, 1]
+  probs = torch::where(mass > 0, probs / mass.clamp_min(1e-30), present_.unsqueeze(0).expand_as(probs) / present_.sum());
+  auto gen = make_generator(
+      derive_seed({seed_, static_cast<uint64_t>(RngPurpose::kSample), 0x0e7e11ULL, static_cast<uint64_t>(usage_.calls)}));
+  const auto weights = routing_weights(probs, routing_, gen);  // [B, K]
+  const int branches = num_classes_ > 0 && w != 0.0 && w != 1.0 ? 2 : 1;
+
+  Denoiser::Estimate out{torch::zeros_like(x), torch::zeros_like(x)};
+  for (int64_t e = 0; e < k(); ++e) {
+    auto idx = weights.select(1, e).gt(0).nonzero().flatten();  // [B_e]
+    if (idx.numel() == 0) continue;
+    const Denoiser& den = *experts_[e];  // weights are 0 for missing experts
+    auto te = t.index_select(0, idx);
+    const PathMatch m = match_path(path_, te, den.path());
+    auto est = den.estimate(x.index_select(0, idx) * col(m.scale), m.t, y.index_select(0, idx), w);  // [B_e,C,H,W]
+    auto we = col(weights.index_select(0, idx).select(1, e));                                       // [B_e,1,1,1]
+    out.x0.index_add_(0, idx, we * est.x0);
+    out.eps.index_add_(0, idx, we * est.eps);
+    usage_.expert_evals[e] += idx.numel();
+    usage_.expert_flops += static_cast<double>(idx.numel()) * branches * expert_flops_[e];
+  }
+  usage_.calls += 1;
+  usage_.sample_evals += b;
+  usage_.router_flops += static_cast<double>(b) * router_flops_;
+  return out;
+}
+
+Denoiser Ensemble::denoiser() const {
+  return Denoiser([this](const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& y,
+                         double w) { return estimate(x, t, y, w); },
+                  path_, num_classes_);
+}
+
+std::string Ensemble::usage_report(int64_t n_images) const {
+  std::ostringstream s;
+  const double evals = static_cast<double>(std::max<int64_t>(1, usage_.sample_evals));
+  s << "expert usage (share of sample-steps):";
+  int64_t total = 0;
+  for (size_t e = 0; e < usage_.expert_evals.size(); ++e) {
+    char buf[48];
+    std::snprintf(buf, sizeof buf, " %zu: %.1f%%", e, 100.0 * usage_.expert_evals[e] / evals);
+    s << buf << (experts_[e] ? "" : " (missing)");
+    total += usage_.expert_evals[e];
+  }
+  const double n = static_cast<double>(std::max<int64_t>(1, n_images));
+  char buf[200];
+  std::snprintf(buf, sizeof buf,
+                "\nexperts per sample-step %.2f; forward GFLOP per image %.3f (experts %.3f + router %.3f, %.1f%%)\n",
+                total / evals, (usage_.expert_flops + usage_.router_flops) / n / 1e9, usage_.expert_flops / n / 1e9,
+                usage_.router_flops / n / 1e9,
+                100.0 * usage_.router_flops / std::max(1.0, usage_.expert_flops + usage_.router_flops));
+  s << buf;
+  return s.str();
+}
+
+}  // namespace ddm

@@ -1,0 +1,96 @@
+// The routed expert ensemble of decentralized diffusion (docs/decentralized.md, "Routed sampling").
+// At every solver step and for every sample, router probabilities p(k | x_t, t, y) become mixture
+// weights by a routing strategy; the samples are grouped by expert and each expert runs once on its
+// group; the experts' data and noise estimates (x0_hat, eps_hat), which do not depend on the path or
+// the parameterization an expert was trained with, are combined with those weights. So flow, eps
+// and v experts mix, and the ensemble is a Denoiser that every sampler accepts.
+//
+// Classifier-free guidance: each chosen expert applies the guidance itself, conditional and
+// unconditional branch in one batch, and the router is queried once with the class label (the null
+// label when the whole sample is unconditional, w = 0). So both branches of a sample use the same
+// expert, the guidance direction cond - uncond is taken within one expert's model, and routing costs
+// one router pass per step whatever the guidance.
+#pragma once
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <torch/types.h>
+
+#include "data/dataset.h"
+#include "diffusion/denoiser.h"
+
+namespace ddm {
+
+struct Partition;
+
+struct Routing {
+  enum class Kind { kTop1, kTopK, kFull, kThreshold, kSample };
+  Kind kind = Kind::kTop1;
+  int64_t k = 1;          // topk: experts per sample
+  double threshold = 0;   // threshold: keep experts with p > threshold (top-1 if none)
+  bool oracle = false;    // probabilities from the exact posterior over the training data (top-1)
+  std::string spec = "top1";
+};
+// top1 | topk:K | full | threshold:P | sample | oracle. Throws ddm::Error listing the forms.
+Routing parse_routing(const std::string& spec);
+
+// Mixture weights [B, K] (each row sums to 1) from probabilities [B, K]: top-1 one-hot, top-k
+// renormalized, the full distribution, the experts above a threshold renormalized, or one expert
+// drawn from p (`gen`, kSample only).
+torch::Tensor routing_weights(const torch::Tensor& probs, const Routing& r, at::Generator& gen);
+
+// Router probabilities [B, K] at (x, t) on the sampling path with labels y [B] (null = num_classes).
+using RouterFn = std::function<torch::Tensor(const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& y)>;
+
+// A trained router net (logits) as a RouterFn: converts x_t from the sampling path to the path the
+// router was trained on, then softmax.
+RouterFn net_router(Net router, NoisePath router_path, NoisePath sampling_path);
+
+// The Bayes-optimal router of the training data itself: the exact posterior p(k | x_t, t, y) when
+// x0 is drawn uniformly from the images of class y (all images for the null label) and x_t =
+// alpha x0 + sigma eps: softmax over images of -|x_t - alpha x0_i|^2 / (2 sigma^2), summed per
+// cluster. Costs one [B, N] x [N, D] product per call (N images of D pixels).
+RouterFn oracle_router(const Dataset& data, const torch::Tensor& clusters, int64_t k, NoisePath sampling_path);
+
+struct EnsembleUsage {
+  int64_t calls = 0;                  // estimate() calls (solver evaluations, summed over batches)
+  int64_t sample_evals = 0;           // samples x calls
+  std::vector<int64_t> expert_evals;  // per expert: samples it was evaluated on, summed over calls
+  double router_flops = 0, expert_flops = 0;  // forward FLOPs spent, in total
+};
+
+class Ensemble {
+ public:
+  // experts[k]: expert k's denoiser, or nullopt when missing (its probability is set to 0 and the
+  // rest renormalized); expert_flops[k]: its forward FLOPs per image; router_flops: per image.
+  Ensemble(std::vector<std::optional<Denoiser>> experts, std::vector<double> expert_flops, RouterFn router,
+           double router_flops, NoisePath sampling_path, int64_t num_classes, Routing routing, uint64_t seed);
+
+  // The routed, grouped estimate (see the file comment). x [B,C,H,W], t [B], y [B], guidance w.
+  Denoiser::Estimate estimate(const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& y, double w) const;
+  // A Denoiser over this ensemble (which must outlive it).
+  Denoiser denoiser() const;
+
+  int64_t k() const { return static_cast<int64_t>(experts_.size()); }
+  const EnsembleUsage& usage() const { return usage_; }
+  void reset_usage();
+  // "expert usage: 0 24.9% | 1 25.3% ..." and FLOPs per image (router share) for n images.
+  std::string usage_report(int64_t n_images) const;
+
+ private:
+  std::vector<std::optional<Denoiser>> experts_;
+  std::vector<double> expert_flops_;
+  RouterFn router_;
+  double router_flops_;
+  NoisePath path_;
+  int64_t num_classes_;
+  Routing routing_;
+  uint64_t seed_;
+  torch::Tensor present_;  // float [K]: 1 where the expert exists
+  mutable EnsembleUsage usage_;
+};
+
+}  // namespace ddm

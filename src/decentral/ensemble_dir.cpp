@@ -1,0 +1,206 @@
+// Assembling, verifying and loading ensemble directories (see ensemble_dir.h).
+#include "decentral/ensemble_dir.h"
+
+#include <filesystem>
+#include <sstream>
+
+#include "core/error.h"
+#include "core/fileio.h"
+#include "core/version.h"
+#include "data/dataset.h"
+#include "decentral/partition.h"
+#include "diffusion/path.h"
+#include "model/net.h"
+#include "model/router.h"
+#include "train/checkpoint.h"
+
+namespace fs = std::filesystem;
+
+namespace ddm {
+
+namespace {
+
+// Relative to dir when inside it, else absolute.
+std::string stored_path(const fs::path& dir, const std::string& p) {
+  const fs::path abs = fs::weakly_canonical(fs::absolute(p)), base = fs::weakly_canonical(fs::absolute(dir));
+  const fs::path rel = abs.lexically_relative(base);
+  if (!rel.empty() && *rel.begin() != "..") return rel.string();
+  return abs.string();
+}
+
+std::string resolved_path(const std::string& dir, const std::string& p) {
+  return fs::path(p).is_absolute() ? p : (fs::path(dir) / p).string();
+}
+
+nlohmann::json weights_hashes(const std::string& ckpt) {
+  return {{"model", sha256_file(ckpt + "/model.safetensors")}, {"ema", sha256_file(ckpt + "/ema.safetensors")}};
+}
+
+nlohmann::json read_record(const std::string& run, const char* name, const std::string& what) {
+  const fs::path p = fs::path(run) / name;
+  DDM_CHECK(fs::exists(p), what << " " << run << " has no " << name << ": it was not trained on a partition ("
+                                << (std::string(name) == "router.json" ? "use ddm train-router" : "use ddm train --partition P --expert k")
+                                << ")");
+  try {
+    return nlohmann::json::parse(read_file(p.string()));
+  } catch (const nlohmann::json::exception& e) {
+    DDM_FAIL(p.string() << " is not valid JSON (" << e.what() << ")");
+  }
+}
+
+}  // namespace
+
+nlohmann::json assemble_ensemble(const std::string& dir, const EnsembleSpec& spec, std::vector<std::string>& notes) {
+  parse_routing(spec.routing);  // a bad default fails before any work
+  const Partition p = load_partition(spec.partition);
+  const std::string part_sha = sha256_file(p.origin);
+  DDM_CHECK(static_cast<int64_t>(spec.experts.size()) == p.k,
+            spec.experts.size() << " experts given, but the partition " << spec.partition << " has K = " << p.k
+                                << " clusters: give one expert run per cluster, in order 0.." << p.k - 1);
+  nlohmann::json m = {{"format", kEnsembleFormat},
+                      {"k", p.k},
+                      {"routing", spec.routing},
+                      {"partition", {{"path", stored_path(dir, spec.partition)}, {"sha256", part_sha}}},
+                      {"created_by", std::string("ddm ") + version()}};
+  int64_t channels = -1, size = -1, classes = -1;
+  auto same_shape = [&](const LoadedModel& lm, const std::string& what) {
+    const ModelConfig& mc = lm.cfg.model;
+    if (channels < 0) {
+      channels = mc.in_channels;
+      size = mc.image_size;
+      classes = mc.num_classes;
+    }
+    DDM_CHECK(mc.in_channels == channels && mc.image_size == size && mc.num_classes == classes,
+              what << " works on " << mc.in_channels << "x" << mc.image_size << "x" << mc.image_size << " images with "
+                   << mc.num_classes << " classes, but the first expert on " << channels << "x" << size << "x" << size
+                   << " with " << classes << "; every model of an ensemble must share the data shape");
+  };
+  auto check_partition = [&](const nlohmann::json& rec, const std::string& what) {
+    DDM_CHECK(rec.value("partition_sha256", "") == part_sha,
+              what << " was trained on another partition (" << rec.value("partition", "?") << ", sha256 "
+                   << rec.value("partition_sha256", "?").substr(0, 12) << ") than " << spec.partition << " (sha256 "
+                   << part_sha.substr(0, 12) << ")");
+  };
+  for (int64_t i = 0; i < p.k; ++i) {
+    const std::string& run = spec.experts[i];
+    const std::string what = "expert " + std::to_string(i) + " (" + run + ")";
+    const nlohmann::json rec = read_record(run, "expert.json", what);
+    check_partition(rec, what);
+    DDM_CHECK(rec.value("expert", int64_t{-1}) == i,
+              what << " was trained on cluster " << rec.value("expert", int64_t{-1}) << ", not " << i
+                   << "; list the experts in cluster order");
+    const LoadedModel lm = load_model(run, /*use_ema=*/false);
+    same_shape(lm, what);
+    if (rec.contains("steps") && lm.step < rec["steps"].get<int64_t>())
+      notes.push_back(what + " stopped at step " + std::to_string(lm.step) + " of " +
+                      std::to_string(rec["steps"].get<int64_t>()) + " (finish it with ddm train --resume, then re-assemble)");
+    m["experts"].push_back({{"index", i},
+                            {"path", stored_path(dir, run)},
+                            {"checkpoint", stored_path(dir, lm.checkpoint)},
+                            {"step", lm.step},
+                            {"preset", lm.cfg.model.preset},
+                            {"objective", lm.cfg.diffusion.objective},
+                            {"weights_sha256", weights_hashes(lm.checkpoint)}});
+  }
+  const std::string what = "the router (" + spec.router + ")";
+  const nlohmann::json rec = read_record(spec.router, "router.json", what);
+  check_partition(rec, what);
+  const LoadedModel r = load_model(spec.router, /*use_ema=*/false);
+  DDM_CHECK(is_router_arch(r.cfg.model.arch), what << " is not a router (model.arch = " << r.cfg.model.arch << ")");
+  same_shape(r, what);
+  if (r.step < r.cfg.train.steps)
+    notes.push_back(what + " stopped at step " + std::to_string(r.step) + " of " + std::to_string(r.cfg.train.steps));
+  m["router"] = {{"path", stored_path(dir, spec.router)},
+                 {"checkpoint", stored_path(dir, r.checkpoint)},
+                 {"step", r.step},
+                 {"preset", r.cfg.model.preset},
+                 {"forward_flops", forward_flops_per_image(r.cfg.model)},
+                 {"weights_sha256", weights_hashes(r.checkpoint)}};
+  m["image"] = {{"channels", channels}, {"size", size}, {"num_classes", classes}};
+  fs::create_directories(dir);
+  write_file_atomic((fs::path(dir) / "ensemble.json").string(), m.dump(2) + "\n");
+  return m;
+}
+
+const LoadedModel& LoadedEnsemble::first_expert() const {
+  for (const auto& e : experts)
+    if (e) return *e;
+  DDM_FAIL("the ensemble " << dir << " has no expert");
+}
+
+std::vector<int64_t> LoadedEnsemble::missing() const {
+  std::vector<int64_t> out;
+  for (size_t i = 0; i < experts.size(); ++i)
+    if (!experts[i]) out.push_back(static_cast<int64_t>(i));
+  return out;
+}
+
+LoadedEnsemble load_ensemble(const std::string& dir, bool use_ema, bool allow_missing) {
+  const fs::path manifest = fs::path(dir) / "ensemble.json";
+  DDM_CHECK(fs::exists(manifest), "'" << dir << "' is not an ensemble directory (no ensemble.json); make one with "
+                                  "ddm ensemble --out DIR --partition P --router R --expert E0 ...");
+  LoadedEnsemble e;
+  e.dir = dir;
+  try {
+    e.manifest = nlohmann::json::parse(read_file(manifest.string()));
+    DDM_CHECK(e.manifest.value("format", "") == kEnsembleFormat,
+              manifest.string() << " has format '" << e.manifest.value("format", "") << "', expected " << kEnsembleFormat);
+    e.k = e.manifest.at("k").get<int64_t>();
+    DDM_CHECK(e.k >= 1 && static_cast<int64_t>(e.manifest.at("experts").size()) == e.k,
+              manifest.string() << " lists " << e.manifest.at("experts").size() << " experts for k = " << e.k);
+    e.partition_dir = resolved_path(dir, e.manifest.at("partition").at("path").get<std::string>());
+  } catch (const nlohmann::json::exception& err) {
+    DDM_FAIL(manifest.string() << " is not a valid ensemble manifest (" << err.what()
+                               << "); re-create it with ddm ensemble");
+  }
+  // is_expert: a missing expert may be left out with allow_missing; the router never.
+  auto verified = [&](const nlohmann::json& entry, const std::string& what, bool is_expert) -> std::optional<LoadedModel> {
+    const std::string ckpt = resolved_path(dir, entry.at("checkpoint").get<std::string>());
+    if (!fs::exists(ckpt)) {
+      DDM_CHECK(is_expert && allow_missing,
+                what << " is missing: its checkpoint " << ckpt << " does not exist. Restore it or re-assemble the "
+                     << "ensemble" << (is_expert ? "; or pass --allow-missing to sample without it (the router's "
+                                                   "probabilities are then renormalized over the other experts)"
+                                                 : ""));
+      return std::nullopt;
+    }
+    const nlohmann::json now = weights_hashes(ckpt);
+    DDM_CHECK(now == entry.at("weights_sha256"),
+              what << " changed since the ensemble was assembled: the weights in " << ckpt
+                   << " no longer match ensemble.json's sha256. Re-assemble with ddm ensemble");
+    return load_model(ckpt, use_ema);
+  };
+  for (int64_t i = 0; i < e.k; ++i)
+    e.experts.push_back(verified(e.manifest["experts"][i], "expert " + std::to_string(i), /*is_expert=*/true));
+  DDM_CHECK(static_cast<int64_t>(e.missing().size()) < e.k, "every expert of the ensemble " << dir << " is missing");
+  e.router = *verified(e.manifest.at("router"), "the router", /*is_expert=*/false);
+  return e;
+}
+
+std::unique_ptr<Ensemble> make_ensemble(const LoadedEnsemble& e, const Routing& routing, uint64_t seed) {
+  const LoadedModel& first = e.first_expert();
+  const NoisePath path = make_path(first.cfg.diffusion);
+  std::vector<std::optional<Denoiser>> dens;
+  std::vector<double> flops;
+  for (const auto& x : e.experts) {
+    dens.push_back(x ? std::optional<Denoiser>(make_denoiser(*x)) : std::nullopt);
+    flops.push_back(x ? forward_flops_per_image(x->cfg.model) : 0.0);
+  }
+  RouterFn router;
+  double router_flops = 0;
+  if (routing.oracle) {
+    const Partition p = load_partition(e.partition_dir);
+    DataConfig dc = e.router.cfg.data;
+    const Dataset data = load_dataset(dc);
+    check_partition_matches(p, data);
+    router = oracle_router(data, p.labels, e.k, path);
+    router_flops = 2.0 * static_cast<double>(data.images.numel());  // one [1, D] x [D, N] product per image
+  } else {
+    router = net_router(e.router.net, make_path(e.router.cfg.diffusion), path);
+    router_flops = forward_flops_per_image(e.router.cfg.model);
+  }
+  return std::make_unique<Ensemble>(std::move(dens), std::move(flops), std::move(router), router_flops, path,
+                                    first.cfg.model.num_classes, routing, seed);
+}
+
+}  // namespace ddm

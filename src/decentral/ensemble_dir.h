@@ -1,0 +1,54 @@
+// The ensemble directory: DIR/ensemble.json names the partition, the router and the K experts
+// (each pinned to one checkpoint, with the sha256 of its weight files), the default routing and
+// the image shape, so that `ddm sample --ensemble DIR` and `ddm eval --ensemble DIR` sample exactly
+// the models that were assembled. Paths inside DIR are stored relative to it, so the directory can
+// be moved or copied as a whole; paths outside it are stored absolute.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "decentral/ensemble.h"
+#include "train/trainer.h"
+
+namespace ddm {
+
+inline constexpr const char* kEnsembleFormat = "ddm-ensemble-1";
+
+struct EnsembleSpec {
+  std::string partition;             // `ddm partition` directory
+  std::string router;                // `ddm train-router` run directory
+  std::vector<std::string> experts;  // expert run directories, in cluster order 0..K-1
+  std::string routing = "top1";      // the default routing strategy
+};
+
+// Checks that the runs belong together (the partition the experts and the router were trained on,
+// one expert per cluster in order, equal image shapes and classes) and writes DIR/ensemble.json
+// atomically. Returns the manifest. Notes (e.g. an unfinished expert) go to `notes`.
+nlohmann::json assemble_ensemble(const std::string& dir, const EnsembleSpec& spec, std::vector<std::string>& notes);
+
+struct LoadedEnsemble {
+  std::string dir;
+  nlohmann::json manifest;
+  int64_t k = 0;
+  std::vector<std::optional<LoadedModel>> experts;  // nullopt: missing (only with allow_missing)
+  LoadedModel router;
+  std::string partition_dir;
+  const LoadedModel& first_expert() const;  // the first present expert (sampling defaults, shapes)
+  std::vector<int64_t> missing() const;
+};
+
+// Loads DIR/ensemble.json and the pinned checkpoints, verifying their hashes. A missing expert
+// checkpoint is an error naming it, unless allow_missing (then that expert is left out and the
+// router's probabilities are renormalized over the rest). A changed checkpoint is always an error.
+LoadedEnsemble load_ensemble(const std::string& dir, bool use_ema, bool allow_missing);
+
+// The routed ensemble over the loaded models. Sampling happens on the first present expert's path;
+// `oracle` routing loads the partition's data for the exact posterior.
+std::unique_ptr<Ensemble> make_ensemble(const LoadedEnsemble& e, const Routing& routing, uint64_t seed);
+
+}  // namespace ddm
