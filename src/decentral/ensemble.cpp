@@ -141,9 +141,11 @@ Denoiser::Estimate Ensemble::estimate(const torch::Tensor& x, const torch::Tenso
   // The router sees the class label, or the null label when the whole sample is unconditional.
   auto y_route = num_classes_ == 0 ? torch::zeros({b}, torch::kLong)
                                    : (w == 0.0 ? torch::full({b}, num_classes_, torch::kLong) : y);
-  auto probs = router_(x, t, y_route).to(torch::kFloat32) * present_.unsqueeze(0);  // [B, K]
-  auto mass = probs.sum(1, true);                                                  // [B, 1]
-  probs = torch::where(mass > 0, probs / mass.clamp_min(1e-30), present_.unsqueeze(0).expand_as(probs) / present_.sum());
+  auto probs = router_(x, t, y_route);                  // [B, K]
+  const auto present = present_.to(probs.scalar_type()).unsqueeze(0);  // [1, K]
+  probs = probs * present;
+  auto mass = probs.sum(1, true);                       // [B, 1]
+  probs = torch::where(mass > 0, probs / mass.clamp_min(1e-30), present.expand_as(probs) / present.sum());
   auto gen = make_generator(
       derive_seed({seed_, static_cast<uint64_t>(RngPurpose::kSample), 0x0e7e11ULL, static_cast<uint64_t>(usage_.calls)}));
   const auto weights = routing_weights(probs, routing_, gen);  // [B, K]

@@ -22,7 +22,8 @@ void expect_error(const test::CommandResult& r, const std::string& needle) {
 }  // namespace
 
 TEST(Cli, HelpForEverySubcommand) {
-  for (const char* sub : {"", "train", "sample", "quickstart", "presets", "eval", "train-classifier", "partition"}) {
+  for (const char* sub : {"", "train", "sample", "quickstart", "presets", "eval", "train-classifier", "partition",
+                          "train-router", "ensemble"}) {
     auto r = test::run_ddm(std::string(sub) + " --help");
     EXPECT_EQ(r.exit_code, 0) << sub << r.output;
     EXPECT_NE(r.output.find("Usage"), std::string::npos) << r.output;

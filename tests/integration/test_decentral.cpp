@@ -99,3 +99,82 @@ TEST(DecentralCli, ExpertsTrainOnTheirClusterResumeExactlyAndRefuseForeignPartit
   expect_error(test::run_ddm(sb + " --resume --set train.steps=12 --out " + (dir / "half")), "changed since");
   EXPECT_TRUE(fs::exists(dir / "half/ckpt/step-00000008/ema.safetensors"));
 }
+
+TEST(DecentralCli, RouterEnsembleAndRoutedSamplingRefuseMismatchedParts) {
+  const test::TempDir dir;
+  test::write_text(dir / "tiny.toml",
+                   "[data]\nlimit = 600\n[model]\nchannels = 8\nchannel_mult = [1, 2]\ngroups = 4\n"
+                   "[train]\nsteps = 6\nbatch_size = 16\nthreads = 1\nlog_every = 2\nckpt_every = 6\n");
+  ASSERT_EQ(test::run_ddm("partition --limit 600 --k 2 --fine 20 --out " + (dir / "p")).exit_code, 0);
+  const std::string cfg = " --config " + (dir / "tiny.toml") + " --partition " + (dir / "p");
+  for (const char* k : {"0", "1"})
+    ASSERT_EQ(test::run_ddm("train --quiet" + cfg + " --expert " + k + " --out " + (dir / "e") + k).exit_code, 0);
+
+  // The router trains on all 500 non-held-out images and reports per noise level.
+  auto r = test::run_ddm("train-router --quiet" + cfg + " --preset router-conv-tiny --holdout 100 --set "
+                         "train.steps=20 --buckets 4 --out " + (dir / "r"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("router accuracy by noise level (100 held-out images"), std::string::npos) << r.output;
+  const auto report = nlohmann::json::parse(test::read_text(dir / "r/router_eval.json"));
+  ASSERT_EQ(report["buckets"].size(), 4u);
+  EXPECT_EQ(report["k"], 2);
+  for (const auto& b : report["buckets"]) {
+    EXPECT_GE(b["accuracy"].get<double>(), 0.0);
+    EXPECT_LE(b["ece"].get<double>(), 1.0);
+  }
+  EXPECT_NE(test::read_text(dir / "r/config.toml").find("num_experts = 2"), std::string::npos);
+  EXPECT_EQ(nlohmann::json::parse(test::read_text(dir / "r/router.json"))["holdout"], 100);
+
+  const std::string experts = " --expert " + (dir / "e0") + " --expert " + (dir / "e1");
+  r = test::run_ddm("ensemble --out " + (dir / "ens") + " --partition " + (dir / "p") + " --router " + (dir / "r") +
+                    experts);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const auto manifest = nlohmann::json::parse(test::read_text(dir / "ens/ensemble.json"));
+  EXPECT_EQ(manifest["k"], 2);
+  EXPECT_EQ(manifest["routing"], "top1");
+
+  const std::string sample = "sample --ensemble " + (dir / "ens") + " --n 20 --steps 3 --threads 1 ";
+  r = test::run_ddm(sample + "--out " + (dir / "g.png") + " --raw " + (dir / "g.safetensors"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("routing top1"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("experts per sample-step 1.00"), std::string::npos) << r.output;
+  EXPECT_TRUE(fs::exists(dir / "g.png"));
+  r = test::run_ddm(sample + "--routing full --out " + (dir / "f.png"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("experts per sample-step 2.00"), std::string::npos) << r.output;
+  // Same seed, same samples.
+  ASSERT_EQ(test::run_ddm(sample + "--out " + (dir / "g2.png") + " --raw " + (dir / "g2.safetensors")).exit_code, 0);
+  EXPECT_EQ(test::read_text(dir / "g.png"), test::read_text(dir / "g2.png"));
+
+  // Mismatched parts.
+  const std::string ens = "ensemble --out " + (dir / "x") + " --partition " + (dir / "p");
+  expect_error(test::run_ddm(ens + " --router " + (dir / "r") + " --expert " + (dir / "e1") + " --expert " + (dir / "e0")),
+               "list the experts in cluster order");
+  expect_error(test::run_ddm(ens + " --router " + (dir / "r") + " --expert " + (dir / "e0")),
+               "1 experts given, but the partition");
+  expect_error(test::run_ddm(ens + " --router " + (dir / "e0") + experts), "has no router.json");
+  expect_error(test::run_ddm("train-router --quiet" + cfg + " --preset unet-tiny --out " + (dir / "x")),
+               "not a router preset");
+  expect_error(test::run_ddm("train-router --quiet" + cfg + " --set data.limit=500 --out " + (dir / "x")),
+               "has 500 images");
+  expect_error(test::run_ddm("sample --ckpt " + (dir / "r") + " --out " + (dir / "x.png")), "holds a router");
+  expect_error(test::run_ddm(sample + "--routing top2 --out " + (dir / "x.png")), "--routing top2");
+  expect_error(test::run_ddm("sample --ckpt " + (dir / "e0") + " --routing full --out " + (dir / "x.png")),
+               "apply only to --ensemble");
+  expect_error(test::run_ddm("sample --ensemble " + (dir / "e0") + " --out " + (dir / "x.png")),
+               "is not an ensemble directory");
+  EXPECT_FALSE(fs::exists(dir / "x"));
+
+  // A missing expert: a clear error, or with --allow-missing the other expert takes all samples.
+  fs::rename(dir / "e1/ckpt", dir / "e1/ckpt.away");
+  expect_error(test::run_ddm(sample + "--out " + (dir / "x.png")), "expert 1 is missing");
+  r = test::run_ddm(sample + "--allow-missing --out " + (dir / "m.png"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("warning: expert 1 is missing"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("1: 0.0% (missing)"), std::string::npos) << r.output;
+  fs::rename(dir / "e1/ckpt.away", dir / "e1/ckpt");
+  // Weights that changed after assembly are refused (training it further, here: replacing them).
+  fs::copy_file(dir / "e0/ckpt/step-00000006/ema.safetensors", dir / "e1/ckpt/step-00000006/ema.safetensors",
+                fs::copy_options::overwrite_existing);
+  expect_error(test::run_ddm(sample + "--out " + (dir / "x.png")), "changed since the ensemble was assembled");
+}

@@ -10,30 +10,13 @@
 #include "diffusion/generate.h"
 #include "diffusion/path.h"
 #include "diffusion/sampler.h"
+#include "exact_gaussian.h"
 
 using namespace ddm;
 
 namespace {
 const PathKind kPaths[] = {PathKind::kFlow, PathKind::kVpLinear, PathKind::kVpCosine};
 
-// The exact network for data x0 ~ N(mu, var) per dimension (independent), for any path and
-// prediction: E[x0 | x_t] = mu + a var / (a^2 var + s^2) (x - a mu).
-class ExactGaussianNet : public NetImpl {
- public:
-  ExactGaussianNet(NoisePath path, Prediction pred, torch::Tensor mu, torch::Tensor var)
-      : path_(path), pred_(pred), mu_(mu), var_(var) {}
-  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor&) override {
-    auto a = path_.alpha(t).view({-1, 1, 1, 1}), s = path_.sigma(t).view({-1, 1, 1, 1});
-    auto x0 = mu_ + a * var_ / (a * a * var_ + s * s) * (x - a * mu_);  // [B,C,H,W]
-    auto eps = (x - a * x0) / s;                                          // [B,C,H,W]
-    return training_target(path_, pred_, x0, eps, t);
-  }
-
- private:
-  NoisePath path_;
-  Prediction pred_;
-  torch::Tensor mu_, var_;
-};
 }  // namespace
 
 TEST(Path, FlowIsLinearInterpolation) {
@@ -149,7 +132,7 @@ TEST(Sampler, ExactGaussianDenoiserReproducesMoments) {
   };
   for (const Case& c : cases) {
     NoisePath path(c.path);
-    Denoiser den(std::make_shared<ExactGaussianNet>(path, c.pred, mu, var), path, c.pred, 0);
+    Denoiser den(std::make_shared<test::ExactGaussianNet>(path, c.pred, mu, var), path, c.pred, 0);
     auto gen = at::make_generator<at::CPUGeneratorImpl>(7);
     const int64_t n = 20000;
     auto x1 = torch::randn({n, 1, 2, 2}, gen, torch::kDouble);
@@ -174,7 +157,7 @@ TEST(Sampler, DdimEqualsEulerOnTheFlowPath) {
   auto mu = torch::tensor({0.5, -1.0, 0.0, 2.0}, torch::kDouble).view({1, 1, 2, 2});
   auto var = torch::tensor({0.25, 1.0, 0.04, 0.5}, torch::kDouble).view({1, 1, 2, 2});
   NoisePath path(PathKind::kFlow);
-  Denoiser den(std::make_shared<ExactGaussianNet>(path, Prediction::kVelocity, mu, var), path, Prediction::kVelocity, 0);
+  Denoiser den(std::make_shared<test::ExactGaussianNet>(path, Prediction::kVelocity, mu, var), path, Prediction::kVelocity, 0);
   auto x1 = torch::randn({500, 1, 2, 2}, at::make_generator<at::CPUGeneratorImpl>(2), torch::kDouble);
   for (int steps : {4, 8, 64, 100}) {
     SampleOptions opt;
@@ -193,7 +176,7 @@ TEST(Generate, SamplesDoNotDependOnBatchSize) {
   auto mu = torch::zeros({1, 1, 2, 2});
   auto var = torch::ones({1, 1, 2, 2}) * 0.3;
   NoisePath path(PathKind::kFlow);
-  Denoiser den(std::make_shared<ExactGaussianNet>(path, Prediction::kVelocity, mu, var), path,
+  Denoiser den(std::make_shared<test::ExactGaussianNet>(path, Prediction::kVelocity, mu, var), path,
                Prediction::kVelocity, 0);
   GenerateOptions a;
   a.n = 13;

@@ -1,0 +1,302 @@
+// Routers and the routed expert ensemble against closed forms: with experts that are exact for
+// disjoint Gaussian clusters (trained on different paths and parameterizations) and the exact
+// posterior as router, the full ensemble's velocity is the mixture's marginal velocity; top-k with
+// k = K equals full; grouped batching equals a per-sample loop; strategies are deterministic under
+// a seed; a missing expert is renormalized away; the data oracle finds the right cluster.
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include <torch/torch.h>
+
+#include "core/error.h"
+#include "core/rng.h"
+#include "decentral/ensemble.h"
+#include "diffusion/path.h"
+#include "exact_gaussian.h"
+#include "model/net.h"
+#include "model/presets.h"
+#include "model/router.h"
+#include "test_util.h"
+
+using namespace ddm;
+
+namespace {
+
+// K isotropic Gaussian clusters N(mu_k, var_k I) with priors pi_k, on 1x2x2 images.
+struct Mixture {
+  std::vector<torch::Tensor> mu;  // each [1, 1, 2, 2] double
+  std::vector<double> var, prior;
+};
+
+Mixture three_clusters() {
+  auto opts = torch::TensorOptions().dtype(torch::kDouble);
+  return {{torch::tensor({-2.0, -1.5, -2.5, -2.0}, opts).view({1, 1, 2, 2}),
+           torch::tensor({0.0, 0.5, 0.0, -0.5}, opts).view({1, 1, 2, 2}),
+           torch::tensor({2.0, 2.5, 1.5, 2.0}, opts).view({1, 1, 2, 2})},
+          {0.05, 0.1, 0.02},
+          {0.5, 0.3, 0.2}};
+}
+
+// The exact posterior p(k | x_t) on `path`: pi_k prod_d N(x_d; a mu_kd, a^2 var_k + s^2). [B, K]
+torch::Tensor posterior(const Mixture& m, const NoisePath& path, const torch::Tensor& x, const torch::Tensor& t) {
+  auto a = path.alpha(t).view({-1, 1, 1, 1}), s = path.sigma(t).view({-1, 1, 1, 1});
+  std::vector<torch::Tensor> logp;
+  for (size_t k = 0; k < m.mu.size(); ++k) {
+    auto v = a * a * m.var[k] + s * s;  // [B,1,1,1]
+    auto l = ((x - a * m.mu[k]).pow(2) / v + torch::log(2 * M_PI * v)).sum({1, 2, 3});  // [B]
+    logp.push_back(std::log(m.prior[k]) - 0.5 * l);
+  }
+  return torch::softmax(torch::stack(logp, 1), 1);
+}
+
+// The mixture's marginal probability-flow velocity on `path`, from E[x0 | x_t] of each cluster.
+torch::Tensor mixture_velocity(const Mixture& m, const NoisePath& path, const torch::Tensor& x, const torch::Tensor& t,
+                               const std::vector<int64_t>& keep = {0, 1, 2}) {
+  auto a = path.alpha(t).view({-1, 1, 1, 1}), s = path.sigma(t).view({-1, 1, 1, 1});
+  auto p = posterior(m, path, x, t);  // [B, K]
+  auto x0 = torch::zeros_like(x), mass = torch::zeros({x.size(0), 1, 1, 1}, x.options());
+  for (int64_t k : keep) {
+    auto pk = p.select(1, k).view({-1, 1, 1, 1});
+    x0 = x0 + pk * (m.mu[k] + a * m.var[k] / (a * a * m.var[k] + s * s) * (x - a * m.mu[k]));
+    mass = mass + pk;
+  }
+  x0 = x0 / mass;
+  auto eps = (x - a * x0) / s;
+  return path.dalpha(t).view({-1, 1, 1, 1}) * x0 + path.dsigma(t).view({-1, 1, 1, 1}) * eps;
+}
+
+// Expert k is exact for cluster k; they differ in path and parameterization on purpose.
+std::vector<std::optional<Denoiser>> exact_experts(const Mixture& m) {
+  const std::pair<PathKind, Prediction> kinds[] = {
+      {PathKind::kFlow, Prediction::kVelocity}, {PathKind::kVpLinear, Prediction::kEps}, {PathKind::kVpCosine, Prediction::kV}};
+  std::vector<std::optional<Denoiser>> out;
+  for (size_t k = 0; k < m.mu.size(); ++k) {
+    NoisePath path(kinds[k].first);
+    auto var = torch::full({1, 1, 1, 1}, m.var[k], torch::kDouble);
+    out.emplace_back(Denoiser(std::make_shared<test::ExactGaussianNet>(path, kinds[k].second, m.mu[k], var), path,
+                              kinds[k].second, 0));
+  }
+  return out;
+}
+
+Ensemble make(const Mixture& m, const std::string& routing, std::vector<std::optional<Denoiser>> experts,
+              uint64_t seed = 0) {
+  const NoisePath flow(PathKind::kFlow);
+  RouterFn router = [m, flow](const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor&) {
+    return posterior(m, flow, x, t);
+  };
+  std::vector<double> flops(experts.size(), 1.0);
+  return Ensemble(std::move(experts), flops, router, 0.1, flow, 0, parse_routing(routing), seed);
+}
+
+// Points drawn from the mixture's noisy marginal at various times, so every cluster is visited.
+std::pair<torch::Tensor, torch::Tensor> noisy_points(const Mixture& m, int64_t n, uint64_t seed) {
+  auto gen = make_generator(seed);
+  const NoisePath flow(PathKind::kFlow);
+  auto t = 0.05 + 0.9 * torch::rand({n}, gen, torch::kDouble);
+  std::vector<torch::Tensor> x0;
+  for (int64_t i = 0; i < n; ++i) x0.push_back(m.mu[i % 3] + std::sqrt(m.var[i % 3]) * torch::randn({1, 1, 2, 2}, gen, torch::kDouble));
+  auto x = flow.alpha(t).view({-1, 1, 1, 1}) * torch::cat(x0) +
+           flow.sigma(t).view({-1, 1, 1, 1}) * torch::randn({n, 1, 2, 2}, gen, torch::kDouble);
+  return {x, t};
+}
+
+}  // namespace
+
+TEST(Ensemble, FullRoutingWithTheExactPosteriorIsTheMarginalVelocity) {
+  const Mixture m = three_clusters();
+  const Ensemble ens = make(m, "full", exact_experts(m));
+  const Denoiser den = ens.denoiser();
+  auto [x, t] = noisy_points(m, 48, 1);
+  auto y = torch::zeros({48}, torch::kLong);
+  auto v = den.velocity(x, t, y, 1.0);
+  auto expected = mixture_velocity(m, NoisePath(PathKind::kFlow), x, t);
+  EXPECT_LT((v - expected).abs().max().item<double>(), 1e-8);
+  // One expert alone is not the marginal velocity: the comparison can fail.
+  const Ensemble top1 = make(m, "top1", exact_experts(m));
+  EXPECT_GT((top1.denoiser().velocity(x, t, y, 1.0) - expected).abs().max().item<double>(), 1e-3);
+}
+
+TEST(Ensemble, TopKWithKEqualToTheExpertCountEqualsFull) {
+  const Mixture m = three_clusters();
+  auto [x, t] = noisy_points(m, 30, 2);
+  auto y = torch::zeros({30}, torch::kLong);
+  auto full = make(m, "full", exact_experts(m)).estimate(x, t, y, 1.0);
+  auto top3 = make(m, "topk:3", exact_experts(m)).estimate(x, t, y, 1.0);
+  auto top2 = make(m, "topk:2", exact_experts(m)).estimate(x, t, y, 1.0);
+  EXPECT_TRUE(torch::allclose(full.x0, top3.x0, 0, 1e-12));
+  EXPECT_TRUE(torch::allclose(full.eps, top3.eps, 0, 1e-12));
+  EXPECT_FALSE(torch::allclose(full.x0, top2.x0, 0, 1e-6));
+}
+
+TEST(Ensemble, GroupedBatchingEqualsAPerSampleLoop) {
+  const Mixture m = three_clusters();
+  auto [x, t] = noisy_points(m, 24, 3);
+  auto y = torch::zeros({24}, torch::kLong);
+  for (const char* routing : {"top1", "topk:2", "threshold:0.05"}) {
+    const Ensemble ens = make(m, routing, exact_experts(m));
+    auto batched = ens.estimate(x, t, y, 1.0);
+    std::vector<int64_t> counts = ens.usage().expert_evals;
+    for (int64_t i = 0; i < 24; ++i) {
+      auto one = ens.estimate(x.narrow(0, i, 1), t.narrow(0, i, 1), y.narrow(0, i, 1), 1.0);
+      EXPECT_TRUE(torch::allclose(one.x0, batched.x0.narrow(0, i, 1), 0, 1e-12)) << routing << " sample " << i;
+      EXPECT_TRUE(torch::allclose(one.eps, batched.eps.narrow(0, i, 1), 0, 1e-12)) << routing << " sample " << i;
+    }
+    // The loop evaluated each expert on exactly the samples the batch grouped onto it.
+    for (size_t e = 0; e < counts.size(); ++e) EXPECT_EQ(ens.usage().expert_evals[e], 2 * counts[e]) << routing;
+  }
+  // Top-1 on these well-separated clusters uses every expert, each on its own group.
+  const Ensemble ens = make(m, "top1", exact_experts(m));
+  ens.estimate(x, t, y, 1.0);
+  for (int64_t c : ens.usage().expert_evals) EXPECT_GT(c, 0);
+  EXPECT_EQ(ens.usage().sample_evals, 24);
+}
+
+TEST(Ensemble, StrategiesAreDeterministicUnderASeed) {
+  const Mixture m = three_clusters();
+  auto [x, t] = noisy_points(m, 64, 4);
+  auto xt = x * 0 + torch::randn_like(x);  // pure noise at t = 1: the posterior is the prior
+  auto t1 = torch::ones_like(t) * 0.999;
+  auto y = torch::zeros({64}, torch::kLong);
+  for (const char* routing : {"top1", "topk:2", "full", "threshold:0.2", "sample"}) {
+    auto a = make(m, routing, exact_experts(m), 7).estimate(xt, t1, y, 1.0);
+    auto b = make(m, routing, exact_experts(m), 7).estimate(xt, t1, y, 1.0);
+    EXPECT_TRUE(torch::equal(a.x0, b.x0)) << routing;
+  }
+  auto a = make(m, "sample", exact_experts(m), 7);
+  auto b = make(m, "sample", exact_experts(m), 8);
+  a.estimate(xt, t1, y, 1.0);
+  b.estimate(xt, t1, y, 1.0);
+  EXPECT_NE(a.usage().expert_evals, b.usage().expert_evals);  // another seed draws other experts
+  // Drawing from the prior 0.5 / 0.3 / 0.2 over 64 samples picks every expert.
+  for (int64_t c : a.usage().expert_evals) EXPECT_GT(c, 0);
+}
+
+TEST(Ensemble, RoutingWeights) {
+  auto p = torch::tensor({0.6, 0.3, 0.1, 0.34, 0.33, 0.33}).view({2, 3});
+  auto gen = make_generator(0);
+  EXPECT_TRUE(torch::equal(routing_weights(p, parse_routing("top1"), gen),
+                           torch::tensor({1.f, 0.f, 0.f, 1.f, 0.f, 0.f}).view({2, 3})));
+  EXPECT_TRUE(torch::allclose(routing_weights(p, parse_routing("topk:2"), gen),
+                              torch::tensor({2 / 3.f, 1 / 3.f, 0.f, 0.34f / 0.67f, 0.33f / 0.67f, 0.f}).view({2, 3})));
+  // Threshold 0.35: row 0 keeps 0.6 only; row 1 has nothing above it and falls back to top-1.
+  EXPECT_TRUE(torch::equal(routing_weights(p, parse_routing("threshold:0.35"), gen),
+                           torch::tensor({1.f, 0.f, 0.f, 1.f, 0.f, 0.f}).view({2, 3})));
+  EXPECT_TRUE(torch::allclose(routing_weights(p, parse_routing("threshold:0.2"), gen),
+                              torch::tensor({2 / 3.f, 1 / 3.f, 0.f, 0.34f, 0.33f, 0.33f}).view({2, 3})));
+  auto s = routing_weights(p, parse_routing("sample"), gen);
+  EXPECT_TRUE(torch::equal(s.sum(1), torch::ones({2})));
+  EXPECT_TRUE(torch::equal(s.eq(1).sum(1), torch::ones({2}, torch::kLong)));
+
+  EXPECT_TRUE(parse_routing("oracle").oracle);
+  EXPECT_EQ(parse_routing("topk:4").k, 4);
+  for (const char* bad : {"top2", "topk", "topk:0", "topk:1.5", "threshold:1", "threshold:x", "full:2", ""})
+    EXPECT_NE(test::error_message([&] { parse_routing(bad); }).find("--routing"), std::string::npos) << bad;
+}
+
+TEST(Ensemble, AMissingExpertIsRenormalizedAway) {
+  const Mixture m = three_clusters();
+  auto experts = exact_experts(m);
+  experts[1].reset();
+  const Ensemble ens = make(m, "full", std::move(experts));
+  auto [x, t] = noisy_points(m, 30, 5);
+  auto y = torch::zeros({30}, torch::kLong);
+  auto v = ens.denoiser().velocity(x, t, y, 1.0);
+  EXPECT_LT((v - mixture_velocity(m, NoisePath(PathKind::kFlow), x, t, {0, 2})).abs().max().item<double>(), 1e-8);
+  EXPECT_EQ(ens.usage().expert_evals[1], 0);
+  const Ensemble top1 = make(m, "top1", [&] {
+    auto e = exact_experts(m);
+    e[1].reset();
+    return e;
+  }());
+  top1.estimate(x, t, y, 1.0);
+  EXPECT_EQ(top1.usage().expert_evals[1], 0);
+  EXPECT_EQ(top1.usage().expert_evals[0] + top1.usage().expert_evals[2], 30);
+}
+
+TEST(Ensemble, DataOracleFindsTheClusterAndTheClassPrior) {
+  Dataset d;
+  // Cluster 0: two dark images; cluster 1: two bright ones. Classes 0, 1, 1, 1.
+  d.images = torch::tensor({10, 20, 10, 20, 30, 0, 30, 0, 240, 250, 240, 250, 200, 255, 200, 255}, torch::kUInt8)
+                 .view({4, 1, 2, 2});
+  d.labels = torch::tensor({0, 1, 1, 1}, torch::kLong);
+  d.num_classes = 2;
+  const auto clusters = torch::tensor({0, 0, 1, 1}, torch::kLong);
+  const NoisePath flow(PathKind::kFlow);
+  RouterFn oracle = oracle_router(d, clusters, 2, flow);
+  auto x0 = to_unit_range(d.images);
+  auto t = torch::full({4}, 0.2);
+  auto x = 0.8 * x0 + 0.2 * torch::randn({4, 1, 2, 2}, make_generator(0));
+  auto null = torch::full({4}, 2, torch::kLong);
+  auto p = oracle(x, t, null);  // [4, 2]
+  EXPECT_TRUE(torch::equal(p.argmax(1), clusters));
+  // At t = 1 nothing of x0 is left: the posterior is the prior, given the class or not.
+  auto p1 = oracle(torch::randn({4, 1, 2, 2}), torch::ones({4}), torch::tensor({2, 0, 1, 2}, torch::kLong));
+  EXPECT_TRUE(torch::allclose(p1, torch::tensor({0.5f, 0.5f, 1.f, 0.f, 1 / 3.f, 2 / 3.f, 0.5f, 0.5f}).view({4, 2})));
+}
+
+TEST(Path, MatchingTimesHaveEqualSignalToNoiseRatios) {
+  const NoisePath flow(PathKind::kFlow), cosine(PathKind::kVpCosine), linear(PathKind::kVpLinear);
+  auto t = torch::tensor({0.0, 0.1, 0.4, 0.8, 0.95}, torch::kDouble);
+  for (const NoisePath* to : {&cosine, &linear}) {
+    const PathMatch m = match_path(flow, t, *to);
+    for (int64_t i = 1; i < 5; ++i) {
+      const double ti = t[i].item<double>(), tt = m.t[i].item<double>(), sc = m.scale[i].item<double>();
+      EXPECT_NEAR(to->alpha(tt) / to->sigma(tt), flow.alpha(ti) / flow.sigma(ti), 1e-9) << to->name() << " t " << ti;
+      EXPECT_NEAR(sc * flow.alpha(ti), to->alpha(tt), 1e-9);
+      EXPECT_NEAR(sc * flow.sigma(ti), to->sigma(tt), 1e-9);
+    }
+    EXPECT_DOUBLE_EQ(m.t[0].item<double>(), 0.0);
+    EXPECT_DOUBLE_EQ(m.scale[0].item<double>(), 1.0);
+    // And back: the round trip is the identity.
+    const PathMatch back = match_path(*to, m.t, flow);
+    EXPECT_TRUE(torch::allclose(back.t, t, 0, 1e-9));
+  }
+  // The flow path's pure-noise end maps to the VP path's noisiest point.
+  const PathMatch end = match_path(flow, torch::ones({1}, torch::kDouble), cosine);
+  EXPECT_DOUBLE_EQ(end.t[0].item<double>(), 1.0);
+}
+
+TEST(Router, BothArchitecturesStartUniformAndLearn) {
+  for (const char* preset : {"router-dit-tiny", "router-conv-tiny"}) {
+    ModelConfig cfg;
+    apply_preset(preset, cfg);
+    cfg.in_channels = 1;
+    cfg.image_size = 28;
+    cfg.num_classes = 10;
+    cfg.num_experts = 3;
+    torch::manual_seed(0);
+    Net net = make_net(cfg);
+    auto gen = make_generator(1);
+    auto x = torch::randn({12, 1, 28, 28}, gen);
+    auto k = torch::arange(12, torch::kLong).remainder(3);
+    x = x * 0.3 + k.to(torch::kFloat).view({-1, 1, 1, 1}) - 1.0;  // the cluster shows in the mean
+    auto t = torch::rand({12}, gen) * 0.5;
+    auto y = torch::arange(12, torch::kLong).remainder(11);  // includes the null class 10
+    auto logits = net->forward(x, t, y);
+    ASSERT_EQ(logits.sizes(), (std::vector<int64_t>{12, 3})) << preset;
+    EXPECT_EQ(logits.abs().max().item<float>(), 0.f) << preset;  // zero head: uniform
+    torch::optim::Adam opt(net->parameters(), torch::optim::AdamOptions(3e-3));
+    double first = 0, last = 0;
+    for (int i = 0; i < 40; ++i) {
+      opt.zero_grad();
+      auto loss = torch::nn::functional::cross_entropy(net->forward(x, t, y), k);
+      if (i == 0) first = loss.item<double>();
+      last = loss.item<double>();
+      loss.backward();
+      opt.step();
+    }
+    EXPECT_NEAR(first, std::log(3.0), 1e-5) << preset;
+    EXPECT_LT(last, 0.3 * first) << preset;
+    EXPECT_GT(forward_flops_per_image(cfg), 1e6) << preset;
+    EXPECT_LT(forward_flops_per_image(cfg), 0.1 * 203e6) << preset;  // a few percent of unet-tiny
+  }
+  ModelConfig cfg;
+  apply_preset("router-dit-tiny", cfg);
+  cfg.in_channels = 1;
+  cfg.image_size = 28;
+  cfg.num_classes = 10;
+  cfg.num_experts = 1;
+  EXPECT_NE(test::error_message([&] { make_net(cfg); }).find("model.num_experts must be >= 2"), std::string::npos);
+}
