@@ -109,7 +109,7 @@ int main(int argc, char** argv) try {
   const double fwd_flops = forward_flops_per_image(cfg.model);
   if (a.mode == "train") {
     DiffusionStep stepper(cfg, net);
-    Batch batch{torch::rand({a.batch, 1, 28, 28}) * 2 - 1, torch::randint(0, 10, {a.batch})};
+    Batch batch{torch::rand({a.batch, 1, 28, 28}) * 2 - 1, torch::randint(0, 10, {a.batch}), torch::Tensor()};
     for (int64_t i = 0; i < a.warmup; ++i) stepper.run(batch, i);
     if (const char* trace = std::getenv("DDM_BENCH_TRACE")) {  // LibTorch profiler trace of 3 steps
       torch::autograd::profiler::RecordProfile guard(trace);

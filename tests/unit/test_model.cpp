@@ -18,6 +18,7 @@
 #include "model/layers.h"
 #include "model/net.h"
 #include "model/presets.h"
+#include "model/router.h"
 #include "model/unet.h"
 
 namespace ddm {
@@ -28,9 +29,16 @@ ModelConfig preset_cfg(const std::string& name, int64_t num_classes = 10) {
   cfg.in_channels = 1;
   cfg.image_size = 28;
   cfg.num_classes = num_classes;
+  cfg.num_experts = 3;  // used by the router presets only
   cfg.preset = name;
   apply_preset(name, cfg);
   return cfg;
+}
+
+// The output shape of a preset's net for a batch of images x: like x, or [B, K] logits for a router.
+std::vector<int64_t> out_shape(const ModelConfig& cfg, const torch::Tensor& x) {
+  if (is_router_arch(cfg.arch)) return {x.size(0), cfg.num_experts};
+  return x.sizes().vec();
 }
 
 // Fills every parameter of m with N(0, std^2) values (undoing zero initializations).
@@ -162,11 +170,12 @@ TEST(Nets, UNetOutputsExactlyZeroAtInit) {
 TEST(Nets, AllPresetsGiveInputShapedFiniteOutputs) {
   torch::manual_seed(1);
   for (const auto& name : preset_names()) {
-    auto net = make_net(preset_cfg(name));
+    auto cfg = preset_cfg(name);
+    auto net = make_net(cfg);
     randomize(*net, 0.05);
     auto x = torch::randn({3, 1, 28, 28});
     auto out = net->forward(x, torch::rand({3}), torch::tensor({0, 9, 10}));
-    EXPECT_EQ(out.sizes(), x.sizes()) << name;
+    EXPECT_EQ(out.sizes(), out_shape(cfg, x)) << name;
     EXPECT_TRUE(torch::isfinite(out).all().item<bool>()) << name;
   }
 }
@@ -186,11 +195,13 @@ TEST(Nets, NullClassIsItsOwnLabel) {
 
 TEST(Nets, UnconditionalNetsIgnoreLabels) {
   for (const auto& name : preset_names()) {
-    auto net = make_net(preset_cfg(name, /*num_classes=*/0));
+    auto cfg = preset_cfg(name, /*num_classes=*/0);
+    auto net = make_net(cfg);
     for (const auto& p : net->named_parameters())
       EXPECT_EQ(p.key().find("label"), std::string::npos) << name << ": " << p.key();
-    auto out = net->forward(torch::randn({2, 1, 28, 28}), torch::rand({2}), torch::Tensor());
-    EXPECT_EQ(out.sizes(), (std::vector<int64_t>{2, 1, 28, 28})) << name;
+    auto x = torch::randn({2, 1, 28, 28});
+    auto out = net->forward(x, torch::rand({2}), torch::Tensor());
+    EXPECT_EQ(out.sizes(), out_shape(cfg, x)) << name;
   }
 }
 
