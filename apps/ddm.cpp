@@ -10,6 +10,7 @@
 
 #include "cli_util.h"
 
+#include <algorithm>
 #include <chrono>
 #include <filesystem>
 #include <functional>
@@ -305,7 +306,9 @@ int eval_cmd(EvalArgs a) {
       for (int64_t v : u.expert_evals) usage += (usage.empty() ? "" : " ") + std::to_string(v);
       set.info["expert_sample_steps"] = usage;
     }
-    stem = (src.ensemble ? "routing-" + src.routing.spec + "-" : std::string()) + g.sample.sampler + "-" +
+    std::string routing_name = src.routing.spec;  // no ':' in file names: topk:2 -> topk2
+    routing_name.erase(std::remove(routing_name.begin(), routing_name.end(), ':'), routing_name.end());
+    stem = (src.ensemble ? "routing-" + routing_name + "-" : std::string()) + g.sample.sampler + "-" +
            std::to_string(g.sample.steps) + "steps-cfg" +
            std::to_string(g.sample.cfg).substr(0, 4) + "-n" + std::to_string(a.sample.n);
     if (a.out.empty()) a.out = (fs::path(src.model ? a.sample.ckpt : a.sample.ensemble) / "eval").string();

@@ -2,6 +2,7 @@
 //   partition     cluster a dataset into K subsets, one per expert (two-stage balanced k-means, or random)
 //   train-router  train the router p(cluster | x_t, t, class) and report its accuracy per noise level
 //   ensemble      check that a partition, its experts and a router belong together; write ensemble.json
+//   islands       run | status | slurm: train all experts and the router as independent processes
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
@@ -15,6 +16,7 @@
 #include "decentral/features.h"
 #include "decentral/partition.h"
 #include "decentral/ensemble_dir.h"
+#include "decentral/islands.h"
 #include "decentral/router_eval.h"
 #include "core/fileio.h"
 #include "model/presets.h"
@@ -148,6 +150,37 @@ int ensemble_cmd(const std::string& out, const EnsembleSpec& spec, bool force) {
   return 0;
 }
 
+// The running ddm executable, which the islands start as child processes.
+std::string self_binary() {
+  std::error_code ec;
+  const fs::path p = fs::read_symlink("/proc/self/exe", ec);
+  DDM_CHECK(!ec, "cannot locate the ddm executable (/proc/self/exe): " << ec.message());
+  return p.string();
+}
+
+struct IslandsArgs {
+  std::string file, script;
+};
+
+int islands_cmd(const std::string& action, const IslandsArgs& a) {
+  const IslandsConfig c = load_islands_config(a.file);
+  if (action == "run") return run_islands(c, self_binary());
+  if (action == "status") {
+    std::cout << islands_status(c);
+    return 0;
+  }
+  const int64_t k = ensure_partition(c, self_binary());
+  const std::string script = a.script.empty() ? (fs::path(c.out) / "islands.sbatch").string() : a.script;
+  if (!fs::path(script).parent_path().empty()) fs::create_directories(fs::path(script).parent_path());
+  fs::create_directories(fs::path(c.out) / "logs");
+  write_file_atomic(script, slurm_script(c, k, self_binary()));
+  fs::permissions(script, fs::perms::owner_exec | fs::perms::group_exec | fs::perms::others_exec, fs::perm_options::add);
+  std::cout << "wrote " << script << ": a job array of " << k + 1 << " tasks (experts 0.." << k - 1 << ", router " << k
+            << ")\nsubmit: sbatch " << script << "\nthen:   ddm islands run " << a.file
+            << "   (skips finished islands, assembles the ensemble)" << std::endl;
+  return 0;
+}
+
 }  // namespace
 
 std::vector<Command> add_decentral_commands(CLI::App& app) {
@@ -229,6 +262,31 @@ std::vector<Command> add_decentral_commands(CLI::App& app) {
       ->capture_default_str();
   ens->add_flag("--force", *eforce, "replace an existing ensemble.json");
   cmds.push_back({ens, [es, eout, eforce] { return ensemble_cmd(*eout, *es, *eforce); }});
+
+  auto* isl = app.add_subcommand(
+      "islands",
+      "Train a whole decentralized ensemble as independent processes (\"compute islands\"): the K experts and the "
+      "router, each with its own directory, log and checkpoints and no communication, from one islands file "
+      "(see docs/decentralized.md and configs/islands-k4.toml).");
+  isl->require_subcommand(1);
+  auto ia = std::make_shared<IslandsArgs>();
+  auto* irun = isl->add_subcommand(
+      "run",
+      "Run every unfinished island, at most run.concurrency at a time. A crashed island restarts from its last "
+      "checkpoint (at most run.retries times) while the others go on. When all are done, writes OUT/ensemble.json. "
+      "Running it again skips finished islands and resumes the rest.");
+  irun->add_option("file", ia->file, "islands file (TOML)")->required();
+  cmds.push_back({irun, [ia] { return islands_cmd("run", *ia); }});
+  auto* istat = isl->add_subcommand("status", "Show each island's state, step, attempts and last error.");
+  istat->add_option("file", ia->file, "islands file (TOML)")->required();
+  cmds.push_back({istat, [ia] { return islands_cmd("status", *ia); }});
+  auto* islurm = isl->add_subcommand(
+      "slurm",
+      "Write an sbatch script with one array task per island (tasks 0..K-1 the experts, task K the router); makes "
+      "the partition first if needed.");
+  islurm->add_option("file", ia->file, "islands file (TOML)")->required();
+  islurm->add_option("--script", ia->script, "script to write (default OUT/islands.sbatch)");
+  cmds.push_back({islurm, [ia] { return islands_cmd("slurm", *ia); }});
 
   return cmds;
 }

@@ -1,8 +1,13 @@
-// The decentralized pipeline through the ddm binary: partition, expert training, ... Each step on real Fashion-MNIST
+// The decentralized pipeline through the ddm binary: partition, expert training, router, ensemble,
+// routed sampling and islands (with a kill -9 of one island). Each step on real Fashion-MNIST
 // (a few thousand images), and each bad input exits non-zero with a clear message.
 #include <gtest/gtest.h>
 
+#include <signal.h>
+
+#include <chrono>
 #include <filesystem>
+#include <thread>
 
 #include <nlohmann/json.hpp>
 
@@ -177,4 +182,76 @@ TEST(DecentralCli, RouterEnsembleAndRoutedSamplingRefuseMismatchedParts) {
   fs::copy_file(dir / "e0/ckpt/step-00000006/ema.safetensors", dir / "e1/ckpt/step-00000006/ema.safetensors",
                 fs::copy_options::overwrite_existing);
   expect_error(test::run_ddm(sample + "--out " + (dir / "x.png")), "changed since the ensemble was assembled");
+}
+
+TEST(DecentralCli, IslandsSurviveAKilledIslandAndWriteASlurmArray) {
+  const test::TempDir dir;
+  test::write_text(dir / "tiny.toml",
+                   "[data]\nlimit = 600\n[model]\nchannels = 8\nchannel_mult = [1, 2]\ngroups = 4\n"
+                   "[train]\nsteps = 300\nbatch_size = 32\nlog_every = 20\nckpt_every = 20\n");
+  const std::string islands = "out = \"runs/k2\"\nconfig = \"tiny.toml\"\n"
+                              "[partition]\npath = \"parts/k2\"\nk = 2\nfeatures = \"pixels:16\"\n"
+                              "[experts]\nbudget = \"full\"\n"
+                              "[router]\npreset = \"router-conv-tiny\"\nholdout = 100\nset = [\"train.steps=40\"]\n"
+                              "[run]\nconcurrency = 2\nretries = 2\nthreads = 1\n";
+  test::write_text(dir / "isl.toml", islands);
+  const std::string cd = "cd " + dir.path + " && ";
+  // Run in the background; kill -9 expert 0 once it has written its step-40 checkpoint.
+  test::run_command(cd + "(" + DDM_BINARY + " islands run isl.toml > run.log 2>&1; echo $? > rc) > /dev/null 2>&1 &");
+  const fs::path ckpt = dir / "runs/k2/experts/0/ckpt/step-00000040";
+  for (int i = 0; i < 3000 && !fs::exists(ckpt); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  ASSERT_TRUE(fs::exists(ckpt)) << test::read_text(dir / "run.log");
+  const auto running = nlohmann::json::parse(test::read_text(dir / "runs/k2/islands.json"));
+  ASSERT_EQ(running[0]["state"], "running");
+  ASSERT_EQ(kill(running[0]["pid"].get<pid_t>(), SIGKILL), 0);
+  for (int i = 0; i < 3000 && !fs::exists(dir / "rc"); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  const std::string log = test::read_text(dir / "run.log");
+  ASSERT_EQ(test::read_text(dir / "rc"), "0\n") << log;
+  EXPECT_NE(log.find("expert 0: killed by signal 9"), std::string::npos) << log;
+  EXPECT_NE(log.find("wrote runs/k2/ensemble.json"), std::string::npos) << log;
+  const auto done = nlohmann::json::parse(test::read_text(dir / "runs/k2/islands.json"));
+  EXPECT_EQ(done[0]["attempts"], 2);
+  EXPECT_EQ(done[1]["attempts"], 1);
+  for (const auto& island : done) EXPECT_EQ(island["state"], "done") << island.dump();
+  // Nothing was lost: the killed expert ends exactly where an uninterrupted run ends.
+  ASSERT_EQ(test::run_ddm("train --quiet --config " + (dir / "tiny.toml") + " --partition " + (dir / "parts/k2") +
+                          " --expert 0 --budget full --set train.threads=1 --out " + (dir / "ref"))
+                .exit_code,
+            0);
+  EXPECT_EQ(test::read_text(dir / "ref/ckpt/step-00000300/ema.safetensors"),
+            test::read_text(dir / "runs/k2/experts/0/ckpt/step-00000300/ema.safetensors"));
+  auto r = test::run_command(cd + DDM_BINARY + " islands status isl.toml");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("expert 0   done         300/300         2"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("ensemble: runs/k2/ensemble.json"), std::string::npos) << r.output;
+  // Running again skips the finished islands.
+  r = test::run_command(cd + DDM_BINARY + " islands run isl.toml");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("3 already done, 0 to run"), std::string::npos) << r.output;
+
+  // Slurm: one array task per island; a task runs locally with SLURM_ARRAY_TASK_ID set.
+  r = test::run_command(cd + DDM_BINARY + " islands slurm isl.toml --script job.sbatch");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const std::string script = test::read_text(dir / "job.sbatch");
+  EXPECT_NE(script.find("#SBATCH --array=0-2"), std::string::npos) << script;
+  EXPECT_EQ(test::run_command("bash -n " + (dir / "job.sbatch")).exit_code, 0);
+  fs::remove_all(dir / "runs/k2/experts/1");
+  r = test::run_command("SLURM_ARRAY_TASK_ID=1 bash " + (dir / "job.sbatch"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_TRUE(fs::exists(dir / "runs/k2/experts/1/ckpt/step-00000300"));
+  EXPECT_EQ(test::read_text(dir / "runs/k2/experts/1/expert.json").find("\"expert\": 1") != std::string::npos, true);
+  r = test::run_command("SLURM_ARRAY_TASK_ID=7 bash " + (dir / "job.sbatch"));
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_NE(r.output.find("no island for array task 7"), std::string::npos) << r.output;
+  r = test::run_command("env -u SLURM_ARRAY_TASK_ID bash " + (dir / "job.sbatch"));
+  expect_error(r, "run this script with sbatch");
+
+  // Bad islands files name the key.
+  test::write_text(dir / "bad.toml", "config = \"tiny.toml\"\n[partition]\npath = \"p\"\n");
+  expect_error(test::run_command(cd + DDM_BINARY + " islands run bad.toml"), "'out' is required");
+  test::write_text(dir / "bad.toml", islands + "speed = 3\n");
+  expect_error(test::run_command(cd + DDM_BINARY + " islands run bad.toml"), "unknown key 'run.speed'");
+  test::write_text(dir / "bad.toml", islands.substr(0, islands.find("[run]")) + "[run]\nconcurrency = 0\n");
+  expect_error(test::run_command(cd + DDM_BINARY + " islands run bad.toml"), "'run.concurrency' must be >= 1");
+  expect_error(test::run_command(cd + DDM_BINARY + " islands run nowhere.toml"), "does not exist");
 }
