@@ -1,11 +1,11 @@
 // ddm command-line interface: parses flags with CLI11 and calls the library. Subcommands:
 //   train       train a diffusion model from a TOML config
-//   sample      write a PNG grid (and optionally raw samples) from a checkpoint
+//   sample      write a PNG grid (and optionally raw samples) from a checkpoint or an ensemble
 //   quickstart  train a small class-conditional model on Fashion-MNIST and write a sample grid
 //   presets     list model presets with parameter counts and FLOPs
 //   train-classifier  train the feature network that the evaluation metrics use
 //   eval        FD-fmnist, KID, precision/recall and class accuracy of a model's samples or a file
-//   partition   (apps/decentral_cli.cpp) cluster a dataset into one subset per expert
+//   partition, train-router, ensemble, islands  (apps/decentral_cli.cpp) decentralized diffusion
 #include <CLI/CLI.hpp>
 
 #include "cli_util.h"
@@ -349,7 +349,7 @@ int eval_cmd(EvalArgs a) {
 }
 
 int run(int argc, char** argv) {
-  CLI::App app{"ddm: decentralized diffusion models. Train diffusion models, sample them, and (soon) train "
+  CLI::App app{"ddm: decentralized diffusion models. Train diffusion models, sample them, and train "
                "expert ensembles across independent compute islands."};
   app.set_version_flag("--version", std::string("ddm ") + version());
   app.require_subcommand(1);
