@@ -277,7 +277,7 @@ std::vector<Command> add_decentral_commands(CLI::App& app) {
       "Running it again skips finished islands and resumes the rest.");
   irun->add_option("file", ia->file, "islands file (TOML)")->required();
   cmds.push_back({irun, [ia] { return islands_cmd("run", *ia); }});
-  auto* istat = isl->add_subcommand("status", "Show each island's state, step, attempts and last error.");
+  auto* istat = isl->add_subcommand("status", "Show each island's state, step, attempts and last failure.");
   istat->add_option("file", ia->file, "islands file (TOML)")->required();
   cmds.push_back({istat, [ia] { return islands_cmd("status", *ia); }});
   auto* islurm = isl->add_subcommand(

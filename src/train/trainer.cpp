@@ -70,7 +70,8 @@ void prepare_run_dir(const TrainOptions& opt, const RunConfig& cfg) {
                              << "); use --resume to continue it, --force to overwrite it, or another --out");
     std::error_code ec;
     for (const char* name :
-         {"ckpt", "metrics.jsonl", "config.toml", "samples.png", "train.log", "expert.json", "router.json"})
+         {"ckpt", "metrics.jsonl", "config.toml", "samples.png", "train.log", "expert.json", "router.json",
+          "router_eval.json"})
       fs::remove_all(dir / name, ec);
   } else if (fs::exists(dir) && !fs::is_empty(dir) && !opt.force) {
     DDM_FAIL("'" << opt.out_dir << "' is not empty and holds no ddm run; use another --out or --force");
