@@ -3,6 +3,7 @@
 //   train-router  train the router p(cluster | x_t, t, class) and report its accuracy per noise level
 //   ensemble      check that a partition, its experts and a router belong together; write ensemble.json
 //   islands       run | status | slurm: train all experts and the router as independent processes
+//   distill       train one dense student on the prediction of each image's own expert
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
@@ -15,6 +16,7 @@
 #include "data/dataset.h"
 #include "decentral/features.h"
 #include "decentral/partition.h"
+#include "decentral/distill.h"
 #include "decentral/ensemble_dir.h"
 #include "decentral/islands.h"
 #include "decentral/router_eval.h"
@@ -147,6 +149,44 @@ int ensemble_cmd(const std::string& out, const EnsembleSpec& spec, bool force) {
   std::cout << ") and router " << m["router"]["preset"].get<std::string>() << "; default routing " << spec.routing
             << "\nwrote " << out << "/ensemble.json\n"
             << "next: ddm sample --ensemble " << out << " --out grid.png" << std::endl;
+  return 0;
+}
+
+struct DistillArgs {
+  std::string ensemble, config, out, preset;
+  std::vector<std::string> overrides;
+  bool resume = false, force = false, quiet = false;
+};
+
+// The student's run config: --config, or else expert 0's config (its data, forward process, time
+// distribution, label dropout, seed and the global batch and steps of a monolith), on all the data,
+// with train.teacher = the ensemble; --preset swaps the model.
+RunConfig distill_config(const DistillArgs& a) {
+  const std::string from = a.config.empty() ? (fs::path(ensemble_expert_run(a.ensemble, 0)) / "config.toml").string()
+                                            : a.config;
+  RunConfig c = load_config(from);
+  if (!a.preset.empty()) {
+    ModelConfig m;
+    m.preset = a.preset;
+    apply_preset(a.preset, m);
+    DDM_CHECK(!is_router_arch(m.arch), "--preset " << a.preset << " is a router; the student is a diffusion model "
+                                                      "(see `ddm presets`)");
+    m.num_classes = c.model.num_classes == 0 ? 0 : -1;
+    c.model = m;
+  }
+  c.data.partition.clear();
+  c.data.expert = -1;
+  c.train.expert_budget = "full";
+  c.train.teacher = fs::absolute(a.ensemble).lexically_normal().string();
+  return parse_config(to_toml(c), "the student config made from " + from, a.overrides);
+}
+
+int distill_cmd(const DistillArgs& a) {
+  const RunConfig cfg = distill_config(a);
+  TrainSummary s = train(cfg, {a.out, a.resume, a.force, a.quiet});
+  if (s.interrupted) return 130;
+  std::cout << "done: step " << s.last_step << ", checkpoint " << s.checkpoint << "\nnext: ddm sample --ckpt " << a.out
+            << " --out student.png   (or ddm eval --ckpt " << a.out << ")" << std::endl;
   return 0;
 }
 
@@ -287,6 +327,23 @@ std::vector<Command> add_decentral_commands(CLI::App& app) {
   islurm->add_option("file", ia->file, "islands file (TOML)")->required();
   islurm->add_option("--script", ia->script, "script to write (default OUT/islands.sbatch)");
   cmds.push_back({islurm, [ia] { return islands_cmd("slurm", *ia); }});
+
+  auto da = std::make_shared<DistillArgs>();
+  auto* dist = app.add_subcommand(
+      "distill",
+      "Distill a decentralized ensemble into one dense model: the student trains on every image of the ensemble's "
+      "data, regressing the prediction of the expert of that image's cluster at the same noisy input (converted "
+      "to the student's path and parameterization) instead of the data target. By default the student is expert 0's "
+      "config on all the data (same model, forward process and the monolith's batch and steps).");
+  dist->add_option("--ensemble", da->ensemble, "the ensemble directory (ddm ensemble, or an islands run)")->required();
+  dist->add_option("--out", da->out, "run directory of the student")->required();
+  dist->add_option("--config", da->config, "the student's training config (default: expert 0's)");
+  dist->add_option("--preset", da->preset, "the student's model preset (default: the config's; see `ddm presets`)");
+  dist->add_option("--set", da->overrides, "override a config key, e.g. --set train.steps=600 (repeatable)");
+  dist->add_flag("--resume", da->resume, "continue from the latest checkpoint in --out");
+  dist->add_flag("--force", da->force, "overwrite a different run in --out");
+  dist->add_flag("--quiet", da->quiet, "no training progress output");
+  cmds.push_back({dist, [da] { return distill_cmd(*da); }});
 
   return cmds;
 }

@@ -149,6 +149,7 @@ std::vector<Field> fields(RunConfig& c) {
       field("train.ckpt_every", &c.train.ckpt_every),
       field("train.keep_ckpts", &c.train.keep_ckpts),
       field("train.expert_budget", &c.train.expert_budget),
+      field("train.teacher", &c.train.teacher),
       field("sample.sampler", &c.sample.sampler),
       field("sample.steps", &c.sample.steps),
       field("sample.cfg", &c.sample.cfg),
@@ -278,6 +279,11 @@ void validate(const RunConfig& c) {
   check_choice("train.expert_budget", c.train.expert_budget, {"full", "split-batch", "split-steps"});
   DDM_CHECK(c.train.expert_budget == "full" || (!c.data.partition.empty() && !router),
             "train.expert_budget = " << c.train.expert_budget << " applies only to experts (with data.partition)");
+
+  DDM_CHECK(c.train.teacher.empty() || (!router && c.data.partition.empty()),
+            "train.teacher = " << c.train.teacher << " distills an ensemble into one "
+                               << (router ? "diffusion model, not a router" : "model trained on all the data")
+                               << "; remove " << (router ? "train.teacher" : "data.partition and data.expert"));
 
   check_choice("model.arch", m.arch, {"unet", "dit", "router-dit", "router-conv"});
   DDM_CHECK(m.num_experts == 0 || m.num_experts >= 2,

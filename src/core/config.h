@@ -70,6 +70,9 @@ struct TrainConfig {
   // expert); split-batch: batch_size / K per step (the paper's 256 -> 8 x 32), so K experts together
   // cost what one model with these numbers costs; split-steps: steps / K at the full batch size.
   std::string expert_budget = "full";
+  // Distillation: an ensemble directory (`ddm ensemble`). The model then learns, on every image, the
+  // prediction of the expert of that image's cluster instead of the data target ("" = off).
+  std::string teacher;
 };
 
 struct SampleConfig {

@@ -18,7 +18,7 @@ struct Dataset {
   int64_t num_classes = 0;               // 0 = unlabeled
   std::vector<std::string> class_names;  // size num_classes (may be generic "class 3")
   std::string description;               // e.g. "fashion-mnist train: 60000 x 1x28x28, 10 classes"
-  torch::Tensor clusters;                // int64 [N]: each image's cluster, only when training a router
+  torch::Tensor clusters;                // int64 [N]: each image's cluster (routers, distillation; else undefined)
 };
 
 // Default root for the Debian package dataset-fashion-mnist.
@@ -35,7 +35,7 @@ torch::Tensor to_uint8(const torch::Tensor& images);
 struct Batch {
   torch::Tensor x;  // float [B, C, H, W] in [-1, 1]
   torch::Tensor y;  // int64 [B]
-  torch::Tensor k;  // int64 [B]: the images' clusters (router training only; undefined otherwise)
+  torch::Tensor k;  // int64 [B]: the images' clusters (routers and distillation; undefined otherwise)
 };
 
 // Epoch-wise shuffling without replacement. The order of epoch e is a permutation drawn from a

@@ -148,7 +148,23 @@ Denoiser::Estimate Ensemble::estimate(const torch::Tensor& x, const torch::Tenso
   probs = torch::where(mass > 0, probs / mass.clamp_min(1e-30), present.expand_as(probs) / present.sum());
   auto gen = make_generator(
       derive_seed({seed_, static_cast<uint64_t>(RngPurpose::kSample), 0x0e7e11ULL, static_cast<uint64_t>(usage_.calls)}));
-  const auto weights = routing_weights(probs, routing_, gen);  // [B, K]
+  usage_.router_flops += static_cast<double>(b) * router_flops_;
+  return combine(x, t, y, w, routing_weights(probs, routing_, gen));
+}
+
+Denoiser::Estimate Ensemble::estimate_assigned(const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& y,
+                                               const torch::Tensor& experts) const {
+  DDM_CHECK(experts.numel() == x.size(0) && experts.min().item<int64_t>() >= 0 && experts.max().item<int64_t>() < k(),
+            "ensemble: expert indices must be 0.." << k() - 1);
+  for (int64_t e = 0; e < k(); ++e)
+    DDM_CHECK(experts_[e] || !experts.eq(e).any().item<bool>(), "ensemble: expert " << e << " is missing");
+  const auto weights = torch::zeros({x.size(0), k()}, x.options()).scatter_(1, experts.view({-1, 1}), 1.0);  // [B, K]
+  return combine(x, t, y, 1.0, weights);
+}
+
+Denoiser::Estimate Ensemble::combine(const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& y, double w,
+                                     const torch::Tensor& weights) const {
+  const int64_t b = x.size(0);
   const int branches = num_classes_ > 0 && w != 0.0 && w != 1.0 ? 2 : 1;
 
   Denoiser::Estimate out{torch::zeros_like(x), torch::zeros_like(x)};
@@ -167,7 +183,6 @@ Denoiser::Estimate Ensemble::estimate(const torch::Tensor& x, const torch::Tenso
   }
   usage_.calls += 1;
   usage_.sample_evals += b;
-  usage_.router_flops += static_cast<double>(b) * router_flops_;
   return out;
 }
 

@@ -71,6 +71,10 @@ class Ensemble {
 
   // The routed, grouped estimate (see the file comment). x [B,C,H,W], t [B], y [B], guidance w.
   Denoiser::Estimate estimate(const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& y, double w) const;
+  // Each sample evaluated by one given expert, experts [B] int64 (no router), with the labels as
+  // given (the null label for unconditional) and no guidance: the teacher of distillation.
+  Denoiser::Estimate estimate_assigned(const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& y,
+                                       const torch::Tensor& experts) const;
   // A Denoiser over this ensemble (which must outlive it).
   Denoiser denoiser() const;
 
@@ -81,6 +85,9 @@ class Ensemble {
   std::string usage_report(int64_t n_images) const;
 
  private:
+  // Mixes the experts with weights [B, K], grouped: each expert runs once on the samples it weighs.
+  Denoiser::Estimate combine(const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& y, double w,
+                             const torch::Tensor& weights) const;
   std::vector<std::optional<Denoiser>> experts_;
   std::vector<double> expert_flops_;
   RouterFn router_;

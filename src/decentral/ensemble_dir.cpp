@@ -177,6 +177,19 @@ LoadedEnsemble load_ensemble(const std::string& dir, bool use_ema, bool allow_mi
   return e;
 }
 
+std::string ensemble_expert_run(const std::string& dir, int64_t k) {
+  const fs::path manifest = fs::path(dir) / "ensemble.json";
+  DDM_CHECK(fs::exists(manifest), "'" << dir << "' is not an ensemble directory (no ensemble.json); make one with "
+                                  "ddm ensemble --out DIR --partition P --router R --expert E0 ...");
+  try {
+    const auto m = nlohmann::json::parse(read_file(manifest.string()));
+    return resolved_path(dir, m.at("experts").at(k).at("path").get<std::string>());
+  } catch (const nlohmann::json::exception& err) {
+    DDM_FAIL(manifest.string() << " is not a valid ensemble manifest (" << err.what()
+                               << "); re-create it with ddm ensemble");
+  }
+}
+
 std::unique_ptr<Ensemble> make_ensemble(const LoadedEnsemble& e, const Routing& routing, uint64_t seed) {
   const LoadedModel& first = e.first_expert();
   const NoisePath path = make_path(first.cfg.diffusion);

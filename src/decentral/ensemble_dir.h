@@ -47,6 +47,9 @@ struct LoadedEnsemble {
 // router's probabilities are renormalized over the rest). A changed checkpoint is always an error.
 LoadedEnsemble load_ensemble(const std::string& dir, bool use_ema, bool allow_missing);
 
+// The run directory of expert k as DIR/ensemble.json names it (nothing is loaded or verified).
+std::string ensemble_expert_run(const std::string& dir, int64_t k);
+
 // The routed ensemble over the loaded models. Sampling happens on the first present expert's path;
 // `oracle` routing loads the partition's data for the exact posterior.
 std::unique_ptr<Ensemble> make_ensemble(const LoadedEnsemble& e, const Routing& routing, uint64_t seed);

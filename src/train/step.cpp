@@ -54,6 +54,14 @@ StepResult DiffusionStep::run(const Batch& batch, int64_t step) {
   if (router_) {
     DDM_CHECK(batch.k.defined(), "router training needs the batch's clusters (Dataset::clusters)");
     loss = torch::nn::functional::cross_entropy(out, batch.k);
+  } else if (teacher_) {
+    DDM_CHECK(batch.k.defined(), "distillation needs the batch's clusters (Dataset::clusters)");
+    Denoiser::Estimate est;
+    {
+      torch::NoGradGuard no_grad;
+      est = teacher_(xt, t, y, batch.k);
+    }
+    loss = torch::mse_loss(out, training_target(path_, pred_, est.x0, est.eps, t));
   } else {
     loss = torch::mse_loss(out, training_target(path_, pred_, batch.x, eps, t));
   }

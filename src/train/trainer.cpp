@@ -14,6 +14,7 @@
 #include "core/error.h"
 #include "core/fileio.h"
 #include "core/rng.h"
+#include "decentral/distill.h"
 #include "decentral/partition.h"
 #include "diffusion/path.h"
 #include "model/router.h"
@@ -71,7 +72,7 @@ void prepare_run_dir(const TrainOptions& opt, const RunConfig& cfg) {
     std::error_code ec;
     for (const char* name :
          {"ckpt", "metrics.jsonl", "config.toml", "samples.png", "train.log", "expert.json", "router.json",
-          "router_eval.json"})
+          "router_eval.json", "distill.json"})
       fs::remove_all(dir / name, ec);
   } else if (fs::exists(dir) && !fs::is_empty(dir) && !opt.force) {
     DDM_FAIL("'" << opt.out_dir << "' is not empty and holds no ddm run; use another --out or --force");
@@ -196,6 +197,11 @@ TrainSummary train(RunConfig cfg, const TrainOptions& opt) {
   Partition partition;
   if (!cfg.data.partition.empty()) partition = load_partition(cfg.data.partition);
   if (router) expert_line = select_router_data(cfg, data, partition);
+  std::shared_ptr<DistillTeacher> teacher;
+  if (!cfg.train.teacher.empty()) {
+    teacher = load_distill_teacher(cfg, data);
+    expert_line = describe(*teacher);
+  }
   const std::string config_text = to_toml(cfg);
   const RunConfig stored_cfg = cfg;  // an expert's config keeps the global budget; it runs on its share
   if (!cfg.data.partition.empty() && !router) expert_line = select_expert_data(cfg, data, partition);
@@ -203,12 +209,14 @@ TrainSummary train(RunConfig cfg, const TrainOptions& opt) {
   const fs::path dir(opt.out_dir);
   write_file_atomic((dir / "config.toml").string(), config_text);
   if (!cfg.data.partition.empty()) check_partition_record(opt, cfg, partition);
+  if (teacher) check_distill_record(opt.out_dir, opt.resume, *teacher);
 
   const uint64_t seed = static_cast<uint64_t>(tc.seed);
   torch::manual_seed(derive_seed({seed, static_cast<uint64_t>(RngPurpose::kInit)}));
   Net net = make_net(cfg.model);
   net->train();
   DiffusionStep stepper(cfg, net);
+  if (teacher) stepper.set_teacher(teacher_fn(teacher, cfg));
   FlatAdamW& optim = stepper.optim();
   BatchLoader loader(data, tc.batch_size, derive_seed({seed, static_cast<uint64_t>(RngPurpose::kDataOrder)}),
                      cfg.data.hflip);

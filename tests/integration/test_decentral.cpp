@@ -151,6 +151,37 @@ TEST(DecentralCli, RouterEnsembleAndRoutedSamplingRefuseMismatchedParts) {
   ASSERT_EQ(test::run_ddm(sample + "--out " + (dir / "g2.png") + " --raw " + (dir / "g2.safetensors")).exit_code, 0);
   EXPECT_EQ(test::read_text(dir / "g.png"), test::read_text(dir / "g2.png"));
 
+  // Distillation: the student (expert 0's config on all 600 images) learns each image's own expert;
+  // it resumes bit for bit on the same teacher and refuses a re-assembled one.
+  const std::string distill = "distill --quiet --ensemble " + (dir / "ens") + " --set train.ckpt_every=3 ";
+  r = test::run_ddm(distill + "--out " + (dir / "s"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("next: ddm sample --ckpt"), std::string::npos) << r.output;
+  const auto record = nlohmann::json::parse(test::read_text(dir / "s/distill.json"));
+  EXPECT_EQ(record["k"], 2);
+  EXPECT_EQ(record["ensemble_sha256"].get<std::string>().size(), 64u);
+  const std::string student_cfg = test::read_text(dir / "s/config.toml");
+  EXPECT_NE(student_cfg.find("teacher = "), std::string::npos) << student_cfg;
+  EXPECT_EQ(student_cfg.find("expert = 0"), std::string::npos) << student_cfg;
+  ASSERT_EQ(test::run_ddm(distill + "--set train.steps=3 --out " + (dir / "s3")).exit_code, 0);
+  ASSERT_EQ(test::run_ddm(distill + "--resume --out " + (dir / "s3")).exit_code, 0);
+  EXPECT_EQ(test::read_text(dir / "s/ckpt/step-00000006/ema.safetensors"),
+            test::read_text(dir / "s3/ckpt/step-00000006/ema.safetensors"));
+  r = test::run_ddm("sample --ckpt " + (dir / "s") + " --n 10 --steps 2 --threads 1 --out " + (dir / "s.png"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  expect_error(test::run_ddm(distill + "--preset router-conv-tiny --out " + (dir / "x")), "is a router");
+  expect_error(test::run_ddm(distill + "--set data.limit=500 --out " + (dir / "x")), "has 500 images");
+  expect_error(test::run_ddm("distill --ensemble " + (dir / "e0") + " --out " + (dir / "x")),
+               "is not an ensemble directory");
+  expect_error(test::run_ddm("train --quiet --config " + (dir / "tiny.toml") + " --partition " + (dir / "p") +
+                             " --expert 0 --set \"train.teacher='" + (dir / "ens") + "'\" --out " + (dir / "x")),
+               "remove data.partition");
+  const std::string assemble = "ensemble --force --out " + (dir / "ens") + " --partition " + (dir / "p") +
+                               " --router " + (dir / "r") + experts;
+  ASSERT_EQ(test::run_ddm(assemble + " --routing full").exit_code, 0);
+  expect_error(test::run_ddm(distill + "--resume --set train.steps=9 --out " + (dir / "s")), "was re-assembled");
+  ASSERT_EQ(test::run_ddm(assemble).exit_code, 0);
+
   // Mismatched parts.
   const std::string ens = "ensemble --out " + (dir / "x") + " --partition " + (dir / "p");
   expect_error(test::run_ddm(ens + " --router " + (dir / "r") + " --expert " + (dir / "e1") + " --expert " + (dir / "e0")),

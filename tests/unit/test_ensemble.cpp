@@ -2,7 +2,8 @@
 // disjoint Gaussian clusters (trained on different paths and parameterizations) and the exact
 // posterior as router, the full ensemble's velocity is the mixture's marginal velocity; top-k with
 // k = K equals full; grouped batching equals a per-sample loop; strategies are deterministic under
-// a seed; a missing expert is renormalized away; the data oracle finds the right cluster.
+// a seed; a missing expert is renormalized away; the data oracle finds the right cluster; the
+// distillation teacher gives each sample its own cluster's expert, and the training step regresses it.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -18,6 +19,7 @@
 #include "model/presets.h"
 #include "model/router.h"
 #include "test_util.h"
+#include "train/step.h"
 
 using namespace ddm;
 
@@ -299,4 +301,67 @@ TEST(Router, BothArchitecturesStartUniformAndLearn) {
   cfg.num_classes = 10;
   cfg.num_experts = 1;
   EXPECT_NE(test::error_message([&] { make_net(cfg); }).find("model.num_experts must be >= 2"), std::string::npos);
+}
+
+TEST(Distill, AssignedExpertsGiveEachSampleItsOwnClustersPosteriorMean) {
+  // The teacher of distillation: sample i is evaluated by expert k_i alone, whatever its path. With
+  // exact experts that is E[x0 | x_t, cluster k_i] in closed form.
+  const Mixture m = three_clusters();
+  const Ensemble ens = make(m, "top1", exact_experts(m));
+  auto [x, t] = noisy_points(m, 30, 7);
+  auto y = torch::zeros({30}, torch::kLong);
+  auto k = torch::arange(30, torch::kLong).remainder(3).flip(0);  // not the router's choice
+  auto est = ens.estimate_assigned(x, t, y, k);
+  const NoisePath flow(PathKind::kFlow);
+  auto a = flow.alpha(t).view({-1, 1, 1, 1}), s = flow.sigma(t).view({-1, 1, 1, 1});
+  for (int64_t i = 0; i < 30; ++i) {
+    const int64_t c = k[i].item<int64_t>();
+    auto ai = a[i], si = s[i];
+    auto x0 = m.mu[c] + ai * m.var[c] / (ai * ai * m.var[c] + si * si) * (x[i] - ai * m.mu[c]);  // [1,1,2,2]
+    EXPECT_LT((est.x0[i] - x0.squeeze(0)).abs().max().item<double>(), 1e-8) << "sample " << i << ", expert " << c;
+  }
+  EXPECT_TRUE(torch::allclose(x, a * est.x0 + s * est.eps, 0, 1e-9));
+  EXPECT_EQ(ens.usage().expert_evals, (std::vector<int64_t>{10, 10, 10}));
+
+  auto experts = exact_experts(m);
+  experts[1].reset();
+  const Ensemble missing = make(m, "top1", std::move(experts));
+  EXPECT_NE(test::error_message([&] { missing.estimate_assigned(x, t, y, k); }).find("expert 1 is missing"),
+            std::string::npos);
+}
+
+TEST(Distill, TheTrainingStepRegressesTheTeachersPrediction) {
+  // A teacher that returns the true (x0, eps) behind x_t must give exactly the data loss, and a
+  // wrong teacher a different one: the step trains on the teacher, not on the data.
+  RunConfig cfg;
+  cfg.model.preset = "unet-tiny";
+  cfg.model.channels = 8;
+  cfg.model.channel_mult = {1, 2};
+  cfg.model.groups = 4;
+  cfg.model.in_channels = 1;
+  cfg.model.image_size = 8;
+  cfg.model.num_classes = 2;
+  Batch batch{torch::rand({6, 1, 8, 8}) * 2 - 1, torch::randint(0, 2, {6}), torch::randint(0, 3, {6})};
+  const NoisePath path = make_path(cfg.diffusion);
+  auto loss_with = [&](TeacherFn teacher) {
+    torch::manual_seed(3);
+    DiffusionStep step(cfg, make_net(cfg.model));
+    if (teacher) step.set_teacher(teacher);
+    return step.run(batch, 0).loss;
+  };
+  torch::Tensor seen_k;
+  auto truth = [&](const torch::Tensor& xt, const torch::Tensor& t, const torch::Tensor&, const torch::Tensor& k) {
+    seen_k = k;
+    auto eps = (xt - path.alpha(t).view({-1, 1, 1, 1}) * batch.x) / path.sigma(t).view({-1, 1, 1, 1});
+    return Denoiser::Estimate{batch.x, eps};
+  };
+  auto blurred = [&](const torch::Tensor& xt, const torch::Tensor& t, const torch::Tensor& y, const torch::Tensor& k) {
+    auto e = truth(xt, t, y, k);
+    auto x0 = 0.5 * e.x0;
+    return Denoiser::Estimate{x0, (xt - path.alpha(t).view({-1, 1, 1, 1}) * x0) / path.sigma(t).view({-1, 1, 1, 1})};
+  };
+  const double data = loss_with(nullptr), taught = loss_with(truth), wrong = loss_with(blurred);
+  EXPECT_NEAR(taught, data, 1e-5 * data);
+  EXPECT_TRUE(torch::equal(seen_k, batch.k));
+  EXPECT_GT(std::abs(wrong - data), 1e-3 * data);
 }

@@ -1,0 +1,101 @@
+// Distillation teacher (see distill.h).
+#include "decentral/distill.h"
+
+#include <filesystem>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
+#include <torch/torch.h>
+
+#include "core/error.h"
+#include "core/fileio.h"
+#include "decentral/ensemble_dir.h"
+#include "decentral/partition.h"
+#include "diffusion/path.h"
+#include "model/net.h"
+
+namespace fs = std::filesystem;
+
+namespace ddm {
+
+struct DistillTeacher {
+  LoadedEnsemble ens;
+  std::unique_ptr<Ensemble> model;
+  std::string manifest_sha256;
+  double flops_per_image = 0;  // mean over the data's clusters
+};
+
+std::shared_ptr<DistillTeacher> load_distill_teacher(const RunConfig& cfg, Dataset& data) {
+  const std::string& dir = cfg.train.teacher;
+  auto t = std::make_shared<DistillTeacher>();
+  t->ens = load_ensemble(dir, /*use_ema=*/true, /*allow_missing=*/false);
+  t->manifest_sha256 = sha256_file((fs::path(dir) / "ensemble.json").string());
+  const Partition p = load_partition(t->ens.partition_dir);
+  check_partition_matches(p, data);
+  data.clusters = p.labels;
+
+  const ModelConfig& te = t->ens.first_expert().cfg.model;
+  const ModelConfig& st = cfg.model;
+  DDM_CHECK(te.in_channels == st.in_channels && te.image_size == st.image_size,
+            "the ensemble " << dir << " works on " << te.in_channels << "x" << te.image_size << "x" << te.image_size
+                            << " images but the student's data is " << st.in_channels << "x" << st.image_size << "x"
+                            << st.image_size);
+  DDM_CHECK(st.num_classes == 0 || st.num_classes == te.num_classes,
+            "the student has " << st.num_classes << " classes but the ensemble's experts "
+                               << (te.num_classes == 0 ? "are unconditional" : "have " + std::to_string(te.num_classes))
+                               << "; set model.num_classes = 0 (unconditional student) or use the experts' data");
+  t->model = make_ensemble(t->ens, parse_routing("top1"), static_cast<uint64_t>(cfg.train.seed));
+  const auto sizes = p.sizes.to(torch::kDouble);
+  for (int64_t k = 0; k < t->ens.k; ++k)
+    t->flops_per_image += sizes[k].item<double>() / sizes.sum().item<double>() *
+                          forward_flops_per_image(t->ens.experts[k]->cfg.model);
+  return t;
+}
+
+std::string describe(const DistillTeacher& t) {
+  std::ostringstream s;
+  s << "teacher: ensemble " << t.ens.dir << ", K = " << t.ens.k << " (";
+  for (int64_t k = 0; k < t.ens.k; ++k)
+    s << (k ? ", " : "") << t.ens.experts[k]->cfg.model.preset << " " << t.ens.experts[k]->cfg.diffusion.objective;
+  s << "); each image's target comes from the expert of its cluster, " << t.flops_per_image / 1e6
+    << " MFLOP/image per step\n";
+  return s.str();
+}
+
+TeacherFn teacher_fn(std::shared_ptr<DistillTeacher> t, const RunConfig& student) {
+  const NoisePath student_path = make_path(student.diffusion);
+  const NoisePath teacher_path = make_path(t->ens.first_expert().cfg.diffusion);  // the ensemble's path
+  const int64_t teacher_null = t->ens.first_expert().cfg.model.num_classes;
+  const bool unconditional = student.model.num_classes == 0;
+  return [t, student_path, teacher_path, teacher_null, unconditional](const torch::Tensor& xt, const torch::Tensor& time,
+                                                                      const torch::Tensor& y, const torch::Tensor& k) {
+    const PathMatch m = match_path(student_path, time, teacher_path);  // the same x_t on the experts' path
+    const auto y_teacher = unconditional ? torch::full_like(y, teacher_null) : y;
+    // (x0_hat, eps_hat) do not depend on the path, so they serve the student's path as they are.
+    return t->model->estimate_assigned(xt * m.scale.view({-1, 1, 1, 1}), m.t, y_teacher, k);
+  };
+}
+
+void check_distill_record(const std::string& out_dir, bool resume, const DistillTeacher& t) {
+  const fs::path record = fs::path(out_dir) / "distill.json";
+  if (resume && fs::exists(record)) {
+    const auto stored = nlohmann::json::parse(read_file(record.string()));
+    DDM_CHECK(stored.at("ensemble_sha256") == t.manifest_sha256,
+              "--resume: the ensemble " << t.ens.dir << " was re-assembled since this student started (ensemble.json "
+                                        << "sha256 " << stored.at("ensemble_sha256").get<std::string>().substr(0, 12)
+                                        << ", now " << t.manifest_sha256.substr(0, 12)
+                                        << "); a student must finish on the teacher it started with. Restore it, or "
+                                           "start over with --force");
+    return;
+  }
+  nlohmann::json experts = nlohmann::json::array();
+  for (const auto& e : t.ens.experts) experts.push_back({{"checkpoint", e->checkpoint}, {"preset", e->cfg.model.preset}});
+  const nlohmann::json j = {{"ensemble", t.ens.dir},
+                            {"ensemble_sha256", t.manifest_sha256},
+                            {"k", t.ens.k},
+                            {"experts", experts},
+                            {"teacher_flops_per_image", t.flops_per_image}};
+  write_file_atomic(record.string(), j.dump(2) + "\n");
+}
+
+}  // namespace ddm
