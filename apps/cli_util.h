@@ -36,4 +36,11 @@ struct Command {
 // Decentralized-diffusion subcommands (apps/decentral_cli.cpp): partition, ...
 std::vector<Command> add_decentral_commands(CLI::App& app);
 
+// The decentralized quickstart's training (apps/decentral_cli.cpp): writes OUT/quickstart.toml (the
+// experts' config) and OUT/islands.toml, then runs those islands: a K = 4 partition, four experts
+// splitting the global batch, a router, and OUT/ensemble.json. expert_steps / router_steps / threads
+// of 0 keep the defaults. Returns the islands' exit code.
+int run_quickstart_islands(const std::string& out, const std::string& experts_config, int64_t expert_steps,
+                           int64_t router_steps, int64_t threads);
+
 }  // namespace ddm

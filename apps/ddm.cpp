@@ -1,11 +1,11 @@
 // ddm command-line interface: parses flags with CLI11 and calls the library. Subcommands:
 //   train       train a diffusion model from a TOML config
 //   sample      write a PNG grid (and optionally raw samples) from a checkpoint or an ensemble
-//   quickstart  train a small class-conditional model on Fashion-MNIST and write a sample grid
+//   quickstart  the decentralized pipeline at small scale (partition, 4 experts, router, top-1 grid)
 //   presets     list model presets with parameter counts and FLOPs
 //   train-classifier  train the feature network that the evaluation metrics use
 //   eval        FD-fmnist, KID, precision/recall and class accuracy of a model's samples or a file
-//   partition, train-router, ensemble, islands  (apps/decentral_cli.cpp) decentralized diffusion
+//   partition, train-router, ensemble, islands, distill  (apps/decentral_cli.cpp) decentralized diffusion
 #include <CLI/CLI.hpp>
 
 #include "cli_util.h"
@@ -17,6 +17,7 @@
 #include <iostream>
 #include <memory>
 #include <optional>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include "core/config.h"
@@ -41,9 +42,12 @@ using namespace ddm;
 
 namespace {
 
-// The quickstart configuration; configs/quickstart.toml holds the same text (a test checks it via
-// `ddm quickstart --print-config`).
+// The quickstart's training config: each of its four experts' (with the global batch split four
+// ways), and with --monolith the single model's. configs/quickstart.toml holds the same text (a test
+// checks it via `ddm quickstart --print-config`).
 const char* kQuickstartConfig = R"(# ddm quickstart: a small class-conditional flow-matching U-Net on Fashion-MNIST.
+# `ddm quickstart` trains four such experts on four clusters of the data, each on a quarter of the
+# batch (together the cost of one model with these numbers), and a router; --monolith trains one.
 [data]
 source = "fashion-mnist"
 
@@ -395,13 +399,18 @@ int run(int argc, char** argv) {
   int64_t qs_steps = 0, qs_threads = 0;
   auto* qs_cmd = app.add_subcommand(
       "quickstart",
-      "Train a small class-conditional model on Fashion-MNIST (about 11 minutes on 2 cores), then write a sample "
-      "grid with one row per class. Re-running continues an interrupted run.");
+      "Decentralized diffusion end to end on Fashion-MNIST, in about 12 minutes on 2 cores: partition the data "
+      "into 4 clusters, train 4 small class-conditional experts in isolation (independent processes, a quarter of "
+      "the batch each: together one model's budget) and a router, assemble the ensemble, and write a sample grid "
+      "(top-1 routing, one row per class) to OUT/samples.png. Re-running continues an interrupted run. "
+      "--monolith trains the single-model baseline with the same budget instead.");
   qs_cmd->add_option("--out", qs_out, "run directory");
-  qs_cmd->add_option("--steps", qs_steps, "training steps (default 1200)")->check(kPositive);
+  qs_cmd->add_option("--steps", qs_steps, "training steps of each expert, or of the monolith (default 1200; the "
+                                          "router trains half as many)")->check(kPositive);
   qs_cmd->add_option("--threads", qs_threads, "intra-op threads (0 = all cores)")->check(kNonNegative);
-  bool qs_print = false;
-  qs_cmd->add_flag("--print-config", qs_print, "print the quickstart config (TOML) and exit");
+  bool qs_print = false, qs_monolith = false;
+  qs_cmd->add_flag("--print-config", qs_print, "print the quickstart's training config (TOML) and exit");
+  qs_cmd->add_flag("--monolith", qs_monolith, "train one model on all the data instead of the ensemble");
 
   // train-classifier
   ClassifierArgs ca;
@@ -481,23 +490,49 @@ int run(int argc, char** argv) {
       std::cout << kQuickstartConfig;
       return 0;
     }
-    std::vector<std::string> ov;
-    if (qs_steps > 0) ov.push_back("train.steps=" + std::to_string(qs_steps));
-    if (qs_threads > 0) ov.push_back("train.threads=" + std::to_string(qs_threads));
-    RunConfig cfg = parse_config(kQuickstartConfig, "quickstart config", ov);
-    const bool existing = fs::exists(fs::path(qs_out) / "config.toml");
-    std::cout << "ddm quickstart: " << (existing ? "continuing" : "training") << " in " << qs_out << std::endl;
+    const bool single = fs::exists(fs::path(qs_out) / "config.toml"), islands = fs::exists(fs::path(qs_out) / "islands.toml");
+    DDM_CHECK(!(single && !qs_monolith), qs_out << " holds a single-model quickstart (" << qs_out
+                                              << "/config.toml); continue it with --monolith, or use another --out");
+    DDM_CHECK(!(islands && qs_monolith), qs_out << " holds a decentralized quickstart (" << qs_out
+                                               << "/islands.toml); drop --monolith to continue it, or use another --out");
     const auto t0 = std::chrono::steady_clock::now();
-    TrainSummary s = train(cfg, {qs_out, /*resume=*/existing, /*force=*/false, /*quiet=*/false});
-    if (s.interrupted) return 130;
     SampleArgs a;
-    a.ckpt = qs_out;
     a.out = (fs::path(qs_out) / "samples.png").string();
     a.threads = qs_threads;
+    if (qs_monolith) {
+      std::vector<std::string> ov;
+      if (qs_steps > 0) ov.push_back("train.steps=" + std::to_string(qs_steps));
+      if (qs_threads > 0) ov.push_back("train.threads=" + std::to_string(qs_threads));
+      RunConfig cfg = parse_config(kQuickstartConfig, "quickstart config", ov);
+      std::cout << "ddm quickstart --monolith: " << (single ? "continuing" : "training") << " in " << qs_out << std::endl;
+      TrainSummary s = train(cfg, {qs_out, /*resume=*/single, /*force=*/false, /*quiet=*/false});
+      if (s.interrupted) return 130;
+      a.ckpt = qs_out;
+    } else {
+      std::cout << "ddm quickstart: " << (islands ? "continuing" : "training")
+                << " a decentralized ensemble in " << qs_out
+                << ": a partition of Fashion-MNIST into 4 clusters, 4 experts trained in isolation, one after "
+                   "another (batch 32 each), then a router. Progress every 30 s; each island logs to "
+                << qs_out << "/logs." << std::endl;
+      const int rc = run_quickstart_islands(qs_out, kQuickstartConfig, qs_steps, qs_steps > 0 ? std::max<int64_t>(1, qs_steps / 2) : 0,
+                                            qs_threads);
+      if (rc != 0) return rc;
+      a.ensemble = qs_out;
+    }
     write_samples(a);
+    rusage children{};
+    getrusage(RUSAGE_CHILDREN, &children);
     std::printf("quickstart took %.0f s; peak memory %.0f MiB\n",
-                std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), peak_rss_mib());
-    std::cout << "\nNext: ddm sample --ckpt " << qs_out << " --sampler heun --steps 10 --out grid.png\n";
+                std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(),
+                std::max(peak_rss_mib(), static_cast<double>(children.ru_maxrss) / 1024.0));
+    if (qs_monolith) {
+      std::cout << "\nNext: ddm sample --ckpt " << qs_out << " --sampler heun --steps 10 --out grid.png\n";
+    } else {
+      std::cout << "\nNext:\n  ddm sample --ensemble " << qs_out << " --routing full --out grid.png   (other routings)\n"
+                << "  ddm eval --ensemble " << qs_out << "                            (FD-fmnist, KID, precision/recall)\n"
+                << "  ddm distill --ensemble " << qs_out << " --out runs/student        (one dense model)\n"
+                << "  ddm islands status " << qs_out << "/islands.toml\n";
+    }
     return 0;
   }
   if (*cls_cmd) {

@@ -1,6 +1,7 @@
 // The decentralized pipeline through the ddm binary: partition, expert training, router, ensemble,
-// routed sampling and islands (with a kill -9 of one island). Each step on real Fashion-MNIST
-// (a few thousand images), and each bad input exits non-zero with a clear message.
+// routed sampling, distillation, islands (with a kill -9 of one island) and the quickstart. Each
+// step on real Fashion-MNIST (a few thousand images; all of it for the quickstart), and each bad
+// input exits non-zero with a clear message.
 #include <gtest/gtest.h>
 
 #include <signal.h>
@@ -285,4 +286,34 @@ TEST(DecentralCli, IslandsSurviveAKilledIslandAndWriteASlurmArray) {
   test::write_text(dir / "bad.toml", islands.substr(0, islands.find("[run]")) + "[run]\nconcurrency = 0\n");
   expect_error(test::run_command(cd + DDM_BINARY + " islands run bad.toml"), "'run.concurrency' must be >= 1");
   expect_error(test::run_command(cd + DDM_BINARY + " islands run nowhere.toml"), "does not exist");
+}
+
+TEST(DecentralCli, QuickstartRunsTheWholeDecentralizedPipeline) {
+  // The main command at a few steps: partition of all 60000 images into 4, four experts and a router
+  // as islands, the assembled ensemble, and a top-1 grid; a re-run continues (here: nothing left).
+  const test::TempDir dir;
+  const std::string qs = "quickstart --steps 4 --threads 1 --out " + (dir / "qs");
+  auto r = test::run_ddm(qs);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("routing top1"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("quickstart took"), std::string::npos) << r.output;
+  EXPECT_TRUE(fs::exists(dir / "qs/samples.png"));
+  const auto manifest = nlohmann::json::parse(test::read_text(dir / "qs/ensemble.json"));
+  EXPECT_EQ(manifest["k"], 4);
+  for (const auto& e : manifest["experts"]) EXPECT_EQ(e["step"], 4);
+  EXPECT_EQ(manifest["router"]["step"], 2);
+  const auto expert = nlohmann::json::parse(test::read_text(dir / "qs/experts/2/expert.json"));
+  EXPECT_EQ(expert["batch_size"], 32);  // the quickstart's batch of 128, split four ways
+  EXPECT_EQ(expert["images"], 15000);
+
+  r = test::run_ddm(qs);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("5 already done, 0 to run"), std::string::npos) << r.output;
+  r = test::run_ddm("islands status " + (dir / "qs/islands.toml"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("ensemble: "), std::string::npos) << r.output;
+  expect_error(test::run_ddm(qs + " --monolith"), "holds a decentralized quickstart");
+  fs::create_directories(dir / "single");
+  test::write_text(dir / "single/config.toml", "[train]\nsteps = 4\n");
+  expect_error(test::run_ddm("quickstart --out " + (dir / "single")), "holds a single-model quickstart");
 }
