@@ -21,6 +21,7 @@
 #include "decentral/ensemble_dir.h"
 #include "decentral/islands.h"
 #include "decentral/router_eval.h"
+#include "eval/grid.h"
 #include "core/fileio.h"
 #include "model/presets.h"
 #include "model/router.h"
@@ -37,6 +38,22 @@ struct PartitionArgs {
   bool unbalanced = false, force = false;
   PartitionConfig cfg;
 };
+
+// A look at the clusters: one row of the first 12 images of each cluster (at most 64 rows).
+void save_cluster_grid(const std::string& path, const Dataset& data, const Partition& p) {
+  constexpr int64_t kCols = 12, kMaxRows = 64;
+  std::vector<torch::Tensor> rows;
+  std::vector<std::string> labels;
+  for (int64_t k = 0; k < std::min(p.k, kMaxRows); ++k) {
+    auto idx = p.labels.eq(k).nonzero().flatten().narrow(0, 0, std::min<int64_t>(kCols, p.sizes[k].item<int64_t>()));
+    auto imgs = to_unit_range(data.images.index_select(0, idx));  // [<=12, C, H, W]
+    if (imgs.size(0) < kCols)  // pad short clusters with blank (black) cells
+      imgs = torch::cat({imgs, -torch::ones({kCols - imgs.size(0), imgs.size(1), imgs.size(2), imgs.size(3)})});
+    rows.push_back(imgs);
+    labels.push_back("cluster " + std::to_string(k));
+  }
+  save_image_grid(path, torch::cat(rows), kCols, labels);
+}
 
 int partition_cmd(const PartitionArgs& a) {
   DDM_CHECK(!a.out.empty(), "--out DIR is required");
@@ -71,8 +88,9 @@ int partition_cmd(const PartitionArgs& a) {
   if (cfg.method != "random") p.settings["features"] = src.spec();
   const auto summary = partition_summary(p, data);
   save_partition(a.out, p, summary, a.force);
+  save_cluster_grid((fs::path(a.out) / "clusters.png").string(), data, p);
   std::cout << format_summary(summary);
-  std::printf("wrote %s/partition.safetensors and summary.json in %.1f s\n", a.out.c_str(),
+  std::printf("wrote %s/partition.safetensors, summary.json and clusters.png in %.1f s\n", a.out.c_str(),
               std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   std::cout << "next: ddm train --config CFG --partition " << a.out << " --expert 0 --out runs/expert0" << std::endl;
   return 0;
@@ -254,7 +272,7 @@ std::vector<Command> add_decentral_commands(CLI::App& app) {
       "Split a dataset into K clusters, one per expert: features (PCA of pixels, the feature network, an "
       "autoencoder, or your own file), k-means into --fine centroids, then those centroids into K clusters; "
       "each image goes to the cluster of its fine centroid. Balanced (equal sizes) by default. Writes "
-      "partition.safetensors and summary.json to --out.");
+      "partition.safetensors, summary.json and clusters.png (the first images of each cluster) to --out.");
   part->add_option("--k", pa->cfg.k, "number of clusters (experts)")->required()->check(kPositive);
   part->add_option("--out", pa->out, "partition directory to write")->required();
   part->add_option("--features", pa->features,

@@ -23,7 +23,7 @@ void expect_error(const test::CommandResult& r, const std::string& needle) {
 
 TEST(Cli, HelpForEverySubcommand) {
   for (const char* sub : {"", "train", "sample", "quickstart", "presets", "eval", "train-classifier", "partition",
-                          "train-router", "ensemble",
+                          "train-router", "ensemble", "distill",
                           "islands", "islands run", "islands status", "islands slurm"}) {
     auto r = test::run_ddm(std::string(sub) + " --help");
     EXPECT_EQ(r.exit_code, 0) << sub << r.output;

@@ -40,6 +40,9 @@ TEST(DecentralCli, PartitionWritesBalancedClustersAndRefusesBadInput) {
   const auto summary = nlohmann::json::parse(test::read_text(dir / "p/summary.json"));
   EXPECT_EQ(summary["sizes"].get<std::vector<int64_t>>(), (std::vector<int64_t>{500, 500, 500, 500}));
   EXPECT_GT(summary["nmi"].get<double>(), 0.2);  // pixel clusters follow the garment classes somewhat
+  const std::string png = test::read_text(dir / "p/clusters.png");
+  ASSERT_GT(png.size(), 8u);
+  EXPECT_EQ(png.substr(1, 3), "PNG");
 
   // The same command twice gives the same partition; an existing --out is kept without --force.
   const std::string before = test::read_text(dir / "p/partition.safetensors");
