@@ -5,6 +5,7 @@
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/file.h>
+#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -156,9 +157,14 @@ pid_t spawn(const std::string& binary, const Island& is) {
   argv.push_back(const_cast<char*>(binary.c_str()));
   for (const auto& a : is.args) argv.push_back(const_cast<char*>(a.c_str()));
   argv.push_back(nullptr);
+  const pid_t runner = getpid();
   const pid_t pid = fork();
   DDM_CHECK(pid >= 0, "cannot start " << is.name << ": fork failed (" << std::strerror(errno) << ")");
   if (pid == 0) {
+    // An island does not outlive its runner: if the runner dies, even by kill -9, the island gets
+    // SIGTERM, writes a checkpoint and stops, so the next runner resumes it with no second writer.
+    prctl(PR_SET_PDEATHSIG, SIGTERM);
+    if (getppid() != runner) _exit(1);  // the runner died before prctl
     const int fd = open(is.log.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
     if (fd >= 0) {
       dup2(fd, 1);
@@ -238,7 +244,7 @@ int64_t ensure_partition(const IslandsConfig& c, const std::string& ddm_binary) 
 int run_islands(const IslandsConfig& c, const std::string& ddm_binary) {
   fs::create_directories(fs::path(c.out) / "logs");
   const std::string lock_path = (fs::path(c.out) / "islands.lock").string();
-  const int lock = open(lock_path.c_str(), O_RDWR | O_CREAT, 0644);
+  const int lock = open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);  // islands must not inherit it
   DDM_CHECK(lock >= 0 && flock(lock, LOCK_EX | LOCK_NB) == 0,
             "another `ddm islands run` is working in " << c.out << " (" << lock_path << " is locked)");
   const int64_t k = ensure_partition(c, ddm_binary);

@@ -8,6 +8,7 @@
 
 #include <chrono>
 #include <filesystem>
+#include <fstream>
 #include <thread>
 
 #include <nlohmann/json.hpp>
@@ -263,6 +264,35 @@ TEST(DecentralCli, IslandsSurviveAKilledIslandAndWriteASlurmArray) {
   r = test::run_command(cd + DDM_BINARY + " islands run isl.toml");
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("3 already done, 0 to run"), std::string::npos) << r.output;
+
+  // A runner killed with -9 takes its islands down with it (each writes a checkpoint and stops), so
+  // the next runner resumes them alone; the result is still exactly the uninterrupted one.
+  test::write_text(dir / "isl2.toml", std::string(islands).replace(islands.find("runs/k2"), 7, "runs/k2b"));
+  test::run_command(cd + "(" + DDM_BINARY + " islands run isl2.toml > run2.log 2>&1 & echo $! > runner.pid)");
+  const fs::path ckpt2 = dir / "runs/k2b/experts/0/ckpt/step-00000040";
+  for (int i = 0; i < 3000 && !fs::exists(ckpt2); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  ASSERT_TRUE(fs::exists(ckpt2)) << test::read_text(dir / "run2.log");
+  const auto islands2 = nlohmann::json::parse(test::read_text(dir / "runs/k2b/islands.json"));
+  std::vector<pid_t> children;
+  for (const auto& island : islands2)
+    if (island["state"] == "running") children.push_back(island["pid"].get<pid_t>());
+  ASSERT_FALSE(children.empty());
+  ASSERT_EQ(kill(std::stoi(test::read_text(dir / "runner.pid")), SIGKILL), 0);
+  auto alive = [](pid_t pid) {  // a zombie counts as gone: nobody may be left to reap it here
+    std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+    std::string line;
+    return std::getline(stat, line) && line.find(") Z ") == std::string::npos;
+  };
+  for (pid_t pid : children) {
+    for (int i = 0; i < 1500 && alive(pid); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    EXPECT_FALSE(alive(pid)) << "island " << pid << " outlived its runner";
+  }
+  EXPECT_FALSE(fs::exists(dir / "runs/k2b/experts/0/ckpt/step-00000300")) << "expert 0 trained on without its runner";
+  EXPECT_NE(test::read_text(dir / "runs/k2b/logs/expert0.log").find("stopped by signal 15"), std::string::npos);
+  r = test::run_command(cd + DDM_BINARY + " islands run isl2.toml");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(test::read_text(dir / "ref/ckpt/step-00000300/ema.safetensors"),
+            test::read_text(dir / "runs/k2b/experts/0/ckpt/step-00000300/ema.safetensors"));
 
   // Slurm: one array task per island; a task runs locally with SLURM_ARRAY_TASK_ID set.
   r = test::run_command(cd + DDM_BINARY + " islands slurm isl.toml --script job.sbatch");
