@@ -248,7 +248,12 @@ int run_islands(const IslandsConfig& c, const std::string& ddm_binary) {
   DDM_CHECK(lock >= 0 && flock(lock, LOCK_EX | LOCK_NB) == 0,
             "another `ddm islands run` is working in " << c.out << " (" << lock_path << " is locked)");
   const int64_t k = ensure_partition(c, ddm_binary);
-  std::vector<Island> islands = plan_islands(c, k);
+  // run.threads = 0 shares the cores among the islands that run at once: two OpenMP pools that each
+  // take every core are many times slower than one, not twice.
+  IslandsConfig shared = c;
+  if (c.threads == 0 && c.concurrency > 1)
+    shared.threads = std::max<int64_t>(1, static_cast<int64_t>(std::thread::hardware_concurrency()) / c.concurrency);
+  std::vector<Island> islands = plan_islands(shared, k);
   const size_t n = islands.size();
   nlohmann::json state = nlohmann::json::array();
   std::deque<size_t> queue;
@@ -264,7 +269,9 @@ int run_islands(const IslandsConfig& c, const std::string& ddm_binary) {
   save();
   std::cout << "[islands] " << k << " experts and a router in " << c.out << ": " << n - queue.size()
             << " already done, " << queue.size() << " to run, " << c.concurrency << " at a time, up to " << c.retries
-            << " restarts each" << std::endl;
+            << " restarts each"
+            << (shared.threads > 0 ? ", " + std::to_string(shared.threads) + " threads each" : std::string(", all cores each"))
+            << std::endl;
 
   g_stop = 0;
   auto old_int = std::signal(SIGINT, on_stop), old_term = std::signal(SIGTERM, on_stop);

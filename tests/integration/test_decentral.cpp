@@ -6,6 +6,7 @@
 
 #include <signal.h>
 
+#include <algorithm>
 #include <chrono>
 #include <filesystem>
 #include <fstream>
@@ -264,6 +265,13 @@ TEST(DecentralCli, IslandsSurviveAKilledIslandAndWriteASlurmArray) {
   r = test::run_command(cd + DDM_BINARY + " islands run isl.toml");
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("3 already done, 0 to run"), std::string::npos) << r.output;
+  // run.threads = 0 divides the cores among the concurrent islands.
+  test::write_text(dir / "isl0.toml", std::string(islands).replace(islands.find("threads = 1"), 11, "threads = 0"));
+  r = test::run_command(cd + DDM_BINARY + " islands run isl0.toml");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const auto share = std::max(1u, std::thread::hardware_concurrency() / 2);
+  EXPECT_NE(r.output.find("2 at a time, up to 2 restarts each, " + std::to_string(share) + " threads each"),
+            std::string::npos) << r.output;
 
   // A runner killed with -9 takes its islands down with it (each writes a checkpoint and stops), so
   // the next runner resumes them alone; the result is still exactly the uninterrupted one.
