@@ -1,10 +1,11 @@
 // Small file helpers: whole-file read, atomic write (temporary name + fsync + rename + directory
 // fsync) and SHA-256 through OpenSSL's EVP interface. Every failure is a ddm::Error naming the path
-// and the operating system's reason.
+// and the operating system's reason. FileLock wraps flock(2).
 #include "core/fileio.h"
 
 #include <fcntl.h>
 #include <openssl/evp.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -159,6 +160,31 @@ std::string sha256_file(const std::string& path) {
     DDM_CHECK(EVP_DigestUpdate(ctx.get(), buf, static_cast<size_t>(n)) == 1, "OpenSSL SHA-256 update failed");
   }
   return finish_hex(ctx.get());
+}
+
+FileLock::FileLock(const std::string& path, const std::string& who_holds) {
+  fd_ = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  if (fd_ < 0) DDM_FAIL("cannot create the lock file " << path << ": " << os_reason(errno));
+  if (::flock(fd_, LOCK_EX | LOCK_NB) != 0) {
+    const int err = errno;
+    ::close(fd_);
+    fd_ = -1;
+    if (err == EWOULDBLOCK) DDM_FAIL(who_holds << " (" << path << " is locked)");
+    DDM_FAIL("cannot lock " << path << ": " << os_reason(err));
+  }
+}
+
+FileLock::~FileLock() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+FileLock& FileLock::operator=(FileLock&& o) noexcept {
+  if (this != &o) {
+    if (fd_ >= 0) ::close(fd_);
+    fd_ = o.fd_;
+    o.fd_ = -1;
+  }
+  return *this;
 }
 
 }  // namespace ddm

@@ -4,7 +4,6 @@
 
 #include <fcntl.h>
 #include <signal.h>
-#include <sys/file.h>
 #include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -243,10 +242,8 @@ int64_t ensure_partition(const IslandsConfig& c, const std::string& ddm_binary) 
 
 int run_islands(const IslandsConfig& c, const std::string& ddm_binary) {
   fs::create_directories(fs::path(c.out) / "logs");
-  const std::string lock_path = (fs::path(c.out) / "islands.lock").string();
-  const int lock = open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);  // islands must not inherit it
-  DDM_CHECK(lock >= 0 && flock(lock, LOCK_EX | LOCK_NB) == 0,
-            "another `ddm islands run` is working in " << c.out << " (" << lock_path << " is locked)");
+  const FileLock lock((fs::path(c.out) / "islands.lock").string(),
+                      "another `ddm islands run` is working in " + c.out);
   const int64_t k = ensure_partition(c, ddm_binary);
   // run.threads = 0 shares the cores among the islands that run at once: two OpenMP pools that each
   // take every core are many times slower than one, not twice.

@@ -54,9 +54,20 @@ std::string first_difference(const std::string& a, const std::string& b) {
   }
 }
 
-void prepare_run_dir(const TrainOptions& opt, const RunConfig& cfg) {
+// Checks and prepares the run directory, and returns the lock that keeps a second `ddm train` from
+// writing to it while this one runs. The lock is taken before --force removes anything.
+FileLock prepare_run_dir(const TrainOptions& opt, const RunConfig& cfg) {
   const fs::path dir(opt.out_dir);
   const fs::path cfg_path = dir / "config.toml";
+  const char* lock_name = "train.lock";
+  if (!fs::exists(cfg_path) && fs::exists(dir) && !opt.force) {
+    for (const auto& entry : fs::directory_iterator(dir))
+      DDM_CHECK(entry.path().filename() == lock_name,
+                "'" << opt.out_dir << "' is not empty and holds no ddm run; use another --out or --force");
+  }
+  fs::create_directories(dir);
+  FileLock lock((dir / lock_name).string(), "another `ddm train` is writing to " + opt.out_dir +
+                                                "; wait for it to finish or stop it, or use another --out");
   if (fs::exists(cfg_path)) {
     if (opt.resume) {
       const RunConfig stored = load_config(cfg_path.string());
@@ -65,7 +76,7 @@ void prepare_run_dir(const TrainOptions& opt, const RunConfig& cfg) {
       DDM_CHECK(diff.empty(), "--resume: the config differs from the run stored in " << opt.out_dir << ": " << diff
                                   << ". Only train.steps, log_every, ckpt_every, keep_ckpts, threads and sample.* may "
                                      "change on resume; use a new --out or --force to start over");
-      return;
+      return lock;
     }
     DDM_CHECK(opt.force, "'" << opt.out_dir << "' already holds a run (" << cfg_path.string()
                              << "); use --resume to continue it, --force to overwrite it, or another --out");
@@ -74,10 +85,8 @@ void prepare_run_dir(const TrainOptions& opt, const RunConfig& cfg) {
          {"ckpt", "metrics.jsonl", "config.toml", "samples.png", "train.log", "expert.json", "router.json",
           "router_eval.json", "distill.json"})
       fs::remove_all(dir / name, ec);
-  } else if (fs::exists(dir) && !fs::is_empty(dir) && !opt.force) {
-    DDM_FAIL("'" << opt.out_dir << "' is not empty and holds no ddm run; use another --out or --force");
   }
-  fs::create_directories(dir);
+  return lock;
 }
 
 // An expert trains on one cluster of a partition: checks that the partition belongs to this data,
@@ -205,7 +214,7 @@ TrainSummary train(RunConfig cfg, const TrainOptions& opt) {
   const std::string config_text = to_toml(cfg);
   const RunConfig stored_cfg = cfg;  // an expert's config keeps the global budget; it runs on its share
   if (!cfg.data.partition.empty() && !router) expert_line = select_expert_data(cfg, data, partition);
-  prepare_run_dir(opt, stored_cfg);
+  const FileLock run_lock = prepare_run_dir(opt, stored_cfg);
   const fs::path dir(opt.out_dir);
   write_file_atomic((dir / "config.toml").string(), config_text);
   if (!cfg.data.partition.empty()) check_partition_record(opt, cfg, partition);

@@ -4,6 +4,7 @@
 
 #include <filesystem>
 
+#include "core/fileio.h"
 #include "train/checkpoint.h"
 #include "test_util.h"
 
@@ -71,6 +72,22 @@ TEST(Cli, RunDirectoryProtection) {
   EXPECT_TRUE(fs::exists(dir / "run/ckpt/step-00000005"));
   EXPECT_EQ(test::run_ddm(base + " --force").exit_code, 0);
   EXPECT_FALSE(fs::exists(dir / "run/ckpt/step-00000005"));
+  {
+    // While another process trains into the directory (here: this one holds its lock), neither
+    // --resume nor --force may touch it.
+    const FileLock held(dir / "run/train.lock", "test");
+    expect_error(test::run_ddm(base + " --resume --set train.steps=5"), "another `ddm train` is writing to");
+    expect_error(test::run_ddm(base + " --force"), "another `ddm train` is writing to");
+    EXPECT_TRUE(fs::exists(dir / "run/ckpt/step-00000003"));
+    EXPECT_FALSE(fs::exists(dir / "run/ckpt/step-00000005"));
+  }
+  auto after = test::run_ddm(base + " --resume --set train.steps=5");  // the lock went with its holder
+  EXPECT_EQ(after.exit_code, 0) << after.output;
+  // A directory left with only the lock file (a run killed before it wrote its config) is empty.
+  fs::create_directories(dir / "stale");
+  test::write_text(dir / "stale/train.lock", "");
+  auto stale = test::run_ddm("train --quiet --config " + (dir / "tiny.toml") + " --out " + (dir / "stale"));
+  EXPECT_EQ(stale.exit_code, 0) << stale.output;
   // A non-empty directory that is not a run.
   fs::create_directories(dir / "other");
   test::write_text(dir / "other/file.txt", "x");
