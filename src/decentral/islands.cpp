@@ -135,6 +135,20 @@ Progress progress_of(const Island& is) {
   return p;
 }
 
+// The step of the last line of a run's metrics.jsonl (0 if none yet): the live step, which runs
+// ahead of the last checkpoint. Reads only the file's tail.
+int64_t logged_step(const Island& is) {
+  std::ifstream f(is.dir + "/metrics.jsonl", std::ios::binary | std::ios::ate);
+  if (!f) return 0;
+  const std::streamoff size = f.tellg();
+  f.seekg(std::max<std::streamoff>(0, size - 4096));
+  std::string tail((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  while (!tail.empty() && tail.back() == '\n') tail.pop_back();
+  const std::string line = tail.substr(tail.find_last_of('\n') == std::string::npos ? 0 : tail.find_last_of('\n') + 1);
+  const nlohmann::json j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+  return j.is_object() && j.contains("step") && j["step"].is_number_integer() ? j["step"].get<int64_t>() : 0;
+}
+
 // The last line of a log that reports an error ("" if none).
 std::string last_error(const std::string& log) {
   std::ifstream f(log);
@@ -275,7 +289,7 @@ int run_islands(const IslandsConfig& c, const std::string& ddm_binary) {
   std::map<pid_t, size_t> running;
   bool stopping = false;
   auto last_report = std::chrono::steady_clock::now();
-  while (!queue.empty() || !running.empty()) {
+  while (!running.empty() || (!stopping && !queue.empty())) {  // once stopping, pending islands stay pending
     while (!stopping && !queue.empty() && static_cast<int64_t>(running.size()) < c.concurrency) {
       const size_t i = queue.front();
       queue.pop_front();
@@ -303,7 +317,9 @@ int run_islands(const IslandsConfig& c, const std::string& ddm_binary) {
         std::cout << "[islands]";
         for (const auto& r : running) {
           const Progress p = progress_of(islands[r.second]);
-          std::cout << " " << islands[r.second].name << " step " << p.step << "/" << p.steps << ";";
+          const int64_t live = std::max(p.step, logged_step(islands[r.second]));
+          std::cout << " " << islands[r.second].name << " step " << live << "/" << (p.steps > 0 ? std::to_string(p.steps) : "?")
+                    << ";";
         }
         std::cout << std::endl;
       }

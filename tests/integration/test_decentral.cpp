@@ -302,6 +302,24 @@ TEST(DecentralCli, IslandsSurviveAKilledIslandAndWriteASlurmArray) {
   EXPECT_EQ(test::read_text(dir / "ref/ckpt/step-00000300/ema.safetensors"),
             test::read_text(dir / "runs/k2b/experts/0/ckpt/step-00000300/ema.safetensors"));
 
+  // SIGTERM (or Ctrl-C) to a runner with islands still waiting: the running one writes a checkpoint
+  // and stops, the waiting ones stay pending, and the runner exits 130 instead of waiting on them.
+  std::string one_at_a_time = std::string(islands).replace(islands.find("runs/k2"), 7, "runs/k2c");
+  test::write_text(dir / "isl3.toml", one_at_a_time.replace(one_at_a_time.find("concurrency = 2"), 15, "concurrency = 1"));
+  test::run_command(cd + "(" + DDM_BINARY + " islands run isl3.toml > run3.log 2>&1 & echo $! > runner3.pid; wait $!; " +
+                    "echo $? > rc3) > /dev/null 2>&1 &");
+  const fs::path ckpt3 = dir / "runs/k2c/experts/0/ckpt/step-00000040";
+  for (int i = 0; i < 3000 && !fs::exists(ckpt3); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  ASSERT_TRUE(fs::exists(ckpt3)) << test::read_text(dir / "run3.log");
+  ASSERT_EQ(kill(std::stoi(test::read_text(dir / "runner3.pid")), SIGTERM), 0);
+  for (int i = 0; i < 1500 && !fs::exists(dir / "rc3"); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  ASSERT_TRUE(fs::exists(dir / "rc3")) << "the runner did not exit after SIGTERM:\n" << test::read_text(dir / "run3.log");
+  EXPECT_EQ(test::read_text(dir / "rc3"), "130\n") << test::read_text(dir / "run3.log");
+  const auto stopped = nlohmann::json::parse(test::read_text(dir / "runs/k2c/islands.json"));
+  EXPECT_EQ(stopped[0]["state"], "stopped") << stopped.dump();
+  EXPECT_EQ(stopped[1]["state"], "pending") << stopped.dump();
+  EXPECT_EQ(stopped[2]["state"], "pending") << stopped.dump();
+
   // Slurm: one array task per island; a task runs locally with SLURM_ARRAY_TASK_ID set.
   r = test::run_command(cd + DDM_BINARY + " islands slurm isl.toml --script job.sbatch");
   ASSERT_EQ(r.exit_code, 0) << r.output;
