@@ -9,23 +9,25 @@
 #            as islands (`ddm islands run`)
 #   rand4    the same with K = 4 on a random balanced partition (the ablation)
 #   distill4 a unet-tiny student distilled from the k4 ensemble of the same seed, STEPS / 3 steps
+#   mono3    the monolith trained from scratch for the student's STEPS / 3 steps: what distillation
+#            must beat to be worth its teacher
 # and evaluates each with `ddm eval --n N` (Euler, 20 steps, CFG 2; the same sampling seed for all),
 # then prints a table of FD-fmnist, KID, precision, recall and class accuracy, as the mean and a 95%
 # t-interval over the seeds. With ROUTING=1 it also evaluates every k4 ensemble under each routing
 # strategy (the paper's Table 1). Everything resumes: re-running skips finished runs and
 # evaluations, so the script can be stopped and started again. The partitions are made once (seed
 # 0) and shared by the seeds: the interval is over training seeds.
-# Cost on 2 cores: about 11 minutes of training and 2-3 of evaluation per run; all of it (3 seeds,
-# 6 runs each, ROUTING=1) is about 5 hours.
+# Cost on 2 cores: about 11 minutes of training and 2-3 of evaluation per run (mono3 and distill4:
+# about 5); all of it (3 seeds, 7 runs each, ROUTING=1) is about 5.5 hours.
 # usage: bench/ddm_vs_monolith.sh [OUT=exp]
-#   env: SEEDS="0 1 2" RUNS="mono k4 rand4 k2 k8 distill4" N=2000 STEPS=1200 ROUTER_STEPS=600
+#   env: SEEDS="0 1 2" RUNS="mono k4 rand4 k2 k8 distill4 mono3" N=2000 STEPS=1200 ROUTER_STEPS=600
 #        ROUTING=0 STRATEGIES="top1 topk:2 full threshold:0.05 sample oracle" DDM=build/ddm
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-exp}
 ddm=${DDM:-build/ddm}
 seeds=${SEEDS:-"0 1 2"}
-runs=${RUNS:-"mono k4 rand4 k2 k8 distill4"}
+runs=${RUNS:-"mono k4 rand4 k2 k8 distill4 mono3"}
 n=${N:-2000}
 steps=${STEPS:-1200}
 router_steps=${ROUTER_STEPS:-600}
@@ -106,7 +108,14 @@ for seed in $seeds; do
             --quiet --out "$out/distill4-s$seed" > "$out/logs/distill4-s$seed.log"
         fi
         evaluate --ckpt "$out/distill4-s$seed" ;;
-      *) echo "unknown run '$run' (mono k2 k4 k8 rand4 distill4)" >&2; exit 2 ;;
+      mono3)
+        if [ ! -f "$out/mono3-s$seed/ckpt/step-$(printf %08d $((steps / 3)))/state.json" ]; then
+          log "monolith at $((steps / 3)) steps, seed $seed"
+          $ddm train --config "$cfg" --set train.steps=$((steps / 3)) --set train.seed="$seed" --resume --quiet \
+            --out "$out/mono3-s$seed" > "$out/logs/mono3-s$seed.log"
+        fi
+        evaluate --ckpt "$out/mono3-s$seed" ;;
+      *) echo "unknown run '$run' (mono k2 k4 k8 rand4 distill4 mono3)" >&2; exit 2 ;;
     esac
   done
   if [ "${ROUTING:-0}" = 1 ] && [ -f "$out/k4-s$seed/ensemble.json" ]; then
@@ -134,7 +143,7 @@ echo "| run | seeds | FD-fmnist | KID | precision | recall | class acc |"
 echo "|---|---|---|---|---|---|---|"
 for run in $runs; do
   case $run in
-    mono | distill4) summarize "$run" "$out/$run-s*/eval/$eval_stem.json" ;;
+    mono | distill4 | mono3) summarize "$run" "$out/$run-s*/eval/$eval_stem.json" ;;
     *) summarize "$run top1" "$out/$run-s*/eval/routing-top1-$eval_stem.json" ;;
   esac
 done
