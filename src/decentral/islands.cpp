@@ -144,7 +144,8 @@ int64_t logged_step(const Island& is) {
   f.seekg(std::max<std::streamoff>(0, size - 4096));
   std::string tail((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
   while (!tail.empty() && tail.back() == '\n') tail.pop_back();
-  const std::string line = tail.substr(tail.find_last_of('\n') == std::string::npos ? 0 : tail.find_last_of('\n') + 1);
+  const size_t newline = tail.find_last_of('\n');
+  const std::string line = newline == std::string::npos ? tail : tail.substr(newline + 1);
   const nlohmann::json j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
   return j.is_object() && j.contains("step") && j["step"].is_number_integer() ? j["step"].get<int64_t>() : 0;
 }
