@@ -13,8 +13,10 @@
 #            must beat to be worth its teacher
 # and evaluates each with `ddm eval --n N` (Euler, 20 steps, CFG 2; the same sampling seed for all),
 # then prints a table of FD-fmnist, KID, precision, recall and class accuracy, as the mean and a 95%
-# t-interval over the seeds. With ROUTING=1 it also evaluates every k4 ensemble under each routing
-# strategy (the paper's Table 1). Everything resumes: re-running skips finished runs and
+# t-interval over the seeds, and a table of the training loss by quarter of the run (the experts,
+# each on its own cluster, against the monolith at the same steps). With ROUTING=1 it also
+# evaluates every k4 ensemble under each routing strategy, with its GFLOP per image (the paper's
+# Table 1). Everything resumes: re-running skips finished runs and
 # evaluations, so the script can be stopped and started again. The partitions are made once (seed
 # 0) and shared by the seeds: the interval is over training seeds.
 # Cost on 2 cores: about 11 minutes of training and 2-3 of evaluation per run (mono3 and distill4:
@@ -125,11 +127,13 @@ done
 
 # One row per run: mean and 95% t-interval (half-width) over the seeds that finished.
 field() { sed -n "s/^  \"$2\": \([-0-9.e]*\),\{0,1\}$/\1/p" "$1"; }
-summarize() {  # label glob-of-eval-jsons
+summarize() {  # label glob-of-eval-jsons [gflop]: with gflop, first a column of GFLOP per image
   local files=() f
   for f in $2; do [ -f "$f" ] && files+=("$f"); done
   [ ${#files[@]} -eq 0 ] && return
   printf '| %s | %d |' "$1" ${#files[@]}
+  [ -n "${3:-}" ] && sed -n 's/^    "gflop_per_image": "\([0-9.]*\)",\{0,1\}$/\1/p' "${files[@]}" |
+    awk '{s += $1} END {printf " %.2f |", s / NR}'
   for key in fd_fmnist kid_mean precision recall mean_class_accuracy; do
     for f in "${files[@]}"; do field "$f" $key; done |
       awk '{x[NR] = $1; s += $1} END {m = s / NR; v = 0; for (i = 1; i <= NR; i++) v += (x[i] - m) ^ 2;
@@ -147,9 +151,44 @@ for run in $runs; do
     *) summarize "$run top1" "$out/$run-s*/eval/routing-top1-$eval_stem.json" ;;
   esac
 done
+
+# The training loss (flow matching) by quarter of the run, averaged over the logged intervals, over
+# the experts (each on its own cluster) and over the seeds: how well each side fits its data at
+# equal steps. The monolith's extra router-budget steps are left out, so every column is the same
+# steps for every row.
+train_loss() {  # label metrics.jsonl files...
+  local label=$1; shift
+  [ $# -eq 0 ] && return
+  awk -v S="$steps" -v label="$label" '
+    match($0, /"loss":[-0-9.e]+/) {
+      l = substr($0, RSTART + 7, RLENGTH - 7)
+      if (match($0, /"step":[0-9]+/)) loss[FILENAME, substr($0, RSTART + 7, RLENGTH - 7) + 0] = l  # a resume may log a step twice: keep the last
+    }
+    END {
+      for (key in loss) {split(key, k, SUBSEP); if (k[2] > 0 && k[2] <= S) {q = int((k[2] - 1) * 4 / S); sum[q] += loss[key]; cnt[q]++}}
+      printf "| %s |", label; for (q = 0; q < 4; q++) printf " %.4f |", sum[q] / cnt[q]; print ""
+    }' "$@"
+}
+loss_files() {  # run: the metrics of its finished seeds (every expert for an ensemble)
+  local d
+  for d in "$out/$1"-s*; do
+    if [ -f "$d/ensemble.json" ]; then ls "$d"/experts/*/metrics.jsonl
+    elif [ "$1" = mono ] && [ -f "$d/eval/$eval_stem.json" ]; then echo "$d/metrics.jsonl"; fi
+  done
+}
+echo
+echo "| training loss | 1-$((steps / 4)) | $((steps / 4 + 1))-$((steps / 2)) | $((steps / 2 + 1))-$((steps * 3 / 4)) | $((steps * 3 / 4 + 1))-$steps |"
+echo "|---|---|---|---|---|"
+for run in $runs; do
+  case $run in
+    distill4 | mono3) ;;
+    mono) train_loss mono $(loss_files mono) ;;
+    *) train_loss "$run experts" $(loss_files "$run") ;;
+  esac
+done
 if [ "${ROUTING:-0}" = 1 ]; then
   echo
-  echo "| k4 routing | seeds | FD-fmnist | KID | precision | recall | class acc |"
-  echo "|---|---|---|---|---|---|---|"
-  for s in $strategies; do summarize "$s" "$out/k4-s*/eval/routing-${s//:/}-$eval_stem.json"; done
+  echo "| k4 routing | seeds | GFLOP/image | FD-fmnist | KID | precision | recall | class acc |"
+  echo "|---|---|---|---|---|---|---|---|"
+  for s in $strategies; do summarize "$s" "$out/k4-s*/eval/routing-${s//:/}-$eval_stem.json" gflop; done
 fi
