@@ -13,10 +13,10 @@
 #            must beat to be worth its teacher
 # and evaluates each with `ddm eval --n N` (Euler, 20 steps, CFG 2; the same sampling seed for all),
 # then prints a table of FD-fmnist, KID, precision, recall and class accuracy, as the mean and a 95%
-# t-interval over the seeds, and a table of the training loss by quarter of the run (the experts,
-# each on its own cluster, against the monolith at the same steps). With ROUTING=1 it also
-# evaluates every k4 ensemble under each routing strategy, with its GFLOP per image (the paper's
-# Table 1). Everything resumes: re-running skips finished runs and
+# t-interval over the seeds; the difference of each run from the monolith; and the training loss by
+# quarter of the run (the experts, each on its own cluster, against the monolith at the same steps).
+# With ROUTING=1 it also evaluates every k4 ensemble under each routing strategy, with its GFLOP per
+# image (the paper's Table 1). Everything resumes: re-running skips finished runs and
 # evaluations, so the script can be stopped and started again. The partitions are made once (seed
 # 0) and shared by the seeds: the interval is over training seeds.
 # Cost on 2 cores: about 11 minutes of training and 2-3 of evaluation per run (mono3 and distill4:
@@ -149,6 +149,36 @@ for run in $runs; do
   case $run in
     mono | distill4 | mono3) summarize "$run" "$out/$run-s*/eval/$eval_stem.json" ;;
     *) summarize "$run top1" "$out/$run-s*/eval/routing-top1-$eval_stem.json" ;;
+  esac
+done
+
+# Each run against the monolith: the difference of the means over the seeds and its 95% interval
+# (Welch's standard error, with t at min(seeds) - 1 degrees of freedom, which errs on the wide side).
+versus_mono() {  # label glob-of-eval-jsons
+  local files=() mono=() f key
+  for f in $2; do [ -f "$f" ] && files+=("$f"); done
+  for f in "$out"/mono-s*/eval/"$eval_stem".json; do [ -f "$f" ] && mono+=("$f"); done
+  if [ ${#files[@]} -lt 2 ] || [ ${#mono[@]} -lt 2 ]; then return; fi
+  printf '| %s |' "$1"
+  for key in fd_fmnist kid_mean precision recall; do
+    { for f in "${files[@]}"; do echo "a $(field "$f" $key)"; done
+      for f in "${mono[@]}"; do echo "b $(field "$f" $key)"; done; } |
+      awk '{n[$1]++; s[$1] += $2; q[$1] += $2 * $2} END {
+             split("12.706 4.303 3.182 2.776 2.571 2.447 2.365 2.306 2.262", t, " ")
+             for (g in n) {m[g] = s[g] / n[g]; v[g] = (q[g] - n[g] * m[g] ^ 2) / (n[g] - 1); if (v[g] < 0) v[g] = 0}
+             df = (n["a"] < n["b"] ? n["a"] : n["b"]) - 1
+             printf " %+.3g +- %.2g |", m["a"] - m["b"], t[df] * sqrt(v["a"] / n["a"] + v["b"] / n["b"])}'
+  done
+  echo
+}
+echo
+echo "| minus mono | FD-fmnist | KID | precision | recall |"
+echo "|---|---|---|---|---|"
+for run in $runs; do
+  case $run in
+    mono) ;;
+    distill4 | mono3) versus_mono "$run" "$out/$run-s*/eval/$eval_stem.json" ;;
+    *) versus_mono "$run top1" "$out/$run-s*/eval/routing-top1-$eval_stem.json" ;;
   esac
 done
 
