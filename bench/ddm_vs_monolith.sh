@@ -126,6 +126,7 @@ for seed in $seeds; do
 done
 
 # One row per run: mean and 95% t-interval (half-width) over the seeds that finished.
+t975="12.706 4.303 3.182 2.776 2.571 2.447 2.365 2.306 2.262"  # Student t, 97.5%, 1-9 degrees of freedom
 field() { sed -n "s/^  \"$2\": \([-0-9.e]*\),\{0,1\}$/\1/p" "$1"; }
 summarize() {  # label glob-of-eval-jsons [gflop]: with gflop, first a column of GFLOP per image
   local files=() f
@@ -136,8 +137,8 @@ summarize() {  # label glob-of-eval-jsons [gflop]: with gflop, first a column of
     awk '{s += $1} END {printf " %.2f |", s / NR}'
   for key in fd_fmnist kid_mean precision recall mean_class_accuracy; do
     for f in "${files[@]}"; do field "$f" $key; done |
-      awk '{x[NR] = $1; s += $1} END {m = s / NR; v = 0; for (i = 1; i <= NR; i++) v += (x[i] - m) ^ 2;
-           split("12.706 4.303 3.182 2.776 2.571 2.447 2.365 2.306 2.262", t, " ");
+      awk -v T="$t975" '{x[NR] = $1; s += $1} END {m = s / NR; v = 0; for (i = 1; i <= NR; i++) v += (x[i] - m) ^ 2;
+           split(T, t, " ");
            if (NR > 1) printf " %.4g +- %.2g |", m, t[NR - 1] * sqrt(v / (NR - 1)) / sqrt(NR); else printf " %.4g |", m}'
   done
   echo
@@ -163,8 +164,8 @@ versus_mono() {  # label glob-of-eval-jsons
   for key in fd_fmnist kid_mean precision recall; do
     { for f in "${files[@]}"; do echo "a $(field "$f" $key)"; done
       for f in "${mono[@]}"; do echo "b $(field "$f" $key)"; done; } |
-      awk '{n[$1]++; s[$1] += $2; q[$1] += $2 * $2} END {
-             split("12.706 4.303 3.182 2.776 2.571 2.447 2.365 2.306 2.262", t, " ")
+      awk -v T="$t975" '{n[$1]++; s[$1] += $2; q[$1] += $2 * $2} END {
+             split(T, t, " ")
              for (g in n) {m[g] = s[g] / n[g]; v[g] = (q[g] - n[g] * m[g] ^ 2) / (n[g] - 1); if (v[g] < 0) v[g] = 0}
              df = (n["a"] < n["b"] ? n["a"] : n["b"]) - 1
              printf " %+.3g +- %.2g |", m["a"] - m["b"], t[df] * sqrt(v["a"] / n["a"] + v["b"] / n["b"])}'
