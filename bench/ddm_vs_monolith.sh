@@ -16,14 +16,16 @@
 # t-interval over the seeds; the difference of each run from the monolith; and the training loss by
 # quarter of the run (the experts, each on its own cluster, against the monolith at the same steps).
 # With ROUTING=1 it also evaluates every k4 ensemble under each routing strategy, with its GFLOP per
-# image (the paper's Table 1). Everything resumes: re-running skips finished runs and
+# image (the paper's Table 1). With CFGS="1 1.5 2.5 3" it also evaluates mono and k4 (top-1) at
+# those guidance scales: the ensemble's experts each guide against their own cluster's unconditional
+# model, so the same scale need not suit both. Everything resumes: re-running skips finished runs and
 # evaluations, so the script can be stopped and started again. The partitions are made once (seed
 # 0) and shared by the seeds: the interval is over training seeds.
 # Cost on 2 cores: about 11 minutes of training and 2-3 of evaluation per run (mono3 and distill4:
 # about 5); all of it (3 seeds, 7 runs each, ROUTING=1) is about 5.5 hours.
 # usage: bench/ddm_vs_monolith.sh [OUT=exp]
 #   env: SEEDS="0 1 2" RUNS="mono k4 rand4 k2 k8 distill4 mono3" N=2000 STEPS=1200 ROUTER_STEPS=600
-#        ROUTING=0 STRATEGIES="top1 topk:2 full threshold:0.05 sample oracle" DDM=build/ddm
+#        ROUTING=0 STRATEGIES="top1 topk:2 full threshold:0.05 sample oracle" CFGS="" DDM=build/ddm
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-exp}
@@ -34,6 +36,7 @@ n=${N:-2000}
 steps=${STEPS:-1200}
 router_steps=${ROUTER_STEPS:-600}
 strategies=${STRATEGIES:-"top1 topk:2 full threshold:0.05 sample oracle"}
+cfgs=${CFGS:-}
 cfg=configs/quickstart.toml
 eval_stem="euler-20steps-cfg2.00-n$n"
 mkdir -p "$out/parts" "$out/logs"
@@ -83,6 +86,15 @@ evaluate() {  # --ckpt dir | --ensemble dir routing
   $ddm eval "$1" "$2" "${extra_args[@]}" --n "$n" --seed 1 --out "$2/eval" > "$out/logs/eval-$(basename "$2")${3:+-${3//:/}}.log"
 }
 
+evaluate_cfg() {  # --ckpt dir | --ensemble dir, then the guidance scale (ensembles: top-1)
+  local stem args=(--cfg "$3")
+  stem="euler-20steps-cfg$(printf %.2f "$3")-n$n"
+  if [ "$1" = --ensemble ]; then stem="routing-top1-$stem"; args+=(--routing top1); fi
+  [ -f "$2/eval/$stem.json" ] && return
+  log "eval $2 cfg $3"
+  $ddm eval "$1" "$2" "${args[@]}" --n "$n" --seed 1 --out "$2/eval" > "$out/logs/eval-$(basename "$2")-cfg$3.log"
+}
+
 for seed in $seeds; do
   for run in $runs; do
     case $run in
@@ -123,6 +135,10 @@ for seed in $seeds; do
   if [ "${ROUTING:-0}" = 1 ] && [ -f "$out/k4-s$seed/ensemble.json" ]; then
     for s in $strategies; do evaluate --ensemble "$out/k4-s$seed" "$s"; done
   fi
+  for scale in $cfgs; do
+    [ -f "$out/mono-s$seed/eval/$eval_stem.json" ] && evaluate_cfg --ckpt "$out/mono-s$seed" "$scale"
+    [ -f "$out/k4-s$seed/ensemble.json" ] && evaluate_cfg --ensemble "$out/k4-s$seed" "$scale"
+  done
 done
 
 # One row per run: mean and 95% t-interval (half-width) over the seeds that finished.
@@ -222,4 +238,14 @@ if [ "${ROUTING:-0}" = 1 ]; then
   echo "| k4 routing | seeds | GFLOP/image | FD-fmnist | KID | precision | recall | class acc |"
   echo "|---|---|---|---|---|---|---|---|"
   for s in $strategies; do summarize "$s" "$out/k4-s*/eval/routing-${s//:/}-$eval_stem.json" gflop; done
+fi
+if [ -n "$cfgs" ]; then
+  echo
+  echo "| guidance scale | seeds | FD-fmnist | KID | precision | recall | class acc |"
+  echo "|---|---|---|---|---|---|---|"
+  for scale in $(printf '%s\n' $cfgs 2 | sort -n -u); do
+    stem="euler-20steps-cfg$(printf %.2f "$scale")-n$n"
+    summarize "mono, CFG $scale" "$out/mono-s*/eval/$stem.json"
+    summarize "k4 top1, CFG $scale" "$out/k4-s*/eval/routing-top1-$stem.json"
+  done
 fi
