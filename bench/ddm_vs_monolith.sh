@@ -37,6 +37,9 @@ steps=${STEPS:-1200}
 router_steps=${ROUTER_STEPS:-600}
 strategies=${STRATEGIES:-"top1 topk:2 full threshold:0.05 sample oracle"}
 cfgs=${CFGS:-}
+for scale in $cfgs; do
+  [[ $scale =~ ^[0-9]+(\.[0-9]+)?$ ]] || { echo "CFGS: '$scale' is not a guidance scale (a number >= 0, e.g. CFGS=\"1 1.5 2.5\")" >&2; exit 2; }
+done
 cfg=configs/quickstart.toml
 eval_stem="euler-20steps-cfg2.00-n$n"
 mkdir -p "$out/parts" "$out/logs"
@@ -78,21 +81,14 @@ EOF
   $ddm islands run "$file" > "$out/logs/$1-s$4.log"
 }
 
-evaluate() {  # --ckpt dir | --ensemble dir routing
-  local stem=$eval_stem extra_args=()
-  if [ $# -ge 3 ]; then stem="routing-${3//:/}-$eval_stem"; extra_args=(--routing "$3"); fi
+evaluate() {  # --ckpt dir [""] | --ensemble dir routing, then optionally a guidance scale (default: the config's 2)
+  local stem args=()
+  stem="euler-20steps-cfg$(printf %.2f "${4:-2}")-n$n"
+  if [ -n "${3:-}" ]; then stem="routing-${3//:/}-$stem"; args+=(--routing "$3"); fi
+  if [ -n "${4:-}" ]; then args+=(--cfg "$4"); fi
   [ -f "$2/eval/$stem.json" ] && return
-  log "eval $2 ${3:-}"
-  $ddm eval "$1" "$2" "${extra_args[@]}" --n "$n" --seed 1 --out "$2/eval" > "$out/logs/eval-$(basename "$2")${3:+-${3//:/}}.log"
-}
-
-evaluate_cfg() {  # --ckpt dir | --ensemble dir, then the guidance scale (ensembles: top-1)
-  local stem args=(--cfg "$3")
-  stem="euler-20steps-cfg$(printf %.2f "$3")-n$n"
-  if [ "$1" = --ensemble ]; then stem="routing-top1-$stem"; args+=(--routing top1); fi
-  [ -f "$2/eval/$stem.json" ] && return
-  log "eval $2 cfg $3"
-  $ddm eval "$1" "$2" "${args[@]}" --n "$n" --seed 1 --out "$2/eval" > "$out/logs/eval-$(basename "$2")-cfg$3.log"
+  log "eval $2 ${3:-} ${4:+cfg $4}"
+  $ddm eval "$1" "$2" "${args[@]}" --n "$n" --seed 1 --out "$2/eval" > "$out/logs/eval-$(basename "$2")${3:+-${3//:/}}${4:+-cfg$4}.log"
 }
 
 for seed in $seeds; do
@@ -136,8 +132,8 @@ for seed in $seeds; do
     for s in $strategies; do evaluate --ensemble "$out/k4-s$seed" "$s"; done
   fi
   for scale in $cfgs; do
-    [ -f "$out/mono-s$seed/eval/$eval_stem.json" ] && evaluate_cfg --ckpt "$out/mono-s$seed" "$scale"
-    [ -f "$out/k4-s$seed/ensemble.json" ] && evaluate_cfg --ensemble "$out/k4-s$seed" "$scale"
+    [ -f "$out/mono-s$seed/eval/$eval_stem.json" ] && evaluate --ckpt "$out/mono-s$seed" "" "$scale"
+    [ -f "$out/k4-s$seed/ensemble.json" ] && evaluate --ensemble "$out/k4-s$seed" top1 "$scale"
   done
 done
 
