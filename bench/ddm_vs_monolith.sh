@@ -41,7 +41,8 @@ for scale in $cfgs; do
   [[ $scale =~ ^[0-9]+(\.[0-9]+)?$ ]] || { echo "CFGS: '$scale' is not a guidance scale (a number >= 0, e.g. CFGS=\"1 1.5 2.5\")" >&2; exit 2; }
 done
 cfg=configs/quickstart.toml
-eval_stem="euler-20steps-cfg2.00-n$n"
+stem_at() { echo "euler-20steps-cfg$(printf %.2f "$1")-n$n"; }  # what ddm eval names its output at guidance scale $1
+eval_stem=$(stem_at 2)
 mkdir -p "$out/parts" "$out/logs"
 log() { echo "[$(date +%H:%M:%S)] $*" >&2; }
 
@@ -83,7 +84,7 @@ EOF
 
 evaluate() {  # --ckpt dir [""] | --ensemble dir routing, then optionally a guidance scale (default: the config's 2)
   local stem args=()
-  stem="euler-20steps-cfg$(printf %.2f "${4:-2}")-n$n"
+  stem=$(stem_at "${4:-2}")
   if [ -n "${3:-}" ]; then stem="routing-${3//:/}-$stem"; args+=(--routing "$3"); fi
   if [ -n "${4:-}" ]; then args+=(--cfg "$4"); fi
   [ -f "$2/eval/$stem.json" ] && return
@@ -240,7 +241,7 @@ if [ -n "$cfgs" ]; then
   echo "| guidance scale | seeds | FD-fmnist | KID | precision | recall | class acc |"
   echo "|---|---|---|---|---|---|---|"
   for scale in $(printf '%s\n' $cfgs 2 | sort -n -u); do
-    stem="euler-20steps-cfg$(printf %.2f "$scale")-n$n"
+    stem=$(stem_at "$scale")
     summarize "mono, CFG $scale" "$out/mono-s*/eval/$stem.json"
     summarize "k4 top1, CFG $scale" "$out/k4-s*/eval/routing-top1-$stem.json"
   done
