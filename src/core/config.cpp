@@ -3,9 +3,6 @@
 // disagree.
 #include "core/config.h"
 
-#include <cerrno>
-#include <cstring>
-#include <fstream>
 #include <functional>
 #include <set>
 #include <sstream>
@@ -13,6 +10,7 @@
 #include <toml++/toml.h>
 
 #include "core/error.h"
+#include "core/fileio.h"
 #include "model/presets.h"
 
 namespace ddm {
@@ -250,11 +248,16 @@ RunConfig parse_config(const std::string& toml_text, const std::string& origin,
 }
 
 RunConfig load_config(const std::string& path, const std::vector<std::string>& overrides) {
-  std::ifstream f(path);
-  DDM_CHECK(f, "cannot read config file '" << path << "': " << std::strerror(errno));
-  std::stringstream ss;
-  ss << f.rdbuf();
-  return parse_config(ss.str(), path, overrides);
+  std::string text;
+  try {
+    text = read_file(path);  // refuses a directory
+  } catch (const Error& e) {
+    DDM_FAIL("config file: " << e.what());
+  }
+  // A file that sets nothing (empty, /dev/null, only comments) is a mistake, not "all defaults".
+  DDM_CHECK(!parse_toml(text, path).empty(),
+            path << ": the config file sets no keys (is it empty?); start from one of configs/*.toml");
+  return parse_config(text, path, overrides);
 }
 
 void validate(const RunConfig& c) {

@@ -26,6 +26,7 @@ inline uint64_t derive_seed(std::initializer_list<uint64_t> parts) {
 inline at::Generator make_generator(uint64_t seed) { return at::make_generator<at::CPUGeneratorImpl>(seed); }
 
 // Purposes, so that different uses of the same step never share a stream.
-enum class RngPurpose : uint64_t { kDataOrder = 1, kFlip = 2, kNoise = 3, kTime = 4, kLabelDrop = 5, kSample = 6, kInit = 7 };
+enum class RngPurpose : uint64_t { kDataOrder = 1, kFlip = 2, kNoise = 3, kTime = 4, kLabelDrop = 5, kSample = 6, kInit = 7,
+                                 kHoldout = 8 };
 
 }  // namespace ddm

@@ -111,6 +111,14 @@ BatchLoader::BatchLoader(const Dataset& data, int64_t batch_size, uint64_t seed,
                                             << (data.labels.defined() ? data.labels.numel() : 0) << " labels");
 }
 
+std::pair<torch::Tensor, torch::Tensor> holdout_split(int64_t n, int64_t holdout, uint64_t seed) {
+  DDM_CHECK(holdout >= 0 && holdout < n, "data.holdout = " << holdout << " must be in 0.." << n - 1
+                                                          << " (the data has " << n << " images)");
+  at::Generator gen = make_generator(derive_seed({seed, static_cast<uint64_t>(RngPurpose::kHoldout)}));
+  const torch::Tensor perm = torch::randperm(n, gen, torch::TensorOptions().dtype(torch::kInt64));
+  return {std::get<0>(perm.narrow(0, holdout, n - holdout).sort()), std::get<0>(perm.narrow(0, 0, holdout).sort())};
+}
+
 void BatchLoader::set_cursor(const Cursor& c) {
   const int64_t n = data_.images.size(0);
   DDM_CHECK(c.epoch >= 0 && c.index >= 0 && c.index < n,
@@ -155,6 +163,7 @@ Batch BatchLoader::next() {
   const torch::Tensor idx = pieces.size() == 1 ? pieces[0] : torch::cat(pieces);
   torch::Tensor x = data_.images.index_select(0, idx);  // uint8 [B, C, H, W]
   if (hflip_) {
+    // from_blob wraps `flip` (alive until return); .to(kBool) copies it out in any case.
     const torch::Tensor mask = torch::from_blob(flip.data(), {batch_size_}, torch::TensorOptions().dtype(torch::kUInt8))
                                    .to(torch::kBool)
                                    .view({batch_size_, 1, 1, 1});

@@ -4,6 +4,7 @@
 #pragma once
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <torch/types.h>
@@ -26,6 +27,11 @@ inline constexpr const char* kFashionMnistRoot = "/usr/share/datasets/fashion-mn
 
 // Loads according to cfg (source, root, split, limit). Throws ddm::Error with a clear message.
 Dataset load_dataset(const DataConfig& cfg);
+
+// Splits n images into a training part and `holdout` images withheld from it, chosen at random with
+// a generator seeded by `seed` (never "the last N": a folder dataset is ordered by class). Returns
+// {train, held_out}: sorted int64 index tensors, disjoint, together 0..n-1.
+std::pair<torch::Tensor, torch::Tensor> holdout_split(int64_t n, int64_t holdout, uint64_t seed);
 
 // uint8 [..] in 0..255 -> float [..] in [-1, 1].
 torch::Tensor to_unit_range(const torch::Tensor& images_u8);

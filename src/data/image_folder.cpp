@@ -65,8 +65,10 @@ torch::Tensor read_image(const std::string& path) {
   }
   DDM_CHECK(w > 0 && h > 0 && c >= 1 && c <= 4, path << ": decoded to an unusable shape " << w << "x" << h
                                                       << " with " << c << " channels");
+  // from_blob only wraps stb's buffer, which is freed on return: clone() always copies (contiguous() would
+  // not for one channel, where [H, W, 1] -> [1, H, W] is already contiguous).
   auto hwc = torch::from_blob(pixels.get(), {h, w, c}, torch::TensorOptions().dtype(torch::kUInt8));
-  return hwc.permute({2, 0, 1}).contiguous();  // copies out of stb's buffer: [C, H, W]
+  return hwc.permute({2, 0, 1}).clone(torch::MemoryFormat::Contiguous);  // [C, H, W], owns its memory
 }
 
 Dataset load_image_folder(const std::string& root) {

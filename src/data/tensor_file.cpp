@@ -8,6 +8,7 @@
 
 namespace ddm {
 namespace {
+constexpr int64_t kMaxClasses = 1 << 16;  // a class-embedding row each; far beyond any real label set
 
 bool is_channel_count(int64_t d) { return d == 1 || d == 3 || d == 4; }
 
@@ -21,7 +22,7 @@ bool images_look_nhwc(const std::vector<int64_t>& sizes) {
   return sizes.size() == 4 && is_channel_count(sizes[3]) && !is_channel_count(sizes[1]);
 }
 
-Dataset load_tensor_file(const std::string& path) {
+Dataset load_tensor_file(const std::string& path, bool every_class) {
   DDM_CHECK(!path.empty(), "data.root is empty: set it to a .safetensors file with an 'images' tensor");
   std::error_code ec;
   DDM_CHECK(std::filesystem::is_regular_file(path, ec),
@@ -70,6 +71,8 @@ Dataset load_tensor_file(const std::string& path) {
     const int64_t lo = ds.labels.min().item<int64_t>();
     const int64_t hi = ds.labels.max().item<int64_t>();
     DDM_CHECK(lo >= 0, path << ": tensor 'labels' contains the negative label " << lo);
+    DDM_CHECK(hi < kMaxClasses, path << ": tensor 'labels' contains the label " << hi << "; ddm supports at most "
+                                     << kMaxClasses << " classes, numbered 0..K-1");
     ds.num_classes = hi + 1;
     auto nc = file.metadata.find("num_classes");
     if (nc != file.metadata.end()) {
@@ -82,7 +85,19 @@ Dataset load_tensor_file(const std::string& path) {
         DDM_FAIL(path << ": metadata 'num_classes' is '" << nc->second << "', expected an integer");
       }
       DDM_CHECK(v > hi, path << ": metadata 'num_classes' is " << v << " but the largest label is " << hi);
+      DDM_CHECK(v <= kMaxClasses, path << ": metadata 'num_classes' is " << v << "; ddm supports at most "
+                                       << kMaxClasses << " classes");
       ds.num_classes = v;
+    } else if (every_class) {
+      // Without metadata the class count is inferred as largest label + 1; a gap (labels 0, 1, 100000)
+      // would silently make a model with thousands of classes that have no images.
+      const torch::Tensor counts = torch::bincount(ds.labels, {}, ds.num_classes);
+      const int64_t empty = counts.eq(0).sum().item<int64_t>();
+      DDM_CHECK(empty == 0, path << ": labels imply " << ds.num_classes << " classes (largest label " << hi << "), but "
+                                 << empty << " of them have no image (the first is class "
+                                 << counts.eq(0).nonzero()[0][0].item<int64_t>()
+                                 << "); number the classes 0..K-1, or set the metadata 'num_classes' if empty classes "
+                                    "are intended");
     }
     for (int64_t k = 0; k < ds.num_classes; ++k) ds.class_names.push_back("class " + std::to_string(k));
   }

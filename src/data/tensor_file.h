@@ -18,7 +18,10 @@ namespace ddm {
 // Whether an images tensor of these sizes is read as NHWC under the rule above (no metadata).
 bool images_look_nhwc(const std::vector<int64_t>& sizes);
 
-// Loads `path`; throws ddm::Error naming the file and tensor on a wrong dtype, rank or length.
-Dataset load_tensor_file(const std::string& path);
+// Loads `path`; throws ddm::Error naming the file and tensor on a wrong dtype, rank or length, or a
+// label beyond 65535. The class count is the metadata 'num_classes', else the largest label + 1; then,
+// with every_class (training data), each class 0..K-1 must have an image: a gap in the labels would
+// otherwise make a model with classes it never sees. Samples of a few classes pass every_class = false.
+Dataset load_tensor_file(const std::string& path, bool every_class = true);
 
 }  // namespace ddm

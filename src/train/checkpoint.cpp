@@ -28,6 +28,17 @@ bool is_step_dir(const fs::path& p) {
 }
 }  // namespace
 
+void bad_state_field(const std::string& path, const std::string& pointer, const nlohmann::json* found,
+                     const char* expected) {
+  std::string field = pointer.substr(1);  // "/data_cursor/epoch" -> "data_cursor.epoch"
+  std::replace(field.begin(), field.end(), '/', '.');
+  const std::string ckpt_dir = fs::path(path).parent_path().string();
+  const std::string what = !found ? "missing" : found->is_null() ? "null" : std::string("a ") + found->type_name();
+  DDM_FAIL(path << ": field '" << field << "' is " << what
+                << ", expected " << expected << "; the checkpoint is damaged: delete " << ckpt_dir
+                << " to fall back to the previous one");
+}
+
 std::vector<std::string> list_checkpoints(const std::string& run_dir) {
   std::vector<std::string> out;
   const fs::path dir = fs::path(run_dir) / "ckpt";
@@ -92,16 +103,22 @@ Checkpoint read_checkpoint(const std::string& ckpt_dir, bool weights_only) {
     DDM_FAIL(state_path << " is not valid JSON (" << e.what() << "); the checkpoint is damaged: "
                         << "delete " << ckpt_dir << " to fall back to the previous one");
   }
-  DDM_CHECK(state.value("format", "") == kFormat,
-            state_path << ": unknown checkpoint format '" << state.value("format", "") << "' (expected " << kFormat << ")");
   Checkpoint ck;
-  ck.step = state.at("step").get<int64_t>();
-  ck.config_toml = state.at("config").get<std::string>();
+  ck.state_path = state_path;
+  DDM_CHECK(state.is_object(), state_path << " is JSON but not an object (it is " << state.type_name()
+                                          << "); the checkpoint is damaged: delete " << ckpt_dir
+                                          << " to fall back to the previous one");
+  const std::string format = Checkpoint::state_field<std::string>(state, "/format", state_path);
+  DDM_CHECK(format == kFormat, state_path << ": unknown checkpoint format '" << format << "' (expected " << kFormat << ")");
+  ck.step = Checkpoint::state_field<int64_t>(state, "/step", state_path);
+  DDM_CHECK(ck.step >= 0, state_path << ": field 'step' is " << ck.step << ", expected a step >= 0; the checkpoint is "
+                                     << "damaged: delete " << ckpt_dir << " to fall back to the previous one");
+  ck.config_toml = Checkpoint::state_field<std::string>(state, "/config", state_path);
   for (const char* name : {"model.safetensors", "ema.safetensors", "optim.safetensors"}) {
     if (weights_only && std::string(name) == "optim.safetensors") continue;
     const std::string path = (dir / name).string();
+    const std::string want = Checkpoint::state_field<std::string>(state, std::string("/sha256/") + name, state_path);
     const std::string bytes = read_file(path);
-    const std::string want = state["sha256"].value(name, "");
     const std::string got = sha256_hex(bytes);
     DDM_CHECK(got == want, path << ": checksum mismatch (sha256 " << got << ", state.json says " << want
                                 << "); the checkpoint is damaged: delete " << ckpt_dir

@@ -7,6 +7,7 @@
 #include <map>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -23,7 +24,41 @@ struct Checkpoint {
   TensorMap ema;            // EMA of the parameters, same names
   TensorMap optim;          // optimizer state (flat tensors)
   nlohmann::json state;     // everything else: data cursor, optimizer step, rng scheme, ...
+  std::string state_path;   // where state was read from (for messages)
+
+  // A field of state.json by JSON pointer ("/data_cursor/epoch"), as T. A field that is missing or of
+  // another type throws ddm::Error naming state.json and the field.
+  template <class T>
+  T field(const std::string& pointer) const {
+    return state_field<T>(state, pointer, state_path);
+  }
+  template <class T>
+  static T state_field(const nlohmann::json& state, const std::string& pointer, const std::string& path);
 };
+
+// The message for a state.json field that is missing or of the wrong type.
+[[noreturn]] void bad_state_field(const std::string& path, const std::string& pointer, const nlohmann::json* found,
+                                  const char* expected);
+
+template <class T>
+T Checkpoint::state_field(const nlohmann::json& state, const std::string& pointer, const std::string& path) {
+  const nlohmann::json::json_pointer ptr(pointer);
+  const nlohmann::json* v = state.contains(ptr) ? &state.at(ptr) : nullptr;
+  const char* expected = std::is_same_v<T, std::string>                ? "a string"
+                         : std::is_integral_v<T>                       ? "an integer"
+                         : std::is_floating_point_v<T>                 ? "a number"
+                         : std::is_same_v<T, std::vector<std::string>> ? "a list of strings"
+                                                                       : "a value of another type";
+  if (!v) bad_state_field(path, pointer, nullptr, expected);
+  try {
+    if constexpr (std::is_integral_v<T>) {
+      if (!v->is_number_integer()) bad_state_field(path, pointer, v, expected);
+    }
+    return v->get<T>();
+  } catch (const nlohmann::json::exception&) {
+    bad_state_field(path, pointer, v, expected);
+  }
+}
 
 // Writes RUN/ckpt/step-XXXXXXXX atomically; returns its path. Keeps the newest `keep` checkpoints.
 std::string write_checkpoint(const std::string& run_dir, const Checkpoint& ckpt, int64_t keep);

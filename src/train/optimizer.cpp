@@ -137,6 +137,14 @@ void load_module_state(torch::nn::Module& module, const TensorMap& tensors, cons
               origin << ": tensor '" << name << "' has shape " << shape_str(it->second.sizes())
                      << " but the model expects " << shape_str(dst.sizes())
                      << ": the checkpoint belongs to a different model shape");
+    // A checksum only proves the file is what was written; weights that were already NaN or inf
+    // (written by a diverged run, or edited) would sample black images without complaint.
+    if (it->second.is_floating_point()) {
+      const int64_t bad = it->second.numel() - torch::isfinite(it->second).sum().item<int64_t>();
+      DDM_CHECK(bad == 0, origin << ": tensor '" << name << "' holds " << bad << " non-finite value"
+                                 << (bad == 1 ? "" : "s") << " (NaN or inf) of " << it->second.numel()
+                                 << "; these weights are unusable: use an earlier checkpoint");
+    }
     dst.copy_(it->second);
   };
   for (auto& p : module.named_parameters(true)) load_one(p.key(), p.value());

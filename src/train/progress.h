@@ -24,6 +24,14 @@ class Progress {
   // Estimated seconds to reach the last step, from the average step time so far.
   double eta_seconds(int64_t step) const;
   void reset_interval();
+  // The loss sum and step count of the logging interval so far: saved in a checkpoint and restored on
+  // resume, so that the first record after a resume averages the same steps as an uninterrupted run.
+  double interval_loss_sum() const { return interval_sum_; }
+  int64_t interval_steps() const { return interval_n_; }
+  void restore_interval(double loss_sum, int64_t steps) {
+    interval_sum_ = loss_sum;
+    interval_n_ = steps;
+  }
 
  private:
   using Clock = std::chrono::steady_clock;

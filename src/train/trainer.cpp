@@ -54,6 +54,14 @@ std::string first_difference(const std::string& a, const std::string& b) {
   }
 }
 
+// Removes what a run writes into its directory (--force, or a run that saved no checkpoint).
+void remove_run_files(const fs::path& dir) {
+  std::error_code ec;
+  for (const char* name : {"ckpt", "metrics.jsonl", "config.toml", "samples.png", "train.log", "expert.json",
+                           "router.json", "router_eval.json", "distill.json"})
+    fs::remove_all(dir / name, ec);
+}
+
 // Checks and prepares the run directory, and returns the lock that keeps a second `ddm train` from
 // writing to it while this one runs. The lock is taken before --force removes anything.
 FileLock prepare_run_dir(const TrainOptions& opt, const RunConfig& cfg) {
@@ -68,6 +76,14 @@ FileLock prepare_run_dir(const TrainOptions& opt, const RunConfig& cfg) {
   fs::create_directories(dir);
   FileLock lock((dir / lock_name).string(), "another `ddm train` is writing to " + opt.out_dir +
                                                 "; wait for it to finish or stop it, or use another --out");
+  // A run that saved no checkpoint (it failed early, or was killed before its first one) has nothing to
+  // lose and nothing to resume: it never blocks a fresh start, whatever its config was.
+  if (fs::exists(cfg_path) && !latest_checkpoint(opt.out_dir)) {
+    if (!opt.quiet)
+      std::cout << "note: " << opt.out_dir << " holds a run that saved no checkpoint; starting afresh" << std::endl;
+    remove_run_files(dir);
+    return lock;
+  }
   if (fs::exists(cfg_path)) {
     if (opt.resume) {
       const RunConfig stored = load_config(cfg_path.string());
@@ -80,11 +96,7 @@ FileLock prepare_run_dir(const TrainOptions& opt, const RunConfig& cfg) {
     }
     DDM_CHECK(opt.force, "'" << opt.out_dir << "' already holds a run (" << cfg_path.string()
                              << "); use --resume to continue it, --force to overwrite it, or another --out");
-    std::error_code ec;
-    for (const char* name :
-         {"ckpt", "metrics.jsonl", "config.toml", "samples.png", "train.log", "expert.json", "router.json",
-          "router_eval.json", "distill.json"})
-      fs::remove_all(dir / name, ec);
+    remove_run_files(dir);
   }
   return lock;
 }
@@ -116,7 +128,8 @@ std::string select_expert_data(RunConfig& cfg, Dataset& data, const Partition& p
 }
 
 // A router trains on every cluster: checks the partition, fills model.num_experts, attaches each
-// image's cluster and withholds the last data.holdout images. Returns a line for the run header.
+// image's cluster and withholds data.holdout images chosen at random (holdout_split, seeded by
+// train.seed; evaluate_router_run picks the same ones). Returns a line for the run header.
 std::string select_router_data(RunConfig& cfg, Dataset& data, const Partition& p) {
   check_partition_matches(p, data);
   ModelConfig& m = cfg.model;
@@ -127,13 +140,14 @@ std::string select_router_data(RunConfig& cfg, Dataset& data, const Partition& p
   const int64_t n = data.images.size(0), h = cfg.data.holdout;
   DDM_CHECK(h < n, "data.holdout = " << h << " leaves no training images (the data has " << n << ")");
   if (h > 0) {
-    data.images = data.images.narrow(0, 0, n - h);
-    data.labels = data.labels.narrow(0, 0, n - h);
-    data.clusters = data.clusters.narrow(0, 0, n - h);
+    const torch::Tensor keep = holdout_split(n, h, static_cast<uint64_t>(cfg.train.seed)).first;
+    data.images = data.images.index_select(0, keep);
+    data.labels = data.labels.index_select(0, keep);
+    data.clusters = data.clusters.index_select(0, keep);
   }
   std::ostringstream line;
-  line << "router: " << p.k << " clusters of " << p.origin << "; trains on " << n - h << " images, the last " << h
-       << " held out\n";
+  line << "router: " << p.k << " clusters of " << p.origin << "; trains on " << n - h << " images, " << h
+       << " held out at random\n";
   return line.str();
 }
 
@@ -155,7 +169,8 @@ void check_partition_record(const TrainOptions& opt, const RunConfig& cfg, const
   }
   if (router) {
     const nlohmann::json j = {{"partition", p.origin}, {"partition_sha256", sha}, {"k", p.k},
-                              {"holdout", cfg.data.holdout}};
+                              {"holdout", cfg.data.holdout},
+                              {"holdout_selection", "random, seeded by train.seed"}};
     write_file_atomic(record.string(), j.dump(2) + "\n");
     return;
   }
@@ -214,18 +229,19 @@ TrainSummary train(RunConfig cfg, const TrainOptions& opt) {
   const std::string config_text = to_toml(cfg);
   const RunConfig stored_cfg = cfg;  // an expert's config keeps the global budget; it runs on its share
   if (!cfg.data.partition.empty() && !router) expert_line = select_expert_data(cfg, data, partition);
-  const FileLock run_lock = prepare_run_dir(opt, stored_cfg);
-  const fs::path dir(opt.out_dir);
-  write_file_atomic((dir / "config.toml").string(), config_text);
-  if (!cfg.data.partition.empty()) check_partition_record(opt, cfg, partition);
-  if (teacher) check_distill_record(opt.out_dir, opt.resume, *teacher);
-
+  // The model is built before the run directory is touched, so a config it cannot take leaves nothing.
   const uint64_t seed = static_cast<uint64_t>(tc.seed);
   torch::manual_seed(derive_seed({seed, static_cast<uint64_t>(RngPurpose::kInit)}));
   Net net = make_net(cfg.model);
   net->train();
   DiffusionStep stepper(cfg, net);
   if (teacher) stepper.set_teacher(teacher_fn(teacher, cfg));
+
+  const FileLock run_lock = prepare_run_dir(opt, stored_cfg);
+  const fs::path dir(opt.out_dir);
+  write_file_atomic((dir / "config.toml").string(), config_text);
+  if (!cfg.data.partition.empty()) check_partition_record(opt, cfg, partition);
+  if (teacher) check_distill_record(opt.out_dir, opt.resume, *teacher);
   FlatAdamW& optim = stepper.optim();
   BatchLoader loader(data, tc.batch_size, derive_seed({seed, static_cast<uint64_t>(RngPurpose::kDataOrder)}),
                      cfg.data.hflip);
@@ -234,13 +250,18 @@ TrainSummary train(RunConfig cfg, const TrainOptions& opt) {
   TrainSummary summary;
   int64_t step = 0;
   std::string last_ckpt = "none yet";
+  double interval_loss_sum = 0;  // the logging interval the checkpoint was written in, so far
+  int64_t interval_steps = 0;
   if (opt.resume) {
     if (auto latest = latest_checkpoint(opt.out_dir)) {
-      Checkpoint ck = read_checkpoint(*latest);
+      const Checkpoint ck = read_checkpoint(*latest);
       load_module_state(*net, ck.model, *latest + "/model.safetensors");
-      optim.load(ck.model, ck.ema, ck.optim, ck.state.at("optimizer_step").get<int64_t>(), *latest);
-      loader.set_cursor({ck.state.at("data_cursor").at("epoch").get<int64_t>(),
-                         ck.state.at("data_cursor").at("index").get<int64_t>()});
+      optim.load(ck.model, ck.ema, ck.optim, ck.field<int64_t>("/optimizer_step"), *latest);
+      loader.set_cursor({ck.field<int64_t>("/data_cursor/epoch"), ck.field<int64_t>("/data_cursor/index")});
+      if (ck.state.contains("log_interval")) {  // absent in checkpoints of older versions
+        interval_loss_sum = ck.field<double>("/log_interval/loss_sum");
+        interval_steps = ck.field<int64_t>("/log_interval/steps");
+      }
       step = ck.step;
       last_ckpt = *latest;
       if (!opt.quiet) std::cout << "resuming from " << *latest << " (step " << step << ")\n";
@@ -249,6 +270,8 @@ TrainSummary train(RunConfig cfg, const TrainOptions& opt) {
     }
   }
   summary.first_step = step;
+  Progress progress(step, tc.steps, opt.quiet);
+  progress.restore_interval(interval_loss_sum, interval_steps);
 
   if (!opt.quiet) {
     std::cout << "data:  " << data.description << "\n"
@@ -271,6 +294,7 @@ TrainSummary train(RunConfig cfg, const TrainOptions& opt) {
     const auto cur = loader.cursor();
     ck.state["optimizer_step"] = optim.step_count();
     ck.state["data_cursor"] = {{"epoch", cur.epoch}, {"index", cur.index}};
+    ck.state["log_interval"] = {{"loss_sum", progress.interval_loss_sum()}, {"steps", progress.interval_steps()}};
     ck.state["rng"] = {{"seed", tc.seed},
                        {"scheme", "every draw uses a generator seeded from (seed, purpose, step): nothing else to save"}};
     ck.state["class_names"] = data.class_names;
@@ -280,7 +304,6 @@ TrainSummary train(RunConfig cfg, const TrainOptions& opt) {
   };
 
   MetricsLog metrics((dir / "metrics.jsonl").string(), step);
-  Progress progress(step, tc.steps, opt.quiet);
   g_signal = 0;
   auto old_int = std::signal(SIGINT, on_signal);
   auto old_term = std::signal(SIGTERM, on_signal);
@@ -326,6 +349,7 @@ TrainSummary train(RunConfig cfg, const TrainOptions& opt) {
       std::cout << "stopped by signal " << g_signal.load() << " at step " << step << "; checkpoint " << last_ckpt
                 << " written; continue with --resume" << std::endl;
       summary.interrupted = true;
+      summary.signal = g_signal.load();
       break;
     }
   }
@@ -341,7 +365,7 @@ LoadedModel load_model(const std::string& path, bool use_ema) {
   Checkpoint ck = read_checkpoint(m.checkpoint, /*weights_only=*/true);
   m.cfg = parse_config(ck.config_toml, m.checkpoint + "/state.json (config)");
   m.step = ck.step;
-  if (ck.state.contains("class_names")) m.class_names = ck.state["class_names"].get<std::vector<std::string>>();
+  if (ck.state.contains("class_names")) m.class_names = ck.field<std::vector<std::string>>("/class_names");
   m.net = make_net(m.cfg.model);
   load_module_state(*m.net, ck.model, m.checkpoint + "/model.safetensors");
   if (use_ema) load_module_state(*m.net, ck.ema, m.checkpoint + "/ema.safetensors");

@@ -26,6 +26,7 @@ struct TrainSummary {
   double final_loss = 0;   // mean loss over the last logging interval
   std::string checkpoint;  // the final checkpoint directory
   bool interrupted = false;
+  int signal = 0;          // the signal that interrupted it (SIGINT, SIGTERM); exit with 128 + signal
 };
 
 // Fills model.in_channels / image_size / num_classes from the data (error if set and different).

@@ -117,6 +117,27 @@ TEST(Train, ResumeAfterKillIsBitIdentical) {
   for (const auto& [k, v] : a.optim) EXPECT_TRUE(torch::equal(v, b.optim.at(k))) << k;
 }
 
+// A resume from a checkpoint in the middle of a logging interval logs the same means as the run that
+// was never interrupted: the interval's loss sum so far travels in the checkpoint (the first record
+// after a resume once averaged only the steps since the resume).
+TEST(Train, ResumeInsideALoggingIntervalLogsTheSameMeans) {
+  test::TempDir dir;
+  RunConfig cfg = parse_config(kTinyConfig, "tiny",
+                               {"train.steps=10", "train.log_every=4", "train.ckpt_every=3", "train.keep_ckpts=10"});
+  train(cfg, {dir / "ref", false, false, true});
+  const auto ref = loss_lines(dir / "ref/metrics.jsonl");
+  ASSERT_EQ(ref.size(), 3u);  // steps 4, 8, 10
+  for (const char* from : {"step-00000003", "step-00000006", "step-00000009"}) {
+    const std::string out = dir / (std::string("from-") + from);
+    fs::copy(dir / "ref", out, fs::copy_options::recursive);
+    for (const auto& ck : list_checkpoints(out))
+      if (ck > out + "/ckpt/" + from) fs::remove_all(ck);
+    const TrainSummary s = train(cfg, {out, /*resume=*/true, false, true});
+    EXPECT_EQ(s.first_step, std::stoi(std::string(from).substr(5)));
+    EXPECT_EQ(loss_lines(out + "/metrics.jsonl"), ref) << "resumed from " << from;
+  }
+}
+
 TEST(Train, NonFiniteLossStopsAndKeepsCheckpoint) {
   test::TempDir dir;
   test::write_text(dir / "tiny.toml", kTinyConfig);
@@ -149,18 +170,23 @@ TEST(Train, SigtermWritesCheckpointAndStops) {
   test::TempDir dir;
   test::write_text(dir / "tiny.toml", kTinyConfig);
   const std::string out = dir / "run";
-  auto pid_res = test::run_command(std::string(DDM_BINARY) + " train --config " + (dir / "tiny.toml") +
-                                   " --set train.steps=1000000 --set train.ckpt_every=1000000 --out " + out + " > " +
-                                   (dir / "log.txt") + " 2>&1 & echo $!");
-  const std::string pid = std::to_string(std::stoi(pid_res.output));
+  test::run_command("(" + std::string(DDM_BINARY) + " train --config " + (dir / "tiny.toml") +
+                    " --set train.steps=1000000 --set train.ckpt_every=1000000 --out " + out + " > " +
+                    (dir / "log.txt") + " 2>&1 & echo $! > " + (dir / "pid") + "; wait $!; echo $? > " + (dir / "rc") +
+                    ") > /dev/null 2>&1 &");
+  for (int i = 0; i < 600 && test::read_text(dir / "pid").empty(); ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  const std::string pid = std::to_string(std::stoi(test::read_text(dir / "pid")));
   // Wait until training is under way (metrics written), then ask it to stop.
   for (int i = 0; i < 600 && !fs::exists(out + "/metrics.jsonl"); ++i)
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
   std::this_thread::sleep_for(std::chrono::milliseconds(500));
   test::run_command("kill -TERM " + pid);
   test::run_command("while kill -0 " + pid + " 2>/dev/null; do sleep 0.05; done");
+  for (int i = 0; i < 600 && !fs::exists(dir / "rc"); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
   const std::string log = test::read_text(dir / "log.txt");
   EXPECT_NE(log.find("stopped by signal 15"), std::string::npos) << log;
+  EXPECT_EQ(test::read_text(dir / "rc"), "143\n") << "SIGTERM's exit status is 128 + 15\n" << log;
   auto latest = latest_checkpoint(out);
   ASSERT_TRUE(latest.has_value()) << log;
   const Checkpoint ck = read_checkpoint(*latest);

@@ -91,6 +91,25 @@ TEST(Config, MissingFile) {
   }
 }
 
+// A config path that is a directory, or a file that sets nothing (/dev/null, only comments), once
+// trained with built-in defaults and exited 0.
+TEST(Config, DirectoryOrEmptyConfigFileIsAnError) {
+  test::TempDir dir;
+  auto load_error = [](const std::string& path) {
+    return test::error_message([&] { load_config(path); });
+  };
+  std::string e = load_error(dir.path);
+  EXPECT_NE(e.find(dir.path), std::string::npos) << e;
+  EXPECT_NE(e.find("it is a directory"), std::string::npos) << e;
+  e = load_error("/dev/null");
+  EXPECT_NE(e.find("/dev/null: the config file sets no keys"), std::string::npos) << e;
+  test::write_text(dir / "comments.toml", "# nothing but a comment\n\n");
+  e = load_error(dir / "comments.toml");
+  EXPECT_NE(e.find("comments.toml: the config file sets no keys"), std::string::npos) << e;
+  test::write_text(dir / "one.toml", "[train]\nsteps = 7\n");
+  EXPECT_EQ(load_config(dir / "one.toml").train.steps, 7);
+}
+
 TEST(Config, EveryShippedConfigParses) {
   int n = 0;
   for (const auto& e : std::filesystem::directory_iterator(std::string(DDM_SOURCE_DIR) + "/configs")) {

@@ -238,6 +238,34 @@ TEST(ImageFolder, LoadsClassesInSortedOrder) {
   EXPECT_EQ(d.images[3][0][1][0].item<int>(), 10 + 3 * 15);
 }
 
+// Every pixel comes back as written, for 1 to 4 channels. A one-channel image once pointed into stb's
+// buffer after it was freed (from_blob + an already-contiguous permute made no copy): the first bytes
+// then read as the allocator's free-list pointers, and the same folder hashed differently per load.
+TEST(ImageFolder, EveryChannelCountReadsBackExactly) {
+  // 28x28 like Fashion-MNIST: stb's one-channel buffer (784 bytes) then lands in the allocator's small
+  // free lists, whose pointers overwrite its first bytes.
+  const int w = 28, h = 28, n = 6;
+  for (int c = 1; c <= 4; ++c) {
+    ddm::test::TempDir dir;
+    fs::create_directories(dir / "imgs/a");
+    for (int i = 0; i < n; ++i) write_png(dir / ("imgs/a/" + std::to_string(i) + ".png"), w, h, c, 40 * i);
+    DataConfig cfg;
+    cfg.source = "folder";
+    cfg.root = dir / "imgs";
+    const Dataset d = ddm::load_dataset(cfg);
+    ASSERT_EQ(d.images.sizes(), (std::vector<int64_t>{n, c, h, w})) << c << " channels";
+    for (int64_t i = 0; i < n; ++i) {
+      // write_png's pixel at HWC index j is base + 3 j (mod 256).
+      const auto expected = ((torch::arange(h * w * c, torch::kInt64) * 3 + 40 * i) % 256)
+                                .to(torch::kUInt8)
+                                .view({h, w, c})
+                                .permute({2, 0, 1});
+      EXPECT_TRUE(torch::equal(d.images[i], expected)) << c << " channels, image " << i << ": first row reads "
+                                                       << d.images[i][0][0].slice(0, 0, 8);
+    }
+  }
+}
+
 TEST(ImageFolder, MalformedPngNamesFileAndReason) {
   ddm::test::TempDir dir;
   fs::create_directories(dir / "imgs/a");
@@ -300,7 +328,7 @@ DataConfig st_cfg(const std::string& path) {
 TEST(TensorFile, NhwcAndNchwBothLoadAsNchw) {
   ddm::test::TempDir dir;
   torch::Tensor nchw = torch::randint(0, 256, {6, 3, 8, 5}, torch::kUInt8);
-  torch::Tensor labels = torch::tensor({0, 1, 2, 0, 1, 4}, torch::kInt32);
+  torch::Tensor labels = torch::tensor({0, 1, 2, 3, 1, 4}, torch::kInt32);
   Dataset a = ddm::load_dataset(st_cfg(save_tensors(dir, "a.safetensors", {{"images", nchw}, {"labels", labels}})));
   Dataset b = ddm::load_dataset(
       st_cfg(save_tensors(dir, "b.safetensors", {{"images", nchw.permute({0, 2, 3, 1}).contiguous()}})));
@@ -339,6 +367,49 @@ TEST(TensorFile, BadInputsNameFileAndTensor) {
   EXPECT_HAS(msg, "has 28 channels");
   msg = load_error(st_cfg(dir / "missing.safetensors"));
   EXPECT_HAS(msg, "missing.safetensors: safetensors dataset file not found (set data.root");
+}
+
+// A label of 10^12 once ended in std::bad_alloc, and one label of 100000 silently made a model of
+// 100001 classes: labels are bounded, and gaps need the metadata 'num_classes' to say they are meant.
+TEST(TensorFile, LabelsAreBoundedAndTheClassCountIsExplicit) {
+  ddm::test::TempDir dir;
+  const torch::Tensor img = torch::zeros({4, 1, 6, 6}, torch::kUInt8);
+  auto with_labels = [&](const std::string& name, std::vector<int64_t> l, std::map<std::string, std::string> meta = {}) {
+    return st_cfg(save_tensors(dir, name, {{"images", img}, {"labels", torch::tensor(l, torch::kInt64)}}, meta));
+  };
+  std::string msg = load_error(with_labels("huge.safetensors", {0, 1, 1000000000000LL, 2}));
+  EXPECT_HAS(msg, "huge.safetensors: tensor 'labels' contains the label 1000000000000; ddm supports at most 65536");
+  msg = load_error(with_labels("big.safetensors", {0, 1, 100000, 2}));
+  EXPECT_HAS(msg, "big.safetensors: tensor 'labels' contains the label 100000; ddm supports at most 65536");
+  msg = load_error(with_labels("gap.safetensors", {0, 1, 1000, 2}));
+  EXPECT_HAS(msg, "gap.safetensors: labels imply 1001 classes (largest label 1000), but 997 of them have no "
+                  "image (the first is class 3)");
+  EXPECT_HAS(msg, "metadata 'num_classes'");
+  msg = load_error(with_labels("meta.safetensors", {0, 1, 2, 2}, {{"num_classes", "100000000"}}));
+  EXPECT_HAS(msg, "metadata 'num_classes' is 100000000; ddm supports at most 65536");
+  // Empty classes declared on purpose, and the class count in the description.
+  Dataset d = ddm::load_dataset(with_labels("ok.safetensors", {0, 1, 4, 2}, {{"num_classes", "6"}}));
+  EXPECT_EQ(d.num_classes, 6);
+  EXPECT_HAS(d.description, "6 classes");
+  d = ddm::load_dataset(with_labels("dense.safetensors", {0, 1, 3, 2}));
+  EXPECT_EQ(d.num_classes, 4);
+}
+
+// The router's hold-out is a seeded random subset, not "the last N" (in a class-ordered folder
+// that is one class): disjoint, sorted, together everything, the same for the same seed.
+TEST(Holdout, SeededRandomSubsetAcrossTheWholeDataset) {
+  const auto [train, held] = ddm::holdout_split(1000, 100, 7);
+  ASSERT_EQ(train.numel(), 900);
+  ASSERT_EQ(held.numel(), 100);
+  EXPECT_TRUE(torch::equal(std::get<0>(torch::cat({train, held}).sort()), torch::arange(1000, torch::kInt64)));
+  EXPECT_TRUE(torch::equal(train, std::get<0>(train.sort())));
+  EXPECT_TRUE(torch::equal(held, std::get<0>(held.sort())));
+  // Spread over all ten "classes" of 100 consecutive images each.
+  EXPECT_EQ(std::get<0>(torch::unique_consecutive(held.div(100, "floor"))).numel(), 10) << held;
+  EXPECT_TRUE(torch::equal(ddm::holdout_split(1000, 100, 7).second, held));
+  EXPECT_FALSE(torch::equal(ddm::holdout_split(1000, 100, 8).second, held));
+  EXPECT_EQ(ddm::holdout_split(10, 0, 1).second.numel(), 0);
+  EXPECT_HAS(ddm::test::error_message([] { ddm::holdout_split(10, 10, 1); }), "data.holdout = 10");
 }
 
 // ---- conversions ------------------------------------------------------------------------------

@@ -2,6 +2,9 @@
 // checks, overfitting one batch, and checkpoint write / read / prune / corruption detection.
 #include <gtest/gtest.h>
 
+#include <functional>
+#include <limits>
+
 #include <filesystem>
 #include <fstream>
 
@@ -150,4 +153,70 @@ TEST(Checkpoint, RoundTripPruneAndCorruption) {
   EXPECT_NE(error_message([&] { resolve_checkpoint(dir / "nope"); }).find("does not exist"), std::string::npos);
   std::filesystem::create_directories(dir / "empty");
   EXPECT_NE(error_message([&] { resolve_checkpoint(dir / "empty"); }).find("holds no checkpoint"), std::string::npos);
+}
+
+// A checksum only proves the file is what was written: weights that are NaN or inf are refused by
+// name, not sampled into a black grid.
+TEST(ModuleState, NonFiniteWeightsAreAClearError) {
+  auto m = small_mlp(4);
+  TensorMap state = module_state(*m);
+  const std::string name = state.begin()->first;
+  state[name] = state[name].clone();
+  state[name].view({-1})[0] = std::numeric_limits<float>::quiet_NaN();
+  state[name].view({-1})[1] = std::numeric_limits<float>::infinity();
+  const std::string e = error_message([&] { load_module_state(*m, state, "ck/ema.safetensors"); });
+  EXPECT_NE(e.find("ck/ema.safetensors: tensor '" + name + "' holds 2 non-finite values"), std::string::npos) << e;
+}
+
+// Every field of state.json that ddm reads is checked: missing or ill-typed, the message names the
+// file and the field (once it was "[json.exception.type_error.306] cannot use value() with null").
+TEST(Checkpoint, MalformedStateJsonNamesFileAndField) {
+  test::TempDir dir;
+  auto m = small_mlp(4);
+  FlatAdamW opt(*m, {});
+  Checkpoint ck;
+  ck.step = 5;
+  ck.config_toml = "[train]\nsteps = 5\n";
+  ck.model = module_state(*m);
+  ck.ema = opt.named_ema();
+  ck.optim = opt.optimizer_state();
+  ck.state["data_cursor"] = {{"epoch", 0}, {"index", 5}};
+  const std::string path = write_checkpoint(dir.path, ck, 1);
+  const std::string state_path = path + "/state.json";
+  const auto good = nlohmann::json::parse(test::read_text(state_path));
+  auto error_with = [&](const std::function<void(nlohmann::json&)>& edit) {
+    nlohmann::json j = good;
+    edit(j);
+    test::write_text(state_path, j.dump(2));
+    return error_message([&] {
+      const Checkpoint back = read_checkpoint(path);
+      back.field<int64_t>("/data_cursor/epoch");
+    });
+  };
+  struct Case {
+    std::function<void(nlohmann::json&)> edit;
+    std::string expected;
+  };
+  const std::vector<Case> cases = {
+      {[](nlohmann::json& j) { j.erase("sha256"); }, "field 'sha256.model.safetensors' is missing, expected a string"},
+      {[](nlohmann::json& j) { j["sha256"] = 3; }, "field 'sha256.model.safetensors' is missing"},
+      {[](nlohmann::json& j) { j["sha256"]["ema.safetensors"] = nullptr; },
+       "field 'sha256.ema.safetensors' is null, expected a string"},
+      {[](nlohmann::json& j) { j.erase("step"); }, "field 'step' is missing, expected an integer"},
+      {[](nlohmann::json& j) { j["step"] = "five"; }, "field 'step' is a string, expected an integer"},
+      {[](nlohmann::json& j) { j["step"] = 5.5; }, "field 'step' is a number, expected an integer"},
+      {[](nlohmann::json& j) { j["step"] = -1; }, "field 'step' is -1"},
+      {[](nlohmann::json& j) { j["config"] = nullptr; }, "field 'config' is null, expected a string"},
+      {[](nlohmann::json& j) { j.erase("format"); }, "field 'format' is missing"},
+      {[](nlohmann::json& j) { j["data_cursor"].erase("epoch"); }, "field 'data_cursor.epoch' is missing"},
+      {[](nlohmann::json& j) { j["data_cursor"] = "x"; }, "field 'data_cursor.epoch' is missing"},
+      {[](nlohmann::json& j) { j = nlohmann::json::array(); }, "is JSON but not an object"},
+  };
+  for (const Case& c : cases) {
+    const std::string e = error_with(c.edit);
+    EXPECT_NE(e.find(state_path), std::string::npos) << e;
+    EXPECT_NE(e.find(c.expected), std::string::npos) << "expected '" << c.expected << "' in: " << e;
+  }
+  test::write_text(state_path, good.dump(2));
+  EXPECT_EQ(read_checkpoint(path).field<int64_t>("/data_cursor/index"), 5);
 }
