@@ -128,6 +128,7 @@ std::function<void(int64_t, int64_t)> sampling_progress(bool tty) {
 }
 
 void write_samples(const SampleArgs& a) {
+  check_png_path(a.out);  // before any sampling
   set_threads(a.threads);
   Source src = open_source(a);
   const LoadedModel& m = src.defaults();
@@ -172,6 +173,7 @@ void write_samples(const SampleArgs& a) {
     f.tensors["labels"] = out.labels;
     f.tensors["samples"] = out.images;
     f.metadata["checkpoint"] = src.name;
+    f.metadata["data_source"] = m.cfg.data.source;  // ddm eval refuses samples of non-Fashion-MNIST models
     f.metadata["sampler"] = g.sample.sampler;
     f.metadata["steps"] = std::to_string(g.sample.steps);
     f.metadata["cfg"] = std::to_string(g.sample.cfg);
@@ -187,7 +189,8 @@ void add_sample_flags(CLI::App* cmd, SampleArgs& a) {
       ->check(CLI::IsMember({"euler", "heun", "ddim", "ddpm"}));
   cmd->add_option("--cfg", a.cfg, "classifier-free guidance scale; 1 = off, 0 = unconditional (default: the run's)")
       ->check(kNonNegative);
-  cmd->add_option("--class", a.class_id, "sample only this class (default: one row per class)");
+  cmd->add_option("--class", a.class_id, "sample only this class, 0..classes-1 (default: one row per class)")
+      ->check(kNonNegative);
   cmd->add_option("--seed", a.seed, "sampling seed")->check(kNonNegative);
   cmd->add_option("--batch", a.batch, "images per network batch")->check(kPositive);
   cmd->add_option("--threads", a.threads, "intra-op threads (0 = all cores)")->check(kNonNegative);
@@ -270,6 +273,7 @@ int eval_cmd(EvalArgs a) {
   } else {
     Source src = open_source(a.sample);
     const LoadedModel& m = src.defaults();
+    check_evaluable_source(m.cfg.data.source, src.name);
     const Denoiser& den = *src.den;
     GenerateOptions g;
     g.n = a.sample.n;
@@ -321,6 +325,7 @@ int eval_cmd(EvalArgs a) {
     f.tensors["images"] = set.images;
     f.tensors["labels"] = out.labels;
     f.metadata["origin"] = set.origin;
+    f.metadata["data_source"] = m.cfg.data.source;
     save_safetensors((fs::path(a.out) / (stem + ".safetensors")).string(), f);
   }
   EvalReport r = evaluate_samples(set, a.cfg);
@@ -435,7 +440,7 @@ int run(int argc, char** argv) {
       "eval",
       "Measure sample quality against the Fashion-MNIST test split: FD-fmnist (Frechet distance in the shipped "
       "feature network's space; not FID), KID, precision/recall and, for class-conditional samples, the feature "
-      "network's accuracy on each requested class. Samples a checkpoint (--ckpt), reads a file (--samples) "
+      "network's accuracy on each requested class. Only for models trained on Fashion-MNIST (other data is refused). Samples a checkpoint (--ckpt), reads a file (--samples) "
       "or draws a reference point (--anchor). Prints a table and writes JSON, a per-class PNG grid (and the samples) "
       "to --out.");
   eval_cmd_app->add_option("--ckpt", ea.sample.ckpt, "run or checkpoint directory to sample from");
@@ -479,7 +484,7 @@ int run(int argc, char** argv) {
     TrainSummary s = train(cfg, {out_dir, resume, force, quiet});
     std::cout << "done: step " << s.last_step << ", checkpoint " << s.checkpoint << ", peak memory "
               << static_cast<int64_t>(peak_rss_mib()) << " MiB" << std::endl;
-    return s.interrupted ? 130 : 0;
+    return s.interrupted ? 128 + s.signal : 0;
   }
   if (*sample_cmd) {
     write_samples(sa);
@@ -506,7 +511,7 @@ int run(int argc, char** argv) {
       RunConfig cfg = parse_config(kQuickstartConfig, "quickstart config", ov);
       std::cout << "ddm quickstart --monolith: " << (single ? "continuing" : "training") << " in " << qs_out << std::endl;
       TrainSummary s = train(cfg, {qs_out, /*resume=*/single, /*force=*/false, /*quiet=*/false});
-      if (s.interrupted) return 130;
+      if (s.interrupted) return 128 + s.signal;
       a.ckpt = qs_out;
     } else {
       std::cout << "ddm quickstart: " << (islands ? "continuing" : "training")

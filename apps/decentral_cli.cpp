@@ -131,12 +131,14 @@ void evaluate_router_run(const std::string& out, int64_t buckets) {
   const Partition p = load_partition(dc.partition);
   check_partition_matches(p, data);
   const int64_t n = data.images.size(0), h = dc.holdout;
-  const int64_t first = h > 0 ? n - h : 0, count = h > 0 ? h : std::min<int64_t>(n, 2000);
-  const std::string note = h > 0 ? "held-out images (the last " + std::to_string(h) + ", never trained on)"
+  // The images train() withheld (the same seeded split), or without a hold-out the first 2000.
+  const torch::Tensor idx = h > 0 ? holdout_split(n, h, static_cast<uint64_t>(r.cfg.train.seed)).second
+                                  : torch::arange(std::min<int64_t>(n, 2000), torch::kInt64);
+  const std::string note = h > 0 ? "held-out images (" + std::to_string(h) + " chosen at random, never trained on)"
                                  : "training images (data.holdout = 0: none were held out)";
   const RouterReport rep =
-      evaluate_router(r.net, r.cfg, to_unit_range(data.images.narrow(0, first, count)), data.labels.narrow(0, first, count),
-                      p.labels.narrow(0, first, count), buckets, static_cast<uint64_t>(r.cfg.train.seed) + 1, note);
+      evaluate_router(r.net, r.cfg, to_unit_range(data.images.index_select(0, idx)), data.labels.index_select(0, idx),
+                      p.labels.index_select(0, idx), buckets, static_cast<uint64_t>(r.cfg.train.seed) + 1, note);
   std::cout << "\n" << rep.table();
   nlohmann::json j = rep.json();
   j["checkpoint"] = r.checkpoint;
@@ -149,7 +151,7 @@ int train_router_cmd(const RouterArgs& a) {
   if (!a.eval_only) {
     const RunConfig cfg = router_config(a);
     TrainSummary s = train(cfg, {a.out, a.resume, a.force, a.quiet});
-    if (s.interrupted) return 130;
+    if (s.interrupted) return 128 + s.signal;
     std::cout << "done: step " << s.last_step << ", checkpoint " << s.checkpoint << std::endl;
   }
   evaluate_router_run(a.out, a.buckets);
@@ -203,7 +205,7 @@ RunConfig distill_config(const DistillArgs& a) {
 int distill_cmd(const DistillArgs& a) {
   const RunConfig cfg = distill_config(a);
   TrainSummary s = train(cfg, {a.out, a.resume, a.force, a.quiet});
-  if (s.interrupted) return 130;
+  if (s.interrupted) return 128 + s.signal;
   std::cout << "done: step " << s.last_step << ", checkpoint " << s.checkpoint << "\nnext: ddm sample --ckpt " << a.out
             << " --out student.png   (or ddm eval --ckpt " << a.out << ")" << std::endl;
   return 0;
@@ -273,7 +275,7 @@ std::vector<Command> add_decentral_commands(CLI::App& app) {
       "autoencoder, or your own file), k-means into --fine centroids, then those centroids into K clusters; "
       "each image goes to the cluster of its fine centroid. Balanced (equal sizes) by default. Writes "
       "partition.safetensors, summary.json and clusters.png (the first images of each cluster) to --out.");
-  part->add_option("--k", pa->cfg.k, "number of clusters (experts)")->required()->check(kPositive);
+  part->add_option("--k", pa->cfg.k, "number of clusters (experts), at least 2")->required();
   part->add_option("--out", pa->out, "partition directory to write")->required();
   part->add_option("--features", pa->features,
                    "pixels[:D] (PCA, default D 64) | feature-net[:FILE] | autoencoder[:D] (default 32) | "
@@ -314,7 +316,8 @@ std::vector<Command> add_decentral_commands(CLI::App& app) {
   router->add_option("--preset", ra->preset, "router-dit-tiny (DiT with a CLS token) | router-conv-tiny")
       ->capture_default_str();
   router->add_option("--holdout", ra->holdout,
-                     "withhold the last N images from training and measure the router on them (sets data.holdout)")
+                     "withhold N images, chosen at random (seeded by train.seed), from training and measure the router on "
+                     "them (sets data.holdout)")
       ->check(kNonNegative)
       ->capture_default_str();
   router->add_option("--set", ra->overrides, "override a config key, e.g. --set train.steps=600 (repeatable)");

@@ -48,11 +48,19 @@ nlohmann::json read_record(const std::string& run, const char* name, const std::
   }
 }
 
+// topk:K needs K <= the number of experts (topk:K with K = experts is full routing).
+void check_routing_fits(const Routing& r, int64_t experts) {
+  DDM_CHECK(r.kind != Routing::Kind::kTopK || r.k <= experts,
+            "routing " << r.spec << ": the ensemble has only K = " << experts << " experts; use topk:1 to topk:"
+                       << experts << " (topk:" << experts << " is the same as full)");
+}
+
 }  // namespace
 
 nlohmann::json assemble_ensemble(const std::string& dir, const EnsembleSpec& spec, std::vector<std::string>& notes) {
-  parse_routing(spec.routing);  // a bad default fails before any work
+  const Routing routing = parse_routing(spec.routing);  // a bad default fails before any work
   const Partition p = load_partition(spec.partition);
+  check_routing_fits(routing, p.k);
   const std::string part_sha = sha256_file(p.origin);
   DDM_CHECK(static_cast<int64_t>(spec.experts.size()) == p.k,
             spec.experts.size() << " experts given, but the partition " << spec.partition << " has K = " << p.k
@@ -191,6 +199,7 @@ std::string ensemble_expert_run(const std::string& dir, int64_t k) {
 }
 
 std::unique_ptr<Ensemble> make_ensemble(const LoadedEnsemble& e, const Routing& routing, uint64_t seed) {
+  check_routing_fits(routing, e.k);
   const LoadedModel& first = e.first_expert();
   const NoisePath path = make_path(first.cfg.diffusion);
   std::vector<std::optional<Denoiser>> dens;

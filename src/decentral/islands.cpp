@@ -367,7 +367,7 @@ int run_islands(const IslandsConfig& c, const std::string& ddm_binary) {
     for (const auto& f : failed) std::cout << " " << f << ";";
     std::cout << " the others are finished and kept. Fix the cause (see the logs), then run the same command again: "
                  "finished islands are skipped, the rest resume from their checkpoints" << std::endl;
-    return stopping ? 130 : 1;
+    return stopping ? 128 + g_stop.load() : 1;  // 130 for SIGINT, 143 for SIGTERM
   }
   EnsembleSpec spec;
   spec.partition = c.partition;

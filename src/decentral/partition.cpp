@@ -61,7 +61,8 @@ torch::Tensor labels_from_allocation(const torch::Tensor& x, const torch::Tensor
 }  // namespace
 
 Partition make_partition(const torch::Tensor& features, int64_t n, const PartitionConfig& cfg) {
-  DDM_CHECK(cfg.k >= 1, "--k must be >= 1, got " << cfg.k);
+  DDM_CHECK(cfg.k >= 2, "--k " << cfg.k << ": a partition needs at least 2 clusters (a router chooses among >= 2 "
+                                   "experts); for one model on all the data use `ddm train`");
   DDM_CHECK(cfg.k <= n, "--k " << cfg.k << " is larger than the data (" << n << " images); use at most " << n);
   DDM_CHECK(cfg.method == "kmeans" || cfg.method == "random",
             "--method '" << cfg.method << "': use kmeans or random");

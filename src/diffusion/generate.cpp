@@ -42,6 +42,11 @@ Generated generate(const Denoiser& den, int64_t channels, int64_t size, const Ge
     if (opt.on_progress) opt.on_progress(start + b, opt.n);
   }
   g.images = torch::cat(chunks);
+  // A NaN survives clamp() and would be written as a black tile: refuse instead.
+  const int64_t bad = torch::isfinite(g.images.reshape({opt.n, -1})).all(1).logical_not().sum().item<int64_t>();
+  DDM_CHECK(bad == 0, bad << " of " << opt.n << " samples hold NaN or inf: the model produced non-finite output "
+                          << "(cfg " << opt.sample.cfg << ", " << opt.sample.sampler << ", " << opt.sample.steps
+                          << " steps). Try a smaller --cfg, another sampler, or an earlier checkpoint");
   g.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return g;
 }

@@ -42,7 +42,7 @@ int64_t sampler_nfe(const std::string& sampler, int64_t steps) {
 
 SampleResult sample(const Denoiser& den, const torch::Tensor& x1, const torch::Tensor& y, const SampleOptions& opt) {
   DDM_CHECK(opt.steps > 0, "sampling steps must be > 0, got " << opt.steps);
-  DDM_CHECK(opt.cfg >= 0, "cfg must be >= 0, got " << opt.cfg);
+  DDM_CHECK(opt.cfg >= 0 && std::isfinite(opt.cfg), "cfg must be a finite number >= 0, got " << opt.cfg);
   const std::string& kind = opt.sampler;
   DDM_CHECK(kind == "euler" || kind == "heun" || kind == "ddim" || kind == "ddpm",
             "sampler \"" << kind << "\" is not one of: euler, heun, ddim, ddpm");

@@ -110,9 +110,18 @@ Reference reference_features(FeatureNet& net, const std::string& net_sha, const 
 
 }  // namespace
 
+void check_evaluable_source(const std::string& data_source, const std::string& what) {
+  DDM_CHECK(data_source == "fashion-mnist",
+            what << " was trained on data.source = \"" << data_source << "\", not Fashion-MNIST. ddm eval scores "
+                 "samples against Fashion-MNIST's test split with a feature network trained on Fashion-MNIST (and "
+                 "names its classes), so for other data its FD, KID, precision/recall and class accuracy would be "
+                 "meaningless; look at `ddm sample` grids instead");
+}
+
 SampleSet load_samples(const std::string& path) {
   DDM_CHECK(fs::exists(path), path << ": no such samples file (write one with `ddm sample --raw FILE`)");
   SafetensorsFile f = load_safetensors(path);
+  if (f.metadata.count("data_source")) check_evaluable_source(f.metadata["data_source"], path + " (its model)");
   SampleSet s;
   s.origin = path;
   auto labels = f.tensors.find("labels");
@@ -124,7 +133,7 @@ SampleSet load_samples(const std::string& path) {
     DDM_CHECK(f.tensors.count("images"), path << ": no tensor named \"images\" (uint8 NCHW/NHWC, or float in "
                                                  "[-1, 1]) or \"samples\" (float NCHW in [-1, 1])");
     if (f.tensors["images"].scalar_type() == torch::kUInt8) {
-      Dataset d = load_tensor_file(path);  // uint8 layout rules and label checks
+      Dataset d = load_tensor_file(path, /*every_class=*/false);  // uint8 layout rules and label checks
       s.images = d.images;
       if (labels != f.tensors.end()) s.labels = d.labels;
       return s;

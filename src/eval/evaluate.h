@@ -43,6 +43,11 @@ struct SampleSet {
 // `labels`. Errors name the file and say what is wrong.
 SampleSet load_samples(const std::string& path);
 
+// The metrics compare against Fashion-MNIST's test split in the space of a network trained on
+// Fashion-MNIST, with its class names: samples of a model trained on other data (data_source other
+// than "fashion-mnist") would get meaningless scores. Throws ddm::Error naming `what` for those.
+void check_evaluable_source(const std::string& data_source, const std::string& what);
+
 // Reference points for the metrics, drawn with a generator seeded by `seed`:
 //   "train": n random images (with labels) of the Fashion-MNIST train split, the floor a perfect
 //            generator would reach against the test split;

@@ -3,6 +3,8 @@
 #include "eval/grid.h"
 
 #include <algorithm>
+#include <cctype>
+#include <filesystem>
 #include <vector>
 
 #pragma GCC diagnostic push
@@ -14,18 +16,27 @@
 #include "core/error.h"
 #include "core/fileio.h"
 
+namespace fs = std::filesystem;
+
 namespace ddm {
 namespace {
 
 void draw_text(std::vector<uint8_t>& rgb, int width, int height, int x0, int y0, const std::string& text, int scale) {
-  std::vector<char> buf(text.size() * 300 + 64);
-  std::vector<char> str(text.begin(), text.end());
-  str.push_back('\0');
-  const int quads = stb_easy_font_print(0, 0, str.data(), nullptr, buf.data(), static_cast<int>(buf.size()));
   struct Vertex {
     float x, y, z;
     unsigned char color[4];
   };
+  std::vector<char> str(text.begin(), text.end());
+  str.push_back('\0');
+  // stb_easy_font truncates silently when the buffer is full (its "~270 bytes per character" is an
+  // average): grow the buffer until a whole spare quad is left over.
+  std::vector<char> buf(text.size() * 300 + 64 * sizeof(Vertex));
+  int quads = 0;
+  while (true) {
+    quads = stb_easy_font_print(0, 0, str.data(), nullptr, buf.data(), static_cast<int>(buf.size()));
+    if ((static_cast<size_t>(quads) + 1) * 4 * sizeof(Vertex) <= buf.size()) break;
+    buf.resize(buf.size() * 2);
+  }
   const Vertex* v = reinterpret_cast<const Vertex*>(buf.data());
   for (int q = 0; q < quads; ++q) {
     const Vertex* quad = v + 4 * q;
@@ -52,6 +63,13 @@ void append_bytes(void* ctx, void* data, int size) {
 
 }  // namespace
 
+void check_png_path(const std::string& path, const std::string& what) {
+  std::string ext = fs::path(path).extension().string();
+  std::transform(ext.begin(), ext.end(), ext.begin(), [](unsigned char c) { return std::tolower(c); });
+  DDM_CHECK(ext == ".png", what << " " << path << ": ddm writes image grids as PNG; name the file with a .png "
+                                << "extension (e.g. " << fs::path(path).replace_extension(".png").string() << ")");
+}
+
 std::string encode_png(const torch::Tensor& rgb_u8) {
   DDM_CHECK(rgb_u8.dim() == 3 && rgb_u8.size(2) == 3 && rgb_u8.scalar_type() == torch::kUInt8,
             "encode_png expects uint8 [H, W, 3]");
@@ -68,6 +86,7 @@ void save_image_grid(const std::string& path, const torch::Tensor& images, int64
   DDM_CHECK(images.dim() == 4 && (images.size(1) == 1 || images.size(1) == 3),
             "image grid expects [N, 1 or 3, H, W], got " << images.sizes());
   DDM_CHECK(cols > 0 && scale > 0, "image grid needs cols > 0 and scale > 0");
+  check_png_path(path, "image grid");
   const int64_t n = images.size(0), h = images.size(2) * scale, w = images.size(3) * scale;
   const int64_t rows = (n + cols - 1) / cols;
   const int pad = 2, label_scale = 2;
@@ -95,7 +114,7 @@ void save_image_grid(const std::string& path, const torch::Tensor& images, int64
   for (size_t r = 0; r < row_labels.size() && static_cast<int64_t>(r) < rows; ++r)
     draw_text(rgb, width, height, 4, static_cast<int>(pad + r * (h + pad) + h / 2 - 5 * label_scale), row_labels[r],
               label_scale);
-  auto t = torch::from_blob(rgb.data(), {height, width, 3}, torch::kUInt8);
+  auto t = torch::from_blob(rgb.data(), {height, width, 3}, torch::kUInt8);  // a view of `rgb`, used before it goes
   write_file_atomic(path, encode_png(t));
 }
 

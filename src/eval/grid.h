@@ -12,6 +12,10 @@ namespace ddm {
 void save_image_grid(const std::string& path, const torch::Tensor& images, int64_t cols,
                      const std::vector<std::string>& row_labels = {}, int scale = 2);
 
+// Throws ddm::Error unless `path` ends in .png (any case): grids are PNG, and PNG bytes under another
+// name (.jpg) mislead every viewer. Call it before long work that ends in a grid.
+void check_png_path(const std::string& path, const std::string& what = "--out");
+
 // Encodes an RGB uint8 image [H, W, 3] as PNG bytes.
 std::string encode_png(const torch::Tensor& rgb_u8);
 

@@ -3,8 +3,10 @@
 #include <gtest/gtest.h>
 
 #include <filesystem>
+#include <limits>
 
 #include "core/fileio.h"
+#include "core/safetensors.h"
 #include "train/checkpoint.h"
 #include "test_util.h"
 
@@ -49,6 +51,9 @@ TEST(Cli, BadConfigInputs) {
   expect_error(test::run_ddm("train --config " + (dir / "tiny.toml") + " --set train.batch_size=0 --out " + (dir / "r")),
                "train.batch_size must be > 0");
   expect_error(test::run_ddm("train --config " + (dir / "missing.toml") + " --out " + (dir / "r")), "missing.toml");
+  // A directory or an empty file is not "all defaults".
+  expect_error(test::run_ddm("train --config " + dir.path + " --out " + (dir / "r")), "it is a directory");
+  expect_error(test::run_ddm("train --config /dev/null --out " + (dir / "r")), "the config file sets no keys");
   expect_error(test::run_ddm("train --config " + (dir / "tiny.toml") + " --set data.root=/nonexistent --out " +
                              (dir / "r")),
                "dataset-fashion-mnist");
@@ -88,6 +93,22 @@ TEST(Cli, RunDirectoryProtection) {
   test::write_text(dir / "stale/train.lock", "");
   auto stale = test::run_ddm("train --quiet --config " + (dir / "tiny.toml") + " --out " + (dir / "stale"));
   EXPECT_EQ(stale.exit_code, 0) << stale.output;
+  // A run that fails while building its model leaves nothing that blocks the corrected re-run (it
+  // once left config.toml and was refused with "already holds a run").
+  const std::string fresh = "train --quiet --config " + (dir / "tiny.toml") + " --out " + (dir / "early");
+  expect_error(test::run_ddm(fresh + " --set model.channel_mult=[1,2,2,2,2]"), "is not divisible by 2^(levels-1)");
+  EXPECT_FALSE(fs::exists(dir / "early/config.toml"));
+  auto corrected = test::run_ddm(fresh);
+  EXPECT_EQ(corrected.exit_code, 0) << corrected.output;
+  // A run that saved no checkpoint (killed before its first) does not block a fresh start either,
+  // with or without --resume, whatever its config was.
+  fs::remove_all(dir / "early/ckpt");
+  auto again = test::run_ddm(fresh + " --set train.lr=0.01");
+  EXPECT_EQ(again.exit_code, 0) << again.output;
+  EXPECT_TRUE(fs::exists(dir / "early/ckpt/step-00000003"));
+  fs::remove_all(dir / "early/ckpt");
+  auto resumed = test::run_ddm(fresh + " --resume --set model.channels=16");
+  EXPECT_EQ(resumed.exit_code, 0) << resumed.output;
   // A non-empty directory that is not a run.
   fs::create_directories(dir / "other");
   test::write_text(dir / "other/file.txt", "x");
@@ -105,12 +126,39 @@ TEST(Cli, BadSampleInputs) {
   expect_error(test::run_ddm("sample --ckpt " + (dir / "run") + " --sampler magic"), "sampler");
   expect_error(test::run_ddm("sample --ckpt " + (dir / "run") + " --class 11 --out " + (dir / "g.png")),
                "out of range");
+  // --class -1 once sampled every class; a grid named .jpg got PNG bytes; cfg inf made NaN samples.
+  expect_error(test::run_ddm("sample --ckpt " + (dir / "run") + " --class -1 --out " + (dir / "g.png")), "--class");
+  expect_error(test::run_ddm("sample --ckpt " + (dir / "run") + " --out " + (dir / "g.jpg")),
+               "g.jpg: ddm writes image grids as PNG");
+  EXPECT_FALSE(fs::exists(dir / "g.jpg"));
+  expect_error(test::run_ddm("sample --ckpt " + (dir / "run") + " --cfg inf --out " + (dir / "g.png")), "cfg");
+  EXPECT_FALSE(fs::exists(dir / "g.png"));
   // Corrupt the weights of the only checkpoint: sampling refuses with a checksum message.
   const std::string w = *latest_checkpoint(dir / "run") + "/ema.safetensors";
   std::string bytes = test::read_text(w);
   bytes[bytes.size() / 2] ^= 0x11;
   test::write_text(w, bytes);
   expect_error(test::run_ddm("sample --ckpt " + (dir / "run") + " --out " + (dir / "g.png")), "checksum mismatch");
+  EXPECT_FALSE(fs::exists(dir / "g.png"));
+}
+
+// Weights that are NaN, with a checksum that matches them, once sampled an all-black grid and exited 0.
+TEST(Cli, NonFiniteWeightsAreRefused) {
+  test::TempDir dir;
+  test::write_text(dir / "tiny.toml", kTiny);
+  ASSERT_EQ(test::run_ddm("train --quiet --config " + (dir / "tiny.toml") + " --out " + (dir / "run")).exit_code, 0);
+  const std::string ck = *latest_checkpoint(dir / "run");
+  SafetensorsFile f = load_safetensors(ck + "/ema.safetensors");
+  torch::Tensor& w = f.tensors.begin()->second;
+  w = w.clone();
+  w.view({-1})[0] = std::numeric_limits<float>::quiet_NaN();
+  const std::string bytes = safetensors_bytes(f);
+  write_file_atomic(ck + "/ema.safetensors", bytes);
+  auto state = nlohmann::json::parse(test::read_text(ck + "/state.json"));
+  state["sha256"]["ema.safetensors"] = sha256_hex(bytes);
+  test::write_text(ck + "/state.json", state.dump(2));
+  expect_error(test::run_ddm("sample --ckpt " + (dir / "run") + " --out " + (dir / "g.png")),
+               "ema.safetensors: tensor '" + f.tensors.begin()->first + "' holds 1 non-finite value");
   EXPECT_FALSE(fs::exists(dir / "g.png"));
 }
 

@@ -13,6 +13,7 @@
 #include <thread>
 
 #include <nlohmann/json.hpp>
+#include <stb_image_write.h>
 
 #include "decentral/partition.h"
 #include "test_util.h"
@@ -60,6 +61,8 @@ TEST(DecentralCli, PartitionWritesBalancedClustersAndRefusesBadInput) {
   ASSERT_EQ(r.exit_code, 0) << r.output;
 
   expect_error(test::run_ddm("partition --limit 100 --k 101 --out " + (dir / "x")), "larger than the data");
+  // K = 1 would make a partition that no router can take: refused at the source.
+  expect_error(test::run_ddm("partition --limit 100 --k 1 --out " + (dir / "x")), "at least 2 clusters");
   expect_error(test::run_ddm("partition --limit 100 --k 4 --features dino --out " + (dir / "x")),
                "is not a feature source");
   expect_error(test::run_ddm("partition --limit 100 --k 4 --features file:" + (dir / "none.npy") + " --out " +
@@ -109,6 +112,46 @@ TEST(DecentralCli, ExpertsTrainOnTheirClusterResumeExactlyAndRefuseForeignPartit
   ASSERT_EQ(test::run_ddm("partition --limit 600 --k 3 --fine 30 --seed 5 --force --out " + (dir / "p")).exit_code, 0);
   expect_error(test::run_ddm(sb + " --resume --set train.steps=12 --out " + (dir / "half")), "changed since");
   EXPECT_TRUE(fs::exists(dir / "half/ckpt/step-00000008/ema.safetensors"));
+}
+
+// The decentralized pipeline on a folder of the user's own grayscale images (ordered by class, as
+// every folder is). One-channel images were once read from freed memory, so the same folder hashed
+// differently in each process and every expert refused the partition made on it; the router's
+// hold-out was the last N images, one class; ddm eval scored such a model against Fashion-MNIST.
+TEST(DecentralCli, GrayscaleFolderPartitionExpertsRouterAndNoFashionMnistEval) {
+  const test::TempDir dir;
+  for (int c = 0; c < 2; ++c) {
+    fs::create_directories(dir / ("imgs/class" + std::to_string(c)));
+    for (int i = 0; i < 30; ++i) {
+      std::vector<uint8_t> px(8 * 8);
+      for (size_t j = 0; j < px.size(); ++j) px[j] = static_cast<uint8_t>((c ? 200 : 20) + (j * 7 + i * 13) % 50);
+      const std::string path = dir / ("imgs/class" + std::to_string(c) + "/" + std::to_string(100 + i) + ".png");
+      ASSERT_NE(stbi_write_png(path.c_str(), 8, 8, 1, px.data(), 8), 0) << path;
+    }
+  }
+  test::write_text(dir / "folder.toml", "[data]\nsource = \"folder\"\nroot = \"" + (dir / "imgs") +
+                                            "\"\n[model]\nchannels = 8\nchannel_mult = [1, 2]\ngroups = 4\n"
+                                            "[train]\nsteps = 3\nbatch_size = 8\nthreads = 1\nlog_every = 1\n");
+  const std::string cfg = " --config " + (dir / "folder.toml");
+  auto r = test::run_ddm("partition" + cfg + " --k 2 --fine 8 --features pixels:8 --out " + (dir / "p"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  for (const char* k : {"0", "1"}) {
+    r = test::run_ddm("train --quiet" + cfg + " --partition " + (dir / "p") + " --expert " + k + " --out " + (dir / "e") + k);
+    ASSERT_EQ(r.exit_code, 0) << r.output;  // the partition matches the images this process read
+  }
+  r = test::run_ddm("train-router" + cfg + " --partition " + (dir / "p") + " --preset router-conv-tiny --holdout 12 --set "
+                    "train.steps=3 --buckets 2 --out " + (dir / "r"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("12 held out at random"), std::string::npos) << r.output;
+  expect_error(test::run_ddm("eval --ckpt " + (dir / "e0") + " --n 20 --steps 2 --cache-dir " + (dir / "cache")),
+               "was trained on data.source = \"folder\", not Fashion-MNIST");
+  // Its raw samples carry the data source, so `eval --samples` refuses them too.
+  r = test::run_ddm("sample --ckpt " + (dir / "e0") + " --n 4 --steps 2 --out " + (dir / "g.png") + " --raw " +
+                    (dir / "g.safetensors"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  expect_error(test::run_ddm("eval --samples " + (dir / "g.safetensors") + " --cache-dir " + (dir / "cache")),
+               "not Fashion-MNIST");
+  EXPECT_FALSE(fs::exists(dir / "cache"));
 }
 
 TEST(DecentralCli, RouterEnsembleAndRoutedSamplingRefuseMismatchedParts) {
@@ -201,6 +244,10 @@ TEST(DecentralCli, RouterEnsembleAndRoutedSamplingRefuseMismatchedParts) {
                "has 500 images");
   expect_error(test::run_ddm("sample --ckpt " + (dir / "r") + " --out " + (dir / "x.png")), "holds a router");
   expect_error(test::run_ddm(sample + "--routing top2 --out " + (dir / "x.png")), "--routing top2");
+  // topk:K with more experts than the ensemble has once silently used them all.
+  expect_error(test::run_ddm(sample + "--routing topk:3 --out " + (dir / "x.png")),
+               "routing topk:3: the ensemble has only K = 2 experts");
+  expect_error(test::run_ddm(assemble + " --routing topk:5"), "routing topk:5: the ensemble has only K = 2 experts");
   expect_error(test::run_ddm("sample --ckpt " + (dir / "e0") + " --routing full --out " + (dir / "x.png")),
                "apply only to --ensemble");
   expect_error(test::run_ddm("sample --ensemble " + (dir / "e0") + " --out " + (dir / "x.png")),
@@ -303,7 +350,7 @@ TEST(DecentralCli, IslandsSurviveAKilledIslandAndWriteASlurmArray) {
             test::read_text(dir / "runs/k2b/experts/0/ckpt/step-00000300/ema.safetensors"));
 
   // SIGTERM (or Ctrl-C) to a runner with islands still waiting: the running one writes a checkpoint
-  // and stops, the waiting ones stay pending, and the runner exits 130 instead of waiting on them.
+  // and stops, the waiting ones stay pending, and the runner exits 143 (128 + SIGTERM) instead of waiting on them.
   std::string one_at_a_time = std::string(islands).replace(islands.find("runs/k2"), 7, "runs/k2c");
   test::write_text(dir / "isl3.toml", one_at_a_time.replace(one_at_a_time.find("concurrency = 2"), 15, "concurrency = 1"));
   test::run_command(cd + "(" + DDM_BINARY + " islands run isl3.toml > run3.log 2>&1 & echo $! > runner3.pid; wait $!; " +
@@ -314,7 +361,7 @@ TEST(DecentralCli, IslandsSurviveAKilledIslandAndWriteASlurmArray) {
   ASSERT_EQ(kill(std::stoi(test::read_text(dir / "runner3.pid")), SIGTERM), 0);
   for (int i = 0; i < 1500 && !fs::exists(dir / "rc3"); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(20));
   ASSERT_TRUE(fs::exists(dir / "rc3")) << "the runner did not exit after SIGTERM:\n" << test::read_text(dir / "run3.log");
-  EXPECT_EQ(test::read_text(dir / "rc3"), "130\n") << test::read_text(dir / "run3.log");
+  EXPECT_EQ(test::read_text(dir / "rc3"), "143\n") << test::read_text(dir / "run3.log");
   const auto stopped = nlohmann::json::parse(test::read_text(dir / "runs/k2c/islands.json"));
   EXPECT_EQ(stopped[0]["state"], "stopped") << stopped.dump();
   EXPECT_EQ(stopped[1]["state"], "pending") << stopped.dump();

@@ -9,12 +9,15 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <stb_image.h>
+
 #include "core/error.h"
 #include "core/fileio.h"
 #include "core/safetensors.h"
 #include "data/dataset.h"
 #include "eval/evaluate.h"
 #include "eval/feature_net.h"
+#include "eval/grid.h"
 #include "eval/metrics.h"
 #include "test_util.h"
 
@@ -307,4 +310,34 @@ TEST(FeatureNet, ShippedWeightsReproduceTheirStatedAccuracy) {
   EXPECT_EQ(test.images.size(0), std::stoll(shipped.metadata.at("test_total")));
   EXPECT_GE(correct, 9200) << "the feature network must reach 92% on the test split";
   EXPECT_EQ(shipped.net->shape().feature_dim, 128);
+}
+
+// A row label is drawn whole however short it is: the glyph of "0" alone covers exactly the pixels it
+// covers as the first letter of a long label (a one-letter label once got a vertex buffer too small
+// for its quads, and stb_easy_font silently dropped strokes).
+TEST(Grid, ShortRowLabelsAreDrawnWhole) {
+  ddm::test::TempDir dir;
+  const auto image = torch::ones({1, 1, 28, 28});  // white tile
+  auto first_glyph = [&](const std::string& label) {
+    const std::string path = dir / "g.png";
+    save_image_grid(path, image, 1, {label});
+    const std::string png = ddm::test::read_text(path);
+    int w = 0, h = 0, c = 0;
+    unsigned char* px = stbi_load_from_memory(reinterpret_cast<const unsigned char*>(png.data()),
+                                              static_cast<int>(png.size()), &w, &h, &c, 1);
+    EXPECT_NE(px, nullptr);
+    if (!px) return std::vector<int>{};
+    std::vector<int> dark;  // dark pixels in columns [0, 16): the label margin and the first letter
+    for (int y = 0; y < h; ++y)
+      for (int x = 0; x < 16; ++x)
+        if (px[y * w + x] < 128) dark.push_back(y * 16 + x);
+    stbi_image_free(px);
+    return dark;
+  };
+  for (const char* letter : {"0", "8", "B", "W", "m"}) {
+    const auto alone = first_glyph(letter);
+    const auto in_word = first_glyph(std::string(letter) + " is a long label");
+    EXPECT_GT(alone.size(), 10u) << letter;
+    EXPECT_EQ(alone, in_word) << "label '" << letter << "' lost strokes";
+  }
 }
