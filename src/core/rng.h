@@ -23,6 +23,9 @@ inline uint64_t derive_seed(std::initializer_list<uint64_t> parts) {
   return h;
 }
 
+// A uniform double in [0, 1) from a key: the top 53 bits of its mix.
+inline double uniform_from_key(uint64_t key) { return static_cast<double>(mix64(key) >> 11) * 0x1p-53; }
+
 inline at::Generator make_generator(uint64_t seed) { return at::make_generator<at::CPUGeneratorImpl>(seed); }
 
 // Purposes, so that different uses of the same step never share a stream.

@@ -58,7 +58,7 @@ Routing parse_routing(const std::string& spec) {
   return r;
 }
 
-torch::Tensor routing_weights(const torch::Tensor& probs, const Routing& r, at::Generator& gen) {
+torch::Tensor routing_weights(const torch::Tensor& probs, const Routing& r, const torch::Tensor& uniforms) {
   const int64_t K = probs.size(1);
   auto one_hot = [&](const torch::Tensor& idx) {  // idx int64 [B] -> [B, K]
     return torch::zeros_like(probs).scatter_(1, idx.unsqueeze(1), 1.0);
@@ -67,7 +67,12 @@ torch::Tensor routing_weights(const torch::Tensor& probs, const Routing& r, at::
   switch (r.kind) {
     case Routing::Kind::kTop1: return one_hot(probs.argmax(1));
     case Routing::Kind::kFull: return renormalize(probs);
-    case Routing::Kind::kSample: return one_hot(torch::multinomial(probs, 1, false, gen).squeeze(1));
+    case Routing::Kind::kSample: {
+      DDM_CHECK(uniforms.defined() && uniforms.numel() == probs.size(0), "sample routing needs one uniform per row");
+      auto cdf = probs.to(torch::kDouble).cumsum(1);                                      // [B, K]
+      auto target = uniforms.to(torch::kDouble).view({-1, 1}) * cdf.narrow(1, K - 1, 1);  // [B, 1]
+      return one_hot(cdf.le(target).sum(1).clamp_max(K - 1));  // the first expert with cdf > target
+    }
     case Routing::Kind::kTopK: {
       auto top = probs.topk(std::min(r.k, K), 1);  // values, indices [B, k]
       return renormalize(torch::zeros_like(probs).scatter_(1, std::get<1>(top), std::get<0>(top)));
@@ -136,7 +141,7 @@ void Ensemble::reset_usage() {
 }
 
 Denoiser::Estimate Ensemble::estimate(const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& y,
-                                      double w) const {
+                                      double w, const torch::Tensor& keys) const {
   const int64_t b = x.size(0);
   // The router sees the class label, or the null label when the whole sample is unconditional.
   auto y_route = num_classes_ == 0 ? torch::zeros({b}, torch::kLong)
@@ -146,10 +151,20 @@ Denoiser::Estimate Ensemble::estimate(const torch::Tensor& x, const torch::Tenso
   probs = probs * present;
   auto mass = probs.sum(1, true);                       // [B, 1]
   probs = torch::where(mass > 0, probs / mass.clamp_min(1e-30), present.expand_as(probs) / present.sum());
-  auto gen = make_generator(
-      derive_seed({seed_, static_cast<uint64_t>(RngPurpose::kSample), 0x0e7e11ULL, static_cast<uint64_t>(usage_.calls)}));
+  torch::Tensor uniforms;  // [B]: each sample's draw for `sample` routing
+  if (routing_.kind == Routing::Kind::kSample) {
+    DDM_CHECK(!keys.defined() || keys.numel() == b, "ensemble: " << keys.numel() << " sample keys for " << b << " samples");
+    const auto k = keys.defined() ? keys.to(torch::kLong).contiguous() : torch::Tensor();
+    uniforms = torch::empty({b}, torch::kDouble);
+    double* u = uniforms.data_ptr<double>();
+    for (int64_t j = 0; j < b; ++j) {
+      const uint64_t key = k.defined() ? static_cast<uint64_t>(k.data_ptr<int64_t>()[j])
+                                       : derive_seed({static_cast<uint64_t>(usage_.calls), static_cast<uint64_t>(j)});
+      u[j] = uniform_from_key(derive_seed({seed_, static_cast<uint64_t>(RngPurpose::kSample), 0x0e7e11ULL, key}));
+    }
+  }
   usage_.router_flops += static_cast<double>(b) * router_flops_;
-  return combine(x, t, y, w, routing_weights(probs, routing_, gen));
+  return combine(x, t, y, w, routing_weights(probs, routing_, uniforms));
 }
 
 Denoiser::Estimate Ensemble::estimate_assigned(const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& y,
@@ -187,8 +202,8 @@ Denoiser::Estimate Ensemble::combine(const torch::Tensor& x, const torch::Tensor
 }
 
 Denoiser Ensemble::denoiser() const {
-  return Denoiser([this](const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& y,
-                         double w) { return estimate(x, t, y, w); },
+  return Denoiser([this](const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& y, double w,
+                         const torch::Tensor& keys) { return estimate(x, t, y, w, keys); },
                   path_, num_classes_);
 }
 

@@ -39,8 +39,9 @@ Routing parse_routing(const std::string& spec);
 
 // Mixture weights [B, K] (each row sums to 1) from probabilities [B, K]: top-1 one-hot, top-k
 // renormalized, the full distribution, the experts above a threshold renormalized, or one expert
-// drawn from p (`gen`, kSample only).
-torch::Tensor routing_weights(const torch::Tensor& probs, const Routing& r, at::Generator& gen);
+// drawn from p (kSample only) by inverting its CDF at uniforms [B] (in [0, 1)): row b takes the first
+// expert whose cumulative probability exceeds uniforms[b] times the row's total.
+torch::Tensor routing_weights(const torch::Tensor& probs, const Routing& r, const torch::Tensor& uniforms = {});
 
 // Router probabilities [B, K] at (x, t) on the sampling path with labels y [B] (null = num_classes).
 using RouterFn = std::function<torch::Tensor(const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& y)>;
@@ -70,7 +71,11 @@ class Ensemble {
            double router_flops, NoisePath sampling_path, int64_t num_classes, Routing routing, uint64_t seed);
 
   // The routed, grouped estimate (see the file comment). x [B,C,H,W], t [B], y [B], guidance w.
-  Denoiser::Estimate estimate(const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& y, double w) const;
+  // `sample` routing draws each sample's expert from its key (keys int64 [B], from the sampler; see
+  // sampler.h) and the ensemble's seed, so the draw does not depend on the batch; without keys (a
+  // direct call) from the seed, the number of this call and the row.
+  Denoiser::Estimate estimate(const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& y, double w,
+                              const torch::Tensor& keys = {}) const;
   // Each sample evaluated by one given expert, experts [B] int64 (no router), with the labels as
   // given (the null label for unconditional) and no guidance: the teacher of distillation.
   Denoiser::Estimate estimate_assigned(const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& y,

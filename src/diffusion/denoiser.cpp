@@ -72,10 +72,10 @@ torch::Tensor Denoiser::raw(const torch::Tensor& x, const torch::Tensor& t, cons
 }
 
 Denoiser::Estimate Denoiser::estimate(const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& y,
-                                      double w) const {
+                                      double w, const torch::Tensor& keys) const {
   if (fn_) {
     ++nfe_;
-    return fn_(x, t, y, w);
+    return fn_(x, t, y, w, keys);
   }
   auto f = raw(x, t, y, w);               // [B,C,H,W]
   auto sc = scalings(path_, pred_, t);    // each [B,1,1,1]
@@ -84,8 +84,8 @@ Denoiser::Estimate Denoiser::estimate(const torch::Tensor& x, const torch::Tenso
 }
 
 torch::Tensor Denoiser::velocity(const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& y,
-                                 double w) const {
-  auto e = estimate(x, t, y, w);
+                                 double w, const torch::Tensor& keys) const {
+  auto e = estimate(x, t, y, w, keys);
   return col(path_.dalpha(t)) * e.x0 + col(path_.dsigma(t)) * e.eps;  // [B,C,H,W]
 }
 

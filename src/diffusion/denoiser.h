@@ -37,18 +37,23 @@ class Denoiser {
     torch::Tensor eps;  // [B, C, H, W]
   };
   // Any estimator of (x0_hat, eps_hat) at (x, t, y, guidance w) on `path`, e.g. a routed ensemble.
+  // keys: int64 [B], one random key per sample for this evaluation (sampler.h), for an estimator that
+  // draws at random per sample; undefined when the caller has none.
   using EstimateFn = std::function<Estimate(const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& y,
-                                            double w)>;
+                                            double w, const torch::Tensor& keys)>;
 
   // num_classes: the null class index used for the unconditional branch (0 = unconditional model).
   Denoiser(Net net, NoisePath path, Prediction pred, int64_t num_classes);
   // A denoiser defined by an estimator on `path` (the samplers then integrate on that path).
   Denoiser(EstimateFn fn, NoisePath path, int64_t num_classes);
   // x [B,C,H,W] at times t [B]; y int64 [B]; guidance scale w (1 = conditional only, 0 =
-  // unconditional only). Counts one network evaluation (NFE) per call, whatever the batch.
-  Estimate estimate(const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& y, double w) const;
+  // unconditional only). Counts one network evaluation (NFE) per call, whatever the batch. keys: as
+  // for EstimateFn (a network ignores them).
+  Estimate estimate(const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& y, double w,
+                    const torch::Tensor& keys = {}) const;
   // The probability-flow velocity dx/dt at (x, t).
-  torch::Tensor velocity(const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& y, double w) const;
+  torch::Tensor velocity(const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& y, double w,
+                         const torch::Tensor& keys = {}) const;
 
   const NoisePath& path() const { return path_; }
   int64_t num_classes() const { return num_classes_; }

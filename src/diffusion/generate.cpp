@@ -35,7 +35,8 @@ Generated generate(const Denoiser& den, int64_t channels, int64_t size, const Ge
       noise.push_back(torch::randn({1, channels, size, size}, gen));  // [1,C,H,W]
     }
     SampleOptions so = opt.sample;
-    so.seed = derive_seed({opt.seed, static_cast<uint64_t>(start)});
+    so.seed = opt.seed;
+    so.first_index = start;  // later draws are keyed by the sample's number too, not by this batch
     auto res = sample(den, torch::cat(noise), g.labels.narrow(0, start, b), so);  // [b,C,H,W]
     chunks.push_back(res.x.clamp(-1, 1));
     g.nfe = res.nfe;

@@ -1,5 +1,6 @@
-// Generating many samples from a Denoiser in batches: the noise of sample i depends only on
-// (seed, i), so results do not depend on the batch size; labels cycle through the classes (or
+// Generating many samples from a Denoiser in batches: the initial noise of sample i and every later
+// draw for it (see sampler.h) depend only on (seed, i), so a sample does not depend on the batch size
+// (beyond the network's float32 rounding, docs/determinism.md); labels cycle through the classes (or
 // are all one class), so a grid shows one class per row.
 #pragma once
 #include <cstdint>

@@ -1,12 +1,48 @@
 // Euler, Heun, DDIM and ancestral DDPM samplers over the Denoiser interface.
 #include "diffusion/sampler.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "core/error.h"
 #include "core/rng.h"
 
 namespace ddm {
+
+namespace {
+constexpr uint64_t kAncestralNoise = 0xa9ce57ULL, kEvaluationKey = 0xe7a1ULL;
+
+uint64_t u64(int64_t v) { return static_cast<uint64_t>(v); }
+
+// Standard normal noise shaped like x [N, ...]: row j from its own counter-based stream keyed by
+// (seed, sample first + j, step), so it is the same whatever batch the sample is in. A SplitMix64
+// stream and Box-Muller, written straight into the tensor: a LibTorch generator per row costs
+// microseconds of set-up, which dominates ddpm on small images.
+torch::Tensor per_sample_noise(const torch::Tensor& x, uint64_t seed, int64_t first, int64_t step) {
+  const int64_t n = x.size(0), d = x.numel() / std::max<int64_t>(1, n);
+  auto z = torch::empty({n, d}, torch::kDouble);  // [N, D]
+  double* p = z.data_ptr<double>();
+  for (int64_t j = 0; j < n; ++j) {
+    uint64_t state =
+        derive_seed({seed, static_cast<uint64_t>(RngPurpose::kSample), kAncestralNoise, u64(first + j), u64(step)});
+    double* row = p + j * d;
+    for (int64_t i = 0; i < d; i += 2) {
+      const uint64_t a = mix64(state), b = mix64(state + 0x9e3779b97f4a7c15ULL);
+      state += 2 * 0x9e3779b97f4a7c15ULL;
+      const double u1 = static_cast<double>((a >> 11) + 1) * 0x1p-53;  // (0, 1]
+      const double u2 = static_cast<double>(b >> 11) * 0x1p-53;        // [0, 1)
+      const double r = std::sqrt(-2.0 * std::log(u1)), angle = 2.0 * M_PI * u2;
+      row[i] = r * std::cos(angle);
+      if (i + 1 < d) row[i + 1] = r * std::sin(angle);
+    }
+  }
+  return z.to(x.options()).view(x.sizes());  // [N, ...]
+}
+}  // namespace
+
+uint64_t sample_key(uint64_t seed, int64_t index, int64_t eval) {
+  return derive_seed({seed, static_cast<uint64_t>(RngPurpose::kSample), kEvaluationKey, u64(index), u64(eval)});
+}
 
 std::vector<double> time_grid(const NoisePath& path, int64_t steps) {
   std::vector<double> grid(static_cast<size_t>(steps) + 1);
@@ -52,22 +88,30 @@ SampleResult sample(const Denoiser& den, const torch::Tensor& x1, const torch::T
   const int64_t nfe0 = den.nfe();
   auto x = x1.clone();  // [N,C,H,W]
   auto tvec = [&](double t) { return torch::full({n}, t, x.options()); };
+  int64_t evals = 0;
+  auto keys = [&] {  // int64 [N]: each sample's key for the next network evaluation
+    auto k = torch::empty({n}, torch::kLong);
+    int64_t* p = k.data_ptr<int64_t>();
+    for (int64_t j = 0; j < n; ++j) p[j] = static_cast<int64_t>(sample_key(opt.seed, opt.first_index + j, evals));
+    ++evals;
+    return k;
+  };
 
   const std::vector<double> grid = time_grid(path, opt.steps);
   for (int64_t i = 0; i < opt.steps; ++i) {
     const double t = grid[i], t_next = grid[i + 1];
     const double h = t_next - t;  // negative
     if (kind == "euler" || kind == "heun") {
-      auto v = den.velocity(x, tvec(t), y, opt.cfg);  // [N,C,H,W]
+      auto v = den.velocity(x, tvec(t), y, opt.cfg, keys());  // [N,C,H,W]
       if (kind == "heun" && t_next > 0) {
         auto x_pred = x + h * v;
-        auto v2 = den.velocity(x_pred, tvec(t_next), y, opt.cfg);
+        auto v2 = den.velocity(x_pred, tvec(t_next), y, opt.cfg, keys());
         x = x + (0.5 * h) * (v + v2);
       } else {
         x = x + h * v;
       }
     } else {
-      auto e = den.estimate(x, tvec(t), y, opt.cfg);
+      auto e = den.estimate(x, tvec(t), y, opt.cfg, keys());
       const double a_next = path.alpha(t_next), s_next = path.sigma(t_next);
       if (kind == "ddim" || t_next <= 0) {
         x = a_next * e.x0 + s_next * e.eps;
@@ -78,9 +122,7 @@ SampleResult sample(const Denoiser& den, const torch::Tensor& x1, const torch::T
         const double var = s_next * s_next * std::max(0.0, 1.0 - r * r);
         const double noise_scale = std::sqrt(var);
         const double eps_scale = std::sqrt(std::max(0.0, s_next * s_next - var));
-        auto gen = make_generator(derive_seed({opt.seed, static_cast<uint64_t>(RngPurpose::kSample),
-                                               static_cast<uint64_t>(i)}));
-        auto z = torch::randn(x.sizes(), gen, x.options());
+        auto z = per_sample_noise(x, opt.seed, opt.first_index, i);  // [N,C,H,W]
         x = a_next * e.x0 + eps_scale * e.eps + noise_scale * z;
       }
     }

@@ -6,6 +6,12 @@
 //   ddim   deterministic DDIM (eta = 0)               NFE = steps
 //   ddpm   ancestral DDPM (DDIM with eta = 1)         NFE = steps
 // All work with every prediction type and path, because they only use x0_hat / eps_hat / velocity.
+//
+// Randomness is keyed per sample, never per batch: row j of x1 is sample number first_index + j, and
+// every draw for it (ddpm's ancestral noise at step i; the key handed to the denoiser at each network
+// evaluation, from which a routed ensemble draws that sample's expert) comes from (seed, first_index
+// + j, step or evaluation). So a sample does not depend on the batch it is generated in or on the
+// other samples in it, beyond the float32 rounding of the network (docs/determinism.md).
 #pragma once
 #include <cstdint>
 #include <string>
@@ -21,7 +27,8 @@ struct SampleOptions {
   std::string sampler = "euler";
   int64_t steps = 20;
   double cfg = 1.0;    // guidance scale
-  uint64_t seed = 0;   // for ancestral noise
+  uint64_t seed = 0;         // for the random draws (ddpm's ancestral noise, a routed ensemble's experts)
+  int64_t first_index = 0;   // the sample number of x1's first row: row j is sample first_index + j
 };
 
 struct SampleResult {
@@ -34,6 +41,10 @@ SampleResult sample(const Denoiser& den, const torch::Tensor& x1, const torch::T
 
 // The steps + 1 times from 1 down to 0 that the samplers visit.
 std::vector<double> time_grid(const NoisePath& path, int64_t steps);
+
+// The key of sample `index` at the sampler's network evaluation number `eval` (0, 1, ...) under
+// `seed`: what sample() passes to Denoiser::estimate for that sample.
+uint64_t sample_key(uint64_t seed, int64_t index, int64_t eval);
 
 // Number of network evaluations a sampler uses for `steps` steps.
 int64_t sampler_nfe(const std::string& sampler, int64_t steps);

@@ -112,7 +112,15 @@ TEST(Train, ResumeAfterKillIsBitIdentical) {
   }
 
   EXPECT_EQ(loss_lines(dir / "ref/metrics.jsonl"), loss_lines(out + "/metrics.jsonl"));
+  // Same config, seed and thread count: the weights, EMA and optimizer state are the same bytes.
+  for (const char* file : {"model.safetensors", "ema.safetensors", "optim.safetensors"}) {
+    const std::string want = test::read_text(dir / "ref/ckpt/step-00000200/" + file);
+    ASSERT_FALSE(want.empty()) << file;
+    EXPECT_TRUE(want == test::read_text(out + "/ckpt/step-00000200/" + file)) << file << " differs";
+  }
   auto a = read_checkpoint(dir / "ref/ckpt/step-00000200"), b = read_checkpoint(out + "/ckpt/step-00000200");
+  ASSERT_EQ(a.model.size(), b.model.size());
+  for (const auto& [k, v] : a.model) EXPECT_TRUE(torch::equal(v, b.model.at(k))) << k;
   for (const auto& [k, v] : a.ema) EXPECT_TRUE(torch::equal(v, b.ema.at(k))) << k;
   for (const auto& [k, v] : a.optim) EXPECT_TRUE(torch::equal(v, b.optim.at(k))) << k;
 }

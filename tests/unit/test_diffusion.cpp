@@ -123,9 +123,13 @@ TEST(Sampler, ExactGaussianDenoiserReproducesMoments) {
   };
   const Case cases[] = {
       {PathKind::kFlow, Prediction::kVelocity, "euler", 200}, {PathKind::kFlow, Prediction::kVelocity, "heun", 30},
-      {PathKind::kFlow, Prediction::kVelocity, "ddim", 200},  {PathKind::kFlow, Prediction::kVelocity, "ddpm", 200},
+      {PathKind::kFlow, Prediction::kVelocity, "ddim", 200},
       // DDIM / DDPM are first order in sigma/alpha and shrink the variance by about 5% at 100 VP
-      // steps (a property of the method, not of this code), so they get more steps here.
+      // steps (a property of the method, not of this code), so they get more steps here. Ancestral
+      // DDPM on the flow path still shrinks the smallest variance (0.04) by 6.5% at 200 steps
+      // (measured with 200000 samples), which the 6% bound only passed by a lucky noise draw; at
+      // 1000 steps the shrinkage is under 3%.
+      {PathKind::kFlow, Prediction::kVelocity, "ddpm", 1000},
       {PathKind::kVpLinear, Prediction::kEps, "ddim", 1000},  {PathKind::kVpLinear, Prediction::kEps, "ddpm", 1000},
       {PathKind::kVpLinear, Prediction::kEps, "heun", 100},   {PathKind::kVpCosine, Prediction::kV, "ddim", 1000},
       {PathKind::kVpCosine, Prediction::kV, "euler", 400},
@@ -172,24 +176,47 @@ TEST(Sampler, DdimEqualsEulerOnTheFlowPath) {
   }
 }
 
+// A sample must not depend on the batch it is generated in: its initial noise and every later draw
+// (ddpm's ancestral noise) are keyed by (seed, the sample's index, step), never by its batch. The
+// exact Gaussian denoiser on the flow path is itself exactly batch-independent (alpha = 1 - t,
+// sigma = t: only elementwise +, -, *, /, each correctly rounded per element whatever the batch), so
+// here the samples must agree bit for bit; a trained network agrees only to within float32 rounding
+// across batch sizes (docs/determinism.md).
 TEST(Generate, SamplesDoNotDependOnBatchSize) {
-  auto mu = torch::zeros({1, 1, 2, 2});
-  auto var = torch::ones({1, 1, 2, 2}) * 0.3;
+  auto mu = torch::tensor({0.2f, -0.2f, 0.0f, 0.1f}).view({1, 1, 2, 2});
+  auto var = torch::ones({1, 1, 2, 2}) * 0.05;
   NoisePath path(PathKind::kFlow);
   Denoiser den(std::make_shared<test::ExactGaussianNet>(path, Prediction::kVelocity, mu, var), path,
                Prediction::kVelocity, 0);
+  for (const char* sampler : {"euler", "heun", "ddim", "ddpm"}) {
+    GenerateOptions whole;
+    whole.n = 13;
+    whole.seed = 11;
+    whole.sample.steps = 5;
+    whole.sample.sampler = sampler;
+    whole.batch_size = 13;
+    const auto all = generate(den, 1, 2, whole).images;  // [13, 1, 2, 2]
+    ASSERT_LT(all.abs().max().item<float>(), 1.0f) << "a clamped sample would hide differences";
+    for (int64_t batch : {1, 4, 5}) {
+      GenerateOptions split = whole;
+      split.batch_size = batch;
+      const auto parts = generate(den, 1, 2, split).images;
+      EXPECT_TRUE(torch::equal(all, parts)) << sampler << ", batches of " << batch << ": max difference "
+                                            << (all - parts).abs().max().item<float>();
+    }
+    // The comparison can fail: another seed gives other samples.
+    GenerateOptions other = whole;
+    other.seed = 12;
+    EXPECT_GT((all - generate(den, 1, 2, other).images).abs().max().item<float>(), 0.1f) << sampler;
+  }
+  // ddpm draws fresh noise at every step: with the same initial noise its samples differ from ddim's.
   GenerateOptions a;
   a.n = 13;
   a.sample.steps = 5;
+  a.sample.sampler = "ddim";
+  const auto ddim = generate(den, 1, 2, a).images;
   a.sample.sampler = "ddpm";
-  a.batch_size = 13;
-  GenerateOptions b = a;
-  b.batch_size = 4;
-  auto ga = generate(den, 1, 2, a), gb = generate(den, 1, 2, b);
-  // ddpm noise is drawn per batch, so compare a deterministic sampler for exact equality.
-  a.sample.sampler = b.sample.sampler = "euler";
-  EXPECT_TRUE(torch::equal(generate(den, 1, 2, a).images, generate(den, 1, 2, b).images));
-  EXPECT_EQ(ga.images.sizes(), gb.images.sizes());
+  EXPECT_GT((ddim - generate(den, 1, 2, a).images).abs().max().item<float>(), 0.1f);
 }
 
 TEST(Generate, LabelsCycleByRow) {

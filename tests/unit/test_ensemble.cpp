@@ -13,6 +13,7 @@
 #include "core/error.h"
 #include "core/rng.h"
 #include "decentral/ensemble.h"
+#include "diffusion/generate.h"
 #include "diffusion/path.h"
 #include "exact_gaussian.h"
 #include "model/net.h"
@@ -136,12 +137,15 @@ TEST(Ensemble, GroupedBatchingEqualsAPerSampleLoop) {
   const Mixture m = three_clusters();
   auto [x, t] = noisy_points(m, 24, 3);
   auto y = torch::zeros({24}, torch::kLong);
-  for (const char* routing : {"top1", "topk:2", "threshold:0.05"}) {
+  // Per-sample keys, as a sampler passes them: `sample` routing then draws each sample's expert from
+  // its own key, in the batch as alone.
+  auto keys = torch::arange(100, 124, torch::kLong);
+  for (const char* routing : {"top1", "topk:2", "threshold:0.05", "sample"}) {
     const Ensemble ens = make(m, routing, exact_experts(m));
-    auto batched = ens.estimate(x, t, y, 1.0);
+    auto batched = ens.estimate(x, t, y, 1.0, keys);
     std::vector<int64_t> counts = ens.usage().expert_evals;
     for (int64_t i = 0; i < 24; ++i) {
-      auto one = ens.estimate(x.narrow(0, i, 1), t.narrow(0, i, 1), y.narrow(0, i, 1), 1.0);
+      auto one = ens.estimate(x.narrow(0, i, 1), t.narrow(0, i, 1), y.narrow(0, i, 1), 1.0, keys.narrow(0, i, 1));
       EXPECT_TRUE(torch::allclose(one.x0, batched.x0.narrow(0, i, 1), 0, 1e-12)) << routing << " sample " << i;
       EXPECT_TRUE(torch::allclose(one.eps, batched.eps.narrow(0, i, 1), 0, 1e-12)) << routing << " sample " << i;
     }
@@ -175,21 +179,80 @@ TEST(Ensemble, StrategiesAreDeterministicUnderASeed) {
   for (int64_t c : a.usage().expert_evals) EXPECT_GT(c, 0);
 }
 
+// `--routing sample` draws an expert for every sample at every step. The draw is keyed by the
+// sample's number and the solver's evaluation, not by the batch, so a sample is routed through the
+// same experts, and ends in the same place, whatever batch it is generated in. Here the experts are
+// float32 flow-path experts (as generate() feeds float32 noise), whose output is exactly
+// batch-independent (elementwise +, -, *, / only), and sampled routing weighs the chosen expert by
+// exactly 1: so the samples must agree bit for bit. (A draw could flip only if its uniform fell
+// within rounding of a boundary of the router's float64 cumulative probabilities.)
+TEST(Ensemble, SampledRoutingDoesNotDependOnTheBatch) {
+  // Three clusters inside [-1, 1], so that generate()'s clamp hides no difference.
+  const auto opts = torch::TensorOptions().dtype(torch::kDouble);
+  const Mixture m{{torch::tensor({-0.6, -0.5, -0.7, -0.6}, opts).view({1, 1, 2, 2}),
+                   torch::tensor({0.0, 0.1, 0.0, -0.1}, opts).view({1, 1, 2, 2}),
+                   torch::tensor({0.6, 0.7, 0.5, 0.6}, opts).view({1, 1, 2, 2})},
+                  {0.004, 0.008, 0.003},
+                  {0.5, 0.3, 0.2}};
+  const NoisePath flow(PathKind::kFlow);
+  auto experts = [&] {
+    std::vector<std::optional<Denoiser>> out;
+    for (size_t k = 0; k < m.mu.size(); ++k)
+      out.emplace_back(Denoiser(std::make_shared<test::ExactGaussianNet>(flow, Prediction::kVelocity,
+                                                                         m.mu[k].to(torch::kFloat32),
+                                                                         torch::full({1, 1, 1, 1}, m.var[k])),
+                                flow, Prediction::kVelocity, 0));
+    return out;
+  };
+  RouterFn router = [m, flow](const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor&) {
+    return posterior(m, flow, x, t).to(torch::kFloat32);  // float32, as a trained router's
+  };
+  auto run = [&](int64_t batch, uint64_t seed, const char* routing = "sample") {
+    const Ensemble ens(experts(), {1.0, 1.0, 1.0}, router, 0.1, flow, 0, parse_routing(routing), seed);
+    GenerateOptions g;
+    g.n = 24;
+    g.seed = 3;
+    g.sample.steps = 6;
+    g.sample.sampler = "euler";
+    g.batch_size = batch;
+    return generate(ens.denoiser(), 1, 2, g).images;  // [24, 1, 2, 2] float32
+  };
+  const auto whole = run(24, 5);
+  ASSERT_LT(whole.abs().max().item<float>(), 1.0f);
+  for (int64_t batch : {1, 5, 7}) {
+    const auto split = run(batch, 5);
+    EXPECT_TRUE(torch::equal(whole, split)) << "batches of " << batch << ": max difference "
+                                            << (whole - split).abs().max().item<float>();
+  }
+  // The draw matters, so the comparison can fail: another routing seed, or top-1, moves samples.
+  EXPECT_GT((whole - run(24, 6)).abs().max().item<float>(), 0.1f);
+  EXPECT_GT((whole - run(24, 5, "top1")).abs().max().item<float>(), 0.1f);
+}
+
 TEST(Ensemble, RoutingWeights) {
   auto p = torch::tensor({0.6, 0.3, 0.1, 0.34, 0.33, 0.33}).view({2, 3});
-  auto gen = make_generator(0);
-  EXPECT_TRUE(torch::equal(routing_weights(p, parse_routing("top1"), gen),
+  EXPECT_TRUE(torch::equal(routing_weights(p, parse_routing("top1")),
                            torch::tensor({1.f, 0.f, 0.f, 1.f, 0.f, 0.f}).view({2, 3})));
-  EXPECT_TRUE(torch::allclose(routing_weights(p, parse_routing("topk:2"), gen),
+  EXPECT_TRUE(torch::allclose(routing_weights(p, parse_routing("topk:2")),
                               torch::tensor({2 / 3.f, 1 / 3.f, 0.f, 0.34f / 0.67f, 0.33f / 0.67f, 0.f}).view({2, 3})));
   // Threshold 0.35: row 0 keeps 0.6 only; row 1 has nothing above it and falls back to top-1.
-  EXPECT_TRUE(torch::equal(routing_weights(p, parse_routing("threshold:0.35"), gen),
+  EXPECT_TRUE(torch::equal(routing_weights(p, parse_routing("threshold:0.35")),
                            torch::tensor({1.f, 0.f, 0.f, 1.f, 0.f, 0.f}).view({2, 3})));
-  EXPECT_TRUE(torch::allclose(routing_weights(p, parse_routing("threshold:0.2"), gen),
+  EXPECT_TRUE(torch::allclose(routing_weights(p, parse_routing("threshold:0.2")),
                               torch::tensor({2 / 3.f, 1 / 3.f, 0.f, 0.34f, 0.33f, 0.33f}).view({2, 3})));
-  auto s = routing_weights(p, parse_routing("sample"), gen);
-  EXPECT_TRUE(torch::equal(s.sum(1), torch::ones({2})));
-  EXPECT_TRUE(torch::equal(s.eq(1).sum(1), torch::ones({2}, torch::kLong)));
+  // Sampling inverts the CDF at the given uniforms: row 0 (cdf 0.6, 0.9, 1) at 0.55 and 0.95, row 1
+  // (cdf 0.34, 0.67, 1) at 0.5 and 0.999.
+  auto s = routing_weights(p, parse_routing("sample"), torch::tensor({0.55, 0.5}, torch::kDouble));
+  EXPECT_TRUE(torch::equal(s, torch::tensor({1.f, 0.f, 0.f, 0.f, 1.f, 0.f}).view({2, 3})));
+  s = routing_weights(p, parse_routing("sample"), torch::tensor({0.95, 0.999}, torch::kDouble));
+  EXPECT_TRUE(torch::equal(s, torch::tensor({0.f, 0.f, 1.f, 0.f, 0.f, 1.f}).view({2, 3})));
+  // An expert of probability 0 is never drawn, not even at u = 0.
+  s = routing_weights(torch::tensor({0.0, 1.0}).view({1, 2}), parse_routing("sample"), torch::zeros({1}, torch::kDouble));
+  EXPECT_TRUE(torch::equal(s, torch::tensor({0.f, 1.f}).view({1, 2})));
+  // Drawn over many uniforms, experts come with their probabilities.
+  auto u = (torch::arange(10000, torch::kDouble) + 0.5) / 10000;
+  auto counts = routing_weights(p.narrow(0, 0, 1).expand({10000, 3}), parse_routing("sample"), u).sum(0);
+  EXPECT_TRUE(torch::equal(counts, torch::tensor({6000.f, 3000.f, 1000.f})));
 
   EXPECT_TRUE(parse_routing("oracle").oracle);
   EXPECT_EQ(parse_routing("topk:4").k, 4);

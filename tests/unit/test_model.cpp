@@ -11,6 +11,7 @@
 #include <torch/torch.h>
 
 #include "core/error.h"
+#include "core/rng.h"
 #include "model/fused_cpu.h"
 #include "model/ops.h"
 #include "model/dit.h"
@@ -20,6 +21,7 @@
 #include "model/presets.h"
 #include "model/router.h"
 #include "model/unet.h"
+#include "float_tolerance.h"
 
 namespace ddm {
 namespace {
@@ -139,7 +141,15 @@ TEST(Patchify, RoundTripIsIdentityAndMatchesStridedConv) {
   torch::nn::Conv2d conv(torch::nn::Conv2dOptions(3, 5, 4).stride(4));
   auto via_conv = conv(x).flatten(2).transpose(1, 2);                                 // [2, 6, 5]
   auto via_linear = torch::nn::functional::linear(tokens, conv->weight.reshape({5, 48}), conv->bias);
-  EXPECT_TRUE(torch::allclose(via_conv, via_linear, 1e-5, 1e-5));
+  // oneDNN's convolution and OpenBLAS's product add the 48 terms and the bias in different orders:
+  // each is within gamma_49 (|tokens| |W|^T + |b|) of the exact value (float_tolerance.h).
+  auto tol = 2 * test::gamma32(49) *
+             (torch::matmul(tokens.abs().to(torch::kFloat64), conv->weight.reshape({5, 48}).abs().t().to(torch::kFloat64)) +
+              conv->bias.abs().to(torch::kFloat64));  // [2, 6, 5]
+  EXPECT_LE(test::tolerance_ratio(via_conv, via_linear, tol), 1.0);
+  // A patch order that does not match the convolution's (transposed pixels within each patch) fails.
+  auto swapped = tokens.view({2, 6, 3, 4, 4}).transpose(3, 4).reshape({2, 6, 48});
+  EXPECT_GT(test::tolerance_ratio(via_conv, torch::nn::functional::linear(swapped, conv->weight.reshape({5, 48}), conv->bias), tol), 1.0);
   EXPECT_THROW(patchify(x, 5), Error);
 }
 
@@ -426,20 +436,83 @@ TEST(FusedLinearGelu, GeluMatchesExactOverItsWholeRange) {
       << "max gradient error " << (x32.grad().to(torch::kFloat64) - x.grad()).abs().max().item<double>();
 }
 
+// The kernel's own passes (bias + GELU forward; GELU derivative and the bias gradient's fixed-order
+// sum over row blocks backward) do not depend on the thread count. The product x w^T inside it is
+// LibTorch's (OpenBLAS), which blocks and splits the work by shape and thread count and may add the
+// K terms of a row in another order (on AVX-512 CPUs it does). So:
+//  (1) with inputs whose products and partial sums are all exact in float32, every order gives the
+//      same x w^T, and the kernel must give identical bits at 1 and 2 threads;
+//  (2) with random inputs, the results at 1 and 2 threads, and with the K columns permuted (the same
+//      product summed in another order, as another BLAS kernel would), must agree within the float32
+//      error bound of the product carried through GELU (derived below), and a real bug must not.
 TEST(FusedLinearGelu, ResultDoesNotDependOnThreadCount) {
-  torch::manual_seed(2);
-  auto x = torch::randn({1000, 64}), w = torch::randn({96, 64}) * 0.1, b = torch::randn({96});
-  if (!linear_gelu_cpu_supported(x, w, b)) GTEST_SKIP() << "no AVX2/FMA CPU kernel here";
+  const int64_t M = 1000, K = 64, H = 96;
+  auto probe = torch::zeros({1, K});
+  if (!linear_gelu_cpu_supported(probe, torch::zeros({H, K}), torch::zeros({H}))) GTEST_SKIP() << "no AVX2/FMA CPU kernel here";
   const int threads = torch::get_num_threads();
-  auto run = [&](int n) {
-    torch::set_num_threads(n);
-    auto bb = b.clone().requires_grad_(true);
-    linear_gelu_cpu(x, w, bb).pow(2).sum().backward();
-    return bb.grad();
+  struct Out {
+    torch::Tensor y, gb;  // gelu(x w^T + b) [M, H]; d sum(y^2) / db [H]
   };
-  auto one = run(1), two = run(2);
-  torch::set_num_threads(threads);
-  EXPECT_TRUE(torch::equal(one, two));
+  auto run = [&](const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b, int n) {
+    if (n > 0) torch::set_num_threads(n);
+    auto bb = b.clone().requires_grad_(true);
+    auto y = linear_gelu_cpu(x, w, bb);
+    y.pow(2).sum().backward();
+    torch::set_num_threads(threads);
+    return Out{y.detach(), bb.grad()};
+  };
+
+  // (1) x integers in [-4, 4], w such integers times 2^-6: every product is a multiple of 2^-6 of size
+  // at most 2^-2, every partial sum of up to 64 of them a multiple of 2^-6 of size at most 2^4, so
+  // all are exact in float32 (24-bit significand), in any order.
+  auto gen = make_generator(21);
+  auto xi = torch::randint(-4, 5, {M, K}, gen).to(torch::kFloat32);
+  auto wi = torch::randint(-4, 5, {H, K}, gen).to(torch::kFloat32) * 0x1p-6;
+  auto bi = torch::randn({H}, gen);
+  auto exact1 = run(xi, wi, bi, 1), exact2 = run(xi, wi, bi, 2);
+  EXPECT_TRUE(torch::equal(exact1.y, exact2.y));
+  EXPECT_TRUE(torch::equal(exact1.gb, exact2.gb));
+
+  // (2) Random inputs.
+  torch::manual_seed(2);
+  auto x = torch::randn({M, K}), w = torch::randn({H, K}) * 0.1, b = torch::randn({H});
+  const auto perm = torch::arange(K - 1, -1, -1);  // reversed: another summation order, same product
+  auto one = run(x, w, b, 1), two = run(x, w, b, 2);
+  auto permuted = run(x.index_select(1, perm), w.index_select(1, perm), b, 0);
+
+  // The bound, in float64 from the exact pre-activation z = x w^T + b:
+  //  dz  = 2 gamma_K (|x| @ |w|^T) + 2 u |z|: two float32 products (matmul_error_bound) and the
+  //        rounding of each bias add;
+  //  y:  |dy| <= 1.2 dz + 32 u |z|: GELU's slope is at most 1.129 (1.2 leaves room for the slope of
+  //        the erf approximation's error), and the GELU pass rounds about a dozen times (exp, a
+  //        five-term polynomial, products) in each evaluation, each at most u |z|;
+  //  gb: the bias gradient sums t = 2 gelu(z) gelu'(z) over the M rows, with
+  //        |dt/dz| = 2 |gelu'^2 + gelu gelu''|, gelu' = Phi + z phi, gelu'' = phi (2 - z^2); each t is
+  //        rounded about 2 x 25 times (64 u |t|) and the two sums of M rounded terms differ by at most
+  //        2 gamma_M sum |t| (the kernel sums in a fixed order, but of slightly different terms).
+  const double u = test::kFloat32Roundoff;
+  auto z = torch::addmm(b.to(torch::kFloat64), x.to(torch::kFloat64), w.to(torch::kFloat64).t());  // [M, H]
+  auto dz = 2 * test::matmul_error_bound(x, w) + 2 * u * z.abs();
+  auto tol_y = 1.2 * dz + 32 * u * z.abs();
+  auto phi = torch::exp(-0.5 * z * z) / std::sqrt(2 * M_PI), Phi = 0.5 * torch::erfc(-z / std::sqrt(2.0));
+  auto g0 = z * Phi, g1 = Phi + z * phi, g2 = phi * (2 - z * z);
+  auto t = 2 * g0 * g1, dt = 2 * (g1 * g1 + g0 * g2).abs();
+  auto tol_gb = (1.2 * dt * dz + 64 * u * t.abs()).sum(0) + 2 * test::gamma32(M) * t.abs().sum(0);  // [H]
+
+  auto within = [&](const Out& other, const char* name) {
+    EXPECT_LE(test::tolerance_ratio(other.y, one.y, tol_y), 1.0) << name;
+    EXPECT_LE(test::tolerance_ratio(other.gb, one.gb, tol_gb), 1.0) << name;
+  };
+  within(two, "2 threads");
+  within(permuted, "permuted K");
+  // The reordering changed bits (96000 sums of 64 random terms), so the tolerance was exercised.
+  EXPECT_FALSE(torch::equal(permuted.y, one.y));
+  // A real bug exceeds the bound: a dropped term of the product, or the tanh form of GELU.
+  auto dropped = run(x.narrow(1, 0, K - 1), w.narrow(1, 0, K - 1), b, 0);
+  EXPECT_GT(test::tolerance_ratio(dropped.y, one.y, tol_y), 1.0);
+  EXPECT_GT(test::tolerance_ratio(dropped.gb, one.gb, tol_gb), 1.0);
+  auto tanh_form = torch::gelu(torch::addmm(b, x, w.t()), "tanh");
+  EXPECT_GT(test::tolerance_ratio(tanh_form, one.y, tol_y), 1.0);
 }
 
 namespace {
