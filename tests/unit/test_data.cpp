@@ -184,6 +184,17 @@ TEST(Idx, TruncatedIdxData) {
   EXPECT_HAS(load_error(fmnist_cfg(dir / "fm")), "IDX header truncated");
 }
 
+TEST(Idx, HugeDimensionsInAShortFileAreTruncationNotAnAllocation) {
+  // Found by fuzzing: a 20-byte file whose header promised 52 GB made the reader allocate it all
+  // before reading (std::bad_alloc / c10::Error, or an out-of-memory abort under ASan).
+  ddm::test::TempDir dir;
+  write_fmnist(dir / "fm", 5, 5);
+  write_gz(dir / "fm/train-images-idx3-ubyte.gz", idx_bytes(0x803, {1u << 24, 1u << 8, 1u << 8}, "\x01\x02"));
+  const std::string msg = load_error(fmnist_cfg(dir / "fm"));
+  EXPECT_HAS(msg, "train-images-idx3-ubyte.gz");
+  EXPECT_HAS(msg, "IDX data truncated: header promises 1099511627776 bytes, file has 2");
+}
+
 TEST(Idx, TrailingBytesAndUncompressedFiles) {
   ddm::test::TempDir dir;
   write_fmnist(dir / "fm", 5, 5);
