@@ -57,6 +57,12 @@ bool is_image_file_name(const std::string& name) {
 
 torch::Tensor read_image(const std::string& path) {
   int w = 0, h = 0, c = 0;
+  // stb allocates what the header says before it reads any pixel: a 20-byte file can claim a
+  // 30000 x 30000 image (and a truncated TGA then decodes to zeros). Check the size first.
+  if (stbi_info(path.c_str(), &w, &h, &c) && static_cast<int64_t>(w) * h > kMaxImagePixels) {
+    DDM_FAIL(path << ": image is " << w << "x" << h << " pixels, more than the " << kMaxImagePixels
+                  << " (4096x4096) that ddm reads; downscale it (or remove it)");
+  }
   std::unique_ptr<unsigned char, StbFree> pixels(stbi_load(path.c_str(), &w, &h, &c, 0));
   if (!pixels) {
     const char* reason = stbi_failure_reason();

@@ -279,6 +279,24 @@ TEST(ImageFolder, MixedSizesAndChannelsNameTheOddFile) {
   EXPECT_HAS(msg, "2.png: image is 3x4x4");
 }
 
+TEST(ImageFolder, HugeImageHeaderIsRefusedBeforeDecoding) {
+  // Found by fuzzing: a 22-byte TGA claiming 20000x20000 pixels made stb allocate 400 MB and decode
+  // the missing pixels as zeros, so a tiny file became a huge "image" (a 1.6 GB malloc in the fuzzer).
+  ddm::test::TempDir dir;
+  fs::create_directories(dir / "imgs/a");
+  std::string tga(18, '\0');
+  tga[2] = 3;  // uncompressed grey
+  tga[12] = static_cast<char>(20000 & 0xff), tga[13] = static_cast<char>(20000 >> 8);  // width
+  tga[14] = static_cast<char>(20000 & 0xff), tga[15] = static_cast<char>(20000 >> 8);  // height
+  tga[16] = 8;  // bits per pixel
+  ddm::test::write_text(dir / "imgs/a/huge.tga", tga + "\x01\x02\x03\x04");
+  DataConfig c;
+  c.source = "folder";
+  c.root = dir / "imgs";
+  const std::string msg = load_error(c);
+  EXPECT_HAS(msg, "huge.tga: image is 20000x20000 pixels, more than the 16777216 (4096x4096) that ddm reads");
+}
+
 TEST(ImageFolder, MissingOrEmptyFolder) {
   ddm::test::TempDir dir;
   DataConfig c;
