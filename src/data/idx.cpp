@@ -91,13 +91,16 @@ IdxArray read_idx(const std::string& path, uint32_t expected_magic) {
 
   IdxArray out;
   uint64_t total = 1;
+  uint64_t extent = 1;  // the product of the non-zero dimensions: with 0 images, the others still
+                        // make the tensor's strides, which must not overflow
   for (int i = 0; i < ndim; ++i) {
     unsigned char b[4];
     DDM_CHECK(gz_read(gz.f, b, 4, path) == 4,
               path << ": IDX header truncated (dimension " << i << " of " << ndim << " missing)");
     const uint32_t d = be32(b);
     out.dims.push_back(static_cast<int64_t>(d));
-    DDM_CHECK(!__builtin_mul_overflow(total, uint64_t(d), &total) && total <= (uint64_t(1) << 40),
+    total *= d;
+    DDM_CHECK(!__builtin_mul_overflow(extent, uint64_t(d == 0 ? 1 : d), &extent) && extent <= (uint64_t(1) << 40),
               path << ": IDX dimensions are implausibly large; the file is corrupt");
   }
 

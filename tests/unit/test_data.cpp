@@ -195,6 +195,16 @@ TEST(Idx, HugeDimensionsInAShortFileAreTruncationNotAnAllocation) {
   EXPECT_HAS(msg, "IDX data truncated: header promises 1099511627776 bytes, file has 2");
 }
 
+TEST(Idx, ZeroImagesOfAnAbsurdSizeAreCorrupt) {
+  // Found by fuzzing: 0 images of 4294967295 x 4284219391 pixels passed the size check (0 bytes),
+  // and the strides of that tensor overflowed in LibTorch (c10::Error, not a ddm::Error).
+  ddm::test::TempDir dir;
+  write_fmnist(dir / "fm", 5, 5);
+  write_gz(dir / "fm/train-images-idx3-ubyte.gz", idx_bytes(0x803, {0, 0xffffffffu, 0xff5bffffu}, ""));
+  const std::string msg = load_error(fmnist_cfg(dir / "fm"));
+  EXPECT_HAS(msg, "train-images-idx3-ubyte.gz: IDX dimensions are implausibly large; the file is corrupt");
+}
+
 TEST(Idx, TrailingBytesAndUncompressedFiles) {
   ddm::test::TempDir dir;
   write_fmnist(dir / "fm", 5, 5);
