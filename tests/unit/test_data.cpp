@@ -307,6 +307,25 @@ TEST(ImageFolder, HugeImageHeaderIsRefusedBeforeDecoding) {
   EXPECT_HAS(msg, "huge.tga: image is 20000x20000 pixels, more than the 16777216 (4096x4096) that ddm reads");
 }
 
+TEST(ImageFolder, PngChunkLongerThanTheFileIsRefusedBeforeDecoding) {
+  // Found by fuzzing: an 86-byte PNG whose IDAT length field said 338 MB made stb allocate that much
+  // before noticing the file ends (it allows up to 1 GB per chunk).
+  ddm::test::TempDir dir;
+  fs::create_directories(dir / "imgs/a");
+  write_png(dir / "imgs/a/good.png", 3, 3, 1, 0);
+  std::string png = ddm::read_file(dir / "imgs/a/good.png");
+  const size_t idat = png.find("IDAT") - 4;
+  png[idat] = 0x14, png[idat + 1] = 0x28, png[idat + 2] = 0x00, png[idat + 3] = 0x1d;  // 338165789 bytes
+  ddm::test::write_text(dir / "imgs/a/good.png", png);
+  DataConfig c;
+  c.source = "folder";
+  c.root = dir / "imgs";
+  const std::string msg = load_error(c);
+  EXPECT_HAS(msg, "good.png: cannot decode image: PNG chunk at byte " + std::to_string(idat) +
+                      " claims 338165789 bytes, more than the ");
+  EXPECT_HAS(msg, "left in the file (truncated or corrupt)");
+}
+
 TEST(ImageFolder, MissingOrEmptyFolder) {
   ddm::test::TempDir dir;
   DataConfig c;
