@@ -173,3 +173,20 @@ put(il, "full.toml", 'out = "o"\nconfig = "configs/quickstart.toml"\n[partition]
 put(il, "unknown-key.toml", 'out = "o"\nconfig = "configs/quickstart.toml"\n[run]\nspeed = 3\n')
 put(il, "routing-threshold.toml", 'out = "o"\nconfig = "configs/quickstart.toml"\n[partition]\npath = "p"\n'
     '[run]\nrouting = "threshold:0.05"\n')
+
+# ---- .npy features files -----------------------------------------------------------------------
+def npy(descr, shape, data, fortran=False, version=1):
+    header = "{'descr': '%s', 'fortran_order': %s, 'shape': %s, }" % (descr, "True" if fortran else "False", shape)
+    pre = 10 if version == 1 else 12
+    header += " " * (63 - (pre + len(header)) % 64) + "\n"
+    size = struct.pack("<H", len(header)) if version == 1 else struct.pack("<I", len(header))
+    return b"\x93NUMPY" + bytes([version, 0]) + size + header.encode() + data
+
+
+fe = "features"
+put(fe, "f4.npy", npy("<f4", "(3, 2)", f32(*range(6))))
+put(fe, "f8-v2.npy", npy("<f8", "(2, 1)", struct.pack("<2d", 0.5, -1), version=2))
+put(fe, "1d.npy", npy("<f4", "(4,)", f32(1, 2, 3, 4)))
+put(fe, "fortran.npy", npy("<f4", "(2, 2)", f32(1, 2, 3, 4), fortran=True))
+put(fe, "int.npy", npy("<i8", "(1, 1)", i64(3)))
+put(fe, "short.npy", npy("<f4", "(3, 2)", f32(1, 2)))
