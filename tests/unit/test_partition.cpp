@@ -303,6 +303,15 @@ TEST(Features, FilesInNpyAndSafetensors) {
   EXPECT_NE(test::error_message([&] { load_features_file(tmp / "1d.npy"); }).find("2-D"), std::string::npos);
   write_npy(tmp / "fortran.npy", "<f4", "5, 3", rows.data_ptr(), 60, true);
   EXPECT_NE(test::error_message([&] { load_features_file(tmp / "fortran.npy"); }).find("Fortran"), std::string::npos);
+  // Found by fuzzing: a shape that is not a list of integers escaped as std::invalid_argument
+  // (std::stoll), and negative or huge ones overflowed the byte count.
+  for (const char* shape : {"3; x, 2", "-1, 3", "5, 3a", "4611686018427387904, 4", "99999999999999999999, 1"}) {
+    write_npy(tmp / "shape.npy", "<f4", shape, rows.data_ptr(), 60);
+    const std::string msg = test::error_message([&] { load_features_file(tmp / "shape.npy"); });
+    EXPECT_TRUE(msg.find("malformed .npy shape") != std::string::npos ||
+                msg.find("implausibly large") != std::string::npos)
+        << shape << ": " << msg;
+  }
   test::write_text(tmp / "junk.npy", "not numpy");
   EXPECT_NE(test::error_message([&] { load_features_file(tmp / "junk.npy"); }).find("bad magic"), std::string::npos);
 
