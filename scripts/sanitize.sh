@@ -63,8 +63,11 @@ if [ "$what" != tests ]; then
       echo "sanitize: $t: $(grep -E '^stat::number_of_executed_units' "$scratch/$t.log" | awk '{print $2}') inputs" \
            "in ${seconds} s, $(find "$scratch/$t" -type f | wc -l) new, no finding"
     else
-      echo "sanitize: $t FAILED; its log ends with:"
-      tail -n 60 "$scratch/$t.log"
+      # The report from its first line (ASan's shadow-byte map at the end is of little use here).
+      first=$(grep -n -m1 -E 'ERROR: |runtime error: |terminate called' "$scratch/$t.log" | cut -d: -f1 || true)
+      echo "sanitize: $t FAILED:"
+      if [ -n "$first" ]; then sed -n "${first},$((first + 45))p" "$scratch/$t.log"; else tail -n 45 "$scratch/$t.log"; fi
+      grep -E '^(SUMMARY|artifact_prefix|Test unit written)' "$scratch/$t.log" || true
       failed+=("$t")
     fi
   done
