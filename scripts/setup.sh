@@ -11,6 +11,7 @@ packages=(
   libtomlplusplus-dev libcli11-dev nlohmann-json3-dev libstb-dev zlib1g-dev libssl-dev
   libgtest-dev libbenchmark-dev
   python3-torch
+  clang-14 libclang-rt-14-dev llvm-14   # the sanitizer build and fuzzers (scripts/sanitize.sh)
 )
 
 missing=()

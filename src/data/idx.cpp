@@ -1,5 +1,6 @@
-// IDX reader over zlib's gz* interface (see idx.h). Sizes are checked before allocating, and every
-// read reports zlib's own reason when the gzip stream is damaged.
+// IDX reader over zlib's gz* interface (see idx.h). Memory is allocated for the data actually read,
+// not for what the header promises, and every read reports zlib's own reason when the gzip stream
+// is damaged.
 #include "data/idx.h"
 
 #include <zlib.h>
@@ -90,20 +91,34 @@ IdxArray read_idx(const std::string& path, uint32_t expected_magic) {
 
   IdxArray out;
   uint64_t total = 1;
+  uint64_t extent = 1;  // the product of the non-zero dimensions: with 0 images, the others still
+                        // make the tensor's strides, which must not overflow
   for (int i = 0; i < ndim; ++i) {
     unsigned char b[4];
     DDM_CHECK(gz_read(gz.f, b, 4, path) == 4,
               path << ": IDX header truncated (dimension " << i << " of " << ndim << " missing)");
     const uint32_t d = be32(b);
     out.dims.push_back(static_cast<int64_t>(d));
-    DDM_CHECK(!__builtin_mul_overflow(total, uint64_t(d), &total) && total <= (uint64_t(1) << 40),
+    total *= d;
+    DDM_CHECK(!__builtin_mul_overflow(extent, uint64_t(d == 0 ? 1 : d), &extent) && extent <= (uint64_t(1) << 40),
               path << ": IDX dimensions are implausibly large; the file is corrupt");
   }
 
+  // The header's sizes do not decide the allocation: a damaged header can promise a terabyte in a
+  // few bytes. Memory grows in chunks with the data that is actually there.
+  std::string bytes;
+  while (bytes.size() < total) {
+    const size_t have = bytes.size();
+    const uint64_t want = std::min<uint64_t>(total - have, uint64_t(64) << 20);
+    bytes.resize(have + want);
+    const uint64_t got_now = gz_read(gz.f, bytes.data() + have, want, path);
+    bytes.resize(have + got_now);
+    if (got_now < want) break;
+  }
+  DDM_CHECK(bytes.size() == total, path << ": IDX data truncated: header promises " << total << " bytes, file has "
+                                        << bytes.size() << " (re-download or reinstall the file)");
   out.data = torch::empty(out.dims, torch::TensorOptions().dtype(torch::kUInt8));
-  const uint64_t n = gz_read(gz.f, out.data.data_ptr(), total, path);
-  DDM_CHECK(n == total, path << ": IDX data truncated: header promises " << total << " bytes, file has " << n
-                             << " (re-download or reinstall the file)");
+  if (total > 0) std::memcpy(out.data.data_ptr(), bytes.data(), total);
   // Reading past the data also makes zlib verify the gzip trailer (CRC and length).
   unsigned char extra;
   const int r = gzread(gz.f, &extra, 1);

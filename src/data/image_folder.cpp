@@ -11,6 +11,7 @@
 #include <memory>
 
 #include "core/error.h"
+#include "core/fileio.h"
 
 namespace ddm {
 namespace fs = std::filesystem;
@@ -37,6 +38,25 @@ std::vector<std::string> list_sorted(const std::string& dir, bool want_dirs) {
   return names;
 }
 
+// For a PNG, the first chunk whose length field runs past the end of the file, as an error text
+// ("" if none, or if the bytes are not a PNG). stb allocates a chunk's stated length (up to 1 GB)
+// before it reads the chunk, so an 80-byte file could make it allocate 300 MB.
+std::string png_chunk_past_end(const std::string& bytes) {
+  static const char kMagic[] = "\x89PNG\r\n\x1a\n";
+  if (bytes.compare(0, 8, kMagic, 8) != 0) return "";
+  for (size_t at = 8; at + 8 <= bytes.size();) {
+    uint64_t len = 0;
+    for (size_t i = 0; i < 4; ++i) len = (len << 8) | static_cast<unsigned char>(bytes[at + i]);
+    if (len + 12 > bytes.size() - at) {
+      return "PNG chunk at byte " + std::to_string(at) + " claims " + std::to_string(len) + " bytes, more than the " +
+             std::to_string(bytes.size() - at) + " left in the file (truncated or corrupt)";
+    }
+    if (bytes.compare(at + 4, 4, "IEND") == 0) break;
+    at += 12 + len;
+  }
+  return "";
+}
+
 std::string shape_str(const torch::Tensor& chw) {
   return std::to_string(chw.size(0)) + "x" + std::to_string(chw.size(1)) + "x" + std::to_string(chw.size(2));
 }
@@ -57,6 +77,14 @@ bool is_image_file_name(const std::string& name) {
 
 torch::Tensor read_image(const std::string& path) {
   int w = 0, h = 0, c = 0;
+  // stb allocates what the header says before it reads any pixel: a 20-byte file can claim a
+  // 30000 x 30000 image (and a truncated TGA then decodes to zeros). Check the size first.
+  if (stbi_info(path.c_str(), &w, &h, &c) && static_cast<int64_t>(w) * h > kMaxImagePixels) {
+    DDM_FAIL(path << ": image is " << w << "x" << h << " pixels, more than the " << kMaxImagePixels
+                  << " (4096x4096) that ddm reads; downscale it (or remove it)");
+  }
+  const std::string bad_chunk = png_chunk_past_end(read_file(path));
+  DDM_CHECK(bad_chunk.empty(), path << ": cannot decode image: " << bad_chunk << " (replace or remove it)");
   std::unique_ptr<unsigned char, StbFree> pixels(stbi_load(path.c_str(), &w, &h, &c, 0));
   if (!pixels) {
     const char* reason = stbi_failure_reason();

@@ -12,8 +12,12 @@ namespace ddm {
 // True for file names whose extension stb_image decodes (case-insensitive).
 bool is_image_file_name(const std::string& name);
 
+// The largest image read_image decodes, in pixels (4096 x 4096).
+inline constexpr int64_t kMaxImagePixels = int64_t(1) << 24;
+
 // Decodes one image to uint8 [C, H, W] with its native channel count (1 gray, 2 gray+alpha, 3 RGB,
-// 4 RGBA). Throws ddm::Error naming the file and stb's reason when it cannot be decoded.
+// 4 RGBA). Throws ddm::Error naming the file and stb's reason when it cannot be decoded, or when
+// its header claims more than kMaxImagePixels pixels.
 torch::Tensor read_image(const std::string& path);
 
 // Loads every image under `root`. Images inside a class folder are taken in sorted file-name order;

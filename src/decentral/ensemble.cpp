@@ -44,7 +44,8 @@ Routing parse_routing(const std::string& spec) {
     r.oracle = true;
   } else if (name == "topk" && has_arg) {
     const double k = parse_number(spec, arg);
-    DDM_CHECK(k >= 1 && k == static_cast<double>(static_cast<int64_t>(k)),
+    // Range first: casting a double beyond int64 (or NaN) to int64 is undefined.
+    DDM_CHECK(k >= 1 && k <= 1e9 && k == static_cast<double>(static_cast<int64_t>(k)),
               "--routing " << spec << ": K must be a whole number >= 1");
     r.kind = Routing::Kind::kTopK;
     r.k = static_cast<int64_t>(k);

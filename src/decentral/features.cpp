@@ -3,6 +3,7 @@
 // C++ .npy reader, and the format is a short text header before raw little-endian data).
 #include "decentral/features.h"
 
+#include <charconv>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
@@ -92,17 +93,23 @@ torch::Tensor load_npy(const std::string& path) {
   while (pos < shape.size()) {
     while (pos < shape.size() && (shape[pos] == ' ' || shape[pos] == ',')) ++pos;
     if (pos >= shape.size()) break;
-    size_t used = 0;
-    dims.push_back(std::stoll(shape.substr(pos), &used));
-    pos += used;
+    int64_t d = -1;
+    const auto [end, ec] = std::from_chars(shape.data() + pos, shape.data() + shape.size(), d);
+    DDM_CHECK(ec == std::errc() && d >= 0,
+              path << ": malformed .npy shape (" << shape << "): expected non-negative integers");
+    dims.push_back(d);
+    pos = static_cast<size_t>(end - shape.data());
   }
   DDM_CHECK(dims.size() == 2, path << ": features must be 2-D [N, D], got shape (" << shape << ")");
-  const size_t need = static_cast<size_t>(dims[0] * dims[1]) * elem;
+  uint64_t need = 0;
+  DDM_CHECK(!__builtin_mul_overflow(static_cast<uint64_t>(dims[0]), static_cast<uint64_t>(dims[1]), &need) &&
+                !__builtin_mul_overflow(need, static_cast<uint64_t>(elem), &need),
+            path << ": .npy shape (" << shape << ") is implausibly large; the file is corrupt");
   DDM_CHECK(bytes.size() - start - header_len == need, path << ": holds " << bytes.size() - start - header_len
                                                                << " data bytes, but shape (" << shape << ") of "
                                                                << descr << " needs " << need << "; the file is truncated");
   auto t = torch::empty({dims[0], dims[1]}, dtype);
-  std::memcpy(t.data_ptr(), bytes.data() + start + header_len, need);
+  if (need > 0) std::memcpy(t.data_ptr(), bytes.data() + start + header_len, need);
   return t;
 }
 

@@ -71,6 +71,7 @@ IslandsConfig parse(const toml::table& t, const std::string& origin) {
     }
     DDM_CHECK(node.is_string(), origin << ": '" << path << "' must be a string");
     out = node.as_string()->get();
+    DDM_CHECK(!out.empty(), origin << ": '" << path << "' must not be empty");
   };
   auto num = [&](const char* path, int64_t& out, int64_t min) {
     auto node = t.at_path(path);

@@ -1,6 +1,7 @@
 // Two-stage balanced k-means partitions, random partitions, their files and summaries (see partition.h).
 #include "decentral/partition.h"
 
+#include <charconv>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -247,14 +248,25 @@ Partition load_partition(const std::string& path) {
     return it->second;
   };
   DDM_CHECK(meta("format") == kFormat, file.string() << ": format '" << meta("format") << "', expected " << kFormat);
+  auto meta_count = [&](const char* key, int64_t min) {
+    const std::string text = meta(key);
+    int64_t v = 0;
+    const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
+    DDM_CHECK(ec == std::errc() && end == text.data() + text.size() && v >= min,
+              file.string() << ": metadata '" << key << "' is '" << text << "', expected an integer >= " << min
+                            << "; the file is damaged (make it again with ddm partition)");
+    return v;
+  };
   Partition p;
   p.origin = file.string();
-  p.k = std::stoll(meta("k"));
-  p.n = std::stoll(meta("n"));
+  p.k = meta_count("k", 1);
+  p.n = meta_count("n", 0);
   p.data_sha256 = meta("data_sha256");
   p.data_description = meta("data");
   p.features = meta("features");
-  p.settings = nlohmann::json::parse(meta("settings"));
+  p.settings = nlohmann::json::parse(meta("settings"), nullptr, /*allow_exceptions=*/false);
+  DDM_CHECK(p.settings.is_object(), file.string() << ": metadata 'settings' is not a JSON object: '" << meta("settings")
+                                                  << "'; the file is damaged (make it again with ddm partition)");
   auto tensor = [&](const char* name) {
     const auto it = f.tensors.find(name);
     DDM_CHECK(it != f.tensors.end(), file.string() << ": lacks the tensor '" << name << "'");

@@ -130,6 +130,20 @@ TEST(Config, EveryShippedConfigParses) {
   EXPECT_EQ(c.model.preset, "unet-tiny");
 }
 
+TEST(Config, IslandsFileWithAnEmptyPathIsAClearError) {
+  // Found by fuzzing: partition.path = "" reached std::filesystem::absolute("") in plan_islands,
+  // which threw std::filesystem::filesystem_error instead of an error naming the file and key.
+  const test::TempDir tmp;
+  for (const std::string key : {"out", "config", "partition.path"}) {
+    auto value = [&](const std::string& k, const std::string& v) { return k == key ? std::string() : v; };
+    test::write_text(tmp / "isl.toml", "out = \"" + value("out", "runs/x") + "\"\nconfig = \"" +
+                                           value("config", DDM_SOURCE_DIR "/configs/quickstart.toml") +
+                                           "\"\n[partition]\npath = \"" + value("partition.path", "parts/x") + "\"\n");
+    const std::string msg = test::error_message([&] { plan_islands(load_islands_config(tmp / "isl.toml"), 2); });
+    EXPECT_NE(msg.find("isl.toml: '" + key + "' must not be empty"), std::string::npos) << key << ": " << msg;
+  }
+}
+
 TEST(Config, QuickstartFileMatchesBuiltIn) {
   // `ddm quickstart --print-config` shows the built-in config; configs/quickstart.toml documents it.
   auto r = test::run_ddm("quickstart --print-config");

@@ -184,6 +184,27 @@ TEST(Idx, TruncatedIdxData) {
   EXPECT_HAS(load_error(fmnist_cfg(dir / "fm")), "IDX header truncated");
 }
 
+TEST(Idx, HugeDimensionsInAShortFileAreTruncationNotAnAllocation) {
+  // Found by fuzzing: a 20-byte file whose header promised 52 GB made the reader allocate it all
+  // before reading (std::bad_alloc / c10::Error, or an out-of-memory abort under ASan).
+  ddm::test::TempDir dir;
+  write_fmnist(dir / "fm", 5, 5);
+  write_gz(dir / "fm/train-images-idx3-ubyte.gz", idx_bytes(0x803, {1u << 24, 1u << 8, 1u << 8}, "\x01\x02"));
+  const std::string msg = load_error(fmnist_cfg(dir / "fm"));
+  EXPECT_HAS(msg, "train-images-idx3-ubyte.gz");
+  EXPECT_HAS(msg, "IDX data truncated: header promises 1099511627776 bytes, file has 2");
+}
+
+TEST(Idx, ZeroImagesOfAnAbsurdSizeAreCorrupt) {
+  // Found by fuzzing: 0 images of 4294967295 x 4284219391 pixels passed the size check (0 bytes),
+  // and the strides of that tensor overflowed in LibTorch (c10::Error, not a ddm::Error).
+  ddm::test::TempDir dir;
+  write_fmnist(dir / "fm", 5, 5);
+  write_gz(dir / "fm/train-images-idx3-ubyte.gz", idx_bytes(0x803, {0, 0xffffffffu, 0xff5bffffu}, ""));
+  const std::string msg = load_error(fmnist_cfg(dir / "fm"));
+  EXPECT_HAS(msg, "train-images-idx3-ubyte.gz: IDX dimensions are implausibly large; the file is corrupt");
+}
+
 TEST(Idx, TrailingBytesAndUncompressedFiles) {
   ddm::test::TempDir dir;
   write_fmnist(dir / "fm", 5, 5);
@@ -294,6 +315,43 @@ TEST(ImageFolder, MixedSizesAndChannelsNameTheOddFile) {
   write_png(dir / "imgs/a/2.png", 4, 4, 3, 0);
   msg = load_error(c);
   EXPECT_HAS(msg, "2.png: image is 3x4x4");
+}
+
+TEST(ImageFolder, HugeImageHeaderIsRefusedBeforeDecoding) {
+  // Found by fuzzing: a 22-byte TGA claiming 20000x20000 pixels made stb allocate 400 MB and decode
+  // the missing pixels as zeros, so a tiny file became a huge "image" (a 1.6 GB malloc in the fuzzer).
+  ddm::test::TempDir dir;
+  fs::create_directories(dir / "imgs/a");
+  std::string tga(18, '\0');
+  tga[2] = 3;  // uncompressed grey
+  tga[12] = static_cast<char>(20000 & 0xff), tga[13] = static_cast<char>(20000 >> 8);  // width
+  tga[14] = static_cast<char>(20000 & 0xff), tga[15] = static_cast<char>(20000 >> 8);  // height
+  tga[16] = 8;  // bits per pixel
+  ddm::test::write_text(dir / "imgs/a/huge.tga", tga + "\x01\x02\x03\x04");
+  DataConfig c;
+  c.source = "folder";
+  c.root = dir / "imgs";
+  const std::string msg = load_error(c);
+  EXPECT_HAS(msg, "huge.tga: image is 20000x20000 pixels, more than the 16777216 (4096x4096) that ddm reads");
+}
+
+TEST(ImageFolder, PngChunkLongerThanTheFileIsRefusedBeforeDecoding) {
+  // Found by fuzzing: an 86-byte PNG whose IDAT length field said 338 MB made stb allocate that much
+  // before noticing the file ends (it allows up to 1 GB per chunk).
+  ddm::test::TempDir dir;
+  fs::create_directories(dir / "imgs/a");
+  write_png(dir / "imgs/a/good.png", 3, 3, 1, 0);
+  std::string png = ddm::read_file(dir / "imgs/a/good.png");
+  const size_t idat = png.find("IDAT") - 4;
+  png[idat] = 0x14, png[idat + 1] = 0x28, png[idat + 2] = 0x00, png[idat + 3] = 0x1d;  // 338165789 bytes
+  ddm::test::write_text(dir / "imgs/a/good.png", png);
+  DataConfig c;
+  c.source = "folder";
+  c.root = dir / "imgs";
+  const std::string msg = load_error(c);
+  EXPECT_HAS(msg, "good.png: cannot decode image: PNG chunk at byte " + std::to_string(idat) +
+                      " claims 338165789 bytes, more than the ");
+  EXPECT_HAS(msg, "left in the file (truncated or corrupt)");
 }
 
 TEST(ImageFolder, MissingOrEmptyFolder) {

@@ -258,6 +258,11 @@ TEST(Ensemble, RoutingWeights) {
   EXPECT_EQ(parse_routing("topk:4").k, 4);
   for (const char* bad : {"top2", "topk", "topk:0", "topk:1.5", "threshold:1", "threshold:x", "full:2", ""})
     EXPECT_NE(test::error_message([&] { parse_routing(bad); }).find("--routing"), std::string::npos) << bad;
+  // Found by fuzzing islands files: a K beyond int64 was cast to int64 before it was checked, which
+  // is undefined behaviour (UBSan stops there; a Release build happened to reject it).
+  for (const char* bad : {"topk:1e300", "topk:-1e300", "topk:9.3e18", "topk:inf", "topk:nan"})
+    EXPECT_NE(test::error_message([&] { parse_routing(bad); }).find("K must be a whole number"), std::string::npos)
+        << bad;
 }
 
 TEST(Ensemble, AMissingExpertIsRenormalizedAway) {
@@ -389,7 +394,8 @@ TEST(Distill, AssignedExpertsGiveEachSampleItsOwnClustersPosteriorMean) {
   auto experts = exact_experts(m);
   experts[1].reset();
   const Ensemble missing = make(m, "top1", std::move(experts));
-  EXPECT_NE(test::error_message([&] { missing.estimate_assigned(x, t, y, k); }).find("expert 1 is missing"),
+  // Structured bindings cannot be captured by a lambda in C++17 (clang rejects it): capture copies.
+  EXPECT_NE(test::error_message([&, x = x, t = t] { missing.estimate_assigned(x, t, y, k); }).find("expert 1 is missing"),
             std::string::npos);
 }
 

@@ -232,6 +232,34 @@ TEST(Partition, FilesRoundTripAndMustMatchTheirData) {
   EXPECT_TRUE(load_partition(dir).labels.equal(p.labels));
 }
 
+TEST(Partition, DamagedMetadataIsAClearError) {
+  // Found by fuzzing: metadata that is not a number (k) or not JSON (settings) escaped as
+  // std::invalid_argument / nlohmann::json::parse_error instead of an error naming the file.
+  const test::TempDir tmp;
+  PartitionConfig pc;
+  pc.k = 2;
+  pc.method = "random";
+  pc.quiet = true;
+  Partition p = make_partition(torch::Tensor(), 6, pc);
+  save_partition(tmp / "part", p, nlohmann::json::object(), false);
+  const SafetensorsFile good = load_safetensors(tmp / "part/partition.safetensors");
+  auto error_with = [&](const std::string& key, const std::string& value) {
+    SafetensorsFile f = good;
+    f.metadata[key] = value;
+    save_safetensors(tmp / "bad.safetensors", f);
+    return test::error_message([&] { load_partition(tmp / "bad.safetensors"); });
+  };
+  for (const char* k : {"two", "", "2x", "-1", "0", "99999999999999999999"}) {
+    const std::string msg = error_with("k", k);
+    EXPECT_NE(msg.find("bad.safetensors: metadata 'k' is '" + std::string(k) + "', expected an integer >= 1"),
+              std::string::npos) << msg;
+  }
+  EXPECT_NE(error_with("n", "-3").find("metadata 'n' is '-3', expected an integer >= 0"), std::string::npos);
+  for (const char* settings : {"{no", "[1, 2]", ""})
+    EXPECT_NE(error_with("settings", settings).find("metadata 'settings' is not a JSON object"), std::string::npos)
+        << settings;
+}
+
 TEST(Features, PcaFindsTheLargestVarianceDirections) {
   auto gen = at::make_generator<at::CPUGeneratorImpl>(3);
   // Standard deviations 5, 2, 0.1 along a random rotation of 3-d space.
@@ -275,6 +303,15 @@ TEST(Features, FilesInNpyAndSafetensors) {
   EXPECT_NE(test::error_message([&] { load_features_file(tmp / "1d.npy"); }).find("2-D"), std::string::npos);
   write_npy(tmp / "fortran.npy", "<f4", "5, 3", rows.data_ptr(), 60, true);
   EXPECT_NE(test::error_message([&] { load_features_file(tmp / "fortran.npy"); }).find("Fortran"), std::string::npos);
+  // Found by fuzzing: a shape that is not a list of integers escaped as std::invalid_argument
+  // (std::stoll), and negative or huge ones overflowed the byte count.
+  for (const char* shape : {"3; x, 2", "-1, 3", "5, 3a", "4611686018427387904, 4", "99999999999999999999, 1"}) {
+    write_npy(tmp / "shape.npy", "<f4", shape, rows.data_ptr(), 60);
+    const std::string msg = test::error_message([&] { load_features_file(tmp / "shape.npy"); });
+    EXPECT_TRUE(msg.find("malformed .npy shape") != std::string::npos ||
+                msg.find("implausibly large") != std::string::npos)
+        << shape << ": " << msg;
+  }
   test::write_text(tmp / "junk.npy", "not numpy");
   EXPECT_NE(test::error_message([&] { load_features_file(tmp / "junk.npy"); }).find("bad magic"), std::string::npos);
 

@@ -1,0 +1,21 @@
+// Fuzz target: safetensors bytes -> parse_safetensors. A file that parses must survive a round trip:
+// writing it and parsing the bytes again gives the same bytes once more.
+#include "core/safetensors.h"
+#include "fuzz_util.h"
+
+extern "C" int LLVMFuzzerInitialize(int*, char***) {
+  ddm::fuzz::init_torch();
+  return 0;
+}
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  const std::string bytes = ddm::fuzz::as_string(data, size);
+  ddm::fuzz::expect_errors([&] {
+    const ddm::SafetensorsFile f = ddm::parse_safetensors(bytes, "fuzz.safetensors");
+    for (const auto& [name, t] : f.tensors) ddm::fuzz::touch(t);
+    const std::string once = ddm::safetensors_bytes(f);
+    const std::string twice = ddm::safetensors_bytes(ddm::parse_safetensors(once, "rewritten.safetensors"));
+    if (once != twice) std::abort();  // the writer and the reader disagree
+  });
+  return 0;
+}

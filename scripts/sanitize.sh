@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# The sanitizer build and the fuzzers (see docs/testing.md). Configures and builds build-san/ with
+# clang++ 14: ddm_lib, the tests and the `ddm` binary with AddressSanitizer + UndefinedBehaviorSanitizer
+# (every finding fatal), and one libFuzzer target per parser of outside input (fuzz/fuzz_*.cpp). Then
+#   tests: runs the `unit`-labelled tests under the sanitizers (ctest -L unit);
+#   fuzz:  runs each fuzz target for FUZZ_SECONDS (default 20) seconds, starting from its corpus
+#          fuzz/corpus/<target>/, which it only reads (new inputs go to a temporary directory).
+# Usage: scripts/sanitize.sh [tests | fuzz [fuzz_X ...]]   (no argument: both, every target).
+# Exits non-zero on any finding. A fuzzer's crashing input is kept in build-san/fuzz-artifacts/;
+# replay it with build-san/fuzz_X FILE. Run scripts/setup.sh once first (it installs clang).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+what=${1:-all}
+[ $# -gt 0 ] && shift
+case "$what" in all | tests | fuzz) ;; *) echo "usage: $0 [tests | fuzz [fuzz_X ...]]" >&2; exit 2 ;; esac
+seconds=${FUZZ_SECONDS:-20}
+jobs=$(nproc)
+
+# -O1 keeps the instrumented code fast enough; line tables name the source lines in reports. No
+# OpenMP: see CMakeLists.txt (our own parallel loops run serially here, with the same results).
+cmake -S . -B build-san -DCMAKE_CXX_COMPILER=clang++-14 -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+  "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1 -gline-tables-only" \
+  -DDDM_SANITIZE=ON -DDDM_OPENMP=OFF -DDDM_BUILD_BENCH=OFF >/dev/null
+# Only what runs here: the unit tests, the ddm binary (test_config runs it) and the fuzz targets.
+build_targets=(ddm)
+for f in tests/unit/test_*.cpp fuzz/fuzz_*.cpp; do build_targets+=("$(basename "$f" .cpp)"); done
+cmake --build build-san -j"$jobs" --target "${build_targets[@]}"
+
+if [ -x /usr/lib/llvm-14/bin/llvm-symbolizer ]; then
+  export ASAN_SYMBOLIZER_PATH=/usr/lib/llvm-14/bin/llvm-symbolizer
+fi
+# LeakSanitizer is on (ASan's default here) with no suppressions: neither LibTorch's static
+# initialization nor Gloo's show up as leaks in these programs.
+export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1:check_initialization_order=1:strict_init_order=1}
+export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}
+
+if [ "$what" != fuzz ]; then
+  echo "sanitize: unit tests under ASan + UBSan"
+  # Two tests are left to the Release run: they push thousands of large tensors through LibTorch
+  # (uninstrumented, so ASan checks little there), and ASan's allocator maps fresh pages for every
+  # allocation over 128 KB, which makes them take 4-5 minutes each here instead of seconds.
+  slow='^(Evaluate.ScoresAreDeterministicOrderedAndBadInputsAreClear|Sampler.ExactGaussianDenoiserReproducesMoments)$'
+  ctest --test-dir build-san -L unit -E "$slow" --output-on-failure -j"$jobs"
+fi
+
+if [ "$what" != tests ]; then
+  targets=("$@")
+  if [ ${#targets[@]} -eq 0 ]; then
+    for f in fuzz/fuzz_*.cpp; do targets+=("$(basename "$f" .cpp)"); done
+  fi
+  scratch=$(mktemp -d)
+  trap 'rm -rf "$scratch"' EXIT
+  failed=()
+  for t in "${targets[@]}"; do
+    corpus=fuzz/corpus/${t#fuzz_}
+    [ -d "$corpus" ] || { echo "sanitize: $t has no corpus directory $corpus" >&2; exit 1; }
+    mkdir -p "$scratch/$t" "build-san/fuzz-artifacts/$t"
+    # A single allocation over 256 MB or a 10 s input from a few-KB file is a finding too.
+    if build-san/"$t" -max_total_time="$seconds" -timeout=10 -rss_limit_mb=2048 -malloc_limit_mb=256 \
+        -artifact_prefix="build-san/fuzz-artifacts/$t/" -print_final_stats=1 \
+        "$scratch/$t" "$corpus" >"$scratch/$t.log" 2>&1; then
+      echo "sanitize: $t: $(grep -E '^stat::number_of_executed_units' "$scratch/$t.log" | awk '{print $2}') inputs" \
+           "in ${seconds} s, $(find "$scratch/$t" -type f | wc -l) new, no finding"
+    else
+      # The report from its first line (ASan's shadow-byte map at the end is of little use here).
+      first=$(grep -n -m1 -E 'ERROR: |runtime error: |terminate called' "$scratch/$t.log" | cut -d: -f1 || true)
+      echo "sanitize: $t FAILED:"
+      if [ -n "$first" ]; then sed -n "${first},$((first + 45))p" "$scratch/$t.log"; else tail -n 45 "$scratch/$t.log"; fi
+      grep -E '^(SUMMARY|artifact_prefix|Test unit written)' "$scratch/$t.log" || true
+      failed+=("$t")
+    fi
+  done
+  if [ ${#failed[@]} -gt 0 ]; then
+    echo "sanitize: findings in ${failed[*]}; crashing inputs are in build-san/fuzz-artifacts/" >&2
+    exit 1
+  fi
+fi
+echo "sanitize: no findings"
