@@ -8,6 +8,7 @@
 #include <cctype>
 #include <cstring>
 #include <filesystem>
+#include <limits>
 #include <memory>
 
 #include "core/error.h"
@@ -77,15 +78,20 @@ bool is_image_file_name(const std::string& name) {
 
 torch::Tensor read_image(const std::string& path) {
   int w = 0, h = 0, c = 0;
+  const std::string bytes = read_file(path);  // read once; stb decodes from memory
+  DDM_CHECK(bytes.size() <= static_cast<size_t>(std::numeric_limits<int>::max()),
+            path << ": " << bytes.size() << " bytes is too large for an image file (replace or remove it)");
+  const auto* data = reinterpret_cast<const stbi_uc*>(bytes.data());
+  const int len = static_cast<int>(bytes.size());
   // stb allocates what the header says before it reads any pixel: a 20-byte file can claim a
   // 30000 x 30000 image (and a truncated TGA then decodes to zeros). Check the size first.
-  if (stbi_info(path.c_str(), &w, &h, &c) && static_cast<int64_t>(w) * h > kMaxImagePixels) {
+  if (stbi_info_from_memory(data, len, &w, &h, &c) && static_cast<int64_t>(w) * h > kMaxImagePixels) {
     DDM_FAIL(path << ": image is " << w << "x" << h << " pixels, more than the " << kMaxImagePixels
                   << " (4096x4096) that ddm reads; downscale it (or remove it)");
   }
-  const std::string bad_chunk = png_chunk_past_end(read_file(path));
+  const std::string bad_chunk = png_chunk_past_end(bytes);
   DDM_CHECK(bad_chunk.empty(), path << ": cannot decode image: " << bad_chunk << " (replace or remove it)");
-  std::unique_ptr<unsigned char, StbFree> pixels(stbi_load(path.c_str(), &w, &h, &c, 0));
+  std::unique_ptr<unsigned char, StbFree> pixels(stbi_load_from_memory(data, len, &w, &h, &c, 0));
   if (!pixels) {
     const char* reason = stbi_failure_reason();
     DDM_FAIL(path << ": cannot decode image: " << (reason ? reason : "unknown reason")

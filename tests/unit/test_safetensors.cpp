@@ -113,7 +113,9 @@ TEST(Safetensors, BytesMatchTheSpecByHand) {
     ASSERT_LE(end, data.size()) << name;
     const torch::Tensor c = t.contiguous();
     // An empty tensor's data_ptr() is null, which memcmp must not be given even for 0 bytes.
-    if (end > begin) EXPECT_EQ(std::memcmp(data.data() + begin, c.data_ptr(), end - begin), 0) << name;
+    if (end > begin) {
+      EXPECT_EQ(std::memcmp(data.data() + begin, c.data_ptr(), end - begin), 0) << name;
+    }
     covered += end - begin;
   }
   EXPECT_EQ(covered, data.size());
