@@ -1,6 +1,7 @@
 // detect_dist_env and the Slurm hostlist parser (see env.h).
 #include "dist/env.h"
 
+#include <algorithm>
 #include <cctype>
 #include <charconv>
 #include <optional>

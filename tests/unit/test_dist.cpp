@@ -2,15 +2,29 @@
 // hostlists, the Comm collectives and their error messages (ranks as threads on a shared HashStore,
 // plus real processes over TCP on 127.0.0.1), and GradSync's buckets, hooks and averaged gradients.
 #include <gtest/gtest.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
 
+#include <future>
 #include <map>
 
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
 #include "core/error.h"
+#include "dist/comm.h"
 #include "dist/env.h"
+#include "test_dist_util.h"
 #include "test_util.h"
+
+extern char** environ;
 
 using namespace ddm;
 using ddm::test::error_message;
+using ddm::test::has;
+using ddm::test::shown;
+using ddm::test::run_ranks;
+using ddm::test::short_timeouts;
 
 namespace {
 
@@ -194,4 +208,225 @@ TEST(DistEnv, SlurmHostlists) {
     EXPECT_NE(msg.find("SLURM_JOB_NODELIST='" + std::string(bad) + "' is not a Slurm hostlist"), std::string::npos)
         << bad << ": " << msg;
   }
+}
+
+TEST(DistComm, SingleProcessIsLocal) {
+  auto comm = Comm::create(DistEnv{});
+  EXPECT_EQ(comm->rank(), 0);
+  EXPECT_EQ(comm->world_size(), 1);
+  auto t = torch::tensor({1.5f, 2.0f});
+  comm->allreduce_sum(t);
+  comm->broadcast(t, 0);
+  comm->barrier();
+  EXPECT_TRUE(torch::equal(t, torch::tensor({1.5f, 2.0f})));
+  EXPECT_EQ(comm->max_int(7), 7);
+  EXPECT_EQ(comm->all_gather_strings("x"), std::vector<std::string>{"x"});
+  comm->check_same({{"a", "1"}}, "config");
+  std::vector<at::Tensor> ts{t};
+  auto w = comm->allreduce_async(ts);
+  EXPECT_TRUE(w->isCompleted());
+  comm->wait(w, "test");
+}
+
+TEST(DistComm, CollectivesWithTwoAndThreeRanks) {
+  for (int world : {2, 3}) {
+    const auto errors = run_ranks(world, short_timeouts(), [&](Comm& c) {
+      const int r = c.rank();
+      auto t = torch::full({5}, static_cast<float>(r + 1));
+      c.allreduce_sum(t);
+      EXPECT_TRUE(torch::equal(t, torch::full({5}, world * (world + 1) / 2.0f)));
+      auto b = torch::full({3}, static_cast<double>(r * 10));
+      c.broadcast(b, world - 1);
+      EXPECT_TRUE(torch::equal(b, torch::full({3}, (world - 1) * 10.0, torch::kDouble)));
+      EXPECT_EQ(c.max_int(r == 1 ? 5 : -3), 5);  // any rank's flag wins
+      EXPECT_EQ(c.max_int(0), 0);
+      std::vector<std::string> expect;
+      for (int k = 0; k < world; ++k) expect.push_back(std::string(k * 3, 'a' + k));  // "" on rank 0
+      EXPECT_EQ(c.all_gather_strings(expect[r]), expect);
+      c.barrier();
+      c.check_same({{"train.lr", "0.002"}, {"model.preset", "tiny"}}, "config");
+    });
+    for (int r = 0; r < world; ++r) EXPECT_EQ(errors[r], "") << "world " << world << " rank " << r;
+  }
+}
+
+TEST(DistComm, CheckSameNamesKeyAndRanks) {
+  const auto errors = run_ranks(3, short_timeouts(), [](Comm& c) {
+    std::vector<std::pair<std::string, std::string>> kv = {{"model.preset", "tiny"},
+                                                           {"train.lr", c.rank() == 1 ? "0.001" : "0.002"}};
+    if (c.rank() == 2) kv.push_back({"train.extra", "1"});
+    c.check_same(kv, "config");
+  });
+  // Every rank stops with the same message: the first key that differs, grouped by value.
+  for (int r = 0; r < 3; ++r)
+    EXPECT_EQ(errors[r], "ranks disagree on train.lr: ranks 0,2 have 0.002, rank 1 has 0.001 (config); every rank "
+                         "must run the same config")
+        << r;
+}
+
+TEST(DistComm, PeerThatNeverJoinsTimesOut) {
+  std::promise<void> rank0_done;
+  auto done = rank0_done.get_future().share();
+  const auto start = std::chrono::steady_clock::now();
+  const auto errors = run_ranks(2, short_timeouts(2000), [&](Comm& c) {
+    auto t = torch::ones({4});
+    if (c.rank() == 1) {  // alive, but never joins the all-reduce
+      done.wait();
+      return;
+    }
+    const auto msg = shown(error_message([&] { c.allreduce_sum(t); }));
+    rank0_done.set_value();
+    EXPECT_TRUE(has(msg, "rank 0: all-reduce timed out after 2s waiting for the other ranks")) << msg;
+    EXPECT_TRUE(has(msg, "raise parallel.timeout")) << msg;
+    // The group is unusable afterwards, and says why at once.
+    const auto again = shown(error_message([&] { c.barrier(); }));
+    EXPECT_TRUE(has(again, "rank 0: cannot run barrier: the process group failed earlier")) << again;
+  });
+  EXPECT_EQ(errors[0], "");
+  EXPECT_EQ(errors[1], "");
+  // Bounded: well below the 30-minute default (not a speed assertion; it guards against a hang).
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(60));
+}
+
+TEST(DistComm, RendezvousErrors) {
+  DistEnv env;
+  env.world_size = 2;
+  env.master_addr = "127.0.0.1";
+  env.launcher = "env";
+  CommOptions o;
+  o.connect_timeout = std::chrono::milliseconds(1000);
+  o.timeout = std::chrono::milliseconds(1000);
+  // Nobody listens: a client cannot reach the store.
+  env.rank = 1;
+  env.master_port = ddm::test::free_port();
+  auto msg = shown(error_message([&] { Comm::create(env, o); }));
+  EXPECT_TRUE(has(msg, "rank 1: cannot reach the rendezvous store at 127.0.0.1:" + std::to_string(env.master_port) +
+                           " within 1s: is rank 0 running, is MASTER_ADDR right?"))
+      << msg;
+  // Rank 0 alone: hosts the store, but rank 1 never joins.
+  env.rank = 0;
+  msg = shown(error_message([&] { Comm::create(env, o); }));
+  EXPECT_TRUE(has(msg, "rank 0: rank(s) 1 did not join at the rendezvous store at 127.0.0.1:")) << msg;
+  // The port is taken by another store.
+  c10d::TCPStoreOptions so;
+  so.port = static_cast<uint16_t>(env.master_port);
+  so.isServer = true;
+  so.waitWorkers = false;
+  c10d::TCPStore other("127.0.0.1", so);
+  msg = shown(error_message([&] { Comm::create(env, o); }));
+  EXPECT_TRUE(has(msg, "rank 0: port " + std::to_string(env.master_port) +
+                           " on 127.0.0.1 is already in use (another job or a leftover process holds it); "
+                           "choose another MASTER_PORT"))
+      << msg;
+}
+
+// Over real TCP (two threads, each with its own TCPStore): rank 1 starts before rank 0 has opened
+// the store and keeps retrying (LibTorch 1.13's own client gives up at once on a refused connection).
+TEST(DistComm, ClientWaitsForTheStoreOverTcp) {
+  DistEnv env;
+  env.world_size = 2;
+  env.master_addr = "127.0.0.1";
+  env.master_port = ddm::test::free_port();
+  env.launcher = "env";
+  std::string error1;
+  std::thread rank1([&] {
+    try {
+      DistEnv e = env;
+      e.rank = 1;
+      auto c = Comm::create(e, short_timeouts());
+      auto t = torch::full({2}, 5.0f);
+      c->allreduce_sum(t);
+      EXPECT_TRUE(torch::equal(t, torch::full({2}, 6.0f)));
+      c->barrier();
+    } catch (const std::exception& e) {
+      error1 = e.what();
+    }
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(700));
+  std::string error0 = error_message([&] {
+    auto c = Comm::create(env, short_timeouts());
+    auto t = torch::full({2}, 1.0f);
+    c->allreduce_sum(t);
+    EXPECT_TRUE(torch::equal(t, torch::full({2}, 6.0f)));
+    c->barrier();
+  });
+  rank1.join();
+  EXPECT_EQ(error0, "");
+  EXPECT_EQ(error1, "");
+}
+
+// The child of DistProcess.TwoProcessesOverTcp: rank 1, configured by the environment like a real
+// launch. Skipped when run on its own.
+TEST(DistProcess, ChildRank) {
+  if (!std::getenv("DDM_TEST_DIST_CHILD")) GTEST_SKIP() << "runs only as the child of TwoProcessesOverTcp";
+  alarm(60);  // never outlive a broken parent
+  try {
+    auto comm = Comm::create(detect_dist_env(), short_timeouts());
+    auto t = torch::full({3}, 2.0f);
+    comm->allreduce_sum(t);
+    if (!torch::equal(t, torch::full({3}, 3.0f))) _exit(2);
+    if (comm->all_gather_strings("child") != std::vector<std::string>{"parent", "child"}) _exit(3);
+    comm->check_same({{"k", "v"}}, "config");
+    comm->barrier();
+    pause();  // until the parent kills us
+  } catch (...) {
+    _exit(4);
+  }
+  _exit(5);
+}
+
+TEST(DistProcess, TwoProcessesOverTcp) {
+  const int port = ddm::test::free_port();
+  std::vector<std::string> env_strings = {"DDM_TEST_DIST_CHILD=1", "RANK=1", "WORLD_SIZE=2", "MASTER_ADDR=127.0.0.1",
+                                          "MASTER_PORT=" + std::to_string(port)};
+  std::vector<char*> envp;
+  for (char** e = environ; *e; ++e) {
+    const std::string kv = *e;
+    if (kv.rfind("RANK=", 0) && kv.rfind("WORLD_SIZE=", 0) && kv.rfind("MASTER_", 0) && kv.rfind("TORCHELASTIC", 0) &&
+        kv.rfind("DDM_LAUNCHER=", 0))
+      envp.push_back(*e);
+  }
+  for (auto& s : env_strings) envp.push_back(s.data());
+  envp.push_back(nullptr);
+  std::string self = "/proc/self/exe", filter = "--gtest_filter=DistProcess.ChildRank";
+  char* argv[] = {self.data(), filter.data(), nullptr};
+  pid_t child = -1;
+  ASSERT_EQ(posix_spawn(&child, "/proc/self/exe", nullptr, nullptr, argv, envp.data()), 0);
+  struct Reaper {  // no process is left behind, whatever happens below
+    pid_t pid;
+    int status = 0;
+    bool reaped = false;
+    void kill_and_reap() {
+      if (reaped) return;
+      ::kill(pid, SIGKILL);
+      waitpid(pid, &status, 0);
+      reaped = true;
+    }
+    ~Reaper() { kill_and_reap(); }
+  } reaper{child};
+
+  DistEnv env;
+  env.world_size = 2;
+  env.master_addr = "127.0.0.1";
+  env.master_port = port;
+  env.launcher = "env";
+  auto comm = Comm::create(env, short_timeouts());
+  auto t = torch::full({3}, 1.0f);
+  comm->allreduce_sum(t);
+  EXPECT_TRUE(torch::equal(t, torch::full({3}, 3.0f)));
+  EXPECT_EQ(comm->all_gather_strings("parent"), (std::vector<std::string>{"parent", "child"}));
+  comm->check_same({{"k", "v"}}, "config");
+  comm->barrier();
+
+  // The child is killed while our all-reduce waits for it.
+  std::vector<at::Tensor> ts{t};
+  auto work = comm->allreduce_async(ts);
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  reaper.kill_and_reap();
+  EXPECT_TRUE(WIFSIGNALED(reaper.status) && WTERMSIG(reaper.status) == SIGKILL)
+      << "the child exited by itself with status " << reaper.status << " (a failed check in it)";
+  const auto msg = shown(error_message([&] { comm->wait(work, "all-reduce"); }));
+  EXPECT_TRUE(has(msg, "rank 0: lost the connection to rank 1 during all-reduce (it exited or was killed); the job "
+                       "stops"))
+      << msg;
 }

@@ -1,0 +1,88 @@
+// Comm: ddm's handle on one process group (c10d TCPStore rendezvous + ProcessGroupGloo), with the
+// few collectives training needs, and every c10d / Gloo failure turned into a ddm::Error that names
+// this rank, the operation, the peer when it can be inferred, and what to do. With one process it is
+// a no-op that never touches the network.
+#pragma once
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <torch/csrc/distributed/c10d/Store.hpp>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include "core/compat.h"
+#include "dist/env.h"
+
+namespace ddm {
+
+struct CommOptions {
+  // A collective that has not completed after this long fails on every rank that issued it (Gloo's
+  // own default is 30 minutes: far too long to wait on a dead or hung peer).
+  std::chrono::milliseconds timeout{60000};
+  // How long to wait for the store and for every rank to join the rendezvous.
+  std::chrono::milliseconds connect_timeout{60000};
+  int gloo_threads = 1;  // Gloo's worker threads (they compete with intra-op threads on CPU)
+  // Store keys of this group live under "ddm/<group>/", so a rebuilt group (after a failure) can use
+  // a fresh name on the same store.
+  std::string group = "pg0";
+};
+
+class Comm {
+ public:
+  // From the detected environment: world 1 gives a local no-op Comm; otherwise connects to (rank 0 or
+  // the launcher's agent: hosts) the TCPStore at env.master_addr:master_port and builds a Gloo group.
+  static std::shared_ptr<Comm> create(const DistEnv& env, CommOptions options = {});
+  // Ranks as threads of one process: every thread passes the same store (e.g. a c10d::HashStore) and
+  // its own rank; Gloo talks over the loopback device.
+  static std::shared_ptr<Comm> create_for_test(c10::intrusive_ptr<c10d::Store> store, int rank, int world,
+                                               CommOptions options = {});
+  ~Comm();
+  Comm(const Comm&) = delete;
+  Comm& operator=(const Comm&) = delete;
+
+  int rank() const { return rank_; }
+  int world_size() const { return world_; }
+  bool distributed() const { return world_ > 1; }
+  const CommOptions& options() const { return options_; }
+
+  // Starts a sum all-reduce of contiguous CPU tensors in place; call wait() on the result. With one
+  // process the returned work is already complete. All ranks must issue collectives in the same order.
+  c10::intrusive_ptr<c10d::Work> allreduce_async(std::vector<at::Tensor>& tensors);
+  // Waits for work from this Comm; failures become ddm::Error naming `op`.
+  void wait(const c10::intrusive_ptr<c10d::Work>& work, const std::string& op);
+
+  void allreduce_sum(at::Tensor& tensor);              // in place, sum over ranks
+  void broadcast(at::Tensor& tensor, int root);        // in place, root's values everywhere
+  void barrier();
+  // Every rank's string, indexed by rank.
+  std::vector<std::string> all_gather_strings(const std::string& s);
+  // The maximum of v over ranks: for agreeing on stop decisions (any rank's flag wins).
+  int64_t max_int(int64_t v);
+  // Throws ddm::Error on every rank if any key's value differs between ranks, naming the key and each
+  // rank's value ("ranks disagree on train.lr: rank 0 has 0.002, rank 1 has 0.001; ..."). `what` says
+  // what the pairs are ("config"). One small all-gather of hashes when they agree.
+  void check_same(const std::vector<std::pair<std::string, std::string>>& key_values, const std::string& what);
+
+ private:
+  Comm(int rank, int world, CommOptions options);
+  void connect(c10::intrusive_ptr<c10d::Store> store, const std::string& where, bool loopback);
+  // Runs f (a c10d call), turning any exception into ddm::Error about `op`.
+  template <class F>
+  auto guarded(const std::string& op, F&& f) -> decltype(f());
+  [[noreturn]] void fail(const std::string& op, const std::string& what);
+  void check_usable(const std::string& op) const;
+
+  int rank_ = 0, world_ = 1;
+  CommOptions options_;
+  std::string broken_;  // the first failure: a Gloo group is unusable after any error or timeout
+  c10::intrusive_ptr<c10d::Store> store_;
+  c10::intrusive_ptr<GlooBackend> pg_;
+};
+
+// Human-readable seconds for messages: "2s", "0.5s", "60s".
+std::string seconds_str(std::chrono::milliseconds ms);
+
+}  // namespace ddm
