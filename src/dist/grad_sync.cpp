@@ -154,10 +154,11 @@ struct GradSync::State : std::enable_shared_from_this<GradSync::State> {
     if (ready[i]) {
       ++stats.repeated_hooks;
       if (launched[b] && late_error.empty())
-        late_error = "gradient sync: the gradient of parameter #" + std::to_string(i) +
+        late_error = "rank " + std::to_string(comm->rank()) + ": gradient sync: the gradient of parameter #" +
+                     std::to_string(i) +
                      " was accumulated again after its bucket's all-reduce had started (a re-entrant backward, "
                      "e.g. activation checkpointing, over shared parameters); this step's gradients are wrong. "
-                     "Accumulate such backward passes with gradient sync disabled and synchronize once at the end";
+                     "Run such backward passes with GradSync disabled (set_enabled(false)) and call sync_now() after them";
       return;
     }
     ready[i] = 1;

@@ -87,6 +87,21 @@ struct Data {
   std::vector<torch::Tensor> x, y;
 };
 
+// A re-entrant backward, as re-entrant activation checkpointing does it: its backward runs another
+// backward over a parameter w (accumulating d(sum w)/dw = 1 into w's gradient a second time).
+struct Reentrant : torch::autograd::Function<Reentrant> {
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& z, const torch::Tensor& w) {
+    ctx->saved_data["w"] = w;
+    return z.clone();
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list g) {
+    torch::AutoGradMode enable(true);
+    ctx->saved_data["w"].toTensor().sum().backward();
+    return {g[0], torch::Tensor()};
+  }
+};
+
 std::shared_ptr<Comm> borrow(Comm& c) { return std::shared_ptr<Comm>(&c, [](Comm*) {}); }
 
 }  // namespace
@@ -298,6 +313,27 @@ TEST(DistGradSync, PeerThatNeverSyncsFailsBackwardWithTheTimeout) {
     const auto msg = shown(error_message([&] { live[0].backward(data.x[0], data.y[0]); }));
     rank0_done.set_value();
     EXPECT_TRUE(has(msg, "rank 0: the gradient all-reduce (bucket 1 of 4) timed out after 1s")) << msg;
+  });
+  EXPECT_EQ(errors[0], "");
+  EXPECT_EQ(errors[1], "");
+}
+
+TEST(DistGradSync, SecondAccumulationAfterLaunchIsAnError) {
+  torch::set_num_threads(1);
+  const Data data(2);
+  std::vector<Replica> live(2);
+  const auto errors = run_ranks(2, ddm::test::short_timeouts(), [&](Comm& c) {
+    const int r = c.rank();
+    GradSync gs(borrow(c), live[r].params, live[r].flat, small_buckets());
+    // Applied first, so its backward runs last: after head.weight's bucket (bucket 0) was launched.
+    auto z = torch::ones({2}, torch::requires_grad());
+    auto extra = Reentrant::apply(z, live[r].net->head->weight).sum();
+    auto loss = torch::mse_loss(live[r].net->forward(data.x[r]), data.y[r]) + extra;
+    const auto msg = shown(error_message([&] { loss.backward(); }));
+    EXPECT_TRUE(has(msg, "the gradient of parameter #8 was accumulated again after its bucket's all-reduce had "
+                         "started"))
+        << msg;
+    EXPECT_EQ(gs.last_stats().repeated_hooks, 1);
   });
   EXPECT_EQ(errors[0], "");
   EXPECT_EQ(errors[1], "");
