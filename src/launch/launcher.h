@@ -14,7 +14,8 @@
 //     launch fails (exit 1).
 //   - Nothing outlives the launch: at the end of each attempt whatever is left in a worker's
 //     process group is killed, and a launcher that dies (even by SIGKILL) takes its workers with
-//     it (PR_SET_PDEATHSIG). What a worker started in a new session of its own is out of reach.
+//     it (PR_SET_PDEATHSIG: each worker process gets SIGTERM; children a worker started itself
+//     are its business then). What a worker started in a new session of its own is out of reach.
 #pragma once
 #include <cstdint>
 #include <string>
