@@ -253,6 +253,17 @@ TEST(Launch, TimeoutStopsAHangingAttempt) {
   EXPECT_TRUE(ws.strays_after(5).empty());
 }
 
+TEST(Launch, KillsWorkersThatIgnoreSigtermAfterTheGracePeriod) {
+  Workspace ws;
+  // An ignored signal stays ignored across exec: neither the shell nor its sleep reacts to SIGTERM.
+  const std::string worker = ws.script("worker.sh", "trap '' TERM\n$D/sleep 100\n");
+  const CommandResult r = run_command(std::string(DDM_BINARY) + " launch --nproc 2 --timeout 1 --grace 1 --no-ddm -- " +
+                                      worker);
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_TRUE(contains(r.output, "workers still running 1 s after the stop: sending SIGKILL")) << r.output;
+  EXPECT_TRUE(ws.strays_after(5).empty());
+}
+
 TEST(Launch, HostsTheStoreWhileWorkersRun) {
   if (!executable("/bin/bash")) GTEST_SKIP() << "needs /bin/bash (for /dev/tcp)";
   const CommandResult r = launch(
