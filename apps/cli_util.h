@@ -36,6 +36,9 @@ struct Command {
 // Decentralized-diffusion subcommands (apps/decentral_cli.cpp): partition, ...
 std::vector<Command> add_decentral_commands(CLI::App& app);
 
+// `ddm launch` (apps/launch_cli.cpp). It reads argv itself to find the `--` before the command.
+Command add_launch_command(CLI::App& app, int argc, char** argv);
+
 // The decentralized quickstart's training (apps/decentral_cli.cpp): writes OUT/quickstart.toml (the
 // experts' config) and OUT/islands.toml, then runs those islands: a K = 4 partition, four experts
 // splitting the global batch, a router, and OUT/ensemble.json. expert_steps / router_steps / threads

@@ -6,6 +6,7 @@
 //   train-classifier  train the feature network that the evaluation metrics use
 //   eval        FD-fmnist, KID, precision/recall and class accuracy of a model's samples or a file
 //   partition, train-router, ensemble, islands, distill  (apps/decentral_cli.cpp) decentralized diffusion
+//   launch      N local workers with torchrun's environment, restarts and output (apps/launch_cli.cpp)
 #include <CLI/CLI.hpp>
 
 #include "cli_util.h"
@@ -467,6 +468,9 @@ int run(int argc, char** argv) {
   // decentralized diffusion: partition, ...
   const std::vector<Command> decentral = add_decentral_commands(app);
 
+  // launch
+  const Command launch = add_launch_command(app, argc, argv);
+
   // presets
   auto* presets_cmd = app.add_subcommand("presets", "List model presets with parameters and FLOPs per image.");
 
@@ -548,6 +552,7 @@ int run(int argc, char** argv) {
   if (*eval_cmd_app) return eval_cmd(ea);
   for (const Command& c : decentral)
     if (*c.app) return c.run();
+  if (*launch.app) return launch.run();
   if (*presets_cmd) {
     std::printf("%-17s %-11s %12s %16s\n", "preset", "arch", "parameters", "MFLOP/img fwd");
     for (const auto& name : preset_names()) {

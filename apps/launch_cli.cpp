@@ -1,0 +1,85 @@
+// `ddm launch`: start N local workers (ddm subcommands, or any program with --no-ddm) with
+// torchrun's environment, and supervise them (src/launch/launcher.h).
+#include <CLI/CLI.hpp>
+
+#include <cstring>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "cli_util.h"
+#include "core/error.h"
+#include "launch/launcher.h"
+
+namespace ddm {
+
+namespace {
+
+const char* kLaunchHelp =
+    "Start --nproc workers on this machine, each running `ddm COMMAND...` (this ddm binary), with the "
+    "environment torchrun gives its workers: RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK=0, "
+    "ROLE_RANK, ROLE_WORLD_SIZE, MASTER_ADDR=127.0.0.1, MASTER_PORT, TORCHELASTIC_RESTART_COUNT, "
+    "TORCHELASTIC_MAX_RESTARTS, TORCHELASTIC_RUN_ID, TORCHELASTIC_USE_AGENT_STORE=True, and DDM_LAUNCHER=ddm. "
+    "Like torchrun's agent, the launcher hosts the rendezvous TCPStore at MASTER_ADDR:MASTER_PORT for the whole "
+    "launch; workers connect to it as clients under the prefix /worker/attempt_<TORCHELASTIC_RESTART_COUNT>. "
+    "Each worker's stdout and stderr are shown line by line, prefixed `[rank N] `.";
+
+const char* kLaunchFooter =
+    "Faults: when a worker exits non-zero or is killed by a signal, the launcher names the rank and the cause, "
+    "stops the other workers (SIGTERM, then SIGKILL after --grace seconds) and, while --max-restarts allows, "
+    "starts all of them again with TORCHELASTIC_RESTART_COUNT one higher. `ddm train` resumes from its last "
+    "checkpoint in --out when that count is above 0, so a restart repeats at most the steps since the last "
+    "checkpoint. Ranks are not tied to processes across restarts.\n"
+    "Signals: SIGINT, SIGTERM and SIGHUP are forwarded to every worker; the launcher waits --grace seconds, kills "
+    "what is left and exits with 128 + the signal (130 for Ctrl-C). A second signal kills at once.\n"
+    "Exit status: 0 when every worker exited 0; 1 when the restarts ran out, --timeout expired, or the launch "
+    "could not start; 128 + signal when the launcher was signalled. Worker processes never outlive the launcher, "
+    "even one killed with SIGKILL (they get SIGTERM; a worker that starts children of its own must pass it on).\n"
+    "Examples:\n"
+    "  ddm launch --nproc 2 -- train --config configs/quickstart.toml --out runs/dp2\n"
+    "  ddm launch --nproc 4 --max-restarts 3 -- train --config c.toml --out runs/x --resume\n"
+    "  ddm launch --nproc 2 --no-ddm -- sh -c 'echo rank $RANK of $WORLD_SIZE'";
+
+// The arguments after the first `--` that follows the `launch` word, or nullopt when there is none.
+std::optional<std::vector<std::string>> after_separator(int argc, char** argv) {
+  int i = 1;
+  while (i < argc && std::strcmp(argv[i], "launch") != 0) ++i;
+  for (++i; i < argc; ++i)
+    if (std::strcmp(argv[i], "--") == 0) return std::vector<std::string>(argv + i + 1, argv + argc);
+  return std::nullopt;
+}
+
+}  // namespace
+
+Command add_launch_command(CLI::App& app, int argc, char** argv) {
+  auto c = std::make_shared<LaunchConfig>();
+  auto positional = std::make_shared<std::vector<std::string>>();
+  auto* cmd = app.add_subcommand("launch", kLaunchHelp);
+  cmd->add_option("--nproc", c->nproc, "number of workers (ranks 0..N-1)")->required();
+  cmd->add_option("--max-restarts", c->max_restarts,
+                  "how many times all workers are restarted after a failure (default 0)");
+  cmd->add_option("--timeout", c->timeout_s,
+                  "seconds an attempt may run before its workers are stopped and the launch fails (default 0: no "
+                  "limit)");
+  cmd->add_option("--grace", c->grace_s, "seconds stopped workers get to exit before SIGKILL (default 30)");
+  cmd->add_option("--master-port", c->master_port,
+                  "port of the launcher's TCPStore (MASTER_PORT); default 0: the kernel picks a free port as the "
+                  "store binds it, so no other process can take it in between");
+  cmd->add_option("--run-id", c->run_id, "TORCHELASTIC_RUN_ID (default none, as torchrun)");
+  cmd->add_flag("--no-ddm", c->no_ddm,
+                "the command is a program and its arguments, not a ddm subcommand (as torchrun's --no_python)");
+  cmd->add_option("command", *positional, "after `--`: the ddm subcommand and its flags (or, with --no-ddm, a "
+                                          "program and its arguments)");
+  cmd->footer(kLaunchFooter);
+  auto run = [c, positional, argc, argv]() -> int {  // both outlive parsing: CLI11 writes into them
+    const auto command = after_separator(argc, argv);
+    DDM_CHECK(command.has_value(), "ddm launch: put the command after `--`, e.g. `ddm launch --nproc 2 -- train "
+                                   "--config c.toml --out runs/x` (or `--no-ddm -- PROGRAM ARGS`)");
+    c->command = *command;
+    return run_launch(*c);
+  };
+  return Command{cmd, run};
+}
+
+}  // namespace ddm

@@ -1,0 +1,323 @@
+// `ddm launch` (see launcher.h): attempts of N workers, output, signals, faults, restarts.
+//
+// One thread does everything: it polls a signalfd (SIGINT, SIGTERM, SIGHUP, SIGCHLD, blocked
+// before the store's threads start, so they inherit the mask and only the signalfd sees them) and
+// the workers' output pipes, notices exits with waitid(WNOWAIT) and reaps the workers only at the
+// end of an attempt, after killing what is left in their process groups.
+#include "launch/launcher.h"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <pthread.h>
+#include <signal.h>
+#include <sys/signalfd.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <optional>
+
+#include "core/error.h"
+#include "launch/output.h"
+#include "launch/process.h"
+#include "launch/rendezvous.h"
+
+namespace ddm {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+void write_all(int fd, const std::string& s) {
+  const char* p = s.data();
+  size_t n = s.size();
+  while (n > 0) {
+    const ssize_t w = ::write(fd, p, n);
+    if (w < 0 && errno == EINTR) continue;
+    if (w <= 0) return;  // a closed terminal or pipe: the output is lost, the launch goes on
+    p += w;
+    n -= static_cast<size_t>(w);
+  }
+}
+
+// The launcher's own messages go to stderr; the workers' prefixed output to stdout.
+void say(const std::string& s) { write_all(2, "[launch] " + s + "\n"); }
+
+std::string seconds(double s) {
+  std::string t = std::to_string(s);
+  t.erase(t.find_last_not_of('0') + 1);
+  if (!t.empty() && t.back() == '.') t.pop_back();
+  return t + " s";
+}
+
+// The launcher's signals, read from a signalfd for as long as this lives.
+class SignalReader {
+ public:
+  SignalReader() {
+    sigemptyset(&set_);
+    for (int s : {SIGINT, SIGTERM, SIGHUP, SIGCHLD}) sigaddset(&set_, s);
+    ::pthread_sigmask(SIG_BLOCK, &set_, &old_);
+    fd_ = ::signalfd(-1, &set_, SFD_NONBLOCK | SFD_CLOEXEC);
+    DDM_CHECK(fd_ >= 0, "ddm launch: cannot create a signalfd: " << std::strerror(errno));
+  }
+  ~SignalReader() {
+    read_stop_signals();  // consumed here rather than delivered (and fatal) when unblocked
+    ::close(fd_);
+    ::pthread_sigmask(SIG_SETMASK, &old_, nullptr);
+  }
+  SignalReader(const SignalReader&) = delete;
+  SignalReader& operator=(const SignalReader&) = delete;
+  int fd() const { return fd_; }
+  // The stop signals (INT, TERM, HUP) that arrived since the last call, in order; SIGCHLD only wakes.
+  std::vector<int> read_stop_signals() {
+    std::vector<int> out;
+    signalfd_siginfo info{};
+    while (::read(fd_, &info, sizeof info) == static_cast<ssize_t>(sizeof info))
+      if (info.ssi_signo != SIGCHLD) out.push_back(static_cast<int>(info.ssi_signo));
+    return out;
+  }
+
+ private:
+  sigset_t set_{}, old_{};
+  int fd_ = -1;
+};
+
+struct Worker {
+  int64_t rank = 0;
+  Child child;
+  LinePrefixer out;
+  std::optional<ExitStatus> exit;
+  bool reaped = false;
+  Worker(int64_t r, Child c) : rank(r), child(c), out("[rank " + std::to_string(r) + "] ") {}
+};
+
+// Reads what a worker's pipe holds now; at end of file writes the held partial line and closes it.
+void pump(Worker& w) {
+  char buf[65536];
+  while (w.child.output_fd >= 0) {
+    const ssize_t n = ::read(w.child.output_fd, buf, sizeof buf);
+    if (n > 0) {
+      write_all(1, w.out.feed(buf, static_cast<size_t>(n)));
+    } else if (n < 0 && errno == EINTR) {
+      continue;
+    } else if (n < 0 && errno == EAGAIN) {
+      return;
+    } else {  // end of file (or a read error: treated alike)
+      write_all(1, w.out.flush());
+      ::close(w.child.output_fd);
+      w.child.output_fd = -1;
+    }
+  }
+}
+
+// The workers of one attempt. Whatever happens (an exception included), the destructor leaves no
+// process and no descriptor behind.
+struct Attempt {
+  std::vector<Worker> workers;
+  ~Attempt() {
+    for (auto& w : workers) {
+      if (!w.reaped) {
+        signal_group(w.child.pid, SIGKILL);
+        reap(w.child.pid);
+      }
+      if (w.child.output_fd >= 0) ::close(w.child.output_fd);
+    }
+  }
+};
+
+struct Outcome {
+  enum Kind { kSuccess, kFailed, kSignalled, kTimedOut } kind = kSuccess;
+  int64_t rank = -1;
+  pid_t pid = 0;
+  std::string how;
+  int signal = 0;
+};
+
+Outcome run_attempt(const LaunchConfig& c, int64_t attempt, const ChildSpec& base, int port, SignalReader& signals) {
+  Attempt a;
+  a.workers.reserve(static_cast<size_t>(c.nproc));
+  for (int64_t r = 0; r < c.nproc; ++r) {
+    RankInfo info;
+    info.rank = r;
+    info.world_size = c.nproc;
+    info.restart_count = attempt;
+    info.max_restarts = c.max_restarts;
+    info.run_id = c.run_id;
+    info.master_port = port;
+    ChildSpec spec = base;
+    spec.env = environment_with(torchrun_environment(info), stale_launcher_variables());
+    a.workers.emplace_back(r, spawn_child(spec));
+    ::fcntl(a.workers.back().child.output_fd, F_SETFL, O_NONBLOCK);
+  }
+
+  const auto start = Clock::now();
+  const auto grace = std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(c.grace_s));
+  Outcome out;
+  bool stopping = false, killed = false;
+  Clock::time_point kill_at{};
+  auto signal_running = [&](int sig) {
+    for (auto& w : a.workers)
+      if (!w.exit) signal_group(w.child.pid, sig);
+  };
+  auto begin_stop = [&](int sig, Outcome why) {
+    out = std::move(why);
+    stopping = true;
+    kill_at = Clock::now() + grace;
+    signal_running(sig);
+  };
+  auto kill_now = [&](const std::string& why) {
+    say(why + ": sending SIGKILL to the workers still running");
+    signal_running(SIGKILL);
+    killed = true;
+  };
+
+  for (;;) {
+    bool all_exited = true;
+    for (auto& w : a.workers) {
+      if (w.exit) continue;
+      w.exit = peek_exit(w.child.pid);
+      if (!w.exit) {
+        all_exited = false;
+        continue;
+      }
+      pump(w);  // its last lines come before the news of its exit
+      if (!w.exit->ok() && !stopping) {
+        const std::string how = describe(*w.exit);
+        say("rank " + std::to_string(w.rank) + " (pid " + std::to_string(w.child.pid) + ") " + how +
+            (c.nproc > 1 ? "; stopping the other workers" : ""));
+        begin_stop(SIGTERM, Outcome{Outcome::kFailed, w.rank, w.child.pid, how, 0});
+      }
+    }
+    if (all_exited) break;
+    const auto now = Clock::now();
+    if (!stopping && c.timeout_s > 0 && now - start >= std::chrono::duration<double>(c.timeout_s)) {
+      say("attempt " + std::to_string(attempt) + " ran past --timeout " + seconds(c.timeout_s) +
+          ": stopping the workers (SIGTERM, then SIGKILL after " + seconds(c.grace_s) + ")");
+      begin_stop(SIGTERM, Outcome{Outcome::kTimedOut, -1, 0, "", 0});
+    }
+    if (stopping && !killed && Clock::now() >= kill_at)
+      kill_now("workers still running " + seconds(c.grace_s) + " after the stop");
+
+    std::vector<pollfd> fds{{signals.fd(), POLLIN, 0}};
+    std::vector<Worker*> owners{nullptr};
+    for (auto& w : a.workers)
+      if (w.child.output_fd >= 0) {
+        fds.push_back({w.child.output_fd, POLLIN, 0});
+        owners.push_back(&w);
+      }
+    const int ready = ::poll(fds.data(), fds.size(), 200);
+    if (ready < 0 && errno != EINTR) DDM_FAIL("ddm launch: poll failed: " << std::strerror(errno));
+    for (int sig : signals.read_stop_signals()) {
+      if (!stopping) {
+        say("got " + signal_name(sig) + ": forwarding it to the workers; waiting up to " + seconds(c.grace_s) +
+            " for them to exit (a second signal kills them at once)");
+        begin_stop(sig, Outcome{Outcome::kSignalled, -1, 0, "", sig});
+      } else if (out.kind != Outcome::kSignalled) {  // stopping after a fault or timeout: no restart now
+        say("got " + signal_name(sig) + ": forwarding it to the workers; no restart");
+        out = Outcome{Outcome::kSignalled, -1, 0, "", sig};
+        signal_running(sig);
+      } else if (!killed) {
+        kill_now("got " + signal_name(sig) + " again");
+      }
+    }
+    for (size_t i = 1; i < fds.size(); ++i)
+      if (fds[i].revents != 0) pump(*owners[i]);
+  }
+
+  // All workers have exited (and are not reaped yet, so their group ids are still theirs): kill
+  // what they left in their groups, take the rest of their output, then reap them.
+  for (auto& w : a.workers) signal_group(w.child.pid, SIGKILL);
+  const auto drain_until = Clock::now() + std::chrono::seconds(2);
+  for (;;) {
+    std::vector<pollfd> fds;
+    std::vector<Worker*> owners;
+    for (auto& w : a.workers)
+      if (w.child.output_fd >= 0) {
+        fds.push_back({w.child.output_fd, POLLIN, 0});
+        owners.push_back(&w);
+      }
+    if (fds.empty() || Clock::now() >= drain_until) break;  // a pipe held open elsewhere is given up
+    ::poll(fds.data(), fds.size(), 100);
+    for (size_t i = 0; i < fds.size(); ++i)
+      if (fds[i].revents != 0) pump(*owners[i]);
+  }
+  for (auto& w : a.workers) {
+    if (w.child.output_fd >= 0) write_all(1, w.out.flush());
+    reap(w.child.pid);
+    w.reaped = true;
+  }
+  return out;
+}
+
+}  // namespace
+
+void check_launch_config(const LaunchConfig& c) {
+  DDM_CHECK(c.nproc >= 1, "--nproc must be at least 1 (the number of workers), got " << c.nproc);
+  DDM_CHECK(c.max_restarts >= 0, "--max-restarts must be >= 0 (0: a failure ends the launch), got " << c.max_restarts);
+  DDM_CHECK(c.timeout_s >= 0 && std::isfinite(c.timeout_s),
+            "--timeout must be a number of seconds >= 0 (0: no limit), got " << c.timeout_s);
+  DDM_CHECK(c.grace_s >= 0 && std::isfinite(c.grace_s), "--grace must be a number of seconds >= 0, got " << c.grace_s);
+  DDM_CHECK(c.master_port >= 0 && c.master_port <= 65535,
+            "--master-port " << c.master_port << " is not a TCP port (1..65535, or 0 to pick a free one)");
+  DDM_CHECK(!c.run_id.empty(), "--run-id must not be empty");
+  DDM_CHECK(!c.command.empty(), "no command to launch: put it after `--`, e.g. `ddm launch --nproc 2 -- train "
+                                "--config c.toml --out runs/x` (or `--no-ddm -- PROGRAM ARGS` for another program)");
+  if (!c.no_ddm) {
+    const std::string& first = c.command[0];
+    DDM_CHECK(first != "ddm" && (first.size() < 4 || first.compare(first.size() - 4, 4, "/ddm") != 0),
+              "the command after `--` is a ddm subcommand, run by this ddm binary: write `-- train ...`, not `-- "
+                  << first << " train ...` (or pass --no-ddm to run another program)");
+  }
+}
+
+int run_launch(const LaunchConfig& c) {
+  check_launch_config(c);
+  ChildSpec base;
+  if (c.no_ddm) {
+    base.program = resolve_program(c.command[0]);
+    base.argv = c.command;
+  } else {
+    base.program = self_executable();
+    base.argv = {base.program};
+    base.argv.insert(base.argv.end(), c.command.begin(), c.command.end());
+  }
+  std::string shown = c.no_ddm ? "" : "ddm";
+  for (const auto& a : c.command) shown += (shown.empty() ? "" : " ") + a;
+
+  SignalReader signals;  // before the store: its threads inherit the blocked signals
+  StoreHost store(static_cast<int>(c.master_port));
+  say(std::to_string(c.nproc) + " worker" + (c.nproc > 1 ? "s" : "") + " of `" + shown + "`; store at 127.0.0.1:" +
+      std::to_string(store.port()) + ", run id " + c.run_id + ", up to " + std::to_string(c.max_restarts) +
+      " restart" + (c.max_restarts == 1 ? "" : "s") + (c.timeout_s > 0 ? ", --timeout " + seconds(c.timeout_s) : ""));
+
+  for (int64_t attempt = 0;; ++attempt) {
+    for (int sig : signals.read_stop_signals()) {  // arrived between attempts
+      say("got " + signal_name(sig) + " before attempt " + std::to_string(attempt) + " started: not starting it");
+      return 128 + sig;
+    }
+    const Outcome o = run_attempt(c, attempt, base, store.port(), signals);
+    if (o.kind == Outcome::kSuccess) {
+      say((c.nproc == 1 ? std::string("the worker") : "all " + std::to_string(c.nproc) + " workers") +
+          " exited with status 0" +
+          (attempt > 0 ? " (after " + std::to_string(attempt) + " restart" + (attempt > 1 ? "s" : "") + ")" : ""));
+      return 0;
+    }
+    if (o.kind == Outcome::kSignalled) {
+      say("stopped by " + signal_name(o.signal) + "; exiting with status " + std::to_string(128 + o.signal));
+      return 128 + o.signal;
+    }
+    DDM_CHECK(o.kind != Outcome::kTimedOut,
+              "attempt " << attempt << " ran past --timeout " << seconds(c.timeout_s)
+                         << " and its workers were stopped; raise --timeout (0: no limit) if the job needs longer");
+    DDM_CHECK(attempt < c.max_restarts,
+              "rank " << o.rank << " (pid " << o.pid << ") " << o.how << " in attempt " << attempt + 1 << " of "
+                      << c.max_restarts + 1 << "; no restarts left (--max-restarts " << c.max_restarts
+                      << "). Its output is above, prefixed [rank " << o.rank << "]");
+    say("restarting all " + std::to_string(c.nproc) + " workers (restart " + std::to_string(attempt + 1) + " of " +
+        std::to_string(c.max_restarts) + ", TORCHELASTIC_RESTART_COUNT=" + std::to_string(attempt + 1) + ")");
+  }
+}
+
+}  // namespace ddm

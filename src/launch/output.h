@@ -1,0 +1,52 @@
+// Line prefixing of worker output: `ddm launch` reads each worker's stdout + stderr from one pipe
+// and writes it line by line with a "[rank N] " prefix, so that the lines of N workers interleave
+// whole. LinePrefixer is the pure part (bytes in, complete prefixed lines out), unit-tested without
+// processes.
+//
+// Rules:
+//   - "\n" ends a line; "\r\n" counts as one line end.
+//   - "\r" alone is a progress redraw (a counter rewriting its own line on a terminal). The text
+//     after the last "\r" replaces what came before, as a terminal would show it; a redrawn line
+//     is emitted when its "\n" arrives, and at most once per `progress_interval` in between, so a
+//     fast counter neither floods the output nor stays invisible for a long phase.
+//   - A partial line is held until its end arrives, or emitted when it grows past `max_line`
+//     bytes (a program that never writes "\n"), or when the worker's pipe closes (flush).
+#pragma once
+#include <chrono>
+#include <cstddef>
+#include <string>
+#include <vector>
+
+namespace ddm {
+
+class LinePrefixer {
+ public:
+  using Clock = std::chrono::steady_clock;
+
+  explicit LinePrefixer(std::string prefix, std::chrono::milliseconds progress_interval = std::chrono::seconds(2),
+                        size_t max_line = 64 * 1024);
+
+  // Feeds bytes read from the worker; returns the complete prefixed lines they finish, each
+  // ending in "\n", concatenated (empty when nothing is complete yet). `now` is for the progress
+  // throttle.
+  std::string feed(const char* data, size_t n, Clock::time_point now = Clock::now());
+  std::string feed(const std::string& s, Clock::time_point now = Clock::now()) {
+    return feed(s.data(), s.size(), now);
+  }
+  // The pipe closed: returns the held partial line (prefixed, with "\n") or "".
+  std::string flush();
+
+ private:
+  std::string emit(const std::string& text);
+
+  std::string prefix_;
+  std::chrono::milliseconds progress_interval_;
+  size_t max_line_;
+  std::string current_;   // text since the last "\r" or "\n"
+  std::string redrawn_;   // the last non-empty text ended by "\r" in this line
+  bool redrawn_shown_ = false;  // redrawn_ was already emitted
+  bool pending_cr_ = false;     // the previous byte was "\r" (it may be the first half of "\r\n")
+  Clock::time_point last_progress_{};
+};
+
+}  // namespace ddm
