@@ -23,6 +23,7 @@
 
 #include "core/config.h"
 #include "core/error.h"
+#include "core/run_dir.h"
 #include "core/fileio.h"
 #include "core/runtime.h"
 #include "core/safetensors.h"
@@ -34,8 +35,11 @@
 #include "eval/feature_net.h"
 #include "eval/grid.h"
 #include "model/net.h"
-#include "model/presets.h"
+#include "core/presets.h"
 #include "model/router.h"
+#include "decentral/train_run.h"
+#include "dist/env.h"
+#include "train/loaded_model.h"
 #include "train/trainer.h"
 
 namespace fs = std::filesystem;
@@ -485,8 +489,9 @@ int run(int argc, char** argv) {
     if (expert >= 0) overrides.push_back("data.expert=" + std::to_string(expert));
     if (!budget.empty()) overrides.push_back("train.expert_budget=" + budget);
     RunConfig cfg = load_config(config_path, overrides);
-    TrainSummary s = train(cfg, {out_dir, resume, force, quiet});
-    std::cout << "done: step " << s.last_step << ", checkpoint " << s.checkpoint << ", peak memory "
+    TrainSummary s = train_run(cfg, {out_dir, resume, force, quiet, nullptr});
+    if (s.rank == 0)
+      std::cout << "done: step " << s.last_step << ", checkpoint " << s.checkpoint << ", peak memory "
               << static_cast<int64_t>(peak_rss_mib()) << " MiB" << std::endl;
     return s.interrupted ? 128 + s.signal : 0;
   }
@@ -499,14 +504,14 @@ int run(int argc, char** argv) {
       std::cout << kQuickstartConfig;
       return 0;
     }
-    const bool single = fs::exists(fs::path(qs_out) / "config.toml"), islands = fs::exists(fs::path(qs_out) / "islands.toml");
+    const bool single = fs::exists(RunDir(qs_out).config()), islands = fs::exists(fs::path(qs_out) / "islands.toml");
     DDM_CHECK(!(single && !qs_monolith), qs_out << " holds a single-model quickstart (" << qs_out
                                               << "/config.toml); continue it with --monolith, or use another --out");
     DDM_CHECK(!(islands && qs_monolith), qs_out << " holds a decentralized quickstart (" << qs_out
                                                << "/islands.toml); drop --monolith to continue it, or use another --out");
     const auto t0 = std::chrono::steady_clock::now();
     SampleArgs a;
-    a.out = (fs::path(qs_out) / "samples.png").string();
+    a.out = RunDir(qs_out) / RunDir::kSamples;
     a.threads = qs_threads;
     if (qs_monolith) {
       std::vector<std::string> ov;
@@ -514,7 +519,7 @@ int run(int argc, char** argv) {
       if (qs_threads > 0) ov.push_back("train.threads=" + std::to_string(qs_threads));
       RunConfig cfg = parse_config(kQuickstartConfig, "quickstart config", ov);
       std::cout << "ddm quickstart --monolith: " << (single ? "continuing" : "training") << " in " << qs_out << std::endl;
-      TrainSummary s = train(cfg, {qs_out, /*resume=*/single, /*force=*/false, /*quiet=*/false});
+      TrainSummary s = train_run(cfg, {qs_out, /*resume=*/single, /*force=*/false, /*quiet=*/false, nullptr});
       if (s.interrupted) return 128 + s.signal;
       a.ckpt = qs_out;
     } else {
@@ -574,6 +579,17 @@ int run(int argc, char** argv) {
   return 0;
 }
 
+// "error: " or, in a process of a distributed job, "error: rank R: " (unless the message names it).
+std::string error_prefix(const std::string& message) {
+  try {
+    const ddm::DistEnv env = ddm::detect_dist_env();
+    const std::string rank = "rank " + std::to_string(env.rank) + ":";
+    if (env.distributed() && message.rfind(rank, 0) != 0) return "error: " + rank + " ";
+  } catch (const std::exception&) {
+  }
+  return "error: ";
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -581,13 +597,14 @@ int main(int argc, char** argv) {
   try {
     return run(argc, argv);
   } catch (const ddm::Error& e) {
-    std::cerr << "error: " << e.what() << std::endl;
+    std::cerr << error_prefix(e.what()) << e.what() << std::endl;
     return 1;
   } catch (const c10::Error& e) {
-    std::cerr << "error (LibTorch): " << e.what_without_backtrace() << std::endl;
+    const std::string prefix = error_prefix("");
+    std::cerr << "error (LibTorch): " << prefix.substr(7) << e.what_without_backtrace() << std::endl;
     return 1;
   } catch (const std::exception& e) {
-    std::cerr << "error: " << e.what() << std::endl;
+    std::cerr << error_prefix(e.what()) << e.what() << std::endl;
     return 1;
   }
 }

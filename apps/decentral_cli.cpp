@@ -14,6 +14,7 @@
 #include "cli_util.h"
 #include "core/config.h"
 #include "core/error.h"
+#include "core/run_dir.h"
 #include "data/dataset.h"
 #include "decentral/features.h"
 #include "decentral/partition.h"
@@ -23,8 +24,10 @@
 #include "decentral/router_eval.h"
 #include "eval/grid.h"
 #include "core/fileio.h"
-#include "model/presets.h"
+#include "core/presets.h"
 #include "model/router.h"
+#include "decentral/train_run.h"
+#include "train/loaded_model.h"
 #include "train/trainer.h"
 
 namespace fs = std::filesystem;
@@ -142,7 +145,7 @@ void evaluate_router_run(const std::string& out, int64_t buckets) {
   std::cout << "\n" << rep.table();
   nlohmann::json j = rep.json();
   j["checkpoint"] = r.checkpoint;
-  const std::string path = (fs::path(out) / "router_eval.json").string();
+  const std::string path = RunDir(out) / RunDir::kRouterEval;
   write_file_atomic(path, j.dump(2) + "\n");
   std::cout << "wrote " << path << std::endl;
 }
@@ -150,8 +153,9 @@ void evaluate_router_run(const std::string& out, int64_t buckets) {
 int train_router_cmd(const RouterArgs& a) {
   if (!a.eval_only) {
     const RunConfig cfg = router_config(a);
-    TrainSummary s = train(cfg, {a.out, a.resume, a.force, a.quiet});
+    TrainSummary s = train_run(cfg, {a.out, a.resume, a.force, a.quiet, nullptr});
     if (s.interrupted) return 128 + s.signal;
+    if (s.rank != 0) return 0;  // rank 0 evaluates and writes router_eval.json
     std::cout << "done: step " << s.last_step << ", checkpoint " << s.checkpoint << std::endl;
   }
   evaluate_router_run(a.out, a.buckets);
@@ -204,8 +208,9 @@ RunConfig distill_config(const DistillArgs& a) {
 
 int distill_cmd(const DistillArgs& a) {
   const RunConfig cfg = distill_config(a);
-  TrainSummary s = train(cfg, {a.out, a.resume, a.force, a.quiet});
+  TrainSummary s = train_run(cfg, {a.out, a.resume, a.force, a.quiet, nullptr});
   if (s.interrupted) return 128 + s.signal;
+  if (s.rank != 0) return 0;
   std::cout << "done: step " << s.last_step << ", checkpoint " << s.checkpoint << "\nnext: ddm sample --ckpt " << a.out
             << " --out student.png   (or ddm eval --ckpt " << a.out << ")" << std::endl;
   return 0;

@@ -29,7 +29,7 @@
 #include "model/dit.h"
 #include "model/layers.h"
 #include "model/net.h"
-#include "model/presets.h"
+#include "core/presets.h"
 #include "train/step.h"
 #include "train/trainer.h"
 
@@ -108,8 +108,8 @@ int main(int argc, char** argv) try {
   Net net = make_net(cfg.model);
   const double fwd_flops = forward_flops_per_image(cfg.model);
   if (a.mode == "train") {
-    DiffusionStep stepper(cfg, net);
-    Batch batch{torch::rand({a.batch, 1, 28, 28}) * 2 - 1, torch::randint(0, 10, {a.batch}), torch::Tensor()};
+    TrainStep stepper(cfg, net, make_objective(cfg));
+    Batch batch{torch::rand({a.batch, 1, 28, 28}) * 2 - 1, torch::randint(0, 10, {a.batch}), torch::Tensor(), 0};
     for (int64_t i = 0; i < a.warmup; ++i) stepper.run(batch, i);
     if (const char* trace = std::getenv("DDM_BENCH_TRACE")) {  // LibTorch profiler trace of 3 steps
       torch::autograd::profiler::RecordProfile guard(trace);

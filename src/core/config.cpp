@@ -11,7 +11,7 @@
 
 #include "core/error.h"
 #include "core/fileio.h"
-#include "model/presets.h"
+#include "core/presets.h"
 
 namespace ddm {
 namespace {
@@ -143,6 +143,7 @@ std::vector<Field> fields(RunConfig& c) {
       field("train.label_dropout", &c.train.label_dropout),
       field("train.seed", &c.train.seed),
       field("train.threads", &c.train.threads),
+      field("train.grad_accum", &c.train.grad_accum),
       field("train.log_every", &c.train.log_every),
       field("train.ckpt_every", &c.train.ckpt_every),
       field("train.keep_ckpts", &c.train.keep_ckpts),
@@ -153,6 +154,11 @@ std::vector<Field> fields(RunConfig& c) {
       field("sample.cfg", &c.sample.cfg),
       field("sample.n", &c.sample.n),
       field("sample.use_ema", &c.sample.use_ema),
+      field("parallel.dp", &c.parallel.dp),
+      field("parallel.timeout", &c.parallel.timeout),
+      field("parallel.bucket_mb", &c.parallel.bucket_mb),
+      field("parallel.first_bucket_mb", &c.parallel.first_bucket_mb),
+      field("parallel.wire", &c.parallel.wire),
   };
 }
 
@@ -333,6 +339,15 @@ void validate(const RunConfig& c) {
   DDM_CHECK(t.log_every > 0, "train.log_every must be > 0, got " << t.log_every);
   DDM_CHECK(t.ckpt_every > 0, "train.ckpt_every must be > 0, got " << t.ckpt_every);
   DDM_CHECK(t.keep_ckpts > 0, "train.keep_ckpts must be > 0, got " << t.keep_ckpts);
+  DDM_CHECK(t.grad_accum > 0, "train.grad_accum must be > 0, got " << t.grad_accum);
+
+  const ParallelConfig& par = c.parallel;
+  DDM_CHECK(par.dp >= 0, "parallel.dp must be >= 0 (0 = every process), got " << par.dp);
+  DDM_CHECK(par.timeout > 0 && par.timeout <= 86400,
+            "parallel.timeout must be in (0, 86400] seconds, got " << par.timeout);
+  DDM_CHECK(par.bucket_mb > 0, "parallel.bucket_mb must be > 0, got " << par.bucket_mb);
+  DDM_CHECK(par.first_bucket_mb > 0, "parallel.first_bucket_mb must be > 0, got " << par.first_bucket_mb);
+  check_choice("parallel.wire", par.wire, {"float32", "float16"});
 
   const SampleConfig& s = c.sample;
   check_choice("sample.sampler", s.sampler, {"euler", "heun", "ddim", "ddpm"});

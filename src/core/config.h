@@ -19,7 +19,7 @@ struct DataConfig {
 };
 
 struct ModelConfig {
-  std::string preset = "unet-tiny";  // see src/model/presets.h; explicit keys below override it
+  std::string preset = "unet-tiny";  // see src/core/presets.h; explicit keys below override it
   std::string arch = "unet";         // unet | dit | router-dit | router-conv
   // Filled from the dataset at train time (0 = take from data); recorded in the resolved config.
   int64_t in_channels = 0;
@@ -62,7 +62,10 @@ struct TrainConfig {
   double ema_decay = 0.999;
   double label_dropout = 0.1;    // probability of replacing the label by the null class
   int64_t seed = 0;
-  int64_t threads = 0;           // intra-op threads (0 = all cores)
+  int64_t threads = 0;           // intra-op threads per process (0 = all cores)
+  // Micro-batches per step: batch_size is split into grad_accum equal parts (per rank), whose
+  // gradients accumulate before one optimizer step; the result equals one step on the whole batch.
+  int64_t grad_accum = 1;
   int64_t log_every = 50;
   int64_t ckpt_every = 500;      // steps between checkpoints (a final one is always written)
   int64_t keep_ckpts = 3;        // keep the last N checkpoints
@@ -83,12 +86,23 @@ struct SampleConfig {
   bool use_ema = true;
 };
 
+// How the processes of one job share the training (docs/distributed.md). The world size and ranks
+// come from the launcher (ddm launch, torchrun, Slurm, mpirun), not from the config.
+struct ParallelConfig {
+  int64_t dp = 0;                  // data-parallel degree (0 = every process); must equal the world size
+  double timeout = 120;            // seconds a collective waits for the other ranks before the job fails
+  double bucket_mb = 25;           // cap of a gradient all-reduce bucket, MiB
+  double first_bucket_mb = 1;      // the first bucket (the last layers' gradients, ready first), MiB
+  std::string wire = "float32";    // float32 | float16: the gradients' format on the wire
+};
+
 struct RunConfig {
   DataConfig data;
   ModelConfig model;
   DiffusionConfig diffusion;
   TrainConfig train;
   SampleConfig sample;
+  ParallelConfig parallel;
 };
 
 // Parses TOML text (origin names the file in errors) plus overrides "section.key=value".

@@ -135,7 +135,11 @@ void BatchLoader::ensure_perm() {
   perm_epoch_ = cursor_.epoch;
 }
 
-Batch BatchLoader::next() {
+Batch BatchLoader::next(int64_t begin, int64_t count) {
+  if (count < 0) count = batch_size_ - begin;
+  DDM_CHECK(begin >= 0 && count > 0 && begin + count <= batch_size_,
+            "BatchLoader::next: shard [" << begin << ", " << begin + count << ") is not inside the batch of "
+                                         << batch_size_);
   const int64_t n = data_.images.size(0);
   std::vector<torch::Tensor> pieces;
   std::vector<uint8_t> flip;
@@ -160,16 +164,17 @@ Batch BatchLoader::next() {
       cursor_.index = 0;
     }
   }
-  const torch::Tensor idx = pieces.size() == 1 ? pieces[0] : torch::cat(pieces);
-  torch::Tensor x = data_.images.index_select(0, idx);  // uint8 [B, C, H, W]
+  const torch::Tensor idx = (pieces.size() == 1 ? pieces[0] : torch::cat(pieces)).slice(0, begin, begin + count);
+  torch::Tensor x = data_.images.index_select(0, idx);  // uint8 [b, C, H, W]
   if (hflip_) {
     // from_blob wraps `flip` (alive until return); .to(kBool) copies it out in any case.
-    const torch::Tensor mask = torch::from_blob(flip.data(), {batch_size_}, torch::TensorOptions().dtype(torch::kUInt8))
+    const torch::Tensor mask = torch::from_blob(flip.data() + begin, {count}, torch::TensorOptions().dtype(torch::kUInt8))
                                    .to(torch::kBool)
-                                   .view({batch_size_, 1, 1, 1});
+                                   .view({count, 1, 1, 1});
     x = torch::where(mask, x.flip({3}), x);
   }
   Batch b;
+  b.first = begin;
   b.x = to_unit_range(x);                        // float [B, C, H, W] in [-1, 1]
   b.y = data_.labels.index_select(0, idx);       // int64 [B]
   if (data_.clusters.defined()) b.k = data_.clusters.index_select(0, idx);  // int64 [B]

@@ -42,6 +42,7 @@ struct Batch {
   torch::Tensor x;  // float [B, C, H, W] in [-1, 1]
   torch::Tensor y;  // int64 [B]
   torch::Tensor k;  // int64 [B]: the images' clusters (routers and distillation; undefined otherwise)
+  int64_t first = 0;  // position of x[0] in the step's global batch: per-sample randomness is keyed by it
 };
 
 // Epoch-wise shuffling without replacement. The order of epoch e is a permutation drawn from a
@@ -54,7 +55,10 @@ class BatchLoader {
     int64_t index = 0;  // position within the epoch's permutation
   };
   BatchLoader(const Dataset& data, int64_t batch_size, uint64_t seed, bool hflip);
-  Batch next();  // wraps into the next epoch when the current one runs out (batches stay full)
+  // The next global batch (wraps into the next epoch when the current one runs out: batches stay
+  // full), or only its positions [begin, begin + count): a data-parallel rank's shard. The cursor
+  // always advances by the whole global batch, so every rank walks the same sequence.
+  Batch next(int64_t begin = 0, int64_t count = -1);
   Cursor cursor() const { return cursor_; }
   void set_cursor(const Cursor& c);
 

@@ -8,6 +8,7 @@
 #include <torch/torch.h>
 
 #include "core/error.h"
+#include "core/run_dir.h"
 #include "core/fileio.h"
 #include "decentral/ensemble_dir.h"
 #include "decentral/partition.h"
@@ -77,7 +78,7 @@ TeacherFn teacher_fn(std::shared_ptr<DistillTeacher> t, const RunConfig& student
 }
 
 void check_distill_record(const std::string& out_dir, bool resume, const DistillTeacher& t) {
-  const fs::path record = fs::path(out_dir) / "distill.json";
+  const fs::path record = fs::path(RunDir(out_dir) / RunDir::kDistill);
   if (resume && fs::exists(record)) {
     const auto stored = nlohmann::json::parse(read_file(record.string()));
     DDM_CHECK(stored.at("ensemble_sha256") == t.manifest_sha256,

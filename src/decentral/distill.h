@@ -10,7 +10,7 @@
 
 #include "core/config.h"
 #include "data/dataset.h"
-#include "train/step.h"
+#include "diffusion/objective.h"
 
 namespace ddm {
 

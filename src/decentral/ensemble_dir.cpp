@@ -5,6 +5,7 @@
 #include <sstream>
 
 #include "core/error.h"
+#include "core/run_dir.h"
 #include "core/fileio.h"
 #include "core/version.h"
 #include "data/dataset.h"
@@ -33,13 +34,13 @@ std::string resolved_path(const std::string& dir, const std::string& p) {
 }
 
 nlohmann::json weights_hashes(const std::string& ckpt) {
-  return {{"model", sha256_file(ckpt + "/model.safetensors")}, {"ema", sha256_file(ckpt + "/ema.safetensors")}};
+  return {{"model", sha256_file(RunDir(ckpt) / RunDir::kModel)}, {"ema", sha256_file(RunDir(ckpt) / RunDir::kEma)}};
 }
 
 nlohmann::json read_record(const std::string& run, const char* name, const std::string& what) {
   const fs::path p = fs::path(run) / name;
   DDM_CHECK(fs::exists(p), what << " " << run << " has no " << name << ": it was not trained on a partition ("
-                                << (std::string(name) == "router.json" ? "use ddm train-router" : "use ddm train --partition P --expert k")
+                                << (std::string(name) == RunDir::kRouter ? "use ddm train-router" : "use ddm train --partition P --expert k")
                                 << ")");
   try {
     return nlohmann::json::parse(read_file(p.string()));
@@ -92,7 +93,7 @@ nlohmann::json assemble_ensemble(const std::string& dir, const EnsembleSpec& spe
   for (int64_t i = 0; i < p.k; ++i) {
     const std::string& run = spec.experts[i];
     const std::string what = "expert " + std::to_string(i) + " (" + run + ")";
-    const nlohmann::json rec = read_record(run, "expert.json", what);
+    const nlohmann::json rec = read_record(run, RunDir::kExpert, what);
     check_partition(rec, what);
     DDM_CHECK(rec.value("expert", int64_t{-1}) == i,
               what << " was trained on cluster " << rec.value("expert", int64_t{-1}) << ", not " << i
@@ -111,7 +112,7 @@ nlohmann::json assemble_ensemble(const std::string& dir, const EnsembleSpec& spe
                             {"weights_sha256", weights_hashes(lm.checkpoint)}});
   }
   const std::string what = "the router (" + spec.router + ")";
-  const nlohmann::json rec = read_record(spec.router, "router.json", what);
+  const nlohmann::json rec = read_record(spec.router, RunDir::kRouter, what);
   check_partition(rec, what);
   const LoadedModel r = load_model(spec.router, /*use_ema=*/false);
   DDM_CHECK(is_router_arch(r.cfg.model.arch), what << " is not a router (model.arch = " << r.cfg.model.arch << ")");

@@ -13,7 +13,7 @@
 #include <nlohmann/json.hpp>
 
 #include "decentral/ensemble.h"
-#include "train/trainer.h"
+#include "train/loaded_model.h"
 
 namespace ddm {
 

@@ -27,6 +27,7 @@
 
 #include "core/config.h"
 #include "core/error.h"
+#include "core/run_dir.h"
 #include "core/fileio.h"
 #include "decentral/ensemble_dir.h"
 #include "decentral/partition.h"
@@ -124,22 +125,22 @@ Progress progress_of(const Island& is) {
     p.step = std::stoll(name.substr(name.find('-') + 1));
   }
   try {
-    if (is.expert >= 0 && fs::exists(is.dir + "/expert.json")) {
-      p.steps = nlohmann::json::parse(read_file(is.dir + "/expert.json")).at("steps").get<int64_t>();
-    } else if (is.expert < 0 && fs::exists(is.dir + "/config.toml")) {
-      p.steps = load_config(is.dir + "/config.toml").train.steps;
+    if (is.expert >= 0 && fs::exists(RunDir(is.dir) / RunDir::kExpert)) {
+      p.steps = nlohmann::json::parse(read_file(RunDir(is.dir) / RunDir::kExpert)).at("steps").get<int64_t>();
+    } else if (is.expert < 0 && fs::exists(RunDir(is.dir).config())) {
+      p.steps = load_config(RunDir(is.dir).config()).train.steps;
     }
   } catch (const std::exception&) {
     p.steps = 0;  // a half-written run: not finished
   }
-  p.done = p.steps > 0 && p.step >= p.steps && (is.expert >= 0 || fs::exists(is.dir + "/router_eval.json"));
+  p.done = p.steps > 0 && p.step >= p.steps && (is.expert >= 0 || fs::exists(RunDir(is.dir) / RunDir::kRouterEval));
   return p;
 }
 
 // The step of the last line of a run's metrics.jsonl (0 if none yet): the live step, which runs
 // ahead of the last checkpoint. Reads only the file's tail.
 int64_t logged_step(const Island& is) {
-  std::ifstream f(is.dir + "/metrics.jsonl", std::ios::binary | std::ios::ate);
+  std::ifstream f(RunDir(is.dir).metrics(), std::ios::binary | std::ios::ate);
   if (!f) return 0;
   const std::streamoff size = f.tellg();
   f.seekg(std::max<std::streamoff>(0, size - 4096));

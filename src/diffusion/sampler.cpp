@@ -5,6 +5,7 @@
 #include <cmath>
 
 #include "core/error.h"
+#include "core/keyed_random.h"
 #include "core/rng.h"
 
 namespace ddm {
@@ -15,28 +16,13 @@ constexpr uint64_t kAncestralNoise = 0xa9ce57ULL, kEvaluationKey = 0xe7a1ULL;
 uint64_t u64(int64_t v) { return static_cast<uint64_t>(v); }
 
 // Standard normal noise shaped like x [N, ...]: row j from its own counter-based stream keyed by
-// (seed, sample first + j, step), so it is the same whatever batch the sample is in. A SplitMix64
-// stream and Box-Muller, written straight into the tensor: a LibTorch generator per row costs
-// microseconds of set-up, which dominates ddpm on small images.
+// (seed, sample first + j, step), so it is the same whatever batch the sample is in.
 torch::Tensor per_sample_noise(const torch::Tensor& x, uint64_t seed, int64_t first, int64_t step) {
-  const int64_t n = x.size(0), d = x.numel() / std::max<int64_t>(1, n);
-  auto z = torch::empty({n, d}, torch::kDouble);  // [N, D]
-  double* p = z.data_ptr<double>();
-  for (int64_t j = 0; j < n; ++j) {
-    uint64_t state =
-        derive_seed({seed, static_cast<uint64_t>(RngPurpose::kSample), kAncestralNoise, u64(first + j), u64(step)});
-    double* row = p + j * d;
-    for (int64_t i = 0; i < d; i += 2) {
-      const uint64_t a = mix64(state), b = mix64(state + 0x9e3779b97f4a7c15ULL);
-      state += 2 * 0x9e3779b97f4a7c15ULL;
-      const double u1 = static_cast<double>((a >> 11) + 1) * 0x1p-53;  // (0, 1]
-      const double u2 = static_cast<double>(b >> 11) * 0x1p-53;        // [0, 1)
-      const double r = std::sqrt(-2.0 * std::log(u1)), angle = 2.0 * M_PI * u2;
-      row[i] = r * std::cos(angle);
-      if (i + 1 < d) row[i + 1] = r * std::sin(angle);
-    }
-  }
-  return z.to(x.options()).view(x.sizes());  // [N, ...]
+  std::vector<uint64_t> keys(static_cast<size_t>(x.size(0)));
+  for (size_t j = 0; j < keys.size(); ++j)
+    keys[j] = derive_seed({seed, static_cast<uint64_t>(RngPurpose::kSample), kAncestralNoise,
+                           u64(first + static_cast<int64_t>(j)), u64(step)});
+  return normal_rows(keys, x.sizes().slice(1), x.options());  // [N, ...]
 }
 }  // namespace
 

@@ -13,7 +13,7 @@
 #include "core/fileio.h"
 #include "core/rng.h"
 #include "core/safetensors.h"
-#include "train/progress.h"
+#include "core/progress.h"
 
 #ifndef DDM_ASSET_DIR
 #define DDM_ASSET_DIR "assets"

@@ -7,6 +7,7 @@
 
 #include "core/error.h"
 #include "core/fileio.h"
+#include "core/run_dir.h"
 #include "core/safetensors.h"
 
 namespace fs = std::filesystem;
@@ -41,7 +42,7 @@ void bad_state_field(const std::string& path, const std::string& pointer, const 
 
 std::vector<std::string> list_checkpoints(const std::string& run_dir) {
   std::vector<std::string> out;
-  const fs::path dir = fs::path(run_dir) / "ckpt";
+  const fs::path dir = fs::path(run_dir) / RunDir::kCheckpoints;
   std::error_code ec;
   if (!fs::is_directory(dir, ec)) return out;
   for (const auto& e : fs::directory_iterator(dir))
@@ -57,7 +58,7 @@ std::optional<std::string> latest_checkpoint(const std::string& run_dir) {
 }
 
 std::string write_checkpoint(const std::string& run_dir, const Checkpoint& ckpt, int64_t keep) {
-  const fs::path ckdir = fs::path(run_dir) / "ckpt";
+  const fs::path ckdir = fs::path(run_dir) / RunDir::kCheckpoints;
   fs::create_directories(ckdir);
   const fs::path final_dir = ckdir / step_name(ckpt.step);
   const fs::path tmp_dir = ckdir / (".tmp-" + step_name(ckpt.step));
@@ -70,7 +71,7 @@ std::string write_checkpoint(const std::string& run_dir, const Checkpoint& ckpt,
   state["step"] = ckpt.step;
   state["config"] = ckpt.config_toml;
   const std::pair<const char*, const TensorMap*> parts[] = {
-      {"model.safetensors", &ckpt.model}, {"ema.safetensors", &ckpt.ema}, {"optim.safetensors", &ckpt.optim}};
+      {RunDir::kModel, &ckpt.model}, {RunDir::kEma, &ckpt.ema}, {RunDir::kOptim, &ckpt.optim}};
   for (const auto& [name, tensors] : parts) {
     SafetensorsFile f;
     f.tensors = *tensors;
@@ -80,7 +81,7 @@ std::string write_checkpoint(const std::string& run_dir, const Checkpoint& ckpt,
     write_file_atomic((tmp_dir / name).string(), bytes);
     state["sha256"][name] = sha256_hex(bytes);
   }
-  write_file_atomic((tmp_dir / "state.json").string(), state.dump(2) + "\n");
+  write_file_atomic((tmp_dir / RunDir::kState).string(), state.dump(2) + "\n");
   fsync_dir(tmp_dir.string());
   fs::remove_all(final_dir, ec);  // a re-written step (after a resume) replaces the old one
   fs::rename(tmp_dir, final_dir);
@@ -93,7 +94,7 @@ std::string write_checkpoint(const std::string& run_dir, const Checkpoint& ckpt,
 
 Checkpoint read_checkpoint(const std::string& ckpt_dir, bool weights_only) {
   const fs::path dir(ckpt_dir);
-  const std::string state_path = (dir / "state.json").string();
+  const std::string state_path = (dir / RunDir::kState).string();
   DDM_CHECK(fs::is_regular_file(state_path),
             "'" << ckpt_dir << "' is not a ddm checkpoint: " << state_path << " is missing");
   nlohmann::json state;
@@ -114,8 +115,8 @@ Checkpoint read_checkpoint(const std::string& ckpt_dir, bool weights_only) {
   DDM_CHECK(ck.step >= 0, state_path << ": field 'step' is " << ck.step << ", expected a step >= 0; the checkpoint is "
                                      << "damaged: delete " << ckpt_dir << " to fall back to the previous one");
   ck.config_toml = Checkpoint::state_field<std::string>(state, "/config", state_path);
-  for (const char* name : {"model.safetensors", "ema.safetensors", "optim.safetensors"}) {
-    if (weights_only && std::string(name) == "optim.safetensors") continue;
+  for (const char* name : {RunDir::kModel, RunDir::kEma, RunDir::kOptim}) {
+    if (weights_only && std::string(name) == RunDir::kOptim) continue;
     const std::string path = (dir / name).string();
     const std::string want = Checkpoint::state_field<std::string>(state, std::string("/sha256/") + name, state_path);
     const std::string bytes = read_file(path);
@@ -124,8 +125,8 @@ Checkpoint read_checkpoint(const std::string& ckpt_dir, bool weights_only) {
                                 << "); the checkpoint is damaged: delete " << ckpt_dir
                                 << " to resume from the previous checkpoint");
     auto f = parse_safetensors(bytes, path);
-    TensorMap& dst = std::string(name) == "model.safetensors" ? ck.model
-                     : std::string(name) == "ema.safetensors" ? ck.ema
+    TensorMap& dst = std::string(name) == RunDir::kModel ? ck.model
+                     : std::string(name) == RunDir::kEma ? ck.ema
                                                                : ck.optim;
     dst = std::move(f.tensors);
   }
@@ -136,7 +137,7 @@ Checkpoint read_checkpoint(const std::string& ckpt_dir, bool weights_only) {
 
 std::string resolve_checkpoint(const std::string& path) {
   DDM_CHECK(fs::exists(path), "checkpoint path '" << path << "' does not exist");
-  if (fs::is_regular_file(fs::path(path) / "state.json")) return path;
+  if (fs::is_regular_file(fs::path(path) / RunDir::kState)) return path;
   auto latest = latest_checkpoint(path);
   DDM_CHECK(latest, "'" << path << "' holds no checkpoint (expected " << path
                         << "/ckpt/step-XXXXXXXX/ or a checkpoint directory); train first with ddm train");

@@ -6,6 +6,7 @@
 #include <ATen/Parallel.h>
 
 #include "core/error.h"
+#include "core/run_dir.h"
 
 namespace ddm {
 namespace {
@@ -39,6 +40,7 @@ FlatAdamW::FlatAdamW(torch::nn::Module& module, AdamWOptions opt) : opt_(opt) {
     param.set_data(slot);
     // Autograd accumulates into an existing .grad in place, so gradients land in grad_.
     param.mutable_grad() = grad_.narrow(0, offsets_[i], param.numel()).view(param.sizes());
+    params_.push_back(param);
     ++i;
   }
   ema_ = data_.clone();
@@ -97,37 +99,52 @@ TensorMap FlatAdamW::views(const torch::Tensor& flat) const {
   return out;
 }
 
-TensorMap FlatAdamW::optimizer_state() const { return {{"exp_avg", exp_avg_}, {"exp_avg_sq", exp_avg_sq_}}; }
+// Moments by parameter name ("exp_avg.<param>", "exp_avg_sq.<param>"), so that a checkpoint does not
+// depend on the order of the flat buffer (another stage split, frozen parts added).
+TensorMap FlatAdamW::optimizer_state() const {
+  TensorMap out;
+  for (const auto& [name, t] : views(exp_avg_)) out["exp_avg." + name] = t;
+  for (const auto& [name, t] : views(exp_avg_sq_)) out["exp_avg_sq." + name] = t;
+  return out;
+}
 
 void FlatAdamW::load(const TensorMap& params, const TensorMap& ema, const TensorMap& optim_state, int64_t step,
                      const std::string& origin) {
   torch::NoGradGuard no_grad;
-  auto copy_into = [&](const torch::Tensor& flat, const TensorMap& src, const char* what) {
+  auto copy_into = [&](const torch::Tensor& flat, const TensorMap& src, const std::string& what,
+                       const std::string& prefix) {
     auto dst = views(flat);
     for (const auto& [name, t] : dst) {
-      auto it = src.find(name);
-      DDM_CHECK(it != src.end(), origin << ": " << what << " has no tensor '" << name
+      auto it = src.find(prefix + name);
+      DDM_CHECK(it != src.end(), origin << ": " << what << " has no tensor '" << prefix + name
                                         << "': the checkpoint belongs to a different model (check model.preset)");
       DDM_CHECK(it->second.sizes() == t.sizes(),
-                origin << ": " << what << " tensor '" << name << "' has shape " << shape_str(it->second.sizes())
-                       << " but the model expects " << shape_str(t.sizes())
+                origin << ": " << what << " tensor '" << prefix + name << "' has shape "
+                       << shape_str(it->second.sizes()) << " but the model expects " << shape_str(t.sizes())
                        << ": the checkpoint belongs to a different model shape");
       t.copy_(it->second);
     }
   };
-  copy_into(data_, params, "model.safetensors");
-  copy_into(ema_, ema, "ema.safetensors");
-  for (const char* k : {"exp_avg", "exp_avg_sq"}) {
-    auto it = optim_state.find(k);
-    DDM_CHECK(it != optim_state.end() && it->second.numel() == data_.numel(),
-              origin << ": optim.safetensors '" << k << "' is missing or has the wrong size");
+  copy_into(data_, params, RunDir::kModel, "");
+  copy_into(ema_, ema, RunDir::kEma, "");
+  const bool legacy = optim_state.count("exp_avg") != 0;  // before moments were saved by name: two flat tensors
+  if (legacy) {
+    for (const char* k : {"exp_avg", "exp_avg_sq"}) {
+      auto it = optim_state.find(k);
+      DDM_CHECK(it != optim_state.end() && it->second.numel() == data_.numel(),
+                origin << ": " << RunDir::kOptim << " '" << k << "' is missing or has the wrong size");
+    }
+    exp_avg_.copy_(optim_state.at("exp_avg").view({-1}));
+    exp_avg_sq_.copy_(optim_state.at("exp_avg_sq").view({-1}));
+  } else {
+    copy_into(exp_avg_, optim_state, RunDir::kOptim, "exp_avg.");
+    copy_into(exp_avg_sq_, optim_state, RunDir::kOptim, "exp_avg_sq.");
   }
-  exp_avg_.copy_(optim_state.at("exp_avg").view({-1}));
-  exp_avg_sq_.copy_(optim_state.at("exp_avg_sq").view({-1}));
   step_ = step;
 }
 
-void load_module_state(torch::nn::Module& module, const TensorMap& tensors, const std::string& origin) {
+void load_module_state(torch::nn::Module& module, const TensorMap& tensors, const std::string& origin,
+                       LoadScope scope) {
   torch::NoGradGuard no_grad;
   auto load_one = [&](const std::string& name, torch::Tensor& dst) {
     auto it = tensors.find(name);
@@ -147,7 +164,9 @@ void load_module_state(torch::nn::Module& module, const TensorMap& tensors, cons
     }
     dst.copy_(it->second);
   };
-  for (auto& p : module.named_parameters(true)) load_one(p.key(), p.value());
+  for (auto& p : module.named_parameters(true))
+    if (scope == LoadScope::kAll || p.value().requires_grad()) load_one(p.key(), p.value());
+  if (scope == LoadScope::kTrainable) return;
   for (auto& b : module.named_buffers(true)) {
     if (tensors.count(b.key())) load_one(b.key(), b.value());
   }

@@ -2,6 +2,8 @@
 // gradients. AdamW, gradient clipping and the EMA then run as a handful of large tensor ops instead
 // of several small ops per parameter tensor, which matters on CPU for models with many small layers.
 // The update is the same arithmetic as torch.optim.AdamW (decoupled weight decay, bias correction).
+// Frozen parameters (requires_grad false) are not in the buffers: no gradient, no optimizer state, no
+// EMA and no gradient sync; they are saved with the model and loaded like every other weight.
 #pragma once
 #include <cstdint>
 #include <string>
@@ -36,6 +38,15 @@ class FlatAdamW {
   void ema_update(double decay);
 
   int64_t step_count() const { return step_; }
+  // The trainable parameters in flat-buffer order, and the flat gradient their .grad views point into
+  // (what gradient synchronization reduces).
+  const std::vector<torch::Tensor>& params() const { return params_; }
+  const torch::Tensor& flat_grad() const { return grad_; }
+  const torch::Tensor& flat_params() const { return data_; }
+  // Every flat buffer that makes up the optimizer's state (parameters, EMA, both moments), for
+  // broadcasting it from one rank to the others; and the step counter that goes with them.
+  std::vector<torch::Tensor> state_buffers() const { return {data_, ema_, exp_avg_, exp_avg_sq_}; }
+  void set_step_count(int64_t step) { step_ = step; }
   int64_t numel() const { return data_.numel(); }
 
   // Named views of the parameters / EMA, for checkpoints; and restoring from them.
@@ -49,15 +60,20 @@ class FlatAdamW {
   TensorMap views(const torch::Tensor& flat) const;
   AdamWOptions opt_;
   std::vector<std::string> names_;
+  std::vector<torch::Tensor> params_;
   std::vector<std::vector<int64_t>> shapes_;
   std::vector<int64_t> offsets_;
   torch::Tensor data_, grad_, ema_, exp_avg_, exp_avg_sq_;  // float [P]
   int64_t step_ = 0;
 };
 
+// What load_module_state fills: every parameter and buffer (model.safetensors), or only the
+// trainable parameters (ema.safetensors: frozen parameters have no EMA and keep their weights).
+enum class LoadScope { kAll, kTrainable };
 // Loads named tensors into a module's parameters and buffers, checking names and shapes; errors
 // name `origin` (the checkpoint) and the first mismatching tensor.
-void load_module_state(torch::nn::Module& module, const TensorMap& tensors, const std::string& origin);
+void load_module_state(torch::nn::Module& module, const TensorMap& tensors, const std::string& origin,
+                       LoadScope scope = LoadScope::kAll);
 // Parameters and buffers of a module by name (contiguous copies).
 TensorMap module_state(const torch::nn::Module& module);
 

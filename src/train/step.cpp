@@ -1,12 +1,11 @@
-// One diffusion training step (see step.h).
+// One training step in phases (see step.h).
 #include "train/step.h"
 
 #include <cmath>
 
-#include "core/rng.h"
+#include <torch/autograd.h>
+
 #include "core/error.h"
-#include "diffusion/path.h"
-#include "model/router.h"
 
 namespace ddm {
 
@@ -20,59 +19,59 @@ double lr_at(const TrainConfig& t, int64_t step) {
   return lr;
 }
 
-DiffusionStep::DiffusionStep(const RunConfig& cfg, Net net)
+TrainStep::TrainStep(const RunConfig& cfg, Net net, std::shared_ptr<Objective> objective)
     : cfg_(cfg),
       net_(std::move(net)),
       optim_(*net_, {cfg.train.beta1, cfg.train.beta2, cfg.train.adam_eps, cfg.train.weight_decay}),
-      path_(make_path(cfg.diffusion)),
-      pred_(prediction_for(cfg.diffusion)),
-      router_(is_router_arch(cfg.model.arch)) {}
+      objective_(std::move(objective)) {
+  DDM_CHECK(objective_, "TrainStep needs an objective");
+}
 
-StepResult DiffusionStep::run(const Batch& batch, int64_t step) {
-  const TrainConfig& tc = cfg_.train;
-  const uint64_t seed = static_cast<uint64_t>(tc.seed), s = static_cast<uint64_t>(step);
-  const int64_t b = batch.x.size(0), num_classes = cfg_.model.num_classes;
-  auto gen_noise = make_generator(derive_seed({seed, static_cast<uint64_t>(RngPurpose::kNoise), s}));
-  auto gen_time = make_generator(derive_seed({seed, static_cast<uint64_t>(RngPurpose::kTime), s}));
-  auto gen_drop = make_generator(derive_seed({seed, static_cast<uint64_t>(RngPurpose::kLabelDrop), s}));
-  auto eps = torch::randn(batch.x.sizes(), gen_noise);  // [B,C,H,W]
-  auto t = sample_time(cfg_.diffusion, b, gen_time);    // [B]
-  auto y = batch.y;                                     // [B]
-  if (num_classes == 0) {
-    y = torch::zeros({b}, torch::kLong);
-  } else if (tc.label_dropout > 0) {
-    auto drop = torch::rand({b}, gen_drop) < tc.label_dropout;  // [B] bool
-    y = torch::where(drop, torch::full_like(y, num_classes), y);
+void TrainStep::set_data_parallel(std::shared_ptr<Comm> comm, std::shared_ptr<GradSync> sync) {
+  comm_ = std::move(comm);
+  sync_ = std::move(sync);
+}
+
+double TrainStep::forward_backward(const Batch& micro, int64_t step, double scale) {
+  Prepared p;
+  {
+    torch::NoGradGuard no_grad;  // prepare: draws, x_t, target (a distillation teacher runs here)
+    p = objective_->prepare(micro, step);
   }
-  auto xt = path_.alpha(t).view({-1, 1, 1, 1}) * batch.x + path_.sigma(t).view({-1, 1, 1, 1}) * eps;  // [B,C,H,W]
+  const torch::Tensor out = net_->forward(p.xt, p.t, p.y);  // [B,C,H,W], or a router's logits [B,K]
+  const torch::Tensor loss = objective_->loss(out, p);      // []
+  // Backward even when the loss is not finite: with data parallelism every rank must take part in
+  // the gradient all-reduce; the non-finite gradient then stops the step on every rank alike.
+  (scale == 1.0 ? loss : loss * scale).backward();
+  return loss.item<double>();
+}
 
+StepResult TrainStep::run(const std::vector<Batch>& micro, int64_t step) {
+  DDM_CHECK(!micro.empty(), "TrainStep::run: no micro-batches");
+  const TrainConfig& tc = cfg_.train;
   StepResult r;
   r.lr = lr_at(tc, step);
   optim_.zero_grad();
-  auto out = net_->forward(xt, t, y);  // [B,C,H,W], or a router's logits [B,K]
-  torch::Tensor loss;                  // []
-  if (router_) {
-    DDM_CHECK(batch.k.defined(), "router training needs the batch's clusters (Dataset::clusters)");
-    loss = torch::nn::functional::cross_entropy(out, batch.k);
-  } else if (teacher_) {
-    DDM_CHECK(batch.k.defined(), "distillation needs the batch's clusters (Dataset::clusters)");
-    Denoiser::Estimate est;
-    {
-      torch::NoGradGuard no_grad;
-      est = teacher_(xt, t, y, batch.k);
-    }
-    loss = torch::mse_loss(out, training_target(path_, pred_, est.x0, est.eps, t));
-  } else {
-    loss = torch::mse_loss(out, training_target(path_, pred_, batch.x, eps, t));
+  // Equal micro-batches: the mean of their mean losses is the mean over all their samples.
+  const double scale = 1.0 / static_cast<double>(micro.size());
+  double loss_sum = 0;
+  for (size_t i = 0; i < micro.size(); ++i) {
+    // Gradient sync: only the last micro-batch's backward all-reduces (its buckets launch from the
+    // gradient hooks while backward still runs); the others accumulate locally.
+    if (sync_) sync_->set_enabled(i + 1 == micro.size());
+    loss_sum += forward_backward(micro[i], step, scale);
   }
-  r.loss = loss.item<double>();
-  if (!std::isfinite(r.loss)) {
-    r.finite = false;
-    return r;
+  r.loss = loss_sum * scale;
+  if (sync_) sync_->finish();  // gradients are now the average over every rank's samples
+  if (comm_ && comm_->distributed()) {
+    // The loss over the global batch; every rank then decides alike whether the step is finite.
+    auto l = torch::tensor({r.loss}, torch::kDouble);
+    comm_->allreduce_sum(l);
+    r.loss = l.item<double>() / comm_->world_size();
   }
-  loss.backward();
+  // Clip by the global norm: after the all-reduce every rank holds the same (global) gradient.
   r.grad_norm = optim_.clip_grad_norm(tc.grad_clip);
-  if (!std::isfinite(r.grad_norm)) {
+  if (!std::isfinite(r.loss) || !std::isfinite(r.grad_norm)) {
     r.finite = false;
     return r;
   }

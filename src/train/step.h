@@ -1,25 +1,31 @@
-// One optimization step of diffusion training — noise, times, label dropout, forward, loss,
-// backward, clipping, AdamW, EMA — shared by the trainer and the training benchmark so that the
-// benchmark measures exactly what training runs. All randomness comes from (seed, step).
-// A router (model/router.h) trains through the same step: the same noisy x_t, times and label
-// dropout as the experts, but the loss is the cross-entropy of its logits against the batch's
-// clusters (Batch::k). A distilled student (train.teacher) trains through it too: its target is the
-// teacher's estimate at the same x_t instead of the one made from the data.
+// One optimization step, in explicit phases, shared by the trainer and the training benchmark so
+// that the benchmark measures exactly what training runs:
+//   prepare       (no grad)  the objective draws t / noise / label dropout and builds x_t and the
+//                            target (a distillation teacher runs here): diffusion/objective.h
+//   forward+loss             the trainable model on x_t, the objective's loss
+//   backward                 gradients accumulate into FlatAdamW's flat buffer, micro-batch by micro-batch
+//   gradient sync            all-reduce across data-parallel ranks (a no-op with one process)
+//   clip                     by the global gradient norm
+//   update                   AdamW + EMA, one pass over the flat buffers
+// All randomness is keyed by (seed, step, global sample position): see objective.h.
 #pragma once
 #include <cstdint>
-#include <functional>
+#include <memory>
+#include <vector>
 
 #include "core/config.h"
 #include "data/dataset.h"
-#include "diffusion/denoiser.h"
+#include "diffusion/objective.h"
+#include "dist/comm.h"
+#include "dist/grad_sync.h"
 #include "model/net.h"
 #include "train/optimizer.h"
 
 namespace ddm {
 
 struct StepResult {
-  double loss = 0;
-  double grad_norm = 0;  // before clipping
+  double loss = 0;       // mean over the global batch
+  double grad_norm = 0;  // global norm, before clipping
   double lr = 0;
   bool finite = true;    // false: loss or gradient not finite; no weight was changed
 };
@@ -27,29 +33,29 @@ struct StepResult {
 // Learning rate at a 0-based step: linear warm-up, then constant or cosine decay to 0.
 double lr_at(const TrainConfig& t, int64_t step);
 
-// The teacher of distillation: (x0_hat, eps_hat) at x_t [B,C,H,W] on the student's path, times t [B],
-// labels y [B] (null = num_classes) and the examples' clusters k [B].
-using TeacherFn = std::function<Denoiser::Estimate(const torch::Tensor& xt, const torch::Tensor& t,
-                                                   const torch::Tensor& y, const torch::Tensor& k)>;
-
-class DiffusionStep {
+class TrainStep {
  public:
   // cfg.model must be resolved (in_channels, image_size, num_classes); net built from it.
-  DiffusionStep(const RunConfig& cfg, Net net);
-  StepResult run(const Batch& batch, int64_t step);
-  // Distillation: regress the teacher's prediction (run without gradients) instead of the data's.
-  void set_teacher(TeacherFn teacher) { teacher_ = std::move(teacher); }
+  TrainStep(const RunConfig& cfg, Net net, std::shared_ptr<Objective> objective);
+  // One step over this process's micro-batches (equal sizes; their `first` positions disjoint).
+  StepResult run(const std::vector<Batch>& micro, int64_t step);
+  StepResult run(const Batch& batch, int64_t step) { return run(std::vector<Batch>{batch}, step); }
+  // Data parallelism: gradients are averaged over comm's ranks by `sync` (built on this step's
+  // optim().params() and flat_grad()), and the reported loss over the ranks. Without: one process.
+  void set_data_parallel(std::shared_ptr<Comm> comm, std::shared_ptr<GradSync> sync);
   FlatAdamW& optim() { return optim_; }
   const Net& net() const { return net_; }
+  const Objective& objective() const { return *objective_; }
 
  private:
+  // prepare -> forward + loss -> backward for one micro-batch; returns its loss (before scaling).
+  double forward_backward(const Batch& micro, int64_t step, double scale);
   RunConfig cfg_;
   Net net_;
   FlatAdamW optim_;
-  NoisePath path_;
-  Prediction pred_;
-  bool router_;
-  TeacherFn teacher_;
+  std::shared_ptr<Objective> objective_;
+  std::shared_ptr<Comm> comm_;
+  std::shared_ptr<GradSync> sync_;
 };
 
 }  // namespace ddm

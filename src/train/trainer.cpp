@@ -1,4 +1,4 @@
-// The training loop (see trainer.h).
+// The generic training loop (see trainer.h).
 #include "train/trainer.h"
 
 #include <atomic>
@@ -6,6 +6,8 @@
 #include <csignal>
 #include <filesystem>
 #include <iostream>
+#include <mutex>
+#include <optional>
 #include <sstream>
 #include <thread>
 
@@ -13,14 +15,12 @@
 
 #include "core/error.h"
 #include "core/fileio.h"
+#include "core/progress.h"
 #include "core/rng.h"
-#include "decentral/distill.h"
-#include "decentral/partition.h"
-#include "diffusion/path.h"
-#include "model/router.h"
+#include "dist/env.h"
+#include "dist/grad_sync.h"
 #include "train/checkpoint.h"
 #include "train/optimizer.h"
-#include "train/progress.h"
 #include "train/step.h"
 
 namespace fs = std::filesystem;
@@ -39,7 +39,9 @@ RunConfig normalized_for_resume(RunConfig c) {
   c.train.ckpt_every = d.train.ckpt_every;
   c.train.keep_ckpts = d.train.keep_ckpts;
   c.train.threads = d.train.threads;
+  c.train.grad_accum = d.train.grad_accum;  // the global batch stays; how it is split may change
   c.sample = d.sample;
+  c.parallel = d.parallel;
   return c;
 }
 
@@ -57,17 +59,15 @@ std::string first_difference(const std::string& a, const std::string& b) {
 // Removes what a run writes into its directory (--force, or a run that saved no checkpoint).
 void remove_run_files(const fs::path& dir) {
   std::error_code ec;
-  for (const char* name : {"ckpt", "metrics.jsonl", "config.toml", "samples.png", "train.log", "expert.json",
-                           "router.json", "router_eval.json", "distill.json"})
-    fs::remove_all(dir / name, ec);
+  for (const char* name : RunDir::run_files()) fs::remove_all(dir / name, ec);
 }
 
 // Checks and prepares the run directory, and returns the lock that keeps a second `ddm train` from
 // writing to it while this one runs. The lock is taken before --force removes anything.
 FileLock prepare_run_dir(const TrainOptions& opt, const RunConfig& cfg) {
   const fs::path dir(opt.out_dir);
-  const fs::path cfg_path = dir / "config.toml";
-  const char* lock_name = "train.lock";
+  const fs::path cfg_path = RunDir(opt.out_dir).config();
+  const char* lock_name = RunDir::kLock;
   if (!fs::exists(cfg_path) && fs::exists(dir) && !opt.force) {
     for (const auto& entry : fs::directory_iterator(dir))
       DDM_CHECK(entry.path().filename() == lock_name,
@@ -90,8 +90,8 @@ FileLock prepare_run_dir(const TrainOptions& opt, const RunConfig& cfg) {
       const std::string diff =
           first_difference(to_toml(normalized_for_resume(stored)), to_toml(normalized_for_resume(cfg)));
       DDM_CHECK(diff.empty(), "--resume: the config differs from the run stored in " << opt.out_dir << ": " << diff
-                                  << ". Only train.steps, log_every, ckpt_every, keep_ckpts, threads and sample.* may "
-                                     "change on resume; use a new --out or --force to start over");
+                                  << ". Only train.steps, log_every, ckpt_every, keep_ckpts, threads, grad_accum, sample.* and "
+                                     "parallel.* may change on resume; use a new --out or --force to start over");
       return lock;
     }
     DDM_CHECK(opt.force, "'" << opt.out_dir << "' already holds a run (" << cfg_path.string()
@@ -99,87 +99,6 @@ FileLock prepare_run_dir(const TrainOptions& opt, const RunConfig& cfg) {
     remove_run_files(dir);
   }
   return lock;
-}
-
-// An expert trains on one cluster of a partition: checks that the partition belongs to this data,
-// keeps the cluster's images, and applies train.expert_budget. Returns a line for the run header.
-std::string select_expert_data(RunConfig& cfg, Dataset& data, const Partition& p) {
-  check_partition_matches(p, data);
-  data = cluster_subset(data, p, cfg.data.expert);
-  DDM_CHECK(data.images.size(0) > 0, "cluster " << cfg.data.expert << " of " << p.origin << " is empty");
-  TrainConfig& t = cfg.train;
-  std::ostringstream line;
-  line << "expert: cluster " << cfg.data.expert << " of " << p.k << " (" << data.images.size(0) << " images), budget "
-       << t.expert_budget;
-  if (t.expert_budget == "split-batch") {
-    DDM_CHECK(t.batch_size % p.k == 0, "train.expert_budget = split-batch: train.batch_size = "
-                                           << t.batch_size << " is not divisible by K = " << p.k
-                                           << "; use a multiple of " << p.k << " so the experts add up to it");
-    t.batch_size /= p.k;
-    line << " (global batch / " << p.k << ")";
-  } else if (t.expert_budget == "split-steps") {
-    DDM_CHECK(t.steps % p.k == 0, "train.expert_budget = split-steps: train.steps = "
-                                      << t.steps << " is not divisible by K = " << p.k << "; use a multiple of " << p.k);
-    t.steps /= p.k;
-    t.warmup = std::min(t.warmup, t.steps);
-    line << " (global steps / " << p.k << ")";
-  }
-  return line.str() + "\n";
-}
-
-// A router trains on every cluster: checks the partition, fills model.num_experts, attaches each
-// image's cluster and withholds data.holdout images chosen at random (holdout_split, seeded by
-// train.seed; evaluate_router_run picks the same ones). Returns a line for the run header.
-std::string select_router_data(RunConfig& cfg, Dataset& data, const Partition& p) {
-  check_partition_matches(p, data);
-  ModelConfig& m = cfg.model;
-  DDM_CHECK(m.num_experts == 0 || m.num_experts == p.k, "model.num_experts = " << m.num_experts << " but the partition "
-                                                        << p.origin << " has K = " << p.k << "; remove the key");
-  m.num_experts = p.k;
-  data.clusters = p.labels;
-  const int64_t n = data.images.size(0), h = cfg.data.holdout;
-  DDM_CHECK(h < n, "data.holdout = " << h << " leaves no training images (the data has " << n << ")");
-  if (h > 0) {
-    const torch::Tensor keep = holdout_split(n, h, static_cast<uint64_t>(cfg.train.seed)).first;
-    data.images = data.images.index_select(0, keep);
-    data.labels = data.labels.index_select(0, keep);
-    data.clusters = data.clusters.index_select(0, keep);
-  }
-  std::ostringstream line;
-  line << "router: " << p.k << " clusters of " << p.origin << "; trains on " << n - h << " images, " << h
-       << " held out at random\n";
-  return line.str();
-}
-
-// expert.json (router.json for a router) records the partition file's hash; a resumed run must see
-// the same partition.
-void check_partition_record(const TrainOptions& opt, const RunConfig& cfg, const Partition& p) {
-  const std::string sha = sha256_file(p.origin);
-  const bool router = is_router_arch(cfg.model.arch);
-  const fs::path record = fs::path(opt.out_dir) / (router ? "router.json" : "expert.json");
-  if (opt.resume && fs::exists(record)) {
-    const auto stored = nlohmann::json::parse(read_file(record.string()));
-    DDM_CHECK(stored.at("partition_sha256") == sha,
-              "--resume: the partition " << p.origin << " changed since this run started (sha256 "
-                                         << stored.at("partition_sha256").get<std::string>().substr(0, 12) << ", now "
-                                         << sha.substr(0, 12)
-                                         << "); an expert or router must finish on the partition it started with. Restore "
-                                            "it, or start over with --force");
-    return;
-  }
-  if (router) {
-    const nlohmann::json j = {{"partition", p.origin}, {"partition_sha256", sha}, {"k", p.k},
-                              {"holdout", cfg.data.holdout},
-                              {"holdout_selection", "random, seeded by train.seed"}};
-    write_file_atomic(record.string(), j.dump(2) + "\n");
-    return;
-  }
-  const nlohmann::json j = {{"partition", p.origin},           {"partition_sha256", sha},
-                            {"k", p.k},                        {"expert", cfg.data.expert},
-                            {"images", p.sizes[cfg.data.expert].item<int64_t>()},
-                            {"expert_budget", cfg.train.expert_budget},
-                            {"batch_size", cfg.train.batch_size}, {"steps", cfg.train.steps}};
-  write_file_atomic(record.string(), j.dump(2) + "\n");
 }
 
 }  // namespace
@@ -206,70 +125,192 @@ void resolve_data_shape(RunConfig& cfg, const Dataset& data) {
   if (m.num_classes == -1) m.num_classes = data.num_classes;
 }
 
-TrainSummary train(RunConfig cfg, const TrainOptions& opt) {
-  DDM_CHECK(!opt.out_dir.empty(), "an output directory is required (--out DIR)");
+
+TrainJob plain_job(RunConfig cfg) {
   validate(cfg);
+  set_threads(cfg.train.threads);
+  TrainJob job;
+  job.data = load_dataset(cfg.data);
+  resolve_data_shape(cfg, job.data);
+  DDM_CHECK(job.data.images.size(0) > 0, "the dataset " << job.data.description << " is empty");
+  job.cfg = cfg;
+  job.recorded = cfg;
+  return job;
+}
+
+namespace {
+
+CommOptions comm_options(const ParallelConfig& p) {
+  CommOptions o;
+  o.timeout = std::chrono::milliseconds(static_cast<int64_t>(p.timeout * 1000));
+  o.connect_timeout = o.timeout;  // a rank started long before rank 0 (a busy Slurm node) waits as long
+  return o;
+}
+
+// What every rank must agree on before the first step: each config key, the data and the model.
+std::vector<std::pair<std::string, std::string>> run_identity(const RunConfig& recorded, const Dataset& data,
+                                                              const Net& net) {
+  std::vector<std::pair<std::string, std::string>> kv;
+  std::istringstream in(to_toml(normalized_for_resume(recorded)));
+  std::string line, section;
+  while (std::getline(in, line)) {
+    if (line.empty()) continue;
+    if (line[0] == '[') {
+      section = line.substr(1, line.find(']') - 1);
+      continue;
+    }
+    const auto eq = line.find(" = ");
+    if (eq != std::string::npos) kv.emplace_back(section + "." + line.substr(0, eq), line.substr(eq + 3));
+  }
+  const torch::Tensor images = data.images.contiguous(), labels = data.labels.contiguous();
+  kv.emplace_back("data (sha256 of the images and labels)",
+                  sha256_hex(std::string(static_cast<const char*>(images.data_ptr()), images.nbytes()) +
+                             std::string(static_cast<const char*>(labels.data_ptr()), labels.nbytes())));
+  kv.emplace_back("model (parameters)", std::to_string(count_params(*net)));
+  return kv;
+}
+
+// This process's share of a global batch, split into equal micro-batches with their global positions.
+std::vector<Batch> split_micro(const Batch& shard, int64_t n) {
+  std::vector<Batch> out;
+  const int64_t b = shard.x.size(0) / n;
+  for (int64_t i = 0; i < n; ++i) {
+    Batch m;
+    m.x = shard.x.narrow(0, i * b, b);  // [b, C, H, W]
+    m.y = shard.y.narrow(0, i * b, b);  // [b]
+    if (shard.k.defined()) m.k = shard.k.narrow(0, i * b, b);
+    m.first = shard.first + i * b;
+    out.push_back(std::move(m));
+  }
+  return out;
+}
+
+}  // namespace
+
+TrainSummary train(TrainJob job, const TrainOptions& options) {
+  TrainOptions opt = options;
+  DDM_CHECK(!opt.out_dir.empty(), "an output directory is required (--out DIR)");
+  RunConfig& cfg = job.cfg;
+  validate(cfg);
+  std::shared_ptr<Comm> comm = opt.comm;
+  if (!comm) {
+    const DistEnv env = detect_dist_env();
+    if (env.restart_count > 0 && !opt.resume) {
+      // Restarted by the launcher after a failure (torchelastic's semantics): continue from the last
+      // checkpoint; never re-apply --force to the run the first attempt started.
+      opt.resume = true;
+      opt.force = false;
+      if (env.rank == 0 && !opt.quiet)
+        std::cout << "restart " << env.restart_count << " of this job: resuming from the last checkpoint" << std::endl;
+    }
+    comm = Comm::create(env, comm_options(cfg.parallel));
+  }
+  const int rank = comm->rank(), world = comm->world_size();
+  const bool lead = rank == 0;
+  if (!lead) opt.quiet = true;
   const int threads = set_threads(cfg.train.threads);
   const TrainConfig& tc = cfg.train;
+  const Dataset& data = job.data;
+  // Checked alike on every rank, before any collective, so a bad value fails every rank at once.
+  DDM_CHECK(cfg.parallel.dp == 0 || cfg.parallel.dp == world,
+            "parallel.dp = " << cfg.parallel.dp << " but the job has " << world
+                             << " processes; data parallelism is the only parallelism so far: set parallel.dp = 0 "
+                                "(every process) or launch " << cfg.parallel.dp << " processes");
+  DDM_CHECK(tc.batch_size % (static_cast<int64_t>(world) * tc.grad_accum) == 0,
+            "train.batch_size = " << tc.batch_size << " does not split into " << world << " rank"
+                                  << (world > 1 ? "s" : "") << " x " << tc.grad_accum
+                                  << " micro-batch" << (tc.grad_accum > 1 ? "es" : "")
+                                  << " of equal size; the global batch must be a multiple of "
+                                  << world * tc.grad_accum << " (or change train.grad_accum / the process count)");
+  const int64_t local_batch = tc.batch_size / world;
+  const std::string config_text = to_toml(job.recorded);
 
-  Dataset data = load_dataset(cfg.data);
-  resolve_data_shape(cfg, data);
-  DDM_CHECK(data.images.size(0) > 0, "the dataset " << data.description << " is empty");
-
-  const bool router = is_router_arch(cfg.model.arch);
-  std::string expert_line;
-  Partition partition;
-  if (!cfg.data.partition.empty()) partition = load_partition(cfg.data.partition);
-  if (router) expert_line = select_router_data(cfg, data, partition);
-  std::shared_ptr<DistillTeacher> teacher;
-  if (!cfg.train.teacher.empty()) {
-    teacher = load_distill_teacher(cfg, data);
-    expert_line = describe(*teacher);
-  }
-  const std::string config_text = to_toml(cfg);
-  const RunConfig stored_cfg = cfg;  // an expert's config keeps the global budget; it runs on its share
-  if (!cfg.data.partition.empty() && !router) expert_line = select_expert_data(cfg, data, partition);
   // The model is built before the run directory is touched, so a config it cannot take leaves nothing.
   const uint64_t seed = static_cast<uint64_t>(tc.seed);
-  torch::manual_seed(derive_seed({seed, static_cast<uint64_t>(RngPurpose::kInit)}));
-  Net net = make_net(cfg.model);
+  Net net;
+  {
+    static std::mutex init_mutex;  // the global generator: ranks may be threads of one process (tests)
+    std::lock_guard<std::mutex> guard(init_mutex);
+    torch::manual_seed(derive_seed({seed, static_cast<uint64_t>(RngPurpose::kInit)}));
+    net = make_net(cfg.model);
+  }
   net->train();
-  DiffusionStep stepper(cfg, net);
-  if (teacher) stepper.set_teacher(teacher_fn(teacher, cfg));
-
-  const FileLock run_lock = prepare_run_dir(opt, stored_cfg);
-  const fs::path dir(opt.out_dir);
-  write_file_atomic((dir / "config.toml").string(), config_text);
-  if (!cfg.data.partition.empty()) check_partition_record(opt, cfg, partition);
-  if (teacher) check_distill_record(opt.out_dir, opt.resume, *teacher);
+  if (!job.objective) job.objective = make_objective(cfg);
+  TrainStep stepper(cfg, net, job.objective);
   FlatAdamW& optim = stepper.optim();
+  if (comm->distributed()) {
+    comm->check_same(run_identity(job.recorded, data, net), "config, data and model");
+    GradSyncOptions so;
+    so.first_bucket_bytes = static_cast<int64_t>(cfg.parallel.first_bucket_mb * (1 << 20));
+    so.bucket_cap_bytes = static_cast<int64_t>(cfg.parallel.bucket_mb * (1 << 20));
+    so.fp16_wire = cfg.parallel.wire == "float16";
+    stepper.set_data_parallel(comm, std::make_shared<GradSync>(comm, optim.params(), optim.flat_grad(), so));
+  }
+
   BatchLoader loader(data, tc.batch_size, derive_seed({seed, static_cast<uint64_t>(RngPurpose::kDataOrder)}),
                      cfg.data.hflip);
-  const NoisePath path = make_path(cfg.diffusion);
-
+  const RunDir dir(opt.out_dir);
+  std::optional<FileLock> run_lock;
   TrainSummary summary;
   int64_t step = 0;
   std::string last_ckpt = "none yet";
   double interval_loss_sum = 0;  // the logging interval the checkpoint was written in, so far
   int64_t interval_steps = 0;
-  if (opt.resume) {
-    if (auto latest = latest_checkpoint(opt.out_dir)) {
-      const Checkpoint ck = read_checkpoint(*latest);
-      load_module_state(*net, ck.model, *latest + "/model.safetensors");
-      optim.load(ck.model, ck.ema, ck.optim, ck.field<int64_t>("/optimizer_step"), *latest);
-      loader.set_cursor({ck.field<int64_t>("/data_cursor/epoch"), ck.field<int64_t>("/data_cursor/index")});
-      if (ck.state.contains("log_interval")) {  // absent in checkpoints of older versions
-        interval_loss_sum = ck.field<double>("/log_interval/loss_sum");
-        interval_steps = ck.field<int64_t>("/log_interval/steps");
+  // Only rank 0 touches the run directory: lock, config, records, the checkpoint to resume from.
+  std::string setup_error;
+  if (lead) {
+    try {
+      run_lock.emplace(prepare_run_dir(opt, job.recorded));
+      write_file_atomic(dir.config(), config_text);
+      if (job.records) job.records(dir, opt.resume);
+      if (opt.resume) {
+        if (auto latest = latest_checkpoint(opt.out_dir)) {
+          const Checkpoint ck = read_checkpoint(*latest);
+          load_module_state(*net, ck.model, RunDir(*latest) / RunDir::kModel);
+          optim.load(ck.model, ck.ema, ck.optim, ck.field<int64_t>("/optimizer_step"), *latest);
+          loader.set_cursor({ck.field<int64_t>("/data_cursor/epoch"), ck.field<int64_t>("/data_cursor/index")});
+          if (ck.state.contains("log_interval")) {  // absent in checkpoints of older versions
+            interval_loss_sum = ck.field<double>("/log_interval/loss_sum");
+            interval_steps = ck.field<int64_t>("/log_interval/steps");
+          }
+          step = ck.step;
+          last_ckpt = *latest;
+          if (!opt.quiet) std::cout << "resuming from " << *latest << " (step " << step << ")\n";
+        } else if (!opt.quiet) {
+          std::cout << "no checkpoint in " << opt.out_dir << ": starting from step 0\n";
+        }
       }
-      step = ck.step;
-      last_ckpt = *latest;
-      if (!opt.quiet) std::cout << "resuming from " << *latest << " (step " << step << ")\n";
-    } else if (!opt.quiet) {
-      std::cout << "no checkpoint in " << opt.out_dir << ": starting from step 0\n";
+    } catch (const std::exception& e) {
+      if (!comm->distributed()) throw;
+      setup_error = e.what();
     }
   }
+  if (comm->distributed()) {
+    // Every rank learns whether rank 0 could set up the run, then starts from rank 0's state (its
+    // checkpoint, or the same seeded initialization).
+    if (comm->max_int(setup_error.empty() ? 0 : 1) != 0) {
+      DDM_CHECK(!lead, setup_error);
+      DDM_FAIL("rank 0 could not set up the run in " << opt.out_dir << " (its message says why); nothing was trained");
+    }
+    torch::NoGradGuard no_grad;
+    const auto cur = loader.cursor();
+    auto ints = torch::tensor({step, optim.step_count(), cur.epoch, cur.index, interval_steps}, torch::kLong);
+    auto sums = torch::tensor({interval_loss_sum}, torch::kDouble);
+    comm->broadcast(ints, 0);
+    comm->broadcast(sums, 0);
+    for (torch::Tensor t : optim.state_buffers()) comm->broadcast(t, 0);
+    for (auto& b : net->named_buffers(true)) {
+      torch::Tensor t = b.value();
+      comm->broadcast(t, 0);
+    }
+    step = ints[0].item<int64_t>();
+    optim.set_step_count(ints[1].item<int64_t>());
+    loader.set_cursor({ints[2].item<int64_t>(), ints[3].item<int64_t>()});
+    interval_steps = ints[4].item<int64_t>();
+    interval_loss_sum = sums[0].item<double>();
+  }
   summary.first_step = step;
+  summary.rank = rank;
   Progress progress(step, tc.steps, opt.quiet);
   progress.restore_interval(interval_loss_sum, interval_steps);
 
@@ -277,14 +318,22 @@ TrainSummary train(RunConfig cfg, const TrainOptions& opt) {
     std::cout << "data:  " << data.description << "\n"
               << "model: " << cfg.model.preset << " (" << cfg.model.arch << "), " << count_params(*net)
               << " parameters, " << forward_flops_per_image(cfg.model) / 1e6 << " MFLOP/image forward\n"
-              << "diffusion: " << cfg.diffusion.objective << " on path " << path.name() << ", t "
-              << cfg.diffusion.time_dist << "\n"
-              << expert_line << "train: " << tc.steps << " steps, batch " << tc.batch_size << ", lr " << tc.lr << ", "
-              << threads << " threads, seed " << tc.seed << "\n"
-              << "out:   " << opt.out_dir << std::endl;
+              << "objective: " << job.objective->describe() << "\n"
+              << job.header << "train: " << tc.steps << " steps, batch " << tc.batch_size;
+    if (world > 1) std::cout << " (" << world << " ranks x " << local_batch << ")";
+    if (tc.grad_accum > 1) std::cout << " in " << tc.grad_accum << " micro-batches";
+    std::cout << ", lr " << tc.lr << ", " << threads << " thread" << (threads > 1 ? "s" : "")
+              << (world > 1 ? " per rank" : "") << ", seed " << tc.seed << "\n";
+    if (world > 1) {
+      std::cout << "parallel: data parallel over " << world << " processes, gradient buckets up to "
+                << cfg.parallel.bucket_mb << " MiB (first " << cfg.parallel.first_bucket_mb << " MiB), "
+                << cfg.parallel.wire << " on the wire, collective timeout " << cfg.parallel.timeout << " s\n";
+    }
+    std::cout << "out:   " << opt.out_dir << std::endl;
   }
 
   auto save = [&](int64_t at_step) {
+    if (!lead) return last_ckpt;
     Checkpoint ck;
     ck.step = at_step;
     ck.config_toml = config_text;
@@ -296,14 +345,16 @@ TrainSummary train(RunConfig cfg, const TrainOptions& opt) {
     ck.state["data_cursor"] = {{"epoch", cur.epoch}, {"index", cur.index}};
     ck.state["log_interval"] = {{"loss_sum", progress.interval_loss_sum()}, {"steps", progress.interval_steps()}};
     ck.state["rng"] = {{"seed", tc.seed},
-                       {"scheme", "every draw uses a generator seeded from (seed, purpose, step): nothing else to save"}};
+                       {"scheme", "every draw is keyed by (seed, purpose, step, sample position): nothing else to save"}};
     ck.state["class_names"] = data.class_names;
     ck.state["threads"] = threads;
+    ck.state["world_size"] = world;
     last_ckpt = write_checkpoint(opt.out_dir, ck, tc.keep_ckpts);
     return last_ckpt;
   };
 
-  MetricsLog metrics((dir / "metrics.jsonl").string(), step);
+  std::optional<MetricsLog> metrics;
+  if (lead) metrics.emplace(dir.metrics(), step);
   g_signal = 0;
   auto old_int = std::signal(SIGINT, on_signal);
   auto old_term = std::signal(SIGTERM, on_signal);
@@ -316,40 +367,49 @@ TrainSummary train(RunConfig cfg, const TrainOptions& opt) {
   } restore{old_int, old_term};
 
   while (step < tc.steps) {
-    Batch batch = loader.next();
-    const int64_t b = batch.x.size(0);
-    const StepResult r = stepper.run(batch, step);
-    DDM_CHECK(r.finite, "step " << step + 1 << ": the " << (std::isfinite(r.loss) ? "gradient norm" : "loss") << " is "
-                                << (std::isfinite(r.loss) ? r.grad_norm : r.loss)
-                                << "; training stopped. The last good checkpoint (" << last_ckpt
-                                << ") is intact. Lower train.lr (now " << tc.lr
-                                << ") or set train.grad_clip, then --resume");
-    const double loss_val = r.loss, lr = r.lr, gnorm = r.grad_norm;
+    const Batch shard = loader.next(rank * local_batch, local_batch);
+    const StepResult r = stepper.run(split_micro(shard, tc.grad_accum), step);
+    // The loss and the gradient norm are global: every rank stops here alike.
+    DDM_CHECK(r.finite, (world > 1 ? "rank " + std::to_string(rank) + ": " : std::string())
+                            << "step " << step + 1 << ": the " << (std::isfinite(r.loss) ? "gradient norm" : "loss")
+                            << " is " << (std::isfinite(r.loss) ? r.grad_norm : r.loss)
+                            << "; training stopped. The last good checkpoint (" << last_ckpt
+                            << ") is intact. Lower train.lr (now " << tc.lr
+                            << ") or set train.grad_clip, then --resume");
     ++step;
 
-    progress.step(step, loss_val, lr, gnorm, b);
+    progress.step(step, r.loss, r.lr, r.grad_norm, tc.batch_size);
     if (step % tc.log_every == 0 || step == tc.steps) {
-      nlohmann::json rec = {{"step", step},          {"loss", progress.interval_loss()}, {"lr", lr},
-                            {"grad_norm", gnorm},    {"img_per_s", progress.interval_img_per_s()},
-                            {"epoch", loader.cursor().epoch}};
-      metrics.write(rec.dump());
+      if (metrics) {
+        nlohmann::json rec = {{"step", step},          {"loss", progress.interval_loss()}, {"lr", r.lr},
+                              {"grad_norm", r.grad_norm}, {"img_per_s", progress.interval_img_per_s()},
+                              {"epoch", loader.cursor().epoch}};
+        metrics->write(rec.dump());
+      }
       if (!progress.tty() && !opt.quiet) {
         std::printf("step %lld/%lld  loss %.4f  lr %.2e  |g| %.3f  %.0f img/s  ETA %s\n",
-                    static_cast<long long>(step), static_cast<long long>(tc.steps), progress.interval_loss(), lr,
-                    gnorm, progress.interval_img_per_s(), format_duration(progress.eta_seconds(step)).c_str());
+                    static_cast<long long>(step), static_cast<long long>(tc.steps), progress.interval_loss(), r.lr,
+                    r.grad_norm, progress.interval_img_per_s(), format_duration(progress.eta_seconds(step)).c_str());
         std::fflush(stdout);
       }
       summary.final_loss = progress.interval_loss();
       progress.reset_interval();
     }
     if (step % tc.ckpt_every == 0 || step == tc.steps) save(step);
-    if (g_signal != 0) {
+    // A signal to any rank stops every rank after the same step (SIGINT wins over SIGTERM).
+    int sig = g_signal.load();
+    if (comm->distributed()) {
+      const int64_t agreed = comm->max_int(sig == SIGINT ? 2 : sig != 0 ? 1 : 0);
+      sig = agreed == 2 ? SIGINT : agreed == 1 ? (sig != 0 ? sig : SIGTERM) : 0;
+    }
+    if (sig != 0) {
       progress.finish();
       if (step % tc.ckpt_every != 0 && step != tc.steps) save(step);
-      std::cout << "stopped by signal " << g_signal.load() << " at step " << step << "; checkpoint " << last_ckpt
-                << " written; continue with --resume" << std::endl;
+      if (lead)
+        std::cout << "stopped by signal " << sig << " at step " << step << "; checkpoint " << last_ckpt
+                  << " written; continue with --resume" << std::endl;
       summary.interrupted = true;
-      summary.signal = g_signal.load();
+      summary.signal = sig;
       break;
     }
   }
@@ -357,26 +417,6 @@ TrainSummary train(RunConfig cfg, const TrainOptions& opt) {
   summary.last_step = step;
   summary.checkpoint = last_ckpt;
   return summary;
-}
-
-LoadedModel load_model(const std::string& path, bool use_ema) {
-  LoadedModel m;
-  m.checkpoint = resolve_checkpoint(path);
-  Checkpoint ck = read_checkpoint(m.checkpoint, /*weights_only=*/true);
-  m.cfg = parse_config(ck.config_toml, m.checkpoint + "/state.json (config)");
-  m.step = ck.step;
-  if (ck.state.contains("class_names")) m.class_names = ck.field<std::vector<std::string>>("/class_names");
-  m.net = make_net(m.cfg.model);
-  load_module_state(*m.net, ck.model, m.checkpoint + "/model.safetensors");
-  if (use_ema) load_module_state(*m.net, ck.ema, m.checkpoint + "/ema.safetensors");
-  m.net->eval();
-  return m;
-}
-
-Denoiser make_denoiser(const LoadedModel& m) {
-  DDM_CHECK(!is_router_arch(m.cfg.model.arch), m.checkpoint << " holds a router (" << m.cfg.model.arch
-                                                << "), not a diffusion model; sample an ensemble with --ensemble DIR");
-  return Denoiser(m.net, make_path(m.cfg.diffusion), prediction_for(m.cfg.diffusion), m.cfg.model.num_classes);
 }
 
 }  // namespace ddm

@@ -1,15 +1,19 @@
-// The training loop: data -> noisy inputs -> loss -> FlatAdamW -> EMA, with checkpoints, metrics,
-// resume that reproduces an uninterrupted run bit for bit, and clean stops on non-finite loss or
-// SIGINT/SIGTERM (a checkpoint is written first on a signal).
+// The generic training loop: a prepared TrainJob (config, data, objective, the run's records) ->
+// phased steps (train/step.h) -> checkpoints, metrics, progress, with resume that reproduces an
+// uninterrupted run bit for bit and clean stops on a non-finite loss or SIGINT/SIGTERM (a checkpoint
+// is written first on a signal). What kind of run it is (plain, an expert, a router, a distilled
+// student) is decided before: decentral/train_run.h prepares those jobs and calls train().
 #pragma once
 #include <cstdint>
+#include <functional>
+#include <memory>
 #include <string>
-#include <vector>
 
 #include "core/config.h"
+#include "core/run_dir.h"
 #include "data/dataset.h"
-#include "diffusion/denoiser.h"
-#include "model/net.h"
+#include "diffusion/objective.h"
+#include "dist/comm.h"
 
 namespace ddm {
 
@@ -18,6 +22,9 @@ struct TrainOptions {
   bool resume = false;  // continue from the latest checkpoint in out_dir (fresh start if none)
   bool force = false;   // overwrite a different run in out_dir
   bool quiet = false;   // no progress output
+  // The process group to train in; null: from the environment (a launcher's variables, else one
+  // process). Only rank 0 touches the run directory and prints; see docs/distributed.md.
+  std::shared_ptr<Comm> comm;
 };
 
 struct TrainSummary {
@@ -27,24 +34,28 @@ struct TrainSummary {
   std::string checkpoint;  // the final checkpoint directory
   bool interrupted = false;
   int signal = 0;          // the signal that interrupted it (SIGINT, SIGTERM); exit with 128 + signal
+  int rank = 0;            // this process's rank: only rank 0 reports and writes
+};
+
+// A run ready to train.
+struct TrainJob {
+  RunConfig cfg;       // what the run trains with (model resolved against the data)
+  RunConfig recorded;  // what config.toml and the checkpoints record (an expert's keeps the global budget)
+  Dataset data;
+  std::shared_ptr<Objective> objective;  // null: make_objective(cfg)
+  std::string header;  // extra lines for the run header (which cluster, which teacher, ...)
+  // Called once the run directory is locked, before the first step: writes the run's records
+  // (expert.json, ...) or, on resume, checks them against what the run started with.
+  std::function<void(const RunDir& dir, bool resume)> records;
 };
 
 // Fills model.in_channels / image_size / num_classes from the data (error if set and different).
 void resolve_data_shape(RunConfig& cfg, const Dataset& data);
 
-TrainSummary train(RunConfig cfg, const TrainOptions& opt);
+// Validates the config, sets the threads, loads the data and resolves the model's shape: a plain run.
+TrainJob plain_job(RunConfig cfg);
 
-// A trained model loaded for sampling.
-struct LoadedModel {
-  RunConfig cfg;
-  Net net;
-  int64_t step = 0;
-  std::vector<std::string> class_names;
-  std::string checkpoint;
-};
-// path: a run directory (latest checkpoint) or a checkpoint directory. use_ema selects EMA weights.
-LoadedModel load_model(const std::string& path, bool use_ema);
-Denoiser make_denoiser(const LoadedModel& m);
+TrainSummary train(TrainJob job, const TrainOptions& opt);
 
 // Sets LibTorch's intra-op threads (0 = all cores); returns the count used.
 int set_threads(int64_t threads);

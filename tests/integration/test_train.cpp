@@ -13,6 +13,7 @@
 
 #include "core/config.h"
 #include "train/checkpoint.h"
+#include "decentral/train_run.h"
 #include "train/trainer.h"
 #include "test_util.h"
 
@@ -56,7 +57,7 @@ std::vector<std::string> loss_lines(const std::string& metrics_path) {
 TEST(Train, GoldenLossCurve) {
   test::TempDir dir;
   RunConfig cfg = parse_config(kTinyConfig, "tiny");
-  train(cfg, {dir / "run", false, false, true});
+  train_run(cfg, {dir / "run", false, false, true, nullptr});
   auto got = loss_lines(dir / "run/metrics.jsonl");
   ASSERT_EQ(got.size(), 20u);
   const std::string golden = std::string(DDM_SOURCE_DIR) + "/tests/golden/tiny_unet_loss.txt";
@@ -132,7 +133,7 @@ TEST(Train, ResumeInsideALoggingIntervalLogsTheSameMeans) {
   test::TempDir dir;
   RunConfig cfg = parse_config(kTinyConfig, "tiny",
                                {"train.steps=10", "train.log_every=4", "train.ckpt_every=3", "train.keep_ckpts=10"});
-  train(cfg, {dir / "ref", false, false, true});
+  train_run(cfg, {dir / "ref", false, false, true, nullptr});
   const auto ref = loss_lines(dir / "ref/metrics.jsonl");
   ASSERT_EQ(ref.size(), 3u);  // steps 4, 8, 10
   for (const char* from : {"step-00000003", "step-00000006", "step-00000009"}) {
@@ -140,7 +141,7 @@ TEST(Train, ResumeInsideALoggingIntervalLogsTheSameMeans) {
     fs::copy(dir / "ref", out, fs::copy_options::recursive);
     for (const auto& ck : list_checkpoints(out))
       if (ck > out + "/ckpt/" + from) fs::remove_all(ck);
-    const TrainSummary s = train(cfg, {out, /*resume=*/true, false, true});
+    const TrainSummary s = train_run(cfg, {out, /*resume=*/true, false, true, nullptr});
     EXPECT_EQ(s.first_step, std::stoi(std::string(from).substr(5)));
     EXPECT_EQ(loss_lines(out + "/metrics.jsonl"), ref) << "resumed from " << from;
   }

@@ -17,7 +17,7 @@
 #include "diffusion/path.h"
 #include "exact_gaussian.h"
 #include "model/net.h"
-#include "model/presets.h"
+#include "core/presets.h"
 #include "model/router.h"
 #include "test_util.h"
 #include "train/step.h"
@@ -414,8 +414,8 @@ TEST(Distill, TheTrainingStepRegressesTheTeachersPrediction) {
   const NoisePath path = make_path(cfg.diffusion);
   auto loss_with = [&](TeacherFn teacher) {
     torch::manual_seed(3);
-    DiffusionStep step(cfg, make_net(cfg.model));
-    if (teacher) step.set_teacher(teacher);
+    TrainStep step(cfg, make_net(cfg.model),
+                   teacher ? std::make_shared<DistillObjective>(cfg, teacher) : make_objective(cfg));
     return step.run(batch, 0).loss;
   };
   torch::Tensor seen_k;

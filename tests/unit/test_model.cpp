@@ -18,7 +18,7 @@
 #include "model/flops.h"
 #include "model/layers.h"
 #include "model/net.h"
-#include "model/presets.h"
+#include "core/presets.h"
 #include "model/router.h"
 #include "model/unet.h"
 #include "float_tolerance.h"

@@ -5,7 +5,7 @@
 //   dit-tiny    1.28M params, 0.08 GFLOP  DiT patch 4 (49 tokens), width 128, depth 4, 4 heads
 //   dit-small   4.16M params, 1.22 GFLOP  DiT patch 2 (196 tokens), width 192, depth 6, 6 heads
 // unet-tiny has the shape of the 538k-parameter reference U-Net in docs/architecture.md.
-#include "model/presets.h"
+#include "core/presets.h"
 
 #include <functional>
 #include <sstream>

@@ -1,5 +1,5 @@
 // Progress display and JSONL metrics (see progress.h).
-#include "train/progress.h"
+#include "core/progress.h"
 
 #include <cstdio>
 #include <filesystem>

@@ -1,0 +1,135 @@
+// Preparing the runs of decentralized training for the generic trainer (train/trainer.h): an
+// expert (one cluster of a partition, with its share of the budget), a router (every cluster, the
+// cluster as its label, a random hold-out) and a distilled student (the ensemble as teacher). Each
+// is a TrainJob whose records (expert.json, router.json, distill.json) pin what it was trained on.
+#include "decentral/train_run.h"
+
+#include <filesystem>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
+
+#include "core/error.h"
+#include "core/fileio.h"
+#include "core/run_dir.h"
+#include "decentral/distill.h"
+#include "decentral/partition.h"
+#include "model/router.h"
+
+namespace fs = std::filesystem;
+
+namespace ddm {
+namespace {
+
+// An expert trains on one cluster of a partition: checks that the partition belongs to this data,
+// keeps the cluster's images, and applies train.expert_budget. Returns a line for the run header.
+std::string select_expert_data(RunConfig& cfg, Dataset& data, const Partition& p) {
+  check_partition_matches(p, data);
+  data = cluster_subset(data, p, cfg.data.expert);
+  DDM_CHECK(data.images.size(0) > 0, "cluster " << cfg.data.expert << " of " << p.origin << " is empty");
+  TrainConfig& t = cfg.train;
+  std::ostringstream line;
+  line << "expert: cluster " << cfg.data.expert << " of " << p.k << " (" << data.images.size(0) << " images), budget "
+       << t.expert_budget;
+  if (t.expert_budget == "split-batch") {
+    DDM_CHECK(t.batch_size % p.k == 0, "train.expert_budget = split-batch: train.batch_size = "
+                                           << t.batch_size << " is not divisible by K = " << p.k
+                                           << "; use a multiple of " << p.k << " so the experts add up to it");
+    t.batch_size /= p.k;
+    line << " (global batch / " << p.k << ")";
+  } else if (t.expert_budget == "split-steps") {
+    DDM_CHECK(t.steps % p.k == 0, "train.expert_budget = split-steps: train.steps = "
+                                      << t.steps << " is not divisible by K = " << p.k << "; use a multiple of " << p.k);
+    t.steps /= p.k;
+    t.warmup = std::min(t.warmup, t.steps);
+    line << " (global steps / " << p.k << ")";
+  }
+  return line.str() + "\n";
+}
+
+// A router trains on every cluster: checks the partition, fills model.num_experts, attaches each
+// image's cluster and withholds data.holdout images chosen at random (holdout_split, seeded by
+// train.seed; evaluate_router_run picks the same ones). Returns a line for the run header.
+std::string select_router_data(RunConfig& cfg, Dataset& data, const Partition& p) {
+  check_partition_matches(p, data);
+  ModelConfig& m = cfg.model;
+  DDM_CHECK(m.num_experts == 0 || m.num_experts == p.k, "model.num_experts = " << m.num_experts << " but the partition "
+                                                        << p.origin << " has K = " << p.k << "; remove the key");
+  m.num_experts = p.k;
+  data.clusters = p.labels;
+  const int64_t n = data.images.size(0), h = cfg.data.holdout;
+  DDM_CHECK(h < n, "data.holdout = " << h << " leaves no training images (the data has " << n << ")");
+  if (h > 0) {
+    const torch::Tensor keep = holdout_split(n, h, static_cast<uint64_t>(cfg.train.seed)).first;
+    data.images = data.images.index_select(0, keep);
+    data.labels = data.labels.index_select(0, keep);
+    data.clusters = data.clusters.index_select(0, keep);
+  }
+  std::ostringstream line;
+  line << "router: " << p.k << " clusters of " << p.origin << "; trains on " << n - h << " images, " << h
+       << " held out at random\n";
+  return line.str();
+}
+
+// expert.json (router.json for a router) records the partition file's hash; a resumed run must see
+// the same partition.
+void check_partition_record(const RunDir& dir, bool resume, const RunConfig& cfg, const Partition& p) {
+  const std::string sha = sha256_file(p.origin);
+  const bool router = is_router_arch(cfg.model.arch);
+  const fs::path record = dir / (router ? RunDir::kRouter : RunDir::kExpert);
+  if (resume && fs::exists(record)) {
+    const auto stored = nlohmann::json::parse(read_file(record.string()));
+    DDM_CHECK(stored.at("partition_sha256") == sha,
+              "--resume: the partition " << p.origin << " changed since this run started (sha256 "
+                                         << stored.at("partition_sha256").get<std::string>().substr(0, 12) << ", now "
+                                         << sha.substr(0, 12)
+                                         << "); an expert or router must finish on the partition it started with. Restore "
+                                            "it, or start over with --force");
+    return;
+  }
+  if (router) {
+    const nlohmann::json j = {{"partition", p.origin}, {"partition_sha256", sha}, {"k", p.k},
+                              {"holdout", cfg.data.holdout},
+                              {"holdout_selection", "random, seeded by train.seed"}};
+    write_file_atomic(record.string(), j.dump(2) + "\n");
+    return;
+  }
+  const nlohmann::json j = {{"partition", p.origin},           {"partition_sha256", sha},
+                            {"k", p.k},                        {"expert", cfg.data.expert},
+                            {"images", p.sizes[cfg.data.expert].item<int64_t>()},
+                            {"expert_budget", cfg.train.expert_budget},
+                            {"batch_size", cfg.train.batch_size}, {"steps", cfg.train.steps}};
+  write_file_atomic(record.string(), j.dump(2) + "\n");
+}
+
+}  // namespace
+
+TrainJob prepare_train_job(RunConfig cfg) {
+  TrainJob job = plain_job(std::move(cfg));
+  RunConfig& c = job.cfg;
+  const bool router = is_router_arch(c.model.arch);
+  Partition partition;
+  if (!c.data.partition.empty()) partition = load_partition(c.data.partition);
+  if (router) job.header = select_router_data(c, job.data, partition);
+  std::shared_ptr<DistillTeacher> teacher;
+  if (!c.train.teacher.empty()) {
+    teacher = load_distill_teacher(c, job.data);
+    job.header = describe(*teacher);
+    job.objective = std::make_shared<DistillObjective>(c, teacher_fn(teacher, c));
+  }
+  job.recorded = c;  // an expert's config keeps the global budget; it runs on its share
+  if (!c.data.partition.empty() && !router) job.header = select_expert_data(c, job.data, partition);
+  if (!c.data.partition.empty()) {
+    const RunConfig rc = c;
+    job.records = [rc, partition](const RunDir& dir, bool resume) {
+      check_partition_record(dir, resume, rc, partition);
+    };
+  } else if (teacher) {
+    job.records = [teacher](const RunDir& dir, bool resume) { check_distill_record(dir.root, resume, *teacher); };
+  }
+  return job;
+}
+
+TrainSummary train_run(RunConfig cfg, const TrainOptions& opt) { return train(prepare_train_job(std::move(cfg)), opt); }
+
+}  // namespace ddm

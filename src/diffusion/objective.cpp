@@ -1,0 +1,123 @@
+// Training objectives (see objective.h).
+#include "diffusion/objective.h"
+
+#include <cmath>
+#include <vector>
+
+#include <torch/nn/functional/loss.h>
+
+#include "core/error.h"
+#include "core/keyed_random.h"
+#include "core/rng.h"
+#include "model/router.h"
+
+namespace ddm {
+namespace {
+uint64_t u64(int64_t v) { return static_cast<uint64_t>(v); }
+
+// One key per sample: (seed, purpose, step, position in the global batch).
+std::vector<uint64_t> sample_keys(uint64_t seed, RngPurpose purpose, int64_t step, int64_t first, int64_t n) {
+  std::vector<uint64_t> keys(static_cast<size_t>(n));
+  for (int64_t j = 0; j < n; ++j)
+    keys[static_cast<size_t>(j)] = derive_seed({seed, static_cast<uint64_t>(purpose), u64(step), u64(first + j)});
+  return keys;
+}
+}  // namespace
+
+Objective::Objective(const RunConfig& cfg)
+    : diffusion_(cfg.diffusion),
+      path_(make_path(cfg.diffusion)),
+      pred_(prediction_for(cfg.diffusion)),
+      seed_(static_cast<uint64_t>(cfg.train.seed)),
+      num_classes_(cfg.model.num_classes),
+      label_dropout_(cfg.train.label_dropout) {}
+
+torch::Tensor Objective::draw_time(int64_t step, int64_t first, int64_t n) const {
+  // Uniform on [t_min, 1] or logit-normal; t_min keeps VP eps-prediction away from the t = 0
+  // singularity of its loss weighting (as sample_time in path.h).
+  const double t_min = diffusion_.objective == "flow" ? 0.0 : 1e-3;
+  const auto keys = sample_keys(seed_, RngPurpose::kTime, step, first, n);
+  auto t = torch::empty({n}, torch::kFloat);  // [B]
+  float* p = t.data_ptr<float>();
+  for (int64_t j = 0; j < n; ++j) {
+    const uint64_t key = keys[static_cast<size_t>(j)];
+    double u;
+    if (diffusion_.time_dist == "logit-normal")
+      u = 1.0 / (1.0 + std::exp(-(normal_from_key(key) * diffusion_.logit_std + diffusion_.logit_mean)));
+    else
+      u = uniform_from_key(key);
+    p[j] = static_cast<float>(t_min + (1.0 - t_min) * u);
+  }
+  return t;
+}
+
+torch::Tensor Objective::draw_noise(int64_t step, int64_t first, const torch::Tensor& like) const {
+  return normal_rows(sample_keys(seed_, RngPurpose::kNoise, step, first, like.size(0)), like.sizes().slice(1),
+                     like.options());  // [B, C, H, W]
+}
+
+Prepared Objective::prepare(const Batch& batch, int64_t step) const {
+  const int64_t b = batch.x.size(0);
+  Prepared p;
+  p.t = draw_time(step, batch.first, b);                  // [B]
+  const torch::Tensor eps = draw_noise(step, batch.first, batch.x);  // [B, C, H, W]
+  if (num_classes_ == 0) {
+    p.y = torch::zeros({b}, torch::kLong);  // [B]: the null class of an unconditional model
+  } else {
+    p.y = batch.y.clone();  // [B]
+    if (label_dropout_ > 0) {
+      const auto keys = sample_keys(seed_, RngPurpose::kLabelDrop, step, batch.first, b);
+      int64_t* y = p.y.data_ptr<int64_t>();
+      for (int64_t j = 0; j < b; ++j)
+        if (uniform_from_key(keys[static_cast<size_t>(j)]) < label_dropout_) y[j] = num_classes_;
+    }
+  }
+  p.xt = path_.alpha(p.t).view({-1, 1, 1, 1}) * batch.x + path_.sigma(p.t).view({-1, 1, 1, 1}) * eps;  // [B,C,H,W]
+  p.target = target(batch, p, eps);
+  return p;
+}
+
+torch::Tensor Objective::target(const Batch& b, const Prepared& p, const torch::Tensor& eps) const {
+  return training_target(path_, pred_, b.x, eps, p.t);  // [B, C, H, W]
+}
+
+torch::Tensor Objective::loss(const torch::Tensor& out, const Prepared& p) const {
+  return torch::mse_loss(out, p.target);  // []
+}
+
+std::string Objective::describe() const {
+  return diffusion_.objective + " on path " + path_.name() + ", t " + diffusion_.time_dist;
+}
+
+torch::Tensor RouterObjective::target(const Batch& b, const Prepared&, const torch::Tensor&) const {
+  DDM_CHECK(b.k.defined(), "router training needs the batch's clusters (Dataset::clusters)");
+  return b.k;  // int64 [B]
+}
+
+torch::Tensor RouterObjective::loss(const torch::Tensor& logits, const Prepared& p) const {
+  return torch::nn::functional::cross_entropy(logits, p.target);  // []
+}
+
+std::string RouterObjective::describe() const {
+  return "router cross-entropy on the clusters, at x_t of " + Objective::describe();
+}
+
+DistillObjective::DistillObjective(const RunConfig& cfg, TeacherFn teacher)
+    : Objective(cfg), teacher_(std::move(teacher)) {}
+
+torch::Tensor DistillObjective::target(const Batch& b, const Prepared& p, const torch::Tensor&) const {
+  DDM_CHECK(b.k.defined(), "distillation needs the batch's clusters (Dataset::clusters)");
+  const Denoiser::Estimate est = teacher_(p.xt, p.t, p.y, b.k);
+  return training_target(path_, pred_, est.x0, est.eps, p.t);  // [B, C, H, W]
+}
+
+std::string DistillObjective::describe() const {
+  return "distillation (" + Objective::describe() + "): the target is the teacher's estimate at x_t";
+}
+
+std::shared_ptr<Objective> make_objective(const RunConfig& cfg) {
+  if (is_router_arch(cfg.model.arch)) return std::make_shared<RouterObjective>(cfg);
+  return std::make_shared<Objective>(cfg);
+}
+
+}  // namespace ddm

@@ -1,0 +1,89 @@
+// Training objectives: what a training step does around the model's forward. An Objective draws
+// the step's randomness (time t, noise eps, label dropout), builds the model's inputs (x_t, t, y) and
+// the target, and computes the loss from the model's output. The draw of each sample is keyed by
+// (seed, step, the sample's position in the global batch) (core/keyed_random.h), so it does not
+// depend on how the global batch is split over ranks or micro-batches.
+//   Diffusion:  regress training_target(x0, eps, t) (velocity, eps or v; diffusion/denoiser.h).
+//   Router:     the same x_t, t and label dropout; cross-entropy of the logits against the clusters.
+//   Distill:    regress the teacher's estimate at the same x_t (run without gradients).
+#pragma once
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+
+#include <torch/types.h>
+
+#include "core/config.h"
+#include "data/dataset.h"
+#include "diffusion/denoiser.h"
+#include "diffusion/path.h"
+
+namespace ddm {
+
+// The model's inputs and the target of one (micro-)batch: all no-grad work of the step.
+struct Prepared {
+  torch::Tensor xt;      // float [B, C, H, W]
+  torch::Tensor t;       // float [B]
+  torch::Tensor y;       // int64 [B]; num_classes = the null class (dropped label or unconditional)
+  torch::Tensor target;  // float [B, C, H, W], or int64 [B] (a router's clusters)
+};
+
+// The teacher of distillation: (x0_hat, eps_hat) at x_t [B,C,H,W] on the student's path, times t [B],
+// labels y [B] (null = num_classes) and the examples' clusters k [B].
+using TeacherFn = std::function<Denoiser::Estimate(const torch::Tensor& xt, const torch::Tensor& t,
+                                                   const torch::Tensor& y, const torch::Tensor& k)>;
+
+class Objective {
+ public:
+  // cfg.model must be resolved (num_classes).
+  explicit Objective(const RunConfig& cfg);
+  virtual ~Objective() = default;
+  // Draws t, eps and label dropout for the batch and builds x_t and the target. Call without
+  // gradients: this is the step's prepare phase.
+  Prepared prepare(const Batch& batch, int64_t step) const;
+  // The loss of the model's output on a prepared batch: the mean over its samples, [].
+  virtual torch::Tensor loss(const torch::Tensor& out, const Prepared& p) const;
+  virtual std::string describe() const;
+
+  // The per-sample draws alone (for tests): t [B] and eps [B, C, H, W] of positions first..first+B-1.
+  torch::Tensor draw_time(int64_t step, int64_t first, int64_t n) const;
+  torch::Tensor draw_noise(int64_t step, int64_t first, const torch::Tensor& like) const;
+
+ protected:
+  virtual torch::Tensor target(const Batch& b, const Prepared& p, const torch::Tensor& eps) const;
+  DiffusionConfig diffusion_;
+  NoisePath path_;
+  Prediction pred_;
+  uint64_t seed_;
+  int64_t num_classes_;
+  double label_dropout_;
+};
+
+class RouterObjective : public Objective {
+ public:
+  using Objective::Objective;
+  torch::Tensor loss(const torch::Tensor& logits, const Prepared& p) const override;
+  std::string describe() const override;
+
+ protected:
+  torch::Tensor target(const Batch& b, const Prepared& p, const torch::Tensor& eps) const override;
+};
+
+class DistillObjective : public Objective {
+ public:
+  DistillObjective(const RunConfig& cfg, TeacherFn teacher);
+  std::string describe() const override;
+
+ protected:
+  torch::Tensor target(const Batch& b, const Prepared& p, const torch::Tensor& eps) const override;
+
+ private:
+  TeacherFn teacher_;
+};
+
+// The objective of a config: a router's cross-entropy for router archs, else diffusion regression.
+// (Distillation needs a teacher: construct DistillObjective directly.)
+std::shared_ptr<Objective> make_objective(const RunConfig& cfg);
+
+}  // namespace ddm

@@ -1,0 +1,33 @@
+// Loading trained models (see loaded_model.h).
+#include "train/loaded_model.h"
+
+#include "core/error.h"
+#include "core/run_dir.h"
+#include "diffusion/path.h"
+#include "model/router.h"
+#include "train/checkpoint.h"
+#include "train/optimizer.h"
+
+namespace ddm {
+
+LoadedModel load_model(const std::string& path, bool use_ema) {
+  LoadedModel m;
+  m.checkpoint = resolve_checkpoint(path);
+  Checkpoint ck = read_checkpoint(m.checkpoint, /*weights_only=*/true);
+  m.cfg = parse_config(ck.config_toml, m.checkpoint + "/" + RunDir::kState + " (config)");
+  m.step = ck.step;
+  if (ck.state.contains("class_names")) m.class_names = ck.field<std::vector<std::string>>("/class_names");
+  m.net = make_net(m.cfg.model);
+  load_module_state(*m.net, ck.model, RunDir(m.checkpoint) / RunDir::kModel);
+  if (use_ema) load_module_state(*m.net, ck.ema, RunDir(m.checkpoint) / RunDir::kEma, LoadScope::kTrainable);
+  m.net->eval();
+  return m;
+}
+
+Denoiser make_denoiser(const LoadedModel& m) {
+  DDM_CHECK(!is_router_arch(m.cfg.model.arch), m.checkpoint << " holds a router (" << m.cfg.model.arch
+                                                << "), not a diffusion model; sample an ensemble with --ensemble DIR");
+  return Denoiser(m.net, make_path(m.cfg.diffusion), prediction_for(m.cfg.diffusion), m.cfg.model.num_classes);
+}
+
+}  // namespace ddm

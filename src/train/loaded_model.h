@@ -1,0 +1,26 @@
+// A trained model loaded from a run or checkpoint directory for sampling, evaluation, ensembles
+// and distillation teachers.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "core/config.h"
+#include "diffusion/denoiser.h"
+#include "model/net.h"
+
+namespace ddm {
+
+struct LoadedModel {
+  RunConfig cfg;
+  Net net;
+  int64_t step = 0;
+  std::vector<std::string> class_names;
+  std::string checkpoint;
+};
+// path: a run directory (latest checkpoint) or a checkpoint directory. use_ema selects EMA weights
+// (frozen parameters, which have no EMA, keep their model weights).
+LoadedModel load_model(const std::string& path, bool use_ema);
+Denoiser make_denoiser(const LoadedModel& m);
+
+}  // namespace ddm

@@ -1,0 +1,260 @@
+// Data-parallel `ddm train` as real processes on 127.0.0.1: under `ddm launch` two ranks train what
+// one process trains (within float32 rounding); a worker killed with kill -9 is restarted with the
+// others and the run ends bit-identical to an uninterrupted one; a run resumes under another world
+// size; a hung (SIGSTOPped) worker fails the others after the collective timeout; SIGTERM to one
+// rank stops every rank after the same step with a checkpoint; and every bad start (store
+// unreachable, port taken, ranks with different configs, a batch that does not split) is a clear
+// error naming the rank, with nothing left running.
+#include <gtest/gtest.h>
+
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <thread>
+
+#include <nlohmann/json.hpp>
+
+#include "core/config.h"
+#include "train/checkpoint.h"
+#include "test_util.h"
+
+using namespace ddm;
+using test::run_command;
+namespace fs = std::filesystem;
+
+namespace {
+
+constexpr const char* kTiny = R"([data]
+limit = 512
+[model]
+preset = "unet-tiny"
+channels = 8
+channel_mult = [1, 2]
+groups = 4
+[train]
+steps = 20
+batch_size = 16
+lr = 2e-3
+warmup = 5
+threads = 1
+log_every = 1
+ckpt_every = 5
+seed = 3
+)";
+
+std::string binary() { return DDM_BINARY; }
+
+struct Workdir {
+  test::TempDir dir;
+  std::string cfg;
+  Workdir() {
+    cfg = dir / "tiny.toml";
+    test::write_text(cfg, kTiny);
+  }
+  std::string train(const std::string& out, const std::string& extra = "") const {
+    return "train --quiet --config " + cfg + " --out " + (dir / out) + extra;
+  }
+};
+
+std::vector<double> losses(const std::string& run) {
+  std::vector<double> out;
+  std::ifstream in(run + "/metrics.jsonl");
+  std::string line;
+  while (std::getline(in, line)) out.push_back(nlohmann::json::parse(line)["loss"].get<double>());
+  return out;
+}
+
+double weight_difference(const std::string& a, const std::string& b) {
+  const TensorMap wa = read_checkpoint(*latest_checkpoint(a), true).model, wb = read_checkpoint(*latest_checkpoint(b), true).model;
+  double m = 0;
+  for (const auto& [name, t] : wa) m = std::max(m, (t - wb.at(name)).abs().max().item<double>());
+  return m;
+}
+
+bool has(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
+
+// A free port on 127.0.0.1 (the kernel's choice), for runs started without a launcher.
+int free_port() {
+  const auto r = run_command("/usr/bin/python3 -c 'import socket; s=socket.socket(); s.bind((\"127.0.0.1\",0)); "
+                             "print(s.getsockname()[1])'");
+  return std::stoi(r.output);
+}
+
+// Starts `ddm ARGS` in the background with an environment; returns its pid.
+pid_t spawn(const std::string& env, const std::string& args, const std::string& log) {
+  const auto r = run_command("env " + env + " " + binary() + " " + args + " > " + log + " 2>&1 & echo $!");
+  return static_cast<pid_t>(std::stol(r.output));
+}
+
+int wait_exit(pid_t pid, double seconds) {
+  // The process is a child of the shell that started it, not of this test: poll until it is gone.
+  const auto end = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
+  while (kill(pid, 0) == 0 && std::chrono::steady_clock::now() < end)
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  return kill(pid, 0) == 0 ? -1 : 0;
+}
+
+// Pids of the ddm workers a launcher started (its children).
+std::vector<pid_t> children(pid_t parent) {
+  std::vector<pid_t> out;
+  const auto r = run_command("pgrep -P " + std::to_string(parent));
+  std::istringstream in(r.output);
+  pid_t p;
+  while (in >> p) out.push_back(p);
+  return out;
+}
+
+void wait_for_checkpoints(const std::string& run, size_t n, double seconds) {
+  const auto end = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
+  while (list_checkpoints(run).size() < n && std::chrono::steady_clock::now() < end)
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+}
+
+}  // namespace
+
+TEST(Distributed, TwoLaunchedRanksTrainWhatOneProcessTrains) {
+  Workdir r;
+  const auto one = test::run_ddm(r.train("one"));
+  ASSERT_EQ(one.exit_code, 0) << one.output;
+  const auto two = test::run_ddm("launch --timeout 300 --nproc 2 -- " + r.train("two", " --set train.threads=1"));
+  ASSERT_EQ(two.exit_code, 0) << two.output;
+  const auto l1 = losses(r.dir / "one"), l2 = losses(r.dir / "two");
+  ASSERT_EQ(l1.size(), 20u);
+  ASSERT_EQ(l2.size(), 20u);
+  // Tolerance as in tests/unit/test_data_parallel.cpp: float32 rounding of another summation order.
+  for (size_t i = 0; i < l1.size(); ++i) EXPECT_NEAR(l2[i], l1[i], 1e-4 * l1[i]) << "step " << i + 1;
+  EXPECT_LE(weight_difference(r.dir / "one", r.dir / "two"), 1e-3);
+  const auto state = nlohmann::json::parse(test::read_text(*latest_checkpoint(r.dir / "two") + "/state.json"));
+  EXPECT_EQ(state["world_size"], 2);
+}
+
+TEST(Distributed, AKilledWorkerIsRestartedAndTheRunEndsAsIfUninterrupted) {
+  Workdir r;
+  const std::string sets = " --set train.steps=150 --set train.ckpt_every=10";
+  const auto ref = test::run_ddm("launch --timeout 300 --nproc 2 -- " + r.train("ref", sets));
+  ASSERT_EQ(ref.exit_code, 0) << ref.output;
+
+  const std::string log = r.dir / "launch.log";
+  const pid_t launcher = spawn("", "launch --timeout 300 --max-restarts 1 --nproc 2 -- " + r.train("killed", sets), log);
+  wait_for_checkpoints(r.dir / "killed", 2, 120);
+  auto workers = children(launcher);
+  ASSERT_EQ(workers.size(), 2u) << test::read_text(log);
+  kill(workers[1], SIGKILL);
+  ASSERT_EQ(wait_exit(launcher, 300), 0) << test::read_text(log);
+  const std::string out = test::read_text(log);
+  EXPECT_TRUE(has(out, "was killed by signal 9 (SIGKILL)")) << out;
+  EXPECT_TRUE(has(out, "restarting all 2 workers (restart 1 of 1")) << out;
+  ASSERT_EQ(list_checkpoints(r.dir / "killed").back(), r.dir / "killed/ckpt/step-00000150");
+  // Same world size and threads: the restarted run ends bit for bit where the uninterrupted one does.
+  EXPECT_EQ(weight_difference(r.dir / "ref", r.dir / "killed"), 0.0);
+  EXPECT_EQ(losses(r.dir / "ref").back(), losses(r.dir / "killed").back());
+}
+
+TEST(Distributed, ResumesUnderAnotherWorldSize) {
+  Workdir r;
+  const auto full = test::run_ddm(r.train("full"));
+  ASSERT_EQ(full.exit_code, 0) << full.output;
+  const auto half = test::run_ddm(r.train("mixed", " --set train.steps=10"));
+  ASSERT_EQ(half.exit_code, 0) << half.output;
+  const auto rest = test::run_ddm("launch --timeout 300 --nproc 2 -- " + r.train("mixed", " --resume"));
+  ASSERT_EQ(rest.exit_code, 0) << rest.output;
+  const auto lf = losses(r.dir / "full"), lm = losses(r.dir / "mixed");
+  ASSERT_EQ(lm.size(), 20u);
+  for (size_t i = 0; i < 10; ++i) EXPECT_EQ(lm[i], lf[i]);
+  for (size_t i = 10; i < 20; ++i) EXPECT_NEAR(lm[i], lf[i], 1e-4 * lf[i]) << "step " << i + 1;
+  EXPECT_LE(weight_difference(r.dir / "full", r.dir / "mixed"), 1e-3);
+}
+
+TEST(Distributed, AKilledRankFailsTheOtherWithinSecondsNamingIt) {
+  // Without a launcher to stop it (srun, mpirun, hand-started), the survivor itself must notice.
+  Workdir r;
+  const std::string env = "WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(free_port());
+  const std::string args = r.train("lost", " --set train.steps=100000");
+  const pid_t r0 = spawn("RANK=0 " + env, args, r.dir / "r0.log"), r1 = spawn("RANK=1 " + env, args, r.dir / "r1.log");
+  wait_for_checkpoints(r.dir / "lost", 1, 120);
+  kill(r1, SIGKILL);
+  const auto t0 = std::chrono::steady_clock::now();
+  ASSERT_EQ(wait_exit(r0, 60), 0) << test::read_text(r.dir / "r0.log");
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 30);
+  const std::string out = test::read_text(r.dir / "r0.log");
+  EXPECT_TRUE(has(out, "error: rank 0: lost the connection to rank 1")) << out;
+  EXPECT_FALSE(list_checkpoints(r.dir / "lost").empty());
+}
+
+TEST(Distributed, AHungWorkerFailsTheOthersAfterTheTimeout) {
+  Workdir r;
+  const std::string log = r.dir / "launch.log";
+  const pid_t launcher = spawn("", "launch --timeout 200 --grace 2 --nproc 2 -- " +
+                                       r.train("hung", " --set train.steps=100000 --set parallel.timeout=3"),
+                               log);
+  wait_for_checkpoints(r.dir / "hung", 1, 120);
+  auto workers = children(launcher);
+  ASSERT_EQ(workers.size(), 2u) << test::read_text(log);
+  kill(workers[1], SIGSTOP);
+  const auto t0 = std::chrono::steady_clock::now();
+  ASSERT_EQ(wait_exit(launcher, 120), 0) << test::read_text(log);
+  const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const std::string out = test::read_text(log);
+  EXPECT_TRUE(has(out, "timed out after 3")) << out;
+  EXPECT_TRUE(has(out, "rank 0")) << out;
+  EXPECT_LT(waited, 60) << out;  // bounded by the timeout and the grace period, not by Gloo's 30 minutes
+  EXPECT_FALSE(list_checkpoints(r.dir / "hung").empty());
+}
+
+TEST(Distributed, SigtermToOneRankStopsEveryRankAfterTheSameStepWithACheckpoint) {
+  Workdir r;
+  const std::string env = "WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(free_port());
+  const std::string args = r.train("term", " --set train.steps=100000 --set train.ckpt_every=100000");
+  const pid_t r0 = spawn("RANK=0 " + env, args, r.dir / "r0.log"), r1 = spawn("RANK=1 " + env, args, r.dir / "r1.log");
+  // Wait until training runs (metrics appear), then stop rank 1 only.
+  const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+  while (losses(r.dir / "term").size() < 3 && std::chrono::steady_clock::now() < end)
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  kill(r1, SIGTERM);
+  ASSERT_EQ(wait_exit(r0, 60), 0);
+  ASSERT_EQ(wait_exit(r1, 60), 0);
+  const std::string out0 = test::read_text(r.dir / "r0.log");
+  EXPECT_TRUE(has(out0, "stopped by signal 15")) << out0;
+  const auto ckpts = list_checkpoints(r.dir / "term");
+  ASSERT_EQ(ckpts.size(), 1u) << out0;
+  const auto state = nlohmann::json::parse(test::read_text(ckpts[0] + "/state.json"));
+  EXPECT_EQ(state["step"].get<size_t>(), losses(r.dir / "term").size());
+}
+
+TEST(Distributed, BadStartsAreClearErrors) {
+  Workdir r;
+  const int port = free_port();
+  // Rank 1 alone: the store (rank 0's) never appears.
+  auto alone = run_command("RANK=1 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(port) + " " +
+                           binary() + " " + r.train("alone", " --set parallel.timeout=2"));
+  EXPECT_EQ(alone.exit_code, 1) << alone.output;
+  EXPECT_TRUE(has(alone.output, "error: rank 1: cannot reach the rendezvous store at 127.0.0.1:" + std::to_string(port)))
+      << alone.output;
+  EXPECT_FALSE(fs::exists(r.dir / "alone"));
+  // Rank 0's port is taken.
+  const pid_t holder = spawn("", "launch --timeout 60 --master-port " + std::to_string(port) +
+                                     " --nproc 1 --no-ddm -- sleep 30", r.dir / "holder.log");
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  auto taken = run_command("RANK=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(port) + " " +
+                           binary() + " " + r.train("taken", " --set parallel.timeout=2"));
+  kill(holder, SIGTERM);
+  wait_exit(holder, 30);
+  EXPECT_EQ(taken.exit_code, 1) << taken.output;
+  EXPECT_TRUE(has(taken.output, "already in use")) << taken.output;
+  // Ranks with different configs: the key and the ranks are named; nothing is written.
+  auto differ = test::run_ddm("launch --timeout 120 --nproc 2 --no-ddm -- sh -c '" + binary() + " " +
+                              r.train("differ", " --set train.lr=0.00$((RANK+1))") + "'");
+  EXPECT_NE(differ.exit_code, 0) << differ.output;
+  EXPECT_TRUE(has(differ.output, "ranks disagree on train.lr")) << differ.output;
+  EXPECT_FALSE(fs::exists(r.dir / "differ/config.toml"));
+  // A global batch that does not split over the ranks.
+  auto odd = test::run_ddm("launch --timeout 120 --nproc 2 -- " + r.train("odd", " --set train.batch_size=15"));
+  EXPECT_NE(odd.exit_code, 0) << odd.output;
+  EXPECT_TRUE(has(odd.output, "train.batch_size = 15 does not split into 2 ranks")) << odd.output;
+  EXPECT_TRUE(has(odd.output, "error: rank 1:")) << odd.output;
+  EXPECT_FALSE(fs::exists(r.dir / "odd"));
+}
