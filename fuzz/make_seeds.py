@@ -190,3 +190,12 @@ put(fe, "1d.npy", npy("<f4", "(4,)", f32(1, 2, 3, 4)))
 put(fe, "fortran.npy", npy("<f4", "(2, 2)", f32(1, 2, 3, 4), fortran=True))
 put(fe, "int.npy", npy("<i8", "(1, 1)", i64(3)))
 put(fe, "short.npy", npy("<f4", "(3, 2)", f32(1, 2)))
+
+# ---- launcher environments (fuzz_dist_env): NAME=VALUE lines ----------------------------------
+de = "dist_env"
+put(de, "torchrun", "RANK=1\nWORLD_SIZE=2\nLOCAL_RANK=1\nLOCAL_WORLD_SIZE=2\nMASTER_ADDR=127.0.0.1\nMASTER_PORT=29500\n"
+    "TORCHELASTIC_RESTART_COUNT=1\nTORCHELASTIC_USE_AGENT_STORE=True\nTORCHELASTIC_RUN_ID=none\n")
+put(de, "slurm", "SLURM_PROCID=3\nSLURM_NTASKS=8\nSLURM_LOCALID=1\nSLURM_NODEID=1\nSLURM_TASKS_PER_NODE=2(x3),2\n"
+    "SLURM_JOB_NODELIST=gpu[007-010],cpu1\nSLURM_JOB_ID=123456\nSLURM_RESTART_COUNT=1\nHOSTLIST=a[01-03,7],b[2-3]c\n")
+put(de, "mpi", "OMPI_COMM_WORLD_RANK=1\nOMPI_COMM_WORLD_SIZE=2\nOMPI_COMM_WORLD_LOCAL_RANK=1\n"
+    "OMPI_COMM_WORLD_LOCAL_SIZE=2\n")

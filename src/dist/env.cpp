@@ -202,6 +202,10 @@ DistEnv from_slurm_vars(const Getenv& getenv) {
   e.local_world_size = std::max(e.local_world_size, e.local_rank + 1);
 
   if (auto v = get(getenv, "SLURM_JOB_ID")) e.run_id = *v;
+  // A requeued job (sbatch --requeue, or a node failure) runs again with SLURM_RESTART_COUNT > 0: the
+  // trainer then resumes from its last checkpoint, as after a torchrun restart.
+  if (auto v = get(getenv, "SLURM_RESTART_COUNT"))
+    e.restart_count = parse_int("SLURM_RESTART_COUNT", *v, 0, 1 << 30, how);
   if (auto addr = get(getenv, "MASTER_ADDR")) {
     e.master_addr = *addr;
   } else {

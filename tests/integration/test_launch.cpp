@@ -411,3 +411,87 @@ TEST(Launchers, MpirunSetsTheOpenMpiVariables) {
     EXPECT_EQ(v.at("OMPI_COMM_WORLD_LOCAL_RANK"), rank);
   }
 }
+
+// ---- the real trainer under every launcher ----
+
+namespace {
+constexpr const char* kTinyTrain = R"([data]
+limit = 512
+[model]
+preset = "unet-tiny"
+channels = 8
+channel_mult = [1, 2]
+groups = 4
+[train]
+steps = 10
+batch_size = 16
+warmup = 2
+threads = 1
+log_every = 5
+ckpt_every = 10
+seed = 3
+)";
+
+// `train ...` of the tiny config into DIR/OUT.
+std::string train_args(const Workspace& ws, const std::string& out) {
+  const std::string cfg = ws.dir / "tiny.toml";
+  if (!fs::exists(cfg)) write_text(cfg, kTinyTrain);
+  return "train --config " + cfg + " --out " + (ws.dir / out);
+}
+
+// The sha256 of a run's final weights, and the world size its checkpoint records.
+std::pair<std::string, int> final_weights(const Workspace& ws, const std::string& out) {
+  const std::string ck = ws.dir / (out + "/ckpt/step-00000010");
+  const std::string state = read_text(ck + "/state.json");
+  const size_t at = state.find("\"world_size\": ");
+  const int world = at == std::string::npos ? 0 : std::atoi(state.c_str() + at + 14);
+  return {run_command("sha256sum " + ck + "/model.safetensors | cut -c1-64").output, world};
+}
+}  // namespace
+
+TEST(Launchers, TheTrainerRunsUnderEveryLauncherWithIdenticalResults) {
+  // Same config, seed, world size (2) and threads: every launcher's run ends bit for bit the same.
+  Workspace ws;
+  const CommandResult ours = launch("--nproc 2", ddm_program(train_args(ws, "launch")));
+  ASSERT_EQ(ours.exit_code, 0) << ours.output;
+  EXPECT_TRUE(contains(ours.output, "[rank 0] parallel: data parallel over 2 processes")) << ours.output;
+  const auto ref = final_weights(ws, "launch");
+  ASSERT_EQ(ref.second, 2);
+  std::vector<std::string> skipped;
+
+  if (executable("/usr/bin/torchrun")) {
+    const CommandResult t =
+        run_command("timeout 300 /usr/bin/torchrun --no_python --nproc_per_node 2 --redirects 2 --tee 2 --master_port " +
+                    std::to_string(free_port()) + " " + command_line(ddm_program(train_args(ws, "torchrun"))));
+    ASSERT_EQ(t.exit_code, 0) << t.output;
+    EXPECT_EQ(final_weights(ws, "torchrun"), ref) << t.output;
+  } else {
+    skipped.push_back("torchrun (python3-torch)");
+  }
+  if (executable("/usr/bin/mpirun")) {
+    const CommandResult m = run_command("timeout 300 /usr/bin/mpirun --allow-run-as-root --oversubscribe -n 2 -x "
+                                        "MASTER_ADDR=127.0.0.1 -x MASTER_PORT=" + std::to_string(free_port()) + " " +
+                                        command_line(ddm_program(train_args(ws, "mpirun"))));
+    ASSERT_EQ(m.exit_code, 0) << m.output;
+    EXPECT_EQ(final_weights(ws, "mpirun"), ref) << m.output;
+  } else {
+    skipped.push_back("mpirun (openmpi-bin)");
+  }
+  const std::string missing = slurm_missing();
+  if (missing.empty()) {
+    LocalSlurm slurm(ws.dir.path);
+    ASSERT_EQ(slurm.started.exit_code, 0) << slurm.started.output;
+    const CommandResult s = run_command(slurm.env + "timeout 300 srun -n 2 " +
+                                        command_line(ddm_program(train_args(ws, "srun"))));
+    ASSERT_EQ(s.exit_code, 0) << s.output;
+    EXPECT_EQ(final_weights(ws, "srun"), ref) << s.output;
+  } else {
+    skipped.push_back("srun (a local Slurm needs " + missing + ")");
+  }
+  EXPECT_TRUE(ws.strays_after(10).empty());
+  if (!skipped.empty()) {
+    std::string s;
+    for (const auto& k : skipped) s += (s.empty() ? "" : ", ") + k;
+    GTEST_SKIP() << "the launch run passed; not run: " << s;
+  }
+}

@@ -149,9 +149,13 @@ TEST(DistEnv, Slurm) {
   EXPECT_EQ(e.master_addr, "head");
   EXPECT_EQ(e.master_port, 4000);
   EXPECT_EQ(e.local_world_size, 4);
+  EXPECT_EQ(e.restart_count, 0);
+  v["SLURM_RESTART_COUNT"] = "2";  // a requeued job: the trainer resumes
+  EXPECT_EQ(detect(v).restart_count, 2);
 
   const std::vector<std::pair<Vars, std::string>> bad = {
       {{{"SLURM_PROCID", "0"}}, "SLURM_NTASKS is not"},
+      {{{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "1"}, {"SLURM_RESTART_COUNT", "x"}}, "SLURM_RESTART_COUNT='x'"},
       {{{"SLURM_PROCID", "2"}, {"SLURM_NTASKS", "2"}, {"SLURM_JOB_NODELIST", "a"}}, "SLURM_PROCID=2 is not below"},
       {{{"SLURM_PROCID", "z"}, {"SLURM_NTASKS", "2"}}, "SLURM_PROCID='z' is not an integer"},
       {{{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "2"}}, "SLURM_JOB_NODELIST is set"},
