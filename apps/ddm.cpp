@@ -394,7 +394,9 @@ int run(int argc, char** argv) {
     std::string s;
     for (const auto& k : config_keys()) s += (s.empty() ? "" : ", ") + k;
     return s;
-  }());
+  }() + "\nData parallel: started by `ddm launch --nproc N -- train ...`, torchrun, srun or mpirun, each process "
+        "is one rank of one job (train.batch_size is the global batch; only rank 0 writes --out; a restarted job "
+        "resumes by itself). See docs/distributed.md.");
 
   // sample
   SampleArgs sa;
