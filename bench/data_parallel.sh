@@ -1,0 +1,113 @@
+#!/usr/bin/env bash
+# Data parallelism on one machine, at equal global batch: 1 rank x 1 thread, 1 rank x 2 threads and
+# 2 ranks x 1 thread (`ddm launch --nproc 2`), per preset, plus a gradient-bucket sweep on 2 ranks.
+# Every configuration runs once per round, interleaved, ROUNDS times; the table shows the median over
+# rounds and the min-max spread. Ratios (speed-up, scaling efficiency) are computed within each round
+# (runs made minutes apart, side by side) and then their median is taken. Builds nothing: it uses
+# build/ddm and build/ddm_bench.
+# usage: bench/data_parallel.sh [ROUNDS] [GLOBAL_BATCH]          (defaults: 3 128)
+#        PRESETS="dit-small" bench/data_parallel.sh ...          (a subset; default unet-tiny unet-small dit-small)
+#        SWEEP_PRESETS="dit-small" ...                            (where the bucket sweep runs; default dit-small)
+#        TIMELINES=DIR ...   per-rank step timelines of the last round go to DIR (default /tmp/ddm-dp-timelines),
+#                            and their PNGs too; PNG_DIR=docs copies the dit-small ones there
+set -euo pipefail
+cd "$(dirname "$0")/.."
+rounds=${1:-3}
+batch=${2:-128}
+presets=${PRESETS:-unet-tiny unet-small dit-small}
+sweep_presets=${SWEEP_PRESETS:-dit-small}
+tl=${TIMELINES:-/tmp/ddm-dp-timelines}
+py=/usr/bin/python3
+mkdir -p "$tl"
+results=$(mktemp /tmp/ddm-dp-results.XXXXXX)
+trap 'rm -f "$results"' EXIT
+
+steps_for() {  # few steps on the slow presets: each is seconds long
+  case $1 in *small) echo "--steps 4 --warmup 1";; *) echo "--steps 10 --warmup 2";; esac
+}
+
+# name | ranks | threads | extra ddm_bench flags
+configs_for() {
+  echo "1x1|1|1|"
+  echo "1x2|1|2|"
+  echo "2x1|2|1|"
+  for s in $sweep_presets; do
+    if [ "$s" = "$1" ]; then
+      echo "2x1 cap 1 MiB|2|1|--bucket-mb 1"
+      echo "2x1 cap 4 MiB|2|1|--bucket-mb 4"
+      echo "2x1 fp16 wire|2|1|--wire float16"
+      echo "2x1 cap 4 MiB fp16|2|1|--bucket-mb 4 --wire float16"
+      echo "2x1 no grad sync|2|1|--sync off"
+    fi
+  done
+}
+
+run_one() {  # preset name ranks threads flags timeline-prefix
+  local preset=$1 name=$2 ranks=$3 threads=$4 flags=$5 prefix=$6 line
+  local cmd=(build/ddm_bench dp "$preset" --batch "$batch" --threads "$threads" $(steps_for "$preset") $flags)
+  [ -n "$prefix" ] && cmd+=(--timeline "$prefix")
+  if [ "$ranks" -gt 1 ]; then
+    line=$(build/ddm launch --nproc "$ranks" --no-ddm -- "${cmd[@]}" | sed -n 's/^\[rank 0\] //p' | grep '"mode":"dp"')
+  else
+    line=$("${cmd[@]}" | grep '"mode":"dp"')
+  fi
+  $py -c 'import json,sys; d=json.loads(sys.argv[1]); d["config"]=sys.argv[2]; d["round"]=int(sys.argv[3]); print(json.dumps(d))' \
+    "$line" "$name" "$r" >> "$results"
+  echo "  round $r $preset $name: $($py -c 'import json,sys; d=json.loads(sys.argv[1]); print("%.1f img/s, exposed wait %.0f ms" % (d["img_per_s"], d["exposed_wait_ms"]))' "$line")" >&2
+}
+
+for ((r = 0; r < rounds; r++)); do
+  for preset in $presets; do
+    while IFS='|' read -r name ranks threads flags; do
+      prefix=""
+      if [ $((r + 1)) -eq "$rounds" ] && [ "$ranks" -gt 1 ]; then
+        prefix="$tl/$preset-$(echo "$name" | tr ' ' '-')"
+      fi
+      run_one "$preset" "$name" "$ranks" "$threads" "$flags" "$prefix"
+    done < <(configs_for "$preset")
+  done
+done
+
+# Timelines of the last round.
+for f in "$tl"/*.rank0.json; do
+  [ -e "$f" ] || continue
+  base=${f%.rank0.json}
+  build/ddm_bench timeline "$base.png" "$base".rank*.json >&2
+done
+if [ -n "${PNG_DIR:-}" ]; then
+  for f in "$tl"/dit-small-2x1.png "$tl"/dit-small-2x1-cap-4-MiB.png; do
+    [ -e "$f" ] && cp "$f" "$PNG_DIR/dp-timeline-$(basename "$f" | sed 's/dit-small-//')"
+  done
+fi
+
+$py - "$results" <<'EOF'
+import json, sys, statistics as st
+rows = [json.loads(l) for l in open(sys.argv[1])]
+def med(v): return statistics_median(v)
+def statistics_median(v): return st.median(v) if v else float("nan")
+by = {}
+for d in rows: by.setdefault((d["preset"], d["config"]), []).append(d)
+base = {(d["preset"], d["round"]): d["img_per_s"] for d in rows if d["config"] == "1x1"}
+print("| preset | config | img/s median (min-max) | vs 1x1 | scaling efficiency | MB all-reduced / rank / step | buckets (early) | exposed wait ms | exposed / all-reduce time | skew ms | forward ms | backward compute ms | loss all-reduce ms | update ms |")
+print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+order = []
+for d in rows:
+    k = (d["preset"], d["config"])
+    if k not in order: order.append(k)
+for k in order:
+    v = by[k]
+    ips = [d["img_per_s"] for d in v]
+    ratio = [d["img_per_s"] / base[(d["preset"], d["round"])] for d in v if (d["preset"], d["round"]) in base]
+    m = lambda key: med([d[key] for d in v])
+    ranks = v[0]["ranks"]
+    eff = "%.0f%%" % (100 * med(ratio) / ranks) if ranks > 1 else ("—" if v[0]["threads"] == 1 else "%.0f%%" % (100 * med(ratio) / v[0]["threads"]))
+    sync = v[0]["sync"] == "on" and ranks > 1
+    print("| %s | %s | %.1f (%.1f-%.1f) | %.2fx | %s | %s | %s | %s | %s | %s | %.0f | %.0f | %.1f | %.0f |" % (
+        k[0], k[1], med(ips), min(ips), max(ips), med(ratio), eff,
+        "%.2f" % (v[0]["allreduce_bytes_per_rank"] / 1e6) if sync else "—",
+        "%d (%d)" % (v[0]["buckets"], v[0]["buckets_launched_early"]) if sync else "—",
+        "%.0f" % m("exposed_wait_ms") if sync else "—",
+        "%.0f%% of %.0f ms" % (100 * m("exposed_frac"), m("allreduce_busy_ms")) if sync else "—",
+        "%.0f" % m("skew_ms") if ranks > 1 else "—",
+        m("fwd_ms"), m("bwd_compute_ms"), m("loss_sync_ms"), m("update_ms")))
+EOF
