@@ -33,6 +33,8 @@
 #include <vector>
 
 #include <nlohmann/json.hpp>
+#include <sys/resource.h>
+#include <time.h>
 #include <torch/torch.h>
 
 #include "core/config.h"
@@ -139,6 +141,25 @@ int64_t ns_of(StepTimes::TimePoint t) {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(t.time_since_epoch()).count();
 }
 
+// CPU time (ms) of the whole process (every thread: compute, Gloo's, the store's) and of the calling
+// thread (the one that runs forward, backward and the optimizer; with one intra-op thread, all of the
+// compute). Their difference with one intra-op thread is what Gloo's threads used.
+double cpu_ms(clockid_t clock) {
+  timespec ts{};
+  clock_gettime(clock, &ts);
+  return ts.tv_sec * 1e3 + ts.tv_nsec / 1e6;
+}
+
+// The 1-minute load average: how busy the machine was (other processes included) when a run began.
+double load_average() {
+  double l = -1;
+  if (FILE* f = std::fopen("/proc/loadavg", "r")) {
+    if (std::fscanf(f, "%lf", &l) != 1) l = -1;
+    std::fclose(f);
+  }
+  return l;
+}
+
 double median(std::vector<double> v) {
   if (v.empty()) return 0;
   std::sort(v.begin(), v.end());
@@ -195,14 +216,19 @@ int run_dp(const Args& a, const RunConfig& cfg, Net net) {
   Batch batch{torch::rand({local, 1, 28, 28}) * 2 - 1, torch::randint(0, 10, {local}), torch::Tensor(), rank * local};
   for (int64_t i = 0; i < a.warmup; ++i) stepper.run(batch, i);
   comm->barrier();
+  const double load = load_average();
 
   nlohmann::json steps = nlohmann::json::array();
   std::vector<double> step_ms, fwd_ms, bwd_ms, bwd_compute_ms, wait_ms, busy_ms, loss_sync_ms, clip_ms, update_ms;
+  std::vector<double> proc_cpu_ms, main_cpu_ms;
   std::vector<int64_t> compute_end_ns;  // backward compute ended: backward() returned, minus its wait
   int64_t bytes = 0;
   int buckets_early = 0;
   for (int64_t i = 0; i < a.steps; ++i) {
+    const double p0 = cpu_ms(CLOCK_PROCESS_CPUTIME_ID), m0 = cpu_ms(CLOCK_THREAD_CPUTIME_ID);
     stepper.run(batch, a.warmup + i);
+    proc_cpu_ms.push_back(cpu_ms(CLOCK_PROCESS_CPUTIME_ID) - p0);
+    main_cpu_ms.push_back(cpu_ms(CLOCK_THREAD_CPUTIME_ID) - m0);
     const StepTimes& t = stepper.last_times();
     GradSyncStats st;
     if (sync) st = sync->last_stats();
@@ -256,7 +282,9 @@ int run_dp(const Args& a, const RunConfig& cfg, Net net) {
   // that finished earlier also waits for its slower peer (skew: other processes on the machine,
   // uneven cores); that is reported separately as skew_ms, the spread of compute ends.
   nlohmann::json mine = {{"compute_end_ns", compute_end_ns}, {"wait_ms", wait_ms}, {"busy_ms", busy_ms},
-                         {"bwd_compute_ms", median(bwd_compute_ms)}, {"fwd_ms", median(fwd_ms)}};
+                         {"bwd_compute_ms", median(bwd_compute_ms)}, {"fwd_ms", median(fwd_ms)},
+                         {"cpu_ms", median(proc_cpu_ms)}, {"main_cpu_ms", median(main_cpu_ms)},
+                         {"step_ms", median(step_ms)}};
   const auto all = comm->all_gather_strings(mine.dump());
   if (rank != 0) return 0;
   std::vector<nlohmann::json> rj;
@@ -282,9 +310,16 @@ int run_dp(const Args& a, const RunConfig& cfg, Net net) {
     busy_sum += b;
   }
   nlohmann::json per_rank = nlohmann::json::array();
-  for (const auto& j : rj)
+  double cpu_sum = 0, other_sum = 0, main_share_min = 1e9;
+  for (const auto& j : rj) {
+    const double cpu = j["cpu_ms"], main = j["main_cpu_ms"], wall = j["step_ms"];
+    cpu_sum += cpu;
+    other_sum += cpu - main;
+    main_share_min = std::min(main_share_min, main / wall);
     per_rank.push_back({{"fwd_ms", j["fwd_ms"]}, {"bwd_compute_ms", j["bwd_compute_ms"]},
-                        {"wait_ms", median(j["wait_ms"].get<std::vector<double>>())}});
+                        {"wait_ms", median(j["wait_ms"].get<std::vector<double>>())}, {"cpu_ms", cpu},
+                        {"main_thread_cpu_ms", main}, {"step_ms", wall}});
+  }
   const double step_s = median(step_ms) / 1e3;
   nlohmann::json out = {{"impl", "cpp"},
                         {"mode", "dp"},
@@ -315,6 +350,16 @@ int run_dp(const Args& a, const RunConfig& cfg, Net net) {
                         {"loss_sync_ms", median(loss_sync_ms)},
                         {"clip_ms", median(clip_ms)},
                         {"update_ms", median(update_ms)},
+                        // CPU time per step, all ranks together: how many cores the run got
+                        // (other processes on the machine take the rest), images per CPU-second
+                        // (the work itself, whatever the contention), and what threads other than
+                        // the compute thread used (Gloo's; with --threads 2 also OpenMP's worker).
+                        {"cpu_ms", cpu_sum},
+                        {"cores_used", cpu_sum / median(step_ms)},
+                        {"img_per_cpu_s", a.batch / (cpu_sum / 1e3)},
+                        {"other_threads_cpu_ms", other_sum},
+                        {"main_thread_share_min", main_share_min},
+                        {"load_before", load},
                         {"per_rank", per_rank}};
   std::printf("%s\n", out.dump().c_str());
   std::fflush(stdout);

@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # Data parallelism on one machine, at equal global batch: 1 rank x 1 thread, 1 rank x 2 threads and
-# 2 ranks x 1 thread (`ddm launch --nproc 2`), per preset, plus a gradient-bucket sweep on 2 ranks.
+# 2 ranks x 1 thread (`ddm launch --nproc 2`), per preset, plus a gradient-bucket sweep on 2 ranks
+# and two diagnostics: 1 x 2 with OMP_WAIT_POLICY=passive (OpenMP threads sleep instead of spinning
+# at barriers, which matters when other processes share the cores) and 2 x 1 without the gradient
+# all-reduce (what two processes on the cores cost without any communication).
 # Every configuration runs once per round, interleaved, ROUNDS times; the table shows the median over
 # rounds and the min-max spread. Ratios (speed-up, scaling efficiency) are computed within each round
 # (runs made minutes apart, side by side) and then their median is taken. Builds nothing: it uses
@@ -23,47 +26,47 @@ results=$(mktemp /tmp/ddm-dp-results.XXXXXX)
 trap 'rm -f "$results"' EXIT
 
 steps_for() {  # few steps on the slow presets: each is seconds long
-  case $1 in *small) echo "--steps 4 --warmup 1";; *) echo "--steps 10 --warmup 2";; esac
+  case $1 in *small) echo "--steps 3 --warmup 1";; *) echo "--steps 10 --warmup 2";; esac
 }
 
-# name | ranks | threads | extra ddm_bench flags
+# name | ranks | threads | extra ddm_bench flags | environment
 configs_for() {
-  echo "1x1|1|1|"
-  echo "1x2|1|2|"
-  echo "2x1|2|1|"
+  echo "1x1|1|1||"
+  echo "1x2|1|2||"
+  echo "1x2 OMP passive|1|2||OMP_WAIT_POLICY=passive"
+  echo "2x1|2|1||"
   for s in $sweep_presets; do
     if [ "$s" = "$1" ]; then
-      echo "2x1 cap 1 MiB|2|1|--bucket-mb 1"
-      echo "2x1 cap 4 MiB|2|1|--bucket-mb 4"
-      echo "2x1 fp16 wire|2|1|--wire float16"
-      echo "2x1 cap 4 MiB fp16|2|1|--bucket-mb 4 --wire float16"
-      echo "2x1 no grad sync|2|1|--sync off"
+      echo "2x1 cap 1 MiB|2|1|--bucket-mb 1|"
+      echo "2x1 cap 4 MiB|2|1|--bucket-mb 4|"
+      echo "2x1 fp16 wire|2|1|--wire float16|"
+      echo "2x1 no grad sync|2|1|--sync off|"
     fi
   done
 }
 
-run_one() {  # preset name ranks threads flags timeline-prefix
-  local preset=$1 name=$2 ranks=$3 threads=$4 flags=$5 prefix=$6 line
+run_one() {  # preset name ranks threads flags environment timeline-prefix
+  local preset=$1 name=$2 ranks=$3 threads=$4 flags=$5 envs=$6 prefix=$7 line
   local cmd=(build/ddm_bench dp "$preset" --batch "$batch" --threads "$threads" $(steps_for "$preset") $flags)
   [ -n "$prefix" ] && cmd+=(--timeline "$prefix")
   if [ "$ranks" -gt 1 ]; then
-    line=$(build/ddm launch --nproc "$ranks" --no-ddm -- "${cmd[@]}" | sed -n 's/^\[rank 0\] //p' | grep '"mode":"dp"')
+    line=$(env ${envs} build/ddm launch --nproc "$ranks" --no-ddm -- "${cmd[@]}" | sed -n 's/^\[rank 0\] //p' | grep '"mode":"dp"')
   else
-    line=$("${cmd[@]}" | grep '"mode":"dp"')
+    line=$(env ${envs} "${cmd[@]}" | grep '"mode":"dp"')
   fi
   $py -c 'import json,sys; d=json.loads(sys.argv[1]); d["config"]=sys.argv[2]; d["round"]=int(sys.argv[3]); print(json.dumps(d))' \
     "$line" "$name" "$r" >> "$results"
-  echo "  round $r $preset $name: $($py -c 'import json,sys; d=json.loads(sys.argv[1]); print("%.1f img/s, exposed wait %.0f ms" % (d["img_per_s"], d["exposed_wait_ms"]))' "$line")" >&2
+  echo "  round $r $preset $name: $($py -c 'import json,sys; d=json.loads(sys.argv[1]); print("%.1f img/s, %.2f cores, exposed wait %.0f ms, load %.1f" % (d["img_per_s"], d["cores_used"], d["exposed_wait_ms"], d["load_before"]))' "$line")" >&2
 }
 
 for ((r = 0; r < rounds; r++)); do
   for preset in $presets; do
-    while IFS='|' read -r name ranks threads flags; do
+    while IFS='|' read -r name ranks threads flags envs; do
       prefix=""
       if [ $((r + 1)) -eq "$rounds" ] && [ "$ranks" -gt 1 ]; then
         prefix="$tl/$preset-$(echo "$name" | tr ' ' '-')"
       fi
-      run_one "$preset" "$name" "$ranks" "$threads" "$flags" "$prefix"
+      run_one "$preset" "$name" "$ranks" "$threads" "$flags" "${envs}" "$prefix"
     done < <(configs_for "$preset")
   done
 done
@@ -83,31 +86,43 @@ fi
 $py - "$results" <<'EOF'
 import json, sys, statistics as st
 rows = [json.loads(l) for l in open(sys.argv[1])]
-def med(v): return statistics_median(v)
-def statistics_median(v): return st.median(v) if v else float("nan")
-by = {}
-for d in rows: by.setdefault((d["preset"], d["config"]), []).append(d)
-base = {(d["preset"], d["round"]): d["img_per_s"] for d in rows if d["config"] == "1x1"}
-print("| preset | config | img/s median (min-max) | vs 1x1 | scaling efficiency | MB all-reduced / rank / step | buckets (early) | exposed wait ms | exposed / all-reduce time | skew ms | forward ms | backward compute ms | loss all-reduce ms | update ms |")
-print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-order = []
+med = lambda v: st.median(v) if v else float("nan")
+by, order = {}, []
 for d in rows:
     k = (d["preset"], d["config"])
-    if k not in order: order.append(k)
+    if k not in by: order.append(k)
+    by.setdefault(k, []).append(d)
+one = {(d["preset"], d["round"]): d for d in rows if d["config"] == "1x1"}
+def ratios(v, key):  # within each round, against that round's 1 x 1 run
+    return [d[key] / one[(d["preset"], d["round"])][key] for d in v if (d["preset"], d["round"]) in one]
+print("Throughput at equal global batch (median over rounds, min-max; ratios taken within each round):\n")
+print("| preset | config | img/s | vs 1x1 | scaling efficiency | cores the run got | img per CPU-second | vs 1x1, per CPU-second | load average before |")
+print("|---|---|---|---|---|---|---|---|---|")
 for k in order:
     v = by[k]
     ips = [d["img_per_s"] for d in v]
-    ratio = [d["img_per_s"] / base[(d["preset"], d["round"])] for d in v if (d["preset"], d["round"]) in base]
+    par = v[0]["ranks"] * v[0]["threads"]
+    r, rc = med(ratios(v, "img_per_s")), med(ratios(v, "img_per_cpu_s"))
+    print("| %s | %s | %.1f (%.1f-%.1f) | %.2fx | %s | %.2f | %.1f | %.2fx | %.1f |" % (
+        k[0], k[1], med(ips), min(ips), max(ips), r, "%.0f%%" % (100 * r / par) if par > 1 else "—",
+        med([d["cores_used"] for d in v]), med([d["img_per_cpu_s"] for d in v]), rc, med([d["load_before"] for d in v])))
+print("\nOne step, phase by phase (medians; per rank where it says so):\n")
+print("| preset | config | MB all-reduced / rank / step | buckets (launched during backward) | all-reduce busy ms | exposed wait ms | exposed / all-reduce | skew between ranks ms | Gloo threads CPU ms / step | forward ms | backward compute ms | loss all-reduce ms | AdamW+EMA ms | step ms |")
+print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+for k in order:
+    v = by[k]
     m = lambda key: med([d[key] for d in v])
-    ranks = v[0]["ranks"]
-    eff = "%.0f%%" % (100 * med(ratio) / ranks) if ranks > 1 else ("—" if v[0]["threads"] == 1 else "%.0f%%" % (100 * med(ratio) / v[0]["threads"]))
-    sync = v[0]["sync"] == "on" and ranks > 1
-    print("| %s | %s | %.1f (%.1f-%.1f) | %.2fx | %s | %s | %s | %s | %s | %s | %.0f | %.0f | %.1f | %.0f |" % (
-        k[0], k[1], med(ips), min(ips), max(ips), med(ratio), eff,
-        "%.2f" % (v[0]["allreduce_bytes_per_rank"] / 1e6) if sync else "—",
-        "%d (%d)" % (v[0]["buckets"], v[0]["buckets_launched_early"]) if sync else "—",
-        "%.0f" % m("exposed_wait_ms") if sync else "—",
-        "%.0f%% of %.0f ms" % (100 * m("exposed_frac"), m("allreduce_busy_ms")) if sync else "—",
-        "%.0f" % m("skew_ms") if ranks > 1 else "—",
-        m("fwd_ms"), m("bwd_compute_ms"), m("loss_sync_ms"), m("update_ms")))
+    dp = v[0]["ranks"] > 1
+    sync = dp and v[0]["sync"] == "on"
+    dash = "—"
+    print("| %s | %s | %s | %s | %s | %s | %s | %s | %s | %.0f | %.0f | %.1f | %.0f | %.0f |" % (
+        k[0], k[1],
+        "%.2f" % (v[0]["allreduce_bytes_per_rank"] / 1e6) if sync else dash,
+        "%d (%d)" % (v[0]["buckets"], v[0]["buckets_launched_early"]) if sync else dash,
+        "%.1f" % m("allreduce_busy_ms") if sync else dash,
+        "%.1f" % m("exposed_wait_ms") if sync else dash,
+        "%.0f%%" % (100 * m("exposed_frac")) if sync else dash,
+        "%.0f" % m("skew_ms") if dp else dash,
+        "%.0f" % (m("other_threads_cpu_ms") / v[0]["ranks"]) if v[0]["threads"] == 1 and dp else dash,
+        m("fwd_ms"), m("bwd_compute_ms"), m("loss_sync_ms"), m("update_ms"), 1e3 * m("step_s")))
 EOF
