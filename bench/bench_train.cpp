@@ -18,9 +18,9 @@
 //           Rank 0 prints one JSON line; --timeline writes PREFIX.rankR.json per rank, which
 //           `ddm_bench timeline` draws. --sync off: no gradient all-reduce (a diagnostic only:
 //           the ranks then train different models))
-//        ddm_bench timeline OUT.png RANK0.json [RANK1.json ...] [--step K] [--title TEXT]
+//        ddm_bench timeline OUT.png RANK0.json [RANK1.json ...] [--step K] [--title TEXT] [--window FROM TO]
 //          (one step per rank: compute and communication rows, in ms; the step of median duration
-//           on rank 0 unless --step is given)
+//           on rank 0 unless --step is given; --window: only FROM..TO ms after the step's start)
 // DDM_BENCH_TRACE=FILE with `train` writes a LibTorch profiler trace (Chrome JSON) of 3 steps.
 #include <algorithm>
 #include <chrono>

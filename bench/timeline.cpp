@@ -1,4 +1,4 @@
-// `ddm_bench timeline OUT.png RANK0.json [RANK1.json ...] [--step K] [--title TEXT]`: draws one
+// `ddm_bench timeline OUT.png RANK0.json [RANK1.json ...] [--step K] [--title TEXT] [--window FROM TO]`: draws one
 // training step of every rank from the per-rank timelines `ddm_bench dp --timeline PREFIX` writes.
 // Two rows per rank on one time axis (ms; the ranks share the machine's steady clock):
 //   compute     prepare + forward + loss | backward compute | loss all-reduce + clip | AdamW + EMA
@@ -96,15 +96,17 @@ double nice_tick(double span, int target) {
 }  // namespace
 
 int timeline_main(int argc, char** argv) {
-  DDM_CHECK(argc >= 4, "usage: ddm_bench timeline OUT.png RANK0.json [RANK1.json ...] [--step K] [--title TEXT]");
+  DDM_CHECK(argc >= 4, "usage: ddm_bench timeline OUT.png RANK0.json [RANK1.json ...] [--step K] [--title TEXT] [--window FROM_MS TO_MS]");
   const std::string out = argv[2];
   std::vector<nlohmann::json> ranks;
   int step = -1;
+  double win_from = -1, win_to = -1;  // --window FROM TO: ms after the step's start (zoom)
   std::string title;
   for (int i = 3; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--step" && i + 1 < argc) step = std::atoi(argv[++i]);
     else if (a == "--title" && i + 1 < argc) title = argv[++i];
+    else if (a == "--window" && i + 2 < argc) win_from = std::atof(argv[++i]), win_to = std::atof(argv[++i]);
     else {
       std::ifstream in(a);
       DDM_CHECK(in, "ddm_bench timeline: cannot read " << a);
@@ -134,6 +136,10 @@ int timeline_main(int argc, char** argv) {
         if (b["done_ms"].get<double>() >= 0)
           t1 = std::max(t1, s["origin_ns"].get<int64_t>() + static_cast<int64_t>(b["done_ms"].get<double>() * 1e6));
   }
+  if (win_to > win_from && win_from >= 0) {
+    t1 = t0 + static_cast<int64_t>(win_to * 1e6);
+    t0 += static_cast<int64_t>(win_from * 1e6);
+  }
   const double span_ms = (t1 - t0) / 1e6;
   if (title.empty()) {
     const auto& r = ranks[0];
@@ -149,7 +155,9 @@ int timeline_main(int argc, char** argv) {
   const int H = top + n * (2 * row_h + 8 + rank_gap) + axis_h;
   Canvas c(W, H);
   const int plot_w = W - left - right;
-  auto X = [&](double ms) { return left + static_cast<int>(std::lround(ms / span_ms * plot_w)); };
+  auto X = [&](double ms) {
+    return left + static_cast<int>(std::lround(std::clamp(ms / span_ms, -0.001, 1.001) * plot_w));
+  };
   auto Xns = [&](int64_t ns) { return X((ns - t0) / 1e6); };
 
   c.text(12, 10, title, 2);
@@ -177,7 +185,8 @@ int timeline_main(int argc, char** argv) {
   for (double ms = 0; ms <= span_ms + 1e-9; ms += tick) {
     c.fill(X(ms), top - 4, X(ms) + 1, plot_bottom, kGrid);
     c.fill(X(ms), plot_bottom, X(ms) + 1, plot_bottom + 6, kInk);
-    const std::string lab = tick >= 1 ? fmt("%.0f", ms) : fmt("%.1f", ms);
+    const double at = ms + (win_to > win_from && win_from >= 0 ? win_from : 0);
+    const std::string lab = tick >= 1 ? fmt("%.0f", at) : fmt("%.1f", at);
     c.text(X(ms) - 4 * static_cast<int>(lab.size()), plot_bottom + 10, lab, 2);
   }
   c.fill(left, plot_bottom, left + plot_w, plot_bottom + 1, kInk);
