@@ -12,7 +12,7 @@
 #        PRESETS="dit-small" bench/data_parallel.sh ...          (a subset; default unet-tiny unet-small dit-small)
 #        SWEEP_PRESETS="dit-small" ...                            (where the bucket sweep runs; default dit-small)
 #        TIMELINES=DIR ...   per-rank step timelines of the last round go to DIR (default /tmp/ddm-dp-timelines),
-#                            and their PNGs too; PNG_DIR=docs copies the dit-small ones there
+#                            and their PNGs too; PNG_DIR=docs redraws docs' two dit-small timelines there
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rounds=${1:-3}
@@ -77,10 +77,10 @@ for f in "$tl"/*.rank0.json; do
   base=${f%.rank0.json}
   build/ddm_bench timeline "$base.png" "$base".rank*.json >&2
 done
-if [ -n "${PNG_DIR:-}" ]; then
-  for f in "$tl"/dit-small-2x1.png "$tl"/dit-small-2x1-cap-4-MiB.png; do
-    [ -e "$f" ] && cp "$f" "$PNG_DIR/dp-timeline-$(basename "$f" | sed 's/dit-small-//')"
-  done
+if [ -n "${PNG_DIR:-}" ]; then  # the two images of docs/results.md
+  build/ddm_bench timeline "$PNG_DIR/dp-timeline-dit-small.png" "$tl"/dit-small-2x1.rank*.json >&2
+  build/ddm_bench timeline "$PNG_DIR/dp-timeline-dit-small-1mib.png" "$tl"/dit-small-2x1-cap-1-MiB.rank*.json \
+    --window 1100 2700 --title "dit-small, global batch $batch, 2 ranks x 1 thread, buckets 1 MiB (first 1 MiB), float32 wire: the backward of one step" >&2
 fi
 
 $py - "$results" <<'EOF'
