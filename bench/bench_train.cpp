@@ -9,21 +9,41 @@
 //        ddm_bench ops PRESET [--batch 128] [--threads 2] [--steps 20] [--warmup 3]
 //          (attention, fc1 + GELU, and adaLN + proj + gated residual of one DiT block, forward +
 //           backward: the fused CPU kernels against LibTorch's ops)
+//        ddm_bench dp PRESET [--batch 128] [--threads 1] [--steps 5] [--warmup 2] [--bucket-mb 25]
+//          [--first-bucket-mb 1] [--wire float32|float16] [--gloo-threads 1] [--sync on|off]
+//          [--timeline PREFIX]
+//          (data parallel: --batch is the GLOBAL batch, split over the ranks of the launcher's
+//           environment (one process without one), gradients synchronized by GradSync exactly as
+//           `ddm train` wires it; run it under `ddm launch --nproc N --no-ddm -- ddm_bench dp ...`.
+//           Rank 0 prints one JSON line; --timeline writes PREFIX.rankR.json per rank, which
+//           `ddm_bench timeline` draws. --sync off: no gradient all-reduce (a diagnostic only:
+//           the ranks then train different models))
+//        ddm_bench timeline OUT.png RANK0.json [RANK1.json ...] [--step K] [--title TEXT] [--window FROM TO]
+//          (one step per rank: compute and communication rows, in ms; the step of median duration
+//           on rank 0 unless --step is given; --window: only FROM..TO ms after the step's start)
 // DDM_BENCH_TRACE=FILE with `train` writes a LibTorch profiler trace (Chrome JSON) of 3 steps.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <fstream>
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+#include <sys/resource.h>
+#include <time.h>
 #include <torch/torch.h>
 
 #include "core/config.h"
 #include "core/error.h"
 #include "core/runtime.h"
 #include "diffusion/generate.h"
+#include "dist/comm.h"
+#include "dist/env.h"
+#include "dist/grad_sync.h"
 #include "model/fused_cpu.h"
 #include "model/ops.h"
 #include "model/dit.h"
@@ -41,28 +61,50 @@ namespace {
 struct Args {
   std::string mode, preset;
   int64_t batch = 128, threads = 2, steps = 20, warmup = 3, n = 256, nfe = 50;
+  // dp
+  double bucket_mb = 25, first_bucket_mb = 1;
+  std::string wire = "float32", sync = "on", timeline;
+  int64_t gloo_threads = 1;
+  bool threads_set = false, steps_set = false, warmup_set = false;
 };
 
 Args parse(int argc, char** argv) {
   Args a;
-  DDM_CHECK(argc >= 2, "usage: ddm_bench train|peak|sample|ops [PRESET] [--batch N] [--threads N] [--steps N]");
+  DDM_CHECK(argc >= 2, "usage: ddm_bench train|peak|sample|ops|dp|timeline [PRESET] [--batch N] [--threads N] [--steps N]");
   a.mode = argv[1];
   int i = 2;
   if (a.mode != "peak") {
     DDM_CHECK(argc >= 3, "ddm_bench " << a.mode << " needs a preset");
     a.preset = argv[i++];
   }
-  for (; i + 1 < argc; i += 2) {
+  for (; i < argc; i += 2) {
     const std::string k = argv[i];
-    const int64_t v = std::atoll(argv[i + 1]);
+    DDM_CHECK(i + 1 < argc, "ddm_bench: " << k << " needs a value");
+    const std::string s = argv[i + 1];
+    const int64_t v = std::atoll(s.c_str());
     if (k == "--batch") a.batch = v;
-    else if (k == "--threads") a.threads = v;
-    else if (k == "--steps") a.steps = v;
-    else if (k == "--warmup") a.warmup = v;
+    else if (k == "--threads") a.threads = v, a.threads_set = true;
+    else if (k == "--steps") a.steps = v, a.steps_set = true;
+    else if (k == "--warmup") a.warmup = v, a.warmup_set = true;
     else if (k == "--n") a.n = v;
     else if (k == "--nfe") a.nfe = v;
+    else if (k == "--bucket-mb") a.bucket_mb = std::atof(s.c_str());
+    else if (k == "--first-bucket-mb") a.first_bucket_mb = std::atof(s.c_str());
+    else if (k == "--wire") a.wire = s;
+    else if (k == "--gloo-threads") a.gloo_threads = v;
+    else if (k == "--sync") a.sync = s;
+    else if (k == "--timeline") a.timeline = s;
     else DDM_FAIL("unknown flag " << k);
   }
+  if (a.mode == "dp") {  // defaults of the data-parallel mode: one thread per rank, few (slow) steps
+    if (!a.threads_set) a.threads = 1;
+    if (!a.steps_set) a.steps = 5;
+    if (!a.warmup_set) a.warmup = 2;
+  }
+  DDM_CHECK(a.wire == "float32" || a.wire == "float16", "--wire must be float32 or float16, got " << a.wire);
+  DDM_CHECK(a.sync == "on" || a.sync == "off", "--sync must be on or off, got " << a.sync);
+  DDM_CHECK(a.bucket_mb > 0 && a.first_bucket_mb > 0 && a.gloo_threads >= 1,
+            "--bucket-mb and --first-bucket-mb must be > 0, --gloo-threads >= 1");
   DDM_CHECK(a.batch >= 1 && a.threads >= 1 && a.steps >= 1 && a.warmup >= 0 && a.n >= 1 && a.nfe >= 1,
             "ddm_bench: --batch, --threads, --steps, --n and --nfe must be >= 1 and --warmup >= 0");
   return a;
@@ -92,9 +134,244 @@ double matmul_peak(int64_t threads) {
   return best;
 }
 
+double ms_between(StepTimes::TimePoint a, StepTimes::TimePoint b) {
+  return std::chrono::duration<double, std::milli>(b - a).count();
+}
+int64_t ns_of(StepTimes::TimePoint t) {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(t.time_since_epoch()).count();
+}
+
+// CPU time (ms) of the whole process (every thread: compute, Gloo's, the store's) and of the calling
+// thread (the one that runs forward, backward and the optimizer; with one intra-op thread, all of the
+// compute). Their difference with one intra-op thread is what Gloo's threads used.
+double cpu_ms(clockid_t clock) {
+  timespec ts{};
+  clock_gettime(clock, &ts);
+  return ts.tv_sec * 1e3 + ts.tv_nsec / 1e6;
+}
+
+// The 1-minute load average: how busy the machine was (other processes included) when a run began.
+double load_average() {
+  double l = -1;
+  if (FILE* f = std::fopen("/proc/loadavg", "r")) {
+    if (std::fscanf(f, "%lf", &l) != 1) l = -1;
+    std::fclose(f);
+  }
+  return l;
+}
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+// How long at least one bucket's all-reduce was in flight: the union of the [launch, done]
+// intervals (ms). Buckets are queued behind each other in Gloo's thread(s), so the sum of
+// (done - launch) would count the queueing of later buckets again; the union does not. This is the
+// denominator of the exposed fraction: exposed = wait after backward / union.
+double allreduce_busy_ms(const GradSyncStats& st) {
+  std::vector<std::pair<double, double>> iv;
+  for (size_t b = 0; b < st.launch_ms.size(); ++b)
+    if (st.launch_ms[b] >= 0 && st.done_ms[b] >= 0) iv.emplace_back(st.launch_ms[b], st.done_ms[b]);
+  std::sort(iv.begin(), iv.end());
+  double total = 0, lo = 0, hi = -1;
+  for (const auto& [a, b] : iv) {
+    if (a > hi) {
+      if (hi > lo) total += hi - lo;
+      lo = a;
+      hi = b;
+    } else {
+      hi = std::max(hi, b);
+    }
+  }
+  if (hi > lo) total += hi - lo;
+  return total;
+}
+
+// `ddm_bench dp`: the training step with data parallelism, wired as train() wires it (Comm from the
+// launcher's environment, this rank's shard of the global batch, GradSync on the optimizer's flat
+// gradient buffer). Phases are read from TrainStep::last_times() and GradSync::last_stats(), so the
+// timed code is exactly the library's.
+int run_dp(const Args& a, const RunConfig& cfg, Net net) {
+  const DistEnv env = detect_dist_env();
+  CommOptions co;
+  co.gloo_threads = static_cast<int>(a.gloo_threads);
+  auto comm = Comm::create(env, co);
+  const int rank = comm->rank(), world = comm->world_size();
+  DDM_CHECK(a.batch % world == 0, "ddm_bench dp: --batch " << a.batch << " (global) does not split into " << world << " ranks");
+  const int64_t local = a.batch / world;
+  TrainStep stepper(cfg, net, make_objective(cfg));
+  std::shared_ptr<GradSync> sync;
+  if (comm->distributed()) {
+    GradSyncOptions so;
+    so.first_bucket_bytes = static_cast<int64_t>(a.first_bucket_mb * (1 << 20));
+    so.bucket_cap_bytes = static_cast<int64_t>(a.bucket_mb * (1 << 20));
+    so.fp16_wire = a.wire == "float16";
+    if (a.sync == "on") sync = std::make_shared<GradSync>(comm, stepper.optim().params(), stepper.optim().flat_grad(), so);
+    stepper.set_data_parallel(comm, sync);  // without sync: only the loss is all-reduced (--sync off)
+  }
+  torch::manual_seed(1000 + rank);  // this rank's shard: different samples on every rank
+  Batch batch{torch::rand({local, 1, 28, 28}) * 2 - 1, torch::randint(0, 10, {local}), torch::Tensor(), rank * local};
+  for (int64_t i = 0; i < a.warmup; ++i) stepper.run(batch, i);
+  comm->barrier();
+  const double load = load_average();
+
+  nlohmann::json steps = nlohmann::json::array();
+  std::vector<double> step_ms, fwd_ms, bwd_ms, bwd_compute_ms, wait_ms, busy_ms, loss_sync_ms, clip_ms, update_ms;
+  std::vector<double> proc_cpu_ms, main_cpu_ms;
+  std::vector<int64_t> compute_end_ns;  // backward compute ended: backward() returned, minus its wait
+  int64_t bytes = 0;
+  int buckets_early = 0;
+  for (int64_t i = 0; i < a.steps; ++i) {
+    const double p0 = cpu_ms(CLOCK_PROCESS_CPUTIME_ID), m0 = cpu_ms(CLOCK_THREAD_CPUTIME_ID);
+    stepper.run(batch, a.warmup + i);
+    proc_cpu_ms.push_back(cpu_ms(CLOCK_PROCESS_CPUTIME_ID) - p0);
+    main_cpu_ms.push_back(cpu_ms(CLOCK_THREAD_CPUTIME_ID) - m0);
+    const StepTimes& t = stepper.last_times();
+    GradSyncStats st;
+    if (sync) st = sync->last_stats();
+    const double bwd = ms_between(t.backward_start, t.backward_end);
+    const double busy = allreduce_busy_ms(st);
+    step_ms.push_back(ms_between(t.start, t.end));
+    fwd_ms.push_back(ms_between(t.start, t.backward_start));
+    bwd_ms.push_back(bwd);
+    bwd_compute_ms.push_back(bwd - st.wait_ms);
+    wait_ms.push_back(st.wait_ms);
+    busy_ms.push_back(busy);
+    loss_sync_ms.push_back(ms_between(t.backward_end, t.synced));
+    clip_ms.push_back(ms_between(t.synced, t.clipped));
+    update_ms.push_back(ms_between(t.clipped, t.end));
+    compute_end_ns.push_back(ns_of(t.backward_end) - static_cast<int64_t>(st.wait_ms * 1e6));
+    bytes = st.bytes;
+    buckets_early = st.launched_early;
+    if (!a.timeline.empty()) {
+      nlohmann::json rec = {{"start_ns", ns_of(t.start)},          {"backward_start_ns", ns_of(t.backward_start)},
+                            {"backward_end_ns", ns_of(t.backward_end)}, {"synced_ns", ns_of(t.synced)},
+                            {"clipped_ns", ns_of(t.clipped)},       {"end_ns", ns_of(t.end)},
+                            {"wait_ms", st.wait_ms},                {"bytes", st.bytes}};
+      nlohmann::json bk = nlohmann::json::array();
+      if (sync) {
+        rec["origin_ns"] = ns_of(st.origin);
+        const int64_t elem = a.wire == "float16" ? 2 : 4;
+        for (size_t b = 0; b < st.launch_ms.size(); ++b)
+          bk.push_back({{"index", b},
+                        {"bytes", sync->buckets()[b].numel() * elem},
+                        {"launch_ms", st.launch_ms[b]},
+                        {"done_ms", st.done_ms[b]}});
+      }
+      rec["buckets"] = bk;
+      steps.push_back(rec);
+    }
+  }
+  if (!a.timeline.empty()) {
+    nlohmann::json doc = {{"preset", a.preset}, {"rank", rank},         {"world", world},
+                          {"threads", a.threads}, {"global_batch", a.batch}, {"bucket_mb", a.bucket_mb},
+                          {"first_bucket_mb", a.first_bucket_mb}, {"wire", a.wire}, {"sync", a.sync},
+                          {"steps", steps}};
+    const std::string path = a.timeline + ".rank" + std::to_string(rank) + ".json";
+    std::ofstream f(path);
+    f << doc.dump(1) << "\n";
+    DDM_CHECK(f.good(), "ddm_bench dp: cannot write the timeline " << path << " (does its directory exist?)");
+  }
+  // Per step, every rank's backward-compute end (absolute, one steady clock for the whole machine),
+  // wait and all-reduce busy time go to rank 0. The rank whose backward compute ended LAST in a step
+  // is the critical one: its wait after backward is communication that backward did not hide (the
+  // "exposed" time of the target), and its union of bucket intervals is the all-reduce time. A rank
+  // that finished earlier also waits for its slower peer (skew: other processes on the machine,
+  // uneven cores); that is reported separately as skew_ms, the spread of compute ends.
+  nlohmann::json mine = {{"compute_end_ns", compute_end_ns}, {"wait_ms", wait_ms}, {"busy_ms", busy_ms},
+                         {"bwd_compute_ms", median(bwd_compute_ms)}, {"fwd_ms", median(fwd_ms)},
+                         {"cpu_ms", median(proc_cpu_ms)}, {"main_cpu_ms", median(main_cpu_ms)},
+                         {"step_ms", median(step_ms)}};
+  const auto all = comm->all_gather_strings(mine.dump());
+  if (rank != 0) return 0;
+  std::vector<nlohmann::json> rj;
+  for (const auto& s : all) rj.push_back(nlohmann::json::parse(s));
+  std::vector<double> exposed, busy_crit, skew, worst_wait;
+  double exposed_sum = 0, busy_sum = 0;
+  for (int64_t k = 0; k < a.steps; ++k) {
+    int crit = 0;
+    int64_t lo = INT64_MAX, hi = INT64_MIN;
+    double ww = 0;
+    for (int r = 0; r < world; ++r) {
+      const int64_t e = rj[r]["compute_end_ns"][k].get<int64_t>();
+      if (e > hi) hi = e, crit = r;
+      lo = std::min(lo, e);
+      ww = std::max(ww, rj[r]["wait_ms"][k].get<double>());
+    }
+    const double w = rj[crit]["wait_ms"][k].get<double>(), b = rj[crit]["busy_ms"][k].get<double>();
+    exposed.push_back(w);
+    busy_crit.push_back(b);
+    skew.push_back((hi - lo) / 1e6);
+    worst_wait.push_back(ww);
+    exposed_sum += w;
+    busy_sum += b;
+  }
+  nlohmann::json per_rank = nlohmann::json::array();
+  double cpu_sum = 0, other_sum = 0, main_share_min = 1e9;
+  for (const auto& j : rj) {
+    const double cpu = j["cpu_ms"], main = j["main_cpu_ms"], wall = j["step_ms"];
+    cpu_sum += cpu;
+    other_sum += cpu - main;
+    main_share_min = std::min(main_share_min, main / wall);
+    per_rank.push_back({{"fwd_ms", j["fwd_ms"]}, {"bwd_compute_ms", j["bwd_compute_ms"]},
+                        {"wait_ms", median(j["wait_ms"].get<std::vector<double>>())}, {"cpu_ms", cpu},
+                        {"main_thread_cpu_ms", main}, {"step_ms", wall}});
+  }
+  const double step_s = median(step_ms) / 1e3;
+  nlohmann::json out = {{"impl", "cpp"},
+                        {"mode", "dp"},
+                        {"preset", a.preset},
+                        {"global_batch", a.batch},
+                        {"ranks", world},
+                        {"threads", a.threads},
+                        {"gloo_threads", a.gloo_threads},
+                        {"bucket_mb", a.bucket_mb},
+                        {"first_bucket_mb", a.first_bucket_mb},
+                        {"wire", a.wire},
+                        {"sync", a.sync},
+                        {"buckets", sync ? static_cast<int64_t>(sync->buckets().size()) : 0},
+                        {"buckets_launched_early", buckets_early},
+                        {"params", count_params(*net)},
+                        {"steps", a.steps},
+                        {"step_s", step_s},
+                        {"img_per_s", a.batch / step_s},
+                        {"allreduce_bytes_per_rank", bytes},
+                        {"fwd_ms", median(fwd_ms)},
+                        {"bwd_ms", median(bwd_ms)},
+                        {"bwd_compute_ms", median(bwd_compute_ms)},
+                        {"exposed_wait_ms", median(exposed)},
+                        {"allreduce_busy_ms", median(busy_crit)},
+                        {"exposed_frac", busy_sum > 0 ? exposed_sum / busy_sum : 0.0},
+                        {"skew_ms", median(skew)},
+                        {"max_wait_ms", median(worst_wait)},
+                        {"loss_sync_ms", median(loss_sync_ms)},
+                        {"clip_ms", median(clip_ms)},
+                        {"update_ms", median(update_ms)},
+                        // CPU time per step, all ranks together: how many cores the run got
+                        // (other processes on the machine take the rest), images per CPU-second
+                        // (the work itself, whatever the contention), and what threads other than
+                        // the compute thread used (Gloo's; with --threads 2 also OpenMP's worker).
+                        {"cpu_ms", cpu_sum},
+                        {"cores_used", cpu_sum / median(step_ms)},
+                        {"img_per_cpu_s", a.batch / (cpu_sum / 1e3)},
+                        {"other_threads_cpu_ms", other_sum},
+                        {"main_thread_share_min", main_share_min},
+                        {"load_before", load},
+                        {"per_rank", per_rank}};
+  std::printf("%s\n", out.dump().c_str());
+  std::fflush(stdout);
+  return 0;
+}
+
 }  // namespace
 
+int timeline_main(int argc, char** argv);  // bench/timeline.cpp
+
 int main(int argc, char** argv) try {
+  if (argc >= 2 && std::string(argv[1]) == "timeline") return timeline_main(argc, argv);
   const Args a = parse(argc, argv);
   if (!std::getenv("DDM_DEFAULT_MALLOC")) configure_allocator();
   if (a.mode == "peak") {
@@ -107,6 +384,7 @@ int main(int argc, char** argv) try {
   torch::manual_seed(0);
   Net net = make_net(cfg.model);
   const double fwd_flops = forward_flops_per_image(cfg.model);
+  if (a.mode == "dp") return run_dp(a, cfg, net);
   if (a.mode == "train") {
     TrainStep stepper(cfg, net, make_objective(cfg));
     Batch batch{torch::rand({a.batch, 1, 28, 28}) * 2 - 1, torch::randint(0, 10, {a.batch}), torch::Tensor(), 0};
@@ -217,7 +495,7 @@ int main(int argc, char** argv) try {
                 static_cast<long long>(a.threads), out.seconds, a.n / out.seconds);
     return 0;
   }
-  DDM_FAIL("unknown mode " << a.mode << " (train | peak | sample | ops)");
+  DDM_FAIL("unknown mode " << a.mode << " (train | peak | sample | ops | dp | timeline)");
 } catch (const std::exception& e) {
   std::fprintf(stderr, "error: %s\n", e.what());
   return 1;

@@ -106,6 +106,7 @@ struct GradSync::State : std::enable_shared_from_this<GradSync::State> {
     stats.from_hooks = from_hooks;
     late_error.clear();
     t0 = Clock::now();
+    stats.origin = t0;
   }
 
   void launch(int b) {

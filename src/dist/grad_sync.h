@@ -6,6 +6,7 @@
 // parameters are all ready is all-reduced at once, strictly in bucket order on every rank, and the
 // end of backward launches what is left and waits.
 #pragma once
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <vector>
@@ -42,6 +43,7 @@ struct GradSyncStats {
   int ready_params = 0;           // parameters marked ready by hooks (each at most once)
   int repeated_hooks = 0;         // hook firings for a parameter already marked (ignored)
   bool from_hooks = false;        // false: synchronized by sync_now() / finish() without hooks
+  std::chrono::steady_clock::time_point origin;  // the 0 of the times above (the first gradient ready)
 };
 
 class GradSync {

@@ -42,12 +42,15 @@ double TrainStep::forward_backward(const Batch& micro, int64_t step, double scal
   const torch::Tensor loss = objective_->loss(out, p);      // []
   // Backward even when the loss is not finite: with data parallelism every rank must take part in
   // the gradient all-reduce; the non-finite gradient then stops the step on every rank alike.
+  times_.backward_start = std::chrono::steady_clock::now();
   (scale == 1.0 ? loss : loss * scale).backward();
+  times_.backward_end = std::chrono::steady_clock::now();
   return loss.item<double>();
 }
 
 StepResult TrainStep::run(const std::vector<Batch>& micro, int64_t step) {
   DDM_CHECK(!micro.empty(), "TrainStep::run: no micro-batches");
+  times_.start = std::chrono::steady_clock::now();
   const TrainConfig& tc = cfg_.train;
   StepResult r;
   r.lr = lr_at(tc, step);
@@ -69,8 +72,10 @@ StepResult TrainStep::run(const std::vector<Batch>& micro, int64_t step) {
     comm_->allreduce_sum(l);
     r.loss = l.item<double>() / comm_->world_size();
   }
+  times_.synced = std::chrono::steady_clock::now();
   // Clip by the global norm: after the all-reduce every rank holds the same (global) gradient.
   r.grad_norm = optim_.clip_grad_norm(tc.grad_clip);
+  times_.clipped = times_.end = std::chrono::steady_clock::now();
   if (!std::isfinite(r.loss) || !std::isfinite(r.grad_norm)) {
     r.finite = false;
     return r;
@@ -78,6 +83,7 @@ StepResult TrainStep::run(const std::vector<Batch>& micro, int64_t step) {
   // EMA with the usual warm-up so short runs are not dominated by the initial weights.
   const double n = static_cast<double>(optim_.step_count() + 1);
   optim_.step(r.lr, std::min(tc.ema_decay, (1.0 + n) / (10.0 + n)));
+  times_.end = std::chrono::steady_clock::now();
   return r;
 }
 

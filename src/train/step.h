@@ -9,6 +9,7 @@
 //   update                   AdamW + EMA, one pass over the flat buffers
 // All randomness is keyed by (seed, step, global sample position): see objective.h.
 #pragma once
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <vector>
@@ -33,6 +34,19 @@ struct StepResult {
 // Learning rate at a 0-based step: linear warm-up, then constant or cosine decay to 0.
 double lr_at(const TrainConfig& t, int64_t step);
 
+// When the phases of the last TrainStep::run() began and ended (steady clock), for benchmarks and
+// timelines; reading the clock six times a step costs nothing measurable. With several micro-batches
+// backward_start / backward_end are those of the last one (the one whose backward synchronizes).
+struct StepTimes {
+  using TimePoint = std::chrono::steady_clock::time_point;
+  TimePoint start;           // run() entered
+  TimePoint backward_start;  // prepare + forward + loss done: backward() called
+  TimePoint backward_end;    // backward() returned: with data parallelism it has waited for every bucket
+  TimePoint synced;          // the global loss is known (one small all-reduce)
+  TimePoint clipped;         // the global gradient norm is computed and applied
+  TimePoint end;             // AdamW + EMA done (== clipped when the step was not finite)
+};
+
 class TrainStep {
  public:
   // cfg.model must be resolved (in_channels, image_size, num_classes); net built from it.
@@ -46,6 +60,7 @@ class TrainStep {
   FlatAdamW& optim() { return optim_; }
   const Net& net() const { return net_; }
   const Objective& objective() const { return *objective_; }
+  const StepTimes& last_times() const { return times_; }
 
  private:
   // prepare -> forward + loss -> backward for one micro-batch; returns its loss (before scaling).
@@ -56,6 +71,7 @@ class TrainStep {
   std::shared_ptr<Objective> objective_;
   std::shared_ptr<Comm> comm_;
   std::shared_ptr<GradSync> sync_;
+  StepTimes times_;
 };
 
 }  // namespace ddm
