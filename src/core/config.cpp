@@ -335,7 +335,7 @@ void validate(const RunConfig& c) {
   DDM_CHECK(t.label_dropout >= 0 && t.label_dropout <= 1,
             "train.label_dropout must be in [0, 1], got " << t.label_dropout);
   DDM_CHECK(t.seed >= 0, "train.seed must be >= 0, got " << t.seed);
-  DDM_CHECK(t.threads >= 0, "train.threads must be >= 0 (0 = all cores), got " << t.threads);
+  DDM_CHECK(t.threads >= 0, "train.threads must be >= 0 (0 = the cores divided among the job's processes on this machine), got " << t.threads);
   DDM_CHECK(t.log_every > 0, "train.log_every must be > 0, got " << t.log_every);
   DDM_CHECK(t.ckpt_every > 0, "train.ckpt_every must be > 0, got " << t.ckpt_every);
   DDM_CHECK(t.keep_ckpts > 0, "train.keep_ckpts must be > 0, got " << t.keep_ckpts);

@@ -103,8 +103,11 @@ FileLock prepare_run_dir(const TrainOptions& opt, const RunConfig& cfg) {
 
 }  // namespace
 
-int set_threads(int64_t threads) {
-  int n = threads > 0 ? static_cast<int>(threads) : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+int set_threads(int64_t threads, int local_processes) {
+  // 0 = the cores shared among the processes on this machine: two ranks with every core each run
+  // at half the speed of two ranks with one core each (docs/results.md, "Data parallel").
+  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  int n = threads > 0 ? static_cast<int>(threads) : std::max(1, cores / std::max(1, local_processes));
   torch::set_num_threads(n);
   return n;
 }
@@ -193,8 +196,10 @@ TrainSummary train(TrainJob job, const TrainOptions& options) {
   RunConfig& cfg = job.cfg;
   validate(cfg);
   std::shared_ptr<Comm> comm = opt.comm;
+  int local_processes = 1;  // processes of this job on this machine, sharing its cores
   if (!comm) {
     const DistEnv env = detect_dist_env();
+    local_processes = env.local_world_size;
     if (env.restart_count > 0 && !opt.resume) {
       // Restarted by the launcher after a failure (torchelastic's semantics): continue from the last
       // checkpoint; never re-apply --force to the run the first attempt started.
@@ -208,7 +213,7 @@ TrainSummary train(TrainJob job, const TrainOptions& options) {
   const int rank = comm->rank(), world = comm->world_size();
   const bool lead = rank == 0;
   if (!lead) opt.quiet = true;
-  const int threads = set_threads(cfg.train.threads);
+  const int threads = set_threads(cfg.train.threads, local_processes);
   const TrainConfig& tc = cfg.train;
   const Dataset& data = job.data;
   // Checked alike on every rank, before any collective, so a bad value fails every rank at once.

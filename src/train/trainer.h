@@ -57,7 +57,8 @@ TrainJob plain_job(RunConfig cfg);
 
 TrainSummary train(TrainJob job, const TrainOptions& opt);
 
-// Sets LibTorch's intra-op threads (0 = all cores); returns the count used.
-int set_threads(int64_t threads);
+// Sets LibTorch's intra-op threads (0 = the machine's cores divided among `local_processes`, the
+// processes of one job on this machine); returns the count used.
+int set_threads(int64_t threads, int local_processes = 1);
 
 }  // namespace ddm

@@ -60,11 +60,13 @@ struct Workspace {
   }
   // Prints one line "ENV K=V K=V ..." with the variables launchers set (sorted).
   std::string env_printer() const {
+    // One write per line (printf of a whole line): two ranks writing to one pipe cannot interleave
+    // within it.
     return script("print_env.sh",
-                  "env | grep -E '^(RANK|LOCAL_RANK|WORLD_SIZE|LOCAL_WORLD_SIZE|GROUP_RANK|GROUP_WORLD_SIZE|ROLE_[A-Z_]*|"
+                  "line=$(env | grep -E '^(RANK|LOCAL_RANK|WORLD_SIZE|LOCAL_WORLD_SIZE|GROUP_RANK|GROUP_WORLD_SIZE|ROLE_[A-Z_]*|"
                   "MASTER_ADDR|MASTER_PORT|TORCHELASTIC_[A-Z_]*|DDM_LAUNCHER|OMP_NUM_THREADS|SLURM_PROCID|SLURM_NTASKS|"
-                  "SLURM_LOCALID|SLURM_NODEID|SLURM_JOB_NODELIST|OMPI_COMM_WORLD_[A-Z_]*)=' | sort | tr '\\n' ' ' |"
-                  " sed 's/^/ENV /'; echo\n");
+                  "SLURM_LOCALID|SLURM_NODEID|SLURM_JOB_NODELIST|OMPI_COMM_WORLD_[A-Z_]*)=' | sort | tr '\\n' ' ')\n"
+                  "printf 'ENV %s\\n' \"$line\"\n");
   }
   // Pids of live processes whose command line contains this workspace's directory.
   std::vector<int> strays() const {
@@ -105,14 +107,18 @@ std::map<std::string, std::map<std::string, std::string>> env_lines(const std::s
   std::istringstream lines(output);
   std::string line;
   while (std::getline(lines, line)) {
-    const size_t at = line.find("ENV ");
-    if (at == std::string::npos) continue;
-    std::istringstream words(line.substr(at + 4));
-    std::map<std::string, std::string> vars;
-    std::string w;
-    while (words >> w)
-      if (w.find('=') != std::string::npos) vars[w.substr(0, w.find('='))] = w.substr(w.find('=') + 1);
-    if (vars.count(rank_var)) by_rank[vars[rank_var]] = vars;
+    // Each "ENV " starts a record (a launcher that does not prefix lines may still mix two ranks'
+    // output on one line).
+    for (size_t at = line.find("ENV "); at != std::string::npos;) {
+      const size_t next = line.find("ENV ", at + 4);
+      std::istringstream words(line.substr(at + 4, next == std::string::npos ? std::string::npos : next - at - 4));
+      std::map<std::string, std::string> vars;
+      std::string w;
+      while (words >> w)
+        if (w.find('=') != std::string::npos) vars[w.substr(0, w.find('='))] = w.substr(w.find('=') + 1);
+      if (vars.count(rank_var)) by_rank[vars[rank_var]] = vars;
+      at = next;
+    }
   }
   return by_rank;
 }
