@@ -6,7 +6,7 @@
 //               buckets before it, a solid bar while it runs (estimated: from the later of its launch
 //               and the previous bucket's completion to its own; Gloo runs one collective at a time
 //               per thread), and in red the wait after backward ended (communication not hidden)
-// Drawn into an RGB buffer, labelled with stb_easy_font and written with stb_image_write.
+// Drawn into an RGB buffer, labelled and encoded with eval/grid.h (stb_easy_font, stb_image_write).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -18,13 +18,11 @@
 
 #include <nlohmann/json.hpp>
 
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wunused-function"
-#include <stb_easy_font.h>
-#pragma GCC diagnostic pop
-#include <stb_image_write.h>
+#include <torch/torch.h>
 
 #include "core/error.h"
+#include "core/fileio.h"
+#include "eval/grid.h"
 
 namespace {
 
@@ -52,31 +50,9 @@ struct Canvas {
   }
   // Text with its top-left corner at (x0, y0); returns its width in pixels.
   int text(int x0, int y0, const std::string& s, int scale = 2, Rgb c = kInk) {
-    struct Vertex {
-      float x, y, z;
-      unsigned char color[4];
-    };
-    std::vector<char> str(s.begin(), s.end());
-    str.push_back('\0');
-    std::vector<char> buf(s.size() * 300 + 64 * sizeof(Vertex));
-    int quads = 0;
-    while (true) {  // stb_easy_font truncates silently when its buffer is full
-      quads = stb_easy_font_print(0, 0, str.data(), nullptr, buf.data(), static_cast<int>(buf.size()));
-      if ((static_cast<size_t>(quads) + 1) * 4 * sizeof(Vertex) <= buf.size()) break;
-      buf.resize(buf.size() * 2);
-    }
-    const Vertex* v = reinterpret_cast<const Vertex*>(buf.data());
-    for (int q = 0; q < quads; ++q) {
-      const Vertex* quad = v + 4 * q;
-      float xmin = quad[0].x, xmax = quad[0].x, ymin = quad[0].y, ymax = quad[0].y;
-      for (int k = 1; k < 4; ++k) {
-        xmin = std::min(xmin, quad[k].x), xmax = std::max(xmax, quad[k].x);
-        ymin = std::min(ymin, quad[k].y), ymax = std::max(ymax, quad[k].y);
-      }
-      fill(x0 + static_cast<int>(xmin * scale), y0 + static_cast<int>(ymin * scale), x0 + static_cast<int>(xmax * scale),
-           y0 + static_cast<int>(ymax * scale), c);
-    }
-    return stb_easy_font_width(str.data()) * scale;
+    int width = 0;
+    for (const ddm::TextRect& r : ddm::text_rects(s, scale, &width)) fill(x0 + r.x0, y0 + r.y0, x0 + r.x1, y0 + r.y1, c);
+    return width;
   }
 };
 
@@ -238,7 +214,8 @@ int timeline_main(int argc, char** argv) {
     }
     y += 2 * row_h + 8 + rank_gap;
   }
-  DDM_CHECK(stbi_write_png(out.c_str(), W, H, 3, c.px.data(), W * 3), "ddm_bench timeline: cannot write " << out);
+  // from_blob wraps the canvas, which outlives the encoding.
+  ddm::write_file_atomic(out, ddm::encode_png(torch::from_blob(c.px.data(), {H, W, 3}, torch::kUInt8)));
   std::printf("wrote %s (step %d, %.1f ms shown)\n", out.c_str(), step, span_ms);
   return 0;
 }

@@ -22,6 +22,23 @@ namespace ddm {
 namespace {
 
 void draw_text(std::vector<uint8_t>& rgb, int width, int height, int x0, int y0, const std::string& text, int scale) {
+  for (const TextRect& r : text_rects(text, scale))
+    for (int y = r.y0; y < r.y1; ++y)
+      for (int x = r.x0; x < r.x1; ++x) {
+        const int px = x0 + x, py = y0 + y;
+        if (px < 0 || py < 0 || px >= width || py >= height) continue;
+        uint8_t* p = &rgb[(static_cast<size_t>(py) * width + px) * 3];
+        p[0] = p[1] = p[2] = 20;
+      }
+}
+
+void append_bytes(void* ctx, void* data, int size) {
+  static_cast<std::string*>(ctx)->append(static_cast<const char*>(data), static_cast<size_t>(size));
+}
+
+}  // namespace
+
+std::vector<TextRect> text_rects(const std::string& text, int scale, int* width) {
   struct Vertex {
     float x, y, z;
     unsigned char color[4];
@@ -38,6 +55,7 @@ void draw_text(std::vector<uint8_t>& rgb, int width, int height, int x0, int y0,
     buf.resize(buf.size() * 2);
   }
   const Vertex* v = reinterpret_cast<const Vertex*>(buf.data());
+  std::vector<TextRect> out;
   for (int q = 0; q < quads; ++q) {
     const Vertex* quad = v + 4 * q;
     float xmin = quad[0].x, xmax = quad[0].x, ymin = quad[0].y, ymax = quad[0].y;
@@ -47,21 +65,12 @@ void draw_text(std::vector<uint8_t>& rgb, int width, int height, int x0, int y0,
       ymin = std::min(ymin, quad[k].y);
       ymax = std::max(ymax, quad[k].y);
     }
-    for (int y = static_cast<int>(ymin * scale); y < static_cast<int>(ymax * scale); ++y)
-      for (int x = static_cast<int>(xmin * scale); x < static_cast<int>(xmax * scale); ++x) {
-        const int px = x0 + x, py = y0 + y;
-        if (px < 0 || py < 0 || px >= width || py >= height) continue;
-        uint8_t* p = &rgb[(static_cast<size_t>(py) * width + px) * 3];
-        p[0] = p[1] = p[2] = 20;
-      }
+    out.push_back({static_cast<int>(xmin * scale), static_cast<int>(ymin * scale), static_cast<int>(xmax * scale),
+                   static_cast<int>(ymax * scale)});
   }
+  if (width) *width = stb_easy_font_width(str.data()) * scale;
+  return out;
 }
-
-void append_bytes(void* ctx, void* data, int size) {
-  static_cast<std::string*>(ctx)->append(static_cast<const char*>(data), static_cast<size_t>(size));
-}
-
-}  // namespace
 
 void check_png_path(const std::string& path, const std::string& what) {
   std::string ext = fs::path(path).extension().string();

@@ -16,6 +16,13 @@ void save_image_grid(const std::string& path, const torch::Tensor& images, int64
 // name (.jpg) mislead every viewer. Call it before long work that ends in a grid.
 void check_png_path(const std::string& path, const std::string& what = "--out");
 
+// Text rasterized with stb_easy_font at `scale` pixels per font unit, top-left corner at (0, 0): the
+// filled rectangles [x0, x1) x [y0, y1) of its strokes, and its width in pixels.
+struct TextRect {
+  int x0, y0, x1, y1;
+};
+std::vector<TextRect> text_rects(const std::string& text, int scale, int* width = nullptr);
+
 // Encodes an RGB uint8 image [H, W, 3] as PNG bytes.
 std::string encode_png(const torch::Tensor& rgb_u8);
 
