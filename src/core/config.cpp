@@ -154,11 +154,19 @@ std::vector<Field> fields(RunConfig& c) {
       field("sample.cfg", &c.sample.cfg),
       field("sample.n", &c.sample.n),
       field("sample.use_ema", &c.sample.use_ema),
+      field("parallel.mode", &c.parallel.mode),
       field("parallel.dp", &c.parallel.dp),
       field("parallel.timeout", &c.parallel.timeout),
       field("parallel.bucket_mb", &c.parallel.bucket_mb),
       field("parallel.first_bucket_mb", &c.parallel.first_bucket_mb),
       field("parallel.wire", &c.parallel.wire),
+      field("diloco.inner_steps", &c.diloco.inner_steps),
+      field("diloco.outer_lr", &c.diloco.outer_lr),
+      field("diloco.outer_momentum", &c.diloco.outer_momentum),
+      field("diloco.fragments", &c.diloco.fragments),
+      field("diloco.overlap", &c.diloco.overlap),
+      field("diloco.mix", &c.diloco.mix),
+      field("diloco.wire", &c.diloco.wire),
   };
 }
 
@@ -348,6 +356,25 @@ void validate(const RunConfig& c) {
   DDM_CHECK(par.bucket_mb > 0, "parallel.bucket_mb must be > 0, got " << par.bucket_mb);
   DDM_CHECK(par.first_bucket_mb > 0, "parallel.first_bucket_mb must be > 0, got " << par.first_bucket_mb);
   check_choice("parallel.wire", par.wire, {"float32", "float16"});
+  check_choice("parallel.mode", par.mode, {"dp", "diloco"});
+
+  const DilocoConfig& dl = c.diloco;
+  DDM_CHECK(dl.inner_steps > 0, "diloco.inner_steps must be > 0 (inner steps between synchronizations), got "
+                                   << dl.inner_steps);
+  DDM_CHECK(dl.outer_lr > 0, "diloco.outer_lr must be > 0 (the paper uses 0.7), got " << dl.outer_lr);
+  DDM_CHECK(dl.outer_momentum >= 0 && dl.outer_momentum < 1,
+            "diloco.outer_momentum must be in [0, 1) (the paper uses 0.9), got " << dl.outer_momentum);
+  DDM_CHECK(dl.fragments > 0, "diloco.fragments must be > 0 (1 = plain DiLoCo), got " << dl.fragments);
+  DDM_CHECK(dl.fragments <= dl.inner_steps,
+            "diloco.fragments = " << dl.fragments << " is more than diloco.inner_steps = " << dl.inner_steps
+                                  << ": each fragment needs its own step in a cycle; lower diloco.fragments");
+  DDM_CHECK(dl.overlap >= 0, "diloco.overlap must be >= 0, got " << dl.overlap);
+  DDM_CHECK(dl.overlap < dl.inner_steps / dl.fragments,
+            "diloco.overlap = " << dl.overlap << " must be less than diloco.inner_steps / diloco.fragments = "
+                                << dl.inner_steps / dl.fragments
+                                << ", so that one fragment's all-reduce ends before the next one starts");
+  DDM_CHECK(dl.mix >= 0 && dl.mix < 1, "diloco.mix must be in [0, 1), got " << dl.mix);
+  check_choice("diloco.wire", dl.wire, {"float32", "float16"});
 
   const SampleConfig& s = c.sample;
   check_choice("sample.sampler", s.sampler, {"euler", "heun", "ddim", "ddpm"});

@@ -89,11 +89,29 @@ struct SampleConfig {
 // How the processes of one job share the training (docs/distributed.md). The world size and ranks
 // come from the launcher (ddm launch, torchrun, Slurm, mpirun), not from the config.
 struct ParallelConfig {
+  // dp: every step all-reduces the gradients (data parallel). diloco: every process is a replica that
+  // trains on its own share of the batch and synchronizes only every diloco.inner_steps (DiLoCo).
+  std::string mode = "dp";
   int64_t dp = 0;                  // data-parallel degree (0 = every process); must equal the world size
   double timeout = 120;            // seconds a collective waits for the other ranks before the job fails
   double bucket_mb = 1;            // cap of a gradient all-reduce bucket, MiB (docs/results.md: 25 left 78% exposed)
   double first_bucket_mb = 1;      // the first bucket (the last layers' gradients, ready first), MiB
   std::string wire = "float32";    // float32 | float16: the gradients' format on the wire
+};
+
+// DiLoCo (Douillard et al. 2023) and Streaming DiLoCo (2025): replicas take inner_steps ordinary
+// steps with no communication, then average their pseudo-gradients (global - local weights) and take
+// an outer Nesterov step on the global weights. With fragments > 1 the parameters are split into
+// fragments synchronized at staggered steps; with overlap > 0 a fragment's all-reduce runs during the
+// next `overlap` inner steps and the result is mixed into the local weights (docs/distributed.md).
+struct DilocoConfig {
+  int64_t inner_steps = 50;       // H: inner steps between two synchronizations of a fragment
+  double outer_lr = 0.7;          // outer Nesterov SGD learning rate (the paper's 0.7)
+  double outer_momentum = 0.9;    // outer Nesterov momentum, in [0, 1) (the paper's 0.9)
+  int64_t fragments = 1;          // 1: DiLoCo; > 1: Streaming DiLoCo's staggered fragments
+  int64_t overlap = 0;            // inner steps each fragment's all-reduce overlaps (< inner_steps / fragments)
+  double mix = 0.5;               // with overlap: local = mix * local + (1 - mix) * global (the paper's alpha)
+  std::string wire = "float32";   // float32 | float16: the outer gradient's format on the wire
 };
 
 struct RunConfig {
@@ -103,6 +121,7 @@ struct RunConfig {
   TrainConfig train;
   SampleConfig sample;
   ParallelConfig parallel;
+  DilocoConfig diloco;
 };
 
 // Parses TOML text (origin names the file in errors) plus overrides "section.key=value".

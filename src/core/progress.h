@@ -9,6 +9,7 @@
 namespace ddm {
 
 std::string format_duration(double seconds);  // "1h02m", "3m05s", "12s"
+std::string format_bytes(int64_t bytes);       // "512 B", "3.2 KiB", "41.0 MiB", "1.20 GiB"
 
 class Progress {
  public:

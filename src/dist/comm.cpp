@@ -204,6 +204,7 @@ c10::intrusive_ptr<c10d::Work> Comm::allreduce_async(std::vector<at::Tensor>& te
   for (const auto& t : tensors)
     DDM_CHECK(t.is_contiguous() && t.device().is_cpu(), "allreduce: tensors must be contiguous CPU tensors");
   if (world_ == 1) return c10::make_intrusive<DoneWork>();
+  for (const auto& t : tensors) count_sent(2.0 * (world_ - 1) / world_ * static_cast<double>(t.nbytes()));
   return guarded("all-reduce", [&] { return pg_->allreduce(tensors); });
 }
 
@@ -226,6 +227,7 @@ void Comm::broadcast(at::Tensor& tensor, int root) {
   DDM_CHECK(tensor.is_contiguous(), "broadcast: the tensor must be contiguous");
   if (world_ == 1) return;
   std::vector<at::Tensor> ts{tensor};
+  if (rank_ == root) count_sent(static_cast<double>(world_ - 1) * static_cast<double>(tensor.nbytes()));
   c10d::BroadcastOptions o;
   o.rootRank = root;
   wait(guarded("broadcast", [&] { return pg_->broadcast(ts, o); }), "broadcast");
@@ -240,10 +242,53 @@ int64_t Comm::max_int(int64_t v) {
   if (world_ == 1) return v;
   auto t = torch::tensor({v}, torch::kInt64);
   std::vector<at::Tensor> ts{t};
+  count_sent(2.0 * (world_ - 1) / world_ * static_cast<double>(t.nbytes()));
   c10d::AllreduceOptions o;
   o.reduceOp = c10d::ReduceOp::MAX;
   wait(guarded("max-reduce", [&] { return pg_->allreduce(ts, o); }), "max-reduce");
   return t.item<int64_t>();
+}
+
+std::vector<at::Tensor> Comm::gather(const at::Tensor& tensor, int root) {
+  DDM_CHECK(root >= 0 && root < world_, "gather: root " << root << " is not a rank of a world of " << world_);
+  DDM_CHECK(tensor.is_contiguous(), "gather: the tensor must be contiguous");
+  if (world_ == 1) return {tensor.clone()};
+  std::vector<at::Tensor> inputs{tensor};
+  std::vector<std::vector<at::Tensor>> outputs;
+  if (rank_ == root) {
+    outputs.emplace_back();
+    for (int r = 0; r < world_; ++r) outputs[0].push_back(torch::empty_like(tensor));
+  } else {
+    count_sent(static_cast<double>(tensor.nbytes()));
+  }
+  c10d::GatherOptions o;
+  o.rootRank = root;
+  wait(guarded("gather", [&] { return pg_->gather(outputs, inputs, o); }), "gather");
+  return rank_ == root ? outputs[0] : std::vector<at::Tensor>{};
+}
+
+void Comm::scatter(const std::vector<at::Tensor>& parts, at::Tensor& out, int root) {
+  DDM_CHECK(root >= 0 && root < world_, "scatter: root " << root << " is not a rank of a world of " << world_);
+  DDM_CHECK(out.is_contiguous(), "scatter: the output tensor must be contiguous");
+  if (rank_ == root) {
+    DDM_CHECK(static_cast<int>(parts.size()) == world_, "scatter: " << parts.size() << " parts for " << world_ << " ranks");
+    for (const auto& p : parts)
+      DDM_CHECK(p.sizes() == out.sizes() && p.dtype() == out.dtype(), "scatter: every part must match the output tensor");
+  }
+  if (world_ == 1) {
+    out.copy_(parts[0]);
+    return;
+  }
+  std::vector<at::Tensor> outputs{out};
+  std::vector<std::vector<at::Tensor>> inputs;
+  if (rank_ == root) {
+    inputs.emplace_back();
+    for (const auto& p : parts) inputs[0].push_back(p.contiguous());
+    count_sent(static_cast<double>(world_ - 1) * static_cast<double>(out.nbytes()));
+  }
+  c10d::ScatterOptions o;
+  o.rootRank = root;
+  wait(guarded("scatter", [&] { return pg_->scatter(outputs, inputs, o); }), "scatter");
 }
 
 std::vector<std::string> Comm::all_gather_strings(const std::string& s) {
@@ -253,6 +298,7 @@ std::vector<std::string> Comm::all_gather_strings(const std::string& s) {
     std::vector<at::Tensor> inputs{in};
     std::vector<std::vector<at::Tensor>> outputs(1);
     for (int r = 0; r < world_; ++r) outputs[0].push_back(torch::empty_like(in));
+    count_sent(static_cast<double>(world_ - 1) * static_cast<double>(in.nbytes()));
     wait(guarded("all-gather", [&] { return pg_->allgather(outputs, inputs); }), "all-gather");
     return outputs[0];
   };
@@ -280,6 +326,7 @@ void Comm::check_same(const std::vector<std::pair<std::string, std::string>>& ke
   // Cheap path, one tiny all-reduce: the hashes agree iff max(h) == min(h) = ~max(~h).
   auto t = torch::tensor({h, ~h}, torch::kInt64);
   std::vector<at::Tensor> ts{t};
+  count_sent(2.0 * (world_ - 1) / world_ * static_cast<double>(t.nbytes()));
   c10d::AllreduceOptions o;
   o.reduceOp = c10d::ReduceOp::MAX;
   wait(guarded("comparing " + what, [&] { return pg_->allreduce(ts, o); }), "comparing " + what);

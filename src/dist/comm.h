@@ -3,6 +3,7 @@
 // this rank, the operation, the peer when it can be inferred, and what to do. With one process it is
 // a no-op that never touches the network.
 #pragma once
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <memory>
@@ -57,6 +58,12 @@ class Comm {
   void allreduce_sum(at::Tensor& tensor);              // in place, sum over ranks
   void broadcast(at::Tensor& tensor, int root);        // in place, root's values everywhere
   void barrier();
+  // Gathers a contiguous tensor (same shape on every rank) to root: returned there indexed by rank,
+  // empty on the other ranks.
+  std::vector<at::Tensor> gather(const at::Tensor& tensor, int root);
+  // Root sends parts[r] to rank r, which receives it into `out` (root keeps parts[root]); the other
+  // ranks pass no parts.
+  void scatter(const std::vector<at::Tensor>& parts, at::Tensor& out, int root);
   // Every rank's string, indexed by rank.
   std::vector<std::string> all_gather_strings(const std::string& s);
   // The maximum of v over ranks: for agreeing on stop decisions (any rank's flag wins).
@@ -65,6 +72,12 @@ class Comm {
   // rank's value ("ranks disagree on train.lr: rank 0 has 0.002, rank 1 has 0.001; ..."). `what` says
   // what the pairs are ("config"). One small all-gather of hashes when they agree.
   void check_same(const std::vector<std::pair<std::string, std::string>>& key_values, const std::string& what);
+
+  // Bytes this rank has sent in collectives since the Comm was made: the payload that Gloo's
+  // algorithms move, not TCP/IP headers. An all-reduce of n bytes over W ranks sends 2 (W-1)/W n from
+  // each rank (ring: reduce-scatter, then all-gather), a broadcast (W-1) n from the root, a gather n
+  // from every other rank, a scatter n per receiver from the root, an all-gather (W-1) n from each.
+  int64_t bytes_sent() const { return bytes_sent_.load(); }
 
  private:
   Comm(int rank, int world, CommOptions options);
@@ -77,6 +90,8 @@ class Comm {
 
   int rank_ = 0, world_ = 1;
   CommOptions options_;
+  void count_sent(double bytes) { bytes_sent_ += static_cast<int64_t>(bytes); }
+  std::atomic<int64_t> bytes_sent_{0};  // gradient hooks may launch all-reduces from autograd's threads
   std::string broken_;  // the first failure: a Gloo group is unusable after any error or timeout
   c10::intrusive_ptr<c10d::Store> store_;
   c10::intrusive_ptr<GlooBackend> pg_;

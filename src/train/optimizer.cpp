@@ -108,25 +108,27 @@ TensorMap FlatAdamW::optimizer_state() const {
   return out;
 }
 
+void FlatAdamW::fill_flat(const torch::Tensor& flat, const TensorMap& src, const std::string& prefix,
+                          const std::string& what, const std::string& origin) const {
+  torch::NoGradGuard no_grad;
+  auto dst = views(flat);
+  for (const auto& [name, t] : dst) {
+    auto it = src.find(prefix + name);
+    DDM_CHECK(it != src.end(), origin << ": " << what << " has no tensor '" << prefix + name
+                                      << "': the checkpoint belongs to a different model (check model.preset)");
+    DDM_CHECK(it->second.sizes() == t.sizes(),
+              origin << ": " << what << " tensor '" << prefix + name << "' has shape "
+                     << shape_str(it->second.sizes()) << " but the model expects " << shape_str(t.sizes())
+                     << ": the checkpoint belongs to a different model shape");
+    t.copy_(it->second);
+  }
+}
+
 void FlatAdamW::load(const TensorMap& params, const TensorMap& ema, const TensorMap& optim_state, int64_t step,
                      const std::string& origin) {
   torch::NoGradGuard no_grad;
-  auto copy_into = [&](const torch::Tensor& flat, const TensorMap& src, const std::string& what,
-                       const std::string& prefix) {
-    auto dst = views(flat);
-    for (const auto& [name, t] : dst) {
-      auto it = src.find(prefix + name);
-      DDM_CHECK(it != src.end(), origin << ": " << what << " has no tensor '" << prefix + name
-                                        << "': the checkpoint belongs to a different model (check model.preset)");
-      DDM_CHECK(it->second.sizes() == t.sizes(),
-                origin << ": " << what << " tensor '" << prefix + name << "' has shape "
-                       << shape_str(it->second.sizes()) << " but the model expects " << shape_str(t.sizes())
-                       << ": the checkpoint belongs to a different model shape");
-      t.copy_(it->second);
-    }
-  };
-  copy_into(data_, params, RunDir::kModel, "");
-  copy_into(ema_, ema, RunDir::kEma, "");
+  fill_flat(data_, params, "", RunDir::kModel, origin);
+  fill_flat(ema_, ema, "", RunDir::kEma, origin);
   const bool legacy = optim_state.count("exp_avg") != 0;  // before moments were saved by name: two flat tensors
   if (legacy) {
     for (const char* k : {"exp_avg", "exp_avg_sq"}) {
@@ -137,8 +139,8 @@ void FlatAdamW::load(const TensorMap& params, const TensorMap& ema, const Tensor
     exp_avg_.copy_(optim_state.at("exp_avg").view({-1}));
     exp_avg_sq_.copy_(optim_state.at("exp_avg_sq").view({-1}));
   } else {
-    copy_into(exp_avg_, optim_state, RunDir::kOptim, "exp_avg.");
-    copy_into(exp_avg_sq_, optim_state, RunDir::kOptim, "exp_avg_sq.");
+    fill_flat(exp_avg_, optim_state, "exp_avg.", RunDir::kOptim, origin);
+    fill_flat(exp_avg_sq_, optim_state, "exp_avg_sq.", RunDir::kOptim, origin);
   }
   step_ = step;
 }

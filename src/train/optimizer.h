@@ -46,6 +46,9 @@ class FlatAdamW {
   // Every flat buffer that makes up the optimizer's state (parameters, EMA, both moments), for
   // broadcasting it from one rank to the others; and the step counter that goes with them.
   std::vector<torch::Tensor> state_buffers() const { return {data_, ema_, exp_avg_, exp_avg_sq_}; }
+  const torch::Tensor& flat_ema() const { return ema_; }
+  const torch::Tensor& flat_exp_avg() const { return exp_avg_; }
+  const torch::Tensor& flat_exp_avg_sq() const { return exp_avg_sq_; }
   void set_step_count(int64_t step) { step_ = step; }
   int64_t numel() const { return data_.numel(); }
 
@@ -53,11 +56,16 @@ class FlatAdamW {
   TensorMap named_params() const { return views(data_); }
   TensorMap named_ema() const { return views(ema_); }
   TensorMap optimizer_state() const;
+  // Any flat buffer laid out like the parameters (e.g. DiLoCo's global weights), viewed by parameter
+  // name; and the reverse: fills `flat` from src["<prefix><name>"], checking that every name is there
+  // with the right shape (errors name `what`, the file, and `origin`, the checkpoint).
+  TensorMap views(const torch::Tensor& flat) const;
+  void fill_flat(const torch::Tensor& flat, const TensorMap& src, const std::string& prefix, const std::string& what,
+                 const std::string& origin) const;
   void load(const TensorMap& params, const TensorMap& ema, const TensorMap& optim_state, int64_t step,
             const std::string& origin);
 
  private:
-  TensorMap views(const torch::Tensor& flat) const;
   AdamWOptions opt_;
   std::vector<std::string> names_;
   std::vector<torch::Tensor> params_;

@@ -57,6 +57,8 @@ class TrainStep {
   // Data parallelism: gradients are averaged over comm's ranks by `sync` (built on this step's
   // optim().params() and flat_grad()), and the reported loss over the ranks. Without: one process.
   void set_data_parallel(std::shared_ptr<Comm> comm, std::shared_ptr<GradSync> sync);
+  // DiLoCo's inner steps leave the EMA alone: it follows the global weights (train/diloco.h).
+  void set_ema(bool on) { ema_ = on; }
   FlatAdamW& optim() { return optim_; }
   const Net& net() const { return net_; }
   const Objective& objective() const { return *objective_; }
@@ -72,6 +74,7 @@ class TrainStep {
   std::shared_ptr<Comm> comm_;
   std::shared_ptr<GradSync> sync_;
   StepTimes times_;
+  bool ema_ = true;
 };
 
 }  // namespace ddm

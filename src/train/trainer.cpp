@@ -20,6 +20,7 @@
 #include "dist/env.h"
 #include "dist/grad_sync.h"
 #include "train/checkpoint.h"
+#include "train/diloco.h"
 #include "train/optimizer.h"
 #include "train/step.h"
 
@@ -42,6 +43,16 @@ RunConfig normalized_for_resume(RunConfig c) {
   c.train.grad_accum = d.train.grad_accum;  // the global batch stays; how it is split may change
   c.sample = d.sample;
   c.parallel = d.parallel;
+  c.diloco = d.diloco;
+  return c;
+}
+
+// Keys that may differ between the ranks of one job: how many threads each uses, and where each
+// finds the data (whose content is compared by hash).
+RunConfig normalized_for_ranks(RunConfig c) {
+  RunConfig d;
+  c.train.threads = d.train.threads;
+  c.data.root = d.data.root;
   return c;
 }
 
@@ -154,7 +165,7 @@ CommOptions comm_options(const ParallelConfig& p) {
 std::vector<std::pair<std::string, std::string>> run_identity(const RunConfig& recorded, const Dataset& data,
                                                               const Net& net) {
   std::vector<std::pair<std::string, std::string>> kv;
-  std::istringstream in(to_toml(normalized_for_resume(recorded)));
+  std::istringstream in(to_toml(normalized_for_ranks(recorded)));
   std::string line, section;
   while (std::getline(in, line)) {
     if (line.empty()) continue;
@@ -216,8 +227,9 @@ TrainSummary train(TrainJob job, const TrainOptions& options) {
   const int threads = set_threads(cfg.train.threads, local_processes);
   const TrainConfig& tc = cfg.train;
   const Dataset& data = job.data;
+  const bool diloco_mode = cfg.parallel.mode == "diloco";
   // Checked alike on every rank, before any collective, so a bad value fails every rank at once.
-  DDM_CHECK(cfg.parallel.dp == 0 || cfg.parallel.dp == world,
+  DDM_CHECK(diloco_mode || cfg.parallel.dp == 0 || cfg.parallel.dp == world,
             "parallel.dp = " << cfg.parallel.dp << " but the job has " << world
                              << " processes; data parallelism is the only parallelism so far: set parallel.dp = 0 "
                                 "(every process) or launch " << cfg.parallel.dp << " processes");
@@ -226,7 +238,8 @@ TrainSummary train(TrainJob job, const TrainOptions& options) {
                                   << (world > 1 ? "s" : "") << " x " << tc.grad_accum
                                   << " micro-batch" << (tc.grad_accum > 1 ? "es" : "")
                                   << " of equal size; the global batch must be a multiple of "
-                                  << world * tc.grad_accum << " (or change train.grad_accum / the process count)");
+                                  << world * tc.grad_accum << " (or change train.grad_accum / the process count)"
+                                  << (diloco_mode ? "; with parallel.mode = \"diloco\" each replica takes its share of it" : ""));
   const int64_t local_batch = tc.batch_size / world;
   const std::string config_text = to_toml(job.recorded);
 
@@ -243,8 +256,12 @@ TrainSummary train(TrainJob job, const TrainOptions& options) {
   if (!job.objective) job.objective = make_objective(cfg);
   TrainStep stepper(cfg, net, job.objective);
   FlatAdamW& optim = stepper.optim();
-  if (comm->distributed()) {
-    comm->check_same(run_identity(job.recorded, data, net), "config, data and model");
+  if (diloco_mode) {
+    stepper.set_ema(false);  // the EMA follows the global weights, at each synchronization
+    Diloco::split_fragments(optim.params(), cfg.diloco.fragments);  // a bad fragment count fails before any file is touched
+  }
+  if (comm->distributed()) comm->check_same(run_identity(job.recorded, data, net), "config, data and model");
+  if (comm->distributed() && !diloco_mode) {
     GradSyncOptions so;
     so.first_bucket_bytes = static_cast<int64_t>(cfg.parallel.first_bucket_mb * (1 << 20));
     so.bucket_cap_bytes = static_cast<int64_t>(cfg.parallel.bucket_mb * (1 << 20));
@@ -261,6 +278,8 @@ TrainSummary train(TrainJob job, const TrainOptions& options) {
   std::string last_ckpt = "none yet";
   double interval_loss_sum = 0;  // the logging interval the checkpoint was written in, so far
   int64_t interval_steps = 0;
+  int64_t sent_before = 0;       // bytes rank 0 sent before this run resumed (for the totals)
+  std::optional<Checkpoint> resumed;  // rank 0: the checkpoint this run resumes from
   // Only rank 0 touches the run directory: lock, config, records, the checkpoint to resume from.
   std::string setup_error;
   if (lead) {
@@ -270,7 +289,7 @@ TrainSummary train(TrainJob job, const TrainOptions& options) {
       if (job.records) job.records(dir, opt.resume);
       if (opt.resume) {
         if (auto latest = latest_checkpoint(opt.out_dir)) {
-          const Checkpoint ck = read_checkpoint(*latest);
+          const Checkpoint& ck = resumed.emplace(read_checkpoint(*latest));
           load_module_state(*net, ck.model, RunDir(*latest) / RunDir::kModel);
           optim.load(ck.model, ck.ema, ck.optim, ck.field<int64_t>("/optimizer_step"), *latest);
           loader.set_cursor({ck.field<int64_t>("/data_cursor/epoch"), ck.field<int64_t>("/data_cursor/index")});
@@ -278,6 +297,7 @@ TrainSummary train(TrainJob job, const TrainOptions& options) {
             interval_loss_sum = ck.field<double>("/log_interval/loss_sum");
             interval_steps = ck.field<int64_t>("/log_interval/steps");
           }
+          if (ck.state.contains("sent_bytes")) sent_before = ck.field<int64_t>("/sent_bytes");
           step = ck.step;
           last_ckpt = *latest;
           if (!opt.quiet) std::cout << "resuming from " << *latest << " (step " << step << ")\n";
@@ -299,7 +319,7 @@ TrainSummary train(TrainJob job, const TrainOptions& options) {
     }
     torch::NoGradGuard no_grad;
     const auto cur = loader.cursor();
-    auto ints = torch::tensor({step, optim.step_count(), cur.epoch, cur.index, interval_steps}, torch::kLong);
+    auto ints = torch::tensor({step, optim.step_count(), cur.epoch, cur.index, interval_steps, sent_before}, torch::kLong);
     auto sums = torch::tensor({interval_loss_sum}, torch::kDouble);
     comm->broadcast(ints, 0);
     comm->broadcast(sums, 0);
@@ -312,8 +332,15 @@ TrainSummary train(TrainJob job, const TrainOptions& options) {
     optim.set_step_count(ints[1].item<int64_t>());
     loader.set_cursor({ints[2].item<int64_t>(), ints[3].item<int64_t>()});
     interval_steps = ints[4].item<int64_t>();
+    sent_before = ints[5].item<int64_t>();
     interval_loss_sum = sums[0].item<double>();
   }
+  std::unique_ptr<Diloco> diloco;
+  if (diloco_mode) {
+    diloco = std::make_unique<Diloco>(cfg.diloco, comm, optim, tc.ema_decay, step);
+    restore_diloco(*diloco, optim, *comm, resumed ? &*resumed : nullptr, step, opt.quiet);
+  }
+  resumed.reset();
   summary.first_step = step;
   summary.rank = rank;
   Progress progress(step, tc.steps, opt.quiet);
@@ -329,7 +356,15 @@ TrainSummary train(TrainJob job, const TrainOptions& options) {
     if (tc.grad_accum > 1) std::cout << " in " << tc.grad_accum << " micro-batches";
     std::cout << ", lr " << tc.lr << ", " << threads << " thread" << (threads > 1 ? "s" : "")
               << (world > 1 ? " per rank" : "") << ", seed " << tc.seed << "\n";
-    if (world > 1) {
+    if (diloco_mode) {
+      const DilocoConfig& d = cfg.diloco;
+      std::cout << "parallel: " << (d.fragments > 1 ? "Streaming DiLoCo" : "DiLoCo") << " over " << world
+                << " replica" << (world > 1 ? "s" : "") << ", " << d.inner_steps << " inner steps between syncs";
+      if (d.fragments > 1) std::cout << " of each of " << d.fragments << " fragments";
+      if (d.overlap > 0) std::cout << ", each all-reduce overlapping " << d.overlap << " step" << (d.overlap > 1 ? "s" : "") << " (mix " << d.mix << ")";
+      std::cout << ", outer Nesterov lr " << d.outer_lr << " momentum " << d.outer_momentum << ", " << d.wire
+                << " on the wire, collective timeout " << cfg.parallel.timeout << " s\n";
+    } else if (world > 1) {
       std::cout << "parallel: data parallel over " << world << " processes, gradient buckets up to "
                 << cfg.parallel.bucket_mb << " MiB (first " << cfg.parallel.first_bucket_mb << " MiB), "
                 << cfg.parallel.wire << " on the wire, collective timeout " << cfg.parallel.timeout << " s\n";
@@ -338,6 +373,8 @@ TrainSummary train(TrainJob job, const TrainOptions& options) {
   }
 
   auto save = [&](int64_t at_step) {
+    // DiLoCo: every replica sends its inner state to rank 0 (a collective: every rank saves alike).
+    const DilocoReplicas replicas = diloco ? gather_replicas(optim, *comm) : DilocoReplicas{};
     if (!lead) return last_ckpt;
     Checkpoint ck;
     ck.step = at_step;
@@ -345,6 +382,8 @@ TrainSummary train(TrainJob job, const TrainOptions& options) {
     ck.model = module_state(*net);
     ck.ema = optim.named_ema();
     ck.optim = optim.optimizer_state();
+    if (diloco) add_diloco_state(ck, *diloco, optim, replicas);
+    ck.state["sent_bytes"] = sent_before + comm->bytes_sent();
     const auto cur = loader.cursor();
     ck.state["optimizer_step"] = optim.step_count();
     ck.state["data_cursor"] = {{"epoch", cur.epoch}, {"index", cur.index}};
@@ -371,10 +410,14 @@ TrainSummary train(TrainJob job, const TrainOptions& options) {
     }
   } restore{old_int, old_term};
 
+  int64_t interval_sent = sent_before + comm->bytes_sent();  // at the start of the logging interval
+  int64_t interval_first = step;
+  bool ckpt_due = false;
   while (step < tc.steps) {
     const Batch shard = loader.next(rank * local_batch, local_batch);
     const StepResult r = stepper.run(split_micro(shard, tc.grad_accum), step);
-    // The loss and the gradient norm are global: every rank stops here alike.
+    // Data parallel: the loss and the gradient norm are global, so every rank stops here alike. DiLoCo:
+    // they are this replica's; the others learn of its exit at their next synchronization.
     DDM_CHECK(r.finite, (world > 1 ? "rank " + std::to_string(rank) + ": " : std::string())
                             << "step " << step + 1 << ": the " << (std::isfinite(r.loss) ? "gradient norm" : "loss")
                             << " is " << (std::isfinite(r.loss) ? r.grad_norm : r.loss)
@@ -382,15 +425,31 @@ TrainSummary train(TrainJob job, const TrainOptions& options) {
                             << ") is intact. Lower train.lr (now " << tc.lr
                             << ") or set train.grad_clip, then --resume");
     ++step;
+    // A signal to any rank stops every rank after the same step (SIGINT wins over SIGTERM): agreed
+    // every step with data parallelism, at the next synchronization with DiLoCo.
+    int sig = g_signal.load();
+    if (diloco) {
+      sig = diloco->after_step(step, tc.steps, sig).stop;
+    } else if (comm->distributed()) {
+      const int64_t agreed = comm->max_int(sig == SIGINT ? 2 : sig != 0 ? 1 : 0);
+      sig = agreed == 2 ? SIGINT : agreed == 1 ? (sig != 0 ? sig : SIGTERM) : 0;
+    }
 
     progress.step(step, r.loss, r.lr, r.grad_norm, tc.batch_size);
     if (step % tc.log_every == 0 || step == tc.steps) {
+      const int64_t sent = sent_before + comm->bytes_sent();
       if (metrics) {
         nlohmann::json rec = {{"step", step},          {"loss", progress.interval_loss()}, {"lr", r.lr},
                               {"grad_norm", r.grad_norm}, {"img_per_s", progress.interval_img_per_s()},
                               {"epoch", loader.cursor().epoch}};
+        if (world > 1) {
+          rec["sent_bytes"] = sent;
+          rec["sent_bytes_per_step"] = (sent - interval_sent) / std::max<int64_t>(1, step - interval_first);
+        }
         metrics->write(rec.dump());
       }
+      interval_sent = sent;
+      interval_first = step;
       if (!progress.tty() && !opt.quiet) {
         std::printf("step %lld/%lld  loss %.4f  lr %.2e  |g| %.3f  %.0f img/s  ETA %s\n",
                     static_cast<long long>(step), static_cast<long long>(tc.steps), progress.interval_loss(), r.lr,
@@ -400,16 +459,14 @@ TrainSummary train(TrainJob job, const TrainOptions& options) {
       summary.final_loss = progress.interval_loss();
       progress.reset_interval();
     }
-    if (step % tc.ckpt_every == 0 || step == tc.steps) save(step);
-    // A signal to any rank stops every rank after the same step (SIGINT wins over SIGTERM).
-    int sig = g_signal.load();
-    if (comm->distributed()) {
-      const int64_t agreed = comm->max_int(sig == SIGINT ? 2 : sig != 0 ? 1 : 0);
-      sig = agreed == 2 ? SIGINT : agreed == 1 ? (sig != 0 ? sig : SIGTERM) : 0;
+    // A checkpoint waits for a DiLoCo all-reduce in flight (at most diloco.overlap steps).
+    ckpt_due = ckpt_due || step % tc.ckpt_every == 0 || step == tc.steps || sig != 0;
+    if (ckpt_due && !(diloco && diloco->in_flight())) {
+      save(step);
+      ckpt_due = false;
     }
     if (sig != 0) {
       progress.finish();
-      if (step % tc.ckpt_every != 0 && step != tc.steps) save(step);
       if (lead)
         std::cout << "stopped by signal " << sig << " at step " << step << "; checkpoint " << last_ckpt
                   << " written; continue with --resume" << std::endl;
@@ -417,6 +474,15 @@ TrainSummary train(TrainJob job, const TrainOptions& options) {
       summary.signal = sig;
       break;
     }
+  }
+  summary.bytes_sent = comm->max_int(sent_before + comm->bytes_sent());
+  if (!opt.quiet && world > 1) {
+    const int64_t steps_run = std::max<int64_t>(1, step - summary.first_step);
+    std::printf("communication: rank 0 sent %s in this run (%s per step over %lld steps); the most any rank sent "
+                "over the whole run: %s\n",
+                format_bytes(comm->bytes_sent()).c_str(), format_bytes(comm->bytes_sent() / steps_run).c_str(),
+                static_cast<long long>(step - summary.first_step), format_bytes(summary.bytes_sent).c_str());
+    std::fflush(stdout);
   }
   progress.finish();
   summary.last_step = step;

@@ -35,6 +35,7 @@ struct TrainSummary {
   bool interrupted = false;
   int signal = 0;          // the signal that interrupted it (SIGINT, SIGTERM); exit with 128 + signal
   int rank = 0;            // this process's rank: only rank 0 reports and writes
+  int64_t bytes_sent = 0;  // the most any rank sent in collectives over the whole run (dist/comm.h)
 };
 
 // A run ready to train.

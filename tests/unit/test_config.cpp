@@ -67,6 +67,23 @@ TEST(Config, OutOfRangeValues) {
   EXPECT_NE(error_of("", {"train.steps"}).find("expected section.key=value"), std::string::npos);
 }
 
+TEST(Config, DilocoValuesOutOfRange) {
+  auto err = [](const std::string& kv) { return error_of("", {"parallel.mode=diloco", kv}); };
+  EXPECT_NE(err("diloco.inner_steps=0").find("diloco.inner_steps must be > 0"), std::string::npos);
+  EXPECT_NE(err("diloco.inner_steps=-3").find("got -3"), std::string::npos);
+  EXPECT_NE(err("diloco.outer_lr=0").find("diloco.outer_lr must be > 0"), std::string::npos);
+  EXPECT_NE(err("diloco.outer_momentum=1").find("diloco.outer_momentum must be in [0, 1)"), std::string::npos);
+  EXPECT_NE(err("diloco.outer_momentum=-0.1").find("diloco.outer_momentum must be in [0, 1)"), std::string::npos);
+  EXPECT_NE(err("diloco.fragments=0").find("diloco.fragments must be > 0"), std::string::npos);
+  EXPECT_NE(err("diloco.fragments=60").find("diloco.fragments = 60 is more than diloco.inner_steps = 50"),
+            std::string::npos);
+  EXPECT_NE(err("diloco.overlap=50").find("diloco.overlap = 50 must be less than diloco.inner_steps / diloco.fragments = 50"), std::string::npos);
+  EXPECT_NE(err("diloco.mix=1").find("diloco.mix must be in [0, 1)"), std::string::npos);
+  EXPECT_NE(err("diloco.wire=int4").find("diloco.wire"), std::string::npos);
+  EXPECT_NE(error_of("", {"parallel.mode=async"}).find("parallel.mode"), std::string::npos);
+  EXPECT_EQ(error_of("", {"parallel.mode=diloco", "diloco.fragments=5", "diloco.overlap=9"}), "");
+}
+
 TEST(Config, InvalidTomlNamesLine) {
   const std::string e = error_of("[train]\nsteps = = 3\n");
   EXPECT_NE(e.find("test.toml:2"), std::string::npos) << e;

@@ -6,105 +6,13 @@
 #include <gtest/gtest.h>
 
 #include <filesystem>
-#include <fstream>
-#include <thread>
 
-#include <nlohmann/json.hpp>
-#include <torch/csrc/distributed/c10d/HashStore.hpp>
-
-#include "core/config.h"
-#include "core/safetensors.h"
-#include "dist/comm.h"
-#include "train/checkpoint.h"
-#include "train/trainer.h"
 #include "test_util.h"
+#include "train_test_util.h"
 
 using namespace ddm;
+using namespace ddm::test;
 namespace fs = std::filesystem;
-
-namespace {
-
-RunConfig tiny(const std::string& arch) {
-  RunConfig cfg;
-  cfg.model.arch = arch;
-  cfg.model.channels = 8;
-  cfg.model.channel_mult = {1, 2};
-  cfg.model.groups = 4;
-  cfg.model.width = 32;
-  cfg.model.depth = 2;
-  cfg.model.heads = 2;
-  cfg.model.patch = 2;
-  cfg.train.steps = 20;
-  cfg.train.batch_size = 16;
-  cfg.train.warmup = 2;
-  cfg.train.threads = 1;
-  cfg.train.log_every = 1;
-  cfg.train.ckpt_every = 10;
-  cfg.train.seed = 4;
-  cfg.data.hflip = true;
-  return cfg;
-}
-
-// 96 random 8x8 grayscale images in 3 classes (the trainer's data path without the disk).
-Dataset synthetic_data() {
-  torch::manual_seed(1);
-  Dataset d;
-  d.images = torch::randint(0, 256, {96, 1, 8, 8}).to(torch::kUInt8);
-  d.labels = torch::randint(0, 3, {96});
-  d.num_classes = 3;
-  d.class_names = {"a", "b", "c"};
-  d.description = "synthetic 96 x 1x8x8";
-  return d;
-}
-
-TrainJob job_for(RunConfig cfg) {
-  static const Dataset data = synthetic_data();  // made once: ranks are threads, the generator is global
-  TrainJob job;
-  job.data = data;
-  resolve_data_shape(cfg, job.data);
-  job.cfg = cfg;
-  job.recorded = cfg;
-  return job;
-}
-
-// Trains `world` ranks as threads; returns each rank's error message ("" if none).
-std::vector<std::string> train_ranks(int world, const std::vector<RunConfig>& cfgs, const std::string& out) {
-  auto store = c10::make_intrusive<c10d::HashStore>();
-  std::vector<std::string> errors(world);
-  job_for(cfgs[0]);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < world; ++r)
-    threads.emplace_back([&, r] {
-      try {
-        CommOptions o;
-        o.timeout = std::chrono::milliseconds(30000);
-        TrainOptions opt{out, false, false, true, Comm::create_for_test(store, r, world, o)};
-        train(job_for(cfgs[static_cast<size_t>(r)]), opt);
-      } catch (const std::exception& e) {
-        errors[static_cast<size_t>(r)] = e.what();
-      }
-    });
-  for (auto& t : threads) t.join();
-  return errors;
-}
-
-std::vector<double> losses(const std::string& run) {
-  std::vector<double> out;
-  std::ifstream in(run + "/metrics.jsonl");
-  std::string line;
-  while (std::getline(in, line)) out.push_back(nlohmann::json::parse(line)["loss"].get<double>());
-  return out;
-}
-
-TensorMap final_weights(const std::string& run) { return read_checkpoint(*latest_checkpoint(run), true).model; }
-
-double max_weight_difference(const TensorMap& a, const TensorMap& b) {
-  double m = 0;
-  for (const auto& [name, t] : a) m = std::max(m, (t - b.at(name)).abs().max().item<double>());
-  return m;
-}
-
-}  // namespace
 
 // Tolerance: the two runs compute the same sums in another order (each rank's half-batch gradient,
 // halved and added, against the whole batch's), so their gradients differ by float32 rounding. The

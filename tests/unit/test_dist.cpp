@@ -254,6 +254,36 @@ TEST(DistComm, CollectivesWithTwoAndThreeRanks) {
   }
 }
 
+// Gather and scatter move each rank's part exactly; bytes_sent counts the payload each algorithm
+// moves from this rank (ring all-reduce 2 (W-1)/W n, broadcast (W-1) n from the root, gather n to the
+// root, scatter n per receiver from the root), the accounting that metrics.jsonl reports.
+TEST(DistComm, GatherScatterAndTheBytesEachRankSends) {
+  for (int world : {2, 3}) {
+    const auto errors = run_ranks(world, short_timeouts(), [&](Comm& c) {
+      const int r = c.rank(), root = world - 1;
+      EXPECT_EQ(c.bytes_sent(), 0);
+      const auto part = torch::full({4}, static_cast<float>(r));
+      const auto all = c.gather(part, root);
+      ASSERT_EQ(all.size(), r == root ? static_cast<size_t>(world) : 0u);
+      for (int k = 0; k < static_cast<int>(all.size()); ++k) EXPECT_TRUE(torch::equal(all[k], torch::full({4}, float(k))));
+      const int64_t after_gather = r == root ? 0 : 16;
+      EXPECT_EQ(c.bytes_sent(), after_gather);
+      std::vector<at::Tensor> parts;
+      if (r == root)
+        for (int k = 0; k < world; ++k) parts.push_back(torch::full({4}, 10.0f + k));
+      auto out = torch::zeros({4});
+      c.scatter(parts, out, root);
+      EXPECT_TRUE(torch::equal(out, torch::full({4}, 10.0f + r)));
+      const int64_t after_scatter = after_gather + (r == root ? 16 * (world - 1) : 0);
+      EXPECT_EQ(c.bytes_sent(), after_scatter);
+      auto big = torch::ones({3000});  // 12000 bytes
+      c.allreduce_sum(big);
+      EXPECT_EQ(c.bytes_sent(), after_scatter + 2 * (world - 1) * 12000 / world);
+    });
+    for (int r = 0; r < world; ++r) EXPECT_EQ(errors[r], "") << "world " << world << " rank " << r;
+  }
+}
+
 TEST(DistComm, CheckSameNamesKeyAndRanks) {
   const auto errors = run_ranks(3, short_timeouts(), [](Comm& c) {
     std::vector<std::pair<std::string, std::string>> kv = {{"model.preset", "tiny"},

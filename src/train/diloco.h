@@ -1,0 +1,107 @@
+// DiLoCo (Douillard et al. 2023) and Streaming DiLoCo (Douillard et al. 2025): the outer loop around
+// a replica's ordinary training steps. Every process is a replica with its own inner AdamW state
+// (train/optimizer.h); all replicas hold the same global weights. After a fragment's inner_steps
+// inner steps its pseudo-gradient (global - local weights) is averaged over the replicas, an outer
+// Nesterov-momentum SGD step updates the global weights of that fragment, and the replica continues
+// from them (with overlap, from a mix of them and its own weights, since it went on training while
+// the all-reduce ran). The EMA follows the global weights. Nothing else is communicated: no gradient
+// sync, no loss all-reduce; stop requests (signals) travel with each synchronization.
+//
+// Schedule (steps counted from 1): fragment f of F has offset o_f = f * H / F and launches after
+// every step s with (s + o_f) % H == 0; its result is applied after step s + overlap. After the last
+// step of the run every fragment synchronizes, without overlap and without mixing, so the run ends on
+// global weights.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <utility>
+#include <vector>
+
+#include <torch/types.h>
+
+#include "core/config.h"
+#include "dist/comm.h"
+#include "train/checkpoint.h"
+#include "train/optimizer.h"
+
+namespace ddm {
+
+class Diloco {
+ public:
+  // The global weights start as optim's current parameters (identical on every replica).
+  // ema_decay: train.ema_decay (the EMA takes every inner step's decay, applied at each sync).
+  Diloco(const DilocoConfig& cfg, std::shared_ptr<Comm> comm, FlatAdamW& optim, double ema_decay,
+         int64_t start_step);
+
+  // [begin, end) ranges of the flat parameter buffer, on parameter-tensor boundaries, of about equal
+  // size; every parameter lies in exactly one. Errors if there are more fragments than tensors.
+  static std::vector<std::pair<int64_t, int64_t>> split_fragments(const std::vector<torch::Tensor>& params,
+                                                                  int64_t fragments);
+  const std::vector<std::pair<int64_t, int64_t>>& fragments() const { return frags_; }
+  // Whether fragment f launches its synchronization after step s (1-based count of done steps).
+  bool launches_after(int64_t f, int64_t s) const;
+
+  // What the replicas agreed on at a synchronization that completed after this step.
+  struct Report {
+    bool synced = false;  // a fragment's outer step was applied after this step
+    int stop = 0;         // a signal some replica received (SIGINT wins over SIGTERM); 0: none
+  };
+  // Call after every inner step: `done` steps are complete, `last` is the run's final step, and
+  // `signal` the signal this process received (0: none). Finishes the fragment whose overlap ends
+  // now, launches the fragments due now and applies outer steps; after `last`, every fragment not
+  // synchronized at `last` synchronizes. A stop is reported only when nothing is left in flight.
+  Report after_step(int64_t done, int64_t last, int signal);
+  bool in_flight() const { return pending_ >= 0; }
+
+  // Checkpoint state: global weights, outer momentum (flat, laid out like the parameters) and the
+  // step of each fragment's last synchronization (for the EMA's decay since then).
+  const torch::Tensor& global() const { return global_; }
+  const torch::Tensor& momentum() const { return momentum_; }
+  const std::vector<int64_t>& last_sync() const { return last_sync_; }
+  // Restores them (identical on every replica); last_sync of another length (the fragment count
+  // changed) is replaced by `step` for every fragment.
+  void restore(const torch::Tensor& global, const torch::Tensor& momentum, std::vector<int64_t> last_sync,
+               int64_t step);
+  int64_t syncs() const { return syncs_; }  // outer steps applied (all fragments) in this process
+
+ private:
+  void launch(int64_t f, int64_t done, int signal);
+  // Waits for the pending fragment and applies its outer step; `final_sync`: replace, do not mix.
+  void finish(int64_t done, bool final_sync, Report& report);
+
+  DilocoConfig cfg_;
+  std::shared_ptr<Comm> comm_;
+  FlatAdamW& optim_;
+  double ema_decay_;
+  std::vector<std::pair<int64_t, int64_t>> frags_;
+  torch::Tensor global_, momentum_;  // float [P]
+  std::vector<int64_t> last_sync_;
+  // The one fragment in flight (config validation keeps overlap < H / F): its index, launch step,
+  // the pseudo-gradient being summed (float, or half on a float16 wire) and the stop flags with it.
+  int64_t pending_ = -1, pending_step_ = 0;
+  torch::Tensor send_, flags_;
+  c10::intrusive_ptr<c10d::Work> work_, flag_work_;
+  int64_t syncs_ = 0;
+  int agreed_stop_ = 0;  // a stop every replica learned from a synchronization
+};
+
+// Checkpoints. model.safetensors holds the global weights, ema.safetensors the EMA (of the global
+// weights), optim.safetensors replica 0's moments under the usual names (a data-parallel run can
+// resume from it) plus "outer_momentum.<p>" and every replica's inner state,
+// "replica<r>.params.<p>", "replica<r>.exp_avg.<p>", "replica<r>.exp_avg_sq.<p>"; state.json
+// "diloco" holds the world size and each fragment's last synchronization step.
+struct DilocoReplicas {  // every replica's inner state, on rank 0 (empty on the others)
+  std::vector<torch::Tensor> params, exp_avg, exp_avg_sq;
+};
+// Collective: every replica sends its local weights and moments to rank 0.
+DilocoReplicas gather_replicas(const FlatAdamW& optim, Comm& comm);
+// Rank 0: puts the global weights, the outer state and the replicas' states into ck.
+void add_diloco_state(Checkpoint& ck, const Diloco& diloco, const FlatAdamW& optim, const DilocoReplicas& replicas);
+// Collective, after the model and optimizer were loaded from ck on rank 0 and broadcast (so every
+// replica holds the global weights): restores the outer momentum and each replica's inner state
+// from ck (rank 0's; null elsewhere or on a fresh start). A checkpoint of another world size gives
+// replica r the state of replica r mod (its world size); a checkpoint without DiLoCo state (a data-
+// parallel run) starts every replica from the global weights with zero outer momentum.
+void restore_diloco(Diloco& diloco, FlatAdamW& optim, Comm& comm, const Checkpoint* ck, int64_t step, bool quiet);
+
+}  // namespace ddm
