@@ -225,6 +225,52 @@ TEST(Distributed, SigtermToOneRankStopsEveryRankAfterTheSameStepWithACheckpoint)
   EXPECT_EQ(state["step"].get<size_t>(), losses(r.dir / "term").size());
 }
 
+// DiLoCo as real processes: Streaming DiLoCo (2 fragments, an overlapped all-reduce) killed with
+// kill -9 and restarted by the launcher ends bit for bit where the uninterrupted run does; SIGTERM
+// to one replica stops both at the next synchronization, with a checkpoint.
+TEST(Distributed, DilocoKilledAndRestartedEndsAsIfUninterrupted) {
+  Workdir r;
+  const std::string sets =
+      " --set train.steps=80 --set train.ckpt_every=10 --set parallel.mode=diloco --set diloco.inner_steps=6"
+      " --set diloco.fragments=2 --set diloco.overlap=1";
+  const auto ref = test::run_ddm("launch --timeout 300 --nproc 2 -- " + r.train("ref", sets));
+  ASSERT_EQ(ref.exit_code, 0) << ref.output;
+  const std::string log = r.dir / "launch.log";
+  const pid_t launcher = spawn("", "launch --timeout 300 --max-restarts 1 --nproc 2 -- " + r.train("killed", sets), log);
+  wait_for_checkpoints(r.dir / "killed", 2, 120);
+  auto workers = children(launcher);
+  ASSERT_EQ(workers.size(), 2u) << test::read_text(log);
+  kill(workers[0], SIGKILL);
+  ASSERT_EQ(wait_exit(launcher, 300), 0) << test::read_text(log);
+  EXPECT_TRUE(has(test::read_text(log), "restarting all 2 workers")) << test::read_text(log);
+  ASSERT_EQ(list_checkpoints(r.dir / "killed").back(), r.dir / "killed/ckpt/step-00000080");
+  EXPECT_EQ(weight_difference(r.dir / "ref", r.dir / "killed"), 0.0);
+  EXPECT_EQ(losses(r.dir / "ref"), losses(r.dir / "killed"));
+}
+
+TEST(Distributed, DilocoSigtermToOneReplicaStopsBothAtTheNextSync) {
+  Workdir r;
+  const std::string env = "WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(free_port());
+  const std::string args = r.train("term", " --set train.steps=100000 --set train.ckpt_every=100000 "
+                                           "--set parallel.mode=diloco --set diloco.inner_steps=7");
+  const pid_t r0 = spawn("RANK=0 " + env, args, r.dir / "r0.log"), r1 = spawn("RANK=1 " + env, args, r.dir / "r1.log");
+  const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+  while (losses(r.dir / "term").size() < 3 && std::chrono::steady_clock::now() < end)
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  kill(r1, SIGTERM);
+  ASSERT_EQ(wait_exit(r0, 60), 0);
+  ASSERT_EQ(wait_exit(r1, 60), 0);
+  const std::string out0 = test::read_text(r.dir / "r0.log");
+  EXPECT_TRUE(has(out0, "stopped by signal 15")) << out0;
+  const auto ckpts = list_checkpoints(r.dir / "term");
+  ASSERT_EQ(ckpts.size(), 1u) << out0;
+  const auto state = nlohmann::json::parse(test::read_text(ckpts[0] + "/state.json"));
+  const int64_t step = state["step"].get<int64_t>();
+  EXPECT_EQ(step % 7, 0) << "stopped between synchronizations";
+  EXPECT_EQ(state["diloco"]["last_sync"], std::vector<int64_t>{step});
+  EXPECT_EQ(static_cast<int64_t>(losses(r.dir / "term").size()), step);
+}
+
 TEST(Distributed, BadStartsAreClearErrors) {
   Workdir r;
   const int port = free_port();
