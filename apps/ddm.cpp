@@ -396,7 +396,8 @@ int run(int argc, char** argv) {
     return s;
   }() + "\nData parallel: started by `ddm launch --nproc N -- train ...`, torchrun, srun or mpirun, each process "
         "is one rank of one job (train.batch_size is the global batch; only rank 0 writes --out; a restarted job "
-        "resumes by itself). See docs/distributed.md.");
+        "resumes by itself). With --set parallel.mode=diloco each process is a DiLoCo replica that synchronizes "
+        "every diloco.inner_steps steps (diloco.fragments > 1: Streaming DiLoCo). See docs/distributed.md.");
 
   // sample
   SampleArgs sa;
