@@ -58,7 +58,11 @@ Command add_launch_command(CLI::App& app, int argc, char** argv) {
   auto* cmd = app.add_subcommand("launch", kLaunchHelp);
   cmd->add_option("--nproc", c->nproc, "number of workers (ranks 0..N-1)")->required();
   cmd->add_option("--max-restarts", c->max_restarts,
-                  "how many times all workers are restarted after a failure (default 0)");
+                  "how many restarts (of all workers, or of one with --restart failed) the launch may use (default 0)");
+  cmd->add_option("--restart", c->restart,
+                  "all (default, torchrun's semantics): a failed worker stops the others and all restart from the "
+                  "last checkpoint; failed: a failed worker other than rank 0 restarts alone (DDM_REJOIN=1) while "
+                  "the others go on, which DiLoCo replicas take back at their next synchronization");
   cmd->add_option("--timeout", c->timeout_s,
                   "seconds an attempt may run before its workers are stopped and the launch fails (default 0: no "
                   "limit)");

@@ -167,6 +167,7 @@ std::vector<Field> fields(RunConfig& c) {
       field("diloco.overlap", &c.diloco.overlap),
       field("diloco.mix", &c.diloco.mix),
       field("diloco.wire", &c.diloco.wire),
+      field("diloco.peer_wait", &c.diloco.peer_wait),
   };
 }
 
@@ -375,6 +376,8 @@ void validate(const RunConfig& c) {
                                 << ", so that one fragment's all-reduce ends before the next one starts");
   DDM_CHECK(dl.mix >= 0 && dl.mix < 1, "diloco.mix must be in [0, 1), got " << dl.mix);
   check_choice("diloco.wire", dl.wire, {"float32", "float16"});
+  DDM_CHECK(dl.peer_wait > 0 && dl.peer_wait <= 86400,
+            "diloco.peer_wait must be in (0, 86400] seconds, got " << dl.peer_wait);
 
   const SampleConfig& s = c.sample;
   check_choice("sample.sampler", s.sampler, {"euler", "heun", "ddim", "ddpm"});

@@ -112,6 +112,9 @@ struct DilocoConfig {
   int64_t overlap = 0;            // inner steps each fragment's all-reduce overlaps (< inner_steps / fragments)
   double mix = 0.5;               // with overlap: local = mix * local + (1 - mix) * global (the paper's alpha)
   std::string wire = "float32";   // float32 | float16: the outer gradient's format on the wire
+  // Seconds the replicas wait at a synchronization for a replica that failed (a lost connection or
+  // a timeout) before going on without it; a restarted one that asks to rejoin meanwhile is taken.
+  double peer_wait = 30;
 };
 
 struct RunConfig {

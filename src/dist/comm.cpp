@@ -78,6 +78,14 @@ Comm::Comm(int rank, int world, CommOptions options) : rank_(rank), world_(world
 Comm::~Comm() = default;
 
 std::shared_ptr<Comm> Comm::create(const DistEnv& env, CommOptions options) {
+  return create_impl(env, std::move(options), true);
+}
+
+std::shared_ptr<Comm> Comm::create_store_only(const DistEnv& env, CommOptions options) {
+  return create_impl(env, std::move(options), false);
+}
+
+std::shared_ptr<Comm> Comm::create_impl(const DistEnv& env, CommOptions options, bool form_group) {
   std::shared_ptr<Comm> comm(new Comm(env.rank, env.world_size, options));
   if (!env.distributed()) return comm;
   const std::string where = env.master_addr + ":" + std::to_string(env.master_port);
@@ -109,19 +117,50 @@ std::shared_ptr<Comm> Comm::create(const DistEnv& env, CommOptions options) {
   }
   if (!env.store_prefix.empty()) store = c10::make_intrusive<c10d::PrefixStore>(env.store_prefix, store);
   // A host that is not loopback: bind Gloo to this machine's hostname (PyTorch's default device).
-  comm->connect(store, "the rendezvous store at " + where, is_loopback(env.master_addr));
+  if (form_group) {
+    comm->connect(store, "the rendezvous store at " + where, is_loopback(env.master_addr));
+  } else {
+    comm->base_store_ = store;
+    comm->where_ = "the rendezvous store at " + where;
+    comm->loopback_ = is_loopback(env.master_addr);
+    comm->broken_ = "rank " + std::to_string(env.rank) + " joined the store only (it is rejoining a running job)";
+  }
   return comm;
 }
 
 std::shared_ptr<Comm> Comm::create_for_test(c10::intrusive_ptr<c10d::Store> store, int rank, int world,
-                                            CommOptions options) {
+                                            CommOptions options, bool form_group) {
   DDM_CHECK(world >= 1 && rank >= 0 && rank < world, "create_for_test: rank " << rank << " of world " << world);
   std::shared_ptr<Comm> comm(new Comm(rank, world, options));
-  if (world > 1) comm->connect(std::move(store), "the test store", /*loopback=*/true);
+  if (world > 1 && form_group) {
+    comm->connect(std::move(store), "the test store", /*loopback=*/true);
+  } else if (world > 1) {
+    comm->base_store_ = std::move(store);
+    comm->where_ = "the test store";
+    comm->broken_ = "rank " + std::to_string(rank) + " joined the store only (it is rejoining a running job)";
+  }
+  return comm;
+}
+
+std::shared_ptr<Comm> Comm::subgroup(const std::string& name, const std::vector<int>& members) const {
+  DDM_CHECK(base_store_, "rank " << job_rank() << ": a process group of one process has no store to build groups on");
+  const auto me = std::find(members.begin(), members.end(), job_rank());
+  DDM_CHECK(me != members.end(), "rank " << job_rank() << " is not a member of group " << name);
+  CommOptions o = options_;
+  o.group = name;
+  std::shared_ptr<Comm> comm(new Comm(static_cast<int>(me - members.begin()), static_cast<int>(members.size()), o));
+  comm->base_store_ = base_store_;
+  comm->where_ = where_;
+  comm->loopback_ = loopback_;
+  comm->members_ = members;
+  if (members.size() > 1) comm->connect(base_store_, where_, loopback_);
   return comm;
 }
 
 void Comm::connect(c10::intrusive_ptr<c10d::Store> store, const std::string& where, bool loopback) {
+  base_store_ = store;
+  where_ = where;
+  loopback_ = loopback;
   store_ = c10::make_intrusive<c10d::PrefixStore>("ddm/" + options_.group, std::move(store));
   // Join: every rank announces itself and waits for all others, so a missing rank is named here
   // rather than surfacing as an anonymous timeout inside Gloo's rendezvous.
@@ -138,10 +177,10 @@ void Comm::connect(c10::intrusive_ptr<c10d::Store> store, const std::string& whe
     } catch (const std::exception&) {
       missing.clear();  // the store itself is gone; say so below
     }
-    DDM_CHECK(missing.empty(), "rank " << rank_ << ": rank(s) " << missing << " did not join at " << where
+    DDM_CHECK(missing.empty(), "rank " << job_rank() << ": " << (members_.empty() ? "rank(s) " : "group rank(s) ") << missing << " did not join at " << where
                                        << " within " << seconds_str(options_.connect_timeout)
                                        << ": did every rank start, with the same WORLD_SIZE and MASTER_PORT?");
-    DDM_FAIL("rank " << rank_ << ": lost " << where << " while joining (" << strip_location(e.what())
+    DDM_FAIL("rank " << job_rank() << ": lost " << where << " while joining (" << strip_location(e.what())
                      << "): rank 0 or the launcher exited; the job stops");
   }
   auto opts = c10d::ProcessGroupGloo::Options::create(options_.timeout);
@@ -164,7 +203,7 @@ void Comm::connect(c10::intrusive_ptr<c10d::Store> store, const std::string& whe
 [[noreturn]] void Comm::fail(const std::string& op, const std::string& what) {
   const std::string msg = strip_location(what);
   std::ostringstream os;
-  os << "rank " << rank_ << ": ";
+  os << "rank " << job_rank() << ": ";
   if (contains(msg, "Timed out") || contains(msg, "timed out") || contains(msg, "Timeout")) {
     os << op << " timed out after " << seconds_str(options_.timeout)
        << " waiting for the other ranks (a rank is hung, stopped or much slower); raise parallel.timeout if "
@@ -173,7 +212,7 @@ void Comm::connect(c10::intrusive_ptr<c10d::Store> store, const std::string& whe
   } else if (contains(msg, "closed by peer") || contains(msg, "reset by peer") || contains(msg, "Socket closed") ||
              contains(msg, "unexpectedly closed") || contains(msg, "Broken pipe") || contains(msg, "Read error") ||
              contains(msg, "Write error") || contains(msg, "Connection refused")) {
-    os << "lost the connection to " << (world_ == 2 ? "rank " + std::to_string(1 - rank_) : "a peer rank")
+    os << "lost the connection to " << (world_ == 2 ? "rank " + std::to_string(job_rank_of(1 - rank_)) : "a peer rank")
        << " during " << op << " (it exited or was killed); the job stops (gloo: " << msg << ")";
   } else {
     os << op << " failed: " << msg;
@@ -183,7 +222,7 @@ void Comm::connect(c10::intrusive_ptr<c10d::Store> store, const std::string& whe
 }
 
 void Comm::check_usable(const std::string& op) const {
-  DDM_CHECK(broken_.empty(), "rank " << rank_ << ": cannot run " << op
+  DDM_CHECK(broken_.empty(), "rank " << job_rank() << ": cannot run " << op
                                      << ": the process group failed earlier and Gloo cannot recover ("
                                      << broken_ << ")");
 }

@@ -38,13 +38,27 @@ class Comm {
   static std::shared_ptr<Comm> create(const DistEnv& env, CommOptions options = {});
   // Ranks as threads of one process: every thread passes the same store (e.g. a c10d::HashStore) and
   // its own rank; Gloo talks over the loopback device.
+  // With form_group = false, as create_store_only: no group, only the store (a rejoining process).
   static std::shared_ptr<Comm> create_for_test(c10::intrusive_ptr<c10d::Store> store, int rank, int world,
-                                               CommOptions options = {});
+                                               CommOptions options = {}, bool form_group = true);
+  // A new group of some ranks of this one's job on the same store, for rebuilding after a failure
+  // (Gloo cannot recover a group): `members` are the ranks of this job in it, in group-rank order
+  // (this process must be one); `name` must be new on the store. Its collectives use group ranks.
+  std::shared_ptr<Comm> subgroup(const std::string& name, const std::vector<int>& members) const;
+  // With connect = false, create() reaches the store but forms no group (a process rejoining a
+  // running job makes its groups with subgroup()); its collectives then fail.
+  static std::shared_ptr<Comm> create_store_only(const DistEnv& env, CommOptions options = {});
+  // The job's store (under this attempt's prefix, without this group's), for coordination keys.
+  c10::intrusive_ptr<c10d::Store> job_store() const { return base_store_; }
   ~Comm();
   Comm(const Comm&) = delete;
   Comm& operator=(const Comm&) = delete;
 
-  int rank() const { return rank_; }
+  int rank() const { return rank_; }  // in this group
+  // This process's rank in the job (== rank() except in a subgroup), and a group rank's.
+  int job_rank() const { return job_rank_of(rank_); }
+  int job_rank_of(int group_rank) const { return members_.empty() ? group_rank : members_[group_rank]; }
+  const std::vector<int>& members() const { return members_; }  // job ranks; empty: all, in order
   int world_size() const { return world_; }
   bool distributed() const { return world_ > 1; }
   const CommOptions& options() const { return options_; }
@@ -81,6 +95,7 @@ class Comm {
 
  private:
   Comm(int rank, int world, CommOptions options);
+  static std::shared_ptr<Comm> create_impl(const DistEnv& env, CommOptions options, bool form_group);
   void connect(c10::intrusive_ptr<c10d::Store> store, const std::string& where, bool loopback);
   // Runs f (a c10d call), turning any exception into ddm::Error about `op`.
   template <class F>
@@ -93,7 +108,10 @@ class Comm {
   void count_sent(double bytes) { bytes_sent_ += static_cast<int64_t>(bytes); }
   std::atomic<int64_t> bytes_sent_{0};  // gradient hooks may launch all-reduces from autograd's threads
   std::string broken_;  // the first failure: a Gloo group is unusable after any error or timeout
-  c10::intrusive_ptr<c10d::Store> store_;
+  c10::intrusive_ptr<c10d::Store> store_, base_store_;
+  std::vector<int> members_;  // a subgroup's job ranks by group rank (empty: the whole job)
+  std::string where_;     // the store, for messages
+  bool loopback_ = true;  // Gloo's device: loopback, or this host's address / GLOO_SOCKET_IFNAME
   c10::intrusive_ptr<GlooBackend> pg_;
 };
 

@@ -240,6 +240,7 @@ DistEnv detect_dist_env(std::function<const char*(const char*)> getenv) {
   } else if (get(getenv, "SLURM_PROCID")) {
     e = from_slurm_vars(getenv);
   }
+  if (auto v = get(getenv, "DDM_REJOIN")) e.rejoin = parse_bool("DDM_REJOIN", *v);
   return e;
 }
 
@@ -252,6 +253,7 @@ std::string DistEnv::describe() const {
     if (!store_prefix.empty()) os << " prefix " << store_prefix;
   }
   if (restart_count > 0 || max_restarts > 0) os << ", restart " << restart_count << "/" << max_restarts;
+  if (rejoin) os << ", rejoining";
   return os.str();
 }
 

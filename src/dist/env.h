@@ -24,6 +24,9 @@ struct DistEnv {
   int restart_count = 0;  // TORCHELASTIC_RESTART_COUNT: how many times the job was restarted
   int max_restarts = 0;   // TORCHELASTIC_MAX_RESTARTS
   std::string run_id;     // TORCHELASTIC_RUN_ID, SLURM_JOB_ID, or ""
+  // DDM_REJOIN=1: this process was restarted alone (`ddm launch --restart failed`) into a job whose
+  // other processes still run; it must rejoin them (DiLoCo) rather than start or resume the job.
+  bool rejoin = false;
 
   bool distributed() const { return world_size > 1; }
   // One line for logs, e.g. "rank 1/4 (local 1/2, node 0) via torchrun, store 10.0.0.1:29500 (agent)".

@@ -135,10 +135,30 @@ struct Outcome {
   int signal = 0;
 };
 
-Outcome run_attempt(const LaunchConfig& c, int64_t attempt, const ChildSpec& base, int port, SignalReader& signals) {
+// Output a finished worker still has in its pipe, for up to two seconds (a pipe held open by a
+// process it left behind is given up).
+void drain(std::vector<Worker*> workers) {
+  const auto until = Clock::now() + std::chrono::seconds(2);
+  for (;;) {
+    std::vector<pollfd> fds;
+    std::vector<Worker*> owners;
+    for (Worker* w : workers)
+      if (w->child.output_fd >= 0) {
+        fds.push_back({w->child.output_fd, POLLIN, 0});
+        owners.push_back(w);
+      }
+    if (fds.empty() || Clock::now() >= until) break;
+    ::poll(fds.data(), fds.size(), 100);
+    for (size_t i = 0; i < fds.size(); ++i)
+      if (fds[i].revents != 0) pump(*owners[i]);
+  }
+}
+
+Outcome run_attempt(const LaunchConfig& c, int64_t attempt, const ChildSpec& base, int port, SignalReader& signals,
+                    int64_t& restarts_used) {
   Attempt a;
   a.workers.reserve(static_cast<size_t>(c.nproc));
-  for (int64_t r = 0; r < c.nproc; ++r) {
+  auto spawn_worker = [&](int64_t r, bool rejoin) {
     RankInfo info;
     info.rank = r;
     info.world_size = c.nproc;
@@ -146,11 +166,15 @@ Outcome run_attempt(const LaunchConfig& c, int64_t attempt, const ChildSpec& bas
     info.max_restarts = c.max_restarts;
     info.run_id = c.run_id;
     info.master_port = port;
+    auto vars = torchrun_environment(info);
+    if (rejoin) vars.emplace_back("DDM_REJOIN", "1");
     ChildSpec spec = base;
-    spec.env = environment_with(torchrun_environment(info), stale_launcher_variables());
-    a.workers.emplace_back(r, spawn_child(spec));
-    ::fcntl(a.workers.back().child.output_fd, F_SETFL, O_NONBLOCK);
-  }
+    spec.env = environment_with(vars, stale_launcher_variables());
+    Worker w(r, spawn_child(spec));
+    ::fcntl(w.child.output_fd, F_SETFL, O_NONBLOCK);
+    return w;
+  };
+  for (int64_t r = 0; r < c.nproc; ++r) a.workers.push_back(spawn_worker(r, false));
 
   const auto start = Clock::now();
   const auto grace = std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(c.grace_s));
@@ -183,6 +207,22 @@ Outcome run_attempt(const LaunchConfig& c, int64_t attempt, const ChildSpec& bas
         continue;
       }
       pump(w);  // its last lines come before the news of its exit
+      if (!w.exit->ok() && !stopping && c.restart == "failed" && w.rank != 0 && restarts_used < c.max_restarts) {
+        ++restarts_used;
+        say("rank " + std::to_string(w.rank) + " (pid " + std::to_string(w.child.pid) + ") " + describe(*w.exit) +
+            "; restarting it alone (restart " + std::to_string(restarts_used) + " of " +
+            std::to_string(c.max_restarts) + ", DDM_REJOIN=1); the other workers go on");
+        signal_group(w.child.pid, SIGKILL);  // whatever it left in its group
+        drain({&w});
+        if (w.child.output_fd >= 0) {
+          write_all(1, w.out.flush());
+          ::close(w.child.output_fd);
+        }
+        reap(w.child.pid);
+        w = spawn_worker(w.rank, true);
+        all_exited = false;
+        continue;
+      }
       if (!w.exit->ok() && !stopping) {
         const std::string how = describe(*w.exit);
         say("rank " + std::to_string(w.rank) + " (pid " + std::to_string(w.child.pid) + ") " + how +
@@ -229,20 +269,9 @@ Outcome run_attempt(const LaunchConfig& c, int64_t attempt, const ChildSpec& bas
   // All workers have exited (and are not reaped yet, so their group ids are still theirs): kill
   // what they left in their groups, take the rest of their output, then reap them.
   for (auto& w : a.workers) signal_group(w.child.pid, SIGKILL);
-  const auto drain_until = Clock::now() + std::chrono::seconds(2);
-  for (;;) {
-    std::vector<pollfd> fds;
-    std::vector<Worker*> owners;
-    for (auto& w : a.workers)
-      if (w.child.output_fd >= 0) {
-        fds.push_back({w.child.output_fd, POLLIN, 0});
-        owners.push_back(&w);
-      }
-    if (fds.empty() || Clock::now() >= drain_until) break;  // a pipe held open elsewhere is given up
-    ::poll(fds.data(), fds.size(), 100);
-    for (size_t i = 0; i < fds.size(); ++i)
-      if (fds[i].revents != 0) pump(*owners[i]);
-  }
+  std::vector<Worker*> all;
+  for (auto& w : a.workers) all.push_back(&w);
+  drain(all);
   for (auto& w : a.workers) {
     if (w.child.output_fd >= 0) write_all(1, w.out.flush());
     reap(w.child.pid);
@@ -262,6 +291,9 @@ void check_launch_config(const LaunchConfig& c) {
   DDM_CHECK(c.master_port >= 0 && c.master_port <= 65535,
             "--master-port " << c.master_port << " is not a TCP port (1..65535, or 0 to pick a free one)");
   DDM_CHECK(!c.run_id.empty(), "--run-id must not be empty");
+  DDM_CHECK(c.restart == "all" || c.restart == "failed",
+            "--restart must be `all` (every worker restarts after a failure) or `failed` (only the failed worker, "
+            "for DiLoCo), got '" << c.restart << "'");
   DDM_CHECK(!c.command.empty(), "no command to launch: put it after `--`, e.g. `ddm launch --nproc 2 -- train "
                                 "--config c.toml --out runs/x` (or `--no-ddm -- PROGRAM ARGS` for another program)");
   if (!c.no_ddm) {
@@ -292,12 +324,13 @@ int run_launch(const LaunchConfig& c) {
       std::to_string(store.port()) + ", run id " + c.run_id + ", up to " + std::to_string(c.max_restarts) +
       " restart" + (c.max_restarts == 1 ? "" : "s") + (c.timeout_s > 0 ? ", --timeout " + seconds(c.timeout_s) : ""));
 
+  int64_t restarts_used = 0;  // of max_restarts: whole attempts and single workers together
   for (int64_t attempt = 0;; ++attempt) {
     for (int sig : signals.read_stop_signals()) {  // arrived between attempts
       say("got " + signal_name(sig) + " before attempt " + std::to_string(attempt) + " started: not starting it");
       return 128 + sig;
     }
-    const Outcome o = run_attempt(c, attempt, base, store.port(), signals);
+    const Outcome o = run_attempt(c, attempt, base, store.port(), signals, restarts_used);
     if (o.kind == Outcome::kSuccess) {
       say((c.nproc == 1 ? std::string("the worker") : "all " + std::to_string(c.nproc) + " workers") +
           " exited with status 0" +
@@ -311,11 +344,12 @@ int run_launch(const LaunchConfig& c) {
     DDM_CHECK(o.kind != Outcome::kTimedOut,
               "attempt " << attempt << " ran past --timeout " << seconds(c.timeout_s)
                          << " and its workers were stopped; raise --timeout (0: no limit) if the job needs longer");
-    DDM_CHECK(attempt < c.max_restarts,
-              "rank " << o.rank << " (pid " << o.pid << ") " << o.how << " in attempt " << attempt + 1 << " of "
-                      << c.max_restarts + 1 << "; no restarts left (--max-restarts " << c.max_restarts
+    DDM_CHECK(restarts_used < c.max_restarts,
+              "rank " << o.rank << " (pid " << o.pid << ") " << o.how << " in attempt " << attempt + 1
+                      << "; no restarts left (--max-restarts " << c.max_restarts
                       << "). Its output is above, prefixed [rank " << o.rank << "]");
-    say("restarting all " + std::to_string(c.nproc) + " workers (restart " + std::to_string(attempt + 1) + " of " +
+    ++restarts_used;
+    say("restarting all " + std::to_string(c.nproc) + " workers (restart " + std::to_string(restarts_used) + " of " +
         std::to_string(c.max_restarts) + ", TORCHELASTIC_RESTART_COUNT=" + std::to_string(attempt + 1) + ")");
   }
 }

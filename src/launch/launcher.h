@@ -8,6 +8,9 @@
 //     which rank failed and how, stops the others (SIGTERM to each group, `grace_s` to exit, then
 //     SIGKILL) and, while restarts remain, starts all N again with the count incremented. A
 //     trainer resumes from its last checkpoint when the count is > 0. No restarts left: exit 1.
+//   - With `restart = "failed"`, a failed worker other than rank 0 is restarted alone (while restarts
+//     remain), with DDM_REJOIN=1 in its environment, and the others go on: DiLoCo replicas take it
+//     back at their next synchronization (docs/distributed.md). Rank 0's failure restarts all.
 //   - SIGINT / SIGTERM / SIGHUP to the launcher go to every worker's group; after the grace period
 //     the rest are killed; the launcher exits 128 + signal. A second signal kills at once.
 //   - `timeout_s` bounds each attempt's wall-clock time (0: none): the workers are stopped and the
@@ -25,7 +28,8 @@ namespace ddm {
 
 struct LaunchConfig {
   int64_t nproc = 1;
-  int64_t max_restarts = 0;
+  int64_t max_restarts = 0;  // restarts of all workers, or of one (restart = "failed"), together
+  std::string restart = "all";  // all | failed
   double timeout_s = 0;  // per attempt; 0 = no limit
   double grace_s = 30;   // how long stopped workers get before SIGKILL
   int64_t master_port = 0;  // 0: a free port picked by the kernel

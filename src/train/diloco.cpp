@@ -11,6 +11,18 @@
 #include "core/run_dir.h"
 
 namespace ddm {
+namespace {
+
+// A Comm error as the cause inside a DiLoCo message: without its "rank R: " prefix and without the
+// conclusion a data-parallel job draws from it ("the job stops").
+std::string cause(std::string m) {
+  if (m.rfind("rank ", 0) == 0 && m.find(": ") != std::string::npos) m = m.substr(m.find(": ") + 2);
+  const std::string stops = "; the job stops";
+  if (const size_t at = m.find(stops); at != std::string::npos) m.erase(at, stops.size());
+  return m;
+}
+
+}  // namespace
 
 std::vector<std::pair<int64_t, int64_t>> Diloco::split_fragments(const std::vector<torch::Tensor>& params,
                                                                  int64_t fragments) {
@@ -38,15 +50,22 @@ std::vector<std::pair<int64_t, int64_t>> Diloco::split_fragments(const std::vect
   return out;
 }
 
-Diloco::Diloco(const DilocoConfig& cfg, std::shared_ptr<Comm> comm, FlatAdamW& optim, double ema_decay,
+Diloco::Diloco(const DilocoConfig& cfg, std::shared_ptr<ElasticGroup> group, FlatAdamW& optim, double ema_decay,
                int64_t start_step)
-    : cfg_(cfg), comm_(std::move(comm)), optim_(optim), ema_decay_(ema_decay) {
-  DDM_CHECK(comm_, "DiLoCo needs a process group (one process is fine)");
+    : cfg_(cfg), group_(std::move(group)), optim_(optim), ema_decay_(ema_decay) {
+  DDM_CHECK(group_, "DiLoCo needs its group of replicas (one process is fine)");
   frags_ = split_fragments(optim_.params(), cfg_.fragments);
   global_ = optim_.flat_params().clone();
   momentum_ = torch::zeros_like(global_);
   last_sync_.assign(frags_.size(), start_step);
 }
+
+Diloco::Diloco(const DilocoConfig& cfg, std::shared_ptr<Comm> comm, FlatAdamW& optim, double ema_decay,
+               int64_t start_step)
+    : Diloco(cfg,
+             std::make_shared<ElasticGroup>(comm, comm->world_size(),
+                                            std::chrono::milliseconds(static_cast<int64_t>(cfg.peer_wait * 1000))),
+             optim, ema_decay, start_step) {}
 
 bool Diloco::launches_after(int64_t f, int64_t s) const {
   const int64_t offset = f * cfg_.inner_steps / static_cast<int64_t>(frags_.size());
@@ -65,25 +84,126 @@ void Diloco::restore(const torch::Tensor& global, const torch::Tensor& momentum,
 
 void Diloco::launch(int64_t f, int64_t done, int signal) {
   torch::NoGradGuard no_grad;
-  const auto [b, e] = frags_[f];
-  // Pseudo-gradient of this replica: global - local.
-  torch::Tensor delta = global_.slice(0, b, e) - optim_.flat_params().slice(0, b, e);  // [e - b]
-  send_ = cfg_.wire == "float16" ? delta.to(torch::kHalf) : delta;
-  flags_ = torch::tensor({signal == SIGINT ? 1.0 : 0.0, signal != 0 && signal != SIGINT ? 1.0 : 0.0}, torch::kDouble);
-  std::vector<at::Tensor> a{send_}, c{flags_};
-  work_ = comm_->allreduce_async(a);
-  flag_work_ = comm_->allreduce_async(c);
+  ++round_;
   pending_ = f;
   pending_step_ = done;
+  signal_ = signal;
+  const auto [b, e] = frags_[f];
+  // Pseudo-gradient of this replica: global - local.
+  delta_ = global_.slice(0, b, e) - optim_.flat_params().slice(0, b, e);  // [e - b]
+  try {
+    // A group missing a replica takes in whoever asked to join, and sends them the state.
+    if (!group_->complete() && !group_->admit(round_name()).empty()) transfer(kLaunching, done);
+    issue();
+  } catch (const Error& e) {
+    // The group is broken (or a joiner vanished): finish() redoes the all-reduce in a new one.
+    launch_error_ = e.what();
+    work_.reset();
+    flag_work_.reset();
+  }
+}
+
+void Diloco::issue() {
+  send_ = cfg_.wire == "float16" ? delta_.to(torch::kHalf) : delta_.clone();
+  const double contributes = fresh_ ? 0.0 : 1.0;  // a joiner has no pseudo-gradient this round
+  flags_ = torch::tensor({signal_ == SIGINT ? 1.0 : 0.0, signal_ != 0 && signal_ != SIGINT ? 1.0 : 0.0, contributes},
+                         torch::kDouble);
+  std::vector<at::Tensor> a{send_}, c{flags_};
+  work_ = group_->comm().allreduce_async(a);
+  flag_work_ = group_->comm().allreduce_async(c);
+}
+
+void Diloco::transfer(Phase phase, int64_t done) {
+  torch::NoGradGuard no_grad;
+  Comm& c = group_->comm();
+  const int src = group_->source();
+  const bool sender = c.rank() == src;
+  // Everyone but the source receives into scratch: only the joiners (fresh_) adopt what arrives.
+  auto ints = torch::tensor({static_cast<int64_t>(phase), pending_, pending_step_, done, round_, optim_.step_count(),
+                             static_cast<int64_t>(frags_.size())},
+                            torch::kLong);
+  c.broadcast(ints, src);
+  DDM_CHECK(ints[6].item<int64_t>() == static_cast<int64_t>(frags_.size()),
+            "rank " << c.job_rank() << ": the group synchronizes " << ints[6].item<int64_t>()
+                    << " fragments and this replica " << frags_.size() << ": every replica must run the same config");
+  auto last = torch::tensor(last_sync_, torch::kLong);
+  c.broadcast(last, src);
+  std::vector<torch::Tensor> state{global_, momentum_, optim_.flat_ema(), optim_.flat_exp_avg(), optim_.flat_exp_avg_sq()};
+  std::vector<torch::Tensor> got;
+  for (const auto& t : state) {
+    torch::Tensor x = sender ? t : torch::empty_like(t);
+    c.broadcast(x, src);
+    got.push_back(x);
+  }
+  if (transfer_hook_) transfer_hook_(c, src);
+  if (!fresh_) return;
+  joined_phase_ = static_cast<Phase>(ints[0].item<int64_t>());
+  joined_done_ = ints[3].item<int64_t>();
+  pending_ = ints[1].item<int64_t>();
+  pending_step_ = ints[2].item<int64_t>();
+  round_ = ints[4].item<int64_t>();
+  optim_.set_step_count(ints[5].item<int64_t>());
+  last_sync_.assign(last.data_ptr<int64_t>(), last.data_ptr<int64_t>() + last.numel());
+  for (size_t i = 0; i < state.size(); ++i) state[i].copy_(got[i]);
+  optim_.flat_params().copy_(global_);  // the joiner starts from the global weights
+  const auto [b, e] = frags_[pending_];
+  delta_ = torch::zeros({e - b}, torch::kFloat);
+}
+
+std::pair<int64_t, Diloco::Report> Diloco::rejoin(std::chrono::milliseconds wait, int64_t last) {
+  fresh_ = true;
+  const std::string round = group_->join(wait);
+  if (round.empty()) return {-1, Report{}};  // the job finished before this replica was taken back
+  DDM_CHECK(round.size() > 1 && round[0] == 's', "rank " << group_->job_rank() << ": admitted at '" << round
+                                                         << "', which is not a synchronization");
+  transfer(kLaunching, 0);  // a joiner's arguments are ignored: it takes the source's phase and step
+  const int64_t done = joined_done_;
+  Report report;
+  issue();
+  // The members finish this fragment now (no overlap, or they were redoing it after a failure), or
+  // after their overlap: the joiner's loop then finishes it at the same step.
+  if (joined_phase_ == kFinishing || cfg_.overlap == 0 || done == last) finish(done, done == last, report);
+  report.stop = pending_ >= 0 ? 0 : agreed_stop_;
+  return {done, report};
 }
 
 void Diloco::finish(int64_t done, bool final_sync, Report& report) {
   torch::NoGradGuard no_grad;
-  comm_->wait(work_, "DiLoCo outer all-reduce (fragment " + std::to_string(pending_) + ")");
-  comm_->wait(flag_work_, "DiLoCo outer all-reduce (stop flags)");
   const int64_t f = pending_;
+  const std::string what = "DiLoCo outer all-reduce (fragment " + std::to_string(f) + ")";
+  // Until it succeeds: a failed all-reduce (a replica died, hangs, or joined a broken group) is
+  // redone in a new group of the survivors and of whoever asked to join meanwhile.
+  std::string failure = launch_error_;
+  launch_error_.clear();
+  for (int tries = 0;; ++tries) {
+    try {
+      if (!failure.empty()) {
+        DDM_CHECK(tries < 20, failure);
+        std::cerr << "rank " << group_->job_rank() << ": step " << done << ": the synchronization failed ("
+                  << cause(failure) << "); regrouping with the replicas that answer within diloco.peer_wait = "
+                  << cfg_.peer_wait << " s" << std::endl;
+        const auto joiners = group_->recover(round_name(), failure, true);
+        std::cerr << "rank " << group_->job_rank() << ": step " << done << ": synchronizing with "
+                  << group_->members().size() << " of " << group_->job_size() << " replicas" << std::endl;
+        failure.clear();
+        if (!joiners.empty()) transfer(kFinishing, done);
+        issue();
+      }
+      group_->comm().wait(work_, what);
+      group_->comm().wait(flag_work_, "DiLoCo outer all-reduce (stop flags)");
+      break;
+    } catch (const ElasticGroup::Fatal&) {
+      throw;  // rank 0 is gone, or this replica was left out: no new group mends that
+    } catch (const Error& e) {
+      // A lost or hung replica, or one that vanished while the new group formed: regroup again.
+      work_.reset();
+      flag_work_.reset();
+      failure = e.what();
+    }
+  }
   const auto [b, e] = frags_[f];
-  const torch::Tensor delta = send_.to(torch::kFloat).div_(static_cast<double>(comm_->world_size()));  // mean
+  const double contributors = std::max(1.0, flags_[2].item<double>());
+  const torch::Tensor delta = send_.to(torch::kFloat).div_(contributors);  // the mean over the contributors
   // Outer Nesterov SGD, as torch.optim.SGD(nesterov=True, dampening=0): m = mu m + d; theta -= lr (d + mu m).
   torch::Tensor m = momentum_.slice(0, b, e), g = global_.slice(0, b, e);
   const double mu = cfg_.outer_momentum;
@@ -92,14 +212,14 @@ void Diloco::finish(int64_t done, bool final_sync, Report& report) {
   // The EMA follows the global weights: every inner step since the last sync contributes its decay
   // (with the trainer's warm-up, min(d, (1 + n) / (10 + n)) at optimizer step n).
   double keep = 1.0;
-  for (int64_t n = last_sync_[f] + 1; n <= pending_step_; ++n)
-    keep *= std::min(ema_decay_, (1.0 + n) / (10.0 + n));
+  for (int64_t n = last_sync_[f] + 1; n <= pending_step_; ++n) keep *= std::min(ema_decay_, (1.0 + n) / (10.0 + n));
   optim_.flat_ema().slice(0, b, e).mul_(keep).add_(g, 1.0 - keep);
   torch::Tensor local = optim_.flat_params().slice(0, b, e);
-  if (done == pending_step_ || final_sync)
+  if (done == pending_step_ || final_sync || fresh_)
     local.copy_(g);
   else  // the replica trained on during the all-reduce: keep part of that progress
     local.mul_(cfg_.mix).add_(g, 1.0 - cfg_.mix);
+  fresh_ = false;
   last_sync_[f] = pending_step_;
   ++syncs_;
   report.synced = true;
@@ -138,24 +258,43 @@ Diloco::Report Diloco::after_step(int64_t done, int64_t last, int signal) {
   return report;
 }
 
-DilocoReplicas gather_replicas(const FlatAdamW& optim, Comm& comm) {
-  DilocoReplicas r;
-  r.params = comm.gather(optim.flat_params(), 0);
-  r.exp_avg = comm.gather(optim.flat_exp_avg(), 0);
-  r.exp_avg_sq = comm.gather(optim.flat_exp_avg_sq(), 0);
-  return r;
+DilocoReplicas Diloco::gather_replicas(int64_t step) {
+  std::string failure;
+  for (int tries = 0;; ++tries) {
+    try {
+      if (!failure.empty()) {
+        DDM_CHECK(tries < 20, failure);
+        std::cerr << "rank " << group_->job_rank() << ": step " << step << ": gathering the replicas for a checkpoint failed ("
+                  << cause(failure) << "); saving the replicas that answer within diloco.peer_wait" << std::endl;
+        group_->recover("c" + std::to_string(step), failure, false);  // joiners wait for the next sync
+      }
+      Comm& comm = group_->comm();
+      DilocoReplicas r;
+      r.params = comm.gather(optim_.flat_params(), 0);
+      r.exp_avg = comm.gather(optim_.flat_exp_avg(), 0);
+      r.exp_avg_sq = comm.gather(optim_.flat_exp_avg_sq(), 0);
+      if (comm.rank() == 0)
+        for (int i = 0; i < comm.world_size(); ++i) r.ranks.push_back(comm.job_rank_of(i));
+      return r;
+    } catch (const ElasticGroup::Fatal&) {
+      throw;
+    } catch (const Error& e) {
+      failure = e.what();
+    }
+  }
 }
 
-void add_diloco_state(Checkpoint& ck, const Diloco& diloco, const FlatAdamW& optim, const DilocoReplicas& replicas) {
+void add_diloco_state(Checkpoint& ck, Diloco& diloco, const FlatAdamW& optim, const DilocoReplicas& replicas) {
   for (const auto& [name, t] : optim.views(diloco.global())) ck.model[name] = t;
   for (const auto& [name, t] : optim.views(diloco.momentum())) ck.optim["outer_momentum." + name] = t;
   for (size_t r = 0; r < replicas.params.size(); ++r) {
-    const std::string prefix = "replica" + std::to_string(r) + ".";
+    const std::string prefix = "replica" + std::to_string(replicas.ranks[r]) + ".";
     for (const auto& [name, t] : optim.views(replicas.params[r])) ck.optim[prefix + "params." + name] = t;
     for (const auto& [name, t] : optim.views(replicas.exp_avg[r])) ck.optim[prefix + "exp_avg." + name] = t;
     for (const auto& [name, t] : optim.views(replicas.exp_avg_sq[r])) ck.optim[prefix + "exp_avg_sq." + name] = t;
   }
-  ck.state["diloco"] = {{"world_size", replicas.params.size()},
+  ck.state["diloco"] = {{"world_size", diloco.group().job_size()},
+                        {"replicas", replicas.ranks},
                         {"fragments", diloco.fragments().size()},
                         {"last_sync", diloco.last_sync()}};
 }
@@ -186,17 +325,26 @@ void restore_diloco(Diloco& diloco, FlatAdamW& optim, Comm& comm, const Checkpoi
     const auto stored = ck->field<std::vector<int64_t>>("/diloco/last_sync");
     if (static_cast<int64_t>(stored.size()) == nfrag)
       for (int64_t f = 0; f < nfrag; ++f) last[f] = stored[f];
+    // The replicas the checkpoint holds (all, unless some were gone when it was written).
+    std::vector<int64_t> held;
+    if (ck->state.contains(nlohmann::json::json_pointer("/diloco/replicas")))
+      held = ck->field<std::vector<int64_t>>("/diloco/replicas");
+    else
+      for (int64_t r = 0; r < old_world; ++r) held.push_back(r);
+    DDM_CHECK(!held.empty(), origin << ": diloco.replicas is empty");
     const char* kinds[3] = {"params.", "exp_avg.", "exp_avg_sq."};
     for (int r = 0; r < world; ++r) {
-      const std::string prefix = "replica" + std::to_string(r % old_world) + ".";
+      const bool own = std::find(held.begin(), held.end(), r) != held.end();
+      const std::string prefix = "replica" + std::to_string(own ? r : held[r % held.size()]) + ".";
       for (int k = 0; k < 3; ++k) {
         parts[k].push_back(torch::empty_like(diloco.global()));
         optim.fill_flat(parts[k].back(), ck->optim, prefix + kinds[k], RunDir::kOptim, origin);
       }
     }
-    if (old_world != world && !quiet)
-      std::cout << "note: the checkpoint holds " << old_world << " DiLoCo replicas and this run has " << world
-                << ": replica r continues from replica r mod " << old_world << "'s inner state" << std::endl;
+    if ((old_world != world || static_cast<int64_t>(held.size()) != old_world) && !quiet)
+      std::cout << "note: the checkpoint holds " << held.size() << " of " << old_world
+                << " DiLoCo replicas and this run has " << world
+                << ": a replica it does not hold continues from one it does (docs/distributed.md)" << std::endl;
   }
   comm.broadcast(momentum, 0);
   comm.broadcast(last, 0);

@@ -20,6 +20,7 @@
 #include "dist/env.h"
 #include "dist/grad_sync.h"
 #include "train/checkpoint.h"
+#include "dist/elastic.h"
 #include "train/diloco.h"
 #include "train/optimizer.h"
 #include "train/step.h"
@@ -208,9 +209,16 @@ TrainSummary train(TrainJob job, const TrainOptions& options) {
   validate(cfg);
   std::shared_ptr<Comm> comm = opt.comm;
   int local_processes = 1;  // processes of this job on this machine, sharing its cores
+  bool rejoining = false;   // restarted alone into a running DiLoCo job (DistEnv::rejoin)
   if (!comm) {
     const DistEnv env = detect_dist_env();
     local_processes = env.local_world_size;
+    rejoining = env.rejoin && env.distributed();
+    DDM_CHECK(!rejoining || cfg.parallel.mode == "diloco",
+              "rank " << env.rank << ": this process was restarted alone into a running job (DDM_REJOIN=1, `ddm launch "
+                         "--restart failed`), which only DiLoCo replicas can join (parallel.mode = \"diloco\"); "
+                         "data parallelism restarts every process: use `ddm launch --restart all`");
+    DDM_CHECK(!rejoining || env.rank != 0, "rank 0 writes the run and cannot rejoin it alone: restart the whole job");
     if (env.restart_count > 0 && !opt.resume) {
       // Restarted by the launcher after a failure (torchelastic's semantics): continue from the last
       // checkpoint; never re-apply --force to the run the first attempt started.
@@ -219,7 +227,7 @@ TrainSummary train(TrainJob job, const TrainOptions& options) {
       if (env.rank == 0 && !opt.quiet)
         std::cout << "restart " << env.restart_count << " of this job: resuming from the last checkpoint" << std::endl;
     }
-    comm = Comm::create(env, comm_options(cfg.parallel));
+    comm = rejoining ? Comm::create_store_only(env, comm_options(cfg.parallel)) : Comm::create(env, comm_options(cfg.parallel));
   }
   const int rank = comm->rank(), world = comm->world_size();
   const bool lead = rank == 0;
@@ -260,7 +268,8 @@ TrainSummary train(TrainJob job, const TrainOptions& options) {
     stepper.set_ema(false);  // the EMA follows the global weights, at each synchronization
     Diloco::split_fragments(optim.params(), cfg.diloco.fragments);  // a bad fragment count fails before any file is touched
   }
-  if (comm->distributed()) comm->check_same(run_identity(job.recorded, data, net), "config, data and model");
+  if (comm->distributed() && !rejoining)
+    comm->check_same(run_identity(job.recorded, data, net), "config, data and model");
   if (comm->distributed() && !diloco_mode) {
     GradSyncOptions so;
     so.first_bucket_bytes = static_cast<int64_t>(cfg.parallel.first_bucket_mb * (1 << 20));
@@ -310,7 +319,7 @@ TrainSummary train(TrainJob job, const TrainOptions& options) {
       setup_error = e.what();
     }
   }
-  if (comm->distributed()) {
+  if (comm->distributed() && !rejoining) {
     // Every rank learns whether rank 0 could set up the run, then starts from rank 0's state (its
     // checkpoint, or the same seeded initialization).
     if (comm->max_int(setup_error.empty() ? 0 : 1) != 0) {
@@ -335,12 +344,42 @@ TrainSummary train(TrainJob job, const TrainOptions& options) {
     sent_before = ints[5].item<int64_t>();
     interval_loss_sum = sums[0].item<double>();
   }
+  bool ckpt_due = false;  // a checkpoint waits for a DiLoCo all-reduce in flight (at most diloco.overlap steps)
   std::unique_ptr<Diloco> diloco;
+  int joined_signal = 0;  // a rejoining replica: the stop its group agreed on when it was admitted
   if (diloco_mode) {
-    diloco = std::make_unique<Diloco>(cfg.diloco, comm, optim, tc.ema_decay, step);
-    restore_diloco(*diloco, optim, *comm, resumed ? &*resumed : nullptr, step, opt.quiet);
+    auto group = std::make_shared<ElasticGroup>(
+        comm, world, std::chrono::milliseconds(static_cast<int64_t>(cfg.diloco.peer_wait * 1000)));
+    diloco = std::make_unique<Diloco>(cfg.diloco, group, optim, tc.ema_decay, step);
+    // A joining replica also takes the data cursor and whether a checkpoint is due.
+    diloco->set_transfer_hook([&](Comm& c, int source) {
+      const auto cur = loader.cursor();
+      auto t = torch::tensor({cur.epoch, cur.index, static_cast<int64_t>(ckpt_due)}, torch::kLong);
+      c.broadcast(t, source);
+      loader.set_cursor({t[0].item<int64_t>(), t[1].item<int64_t>()});
+      ckpt_due = t[2].item<int64_t>() != 0;
+    });
+    if (rejoining) {
+      std::cerr << "rank " << rank << ": asking the running job to take this replica back" << std::endl;
+      const auto [at, report] = diloco->rejoin(comm_options(cfg.parallel).timeout, tc.steps);
+      if (at < 0) {
+        std::cerr << "rank " << rank << ": the job finished before this replica could rejoin it; nothing to do"
+                  << std::endl;
+        summary.rank = rank;
+        summary.first_step = summary.last_step = tc.steps;
+        return summary;
+      }
+      step = at;
+      joined_signal = report.stop;
+      std::cerr << "rank " << rank << ": rejoined at step " << step << " with " << diloco->group().members().size()
+                << " of " << world << " replicas" << std::endl;
+    } else {
+      restore_diloco(*diloco, optim, diloco->group().comm(), resumed ? &*resumed : nullptr, step, opt.quiet);
+    }
   }
   resumed.reset();
+  // Bytes this rank has sent, over every process group it used.
+  auto sent_now = [&] { return sent_before + (diloco ? diloco->group().bytes_sent() : comm->bytes_sent()); };
   summary.first_step = step;
   summary.rank = rank;
   Progress progress(step, tc.steps, opt.quiet);
@@ -374,7 +413,7 @@ TrainSummary train(TrainJob job, const TrainOptions& options) {
 
   auto save = [&](int64_t at_step) {
     // DiLoCo: every replica sends its inner state to rank 0 (a collective: every rank saves alike).
-    const DilocoReplicas replicas = diloco ? gather_replicas(optim, *comm) : DilocoReplicas{};
+    const DilocoReplicas replicas = diloco ? diloco->gather_replicas(at_step) : DilocoReplicas{};
     if (!lead) return last_ckpt;
     Checkpoint ck;
     ck.step = at_step;
@@ -383,7 +422,7 @@ TrainSummary train(TrainJob job, const TrainOptions& options) {
     ck.ema = optim.named_ema();
     ck.optim = optim.optimizer_state();
     if (diloco) add_diloco_state(ck, *diloco, optim, replicas);
-    ck.state["sent_bytes"] = sent_before + comm->bytes_sent();
+    ck.state["sent_bytes"] = sent_now();
     const auto cur = loader.cursor();
     ck.state["optimizer_step"] = optim.step_count();
     ck.state["data_cursor"] = {{"epoch", cur.epoch}, {"index", cur.index}};
@@ -410,10 +449,31 @@ TrainSummary train(TrainJob job, const TrainOptions& options) {
     }
   } restore{old_int, old_term};
 
-  int64_t interval_sent = sent_before + comm->bytes_sent();  // at the start of the logging interval
+  int64_t interval_sent = sent_now();  // at the start of the logging interval
   int64_t interval_first = step;
-  bool ckpt_due = false;
-  while (step < tc.steps) {
+  // The end of every step: a checkpoint if one is due and no DiLoCo all-reduce is in flight, then
+  // the agreed stop (true: the run stops here).
+  auto end_step = [&](int sig) {
+    ckpt_due = ckpt_due || step % tc.ckpt_every == 0 || step == tc.steps || sig != 0;
+    if (ckpt_due && !(diloco && diloco->in_flight())) {
+      save(step);
+      ckpt_due = false;
+    }
+    if (sig == 0) return false;
+    progress.finish();
+    if (lead)
+      std::cout << "stopped by signal " << sig << " at step " << step << "; checkpoint " << last_ckpt
+                << " written; continue with --resume" << std::endl;
+    summary.interrupted = true;
+    summary.signal = sig;
+    return true;
+  };
+  bool stopped = false;
+  if (rejoining) {
+    // The rest of the step the group was at: the other final synchronizations, a checkpoint, a stop.
+    stopped = end_step(step == tc.steps ? diloco->after_step(step, tc.steps, 0).stop : joined_signal);
+  }
+  while (!stopped && step < tc.steps) {
     const Batch shard = loader.next(rank * local_batch, local_batch);
     const StepResult r = stepper.run(split_micro(shard, tc.grad_accum), step);
     // Data parallel: the loss and the gradient norm are global, so every rank stops here alike. DiLoCo:
@@ -437,7 +497,7 @@ TrainSummary train(TrainJob job, const TrainOptions& options) {
 
     progress.step(step, r.loss, r.lr, r.grad_norm, tc.batch_size);
     if (step % tc.log_every == 0 || step == tc.steps) {
-      const int64_t sent = sent_before + comm->bytes_sent();
+      const int64_t sent = sent_now();
       if (metrics) {
         nlohmann::json rec = {{"step", step},          {"loss", progress.interval_loss()}, {"lr", r.lr},
                               {"grad_norm", r.grad_norm}, {"img_per_s", progress.interval_img_per_s()},
@@ -459,28 +519,20 @@ TrainSummary train(TrainJob job, const TrainOptions& options) {
       summary.final_loss = progress.interval_loss();
       progress.reset_interval();
     }
-    // A checkpoint waits for a DiLoCo all-reduce in flight (at most diloco.overlap steps).
-    ckpt_due = ckpt_due || step % tc.ckpt_every == 0 || step == tc.steps || sig != 0;
-    if (ckpt_due && !(diloco && diloco->in_flight())) {
-      save(step);
-      ckpt_due = false;
-    }
-    if (sig != 0) {
-      progress.finish();
-      if (lead)
-        std::cout << "stopped by signal " << sig << " at step " << step << "; checkpoint " << last_ckpt
-                  << " written; continue with --resume" << std::endl;
-      summary.interrupted = true;
-      summary.signal = sig;
-      break;
-    }
+    if (end_step(sig)) break;
   }
-  summary.bytes_sent = comm->max_int(sent_before + comm->bytes_sent());
+  if (diloco) diloco->group().finished();  // a replica waiting to rejoin stops waiting
+  const int64_t sent_here = sent_now() - sent_before;
+  try {
+    summary.bytes_sent = (diloco ? diloco->group().comm() : *comm).max_int(sent_now());
+  } catch (const Error&) {
+    summary.bytes_sent = sent_now();  // a replica left after the last synchronization: this rank's own
+  }
   if (!opt.quiet && world > 1) {
     const int64_t steps_run = std::max<int64_t>(1, step - summary.first_step);
     std::printf("communication: rank 0 sent %s in this run (%s per step over %lld steps); the most any rank sent "
                 "over the whole run: %s\n",
-                format_bytes(comm->bytes_sent()).c_str(), format_bytes(comm->bytes_sent() / steps_run).c_str(),
+                format_bytes(sent_here).c_str(), format_bytes(sent_here / steps_run).c_str(),
                 static_cast<long long>(step - summary.first_step), format_bytes(summary.bytes_sent).c_str());
     std::fflush(stdout);
   }

@@ -271,6 +271,58 @@ TEST(Distributed, DilocoSigtermToOneReplicaStopsBothAtTheNextSync) {
   EXPECT_EQ(static_cast<int64_t>(losses(r.dir / "term").size()), step);
 }
 
+// Faults beyond restarting the world. Three replicas started by hand (rank 0 hosts the store): kill -9
+// of rank 2 and the other two go on without it, after diloco.peer_wait, and finish the run; the
+// checkpoints written after it died hold replicas 0 and 1 only.
+TEST(Distributed, DilocoGoesOnWithoutAKilledReplica) {
+  Workdir r;
+  const std::string env = "WORLD_SIZE=3 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(free_port());
+  const std::string args = r.train("lost", " --set train.steps=90 --set train.batch_size=18 --set train.ckpt_every=10 "
+                                           "--set parallel.mode=diloco --set diloco.inner_steps=5 --set diloco.peer_wait=2");
+  std::vector<pid_t> ranks;
+  for (int k = 0; k < 3; ++k)
+    ranks.push_back(spawn("RANK=" + std::to_string(k) + " " + env, args, r.dir / ("r" + std::to_string(k) + ".log")));
+  wait_for_checkpoints(r.dir / "lost", 1, 120);
+  kill(ranks[2], SIGKILL);
+  ASSERT_EQ(wait_exit(ranks[0], 120), 0) << test::read_text(r.dir / "r0.log");
+  ASSERT_EQ(wait_exit(ranks[1], 30), 0) << test::read_text(r.dir / "r1.log");
+  const std::string out0 = test::read_text(r.dir / "r0.log");
+  EXPECT_TRUE(has(out0, "synchronizing with 2 of 3 replicas")) << out0;
+  EXPECT_TRUE(has(out0, "done: step 90")) << out0;
+  const auto last = read_checkpoint(list_checkpoints(r.dir / "lost").back());
+  EXPECT_EQ(last.step, 90);
+  EXPECT_EQ(last.state["diloco"]["replicas"], (std::vector<int>{0, 1}));
+  EXPECT_EQ(losses(r.dir / "lost").size(), 90u);
+}
+
+// Under `ddm launch --restart failed`, the killed replica is restarted alone and rejoins: the others
+// went on without it (a short peer_wait), then took it back at a later synchronization; the run ends
+// with both replicas on the global weights.
+TEST(Distributed, DilocoKilledReplicaRejoins) {
+  Workdir r;
+  const std::string log = r.dir / "launch.log";
+  const pid_t launcher = spawn("", "launch --timeout 300 --restart failed --max-restarts 1 --nproc 2 -- " +
+                                       r.train("rejoin", " --set train.steps=150 --set train.ckpt_every=10 "
+                                                         "--set parallel.mode=diloco --set diloco.inner_steps=5 "
+                                                         "--set diloco.peer_wait=0.2"),
+                               log);
+  wait_for_checkpoints(r.dir / "rejoin", 1, 120);
+  auto workers = children(launcher);
+  ASSERT_EQ(workers.size(), 2u) << test::read_text(log);
+  kill(workers[1], SIGKILL);
+  ASSERT_EQ(wait_exit(launcher, 300), 0) << test::read_text(log);
+  const std::string out = test::read_text(log);
+  EXPECT_TRUE(has(out, "restarting it alone (restart 1 of 1, DDM_REJOIN=1)")) << out;
+  EXPECT_TRUE(has(out, "[rank 1] rank 1: rejoined at step")) << out;
+  EXPECT_TRUE(has(out, "all 2 workers exited with status 0")) << out;
+  const auto last = read_checkpoint(list_checkpoints(r.dir / "rejoin").back());
+  EXPECT_EQ(last.step, 150);
+  EXPECT_EQ(last.state["diloco"]["replicas"], (std::vector<int>{0, 1}));
+  const std::string w = last.model.begin()->first;
+  EXPECT_TRUE(torch::equal(last.optim.at("replica1.params." + w), last.model.at(w)));
+  EXPECT_EQ(losses(r.dir / "rejoin").size(), 150u);
+}
+
 TEST(Distributed, BadStartsAreClearErrors) {
   Workdir r;
   const int port = free_port();

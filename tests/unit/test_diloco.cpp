@@ -235,8 +235,8 @@ TEST(Diloco, ResumeIsBitIdenticalAndCheckpointsHoldEveryReplica) {
 }
 
 // Bytes: data parallel all-reduces the gradient (4 P bytes from each of 2 ranks) plus the loss and the
-// stop flag (8 bytes each) every step; DiLoCo the pseudo-gradient (4 P) plus its stop flags (16) once
-// per H = 4 steps.
+// stop flag (8 bytes each) every step; DiLoCo the pseudo-gradient (4 P) plus its stop flags and
+// contributor count (24) once per H = 4 steps.
 TEST(Diloco, SendsOneParameterAllReducePerInnerStepsAndReportsIt) {
   TempDir dir;
   RunConfig dp = tiny("unet");
@@ -263,6 +263,6 @@ TEST(Diloco, SendsOneParameterAllReducePerInnerStepsAndReportsIt) {
   const int64_t params_bytes = 4 * params;
   EXPECT_EQ(a[0], params_bytes + 16);
   EXPECT_EQ(a[1], params_bytes + 16);
-  EXPECT_EQ(b[0], (params_bytes + 16) / 4);
-  EXPECT_EQ(b[1], (params_bytes + 16) / 4);
+  EXPECT_EQ(b[0], (params_bytes + 24) / 4);
+  EXPECT_EQ(b[1], (params_bytes + 24) / 4);
 }

@@ -13,6 +13,7 @@
 
 #include "core/error.h"
 #include "dist/comm.h"
+#include "dist/elastic.h"
 #include "dist/env.h"
 #include "test_dist_util.h"
 #include "test_util.h"
@@ -463,4 +464,79 @@ TEST(DistProcess, TwoProcessesOverTcp) {
   EXPECT_TRUE(has(msg, "rank 0: lost the connection to rank 1 during all-reduce (it exited or was killed); the job "
                        "stops"))
       << msg;
+}
+
+// ElasticGroup (dist/elastic.h), ranks as threads: rank 2 leaves (its connections close), the
+// survivors' all-reduce fails, they regroup without it after peer_wait and their all-reduce works;
+// rank 2 comes back with only the store, asks to join, is admitted at a later round and the three
+// all-reduce again; once the job is marked finished a process asking to join is told so. And a
+// group that lost rank 0 is a Fatal error for the survivors.
+TEST(DistElastic, SurvivorsRegroupAndALeaverRejoins) {
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  CommOptions o = short_timeouts(5000);
+  const auto wait = std::chrono::milliseconds(300);
+  std::vector<std::string> errors(4);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 3; ++r)
+    threads.emplace_back([&, r] {
+      try {
+        auto job = Comm::create_for_test(store, r, 3, o);
+        if (r == 2) return;  // leaves: its Comm (and connections) go with it
+        ElasticGroup g(job, 3, wait);
+        auto t = torch::ones({4});
+        EXPECT_THROW(g.comm().allreduce_sum(t), Error);
+        EXPECT_TRUE(g.recover("s1", "test", true).empty());
+        EXPECT_EQ(g.members(), (std::vector<int>{0, 1}));
+        t = torch::ones({4});
+        g.comm().allreduce_sum(t);
+        EXPECT_TRUE(torch::equal(t, torch::full({4}, 2.0f)));
+        // Rounds go on until the leaver is back.
+        std::vector<int> joiners;
+        for (int round = 2; joiners.empty() && round < 200; ++round) {
+          joiners = g.admit("s" + std::to_string(round));
+          if (joiners.empty()) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+        }
+        EXPECT_EQ(joiners, std::vector<int>{2});
+        EXPECT_EQ(g.members(), (std::vector<int>{0, 1, 2}));
+        EXPECT_EQ(g.source(), 0);
+        t = torch::ones({4});
+        g.comm().allreduce_sum(t);
+        EXPECT_TRUE(torch::equal(t, torch::full({4}, 3.0f)));
+        if (r == 0) g.finished();
+      } catch (const std::exception& e) {
+        errors[r] = e.what();
+      }
+    });
+  threads[2].join();
+  threads.emplace_back([&] {
+    try {
+      std::this_thread::sleep_for(std::chrono::milliseconds(800));  // after the survivors regrouped
+      ElasticGroup g(Comm::create_for_test(store, 2, 3, o, /*form_group=*/false), 3, wait);
+      const std::string round = g.join(std::chrono::milliseconds(20000));
+      EXPECT_EQ(round.substr(0, 1), "s");
+      EXPECT_EQ(g.members(), (std::vector<int>{0, 1, 2}));
+      auto t = torch::ones({4});
+      g.comm().allreduce_sum(t);
+      EXPECT_TRUE(torch::equal(t, torch::full({4}, 3.0f)));
+    } catch (const std::exception& e) {
+      errors[3] = e.what();
+    }
+  });
+  for (int i : {0, 1, 3}) threads[i].join();
+  EXPECT_EQ(errors, std::vector<std::string>(4, ""));
+  // The job is finished: a late joiner is told so instead of waiting.
+  ElasticGroup late(Comm::create_for_test(store, 1, 3, o, false), 3, wait);
+  EXPECT_EQ(late.join(std::chrono::milliseconds(5000)), "");
+}
+
+TEST(DistElastic, LosingRankZeroIsFatal) {
+  const auto errors = run_ranks(2, short_timeouts(5000), [&](Comm& c) {
+    if (c.rank() == 0) return;
+    ElasticGroup g(std::shared_ptr<Comm>(&c, [](Comm*) {}), 2, std::chrono::milliseconds(200));
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    auto t = torch::ones({2});
+    EXPECT_THROW(g.comm().allreduce_sum(t), Error);
+    EXPECT_THROW(g.recover("s1", "test", true), ElasticGroup::Fatal);
+  });
+  EXPECT_EQ(errors, (std::vector<std::string>{"", ""}));
 }
