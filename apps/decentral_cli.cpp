@@ -106,25 +106,6 @@ struct RouterArgs {
   bool resume = false, force = false, quiet = false, eval_only = false;
 };
 
-// The router's run config: the experts' config (same data, forward process, time distribution,
-// label dropout and seed) with the model replaced by a router preset, trained on every cluster.
-RunConfig router_config(const RouterArgs& a) {
-  RunConfig c = load_config(a.config);
-  ModelConfig m;
-  m.preset = a.preset;
-  apply_preset(a.preset, m);
-  DDM_CHECK(is_router_arch(m.arch), "--preset " << a.preset << " is not a router preset; use router-dit-tiny or "
-                                                   "router-conv-tiny (see `ddm presets`)");
-  m.num_classes = c.model.num_classes == 0 ? 0 : -1;  // conditioned like the experts
-  c.model = m;
-  const std::string abs = fs::absolute(a.partition).string();
-  c.data.partition = abs;
-  c.data.expert = -1;
-  c.data.holdout = a.holdout;
-  c.train.expert_budget = "full";
-  return parse_config(to_toml(c), "the router config made from " + a.config, a.overrides);
-}
-
 // Accuracy and calibration of the trained router (EMA weights) on the held-out images, written to
 // router_eval.json in the run directory.
 void evaluate_router_run(const std::string& out, int64_t buckets) {
@@ -152,7 +133,7 @@ void evaluate_router_run(const std::string& out, int64_t buckets) {
 
 int train_router_cmd(const RouterArgs& a) {
   if (!a.eval_only) {
-    const RunConfig cfg = router_config(a);
+    const RunConfig cfg = router_run_config(a.config, a.partition, a.preset, a.holdout, a.overrides);
     TrainSummary s = train_run(cfg, {a.out, a.resume, a.force, a.quiet, nullptr});
     if (s.interrupted) return 128 + s.signal;
     if (s.rank != 0) return 0;  // rank 0 evaluates and writes router_eval.json
@@ -235,14 +216,16 @@ int islands_cmd(const std::string& action, const IslandsArgs& a) {
     std::cout << islands_status(c);
     return 0;
   }
+  check_island_batches(c);
   const int64_t k = ensure_partition(c, self_binary());
   const std::string script = a.script.empty() ? (fs::path(c.out) / "islands.sbatch").string() : a.script;
   if (!fs::path(script).parent_path().empty()) fs::create_directories(fs::path(script).parent_path());
   fs::create_directories(fs::path(c.out) / "logs");
   write_file_atomic(script, slurm_script(c, k, self_binary()));
   fs::permissions(script, fs::perms::owner_exec | fs::perms::group_exec | fs::perms::others_exec, fs::perm_options::add);
-  std::cout << "wrote " << script << ": a job array of " << k + 1 << " tasks (experts 0.." << k - 1 << ", router " << k
-            << ")\nsubmit: sbatch " << script << "\nthen:   ddm islands run " << a.file
+  std::cout << "wrote " << script << ": a job array of " << k + 1 << " tasks (experts 0.." << k - 1 << ", router " << k << ")"
+            << (c.nproc > 1 ? ", each island " + std::to_string(c.nproc) + " Slurm tasks (srun ranks)" : std::string())
+            << "\nsubmit: sbatch " << script << "\nthen:   ddm islands run " << a.file
             << "   (skips finished islands, assembles the ensemble)" << std::endl;
   return 0;
 }
