@@ -337,15 +337,19 @@ std::vector<Command> add_decentral_commands(CLI::App& app) {
   auto* isl = app.add_subcommand(
       "islands",
       "Train a whole decentralized ensemble as independent processes (\"compute islands\"): the K experts and the "
-      "router, each with its own directory, log and checkpoints and no communication, from one islands file "
-      "(see docs/decentralized.md and configs/islands-k4.toml).");
+      "router, each with its own directory, log and checkpoints and no communication (each optionally "
+      "data-parallel over run.nproc processes), from one islands file (see docs/decentralized.md and "
+      "configs/islands-k4.toml).");
   isl->require_subcommand(1);
   auto ia = std::make_shared<IslandsArgs>();
   auto* irun = isl->add_subcommand(
       "run",
-      "Run every unfinished island, at most run.concurrency at a time. A crashed island restarts from its last "
-      "checkpoint (at most run.retries times) while the others go on. When all are done, writes OUT/ensemble.json. "
-      "Running it again skips finished islands and resumes the rest.");
+      "Run every unfinished island, at most run.concurrency at a time. With run.nproc = N > 1 each island trains "
+      "data-parallel on N processes under `ddm launch` (its own rendezvous port; the island's batch must be a "
+      "multiple of N). A crashed island (any of its processes) restarts from its last checkpoint (at most "
+      "run.retries times) while the others go on. run.threads = 0 gives each process cores / (concurrency x "
+      "nproc) threads, at least 1; set by hand, keep concurrency x nproc x threads at about the cores. When all "
+      "are done, writes OUT/ensemble.json. Running it again skips finished islands and resumes the rest.");
   irun->add_option("file", ia->file, "islands file (TOML)")->required();
   cmds.push_back({irun, [ia] { return islands_cmd("run", *ia); }});
   auto* istat = isl->add_subcommand("status", "Show each island's state, step, attempts and last failure.");
@@ -354,7 +358,9 @@ std::vector<Command> add_decentral_commands(CLI::App& app) {
   auto* islurm = isl->add_subcommand(
       "slurm",
       "Write an sbatch script with one array task per island (tasks 0..K-1 the experts, task K the router); makes "
-      "the partition first if needed.");
+      "the partition first if needed. With run.nproc = N > 1 each array task asks for --ntasks=N and runs its "
+      "island as one srun step of N ranks, restarted from its last checkpoint up to run.retries times if a rank "
+      "fails; --cpus-per-task is run.threads (2 when 0).");
   islurm->add_option("file", ia->file, "islands file (TOML)")->required();
   islurm->add_option("--script", ia->script, "script to write (default OUT/islands.sbatch)");
   cmds.push_back({islurm, [ia] { return islands_cmd("slurm", *ia); }});
