@@ -2,7 +2,8 @@
 // launcher, or one Slurm array task of N tasks. Checked here: a 2-process island trains exactly what
 // `ddm launch --nproc 2 -- train ...` trains, a rank killed with -9 restarts its own island only (from
 // its last checkpoint, still bit for bit), concurrent islands get their own rendezvous ports, a bad
-// run.nproc is refused before anything starts, and the Slurm script runs an island as 2 srun tasks.
+// run.nproc is refused before anything starts, and the Slurm script runs an island as 2 srun tasks
+// (a rank killed there restarts the island inside its array task).
 //
 // Every run is bounded (polling loops with limits, `timeout` / --timeout on the commands), and the
 // background runner is killed at scope exit if a check failed early (its islands die with it).
@@ -259,16 +260,44 @@ TEST(Islands, SlurmRunsATwoProcessIslandAsOneArrayTaskOfTwoTasks) {
   if (!missing.empty()) GTEST_SKIP() << "the script's text was checked; running it needs a local Slurm, which needs " << missing;
   test::LocalSlurm slurm(dir.path);
   ASSERT_EQ(slurm.started.exit_code, 0) << slurm.started.output;
-  // Array task 0 (expert 0) only: one job step of 2 ranks.
-  r = test::run_command(slurm.env + "timeout 300 sbatch --wait --array=0 " + (dir / "job.sbatch"));
-  std::string logs;
-  for (const auto& e : fs::directory_iterator(dir / "runs/logs"))
-    if (e.path().filename().string().rfind("slurm-", 0) == 0) logs += test::read_text(e.path().string());
-  ASSERT_EQ(r.exit_code, 0) << r.output << logs;
-  EXPECT_NE(logs.find("parallel: data parallel over 2 processes"), std::string::npos) << logs;
-  EXPECT_NE(logs.find("train: 120 steps, batch 16 (2 ranks x 8)"), std::string::npos) << logs;
+  // Array task 0 (expert 0) only: one job step of 2 ranks. Once it has a checkpoint, rank 1
+  // (SLURM_PROCID=1) is killed with -9: the step fails and the script restarts the island.
+  test::run_command("(" + slurm.env + "timeout 300 sbatch --wait --array=0 " + (dir / "job.sbatch") + " > " +
+                    (dir / "sbatch.out") + " 2>&1; echo $? > " + (dir / "rc")  + ") > /dev/null 2>&1 &");
+  auto logs = [&] {
+    std::string text;
+    for (const auto& e : fs::directory_iterator(dir / "runs/logs"))
+      if (e.path().filename().string().rfind("slurm-", 0) == 0) text += test::read_text(e.path().string());
+    return text;
+  };
+  const fs::path ckpt = dir / "runs/experts/0/ckpt/step-00000020";
+  ASSERT_TRUE(wait_for([&] { return fs::exists(ckpt) || fs::exists(dir / "rc"); }, 240)) << logs();
+  ASSERT_TRUE(fs::exists(ckpt)) << test::read_text(dir / "sbatch.out") << logs();
+  pid_t rank1 = 0;
+  auto find_rank1 = [&] {
+    for (pid_t pid : strays(dir.path)) {
+      std::string env = test::read_text("/proc/" + std::to_string(pid) + "/environ");
+      for (char& ch : env)
+        if (ch == '\0') ch = '\n';
+      if (("\n" + env).find("\nSLURM_PROCID=1\n") != std::string::npos &&
+          test::read_text("/proc/" + std::to_string(pid) + "/cmdline").find("train") != std::string::npos)
+        rank1 = pid;
+    }
+    return rank1 != 0;
+  };
+  ASSERT_TRUE(wait_for(find_rank1, 10)) << logs();
+  ASSERT_EQ(kill(rank1, SIGKILL), 0);
+  ASSERT_TRUE(wait_for([&] { return fs::exists(dir / "rc"); }, 280)) << logs();
+  const std::string log = logs();
+  ASSERT_EQ(test::read_text(dir / "rc"), "0\n") << test::read_text(dir / "sbatch.out") << log;
+  EXPECT_NE(log.find("parallel: data parallel over 2 processes"), std::string::npos) << log;
+  EXPECT_NE(log.find("train: 120 steps, batch 16 (2 ranks x 8)"), std::string::npos) << log;
+  EXPECT_NE(log.find("[islands] array task 0: restarting the island from its last checkpoint (restart 1 of 1)"),
+            std::string::npos) << log;
+  EXPECT_NE(log.find("resuming from"), std::string::npos) << log;
   EXPECT_FALSE(fs::exists(dir / "runs/experts/1")) << "array task 0 trains expert 0 only";
-  // The same weights as `ddm launch --nproc 2` gives (same world size and threads).
+  // Killed and restarted, it still ends with the weights `ddm launch --nproc 2` gives uninterrupted
+  // (same world size and threads).
   const auto ref = launch_reference(dir, "ref");
   ASSERT_EQ(ref.exit_code, 0) << ref.output;
   EXPECT_EQ(test::read_text(dir / "ref/ckpt/step-00000120/ema.safetensors"),
