@@ -27,6 +27,7 @@
 #include "core/presets.h"
 #include "model/router.h"
 #include "decentral/train_run.h"
+#include "launch/process.h"
 #include "train/loaded_model.h"
 #include "train/trainer.h"
 
@@ -197,31 +198,23 @@ int distill_cmd(const DistillArgs& a) {
   return 0;
 }
 
-// The running ddm executable, which the islands start as child processes.
-std::string self_binary() {
-  std::error_code ec;
-  const fs::path p = fs::read_symlink("/proc/self/exe", ec);
-  DDM_CHECK(!ec, "cannot locate the ddm executable (/proc/self/exe): " << ec.message());
-  return p.string();
-}
-
 struct IslandsArgs {
   std::string file, script;
 };
 
 int islands_cmd(const std::string& action, const IslandsArgs& a) {
   const IslandsConfig c = load_islands_config(a.file);
-  if (action == "run") return run_islands(c, self_binary());
+  if (action == "run") return run_islands(c, self_executable());
   if (action == "status") {
     std::cout << islands_status(c);
     return 0;
   }
   check_island_batches(c);
-  const int64_t k = ensure_partition(c, self_binary());
+  const int64_t k = ensure_partition(c, self_executable());
   const std::string script = a.script.empty() ? (fs::path(c.out) / "islands.sbatch").string() : a.script;
   if (!fs::path(script).parent_path().empty()) fs::create_directories(fs::path(script).parent_path());
   fs::create_directories(fs::path(c.out) / "logs");
-  write_file_atomic(script, slurm_script(c, k, self_binary()));
+  write_file_atomic(script, slurm_script(c, k, self_executable()));
   fs::permissions(script, fs::perms::owner_exec | fs::perms::group_exec | fs::perms::others_exec, fs::perm_options::add);
   std::cout << "wrote " << script << ": a job array of " << k + 1 << " tasks (experts 0.." << k - 1 << ", router " << k << ")"
             << (c.nproc > 1 ? ", each island " + std::to_string(c.nproc) + " Slurm tasks (srun ranks)" : std::string())
@@ -250,7 +243,7 @@ int run_quickstart_islands(const std::string& out, const std::string& experts_co
     << "\nrouting = \"top1\"\n";
   const std::string file = (fs::path(abs) / "islands.toml").string();
   write_file_atomic(file, f.str());
-  return run_islands(load_islands_config(file), self_binary());
+  return run_islands(load_islands_config(file), self_executable());
 }
 
 std::vector<Command> add_decentral_commands(CLI::App& app) {
