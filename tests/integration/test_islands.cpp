@@ -11,7 +11,6 @@
 
 #include <dirent.h>
 #include <signal.h>
-#include <sys/stat.h>
 
 #include <chrono>
 #include <cstdlib>
@@ -107,12 +106,16 @@ std::vector<pid_t> strays(const std::string& dir) {
   return out;
 }
 
-// Kills a background runner left running by a failed check (its islands get SIGTERM from the kernel).
+// Kills a background runner left running by a failed check (its islands get SIGTERM from the
+// kernel). Only while its exit status is not written yet, and only a process that is still that
+// runner (a pid can be reused once it has exited).
 struct RunnerGuard {
-  std::string pid_file;
+  std::string pid_file, rc_file;
   ~RunnerGuard() {
     const int pid = std::atoi(test::read_text(pid_file).c_str());
-    if (pid > 0 && alive(pid)) kill(pid, SIGKILL);
+    if (pid <= 0 || fs::exists(rc_file) || !alive(pid)) return;
+    if (test::read_text("/proc/" + std::to_string(pid) + "/cmdline").find("islands") != std::string::npos)
+      kill(pid, SIGKILL);
   }
 };
 
@@ -144,7 +147,7 @@ TEST(Islands, TwoProcessIslandsTrainAsTheLauncherDoesAndAKilledRankRestartsOnlyI
   const test::TempDir dir;
   test::write_text(dir / "tiny.toml", kTiny);
   test::write_text(dir / "isl.toml", islands_file(dir.path, "runs", "concurrency = 2\nnproc = 2\nretries = 2\nthreads = 1\n"));
-  RunnerGuard guard{dir / "runner.pid"};
+  RunnerGuard guard{dir / "runner.pid", dir / "rc"};
   test::run_command("(" + std::string(DDM_BINARY) + " islands run " + (dir / "isl.toml") + " > " + (dir / "run.log") +
                     " 2>&1 & echo $! > " + (dir / "runner.pid") + "; wait $!; echo $? > " + (dir / "rc") +
                     ") > /dev/null 2>&1 &");
