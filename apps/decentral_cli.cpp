@@ -27,6 +27,7 @@
 #include "core/presets.h"
 #include "model/router.h"
 #include "decentral/train_run.h"
+#include "launch/process.h"
 #include "train/loaded_model.h"
 #include "train/trainer.h"
 
@@ -106,25 +107,6 @@ struct RouterArgs {
   bool resume = false, force = false, quiet = false, eval_only = false;
 };
 
-// The router's run config: the experts' config (same data, forward process, time distribution,
-// label dropout and seed) with the model replaced by a router preset, trained on every cluster.
-RunConfig router_config(const RouterArgs& a) {
-  RunConfig c = load_config(a.config);
-  ModelConfig m;
-  m.preset = a.preset;
-  apply_preset(a.preset, m);
-  DDM_CHECK(is_router_arch(m.arch), "--preset " << a.preset << " is not a router preset; use router-dit-tiny or "
-                                                   "router-conv-tiny (see `ddm presets`)");
-  m.num_classes = c.model.num_classes == 0 ? 0 : -1;  // conditioned like the experts
-  c.model = m;
-  const std::string abs = fs::absolute(a.partition).string();
-  c.data.partition = abs;
-  c.data.expert = -1;
-  c.data.holdout = a.holdout;
-  c.train.expert_budget = "full";
-  return parse_config(to_toml(c), "the router config made from " + a.config, a.overrides);
-}
-
 // Accuracy and calibration of the trained router (EMA weights) on the held-out images, written to
 // router_eval.json in the run directory.
 void evaluate_router_run(const std::string& out, int64_t buckets) {
@@ -152,7 +134,7 @@ void evaluate_router_run(const std::string& out, int64_t buckets) {
 
 int train_router_cmd(const RouterArgs& a) {
   if (!a.eval_only) {
-    const RunConfig cfg = router_config(a);
+    const RunConfig cfg = router_run_config(a.config, a.partition, a.preset, a.holdout, a.overrides);
     TrainSummary s = train_run(cfg, {a.out, a.resume, a.force, a.quiet, nullptr});
     if (s.interrupted) return 128 + s.signal;
     if (s.rank != 0) return 0;  // rank 0 evaluates and writes router_eval.json
@@ -216,33 +198,27 @@ int distill_cmd(const DistillArgs& a) {
   return 0;
 }
 
-// The running ddm executable, which the islands start as child processes.
-std::string self_binary() {
-  std::error_code ec;
-  const fs::path p = fs::read_symlink("/proc/self/exe", ec);
-  DDM_CHECK(!ec, "cannot locate the ddm executable (/proc/self/exe): " << ec.message());
-  return p.string();
-}
-
 struct IslandsArgs {
   std::string file, script;
 };
 
 int islands_cmd(const std::string& action, const IslandsArgs& a) {
   const IslandsConfig c = load_islands_config(a.file);
-  if (action == "run") return run_islands(c, self_binary());
+  if (action == "run") return run_islands(c, self_executable());
   if (action == "status") {
     std::cout << islands_status(c);
     return 0;
   }
-  const int64_t k = ensure_partition(c, self_binary());
+  check_island_batches(c);
+  const int64_t k = ensure_partition(c, self_executable());
   const std::string script = a.script.empty() ? (fs::path(c.out) / "islands.sbatch").string() : a.script;
   if (!fs::path(script).parent_path().empty()) fs::create_directories(fs::path(script).parent_path());
   fs::create_directories(fs::path(c.out) / "logs");
-  write_file_atomic(script, slurm_script(c, k, self_binary()));
+  write_file_atomic(script, slurm_script(c, k, self_executable()));
   fs::permissions(script, fs::perms::owner_exec | fs::perms::group_exec | fs::perms::others_exec, fs::perm_options::add);
-  std::cout << "wrote " << script << ": a job array of " << k + 1 << " tasks (experts 0.." << k - 1 << ", router " << k
-            << ")\nsubmit: sbatch " << script << "\nthen:   ddm islands run " << a.file
+  std::cout << "wrote " << script << ": a job array of " << k + 1 << " tasks (experts 0.." << k - 1 << ", router " << k << ")"
+            << (c.nproc > 1 ? ", each island " + std::to_string(c.nproc) + " Slurm tasks (srun ranks)" : std::string())
+            << "\nsubmit: sbatch " << script << "\nthen:   ddm islands run " << a.file
             << "   (skips finished islands, assembles the ensemble)" << std::endl;
   return 0;
 }
@@ -267,7 +243,7 @@ int run_quickstart_islands(const std::string& out, const std::string& experts_co
     << "\nrouting = \"top1\"\n";
   const std::string file = (fs::path(abs) / "islands.toml").string();
   write_file_atomic(file, f.str());
-  return run_islands(load_islands_config(file), self_binary());
+  return run_islands(load_islands_config(file), self_executable());
 }
 
 std::vector<Command> add_decentral_commands(CLI::App& app) {
@@ -354,15 +330,19 @@ std::vector<Command> add_decentral_commands(CLI::App& app) {
   auto* isl = app.add_subcommand(
       "islands",
       "Train a whole decentralized ensemble as independent processes (\"compute islands\"): the K experts and the "
-      "router, each with its own directory, log and checkpoints and no communication, from one islands file "
-      "(see docs/decentralized.md and configs/islands-k4.toml).");
+      "router, each with its own directory, log and checkpoints and no communication (each optionally "
+      "data-parallel over run.nproc processes), from one islands file (see docs/decentralized.md and "
+      "configs/islands-k4.toml).");
   isl->require_subcommand(1);
   auto ia = std::make_shared<IslandsArgs>();
   auto* irun = isl->add_subcommand(
       "run",
-      "Run every unfinished island, at most run.concurrency at a time. A crashed island restarts from its last "
-      "checkpoint (at most run.retries times) while the others go on. When all are done, writes OUT/ensemble.json. "
-      "Running it again skips finished islands and resumes the rest.");
+      "Run every unfinished island, at most run.concurrency at a time. With run.nproc = N > 1 each island trains "
+      "data-parallel on N processes under `ddm launch` (its own rendezvous port; the island's batch must be a "
+      "multiple of N). A crashed island (any of its processes) restarts from its last checkpoint (at most "
+      "run.retries times) while the others go on. run.threads = 0 gives each process cores / (concurrency x "
+      "nproc) threads, at least 1; set by hand, keep concurrency x nproc x threads at about the cores. When all "
+      "are done, writes OUT/ensemble.json. Running it again skips finished islands and resumes the rest.");
   irun->add_option("file", ia->file, "islands file (TOML)")->required();
   cmds.push_back({irun, [ia] { return islands_cmd("run", *ia); }});
   auto* istat = isl->add_subcommand("status", "Show each island's state, step, attempts and last failure.");
@@ -371,7 +351,9 @@ std::vector<Command> add_decentral_commands(CLI::App& app) {
   auto* islurm = isl->add_subcommand(
       "slurm",
       "Write an sbatch script with one array task per island (tasks 0..K-1 the experts, task K the router); makes "
-      "the partition first if needed.");
+      "the partition first if needed. With run.nproc = N > 1 each array task asks for --ntasks=N and runs its "
+      "island as one srun step of N ranks, restarted from its last checkpoint up to run.retries times if a rank "
+      "fails; --cpus-per-task is run.threads (2 when 0).");
   islurm->add_option("file", ia->file, "islands file (TOML)")->required();
   islurm->add_option("--script", ia->script, "script to write (default OUT/islands.sbatch)");
   cmds.push_back({islurm, [ia] { return islands_cmd("slurm", *ia); }});

@@ -1,11 +1,9 @@
-// The islands runner, status and Slurm script (see islands.h). Process supervision is written by
-// hand on POSIX fork/exec/waitpid: no Debian C++ package supervises child processes.
+// The islands runner, status and Slurm script (see islands.h). Islands are child processes of
+// src/launch/process.h (own process group, output appended to the island's log, tied to the runner's
+// life); an island of N processes is `ddm launch`, which supervises its ranks.
 #include "decentral/islands.h"
 
-#include <fcntl.h>
 #include <signal.h>
-#include <sys/prctl.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -17,7 +15,9 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <limits>
 #include <map>
+#include <numeric>
 #include <set>
 #include <sstream>
 #include <thread>
@@ -31,6 +31,8 @@
 #include "core/fileio.h"
 #include "decentral/ensemble_dir.h"
 #include "decentral/partition.h"
+#include "decentral/train_run.h"
+#include "launch/process.h"
 #include "train/checkpoint.h"
 
 namespace fs = std::filesystem;
@@ -52,7 +54,7 @@ IslandsConfig parse(const toml::table& t, const std::string& origin) {
       {"partition", {"path", "k", "features"}},
       {"experts", {"budget", "set"}},
       {"router", {"preset", "holdout", "set"}},
-      {"run", {"concurrency", "retries", "threads", "routing"}}};
+      {"run", {"concurrency", "nproc", "retries", "threads", "routing"}}};
   for (auto&& [k, v] : t) {
     const std::string key(k.str());
     DDM_CHECK(known.at("").count(key), origin << ": unknown key '" << key << "'; valid: out, config, [partition], "
@@ -101,6 +103,10 @@ IslandsConfig parse(const toml::table& t, const std::string& origin) {
   num("router.holdout", c.holdout, 0);
   list("router.set", c.router_set);
   num("run.concurrency", c.concurrency, 1);
+  num("run.nproc", c.nproc, std::numeric_limits<int64_t>::min());
+  DDM_CHECK(c.nproc >= 1, origin << ": run.nproc = " << c.nproc << " is not a number of processes: each island needs at "
+                                    "least 1; set run.nproc = 1 (one process per island, the default) or more to "
+                                    "train each island data-parallel over that many processes");
   num("run.retries", c.retries, 0);
   num("run.threads", c.threads, 0);
   str("run.routing", c.routing, false);
@@ -152,13 +158,30 @@ int64_t logged_step(const Island& is) {
   return j.is_object() && j.contains("step") && j["step"].is_number_integer() ? j["step"].get<int64_t>() : 0;
 }
 
-// The last line of a log that reports an error ("" if none).
-std::string last_error(const std::string& log) {
+// Why an island failed, from its log after byte `from` (where this attempt's output starts; "" if it
+// says nothing): the last line that reports an error.
+// An island of N processes runs under `ddm launch`, whose log lines are "[rank R] ..." from the
+// ranks and "[launch] ..." from the launcher: there the cause is the launcher's last "rank R (pid P)
+// exited with status S" / "was killed by signal 9 (SIGKILL)", followed by that rank's own last error.
+std::string last_error(const std::string& log, std::uintmax_t from = 0) {
   std::ifstream f(log);
-  std::string line, err;
-  while (std::getline(f, line))
+  f.seekg(static_cast<std::streamoff>(from));
+  std::string line, err, cause, cause_rank;
+  std::map<std::string, std::string> rank_err;  // "[rank R] " -> its last error line
+  while (std::getline(f, line)) {
     if (line.rfind("error", 0) == 0) err = line;
-  return err;
+    if (line.rfind("[rank ", 0) == 0) {
+      const size_t end = line.find("] ");
+      if (end != std::string::npos && line.compare(end + 2, 5, "error") == 0)
+        rank_err[line.substr(0, end + 2)] = line.substr(end + 2);
+    }
+    if (line.rfind("[launch] rank ", 0) == 0) {
+      cause = line.substr(9, line.find("; stopping") - 9);  // "rank 1 (pid 123) was killed by ..."
+      cause_rank = "[" + cause.substr(0, cause.find(" (")) + "] ";
+    }
+  }
+  if (cause.empty()) return err;
+  return rank_err.count(cause_rank) ? cause + ": " + rank_err[cause_rank] : cause;
 }
 
 std::string quote(const std::string& s) {
@@ -167,37 +190,31 @@ std::string quote(const std::string& s) {
   return q + "'";
 }
 
-pid_t spawn(const std::string& binary, const Island& is) {
-  fs::create_directories(fs::path(is.log).parent_path());
-  std::vector<char*> argv;  // built before fork: the child only calls open, dup2 and execv
-  argv.push_back(const_cast<char*>(binary.c_str()));
-  for (const auto& a : is.args) argv.push_back(const_cast<char*>(a.c_str()));
-  argv.push_back(nullptr);
-  const pid_t runner = getpid();
-  const pid_t pid = fork();
-  DDM_CHECK(pid >= 0, "cannot start " << is.name << ": fork failed (" << std::strerror(errno) << ")");
-  if (pid == 0) {
-    // An island does not outlive its runner: if the runner dies, even by kill -9, the island gets
-    // SIGTERM, writes a checkpoint and stops, so the next runner resumes it with no second writer.
-    prctl(PR_SET_PDEATHSIG, SIGTERM);
-    if (getppid() != runner) _exit(1);  // the runner died before prctl
-    const int fd = open(is.log.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
-    if (fd >= 0) {
-      dup2(fd, 1);
-      dup2(fd, 2);
-      close(fd);
-    }
-    execv(binary.c_str(), argv.data());
-    std::fprintf(stderr, "error: cannot run %s: %s\n", binary.c_str(), std::strerror(errno));
-    _exit(127);
-  }
-  return pid;
+// The size of a file (0 if it does not exist): where the next attempt's output will start in a log.
+std::uintmax_t size_of(const std::string& path) {
+  std::error_code ec;
+  const std::uintmax_t n = fs::file_size(path, ec);
+  return ec ? 0 : n;
 }
 
-std::string describe_exit(int status) {
-  if (WIFEXITED(status)) return "exit code " + std::to_string(WEXITSTATUS(status));
-  if (WIFSIGNALED(status)) return std::string("killed by signal ") + std::to_string(WTERMSIG(status));
-  return "stopped";
+// Starts `ddm ARGS`, its output appended to `log`. The island is in its own process group (the
+// runner decides what a Ctrl-C does to it) and does not outlive the runner: if the runner dies,
+// even by kill -9, the island gets SIGTERM, writes a checkpoint and stops (a launcher passes it on
+// to its ranks), so the next runner resumes it with no second writer.
+pid_t spawn(const std::string& binary, const std::vector<std::string>& args, const std::string& log) {
+  fs::create_directories(fs::path(log).parent_path());
+  ChildSpec spec;
+  spec.program = binary;
+  spec.argv = {binary};
+  spec.argv.insert(spec.argv.end(), args.begin(), args.end());
+  spec.env = environment_with({});
+  spec.output_file = log;
+  return spawn_child(spec).pid;
+}
+
+std::string describe_exit(const ExitStatus& s) {
+  if (s.signal != 0) return "killed by signal " + std::to_string(s.signal);
+  return "exit code " + std::to_string(s.code);
 }
 
 }  // namespace
@@ -236,20 +253,78 @@ std::vector<Island> plan_islands(const IslandsConfig& c, int64_t k) {
   return out;
 }
 
+std::vector<std::string> local_command(const Island& is, int64_t nproc) {
+  if (nproc <= 1) return is.args;
+  std::vector<std::string> args = {"launch", "--nproc", std::to_string(nproc), "--max-restarts", "0", "--run-id",
+                                   "islands-" + fs::path(is.log).stem().string(), "--"};
+  args.insert(args.end(), is.args.begin(), is.args.end());
+  return args;
+}
+
+namespace {
+
+// "1, 2, 4, 8" (the divisors of n, at most 12 of them).
+std::string divisors(int64_t n) {
+  std::string out;
+  int shown = 0;
+  for (int64_t d = 1; d <= n && shown < 12; ++d)
+    if (n % d == 0) out += (shown++ ? ", " : "") + std::to_string(d);
+  return out;
+}
+
+}  // namespace
+
+void check_island_batches(const IslandsConfig& c) {
+  // K before anything runs: the partition's, or partition.k for one still to be made.
+  const int64_t k = fs::exists(c.partition) ? load_partition(c.partition).k : c.k;
+  if (k < 2) return;  // no partition and no partition.k: ensure_partition says so
+  // The expert's config exactly as `ddm train` builds it from the island's arguments.
+  std::vector<std::string> expert_overrides = c.expert_set;
+  expert_overrides.insert(expert_overrides.end(), {"data.partition='" + fs::absolute(c.partition).string() + "'",
+                                                   "data.expert=0", "train.expert_budget=" + c.budget});
+  const TrainConfig expert = load_config(c.config, expert_overrides).train;
+  const TrainConfig router = router_run_config(c.config, c.partition, c.router_preset, c.holdout, c.router_set).train;
+  int64_t expert_batch = expert.batch_size;
+  std::string how = "train.batch_size = " + std::to_string(expert.batch_size);
+  if (c.budget == "split-batch") {
+    DDM_CHECK(expert.batch_size % k == 0,
+              c.origin << ": experts.budget = split-batch divides the experts' train.batch_size = " << expert.batch_size
+                       << " by K = " << k << ", which does not divide it; use a multiple of " << k
+                       << " (in " << c.config << " or experts.set) or experts.budget = \"full\"");
+    expert_batch /= k;
+    how += " / K = " + std::to_string(k) + " (experts.budget = split-batch) = " + std::to_string(expert_batch);
+  }
+  if (c.nproc == 1) return;  // one process per island: the trainer's own checks
+  // Every island runs on run.nproc processes, so the values that work divide both batches (per
+  // micro-batch of train.grad_accum).
+  const bool whole = expert_batch % expert.grad_accum == 0 && router.batch_size % router.grad_accum == 0;
+  const int64_t both = whole ? std::gcd(expert_batch / expert.grad_accum, router.batch_size / router.grad_accum) : 1;
+  auto check = [&](const char* whose, int64_t batch, int64_t accum, const std::string& whence, const char* set_key) {
+    DDM_CHECK(batch % (c.nproc * accum) == 0,
+              c.origin << ": run.nproc = " << c.nproc << " does not split the " << whose << " batch: " << whence
+                       << (accum > 1 ? ", in train.grad_accum = " + std::to_string(accum) + " micro-batches," : "")
+                       << " is not a multiple of " << c.nproc * accum << "; set run.nproc to one of "
+                       << divisors(both) << ", or change train.batch_size (in " << c.config << " or " << set_key
+                       << ")");
+  };
+  check("experts'", expert_batch, expert.grad_accum, how, "experts.set");
+  check("router's", router.batch_size, router.grad_accum, "train.batch_size = " + std::to_string(router.batch_size),
+        "router.set");
+}
+
 int64_t ensure_partition(const IslandsConfig& c, const std::string& ddm_binary) {
   if (!fs::exists(c.partition)) {
     DDM_CHECK(c.k >= 2, c.origin << ": the partition " << c.partition << " does not exist; set partition.k to make it");
     std::cout << "[islands] making the partition " << c.partition << " (K = " << c.k << ", " << c.features << ")"
               << std::endl;
-    Island p;
-    p.name = "partition";
-    p.log = (fs::path(c.out) / "logs" / "partition.log").string();
-    p.args = {"partition", "--config", c.config, "--k", std::to_string(c.k), "--features", c.features, "--out", c.partition};
-    int status = 0;
-    waitpid(spawn(ddm_binary, p), &status, 0);
-    DDM_CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0,
-              "making the partition failed (" << describe_exit(status) << "): " << last_error(p.log) << " (log " << p.log
-                                              << ")");
+    const std::string log = (fs::path(c.out) / "logs" / "partition.log").string();
+    const std::uintmax_t from = size_of(log);
+    const ExitStatus status = wait_exit(spawn(
+        ddm_binary,
+        {"partition", "--config", c.config, "--k", std::to_string(c.k), "--features", c.features, "--out", c.partition},
+        log));
+    DDM_CHECK(status.ok(), "making the partition failed (" << describe_exit(status) << "): " << last_error(log, from)
+                                                            << " (log " << log << ")");
   }
   const Partition p = load_partition(c.partition);
   DDM_CHECK(c.k == 0 || c.k == p.k, c.origin << ": partition.k = " << c.k << " but " << c.partition << " has K = "
@@ -258,62 +333,76 @@ int64_t ensure_partition(const IslandsConfig& c, const std::string& ddm_binary) 
 }
 
 int run_islands(const IslandsConfig& c, const std::string& ddm_binary) {
+  check_island_batches(c);  // before anything is made or started: nothing runs on a bad run.nproc
   fs::create_directories(fs::path(c.out) / "logs");
   const FileLock lock((fs::path(c.out) / "islands.lock").string(),
                       "another `ddm islands run` is working in " + c.out);
   const int64_t k = ensure_partition(c, ddm_binary);
-  // run.threads = 0 shares the cores among the islands that run at once: two OpenMP pools that each
-  // take every core are many times slower than one, not twice.
+  // run.threads = 0 shares the cores among the processes that run at once (concurrency islands of
+  // nproc processes each): two OpenMP pools that each take every core are many times slower than
+  // one, not twice.
   IslandsConfig shared = c;
-  if (c.threads == 0 && c.concurrency > 1)
-    shared.threads = std::max<int64_t>(1, static_cast<int64_t>(std::thread::hardware_concurrency()) / c.concurrency);
+  const int64_t processes = c.concurrency * c.nproc;
+  if (c.threads == 0 && processes > 1)
+    shared.threads = std::max<int64_t>(1, static_cast<int64_t>(std::thread::hardware_concurrency()) / processes);
   std::vector<Island> islands = plan_islands(shared, k);
   const size_t n = islands.size();
   nlohmann::json state = nlohmann::json::array();
   std::deque<size_t> queue;
+  std::vector<std::uintmax_t> log_start(n, 0);  // where each island's current attempt starts in its log
   for (size_t i = 0; i < n; ++i) {
     const bool done = progress_of(islands[i]).done;
     state.push_back({{"name", islands[i].name}, {"dir", islands[i].dir}, {"log", islands[i].log},
-                     {"state", done ? "done" : "pending"}, {"attempts", 0}, {"pid", 0}, {"last_exit", ""},
-                     {"last_error", ""}});
+                     {"state", done ? "done" : "pending"}, {"attempts", 0}, {"pid", 0}, {"nproc", c.nproc},
+                     {"last_exit", ""}, {"last_error", ""}});
     if (!done) queue.push_back(i);
   }
   const std::string state_path = (fs::path(c.out) / "islands.json").string();
   auto save = [&] { write_file_atomic(state_path, state.dump(2) + "\n"); };
   save();
+  const std::string per = c.nproc > 1 ? " per process" : " each";
   std::cout << "[islands] " << k << " experts and a router in " << c.out << ": " << n - queue.size()
-            << " already done, " << queue.size() << " to run, " << c.concurrency << " at a time, up to " << c.retries
-            << " restarts each"
-            << (shared.threads > 0 ? ", " + std::to_string(shared.threads) + " threads each" : std::string(", all cores each"))
+            << " already done, " << queue.size() << " to run, " << c.concurrency << " at a time"
+            << (c.nproc > 1 ? ", " + std::to_string(c.nproc) + " processes each (ddm launch)" : std::string())
+            << ", up to " << c.retries << " restarts each"
+            << (shared.threads > 0 ? ", " + std::to_string(shared.threads) + " threads" + per : ", all cores" + per)
             << std::endl;
 
   g_stop = 0;
   auto old_int = std::signal(SIGINT, on_stop), old_term = std::signal(SIGTERM, on_stop);
-  std::map<pid_t, size_t> running;
+  std::map<pid_t, size_t> running;  // island pid (also its process group) -> island
   bool stopping = false;
   auto last_report = std::chrono::steady_clock::now();
   while (!running.empty() || (!stopping && !queue.empty())) {  // once stopping, pending islands stay pending
     while (!stopping && !queue.empty() && static_cast<int64_t>(running.size()) < c.concurrency) {
       const size_t i = queue.front();
       queue.pop_front();
-      const pid_t pid = spawn(ddm_binary, islands[i]);
+      log_start[i] = size_of(islands[i].log);
+      const pid_t pid = spawn(ddm_binary, local_command(islands[i], c.nproc), islands[i].log);
       running[pid] = i;
       state[i]["state"] = "running";
       state[i]["pid"] = pid;
       state[i]["attempts"] = state[i]["attempts"].get<int64_t>() + 1;
       save();
       std::cout << "[islands] " << islands[i].name << ": started (attempt " << state[i]["attempts"] << ", pid " << pid
-                << ", log " << islands[i].log << ")" << std::endl;
+                << (c.nproc > 1 ? ", " + std::to_string(c.nproc) + " processes" : std::string()) << ", log "
+                << islands[i].log << ")" << std::endl;
     }
     if (g_stop != 0 && !stopping) {
       stopping = true;
       std::cout << "[islands] signal " << g_stop.load() << ": stopping the running islands (each writes a checkpoint)"
                 << std::endl;
-      for (const auto& r : running) kill(r.first, SIGTERM);
+      for (const auto& r : running) signal_group(r.first, SIGTERM);
     }
-    int status = 0;
-    const pid_t pid = waitpid(-1, &status, WNOHANG);
-    if (pid <= 0) {
+    pid_t pid = 0;
+    ExitStatus status;
+    for (const auto& r : running)
+      if (const auto s = peek_exit(r.first)) {
+        pid = r.first;
+        status = *s;
+        break;
+      }
+    if (pid == 0) {
       std::this_thread::sleep_for(std::chrono::milliseconds(100));
       if (std::chrono::steady_clock::now() - last_report > std::chrono::seconds(30)) {
         last_report = std::chrono::steady_clock::now();
@@ -328,27 +417,30 @@ int run_islands(const IslandsConfig& c, const std::string& ddm_binary) {
       }
       continue;
     }
-    if (!running.count(pid)) continue;
+    // Not reaped yet, so its group id is still its own: end what it left in its group, then reap.
+    signal_group(pid, SIGKILL);
+    reap(pid);
     const size_t i = running[pid];
     running.erase(pid);
     const Island& is = islands[i];
     const Progress p = progress_of(is);
     state[i]["pid"] = 0;
     state[i]["last_exit"] = describe_exit(status);
-    if (WIFEXITED(status) && WEXITSTATUS(status) == 0 && p.done) {
+    if (status.ok() && p.done) {
       state[i]["state"] = "done";
       std::cout << "[islands] " << is.name << ": done (step " << p.step << ")" << std::endl;
     } else if (stopping) {
       state[i]["state"] = "stopped";
       std::cout << "[islands] " << is.name << ": stopped at step " << p.step << std::endl;
     } else {
-      const std::string err = last_error(is.log);
+      const std::string err = last_error(is.log, log_start[i]);
       state[i]["last_error"] = describe_exit(status) + " at step " + std::to_string(p.step) + (err.empty() ? "" : ": " + err);
       const int64_t attempts = state[i]["attempts"].get<int64_t>();
       if (attempts <= c.retries) {
         state[i]["state"] = "retrying";
         queue.push_back(i);
         std::cout << "[islands] " << is.name << ": " << describe_exit(status) << " at step " << p.step
+                  << (err.empty() ? std::string() : " (" + err + ")")
                   << "; restarting from its last checkpoint (restart " << attempts << " of " << c.retries << ")"
                   << std::endl;
       } else {
@@ -420,15 +512,18 @@ std::string islands_status(const IslandsConfig& c) {
 
 std::string slurm_script(const IslandsConfig& c, int64_t k, const std::string& ddm_binary) {
   const std::vector<Island> islands = plan_islands(c, k);
+  const int64_t cpus = c.threads > 0 ? c.threads : 2, n = c.nproc, r = c.retries;
   std::ostringstream s;
   s << "#!/bin/bash\n"
-    << "# ddm islands as a Slurm job array: tasks 0.." << k - 1 << " train the experts, task " << k
-    << " the router.\n# Written by `ddm islands slurm " << c.origin << "`. Submit with: sbatch THIS_FILE\n"
+    << "# ddm islands as a Slurm job array: tasks 0.." << k - 1 << " train the experts, task " << k << " the router"
+    << (n > 1 ? ",\n# each island data-parallel over " + std::to_string(n) + " Slurm tasks (ranks) started by srun" : "")
+    << ".\n# Written by `ddm islands slurm " << c.origin << "`. Submit with: sbatch THIS_FILE\n"
     << "# Each task resumes from its own checkpoints, so a requeued or resubmitted task loses nothing.\n"
     << "# When all tasks are done, `ddm islands run " << c.origin << "` assembles " << c.out << "/ensemble.json.\n"
     << "#SBATCH --job-name=ddm-islands\n"
     << "#SBATCH --array=0-" << k << "\n"
-    << "#SBATCH --cpus-per-task=" << (c.threads > 0 ? c.threads : 2) << "\n"
+    << (n > 1 ? "#SBATCH --ntasks=" + std::to_string(n) + "\n" : "")
+    << "#SBATCH --cpus-per-task=" << cpus << "\n"
     << "#SBATCH --output=" << fs::absolute(fs::path(c.out) / "logs").string() << "/slurm-%A_%a.log\n"
     << "#SBATCH --requeue\n"
     << "set -euo pipefail\n"
@@ -436,11 +531,28 @@ std::string slurm_script(const IslandsConfig& c, int64_t k, const std::string& d
     << "cd " << quote(fs::current_path().string()) << "\n"
     << "case \"$task\" in\n";
   for (size_t i = 0; i < islands.size(); ++i) {
-    s << "  " << i << ")  # " << islands[i].name << "\n    exec " << quote(ddm_binary);
+    s << "  " << i << ")  # " << islands[i].name << "\n    " << (n > 1 ? "island=(" : "exec ") << quote(ddm_binary);
     for (const auto& a : islands[i].args) s << " " << quote(a);
-    s << " ;;\n";
+    s << (n > 1 ? ") ;;\n" : " ;;\n");
   }
   s << "  *) echo \"no island for array task $task (valid: 0.." << k << ")\" >&2; exit 2 ;;\nesac\n";
+  if (n > 1) {
+    // One job step of n tasks per attempt: SLURM_PROCID is the rank; rank 0 hosts the rendezvous
+    // on port 20000 + SLURM_JOB_ID mod 20000 (each array task has its own job id) unless MASTER_PORT
+    // is set. --kill-on-bad-exit ends the step when one rank fails, and the island restarts whole.
+    s << "# The island's " << n << " ranks are one job step; a failed step (a rank crashed or was killed) restarts\n"
+      << "# the whole island from its last checkpoint, at most " << r << " times (run.retries).\n"
+      << "for attempt in $(seq 0 " << r << "); do\n"
+      << "  if [ \"$attempt\" -gt 0 ]; then\n"
+      << "    echo \"[islands] array task $task: restarting the island from its last checkpoint (restart $attempt of "
+      << r << ")\" >&2\n"
+      << "  fi\n"
+      << "  if srun --ntasks=" << n << " --cpus-per-task=" << cpus << " --kill-on-bad-exit=1 \"${island[@]}\"; then exit 0; fi\n"
+      << "done\n"
+      << "echo \"[islands] array task $task: failed " << r + 1 << " times; see this log, fix the cause and submit again "
+      << "(it resumes)\" >&2\n"
+      << "exit 1\n";
+  }
   return s.str();
 }
 

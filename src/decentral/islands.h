@@ -1,9 +1,12 @@
 // Compute islands: the K experts and the router of a decentralized ensemble trained as independent
-// OS processes (`ddm train --partition ... --expert k`, `ddm train-router`), with no communication
-// between them. The runner keeps at most `concurrency` islands alive, restarts a crashed island from
-// its last checkpoint (at most `retries` times) while the others go on, records every island's
+// jobs (`ddm train --partition ... --expert k`, `ddm train-router`), with no communication between
+// them. An island is one process, or with `run.nproc = N` a data-parallel job of N processes
+// supervised by ddm's own launcher (`ddm launch --nproc N -- train ...`: its own rendezvous store on
+// a port the kernel picks, so concurrent islands never share one). The runner keeps at most
+// `concurrency` islands alive, restarts a failed island (a crash, or any of its N processes killed)
+// from its last checkpoint (at most `retries` times) while the others go on, records every island's
 // state in OUT/islands.json, and assembles OUT/ensemble.json when all are done. The same islands
-// can run as a Slurm job array instead (slurm_script), one array task per island.
+// can run as a Slurm job array instead (slurm_script), one array task of N Slurm tasks per island.
 //
 // Islands file (TOML; relative paths are relative to the working directory):
 //   out = "runs/k4"                       # experts/0..K-1, router/, logs/, islands.json, ensemble.json
@@ -11,7 +14,10 @@
 //   [partition]  path = "parts/k4", k = 4, features = "pixels:64"   (made first if path is missing)
 //   [experts]    budget = "split-batch", set = ["train.steps=1200"]
 //   [router]     preset = "router-dit-tiny", holdout = 1000, set = ["train.steps=600"]
-//   [run]        concurrency = 1, retries = 2, threads = 0, routing = "top1"
+//   [run]        concurrency = 1, nproc = 1, retries = 2, threads = 0, routing = "top1"
+// run.nproc (processes per island, data parallel; each island's batch must split into them) and
+// run.threads (per process; 0 = cores / (concurrency x nproc), at least 1) share the cores:
+// concurrency x nproc x threads should be about the machine's cores.
 #pragma once
 #include <cstdint>
 #include <string>
@@ -23,19 +29,26 @@ struct IslandsConfig {
   std::string origin;  // the islands file
   std::string out, config, partition, features = "pixels:64", budget = "split-batch";
   std::string router_preset = "router-dit-tiny", routing = "top1";
-  int64_t k = 0, holdout = 1000, concurrency = 1, retries = 2, threads = 0;
+  int64_t k = 0, holdout = 1000, concurrency = 1, nproc = 1, retries = 2, threads = 0;
   std::vector<std::string> expert_set, router_set;
 };
 
 // Parses and checks an islands file; errors name the file and the key.
 IslandsConfig load_islands_config(const std::string& path);
+// Checks that every island's batch splits into run.nproc processes (the experts' batch after the
+// experts.budget split over K, and the router's), before anything starts; the error names the
+// islands file, the key, the value and the values that would work.
+void check_island_batches(const IslandsConfig& c);
 
 struct Island {
   std::string name;  // "expert 3" or "router"
   int64_t expert = -1;
   std::string dir, log;
-  std::vector<std::string> args;  // ddm arguments (without the program)
+  std::vector<std::string> args;  // the island's ddm command (train / train-router ...), without the program
 };
+// The ddm arguments that run an island locally: its command, or with nproc > 1 that command under
+// `ddm launch --nproc N --max-restarts 0` (the runner itself restarts a failed island).
+std::vector<std::string> local_command(const Island& is, int64_t nproc);
 // The K + 1 islands (experts 0..K-1, then the router) for a partition with k clusters.
 std::vector<Island> plan_islands(const IslandsConfig& c, int64_t k);
 

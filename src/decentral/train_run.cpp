@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
+#include "core/presets.h"
 #include "core/fileio.h"
 #include "core/run_dir.h"
 #include "decentral/distill.h"
@@ -131,5 +132,22 @@ TrainJob prepare_train_job(RunConfig cfg) {
 }
 
 TrainSummary train_run(RunConfig cfg, const TrainOptions& opt) { return train(prepare_train_job(std::move(cfg)), opt); }
+
+RunConfig router_run_config(const std::string& config, const std::string& partition, const std::string& preset,
+                            int64_t holdout, const std::vector<std::string>& overrides) {
+  RunConfig c = load_config(config);
+  ModelConfig m;
+  m.preset = preset;
+  apply_preset(preset, m);
+  DDM_CHECK(is_router_arch(m.arch), "--preset " << preset << " is not a router preset; use router-dit-tiny or "
+                                                   "router-conv-tiny (see `ddm presets`)");
+  m.num_classes = c.model.num_classes == 0 ? 0 : -1;  // conditioned like the experts
+  c.model = m;
+  c.data.partition = fs::absolute(partition).string();
+  c.data.expert = -1;
+  c.data.holdout = holdout;
+  c.train.expert_budget = "full";
+  return parse_config(to_toml(c), "the router config made from " + config, overrides);
+}
 
 }  // namespace ddm

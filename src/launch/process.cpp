@@ -1,4 +1,4 @@
-// Child processes for the launcher (see process.h), on POSIX fork/execve/waitid.
+// Child processes for the launcher and the islands runner (see process.h), on POSIX fork/execve/waitid.
 #include "launch/process.h"
 
 #include <fcntl.h>
@@ -61,14 +61,21 @@ Child spawn_child(const ChildSpec& spec) {
       files.rlim_cur == RLIM_INFINITY || files.rlim_cur > 65536 ? 65536 : static_cast<int>(files.rlim_cur);
 
   int fds[2];
-  DDM_CHECK(::pipe2(fds, O_CLOEXEC) == 0, "cannot start " << spec.program << ": no pipe (" << std::strerror(errno)
-                                                          << "); too many open files? (ulimit -n)");
+  if (spec.output_file.empty()) {
+    DDM_CHECK(::pipe2(fds, O_CLOEXEC) == 0, "cannot start " << spec.program << ": no pipe (" << std::strerror(errno)
+                                                            << "); too many open files? (ulimit -n)");
+  } else {
+    fds[0] = -1;
+    fds[1] = ::open(spec.output_file.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+    DDM_CHECK(fds[1] >= 0, "cannot start " << spec.program << ": cannot open its log " << spec.output_file << " ("
+                                           << std::strerror(errno) << ")");
+  }
   const int devnull = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
   const pid_t parent = ::getpid();
   const pid_t pid = ::fork();
   if (pid < 0) {
     const int err = errno;
-    ::close(fds[0]);
+    if (fds[0] >= 0) ::close(fds[0]);
     ::close(fds[1]);
     if (devnull >= 0) ::close(devnull);
     DDM_FAIL("cannot start " << spec.program << ": fork failed (" << std::strerror(err)
@@ -122,6 +129,23 @@ void reap(pid_t pid) {
   int status = 0;
   while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
   }
+}
+
+ExitStatus wait_exit(pid_t pid) {
+  int status = 0;
+  ExitStatus s;
+  pid_t r;
+  while ((r = ::waitpid(pid, &status, 0)) < 0 && errno == EINTR) {
+  }
+  if (r < 0) {
+    s.code = -1;  // not our child: its status is lost
+  } else if (WIFSIGNALED(status)) {
+    s.signal = WTERMSIG(status);
+    s.core = WCOREDUMP(status);
+  } else {
+    s.code = WEXITSTATUS(status);
+  }
+  return s;
 }
 
 bool signal_group(pid_t pgid, int sig) { return pgid > 0 && ::kill(-pgid, sig) == 0; }

@@ -1,6 +1,7 @@
-// Child processes for the launcher: start a program with a given environment, its stdout and
-// stderr on one pipe, stdin on /dev/null, in its own process group, and tied to the parent's life
-// (PR_SET_PDEATHSIG); notice its exit without reaping it; describe how it ended.
+// Child processes for `ddm launch` and the islands runner: start a program with a given
+// environment, its stdout and stderr on one pipe (or appended to a log file), stdin on /dev/null, in
+// its own process group, and tied to the parent's life (PR_SET_PDEATHSIG); notice its exit without
+// reaping it; describe how it ended.
 //
 // Why a process group per child: a stop signal sent to the group reaches what the worker itself
 // started (a shell's children), and a worker is not hit by the terminal's Ctrl-C directly: the
@@ -8,9 +9,6 @@
 // Why exits are noticed without reaping (waitid WNOWAIT): while an exited child is an unreaped
 // zombie its pid, and so its process-group id, cannot be reused, so the launcher can still kill
 // what the child left behind in its group without hitting an unrelated process.
-//
-// src/decentral/islands.cpp has its own older spawn (a log file per island, no process group);
-// moving it onto this file is left for later.
 #pragma once
 #include <sys/types.h>
 
@@ -25,11 +23,14 @@ struct ChildSpec {
   std::string program;            // an absolute path (see resolve_program / self_executable)
   std::vector<std::string> argv;  // argv[0] included
   std::vector<std::string> env;   // the child's whole environment, "KEY=value"
+  // Empty: stdout + stderr go to a pipe (Child::output_fd). Else they are appended to this file
+  // (created if missing; its directory must exist) and there is no pipe.
+  std::string output_file;
 };
 
 struct Child {
   pid_t pid = -1;      // also its process-group id
-  int output_fd = -1;  // read end of the pipe with the child's stdout + stderr (close-on-exec)
+  int output_fd = -1;  // read end of the pipe with the child's stdout + stderr (close-on-exec); -1 with output_file
 };
 
 // Forks and execs. Must be called from the thread that lives as long as the child should (the
@@ -47,6 +48,8 @@ struct ExitStatus {
 std::optional<ExitStatus> peek_exit(pid_t pid);
 // Reaps an ended child (blocks until it has ended).
 void reap(pid_t pid);
+// Blocks until the child ends, reaps it and returns how it ended.
+ExitStatus wait_exit(pid_t pid);
 // Sends sig to the child's whole process group; false when the group is gone.
 bool signal_group(pid_t pgid, int sig);
 

@@ -23,10 +23,15 @@
 #include <sstream>
 #include <thread>
 
+#include "local_slurm.h"
 #include "test_util.h"
 
 namespace fs = std::filesystem;
 using ddm::test::CommandResult;
+using ddm::test::executable;
+using ddm::test::free_port;
+using ddm::test::LocalSlurm;
+using ddm::test::slurm_missing;
 using ddm::test::read_text;
 using ddm::test::run_command;
 using ddm::test::TempDir;
@@ -124,21 +129,6 @@ std::map<std::string, std::map<std::string, std::string>> env_lines(const std::s
 }
 
 bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
-
-// A TCP port that was free a moment ago (for launchers that need one given).
-int free_port() {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a);
-  socklen_t len = sizeof a;
-  getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
-  close(fd);
-  return ntohs(a.sin_port);
-}
-
-bool executable(const std::string& path) { return access(path.c_str(), X_OK) == 0; }
 
 }  // namespace
 
@@ -357,27 +347,6 @@ TEST(Launchers, TorchrunSetsWhatDdmLaunchSets) {
       }
     }
 }
-
-namespace {
-// A private single-node Slurm for one test, stopped (and its state removed) at scope exit.
-struct LocalSlurm {
-  std::string script = std::string(DDM_SOURCE_DIR) + "/scripts/slurm-local.sh", state, env;
-  CommandResult started;
-  explicit LocalSlurm(const std::string& dir) : state(dir + "/slurm") {
-    env = "SLURM_CONF=" + state + "/slurm.conf DDM_SLURM_CTLD_PORT=" + std::to_string(free_port()) +
-          " DDM_SLURM_D_PORT=" + std::to_string(free_port()) + " ";
-    started = run_command(env + "timeout 120 " + script + " start " + state);
-  }
-  ~LocalSlurm() { run_command(env + "timeout 120 " + script + " stop " + state); }
-};
-
-std::string slurm_missing() {
-  if (geteuid() != 0) return "root (slurmd runs job steps as their users)";
-  for (const char* p : {"/usr/sbin/slurmctld", "/usr/sbin/slurmd", "/usr/bin/srun", "/usr/sbin/munged"})
-    if (!executable(p)) return std::string(p) + " (apt-get install -y slurm-wlm munge)";
-  return "";
-}
-}  // namespace
 
 TEST(Launchers, SrunOnALocalSlurmSetsTheSlurmVariables) {
   const std::string missing = slurm_missing();

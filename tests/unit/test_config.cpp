@@ -142,6 +142,7 @@ TEST(Config, EveryShippedConfigParses) {
   EXPECT_EQ(isl.k, 4);
   EXPECT_EQ(isl.config, "configs/quickstart.toml");
   EXPECT_EQ(isl.router_set, std::vector<std::string>{"train.steps=600"});
+  EXPECT_EQ(isl.nproc, 1);  // one process per island unless run.nproc says otherwise
   EXPECT_GE(n, 3);
   RunConfig c = load_config(std::string(DDM_SOURCE_DIR) + "/configs/quickstart.toml");
   EXPECT_EQ(c.model.preset, "unet-tiny");
