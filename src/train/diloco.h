@@ -137,9 +137,10 @@ class Diloco {
 void add_diloco_state(Checkpoint& ck, Diloco& diloco, const FlatAdamW& optim, const DilocoReplicas& replicas);
 // Collective, after the model and optimizer were loaded from ck on rank 0 and broadcast (so every
 // replica holds the global weights): restores the outer momentum and each replica's inner state
-// from ck (rank 0's; null elsewhere or on a fresh start). A checkpoint of another world size gives
-// replica r the state of replica r mod (its world size); a checkpoint without DiLoCo state (a data-
-// parallel run) starts every replica from the global weights with zero outer momentum.
+// from ck (rank 0's; null elsewhere or on a fresh start). Replica r takes the state of replica r if
+// the checkpoint holds it, else of held[r mod |held|] (another world size, or a replica that was
+// gone when it was written); a checkpoint without DiLoCo state (a data-parallel run) starts every
+// replica from the global weights with zero outer momentum.
 void restore_diloco(Diloco& diloco, FlatAdamW& optim, Comm& comm, const Checkpoint* ck, int64_t step, bool quiet);
 
 }  // namespace ddm
