@@ -38,6 +38,12 @@
 # script creates is removed on exit, on Ctrl-C, on SIGTERM and on failure (trap; the processes it
 # started are stopped first, by their PIDs); PID-based names keep two invocations apart.
 #
+# With ROUNDS=R every rate and mode runs R times, interleaved (round 1 of everything, then round 2,
+# ...); the table shows medians, and the ratios to independent training and to data parallel are
+# taken within each round (runs minutes apart) before their median, as bench/data_parallel.sh does:
+# this machine is shared and its speed drifts by tens of percent within minutes. Each run also
+# records the load average before it and the CPU seconds its processes used ("cores the run got").
+# Run directories are reused across rounds (the last round's files remain).
 # Throughput ("img/s") is the training loop's: global training images over the seconds the steps
 # took, from the img/s of each metrics.jsonl interval (train.log_every = LOG_EVERY); it excludes
 # process start, data loading, the initial state broadcast and the last checkpoint, which the time
@@ -54,7 +60,8 @@
 #
 # usage: bench/slow_links.sh [OUT]                        (default /tmp/ddm-slow-links)
 #   env: STEPS=1200  RATES="unlimited 1gbit 100mbit 10mbit"  MODES="dp diloco streaming independent islands"
-#        (MODES="" only sets up and checks the links)  H="10 50 200"  STREAM="50 4 1 float16"  ROUTER_STEPS=STEPS/2  LOG_EVERY=10  CHECK_LINK=1
+#        (MODES="" only sets up and checks the links)  ROUNDS=1  H="10 50 200"  STREAM="50 4 1 float16"
+#        ROUTER_STEPS=STEPS/2  LOG_EVERY=10  CHECK_LINK=1
 #        EVAL=0 (1: ddm eval each distinct result)  EVAL_N=2000  LATENCY=100ms  BURST=(bytes)
 #        CONFIG=configs/quickstart.toml  DDM=build/ddm  PYTHON=/usr/bin/python3
 #   smoke: STEPS=40 RATES="unlimited 10mbit" H="10 20" STREAM="20 4 1 float16" bench/slow_links.sh /tmp/sl-smoke
@@ -71,6 +78,7 @@ modes=${MODES-"dp diloco streaming independent islands"}  # MODES="" checks the 
 hs=${H:-"10 50 200"}
 read -r stream_h stream_f stream_o stream_w <<< "${STREAM:-50 4 1 float16}"
 log_every=${LOG_EVERY:-10}
+rounds=${ROUNDS:-1}
 latency=${LATENCY:-100ms}
 evaluate=${EVAL:-0}
 eval_n=${EVAL_N:-2000}
@@ -98,8 +106,8 @@ done
 for h in $hs; do [[ $h =~ ^[1-9][0-9]*$ ]] || die "H: '$h' is not a positive number of inner steps"; done
 [[ "$stream_h $stream_f $stream_o" =~ ^[1-9][0-9]*\ [1-9][0-9]*\ [0-9]+$ && $stream_w =~ ^(float32|float16)$ ]] ||
   die "STREAM='${STREAM:-}' must be \"H fragments overlap wire\", e.g. \"50 4 1 float16\""
-[[ $steps =~ ^[1-9][0-9]*$ && $router_steps =~ ^[1-9][0-9]*$ && $log_every =~ ^[1-9][0-9]*$ ]] ||
-  die "STEPS, ROUTER_STEPS and LOG_EVERY must be positive integers"
+[[ $steps =~ ^[1-9][0-9]*$ && $router_steps =~ ^[1-9][0-9]*$ && $log_every =~ ^[1-9][0-9]*$ && $rounds =~ ^[1-9][0-9]*$ ]] ||
+  die "STEPS, ROUTER_STEPS, LOG_EVERY and ROUNDS must be positive integers"
 
 # --- The two nodes. Everything below is undone by cleanup(), whatever happens. ---
 id=$$
@@ -221,7 +229,7 @@ common=(--config "$cfg" --force --set train.threads=1 --set train.log_every="$lo
 
 # Appends one JSON record for the run just finished. Args: rate mode kind wall_s tx_a tx_b rc dirs...
 record() {
-  "$py" - "$@" >> "$results" <<'EOF'
+  ROUND=$round LOAD=$run_load CPU=$(elapsed "$run_cpu0" "$(child_cpu)") "$py" - "$@" >> "$results" <<'EOF'
 import glob, hashlib, json, os, re, sys
 rate, mode, kind, wall, tx_a, tx_b, rc = sys.argv[1:8]
 dirs = sys.argv[8:]
@@ -244,7 +252,8 @@ def weights_hash(d):
 def parse_mib(s):
     m = re.match(r"([\d.]+) (B|KiB|MiB|GiB)", s)
     return float(m.group(1)) * {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}[m.group(2)] if m else None
-d = {"rate": rate, "mode": mode, "kind": kind, "wall_s": float(wall), "rc": int(rc),
+d = {"rate": rate, "mode": mode, "round": int(os.environ["ROUND"]), "load_before": float(os.environ["LOAD"]),
+     "cpu_s": float(os.environ["CPU"]), "kind": kind, "wall_s": float(wall), "rc": int(rc),
      "veth_tx_a": int(tx_a), "veth_tx_b": int(tx_b)}
 if kind == "ranks":  # dirs: the run (rank 0 writes it)
     recs = metrics(dirs[0])
@@ -280,12 +289,18 @@ print(json.dumps(d))
 EOF
   "$py" -c 'import json,sys; d=json.loads(open(sys.argv[1]).readlines()[-1])
 acc = d["sent_rank0"]; tx = d["veth_tx_a"]
-print("  %s at %s: %s, %.1f s to finish, %.1f s of steps, %.0f img/s, rank 0 sent %.2f MB accounted, %.2f MB on its veth%s" % (
+print("  %s at %s: %s, %.1f s to finish, %.1f s of steps, %.0f img/s, %.2f cores, rank 0 sent %.2f MB accounted, %.2f MB on its veth%s" % (
     d["mode"], d["rate"], "ok" if d["rc"] == 0 else "FAILED (exit %d)" % d["rc"], d["wall_s"], d["loop_s"], d["img_per_s"],
-    acc / 1e6, tx / 1e6, " (%.3fx)" % (tx / acc) if acc else ""))' "$results" >&2
+    d["cpu_s"] / d["wall_s"], acc / 1e6, tx / 1e6, " (%.3fx)" % (tx / acc) if acc else ""))' "$results" >&2
 }
 
 now() { date +%s.%N; }
+# CPU seconds of this shell's reaped children (the ddm processes: `ip netns exec` execs into them).
+child_cpu() { awk -v hz="$(getconf CLK_TCK)" '{ sub(/^.*\) /, ""); printf "%.2f\n", ($14 + $15) / hz }' "/proc/$$/stat"; }
+begin_run() {  # load average and children's CPU before a run, for record()
+  run_load=$(cut -d' ' -f1 /proc/loadavg)
+  run_cpu0=$(child_cpu)
+}
 elapsed() { awk -v a="$1" -v b="$2" 'BEGIN { printf "%.3f\n", b - a }'; }
 
 run_ranks() {  # RATE MODE --set...: one job of 2 ranks, rank r in namespace r
@@ -293,7 +308,8 @@ run_ranks() {  # RATE MODE --set...: one job of 2 ranks, rank r in namespace r
   shift 2
   mkdir -p "$out/$rate"
   port=$((port + 1))
-  log "$rate: $mode (2 ranks)"
+  log "round $round/$rounds, $rate: $mode (2 ranks)"
+  begin_run
   a0=$(tx_bytes "$ns_a" "$dev_a") b0=$(tx_bytes "$ns_b" "$dev_b") t0=$(now)
   ip netns exec "$ns_a" env RANK=0 WORLD_SIZE=2 LOCAL_RANK=0 LOCAL_WORLD_SIZE=1 GROUP_RANK=0 MASTER_ADDR="$addr_a" \
     MASTER_PORT=$port GLOO_SOCKET_IFNAME="$dev_a" "$ddm" train "${common[@]}" --set train.steps=$total_steps \
@@ -315,7 +331,8 @@ run_ranks() {  # RATE MODE --set...: one job of 2 ranks, rank r in namespace r
 run_independent() {  # RATE: two one-process runs with half the batch each, one per namespace
   local rate=$1 dir=$out/$1/independent t0 p0 p1 rc=0 a0 b0
   mkdir -p "$dir"
-  log "$rate: independent (2 processes, no communication)"
+  log "round $round/$rounds, $rate: independent (2 processes, no communication)"
+  begin_run
   a0=$(tx_bytes "$ns_a" "$dev_a") b0=$(tx_bytes "$ns_b" "$dev_b") t0=$(now)
   ip netns exec "$ns_a" env -u RANK -u WORLD_SIZE "$ddm" train "${common[@]}" --set train.steps=$total_steps \
     --set train.ckpt_every=$total_steps --set train.batch_size=64 --set train.seed=0 --out "$dir/p0" > "$dir/p0.log" 2>&1 &
@@ -344,8 +361,9 @@ run_islands() {  # RATE: partition (once), 2 experts at once, the router after e
     partition_s=$(elapsed "$t0" "$(now)")
     log "  partition took $partition_s s"
   fi
-  log "$rate: islands (2 experts at once, then the router on node A)"
+  log "round $round/$rounds, $rate: islands (2 experts at once, then the router on node A)"
   local ex=(train "${common[@]}" --partition "$part" --budget split-batch --set train.steps=$steps --set train.ckpt_every=$steps)
+  begin_run
   a0=$(tx_bytes "$ns_a" "$dev_a") b0=$(tx_bytes "$ns_b" "$dev_b") t0=$(now)
   ip netns exec "$ns_a" env -u RANK -u WORLD_SIZE "$ddm" "${ex[@]}" --expert 0 --out "$dir/experts/0" > "$dir/logs/expert0.log" 2>&1 &
   p0=$!
@@ -372,9 +390,10 @@ run_islands() {  # RATE: partition (once), 2 experts at once, the router after e
 }
 
 # --- The experiment: every mode at every rate. ---
+for ((round = 1; round <= rounds; round++)); do
 for rate in $rates; do
   set_rate "$rate"
-  [ "$check_link" = 1 ] && check_link "$rate"
+  [ "$check_link" = 1 ] && [ $round = 1 ] && check_link "$rate"
   for mode in $modes; do
     case $mode in
       dp) run_ranks "$rate" dp ;;
@@ -386,6 +405,7 @@ for rate in $rates; do
       islands) run_islands "$rate" ;;
     esac
   done
+done
 done
 set_rate unlimited
 
@@ -409,7 +429,7 @@ fi
 # --- Tables and the plot. ---
 [ -s "$results" ] || { log "no runs (MODES is empty): links checked only"; exit 0; }
 "$py" - "$out" "$rates" "$evaluate" <<'EOF'
-import glob, json, os, sys
+import glob, json, os, statistics as st, sys
 out, rates, evaluate = sys.argv[1], sys.argv[2].split(), sys.argv[3] == "1"
 rows = [json.loads(l) for l in open(os.path.join(out, "results.jsonl"))]
 def bps(r):
@@ -422,73 +442,86 @@ for d in rows:  # quality, from the evaluation of the same weights
         e = json.load(open(f))
         if "fd_fmnist" in e:
             d["fd"], d["kid"], d["precision"], d["recall"] = e["fd_fmnist"], e["kid_mean"], e["precision"], e["recall"]
-cols = ["rate", "mode", "rc", "steps", "wall_s", "loop_s", "img_per_s", "sent_rank0", "veth_tx_a", "sent_max_rank",
-        "veth_tx_b", "final_loss", "hash", "fd", "kid", "precision", "recall"]
+cols = ["round", "rate", "mode", "rc", "steps", "wall_s", "loop_s", "img_per_s", "cpu_s", "load_before", "sent_rank0",
+        "veth_tx_a", "sent_max_rank", "veth_tx_b", "final_loss", "hash", "fd", "kid", "precision", "recall"]
 with open(os.path.join(out, "results.tsv"), "w") as f:
     f.write("\t".join(cols) + "\n")
     for d in rows: f.write("\t".join("" if d.get(c) is None else str(d.get(c)) for c in cols) + "\n")
-indep = {d["rate"]: d for d in rows if d["mode"] == "independent" and d["rc"] == 0}
-dp = {d["rate"]: d for d in rows if d["mode"] == "dp" and d["rc"] == 0}
+ok = [d for d in rows if d["rc"] == 0]
+med = lambda v: st.median(v) if v else None
+rounds = sorted({d["round"] for d in rows})
+keys = []
+for d in rows:
+    if (d["rate"], d["mode"]) not in keys: keys.append((d["rate"], d["mode"]))
+one = {(d["rate"], d["mode"], d["round"]): d for d in ok}
+def ratio(rate, mode, ref):  # median over rounds of img/s against ref's img/s in the same round and at the same rate
+    return med([one[(rate, mode, r)]["img_per_s"] / one[(rate, ref, r)]["img_per_s"] for r in rounds
+                if (rate, mode, r) in one and (rate, ref, r) in one])
+fmt = lambda x, f: "—" if x is None else f % x
 mb = lambda x: "—" if x is None else "%.2f" % (x / 1e6)
-L = ["| link | mode | time to finish s | steps s | img/s | vs independent | vs dp | rank 0 sent MB (ddm) | its veth tx MB | veth / ddm | most any rank sent MB (ddm, rounded) | veth B tx MB | final loss | FD-fmnist | KID | precision | recall |",
-     "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-for d in rows:
-    q = lambda k, fmt: "—" if d.get(k) is None else fmt % d[k]
-    r = d["rate"]
-    L.append("| %s | %s%s | %.1f | %.1f | %.0f | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s |" % (
-        r, d["mode"], "" if d["rc"] == 0 else " (failed, exit %d)" % d["rc"], d["wall_s"], d["loop_s"], d["img_per_s"],
-        "%.3f" % (d["img_per_s"] / indep[r]["img_per_s"]) if r in indep else "—",
-        "%.2f" % (d["img_per_s"] / dp[r]["img_per_s"]) if r in dp else "—",
-        mb(d["sent_rank0"]), mb(d["veth_tx_a"]), "%.3f" % (d["veth_tx_a"] / d["sent_rank0"]) if d["sent_rank0"] else "—",
-        mb(d.get("sent_max_rank")), mb(d["veth_tx_b"]), q("final_loss", "%.4f"),
-        q("fd", "%.3f"), q("kid", "%.5f"), q("precision", "%.3f"), q("recall", "%.3f")))
-# The issue's two performance targets, for every DiLoCo variant.
+S = {}  # per (rate, mode): medians over the rounds
+L = ["| link | mode | runs | time to finish s | steps s | img/s (min-max) | vs independent | vs dp | cores the run got | load before | rank 0 sent MB (ddm) | its veth tx MB | veth / ddm | most any rank sent MB (ddm, rounded) | veth B tx MB | final loss | FD-fmnist | KID | precision | recall |",
+     "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+for rate, mode in keys:
+    v = [d for d in ok if d["rate"] == rate and d["mode"] == mode]
+    failed = len([d for d in rows if d["rate"] == rate and d["mode"] == mode]) - len(v)
+    if not v:
+        L.append("| %s | %s | %d failed | | | | | | | | | | | | | | | | | |" % (rate, mode, failed)); continue
+    m = lambda k: med([d[k] for d in v if d.get(k) is not None])
+    last = v[-1]
+    s = S[(rate, mode)] = {"wall_s": m("wall_s"), "img_per_s": m("img_per_s"), "fd": last["fd"],
+                           "vs_indep": ratio(rate, mode, "independent"), "vs_dp": ratio(rate, mode, "dp")}
+    ips = [d["img_per_s"] for d in v]
+    L.append("| %s | %s | %d%s | %.1f | %.1f | %.0f (%.0f-%.0f) | %s | %s | %.2f | %.1f | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s |" % (
+        rate, mode, len(v), " (+%d failed)" % failed if failed else "", s["wall_s"], m("loop_s"), s["img_per_s"], min(ips), max(ips),
+        fmt(s["vs_indep"], "%.3f"), fmt(s["vs_dp"], "%.2f"), med([d["cpu_s"] / d["wall_s"] for d in v]), m("load_before"),
+        mb(m("sent_rank0")), mb(m("veth_tx_a")), fmt(med([d["veth_tx_a"] / d["sent_rank0"] for d in v if d["sent_rank0"]]), "%.3f"),
+        mb(m("sent_max_rank")), mb(m("veth_tx_b")), fmt(last["final_loss"], "%.4f"),
+        fmt(last["fd"], "%.3f"), fmt(last["kid"], "%.5f"), fmt(last["precision"], "%.3f"), fmt(last["recall"], "%.3f")))
+# The issue's two performance targets, for every DiLoCo variant (ratios taken within each round, median).
 T = []
-fast = [r for r in rates if r in indep]
-slow = sorted([r for r in rates if r in dp and r != "unlimited"], key=bps)
-for d in rows:
-    if not (d["mode"].startswith("diloco") or d["mode"].startswith("streaming")) or d["rc"]: continue
-    if d["rate"] == "unlimited" and "unlimited" in indep:
-        x = d["img_per_s"] / indep["unlimited"]["img_per_s"]
-        T.append("- unlimited link, %s: %.0f img/s against independent training's %.0f: %.1f%% %s (target: within 5%%: %s)" % (
-            d["mode"], d["img_per_s"], indep["unlimited"]["img_per_s"], 100 * (x - 1), "slower" if x < 1 else "faster",
-            "met" if x >= 0.95 else "NOT met"))
-    if slow and d["rate"] == slow[0]:
-        x = d["img_per_s"] / dp[slow[0]]["img_per_s"]
-        T.append("- %s link, %s: %.0f img/s against data parallel's %.0f: %.1fx (target at 10 Mbit/s: at least 5x: %s)" % (
-            slow[0], d["mode"], d["img_per_s"], dp[slow[0]]["img_per_s"], x, "met" if x >= 5 else "NOT met"))
+slow = sorted([r for r in rates if bps(r)], key=bps)
+for (rate, mode), s in S.items():
+    if not (mode.startswith("diloco") or mode.startswith("streaming")): continue
+    if rate == "unlimited" and s["vs_indep"] is not None:
+        x = s["vs_indep"]
+        T.append("- unlimited link, %s: %.3fx the throughput of independent training (%.1f%% %s; target: within 5%%: %s)" % (
+            mode, x, 100 * abs(x - 1), "slower" if x < 1 else "faster", "met" if x >= 0.95 else "NOT met"))
+    if slow and rate == slow[0] and s["vs_dp"] is not None:
+        T.append("- %s link, %s: %.2fx the throughput of data parallel (target at 10 Mbit/s: at least 5x: %s)" % (
+            rate, mode, s["vs_dp"], "met" if s["vs_dp"] >= 5 else "NOT met"))
 # Determinism: a mode's weights should not depend on the link (the schedule counts steps, not seconds).
 by_mode = {}
-for d in rows:
-    if d["rc"] == 0: by_mode.setdefault(d["mode"], set()).add(d["hash"])
-T.append("- weights identical at every link rate: " + ", ".join(
+for d in ok: by_mode.setdefault(d["mode"], set()).add(d["hash"])
+T.append("- weights identical in every run (every link rate and round): " + ", ".join(
     "%s %s" % (m, "yes" if len(h) == 1 else "NO (%d different)" % len(h)) for m, h in by_mode.items()))
-with open(os.path.join(out, "results.md"), "w") as f:
-    f.write("\n".join(L) + "\n\nPerformance targets (throughput of the training steps):\n\n" + "\n".join(T) + "\n")
-print("\n".join(L) + "\n\nPerformance targets (throughput of the training steps):\n" + "\n".join(T))
+text = ("Medians over %d round%s; ratios (vs independent, vs dp) are taken within each round at the same link rate, "
+        "then their median.\n\n" % (len(rounds), "s" if len(rounds) > 1 else "") + "\n".join(L) +
+        "\n\nPerformance targets (throughput of the training steps):\n\n" + "\n".join(T) + "\n")
+open(os.path.join(out, "results.md"), "w").write(text)
+print(text)
 # Data for gnuplot: one block per mode, "unlimited" drawn at 10x the fastest finite rate.
 finite = [bps(r) for r in rates if bps(r)]
 unl = 10 * max(finite) if finite else 1e10
 with open(os.path.join(out, "plot.dat"), "w") as f:
-    modes = []
-    for d in rows:
-        if d["mode"] not in modes: modes.append(d["mode"])
-    for m in modes:
-        f.write('"%s"\n' % m)
-        for d in sorted([d for d in rows if d["mode"] == m and d["rc"] == 0], key=lambda d: bps(d["rate"]) or unl):
-            f.write("%g %g %s\n" % (bps(d["rate"]) or unl, d["wall_s"], "NaN" if d["fd"] is None else "%g" % d["fd"]))
+    for mode in dict.fromkeys(m for _, m in keys):
+        pts = sorted([(bps(r) or unl, s) for (r, m), s in S.items() if m == mode])
+        if not pts: continue
+        f.write('"%s"\n' % mode)
+        for x, s in pts: f.write("%g %g %s\n" % (x, s["wall_s"], "NaN" if s["fd"] is None else "%g" % s["fd"]))
         f.write("\n\n")
 tics = ", ".join('"%s" %g' % (r, bps(r) or unl) for r in rates)
+quality = evaluate and any(s["fd"] is not None for s in S.values())
+dat = os.path.join(out, "plot.dat")
 with open(os.path.join(out, "plot.gp"), "w") as f:
-    quality = evaluate and any(d["fd"] is not None for d in rows)
     f.write("set terminal pngcairo size %d,520 font 'sans,10'\nset output '%s'\n" % (1400 if quality else 760, os.path.join(out, "slow_links.png")))
     f.write("set datafile missing 'NaN'\nset logscale x\nset xtics (%s)\nset grid\nset key outside right top\nset xlabel 'link rate (tbf on a veth pair)'\n" % tics)
     if quality: f.write("set multiplot layout 1,2\n")
-    f.write("set logscale y\nset ylabel 'time to finish, s'\nset title 'Time to finish the same training budget'\n")
-    f.write("plot for [i=0:*] '%s' index i using 1:2 with linespoints lw 2 pt 7 title columnheader(1)\n" % os.path.join(out, "plot.dat"))
+    f.write("set logscale y\nset ylabel 'time to finish, s (median over rounds)'\nset title 'Time to finish the same training budget'\n")
+    f.write("plot for [i=0:*] '%s' index i using 1:2 with linespoints lw 2 pt 7 title columnheader(1)\n" % dat)
     if quality:
         f.write("unset logscale y\nset ylabel 'FD-fmnist (lower is better)'\nset title 'Quality at equal training FLOPs'\n")
-        f.write("plot for [i=0:*] '%s' index i using 1:3 with linespoints lw 2 pt 7 title columnheader(1)\nunset multiplot\n" % os.path.join(out, "plot.dat"))
+        f.write("plot for [i=0:*] '%s' index i using 1:3 with linespoints lw 2 pt 7 title columnheader(1)\nunset multiplot\n" % dat)
 EOF
 gnuplot "$out/plot.gp" && log "wrote $out/results.md, results.tsv, results.jsonl and slow_links.png"
 if grep -q '"rc": [1-9]' "$results"; then log "some runs failed: see the table"; exit 1; fi
