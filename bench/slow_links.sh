@@ -454,27 +454,31 @@ keys = []
 for d in rows:
     if (d["rate"], d["mode"]) not in keys: keys.append((d["rate"], d["mode"]))
 one = {(d["rate"], d["mode"], d["round"]): d for d in ok}
-def ratio(rate, mode, ref):  # median over rounds of img/s against ref's img/s in the same round and at the same rate
-    return med([one[(rate, mode, r)]["img_per_s"] / one[(rate, ref, r)]["img_per_s"] for r in rounds
+def ratio(rate, mode, ref, key="img_per_s"):  # median over rounds of key against ref's in the same round and at the same rate
+    return med([one[(rate, mode, r)][key] / one[(rate, ref, r)][key] for r in rounds
                 if (rate, mode, r) in one and (rate, ref, r) in one])
+for d in ok:  # the work itself, whatever else ran on the machine (CPU of the whole processes, start included)
+    d["img_per_cpu_s"] = d["images"] / d["cpu_s"] if d["cpu_s"] > 0 else 0
 fmt = lambda x, f: "—" if x is None else f % x
 mb = lambda x: "—" if x is None else "%.2f" % (x / 1e6)
 S = {}  # per (rate, mode): medians over the rounds
-L = ["| link | mode | runs | time to finish s | steps s | img/s (min-max) | vs independent | vs dp | cores the run got | load before | rank 0 sent MB (ddm) | its veth tx MB | veth / ddm | most any rank sent MB (ddm, rounded) | veth B tx MB | final loss | FD-fmnist | KID | precision | recall |",
-     "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+L = ["| link | mode | runs | time to finish s | steps s | img/s (min-max) | vs independent | vs dp | cores the run got | img per CPU-s | vs independent, per CPU-s | load before | rank 0 sent MB (ddm) | its veth tx MB | veth / ddm | most any rank sent MB (ddm, rounded) | veth B tx MB | final loss | FD-fmnist | KID | precision | recall |",
+     "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
 for rate, mode in keys:
     v = [d for d in ok if d["rate"] == rate and d["mode"] == mode]
     failed = len([d for d in rows if d["rate"] == rate and d["mode"] == mode]) - len(v)
     if not v:
-        L.append("| %s | %s | %d failed | | | | | | | | | | | | | | | | | |" % (rate, mode, failed)); continue
+        L.append("| %s | %s | %d failed |" % (rate, mode, failed) + " |" * 19); continue
     m = lambda k: med([d[k] for d in v if d.get(k) is not None])
     last = v[-1]
     s = S[(rate, mode)] = {"wall_s": m("wall_s"), "img_per_s": m("img_per_s"), "fd": last["fd"],
-                           "vs_indep": ratio(rate, mode, "independent"), "vs_dp": ratio(rate, mode, "dp")}
+                           "vs_indep": ratio(rate, mode, "independent"), "vs_dp": ratio(rate, mode, "dp"),
+                           "cores": med([d["cpu_s"] / d["wall_s"] for d in v]),
+                           "vs_indep_cpu": ratio(rate, mode, "independent", "img_per_cpu_s")}
     ips = [d["img_per_s"] for d in v]
-    L.append("| %s | %s | %d%s | %.1f | %.1f | %.0f (%.0f-%.0f) | %s | %s | %.2f | %.1f | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s |" % (
+    L.append("| %s | %s | %d%s | %.1f | %.1f | %.0f (%.0f-%.0f) | %s | %s | %.2f | %.0f | %s | %.1f | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s |" % (
         rate, mode, len(v), " (+%d failed)" % failed if failed else "", s["wall_s"], m("loop_s"), s["img_per_s"], min(ips), max(ips),
-        fmt(s["vs_indep"], "%.3f"), fmt(s["vs_dp"], "%.2f"), med([d["cpu_s"] / d["wall_s"] for d in v]), m("load_before"),
+        fmt(s["vs_indep"], "%.3f"), fmt(s["vs_dp"], "%.2f"), s["cores"], m("img_per_cpu_s"), fmt(s["vs_indep_cpu"], "%.3f"), m("load_before"),
         mb(m("sent_rank0")), mb(m("veth_tx_a")), fmt(med([d["veth_tx_a"] / d["sent_rank0"] for d in v if d["sent_rank0"]]), "%.3f"),
         mb(m("sent_max_rank")), mb(m("veth_tx_b")), fmt(last["final_loss"], "%.4f"),
         fmt(last["fd"], "%.3f"), fmt(last["kid"], "%.5f"), fmt(last["precision"], "%.3f"), fmt(last["recall"], "%.3f")))
@@ -485,11 +489,13 @@ for (rate, mode), s in S.items():
     if not (mode.startswith("diloco") or mode.startswith("streaming")): continue
     if rate == "unlimited" and s["vs_indep"] is not None:
         x = s["vs_indep"]
-        T.append("- unlimited link, %s: %.3fx the throughput of independent training (%.1f%% %s; target: within 5%%: %s)" % (
-            mode, x, 100 * abs(x - 1), "slower" if x < 1 else "faster", "met" if x >= 0.95 else "NOT met"))
-    if slow and rate == slow[0] and s["vs_dp"] is not None:
-        T.append("- %s link, %s: %.2fx the throughput of data parallel (target at 10 Mbit/s: at least 5x: %s)" % (
-            rate, mode, s["vs_dp"], "met" if s["vs_dp"] >= 5 else "NOT met"))
+        T.append("- unlimited link, %s: %.3fx the throughput of independent training (%.1f%% %s; target: within 5%%: %s); "
+                 "the runs got %.2f and %.2f cores; per CPU-second %s" % (
+            mode, x, 100 * abs(x - 1), "slower" if x < 1 else "faster", "met" if x >= 0.95 else "NOT met",
+            s["cores"], S[("unlimited", "independent")]["cores"], fmt(s["vs_indep_cpu"], "%.3fx")))
+    if rate in ("10mbit", slow[0] if slow else None) and s["vs_dp"] is not None:  # the target's rate, and the slowest
+        T.append("- %s link, %s: %.2fx the throughput of data parallel%s" % (rate, mode, s["vs_dp"],
+            " (target at 10 Mbit/s: at least 5x: %s)" % ("met" if s["vs_dp"] >= 5 else "NOT met") if rate == "10mbit" else ""))
 # Determinism: a mode's weights should not depend on the link (the schedule counts steps, not seconds).
 by_mode = {}
 for d in ok: by_mode.setdefault(d["mode"], set()).add(d["hash"])
@@ -503,25 +509,35 @@ print(text)
 # Data for gnuplot: one block per mode, "unlimited" drawn at 10x the fastest finite rate.
 finite = [bps(r) for r in rates if bps(r)]
 unl = 10 * max(finite) if finite else 1e10
-with open(os.path.join(out, "plot.dat"), "w") as f:
-    for mode in dict.fromkeys(m for _, m in keys):
-        pts = sorted([(bps(r) or unl, s) for (r, m), s in S.items() if m == mode])
-        if not pts: continue
-        f.write('"%s"\n' % mode)
-        for x, s in pts: f.write("%g %g %s\n" % (x, s["wall_s"], "NaN" if s["fd"] is None else "%g" % s["fd"]))
-        f.write("\n\n")
+all_modes = list(dict.fromkeys(m for _, m in keys))
+def blocks(path, col):  # one block per mode that has the column; returns gnuplot's plot arguments, a colour per mode
+    args = []
+    with open(path, "w") as f:
+        for mode in all_modes:
+            pts = sorted([(bps(r) or unl, s[col]) for (r, m), s in S.items() if m == mode and s[col] is not None])
+            if not pts: continue
+            f.write("# %s\n" % mode)
+            for x, y in pts: f.write("%g %g\n" % (x, y))
+            f.write("\n\n")
+            args.append("'%s' index %d using 1:2 with linespoints lw 2 pt 7 lt %d title '%s'" % (
+                path, len(args), all_modes.index(mode) + 1, mode))
+    return ", \\\n  ".join(args)
+dat, fd_dat = os.path.join(out, "plot.dat"), os.path.join(out, "plot-fd.dat")
+plot_time = blocks(dat, "wall_s")
+plot_fd = blocks(fd_dat, "fd")
 tics = ", ".join('"%s" %g' % (r, bps(r) or unl) for r in rates)
 quality = evaluate and any(s["fd"] is not None for s in S.values())
-dat = os.path.join(out, "plot.dat")
+lo = min(finite) / 2 if finite else unl / 2
 with open(os.path.join(out, "plot.gp"), "w") as f:
     f.write("set terminal pngcairo size %d,520 font 'sans,10'\nset output '%s'\n" % (1400 if quality else 760, os.path.join(out, "slow_links.png")))
-    f.write("set datafile missing 'NaN'\nset logscale x\nset xtics (%s)\nset grid\nset key outside right top\nset xlabel 'link rate (tbf on a veth pair)'\n" % tics)
+    f.write("set logscale x\nset xrange [%g:%g]\nset xtics (%s)\nset grid\nset key outside right top\n" % (lo, 2 * unl, tics))
+    f.write("set xlabel 'link rate (tbf on a veth pair; unlimited drawn at 10x the fastest)'\n")
     if quality: f.write("set multiplot layout 1,2\n")
     f.write("set logscale y\nset ylabel 'time to finish, s (median over rounds)'\nset title 'Time to finish the same training budget'\n")
-    f.write("plot for [i=0:*] '%s' index i using 1:2 with linespoints lw 2 pt 7 title columnheader(1)\n" % dat)
+    f.write("plot %s\n" % plot_time)
     if quality:
         f.write("unset logscale y\nset ylabel 'FD-fmnist (lower is better)'\nset title 'Quality at equal training FLOPs'\n")
-        f.write("plot for [i=0:*] '%s' index i using 1:3 with linespoints lw 2 pt 7 title columnheader(1)\nunset multiplot\n" % dat)
+        f.write("plot %s\nunset multiplot\n" % plot_fd)
 EOF
 gnuplot "$out/plot.gp" && log "wrote $out/results.md, results.tsv, results.jsonl and slow_links.png"
 if grep -q '"rc": [1-9]' "$results"; then log "some runs failed: see the table"; exit 1; fi
