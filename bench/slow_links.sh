@@ -499,8 +499,9 @@ for (rate, mode), s in S.items():
 # Determinism: a mode's weights should not depend on the link (the schedule counts steps, not seconds).
 by_mode = {}
 for d in ok: by_mode.setdefault(d["mode"], set()).add(d["hash"])
-T.append("- weights identical in every run (every link rate and round): " + ", ".join(
-    "%s %s" % (m, "yes" if len(h) == 1 else "NO (%d different)" % len(h)) for m, h in by_mode.items()))
+if by_mode:
+    T.append("- weights identical in every run (every link rate and round): " + ", ".join(
+        "%s %s" % (m, "yes" if len(h) == 1 else "NO (%d different)" % len(h)) for m, h in by_mode.items()))
 text = ("Medians over %d round%s; ratios (vs independent, vs dp) are taken within each round at the same link rate, "
         "then their median.\n\n" % (len(rounds), "s" if len(rounds) > 1 else "") + "\n".join(L) +
         "\n\nPerformance targets (throughput of the training steps):\n\n" + "\n".join(T) + "\n")
@@ -528,6 +529,8 @@ plot_fd = blocks(fd_dat, "fd")
 tics = ", ".join('"%s" %g' % (r, bps(r) or unl) for r in rates)
 quality = evaluate and any(s["fd"] is not None for s in S.values())
 lo = min(finite) / 2 if finite else unl / 2
+if os.path.exists(os.path.join(out, "plot.gp")): os.remove(os.path.join(out, "plot.gp"))
+if not plot_time: sys.exit(0)  # no run finished: nothing to draw
 with open(os.path.join(out, "plot.gp"), "w") as f:
     f.write("set terminal pngcairo size %d,520 font 'sans,10'\nset output '%s'\n" % (1400 if quality else 760, os.path.join(out, "slow_links.png")))
     f.write("set logscale x\nset xrange [%g:%g]\nset xtics (%s)\nset grid\nset key outside right top\n" % (lo, 2 * unl, tics))
@@ -539,5 +542,9 @@ with open(os.path.join(out, "plot.gp"), "w") as f:
         f.write("unset logscale y\nset ylabel 'FD-fmnist (lower is better)'\nset title 'Quality at equal training FLOPs'\n")
         f.write("plot %s\nunset multiplot\n" % plot_fd)
 EOF
-gnuplot "$out/plot.gp" && log "wrote $out/results.md, results.tsv, results.jsonl and slow_links.png"
+if [ -f "$out/plot.gp" ]; then
+  gnuplot "$out/plot.gp" && log "wrote $out/results.md, results.tsv, results.jsonl and slow_links.png"
+else
+  log "wrote $out/results.md, results.tsv and results.jsonl (no run finished: no plot)"
+fi
 if grep -q '"rc": [1-9]' "$results"; then log "some runs failed: see the table"; exit 1; fi
