@@ -63,6 +63,7 @@
 #        (MODES="" only sets up and checks the links)  ROUNDS=1  H="10 50 200"  STREAM="50 4 1 float16"
 #        ROUTER_STEPS=STEPS/2  LOG_EVERY=10  CHECK_LINK=1
 #        EVAL=0 (1: ddm eval each distinct result)  EVAL_N=2000  LATENCY=100ms  BURST=(bytes)
+#        SYSCTLS="net.ipv4.tcp_slow_start_after_idle=0 ..." (set in both namespaces; their TCP stacks are their own)
 #        CONFIG=configs/quickstart.toml  DDM=build/ddm  PYTHON=/usr/bin/python3
 #   smoke: STEPS=40 RATES="unlimited 10mbit" H="10 20" STREAM="20 4 1 float16" bench/slow_links.sh /tmp/sl-smoke
 set -euo pipefail
@@ -159,7 +160,10 @@ ip netns add "$ns_b"
 ip link add "$dev_a" netns "$ns_a" type veth peer name "$dev_b" netns "$ns_b"
 ip -n "$ns_a" addr add "$addr_a/24" dev "$dev_a"
 ip -n "$ns_b" addr add "$addr_b/24" dev "$dev_b"
-for ns in "$ns_a" "$ns_b"; do ip -n "$ns" link set lo up; done
+for ns in "$ns_a" "$ns_b"; do
+  ip -n "$ns" link set lo up
+  for kv in ${SYSCTLS:-}; do ip netns exec "$ns" sysctl -qw "$kv" || die "SYSCTLS: cannot set $kv in $ns"; done
+done
 ip -n "$ns_a" link set "$dev_a" up
 ip -n "$ns_b" link set "$dev_b" up
 tc -n "$ns_a" qdisc add dev "$dev_a" root tbf rate 10mbit burst 32kb latency 100ms 2> /dev/null ||
