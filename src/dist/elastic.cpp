@@ -60,6 +60,19 @@ ElasticGroup::Plan ElasticGroup::decode(const std::string& s) {
 
 std::string ElasticGroup::get(const std::string& key) { return text(store_->get(key)); }
 
+template <class F>
+auto ElasticGroup::on_store(const char* what, F&& f) -> decltype(f()) {
+  try {
+    return f();
+  } catch (const Error&) {
+    throw;
+  } catch (const std::exception& e) {
+    // The store itself failed (c10d's own exceptions): its host is gone.
+    throw Fatal("rank " + std::to_string(job_rank_) + ": lost the job's store while " + what + " (" + e.what() +
+                "): rank 0 or the launcher that hosts it has exited; this replica stops");
+  }
+}
+
 ElasticGroup::Plan ElasticGroup::decide(const std::string& key, const Plan& proposal) {
   return decode(text(store_->compareSet(key, {}, bytes(encode(proposal)))));
 }
@@ -99,6 +112,10 @@ void ElasticGroup::adopt(const std::string& round, int64_t k, const Plan& plan) 
 }
 
 std::vector<int> ElasticGroup::admit(const std::string& round) {
+  return on_store("admitting replicas", [&] { return admit_impl(round); });
+}
+
+std::vector<int> ElasticGroup::admit_impl(const std::string& round) {
   if (complete()) return {};
   Plan proposal;
   proposal.joiners = joiners_asking(proposal.tokens);
@@ -112,6 +129,10 @@ std::vector<int> ElasticGroup::admit(const std::string& round) {
 }
 
 std::vector<int> ElasticGroup::recover(const std::string& round, const std::string& what, bool admit_joiners) {
+  return on_store("regrouping", [&] { return recover_impl(round, what, admit_joiners); });
+}
+
+std::vector<int> ElasticGroup::recover_impl(const std::string& round, const std::string& what, bool admit_joiners) {
   const int64_t k = round_ == round ? k_ + 1 : 1;
   const std::string prefix = "alive/" + round + "/" + std::to_string(k) + "/";
   const std::string plan_key = "plan/" + round + "/" + std::to_string(k);
@@ -151,6 +172,10 @@ void ElasticGroup::finished() {
 }
 
 std::string ElasticGroup::join(std::chrono::milliseconds wait) {
+  return on_store("rejoining", [&] { return join_impl(wait); });
+}
+
+std::string ElasticGroup::join_impl(std::chrono::milliseconds wait) {
   DDM_CHECK(job_rank_ != 0, "rank 0 cannot rejoin a running job: it writes the run; restart the whole job");
   std::ostringstream token;
   token << ::getpid() << "-" << std::chrono::steady_clock::now().time_since_epoch().count();

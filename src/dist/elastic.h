@@ -29,7 +29,7 @@ namespace ddm {
 
 class ElasticGroup {
  public:
-  // What no new group can mend: rank 0 is gone, or this process was left out of the new group.
+  // What no new group can mend: rank 0 or the store is gone, or this process was left out.
   struct Fatal : Error {
     using Error::Error;
   };
@@ -75,6 +75,12 @@ class ElasticGroup {
   void adopt(const std::string& round, int64_t k, const Plan& plan);  // builds the plan's group
   std::vector<int> joiners_asking(std::vector<std::string>& tokens);
   std::string get(const std::string& key);
+  std::vector<int> admit_impl(const std::string& round);
+  std::vector<int> recover_impl(const std::string& round, const std::string& what, bool admit_joiners);
+  std::string join_impl(std::chrono::milliseconds wait);
+  // Runs f; a failure of the store itself becomes Fatal (nothing can regroup without it).
+  template <class F>
+  auto on_store(const char* what, F&& f) -> decltype(f());
 
   std::shared_ptr<Comm> job_, current_;
   c10::intrusive_ptr<c10d::Store> store_;
