@@ -114,6 +114,40 @@ void wait_for_checkpoints(const std::string& run, size_t n, double seconds) {
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
 }
 
+// Trains `out` under `ddm launch --max-restarts 1` with 2 workers, kills worker `victim` with kill -9
+// after the second checkpoint and waits for the launch to end; returns the launcher's log.
+std::string killed_under_launcher(const Workdir& r, const std::string& out, const std::string& sets, int victim) {
+  const std::string log = r.dir / (out + ".log");
+  const pid_t launcher = spawn("", "launch --timeout 300 --max-restarts 1 --nproc 2 -- " + r.train(out, sets), log);
+  wait_for_checkpoints(r.dir / out, 2, 120);
+  auto workers = children(launcher);
+  if (workers.size() != 2u) ADD_FAILURE() << "expected 2 workers: " << test::read_text(log);
+  else kill(workers[static_cast<size_t>(victim)], SIGKILL);
+  if (wait_exit(launcher, 300) != 0) ADD_FAILURE() << "the launcher did not end: " << test::read_text(log);
+  return test::read_text(log);
+}
+
+// Starts 2 ranks by hand training `out` without end, sends SIGTERM to rank 1 once training runs and
+// waits for both; checks that rank 0 says it stopped and wrote one checkpoint, and returns that
+// checkpoint's state.json (null on failure).
+nlohmann::json sigterm_to_rank_one(const Workdir& r, const std::string& out, const std::string& sets) {
+  const std::string env = "WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(free_port());
+  const std::string args = r.train(out, " --set train.steps=100000 --set train.ckpt_every=100000" + sets);
+  const pid_t r0 = spawn("RANK=0 " + env, args, r.dir / "r0.log"), r1 = spawn("RANK=1 " + env, args, r.dir / "r1.log");
+  const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+  while (losses(r.dir / out).size() < 3 && std::chrono::steady_clock::now() < end)
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  kill(r1, SIGTERM);
+  const bool exited = wait_exit(r0, 60) == 0 && wait_exit(r1, 60) == 0;
+  const std::string out0 = test::read_text(r.dir / "r0.log");
+  EXPECT_TRUE(exited) << out0;
+  EXPECT_TRUE(has(out0, "stopped by signal 15")) << out0;
+  const auto ckpts = list_checkpoints(r.dir / out);
+  EXPECT_EQ(ckpts.size(), 1u) << out0;
+  if (!exited || ckpts.size() != 1u) return nullptr;
+  return nlohmann::json::parse(test::read_text(ckpts[0] + "/state.json"));
+}
+
 }  // namespace
 
 TEST(Distributed, TwoLaunchedRanksTrainWhatOneProcessTrains) {
@@ -137,15 +171,7 @@ TEST(Distributed, AKilledWorkerIsRestartedAndTheRunEndsAsIfUninterrupted) {
   const std::string sets = " --set train.steps=150 --set train.ckpt_every=10";
   const auto ref = test::run_ddm("launch --timeout 300 --nproc 2 -- " + r.train("ref", sets));
   ASSERT_EQ(ref.exit_code, 0) << ref.output;
-
-  const std::string log = r.dir / "launch.log";
-  const pid_t launcher = spawn("", "launch --timeout 300 --max-restarts 1 --nproc 2 -- " + r.train("killed", sets), log);
-  wait_for_checkpoints(r.dir / "killed", 2, 120);
-  auto workers = children(launcher);
-  ASSERT_EQ(workers.size(), 2u) << test::read_text(log);
-  kill(workers[1], SIGKILL);
-  ASSERT_EQ(wait_exit(launcher, 300), 0) << test::read_text(log);
-  const std::string out = test::read_text(log);
+  const std::string out = killed_under_launcher(r, "killed", sets, 1);
   EXPECT_TRUE(has(out, "was killed by signal 9 (SIGKILL)")) << out;
   EXPECT_TRUE(has(out, "restarting all 2 workers (restart 1 of 1")) << out;
   ASSERT_EQ(list_checkpoints(r.dir / "killed").back(), r.dir / "killed/ckpt/step-00000150");
@@ -207,21 +233,8 @@ TEST(Distributed, AHungWorkerFailsTheOthersAfterTheTimeout) {
 
 TEST(Distributed, SigtermToOneRankStopsEveryRankAfterTheSameStepWithACheckpoint) {
   Workdir r;
-  const std::string env = "WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(free_port());
-  const std::string args = r.train("term", " --set train.steps=100000 --set train.ckpt_every=100000");
-  const pid_t r0 = spawn("RANK=0 " + env, args, r.dir / "r0.log"), r1 = spawn("RANK=1 " + env, args, r.dir / "r1.log");
-  // Wait until training runs (metrics appear), then stop rank 1 only.
-  const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(120);
-  while (losses(r.dir / "term").size() < 3 && std::chrono::steady_clock::now() < end)
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  kill(r1, SIGTERM);
-  ASSERT_EQ(wait_exit(r0, 60), 0);
-  ASSERT_EQ(wait_exit(r1, 60), 0);
-  const std::string out0 = test::read_text(r.dir / "r0.log");
-  EXPECT_TRUE(has(out0, "stopped by signal 15")) << out0;
-  const auto ckpts = list_checkpoints(r.dir / "term");
-  ASSERT_EQ(ckpts.size(), 1u) << out0;
-  const auto state = nlohmann::json::parse(test::read_text(ckpts[0] + "/state.json"));
+  const auto state = sigterm_to_rank_one(r, "term", "");
+  ASSERT_FALSE(state.is_null());
   EXPECT_EQ(state["step"].get<size_t>(), losses(r.dir / "term").size());
 }
 
@@ -235,14 +248,8 @@ TEST(Distributed, DilocoKilledAndRestartedEndsAsIfUninterrupted) {
       " --set diloco.fragments=2 --set diloco.overlap=1";
   const auto ref = test::run_ddm("launch --timeout 300 --nproc 2 -- " + r.train("ref", sets));
   ASSERT_EQ(ref.exit_code, 0) << ref.output;
-  const std::string log = r.dir / "launch.log";
-  const pid_t launcher = spawn("", "launch --timeout 300 --max-restarts 1 --nproc 2 -- " + r.train("killed", sets), log);
-  wait_for_checkpoints(r.dir / "killed", 2, 120);
-  auto workers = children(launcher);
-  ASSERT_EQ(workers.size(), 2u) << test::read_text(log);
-  kill(workers[0], SIGKILL);
-  ASSERT_EQ(wait_exit(launcher, 300), 0) << test::read_text(log);
-  EXPECT_TRUE(has(test::read_text(log), "restarting all 2 workers")) << test::read_text(log);
+  const std::string out = killed_under_launcher(r, "killed", sets, 0);
+  EXPECT_TRUE(has(out, "restarting all 2 workers")) << out;
   ASSERT_EQ(list_checkpoints(r.dir / "killed").back(), r.dir / "killed/ckpt/step-00000080");
   EXPECT_EQ(weight_difference(r.dir / "ref", r.dir / "killed"), 0.0);
   EXPECT_EQ(losses(r.dir / "ref"), losses(r.dir / "killed"));
@@ -250,21 +257,8 @@ TEST(Distributed, DilocoKilledAndRestartedEndsAsIfUninterrupted) {
 
 TEST(Distributed, DilocoSigtermToOneReplicaStopsBothAtTheNextSync) {
   Workdir r;
-  const std::string env = "WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(free_port());
-  const std::string args = r.train("term", " --set train.steps=100000 --set train.ckpt_every=100000 "
-                                           "--set parallel.mode=diloco --set diloco.inner_steps=7");
-  const pid_t r0 = spawn("RANK=0 " + env, args, r.dir / "r0.log"), r1 = spawn("RANK=1 " + env, args, r.dir / "r1.log");
-  const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(120);
-  while (losses(r.dir / "term").size() < 3 && std::chrono::steady_clock::now() < end)
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  kill(r1, SIGTERM);
-  ASSERT_EQ(wait_exit(r0, 60), 0);
-  ASSERT_EQ(wait_exit(r1, 60), 0);
-  const std::string out0 = test::read_text(r.dir / "r0.log");
-  EXPECT_TRUE(has(out0, "stopped by signal 15")) << out0;
-  const auto ckpts = list_checkpoints(r.dir / "term");
-  ASSERT_EQ(ckpts.size(), 1u) << out0;
-  const auto state = nlohmann::json::parse(test::read_text(ckpts[0] + "/state.json"));
+  const auto state = sigterm_to_rank_one(r, "term", " --set parallel.mode=diloco --set diloco.inner_steps=7");
+  ASSERT_FALSE(state.is_null());
   const int64_t step = state["step"].get<int64_t>();
   EXPECT_EQ(step % 7, 0) << "stopped between synchronizations";
   EXPECT_EQ(state["diloco"]["last_sync"], std::vector<int64_t>{step});
