@@ -14,7 +14,7 @@
 #                run per H in H (a sweep), labelled diloco-H<h>
 #   streaming    Streaming DiLoCo: STREAM = "H fragments overlap wire" (default 50 4 1 float16)
 #   independent  the no-communication reference: 2 plain one-process `ddm train` runs (world 1), one
-#                per namespace, each with batch 64 (train.seed 0 and 1), STEPS + E steps. This is DiLoCo
+#                per namespace, each with batch 64 (train.seed 2 SEED and 2 SEED + 1), STEPS + E steps. This is DiLoCo
 #                without any synchronization: the ceiling its throughput is measured against.
 #   islands      decentralized islands: `ddm partition --k 2` (k-means, pixels:64, on node A, once per
 #                invocation; its time is added to every islands row), then expert 0 on node A and
@@ -64,6 +64,7 @@
 #        ROUTER_STEPS=STEPS/2  LOG_EVERY=10  CHECK_LINK=1
 #        EVAL=0 (1: ddm eval each distinct result)  EVAL_N=2000  LATENCY=100ms  BURST=(bytes)
 #        SYSCTLS="net.ipv4.tcp_slow_start_after_idle=0 ..." (set in both namespaces; their TCP stacks are their own)
+#        SEED=0 (train.seed of every run; independent training's two runs take 2 SEED and 2 SEED + 1)
 #        CONFIG=configs/quickstart.toml  DDM=build/ddm  PYTHON=/usr/bin/python3
 #   smoke: STEPS=40 RATES="unlimited 10mbit" H="10 20" STREAM="20 4 1 float16" bench/slow_links.sh /tmp/sl-smoke
 set -euo pipefail
@@ -84,6 +85,7 @@ latency=${LATENCY:-100ms}
 evaluate=${EVAL:-0}
 eval_n=${EVAL_N:-2000}
 check_link=${CHECK_LINK:-1}
+seed=${SEED:-0}
 
 die() { echo "bench/slow_links.sh: $*" >&2; exit 2; }
 log() { echo "[$(date +%H:%M:%S)] $*" >&2; }
@@ -107,6 +109,7 @@ done
 for h in $hs; do [[ $h =~ ^[1-9][0-9]*$ ]] || die "H: '$h' is not a positive number of inner steps"; done
 [[ "$stream_h $stream_f $stream_o" =~ ^[1-9][0-9]*\ [1-9][0-9]*\ [0-9]+$ && $stream_w =~ ^(float32|float16)$ ]] ||
   die "STREAM='${STREAM:-}' must be \"H fragments overlap wire\", e.g. \"50 4 1 float16\""
+[[ $seed =~ ^[0-9]+$ ]] || die "SEED: '$seed' is not a non-negative integer"
 [[ $steps =~ ^[1-9][0-9]*$ && $router_steps =~ ^[1-9][0-9]*$ && $log_every =~ ^[1-9][0-9]*$ && $rounds =~ ^[1-9][0-9]*$ ]] ||
   die "STEPS, ROUTER_STEPS, LOG_EVERY and ROUNDS must be positive integers"
 
@@ -229,7 +232,7 @@ results=$out/results.jsonl
 : > "$results"
 log "budget: $total_steps steps at global batch 128 ($steps + $extra for the router's $router_steps steps x $router_mflop MFLOP); islands: 2 experts x $steps steps x 64 + the router"
 
-common=(--config "$cfg" --force --set train.threads=1 --set train.log_every="$log_every" --set parallel.timeout=900)
+common=(--config "$cfg" --force --set train.seed="$seed" --set train.threads=1 --set train.log_every="$log_every" --set parallel.timeout=900)
 
 # Appends one JSON record for the run just finished. Args: rate mode kind wall_s tx_a tx_b rc dirs...
 record() {
@@ -339,11 +342,11 @@ run_independent() {  # RATE: two one-process runs with half the batch each, one 
   begin_run
   a0=$(tx_bytes "$ns_a" "$dev_a") b0=$(tx_bytes "$ns_b" "$dev_b") t0=$(now)
   ip netns exec "$ns_a" env -u RANK -u WORLD_SIZE "$ddm" train "${common[@]}" --set train.steps=$total_steps \
-    --set train.ckpt_every=$total_steps --set train.batch_size=64 --set train.seed=0 --out "$dir/p0" > "$dir/p0.log" 2>&1 &
+    --set train.ckpt_every=$total_steps --set train.batch_size=64 --set train.seed=$((2 * seed)) --out "$dir/p0" > "$dir/p0.log" 2>&1 &
   p0=$!
   started $p0
   ip netns exec "$ns_b" env -u RANK -u WORLD_SIZE "$ddm" train "${common[@]}" --set train.steps=$total_steps \
-    --set train.ckpt_every=$total_steps --set train.batch_size=64 --set train.seed=1 --out "$dir/p1" > "$dir/p1.log" 2>&1 &
+    --set train.ckpt_every=$total_steps --set train.batch_size=64 --set train.seed=$((2 * seed + 1)) --out "$dir/p1" > "$dir/p1.log" 2>&1 &
   p1=$!
   started $p1
   reap $p0 || rc=$?
@@ -377,7 +380,7 @@ run_islands() {  # RATE: partition (once), 2 experts at once, the router after e
   started $p1
   reap $p0 || rc=$?
   ip netns exec "$ns_a" env -u RANK -u WORLD_SIZE "$ddm" train-router --config "$cfg" --partition "$part" \
-    --preset router-dit-tiny --holdout 1000 --force --set train.threads=1 --set train.log_every="$log_every" \
+    --preset router-dit-tiny --holdout 1000 --force --set train.seed="$seed" --set train.threads=1 --set train.log_every="$log_every" \
     --set train.steps="$router_steps" --set train.ckpt_every="$router_steps" --out "$dir/router" > "$dir/logs/router.log" 2>&1 &
   pr=$!
   started $pr
