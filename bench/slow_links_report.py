@@ -162,7 +162,7 @@ with open(gp, "w") as f:
     if right:
         f.write("unset logscale y\nset xtics auto\nset autoscale x\nset xlabel 'time to finish, s (one point per link rate)'\n")
         f.write("set ylabel 'FD-fmnist, 2000 samples (lower is better)'\n")
-        f.write("set title 'Quality at equal training FLOPs against time to finish'\nplot %s\n" % ", \\\n  ".join(right))
+        f.write("set title 'Quality at equal training FLOPs against time to finish (colours as on the left; a point per link rate)'\nplot %s\n" % ", \\\n  ".join(right))
     f.write("unset multiplot\n")
 subprocess.run(["gnuplot", gp], check=True)
 print("wrote %s and %s" % (os.path.join(out, "slow_links.md"), os.path.join(out, "slow_links.png")))
