@@ -1,7 +1,7 @@
 #!/usr/bin/python3
 """The slow-links experiment's table and plot from two invocations of bench/slow_links.sh.
 
-A full budget at every link rate takes many hours here (data parallel alone needs about 47 minutes
+A full budget at every link rate takes many hours here (data parallel alone needs about 49 minutes
 for the quickstart's 1217 steps at 10 Mbit/s), so the experiment is two invocations:
   FULL   the whole budget on the unlimited link, every mode, with EVAL=1: the quality of every mode,
          the bytes each sends for the budget, and the measured time to finish it;
