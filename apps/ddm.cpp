@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <csignal>
 #include <filesystem>
 #include <functional>
 #include <iostream>
@@ -596,6 +597,10 @@ std::string error_prefix(const std::string& message) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // A write to a peer that died (a Gloo or store socket whose other end a killed rank closed) must
+  // fail as an error the collective reports, not kill this process with SIGPIPE: that would turn
+  // one dead DiLoCo replica into two (seen under load). Python programs get this by default.
+  std::signal(SIGPIPE, SIG_IGN);
   ddm::configure_allocator();
   try {
     return run(argc, argv);

@@ -89,6 +89,7 @@ Child spawn_child(const ChildSpec& spec) {
     sigset_t none;
     sigemptyset(&none);
     ::sigprocmask(SIG_SETMASK, &none, nullptr);  // the launcher blocks the signals it reads from a signalfd
+    ::signal(SIGPIPE, SIG_DFL);  // ddm ignores SIGPIPE (apps/ddm.cpp); an ignored signal survives execve
     ::dup2(fds[1], 1);
     ::dup2(fds[1], 2);
     if (devnull >= 0) ::dup2(devnull, 0);
