@@ -10,6 +10,7 @@
 #include <torch/torch.h>
 
 #include "core/error.h"
+#include "grad_check.h"
 #include "model/autoencoder.h"
 
 namespace ddm {
@@ -56,33 +57,6 @@ TEST(Autoencoder, PosteriorSampleAndKlMatchHandComputation) {
   EXPECT_EQ(standard.kl().sizes(), (std::vector<int64_t>{2}));
   EXPECT_EQ(standard.kl().abs().max().item<float>(), 0.0f);
   EXPECT_NE(error_of([&] { standard.sample(torch::zeros({2, 3, 2})); }).find("noise"), std::string::npos);
-}
-
-// Central differences against autograd for the scalar f(), every element of every leaf (float64).
-void expect_gradients_match(const std::function<torch::Tensor()>& f, const std::vector<torch::Tensor>& leaves,
-                            const std::string& what) {
-  auto grads = torch::autograd::grad({f()}, leaves);
-  const double eps = 1e-6;
-  for (size_t i = 0; i < leaves.size(); ++i) {
-    auto numeric = torch::zeros_like(leaves[i]);
-    {
-      torch::NoGradGuard ng;
-      double* p = leaves[i].data_ptr<double>();
-      double* g = numeric.data_ptr<double>();
-      for (int64_t j = 0; j < leaves[i].numel(); ++j) {
-        const double saved = p[j];
-        p[j] = saved + eps;
-        const double fp = f().item<double>();
-        p[j] = saved - eps;
-        const double fm = f().item<double>();
-        p[j] = saved;
-        g[j] = (fp - fm) / (2 * eps);
-      }
-    }
-    const double scale = std::max(grads[i].norm().item<double>(), numeric.norm().item<double>());
-    ASSERT_GT(scale, 0.0) << what << " leaf " << i << ": gradient is identically zero";
-    EXPECT_LT((grads[i] - numeric).norm().item<double>() / scale, 1e-5) << what << " leaf " << i;
-  }
 }
 
 TEST(Autoencoder, GradientsOfEncoderKlAndDecoderMatchFiniteDifferences) {
