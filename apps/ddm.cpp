@@ -1,5 +1,6 @@
 // ddm command-line interface: parses flags with CLI11 and calls the library. Subcommands:
 //   train       train a diffusion model from a TOML config
+//   train-autoencoder  train the autoencoder of latent diffusion and report its reconstructions
 //   sample      write a PNG grid (and optionally raw samples) from a checkpoint or an ensemble
 //   quickstart  the decentralized pipeline at small scale (partition, 4 experts, router, top-1 grid)
 //   presets     list model presets with parameter counts and FLOPs
@@ -37,6 +38,7 @@
 #include "eval/grid.h"
 #include "model/net.h"
 #include "core/presets.h"
+#include "train/autoencoder_report.h"
 #include "model/router.h"
 #include "decentral/train_run.h"
 #include "dist/env.h"
@@ -154,6 +156,7 @@ void write_samples(const SampleArgs& a) {
   std::cout << "sampling " << a.n << " images from " << src.name;
   if (src.model) std::cout << " (step " << m.step << ", " << (a.no_ema ? "raw" : "EMA") << " weights)";
   std::cout << ": " << g.sample.sampler << ", " << g.sample.steps << " steps, cfg " << g.sample.cfg << std::endl;
+  g.decode = image_decoder(m);  // latent models: the frozen decoder
   Generated out = generate(den, m.cfg.model.in_channels, m.cfg.model.image_size, g);
   if (tty) std::printf("\n");
   std::vector<std::string> labels;
@@ -295,6 +298,7 @@ int eval_cmd(EvalArgs a) {
     g.on_progress = sampling_progress(tty);
     std::cout << "sampling " << a.sample.n << " images from " << src.name << ": " << g.sample.sampler << ", "
               << g.sample.steps << " steps, cfg " << g.sample.cfg << std::endl;
+    g.decode = image_decoder(m);  // latent models: the frozen decoder
     Generated out = generate(den, m.cfg.model.in_channels, m.cfg.model.image_size, g);
     if (tty) std::printf("\n");
     std::printf("NFE %lld per image, %.0f s (%.1f img/s)\n", static_cast<long long>(out.nfe), out.seconds,
@@ -363,6 +367,28 @@ int eval_cmd(EvalArgs a) {
   return 0;
 }
 
+// ddm train-autoencoder: train (any launcher's ranks take part), then rank 0 measures the result.
+int train_autoencoder_cmd(const std::string& config, const std::vector<std::string>& overrides, const std::string& out,
+                          const TrainOptions& topt, AutoencoderReportOptions opt) {
+  RunConfig cfg = load_config(config, overrides);
+  DDM_CHECK(cfg.model.arch == "autoencoder",
+            config << ": model.arch = " << cfg.model.arch << ", but train-autoencoder trains an autoencoder; set "
+                   << "model.preset = \"ae-f4\" (or model.arch = \"autoencoder\"), or train this model with `ddm train`");
+  TrainSummary s = train_run(cfg, topt);
+  if (s.interrupted) return 128 + s.signal;
+  if (s.rank != 0) return 0;
+  std::cout << "done: step " << s.last_step << ", checkpoint " << s.checkpoint << "; measuring the autoencoder"
+            << std::endl;
+  opt.png = RunDir(out) / RunDir::kReconstructions;
+  opt.eval.quiet = topt.quiet;
+  opt.eval.data_root = cfg.data.source == "fashion-mnist" ? cfg.data.root : "";
+  const AutoencoderReport r = report_autoencoder(s.checkpoint, opt);
+  write_file_atomic(RunDir(out) / RunDir::kAutoencoder, r.json().dump(2) + "\n");
+  std::cout << r.table() << "wrote " << RunDir(out) / RunDir::kAutoencoder << " and " << opt.png
+            << "\nNext: train a latent model on it with --set model.latent=" << out << std::endl;
+  return 0;
+}
+
 int run(int argc, char** argv) {
   CLI::App app{"ddm: decentralized diffusion models. Train diffusion models, sample them, and train "
                "expert ensembles across independent compute islands."};
@@ -425,6 +451,28 @@ int run(int argc, char** argv) {
   bool qs_print = false, qs_monolith = false;
   qs_cmd->add_flag("--print-config", qs_print, "print the quickstart's training config (TOML) and exit");
   qs_cmd->add_flag("--monolith", qs_monolith, "train one model on all the data instead of the ensemble");
+
+  // train-autoencoder
+  std::string ae_config, ae_out;
+  std::vector<std::string> ae_overrides;
+  bool ae_resume = false, ae_force = false, ae_quiet = false;
+  AutoencoderReportOptions ae_opt;
+  auto* ae_cmd = app.add_subcommand(
+      "train-autoencoder",
+      "Train the KL autoencoder of latent diffusion (model.arch = autoencoder, e.g. model.preset = \"ae-f4\": "
+      "28x28x1 -> 7x7x4), then report it: PSNR and FD-fmnist of its reconstructions of the test split (a bound on "
+      "the FD of any latent model built on it), the latent scale and shift that latent models normalize by, to "
+      "OUT/autoencoder.json, and OUT/reconstructions.png (originals beside reconstructions). A latent model then "
+      "trains on it with model.latent = OUT. Re-run with --resume on a finished run to report it again.");
+  ae_cmd->add_option("--config", ae_config, "TOML config file (see configs/autoencoder.toml)")->required();
+  ae_cmd->add_option("--set", ae_overrides, "override a config key, e.g. --set train.steps=100 (repeatable)");
+  ae_cmd->add_option("--out", ae_out, "run directory (config, checkpoints, metrics, report)")->required();
+  ae_cmd->add_option("--n", ae_opt.n, "test images to reconstruct for the report")->check(kPositive);
+  ae_cmd->add_option("--stats-n", ae_opt.stats_n, "training images to measure the latent statistics on")
+      ->check(kPositive);
+  ae_cmd->add_flag("--resume", ae_resume, "continue from the latest checkpoint in --out");
+  ae_cmd->add_flag("--force", ae_force, "overwrite a different run in --out");
+  ae_cmd->add_flag("--quiet", ae_quiet, "no progress output");
 
   // train-classifier
   ClassifierArgs ca;
@@ -499,6 +547,8 @@ int run(int argc, char** argv) {
               << static_cast<int64_t>(peak_rss_mib()) << " MiB" << std::endl;
     return s.interrupted ? 128 + s.signal : 0;
   }
+  if (*ae_cmd) return train_autoencoder_cmd(ae_config, ae_overrides, ae_out, {ae_out, ae_resume, ae_force, ae_quiet, nullptr},
+                                            ae_opt);
   if (*sample_cmd) {
     write_samples(sa);
     return 0;
@@ -568,16 +618,17 @@ int run(int argc, char** argv) {
       ModelConfig m;
       apply_preset(name, m);
       m.preset = name;
-      m.in_channels = 1;
-      m.image_size = 28;
+      const bool latent = name.rfind("latent-", 0) == 0;  // sized for ae-f4's latents
+      m.in_channels = latent ? 4 : 1;
+      m.image_size = latent ? 7 : 28;
       m.num_classes = 10;
       if (is_router_arch(m.arch)) m.num_experts = 4;
       Net net = make_net(m);
       std::printf("%-17s %-11s %12lld %16.1f\n", name.c_str(), m.arch.c_str(),
                   static_cast<long long>(count_params(*net)), forward_flops_per_image(m) / 1e6);
     }
-    std::printf("(28x28x1 images, 10 classes, routers with K = 4 experts; training costs about 3x the forward "
-                "FLOPs)\n");
+    std::printf("(28x28x1 images, latent-* on ae-f4's 7x7x4 latents, 10 classes, routers with K = 4 experts; "
+                "training costs about 3x the forward FLOPs)\n");
     return 0;
   }
   return 0;

@@ -3,6 +3,7 @@
 // disagree.
 #include "core/config.h"
 
+#include <cmath>
 #include <functional>
 #include <set>
 #include <sstream>
@@ -124,6 +125,11 @@ std::vector<Field> fields(RunConfig& c) {
       field("model.depth", &c.model.depth),
       field("model.heads", &c.model.heads),
       field("model.mlp_ratio", &c.model.mlp_ratio),
+      field("model.latent_channels", &c.model.latent_channels),
+      field("model.latent", &c.model.latent),
+      field("model.latent_sha256", &c.model.latent_sha256),
+      field("model.latent_scale", &c.model.latent_scale),
+      field("model.latent_shift", &c.model.latent_shift),
       field("diffusion.objective", &c.diffusion.objective),
       field("diffusion.schedule", &c.diffusion.schedule),
       field("diffusion.time_dist", &c.diffusion.time_dist),
@@ -141,6 +147,7 @@ std::vector<Field> fields(RunConfig& c) {
       field("train.grad_clip", &c.train.grad_clip),
       field("train.ema_decay", &c.train.ema_decay),
       field("train.label_dropout", &c.train.label_dropout),
+      field("train.kl_weight", &c.train.kl_weight),
       field("train.seed", &c.train.seed),
       field("train.threads", &c.train.threads),
       field("train.grad_accum", &c.train.grad_accum),
@@ -303,7 +310,19 @@ void validate(const RunConfig& c) {
                                << (router ? "diffusion model, not a router" : "model trained on all the data")
                                << "; remove " << (router ? "train.teacher" : "data.partition and data.expert"));
 
-  check_choice("model.arch", m.arch, {"unet", "dit", "router-dit", "router-conv"});
+  check_choice("model.arch", m.arch, {"unet", "dit", "router-dit", "router-conv", "autoencoder"});
+  if (m.arch == "autoencoder") {
+    DDM_CHECK(c.data.partition.empty(), "model.arch = autoencoder trains on all the data: remove data.partition");
+    DDM_CHECK(c.train.teacher.empty(), "model.arch = autoencoder cannot be distilled: remove train.teacher");
+    DDM_CHECK(m.latent.empty(), "model.latent = " << m.latent << " trains on an autoencoder's latents, but "
+                                "model.arch = autoencoder is itself one: remove model.latent");
+  }
+  DDM_CHECK(m.latent_channels > 0, "model.latent_channels must be > 0, got " << m.latent_channels);
+  DDM_CHECK(std::isfinite(m.latent_scale) && m.latent_scale >= 0,
+            "model.latent_scale must be >= 0 (0 = from the autoencoder run), got " << m.latent_scale);
+  DDM_CHECK(std::isfinite(m.latent_shift), "model.latent_shift must be finite, got " << m.latent_shift);
+  DDM_CHECK(!m.latent.empty() || (m.latent_sha256.empty() && m.latent_scale == 0 && m.latent_shift == 0),
+            "model.latent_sha256, latent_scale and latent_shift describe model.latent, which is not set");
   DDM_CHECK(m.num_experts == 0 || m.num_experts >= 2,
             "model.num_experts must be 0 (from the partition) or >= 2, got " << m.num_experts);
   DDM_CHECK(m.in_channels >= 0, "model.in_channels must be >= 0 (0 = from data), got " << m.in_channels);
@@ -343,6 +362,7 @@ void validate(const RunConfig& c) {
   DDM_CHECK(t.ema_decay >= 0 && t.ema_decay < 1, "train.ema_decay must be in [0, 1), got " << t.ema_decay);
   DDM_CHECK(t.label_dropout >= 0 && t.label_dropout <= 1,
             "train.label_dropout must be in [0, 1], got " << t.label_dropout);
+  DDM_CHECK(std::isfinite(t.kl_weight) && t.kl_weight >= 0, "train.kl_weight must be >= 0, got " << t.kl_weight);
   DDM_CHECK(t.seed >= 0, "train.seed must be >= 0, got " << t.seed);
   DDM_CHECK(t.threads >= 0, "train.threads must be >= 0 (0 = the cores divided among the job's processes on this machine), got " << t.threads);
   DDM_CHECK(t.log_every > 0, "train.log_every must be > 0, got " << t.log_every);

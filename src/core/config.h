@@ -20,7 +20,7 @@ struct DataConfig {
 
 struct ModelConfig {
   std::string preset = "unet-tiny";  // see src/core/presets.h; explicit keys below override it
-  std::string arch = "unet";         // unet | dit | router-dit | router-conv
+  std::string arch = "unet";         // unet | dit | router-dit | router-conv | autoencoder
   // Filled from the dataset at train time (0 = take from data); recorded in the resolved config.
   int64_t in_channels = 0;
   int64_t image_size = 0;
@@ -38,6 +38,18 @@ struct ModelConfig {
   int64_t depth = 4;
   int64_t heads = 4;
   double mlp_ratio = 4.0;
+  // Autoencoder (arch = autoencoder, `ddm train-autoencoder`; also uses channels, channel_mult,
+  // res_blocks and groups): latent channels; the downsampling factor is 2^(len(channel_mult) - 1).
+  int64_t latent_channels = 4;
+  // Latent diffusion: a `ddm train-autoencoder` run (or one of its checkpoints). The model then learns
+  // (and samples) the frozen autoencoder's latents, (z - latent_shift) * latent_scale, instead of pixels;
+  // in_channels and image_size become the latents'. Resolved at train time and recorded: latent names
+  // the checkpoint directory, latent_sha256 its weights (checked on every load), and the scale and
+  // shift measured by train-autoencoder (0 = take them from its autoencoder.json).
+  std::string latent;
+  std::string latent_sha256;
+  double latent_scale = 0;
+  double latent_shift = 0;
 };
 
 struct DiffusionConfig {
@@ -61,6 +73,7 @@ struct TrainConfig {
   double grad_clip = 1.0;        // max global grad norm (0 = off)
   double ema_decay = 0.999;
   double label_dropout = 0.1;    // probability of replacing the label by the null class
+  double kl_weight = 1e-6;       // autoencoders: weight of the KL term per latent element against L1 per pixel
   int64_t seed = 0;
   int64_t threads = 0;           // intra-op threads per process (0 = the cores / the job's processes on this machine)
   // Micro-batches per step: batch_size is split into grad_accum equal parts (per rank), whose

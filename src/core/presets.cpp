@@ -59,6 +59,37 @@ const std::vector<std::pair<std::string, PresetFn>>& presets() {
          m.heads = 6;
          m.mlp_ratio = 4.0;
        }},
+      // Latent backbones (model.latent = a `ddm train-autoencoder` run): on ae-f4's 7x7x4 latents.
+      // 7 is odd, so the U-Net keeps one resolution; the DiT sees each latent pixel as a token.
+      {"latent-unet",
+       [](ModelConfig& m) {
+         m.arch = "unet";
+         m.channels = 128;
+         m.channel_mult = {1};
+         m.res_blocks = 2;
+         m.attn_levels = {0};
+         m.groups = 8;
+         m.heads = 4;
+       }},
+      {"latent-dit",
+       [](ModelConfig& m) {
+         m.arch = "dit";
+         m.patch = 1;
+         m.width = 128;
+         m.depth = 6;
+         m.heads = 4;
+         m.mlp_ratio = 4.0;
+       }},
+      // The autoencoder of latent diffusion (`ddm train-autoencoder`): 28x28x1 -> 7x7x4 (f = 4).
+      {"ae-f4",
+       [](ModelConfig& m) {
+         m.arch = "autoencoder";
+         m.channels = 32;
+         m.channel_mult = {1, 2, 2};
+         m.res_blocks = 1;
+         m.latent_channels = 4;
+         m.groups = 8;
+       }},
       // Routers: a few percent of an expert's FLOPs, so routed sampling costs about one expert.
       {"router-dit-tiny",
        [](ModelConfig& m) {
@@ -100,6 +131,10 @@ void apply_preset(const std::string& name, ModelConfig& cfg) {
     m.image_size = cfg.image_size;
     m.num_classes = cfg.num_classes;
     m.num_experts = cfg.num_experts;
+    m.latent = cfg.latent;
+    m.latent_sha256 = cfg.latent_sha256;
+    m.latent_scale = cfg.latent_scale;
+    m.latent_shift = cfg.latent_shift;
     p.second(m);
     cfg = m;
     return;

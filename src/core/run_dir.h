@@ -1,6 +1,7 @@
 // The names of the files in a run directory and a checkpoint directory, spelled in one place:
 //   RUN/config.toml  metrics.jsonl  train.lock  samples.png  train.log
 //       expert.json | router.json + router_eval.json | distill.json   (records of decentralized runs)
+//       autoencoder.json + reconstructions.png                        (`ddm train-autoencoder`)
 //       ckpt/step-XXXXXXXX/{model,ema,optim}.safetensors + state.json
 #pragma once
 #include <string>
@@ -19,6 +20,8 @@ struct RunDir {
   static constexpr const char* kRouter = "router.json";
   static constexpr const char* kRouterEval = "router_eval.json";
   static constexpr const char* kDistill = "distill.json";
+  static constexpr const char* kAutoencoder = "autoencoder.json";
+  static constexpr const char* kReconstructions = "reconstructions.png";
   // Inside a checkpoint directory.
   static constexpr const char* kModel = "model.safetensors";
   static constexpr const char* kEma = "ema.safetensors";
@@ -36,7 +39,8 @@ struct RunDir {
   // Everything a run writes into its directory (removed by --force, or when a run that saved no
   // checkpoint is started afresh); the lock is not among them.
   static std::vector<const char*> run_files() {
-    return {kCheckpoints, kMetrics, kConfig, kSamples, kTrainLog, kExpert, kRouter, kRouterEval, kDistill};
+    return {kCheckpoints, kMetrics, kConfig, kSamples, kTrainLog, kExpert, kRouter, kRouterEval, kDistill,
+            kAutoencoder, kReconstructions};
   }
 };
 

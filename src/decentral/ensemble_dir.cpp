@@ -72,13 +72,24 @@ nlohmann::json assemble_ensemble(const std::string& dir, const EnsembleSpec& spe
                       {"partition", {{"path", stored_path(dir, spec.partition)}, {"sha256", part_sha}}},
                       {"created_by", std::string("ddm ") + version()}};
   int64_t channels = -1, size = -1, classes = -1;
+  std::string latent_sha;  // latent models: every member must share the frozen autoencoder and its scaling
+  double latent_scale = 0, latent_shift = 0;
   auto same_shape = [&](const LoadedModel& lm, const std::string& what) {
     const ModelConfig& mc = lm.cfg.model;
     if (channels < 0) {
       channels = mc.in_channels;
       size = mc.image_size;
       classes = mc.num_classes;
+      latent_sha = mc.latent_sha256;
+      latent_scale = mc.latent_scale;
+      latent_shift = mc.latent_shift;
     }
+    DDM_CHECK(mc.latent_sha256 == latent_sha && mc.latent_scale == latent_scale && mc.latent_shift == latent_shift,
+              what << (mc.latent.empty() ? " works on pixels" : " works on the latents of " + mc.latent + " (sha256 " +
+                                                                  mc.latent_sha256.substr(0, 12) + ")")
+                   << ", but the first expert "
+                   << (latent_sha.empty() ? "on pixels" : "on latents with sha256 " + latent_sha.substr(0, 12))
+                   << " (or another latent scale); every model of an ensemble must share one frozen autoencoder");
     DDM_CHECK(mc.in_channels == channels && mc.image_size == size && mc.num_classes == classes,
               what << " works on " << mc.in_channels << "x" << mc.image_size << "x" << mc.image_size << " images with "
                    << mc.num_classes << " classes, but the first expert on " << channels << "x" << size << "x" << size

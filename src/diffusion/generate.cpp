@@ -38,7 +38,7 @@ Generated generate(const Denoiser& den, int64_t channels, int64_t size, const Ge
     so.seed = opt.seed;
     so.first_index = start;  // later draws are keyed by the sample's number too, not by this batch
     auto res = sample(den, torch::cat(noise), g.labels.narrow(0, start, b), so);  // [b,C,H,W]
-    chunks.push_back(res.x.clamp(-1, 1));
+    chunks.push_back(opt.decode ? opt.decode(res.x) : res.x.clamp(-1, 1));  // [b, C, H, W]
     g.nfe = res.nfe;
     if (opt.on_progress) opt.on_progress(start + b, opt.n);
   }

@@ -20,10 +20,13 @@ struct GenerateOptions {
   int64_t batch_size = 250;
   uint64_t seed = 0;
   std::function<void(int64_t done, int64_t total)> on_progress;
+  // Latent models: latents [b, z, h, w] -> images [b, C, H, W] in [-1, 1] (the frozen decoder), run on
+  // each batch as it is sampled. Unset: the samples are the images.
+  std::function<torch::Tensor(const torch::Tensor&)> decode;
 };
 
 struct Generated {
-  torch::Tensor images;  // float [N, C, H, W] in [-1, 1] (clamped)
+  torch::Tensor images;  // float [N, C, H, W] in [-1, 1] (clamped; decoded with GenerateOptions::decode)
   torch::Tensor labels;  // int64 [N] (num_classes = unconditional)
   int64_t nfe = 0;       // network evaluations per sample
   double seconds = 0;

@@ -2,6 +2,7 @@
 #include "diffusion/objective.h"
 
 #include <cmath>
+#include <sstream>
 #include <vector>
 
 #include <torch/nn/functional/loss.h>
@@ -9,6 +10,7 @@
 #include "core/error.h"
 #include "core/keyed_random.h"
 #include "core/rng.h"
+#include "model/autoencoder.h"
 #include "model/router.h"
 
 namespace ddm {
@@ -30,7 +32,8 @@ Objective::Objective(const RunConfig& cfg)
       pred_(prediction_for(cfg.diffusion)),
       seed_(static_cast<uint64_t>(cfg.train.seed)),
       num_classes_(cfg.model.num_classes),
-      label_dropout_(cfg.train.label_dropout) {}
+      label_dropout_(cfg.train.label_dropout),
+      sample_shape_{cfg.model.in_channels, cfg.model.image_size, cfg.model.image_size} {}
 
 torch::Tensor Objective::draw_time(int64_t step, int64_t first, int64_t n) const {
   // Uniform on [t_min, 1] or logit-normal; t_min keeps VP eps-prediction away from the t = 0
@@ -56,7 +59,12 @@ torch::Tensor Objective::draw_noise(int64_t step, int64_t first, const torch::Te
                      like.options());  // [B, C, H, W]
 }
 
-Prepared Objective::prepare(const Batch& batch, int64_t step) const {
+Prepared Objective::prepare(const Batch& pixels, int64_t step) const {
+  Batch batch = pixels;
+  if (encode_)  // latent diffusion: the frozen encoder's posterior sample is the data the model learns
+    batch.x = encode_(pixels.x, normal_rows(sample_keys(seed_, RngPurpose::kPosterior, step, pixels.first,
+                                                        pixels.x.size(0)),
+                                            sample_shape_, pixels.x.options()));  // [B, z, h, w]
   const int64_t b = batch.x.size(0);
   Prepared p;
   p.t = draw_time(step, batch.first, b);                  // [B]
@@ -79,6 +87,10 @@ Prepared Objective::prepare(const Batch& batch, int64_t step) const {
 
 torch::Tensor Objective::target(const Batch& b, const Prepared& p, const torch::Tensor& eps) const {
   return training_target(path_, pred_, b.x, eps, p.t);  // [B, C, H, W]
+}
+
+torch::Tensor Objective::forward_loss(NetImpl& net, const Prepared& p) const {
+  return loss(net.forward(p.xt, p.t, p.y), p);  // out [B,C,H,W], or a router's logits [B,K]
 }
 
 torch::Tensor Objective::loss(const torch::Tensor& out, const Prepared& p) const {
@@ -115,8 +127,46 @@ std::string DistillObjective::describe() const {
   return "distillation (" + Objective::describe() + "): the target is the teacher's estimate at x_t";
 }
 
+AutoencoderObjective::AutoencoderObjective(const RunConfig& cfg)
+    : Objective(cfg), kl_weight_(cfg.train.kl_weight) {
+  const AutoencoderShape s = autoencoder_shape(cfg.model);
+  latent_ = {s.latent_channels, s.latent_size(), s.latent_size()};
+}
+
+Prepared AutoencoderObjective::prepare(const Batch& batch, int64_t step) const {
+  const int64_t b = batch.x.size(0);
+  Prepared p;
+  p.xt = batch.x;      // [B, C, H, W]
+  p.target = batch.x;  // [B, C, H, W]
+  p.posterior_eps = normal_rows(sample_keys(seed_, RngPurpose::kPosterior, step, batch.first, b), latent_,
+                                batch.x.options());  // [B, z, h, w]
+  return p;
+}
+
+AutoencoderObjective::Terms AutoencoderObjective::terms(NetImpl& net, const Prepared& p) const {
+  auto* ae = dynamic_cast<AutoencoderImpl*>(&net);
+  DDM_CHECK(ae, "the autoencoder objective needs model.arch = autoencoder");
+  const Posterior q = ae->encode(p.xt);                        // mean, logvar [B, z, h, w]
+  const torch::Tensor rec = ae->decode(q.sample(p.posterior_eps));  // [B, C, H, W]
+  const double pixels = static_cast<double>(p.xt[0].numel());
+  return {(rec - p.target).abs().mean(), q.kl().mean() / pixels};  // [], []
+}
+
+torch::Tensor AutoencoderObjective::forward_loss(NetImpl& net, const Prepared& p) const {
+  const Terms t = terms(net, p);
+  return kl_weight_ > 0 ? t.rec + kl_weight_ * t.kl : t.rec;  // []
+}
+
+std::string AutoencoderObjective::describe() const {
+  std::ostringstream os;
+  os << "autoencoder: L1 reconstruction through a posterior sample + " << kl_weight_
+     << " x KL per pixel; latents " << latent_[0] << "x" << latent_[1] << "x" << latent_[2];
+  return os.str();
+}
+
 std::shared_ptr<Objective> make_objective(const RunConfig& cfg) {
   if (is_router_arch(cfg.model.arch)) return std::make_shared<RouterObjective>(cfg);
+  if (cfg.model.arch == "autoencoder") return std::make_shared<AutoencoderObjective>(cfg);
   return std::make_shared<Objective>(cfg);
 }
 

@@ -6,11 +6,14 @@
 //   Diffusion:  regress training_target(x0, eps, t) (velocity, eps or v; diffusion/denoiser.h).
 //   Router:     the same x_t, t and label dropout; cross-entropy of the logits against the clusters.
 //   Distill:    regress the teacher's estimate at the same x_t (run without gradients).
+//   Autoencoder: L1 reconstruction of x through a sample of the encoder's posterior, plus
+//               kl_weight x the posterior's KL to N(0, I) per pixel (Rombach et al. 2022, at kl_weight 1e-6).
 #pragma once
 #include <cstdint>
 #include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include <torch/types.h>
 
@@ -27,7 +30,10 @@ struct Prepared {
   torch::Tensor t;       // float [B]
   torch::Tensor y;       // int64 [B]; num_classes = the null class (dropped label or unconditional)
   torch::Tensor target;  // float [B, C, H, W], or int64 [B] (a router's clusters)
+  torch::Tensor posterior_eps;  // autoencoders: the posterior's noise [B, z, h, w] (else undefined)
 };
+
+class NetImpl;
 
 // The teacher of distillation: (x0_hat, eps_hat) at x_t [B,C,H,W] on the student's path, times t [B],
 // labels y [B] (null = num_classes) and the examples' clusters k [B].
@@ -41,10 +47,19 @@ class Objective {
   virtual ~Objective() = default;
   // Draws t, eps and label dropout for the batch and builds x_t and the target. Call without
   // gradients: this is the step's prepare phase.
-  Prepared prepare(const Batch& batch, int64_t step) const;
+  virtual Prepared prepare(const Batch& batch, int64_t step) const;
+  // The trainable phase: the model on the prepared inputs and the loss of its output, [] (the mean
+  // over the samples). By default loss(net(x_t, t, y), p).
+  virtual torch::Tensor forward_loss(NetImpl& net, const Prepared& p) const;
   // The loss of the model's output on a prepared batch: the mean over its samples, [].
   virtual torch::Tensor loss(const torch::Tensor& out, const Prepared& p) const;
   virtual std::string describe() const;
+
+  // Latent diffusion (train/latent.h): images float [B, C, H, W] and posterior noise [B, z, h, w] ->
+  // the latents the model learns, [B, z, h, w]. Set, prepare encodes each batch with it (the frozen
+  // encoder's work, no gradients) and draws the noise keyed per sample like every other draw.
+  using EncodeFn = std::function<torch::Tensor(const torch::Tensor& x, const torch::Tensor& eps)>;
+  void set_encoder(EncodeFn encode) { encode_ = std::move(encode); }
 
   // The per-sample draws alone (for tests): t [B] and eps [B, C, H, W] of positions first..first+B-1.
   torch::Tensor draw_time(int64_t step, int64_t first, int64_t n) const;
@@ -58,6 +73,8 @@ class Objective {
   uint64_t seed_;
   int64_t num_classes_;
   double label_dropout_;
+  std::vector<int64_t> sample_shape_;  // the model's input [C, H, W] (the latents' with an encoder)
+  EncodeFn encode_;
 };
 
 class RouterObjective : public Objective {
@@ -82,7 +99,29 @@ class DistillObjective : public Objective {
   TeacherFn teacher_;
 };
 
-// The objective of a config: a router's cross-entropy for router archs, else diffusion regression.
+// Trains an autoencoder (model/autoencoder.h): x_t is the clean batch and the target too; t and y
+// are undefined. Reconstruction |decode(z) - x| averaged over pixels, z = mean + std * eps from the
+// posterior with keyed noise eps, plus kl_weight * KL(q(z|x) || N(0, I)) / (pixels per image).
+class AutoencoderObjective : public Objective {
+ public:
+  explicit AutoencoderObjective(const RunConfig& cfg);
+  Prepared prepare(const Batch& batch, int64_t step) const override;
+  torch::Tensor forward_loss(NetImpl& net, const Prepared& p) const override;
+  std::string describe() const override;
+
+  // The two terms of the loss on a prepared batch, each [] (forward_loss = rec + kl_weight * kl).
+  struct Terms {
+    torch::Tensor rec, kl;
+  };
+  Terms terms(NetImpl& net, const Prepared& p) const;
+
+ private:
+  double kl_weight_;
+  std::vector<int64_t> latent_;  // [z, h, w]
+};
+
+// The objective of a config: a router's cross-entropy for router archs, an autoencoder's for
+// arch = autoencoder, else diffusion regression.
 // (Distillation needs a teacher: construct DistillObjective directly.)
 std::shared_ptr<Objective> make_objective(const RunConfig& cfg);
 

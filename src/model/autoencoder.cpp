@@ -22,22 +22,35 @@ int64_t level_ch(const AutoencoderShape& s, size_t l) { return s.channels * s.ch
 
 }  // namespace
 
+AutoencoderShape autoencoder_shape(const ModelConfig& cfg) {
+  AutoencoderShape s;
+  s.in_channels = cfg.in_channels;
+  s.image_size = cfg.image_size;
+  s.channels = cfg.channels;
+  s.channel_mult = cfg.channel_mult;
+  s.res_blocks = cfg.res_blocks;
+  s.latent_channels = cfg.latent_channels;
+  s.groups = cfg.groups;
+  s.mid_attention = true;
+  return s;
+}
+
 void validate_autoencoder(const AutoencoderShape& s) {
-  DDM_CHECK(s.in_channels >= 1, "autoencoder.in_channels must be >= 1, got " << s.in_channels);
-  DDM_CHECK(s.channels > 0, "autoencoder.channels must be > 0, got " << s.channels);
+  DDM_CHECK(s.in_channels >= 1, "model.in_channels must be >= 1, got " << s.in_channels);
+  DDM_CHECK(s.channels > 0, "model.channels must be > 0, got " << s.channels);
   DDM_CHECK(!s.channel_mult.empty() && s.channel_mult.size() <= 6,
-            "autoencoder.channel_mult must list 1 to 6 levels, got " << s.channel_mult.size());
-  for (auto m : s.channel_mult) DDM_CHECK(m > 0, "autoencoder.channel_mult entries must be > 0, got " << m);
-  DDM_CHECK(s.res_blocks >= 1, "autoencoder.res_blocks must be >= 1, got " << s.res_blocks);
-  DDM_CHECK(s.latent_channels >= 1, "autoencoder.latent_channels must be >= 1, got " << s.latent_channels);
-  DDM_CHECK(s.groups > 0, "autoencoder.groups must be > 0, got " << s.groups);
+            "model.channel_mult must list 1 to 6 levels, got " << s.channel_mult.size());
+  for (auto m : s.channel_mult) DDM_CHECK(m > 0, "model.channel_mult entries must be > 0, got " << m);
+  DDM_CHECK(s.res_blocks >= 1, "model.res_blocks must be >= 1, got " << s.res_blocks);
+  DDM_CHECK(s.latent_channels >= 1, "model.latent_channels must be >= 1, got " << s.latent_channels);
+  DDM_CHECK(s.groups > 0, "model.groups must be > 0, got " << s.groups);
   for (size_t l = 0; l < s.channel_mult.size(); ++l)
-    DDM_CHECK(level_ch(s, l) % s.groups == 0, "autoencoder.groups = " << s.groups << " does not divide the "
+    DDM_CHECK(level_ch(s, l) % s.groups == 0, "model.groups = " << s.groups << " does not divide the "
                                                   << level_ch(s, l) << " channels of level " << l
-                                                  << " (autoencoder.channels * autoencoder.channel_mult[" << l << "])");
+                                                  << " (model.channels * model.channel_mult[" << l << "])");
   DDM_CHECK(s.image_size >= s.factor() && s.image_size % s.factor() == 0,
-            "autoencoder: the image size " << s.image_size << " is not divisible by the downsampling factor "
-                                           << s.factor() << " (2^(levels - 1), autoencoder.channel_mult has "
+            "model.arch = autoencoder: the image size " << s.image_size << " is not divisible by the downsampling factor "
+                                           << s.factor() << " (2^(levels - 1), model.channel_mult has "
                                            << s.channel_mult.size() << " levels); use fewer levels");
 }
 
@@ -132,6 +145,10 @@ Posterior AutoencoderImpl::encode(const torch::Tensor& x) {
   h = quant_(enc_out_(torch::silu(enc_norm_(h))));              // [B, 2z, S/f, S/f]
   auto parts = h.chunk(2, 1);                                   // 2 x [B, z, S/f, S/f]
   return {parts[0], parts[1].clamp(-30.0, 20.0)};
+}
+
+torch::Tensor AutoencoderImpl::forward(const torch::Tensor& x, const torch::Tensor&, const torch::Tensor&) {
+  return decode(encode(x).mean);  // [B, C, S, S]
 }
 
 torch::Tensor AutoencoderImpl::decode(const torch::Tensor& z) {

@@ -20,7 +20,9 @@
 #include <torch/nn/pimpl.h>
 #include <torch/types.h>
 
+#include "core/config.h"
 #include "model/layers.h"
+#include "model/net.h"
 
 namespace ddm {
 
@@ -37,6 +39,8 @@ struct AutoencoderShape {
   int64_t factor() const { return int64_t{1} << (channel_mult.size() - 1); }
   int64_t latent_size() const { return image_size / factor(); }
 };
+// The shape of a model config with arch = autoencoder (in_channels and image_size resolved).
+AutoencoderShape autoencoder_shape(const ModelConfig& cfg);
 
 // Throws ddm::Error naming the field when the shape cannot be built (a zero width, groups that do not
 // divide a level's channels, an image size the downsamplings do not divide).
@@ -66,9 +70,14 @@ class ResnetBlockImpl : public torch::nn::Module {
 };
 TORCH_MODULE(ResnetBlock);
 
-class AutoencoderImpl : public torch::nn::Module {
+// A Net so that `ddm train` machinery (checkpoints, EMA, data parallelism) trains it as any model:
+// forward(x, t, y) reconstructs x through the posterior mean and ignores t and y; training itself
+// samples the posterior (diffusion/objective.h, AutoencoderObjective).
+class AutoencoderImpl : public NetImpl {
  public:
   explicit AutoencoderImpl(const AutoencoderShape& shape);
+  // x: float [B, C, S, S] -> decode(encode(x).mean) [B, C, S, S].
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& y) override;
   // x: float [B, C, S, S] in [-1, 1] -> the posterior over latents [B, z, S/f, S/f].
   Posterior encode(const torch::Tensor& x);
   // z: float [B, z, S/f, S/f] -> images [B, C, S, S] (not clamped).

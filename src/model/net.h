@@ -21,7 +21,7 @@ class NetImpl : public torch::nn::Module {
 };
 using Net = std::shared_ptr<NetImpl>;
 
-// Builds the network described by cfg (arch unet | dit | router-dit | router-conv). cfg.in_channels, image_size and
+// Builds the network described by cfg (arch unet | dit | router-dit | router-conv | autoencoder). cfg.in_channels, image_size and
 // num_classes must already be resolved (> 0, > 0, >= 0). Throws ddm::Error on invalid shapes
 // (e.g. image_size not divisible by the DiT patch or by the U-Net's downsampling).
 Net make_net(const ModelConfig& cfg);

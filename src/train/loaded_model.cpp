@@ -21,12 +21,22 @@ LoadedModel load_model(const std::string& path, bool use_ema) {
   load_module_state(*m.net, ck.model, RunDir(m.checkpoint) / RunDir::kModel);
   if (use_ema) load_module_state(*m.net, ck.ema, RunDir(m.checkpoint) / RunDir::kEma, LoadScope::kTrainable);
   m.net->eval();
+  if (!m.cfg.model.latent.empty()) m.latent = LatentSpace::load(m.cfg.model);  // pinned by sha256
   return m;
+}
+
+std::function<torch::Tensor(const torch::Tensor&)> image_decoder(const LoadedModel& m) {
+  if (!m.latent) return {};
+  return [latent = m.latent](const torch::Tensor& z) { return latent->decode(z); };  // [B, C, H, W]
 }
 
 Denoiser make_denoiser(const LoadedModel& m) {
   DDM_CHECK(!is_router_arch(m.cfg.model.arch), m.checkpoint << " holds a router (" << m.cfg.model.arch
                                                 << "), not a diffusion model; sample an ensemble with --ensemble DIR");
+  DDM_CHECK(m.cfg.model.arch != "autoencoder",
+            m.checkpoint << " holds an autoencoder, not a diffusion model: it reconstructs images (`ddm "
+                            "train-autoencoder --config RUN/config.toml --out RUN --resume` reports it) and latent models train on it "
+                            "(model.latent = RUN)");
   return Denoiser(m.net, make_path(m.cfg.diffusion), prediction_for(m.cfg.diffusion), m.cfg.model.num_classes);
 }
 

@@ -2,12 +2,15 @@
 // and distillation teachers.
 #pragma once
 #include <cstdint>
+#include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "core/config.h"
 #include "diffusion/denoiser.h"
 #include "model/net.h"
+#include "train/latent.h"
 
 namespace ddm {
 
@@ -17,10 +20,14 @@ struct LoadedModel {
   int64_t step = 0;
   std::vector<std::string> class_names;
   std::string checkpoint;
+  std::shared_ptr<const LatentSpace> latent;  // latent models: the frozen autoencoder (else null)
 };
 // path: a run directory (latest checkpoint) or a checkpoint directory. use_ema selects EMA weights
 // (frozen parameters, which have no EMA, keep their model weights).
 LoadedModel load_model(const std::string& path, bool use_ema);
 Denoiser make_denoiser(const LoadedModel& m);
+// What turns the model's samples into images: the frozen decoder of a latent model (for
+// GenerateOptions::decode), or an empty function for a pixel model.
+std::function<torch::Tensor(const torch::Tensor&)> image_decoder(const LoadedModel& m);
 
 }  // namespace ddm

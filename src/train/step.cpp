@@ -38,8 +38,8 @@ double TrainStep::forward_backward(const Batch& micro, int64_t step, double scal
     torch::NoGradGuard no_grad;  // prepare: draws, x_t, target (a distillation teacher runs here)
     p = objective_->prepare(micro, step);
   }
-  const torch::Tensor out = net_->forward(p.xt, p.t, p.y);  // [B,C,H,W], or a router's logits [B,K]
-  const torch::Tensor loss = objective_->loss(out, p);      // []
+  times_.prepared = std::chrono::steady_clock::now();
+  const torch::Tensor loss = objective_->forward_loss(*net_, p);  // forward + loss, []
   // Backward even when the loss is not finite: with data parallelism every rank must take part in
   // the gradient all-reduce; the non-finite gradient then stops the step on every rank alike.
   times_.backward_start = std::chrono::steady_clock::now();

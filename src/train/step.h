@@ -40,6 +40,7 @@ double lr_at(const TrainConfig& t, int64_t step);
 struct StepTimes {
   using TimePoint = std::chrono::steady_clock::time_point;
   TimePoint start;           // run() entered
+  TimePoint prepared;        // the prepare phase done: its frozen work (an encoder, a teacher) included
   TimePoint backward_start;  // prepare + forward + loss done: backward() called
   TimePoint backward_end;    // backward() returned: with data parallelism it has waited for every bucket
   TimePoint synced;          // the global loss is known (one small all-reduce)

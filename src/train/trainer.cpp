@@ -22,6 +22,7 @@
 #include "train/checkpoint.h"
 #include "dist/elastic.h"
 #include "train/diloco.h"
+#include "train/latent.h"
 #include "train/optimizer.h"
 #include "train/step.h"
 
@@ -128,16 +129,20 @@ void resolve_data_shape(RunConfig& cfg, const Dataset& data) {
   ModelConfig& m = cfg.model;
   const int64_t c = data.images.size(1), h = data.images.size(2), w = data.images.size(3);
   DDM_CHECK(h == w, "images must be square, got " << h << "x" << w << " from " << data.description);
+  DDM_CHECK(m.num_classes == -1 || m.num_classes == 0 || m.num_classes == data.num_classes,
+            "model.num_classes = " << m.num_classes << " but the data has " << data.num_classes
+                                   << " classes; use -1 (from data) or 0 (unconditional)");
+  if (m.num_classes == -1) m.num_classes = data.num_classes;
+  if (!m.latent.empty()) {  // the model's input is the autoencoder's latents
+    resolve_latent(m, data);
+    return;
+  }
   DDM_CHECK(m.in_channels == 0 || m.in_channels == c,
             "model.in_channels = " << m.in_channels << " but the data has " << c << " channels; remove the key");
   DDM_CHECK(m.image_size == 0 || m.image_size == h,
             "model.image_size = " << m.image_size << " but the data is " << h << "x" << w << "; remove the key");
-  DDM_CHECK(m.num_classes == -1 || m.num_classes == 0 || m.num_classes == data.num_classes,
-            "model.num_classes = " << m.num_classes << " but the data has " << data.num_classes
-                                   << " classes; use -1 (from data) or 0 (unconditional)");
   m.in_channels = c;
   m.image_size = h;
-  if (m.num_classes == -1) m.num_classes = data.num_classes;
 }
 
 
@@ -262,6 +267,11 @@ TrainSummary train(TrainJob job, const TrainOptions& options) {
   }
   net->train();
   if (!job.objective) job.objective = make_objective(cfg);
+  std::shared_ptr<const LatentSpace> latent;
+  if (!cfg.model.latent.empty()) {  // the frozen encoder runs in every step's prepare phase
+    latent = LatentSpace::load(cfg.model);
+    job.objective->set_encoder([latent](const torch::Tensor& x, const torch::Tensor& eps) { return latent->encode(x, eps); });
+  }
   TrainStep stepper(cfg, net, job.objective);
   FlatAdamW& optim = stepper.optim();
   if (diloco_mode) {
@@ -404,7 +414,15 @@ TrainSummary train(TrainJob job, const TrainOptions& options) {
     std::cout << "data:  " << data.description << "\n"
               << "model: " << cfg.model.preset << " (" << cfg.model.arch << "), " << count_params(*net)
               << " parameters, " << forward_flops_per_image(cfg.model) / 1e6 << " MFLOP/image forward\n"
-              << "objective: " << job.objective->describe() << "\n"
+              << "objective: " << job.objective->describe() << "\n";
+    if (latent) {
+      const AutoencoderShape& a = latent->shape();
+      std::cout << "latent: " << a.latent_channels << "x" << a.latent_size() << "x" << a.latent_size()
+                << " latents of the frozen autoencoder " << latent->checkpoint() << " (sha256 "
+                << latent->sha256().substr(0, 12) << "..., scale " << latent->scale() << ", shift " << latent->shift()
+                << "; its encoder " << encoder_flops_per_image(a) / 1e6 << " MFLOP/image)\n";
+    }
+    std::cout
               << job.header << "train: " << tc.steps << " steps, batch " << tc.batch_size;
     if (world > 1) std::cout << " (" << world << " ranks x " << local_batch << ")";
     if (tc.grad_accum > 1) std::cout << " in " << tc.grad_accum << " micro-batches";

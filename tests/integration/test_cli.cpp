@@ -25,7 +25,7 @@ void expect_error(const test::CommandResult& r, const std::string& needle) {
 }  // namespace
 
 TEST(Cli, HelpForEverySubcommand) {
-  for (const char* sub : {"", "train", "sample", "quickstart", "presets", "eval", "train-classifier", "partition",
+  for (const char* sub : {"", "train", "train-autoencoder", "sample", "quickstart", "presets", "eval", "train-classifier", "partition",
                           "train-router", "ensemble", "distill",
                           "islands", "islands run", "islands status", "islands slurm"}) {
     auto r = test::run_ddm(std::string(sub) + " --help");

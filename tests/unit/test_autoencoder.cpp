@@ -1,6 +1,8 @@
 // Tests for src/model/autoencoder: shapes at Fashion-MNIST's scale, the posterior's sample and KL
 // against hand computations, float64 finite-difference gradients of the whole encoder and decoder,
-// shape errors that name the field, and FLOP counts against a hand count.
+// shape errors that name the field, FLOP counts against a hand count; its training objective (keyed
+// posterior noise that does not depend on the batch split, the loss against its formula), the latent
+// statistics latent diffusion normalizes by, and PSNR against hand values.
 #include <cmath>
 #include <functional>
 #include <string>
@@ -9,9 +11,13 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include "core/config.h"
 #include "core/error.h"
+#include "diffusion/objective.h"
 #include "grad_check.h"
 #include "model/autoencoder.h"
+#include "model/net.h"
+#include "train/autoencoder_report.h"
 
 namespace ddm {
 namespace {
@@ -94,13 +100,13 @@ TEST(Autoencoder, InvalidShapesNameTheField) {
   s = AutoencoderShape{};
   s.groups = 3;
   msg = error_of([&] { Autoencoder a(s); });
-  EXPECT_NE(msg.find("autoencoder.groups = 3"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("model.groups = 3"), std::string::npos) << msg;
   s = AutoencoderShape{};
   s.latent_channels = 0;
-  EXPECT_NE(error_of([&] { Autoencoder a(s); }).find("autoencoder.latent_channels"), std::string::npos);
+  EXPECT_NE(error_of([&] { Autoencoder a(s); }).find("model.latent_channels"), std::string::npos);
   s = AutoencoderShape{};
   s.channel_mult = {};
-  EXPECT_NE(error_of([&] { Autoencoder a(s); }).find("autoencoder.channel_mult"), std::string::npos);
+  EXPECT_NE(error_of([&] { Autoencoder a(s); }).find("model.channel_mult"), std::string::npos);
   Autoencoder ok(AutoencoderShape{});
   msg = error_of([&] { ok->encode(torch::zeros({1, 3, 28, 28})); });
   EXPECT_NE(msg.find("expected images [B, 1, 28, 28]"), std::string::npos) << msg;
@@ -124,6 +130,107 @@ TEST(Autoencoder, FlopsMatchAHandCount) {
   EXPECT_DOUBLE_EQ(decoder_flops_per_image(s), 32 + 576 + 4608 + 4608 + 576);
   s.mid_attention = true;  // + qkv and proj (4 x 128) and the attention matmuls (2 x 2 x 16 x 16 x 2) per middle
   EXPECT_DOUBLE_EQ(encoder_flops_per_image(s), 576 + 2304 + 4608 + 1152 + 128 + 512 + 2048);
+}
+
+// A small autoencoder config as `ddm train-autoencoder` resolves it: 1x8x8 -> 2x2x2.
+RunConfig small_ae_config() {
+  RunConfig cfg;
+  cfg.model.arch = "autoencoder";
+  cfg.model.in_channels = 1;
+  cfg.model.image_size = 8;
+  cfg.model.num_classes = 3;
+  cfg.model.channels = 4;
+  cfg.model.channel_mult = {1, 2, 2};
+  cfg.model.latent_channels = 2;
+  cfg.model.groups = 2;
+  cfg.train.kl_weight = 0.01;
+  cfg.train.seed = 5;
+  return cfg;
+}
+
+TEST(Autoencoder, IsANetThatReconstructsThroughThePosteriorMean) {
+  torch::manual_seed(0);
+  const RunConfig cfg = small_ae_config();
+  Net net = make_net(cfg.model);
+  auto* ae = dynamic_cast<AutoencoderImpl*>(net.get());
+  ASSERT_NE(ae, nullptr);
+  EXPECT_EQ(ae->shape().latent_size(), 2);
+  const auto x = torch::rand({3, 1, 8, 8}) * 2 - 1;
+  torch::NoGradGuard no_grad;
+  EXPECT_TRUE(torch::equal(net->forward(x, {}, {}), ae->decode(ae->encode(x).mean)));
+  EXPECT_DOUBLE_EQ(forward_flops_per_image(cfg.model),
+                   encoder_flops_per_image(ae->shape()) + decoder_flops_per_image(ae->shape()));
+}
+
+TEST(AutoencoderObjective, PosteriorNoiseIsKeyedBySampleAndTheLossIsItsFormula) {
+  torch::manual_seed(1);
+  const RunConfig cfg = small_ae_config();
+  auto obj = make_objective(cfg);
+  ASSERT_NE(dynamic_cast<AutoencoderObjective*>(obj.get()), nullptr);
+  Batch whole;
+  whole.x = torch::rand({6, 1, 8, 8}) * 2 - 1;
+  whole.y = torch::zeros({6}, torch::kLong);
+  Batch a = whole, b = whole;
+  a.x = whole.x.slice(0, 0, 4);
+  b.x = whole.x.slice(0, 4, 6);
+  b.first = 4;
+  const Prepared all = obj->prepare(whole, 9), pa = obj->prepare(a, 9), pb = obj->prepare(b, 9);
+  EXPECT_EQ(all.posterior_eps.sizes(), (std::vector<int64_t>{6, 2, 2, 2}));
+  // Two ranks (or micro-batches) draw exactly what one process draws for the same samples.
+  EXPECT_TRUE(torch::equal(torch::cat({pa.posterior_eps, pb.posterior_eps}), all.posterior_eps));
+  EXPECT_FALSE(torch::equal(obj->prepare(whole, 10).posterior_eps, all.posterior_eps));
+  EXPECT_TRUE(torch::equal(all.xt, whole.x));
+
+  Net net = make_net(cfg.model);
+  auto& ae = dynamic_cast<AutoencoderImpl&>(*net);
+  torch::NoGradGuard no_grad;
+  const Posterior q = ae.encode(whole.x);
+  const auto rec = ae.decode(q.mean + torch::exp(0.5 * q.logvar) * all.posterior_eps);
+  const double l1 = (rec - whole.x).abs().mean().item<double>();
+  const double kl = (0.5 * (q.mean.square() + q.logvar.exp() - 1 - q.logvar)).sum({1, 2, 3}).mean().item<double>();
+  EXPECT_NEAR(obj->forward_loss(*net, all).item<double>(), l1 + 0.01 * kl / 64, 1e-6);
+  const auto terms = dynamic_cast<AutoencoderObjective&>(*obj).terms(*net, all);
+  EXPECT_NEAR(terms.rec.item<double>(), l1, 1e-6);
+  EXPECT_NEAR(terms.kl.item<double>(), kl / 64, 1e-6);
+}
+
+TEST(AutoencoderReport, LatentStatsAreTheMeanAndInverseStdOfPosteriorSamples) {
+  torch::manual_seed(2);
+  const RunConfig cfg = small_ae_config();
+  Net net = make_net(cfg.model);
+  auto& ae = dynamic_cast<AutoencoderImpl&>(*net);
+  const auto x = torch::rand({10, 1, 8, 8}) * 2 - 1;
+  const LatentStats one = measure_latent_stats(ae, x, 3, /*batch=*/10);
+  const LatentStats split = measure_latent_stats(ae, x, 3, /*batch=*/3);
+  EXPECT_EQ(one.n, 10);
+  // The same noise whatever the batch; the encoder's float32 convolutions may round differently at
+  // another batch size (~1e-7 relative per latent), far below what 1e-5 allows.
+  EXPECT_NEAR(split.shift, one.shift, 1e-5);
+  EXPECT_NEAR(split.scale, one.scale, 1e-5 * one.scale);
+  EXPECT_NE(measure_latent_stats(ae, x, 4, 10).shift, one.shift);  // the seed keys the noise
+
+  // A posterior known in closed form: with the 1x1 quant conv's weight zeroed, every latent is
+  // N(c, exp(v)) whatever the image, so shift -> c and scale -> exp(-v / 2) up to sampling error
+  // (here 10000 images x 8 latents: the standard error of the mean is 0.5 / sqrt(80000)).
+  {
+    torch::NoGradGuard no_grad;
+    auto params = ae.named_parameters();
+    params["quant.weight"].zero_();
+    params["quant.bias"].copy_(torch::tensor({0.3f, 0.3f, std::log(0.25f), std::log(0.25f)}));
+  }
+  const LatentStats known = measure_latent_stats(ae, torch::zeros({10000, 1, 8, 8}), 7, 1000);
+  EXPECT_NEAR(known.shift, 0.3, 4 * 0.5 / std::sqrt(80000.0));
+  EXPECT_NEAR(known.scale, 2.0, 0.02);
+}
+
+TEST(AutoencoderReport, PsnrMatchesHandValues) {
+  const auto x = torch::rand({4, 1, 8, 8}) * 1.6 - 0.8;
+  // A difference of 0.2 on [-1, 1] is 0.1 on [0, 1]: mse 0.01, 20 dB.
+  EXPECT_NEAR(mean_psnr(x + 0.2, x), 20.0, 1e-4);
+  EXPECT_NEAR(mean_psnr(x, x), 100.0, 1e-12);  // exact reconstructions count as 100 dB
+  auto y = x.clone();
+  y[0] += 0.02;  // one image at 40 dB, three exact: the mean over images
+  EXPECT_NEAR(mean_psnr(y, x), (40.0 + 300.0) / 4, 1e-3);
 }
 
 }  // namespace

@@ -67,6 +67,23 @@ TEST(Config, OutOfRangeValues) {
   EXPECT_NE(error_of("", {"train.steps"}).find("expected section.key=value"), std::string::npos);
 }
 
+TEST(Config, AutoencoderAndLatentKeys) {
+  const RunConfig ae = parse_config("[model]\npreset = \"ae-f4\"\n", "test.toml");
+  EXPECT_EQ(ae.model.arch, "autoencoder");
+  EXPECT_EQ(ae.model.latent_channels, 4);
+  EXPECT_NE(error_of("[model]\npreset = \"ae-f4\"\nlatent = \"runs/ae\"\n").find("is itself one: remove model.latent"),
+            std::string::npos);
+  EXPECT_NE(error_of("", {"model.latent_scale=0.5"}).find("model.latent, which is not set"), std::string::npos);
+  EXPECT_NE(error_of("", {"model.latent=runs/ae", "model.latent_scale=-1"}).find("model.latent_scale must be >= 0"),
+            std::string::npos);
+  EXPECT_NE(error_of("", {"train.kl_weight=-1e-6"}).find("train.kl_weight must be >= 0"), std::string::npos);
+  EXPECT_NE(error_of("", {"model.latent_channels=0"}).find("model.latent_channels must be > 0"), std::string::npos);
+  // A preset replaces the architecture, not what the model is trained on.
+  const RunConfig lat = parse_config("[model]\npreset = \"latent-dit\"\nlatent = \"runs/ae\"\n", "test.toml");
+  EXPECT_EQ(lat.model.latent, "runs/ae");
+  EXPECT_EQ(lat.model.patch, 1);
+}
+
 TEST(Config, DilocoValuesOutOfRange) {
   auto err = [](const std::string& kv) { return error_of("", {"parallel.mode=diloco", kv}); };
   EXPECT_NE(err("diloco.inner_steps=0").find("diloco.inner_steps must be > 0"), std::string::npos);

@@ -1,0 +1,126 @@
+// Latent diffusion's frozen autoencoder (see latent.h).
+#include "train/latent.h"
+
+#include <filesystem>
+
+#include <torch/torch.h>
+
+#include "core/error.h"
+#include "core/fileio.h"
+#include "core/run_dir.h"
+#include "core/safetensors.h"
+#include "train/autoencoder_report.h"
+#include "train/checkpoint.h"
+#include "train/optimizer.h"
+
+namespace fs = std::filesystem;
+
+namespace ddm {
+namespace {
+
+// The autoencoder's own resolved config, from its checkpoint.
+RunConfig autoencoder_config(const std::string& ckpt, const std::string& key_origin) {
+  DDM_CHECK(fs::is_regular_file(fs::path(ckpt) / RunDir::kState),
+            key_origin << ": the autoencoder checkpoint " << ckpt << " does not exist (moved or deleted?); "
+                       << "point model.latent at a `ddm train-autoencoder` run");
+  const Checkpoint ck = read_checkpoint(ckpt, /*weights_only=*/true);
+  RunConfig c = parse_config(ck.config_toml, ckpt + "/" + RunDir::kState + " (config)");
+  DDM_CHECK(c.model.arch == "autoencoder", key_origin << ": " << ckpt << " holds a " << c.model.arch
+                                                      << " model, not an autoencoder (train one with `ddm "
+                                                         "train-autoencoder`)");
+  return c;
+}
+
+bool same_dir(const std::string& a, const std::string& b) {
+  return fs::weakly_canonical(fs::absolute(a)) == fs::weakly_canonical(fs::absolute(b));
+}
+
+}  // namespace
+
+std::shared_ptr<const LatentSpace> LatentSpace::load(const ModelConfig& cfg) {
+  DDM_CHECK(!cfg.latent.empty(), "LatentSpace::load: model.latent is not set");
+  DDM_CHECK(!cfg.latent_sha256.empty() && cfg.latent_scale > 0,
+            "model.latent = " << cfg.latent << " is not resolved (latent_sha256 and latent_scale unset)");
+  const RunConfig ae_cfg = autoencoder_config(cfg.latent, "model.latent = " + cfg.latent);
+  const std::string weights = (fs::path(cfg.latent) / RunDir::kEma).string();
+  const std::string bytes = read_file(weights);
+  const std::string sha = sha256_hex(bytes);
+  DDM_CHECK(sha == cfg.latent_sha256,
+            "the frozen autoencoder changed: " << weights << " has sha256 " << sha << ", but this model was trained "
+                                               << "on model.latent_sha256 = " << cfg.latent_sha256
+                                               << "; restore that autoencoder (a latent model is tied to its own)");
+  auto ls = std::make_shared<LatentSpace>();
+  ls->ae_ = std::make_shared<AutoencoderImpl>(autoencoder_shape(ae_cfg.model));
+  load_module_state(*ls->ae_, parse_safetensors(bytes, weights).tensors, weights);
+  for (auto& p : ls->ae_->parameters()) p.set_requires_grad(false);
+  ls->ae_->eval();
+  ls->checkpoint_ = cfg.latent;
+  ls->sha256_ = sha;
+  ls->scale_ = cfg.latent_scale;
+  ls->shift_ = cfg.latent_shift;
+  const AutoencoderShape& s = ls->shape();
+  DDM_CHECK(cfg.in_channels == s.latent_channels && cfg.image_size == s.latent_size(),
+            "model.in_channels = " << cfg.in_channels << " and model.image_size = " << cfg.image_size
+                                   << " are not the latents of " << cfg.latent << " (" << s.latent_channels << "x"
+                                   << s.latent_size() << "x" << s.latent_size() << ")");
+  return ls;
+}
+
+torch::Tensor LatentSpace::encode(const torch::Tensor& x, const torch::Tensor& eps) const {
+  torch::NoGradGuard no_grad;
+  return (ae_->encode(x).sample(eps) - shift_) * scale_;  // [B, z, h, w]
+}
+
+torch::Tensor LatentSpace::encode_mean(const torch::Tensor& x) const {
+  torch::NoGradGuard no_grad;
+  return (ae_->encode(x).mean - shift_) * scale_;  // [B, z, h, w]
+}
+
+torch::Tensor LatentSpace::decode(const torch::Tensor& z) const {
+  torch::NoGradGuard no_grad;
+  return ae_->decode(z / scale_ + shift_).clamp(-1, 1);  // [B, C, H, W]
+}
+
+void resolve_latent(ModelConfig& m, const Dataset& data) {
+  const std::string key = "model.latent = " + m.latent;
+  DDM_CHECK(fs::exists(m.latent), key << ": no such directory; give a `ddm train-autoencoder` run directory");
+  // A run directory (with the record), or a checkpoint directory whose run's record measured it.
+  const bool is_ckpt = fs::is_regular_file(fs::path(m.latent) / RunDir::kState);
+  const std::string run = is_ckpt ? fs::path(m.latent).parent_path().parent_path().string() : m.latent;
+  const AutoencoderRecord rec = read_autoencoder_record(run);
+  DDM_CHECK(!is_ckpt || same_dir(m.latent, rec.checkpoint),
+            key << ": " << RunDir(run) / RunDir::kAutoencoder << " measured " << rec.checkpoint
+                << ", not this checkpoint; use the run directory " << run << " (or report this checkpoint with "
+                << "`ddm train-autoencoder --config RUN/config.toml --out RUN --resume`)");
+  const RunConfig ae = autoencoder_config(rec.checkpoint, key);
+  const std::string sha = sha256_file(rec.weights);
+  DDM_CHECK(sha == rec.weights_sha256, rec.weights << " has sha256 " << sha << ", but "
+                                                   << RunDir(run) / RunDir::kAutoencoder << " recorded "
+                                                   << rec.weights_sha256 << "; re-run `ddm train-autoencoder --config RUN/config.toml --out RUN --resume` on "
+                                                   << run << " to measure it again");
+  DDM_CHECK(m.latent_sha256.empty() || m.latent_sha256 == sha,
+            "the frozen autoencoder changed: model.latent_sha256 = " << m.latent_sha256 << ", but " << rec.weights
+                                                                    << " now has sha256 " << sha);
+  const int64_t c = data.images.size(1), h = data.images.size(2);
+  DDM_CHECK(c == ae.model.in_channels && h == ae.model.image_size && data.images.size(3) == h,
+            key << ": the autoencoder was trained on " << ae.model.in_channels << "x" << ae.model.image_size << "x"
+                << ae.model.image_size << " images, but the data is " << c << "x" << h << "x"
+                << data.images.size(3) << " (" << data.description << ")");
+  const AutoencoderShape s = autoencoder_shape(ae.model);
+  DDM_CHECK(m.in_channels == 0 || m.in_channels == s.latent_channels,
+            "model.in_channels = " << m.in_channels << " but the latents of " << m.latent << " have "
+                                   << s.latent_channels << " channels; remove the key");
+  DDM_CHECK(m.image_size == 0 || m.image_size == s.latent_size(),
+            "model.image_size = " << m.image_size << " but the latents of " << m.latent << " are "
+                                  << s.latent_size() << "x" << s.latent_size() << "; remove the key");
+  m.latent = rec.checkpoint;
+  m.latent_sha256 = sha;
+  if (m.latent_scale == 0) {
+    m.latent_scale = rec.latent.scale;
+    m.latent_shift = rec.latent.shift;
+  }
+  m.in_channels = s.latent_channels;
+  m.image_size = s.latent_size();
+}
+
+}  // namespace ddm

@@ -1,0 +1,58 @@
+// Latent diffusion (Rombach et al. 2022): a model with model.latent set learns and samples the latents
+// of a frozen autoencoder (`ddm train-autoencoder`) instead of pixels. Each training step encodes its
+// batch with the frozen encoder under no-grad, sampling the posterior with keyed noise, and normalizes
+// z' = (z - shift) * scale (measured once on the data by train-autoencoder); sampling decodes.
+//
+// The frozen part is pinned, not copied: a latent model's resolved config names the autoencoder's
+// checkpoint directory and the sha256 of its weights file, so its checkpoints never hold the
+// autoencoder again, and a changed or missing autoencoder is an error naming it on every load.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include <torch/types.h>
+
+#include "core/config.h"
+#include "data/dataset.h"
+#include "model/autoencoder.h"
+
+namespace ddm {
+
+class LatentSpace {
+ public:
+  // Loads the autoencoder of a resolved model config (model.latent a checkpoint directory,
+  // model.latent_sha256 its weights' hash, latent_scale > 0). Errors name the file and the key.
+  static std::shared_ptr<const LatentSpace> load(const ModelConfig& cfg);
+
+  // Images float [B, C, H, W] in [-1, 1] and posterior noise eps [B, z, h, w] -> normalized latents
+  // (mean + std * eps - shift) * scale [B, z, h, w]. No gradients.
+  torch::Tensor encode(const torch::Tensor& x, const torch::Tensor& eps) const;
+  // The posterior means, normalized [B, z, h, w] (deterministic: features, not training inputs).
+  torch::Tensor encode_mean(const torch::Tensor& x) const;
+  // Normalized latents [B, z, h, w] -> images [B, C, H, W] clamped to [-1, 1]. No gradients.
+  torch::Tensor decode(const torch::Tensor& z) const;
+
+  const AutoencoderShape& shape() const { return ae_->shape(); }
+  const std::string& checkpoint() const { return checkpoint_; }
+  const std::string& sha256() const { return sha256_; }
+  double scale() const { return scale_; }
+  double shift() const { return shift_; }
+  // The frozen autoencoder itself (its parameters do not require gradients).
+  AutoencoderImpl& autoencoder() const { return *ae_; }
+
+ private:
+  std::shared_ptr<AutoencoderImpl> ae_;
+  std::string checkpoint_, sha256_;
+  double scale_ = 1, shift_ = 0;
+};
+
+// Resolves model.latent of a config before training, against the data it trains on: `latent` given
+// as a `ddm train-autoencoder` run directory (or the checkpoint its autoencoder.json measured)
+// becomes that checkpoint directory, latent_sha256 the hash of its weights (a value already set must
+// match it: the autoencoder must not have changed), latent_scale / latent_shift the measured ones
+// (unless set), and in_channels / image_size the latents' (the data must have the shape the
+// autoencoder was trained on). Throws ddm::Error naming the run, the file or the key.
+void resolve_latent(ModelConfig& m, const Dataset& data);
+
+}  // namespace ddm

@@ -1,0 +1,173 @@
+// Latent diffusion end to end through the ddm binary on real Fashion-MNIST, with a tiny autoencoder
+// trained once for the suite: `ddm train-autoencoder` writes its report and picture; a latent model
+// resolves and pins its frozen autoencoder, keeps none of its weights, trains, resumes bit for bit
+// and samples decoded images; a changed, missing or wrong autoencoder is a clear error.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <memory>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "core/config.h"
+#include "core/fileio.h"
+#include "core/safetensors.h"
+#include "test_util.h"
+
+namespace fs = std::filesystem;
+using namespace ddm;
+
+namespace {
+
+const char* kTinyAutoencoder = R"(
+[data]
+limit = 256
+[model]
+preset = "ae-f4"
+channels = 8
+groups = 4
+[train]
+steps = 10
+batch_size = 16
+lr = 2e-3
+warmup = 2
+threads = 1
+log_every = 5
+ckpt_every = 5
+seed = 1
+)";
+
+const char* kTinyLatent = R"(
+[data]
+limit = 256
+[model]
+preset = "latent-dit"
+width = 32
+depth = 2
+heads = 2
+[train]
+steps = 6
+batch_size = 16
+warmup = 2
+threads = 1
+log_every = 1
+ckpt_every = 3
+seed = 2
+)";
+
+void expect_error(const test::CommandResult& r, const std::string& needle) {
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find(needle), std::string::npos) << "expected \"" << needle << "\" in:\n" << r.output;
+}
+
+class Latent : public ::testing::Test {
+ protected:
+  // One autoencoder for the suite (its training and report take ~20 s on one thread).
+  static void SetUpTestSuite() {
+    dir_ = std::make_unique<test::TempDir>();
+    test::write_text(*dir_ / "ae.toml", kTinyAutoencoder);
+    test::write_text(*dir_ / "latent.toml", kTinyLatent);
+    ae_result_ = test::run_ddm("train-autoencoder --quiet --config " + (*dir_ / "ae.toml") + " --out " + ae() +
+                               " --n 200 --stats-n 256");
+  }
+  static void TearDownTestSuite() { dir_.reset(); }
+  static std::string ae() { return *dir_ / "ae"; }
+  static std::string path(const std::string& name) { return *dir_ / name; }
+  static test::CommandResult train_latent(const std::string& out, const std::string& extra = "") {
+    return test::run_ddm("train --quiet --config " + path("latent.toml") + " --set model.latent=" + ae() + " --out " +
+                         out + " " + extra);
+  }
+  static std::unique_ptr<test::TempDir> dir_;
+  static test::CommandResult ae_result_;
+};
+std::unique_ptr<test::TempDir> Latent::dir_;
+test::CommandResult Latent::ae_result_;
+
+TEST_F(Latent, TrainAutoencoderWritesItsReportAndPicture) {
+  ASSERT_EQ(ae_result_.exit_code, 0) << ae_result_.output;
+  const auto j = nlohmann::json::parse(test::read_text(ae() + "/autoencoder.json"));
+  EXPECT_EQ(j["checkpoint"], "step-00000010");
+  EXPECT_EQ(j["latent_shape"], (std::vector<int64_t>{4, 7, 7}));
+  EXPECT_EQ(j["weights_sha256"], sha256_file(ae() + "/ckpt/step-00000010/ema.safetensors"));
+  EXPECT_GT(j["latent_scale"].get<double>(), 0);
+  EXPECT_GT(j["psnr_db"].get<double>(), 5);  // better than nothing after 10 steps, not yet good
+  EXPECT_GT(j["eval"]["fd_fmnist"].get<double>(), 0);
+  EXPECT_EQ(j["eval"]["n"], 200);
+  EXPECT_EQ(test::read_text(ae() + "/reconstructions.png").substr(1, 3), "PNG");
+  EXPECT_NE(ae_result_.output.find("PSNR"), std::string::npos) << ae_result_.output;
+  // Sampling an autoencoder, or training one with the wrong command, says what to do instead.
+  expect_error(test::run_ddm("sample --ckpt " + ae() + " --out " + path("x.png")), "holds an autoencoder");
+  expect_error(test::run_ddm("train-autoencoder --config " + path("latent.toml") + " --out " + path("not-ae")),
+               "but train-autoencoder trains an autoencoder");
+  EXPECT_FALSE(fs::exists(path("not-ae")));
+}
+
+TEST_F(Latent, ModelPinsItsAutoencoderTrainsResumesAndSamplesImages) {
+  ASSERT_EQ(ae_result_.exit_code, 0) << ae_result_.output;
+  const std::string run = path("latent");
+  const auto r = train_latent(run);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  // The resolved config pins the measured checkpoint by hash and trains on its latents.
+  const RunConfig cfg = load_config(run + "/config.toml");
+  EXPECT_EQ(fs::path(cfg.model.latent).filename(), "step-00000010");
+  EXPECT_EQ(cfg.model.latent_sha256, sha256_file(ae() + "/ckpt/step-00000010/ema.safetensors"));
+  EXPECT_EQ(cfg.model.in_channels, 4);
+  EXPECT_EQ(cfg.model.image_size, 7);
+  const auto rec = nlohmann::json::parse(test::read_text(ae() + "/autoencoder.json"));
+  EXPECT_EQ(cfg.model.latent_scale, rec["latent_scale"].get<double>());
+  EXPECT_EQ(cfg.model.latent_shift, rec["latent_shift"].get<double>());
+  // Its checkpoints hold the backbone only: no autoencoder weights, no optimizer state for them.
+  for (const char* file : {"model.safetensors", "ema.safetensors", "optim.safetensors"})
+    for (const auto& [name, t] : load_safetensors(run + "/ckpt/step-00000006/" + file).tensors)
+      EXPECT_TRUE(name.find("enc_") == std::string::npos && name.find("quant") == std::string::npos) << file << ": " << name;
+
+  // Resume: 3 steps, then 3 more, gives the uninterrupted run's weights bit for bit.
+  const std::string split = path("latent-split");
+  ASSERT_EQ(train_latent(split, "--set train.steps=3").exit_code, 0);
+  const auto resumed = train_latent(split, "--resume");
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+  for (const char* file : {"model.safetensors", "ema.safetensors", "optim.safetensors"})
+    EXPECT_EQ(test::read_text(split + "/ckpt/step-00000006/" + file), test::read_text(run + "/ckpt/step-00000006/" + file))
+        << file;
+
+  // Sampling decodes: 28x28x1 images, not 7x7x4 latents.
+  const auto s = test::run_ddm("sample --ckpt " + run + " --n 10 --steps 3 --out " + path("grid.png") + " --raw " +
+                               path("s.safetensors"));
+  ASSERT_EQ(s.exit_code, 0) << s.output;
+  const auto samples = load_safetensors(path("s.safetensors")).tensors.at("samples");
+  EXPECT_EQ(samples.sizes(), (std::vector<int64_t>{10, 1, 28, 28}));
+  EXPECT_LE(samples.abs().max().item<float>(), 1.0f);
+}
+
+TEST_F(Latent, AChangedMissingOrWrongAutoencoderIsAClearError) {
+  ASSERT_EQ(ae_result_.exit_code, 0) << ae_result_.output;
+  // Not an autoencoder run, not a directory, an unfinished run (no report).
+  expect_error(train_latent(path("bad1"), "--set model.latent=" + path("nope")), "no such directory");
+  test::run_command("mkdir -p " + path("unfinished") + " && cp -r " + ae() + "/ckpt " + path("unfinished/"));
+  expect_error(test::run_ddm("train --quiet --config " + path("latent.toml") + " --set model.latent=" +
+                             path("unfinished") + " --out " + path("bad2")),
+               "is not a finished `ddm train-autoencoder` run");
+  expect_error(test::run_ddm("train --quiet --config " + path("latent.toml") + " --set model.latent=" + ae() +
+                             "/ckpt/step-00000005 --out " + path("bad3")),
+               "measured");
+  for (const char* bad : {"bad1", "bad2", "bad3"}) EXPECT_FALSE(fs::exists(path(bad))) << bad;
+
+  // A latent model whose autoencoder is later changed or removed refuses to load, naming it.
+  const std::string run = path("pinned");
+  test::run_command("cp -r " + ae() + " " + path("ae-copy"));
+  ASSERT_EQ(test::run_ddm("train --quiet --config " + path("latent.toml") + " --set model.latent=" + path("ae-copy") +
+                          " --set train.steps=2 --out " + run)
+                .exit_code,
+            0);
+  const std::string weights = path("ae-copy") + "/ckpt/step-00000010/ema.safetensors";
+  SafetensorsFile f = load_safetensors(weights);
+  f.tensors.begin()->second.add_(1e-3);  // a valid file with other weights
+  save_safetensors(weights, f);
+  expect_error(test::run_ddm("sample --ckpt " + run + " --n 2 --out " + path("p.png")), "ema.safetensors");
+  fs::remove_all(path("ae-copy"));
+  expect_error(test::run_ddm("sample --ckpt " + run + " --n 2 --out " + path("p.png")), "does not exist");
+  EXPECT_FALSE(fs::exists(path("p.png")));
+}
+
+}  // namespace
