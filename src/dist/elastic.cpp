@@ -138,7 +138,12 @@ std::vector<int> ElasticGroup::recover_impl(const std::string& round, const std:
   const std::string plan_key = "plan/" + round + "/" + std::to_string(k);
   store_->set(prefix + std::to_string(job_rank_), bytes("1"));
   const std::vector<int> old = members_;
-  const auto deadline = std::chrono::steady_clock::now() + peer_wait_;
+  const auto start = std::chrono::steady_clock::now();
+  const auto deadline = start + peer_wait_;
+  // A group without rank 0 cannot go on (it writes the run), so rank 0 itself is waited for longer:
+  // up to the collective timeout. It may be late for good reasons (writing a checkpoint, fsync on a
+  // busy disk); if it is dead, the store it hosts is usually gone too and this fails at once.
+  const auto writer_deadline = start + std::max(peer_wait_, job_->options().timeout);
   Plan proposal;
   while (true) {
     proposal = Plan{};
@@ -149,9 +154,11 @@ std::vector<int> ElasticGroup::recover_impl(const std::string& round, const std:
       for (int g : proposal.joiners) proposal.members.push_back(g);
     }
     std::sort(proposal.members.begin(), proposal.members.end());
-    // Everyone is back, or someone already decided, or the wait is over.
+    // Everyone is back, or someone already decided, or the wait is over (rank 0's, longer, included).
+    const auto now = std::chrono::steady_clock::now();
+    const bool writer_here = std::find(proposal.members.begin(), proposal.members.end(), 0) != proposal.members.end();
     if (static_cast<int>(proposal.members.size()) == job_size_ || store_->check({plan_key}) ||
-        std::chrono::steady_clock::now() >= deadline)
+        (now >= deadline && (writer_here || now >= writer_deadline)))
       break;
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
   }

@@ -14,7 +14,8 @@
 // Before each round a group with missing members proposes itself plus whoever asked to join (no
 // waiting). After a failed collective the survivors register and wait up to `peer_wait` for every
 // missing process (a restarted one counts once it asks to join), then go on with whoever is there.
-// Job rank 0 writes the run: a group without it is an error on every survivor.
+// Job rank 0 writes the run: a group without it is an error on every survivor, so they wait for rank 0
+// up to the job's collective timeout (parallel.timeout) rather than peer_wait: it may only be late.
 #pragma once
 #include <chrono>
 #include <cstdint>

@@ -281,7 +281,10 @@ TEST(Distributed, DilocoGoesOnWithoutAKilledReplica) {
   ASSERT_EQ(wait_exit(ranks[0], 120), 0) << test::read_text(r.dir / "r0.log");
   ASSERT_EQ(wait_exit(ranks[1], 30), 0) << test::read_text(r.dir / "r1.log");
   const std::string out0 = test::read_text(r.dir / "r0.log");
-  EXPECT_TRUE(has(out0, "synchronizing with 2 of 3 replicas")) << out0;
+  // Both survivors' output on failure: in two full `ctest -j2` runs (2026-11-23) rank 0 found itself
+  // left out of the regrouping at its first synchronization after the kill; not reproduced alone,
+  // under load or beside the other distributed tests (9 runs). Rank 1's side says why.
+  EXPECT_TRUE(has(out0, "synchronizing with 2 of 3 replicas")) << out0 << "\n--- rank 1:\n" << test::read_text(r.dir / "r1.log");
   EXPECT_TRUE(has(out0, "done: step 90")) << out0;
   const auto last = read_checkpoint(list_checkpoints(r.dir / "lost").back());
   EXPECT_EQ(last.step, 90);
