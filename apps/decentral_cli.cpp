@@ -101,7 +101,7 @@ int partition_cmd(const PartitionArgs& a) {
 }
 
 struct RouterArgs {
-  std::string config, partition, out, preset = "router-dit-tiny";
+  std::string config, partition, out, preset;  // "" = router-dit-tiny, or latent-router-dit for latent experts
   std::vector<std::string> overrides;
   int64_t holdout = 1000, buckets = 10;
   bool resume = false, force = false, quiet = false, eval_only = false;
@@ -121,8 +121,14 @@ void evaluate_router_run(const std::string& out, int64_t buckets) {
                                   : torch::arange(std::min<int64_t>(n, 2000), torch::kInt64);
   const std::string note = h > 0 ? "held-out images (" + std::to_string(h) + " chosen at random, never trained on)"
                                  : "training images (data.holdout = 0: none were held out)";
+  torch::Tensor x0 = to_unit_range(data.images.index_select(0, idx));  // [N, C, H, W]
+  if (r.latent) {  // a latent ensemble's router routes latents: its x_t is built on the encoder's means
+    std::vector<torch::Tensor> z;
+    for (int64_t i = 0; i < x0.size(0); i += 500) z.push_back(r.latent->encode_mean(x0.slice(0, i, i + 500)));
+    x0 = torch::cat(z);  // [N, z, h, w]
+  }
   const RouterReport rep =
-      evaluate_router(r.net, r.cfg, to_unit_range(data.images.index_select(0, idx)), data.labels.index_select(0, idx),
+      evaluate_router(r.net, r.cfg, x0, data.labels.index_select(0, idx),
                       p.labels.index_select(0, idx), buckets, static_cast<uint64_t>(r.cfg.train.seed) + 1, note);
   std::cout << "\n" << rep.table();
   nlohmann::json j = rep.json();
@@ -179,6 +185,10 @@ RunConfig distill_config(const DistillArgs& a) {
     DDM_CHECK(!is_router_arch(m.arch), "--preset " << a.preset << " is a router; the student is a diffusion model "
                                                       "(see `ddm presets`)");
     m.num_classes = c.model.num_classes == 0 ? 0 : -1;
+    m.latent = c.model.latent;  // latent teachers: the student learns the same latents
+    m.latent_sha256 = c.model.latent_sha256;
+    m.latent_scale = c.model.latent_scale;
+    m.latent_shift = c.model.latent_shift;
     c.model = m;
   }
   c.data.partition.clear();
@@ -260,6 +270,7 @@ std::vector<Command> add_decentral_commands(CLI::App& app) {
   part->add_option("--out", pa->out, "partition directory to write")->required();
   part->add_option("--features", pa->features,
                    "pixels[:D] (PCA, default D 64) | feature-net[:FILE] | autoencoder[:D] (default 32) | "
+                   "latent:RUN (a `ddm train-autoencoder` run's latents, PCA 64: the space latent experts train in) | "
                    "file:PATH (.npy or .safetensors, one row per image)")
       ->capture_default_str();
   part->add_option("--method", pa->cfg.method, "kmeans | random (a seeded balanced random split, for ablations)")
@@ -294,8 +305,9 @@ std::vector<Command> add_decentral_commands(CLI::App& app) {
   router->add_option("--partition", ra->partition, "the `ddm partition` directory the experts were trained on")
       ->required();
   router->add_option("--out", ra->out, "run directory (config, checkpoints, metrics, router_eval.json)")->required();
-  router->add_option("--preset", ra->preset, "router-dit-tiny (DiT with a CLS token) | router-conv-tiny")
-      ->capture_default_str();
+  router->add_option("--preset", ra->preset,
+                     "router-dit-tiny (DiT with a CLS token) | router-conv-tiny | latent-router-dit (default: "
+                     "router-dit-tiny, or latent-router-dit when the experts' config sets model.latent)");
   router->add_option("--holdout", ra->holdout,
                      "withhold N images, chosen at random (seeded by train.seed), from training and measure the router on "
                      "them (sets data.holdout)")

@@ -21,6 +21,13 @@
 //        ddm_bench timeline OUT.png RANK0.json [RANK1.json ...] [--step K] [--title TEXT] [--window FROM TO]
 //          (one step per rank: compute and communication rows, in ms; the step of median duration
 //           on rank 0 unless --step is given; --window: only FROM..TO ms after the step's start)
+//        ddm_bench phases CONFIG [--set section.key=value ...] [--batch 128] [--threads 2] [--steps 20]
+//          [--warmup 3]
+//          (the step of a real training config on its real data, model.latent and all, split into its
+//           phases: prepare (no-grad work: the frozen encoder, a teacher), the trainable forward,
+//           backward and the update, medians in ms; experts (data.partition) and distillation
+//           (train.teacher) are prepared as `ddm train` prepares them; frozen_share = prepare / (forward + backward), the
+//           DiffusionPipe paper's "44% of the backbone's forward+backward" measure)
 // DDM_BENCH_TRACE=FILE with `train` writes a LibTorch profiler trace (Chrome JSON) of 3 steps.
 #include <algorithm>
 #include <chrono>
@@ -50,6 +57,8 @@
 #include "model/layers.h"
 #include "model/net.h"
 #include "core/presets.h"
+#include "decentral/train_run.h"
+#include "train/latent.h"
 #include "train/step.h"
 #include "train/trainer.h"
 
@@ -64,17 +73,18 @@ struct Args {
   // dp
   double bucket_mb = 25, first_bucket_mb = 1;
   std::string wire = "float32", sync = "on", timeline;
+  std::vector<std::string> sets;  // phases: config overrides
   int64_t gloo_threads = 1;
   bool threads_set = false, steps_set = false, warmup_set = false;
 };
 
 Args parse(int argc, char** argv) {
   Args a;
-  DDM_CHECK(argc >= 2, "usage: ddm_bench train|peak|sample|ops|dp|timeline [PRESET] [--batch N] [--threads N] [--steps N]");
+  DDM_CHECK(argc >= 2, "usage: ddm_bench train|peak|sample|ops|dp|phases|timeline [PRESET|CONFIG] [--batch N] [--threads N] [--steps N]");
   a.mode = argv[1];
   int i = 2;
   if (a.mode != "peak") {
-    DDM_CHECK(argc >= 3, "ddm_bench " << a.mode << " needs a preset");
+    DDM_CHECK(argc >= 3, "ddm_bench " << a.mode << " needs a " << (a.mode == "phases" ? "config file" : "preset"));
     a.preset = argv[i++];
   }
   for (; i < argc; i += 2) {
@@ -94,6 +104,7 @@ Args parse(int argc, char** argv) {
     else if (k == "--gloo-threads") a.gloo_threads = v;
     else if (k == "--sync") a.sync = s;
     else if (k == "--timeline") a.timeline = s;
+    else if (k == "--set") a.sets.push_back(s);
     else DDM_FAIL("unknown flag " << k);
   }
   if (a.mode == "dp") {  // defaults of the data-parallel mode: one thread per rank, few (slow) steps
@@ -368,6 +379,61 @@ int run_dp(const Args& a, const RunConfig& cfg, Net net) {
 
 }  // namespace
 
+// `ddm_bench phases`: a real config's step, phase by phase, read from TrainStep::last_times().
+int run_phases(const Args& a) {
+  std::vector<std::string> sets = a.sets;
+  sets.push_back("train.batch_size=" + std::to_string(a.batch));
+  sets.push_back("train.threads=" + std::to_string(a.threads));
+  // As `ddm train` prepares it: data loaded, model (and latent) resolved, an expert's cluster or a
+  // distillation teacher (train.teacher) set up.
+  TrainJob job = prepare_train_job(load_config(a.preset, sets));
+  const RunConfig& cfg = job.cfg;
+  torch::manual_seed(0);
+  Net net = make_net(cfg.model);
+  auto objective = job.objective ? job.objective : make_objective(cfg);
+  const auto latent = attach_latent(*objective, cfg.model);
+  TrainStep stepper(cfg, net, objective);
+  const int64_t n = job.data.images.size(0);
+  DDM_CHECK(n >= a.batch, a.preset << ": the data has " << n << " images, fewer than --batch " << a.batch);
+  std::vector<double> prep, fwd, bwd, upd, step;
+  for (int64_t i = 0; i < a.warmup + a.steps; ++i) {
+    const int64_t first = (i * a.batch) % (n - a.batch + 1);
+    Batch b{to_unit_range(job.data.images.slice(0, first, first + a.batch)),
+            job.data.labels.slice(0, first, first + a.batch),
+            job.data.clusters.defined() ? job.data.clusters.slice(0, first, first + a.batch) : torch::Tensor(), 0};
+    stepper.run(b, i);
+    if (i < a.warmup) continue;
+    const StepTimes& t = stepper.last_times();
+    prep.push_back(ms_between(t.start, t.prepared));
+    fwd.push_back(ms_between(t.prepared, t.backward_start));
+    bwd.push_back(ms_between(t.backward_start, t.backward_end));
+    upd.push_back(ms_between(t.backward_end, t.end));
+    step.push_back(ms_between(t.start, t.end));
+  }
+  nlohmann::json j = {{"mode", "phases"},
+                      {"config", a.preset},
+                      {"set", a.sets},
+                      {"model", cfg.model.preset + " (" + cfg.model.arch + ")"},
+                      {"input", std::to_string(cfg.model.in_channels) + "x" + std::to_string(cfg.model.image_size) +
+                                    "x" + std::to_string(cfg.model.image_size)},
+                      {"frozen", latent ? "encoder of " + latent->checkpoint()
+                                        : !cfg.train.teacher.empty() ? "teacher ensemble " + cfg.train.teacher
+                                                                     : "none"},
+                      {"batch", a.batch},
+                      {"threads", a.threads},
+                      {"steps", a.steps},
+                      {"load_before", load_average()},
+                      {"prepare_ms", median(prep)},
+                      {"forward_ms", median(fwd)},
+                      {"backward_ms", median(bwd)},
+                      {"update_ms", median(upd)},
+                      {"step_ms", median(step)},
+                      {"img_per_s", a.batch / (median(step) / 1e3)},
+                      {"frozen_share", median(prep) / (median(fwd) + median(bwd))}};
+  std::printf("%s\n", j.dump().c_str());
+  return 0;
+}
+
 int timeline_main(int argc, char** argv);  // bench/timeline.cpp
 
 int main(int argc, char** argv) try {
@@ -380,6 +446,7 @@ int main(int argc, char** argv) try {
     return 0;
   }
   torch::set_num_threads(static_cast<int>(a.threads));
+  if (a.mode == "phases") return run_phases(a);
   RunConfig cfg = preset_config(a.preset, a.batch);
   torch::manual_seed(0);
   Net net = make_net(cfg.model);

@@ -4,6 +4,11 @@
 //   unet-small  3.61M params, 1.46 GFLOP  U-Net 64/128/128, 2 res blocks per level, attention at 7x7
 //   dit-tiny    1.28M params, 0.08 GFLOP  DiT patch 4 (49 tokens), width 128, depth 4, 4 heads
 //   dit-small   4.16M params, 1.22 GFLOP  DiT patch 2 (196 tokens), width 192, depth 6, 6 heads
+// On ae-f4's 7x7x4 latents (model.latent):
+//   latent-unet        1.33M params, 0.075 GFLOP  U-Net 128, one 7x7 level, 2 res blocks, attention
+//   latent-dit         1.87M params, 0.124 GFLOP  DiT patch 1 (49 tokens), width 128, depth 6, 4 heads
+//   latent-router-dit  0.25M params, 0.017 GFLOP  router DiT patch 1, width 64, depth 3 (K = 4)
+// ae-f4 (the autoencoder, 28x28x1 -> 7x7x4): 0.95M params, encoder 0.083 + decoder 0.237 GFLOP.
 // unet-tiny has the shape of the 538k-parameter reference U-Net in docs/architecture.md.
 #include "core/presets.h"
 
@@ -77,6 +82,17 @@ const std::vector<std::pair<std::string, PresetFn>>& presets() {
          m.patch = 1;
          m.width = 128;
          m.depth = 6;
+         m.heads = 4;
+         m.mlp_ratio = 4.0;
+       }},
+      // The router of latent experts: every latent pixel a token (router-dit-tiny's patch 7 would
+      // make one token of a 7x7 latent).
+      {"latent-router-dit",
+       [](ModelConfig& m) {
+         m.arch = "router-dit";
+         m.patch = 1;
+         m.width = 64;
+         m.depth = 3;
          m.heads = 4;
          m.mlp_ratio = 4.0;
        }},

@@ -37,6 +37,15 @@ std::shared_ptr<DistillTeacher> load_distill_teacher(const RunConfig& cfg, Datas
 
   const ModelConfig& te = t->ens.first_expert().cfg.model;
   const ModelConfig& st = cfg.model;
+  DDM_CHECK(te.latent_sha256 == st.latent_sha256 && te.latent_scale == st.latent_scale &&
+                te.latent_shift == st.latent_shift,
+            "the ensemble " << dir << "'s experts learn "
+                            << (te.latent.empty() ? "pixels" : "the latents of the autoencoder " + te.latent)
+                            << ", but the student "
+                            << (st.latent.empty() ? "learns pixels" : "the latents of " + st.latent)
+                            << "; a student learns the space of its teachers: "
+                            << (te.latent.empty() ? "remove model.latent"
+                                                  : "set model.latent = \"" + te.latent + "\""));
   DDM_CHECK(te.in_channels == st.in_channels && te.image_size == st.image_size,
             "the ensemble " << dir << " works on " << te.in_channels << "x" << te.image_size << "x" << te.image_size
                             << " images but the student's data is " << st.in_channels << "x" << st.image_size << "x"

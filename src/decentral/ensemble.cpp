@@ -94,10 +94,12 @@ RouterFn net_router(Net router, NoisePath router_path, NoisePath sampling_path) 
   };
 }
 
-RouterFn oracle_router(const Dataset& data, const torch::Tensor& clusters, int64_t k, NoisePath sampling_path) {
+RouterFn oracle_router(const Dataset& data, const torch::Tensor& clusters, int64_t k, NoisePath sampling_path,
+                       torch::Tensor x0) {
   const int64_t n = data.images.size(0);
   DDM_CHECK(clusters.size(0) == n, "oracle router: " << clusters.size(0) << " cluster labels for " << n << " images");
-  const auto x0 = to_unit_range(data.images).reshape({n, -1});  // [N, D]
+  DDM_CHECK(!x0.defined() || x0.size(0) == n, "oracle router: " << x0.size(0) << " rows for " << n << " images");
+  x0 = (x0.defined() ? x0 : to_unit_range(data.images)).reshape({n, -1});  // [N, D]
   const auto sq = x0.pow(2).sum(1);                               // [N]
   const auto member = torch::one_hot(clusters, k).to(torch::kFloat32);  // [N, K]
   const auto labels = data.labels;

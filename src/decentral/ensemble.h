@@ -53,8 +53,10 @@ RouterFn net_router(Net router, NoisePath router_path, NoisePath sampling_path);
 // The Bayes-optimal router of the training data itself: the exact posterior p(k | x_t, t, y) when
 // x0 is drawn uniformly from the images of class y (all images for the null label) and x_t =
 // alpha x0 + sigma eps: softmax over images of -|x_t - alpha x0_i|^2 / (2 sigma^2), summed per
-// cluster. Costs one [B, N] x [N, D] product per call (N images of D pixels).
-RouterFn oracle_router(const Dataset& data, const torch::Tensor& clusters, int64_t k, NoisePath sampling_path);
+// cluster. Costs one [B, N] x [N, D] product per call (N images of D pixels). x0 (float [N, ...]):
+// what the experts learn, when not the images themselves: a latent ensemble's encoded images.
+RouterFn oracle_router(const Dataset& data, const torch::Tensor& clusters, int64_t k, NoisePath sampling_path,
+                       torch::Tensor x0 = {});
 
 struct EnsembleUsage {
   int64_t calls = 0;                  // estimate() calls (solver evaluations, summed over batches)

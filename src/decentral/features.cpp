@@ -19,13 +19,14 @@
 #include "core/rng.h"
 #include "core/safetensors.h"
 #include "eval/feature_net.h"
+#include "train/latent.h"
 
 namespace fs = std::filesystem;
 
 namespace ddm {
 namespace {
 
-constexpr const char* kForms = "pixels[:D], feature-net[:FILE], autoencoder[:D] or file:PATH";
+constexpr const char* kForms = "pixels[:D], feature-net[:FILE], autoencoder[:D], latent:RUN or file:PATH";
 
 int64_t parse_dim(const std::string& spec, const std::string& value) {
   int64_t d = 0;
@@ -179,7 +180,7 @@ torch::Tensor autoencoder_features(const Dataset& data, int64_t dim, uint64_t se
 }  // namespace
 
 std::string FeatureSource::spec() const {
-  if (kind == "file") return "file:" + path;
+  if (kind == "file" || kind == "latent") return kind + ":" + path;
   if (kind == "feature-net") return path.empty() ? kind : kind + ":" + path;
   return kind + ":" + std::to_string(dim);
 }
@@ -196,6 +197,10 @@ FeatureSource parse_feature_source(const std::string& spec) {
   } else if (f.kind == "file") {
     DDM_CHECK(!arg.empty(), "--features file: needs a path, e.g. file:dino.npy");
     f.path = arg;
+  } else if (f.kind == "latent") {
+    DDM_CHECK(!arg.empty(), "--features latent: needs a `ddm train-autoencoder` run, e.g. latent:runs/ae");
+    f.path = arg;
+    f.dim = 64;
   } else {
     DDM_FAIL("--features '" << spec << "' is not a feature source; use " << kForms);
   }
@@ -275,6 +280,22 @@ Features compute_features(const Dataset& data, const FeatureSource& src, uint64_
     double mse = 0;
     out.rows = autoencoder_features(data, src.dim, seed, quiet, &mse);
     desc << "autoencoder " << src.dim << "-d (3 epochs, reconstruction mse " << std::setprecision(3) << mse << ")";
+  } else if (src.kind == "latent") {
+    // The latents a latent model learns (the posterior means, normalized), projected on their top
+    // principal components as pixels are: clusters in the space the experts will train in.
+    ModelConfig m;
+    m.latent = src.path;
+    resolve_latent(m, data);
+    const auto latent = LatentSpace::load(m);
+    if (!quiet) std::cout << "  encoding " << n << " images with the autoencoder " << m.latent << std::endl;
+    std::vector<torch::Tensor> z;
+    for (int64_t i = 0; i < n; i += 1000)
+      z.push_back(latent->encode_mean(to_unit_range(data.images.narrow(0, i, std::min<int64_t>(1000, n - i)))).flatten(1));
+    const auto flat = torch::cat(z);  // [N, z*h*w]
+    double kept = 0;
+    out.rows = pca_project(flat, std::min(src.dim, flat.size(1)), &kept);
+    desc << "latents of " << m.latent << " (sha256 " << m.latent_sha256.substr(0, 12) << "), PCA " << out.rows.size(1)
+         << " of " << flat.size(1) << " (" << std::fixed << std::setprecision(1) << 100 * kept << "% of the variance)";
   } else if (src.kind == "file") {
     out.rows = load_features_file(src.path);
     DDM_CHECK(out.rows.size(0) == n, "features file " << src.path << " has " << out.rows.size(0) << " rows but "

@@ -5,6 +5,8 @@
 //                      shipped one; note it was trained with labels, so its clusters follow classes)
 //   autoencoder[:D]    the D-d bottleneck (default 32) of a conv autoencoder trained here on the images
 //                      alone, without labels (deterministic from the seed)
+//   latent:RUN         the normalized posterior means of a `ddm train-autoencoder` run's frozen encoder
+//                      (the space latent experts train in), projected on their top 64 principal components
 //   file:PATH          rows computed elsewhere (DINOv2, CLIP, ...): a .npy (float32/float64, 2-D,
 //                      C order) or a .safetensors file with one 2-D tensor (or one named `features`)
 #pragma once
@@ -19,9 +21,9 @@
 namespace ddm {
 
 struct FeatureSource {
-  std::string kind;  // pixels | feature-net | autoencoder | file
-  int64_t dim = 0;   // pixels / autoencoder
-  std::string path;  // feature-net (optional) / file
+  std::string kind;  // pixels | feature-net | autoencoder | latent | file
+  int64_t dim = 0;   // pixels / autoencoder / latent (PCA)
+  std::string path;  // feature-net (optional) / latent (the autoencoder run) / file
   std::string spec() const;  // back to the flag's form
 };
 

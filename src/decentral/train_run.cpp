@@ -137,11 +137,20 @@ RunConfig router_run_config(const std::string& config, const std::string& partit
                             int64_t holdout, const std::vector<std::string>& overrides) {
   RunConfig c = load_config(config);
   ModelConfig m;
-  m.preset = preset;
-  apply_preset(preset, m);
-  DDM_CHECK(is_router_arch(m.arch), "--preset " << preset << " is not a router preset; use router-dit-tiny or "
-                                                   "router-conv-tiny (see `ddm presets`)");
+  // No preset given: router-dit-tiny, or for latent experts latent-router-dit (router-dit-tiny's
+  // patch 7 would make a 7x7 latent one token).
+  bool latent = !c.model.latent.empty();
+  for (const std::string& o : overrides)
+    if (o.rfind("model.latent=", 0) == 0) latent = o.size() > std::string("model.latent=").size();
+  m.preset = !preset.empty() ? preset : latent ? "latent-router-dit" : "router-dit-tiny";
+  apply_preset(m.preset, m);
+  DDM_CHECK(is_router_arch(m.arch), "--preset " << preset << " is not a router preset; use router-dit-tiny, "
+                                                   "router-conv-tiny or latent-router-dit (see `ddm presets`)");
   m.num_classes = c.model.num_classes == 0 ? 0 : -1;  // conditioned like the experts
+  m.latent = c.model.latent;  // latent experts: the router sees their x_t, in the same latent space
+  m.latent_sha256 = c.model.latent_sha256;
+  m.latent_scale = c.model.latent_scale;
+  m.latent_shift = c.model.latent_shift;
   c.model = m;
   c.data.partition = fs::absolute(partition).string();
   c.data.expert = -1;

@@ -103,14 +103,14 @@ double mean_psnr(const torch::Tensor& recon, const torch::Tensor& original) {
 
 AutoencoderReport report_autoencoder(const std::string& path, const AutoencoderReportOptions& opt) {
   const auto t0 = std::chrono::steady_clock::now();
-  LoadedModel m = load_model(path, opt.use_ema);
+  LoadedModel m = load_model(path, /*use_ema=*/true);
   auto ae = std::dynamic_pointer_cast<AutoencoderImpl>(m.net);
   DDM_CHECK(ae, m.checkpoint << " holds a " << m.cfg.model.arch << " model, not an autoencoder (model.arch = "
                              << "autoencoder, trained by `ddm train-autoencoder`)");
   AutoencoderReport r;
   r.checkpoint = m.checkpoint;
   r.step = m.step;
-  r.weights = (fs::path(m.checkpoint) / (opt.use_ema ? RunDir::kEma : RunDir::kModel)).string();
+  r.weights = (fs::path(m.checkpoint) / RunDir::kEma).string();
   r.weights_sha256 = sha256_file(r.weights);
   r.latent_channels = ae->shape().latent_channels;
   r.latent_size = ae->shape().latent_size();
@@ -121,7 +121,8 @@ AutoencoderReport report_autoencoder(const std::string& path, const AutoencoderR
 
   // Latent statistics on the training data (as trained, without augmentation).
   DataConfig train_data = m.cfg.data;
-  train_data.limit = opt.stats_n;
+  // Only images the autoencoder trained on (data.limit), at most stats_n of them.
+  train_data.limit = train_data.limit > 0 ? std::min(train_data.limit, opt.stats_n) : opt.stats_n;
   const Dataset train = load_dataset(train_data);
   say("measuring the latent statistics on " + std::to_string(train.images.size(0)) + " images of " + train.description);
   r.latent = measure_latent_stats(*ae, to_unit_range(train.images), static_cast<uint64_t>(m.cfg.train.seed));
@@ -203,7 +204,11 @@ AutoencoderRecord read_autoencoder_record(const std::string& run_dir) {
     j = nlohmann::json::parse(read_file(file));
     AutoencoderRecord r;
     r.checkpoint = (fs::path(run_dir) / RunDir::kCheckpoints / j.at("checkpoint").get<std::string>()).string();
-    r.weights = (fs::path(r.checkpoint) / j.at("weights").get<std::string>()).string();
+    DDM_CHECK(j.at("weights").get<std::string>() == RunDir::kEma,
+              file << ": weights = " << j.at("weights") << ", but latent models use the EMA weights, "
+                   << RunDir::kEma << "; re-run `ddm train-autoencoder --config RUN/config.toml --out RUN --resume` on "
+                   << run_dir);
+    r.weights = (fs::path(r.checkpoint) / RunDir::kEma).string();
     r.weights_sha256 = j.at("weights_sha256").get<std::string>();
     r.latent.shift = j.at("latent_shift").get<double>();
     r.latent.scale = j.at("latent_scale").get<double>();

@@ -38,14 +38,13 @@ double mean_psnr(const torch::Tensor& recon, const torch::Tensor& original);
 struct AutoencoderReportOptions {
   int64_t n = 10000;        // test images reconstructed (at most the split's size)
   int64_t stats_n = 10000;  // training images the latent statistics are measured on
-  bool use_ema = true;
   std::string png;          // "" = no picture
   EvalConfig eval;          // feature network, cache, quiet
 };
 
 struct AutoencoderReport {
   std::string checkpoint;      // the checkpoint directory measured
-  std::string weights;         // ema.safetensors or model.safetensors in it
+  std::string weights;         // ema.safetensors in it (the EMA weights are what latent models use)
   std::string weights_sha256;  // what a latent model pins
   int64_t step = 0;
   int64_t latent_channels = 0, latent_size = 0, factor = 0;

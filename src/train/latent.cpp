@@ -41,14 +41,18 @@ std::shared_ptr<const LatentSpace> LatentSpace::load(const ModelConfig& cfg) {
   DDM_CHECK(!cfg.latent.empty(), "LatentSpace::load: model.latent is not set");
   DDM_CHECK(!cfg.latent_sha256.empty() && cfg.latent_scale > 0,
             "model.latent = " << cfg.latent << " is not resolved (latent_sha256 and latent_scale unset)");
-  const RunConfig ae_cfg = autoencoder_config(cfg.latent, "model.latent = " + cfg.latent);
+  // The pin first: a replaced autoencoder is named as such, whatever else its checkpoint says.
   const std::string weights = (fs::path(cfg.latent) / RunDir::kEma).string();
+  DDM_CHECK(fs::is_regular_file(weights), "model.latent = " << cfg.latent << ": the frozen autoencoder's weights "
+                                                            << weights << " do not exist (moved or deleted?); "
+                                                               "restore them (a latent model is tied to its own)");
   const std::string bytes = read_file(weights);
   const std::string sha = sha256_hex(bytes);
   DDM_CHECK(sha == cfg.latent_sha256,
             "the frozen autoencoder changed: " << weights << " has sha256 " << sha << ", but this model was trained "
                                                << "on model.latent_sha256 = " << cfg.latent_sha256
                                                << "; restore that autoencoder (a latent model is tied to its own)");
+  const RunConfig ae_cfg = autoencoder_config(cfg.latent, "model.latent = " + cfg.latent);
   auto ls = std::make_shared<LatentSpace>();
   ls->ae_ = std::make_shared<AutoencoderImpl>(autoencoder_shape(ae_cfg.model));
   load_module_state(*ls->ae_, parse_safetensors(bytes, weights).tensors, weights);
@@ -83,12 +87,46 @@ torch::Tensor LatentSpace::decode(const torch::Tensor& z) const {
 
 void resolve_latent(ModelConfig& m, const Dataset& data) {
   const std::string key = "model.latent = " + m.latent;
-  DDM_CHECK(fs::exists(m.latent), key << ": no such directory; give a `ddm train-autoencoder` run directory");
+  DDM_CHECK(fs::exists(m.latent), key << ": no such directory; give a `ddm train-autoencoder` run directory (make "
+                                        "one with: ddm train-autoencoder --config configs/autoencoder.toml --out "
+                                     << m.latent << ")");
+  // Absolute and without a trailing slash: the resolved config is read from other directories too.
+  fs::path dir = fs::absolute(m.latent).lexically_normal();
+  if (dir.filename().empty()) dir = dir.parent_path();
+  const bool is_ckpt = fs::is_regular_file(dir / RunDir::kState);
+  const int64_t c = data.images.size(1), h = data.images.size(2);
+  auto check_data = [&](const RunConfig& ae) {
+    DDM_CHECK(c == ae.model.in_channels && h == ae.model.image_size && data.images.size(3) == h,
+              key << ": the autoencoder was trained on " << ae.model.in_channels << "x" << ae.model.image_size << "x"
+                  << ae.model.image_size << " images, but the data is " << c << "x" << h << "x"
+                  << data.images.size(3) << " (" << data.description << ")");
+  };
+  // The model's input: the autoencoder's latents.
+  auto set_shape = [&](const RunConfig& ae) {
+    const AutoencoderShape s = autoencoder_shape(ae.model);
+    DDM_CHECK(m.in_channels == 0 || m.in_channels == s.latent_channels,
+              "model.in_channels = " << m.in_channels << " but the latents of " << m.latent << " have "
+                                     << s.latent_channels << " channels; remove the key");
+    DDM_CHECK(m.image_size == 0 || m.image_size == s.latent_size(),
+              "model.image_size = " << m.image_size << " but the latents of " << m.latent << " are "
+                                    << s.latent_size() << "x" << s.latent_size() << "; remove the key");
+    m.in_channels = s.latent_channels;
+    m.image_size = s.latent_size();
+  };
+  if (is_ckpt && !m.latent_sha256.empty() && m.latent_scale > 0) {
+    // Already resolved (a run's own config.toml, e.g. on resume): the pinned checkpoint must still be
+    // what it was; the autoencoder run's later checkpoints or reports do not matter.
+    m.latent = dir.string();
+    const RunConfig ae = autoencoder_config(m.latent, key);
+    check_data(ae);
+    set_shape(ae);
+    LatentSpace::load(m);  // checks the sha256
+    return;
+  }
   // A run directory (with the record), or a checkpoint directory whose run's record measured it.
-  const bool is_ckpt = fs::is_regular_file(fs::path(m.latent) / RunDir::kState);
-  const std::string run = is_ckpt ? fs::path(m.latent).parent_path().parent_path().string() : m.latent;
+  const std::string run = is_ckpt ? dir.parent_path().parent_path().string() : dir.string();
   const AutoencoderRecord rec = read_autoencoder_record(run);
-  DDM_CHECK(!is_ckpt || same_dir(m.latent, rec.checkpoint),
+  DDM_CHECK(!is_ckpt || same_dir(dir.string(), rec.checkpoint),
             key << ": " << RunDir(run) / RunDir::kAutoencoder << " measured " << rec.checkpoint
                 << ", not this checkpoint; use the run directory " << run << " (or report this checkpoint with "
                 << "`ddm train-autoencoder --config RUN/config.toml --out RUN --resume`)");
@@ -101,26 +139,21 @@ void resolve_latent(ModelConfig& m, const Dataset& data) {
   DDM_CHECK(m.latent_sha256.empty() || m.latent_sha256 == sha,
             "the frozen autoencoder changed: model.latent_sha256 = " << m.latent_sha256 << ", but " << rec.weights
                                                                     << " now has sha256 " << sha);
-  const int64_t c = data.images.size(1), h = data.images.size(2);
-  DDM_CHECK(c == ae.model.in_channels && h == ae.model.image_size && data.images.size(3) == h,
-            key << ": the autoencoder was trained on " << ae.model.in_channels << "x" << ae.model.image_size << "x"
-                << ae.model.image_size << " images, but the data is " << c << "x" << h << "x"
-                << data.images.size(3) << " (" << data.description << ")");
-  const AutoencoderShape s = autoencoder_shape(ae.model);
-  DDM_CHECK(m.in_channels == 0 || m.in_channels == s.latent_channels,
-            "model.in_channels = " << m.in_channels << " but the latents of " << m.latent << " have "
-                                   << s.latent_channels << " channels; remove the key");
-  DDM_CHECK(m.image_size == 0 || m.image_size == s.latent_size(),
-            "model.image_size = " << m.image_size << " but the latents of " << m.latent << " are "
-                                  << s.latent_size() << "x" << s.latent_size() << "; remove the key");
+  check_data(ae);
+  set_shape(ae);
   m.latent = rec.checkpoint;
   m.latent_sha256 = sha;
   if (m.latent_scale == 0) {
     m.latent_scale = rec.latent.scale;
     m.latent_shift = rec.latent.shift;
   }
-  m.in_channels = s.latent_channels;
-  m.image_size = s.latent_size();
+}
+
+std::shared_ptr<const LatentSpace> attach_latent(Objective& objective, const ModelConfig& m) {
+  if (m.latent.empty()) return nullptr;
+  auto latent = LatentSpace::load(m);
+  objective.set_encoder([latent](const torch::Tensor& x, const torch::Tensor& eps) { return latent->encode(x, eps); });
+  return latent;
 }
 
 }  // namespace ddm

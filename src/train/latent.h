@@ -15,6 +15,7 @@
 
 #include "core/config.h"
 #include "data/dataset.h"
+#include "diffusion/objective.h"
 #include "model/autoencoder.h"
 
 namespace ddm {
@@ -54,5 +55,9 @@ class LatentSpace {
 // (unless set), and in_channels / image_size the latents' (the data must have the shape the
 // autoencoder was trained on). Throws ddm::Error naming the run, the file or the key.
 void resolve_latent(ModelConfig& m, const Dataset& data);
+
+// For a resolved latent model config, loads its autoencoder and makes `objective` encode every batch
+// with it (Objective::set_encoder); returns it. Returns null and changes nothing for a pixel model.
+std::shared_ptr<const LatentSpace> attach_latent(Objective& objective, const ModelConfig& m);
 
 }  // namespace ddm

@@ -259,19 +259,18 @@ TrainSummary train(TrainJob job, const TrainOptions& options) {
   // The model is built before the run directory is touched, so a config it cannot take leaves nothing.
   const uint64_t seed = static_cast<uint64_t>(tc.seed);
   Net net;
+  if (!job.objective) job.objective = make_objective(cfg);
+  std::shared_ptr<const LatentSpace> latent;
   {
     static std::mutex init_mutex;  // the global generator: ranks may be threads of one process (tests)
     std::lock_guard<std::mutex> guard(init_mutex);
     torch::manual_seed(derive_seed({seed, static_cast<uint64_t>(RngPurpose::kInit)}));
     net = make_net(cfg.model);
+    // Latent models: the frozen encoder runs in every step's prepare phase. Loaded under the lock
+    // too: building it draws (then overwritten) initial weights from the global generator.
+    latent = attach_latent(*job.objective, cfg.model);
   }
   net->train();
-  if (!job.objective) job.objective = make_objective(cfg);
-  std::shared_ptr<const LatentSpace> latent;
-  if (!cfg.model.latent.empty()) {  // the frozen encoder runs in every step's prepare phase
-    latent = LatentSpace::load(cfg.model);
-    job.objective->set_encoder([latent](const torch::Tensor& x, const torch::Tensor& eps) { return latent->encode(x, eps); });
-  }
   TrainStep stepper(cfg, net, job.objective);
   FlatAdamW& optim = stepper.optim();
   if (diloco_mode) {

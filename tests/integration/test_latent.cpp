@@ -1,7 +1,9 @@
 // Latent diffusion end to end through the ddm binary on real Fashion-MNIST, with a tiny autoencoder
 // trained once for the suite: `ddm train-autoencoder` writes its report and picture; a latent model
 // resolves and pins its frozen autoencoder, keeps none of its weights, trains, resumes bit for bit
-// and samples decoded images; a changed, missing or wrong autoencoder is a clear error.
+// and samples decoded images; a changed, missing or wrong autoencoder is a clear error; latent
+// experts (partitioned on the latents, routed by a latent router) form an ensemble that samples
+// images, refuses a pixel expert, and distills into a latent student.
 #include <gtest/gtest.h>
 
 #include <filesystem>
@@ -122,6 +124,8 @@ TEST_F(Latent, ModelPinsItsAutoencoderTrainsResumesAndSamplesImages) {
     for (const auto& [name, t] : load_safetensors(run + "/ckpt/step-00000006/" + file).tensors)
       EXPECT_TRUE(name.find("enc_") == std::string::npos && name.find("quant") == std::string::npos) << file << ": " << name;
 
+  EXPECT_TRUE(fs::path(cfg.model.latent).is_absolute()) << cfg.model.latent;  // readable from any directory
+
   // Resume: 3 steps, then 3 more, gives the uninterrupted run's weights bit for bit.
   const std::string split = path("latent-split");
   ASSERT_EQ(train_latent(split, "--set train.steps=3").exit_code, 0);
@@ -130,6 +134,10 @@ TEST_F(Latent, ModelPinsItsAutoencoderTrainsResumesAndSamplesImages) {
   for (const char* file : {"model.safetensors", "ema.safetensors", "optim.safetensors"})
     EXPECT_EQ(test::read_text(split + "/ckpt/step-00000006/" + file), test::read_text(run + "/ckpt/step-00000006/" + file))
         << file;
+  // Its own resolved config.toml (a checkpoint, pinned) resumes it too, and continues it.
+  const auto again = test::run_ddm("train --quiet --config " + split + "/config.toml --set train.steps=7 --out " + split +
+                                   " --resume");
+  EXPECT_EQ(again.exit_code, 0) << again.output;
 
   // Sampling decodes: 28x28x1 images, not 7x7x4 latents.
   const auto s = test::run_ddm("sample --ckpt " + run + " --n 10 --steps 3 --out " + path("grid.png") + " --raw " +
@@ -160,14 +168,67 @@ TEST_F(Latent, AChangedMissingOrWrongAutoencoderIsAClearError) {
                           " --set train.steps=2 --out " + run)
                 .exit_code,
             0);
-  const std::string weights = path("ae-copy") + "/ckpt/step-00000010/ema.safetensors";
-  SafetensorsFile f = load_safetensors(weights);
-  f.tensors.begin()->second.add_(1e-3);  // a valid file with other weights
-  save_safetensors(weights, f);
-  expect_error(test::run_ddm("sample --ckpt " + run + " --n 2 --out " + path("p.png")), "ema.safetensors");
+  // A valid, self-consistent checkpoint with other weights in its place (as a retrained autoencoder
+  // would leave): the pin, not a checksum, catches it.
+  const std::string pinned = path("ae-copy") + "/ckpt/step-00000010";
+  fs::remove_all(pinned);
+  fs::copy(path("ae-copy") + "/ckpt/step-00000005", pinned);
+  expect_error(test::run_ddm("sample --ckpt " + run + " --n 2 --out " + path("p.png")), "model.latent_sha256");
+  expect_error(test::run_ddm("train --quiet --config " + run + "/config.toml --out " + run + " --resume"),
+               "the frozen autoencoder changed");
   fs::remove_all(path("ae-copy"));
-  expect_error(test::run_ddm("sample --ckpt " + run + " --n 2 --out " + path("p.png")), "does not exist");
+  expect_error(test::run_ddm("sample --ckpt " + run + " --n 2 --out " + path("p.png")), "do not exist (moved or deleted?)");
   EXPECT_FALSE(fs::exists(path("p.png")));
+}
+
+TEST_F(Latent, ExpertsOnOneAutoencoderMakeAnEnsembleThatSamplesImagesAndDistills) {
+  ASSERT_EQ(ae_result_.exit_code, 0) << ae_result_.output;
+  const std::string part = path("p");
+  auto r = test::run_ddm("partition --limit 256 --k 2 --fine 16 --features latent:" + ae() + " --out " + part);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("latents of"), std::string::npos) << r.output;
+  const std::string cfg = " --config " + path("latent.toml") + " --set model.latent=" + ae() + " --partition " + part;
+  for (const char* k : {"0", "1"})
+    ASSERT_EQ(test::run_ddm("train --quiet" + cfg + " --expert " + k + " --out " + path(std::string("e") + k)).exit_code, 0);
+  r = test::run_ddm("train-router --quiet" + cfg + " --holdout 32 --set train.steps=4 "
+                    "--buckets 2 --out " + path("r"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const RunConfig router = load_config(path("r/config.toml"));
+  EXPECT_EQ(router.model.in_channels, 4);  // it routes latents, as the experts denoise them
+  EXPECT_EQ(router.model.preset, "latent-router-dit");  // the default for latent experts
+  EXPECT_EQ(router.model.patch, 1);
+  EXPECT_EQ(router.model.latent_sha256, load_config(path("e0/config.toml")).model.latent_sha256);
+
+  r = test::run_ddm("ensemble --out " + path("ens") + " --partition " + part + " --router " + path("r") + " --expert " +
+                    path("e0") + " --expert " + path("e1"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  r = test::run_ddm("sample --ensemble " + path("ens") + " --n 4 --steps 2 --threads 1 --out " + path("g.png") +
+                    " --raw " + path("g.safetensors"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(load_safetensors(path("g.safetensors")).tensors.at("samples").sizes(), (std::vector<int64_t>{4, 1, 28, 28}));
+  // The oracle router knows the training data as the experts learned it: encoded.
+  r = test::run_ddm("sample --ensemble " + path("ens") + " --routing oracle --n 4 --steps 2 --threads 1 --out " +
+                    path("o.png"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+
+  // An expert on pixels does not belong in a latent ensemble.
+  ASSERT_EQ(test::run_ddm("train --quiet --config " + path("latent.toml") +
+                          " --set model.preset=unet-tiny --set model.channels=8 --set model.groups=4 --partition " +
+                          part + " --expert 1 --out " + path("pixel1"))
+                .exit_code,
+            0);
+  expect_error(test::run_ddm("ensemble --out " + path("mixed") + " --partition " + part + " --router " + path("r") +
+                             " --expert " + path("e0") + " --expert " + path("pixel1")),
+               "must share one frozen autoencoder");
+
+  // Distillation: the student takes expert 0's config, latents included (also under another preset);
+  // a student config on pixels is told what to set.
+  const std::string distill = "distill --quiet --ensemble " + path("ens") + " --set train.steps=2 --set data.limit=256 ";
+  r = test::run_ddm(distill + "--preset latent-unet --set model.channels=16 --out " + path("student"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(load_config(path("student/config.toml")).model.latent_sha256, router.model.latent_sha256);
+  expect_error(test::run_ddm(distill + "--config " + path("latent.toml") + " --out " + path("pixel-student")),
+               "a student learns the space of its teachers");
 }
 
 }  // namespace

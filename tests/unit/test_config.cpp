@@ -155,7 +155,11 @@ TEST(Config, EveryShippedConfigParses) {
   const auto cwd = std::filesystem::current_path();
   std::filesystem::current_path(DDM_SOURCE_DIR);
   const IslandsConfig isl = load_islands_config("configs/islands-k4.toml");
+  const IslandsConfig latent = load_islands_config("configs/islands-latent.toml");
   std::filesystem::current_path(cwd);
+  EXPECT_EQ(latent.features, "latent:runs/ae");
+  EXPECT_EQ(latent.router_preset, "latent-router-dit");
+  EXPECT_EQ(latent.config, "configs/latent-quickstart.toml");
   EXPECT_EQ(isl.k, 4);
   EXPECT_EQ(isl.config, "configs/quickstart.toml");
   EXPECT_EQ(isl.router_set, std::vector<std::string>{"train.steps=600"});
