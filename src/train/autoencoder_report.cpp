@@ -206,8 +206,8 @@ AutoencoderRecord read_autoencoder_record(const std::string& run_dir) {
     r.checkpoint = (fs::path(run_dir) / RunDir::kCheckpoints / j.at("checkpoint").get<std::string>()).string();
     DDM_CHECK(j.at("weights").get<std::string>() == RunDir::kEma,
               file << ": weights = " << j.at("weights") << ", but latent models use the EMA weights, "
-                   << RunDir::kEma << "; re-run `ddm train-autoencoder --config RUN/config.toml --out RUN --resume` on "
-                   << run_dir);
+                   << RunDir::kEma << "; re-run `ddm train-autoencoder --config " << run_dir << "/config.toml --out "
+                   << run_dir << " --resume`");
     r.weights = (fs::path(r.checkpoint) / RunDir::kEma).string();
     r.weights_sha256 = j.at("weights_sha256").get<std::string>();
     r.latent.shift = j.at("latent_shift").get<double>();
@@ -215,11 +215,13 @@ AutoencoderRecord read_autoencoder_record(const std::string& run_dir) {
     r.latent.n = j.at("latent_stats_images").get<int64_t>();
     DDM_CHECK(std::isfinite(r.latent.scale) && r.latent.scale > 0 && std::isfinite(r.latent.shift),
               file << ": latent_scale must be > 0 and latent_shift finite, got " << r.latent.scale << " and "
-                   << r.latent.shift << "; re-run `ddm train-autoencoder --config RUN/config.toml --out RUN --resume` on " << run_dir);
+                   << r.latent.shift << "; re-run `ddm train-autoencoder --config " << run_dir
+                   << "/config.toml --out " << run_dir << " --resume`");
     return r;
   } catch (const nlohmann::json::exception& e) {
     DDM_FAIL(file << " is not a valid autoencoder record (" << e.what()
-                  << "); re-run `ddm train-autoencoder --config RUN/config.toml --out RUN --resume` on " << run_dir << " to rewrite it");
+                  << "); rewrite it with `ddm train-autoencoder --config " << run_dir << "/config.toml --out " << run_dir
+                  << " --resume`");
   }
 }
 

@@ -128,14 +128,13 @@ void resolve_latent(ModelConfig& m, const Dataset& data) {
   const AutoencoderRecord rec = read_autoencoder_record(run);
   DDM_CHECK(!is_ckpt || same_dir(dir.string(), rec.checkpoint),
             key << ": " << RunDir(run) / RunDir::kAutoencoder << " measured " << rec.checkpoint
-                << ", not this checkpoint; use the run directory " << run << " (or report this checkpoint with "
-                << "`ddm train-autoencoder --config RUN/config.toml --out RUN --resume`)");
+                << ", not this checkpoint; use the run directory " << run);
   const RunConfig ae = autoencoder_config(rec.checkpoint, key);
   const std::string sha = sha256_file(rec.weights);
   DDM_CHECK(sha == rec.weights_sha256, rec.weights << " has sha256 " << sha << ", but "
                                                    << RunDir(run) / RunDir::kAutoencoder << " recorded "
-                                                   << rec.weights_sha256 << "; re-run `ddm train-autoencoder --config RUN/config.toml --out RUN --resume` on "
-                                                   << run << " to measure it again");
+                                                   << rec.weights_sha256 << "; measure it again with `ddm train-autoencoder --config "
+                                                   << run << "/config.toml --out " << run << " --resume`");
   DDM_CHECK(m.latent_sha256.empty() || m.latent_sha256 == sha,
             "the frozen autoencoder changed: model.latent_sha256 = " << m.latent_sha256 << ", but " << rec.weights
                                                                     << " now has sha256 " << sha);
