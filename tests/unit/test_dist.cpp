@@ -529,8 +529,41 @@ TEST(DistElastic, SurvivorsRegroupAndALeaverRejoins) {
   EXPECT_EQ(late.join(std::chrono::milliseconds(5000)), "");
 }
 
+// Rank 0 writes the run, so the survivors wait for it beyond peer_wait (up to the collective
+// timeout): rank 0 reaching the regrouping 1 s after rank 1, with peer_wait 0.3 s, is still in the
+// group (before 2026-11-23 rank 1 went on alone and both stopped).
+TEST(DistElastic, ALateRankZeroIsWaitedForUpToTheTimeout) {
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  const CommOptions o = short_timeouts(10000);
+  std::vector<std::string> errors(3);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 3; ++r)
+    threads.emplace_back([&, r] {
+      try {
+        auto job = Comm::create_for_test(store, r, 3, o);
+        auto all = torch::ones({1});
+        job->allreduce_sum(all);  // every connection is up before rank 2 leaves
+        if (r == 2) return;       // leaves
+        ElasticGroup g(job, 3, std::chrono::milliseconds(300));
+        if (r == 0) std::this_thread::sleep_for(std::chrono::milliseconds(1000));  // busy writing a checkpoint
+        auto t = torch::ones({4});
+        EXPECT_THROW(g.comm().allreduce_sum(t), Error);
+        g.recover("s1", "test", false);
+        EXPECT_EQ(g.members(), (std::vector<int>{0, 1}));
+        t = torch::ones({4});
+        g.comm().allreduce_sum(t);
+        EXPECT_TRUE(torch::equal(t, torch::full({4}, 2.0f)));
+      } catch (const std::exception& e) {
+        errors[r] = e.what();
+      }
+    });
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(errors, std::vector<std::string>(3, ""));
+}
+
 TEST(DistElastic, LosingRankZeroIsFatal) {
-  const auto errors = run_ranks(2, short_timeouts(5000), [&](Comm& c) {
+  // Rank 1 waits for rank 0 up to the collective timeout (2 s here) before it gives up.
+  const auto errors = run_ranks(2, short_timeouts(2000), [&](Comm& c) {
     if (c.rank() == 0) return;
     ElasticGroup g(std::shared_ptr<Comm>(&c, [](Comm*) {}), 2, std::chrono::milliseconds(200));
     std::this_thread::sleep_for(std::chrono::milliseconds(300));
