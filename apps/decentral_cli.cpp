@@ -121,12 +121,9 @@ void evaluate_router_run(const std::string& out, int64_t buckets) {
                                   : torch::arange(std::min<int64_t>(n, 2000), torch::kInt64);
   const std::string note = h > 0 ? "held-out images (" + std::to_string(h) + " chosen at random, never trained on)"
                                  : "training images (data.holdout = 0: none were held out)";
-  torch::Tensor x0 = to_unit_range(data.images.index_select(0, idx));  // [N, C, H, W]
-  if (r.latent) {  // a latent ensemble's router routes latents: its x_t is built on the encoder's means
-    std::vector<torch::Tensor> z;
-    for (int64_t i = 0; i < x0.size(0); i += 500) z.push_back(r.latent->encode_mean(x0.slice(0, i, i + 500)));
-    x0 = torch::cat(z);  // [N, z, h, w]
-  }
+  // A latent ensemble's router routes latents: its x_t is built on the encoder's means.
+  const torch::Tensor images = data.images.index_select(0, idx);  // uint8 [N, C, H, W]
+  const torch::Tensor x0 = r.latent ? r.latent->encode_mean(images) : to_unit_range(images);
   const RouterReport rep =
       evaluate_router(r.net, r.cfg, x0, data.labels.index_select(0, idx),
                       p.labels.index_select(0, idx), buckets, static_cast<uint64_t>(r.cfg.train.seed) + 1, note);
@@ -179,17 +176,13 @@ RunConfig distill_config(const DistillArgs& a) {
                                             : a.config;
   RunConfig c = load_config(from);
   if (!a.preset.empty()) {
-    ModelConfig m;
+    ModelConfig m = c.model;  // apply_preset keeps what the model learns (the data's shape, model.latent*)
     m.preset = a.preset;
     apply_preset(a.preset, m);
     DDM_CHECK(!is_router_arch(m.arch), "--preset " << a.preset << " is a router; the student is a diffusion model "
                                                       "(see `ddm presets`)");
     m.num_classes = c.model.num_classes == 0 ? 0 : -1;
-    m.latent = c.model.latent;  // latent teachers: the student learns the same latents
-    m.latent_sha256 = c.model.latent_sha256;
-    m.latent_scale = c.model.latent_scale;
-    m.latent_shift = c.model.latent_shift;
-    c.model = m;
+    c.model = m;  // latent teachers: the student learns the same latents
   }
   c.data.partition.clear();
   c.data.expert = -1;

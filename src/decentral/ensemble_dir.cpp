@@ -227,13 +227,8 @@ std::unique_ptr<Ensemble> make_ensemble(const LoadedEnsemble& e, const Routing& 
     DataConfig dc = e.router.cfg.data;
     const Dataset data = load_dataset(dc);
     check_partition_matches(p, data);
-    torch::Tensor x0;  // latent experts: the oracle knows the data as they learned it, encoded (posterior means)
-    if (first.latent) {
-      std::vector<torch::Tensor> z;
-      for (int64_t i = 0; i < data.images.size(0); i += 1000)
-        z.push_back(first.latent->encode_mean(to_unit_range(data.images.slice(0, i, i + 1000))));
-      x0 = torch::cat(z);  // [N, z, h, w]
-    }
+    // Latent experts: the oracle knows the data as they learned it, encoded (posterior means).
+    const torch::Tensor x0 = first.latent ? first.latent->encode_mean(data.images) : torch::Tensor();
     router = oracle_router(data, p.labels, e.k, path, x0);
     router_flops = 2.0 * static_cast<double>(x0.defined() ? x0.numel() : data.images.numel());  // [1, D] x [D, N] per image
   } else {

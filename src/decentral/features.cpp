@@ -288,10 +288,7 @@ Features compute_features(const Dataset& data, const FeatureSource& src, uint64_
     resolve_latent(m, data);
     const auto latent = LatentSpace::load(m);
     if (!quiet) std::cout << "  encoding " << n << " images with the autoencoder " << m.latent << std::endl;
-    std::vector<torch::Tensor> z;
-    for (int64_t i = 0; i < n; i += 1000)
-      z.push_back(latent->encode_mean(to_unit_range(data.images.narrow(0, i, std::min<int64_t>(1000, n - i)))).flatten(1));
-    const auto flat = torch::cat(z);  // [N, z*h*w]
+    const auto flat = latent->encode_mean(data.images).flatten(1);  // [N, z*h*w]
     double kept = 0;
     out.rows = pca_project(flat, std::min(src.dim, flat.size(1)), &kept);
     desc << "latents of " << m.latent << " (sha256 " << m.latent_sha256.substr(0, 12) << "), PCA " << out.rows.size(1)

@@ -136,7 +136,7 @@ TrainSummary train_run(RunConfig cfg, const TrainOptions& opt) { return train(pr
 RunConfig router_run_config(const std::string& config, const std::string& partition, const std::string& preset,
                             int64_t holdout, const std::vector<std::string>& overrides) {
   RunConfig c = load_config(config);
-  ModelConfig m;
+  ModelConfig m = c.model;  // apply_preset keeps what the model learns (the data's shape, model.latent*)
   // No preset given: router-dit-tiny, or for latent experts latent-router-dit (router-dit-tiny's
   // patch 7 would make a 7x7 latent one token).
   bool latent = !c.model.latent.empty();
@@ -147,11 +147,8 @@ RunConfig router_run_config(const std::string& config, const std::string& partit
   DDM_CHECK(is_router_arch(m.arch), "--preset " << preset << " is not a router preset; use router-dit-tiny, "
                                                    "router-conv-tiny or latent-router-dit (see `ddm presets`)");
   m.num_classes = c.model.num_classes == 0 ? 0 : -1;  // conditioned like the experts
-  m.latent = c.model.latent;  // latent experts: the router sees their x_t, in the same latent space
-  m.latent_sha256 = c.model.latent_sha256;
-  m.latent_scale = c.model.latent_scale;
-  m.latent_shift = c.model.latent_shift;
-  c.model = m;
+  m.num_experts = 0;                                   // from the partition
+  c.model = m;  // latent experts: the router sees their x_t, in the same latent space
   c.data.partition = fs::absolute(partition).string();
   c.data.expert = -1;
   c.data.holdout = holdout;

@@ -75,9 +75,15 @@ torch::Tensor LatentSpace::encode(const torch::Tensor& x, const torch::Tensor& e
   return (ae_->encode(x).sample(eps) - shift_) * scale_;  // [B, z, h, w]
 }
 
-torch::Tensor LatentSpace::encode_mean(const torch::Tensor& x) const {
+torch::Tensor LatentSpace::encode_mean(const torch::Tensor& images) const {
   torch::NoGradGuard no_grad;
-  return (ae_->encode(x).mean - shift_) * scale_;  // [B, z, h, w]
+  std::vector<torch::Tensor> z;
+  for (int64_t i = 0; i < images.size(0); i += 1000) {
+    torch::Tensor x = images.slice(0, i, i + 1000);
+    if (x.scalar_type() == torch::kUInt8) x = to_unit_range(x);  // [b, C, H, W] in [-1, 1]
+    z.push_back((ae_->encode(x).mean - shift_) * scale_);          // [b, z, h, w]
+  }
+  return torch::cat(z);  // [N, z, h, w]
 }
 
 torch::Tensor LatentSpace::decode(const torch::Tensor& z) const {

@@ -29,8 +29,10 @@ class LatentSpace {
   // Images float [B, C, H, W] in [-1, 1] and posterior noise eps [B, z, h, w] -> normalized latents
   // (mean + std * eps - shift) * scale [B, z, h, w]. No gradients.
   torch::Tensor encode(const torch::Tensor& x, const torch::Tensor& eps) const;
-  // The posterior means, normalized [B, z, h, w] (deterministic: features, not training inputs).
-  torch::Tensor encode_mean(const torch::Tensor& x) const;
+  // The posterior means, normalized [N, z, h, w] (deterministic: features, not training inputs), of
+  // images [N, C, H, W]: uint8 (a Dataset's, scaled here) or float in [-1, 1]. Encodes 1000 at a
+  // time, so any N fits in memory.
+  torch::Tensor encode_mean(const torch::Tensor& images) const;
   // Normalized latents [B, z, h, w] -> images [B, C, H, W] clamped to [-1, 1]. No gradients.
   torch::Tensor decode(const torch::Tensor& z) const;
 
