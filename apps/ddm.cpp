@@ -30,7 +30,9 @@
 #include "core/runtime.h"
 #include "core/safetensors.h"
 #include "core/version.h"
+#include "data/control.h"
 #include "data/dataset.h"
+#include "data/image_folder.h"
 #include "decentral/ensemble_dir.h"
 #include "diffusion/generate.h"
 #include "eval/evaluate.h"
@@ -39,6 +41,7 @@
 #include "model/net.h"
 #include "core/presets.h"
 #include "train/autoencoder_report.h"
+#include "train/controlnet.h"
 #include "model/router.h"
 #include "decentral/train_run.h"
 #include "dist/env.h"
@@ -83,6 +86,7 @@ cfg = 2.0
 
 struct SampleArgs {
   std::string ckpt, ensemble, routing, out = "samples.png", raw, sampler;
+  std::string control_file, control_from, control_type;  // ControlNets (and their fidelity for any model)
   int64_t n = 100, steps = 0, class_id = -1, seed = 0, batch = 250, threads = 0;
   double cfg = -1;
   bool no_ema = false, allow_missing = false;
@@ -121,6 +125,70 @@ Source open_source(const SampleArgs& a) {
   return s;
 }
 
+// Control maps for sampling (--control FILE | --control-from SPLIT): what a ControlNet is given and what
+// any model's samples are measured against (control fidelity).
+struct ControlSet {
+  std::string type;     // edges | lowres
+  torch::Tensor maps;   // float [n, Cc, S, S] in [-1, 1]
+  torch::Tensor labels; // int64 [n] (--control-from: the images'; else undefined)
+  std::string origin;
+};
+
+// Tiles of S x S pixels, row-major, from a PNG whose sides are multiples of S: uint8 [N, C, S, S].
+torch::Tensor read_tiles(const std::string& path, int64_t size) {
+  torch::Tensor img = read_image(path);  // [C, H, W]
+  const int64_t h = img.size(1), w = img.size(2);
+  DDM_CHECK(h % size == 0 && w % size == 0, "--control " << path << ": the image is " << w << "x" << h
+                                                          << " pixels; give one " << size << "x" << size
+                                                          << " control map, or a grid of them without margins");
+  if (img.size(0) == 2 || img.size(0) == 4) img = img.narrow(0, 0, img.size(0) - 1);  // drop alpha
+  return img.reshape({img.size(0), h / size, size, w / size, size}).permute({1, 3, 0, 2, 4})
+      .reshape({-1, img.size(0), size, size});  // [N, C, S, S]
+}
+
+std::optional<ControlSet> open_controls(const SampleArgs& a, const LoadedModel& m, int64_t n) {
+  const bool controlnet = !m.cfg.model.controlnet.empty();
+  DDM_CHECK(a.control_file.empty() || a.control_from.empty(), "give one of --control FILE and --control-from SPLIT");
+  if (a.control_file.empty() && a.control_from.empty()) {
+    DDM_CHECK(!controlnet, m.checkpoint << " is a ControlNet (model.control = " << m.cfg.model.control
+                                        << "): give its control maps with --control FILE or --control-from test");
+    DDM_CHECK(a.control_type.empty(), "--control-type needs --control FILE or --control-from SPLIT");
+    return std::nullopt;
+  }
+  ControlSet c;
+  c.type = a.control_type.empty() ? m.cfg.model.control : a.control_type;
+  DDM_CHECK(!controlnet || c.type == m.cfg.model.control,
+            "--control-type " << c.type << ": this ControlNet takes " << m.cfg.model.control << " maps");
+  const int64_t size = m.latent ? m.latent->shape().image_size : m.cfg.model.image_size;
+  const int64_t channels = m.latent ? m.latent->shape().in_channels : m.cfg.model.in_channels;
+  const int64_t cc = c.type == "edges" ? 1 : channels;
+  if (!a.control_from.empty()) {
+    DataConfig dc = m.cfg.data;
+    dc.split = a.control_from;
+    dc.limit = 0;
+    dc.partition.clear();
+    dc.expert = -1;
+    const Dataset d = load_dataset(dc);
+    DDM_CHECK(d.images.size(0) >= n, "--control-from " << a.control_from << ": " << d.description << " has "
+                                                        << d.images.size(0) << " images, fewer than --n " << n);
+    c.maps = control_map(c.type, to_unit_range(d.images.narrow(0, 0, n)));  // [n, Cc, S, S]
+    c.labels = d.labels.narrow(0, 0, n);
+    c.origin = "the " + c.type + " maps of the first " + std::to_string(n) + " images of " + d.description;
+  } else {
+    const torch::Tensor tiles = read_tiles(a.control_file, size);  // [N, C', S, S]
+    DDM_CHECK(tiles.size(1) == cc || (cc == 1 && tiles.size(1) == 3),
+              "--control " << a.control_file << ": " << tiles.size(1) << "-channel maps, but " << c.type << " maps of "
+                           << channels << "-channel images have " << cc);
+    torch::Tensor maps = to_unit_range(tiles);
+    if (maps.size(1) != cc) maps = maps.mean(1, /*keepdim=*/true);  // [N, 1, S, S]
+    const int64_t tiles_n = maps.size(0);
+    // Fewer maps than samples: they repeat in order.
+    c.maps = maps.index_select(0, torch::arange(n, torch::kLong).remainder(tiles_n));  // [n, Cc, S, S]
+    c.origin = std::to_string(tiles_n) + " " + c.type + " map(s) from " + a.control_file;
+  }
+  return c;
+}
+
 // Sampling progress: a live counter on a terminal, otherwise a plain line at every 10%.
 std::function<void(int64_t, int64_t)> sampling_progress(bool tty) {
   auto next_tenth = std::make_shared<int64_t>(1);
@@ -157,11 +225,18 @@ void write_samples(const SampleArgs& a) {
   if (src.model) std::cout << " (step " << m.step << ", " << (a.no_ema ? "raw" : "EMA") << " weights)";
   std::cout << ": " << g.sample.sampler << ", " << g.sample.steps << " steps, cfg " << g.sample.cfg << std::endl;
   g.decode = image_decoder(m);  // latent models: the frozen decoder
+  DDM_CHECK(src.model || (a.control_file.empty() && a.control_from.empty()), "--control applies only to --ckpt");
+  const std::optional<ControlSet> controls = src.model ? open_controls(a, m, a.n) : std::nullopt;
+  if (controls) {
+    if (!m.cfg.model.controlnet.empty()) g.control = controls->maps;
+    if (controls->labels.defined()) g.labels = controls->labels;
+    std::cout << "control: " << controls->origin << std::endl;
+  }
   Generated out = generate(den, m.cfg.model.in_channels, m.cfg.model.image_size, g);
   if (tty) std::printf("\n");
   std::vector<std::string> labels;
   int64_t cols = std::min<int64_t>(a.n, 10);
-  if (classes > 0 && a.class_id < 0) {
+  if (classes > 0 && a.class_id < 0 && !(controls && controls->labels.defined())) {
     cols = g.per_class;
     for (int64_t r = 0; r * cols < a.n; ++r) {
       const int64_t c = out.labels[r * cols].item<int64_t>();
@@ -172,6 +247,14 @@ void write_samples(const SampleArgs& a) {
   const std::string parent = fs::path(a.out).parent_path().string();
   if (!parent.empty()) fs::create_directories(parent);
   save_image_grid(a.out, out.images, cols, labels);
+  if (controls) {
+    const std::string maps_png =
+        (fs::path(a.out).parent_path() / (fs::path(a.out).stem().string() + "-control.png")).string();
+    save_image_grid(maps_png, controls->maps, cols, labels);
+    std::printf("control fidelity: %s-map MSE %.4f of the samples against the given maps\n", controls->type.c_str(),
+                control_error(controls->type, out.images, controls->maps));
+    std::cout << "wrote " << maps_png << " (the control maps, laid out as the samples)" << std::endl;
+  }
   std::cout << "NFE " << out.nfe << " per image" << (g.sample.cfg != 1.0 && classes > 0 ? " (CFG: batch of 2)" : "")
             << ", " << out.seconds << " s, " << a.n / out.seconds << " img/s\n";
   if (src.ensemble) std::cout << src.ensemble->usage_report(a.n);
@@ -209,6 +292,16 @@ void add_sample_flags(CLI::App* cmd, SampleArgs& a) {
   cmd->add_option("--routing", a.routing,
                   "with --ensemble: top1 | topk:K | full | threshold:P | sample | oracle (default: the manifest's, "
                   "normally top1). Per step and per sample; see docs/decentralized.md");
+  cmd->add_option("--control", a.control_file,
+                  "a ControlNet's control maps: a PNG of one map, or a grid of image-size tiles without margins (read "
+                  "row by row, repeated if fewer than --n); also measures any model's fidelity to them");
+  cmd->add_option("--control-from", a.control_from,
+                  "control maps of the first --n images of this split of the model's data, with their labels (a "
+                  "ControlNet is steered by them; any model's samples are measured against them)")
+      ->check(CLI::IsMember({"train", "test"}));
+  cmd->add_option("--control-type", a.control_type,
+                  "edges | lowres: the maps of --control-from (default: the model's model.control, edges)")
+      ->check(CLI::IsMember({"edges", "lowres"}));
   cmd->add_flag("--allow-missing", a.allow_missing,
                 "with --ensemble: sample even if some experts' checkpoints are missing (their probability is "
                 "renormalized over the rest)");
@@ -299,6 +392,14 @@ int eval_cmd(EvalArgs a) {
     std::cout << "sampling " << a.sample.n << " images from " << src.name << ": " << g.sample.sampler << ", "
               << g.sample.steps << " steps, cfg " << g.sample.cfg << std::endl;
     g.decode = image_decoder(m);  // latent models: the frozen decoder
+    DDM_CHECK(src.model || (a.sample.control_file.empty() && a.sample.control_from.empty()),
+              "--control applies only to --ckpt");
+    const std::optional<ControlSet> controls = src.model ? open_controls(a.sample, m, a.sample.n) : std::nullopt;
+    if (controls) {
+      if (!m.cfg.model.controlnet.empty()) g.control = controls->maps;
+      if (controls->labels.defined()) g.labels = controls->labels;
+      std::cout << "control: " << controls->origin << std::endl;
+    }
     Generated out = generate(den, m.cfg.model.in_channels, m.cfg.model.image_size, g);
     if (tty) std::printf("\n");
     std::printf("NFE %lld per image, %.0f s (%.1f img/s)\n", static_cast<long long>(out.nfe), out.seconds,
@@ -315,6 +416,14 @@ int eval_cmd(EvalArgs a) {
                 {"nfe", std::to_string(out.nfe)},
                 {"seed", std::to_string(g.seed)},
                 {"sampling_seconds", std::to_string(out.seconds)}};
+    if (controls) {
+      const double err = control_error(controls->type, out.images, controls->maps);
+      std::printf("control fidelity: %s-map MSE %.4f of the samples against the given maps (%s)\n",
+                  controls->type.c_str(), err, m.cfg.model.controlnet.empty() ? "not a ControlNet: a baseline"
+                                                                             : "ControlNet");
+      set.info["control"] = controls->origin;
+      set.info["control_mse"] = std::to_string(err);
+    }
     if (src.ensemble) {
       const EnsembleUsage& u = src.ensemble->usage();
       set.info["routing"] = src.routing.spec;
@@ -328,7 +437,8 @@ int eval_cmd(EvalArgs a) {
     routing_name.erase(std::remove(routing_name.begin(), routing_name.end(), ':'), routing_name.end());
     stem = (src.ensemble ? "routing-" + routing_name + "-" : std::string()) + g.sample.sampler + "-" +
            std::to_string(g.sample.steps) + "steps-cfg" +
-           std::to_string(g.sample.cfg).substr(0, 4) + "-n" + std::to_string(a.sample.n);
+           std::to_string(g.sample.cfg).substr(0, 4) + "-n" + std::to_string(a.sample.n) +
+           (controls ? "-control-" + controls->type + (a.sample.control_from.empty() ? "-file" : "-" + a.sample.control_from) : "");
     if (a.out.empty()) a.out = (fs::path(src.model ? a.sample.ckpt : a.sample.ensemble) / "eval").string();
     fs::create_directories(a.out);
     SafetensorsFile f;
@@ -400,7 +510,14 @@ int run(int argc, char** argv) {
   std::vector<std::string> overrides;
   bool resume = false, force = false, quiet = false;
   auto* train_cmd = app.add_subcommand("train", "Train a diffusion model from a TOML config.");
-  train_cmd->add_option("--config", config_path, "TOML config file (see configs/)")->required();
+  train_cmd->add_option("--config", config_path,
+                        "TOML config file (see configs/); with --controlnet it defaults to the base run's own config");
+  std::string controlnet;
+  train_cmd->add_option("--controlnet", controlnet,
+                        "train a ControlNet on this trained U-Net run (or checkpoint), which stays locked: a trainable "
+                        "copy of its encoder steers it with control maps of model.control (edges | lowres), computed "
+                        "from each batch (sets model.controlnet; the model keys become the base's). Sample it with "
+                        "`ddm sample --control-from test`; see docs/conditioning.md");
   train_cmd->add_option("--set", overrides, "override a config key, e.g. --set train.steps=100 (repeatable)");
   train_cmd->add_option("--out", out_dir, "run directory (config, checkpoints, metrics)")->required();
   std::string partition, budget;
@@ -540,7 +657,18 @@ int run(int argc, char** argv) {
     }
     if (expert >= 0) overrides.push_back("data.expert=" + std::to_string(expert));
     if (!budget.empty()) overrides.push_back("train.expert_budget=" + budget);
-    RunConfig cfg = load_config(config_path, overrides);
+    DDM_CHECK(!config_path.empty() || !controlnet.empty(), "ddm train: --config is required (or --controlnet BASE)");
+    RunConfig cfg;
+    if (config_path.empty()) {
+      cfg = controlnet_default_config(controlnet, overrides);
+    } else {
+      if (!controlnet.empty()) {
+        const std::string abs = fs::absolute(controlnet).string();
+        DDM_CHECK(abs.find('\'') == std::string::npos, "--controlnet: a path with a ' is not supported: " << abs);
+        overrides.push_back("model.controlnet='" + abs + "'");
+      }
+      cfg = load_config(config_path, overrides);
+    }
     TrainSummary s = train_run(cfg, {out_dir, resume, force, quiet, nullptr});
     if (s.rank == 0)
       std::cout << "done: step " << s.last_step << ", checkpoint " << s.checkpoint << ", peak memory "

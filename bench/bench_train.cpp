@@ -27,7 +27,9 @@
 //           phases: prepare (no-grad work: the frozen encoder, a teacher), the trainable forward,
 //           backward and the update, medians in ms; experts (data.partition) and distillation
 //           (train.teacher) are prepared as `ddm train` prepares them; frozen_share = prepare / (forward + backward), the
-//           DiffusionPipe paper's "44% of the backbone's forward+backward" measure)
+//           DiffusionPipe paper's "44% of the backbone's forward+backward" measure; a ControlNet
+//           (model.controlnet) also reports locked_decoder_ms, its frozen decoder's forward and
+//           input-gradients timed alone on the same batch, and frozen_grad_path_share = that / (forward + backward))
 // DDM_BENCH_TRACE=FILE with `train` writes a LibTorch profiler trace (Chrome JSON) of 3 steps.
 #include <algorithm>
 #include <chrono>
@@ -58,6 +60,8 @@
 #include "model/net.h"
 #include "core/presets.h"
 #include "decentral/train_run.h"
+#include "model/controlnet.h"
+#include "train/controlnet.h"
 #include "train/latent.h"
 #include "train/step.h"
 #include "train/trainer.h"
@@ -390,9 +394,12 @@ int run_phases(const Args& a) {
   const RunConfig& cfg = job.cfg;
   torch::manual_seed(0);
   Net net = make_net(cfg.model);
+  attach_controlnet(*net, cfg.model);
   auto objective = job.objective ? job.objective : make_objective(cfg);
   const auto latent = attach_latent(*objective, cfg.model);
   TrainStep stepper(cfg, net, objective);
+  auto* controlnet = dynamic_cast<ControlNetImpl*>(net.get());
+  std::vector<double> locked;  // a ControlNet's locked decoder: forward + input-gradients
   const int64_t n = job.data.images.size(0);
   DDM_CHECK(n >= a.batch, a.preset << ": the data has " << n << " images, fewer than --batch " << a.batch);
   std::vector<double> prep, fwd, bwd, upd, step;
@@ -409,6 +416,23 @@ int run_phases(const Args& a) {
     bwd.push_back(ms_between(t.backward_start, t.backward_end));
     upd.push_back(ms_between(t.backward_end, t.end));
     step.push_back(ms_between(t.start, t.end));
+    if (controlnet) {
+      // The frozen work on the gradient path, alone: the locked decoder on this batch's features
+      // with residuals that need gradients, forward and backward (no parameter gradient: all frozen).
+      Prepared p;
+      {
+        torch::NoGradGuard ng;
+        p = objective->prepare(b, i);
+        p.cond = controlnet->precompute(p.xt, p.t, p.cond);
+      }
+      UNetImpl::Features f{p.cond.frozen[0], {p.cond.frozen.begin() + 2, p.cond.frozen.end()}, p.cond.frozen[1]};
+      std::vector<torch::Tensor> res;
+      for (const auto& s : f.skips) res.push_back(torch::zeros_like(s).requires_grad_());
+      res.push_back(torch::zeros_like(f.h).requires_grad_());
+      const auto t0 = std::chrono::steady_clock::now();
+      controlnet->base().decode(f, res).pow(2).mean().backward();
+      locked.push_back(ms_between(t0, std::chrono::steady_clock::now()));
+    }
   }
   nlohmann::json j = {{"mode", "phases"},
                       {"config", a.preset},
@@ -418,7 +442,9 @@ int run_phases(const Args& a) {
                                     "x" + std::to_string(cfg.model.image_size)},
                       {"frozen", latent ? "encoder of " + latent->checkpoint()
                                         : !cfg.train.teacher.empty() ? "teacher ensemble " + cfg.train.teacher
-                                                                     : "none"},
+                                        : controlnet ? cfg.model.control + " maps and the locked encoder of " +
+                                                           cfg.model.controlnet
+                                                     : "none"},
                       {"batch", a.batch},
                       {"threads", a.threads},
                       {"steps", a.steps},
@@ -430,6 +456,10 @@ int run_phases(const Args& a) {
                       {"step_ms", median(step)},
                       {"img_per_s", a.batch / (median(step) / 1e3)},
                       {"frozen_share", median(prep) / (median(fwd) + median(bwd))}};
+  if (controlnet) {  // the locked decoder runs inside forward + backward: how much of it
+    j["locked_decoder_ms"] = median(locked);
+    j["frozen_grad_path_share"] = median(locked) / (median(fwd) + median(bwd));
+  }
   std::printf("%s\n", j.dump().c_str());
   return 0;
 }

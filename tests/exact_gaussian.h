@@ -14,7 +14,7 @@ class ExactGaussianNet : public NetImpl {
  public:
   ExactGaussianNet(NoisePath path, Prediction pred, torch::Tensor mu, torch::Tensor var)
       : path_(path), pred_(pred), mu_(mu), var_(var) {}
-  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor&) override {
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& t, const Cond&) override {
     auto a = path_.alpha(t).view({-1, 1, 1, 1}), s = path_.sigma(t).view({-1, 1, 1, 1});
     auto x0 = mu_ + a * var_ / (a * a * var_ + s * s) * (x - a * mu_);  // [B,C,H,W]
     auto eps = (x - a * x0) / s;                                          // [B,C,H,W]

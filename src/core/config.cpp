@@ -130,6 +130,10 @@ std::vector<Field> fields(RunConfig& c) {
       field("model.latent_sha256", &c.model.latent_sha256),
       field("model.latent_scale", &c.model.latent_scale),
       field("model.latent_shift", &c.model.latent_shift),
+      field("model.controlnet", &c.model.controlnet),
+      field("model.controlnet_sha256", &c.model.controlnet_sha256),
+      field("model.control", &c.model.control),
+      field("model.self_cond", &c.model.self_cond),
       field("diffusion.objective", &c.diffusion.objective),
       field("diffusion.schedule", &c.diffusion.schedule),
       field("diffusion.time_dist", &c.diffusion.time_dist),
@@ -147,6 +151,7 @@ std::vector<Field> fields(RunConfig& c) {
       field("train.grad_clip", &c.train.grad_clip),
       field("train.ema_decay", &c.train.ema_decay),
       field("train.label_dropout", &c.train.label_dropout),
+      field("train.self_cond", &c.train.self_cond),
       field("train.kl_weight", &c.train.kl_weight),
       field("train.seed", &c.train.seed),
       field("train.threads", &c.train.threads),
@@ -323,6 +328,17 @@ void validate(const RunConfig& c) {
   DDM_CHECK(std::isfinite(m.latent_shift), "model.latent_shift must be finite, got " << m.latent_shift);
   DDM_CHECK(!m.latent.empty() || (m.latent_sha256.empty() && m.latent_scale == 0 && m.latent_shift == 0),
             "model.latent_sha256, latent_scale and latent_shift describe model.latent, which is not set");
+  check_choice("model.control", m.control, {"edges", "lowres"});
+  DDM_CHECK(m.controlnet.empty() || m.arch == "unet",
+            "model.controlnet = " << m.controlnet << " steers a U-Net, but model.arch = " << m.arch
+                                  << " (the base run's model keys are taken over when it is resolved)");
+  DDM_CHECK(m.controlnet.empty() || m.latent.empty(),
+            "model.controlnet with model.latent: a ControlNet on a latent U-Net is not supported yet; use a pixel "
+            "base run");
+  DDM_CHECK(m.controlnet.empty() || (c.train.teacher.empty() && c.data.partition.empty()),
+            "model.controlnet trains a ControlNet on all the data: remove train.teacher and data.partition");
+  DDM_CHECK(!m.controlnet.empty() || m.controlnet_sha256.empty(),
+            "model.controlnet_sha256 describes model.controlnet, which is not set");
   DDM_CHECK(m.num_experts == 0 || m.num_experts >= 2,
             "model.num_experts must be 0 (from the partition) or >= 2, got " << m.num_experts);
   DDM_CHECK(m.in_channels >= 0, "model.in_channels must be >= 0 (0 = from data), got " << m.in_channels);
@@ -360,6 +376,12 @@ void validate(const RunConfig& c) {
   DDM_CHECK(t.adam_eps > 0, "train.adam_eps must be > 0, got " << t.adam_eps);
   DDM_CHECK(t.grad_clip >= 0, "train.grad_clip must be >= 0 (0 = off), got " << t.grad_clip);
   DDM_CHECK(t.ema_decay >= 0 && t.ema_decay < 1, "train.ema_decay must be in [0, 1), got " << t.ema_decay);
+  DDM_CHECK(t.self_cond >= 0 && t.self_cond <= 1, "train.self_cond must be a probability in [0, 1], got " << t.self_cond);
+  DDM_CHECK(!(c.model.self_cond || t.self_cond > 0) || c.model.arch == "unet" || c.model.arch == "dit",
+            "train.self_cond / model.self_cond apply to diffusion backbones (model.arch = unet | dit), not "
+                << c.model.arch);
+  DDM_CHECK(!(c.model.self_cond || t.self_cond > 0) || c.model.controlnet.empty(),
+            "train.self_cond with model.controlnet is not supported: a ControlNet steers its base as trained");
   DDM_CHECK(t.label_dropout >= 0 && t.label_dropout <= 1,
             "train.label_dropout must be in [0, 1], got " << t.label_dropout);
   DDM_CHECK(std::isfinite(t.kl_weight) && t.kl_weight >= 0, "train.kl_weight must be >= 0, got " << t.kl_weight);

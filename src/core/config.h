@@ -50,6 +50,17 @@ struct ModelConfig {
   std::string latent_sha256;
   double latent_scale = 0;
   double latent_shift = 0;
+  // ControlNet (`ddm train --controlnet BASE`, model/controlnet.h): a trained U-Net run whose model is
+  // locked and steered by a trainable copy of its encoder fed the control map `control` (edges |
+  // lowres, data/control.h). Resolved at train time and recorded: the other model keys become the
+  // base's, controlnet names its checkpoint directory and controlnet_sha256 its EMA weights (checked
+  // on every load).
+  std::string controlnet;
+  std::string controlnet_sha256;
+  std::string control = "edges";
+  // Self-conditioning (Chen et al. 2023): the network takes a previous x0 estimate as extra input
+  // channels (in_channels more; zeros when there is none). Set when train.self_cond > 0 (recorded).
+  bool self_cond = false;
 };
 
 struct DiffusionConfig {
@@ -73,6 +84,10 @@ struct TrainConfig {
   double grad_clip = 1.0;        // max global grad norm (0 = off)
   double ema_decay = 0.999;
   double label_dropout = 0.1;    // probability of replacing the label by the null class
+  // Self-conditioning: the probability that a sample's training pass receives the x0 estimate of a
+  // first no-grad pass of the current model (else zeros); samplers feed each step's estimate to the
+  // next. 0 = off; > 0 sets model.self_cond. Chen et al. use 0.5.
+  double self_cond = 0;
   double kl_weight = 1e-6;       // autoencoders: weight of the KL term per latent element against L1 per pixel
   int64_t seed = 0;
   int64_t threads = 0;           // intra-op threads per process (0 = the cores / the job's processes on this machine)

@@ -151,6 +151,10 @@ void apply_preset(const std::string& name, ModelConfig& cfg) {
     m.latent_sha256 = cfg.latent_sha256;
     m.latent_scale = cfg.latent_scale;
     m.latent_shift = cfg.latent_shift;
+    m.controlnet = cfg.controlnet;
+    m.controlnet_sha256 = cfg.controlnet_sha256;
+    m.control = cfg.control;
+    m.self_cond = cfg.self_cond;
     p.second(m);
     cfg = m;
     return;

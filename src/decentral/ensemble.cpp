@@ -205,8 +205,11 @@ Denoiser::Estimate Ensemble::combine(const torch::Tensor& x, const torch::Tensor
 }
 
 Denoiser Ensemble::denoiser() const {
-  return Denoiser([this](const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& y, double w,
-                         const torch::Tensor& keys) { return estimate(x, t, y, w, keys); },
+  return Denoiser([this](const torch::Tensor& x, const torch::Tensor& t, const Cond& c, double w,
+                         const torch::Tensor& keys) {
+                    DDM_CHECK(!c.control.defined(), "an ensemble of experts takes no control map");
+                    return estimate(x, t, c.y, w, keys);
+                  },
                   path_, num_classes_);
 }
 

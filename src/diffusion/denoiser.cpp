@@ -59,19 +59,20 @@ Denoiser::Denoiser(Net net, NoisePath path, Prediction pred, int64_t num_classes
 Denoiser::Denoiser(EstimateFn fn, NoisePath path, int64_t num_classes)
     : fn_(std::move(fn)), path_(path), pred_(Prediction::kVelocity), num_classes_(num_classes) {}
 
-torch::Tensor Denoiser::raw(const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& y, double w) const {
+torch::Tensor Denoiser::raw(const torch::Tensor& x, const torch::Tensor& t, const Cond& y, double w) const {
   ++nfe_;
   const int64_t b = x.size(0);
-  auto null = torch::full({b}, num_classes_, torch::kLong);
+  Cond null = y;  // the unconditional branch: the null class, the same control map
+  null.y = torch::full({b}, num_classes_, torch::kLong);
   if (num_classes_ == 0 || w == 1.0) return net_->forward(x, t, num_classes_ == 0 ? null : y);  // [B,C,H,W]
   if (w == 0.0) return net_->forward(x, t, null);                                               // [B,C,H,W]
   // Conditional and unconditional branches in one batch of 2B.
-  auto out = net_->forward(torch::cat({x, x}), torch::cat({t, t}), torch::cat({y, null}));  // [2B,C,H,W]
+  auto out = net_->forward(torch::cat({x, x}), torch::cat({t, t}), Cond::cat(y, null));  // [2B,C,H,W]
   auto cond = out.narrow(0, 0, b), uncond = out.narrow(0, b, b);                            // [B,C,H,W]
   return uncond + w * (cond - uncond);                                                       // [B,C,H,W]
 }
 
-Denoiser::Estimate Denoiser::estimate(const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& y,
+Denoiser::Estimate Denoiser::estimate(const torch::Tensor& x, const torch::Tensor& t, const Cond& y,
                                       double w, const torch::Tensor& keys) const {
   if (fn_) {
     ++nfe_;
@@ -83,9 +84,12 @@ Denoiser::Estimate Denoiser::estimate(const torch::Tensor& x, const torch::Tenso
           sc.e_skip * x + sc.e_out * f};  // eps_hat [B,C,H,W]
 }
 
-torch::Tensor Denoiser::velocity(const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& y,
+torch::Tensor Denoiser::velocity(const torch::Tensor& x, const torch::Tensor& t, const Cond& y,
                                  double w, const torch::Tensor& keys) const {
-  auto e = estimate(x, t, y, w, keys);
+  return velocity(estimate(x, t, y, w, keys), t);  // [B,C,H,W]
+}
+
+torch::Tensor Denoiser::velocity(const Estimate& e, const torch::Tensor& t) const {
   return col(path_.dalpha(t)) * e.x0 + col(path_.dsigma(t)) * e.eps;  // [B,C,H,W]
 }
 

@@ -39,29 +39,33 @@ class Denoiser {
   // Any estimator of (x0_hat, eps_hat) at (x, t, y, guidance w) on `path`, e.g. a routed ensemble.
   // keys: int64 [B], one random key per sample for this evaluation (sampler.h), for an estimator that
   // draws at random per sample; undefined when the caller has none.
-  using EstimateFn = std::function<Estimate(const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& y,
+  using EstimateFn = std::function<Estimate(const torch::Tensor& x, const torch::Tensor& t, const Cond& y,
                                             double w, const torch::Tensor& keys)>;
 
   // num_classes: the null class index used for the unconditional branch (0 = unconditional model).
   Denoiser(Net net, NoisePath path, Prediction pred, int64_t num_classes);
   // A denoiser defined by an estimator on `path` (the samplers then integrate on that path).
   Denoiser(EstimateFn fn, NoisePath path, int64_t num_classes);
-  // x [B,C,H,W] at times t [B]; y int64 [B]; guidance scale w (1 = conditional only, 0 =
-  // unconditional only). Counts one network evaluation (NFE) per call, whatever the batch. keys: as
+  // x [B,C,H,W] at times t [B]; y the conditioning (labels int64 [B]; a control map is kept in both
+  // branches of guidance); guidance scale w (1 = conditional only, 0 = unconditional only). Counts one network evaluation (NFE) per call, whatever the batch. keys: as
   // for EstimateFn (a network ignores them).
-  Estimate estimate(const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& y, double w,
+  Estimate estimate(const torch::Tensor& x, const torch::Tensor& t, const Cond& y, double w,
                     const torch::Tensor& keys = {}) const;
+  // The probability-flow velocity dx/dt of an estimate at times t [B].
+  torch::Tensor velocity(const Estimate& e, const torch::Tensor& t) const;
   // The probability-flow velocity dx/dt at (x, t).
-  torch::Tensor velocity(const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& y, double w,
+  torch::Tensor velocity(const torch::Tensor& x, const torch::Tensor& t, const Cond& y, double w,
                          const torch::Tensor& keys = {}) const;
 
   const NoisePath& path() const { return path_; }
   int64_t num_classes() const { return num_classes_; }
+  // A self-conditioned network (model.self_cond): samplers pass each estimate's x0 to the next call.
+  bool self_conditioned() const { return net_ && net_->self_conditioned(); }
   int64_t nfe() const { return nfe_; }
   void reset_nfe() { nfe_ = 0; }
 
  private:
-  torch::Tensor raw(const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& y, double w) const;
+  torch::Tensor raw(const torch::Tensor& x, const torch::Tensor& t, const Cond& y, double w) const;
   Net net_;
   EstimateFn fn_;
   NoisePath path_;

@@ -24,7 +24,15 @@ Generated generate(const Denoiser& den, int64_t channels, int64_t size, const Ge
   DDM_CHECK(opt.batch_size > 0, "the sampling batch size must be > 0, got " << opt.batch_size);
   const auto t0 = std::chrono::steady_clock::now();
   Generated g;
-  g.labels = sample_labels(opt.n, den.num_classes(), opt.class_id, opt.per_class);
+  if (opt.labels.defined()) {
+    DDM_CHECK(opt.labels.dim() == 1 && opt.labels.size(0) == opt.n, "generate: " << opt.labels.sizes()
+                                                                              << " labels for " << opt.n << " samples");
+    g.labels = den.num_classes() == 0 ? torch::zeros({opt.n}, torch::kLong) : opt.labels;
+  } else {
+    g.labels = sample_labels(opt.n, den.num_classes(), opt.class_id, opt.per_class);
+  }
+  DDM_CHECK(!opt.control.defined() || opt.control.size(0) == opt.n,
+            "generate: " << opt.control.size(0) << " control maps for " << opt.n << " samples");
   std::vector<torch::Tensor> chunks;
   for (int64_t start = 0; start < opt.n; start += opt.batch_size) {
     const int64_t b = std::min(opt.batch_size, opt.n - start);
@@ -37,7 +45,9 @@ Generated generate(const Denoiser& den, int64_t channels, int64_t size, const Ge
     SampleOptions so = opt.sample;
     so.seed = opt.seed;
     so.first_index = start;  // later draws are keyed by the sample's number too, not by this batch
-    auto res = sample(den, torch::cat(noise), g.labels.narrow(0, start, b), so);  // [b,C,H,W]
+    Cond c(g.labels.narrow(0, start, b));                                // [b]
+    if (opt.control.defined()) c.control = opt.control.narrow(0, start, b);  // [b, Cc, H, W]
+    auto res = sample(den, torch::cat(noise), c, so);  // [b,C,H,W]
     chunks.push_back(opt.decode ? opt.decode(res.x) : res.x.clamp(-1, 1));  // [b, C, H, W]
     g.nfe = res.nfe;
     if (opt.on_progress) opt.on_progress(start + b, opt.n);

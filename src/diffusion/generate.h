@@ -23,6 +23,11 @@ struct GenerateOptions {
   // Latent models: latents [b, z, h, w] -> images [b, C, H, W] in [-1, 1] (the frozen decoder), run on
   // each batch as it is sampled. Unset: the samples are the images.
   std::function<torch::Tensor(const torch::Tensor&)> decode;
+  // ControlNets: the control map of each sample, float [n, Cc, H, W] (data/control.h); undefined: none.
+  torch::Tensor control;
+  // Each sample's label, int64 [n] (e.g. of the test images the control maps come from); undefined:
+  // from class_id and per_class.
+  torch::Tensor labels;
 };
 
 struct Generated {

@@ -10,6 +10,7 @@
 #include "core/error.h"
 #include "core/keyed_random.h"
 #include "core/rng.h"
+#include "data/control.h"
 #include "model/autoencoder.h"
 #include "model/router.h"
 
@@ -33,7 +34,9 @@ Objective::Objective(const RunConfig& cfg)
       seed_(static_cast<uint64_t>(cfg.train.seed)),
       num_classes_(cfg.model.num_classes),
       label_dropout_(cfg.train.label_dropout),
-      sample_shape_{cfg.model.in_channels, cfg.model.image_size, cfg.model.image_size} {}
+      self_cond_(cfg.train.self_cond),
+      sample_shape_{cfg.model.in_channels, cfg.model.image_size, cfg.model.image_size},
+      control_(cfg.model.controlnet.empty() ? "" : cfg.model.control) {}
 
 torch::Tensor Objective::draw_time(int64_t step, int64_t first, int64_t n) const {
   // Uniform on [t_min, 1] or logit-normal; t_min keeps VP eps-prediction away from the t = 0
@@ -70,19 +73,39 @@ Prepared Objective::prepare(const Batch& pixels, int64_t step) const {
   p.t = draw_time(step, batch.first, b);                  // [B]
   const torch::Tensor eps = draw_noise(step, batch.first, batch.x);  // [B, C, H, W]
   if (num_classes_ == 0) {
-    p.y = torch::zeros({b}, torch::kLong);  // [B]: the null class of an unconditional model
+    p.cond.y = torch::zeros({b}, torch::kLong);  // [B]: the null class of an unconditional model
   } else {
-    p.y = batch.y.clone();  // [B]
+    p.cond.y = batch.y.clone();  // [B]
     if (label_dropout_ > 0) {
       const auto keys = sample_keys(seed_, RngPurpose::kLabelDrop, step, batch.first, b);
-      int64_t* y = p.y.data_ptr<int64_t>();
+      int64_t* y = p.cond.y.data_ptr<int64_t>();
       for (int64_t j = 0; j < b; ++j)
         if (uniform_from_key(keys[static_cast<size_t>(j)]) < label_dropout_) y[j] = num_classes_;
     }
   }
+  if (!control_.empty()) p.cond.control = control_map(control_, pixels.x);  // [B, Cc, H, W]
   p.xt = path_.alpha(p.t).view({-1, 1, 1, 1}) * batch.x + path_.sigma(p.t).view({-1, 1, 1, 1}) * eps;  // [B,C,H,W]
   p.target = target(batch, p, eps);
   return p;
+}
+
+void Objective::self_condition(NetImpl& net, Prepared& p, int64_t first, int64_t step) const {
+  if (self_cond_ <= 0) return;
+  torch::NoGradGuard no_grad;
+  const int64_t b = p.xt.size(0);
+  const auto keys = sample_keys(seed_, RngPurpose::kSelfCond, step, first, b);
+  std::vector<int64_t> chosen;
+  for (int64_t j = 0; j < b; ++j)
+    if (uniform_from_key(keys[static_cast<size_t>(j)]) < self_cond_) chosen.push_back(j);
+  p.cond.self_cond = torch::zeros_like(p.xt);  // [B, C, H, W]
+  if (chosen.empty()) return;
+  const auto idx = torch::tensor(chosen, torch::kLong);  // [b']
+  Cond c(p.cond.y.index_select(0, idx));
+  c.self_cond = torch::zeros_like(p.xt.index_select(0, idx));  // the first pass has no estimate
+  const auto x = p.xt.index_select(0, idx), t = p.t.index_select(0, idx);
+  const auto f = net.forward(x, t, c);  // [b', C, H, W]
+  const Scalings sc = scalings(path_, pred_, t);
+  p.cond.self_cond.index_copy_(0, idx, sc.c_skip * x + sc.c_out * f);  // x0 estimates
 }
 
 torch::Tensor Objective::target(const Batch& b, const Prepared& p, const torch::Tensor& eps) const {
@@ -90,7 +113,7 @@ torch::Tensor Objective::target(const Batch& b, const Prepared& p, const torch::
 }
 
 torch::Tensor Objective::forward_loss(NetImpl& net, const Prepared& p) const {
-  return loss(net.forward(p.xt, p.t, p.y), p);  // out [B,C,H,W], or a router's logits [B,K]
+  return loss(net.forward(p.xt, p.t, p.cond), p);  // out [B,C,H,W], or a router's logits [B,K]
 }
 
 torch::Tensor Objective::loss(const torch::Tensor& out, const Prepared& p) const {
@@ -119,7 +142,7 @@ DistillObjective::DistillObjective(const RunConfig& cfg, TeacherFn teacher)
 
 torch::Tensor DistillObjective::target(const Batch& b, const Prepared& p, const torch::Tensor&) const {
   DDM_CHECK(b.k.defined(), "distillation needs the batch's clusters (Dataset::clusters)");
-  const Denoiser::Estimate est = teacher_(p.xt, p.t, p.y, b.k);
+  const Denoiser::Estimate est = teacher_(p.xt, p.t, p.cond.y, b.k);
   return training_target(path_, pred_, est.x0, est.eps, p.t);  // [B, C, H, W]
 }
 

@@ -6,6 +6,9 @@
 //   Diffusion:  regress training_target(x0, eps, t) (velocity, eps or v; diffusion/denoiser.h).
 //   Router:     the same x_t, t and label dropout; cross-entropy of the logits against the clusters.
 //   Distill:    regress the teacher's estimate at the same x_t (run without gradients).
+//   ControlNet:  diffusion regression, with the control map of each clean image (data/control.h) in
+//               the conditioning; the network's precompute (its locked encoder) also runs in prepare.
+//   Self-conditioning (train.self_cond): a first no-grad pass's x0 estimate as extra input, for some samples.
 //   Autoencoder: L1 reconstruction of x through a sample of the encoder's posterior, plus
 //               kl_weight x the posterior's KL to N(0, I) per pixel (Rombach et al. 2022, at kl_weight 1e-6).
 #pragma once
@@ -21,6 +24,7 @@
 #include "data/dataset.h"
 #include "diffusion/denoiser.h"
 #include "diffusion/path.h"
+#include "model/net.h"
 
 namespace ddm {
 
@@ -28,7 +32,8 @@ namespace ddm {
 struct Prepared {
   torch::Tensor xt;      // float [B, C, H, W]
   torch::Tensor t;       // float [B]
-  torch::Tensor y;       // int64 [B]; num_classes = the null class (dropped label or unconditional)
+  Cond cond;             // y int64 [B] (num_classes = the null class: dropped label or unconditional);
+                         // a ControlNet's control map and its locked encoder's features (NetImpl::precompute)
   torch::Tensor target;  // float [B, C, H, W], or int64 [B] (a router's clusters)
   torch::Tensor posterior_eps;  // autoencoders: the posterior's noise [B, z, h, w] (else undefined)
 };
@@ -48,6 +53,10 @@ class Objective {
   // Draws t, eps and label dropout for the batch and builds x_t and the target. Call without
   // gradients: this is the step's prepare phase.
   virtual Prepared prepare(const Batch& batch, int64_t step) const;
+  // Self-conditioning (train.self_cond = q > 0), after prepare, without gradients: each sample is
+  // chosen with probability q (keyed like every draw); the chosen ones' x0 estimates from a first pass
+  // of `net` (the current weights) become p.cond.self_cond, the others' zeros. No-op when q = 0.
+  void self_condition(NetImpl& net, Prepared& p, int64_t first, int64_t step) const;
   // The trainable phase: the model on the prepared inputs and the loss of its output, [] (the mean
   // over the samples). By default loss(net(x_t, t, y), p).
   virtual torch::Tensor forward_loss(NetImpl& net, const Prepared& p) const;
@@ -73,7 +82,9 @@ class Objective {
   uint64_t seed_;
   int64_t num_classes_;
   double label_dropout_;
+  double self_cond_;
   std::vector<int64_t> sample_shape_;  // the model's input [C, H, W] (the latents' with an encoder)
+  std::string control_;                // a ControlNet's model.control (else empty)
   EncodeFn encode_;
 };
 

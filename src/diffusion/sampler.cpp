@@ -62,7 +62,7 @@ int64_t sampler_nfe(const std::string& sampler, int64_t steps) {
   return sampler == "heun" ? 2 * steps - 1 : steps;
 }
 
-SampleResult sample(const Denoiser& den, const torch::Tensor& x1, const torch::Tensor& y, const SampleOptions& opt) {
+SampleResult sample(const Denoiser& den, const torch::Tensor& x1, const Cond& y, const SampleOptions& opt) {
   DDM_CHECK(opt.steps > 0, "sampling steps must be > 0, got " << opt.steps);
   DDM_CHECK(opt.cfg >= 0 && std::isfinite(opt.cfg), "cfg must be a finite number >= 0, got " << opt.cfg);
   const std::string& kind = opt.sampler;
@@ -83,21 +83,29 @@ SampleResult sample(const Denoiser& den, const torch::Tensor& x1, const torch::T
     return k;
   };
 
+  // Self-conditioned networks get each evaluation's x0 estimate at the next one (none at the first).
+  Cond c = y;
+  auto estimate = [&](const torch::Tensor& xx, double t) {
+    Denoiser::Estimate e = den.estimate(xx, tvec(t), c, opt.cfg, keys());
+    if (den.self_conditioned()) c.self_cond = e.x0;
+    return e;
+  };
+
   const std::vector<double> grid = time_grid(path, opt.steps);
   for (int64_t i = 0; i < opt.steps; ++i) {
     const double t = grid[i], t_next = grid[i + 1];
     const double h = t_next - t;  // negative
     if (kind == "euler" || kind == "heun") {
-      auto v = den.velocity(x, tvec(t), y, opt.cfg, keys());  // [N,C,H,W]
+      auto v = den.velocity(estimate(x, t), tvec(t));  // [N,C,H,W]
       if (kind == "heun" && t_next > 0) {
         auto x_pred = x + h * v;
-        auto v2 = den.velocity(x_pred, tvec(t_next), y, opt.cfg, keys());
+        auto v2 = den.velocity(estimate(x_pred, t_next), tvec(t_next));
         x = x + (0.5 * h) * (v + v2);
       } else {
         x = x + h * v;
       }
     } else {
-      auto e = den.estimate(x, tvec(t), y, opt.cfg, keys());
+      auto e = estimate(x, t);
       const double a_next = path.alpha(t_next), s_next = path.sigma(t_next);
       if (kind == "ddim" || t_next <= 0) {
         x = a_next * e.x0 + s_next * e.eps;

@@ -36,8 +36,10 @@ struct SampleResult {
   int64_t nfe = 0;  // network evaluations per sample
 };
 
-// Integrates from x1 [N,C,H,W] (pure noise at t = 1) with labels y [N]. Runs under NoGradGuard.
-SampleResult sample(const Denoiser& den, const torch::Tensor& x1, const torch::Tensor& y, const SampleOptions& opt);
+// Integrates from x1 [N,C,H,W] (pure noise at t = 1) with conditioning y (labels [N], and a control map
+// [N, Cc, H, W] for a ControlNet; a self-conditioned network gets each evaluation's x0 estimate at the
+// next one). Runs under NoGradGuard.
+SampleResult sample(const Denoiser& den, const torch::Tensor& x1, const Cond& y, const SampleOptions& opt);
 
 // The steps + 1 times from 1 down to 0 that the samplers visit.
 std::vector<double> time_grid(const NoisePath& path, int64_t steps);

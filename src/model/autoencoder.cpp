@@ -147,7 +147,7 @@ Posterior AutoencoderImpl::encode(const torch::Tensor& x) {
   return {parts[0], parts[1].clamp(-30.0, 20.0)};
 }
 
-torch::Tensor AutoencoderImpl::forward(const torch::Tensor& x, const torch::Tensor&, const torch::Tensor&) {
+torch::Tensor AutoencoderImpl::forward(const torch::Tensor& x, const torch::Tensor&, const Cond&) {
   return decode(encode(x).mean);  // [B, C, S, S]
 }
 

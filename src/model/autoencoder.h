@@ -77,7 +77,7 @@ class AutoencoderImpl : public NetImpl {
  public:
   explicit AutoencoderImpl(const AutoencoderShape& shape);
   // x: float [B, C, S, S] -> decode(encode(x).mean) [B, C, S, S].
-  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& y) override;
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& t, const Cond& c) override;
   // x: float [B, C, S, S] in [-1, 1] -> the posterior over latents [B, z, S/f, S/f].
   Posterior encode(const torch::Tensor& x);
   // z: float [B, z, S/f, S/f] -> images [B, C, S, S] (not clamped).

@@ -43,7 +43,8 @@ void validate_dit(const ModelConfig& cfg) {
 DiTImpl::DiTImpl(const ModelConfig& cfg) : cfg_(cfg) {
   validate_dit(cfg);
   const int64_t p = cfg.patch, W = cfg.width, grid = cfg.image_size / p;
-  patch_embed_ = register_module("patch_embed", nn::Linear(cfg.in_channels * p * p, W));
+  const int64_t in = cfg.in_channels * (cfg.self_cond ? 2 : 1);  // model.self_cond: x and the estimate
+  patch_embed_ = register_module("patch_embed", nn::Linear(in * p * p, W));
   pos_ = register_buffer("pos", pos_embed_2d(W, grid).unsqueeze(0));  // [1, N, W]
   time_ = register_module("time", TimeEmbedder(kTimeFreqDim, W));
   if (cfg.num_classes > 0) label_ = register_module("label", LabelEmbedder(cfg.num_classes, W));
@@ -74,12 +75,14 @@ void init_dit_weights(nn::Module& root) {
   }
 }
 
-torch::Tensor DiTImpl::forward(const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& y) {
+torch::Tensor DiTImpl::forward(const torch::Tensor& x, const torch::Tensor& t, const Cond& cond) {
+  const torch::Tensor& y = cond.y;
   const int64_t C = cfg_.in_channels, S = cfg_.image_size, p = cfg_.patch;
   DDM_CHECK(x.dim() == 4 && x.size(1) == C && x.size(2) == S && x.size(3) == S,
             "DiT: expected x [B, " << C << ", " << S << ", " << S << "], got " << x.sizes());
   const int64_t B = x.size(0), N = pos_.size(1);
-  auto tok = patchify(x, p).reshape({B * N, C * p * p});         // [B N, C p p]
+  const auto xin = with_self_cond(x, cond, cfg_.self_cond);     // [B, C or 2C, S, S]
+  auto tok = patchify(xin, p).reshape({B * N, xin.size(1) * p * p});  // [B N, C' p p]
   auto h = patch_embed_(tok).view({B, N, -1}) + pos_;            // [B, N, W]
   auto c = time_(t);                                             // [B, W]
   if (label_) {
@@ -96,7 +99,7 @@ double dit_forward_flops(const ModelConfig& cfg) {
   validate_dit(cfg);
   const int64_t p = cfg.patch, W = cfg.width, C = cfg.in_channels;
   const int64_t N = (cfg.image_size / p) * (cfg.image_size / p), hidden = dit_mlp_hidden(cfg);
-  double f = flops::linear(C * p * p, W, N);                             // patch embedding
+  double f = flops::linear(C * (cfg.self_cond ? 2 : 1) * p * p, W, N);   // patch embedding
   f += flops::linear(kTimeFreqDim, W) + flops::linear(W, W);            // time MLP
   const double block = flops::linear(W, 6 * W)                          // adaLN modulation
                        + flops::linear(W, 3 * W, N) + flops::attention(N, W) + flops::linear(W, W, N)

@@ -19,7 +19,8 @@ class DiTImpl : public NetImpl {
  public:
   // Throws ddm::Error on invalid shapes (image_size % patch, width % heads, width % 4).
   explicit DiTImpl(const ModelConfig& cfg);
-  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& y) override;
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& t, const Cond& c) override;
+  bool self_conditioned() const override { return cfg_.self_cond; }
 
   // Access for tests (e.g. re-initializing the modulation linears).
   std::vector<DiTBlock>& blocks() { return blocks_; }

@@ -5,6 +5,7 @@
 
 #include "core/error.h"
 #include "model/autoencoder.h"
+#include "model/controlnet.h"
 #include "model/dit.h"
 #include "model/router.h"
 #include "model/unet.h"
@@ -29,11 +30,48 @@ void validate_common(const ModelConfig& cfg) {
 
 }  // namespace
 
+Cond Cond::rows(int64_t first, int64_t n) const {
+  DDM_CHECK(residuals.empty() && frozen.empty(), "Cond::rows: a network's internal conditioning cannot be sliced");
+  Cond c;
+  if (y.defined()) c.y = y.narrow(0, first, n);
+  if (control.defined()) c.control = control.narrow(0, first, n);
+  if (self_cond.defined()) c.self_cond = self_cond.narrow(0, first, n);
+  return c;
+}
+
+Cond Cond::cat(const Cond& a, const Cond& b) {
+  DDM_CHECK(a.residuals.empty() && a.frozen.empty() && b.residuals.empty() && b.frozen.empty(),
+            "Cond::cat: a network's internal conditioning cannot be concatenated");
+  DDM_CHECK(a.y.defined() == b.y.defined() && a.control.defined() == b.control.defined() &&
+                a.self_cond.defined() == b.self_cond.defined(),
+            "Cond::cat: the two conditionings carry different fields");
+  Cond c;
+  if (a.y.defined()) c.y = torch::cat({a.y, b.y});
+  if (a.control.defined()) c.control = torch::cat({a.control, b.control});
+  if (a.self_cond.defined()) c.self_cond = torch::cat({a.self_cond, b.self_cond});
+  return c;
+}
+
+torch::Tensor with_self_cond(const torch::Tensor& x, const Cond& c, bool self_cond) {
+  if (!self_cond) return x;  // [B, C, H, W]
+  if (!c.self_cond.defined()) return torch::cat({x, torch::zeros_like(x)}, 1);  // [B, 2C, H, W]
+  DDM_CHECK(c.self_cond.sizes() == x.sizes(), "self-conditioning: the estimate is " << c.self_cond.sizes()
+                                                                                    << ", the input " << x.sizes());
+  return torch::cat({x, c.self_cond.to(x.scalar_type())}, 1);  // [B, 2C, H, W]
+}
+
 Net make_net(const ModelConfig& cfg) {
   validate_common(cfg);
+  if (!cfg.controlnet.empty()) {
+    DDM_CHECK(cfg.arch == "unet", "model.controlnet = " << cfg.controlnet << ": a ControlNet's base must be a U-Net, "
+                                  "but model.arch = " << cfg.arch);
+    return std::make_shared<ControlNetImpl>(cfg);
+  }
   if (cfg.arch == "unet") return std::make_shared<UNetImpl>(cfg);
   if (cfg.arch == "router-dit") return std::make_shared<RouterDiTImpl>(cfg);
   if (cfg.arch == "router-conv") return std::make_shared<RouterConvImpl>(cfg);
+  DDM_CHECK(!cfg.self_cond || cfg.arch == "unet" || cfg.arch == "dit",
+            "model.self_cond applies to unet and dit, not model.arch = " << cfg.arch);
   if (cfg.arch == "autoencoder") return std::make_shared<AutoencoderImpl>(autoencoder_shape(cfg));
   return std::make_shared<DiTImpl>(cfg);
 }
@@ -48,6 +86,7 @@ int64_t count_params(const torch::nn::Module& m) {
 double forward_flops_per_image(const ModelConfig& cfg) {
   validate_common(cfg);
   if (is_router_arch(cfg.arch)) return router_forward_flops(cfg);
+  if (!cfg.controlnet.empty()) return controlnet_forward_flops(cfg);
   if (cfg.arch == "autoencoder") {  // training runs the encoder and the decoder
     const AutoencoderShape s = autoencoder_shape(cfg);
     return encoder_flops_per_image(s) + decoder_flops_per_image(s);

@@ -1,9 +1,11 @@
 // The network interface every backbone implements. A Net maps (x, noise-level conditioning t,
-// class label y) to a tensor shaped like x. It knows nothing about the noise process: what t means
-// and what the output is trained to predict is decided in src/diffusion.
+// conditioning c) to a tensor shaped like x. It knows nothing about the noise process: what t means
+// and what the output is trained to predict is decided in src/diffusion. The conditioning is a small
+// struct: the class label, a ControlNet's control map, and what a ControlNet hands its locked U-Net.
 #pragma once
 #include <memory>
 #include <string>
+#include <vector>
 
 #include <torch/nn/module.h>
 #include <torch/types.h>
@@ -12,19 +14,53 @@
 
 namespace ddm {
 
+// What a network is conditioned on besides x and t. Per-sample tensors have the batch first.
+struct Cond {
+  Cond() = default;
+  Cond(torch::Tensor y) : y(std::move(y)) {}  // NOLINT(google-explicit-constructor): a label alone is a Cond
+  // int64 [B]; y == num_classes is the null class (unconditional; classifier-free guidance).
+  torch::Tensor y;
+  // A ControlNet's control map, float [B, Cc, H, W] in [-1, 1] (data/control.h); undefined: none.
+  torch::Tensor control;
+  // Added to a U-Net's skip features, in the order it pushes them, then to its middle's output: a
+  // ControlNet's contribution to its locked U-Net (model/controlnet.h). Empty: none.
+  std::vector<torch::Tensor> residuals;
+  // A network's own no-grad precomputation on (x, t, c), from NetImpl::precompute (a ControlNet: its
+  // locked encoder's features). Only the network that made it reads it; empty: none.
+  std::vector<torch::Tensor> frozen;
+  // Self-conditioning (model.self_cond): the previous x0 estimate [B, C, H, W]; undefined: none (zeros).
+  torch::Tensor self_cond;
+
+  // The rows [first, first + n) of every per-sample tensor (y, control, self_cond); residuals and frozen
+  // must be empty.
+  Cond rows(int64_t first, int64_t n) const;
+  // a's rows then b's (classifier-free guidance's two branches in one batch).
+  static Cond cat(const Cond& a, const Cond& b);
+};
+
 class NetImpl : public torch::nn::Module {
  public:
-  // x: float [B, C, H, W]; t: float [B] in [0, 1]; y: int64 [B], where y == num_classes is the
-  // null class (unconditional; used for classifier-free guidance). Returns float [B, C, H, W]
-  // (routers, model/router.h: logits [B, num_experts]).
-  virtual torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& y) = 0;
+  // x: float [B, C, H, W]; t: float [B] in [0, 1]; c: conditioning of the B samples. Returns float
+  // [B, C, H, W] (routers, model/router.h: logits [B, num_experts]).
+  virtual torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& t, const Cond& c) = 0;
+  // The part of forward that depends on no trainable parameter, run by the training step's prepare
+  // phase under no-grad (a ControlNet's locked encoder): returns c with Cond::frozen filled, which
+  // forward then uses instead of recomputing. By default nothing: returns c.
+  virtual Cond precompute(const torch::Tensor& /*x*/, const torch::Tensor& /*t*/, const Cond& c) { return c; }
+  // Whether forward takes Cond::self_cond (model.self_cond): samplers then feed it each step's estimate.
+  virtual bool self_conditioned() const { return false; }
 };
 using Net = std::shared_ptr<NetImpl>;
 
-// Builds the network described by cfg (arch unet | dit | router-dit | router-conv | autoencoder). cfg.in_channels, image_size and
-// num_classes must already be resolved (> 0, > 0, >= 0). Throws ddm::Error on invalid shapes
+// Builds the network described by cfg (arch unet | dit | router-dit | router-conv | autoencoder; a
+// ControlNet when cfg.controlnet is set, whose locked base train/controlnet.h loads). cfg.in_channels,
+// image_size and num_classes must already be resolved (> 0, > 0, >= 0). Throws ddm::Error on invalid shapes
 // (e.g. image_size not divisible by the DiT patch or by the U-Net's downsampling).
 Net make_net(const ModelConfig& cfg);
+
+// The network's input for x [B, C, H, W] under model.self_cond: x itself, or x with the estimate
+// c.self_cond (zeros when undefined) as C more channels, [B, 2C, H, W].
+torch::Tensor with_self_cond(const torch::Tensor& x, const Cond& c, bool self_cond);
 
 // Number of trainable parameters.
 int64_t count_params(const torch::nn::Module& m);

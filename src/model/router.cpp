@@ -58,7 +58,8 @@ RouterDiTImpl::RouterDiTImpl(const ModelConfig& cfg) : cfg_(cfg) {
   zero_init(*head_);
 }
 
-torch::Tensor RouterDiTImpl::forward(const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& y) {
+torch::Tensor RouterDiTImpl::forward(const torch::Tensor& x, const torch::Tensor& t, const Cond& cond) {
+  const torch::Tensor& y = cond.y;
   const int64_t C = cfg_.in_channels, S = cfg_.image_size, p = cfg_.patch;
   DDM_CHECK(x.dim() == 4 && x.size(1) == C && x.size(2) == S && x.size(3) == S,
             "router: expected x [B, " << C << ", " << S << ", " << S << "], got " << x.sizes());
@@ -103,7 +104,8 @@ RouterConvImpl::RouterConvImpl(const ModelConfig& cfg) : cfg_(cfg) {
   zero_init(*head_);
 }
 
-torch::Tensor RouterConvImpl::forward(const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& y) {
+torch::Tensor RouterConvImpl::forward(const torch::Tensor& x, const torch::Tensor& t, const Cond& cond) {
+  const torch::Tensor& y = cond.y;
   const int64_t C = cfg_.in_channels, S = cfg_.image_size;
   DDM_CHECK(x.dim() == 4 && x.size(1) == C && x.size(2) == S && x.size(3) == S,
             "router: expected x [B, " << C << ", " << S << ", " << S << "], got " << x.sizes());

@@ -27,7 +27,7 @@ class RouterDiTImpl : public NetImpl {
  public:
   explicit RouterDiTImpl(const ModelConfig& cfg);
   // x [B, C, S, S], t [B], y [B] -> logits [B, num_experts]
-  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& y) override;
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& t, const Cond& c) override;
 
  private:
   ModelConfig cfg_;
@@ -43,7 +43,7 @@ class RouterConvImpl : public NetImpl {
  public:
   explicit RouterConvImpl(const ModelConfig& cfg);
   // x [B, C, S, S], t [B], y [B] -> logits [B, num_experts]
-  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& y) override;
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& t, const Cond& c) override;
 
  private:
   ModelConfig cfg_;

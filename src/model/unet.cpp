@@ -52,7 +52,7 @@ void validate_unet(const ModelConfig& cfg) {
                                   << " downsamplings; change model.image_size or model.channel_mult");
 }
 
-UNetImpl::UNetImpl(const ModelConfig& cfg) : cfg_(cfg) {
+UNetImpl::UNetImpl(const ModelConfig& cfg, bool encoder_only) : cfg_(cfg), encoder_only_(encoder_only) {
   validate_unet(cfg);
   const size_t L = cfg.channel_mult.size();
   const int64_t emb_dim = 4 * cfg.channels;
@@ -70,7 +70,7 @@ UNetImpl::UNetImpl(const ModelConfig& cfg) : cfg_(cfg) {
   };
 
   int64_t cur = level_channels(cfg, 0);
-  in_conv_ = register_module("in_conv", conv3(cfg.in_channels, cur, 1));
+  in_conv_ = register_module("in_conv", conv3(cfg.in_channels * (cfg.self_cond ? 2 : 1), cur, 1));
   std::vector<std::vector<int64_t>> skip_ch(L);
   for (size_t l = 0; l + 1 < L; ++l) {
     const int64_t ch = level_channels(cfg, l);
@@ -79,6 +79,7 @@ UNetImpl::UNetImpl(const ModelConfig& cfg) : cfg_(cfg) {
       enc_[l].push_back(make_stage("enc" + std::to_string(l) + "_" + std::to_string(j), cur, ch, l));
       cur = ch;
       skip_ch[l].push_back(ch);
+      skip_channels_.push_back(ch);
     }
     down_.push_back(register_module("down" + std::to_string(l), conv3(ch, ch, 2)));
   }
@@ -87,6 +88,7 @@ UNetImpl::UNetImpl(const ModelConfig& cfg) : cfg_(cfg) {
     mid_.push_back(make_stage("mid_" + std::to_string(j), cur, ch, L - 1));
     cur = ch;
   }
+  if (encoder_only) return;
   up_.assign(L - 1, nn::Conv2d(nullptr));
   dec_.resize(L - 1);
   for (size_t l = L - 1; l-- > 0;) {
@@ -109,7 +111,11 @@ torch::Tensor UNetImpl::run(Stage& s, const torch::Tensor& h, const torch::Tenso
   return s.attn ? s.attn->forward(out) : out;   // [B, ch, H, W]
 }
 
-torch::Tensor UNetImpl::forward(const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& y) {
+int64_t UNetImpl::mid_channels() const { return level_channels(cfg_, cfg_.channel_mult.size() - 1); }
+
+UNetImpl::Features UNetImpl::encode(const torch::Tensor& x, const torch::Tensor& t, const Cond& c,
+                                    const torch::Tensor& in_add) {
+  const torch::Tensor& y = c.y;
   DDM_CHECK(x.dim() == 4 && x.size(1) == cfg_.in_channels && x.size(2) == cfg_.image_size &&
                 x.size(3) == cfg_.image_size,
             "UNet: expected x [B, " << cfg_.in_channels << ", " << cfg_.image_size << ", "
@@ -119,32 +125,49 @@ torch::Tensor UNetImpl::forward(const torch::Tensor& x, const torch::Tensor& t, 
     DDM_CHECK(y.defined(), "UNet: class labels y are required (model.num_classes = " << cfg_.num_classes << ")");
     emb = emb + label_(y);                                       // [B, E]
   }
-  const auto emb_act = torch::silu(emb);                         // [B, E]
-
-  auto h = in_conv_(x);                                          // [B, c0, S, S]
-  std::vector<torch::Tensor> skips;
+  Features f;
+  f.emb_act = torch::silu(emb);                                  // [B, E]
+  auto h = in_conv_(with_self_cond(x, c, cfg_.self_cond));      // [B, c0, S, S]
+  if (in_add.defined()) h = h + in_add;                          // [B, c0, S, S]
   for (size_t l = 0; l < enc_.size(); ++l) {
     for (auto& s : enc_[l]) {
-      h = run(s, h, emb_act);                                    // [B, c_l, S_l, S_l]
-      skips.push_back(h);
+      h = run(s, h, f.emb_act);                                  // [B, c_l, S_l, S_l]
+      f.skips.push_back(h);
     }
     h = down_[l](h);                                             // [B, c_l, S_l / 2, S_l / 2]
   }
-  for (auto& s : mid_) h = run(s, h, emb_act);                   // [B, c_{L-1}, S_{L-1}, S_{L-1}]
+  for (auto& s : mid_) h = run(s, h, f.emb_act);                 // [B, c_{L-1}, S_{L-1}, S_{L-1}]
+  f.h = h;
+  return f;
+}
+
+torch::Tensor UNetImpl::decode(Features f, const std::vector<torch::Tensor>& residuals) {
+  DDM_CHECK(!encoder_only_, "UNet: an encoder-only U-Net (a ControlNet's copy) has no decoder");
+  if (!residuals.empty()) {
+    DDM_CHECK(residuals.size() == f.skips.size() + 1,
+              "UNet: " << residuals.size() << " control residuals for " << f.skips.size() << " skips + the middle");
+    for (size_t i = 0; i < f.skips.size(); ++i) f.skips[i] = f.skips[i] + residuals[i];  // [B, c_l, S_l, S_l]
+    f.h = f.h + residuals.back();                                // [B, c_{L-1}, S_{L-1}, S_{L-1}]
+  }
+  auto h = f.h;
   for (size_t l = dec_.size(); l-- > 0;) {
     h = torch::upsample_nearest2d(h, {h.size(2) * 2, h.size(3) * 2});  // [B, c_{l+1}, S_l, S_l]
     h = up_[l](h);                                               // [B, c_l, S_l, S_l]
     for (auto& s : dec_[l]) {
-      h = torch::cat({h, skips.back()}, 1);                      // [B, c + c_l, S_l, S_l]
-      skips.pop_back();
-      h = run(s, h, emb_act);                                    // [B, c_l, S_l, S_l]
+      h = torch::cat({h, f.skips.back()}, 1);                    // [B, c + c_l, S_l, S_l]
+      f.skips.pop_back();
+      h = run(s, h, f.emb_act);                                  // [B, c_l, S_l, S_l]
     }
   }
   h = torch::silu(out_norm_(h));                                 // [B, c0, S, S]
   return out_conv_(h);                                           // [B, C, S, S]
 }
 
-double unet_forward_flops(const ModelConfig& cfg) {
+torch::Tensor UNetImpl::forward(const torch::Tensor& x, const torch::Tensor& t, const Cond& c) {
+  return decode(encode(x, t, c), c.residuals);  // [B, C, S, S]
+}
+
+double unet_forward_flops(const ModelConfig& cfg, bool encoder_only) {
   validate_unet(cfg);
   const size_t L = cfg.channel_mult.size();
   const int64_t E = 4 * cfg.channels;
@@ -161,7 +184,7 @@ double unet_forward_flops(const ModelConfig& cfg) {
   };
   double f = flops::linear(cfg.channels, E) + flops::linear(E, E);  // time MLP
   int64_t s = cfg.image_size, cur = level_channels(cfg, 0);
-  f += flops::conv2d(cfg.in_channels, cur, 3, s, s);
+  f += flops::conv2d(cfg.in_channels * (cfg.self_cond ? 2 : 1), cur, 3, s, s);
   for (size_t l = 0; l + 1 < L; ++l) {
     const int64_t ch = level_channels(cfg, l);
     for (int64_t j = 0; j < cfg.res_blocks; ++j, cur = ch) f += stage(cur, ch, s, l);
@@ -170,6 +193,7 @@ double unet_forward_flops(const ModelConfig& cfg) {
   }
   for (int64_t j = 0; j < cfg.res_blocks; ++j, cur = level_channels(cfg, L - 1))
     f += stage(cur, level_channels(cfg, L - 1), s, L - 1);
+  if (encoder_only) return f;
   for (size_t l = L - 1; l-- > 0;) {
     s *= 2;
     const int64_t ch = level_channels(cfg, l);

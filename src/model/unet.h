@@ -12,6 +12,10 @@
 // Attention is added at the levels listed in attn_levels, with cfg.heads heads. Conditioning:
 // emb = TimeEmbedder(t) (+ LabelEmbedder(y) when num_classes > 0), emb_dim = 4 * channels; each
 // ResBlock turns SiLU(emb) into a GroupNorm scale/shift.
+//
+// A ControlNet (model/controlnet.h) splits the U-Net at its middle: encode (in_conv, encoder and
+// bottleneck) and decode (decoder and out), with residuals added to every skip feature and to the
+// bottleneck's output in between; and builds a trainable copy of the encoder half alone.
 #pragma once
 #include <vector>
 
@@ -24,8 +28,29 @@ namespace ddm {
 class UNetImpl : public NetImpl {
  public:
   // cfg must be validated (make_net does it): throws ddm::Error on invalid shapes.
-  explicit UNetImpl(const ModelConfig& cfg);
-  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& y) override;
+  // encoder_only: in_conv, encoder and bottleneck only (a ControlNet's trainable copy); such a net
+  // has no forward, only encode.
+  explicit UNetImpl(const ModelConfig& cfg, bool encoder_only = false);
+  // Adds c.residuals (when given) to the skips and the bottleneck: decode(encode(x, t, c), c.residuals).
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& t, const Cond& c) override;
+
+  // The encoder half's outputs.
+  struct Features {
+    torch::Tensor emb_act;             // SiLU(time + label embedding) [B, E]
+    std::vector<torch::Tensor> skips;  // in push order: skips[i] [B, skip_channels()[i], S_l, S_l]
+    torch::Tensor h;                   // the bottleneck's output [B, c_{L-1}, S_{L-1}, S_{L-1}]
+  };
+  // x [B, C, S, S], t [B], c.y [B] (and c.self_cond under model.self_cond); in_add (optional)
+  // [B, c0, S, S] is added to in_conv's output (a ControlNet's control features).
+  Features encode(const torch::Tensor& x, const torch::Tensor& t, const Cond& c, const torch::Tensor& in_add = {});
+  // The decoder on f, adding residuals[i] to skip i and residuals.back() to h when residuals is not
+  // empty (then it has skips.size() + 1 entries shaped like them). Returns [B, C, S, S].
+  torch::Tensor decode(Features f, const std::vector<torch::Tensor>& residuals = {});
+  // The channels of each skip feature in push order, and of the bottleneck's output.
+  const std::vector<int64_t>& skip_channels() const { return skip_channels_; }
+  int64_t mid_channels() const;
+  const ModelConfig& config() const { return cfg_; }
+  bool self_conditioned() const override { return cfg_.self_cond; }
 
  private:
   struct Stage {  // one ResBlock and its optional attention
@@ -44,11 +69,14 @@ class UNetImpl : public NetImpl {
   std::vector<Stage> mid_;               // [res_blocks]
   std::vector<torch::nn::Conv2d> up_;    // [L-1], up_[l] brings level l+1 to level l
   std::vector<std::vector<Stage>> dec_;  // [L-1][res_blocks]
+  std::vector<int64_t> skip_channels_;
+  bool encoder_only_ = false;
 };
 
 // Throws ddm::Error naming model.KEY if cfg is not a valid U-Net configuration.
 void validate_unet(const ModelConfig& cfg);
-// Analytic forward FLOPs per image of the U-Net described by cfg (see net.h for the rule).
-double unet_forward_flops(const ModelConfig& cfg);
+// Analytic forward FLOPs per image of the U-Net described by cfg (see net.h for the rule); of its
+// encoder half alone (in_conv, encoder, bottleneck) with encoder_only.
+double unet_forward_flops(const ModelConfig& cfg, bool encoder_only = false);
 
 }  // namespace ddm

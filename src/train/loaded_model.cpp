@@ -6,6 +6,7 @@
 #include "diffusion/path.h"
 #include "model/router.h"
 #include "train/checkpoint.h"
+#include "train/controlnet.h"
 #include "train/optimizer.h"
 
 namespace ddm {
@@ -18,6 +19,7 @@ LoadedModel load_model(const std::string& path, bool use_ema) {
   m.step = ck.step;
   if (ck.state.contains("class_names")) m.class_names = ck.field<std::vector<std::string>>("/class_names");
   m.net = make_net(m.cfg.model);
+  attach_controlnet(*m.net, m.cfg.model);  // a ControlNet's locked base, pinned by sha256
   load_module_state(*m.net, ck.model, RunDir(m.checkpoint) / RunDir::kModel);
   if (use_ema) load_module_state(*m.net, ck.ema, RunDir(m.checkpoint) / RunDir::kEma, LoadScope::kTrainable);
   m.net->eval();

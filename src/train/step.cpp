@@ -37,6 +37,8 @@ double TrainStep::forward_backward(const Batch& micro, int64_t step, double scal
   {
     torch::NoGradGuard no_grad;  // prepare: draws, x_t, target (a distillation teacher runs here)
     p = objective_->prepare(micro, step);
+    objective_->self_condition(*net_, p, micro.first, step);  // train.self_cond: a first pass of the model
+    p.cond = net_->precompute(p.xt, p.t, p.cond);  // the network's frozen part (a ControlNet's locked encoder)
   }
   times_.prepared = std::chrono::steady_clock::now();
   const torch::Tensor loss = objective_->forward_loss(*net_, p);  // forward + loss, []

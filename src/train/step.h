@@ -1,7 +1,9 @@
 // One optimization step, in explicit phases, shared by the trainer and the training benchmark so
 // that the benchmark measures exactly what training runs:
 //   prepare       (no grad)  the objective draws t / noise / label dropout and builds x_t and the
-//                            target (a distillation teacher runs here): diffusion/objective.h
+//                            target (a distillation teacher, a latent encoder, control maps run here):
+//                            diffusion/objective.h; self-conditioning's first pass of the model;
+//                            then the network's precompute (a ControlNet's locked encoder)
 //   forward+loss             the trainable model on x_t, the objective's loss
 //   backward                 gradients accumulate into FlatAdamW's flat buffer, micro-batch by micro-batch
 //   gradient sync            all-reduce across data-parallel ranks (a no-op with one process)

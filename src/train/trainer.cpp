@@ -22,6 +22,8 @@
 #include "train/checkpoint.h"
 #include "dist/elastic.h"
 #include "train/diloco.h"
+#include "model/unet.h"
+#include "train/controlnet.h"
 #include "train/latent.h"
 #include "train/optimizer.h"
 #include "train/step.h"
@@ -133,6 +135,11 @@ void resolve_data_shape(RunConfig& cfg, const Dataset& data) {
             "model.num_classes = " << m.num_classes << " but the data has " << data.num_classes
                                    << " classes; use -1 (from data) or 0 (unconditional)");
   if (m.num_classes == -1) m.num_classes = data.num_classes;
+  if (cfg.train.self_cond > 0) m.self_cond = true;  // the network takes the estimate as more channels
+  if (!m.controlnet.empty()) {  // the model is the base's U-Net
+    resolve_controlnet(cfg, data);
+    return;
+  }
   if (!m.latent.empty()) {  // the model's input is the autoencoder's latents
     resolve_latent(m, data);
     return;
@@ -269,6 +276,7 @@ TrainSummary train(TrainJob job, const TrainOptions& options) {
     // Latent models: the frozen encoder runs in every step's prepare phase. Loaded under the lock
     // too: building it draws (then overwritten) initial weights from the global generator.
     latent = attach_latent(*job.objective, cfg.model);
+    attach_controlnet(*net, cfg.model);  // the locked base, and the trainable copy's initial weights
   }
   net->train();
   TrainStep stepper(cfg, net, job.objective);
@@ -421,6 +429,11 @@ TrainSummary train(TrainJob job, const TrainOptions& options) {
                 << latent->sha256().substr(0, 12) << "..., scale " << latent->scale() << ", shift " << latent->shift()
                 << "; its encoder " << encoder_flops_per_image(a) / 1e6 << " MFLOP/image)\n";
     }
+    if (!cfg.model.controlnet.empty())
+      std::cout << "controlnet: the locked base " << cfg.model.controlnet << " (sha256 "
+                << cfg.model.controlnet_sha256.substr(0, 12) << "..., " << unet_forward_flops(cfg.model) / 1e6
+                << " MFLOP/image) steered by " << cfg.model.control << " maps; the parameters above are the "
+                << "trainable copy, hint block and zero convolutions\n";
     std::cout
               << job.header << "train: " << tc.steps << " steps, batch " << tc.batch_size;
     if (world > 1) std::cout << " (" << world << " ranks x " << local_batch << ")";

@@ -84,6 +84,21 @@ TEST(Config, AutoencoderAndLatentKeys) {
   EXPECT_EQ(lat.model.patch, 1);
 }
 
+TEST(Config, ControlNetKeys) {
+  EXPECT_EQ(parse_config("", "test.toml").model.control, "edges");
+  EXPECT_NE(error_of("", {"model.control=canny"}).find("model.control"), std::string::npos);
+  EXPECT_NE(error_of("[model]\npreset = \"dit-tiny\"\ncontrolnet = \"runs/base\"\n").find("steers a U-Net"),
+            std::string::npos);
+  EXPECT_NE(error_of("", {"model.controlnet=runs/b", "model.latent=runs/ae"}).find("latent U-Net is not supported"),
+            std::string::npos);
+  EXPECT_NE(error_of("", {"model.controlnet_sha256=ab"}).find("model.controlnet, which is not set"), std::string::npos);
+  // A preset replaces the architecture, not the base it steers.
+  const RunConfig c = parse_config("[model]\npreset = \"unet-small\"\ncontrolnet = \"runs/b\"\ncontrol = \"lowres\"\n",
+                                   "test.toml");
+  EXPECT_EQ(c.model.controlnet, "runs/b");
+  EXPECT_EQ(c.model.control, "lowres");
+}
+
 TEST(Config, DilocoValuesOutOfRange) {
   auto err = [](const std::string& kv) { return error_of("", {"parallel.mode=diloco", kv}); };
   EXPECT_NE(err("diloco.inner_steps=0").find("diloco.inner_steps must be > 0"), std::string::npos);

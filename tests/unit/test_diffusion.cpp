@@ -95,8 +95,8 @@ TEST(Denoiser, EveryPredictionRecoversDataAndNoiseExactly) {
 TEST(Denoiser, ClassifierFreeGuidanceCombinesBranches) {
   // A net whose output is the label value: guidance w gives uncond + w (cond - uncond).
   struct LabelNet : NetImpl {
-    torch::Tensor forward(const torch::Tensor& x, const torch::Tensor&, const torch::Tensor& y) override {
-      return torch::ones_like(x) * y.to(x.scalar_type()).view({-1, 1, 1, 1});
+    torch::Tensor forward(const torch::Tensor& x, const torch::Tensor&, const Cond& c) override {
+      return torch::ones_like(x) * c.y.to(x.scalar_type()).view({-1, 1, 1, 1});
     }
   };
   Denoiser den(std::make_shared<LabelNet>(), NoisePath(PathKind::kFlow), Prediction::kEps, 10);

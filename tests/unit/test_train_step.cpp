@@ -66,7 +66,7 @@ TEST(Objective, DrawsDependOnTheGlobalPositionNotOnTheSplit) {
     const Prepared a = obj.prepare(slice(whole, 0, 5), 7), b = obj.prepare(slice(whole, 5, 7), 7);
     EXPECT_TRUE(torch::equal(torch::cat({a.xt, b.xt}), all.xt)) << time_dist;
     EXPECT_TRUE(torch::equal(torch::cat({a.t, b.t}), all.t)) << time_dist;
-    EXPECT_TRUE(torch::equal(torch::cat({a.y, b.y}), all.y)) << time_dist;
+    EXPECT_TRUE(torch::equal(torch::cat({a.cond.y, b.cond.y}), all.cond.y)) << time_dist;
     EXPECT_TRUE(torch::equal(torch::cat({a.target, b.target}), all.target)) << time_dist;
     // Another step, or the same samples at other positions, draw differently.
     EXPECT_FALSE(torch::equal(obj.prepare(whole, 8).t, all.t));
@@ -89,7 +89,7 @@ TEST(Objective, DrawsHaveTheRightDistribution) {
   EXPECT_NEAR(eps.std().item<double>(), 1.0, 0.01);
   Batch b{torch::zeros({20000, 1, 2, 2}), torch::zeros({20000}, torch::kLong), torch::Tensor(), 0};
   torch::NoGradGuard ng;
-  const double dropped = (obj.prepare(b, 0).y == 3).to(torch::kDouble).mean().item<double>();
+  const double dropped = (obj.prepare(b, 0).cond.y == 3).to(torch::kDouble).mean().item<double>();
   EXPECT_NEAR(dropped, 0.25, 0.01);
 }
 
@@ -115,7 +115,7 @@ TEST(TrainStep, MicroBatchesEqualTheWholeBatchWithinFloatRounding) {
           p.t = p.t.to(dtype);
           p.target = p.target.to(dtype);
         }
-        (objective->loss(net->forward(p.xt, p.t, p.y), p) * scale).backward();
+        (objective->loss(net->forward(p.xt, p.t, p.cond), p) * scale).backward();
       }
       std::vector<torch::Tensor> g;
       for (const auto& q : net->parameters()) g.push_back(q.grad().to(torch::kDouble).flatten());

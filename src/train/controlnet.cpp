@@ -1,0 +1,120 @@
+// ControlNet's locked base: resolving, pinning and loading it (see controlnet.h).
+#include "train/controlnet.h"
+
+#include <filesystem>
+#include <sstream>
+
+#include <torch/torch.h>
+
+#include "core/error.h"
+#include "core/fileio.h"
+#include "core/run_dir.h"
+#include "core/safetensors.h"
+#include "model/controlnet.h"
+#include "train/checkpoint.h"
+#include "train/optimizer.h"
+
+namespace fs = std::filesystem;
+
+namespace ddm {
+namespace {
+
+// The base's resolved config, from its checkpoint directory.
+RunConfig base_config(const std::string& ckpt, const std::string& key) {
+  DDM_CHECK(fs::is_regular_file(fs::path(ckpt) / RunDir::kState),
+            key << ": the base checkpoint " << ckpt << " does not exist (moved or deleted?); point model.controlnet "
+                << "at a trained U-Net run");
+  const Checkpoint ck = read_checkpoint(ckpt, /*weights_only=*/true);
+  return parse_config(ck.config_toml, ckpt + "/" + RunDir::kState + " (config)");
+}
+
+// The first line where two TOML texts differ, or "".
+std::string first_line_difference(const std::string& a, const std::string& b) {
+  std::istringstream sa(a), sb(b);
+  std::string la, lb;
+  while (true) {
+    const bool ga = static_cast<bool>(std::getline(sa, la)), gb = static_cast<bool>(std::getline(sb, lb));
+    if (!ga && !gb) return "";
+    if (la != lb) return la + "  (base)  vs  " + lb + "  (this config)";
+  }
+}
+
+}  // namespace
+
+RunConfig controlnet_default_config(const std::string& base, const std::vector<std::string>& overrides) {
+  const std::string ckpt = resolve_checkpoint(base);
+  const Checkpoint ck = read_checkpoint(ckpt, /*weights_only=*/true);
+  const std::string abs = fs::absolute(ckpt).lexically_normal().string();
+  DDM_CHECK(abs.find('\'') == std::string::npos, "--controlnet: a path with a ' is not supported: " << abs);
+  std::vector<std::string> all = {"model.controlnet='" + abs + "'"};
+  all.insert(all.end(), overrides.begin(), overrides.end());
+  RunConfig c = parse_config(ck.config_toml, ckpt + "/" + RunDir::kState + " (the base's config)", all);
+  c.train.teacher.clear();  // (a distilled base: the ControlNet trains on data, not on its teachers)
+  return c;
+}
+
+void resolve_controlnet(RunConfig& cfg, const Dataset& data) {
+  ModelConfig& m = cfg.model;
+  const std::string key = "model.controlnet = " + m.controlnet;
+  DDM_CHECK(fs::exists(m.controlnet), key << ": no such directory; give a trained U-Net run (e.g. `ddm train --config "
+                                             "configs/tiny.toml --out RUN`)");
+  fs::path path = fs::absolute(m.controlnet).lexically_normal();
+  if (path.filename().empty()) path = path.parent_path();
+  const std::string ckpt = fs::absolute(resolve_checkpoint(path.string())).lexically_normal().string();
+  const RunConfig base = base_config(ckpt, key);
+  DDM_CHECK(base.model.controlnet.empty(), key << ": " << ckpt << " is itself a ControlNet; give the U-Net it "
+                                               << "steers (" << base.model.controlnet << ")");
+  DDM_CHECK(base.model.arch == "unet" && base.model.latent.empty(),
+            key << ": " << ckpt << " holds a " << (base.model.latent.empty() ? "" : "latent ") << base.model.arch
+                << " model; a ControlNet steers a pixel U-Net");
+  DDM_CHECK(!base.model.self_cond, key << ": the base is self-conditioned (model.self_cond); a ControlNet on it is not "
+                                         "supported yet");
+  const int64_t c = data.images.size(1), h = data.images.size(2);
+  DDM_CHECK(base.model.in_channels == c && base.model.image_size == h,
+            key << ": the base was trained on " << base.model.in_channels << "x" << base.model.image_size << "x"
+                << base.model.image_size << " images, but the data is " << c << "x" << h << "x" << h << " ("
+                << data.description << ")");
+  DDM_CHECK(base.model.num_classes == 0 || base.model.num_classes == data.num_classes,
+            key << ": the base has " << base.model.num_classes << " classes, the data " << data.num_classes
+                << " (" << data.description << ")");
+  RunConfig with_base = cfg;  // differs from cfg in [diffusion] alone
+  with_base.diffusion = base.diffusion;
+  const std::string diff = first_line_difference(to_toml(with_base), to_toml(cfg));
+  DDM_CHECK(diff.empty(), key << ": a ControlNet predicts what its base predicts, but the [diffusion] sections differ: "
+                              << diff << "; remove the [diffusion] keys (the base's are used)");
+  const std::string sha = sha256_file((fs::path(ckpt) / RunDir::kEma).string());
+  DDM_CHECK(m.controlnet_sha256.empty() || m.controlnet_sha256 == sha,
+            "the locked base changed: " << (fs::path(ckpt) / RunDir::kEma).string() << " has sha256 " << sha
+                                        << ", but this ControlNet was trained on model.controlnet_sha256 = "
+                                        << m.controlnet_sha256 << "; restore that base");
+  ModelConfig resolved = base.model;  // the architecture is the base's
+  resolved.controlnet = ckpt;
+  resolved.controlnet_sha256 = sha;
+  resolved.control = m.control;
+  m = resolved;
+}
+
+void attach_controlnet(NetImpl& net, const ModelConfig& m) {
+  if (m.controlnet.empty()) return;
+  auto* cn = dynamic_cast<ControlNetImpl*>(&net);
+  DDM_CHECK(cn, "attach_controlnet: the net is not a ControlNet");
+  DDM_CHECK(!m.controlnet_sha256.empty(), "model.controlnet = " << m.controlnet << " is not resolved (controlnet_sha256 unset)");
+  const std::string weights = (fs::path(m.controlnet) / RunDir::kEma).string();
+  DDM_CHECK(fs::is_regular_file(weights), "model.controlnet = " << m.controlnet << ": the locked base's weights " << weights
+                                                                << " do not exist (moved or deleted?); restore them (a "
+                                                                   "ControlNet is tied to its own base)");
+  const std::string bytes = read_file(weights);
+  const std::string sha = sha256_hex(bytes);
+  DDM_CHECK(sha == m.controlnet_sha256,
+            "the locked base changed: " << weights << " has sha256 " << sha << ", but this ControlNet was trained on "
+                                        << "model.controlnet_sha256 = " << m.controlnet_sha256
+                                        << "; restore that base (a ControlNet is tied to its own)");
+  load_module_state(cn->base(), parse_safetensors(bytes, weights).tensors, weights);
+  cn->set_base_loaded();
+  // The trainable copy starts as the base's encoder: same names (model/unet.h builds both alike).
+  torch::NoGradGuard no_grad;
+  const auto base = cn->base().named_parameters();
+  for (auto& p : cn->control().named_parameters()) p.value().copy_(base[p.key()]);
+}
+
+}  // namespace ddm
