@@ -87,6 +87,7 @@ cfg = 2.0
 struct SampleArgs {
   std::string ckpt, ensemble, routing, out = "samples.png", raw, sampler;
   std::string control_file, control_from, control_type;  // ControlNets (and their fidelity for any model)
+  std::string reference_file, reference_from;            // model.embed (and embedding similarity for any model)
   int64_t n = 100, steps = 0, class_id = -1, seed = 0, batch = 250, threads = 0;
   double cfg = -1;
   bool no_ema = false, allow_missing = false;
@@ -134,21 +135,29 @@ struct ControlSet {
   std::string origin;
 };
 
-// Tiles of S x S pixels, row-major, from a PNG whose sides are multiples of S: uint8 [N, C, S, S].
-torch::Tensor read_tiles(const std::string& path, int64_t size) {
-  torch::Tensor img = read_image(path);  // [C, H, W]
-  const int64_t h = img.size(1), w = img.size(2);
-  DDM_CHECK(h % size == 0 && w % size == 0, "--control " << path << ": the image is " << w << "x" << h
-                                                          << " pixels; give one " << size << "x" << size
-                                                          << " control map, or a grid of them without margins");
-  if (img.size(0) == 2 || img.size(0) == 4) img = img.narrow(0, 0, img.size(0) - 1);  // drop alpha
-  return img.reshape({img.size(0), h / size, size, w / size, size}).permute({1, 3, 0, 2, 4})
-      .reshape({-1, img.size(0), size, size});  // [N, C, S, S]
+// The first n images of a split of the model's data with their labels (--control-from, --reference-from).
+Dataset split_images(const LoadedModel& m, const std::string& split, int64_t n, const std::string& flag) {
+  DDM_CHECK(m.cfg.data.source == "fashion-mnist",
+            flag << " " << split << ": the model's data.source = " << m.cfg.data.source
+                 << " has no train/test splits; give the images as a PNG instead");
+  DataConfig dc = m.cfg.data;
+  dc.split = split;
+  dc.limit = 0;
+  dc.partition.clear();
+  dc.expert = -1;
+  Dataset d = load_dataset(dc);
+  DDM_CHECK(d.images.size(0) >= n, flag << " " << split << ": " << d.description << " has " << d.images.size(0)
+                                        << " images, fewer than --n " << n);
+  d.images = d.images.narrow(0, 0, n);
+  d.labels = d.labels.narrow(0, 0, n);
+  return d;
 }
 
 std::optional<ControlSet> open_controls(const SampleArgs& a, const LoadedModel& m, int64_t n) {
   const bool controlnet = !m.cfg.model.controlnet.empty();
   DDM_CHECK(a.control_file.empty() || a.control_from.empty(), "give one of --control FILE and --control-from SPLIT");
+  DDM_CHECK(a.control_from.empty() || a.class_id < 0,
+            "--class with --control-from: the samples take the labels of the images their maps come from");
   if (a.control_file.empty() && a.control_from.empty()) {
     DDM_CHECK(!controlnet, m.checkpoint << " is a ControlNet (model.control = " << m.cfg.model.control
                                         << "): give its control maps with --control FILE or --control-from test");
@@ -163,19 +172,12 @@ std::optional<ControlSet> open_controls(const SampleArgs& a, const LoadedModel& 
   const int64_t channels = m.latent ? m.latent->shape().in_channels : m.cfg.model.in_channels;
   const int64_t cc = c.type == "edges" ? 1 : channels;
   if (!a.control_from.empty()) {
-    DataConfig dc = m.cfg.data;
-    dc.split = a.control_from;
-    dc.limit = 0;
-    dc.partition.clear();
-    dc.expert = -1;
-    const Dataset d = load_dataset(dc);
-    DDM_CHECK(d.images.size(0) >= n, "--control-from " << a.control_from << ": " << d.description << " has "
-                                                        << d.images.size(0) << " images, fewer than --n " << n);
-    c.maps = control_map(c.type, to_unit_range(d.images.narrow(0, 0, n)));  // [n, Cc, S, S]
-    c.labels = d.labels.narrow(0, 0, n);
+    const Dataset d = split_images(m, a.control_from, n, "--control-from");
+    c.maps = control_map(c.type, to_unit_range(d.images));  // [n, Cc, S, S]
+    c.labels = d.labels;
     c.origin = "the " + c.type + " maps of the first " + std::to_string(n) + " images of " + d.description;
   } else {
-    const torch::Tensor tiles = read_tiles(a.control_file, size);  // [N, C', S, S]
+    const torch::Tensor tiles = read_image_tiles(a.control_file, size, "--control");  // [N, C', S, S]
     DDM_CHECK(tiles.size(1) == cc || (cc == 1 && tiles.size(1) == 3),
               "--control " << a.control_file << ": " << tiles.size(1) << "-channel maps, but " << c.type << " maps of "
                            << channels << "-channel images have " << cc);
@@ -187,6 +189,50 @@ std::optional<ControlSet> open_controls(const SampleArgs& a, const LoadedModel& 
     c.origin = std::to_string(tiles_n) + " " + c.type + " map(s) from " + a.control_file;
   }
   return c;
+}
+
+// Reference images for sampling (--reference FILE | --reference-from SPLIT): what a model.embed model is
+// conditioned on (their embeddings) and what any model's samples are compared with (embedding similarity).
+struct ReferenceSet {
+  torch::Tensor images;  // float [n, C, S, S] in [-1, 1]
+  torch::Tensor labels;  // int64 [n] (--reference-from: the images'; else undefined)
+  std::shared_ptr<const ImageEmbedder> embedder;  // the model's, or the shipped network for a baseline
+  std::string origin;
+};
+
+std::optional<ReferenceSet> open_references(const SampleArgs& a, const LoadedModel& m, int64_t n) {
+  DDM_CHECK(a.reference_file.empty() || a.reference_from.empty(), "give one of --reference FILE and --reference-from SPLIT");
+  if (a.reference_file.empty() && a.reference_from.empty()) return std::nullopt;
+  DDM_CHECK(a.reference_from.empty() || a.class_id < 0,
+            "--class with --reference-from: the samples take the labels of their reference images");
+  DDM_CHECK(a.reference_from.empty() || a.control_from.empty() || a.reference_from == a.control_from,
+            "--control-from " << a.control_from << " and --reference-from " << a.reference_from
+                              << " would give the samples two sets of labels; use one split");
+  ReferenceSet r;
+  const int64_t size = m.latent ? m.latent->shape().image_size : m.cfg.model.image_size;
+  const int64_t channels = m.latent ? m.latent->shape().in_channels : m.cfg.model.in_channels;
+  if (!a.reference_from.empty()) {
+    const Dataset d = split_images(m, a.reference_from, n, "--reference-from");
+    r.images = to_unit_range(d.images);  // [n, C, S, S]
+    r.labels = d.labels;
+    r.origin = "the first " + std::to_string(n) + " images of " + d.description;
+  } else {
+    torch::Tensor tiles = read_image_tiles(a.reference_file, size, "--reference");  // [N, C', S, S]
+    if (tiles.size(1) == 3 && channels == 1) tiles = tiles.to(torch::kFloat).mean(1, true).round().to(torch::kUInt8);
+    DDM_CHECK(tiles.size(1) == channels, "--reference " << a.reference_file << ": " << tiles.size(1)
+                                                        << "-channel images, but the model's have " << channels);
+    r.images = to_unit_range(tiles).index_select(0, torch::arange(n, torch::kLong).remainder(tiles.size(0)));
+    r.origin = std::to_string(tiles.size(0)) + " reference image(s) from " + a.reference_file;
+  }
+  if (m.embedder) {
+    r.embedder = m.embedder;
+  } else {
+    ModelConfig shipped;
+    shipped.embed = default_feature_net_path();
+    shipped.embed_sha256 = kDefaultFeatureNetSha256;
+    r.embedder = ImageEmbedder::load(shipped);
+  }
+  return r;
 }
 
 // Sampling progress: a live counter on a terminal, otherwise a plain line at every 10%.
@@ -232,11 +278,19 @@ void write_samples(const SampleArgs& a) {
     if (controls->labels.defined()) g.labels = controls->labels;
     std::cout << "control: " << controls->origin << std::endl;
   }
+  DDM_CHECK(src.model || (a.reference_file.empty() && a.reference_from.empty()), "--reference applies only to --ckpt");
+  const std::optional<ReferenceSet> refs = src.model ? open_references(a, m, a.n) : std::nullopt;
+  if (refs) {
+    if (m.embedder) g.embed = m.embedder->embed(refs->images);
+    if (refs->labels.defined()) g.labels = refs->labels;
+    std::cout << "reference: " << refs->origin << (m.embedder ? "" : " (not a model.embed model: compared only)")
+              << std::endl;
+  }
   Generated out = generate(den, m.cfg.model.in_channels, m.cfg.model.image_size, g);
   if (tty) std::printf("\n");
   std::vector<std::string> labels;
   int64_t cols = std::min<int64_t>(a.n, 10);
-  if (classes > 0 && a.class_id < 0 && !(controls && controls->labels.defined())) {
+  if (classes > 0 && a.class_id < 0 && !g.labels.defined()) {
     cols = g.per_class;
     for (int64_t r = 0; r * cols < a.n; ++r) {
       const int64_t c = out.labels[r * cols].item<int64_t>();
@@ -254,6 +308,14 @@ void write_samples(const SampleArgs& a) {
     std::printf("control fidelity: %s-map MSE %.4f of the samples against the given maps\n", controls->type.c_str(),
                 control_error(controls->type, out.images, controls->maps));
     std::cout << "wrote " << maps_png << " (the control maps, laid out as the samples)" << std::endl;
+  }
+  if (refs) {
+    const std::string refs_png =
+        (fs::path(a.out).parent_path() / (fs::path(a.out).stem().string() + "-reference.png")).string();
+    save_image_grid(refs_png, refs->images, cols, labels);
+    std::printf("embedding similarity: %.4f (mean cosine of the samples' and their references' embeddings)\n",
+                embed_similarity(*refs->embedder, out.images, refs->images));
+    std::cout << "wrote " << refs_png << " (the reference images, laid out as the samples)" << std::endl;
   }
   std::cout << "NFE " << out.nfe << " per image" << (g.sample.cfg != 1.0 && classes > 0 ? " (CFG: batch of 2)" : "")
             << ", " << out.seconds << " s, " << a.n / out.seconds << " img/s\n";
@@ -298,6 +360,12 @@ void add_sample_flags(CLI::App* cmd, SampleArgs& a) {
   cmd->add_option("--control-from", a.control_from,
                   "control maps of the first --n images of this split of the model's data, with their labels (a "
                   "ControlNet is steered by them; any model's samples are measured against them)")
+      ->check(CLI::IsMember({"train", "test"}));
+  cmd->add_option("--reference", a.reference_file,
+                  "a model.embed model's reference images: a PNG of one image, or a grid of image-size tiles without "
+                  "margins (row by row, repeated if fewer than --n); also measures any model's embedding similarity");
+  cmd->add_option("--reference-from", a.reference_from,
+                  "reference images: the first --n images of this split of the model's data, with their labels")
       ->check(CLI::IsMember({"train", "test"}));
   cmd->add_option("--control-type", a.control_type,
                   "edges | lowres: the maps of --control-from (default: the model's model.control, edges)")
@@ -400,6 +468,15 @@ int eval_cmd(EvalArgs a) {
       if (controls->labels.defined()) g.labels = controls->labels;
       std::cout << "control: " << controls->origin << std::endl;
     }
+    DDM_CHECK(src.model || (a.sample.reference_file.empty() && a.sample.reference_from.empty()),
+              "--reference applies only to --ckpt");
+    const std::optional<ReferenceSet> refs = src.model ? open_references(a.sample, m, a.sample.n) : std::nullopt;
+    if (refs) {
+      if (m.embedder) g.embed = m.embedder->embed(refs->images);
+      if (refs->labels.defined()) g.labels = refs->labels;
+      std::cout << "reference: " << refs->origin << (m.embedder ? "" : " (not a model.embed model: compared only)")
+                << std::endl;
+    }
     Generated out = generate(den, m.cfg.model.in_channels, m.cfg.model.image_size, g);
     if (tty) std::printf("\n");
     std::printf("NFE %lld per image, %.0f s (%.1f img/s)\n", static_cast<long long>(out.nfe), out.seconds,
@@ -424,6 +501,13 @@ int eval_cmd(EvalArgs a) {
       set.info["control"] = controls->origin;
       set.info["control_mse"] = std::to_string(err);
     }
+    if (refs) {
+      const double sim = embed_similarity(*refs->embedder, out.images, refs->images);
+      std::printf("embedding similarity: %.4f (mean cosine of the samples' and their references' embeddings; %s)\n",
+                  sim, m.embedder ? "model.embed" : "not a model.embed model: a baseline");
+      set.info["reference"] = refs->origin;
+      set.info["embed_similarity"] = std::to_string(sim);
+    }
     if (src.ensemble) {
       const EnsembleUsage& u = src.ensemble->usage();
       set.info["routing"] = src.routing.spec;
@@ -438,7 +522,8 @@ int eval_cmd(EvalArgs a) {
     stem = (src.ensemble ? "routing-" + routing_name + "-" : std::string()) + g.sample.sampler + "-" +
            std::to_string(g.sample.steps) + "steps-cfg" +
            std::to_string(g.sample.cfg).substr(0, 4) + "-n" + std::to_string(a.sample.n) +
-           (controls ? "-control-" + controls->type + (a.sample.control_from.empty() ? "-file" : "-" + a.sample.control_from) : "");
+           (controls ? "-control-" + controls->type + (a.sample.control_from.empty() ? "-file" : "-" + a.sample.control_from) : "") +
+           (refs ? "-reference" + (a.sample.reference_from.empty() ? std::string("-file") : "-" + a.sample.reference_from) : "");
     if (a.out.empty()) a.out = (fs::path(src.model ? a.sample.ckpt : a.sample.ensemble) / "eval").string();
     fs::create_directories(a.out);
     SafetensorsFile f;

@@ -62,6 +62,7 @@
 #include "decentral/train_run.h"
 #include "model/controlnet.h"
 #include "train/controlnet.h"
+#include "train/embed.h"
 #include "train/latent.h"
 #include "train/step.h"
 #include "train/trainer.h"
@@ -397,6 +398,7 @@ int run_phases(const Args& a) {
   attach_controlnet(*net, cfg.model);
   auto objective = job.objective ? job.objective : make_objective(cfg);
   const auto latent = attach_latent(*objective, cfg.model);
+  const auto embedder = attach_embed(*objective, cfg.model);
   TrainStep stepper(cfg, net, objective);
   auto* controlnet = dynamic_cast<ControlNetImpl*>(net.get());
   std::vector<double> locked;  // a ControlNet's locked decoder: forward + input-gradients
@@ -442,6 +444,7 @@ int run_phases(const Args& a) {
                                     "x" + std::to_string(cfg.model.image_size)},
                       {"frozen", latent ? "encoder of " + latent->checkpoint()
                                         : !cfg.train.teacher.empty() ? "teacher ensemble " + cfg.train.teacher
+                                        : embedder ? "embedding network " + embedder->path()
                                         : controlnet ? cfg.model.control + " maps and the locked encoder of " +
                                                            cfg.model.controlnet
                                                      : "none"},

@@ -134,6 +134,9 @@ std::vector<Field> fields(RunConfig& c) {
       field("model.controlnet_sha256", &c.model.controlnet_sha256),
       field("model.control", &c.model.control),
       field("model.self_cond", &c.model.self_cond),
+      field("model.embed", &c.model.embed),
+      field("model.embed_sha256", &c.model.embed_sha256),
+      field("model.embed_dim", &c.model.embed_dim),
       field("diffusion.objective", &c.diffusion.objective),
       field("diffusion.schedule", &c.diffusion.schedule),
       field("diffusion.time_dist", &c.diffusion.time_dist),
@@ -337,6 +340,13 @@ void validate(const RunConfig& c) {
             "base run");
   DDM_CHECK(m.controlnet.empty() || (c.train.teacher.empty() && c.data.partition.empty()),
             "model.controlnet trains a ControlNet on all the data: remove train.teacher and data.partition");
+  DDM_CHECK(m.embed.empty() || m.arch == "unet" || m.arch == "dit",
+            "model.embed = " << m.embed << " conditions a diffusion backbone (model.arch = unet | dit), not " << m.arch);
+  DDM_CHECK(m.embed.empty() || m.controlnet.empty(),
+            "model.embed with model.controlnet: a ControlNet's model keys are its base's; train the base with model.embed");
+  DDM_CHECK(!m.embed.empty() || (m.embed_sha256.empty() && m.embed_dim == 0),
+            "model.embed_sha256 and model.embed_dim describe model.embed, which is not set");
+  DDM_CHECK(m.embed_dim >= 0, "model.embed_dim must be >= 0 (0 = from the network), got " << m.embed_dim);
   DDM_CHECK(!m.controlnet.empty() || m.controlnet_sha256.empty(),
             "model.controlnet_sha256 describes model.controlnet, which is not set");
   DDM_CHECK(m.num_experts == 0 || m.num_experts >= 2,

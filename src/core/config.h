@@ -59,8 +59,17 @@ struct ModelConfig {
   std::string controlnet_sha256;
   std::string control = "edges";
   // Self-conditioning (Chen et al. 2023): the network takes a previous x0 estimate as extra input
-  // channels (in_channels more; zeros when there is none). Set when train.self_cond > 0 (recorded).
+  // channels (in_channels more; zeros when there is none). Derived from train.self_cond > 0 when a
+  // run is resolved, whatever was written here (recorded).
   bool self_cond = false;
+  // Image-embedding conditioning ("image variations"): the model is also conditioned on a frozen
+  // feature network's embedding of a reference image (in training: of the image itself), with a
+  // learned null embedding for guidance. "" = off, "feature-net" = the shipped network, or a
+  // `ddm train-classifier` file. Resolved at train time and recorded: the absolute file, its sha256
+  // (checked on every load) and the embedding's dimension.
+  std::string embed;
+  std::string embed_sha256;
+  int64_t embed_dim = 0;
 };
 
 struct DiffusionConfig {

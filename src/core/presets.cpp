@@ -155,7 +155,18 @@ void apply_preset(const std::string& name, ModelConfig& cfg) {
     m.controlnet_sha256 = cfg.controlnet_sha256;
     m.control = cfg.control;
     m.self_cond = cfg.self_cond;
+    m.embed = cfg.embed;
+    m.embed_sha256 = cfg.embed_sha256;
+    m.embed_dim = cfg.embed_dim;
     p.second(m);
+    if (m.arch != "unet" && m.arch != "dit") {  // a router or an autoencoder takes none of the backbone's conditioning
+      m.controlnet.clear();
+      m.controlnet_sha256.clear();
+      m.self_cond = false;
+      m.embed.clear();
+      m.embed_sha256.clear();
+      m.embed_dim = 0;
+    }
     cfg = m;
     return;
   }

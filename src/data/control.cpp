@@ -21,9 +21,9 @@ torch::Tensor control_map(const std::string& type, const torch::Tensor& images) 
     return (mag / 4).clamp(0, 1) * 2 - 1;                                         // [B, 1, H, W]
   }
   DDM_CHECK(type == "lowres", "model.control = \"" << type << "\" is not one of: edges, lowres");
-  const auto small = torch::avg_pool2d(x, 4, 4, 0, /*ceil_mode=*/true, /*count_include_pad=*/false);  // [B, C, H/4, W/4]
-  return torch::upsample_nearest2d(small, {x.size(2), x.size(3)})                 // [B, C, H, W]
-      .clamp(-1, 1);
+  const auto small = torch::avg_pool2d(x, 4, 4, 0, /*ceil_mode=*/true, /*count_include_pad=*/false);  // [B, C, ceil(H/4), ceil(W/4)]
+  // Each block's mean back over its own pixels (a partial edge block too).
+  return small.repeat_interleave(4, 2).repeat_interleave(4, 3).narrow(2, 0, x.size(2)).narrow(3, 0, x.size(3));  // [B, C, H, W]
 }
 
 double control_error(const std::string& type, const torch::Tensor& samples, const torch::Tensor& maps) {

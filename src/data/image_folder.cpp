@@ -105,6 +105,17 @@ torch::Tensor read_image(const std::string& path) {
   return hwc.permute({2, 0, 1}).clone(torch::MemoryFormat::Contiguous);  // [C, H, W], owns its memory
 }
 
+torch::Tensor read_image_tiles(const std::string& path, int64_t size, const std::string& what) {
+  torch::Tensor img = read_image(path);  // [C, H, W]
+  const int64_t h = img.size(1), w = img.size(2);
+  DDM_CHECK(size > 0 && h % size == 0 && w % size == 0, what << " " << path << ": the image is " << w << "x" << h
+                                                             << " pixels; give one " << size << "x" << size
+                                                             << " image, or a grid of them without margins");
+  if (img.size(0) == 2 || img.size(0) == 4) img = img.narrow(0, 0, img.size(0) - 1);  // drop alpha
+  const int64_t c = img.size(0);
+  return img.reshape({c, h / size, size, w / size, size}).permute({1, 3, 0, 2, 4}).reshape({-1, c, size, size});  // [N, C, S, S]
+}
+
 Dataset load_image_folder(const std::string& root) {
   DDM_CHECK(!root.empty(), "data.root is empty: set it to a folder with one sub-folder of images per class");
   std::error_code ec;

@@ -20,6 +20,11 @@ inline constexpr int64_t kMaxImagePixels = int64_t(1) << 24;
 // its header claims more than kMaxImagePixels pixels.
 torch::Tensor read_image(const std::string& path);
 
+// The size x size tiles of an image whose sides are multiples of size (one tile, or a grid of them
+// without margins), row by row: uint8 [N, C, size, size]; an alpha channel is dropped. `what` names
+// the image in errors (e.g. a command-line flag).
+torch::Tensor read_image_tiles(const std::string& path, int64_t size, const std::string& what);
+
 // Loads every image under `root`. Images inside a class folder are taken in sorted file-name order;
 // files without an image extension and hidden entries (".*") are skipped. All images must have the
 // same size and channel count; the first one that differs is named in the error.

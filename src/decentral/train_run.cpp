@@ -153,6 +153,7 @@ RunConfig router_run_config(const std::string& config, const std::string& partit
   c.data.expert = -1;
   c.data.holdout = holdout;
   c.train.expert_budget = "full";
+  c.train.self_cond = 0;  // the experts' self-conditioning is theirs: a router has no estimate to take
   return parse_config(to_toml(c), "the router config made from " + config, overrides);
 }
 

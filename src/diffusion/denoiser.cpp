@@ -62,12 +62,18 @@ Denoiser::Denoiser(EstimateFn fn, NoisePath path, int64_t num_classes)
 torch::Tensor Denoiser::raw(const torch::Tensor& x, const torch::Tensor& t, const Cond& y, double w) const {
   ++nfe_;
   const int64_t b = x.size(0);
-  Cond null = y;  // the unconditional branch: the null class, the same control map
+  // The unconditional branch: the null class and the null embedding, the same control map.
+  Cond null = y;
   null.y = torch::full({b}, num_classes_, torch::kLong);
-  if (num_classes_ == 0 || w == 1.0) return net_->forward(x, t, num_classes_ == 0 ? null : y);  // [B,C,H,W]
-  if (w == 0.0) return net_->forward(x, t, null);                                               // [B,C,H,W]
+  if (y.embed.defined()) null.embed_null = torch::ones({b}, torch::kBool);
+  Cond c = y;
+  if (num_classes_ == 0) c.y = null.y;  // an unconditional model's only class
+  const bool conditional = num_classes_ > 0 || y.embed.defined();
+  if (!conditional || w == 1.0) return net_->forward(x, t, c);  // [B,C,H,W]
+  if (w == 0.0) return net_->forward(x, t, null);               // [B,C,H,W]
   // Conditional and unconditional branches in one batch of 2B.
-  auto out = net_->forward(torch::cat({x, x}), torch::cat({t, t}), Cond::cat(y, null));  // [2B,C,H,W]
+  if (y.embed.defined() && !c.embed_null.defined()) c.embed_null = torch::zeros({b}, torch::kBool);
+  auto out = net_->forward(torch::cat({x, x}), torch::cat({t, t}), Cond::cat(c, null));  // [2B,C,H,W]
   auto cond = out.narrow(0, 0, b), uncond = out.narrow(0, b, b);                            // [B,C,H,W]
   return uncond + w * (cond - uncond);                                                       // [B,C,H,W]
 }

@@ -46,8 +46,9 @@ class Denoiser {
   Denoiser(Net net, NoisePath path, Prediction pred, int64_t num_classes);
   // A denoiser defined by an estimator on `path` (the samplers then integrate on that path).
   Denoiser(EstimateFn fn, NoisePath path, int64_t num_classes);
-  // x [B,C,H,W] at times t [B]; y the conditioning (labels int64 [B]; a control map is kept in both
-  // branches of guidance); guidance scale w (1 = conditional only, 0 = unconditional only). Counts one network evaluation (NFE) per call, whatever the batch. keys: as
+  // x [B,C,H,W] at times t [B]; y the conditioning (labels int64 [B]; the unconditional branch of
+  // guidance takes the null class and the null embedding, and keeps a control map); guidance scale w
+  // (1 = conditional only, 0 = unconditional only). Counts one network evaluation (NFE) per call, whatever the batch. keys: as
   // for EstimateFn (a network ignores them).
   Estimate estimate(const torch::Tensor& x, const torch::Tensor& t, const Cond& y, double w,
                     const torch::Tensor& keys = {}) const;

@@ -47,6 +47,7 @@ Generated generate(const Denoiser& den, int64_t channels, int64_t size, const Ge
     so.first_index = start;  // later draws are keyed by the sample's number too, not by this batch
     Cond c(g.labels.narrow(0, start, b));                                // [b]
     if (opt.control.defined()) c.control = opt.control.narrow(0, start, b);  // [b, Cc, H, W]
+    if (opt.embed.defined()) c.embed = opt.embed.narrow(0, start, b);        // [b, D]
     auto res = sample(den, torch::cat(noise), c, so);  // [b,C,H,W]
     chunks.push_back(opt.decode ? opt.decode(res.x) : res.x.clamp(-1, 1));  // [b, C, H, W]
     g.nfe = res.nfe;

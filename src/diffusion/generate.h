@@ -25,6 +25,8 @@ struct GenerateOptions {
   std::function<torch::Tensor(const torch::Tensor&)> decode;
   // ControlNets: the control map of each sample, float [n, Cc, H, W] (data/control.h); undefined: none.
   torch::Tensor control;
+  // model.embed: each sample's reference embedding, float [n, D]; undefined: the null embedding.
+  torch::Tensor embed;
   // Each sample's label, int64 [n] (e.g. of the test images the control maps come from); undefined:
   // from class_id and per_class.
   torch::Tensor labels;

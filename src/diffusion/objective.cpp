@@ -72,16 +72,21 @@ Prepared Objective::prepare(const Batch& pixels, int64_t step) const {
   Prepared p;
   p.t = draw_time(step, batch.first, b);                  // [B]
   const torch::Tensor eps = draw_noise(step, batch.first, batch.x);  // [B, C, H, W]
+  // Label dropout: one keyed draw per sample drops its label and its embedding together.
+  auto dropped = torch::zeros({b}, torch::kBool);  // [B]
+  if (label_dropout_ > 0 && (num_classes_ > 0 || embed_)) {
+    const auto keys = sample_keys(seed_, RngPurpose::kLabelDrop, step, batch.first, b);
+    bool* d = dropped.data_ptr<bool>();
+    for (int64_t j = 0; j < b; ++j) d[j] = uniform_from_key(keys[static_cast<size_t>(j)]) < label_dropout_;
+  }
   if (num_classes_ == 0) {
     p.cond.y = torch::zeros({b}, torch::kLong);  // [B]: the null class of an unconditional model
   } else {
-    p.cond.y = batch.y.clone();  // [B]
-    if (label_dropout_ > 0) {
-      const auto keys = sample_keys(seed_, RngPurpose::kLabelDrop, step, batch.first, b);
-      int64_t* y = p.cond.y.data_ptr<int64_t>();
-      for (int64_t j = 0; j < b; ++j)
-        if (uniform_from_key(keys[static_cast<size_t>(j)]) < label_dropout_) y[j] = num_classes_;
-    }
+    p.cond.y = batch.y.masked_fill(dropped, num_classes_);  // [B]
+  }
+  if (embed_) {  // the frozen network's embedding of each clean image: the image-variation condition
+    p.cond.embed = embed_(pixels.x);  // [B, D]
+    p.cond.embed_null = dropped;      // [B]
   }
   if (!control_.empty()) p.cond.control = control_map(control_, pixels.x);  // [B, Cc, H, W]
   p.xt = path_.alpha(p.t).view({-1, 1, 1, 1}) * batch.x + path_.sigma(p.t).view({-1, 1, 1, 1}) * eps;  // [B,C,H,W]
@@ -100,7 +105,7 @@ void Objective::self_condition(NetImpl& net, Prepared& p, int64_t first, int64_t
   p.cond.self_cond = torch::zeros_like(p.xt);  // [B, C, H, W]
   if (chosen.empty()) return;
   const auto idx = torch::tensor(chosen, torch::kLong);  // [b']
-  Cond c(p.cond.y.index_select(0, idx));
+  Cond c = p.cond.select(idx);
   c.self_cond = torch::zeros_like(p.xt.index_select(0, idx));  // the first pass has no estimate
   const auto x = p.xt.index_select(0, idx), t = p.t.index_select(0, idx);
   const auto f = net.forward(x, t, c);  // [b', C, H, W]

@@ -69,6 +69,11 @@ class Objective {
   // encoder's work, no gradients) and draws the noise keyed per sample like every other draw.
   using EncodeFn = std::function<torch::Tensor(const torch::Tensor& x, const torch::Tensor& eps)>;
   void set_encoder(EncodeFn encode) { encode_ = std::move(encode); }
+  // Image-embedding conditioning (train/embed.h): images float [B, C, H, W] -> embeddings [B, D]. Set,
+  // prepare embeds each clean batch (the frozen network's work, no gradients); label dropout drops
+  // the embedding with the label (one draw per sample), even for a model without classes.
+  using EmbedFn = std::function<torch::Tensor(const torch::Tensor& x)>;
+  void set_embedder(EmbedFn embed) { embed_ = std::move(embed); }
 
   // The per-sample draws alone (for tests): t [B] and eps [B, C, H, W] of positions first..first+B-1.
   torch::Tensor draw_time(int64_t step, int64_t first, int64_t n) const;
@@ -86,6 +91,7 @@ class Objective {
   std::vector<int64_t> sample_shape_;  // the model's input [C, H, W] (the latents' with an encoder)
   std::string control_;                // a ControlNet's model.control (else empty)
   EncodeFn encode_;
+  EmbedFn embed_;
 };
 
 class RouterObjective : public Objective {

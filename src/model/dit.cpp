@@ -48,6 +48,7 @@ DiTImpl::DiTImpl(const ModelConfig& cfg) : cfg_(cfg) {
   pos_ = register_buffer("pos", pos_embed_2d(W, grid).unsqueeze(0));  // [1, N, W]
   time_ = register_module("time", TimeEmbedder(kTimeFreqDim, W));
   if (cfg.num_classes > 0) label_ = register_module("label", LabelEmbedder(cfg.num_classes, W));
+  if (cfg.embed_dim > 0) embed_ = register_module("embed", EmbedProjector(cfg.embed_dim, W));
   for (int64_t i = 0; i < cfg.depth; ++i)
     blocks_.push_back(register_module("block" + std::to_string(i), DiTBlock(W, cfg.heads, cfg.mlp_ratio)));
   final_ = register_module("final", DiTFinalLayer(W, p * p * cfg.in_channels));
@@ -89,6 +90,7 @@ torch::Tensor DiTImpl::forward(const torch::Tensor& x, const torch::Tensor& t, c
     DDM_CHECK(y.defined(), "DiT: class labels y are required (model.num_classes = " << cfg_.num_classes << ")");
     c = c + label_(y);                                           // [B, W]
   }
+  if (embed_) c = c + embed_(cond, B);                           // [B, W]
   const auto c_act = torch::silu(c);                             // [B, W]
   for (auto& block : blocks_) h = block->forward(h, c_act);      // [B, N, W]
   h = final_(h, c_act);                                          // [B, N, p p C]

@@ -28,6 +28,7 @@ class DiTImpl : public NetImpl {
  private:
   ModelConfig cfg_;
   torch::nn::Linear patch_embed_{nullptr};
+  EmbedProjector embed_{nullptr};  // model.embed
   torch::Tensor pos_;  // buffer [1, N, width], fixed
   TimeEmbedder time_{nullptr};
   LabelEmbedder label_{nullptr};

@@ -36,6 +36,17 @@ Cond Cond::rows(int64_t first, int64_t n) const {
   if (y.defined()) c.y = y.narrow(0, first, n);
   if (control.defined()) c.control = control.narrow(0, first, n);
   if (self_cond.defined()) c.self_cond = self_cond.narrow(0, first, n);
+  if (embed.defined()) c.embed = embed.narrow(0, first, n);
+  if (embed_null.defined()) c.embed_null = embed_null.narrow(0, first, n);
+  return c;
+}
+
+Cond Cond::select(const torch::Tensor& idx) const {
+  DDM_CHECK(residuals.empty() && frozen.empty(), "Cond::select: a network's internal conditioning cannot be indexed");
+  Cond c;
+  for (auto [from, to] : {std::pair<const torch::Tensor*, torch::Tensor*>{&y, &c.y}, {&control, &c.control},
+                          {&self_cond, &c.self_cond}, {&embed, &c.embed}, {&embed_null, &c.embed_null}})
+    if (from->defined()) *to = from->index_select(0, idx);
   return c;
 }
 
@@ -43,13 +54,30 @@ Cond Cond::cat(const Cond& a, const Cond& b) {
   DDM_CHECK(a.residuals.empty() && a.frozen.empty() && b.residuals.empty() && b.frozen.empty(),
             "Cond::cat: a network's internal conditioning cannot be concatenated");
   DDM_CHECK(a.y.defined() == b.y.defined() && a.control.defined() == b.control.defined() &&
-                a.self_cond.defined() == b.self_cond.defined(),
+                a.self_cond.defined() == b.self_cond.defined() && a.embed.defined() == b.embed.defined() &&
+                a.embed_null.defined() == b.embed_null.defined(),
             "Cond::cat: the two conditionings carry different fields");
   Cond c;
   if (a.y.defined()) c.y = torch::cat({a.y, b.y});
   if (a.control.defined()) c.control = torch::cat({a.control, b.control});
   if (a.self_cond.defined()) c.self_cond = torch::cat({a.self_cond, b.self_cond});
+  if (a.embed.defined()) c.embed = torch::cat({a.embed, b.embed});
+  if (a.embed_null.defined()) c.embed_null = torch::cat({a.embed_null, b.embed_null});
   return c;
+}
+
+EmbedProjectorImpl::EmbedProjectorImpl(int64_t embed_dim, int64_t out_dim) : embed_dim_(embed_dim) {
+  proj_ = register_module("proj", torch::nn::Linear(embed_dim, out_dim));
+  null_ = register_parameter("null", torch::zeros({out_dim}));
+}
+
+torch::Tensor EmbedProjectorImpl::forward(const Cond& c, int64_t batch) {
+  if (!c.embed.defined()) return null_.expand({batch, null_.size(0)});  // [B, E]
+  DDM_CHECK(c.embed.dim() == 2 && c.embed.size(0) == batch && c.embed.size(1) == embed_dim_,
+            "model.embed: expected embeddings [" << batch << ", " << embed_dim_ << "], got " << c.embed.sizes());
+  auto e = proj_(c.embed.to(null_.scalar_type()));  // [B, E]
+  if (c.embed_null.defined()) e = torch::where(c.embed_null.view({-1, 1}), null_.expand_as(e), e);  // [B, E]
+  return e;
 }
 
 torch::Tensor with_self_cond(const torch::Tensor& x, const Cond& c, bool self_cond) {
@@ -62,6 +90,8 @@ torch::Tensor with_self_cond(const torch::Tensor& x, const Cond& c, bool self_co
 
 Net make_net(const ModelConfig& cfg) {
   validate_common(cfg);
+  DDM_CHECK(!cfg.self_cond || cfg.arch == "unet" || cfg.arch == "dit",
+            "model.self_cond applies to unet and dit, not model.arch = " << cfg.arch);
   if (!cfg.controlnet.empty()) {
     DDM_CHECK(cfg.arch == "unet", "model.controlnet = " << cfg.controlnet << ": a ControlNet's base must be a U-Net, "
                                   "but model.arch = " << cfg.arch);
@@ -70,8 +100,6 @@ Net make_net(const ModelConfig& cfg) {
   if (cfg.arch == "unet") return std::make_shared<UNetImpl>(cfg);
   if (cfg.arch == "router-dit") return std::make_shared<RouterDiTImpl>(cfg);
   if (cfg.arch == "router-conv") return std::make_shared<RouterConvImpl>(cfg);
-  DDM_CHECK(!cfg.self_cond || cfg.arch == "unet" || cfg.arch == "dit",
-            "model.self_cond applies to unet and dit, not model.arch = " << cfg.arch);
   if (cfg.arch == "autoencoder") return std::make_shared<AutoencoderImpl>(autoencoder_shape(cfg));
   return std::make_shared<DiTImpl>(cfg);
 }

@@ -8,6 +8,8 @@
 #include <vector>
 
 #include <torch/nn/module.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/nn/pimpl.h>
 #include <torch/types.h>
 
 #include "core/config.h"
@@ -30,10 +32,17 @@ struct Cond {
   std::vector<torch::Tensor> frozen;
   // Self-conditioning (model.self_cond): the previous x0 estimate [B, C, H, W]; undefined: none (zeros).
   torch::Tensor self_cond;
+  // Image-embedding conditioning (model.embed): a frozen network's embedding of each sample's reference
+  // image, float [B, D]; undefined: every row takes the learned null embedding. embed_null, bool [B]
+  // (optional): the rows that take it anyway (dropped in training, guidance's unconditional branch).
+  torch::Tensor embed;
+  torch::Tensor embed_null;
 
   // The rows [first, first + n) of every per-sample tensor (y, control, self_cond); residuals and frozen
   // must be empty.
   Cond rows(int64_t first, int64_t n) const;
+  // The rows idx (int64 [b]) of every per-sample tensor, in that order; residuals and frozen must be empty.
+  Cond select(const torch::Tensor& idx) const;
   // a's rows then b's (classifier-free guidance's two branches in one batch).
   static Cond cat(const Cond& a, const Cond& b);
 };
@@ -61,6 +70,21 @@ Net make_net(const ModelConfig& cfg);
 // The network's input for x [B, C, H, W] under model.self_cond: x itself, or x with the estimate
 // c.self_cond (zeros when undefined) as C more channels, [B, 2C, H, W].
 torch::Tensor with_self_cond(const torch::Tensor& x, const Cond& c, bool self_cond);
+
+// Image-embedding conditioning in a backbone: Linear(D, E) of Cond::embed, and a learned null
+// embedding [E] for the rows without one (zero-initialized: a null row adds nothing at first).
+class EmbedProjectorImpl : public torch::nn::Module {
+ public:
+  EmbedProjectorImpl(int64_t embed_dim, int64_t out_dim);
+  // The projected embeddings [B, E] of c (B = batch); null rows are the null embedding.
+  torch::Tensor forward(const Cond& c, int64_t batch);
+
+ private:
+  int64_t embed_dim_;
+  torch::nn::Linear proj_{nullptr};
+  torch::Tensor null_;
+};
+TORCH_MODULE(EmbedProjector);
 
 // Number of trainable parameters.
 int64_t count_params(const torch::nn::Module& m);

@@ -58,6 +58,7 @@ UNetImpl::UNetImpl(const ModelConfig& cfg, bool encoder_only) : cfg_(cfg), encod
   const int64_t emb_dim = 4 * cfg.channels;
   time_ = register_module("time", TimeEmbedder(cfg.channels, emb_dim));
   if (cfg.num_classes > 0) label_ = register_module("label", LabelEmbedder(cfg.num_classes, emb_dim));
+  if (cfg.embed_dim > 0) embed_ = register_module("embed", EmbedProjector(cfg.embed_dim, emb_dim));
 
   auto make_stage = [&](const std::string& name, int64_t in, int64_t out, size_t l) {
     Stage s;
@@ -125,6 +126,7 @@ UNetImpl::Features UNetImpl::encode(const torch::Tensor& x, const torch::Tensor&
     DDM_CHECK(y.defined(), "UNet: class labels y are required (model.num_classes = " << cfg_.num_classes << ")");
     emb = emb + label_(y);                                       // [B, E]
   }
+  if (embed_) emb = emb + embed_(c, x.size(0));                  // [B, E]
   Features f;
   f.emb_act = torch::silu(emb);                                  // [B, E]
   auto h = in_conv_(with_self_cond(x, c, cfg_.self_cond));      // [B, c0, S, S]

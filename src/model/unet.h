@@ -62,6 +62,7 @@ class UNetImpl : public NetImpl {
   ModelConfig cfg_;
   TimeEmbedder time_{nullptr};
   LabelEmbedder label_{nullptr};
+  EmbedProjector embed_{nullptr};  // model.embed
   torch::nn::Conv2d in_conv_{nullptr}, out_conv_{nullptr};
   torch::nn::GroupNorm out_norm_{nullptr};
   std::vector<std::vector<Stage>> enc_;  // [L-1][res_blocks]

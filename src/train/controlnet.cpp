@@ -46,11 +46,11 @@ RunConfig controlnet_default_config(const std::string& base, const std::vector<s
   const Checkpoint ck = read_checkpoint(ckpt, /*weights_only=*/true);
   const std::string abs = fs::absolute(ckpt).lexically_normal().string();
   DDM_CHECK(abs.find('\'') == std::string::npos, "--controlnet: a path with a ' is not supported: " << abs);
-  std::vector<std::string> all = {"model.controlnet='" + abs + "'"};
+  // The base may be a distilled student or an expert: a ControlNet trains on all the data itself.
+  std::vector<std::string> all = {"model.controlnet='" + abs + "'", "train.teacher=''", "data.partition=''",
+                                  "data.expert=-1", "train.expert_budget=full"};
   all.insert(all.end(), overrides.begin(), overrides.end());
-  RunConfig c = parse_config(ck.config_toml, ckpt + "/" + RunDir::kState + " (the base's config)", all);
-  c.train.teacher.clear();  // (a distilled base: the ControlNet trains on data, not on its teachers)
-  return c;
+  return parse_config(ck.config_toml, ckpt + "/" + RunDir::kState + " (the base's config)", all);
 }
 
 void resolve_controlnet(RunConfig& cfg, const Dataset& data) {

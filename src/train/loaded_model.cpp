@@ -24,6 +24,7 @@ LoadedModel load_model(const std::string& path, bool use_ema) {
   if (use_ema) load_module_state(*m.net, ck.ema, RunDir(m.checkpoint) / RunDir::kEma, LoadScope::kTrainable);
   m.net->eval();
   if (!m.cfg.model.latent.empty()) m.latent = LatentSpace::load(m.cfg.model);  // pinned by sha256
+  if (!m.cfg.model.embed.empty()) m.embedder = ImageEmbedder::load(m.cfg.model);  // pinned by sha256
   return m;
 }
 

@@ -10,6 +10,7 @@
 #include "core/config.h"
 #include "diffusion/denoiser.h"
 #include "model/net.h"
+#include "train/embed.h"
 #include "train/latent.h"
 
 namespace ddm {
@@ -21,6 +22,7 @@ struct LoadedModel {
   std::vector<std::string> class_names;
   std::string checkpoint;
   std::shared_ptr<const LatentSpace> latent;  // latent models: the frozen autoencoder (else null)
+  std::shared_ptr<const ImageEmbedder> embedder;  // model.embed: the frozen embedding network (else null)
 };
 // path: a run directory (latest checkpoint) or a checkpoint directory. use_ema selects EMA weights
 // (frozen parameters, which have no EMA, keep their model weights).

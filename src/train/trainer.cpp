@@ -24,6 +24,7 @@
 #include "train/diloco.h"
 #include "model/unet.h"
 #include "train/controlnet.h"
+#include "train/embed.h"
 #include "train/latent.h"
 #include "train/optimizer.h"
 #include "train/step.h"
@@ -135,7 +136,8 @@ void resolve_data_shape(RunConfig& cfg, const Dataset& data) {
             "model.num_classes = " << m.num_classes << " but the data has " << data.num_classes
                                    << " classes; use -1 (from data) or 0 (unconditional)");
   if (m.num_classes == -1) m.num_classes = data.num_classes;
-  if (cfg.train.self_cond > 0) m.self_cond = true;  // the network takes the estimate as more channels
+  m.self_cond = cfg.train.self_cond > 0;  // derived: the network takes the estimate as more channels
+  if (!m.embed.empty()) resolve_embed(m, data);      // on the pixel images, before any latent
   if (!m.controlnet.empty()) {  // the model is the base's U-Net
     resolve_controlnet(cfg, data);
     return;
@@ -277,6 +279,7 @@ TrainSummary train(TrainJob job, const TrainOptions& options) {
     // too: building it draws (then overwritten) initial weights from the global generator.
     latent = attach_latent(*job.objective, cfg.model);
     attach_controlnet(*net, cfg.model);  // the locked base, and the trainable copy's initial weights
+    attach_embed(*job.objective, cfg.model);  // image-embedding conditioning: the frozen feature network
   }
   net->train();
   TrainStep stepper(cfg, net, job.objective);
@@ -429,6 +432,10 @@ TrainSummary train(TrainJob job, const TrainOptions& options) {
                 << latent->sha256().substr(0, 12) << "..., scale " << latent->scale() << ", shift " << latent->shift()
                 << "; its encoder " << encoder_flops_per_image(a) / 1e6 << " MFLOP/image)\n";
     }
+    if (!cfg.model.embed.empty())
+      std::cout << "embed: conditioned on the " << cfg.model.embed_dim << "-dim embedding of each image by the frozen "
+                << cfg.model.embed << " (sha256 " << cfg.model.embed_sha256.substr(0, 12)
+                << "...), dropped with the label\n";
     if (!cfg.model.controlnet.empty())
       std::cout << "controlnet: the locked base " << cfg.model.controlnet << " (sha256 "
                 << cfg.model.controlnet_sha256.substr(0, 12) << "..., " << unet_forward_flops(cfg.model) / 1e6

@@ -3,6 +3,8 @@
 // and pins the base, keeps none of its weights, trains, resumes bit for bit, and samples from control
 // maps of test images or of a PNG; a changed, missing or unsuitable base and a mismatched config are
 // clear errors. Self-conditioning: a self-conditioned model trains, resumes bit for bit and samples.
+// Image embeddings: a model.embed model pins its frozen network, samples variations of reference
+// images and reports their similarity; a changed or missing network is a clear error.
 #include <gtest/gtest.h>
 
 #include <filesystem>
@@ -14,6 +16,7 @@
 #include "core/config.h"
 #include "core/fileio.h"
 #include "core/safetensors.h"
+#include "eval/feature_net.h"
 #include "eval/grid.h"
 #include "test_util.h"
 
@@ -178,6 +181,45 @@ TEST_F(ConditioningCli, SelfConditionedModelTrainsResumesBitForBitAndSamples) {
                "train.self_cond with model.controlnet is not supported");
   expect_error(test::run_ddm("train --quiet" + cfg + " --set train.self_cond=1.5 --out " + path("sc-bad")),
                "train.self_cond must be a probability");
+}
+
+TEST_F(ConditioningCli, ImageEmbeddingModelPinsItsNetworkAndSamplesVariations) {
+  ASSERT_EQ(base_result_.exit_code, 0) << base_result_.output;
+  const std::string net = path("fnet.safetensors"), run = path("emb");
+  fs::copy_file(default_feature_net_path(), net);
+  auto r = test::run_ddm("train --quiet --config " + path("base.toml") + " --set model.embed=" + net + " --out " + run);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const RunConfig cfg = load_config(run + "/config.toml");
+  EXPECT_EQ(cfg.model.embed, fs::absolute(net).lexically_normal().string());
+  EXPECT_EQ(cfg.model.embed_sha256, kDefaultFeatureNetSha256);
+  EXPECT_EQ(cfg.model.embed_dim, 128);
+  // Only the projection and the null embedding are new weights; the network is not in the checkpoint.
+  const auto tensors = load_safetensors(run + "/ckpt/step-00000006/model.safetensors").tensors;
+  EXPECT_EQ(tensors.count("embed.proj.weight"), 1u);
+  EXPECT_EQ(tensors.count("embed.null"), 1u);
+  for (const auto& [name, t] : tensors) EXPECT_NE(name.rfind("c1.", 0), 0u) << name;  // the feature net's first conv
+
+  r = test::run_ddm("sample --ckpt " + run + " --n 4 --reference-from test --threads 1 --out " + path("v.png"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("embedding similarity"), std::string::npos) << r.output;
+  EXPECT_TRUE(fs::exists(path("v-reference.png")));
+  // Without references: the null embedding. A model without model.embed is only compared (a baseline).
+  EXPECT_EQ(test::run_ddm("sample --ckpt " + run + " --n 2 --threads 1 --out " + path("n.png")).exit_code, 0);
+  r = test::run_ddm("sample --ckpt " + base() + " --n 4 --reference-from test --threads 1 --out " + path("b.png"));
+  EXPECT_NE(r.output.find("compared only"), std::string::npos) << r.output;
+  expect_error(test::run_ddm("sample --ckpt " + run + " --n 4 --reference-from test --class 2 --out " + path("c.png")),
+               "--class with --reference-from");
+
+  expect_error(test::run_ddm("train --quiet --config " + path("base.toml") + " --set model.embed=" + path("nope") +
+                             " --out " + path("bad-emb")),
+               "no such file");
+  EXPECT_FALSE(fs::exists(path("bad-emb")));
+  // A changed network (other bytes) or a missing one: the pin names it.
+  test::write_text(net, test::read_text(net) + " ");
+  expect_error(test::run_ddm("sample --ckpt " + run + " --n 2 --out " + path("p.png")), "model.embed_sha256");
+  fs::remove(net);
+  expect_error(test::run_ddm("sample --ckpt " + run + " --n 2 --out " + path("p.png")), "does not exist");
+  EXPECT_FALSE(fs::exists(path("p.png")));
 }
 
 }  // namespace

@@ -4,7 +4,9 @@
 // branch trains, and gradients reach it through the locked decoder; control maps against hand values.
 // The conditioning struct slices and concatenates. Self-conditioning: the estimate as more input
 // channels, the training pass's first-pass estimate for keyed chosen samples, and samplers feeding
-// each evaluation's estimate to the next.
+// each evaluation's estimate to the next. Image embeddings: the learned null embedding, dropped with
+// the label, the shipped network's normalized embeddings. Guidance: what each branch receives.
+#include <map>
 #include <string>
 
 #include <gtest/gtest.h>
@@ -17,7 +19,10 @@
 #include "diffusion/denoiser.h"
 #include "diffusion/objective.h"
 #include "diffusion/sampler.h"
+#include "eval/feature_net.h"
 #include "model/dit.h"
+#include "train/embed.h"
+#include "train/step.h"
 #include "model/controlnet.h"
 #include "model/net.h"
 #include "model/unet.h"
@@ -134,6 +139,34 @@ TEST(ControlNet, OnlyTheControlBranchTrainsAndItsGradientPassesTheLockedDecoder)
   for (const auto& q : p.cn->base().parameters()) EXPECT_FALSE(q.grad().defined());
 }
 
+TEST(ControlNet, TrainingStepsLeaveTheLockedBaseBitIdenticalAndOutOfTheOptimizer) {
+  Pair p = make_pair();
+  RunConfig cfg;
+  cfg.model = base_cfg();
+  cfg.model.controlnet = "base";
+  cfg.train.lr = 1e-2;
+  cfg.train.warmup = 0;
+  std::map<std::string, torch::Tensor> before;
+  for (const auto& q : p.cn->base().named_parameters()) before[q.key()] = q.value().clone();
+  const auto copy_before = p.cn->control().named_parameters()["in_conv.weight"].clone();
+  TrainStep step(cfg, p.cn, make_objective(cfg));
+  // The optimizer holds the trainable part only: its flat buffer is the ControlNet's parameters.
+  EXPECT_EQ(step.optim().numel(), count_params(*p.cn));
+  for (const auto& [name, t] : step.optim().named_params())
+    EXPECT_TRUE(name.rfind("control.", 0) == 0 || name.rfind("hint.", 0) == 0 || name.rfind("zero", 0) == 0) << name;
+  torch::manual_seed(7);
+  for (int64_t i = 0; i < 3; ++i) {
+    Batch b{torch::rand({8, 1, 8, 8}) * 2 - 1, torch::randint(0, 3, {8}, torch::kLong), {}, 0};
+    ASSERT_TRUE(step.run(b, i).finite);
+  }
+  for (const auto& q : p.cn->base().named_parameters()) {
+    EXPECT_TRUE(torch::equal(q.value(), before[q.key()])) << q.key();
+    EXPECT_FALSE(q.value().grad().defined()) << q.key();
+  }
+  // ... while the trainable copy did move (after the first step the zero convolutions are not zero).
+  EXPECT_FALSE(torch::equal(p.cn->control().named_parameters()["in_conv.weight"], copy_before));
+}
+
 TEST(ControlNet, ControlMapsAreRequiredAndShapeChecked) {
   Pair p = make_pair();
   Inputs in = inputs();
@@ -190,6 +223,11 @@ TEST(ControlMap, LowresIsTheBlockMeanEnlarged) {
   const double block = img.narrow(2, 4, 4).narrow(3, 0, 4).mean().item<double>();
   for (int64_t r = 4; r < 8; ++r)
     for (int64_t c = 0; c < 4; ++c) EXPECT_NEAR(m[0][0][r][c].item<double>(), block, 1e-6);
+  // A side not divisible by 4: the edge blocks are partial, and each pixel still takes its own block's mean.
+  const auto odd = torch::linspace(-1, 1, 36).view({1, 1, 6, 6});
+  const auto mo = control_map("lowres", odd);
+  EXPECT_NEAR(mo[0][0][5][5].item<double>(), odd.narrow(2, 4, 2).narrow(3, 4, 2).mean().item<double>(), 1e-6);
+  EXPECT_NEAR(mo[0][0][3][4].item<double>(), odd.narrow(2, 0, 4).narrow(3, 4, 2).mean().item<double>(), 1e-6);
   EXPECT_THROW(control_map("canny", img), Error);
   // Fidelity: a sample whose map is the given one scores 0; another scores more.
   EXPECT_EQ(control_error("lowres", img, m), 0.0);
@@ -261,6 +299,14 @@ TEST(SelfCond, ChosenSamplesGetTheCurrentModelsEstimateKeyedPerSample) {
   for (int64_t j = 0; j < 32; ++j)
     EXPECT_EQ(q.cond.self_cond[j].abs().max().item<float>() == 0.0f,
               p.cond.self_cond[32 + j].abs().max().item<float>() == 0.0f) << j;
+  // The first pass runs under no-grad even when the caller records gradients: it leaves no graph.
+  {
+    torch::AutoGradMode on(true);
+    Prepared g = obj.prepare(batch, 6);
+    obj.self_condition(*net, g, batch.first, 6);
+    EXPECT_FALSE(g.cond.self_cond.requires_grad());
+    EXPECT_FALSE(g.cond.self_cond.grad_fn());
+  }
   // Off (train.self_cond = 0): nothing is run and nothing set.
   cfg.train.self_cond = 0;
   Prepared r = Objective(cfg).prepare(batch, 5);
@@ -299,6 +345,106 @@ TEST(SelfCond, SamplersFeedEachEvaluationsEstimateToTheNext) {
       ASSERT_TRUE(net->seen[k].self_cond.defined()) << kind << " " << k;
       EXPECT_TRUE(torch::allclose(net->seen[k].self_cond, want, 1e-6, 1e-6)) << kind << " " << k;
     }
+  }
+}
+
+TEST(Guidance, BranchesShareControlEstimateAndEmbeddingButNotLabelOrEmbeddingUse) {
+  auto net = std::make_shared<RecordingNet>();
+  Denoiser den(net, NoisePath(PathKind::kFlow), Prediction::kVelocity, 3);
+  Cond c(torch::tensor({0, 2}, torch::kLong));
+  c.control = torch::rand({2, 1, 4, 4});
+  c.self_cond = torch::rand({2, 1, 4, 4});
+  c.embed = torch::rand({2, 5});
+  const auto x = torch::randn({2, 1, 4, 4}), t = torch::full({2}, 0.5);
+  den.estimate(x, t, c, 2.0);
+  ASSERT_EQ(net->seen.size(), 1u);
+  const Cond& both = net->seen[0];  // one batch: conditional rows, then unconditional rows
+  EXPECT_TRUE(torch::equal(both.y, torch::tensor({0, 2, 3, 3}, torch::kLong)));
+  EXPECT_TRUE(torch::equal(both.control, torch::cat({c.control, c.control})));
+  EXPECT_TRUE(torch::equal(both.self_cond, torch::cat({c.self_cond, c.self_cond})));
+  EXPECT_TRUE(torch::equal(both.embed, torch::cat({c.embed, c.embed})));
+  EXPECT_TRUE(torch::equal(both.embed_null, torch::tensor({false, false, true, true})));
+  // w = 1: the conditional branch alone, as given.
+  den.estimate(x, t, c, 1.0);
+  EXPECT_TRUE(torch::equal(net->seen[1].y, c.y));
+  EXPECT_FALSE(net->seen[1].embed_null.defined());
+  // A model without classes is still guided over its embedding.
+  auto net0 = std::make_shared<RecordingNet>();
+  Denoiser den0(net0, NoisePath(PathKind::kFlow), Prediction::kVelocity, 0);
+  den0.estimate(x, t, c, 2.0);
+  EXPECT_EQ(net0->xs[0].size(0), 4);
+  EXPECT_TRUE(torch::equal(net0->seen[0].y, torch::zeros({4}, torch::kLong)));
+  Cond plain(c.y);
+  den0.estimate(x, t, plain, 2.0);  // nothing to guide over: one branch
+  EXPECT_EQ(net0->xs[1].size(0), 2);
+}
+
+TEST(Embed, NullRowsTakeTheLearnedNullEmbedding) {
+  torch::manual_seed(4);
+  EmbedProjector proj(5, 6);
+  randomize(*proj);
+  const auto null = proj->named_parameters()["null"];
+  Cond c;
+  c.embed = torch::rand({3, 5});
+  c.embed_null = torch::tensor({false, true, false});
+  const auto e = proj->forward(c, 3);  // [3, 6]
+  EXPECT_TRUE(torch::equal(e[1], null));
+  EXPECT_FALSE(torch::allclose(e[0], null));
+  EXPECT_FALSE(torch::allclose(e[0], e[2]));
+  EXPECT_TRUE(torch::equal(proj->forward(Cond(), 2), null.expand({2, 6})));  // no embedding: all null
+  c.embed = torch::rand({3, 4});
+  EXPECT_THROW(proj->forward(c, 3), Error);
+  // A U-Net with an embedding: the null embedding starts at zero, so at first it changes nothing.
+  ModelConfig m = base_cfg();
+  m.embed_dim = 5;
+  UNetImpl with(m), without(base_cfg());
+  {
+    torch::NoGradGuard ng;
+    auto w = with.named_parameters();
+    for (const auto& q : without.named_parameters()) w[q.key()].copy_(q.value());
+  }
+  const Inputs in = inputs();
+  EXPECT_TRUE(torch::equal(with.encode(in.x, in.t, Cond(in.c.y)).h, without.encode(in.x, in.t, Cond(in.c.y)).h));
+}
+
+TEST(Embed, DroppedWithTheLabelInOneKeyedDraw) {
+  RunConfig cfg;
+  cfg.model = base_cfg();
+  cfg.train.label_dropout = 0.5;
+  for (const int64_t classes : {3, 0}) {
+    cfg.model.num_classes = classes;
+    Objective obj(cfg);
+    obj.set_embedder([](const torch::Tensor& x) { return x.flatten(1).narrow(1, 0, 5); });
+    Batch b{torch::rand({200, 1, 8, 8}), torch::zeros({200}, torch::kLong), {}, 0};
+    torch::NoGradGuard ng;
+    const Prepared p = obj.prepare(b, 1);
+    EXPECT_TRUE(torch::equal(p.cond.embed, b.x.flatten(1).narrow(1, 0, 5)));
+    const double dropped = p.cond.embed_null.to(torch::kDouble).mean().item<double>();
+    EXPECT_GT(dropped, 0.35);
+    EXPECT_LT(dropped, 0.65);
+    if (classes > 0) {
+      EXPECT_TRUE(torch::equal(p.cond.embed_null, p.cond.y == classes));
+    }
+  }
+}
+
+TEST(Embed, TheShippedNetworksEmbeddingsHaveNormSqrtDAndSelfSimilarityOne) {
+  ModelConfig m;
+  m.embed = default_feature_net_path();
+  m.embed_sha256 = kDefaultFeatureNetSha256;
+  const auto e = ImageEmbedder::load(m);
+  EXPECT_EQ(e->dim(), 128);
+  const auto imgs = torch::rand({6, 1, 28, 28}) * 2 - 1;
+  const auto z = e->embed(imgs);  // [6, 128]
+  EXPECT_TRUE(torch::allclose(z.norm(2, 1), torch::full({6}, std::sqrt(128.0)), 1e-4, 1e-4));
+  EXPECT_NEAR(embed_similarity(*e, imgs, imgs), 1.0, 1e-5);
+  EXPECT_LT(embed_similarity(*e, imgs, imgs.flip({0})), 1.0);
+  m.embed_sha256 = std::string(64, '0');
+  try {
+    ImageEmbedder::load(m);
+    ADD_FAILURE() << "a wrong hash was accepted";
+  } catch (const Error& err) {
+    EXPECT_NE(std::string(err.what()).find("model.embed_sha256"), std::string::npos) << err.what();
   }
 }
 

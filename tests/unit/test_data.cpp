@@ -13,6 +13,7 @@
 #include "core/fileio.h"
 #include "core/safetensors.h"
 #include "data/dataset.h"
+#include "data/image_folder.h"
 #include "data/tensor_file.h"
 #include "test_util.h"
 
@@ -581,6 +582,33 @@ TEST(BatchLoader, HflipFlipsAboutHalf) {
   EXPECT_GT(flipped, n * 45 / 100);
   EXPECT_LT(flipped, n * 55 / 100);
   EXPECT_THROW(ddm::BatchLoader(d, 0, 1, false), ddm::Error);
+}
+
+TEST(ImageTiles, AGridIsReadRowByRowAndOtherSizesAreRefused) {
+  ddm::test::TempDir dir;
+  // A 2 x 3 grid of 4x4 tiles, tile k filled with 10 k (gray), plus alpha: rows of 3 tiles.
+  const int s = 4, rows = 2, cols = 3;
+  std::vector<uint8_t> px(static_cast<size_t>(rows * s * cols * s * 2));
+  for (int y = 0; y < rows * s; ++y)
+    for (int x = 0; x < cols * s; ++x) {
+      const size_t i = static_cast<size_t>((y * cols * s + x) * 2);
+      px[i] = static_cast<uint8_t>(10 * ((y / s) * cols + x / s) + (y % s) * s + x % s);  // tile k, pixel offset
+      px[i + 1] = 255;
+    }
+  const std::string path = dir / "grid.png";
+  ASSERT_NE(stbi_write_png(path.c_str(), cols * s, rows * s, 2, px.data(), cols * s * 2), 0);
+  const torch::Tensor t = ddm::read_image_tiles(path, s, "--control");
+  ASSERT_EQ(t.sizes(), (std::vector<int64_t>{6, 1, 4, 4}));
+  for (int k = 0; k < 6; ++k)
+    for (int y = 0; y < s; ++y)
+      for (int x = 0; x < s; ++x) EXPECT_EQ(t[k][0][y][x].item<int>(), 10 * k + y * s + x) << k << " " << y << " " << x;
+  try {
+    ddm::read_image_tiles(path, 5, "--control");
+    ADD_FAILURE() << "a 12x8 image was cut into 5x5 tiles";
+  } catch (const ddm::Error& e) {
+    EXPECT_HAS(std::string(e.what()), "--control");
+    EXPECT_HAS(std::string(e.what()), "12x8 pixels");
+  }
 }
 
 }  // namespace
