@@ -7,6 +7,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
@@ -19,6 +20,14 @@
 #include "dist/comm.h"
 
 namespace ddm::test {
+
+// As the ddm binary does (apps/ddm.cpp): a write to the socket of a rank that has gone must fail as an
+// error the collective reports, not kill the whole test process (every rank is a thread of it) with
+// SIGPIPE. Set once, before any test runs, by every test file that includes this header.
+static const bool kSigpipeIgnored = [] {
+  std::signal(SIGPIPE, SIG_IGN);
+  return true;
+}();
 
 // Runs fn(comm) for ranks 0..world-1 on as many threads; returns each rank's exception message ("" when
 // it returned normally). The Comms are destroyed on their threads after fn returns.
