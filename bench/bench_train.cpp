@@ -397,7 +397,7 @@ int run_phases(const Args& a) {
   Net net = make_net(cfg.model);
   attach_controlnet(*net, cfg.model);
   auto objective = job.objective ? job.objective : make_objective(cfg);
-  const auto latent = attach_latent(*objective, cfg.model);
+  const auto latent = attach_latent(*objective, cfg.model, cfg.train.cache_latents ? &job.data : nullptr);
   const auto embedder = attach_embed(*objective, cfg.model);
   TrainStep stepper(cfg, net, objective);
   auto* controlnet = dynamic_cast<ControlNetImpl*>(net.get());
@@ -409,7 +409,8 @@ int run_phases(const Args& a) {
     const int64_t first = (i * a.batch) % (n - a.batch + 1);
     Batch b{to_unit_range(job.data.images.slice(0, first, first + a.batch)),
             job.data.labels.slice(0, first, first + a.batch),
-            job.data.clusters.defined() ? job.data.clusters.slice(0, first, first + a.batch) : torch::Tensor(), 0};
+            job.data.clusters.defined() ? job.data.clusters.slice(0, first, first + a.batch) : torch::Tensor(), 0,
+            torch::arange(first, first + a.batch, torch::kLong)};
     stepper.run(b, i);
     if (i < a.warmup) continue;
     const StepTimes& t = stepper.last_times();

@@ -155,6 +155,7 @@ std::vector<Field> fields(RunConfig& c) {
       field("train.ema_decay", &c.train.ema_decay),
       field("train.label_dropout", &c.train.label_dropout),
       field("train.self_cond", &c.train.self_cond),
+      field("train.cache_latents", &c.train.cache_latents),
       field("train.kl_weight", &c.train.kl_weight),
       field("train.seed", &c.train.seed),
       field("train.threads", &c.train.threads),
@@ -392,6 +393,11 @@ void validate(const RunConfig& c) {
                 << c.model.arch);
   DDM_CHECK(!(c.model.self_cond || t.self_cond > 0) || c.model.controlnet.empty(),
             "train.self_cond with model.controlnet is not supported: a ControlNet steers its base as trained");
+  DDM_CHECK(!t.cache_latents || !c.model.latent.empty(),
+            "train.cache_latents caches a latent model's encodes, but model.latent is not set");
+  DDM_CHECK(!t.cache_latents || !c.data.hflip,
+            "train.cache_latents with data.hflip: a flipped image needs a fresh encode (its latent is not the flip of "
+            "the unflipped one's); turn one of them off");
   DDM_CHECK(t.label_dropout >= 0 && t.label_dropout <= 1,
             "train.label_dropout must be in [0, 1], got " << t.label_dropout);
   DDM_CHECK(std::isfinite(t.kl_weight) && t.kl_weight >= 0, "train.kl_weight must be >= 0, got " << t.kl_weight);

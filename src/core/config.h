@@ -97,6 +97,10 @@ struct TrainConfig {
   // first no-grad pass of the current model (else zeros); samplers feed each step's estimate to the
   // next. 0 = off; > 0 sets model.self_cond. Chen et al. use 0.5.
   double self_cond = 0;
+  // Latent models: encode the training set's posteriors (mean, log-variance) once before training
+  // instead of every batch in every step; each step still samples them with keyed noise. Needs
+  // model.latent; forbids data.hflip (a flip needs a fresh encode of the flipped image).
+  bool cache_latents = false;
   double kl_weight = 1e-6;       // autoencoders: weight of the KL term per latent element against L1 per pixel
   int64_t seed = 0;
   int64_t threads = 0;           // intra-op threads per process (0 = the cores / the job's processes on this machine)

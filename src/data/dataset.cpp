@@ -178,6 +178,7 @@ Batch BatchLoader::next(int64_t begin, int64_t count) {
   b.x = to_unit_range(x);                        // float [B, C, H, W] in [-1, 1]
   b.y = data_.labels.index_select(0, idx);       // int64 [B]
   if (data_.clusters.defined()) b.k = data_.clusters.index_select(0, idx);  // int64 [B]
+  b.index = idx;                                                              // int64 [B]
   return b;
 }
 

@@ -43,6 +43,7 @@ struct Batch {
   torch::Tensor y;  // int64 [B]
   torch::Tensor k;  // int64 [B]: the images' clusters (routers and distillation; undefined otherwise)
   int64_t first = 0;  // position of x[0] in the step's global batch: per-sample randomness is keyed by it
+  torch::Tensor index{};  // int64 [B]: each image's index in its Dataset (latent caching; undefined if unknown)
 };
 
 // Epoch-wise shuffling without replacement. The order of epoch e is a permutation drawn from a

@@ -65,7 +65,7 @@ torch::Tensor Objective::draw_noise(int64_t step, int64_t first, const torch::Te
 Prepared Objective::prepare(const Batch& pixels, int64_t step) const {
   Batch batch = pixels;
   if (encode_)  // latent diffusion: the frozen encoder's posterior sample is the data the model learns
-    batch.x = encode_(pixels.x, normal_rows(sample_keys(seed_, RngPurpose::kPosterior, step, pixels.first,
+    batch.x = encode_(pixels, normal_rows(sample_keys(seed_, RngPurpose::kPosterior, step, pixels.first,
                                                         pixels.x.size(0)),
                                             sample_shape_, pixels.x.options()));  // [B, z, h, w]
   const int64_t b = batch.x.size(0);

@@ -64,10 +64,11 @@ class Objective {
   virtual torch::Tensor loss(const torch::Tensor& out, const Prepared& p) const;
   virtual std::string describe() const;
 
-  // Latent diffusion (train/latent.h): images float [B, C, H, W] and posterior noise [B, z, h, w] ->
-  // the latents the model learns, [B, z, h, w]. Set, prepare encodes each batch with it (the frozen
-  // encoder's work, no gradients) and draws the noise keyed per sample like every other draw.
-  using EncodeFn = std::function<torch::Tensor(const torch::Tensor& x, const torch::Tensor& eps)>;
+  // Latent diffusion (train/latent.h): a batch of images (float [B, C, H, W], and their indices for a
+  // cache) and posterior noise [B, z, h, w] -> the latents the model learns, [B, z, h, w]. Set,
+  // prepare encodes each batch with it (the frozen encoder's work, no gradients) and draws the noise
+  // keyed per sample like every other draw.
+  using EncodeFn = std::function<torch::Tensor(const Batch& pixels, const torch::Tensor& eps)>;
   void set_encoder(EncodeFn encode) { encode_ = std::move(encode); }
   // Image-embedding conditioning (train/embed.h): images float [B, C, H, W] -> embeddings [B, D]. Set,
   // prepare embeds each clean batch (the frozen network's work, no gradients); label dropout drops

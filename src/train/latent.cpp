@@ -70,6 +70,30 @@ std::shared_ptr<const LatentSpace> LatentSpace::load(const ModelConfig& cfg) {
   return ls;
 }
 
+LatentSpace::LatentSpace(std::shared_ptr<AutoencoderImpl> ae, double scale, double shift)
+    : ae_(std::move(ae)), scale_(scale), shift_(shift) {
+  for (auto& p : ae_->parameters()) p.set_requires_grad(false);
+  ae_->eval();
+}
+
+Posterior LatentSpace::posteriors(const torch::Tensor& images) const {
+  torch::NoGradGuard no_grad;
+  std::vector<torch::Tensor> mean, logvar;
+  for (int64_t i = 0; i < images.size(0); i += 1000) {
+    const Posterior q = ae_->encode(to_unit_range(images.slice(0, i, i + 1000)));  // [b, z, h, w] each
+    mean.push_back(q.mean);
+    logvar.push_back(q.logvar);
+  }
+  return {torch::cat(mean), torch::cat(logvar)};  // [N, z, h, w] each
+}
+
+torch::Tensor LatentSpace::encode_cached(const Posterior& cache, const torch::Tensor& index,
+                                         const torch::Tensor& eps) const {
+  DDM_CHECK(index.defined(), "train.cache_latents: the batch does not say which images it holds (Batch::index)");
+  const Posterior q{cache.mean.index_select(0, index), cache.logvar.index_select(0, index)};  // [B, z, h, w]
+  return (q.sample(eps) - shift_) * scale_;                                                    // [B, z, h, w]
+}
+
 torch::Tensor LatentSpace::encode(const torch::Tensor& x, const torch::Tensor& eps) const {
   torch::NoGradGuard no_grad;
   return (ae_->encode(x).sample(eps) - shift_) * scale_;  // [B, z, h, w]
@@ -154,10 +178,17 @@ void resolve_latent(ModelConfig& m, const Dataset& data) {
   }
 }
 
-std::shared_ptr<const LatentSpace> attach_latent(Objective& objective, const ModelConfig& m) {
+std::shared_ptr<const LatentSpace> attach_latent(Objective& objective, const ModelConfig& m, const Dataset* cache) {
   if (m.latent.empty()) return nullptr;
   auto latent = LatentSpace::load(m);
-  objective.set_encoder([latent](const torch::Tensor& x, const torch::Tensor& eps) { return latent->encode(x, eps); });
+  if (cache) {
+    auto q = std::make_shared<Posterior>(latent->posteriors(cache->images));  // [N, z, h, w] each
+    objective.set_encoder([latent, q](const Batch& b, const torch::Tensor& eps) {
+      return latent->encode_cached(*q, b.index, eps);
+    });
+  } else {
+    objective.set_encoder([latent](const Batch& b, const torch::Tensor& eps) { return latent->encode(b.x, eps); });
+  }
   return latent;
 }
 

@@ -25,6 +25,9 @@ class LatentSpace {
   // Loads the autoencoder of a resolved model config (model.latent a checkpoint directory,
   // model.latent_sha256 its weights' hash, latent_scale > 0). Errors name the file and the key.
   static std::shared_ptr<const LatentSpace> load(const ModelConfig& cfg);
+  // An autoencoder already in memory (tests): its parameters are frozen here.
+  LatentSpace(std::shared_ptr<AutoencoderImpl> ae, double scale, double shift);
+  LatentSpace() = default;
 
   // Images float [B, C, H, W] in [-1, 1] and posterior noise eps [B, z, h, w] -> normalized latents
   // (mean + std * eps - shift) * scale [B, z, h, w]. No gradients.
@@ -33,6 +36,11 @@ class LatentSpace {
   // images [N, C, H, W]: uint8 (a Dataset's, scaled here) or float in [-1, 1]. Encodes 1000 at a
   // time, so any N fits in memory.
   torch::Tensor encode_mean(const torch::Tensor& images) const;
+  // train.cache_latents: the posteriors of every image of a dataset (uint8 [N, C, H, W]), computed once
+  // 1000 at a time; then encode_cached(index [B], eps) = what encode gives those images, up to float32
+  // rounding of the encoder over another batch.
+  Posterior posteriors(const torch::Tensor& images) const;
+  torch::Tensor encode_cached(const Posterior& cache, const torch::Tensor& index, const torch::Tensor& eps) const;
   // Normalized latents [B, z, h, w] -> images [B, C, H, W] clamped to [-1, 1]. No gradients.
   torch::Tensor decode(const torch::Tensor& z) const;
 
@@ -60,6 +68,9 @@ void resolve_latent(ModelConfig& m, const Dataset& data);
 
 // For a resolved latent model config, loads its autoencoder and makes `objective` encode every batch
 // with it (Objective::set_encoder); returns it. Returns null and changes nothing for a pixel model.
-std::shared_ptr<const LatentSpace> attach_latent(Objective& objective, const ModelConfig& m);
+// With `cache` (train.cache_latents: the dataset the batches come from), the posteriors of all its
+// images are computed here once, and each batch looks its own up by Batch::index.
+std::shared_ptr<const LatentSpace> attach_latent(Objective& objective, const ModelConfig& m,
+                                                 const Dataset* cache = nullptr);
 
 }  // namespace ddm

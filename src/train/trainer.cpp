@@ -208,6 +208,7 @@ std::vector<Batch> split_micro(const Batch& shard, int64_t n) {
     m.x = shard.x.narrow(0, i * b, b);  // [b, C, H, W]
     m.y = shard.y.narrow(0, i * b, b);  // [b]
     if (shard.k.defined()) m.k = shard.k.narrow(0, i * b, b);
+    if (shard.index.defined()) m.index = shard.index.narrow(0, i * b, b);
     m.first = shard.first + i * b;
     out.push_back(std::move(m));
   }
@@ -277,7 +278,9 @@ TrainSummary train(TrainJob job, const TrainOptions& options) {
     net = make_net(cfg.model);
     // Latent models: the frozen encoder runs in every step's prepare phase. Loaded under the lock
     // too: building it draws (then overwritten) initial weights from the global generator.
-    latent = attach_latent(*job.objective, cfg.model);
+    if (tc.cache_latents && !opt.quiet && rank == 0)
+      std::cout << "caching the latents of " << data.images.size(0) << " images (train.cache_latents)..." << std::endl;
+    latent = attach_latent(*job.objective, cfg.model, tc.cache_latents ? &data : nullptr);
     attach_controlnet(*net, cfg.model);  // the locked base, and the trainable copy's initial weights
     attach_embed(*job.objective, cfg.model);  // image-embedding conditioning: the frozen feature network
   }

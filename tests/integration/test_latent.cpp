@@ -8,7 +8,9 @@
 
 #include <filesystem>
 #include <memory>
+#include <sstream>
 #include <string>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -146,6 +148,35 @@ TEST_F(Latent, ModelPinsItsAutoencoderTrainsResumesAndSamplesImages) {
   const auto samples = load_safetensors(path("s.safetensors")).tensors.at("samples");
   EXPECT_EQ(samples.sizes(), (std::vector<int64_t>{10, 1, 28, 28}));
   EXPECT_LE(samples.abs().max().item<float>(), 1.0f);
+}
+
+// The losses of a run's metrics.jsonl, step by step.
+std::vector<double> losses(const std::string& run) {
+  std::vector<double> out;
+  std::istringstream in(test::read_text(run + "/metrics.jsonl"));
+  for (std::string line; std::getline(in, line);) {
+    const auto j = nlohmann::json::parse(line);
+    if (j.contains("loss") && j.contains("step")) out.push_back(j["loss"].get<double>());
+  }
+  return out;
+}
+
+TEST_F(Latent, CachedLatentsTrainAsFreshEncodesDoAndRefuseFlips) {
+  ASSERT_EQ(ae_result_.exit_code, 0) << ae_result_.output;
+  const std::string cached = path("cached"), fresh = path("fresh");
+  auto r = train_latent(cached, "--set train.cache_latents=true");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  ASSERT_EQ(train_latent(fresh).exit_code, 0);
+  // The same posterior samples, from an encoder run over other batches: equal up to float32 rounding.
+  const auto a = losses(cached), b = losses(fresh);
+  ASSERT_EQ(a.size(), 6u);
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_NEAR(a[i], b[i], 1e-3 * b[i]) << "step " << i + 1;
+  expect_error(train_latent(path("flip"), "--set train.cache_latents=true --set data.hflip=true"),
+               "train.cache_latents with data.hflip");
+  expect_error(test::run_ddm("train --quiet --config " + path("latent.toml") + " --set model.preset=unet-tiny "
+                             "--set train.cache_latents=true --out " + path("pixel-cache")),
+               "model.latent is not set");
 }
 
 TEST_F(Latent, AChangedMissingOrWrongAutoencoderIsAClearError) {

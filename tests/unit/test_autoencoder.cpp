@@ -18,6 +18,7 @@
 #include "model/autoencoder.h"
 #include "model/net.h"
 #include "train/autoencoder_report.h"
+#include "train/latent.h"
 
 namespace ddm {
 namespace {
@@ -231,6 +232,38 @@ TEST(AutoencoderReport, PsnrMatchesHandValues) {
   auto y = x.clone();
   y[0] += 0.02;  // one image at 40 dB, three exact: the mean over images
   EXPECT_NEAR(mean_psnr(y, x), (40.0 + 300.0) / 4, 1e-3);
+}
+
+TEST(LatentCache, CachedPosteriorsGiveTheFreshEncodesWithinFloatRounding) {
+  torch::manual_seed(3);
+  AutoencoderShape s;
+  s.channels = 8;
+  s.groups = 4;
+  auto ae = std::make_shared<AutoencoderImpl>(s);
+  const LatentSpace ls(ae, 0.5, 0.1);
+  const auto images = torch::randint(0, 256, {30, 1, 28, 28}, torch::kLong).to(torch::kUInt8);
+  const Posterior cache = ls.posteriors(images);  // [30, 4, 7, 7] each
+  ASSERT_EQ(cache.mean.sizes(), (std::vector<int64_t>{30, 4, 7, 7}));
+  const auto idx = torch::tensor({17, 3, 29, 3}, torch::kLong);
+  const auto eps = torch::randn({4, 4, 7, 7});
+  const auto cached = ls.encode_cached(cache, idx, eps);
+  const auto fresh = ls.encode(to_unit_range(images.index_select(0, idx)), eps);  // [4, 4, 7, 7]
+  // The encoder over 30 images or over these 4: the same arithmetic up to float32 rounding.
+  EXPECT_TRUE(torch::allclose(cached, fresh, 1e-4, 1e-5)) << (cached - fresh).abs().max().item<float>();
+  EXPECT_FALSE(cached.requires_grad());
+  // The objective looks each batch up by its indices, through the same keyed posterior noise.
+  RunConfig cfg;
+  cfg.model.in_channels = 4;
+  cfg.model.image_size = 7;
+  cfg.model.num_classes = 0;
+  Objective with_cache(cfg), without(cfg);
+  with_cache.set_encoder([&](const Batch& b, const torch::Tensor& e) { return ls.encode_cached(cache, b.index, e); });
+  without.set_encoder([&](const Batch& b, const torch::Tensor& e) { return ls.encode(b.x, e); });
+  Batch b{to_unit_range(images.index_select(0, idx)), torch::zeros({4}, torch::kLong), {}, 0, idx};
+  torch::NoGradGuard ng;
+  EXPECT_TRUE(torch::allclose(with_cache.prepare(b, 2).xt, without.prepare(b, 2).xt, 1e-4, 1e-5));
+  b.index = torch::Tensor();
+  EXPECT_THROW(with_cache.prepare(b, 2), Error);  // a batch that does not say which images it holds
 }
 
 }  // namespace
