@@ -224,14 +224,16 @@ std::optional<ReferenceSet> open_references(const SampleArgs& a, const LoadedMod
     r.images = to_unit_range(tiles).index_select(0, torch::arange(n, torch::kLong).remainder(tiles.size(0)));
     r.origin = std::to_string(tiles.size(0)) + " reference image(s) from " + a.reference_file;
   }
-  if (m.embedder) {
-    r.embedder = m.embedder;
-  } else {
-    ModelConfig shipped;
-    shipped.embed = default_feature_net_path();
-    shipped.embed_sha256 = kDefaultFeatureNetSha256;
-    r.embedder = ImageEmbedder::load(shipped);
-  }
+  // Every model is scored by the shipped network, whatever network it is conditioned on: comparable numbers.
+  ModelConfig shipped;
+  shipped.embed = default_feature_net_path();
+  shipped.embed_sha256 = kDefaultFeatureNetSha256;
+  r.embedder = ImageEmbedder::load(shipped);
+  DDM_CHECK(r.images.size(1) == 1 && r.images.size(2) == 28,
+            (a.reference_from.empty() ? "--reference " + a.reference_file : "--reference-from " + a.reference_from)
+                << ": embedding similarity is measured by the shipped Fashion-MNIST network, which takes 1x28x28 "
+                   "images, not "
+                << r.images.size(1) << "x" << r.images.size(2) << "x" << r.images.size(3));
   return r;
 }
 
@@ -507,6 +509,7 @@ int eval_cmd(EvalArgs a) {
                   sim, m.embedder ? "model.embed" : "not a model.embed model: a baseline");
       set.info["reference"] = refs->origin;
       set.info["embed_similarity"] = std::to_string(sim);
+      set.info["embed_similarity_network"] = "sha256 " + std::string(kDefaultFeatureNetSha256);
     }
     if (src.ensemble) {
       const EnsembleUsage& u = src.ensemble->usage();

@@ -443,7 +443,7 @@ int run_phases(const Args& a) {
                       {"model", cfg.model.preset + " (" + cfg.model.arch + ")"},
                       {"input", std::to_string(cfg.model.in_channels) + "x" + std::to_string(cfg.model.image_size) +
                                     "x" + std::to_string(cfg.model.image_size)},
-                      {"frozen", latent ? "encoder of " + latent->checkpoint()
+                      {"frozen", latent ? (cfg.train.cache_latents ? "cached latents of " : "encoder of ") + latent->checkpoint()
                                         : !cfg.train.teacher.empty() ? "teacher ensemble " + cfg.train.teacher
                                         : embedder ? "embedding network " + embedder->path()
                                         : controlnet ? cfg.model.control + " maps and the locked encoder of " +

@@ -344,7 +344,14 @@ void validate(const RunConfig& c) {
   DDM_CHECK(m.embed.empty() || m.arch == "unet" || m.arch == "dit",
             "model.embed = " << m.embed << " conditions a diffusion backbone (model.arch = unet | dit), not " << m.arch);
   DDM_CHECK(m.embed.empty() || m.controlnet.empty(),
-            "model.embed with model.controlnet: a ControlNet's model keys are its base's; train the base with model.embed");
+            "model.embed with model.controlnet: a ControlNet on a base conditioned on image embeddings is not supported "
+            "yet");
+  DDM_CHECK(m.embed.empty() || (c.train.teacher.empty() && c.data.partition.empty()),
+            "model.embed with " << (c.train.teacher.empty() ? "data.partition" : "train.teacher")
+                                << ": experts, routers and distillation do not pass image embeddings yet; remove one");
+  DDM_CHECK(m.embed.empty() || c.train.label_dropout > 0,
+            "model.embed with train.label_dropout = 0: the null embedding that guidance and sampling without "
+            "references use would never be trained; set train.label_dropout > 0 (e.g. 0.1)");
   DDM_CHECK(!m.embed.empty() || (m.embed_sha256.empty() && m.embed_dim == 0),
             "model.embed_sha256 and model.embed_dim describe model.embed, which is not set");
   DDM_CHECK(m.embed_dim >= 0, "model.embed_dim must be >= 0 (0 = from the network), got " << m.embed_dim);

@@ -33,6 +33,8 @@ Generated generate(const Denoiser& den, int64_t channels, int64_t size, const Ge
   }
   DDM_CHECK(!opt.control.defined() || opt.control.size(0) == opt.n,
             "generate: " << opt.control.size(0) << " control maps for " << opt.n << " samples");
+  DDM_CHECK(!opt.embed.defined() || opt.embed.size(0) == opt.n,
+            "generate: " << opt.embed.size(0) << " embeddings for " << opt.n << " samples");
   std::vector<torch::Tensor> chunks;
   for (int64_t start = 0; start < opt.n; start += opt.batch_size) {
     const int64_t b = std::min(opt.batch_size, opt.n - start);

@@ -42,6 +42,8 @@ std::string first_line_difference(const std::string& a, const std::string& b) {
 }  // namespace
 
 RunConfig controlnet_default_config(const std::string& base, const std::vector<std::string>& overrides) {
+  DDM_CHECK(fs::exists(base), "--controlnet " << base << ": no such directory; give a trained U-Net run (e.g. `ddm "
+                                                         "train --config configs/quickstart.toml --out RUN`)");
   const std::string ckpt = resolve_checkpoint(base);
   const Checkpoint ck = read_checkpoint(ckpt, /*weights_only=*/true);
   const std::string abs = fs::absolute(ckpt).lexically_normal().string();
@@ -67,6 +69,8 @@ void resolve_controlnet(RunConfig& cfg, const Dataset& data) {
   DDM_CHECK(base.model.arch == "unet" && base.model.latent.empty(),
             key << ": " << ckpt << " holds a " << (base.model.latent.empty() ? "" : "latent ") << base.model.arch
                 << " model; a ControlNet steers a pixel U-Net");
+  DDM_CHECK(base.model.embed.empty(), key << ": the base is conditioned on image embeddings (model.embed); a "
+                                              "ControlNet on it is not supported yet");
   DDM_CHECK(!base.model.self_cond, key << ": the base is self-conditioned (model.self_cond); a ControlNet on it is not "
                                          "supported yet");
   const int64_t c = data.images.size(1), h = data.images.size(2);

@@ -19,12 +19,13 @@ std::shared_ptr<const ImageEmbedder> ImageEmbedder::load(const ModelConfig& m) {
   DDM_CHECK(fs::is_regular_file(m.embed), "model.embed = " << m.embed << ": the frozen embedding network does not "
                                                            "exist (moved or deleted?); restore it (the model is tied "
                                                            "to its own)");
-  LoadedFeatureNet loaded;
-  try {
-    loaded = load_feature_net(m.embed, m.embed_sha256);
-  } catch (const Error& e) {
-    DDM_FAIL("model.embed_sha256 = " << m.embed_sha256 << ": " << e.what());
-  }
+  const std::string sha = sha256_file(m.embed);
+  DDM_CHECK(sha == m.embed_sha256, "the frozen embedding network changed: " << m.embed << " has sha256 " << sha
+                                                                           << ", but this model was trained on "
+                                                                              "model.embed_sha256 = "
+                                                                           << m.embed_sha256
+                                                                           << "; restore it (the model is tied to its own)");
+  const LoadedFeatureNet loaded = load_feature_net(m.embed, sha);
   auto out = std::make_shared<ImageEmbedder>();
   out->net_ = loaded.net;
   out->net_->eval();
@@ -65,6 +66,9 @@ void resolve_embed(ModelConfig& m, const Dataset& data) {
             "the frozen embedding network changed: " << path << " has sha256 " << net.sha256 << ", but model.embed_sha256 = "
                                                      << m.embed_sha256 << "; restore it (the model is tied to its own)");
   const FeatureNetShape& s = net.net->shape();
+  DDM_CHECK(m.embed_dim == 0 || m.embed_dim == s.feature_dim,
+            "model.embed_dim = " << m.embed_dim << " but " << path << " gives " << s.feature_dim
+                                 << "-dim features; remove the key");
   DDM_CHECK(s.in_channels == data.images.size(1) && s.image_size == data.images.size(2),
             key << ": the network takes " << s.in_channels << "x" << s.image_size << "x" << s.image_size
                 << " images, but the data is " << data.images.size(1) << "x" << data.images.size(2) << "x"

@@ -5,6 +5,7 @@
 #include <filesystem>
 
 #include "core/config.h"
+#include "core/presets.h"
 #include "decentral/islands.h"
 #include "core/error.h"
 #include "test_util.h"
@@ -97,6 +98,29 @@ TEST(Config, ControlNetKeys) {
                                    "test.toml");
   EXPECT_EQ(c.model.controlnet, "runs/b");
   EXPECT_EQ(c.model.control, "lowres");
+}
+
+TEST(Config, EmbedSelfCondAndCacheKeys) {
+  EXPECT_NE(error_of("", {"model.embed=feature-net", "train.label_dropout=0"}).find("null embedding"), std::string::npos);
+  EXPECT_NE(error_of("", {"model.embed=feature-net", "train.teacher=ens"}).find("train.teacher"), std::string::npos);
+  EXPECT_NE(error_of("", {"model.embed=feature-net", "data.partition=p", "data.expert=0"})
+                .find("experts, routers and distillation"),
+            std::string::npos);
+  // A router given one explicitly is refused; one carried over from an expert's model is dropped by its preset.
+  EXPECT_NE(error_of("[model]\npreset = \"router-dit-tiny\"\nembed = \"feature-net\"\n", {"data.partition=p"})
+                .find("conditions a diffusion backbone"),
+            std::string::npos);
+  ModelConfig carried;
+  carried.embed = "feature-net";
+  carried.self_cond = true;
+  apply_preset("router-dit-tiny", carried);
+  EXPECT_TRUE(carried.embed.empty());
+  EXPECT_FALSE(carried.self_cond);
+  EXPECT_NE(error_of("", {"model.embed_dim=128"}).find("model.embed, which is not set"), std::string::npos);
+  EXPECT_NE(error_of("", {"train.self_cond=1.5"}).find("train.self_cond must be a probability"), std::string::npos);
+  EXPECT_NE(error_of("", {"train.cache_latents=true"}).find("model.latent is not set"), std::string::npos);
+  EXPECT_NE(error_of("", {"train.cache_latents=true", "model.latent=runs/ae", "data.hflip=true"}).find("data.hflip"),
+            std::string::npos);
 }
 
 TEST(Config, DilocoValuesOutOfRange) {
