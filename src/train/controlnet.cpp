@@ -46,6 +46,10 @@ RunConfig controlnet_default_config(const std::string& base, const std::vector<s
                                                          "train --config configs/quickstart.toml --out RUN`)");
   const std::string ckpt = resolve_checkpoint(base);
   const Checkpoint ck = read_checkpoint(ckpt, /*weights_only=*/true);
+  const RunConfig own = parse_config(ck.config_toml, ckpt + "/" + RunDir::kState + " (the base's config)");
+  DDM_CHECK(own.model.arch == "unet" && own.model.latent.empty(),
+            "--controlnet " << base << ": " << ckpt << " holds a " << (own.model.latent.empty() ? "" : "latent ")
+                            << own.model.arch << " model; a ControlNet steers a pixel U-Net");
   const std::string abs = fs::absolute(ckpt).lexically_normal().string();
   DDM_CHECK(abs.find('\'') == std::string::npos, "--controlnet: a path with a ' is not supported: " << abs);
   // The base may be a distilled student or an expert: a ControlNet trains on all the data itself.

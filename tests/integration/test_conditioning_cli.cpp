@@ -134,12 +134,27 @@ TEST_F(ConditioningCli, PinsItsBaseTrainsResumesAndSamplesFromControlMaps) {
 
 TEST_F(ConditioningCli, AChangedMissingOrUnsuitableBaseIsAClearError) {
   ASSERT_EQ(base_result_.exit_code, 0) << base_result_.output;
+  {  // 16 images of 1x16x16: data of another shape than the base's
+    SafetensorsFile f;
+    f.tensors["images"] = torch::zeros({16, 1, 16, 16}, torch::kUInt8);
+    save_safetensors(path("small.safetensors"), f);
+  }
   expect_error(train_cn(path("bad1"), "", path("nope")), "no such directory");
   // A config whose [diffusion] differs from the base's.
   expect_error(test::run_ddm("train --quiet --config " + path("base.toml") + " --controlnet " + base() +
                              " --set diffusion.objective=eps --out " + path("bad2")),
                "[diffusion] sections differ");
-  for (const char* bad : {"bad1", "bad2"}) EXPECT_FALSE(fs::exists(path(bad))) << bad;
+  // A base that is not a U-Net, and one trained on images of another shape.
+  ASSERT_EQ(test::run_ddm("train --quiet --config " + path("base.toml") + " --set model.preset=dit-tiny --set "
+                          "model.width=32 --set model.depth=1 --set train.steps=1 --out " + path("dit-base"))
+                .exit_code,
+            0);
+  expect_error(train_cn(path("bad4"), "", path("dit-base")), "a ControlNet steers a pixel U-Net");
+  expect_error(test::run_ddm("train --quiet --config " + path("base.toml") + " --controlnet " + base() +
+                             " --set data.source=safetensors --set data.root=" + path("small.safetensors") + " --out " +
+                             path("bad5")),
+               "the base was trained on 1x28x28 images");
+  for (const char* bad : {"bad1", "bad2", "bad4", "bad5"}) EXPECT_FALSE(fs::exists(path(bad))) << bad;
 
   // A ControlNet whose base is later changed or removed refuses to load or resume, naming it.
   test::run_command("cp -r " + base() + " " + path("base-copy"));
