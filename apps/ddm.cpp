@@ -237,6 +237,31 @@ std::optional<ReferenceSet> open_references(const SampleArgs& a, const LoadedMod
   return r;
 }
 
+// The control maps and reference images of the --control* / --reference* flags (a model only, not an
+// ensemble), put into g: what the model is conditioned on, and the labels they come with.
+std::pair<std::optional<ControlSet>, std::optional<ReferenceSet>> open_conditions(const SampleArgs& a,
+                                                                                  const Source& src,
+                                                                                  GenerateOptions& g) {
+  DDM_CHECK(src.model || (a.control_file.empty() && a.control_from.empty()), "--control applies only to --ckpt");
+  DDM_CHECK(src.model || (a.reference_file.empty() && a.reference_from.empty()), "--reference applies only to --ckpt");
+  if (!src.model) return {};
+  const LoadedModel& m = *src.model;
+  std::optional<ControlSet> controls = open_controls(a, m, a.n);
+  if (controls) {
+    if (!m.cfg.model.controlnet.empty()) g.control = controls->maps;
+    if (controls->labels.defined()) g.labels = controls->labels;
+    std::cout << "control: " << controls->origin << std::endl;
+  }
+  std::optional<ReferenceSet> refs = open_references(a, m, a.n);
+  if (refs) {
+    if (m.embedder) g.embed = m.embedder->embed(refs->images);
+    if (refs->labels.defined()) g.labels = refs->labels;
+    std::cout << "reference: " << refs->origin << (m.embedder ? "" : " (not a model.embed model: compared only)")
+              << std::endl;
+  }
+  return {std::move(controls), std::move(refs)};
+}
+
 // Sampling progress: a live counter on a terminal, otherwise a plain line at every 10%.
 std::function<void(int64_t, int64_t)> sampling_progress(bool tty) {
   auto next_tenth = std::make_shared<int64_t>(1);
@@ -273,21 +298,7 @@ void write_samples(const SampleArgs& a) {
   if (src.model) std::cout << " (step " << m.step << ", " << (a.no_ema ? "raw" : "EMA") << " weights)";
   std::cout << ": " << g.sample.sampler << ", " << g.sample.steps << " steps, cfg " << g.sample.cfg << std::endl;
   g.decode = image_decoder(m);  // latent models: the frozen decoder
-  DDM_CHECK(src.model || (a.control_file.empty() && a.control_from.empty()), "--control applies only to --ckpt");
-  const std::optional<ControlSet> controls = src.model ? open_controls(a, m, a.n) : std::nullopt;
-  if (controls) {
-    if (!m.cfg.model.controlnet.empty()) g.control = controls->maps;
-    if (controls->labels.defined()) g.labels = controls->labels;
-    std::cout << "control: " << controls->origin << std::endl;
-  }
-  DDM_CHECK(src.model || (a.reference_file.empty() && a.reference_from.empty()), "--reference applies only to --ckpt");
-  const std::optional<ReferenceSet> refs = src.model ? open_references(a, m, a.n) : std::nullopt;
-  if (refs) {
-    if (m.embedder) g.embed = m.embedder->embed(refs->images);
-    if (refs->labels.defined()) g.labels = refs->labels;
-    std::cout << "reference: " << refs->origin << (m.embedder ? "" : " (not a model.embed model: compared only)")
-              << std::endl;
-  }
+  const auto [controls, refs] = open_conditions(a, src, g);
   Generated out = generate(den, m.cfg.model.in_channels, m.cfg.model.image_size, g);
   if (tty) std::printf("\n");
   std::vector<std::string> labels;
@@ -462,23 +473,7 @@ int eval_cmd(EvalArgs a) {
     std::cout << "sampling " << a.sample.n << " images from " << src.name << ": " << g.sample.sampler << ", "
               << g.sample.steps << " steps, cfg " << g.sample.cfg << std::endl;
     g.decode = image_decoder(m);  // latent models: the frozen decoder
-    DDM_CHECK(src.model || (a.sample.control_file.empty() && a.sample.control_from.empty()),
-              "--control applies only to --ckpt");
-    const std::optional<ControlSet> controls = src.model ? open_controls(a.sample, m, a.sample.n) : std::nullopt;
-    if (controls) {
-      if (!m.cfg.model.controlnet.empty()) g.control = controls->maps;
-      if (controls->labels.defined()) g.labels = controls->labels;
-      std::cout << "control: " << controls->origin << std::endl;
-    }
-    DDM_CHECK(src.model || (a.sample.reference_file.empty() && a.sample.reference_from.empty()),
-              "--reference applies only to --ckpt");
-    const std::optional<ReferenceSet> refs = src.model ? open_references(a.sample, m, a.sample.n) : std::nullopt;
-    if (refs) {
-      if (m.embedder) g.embed = m.embedder->embed(refs->images);
-      if (refs->labels.defined()) g.labels = refs->labels;
-      std::cout << "reference: " << refs->origin << (m.embedder ? "" : " (not a model.embed model: compared only)")
-                << std::endl;
-    }
+    const auto [controls, refs] = open_conditions(a.sample, src, g);
     Generated out = generate(den, m.cfg.model.in_channels, m.cfg.model.image_size, g);
     if (tty) std::printf("\n");
     std::printf("NFE %lld per image, %.0f s (%.1f img/s)\n", static_cast<long long>(out.nfe), out.seconds,

@@ -2,7 +2,6 @@
 #include "train/controlnet.h"
 
 #include <filesystem>
-#include <sstream>
 
 #include <torch/torch.h>
 
@@ -13,6 +12,7 @@
 #include "model/controlnet.h"
 #include "train/checkpoint.h"
 #include "train/optimizer.h"
+#include "train/trainer.h"
 
 namespace fs = std::filesystem;
 
@@ -26,17 +26,6 @@ RunConfig base_config(const std::string& ckpt, const std::string& key) {
                 << "at a trained U-Net run");
   const Checkpoint ck = read_checkpoint(ckpt, /*weights_only=*/true);
   return parse_config(ck.config_toml, ckpt + "/" + RunDir::kState + " (config)");
-}
-
-// The first line where two TOML texts differ, or "".
-std::string first_line_difference(const std::string& a, const std::string& b) {
-  std::istringstream sa(a), sb(b);
-  std::string la, lb;
-  while (true) {
-    const bool ga = static_cast<bool>(std::getline(sa, la)), gb = static_cast<bool>(std::getline(sb, lb));
-    if (!ga && !gb) return "";
-    if (la != lb) return la + "  (base)  vs  " + lb + "  (this config)";
-  }
 }
 
 }  // namespace
@@ -87,7 +76,7 @@ void resolve_controlnet(RunConfig& cfg, const Dataset& data) {
                 << " (" << data.description << ")");
   RunConfig with_base = cfg;  // differs from cfg in [diffusion] alone
   with_base.diffusion = base.diffusion;
-  const std::string diff = first_line_difference(to_toml(with_base), to_toml(cfg));
+  const std::string diff = first_difference(to_toml(with_base), to_toml(cfg), "base", "this config");
   DDM_CHECK(diff.empty(), key << ": a ControlNet predicts what its base predicts, but the [diffusion] sections differ: "
                               << diff << "; remove the [diffusion] keys (the base's are used)");
   const std::string sha = sha256_file((fs::path(ckpt) / RunDir::kEma).string());

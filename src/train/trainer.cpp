@@ -61,16 +61,21 @@ RunConfig normalized_for_ranks(RunConfig c) {
   return c;
 }
 
-std::string first_difference(const std::string& a, const std::string& b) {
+}  // namespace
+
+std::string first_difference(const std::string& a, const std::string& b, const std::string& name_a,
+                             const std::string& name_b) {
   std::istringstream sa(a), sb(b);
   std::string la, lb, section;
   while (true) {
     const bool ga = static_cast<bool>(std::getline(sa, la)), gb = static_cast<bool>(std::getline(sb, lb));
     if (!ga && !gb) return "";
     if (ga && !la.empty() && la[0] == '[') section = la;
-    if (la != lb) return section + " " + la + "  (stored run)  vs  " + lb + "  (now)";
+    if (la != lb) return section + " " + la + "  (" + name_a + ")  vs  " + lb + "  (" + name_b + ")";
   }
 }
+
+namespace {
 
 // Removes what a run writes into its directory (--force, or a run that saved no checkpoint).
 void remove_run_files(const fs::path& dir) {

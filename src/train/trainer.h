@@ -50,6 +50,11 @@ struct TrainJob {
   std::function<void(const RunDir& dir, bool resume)> records;
 };
 
+// The first line where two config texts (to_toml) differ, with its [section] and each side named
+// ("[train] steps = 10  (stored run)  vs  steps = 20  (now)"), or "" when they are equal.
+std::string first_difference(const std::string& a, const std::string& b, const std::string& name_a = "stored run",
+                             const std::string& name_b = "now");
+
 // Fills model.in_channels / image_size / num_classes from the data (error if set and different).
 void resolve_data_shape(RunConfig& cfg, const Dataset& data);
 
