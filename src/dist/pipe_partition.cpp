@@ -1,0 +1,100 @@
+// The stage-partitioning DP; see pipe_partition.h.
+#include "dist/pipe_partition.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+
+#include "core/error.h"
+
+namespace ddm {
+namespace {
+
+struct Prefix {
+  std::vector<double> time, act, state;
+  explicit Prefix(const std::vector<PipeUnit>& u) : time(u.size() + 1, 0), act(u.size() + 1, 0), state(u.size() + 1, 0) {
+    for (size_t l = 0; l < u.size(); ++l) {
+      time[l + 1] = time[l] + u[l].forward + u[l].input_grad + u[l].weight_grad;
+      act[l + 1] = act[l] + u[l].activation_bytes;
+      state[l + 1] = state[l] + u[l].state_bytes;
+    }
+  }
+};
+
+std::string bytes_text(double b) {
+  char s[64];
+  std::snprintf(s, sizeof s, "%.3g MiB", b / (1 << 20));
+  return s;
+}
+
+}  // namespace
+
+PipePartition partition_units(const std::vector<PipeUnit>& units, int S, const std::vector<int>& in_flight,
+                              double limit, const PipeLink& link) {
+  const int L = static_cast<int>(units.size());
+  DDM_CHECK(S >= 1, "pipeline stages must be >= 1, got " << S);
+  DDM_CHECK(S <= L, "a pipeline of " << S << " stages needs at least " << S << " units, but the model has " << L
+                                     << ": use at most " << L << " stages");
+  DDM_CHECK(static_cast<int>(in_flight.size()) == S, "in-flight counts: " << in_flight.size() << " for " << S << " stages");
+  for (const PipeUnit& u : units)
+    DDM_CHECK(std::isfinite(u.forward + u.input_grad + u.weight_grad + u.activation_bytes + u.state_bytes + u.cut_bytes) &&
+                  std::min({u.forward, u.input_grad, u.weight_grad, u.activation_bytes, u.state_bytes, u.cut_bytes}) >= 0,
+              "unit '" << u.name << "' has a negative or non-finite time or size");
+  const Prefix p(units);
+  auto time = [&](int i, int j) { return p.time[j] - p.time[i] + (j < L ? link.time(units[j - 1].cut_bytes) : 0.0); };
+  auto memory = [&](int i, int j, int s) { return p.state[j] - p.state[i] + in_flight[s] * (p.act[j] - p.act[i]); };
+
+  // The DP; `by_time` false minimizes the largest stage memory instead (for the error message).
+  auto solve = [&](bool by_time, double lim, std::vector<std::vector<int>>& choice) {
+    const double inf = std::numeric_limits<double>::infinity();
+    std::vector<std::vector<double>> T(S + 1, std::vector<double>(L + 1, inf));
+    choice.assign(S + 1, std::vector<int>(L + 1, -1));
+    T[0][0] = 0;
+    for (int s = 1; s <= S; ++s)
+      for (int j = s; j <= L - (S - s); ++j)
+        for (int i = s - 1; i < j; ++i) {
+          if (T[s - 1][i] == inf) continue;
+          const double mem = memory(i, j, s - 1);
+          if (by_time && mem > lim) continue;
+          const double v = std::max(T[s - 1][i], by_time ? time(i, j) : mem);
+          if (v < T[s][j]) T[s][j] = v, choice[s][j] = i;
+        }
+    return T[S][L];
+  };
+  std::vector<std::vector<int>> choice;
+  const double best = solve(true, limit, choice);
+  if (!std::isfinite(best)) {
+    std::vector<std::vector<int>> unused;
+    const double smallest = solve(false, 0, unused);
+    DDM_FAIL("no split of the model's " << L << " units into " << S << " stages fits in " << bytes_text(limit)
+                                        << " per stage; the smallest limit that works is " << bytes_text(smallest)
+                                        << " (or use more stages or fewer micro-batches in flight)");
+  }
+  PipePartition out;
+  out.first.assign(S + 1, L);
+  for (int s = S, j = L; s >= 1; --s) out.first[s - 1] = j = choice[s][j];
+  out.bottleneck = best;
+  for (int s = 0; s < S; ++s) {
+    out.stage_time.push_back(time(out.first[s], out.first[s + 1]));
+    out.stage_memory.push_back(memory(out.first[s], out.first[s + 1], s));
+  }
+  return out;
+}
+
+PipeCosts costs_of_partition(const std::vector<PipeUnit>& units, const PipePartition& p, const PipeLink& link) {
+  const int S = static_cast<int>(p.first.size()) - 1;
+  PipeCosts c;
+  for (int s = 0; s < S; ++s) {
+    PipeStageCost k;
+    for (int l = p.first[s]; l < p.first[s + 1]; ++l)
+      k.forward += units[l].forward, k.input_grad += units[l].input_grad, k.weight_grad += units[l].weight_grad;
+    c.stage.push_back(k);
+    if (s + 1 < S) {
+      const double t = link.time(units[p.first[s + 1] - 1].cut_bytes);
+      c.send_forward.push_back(t), c.send_backward.push_back(t);
+    }
+  }
+  return c;
+}
+
+}  // namespace ddm

@@ -1,0 +1,48 @@
+// Stage partitioning by dynamic programming (DiffusionPipe section 4; PipeDream's planner): a model
+// is an ordered list of units (blocks) with profiled per-micro-batch times and byte counts, and a
+// pipeline of S stages takes S contiguous, non-empty runs of units. The partition minimizes the
+// slowest stage's time (compute plus sending what crosses its cut), subject to a per-stage memory
+// limit that counts the schedule's in-flight micro-batches on that stage:
+//   time(i, j)      = sum over units i..j-1 of (forward + input_grad + weight_grad)
+//                     + latency + cut_bytes[j-1] / bandwidth          (no send after the last stage)
+//   memory(i, j, s) = sum of state_bytes + in_flight[s] * sum of activation_bytes
+//   T[0][0] = 0,  T[s][j] = min over i < j with memory(i, j, s-1) <= limit of max(T[s-1][i], time(i, j))
+// O(S L^2) with prefix sums. When no partition fits, the error names the smallest limit that does
+// (a second DP minimizing the largest stage memory).
+#pragma once
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "dist/pipe_simulate.h"
+
+namespace ddm {
+
+struct PipeUnit {
+  std::string name;
+  double forward = 0, input_grad = 0, weight_grad = 0;  // per micro-batch
+  double activation_bytes = 0;  // saved for the backward, per micro-batch
+  double state_bytes = 0;       // parameters, gradients and optimizer state
+  double cut_bytes = 0;         // every tensor live after this unit (open U-Net skips too), per micro-batch
+};
+
+struct PipeLink {
+  double bandwidth = std::numeric_limits<double>::infinity();  // bytes per time unit
+  double latency = 0;                                          // time units per message
+  double time(double bytes) const { return bytes > 0 ? latency + bytes / bandwidth : 0; }
+};
+
+struct PipePartition {
+  std::vector<int> first;  // first unit of each stage, plus the unit count at the end: stage s = [first[s], first[s+1])
+  std::vector<double> stage_time, stage_memory;
+  double bottleneck = 0;
+};
+
+// `in_flight[s]`: micro-batches stage s holds at its peak (peak_in_flight of the schedule).
+PipePartition partition_units(const std::vector<PipeUnit>& units, int stages, const std::vector<int>& in_flight,
+                              double memory_limit, const PipeLink& link);
+
+// The per-stage costs of a partition, for the simulator: stage sums and the link's time for each cut.
+PipeCosts costs_of_partition(const std::vector<PipeUnit>& units, const PipePartition& p, const PipeLink& link);
+
+}  // namespace ddm

@@ -1,0 +1,328 @@
+// Tests of the pipeline planning library: schedule generators, the simulator against hand-worked
+// timelines and the schedules' closed-form bubbles, the stage-partitioning DP against brute force,
+// and the greedy bubble filler (hand-worked placements, conservation of rows, no delayed backbone).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <functional>
+#include <random>
+
+#include "core/error.h"
+#include "dist/pipe_fill.h"
+#include "dist/pipe_partition.h"
+#include "dist/pipe_schedule.h"
+#include "dist/pipe_simulate.h"
+#include "test_util.h"
+
+using namespace ddm;
+using ddm::test::error_message;
+
+namespace {
+
+PipeCosts uniform_costs(int S, double f, double i, double w, double send = 0) {
+  PipeCosts c;
+  c.stage.assign(S, PipeStageCost{f, i, w});
+  c.send_forward.assign(S - 1, send), c.send_backward.assign(S - 1, send);
+  return c;
+}
+
+double idle_of(const PipeTimeline& tl, int rank) {
+  double t = 0;
+  for (const PipeInterval& i : tl.idle())
+    if (i.rank == rank) t += i.end - i.start;
+  return t;
+}
+
+PipeTask linear_task(const std::string& name, double per_row, int64_t rows) {
+  PipeTask t;
+  t.name = name, t.rows = rows;
+  t.cost = {{1, per_row}, {rows, per_row * rows}};
+  if (rows == 1) t.cost.pop_back();
+  return t;
+}
+
+// Start times of every backbone action, keyed by its text and stage.
+std::map<std::string, double> backbone_starts(const PipeTimeline& tl) {
+  std::map<std::string, double> m;
+  for (const auto& r : tl.ranks)
+    for (const PipeSlot& x : r)
+      if (x.action.op != PipeOp::kTask) m[std::to_string(x.action.stage) + action_text(x.action)] = x.start;
+  return m;
+}
+
+}  // namespace
+
+TEST(PipeSchedule, ShapesOfEachSchedule) {
+  const PipeSchedule g = make_schedule("gpipe", 3, 4);
+  EXPECT_EQ(rank_text(g.ranks[0]), "F0 F1 F2 F3 B0 B1 B2 B3");
+  const PipeSchedule a = make_schedule("1f1b", 3, 4);
+  EXPECT_EQ(rank_text(a.ranks[0]), "F0 F1 F2 B0 F3 B1 B2 B3");
+  EXPECT_EQ(rank_text(a.ranks[2]), "F0 B0 F1 B1 F2 B2 F3 B3");
+  const PipeSchedule z = make_schedule("zb-h1", 3, 4);
+  EXPECT_EQ(rank_text(z.ranks[0]), "F0 F1 F2 I0 W0 F3 I1 W1 I2 W2 I3 W3");
+  EXPECT_EQ(rank_text(z.ranks[2]), "F0 I0 F1 I1 F2 I2 W0 F3 I3 W1 W2 W3");
+  // Activations held at the peak: GPipe all M, 1F1B S-s, ZB-H1 S on every stage.
+  EXPECT_EQ(peak_in_flight(make_schedule("gpipe", 4, 8)), (std::vector<int>{8, 8, 8, 8}));
+  EXPECT_EQ(peak_in_flight(make_schedule("1f1b", 4, 8)), (std::vector<int>{4, 3, 2, 1}));
+  EXPECT_EQ(peak_in_flight(make_schedule("zb-h1", 4, 8)), (std::vector<int>{4, 4, 4, 4}));
+  EXPECT_EQ(peak_in_flight(make_schedule("1f1b", 4, 2)), (std::vector<int>{2, 2, 2, 1}));
+  for (const std::string& n : schedule_names())
+    for (int S = 1; S <= 6; ++S)
+      for (int M = 1; M <= 9; ++M) EXPECT_NO_THROW(validate_schedule(make_schedule(n, S, M))) << n << S << M;
+}
+
+TEST(PipeSchedule, BadInput) {
+  EXPECT_NE(error_message([] { make_schedule("interleaved", 2, 2); }).find("use gpipe, 1f1b or zb-h1"), std::string::npos);
+  EXPECT_NE(error_message([] { make_schedule("1f1b", 0, 2); }).find("stages must be >= 1"), std::string::npos);
+  EXPECT_NE(error_message([] { make_schedule("1f1b", 2, 0); }).find("micro-batches must be >= 1"), std::string::npos);
+  PipeSchedule s = make_schedule("1f1b", 2, 2);
+  std::swap(s.ranks[1][0], s.ranks[1][1]);  // B0 before F0
+  EXPECT_NE(error_message([&] { validate_schedule(s); }).find("out of order"), std::string::npos);
+  s = make_schedule("1f1b", 2, 2);
+  s.ranks[0].pop_back();
+  EXPECT_NE(error_message([&] { validate_schedule(s); }).find("does not finish micro-batch 1"), std::string::npos);
+}
+
+// GPipe, 2 stages, 2 micro-batches, F = 1 and B = 2, worked by hand:
+//   rank 0: F0 [0,1] F1 [1,2] . . . B0 [5,7] B1 [7,9]
+//   rank 1: . F0 [1,2] F1 [2,3] B0 [3,5] B1 [5,7] . .
+TEST(PipeSimulate, HandWorkedGPipe) {
+  const PipeTimeline tl = simulate(make_schedule("gpipe", 2, 2), uniform_costs(2, 1, 1, 1));
+  EXPECT_DOUBLE_EQ(tl.makespan, 9);
+  ASSERT_EQ(tl.ranks[0].size(), 4u);
+  EXPECT_DOUBLE_EQ(tl.ranks[0][2].start, 5);
+  EXPECT_DOUBLE_EQ(tl.ranks[1][2].start, 3);
+  const std::vector<PipeInterval> idle = tl.idle();
+  ASSERT_EQ(idle.size(), 3u);
+  EXPECT_DOUBLE_EQ(idle[0].start, 2); EXPECT_DOUBLE_EQ(idle[0].end, 5);
+  EXPECT_DOUBLE_EQ(idle[1].start, 0); EXPECT_DOUBLE_EQ(idle[1].end, 1);
+  EXPECT_DOUBLE_EQ(idle[2].start, 7); EXPECT_DOUBLE_EQ(idle[2].end, 9);
+  EXPECT_DOUBLE_EQ(tl.bubble_fraction(), 1.0 / 3);  // (p-1)/(m+p-1)
+}
+
+// Closed forms for equal stages and free links: GPipe and 1F1B idle (S-1)(F+I+W) per stage, ZB-H1
+// (S-1)(F+I-W) (for W <= F+I and M >= S); the bubble fraction of GPipe is (S-1)/(M+S-1).
+TEST(PipeSimulate, ClosedFormBubbles) {
+  for (int S = 1; S <= 5; ++S)
+    for (int M = S; M <= 9; ++M)
+      for (auto [f, i, w] : {std::tuple{1.0, 1.0, 1.0}, {2.0, 1.0, 1.0}, {1.0, 2.5, 0.5}, {1.3, 1.1, 0.7}}) {
+        const PipeCosts c = uniform_costs(S, f, i, w);
+        for (const std::string& n : schedule_names()) {
+          const PipeTimeline tl = simulate(make_schedule(n, S, M), c);
+          const double want = (S - 1) * (n == "zb-h1" ? f + i - w : f + i + w);
+          for (int r = 0; r < S; ++r) EXPECT_NEAR(idle_of(tl, r), want, 1e-9) << n << " S=" << S << " M=" << M << " r=" << r;
+          if (n == "gpipe") EXPECT_NEAR(tl.bubble_fraction(), (S - 1.0) / (M + S - 1.0), 1e-12);
+        }
+      }
+}
+
+TEST(PipeSimulate, LinksSkipsAndOptimizer) {
+  // 3 stages, 1 micro-batch, F = 1, I+W = 2, links of 0.5, a skip route 0 -> 2 of 4 (2 back).
+  PipeCosts c = uniform_costs(3, 1, 1, 1, 0.5);
+  c.skips.push_back({0, 2, 4, 2});
+  c.optimizer = {0.25, 1, 0.5};
+  const PipeTimeline tl = simulate(make_schedule("1f1b", 3, 1), c);
+  EXPECT_DOUBLE_EQ(tl.start_of(PipeOp::kForward, 1, 0), 1.5);
+  EXPECT_DOUBLE_EQ(tl.start_of(PipeOp::kForward, 2, 0), 5);     // the skip arrives at 1 + 4
+  EXPECT_DOUBLE_EQ(tl.start_of(PipeOp::kBackward, 1, 0), 8.5);  // B of stage 2 ends at 8
+  EXPECT_DOUBLE_EQ(tl.start_of(PipeOp::kBackward, 0, 0), 11);   // max(10.5 + 0.5, 8 + 2 via the skip)
+  EXPECT_DOUBLE_EQ(tl.makespan, 13);
+  EXPECT_DOUBLE_EQ(tl.iteration, 14);  // + the slowest optimizer step
+}
+
+TEST(PipeSimulate, DeadlockAndBadCosts) {
+  PipeSchedule s = make_schedule("gpipe", 2, 2);
+  // Rank 0 waits for stage 1's B0 before sending F1; rank 1 needs F1 before its B0.
+  s.ranks[0] = {s.ranks[0][0], s.ranks[0][2], s.ranks[0][1], s.ranks[0][3]};
+  const std::string e = error_message([&] { simulate(s, uniform_costs(2, 1, 1, 1)); });
+  EXPECT_NE(e.find("deadlocks: rank 0 waits at B0; rank 1 waits at F1;"), std::string::npos) << e;
+  PipeCosts c = uniform_costs(2, 1, 1, 1);
+  c.stage[1].forward = -1;
+  EXPECT_NE(error_message([&] { simulate(make_schedule("1f1b", 2, 2), c); }).find("stage 1 has a negative"), std::string::npos);
+  c = uniform_costs(3, 1, 1, 1);
+  EXPECT_NE(error_message([&] { simulate(make_schedule("1f1b", 2, 2), c); }).find("3 stage costs for 2 stages"), std::string::npos);
+  c = uniform_costs(2, 1, 1, 1);
+  c.tasks.push_back(linear_task("enc", 1, 4));
+  c.tasks[0].after = 0;
+  EXPECT_NE(error_message([&] { simulate(make_schedule("1f1b", 2, 2), c); }).find("must name an earlier task"), std::string::npos);
+}
+
+TEST(PipeTask, CostCurve) {
+  PipeTask t;
+  t.name = "vae";
+  t.cost = {{2, 3}, {8, 6}};
+  EXPECT_DOUBLE_EQ(t.time(1), 1.5);   // proportional below the first point
+  EXPECT_DOUBLE_EQ(t.time(4), 4);     // linear between points
+  EXPECT_DOUBLE_EQ(t.time(16), 12);   // proportional above the last
+  EXPECT_DOUBLE_EQ(t.time(0), 0);
+}
+
+// The hand-worked example of pipe_fill.h's rounds: GPipe 2 x 2 as in HandWorkedGPipe, and a
+// cross-iteration encoder of 4 rows per micro-batch at 1 per row, runnable on any rank. Round 1
+// fills rank 1 [0,1] (1 row of m0), rank 0 [2,5] (3 rows of m0), rank 1 [7,9] (2 rows of m1); the
+// 2 rows left go to the front of rank 0 (2 units: makespan 11), and round 2 fills everything else
+// into the new idle stretches: rank 1 [0,3] (3 rows of m0), rank 0 [4,7] (1 row of m0, 2 of m1).
+TEST(PipeFill, HandWorkedRounds) {
+  PipeCosts c = uniform_costs(2, 1, 1, 1);
+  c.tasks.push_back(linear_task("encoder", 1, 4));
+  c.tasks[0].cross_iteration = true;
+  const PipeSchedule s = make_schedule("gpipe", 2, 2);
+  const PipeTimeline serial = simulate(with_serial_tasks(s, c), c);
+  EXPECT_DOUBLE_EQ(serial.makespan, 17);
+  const PipeFill f = fill_bubbles(s, c);
+  EXPECT_EQ(f.rounds, 2);
+  EXPECT_DOUBLE_EQ(f.timeline.makespan, 11);
+  EXPECT_EQ(f.serial_rows[0], 2);
+  EXPECT_EQ(f.filled_rows[0], 6);
+  EXPECT_EQ(rank_text(f.schedule.ranks[0]), "T0.1x2 F0 F1 T0.0x1 T0.1x2 B0 B1");
+  EXPECT_EQ(rank_text(f.schedule.ranks[1]), "T0.0x3 F0 F1 B0 B1");
+}
+
+// Work consumed by stage 1 in this iteration must end before that stage's F of the same micro-batch.
+TEST(PipeFill, DeadlinesAndChains) {
+  PipeCosts c = uniform_costs(2, 1, 1, 1, 0.25);
+  // A control-map-like task for stage 1, only on rank 1, 2 rows at 0.25 each: m0 fits before F(1,0)
+  // at 1.25, the others before their F's in rank 1's idle start only partly.
+  c.tasks.push_back(linear_task("control", 0.25, 2));
+  c.tasks[0].consumer = 1, c.tasks[0].ranks = {1};
+  // A two-stage no-grad pass (self-conditioning): part 0 on rank 0, part 1 on rank 1 after it, both
+  // consumed by stage 0's forward.
+  c.tasks.push_back(linear_task("selfcond0", 0.5, 2));
+  c.tasks[1].ranks = {0}, c.tasks[1].send = 0.25;
+  c.tasks.push_back(linear_task("selfcond1", 0.5, 2));
+  c.tasks[2].ranks = {1}, c.tasks[2].after = 1;
+  const PipeSchedule s = make_schedule("1f1b", 2, 4);
+  const PipeFill f = fill_bubbles(s, c);
+  // Every F starts after the pieces it consumes end (plus the send across ranks); chains hold.
+  std::map<std::pair<int, int>, double> done;  // (task, micro) -> latest end incl. send to rank 0/1 consumer
+  for (int r = 0; r < 2; ++r)
+    for (const PipeSlot& x : f.timeline.ranks[r])
+      if (x.action.op == PipeOp::kTask) {
+        const PipeTask& t = c.tasks[x.action.task];
+        const int consumer_rank = t.consumer;
+        double& d = done[{x.action.task, x.action.micro}];
+        d = std::max(d, x.end + (r == consumer_rank ? 0 : t.send));
+        if (t.after >= 0) {
+          for (int r2 = 0; r2 < 2; ++r2)
+            for (const PipeSlot& y : f.timeline.ranks[r2])
+              if (y.action.op == PipeOp::kTask && y.action.task == t.after && y.action.micro == x.action.micro)
+                EXPECT_LE(y.end + (r2 == r ? 0 : c.tasks[t.after].send), x.start + 1e-12) << action_text(x.action);
+        }
+      }
+  for (const auto& [key, end] : done)
+    EXPECT_LE(end, f.timeline.start_of(PipeOp::kForward, c.tasks[key.first].consumer, key.second) + 1e-12)
+        << c.tasks[key.first].name << " micro " << key.second;
+  int64_t rows = 0;
+  for (size_t t = 0; t < c.tasks.size(); ++t) rows += f.filled_rows[t] + f.serial_rows[t];
+  EXPECT_EQ(rows, 3 * 2 * 4);
+  EXPECT_GT(f.filled_rows[0], 0);
+  EXPECT_LE(f.timeline.iteration, simulate(with_serial_tasks(s, c), c).iteration + 1e-12);
+}
+
+// Random workloads: rows are conserved per instance, pieces never overlap, filling never delays the
+// backbone of the schedule it filled (its last round's base) and never loses to serial work.
+TEST(PipeFill, PropertiesOnRandomWorkloads) {
+  std::mt19937 rng(7);
+  std::uniform_real_distribution<double> u(0.2, 2.0);
+  for (int trial = 0; trial < 300; ++trial) {
+    const int S = 1 + trial % 4, M = 1 + (trial / 4) % 6;
+    PipeCosts c;
+    for (int s = 0; s < S; ++s) c.stage.push_back({u(rng), u(rng), u(rng)});
+    for (int s = 0; s + 1 < S; ++s) c.send_forward.push_back(u(rng) / 4), c.send_backward.push_back(u(rng) / 4);
+    for (int t = 0; t < 3; ++t) {
+      PipeTask k = linear_task("t" + std::to_string(t), u(rng) / 8, 1 + trial % 5 * 3);
+      k.cost.insert(k.cost.begin(), {0, 0});
+      k.cost.erase(k.cost.begin());
+      k.consumer = static_cast<int>(rng() % S), k.cross_iteration = t == 0, k.send = u(rng) / 4;
+      if (t == 2) k.after = 1;
+      if (t == 1) k.ranks = {static_cast<int>(rng() % S)};
+      c.tasks.push_back(k);
+    }
+    const std::string name = schedule_names()[trial % 3];
+    const PipeSchedule s = make_schedule(name, S, M);
+    const PipeFill f = fill_bubbles(s, c);
+    std::map<std::pair<int, int>, int64_t> rows;
+    for (int r = 0; r < S; ++r) {
+      double t = 0;
+      for (const PipeSlot& x : f.timeline.ranks[r]) {
+        EXPECT_GE(x.start, t - 1e-12);
+        t = x.end;
+        if (x.action.op == PipeOp::kTask) rows[{x.action.task, x.action.micro}] += x.action.rows;
+      }
+    }
+    for (int t = 0; t < 3; ++t)
+      for (int m = 0; m < M; ++m) EXPECT_EQ((rows[{t, m}]), c.tasks[t].rows) << "trial " << trial;
+    // The last round's base: the same serial rows at the front, no pieces in the bubbles.
+    PipeSchedule base = f.schedule;
+    for (auto& r : base.ranks) {
+      size_t front = 0;
+      while (front < r.size() && r[front].op == PipeOp::kTask) ++front;
+      std::vector<PipeAction> kept(r.begin(), r.begin() + front);
+      for (size_t i = front; i < r.size(); ++i)
+        if (r[i].op != PipeOp::kTask) kept.push_back(r[i]);
+      r = kept;
+    }
+    const PipeTimeline b = simulate(base, c);
+    EXPECT_EQ(backbone_starts(b), backbone_starts(f.timeline)) << "trial " << trial << " " << name;
+    EXPECT_LE(f.timeline.iteration, simulate(with_serial_tasks(s, c), c).iteration + 1e-9) << "trial " << trial;
+  }
+}
+
+// The DP against every split of small random models, and its errors.
+TEST(PipePartition, MatchesBruteForce) {
+  std::mt19937 rng(11);
+  std::uniform_real_distribution<double> u(0.1, 3.0);
+  const PipeLink link{100.0, 0.05};
+  for (int trial = 0; trial < 200; ++trial) {
+    const int L = 1 + trial % 8, S = 1 + (trial / 8) % std::min(L, 4);
+    std::vector<PipeUnit> units(L);
+    for (int l = 0; l < L; ++l)
+      units[l] = {"u" + std::to_string(l), u(rng), u(rng), u(rng), u(rng) * 10, u(rng) * 20, u(rng) * 50};
+    std::vector<int> in_flight(S);
+    for (int s = 0; s < S; ++s) in_flight[s] = S - s;
+    const double limit = 30 + u(rng) * 40;
+    // Brute force over all S-1 cuts.
+    double best = std::numeric_limits<double>::infinity(), smallest = best;
+    std::function<void(int, int, double, double)> go = [&](int s, int i, double worst_t, double worst_m) {
+      if (s == S) {
+        if (i == L) {
+          smallest = std::min(smallest, worst_m);
+          if (worst_m <= limit) best = std::min(best, worst_t);
+        }
+        return;
+      }
+      for (int j = i + 1; j <= L - (S - s - 1); ++j) {
+        double t = 0, a = 0, st = 0;
+        for (int l = i; l < j; ++l) t += units[l].forward + units[l].input_grad + units[l].weight_grad, a += units[l].activation_bytes, st += units[l].state_bytes;
+        if (j < L) t += link.time(units[j - 1].cut_bytes);
+        go(s + 1, j, std::max(worst_t, t), std::max(worst_m, st + in_flight[s] * a));
+      }
+    };
+    go(0, 0, 0, 0);
+    if (std::isfinite(best)) {
+      const PipePartition p = partition_units(units, S, in_flight, limit, link);
+      EXPECT_NEAR(p.bottleneck, best, 1e-9) << "trial " << trial;
+      ASSERT_EQ(p.first.size(), static_cast<size_t>(S + 1));
+      for (int s = 0; s < S; ++s) {
+        EXPECT_LT(p.first[s], p.first[s + 1]);
+        EXPECT_LE(p.stage_memory[s], limit);
+        EXPECT_LE(p.stage_time[s], p.bottleneck + 1e-12);
+      }
+      // The simulator's stage costs add up to the units'.
+      const PipeCosts c = costs_of_partition(units, p, link);
+      double total = 0;
+      for (const PipeStageCost& k : c.stage) total += k.forward + k.input_grad + k.weight_grad;
+      double want = 0;
+      for (const PipeUnit& x : units) want += x.forward + x.input_grad + x.weight_grad;
+      EXPECT_NEAR(total, want, 1e-9);
+    } else {
+      const std::string e = error_message([&] { partition_units(units, S, in_flight, limit, link); });
+      char b[64];
+      std::snprintf(b, sizeof b, "the smallest limit that works is %.3g MiB", smallest / (1 << 20));
+      EXPECT_NE(e.find(b), std::string::npos) << e;
+    }
+  }
+  const std::vector<PipeUnit> two(2);
+  EXPECT_NE(error_message([&] { partition_units(two, 3, {1, 1, 1}, 1e9, link); }).find("needs at least 3 units, but the model has 2"),
+            std::string::npos);
+}
