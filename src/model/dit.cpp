@@ -76,25 +76,57 @@ void init_dit_weights(nn::Module& root) {
   }
 }
 
-torch::Tensor DiTImpl::forward(const torch::Tensor& x, const torch::Tensor& t, const Cond& cond) {
-  const torch::Tensor& y = cond.y;
+// The units: in (patch and conditioning embeddings), block{i}, out; forward runs them in order.
+void DiTImpl::unit_in(NetCarry& k, const torch::Tensor& t, const Cond& cond) {
+  const torch::Tensor x = k.h;
   const int64_t C = cfg_.in_channels, S = cfg_.image_size, p = cfg_.patch;
   DDM_CHECK(x.dim() == 4 && x.size(1) == C && x.size(2) == S && x.size(3) == S,
             "DiT: expected x [B, " << C << ", " << S << ", " << S << "], got " << x.sizes());
   const int64_t B = x.size(0), N = pos_.size(1);
   const auto xin = with_self_cond(x, cond, cfg_.self_cond);     // [B, C or 2C, S, S]
   auto tok = patchify(xin, p).reshape({B * N, xin.size(1) * p * p});  // [B N, C' p p]
-  auto h = patch_embed_(tok).view({B, N, -1}) + pos_;            // [B, N, W]
+  k.h = patch_embed_(tok).view({B, N, -1}) + pos_;               // [B, N, W]
   auto c = time_(t);                                             // [B, W]
   if (label_) {
-    DDM_CHECK(y.defined(), "DiT: class labels y are required (model.num_classes = " << cfg_.num_classes << ")");
-    c = c + label_(y);                                           // [B, W]
+    DDM_CHECK(cond.y.defined(), "DiT: class labels y are required (model.num_classes = " << cfg_.num_classes << ")");
+    c = c + label_(cond.y);                                      // [B, W]
   }
   if (embed_) c = c + embed_(cond, B);                           // [B, W]
-  const auto c_act = torch::silu(c);                             // [B, W]
-  for (auto& block : blocks_) h = block->forward(h, c_act);      // [B, N, W]
-  h = final_(h, c_act);                                          // [B, N, p p C]
-  return unpatchify(h, p, C, S, S);                              // [B, C, S, S]
+  k.emb = torch::silu(c);                                        // [B, W]
+}
+
+void DiTImpl::unit_out(NetCarry& k) {
+  const int64_t p = cfg_.patch;
+  k.h = unpatchify(final_(k.h, k.emb), p, cfg_.in_channels, cfg_.image_size, cfg_.image_size);  // [B, C, S, S]
+  k.emb = torch::Tensor();
+}
+
+torch::Tensor DiTImpl::forward(const torch::Tensor& x, const torch::Tensor& t, const Cond& cond) {
+  NetCarry k{x, {}, {}};
+  unit_in(k, t, cond);                                           // h [B, N, W], emb [B, W]
+  for (auto& block : blocks_) k.h = block->forward(k.h, k.emb);  // [B, N, W]
+  unit_out(k);
+  return k.h;                                                    // [B, C, S, S]
+}
+
+std::vector<NetUnit> DiTImpl::units() {
+  auto mod = [](const auto& holder) -> const torch::nn::Module* { return holder.is_empty() ? nullptr : holder.get(); };
+  auto params = [](std::initializer_list<const torch::nn::Module*> ms) {
+    std::vector<torch::Tensor> out;
+    for (const torch::nn::Module* m : ms)
+      if (m)
+        for (const torch::Tensor& p : m->parameters()) out.push_back(p);
+    return out;
+  };
+  std::vector<NetUnit> u;
+  u.push_back({"in", [this](NetCarry& k, const torch::Tensor& t, const Cond& c) { unit_in(k, t, c); },
+               params({mod(patch_embed_), mod(time_), mod(label_), mod(embed_)})});
+  for (size_t i = 0; i < blocks_.size(); ++i)
+    u.push_back({"block" + std::to_string(i),
+                 [this, i](NetCarry& k, const torch::Tensor&, const Cond&) { k.h = blocks_[i]->forward(k.h, k.emb); },
+                 params({mod(blocks_[i])})});
+  u.push_back({"out", [this](NetCarry& k, const torch::Tensor&, const Cond&) { unit_out(k); }, params({mod(final_)})});
+  return u;
 }
 
 double dit_forward_flops(const ModelConfig& cfg) {

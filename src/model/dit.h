@@ -21,11 +21,16 @@ class DiTImpl : public NetImpl {
   explicit DiTImpl(const ModelConfig& cfg);
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& t, const Cond& c) override;
   bool self_conditioned() const override { return cfg_.self_cond; }
+  // in (patch, position and conditioning embeddings), block{i}, out (final layer + unpatchify).
+  std::vector<NetUnit> units() override;
 
   // Access for tests (e.g. re-initializing the modulation linears).
   std::vector<DiTBlock>& blocks() { return blocks_; }
 
  private:
+  void unit_in(NetCarry& k, const torch::Tensor& t, const Cond& c);
+  void unit_out(NetCarry& k);
+
   ModelConfig cfg_;
   torch::nn::Linear patch_embed_{nullptr};
   EmbedProjector embed_{nullptr};  // model.embed

@@ -122,4 +122,22 @@ double forward_flops_per_image(const ModelConfig& cfg) {
   return cfg.arch == "unet" ? unet_forward_flops(cfg) : dit_forward_flops(cfg);
 }
 
+std::vector<torch::Tensor> NetCarry::tensors() const {
+  std::vector<torch::Tensor> out;
+  for (const torch::Tensor& x : {h, emb})
+    if (x.defined()) out.push_back(x);
+  for (const torch::Tensor& x : skips) out.push_back(x);
+  return out;
+}
+
+int64_t NetCarry::bytes() const {
+  int64_t b = 0;
+  for (const torch::Tensor& x : tensors()) b += x.numel() * static_cast<int64_t>(x.element_size());
+  return b;
+}
+
+std::vector<NetUnit> NetImpl::units() {
+  DDM_FAIL("this network (" << name() << ") cannot be split into pipeline stages: only the U-Net and the DiT can");
+}
+
 }  // namespace ddm

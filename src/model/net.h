@@ -3,6 +3,7 @@
 // and what the output is trained to predict is decided in src/diffusion. The conditioning is a small
 // struct: the class label, a ControlNet's control map, and what a ControlNet hands its locked U-Net.
 #pragma once
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -47,6 +48,25 @@ struct Cond {
   static Cond cat(const Cond& a, const Cond& b);
 };
 
+// What is live between two units of a backbone (NetImpl::units): what a pipeline stage hands to the next.
+struct NetCarry {
+  torch::Tensor h;                   // the running activation; the first unit reads the input x here
+  torch::Tensor emb;                 // the conditioning every later unit reads (SiLU of the t/label embedding)
+  std::vector<torch::Tensor> skips;  // U-Net skips still open, in push order
+  // h, emb and the skips, in that order (the defined ones).
+  std::vector<torch::Tensor> tensors() const;
+  // Bytes of those tensors.
+  int64_t bytes() const;
+};
+
+// One unit of a backbone: a contiguous piece of its forward (a ResBlock and its attention, a
+// transformer block, the input embedding, the output head).
+struct NetUnit {
+  std::string name;
+  std::function<void(NetCarry& k, const torch::Tensor& t, const Cond& c)> run;
+  std::vector<torch::Tensor> params;  // the trainable parameters it reads
+};
+
 class NetImpl : public torch::nn::Module {
  public:
   // x: float [B, C, H, W]; t: float [B] in [0, 1]; c: conditioning of the B samples. Returns float
@@ -58,6 +78,10 @@ class NetImpl : public torch::nn::Module {
   virtual Cond precompute(const torch::Tensor& /*x*/, const torch::Tensor& /*t*/, const Cond& c) { return c; }
   // Whether forward takes Cond::self_cond (model.self_cond): samplers then feed it each step's estimate.
   virtual bool self_conditioned() const { return false; }
+  // The backbone as an ordered list of units, for pipeline stages and their profiler: starting from
+  // NetCarry{h = x}, running every unit in order leaves forward(x, t, c) in h, bit for bit. Every
+  // trainable parameter belongs to exactly one unit. By default: a ddm::Error (not splittable).
+  virtual std::vector<NetUnit> units();
 };
 using Net = std::shared_ptr<NetImpl>;
 

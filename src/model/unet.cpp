@@ -114,33 +114,60 @@ torch::Tensor UNetImpl::run(Stage& s, const torch::Tensor& h, const torch::Tenso
 
 int64_t UNetImpl::mid_channels() const { return level_channels(cfg_, cfg_.channel_mult.size() - 1); }
 
-UNetImpl::Features UNetImpl::encode(const torch::Tensor& x, const torch::Tensor& t, const Cond& c,
-                                    const torch::Tensor& in_add) {
-  const torch::Tensor& y = c.y;
+// The units, each a piece of forward on the carry k (h, emb = SiLU(embedding), open skips); encode,
+// decode and units() all run these, so a pipeline of units computes exactly forward.
+void UNetImpl::unit_in(NetCarry& k, const torch::Tensor& t, const Cond& c, const torch::Tensor& in_add) {
+  const torch::Tensor x = k.h;
   DDM_CHECK(x.dim() == 4 && x.size(1) == cfg_.in_channels && x.size(2) == cfg_.image_size &&
                 x.size(3) == cfg_.image_size,
             "UNet: expected x [B, " << cfg_.in_channels << ", " << cfg_.image_size << ", "
                                     << cfg_.image_size << "], got " << x.sizes());
   auto emb = time_(t);                                           // [B, E]
   if (label_) {
-    DDM_CHECK(y.defined(), "UNet: class labels y are required (model.num_classes = " << cfg_.num_classes << ")");
-    emb = emb + label_(y);                                       // [B, E]
+    DDM_CHECK(c.y.defined(), "UNet: class labels y are required (model.num_classes = " << cfg_.num_classes << ")");
+    emb = emb + label_(c.y);                                     // [B, E]
   }
   if (embed_) emb = emb + embed_(c, x.size(0));                  // [B, E]
-  Features f;
-  f.emb_act = torch::silu(emb);                                  // [B, E]
-  auto h = in_conv_(with_self_cond(x, c, cfg_.self_cond));      // [B, c0, S, S]
-  if (in_add.defined()) h = h + in_add;                          // [B, c0, S, S]
+  k.emb = torch::silu(emb);                                      // [B, E]
+  k.h = in_conv_(with_self_cond(x, c, cfg_.self_cond));         // [B, c0, S, S]
+  if (in_add.defined()) k.h = k.h + in_add;                      // [B, c0, S, S]
+}
+
+void UNetImpl::unit_enc(NetCarry& k, size_t l, size_t j) {
+  k.h = run(enc_[l][j], k.h, k.emb);                             // [B, c_l, S_l, S_l]
+  k.skips.push_back(k.h);
+}
+
+void UNetImpl::unit_down(NetCarry& k, size_t l) { k.h = down_[l](k.h); }  // [B, c_l, S_l / 2, S_l / 2]
+
+void UNetImpl::unit_mid(NetCarry& k, size_t j) { k.h = run(mid_[j], k.h, k.emb); }  // [B, c_{L-1}, S_{L-1}, S_{L-1}]
+
+void UNetImpl::unit_up(NetCarry& k, size_t l) {
+  k.h = torch::upsample_nearest2d(k.h, {k.h.size(2) * 2, k.h.size(3) * 2});  // [B, c_{l+1}, S_l, S_l]
+  k.h = up_[l](k.h);                                             // [B, c_l, S_l, S_l]
+}
+
+void UNetImpl::unit_dec(NetCarry& k, size_t l, size_t j) {
+  k.h = torch::cat({k.h, k.skips.back()}, 1);                    // [B, c + c_l, S_l, S_l]
+  k.skips.pop_back();
+  k.h = run(dec_[l][j], k.h, k.emb);                             // [B, c_l, S_l, S_l]
+}
+
+void UNetImpl::unit_out(NetCarry& k) {
+  k.h = out_conv_(torch::silu(out_norm_(k.h)));                  // [B, C, S, S]
+  k.emb = torch::Tensor();
+}
+
+UNetImpl::Features UNetImpl::encode(const torch::Tensor& x, const torch::Tensor& t, const Cond& c,
+                                    const torch::Tensor& in_add) {
+  NetCarry k{x, {}, {}};
+  unit_in(k, t, c, in_add);
   for (size_t l = 0; l < enc_.size(); ++l) {
-    for (auto& s : enc_[l]) {
-      h = run(s, h, f.emb_act);                                  // [B, c_l, S_l, S_l]
-      f.skips.push_back(h);
-    }
-    h = down_[l](h);                                             // [B, c_l, S_l / 2, S_l / 2]
+    for (size_t j = 0; j < enc_[l].size(); ++j) unit_enc(k, l, j);
+    unit_down(k, l);
   }
-  for (auto& s : mid_) h = run(s, h, f.emb_act);                 // [B, c_{L-1}, S_{L-1}, S_{L-1}]
-  f.h = h;
-  return f;
+  for (size_t j = 0; j < mid_.size(); ++j) unit_mid(k, j);
+  return Features{k.emb, std::move(k.skips), k.h};
 }
 
 torch::Tensor UNetImpl::decode(Features f, const std::vector<torch::Tensor>& residuals) {
@@ -151,22 +178,55 @@ torch::Tensor UNetImpl::decode(Features f, const std::vector<torch::Tensor>& res
     for (size_t i = 0; i < f.skips.size(); ++i) f.skips[i] = f.skips[i] + residuals[i];  // [B, c_l, S_l, S_l]
     f.h = f.h + residuals.back();                                // [B, c_{L-1}, S_{L-1}, S_{L-1}]
   }
-  auto h = f.h;
+  NetCarry k{f.h, f.emb_act, std::move(f.skips)};
   for (size_t l = dec_.size(); l-- > 0;) {
-    h = torch::upsample_nearest2d(h, {h.size(2) * 2, h.size(3) * 2});  // [B, c_{l+1}, S_l, S_l]
-    h = up_[l](h);                                               // [B, c_l, S_l, S_l]
-    for (auto& s : dec_[l]) {
-      h = torch::cat({h, f.skips.back()}, 1);                    // [B, c + c_l, S_l, S_l]
-      f.skips.pop_back();
-      h = run(s, h, f.emb_act);                                  // [B, c_l, S_l, S_l]
-    }
+    unit_up(k, l);
+    for (size_t j = 0; j < dec_[l].size(); ++j) unit_dec(k, l, j);
   }
-  h = torch::silu(out_norm_(h));                                 // [B, c0, S, S]
-  return out_conv_(h);                                           // [B, C, S, S]
+  unit_out(k);
+  return k.h;                                                    // [B, C, S, S]
 }
 
 torch::Tensor UNetImpl::forward(const torch::Tensor& x, const torch::Tensor& t, const Cond& c) {
   return decode(encode(x, t, c), c.residuals);  // [B, C, S, S]
+}
+
+std::vector<NetUnit> UNetImpl::units() {
+  DDM_CHECK(!encoder_only_, "UNet: an encoder-only U-Net (a ControlNet's copy) cannot be split into pipeline stages");
+  auto mod = [](const auto& holder) -> const torch::nn::Module* { return holder.is_empty() ? nullptr : holder.get(); };
+  auto params = [](std::initializer_list<const torch::nn::Module*> ms) {
+    std::vector<torch::Tensor> out;
+    for (const torch::nn::Module* m : ms)
+      if (m)
+        for (const torch::Tensor& p : m->parameters()) out.push_back(p);
+    return out;
+  };
+  auto stage_params = [&](const Stage& s) { return params({mod(s.res), mod(s.attn)}); };
+  std::vector<NetUnit> u;
+  u.push_back({"in", [this](NetCarry& k, const torch::Tensor& t, const Cond& c) {
+                 DDM_CHECK(c.residuals.empty(), "UNet: a pipeline stage takes no ControlNet residuals");
+                 unit_in(k, t, c);
+               },
+               params({mod(time_), mod(label_), mod(embed_), mod(in_conv_)})});
+  auto add = [&](std::string name, std::function<void(NetCarry&)> f, std::vector<torch::Tensor> p) {
+    u.push_back({std::move(name), [f](NetCarry& k, const torch::Tensor&, const Cond&) { f(k); }, std::move(p)});
+  };
+  for (size_t l = 0; l < enc_.size(); ++l) {
+    for (size_t j = 0; j < enc_[l].size(); ++j)
+      add("enc" + std::to_string(l) + "_" + std::to_string(j), [this, l, j](NetCarry& k) { unit_enc(k, l, j); },
+          stage_params(enc_[l][j]));
+    add("down" + std::to_string(l), [this, l](NetCarry& k) { unit_down(k, l); }, params({mod(down_[l])}));
+  }
+  for (size_t j = 0; j < mid_.size(); ++j)
+    add("mid" + std::to_string(j), [this, j](NetCarry& k) { unit_mid(k, j); }, stage_params(mid_[j]));
+  for (size_t l = dec_.size(); l-- > 0;) {
+    add("up" + std::to_string(l), [this, l](NetCarry& k) { unit_up(k, l); }, params({mod(up_[l])}));
+    for (size_t j = 0; j < dec_[l].size(); ++j)
+      add("dec" + std::to_string(l) + "_" + std::to_string(j), [this, l, j](NetCarry& k) { unit_dec(k, l, j); },
+          stage_params(dec_[l][j]));
+  }
+  add("out", [this](NetCarry& k) { unit_out(k); }, params({mod(out_norm_), mod(out_conv_)}));
+  return u;
 }
 
 double unet_forward_flops(const ModelConfig& cfg, bool encoder_only) {

@@ -51,6 +51,8 @@ class UNetImpl : public NetImpl {
   int64_t mid_channels() const;
   const ModelConfig& config() const { return cfg_; }
   bool self_conditioned() const override { return cfg_.self_cond; }
+  // in (embedding + in_conv), enc{l}_{j}, down{l}, mid{j}, up{l}, dec{l}_{j}, out.
+  std::vector<NetUnit> units() override;
 
  private:
   struct Stage {  // one ResBlock and its optional attention
@@ -58,6 +60,14 @@ class UNetImpl : public NetImpl {
     AttentionBlock attn{nullptr};
   };
   torch::Tensor run(Stage& s, const torch::Tensor& h, const torch::Tensor& emb_act);
+  // The units' bodies (see units()); encode and decode are made of them.
+  void unit_in(NetCarry& k, const torch::Tensor& t, const Cond& c, const torch::Tensor& in_add = {});
+  void unit_enc(NetCarry& k, size_t l, size_t j);
+  void unit_down(NetCarry& k, size_t l);
+  void unit_mid(NetCarry& k, size_t j);
+  void unit_up(NetCarry& k, size_t l);
+  void unit_dec(NetCarry& k, size_t l, size_t j);
+  void unit_out(NetCarry& k);
 
   ModelConfig cfg_;
   TimeEmbedder time_{nullptr};
