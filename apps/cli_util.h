@@ -36,6 +36,9 @@ struct Command {
 // Decentralized-diffusion subcommands (apps/decentral_cli.cpp): partition, ...
 std::vector<Command> add_decentral_commands(CLI::App& app);
 
+// `ddm plan` (apps/plan_cli.cpp).
+Command add_plan_command(CLI::App& app);
+
 // `ddm launch` (apps/launch_cli.cpp). It reads argv itself to find the `--` before the command.
 Command add_launch_command(CLI::App& app, int argc, char** argv);
 

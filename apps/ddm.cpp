@@ -727,6 +727,9 @@ int run(int argc, char** argv) {
   // launch
   const Command launch = add_launch_command(app, argc, argv);
 
+  // plan
+  const Command plan = add_plan_command(app);
+
   // presets
   auto* presets_cmd = app.add_subcommand("presets", "List model presets with parameters and FLOPs per image.");
 
@@ -823,6 +826,7 @@ int run(int argc, char** argv) {
   for (const Command& c : decentral)
     if (*c.app) return c.run();
   if (*launch.app) return launch.run();
+  if (*plan.app) return plan.run();
   if (*presets_cmd) {
     std::printf("%-17s %-11s %12s %16s\n", "preset", "arch", "parameters", "MFLOP/img fwd");
     for (const auto& name : preset_names()) {

@@ -26,35 +26,11 @@
 
 namespace {
 
-struct Rgb {
-  uint8_t r, g, b;
-};
+using ddm::Canvas;
+using ddm::Rgb;
 const Rgb kForward{70, 130, 180}, kBackward{245, 150, 50}, kLossClip{160, 160, 160}, kUpdate{70, 160, 80},
     kBucketA{120, 70, 180}, kBucketB{175, 130, 225}, kQueued{228, 220, 240}, kWait{215, 35, 35},
     kInk{25, 25, 25}, kGrid{225, 225, 225}, kBg{255, 255, 255};
-
-struct Canvas {
-  int w, h;
-  std::vector<uint8_t> px;
-  Canvas(int w_, int h_) : w(w_), h(h_), px(static_cast<size_t>(w_) * h_ * 3, 255) {}
-  void fill(int x0, int y0, int x1, int y1, Rgb c) {
-    x0 = std::max(0, x0), y0 = std::max(0, y0), x1 = std::min(w, x1), y1 = std::min(h, y1);
-    for (int y = y0; y < y1; ++y)
-      for (int x = x0; x < x1; ++x) {
-        uint8_t* p = &px[(static_cast<size_t>(y) * w + x) * 3];
-        p[0] = c.r, p[1] = c.g, p[2] = c.b;
-      }
-  }
-  void frame(int x0, int y0, int x1, int y1, Rgb c) {
-    fill(x0, y0, x1, y0 + 1, c), fill(x0, y1 - 1, x1, y1, c), fill(x0, y0, x0 + 1, y1, c), fill(x1 - 1, y0, x1, y1, c);
-  }
-  // Text with its top-left corner at (x0, y0); returns its width in pixels.
-  int text(int x0, int y0, const std::string& s, int scale = 2, Rgb c = kInk) {
-    int width = 0;
-    for (const ddm::TextRect& r : ddm::text_rects(s, scale, &width)) fill(x0 + r.x0, y0 + r.y0, x0 + r.x1, y0 + r.y1, c);
-    return width;
-  }
-};
 
 std::string fmt(const char* f, double v) {
   char b[64];
@@ -215,7 +191,7 @@ int timeline_main(int argc, char** argv) {
     y += 2 * row_h + 8 + rank_gap;
   }
   // from_blob wraps the canvas, which outlives the encoding.
-  ddm::write_file_atomic(out, ddm::encode_png(torch::from_blob(c.px.data(), {H, W, 3}, torch::kUInt8)));
+  c.save(out);
   std::printf("wrote %s (step %d, %.1f ms shown)\n", out.c_str(), step, span_ms);
   return 0;
 }

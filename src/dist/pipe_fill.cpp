@@ -31,7 +31,7 @@ PipeSchedule front_loaded(const PipeSchedule& s, const PipeCosts& c, const std::
     for (int t = 0; t < static_cast<int>(c.tasks.size()); ++t)
       if (rows[t][m] > 0) {
         PipeAction a;
-        a.op = PipeOp::kTask, a.stage = -1, a.micro = m, a.task = t, a.rows = rows[t][m];
+        a.op = PipeOp::kTask, a.stage = -1, a.micro = m, a.task = t, a.rows = rows[t][m], a.serial = true;
         front[serial_rank(s, c.tasks[t])].push_back(a);
       }
   for (size_t r = 0; r < s.ranks.size(); ++r) out.ranks[r].insert(out.ranks[r].begin(), front[r].begin(), front[r].end());

@@ -35,6 +35,7 @@ struct PipeAction {
   int micro = 0;      // micro-batch index
   int task = -1;      // kTask: index into the task list
   int64_t rows = 0;   // kTask: rows of the micro-batch this piece covers
+  bool serial = false;  // kTask: run serially at the iteration's start (not placed in a bubble)
 };
 
 struct PipeSchedule {

@@ -127,4 +127,29 @@ void save_image_grid(const std::string& path, const torch::Tensor& images, int64
   write_file_atomic(path, encode_png(t));
 }
 
+Canvas::Canvas(int w_, int h_) : w(w_), h(h_), px(static_cast<size_t>(w_) * h_ * 3, 255) {}
+
+void Canvas::fill(int x0, int y0, int x1, int y1, Rgb c) {
+  x0 = std::max(0, x0), y0 = std::max(0, y0), x1 = std::min(w, x1), y1 = std::min(h, y1);
+  for (int y = y0; y < y1; ++y)
+    for (int x = x0; x < x1; ++x) {
+      uint8_t* p = &px[(static_cast<size_t>(y) * w + x) * 3];
+      p[0] = c.r, p[1] = c.g, p[2] = c.b;
+    }
+}
+
+void Canvas::frame(int x0, int y0, int x1, int y1, Rgb c) {
+  fill(x0, y0, x1, y0 + 1, c), fill(x0, y1 - 1, x1, y1, c), fill(x0, y0, x0 + 1, y1, c), fill(x1 - 1, y0, x1, y1, c);
+}
+
+int Canvas::text(int x0, int y0, const std::string& s, int scale, Rgb c) {
+  int width = 0;
+  for (const TextRect& r : text_rects(s, scale, &width)) fill(x0 + r.x0, y0 + r.y0, x0 + r.x1, y0 + r.y1, c);
+  return width;
+}
+
+void Canvas::save(const std::string& path) {
+  write_file_atomic(path, encode_png(torch::from_blob(px.data(), {h, w, 3}, torch::kUInt8)));
+}
+
 }  // namespace ddm

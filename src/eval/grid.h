@@ -1,5 +1,6 @@
 // PNG image grids with optional row labels (class names), written atomically.
 #pragma once
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -25,5 +26,20 @@ std::vector<TextRect> text_rects(const std::string& text, int scale, int* width 
 
 // Encodes an RGB uint8 image [H, W, 3] as PNG bytes.
 std::string encode_png(const torch::Tensor& rgb_u8);
+
+// A white RGB canvas for charts (timelines): filled rectangles, frames and text, saved as PNG.
+struct Rgb {
+  uint8_t r, g, b;
+};
+struct Canvas {
+  int w, h;
+  std::vector<uint8_t> px;  // [h, w, 3]
+  Canvas(int w_, int h_);
+  void fill(int x0, int y0, int x1, int y1, Rgb c);  // [x0, x1) x [y0, y1), clipped to the canvas
+  void frame(int x0, int y0, int x1, int y1, Rgb c);
+  // Text with its top-left corner at (x0, y0); returns its width in pixels.
+  int text(int x0, int y0, const std::string& s, int scale = 2, Rgb c = {25, 25, 25});
+  void save(const std::string& path);  // PNG, atomically
+};
 
 }  // namespace ddm

@@ -84,6 +84,38 @@ torch::Tensor ControlNetImpl::forward(const torch::Tensor& x, const torch::Tenso
   return base_->decode(std::move(f), residuals(x, t, c));          // [B, C, S, S]
 }
 
+std::vector<NetUnit> ControlNetImpl::units() {
+  DDM_CHECK(base_loaded_, "ControlNet: the locked base model was not loaded (train/controlnet.h)");
+  // The trainable copy's encoder, its first unit also running the hint block on the control map.
+  std::vector<NetUnit> u = control_->encoder_units([this](const Cond& c) {
+    DDM_CHECK(c.control.defined(), "ControlNet: a control map is required (model.control = " << cfg_.control << ")");
+    return hint_->forward(c.control);                              // [B, c0, S, S]
+  });
+  for (NetUnit& x : u) x.name = "control." + x.name;
+  for (const torch::Tensor& p : hint_->parameters()) u.front().params.push_back(p);
+  // The zero convolutions turn the copy's features into residuals, added to the locked encoder's
+  // features (precomputed: Cond::frozen); the carry becomes the locked decoder's input.
+  std::vector<torch::Tensor> zp;
+  for (const auto& z : zero_)
+    for (const torch::Tensor& p : z->parameters()) zp.push_back(p);
+  u.push_back({"zero", [this](NetCarry& k, const torch::Tensor&, const Cond& c) {
+                 DDM_CHECK(c.frozen.size() == base_->skip_channels().size() + 2,
+                           "ControlNet: a pipeline stage needs the locked encoder's features (Cond::frozen from precompute)");
+                 NetCarry out{c.frozen[1] + zero_.back()(k.h), c.frozen[0], {}};  // h [B, c_{L-1}, ...], emb [B, E]
+                 for (size_t i = 0; i < k.skips.size(); ++i)
+                   out.skips.push_back(c.frozen[2 + i] + zero_[i](k.skips[i]));  // [B, c_l, S_l, S_l]
+                 k = std::move(out);
+               },
+               zp});
+  // The locked decoder: on the gradient path, no parameter of its own to train.
+  for (NetUnit& d : base_->decoder_units()) {
+    d.name = "locked." + d.name;
+    d.params.clear();
+    u.push_back(std::move(d));
+  }
+  return u;
+}
+
 double controlnet_forward_flops(const ModelConfig& cfg) {
   const int64_t s = cfg.image_size, c0 = cfg.channels * cfg.channel_mult[0];
   double f = unet_forward_flops(cfg) + unet_forward_flops(cfg, /*encoder_only=*/true);

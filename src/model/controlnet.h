@@ -31,6 +31,10 @@ class ControlNetImpl : public NetImpl {
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& t, const Cond& c) override;
   // Runs the locked encoder half (no gradients) into c.frozen.
   Cond precompute(const torch::Tensor& x, const torch::Tensor& t, const Cond& c) override;
+  // control.in (with the hint block) .. control.mid{j}: the trainable copy; zero: the zero
+  // convolutions, adding the residuals to the locked encoder's features from c.frozen (precompute
+  // must have run); locked.up{l} .. locked.out: the locked decoder (no trainable parameters).
+  std::vector<NetUnit> units() override;
 
   // The locked base, built with random weights: train/controlnet.h loads it (set_base_loaded after).
   UNetImpl& base() { return *base_; }

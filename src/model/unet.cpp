@@ -191,8 +191,7 @@ torch::Tensor UNetImpl::forward(const torch::Tensor& x, const torch::Tensor& t, 
   return decode(encode(x, t, c), c.residuals);  // [B, C, S, S]
 }
 
-std::vector<NetUnit> UNetImpl::units() {
-  DDM_CHECK(!encoder_only_, "UNet: an encoder-only U-Net (a ControlNet's copy) cannot be split into pipeline stages");
+std::vector<NetUnit> UNetImpl::encoder_units(std::function<torch::Tensor(const Cond&)> in_add) {
   auto mod = [](const auto& holder) -> const torch::nn::Module* { return holder.is_empty() ? nullptr : holder.get(); };
   auto params = [](std::initializer_list<const torch::nn::Module*> ms) {
     std::vector<torch::Tensor> out;
@@ -201,11 +200,10 @@ std::vector<NetUnit> UNetImpl::units() {
         for (const torch::Tensor& p : m->parameters()) out.push_back(p);
     return out;
   };
-  auto stage_params = [&](const Stage& s) { return params({mod(s.res), mod(s.attn)}); };
   std::vector<NetUnit> u;
-  u.push_back({"in", [this](NetCarry& k, const torch::Tensor& t, const Cond& c) {
+  u.push_back({"in", [this, in_add](NetCarry& k, const torch::Tensor& t, const Cond& c) {
                  DDM_CHECK(c.residuals.empty(), "UNet: a pipeline stage takes no ControlNet residuals");
-                 unit_in(k, t, c);
+                 unit_in(k, t, c, in_add ? in_add(c) : torch::Tensor());
                },
                params({mod(time_), mod(label_), mod(embed_), mod(in_conv_)})});
   auto add = [&](std::string name, std::function<void(NetCarry&)> f, std::vector<torch::Tensor> p) {
@@ -214,18 +212,42 @@ std::vector<NetUnit> UNetImpl::units() {
   for (size_t l = 0; l < enc_.size(); ++l) {
     for (size_t j = 0; j < enc_[l].size(); ++j)
       add("enc" + std::to_string(l) + "_" + std::to_string(j), [this, l, j](NetCarry& k) { unit_enc(k, l, j); },
-          stage_params(enc_[l][j]));
+          params({mod(enc_[l][j].res), mod(enc_[l][j].attn)}));
     add("down" + std::to_string(l), [this, l](NetCarry& k) { unit_down(k, l); }, params({mod(down_[l])}));
   }
   for (size_t j = 0; j < mid_.size(); ++j)
-    add("mid" + std::to_string(j), [this, j](NetCarry& k) { unit_mid(k, j); }, stage_params(mid_[j]));
+    add("mid" + std::to_string(j), [this, j](NetCarry& k) { unit_mid(k, j); }, params({mod(mid_[j].res), mod(mid_[j].attn)}));
+  return u;
+}
+
+std::vector<NetUnit> UNetImpl::decoder_units() {
+  DDM_CHECK(!encoder_only_, "UNet: an encoder-only U-Net (a ControlNet's copy) has no decoder units");
+  auto mod = [](const auto& holder) -> const torch::nn::Module* { return holder.is_empty() ? nullptr : holder.get(); };
+  auto params = [](std::initializer_list<const torch::nn::Module*> ms) {
+    std::vector<torch::Tensor> out;
+    for (const torch::nn::Module* m : ms)
+      if (m)
+        for (const torch::Tensor& p : m->parameters()) out.push_back(p);
+    return out;
+  };
+  std::vector<NetUnit> u;
+  auto add = [&](std::string name, std::function<void(NetCarry&)> f, std::vector<torch::Tensor> p) {
+    u.push_back({std::move(name), [f](NetCarry& k, const torch::Tensor&, const Cond&) { f(k); }, std::move(p)});
+  };
   for (size_t l = dec_.size(); l-- > 0;) {
     add("up" + std::to_string(l), [this, l](NetCarry& k) { unit_up(k, l); }, params({mod(up_[l])}));
     for (size_t j = 0; j < dec_[l].size(); ++j)
       add("dec" + std::to_string(l) + "_" + std::to_string(j), [this, l, j](NetCarry& k) { unit_dec(k, l, j); },
-          stage_params(dec_[l][j]));
+          params({mod(dec_[l][j].res), mod(dec_[l][j].attn)}));
   }
   add("out", [this](NetCarry& k) { unit_out(k); }, params({mod(out_norm_), mod(out_conv_)}));
+  return u;
+}
+
+std::vector<NetUnit> UNetImpl::units() {
+  DDM_CHECK(!encoder_only_, "UNet: an encoder-only U-Net (a ControlNet's copy) cannot be split into pipeline stages");
+  std::vector<NetUnit> u = encoder_units();
+  for (NetUnit& d : decoder_units()) u.push_back(std::move(d));
   return u;
 }
 

@@ -17,6 +17,7 @@
 // bottleneck) and decode (decoder and out), with residuals added to every skip feature and to the
 // bottleneck's output in between; and builds a trainable copy of the encoder half alone.
 #pragma once
+#include <functional>
 #include <vector>
 
 #include "core/config.h"
@@ -53,6 +54,10 @@ class UNetImpl : public NetImpl {
   bool self_conditioned() const override { return cfg_.self_cond; }
   // in (embedding + in_conv), enc{l}_{j}, down{l}, mid{j}, up{l}, dec{l}_{j}, out.
   std::vector<NetUnit> units() override;
+  // The encoder half's units (in .. mid; in_add(c), when given, is added to in_conv's output, as
+  // encode's in_add) and the decoder half's (up .. out).
+  std::vector<NetUnit> encoder_units(std::function<torch::Tensor(const Cond&)> in_add = {});
+  std::vector<NetUnit> decoder_units();
 
  private:
   struct Stage {  // one ResBlock and its optional attention

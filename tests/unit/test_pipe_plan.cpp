@@ -1,14 +1,18 @@
 // Tests of the pipeline planning library: schedule generators, the simulator against hand-worked
 // timelines and the schedules' closed-form bubbles, the stage-partitioning DP against brute force,
-// and the greedy bubble filler (hand-worked placements, conservation of rows, no delayed backbone).
+// the greedy bubble filler (hand-worked placements, conservation of rows, no delayed backbone),
+// profiles (files, interpolation) and the planner's search and its errors.
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <functional>
+#include <map>
 #include <random>
 
 #include "core/error.h"
 #include "dist/pipe_fill.h"
+#include "dist/pipe_plan.h"
+#include "dist/pipe_profile.h"
 #include "dist/pipe_partition.h"
 #include "dist/pipe_schedule.h"
 #include "dist/pipe_simulate.h"
@@ -111,7 +115,9 @@ TEST(PipeSimulate, ClosedFormBubbles) {
           const PipeTimeline tl = simulate(make_schedule(n, S, M), c);
           const double want = (S - 1) * (n == "zb-h1" ? f + i - w : f + i + w);
           for (int r = 0; r < S; ++r) EXPECT_NEAR(idle_of(tl, r), want, 1e-9) << n << " S=" << S << " M=" << M << " r=" << r;
-          if (n == "gpipe") EXPECT_NEAR(tl.bubble_fraction(), (S - 1.0) / (M + S - 1.0), 1e-12);
+          if (n == "gpipe") {
+            EXPECT_NEAR(tl.bubble_fraction(), (S - 1.0) / (M + S - 1.0), 1e-12);
+          }
         }
       }
 }
@@ -205,8 +211,9 @@ TEST(PipeFill, DeadlinesAndChains) {
         if (t.after >= 0) {
           for (int r2 = 0; r2 < 2; ++r2)
             for (const PipeSlot& y : f.timeline.ranks[r2])
-              if (y.action.op == PipeOp::kTask && y.action.task == t.after && y.action.micro == x.action.micro)
+              if (y.action.op == PipeOp::kTask && y.action.task == t.after && y.action.micro == x.action.micro) {
                 EXPECT_LE(y.end + (r2 == r ? 0 : c.tasks[t.after].send), x.start + 1e-12) << action_text(x.action);
+              }
         }
       }
   for (const auto& [key, end] : done)
@@ -255,11 +262,9 @@ TEST(PipeFill, PropertiesOnRandomWorkloads) {
     // The last round's base: the same serial rows at the front, no pieces in the bubbles.
     PipeSchedule base = f.schedule;
     for (auto& r : base.ranks) {
-      size_t front = 0;
-      while (front < r.size() && r[front].op == PipeOp::kTask) ++front;
-      std::vector<PipeAction> kept(r.begin(), r.begin() + front);
-      for (size_t i = front; i < r.size(); ++i)
-        if (r[i].op != PipeOp::kTask) kept.push_back(r[i]);
+      std::vector<PipeAction> kept;
+      for (const PipeAction& a : r)
+        if (a.op != PipeOp::kTask || a.serial) kept.push_back(a);
       r = kept;
     }
     const PipeTimeline b = simulate(base, c);
@@ -325,4 +330,109 @@ TEST(PipePartition, MatchesBruteForce) {
   const std::vector<PipeUnit> two(2);
   EXPECT_NE(error_message([&] { partition_units(two, 3, {1, 1, 1}, 1e9, link); }).find("needs at least 3 units, but the model has 2"),
             std::string::npos);
+}
+
+namespace {
+
+// A synthetic profile: `n` equal units (forward 1 ms, I 1 ms, W 1 ms per 8 rows, linear in rows),
+// and one frozen task of `task_ms` per 8 rows.
+PipeProfile synthetic_profile(int n, double task_ms, bool uses_weights = false) {
+  PipeProfile p;
+  p.model = "synthetic", p.workload = "a frozen encoder", p.machine = "test", p.threads = 1;
+  p.optimizer_ms_per_mparam = 1, p.x_bytes_per_row = 1024;
+  for (int l = 0; l < n; ++l) {
+    PipeUnitProfile u;
+    u.name = "u" + std::to_string(l), u.params = 1000;
+    for (int64_t r : {8, 16}) u.samples.push_back({r, r / 8.0, r / 8.0, r / 8.0, r / 16.0, 1e4 * r, 1e3 * r});
+    p.units.push_back(u);
+  }
+  p.tasks.push_back({"encoder", {{8, task_ms}, {16, 2 * task_ms}}, uses_weights, 4096});
+  return p;
+}
+
+}  // namespace
+
+TEST(PipeProfile, RoundTripAndBadFiles) {
+  ddm::test::TempDir dir;
+  PipeProfile p = synthetic_profile(3, 2.5);
+  p.self_cond = true;
+  write_profile(p, dir / "p.json");
+  const PipeProfile q = read_profile(dir / "p.json");
+  EXPECT_EQ(q.model, p.model);
+  EXPECT_TRUE(q.self_cond);
+  ASSERT_EQ(q.units.size(), 3u);
+  EXPECT_EQ(q.units[1].samples[1].rows, 16);
+  EXPECT_DOUBLE_EQ(q.units[1].samples[1].activation_bytes, 1.6e5);
+  EXPECT_DOUBLE_EQ(q.tasks[0].cost[1].second, 5);
+  EXPECT_DOUBLE_EQ(q.tasks[0].output_bytes_per_row, 4096);
+  // Interpolation: 12 rows is half-way; 4 rows proportional to 8; 32 proportional to 16.
+  EXPECT_DOUBLE_EQ(q.units_at(12)[0].forward, 1.5);
+  EXPECT_DOUBLE_EQ(q.units_at(4)[0].forward, 0.5);
+  EXPECT_DOUBLE_EQ(q.units_at(32, 2)[0].input_grad, 2);  // at twice the speed
+  EXPECT_DOUBLE_EQ(q.units_at(8)[0].state_bytes, 20 * 1000);
+  ddm::test::write_text(dir / "bad.json", "{\"format\": \"ddm pipeline profile 1\", \"model\": 3");
+  EXPECT_NE(error_message([&] { read_profile(dir / "bad.json"); }).find("bad.json is not a JSON pipeline profile"), std::string::npos);
+  std::string text = ddm::test::read_text(dir / "p.json");
+  text.replace(text.find("\"forward_ms\""), 12, "\"forwards\"");
+  ddm::test::write_text(dir / "key.json", text);
+  const std::string e = error_message([&] { read_profile(dir / "key.json"); });
+  EXPECT_NE(e.find("key \"units.u0\" is missing or of the wrong type"), std::string::npos) << e;
+  ddm::test::write_text(dir / "other.json", "{\"format\": \"something else\"}");
+  EXPECT_NE(error_message([&] { read_profile(dir / "other.json"); }).find("not a ddm pipeline profile"), std::string::npos);
+}
+
+TEST(PipePlan, SearchesSplitsSchedulesAndFilling) {
+  const PipeProfile p = synthetic_profile(8, 6.0);  // frozen work: 6 ms per 8 rows against 24 ms of backbone
+  PipeMachine m;
+  m.devices = 2;
+  PipePlanOptions o;
+  o.batch = 64;
+  const std::vector<PipePlan> plans = plan_pipeline(p, m, o);
+  bool saw_dp = false, saw_pipe = false;
+  for (size_t i = 0; i < plans.size(); ++i) {
+    const PipePlan& x = plans[i];
+    EXPECT_EQ(x.stages * x.replicas, 2);
+    EXPECT_EQ(x.rows * x.micro * x.replicas, 64);
+    EXPECT_LE(x.filled_iteration(), x.serial_iteration() + 1e-9);
+    if (i) {
+      EXPECT_GE(x.filled_iteration(), plans[i - 1].filled_iteration());
+    }
+    saw_dp = saw_dp || (x.stages == 1 && x.schedule == "data-parallel");
+    saw_pipe = saw_pipe || x.stages == 2;
+    if (x.stages == 2) {
+      EXPECT_EQ(x.cuts_text(), "u0..u3 | u4..u7");  // equal units split evenly
+    }
+  }
+  EXPECT_TRUE(saw_dp && saw_pipe);
+  // Filling pays in a pipeline with many bubbles: 1F1B with 2 micro-batches.
+  o.stages = {2}, o.micro = {2}, o.schedules = {"1f1b"};
+  const PipePlan one = plan_pipeline(p, m, o).front();
+  EXPECT_LT(one.filled_iteration(), one.serial_iteration() - 1);
+  // A self-conditioned model adds a no-grad pass per stage, chained.
+  PipeProfile sc = p;
+  sc.self_cond = true;
+  const PipePlan s = plan_pipeline(sc, m, o).front();
+  ASSERT_EQ(s.costs.tasks.size(), 3u);
+  EXPECT_EQ(s.costs.tasks[2].after, 1);
+  EXPECT_EQ(s.costs.tasks[2].ranks, std::vector<int>{1});
+  EXPECT_FALSE(s.costs.tasks[1].cross_iteration);
+}
+
+TEST(PipePlan, BadOptions) {
+  const PipeProfile p = synthetic_profile(4, 1.0);
+  PipeMachine m;
+  m.devices = 4;
+  PipePlanOptions o;
+  o.batch = 64;
+  o.stages = {3};
+  EXPECT_NE(error_message([&] { plan_pipeline(p, m, o); }).find("3 stages does not divide 4 devices"), std::string::npos);
+  m.devices = 8, o.stages = {8};
+  EXPECT_NE(error_message([&] { plan_pipeline(p, m, o); }).find("needs at least 8 units, but the model has 4"), std::string::npos);
+  m.devices = 2, o.stages = {2}, o.micro = {3};
+  EXPECT_NE(error_message([&] { plan_pipeline(p, m, o); }).find("micro-batch count 3 does not divide a replica's batch of 64"),
+            std::string::npos);
+  o.micro = {4}, m.memory = 1000;
+  EXPECT_NE(error_message([&] { plan_pipeline(p, m, o); }).find("the smallest limit that works is"), std::string::npos);
+  m.memory = std::numeric_limits<double>::infinity(), o.batch = 63, o.stages = {1};
+  EXPECT_NE(error_message([&] { plan_pipeline(p, m, o); }).find("global batch 63 does not split over 2"), std::string::npos);
 }

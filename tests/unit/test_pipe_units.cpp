@@ -1,6 +1,6 @@
 // Backbones as units for pipeline stages: running every unit in order equals forward bit for bit
-// (U-Net with skips, DiT; labels, self-conditioning), every trainable parameter belongs to exactly
-// one unit, and gradients through a chain of units equal forward's.
+// (U-Net with skips, DiT, ControlNet; labels, self-conditioning), every trainable parameter belongs
+// to exactly one unit, and gradients through a chain of units equal forward's.
 #include <gtest/gtest.h>
 
 #include <set>
@@ -9,6 +9,7 @@
 
 #include "core/config.h"
 #include "core/presets.h"
+#include "model/controlnet.h"
 #include "model/net.h"
 #include "test_util.h"
 
@@ -86,4 +87,49 @@ TEST(PipeUnits, CarryCountsOpenSkips) {
     EXPECT_EQ(k.bytes(), b);
   }
   EXPECT_GT(most, 1);
+}
+
+// A ControlNet as units: the copy's encoder (its first unit with the hint block), the zero
+// convolutions onto the locked encoder's precomputed features, the locked decoder without
+// trainable parameters; equal to forward, gradients included.
+TEST(PipeUnits, ControlNetUnitsAreForward) {
+  ModelConfig cfg = small("unet", false);
+  cfg.controlnet = "base", cfg.control = "edges";
+  torch::manual_seed(5);
+  auto cn = std::make_shared<ControlNetImpl>(cfg);
+  {
+    torch::NoGradGuard ng;
+    for (auto& p : cn->base().parameters()) p.normal_(0, 0.05);
+    for (auto& p : cn->parameters()) p.normal_(0, 0.05);
+  }
+  cn->set_base_loaded();
+  const auto x = torch::randn({3, 1, 16, 16}), t = torch::rand({3});
+  Cond c(torch::tensor({1, 4, 10}, torch::kLong));
+  c.control = torch::rand({3, 1, 16, 16}) * 2 - 1;
+  const Cond pre = cn->precompute(x, t, c);
+  cn->zero_grad();
+  const auto want = cn->forward(x, t, pre);
+  want.pow(2).sum().backward();
+  std::vector<torch::Tensor> g;
+  for (const auto& p : cn->parameters()) g.push_back(p.grad().clone());
+  cn->zero_grad();
+  const std::vector<NetUnit> units = cn->units();
+  NetCarry k{x, {}, {}};
+  for (const NetUnit& u : units) u.run(k, t, pre);
+  EXPECT_TRUE(torch::equal(k.h, want));
+  k.h.pow(2).sum().backward();
+  const auto ps = cn->parameters();
+  for (size_t i = 0; i < ps.size(); ++i) EXPECT_TRUE(torch::equal(ps[i].grad(), g[i])) << i;
+  size_t n = 0;
+  for (const NetUnit& u : units) n += u.params.size();
+  EXPECT_EQ(n, ps.size());
+  EXPECT_EQ(units.front().name, "control.in");
+  EXPECT_EQ(units.back().name, "locked.out");
+  EXPECT_TRUE(units.back().params.empty());
+  // Without the precomputed features the zero unit says what it needs.
+  NetCarry k2{x, {}, {}};
+  const std::string e = ddm::test::error_message([&] {
+    for (const NetUnit& u : units) u.run(k2, t, c);
+  });
+  EXPECT_NE(e.find("needs the locked encoder's features"), std::string::npos) << e;
 }

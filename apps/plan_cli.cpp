@@ -1,0 +1,242 @@
+// `ddm plan`: profile a training configuration's backbone units and frozen work on this machine
+// (or read a saved profile), search pipeline plans for a machine of --devices devices
+// (dist/pipe_plan.h), print them best first and draw the best one's timeline.
+#include <CLI/CLI.hpp>
+
+#include <cstdio>
+#include <iostream>
+#include <memory>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
+#include <torch/torch.h>
+
+#include "cli_util.h"
+#include "core/config.h"
+#include "core/error.h"
+#include "core/fileio.h"
+#include "decentral/train_run.h"
+#include "dist/pipe_picture.h"
+#include "dist/pipe_plan.h"
+#include "eval/grid.h"
+#include "train/controlnet.h"
+#include "train/embed.h"
+#include "train/latent.h"
+#include "train/pipe_workload.h"
+#include "train/trainer.h"
+
+namespace ddm {
+namespace {
+
+struct PlanArgs {
+  std::string config, profile, save_profile, timeline, json;
+  std::vector<std::string> sets;
+  std::vector<int64_t> rows;
+  int repeats = 3, devices = 2, top = 12;
+  int64_t batch = 0;
+  std::vector<int> stages, micro;
+  std::vector<std::string> schedules;
+  double speed = 1, memory_gib = 0, bandwidth_gbps = 10, latency_us = 20;
+};
+
+const char* kPlanFooter =
+    "What it models: each candidate splits the backbone's units (ResBlocks, attention, transformer blocks: "
+    "`ddm plan` lists them) into S contiguous stages by dynamic programming (slowest stage as fast as possible, "
+    "each stage's parameters, optimizer state and in-flight activations under --memory), runs the schedule's "
+    "per-rank actions in a simulator with the link's time on every cut, and places the frozen work (the "
+    "training step's prepare phase: a latent encoder, control maps, a ControlNet's locked encoder, an "
+    "embedding network, a teacher; a self-conditioned model's no-grad pass) either serially at the start of "
+    "each iteration, as data parallelism does, or greedily into the pipeline's bubbles (DiffusionPipe). S = 1 "
+    "is data parallelism over all devices. Times are this machine's (or the profile's) divided by --speed.\n"
+    "Examples:\n"
+    "  ddm plan --config configs/latent-quickstart.toml --devices 2 --timeline plan.png\n"
+    "  ddm plan --config c.toml --save-profile prof.json --devices 2\n"
+    "  ddm plan --profile prof.json --devices 64 --batch 4096 --bandwidth 25 --speed 50\n"
+    "See docs/pipeline.md.";
+
+std::string fmt_gib(double g) {
+  char b[32];
+  std::snprintf(b, sizeof b, "%.3g GiB", g);
+  return b;
+}
+
+std::string fmt_ms(double ms) {
+  char b[32];
+  std::snprintf(b, sizeof b, "%.1f ms", ms);
+  return b;
+}
+
+std::string workload_of(const RunConfig& cfg) {
+  const ModelConfig& m = cfg.model;
+  std::vector<std::string> w;
+  if (!m.latent.empty()) w.push_back(cfg.train.cache_latents ? "cached latents" : "latent encoder");
+  if (!m.controlnet.empty()) w.push_back("ControlNet (" + m.control + " maps, locked encoder)");
+  if (!m.embed.empty()) w.push_back("embedding network");
+  if (!cfg.train.teacher.empty()) w.push_back("teacher ensemble");
+  std::string s;
+  for (const std::string& x : w) s += (s.empty() ? "" : " + ") + x;
+  if (m.self_cond) s += (s.empty() ? "" : " + ") + std::string("self-conditioning pass");
+  return s.empty() ? "no frozen work (the objective's draws only)" : s;
+}
+
+PipeProfile measure(const PlanArgs& a, int64_t* batch) {
+  std::vector<std::string> sets = a.sets;
+  TrainJob job = prepare_train_job(load_config(a.config, sets));
+  RunConfig& cfg = job.cfg;
+  if (*batch == 0) *batch = cfg.train.batch_size;
+  const int threads = set_threads(cfg.train.threads);
+  cfg.train.threads = threads;
+  std::vector<int64_t> rows = a.rows;
+  if (rows.empty())
+    for (int64_t r : {1, 4, 16, 64})
+      if (r <= *batch) rows.push_back(r);
+  torch::manual_seed(0);
+  Net net = make_net(cfg.model);
+  attach_controlnet(*net, cfg.model);
+  auto objective = job.objective ? job.objective : make_objective(cfg);
+  const auto latent = attach_latent(*objective, cfg.model, cfg.train.cache_latents ? &job.data : nullptr);
+  const auto embedder = attach_embed(*objective, cfg.model);
+  std::cout << "profiling " << cfg.model.preset << " (" << cfg.model.arch << ") and its frozen work (" << workload_of(cfg)
+            << ") at micro-batches of";
+  for (int64_t r : rows) std::cout << " " << r;
+  std::cout << " rows, " << threads << " thread" << (threads == 1 ? "" : "s") << " ..." << std::endl;
+  return profile_workload(cfg, job.data, net, objective, rows, a.repeats, workload_of(cfg));
+}
+
+int run_plan(const PlanArgs& a) {
+  DDM_CHECK(a.config.empty() != a.profile.empty(), "ddm plan: give --config (profile now) or --profile (a saved profile), not both");
+  if (!a.timeline.empty()) check_png_path(a.timeline, "--timeline");
+  int64_t batch = a.batch;
+  PipeProfile prof;
+  if (!a.profile.empty()) {
+    DDM_CHECK(a.sets.empty() && a.rows.empty(), "ddm plan: --set and --rows apply to --config, not to a saved --profile");
+    prof = read_profile(a.profile);
+    DDM_CHECK(batch > 0, "ddm plan --profile: give the global batch with --batch");
+  } else {
+    prof = measure(a, &batch);
+    if (!a.save_profile.empty()) {
+      write_profile(prof, a.save_profile);
+      std::cout << "wrote the profile to " << a.save_profile << std::endl;
+    }
+  }
+  PipeMachine m;
+  m.devices = a.devices, m.speed = a.speed;
+  if (a.memory_gib > 0) m.memory = a.memory_gib * (1ull << 30);
+  m.link.bandwidth = a.bandwidth_gbps * 1e9 / 1e3;  // bytes per ms
+  m.link.latency = a.latency_us / 1e3;
+  PipePlanOptions o;
+  o.batch = batch, o.stages = a.stages, o.micro = a.micro, o.schedules = a.schedules;
+  for (const std::string& s : o.schedules) make_schedule(s, 1, 1);  // a clear error for an unknown name
+  const std::vector<PipePlan> plans = plan_pipeline(prof, m, o);
+
+  std::printf("model     %s\nworkload  %s\nprofiled  %s\nmachine   %d devices at %.3gx that speed, %s per device, link %.3g GB/s + %.3g us\n"
+              "batch     %lld (global)\n\n",
+              prof.model.c_str(), prof.workload.c_str(), prof.machine.c_str(), m.devices, m.speed,
+              a.memory_gib > 0 ? (fmt_gib(a.memory_gib)).c_str() : "unlimited memory", a.bandwidth_gbps, a.latency_us,
+              static_cast<long long>(batch));
+  std::printf("%4s %9s %5s %5s %-13s %11s %11s %8s %8s %9s %9s\n", "#", "stages*dp", "micro", "rows", "schedule",
+              "serial ms", "filled ms", "bubble", "filled", "img/s", "frozen in");
+  std::printf("%4s %9s %5s %5s %-13s %11s %11s %8s %8s %9s %9s\n", "", "", "", "", "", "(iteration)", "(iteration)",
+              "serial", "bubble", "(filled)", "bubbles");
+  for (size_t i = 0; i < plans.size() && static_cast<int>(i) < a.top; ++i) {
+    const PipePlan& p = plans[i];
+    int64_t filled = 0, total = 0;
+    for (size_t t = 0; t < p.filled.filled_rows.size(); ++t) filled += p.filled.filled_rows[t], total += p.filled.filled_rows[t] + p.filled.serial_rows[t];
+    std::printf("%4zu %6d*%-2d %5d %5lld %-13s %11.1f %11.1f %7.1f%% %7.1f%% %9.1f %8.0f%%\n", i + 1, p.stages, p.replicas, p.micro,
+                static_cast<long long>(p.rows), p.schedule.c_str(), p.serial_iteration(), p.filled_iteration(),
+                100 * p.serial.bubble_fraction(), 100 * p.filled.timeline.bubble_fraction(),
+                batch / (p.filled_iteration() / 1e3), total ? 100.0 * filled / total : 0.0);
+  }
+  if (static_cast<int>(plans.size()) > a.top) std::printf("(%zu more; --top N shows more)\n", plans.size() - a.top);
+  const PipePlan& best = plans.front();
+  std::printf("\nbest: %d stage%s x %d replica%s, %s, %d micro-batches of %lld rows: %.1f ms per iteration (%.1f img/s)\n"
+              "  stages: %s\n",
+              best.stages, best.stages == 1 ? "" : "s", best.replicas, best.replicas == 1 ? "" : "s", best.schedule.c_str(),
+              best.micro, static_cast<long long>(best.rows), best.filled_iteration(), batch / (best.filled_iteration() / 1e3),
+              best.cuts_text().c_str());
+  // The three references: plain data parallelism, the best pipeline with its frozen work serial, and
+  // the best pipeline with it filled into the bubbles.
+  const PipePlan* dp = nullptr;
+  const PipePlan* serial = nullptr;
+  const PipePlan* filled = nullptr;
+  for (const PipePlan& p : plans) {
+    if (p.stages == 1 && (!dp || p.serial_iteration() < dp->serial_iteration())) dp = &p;
+    if (p.stages > 1 && (!serial || p.serial_iteration() < serial->serial_iteration())) serial = &p;
+    if (p.stages > 1 && (!filled || p.filled_iteration() < filled->filled_iteration())) filled = &p;
+  }
+  auto describe = [](const PipePlan& p) {
+    return std::to_string(p.stages) + " stages x " + std::to_string(p.replicas) + ", " + p.schedule + ", " +
+           std::to_string(p.micro) + " micro-batches";
+  };
+  if (dp) std::printf("  data parallelism (%d devices, %d micro-batches): %.1f ms\n", dp->replicas, dp->micro, dp->serial_iteration());
+  if (serial) std::printf("  best pipeline, frozen work serial (%s): %.1f ms\n", describe(*serial).c_str(), serial->serial_iteration());
+  if (filled) {
+    std::printf("  best pipeline, frozen work filled (%s): %.1f ms, bubbles %.1f%% of the iteration", describe(*filled).c_str(),
+                filled->filled_iteration(), 100 * filled->filled.timeline.bubble_fraction());
+    if (serial) std::printf("; %.2fx the serial pipeline", serial->serial_iteration() / filled->filled_iteration());
+    if (dp) std::printf(", %.2fx data parallelism", dp->serial_iteration() / filled->filled_iteration());
+    std::printf("\n");
+  }
+  if (!a.timeline.empty()) {
+    std::vector<PipePanel> panels;
+    if (dp)
+      panels.push_back({"data parallelism, each of " + std::to_string(dp->replicas) + " replicas (" + std::to_string(dp->micro) +
+                            " micro-batches): " + fmt_ms(dp->serial_iteration()),
+                        dp->serial, dp->costs.optimizer});
+    if (serial)
+      panels.push_back({"best pipeline, frozen work serial (" + describe(*serial) + "): " + fmt_ms(serial->serial_iteration()),
+                        serial->serial, serial->costs.optimizer});
+    if (filled)
+      panels.push_back({"best pipeline, frozen work filled into bubbles (" + describe(*filled) + "): " +
+                            fmt_ms(filled->filled_iteration()),
+                        filled->filled.timeline, filled->costs.optimizer});
+    save_pipe_picture(a.timeline, prof.model + ", " + prof.workload + ", batch " + std::to_string(batch) + " on " +
+                                      std::to_string(a.devices) + " devices",
+                      panels);
+    std::cout << "wrote " << a.timeline << std::endl;
+  }
+  if (!a.json.empty()) {
+    nlohmann::json j = nlohmann::json::array();
+    for (const PipePlan& p : plans)
+      j.push_back({{"stages", p.stages}, {"replicas", p.replicas}, {"micro", p.micro}, {"rows", p.rows}, {"schedule", p.schedule},
+                   {"serial_ms", p.serial_iteration()}, {"filled_ms", p.filled_iteration()},
+                   {"serial_bubble", p.serial.bubble_fraction()}, {"filled_bubble", p.filled.timeline.bubble_fraction()},
+                   {"cuts", p.cuts_text()}, {"stage_memory_bytes", p.partition.stage_memory}});
+    write_file_atomic(a.json, j.dump(1) + "\n");
+    std::cout << "wrote " << a.json << std::endl;
+  }
+  return 0;
+}
+
+}  // namespace
+
+Command add_plan_command(CLI::App& app) {
+  auto a = std::make_shared<PlanArgs>();
+  auto* cmd = app.add_subcommand("plan", "Plan pipeline-parallel training: profile a config's units and frozen work, "
+                                         "search stage splits, schedules and micro-batch counts, and predict each "
+                                         "plan's iteration time with and without bubble filling (no training runs).");
+  cmd->add_option("--config", a->config, "TOML config of the training to plan (profiled on this machine now)");
+  cmd->add_option("--set", a->sets, "override a config key (repeatable)");
+  cmd->add_option("--profile", a->profile, "plan from a profile saved with --save-profile instead of measuring");
+  cmd->add_option("--save-profile", a->save_profile, "write the measured profile (JSON) here, to reuse or inspect");
+  cmd->add_option("--rows", a->rows, "micro-batch sizes to profile (default 1 4 16 64, up to the batch)")->check(kPositive);
+  cmd->add_option("--repeats", a->repeats, "timed runs per measurement; the median is kept (default 3)")->check(kPositive);
+  cmd->add_option("--devices", a->devices, "devices (processes) of the machine to plan for (default 2)")->check(kPositive);
+  cmd->add_option("--batch", a->batch, "global batch (default: the config's train.batch_size)")->check(kPositive);
+  cmd->add_option("--stages", a->stages, "stage counts to try, each dividing --devices (default: all divisors)")->check(kPositive);
+  cmd->add_option("--micro", a->micro, "micro-batch counts to try (default: every divisor of a replica's batch up to 64)")
+      ->check(kPositive);
+  cmd->add_option("--schedule", a->schedules, "schedules to try: gpipe, 1f1b, zb-h1 (default: all)");
+  cmd->add_option("--speed", a->speed, "each device's compute speed relative to the profiled one (default 1)")
+      ->check(CLI::PositiveNumber);
+  cmd->add_option("--memory", a->memory_gib, "memory per device in GiB (default: unlimited)")->check(CLI::NonNegativeNumber);
+  cmd->add_option("--bandwidth", a->bandwidth_gbps, "link bandwidth between devices in GB/s (default 10)")->check(CLI::PositiveNumber);
+  cmd->add_option("--latency", a->latency_us, "link latency per message in microseconds (default 20)")->check(CLI::NonNegativeNumber);
+  cmd->add_option("--top", a->top, "plans to print (default 12)")->check(kPositive);
+  cmd->add_option("--timeline", a->timeline, "draw the best plan's timeline, serial and filled, as a PNG");
+  cmd->add_option("--json", a->json, "write every plan as JSON");
+  cmd->footer(kPlanFooter);
+  return Command{cmd, [a] { return run_plan(*a); }};
+}
+
+}  // namespace ddm

@@ -1,0 +1,128 @@
+// The planner's search; the model of each candidate is described in pipe_plan.h.
+#include "dist/pipe_plan.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "core/error.h"
+
+namespace ddm {
+namespace {
+
+std::vector<int> divisors(int64_t n, int64_t most) {
+  std::vector<int> d;
+  for (int64_t k = 1; k <= std::min(n, most); ++k)
+    if (n % k == 0) d.push_back(static_cast<int>(k));
+  return d;
+}
+
+// The tasks of one candidate (see pipe_plan.h).
+std::vector<PipeTask> tasks_of(const PipeProfile& p, const PipeMachine& m, const PipePartition& part, int64_t rows) {
+  std::vector<PipeTask> out;
+  for (const PipeTaskProfile& t : p.tasks) {
+    PipeTask k;
+    k.name = t.name, k.rows = rows, k.consumer = 0, k.cross_iteration = !t.uses_weights;
+    for (const auto& [r, ms] : t.cost) k.cost.push_back({r, ms / m.speed});
+    k.send = m.link.time(t.output_bytes_per_row * static_cast<double>(rows));
+    out.push_back(k);
+  }
+  if (!p.self_cond) return out;
+  const int S = static_cast<int>(part.first.size()) - 1;
+  for (int s = 0; s < S; ++s) {
+    PipeTask k;
+    k.name = "self-cond pass, stage " + std::to_string(s);
+    k.rows = rows, k.consumer = 0, k.ranks = {s}, k.cross_iteration = false;
+    k.after = s == 0 ? -1 : static_cast<int>(out.size()) - 1;
+    for (const PipeUnitSample& x : p.units.front().samples) {
+      double ms = 0;
+      for (int l = part.first[s]; l < part.first[s + 1]; ++l)
+        for (const PipeUnitSample& y : p.units[l].samples)
+          if (y.rows == x.rows) ms += y.forward_nograd;
+      k.cost.push_back({x.rows, ms / m.speed});
+    }
+    const int64_t last = part.first[s + 1] - 1;
+    const double bytes = s + 1 < S ? p.units_at(rows)[last].cut_bytes : p.x_bytes_per_row * static_cast<double>(rows);
+    k.send = m.link.time(bytes);
+    out.push_back(k);
+  }
+  return out;
+}
+
+}  // namespace
+
+std::string PipePlan::cuts_text() const {
+  std::string t;
+  for (size_t s = 0; s + 1 < partition.first.size(); ++s) {
+    const int a = partition.first[s], b = partition.first[s + 1] - 1;
+    t += (s ? " | " : "") + units[a].name + (b > a ? ".." + units[b].name : "");
+  }
+  return t;
+}
+
+std::vector<PipePlan> plan_pipeline(const PipeProfile& p, const PipeMachine& m, const PipePlanOptions& o) {
+  const int L = static_cast<int>(p.units.size());
+  DDM_CHECK(m.devices >= 1, "devices must be >= 1, got " << m.devices);
+  DDM_CHECK(o.batch >= 1, "the global batch must be >= 1, got " << o.batch);
+  DDM_CHECK(m.link.bandwidth > 0 && m.link.latency >= 0, "the link needs a bandwidth > 0 and a latency >= 0");
+  std::vector<int> stages = o.stages;
+  if (stages.empty())
+    for (int s : divisors(m.devices, L)) stages.push_back(s);
+  for (int s : stages) {
+    DDM_CHECK(s >= 1 && m.devices % s == 0, "a pipeline of " << s << " stages does not divide " << m.devices
+                                                             << " devices into equal replicas: use a divisor of " << m.devices);
+    DDM_CHECK(s <= L, "a pipeline of " << s << " stages needs at least " << s << " units, but the model has " << L);
+  }
+  const std::vector<std::string> schedules = o.schedules.empty() ? schedule_names() : o.schedules;
+  std::vector<PipePlan> plans;
+  std::string last_error;
+  for (int S : stages) {
+    const int replicas = m.devices / S;
+    DDM_CHECK(o.batch % replicas == 0, "the global batch " << o.batch << " does not split over " << replicas
+                                                           << " data-parallel replicas of a " << S << "-stage pipeline");
+    const int64_t replica_batch = o.batch / replicas;
+    std::vector<int> micro = o.micro;
+    if (micro.empty()) micro = divisors(replica_batch, 64);
+    for (int M : micro) {
+      DDM_CHECK(M >= 1 && replica_batch % M == 0, "the micro-batch count " << M << " does not divide a replica's batch of "
+                                                                           << replica_batch << " (global batch " << o.batch
+                                                                           << " over " << replicas << " replicas)");
+      const int64_t rows = replica_batch / M;
+      const std::vector<PipeUnit> units = p.units_at(rows, m.speed);
+      for (const std::string& name : S == 1 ? std::vector<std::string>{"gpipe"} : schedules) {
+        PipePlan plan;
+        plan.stages = S, plan.replicas = replicas, plan.micro = M, plan.rows = rows, plan.units = units;
+        plan.actions = make_schedule(name, S, M);
+        plan.schedule = S == 1 ? (replicas > 1 ? "data-parallel" : "single") : name;
+        try {
+          plan.partition = partition_units(units, S, peak_in_flight(plan.actions), m.memory, m.link);
+        } catch (const Error& e) {
+          last_error = e.what();
+          continue;
+        }
+        plan.costs = costs_of_partition(units, plan.partition, m.link);
+        for (int s = 0; s < S; ++s) {
+          double params = 0;
+          for (int l = plan.partition.first[s]; l < plan.partition.first[s + 1]; ++l) params += units[l].state_bytes / 20;
+          double t = params / 1e6 * p.optimizer_ms_per_mparam / m.speed;
+          if (replicas > 1) {
+            const double d = replicas, ring = 2 * (d - 1) / d * 4 * params / m.link.bandwidth + 2 * (d - 1) * m.link.latency;
+            t += std::max(0.0, ring - (plan.costs.stage[s].input_grad + plan.costs.stage[s].weight_grad));
+          }
+          plan.costs.optimizer.push_back(t);
+          plan.sync = std::max(plan.sync, t);
+        }
+        plan.costs.tasks = tasks_of(p, m, plan.partition, rows);
+        plan.serial = simulate(with_serial_tasks(plan.actions, plan.costs), plan.costs);
+        plan.filled = fill_bubbles(plan.actions, plan.costs);
+        plans.push_back(std::move(plan));
+      }
+    }
+  }
+  DDM_CHECK(!plans.empty(), "no pipeline plan fits: " << last_error);
+  std::stable_sort(plans.begin(), plans.end(), [](const PipePlan& a, const PipePlan& b) {
+    return a.filled_iteration() < b.filled_iteration();
+  });
+  return plans;
+}
+
+}  // namespace ddm

@@ -1,0 +1,246 @@
+// Profiling a backbone's units and reading/writing pipeline profiles; see pipe_profile.h.
+#include "dist/pipe_profile.h"
+
+#include <malloc.h>
+
+#include <algorithm>
+#include <chrono>
+#include <fstream>
+#include <set>
+
+#include <nlohmann/json.hpp>
+#include <torch/torch.h>
+
+#include "core/error.h"
+#include "core/fileio.h"
+#include "model/controlnet.h"
+
+namespace ddm {
+namespace {
+
+double now_ms() {
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0 : v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
+}
+
+// Bytes glibc's allocator has handed out (heap and mmap'd chunks).
+double heap_in_use() {
+  const struct mallinfo2 m = mallinfo2();
+  return static_cast<double>(m.uordblks + m.hblkhd);
+}
+
+// A copy of the carry whose float tensors are fresh leaves that need gradients (the unit's inputs).
+NetCarry leaf_copy(const NetCarry& k, std::vector<torch::Tensor>& inputs) {
+  auto leaf = [&](const torch::Tensor& x) {
+    if (!x.defined()) return x;
+    torch::Tensor y = x.detach().clone().requires_grad_(true);
+    inputs.push_back(y);
+    return y;
+  };
+  NetCarry out{leaf(k.h), leaf(k.emb), {}};
+  for (const torch::Tensor& s : k.skips) out.skips.push_back(leaf(s));
+  return out;
+}
+
+// Linear interpolation in rows of a sample field, proportional below the first and above the last.
+double interpolate(const std::vector<PipeUnitSample>& s, int64_t rows, double PipeUnitSample::*field) {
+  if (rows <= s.front().rows) return s.front().*field * rows / s.front().rows;
+  for (size_t i = 1; i < s.size(); ++i)
+    if (rows <= s[i].rows)
+      return s[i - 1].*field + (s[i].*field - s[i - 1].*field) * (rows - s[i - 1].rows) / (s[i].rows - s[i - 1].rows);
+  return s.back().*field * rows / s.back().rows;
+}
+
+}  // namespace
+
+std::vector<PipeUnit> PipeProfile::units_at(int64_t rows, double speed) const {
+  DDM_CHECK(rows >= 1, "micro-batch rows must be >= 1, got " << rows);
+  DDM_CHECK(speed > 0, "device speed must be > 0, got " << speed);
+  std::vector<PipeUnit> out;
+  for (const PipeUnitProfile& u : units) {
+    PipeUnit x;
+    x.name = u.name;
+    x.forward = interpolate(u.samples, rows, &PipeUnitSample::forward) / speed;
+    x.input_grad = interpolate(u.samples, rows, &PipeUnitSample::input_grad) / speed;
+    x.weight_grad = interpolate(u.samples, rows, &PipeUnitSample::weight_grad) / speed;
+    x.activation_bytes = interpolate(u.samples, rows, &PipeUnitSample::activation_bytes);
+    x.cut_bytes = interpolate(u.samples, rows, &PipeUnitSample::cut_bytes);
+    x.state_bytes = 5.0 * 4.0 * static_cast<double>(u.params);
+    out.push_back(x);
+  }
+  return out;
+}
+
+std::vector<PipeUnitProfile> profile_units(NetImpl& net, const ModelConfig& cfg, const std::vector<int64_t>& rows,
+                                           int repeats) {
+  DDM_CHECK(!rows.empty() && std::is_sorted(rows.begin(), rows.end()) && rows.front() >= 1,
+            "profile: micro-batch sizes must be ascending and >= 1");
+  DDM_CHECK(repeats >= 1, "profile: repeats must be >= 1, got " << repeats);
+  const std::vector<NetUnit> units = net.units();
+  std::vector<PipeUnitProfile> out(units.size());
+  for (size_t u = 0; u < units.size(); ++u) {
+    out[u].name = units[u].name;
+    for (const torch::Tensor& p : units[u].params) out[u].params += p.requires_grad() ? p.numel() : 0;
+  }
+  torch::manual_seed(0);
+  for (int64_t r : rows) {
+    const torch::Tensor x = torch::randn({r, cfg.in_channels, cfg.image_size, cfg.image_size}), t = torch::rand({r});
+    Cond c;
+    if (cfg.num_classes > 0) c.y = torch::randint(0, cfg.num_classes, {r}, torch::kLong);
+    if (cfg.self_cond) c.self_cond = torch::randn_like(x);
+    if (!cfg.embed.empty()) c.embed = torch::nn::functional::normalize(torch::randn({r, cfg.embed_dim}));
+    if (!cfg.controlnet.empty()) c.control = torch::rand({r, control_channels(cfg), cfg.image_size, cfg.image_size}) * 2 - 1;
+    c = net.precompute(x, t, c);  // a ControlNet's locked encoder features, which its units read
+    // Each unit's input carry, from a no-grad pass.
+    std::vector<NetCarry> in;
+    {
+      torch::NoGradGuard ng;
+      NetCarry k{x, {}, {}};
+      for (const NetUnit& unit : units) {
+        in.push_back(k);
+        unit.run(k, t, c);
+      }
+    }
+    for (size_t u = 0; u < units.size(); ++u) {
+      std::vector<double> f, i, b, f0, act;
+      double cut = 0;
+      for (int rep = 0; rep <= repeats; ++rep) {  // rep 0 warms up
+        std::vector<torch::Tensor> inputs;
+        NetCarry k = u == 0 ? in[0] : leaf_copy(in[u], inputs);  // the first unit's inputs are data
+        std::set<const void*> passed;  // tensors that only pass through (open skips it does not touch)
+        for (const torch::Tensor& y : k.tensors()) passed.insert(y.unsafeGetTensorImpl());
+        const double heap0 = heap_in_use(), t0 = now_ms();
+        units[u].run(k, t, c);
+        const double t1 = now_ms(), heap1 = heap_in_use();
+        std::vector<torch::Tensor> outs, grads;
+        for (const torch::Tensor& y : k.tensors())
+          if (y.requires_grad() && !passed.count(y.unsafeGetTensorImpl())) outs.push_back(y), grads.push_back(torch::randn_like(y));
+        cut = static_cast<double>(k.bytes());
+        double t2 = t1;
+        if (!inputs.empty()) {
+          torch::autograd::grad(outs, inputs, grads, /*retain_graph=*/true, false, /*allow_unused=*/true);
+          t2 = now_ms();
+        }
+        std::vector<torch::Tensor> all = inputs;
+        for (const torch::Tensor& p : units[u].params)
+          if (p.requires_grad()) all.push_back(p);
+        const double t3 = now_ms();
+        torch::autograd::grad(outs, all, grads, /*retain_graph=*/false, false, /*allow_unused=*/true);
+        const double t4 = now_ms();
+        double t6;
+        {
+          torch::NoGradGuard ng;
+          NetCarry k0 = in[u];
+          const double t5 = now_ms();
+          units[u].run(k0, t, c);
+          t6 = now_ms() - t5;
+        }
+        if (rep == 0) continue;
+        f.push_back(t1 - t0), i.push_back(t2 - t1), b.push_back(t4 - t3), f0.push_back(t6);
+        act.push_back(std::max(0.0, heap1 - heap0));
+      }
+      PipeUnitSample s;
+      s.rows = r, s.forward = median(f), s.input_grad = median(i);
+      s.weight_grad = std::max(0.0, median(b) - s.input_grad), s.forward_nograd = median(f0);
+      s.activation_bytes = median(act), s.cut_bytes = u + 1 == units.size() ? 0 : cut;
+      out[u].samples.push_back(s);
+    }
+  }
+  return out;
+}
+
+void write_profile(const PipeProfile& p, const std::string& path) {
+  nlohmann::json j;
+  j["format"] = "ddm pipeline profile 1";
+  j["model"] = p.model, j["workload"] = p.workload, j["machine"] = p.machine, j["threads"] = p.threads;
+  j["optimizer_ms_per_mparam"] = p.optimizer_ms_per_mparam, j["self_cond"] = p.self_cond;
+  j["x_bytes_per_row"] = p.x_bytes_per_row;
+  j["units"] = nlohmann::json::array();
+  for (const PipeUnitProfile& u : p.units) {
+    nlohmann::json s = nlohmann::json::array();
+    for (const PipeUnitSample& x : u.samples)
+      s.push_back({{"rows", x.rows}, {"forward_ms", x.forward}, {"input_grad_ms", x.input_grad},
+                   {"weight_grad_ms", x.weight_grad}, {"forward_nograd_ms", x.forward_nograd},
+                   {"activation_bytes", x.activation_bytes}, {"cut_bytes", x.cut_bytes}});
+    j["units"].push_back({{"name", u.name}, {"params", u.params}, {"samples", s}});
+  }
+  j["tasks"] = nlohmann::json::array();
+  for (const PipeTaskProfile& t : p.tasks) {
+    nlohmann::json c = nlohmann::json::array();
+    for (const auto& [rows, ms] : t.cost) c.push_back({{"rows", rows}, {"ms", ms}});
+    j["tasks"].push_back({{"name", t.name}, {"uses_weights", t.uses_weights},
+                          {"output_bytes_per_row", t.output_bytes_per_row}, {"cost", c}});
+  }
+  write_file_atomic(path, j.dump(1) + "\n");
+}
+
+PipeProfile read_profile(const std::string& path) {
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(read_file(path));
+  } catch (const nlohmann::json::exception& e) {
+    DDM_FAIL(path << " is not a JSON pipeline profile: " << e.what() << "; write one with `ddm plan --config C --save-profile "
+                  << path << "`");
+  }
+  PipeProfile p;
+  std::string where = "";
+  try {
+    DDM_CHECK(j.value("format", "") == "ddm pipeline profile 1",
+              path << ": not a ddm pipeline profile (\"format\" should be \"ddm pipeline profile 1\")");
+    where = "model", p.model = j.at("model").get<std::string>();
+    where = "workload", p.workload = j.at("workload").get<std::string>();
+    where = "machine", p.machine = j.at("machine").get<std::string>();
+    where = "threads", p.threads = j.at("threads").get<int>();
+    where = "optimizer_ms_per_mparam", p.optimizer_ms_per_mparam = j.at("optimizer_ms_per_mparam").get<double>();
+    where = "self_cond", p.self_cond = j.at("self_cond").get<bool>();
+    where = "x_bytes_per_row", p.x_bytes_per_row = j.at("x_bytes_per_row").get<double>();
+    where = "units";
+    for (const auto& u : j.at("units")) {
+      PipeUnitProfile x;
+      x.name = u.at("name").get<std::string>(), x.params = u.at("params").get<int64_t>();
+      where = "units." + x.name;
+      for (const auto& s : u.at("samples"))
+        x.samples.push_back({s.at("rows").get<int64_t>(), s.at("forward_ms").get<double>(), s.at("input_grad_ms").get<double>(),
+                             s.at("weight_grad_ms").get<double>(), s.at("forward_nograd_ms").get<double>(),
+                             s.at("activation_bytes").get<double>(), s.at("cut_bytes").get<double>()});
+      DDM_CHECK(!x.samples.empty(), path << ": unit '" << x.name << "' has no samples");
+      for (size_t i = 0; i < x.samples.size(); ++i)
+        DDM_CHECK(x.samples[i].rows >= 1 && (i == 0 || x.samples[i].rows > x.samples[i - 1].rows),
+                  path << ": unit '" << x.name << "': sample rows must be >= 1 and ascending");
+      p.units.push_back(x);
+      where = "units";
+    }
+    where = "tasks";
+    for (const auto& t : j.at("tasks")) {
+      PipeTaskProfile x;
+      x.name = t.at("name").get<std::string>(), x.uses_weights = t.at("uses_weights").get<bool>();
+      where = "tasks." + x.name;
+      x.output_bytes_per_row = t.at("output_bytes_per_row").get<double>();
+      for (const auto& c : t.at("cost")) x.cost.push_back({c.at("rows").get<int64_t>(), c.at("ms").get<double>()});
+      DDM_CHECK(!x.cost.empty(), path << ": task '" << x.name << "' has no (rows, ms) points");
+      p.tasks.push_back(x);
+      where = "tasks";
+    }
+  } catch (const nlohmann::json::exception& e) {
+    DDM_FAIL(path << ": key \"" << where << "\" is missing or of the wrong type (" << e.what() << ")");
+  }
+  DDM_CHECK(!p.units.empty(), path << ": the profile has no units");
+  return p;
+}
+
+std::string cpu_model_name() {
+  std::ifstream in("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(in, line))
+    if (line.rfind("model name", 0) == 0) {
+      const size_t colon = line.find(':');
+      if (colon != std::string::npos) return line.substr(line.find_first_not_of(' ', colon + 1));
+    }
+  return "unknown CPU";
+}
+
+}  // namespace ddm
