@@ -84,7 +84,8 @@ PipeProfile measure(const PlanArgs& a, int64_t* batch) {
   TrainJob job = prepare_train_job(load_config(a.config, sets));
   RunConfig& cfg = job.cfg;
   if (*batch == 0) *batch = cfg.train.batch_size;
-  const int threads = set_threads(cfg.train.threads);
+  // train.threads = 0: the cores shared by --devices processes, as data-parallel ranks here would run.
+  const int threads = set_threads(cfg.train.threads, a.devices);
   cfg.train.threads = threads;
   std::vector<int64_t> rows = a.rows;
   if (rows.empty())
@@ -215,7 +216,9 @@ Command add_plan_command(CLI::App& app) {
   auto* cmd = app.add_subcommand("plan", "Plan pipeline-parallel training: profile a config's units and frozen work, "
                                          "search stage splits, schedules and micro-batch counts, and predict each "
                                          "plan's iteration time with and without bubble filling (no training runs).");
-  cmd->add_option("--config", a->config, "TOML config of the training to plan (profiled on this machine now)");
+  cmd->add_option("--config", a->config,
+                  "TOML config of the training to plan, profiled on this machine now with train.threads threads "
+                  "(0: this machine's cores / --devices, at least 1)");
   cmd->add_option("--set", a->sets, "override a config key (repeatable)");
   cmd->add_option("--profile", a->profile, "plan from a profile saved with --save-profile instead of measuring");
   cmd->add_option("--save-profile", a->save_profile, "write the measured profile (JSON) here, to reuse or inspect");

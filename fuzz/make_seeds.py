@@ -199,3 +199,26 @@ put(de, "slurm", "SLURM_PROCID=3\nSLURM_NTASKS=8\nSLURM_LOCALID=1\nSLURM_NODEID=
     "SLURM_JOB_NODELIST=gpu[007-010],cpu1\nSLURM_JOB_ID=123456\nSLURM_RESTART_COUNT=1\nHOSTLIST=a[01-03,7],b[2-3]c\n")
 put(de, "mpi", "OMPI_COMM_WORLD_RANK=1\nOMPI_COMM_WORLD_SIZE=2\nOMPI_COMM_WORLD_LOCAL_RANK=1\n"
     "OMPI_COMM_WORLD_LOCAL_SIZE=2\n")
+
+# ---- pipeline profiles (fuzz_pipe_profile): `ddm plan --profile` files --------------------------
+pp = "pipe_profile"
+
+
+def unit(name, params, scale):
+    return {"name": name, "params": params, "samples": [
+        {"rows": r, "forward_ms": scale * r, "input_grad_ms": scale * r, "weight_grad_ms": scale * r / 2,
+         "forward_nograd_ms": scale * r, "activation_bytes": 1e4 * r, "cut_bytes": 1e3 * r} for r in (1, 4)]}
+
+
+profile = {"format": "ddm pipeline profile 1", "model": "unet-tiny (unet) 1x28x28, 10 classes", "workload": "latent encoder",
+           "machine": "a CPU, 1 thread", "threads": 1, "optimizer_ms_per_mparam": 3.4, "self_cond": False,
+           "x_bytes_per_row": 3136,
+           "units": [unit("in", 1000, 0.1), unit("enc0_0", 5000, 1.0), unit("mid0", 8000, 0.5), unit("out", 300, 0.1)],
+           "tasks": [{"name": "prepare: latent encoder", "uses_weights": False, "output_bytes_per_row": 6272,
+                      "cost": [{"rows": 1, "ms": 1.5}, {"rows": 4, "ms": 4.0}]}]}
+text = json.dumps(profile, indent=1) + "\n"
+put(pp, "valid.json", text)
+put(pp, "truncated.json", text[: len(text) // 2])
+put(pp, "wrong-format.json", text.replace("ddm pipeline profile 1", "something else"))
+put(pp, "negative.json", text.replace('"forward_ms": 0.5', '"forward_ms": -0.5', 1))
+put(pp, "self-cond.json", text.replace('"self_cond": false', '"self_cond": true'))

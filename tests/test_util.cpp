@@ -1,6 +1,8 @@
 // Helpers shared by the tests (see test_util.h).
 #include "test_util.h"
 
+#include <gtest/gtest.h>
+
 #include <array>
 #include <cstdio>
 #include <cstdlib>
@@ -13,6 +15,11 @@
 #include "core/error.h"
 
 namespace ddm::test {
+
+void expect_error(const CommandResult& r, const std::string& needle) {
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find(needle), std::string::npos) << "expected \"" << needle << "\" in:\n" << r.output;
+}
 
 std::string error_message(const std::function<void()>& f) {
   try {

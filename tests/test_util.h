@@ -24,6 +24,9 @@ CommandResult run_command(const std::string& cmd);
 // Runs the ddm binary built with the tests with the given argument string.
 CommandResult run_ddm(const std::string& args);
 
+// A gtest failure unless the command failed (non-zero exit) and its output contains `needle`.
+void expect_error(const CommandResult& r, const std::string& needle);
+
 // The message of the ddm::Error that f throws, or "" if it throws none.
 std::string error_message(const std::function<void()>& f);
 

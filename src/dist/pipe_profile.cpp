@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <fstream>
 #include <set>
 
@@ -229,6 +230,22 @@ PipeProfile read_profile(const std::string& path) {
     DDM_FAIL(path << ": key \"" << where << "\" is missing or of the wrong type (" << e.what() << ")");
   }
   DDM_CHECK(!p.units.empty(), path << ": the profile has no units");
+  auto sane = [](double v) { return std::isfinite(v) && v >= 0; };
+  DDM_CHECK(p.threads >= 1 && sane(p.optimizer_ms_per_mparam) && sane(p.x_bytes_per_row),
+            path << ": threads must be >= 1, optimizer_ms_per_mparam and x_bytes_per_row finite and >= 0");
+  for (const PipeUnitProfile& u : p.units) {
+    DDM_CHECK(u.params >= 0, path << ": unit '" << u.name << "' has a negative parameter count");
+    for (const PipeUnitSample& x : u.samples)
+      DDM_CHECK(sane(x.forward) && sane(x.input_grad) && sane(x.weight_grad) && sane(x.forward_nograd) &&
+                    sane(x.activation_bytes) && sane(x.cut_bytes),
+                path << ": unit '" << u.name << "' at " << x.rows << " rows has a negative or non-finite time or size");
+  }
+  for (const PipeTaskProfile& t : p.tasks) {
+    DDM_CHECK(sane(t.output_bytes_per_row), path << ": task '" << t.name << "': output_bytes_per_row must be finite and >= 0");
+    for (size_t i = 0; i < t.cost.size(); ++i)
+      DDM_CHECK(t.cost[i].first >= 1 && (i == 0 || t.cost[i].first > t.cost[i - 1].first) && sane(t.cost[i].second),
+                path << ": task '" << t.name << "': cost points need rows >= 1, ascending, and finite ms >= 0");
+  }
   return p;
 }
 

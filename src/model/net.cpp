@@ -137,7 +137,7 @@ int64_t NetCarry::bytes() const {
 }
 
 std::vector<NetUnit> NetImpl::units() {
-  DDM_FAIL("this network (" << name() << ") cannot be split into pipeline stages: only the U-Net and the DiT can");
+  DDM_FAIL("this network (" << name() << ") cannot be split into pipeline stages: only a U-Net, a DiT or a ControlNet can");
 }
 
 }  // namespace ddm

@@ -18,16 +18,13 @@ const char* kTiny =
     "[data]\nlimit = 64\n[model]\nchannels = 8\nchannel_mult = [1, 2]\ngroups = 4\n"
     "[train]\nsteps = 3\nbatch_size = 8\nthreads = 1\nlog_every = 1\n";
 
-void expect_error(const test::CommandResult& r, const std::string& needle) {
-  EXPECT_NE(r.exit_code, 0) << r.output;
-  EXPECT_NE(r.output.find(needle), std::string::npos) << "expected '" << needle << "' in:\n" << r.output;
-}
+using test::expect_error;
 }  // namespace
 
 TEST(Cli, HelpForEverySubcommand) {
   for (const char* sub : {"", "train", "train-autoencoder", "sample", "quickstart", "presets", "eval", "train-classifier", "partition",
                           "train-router", "ensemble", "distill",
-                          "islands", "islands run", "islands status", "islands slurm"}) {
+                          "islands", "islands run", "islands status", "islands slurm", "plan"}) {
     auto r = test::run_ddm(std::string(sub) + " --help");
     EXPECT_EQ(r.exit_code, 0) << sub << r.output;
     EXPECT_NE(r.output.find("Usage"), std::string::npos) << r.output;

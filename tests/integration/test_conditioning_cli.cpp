@@ -44,10 +44,7 @@ seed = 1
 steps = 3
 )";
 
-void expect_error(const test::CommandResult& r, const std::string& needle) {
-  EXPECT_NE(r.exit_code, 0) << r.output;
-  EXPECT_NE(r.output.find(needle), std::string::npos) << "expected \"" << needle << "\" in:\n" << r.output;
-}
+using test::expect_error;
 
 class ConditioningCli : public ::testing::Test {
  protected:

@@ -22,10 +22,7 @@ namespace fs = std::filesystem;
 using namespace ddm;
 
 namespace {
-void expect_error(const test::CommandResult& r, const std::string& needle) {
-  EXPECT_NE(r.exit_code, 0) << r.output;
-  EXPECT_NE(r.output.find(needle), std::string::npos) << "expected '" << needle << "' in:\n" << r.output;
-}
+using test::expect_error;
 }  // namespace
 
 TEST(DecentralCli, PartitionWritesBalancedClustersAndRefusesBadInput) {

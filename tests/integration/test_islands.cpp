@@ -42,10 +42,7 @@ std::string islands_file(const std::string& dir, const std::string& out, const s
          "[run]\n" + run;
 }
 
-void expect_error(const test::CommandResult& r, const std::string& needle) {
-  EXPECT_NE(r.exit_code, 0) << r.output;
-  EXPECT_NE(r.output.find(needle), std::string::npos) << "expected '" << needle << "' in:\n" << r.output;
-}
+using test::expect_error;
 
 bool wait_for(const std::function<bool()>& done, double seconds) {
   const auto end = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);

@@ -60,10 +60,7 @@ ckpt_every = 3
 seed = 2
 )";
 
-void expect_error(const test::CommandResult& r, const std::string& needle) {
-  EXPECT_NE(r.exit_code, 0) << r.output;
-  EXPECT_NE(r.output.find(needle), std::string::npos) << "expected \"" << needle << "\" in:\n" << r.output;
-}
+using test::expect_error;
 
 class Latent : public ::testing::Test {
  protected:

@@ -1,0 +1,64 @@
+// `ddm plan` through the binary: profiling a small config, the plan table, the timeline PNG and the
+// reusable profile file; planning from that file for another machine; and each bad input's message.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+
+#include <nlohmann/json.hpp>
+
+#include "test_util.h"
+
+namespace fs = std::filesystem;
+using namespace ddm;
+using test::expect_error;
+
+namespace {
+const char* kTiny =
+    "[data]\nlimit = 64\n[model]\nchannels = 8\nchannel_mult = [1, 2]\ngroups = 4\n"
+    "[train]\nsteps = 3\nbatch_size = 8\nthreads = 1\n";
+}  // namespace
+
+TEST(PlanCli, ProfilesPlansAndDraws) {
+  test::TempDir dir;
+  test::write_text(dir / "tiny.toml", kTiny);
+  const std::string base = "plan --config " + (dir / "tiny.toml") + " --rows 1 2 --repeats 1 ";
+  auto r = test::run_ddm(base + "--devices 2 --save-profile " + (dir / "p.json") + " --timeline " + (dir / "t.png") +
+                         " --json " + (dir / "plans.json"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("best:"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("data parallelism (2 devices"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("best pipeline, frozen work filled (2 stages x 1"), std::string::npos) << r.output;
+  EXPECT_EQ(test::read_text(dir / "t.png").substr(1, 3), "PNG");
+  const auto prof = nlohmann::json::parse(test::read_text(dir / "p.json"));
+  EXPECT_EQ(prof["units"].front()["name"], "in");
+  EXPECT_EQ(prof["units"].back()["name"], "out");
+  EXPECT_EQ(prof["units"].front()["samples"].size(), 2u);
+  const auto plans = nlohmann::json::parse(test::read_text(dir / "plans.json"));
+  ASSERT_GE(plans.size(), 2u);
+  EXPECT_LE(plans[0]["filled_ms"].get<double>(), plans[1]["filled_ms"].get<double>());
+  // The saved profile plans another machine without measuring again.
+  r = test::run_ddm("plan --profile " + (dir / "p.json") + " --batch 64 --devices 4 --stages 4 --schedule zb-h1 --speed 10");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("4 stages x 1, zb-h1"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("profiling"), std::string::npos) << r.output;
+
+  // Bad input.
+  expect_error(test::run_ddm(base + "--profile " + (dir / "p.json")), "give --config (profile now) or --profile");
+  expect_error(test::run_ddm("plan --profile " + (dir / "p.json")), "give the global batch with --batch");
+  test::write_text(dir / "bad.json", "{\"format\": ");
+  expect_error(test::run_ddm("plan --profile " + (dir / "bad.json") + " --batch 8"), "bad.json is not a JSON pipeline profile");
+  expect_error(test::run_ddm("plan --profile " + (dir / "missing.json") + " --batch 8"), "missing.json");
+  expect_error(test::run_ddm("plan --profile " + (dir / "p.json") + " --batch 8 --devices 4 --stages 3"),
+               "3 stages does not divide 4 devices");
+  expect_error(test::run_ddm("plan --profile " + (dir / "p.json") + " --batch 8 --devices 2 --stages 2 --micro 3"),
+               "micro-batch count 3 does not divide a replica's batch of 8");
+  expect_error(test::run_ddm("plan --profile " + (dir / "p.json") + " --batch 8 --devices 2 --stages 2 --memory 0.000001"),
+               "the smallest limit that works is");
+  expect_error(test::run_ddm("plan --profile " + (dir / "p.json") + " --batch 8 --schedule interleaved"),
+               "use gpipe, 1f1b or zb-h1");
+  expect_error(test::run_ddm("plan --profile " + (dir / "p.json") + " --batch 8 --devices 64 --stages 64"),
+               "needs at least 64 units");
+  expect_error(test::run_ddm("plan --profile " + (dir / "p.json") + " --batch 8 --timeline " + (dir / "t.jpg")), "t.jpg");
+  expect_error(test::run_ddm("plan --config " + (dir / "tiny.toml") + " --set model.preset=ae-f4 --rows 1"),
+               "cannot be split into pipeline stages");
+}
