@@ -624,7 +624,10 @@ int run(int argc, char** argv) {
   }() + "\nData parallel: started by `ddm launch --nproc N -- train ...`, torchrun, srun or mpirun, each process "
         "is one rank of one job (train.batch_size is the global batch; only rank 0 writes --out; a restarted job "
         "resumes by itself). With --set parallel.mode=diloco each process is a DiLoCo replica that synchronizes "
-        "every diloco.inner_steps steps (diloco.fragments > 1: Streaming DiLoCo). See docs/distributed.md.");
+        "every diloco.inner_steps steps (diloco.fragments > 1: Streaming DiLoCo). See docs/distributed.md.\n"
+        "Pipeline parallel: --set parallel.pp=S with S processes runs the model's units as S stages (one per "
+        "process), train.grad_accum micro-batches per step under parallel.schedule (gpipe, 1f1b, zb-h1), split "
+        "at parallel.cuts (`ddm plan` lists the units) or balanced automatically. See docs/pipeline.md.");
 
   // sample
   SampleArgs sa;

@@ -4,8 +4,11 @@
 #include <CLI/CLI.hpp>
 
 #include <cstdio>
+#include <filesystem>
 #include <iostream>
+#include <limits>
 #include <memory>
+#include <optional>
 #include <sstream>
 
 #include <nlohmann/json.hpp>
@@ -15,6 +18,7 @@
 #include "core/config.h"
 #include "core/error.h"
 #include "core/fileio.h"
+#include "core/run_dir.h"
 #include "decentral/train_run.h"
 #include "dist/pipe_picture.h"
 #include "dist/pipe_plan.h"
@@ -29,7 +33,7 @@ namespace ddm {
 namespace {
 
 struct PlanArgs {
-  std::string config, profile, save_profile, timeline, json;
+  std::string config, profile, save_profile, timeline, json, measured;
   std::vector<std::string> sets;
   std::vector<int64_t> rows;
   int repeats = 3, devices = 2, top = 12;
@@ -52,6 +56,7 @@ const char* kPlanFooter =
     "  ddm plan --config configs/latent-quickstart.toml --devices 2 --timeline plan.png\n"
     "  ddm plan --config c.toml --save-profile prof.json --devices 2\n"
     "  ddm plan --profile prof.json --devices 64 --batch 4096 --bandwidth 25 --speed 50\n"
+    "  ddm plan --measured runs/pp2 --timeline measured.png   # a pipelined run against the simulator\n"
     "See docs/pipeline.md.";
 
 std::string fmt_gib(double g) {
@@ -104,7 +109,67 @@ PipeProfile measure(const PlanArgs& a, int64_t* batch) {
   return profile_workload(cfg, job.data, net, objective, rows, a.repeats, workload_of(cfg));
 }
 
-int run_plan(const PlanArgs& a) {
+// A pipelined run's measured last step (RunDir::kPipeTimeline) as a timeline on one clock: each
+// stage's prepare phase as serial frozen work, then its actions; the optimizer (with the loss and
+// norm all-reduce) per rank after the last action.
+struct Measured {
+  nlohmann::json record;
+  PipeTimeline timeline;
+  std::vector<double> optimizer;
+};
+
+Measured read_measured(const std::string& run) {
+  const std::string path = RunDir(run) / RunDir::kPipeTimeline;
+  DDM_CHECK(std::filesystem::exists(path), "ddm plan --measured: " << path << " does not exist; it is written at the end of a `ddm train` "
+                                                        "with parallel.pp > 1 (the run may not have finished a step)");
+  Measured m;
+  try {
+    m.record = nlohmann::json::parse(read_file(path));
+    DDM_CHECK(m.record.at("format") == "ddm pipeline timeline 1", "unknown format " << m.record.at("format"));
+    double t0 = std::numeric_limits<double>::infinity();
+    for (const auto& r : m.record.at("ranks")) t0 = std::min(t0, r.at("start_ms").get<double>());
+    for (const auto& r : m.record.at("ranks")) {
+      const double off = r.at("start_ms").get<double>() - t0;
+      std::vector<PipeSlot> slots;
+      PipeAction prep;
+      prep.op = PipeOp::kTask, prep.task = 0, prep.serial = true, prep.stage = -1;
+      slots.push_back({prep, off, off + r.at("prepared_ms").get<double>()});
+      for (const auto& e : r.at("events")) {
+        PipeAction a;
+        const std::string op = e.at(0);
+        a.op = op == "F" ? PipeOp::kForward : op == "B" ? PipeOp::kBackward : op == "I" ? PipeOp::kInputGrad : PipeOp::kWeightGrad;
+        a.stage = r.at("stage"), a.micro = e.at(1);
+        slots.push_back({a, off + e.at(2).get<double>(), off + e.at(3).get<double>()});
+      }
+      m.timeline.makespan = std::max(m.timeline.makespan, off + r.at("actions_ms").get<double>());
+      m.optimizer.push_back(r.at("end_ms").get<double>() - r.at("synced_ms").get<double>());  // clip + AdamW + EMA
+      m.timeline.ranks.push_back(std::move(slots));
+    }
+  } catch (const nlohmann::json::exception& e) {
+    DDM_FAIL(path << " is not a pipeline timeline ddm wrote: " << e.what());
+  }
+  double opt = 0;
+  for (double o : m.optimizer) opt = std::max(opt, o);
+  m.timeline.iteration = m.timeline.makespan + opt;
+  return m;
+}
+
+int run_plan(PlanArgs a) {
+  std::optional<Measured> measured;
+  if (!a.measured.empty()) {
+    measured = read_measured(a.measured);
+    const nlohmann::json& r = measured->record;
+    if (a.config.empty() && a.profile.empty()) a.config = RunDir(a.measured).config();  // profiled now
+    if (a.batch == 0) a.batch = r.at("micro").get<int64_t>() * r.at("rows").get<int64_t>();
+    a.devices = r.at("stages");
+    a.stages = {a.devices};
+    a.micro = {r.at("micro").get<int>()};
+    a.schedules = {r.at("schedule").get<std::string>()};
+    if (!a.config.empty()) {
+      a.sets.push_back("train.threads=" + std::to_string(r.at("threads").get<int>()));
+      if (a.rows.empty()) a.rows = {r.at("rows").get<int64_t>()};
+    }
+  }
   DDM_CHECK(a.config.empty() != a.profile.empty(), "ddm plan: give --config (profile now) or --profile (a saved profile), not both");
   if (!a.timeline.empty()) check_png_path(a.timeline, "--timeline");
   int64_t batch = a.batch;
@@ -127,6 +192,7 @@ int run_plan(const PlanArgs& a) {
   m.link.latency = a.latency_us / 1e3;
   PipePlanOptions o;
   o.batch = batch, o.stages = a.stages, o.micro = a.micro, o.schedules = a.schedules;
+  if (measured) o.first = measured->record.at("first_units").get<std::vector<int>>();
   for (const std::string& s : o.schedules) make_schedule(s, 1, 1);  // a clear error for an unknown name
   const std::vector<PipePlan> plans = plan_pipeline(prof, m, o);
 
@@ -155,6 +221,12 @@ int run_plan(const PlanArgs& a) {
               best.stages, best.stages == 1 ? "" : "s", best.replicas, best.replicas == 1 ? "" : "s", best.schedule.c_str(),
               best.micro, static_cast<long long>(best.rows), best.filled_iteration(), batch / (best.filled_iteration() / 1e3),
               best.cuts_text().c_str());
+  if (best.stages > 1) {
+    std::printf("  train it: --set parallel.pp=%d parallel.schedule=%s train.grad_accum=%d parallel.cuts=[", best.stages,
+                best.schedule.c_str(), best.micro);
+    for (int s = 1; s < best.stages; ++s) std::printf("%s%d", s > 1 ? "," : "", best.partition.first[static_cast<size_t>(s)]);
+    std::printf("]%s\n", best.replicas > 1 ? " (pipelines of data-parallel replicas are not built yet)" : "");
+  }
   // The three references: plain data parallelism, the best pipeline with its frozen work serial, and
   // the best pipeline with it filled into the bubbles.
   const PipePlan* dp = nullptr;
@@ -177,6 +249,28 @@ int run_plan(const PlanArgs& a) {
     if (serial) std::printf("; %.2fx the serial pipeline", serial->serial_iteration() / filled->filled_iteration());
     if (dp) std::printf(", %.2fx data parallelism", dp->serial_iteration() / filled->filled_iteration());
     std::printf("\n");
+  }
+  if (measured) {
+    // The runtime runs the frozen work serially: compare with the plan's serial iteration.
+    const PipePlan& p = plans.front();
+    const double step_ms = measured->record.at("step_ms");
+    std::printf("\nmeasured %s: %.1f ms per step (mean of %lld steps), last step %.1f ms, bubbles %.1f%%\n"
+                "predicted (frozen work serial, as the runtime runs it): %.1f ms, bubbles %.1f%%: %+.1f%% of the measured\n",
+                a.measured.c_str(), step_ms, static_cast<long long>(measured->record.at("steps_timed").get<int64_t>()),
+                measured->timeline.iteration, 100 * measured->timeline.bubble_fraction(), p.serial_iteration(),
+                100 * p.serial.bubble_fraction(), 100 * (p.serial_iteration() - step_ms) / step_ms);
+    if (!a.timeline.empty()) {
+      save_pipe_picture(a.timeline,
+                        prof.model + ", " + std::to_string(p.stages) + " stages, " + p.schedule + ", " +
+                            std::to_string(p.micro) + " micro-batches of " + std::to_string(p.rows),
+                        {{"simulated from the profile (frozen work serial): " + fmt_ms(p.serial_iteration()), p.serial,
+                          p.costs.optimizer},
+                         {"measured, last step of " + a.measured + ": " + fmt_ms(measured->timeline.iteration) +
+                              " (mean step " + fmt_ms(step_ms) + ")",
+                          measured->timeline, measured->optimizer}});
+      std::cout << "wrote " << a.timeline << std::endl;
+    }
+    return 0;
   }
   if (!a.timeline.empty()) {
     std::vector<PipePanel> panels;
@@ -202,7 +296,8 @@ int run_plan(const PlanArgs& a) {
       j.push_back({{"stages", p.stages}, {"replicas", p.replicas}, {"micro", p.micro}, {"rows", p.rows}, {"schedule", p.schedule},
                    {"serial_ms", p.serial_iteration()}, {"filled_ms", p.filled_iteration()},
                    {"serial_bubble", p.serial.bubble_fraction()}, {"filled_bubble", p.filled.timeline.bubble_fraction()},
-                   {"cuts", p.cuts_text()}, {"stage_memory_bytes", p.partition.stage_memory}});
+                   {"cuts", p.cuts_text()}, {"first_units", p.partition.first},
+                   {"stage_memory_bytes", p.partition.stage_memory}});
     write_file_atomic(a.json, j.dump(1) + "\n");
     std::cout << "wrote " << a.json << std::endl;
   }
@@ -238,6 +333,9 @@ Command add_plan_command(CLI::App& app) {
   cmd->add_option("--top", a->top, "plans to print (default 12)")->check(kPositive);
   cmd->add_option("--timeline", a->timeline, "draw the best plan's timeline, serial and filled, as a PNG");
   cmd->add_option("--json", a->json, "write every plan as JSON");
+  cmd->add_option("--measured", a->measured,
+                  "a run trained with parallel.pp > 1: profile its config (or use --profile), simulate its split, "
+                  "schedule and micro-batches, and compare with its measured steps (--timeline draws both)");
   cmd->footer(kPlanFooter);
   return Command{cmd, [a] { return run_plan(*a); }};
 }

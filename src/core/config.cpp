@@ -176,6 +176,9 @@ std::vector<Field> fields(RunConfig& c) {
       field("parallel.bucket_mb", &c.parallel.bucket_mb),
       field("parallel.first_bucket_mb", &c.parallel.first_bucket_mb),
       field("parallel.wire", &c.parallel.wire),
+      field("parallel.pp", &c.parallel.pp),
+      field("parallel.schedule", &c.parallel.schedule),
+      field("parallel.cuts", &c.parallel.cuts),
       field("diloco.inner_steps", &c.diloco.inner_steps),
       field("diloco.outer_lr", &c.diloco.outer_lr),
       field("diloco.outer_momentum", &c.diloco.outer_momentum),
@@ -423,6 +426,18 @@ void validate(const RunConfig& c) {
   DDM_CHECK(par.first_bucket_mb > 0, "parallel.first_bucket_mb must be > 0, got " << par.first_bucket_mb);
   check_choice("parallel.wire", par.wire, {"float32", "float16"});
   check_choice("parallel.mode", par.mode, {"dp", "diloco"});
+  DDM_CHECK(par.pp >= 1, "parallel.pp must be >= 1 (pipeline stages; 1 = no pipeline), got " << par.pp);
+  check_choice("parallel.schedule", par.schedule, {"gpipe", "1f1b", "zb-h1"});
+  DDM_CHECK(par.cuts.empty() || static_cast<int64_t>(par.cuts.size()) == par.pp - 1,
+            "parallel.cuts has " << par.cuts.size() << " entries but parallel.pp = " << par.pp << " stages need "
+                                 << par.pp - 1 << " (the first unit of each stage after the first), or none (automatic)");
+  for (size_t i = 0; i < par.cuts.size(); ++i)
+    DDM_CHECK(par.cuts[i] > (i == 0 ? 0 : par.cuts[i - 1]),
+              "parallel.cuts must be increasing unit indices > 0, got " << par.cuts[i] << " at position " << i);
+  DDM_CHECK(par.pp == 1 || par.mode == "dp", "parallel.pp = " << par.pp << " needs parallel.mode = \"dp\" (DiLoCo replicas are whole models)");
+  DDM_CHECK(par.pp == 1 || c.train.self_cond == 0,
+            "parallel.pp = " << par.pp << " with train.self_cond = " << c.train.self_cond
+                             << ": self-conditioning's first pass through a pipeline is not supported yet; set train.self_cond = 0 or parallel.pp = 1");
 
   const DilocoConfig& dl = c.diloco;
   DDM_CHECK(dl.inner_steps > 0, "diloco.inner_steps must be > 0 (inner steps between synchronizations), got "

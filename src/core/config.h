@@ -138,6 +138,13 @@ struct ParallelConfig {
   double bucket_mb = 1;            // cap of a gradient all-reduce bucket, MiB (docs/results.md: 25 left 78% exposed)
   double first_bucket_mb = 1;      // the first bucket (the last layers' gradients, ready first), MiB
   std::string wire = "float32";    // float32 | float16: the gradients' format on the wire
+  // Pipeline parallelism (docs/pipeline.md): the backbone's units split into pp stages, one process
+  // each; train.grad_accum is the number of micro-batches every step pipelines.
+  int64_t pp = 1;                  // pipeline stages (1: none)
+  std::string schedule = "1f1b";   // gpipe | 1f1b | zb-h1
+  // The first unit of stages 1..pp-1 (`ddm plan` prints them); empty: balanced by each unit's
+  // parameters x output positions (its multiply-adds, attention aside).
+  std::vector<int64_t> cuts;
 };
 
 // DiLoCo (Douillard et al. 2023) and Streaming DiLoCo (2025): replicas take inner_steps ordinary

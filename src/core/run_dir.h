@@ -2,6 +2,7 @@
 //   RUN/config.toml  metrics.jsonl  train.lock  samples.png  train.log
 //       expert.json | router.json + router_eval.json | distill.json   (records of decentralized runs)
 //       autoencoder.json + reconstructions.png                        (`ddm train-autoencoder`)
+//       pipeline-timeline.json                                        (a pipelined `ddm train`)
 //       ckpt/step-XXXXXXXX/{model,ema,optim}.safetensors + state.json
 #pragma once
 #include <string>
@@ -22,6 +23,7 @@ struct RunDir {
   static constexpr const char* kDistill = "distill.json";
   static constexpr const char* kAutoencoder = "autoencoder.json";
   static constexpr const char* kReconstructions = "reconstructions.png";
+  static constexpr const char* kPipeTimeline = "pipeline-timeline.json";  // a pipelined run's measured last step
   // Inside a checkpoint directory.
   static constexpr const char* kModel = "model.safetensors";
   static constexpr const char* kEma = "ema.safetensors";
@@ -40,7 +42,7 @@ struct RunDir {
   // checkpoint is started afresh); the lock is not among them.
   static std::vector<const char*> run_files() {
     return {kCheckpoints, kMetrics, kConfig, kSamples, kTrainLog, kExpert, kRouter, kRouterEval, kDistill,
-            kAutoencoder, kReconstructions};
+            kAutoencoder, kReconstructions, kPipeTimeline};
   }
 };
 

@@ -256,6 +256,23 @@ void Comm::wait(const c10::intrusive_ptr<c10d::Work>& work, const std::string& o
   }
 }
 
+c10::intrusive_ptr<c10d::Work> Comm::send_async(at::Tensor& tensor, int peer, int tag) {
+  DDM_CHECK(tensor.is_contiguous() && tensor.device().is_cpu(), "send: the tensor must be a contiguous CPU tensor");
+  DDM_CHECK(peer >= 0 && peer < world_ && peer != rank_,
+            "rank " << job_rank() << ": send to rank " << peer << " in a world of " << world_);
+  count_sent(static_cast<double>(tensor.nbytes()));
+  std::vector<at::Tensor> ts{tensor};
+  return guarded("send to rank " + std::to_string(job_rank_of(peer)), [&] { return pg_->send(ts, peer, tag); });
+}
+
+c10::intrusive_ptr<c10d::Work> Comm::recv_async(at::Tensor& tensor, int peer, int tag) {
+  DDM_CHECK(tensor.is_contiguous() && tensor.device().is_cpu(), "recv: the tensor must be a contiguous CPU tensor");
+  DDM_CHECK(peer >= 0 && peer < world_ && peer != rank_,
+            "rank " << job_rank() << ": receive from rank " << peer << " in a world of " << world_);
+  std::vector<at::Tensor> ts{tensor};
+  return guarded("receive from rank " + std::to_string(job_rank_of(peer)), [&] { return pg_->recv(ts, peer, tag); });
+}
+
 void Comm::allreduce_sum(at::Tensor& tensor) {
   std::vector<at::Tensor> ts{tensor};
   wait(allreduce_async(ts), "all-reduce");

@@ -69,6 +69,13 @@ class Comm {
   // Waits for work from this Comm; failures become ddm::Error naming `op`.
   void wait(const c10::intrusive_ptr<c10d::Work>& work, const std::string& op);
 
+  // Point-to-point (pipeline stages): starts sending a contiguous CPU tensor to group rank `peer`,
+  // or receiving one of the same size and type into `tensor`; messages between two ranks match by
+  // tag. Gloo's send completes only once the peer has posted the matching receive: post every send
+  // of a step before waiting on one (or wait on them all at the end), or two stages deadlock.
+  c10::intrusive_ptr<c10d::Work> send_async(at::Tensor& tensor, int peer, int tag);
+  c10::intrusive_ptr<c10d::Work> recv_async(at::Tensor& tensor, int peer, int tag);
+
   void allreduce_sum(at::Tensor& tensor);              // in place, sum over ranks
   void broadcast(at::Tensor& tensor, int root);        // in place, root's values everywhere
   void barrier();

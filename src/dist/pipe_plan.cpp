@@ -94,7 +94,13 @@ std::vector<PipePlan> plan_pipeline(const PipeProfile& p, const PipeMachine& m, 
         plan.actions = make_schedule(name, S, M);
         plan.schedule = S == 1 ? (replicas > 1 ? "data-parallel" : "single") : name;
         try {
-          plan.partition = partition_units(units, S, peak_in_flight(plan.actions), m.memory, m.link);
+          if (static_cast<int>(o.first.size()) == S + 1) {
+            DDM_CHECK(o.first.front() == 0 && o.first.back() == L && std::is_sorted(o.first.begin(), o.first.end()),
+                      "a fixed split must start at unit 0, end at " << L << " and increase");
+            plan.partition.first = o.first;
+          } else {
+            plan.partition = partition_units(units, S, peak_in_flight(plan.actions), m.memory, m.link);
+          }
         } catch (const Error& e) {
           last_error = e.what();
           continue;

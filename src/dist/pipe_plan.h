@@ -38,6 +38,9 @@ struct PipePlanOptions {
   std::vector<int> stages;             // candidate stage counts; empty: every divisor of devices
   std::vector<int> micro;              // candidate micro-batch counts; empty: every divisor of the replica batch up to 64
   std::vector<std::string> schedules;  // empty: all of schedule_names()
+  // A fixed split (the first unit of each stage, then the unit count) instead of the DP's, for the
+  // stage count it fits (e.g. a measured run's, to compare its timeline with the simulator's).
+  std::vector<int> first;
 };
 
 struct PipePlan {

@@ -17,7 +17,7 @@ std::string shape_str(at::IntArrayRef s) {
 }
 }  // namespace
 
-FlatAdamW::FlatAdamW(torch::nn::Module& module, AdamWOptions opt) : opt_(opt) {
+FlatAdamW::FlatAdamW(torch::nn::Module& module, AdamWOptions opt, bool allow_empty) : opt_(opt) {
   auto params = module.named_parameters(/*recurse=*/true);
   int64_t total = 0;
   for (const auto& p : params) {
@@ -27,7 +27,7 @@ FlatAdamW::FlatAdamW(torch::nn::Module& module, AdamWOptions opt) : opt_(opt) {
     offsets_.push_back(total);
     total += p.value().numel();
   }
-  DDM_CHECK(total > 0, "the model has no trainable parameters");
+  DDM_CHECK(total > 0 || allow_empty, "the model has no trainable parameters");
   data_ = torch::empty({total}, torch::kFloat);
   grad_ = torch::zeros({total}, torch::kFloat);
   torch::NoGradGuard no_grad;
@@ -52,8 +52,12 @@ double FlatAdamW::grad_norm() const { return grad_.norm().item<double>(); }
 
 double FlatAdamW::clip_grad_norm(double max_norm) {
   const double norm = grad_norm();
-  if (max_norm > 0 && std::isfinite(norm) && norm > max_norm) grad_.mul_(max_norm / (norm + 1e-6));
+  clip_grad_norm(max_norm, norm);
   return norm;
+}
+
+void FlatAdamW::clip_grad_norm(double max_norm, double norm) {
+  if (max_norm > 0 && std::isfinite(norm) && norm > max_norm) grad_.mul_(max_norm / (norm + 1e-6));
 }
 
 void FlatAdamW::step(double lr, double ema_decay) {

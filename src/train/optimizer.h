@@ -22,14 +22,17 @@ struct AdamWOptions {
 
 class FlatAdamW {
  public:
-  // Re-points every parameter of `module` (and its .grad) into flat buffers.
-  FlatAdamW(torch::nn::Module& module, AdamWOptions opt);
+  // Re-points every parameter of `module` (and its .grad) into flat buffers. A module without
+  // trainable parameters is an error unless allow_empty (a pipeline stage of frozen layers only).
+  FlatAdamW(torch::nn::Module& module, AdamWOptions opt, bool allow_empty = false);
 
   void zero_grad() { grad_.zero_(); }
   // Global L2 norm of the gradient, before clipping.
   double grad_norm() const;
   // Scales gradients so their global norm is at most max_norm; returns the norm before clipping.
   double clip_grad_norm(double max_norm);
+  // The same with a norm computed elsewhere (a pipeline stage: the norm over every stage's gradients).
+  void clip_grad_norm(double max_norm, double norm);
   // One AdamW step at learning rate lr; with ema_decay >= 0 also updates the EMA in the same pass
   // (ema = d * ema + (1 - d) * params).
   void step(double lr, double ema_decay = -1.0);

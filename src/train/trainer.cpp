@@ -27,6 +27,7 @@
 #include "train/embed.h"
 #include "train/latent.h"
 #include "train/optimizer.h"
+#include "train/pipe_step.h"
 #include "train/step.h"
 
 namespace fs = std::filesystem;
@@ -257,18 +258,28 @@ TrainSummary train(TrainJob job, const TrainOptions& options) {
   const Dataset& data = job.data;
   const bool diloco_mode = cfg.parallel.mode == "diloco";
   // Checked alike on every rank, before any collective, so a bad value fails every rank at once.
-  DDM_CHECK(diloco_mode || cfg.parallel.dp == 0 || cfg.parallel.dp == world,
+  const int pp = static_cast<int>(cfg.parallel.pp);
+  const bool pipelined = pp > 1;
+  DDM_CHECK(!pipelined || world == pp,
+            "rank " << rank << ": parallel.pp = " << pp << " pipeline stages but the job has " << world
+                    << " processes; a pipeline runs one process per stage (pipelines of data-parallel replicas are not "
+                       "supported yet): launch " << pp << " processes");
+  DDM_CHECK(pipelined || diloco_mode || cfg.parallel.dp == 0 || cfg.parallel.dp == world,
             "parallel.dp = " << cfg.parallel.dp << " but the job has " << world
-                             << " processes; data parallelism is the only parallelism so far: set parallel.dp = 0 "
-                                "(every process) or launch " << cfg.parallel.dp << " processes");
-  DDM_CHECK(tc.batch_size % (static_cast<int64_t>(world) * tc.grad_accum) == 0,
+                             << " processes; set parallel.dp = 0 (every process) or launch " << cfg.parallel.dp
+                             << " processes");
+  DDM_CHECK(!pipelined || cfg.parallel.dp == 0 || cfg.parallel.dp == 1,
+            "parallel.dp = " << cfg.parallel.dp << " with parallel.pp = " << pp
+                             << ": pipelines of data-parallel replicas are not supported yet; set parallel.dp = 0");
+  const int data_world = pipelined ? 1 : world;  // every stage takes the whole global batch
+  DDM_CHECK(tc.batch_size % (static_cast<int64_t>(data_world) * tc.grad_accum) == 0,
             "train.batch_size = " << tc.batch_size << " does not split into " << world << " rank"
                                   << (world > 1 ? "s" : "") << " x " << tc.grad_accum
                                   << " micro-batch" << (tc.grad_accum > 1 ? "es" : "")
                                   << " of equal size; the global batch must be a multiple of "
                                   << world * tc.grad_accum << " (or change train.grad_accum / the process count)"
                                   << (diloco_mode ? "; with parallel.mode = \"diloco\" each replica takes its share of it" : ""));
-  const int64_t local_batch = tc.batch_size / world;
+  const int64_t local_batch = tc.batch_size / data_world;
   const std::string config_text = to_toml(job.recorded);
 
   // The model is built before the run directory is touched, so a config it cannot take leaves nothing.
@@ -290,20 +301,42 @@ TrainSummary train(TrainJob job, const TrainOptions& options) {
     attach_embed(*job.objective, cfg.model);  // image-embedding conditioning: the frozen feature network
   }
   net->train();
-  TrainStep stepper(cfg, net, job.objective);
-  FlatAdamW& optim = stepper.optim();
+  // The whole model's identity, before a pipeline stage freezes the other stages' parameters.
+  const auto identity = run_identity(job.recorded, data, net);
+  const int64_t model_params = count_params(*net);
+  std::unique_ptr<TrainStep> trainer_step;
+  std::unique_ptr<PipeStep> pipe;
+  if (pipelined) {
+    // Stage bounds from parallel.cuts, or balanced on one prepared sample row (the same on every stage).
+    Prepared sample;
+    {
+      torch::NoGradGuard no_grad;
+      BatchLoader probe(data, 1, seed, false);
+      sample = job.objective->prepare(probe.next(), 0);
+      sample.cond = net->precompute(sample.xt, sample.t, sample.cond);
+    }
+    std::vector<int> bounds = pipe_stage_bounds(*net, sample, pp, cfg.parallel.cuts);
+    pipe = std::make_unique<PipeStep>(cfg, net, job.objective, comm, std::move(bounds),
+                                      make_schedule(cfg.parallel.schedule, pp, static_cast<int>(tc.grad_accum)));
+  } else {
+    trainer_step = std::make_unique<TrainStep>(cfg, net, job.objective);
+  }
+  FlatAdamW& optim = pipe ? pipe->optim() : trainer_step->optim();
+  auto run_step = [&](const std::vector<Batch>& micro, int64_t at) {
+    return pipe ? pipe->run(micro, at) : trainer_step->run(micro, at);
+  };
   if (diloco_mode) {
-    stepper.set_ema(false);  // the EMA follows the global weights, at each synchronization
+    trainer_step->set_ema(false);  // the EMA follows the global weights, at each synchronization
     Diloco::split_fragments(optim.params(), cfg.diloco.fragments);  // a bad fragment count fails before any file is touched
   }
   if (comm->distributed() && !rejoining)
-    comm->check_same(run_identity(job.recorded, data, net), "config, data and model");
-  if (comm->distributed() && !diloco_mode) {
+    comm->check_same(identity, "config, data and model");
+  if (comm->distributed() && !diloco_mode && !pipelined) {
     GradSyncOptions so;
     so.first_bucket_bytes = static_cast<int64_t>(cfg.parallel.first_bucket_mb * (1 << 20));
     so.bucket_cap_bytes = static_cast<int64_t>(cfg.parallel.bucket_mb * (1 << 20));
     so.fp16_wire = cfg.parallel.wire == "float16";
-    stepper.set_data_parallel(comm, std::make_shared<GradSync>(comm, optim.params(), optim.flat_grad(), so));
+    trainer_step->set_data_parallel(comm, std::make_shared<GradSync>(comm, optim.params(), optim.flat_grad(), so));
   }
 
   BatchLoader loader(data, tc.batch_size, derive_seed({seed, static_cast<uint64_t>(RngPurpose::kDataOrder)}),
@@ -317,6 +350,7 @@ TrainSummary train(TrainJob job, const TrainOptions& options) {
   int64_t interval_steps = 0;
   int64_t sent_before = 0;       // bytes rank 0 sent before this run resumed (for the totals)
   std::optional<Checkpoint> resumed;  // rank 0: the checkpoint this run resumes from
+  std::string resumed_from;           // rank 0: its directory
   // Only rank 0 touches the run directory: lock, config, records, the checkpoint to resume from.
   std::string setup_error;
   if (lead) {
@@ -327,6 +361,7 @@ TrainSummary train(TrainJob job, const TrainOptions& options) {
       if (opt.resume) {
         if (auto latest = latest_checkpoint(opt.out_dir)) {
           const Checkpoint& ck = resumed.emplace(read_checkpoint(*latest));
+          resumed_from = *latest;
           load_module_state(*net, ck.model, RunDir(*latest) / RunDir::kModel);
           optim.load(ck.model, ck.ema, ck.optim, ck.field<int64_t>("/optimizer_step"), *latest);
           loader.set_cursor({ck.field<int64_t>("/data_cursor/epoch"), ck.field<int64_t>("/data_cursor/index")});
@@ -362,7 +397,21 @@ TrainSummary train(TrainJob job, const TrainOptions& options) {
     auto sums = torch::tensor({interval_loss_sum}, torch::kDouble);
     comm->broadcast(ints, 0);
     comm->broadcast(sums, 0);
-    if (ints[6].item<int64_t>() != 0) {
+    if (ints[6].item<int64_t>() != 0 && pipe) {
+      // Stage 0 read the checkpoint: every stage takes its own parameters' state from it, by name
+      // (whatever split, or none, wrote it).
+      const TensorMap none;
+      const std::string origin = resumed ? resumed_from : "the checkpoint";
+      const TensorMap params = pipe->share(resumed ? resumed->model : none, "", origin);
+      const TensorMap ema = pipe->share(resumed ? resumed->ema : none, "", origin);
+      TensorMap moments = pipe->share(resumed ? resumed->optim : none, "exp_avg.", origin);
+      moments.merge(pipe->share(resumed ? resumed->optim : none, "exp_avg_sq.", origin));
+      optim.load(params, ema, moments, ints[1].item<int64_t>(), origin);
+      for (auto& b : net->named_buffers(true)) {
+        torch::Tensor t = b.value();
+        comm->broadcast(t, 0);
+      }
+    } else if (ints[6].item<int64_t>() != 0) {
       for (torch::Tensor t : optim.state_buffers()) comm->broadcast(t, 0);
       for (auto& b : net->named_buffers(true)) {
         torch::Tensor t = b.value();
@@ -372,8 +421,12 @@ TrainSummary train(TrainJob job, const TrainOptions& options) {
       // A fresh start: every rank made the same seeded initialization (EMA = weights, zero moments),
       // so a hash proves it instead of sending 4 copies of the parameters (6.5 s at 10 Mbit/s).
       std::string blob;
-      for (const torch::Tensor& t : {optim.flat_params(), optim.flat_ema()})
+      std::vector<torch::Tensor> weights{optim.flat_params(), optim.flat_ema()};
+      if (pipe) weights = net->parameters();  // a stage's optimizer holds only its own: hash the whole model
+      for (const torch::Tensor& w : weights) {
+        const torch::Tensor t = w.detach().contiguous();
         blob += std::string(static_cast<const char*>(t.data_ptr()), t.nbytes());
+      }
       for (const auto& b : net->named_buffers(true)) {
         const torch::Tensor t = b.value().contiguous();
         blob += std::string(static_cast<const char*>(t.data_ptr()), t.nbytes());
@@ -430,7 +483,7 @@ TrainSummary train(TrainJob job, const TrainOptions& options) {
 
   if (!opt.quiet) {
     std::cout << "data:  " << data.description << "\n"
-              << "model: " << cfg.model.preset << " (" << cfg.model.arch << "), " << count_params(*net)
+              << "model: " << cfg.model.preset << " (" << cfg.model.arch << "), " << model_params
               << " parameters, " << forward_flops_per_image(cfg.model) / 1e6 << " MFLOP/image forward\n"
               << "objective: " << job.objective->describe() << "\n";
     if (latent) {
@@ -451,7 +504,7 @@ TrainSummary train(TrainJob job, const TrainOptions& options) {
                 << "trainable copy, hint block and zero convolutions\n";
     std::cout
               << job.header << "train: " << tc.steps << " steps, batch " << tc.batch_size;
-    if (world > 1) std::cout << " (" << world << " ranks x " << local_batch << ")";
+    if (data_world > 1) std::cout << " (" << world << " ranks x " << local_batch << ")";
     if (tc.grad_accum > 1) std::cout << " in " << tc.grad_accum << " micro-batches";
     std::cout << ", lr " << tc.lr << ", " << threads << " thread" << (threads > 1 ? "s" : "")
               << (world > 1 ? " per rank" : "") << ", seed " << tc.seed << "\n";
@@ -463,6 +516,16 @@ TrainSummary train(TrainJob job, const TrainOptions& options) {
       if (d.overlap > 0) std::cout << ", each all-reduce overlapping " << d.overlap << " step" << (d.overlap > 1 ? "s" : "") << " (mix " << d.mix << ")";
       std::cout << ", outer Nesterov lr " << d.outer_lr << " momentum " << d.outer_momentum << ", " << d.wire
                 << " on the wire, collective timeout " << cfg.parallel.timeout << " s\n";
+    } else if (pipe) {
+      const std::vector<int>& b = pipe->bounds();
+      std::cout << "parallel: a pipeline of " << pp << " stages (" << cfg.parallel.schedule << ", " << tc.grad_accum
+                << " micro-batches of " << tc.batch_size / tc.grad_accum << "), units";
+      for (int s = 0; s < pp; ++s)
+        std::cout << (s ? " | " : " ") << pipe->unit_names()[static_cast<size_t>(b[static_cast<size_t>(s)])] << ".."
+                  << pipe->unit_names()[static_cast<size_t>(b[static_cast<size_t>(s) + 1] - 1)];
+      std::cout << " (parallel.cuts = [";
+      for (int s = 1; s < pp; ++s) std::cout << (s > 1 ? ", " : "") << b[static_cast<size_t>(s)];
+      std::cout << "]), collective timeout " << cfg.parallel.timeout << " s\n";
     } else if (world > 1) {
       std::cout << "parallel: data parallel over " << world << " processes, gradient buckets up to "
                 << cfg.parallel.bucket_mb << " MiB (first " << cfg.parallel.first_bucket_mb << " MiB), "
@@ -474,13 +537,23 @@ TrainSummary train(TrainJob job, const TrainOptions& options) {
   auto save = [&](int64_t at_step) {
     // DiLoCo: every replica sends its inner state to rank 0 (a collective: every rank saves alike).
     const DilocoReplicas replicas = diloco ? diloco->gather_replicas(at_step) : DilocoReplicas{};
+    // A pipeline: every stage contributes its parameters' state, assembled by name (a collective).
+    TensorMap params, ema, moments;
+    if (pipe) {
+      params = pipe->assemble(optim.named_params(), "");
+      ema = pipe->assemble(optim.named_ema(), "");
+      const TensorMap mine = optim.optimizer_state();
+      moments = pipe->assemble(mine, "exp_avg.");
+      moments.merge(pipe->assemble(mine, "exp_avg_sq."));
+    }
     if (!lead) return last_ckpt;
     Checkpoint ck;
     ck.step = at_step;
     ck.config_toml = config_text;
     ck.model = module_state(*net);
-    ck.ema = optim.named_ema();
-    ck.optim = optim.optimizer_state();
+    ck.ema = pipe ? ema : optim.named_ema();
+    ck.optim = pipe ? moments : optim.optimizer_state();
+    for (const auto& [name, t] : params) ck.model[name] = t;  // the other stages' parameters, current
     if (diloco) add_diloco_state(ck, *diloco, optim, replicas);
     ck.state["sent_bytes"] = sent_now();
     const auto cur = loader.cursor();
@@ -492,6 +565,9 @@ TrainSummary train(TrainJob job, const TrainOptions& options) {
     ck.state["class_names"] = data.class_names;
     ck.state["threads"] = threads;
     ck.state["world_size"] = world;
+    if (pipe) {
+      ck.state["pipeline"] = {{"stages", pp}, {"schedule", cfg.parallel.schedule}, {"first_units", pipe->bounds()}};
+    }
     last_ckpt = write_checkpoint(opt.out_dir, ck, tc.keep_ckpts);
     return last_ckpt;
   };
@@ -528,14 +604,21 @@ TrainSummary train(TrainJob job, const TrainOptions& options) {
     summary.signal = sig;
     return true;
   };
+  double timed_ms = 0;  // wall time of this run's steps after its first, for the pipeline timeline
+  int64_t timed_steps = 0;
   bool stopped = false;
   if (rejoining) {
     // The rest of the step the group was at: the other final synchronizations, a checkpoint, a stop.
     stopped = end_step(step == tc.steps ? diloco->after_step(step, tc.steps, 0).stop : joined_signal);
   }
   while (!stopped && step < tc.steps) {
-    const Batch shard = loader.next(rank * local_batch, local_batch);
-    const StepResult r = stepper.run(split_micro(shard, tc.grad_accum), step);
+    const Batch shard = loader.next(pipelined ? 0 : rank * local_batch, local_batch);
+    const auto step_start = std::chrono::steady_clock::now();
+    const StepResult r = run_step(split_micro(shard, tc.grad_accum), step);
+    if (step > summary.first_step) {  // the first step of a run warms up: not timed
+      timed_ms += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - step_start).count();
+      ++timed_steps;
+    }
     // Data parallel: the loss and the gradient norm are global, so every rank stops here alike. DiLoCo:
     // they are this replica's; the others learn of its exit at their next synchronization.
     DDM_CHECK(r.finite, (world > 1 ? "rank " + std::to_string(rank) + ": " : std::string())
@@ -582,6 +665,21 @@ TrainSummary train(TrainJob job, const TrainOptions& options) {
     if (end_step(sig)) break;
   }
   if (diloco) diloco->group().finished();  // a replica waiting to rejoin stops waiting
+  if (pipe && step > summary.first_step) {
+    // The measured timeline of the last step, every stage's, for `ddm plan --measured` to draw and to
+    // compare with the simulator's.
+    const std::vector<std::string> stages = comm->all_gather_strings(pipe->last_step_json());
+    if (lead) {
+      nlohmann::json ranks = nlohmann::json::array();
+      for (const std::string& st : stages) ranks.push_back(nlohmann::json::parse(st));
+      const nlohmann::json record = {
+          {"format", "ddm pipeline timeline 1"}, {"stages", pp}, {"schedule", cfg.parallel.schedule},
+          {"micro", tc.grad_accum}, {"rows", tc.batch_size / tc.grad_accum}, {"threads", threads},
+          {"first_units", pipe->bounds()}, {"units", pipe->unit_names()}, {"step", step},
+          {"steps_timed", timed_steps}, {"step_ms", timed_steps > 0 ? timed_ms / timed_steps : 0.0}, {"ranks", ranks}};
+      write_file_atomic(dir / RunDir::kPipeTimeline, record.dump(1) + "\n");
+    }
+  }
   const int64_t sent_here = sent_now() - sent_before;
   try {
     summary.bytes_sent = (diloco ? diloco->group().comm() : *comm).max_int(sent_now());

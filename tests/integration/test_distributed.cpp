@@ -4,7 +4,7 @@
 // size; a hung (SIGSTOPped) worker fails the others after the collective timeout; SIGTERM to one
 // rank stops every rank after the same step with a checkpoint; and every bad start (store
 // unreachable, port taken, ranks with different configs, a batch that does not split) is a clear
-// error naming the rank, with nothing left running.
+// error naming the rank, with nothing left running. Pipeline stages (parallel.pp) face the same faults.
 #include <gtest/gtest.h>
 
 #include <signal.h>
@@ -229,6 +229,48 @@ TEST(Distributed, AHungWorkerFailsTheOthersAfterTheTimeout) {
   EXPECT_TRUE(has(out, "rank 0")) << out;
   EXPECT_LT(waited, 60) << out;  // bounded by the timeout and the grace period, not by Gloo's 30 minutes
   EXPECT_FALSE(list_checkpoints(r.dir / "hung").empty());
+}
+
+// A pipeline of 2 stages (parallel.pp) as real processes: a stage killed with kill -9 under the
+// launcher is restarted with the other and the run ends bit for bit where the uninterrupted one
+// does; without a launcher, the surviving stage fails within seconds naming the lost rank; a hung
+// stage fails the other after the collective timeout.
+TEST(Distributed, PipelineStagesSurviveAKillAndReportLostAndHungStages) {
+  Workdir r;
+  const std::string pp = " --set parallel.pp=2 --set train.grad_accum=4 --set parallel.schedule=zb-h1";
+  const std::string sets = pp + " --set train.steps=60 --set train.ckpt_every=10";
+  const auto ref = test::run_ddm("launch --timeout 300 --nproc 2 -- " + r.train("ref", sets));
+  ASSERT_EQ(ref.exit_code, 0) << ref.output;
+  const std::string out = killed_under_launcher(r, "killed", sets, 0);
+  EXPECT_TRUE(has(out, "restarting all 2 workers (restart 1 of 1")) << out;
+  ASSERT_EQ(list_checkpoints(r.dir / "killed").back(), r.dir / "killed/ckpt/step-00000060");
+  EXPECT_EQ(weight_difference(r.dir / "ref", r.dir / "killed"), 0.0);
+  EXPECT_EQ(losses(r.dir / "ref"), losses(r.dir / "killed"));
+
+  const std::string env = "WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(free_port());
+  const std::string args = r.train("lost", pp + " --set train.steps=100000");
+  const pid_t r0 = spawn("RANK=0 " + env, args, r.dir / "r0.log"), r1 = spawn("RANK=1 " + env, args, r.dir / "r1.log");
+  wait_for_checkpoints(r.dir / "lost", 1, 120);
+  kill(r1, SIGKILL);
+  const auto t0 = std::chrono::steady_clock::now();
+  ASSERT_EQ(wait_exit(r0, 60), 0) << test::read_text(r.dir / "r0.log");
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 30);
+  const std::string lost = test::read_text(r.dir / "r0.log");
+  EXPECT_TRUE(has(lost, "error: rank 0: lost the connection to rank 1")) << lost;
+
+  const std::string log = r.dir / "hung.log";
+  const pid_t launcher = spawn("", "launch --timeout 200 --grace 2 --nproc 2 -- " +
+                                       r.train("hung", pp + " --set train.steps=100000 --set parallel.timeout=3"),
+                               log);
+  wait_for_checkpoints(r.dir / "hung", 1, 120);
+  auto workers = children(launcher);
+  ASSERT_EQ(workers.size(), 2u) << test::read_text(log);
+  kill(workers[1], SIGSTOP);
+  const auto t1 = std::chrono::steady_clock::now();
+  ASSERT_EQ(wait_exit(launcher, 120), 0) << test::read_text(log);
+  const std::string hung = test::read_text(log);
+  EXPECT_TRUE(has(hung, "timed out after 3")) << hung;
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t1).count(), 60) << hung;
 }
 
 TEST(Distributed, SigtermToOneRankStopsEveryRankAfterTheSameStepWithACheckpoint) {

@@ -62,3 +62,25 @@ TEST(PlanCli, ProfilesPlansAndDraws) {
   expect_error(test::run_ddm("plan --config " + (dir / "tiny.toml") + " --set model.preset=ae-f4 --rows 1"),
                "cannot be split into pipeline stages");
 }
+
+// A pipelined run (2 stages under `ddm launch`) leaves its measured step, which `ddm plan --measured`
+// simulates with the run's split, schedule and micro-batches and draws beside the measurement.
+TEST(PlanCli, ComparesAMeasuredPipelineWithTheSimulator) {
+  test::TempDir dir;
+  test::write_text(dir / "tiny.toml", kTiny);
+  auto r = test::run_ddm("launch --timeout 300 --nproc 2 -- train --quiet --config " + (dir / "tiny.toml") + " --out " +
+                         (dir / "pp") + " --set parallel.pp=2 parallel.cuts=[3] train.grad_accum=4");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const auto tl = nlohmann::json::parse(test::read_text(dir / "pp/pipeline-timeline.json"));
+  ASSERT_EQ(tl["ranks"].size(), 2u);
+  EXPECT_EQ(tl["first_units"], nlohmann::json({0, 3, tl["units"].size()}));
+  EXPECT_EQ(tl["ranks"][1]["events"].size(), 8u);  // F and B of 4 micro-batches
+  r = test::run_ddm("plan --measured " + (dir / "pp") + " --repeats 1 --timeline " + (dir / "m.png"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("of the measured"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("train it: --set parallel.pp=2 parallel.schedule=1f1b train.grad_accum=4 parallel.cuts=[3]"),
+            std::string::npos)
+      << r.output;
+  EXPECT_EQ(test::read_text(dir / "m.png").substr(1, 3), "PNG");
+  expect_error(test::run_ddm("plan --measured " + (dir / "nothing")), "pipeline-timeline.json does not exist");
+}

@@ -1,0 +1,114 @@
+#!/usr/bin/env bash
+# Pipeline-parallel training measured on this machine: 2 processes x 1 thread at equal global batch,
+# data parallelism against 2-stage pipelines under GPipe, 1F1B and ZB-H1 (the frozen work serial:
+# the runtime does not fill bubbles yet), on the two workloads with the most frozen work: latent
+# diffusion (a frozen encoder) and a ControlNet (control maps and the locked encoder in prepare, the
+# locked decoder on the gradient path). Each run starts its 2 processes on 127.0.0.1 itself, each
+# under /usr/bin/time for its peak memory. Per run: throughput over the steps after the first
+# STEPS/3 (metrics.jsonl), each rank's peak RSS, and for pipelines the simulator's prediction for the
+# same split, schedule and micro-batches (`ddm plan --measured`, from a profile measured once per
+# workload) with its error and a timeline PNG of both. Runs are interleaved over ROUNDS rounds; the
+# table shows medians. Each pipeline is split where the planner puts the cut for its schedule. Builds
+# nothing: it uses build/ddm.
+# usage: bench/pipeline_runs.sh AE_RUN BASE_RUN [ROUNDS] [STEPS] [OUT_DIR]
+#   AE_RUN    a `ddm train-autoencoder` run (the latent workload's frozen encoder)
+#   BASE_RUN  a `ddm train --config configs/quickstart.toml` run (the ControlNet's locked base)
+#   defaults: 3 rounds, 12 steps, /tmp/ddm-pipeline-runs
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ae=${1:?usage: bench/pipeline_runs.sh AE_RUN BASE_RUN [ROUNDS] [STEPS] [OUT_DIR]}
+base=${2:?usage: bench/pipeline_runs.sh AE_RUN BASE_RUN [ROUNDS] [STEPS] [OUT_DIR]}
+rounds=${3:-3}
+steps=${4:-12}
+out=${5:-/tmp/ddm-pipeline-runs}
+micro=${MICRO:-8}
+py=/usr/bin/python3
+mkdir -p "$out"
+port=$((29500 + RANDOM % 400))
+log_every=$((steps / 3))
+
+# WORKLOAD NAME WORLD ARGS...: one training of WORLD processes (our launcher's environment, set by hand)
+run() {
+  local workload=$1 name=$2 world=$3; shift 3
+  local dir="$out/$workload-$name" pids=() r
+  rm -rf "$dir"
+  port=$((port + 1))
+  for ((r = 0; r < world; r++)); do
+    RANK=$r WORLD_SIZE=$world LOCAL_RANK=$r LOCAL_WORLD_SIZE=$world MASTER_ADDR=127.0.0.1 MASTER_PORT=$port \
+      /usr/bin/time -f %M -o "$dir.rss$r" build/ddm train "$@" --out "$dir" --set train.threads=1 \
+      --set train.steps="$steps" --set train.log_every="$log_every" --set train.ckpt_every=100000 \
+      > "$dir.log$r" 2>&1 &
+    pids+=($!)
+  done
+  for p in "${pids[@]}"; do wait "$p" || { echo "$dir failed: see $dir.log*" >&2; exit 1; }; done
+  "$py" - "$dir" "$world" "$round" >> "$out/results.jsonl" <<'PY'
+import json, sys
+d, world, rnd = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+recs = [json.loads(l) for l in open(d + "/metrics.jsonl")]
+ips = [r["img_per_s"] for r in recs[1:]]  # the first interval warms up
+rss = [int(open(f"{d}.rss{r}").read().split()[-1]) * 1024 for r in range(world)]
+print(json.dumps({"run": d, "round": rnd, "img_per_s": sum(ips) / len(ips), "peak_rss": rss}))
+PY
+}
+
+workloads=(latent controlnet)
+args_latent=(--config configs/latent-quickstart.toml --set model.latent="$ae")
+args_controlnet=(--controlnet "$base")
+plan_latent=(--config configs/latent-quickstart.toml --set model.latent="$ae")
+plan_controlnet=(--config "$out/controlnet-config/config.toml")
+# The ControlNet's config as `ddm train --controlnet` resolves it, for `ddm plan` to profile.
+build/ddm train --controlnet "$base" --out "$out/controlnet-config" --force --set train.steps=1 > /dev/null
+# Each workload profiled once (1 thread, as one of the 2 ranks runs), before any run; each
+# schedule's split is the planner's (the partition DP on the measured units) for 2 stages x 8.
+declare -A cuts
+for w in "${workloads[@]}"; do
+  declare -n pargs="plan_$w"
+  build/ddm plan "${pargs[@]}" --set train.threads=1 --devices 2 --stages 2 --micro "$micro" \
+    --save-profile "$out/$w.profile.json" > "$out/$w.profile.txt"
+  for s in gpipe 1f1b zb-h1; do
+    build/ddm plan --profile "$out/$w.profile.json" --batch 128 --devices 2 --stages 2 --micro "$micro" --schedule $s \
+      --json "$out/$w-$s.plans.json" > /dev/null
+    cuts[$w-$s]=$("$py" -c "import json,sys; p=json.load(open(sys.argv[1]))[0]; print(','.join(map(str, p['first_units'][1:-1])))" \
+      "$out/$w-$s.plans.json")
+  done
+done
+: > "$out/results.jsonl"
+for ((round = 0; round < rounds; round++)); do
+  for w in "${workloads[@]}"; do
+    declare -n wargs="args_$w"
+    run "$w" dp 2 "${wargs[@]}" --set train.grad_accum=1
+    for s in gpipe 1f1b zb-h1; do
+      run "$w" "$s" 2 "${wargs[@]}" --set parallel.pp=2 --set parallel.schedule=$s --set train.grad_accum="$micro" \
+        --set "parallel.cuts=[${cuts[$w-$s]}]"
+    done
+  done
+done
+# The simulator against the last round's measured pipelines, one profile per workload.
+for w in "${workloads[@]}"; do
+  for s in gpipe 1f1b zb-h1; do
+    build/ddm plan --measured "$out/$w-$s" --profile "$out/$w.profile.json" --timeline "$out/$w-$s.png" > "$out/$w-$s.plan.txt"
+  done
+done
+"$py" - "$out" "$micro" <<'PY'
+import json, re, statistics, sys
+out, micro = sys.argv[1], sys.argv[2]
+rows = [json.loads(l) for l in open(out + "/results.jsonl")]
+runs = sorted({r["run"] for r in rows}, key=lambda r: ([w in r for w in ("latent", "controlnet")].index(True), r))
+print(f"2 processes x 1 thread, global batch 128, pipelines of 2 stages with {micro} micro-batches (frozen work serial)")
+print("%-24s %9s %9s %12s %22s %12s" % ("run", "img/s", "vs dp", "rounds", "peak RSS MiB (r0, r1)", "sim. error"))
+for run in runs:
+    ips = [r["img_per_s"] for r in rows if r["run"] == run]
+    w = run.rsplit("/", 1)[1].split("-")[0]
+    dp = [r["img_per_s"] for r in rows if r["run"] == f"{out}/{w}-dp"]
+    # Ratios within each round, then their median.
+    ratio = statistics.median(a / b for a, b in zip(ips, dp))
+    rss = [r["peak_rss"] for r in rows if r["run"] == run][-1]
+    err = "-"
+    try:
+        text = open(run + ".plan.txt").read()
+        err = re.search(r"([+-][0-9.]+)% of the measured", text).group(1) + "%"
+    except (OSError, AttributeError):
+        pass
+    print("%-24s %9.1f %8.2fx %5.1f-%-6.1f %10.0f, %-10.0f %12s" % (run.rsplit("/", 1)[1], statistics.median(ips), ratio,
+          min(ips), max(ips), rss[0] / 2**20, rss[1] / 2**20, err))
+PY

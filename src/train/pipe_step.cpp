@@ -1,0 +1,373 @@
+// A pipeline-parallel training step (see pipe_step.h).
+#include "train/pipe_step.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <map>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
+#include <torch/autograd.h>
+
+#include "core/error.h"
+#include "dist/pipe_partition.h"
+
+namespace ddm {
+namespace {
+
+// A carry on the wire: a fixed-size int64 header (which of h / emb are present, the tensor count,
+// then each tensor's rank and sizes), then every tensor's float32 values in one flat message.
+constexpr int64_t kHeader = 128;
+enum Tag { kCarryHeader = 0, kCarryValues = 1, kGradient = 2 };
+int tag_of(int micro, Tag kind) { return micro * 3 + kind; }
+
+using Clock = std::chrono::steady_clock;
+
+torch::Tensor flat_of(const std::vector<torch::Tensor>& ts) {
+  std::vector<torch::Tensor> flat;
+  for (const torch::Tensor& t : ts) flat.push_back(t.detach().reshape({-1}));
+  return torch::cat(flat).contiguous();  // float [sum of numel]
+}
+
+// Views of `flat` shaped like `shapes`, in order.
+std::vector<torch::Tensor> split_flat(const torch::Tensor& flat, const std::vector<std::vector<int64_t>>& shapes) {
+  std::vector<torch::Tensor> out;
+  int64_t at = 0;
+  for (const auto& s : shapes) {
+    int64_t n = 1;
+    for (int64_t d : s) n *= d;
+    out.push_back(flat.narrow(0, at, n).view(s));
+    at += n;
+  }
+  return out;
+}
+
+}  // namespace
+
+std::vector<int> pipe_stage_bounds(NetImpl& net, const Prepared& sample, int stages,
+                                   const std::vector<int64_t>& cuts) {
+  const std::vector<NetUnit> units = net.units();
+  const int L = static_cast<int>(units.size());
+  DDM_CHECK(stages >= 1 && stages <= L, "parallel.pp = " << stages << " stages, but the model has only " << L
+                                                         << " units to split (`ddm plan` lists them): use at most " << L);
+  if (!cuts.empty()) {
+    DDM_CHECK(static_cast<int>(cuts.size()) == stages - 1,
+              "parallel.cuts has " << cuts.size() << " entries for " << stages << " stages; it needs " << stages - 1);
+    std::vector<int> b{0};
+    for (int64_t c : cuts) {
+      DDM_CHECK(c > b.back() && c < L, "parallel.cuts = " << c << " is not a unit index in " << b.back() + 1 << ".."
+                                                          << L - 1 << " (the model has " << L
+                                                          << " units, each stage at least one)");
+      b.push_back(static_cast<int>(c));
+    }
+    b.push_back(L);
+    return b;
+  }
+  // Each unit's multiply-adds, estimated on one sample row as the larger of its parameters x the
+  // positions of its output (pixels or tokens: a convolution's or linear layer's work) and its
+  // output's size x its input's channels (the same for layers without trainable parameters, such as
+  // a ControlNet's locked decoder); attention's quadratic term aside.
+  torch::NoGradGuard no_grad;
+  std::vector<PipeUnit> costs;
+  NetCarry k{sample.xt.narrow(0, 0, 1), {}, {}};
+  const torch::Tensor t = sample.t.narrow(0, 0, 1);
+  Cond c = sample.cond;
+  auto channels = [](const torch::Tensor& h) { return static_cast<double>(h.dim() == 4 ? h.size(1) : h.size(-1)); };
+  for (const NetUnit& u : units) {
+    const double in_channels = channels(k.h);
+    u.run(k, t, c);
+    double params = 0;
+    for (const torch::Tensor& p : u.params) params += static_cast<double>(p.numel());
+    const torch::Tensor& h = k.h;
+    const double positions = h.dim() == 4 ? static_cast<double>(h.size(2) * h.size(3))
+                                          : h.dim() == 3 ? static_cast<double>(h.size(1)) : 1.0;
+    PipeUnit pu;
+    pu.name = u.name;
+    pu.forward = 1.0 + std::max(params * positions, static_cast<double>(h.numel()) * in_channels);
+    costs.push_back(pu);
+  }
+  const PipePartition p = partition_units(costs, stages, std::vector<int>(static_cast<size_t>(stages), 1),
+                                          std::numeric_limits<double>::infinity(), PipeLink{});
+  return p.first;
+}
+
+PipeStep::PipeStep(const RunConfig& cfg, Net net, std::shared_ptr<Objective> objective, std::shared_ptr<Comm> comm,
+                   std::vector<int> bounds, PipeSchedule schedule)
+    : cfg_(cfg),
+      net_(std::move(net)),
+      objective_(std::move(objective)),
+      comm_(std::move(comm)),
+      bounds_(std::move(bounds)),
+      schedule_(std::move(schedule)),
+      stage_(comm_->rank()) {
+  DDM_CHECK(objective_, "PipeStep needs an objective");
+  const int S = stages();
+  DDM_CHECK(S == comm_->world_size() && S == schedule_.stages,
+            "a pipeline of " << S << " stages needs " << S << " processes and a schedule of " << S << " stages (got "
+                             << comm_->world_size() << " processes, a schedule of " << schedule_.stages << ")");
+  validate_schedule(schedule_);
+  // Every trainable parameter of the whole model, by name, before the other stages' are frozen.
+  std::map<const void*, std::string> name_of;
+  for (const auto& p : net_->named_parameters()) {
+    if (!p.value().requires_grad()) continue;
+    name_of[p.value().unsafeGetTensorImpl()] = p.key();
+    all_names_.push_back(p.key());
+    all_shapes_.push_back(p.value().sizes().vec());
+  }
+  std::vector<NetUnit> all = net_->units();
+  DDM_CHECK(bounds_.front() == 0 && bounds_.back() == static_cast<int>(all.size()),
+            "pipeline stage bounds must cover units 0.." << all.size() - 1);
+  std::map<const void*, bool> mine;
+  for (int u = 0; u < static_cast<int>(all.size()); ++u) {
+    unit_names_.push_back(all[static_cast<size_t>(u)].name);
+    const bool here = u >= bounds_[static_cast<size_t>(stage_)] && u < bounds_[static_cast<size_t>(stage_) + 1];
+    for (const torch::Tensor& p : all[static_cast<size_t>(u)].params) mine[p.unsafeGetTensorImpl()] = here;
+    if (here) units_.push_back(std::move(all[static_cast<size_t>(u)]));
+  }
+  for (auto& p : net_->parameters()) {
+    if (!p.requires_grad()) continue;
+    auto it = mine.find(p.unsafeGetTensorImpl());
+    DDM_CHECK(it != mine.end(), "parameter " << name_of[p.unsafeGetTensorImpl()] << " belongs to no unit of the model");
+    if (it->second) {
+      params_.push_back(p);
+    } else {
+      p.set_requires_grad(false);  // another stage's: no gradient, no optimizer state here
+    }
+  }
+  const TrainConfig& tc = cfg_.train;
+  // A stage may hold no trainable parameter at all (a ControlNet's locked decoder): it still runs
+  // its units' forward and input gradients.
+  optim_ = std::make_unique<FlatAdamW>(*net_, AdamWOptions{tc.beta1, tc.beta2, tc.adam_eps, tc.weight_decay},
+                                       /*allow_empty=*/true);
+  params_ = optim_->params();  // re-pointed into the flat buffer
+}
+
+void PipeStep::post_send(torch::Tensor t, int peer, int tag) {
+  sends_.emplace_back(comm_->send_async(t, peer, tag), t);
+}
+
+void PipeStep::send_carry(const NetCarry& k, int micro) {
+  const std::vector<torch::Tensor> ts = k.tensors();
+  auto header = torch::zeros({kHeader}, torch::kLong);
+  auto* h = header.data_ptr<int64_t>();
+  h[0] = (k.h.defined() ? 1 : 0) | (k.emb.defined() ? 2 : 0);
+  h[1] = static_cast<int64_t>(ts.size());
+  int64_t at = 2;
+  for (const torch::Tensor& t : ts) {
+    DDM_CHECK(t.scalar_type() == torch::kFloat, "pipeline: a carried tensor is " << t.scalar_type() << ", not float");
+    DDM_CHECK(at + 1 + t.dim() <= kHeader, "pipeline: the carry has too many tensors for its header");
+    h[at++] = t.dim();
+    for (int64_t d : t.sizes()) h[at++] = d;
+  }
+  const int next = stage_ + 1;
+  post_send(header, next, tag_of(micro, kCarryHeader));
+  post_send(flat_of(ts), next, tag_of(micro, kCarryValues));
+}
+
+NetCarry PipeStep::recv_carry(int micro, std::vector<torch::Tensor>& inputs) {
+  const int prev = stage_ - 1;
+  auto header = torch::zeros({kHeader}, torch::kLong);
+  comm_->wait(comm_->recv_async(header, prev, tag_of(micro, kCarryHeader)), "receive from stage " + std::to_string(prev));
+  const auto* h = header.data_ptr<int64_t>();
+  std::vector<std::vector<int64_t>> shapes;
+  int64_t at = 2, total = 0;
+  for (int64_t i = 0; i < h[1]; ++i) {
+    std::vector<int64_t> s(h + at + 1, h + at + 1 + h[at]);
+    at += 1 + h[at];
+    int64_t n = 1;
+    for (int64_t d : s) n *= d;
+    total += n;
+    shapes.push_back(std::move(s));
+  }
+  auto values = torch::empty({total}, torch::kFloat);
+  comm_->wait(comm_->recv_async(values, prev, tag_of(micro, kCarryValues)), "receive from stage " + std::to_string(prev));
+  received_ = Clock::now();
+  inputs.clear();
+  for (torch::Tensor& t : split_flat(values, shapes)) inputs.push_back(t.requires_grad_(true));
+  NetCarry k;
+  size_t i = 0;
+  if (h[0] & 1) k.h = inputs[i++];
+  if (h[0] & 2) k.emb = inputs[i++];
+  for (; i < inputs.size(); ++i) k.skips.push_back(inputs[i]);
+  return k;
+}
+
+void PipeStep::forward(Micro& m, int micro) {
+  NetCarry k;
+  if (stage_ == 0) {
+    k.h = m.p.xt;
+  } else {
+    k = recv_carry(micro, m.inputs);
+  }
+  for (const NetUnit& u : units_) u.run(k, m.p.t, m.p.cond);
+  if (stage_ + 1 == stages()) {
+    const torch::Tensor loss = objective_->loss(k.h, m.p);  // []
+    loss_sum_ += loss.item<double>();
+    m.roots = {scale_ == 1.0 ? loss : loss * scale_};
+  } else {
+    send_carry(k, micro);
+    m.roots = k.tensors();
+  }
+}
+
+void PipeStep::backward(Micro& m, int micro, PipeOp op) {
+  const bool last = stage_ + 1 == stages();
+  if (!last && !m.received) {
+    std::vector<std::vector<int64_t>> shapes;
+    int64_t total = 0;
+    for (const torch::Tensor& r : m.roots) shapes.push_back(r.sizes().vec()), total += r.numel();
+    auto g = torch::empty({total}, torch::kFloat);
+    comm_->wait(comm_->recv_async(g, stage_ + 1, tag_of(micro, kGradient)),
+                "receive a gradient from stage " + std::to_string(stage_ + 1));
+    m.grads = split_flat(g, shapes);
+    m.received = true;
+    received_ = Clock::now();
+  }
+  auto send_input_grads = [&](std::vector<torch::Tensor> g) {
+    for (size_t i = 0; i < g.size(); ++i)
+      if (!g[i].defined()) g[i] = torch::zeros_like(m.inputs[i]);  // an input no unit here read
+    post_send(flat_of(g), stage_ - 1, tag_of(micro, kGradient));
+  };
+  if (op == PipeOp::kBackward) {
+    torch::autograd::backward(m.roots, m.grads);
+    if (stage_ > 0) {
+      std::vector<torch::Tensor> g;
+      for (const torch::Tensor& in : m.inputs) g.push_back(in.grad());
+      send_input_grads(g);
+    }
+  } else if (op == PipeOp::kInputGrad) {
+    if (stage_ > 0)
+      send_input_grads(torch::autograd::grad(m.roots, m.inputs, m.grads, /*retain_graph=*/true,
+                                             /*create_graph=*/false, /*allow_unused=*/true));
+    return;  // W follows from the same graph
+  } else if (!params_.empty()) {  // W (no parameters here: nothing to do but free the graph)
+    torch::autograd::backward(m.roots, m.grads, /*retain_graph=*/false, /*create_graph=*/false, params_);
+  }
+  m = Micro{};  // the activations go
+}
+
+StepResult PipeStep::run(const std::vector<Batch>& micro, int64_t step) {
+  const int M = static_cast<int>(micro.size());
+  DDM_CHECK(M == schedule_.micro, "pipeline: " << M << " micro-batches for a schedule of " << schedule_.micro);
+  times_.start = Clock::now();
+  const TrainConfig& tc = cfg_.train;
+  StepResult r;
+  r.lr = lr_at(tc, step);
+  optim_->zero_grad();
+  scale_ = 1.0 / M;
+  loss_sum_ = 0;
+  micro_.assign(static_cast<size_t>(M), Micro{});
+  {
+    torch::NoGradGuard no_grad;  // prepare: every stage draws alike; the frozen work runs here, serially
+    for (int i = 0; i < M; ++i) {
+      Prepared& p = micro_[static_cast<size_t>(i)].p;
+      p = objective_->prepare(micro[static_cast<size_t>(i)], step);
+      p.cond = net_->precompute(p.xt, p.t, p.cond);
+    }
+  }
+  times_.prepared = times_.backward_start = Clock::now();
+  events_.clear();
+  auto ms = [&](Clock::time_point t) { return std::chrono::duration<double, std::milli>(t - times_.start).count(); };
+  for (const PipeAction& a : schedule_.ranks[static_cast<size_t>(stage_)]) {
+    const Clock::time_point t0 = Clock::now();
+    received_ = t0;  // a receive moves it on: the action's work starts once its input has arrived
+    Micro& m = micro_[static_cast<size_t>(a.micro)];
+    if (a.op == PipeOp::kForward) {
+      forward(m, a.micro);
+    } else if (a.op != PipeOp::kTask) {
+      backward(m, a.micro, a.op);
+    }
+    events_.push_back({a, ms(received_), ms(Clock::now())});
+  }
+  for (auto& [work, tensor] : sends_) comm_->wait(work, "send to a neighbouring stage");
+  sends_.clear();
+  times_.backward_end = Clock::now();
+  // The loss (the last stage's) and the squared gradient norm (a sum over the stages' disjoint parts).
+  const double norm_here = optim_->grad_norm();
+  auto sums = torch::tensor({stage_ + 1 == stages() ? loss_sum_ * scale_ : 0.0, norm_here * norm_here}, torch::kDouble);
+  comm_->allreduce_sum(sums);
+  r.loss = sums[0].item<double>();
+  r.grad_norm = std::sqrt(sums[1].item<double>());
+  times_.synced = Clock::now();
+  optim_->clip_grad_norm(tc.grad_clip, r.grad_norm);
+  times_.clipped = times_.end = Clock::now();
+  if (!std::isfinite(r.loss) || !std::isfinite(r.grad_norm)) {
+    r.finite = false;
+    return r;
+  }
+  const double n = static_cast<double>(optim_->step_count() + 1);
+  optim_->step(r.lr, std::min(tc.ema_decay, (1.0 + n) / (10.0 + n)));
+  times_.end = Clock::now();
+  return r;
+}
+
+std::string PipeStep::last_step_json() const {
+  auto ms = [&](Clock::time_point t) { return std::chrono::duration<double, std::milli>(t - times_.start).count(); };
+  nlohmann::json events = nlohmann::json::array();
+  for (const PipeEvent& e : events_) events.push_back({action_text(e.action).substr(0, 1), e.action.micro, e.start_ms, e.end_ms});
+  return nlohmann::json{{"stage", stage_},
+                        {"start_ms", std::chrono::duration<double, std::milli>(times_.start.time_since_epoch()).count()},
+                        {"prepared_ms", ms(times_.prepared)},
+                        {"actions_ms", ms(times_.backward_end)},
+                        {"synced_ms", ms(times_.synced)},
+                        {"end_ms", ms(times_.end)},
+                        {"events", events}}
+      .dump();
+}
+
+TensorMap PipeStep::assemble(const TensorMap& mine, const std::string& prefix) {
+  int64_t total = 0;
+  for (const auto& s : all_shapes_) {
+    int64_t n = 1;
+    for (int64_t d : s) n *= d;
+    total += n;
+  }
+  torch::NoGradGuard no_grad;
+  auto flat = torch::zeros({total}, torch::kFloat);
+  std::vector<torch::Tensor> views = split_flat(flat, all_shapes_);
+  for (size_t i = 0; i < all_names_.size(); ++i) {
+    auto it = mine.find(prefix + all_names_[i]);
+    if (it != mine.end()) views[i].copy_(it->second);
+  }
+  comm_->allreduce_sum(flat);
+  TensorMap out;
+  for (size_t i = 0; i < all_names_.size(); ++i) out[prefix + all_names_[i]] = views[i];
+  return out;
+}
+
+TensorMap PipeStep::share(const TensorMap& whole, const std::string& prefix, const std::string& origin) {
+  int64_t total = 0;
+  for (const auto& s : all_shapes_) {
+    int64_t n = 1;
+    for (int64_t d : s) n *= d;
+    total += n;
+  }
+  torch::NoGradGuard no_grad;
+  auto flat = torch::zeros({total}, torch::kFloat);
+  std::vector<torch::Tensor> views = split_flat(flat, all_shapes_);
+  std::string error;  // stage 0's: every stage learns of it before the broadcast, so none is left waiting
+  if (comm_->rank() == 0) {
+    for (size_t i = 0; i < all_names_.size() && error.empty(); ++i) {
+      auto it = whole.find(prefix + all_names_[i]);
+      if (it == whole.end() || it->second.sizes().vec() != all_shapes_[i]) {
+        std::ostringstream os;
+        os << origin << " has no tensor '" << prefix << all_names_[i] << "' of shape "
+           << at::IntArrayRef(all_shapes_[i]) << ": it belongs to a different model";
+        error = os.str();
+      } else {
+        views[i].copy_(it->second);
+      }
+    }
+  }
+  if (comm_->max_int(error.empty() ? 0 : 1) != 0) {
+    DDM_CHECK(error.empty(), error);
+    DDM_FAIL("stage 0 could not load " << origin << " (its message says why)");
+  }
+  comm_->broadcast(flat, 0);
+  TensorMap out;
+  for (size_t i = 0; i < all_names_.size(); ++i) out[prefix + all_names_[i]] = views[i];
+  return out;
+}
+
+}  // namespace ddm

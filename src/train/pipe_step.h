@@ -1,0 +1,122 @@
+// A pipeline-parallel training step (docs/pipeline.md): this process runs one stage, a contiguous
+// run of the backbone's units (NetImpl::units, model/net.h), of a pipeline of S processes, driven by
+// a schedule (dist/pipe_schedule.h: GPipe, 1F1B, ZB-H1) over the step's M micro-batches:
+//   prepare  every stage runs the objective's prepare for every micro-batch (its draws are keyed by
+//            sample position, so every stage has the same x_t, t, conditioning and target); the frozen
+//            work (a latent encoder, a ControlNet's locked encoder) runs serially before the pipeline
+//   F        stage 0 runs its units on x_t; stage s > 0 first receives the carry (h, the conditioning
+//            embedding, the open U-Net skips) from stage s-1; the last stage computes the loss, the
+//            others send their carry on to s+1
+//   B        the last stage back-propagates loss / M; the others first receive the gradient of their
+//            carry from s+1; every stage but the first sends its input's gradient to s-1
+//   I, W     ZB-H1's split of B: I computes and sends only the input gradient (the critical path),
+//            W later accumulates the weight gradients from the same graph
+// Sends are posted without waiting and waited for at the end of the step (Gloo's send completes only
+// once the peer has posted its receive); a receive is waited for when its action needs it. Then one
+// small all-reduce gives every stage the loss and the gradient norm over all stages, every stage clips
+// by that norm, and each stage's AdamW + EMA updates its own parameters.
+//
+// Every stage builds the whole model alike (same seed); the parameters of the other stages are
+// frozen here, so this stage's optimizer holds its own alone. Checkpoints hold every parameter by
+// name, assembled from the stages (assemble / share), so a run resumes under another split or as one
+// process, and `ddm sample` loads it like any other.
+#pragma once
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/config.h"
+#include "data/dataset.h"
+#include "diffusion/objective.h"
+#include "dist/comm.h"
+#include "dist/pipe_schedule.h"
+#include "model/net.h"
+#include "train/checkpoint.h"
+#include "train/optimizer.h"
+#include "train/step.h"
+
+namespace ddm {
+
+// The first unit of every stage plus the unit count at the end (stage s = units [b[s], b[s+1])):
+// from parallel.cuts when given (checked against the model's units), else balanced by each unit's
+// estimated multiply-adds (parameters x output positions, measured on `sample`: one prepared row)
+// with the partition DP (dist/pipe_partition.h). Deterministic: every stage computes the same.
+std::vector<int> pipe_stage_bounds(NetImpl& net, const Prepared& sample, int stages,
+                                   const std::vector<int64_t>& cuts);
+
+// One executed action of the last step, for timelines: steady-clock milliseconds since the step began,
+// from the arrival of its input (the receive's end) to its end.
+struct PipeEvent {
+  PipeAction action;
+  double start_ms = 0, end_ms = 0;
+};
+
+class PipeStep {
+ public:
+  // cfg.model resolved; net built from it (the whole model); comm: one rank per stage, rank s runs
+  // stage s; bounds from pipe_stage_bounds; schedule over comm's world size and train.grad_accum
+  // micro-batches.
+  PipeStep(const RunConfig& cfg, Net net, std::shared_ptr<Objective> objective, std::shared_ptr<Comm> comm,
+           std::vector<int> bounds, PipeSchedule schedule);
+  // One step over the global batch's M micro-batches (every stage passes the same ones).
+  StepResult run(const std::vector<Batch>& micro, int64_t step);
+
+  FlatAdamW& optim() { return *optim_; }
+  int stage() const { return stage_; }
+  int stages() const { return static_cast<int>(bounds_.size()) - 1; }
+  const std::vector<int>& bounds() const { return bounds_; }
+  const std::vector<std::string>& unit_names() const { return unit_names_; }
+  const std::vector<PipeEvent>& last_events() const { return events_; }
+  // The last step on this stage as JSON: {"stage", "start_ms" (steady clock, comparable between the
+  // processes of one machine), "prepared_ms", "actions_ms" (the last send waited for), "synced_ms"
+  // (loss and norm all-reduced), "end_ms" (from the start), "events": [[op, micro, start_ms, end_ms],
+  // ...]}. An event starts once its input has arrived: waiting for a receive is idle time.
+  std::string last_step_json() const;
+  const StepTimes& last_times() const { return times_; }
+
+  // Every trainable parameter of the whole model by name ("<prefix><name>"), from each stage's `mine`
+  // (its own parameters' tensors, e.g. optim().named_params()): a sum over the stages of disjoint
+  // parts (one all-reduce), so every stage gets the whole.
+  TensorMap assemble(const TensorMap& mine, const std::string& prefix);
+  // The reverse for loading: stage 0's `whole` (every trainable parameter, "<prefix><name>") reaches
+  // every stage (one broadcast); the others pass an empty map.
+  TensorMap share(const TensorMap& whole, const std::string& prefix, const std::string& origin);
+
+ private:
+  struct Micro {
+    Prepared p;
+    std::vector<torch::Tensor> inputs;   // the received carry's tensors (stage > 0), leaves with gradients
+    std::vector<torch::Tensor> roots;    // what backward starts from: the scaled loss, or the sent carry
+    std::vector<torch::Tensor> grads;    // their gradients (received from the next stage; none for the loss)
+    bool received = false;               // grads received (I then W)
+  };
+  void forward(Micro& m, int micro);
+  void backward(Micro& m, int micro, PipeOp op);
+  void send_carry(const NetCarry& k, int micro);
+  NetCarry recv_carry(int micro, std::vector<torch::Tensor>& inputs);
+  void post_send(torch::Tensor t, int peer, int tag);
+
+  RunConfig cfg_;
+  Net net_;
+  std::shared_ptr<Objective> objective_;
+  std::shared_ptr<Comm> comm_;
+  std::vector<int> bounds_;
+  PipeSchedule schedule_;
+  int stage_ = 0;
+  std::vector<NetUnit> units_;           // this stage's
+  std::vector<std::string> unit_names_;  // every unit's, in order
+  std::vector<torch::Tensor> params_;    // this stage's trainable parameters
+  std::vector<std::string> all_names_;   // every trainable parameter of the whole model, in order
+  std::vector<std::vector<int64_t>> all_shapes_;
+  std::unique_ptr<FlatAdamW> optim_;
+  std::vector<std::pair<c10::intrusive_ptr<c10d::Work>, torch::Tensor>> sends_;  // waited at the end
+  std::vector<Micro> micro_;
+  double scale_ = 1, loss_sum_ = 0;
+  StepTimes times_;
+  std::chrono::steady_clock::time_point received_;  // when the current action's receive completed
+  std::vector<PipeEvent> events_;
+};
+
+}  // namespace ddm

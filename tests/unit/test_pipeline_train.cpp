@@ -1,0 +1,139 @@
+// Pipeline-parallel training through the real trainer (parallel.pp), stages as threads of this
+// process sharing a c10d HashStore (Gloo send/recv over loopback): a pipeline of S stages trains what
+// one process with the same micro-batches trains, for GPipe, 1F1B and ZB-H1, on a U-Net with its
+// skips crossing the cuts and on a DiT, bit-identical when repeated; a run resumes under another stage split and as one process;
+// bad stage configurations are clear errors on every stage.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+
+#include "core/error.h"
+#include "test_util.h"
+#include "train_test_util.h"
+
+using namespace ddm;
+using namespace ddm::test;
+namespace fs = std::filesystem;
+
+namespace {
+
+RunConfig piped(RunConfig cfg, int stages, const std::string& schedule, std::vector<int64_t> cuts = {}) {
+  cfg.parallel.pp = stages;
+  cfg.parallel.schedule = schedule;
+  cfg.parallel.cuts = std::move(cuts);
+  return cfg;
+}
+
+std::string validate_error(const RunConfig& cfg) {
+  try {
+    validate(cfg);
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+RunConfig base(const std::string& arch) {
+  RunConfig cfg = tiny(arch);
+  cfg.train.grad_accum = 4;  // the pipeline's micro-batches; the single process accumulates the same ones
+  return cfg;
+}
+
+// Tolerance as in test_data_parallel.cpp: the same sums in another order (the conditioning embedding's
+// gradient adds up per stage; the gradient norm is a sum of the stages' squares), so float32
+// rounding: losses within 1e-4 relative, weights within 1e-3 (AdamW's division by the running RMS
+// can turn a rounding-level gradient into a step of up to ~3 lr).
+void expect_same_training(const std::string& run, const std::string& reference, const std::string& what) {
+  const auto l = losses(run), want = losses(reference);
+  ASSERT_EQ(l.size(), want.size()) << what;
+  double worst = 0;
+  for (size_t i = 0; i < l.size(); ++i) worst = std::max(worst, std::abs(l[i] - want[i]) / want[i]);
+  const double w = max_weight_difference(final_weights(run), final_weights(reference));
+  EXPECT_LE(worst, 1e-4) << what;
+  EXPECT_LE(w, 1e-3) << what;
+  std::printf("%s: losses within %.2e (relative), weights within %.2e\n", what.c_str(), worst, w);
+}
+
+}  // namespace
+
+TEST(PipelineTrain, StagesTrainWhatOneProcessTrains) {
+  for (const char* arch : {"unet", "dit"}) {
+    test::TempDir dir;
+    const RunConfig cfg = base(arch);
+    ASSERT_EQ(train_ranks(1, {cfg}, dir / "one"), std::vector<std::string>{""});
+    ASSERT_EQ(losses(dir / "one").size(), 20u);
+    // The U-Net's cut after its second unit leaves the first skip open across it.
+    const std::vector<int64_t> cut = {2};
+    for (const char* schedule : {"gpipe", "1f1b", "zb-h1"}) {
+      const RunConfig two = piped(cfg, 2, schedule, cut);
+      ASSERT_EQ(train_ranks(2, {two, two}, dir / schedule), (std::vector<std::string>{"", ""})) << schedule;
+      expect_same_training(dir / schedule, dir / "one", std::string(arch) + " 2 stages " + schedule);
+    }
+    // Same config, stages, split and threads: bit-identical.
+    const RunConfig again = piped(cfg, 2, "1f1b", cut);
+    ASSERT_EQ(train_ranks(2, {again, again}, dir / "again"), (std::vector<std::string>{"", ""}));
+    EXPECT_EQ(losses(dir / "again"), losses(dir / "1f1b")) << arch;
+    EXPECT_EQ(max_weight_difference(final_weights(dir / "again"), final_weights(dir / "1f1b")), 0.0) << arch;
+    const RunConfig three = piped(cfg, 3, "1f1b");  // automatic cuts
+    ASSERT_EQ(train_ranks(3, {three, three, three}, dir / "three"), (std::vector<std::string>(3, "")));
+    expect_same_training(dir / "three", dir / "one", std::string(arch) + " 3 stages 1f1b");
+    // A real difference is seen: the single process without its last micro-batches' worth of data.
+    RunConfig half = cfg;
+    half.train.batch_size = 8;
+    half.train.grad_accum = 2;
+    ASSERT_EQ(train_ranks(1, {half}, dir / "half"), std::vector<std::string>{""});
+    EXPECT_GT(max_weight_difference(final_weights(dir / "half"), final_weights(dir / "one")), 1e-2);
+  }
+}
+
+TEST(PipelineTrain, ResumesUnderAnotherSplitAndAsOneProcess) {
+  test::TempDir dir;
+  const RunConfig cfg = base("unet");
+  ASSERT_EQ(train_ranks(1, {cfg}, dir / "one"), std::vector<std::string>{""});
+  RunConfig first = piped(cfg, 2, "1f1b", {2});
+  first.train.steps = 10;
+  // Two stages for 10 steps, then three stages (another split, another schedule) to step 20.
+  ASSERT_EQ(train_ranks(2, {first, first}, dir / "split"), (std::vector<std::string>{"", ""}));
+  const RunConfig three = piped(cfg, 3, "gpipe");
+  ASSERT_EQ(train_ranks(3, {three, three, three}, dir / "split", true), (std::vector<std::string>(3, "")));
+  expect_same_training(dir / "split", dir / "one", "2 stages, resumed as 3");
+  // Two stages for 10 steps, then one process to step 20.
+  ASSERT_EQ(train_ranks(2, {first, first}, dir / "single"), (std::vector<std::string>{"", ""}));
+  ASSERT_EQ(train_ranks(1, {cfg}, dir / "single", true), std::vector<std::string>{""});
+  expect_same_training(dir / "single", dir / "one", "2 stages, resumed as 1 process");
+  // The pipeline's checkpoint is an ordinary one: every parameter, by name, and its state.
+  const Checkpoint ck = read_checkpoint(*latest_checkpoint(dir / "split"), true);
+  EXPECT_EQ(ck.state["pipeline"]["stages"].get<int>(), 3);
+  EXPECT_EQ(ck.model.size(), read_checkpoint(*latest_checkpoint(dir / "one"), true).model.size());
+}
+
+TEST(PipelineTrain, BadStageConfigsAreClearErrors) {
+  test::TempDir dir;
+  const RunConfig cfg = base("unet");
+  // A process count that is not the stage count.
+  const RunConfig three = piped(cfg, 3, "1f1b");
+  for (const std::string& e : train_ranks(2, {three, three}, dir / "a"))
+    EXPECT_NE(e.find("parallel.pp = 3 pipeline stages but the job has 2 processes"), std::string::npos) << e;
+  // More stages than units, and a cut past the last unit.
+  RunConfig many = piped(cfg, 2, "1f1b", {400});
+  for (const std::string& e : train_ranks(2, {many, many}, dir / "b"))
+    EXPECT_NE(e.find("parallel.cuts = 400 is not a unit index"), std::string::npos) << e;
+  // Stages that disagree on the schedule.
+  const RunConfig g = piped(cfg, 2, "gpipe"), z = piped(cfg, 2, "zb-h1");
+  for (const std::string& e : train_ranks(2, {g, z}, dir / "c"))
+    EXPECT_NE(e.find("parallel.schedule"), std::string::npos) << e;
+  // Keys checked by the config: cut count, order, and self-conditioning.
+  RunConfig bad = piped(cfg, 3, "1f1b", {4});
+  EXPECT_NE(validate_error(bad).find("parallel.cuts has 1 entries but parallel.pp = 3"), std::string::npos) << validate_error(bad);
+  bad = piped(cfg, 3, "1f1b", {4, 2});
+  EXPECT_NE(validate_error(bad).find("parallel.cuts must be increasing"), std::string::npos) << validate_error(bad);
+  bad = piped(cfg, 2, "1f2b");
+  EXPECT_NE(validate_error(bad).find("parallel.schedule"), std::string::npos) << validate_error(bad);
+  bad = piped(cfg, 2, "1f1b");
+  bad.train.self_cond = 0.5;
+  EXPECT_NE(validate_error(bad).find("self-conditioning"), std::string::npos) << validate_error(bad);
+  // The keys as a user writes them.
+  const RunConfig parsed = parse_config("", "test.toml", {"parallel.pp=3", "parallel.cuts=[4, 9]", "parallel.schedule=zb-h1"});
+  EXPECT_EQ(parsed.parallel.cuts, (std::vector<int64_t>{4, 9}));
+  EXPECT_FALSE(fs::exists(dir / "a/ckpt"));
+}
