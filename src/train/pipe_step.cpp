@@ -224,13 +224,21 @@ void PipeStep::backward(Micro& m, int micro, PipeOp op) {
     m.received = true;
     received_ = Clock::now();
   }
+  // Only what carries a gradient back: a carried tensor may depend on no trainable parameter at all
+  // (a ControlNet's locked features), and its received gradient then has nowhere to go.
+  std::vector<torch::Tensor> roots, grads;
+  for (size_t i = 0; i < m.roots.size(); ++i)
+    if (m.roots[i].requires_grad()) {
+      roots.push_back(m.roots[i]);
+      if (!m.grads.empty()) grads.push_back(m.grads[i]);
+    }
   auto send_input_grads = [&](std::vector<torch::Tensor> g) {
     for (size_t i = 0; i < g.size(); ++i)
       if (!g[i].defined()) g[i] = torch::zeros_like(m.inputs[i]);  // an input no unit here read
     post_send(flat_of(g), stage_ - 1, tag_of(micro, kGradient));
   };
   if (op == PipeOp::kBackward) {
-    torch::autograd::backward(m.roots, m.grads);
+    if (!roots.empty()) torch::autograd::backward(roots, grads);
     if (stage_ > 0) {
       std::vector<torch::Tensor> g;
       for (const torch::Tensor& in : m.inputs) g.push_back(in.grad());
@@ -238,11 +246,12 @@ void PipeStep::backward(Micro& m, int micro, PipeOp op) {
     }
   } else if (op == PipeOp::kInputGrad) {
     if (stage_ > 0)
-      send_input_grads(torch::autograd::grad(m.roots, m.inputs, m.grads, /*retain_graph=*/true,
-                                             /*create_graph=*/false, /*allow_unused=*/true));
+      send_input_grads(roots.empty() ? std::vector<torch::Tensor>(m.inputs.size())
+                                     : torch::autograd::grad(roots, m.inputs, grads, /*retain_graph=*/true,
+                                                             /*create_graph=*/false, /*allow_unused=*/true));
     return;  // W follows from the same graph
-  } else if (!params_.empty()) {  // W (no parameters here: nothing to do but free the graph)
-    torch::autograd::backward(m.roots, m.grads, /*retain_graph=*/false, /*create_graph=*/false, params_);
+  } else if (!params_.empty() && !roots.empty()) {  // W (no parameters here: nothing to do but free the graph)
+    torch::autograd::backward(roots, grads, /*retain_graph=*/false, /*create_graph=*/false, params_);
   }
   m = Micro{};  // the activations go
 }

@@ -273,11 +273,12 @@ TrainSummary train(TrainJob job, const TrainOptions& options) {
                              << ": pipelines of data-parallel replicas are not supported yet; set parallel.dp = 0");
   const int data_world = pipelined ? 1 : world;  // every stage takes the whole global batch
   DDM_CHECK(tc.batch_size % (static_cast<int64_t>(data_world) * tc.grad_accum) == 0,
-            "train.batch_size = " << tc.batch_size << " does not split into " << world << " rank"
-                                  << (world > 1 ? "s" : "") << " x " << tc.grad_accum
+            "train.batch_size = " << tc.batch_size << " does not split into " << data_world << " rank"
+                                  << (data_world > 1 ? "s" : "") << " x " << tc.grad_accum
                                   << " micro-batch" << (tc.grad_accum > 1 ? "es" : "")
                                   << " of equal size; the global batch must be a multiple of "
-                                  << world * tc.grad_accum << " (or change train.grad_accum / the process count)"
+                                  << data_world * tc.grad_accum << " (or change train.grad_accum"
+                                  << (pipelined ? ", the pipeline's micro-batches)" : " / the process count)")
                                   << (diloco_mode ? "; with parallel.mode = \"diloco\" each replica takes its share of it" : ""));
   const int64_t local_batch = tc.batch_size / data_world;
   const std::string config_text = to_toml(job.recorded);

@@ -1,13 +1,16 @@
 // Pipeline-parallel training through the real trainer (parallel.pp), stages as threads of this
 // process sharing a c10d HashStore (Gloo send/recv over loopback): a pipeline of S stages trains what
 // one process with the same micro-batches trains, for GPipe, 1F1B and ZB-H1, on a U-Net with its
-// skips crossing the cuts and on a DiT, bit-identical when repeated; a run resumes under another stage split and as one process;
+// skips crossing the cuts and on a DiT, bit-identical when repeated, and with a stage that has no
+// trainable parameters (a ControlNet's locked output layer); a run resumes under another stage split and as one process;
 // bad stage configurations are clear errors on every stage.
 #include <gtest/gtest.h>
 
 #include <filesystem>
 
 #include "core/error.h"
+#include "model/net.h"
+#include "train/controlnet.h"
 #include "test_util.h"
 #include "train_test_util.h"
 
@@ -84,6 +87,27 @@ TEST(PipelineTrain, StagesTrainWhatOneProcessTrains) {
     ASSERT_EQ(train_ranks(1, {half}, dir / "half"), std::vector<std::string>{""});
     EXPECT_GT(max_weight_difference(final_weights(dir / "half"), final_weights(dir / "one")), 1e-2);
   }
+}
+
+// A ControlNet's last unit (its locked decoder's output layer) has no trainable parameter: a stage of
+// it alone runs forwards and input gradients and has nothing to update.
+TEST(PipelineTrain, AStageWithoutTrainableParametersTrains) {
+  test::TempDir dir;
+  const RunConfig unet = base("unet");
+  ASSERT_EQ(train_ranks(1, {unet}, dir / "base"), std::vector<std::string>{""});
+  RunConfig cn = unet;
+  cn.model.controlnet = dir / "base";
+  cn.train.steps = 6;
+  const TrainJob job = job_for(cn);
+  Net net = make_net(job.cfg.model);
+  attach_controlnet(*net, job.cfg.model);
+  const std::vector<NetUnit> all = net->units();
+  const int units = static_cast<int>(all.size());
+  ASSERT_EQ(all.back().params.size(), 0u) << all.back().name;
+  ASSERT_EQ(train_ranks(1, {cn}, dir / "one"), std::vector<std::string>{""});
+  const RunConfig two = piped(cn, 2, "zb-h1", {units - 1});
+  ASSERT_EQ(train_ranks(2, {two, two}, dir / "two"), (std::vector<std::string>{"", ""}));
+  expect_same_training(dir / "two", dir / "one", "ControlNet, last stage without parameters");
 }
 
 TEST(PipelineTrain, ResumesUnderAnotherSplitAndAsOneProcess) {
