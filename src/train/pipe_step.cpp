@@ -30,15 +30,25 @@ torch::Tensor flat_of(const std::vector<torch::Tensor>& ts) {
   return torch::cat(flat).contiguous();  // float [sum of numel]
 }
 
+int64_t numel_of(const std::vector<int64_t>& shape) {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+int64_t numel_of(const std::vector<std::vector<int64_t>>& shapes) {
+  int64_t n = 0;
+  for (const auto& s : shapes) n += numel_of(s);
+  return n;
+}
+
 // Views of `flat` shaped like `shapes`, in order.
 std::vector<torch::Tensor> split_flat(const torch::Tensor& flat, const std::vector<std::vector<int64_t>>& shapes) {
   std::vector<torch::Tensor> out;
   int64_t at = 0;
   for (const auto& s : shapes) {
-    int64_t n = 1;
-    for (int64_t d : s) n *= d;
-    out.push_back(flat.narrow(0, at, n).view(s));
-    at += n;
+    out.push_back(flat.narrow(0, at, numel_of(s)).view(s));
+    at += numel_of(s);
   }
   return out;
 }
@@ -171,16 +181,12 @@ NetCarry PipeStep::recv_carry(int micro, std::vector<torch::Tensor>& inputs) {
   comm_->wait(comm_->recv_async(header, prev, tag_of(micro, kCarryHeader)), "receive from stage " + std::to_string(prev));
   const auto* h = header.data_ptr<int64_t>();
   std::vector<std::vector<int64_t>> shapes;
-  int64_t at = 2, total = 0;
+  int64_t at = 2;
   for (int64_t i = 0; i < h[1]; ++i) {
-    std::vector<int64_t> s(h + at + 1, h + at + 1 + h[at]);
+    shapes.emplace_back(h + at + 1, h + at + 1 + h[at]);
     at += 1 + h[at];
-    int64_t n = 1;
-    for (int64_t d : s) n *= d;
-    total += n;
-    shapes.push_back(std::move(s));
   }
-  auto values = torch::empty({total}, torch::kFloat);
+  auto values = torch::empty({numel_of(shapes)}, torch::kFloat);
   comm_->wait(comm_->recv_async(values, prev, tag_of(micro, kCarryValues)), "receive from stage " + std::to_string(prev));
   received_ = Clock::now();
   inputs.clear();
@@ -215,9 +221,8 @@ void PipeStep::backward(Micro& m, int micro, PipeOp op) {
   const bool last = stage_ + 1 == stages();
   if (!last && !m.received) {
     std::vector<std::vector<int64_t>> shapes;
-    int64_t total = 0;
-    for (const torch::Tensor& r : m.roots) shapes.push_back(r.sizes().vec()), total += r.numel();
-    auto g = torch::empty({total}, torch::kFloat);
+    for (const torch::Tensor& r : m.roots) shapes.push_back(r.sizes().vec());
+    auto g = torch::empty({numel_of(shapes)}, torch::kFloat);
     comm_->wait(comm_->recv_async(g, stage_ + 1, tag_of(micro, kGradient)),
                 "receive a gradient from stage " + std::to_string(stage_ + 1));
     m.grads = split_flat(g, shapes);
@@ -326,14 +331,8 @@ std::string PipeStep::last_step_json() const {
 }
 
 TensorMap PipeStep::assemble(const TensorMap& mine, const std::string& prefix) {
-  int64_t total = 0;
-  for (const auto& s : all_shapes_) {
-    int64_t n = 1;
-    for (int64_t d : s) n *= d;
-    total += n;
-  }
   torch::NoGradGuard no_grad;
-  auto flat = torch::zeros({total}, torch::kFloat);
+  auto flat = torch::zeros({numel_of(all_shapes_)}, torch::kFloat);
   std::vector<torch::Tensor> views = split_flat(flat, all_shapes_);
   for (size_t i = 0; i < all_names_.size(); ++i) {
     auto it = mine.find(prefix + all_names_[i]);
@@ -346,14 +345,8 @@ TensorMap PipeStep::assemble(const TensorMap& mine, const std::string& prefix) {
 }
 
 TensorMap PipeStep::share(const TensorMap& whole, const std::string& prefix, const std::string& origin) {
-  int64_t total = 0;
-  for (const auto& s : all_shapes_) {
-    int64_t n = 1;
-    for (int64_t d : s) n *= d;
-    total += n;
-  }
   torch::NoGradGuard no_grad;
-  auto flat = torch::zeros({total}, torch::kFloat);
+  auto flat = torch::zeros({numel_of(all_shapes_)}, torch::kFloat);
   std::vector<torch::Tensor> views = split_flat(flat, all_shapes_);
   std::string error;  // stage 0's: every stage learns of it before the broadcast, so none is left waiting
   if (comm_->rank() == 0) {

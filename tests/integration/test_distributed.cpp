@@ -148,6 +148,47 @@ nlohmann::json sigterm_to_rank_one(const Workdir& r, const std::string& out, con
   return nlohmann::json::parse(test::read_text(ckpts[0] + "/state.json"));
 }
 
+// Starts 2 ranks by hand (no launcher to stop them: srun, mpirun, hand-started) training `out`
+// without end, kills rank 1 with kill -9 after the first checkpoint; the survivor itself must fail
+// within seconds naming the lost rank. Checks that and returns rank 0's log.
+std::string rank_one_killed(const Workdir& r, const std::string& out, const std::string& sets) {
+  const std::string env = "WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(free_port());
+  const std::string args = r.train(out, sets + " --set train.steps=100000");
+  const pid_t r0 = spawn("RANK=0 " + env, args, r.dir / "r0.log"), r1 = spawn("RANK=1 " + env, args, r.dir / "r1.log");
+  wait_for_checkpoints(r.dir / out, 1, 120);
+  kill(r1, SIGKILL);
+  const auto t0 = std::chrono::steady_clock::now();
+  EXPECT_EQ(wait_exit(r0, 60), 0) << test::read_text(r.dir / "r0.log");
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 30);
+  const std::string log = test::read_text(r.dir / "r0.log");
+  EXPECT_TRUE(has(log, "error: rank 0: lost the connection to rank 1")) << log;
+  return log;
+}
+
+// Trains `out` under `ddm launch` with parallel.timeout = 3, stops worker 1 with SIGSTOP after the
+// first checkpoint; the other must fail after the timeout, well before Gloo's 30 minutes. Checks
+// that and returns the launcher's log.
+std::string worker_one_hung(const Workdir& r, const std::string& out, const std::string& sets) {
+  const std::string log = r.dir / (out + ".log");
+  const pid_t launcher = spawn("", "launch --timeout 200 --grace 2 --nproc 2 -- " +
+                                       r.train(out, sets + " --set train.steps=100000 --set parallel.timeout=3"),
+                               log);
+  wait_for_checkpoints(r.dir / out, 1, 120);
+  auto workers = children(launcher);
+  if (workers.size() != 2u) {
+    ADD_FAILURE() << "expected 2 workers: " << test::read_text(log);
+    return "";
+  }
+  kill(workers[1], SIGSTOP);
+  const auto t0 = std::chrono::steady_clock::now();
+  EXPECT_EQ(wait_exit(launcher, 120), 0) << test::read_text(log);
+  const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const std::string text = test::read_text(log);
+  EXPECT_TRUE(has(text, "timed out after 3")) << text;
+  EXPECT_LT(waited, 60) << text;  // bounded by the timeout and the grace period, not by Gloo's 30 minutes
+  return text;
+}
+
 }  // namespace
 
 TEST(Distributed, TwoLaunchedRanksTrainWhatOneProcessTrains) {
@@ -196,38 +237,15 @@ TEST(Distributed, ResumesUnderAnotherWorldSize) {
 }
 
 TEST(Distributed, AKilledRankFailsTheOtherWithinSecondsNamingIt) {
-  // Without a launcher to stop it (srun, mpirun, hand-started), the survivor itself must notice.
   Workdir r;
-  const std::string env = "WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(free_port());
-  const std::string args = r.train("lost", " --set train.steps=100000");
-  const pid_t r0 = spawn("RANK=0 " + env, args, r.dir / "r0.log"), r1 = spawn("RANK=1 " + env, args, r.dir / "r1.log");
-  wait_for_checkpoints(r.dir / "lost", 1, 120);
-  kill(r1, SIGKILL);
-  const auto t0 = std::chrono::steady_clock::now();
-  ASSERT_EQ(wait_exit(r0, 60), 0) << test::read_text(r.dir / "r0.log");
-  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 30);
-  const std::string out = test::read_text(r.dir / "r0.log");
-  EXPECT_TRUE(has(out, "error: rank 0: lost the connection to rank 1")) << out;
+  rank_one_killed(r, "lost", "");
   EXPECT_FALSE(list_checkpoints(r.dir / "lost").empty());
 }
 
 TEST(Distributed, AHungWorkerFailsTheOthersAfterTheTimeout) {
   Workdir r;
-  const std::string log = r.dir / "launch.log";
-  const pid_t launcher = spawn("", "launch --timeout 200 --grace 2 --nproc 2 -- " +
-                                       r.train("hung", " --set train.steps=100000 --set parallel.timeout=3"),
-                               log);
-  wait_for_checkpoints(r.dir / "hung", 1, 120);
-  auto workers = children(launcher);
-  ASSERT_EQ(workers.size(), 2u) << test::read_text(log);
-  kill(workers[1], SIGSTOP);
-  const auto t0 = std::chrono::steady_clock::now();
-  ASSERT_EQ(wait_exit(launcher, 120), 0) << test::read_text(log);
-  const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  const std::string out = test::read_text(log);
-  EXPECT_TRUE(has(out, "timed out after 3")) << out;
+  const std::string out = worker_one_hung(r, "hung", "");
   EXPECT_TRUE(has(out, "rank 0")) << out;
-  EXPECT_LT(waited, 60) << out;  // bounded by the timeout and the grace period, not by Gloo's 30 minutes
   EXPECT_FALSE(list_checkpoints(r.dir / "hung").empty());
 }
 
@@ -247,30 +265,8 @@ TEST(Distributed, PipelineStagesSurviveAKillAndReportLostAndHungStages) {
   EXPECT_EQ(weight_difference(r.dir / "ref", r.dir / "killed"), 0.0);
   EXPECT_EQ(losses(r.dir / "ref"), losses(r.dir / "killed"));
 
-  const std::string env = "WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(free_port());
-  const std::string args = r.train("lost", pp + " --set train.steps=100000");
-  const pid_t r0 = spawn("RANK=0 " + env, args, r.dir / "r0.log"), r1 = spawn("RANK=1 " + env, args, r.dir / "r1.log");
-  wait_for_checkpoints(r.dir / "lost", 1, 120);
-  kill(r1, SIGKILL);
-  const auto t0 = std::chrono::steady_clock::now();
-  ASSERT_EQ(wait_exit(r0, 60), 0) << test::read_text(r.dir / "r0.log");
-  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 30);
-  const std::string lost = test::read_text(r.dir / "r0.log");
-  EXPECT_TRUE(has(lost, "error: rank 0: lost the connection to rank 1")) << lost;
-
-  const std::string log = r.dir / "hung.log";
-  const pid_t launcher = spawn("", "launch --timeout 200 --grace 2 --nproc 2 -- " +
-                                       r.train("hung", pp + " --set train.steps=100000 --set parallel.timeout=3"),
-                               log);
-  wait_for_checkpoints(r.dir / "hung", 1, 120);
-  auto workers = children(launcher);
-  ASSERT_EQ(workers.size(), 2u) << test::read_text(log);
-  kill(workers[1], SIGSTOP);
-  const auto t1 = std::chrono::steady_clock::now();
-  ASSERT_EQ(wait_exit(launcher, 120), 0) << test::read_text(log);
-  const std::string hung = test::read_text(log);
-  EXPECT_TRUE(has(hung, "timed out after 3")) << hung;
-  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t1).count(), 60) << hung;
+  rank_one_killed(r, "lost", pp);
+  worker_one_hung(r, "hung", pp);
 }
 
 TEST(Distributed, SigtermToOneRankStopsEveryRankAfterTheSameStepWithACheckpoint) {
