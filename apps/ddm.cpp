@@ -627,7 +627,9 @@ int run(int argc, char** argv) {
         "every diloco.inner_steps steps (diloco.fragments > 1: Streaming DiLoCo). See docs/distributed.md.\n"
         "Pipeline parallel: --set parallel.pp=S with S processes runs the model's units as S stages (one per "
         "process), train.grad_accum micro-batches per step under parallel.schedule (gpipe, 1f1b, zb-h1), split "
-        "at parallel.cuts (`ddm plan` lists the units) or balanced automatically. See docs/pipeline.md.");
+        "at parallel.cuts (`ddm plan` lists the units) or balanced automatically; from the third step the frozen work "
+        "of the prepare phase runs in the schedule's bubbles (parallel.fill = false: serially on every stage). See "
+        "docs/pipeline.md.");
 
   // sample
   SampleArgs sa;

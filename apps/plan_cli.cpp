@@ -110,13 +110,28 @@ PipeProfile measure(const PlanArgs& a, int64_t* batch) {
 }
 
 // A pipelined run's measured last step (RunDir::kPipeTimeline) as a timeline on one clock: each
-// stage's prepare phase as serial frozen work, then its actions; the optimizer (with the loss and
-// norm all-reduce) per rank after the last action.
+// stage's prepare phase as serial frozen work, then its actions (prepare pieces of a fill plan among
+// them); the optimizer (with the loss and norm all-reduce) per rank after the last action. With a fill
+// plan, also the run's own prediction, simulated from the costs it measured.
 struct Measured {
   nlohmann::json record;
   PipeTimeline timeline;
   std::vector<double> optimizer;
+  std::optional<PipeTimeline> planned;  // the run's fill plan, when it used one
+  std::vector<double> planned_optimizer;
 };
+
+// [op, micro, start_ms, end_ms] (+ rows, ahead for a prepare piece "T") on `rank`, shifted by `off`.
+PipeSlot slot_of(const nlohmann::json& e, int rank, double off) {
+  PipeAction a;
+  const std::string op = e.at(0);
+  a.op = op == "F" ? PipeOp::kForward : op == "B" ? PipeOp::kBackward : op == "I" ? PipeOp::kInputGrad
+       : op == "W" ? PipeOp::kWeightGrad : PipeOp::kTask;
+  DDM_CHECK(a.op != PipeOp::kTask || op == "T", "unknown action '" << op << "'");
+  a.stage = a.op == PipeOp::kTask ? -1 : rank, a.micro = e.at(1);
+  if (a.op == PipeOp::kTask) a.task = 0, a.rows = e.at(4), a.serial = !e.at(5).get<bool>();
+  return {a, off + e.at(2).get<double>(), off + e.at(3).get<double>()};
+}
 
 Measured read_measured(const std::string& run) {
   const std::string path = RunDir(run) / RunDir::kPipeTimeline;
@@ -131,19 +146,31 @@ Measured read_measured(const std::string& run) {
     for (const auto& r : m.record.at("ranks")) {
       const double off = r.at("start_ms").get<double>() - t0;
       std::vector<PipeSlot> slots;
-      PipeAction prep;
-      prep.op = PipeOp::kTask, prep.task = 0, prep.serial = true, prep.stage = -1;
-      slots.push_back({prep, off, off + r.at("prepared_ms").get<double>()});
-      for (const auto& e : r.at("events")) {
-        PipeAction a;
-        const std::string op = e.at(0);
-        a.op = op == "F" ? PipeOp::kForward : op == "B" ? PipeOp::kBackward : op == "I" ? PipeOp::kInputGrad : PipeOp::kWeightGrad;
-        a.stage = r.at("stage"), a.micro = e.at(1);
-        slots.push_back({a, off + e.at(2).get<double>(), off + e.at(3).get<double>()});
+      const double prepared = r.at("prepared_ms");
+      if (prepared > 0.05) {  // a filled step's prepare phase only posts its receives
+        PipeAction prep;
+        prep.op = PipeOp::kTask, prep.task = 0, prep.serial = true, prep.stage = -1;
+        slots.push_back({prep, off, off + prepared});
       }
+      for (const auto& e : r.at("events")) slots.push_back(slot_of(e, r.at("stage"), off));
       m.timeline.makespan = std::max(m.timeline.makespan, off + r.at("actions_ms").get<double>());
       m.optimizer.push_back(r.at("end_ms").get<double>() - r.at("synced_ms").get<double>());  // clip + AdamW + EMA
       m.timeline.ranks.push_back(std::move(slots));
+    }
+    // The run's fill plan, when the step shown ran it (a run shorter than 4 steps shows a step before).
+    const nlohmann::json fill = m.record.value("fill", nlohmann::json());
+    if (fill.is_object() && fill.at("used").get<bool>() && m.record.at("ranks").at(0).value("filled", false)) {
+      PipeTimeline t;
+      for (size_t r = 0; r < fill.at("ranks").size(); ++r) {
+        t.ranks.emplace_back();
+        for (const auto& e : fill.at("ranks")[r]) {
+          t.ranks.back().push_back(slot_of(e, static_cast<int>(r), 0));
+          t.makespan = std::max(t.makespan, t.ranks.back().back().end);
+        }
+      }
+      t.iteration = fill.at("planned_ms");
+      m.planned = t;
+      m.planned_optimizer = fill.at("optimizer_ms").get<std::vector<double>>();
     }
   } catch (const nlohmann::json::exception& e) {
     DDM_FAIL(path << " is not a pipeline timeline ddm wrote: " << e.what());
@@ -251,23 +278,35 @@ int run_plan(PlanArgs a) {
     std::printf("\n");
   }
   if (measured) {
-    // The runtime runs the frozen work serially: compare with the plan's serial iteration.
+    // A run with a fill plan against the profile's filled prediction and its own plan; a run without
+    // one (parallel.fill = false, or a run too short to plan) against the serial prediction.
     const PipePlan& p = plans.front();
+    const bool filled = measured->planned.has_value();
+    const PipeTimeline& predicted = filled ? p.filled.timeline : p.serial;
     const double step_ms = measured->record.at("step_ms");
+    const char* how = filled ? "frozen work filled into the bubbles" : "frozen work serial";
     std::printf("\nmeasured %s: %.1f ms per step (mean of %lld steps), last step %.1f ms, bubbles %.1f%%\n"
-                "predicted (frozen work serial, as the runtime runs it): %.1f ms, bubbles %.1f%%: %+.1f%% of the measured\n",
+                "predicted from the profile (%s, as the run): %.1f ms, bubbles %.1f%%: %+.1f%% of the measured\n",
                 a.measured.c_str(), step_ms, static_cast<long long>(measured->record.at("steps_timed").get<int64_t>()),
-                measured->timeline.iteration, 100 * measured->timeline.bubble_fraction(), p.serial_iteration(),
-                100 * p.serial.bubble_fraction(), 100 * (p.serial_iteration() - step_ms) / step_ms);
+                measured->timeline.iteration, 100 * measured->timeline.bubble_fraction(), how, predicted.iteration,
+                100 * predicted.bubble_fraction(), 100 * (predicted.iteration - step_ms) / step_ms);
+    if (filled)
+      std::printf("planned in the run from the costs it measured: %.1f ms, bubbles %.1f%%: %+.1f%% of the measured\n",
+                  measured->planned->iteration, 100 * measured->planned->bubble_fraction(),
+                  100 * (measured->planned->iteration - step_ms) / step_ms);
     if (!a.timeline.empty()) {
+      std::vector<PipePanel> panels{{std::string("simulated from the profile (") + how + "): " + fmt_ms(predicted.iteration),
+                                     predicted, p.costs.optimizer}};
+      if (filled)
+        panels.push_back({"planned in the run from its measured costs: " + fmt_ms(measured->planned->iteration),
+                          *measured->planned, measured->planned_optimizer});
+      panels.push_back({"measured, last step of " + a.measured + ": " + fmt_ms(measured->timeline.iteration) +
+                            " (mean step " + fmt_ms(step_ms) + ")",
+                        measured->timeline, measured->optimizer});
       save_pipe_picture(a.timeline,
                         prof.model + ", " + std::to_string(p.stages) + " stages, " + p.schedule + ", " +
                             std::to_string(p.micro) + " micro-batches of " + std::to_string(p.rows),
-                        {{"simulated from the profile (frozen work serial): " + fmt_ms(p.serial_iteration()), p.serial,
-                          p.costs.optimizer},
-                         {"measured, last step of " + a.measured + ": " + fmt_ms(measured->timeline.iteration) +
-                              " (mean step " + fmt_ms(step_ms) + ")",
-                          measured->timeline, measured->optimizer}});
+                        panels);
       std::cout << "wrote " << a.timeline << std::endl;
     }
     return 0;

@@ -1,31 +1,33 @@
 #!/usr/bin/env bash
 # Pipeline-parallel training measured on this machine: 2 processes x 1 thread at equal global batch,
-# data parallelism against 2-stage pipelines under GPipe, 1F1B and ZB-H1 (the frozen work serial:
-# the runtime does not fill bubbles yet), on the two workloads with the most frozen work: latent
-# diffusion (a frozen encoder) and a ControlNet (control maps and the locked encoder in prepare, the
-# locked decoder on the gradient path). Each run starts its 2 processes on 127.0.0.1 itself, each
-# under /usr/bin/time for its peak memory. Per run: throughput over the steps after the first
-# STEPS/3 (metrics.jsonl), each rank's peak RSS, and for pipelines the simulator's prediction for the
-# same split, schedule and micro-batches (`ddm plan --measured`, from a profile measured once per
-# workload) with its error and a timeline PNG of both. Runs are interleaved over ROUNDS rounds; the
-# table shows medians. Each pipeline is split where the planner puts the cut for its schedule. Builds
-# nothing: it uses build/ddm.
+# data parallelism against 2-stage pipelines under GPipe, 1F1B and ZB-H1, each with the frozen work
+# serial (parallel.fill = false: every stage prepares every micro-batch before the pipeline starts)
+# and filled into the bubbles (parallel.fill = true: planned in the run after its second step), on
+# the two workloads with the most frozen work: latent diffusion (a frozen encoder) and a ControlNet
+# (control maps and the locked encoder in prepare, the locked decoder on the gradient path). Each run
+# starts its 2 processes on 127.0.0.1 itself, each under /usr/bin/time for its peak memory. Per run:
+# throughput over the steps after the first logging interval (metrics.jsonl: steps 5-16 of 16),
+# each rank's peak RSS, and for pipelines the simulator's prediction for the same split, schedule
+# and micro-batches (`ddm plan --measured`, from a profile measured once per workload; for a filled
+# run also its own plan's prediction) with the error and a timeline PNG. Runs are interleaved over
+# ROUNDS rounds; the table shows medians, and ratios taken within each round. Each pipeline is split
+# where the planner puts the cut for its schedule. Builds nothing: it uses build/ddm.
 # usage: bench/pipeline_runs.sh AE_RUN BASE_RUN [ROUNDS] [STEPS] [OUT_DIR]
 #   AE_RUN    a `ddm train-autoencoder` run (the latent workload's frozen encoder)
 #   BASE_RUN  a `ddm train --config configs/quickstart.toml` run (the ControlNet's locked base)
-#   defaults: 3 rounds, 12 steps, /tmp/ddm-pipeline-runs
+#   defaults: 3 rounds, 16 steps, /tmp/ddm-pipeline-runs; MICRO=8 micro-batches
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ae=${1:?usage: bench/pipeline_runs.sh AE_RUN BASE_RUN [ROUNDS] [STEPS] [OUT_DIR]}
 base=${2:?usage: bench/pipeline_runs.sh AE_RUN BASE_RUN [ROUNDS] [STEPS] [OUT_DIR]}
 rounds=${3:-3}
-steps=${4:-12}
+steps=${4:-16}
 out=${5:-/tmp/ddm-pipeline-runs}
 micro=${MICRO:-8}
 py=/usr/bin/python3
 mkdir -p "$out"
 port=$((29500 + RANDOM % 400))
-log_every=$((steps / 3))
+log_every=$((steps / 4))
 
 # WORKLOAD NAME WORLD ARGS...: one training of WORLD processes (our launcher's environment, set by hand)
 run() {
@@ -78,15 +80,21 @@ for ((round = 0; round < rounds; round++)); do
     declare -n wargs="args_$w"
     run "$w" dp 2 "${wargs[@]}" --set train.grad_accum=1
     for s in gpipe 1f1b zb-h1; do
-      run "$w" "$s" 2 "${wargs[@]}" --set parallel.pp=2 --set parallel.schedule=$s --set train.grad_accum="$micro" \
-        --set "parallel.cuts=[${cuts[$w-$s]}]"
+      for fill in false true; do
+        run "$w" "$s$([ $fill = true ] && echo -filled || echo -serial)" 2 "${wargs[@]}" --set parallel.pp=2 \
+          --set parallel.schedule=$s --set train.grad_accum="$micro" --set "parallel.cuts=[${cuts[$w-$s]}]" \
+          --set parallel.fill=$fill
+      done
     done
   done
 done
 # The simulator against the last round's measured pipelines, one profile per workload.
 for w in "${workloads[@]}"; do
   for s in gpipe 1f1b zb-h1; do
-    build/ddm plan --measured "$out/$w-$s" --profile "$out/$w.profile.json" --timeline "$out/$w-$s.png" > "$out/$w-$s.plan.txt"
+    for f in serial filled; do
+      build/ddm plan --measured "$out/$w-$s-$f" --profile "$out/$w.profile.json" --timeline "$out/$w-$s-$f.png" \
+        > "$out/$w-$s-$f.plan.txt"
+    done
   done
 done
 "$py" - "$out" "$micro" <<'PY'
@@ -94,21 +102,27 @@ import json, re, statistics, sys
 out, micro = sys.argv[1], sys.argv[2]
 rows = [json.loads(l) for l in open(out + "/results.jsonl")]
 runs = sorted({r["run"] for r in rows}, key=lambda r: ([w in r for w in ("latent", "controlnet")].index(True), r))
-print(f"2 processes x 1 thread, global batch 128, pipelines of 2 stages with {micro} micro-batches (frozen work serial)")
-print("%-24s %9s %9s %12s %22s %12s" % ("run", "img/s", "vs dp", "rounds", "peak RSS MiB (r0, r1)", "sim. error"))
+def ips_of(run): return [r["img_per_s"] for r in rows if r["run"] == run]
+def error(run, what):
+    try:
+        return re.search(what + r"[^\n]*?([+-][0-9.]+)% of the measured", open(run + ".plan.txt").read()).group(1) + "%"
+    except (OSError, AttributeError):
+        return "-"
+print(f"2 processes x 1 thread, global batch 128, pipelines of 2 stages with {micro} micro-batches")
+print("%-26s %8s %7s %10s %13s %20s %10s %10s" % ("run", "img/s", "vs dp", "vs serial", "rounds", "peak RSS MiB (r0, r1)",
+                                               "profile", "own plan"))
 for run in runs:
-    ips = [r["img_per_s"] for r in rows if r["run"] == run]
-    w = run.rsplit("/", 1)[1].split("-")[0]
-    dp = [r["img_per_s"] for r in rows if r["run"] == f"{out}/{w}-dp"]
+    name = run.rsplit("/", 1)[1]
+    w = name.split("-")[0]
+    ips, dp = ips_of(run), ips_of(f"{out}/{w}-dp")
     # Ratios within each round, then their median.
     ratio = statistics.median(a / b for a, b in zip(ips, dp))
+    vs_serial = "-"
+    if name.endswith("-filled"):
+        serial = ips_of(run[: -len("-filled")] + "-serial")
+        vs_serial = "%.2fx" % statistics.median(a / b for a, b in zip(ips, serial))
     rss = [r["peak_rss"] for r in rows if r["run"] == run][-1]
-    err = "-"
-    try:
-        text = open(run + ".plan.txt").read()
-        err = re.search(r"([+-][0-9.]+)% of the measured", text).group(1) + "%"
-    except (OSError, AttributeError):
-        pass
-    print("%-24s %9.1f %8.2fx %5.1f-%-6.1f %10.0f, %-10.0f %12s" % (run.rsplit("/", 1)[1], statistics.median(ips), ratio,
-          min(ips), max(ips), rss[0] / 2**20, rss[1] / 2**20, err))
+    print("%-26s %8.1f %6.2fx %10s %6.1f-%-6.1f %9.0f, %-9.0f %10s %10s" % (name, statistics.median(ips), ratio, vs_serial,
+          min(ips), max(ips), rss[0] / 2**20, rss[1] / 2**20, error(run, "predicted from the profile"),
+          error(run, "planned in the run")))
 PY

@@ -179,6 +179,7 @@ std::vector<Field> fields(RunConfig& c) {
       field("parallel.pp", &c.parallel.pp),
       field("parallel.schedule", &c.parallel.schedule),
       field("parallel.cuts", &c.parallel.cuts),
+      field("parallel.fill", &c.parallel.fill),
       field("diloco.inner_steps", &c.diloco.inner_steps),
       field("diloco.outer_lr", &c.diloco.outer_lr),
       field("diloco.outer_momentum", &c.diloco.outer_momentum),

@@ -145,6 +145,12 @@ struct ParallelConfig {
   // The first unit of stages 1..pp-1 (`ddm plan` prints them); empty: balanced by each unit's
   // parameters x output positions (its multiply-adds, attention aside).
   std::vector<int64_t> cuts;
+  // DiffusionPipe's bubble filling (docs/pipeline.md): the stages measure their first steps, plan
+  // where the prepare phase's frozen work fits into the schedule's bubbles (the next step's
+  // micro-batches included), and run it there, sending each piece's result to the stages that read
+  // it. false: every stage prepares every micro-batch itself before the pipeline starts. Either way
+  // the results are the same, bit for bit.
+  bool fill = true;
 };
 
 // DiLoCo (Douillard et al. 2023) and Streaming DiLoCo (2025): replicas take inner_steps ordinary

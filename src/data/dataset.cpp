@@ -100,6 +100,18 @@ torch::Tensor to_uint8(const torch::Tensor& images) {
   return images.detach().to(torch::kFloat32).add(1.0).mul_(127.5).round_().clamp_(0, 255).to(torch::kUInt8);
 }
 
+Batch Batch::rows(int64_t from, int64_t n) const {
+  DDM_CHECK(from >= 0 && n >= 0 && from + n <= x.size(0),
+            "Batch::rows: rows [" << from << ", " << from + n << ") are not inside a batch of " << x.size(0));
+  Batch b;
+  b.x = x.narrow(0, from, n);  // [n, C, H, W]
+  b.y = y.narrow(0, from, n);  // [n]
+  if (k.defined()) b.k = k.narrow(0, from, n);
+  if (index.defined()) b.index = index.narrow(0, from, n);
+  b.first = first + from;
+  return b;
+}
+
 BatchLoader::BatchLoader(const Dataset& data, int64_t batch_size, uint64_t seed, bool hflip)
     : data_(data), batch_size_(batch_size), seed_(seed), hflip_(hflip) {
   DDM_CHECK(batch_size > 0, "batch size must be > 0, got " << batch_size);

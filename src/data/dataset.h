@@ -44,6 +44,8 @@ struct Batch {
   torch::Tensor k;  // int64 [B]: the images' clusters (routers and distillation; undefined otherwise)
   int64_t first = 0;  // position of x[0] in the step's global batch: per-sample randomness is keyed by it
   torch::Tensor index{};  // int64 [B]: each image's index in its Dataset (latent caching; undefined if unknown)
+  // Rows [from, from + n) of every per-image tensor, their positions in the global batch kept.
+  Batch rows(int64_t from, int64_t n) const;
 };
 
 // Epoch-wise shuffling without replacement. The order of epoch e is a permutation drawn from a

@@ -23,30 +23,47 @@ int serial_rank(const PipeSchedule& s, const PipeTask& t) {
   return t.allowed_on(r) ? r : t.ranks.front();
 }
 
-// `s` with serial pieces of `rows[t][m]` rows of each instance at the front of its serial rank.
-PipeSchedule front_loaded(const PipeSchedule& s, const PipeCosts& c, const std::vector<std::vector<int64_t>>& rows) {
+// `s` with serial pieces of `rows[t][m]` rows of each instance at the front of the ranks, each rank's
+// ordered by micro-batch, then task: on the task's serial rank, or (spread) split in whole quanta as
+// evenly as can be over the ranks the task may run on, the lower ranks taking the remainder.
+PipeSchedule front_loaded(const PipeSchedule& s, const PipeCosts& c, const std::vector<std::vector<int64_t>>& rows,
+                          bool spread) {
   PipeSchedule out = s;
+  const int R = static_cast<int>(s.ranks.size());
   std::vector<std::vector<PipeAction>> front(s.ranks.size());
   for (int m = 0; m < s.micro; ++m)
-    for (int t = 0; t < static_cast<int>(c.tasks.size()); ++t)
-      if (rows[t][m] > 0) {
-        PipeAction a;
-        a.op = PipeOp::kTask, a.stage = -1, a.micro = m, a.task = t, a.rows = rows[t][m], a.serial = true;
-        front[serial_rank(s, c.tasks[t])].push_back(a);
+    for (int t = 0; t < static_cast<int>(c.tasks.size()); ++t) {
+      if (rows[t][m] == 0) continue;
+      const PipeTask& k = c.tasks[t];
+      PipeAction a;
+      a.op = PipeOp::kTask, a.stage = -1, a.micro = m, a.task = t, a.serial = true;
+      std::vector<int> on;
+      if (spread) {
+        for (int r = 0; r < R; ++r)
+          if (k.allowed_on(r)) on.push_back(r);
+      } else {
+        on = {serial_rank(s, k)};
       }
+      const int64_t quanta = rows[t][m] / k.quantum, n = static_cast<int64_t>(on.size());
+      for (int64_t i = 0; i < n; ++i) {
+        a.rows = (quanta / n + (i < quanta % n ? 1 : 0)) * k.quantum;
+        if (a.rows > 0) front[on[static_cast<size_t>(i)]].push_back(a);
+      }
+    }
   for (size_t r = 0; r < s.ranks.size(); ++r) out.ranks[r].insert(out.ranks[r].begin(), front[r].begin(), front[r].end());
   return out;
 }
 
-// Largest n in [0, limit] with t.time(n) <= budget (time grows with rows).
+// Largest n in [0, limit], a whole number of the task's quanta, with t.time(n) <= budget (time grows
+// with rows).
 int64_t rows_that_fit(const PipeTask& t, int64_t limit, double budget) {
-  int64_t lo = 0, hi = limit;
+  int64_t lo = 0, hi = limit / t.quantum;
   while (lo < hi) {
     const int64_t mid = (lo + hi + 1) / 2;
-    if (t.time(mid) <= budget + 1e-12) lo = mid;
+    if (t.time(mid * t.quantum) <= budget + 1e-12) lo = mid;
     else hi = mid - 1;
   }
-  return lo;
+  return lo * t.quantum;
 }
 
 }  // namespace
@@ -55,13 +72,12 @@ PipeSchedule with_serial_tasks(const PipeSchedule& s, const PipeCosts& c) {
   validate_costs(c, s.stages);
   std::vector<std::vector<int64_t>> rows(c.tasks.size());
   for (size_t t = 0; t < c.tasks.size(); ++t) rows[t].assign(s.micro, c.tasks[t].rows);
-  return front_loaded(s, c, rows);
+  return front_loaded(s, c, rows, false);
 }
 
-PipeFill fill_bubbles(const PipeSchedule& s, const PipeCosts& c) {
-  validate_costs(c, s.stages);
-  for (const std::vector<PipeAction>& r : s.ranks)
-    for (const PipeAction& a : r) DDM_CHECK(a.op != PipeOp::kTask, "fill_bubbles takes a schedule without task pieces");
+namespace {
+
+PipeFill fill_with(const PipeSchedule& s, const PipeCosts& c, bool spread) {
   const int T = static_cast<int>(c.tasks.size()), M = s.micro;
   std::vector<std::vector<int64_t>> serial(T, std::vector<int64_t>(M, 0));
   std::vector<int> consumer(T);
@@ -73,9 +89,10 @@ PipeFill fill_bubbles(const PipeSchedule& s, const PipeCosts& c) {
     PipeAction action;
   };
   PipeFill out;
+  out.spread = spread;
   for (;;) {
     ++out.rounds;
-    const PipeSchedule base = front_loaded(s, c, serial);
+    const PipeSchedule base = front_loaded(s, c, serial, spread);
     const PipeTimeline tl = simulate(base, c);
 
     // Each instance's rows still to place, its deadline, and when its pieces so far finish (per rank).
@@ -119,7 +136,7 @@ PipeFill fill_bubbles(const PipeSchedule& s, const PipeCosts& c) {
             if (k.after >= 0 && available(k.after, m, gap.rank) > cursor + 1e-12) continue;
             const double due = deadline[t][m] - (k.cross_iteration || gap.rank == consumer[t] ? 0 : k.send);
             const double limit = std::min(gap.end, due);
-            if (k.time(1) > limit - cursor + 1e-12) continue;
+            if (k.time(k.quantum) > limit - cursor + 1e-12) continue;
             if (best_t < 0 || due < best_deadline) best_t = t, best_m = m, best_deadline = due, best_limit = limit;
           }
         if (best_t < 0) break;
@@ -168,6 +185,20 @@ PipeFill fill_bubbles(const PipeSchedule& s, const PipeCosts& c) {
   for (int t = 0; t < T; ++t)
     for (int m = 0; m < M; ++m) out.serial_rows[t] += serial[t][m], out.filled_rows[t] += c.tasks[t].rows - serial[t][m];
   return out;
+}
+
+}  // namespace
+
+PipeFill fill_bubbles(const PipeSchedule& s, const PipeCosts& c) {
+  validate_costs(c, s.stages);
+  for (const std::vector<PipeAction>& r : s.ranks)
+    for (const PipeAction& a : r) DDM_CHECK(a.op != PipeOp::kTask, "fill_bubbles takes a schedule without task pieces");
+  PipeFill kept = fill_with(s, c, false);
+  if (s.ranks.size() > 1) {
+    PipeFill spread = fill_with(s, c, true);
+    if (spread.timeline.iteration < kept.timeline.iteration - 1e-9) kept = std::move(spread);
+  }
+  return kept;
 }
 
 }  // namespace ddm

@@ -51,6 +51,8 @@ void validate_costs(const PipeCosts& c, int S) {
       DDM_CHECK(k.cost[i].first > 0 && finite(k.cost[i].second) && (i == 0 || k.cost[i].first > k.cost[i - 1].first),
                 "task '" << k.name << "': profiled points must have rows > 0, ascending, and finite times >= 0");
     DDM_CHECK(k.rows >= 1, "task '" << k.name << "': rows per micro-batch must be >= 1, got " << k.rows);
+    DDM_CHECK(k.quantum >= 1 && k.rows % k.quantum == 0,
+              "task '" << k.name << "': its quantum (" << k.quantum << " rows) must divide its " << k.rows << " rows");
     DDM_CHECK(0 <= k.consumer && k.consumer < S, "task '" << k.name << "': consumer stage " << k.consumer << " is not in 0.." << S - 1);
     DDM_CHECK(k.after < static_cast<int>(t), "task '" << k.name << "': `after` must name an earlier task, got " << k.after);
     DDM_CHECK(finite(k.send), "task '" << k.name << "': send time is negative or not finite");
@@ -136,10 +138,13 @@ PipeTimeline simulate(const PipeSchedule& s, const PipeCosts& c) {
                                                    << " of stage " << stage);
       need(it->second, delay);
     };
-    auto need_task = [&](int task, int micro) {
+    // Every piece of instance (task, micro), or only its serial ones (this iteration's rows of work
+    // that otherwise prepares the next iteration).
+    auto need_task = [&](int task, int micro, bool serial_only) {
       auto it = pieces.find({task, micro});
       if (it == pieces.end()) return;
-      for (const Pos& p : it->second) need(p, p.first == r ? 0 : c.tasks[task].send);
+      for (const Pos& p : it->second)
+        if (!serial_only || s.ranks[p.first][p.second].serial) need(p, p.first == r ? 0 : c.tasks[task].send);
     };
     const auto at = [](const std::vector<double>& v, int i) { return v.empty() ? 0.0 : v[i]; };
     switch (a.op) {
@@ -148,7 +153,7 @@ PipeTimeline simulate(const PipeSchedule& s, const PipeCosts& c) {
         for (const PipeSkipRoute& k : c.skips)
           if (k.to == a.stage) need_backbone(0, k.from, a.micro, k.forward);
         for (int t = 0; t < static_cast<int>(c.tasks.size()); ++t)
-          if (c.tasks[t].consumer == a.stage && !c.tasks[t].cross_iteration) need_task(t, a.micro);
+          if (c.tasks[t].consumer == a.stage) need_task(t, a.micro, c.tasks[t].cross_iteration);
         break;
       case PipeOp::kBackward:
       case PipeOp::kInputGrad:
@@ -159,7 +164,7 @@ PipeTimeline simulate(const PipeSchedule& s, const PipeCosts& c) {
         break;
       case PipeOp::kWeightGrad: need_backbone(1, a.stage, a.micro, 0); break;
       case PipeOp::kTask:
-        if (c.tasks[a.task].after >= 0) need_task(c.tasks[a.task].after, a.micro);
+        if (c.tasks[a.task].after >= 0) need_task(c.tasks[a.task].after, a.micro, false);
         break;
     }
     return missing ? kUnknown : t;

@@ -3,7 +3,9 @@
 // its rank is free and its inputs have arrived:
 //   F(s, m)   after F(s-1, m) + send_forward[s-1], after F(from, m) + the route's time for each
 //             skip route into s, and after every piece of each task instance (t, m) that s consumes
-//             in this iteration (+ the task's send time when the piece ran on another rank)
+//             in this iteration (+ the task's send time when the piece ran on another rank): all of
+//             them, or for a cross-iteration task its serial pieces alone (the others in the bubbles
+//             prepare the next iteration)
 //   B/I(s, m) after F(s, m), after B/I(s+1, m) + send_backward[s], and after B/I(to, m) + the
 //             route's time for each skip route out of s
 //   W(s, m)   after I(s, m)
@@ -45,6 +47,7 @@ struct PipeTask {
   double send = 0;            // moving its output to another rank (its consumer's or its successor's)
   int after = -1;             // an earlier task whose same micro-batch instance must finish first
   bool cross_iteration = false;  // weight-independent: may run in the previous iteration's bubbles
+  int64_t quantum = 1;        // pieces are whole multiples of this many rows (it divides `rows`)
   // Time of `rows` rows: linear between profiled points, proportional to the first point below it
   // and to the last point above it.
   double time(int64_t rows) const;

@@ -106,7 +106,7 @@ std::vector<NetUnit> ControlNetImpl::units() {
                    out.skips.push_back(c.frozen[2 + i] + zero_[i](k.skips[i]));  // [B, c_l, S_l, S_l]
                  k = std::move(out);
                },
-               zp});
+               zp, /*reads_frozen=*/true});
   // The locked decoder: on the gradient path, no parameter of its own to train.
   for (NetUnit& d : base_->decoder_units()) {
     d.name = "locked." + d.name;

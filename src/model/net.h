@@ -65,6 +65,7 @@ struct NetUnit {
   std::string name;
   std::function<void(NetCarry& k, const torch::Tensor& t, const Cond& c)> run;
   std::vector<torch::Tensor> params;  // the trainable parameters it reads
+  bool reads_frozen = false;          // it reads Cond::frozen (NetImpl::precompute's features)
 };
 
 class NetImpl : public torch::nn::Module {

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <map>
 #include <sstream>
@@ -11,6 +12,7 @@
 #include <torch/autograd.h>
 
 #include "core/error.h"
+#include "core/safetensors.h"
 #include "dist/pipe_partition.h"
 
 namespace ddm {
@@ -23,6 +25,7 @@ enum Tag { kCarryHeader = 0, kCarryValues = 1, kGradient = 2 };
 int tag_of(int micro, Tag kind) { return micro * 3 + kind; }
 
 using Clock = std::chrono::steady_clock;
+constexpr int64_t kMeasuredStep = 2;  // the fill plan is made from the run's second step
 
 torch::Tensor flat_of(const std::vector<torch::Tensor>& ts) {
   std::vector<torch::Tensor> flat;
@@ -129,9 +132,13 @@ PipeStep::PipeStep(const RunConfig& cfg, Net net, std::shared_ptr<Objective> obj
   DDM_CHECK(bounds_.front() == 0 && bounds_.back() == static_cast<int>(all.size()),
             "pipeline stage bounds must cover units 0.." << all.size() - 1);
   std::map<const void*, bool> mine;
+  needs_.assign(static_cast<size_t>(S), PrepNeeds{});
+  needs_.front().xt = needs_.back().target = true;
   for (int u = 0; u < static_cast<int>(all.size()); ++u) {
     unit_names_.push_back(all[static_cast<size_t>(u)].name);
-    const bool here = u >= bounds_[static_cast<size_t>(stage_)] && u < bounds_[static_cast<size_t>(stage_) + 1];
+    const int owner = static_cast<int>(std::upper_bound(bounds_.begin(), bounds_.end(), u) - bounds_.begin()) - 1;
+    if (all[static_cast<size_t>(u)].reads_frozen) needs_[static_cast<size_t>(owner)].frozen = true;
+    const bool here = owner == stage_;
     for (const torch::Tensor& p : all[static_cast<size_t>(u)].params) mine[p.unsafeGetTensorImpl()] = here;
     if (here) units_.push_back(std::move(all[static_cast<size_t>(u)]));
   }
@@ -151,6 +158,11 @@ PipeStep::PipeStep(const RunConfig& cfg, Net net, std::shared_ptr<Objective> obj
   optim_ = std::make_unique<FlatAdamW>(*net_, AdamWOptions{tc.beta1, tc.beta2, tc.adam_eps, tc.weight_decay},
                                        /*allow_empty=*/true);
   params_ = optim_->params();  // re-pointed into the flat buffer
+  DDM_CHECK(tc.grad_accum == schedule_.micro && tc.batch_size % tc.grad_accum == 0,
+            "pipeline: train.batch_size = " << tc.batch_size << " does not split into the schedule's " << schedule_.micro
+                                            << " micro-batches");
+  rows_ = tc.batch_size / tc.grad_accum;
+  quantum_ = prepare_quantum(rows_);
 }
 
 void PipeStep::post_send(torch::Tensor t, int peer, int tag) {
@@ -172,7 +184,9 @@ void PipeStep::send_carry(const NetCarry& k, int micro) {
   }
   const int next = stage_ + 1;
   post_send(header, next, tag_of(micro, kCarryHeader));
-  post_send(flat_of(ts), next, tag_of(micro, kCarryValues));
+  torch::Tensor values = flat_of(ts);
+  carry_bytes_ = static_cast<int64_t>(values.nbytes());
+  post_send(values, next, tag_of(micro, kCarryValues));
 }
 
 NetCarry PipeStep::recv_carry(int micro, std::vector<torch::Tensor>& inputs) {
@@ -261,9 +275,12 @@ void PipeStep::backward(Micro& m, int micro, PipeOp op) {
   m = Micro{};  // the activations go
 }
 
-StepResult PipeStep::run(const std::vector<Batch>& micro, int64_t step) {
+StepResult PipeStep::run(const std::vector<Batch>& micro, int64_t step, const std::vector<Batch>& next) {
   const int M = static_cast<int>(micro.size());
   DDM_CHECK(M == schedule_.micro, "pipeline: " << M << " micro-batches for a schedule of " << schedule_.micro);
+  DDM_CHECK(next.empty() || static_cast<int>(next.size()) == M,
+            "pipeline: the next step has " << next.size() << " micro-batches, not " << M);
+  for (const Batch& b : micro) DDM_CHECK(b.x.size(0) == rows_, "pipeline: a micro-batch of " << b.x.size(0) << " rows, not " << rows_);
   times_.start = Clock::now();
   const TrainConfig& tc = cfg_.train;
   StepResult r;
@@ -271,28 +288,70 @@ StepResult PipeStep::run(const std::vector<Batch>& micro, int64_t step) {
   optim_->zero_grad();
   scale_ = 1.0 / M;
   loss_sum_ = 0;
+  fill_news_ = false;
   micro_.assign(static_cast<size_t>(M), Micro{});
+  const bool filling = plan_ && plan_->used;
   {
-    torch::NoGradGuard no_grad;  // prepare: every stage draws alike; the frozen work runs here, serially
-    for (int i = 0; i < M; ++i) {
-      Prepared& p = micro_[static_cast<size_t>(i)].p;
-      p = objective_->prepare(micro[static_cast<size_t>(i)], step);
-      p.cond = net_->precompute(p.xt, p.t, p.cond);
+    torch::NoGradGuard no_grad;
+    if (!filling) {  // every stage prepares every micro-batch itself, alike
+      for (int i = 0; i < M; ++i)
+        micro_[static_cast<size_t>(i)].p = prepare_rows(*objective_, *net_, micro[static_cast<size_t>(i)], 0, rows_, quantum_, step);
+      prepared_bytes_.clear();
+      for (const PrepNeeds& n : needs_) {
+        int64_t bytes = 0;
+        for (const auto& kv : prepared_tensors(micro_.front().p, n)) bytes += static_cast<int64_t>(kv.second.nbytes());
+        prepared_bytes_.push_back(bytes);
+      }
+    } else {
+      // The rows the plan prepares ahead: the previous step's pieces prepared them, or (the plan's first
+      // step, a resumed run) every stage prepares them now, alike.
+      if (ahead_step_ == step) {
+        now_ = std::move(ahead_);
+      } else {
+        now_.assign(static_cast<size_t>(M), Rows{});
+        std::vector<int64_t> ahead_rows(static_cast<size_t>(M), 0);
+        for (const PrepPiece& pc : pieces_)
+          if (pc.ahead) ahead_rows[static_cast<size_t>(pc.micro)] += pc.rows;
+        for (int m = 0; m < M; ++m)
+          if (ahead_rows[static_cast<size_t>(m)] > 0)
+            now_[static_cast<size_t>(m)].emplace_back(
+                0, prepared_tensors(prepare_rows(*objective_, *net_, micro[static_cast<size_t>(m)], 0,
+                                                 ahead_rows[static_cast<size_t>(m)], quantum_, step),
+                                    needs_[static_cast<size_t>(stage_)]));
+      }
+      ahead_.assign(static_cast<size_t>(M), Rows{});
+      ahead_step_ = -1;
+      post_incoming(!next.empty());
     }
   }
   times_.prepared = times_.backward_start = Clock::now();
   events_.clear();
   auto ms = [&](Clock::time_point t) { return std::chrono::duration<double, std::milli>(t - times_.start).count(); };
-  for (const PipeAction& a : schedule_.ranks[static_cast<size_t>(stage_)]) {
+  const std::vector<PipeAction>& actions = (filling ? plan_->fill.schedule : schedule_).ranks[static_cast<size_t>(stage_)];
+  for (size_t i = 0; i < actions.size(); ++i) {
+    const PipeAction& a = actions[i];
     const Clock::time_point t0 = Clock::now();
     received_ = t0;  // a receive moves it on: the action's work starts once its input has arrived
-    Micro& m = micro_[static_cast<size_t>(a.micro)];
-    if (a.op == PipeOp::kForward) {
-      forward(m, a.micro);
-    } else if (a.op != PipeOp::kTask) {
-      backward(m, a.micro, a.op);
+    if (a.op == PipeOp::kTask) {
+      const size_t piece = static_cast<size_t>(piece_at_.at(i));
+      if (pieces_[piece].ahead && next.empty()) continue;  // the run's last step: no next step to prepare
+      run_piece(piece, micro, next, step);
+    } else {
+      Micro& m = micro_[static_cast<size_t>(a.micro)];
+      if (a.op == PipeOp::kForward) {
+        if (filling) complete(a.micro);
+        forward(m, a.micro);
+      } else {
+        backward(m, a.micro, a.op);
+      }
     }
     events_.push_back({a, ms(received_), ms(Clock::now())});
+  }
+  if (filling) {
+    for (Incoming& in : incoming_)
+      if (!in.done) receive(in);  // the next step's rows the other stages prepared
+    incoming_.clear();
+    if (!next.empty()) ahead_step_ = step + 1;
   }
   for (auto& [work, tensor] : sends_) comm_->wait(work, "send to a neighbouring stage");
   sends_.clear();
@@ -313,19 +372,150 @@ StepResult PipeStep::run(const std::vector<Batch>& micro, int64_t step) {
   const double n = static_cast<double>(optim_->step_count() + 1);
   optim_->step(r.lr, std::min(tc.ema_decay, (1.0 + n) / (10.0 + n)));
   times_.end = Clock::now();
+  if (!filling || !next.empty())
+    shown_times_ = times_, shown_events_ = events_, shown_step_ = step + 1, shown_filled_ = filling;
+  // The plan is made from the second step (the first warms up), by every stage at once.
+  if (++steps_run_ == kMeasuredStep && cfg_.parallel.fill && !plan_) measure_and_plan();
   return r;
 }
 
-std::string PipeStep::last_step_json() const {
+int PipeStep::piece_tag(size_t piece, int part) const {
+  return 3 * schedule_.micro + 2 * static_cast<int>(piece) + part;  // after every carry and gradient tag
+}
+
+void PipeStep::run_piece(size_t i, const std::vector<Batch>& micro, const std::vector<Batch>& next, int64_t step) {
+  const PrepPiece& pc = pieces_[i];
+  Prepared p;
+  {
+    torch::NoGradGuard no_grad;
+    p = prepare_rows(*objective_, *net_, (pc.ahead ? next : micro)[static_cast<size_t>(pc.micro)], pc.first, pc.rows,
+                     quantum_, pc.ahead ? step + 1 : step);
+  }
+  for (int to = 0; to < stages(); ++to) {
+    if (to == stage_) continue;
+    SafetensorsFile f;
+    f.tensors = prepared_tensors(p, needs_[static_cast<size_t>(to)]);
+    const std::string bytes = safetensors_bytes(f);
+    auto values = torch::empty({static_cast<int64_t>(bytes.size())}, torch::kByte);
+    std::memcpy(values.data_ptr(), bytes.data(), bytes.size());
+    post_send(torch::full({1}, static_cast<int64_t>(bytes.size()), torch::kLong), to, piece_tag(i, 0));
+    post_send(values, to, piece_tag(i, 1));
+  }
+  (pc.ahead ? ahead_ : now_)[static_cast<size_t>(pc.micro)].emplace_back(pc.first,
+                                                                         prepared_tensors(p, needs_[static_cast<size_t>(stage_)]));
+}
+
+void PipeStep::post_incoming(bool has_next) {
+  incoming_.clear();
+  for (size_t i = 0; i < pieces_.size(); ++i) {
+    const PrepPiece& pc = pieces_[i];
+    if (pc.rank == stage_ || (pc.ahead && !has_next)) continue;
+    Incoming in;
+    in.piece = i;
+    in.length = torch::zeros({1}, torch::kLong);
+    in.work = comm_->recv_async(in.length, pc.rank, piece_tag(i, 0));
+    incoming_.push_back(std::move(in));
+  }
+}
+
+void PipeStep::receive(Incoming& in) {
+  const PrepPiece& pc = pieces_[in.piece];
+  const std::string what = "receive prepared rows from stage " + std::to_string(pc.rank);
+  comm_->wait(in.work, what);
+  const int64_t n = in.length.item<int64_t>();
+  DDM_CHECK(n > 0 && n < (int64_t{1} << 40), "pipeline: stage " << pc.rank << " announced " << n << " bytes of prepared rows");
+  auto bytes = torch::empty({n}, torch::kByte);
+  comm_->wait(comm_->recv_async(bytes, pc.rank, piece_tag(in.piece, 1)), what);
+  const SafetensorsFile f = parse_safetensors(std::string(static_cast<const char*>(bytes.data_ptr()), static_cast<size_t>(n)),
+                                              "the prepared rows from stage " + std::to_string(pc.rank));
+  (pc.ahead ? ahead_ : now_)[static_cast<size_t>(pc.micro)].emplace_back(pc.first, f.tensors);
+  in.done = true;
+  received_ = Clock::now();
+}
+
+void PipeStep::complete(int micro) {
+  for (Incoming& in : incoming_)
+    if (!in.done && !pieces_[in.piece].ahead && pieces_[in.piece].micro == micro) receive(in);
+  micro_[static_cast<size_t>(micro)].p =
+      prepared_from(std::move(now_[static_cast<size_t>(micro)]), rows_,
+                    "pipeline stage " + std::to_string(stage_) + ", micro-batch " + std::to_string(micro));
+}
+
+namespace {
+// Ranks 0 and 1 (the others return 0): the one-way time in ms of a message of `floats` float32
+// values between them, the median of 5 round trips halved.
+double ping(Comm& comm, int64_t floats) {
+  constexpr int kPingTag = 1 << 24;  // past every step's tags
+  const int rank = comm.rank();
+  if (rank > 1) return 0;
+  auto t = torch::zeros({floats}, torch::kFloat);
+  std::vector<double> trips;
+  for (int i = 0; i < 5; ++i) {
+    const auto t0 = Clock::now();
+    for (int turn = 0; turn < 2; ++turn) {
+      if ((turn == 0) == (rank == 0)) comm.wait(comm.send_async(t, 1 - rank, kPingTag), "time the link to stage 1 (send)");
+      else comm.wait(comm.recv_async(t, 1 - rank, kPingTag), "time the link to stage 1 (receive)");
+    }
+    trips.push_back(std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
+  }
+  std::nth_element(trips.begin(), trips.begin() + 2, trips.end());
+  return trips[2] / 2;
+}
+}  // namespace
+
+void PipeStep::measure_and_plan() {
+  // This stage's compute per micro-batch (each action from its input's arrival), prepare per quantum,
+  // optimizer (with the loss and norm all-reduce), and what it sends.
+  const double M = schedule_.micro;
   auto ms = [&](Clock::time_point t) { return std::chrono::duration<double, std::milli>(t - times_.start).count(); };
+  PipeStageMeasure m;
+  for (const PipeEvent& e : events_) {
+    const double d = (e.end_ms - e.start_ms) / M;
+    if (e.action.op == PipeOp::kForward) m.forward += d;
+    else if (e.action.op == PipeOp::kWeightGrad) m.weight_grad += d;
+    else m.input_grad += d;
+  }
+  m.optimizer = ms(times_.end) - ms(times_.backward_end);
+  m.prepare_quantum = ms(times_.prepared) / (M * static_cast<double>(rows_ / quantum_));
+  m.carry_bytes = stage_ + 1 < stages() ? carry_bytes_ : 0;
+  m.prepared_bytes = prepared_bytes_;
+  // The link: latency from a 1-value message, bandwidth from a 4 MiB one.
+  constexpr int64_t kBig = 1 << 20;
+  const double small = ping(*comm_, 1), big = ping(*comm_, kBig);
+  if (stage_ == 0) {
+    m.link_latency = small;
+    m.link_bytes_per_ms = big > small ? static_cast<double>(4 * kBig - 4) / (big - small) : 0;
+  }
+  std::vector<PipeStageMeasure> all;
+  for (const std::string& text : comm_->all_gather_strings(measure_json(m))) all.push_back(measure_from_json(text));
+  plan_ = plan_fill(schedule_, all, rows_, quantum_);
+  fill_news_ = true;
+  if (!plan_->used) return;
+  pieces_ = prep_pieces(plan_->fill.schedule, rows_);
+  piece_at_.assign(plan_->fill.schedule.ranks[static_cast<size_t>(stage_)].size(), -1);
+  for (size_t i = 0; i < pieces_.size(); ++i)
+    if (pieces_[i].rank == stage_) piece_at_[static_cast<size_t>(pieces_[i].position)] = static_cast<int>(i);
+}
+
+std::string PipeStep::last_step_json() const {
+  auto ms = [&](Clock::time_point t) { return std::chrono::duration<double, std::milli>(t - shown_times_.start).count(); };
   nlohmann::json events = nlohmann::json::array();
-  for (const PipeEvent& e : events_) events.push_back({action_text(e.action).substr(0, 1), e.action.micro, e.start_ms, e.end_ms});
+  for (const PipeEvent& e : shown_events_) {
+    nlohmann::json ev = {action_text(e.action).substr(0, 1), e.action.micro, e.start_ms, e.end_ms};
+    if (e.action.op == PipeOp::kTask) {
+      ev.push_back(e.action.rows);
+      ev.push_back(!e.action.serial);
+    }
+    events.push_back(ev);
+  }
   return nlohmann::json{{"stage", stage_},
-                        {"start_ms", std::chrono::duration<double, std::milli>(times_.start.time_since_epoch()).count()},
-                        {"prepared_ms", ms(times_.prepared)},
-                        {"actions_ms", ms(times_.backward_end)},
-                        {"synced_ms", ms(times_.synced)},
-                        {"end_ms", ms(times_.end)},
+                        {"step", shown_step_},
+                        {"filled", shown_filled_},
+                        {"start_ms", std::chrono::duration<double, std::milli>(shown_times_.start.time_since_epoch()).count()},
+                        {"prepared_ms", ms(shown_times_.prepared)},
+                        {"actions_ms", ms(shown_times_.backward_end)},
+                        {"synced_ms", ms(shown_times_.synced)},
+                        {"end_ms", ms(shown_times_.end)},
                         {"events", events}}
       .dump();
 }

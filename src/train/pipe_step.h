@@ -1,9 +1,14 @@
 // A pipeline-parallel training step (docs/pipeline.md): this process runs one stage, a contiguous
 // run of the backbone's units (NetImpl::units, model/net.h), of a pipeline of S processes, driven by
 // a schedule (dist/pipe_schedule.h: GPipe, 1F1B, ZB-H1) over the step's M micro-batches:
-//   prepare  every stage runs the objective's prepare for every micro-batch (its draws are keyed by
-//            sample position, so every stage has the same x_t, t, conditioning and target); the frozen
-//            work (a latent encoder, a ControlNet's locked encoder) runs serially before the pipeline
+//   prepare  the objective's prepare (x_t, t, conditioning, target; the frozen work: a latent
+//            encoder, a ControlNet's locked encoder) in quanta of rows (train/pipe_prepare.h). Without
+//            a fill plan every stage prepares every micro-batch itself before the pipeline starts
+//            (its draws are keyed by sample position, so every stage gets the same). With one
+//            (parallel.fill, planned after the run's first two steps from their measurements,
+//            train/pipe_calibrate.h), the prepare work is task pieces in the schedule: a piece in a
+//            bubble prepares rows of the *next* step's micro-batch, a serial piece rows of this
+//            step's; its rank sends each other stage what that stage reads of them
 //   F        stage 0 runs its units on x_t; stage s > 0 first receives the carry (h, the conditioning
 //            embedding, the open U-Net skips) from stage s-1; the last stage computes the loss, the
 //            others send their carry on to s+1
@@ -12,18 +17,21 @@
 //   I, W     ZB-H1's split of B: I computes and sends only the input gradient (the critical path),
 //            W later accumulates the weight gradients from the same graph
 // Sends are posted without waiting and waited for at the end of the step (Gloo's send completes only
-// once the peer has posted its receive); a receive is waited for when its action needs it. Then one
-// small all-reduce gives every stage the loss and the gradient norm over all stages, every stage clips
-// by that norm, and each stage's AdamW + EMA updates its own parameters.
+// once the peer has posted its receive); a receive is waited for when its action needs it (the
+// prepared pieces' receives are posted when the step starts). Then one small all-reduce gives every
+// stage the loss and the gradient norm over all stages, every stage clips by that norm, and each
+// stage's AdamW + EMA updates its own parameters.
 //
 // Every stage builds the whole model alike (same seed); the parameters of the other stages are
 // frozen here, so this stage's optimizer holds its own alone. Checkpoints hold every parameter by
 // name, assembled from the stages (assemble / share), so a run resumes under another split or as one
-// process, and `ddm sample` loads it like any other.
+// process, and `ddm sample` loads it like any other. The next step's prepared rows are not part of a
+// checkpoint: a resumed run prepares them again, alike.
 #pragma once
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -35,6 +43,8 @@
 #include "model/net.h"
 #include "train/checkpoint.h"
 #include "train/optimizer.h"
+#include "train/pipe_calibrate.h"
+#include "train/pipe_prepare.h"
 #include "train/step.h"
 
 namespace ddm {
@@ -60,21 +70,31 @@ class PipeStep {
   // micro-batches.
   PipeStep(const RunConfig& cfg, Net net, std::shared_ptr<Objective> objective, std::shared_ptr<Comm> comm,
            std::vector<int> bounds, PipeSchedule schedule);
-  // One step over the global batch's M micro-batches (every stage passes the same ones).
-  StepResult run(const std::vector<Batch>& micro, int64_t step);
+  // One step over the global batch's M micro-batches (every stage passes the same ones). `next`: the
+  // next step's micro-batches, for a fill plan's pieces that prepare them in this step's bubbles;
+  // empty when this is the run's last step (and may always be, at the cost of preparing those rows
+  // at the start of the next step). wants_next() says whether they are used.
+  StepResult run(const std::vector<Batch>& micro, int64_t step, const std::vector<Batch>& next = {});
+  bool wants_next() const { return cfg_.parallel.fill; }
+  // The fill plan, once made (after the run's second step, on every stage alike), and its line of
+  // output; fill_news() is true for the step that made it.
+  const std::optional<PipeFillPlan>& fill_plan() const { return plan_; }
+  bool fill_news() const { return fill_news_; }
+  // fill_plan_json of the plan, or "null" before one is made.
+  std::string fill_json() const { return plan_ ? fill_plan_json(*plan_) : "null"; }
 
   FlatAdamW& optim() { return *optim_; }
   int stage() const { return stage_; }
   int stages() const { return static_cast<int>(bounds_.size()) - 1; }
   const std::vector<int>& bounds() const { return bounds_; }
   const std::vector<std::string>& unit_names() const { return unit_names_; }
-  const std::vector<PipeEvent>& last_events() const { return events_; }
-  // The last step on this stage as JSON: {"stage", "start_ms" (steady clock, comparable between the
+  // The last step on this stage as JSON (with a fill plan, the last that had a next step to prepare:
+  // the run's very last step runs none of the pieces in bubbles): {"stage", "step" (1-based), "filled" (it ran a fill plan), "start_ms" (steady clock, comparable between the
   // processes of one machine), "prepared_ms", "actions_ms" (the last send waited for), "synced_ms"
   // (loss and norm all-reduced), "end_ms" (from the start), "events": [[op, micro, start_ms, end_ms],
-  // ...]}. An event starts once its input has arrived: waiting for a receive is idle time.
+  // ...]} (a prepare piece: ["T", micro, start_ms, end_ms, rows, ahead]). An event starts once its input
+  // has arrived: waiting for a receive is idle time.
   std::string last_step_json() const;
-  const StepTimes& last_times() const { return times_; }
 
   // Every trainable parameter of the whole model by name ("<prefix><name>"), from each stage's `mine`
   // (its own parameters' tensors, e.g. optim().named_params()): a sum over the stages of disjoint
@@ -97,6 +117,20 @@ class PipeStep {
   void send_carry(const NetCarry& k, int micro);
   NetCarry recv_carry(int micro, std::vector<torch::Tensor>& inputs);
   void post_send(torch::Tensor t, int peer, int tag);
+  // Bubble filling: run piece `i` (sending its rows to the other stages); post the receives of the
+  // other stages' pieces; receive piece `in` (waiting for it); make micro-batch m's Prepared whole.
+  void run_piece(size_t i, const std::vector<Batch>& micro, const std::vector<Batch>& next, int64_t step);
+  struct Incoming {
+    size_t piece;
+    torch::Tensor length;  // int64 [1]: the bytes of the piece's safetensors message
+    c10::intrusive_ptr<c10d::Work> work;
+    bool done = false;
+  };
+  void post_incoming(bool has_next);
+  void receive(Incoming& in);
+  void complete(int micro);
+  int piece_tag(size_t piece, int part) const;
+  void measure_and_plan();
 
   RunConfig cfg_;
   Net net_;
@@ -117,6 +151,24 @@ class PipeStep {
   StepTimes times_;
   std::chrono::steady_clock::time_point received_;  // when the current action's receive completed
   std::vector<PipeEvent> events_;
+  StepTimes shown_times_;                // last_step_json's step
+  int64_t shown_step_ = 0;
+  bool shown_filled_ = false;
+  std::vector<PipeEvent> shown_events_;
+  // Bubble filling.
+  int64_t rows_ = 0, quantum_ = 1;     // rows per micro-batch, rows per prepare call
+  std::vector<PrepNeeds> needs_;       // what each stage reads of a prepared micro-batch
+  int64_t steps_run_ = 0;
+  int64_t carry_bytes_ = 0;            // the last carry this stage sent
+  std::vector<int64_t> prepared_bytes_;  // per stage: what it reads of a prepared micro-batch
+  std::optional<PipeFillPlan> plan_;
+  bool fill_news_ = false;
+  std::vector<PrepPiece> pieces_;      // the plan's, every rank's
+  std::vector<int> piece_at_;          // this rank's action index -> piece index (-1: none)
+  using Rows = std::vector<std::pair<int64_t, TensorMap>>;
+  std::vector<Rows> now_, ahead_;      // per micro-batch: prepared rows of this step, of the next
+  int64_t ahead_step_ = -1;            // the step ahead_ belongs to
+  std::vector<Incoming> incoming_;
 };
 
 }  // namespace ddm

@@ -209,15 +209,7 @@ std::vector<std::pair<std::string, std::string>> run_identity(const RunConfig& r
 std::vector<Batch> split_micro(const Batch& shard, int64_t n) {
   std::vector<Batch> out;
   const int64_t b = shard.x.size(0) / n;
-  for (int64_t i = 0; i < n; ++i) {
-    Batch m;
-    m.x = shard.x.narrow(0, i * b, b);  // [b, C, H, W]
-    m.y = shard.y.narrow(0, i * b, b);  // [b]
-    if (shard.k.defined()) m.k = shard.k.narrow(0, i * b, b);
-    if (shard.index.defined()) m.index = shard.index.narrow(0, i * b, b);
-    m.first = shard.first + i * b;
-    out.push_back(std::move(m));
-  }
+  for (int64_t i = 0; i < n; ++i) out.push_back(shard.rows(i * b, b));
   return out;
 }
 
@@ -323,8 +315,8 @@ TrainSummary train(TrainJob job, const TrainOptions& options) {
     trainer_step = std::make_unique<TrainStep>(cfg, net, job.objective);
   }
   FlatAdamW& optim = pipe ? pipe->optim() : trainer_step->optim();
-  auto run_step = [&](const std::vector<Batch>& micro, int64_t at) {
-    return pipe ? pipe->run(micro, at) : trainer_step->run(micro, at);
+  auto run_step = [&](const std::vector<Batch>& micro, int64_t at, const std::vector<Batch>& next) {
+    return pipe ? pipe->run(micro, at, next) : trainer_step->run(micro, at);
   };
   if (diloco_mode) {
     trainer_step->set_ema(false);  // the EMA follows the global weights, at each synchronization
@@ -605,8 +597,10 @@ TrainSummary train(TrainJob job, const TrainOptions& options) {
     summary.signal = sig;
     return true;
   };
-  double timed_ms = 0;  // wall time of this run's steps after its first, for the pipeline timeline
-  int64_t timed_steps = 0;
+  // Wall time of this run's steps after its first, for the pipeline timeline; with a fill plan, of
+  // the steps after the first that runs it (which prepares its ahead rows itself).
+  double timed_ms = 0;
+  int64_t timed_steps = 0, timed_from = summary.first_step + 1;
   bool stopped = false;
   if (rejoining) {
     // The rest of the step the group was at: the other final synchronizations, a checkpoint, a stop.
@@ -614,12 +608,19 @@ TrainSummary train(TrainJob job, const TrainOptions& options) {
   }
   while (!stopped && step < tc.steps) {
     const Batch shard = loader.next(pipelined ? 0 : rank * local_batch, local_batch);
+    std::vector<Batch> next;  // a filled pipeline prepares parts of the next step's batch in this step's bubbles
+    if (pipe && pipe->wants_next() && step + 1 < tc.steps) {
+      const BatchLoader::Cursor at = loader.cursor();
+      next = split_micro(loader.next(0, local_batch), tc.grad_accum);
+      loader.set_cursor(at);
+    }
     const auto step_start = std::chrono::steady_clock::now();
-    const StepResult r = run_step(split_micro(shard, tc.grad_accum), step);
-    if (step > summary.first_step) {  // the first step of a run warms up: not timed
+    const StepResult r = run_step(split_micro(shard, tc.grad_accum), step, next);
+    if (step >= timed_from) {  // the first step of a run warms up: not timed
       timed_ms += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - step_start).count();
       ++timed_steps;
     }
+    if (pipe && pipe->fill_news() && pipe->fill_plan()->used) timed_ms = 0, timed_steps = 0, timed_from = step + 2;
     // Data parallel: the loss and the gradient norm are global, so every rank stops here alike. DiLoCo:
     // they are this replica's; the others learn of its exit at their next synchronization.
     DDM_CHECK(r.finite, (world > 1 ? "rank " + std::to_string(rank) + ": " : std::string())
@@ -639,6 +640,10 @@ TrainSummary train(TrainJob job, const TrainOptions& options) {
       sig = agreed == 2 ? SIGINT : agreed == 1 ? (sig != 0 ? sig : SIGTERM) : 0;
     }
 
+    if (pipe && pipe->fill_news() && lead && !opt.quiet) {
+      progress.finish();
+      std::cout << "parallel.fill after step " << step << ": " << pipe->fill_plan()->summary << std::endl;
+    }
     progress.step(step, r.loss, r.lr, r.grad_norm, tc.batch_size);
     if (step % tc.log_every == 0 || step == tc.steps) {
       const int64_t sent = sent_now();
@@ -677,7 +682,8 @@ TrainSummary train(TrainJob job, const TrainOptions& options) {
           {"format", "ddm pipeline timeline 1"}, {"stages", pp}, {"schedule", cfg.parallel.schedule},
           {"micro", tc.grad_accum}, {"rows", tc.batch_size / tc.grad_accum}, {"threads", threads},
           {"first_units", pipe->bounds()}, {"units", pipe->unit_names()}, {"step", step},
-          {"steps_timed", timed_steps}, {"step_ms", timed_steps > 0 ? timed_ms / timed_steps : 0.0}, {"ranks", ranks}};
+          {"steps_timed", timed_steps}, {"timed_from", timed_from + 1}, {"step_ms", timed_steps > 0 ? timed_ms / timed_steps : 0.0}, {"ranks", ranks},
+          {"fill", nlohmann::json::parse(pipe->fill_json())}};
       write_file_atomic(dir / RunDir::kPipeTimeline, record.dump(1) + "\n");
     }
   }

@@ -64,23 +64,41 @@ TEST(PlanCli, ProfilesPlansAndDraws) {
 }
 
 // A pipelined run (2 stages under `ddm launch`) leaves its measured step, which `ddm plan --measured`
-// simulates with the run's split, schedule and micro-batches and draws beside the measurement.
+// simulates with the run's split, schedule and micro-batches and draws beside the measurement; a
+// filled run (parallel.fill, the default) also beside the plan it made from its own measurements.
 TEST(PlanCli, ComparesAMeasuredPipelineWithTheSimulator) {
   test::TempDir dir;
   test::write_text(dir / "tiny.toml", kTiny);
-  auto r = test::run_ddm("launch --timeout 300 --nproc 2 -- train --quiet --config " + (dir / "tiny.toml") + " --out " +
-                         (dir / "pp") + " --set parallel.pp=2 parallel.cuts=[3] train.grad_accum=4");
+  const std::string train = "launch --timeout 300 --nproc 2 -- train --quiet --config " + (dir / "tiny.toml") +
+                            " --set parallel.pp=2 parallel.cuts=[3] train.grad_accum=4 train.steps=6 --out ";
+  auto r = test::run_ddm(train + (dir / "pp"));
   ASSERT_EQ(r.exit_code, 0) << r.output;
   const auto tl = nlohmann::json::parse(test::read_text(dir / "pp/pipeline-timeline.json"));
   ASSERT_EQ(tl["ranks"].size(), 2u);
   EXPECT_EQ(tl["first_units"], nlohmann::json({0, 3, tl["units"].size()}));
-  EXPECT_EQ(tl["ranks"][1]["events"].size(), 8u);  // F and B of 4 micro-batches
+  EXPECT_TRUE(tl["fill"]["used"].get<bool>()) << tl["fill"];
+  EXPECT_EQ(tl["ranks"][1]["step"], 5);  // the last step that prepared rows of a next one
+  EXPECT_TRUE(tl["ranks"][1]["filled"].get<bool>());
+  int backbone = 0, pieces = 0;
+  for (const auto& r : tl["ranks"])
+    for (const auto& e : r["events"]) (e[0] == "T" ? pieces : backbone) += 1;
+  EXPECT_EQ(backbone, 16);  // F and B of 4 micro-batches on each stage
+  EXPECT_GT(pieces, 0);
   r = test::run_ddm("plan --measured " + (dir / "pp") + " --repeats 1 --timeline " + (dir / "m.png"));
   ASSERT_EQ(r.exit_code, 0) << r.output;
-  EXPECT_NE(r.output.find("of the measured"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("predicted from the profile (frozen work filled into the bubbles, as the run)"), std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find("planned in the run from the costs it measured"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("train it: --set parallel.pp=2 parallel.schedule=1f1b train.grad_accum=4 parallel.cuts=[3]"),
             std::string::npos)
       << r.output;
   EXPECT_EQ(test::read_text(dir / "m.png").substr(1, 3), "PNG");
+  // Unfilled: against the serial prediction alone.
+  r = test::run_ddm(train + (dir / "serial") + " --set parallel.fill=false");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  r = test::run_ddm("plan --measured " + (dir / "serial") + " --repeats 1");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("predicted from the profile (frozen work serial, as the run)"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("planned in the run"), std::string::npos) << r.output;
   expect_error(test::run_ddm("plan --measured " + (dir / "nothing")), "pipeline-timeline.json does not exist");
 }

@@ -4,6 +4,7 @@
 // profiles (files, interpolation) and the planner's search and its errors.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <functional>
 #include <map>
@@ -17,6 +18,8 @@
 #include "dist/pipe_schedule.h"
 #include "dist/pipe_simulate.h"
 #include "test_util.h"
+#include "train/pipe_calibrate.h"
+#include "train/pipe_prepare.h"
 
 using namespace ddm;
 using ddm::test::error_message;
@@ -168,6 +171,11 @@ TEST(PipeTask, CostCurve) {
 // fills rank 1 [0,1] (1 row of m0), rank 0 [2,5] (3 rows of m0), rank 1 [7,9] (2 rows of m1); the
 // 2 rows left go to the front of rank 0 (2 units: makespan 11), and round 2 fills everything else
 // into the new idle stretches: rank 1 [0,3] (3 rows of m0), rank 0 [4,7] (1 row of m0, 2 of m1).
+// GPipe, 2 stages x 2 micro-batches, F = 1 and B = 2 everywhere, a cross-iteration encoder of 1 per
+// row and 4 rows per micro-batch. Round 1 fills the bare schedule (makespan 9): rank 1's [0,1] takes
+// a row of m0, rank 0's [2,5] the other 3, rank 1's [7,9] 2 rows of m1; m1's other 2 rows go serial.
+// Spread over the ranks, 1 row each at the front: makespan 10, and round 2 places the same 6 rows
+// again. On the consumer's rank alone, the 2 serial rows delay rank 1 too: makespan 11.
 TEST(PipeFill, HandWorkedRounds) {
   PipeCosts c = uniform_costs(2, 1, 1, 1);
   c.tasks.push_back(linear_task("encoder", 1, 4));
@@ -176,12 +184,14 @@ TEST(PipeFill, HandWorkedRounds) {
   const PipeTimeline serial = simulate(with_serial_tasks(s, c), c);
   EXPECT_DOUBLE_EQ(serial.makespan, 17);
   const PipeFill f = fill_bubbles(s, c);
+  EXPECT_TRUE(f.spread);
   EXPECT_EQ(f.rounds, 2);
-  EXPECT_DOUBLE_EQ(f.timeline.makespan, 11);
+  EXPECT_DOUBLE_EQ(f.timeline.makespan, 10);
   EXPECT_EQ(f.serial_rows[0], 2);
   EXPECT_EQ(f.filled_rows[0], 6);
-  EXPECT_EQ(rank_text(f.schedule.ranks[0]), "T0.1x2 F0 F1 T0.0x1 T0.1x2 B0 B1");
-  EXPECT_EQ(rank_text(f.schedule.ranks[1]), "T0.0x3 F0 F1 B0 B1");
+  EXPECT_EQ(rank_text(f.schedule.ranks[0]), "T0.1x1 F0 F1 T0.0x3 B0 B1");
+  EXPECT_EQ(rank_text(f.schedule.ranks[1]), "T0.1x1 T0.0x1 F0 F1 B0 B1 T0.1x2");
+  EXPECT_TRUE(f.schedule.ranks[0][0].serial && f.schedule.ranks[1][0].serial && !f.schedule.ranks[1][1].serial);
 }
 
 // Work consumed by stage 1 in this iteration must end before that stage's F of the same micro-batch.
@@ -243,6 +253,7 @@ TEST(PipeFill, PropertiesOnRandomWorkloads) {
       k.consumer = static_cast<int>(rng() % S), k.cross_iteration = t == 0, k.send = u(rng) / 4;
       if (t == 2) k.after = 1;
       if (t == 1) k.ranks = {static_cast<int>(rng() % S)};
+      if (t == 0 && k.rows % 2 == 0) k.quantum = k.rows / 2;  // pieces of whole quanta
       c.tasks.push_back(k);
     }
     const std::string name = schedule_names()[trial % 3];
@@ -254,7 +265,10 @@ TEST(PipeFill, PropertiesOnRandomWorkloads) {
       for (const PipeSlot& x : f.timeline.ranks[r]) {
         EXPECT_GE(x.start, t - 1e-12);
         t = x.end;
-        if (x.action.op == PipeOp::kTask) rows[{x.action.task, x.action.micro}] += x.action.rows;
+        if (x.action.op == PipeOp::kTask) {
+          rows[{x.action.task, x.action.micro}] += x.action.rows;
+          EXPECT_EQ(x.action.rows % c.tasks[x.action.task].quantum, 0) << "trial " << trial;
+        }
       }
     }
     for (int t = 0; t < 3; ++t)
@@ -435,4 +449,80 @@ TEST(PipePlan, BadOptions) {
   EXPECT_NE(error_message([&] { plan_pipeline(p, m, o); }).find("the smallest limit that works is"), std::string::npos);
   m.memory = std::numeric_limits<double>::infinity(), o.batch = 63, o.stages = {1};
   EXPECT_NE(error_message([&] { plan_pipeline(p, m, o); }).find("global batch 63 does not split over 2"), std::string::npos);
+}
+
+// The rows prepared per call, and which rows each prepare piece of a filled schedule covers: the
+// pieces in bubbles (the next step's) from row 0, ranks in order; the serial ones (this step's) after.
+TEST(PipePrepare, QuantaAndThePiecesOfAFilledSchedule) {
+  for (const auto& [rows, q] : std::vector<std::pair<int64_t, int64_t>>{{1, 1}, {2, 2}, {4, 4}, {6, 3}, {7, 1}, {8, 4},
+                                                                        {16, 4}, {64, 8}, {128, 16}, {96, 12}})
+    EXPECT_EQ(prepare_quantum(rows), q) << rows;
+  auto piece = [](int micro, int64_t rows, bool serial) {
+    PipeAction a;
+    a.op = PipeOp::kTask, a.stage = -1, a.task = 0, a.micro = micro, a.rows = rows, a.serial = serial;
+    return a;
+  };
+  PipeSchedule s = make_schedule("1f1b", 2, 2);
+  s.ranks[0].insert(s.ranks[0].begin(), piece(0, 4, true));
+  s.ranks[0].push_back(piece(1, 2, false));
+  s.ranks[1].insert(s.ranks[1].begin(), piece(0, 4, false));
+  s.ranks[1].push_back(piece(1, 6, false));
+  const std::vector<PrepPiece> p = prep_pieces(s, 8);
+  ASSERT_EQ(p.size(), 4u);
+  auto text = [](const PrepPiece& x) {
+    return std::to_string(x.rank) + "@" + std::to_string(x.position) + " m" + std::to_string(x.micro) + " [" +
+           std::to_string(x.first) + "," + std::to_string(x.first + x.rows) + ")" + (x.ahead ? " ahead" : "");
+  };
+  EXPECT_EQ(text(p[0]), "0@0 m0 [4,8)");
+  EXPECT_EQ(text(p[1]), "0@" + std::to_string(s.ranks[0].size() - 1) + " m1 [0,2) ahead");
+  EXPECT_EQ(text(p[2]), "1@0 m0 [0,4) ahead");
+  EXPECT_EQ(text(p[3]), "1@" + std::to_string(s.ranks[1].size() - 1) + " m1 [2,8) ahead");
+  s.ranks[1].pop_back();
+  EXPECT_NE(error_message([&] { prep_pieces(s, 8); }).find("the pieces of micro-batch 1 cover 2 of its 8 rows"), std::string::npos);
+}
+
+// A run's measurements become the simulator's costs: each stage's compute, the link's time for each
+// cut's carry, every rank's optimizer, and the prepare task in quanta (the stages' mean time per
+// quantum, its output sent at the link's speed); every stage plans alike from them.
+TEST(PipeCalibrate, CostsAndPlanFromMeasurements) {
+  std::vector<PipeStageMeasure> m(2);
+  m[0] = {2, 3, 0, 0.5, 0.4, 5000, {1000, 600}, 0.1, 1000};
+  m[1] = {1.5, 2.5, 0, 0.7, 0.6, 0, {1000, 600}, 0, 0};
+  const PipeCosts c = costs_from_measures(m, 16, 4);
+  EXPECT_DOUBLE_EQ(c.stage[0].forward, 2);
+  EXPECT_DOUBLE_EQ(c.stage[1].input_grad, 2.5);
+  EXPECT_DOUBLE_EQ(c.send_forward.at(0), 0.1 + 5);
+  EXPECT_DOUBLE_EQ(c.send_backward.at(0), 0.1 + 5);
+  EXPECT_EQ(c.optimizer, (std::vector<double>{0.5, 0.7}));
+  ASSERT_EQ(c.tasks.size(), 1u);
+  EXPECT_EQ(c.tasks[0].quantum, 4);
+  EXPECT_TRUE(c.tasks[0].cross_iteration);
+  EXPECT_DOUBLE_EQ(c.tasks[0].time(16), 4 * 0.5);
+  EXPECT_DOUBLE_EQ(c.tasks[0].send, 0.1 + 1);
+  const PipeStageMeasure back = measure_from_json(measure_json(m[0]));
+  EXPECT_EQ(measure_json(back), measure_json(m[0]));
+  const PipeSchedule s = make_schedule("1f1b", 2, 4);
+  const PipeFillPlan p = plan_fill(s, m, 16, 4);
+  EXPECT_TRUE(p.used);
+  EXPECT_EQ(p.fill.filled_rows[0] + p.fill.serial_rows[0], 4 * 16);
+  EXPECT_LT(p.fill.timeline.iteration, p.serial.iteration);
+  EXPECT_NE(p.summary.find("fills the bubbles"), std::string::npos) << p.summary;
+  EXPECT_EQ(fill_plan_json(p), fill_plan_json(plan_fill(s, m, 16, 4)));  // the same numbers, the same plan
+  size_t pieces = 0;
+  for (const auto& r : p.fill.schedule.ranks) pieces += static_cast<size_t>(std::count_if(r.begin(), r.end(), [](const PipeAction& a) { return a.op == PipeOp::kTask; }));
+  EXPECT_EQ(prep_pieces(p.fill.schedule, 16).size(), pieces);
+  // A quantum longer than every bubble: nothing is placed, the prepare phase stays serial.
+  std::vector<PipeStageMeasure> slow = m;
+  slow[0].prepare_quantum = slow[1].prepare_quantum = 100;
+  const PipeFillPlan none = plan_fill(s, slow, 16, 4);
+  EXPECT_FALSE(none.used);
+  EXPECT_NE(none.summary.find("stays serial"), std::string::npos) << none.summary;
+  // Bad measurements.
+  EXPECT_NE(error_message([] { measure_from_json("{\"forward_ms\": 1}"); }).find("not what this ddm sends"), std::string::npos);
+  EXPECT_NE(error_message([] { PipeStageMeasure bad; bad.forward = -1; measure_from_json(measure_json(bad)); }).find("negative or non-finite"),
+            std::string::npos);
+  std::vector<PipeStageMeasure> short_list = m;
+  short_list[1].prepared_bytes = {1};
+  EXPECT_NE(error_message([&] { costs_from_measures(short_list, 16, 4); }).find("prepared bytes of 1 stages"), std::string::npos);
+  EXPECT_NE(error_message([&] { costs_from_measures({m[0]}, 16, 4); }).find("at least 2 stages"), std::string::npos);
 }

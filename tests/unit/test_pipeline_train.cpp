@@ -3,14 +3,18 @@
 // one process with the same micro-batches trains, for GPipe, 1F1B and ZB-H1, on a U-Net with its
 // skips crossing the cuts and on a DiT, bit-identical when repeated, and with a stage that has no
 // trainable parameters (a ControlNet's locked output layer); a run resumes under another stage split and as one process;
-// bad stage configurations are clear errors on every stage.
+// bad stage configurations are clear errors on every stage. Bubble filling: a micro-batch prepared in
+// pieces is the whole one bit for bit, and a filled pipeline trains exactly what an unfilled one does.
 #include <gtest/gtest.h>
 
 #include <filesystem>
 
 #include "core/error.h"
+#include "core/fileio.h"
+#include "core/run_dir.h"
 #include "model/net.h"
 #include "train/controlnet.h"
+#include "train/pipe_prepare.h"
 #include "test_util.h"
 #include "train_test_util.h"
 
@@ -160,4 +164,117 @@ TEST(PipelineTrain, BadStageConfigsAreClearErrors) {
   const RunConfig parsed = parse_config("", "test.toml", {"parallel.pp=3", "parallel.cuts=[4, 9]", "parallel.schedule=zb-h1"});
   EXPECT_EQ(parsed.parallel.cuts, (std::vector<int64_t>{4, 9}));
   EXPECT_FALSE(fs::exists(dir / "a/ckpt"));
+}
+
+// A micro-batch prepared in pieces, each a whole number of quanta prepared alone, is the same bit for
+// bit however it is cut (and within float32 rounding of one prepare call on all its rows), for a plain
+// U-Net and for a ControlNet whose locked encoder runs in prepare.
+TEST(PipePrepare, PiecesConcatenateToTheWholeMicroBatch) {
+  test::TempDir dir;
+  RunConfig unet = base("unet");
+  unet.train.label_dropout = 0.5;  // dropped labels too are keyed per row
+  ASSERT_EQ(train_ranks(1, {unet}, dir / "base"), std::vector<std::string>{""});
+  RunConfig cn = unet;
+  cn.model.controlnet = dir / "base";
+  for (const RunConfig& cfg : {unet, cn}) {
+    const bool controlnet = !cfg.model.controlnet.empty();
+    const TrainJob job = job_for(cfg);
+    Net net = make_net(job.cfg.model);
+    attach_controlnet(*net, job.cfg.model);
+    const auto objective = make_objective(job.cfg);
+    BatchLoader loader(job.data, 16, 3, true);
+    const Batch micro = loader.next().rows(8, 8);  // the second micro-batch of 8: rows keyed from position 8
+    ASSERT_EQ(micro.first, 8);
+    torch::NoGradGuard no_grad;
+    const PrepNeeds all{true, true, true};
+    const TensorMap whole = prepared_tensors(prepare_rows(*objective, *net, micro, 0, 8, 2, 5), all);
+    EXPECT_EQ(whole.count("frozen.0"), controlnet ? 1u : 0u);
+    EXPECT_EQ(whole.count("control"), controlnet ? 1u : 0u);
+    std::vector<std::pair<int64_t, TensorMap>> pieces;
+    for (const auto& [first, n] : std::vector<std::pair<int64_t, int64_t>>{{6, 2}, {0, 4}, {4, 2}})
+      pieces.emplace_back(first, prepared_tensors(prepare_rows(*objective, *net, micro, first, n, 2, 5), all));
+    const TensorMap joined = prepared_tensors(prepared_from(pieces, 8, "test"), all);
+    ASSERT_EQ(joined.size(), whole.size());
+    for (const auto& [key, t] : whole) EXPECT_TRUE(torch::equal(t, joined.at(key))) << key << (controlnet ? " (ControlNet)" : "");
+    // One prepare call on all 8 rows: the frozen encoder's batch differs, so float32 rounding apart.
+    Prepared one = objective->prepare(micro, 5);
+    one.cond = net->precompute(one.xt, one.t, one.cond);
+    for (const auto& [key, t] : prepared_tensors(one, all))
+      EXPECT_TRUE(torch::allclose(t.to(torch::kDouble), whole.at(key).to(torch::kDouble), 1e-5, 1e-6)) << key;
+    // What a middle stage reads: t and the small conditioning tensors, no x_t, target or frozen features.
+    const TensorMap middle = prepared_tensors(prepare_rows(*objective, *net, micro, 0, 8, 2, 5), PrepNeeds{});
+    EXPECT_TRUE(middle.count("t") && middle.count("y"));
+    EXPECT_FALSE(middle.count("xt") || middle.count("target") || middle.count("frozen.0"));
+    // Rows missing, or twice.
+    auto gap = pieces;
+    gap.pop_back();
+    EXPECT_NE(test::error_message([&] { prepared_from(gap, 8, "micro-batch 1"); }).find("micro-batch 1: prepared rows are missing at row 4"),
+              std::string::npos);
+    auto twice = pieces;
+    twice.push_back(pieces[1]);
+    EXPECT_NE(test::error_message([&] { prepared_from(twice, 8, "m"); }).find("overlap"), std::string::npos);
+    EXPECT_NE(test::error_message([&] { prepare_rows(*objective, *net, micro, 0, 3, 2, 5); }).find("not a whole number of quanta"),
+              std::string::npos);
+  }
+}
+
+namespace {
+// How many prepare pieces of the run's fill plan prepare the next step's rows in a bubble (the run's
+// last step runs none of them: there is no next step).
+int ahead_pieces(const std::string& run) {
+  const nlohmann::json tl = nlohmann::json::parse(read_file(RunDir(run) / RunDir::kPipeTimeline));
+  EXPECT_TRUE(tl.at("fill").at("used").get<bool>()) << run;
+  int n = 0;
+  for (const auto& r : tl.at("fill").at("ranks"))
+    for (const auto& e : r)
+      if (e.at(0) == "T" && e.at(5).get<bool>()) ++n;
+  return n;
+}
+}  // namespace
+
+// Bubble filling (parallel.fill): after two measured steps the stages plan where the prepare work
+// fits, then run it there, a piece's rows sent to the stages that read them, the next step's
+// micro-batches prepared ahead. It changes no result: the same losses and weights bit for bit as
+// every stage preparing everything, for each schedule, a DiT, a ControlNet whose second stage reads
+// the locked encoder's features, and a run resumed in the middle (the rows prepared ahead are not in
+// a checkpoint: prepared again, alike).
+TEST(PipelineTrain, FillingTheBubblesChangesNoResult) {
+  test::TempDir dir;
+  auto filled_and_not = [&](RunConfig cfg, const std::string& name) {
+    cfg.parallel.fill = false;
+    ASSERT_EQ(train_ranks(2, {cfg, cfg}, dir / (name + "-serial")), (std::vector<std::string>{"", ""})) << name;
+    cfg.parallel.fill = true;
+    ASSERT_EQ(train_ranks(2, {cfg, cfg}, dir / name), (std::vector<std::string>{"", ""})) << name;
+    EXPECT_EQ(losses(dir / name), losses(dir / (name + "-serial"))) << name;
+    EXPECT_EQ(max_weight_difference(final_weights(dir / name), final_weights(dir / (name + "-serial"))), 0.0) << name;
+    EXPECT_GT(ahead_pieces(dir / name), 0) << name;
+  };
+  auto sized = [](RunConfig cfg) {
+    cfg.train.batch_size = 32;  // micro-batches of 8 rows, prepared in quanta of 4: partial batches
+    cfg.train.steps = 8;
+    return cfg;
+  };
+  filled_and_not(piped(sized(base("unet")), 2, "1f1b", {2}), "unet-1f1b");
+  filled_and_not(piped(sized(base("unet")), 2, "zb-h1", {2}), "unet-zb-h1");
+  filled_and_not(piped(sized(base("dit")), 2, "gpipe"), "dit-gpipe");
+
+  RunConfig first = piped(sized(base("unet")), 2, "1f1b", {2});
+  first.train.steps = 5;
+  ASSERT_EQ(train_ranks(2, {first, first}, dir / "resumed"), (std::vector<std::string>{"", ""}));
+  const RunConfig rest = piped(sized(base("unet")), 2, "1f1b", {2});
+  ASSERT_EQ(train_ranks(2, {rest, rest}, dir / "resumed", true), (std::vector<std::string>{"", ""}));
+  EXPECT_EQ(losses(dir / "resumed"), losses(dir / "unet-1f1b"));
+  EXPECT_EQ(max_weight_difference(final_weights(dir / "resumed"), final_weights(dir / "unet-1f1b")), 0.0);
+
+  ASSERT_EQ(train_ranks(1, {base("unet")}, dir / "base"), std::vector<std::string>{""});
+  RunConfig cn = sized(base("unet"));
+  cn.model.controlnet = dir / "base";
+  const TrainJob job = job_for(cn);
+  Net net = make_net(job.cfg.model);
+  attach_controlnet(*net, job.cfg.model);
+  const std::vector<NetUnit> units = net->units();
+  int64_t zero = 0;
+  while (units[static_cast<size_t>(zero)].name != "zero") ++zero;
+  ASSERT_TRUE(units[static_cast<size_t>(zero)].reads_frozen);
+  filled_and_not(piped(cn, 2, "1f1b", {zero}), "controlnet");
 }

@@ -1,0 +1,136 @@
+// Planning bubble filling from a run's own measurements (see pipe_calibrate.h).
+#include "train/pipe_calibrate.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+
+#include <nlohmann/json.hpp>
+
+#include "core/error.h"
+
+namespace ddm {
+
+std::string measure_json(const PipeStageMeasure& m) {
+  return nlohmann::json{{"forward_ms", m.forward},
+                        {"input_grad_ms", m.input_grad},
+                        {"weight_grad_ms", m.weight_grad},
+                        {"optimizer_ms", m.optimizer},
+                        {"prepare_quantum_ms", m.prepare_quantum},
+                        {"carry_bytes", m.carry_bytes},
+                        {"prepared_bytes", m.prepared_bytes},
+                        {"link_latency_ms", m.link_latency},
+                        {"link_bytes_per_ms", m.link_bytes_per_ms}}
+      .dump();
+}
+
+PipeStageMeasure measure_from_json(const std::string& text) {
+  PipeStageMeasure m;
+  try {
+    const nlohmann::json j = nlohmann::json::parse(text);
+    m.forward = j.at("forward_ms");
+    m.input_grad = j.at("input_grad_ms");
+    m.weight_grad = j.at("weight_grad_ms");
+    m.optimizer = j.at("optimizer_ms");
+    m.prepare_quantum = j.at("prepare_quantum_ms");
+    m.carry_bytes = j.at("carry_bytes");
+    m.prepared_bytes = j.at("prepared_bytes").get<std::vector<int64_t>>();
+    m.link_latency = j.at("link_latency_ms");
+    m.link_bytes_per_ms = j.at("link_bytes_per_ms");
+  } catch (const nlohmann::json::exception& e) {
+    DDM_FAIL("a pipeline stage's measurements are not what this ddm sends (" << e.what()
+                                                                              << "): do all stages run the same ddm binary?");
+  }
+  for (double v : {m.forward, m.input_grad, m.weight_grad, m.optimizer, m.prepare_quantum, m.link_latency, m.link_bytes_per_ms})
+    DDM_CHECK(std::isfinite(v) && v >= 0, "a pipeline stage measured a negative or non-finite time: " << v);
+  return m;
+}
+
+PipeCosts costs_from_measures(const std::vector<PipeStageMeasure>& stages, int64_t rows, int64_t quantum) {
+  const int S = static_cast<int>(stages.size());
+  DDM_CHECK(S >= 2, "bubble filling needs a pipeline of at least 2 stages, got " << S);
+  const PipeStageMeasure& lead = stages.front();
+  // A link of unmeasurably high bandwidth (the round trips of both sizes took the same time) costs its latency.
+  const double per_ms = lead.link_bytes_per_ms > 0 ? lead.link_bytes_per_ms : 1e300;
+  auto link = [&](double bytes) { return lead.link_latency + bytes / per_ms; };
+  PipeCosts c;
+  double quantum_ms = 0;
+  int64_t prepared = 0;
+  for (int s = 0; s < S; ++s) {
+    const PipeStageMeasure& m = stages[static_cast<size_t>(s)];
+    c.stage.push_back({m.forward, m.input_grad, m.weight_grad});
+    c.optimizer.push_back(m.optimizer);
+    if (s + 1 < S) {
+      c.send_forward.push_back(link(static_cast<double>(m.carry_bytes)));
+      c.send_backward.push_back(link(static_cast<double>(m.carry_bytes)));
+    }
+    quantum_ms += m.prepare_quantum / S;  // every stage prepared every micro-batch: their mean
+    DDM_CHECK(static_cast<int>(m.prepared_bytes.size()) == S,
+              "stage " << s << " measured the prepared bytes of " << m.prepared_bytes.size() << " stages, not " << S);
+    for (int64_t b : m.prepared_bytes) prepared = std::max(prepared, b);
+  }
+  PipeTask t;
+  t.name = "prepare";
+  t.cost = {{quantum, quantum_ms}};  // each quantum is prepared alone: time grows in proportion
+  t.rows = rows;
+  t.quantum = quantum;
+  t.consumer = 0;
+  t.send = link(static_cast<double>(prepared));
+  t.cross_iteration = true;
+  c.tasks.push_back(t);
+  validate_costs(c, S);
+  return c;
+}
+
+PipeFillPlan plan_fill(const PipeSchedule& schedule, const std::vector<PipeStageMeasure>& stages, int64_t rows,
+                       int64_t quantum) {
+  PipeFillPlan p;
+  p.costs = costs_from_measures(stages, rows, quantum);
+  p.fill = fill_bubbles(schedule, p.costs);
+  p.serial = simulate(with_serial_tasks(schedule, p.costs), p.costs);
+  const int64_t filled = p.fill.filled_rows.at(0), total = filled + p.fill.serial_rows.at(0);
+  p.used = filled > 0;
+  char line[512];
+  std::snprintf(line, sizeof line,
+                "the prepare phase (%.1f ms per micro-batch of %lld rows) fills the bubbles: %.0f%% of its rows in %d "
+                "pieces%s; predicted step %.1f ms (bubbles %.1f%%) against %.1f ms with it serial",
+                p.costs.tasks[0].time(rows), static_cast<long long>(rows), total ? 100.0 * filled / total : 0.0,
+                p.fill.pieces,
+                filled == total ? ""
+                : p.fill.spread ? ", the rest shared by the stages before the pipeline starts"
+                                : ", the rest serial on stage 0",
+                p.fill.timeline.iteration, 100 * p.fill.timeline.bubble_fraction(), p.serial.iteration);
+  p.summary = p.used ? line
+                     : "no piece of the prepare phase fits into a bubble (a quantum of " + std::to_string(quantum) +
+                           " rows takes longer than any): it stays serial";
+  return p;
+}
+
+std::string fill_plan_json(const PipeFillPlan& p) {
+  nlohmann::json ranks = nlohmann::json::array();
+  for (const auto& slots : p.fill.timeline.ranks) {
+    nlohmann::json r = nlohmann::json::array();
+    for (const PipeSlot& x : slots) {
+      nlohmann::json e = {action_text(x.action).substr(0, 1), x.action.micro, x.start, x.end};
+      if (x.action.op == PipeOp::kTask) {
+        e.push_back(x.action.rows);
+        e.push_back(!x.action.serial);
+      }
+      r.push_back(e);
+    }
+    ranks.push_back(r);
+  }
+  const PipeTask& t = p.costs.tasks.at(0);
+  return nlohmann::json{{"used", p.used},
+                        {"summary", p.summary},
+                        {"planned_ms", p.fill.timeline.iteration},
+                        {"serial_ms", p.serial.iteration},
+                        {"bubble", p.fill.timeline.bubble_fraction()},
+                        {"quantum", t.quantum},
+                        {"prepare_ms", t.time(t.rows)},
+                        {"ranks", ranks},
+                        {"optimizer_ms", p.costs.optimizer}}
+      .dump();
+}
+
+}  // namespace ddm

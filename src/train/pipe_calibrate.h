@@ -1,0 +1,57 @@
+// Planning bubble filling inside a pipelined run (docs/pipeline.md, "Filling the bubbles"): every
+// stage measures a step run with the prepare phase serial (its actions' compute times, its prepare
+// time per quantum of rows, its optimizer, the bytes it sends) and ranks 0 and 1 time the link
+// between them; all stages exchange these measurements, and each turns the same numbers into the
+// same costs (pipe_simulate.h), fills the schedule's bubbles with the prepare work (pipe_fill.h), and
+// so runs the same plan, with no plan ever sent. Measured under the run's own load, on its own link,
+// the costs need no profile file and describe this machine as it is during training.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "dist/pipe_fill.h"
+#include "dist/pipe_schedule.h"
+#include "dist/pipe_simulate.h"
+
+namespace ddm {
+
+// One stage's measurements of one step (milliseconds, bytes).
+struct PipeStageMeasure {
+  double forward = 0, input_grad = 0, weight_grad = 0;  // mean per micro-batch; B alone is input_grad
+  double optimizer = 0;                                 // loss and norm all-reduce, clip, AdamW, EMA
+  double prepare_quantum = 0;                           // prepare time per `quantum` rows
+  int64_t carry_bytes = 0;                              // what it sends the next stage per micro-batch
+  std::vector<int64_t> prepared_bytes;                  // per stage: a micro-batch's prepared tensors it reads
+  double link_latency = 0, link_bytes_per_ms = 0;       // measured by rank 0 (0 elsewhere)
+};
+
+std::string measure_json(const PipeStageMeasure& m);
+// Throws ddm::Error naming the key that is missing or wrong.
+PipeStageMeasure measure_from_json(const std::string& text);
+
+// The simulator's costs from every stage's measurements (rank s = stage s): per-stage compute, the
+// link's time for each cut's carry and its gradient, each rank's optimizer, and one task "prepare"
+// per micro-batch of `rows` rows in quanta of `quantum` (any rank, consumed by stage 0, weight-
+// independent so it may prepare the next step in this step's bubbles, its output sent to the stage
+// that reads the most of it).
+PipeCosts costs_from_measures(const std::vector<PipeStageMeasure>& stages, int64_t rows, int64_t quantum);
+
+struct PipeFillPlan {
+  PipeCosts costs;
+  PipeFill fill;             // the schedule with the prepare pieces, and its simulated timeline
+  PipeTimeline serial;       // the same schedule with the prepare work serial on stage 0's rank
+  bool used = false;         // some rows fit into bubbles (else the run keeps preparing serially)
+  std::string summary;       // one line for the run's output
+};
+
+PipeFillPlan plan_fill(const PipeSchedule& schedule, const std::vector<PipeStageMeasure>& stages, int64_t rows,
+                       int64_t quantum);
+
+// The plan for a run's pipeline-timeline.json: {"used", "summary", "planned_ms" (the filled
+// iteration), "serial_ms", "bubble", "quantum", "prepare_ms" (per micro-batch), "ranks": per rank the
+// filled timeline's slots [op, micro, start_ms, end_ms] (a prepare piece adds rows and whether it
+// prepares the next step), "optimizer_ms": per rank}.
+std::string fill_plan_json(const PipeFillPlan& p);
+
+}  // namespace ddm
