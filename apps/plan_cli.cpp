@@ -252,7 +252,9 @@ int run_plan(PlanArgs a) {
     std::printf("  train it: --set parallel.pp=%d parallel.schedule=%s train.grad_accum=%d parallel.cuts=[", best.stages,
                 best.schedule.c_str(), best.micro);
     for (int s = 1; s < best.stages; ++s) std::printf("%s%d", s > 1 ? "," : "", best.partition.first[static_cast<size_t>(s)]);
-    std::printf("]%s\n", best.replicas > 1 ? " (pipelines of data-parallel replicas are not built yet)" : "");
+    std::printf("]");
+    if (best.replicas > 1) std::printf(" parallel.dp=%d (%d processes)", best.replicas, best.stages * best.replicas);
+    std::printf("\n");
   }
   // The three references: plain data parallelism, the best pipeline with its frozen work serial, and
   // the best pipeline with it filled into the bubbles.

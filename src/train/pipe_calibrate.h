@@ -19,7 +19,7 @@ namespace ddm {
 // One stage's measurements of one step (milliseconds, bytes).
 struct PipeStageMeasure {
   double forward = 0, input_grad = 0, weight_grad = 0;  // mean per micro-batch; B alone is input_grad
-  double optimizer = 0;                                 // loss and norm all-reduce, clip, AdamW, EMA
+  double optimizer = 0;                                 // clip, AdamW, EMA
   double prepare_quantum = 0;                           // prepare time per `quantum` rows
   int64_t carry_bytes = 0;                              // what it sends the next stage per micro-batch
   std::vector<int64_t> prepared_bytes;                  // per stage: a micro-batch's prepared tensors it reads

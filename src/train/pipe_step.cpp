@@ -106,11 +106,14 @@ std::vector<int> pipe_stage_bounds(NetImpl& net, const Prepared& sample, int sta
 }
 
 PipeStep::PipeStep(const RunConfig& cfg, Net net, std::shared_ptr<Objective> objective, std::shared_ptr<Comm> comm,
-                   std::vector<int> bounds, PipeSchedule schedule)
+                   std::vector<int> bounds, PipeSchedule schedule, std::shared_ptr<Comm> replicas,
+                   std::shared_ptr<Comm> world)
     : cfg_(cfg),
       net_(std::move(net)),
       objective_(std::move(objective)),
       comm_(std::move(comm)),
+      replicas_(replicas && replicas->world_size() > 1 ? std::move(replicas) : nullptr),
+      world_(world ? std::move(world) : comm_),
       bounds_(std::move(bounds)),
       schedule_(std::move(schedule)),
       stage_(comm_->rank()) {
@@ -158,11 +161,24 @@ PipeStep::PipeStep(const RunConfig& cfg, Net net, std::shared_ptr<Objective> obj
   optim_ = std::make_unique<FlatAdamW>(*net_, AdamWOptions{tc.beta1, tc.beta2, tc.adam_eps, tc.weight_decay},
                                        /*allow_empty=*/true);
   params_ = optim_->params();  // re-pointed into the flat buffer
-  DDM_CHECK(tc.grad_accum == schedule_.micro && tc.batch_size % tc.grad_accum == 0,
-            "pipeline: train.batch_size = " << tc.batch_size << " does not split into the schedule's " << schedule_.micro
-                                            << " micro-batches");
-  rows_ = tc.batch_size / tc.grad_accum;
+  DDM_CHECK(tc.grad_accum == schedule_.micro, "pipeline: train.grad_accum = " << tc.grad_accum << " for a schedule of "
+                                                                              << schedule_.micro << " micro-batches");
+  const int64_t replica_batch = tc.batch_size / (replicas_ ? replicas_->world_size() : 1);
+  DDM_CHECK(replica_batch % tc.grad_accum == 0,
+            "pipeline: a replica's batch of " << replica_batch << " does not split into " << tc.grad_accum << " micro-batches");
+  rows_ = replica_batch / tc.grad_accum;
   quantum_ = prepare_quantum(rows_);
+  if (replicas_) {
+    // Averaged during the stage's last backward (hooks enabled for it alone), as data parallelism
+    // with gradient accumulation does.
+    const ParallelConfig& par = cfg_.parallel;
+    GradSyncOptions so;
+    so.first_bucket_bytes = static_cast<int64_t>(par.first_bucket_mb * (1 << 20));
+    so.bucket_cap_bytes = static_cast<int64_t>(par.bucket_mb * (1 << 20));
+    so.fp16_wire = par.wire == "float16";
+    sync_ = std::make_shared<GradSync>(replicas_, optim_->params(), optim_->flat_grad(), so);
+    sync_->set_enabled(false);
+  }
 }
 
 void PipeStep::post_send(torch::Tensor t, int peer, int tag) {
@@ -328,8 +344,15 @@ StepResult PipeStep::run(const std::vector<Batch>& micro, int64_t step, const st
   events_.clear();
   auto ms = [&](Clock::time_point t) { return std::chrono::duration<double, std::milli>(t - times_.start).count(); };
   const std::vector<PipeAction>& actions = (filling ? plan_->fill.schedule : schedule_).ranks[static_cast<size_t>(stage_)];
+  // The last action that accumulates weight gradients (B, or W for a split backward): the replicas'
+  // all-reduce starts from its hooks, bucket by bucket.
+  size_t last_weights = actions.size();
+  for (size_t i = 0; i < actions.size(); ++i)
+    if (actions[i].op == PipeOp::kBackward || actions[i].op == PipeOp::kWeightGrad) last_weights = i;
+  if (sync_) sync_->set_enabled(false);
   for (size_t i = 0; i < actions.size(); ++i) {
     const PipeAction& a = actions[i];
+    if (sync_ && i == last_weights) sync_->set_enabled(true);
     const Clock::time_point t0 = Clock::now();
     received_ = t0;  // a receive moves it on: the action's work starts once its input has arrived
     if (a.op == PipeOp::kTask) {
@@ -355,11 +378,16 @@ StepResult PipeStep::run(const std::vector<Batch>& micro, int64_t step, const st
   }
   for (auto& [work, tensor] : sends_) comm_->wait(work, "send to a neighbouring stage");
   sends_.clear();
+  if (sync_) sync_->finish();  // the replicas' gradients averaged
   times_.backward_end = Clock::now();
-  // The loss (the last stage's) and the squared gradient norm (a sum over the stages' disjoint parts).
+  // The loss (the mean of the replicas' last stages) and the squared gradient norm (a sum over the
+  // stages' disjoint parts, once: replica 0's; after the average every replica holds the same).
   const double norm_here = optim_->grad_norm();
-  auto sums = torch::tensor({stage_ + 1 == stages() ? loss_sum_ * scale_ : 0.0, norm_here * norm_here}, torch::kDouble);
-  comm_->allreduce_sum(sums);
+  const double replicas = replicas_ ? replicas_->world_size() : 1;
+  auto sums = torch::tensor({stage_ + 1 == stages() ? loss_sum_ * scale_ / replicas : 0.0,
+                             replica() == 0 ? norm_here * norm_here : 0.0},
+                            torch::kDouble);
+  world_->allreduce_sum(sums);
   r.loss = sums[0].item<double>();
   r.grad_norm = std::sqrt(sums[1].item<double>());
   times_.synced = Clock::now();
@@ -475,7 +503,7 @@ void PipeStep::measure_and_plan() {
     else if (e.action.op == PipeOp::kWeightGrad) m.weight_grad += d;
     else m.input_grad += d;
   }
-  m.optimizer = ms(times_.end) - ms(times_.backward_end);
+  m.optimizer = ms(times_.end) - ms(times_.synced);  // clip, AdamW, EMA: not the wait for the slowest stage
   m.prepare_quantum = ms(times_.prepared) / (M * static_cast<double>(rows_ / quantum_));
   m.carry_bytes = stage_ + 1 < stages() ? carry_bytes_ : 0;
   m.prepared_bytes = prepared_bytes_;
@@ -560,6 +588,12 @@ TensorMap PipeStep::share(const TensorMap& whole, const std::string& prefix, con
   TensorMap out;
   for (size_t i = 0; i < all_names_.size(); ++i) out[prefix + all_names_[i]] = views[i];
   return out;
+}
+
+void PipeStep::share_with_replicas() {
+  if (!replicas_) return;
+  torch::NoGradGuard no_grad;
+  for (torch::Tensor t : optim_->state_buffers()) replicas_->broadcast(t, 0);
 }
 
 }  // namespace ddm

@@ -39,6 +39,7 @@
 #include "data/dataset.h"
 #include "diffusion/objective.h"
 #include "dist/comm.h"
+#include "dist/grad_sync.h"
 #include "dist/pipe_schedule.h"
 #include "model/net.h"
 #include "train/checkpoint.h"
@@ -65,12 +66,16 @@ struct PipeEvent {
 
 class PipeStep {
  public:
-  // cfg.model resolved; net built from it (the whole model); comm: one rank per stage, rank s runs
-  // stage s; bounds from pipe_stage_bounds; schedule over comm's world size and train.grad_accum
-  // micro-batches.
+  // cfg.model resolved; net built from it (the whole model); comm: this pipeline's group, one rank
+  // per stage, rank s runs stage s; bounds from pipe_stage_bounds; schedule over comm's world size and
+  // train.grad_accum micro-batches. Pipelines of data-parallel replicas (parallel.dp > 1): replicas
+  // is this stage's data-parallel group (the same stage of every replica; rank r = replica r), whose
+  // gradients are averaged during the stage's last backward (dist/grad_sync.h), and world the whole
+  // job (the loss and the gradient norm); null for one pipeline.
   PipeStep(const RunConfig& cfg, Net net, std::shared_ptr<Objective> objective, std::shared_ptr<Comm> comm,
-           std::vector<int> bounds, PipeSchedule schedule);
-  // One step over the global batch's M micro-batches (every stage passes the same ones). `next`: the
+           std::vector<int> bounds, PipeSchedule schedule, std::shared_ptr<Comm> replicas = nullptr,
+           std::shared_ptr<Comm> world = nullptr);
+  // One step over this replica's M micro-batches (every stage passes the same ones). `next`: the
   // next step's micro-batches, for a fill plan's pieces that prepare them in this step's bubbles;
   // empty when this is the run's last step (and may always be, at the cost of preparing those rows
   // at the start of the next step). wants_next() says whether they are used.
@@ -85,6 +90,13 @@ class PipeStep {
 
   FlatAdamW& optim() { return *optim_; }
   int stage() const { return stage_; }
+  int replica() const { return replicas_ ? replicas_->rank() : 0; }
+  // Bytes sent over the groups of its own (the pipeline's and the replicas'), not counting the job's.
+  int64_t group_bytes_sent() const {
+    return (comm_ != world_ ? comm_->bytes_sent() : 0) + (replicas_ ? replicas_->bytes_sent() : 0);
+  }
+  // Every stage's last_step_json, indexed by stage (a collective of this pipeline's group).
+  std::vector<std::string> all_last_steps() { return comm_->all_gather_strings(last_step_json()); }
   int stages() const { return static_cast<int>(bounds_.size()) - 1; }
   const std::vector<int>& bounds() const { return bounds_; }
   const std::vector<std::string>& unit_names() const { return unit_names_; }
@@ -103,6 +115,8 @@ class PipeStep {
   // The reverse for loading: stage 0's `whole` (every trainable parameter, "<prefix><name>") reaches
   // every stage (one broadcast); the others pass an empty map.
   TensorMap share(const TensorMap& whole, const std::string& prefix, const std::string& origin);
+  // With replicas: every replica's stage takes replica 0's optimizer state (weights, EMA, moments).
+  void share_with_replicas();
 
  private:
   struct Micro {
@@ -135,7 +149,8 @@ class PipeStep {
   RunConfig cfg_;
   Net net_;
   std::shared_ptr<Objective> objective_;
-  std::shared_ptr<Comm> comm_;
+  std::shared_ptr<Comm> comm_, replicas_, world_;
+  std::shared_ptr<GradSync> sync_;  // with replicas: this stage's gradients averaged over them
   std::vector<int> bounds_;
   PipeSchedule schedule_;
   int stage_ = 0;

@@ -252,25 +252,28 @@ TrainSummary train(TrainJob job, const TrainOptions& options) {
   // Checked alike on every rank, before any collective, so a bad value fails every rank at once.
   const int pp = static_cast<int>(cfg.parallel.pp);
   const bool pipelined = pp > 1;
-  DDM_CHECK(!pipelined || world == pp,
-            "rank " << rank << ": parallel.pp = " << pp << " pipeline stages but the job has " << world
-                    << " processes; a pipeline runs one process per stage (pipelines of data-parallel replicas are not "
-                       "supported yet): launch " << pp << " processes");
+  // A pipeline runs one process per stage; with parallel.dp = R (0: every process), R replicas of it,
+  // rank = stage x R + replica, each replica on its share of the global batch.
+  DDM_CHECK(!pipelined || (world % pp == 0 && (cfg.parallel.dp == 0 || cfg.parallel.dp * pp == world)),
+            "rank " << rank << ": parallel.pp = " << pp << " pipeline stages"
+                    << (cfg.parallel.dp > 0 ? " x parallel.dp = " + std::to_string(cfg.parallel.dp) + " replicas" : "")
+                    << " but the job has " << world << " processes; a pipeline runs one process per stage: launch "
+                    << pp * std::max<int64_t>(1, cfg.parallel.dp) << " processes"
+                    << (cfg.parallel.dp == 0 ? " (or a multiple of " + std::to_string(pp) + " for data-parallel replicas)" : ""));
   DDM_CHECK(pipelined || diloco_mode || cfg.parallel.dp == 0 || cfg.parallel.dp == world,
             "parallel.dp = " << cfg.parallel.dp << " but the job has " << world
                              << " processes; set parallel.dp = 0 (every process) or launch " << cfg.parallel.dp
                              << " processes");
-  DDM_CHECK(!pipelined || cfg.parallel.dp == 0 || cfg.parallel.dp == 1,
-            "parallel.dp = " << cfg.parallel.dp << " with parallel.pp = " << pp
-                             << ": pipelines of data-parallel replicas are not supported yet; set parallel.dp = 0");
-  const int data_world = pipelined ? 1 : world;  // every stage takes the whole global batch
+  const int replicas = pipelined ? world / pp : 1;  // of the pipeline
+  const int stage = pipelined ? rank / replicas : 0, replica = pipelined ? rank % replicas : 0;
+  const int data_world = pipelined ? replicas : world;  // every stage of a replica takes the replica's batch
   DDM_CHECK(tc.batch_size % (static_cast<int64_t>(data_world) * tc.grad_accum) == 0,
             "train.batch_size = " << tc.batch_size << " does not split into " << data_world << " rank"
                                   << (data_world > 1 ? "s" : "") << " x " << tc.grad_accum
                                   << " micro-batch" << (tc.grad_accum > 1 ? "es" : "")
                                   << " of equal size; the global batch must be a multiple of "
                                   << data_world * tc.grad_accum << " (or change train.grad_accum"
-                                  << (pipelined ? ", the pipeline's micro-batches)" : " / the process count)")
+                                  << (pipelined ? ", the pipeline's micro-batches, or parallel.dp)" : " / the process count)")
                                   << (diloco_mode ? "; with parallel.mode = \"diloco\" each replica takes its share of it" : ""));
   const int64_t local_batch = tc.batch_size / data_world;
   const std::string config_text = to_toml(job.recorded);
@@ -309,8 +312,18 @@ TrainSummary train(TrainJob job, const TrainOptions& options) {
       sample.cond = net->precompute(sample.xt, sample.t, sample.cond);
     }
     std::vector<int> bounds = pipe_stage_bounds(*net, sample, pp, cfg.parallel.cuts);
-    pipe = std::make_unique<PipeStep>(cfg, net, job.objective, comm, std::move(bounds),
-                                      make_schedule(cfg.parallel.schedule, pp, static_cast<int>(tc.grad_accum)));
+    // Replicas: the groups of this process's pipeline (its stages) and of its stage (its replicas).
+    std::shared_ptr<Comm> line = comm, same_stage;
+    if (replicas > 1) {
+      std::vector<int> stages, peers;
+      for (int s = 0; s < pp; ++s) stages.push_back(s * replicas + replica);
+      for (int r = 0; r < replicas; ++r) peers.push_back(stage * replicas + r);
+      line = comm->subgroup("pipeline" + std::to_string(replica), stages);
+      same_stage = comm->subgroup("stage" + std::to_string(stage), peers);
+    }
+    pipe = std::make_unique<PipeStep>(cfg, net, job.objective, line, std::move(bounds),
+                                      make_schedule(cfg.parallel.schedule, pp, static_cast<int>(tc.grad_accum)),
+                                      same_stage, comm);
   } else {
     trainer_step = std::make_unique<TrainStep>(cfg, net, job.objective);
   }
@@ -391,15 +404,18 @@ TrainSummary train(TrainJob job, const TrainOptions& options) {
     comm->broadcast(ints, 0);
     comm->broadcast(sums, 0);
     if (ints[6].item<int64_t>() != 0 && pipe) {
-      // Stage 0 read the checkpoint: every stage takes its own parameters' state from it, by name
-      // (whatever split, or none, wrote it).
+      // Stage 0 read the checkpoint: every stage of its pipeline takes its own parameters' state from
+      // it, by name (whatever split, or none, wrote it); the other replicas then from that pipeline.
       const TensorMap none;
       const std::string origin = resumed ? resumed_from : "the checkpoint";
-      const TensorMap params = pipe->share(resumed ? resumed->model : none, "", origin);
-      const TensorMap ema = pipe->share(resumed ? resumed->ema : none, "", origin);
-      TensorMap moments = pipe->share(resumed ? resumed->optim : none, "exp_avg.", origin);
-      moments.merge(pipe->share(resumed ? resumed->optim : none, "exp_avg_sq.", origin));
-      optim.load(params, ema, moments, ints[1].item<int64_t>(), origin);
+      if (replica == 0) {
+        const TensorMap params = pipe->share(resumed ? resumed->model : none, "", origin);
+        const TensorMap ema = pipe->share(resumed ? resumed->ema : none, "", origin);
+        TensorMap moments = pipe->share(resumed ? resumed->optim : none, "exp_avg.", origin);
+        moments.merge(pipe->share(resumed ? resumed->optim : none, "exp_avg_sq.", origin));
+        optim.load(params, ema, moments, ints[1].item<int64_t>(), origin);
+      }
+      if (replicas > 1) pipe->share_with_replicas();
       for (auto& b : net->named_buffers(true)) {
         torch::Tensor t = b.value();
         comm->broadcast(t, 0);
@@ -468,7 +484,9 @@ TrainSummary train(TrainJob job, const TrainOptions& options) {
   }
   resumed.reset();
   // Bytes this rank has sent, over every process group it used.
-  auto sent_now = [&] { return sent_before + (diloco ? diloco->group().bytes_sent() : comm->bytes_sent()); };
+  auto sent_now = [&] {
+    return sent_before + (diloco ? diloco->group().bytes_sent() : comm->bytes_sent()) + (pipe ? pipe->group_bytes_sent() : 0);
+  };
   summary.first_step = step;
   summary.rank = rank;
   Progress progress(step, tc.steps, opt.quiet);
@@ -497,7 +515,7 @@ TrainSummary train(TrainJob job, const TrainOptions& options) {
                 << "trainable copy, hint block and zero convolutions\n";
     std::cout
               << job.header << "train: " << tc.steps << " steps, batch " << tc.batch_size;
-    if (data_world > 1) std::cout << " (" << world << " ranks x " << local_batch << ")";
+    if (data_world > 1) std::cout << " (" << data_world << (pipelined ? " replicas" : " ranks") << " x " << local_batch << ")";
     if (tc.grad_accum > 1) std::cout << " in " << tc.grad_accum << " micro-batches";
     std::cout << ", lr " << tc.lr << ", " << threads << " thread" << (threads > 1 ? "s" : "")
               << (world > 1 ? " per rank" : "") << ", seed " << tc.seed << "\n";
@@ -511,8 +529,9 @@ TrainSummary train(TrainJob job, const TrainOptions& options) {
                 << " on the wire, collective timeout " << cfg.parallel.timeout << " s\n";
     } else if (pipe) {
       const std::vector<int>& b = pipe->bounds();
-      std::cout << "parallel: a pipeline of " << pp << " stages (" << cfg.parallel.schedule << ", " << tc.grad_accum
-                << " micro-batches of " << tc.batch_size / tc.grad_accum << "), units";
+      std::cout << "parallel: " << (replicas > 1 ? std::to_string(replicas) + " data-parallel replicas of a pipeline" : "a pipeline")
+                << " of " << pp << " stages (" << cfg.parallel.schedule << ", " << tc.grad_accum
+                << " micro-batches of " << local_batch / tc.grad_accum << "), units";
       for (int s = 0; s < pp; ++s)
         std::cout << (s ? " | " : " ") << pipe->unit_names()[static_cast<size_t>(b[static_cast<size_t>(s)])] << ".."
                   << pipe->unit_names()[static_cast<size_t>(b[static_cast<size_t>(s) + 1] - 1)];
@@ -532,7 +551,7 @@ TrainSummary train(TrainJob job, const TrainOptions& options) {
     const DilocoReplicas replicas = diloco ? diloco->gather_replicas(at_step) : DilocoReplicas{};
     // A pipeline: every stage contributes its parameters' state, assembled by name (a collective).
     TensorMap params, ema, moments;
-    if (pipe) {
+    if (pipe && replica == 0) {  // every replica holds the same
       params = pipe->assemble(optim.named_params(), "");
       ema = pipe->assemble(optim.named_ema(), "");
       const TensorMap mine = optim.optimizer_state();
@@ -607,11 +626,12 @@ TrainSummary train(TrainJob job, const TrainOptions& options) {
     stopped = end_step(step == tc.steps ? diloco->after_step(step, tc.steps, 0).stop : joined_signal);
   }
   while (!stopped && step < tc.steps) {
-    const Batch shard = loader.next(pipelined ? 0 : rank * local_batch, local_batch);
+    const int64_t shard_at = (pipelined ? replica : rank) * local_batch;
+    const Batch shard = loader.next(shard_at, local_batch);
     std::vector<Batch> next;  // a filled pipeline prepares parts of the next step's batch in this step's bubbles
     if (pipe && pipe->wants_next() && step + 1 < tc.steps) {
       const BatchLoader::Cursor at = loader.cursor();
-      next = split_micro(loader.next(0, local_batch), tc.grad_accum);
+      next = split_micro(loader.next(shard_at, local_batch), tc.grad_accum);
       loader.set_cursor(at);
     }
     const auto step_start = std::chrono::steady_clock::now();
@@ -674,12 +694,12 @@ TrainSummary train(TrainJob job, const TrainOptions& options) {
   if (pipe && step > summary.first_step) {
     // The measured timeline of the last step, every stage's, for `ddm plan --measured` to draw and to
     // compare with the simulator's.
-    const std::vector<std::string> stages = comm->all_gather_strings(pipe->last_step_json());
+    const std::vector<std::string> stages = pipe->all_last_steps();  // of each replica's pipeline: rank 0 writes its own
     if (lead) {
       nlohmann::json ranks = nlohmann::json::array();
       for (const std::string& st : stages) ranks.push_back(nlohmann::json::parse(st));
       const nlohmann::json record = {
-          {"format", "ddm pipeline timeline 1"}, {"stages", pp}, {"schedule", cfg.parallel.schedule},
+          {"format", "ddm pipeline timeline 1"}, {"stages", pp}, {"replicas", replicas}, {"schedule", cfg.parallel.schedule},
           {"micro", tc.grad_accum}, {"rows", tc.batch_size / tc.grad_accum}, {"threads", threads},
           {"first_units", pipe->bounds()}, {"units", pipe->unit_names()}, {"step", step},
           {"steps_timed", timed_steps}, {"timed_from", timed_from + 1}, {"step_ms", timed_steps > 0 ? timed_ms / timed_steps : 0.0}, {"ranks", ranks},

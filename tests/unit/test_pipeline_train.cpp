@@ -3,7 +3,8 @@
 // one process with the same micro-batches trains, for GPipe, 1F1B and ZB-H1, on a U-Net with its
 // skips crossing the cuts and on a DiT, bit-identical when repeated, and with a stage that has no
 // trainable parameters (a ControlNet's locked output layer); a run resumes under another stage split and as one process;
-// bad stage configurations are clear errors on every stage. Bubble filling: a micro-batch prepared in
+// bad stage configurations are clear errors on every stage; data-parallel replicas of a pipeline
+// (parallel.pp x parallel.dp) train what one process trains too. Bubble filling: a micro-batch prepared in
 // pieces is the whole one bit for bit, and a filled pipeline trains exactly what an unfilled one does.
 #include <gtest/gtest.h>
 
@@ -277,4 +278,39 @@ TEST(PipelineTrain, FillingTheBubblesChangesNoResult) {
   while (units[static_cast<size_t>(zero)].name != "zero") ++zero;
   ASSERT_TRUE(units[static_cast<size_t>(zero)].reads_frozen);
   filled_and_not(piped(cn, 2, "1f1b", {zero}), "controlnet");
+}
+
+// Pipelines of data-parallel replicas: 2 stages x 2 replicas (4 processes, rank = stage x 2 +
+// replica) train on the replicas' halves of each batch what one process trains on the whole, with
+// the same micro-batches; parallel.dp = 0 takes every process; a run resumes as one pipeline.
+TEST(PipelineTrain, DataParallelReplicasOfAPipeline) {
+  test::TempDir dir;
+  const RunConfig cfg = base("unet");  // batch 16 in 4 micro-batches of 4
+  ASSERT_EQ(train_ranks(1, {cfg}, dir / "one"), std::vector<std::string>{""});
+  RunConfig hybrid = piped(cfg, 2, "1f1b", {2});
+  hybrid.parallel.dp = 2;
+  hybrid.train.grad_accum = 2;  // each replica: 8 rows in 2 micro-batches of 4
+  ASSERT_EQ(train_ranks(4, std::vector<RunConfig>(4, hybrid), dir / "hybrid"), std::vector<std::string>(4, ""));
+  expect_same_training(dir / "hybrid", dir / "one", "2 stages x 2 replicas");
+  RunConfig every = hybrid;
+  every.parallel.dp = 0;
+  ASSERT_EQ(train_ranks(4, std::vector<RunConfig>(4, every), dir / "every"), std::vector<std::string>(4, ""));
+  EXPECT_EQ(losses(dir / "every"), losses(dir / "hybrid"));
+  EXPECT_EQ(max_weight_difference(final_weights(dir / "every"), final_weights(dir / "hybrid")), 0.0);
+  // 10 steps as 2 x 2, then one pipeline of 2 stages with the same micro-batches.
+  RunConfig first = hybrid;
+  first.train.steps = 10;
+  ASSERT_EQ(train_ranks(4, std::vector<RunConfig>(4, first), dir / "resumed"), std::vector<std::string>(4, ""));
+  const RunConfig line = piped(cfg, 2, "zb-h1", {2});
+  ASSERT_EQ(train_ranks(2, {line, line}, dir / "resumed", true), (std::vector<std::string>{"", ""}));
+  expect_same_training(dir / "resumed", dir / "one", "2 x 2 resumed as one pipeline");
+  // Process counts that do not fit.
+  RunConfig three = hybrid;
+  three.parallel.dp = 3;
+  for (const std::string& e : train_ranks(4, std::vector<RunConfig>(4, three), dir / "bad"))
+    EXPECT_NE(e.find("parallel.pp = 2 pipeline stages x parallel.dp = 3 replicas but the job has 4 processes"), std::string::npos) << e;
+  const RunConfig odd = piped(cfg, 3, "1f1b");
+  for (const std::string& e : train_ranks(4, std::vector<RunConfig>(4, odd), dir / "bad"))
+    EXPECT_NE(e.find("launch 3 processes (or a multiple of 3 for data-parallel replicas)"), std::string::npos) << e;
+  EXPECT_FALSE(fs::exists(dir / "bad/ckpt"));
 }
