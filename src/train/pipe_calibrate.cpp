@@ -106,18 +106,20 @@ PipeFillPlan plan_fill(const PipeSchedule& schedule, const std::vector<PipeStage
   return p;
 }
 
+nlohmann::json timeline_event(const PipeAction& a, double start_ms, double end_ms) {
+  nlohmann::json e = {action_text(a).substr(0, 1), a.micro, start_ms, end_ms};
+  if (a.op == PipeOp::kTask) {
+    e.push_back(a.rows);
+    e.push_back(!a.serial);
+  }
+  return e;
+}
+
 std::string fill_plan_json(const PipeFillPlan& p) {
   nlohmann::json ranks = nlohmann::json::array();
   for (const auto& slots : p.fill.timeline.ranks) {
     nlohmann::json r = nlohmann::json::array();
-    for (const PipeSlot& x : slots) {
-      nlohmann::json e = {action_text(x.action).substr(0, 1), x.action.micro, x.start, x.end};
-      if (x.action.op == PipeOp::kTask) {
-        e.push_back(x.action.rows);
-        e.push_back(!x.action.serial);
-      }
-      r.push_back(e);
-    }
+    for (const PipeSlot& x : slots) r.push_back(timeline_event(x.action, x.start, x.end));
     ranks.push_back(r);
   }
   const PipeTask& t = p.costs.tasks.at(0);

@@ -10,6 +10,8 @@
 #include <string>
 #include <vector>
 
+#include <nlohmann/json_fwd.hpp>
+
 #include "dist/pipe_fill.h"
 #include "dist/pipe_schedule.h"
 #include "dist/pipe_simulate.h"
@@ -53,5 +55,9 @@ PipeFillPlan plan_fill(const PipeSchedule& schedule, const std::vector<PipeStage
 // filled timeline's slots [op, micro, start_ms, end_ms] (a prepare piece adds rows and whether it
 // prepares the next step), "optimizer_ms": per rank}.
 std::string fill_plan_json(const PipeFillPlan& p);
+
+// One action of a timeline as the run's pipeline-timeline.json writes it: [op, micro, start_ms,
+// end_ms], and for a prepare piece ("T") also its rows and whether it prepares the next step.
+nlohmann::json timeline_event(const PipeAction& a, double start_ms, double end_ms);
 
 }  // namespace ddm

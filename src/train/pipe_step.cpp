@@ -307,39 +307,7 @@ StepResult PipeStep::run(const std::vector<Batch>& micro, int64_t step, const st
   fill_news_ = false;
   micro_.assign(static_cast<size_t>(M), Micro{});
   const bool filling = plan_ && plan_->used;
-  {
-    torch::NoGradGuard no_grad;
-    if (!filling) {  // every stage prepares every micro-batch itself, alike
-      for (int i = 0; i < M; ++i)
-        micro_[static_cast<size_t>(i)].p = prepare_rows(*objective_, *net_, micro[static_cast<size_t>(i)], 0, rows_, quantum_, step);
-      prepared_bytes_.clear();
-      for (const PrepNeeds& n : needs_) {
-        int64_t bytes = 0;
-        for (const auto& kv : prepared_tensors(micro_.front().p, n)) bytes += static_cast<int64_t>(kv.second.nbytes());
-        prepared_bytes_.push_back(bytes);
-      }
-    } else {
-      // The rows the plan prepares ahead: the previous step's pieces prepared them, or (the plan's first
-      // step, a resumed run) every stage prepares them now, alike.
-      if (ahead_step_ == step) {
-        now_ = std::move(ahead_);
-      } else {
-        now_.assign(static_cast<size_t>(M), Rows{});
-        std::vector<int64_t> ahead_rows(static_cast<size_t>(M), 0);
-        for (const PrepPiece& pc : pieces_)
-          if (pc.ahead) ahead_rows[static_cast<size_t>(pc.micro)] += pc.rows;
-        for (int m = 0; m < M; ++m)
-          if (ahead_rows[static_cast<size_t>(m)] > 0)
-            now_[static_cast<size_t>(m)].emplace_back(
-                0, prepared_tensors(prepare_rows(*objective_, *net_, micro[static_cast<size_t>(m)], 0,
-                                                 ahead_rows[static_cast<size_t>(m)], quantum_, step),
-                                    needs_[static_cast<size_t>(stage_)]));
-      }
-      ahead_.assign(static_cast<size_t>(M), Rows{});
-      ahead_step_ = -1;
-      post_incoming(!next.empty());
-    }
-  }
+  prepare(micro, step, filling, !next.empty());
   times_.prepared = times_.backward_start = Clock::now();
   events_.clear();
   auto ms = [&](Clock::time_point t) { return std::chrono::duration<double, std::milli>(t - times_.start).count(); };
@@ -405,6 +373,41 @@ StepResult PipeStep::run(const std::vector<Batch>& micro, int64_t step, const st
   // The plan is made from the second step (the first warms up), by every stage at once.
   if (++steps_run_ == kMeasuredStep && cfg_.parallel.fill && !plan_) measure_and_plan();
   return r;
+}
+
+void PipeStep::prepare(const std::vector<Batch>& micro, int64_t step, bool filling, bool has_next) {
+  const int M = static_cast<int>(micro.size());
+  torch::NoGradGuard no_grad;
+  if (!filling) {  // every stage prepares every micro-batch itself, alike
+    for (int i = 0; i < M; ++i)
+      micro_[static_cast<size_t>(i)].p = prepare_rows(*objective_, *net_, micro[static_cast<size_t>(i)], 0, rows_, quantum_, step);
+    prepared_bytes_.clear();
+    for (const PrepNeeds& n : needs_) {
+      int64_t bytes = 0;
+      for (const auto& kv : prepared_tensors(micro_.front().p, n)) bytes += static_cast<int64_t>(kv.second.nbytes());
+      prepared_bytes_.push_back(bytes);
+    }
+    return;
+  }
+  // The rows the plan prepares ahead: the previous step's pieces prepared them, or (the plan's first
+  // step, a resumed run) every stage prepares them now, alike.
+  if (ahead_step_ == step) {
+    now_ = std::move(ahead_);
+  } else {
+    now_.assign(static_cast<size_t>(M), Rows{});
+    std::vector<int64_t> ahead_rows(static_cast<size_t>(M), 0);
+    for (const PrepPiece& pc : pieces_)
+      if (pc.ahead) ahead_rows[static_cast<size_t>(pc.micro)] += pc.rows;
+    for (int m = 0; m < M; ++m)
+      if (ahead_rows[static_cast<size_t>(m)] > 0)
+        now_[static_cast<size_t>(m)].emplace_back(
+            0, prepared_tensors(prepare_rows(*objective_, *net_, micro[static_cast<size_t>(m)], 0,
+                                             ahead_rows[static_cast<size_t>(m)], quantum_, step),
+                                needs_[static_cast<size_t>(stage_)]));
+  }
+  ahead_.assign(static_cast<size_t>(M), Rows{});
+  ahead_step_ = -1;
+  post_incoming(has_next);
 }
 
 int PipeStep::piece_tag(size_t piece, int part) const {
@@ -528,14 +531,7 @@ void PipeStep::measure_and_plan() {
 std::string PipeStep::last_step_json() const {
   auto ms = [&](Clock::time_point t) { return std::chrono::duration<double, std::milli>(t - shown_times_.start).count(); };
   nlohmann::json events = nlohmann::json::array();
-  for (const PipeEvent& e : shown_events_) {
-    nlohmann::json ev = {action_text(e.action).substr(0, 1), e.action.micro, e.start_ms, e.end_ms};
-    if (e.action.op == PipeOp::kTask) {
-      ev.push_back(e.action.rows);
-      ev.push_back(!e.action.serial);
-    }
-    events.push_back(ev);
-  }
+  for (const PipeEvent& e : shown_events_) events.push_back(timeline_event(e.action, e.start_ms, e.end_ms));
   return nlohmann::json{{"stage", stage_},
                         {"step", shown_step_},
                         {"filled", shown_filled_},

@@ -134,6 +134,9 @@ class PipeStep {
   // Bubble filling: run piece `i` (sending its rows to the other stages); post the receives of the
   // other stages' pieces; receive piece `in` (waiting for it); make micro-batch m's Prepared whole.
   void run_piece(size_t i, const std::vector<Batch>& micro, const std::vector<Batch>& next, int64_t step);
+  // The prepare phase: every micro-batch here (no fill plan), or the rows prepared ahead (or, when
+  // there are none, those rows now) and the receives of the other stages' pieces.
+  void prepare(const std::vector<Batch>& micro, int64_t step, bool filling, bool has_next);
   struct Incoming {
     size_t piece;
     torch::Tensor length;  // int64 [1]: the bytes of the piece's safetensors message
