@@ -436,9 +436,6 @@ void validate(const RunConfig& c) {
     DDM_CHECK(par.cuts[i] > (i == 0 ? 0 : par.cuts[i - 1]),
               "parallel.cuts must be increasing unit indices > 0, got " << par.cuts[i] << " at position " << i);
   DDM_CHECK(par.pp == 1 || par.mode == "dp", "parallel.pp = " << par.pp << " needs parallel.mode = \"dp\" (DiLoCo replicas are whole models)");
-  DDM_CHECK(par.pp == 1 || c.train.self_cond == 0,
-            "parallel.pp = " << par.pp << " with train.self_cond = " << c.train.self_cond
-                             << ": self-conditioning's first pass through a pipeline is not supported yet; set train.self_cond = 0 or parallel.pp = 1");
 
   const DilocoConfig& dl = c.diloco;
   DDM_CHECK(dl.inner_steps > 0, "diloco.inner_steps must be > 0 (inner steps between synchronizations), got "

@@ -94,23 +94,30 @@ Prepared Objective::prepare(const Batch& pixels, int64_t step) const {
   return p;
 }
 
+torch::Tensor Objective::self_cond_rows(int64_t first, int64_t n, int64_t step) const {
+  const auto keys = sample_keys(seed_, RngPurpose::kSelfCond, step, first, n);
+  std::vector<int64_t> chosen;
+  for (int64_t j = 0; j < n; ++j)
+    if (uniform_from_key(keys[static_cast<size_t>(j)]) < self_cond_) chosen.push_back(j);
+  return torch::tensor(chosen, torch::kLong);  // [b']
+}
+
+torch::Tensor Objective::self_cond_estimate(const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& f) const {
+  const Scalings sc = scalings(path_, pred_, t);
+  return sc.c_skip * x + sc.c_out * f;  // x0 estimates [b', C, H, W]
+}
+
 void Objective::self_condition(NetImpl& net, Prepared& p, int64_t first, int64_t step) const {
   if (self_cond_ <= 0) return;
   torch::NoGradGuard no_grad;
-  const int64_t b = p.xt.size(0);
-  const auto keys = sample_keys(seed_, RngPurpose::kSelfCond, step, first, b);
-  std::vector<int64_t> chosen;
-  for (int64_t j = 0; j < b; ++j)
-    if (uniform_from_key(keys[static_cast<size_t>(j)]) < self_cond_) chosen.push_back(j);
-  p.cond.self_cond = torch::zeros_like(p.xt);  // [B, C, H, W]
-  if (chosen.empty()) return;
-  const auto idx = torch::tensor(chosen, torch::kLong);  // [b']
+  const auto idx = self_cond_rows(first, p.xt.size(0), step);  // [b']
+  p.cond.self_cond = torch::zeros_like(p.xt);                   // [B, C, H, W]
+  if (idx.numel() == 0) return;
   Cond c = p.cond.select(idx);
   c.self_cond = torch::zeros_like(p.xt.index_select(0, idx));  // the first pass has no estimate
   const auto x = p.xt.index_select(0, idx), t = p.t.index_select(0, idx);
   const auto f = net.forward(x, t, c);  // [b', C, H, W]
-  const Scalings sc = scalings(path_, pred_, t);
-  p.cond.self_cond.index_copy_(0, idx, sc.c_skip * x + sc.c_out * f);  // x0 estimates
+  p.cond.self_cond.index_copy_(0, idx, self_cond_estimate(x, t, f));
 }
 
 torch::Tensor Objective::target(const Batch& b, const Prepared& p, const torch::Tensor& eps) const {

@@ -57,6 +57,11 @@ class Objective {
   // chosen with probability q (keyed like every draw); the chosen ones' x0 estimates from a first pass
   // of `net` (the current weights) become p.cond.self_cond, the others' zeros. No-op when q = 0.
   void self_condition(NetImpl& net, Prepared& p, int64_t first, int64_t step) const;
+  // Its two halves, for a first pass that runs elsewhere (a pipeline's stages): the rows of a batch
+  // of n at global positions first.. chosen for a first pass (int64 [b'], possibly empty), and the
+  // x0 estimate from that pass's output f at x_t and t of those rows.
+  torch::Tensor self_cond_rows(int64_t first, int64_t n, int64_t step) const;
+  torch::Tensor self_cond_estimate(const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& f) const;
   // The trainable phase: the model on the prepared inputs and the loss of its output, [] (the mean
   // over the samples). By default loss(net(x_t, t, y), p).
   virtual torch::Tensor forward_loss(NetImpl& net, const Prepared& p) const;

@@ -21,8 +21,11 @@ namespace {
 // A carry on the wire: a fixed-size int64 header (which of h / emb are present, the tensor count,
 // then each tensor's rank and sizes), then every tensor's float32 values in one flat message.
 constexpr int64_t kHeader = 128;
-enum Tag { kCarryHeader = 0, kCarryValues = 1, kGradient = 2 };
-int tag_of(int micro, Tag kind) { return micro * 3 + kind; }
+// Per micro-batch: the carry and its gradient; self-conditioning's first pass (its carry, and the
+// last stage's output back to stage 0).
+enum Tag { kCarryHeader = 0, kCarryValues = 1, kGradient = 2, kFirstHeader = 3, kFirstValues = 4, kFirstOut = 5 };
+constexpr int kTags = 6;
+int tag_of(int micro, Tag kind) { return micro * kTags + kind; }
 
 using Clock = std::chrono::steady_clock;
 constexpr int64_t kMeasuredStep = 2;  // the fill plan is made from the run's second step
@@ -167,6 +170,7 @@ PipeStep::PipeStep(const RunConfig& cfg, Net net, std::shared_ptr<Objective> obj
   DDM_CHECK(replica_batch % tc.grad_accum == 0,
             "pipeline: a replica's batch of " << replica_batch << " does not split into " << tc.grad_accum << " micro-batches");
   rows_ = replica_batch / tc.grad_accum;
+  objective_self_cond_ = tc.self_cond > 0;
   quantum_ = prepare_quantum(rows_);
   if (replicas_) {
     // Averaged during the stage's last backward (hooks enabled for it alone), as data parallelism
@@ -185,7 +189,7 @@ void PipeStep::post_send(torch::Tensor t, int peer, int tag) {
   sends_.emplace_back(comm_->send_async(t, peer, tag), t);
 }
 
-void PipeStep::send_carry(const NetCarry& k, int micro) {
+void PipeStep::send_carry(const NetCarry& k, int micro, bool first_pass) {
   const std::vector<torch::Tensor> ts = k.tensors();
   auto header = torch::zeros({kHeader}, torch::kLong);
   auto* h = header.data_ptr<int64_t>();
@@ -199,16 +203,17 @@ void PipeStep::send_carry(const NetCarry& k, int micro) {
     for (int64_t d : t.sizes()) h[at++] = d;
   }
   const int next = stage_ + 1;
-  post_send(header, next, tag_of(micro, kCarryHeader));
+  post_send(header, next, tag_of(micro, first_pass ? kFirstHeader : kCarryHeader));
   torch::Tensor values = flat_of(ts);
-  carry_bytes_ = static_cast<int64_t>(values.nbytes());
-  post_send(values, next, tag_of(micro, kCarryValues));
+  if (!first_pass) carry_bytes_ = static_cast<int64_t>(values.nbytes());
+  post_send(values, next, tag_of(micro, first_pass ? kFirstValues : kCarryValues));
 }
 
-NetCarry PipeStep::recv_carry(int micro, std::vector<torch::Tensor>& inputs) {
+NetCarry PipeStep::recv_carry(int micro, std::vector<torch::Tensor>& inputs, bool first_pass) {
   const int prev = stage_ - 1;
   auto header = torch::zeros({kHeader}, torch::kLong);
-  comm_->wait(comm_->recv_async(header, prev, tag_of(micro, kCarryHeader)), "receive from stage " + std::to_string(prev));
+  comm_->wait(comm_->recv_async(header, prev, tag_of(micro, first_pass ? kFirstHeader : kCarryHeader)),
+              "receive from stage " + std::to_string(prev));
   const auto* h = header.data_ptr<int64_t>();
   std::vector<std::vector<int64_t>> shapes;
   int64_t at = 2;
@@ -217,10 +222,11 @@ NetCarry PipeStep::recv_carry(int micro, std::vector<torch::Tensor>& inputs) {
     at += 1 + h[at];
   }
   auto values = torch::empty({numel_of(shapes)}, torch::kFloat);
-  comm_->wait(comm_->recv_async(values, prev, tag_of(micro, kCarryValues)), "receive from stage " + std::to_string(prev));
+  comm_->wait(comm_->recv_async(values, prev, tag_of(micro, first_pass ? kFirstValues : kCarryValues)),
+              "receive from stage " + std::to_string(prev));
   received_ = Clock::now();
   inputs.clear();
-  for (torch::Tensor& t : split_flat(values, shapes)) inputs.push_back(t.requires_grad_(true));
+  for (torch::Tensor& t : split_flat(values, shapes)) inputs.push_back(first_pass ? t : t.requires_grad_(true));
   NetCarry k;
   size_t i = 0;
   if (h[0] & 1) k.h = inputs[i++];
@@ -232,6 +238,7 @@ NetCarry PipeStep::recv_carry(int micro, std::vector<torch::Tensor>& inputs) {
 void PipeStep::forward(Micro& m, int micro) {
   NetCarry k;
   if (stage_ == 0) {
+    if (objective_self_cond_) take_estimate(micro);
     k.h = m.p.xt;
   } else {
     k = recv_carry(micro, m.inputs);
@@ -310,7 +317,7 @@ StepResult PipeStep::run(const std::vector<Batch>& micro, int64_t step, const st
   prepare(micro, step, filling, !next.empty());
   times_.prepared = times_.backward_start = Clock::now();
   events_.clear();
-  auto ms = [&](Clock::time_point t) { return std::chrono::duration<double, std::milli>(t - times_.start).count(); };
+  auto ms = [&](Clock::time_point t) { return ms_since_start(t); };
   const std::vector<PipeAction>& actions = (filling ? plan_->fill.schedule : schedule_).ranks[static_cast<size_t>(stage_)];
   // The last action that accumulates weight gradients (B, or W for a split backward): the replicas'
   // all-reduce starts from its hooks, bucket by bucket.
@@ -318,8 +325,13 @@ StepResult PipeStep::run(const std::vector<Batch>& micro, int64_t step, const st
   for (size_t i = 0; i < actions.size(); ++i)
     if (actions[i].op == PipeOp::kBackward || actions[i].op == PipeOp::kWeightGrad) last_weights = i;
   if (sync_) sync_->set_enabled(false);
+  bool first_pass_done = !objective_self_cond_;
   for (size_t i = 0; i < actions.size(); ++i) {
     const PipeAction& a = actions[i];
+    if (!first_pass_done && !(a.op == PipeOp::kTask && a.serial)) {  // after this step's serial prepare pieces
+      first_pass(micro, step, filling);
+      first_pass_done = true;
+    }
     if (sync_ && i == last_weights) sync_->set_enabled(true);
     const Clock::time_point t0 = Clock::now();
     received_ = t0;  // a receive moves it on: the action's work starts once its input has arrived
@@ -410,8 +422,66 @@ void PipeStep::prepare(const std::vector<Batch>& micro, int64_t step, bool filli
   post_incoming(has_next);
 }
 
+void PipeStep::first_pass(const std::vector<Batch>& micro, int64_t step, bool filling) {
+  // Self-conditioning (train.self_cond): every micro-batch's chosen rows through every stage without
+  // gradients, at the step's start with this step's weights; the last stage's output goes back to
+  // stage 0, which turns it into the x0 estimate its forward feeds in.
+  torch::NoGradGuard no_grad;
+  const int M = static_cast<int>(micro.size());
+  first_.assign(static_cast<size_t>(M), FirstPass{});
+  for (int m = 0; m < M; ++m) {
+    const Clock::time_point t0 = Clock::now();
+    received_ = t0;
+    if (filling) complete(m);
+    const Prepared& p = micro_[static_cast<size_t>(m)].p;
+    FirstPass& f = first_[static_cast<size_t>(m)];
+    f.idx = objective_->self_cond_rows(micro[static_cast<size_t>(m)].first, rows_, step);  // alike on every stage
+    if (f.idx.numel() == 0) continue;
+    Cond c = p.cond.select(f.idx);
+    NetCarry k;
+    if (stage_ == 0) {
+      f.x = p.xt.index_select(0, f.idx);      // [b', C, H, W]
+      c.self_cond = torch::zeros_like(f.x);   // the first pass has no estimate
+      k.h = f.x;
+    } else {
+      std::vector<torch::Tensor> inputs;
+      k = recv_carry(m, inputs, /*first_pass=*/true);
+    }
+    const torch::Tensor t = p.t.index_select(0, f.idx);  // [b']
+    for (const NetUnit& u : units_) u.run(k, t, c);
+    if (stage_ + 1 < stages()) {
+      send_carry(k, m, /*first_pass=*/true);
+    } else {
+      post_send(k.h.contiguous(), 0, tag_of(m, kFirstOut));  // the model's output [b', C, H, W]
+    }
+    if (stage_ == 0) {
+      f.t = t;
+      f.out = torch::empty_like(f.x);
+      f.work = comm_->recv_async(f.out, stages() - 1, tag_of(m, kFirstOut));
+    }
+    PipeAction a;
+    a.op = PipeOp::kTask, a.stage = -1, a.micro = m, a.task = 1, a.rows = f.idx.numel(), a.serial = true;
+    events_.push_back({a, ms_since_start(received_), ms_since_start(Clock::now())});
+  }
+}
+
+void PipeStep::take_estimate(int micro) {
+  Prepared& p = micro_[static_cast<size_t>(micro)].p;
+  FirstPass& f = first_.at(static_cast<size_t>(micro));
+  p.cond.self_cond = torch::zeros_like(p.xt);  // [B, C, H, W]
+  if (f.idx.numel() == 0) return;
+  comm_->wait(f.work, "receive the first pass's output from stage " + std::to_string(stages() - 1));
+  received_ = Clock::now();
+  torch::NoGradGuard no_grad;
+  p.cond.self_cond.index_copy_(0, f.idx, objective_->self_cond_estimate(f.x, f.t, f.out));
+}
+
+double PipeStep::ms_since_start(Clock::time_point t) const {
+  return std::chrono::duration<double, std::milli>(t - times_.start).count();
+}
+
 int PipeStep::piece_tag(size_t piece, int part) const {
-  return 3 * schedule_.micro + 2 * static_cast<int>(piece) + part;  // after every carry and gradient tag
+  return kTags * schedule_.micro + 2 * static_cast<int>(piece) + part;  // after every micro-batch's tags
 }
 
 void PipeStep::run_piece(size_t i, const std::vector<Batch>& micro, const std::vector<Batch>& next, int64_t step) {
@@ -465,6 +535,7 @@ void PipeStep::receive(Incoming& in) {
 }
 
 void PipeStep::complete(int micro) {
+  if (micro_[static_cast<size_t>(micro)].p.t.defined()) return;  // already (for the first pass)
   for (Incoming& in : incoming_)
     if (!in.done && !pieces_[in.piece].ahead && pieces_[in.piece].micro == micro) receive(in);
   micro_[static_cast<size_t>(micro)].p =
@@ -498,10 +569,11 @@ void PipeStep::measure_and_plan() {
   // This stage's compute per micro-batch (each action from its input's arrival), prepare per quantum,
   // optimizer (with the loss and norm all-reduce), and what it sends.
   const double M = schedule_.micro;
-  auto ms = [&](Clock::time_point t) { return std::chrono::duration<double, std::milli>(t - times_.start).count(); };
+  auto ms = [&](Clock::time_point t) { return ms_since_start(t); };
   PipeStageMeasure m;
   for (const PipeEvent& e : events_) {
     const double d = (e.end_ms - e.start_ms) / M;
+    if (e.action.op == PipeOp::kTask) continue;  // self-conditioning's first pass: not in the plan
     if (e.action.op == PipeOp::kForward) m.forward += d;
     else if (e.action.op == PipeOp::kWeightGrad) m.weight_grad += d;
     else m.input_grad += d;

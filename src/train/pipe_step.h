@@ -9,6 +9,9 @@
 //            train/pipe_calibrate.h), the prepare work is task pieces in the schedule: a piece in a
 //            bubble prepares rows of the *next* step's micro-batch, a serial piece rows of this
 //            step's; its rank sends each other stage what that stage reads of them
+//   first    with train.self_cond, once this step's serial prepare pieces are done: the rows each
+//            micro-batch chooses pass through every stage without gradients (this step's weights),
+//            the last stage's output goes back to stage 0, whose forward feeds the x0 estimate in
 //   F        stage 0 runs its units on x_t; stage s > 0 first receives the carry (h, the conditioning
 //            embedding, the open U-Net skips) from stage s-1; the last stage computes the loss, the
 //            others send their carry on to s+1
@@ -128,8 +131,15 @@ class PipeStep {
   };
   void forward(Micro& m, int micro);
   void backward(Micro& m, int micro, PipeOp op);
-  void send_carry(const NetCarry& k, int micro);
-  NetCarry recv_carry(int micro, std::vector<torch::Tensor>& inputs);
+  // The carry of micro-batch `micro` to the next stage and from the previous one (first_pass:
+  // self-conditioning's, under its own tags, without gradients).
+  void send_carry(const NetCarry& k, int micro, bool first_pass = false);
+  NetCarry recv_carry(int micro, std::vector<torch::Tensor>& inputs, bool first_pass = false);
+  // Self-conditioning's first pass of every micro-batch through the stages, and stage 0's use of its
+  // output before micro-batch `micro`'s forward.
+  void first_pass(const std::vector<Batch>& micro, int64_t step, bool filling);
+  void take_estimate(int micro);
+  double ms_since_start(std::chrono::steady_clock::time_point t) const;
   void post_send(torch::Tensor t, int peer, int tag);
   // Bubble filling: run piece `i` (sending its rows to the other stages); post the receives of the
   // other stages' pieces; receive piece `in` (waiting for it); make micro-batch m's Prepared whole.
@@ -187,6 +197,14 @@ class PipeStep {
   std::vector<Rows> now_, ahead_;      // per micro-batch: prepared rows of this step, of the next
   int64_t ahead_step_ = -1;            // the step ahead_ belongs to
   std::vector<Incoming> incoming_;
+  // Self-conditioning (train.self_cond > 0).
+  bool objective_self_cond_ = false;
+  struct FirstPass {
+    torch::Tensor idx;         // the micro-batch's rows that take a first pass [b']
+    torch::Tensor x, t, out;   // stage 0: their x_t and t, and the last stage's output (received)
+    c10::intrusive_ptr<c10d::Work> work;
+  };
+  std::vector<FirstPass> first_;
 };
 
 }  // namespace ddm
