@@ -20,7 +20,8 @@ std::string measure_json(const PipeStageMeasure& m) {
                         {"carry_bytes", m.carry_bytes},
                         {"prepared_bytes", m.prepared_bytes},
                         {"link_latency_ms", m.link_latency},
-                        {"link_bytes_per_ms", m.link_bytes_per_ms}}
+                        {"link_bytes_per_ms", m.link_bytes_per_ms},
+                        {"skip_bytes", m.skip_bytes}}
       .dump();
 }
 
@@ -37,6 +38,7 @@ PipeStageMeasure measure_from_json(const std::string& text) {
     m.prepared_bytes = j.at("prepared_bytes").get<std::vector<int64_t>>();
     m.link_latency = j.at("link_latency_ms");
     m.link_bytes_per_ms = j.at("link_bytes_per_ms");
+    m.skip_bytes = j.at("skip_bytes").get<std::vector<int64_t>>();
   } catch (const nlohmann::json::exception& e) {
     DDM_FAIL("a pipeline stage's measurements are not what this ddm sends (" << e.what()
                                                                               << "): do all stages run the same ddm binary?");
@@ -68,6 +70,12 @@ PipeCosts costs_from_measures(const std::vector<PipeStageMeasure>& stages, int64
     DDM_CHECK(static_cast<int>(m.prepared_bytes.size()) == S,
               "stage " << s << " measured the prepared bytes of " << m.prepared_bytes.size() << " stages, not " << S);
     for (int64_t b : m.prepared_bytes) prepared = std::max(prepared, b);
+    for (int t = 0; t < static_cast<int>(m.skip_bytes.size()); ++t)
+      if (m.skip_bytes[static_cast<size_t>(t)] > 0) {
+        DDM_CHECK(t > s + 1 && t < S, "stage " << s << " measured a direct skip route to stage " << t);
+        const double time = link(static_cast<double>(m.skip_bytes[static_cast<size_t>(t)]));
+        c.skips.push_back({s, t, time, time});
+      }
   }
   PipeTask t;
   t.name = "prepare";

@@ -26,6 +26,7 @@ struct PipeStageMeasure {
   int64_t carry_bytes = 0;                              // what it sends the next stage per micro-batch
   std::vector<int64_t> prepared_bytes;                  // per stage: a micro-batch's prepared tensors it reads
   double link_latency = 0, link_bytes_per_ms = 0;       // measured by rank 0 (0 elsewhere)
+  std::vector<int64_t> skip_bytes;                      // per stage: skips it sends there directly, per micro-batch
 };
 
 std::string measure_json(const PipeStageMeasure& m);
@@ -33,7 +34,7 @@ std::string measure_json(const PipeStageMeasure& m);
 PipeStageMeasure measure_from_json(const std::string& text);
 
 // The simulator's costs from every stage's measurements (rank s = stage s): per-stage compute, the
-// link's time for each cut's carry and its gradient, each rank's optimizer, and one task "prepare"
+// link's time for each cut's carry and its gradient and for each direct skip route, each rank's optimizer, and one task "prepare"
 // per micro-batch of `rows` rows in quanta of `quantum` (any rank, consumed by stage 0, weight-
 // independent so it may prepare the next step in this step's bubbles, its output sent to the stage
 // that reads the most of it).

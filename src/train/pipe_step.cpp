@@ -22,10 +22,10 @@ namespace {
 // then each tensor's rank and sizes), then every tensor's float32 values in one flat message.
 constexpr int64_t kHeader = 128;
 // Per micro-batch: the carry and its gradient; self-conditioning's first pass (its carry, and the
-// last stage's output back to stage 0).
-enum Tag { kCarryHeader = 0, kCarryValues = 1, kGradient = 2, kFirstHeader = 3, kFirstValues = 4, kFirstOut = 5 };
-constexpr int kTags = 6;
-int tag_of(int micro, Tag kind) { return micro * kTags + kind; }
+// last stage's output back to stage 0); each
+// direct skip slot i's value (kSkip + 2i) and gradient (kSkipGrad + 2i).
+enum Tag { kCarryHeader = 0, kCarryValues = 1, kGradient = 2, kFirstHeader = 3, kFirstValues = 4, kFirstOut = 5,
+           kSkip = 6, kSkipGrad = 7 };
 
 using Clock = std::chrono::steady_clock;
 constexpr int64_t kMeasuredStep = 2;  // the fill plan is made from the run's second step
@@ -110,7 +110,7 @@ std::vector<int> pipe_stage_bounds(NetImpl& net, const Prepared& sample, int sta
 
 PipeStep::PipeStep(const RunConfig& cfg, Net net, std::shared_ptr<Objective> objective, std::shared_ptr<Comm> comm,
                    std::vector<int> bounds, PipeSchedule schedule, std::shared_ptr<Comm> replicas,
-                   std::shared_ptr<Comm> world)
+                   std::shared_ptr<Comm> world, PipeSkipRoutes routes)
     : cfg_(cfg),
       net_(std::move(net)),
       objective_(std::move(objective)),
@@ -119,6 +119,7 @@ PipeStep::PipeStep(const RunConfig& cfg, Net net, std::shared_ptr<Objective> obj
       world_(world ? std::move(world) : comm_),
       bounds_(std::move(bounds)),
       schedule_(std::move(schedule)),
+      routes_(std::move(routes)),
       stage_(comm_->rank()) {
   DDM_CHECK(objective_, "PipeStep needs an objective");
   const int S = stages();
@@ -126,6 +127,11 @@ PipeStep::PipeStep(const RunConfig& cfg, Net net, std::shared_ptr<Objective> obj
             "a pipeline of " << S << " stages needs " << S << " processes and a schedule of " << S << " stages (got "
                              << comm_->world_size() << " processes, a schedule of " << schedule_.stages << ")");
   validate_schedule(schedule_);
+  if (routes_.in.empty()) routes_.in.assign(static_cast<size_t>(S), {});  // no routes: every skip carried
+  DDM_CHECK(static_cast<int>(routes_.in.size()) == S && (routes_.out.empty() || static_cast<int>(routes_.out.size()) == S - 1),
+            "pipeline: skip routes for " << routes_.in.size() << " stages, not " << S);
+  tags_ = kSkip + 2 * routes_.slots;
+  direct_bytes_.assign(static_cast<size_t>(S), 0);
   // Every trainable parameter of the whole model, by name, before the other stages' are frozen.
   std::map<const void*, std::string> name_of;
   for (const auto& p : net_->named_parameters()) {
@@ -189,24 +195,52 @@ void PipeStep::post_send(torch::Tensor t, int peer, int tag) {
   sends_.emplace_back(comm_->send_async(t, peer, tag), t);
 }
 
-void PipeStep::send_carry(const NetCarry& k, int micro, bool first_pass) {
-  const std::vector<torch::Tensor> ts = k.tensors();
+void PipeStep::send_carry(const NetCarry& k, int micro, bool first_pass, Micro* m) {
+  // The header lists h and emb (when defined), then every skip slot: -1 for a placeholder (a slot an
+  // earlier stage holds, or one this stage sends directly to its reader), else its dims and sizes.
+  const std::vector<int>* route = first_pass || routes_.out.empty() ? nullptr : &routes_.out[static_cast<size_t>(stage_)];
+  DDM_CHECK(!route || route->size() == k.skips.size(),
+            "pipeline: stage " << stage_ << " sends " << k.skips.size() << " skips, its routes know " << route->size());
+  std::vector<torch::Tensor> carried;
   auto header = torch::zeros({kHeader}, torch::kLong);
   auto* h = header.data_ptr<int64_t>();
   h[0] = (k.h.defined() ? 1 : 0) | (k.emb.defined() ? 2 : 0);
-  h[1] = static_cast<int64_t>(ts.size());
-  int64_t at = 2;
-  for (const torch::Tensor& t : ts) {
+  int64_t at = 2, entries = 0;
+  auto put = [&](const torch::Tensor& t) {
+    DDM_CHECK(at + 1 + (t.defined() ? t.dim() : 0) <= kHeader, "pipeline: the carry has too many tensors for its header");
+    ++entries;
+    if (!t.defined()) {
+      h[at++] = -1;
+      return;
+    }
     DDM_CHECK(t.scalar_type() == torch::kFloat, "pipeline: a carried tensor is " << t.scalar_type() << ", not float");
-    DDM_CHECK(at + 1 + t.dim() <= kHeader, "pipeline: the carry has too many tensors for its header");
     h[at++] = t.dim();
     for (int64_t d : t.sizes()) h[at++] = d;
+    carried.push_back(t);
+  };
+  for (const torch::Tensor& t : {k.h, k.emb})
+    if (t.defined()) put(t);
+  for (size_t i = 0; i < k.skips.size(); ++i) {
+    const int r = route ? (*route)[i] : PipeSkipRoutes::kCarried;
+    if (r == PipeSkipRoutes::kCarried) {
+      put(k.skips[i]);
+      continue;
+    }
+    put(torch::Tensor());
+    if (r >= 0) {  // straight to the stage that reads it
+      const torch::Tensor x = k.skips[i].contiguous();
+      direct_bytes_[static_cast<size_t>(r)] = static_cast<int64_t>(x.nbytes());
+      post_send(x, r, tag_of(micro, kSkip + 2 * static_cast<int>(i)));
+      if (m) m->direct_roots.push_back({x, r, static_cast<int>(i)});
+    }
   }
+  h[1] = entries;
   const int next = stage_ + 1;
   post_send(header, next, tag_of(micro, first_pass ? kFirstHeader : kCarryHeader));
-  torch::Tensor values = flat_of(ts);
+  torch::Tensor values = flat_of(carried);
   if (!first_pass) carry_bytes_ = static_cast<int64_t>(values.nbytes());
   post_send(values, next, tag_of(micro, first_pass ? kFirstValues : kCarryValues));
+  if (m) m->roots = carried;
 }
 
 NetCarry PipeStep::recv_carry(int micro, std::vector<torch::Tensor>& inputs, bool first_pass) {
@@ -216,8 +250,14 @@ NetCarry PipeStep::recv_carry(int micro, std::vector<torch::Tensor>& inputs, boo
               "receive from stage " + std::to_string(prev));
   const auto* h = header.data_ptr<int64_t>();
   std::vector<std::vector<int64_t>> shapes;
+  std::vector<bool> present;
   int64_t at = 2;
   for (int64_t i = 0; i < h[1]; ++i) {
+    present.push_back(h[at] >= 0);
+    if (h[at] < 0) {
+      ++at;
+      continue;
+    }
     shapes.emplace_back(h + at + 1, h + at + 1 + h[at]);
     at += 1 + h[at];
   }
@@ -228,10 +268,10 @@ NetCarry PipeStep::recv_carry(int micro, std::vector<torch::Tensor>& inputs, boo
   inputs.clear();
   for (torch::Tensor& t : split_flat(values, shapes)) inputs.push_back(first_pass ? t : t.requires_grad_(true));
   NetCarry k;
-  size_t i = 0;
-  if (h[0] & 1) k.h = inputs[i++];
-  if (h[0] & 2) k.emb = inputs[i++];
-  for (; i < inputs.size(); ++i) k.skips.push_back(inputs[i]);
+  size_t e = 0, i = 0;
+  if (h[0] & 1) ++e, k.h = inputs[i++];
+  if (h[0] & 2) ++e, k.emb = inputs[i++];
+  for (; e < present.size(); ++e) k.skips.push_back(present[e] ? inputs[i++] : torch::Tensor());
   return k;
 }
 
@@ -242,6 +282,19 @@ void PipeStep::forward(Micro& m, int micro) {
     k.h = m.p.xt;
   } else {
     k = recv_carry(micro, m.inputs);
+    // The skips an earlier stage sends here directly, into their places.
+    for (const PipeSkipRoutes::Direct& d : routes_.in[static_cast<size_t>(stage_)]) {
+      DDM_CHECK(d.slot < static_cast<int>(k.skips.size()) && !k.skips[static_cast<size_t>(d.slot)].defined(),
+                "pipeline: stage " << stage_ << " expected skip " << d.slot << " from stage " << d.from << " in place of a placeholder");
+      std::vector<int64_t> shape{rows_};
+      shape.insert(shape.end(), d.row_shape.begin(), d.row_shape.end());
+      auto x = torch::empty(shape, torch::kFloat);
+      comm_->wait(comm_->recv_async(x, d.from, tag_of(micro, kSkip + 2 * d.slot)),
+                  "receive a skip from stage " + std::to_string(d.from));
+      received_ = Clock::now();
+      k.skips[static_cast<size_t>(d.slot)] = x.requires_grad_(true);
+      m.direct_inputs.push_back(x);
+    }
   }
   for (const NetUnit& u : units_) u.run(k, m.p.t, m.p.cond);
   if (stage_ + 1 == stages()) {
@@ -249,8 +302,7 @@ void PipeStep::forward(Micro& m, int micro) {
     loss_sum_ += loss.item<double>();
     m.roots = {scale_ == 1.0 ? loss : loss * scale_};
   } else {
-    send_carry(k, micro);
-    m.roots = k.tensors();
+    send_carry(k, micro, /*first_pass=*/false, &m);
   }
 }
 
@@ -263,33 +315,49 @@ void PipeStep::backward(Micro& m, int micro, PipeOp op) {
     comm_->wait(comm_->recv_async(g, stage_ + 1, tag_of(micro, kGradient)),
                 "receive a gradient from stage " + std::to_string(stage_ + 1));
     m.grads = split_flat(g, shapes);
+    for (const DirectRoot& d : m.direct_roots) {  // the gradients of the skips sent straight to their readers
+      auto dg = torch::empty(d.tensor.sizes(), torch::kFloat);
+      comm_->wait(comm_->recv_async(dg, d.to, tag_of(micro, kSkipGrad + 2 * d.slot)),
+                  "receive a skip's gradient from stage " + std::to_string(d.to));
+      m.grads.push_back(dg);
+    }
     m.received = true;
     received_ = Clock::now();
   }
   // Only what carries a gradient back: a carried tensor may depend on no trainable parameter at all
   // (a ControlNet's locked features), and its received gradient then has nowhere to go.
-  std::vector<torch::Tensor> roots, grads;
-  for (size_t i = 0; i < m.roots.size(); ++i)
-    if (m.roots[i].requires_grad()) {
-      roots.push_back(m.roots[i]);
+  std::vector<torch::Tensor> all_roots = m.roots, roots, grads;
+  for (const DirectRoot& d : m.direct_roots) all_roots.push_back(d.tensor);
+  for (size_t i = 0; i < all_roots.size(); ++i)
+    if (all_roots[i].requires_grad()) {
+      roots.push_back(all_roots[i]);
       if (!m.grads.empty()) grads.push_back(m.grads[i]);
     }
+  std::vector<torch::Tensor> inputs = m.inputs;
+  inputs.insert(inputs.end(), m.direct_inputs.begin(), m.direct_inputs.end());
+  // The inputs' gradients: the carry's to the previous stage in one message, each directly received
+  // skip's to the stage that sent it.
   auto send_input_grads = [&](std::vector<torch::Tensor> g) {
     for (size_t i = 0; i < g.size(); ++i)
-      if (!g[i].defined()) g[i] = torch::zeros_like(m.inputs[i]);  // an input no unit here read
-    post_send(flat_of(g), stage_ - 1, tag_of(micro, kGradient));
+      if (!g[i].defined()) g[i] = torch::zeros_like(inputs[i]);  // an input no unit here read
+    const size_t n = m.inputs.size();
+    post_send(flat_of(std::vector<torch::Tensor>(g.begin(), g.begin() + static_cast<std::ptrdiff_t>(n))), stage_ - 1,
+              tag_of(micro, kGradient));
+    const auto& in = routes_.in[static_cast<size_t>(stage_)];
+    for (size_t j = 0; j < m.direct_inputs.size(); ++j)
+      post_send(g[n + j].contiguous(), in[j].from, tag_of(micro, kSkipGrad + 2 * in[j].slot));
   };
   if (op == PipeOp::kBackward) {
     if (!roots.empty()) torch::autograd::backward(roots, grads);
     if (stage_ > 0) {
       std::vector<torch::Tensor> g;
-      for (const torch::Tensor& in : m.inputs) g.push_back(in.grad());
+      for (const torch::Tensor& in : inputs) g.push_back(in.grad());
       send_input_grads(g);
     }
   } else if (op == PipeOp::kInputGrad) {
     if (stage_ > 0)
-      send_input_grads(roots.empty() ? std::vector<torch::Tensor>(m.inputs.size())
-                                     : torch::autograd::grad(roots, m.inputs, grads, /*retain_graph=*/true,
+      send_input_grads(roots.empty() ? std::vector<torch::Tensor>(inputs.size())
+                                     : torch::autograd::grad(roots, inputs, grads, /*retain_graph=*/true,
                                                              /*create_graph=*/false, /*allow_unused=*/true));
     return;  // W follows from the same graph
   } else if (!params_.empty() && !roots.empty()) {  // W (no parameters here: nothing to do but free the graph)
@@ -480,8 +548,10 @@ double PipeStep::ms_since_start(Clock::time_point t) const {
   return std::chrono::duration<double, std::milli>(t - times_.start).count();
 }
 
+int PipeStep::tag_of(int micro, int kind) const { return micro * tags_ + kind; }
+
 int PipeStep::piece_tag(size_t piece, int part) const {
-  return kTags * schedule_.micro + 2 * static_cast<int>(piece) + part;  // after every micro-batch's tags
+  return tags_ * schedule_.micro + 2 * static_cast<int>(piece) + part;  // after every micro-batch's tags
 }
 
 void PipeStep::run_piece(size_t i, const std::vector<Batch>& micro, const std::vector<Batch>& next, int64_t step) {
@@ -582,6 +652,7 @@ void PipeStep::measure_and_plan() {
   m.prepare_quantum = ms(times_.prepared) / (M * static_cast<double>(rows_ / quantum_));
   m.carry_bytes = stage_ + 1 < stages() ? carry_bytes_ : 0;
   m.prepared_bytes = prepared_bytes_;
+  m.skip_bytes = direct_bytes_;
   // The link: latency from a 1-value message, bandwidth from a 4 MiB one.
   constexpr int64_t kBig = 1 << 20;
   const double small = ping(*comm_, 1), big = ping(*comm_, kBig);

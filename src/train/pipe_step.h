@@ -49,6 +49,7 @@
 #include "train/optimizer.h"
 #include "train/pipe_calibrate.h"
 #include "train/pipe_prepare.h"
+#include "train/pipe_routes.h"
 #include "train/step.h"
 
 namespace ddm {
@@ -71,13 +72,14 @@ class PipeStep {
  public:
   // cfg.model resolved; net built from it (the whole model); comm: this pipeline's group, one rank
   // per stage, rank s runs stage s; bounds from pipe_stage_bounds; schedule over comm's world size and
-  // train.grad_accum micro-batches. Pipelines of data-parallel replicas (parallel.dp > 1): replicas
+  // train.grad_accum micro-batches; routes: where each open skip goes (pipe_routes.h; none: every
+  // skip travels in the carry through every stage). Pipelines of data-parallel replicas (parallel.dp > 1): replicas
   // is this stage's data-parallel group (the same stage of every replica; rank r = replica r), whose
   // gradients are averaged during the stage's last backward (dist/grad_sync.h), and world the whole
   // job (the loss and the gradient norm); null for one pipeline.
   PipeStep(const RunConfig& cfg, Net net, std::shared_ptr<Objective> objective, std::shared_ptr<Comm> comm,
            std::vector<int> bounds, PipeSchedule schedule, std::shared_ptr<Comm> replicas = nullptr,
-           std::shared_ptr<Comm> world = nullptr);
+           std::shared_ptr<Comm> world = nullptr, PipeSkipRoutes routes = {});
   // One step over this replica's M micro-batches (every stage passes the same ones). `next`: the
   // next step's micro-batches, for a fill plan's pieces that prepare them in this step's bubbles;
   // empty when this is the run's last step (and may always be, at the cost of preparing those rows
@@ -122,18 +124,26 @@ class PipeStep {
   void share_with_replicas();
 
  private:
+  struct DirectRoot {
+    torch::Tensor tensor;  // a skip sent straight to the stage that reads it
+    int to = 0, slot = 0;
+  };
   struct Micro {
     Prepared p;
-    std::vector<torch::Tensor> inputs;   // the received carry's tensors (stage > 0), leaves with gradients
-    std::vector<torch::Tensor> roots;    // what backward starts from: the scaled loss, or the sent carry
-    std::vector<torch::Tensor> grads;    // their gradients (received from the next stage; none for the loss)
-    bool received = false;               // grads received (I then W)
+    std::vector<torch::Tensor> inputs;         // the received carry's tensors (stage > 0), leaves with gradients
+    std::vector<torch::Tensor> direct_inputs;  // skips received straight from earlier stages (routes_.in order)
+    std::vector<torch::Tensor> roots;          // what backward starts from: the scaled loss, or the sent carry
+    std::vector<DirectRoot> direct_roots;      // ... and the skips sent straight to their readers
+    std::vector<torch::Tensor> grads;          // their gradients (the carry's, then the direct ones'; none for the loss)
+    bool received = false;                     // grads received (I then W)
   };
   void forward(Micro& m, int micro);
   void backward(Micro& m, int micro, PipeOp op);
   // The carry of micro-batch `micro` to the next stage and from the previous one (first_pass:
   // self-conditioning's, under its own tags, without gradients).
-  void send_carry(const NetCarry& k, int micro, bool first_pass = false);
+  // With m (not the first pass), the sent tensors become m's backward roots.
+  void send_carry(const NetCarry& k, int micro, bool first_pass = false, Micro* m = nullptr);
+  int tag_of(int micro, int kind) const;  // a message of micro-batch `micro` (kinds in pipe_step.cpp)
   NetCarry recv_carry(int micro, std::vector<torch::Tensor>& inputs, bool first_pass = false);
   // Self-conditioning's first pass of every micro-batch through the stages, and stage 0's use of its
   // output before micro-batch `micro`'s forward.
@@ -166,6 +176,9 @@ class PipeStep {
   std::shared_ptr<GradSync> sync_;  // with replicas: this stage's gradients averaged over them
   std::vector<int> bounds_;
   PipeSchedule schedule_;
+  PipeSkipRoutes routes_;
+  int tags_ = 0;                         // message tags per micro-batch
+  std::vector<int64_t> direct_bytes_;    // per stage: the skip bytes this stage sends it directly, per micro-batch
   int stage_ = 0;
   std::vector<NetUnit> units_;           // this stage's
   std::vector<std::string> unit_names_;  // every unit's, in order

@@ -27,6 +27,7 @@
 #include "train/embed.h"
 #include "train/latent.h"
 #include "train/optimizer.h"
+#include "train/pipe_routes.h"
 #include "train/pipe_step.h"
 #include "train/step.h"
 
@@ -321,9 +322,10 @@ TrainSummary train(TrainJob job, const TrainOptions& options) {
       line = comm->subgroup("pipeline" + std::to_string(replica), stages);
       same_stage = comm->subgroup("stage" + std::to_string(stage), peers);
     }
+    PipeSkipRoutes routes = pipe_skip_routes(*net, sample, bounds);
     pipe = std::make_unique<PipeStep>(cfg, net, job.objective, line, std::move(bounds),
                                       make_schedule(cfg.parallel.schedule, pp, static_cast<int>(tc.grad_accum)),
-                                      same_stage, comm);
+                                      same_stage, comm, std::move(routes));
   } else {
     trainer_step = std::make_unique<TrainStep>(cfg, net, job.objective);
   }

@@ -16,6 +16,7 @@
 #include "model/net.h"
 #include "train/controlnet.h"
 #include "train/pipe_prepare.h"
+#include "train/pipe_routes.h"
 #include "test_util.h"
 #include "train_test_util.h"
 
@@ -340,5 +341,49 @@ TEST(PipelineTrain, SelfConditioningPassesThroughTheStages) {
         if (e.at(0) == "T" && !e.at(5).get<bool>()) rows += e.at(4).get<int64_t>();
       EXPECT_GT(rows, 0) << arch << " stage " << r.at("stage");
     }
+  }
+}
+
+// Direct skip routes: with 3 stages cut so that the first level's skip (made on stage 0, read on
+// stage 2) would cross two cuts, it goes straight from stage 0 to stage 2 and stage 1 carries a
+// placeholder; the second level's skip stays on stage 1, which makes and reads it. The training is
+// what one process trains, under every schedule.
+TEST(PipelineTrain, SkipsGoStraightToTheStageThatReadsThem) {
+  test::TempDir dir;
+  const RunConfig cfg = base("unet");
+  const TrainJob job = job_for(cfg);
+  Net net = make_net(job.cfg.model);
+  std::vector<std::string> names;
+  for (const NetUnit& u : net->units()) names.push_back(u.name);
+  auto at = [&](const std::string& n) {
+    return static_cast<int64_t>(std::find(names.begin(), names.end(), n) - names.begin());
+  };
+  const std::vector<int64_t> cuts{at("down0"), at("up0")};
+  ASSERT_LT(cuts[1], static_cast<int64_t>(names.size())) << "no unit up0";
+  Prepared sample;
+  {
+    torch::NoGradGuard no_grad;
+    BatchLoader probe(job.data, 1, 1, false);
+    sample = make_objective(job.cfg)->prepare(probe.next(), 0);
+  }
+  const PipeSkipRoutes r =
+      pipe_skip_routes(*net, sample, {0, static_cast<int>(cuts[0]), static_cast<int>(cuts[1]), static_cast<int>(names.size())});
+  ASSERT_EQ(r.out.size(), 2u);
+  EXPECT_EQ(r.out[0], std::vector<int>{2});                              // slot 0 straight to stage 2
+  EXPECT_EQ(r.out[1], std::vector<int>{PipeSkipRoutes::kElsewhere});     // stage 1: a placeholder
+  ASSERT_EQ(r.in[2].size(), 1u);
+  EXPECT_EQ(r.in[2][0].from, 0);
+  EXPECT_EQ(r.in[2][0].slot, 0);
+  EXPECT_EQ(r.in[2][0].row_shape, (std::vector<int64_t>{8, 8, 8}));     // [c0, S, S] of the 8x8 images
+  EXPECT_TRUE(r.in[0].empty() && r.in[1].empty());
+  // Two stages: every skip is read by the next stage, nothing is routed.
+  const PipeSkipRoutes two = pipe_skip_routes(*net, sample, {0, static_cast<int>(cuts[0]), static_cast<int>(names.size())});
+  for (int route : two.out[0]) EXPECT_EQ(route, PipeSkipRoutes::kCarried);
+
+  ASSERT_EQ(train_ranks(1, {cfg}, dir / "one"), std::vector<std::string>{""});
+  for (const char* schedule : {"gpipe", "1f1b", "zb-h1"}) {
+    const RunConfig three = piped(cfg, 3, schedule, cuts);
+    ASSERT_EQ(train_ranks(3, {three, three, three}, dir / schedule), std::vector<std::string>(3, "")) << schedule;
+    expect_same_training(dir / schedule, dir / "one", std::string("3 stages, a skip routed past stage 1, ") + schedule);
   }
 }
