@@ -5,7 +5,8 @@
 # case with the three references `ddm plan` reports: data parallelism, the best pipeline with its
 # frozen work serial, the best pipeline with it filled into the bubbles (any stage count > 1, any
 # replicas, any schedule and micro-batch count). These are the planner's predictions from measured
-# per-unit costs, not measured runs. Builds nothing: it uses build/ddm.
+# per-unit costs, not measured runs. Last, a sweep of one DiT pipeline over 4 to 64 stages. Builds
+# nothing: it uses build/ddm.
 # usage: bench/pipeline_plans.sh AE_RUN CONTROLNET_RUN [OUT_DIR]
 #   AE_RUN           a `ddm train-autoencoder` run (the latent workloads' frozen encoder)
 #   CONTROLNET_RUN   a `ddm train --controlnet` run (its config.toml names the locked base)
@@ -66,3 +67,25 @@ done
 # Devices too small for the whole DiT's weights and optimizer state (353 MiB) plus its activations:
 # data parallelism does not fit, pipelines must.
 for dev in 8 64; do row latent-dit62 $dev $((32 * dev)) 100 10 0.25; done
+# A stage sweep: the DiT on S devices of speed 100 as one pipeline of S stages (no replicas), 64 rows
+# per device, over 10 and 1 GB/s links: where filling pays as stages are added, and where the
+# bubbles are links, not missing work.
+echo
+printf '%-13s %6s %6s | %9s %9s %7s | %8s %8s  %s\n' profile stages GB/s serial_ms filled_ms filled serial filled "best schedule"
+printf '%-13s %6s %6s | %9s %9s %7s | %8s %8s\n' "" "" "" "" "" /serial bubble bubble
+for stages in 4 8 16 64; do
+  for bw in 10 1; do
+    json="$out/sweep-$stages-$bw.plans.json"
+    build/ddm plan --profile "$out/latent-dit62.json" --devices $stages --stages $stages --batch $((64 * stages)) \
+      --speed 100 --bandwidth $bw --json "$json" > /dev/null
+    "$py" - "$json" $stages $bw <<'PY'
+import json, sys
+plans = json.load(open(sys.argv[1]))
+ser = min(plans, key=lambda p: p["serial_ms"])
+fil = min(plans, key=lambda p: p["filled_ms"])
+print("%-13s %6s %6s | %9.1f %9.1f %6.2fx | %7.1f%% %7.1f%%  %s, %d micro" % ("latent-dit62", sys.argv[2], sys.argv[3],
+      ser["serial_ms"], fil["filled_ms"], ser["serial_ms"] / fil["filled_ms"], 100 * ser["serial_bubble"],
+      100 * fil["filled_bubble"], fil["schedule"], fil["micro"]))
+PY
+  done
+done
