@@ -107,10 +107,10 @@ std::vector<NetUnit> ControlNetImpl::units() {
                  k = std::move(out);
                },
                zp, /*reads_frozen=*/true});
-  // The locked decoder: on the gradient path, no parameter of its own to train.
+  // The locked decoder: on the gradient path, no parameter of its own to train (its parameters stay
+  // listed, frozen: they count in a stage's work).
   for (NetUnit& d : base_->decoder_units()) {
     d.name = "locked." + d.name;
-    d.params.clear();
     u.push_back(std::move(d));
   }
   return u;

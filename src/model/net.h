@@ -64,7 +64,7 @@ struct NetCarry {
 struct NetUnit {
   std::string name;
   std::function<void(NetCarry& k, const torch::Tensor& t, const Cond& c)> run;
-  std::vector<torch::Tensor> params;  // the trainable parameters it reads
+  std::vector<torch::Tensor> params;  // the parameters it reads (frozen ones too: a ControlNet's locked decoder)
   bool reads_frozen = false;          // it reads Cond::frozen (NetImpl::precompute's features)
 };
 

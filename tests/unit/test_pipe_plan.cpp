@@ -486,8 +486,8 @@ TEST(PipePrepare, QuantaAndThePiecesOfAFilledSchedule) {
 // quantum, its output sent at the link's speed); every stage plans alike from them.
 TEST(PipeCalibrate, CostsAndPlanFromMeasurements) {
   std::vector<PipeStageMeasure> m(2);
-  m[0] = {2, 3, 0, 0.5, 0.4, 5000, {1000, 600}, 0.1, 1000};
-  m[1] = {1.5, 2.5, 0, 0.7, 0.6, 0, {1000, 600}, 0, 0};
+  m[0] = {2, 3, 0, 0.5, 0.4, 5000, {1000, 600}, 0.1, 1000, {0, 0}};
+  m[1] = {1.5, 2.5, 0, 0.7, 0.6, 0, {1000, 600}, 0, 0, {0, 0}};
   const PipeCosts c = costs_from_measures(m, 16, 4);
   EXPECT_DOUBLE_EQ(c.stage[0].forward, 2);
   EXPECT_DOUBLE_EQ(c.stage[1].input_grad, 2.5);

@@ -120,12 +120,15 @@ TEST(PipeUnits, ControlNetUnitsAreForward) {
   k.h.pow(2).sum().backward();
   const auto ps = cn->parameters();
   for (size_t i = 0; i < ps.size(); ++i) EXPECT_TRUE(torch::equal(ps[i].grad(), g[i])) << i;
-  size_t n = 0;
-  for (const NetUnit& u : units) n += u.params.size();
+  size_t n = 0, frozen = 0;
+  for (const NetUnit& u : units)
+    for (const torch::Tensor& p : u.params) ++(p.requires_grad() ? n : frozen);
   EXPECT_EQ(n, ps.size());
+  EXPECT_GT(frozen, 0u);  // the locked decoder's, listed so that they count in a stage's work
   EXPECT_EQ(units.front().name, "control.in");
   EXPECT_EQ(units.back().name, "locked.out");
-  EXPECT_TRUE(units.back().params.empty());
+  EXPECT_FALSE(units.back().params.empty());
+  for (const torch::Tensor& p : units.back().params) EXPECT_FALSE(p.requires_grad());
   // Without the precomputed features the zero unit says what it needs.
   NetCarry k2{x, {}, {}};
   const std::string e = ddm::test::error_message([&] {
