@@ -481,6 +481,11 @@ TEST(DistElastic, SurvivorsRegroupAndALeaverRejoins) {
     threads.emplace_back([&, r] {
       try {
         auto job = Comm::create_for_test(store, r, 3, o);
+        // Every connection is up before rank 2 leaves: a rank whose own pairs are connected may
+        // otherwise close them while a peer is still finishing its handshake with it, and that
+        // peer then fails in the constructor instead of in the collective below.
+        auto all = torch::ones({1});
+        job->allreduce_sum(all);
         if (r == 2) return;  // leaves: its Comm (and connections) go with it
         ElasticGroup g(job, 3, wait);
         auto t = torch::ones({4});
