@@ -27,7 +27,24 @@ std::string bytes_text(double b) {
   return s;
 }
 
+// The carry after unit u without its open skips.
+double carry_bytes(const std::vector<PipeUnit>& units, int u) {
+  double b = units[u].cut_bytes;
+  for (int l = 0; l <= u; ++l)
+    for (const PipeSkip& k : units[l].skips)
+      if (k.read > u) b -= k.bytes;
+  return std::max(0.0, b);
+}
+
 }  // namespace
+
+double stage_send_bytes(const std::vector<PipeUnit>& units, int i, int j) {
+  double b = carry_bytes(units, j - 1);
+  for (int l = i; l < j; ++l)
+    for (const PipeSkip& k : units[l].skips)
+      if (k.read >= j) b += k.bytes;
+  return b;
+}
 
 PipePartition partition_units(const std::vector<PipeUnit>& units, int S, const std::vector<int>& in_flight,
                               double limit, const PipeLink& link) {
@@ -41,7 +58,10 @@ PipePartition partition_units(const std::vector<PipeUnit>& units, int S, const s
                   std::min({u.forward, u.input_grad, u.weight_grad, u.activation_bytes, u.state_bytes, u.cut_bytes}) >= 0,
               "unit '" << u.name << "' has a negative or non-finite time or size");
   const Prefix p(units);
-  auto time = [&](int i, int j) { return p.time[j] - p.time[i] + (j < L ? link.time(units[j - 1].cut_bytes) : 0.0); };
+  std::vector<std::vector<double>> send(L + 1, std::vector<double>(L + 1, 0));  // [i][j]: stage [i, j) sends on
+  for (int i = 0; i < L; ++i)
+    for (int j = i + 1; j < L; ++j) send[i][j] = link.time(stage_send_bytes(units, i, j));
+  auto time = [&](int i, int j) { return p.time[j] - p.time[i] + send[i][j]; };
   auto memory = [&](int i, int j, int s) { return p.state[j] - p.state[i] + in_flight[s] * (p.act[j] - p.act[i]); };
 
   // The DP; `by_time` false minimizes the largest stage memory instead (for the error message).
@@ -89,10 +109,25 @@ PipeCosts costs_of_partition(const std::vector<PipeUnit>& units, const PipeParti
     for (int l = p.first[s]; l < p.first[s + 1]; ++l)
       k.forward += units[l].forward, k.input_grad += units[l].input_grad, k.weight_grad += units[l].weight_grad;
     c.stage.push_back(k);
-    if (s + 1 < S) {
-      const double t = link.time(units[p.first[s + 1] - 1].cut_bytes);
-      c.send_forward.push_back(t), c.send_backward.push_back(t);
-    }
+  }
+  auto stage_of = [&](int u) {
+    return u >= p.first[S] ? S - 1 : static_cast<int>(std::upper_bound(p.first.begin(), p.first.end(), u) - p.first.begin()) - 1;
+  };
+  for (int s = 0; s + 1 < S; ++s) {
+    const int a = p.first[s], b = p.first[s + 1];
+    double carried = carry_bytes(units, b - 1);
+    for (int l = a; l < b; ++l)
+      for (const PipeSkip& k : units[l].skips) {
+        const int reader = stage_of(k.read);
+        if (reader == s + 1) {
+          carried += k.bytes;
+        } else if (reader > s + 1) {
+          const double t = link.time(k.bytes);
+          c.skips.push_back({s, reader, t, t});
+        }
+      }
+    const double t = link.time(carried);
+    c.send_forward.push_back(t), c.send_backward.push_back(t);
   }
   return c;
 }

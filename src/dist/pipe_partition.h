@@ -4,10 +4,11 @@
 // slowest stage's time (compute plus sending what crosses its cut), subject to a per-stage memory
 // limit that counts the schedule's in-flight micro-batches on that stage:
 //   time(i, j)      = sum over units i..j-1 of (forward + input_grad + weight_grad)
-//                     + latency + cut_bytes[j-1] / bandwidth          (no send after the last stage)
+//                     + latency + stage_send_bytes(i, j) / bandwidth   (no send after the last stage)
 //   memory(i, j, s) = sum of state_bytes + in_flight[s] * sum of activation_bytes
 //   T[0][0] = 0,  T[s][j] = min over i < j with memory(i, j, s-1) <= limit of max(T[s-1][i], time(i, j))
-// O(S L^2) with prefix sums. When no partition fits, the error names the smallest limit that does
+// O(S L^2) with prefix sums (the send bytes tabled once). When no partition fits, the error names
+// the smallest limit that does
 // (a second DP minimizing the largest stage memory).
 #pragma once
 #include <limits>
@@ -18,13 +19,28 @@
 
 namespace ddm {
 
+// A U-Net skip a unit makes: the unit that reads it (pops or replaces it; the unit count when none
+// does, and then the last stage holds it) and its bytes.
+struct PipeSkip {
+  int read = 0;
+  double bytes = 0;
+};
+
 struct PipeUnit {
   std::string name;
   double forward = 0, input_grad = 0, weight_grad = 0;  // per micro-batch
   double activation_bytes = 0;  // saved for the backward, per micro-batch
   double state_bytes = 0;       // parameters, gradients and optimizer state
   double cut_bytes = 0;         // every tensor live after this unit (open U-Net skips too), per micro-batch
+  std::vector<PipeSkip> skips;  // the skips it makes, per micro-batch (part of cut_bytes while open)
 };
+
+// What a stage of units [i, j) sends on (j < the unit count), per micro-batch: the carry after unit
+// j-1 without the open skips (cut_bytes less their bytes), plus every skip made in [i, j) that a
+// unit from j on reads. Each skip thus leaves its stage once, straight to its reader (the
+// runtime's direct routes, train/pipe_routes.h), and a skip made before i costs this stage nothing.
+// Units without skip lists send their whole cut_bytes.
+double stage_send_bytes(const std::vector<PipeUnit>& units, int i, int j);
 
 struct PipeLink {
   double bandwidth = std::numeric_limits<double>::infinity();  // bytes per time unit
@@ -42,7 +58,9 @@ struct PipePartition {
 PipePartition partition_units(const std::vector<PipeUnit>& units, int stages, const std::vector<int>& in_flight,
                               double memory_limit, const PipeLink& link);
 
-// The per-stage costs of a partition, for the simulator: stage sums and the link's time for each cut.
+// The per-stage costs of a partition, for the simulator: stage sums; for each cut, the link's time
+// for the carry and the skips its next stage reads; a skip route (PipeSkipRoute) for each skip read
+// two or more stages after the one that made it.
 PipeCosts costs_of_partition(const std::vector<PipeUnit>& units, const PipePartition& p, const PipeLink& link);
 
 }  // namespace ddm

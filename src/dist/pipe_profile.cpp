@@ -71,6 +71,7 @@ std::vector<PipeUnit> PipeProfile::units_at(int64_t rows, double speed) const {
     x.activation_bytes = interpolate(u.samples, rows, &PipeUnitSample::activation_bytes);
     x.cut_bytes = interpolate(u.samples, rows, &PipeUnitSample::cut_bytes);
     x.state_bytes = 5.0 * 4.0 * static_cast<double>(u.params);
+    for (const PipeSkip& k : u.skips) x.skips.push_back({k.read, k.bytes * static_cast<double>(rows)});
     out.push_back(x);
   }
   return out;
@@ -96,6 +97,9 @@ std::vector<PipeUnitProfile> profile_units(NetImpl& net, const ModelConfig& cfg,
     if (!cfg.embed.empty()) c.embed = torch::nn::functional::normalize(torch::randn({r, cfg.embed_dim}));
     if (!cfg.controlnet.empty()) c.control = torch::rand({r, control_channels(cfg), cfg.image_size, cfg.image_size}) * 2 - 1;
     c = net.precompute(x, t, c);  // a ControlNet's locked encoder features, which its units read
+    if (r == rows.front())
+      for (const NetSkipLife& k : skip_lives(units, NetCarry{x, {}, {}}, t, c))
+        out[static_cast<size_t>(k.made)].skips.push_back({k.read, static_cast<double>(k.row_bytes)});
     // Each unit's input carry, from a no-grad pass.
     std::vector<NetCarry> in;
     {
@@ -167,7 +171,9 @@ void write_profile(const PipeProfile& p, const std::string& path) {
       s.push_back({{"rows", x.rows}, {"forward_ms", x.forward}, {"input_grad_ms", x.input_grad},
                    {"weight_grad_ms", x.weight_grad}, {"forward_nograd_ms", x.forward_nograd},
                    {"activation_bytes", x.activation_bytes}, {"cut_bytes", x.cut_bytes}});
-    j["units"].push_back({{"name", u.name}, {"params", u.params}, {"samples", s}});
+    nlohmann::json k = nlohmann::json::array();
+    for (const PipeSkip& x : u.skips) k.push_back({{"read_by", x.read}, {"bytes_per_row", x.bytes}});
+    j["units"].push_back({{"name", u.name}, {"params", u.params}, {"samples", s}, {"skips", k}});
   }
   j["tasks"] = nlohmann::json::array();
   for (const PipeTaskProfile& t : p.tasks) {
@@ -208,6 +214,8 @@ PipeProfile read_profile(const std::string& path) {
         x.samples.push_back({s.at("rows").get<int64_t>(), s.at("forward_ms").get<double>(), s.at("input_grad_ms").get<double>(),
                              s.at("weight_grad_ms").get<double>(), s.at("forward_nograd_ms").get<double>(),
                              s.at("activation_bytes").get<double>(), s.at("cut_bytes").get<double>()});
+      if (u.contains("skips"))  // older profiles have none: every open skip is planned as carried
+        for (const auto& k : u.at("skips")) x.skips.push_back({k.at("read_by").get<int>(), k.at("bytes_per_row").get<double>()});
       DDM_CHECK(!x.samples.empty(), path << ": unit '" << x.name << "' has no samples");
       for (size_t i = 0; i < x.samples.size(); ++i)
         DDM_CHECK(x.samples[i].rows >= 1 && (i == 0 || x.samples[i].rows > x.samples[i - 1].rows),
@@ -233,8 +241,13 @@ PipeProfile read_profile(const std::string& path) {
   auto sane = [](double v) { return std::isfinite(v) && v >= 0; };
   DDM_CHECK(p.threads >= 1 && sane(p.optimizer_ms_per_mparam) && sane(p.x_bytes_per_row),
             path << ": threads must be >= 1, optimizer_ms_per_mparam and x_bytes_per_row finite and >= 0");
-  for (const PipeUnitProfile& u : p.units) {
+  for (size_t l = 0; l < p.units.size(); ++l) {
+    const PipeUnitProfile& u = p.units[l];
     DDM_CHECK(u.params >= 0, path << ": unit '" << u.name << "' has a negative parameter count");
+    for (const PipeSkip& k : u.skips)
+      DDM_CHECK(k.read > static_cast<int>(l) && k.read <= static_cast<int>(p.units.size()) && sane(k.bytes),
+                path << ": unit '" << u.name << "': a skip's read_by must be a later unit's index (or the unit count, "
+                     << p.units.size() << ": none reads it) and bytes_per_row finite and >= 0");
     for (const PipeUnitSample& x : u.samples)
       DDM_CHECK(sane(x.forward) && sane(x.input_grad) && sane(x.weight_grad) && sane(x.forward_nograd) &&
                     sane(x.activation_bytes) && sane(x.cut_bytes),

@@ -5,7 +5,10 @@
 //          W = (full backward) - I, the no-grad forward time (a self-conditioning pass), the bytes
 //          the forward keeps alive for the backward (glibc's heap in use after the forward, less
 //          before, with the graph held), and the bytes live after the unit (what a cut there sends:
-//          h, the conditioning embedding, every open U-Net skip); and its parameter count
+//          h, the conditioning embedding, every open U-Net skip); its parameter count; and the skips
+//          it makes (model/net.h's skip_lives): the unit that reads each and its bytes per row, so
+//          the planner sends each skip straight to its reader as the runtime does (profiles
+//          without them plan every open skip as carried across every cut)
 //   tasks  non-trainable work per micro-batch, (rows, time) points: the training step's prepare
 //          phase (an autoencoder's encoder, control maps, a ControlNet's locked encoder, an
 //          embedding network, a teacher); whether it depends on this step's weights
@@ -32,6 +35,7 @@ struct PipeUnitProfile {
   std::string name;
   int64_t params = 0;
   std::vector<PipeUnitSample> samples;  // rows ascending
+  std::vector<PipeSkip> skips;          // the U-Net skips it makes; `bytes` per row
 };
 
 struct PipeTaskProfile {
@@ -53,8 +57,8 @@ struct PipeProfile {
   bool self_cond = false;  // the model is self-conditioned: a no-grad pass of every stage precedes training
 
   // The units at `rows` rows per micro-batch (times and bytes interpolated linearly between the
-  // profiled sizes, proportionally beyond them), with state bytes of 5 float32 per parameter
-  // (weights, gradient, EMA, Adam's two moments), times divided by `speed`.
+  // profiled sizes, proportionally beyond them; skips' bytes x rows), with state bytes of 5
+  // float32 per parameter (weights, gradient, EMA, Adam's two moments), times divided by `speed`.
   std::vector<PipeUnit> units_at(int64_t rows, double speed = 1) const;
 };
 

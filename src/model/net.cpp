@@ -3,6 +3,8 @@
 
 #include <torch/torch.h>
 
+#include <algorithm>
+
 #include "core/error.h"
 #include "model/autoencoder.h"
 #include "model/controlnet.h"
@@ -134,6 +136,35 @@ int64_t NetCarry::bytes() const {
   int64_t b = 0;
   for (const torch::Tensor& x : tensors()) b += x.numel() * static_cast<int64_t>(x.element_size());
   return b;
+}
+
+std::vector<NetSkipLife> skip_lives(const std::vector<NetUnit>& units, NetCarry k, const torch::Tensor& t, const Cond& c) {
+  torch::NoGradGuard no_grad;
+  const int L = static_cast<int>(units.size());
+  // The skip slots after each unit. The tensors are kept (not just their addresses), so a popped
+  // skip's storage cannot be reused by a later one that would then look untouched.
+  std::vector<std::vector<torch::Tensor>> held(static_cast<size_t>(L));
+  for (int u = 0; u < L; ++u) {
+    units[static_cast<size_t>(u)].run(k, t, c);
+    held[static_cast<size_t>(u)] = k.skips;
+  }
+  auto open = [&](int u, int i) { return i < static_cast<int>(held[static_cast<size_t>(u)].size()); };
+  auto same = [&](int u, int v, int i) {  // slot i holds the same tensor after units u and v
+    return open(u, i) && open(v, i) && held[static_cast<size_t>(u)][static_cast<size_t>(i)].is_same(held[static_cast<size_t>(v)][static_cast<size_t>(i)]);
+  };
+  std::vector<NetSkipLife> out;
+  for (int u = 0; u < L; ++u)
+    for (int i = 0; open(u, i); ++i) {
+      if (u > 0 && same(u - 1, u, i)) continue;  // made earlier
+      NetSkipLife s;
+      s.slot = i, s.made = u, s.read = u + 1;
+      while (s.read < L && same(u, s.read, i)) ++s.read;
+      const torch::Tensor& x = held[static_cast<size_t>(u)][static_cast<size_t>(i)];
+      s.row_shape = x.sizes().slice(1).vec();
+      s.row_bytes = x.numel() / std::max<int64_t>(1, x.size(0)) * static_cast<int64_t>(x.element_size());
+      out.push_back(std::move(s));
+    }
+  return out;
 }
 
 std::vector<NetUnit> NetImpl::units() {

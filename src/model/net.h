@@ -68,6 +68,19 @@ struct NetUnit {
   bool reads_frozen = false;          // it reads Cond::frozen (NetImpl::precompute's features)
 };
 
+// One U-Net skip's life over a backbone's units: unit `made` put it in skip slot `slot`, and unit
+// `read` is the next to touch that slot, by popping it or putting another tensor there (the unit
+// count when none does). While made <= u < read it is live after unit u: a cut there holds it.
+struct NetSkipLife {
+  int slot = 0, made = 0, read = 0;
+  std::vector<int64_t> row_shape;  // one row's shape, e.g. [c, h, w]
+  int64_t row_bytes = 0;
+};
+
+// Every skip's life, ordered by (made, slot), from one pass of `units` in order starting from k
+// (run under no-grad; one row is enough: the lives do not depend on the batch).
+std::vector<NetSkipLife> skip_lives(const std::vector<NetUnit>& units, NetCarry k, const torch::Tensor& t, const Cond& c);
+
 class NetImpl : public torch::nn::Module {
  public:
   // x: float [B, C, H, W]; t: float [B] in [0, 1]; c: conditioning of the B samples. Returns float

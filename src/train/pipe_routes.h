@@ -10,7 +10,8 @@
 //                carry, so the slots keep their positions);
 //   elsewhere    a placeholder, when an earlier stage holds it (it travels directly to its reader).
 // Its gradient goes back the same way. A unit that reads a skip without popping or replacing it
-// would see a placeholder: no backbone here does that.
+// would see a placeholder: no backbone here does that. The lives of the skips are model/net.h's
+// skip_lives.
 #pragma once
 #include <cstdint>
 #include <vector>

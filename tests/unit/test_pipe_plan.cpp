@@ -287,7 +287,10 @@ TEST(PipeFill, PropertiesOnRandomWorkloads) {
   }
 }
 
-// The DP against every split of small random models, and its errors.
+// The DP against every split of small random models, and its errors. Every other model has random
+// skips (made by unit l, read by a later unit or none): a stage sends its carry without the open
+// skips, plus the skips it made that a later stage reads; the simulator's costs route those read
+// two or more stages on directly.
 TEST(PipePartition, MatchesBruteForce) {
   std::mt19937 rng(11);
   std::uniform_real_distribution<double> u(0.1, 3.0);
@@ -295,8 +298,24 @@ TEST(PipePartition, MatchesBruteForce) {
   for (int trial = 0; trial < 200; ++trial) {
     const int L = 1 + trial % 8, S = 1 + (trial / 8) % std::min(L, 4);
     std::vector<PipeUnit> units(L);
-    for (int l = 0; l < L; ++l)
-      units[l] = {"u" + std::to_string(l), u(rng), u(rng), u(rng), u(rng) * 10, u(rng) * 20, u(rng) * 50};
+    std::vector<double> carry(L);
+    for (int l = 0; l < L; ++l) {
+      carry[l] = u(rng) * 50;
+      units[l] = {"u" + std::to_string(l), u(rng), u(rng), u(rng), u(rng) * 10, u(rng) * 20, carry[l], {}};
+      if (trial % 2 && l + 1 < L)
+        for (int k = 0; k < static_cast<int>(rng() % 3); ++k)
+          units[l].skips.push_back({l + 1 + static_cast<int>(rng() % (L - l)), u(rng) * 40});  // read by l+1..L
+    }
+    for (int l = 0; l < L; ++l)  // cut_bytes: the carry and every open skip
+      for (int m = 0; m <= l; ++m)
+        for (const PipeSkip& k : units[m].skips)
+          if (k.read > l) units[l].cut_bytes += k.bytes;
+    auto sends = [&](int i, int j) {
+      double b = carry[j - 1];
+      for (int l = i; l < j; ++l)
+        for (const PipeSkip& k : units[l].skips) b += k.read >= j ? k.bytes : 0;
+      return b;
+    };
     std::vector<int> in_flight(S);
     for (int s = 0; s < S; ++s) in_flight[s] = S - s;
     const double limit = 30 + u(rng) * 40;
@@ -313,7 +332,8 @@ TEST(PipePartition, MatchesBruteForce) {
       for (int j = i + 1; j <= L - (S - s - 1); ++j) {
         double t = 0, a = 0, st = 0;
         for (int l = i; l < j; ++l) t += units[l].forward + units[l].input_grad + units[l].weight_grad, a += units[l].activation_bytes, st += units[l].state_bytes;
-        if (j < L) t += link.time(units[j - 1].cut_bytes);
+        if (j < L) t += link.time(sends(i, j));
+        if (j < L) EXPECT_NEAR(stage_send_bytes(units, i, j), sends(i, j), 1e-9);
         go(s + 1, j, std::max(worst_t, t), std::max(worst_m, st + in_flight[s] * a));
       }
     };
@@ -334,6 +354,25 @@ TEST(PipePartition, MatchesBruteForce) {
       double want = 0;
       for (const PipeUnit& x : units) want += x.forward + x.input_grad + x.weight_grad;
       EXPECT_NEAR(total, want, 1e-9);
+      // Each skip leaves its stage once: in the next cut's carry, or by a route past the stages between.
+      auto stage_of = [&](int l) {
+        int s = 0;
+        while (s + 1 < S && p.first[s + 1] <= l) ++s;
+        return s;
+      };
+      std::vector<double> carried(S > 1 ? S - 1 : 0, 0);
+      std::vector<std::pair<int, int>> routes, want_routes;
+      for (int s = 0; s + 1 < S; ++s) carried[s] = carry[p.first[s + 1] - 1];
+      for (int l = 0; l < L; ++l)
+        for (const PipeSkip& k : units[l].skips) {
+          const int from = stage_of(l), to = stage_of(std::min(k.read, L - 1));
+          if (to == from + 1) carried[from] += k.bytes;
+          if (to > from + 1) want_routes.push_back({from, to});
+        }
+      for (int s = 0; s + 1 < S; ++s) EXPECT_NEAR(c.send_forward[s], link.time(carried[s]), 1e-9) << "trial " << trial;
+      for (const PipeSkipRoute& k : c.skips) routes.push_back({k.from, k.to});
+      std::sort(routes.begin(), routes.end()), std::sort(want_routes.begin(), want_routes.end());
+      EXPECT_EQ(routes, want_routes) << "trial " << trial;
     } else {
       const std::string e = error_message([&] { partition_units(units, S, in_flight, limit, link); });
       char b[64];
@@ -370,6 +409,7 @@ TEST(PipeProfile, RoundTripAndBadFiles) {
   ddm::test::TempDir dir;
   PipeProfile p = synthetic_profile(3, 2.5);
   p.self_cond = true;
+  p.units[0].skips = {{2, 100}};  // unit 0 makes a skip of 100 bytes a row, unit 2 reads it
   write_profile(p, dir / "p.json");
   const PipeProfile q = read_profile(dir / "p.json");
   EXPECT_EQ(q.model, p.model);
@@ -384,6 +424,15 @@ TEST(PipeProfile, RoundTripAndBadFiles) {
   EXPECT_DOUBLE_EQ(q.units_at(4)[0].forward, 0.5);
   EXPECT_DOUBLE_EQ(q.units_at(32, 2)[0].input_grad, 2);  // at twice the speed
   EXPECT_DOUBLE_EQ(q.units_at(8)[0].state_bytes, 20 * 1000);
+  ASSERT_EQ(q.units_at(8)[0].skips.size(), 1u);
+  EXPECT_EQ(q.units_at(8)[0].skips[0].read, 2);
+  EXPECT_DOUBLE_EQ(q.units_at(8)[0].skips[0].bytes, 800);
+  EXPECT_TRUE(q.units[1].skips.empty());
+  std::string skips = ddm::test::read_text(dir / "p.json");
+  skips.replace(skips.find("\"read_by\": 2"), 12, "\"read_by\": 0");
+  ddm::test::write_text(dir / "skip.json", skips);
+  const std::string k = error_message([&] { read_profile(dir / "skip.json"); });
+  EXPECT_NE(k.find("unit 'u0': a skip's read_by must be a later unit's index"), std::string::npos) << k;
   ddm::test::write_text(dir / "bad.json", "{\"format\": \"ddm pipeline profile 1\", \"model\": 3");
   EXPECT_NE(error_message([&] { read_profile(dir / "bad.json"); }).find("bad.json is not a JSON pipeline profile"), std::string::npos);
   std::string text = ddm::test::read_text(dir / "p.json");

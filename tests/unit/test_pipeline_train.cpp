@@ -13,6 +13,7 @@
 #include "core/error.h"
 #include "core/fileio.h"
 #include "core/run_dir.h"
+#include "dist/pipe_profile.h"
 #include "model/net.h"
 #include "train/controlnet.h"
 #include "train/pipe_prepare.h"
@@ -379,6 +380,17 @@ TEST(PipelineTrain, SkipsGoStraightToTheStageThatReadsThem) {
   // Two stages: every skip is read by the next stage, nothing is routed.
   const PipeSkipRoutes two = pipe_skip_routes(*net, sample, {0, static_cast<int>(cuts[0]), static_cast<int>(names.size())});
   for (int route : two.out[0]) EXPECT_EQ(route, PipeSkipRoutes::kCarried);
+  // The planner routes it alike: a profile of the same network, split the same way, costs one
+  // route from stage 0 to stage 2 of one [8, 8, 8] float32 skip per row (1 byte per time unit).
+  PipeProfile profile;
+  profile.units = profile_units(*net, job.cfg.model, {2}, 1);
+  PipePartition split;
+  split.first = {0, static_cast<int>(cuts[0]), static_cast<int>(cuts[1]), static_cast<int>(names.size())};
+  const PipeCosts costs = costs_of_partition(profile.units_at(2), split, PipeLink{1.0, 0.0});
+  ASSERT_EQ(costs.skips.size(), 1u);
+  EXPECT_EQ(costs.skips[0].from, 0);
+  EXPECT_EQ(costs.skips[0].to, 2);
+  EXPECT_DOUBLE_EQ(costs.skips[0].forward, 2 * 8 * 8 * 8 * 4);
 
   ASSERT_EQ(train_ranks(1, {cfg}, dir / "one"), std::vector<std::string>{""});
   for (const char* schedule : {"gpipe", "1f1b", "zb-h1"}) {
