@@ -33,6 +33,7 @@ struct PipeUnit {
   double state_bytes = 0;       // parameters, gradients and optimizer state
   double cut_bytes = 0;         // every tensor live after this unit (open U-Net skips too), per micro-batch
   std::vector<PipeSkip> skips;  // the skips it makes, per micro-batch (part of cut_bytes while open)
+  double weight_pass = -1;      // autograd of its parameters alone (the runtime's W); < 0: not profiled
 };
 
 // What a stage of units [i, j) sends on (j < the unit count), per micro-batch: the carry after unit
@@ -58,7 +59,8 @@ struct PipePartition {
 PipePartition partition_units(const std::vector<PipeUnit>& units, int stages, const std::vector<int>& in_flight,
                               double memory_limit, const PipeLink& link);
 
-// The per-stage costs of a partition, for the simulator: stage sums; for each cut, the link's time
+// The per-stage costs of a partition, for the simulator: stage sums (and I and W of a split
+// backward as the runtime runs them, see PipeStageCost); for each cut, the link's time
 // for the carry and the skips its next stage reads; a skip route (PipeSkipRoute) for each skip read
 // two or more stages after the one that made it.
 PipeCosts costs_of_partition(const std::vector<PipeUnit>& units, const PipePartition& p, const PipeLink& link);

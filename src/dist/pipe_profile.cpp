@@ -68,6 +68,8 @@ std::vector<PipeUnit> PipeProfile::units_at(int64_t rows, double speed) const {
     x.forward = interpolate(u.samples, rows, &PipeUnitSample::forward) / speed;
     x.input_grad = interpolate(u.samples, rows, &PipeUnitSample::input_grad) / speed;
     x.weight_grad = interpolate(u.samples, rows, &PipeUnitSample::weight_grad) / speed;
+    const bool passed = std::all_of(u.samples.begin(), u.samples.end(), [](const PipeUnitSample& y) { return y.weight_pass >= 0; });
+    x.weight_pass = passed ? interpolate(u.samples, rows, &PipeUnitSample::weight_pass) / speed : -1;
     x.activation_bytes = interpolate(u.samples, rows, &PipeUnitSample::activation_bytes);
     x.cut_bytes = interpolate(u.samples, rows, &PipeUnitSample::cut_bytes);
     x.state_bytes = 5.0 * 4.0 * static_cast<double>(u.params);
@@ -111,7 +113,7 @@ std::vector<PipeUnitProfile> profile_units(NetImpl& net, const ModelConfig& cfg,
       }
     }
     for (size_t u = 0; u < units.size(); ++u) {
-      std::vector<double> f, i, b, f0, act;
+      std::vector<double> f, i, w, b, f0, act;
       double cut = 0;
       for (int rep = 0; rep <= repeats; ++rep) {  // rep 0 warms up
         std::vector<torch::Tensor> inputs;
@@ -130,9 +132,14 @@ std::vector<PipeUnitProfile> profile_units(NetImpl& net, const ModelConfig& cfg,
           torch::autograd::grad(outs, inputs, grads, /*retain_graph=*/true, false, /*allow_unused=*/true);
           t2 = now_ms();
         }
-        std::vector<torch::Tensor> all = inputs;
+        std::vector<torch::Tensor> params;
         for (const torch::Tensor& p : units[u].params)
-          if (p.requires_grad()) all.push_back(p);
+          if (p.requires_grad()) params.push_back(p);
+        const double tw = now_ms();
+        if (!params.empty()) torch::autograd::grad(outs, params, grads, /*retain_graph=*/true, false, /*allow_unused=*/true);
+        const double tw1 = now_ms();
+        std::vector<torch::Tensor> all = inputs;
+        all.insert(all.end(), params.begin(), params.end());
         const double t3 = now_ms();
         torch::autograd::grad(outs, all, grads, /*retain_graph=*/false, false, /*allow_unused=*/true);
         const double t4 = now_ms();
@@ -145,13 +152,13 @@ std::vector<PipeUnitProfile> profile_units(NetImpl& net, const ModelConfig& cfg,
           t6 = now_ms() - t5;
         }
         if (rep == 0) continue;
-        f.push_back(t1 - t0), i.push_back(t2 - t1), b.push_back(t4 - t3), f0.push_back(t6);
+        f.push_back(t1 - t0), i.push_back(t2 - t1), w.push_back(tw1 - tw), b.push_back(t4 - t3), f0.push_back(t6);
         act.push_back(std::max(0.0, heap1 - heap0));
       }
       PipeUnitSample s;
       s.rows = r, s.forward = median(f), s.input_grad = median(i);
       s.weight_grad = std::max(0.0, median(b) - s.input_grad), s.forward_nograd = median(f0);
-      s.activation_bytes = median(act), s.cut_bytes = u + 1 == units.size() ? 0 : cut;
+      s.activation_bytes = median(act), s.cut_bytes = u + 1 == units.size() ? 0 : cut, s.weight_pass = median(w);
       out[u].samples.push_back(s);
     }
   }
@@ -170,7 +177,7 @@ void write_profile(const PipeProfile& p, const std::string& path) {
     for (const PipeUnitSample& x : u.samples)
       s.push_back({{"rows", x.rows}, {"forward_ms", x.forward}, {"input_grad_ms", x.input_grad},
                    {"weight_grad_ms", x.weight_grad}, {"forward_nograd_ms", x.forward_nograd},
-                   {"activation_bytes", x.activation_bytes}, {"cut_bytes", x.cut_bytes}});
+                   {"activation_bytes", x.activation_bytes}, {"cut_bytes", x.cut_bytes}, {"weight_pass_ms", x.weight_pass}});
     nlohmann::json k = nlohmann::json::array();
     for (const PipeSkip& x : u.skips) k.push_back({{"read_by", x.read}, {"bytes_per_row", x.bytes}});
     j["units"].push_back({{"name", u.name}, {"params", u.params}, {"samples", s}, {"skips", k}});
@@ -213,7 +220,8 @@ PipeProfile read_profile(const std::string& path) {
       for (const auto& s : u.at("samples"))
         x.samples.push_back({s.at("rows").get<int64_t>(), s.at("forward_ms").get<double>(), s.at("input_grad_ms").get<double>(),
                              s.at("weight_grad_ms").get<double>(), s.at("forward_nograd_ms").get<double>(),
-                             s.at("activation_bytes").get<double>(), s.at("cut_bytes").get<double>()});
+                             s.at("activation_bytes").get<double>(), s.at("cut_bytes").get<double>(),
+                             s.value("weight_pass_ms", -1.0)});  // older profiles have none
       if (u.contains("skips"))  // older profiles have none: every open skip is planned as carried
         for (const auto& k : u.at("skips")) x.skips.push_back({k.at("read_by").get<int>(), k.at("bytes_per_row").get<double>()});
       DDM_CHECK(!x.samples.empty(), path << ": unit '" << x.name << "' has no samples");
@@ -250,7 +258,7 @@ PipeProfile read_profile(const std::string& path) {
                      << p.units.size() << ": none reads it) and bytes_per_row finite and >= 0");
     for (const PipeUnitSample& x : u.samples)
       DDM_CHECK(sane(x.forward) && sane(x.input_grad) && sane(x.weight_grad) && sane(x.forward_nograd) &&
-                    sane(x.activation_bytes) && sane(x.cut_bytes),
+                    sane(x.activation_bytes) && sane(x.cut_bytes) && std::isfinite(x.weight_pass),
                 path << ": unit '" << u.name << "' at " << x.rows << " rows has a negative or non-finite time or size");
   }
   for (const PipeTaskProfile& t : p.tasks) {

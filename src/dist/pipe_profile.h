@@ -2,7 +2,8 @@
 // measured on this machine and kept as a JSON file a user can read and reuse (`ddm plan --profile`).
 //   units  per backbone unit (NetImpl::units) and per profiled micro-batch size: the forward time, the
 //          input-gradient time I (autograd of the unit's inputs alone), the weight-gradient time
-//          W = (full backward) - I, the no-grad forward time (a self-conditioning pass), the bytes
+//          W = (full backward) - I, the time of autograd of its parameters alone (the runtime's W
+//          pass, a second walk back through the unit), the no-grad forward time (a self-conditioning pass), the bytes
 //          the forward keeps alive for the backward (glibc's heap in use after the forward, less
 //          before, with the graph held), and the bytes live after the unit (what a cut there sends:
 //          h, the conditioning embedding, every open U-Net skip); its parameter count; and the skips
@@ -29,6 +30,7 @@ struct PipeUnitSample {
   int64_t rows = 0;
   double forward = 0, input_grad = 0, weight_grad = 0, forward_nograd = 0;
   double activation_bytes = 0, cut_bytes = 0;
+  double weight_pass = -1;  // autograd of the unit's parameters alone (how the runtime runs W); < 0: not profiled
 };
 
 struct PipeUnitProfile {

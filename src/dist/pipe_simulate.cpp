@@ -32,7 +32,8 @@ void validate_costs(const PipeCosts& c, int S) {
   auto finite = [](double v) { return std::isfinite(v) && v >= 0; };
   DDM_CHECK(static_cast<int>(c.stage.size()) == S, "pipeline costs: " << c.stage.size() << " stage costs for " << S << " stages");
   for (int s = 0; s < S; ++s)
-    DDM_CHECK(finite(c.stage[s].forward) && finite(c.stage[s].input_grad) && finite(c.stage[s].weight_grad),
+    DDM_CHECK(finite(c.stage[s].forward) && finite(c.stage[s].input_grad) && finite(c.stage[s].weight_grad) &&
+                  std::isfinite(c.stage[s].split_input) && std::isfinite(c.stage[s].split_weight),
               "pipeline costs: stage " << s << " has a negative or non-finite time");
   for (const auto* v : {&c.send_forward, &c.send_backward}) {
     DDM_CHECK(v->empty() || static_cast<int>(v->size()) == S - 1,
@@ -174,8 +175,8 @@ PipeTimeline simulate(const PipeSchedule& s, const PipeCosts& c) {
     switch (a.op) {
       case PipeOp::kForward: return k.forward;
       case PipeOp::kBackward: return k.input_grad + k.weight_grad;
-      case PipeOp::kInputGrad: return k.input_grad;
-      case PipeOp::kWeightGrad: return k.weight_grad;
+      case PipeOp::kInputGrad: return k.i_time();
+      case PipeOp::kWeightGrad: return k.w_time();
       case PipeOp::kTask: return c.tasks[a.task].time(a.rows);
     }
     return 0.0;

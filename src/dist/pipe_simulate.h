@@ -24,9 +24,16 @@
 
 namespace ddm {
 
-// Per micro-batch compute times of one stage (milliseconds, or any one unit used throughout).
+// Per micro-batch compute times of one stage (milliseconds, or any one unit used throughout). B is
+// input_grad + weight_grad. I and W of a split backward are input_grad and weight_grad unless
+// split_input / split_weight say otherwise (>= 0): ddm's runtime computes W as a second autograd
+// pass to the stage's parameters, which walks back through most of the backward again, and stage 0
+// has no input gradient to compute (costs_of_partition models both from profiled passes).
 struct PipeStageCost {
   double forward = 0, input_grad = 0, weight_grad = 0;
+  double split_input = -1, split_weight = -1;
+  double i_time() const { return split_input >= 0 ? split_input : input_grad; }
+  double w_time() const { return split_weight >= 0 ? split_weight : weight_grad; }
 };
 
 // A tensor sent straight from the stage that makes it to a later stage that consumes it (an open

@@ -139,6 +139,44 @@ TEST(PipeSimulate, LinksSkipsAndOptimizer) {
   EXPECT_DOUBLE_EQ(tl.iteration, 14);  // + the slowest optimizer step
 }
 
+// A split backward runs I and W as the runtime does: with split_input / split_weight set they are
+// I's and W's times, B stays input_grad + weight_grad. costs_of_partition sets them from the units:
+// I nothing on stage 0; W the first unit with parameters' own pass and the whole backward of every
+// unit after it; a stage without parameters has no W.
+TEST(PipeSimulate, SplitBackwardAsTheRuntimeRunsIt) {
+  PipeCosts c = uniform_costs(2, 1, 2, 3);
+  c.stage[0].split_input = 0, c.stage[0].split_weight = 4.5;
+  auto duration = [](const PipeTimeline& tl, int rank, PipeOp op) {
+    for (const PipeSlot& x : tl.ranks[rank])
+      if (x.action.op == op) return x.end - x.start;
+    return -1.0;
+  };
+  const PipeTimeline zb = simulate(make_schedule("zb-h1", 2, 2), c);
+  EXPECT_DOUBLE_EQ(duration(zb, 0, PipeOp::kInputGrad), 0);
+  EXPECT_DOUBLE_EQ(duration(zb, 0, PipeOp::kWeightGrad), 4.5);
+  EXPECT_DOUBLE_EQ(duration(zb, 1, PipeOp::kInputGrad), 2);  // stage 1: the ideal split
+  EXPECT_DOUBLE_EQ(duration(zb, 1, PipeOp::kWeightGrad), 3);
+  EXPECT_DOUBLE_EQ(duration(simulate(make_schedule("1f1b", 2, 2), c), 0, PipeOp::kBackward), 5);
+
+  // Units (F, I, W, act, state, cut, skips, parameter pass): a parameter-free unit, two with parameters.
+  std::vector<PipeUnit> units = {{"free", 1, 1, 0, 0, 0, 0, {}, 0},
+                                 {"a", 1, 2, 3, 0, 20, 0, {}, 4},
+                                 {"b", 1, 5, 6, 0, 20, 0, {}, 9},
+                                 {"locked", 1, 7, 0, 0, 0, 0, {}, 0}};
+  PipePartition p;
+  p.first = {0, 2, 3, 4};
+  const PipeCosts k = costs_of_partition(units, p, PipeLink{});
+  EXPECT_DOUBLE_EQ(k.stage[0].split_input, 0);       // stage 0: no input gradient
+  EXPECT_DOUBLE_EQ(k.stage[0].split_weight, 4);      // a's pass; "free" comes before any parameter
+  EXPECT_DOUBLE_EQ(k.stage[1].split_input, 5);
+  EXPECT_DOUBLE_EQ(k.stage[1].split_weight, 9);
+  EXPECT_DOUBLE_EQ(k.stage[2].split_weight, 0);      // no parameters
+  p.first = {0, 1, 4};
+  EXPECT_DOUBLE_EQ(costs_of_partition(units, p, PipeLink{}).stage[1].split_weight, 4 + 5 + 6 + 7 + 0);
+  units[1].weight_pass = -1;  // not profiled: the ideal split
+  EXPECT_LT(costs_of_partition(units, p, PipeLink{}).stage[1].split_weight, 0);
+}
+
 TEST(PipeSimulate, DeadlockAndBadCosts) {
   PipeSchedule s = make_schedule("gpipe", 2, 2);
   // Rank 0 waits for stage 1's B0 before sending F1; rank 1 needs F1 before its B0.
@@ -301,7 +339,7 @@ TEST(PipePartition, MatchesBruteForce) {
     std::vector<double> carry(L);
     for (int l = 0; l < L; ++l) {
       carry[l] = u(rng) * 50;
-      units[l] = {"u" + std::to_string(l), u(rng), u(rng), u(rng), u(rng) * 10, u(rng) * 20, carry[l], {}};
+      units[l] = {"u" + std::to_string(l), u(rng), u(rng), u(rng), u(rng) * 10, u(rng) * 20, carry[l], {}, -1};
       if (trial % 2 && l + 1 < L)
         for (int k = 0; k < static_cast<int>(rng() % 3); ++k)
           units[l].skips.push_back({l + 1 + static_cast<int>(rng() % (L - l)), u(rng) * 40});  // read by l+1..L
@@ -332,8 +370,10 @@ TEST(PipePartition, MatchesBruteForce) {
       for (int j = i + 1; j <= L - (S - s - 1); ++j) {
         double t = 0, a = 0, st = 0;
         for (int l = i; l < j; ++l) t += units[l].forward + units[l].input_grad + units[l].weight_grad, a += units[l].activation_bytes, st += units[l].state_bytes;
-        if (j < L) t += link.time(sends(i, j));
-        if (j < L) EXPECT_NEAR(stage_send_bytes(units, i, j), sends(i, j), 1e-9);
+        if (j < L) {
+          t += link.time(sends(i, j));
+          EXPECT_NEAR(stage_send_bytes(units, i, j), sends(i, j), 1e-9);
+        }
         go(s + 1, j, std::max(worst_t, t), std::max(worst_m, st + in_flight[s] * a));
       }
     };
@@ -396,7 +436,7 @@ PipeProfile synthetic_profile(int n, double task_ms, bool uses_weights = false) 
   for (int l = 0; l < n; ++l) {
     PipeUnitProfile u;
     u.name = "u" + std::to_string(l), u.params = 1000;
-    for (int64_t r : {8, 16}) u.samples.push_back({r, r / 8.0, r / 8.0, r / 8.0, r / 16.0, 1e4 * r, 1e3 * r});
+    for (int64_t r : {8, 16}) u.samples.push_back({r, r / 8.0, r / 8.0, r / 8.0, r / 16.0, 1e4 * r, 1e3 * r, r / 4.0});
     p.units.push_back(u);
   }
   p.tasks.push_back({"encoder", {{8, task_ms}, {16, 2 * task_ms}}, uses_weights, 4096});
@@ -428,6 +468,7 @@ TEST(PipeProfile, RoundTripAndBadFiles) {
   EXPECT_EQ(q.units_at(8)[0].skips[0].read, 2);
   EXPECT_DOUBLE_EQ(q.units_at(8)[0].skips[0].bytes, 800);
   EXPECT_TRUE(q.units[1].skips.empty());
+  EXPECT_DOUBLE_EQ(q.units_at(8)[0].weight_pass, 8 * 0.25);
   std::string skips = ddm::test::read_text(dir / "p.json");
   skips.replace(skips.find("\"read_by\": 2"), 12, "\"read_by\": 0");
   ddm::test::write_text(dir / "skip.json", skips);
