@@ -243,11 +243,42 @@ void PipeStep::send_carry(const NetCarry& k, int micro, bool first_pass, Micro* 
   if (m) m->roots = carried;
 }
 
+void PipeStep::post_carry_receives(int micro_count) {
+  posted_.assign(static_cast<size_t>(micro_count), std::nullopt);
+  if (stage_ == 0 || !carry_header_.defined()) return;
+  const int prev = stage_ - 1;
+  const auto* h = carry_header_.data_ptr<int64_t>();
+  std::vector<std::vector<int64_t>> shapes;
+  for (int64_t i = 0, at = 2; i < h[1]; ++i) {
+    if (h[at] >= 0) shapes.emplace_back(h + at + 1, h + at + 1 + h[at]);
+    at += h[at] >= 0 ? 1 + h[at] : 1;
+  }
+  for (int m = 0; m < micro_count; ++m) {
+    PostedCarry& c = posted_[static_cast<size_t>(m)].emplace();
+    c.header = torch::zeros({kHeader}, torch::kLong);
+    c.values = torch::empty({numel_of(shapes)}, torch::kFloat);
+    c.header_work = comm_->recv_async(c.header, prev, tag_of(m, kCarryHeader));
+    c.values_work = comm_->recv_async(c.values, prev, tag_of(m, kCarryValues));
+    for (const PipeSkipRoutes::Direct& d : routes_.in[static_cast<size_t>(stage_)]) {
+      std::vector<int64_t> shape{rows_};
+      shape.insert(shape.end(), d.row_shape.begin(), d.row_shape.end());
+      auto x = torch::empty(shape, torch::kFloat);
+      c.direct.emplace_back(comm_->recv_async(x, d.from, tag_of(m, kSkip + 2 * d.slot)), x);
+    }
+  }
+}
+
 NetCarry PipeStep::recv_carry(int micro, std::vector<torch::Tensor>& inputs, bool first_pass) {
   const int prev = stage_ - 1;
-  auto header = torch::zeros({kHeader}, torch::kLong);
-  comm_->wait(comm_->recv_async(header, prev, tag_of(micro, first_pass ? kFirstHeader : kCarryHeader)),
+  std::optional<PostedCarry>* posted =
+      !first_pass && micro < static_cast<int>(posted_.size()) && posted_[static_cast<size_t>(micro)] ? &posted_[static_cast<size_t>(micro)] : nullptr;
+  torch::Tensor header = posted ? (*posted)->header : torch::zeros({kHeader}, torch::kLong);
+  comm_->wait(posted ? (*posted)->header_work : comm_->recv_async(header, prev, tag_of(micro, first_pass ? kFirstHeader : kCarryHeader)),
               "receive from stage " + std::to_string(prev));
+  DDM_CHECK(!posted || torch::equal(header, carry_header_),
+            "pipeline: stage " << stage_ << " received a carry for micro-batch " << micro
+                               << " whose layout differs from the earlier micro-batches'");
+  if (!first_pass && !carry_header_.defined()) carry_header_ = header.clone();
   const auto* h = header.data_ptr<int64_t>();
   std::vector<std::vector<int64_t>> shapes;
   std::vector<bool> present;
@@ -261,8 +292,8 @@ NetCarry PipeStep::recv_carry(int micro, std::vector<torch::Tensor>& inputs, boo
     shapes.emplace_back(h + at + 1, h + at + 1 + h[at]);
     at += 1 + h[at];
   }
-  auto values = torch::empty({numel_of(shapes)}, torch::kFloat);
-  comm_->wait(comm_->recv_async(values, prev, tag_of(micro, first_pass ? kFirstValues : kCarryValues)),
+  torch::Tensor values = posted ? (*posted)->values : torch::empty({numel_of(shapes)}, torch::kFloat);
+  comm_->wait(posted ? (*posted)->values_work : comm_->recv_async(values, prev, tag_of(micro, first_pass ? kFirstValues : kCarryValues)),
               "receive from stage " + std::to_string(prev));
   received_ = Clock::now();
   inputs.clear();
@@ -282,14 +313,18 @@ void PipeStep::forward(Micro& m, int micro) {
     k.h = m.p.xt;
   } else {
     k = recv_carry(micro, m.inputs);
+    std::optional<PostedCarry>* posted =
+        micro < static_cast<int>(posted_.size()) && posted_[static_cast<size_t>(micro)] ? &posted_[static_cast<size_t>(micro)] : nullptr;
     // The skips an earlier stage sends here directly, into their places.
-    for (const PipeSkipRoutes::Direct& d : routes_.in[static_cast<size_t>(stage_)]) {
+    const auto& direct = routes_.in[static_cast<size_t>(stage_)];
+    for (size_t j = 0; j < direct.size(); ++j) {
+      const PipeSkipRoutes::Direct& d = direct[j];
       DDM_CHECK(d.slot < static_cast<int>(k.skips.size()) && !k.skips[static_cast<size_t>(d.slot)].defined(),
                 "pipeline: stage " << stage_ << " expected skip " << d.slot << " from stage " << d.from << " in place of a placeholder");
       std::vector<int64_t> shape{rows_};
       shape.insert(shape.end(), d.row_shape.begin(), d.row_shape.end());
-      auto x = torch::empty(shape, torch::kFloat);
-      comm_->wait(comm_->recv_async(x, d.from, tag_of(micro, kSkip + 2 * d.slot)),
+      torch::Tensor x = posted ? (*posted)->direct[j].second : torch::empty(shape, torch::kFloat);
+      comm_->wait(posted ? (*posted)->direct[j].first : comm_->recv_async(x, d.from, tag_of(micro, kSkip + 2 * d.slot)),
                   "receive a skip from stage " + std::to_string(d.from));
       received_ = Clock::now();
       k.skips[static_cast<size_t>(d.slot)] = x.requires_grad_(true);
@@ -303,24 +338,31 @@ void PipeStep::forward(Micro& m, int micro) {
     m.roots = {scale_ == 1.0 ? loss : loss * scale_};
   } else {
     send_carry(k, micro, /*first_pass=*/false, &m);
+    // The gradients' receives, now: they arrive while this stage runs other micro-batches.
+    std::vector<std::vector<int64_t>> shapes;
+    for (const torch::Tensor& r : m.roots) shapes.push_back(r.sizes().vec());
+    auto g = torch::empty({numel_of(shapes)}, torch::kFloat);
+    m.grad_recvs.emplace_back(comm_->recv_async(g, stage_ + 1, tag_of(micro, kGradient)), g);
+    for (const DirectRoot& d : m.direct_roots) {
+      auto dg = torch::empty(d.tensor.sizes(), torch::kFloat);
+      m.grad_recvs.emplace_back(comm_->recv_async(dg, d.to, tag_of(micro, kSkipGrad + 2 * d.slot)), dg);
+    }
   }
 }
 
 void PipeStep::backward(Micro& m, int micro, PipeOp op) {
   const bool last = stage_ + 1 == stages();
   if (!last && !m.received) {
+    DDM_CHECK(m.grad_recvs.size() == 1 + m.direct_roots.size(), "pipeline: backward of micro-batch " << micro << " before its forward");
     std::vector<std::vector<int64_t>> shapes;
     for (const torch::Tensor& r : m.roots) shapes.push_back(r.sizes().vec());
-    auto g = torch::empty({numel_of(shapes)}, torch::kFloat);
-    comm_->wait(comm_->recv_async(g, stage_ + 1, tag_of(micro, kGradient)),
-                "receive a gradient from stage " + std::to_string(stage_ + 1));
-    m.grads = split_flat(g, shapes);
-    for (const DirectRoot& d : m.direct_roots) {  // the gradients of the skips sent straight to their readers
-      auto dg = torch::empty(d.tensor.sizes(), torch::kFloat);
-      comm_->wait(comm_->recv_async(dg, d.to, tag_of(micro, kSkipGrad + 2 * d.slot)),
-                  "receive a skip's gradient from stage " + std::to_string(d.to));
-      m.grads.push_back(dg);
+    comm_->wait(m.grad_recvs[0].first, "receive a gradient from stage " + std::to_string(stage_ + 1));
+    m.grads = split_flat(m.grad_recvs[0].second, shapes);
+    for (size_t j = 0; j < m.direct_roots.size(); ++j) {  // the gradients of the skips sent straight to their readers
+      comm_->wait(m.grad_recvs[1 + j].first, "receive a skip's gradient from stage " + std::to_string(m.direct_roots[j].to));
+      m.grads.push_back(m.grad_recvs[1 + j].second);
     }
+    m.grad_recvs.clear();
     m.received = true;
     received_ = Clock::now();
   }
@@ -382,6 +424,7 @@ StepResult PipeStep::run(const std::vector<Batch>& micro, int64_t step, const st
   fill_news_ = false;
   micro_.assign(static_cast<size_t>(M), Micro{});
   const bool filling = plan_ && plan_->used;
+  post_carry_receives(M);  // before the prepare phase: the carries may arrive while it runs
   prepare(micro, step, filling, !next.empty());
   times_.prepared = times_.backward_start = Clock::now();
   events_.clear();

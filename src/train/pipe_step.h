@@ -136,7 +136,18 @@ class PipeStep {
     std::vector<DirectRoot> direct_roots;      // ... and the skips sent straight to their readers
     std::vector<torch::Tensor> grads;          // their gradients (the carry's, then the direct ones'; none for the loss)
     bool received = false;                     // grads received (I then W)
+    // The receives of those gradients, posted as soon as the forward has sent (the flat carry's,
+    // then each direct root's), so they arrive while this stage works on other micro-batches.
+    std::vector<std::pair<c10::intrusive_ptr<c10d::Work>, torch::Tensor>> grad_recvs;
   };
+  // A micro-batch's carry receives (header, values, then each direct skip), posted at the step's
+  // start once the carry's layout is known (from the first micro-batch this stage received).
+  struct PostedCarry {
+    torch::Tensor header, values;
+    c10::intrusive_ptr<c10d::Work> header_work, values_work;
+    std::vector<std::pair<c10::intrusive_ptr<c10d::Work>, torch::Tensor>> direct;
+  };
+  void post_carry_receives(int micro_count);
   void forward(Micro& m, int micro);
   void backward(Micro& m, int micro, PipeOp op);
   // The carry of micro-batch `micro` to the next stage and from the previous one (first_pass:
@@ -188,6 +199,8 @@ class PipeStep {
   std::unique_ptr<FlatAdamW> optim_;
   std::vector<std::pair<c10::intrusive_ptr<c10d::Work>, torch::Tensor>> sends_;  // waited at the end
   std::vector<Micro> micro_;
+  torch::Tensor carry_header_;             // the carry's header as first received (empty: none yet)
+  std::vector<std::optional<PostedCarry>> posted_;  // per micro-batch of this step
   double scale_ = 1, loss_sum_ = 0;
   StepTimes times_;
   std::chrono::steady_clock::time_point received_;  // when the current action's receive completed
