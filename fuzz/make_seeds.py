@@ -222,3 +222,10 @@ put(pp, "truncated.json", text[: len(text) // 2])
 put(pp, "wrong-format.json", text.replace("ddm pipeline profile 1", "something else"))
 put(pp, "negative.json", text.replace('"forward_ms": 0.5', '"forward_ms": -0.5', 1))
 put(pp, "self-cond.json", text.replace('"self_cond": false', '"self_cond": true'))
+# A skip made by enc0_0 and read by mid0, and the units' parameter passes (profiles since 2026-11-24).
+routed = json.loads(text)
+routed["units"][1]["skips"] = [{"read_by": 2, "bytes_per_row": 2048}]
+for u in routed["units"]:
+    for x in u["samples"]:
+        x["weight_pass_ms"] = x["weight_grad_ms"] * 2
+put(pp, "skips.json", json.dumps(routed, indent=1) + "\n")
