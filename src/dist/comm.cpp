@@ -221,6 +221,11 @@ void Comm::connect(c10::intrusive_ptr<c10d::Store> store, const std::string& whe
   throw Error(os.str());
 }
 
+void Comm::close(const std::string& why) {
+  if (broken_.empty()) broken_ = why;
+  pg_.reset();
+}
+
 void Comm::check_usable(const std::string& op) const {
   DDM_CHECK(broken_.empty(), "rank " << job_rank() << ": cannot run " << op
                                      << ": the process group failed earlier and Gloo cannot recover ("

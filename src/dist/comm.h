@@ -99,6 +99,10 @@ class Comm {
   // each rank (ring: reduce-scatter, then all-gather), a broadcast (W-1) n from the root, a gather n
   // from every other rank, a scatter n per receiver from the root, an all-gather (W-1) n from each.
   int64_t bytes_sent() const { return bytes_sent_.load(); }
+  // Drops a failed group's connections (ElasticGroup, before regrouping): a peer still waiting on
+  // this process inside one of the group's collectives fails at once ("connection closed") instead
+  // of at its timeout. The group's collectives fail afterwards, naming `why`; the store stays.
+  void close(const std::string& why);
 
  private:
   Comm(int rank, int world, CommOptions options);

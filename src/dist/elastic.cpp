@@ -134,6 +134,10 @@ std::vector<int> ElasticGroup::recover(const std::string& round, const std::stri
 
 std::vector<int> ElasticGroup::recover_impl(const std::string& round, const std::string& what, bool admit_joiners) {
   const int64_t k = round_ == round ? k_ + 1 : 1;
+  // The failed group goes first: a survivor still blocked in its collective on this process (the
+  // ring's order decides which one learned of the lost replica) then fails at once and comes here
+  // too, instead of after the collective timeout, which the others would spend waiting for it.
+  current_->close("closed after " + what);
   const std::string prefix = "alive/" + round + "/" + std::to_string(k) + "/";
   const std::string plan_key = "plan/" + round + "/" + std::to_string(k);
   store_->set(prefix + std::to_string(job_rank_), bytes("1"));

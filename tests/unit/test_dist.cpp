@@ -566,6 +566,45 @@ TEST(DistElastic, ALateRankZeroIsWaitedForUpToTheTimeout) {
   EXPECT_EQ(errors, std::vector<std::string>(3, ""));
 }
 
+// A survivor blocked on another survivor (as in a ring all-reduce, where only the neighbours of a
+// lost replica see it go) learns at once when that one starts regrouping: recover() closes the
+// failed group first. Before 2026-11-24 rank 0 here waited out its collective timeout, and a 3-rank
+// DiLoCo run then lost its writer: the others had waited up to that same timeout for it.
+TEST(DistElastic, ARegroupingPeerUnblocksTheSurvivorsStillInTheFailedCollective) {
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  const CommOptions o = short_timeouts(20000);
+  std::vector<std::string> errors(3);
+  std::string blocked;  // rank 0's error while it waited on rank 1
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 3; ++r)
+    threads.emplace_back([&, r] {
+      try {
+        auto job = Comm::create_for_test(store, r, 3, o);
+        auto all = torch::ones({1});
+        job->allreduce_sum(all);  // every connection is up before rank 2 leaves
+        if (r == 2) return;       // leaves
+        ElasticGroup g(job, 3, std::chrono::milliseconds(300));
+        auto t = torch::zeros({4});
+        if (r == 1) {  // the lost replica's neighbour: its receive fails
+          EXPECT_THROW(job->wait(job->recv_async(t, 2, 5), "receive from rank 2"), Error);
+        } else {  // waits on rank 1, which will not send
+          blocked = error_message([&] { job->wait(job->recv_async(t, 1, 5), "receive from rank 1"); });
+        }
+        g.recover("s1", "test", false);
+        EXPECT_EQ(g.members(), (std::vector<int>{0, 1}));
+        t = torch::ones({4});
+        g.comm().allreduce_sum(t);
+        EXPECT_TRUE(torch::equal(t, torch::full({4}, 2.0f)));
+      } catch (const std::exception& e) {
+        errors[r] = e.what();
+      }
+    });
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(errors, std::vector<std::string>(3, ""));
+  EXPECT_TRUE(has(blocked, "lost the connection")) << blocked;
+  EXPECT_FALSE(has(blocked, "timed out")) << blocked;
+}
+
 TEST(DistElastic, LosingRankZeroIsFatal) {
   // Rank 1 waits for rank 0 up to the collective timeout (2 s here) before it gives up.
   const auto errors = run_ranks(2, short_timeouts(2000), [&](Comm& c) {
