@@ -245,26 +245,35 @@ void PipeStep::send_carry(const NetCarry& k, int micro, bool first_pass, Micro* 
 
 void PipeStep::post_carry_receives(int micro_count) {
   posted_.assign(static_cast<size_t>(micro_count), std::nullopt);
+  taken_.assign(static_cast<size_t>(micro_count), false);
+  next_post_ = 0;
+  carry_shapes_.clear();
   if (stage_ == 0 || !carry_header_.defined()) return;
-  const int prev = stage_ - 1;
   const auto* h = carry_header_.data_ptr<int64_t>();
-  std::vector<std::vector<int64_t>> shapes;
   for (int64_t i = 0, at = 2; i < h[1]; ++i) {
-    if (h[at] >= 0) shapes.emplace_back(h + at + 1, h + at + 1 + h[at]);
+    if (h[at] >= 0) carry_shapes_.emplace_back(h + at + 1, h + at + 1 + h[at]);
     at += h[at] >= 0 ? 1 + h[at] : 1;
   }
-  for (int m = 0; m < micro_count; ++m) {
-    PostedCarry& c = posted_[static_cast<size_t>(m)].emplace();
-    c.header = torch::zeros({kHeader}, torch::kLong);
-    c.values = torch::empty({numel_of(shapes)}, torch::kFloat);
-    c.header_work = comm_->recv_async(c.header, prev, tag_of(m, kCarryHeader));
-    c.values_work = comm_->recv_async(c.values, prev, tag_of(m, kCarryValues));
-    for (const PipeSkipRoutes::Direct& d : routes_.in[static_cast<size_t>(stage_)]) {
-      std::vector<int64_t> shape{rows_};
-      shape.insert(shape.end(), d.row_shape.begin(), d.row_shape.end());
-      auto x = torch::empty(shape, torch::kFloat);
-      c.direct.emplace_back(comm_->recv_async(x, d.from, tag_of(m, kSkip + 2 * d.slot)), x);
-    }
+  // A window of S micro-batches ahead (every schedule's forwards run in micro-batch order): enough
+  // to keep the transfers ahead of the forwards, and at most S carry buffers held at once.
+  for (int m = 0; m < std::min(micro_count, stages()); ++m) post_next_carry();
+}
+
+void PipeStep::post_next_carry() {
+  // A micro-batch whose carry was already received unposted (no schedule here does that) is skipped.
+  while (next_post_ < static_cast<int>(posted_.size()) && taken_[static_cast<size_t>(next_post_)]) ++next_post_;
+  if (carry_shapes_.empty() || next_post_ >= static_cast<int>(posted_.size())) return;
+  const int m = next_post_++, prev = stage_ - 1;
+  PostedCarry& c = posted_[static_cast<size_t>(m)].emplace();
+  c.header = torch::zeros({kHeader}, torch::kLong);
+  c.values = torch::empty({numel_of(carry_shapes_)}, torch::kFloat);
+  c.header_work = comm_->recv_async(c.header, prev, tag_of(m, kCarryHeader));
+  c.values_work = comm_->recv_async(c.values, prev, tag_of(m, kCarryValues));
+  for (const PipeSkipRoutes::Direct& d : routes_.in[static_cast<size_t>(stage_)]) {
+    std::vector<int64_t> shape{rows_};
+    shape.insert(shape.end(), d.row_shape.begin(), d.row_shape.end());
+    auto x = torch::empty(shape, torch::kFloat);
+    c.direct.emplace_back(comm_->recv_async(x, d.from, tag_of(m, kSkip + 2 * d.slot)), x);
   }
 }
 
@@ -279,6 +288,7 @@ NetCarry PipeStep::recv_carry(int micro, std::vector<torch::Tensor>& inputs, boo
             "pipeline: stage " << stage_ << " received a carry for micro-batch " << micro
                                << " whose layout differs from the earlier micro-batches'");
   if (!first_pass && !carry_header_.defined()) carry_header_ = header.clone();
+  if (!first_pass && micro < static_cast<int>(taken_.size())) taken_[static_cast<size_t>(micro)] = true;
   const auto* h = header.data_ptr<int64_t>();
   std::vector<std::vector<int64_t>> shapes;
   std::vector<bool> present;
@@ -329,6 +339,10 @@ void PipeStep::forward(Micro& m, int micro) {
       received_ = Clock::now();
       k.skips[static_cast<size_t>(d.slot)] = x.requires_grad_(true);
       m.direct_inputs.push_back(x);
+    }
+    if (posted) {
+      posted->reset();    // its tensors live on as this micro-batch's inputs
+      post_next_carry();  // the window moves on
     }
   }
   for (const NetUnit& u : units_) u.run(k, m.p.t, m.p.cond);

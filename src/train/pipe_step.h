@@ -140,14 +140,16 @@ class PipeStep {
     // then each direct root's), so they arrive while this stage works on other micro-batches.
     std::vector<std::pair<c10::intrusive_ptr<c10d::Work>, torch::Tensor>> grad_recvs;
   };
-  // A micro-batch's carry receives (header, values, then each direct skip), posted at the step's
-  // start once the carry's layout is known (from the first micro-batch this stage received).
+  // A micro-batch's carry receives (header, values, then each direct skip), posted ahead once the
+  // carry's layout is known (from the first micro-batch this stage received): S micro-batches at
+  // the step's start, then one more as each is consumed.
   struct PostedCarry {
     torch::Tensor header, values;
     c10::intrusive_ptr<c10d::Work> header_work, values_work;
     std::vector<std::pair<c10::intrusive_ptr<c10d::Work>, torch::Tensor>> direct;
   };
   void post_carry_receives(int micro_count);
+  void post_next_carry();
   void forward(Micro& m, int micro);
   void backward(Micro& m, int micro, PipeOp op);
   // The carry of micro-batch `micro` to the next stage and from the previous one (first_pass:
@@ -201,6 +203,9 @@ class PipeStep {
   std::vector<Micro> micro_;
   torch::Tensor carry_header_;             // the carry's header as first received (empty: none yet)
   std::vector<std::optional<PostedCarry>> posted_;  // per micro-batch of this step
+  std::vector<std::vector<int64_t>> carry_shapes_;   // the carry's tensors' shapes (empty: unknown)
+  int next_post_ = 0;                                // the next micro-batch whose carry to post
+  std::vector<bool> taken_;                          // per micro-batch: its carry was received
   double scale_ = 1, loss_sum_ = 0;
   StepTimes times_;
   std::chrono::steady_clock::time_point received_;  // when the current action's receive completed
