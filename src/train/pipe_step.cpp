@@ -49,6 +49,19 @@ int64_t numel_of(const std::vector<std::vector<int64_t>>& shapes) {
 }
 
 // Views of `flat` shaped like `shapes`, in order.
+// A carry header's entries (see send_carry): the shapes of the tensors it carries, and per entry
+// whether it carries one (false: a placeholder).
+std::vector<std::vector<int64_t>> header_shapes(const torch::Tensor& header, std::vector<bool>* present = nullptr) {
+  const auto* h = header.data_ptr<int64_t>();
+  std::vector<std::vector<int64_t>> shapes;
+  for (int64_t i = 0, at = 2; i < h[1]; ++i) {
+    if (present) present->push_back(h[at] >= 0);
+    if (h[at] >= 0) shapes.emplace_back(h + at + 1, h + at + 1 + h[at]);
+    at += h[at] >= 0 ? 1 + h[at] : 1;
+  }
+  return shapes;
+}
+
 std::vector<torch::Tensor> split_flat(const torch::Tensor& flat, const std::vector<std::vector<int64_t>>& shapes) {
   std::vector<torch::Tensor> out;
   int64_t at = 0;
@@ -249,11 +262,7 @@ void PipeStep::post_carry_receives(int micro_count) {
   next_post_ = 0;
   carry_shapes_.clear();
   if (stage_ == 0 || !carry_header_.defined()) return;
-  const auto* h = carry_header_.data_ptr<int64_t>();
-  for (int64_t i = 0, at = 2; i < h[1]; ++i) {
-    if (h[at] >= 0) carry_shapes_.emplace_back(h + at + 1, h + at + 1 + h[at]);
-    at += h[at] >= 0 ? 1 + h[at] : 1;
-  }
+  carry_shapes_ = header_shapes(carry_header_);
   // A window of S micro-batches ahead (every schedule's forwards run in micro-batch order): enough
   // to keep the transfers ahead of the forwards, and at most S carry buffers held at once.
   for (int m = 0; m < std::min(micro_count, stages()); ++m) post_next_carry();
@@ -270,17 +279,25 @@ void PipeStep::post_next_carry() {
   c.header_work = comm_->recv_async(c.header, prev, tag_of(m, kCarryHeader));
   c.values_work = comm_->recv_async(c.values, prev, tag_of(m, kCarryValues));
   for (const PipeSkipRoutes::Direct& d : routes_.in[static_cast<size_t>(stage_)]) {
-    std::vector<int64_t> shape{rows_};
-    shape.insert(shape.end(), d.row_shape.begin(), d.row_shape.end());
-    auto x = torch::empty(shape, torch::kFloat);
+    auto x = torch::empty(direct_shape(d), torch::kFloat);
     c.direct.emplace_back(comm_->recv_async(x, d.from, tag_of(m, kSkip + 2 * d.slot)), x);
   }
 }
 
+std::vector<int64_t> PipeStep::direct_shape(const PipeSkipRoutes::Direct& d) const {
+  std::vector<int64_t> shape{rows_};
+  shape.insert(shape.end(), d.row_shape.begin(), d.row_shape.end());
+  return shape;
+}
+
+std::optional<PipeStep::PostedCarry>* PipeStep::posted_for(int micro) {
+  const bool has = micro < static_cast<int>(posted_.size()) && posted_[static_cast<size_t>(micro)];
+  return has ? &posted_[static_cast<size_t>(micro)] : nullptr;
+}
+
 NetCarry PipeStep::recv_carry(int micro, std::vector<torch::Tensor>& inputs, bool first_pass) {
   const int prev = stage_ - 1;
-  std::optional<PostedCarry>* posted =
-      !first_pass && micro < static_cast<int>(posted_.size()) && posted_[static_cast<size_t>(micro)] ? &posted_[static_cast<size_t>(micro)] : nullptr;
+  std::optional<PostedCarry>* posted = first_pass ? nullptr : posted_for(micro);
   torch::Tensor header = posted ? (*posted)->header : torch::zeros({kHeader}, torch::kLong);
   comm_->wait(posted ? (*posted)->header_work : comm_->recv_async(header, prev, tag_of(micro, first_pass ? kFirstHeader : kCarryHeader)),
               "receive from stage " + std::to_string(prev));
@@ -290,18 +307,8 @@ NetCarry PipeStep::recv_carry(int micro, std::vector<torch::Tensor>& inputs, boo
   if (!first_pass && !carry_header_.defined()) carry_header_ = header.clone();
   if (!first_pass && micro < static_cast<int>(taken_.size())) taken_[static_cast<size_t>(micro)] = true;
   const auto* h = header.data_ptr<int64_t>();
-  std::vector<std::vector<int64_t>> shapes;
   std::vector<bool> present;
-  int64_t at = 2;
-  for (int64_t i = 0; i < h[1]; ++i) {
-    present.push_back(h[at] >= 0);
-    if (h[at] < 0) {
-      ++at;
-      continue;
-    }
-    shapes.emplace_back(h + at + 1, h + at + 1 + h[at]);
-    at += 1 + h[at];
-  }
+  const std::vector<std::vector<int64_t>> shapes = header_shapes(header, &present);
   torch::Tensor values = posted ? (*posted)->values : torch::empty({numel_of(shapes)}, torch::kFloat);
   comm_->wait(posted ? (*posted)->values_work : comm_->recv_async(values, prev, tag_of(micro, first_pass ? kFirstValues : kCarryValues)),
               "receive from stage " + std::to_string(prev));
@@ -323,17 +330,14 @@ void PipeStep::forward(Micro& m, int micro) {
     k.h = m.p.xt;
   } else {
     k = recv_carry(micro, m.inputs);
-    std::optional<PostedCarry>* posted =
-        micro < static_cast<int>(posted_.size()) && posted_[static_cast<size_t>(micro)] ? &posted_[static_cast<size_t>(micro)] : nullptr;
+    std::optional<PostedCarry>* posted = posted_for(micro);
     // The skips an earlier stage sends here directly, into their places.
     const auto& direct = routes_.in[static_cast<size_t>(stage_)];
     for (size_t j = 0; j < direct.size(); ++j) {
       const PipeSkipRoutes::Direct& d = direct[j];
       DDM_CHECK(d.slot < static_cast<int>(k.skips.size()) && !k.skips[static_cast<size_t>(d.slot)].defined(),
                 "pipeline: stage " << stage_ << " expected skip " << d.slot << " from stage " << d.from << " in place of a placeholder");
-      std::vector<int64_t> shape{rows_};
-      shape.insert(shape.end(), d.row_shape.begin(), d.row_shape.end());
-      torch::Tensor x = posted ? (*posted)->direct[j].second : torch::empty(shape, torch::kFloat);
+      torch::Tensor x = posted ? (*posted)->direct[j].second : torch::empty(direct_shape(d), torch::kFloat);
       comm_->wait(posted ? (*posted)->direct[j].first : comm_->recv_async(x, d.from, tag_of(micro, kSkip + 2 * d.slot)),
                   "receive a skip from stage " + std::to_string(d.from));
       received_ = Clock::now();

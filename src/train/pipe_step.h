@@ -150,6 +150,8 @@ class PipeStep {
   };
   void post_carry_receives(int micro_count);
   void post_next_carry();
+  std::optional<PostedCarry>* posted_for(int micro);  // null: not posted (or already taken)
+  std::vector<int64_t> direct_shape(const PipeSkipRoutes::Direct& d) const;  // [rows, row_shape...]
   void forward(Micro& m, int micro);
   void backward(Micro& m, int micro, PipeOp op);
   // The carry of micro-batch `micro` to the next stage and from the previous one (first_pass:

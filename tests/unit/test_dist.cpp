@@ -6,6 +6,7 @@
 #include <spawn.h>
 #include <sys/wait.h>
 
+#include <functional>
 #include <future>
 #include <map>
 
@@ -534,12 +535,13 @@ TEST(DistElastic, SurvivorsRegroupAndALeaverRejoins) {
   EXPECT_EQ(late.join(std::chrono::milliseconds(5000)), "");
 }
 
-// Rank 0 writes the run, so the survivors wait for it beyond peer_wait (up to the collective
-// timeout): rank 0 reaching the regrouping 1 s after rank 1, with peer_wait 0.3 s, is still in the
-// group (before 2026-11-23 rank 1 went on alone and both stopped).
-TEST(DistElastic, ALateRankZeroIsWaitedForUpToTheTimeout) {
+namespace {
+
+// Ranks 0..2 as threads on one HashStore; once every connection is up (one all-reduce of the job),
+// rank 2 leaves (its Comm and connections go with it) and ranks 0 and 1 run `survivor` on the job's
+// Comm. Returns each rank's error, "" for none.
+std::vector<std::string> rank_two_leaves(const CommOptions& o, const std::function<void(std::shared_ptr<Comm>, int)>& survivor) {
   auto store = c10::make_intrusive<c10d::HashStore>();
-  const CommOptions o = short_timeouts(10000);
   std::vector<std::string> errors(3);
   std::vector<std::thread> threads;
   for (int r = 0; r < 3; ++r)
@@ -547,22 +549,33 @@ TEST(DistElastic, ALateRankZeroIsWaitedForUpToTheTimeout) {
       try {
         auto job = Comm::create_for_test(store, r, 3, o);
         auto all = torch::ones({1});
-        job->allreduce_sum(all);  // every connection is up before rank 2 leaves
-        if (r == 2) return;       // leaves
-        ElasticGroup g(job, 3, std::chrono::milliseconds(300));
-        if (r == 0) std::this_thread::sleep_for(std::chrono::milliseconds(1000));  // busy writing a checkpoint
-        auto t = torch::ones({4});
-        EXPECT_THROW(g.comm().allreduce_sum(t), Error);
-        g.recover("s1", "test", false);
-        EXPECT_EQ(g.members(), (std::vector<int>{0, 1}));
-        t = torch::ones({4});
-        g.comm().allreduce_sum(t);
-        EXPECT_TRUE(torch::equal(t, torch::full({4}, 2.0f)));
+        job->allreduce_sum(all);
+        if (r < 2) survivor(job, r);
       } catch (const std::exception& e) {
         errors[r] = e.what();
       }
     });
   for (auto& t : threads) t.join();
+  return errors;
+}
+
+}  // namespace
+
+// Rank 0 writes the run, so the survivors wait for it beyond peer_wait (up to the collective
+// timeout): rank 0 reaching the regrouping 1 s after rank 1, with peer_wait 0.3 s, is still in the
+// group (before 2026-11-23 rank 1 went on alone and both stopped).
+TEST(DistElastic, ALateRankZeroIsWaitedForUpToTheTimeout) {
+  const auto errors = rank_two_leaves(short_timeouts(10000), [](std::shared_ptr<Comm> job, int r) {
+    ElasticGroup g(job, 3, std::chrono::milliseconds(300));
+    if (r == 0) std::this_thread::sleep_for(std::chrono::milliseconds(1000));  // busy writing a checkpoint
+    auto t = torch::ones({4});
+    EXPECT_THROW(g.comm().allreduce_sum(t), Error);
+    g.recover("s1", "test", false);
+    EXPECT_EQ(g.members(), (std::vector<int>{0, 1}));
+    t = torch::ones({4});
+    g.comm().allreduce_sum(t);
+    EXPECT_TRUE(torch::equal(t, torch::full({4}, 2.0f)));
+  });
   EXPECT_EQ(errors, std::vector<std::string>(3, ""));
 }
 
@@ -571,35 +584,21 @@ TEST(DistElastic, ALateRankZeroIsWaitedForUpToTheTimeout) {
 // failed group first. Before 2026-11-24 rank 0 here waited out its collective timeout, and a 3-rank
 // DiLoCo run then lost its writer: the others had waited up to that same timeout for it.
 TEST(DistElastic, ARegroupingPeerUnblocksTheSurvivorsStillInTheFailedCollective) {
-  auto store = c10::make_intrusive<c10d::HashStore>();
-  const CommOptions o = short_timeouts(20000);
-  std::vector<std::string> errors(3);
   std::string blocked;  // rank 0's error while it waited on rank 1
-  std::vector<std::thread> threads;
-  for (int r = 0; r < 3; ++r)
-    threads.emplace_back([&, r] {
-      try {
-        auto job = Comm::create_for_test(store, r, 3, o);
-        auto all = torch::ones({1});
-        job->allreduce_sum(all);  // every connection is up before rank 2 leaves
-        if (r == 2) return;       // leaves
-        ElasticGroup g(job, 3, std::chrono::milliseconds(300));
-        auto t = torch::zeros({4});
-        if (r == 1) {  // the lost replica's neighbour: its receive fails
-          EXPECT_THROW(job->wait(job->recv_async(t, 2, 5), "receive from rank 2"), Error);
-        } else {  // waits on rank 1, which will not send
-          blocked = error_message([&] { job->wait(job->recv_async(t, 1, 5), "receive from rank 1"); });
-        }
-        g.recover("s1", "test", false);
-        EXPECT_EQ(g.members(), (std::vector<int>{0, 1}));
-        t = torch::ones({4});
-        g.comm().allreduce_sum(t);
-        EXPECT_TRUE(torch::equal(t, torch::full({4}, 2.0f)));
-      } catch (const std::exception& e) {
-        errors[r] = e.what();
-      }
-    });
-  for (auto& t : threads) t.join();
+  const auto errors = rank_two_leaves(short_timeouts(20000), [&](std::shared_ptr<Comm> job, int r) {
+    ElasticGroup g(job, 3, std::chrono::milliseconds(300));
+    auto t = torch::zeros({4});
+    if (r == 1) {  // the lost replica's neighbour: its receive fails
+      EXPECT_THROW(job->wait(job->recv_async(t, 2, 5), "receive from rank 2"), Error);
+    } else {  // waits on rank 1, which will not send
+      blocked = error_message([&] { job->wait(job->recv_async(t, 1, 5), "receive from rank 1"); });
+    }
+    g.recover("s1", "test", false);
+    EXPECT_EQ(g.members(), (std::vector<int>{0, 1}));
+    t = torch::ones({4});
+    g.comm().allreduce_sum(t);
+    EXPECT_TRUE(torch::equal(t, torch::full({4}, 2.0f)));
+  });
   EXPECT_EQ(errors, std::vector<std::string>(3, ""));
   EXPECT_TRUE(has(blocked, "lost the connection")) << blocked;
   EXPECT_FALSE(has(blocked, "timed out")) << blocked;
