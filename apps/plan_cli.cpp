@@ -46,7 +46,9 @@ struct PlanArgs {
 const char* kPlanFooter =
     "What it models: each candidate splits the backbone's units (ResBlocks, attention, transformer blocks: "
     "`ddm plan` lists them) into S contiguous stages by dynamic programming (slowest stage as fast as possible, "
-    "each stage's parameters, optimizer state and in-flight activations under --memory), runs the schedule's "
+    "each stage's parameters, optimizer state and in-flight activations under --memory; the V-shaped schedules "
+    "1f1b-v and zb-v put 2S stages on S ranks, rank r holding stage r and stage 2S-1-r, so a U-Net's skips "
+    "between a down block and its up block stay on one rank), runs the schedule's "
     "per-rank actions in a simulator with the link's time on every cut, and places the frozen work (the "
     "training step's prepare phase: a latent encoder, control maps, a ControlNet's locked encoder, an "
     "embedding network, a teacher; a self-conditioned model's no-grad pass) either serially at the start of "
@@ -243,17 +245,35 @@ int run_plan(PlanArgs a) {
   }
   if (static_cast<int>(plans.size()) > a.top) std::printf("(%zu more; --top N shows more)\n", plans.size() - a.top);
   const PipePlan& best = plans.front();
-  std::printf("\nbest: %d stage%s x %d replica%s, %s, %d micro-batches of %lld rows: %.1f ms per iteration (%.1f img/s)\n"
+  std::printf("\nbest: %d %s%s x %d replica%s, %s, %d micro-batches of %lld rows: %.1f ms per iteration (%.1f img/s)\n"
               "  stages: %s\n",
-              best.stages, best.stages == 1 ? "" : "s", best.replicas, best.replicas == 1 ? "" : "s", best.schedule.c_str(),
+              best.stages, is_v_schedule(best.schedule) ? "rank" : "stage", best.stages == 1 ? "" : "s", best.replicas, best.replicas == 1 ? "" : "s", best.schedule.c_str(),
               best.micro, static_cast<long long>(best.rows), best.filled_iteration(), batch / (best.filled_iteration() / 1e3),
               best.cuts_text().c_str());
-  if (best.stages > 1) {
-    std::printf("  train it: --set parallel.pp=%d parallel.schedule=%s train.grad_accum=%d parallel.cuts=[", best.stages,
-                best.schedule.c_str(), best.micro);
-    for (int s = 1; s < best.stages; ++s) std::printf("%s%d", s > 1 ? "," : "", best.partition.first[static_cast<size_t>(s)]);
+  // The flags that train a plan; a V-shaped best is planned only, so the best plan training runs is
+  // named instead.
+  const PipePlan* runnable = &best;
+  if (is_v_schedule(best.schedule)) {
+    runnable = nullptr;
+    for (const PipePlan& p : plans)
+      if (!is_v_schedule(p.schedule)) {
+        runnable = &p;
+        break;
+      }
+    std::printf("  (V-shaped placement is planned only: training runs gpipe, 1f1b or zb-h1)\n");
+    if (runnable)
+      std::printf("  best that training runs: %d stage%s, %s, %d micro-batches: %.1f ms per iteration\n", runnable->stages,
+                  runnable->stages == 1 ? "" : "s", runnable->schedule.c_str(), runnable->micro,
+                  runnable->filled_iteration());
+  }
+  if (runnable && runnable->stages > 1) {
+    std::printf("  train it: --set parallel.pp=%d parallel.schedule=%s train.grad_accum=%d parallel.cuts=[", runnable->stages,
+                runnable->schedule.c_str(), runnable->micro);
+    for (int s = 1; s < runnable->stages; ++s)
+      std::printf("%s%d", s > 1 ? "," : "", runnable->partition.first[static_cast<size_t>(s)]);
     std::printf("]");
-    if (best.replicas > 1) std::printf(" parallel.dp=%d (%d processes)", best.replicas, best.stages * best.replicas);
+    if (runnable->replicas > 1)
+      std::printf(" parallel.dp=%d (%d processes)", runnable->replicas, runnable->stages * runnable->replicas);
     std::printf("\n");
   }
   // The three references: plain data parallelism, the best pipeline with its frozen work serial, and
@@ -365,7 +385,8 @@ Command add_plan_command(CLI::App& app) {
   cmd->add_option("--stages", a->stages, "stage counts to try, each dividing --devices (default: all divisors)")->check(kPositive);
   cmd->add_option("--micro", a->micro, "micro-batch counts to try (default: every divisor of a replica's batch up to 64)")
       ->check(kPositive);
-  cmd->add_option("--schedule", a->schedules, "schedules to try: gpipe, 1f1b, zb-h1 (default: all)");
+  cmd->add_option("--schedule", a->schedules,
+                  "schedules to try: gpipe, 1f1b, zb-h1, and the V-shaped 1f1b-v, zb-v (planned only) (default: all)");
   cmd->add_option("--speed", a->speed, "each device's compute speed relative to the profiled one (default 1)")
       ->check(CLI::PositiveNumber);
   cmd->add_option("--memory", a->memory_gib, "memory per device in GiB (default: unlimited)")->check(CLI::NonNegativeNumber);

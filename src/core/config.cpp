@@ -428,6 +428,9 @@ void validate(const RunConfig& c) {
   check_choice("parallel.wire", par.wire, {"float32", "float16"});
   check_choice("parallel.mode", par.mode, {"dp", "diloco"});
   DDM_CHECK(par.pp >= 1, "parallel.pp must be >= 1 (pipeline stages; 1 = no pipeline), got " << par.pp);
+  DDM_CHECK(par.schedule != "1f1b-v" && par.schedule != "zb-v",
+            "parallel.schedule = \"" << par.schedule << "\": V-shaped placement is planned by `ddm plan` but not run by "
+                                      "training yet; use gpipe, 1f1b or zb-h1");
   check_choice("parallel.schedule", par.schedule, {"gpipe", "1f1b", "zb-h1"});
   DDM_CHECK(par.cuts.empty() || static_cast<int64_t>(par.cuts.size()) == par.pp - 1,
             "parallel.cuts has " << par.cuts.size() << " entries but parallel.pp = " << par.pp << " stages need "

@@ -69,7 +69,7 @@ int64_t rows_that_fit(const PipeTask& t, int64_t limit, double budget) {
 }  // namespace
 
 PipeSchedule with_serial_tasks(const PipeSchedule& s, const PipeCosts& c) {
-  validate_costs(c, s.stages);
+  validate_costs(c, s.stages, static_cast<int>(s.ranks.size()));
   std::vector<std::vector<int64_t>> rows(c.tasks.size());
   for (size_t t = 0; t < c.tasks.size(); ++t) rows[t].assign(s.micro, c.tasks[t].rows);
   return front_loaded(s, c, rows, false);
@@ -190,7 +190,7 @@ PipeFill fill_with(const PipeSchedule& s, const PipeCosts& c, bool spread) {
 }  // namespace
 
 PipeFill fill_bubbles(const PipeSchedule& s, const PipeCosts& c) {
-  validate_costs(c, s.stages);
+  validate_costs(c, s.stages, static_cast<int>(s.ranks.size()));
   for (const std::vector<PipeAction>& r : s.ranks)
     for (const PipeAction& a : r) DDM_CHECK(a.op != PipeOp::kTask, "fill_bubbles takes a schedule without task pieces");
   PipeFill kept = fill_with(s, c, false);

@@ -10,9 +10,18 @@
 // O(S L^2) with prefix sums (the send bytes tabled once). When no partition fits, the error names
 // the smallest limit that does
 // (a second DP minimizing the largest stage memory).
+//
+// V-shaped placement (pipe_schedule.h: rank r holds stage r and stage 2R-1-r) partitions the units
+// into 2R stages and minimizes the slowest *rank*: rank r holds units [a_r, a_{r+1}) and
+// [b_{r+1}, b_r) (a_0 = 0, b_0 = L), the last rank the middle run [a_{R-1}, b_{R-1}), split in
+// two stages where the larger half is smallest. Skips made and read on one rank cost no send.
+//   V[r][a][b] = min over a < a' < b' < b of max(time_r(a, a', b', b), V[r+1][a'][b'])
+// under each rank's memory limit (both stages' state and in-flight activations). O(R L^4); the
+// models here have tens of units.
 #pragma once
 #include <limits>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "dist/pipe_simulate.h"
@@ -41,7 +50,8 @@ struct PipeUnit {
 // unit from j on reads. Each skip thus leaves its stage once, straight to its reader (the
 // runtime's direct routes, train/pipe_routes.h), and a skip made before i costs this stage nothing.
 // Units without skip lists send their whole cut_bytes.
-double stage_send_bytes(const std::vector<PipeUnit>& units, int i, int j);
+// With `local` = [lo, hi): skips read there stay on the stage's rank and are not sent.
+double stage_send_bytes(const std::vector<PipeUnit>& units, int i, int j, std::pair<int, int> local = {0, 0});
 
 struct PipeLink {
   double bandwidth = std::numeric_limits<double>::infinity();  // bytes per time unit
@@ -51,18 +61,25 @@ struct PipeLink {
 
 struct PipePartition {
   std::vector<int> first;  // first unit of each stage, plus the unit count at the end: stage s = [first[s], first[s+1])
+  std::vector<int> stage_rank;  // V-shaped placement: the rank of each stage; empty: stage s on rank s
   std::vector<double> stage_time, stage_memory;
-  double bottleneck = 0;
+  double bottleneck = 0;   // the slowest rank's time
+  int rank_of(int stage) const { return stage_rank.empty() ? stage : stage_rank[stage]; }
 };
 
 // `in_flight[s]`: micro-batches stage s holds at its peak (peak_in_flight of the schedule).
 PipePartition partition_units(const std::vector<PipeUnit>& units, int stages, const std::vector<int>& in_flight,
                               double memory_limit, const PipeLink& link);
 
+// The V-shaped partition over `ranks` ranks (2 x ranks stages; `in_flight` per stage).
+PipePartition partition_units_v(const std::vector<PipeUnit>& units, int ranks, const std::vector<int>& in_flight,
+                                double memory_limit, const PipeLink& link);
+
 // The per-stage costs of a partition, for the simulator: stage sums (and I and W of a split
 // backward as the runtime runs them, see PipeStageCost); for each cut, the link's time
 // for the carry and the skips its next stage reads; a skip route (PipeSkipRoute) for each skip read
-// two or more stages after the one that made it.
+// two or more stages after the one that made it. Under V-shaped placement a cut or a skip between
+// two stages of one rank costs nothing and needs no route.
 PipeCosts costs_of_partition(const std::vector<PipeUnit>& units, const PipePartition& p, const PipeLink& link);
 
 }  // namespace ddm

@@ -49,6 +49,7 @@ void save_pipe_picture(const std::string& path, const std::string& title, const 
   c.text(10, 10, title, 2);
   const double tick = nice_tick(span, 10);
   int y = head;
+  bool any_second = false;
   for (const PipePanel& p : panels) {
     c.text(10, y + 4, p.title, 2);
     y += panel_head;
@@ -63,6 +64,9 @@ void save_pipe_picture(const std::string& path, const std::string& title, const 
                                                              : kBackward;
         const int x0 = X(s.start), x1 = std::max(X(s.end), x0 + 1);
         c.fill(x0, y, x1, y + row, col);
+        // A rank's second stage under V-shaped placement (stage >= the rank count): a dark lower edge.
+        const bool second = !task && s.action.stage >= static_cast<int>(p.timeline.ranks.size());
+        if (second) c.fill(x0, y + row - 4, x1, y + row, kInk), any_second = true;
         if (x1 - x0 >= 4) c.fill(x1 - 1, y, x1, y + row, kWhite);  // a hairline between neighbours
         const std::string label = task ? "" : std::to_string(s.action.micro);
         if (!label.empty() && x1 - x0 >= 8 * static_cast<int>(label.size()) + 4)
@@ -85,12 +89,11 @@ void save_pipe_picture(const std::string& path, const std::string& title, const 
   c.text(W - right - 60, y + 9, "ms", 1);
   // Legend.
   int lx = left, ly = y + 30;
-  for (const auto& [col, name] : std::vector<std::pair<Rgb, std::string>>{{kForward, "forward"},
-                                                                           {kBackward, "backward / input grad"},
-                                                                           {kWeight, "weight grad"},
-                                                                           {kSerial, "frozen work, serial"},
-                                                                           {kFilled, "frozen work in bubbles"},
-                                                                           {kOptimizer, "optimizer + sync"}}) {
+  std::vector<std::pair<Rgb, std::string>> legend{{kForward, "forward"},          {kBackward, "backward / input grad"},
+                                                  {kWeight, "weight grad"},        {kSerial, "frozen work, serial"},
+                                                  {kFilled, "frozen work in bubbles"}, {kOptimizer, "optimizer + sync"}};
+  if (any_second) legend.push_back({kInk, "(lower edge) the rank's second stage, V-shaped"});
+  for (const auto& [col, name] : legend) {
     if (lx + 24 + 8 * static_cast<int>(name.size()) > W - right) lx = left, ly += 24;  // wrap
     c.fill(lx, ly, lx + 18, ly + 14, col);
     lx += 24 + c.text(lx + 24, ly + 1, name, 2) + 24;

@@ -3,7 +3,7 @@
 // backward (or input-gradient) orange, weight-gradient light orange, each with its micro-batch
 // number when there is room; non-trainable work run serially at the iteration's start dark red,
 // non-trainable work filled into bubbles green; the optimizer step (and exposed gradient sync) grey;
-// white is idle.
+// white is idle. Under V-shaped placement a rank's second stage has a dark lower edge.
 #pragma once
 #include <string>
 #include <vector>

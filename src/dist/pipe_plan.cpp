@@ -31,7 +31,7 @@ std::vector<PipeTask> tasks_of(const PipeProfile& p, const PipeMachine& m, const
   for (int s = 0; s < S; ++s) {
     PipeTask k;
     k.name = "self-cond pass, stage " + std::to_string(s);
-    k.rows = rows, k.consumer = 0, k.ranks = {s}, k.cross_iteration = false;
+    k.rows = rows, k.consumer = 0, k.ranks = {part.rank_of(s)}, k.cross_iteration = false;
     k.after = s == 0 ? -1 : static_cast<int>(out.size()) - 1;
     for (const PipeUnitSample& x : p.units.front().samples) {
       double ms = 0;
@@ -42,7 +42,7 @@ std::vector<PipeTask> tasks_of(const PipeProfile& p, const PipeMachine& m, const
     }
     const int64_t last = part.first[s + 1] - 1;
     const double bytes = s + 1 < S ? p.units_at(rows)[last].cut_bytes : p.x_bytes_per_row * static_cast<double>(rows);
-    k.send = m.link.time(bytes);
+    k.send = s + 1 < S && part.rank_of(s) == part.rank_of(s + 1) ? 0 : m.link.time(bytes);
     out.push_back(k);
   }
   return out;
@@ -55,6 +55,7 @@ std::string PipePlan::cuts_text() const {
   for (size_t s = 0; s + 1 < partition.first.size(); ++s) {
     const int a = partition.first[s], b = partition.first[s + 1] - 1;
     t += (s ? " | " : "") + units[a].name + (b > a ? ".." + units[b].name : "");
+    if (!partition.stage_rank.empty()) t += " (r" + std::to_string(partition.rank_of(static_cast<int>(s))) + ")";
   }
   return t;
 }
@@ -91,13 +92,23 @@ std::vector<PipePlan> plan_pipeline(const PipeProfile& p, const PipeMachine& m, 
       for (const std::string& name : S == 1 ? std::vector<std::string>{"gpipe"} : schedules) {
         PipePlan plan;
         plan.stages = S, plan.replicas = replicas, plan.micro = M, plan.rows = rows, plan.units = units;
+        const bool v = is_v_schedule(name);
+        if (v && 2 * S > L) {
+          last_error = "a V-shaped pipeline over " + std::to_string(S) + " ranks needs " + std::to_string(2 * S) +
+                       " units; the model has " + std::to_string(L);
+          continue;
+        }
         plan.actions = make_schedule(name, S, M);
         plan.schedule = S == 1 ? (replicas > 1 ? "data-parallel" : "single") : name;
+        const int stage_count = plan.actions.stages;
         try {
-          if (static_cast<int>(o.first.size()) == S + 1) {
+          if (static_cast<int>(o.first.size()) == stage_count + 1) {
             DDM_CHECK(o.first.front() == 0 && o.first.back() == L && std::is_sorted(o.first.begin(), o.first.end()),
                       "a fixed split must start at unit 0, end at " << L << " and increase");
             plan.partition.first = o.first;
+            plan.partition.stage_rank = plan.actions.stage_rank;
+          } else if (v) {
+            plan.partition = partition_units_v(units, S, peak_in_flight(plan.actions), m.memory, m.link);
           } else {
             plan.partition = partition_units(units, S, peak_in_flight(plan.actions), m.memory, m.link);
           }
@@ -106,13 +117,17 @@ std::vector<PipePlan> plan_pipeline(const PipeProfile& p, const PipeMachine& m, 
           continue;
         }
         plan.costs = costs_of_partition(units, plan.partition, m.link);
-        for (int s = 0; s < S; ++s) {
-          double params = 0;
-          for (int l = plan.partition.first[s]; l < plan.partition.first[s + 1]; ++l) params += units[l].state_bytes / 20;
+        for (int r = 0; r < S; ++r) {
+          double params = 0, backward = 0;
+          for (int s = 0; s < stage_count; ++s) {
+            if (plan.actions.rank_of(s) != r) continue;
+            for (int l = plan.partition.first[s]; l < plan.partition.first[s + 1]; ++l) params += units[l].state_bytes / 20;
+            backward += plan.costs.stage[s].input_grad + plan.costs.stage[s].weight_grad;
+          }
           double t = params / 1e6 * p.optimizer_ms_per_mparam / m.speed;
           if (replicas > 1) {
             const double d = replicas, ring = 2 * (d - 1) / d * 4 * params / m.link.bandwidth + 2 * (d - 1) * m.link.latency;
-            t += std::max(0.0, ring - (plan.costs.stage[s].input_grad + plan.costs.stage[s].weight_grad));
+            t += std::max(0.0, ring - backward);
           }
           plan.costs.optimizer.push_back(t);
           plan.sync = std::max(plan.sync, t);

@@ -5,13 +5,14 @@
 // the schedule's in-flight micro-batches); and scores each candidate by its simulated iteration
 // time with the non-trainable work run serially (data parallelism's and an unfilled pipeline's
 // way) and with it filled into the bubbles (pipe_fill.h). S = 1 is plain data parallelism (with M
-// gradient-accumulation micro-batches).
+// gradient-accumulation micro-batches). A V-shaped schedule (1f1b-v, zb-v) spreads 2S stages over
+// the S ranks of a pipeline (partition_units_v); S counts ranks throughout.
 //   tasks      each profiled task, per micro-batch, on any rank, its output sent to stage 0; weight-
 //              independent ones may fill the previous iteration's bubbles. A self-conditioned model
 //              adds a no-grad pass of every stage (its units' no-grad forward), stage s after s-1,
 //              on the rank of stage s, the estimate sent back to stage 0: it uses this step's weights.
 //   after the last action  each rank's AdamW + EMA (its parameters x the profiled rate) and, with
-//              replicas, the all-reduce of its stage's gradients over the link (ring: 2(d-1)/d of the
+//              replicas, the all-reduce of its stages' gradients over the link (ring: 2(d-1)/d of the
 //              bytes, 2(d-1) latencies), less the last backward it overlaps (the bucketed sync runs
 //              during the backward of the last micro-batch).
 #pragma once
@@ -35,16 +36,16 @@ struct PipeMachine {
 
 struct PipePlanOptions {
   int64_t batch = 0;                   // global batch (rows)
-  std::vector<int> stages;             // candidate stage counts; empty: every divisor of devices
+  std::vector<int> stages;             // candidate pipeline depths (ranks); empty: every divisor of devices
   std::vector<int> micro;              // candidate micro-batch counts; empty: every divisor of the replica batch up to 64
   std::vector<std::string> schedules;  // empty: all of schedule_names()
   // A fixed split (the first unit of each stage, then the unit count) instead of the DP's, for the
-  // stage count it fits (e.g. a measured run's, to compare its timeline with the simulator's).
+  // schedules whose stage count it fits (e.g. a measured run's, to compare its timeline with the simulator's).
   std::vector<int> first;
 };
 
 struct PipePlan {
-  int stages = 1, replicas = 1, micro = 1;
+  int stages = 1, replicas = 1, micro = 1;  // stages: ranks per pipeline (actions.stages counts V's 2S)
   int64_t rows = 0;  // per micro-batch
   std::string schedule;
   std::vector<PipeUnit> units;  // at `rows` rows, on this machine

@@ -28,7 +28,8 @@ bool PipeTask::allowed_on(int rank) const {
   return ranks.empty() || std::find(ranks.begin(), ranks.end(), rank) != ranks.end();
 }
 
-void validate_costs(const PipeCosts& c, int S) {
+void validate_costs(const PipeCosts& c, int S, int R) {
+  if (R < 0) R = S;
   auto finite = [](double v) { return std::isfinite(v) && v >= 0; };
   DDM_CHECK(static_cast<int>(c.stage.size()) == S, "pipeline costs: " << c.stage.size() << " stage costs for " << S << " stages");
   for (int s = 0; s < S; ++s)
@@ -40,8 +41,8 @@ void validate_costs(const PipeCosts& c, int S) {
               "pipeline costs: send times need " << S - 1 << " entries (one per cut), got " << v->size());
     for (double t : *v) DDM_CHECK(finite(t), "pipeline costs: a send time is negative or not finite: " << t);
   }
-  DDM_CHECK(c.optimizer.empty() || static_cast<int>(c.optimizer.size()) == S,
-            "pipeline costs: optimizer times need " << S << " entries, got " << c.optimizer.size());
+  DDM_CHECK(c.optimizer.empty() || static_cast<int>(c.optimizer.size()) == R,
+            "pipeline costs: optimizer times need " << R << " entries (one per rank), got " << c.optimizer.size());
   for (const PipeSkipRoute& k : c.skips)
     DDM_CHECK(0 <= k.from && k.from < k.to && k.to < S && finite(k.forward) && finite(k.backward),
               "pipeline costs: skip route " << k.from << " -> " << k.to << " is not a forward route between stages 0.." << S - 1);
@@ -57,7 +58,7 @@ void validate_costs(const PipeCosts& c, int S) {
     DDM_CHECK(0 <= k.consumer && k.consumer < S, "task '" << k.name << "': consumer stage " << k.consumer << " is not in 0.." << S - 1);
     DDM_CHECK(k.after < static_cast<int>(t), "task '" << k.name << "': `after` must name an earlier task, got " << k.after);
     DDM_CHECK(finite(k.send), "task '" << k.name << "': send time is negative or not finite");
-    for (int r : k.ranks) DDM_CHECK(0 <= r && r < S, "task '" << k.name << "': rank " << r << " is not in 0.." << S - 1);
+    for (int r : k.ranks) DDM_CHECK(0 <= r && r < R, "task '" << k.name << "': rank " << r << " is not in 0.." << R - 1);
   }
 }
 
@@ -97,7 +98,7 @@ double PipeTimeline::start_of(PipeOp op, int stage, int micro) const {
 }
 
 PipeTimeline simulate(const PipeSchedule& s, const PipeCosts& c) {
-  validate_costs(c, s.stages);
+  validate_costs(c, s.stages, static_cast<int>(s.ranks.size()));
   const int R = static_cast<int>(s.ranks.size()), S = s.stages;
   constexpr double kUnknown = -1;
   PipeTimeline tl;
@@ -202,7 +203,8 @@ PipeTimeline simulate(const PipeSchedule& s, const PipeCosts& c) {
     if (!progress) {
       std::ostringstream o;
       for (int r = 0; r < R; ++r)
-        if (next[r] < s.ranks[r].size()) o << " rank " << r << " waits at " << action_text(s.ranks[r][next[r]]) << ";";
+        if (next[r] < s.ranks[r].size())
+          o << " rank " << r << " waits at " << action_text(s.ranks[r][next[r]], s.several_per_rank()) << ";";
       DDM_FAIL("schedule '" << s.name << "' deadlocks:" << o.str() << " each waits for an action that runs after it");
     }
   }

@@ -70,9 +70,10 @@ struct PipeCosts {
   std::vector<PipeTask> tasks;
 };
 
-// Throws ddm::Error naming the field when sizes disagree with the schedule, a time is negative or
-// not finite, a task's profile is empty or unsorted, or a task's `after`/`consumer`/ranks is out of range.
-void validate_costs(const PipeCosts& c, int stages);
+// Throws ddm::Error naming the field when sizes disagree with the schedule (`stages` stages on
+// `ranks` ranks; < 0: as many as stages), a time is negative or not finite, a task's profile is
+// empty or unsorted, or a task's `after`/`consumer`/ranks is out of range.
+void validate_costs(const PipeCosts& c, int stages, int ranks = -1);
 
 struct PipeSlot {
   PipeAction action;

@@ -78,8 +78,56 @@ TEST(PipeSchedule, ShapesOfEachSchedule) {
       for (int M = 1; M <= 9; ++M) EXPECT_NO_THROW(validate_schedule(make_schedule(n, S, M))) << n << S << M;
 }
 
+// V-shaped placement: rank r runs stages r and 2R-1-r, in ZB-V's phases (pipe_schedule.cpp). 1F1B-V
+// over 2 ranks: rank 0 warms up with 2R-1 = 3 forwards of stage 0, then pairs its last stage's F and
+// B; rank 1 alternates its two stages.
+TEST(PipeSchedule, VShapedPlacement) {
+  const PipeSchedule v = make_schedule("1f1b-v", 2, 4);
+  EXPECT_EQ(v.stages, 4);
+  EXPECT_EQ(v.stage_rank, (std::vector<int>{0, 1, 1, 0}));
+  EXPECT_EQ(rank_text(v.ranks[0], true), "F0@0 F1@0 F2@0 F0@3 B0@3 F1@3 B1@3 F3@0 B0@0 F2@3 B2@3 B1@0 F3@3 B3@3 B2@0 B3@0");
+  EXPECT_EQ(rank_text(v.ranks[1], true), "F0@1 F0@2 F1@1 F1@2 B0@2 F2@1 B0@1 F2@2 B1@2 F3@1 B1@1 F3@2 B2@2 B2@1 B3@2 B3@1");
+  const PipeSchedule z = make_schedule("zb-v", 2, 4);  // the cooldown defers W's
+  EXPECT_EQ(rank_text(z.ranks[1], true).substr(rank_text(z.ranks[1], true).find("F3@2")),
+            "F3@2 I2@2 W2@2 I2@1 I3@2 I3@1 W2@1 W3@2 W3@1");
+  // Every shape is valid, runs without deadlock on any costs (here random ones), keeps each rank at
+  // or under 2R chunk activations, and against the linear schedule with stages twice as long (the
+  // same work per rank): 1F1B-V is never idler than 1F1B and shorter once M >= 2; ZB-V is never
+  // idler than ZB-H1 once M >= R.
+  std::mt19937 rng(5);
+  std::uniform_real_distribution<double> u(0.2, 2.0);
+  for (const std::string& n : {std::string("1f1b-v"), std::string("zb-v")})
+    for (int R = 1; R <= 6; ++R)
+      for (int M = 1; M <= 14; ++M) {
+        const PipeSchedule s = make_schedule(n, R, M);
+        ASSERT_NO_THROW(validate_schedule(s)) << n << R << M;
+        ASSERT_EQ(s.ranks.size(), static_cast<size_t>(R));
+        for (int r = 0; r < R; ++r) {
+          int held = 0, peak = 0;
+          for (const PipeAction& a : s.ranks[r]) {
+            if (a.op == PipeOp::kForward) peak = std::max(peak, ++held);
+            if (a.op == (s.split_backward ? PipeOp::kWeightGrad : PipeOp::kBackward)) --held;
+          }
+          EXPECT_LE(peak, 2 * R) << n << " R=" << R << " M=" << M << " rank " << r;
+        }
+        PipeCosts random;
+        for (int v = 0; v < 2 * R; ++v) random.stage.push_back({u(rng), u(rng), u(rng)});
+        for (int v = 0; v + 1 < 2 * R; ++v) random.send_forward.push_back(u(rng)), random.send_backward.push_back(u(rng));
+        EXPECT_NO_THROW(simulate(s, random)) << n << R << M;
+        const bool zb = n == "zb-v";
+        if (zb && M < R) continue;
+        const PipeTimeline half = simulate(s, uniform_costs(2 * R, 1, 1, 1));
+        const PipeTimeline whole = simulate(make_schedule(zb ? "zb-h1" : "1f1b", R, M), uniform_costs(R, 2, 2, 2));
+        for (int r = 0; r < R; ++r) EXPECT_LE(idle_of(half, r), idle_of(whole, r) + 1e-9) << n << " R=" << R << " M=" << M;
+        if (!zb && R > 1 && M >= 2) {
+          EXPECT_LT(half.makespan, whole.makespan) << n << " R=" << R << " M=" << M;
+        }
+      }
+}
+
 TEST(PipeSchedule, BadInput) {
-  EXPECT_NE(error_message([] { make_schedule("interleaved", 2, 2); }).find("use gpipe, 1f1b or zb-h1"), std::string::npos);
+  EXPECT_NE(error_message([] { make_schedule("interleaved", 2, 2); }).find("use gpipe, 1f1b, zb-h1, 1f1b-v or zb-v"),
+            std::string::npos);
   EXPECT_NE(error_message([] { make_schedule("1f1b", 0, 2); }).find("stages must be >= 1"), std::string::npos);
   EXPECT_NE(error_message([] { make_schedule("1f1b", 2, 0); }).find("micro-batches must be >= 1"), std::string::npos);
   PipeSchedule s = make_schedule("1f1b", 2, 2);
@@ -115,6 +163,7 @@ TEST(PipeSimulate, ClosedFormBubbles) {
       for (auto [f, i, w] : {std::tuple{1.0, 1.0, 1.0}, {2.0, 1.0, 1.0}, {1.0, 2.5, 0.5}, {1.3, 1.1, 0.7}}) {
         const PipeCosts c = uniform_costs(S, f, i, w);
         for (const std::string& n : schedule_names()) {
+          if (is_v_schedule(n)) continue;  // two stages per rank: PipeSchedule.VShapedPlacement
           const PipeTimeline tl = simulate(make_schedule(n, S, M), c);
           const double want = (S - 1) * (n == "zb-h1" ? f + i - w : f + i + w);
           for (int r = 0; r < S; ++r) EXPECT_NEAR(idle_of(tl, r), want, 1e-9) << n << " S=" << S << " M=" << M << " r=" << r;
@@ -294,8 +343,14 @@ TEST(PipeFill, PropertiesOnRandomWorkloads) {
       if (t == 0 && k.rows % 2 == 0) k.quantum = k.rows / 2;  // pieces of whole quanta
       c.tasks.push_back(k);
     }
-    const std::string name = schedule_names()[trial % 3];
+    const std::string name = schedule_names()[trial % 5];
     const PipeSchedule s = make_schedule(name, S, M);
+    if (s.stages != S) {  // V-shaped: 2S stages on the S ranks
+      c.stage.clear(), c.send_forward.clear(), c.send_backward.clear();
+      for (int v = 0; v < s.stages; ++v) c.stage.push_back({u(rng), u(rng), u(rng)});
+      for (int v = 0; v + 1 < s.stages; ++v) c.send_forward.push_back(u(rng) / 4), c.send_backward.push_back(u(rng) / 4);
+      for (PipeTask& k : c.tasks) k.consumer = static_cast<int>(rng() % s.stages);
+    }
     const PipeFill f = fill_bubbles(s, c);
     std::map<std::pair<int, int>, int64_t> rows;
     for (int r = 0; r < S; ++r) {
@@ -425,6 +480,121 @@ TEST(PipePartition, MatchesBruteForce) {
             std::string::npos);
 }
 
+// The V-shaped DP against every split of small random models into 2R stages (rank r holding stage r
+// and stage 2R-1-r): the slowest rank (both its stages, sends without the skips its own second stage
+// reads, nothing sent between the middle rank's two stages) under each rank's memory; the
+// simulator's costs send nothing within a rank and route only skips between ranks.
+TEST(PipePartition, VShapedMatchesBruteForce) {
+  std::mt19937 rng(13);
+  std::uniform_real_distribution<double> u(0.1, 3.0);
+  const PipeLink link{100.0, 0.05};
+  int feasible = 0;
+  for (int trial = 0; trial < 240; ++trial) {
+    const int L = 2 + trial % 8, R = 1 + (trial / 8) % std::min(L / 2, 3), S = 2 * R;
+    std::vector<PipeUnit> units(L);
+    std::vector<double> carry(L);
+    for (int l = 0; l < L; ++l) {
+      carry[l] = u(rng) * 50;
+      units[l] = {"u" + std::to_string(l), u(rng), u(rng), u(rng), u(rng) * 10, u(rng) * 20, carry[l], {}, -1};
+      if (l + 1 < L)
+        for (int k = 0; k < static_cast<int>(rng() % 3); ++k)
+          units[l].skips.push_back({l + 1 + static_cast<int>(rng() % (L - l)), u(rng) * 40});
+    }
+    for (int l = 0; l < L; ++l)
+      for (int m = 0; m <= l; ++m)
+        for (const PipeSkip& k : units[m].skips)
+          if (k.read > l) units[l].cut_bytes += k.bytes;
+    // Sends of run [i, j), without the skips read in [lo, hi).
+    auto sends = [&](int i, int j, int lo, int hi) {
+      double b = carry[j - 1];
+      for (int l = i; l < j; ++l)
+        for (const PipeSkip& k : units[l].skips) b += k.read >= j && !(lo <= k.read && k.read < hi) ? k.bytes : 0;
+      return b;
+    };
+    auto sum = [&](int i, int j, int what) {
+      double t = 0;
+      for (int l = i; l < j; ++l)
+        t += what == 0 ? units[l].forward + units[l].input_grad + units[l].weight_grad
+             : what == 1 ? units[l].activation_bytes : units[l].state_bytes;
+      return t;
+    };
+    std::vector<int> in_flight(S);
+    for (int v = 0; v < S; ++v) in_flight[v] = 1 + static_cast<int>(rng() % 3);
+    const double limit = 60 + u(rng) * 100;
+    double best = std::numeric_limits<double>::infinity(), smallest = best;
+    std::vector<int> first(S + 1, L);
+    first[0] = 0;
+    std::function<void(int)> go = [&](int v) {  // choose first[v] for v = 1..S-1
+      if (v == S) {
+        double worst_t = 0, worst_m = 0;
+        for (int r = 0; r < R; ++r) {
+          const int a = first[r], a2 = first[r + 1], b2 = first[S - 1 - r], b = first[S - r];
+          double t, m = sum(a, a2, 2) + sum(b2, b, 2) + in_flight[r] * sum(a, a2, 1) + in_flight[S - 1 - r] * sum(b2, b, 1);
+          if (r == R - 1)
+            t = sum(a, b, 0) + (R > 1 ? link.time(sends(a, b, 0, 0)) : 0);
+          else
+            t = sum(a, a2, 0) + link.time(sends(a, a2, b2, b == L ? L + 1 : b)) + sum(b2, b, 0) + (r > 0 ? link.time(sends(b2, b, 0, 0)) : 0);
+          worst_t = std::max(worst_t, t), worst_m = std::max(worst_m, m);
+        }
+        smallest = std::min(smallest, worst_m);
+        if (worst_m <= limit) best = std::min(best, worst_t);
+        return;
+      }
+      for (int j = first[v - 1] + 1; j <= L - (S - v); ++j) first[v] = j, go(v + 1);
+    };
+    go(1);
+    if (!std::isfinite(best)) {
+      const std::string e = error_message([&] { partition_units_v(units, R, in_flight, limit, link); });
+      char b[64];
+      std::snprintf(b, sizeof b, "the smallest limit that works is %.3g MiB", smallest / (1 << 20));
+      EXPECT_NE(e.find(b), std::string::npos) << e;
+      EXPECT_NE(e.find("V-shaped"), std::string::npos) << e;
+      continue;
+    }
+    ++feasible;
+    const PipePartition p = partition_units_v(units, R, in_flight, limit, link);
+    EXPECT_NEAR(p.bottleneck, best, 1e-9) << "trial " << trial;
+    ASSERT_EQ(p.first.size(), static_cast<size_t>(S + 1));
+    ASSERT_EQ(p.stage_rank.size(), static_cast<size_t>(S));
+    for (int v = 0; v < S; ++v) {
+      EXPECT_LT(p.first[v], p.first[v + 1]);
+      EXPECT_EQ(p.rank_of(v), v < R ? v : S - 1 - v);
+    }
+    for (int r = 0; r < R; ++r) {
+      EXPECT_LE(p.stage_memory[r] + p.stage_memory[S - 1 - r], limit + 1e-9);
+      EXPECT_LE(p.stage_time[r] + p.stage_time[S - 1 - r], p.bottleneck + 1e-9);
+    }
+    const PipeCosts c = costs_of_partition(units, p, link);
+    double total = 0;
+    for (const PipeStageCost& k : c.stage) total += k.forward + k.input_grad + k.weight_grad;
+    EXPECT_NEAR(total, sum(0, L, 0), 1e-9);
+    auto stage_of = [&](int l) {
+      int v = 0;
+      while (v + 1 < S && p.first[v + 1] <= l) ++v;
+      return v;
+    };
+    std::vector<double> carried(S - 1, 0);
+    std::vector<std::pair<int, int>> routes, want_routes;
+    for (int v = 0; v + 1 < S; ++v) carried[v] = p.rank_of(v) == p.rank_of(v + 1) ? 0 : carry[p.first[v + 1] - 1];
+    for (int l = 0; l < L; ++l)
+      for (const PipeSkip& k : units[l].skips) {
+        const int from = stage_of(l), to = stage_of(std::min(k.read, L - 1));
+        if (p.rank_of(from) == p.rank_of(to)) continue;  // stays on its rank
+        if (to == from + 1) carried[from] += k.bytes;
+        if (to > from + 1) want_routes.push_back({from, to});
+      }
+    for (int v = 0; v + 1 < S; ++v) EXPECT_NEAR(c.send_forward[v], link.time(carried[v]), 1e-9) << "trial " << trial;
+    for (const PipeSkipRoute& k : c.skips) routes.push_back({k.from, k.to});
+    std::sort(routes.begin(), routes.end()), std::sort(want_routes.begin(), want_routes.end());
+    EXPECT_EQ(routes, want_routes) << "trial " << trial;
+  }
+  EXPECT_GT(feasible, 100);
+  const std::vector<PipeUnit> three(3);
+  EXPECT_NE(error_message([&] { partition_units_v(three, 2, {1, 1, 1, 1}, 1e9, link); })
+                .find("over 2 ranks has 4 stages and needs at least 4 units, but the model has 3: use at most 1 ranks"),
+            std::string::npos);
+}
+
 namespace {
 
 // A synthetic profile: `n` equal units (forward 1 ms, I 1 ms, W 1 ms per 8 rows, linear in rows),
@@ -503,11 +673,21 @@ TEST(PipePlan, SearchesSplitsSchedulesAndFilling) {
     }
     saw_dp = saw_dp || (x.stages == 1 && x.schedule == "data-parallel");
     saw_pipe = saw_pipe || x.stages == 2;
-    if (x.stages == 2) {
+    if (x.stages == 2 && is_v_schedule(x.schedule)) {
+      EXPECT_EQ(x.cuts_text(), "u0..u1 (r0) | u2..u3 (r1) | u4..u5 (r1) | u6..u7 (r0)");  // ties broken to even stages
+    } else if (x.stages == 2) {
       EXPECT_EQ(x.cuts_text(), "u0..u3 | u4..u7");  // equal units split evenly
     }
   }
   EXPECT_TRUE(saw_dp && saw_pipe);
+  // V-shaped: 4 stages on 2 ranks, nothing sent between rank 1's two stages, one optimizer per rank.
+  o.stages = {2}, o.micro = {8}, o.schedules = {"zb-v"};
+  const PipePlan v = plan_pipeline(p, m, o).front();
+  EXPECT_EQ(v.actions.stages, 4);
+  EXPECT_EQ(v.partition.first, (std::vector<int>{0, 2, 4, 6, 8}));
+  ASSERT_EQ(v.costs.send_forward.size(), 3u);
+  EXPECT_EQ(v.costs.optimizer.size(), 2u);
+  EXPECT_LE(v.filled_iteration(), v.serial_iteration() + 1e-9);
   // Filling pays in a pipeline with many bubbles: 1F1B with 2 micro-batches.
   o.stages = {2}, o.micro = {2}, o.schedules = {"1f1b"};
   const PipePlan one = plan_pipeline(p, m, o).front();
@@ -520,6 +700,12 @@ TEST(PipePlan, SearchesSplitsSchedulesAndFilling) {
   EXPECT_EQ(s.costs.tasks[2].after, 1);
   EXPECT_EQ(s.costs.tasks[2].ranks, std::vector<int>{1});
   EXPECT_FALSE(s.costs.tasks[1].cross_iteration);
+  // ... on the rank of each stage under the V: stages 0..3 on ranks 0, 1, 1, 0.
+  o.schedules = {"1f1b-v"};
+  const PipePlan sv = plan_pipeline(sc, m, o).front();
+  ASSERT_EQ(sv.costs.tasks.size(), 5u);
+  for (int v = 0; v < 4; ++v) EXPECT_EQ(sv.costs.tasks[1 + v].ranks, std::vector<int>{v == 1 || v == 2 ? 1 : 0});
+  EXPECT_EQ(sv.costs.tasks[2].send, 0);  // stage 1 hands stage 2 its input on rank 1
 }
 
 TEST(PipePlan, BadOptions) {
@@ -532,6 +718,10 @@ TEST(PipePlan, BadOptions) {
   EXPECT_NE(error_message([&] { plan_pipeline(p, m, o); }).find("3 stages does not divide 4 devices"), std::string::npos);
   m.devices = 8, o.stages = {8};
   EXPECT_NE(error_message([&] { plan_pipeline(p, m, o); }).find("needs at least 8 units, but the model has 4"), std::string::npos);
+  m.devices = 4, o.stages = {4}, o.schedules = {"zb-v"};
+  EXPECT_NE(error_message([&] { plan_pipeline(p, m, o); }).find("a V-shaped pipeline over 4 ranks needs 8 units; the model has 4"),
+            std::string::npos);
+  o.schedules = {};
   m.devices = 2, o.stages = {2}, o.micro = {3};
   EXPECT_NE(error_message([&] { plan_pipeline(p, m, o); }).find("micro-batch count 3 does not divide a replica's batch of 64"),
             std::string::npos);

@@ -160,6 +160,10 @@ TEST(PipelineTrain, BadStageConfigsAreClearErrors) {
   EXPECT_NE(validate_error(bad).find("parallel.cuts must be increasing"), std::string::npos) << validate_error(bad);
   bad = piped(cfg, 2, "1f2b");
   EXPECT_NE(validate_error(bad).find("parallel.schedule"), std::string::npos) << validate_error(bad);
+  bad = piped(cfg, 2, "zb-v");  // planned, not yet run
+  EXPECT_NE(validate_error(bad).find("V-shaped placement is planned by `ddm plan` but not run by training yet"),
+            std::string::npos)
+      << validate_error(bad);
   // The keys as a user writes them.
   const RunConfig parsed = parse_config("", "test.toml", {"parallel.pp=3", "parallel.cuts=[4, 9]", "parallel.schedule=zb-h1"});
   EXPECT_EQ(parsed.parallel.cuts, (std::vector<int64_t>{4, 9}));
