@@ -5,7 +5,8 @@
 # case with the three references `ddm plan` reports: data parallelism, the best pipeline with its
 # frozen work serial, the best pipeline with it filled into the bubbles (any stage count > 1, any
 # replicas, any schedule and micro-batch count). These are the planner's predictions from measured
-# per-unit costs, not measured runs. Last, a sweep of one DiT pipeline over 4 to 64 stages. Builds
+# per-unit costs, not measured runs; the V-shaped schedules are among the candidates (a V plan's
+# depth is its ranks: 2 ranks (V) hold 4 stages). Last, a sweep of one DiT pipeline over 4 to 64 stages. Builds
 # nothing: it uses build/ddm.
 # usage: bench/pipeline_plans.sh AE_RUN CONTROLNET_RUN [OUT_DIR]
 #   AE_RUN           a `ddm train-autoencoder` run (the latent workloads' frozen encoder)
@@ -45,7 +46,8 @@ pipes = [p for p in plans if p["stages"] > 1]
 ser = min((p["serial_ms"] for p in pipes), default=math.nan)
 best = min(pipes, key=lambda p: p["filled_ms"]) if pipes else None
 fil = best["filled_ms"] if best else math.nan
-desc = f'{best["stages"]} stages x {best["replicas"]}, {best["schedule"]}, {best["micro"]} micro' if best else "-"
+depth = lambda p: f'{p["stages"]} ranks (V)' if p["schedule"].endswith("-v") else f'{p["stages"]} stages'
+desc = f'{depth(best)} x {best["replicas"]}, {best["schedule"]}, {best["micro"]} micro' if best else "-"
 dp_text = "   -  " if math.isnan(dp) else "%5.2fx" % (dp / fil)
 print("%-13s %4s %6s %5s %6s %7s | %9s %9.1f %9.1f | %6.2fx %6s %6.1f%%  %s" % (
     *sys.argv[2:8], "-" if math.isnan(dp) else "%.1f" % dp, ser, fil, ser / fil, dp_text,
