@@ -688,6 +688,21 @@ TEST(PipePlan, SearchesSplitsSchedulesAndFilling) {
   ASSERT_EQ(v.costs.send_forward.size(), 3u);
   EXPECT_EQ(v.costs.optimizer.size(), 2u);
   EXPECT_LE(v.filled_iteration(), v.serial_iteration() + 1e-9);
+  o.first = {0, 1, 4, 7, 8};  // a fixed V split: rank 0 holds u0 and u7, rank 1 u1..u6
+  PipeMachine linked = m;
+  linked.link = PipeLink{1e6, 0.01};
+  const PipePlan fixed = plan_pipeline(p, linked, o).front();
+  EXPECT_EQ(fixed.partition.first, o.first);
+  EXPECT_EQ(fixed.partition.stage_rank, (std::vector<int>{0, 1, 1, 0}));
+  EXPECT_GT(fixed.costs.send_forward[0], 0);
+  EXPECT_EQ(fixed.costs.send_forward[1], 0);  // the turn, on rank 1
+  EXPECT_GT(fixed.costs.send_forward[2], 0);
+  EXPECT_GT(fixed.filled_iteration(), plan_pipeline(p, linked, [&] {
+    PipePlanOptions dp_split = o;
+    dp_split.first.clear();
+    return dp_split;
+  }()).front().filled_iteration());  // less even than the DP's split
+  o.first.clear();
   // Filling pays in a pipeline with many bubbles: 1F1B with 2 micro-batches.
   o.stages = {2}, o.micro = {2}, o.schedules = {"1f1b"};
   const PipePlan one = plan_pipeline(p, m, o).front();
