@@ -183,6 +183,35 @@ Measured read_measured(const std::string& run) {
   return m;
 }
 
+// A saved profile compared with a measured run must be of the run's model (the same units, by name)
+// and machine (the same CPU and threads): another's predicts another step.
+void check_profile_fits_run(const PipeProfile& prof, const nlohmann::json& run, const std::string& profile_path,
+                            const std::string& run_dir) {
+  const std::string fix = "; give a profile saved from this run's config on this machine (ddm plan --config ... "
+                          "--save-profile), or leave out --profile to profile the run's config now";
+  if (run.contains("units")) {
+    const auto units = run.at("units").get<std::vector<std::string>>();
+    std::vector<std::string> names;
+    for (const PipeUnitProfile& u : prof.units) names.push_back(u.name);
+    size_t k = 0;
+    while (k < units.size() && k < names.size() && units[k] == names[k]) ++k;
+    DDM_CHECK(units == names, "ddm plan --measured: the profile " << profile_path << " is of another model ("
+                                  << prof.model << "): it has " << names.size() << " units, the run " << run_dir << " "
+                                  << units.size() << ", and unit " << k << " is '" << (k < names.size() ? names[k] : "-")
+                                  << "' there but '" << (k < units.size() ? units[k] : "-") << "' in the run" << fix);
+  }
+  const std::string threads = std::to_string(run.at("threads").get<int>());
+  DDM_CHECK(prof.threads == run.at("threads").get<int>(),
+            "ddm plan --measured: the profile " << profile_path << " was taken with " << prof.threads << " thread(s), the run "
+                                                << run_dir << " ran " << threads << " per process" << fix);
+  if (run.contains("machine")) {
+    const std::string cpu = run.at("machine").get<std::string>();
+    DDM_CHECK(prof.machine.rfind(cpu + ",", 0) == 0,
+              "ddm plan --measured: the profile " << profile_path << " was taken on another machine (" << prof.machine
+                                                  << "), the run " << run_dir << " on " << cpu << fix);
+  }
+}
+
 int run_plan(PlanArgs a) {
   std::optional<Measured> measured;
   if (!a.measured.empty()) {
@@ -206,6 +235,7 @@ int run_plan(PlanArgs a) {
   if (!a.profile.empty()) {
     DDM_CHECK(a.sets.empty() && a.rows.empty(), "ddm plan: --set and --rows apply to --config, not to a saved --profile");
     prof = read_profile(a.profile);
+    if (measured) check_profile_fits_run(prof, measured->record, a.profile, a.measured);
     DDM_CHECK(batch > 0, "ddm plan --profile: give the global batch with --batch");
   } else {
     prof = measure(a, &batch);

@@ -14,6 +14,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
+#include "dist/pipe_profile.h"
 #include "core/fileio.h"
 #include "core/progress.h"
 #include "core/rng.h"
@@ -703,6 +704,7 @@ TrainSummary train(TrainJob job, const TrainOptions& options) {
       const nlohmann::json record = {
           {"format", "ddm pipeline timeline 1"}, {"stages", pp}, {"replicas", replicas}, {"schedule", cfg.parallel.schedule},
           {"micro", tc.grad_accum}, {"rows", tc.batch_size / tc.grad_accum}, {"threads", threads},
+          {"machine", cpu_model_name()},
           {"first_units", pipe->bounds()}, {"units", pipe->unit_names()}, {"step", step},
           {"steps_timed", timed_steps}, {"timed_from", timed_from + 1}, {"step_ms", timed_steps > 0 ? timed_ms / timed_steps : 0.0}, {"ranks", ranks},
           {"fill", nlohmann::json::parse(pipe->fill_json())}};

@@ -117,4 +117,15 @@ TEST(PlanCli, ComparesAMeasuredPipelineWithTheSimulator) {
   EXPECT_NE(r.output.find("predicted from the profile (frozen work serial, as the run)"), std::string::npos) << r.output;
   EXPECT_EQ(r.output.find("planned in the run"), std::string::npos) << r.output;
   expect_error(test::run_ddm("plan --measured " + (dir / "nothing")), "pipeline-timeline.json does not exist");
+  // A saved profile compared with the run must be of its model, threads and machine.
+  const std::string save = "plan --config " + (dir / "tiny.toml") + " --rows 2 --repeats 1 --save-profile ";
+  ASSERT_EQ(test::run_ddm(save + (dir / "same.json")).exit_code, 0);
+  r = test::run_ddm("plan --measured " + (dir / "serial") + " --profile " + (dir / "same.json"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  ASSERT_EQ(test::run_ddm(save + (dir / "other.json") + " --set model.channel_mult=[1,2,2]").exit_code, 0);
+  expect_error(test::run_ddm("plan --measured " + (dir / "serial") + " --profile " + (dir / "other.json")),
+               "other.json is of another model");
+  ASSERT_EQ(test::run_ddm(save + (dir / "threads.json") + " --set train.threads=2").exit_code, 0);
+  expect_error(test::run_ddm("plan --measured " + (dir / "serial") + " --profile " + (dir / "threads.json")),
+               "threads.json was taken with 2 thread(s), the run");
 }
