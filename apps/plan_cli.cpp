@@ -317,7 +317,8 @@ int run_plan(PlanArgs a) {
     if (p.stages > 1 && (!filled || p.filled_iteration() < filled->filled_iteration())) filled = &p;
   }
   auto describe = [](const PipePlan& p) {
-    return std::to_string(p.stages) + " stages x " + std::to_string(p.replicas) + ", " + p.schedule + ", " +
+    return std::to_string(p.stages) + (is_v_schedule(p.schedule) ? " ranks" : " stages") + " x " +
+           std::to_string(p.replicas) + ", " + p.schedule + ", " +
            std::to_string(p.micro) + " micro-batches";
   };
   if (dp) std::printf("  data parallelism (%d devices, %d micro-batches): %.1f ms\n", dp->replicas, dp->micro, dp->serial_iteration());
@@ -356,7 +357,8 @@ int run_plan(PlanArgs a) {
                             " (mean step " + fmt_ms(step_ms) + ")",
                         measured->timeline, measured->optimizer});
       save_pipe_picture(a.timeline,
-                        prof.model + ", " + std::to_string(p.stages) + " stages, " + p.schedule + ", " +
+                        prof.model + ", " + std::to_string(p.stages) + (is_v_schedule(p.schedule) ? " ranks, " : " stages, ") +
+                            p.schedule + ", " +
                             std::to_string(p.micro) + " micro-batches of " + std::to_string(p.rows),
                         panels);
       std::cout << "wrote " << a.timeline << std::endl;
