@@ -260,7 +260,7 @@ int run_plan(PlanArgs a) {
               prof.model.c_str(), prof.workload.c_str(), prof.machine.c_str(), m.devices, m.speed,
               a.memory_gib > 0 ? (fmt_gib(a.memory_gib)).c_str() : "unlimited memory", a.bandwidth_gbps, a.latency_us,
               static_cast<long long>(batch));
-  std::printf("%4s %9s %5s %5s %-13s %11s %11s %8s %8s %9s %9s\n", "#", "stages*dp", "micro", "rows", "schedule",
+  std::printf("%4s %9s %5s %5s %-13s %11s %11s %8s %8s %9s %9s\n", "#", "ranks*dp", "micro", "rows", "schedule",
               "serial ms", "filled ms", "bubble", "filled", "img/s", "frozen in");
   std::printf("%4s %9s %5s %5s %-13s %11s %11s %8s %8s %9s %9s\n", "", "", "", "", "", "(iteration)", "(iteration)",
               "serial", "bubble", "(filled)", "bubbles");
