@@ -130,7 +130,7 @@ PipeSlot slot_of(const nlohmann::json& e, int rank, double off) {
   a.op = op == "F" ? PipeOp::kForward : op == "B" ? PipeOp::kBackward : op == "I" ? PipeOp::kInputGrad
        : op == "W" ? PipeOp::kWeightGrad : PipeOp::kTask;
   DDM_CHECK(a.op != PipeOp::kTask || op == "T", "unknown action '" << op << "'");
-  a.stage = a.op == PipeOp::kTask ? -1 : rank, a.micro = e.at(1);
+  a.stage = a.op == PipeOp::kTask ? -1 : e.size() > 4 ? e.at(4).get<int>() : rank, a.micro = e.at(1);  // [4]: a V rank's stage
   if (a.op == PipeOp::kTask) a.task = 0, a.rows = e.at(4), a.serial = !e.at(5).get<bool>();
   return {a, off + e.at(2).get<double>(), off + e.at(3).get<double>()};
 }
@@ -280,31 +280,20 @@ int run_plan(PlanArgs a) {
               best.stages, is_v_schedule(best.schedule) ? "rank" : "stage", best.stages == 1 ? "" : "s", best.replicas, best.replicas == 1 ? "" : "s", best.schedule.c_str(),
               best.micro, static_cast<long long>(best.rows), best.filled_iteration(), batch / (best.filled_iteration() / 1e3),
               best.cuts_text().c_str());
-  // The flags that train a plan; a V-shaped best is planned only, so the best plan training runs is
-  // named instead.
-  const PipePlan* runnable = &best;
-  if (is_v_schedule(best.schedule)) {
-    runnable = nullptr;
-    for (const PipePlan& p : plans)
-      if (!is_v_schedule(p.schedule)) {
-        runnable = &p;
-        break;
-      }
-    std::printf("  (V-shaped placement is planned only: training runs gpipe, 1f1b or zb-h1)\n");
-    if (runnable)
-      std::printf("  best that training runs: %d stage%s, %s, %d micro-batches: %.1f ms per iteration\n", runnable->stages,
-                  runnable->stages == 1 ? "" : "s", runnable->schedule.c_str(), runnable->micro,
-                  runnable->filled_iteration());
-  }
-  if (runnable && runnable->stages > 1) {
-    std::printf("  train it: --set parallel.pp=%d parallel.schedule=%s train.grad_accum=%d parallel.cuts=[", runnable->stages,
-                runnable->schedule.c_str(), runnable->micro);
-    for (int s = 1; s < runnable->stages; ++s)
-      std::printf("%s%d", s > 1 ? "," : "", runnable->partition.first[static_cast<size_t>(s)]);
+  // The flags that train it. V-shaped placement trains without bubble filling for now: its
+  // frozen work runs serially, so the serial prediction is the one to expect.
+  if (best.stages > 1) {
+    const bool v = is_v_schedule(best.schedule);
+    std::printf("  train it: --set parallel.pp=%d parallel.schedule=%s%s train.grad_accum=%d parallel.cuts=[", best.stages,
+                best.schedule.c_str(), v ? " parallel.fill=false" : "", best.micro);
+    for (size_t s = 1; s + 1 < best.partition.first.size(); ++s)
+      std::printf("%s%d", s > 1 ? "," : "", best.partition.first[s]);
     std::printf("]");
-    if (runnable->replicas > 1)
-      std::printf(" parallel.dp=%d (%d processes)", runnable->replicas, runnable->stages * runnable->replicas);
+    if (best.replicas > 1) std::printf(" parallel.dp=%d (%d processes)", best.replicas, best.stages * best.replicas);
     std::printf("\n");
+    if (v)
+      std::printf("  (V-shaped placement does not fill bubbles in training yet: expect the serial %.1f ms%s)\n",
+                  best.serial_iteration(), best.replicas > 1 ? "; nor does it run with parallel.dp > 1 yet" : "");
   }
   // The three references: plain data parallelism, the best pipeline with its frozen work serial, and
   // the best pipeline with it filled into the bubbles.
@@ -418,7 +407,7 @@ Command add_plan_command(CLI::App& app) {
   cmd->add_option("--micro", a->micro, "micro-batch counts to try (default: every divisor of a replica's batch up to 64)")
       ->check(kPositive);
   cmd->add_option("--schedule", a->schedules,
-                  "schedules to try: gpipe, 1f1b, zb-h1, and the V-shaped 1f1b-v, zb-v (planned only) (default: all)");
+                  "schedules to try: gpipe, 1f1b, zb-h1, and the V-shaped 1f1b-v, zb-v (default: all)");
   cmd->add_option("--speed", a->speed, "each device's compute speed relative to the profiled one (default 1)")
       ->check(CLI::PositiveNumber);
   cmd->add_option("--memory", a->memory_gib, "memory per device in GiB (default: unlimited)")->check(CLI::NonNegativeNumber);

@@ -428,13 +428,15 @@ void validate(const RunConfig& c) {
   check_choice("parallel.wire", par.wire, {"float32", "float16"});
   check_choice("parallel.mode", par.mode, {"dp", "diloco"});
   DDM_CHECK(par.pp >= 1, "parallel.pp must be >= 1 (pipeline stages; 1 = no pipeline), got " << par.pp);
-  DDM_CHECK(par.schedule != "1f1b-v" && par.schedule != "zb-v",
-            "parallel.schedule = \"" << par.schedule << "\": V-shaped placement is planned by `ddm plan` but not run by "
-                                      "training yet; use gpipe, 1f1b or zb-h1");
-  check_choice("parallel.schedule", par.schedule, {"gpipe", "1f1b", "zb-h1"});
-  DDM_CHECK(par.cuts.empty() || static_cast<int64_t>(par.cuts.size()) == par.pp - 1,
-            "parallel.cuts has " << par.cuts.size() << " entries but parallel.pp = " << par.pp << " stages need "
-                                 << par.pp - 1 << " (the first unit of each stage after the first), or none (automatic)");
+  check_choice("parallel.schedule", par.schedule, {"gpipe", "1f1b", "zb-h1", "1f1b-v", "zb-v"});
+  // V-shaped schedules run 2 stages on each of the pp processes.
+  const bool v = par.schedule == "1f1b-v" || par.schedule == "zb-v";
+  const int64_t stages = v ? 2 * par.pp : par.pp;
+  DDM_CHECK(par.cuts.empty() || static_cast<int64_t>(par.cuts.size()) == stages - 1,
+            "parallel.cuts has " << par.cuts.size() << " entries but parallel.pp = " << par.pp
+                                 << (v ? " V-shaped ranks (" + std::to_string(stages) + " stages)" : std::string(" stages"))
+                                 << " need " << stages - 1
+                                 << " (the first unit of each stage after the first), or none (automatic)");
   for (size_t i = 0; i < par.cuts.size(); ++i)
     DDM_CHECK(par.cuts[i] > (i == 0 ? 0 : par.cuts[i - 1]),
               "parallel.cuts must be increasing unit indices > 0, got " << par.cuts[i] << " at position " << i);

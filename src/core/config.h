@@ -141,7 +141,7 @@ struct ParallelConfig {
   // Pipeline parallelism (docs/pipeline.md): the backbone's units split into pp stages, one process
   // each; train.grad_accum is the number of micro-batches every step pipelines.
   int64_t pp = 1;                  // pipeline stages (1: none)
-  std::string schedule = "1f1b";   // gpipe | 1f1b | zb-h1
+  std::string schedule = "1f1b";   // gpipe | 1f1b | zb-h1 | 1f1b-v | zb-v (two stages per process)
   // The first unit of stages 1..pp-1 (`ddm plan` prints them); empty: balanced by each unit's
   // parameters x output positions (its multiply-adds, attention aside).
   std::vector<int64_t> cuts;

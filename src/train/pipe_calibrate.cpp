@@ -114,11 +114,13 @@ PipeFillPlan plan_fill(const PipeSchedule& schedule, const std::vector<PipeStage
   return p;
 }
 
-nlohmann::json timeline_event(const PipeAction& a, double start_ms, double end_ms) {
+nlohmann::json timeline_event(const PipeAction& a, double start_ms, double end_ms, bool stage) {
   nlohmann::json e = {action_text(a).substr(0, 1), a.micro, start_ms, end_ms};
   if (a.op == PipeOp::kTask) {
     e.push_back(a.rows);
     e.push_back(!a.serial);
+  } else if (stage) {
+    e.push_back(a.stage);
   }
   return e;
 }

@@ -58,7 +58,8 @@ PipeFillPlan plan_fill(const PipeSchedule& schedule, const std::vector<PipeStage
 std::string fill_plan_json(const PipeFillPlan& p);
 
 // One action of a timeline as the run's pipeline-timeline.json writes it: [op, micro, start_ms,
-// end_ms], and for a prepare piece ("T") also its rows and whether it prepares the next step.
-nlohmann::json timeline_event(const PipeAction& a, double start_ms, double end_ms);
+// end_ms], and for a prepare piece ("T") also its rows and whether it prepares the next step; with
+// `stage` (a rank of a V-shaped pipeline runs two), a backbone action also its stage.
+nlohmann::json timeline_event(const PipeAction& a, double start_ms, double end_ms, bool stage = false);
 
 }  // namespace ddm

@@ -75,11 +75,14 @@ std::vector<torch::Tensor> split_flat(const torch::Tensor& flat, const std::vect
 }  // namespace
 
 std::vector<int> pipe_stage_bounds(NetImpl& net, const Prepared& sample, int stages,
-                                   const std::vector<int64_t>& cuts) {
+                                   const std::vector<int64_t>& cuts, bool v_shaped) {
   const std::vector<NetUnit> units = net.units();
   const int L = static_cast<int>(units.size());
-  DDM_CHECK(stages >= 1 && stages <= L, "parallel.pp = " << stages << " stages, but the model has only " << L
+  DDM_CHECK(v_shaped || (stages >= 1 && stages <= L), "parallel.pp = " << stages << " stages, but the model has only " << L
                                                          << " units to split (`ddm plan` lists them): use at most " << L);
+  DDM_CHECK(!v_shaped || stages <= L, "parallel.pp = " << stages / 2 << " V-shaped ranks run " << stages
+                                                       << " stages, but the model has only " << L
+                                                       << " units to split (`ddm plan` lists them): use at most " << L / 2);
   if (!cuts.empty()) {
     DDM_CHECK(static_cast<int>(cuts.size()) == stages - 1,
               "parallel.cuts has " << cuts.size() << " entries for " << stages << " stages; it needs " << stages - 1);
@@ -116,8 +119,9 @@ std::vector<int> pipe_stage_bounds(NetImpl& net, const Prepared& sample, int sta
     pu.forward = 1.0 + std::max(params * positions, static_cast<double>(h.numel()) * in_channels);
     costs.push_back(pu);
   }
-  const PipePartition p = partition_units(costs, stages, std::vector<int>(static_cast<size_t>(stages), 1),
-                                          std::numeric_limits<double>::infinity(), PipeLink{});
+  const std::vector<int> ones(static_cast<size_t>(stages), 1);
+  const PipePartition p = v_shaped ? partition_units_v(costs, stages / 2, ones, std::numeric_limits<double>::infinity(), PipeLink{})
+                                   : partition_units(costs, stages, ones, std::numeric_limits<double>::infinity(), PipeLink{});
   return p.first;
 }
 
@@ -133,13 +137,26 @@ PipeStep::PipeStep(const RunConfig& cfg, Net net, std::shared_ptr<Objective> obj
       bounds_(std::move(bounds)),
       schedule_(std::move(schedule)),
       routes_(std::move(routes)),
-      stage_(comm_->rank()) {
+      rank_(comm_->rank()) {
   DDM_CHECK(objective_, "PipeStep needs an objective");
-  const int S = stages();
-  DDM_CHECK(S == comm_->world_size() && S == schedule_.stages,
-            "a pipeline of " << S << " stages needs " << S << " processes and a schedule of " << S << " stages (got "
-                             << comm_->world_size() << " processes, a schedule of " << schedule_.stages << ")");
+  const int S = stages(), R = static_cast<int>(schedule_.ranks.size());
+  DDM_CHECK(R == comm_->world_size() && S == schedule_.stages,
+            "a pipeline of " << S << " stages under schedule '" << schedule_.name << "' needs " << R
+                             << " processes and a schedule of " << S << " stages (got " << comm_->world_size()
+                             << " processes, a schedule of " << schedule_.stages << ")");
   validate_schedule(schedule_);
+  if (schedule_.several_per_rank()) {
+    DDM_CHECK(!cfg_.parallel.fill, "parallel.schedule = \"" << schedule_.name << "\" runs two stages per process, and "
+                                                           "parallel.fill does not yet place frozen work among them: "
+                                                           "set parallel.fill = false");
+    DDM_CHECK(cfg_.train.self_cond <= 0, "parallel.schedule = \"" << schedule_.name << "\" does not yet run "
+                                                                     "self-conditioning's first pass: use a linear schedule "
+                                                                     "(gpipe, 1f1b, zb-h1) with train.self_cond");
+    DDM_CHECK(!replicas_,
+              "parallel.schedule = \"" << schedule_.name << "\" does not yet run with parallel.dp > 1: use one pipeline");
+  }
+  for (int v = 0; v < S; ++v)
+    if (rank_of(v) == rank_) locals_.emplace_back().stage = v;
   if (routes_.in.empty()) routes_.in.assign(static_cast<size_t>(S), {});  // no routes: every skip carried
   DDM_CHECK(static_cast<int>(routes_.in.size()) == S && (routes_.out.empty() || static_cast<int>(routes_.out.size()) == S - 1),
             "pipeline: skip routes for " << routes_.in.size() << " stages, not " << S);
@@ -163,17 +180,20 @@ PipeStep::PipeStep(const RunConfig& cfg, Net net, std::shared_ptr<Objective> obj
     unit_names_.push_back(all[static_cast<size_t>(u)].name);
     const int owner = static_cast<int>(std::upper_bound(bounds_.begin(), bounds_.end(), u) - bounds_.begin()) - 1;
     if (all[static_cast<size_t>(u)].reads_frozen) needs_[static_cast<size_t>(owner)].frozen = true;
-    const bool here = owner == stage_;
+    const bool here = rank_of(owner) == rank_;
     for (const torch::Tensor& p : all[static_cast<size_t>(u)].params) mine[p.unsafeGetTensorImpl()] = here;
-    if (here) units_.push_back(std::move(all[static_cast<size_t>(u)]));
+    if (here) {
+      Local& l = local(owner);
+      for (const torch::Tensor& p : all[static_cast<size_t>(u)].params)
+        if (p.requires_grad()) l.params.push_back(p);
+      l.units.push_back(std::move(all[static_cast<size_t>(u)]));
+    }
   }
   for (auto& p : net_->parameters()) {
     if (!p.requires_grad()) continue;
     auto it = mine.find(p.unsafeGetTensorImpl());
     DDM_CHECK(it != mine.end(), "parameter " << name_of[p.unsafeGetTensorImpl()] << " belongs to no unit of the model");
-    if (it->second) {
-      params_.push_back(p);
-    } else {
+    if (!it->second) {
       p.set_requires_grad(false);  // another stage's: no gradient, no optimizer state here
     }
   }
@@ -182,7 +202,6 @@ PipeStep::PipeStep(const RunConfig& cfg, Net net, std::shared_ptr<Objective> obj
   // its units' forward and input gradients.
   optim_ = std::make_unique<FlatAdamW>(*net_, AdamWOptions{tc.beta1, tc.beta2, tc.adam_eps, tc.weight_decay},
                                        /*allow_empty=*/true);
-  params_ = optim_->params();  // re-pointed into the flat buffer
   DDM_CHECK(tc.grad_accum == schedule_.micro, "pipeline: train.grad_accum = " << tc.grad_accum << " for a schedule of "
                                                                               << schedule_.micro << " micro-batches");
   const int64_t replica_batch = tc.batch_size / (replicas_ ? replicas_->world_size() : 1);
@@ -208,12 +227,47 @@ void PipeStep::post_send(torch::Tensor t, int peer, int tag) {
   sends_.emplace_back(comm_->send_async(t, peer, tag), t);
 }
 
-void PipeStep::send_carry(const NetCarry& k, int micro, bool first_pass, Micro* m) {
+PipeStep::Local& PipeStep::local(int stage) {
+  for (Local& l : locals_)
+    if (l.stage == stage) return l;
+  DDM_FAIL("pipeline: stage " << stage << " does not run on rank " << rank_);
+}
+
+void PipeStep::send_to(torch::Tensor t, int to_stage, int tag) {
+  if (rank_of(to_stage) != rank_) return post_send(t, rank_of(to_stage), tag);
+  DDM_CHECK(mailbox_.emplace(tag, t.detach()).second, "pipeline: message " << tag << " sent twice within rank " << rank_);
+}
+
+PipeStep::Recv PipeStep::post_recv(torch::Tensor t, int from_stage, int tag) {
+  Recv r;
+  r.tensor = t, r.from = from_stage, r.tag = tag, r.local = rank_of(from_stage) == rank_;
+  if (!r.local) r.work = comm_->recv_async(t, rank_of(from_stage), tag);
+  return r;
+}
+
+torch::Tensor PipeStep::wait_recv(Recv& r, const std::string& what) {
+  if (!r.local) {
+    comm_->wait(r.work, what);
+    return r.tensor;
+  }
+  auto it = mailbox_.find(r.tag);
+  // A stage here sends before a stage here receives: the schedule orders both on this rank.
+  DDM_CHECK(it != mailbox_.end(), "pipeline: rank " << rank_ << " waits for message " << r.tag << " from stage " << r.from
+                                                     << ", which this rank has not sent yet (" << what << ")");
+  DDM_CHECK(it->second.sizes() == r.tensor.sizes(), "pipeline: message " << r.tag << " within rank " << rank_ << " has shape "
+                                                                          << it->second.sizes() << ", expected " << r.tensor.sizes());
+  r.tensor = it->second;
+  mailbox_.erase(it);
+  return r.tensor;
+}
+
+void PipeStep::send_carry(Local& l, const NetCarry& k, int micro, bool first_pass, Micro* m) {
   // The header lists h and emb (when defined), then every skip slot: -1 for a placeholder (a slot an
   // earlier stage holds, or one this stage sends directly to its reader), else its dims and sizes.
-  const std::vector<int>* route = first_pass || routes_.out.empty() ? nullptr : &routes_.out[static_cast<size_t>(stage_)];
+  const int s = l.stage;
+  const std::vector<int>* route = first_pass || routes_.out.empty() ? nullptr : &routes_.out[static_cast<size_t>(s)];
   DDM_CHECK(!route || route->size() == k.skips.size(),
-            "pipeline: stage " << stage_ << " sends " << k.skips.size() << " skips, its routes know " << route->size());
+            "pipeline: stage " << s << " sends " << k.skips.size() << " skips, its routes know " << route->size());
   std::vector<torch::Tensor> carried;
   auto header = torch::zeros({kHeader}, torch::kLong);
   auto* h = header.data_ptr<int64_t>();
@@ -242,46 +296,43 @@ void PipeStep::send_carry(const NetCarry& k, int micro, bool first_pass, Micro* 
     put(torch::Tensor());
     if (r >= 0) {  // straight to the stage that reads it
       const torch::Tensor x = k.skips[i].contiguous();
-      direct_bytes_[static_cast<size_t>(r)] = static_cast<int64_t>(x.nbytes());
-      post_send(x, r, tag_of(micro, kSkip + 2 * static_cast<int>(i)));
+      if (rank_of(r) != rank_) direct_bytes_[static_cast<size_t>(r)] = static_cast<int64_t>(x.nbytes());
+      send_to(x, r, tag_of(s, micro, kSkip + 2 * static_cast<int>(i)));
       if (m) m->direct_roots.push_back({x, r, static_cast<int>(i)});
     }
   }
   h[1] = entries;
-  const int next = stage_ + 1;
-  post_send(header, next, tag_of(micro, first_pass ? kFirstHeader : kCarryHeader));
+  send_to(header, s + 1, tag_of(s, micro, first_pass ? kFirstHeader : kCarryHeader));
   torch::Tensor values = flat_of(carried);
-  if (!first_pass) carry_bytes_ = static_cast<int64_t>(values.nbytes());
-  post_send(values, next, tag_of(micro, first_pass ? kFirstValues : kCarryValues));
+  if (!first_pass) l.carry_bytes = rank_of(s + 1) != rank_ ? static_cast<int64_t>(values.nbytes()) : 0;
+  send_to(values, s + 1, tag_of(s, micro, first_pass ? kFirstValues : kCarryValues));
   if (m) m->roots = carried;
 }
 
 void PipeStep::post_carry_receives(int micro_count) {
-  posted_.assign(static_cast<size_t>(micro_count), std::nullopt);
-  taken_.assign(static_cast<size_t>(micro_count), false);
-  next_post_ = 0;
-  carry_shapes_.clear();
-  if (stage_ == 0 || !carry_header_.defined()) return;
-  carry_shapes_ = header_shapes(carry_header_);
-  // A window of S micro-batches ahead (every schedule's forwards run in micro-batch order): enough
-  // to keep the transfers ahead of the forwards, and at most S carry buffers held at once.
-  for (int m = 0; m < std::min(micro_count, stages()); ++m) post_next_carry();
+  for (Local& l : locals_) {
+    l.posted.assign(static_cast<size_t>(micro_count), std::nullopt);
+    l.taken.assign(static_cast<size_t>(micro_count), false);
+    l.next_post = 0;
+    l.carry_shapes.clear();
+    if (l.stage == 0 || !l.carry_header.defined() || rank_of(l.stage - 1) == rank_) continue;
+    l.carry_shapes = header_shapes(l.carry_header);
+    // A window of S micro-batches ahead (every schedule's forwards run in micro-batch order): enough
+    // to keep the transfers ahead of the forwards, and at most S carry buffers held at once.
+    for (int m = 0; m < std::min(micro_count, stages()); ++m) post_next_carry(l);
+  }
 }
 
-void PipeStep::post_next_carry() {
+void PipeStep::post_next_carry(Local& l) {
   // A micro-batch whose carry was already received unposted (no schedule here does that) is skipped.
-  while (next_post_ < static_cast<int>(posted_.size()) && taken_[static_cast<size_t>(next_post_)]) ++next_post_;
-  if (carry_shapes_.empty() || next_post_ >= static_cast<int>(posted_.size())) return;
-  const int m = next_post_++, prev = stage_ - 1;
-  PostedCarry& c = posted_[static_cast<size_t>(m)].emplace();
-  c.header = torch::zeros({kHeader}, torch::kLong);
-  c.values = torch::empty({numel_of(carry_shapes_)}, torch::kFloat);
-  c.header_work = comm_->recv_async(c.header, prev, tag_of(m, kCarryHeader));
-  c.values_work = comm_->recv_async(c.values, prev, tag_of(m, kCarryValues));
-  for (const PipeSkipRoutes::Direct& d : routes_.in[static_cast<size_t>(stage_)]) {
-    auto x = torch::empty(direct_shape(d), torch::kFloat);
-    c.direct.emplace_back(comm_->recv_async(x, d.from, tag_of(m, kSkip + 2 * d.slot)), x);
-  }
+  while (l.next_post < static_cast<int>(l.posted.size()) && l.taken[static_cast<size_t>(l.next_post)]) ++l.next_post;
+  if (l.carry_shapes.empty() || l.next_post >= static_cast<int>(l.posted.size())) return;
+  const int m = l.next_post++, prev = l.stage - 1;
+  PostedCarry& c = l.posted[static_cast<size_t>(m)].emplace();
+  c.header = post_recv(torch::zeros({kHeader}, torch::kLong), prev, tag_of(prev, m, kCarryHeader));
+  c.values = post_recv(torch::empty({numel_of(l.carry_shapes)}, torch::kFloat), prev, tag_of(prev, m, kCarryValues));
+  for (const PipeSkipRoutes::Direct& d : routes_.in[static_cast<size_t>(l.stage)])
+    c.direct.push_back(post_recv(torch::empty(direct_shape(d), torch::kFloat), d.from, tag_of(d.from, m, kSkip + 2 * d.slot)));
 }
 
 std::vector<int64_t> PipeStep::direct_shape(const PipeSkipRoutes::Direct& d) const {
@@ -290,28 +341,29 @@ std::vector<int64_t> PipeStep::direct_shape(const PipeSkipRoutes::Direct& d) con
   return shape;
 }
 
-std::optional<PipeStep::PostedCarry>* PipeStep::posted_for(int micro) {
-  const bool has = micro < static_cast<int>(posted_.size()) && posted_[static_cast<size_t>(micro)];
-  return has ? &posted_[static_cast<size_t>(micro)] : nullptr;
+std::optional<PipeStep::PostedCarry>* PipeStep::posted_for(Local& l, int micro) {
+  const bool has = micro < static_cast<int>(l.posted.size()) && l.posted[static_cast<size_t>(micro)];
+  return has ? &l.posted[static_cast<size_t>(micro)] : nullptr;
 }
 
-NetCarry PipeStep::recv_carry(int micro, std::vector<torch::Tensor>& inputs, bool first_pass) {
-  const int prev = stage_ - 1;
-  std::optional<PostedCarry>* posted = first_pass ? nullptr : posted_for(micro);
-  torch::Tensor header = posted ? (*posted)->header : torch::zeros({kHeader}, torch::kLong);
-  comm_->wait(posted ? (*posted)->header_work : comm_->recv_async(header, prev, tag_of(micro, first_pass ? kFirstHeader : kCarryHeader)),
-              "receive from stage " + std::to_string(prev));
-  DDM_CHECK(!posted || torch::equal(header, carry_header_),
-            "pipeline: stage " << stage_ << " received a carry for micro-batch " << micro
+NetCarry PipeStep::recv_carry(Local& l, int micro, std::vector<torch::Tensor>& inputs, bool first_pass) {
+  const int prev = l.stage - 1;
+  const std::string what = "receive from stage " + std::to_string(prev);
+  std::optional<PostedCarry>* posted = first_pass ? nullptr : posted_for(l, micro);
+  Recv hr = posted ? (*posted)->header
+                   : post_recv(torch::zeros({kHeader}, torch::kLong), prev, tag_of(prev, micro, first_pass ? kFirstHeader : kCarryHeader));
+  const torch::Tensor header = wait_recv(hr, what);
+  DDM_CHECK(!posted || torch::equal(header, l.carry_header),
+            "pipeline: stage " << l.stage << " received a carry for micro-batch " << micro
                                << " whose layout differs from the earlier micro-batches'");
-  if (!first_pass && !carry_header_.defined()) carry_header_ = header.clone();
-  if (!first_pass && micro < static_cast<int>(taken_.size())) taken_[static_cast<size_t>(micro)] = true;
+  if (!first_pass && !l.carry_header.defined()) l.carry_header = header.clone();
+  if (!first_pass && micro < static_cast<int>(l.taken.size())) l.taken[static_cast<size_t>(micro)] = true;
   const auto* h = header.data_ptr<int64_t>();
   std::vector<bool> present;
   const std::vector<std::vector<int64_t>> shapes = header_shapes(header, &present);
-  torch::Tensor values = posted ? (*posted)->values : torch::empty({numel_of(shapes)}, torch::kFloat);
-  comm_->wait(posted ? (*posted)->values_work : comm_->recv_async(values, prev, tag_of(micro, first_pass ? kFirstValues : kCarryValues)),
-              "receive from stage " + std::to_string(prev));
+  Recv vr = posted ? (*posted)->values
+                   : post_recv(torch::empty({numel_of(shapes)}, torch::kFloat), prev, tag_of(prev, micro, first_pass ? kFirstValues : kCarryValues));
+  const torch::Tensor values = wait_recv(vr, what);
   received_ = Clock::now();
   inputs.clear();
   for (torch::Tensor& t : split_flat(values, shapes)) inputs.push_back(first_pass ? t : t.requires_grad_(true));
@@ -323,63 +375,61 @@ NetCarry PipeStep::recv_carry(int micro, std::vector<torch::Tensor>& inputs, boo
   return k;
 }
 
-void PipeStep::forward(Micro& m, int micro) {
+void PipeStep::forward(Local& l, int micro) {
+  Micro& m = l.micro[static_cast<size_t>(micro)];
+  Prepared& p = prep_[static_cast<size_t>(micro)];
+  const int s = l.stage;
   NetCarry k;
-  if (stage_ == 0) {
+  if (s == 0) {
     if (objective_self_cond_) take_estimate(micro);
-    k.h = m.p.xt;
+    k.h = p.xt;
   } else {
-    k = recv_carry(micro, m.inputs);
-    std::optional<PostedCarry>* posted = posted_for(micro);
+    k = recv_carry(l, micro, m.inputs);
+    std::optional<PostedCarry>* posted = posted_for(l, micro);
     // The skips an earlier stage sends here directly, into their places.
-    const auto& direct = routes_.in[static_cast<size_t>(stage_)];
+    const auto& direct = routes_.in[static_cast<size_t>(s)];
     for (size_t j = 0; j < direct.size(); ++j) {
       const PipeSkipRoutes::Direct& d = direct[j];
       DDM_CHECK(d.slot < static_cast<int>(k.skips.size()) && !k.skips[static_cast<size_t>(d.slot)].defined(),
-                "pipeline: stage " << stage_ << " expected skip " << d.slot << " from stage " << d.from << " in place of a placeholder");
-      torch::Tensor x = posted ? (*posted)->direct[j].second : torch::empty(direct_shape(d), torch::kFloat);
-      comm_->wait(posted ? (*posted)->direct[j].first : comm_->recv_async(x, d.from, tag_of(micro, kSkip + 2 * d.slot)),
-                  "receive a skip from stage " + std::to_string(d.from));
+                "pipeline: stage " << s << " expected skip " << d.slot << " from stage " << d.from << " in place of a placeholder");
+      Recv r = posted ? (*posted)->direct[j]
+                      : post_recv(torch::empty(direct_shape(d), torch::kFloat), d.from, tag_of(d.from, micro, kSkip + 2 * d.slot));
+      torch::Tensor x = wait_recv(r, "receive a skip from stage " + std::to_string(d.from));
       received_ = Clock::now();
       k.skips[static_cast<size_t>(d.slot)] = x.requires_grad_(true);
       m.direct_inputs.push_back(x);
     }
     if (posted) {
-      posted->reset();    // its tensors live on as this micro-batch's inputs
-      post_next_carry();  // the window moves on
+      posted->reset();     // its tensors live on as this micro-batch's inputs
+      post_next_carry(l);  // the window moves on
     }
   }
-  for (const NetUnit& u : units_) u.run(k, m.p.t, m.p.cond);
-  if (stage_ + 1 == stages()) {
-    const torch::Tensor loss = objective_->loss(k.h, m.p);  // []
+  for (const NetUnit& u : l.units) u.run(k, p.t, p.cond);
+  if (last(s)) {
+    const torch::Tensor loss = objective_->loss(k.h, p);  // []
     loss_sum_ += loss.item<double>();
     m.roots = {scale_ == 1.0 ? loss : loss * scale_};
   } else {
-    send_carry(k, micro, /*first_pass=*/false, &m);
+    send_carry(l, k, micro, /*first_pass=*/false, &m);
     // The gradients' receives, now: they arrive while this stage runs other micro-batches.
     std::vector<std::vector<int64_t>> shapes;
     for (const torch::Tensor& r : m.roots) shapes.push_back(r.sizes().vec());
-    auto g = torch::empty({numel_of(shapes)}, torch::kFloat);
-    m.grad_recvs.emplace_back(comm_->recv_async(g, stage_ + 1, tag_of(micro, kGradient)), g);
-    for (const DirectRoot& d : m.direct_roots) {
-      auto dg = torch::empty(d.tensor.sizes(), torch::kFloat);
-      m.grad_recvs.emplace_back(comm_->recv_async(dg, d.to, tag_of(micro, kSkipGrad + 2 * d.slot)), dg);
-    }
+    m.grad_recvs.push_back(post_recv(torch::empty({numel_of(shapes)}, torch::kFloat), s + 1, tag_of(s, micro, kGradient)));
+    for (const DirectRoot& d : m.direct_roots)
+      m.grad_recvs.push_back(post_recv(torch::empty(d.tensor.sizes(), torch::kFloat), d.to, tag_of(s, micro, kSkipGrad + 2 * d.slot)));
   }
 }
 
-void PipeStep::backward(Micro& m, int micro, PipeOp op) {
-  const bool last = stage_ + 1 == stages();
-  if (!last && !m.received) {
+void PipeStep::backward(Local& l, int micro, PipeOp op) {
+  Micro& m = l.micro[static_cast<size_t>(micro)];
+  const int s = l.stage;
+  if (!last(s) && !m.received) {
     DDM_CHECK(m.grad_recvs.size() == 1 + m.direct_roots.size(), "pipeline: backward of micro-batch " << micro << " before its forward");
     std::vector<std::vector<int64_t>> shapes;
     for (const torch::Tensor& r : m.roots) shapes.push_back(r.sizes().vec());
-    comm_->wait(m.grad_recvs[0].first, "receive a gradient from stage " + std::to_string(stage_ + 1));
-    m.grads = split_flat(m.grad_recvs[0].second, shapes);
-    for (size_t j = 0; j < m.direct_roots.size(); ++j) {  // the gradients of the skips sent straight to their readers
-      comm_->wait(m.grad_recvs[1 + j].first, "receive a skip's gradient from stage " + std::to_string(m.direct_roots[j].to));
-      m.grads.push_back(m.grad_recvs[1 + j].second);
-    }
+    m.grads = split_flat(wait_recv(m.grad_recvs[0], "receive a gradient from stage " + std::to_string(s + 1)), shapes);
+    for (size_t j = 0; j < m.direct_roots.size(); ++j)  // the gradients of the skips sent straight to their readers
+      m.grads.push_back(wait_recv(m.grad_recvs[1 + j], "receive a skip's gradient from stage " + std::to_string(m.direct_roots[j].to)));
     m.grad_recvs.clear();
     m.received = true;
     received_ = Clock::now();
@@ -401,27 +451,28 @@ void PipeStep::backward(Micro& m, int micro, PipeOp op) {
     for (size_t i = 0; i < g.size(); ++i)
       if (!g[i].defined()) g[i] = torch::zeros_like(inputs[i]);  // an input no unit here read
     const size_t n = m.inputs.size();
-    post_send(flat_of(std::vector<torch::Tensor>(g.begin(), g.begin() + static_cast<std::ptrdiff_t>(n))), stage_ - 1,
-              tag_of(micro, kGradient));
-    const auto& in = routes_.in[static_cast<size_t>(stage_)];
+    send_to(flat_of(std::vector<torch::Tensor>(g.begin(), g.begin() + static_cast<std::ptrdiff_t>(n))), s - 1,
+            tag_of(s - 1, micro, kGradient));
+    const auto& in = routes_.in[static_cast<size_t>(s)];
     for (size_t j = 0; j < m.direct_inputs.size(); ++j)
-      post_send(g[n + j].contiguous(), in[j].from, tag_of(micro, kSkipGrad + 2 * in[j].slot));
+      send_to(g[n + j].contiguous(), in[j].from, tag_of(in[j].from, micro, kSkipGrad + 2 * in[j].slot));
   };
+  // (A stage's graph starts at its inputs, leaves of their own: another stage here is out of its reach.)
   if (op == PipeOp::kBackward) {
     if (!roots.empty()) torch::autograd::backward(roots, grads);
-    if (stage_ > 0) {
+    if (s > 0) {
       std::vector<torch::Tensor> g;
       for (const torch::Tensor& in : inputs) g.push_back(in.grad());
       send_input_grads(g);
     }
   } else if (op == PipeOp::kInputGrad) {
-    if (stage_ > 0)
+    if (s > 0)
       send_input_grads(roots.empty() ? std::vector<torch::Tensor>(inputs.size())
                                      : torch::autograd::grad(roots, inputs, grads, /*retain_graph=*/true,
                                                              /*create_graph=*/false, /*allow_unused=*/true));
     return;  // W follows from the same graph
-  } else if (!params_.empty() && !roots.empty()) {  // W (no parameters here: nothing to do but free the graph)
-    torch::autograd::backward(roots, grads, /*retain_graph=*/false, /*create_graph=*/false, params_);
+  } else if (!l.params.empty() && !roots.empty()) {  // W (no parameters here: nothing to do but free the graph)
+    torch::autograd::backward(roots, grads, /*retain_graph=*/false, /*create_graph=*/false, l.params);
   }
   m = Micro{};  // the activations go
 }
@@ -440,14 +491,16 @@ StepResult PipeStep::run(const std::vector<Batch>& micro, int64_t step, const st
   scale_ = 1.0 / M;
   loss_sum_ = 0;
   fill_news_ = false;
-  micro_.assign(static_cast<size_t>(M), Micro{});
+  for (Local& l : locals_) l.micro.assign(static_cast<size_t>(M), Micro{});
+  prep_.assign(static_cast<size_t>(M), Prepared{});
+  mailbox_.clear();
   const bool filling = plan_ && plan_->used;
   post_carry_receives(M);  // before the prepare phase: the carries may arrive while it runs
   prepare(micro, step, filling, !next.empty());
   times_.prepared = times_.backward_start = Clock::now();
   events_.clear();
   auto ms = [&](Clock::time_point t) { return ms_since_start(t); };
-  const std::vector<PipeAction>& actions = (filling ? plan_->fill.schedule : schedule_).ranks[static_cast<size_t>(stage_)];
+  const std::vector<PipeAction>& actions = (filling ? plan_->fill.schedule : schedule_).ranks[static_cast<size_t>(rank_)];
   // The last action that accumulates weight gradients (B, or W for a split backward): the replicas'
   // all-reduce starts from its hooks, bucket by bucket.
   size_t last_weights = actions.size();
@@ -469,12 +522,12 @@ StepResult PipeStep::run(const std::vector<Batch>& micro, int64_t step, const st
       if (pieces_[piece].ahead && next.empty()) continue;  // the run's last step: no next step to prepare
       run_piece(piece, micro, next, step);
     } else {
-      Micro& m = micro_[static_cast<size_t>(a.micro)];
+      Local& l = local(a.stage);
       if (a.op == PipeOp::kForward) {
         if (filling) complete(a.micro);
-        forward(m, a.micro);
+        forward(l, a.micro);
       } else {
-        backward(m, a.micro, a.op);
+        backward(l, a.micro, a.op);
       }
     }
     events_.push_back({a, ms(received_), ms(Clock::now())});
@@ -493,7 +546,7 @@ StepResult PipeStep::run(const std::vector<Batch>& micro, int64_t step, const st
   // stages' disjoint parts, once: replica 0's; after the average every replica holds the same).
   const double norm_here = optim_->grad_norm();
   const double replicas = replicas_ ? replicas_->world_size() : 1;
-  auto sums = torch::tensor({stage_ + 1 == stages() ? loss_sum_ * scale_ / replicas : 0.0,
+  auto sums = torch::tensor({rank_of(stages() - 1) == rank_ ? loss_sum_ * scale_ / replicas : 0.0,
                              replica() == 0 ? norm_here * norm_here : 0.0},
                             torch::kDouble);
   world_->allreduce_sum(sums);
@@ -527,31 +580,32 @@ void PipeStep::first_pass(const std::vector<Batch>& micro, int64_t step, bool fi
     const Clock::time_point t0 = Clock::now();
     received_ = t0;
     if (filling) complete(m);
-    const Prepared& p = micro_[static_cast<size_t>(m)].p;
+    const Prepared& p = prep_[static_cast<size_t>(m)];
+    Local& l = locals_.front();  // one stage per process: V-shaped placement refuses self-conditioning
     FirstPass& f = first_[static_cast<size_t>(m)];
     f.idx = objective_->self_cond_rows(micro[static_cast<size_t>(m)].first, rows_, step);  // alike on every stage
     if (f.idx.numel() == 0) continue;
     Cond c = p.cond.select(f.idx);
     NetCarry k;
-    if (stage_ == 0) {
+    if (l.stage == 0) {
       f.x = p.xt.index_select(0, f.idx);      // [b', C, H, W]
       c.self_cond = torch::zeros_like(f.x);   // the first pass has no estimate
       k.h = f.x;
     } else {
       std::vector<torch::Tensor> inputs;
-      k = recv_carry(m, inputs, /*first_pass=*/true);
+      k = recv_carry(l, m, inputs, /*first_pass=*/true);
     }
     const torch::Tensor t = p.t.index_select(0, f.idx);  // [b']
-    for (const NetUnit& u : units_) u.run(k, t, c);
-    if (stage_ + 1 < stages()) {
-      send_carry(k, m, /*first_pass=*/true);
+    for (const NetUnit& u : l.units) u.run(k, t, c);
+    if (!last(l.stage)) {
+      send_carry(l, k, m, /*first_pass=*/true);
     } else {
-      post_send(k.h.contiguous(), 0, tag_of(m, kFirstOut));  // the model's output [b', C, H, W]
+      post_send(k.h.contiguous(), 0, tag_of(stages() - 1, m, kFirstOut));  // the model's output [b', C, H, W]
     }
-    if (stage_ == 0) {
+    if (l.stage == 0) {
       f.t = t;
       f.out = torch::empty_like(f.x);
-      f.work = comm_->recv_async(f.out, stages() - 1, tag_of(m, kFirstOut));
+      f.work = comm_->recv_async(f.out, stages() - 1, tag_of(stages() - 1, m, kFirstOut));
     }
     PipeAction a;
     a.op = PipeOp::kTask, a.stage = -1, a.micro = m, a.task = 1, a.rows = f.idx.numel(), a.serial = true;
@@ -560,7 +614,7 @@ void PipeStep::first_pass(const std::vector<Batch>& micro, int64_t step, bool fi
 }
 
 void PipeStep::take_estimate(int micro) {
-  Prepared& p = micro_[static_cast<size_t>(micro)].p;
+  Prepared& p = prep_[static_cast<size_t>(micro)];
   FirstPass& f = first_.at(static_cast<size_t>(micro));
   p.cond.self_cond = torch::zeros_like(p.xt);  // [B, C, H, W]
   if (f.idx.numel() == 0) return;
@@ -574,17 +628,18 @@ double PipeStep::ms_since_start(Clock::time_point t) const {
   return std::chrono::duration<double, std::milli>(t - times_.start).count();
 }
 
-int PipeStep::tag_of(int micro, int kind) const { return micro * tags_ + kind; }
+int PipeStep::tag_of(int cut, int micro, int kind) const { return (cut * schedule_.micro + micro) * tags_ + kind; }
 
 int PipeStep::piece_tag(size_t piece, int part) const {
-  return tags_ * schedule_.micro + 2 * static_cast<int>(piece) + part;  // after every micro-batch's tags
+  return tags_ * schedule_.micro * stages() + 2 * static_cast<int>(piece) + part;  // after every micro-batch's tags
 }
 
 std::string PipeStep::last_step_json() const {
   auto ms = [&](Clock::time_point t) { return std::chrono::duration<double, std::milli>(t - shown_times_.start).count(); };
   nlohmann::json events = nlohmann::json::array();
-  for (const PipeEvent& e : shown_events_) events.push_back(timeline_event(e.action, e.start_ms, e.end_ms));
-  return nlohmann::json{{"stage", stage_},
+  for (const PipeEvent& e : shown_events_)
+    events.push_back(timeline_event(e.action, e.start_ms, e.end_ms, schedule_.several_per_rank()));
+  return nlohmann::json{{"stage", rank_},
                         {"step", shown_step_},
                         {"filled", shown_filled_},
                         {"start_ms", std::chrono::duration<double, std::milli>(shown_times_.start.time_since_epoch()).count()},

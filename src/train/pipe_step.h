@@ -1,6 +1,10 @@
 // A pipeline-parallel training step (docs/pipeline.md): this process runs one stage, a contiguous
 // run of the backbone's units (NetImpl::units, model/net.h), of a pipeline of S processes, driven by
-// a schedule (dist/pipe_schedule.h: GPipe, 1F1B, ZB-H1) over the step's M micro-batches:
+// a schedule (dist/pipe_schedule.h: GPipe, 1F1B, ZB-H1) over the step's M micro-batches. Under a
+// V-shaped schedule (1F1B-V, ZB-V) each of R processes runs two of the 2R stages, r and 2R-1-r, in
+// the order of its action list; what the two pass each other (the carry at the V's turn, a skip
+// made and read on one rank, their gradients) goes through a mailbox in the process, not the group.
+// V-shaped placement does not yet fill bubbles, run self-conditioning or run with replicas.
 //   prepare  the objective's prepare (x_t, t, conditioning, target; the frozen work: a latent
 //            encoder, a ControlNet's locked encoder) in quanta of rows (train/pipe_prepare.h). Without
 //            a fill plan every stage prepares every micro-batch itself before the pipeline starts
@@ -33,6 +37,7 @@
 #pragma once
 #include <chrono>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -57,9 +62,10 @@ namespace ddm {
 // The first unit of every stage plus the unit count at the end (stage s = units [b[s], b[s+1])):
 // from parallel.cuts when given (checked against the model's units), else balanced by each unit's
 // estimated multiply-adds (parameters x output positions, measured on `sample`: one prepared row)
-// with the partition DP (dist/pipe_partition.h). Deterministic: every stage computes the same.
+// with the partition DP (dist/pipe_partition.h; v_shaped: the V's, `stages` / 2 ranks balanced).
+// Deterministic: every stage computes the same.
 std::vector<int> pipe_stage_bounds(NetImpl& net, const Prepared& sample, int stages,
-                                   const std::vector<int64_t>& cuts);
+                                   const std::vector<int64_t>& cuts, bool v_shaped = false);
 
 // One executed action of the last step, for timelines: steady-clock milliseconds since the step began,
 // from the arrival of its input (the receive's end) to its end.
@@ -71,7 +77,7 @@ struct PipeEvent {
 class PipeStep {
  public:
   // cfg.model resolved; net built from it (the whole model); comm: this pipeline's group, one rank
-  // per stage, rank s runs stage s; bounds from pipe_stage_bounds; schedule over comm's world size and
+  // per stage, rank s runs stage s (V-shaped: the schedule's placement); bounds from pipe_stage_bounds; schedule over comm's world size and
   // train.grad_accum micro-batches; routes: where each open skip goes (pipe_routes.h; none: every
   // skip travels in the carry through every stage). Pipelines of data-parallel replicas (parallel.dp > 1): replicas
   // is this stage's data-parallel group (the same stage of every replica; rank r = replica r), whose
@@ -94,7 +100,7 @@ class PipeStep {
   std::string fill_json() const { return plan_ ? fill_plan_json(*plan_) : "null"; }
 
   FlatAdamW& optim() { return *optim_; }
-  int stage() const { return stage_; }
+  int stage() const { return rank_; }  // this process's rank in the pipeline (its first stage)
   int replica() const { return replicas_ ? replicas_->rank() : 0; }
   // Bytes sent over the groups of its own (the pipeline's and the replicas'), not counting the job's.
   int64_t group_bytes_sent() const {
@@ -103,6 +109,7 @@ class PipeStep {
   // Every stage's last_step_json, indexed by stage (a collective of this pipeline's group).
   std::vector<std::string> all_last_steps() { return comm_->all_gather_strings(last_step_json()); }
   int stages() const { return static_cast<int>(bounds_.size()) - 1; }
+  int rank_of_stage(int stage) const { return schedule_.rank_of(stage); }
   const std::vector<int>& bounds() const { return bounds_; }
   const std::vector<std::string>& unit_names() const { return unit_names_; }
   // The last step on this stage as JSON (with a fill plan, the last that had a next step to prepare:
@@ -128,8 +135,15 @@ class PipeStep {
     torch::Tensor tensor;  // a skip sent straight to the stage that reads it
     int to = 0, slot = 0;
   };
+  // A receive: posted on the group (work), or from a stage of this same process (V-shaped
+  // placement), which left the tensor in the mailbox under its tag.
+  struct Recv {
+    c10::intrusive_ptr<c10d::Work> work;
+    torch::Tensor tensor;
+    int from = 0, tag = 0;
+    bool local = false;
+  };
   struct Micro {
-    Prepared p;
     std::vector<torch::Tensor> inputs;         // the received carry's tensors (stage > 0), leaves with gradients
     std::vector<torch::Tensor> direct_inputs;  // skips received straight from earlier stages (routes_.in order)
     std::vector<torch::Tensor> roots;          // what backward starts from: the scaled loss, or the sent carry
@@ -138,28 +152,48 @@ class PipeStep {
     bool received = false;                     // grads received (I then W)
     // The receives of those gradients, posted as soon as the forward has sent (the flat carry's,
     // then each direct root's), so they arrive while this stage works on other micro-batches.
-    std::vector<std::pair<c10::intrusive_ptr<c10d::Work>, torch::Tensor>> grad_recvs;
+    std::vector<Recv> grad_recvs;
   };
   // A micro-batch's carry receives (header, values, then each direct skip), posted ahead once the
   // carry's layout is known (from the first micro-batch this stage received): S micro-batches at
   // the step's start, then one more as each is consumed.
   struct PostedCarry {
-    torch::Tensor header, values;
-    c10::intrusive_ptr<c10d::Work> header_work, values_work;
-    std::vector<std::pair<c10::intrusive_ptr<c10d::Work>, torch::Tensor>> direct;
+    Recv header, values;
+    std::vector<Recv> direct;
   };
+  // One stage this process runs (two under V-shaped placement: stage r and stage 2R-1-r).
+  struct Local {
+    int stage = 0;
+    std::vector<NetUnit> units;
+    std::vector<torch::Tensor> params;                 // its units' trainable parameters
+    std::vector<Micro> micro;                          // per micro-batch of this step
+    torch::Tensor carry_header;                        // the carry's header as first received (empty: none yet)
+    std::vector<std::optional<PostedCarry>> posted;    // per micro-batch of this step
+    std::vector<std::vector<int64_t>> carry_shapes;    // the carry's tensors' shapes (empty: unknown)
+    int next_post = 0;                                 // the next micro-batch whose carry to post
+    std::vector<bool> taken;                           // per micro-batch: its carry was received
+    int64_t carry_bytes = 0;                           // the last carry it sent
+  };
+  Local& local(int stage);
+  bool last(int stage) const { return stage + 1 == stages(); }
+  int rank_of(int stage) const { return schedule_.rank_of(stage); }
+  Recv post_recv(torch::Tensor t, int from_stage, int tag);
+  torch::Tensor wait_recv(Recv& r, const std::string& what);
+  void send_to(torch::Tensor t, int to_stage, int tag);  // a send, or into the mailbox when the stage is here
   void post_carry_receives(int micro_count);
-  void post_next_carry();
-  std::optional<PostedCarry>* posted_for(int micro);  // null: not posted (or already taken)
+  void post_next_carry(Local& l);
+  std::optional<PostedCarry>* posted_for(Local& l, int micro);  // null: not posted (or already taken)
   std::vector<int64_t> direct_shape(const PipeSkipRoutes::Direct& d) const;  // [rows, row_shape...]
-  void forward(Micro& m, int micro);
-  void backward(Micro& m, int micro, PipeOp op);
-  // The carry of micro-batch `micro` to the next stage and from the previous one (first_pass:
+  void forward(Local& l, int micro);
+  void backward(Local& l, int micro, PipeOp op);
+  // The carry of micro-batch `micro` from stage l to the next and from the previous one (first_pass:
   // self-conditioning's, under its own tags, without gradients).
   // With m (not the first pass), the sent tensors become m's backward roots.
-  void send_carry(const NetCarry& k, int micro, bool first_pass = false, Micro* m = nullptr);
-  int tag_of(int micro, int kind) const;  // a message of micro-batch `micro` (kinds in pipe_step.cpp)
-  NetCarry recv_carry(int micro, std::vector<torch::Tensor>& inputs, bool first_pass = false);
+  void send_carry(Local& l, const NetCarry& k, int micro, bool first_pass = false, Micro* m = nullptr);
+  // A message of micro-batch `micro` at cut `cut` (between stages cut and cut + 1; a direct skip's:
+  // the stage that made it), of a kind listed in pipe_step.cpp.
+  int tag_of(int cut, int micro, int kind) const;
+  NetCarry recv_carry(Local& l, int micro, std::vector<torch::Tensor>& inputs, bool first_pass = false);
   // Self-conditioning's first pass of every micro-batch through the stages, and stage 0's use of its
   // output before micro-batch `micro`'s forward.
   void first_pass(const std::vector<Batch>& micro, int64_t step, bool filling);
@@ -194,20 +228,15 @@ class PipeStep {
   PipeSkipRoutes routes_;
   int tags_ = 0;                         // message tags per micro-batch
   std::vector<int64_t> direct_bytes_;    // per stage: the skip bytes this stage sends it directly, per micro-batch
-  int stage_ = 0;
-  std::vector<NetUnit> units_;           // this stage's
+  int rank_ = 0;
+  std::vector<Local> locals_;            // the stages this process runs, ascending
+  std::map<int, torch::Tensor> mailbox_;  // by tag: what one stage here sent another stage here
+  std::vector<Prepared> prep_;           // per micro-batch of this step: its prepared inputs
   std::vector<std::string> unit_names_;  // every unit's, in order
-  std::vector<torch::Tensor> params_;    // this stage's trainable parameters
   std::vector<std::string> all_names_;   // every trainable parameter of the whole model, in order
   std::vector<std::vector<int64_t>> all_shapes_;
   std::unique_ptr<FlatAdamW> optim_;
   std::vector<std::pair<c10::intrusive_ptr<c10d::Work>, torch::Tensor>> sends_;  // waited at the end
-  std::vector<Micro> micro_;
-  torch::Tensor carry_header_;             // the carry's header as first received (empty: none yet)
-  std::vector<std::optional<PostedCarry>> posted_;  // per micro-batch of this step
-  std::vector<std::vector<int64_t>> carry_shapes_;   // the carry's tensors' shapes (empty: unknown)
-  int next_post_ = 0;                                // the next micro-batch whose carry to post
-  std::vector<bool> taken_;                          // per micro-batch: its carry was received
   double scale_ = 1, loss_sum_ = 0;
   StepTimes times_;
   std::chrono::steady_clock::time_point received_;  // when the current action's receive completed
@@ -220,7 +249,6 @@ class PipeStep {
   int64_t rows_ = 0, quantum_ = 1;     // rows per micro-batch, rows per prepare call
   std::vector<PrepNeeds> needs_;       // what each stage reads of a prepared micro-batch
   int64_t steps_run_ = 0;
-  int64_t carry_bytes_ = 0;            // the last carry this stage sent
   std::vector<int64_t> prepared_bytes_;  // per stage: what it reads of a prepared micro-batch
   std::optional<PipeFillPlan> plan_;
   bool fill_news_ = false;

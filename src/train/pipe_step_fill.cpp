@@ -18,11 +18,11 @@ void PipeStep::prepare(const std::vector<Batch>& micro, int64_t step, bool filli
   torch::NoGradGuard no_grad;
   if (!filling) {  // every stage prepares every micro-batch itself, alike
     for (int i = 0; i < M; ++i)
-      micro_[static_cast<size_t>(i)].p = prepare_rows(*objective_, *net_, micro[static_cast<size_t>(i)], 0, rows_, quantum_, step);
+      prep_[static_cast<size_t>(i)] = prepare_rows(*objective_, *net_, micro[static_cast<size_t>(i)], 0, rows_, quantum_, step);
     prepared_bytes_.clear();
     for (const PrepNeeds& n : needs_) {
       int64_t bytes = 0;
-      for (const auto& kv : prepared_tensors(micro_.front().p, n)) bytes += static_cast<int64_t>(kv.second.nbytes());
+      for (const auto& kv : prepared_tensors(prep_.front(), n)) bytes += static_cast<int64_t>(kv.second.nbytes());
       prepared_bytes_.push_back(bytes);
     }
     return;
@@ -41,7 +41,7 @@ void PipeStep::prepare(const std::vector<Batch>& micro, int64_t step, bool filli
         now_[static_cast<size_t>(m)].emplace_back(
             0, prepared_tensors(prepare_rows(*objective_, *net_, micro[static_cast<size_t>(m)], 0,
                                              ahead_rows[static_cast<size_t>(m)], quantum_, step),
-                                needs_[static_cast<size_t>(stage_)]));
+                                needs_[static_cast<size_t>(rank_)]));
   }
   ahead_.assign(static_cast<size_t>(M), Rows{});
   ahead_step_ = -1;
@@ -57,7 +57,7 @@ void PipeStep::run_piece(size_t i, const std::vector<Batch>& micro, const std::v
                      quantum_, pc.ahead ? step + 1 : step);
   }
   for (int to = 0; to < stages(); ++to) {
-    if (to == stage_) continue;
+    if (to == rank_) continue;
     SafetensorsFile f;
     f.tensors = prepared_tensors(p, needs_[static_cast<size_t>(to)]);
     const std::string bytes = safetensors_bytes(f);
@@ -67,14 +67,14 @@ void PipeStep::run_piece(size_t i, const std::vector<Batch>& micro, const std::v
     post_send(values, to, piece_tag(i, 1));
   }
   (pc.ahead ? ahead_ : now_)[static_cast<size_t>(pc.micro)].emplace_back(pc.first,
-                                                                         prepared_tensors(p, needs_[static_cast<size_t>(stage_)]));
+                                                                         prepared_tensors(p, needs_[static_cast<size_t>(rank_)]));
 }
 
 void PipeStep::post_incoming(bool has_next) {
   incoming_.clear();
   for (size_t i = 0; i < pieces_.size(); ++i) {
     const PrepPiece& pc = pieces_[i];
-    if (pc.rank == stage_ || (pc.ahead && !has_next)) continue;
+    if (pc.rank == rank_ || (pc.ahead && !has_next)) continue;
     Incoming in;
     in.piece = i;
     in.length = torch::zeros({1}, torch::kLong);
@@ -99,12 +99,12 @@ void PipeStep::receive(Incoming& in) {
 }
 
 void PipeStep::complete(int micro) {
-  if (micro_[static_cast<size_t>(micro)].p.t.defined()) return;  // already (for the first pass)
+  if (prep_[static_cast<size_t>(micro)].t.defined()) return;  // already (for the first pass)
   for (Incoming& in : incoming_)
     if (!in.done && !pieces_[in.piece].ahead && pieces_[in.piece].micro == micro) receive(in);
-  micro_[static_cast<size_t>(micro)].p =
+  prep_[static_cast<size_t>(micro)] =
       prepared_from(std::move(now_[static_cast<size_t>(micro)]), rows_,
-                    "pipeline stage " + std::to_string(stage_) + ", micro-batch " + std::to_string(micro));
+                    "pipeline stage " + std::to_string(rank_) + ", micro-batch " + std::to_string(micro));
 }
 
 namespace {
@@ -144,13 +144,13 @@ void PipeStep::measure_and_plan() {
   }
   m.optimizer = ms(times_.end) - ms(times_.synced);  // clip, AdamW, EMA: not the wait for the slowest stage
   m.prepare_quantum = ms(times_.prepared) / (M * static_cast<double>(rows_ / quantum_));
-  m.carry_bytes = stage_ + 1 < stages() ? carry_bytes_ : 0;
+  m.carry_bytes = locals_.back().carry_bytes;  // one stage per process when filling
   m.prepared_bytes = prepared_bytes_;
   m.skip_bytes = direct_bytes_;
   // The link: latency from a 1-value message, bandwidth from a 4 MiB one.
   constexpr int64_t kBig = 1 << 20;
   const double small = ping(*comm_, 1), big = ping(*comm_, kBig);
-  if (stage_ == 0) {
+  if (rank_ == 0) {
     m.link_latency = small;
     m.link_bytes_per_ms = big > small ? static_cast<double>(4 * kBig - 4) / (big - small) : 0;
   }
@@ -160,9 +160,9 @@ void PipeStep::measure_and_plan() {
   fill_news_ = true;
   if (!plan_->used) return;
   pieces_ = prep_pieces(plan_->fill.schedule, rows_);
-  piece_at_.assign(plan_->fill.schedule.ranks[static_cast<size_t>(stage_)].size(), -1);
+  piece_at_.assign(plan_->fill.schedule.ranks[static_cast<size_t>(rank_)].size(), -1);
   for (size_t i = 0; i < pieces_.size(); ++i)
-    if (pieces_[i].rank == stage_) piece_at_[static_cast<size_t>(pieces_[i].position)] = static_cast<int>(i);
+    if (pieces_[i].rank == rank_) piece_at_[static_cast<size_t>(pieces_[i].position)] = static_cast<int>(i);
 }
 
 }  // namespace ddm

@@ -313,7 +313,8 @@ TrainSummary train(TrainJob job, const TrainOptions& options) {
       sample = job.objective->prepare(probe.next(), 0);
       sample.cond = net->precompute(sample.xt, sample.t, sample.cond);
     }
-    std::vector<int> bounds = pipe_stage_bounds(*net, sample, pp, cfg.parallel.cuts);
+    PipeSchedule schedule = make_schedule(cfg.parallel.schedule, pp, static_cast<int>(tc.grad_accum));
+    std::vector<int> bounds = pipe_stage_bounds(*net, sample, schedule.stages, cfg.parallel.cuts, schedule.several_per_rank());
     // Replicas: the groups of this process's pipeline (its stages) and of its stage (its replicas).
     std::shared_ptr<Comm> line = comm, same_stage;
     if (replicas > 1) {
@@ -325,7 +326,7 @@ TrainSummary train(TrainJob job, const TrainOptions& options) {
     }
     PipeSkipRoutes routes = pipe_skip_routes(*net, sample, bounds);
     pipe = std::make_unique<PipeStep>(cfg, net, job.objective, line, std::move(bounds),
-                                      make_schedule(cfg.parallel.schedule, pp, static_cast<int>(tc.grad_accum)),
+                                      std::move(schedule),
                                       same_stage, comm, std::move(routes));
   } else {
     trainer_step = std::make_unique<TrainStep>(cfg, net, job.objective);
@@ -532,14 +533,17 @@ TrainSummary train(TrainJob job, const TrainOptions& options) {
                 << " on the wire, collective timeout " << cfg.parallel.timeout << " s\n";
     } else if (pipe) {
       const std::vector<int>& b = pipe->bounds();
+      const int stages = pipe->stages();
       std::cout << "parallel: " << (replicas > 1 ? std::to_string(replicas) + " data-parallel replicas of a pipeline" : "a pipeline")
-                << " of " << pp << " stages (" << cfg.parallel.schedule << ", " << tc.grad_accum
-                << " micro-batches of " << local_batch / tc.grad_accum << "), units";
-      for (int s = 0; s < pp; ++s)
+                << " of " << stages << " stages" << (stages > pp ? " on " + std::to_string(pp) + " processes, V-shaped" : "")
+                << " (" << cfg.parallel.schedule << ", " << tc.grad_accum << " micro-batches of " << local_batch / tc.grad_accum
+                << "), units";
+      for (int s = 0; s < stages; ++s)
         std::cout << (s ? " | " : " ") << pipe->unit_names()[static_cast<size_t>(b[static_cast<size_t>(s)])] << ".."
-                  << pipe->unit_names()[static_cast<size_t>(b[static_cast<size_t>(s) + 1] - 1)];
+                  << pipe->unit_names()[static_cast<size_t>(b[static_cast<size_t>(s) + 1] - 1)]
+                  << (stages > pp ? " (rank " + std::to_string(pipe->rank_of_stage(s)) + ")" : "");
       std::cout << " (parallel.cuts = [";
-      for (int s = 1; s < pp; ++s) std::cout << (s > 1 ? ", " : "") << b[static_cast<size_t>(s)];
+      for (int s = 1; s < stages; ++s) std::cout << (s > 1 ? ", " : "") << b[static_cast<size_t>(s)];
       std::cout << "]), collective timeout " << cfg.parallel.timeout << " s\n";
     } else if (world > 1) {
       std::cout << "parallel: data parallel over " << world << " processes, gradient buckets up to "
@@ -581,7 +585,7 @@ TrainSummary train(TrainJob job, const TrainOptions& options) {
     ck.state["threads"] = threads;
     ck.state["world_size"] = world;
     if (pipe) {
-      ck.state["pipeline"] = {{"stages", pp}, {"schedule", cfg.parallel.schedule}, {"first_units", pipe->bounds()}};
+      ck.state["pipeline"] = {{"stages", pipe->stages()}, {"processes", pp}, {"schedule", cfg.parallel.schedule}, {"first_units", pipe->bounds()}};
     }
     last_ckpt = write_checkpoint(opt.out_dir, ck, tc.keep_ckpts);
     return last_ckpt;

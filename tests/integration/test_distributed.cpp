@@ -269,6 +269,22 @@ TEST(Distributed, PipelineStagesSurviveAKillAndReportLostAndHungStages) {
   worker_one_hung(r, "hung", pp);
 }
 
+// The same for a V-shaped pipeline (4 stages on 2 processes, each running two): killed and restarted
+// under the launcher it ends bit for bit where the uninterrupted run does; a lost rank is named.
+TEST(Distributed, AVShapedPipelineSurvivesAKill) {
+  Workdir r;
+  const std::string pp = " --set parallel.pp=2 --set train.grad_accum=4 --set parallel.schedule=zb-v --set parallel.fill=false";
+  const std::string sets = pp + " --set train.steps=30 --set train.ckpt_every=10";
+  const auto ref = test::run_ddm("launch --timeout 300 --nproc 2 -- " + r.train("ref", sets));
+  ASSERT_EQ(ref.exit_code, 0) << ref.output;
+  const std::string out = killed_under_launcher(r, "killed", sets, 0);
+  EXPECT_TRUE(has(out, "restarting all 2 workers (restart 1 of 1")) << out;
+  ASSERT_EQ(list_checkpoints(r.dir / "killed").back(), r.dir / "killed/ckpt/step-00000030");
+  EXPECT_EQ(weight_difference(r.dir / "ref", r.dir / "killed"), 0.0);
+  EXPECT_EQ(losses(r.dir / "ref"), losses(r.dir / "killed"));
+  rank_one_killed(r, "lost", pp);
+}
+
 TEST(Distributed, SigtermToOneRankStopsEveryRankAfterTheSameStepWithACheckpoint) {
   Workdir r;
   const auto state = sigterm_to_rank_one(r, "term", "");

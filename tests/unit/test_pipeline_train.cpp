@@ -18,6 +18,7 @@
 #include "train/controlnet.h"
 #include "train/pipe_prepare.h"
 #include "train/pipe_routes.h"
+#include "train/pipe_step.h"
 #include "test_util.h"
 #include "train_test_util.h"
 
@@ -87,6 +88,18 @@ TEST(PipelineTrain, StagesTrainWhatOneProcessTrains) {
     const RunConfig three = piped(cfg, 3, "1f1b");  // automatic cuts
     ASSERT_EQ(train_ranks(3, {three, three, three}, dir / "three"), (std::vector<std::string>(3, "")));
     expect_same_training(dir / "three", dir / "one", std::string(arch) + " 3 stages 1f1b");
+    // V-shaped placement: 4 stages on 2 processes, rank 0 running the first and the last (the loss),
+    // split by the V's DP; what one rank's stages pass each other stays in the process.
+    for (const char* schedule : {"1f1b-v", "zb-v"}) {
+      RunConfig v = piped(cfg, 2, schedule);
+      v.parallel.fill = false;
+      ASSERT_EQ(train_ranks(2, {v, v}, dir / schedule), (std::vector<std::string>{"", ""})) << schedule;
+      expect_same_training(dir / schedule, dir / "one", std::string(arch) + " 2 ranks x 2 stages " + schedule);
+      ASSERT_EQ(train_ranks(2, {v, v}, dir / (std::string(schedule) + "-again")), (std::vector<std::string>{"", ""}));
+      EXPECT_EQ(losses(dir / (std::string(schedule) + "-again")), losses(dir / schedule)) << arch << " " << schedule;
+      EXPECT_EQ(max_weight_difference(final_weights(dir / (std::string(schedule) + "-again")), final_weights(dir / schedule)), 0.0)
+          << arch << " " << schedule;
+    }
     // A real difference is seen: the single process without its last micro-batches' worth of data.
     RunConfig half = cfg;
     half.train.batch_size = 8;
@@ -132,6 +145,23 @@ TEST(PipelineTrain, ResumesUnderAnotherSplitAndAsOneProcess) {
   ASSERT_EQ(train_ranks(2, {first, first}, dir / "single"), (std::vector<std::string>{"", ""}));
   ASSERT_EQ(train_ranks(1, {cfg}, dir / "single", true), std::vector<std::string>{""});
   expect_same_training(dir / "single", dir / "one", "2 stages, resumed as 1 process");
+  // V-shaped, 2 processes x 2 stages, for 10 steps, then one process to step 20.
+  RunConfig v = piped(cfg, 2, "zb-v", {2, 3, 5});  // enc0_0's skip stays on rank 0 (stage 0 to 3)
+  v.parallel.fill = false, v.train.steps = 10;
+  {
+    const TrainJob job = job_for(v);
+    Net net = make_net(job.cfg.model);
+    Prepared sample;
+    torch::NoGradGuard no_grad;
+    BatchLoader probe(job.data, 1, 1, false);
+    sample = make_objective(job.cfg)->prepare(probe.next(), 0);
+    const int L = static_cast<int>(net->units().size());
+    const PipeSkipRoutes r = pipe_skip_routes(*net, sample, {0, 2, 3, 5, L});
+    EXPECT_EQ(r.out[0], std::vector<int>{3});  // sent straight from stage 0 to stage 3, both on rank 0
+  }
+  ASSERT_EQ(train_ranks(2, {v, v}, dir / "v"), (std::vector<std::string>{"", ""}));
+  ASSERT_EQ(train_ranks(1, {cfg}, dir / "v", true), std::vector<std::string>{""});
+  expect_same_training(dir / "v", dir / "one", "2 ranks x 2 stages (V), resumed as 1 process");
   // The pipeline's checkpoint is an ordinary one: every parameter, by name, and its state.
   const Checkpoint ck = read_checkpoint(*latest_checkpoint(dir / "split"), true);
   EXPECT_EQ(ck.state["pipeline"]["stages"].get<int>(), 3);
@@ -160,10 +190,25 @@ TEST(PipelineTrain, BadStageConfigsAreClearErrors) {
   EXPECT_NE(validate_error(bad).find("parallel.cuts must be increasing"), std::string::npos) << validate_error(bad);
   bad = piped(cfg, 2, "1f2b");
   EXPECT_NE(validate_error(bad).find("parallel.schedule"), std::string::npos) << validate_error(bad);
-  bad = piped(cfg, 2, "zb-v");  // planned, not yet run
-  EXPECT_NE(validate_error(bad).find("V-shaped placement is planned by `ddm plan` but not run by training yet"),
+  bad = piped(cfg, 2, "zb-v", {4});  // V: 2 ranks run 4 stages, 3 cuts
+  EXPECT_NE(validate_error(bad).find("parallel.cuts has 1 entries but parallel.pp = 2 V-shaped ranks (4 stages) need 3"),
             std::string::npos)
       << validate_error(bad);
+  // V-shaped placement does not yet fill bubbles or run self-conditioning, and needs 2 units a rank.
+  RunConfig v = piped(cfg, 2, "1f1b-v");
+  for (const std::string& e : train_ranks(2, {v, v}, dir / "v-fill"))
+    EXPECT_NE(e.find("set parallel.fill = false"), std::string::npos) << e;
+  v.parallel.fill = false, v.train.self_cond = 0.5;
+  for (const std::string& e : train_ranks(2, {v, v}, dir / "v-sc"))
+    EXPECT_NE(e.find("does not yet run self-conditioning's first pass"), std::string::npos) << e;
+  v.train.self_cond = 0;
+  v.parallel.dp = 2;
+  for (const std::string& e : train_ranks(4, {v, v, v, v}, dir / "v-dp"))
+    EXPECT_NE(e.find("does not yet run with parallel.dp > 1"), std::string::npos) << e;
+  Net whole = make_net(job_for(cfg).cfg.model);
+  EXPECT_NE(error_message([&] { pipe_stage_bounds(*whole, Prepared{}, 80, {}, true); })
+                .find("parallel.pp = 40 V-shaped ranks run 80 stages, but the model has only"),
+            std::string::npos);
   // The keys as a user writes them.
   const RunConfig parsed = parse_config("", "test.toml", {"parallel.pp=3", "parallel.cuts=[4, 9]", "parallel.schedule=zb-h1"});
   EXPECT_EQ(parsed.parallel.cuts, (std::vector<int64_t>{4, 9}));
