@@ -16,6 +16,9 @@
 #   AE_RUN    a `ddm train-autoencoder` run (the latent workload's frozen encoder)
 #   BASE_RUN  a `ddm train --config configs/quickstart.toml` run (the ControlNet's locked base)
 #   defaults: 3 rounds, 16 steps, /tmp/ddm-pipeline-runs; MICRO=8 micro-batches
+#   SCHEDULES (default "gpipe 1f1b zb-h1"; the V-shaped 1f1b-v and zb-v run 4 stages on the 2
+#   processes), FILLS (default "false true"; V-shaped pipelines do not fill yet: give false),
+#   WORKLOADS (default "latent controlnet"; "pixel" adds configs/quickstart.toml, two skip levels)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ae=${1:?usage: bench/pipeline_runs.sh AE_RUN BASE_RUN [ROUNDS] [STEPS] [OUT_DIR]}
@@ -53,11 +56,15 @@ print(json.dumps({"run": d, "round": rnd, "img_per_s": sum(ips) / len(ips), "pea
 PY
 }
 
-workloads=(latent controlnet)
+read -r -a workloads <<< "${WORKLOADS:-latent controlnet}"
+read -r -a schedules <<< "${SCHEDULES:-gpipe 1f1b zb-h1}"
+read -r -a fills <<< "${FILLS:-false true}"
 args_latent=(--config configs/latent-quickstart.toml --set model.latent="$ae")
 args_controlnet=(--controlnet "$base")
+args_pixel=(--config configs/quickstart.toml)
 plan_latent=(--config configs/latent-quickstart.toml --set model.latent="$ae")
 plan_controlnet=(--config "$out/controlnet-config/config.toml")
+plan_pixel=(--config configs/quickstart.toml)
 # The ControlNet's config as `ddm train --controlnet` resolves it, for `ddm plan` to profile.
 build/ddm train --controlnet "$base" --out "$out/controlnet-config" --force --set train.steps=1 > /dev/null
 # Each workload profiled once (1 thread, as one of the 2 ranks runs), before any run; each
@@ -67,7 +74,7 @@ for w in "${workloads[@]}"; do
   declare -n pargs="plan_$w"
   build/ddm plan "${pargs[@]}" --set train.threads=1 --devices 2 --stages 2 --micro "$micro" \
     --save-profile "$out/$w.profile.json" > "$out/$w.profile.txt"
-  for s in gpipe 1f1b zb-h1; do
+  for s in "${schedules[@]}"; do
     build/ddm plan --profile "$out/$w.profile.json" --batch 128 --devices 2 --stages 2 --micro "$micro" --schedule $s \
       --json "$out/$w-$s.plans.json" > /dev/null
     cuts[$w-$s]=$("$py" -c "import json,sys; p=json.load(open(sys.argv[1]))[0]; print(','.join(map(str, p['first_units'][1:-1])))" \
@@ -79,8 +86,8 @@ for ((round = 0; round < rounds; round++)); do
   for w in "${workloads[@]}"; do
     declare -n wargs="args_$w"
     run "$w" dp 2 "${wargs[@]}" --set train.grad_accum=1
-    for s in gpipe 1f1b zb-h1; do
-      for fill in false true; do
+    for s in "${schedules[@]}"; do
+      for fill in "${fills[@]}"; do
         run "$w" "$s$([ $fill = true ] && echo -filled || echo -serial)" 2 "${wargs[@]}" --set parallel.pp=2 \
           --set parallel.schedule=$s --set train.grad_accum="$micro" --set "parallel.cuts=[${cuts[$w-$s]}]" \
           --set parallel.fill=$fill
@@ -90,8 +97,9 @@ for ((round = 0; round < rounds; round++)); do
 done
 # The simulator against the last round's measured pipelines, one profile per workload.
 for w in "${workloads[@]}"; do
-  for s in gpipe 1f1b zb-h1; do
-    for f in serial filled; do
+  for s in "${schedules[@]}"; do
+    for fill in "${fills[@]}"; do
+      f=$([ "$fill" = true ] && echo filled || echo serial)
       build/ddm plan --measured "$out/$w-$s-$f" --profile "$out/$w.profile.json" --timeline "$out/$w-$s-$f.png" \
         > "$out/$w-$s-$f.plan.txt"
     done
@@ -101,14 +109,14 @@ done
 import json, re, statistics, sys
 out, micro = sys.argv[1], sys.argv[2]
 rows = [json.loads(l) for l in open(out + "/results.jsonl")]
-runs = sorted({r["run"] for r in rows}, key=lambda r: ([w in r for w in ("latent", "controlnet")].index(True), r))
+runs = sorted({r["run"] for r in rows}, key=lambda r: ([w in r for w in ("latent", "controlnet", "pixel")].index(True), r))
 def ips_of(run): return [r["img_per_s"] for r in rows if r["run"] == run]
 def error(run, what):
     try:
         return re.search(what + r"[^\n]*?([+-][0-9.]+)% of the measured", open(run + ".plan.txt").read()).group(1) + "%"
     except (OSError, AttributeError):
         return "-"
-print(f"2 processes x 1 thread, global batch 128, pipelines of 2 stages with {micro} micro-batches")
+print(f"2 processes x 1 thread, global batch 128, pipelines of 2 stages (V-shaped: 4) with {micro} micro-batches")
 print("%-26s %8s %7s %10s %13s %20s %10s %10s" % ("run", "img/s", "vs dp", "vs serial", "rounds", "peak RSS MiB (r0, r1)",
                                                "profile", "own plan"))
 for run in runs:
