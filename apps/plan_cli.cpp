@@ -292,8 +292,8 @@ int run_plan(PlanArgs a) {
     if (best.replicas > 1) std::printf(" parallel.dp=%d (%d processes)", best.replicas, best.stages * best.replicas);
     std::printf("\n");
     if (v)
-      std::printf("  (V-shaped placement does not fill bubbles in training yet: expect the serial %.1f ms%s)\n",
-                  best.serial_iteration(), best.replicas > 1 ? "; nor does it run with parallel.dp > 1 yet" : "");
+      std::printf("  (V-shaped placement does not fill bubbles in training yet: expect the serial %.1f ms)\n",
+                  best.serial_iteration());
   }
   // The three references: plain data parallelism, the best pipeline with its frozen work serial, and
   // the best pipeline with it filled into the bubbles.

@@ -149,11 +149,6 @@ PipeStep::PipeStep(const RunConfig& cfg, Net net, std::shared_ptr<Objective> obj
     DDM_CHECK(!cfg_.parallel.fill, "parallel.schedule = \"" << schedule_.name << "\" runs two stages per process, and "
                                                            "parallel.fill does not yet place frozen work among them: "
                                                            "set parallel.fill = false");
-    DDM_CHECK(cfg_.train.self_cond <= 0, "parallel.schedule = \"" << schedule_.name << "\" does not yet run "
-                                                                     "self-conditioning's first pass: use a linear schedule "
-                                                                     "(gpipe, 1f1b, zb-h1) with train.self_cond");
-    DDM_CHECK(!replicas_,
-              "parallel.schedule = \"" << schedule_.name << "\" does not yet run with parallel.dp > 1: use one pipeline");
   }
   for (int v = 0; v < S; ++v)
     if (rank_of(v) == rank_) locals_.emplace_back().stage = v;
@@ -514,7 +509,9 @@ StepResult PipeStep::run(const std::vector<Batch>& micro, int64_t step, const st
       first_pass(micro, step, filling);
       first_pass_done = true;
     }
-    if (sync_ && i == last_weights) sync_->set_enabled(true);
+    // (Two stages here: the last action accumulates one stage's gradients alone; the replicas' sync
+    // then runs after every action, not overlapped.)
+    if (sync_ && i == last_weights && locals_.size() == 1) sync_->set_enabled(true);
     const Clock::time_point t0 = Clock::now();
     received_ = t0;  // a receive moves it on: the action's work starts once its input has arrived
     if (a.op == PipeOp::kTask) {
@@ -540,7 +537,8 @@ StepResult PipeStep::run(const std::vector<Batch>& micro, int64_t step, const st
   }
   for (auto& [work, tensor] : sends_) comm_->wait(work, "send to a neighbouring stage");
   sends_.clear();
-  if (sync_) sync_->finish();  // the replicas' gradients averaged
+  if (sync_ && locals_.size() == 1) sync_->finish();  // the replicas' gradients averaged
+  if (sync_ && locals_.size() > 1) sync_->sync_now();
   times_.backward_end = Clock::now();
   // The loss (the mean of the replicas' last stages) and the squared gradient norm (a sum over the
   // stages' disjoint parts, once: replica 0's; after the average every replica holds the same).
@@ -572,45 +570,46 @@ StepResult PipeStep::run(const std::vector<Batch>& micro, int64_t step, const st
 void PipeStep::first_pass(const std::vector<Batch>& micro, int64_t step, bool filling) {
   // Self-conditioning (train.self_cond): every micro-batch's chosen rows through every stage without
   // gradients, at the step's start with this step's weights; the last stage's output goes back to
-  // stage 0, which turns it into the x0 estimate its forward feeds in.
+  // stage 0, which turns it into the x0 estimate its forward feeds in. A process with two stages
+  // (V-shaped) passes every micro-batch through its earlier stage first.
   torch::NoGradGuard no_grad;
-  const int M = static_cast<int>(micro.size());
+  const int M = static_cast<int>(micro.size()), S = stages();
   first_.assign(static_cast<size_t>(M), FirstPass{});
-  for (int m = 0; m < M; ++m) {
-    const Clock::time_point t0 = Clock::now();
-    received_ = t0;
-    if (filling) complete(m);
-    const Prepared& p = prep_[static_cast<size_t>(m)];
-    Local& l = locals_.front();  // one stage per process: V-shaped placement refuses self-conditioning
-    FirstPass& f = first_[static_cast<size_t>(m)];
-    f.idx = objective_->self_cond_rows(micro[static_cast<size_t>(m)].first, rows_, step);  // alike on every stage
-    if (f.idx.numel() == 0) continue;
-    Cond c = p.cond.select(f.idx);
-    NetCarry k;
-    if (l.stage == 0) {
-      f.x = p.xt.index_select(0, f.idx);      // [b', C, H, W]
-      c.self_cond = torch::zeros_like(f.x);   // the first pass has no estimate
-      k.h = f.x;
-    } else {
-      std::vector<torch::Tensor> inputs;
-      k = recv_carry(l, m, inputs, /*first_pass=*/true);
+  for (int m = 0; m < M; ++m)  // alike on every stage
+    first_[static_cast<size_t>(m)].idx = objective_->self_cond_rows(micro[static_cast<size_t>(m)].first, rows_, step);
+  for (Local& l : locals_)
+    for (int m = 0; m < M; ++m) {
+      const Clock::time_point t0 = Clock::now();
+      received_ = t0;
+      if (filling) complete(m);
+      const Prepared& p = prep_[static_cast<size_t>(m)];
+      FirstPass& f = first_[static_cast<size_t>(m)];
+      if (f.idx.numel() == 0) continue;
+      Cond c = p.cond.select(f.idx);
+      NetCarry k;
+      if (l.stage == 0) {
+        f.x = p.xt.index_select(0, f.idx);      // [b', C, H, W]
+        c.self_cond = torch::zeros_like(f.x);   // the first pass has no estimate
+        k.h = f.x;
+      } else {
+        std::vector<torch::Tensor> inputs;
+        k = recv_carry(l, m, inputs, /*first_pass=*/true);
+      }
+      const torch::Tensor t = p.t.index_select(0, f.idx);  // [b']
+      for (const NetUnit& u : l.units) u.run(k, t, c);
+      if (!last(l.stage)) {
+        send_carry(l, k, m, /*first_pass=*/true);
+      } else {
+        send_to(k.h.contiguous(), 0, tag_of(S - 1, m, kFirstOut));  // the model's output [b', C, H, W]
+      }
+      if (l.stage == 0) {
+        f.t = t;
+        f.out = post_recv(torch::empty_like(f.x), S - 1, tag_of(S - 1, m, kFirstOut));
+      }
+      PipeAction a;
+      a.op = PipeOp::kTask, a.stage = -1, a.micro = m, a.task = 1, a.rows = f.idx.numel(), a.serial = true;
+      events_.push_back({a, ms_since_start(received_), ms_since_start(Clock::now())});
     }
-    const torch::Tensor t = p.t.index_select(0, f.idx);  // [b']
-    for (const NetUnit& u : l.units) u.run(k, t, c);
-    if (!last(l.stage)) {
-      send_carry(l, k, m, /*first_pass=*/true);
-    } else {
-      post_send(k.h.contiguous(), 0, tag_of(stages() - 1, m, kFirstOut));  // the model's output [b', C, H, W]
-    }
-    if (l.stage == 0) {
-      f.t = t;
-      f.out = torch::empty_like(f.x);
-      f.work = comm_->recv_async(f.out, stages() - 1, tag_of(stages() - 1, m, kFirstOut));
-    }
-    PipeAction a;
-    a.op = PipeOp::kTask, a.stage = -1, a.micro = m, a.task = 1, a.rows = f.idx.numel(), a.serial = true;
-    events_.push_back({a, ms_since_start(received_), ms_since_start(Clock::now())});
-  }
 }
 
 void PipeStep::take_estimate(int micro) {
@@ -618,10 +617,10 @@ void PipeStep::take_estimate(int micro) {
   FirstPass& f = first_.at(static_cast<size_t>(micro));
   p.cond.self_cond = torch::zeros_like(p.xt);  // [B, C, H, W]
   if (f.idx.numel() == 0) return;
-  comm_->wait(f.work, "receive the first pass's output from stage " + std::to_string(stages() - 1));
+  const torch::Tensor out = wait_recv(f.out, "receive the first pass's output from stage " + std::to_string(stages() - 1));
   received_ = Clock::now();
   torch::NoGradGuard no_grad;
-  p.cond.self_cond.index_copy_(0, f.idx, objective_->self_cond_estimate(f.x, f.t, f.out));
+  p.cond.self_cond.index_copy_(0, f.idx, objective_->self_cond_estimate(f.x, f.t, out));
 }
 
 double PipeStep::ms_since_start(Clock::time_point t) const {

@@ -4,7 +4,8 @@
 // V-shaped schedule (1F1B-V, ZB-V) each of R processes runs two of the 2R stages, r and 2R-1-r, in
 // the order of its action list; what the two pass each other (the carry at the V's turn, a skip
 // made and read on one rank, their gradients) goes through a mailbox in the process, not the group.
-// V-shaped placement does not yet fill bubbles, run self-conditioning or run with replicas.
+// V-shaped placement does not yet fill bubbles; with replicas, its gradient sync runs after the
+// last action instead of overlapping it.
 //   prepare  the objective's prepare (x_t, t, conditioning, target; the frozen work: a latent
 //            encoder, a ControlNet's locked encoder) in quanta of rows (train/pipe_prepare.h). Without
 //            a fill plan every stage prepares every micro-batch itself before the pipeline starts
@@ -262,8 +263,8 @@ class PipeStep {
   bool objective_self_cond_ = false;
   struct FirstPass {
     torch::Tensor idx;         // the micro-batch's rows that take a first pass [b']
-    torch::Tensor x, t, out;   // stage 0: their x_t and t, and the last stage's output (received)
-    c10::intrusive_ptr<c10d::Work> work;
+    torch::Tensor x, t;        // stage 0: their x_t and t
+    Recv out;                  // ... and the last stage's output
   };
   std::vector<FirstPass> first_;
 };

@@ -194,17 +194,10 @@ TEST(PipelineTrain, BadStageConfigsAreClearErrors) {
   EXPECT_NE(validate_error(bad).find("parallel.cuts has 1 entries but parallel.pp = 2 V-shaped ranks (4 stages) need 3"),
             std::string::npos)
       << validate_error(bad);
-  // V-shaped placement does not yet fill bubbles or run self-conditioning, and needs 2 units a rank.
-  RunConfig v = piped(cfg, 2, "1f1b-v");
+  // V-shaped placement does not yet fill bubbles, and needs 2 units a rank.
+  const RunConfig v = piped(cfg, 2, "1f1b-v");
   for (const std::string& e : train_ranks(2, {v, v}, dir / "v-fill"))
     EXPECT_NE(e.find("set parallel.fill = false"), std::string::npos) << e;
-  v.parallel.fill = false, v.train.self_cond = 0.5;
-  for (const std::string& e : train_ranks(2, {v, v}, dir / "v-sc"))
-    EXPECT_NE(e.find("does not yet run self-conditioning's first pass"), std::string::npos) << e;
-  v.train.self_cond = 0;
-  v.parallel.dp = 2;
-  for (const std::string& e : train_ranks(4, {v, v, v, v}, dir / "v-dp"))
-    EXPECT_NE(e.find("does not yet run with parallel.dp > 1"), std::string::npos) << e;
   Net whole = make_net(job_for(cfg).cfg.model);
   EXPECT_NE(error_message([&] { pipe_stage_bounds(*whole, Prepared{}, 80, {}, true); })
                 .find("parallel.pp = 40 V-shaped ranks run 80 stages, but the model has only"),
@@ -340,6 +333,11 @@ TEST(PipelineTrain, DataParallelReplicasOfAPipeline) {
   hybrid.train.grad_accum = 2;  // each replica: 8 rows in 2 micro-batches of 4
   ASSERT_EQ(train_ranks(4, std::vector<RunConfig>(4, hybrid), dir / "hybrid"), std::vector<std::string>(4, ""));
   expect_same_training(dir / "hybrid", dir / "one", "2 stages x 2 replicas");
+  // V-shaped: 4 stages on each replica's 2 processes (the replicas' sync after the last action).
+  RunConfig vhybrid = piped(hybrid, 2, "1f1b-v", {2, 3, 5});
+  vhybrid.parallel.fill = false;
+  ASSERT_EQ(train_ranks(4, std::vector<RunConfig>(4, vhybrid), dir / "vhybrid"), std::vector<std::string>(4, ""));
+  expect_same_training(dir / "vhybrid", dir / "one", "2 ranks x 2 stages (V) x 2 replicas");
   RunConfig every = hybrid;
   every.parallel.dp = 0;
   ASSERT_EQ(train_ranks(4, std::vector<RunConfig>(4, every), dir / "every"), std::vector<std::string>(4, ""));
@@ -391,6 +389,12 @@ TEST(PipelineTrain, SelfConditioningPassesThroughTheStages) {
         if (e.at(0) == "T" && !e.at(5).get<bool>()) rows += e.at(4).get<int64_t>();
       EXPECT_GT(rows, 0) << arch << " stage " << r.at("stage");
     }
+    // V-shaped: the first pass crosses 4 stages on 2 processes; its output returns within process 0.
+    RunConfig v = piped(cfg, 2, "zb-v");
+    v.parallel.fill = false;
+    const std::string vdir = dir / (std::string(arch) + "-v");
+    ASSERT_EQ(train_ranks(2, {v, v}, vdir), (std::vector<std::string>{"", ""}));
+    expect_same_training(vdir, one, std::string(arch) + " 2 ranks x 2 stages (V), self-conditioning");
   }
 }
 
