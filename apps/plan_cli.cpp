@@ -280,20 +280,15 @@ int run_plan(PlanArgs a) {
               best.stages, is_v_schedule(best.schedule) ? "rank" : "stage", best.stages == 1 ? "" : "s", best.replicas, best.replicas == 1 ? "" : "s", best.schedule.c_str(),
               best.micro, static_cast<long long>(best.rows), best.filled_iteration(), batch / (best.filled_iteration() / 1e3),
               best.cuts_text().c_str());
-  // The flags that train it. V-shaped placement trains without bubble filling for now: its
-  // frozen work runs serially, so the serial prediction is the one to expect.
+  // The flags that train it.
   if (best.stages > 1) {
-    const bool v = is_v_schedule(best.schedule);
-    std::printf("  train it: --set parallel.pp=%d parallel.schedule=%s%s train.grad_accum=%d parallel.cuts=[", best.stages,
-                best.schedule.c_str(), v ? " parallel.fill=false" : "", best.micro);
+    std::printf("  train it: --set parallel.pp=%d parallel.schedule=%s train.grad_accum=%d parallel.cuts=[", best.stages,
+                best.schedule.c_str(), best.micro);
     for (size_t s = 1; s + 1 < best.partition.first.size(); ++s)
       std::printf("%s%d", s > 1 ? "," : "", best.partition.first[s]);
     std::printf("]");
     if (best.replicas > 1) std::printf(" parallel.dp=%d (%d processes)", best.replicas, best.stages * best.replicas);
     std::printf("\n");
-    if (v)
-      std::printf("  (V-shaped placement does not fill bubbles in training yet: expect the serial %.1f ms)\n",
-                  best.serial_iteration());
   }
   // The three references: plain data parallelism, the best pipeline with its frozen work serial, and
   // the best pipeline with it filled into the bubbles.

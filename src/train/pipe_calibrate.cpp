@@ -48,27 +48,34 @@ PipeStageMeasure measure_from_json(const std::string& text) {
   return m;
 }
 
-PipeCosts costs_from_measures(const std::vector<PipeStageMeasure>& stages, int64_t rows, int64_t quantum) {
+PipeCosts costs_from_measures(const std::vector<PipeStageMeasure>& stages, int64_t rows, int64_t quantum,
+                              const std::vector<int>& stage_rank) {
   const int S = static_cast<int>(stages.size());
   DDM_CHECK(S >= 2, "bubble filling needs a pipeline of at least 2 stages, got " << S);
+  DDM_CHECK(stage_rank.empty() || static_cast<int>(stage_rank.size()) == S,
+            "pipeline: " << stage_rank.size() << " stage placements for " << S << " stages");
+  auto rank_of = [&](int s) { return stage_rank.empty() ? s : stage_rank[static_cast<size_t>(s)]; };
+  int R = 0;
+  for (int s = 0; s < S; ++s) R = std::max(R, rank_of(s) + 1);
   const PipeStageMeasure& lead = stages.front();
   // A link of unmeasurably high bandwidth (the round trips of both sizes took the same time) costs its latency.
   const double per_ms = lead.link_bytes_per_ms > 0 ? lead.link_bytes_per_ms : 1e300;
   auto link = [&](double bytes) { return lead.link_latency + bytes / per_ms; };
   PipeCosts c;
+  c.optimizer.assign(static_cast<size_t>(R), 0);
   double quantum_ms = 0;
   int64_t prepared = 0;
   for (int s = 0; s < S; ++s) {
     const PipeStageMeasure& m = stages[static_cast<size_t>(s)];
     c.stage.push_back({m.forward, m.input_grad, m.weight_grad});
-    c.optimizer.push_back(m.optimizer);
-    if (s + 1 < S) {
-      c.send_forward.push_back(link(static_cast<double>(m.carry_bytes)));
-      c.send_backward.push_back(link(static_cast<double>(m.carry_bytes)));
+    c.optimizer[static_cast<size_t>(rank_of(s))] += m.optimizer;  // a rank measures it once, on its first stage
+    if (s + 1 < S) {  // nothing crosses the link between two stages of one rank
+      const double t = rank_of(s + 1) == rank_of(s) ? 0 : link(static_cast<double>(m.carry_bytes));
+      c.send_forward.push_back(t), c.send_backward.push_back(t);
     }
-    quantum_ms += m.prepare_quantum / S;  // every stage prepared every micro-batch: their mean
-    DDM_CHECK(static_cast<int>(m.prepared_bytes.size()) == S,
-              "stage " << s << " measured the prepared bytes of " << m.prepared_bytes.size() << " stages, not " << S);
+    quantum_ms += m.prepare_quantum / S;  // every rank prepared every micro-batch: their mean
+    DDM_CHECK(static_cast<int>(m.prepared_bytes.size()) == R,
+              "stage " << s << " measured the prepared bytes of " << m.prepared_bytes.size() << " ranks, not " << R);
     for (int64_t b : m.prepared_bytes) prepared = std::max(prepared, b);
     for (int t = 0; t < static_cast<int>(m.skip_bytes.size()); ++t)
       if (m.skip_bytes[static_cast<size_t>(t)] > 0) {
@@ -86,14 +93,14 @@ PipeCosts costs_from_measures(const std::vector<PipeStageMeasure>& stages, int64
   t.send = link(static_cast<double>(prepared));
   t.cross_iteration = true;
   c.tasks.push_back(t);
-  validate_costs(c, S);
+  validate_costs(c, S, R);
   return c;
 }
 
 PipeFillPlan plan_fill(const PipeSchedule& schedule, const std::vector<PipeStageMeasure>& stages, int64_t rows,
                        int64_t quantum) {
   PipeFillPlan p;
-  p.costs = costs_from_measures(stages, rows, quantum);
+  p.costs = costs_from_measures(stages, rows, quantum, schedule.stage_rank);
   p.fill = fill_bubbles(schedule, p.costs);
   p.serial = simulate(with_serial_tasks(schedule, p.costs), p.costs);
   const int64_t filled = p.fill.filled_rows.at(0), total = filled + p.fill.serial_rows.at(0);
@@ -129,7 +136,7 @@ std::string fill_plan_json(const PipeFillPlan& p) {
   nlohmann::json ranks = nlohmann::json::array();
   for (const auto& slots : p.fill.timeline.ranks) {
     nlohmann::json r = nlohmann::json::array();
-    for (const PipeSlot& x : slots) r.push_back(timeline_event(x.action, x.start, x.end));
+    for (const PipeSlot& x : slots) r.push_back(timeline_event(x.action, x.start, x.end, p.fill.schedule.several_per_rank()));
     ranks.push_back(r);
   }
   const PipeTask& t = p.costs.tasks.at(0);

@@ -24,7 +24,7 @@ struct PipeStageMeasure {
   double optimizer = 0;                                 // clip, AdamW, EMA
   double prepare_quantum = 0;                           // prepare time per `quantum` rows
   int64_t carry_bytes = 0;                              // what it sends the next stage per micro-batch
-  std::vector<int64_t> prepared_bytes;                  // per stage: a micro-batch's prepared tensors it reads
+  std::vector<int64_t> prepared_bytes;                  // per rank: a micro-batch's prepared tensors it reads
   double link_latency = 0, link_bytes_per_ms = 0;       // measured by rank 0 (0 elsewhere)
   std::vector<int64_t> skip_bytes;                      // per stage: skips it sends there directly, per micro-batch
 };
@@ -33,12 +33,14 @@ std::string measure_json(const PipeStageMeasure& m);
 // Throws ddm::Error naming the key that is missing or wrong.
 PipeStageMeasure measure_from_json(const std::string& text);
 
-// The simulator's costs from every stage's measurements (rank s = stage s): per-stage compute, the
+// The simulator's costs from every stage's measurements (stage s on rank stage_rank[s]; empty: on
+// rank s; a rank's optimizer is on its first stage's measurement): per-stage compute, the
 // link's time for each cut's carry and its gradient and for each direct skip route, each rank's optimizer, and one task "prepare"
 // per micro-batch of `rows` rows in quanta of `quantum` (any rank, consumed by stage 0, weight-
 // independent so it may prepare the next step in this step's bubbles, its output sent to the stage
 // that reads the most of it).
-PipeCosts costs_from_measures(const std::vector<PipeStageMeasure>& stages, int64_t rows, int64_t quantum);
+PipeCosts costs_from_measures(const std::vector<PipeStageMeasure>& stages, int64_t rows, int64_t quantum,
+                              const std::vector<int>& stage_rank = {});
 
 struct PipeFillPlan {
   PipeCosts costs;

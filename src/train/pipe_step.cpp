@@ -145,18 +145,16 @@ PipeStep::PipeStep(const RunConfig& cfg, Net net, std::shared_ptr<Objective> obj
                              << " processes and a schedule of " << S << " stages (got " << comm_->world_size()
                              << " processes, a schedule of " << schedule_.stages << ")");
   validate_schedule(schedule_);
-  if (schedule_.several_per_rank()) {
-    DDM_CHECK(!cfg_.parallel.fill, "parallel.schedule = \"" << schedule_.name << "\" runs two stages per process, and "
-                                                           "parallel.fill does not yet place frozen work among them: "
-                                                           "set parallel.fill = false");
-  }
   for (int v = 0; v < S; ++v)
-    if (rank_of(v) == rank_) locals_.emplace_back().stage = v;
+    if (rank_of(v) == rank_) {
+      Local& l = locals_.emplace_back();
+      l.stage = v;
+      l.direct_bytes.assign(static_cast<size_t>(S), 0);
+    }
   if (routes_.in.empty()) routes_.in.assign(static_cast<size_t>(S), {});  // no routes: every skip carried
   DDM_CHECK(static_cast<int>(routes_.in.size()) == S && (routes_.out.empty() || static_cast<int>(routes_.out.size()) == S - 1),
             "pipeline: skip routes for " << routes_.in.size() << " stages, not " << S);
   tags_ = kSkip + 2 * routes_.slots;
-  direct_bytes_.assign(static_cast<size_t>(S), 0);
   // Every trainable parameter of the whole model, by name, before the other stages' are frozen.
   std::map<const void*, std::string> name_of;
   for (const auto& p : net_->named_parameters()) {
@@ -169,12 +167,12 @@ PipeStep::PipeStep(const RunConfig& cfg, Net net, std::shared_ptr<Objective> obj
   DDM_CHECK(bounds_.front() == 0 && bounds_.back() == static_cast<int>(all.size()),
             "pipeline stage bounds must cover units 0.." << all.size() - 1);
   std::map<const void*, bool> mine;
-  needs_.assign(static_cast<size_t>(S), PrepNeeds{});
-  needs_.front().xt = needs_.back().target = true;
+  needs_.assign(static_cast<size_t>(R), PrepNeeds{});  // per rank: what its stages read
+  needs_[static_cast<size_t>(rank_of(0))].xt = needs_[static_cast<size_t>(rank_of(S - 1))].target = true;
   for (int u = 0; u < static_cast<int>(all.size()); ++u) {
     unit_names_.push_back(all[static_cast<size_t>(u)].name);
     const int owner = static_cast<int>(std::upper_bound(bounds_.begin(), bounds_.end(), u) - bounds_.begin()) - 1;
-    if (all[static_cast<size_t>(u)].reads_frozen) needs_[static_cast<size_t>(owner)].frozen = true;
+    if (all[static_cast<size_t>(u)].reads_frozen) needs_[static_cast<size_t>(rank_of(owner))].frozen = true;
     const bool here = rank_of(owner) == rank_;
     for (const torch::Tensor& p : all[static_cast<size_t>(u)].params) mine[p.unsafeGetTensorImpl()] = here;
     if (here) {
@@ -291,7 +289,7 @@ void PipeStep::send_carry(Local& l, const NetCarry& k, int micro, bool first_pas
     put(torch::Tensor());
     if (r >= 0) {  // straight to the stage that reads it
       const torch::Tensor x = k.skips[i].contiguous();
-      if (rank_of(r) != rank_) direct_bytes_[static_cast<size_t>(r)] = static_cast<int64_t>(x.nbytes());
+      if (rank_of(r) != rank_) l.direct_bytes[static_cast<size_t>(r)] = static_cast<int64_t>(x.nbytes());
       send_to(x, r, tag_of(s, micro, kSkip + 2 * static_cast<int>(i)));
       if (m) m->direct_roots.push_back({x, r, static_cast<int>(i)});
     }

@@ -4,8 +4,8 @@
 // V-shaped schedule (1F1B-V, ZB-V) each of R processes runs two of the 2R stages, r and 2R-1-r, in
 // the order of its action list; what the two pass each other (the carry at the V's turn, a skip
 // made and read on one rank, their gradients) goes through a mailbox in the process, not the group.
-// V-shaped placement does not yet fill bubbles; with replicas, its gradient sync runs after the
-// last action instead of overlapping it.
+// With replicas, V-shaped placement's gradient sync runs after the last action instead of
+// overlapping it.
 //   prepare  the objective's prepare (x_t, t, conditioning, target; the frozen work: a latent
 //            encoder, a ControlNet's locked encoder) in quanta of rows (train/pipe_prepare.h). Without
 //            a fill plan every stage prepares every micro-batch itself before the pipeline starts
@@ -173,7 +173,8 @@ class PipeStep {
     std::vector<std::vector<int64_t>> carry_shapes;    // the carry's tensors' shapes (empty: unknown)
     int next_post = 0;                                 // the next micro-batch whose carry to post
     std::vector<bool> taken;                           // per micro-batch: its carry was received
-    int64_t carry_bytes = 0;                           // the last carry it sent
+    int64_t carry_bytes = 0;                           // the last carry it sent another process
+    std::vector<int64_t> direct_bytes;                 // per stage: the skip bytes it sends there directly (another process's)
   };
   Local& local(int stage);
   bool last(int stage) const { return stage + 1 == stages(); }
@@ -228,7 +229,6 @@ class PipeStep {
   PipeSchedule schedule_;
   PipeSkipRoutes routes_;
   int tags_ = 0;                         // message tags per micro-batch
-  std::vector<int64_t> direct_bytes_;    // per stage: the skip bytes this stage sends it directly, per micro-batch
   int rank_ = 0;
   std::vector<Local> locals_;            // the stages this process runs, ascending
   std::map<int, torch::Tensor> mailbox_;  // by tag: what one stage here sent another stage here
@@ -248,9 +248,9 @@ class PipeStep {
   std::vector<PipeEvent> shown_events_;
   // Bubble filling.
   int64_t rows_ = 0, quantum_ = 1;     // rows per micro-batch, rows per prepare call
-  std::vector<PrepNeeds> needs_;       // what each stage reads of a prepared micro-batch
+  std::vector<PrepNeeds> needs_;       // per rank: what its stages read of a prepared micro-batch
   int64_t steps_run_ = 0;
-  std::vector<int64_t> prepared_bytes_;  // per stage: what it reads of a prepared micro-batch
+  std::vector<int64_t> prepared_bytes_;  // per rank: what it reads of a prepared micro-batch
   std::optional<PipeFillPlan> plan_;
   bool fill_news_ = false;
   std::vector<PrepPiece> pieces_;      // the plan's, every rank's

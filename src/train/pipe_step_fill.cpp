@@ -4,6 +4,8 @@
 #include <algorithm>
 #include <cstring>
 
+#include <nlohmann/json.hpp>
+
 #include "core/error.h"
 #include "core/safetensors.h"
 #include "train/pipe_step.h"
@@ -56,7 +58,7 @@ void PipeStep::run_piece(size_t i, const std::vector<Batch>& micro, const std::v
     p = prepare_rows(*objective_, *net_, (pc.ahead ? next : micro)[static_cast<size_t>(pc.micro)], pc.first, pc.rows,
                      quantum_, pc.ahead ? step + 1 : step);
   }
-  for (int to = 0; to < stages(); ++to) {
+  for (int to = 0; to < comm_->world_size(); ++to) {
     if (to == rank_) continue;
     SafetensorsFile f;
     f.tensors = prepared_tensors(p, needs_[static_cast<size_t>(to)]);
@@ -130,32 +132,44 @@ double ping(Comm& comm, int64_t floats) {
 }  // namespace
 
 void PipeStep::measure_and_plan() {
-  // This stage's compute per micro-batch (each action from its input's arrival), prepare per quantum,
-  // optimizer (with the loss and norm all-reduce), and what it sends.
+  // Each stage's compute per micro-batch (each action from its input's arrival), this process's
+  // prepare per quantum and optimizer (with the loss and norm all-reduce; on its first stage's
+  // measurement), and what each stage sends.
   const double M = schedule_.micro;
   auto ms = [&](Clock::time_point t) { return ms_since_start(t); };
-  PipeStageMeasure m;
-  for (const PipeEvent& e : events_) {
-    const double d = (e.end_ms - e.start_ms) / M;
-    if (e.action.op == PipeOp::kTask) continue;  // self-conditioning's first pass: not in the plan
-    if (e.action.op == PipeOp::kForward) m.forward += d;
-    else if (e.action.op == PipeOp::kWeightGrad) m.weight_grad += d;
-    else m.input_grad += d;
-  }
-  m.optimizer = ms(times_.end) - ms(times_.synced);  // clip, AdamW, EMA: not the wait for the slowest stage
-  m.prepare_quantum = ms(times_.prepared) / (M * static_cast<double>(rows_ / quantum_));
-  m.carry_bytes = locals_.back().carry_bytes;  // one stage per process when filling
-  m.prepared_bytes = prepared_bytes_;
-  m.skip_bytes = direct_bytes_;
   // The link: latency from a 1-value message, bandwidth from a 4 MiB one.
   constexpr int64_t kBig = 1 << 20;
   const double small = ping(*comm_, 1), big = ping(*comm_, kBig);
-  if (rank_ == 0) {
-    m.link_latency = small;
-    m.link_bytes_per_ms = big > small ? static_cast<double>(4 * kBig - 4) / (big - small) : 0;
+  nlohmann::json mine = nlohmann::json::array();
+  for (const Local& l : locals_) {
+    PipeStageMeasure m;
+    for (const PipeEvent& e : events_) {
+      const double d = (e.end_ms - e.start_ms) / M;
+      if (e.action.op == PipeOp::kTask || e.action.stage != l.stage) continue;  // a first pass is not in the plan
+      if (e.action.op == PipeOp::kForward) m.forward += d;
+      else if (e.action.op == PipeOp::kWeightGrad) m.weight_grad += d;
+      else m.input_grad += d;
+    }
+    if (&l == &locals_.front()) m.optimizer = ms(times_.end) - ms(times_.synced);  // clip, AdamW, EMA: not the wait for the slowest stage
+    m.prepare_quantum = ms(times_.prepared) / (M * static_cast<double>(rows_ / quantum_));
+    m.carry_bytes = l.carry_bytes;
+    m.prepared_bytes = prepared_bytes_;
+    m.skip_bytes = l.direct_bytes;
+    if (l.stage == 0) {
+      m.link_latency = small;
+      m.link_bytes_per_ms = big > small ? static_cast<double>(4 * kBig - 4) / (big - small) : 0;
+    }
+    mine.push_back(measure_json(m));
   }
-  std::vector<PipeStageMeasure> all;
-  for (const std::string& text : comm_->all_gather_strings(measure_json(m))) all.push_back(measure_from_json(text));
+  // Every rank's measurements, in stage order (a rank's stages ascending).
+  std::vector<std::vector<PipeStageMeasure>> by_rank;
+  for (const std::string& text : comm_->all_gather_strings(mine.dump())) {
+    by_rank.emplace_back();
+    for (const auto& one : nlohmann::json::parse(text)) by_rank.back().push_back(measure_from_json(one.get<std::string>()));
+  }
+  std::vector<PipeStageMeasure> all(static_cast<size_t>(stages()));
+  std::vector<size_t> next(by_rank.size(), 0);
+  for (int v = 0; v < stages(); ++v) all[static_cast<size_t>(v)] = by_rank.at(static_cast<size_t>(rank_of(v))).at(next[static_cast<size_t>(rank_of(v))]++);
   plan_ = plan_fill(schedule_, all, rows_, quantum_);
   fill_news_ = true;
   if (!plan_->used) return;

@@ -41,17 +41,14 @@ TEST(PlanCli, ProfilesPlansAndDraws) {
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("4 stages x 1, zb-h1"), std::string::npos) << r.output;
   EXPECT_EQ(r.output.find("profiling"), std::string::npos) << r.output;
-  // V-shaped placement: 4 stages on 2 ranks, with the flags that train it (unfilled for now).
+  // V-shaped placement: 4 stages on 2 ranks, with the flags that train it (3 cuts).
   r = test::run_ddm("plan --profile " + (dir / "p.json") + " --batch 64 --devices 2 --stages 2 --micro 8 --schedule 1f1b-v");
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("best: 2 ranks x 1 replica, 1f1b-v"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find(" (r0) | "), std::string::npos) << r.output;
   EXPECT_NE(r.output.find(" (r1) | "), std::string::npos) << r.output;
-  EXPECT_NE(r.output.find("train it: --set parallel.pp=2 parallel.schedule=1f1b-v parallel.fill=false train.grad_accum=8 "
-                          "parallel.cuts=["),
+  EXPECT_NE(r.output.find("train it: --set parallel.pp=2 parallel.schedule=1f1b-v train.grad_accum=8 parallel.cuts=["),
             std::string::npos)
-      << r.output;
-  EXPECT_NE(r.output.find("V-shaped placement does not fill bubbles in training yet: expect the serial"), std::string::npos)
       << r.output;
 
   // Bad input.

@@ -794,6 +794,13 @@ TEST(PipeCalibrate, CostsAndPlanFromMeasurements) {
   EXPECT_TRUE(c.tasks[0].cross_iteration);
   EXPECT_DOUBLE_EQ(c.tasks[0].time(16), 4 * 0.5);
   EXPECT_DOUBLE_EQ(c.tasks[0].send, 0.1 + 1);
+  // V-shaped: 4 stages on 2 ranks; nothing crosses the link at the turn, one optimizer per rank.
+  std::vector<PipeStageMeasure> v = {m[0], m[1], m[1], m[0]};
+  v[2].optimizer = v[3].optimizer = 0;  // a rank measures it on its first stage
+  const PipeCosts vc = costs_from_measures(v, 16, 4, {0, 1, 1, 0});
+  EXPECT_GT(vc.send_forward.at(0), 0);
+  EXPECT_EQ(vc.send_forward.at(1), 0);
+  EXPECT_EQ(vc.optimizer, (std::vector<double>{0.5, 0.7}));
   const PipeStageMeasure back = measure_from_json(measure_json(m[0]));
   EXPECT_EQ(measure_json(back), measure_json(m[0]));
   const PipeSchedule s = make_schedule("1f1b", 2, 4);
@@ -818,6 +825,6 @@ TEST(PipeCalibrate, CostsAndPlanFromMeasurements) {
             std::string::npos);
   std::vector<PipeStageMeasure> short_list = m;
   short_list[1].prepared_bytes = {1};
-  EXPECT_NE(error_message([&] { costs_from_measures(short_list, 16, 4); }).find("prepared bytes of 1 stages"), std::string::npos);
+  EXPECT_NE(error_message([&] { costs_from_measures(short_list, 16, 4); }).find("prepared bytes of 1 ranks"), std::string::npos);
   EXPECT_NE(error_message([&] { costs_from_measures({m[0]}, 16, 4); }).find("at least 2 stages"), std::string::npos);
 }

@@ -194,10 +194,7 @@ TEST(PipelineTrain, BadStageConfigsAreClearErrors) {
   EXPECT_NE(validate_error(bad).find("parallel.cuts has 1 entries but parallel.pp = 2 V-shaped ranks (4 stages) need 3"),
             std::string::npos)
       << validate_error(bad);
-  // V-shaped placement does not yet fill bubbles, and needs 2 units a rank.
-  const RunConfig v = piped(cfg, 2, "1f1b-v");
-  for (const std::string& e : train_ranks(2, {v, v}, dir / "v-fill"))
-    EXPECT_NE(e.find("set parallel.fill = false"), std::string::npos) << e;
+  // V-shaped placement needs 2 units a rank.
   Net whole = make_net(job_for(cfg).cfg.model);
   EXPECT_NE(error_message([&] { pipe_stage_bounds(*whole, Prepared{}, 80, {}, true); })
                 .find("parallel.pp = 40 V-shaped ranks run 80 stages, but the model has only"),
@@ -299,6 +296,8 @@ TEST(PipelineTrain, FillingTheBubblesChangesNoResult) {
   filled_and_not(piped(sized(base("unet")), 2, "1f1b", {2}), "unet-1f1b");
   filled_and_not(piped(sized(base("unet")), 2, "zb-h1", {2}), "unet-zb-h1");
   filled_and_not(piped(sized(base("dit")), 2, "gpipe"), "dit-gpipe");
+  filled_and_not(piped(sized(base("unet")), 2, "1f1b-v", {2, 3, 5}), "unet-1f1b-v");  // 4 stages on 2 processes
+  filled_and_not(piped(sized(base("dit")), 2, "zb-v"), "dit-zb-v");
 
   RunConfig first = piped(sized(base("unet")), 2, "1f1b", {2});
   first.train.steps = 5;
@@ -319,6 +318,7 @@ TEST(PipelineTrain, FillingTheBubblesChangesNoResult) {
   while (units[static_cast<size_t>(zero)].name != "zero") ++zero;
   ASSERT_TRUE(units[static_cast<size_t>(zero)].reads_frozen);
   filled_and_not(piped(cn, 2, "1f1b", {zero}), "controlnet");
+  filled_and_not(piped(cn, 2, "1f1b-v"), "controlnet-v");  // the control maps' reader on a rank's second stage
 }
 
 // Pipelines of data-parallel replicas: 2 stages x 2 replicas (4 processes, rank = stage x 2 +
