@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <thread>
@@ -125,6 +126,22 @@ std::string killed_under_launcher(const Workdir& r, const std::string& out, cons
   else kill(workers[static_cast<size_t>(victim)], SIGKILL);
   if (wait_exit(launcher, 300) != 0) ADD_FAILURE() << "the launcher did not end: " << test::read_text(log);
   return test::read_text(log);
+}
+
+// Trains `sets` for `steps` steps with a checkpoint every 10, uninterrupted ("ref") and with worker 0
+// killed by kill -9 under the launcher ("killed"): the launcher restarts both, and the run ends bit
+// for bit where the uninterrupted one does.
+void a_kill_changes_nothing(const Workdir& r, const std::string& sets, int steps) {
+  const std::string all = sets + " --set train.steps=" + std::to_string(steps) + " --set train.ckpt_every=10";
+  const auto ref = test::run_ddm("launch --timeout 300 --nproc 2 -- " + r.train("ref", all));
+  ASSERT_EQ(ref.exit_code, 0) << ref.output;
+  const std::string out = killed_under_launcher(r, "killed", all, 0);
+  EXPECT_TRUE(has(out, "restarting all 2 workers (restart 1 of 1")) << out;
+  char last[32];
+  std::snprintf(last, sizeof last, "killed/ckpt/step-%08d", steps);
+  ASSERT_EQ(list_checkpoints(r.dir / "killed").back(), r.dir / last);
+  EXPECT_EQ(weight_difference(r.dir / "ref", r.dir / "killed"), 0.0);
+  EXPECT_EQ(losses(r.dir / "ref"), losses(r.dir / "killed"));
 }
 
 // Starts 2 ranks by hand training `out` without end, sends SIGTERM to rank 1 once training runs and
@@ -256,32 +273,18 @@ TEST(Distributed, AHungWorkerFailsTheOthersAfterTheTimeout) {
 TEST(Distributed, PipelineStagesSurviveAKillAndReportLostAndHungStages) {
   Workdir r;
   const std::string pp = " --set parallel.pp=2 --set train.grad_accum=4 --set parallel.schedule=zb-h1";
-  const std::string sets = pp + " --set train.steps=60 --set train.ckpt_every=10";
-  const auto ref = test::run_ddm("launch --timeout 300 --nproc 2 -- " + r.train("ref", sets));
-  ASSERT_EQ(ref.exit_code, 0) << ref.output;
-  const std::string out = killed_under_launcher(r, "killed", sets, 0);
-  EXPECT_TRUE(has(out, "restarting all 2 workers (restart 1 of 1")) << out;
-  ASSERT_EQ(list_checkpoints(r.dir / "killed").back(), r.dir / "killed/ckpt/step-00000060");
-  EXPECT_EQ(weight_difference(r.dir / "ref", r.dir / "killed"), 0.0);
-  EXPECT_EQ(losses(r.dir / "ref"), losses(r.dir / "killed"));
-
+  a_kill_changes_nothing(r, pp, 60);
   rank_one_killed(r, "lost", pp);
   worker_one_hung(r, "hung", pp);
 }
 
-// The same for a V-shaped pipeline (4 stages on 2 processes, each running two): killed and restarted
-// under the launcher it ends bit for bit where the uninterrupted run does; a lost rank is named.
+// The same for a V-shaped pipeline (4 stages on 2 processes, each running two; bubbles filled):
+// killed and restarted under the launcher it ends bit for bit where the uninterrupted run does; a
+// lost rank is named.
 TEST(Distributed, AVShapedPipelineSurvivesAKill) {
   Workdir r;
-  const std::string pp = " --set parallel.pp=2 --set train.grad_accum=4 --set parallel.schedule=zb-v --set parallel.fill=false";
-  const std::string sets = pp + " --set train.steps=30 --set train.ckpt_every=10";
-  const auto ref = test::run_ddm("launch --timeout 300 --nproc 2 -- " + r.train("ref", sets));
-  ASSERT_EQ(ref.exit_code, 0) << ref.output;
-  const std::string out = killed_under_launcher(r, "killed", sets, 0);
-  EXPECT_TRUE(has(out, "restarting all 2 workers (restart 1 of 1")) << out;
-  ASSERT_EQ(list_checkpoints(r.dir / "killed").back(), r.dir / "killed/ckpt/step-00000030");
-  EXPECT_EQ(weight_difference(r.dir / "ref", r.dir / "killed"), 0.0);
-  EXPECT_EQ(losses(r.dir / "ref"), losses(r.dir / "killed"));
+  const std::string pp = " --set parallel.pp=2 --set train.grad_accum=4 --set parallel.schedule=zb-v";
+  a_kill_changes_nothing(r, pp, 30);
   rank_one_killed(r, "lost", pp);
 }
 
@@ -297,16 +300,8 @@ TEST(Distributed, SigtermToOneRankStopsEveryRankAfterTheSameStepWithACheckpoint)
 // to one replica stops both at the next synchronization, with a checkpoint.
 TEST(Distributed, DilocoKilledAndRestartedEndsAsIfUninterrupted) {
   Workdir r;
-  const std::string sets =
-      " --set train.steps=80 --set train.ckpt_every=10 --set parallel.mode=diloco --set diloco.inner_steps=6"
-      " --set diloco.fragments=2 --set diloco.overlap=1";
-  const auto ref = test::run_ddm("launch --timeout 300 --nproc 2 -- " + r.train("ref", sets));
-  ASSERT_EQ(ref.exit_code, 0) << ref.output;
-  const std::string out = killed_under_launcher(r, "killed", sets, 0);
-  EXPECT_TRUE(has(out, "restarting all 2 workers")) << out;
-  ASSERT_EQ(list_checkpoints(r.dir / "killed").back(), r.dir / "killed/ckpt/step-00000080");
-  EXPECT_EQ(weight_difference(r.dir / "ref", r.dir / "killed"), 0.0);
-  EXPECT_EQ(losses(r.dir / "ref"), losses(r.dir / "killed"));
+  a_kill_changes_nothing(
+      r, " --set parallel.mode=diloco --set diloco.inner_steps=6 --set diloco.fragments=2 --set diloco.overlap=1", 80);
 }
 
 TEST(Distributed, DilocoSigtermToOneReplicaStopsBothAtTheNextSync) {

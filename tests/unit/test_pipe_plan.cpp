@@ -57,6 +57,27 @@ std::map<std::string, double> backbone_starts(const PipeTimeline& tl) {
   return m;
 }
 
+// A random model of L units for the partition DPs' brute-force tests: times and sizes drawn from
+// [0.1, 3) (scaled), `carry[l]` the carry after unit l, and with `skips` 0-2 skips per unit, each read
+// by a later unit or by none (read = L). cut_bytes: the carry and every skip open after the unit.
+std::vector<PipeUnit> random_units(std::mt19937& rng, int L, bool skips, std::vector<double>& carry) {
+  std::uniform_real_distribution<double> u(0.1, 3.0);
+  std::vector<PipeUnit> units(L);
+  carry.assign(L, 0);
+  for (int l = 0; l < L; ++l) {
+    carry[l] = u(rng) * 50;
+    units[l] = {"u" + std::to_string(l), u(rng), u(rng), u(rng), u(rng) * 10, u(rng) * 20, carry[l], {}, -1};
+    if (skips && l + 1 < L)
+      for (int k = 0; k < static_cast<int>(rng() % 3); ++k)
+        units[l].skips.push_back({l + 1 + static_cast<int>(rng() % (L - l)), u(rng) * 40});  // read by l+1..L
+  }
+  for (int l = 0; l < L; ++l)
+    for (int m = 0; m <= l; ++m)
+      for (const PipeSkip& k : units[m].skips)
+        if (k.read > l) units[l].cut_bytes += k.bytes;
+  return units;
+}
+
 }  // namespace
 
 TEST(PipeSchedule, ShapesOfEachSchedule) {
@@ -390,19 +411,8 @@ TEST(PipePartition, MatchesBruteForce) {
   const PipeLink link{100.0, 0.05};
   for (int trial = 0; trial < 200; ++trial) {
     const int L = 1 + trial % 8, S = 1 + (trial / 8) % std::min(L, 4);
-    std::vector<PipeUnit> units(L);
-    std::vector<double> carry(L);
-    for (int l = 0; l < L; ++l) {
-      carry[l] = u(rng) * 50;
-      units[l] = {"u" + std::to_string(l), u(rng), u(rng), u(rng), u(rng) * 10, u(rng) * 20, carry[l], {}, -1};
-      if (trial % 2 && l + 1 < L)
-        for (int k = 0; k < static_cast<int>(rng() % 3); ++k)
-          units[l].skips.push_back({l + 1 + static_cast<int>(rng() % (L - l)), u(rng) * 40});  // read by l+1..L
-    }
-    for (int l = 0; l < L; ++l)  // cut_bytes: the carry and every open skip
-      for (int m = 0; m <= l; ++m)
-        for (const PipeSkip& k : units[m].skips)
-          if (k.read > l) units[l].cut_bytes += k.bytes;
+    std::vector<double> carry;
+    std::vector<PipeUnit> units = random_units(rng, L, trial % 2, carry);
     auto sends = [&](int i, int j) {
       double b = carry[j - 1];
       for (int l = i; l < j; ++l)
@@ -491,19 +501,8 @@ TEST(PipePartition, VShapedMatchesBruteForce) {
   int feasible = 0;
   for (int trial = 0; trial < 240; ++trial) {
     const int L = 2 + trial % 8, R = 1 + (trial / 8) % std::min(L / 2, 3), S = 2 * R;
-    std::vector<PipeUnit> units(L);
-    std::vector<double> carry(L);
-    for (int l = 0; l < L; ++l) {
-      carry[l] = u(rng) * 50;
-      units[l] = {"u" + std::to_string(l), u(rng), u(rng), u(rng), u(rng) * 10, u(rng) * 20, carry[l], {}, -1};
-      if (l + 1 < L)
-        for (int k = 0; k < static_cast<int>(rng() % 3); ++k)
-          units[l].skips.push_back({l + 1 + static_cast<int>(rng() % (L - l)), u(rng) * 40});
-    }
-    for (int l = 0; l < L; ++l)
-      for (int m = 0; m <= l; ++m)
-        for (const PipeSkip& k : units[m].skips)
-          if (k.read > l) units[l].cut_bytes += k.bytes;
+    std::vector<double> carry;
+    const std::vector<PipeUnit> units = random_units(rng, L, true, carry);
     // Sends of run [i, j), without the skips read in [lo, hi).
     auto sends = [&](int i, int j, int lo, int hi) {
       double b = carry[j - 1];
