@@ -235,15 +235,15 @@ PipeCosts costs_of_partition(const std::vector<PipeUnit>& units, const PipeParti
     PipeStageCost k;
     for (int l = p.first[s]; l < p.first[s + 1]; ++l)
       k.forward += units[l].forward, k.input_grad += units[l].input_grad, k.weight_grad += units[l].weight_grad;
-    // The split backward as the runtime runs it, where the parameter pass is profiled: I is autograd
-    // of the stage's inputs (nothing on stage 0, whose inputs are data); W a second pass from the
-    // stage's outputs to its parameters, which walks the whole backward of every unit after the
-    // first one with trainable parameters and that unit's parameter pass (nothing without any).
-    int f = p.first[s];
-    while (f < p.first[s + 1] && units[f].state_bytes <= 0) ++f;
-    if (f == p.first[s + 1] || units[f].weight_pass >= 0) {
-      k.split_input = s == 0 ? 0 : k.input_grad;
-      k.split_weight = f == p.first[s + 1] ? 0 : units[f].weight_pass;
+    // The split backward as the runtime runs it (train/split_backward.h): I is the input gradients
+    // alone, W the parameters' alone. Except on stage 0, whose inputs are data: no I, and W is the
+    // whole backward of every unit after the first one with trainable parameters plus that unit's
+    // parameter pass (its weight gradient where that pass was not profiled).
+    if (s == 0) {
+      int f = p.first[s];
+      while (f < p.first[s + 1] && units[f].state_bytes <= 0) ++f;
+      k.split_input = 0;
+      k.split_weight = f == p.first[s + 1] ? 0 : units[f].weight_pass >= 0 ? units[f].weight_pass : units[f].weight_grad;
       for (int l = f + 1; l < p.first[s + 1]; ++l) k.split_weight += units[l].input_grad + units[l].weight_grad;
     }
     c.stage.push_back(k);

@@ -26,9 +26,8 @@ namespace ddm {
 
 // Per micro-batch compute times of one stage (milliseconds, or any one unit used throughout). B is
 // input_grad + weight_grad. I and W of a split backward are input_grad and weight_grad unless
-// split_input / split_weight say otherwise (>= 0): ddm's runtime computes W as a second autograd
-// pass to the stage's parameters, which walks back through most of the backward again, and stage 0
-// has no input gradient to compute (costs_of_partition models both from profiled passes).
+// split_input / split_weight say otherwise (>= 0): in ddm's runtime stage 0 has no input gradient to
+// compute, so its I is nothing and its W the whole backward (costs_of_partition models it).
 struct PipeStageCost {
   double forward = 0, input_grad = 0, weight_grad = 0;
   double split_input = -1, split_weight = -1;

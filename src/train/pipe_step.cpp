@@ -458,14 +458,12 @@ void PipeStep::backward(Local& l, int micro, PipeOp op) {
       for (const torch::Tensor& in : inputs) g.push_back(in.grad());
       send_input_grads(g);
     }
-  } else if (op == PipeOp::kInputGrad) {
-    if (s > 0)
-      send_input_grads(roots.empty() ? std::vector<torch::Tensor>(inputs.size())
-                                     : torch::autograd::grad(roots, inputs, grads, /*retain_graph=*/true,
-                                                             /*create_graph=*/false, /*allow_unused=*/true));
-    return;  // W follows from the same graph
-  } else if (!l.params.empty() && !roots.empty()) {  // W (no parameters here: nothing to do but free the graph)
-    torch::autograd::backward(roots, grads, /*retain_graph=*/false, /*create_graph=*/false, l.params);
+  } else if (op == PipeOp::kInputGrad) {  // no parameter's gradient: W computes those later from what I keeps
+    std::vector<torch::Tensor> g = m.split.input_grads(roots, grads, inputs, l.params);
+    if (s > 0) send_input_grads(std::move(g));
+    return;
+  } else {
+    m.split.weight_grads();
   }
   m = Micro{};  // the activations go
 }

@@ -23,7 +23,8 @@
 //   B        the last stage back-propagates loss / M; the others first receive the gradient of their
 //            carry from s+1; every stage but the first sends its input's gradient to s-1
 //   I, W     ZB-H1's split of B: I computes and sends only the input gradient (the critical path),
-//            W later accumulates the weight gradients from the same graph
+//            W later accumulates the weight gradients from the same graph, from the gradients I
+//            kept at its edges toward the parameters (train/split_backward.h), not walking I again
 // Sends are posted without waiting and waited for at the end of the step (Gloo's send completes only
 // once the peer has posted its receive); a receive is waited for when its action needs it (the
 // prepared pieces' receives are posted when the step starts). Then one small all-reduce gives every
@@ -56,6 +57,7 @@
 #include "train/pipe_calibrate.h"
 #include "train/pipe_prepare.h"
 #include "train/pipe_routes.h"
+#include "train/split_backward.h"
 #include "train/step.h"
 
 namespace ddm {
@@ -151,6 +153,7 @@ class PipeStep {
     std::vector<DirectRoot> direct_roots;      // ... and the skips sent straight to their readers
     std::vector<torch::Tensor> grads;          // their gradients (the carry's, then the direct ones'; none for the loss)
     bool received = false;                     // grads received (I then W)
+    SplitBackward split;                       // I's leftovers for W
     // The receives of those gradients, posted as soon as the forward has sent (the flat carry's,
     // then each direct root's), so they arrive while this stage works on other micro-batches.
     std::vector<Recv> grad_recvs;

@@ -1,6 +1,8 @@
 // Backbones as units for pipeline stages: running every unit in order equals forward bit for bit
 // (U-Net with skips, DiT, ControlNet; labels, self-conditioning), every trainable parameter belongs
-// to exactly one unit, and gradients through a chain of units equal forward's.
+// to exactly one unit, and gradients through a chain of units equal forward's. And a stage's
+// backward split into I and W (train/split_backward.h): the same gradients as one backward, the
+// input-gradient chain run once, and a plain second pass where the split would not be exact.
 #include <gtest/gtest.h>
 
 #include <set>
@@ -12,6 +14,7 @@
 #include "model/controlnet.h"
 #include "model/net.h"
 #include "test_util.h"
+#include "train/split_backward.h"
 
 using namespace ddm;
 
@@ -135,4 +138,139 @@ TEST(PipeUnits, ControlNetUnitsAreForward) {
     for (const NetUnit& u : units) u.run(k2, t, c);
   });
   EXPECT_NE(e.find("needs the locked encoder's features"), std::string::npos) << e;
+}
+
+// ---- The split backward (I now, W later) ----
+
+namespace {
+
+int g_count_calls = 0;
+// The identity, counting how often its backward runs.
+struct CountBackward : torch::autograd::Function<CountBackward> {
+  static torch::Tensor forward(torch::autograd::AutogradContext*, torch::Tensor x) { return x.clone(); }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext*, torch::autograd::variable_list g) {
+    ++g_count_calls;
+    return {g[0]};
+  }
+};
+
+// Gradients of `inputs` and `params` from one plain backward.
+std::vector<torch::Tensor> plain_grads(const std::vector<torch::Tensor>& roots, const std::vector<torch::Tensor>& grads,
+                                       const std::vector<torch::Tensor>& inputs, const std::vector<torch::Tensor>& params) {
+  std::vector<torch::Tensor> all = inputs;
+  all.insert(all.end(), params.begin(), params.end());
+  return torch::autograd::grad(roots, all, grads, /*retain_graph=*/true, false, /*allow_unused=*/true);
+}
+
+// I then W against the plain backward. Float32 sums may be added in another order: within 1e-5.
+void expect_split_equals_plain(const std::vector<torch::Tensor>& roots, const std::vector<torch::Tensor>& grads,
+                               const std::vector<torch::Tensor>& inputs, const std::vector<torch::Tensor>& params,
+                               bool want_split, const std::string& what) {
+  const std::vector<torch::Tensor> want = plain_grads(roots, grads, inputs, params);
+  for (const torch::Tensor& p : params) p.mutable_grad() = torch::Tensor();
+  SplitBackward sb;
+  const std::vector<torch::Tensor> gi = sb.input_grads(roots, grads, inputs, params);
+  EXPECT_EQ(sb.split(), want_split) << what;
+  for (const torch::Tensor& p : params) EXPECT_FALSE(p.grad().defined()) << what << ": I wrote a parameter's gradient";
+  sb.weight_grads();
+  ASSERT_EQ(gi.size(), inputs.size());
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    ASSERT_EQ(gi[i].defined(), want[i].defined()) << what << " input " << i;
+    if (gi[i].defined()) {
+      EXPECT_TRUE(torch::allclose(gi[i], want[i], 1e-5, 1e-7)) << what << " input " << i;
+    }
+  }
+  for (size_t j = 0; j < params.size(); ++j) {
+    const torch::Tensor& w = want[inputs.size() + j];
+    if (!w.defined()) continue;  // a parameter this graph does not read
+    ASSERT_TRUE(params[j].grad().defined()) << what << " param " << j;
+    EXPECT_TRUE(torch::allclose(params[j].grad(), w, 1e-5, 1e-7))
+        << what << " param " << j << ": " << (params[j].grad() - w).abs().max().item<double>();
+  }
+}
+
+}  // namespace
+
+// A small graph with what stages have: a residual, a normalization, a parameter-only branch into
+// the output, two roots (one reaching no input). I runs the input-gradient chain once and writes no
+// parameter's gradient; W does not run it again; together they equal one backward.
+TEST(SplitBackward, RunsTheInputChainOnceAndEqualsOneBackward) {
+  torch::manual_seed(1);
+  auto l1 = torch::nn::Linear(6, 8), l2 = torch::nn::Linear(8, 8);
+  auto ln = torch::nn::LayerNorm(torch::nn::LayerNormOptions({8}));
+  const torch::Tensor bias = torch::randn({8}, torch::requires_grad()), scale = torch::randn({8}, torch::requires_grad());
+  std::vector<torch::Tensor> params = {l1->weight, l1->bias, l2->weight, l2->bias, ln->weight, ln->bias, bias, scale};
+  const torch::Tensor x = torch::randn({4, 6}, torch::requires_grad());
+  auto build = [&] {
+    torch::Tensor h = CountBackward::apply(l1->forward(x));                      // [4, 8]
+    h = ln->forward(h + torch::gelu(l2->forward(h))) + bias.tanh();             // [4, 8]
+    return std::vector<torch::Tensor>{h, scale * 3};                                // the second reaches no input
+  };
+  std::vector<torch::Tensor> roots = build();
+  const std::vector<torch::Tensor> grads = {torch::randn({4, 8}), torch::randn({8})};
+  g_count_calls = 0;
+  SplitBackward sb;
+  const auto gi = sb.input_grads(roots, grads, {x}, params);
+  EXPECT_TRUE(sb.split());
+  EXPECT_EQ(g_count_calls, 1);
+  sb.weight_grads();
+  EXPECT_EQ(g_count_calls, 1) << "W walked the input-gradient chain again";
+  roots = build();
+  expect_split_equals_plain(roots, grads, {x}, params, true, "toy");
+  // Without inputs (a first stage): W is the whole backward.
+  roots = build();
+  expect_split_equals_plain(roots, grads, {}, params, true, "no inputs");
+  // A scalar root without a given gradient.
+  roots = build();
+  expect_split_equals_plain({roots[0].pow(2).sum()}, {}, {x}, params, true, "loss");
+}
+
+// A parameter read twice on the input's path: W from one frontier node would run into the other's
+// gradient, so W is the plain second pass, with the same result.
+TEST(SplitBackward, SharedParameterFallsBackToAPlainPass) {
+  torch::manual_seed(2);
+  auto l = torch::nn::Linear(5, 5);
+  const torch::Tensor x = torch::randn({3, 5}, torch::requires_grad());
+  const torch::Tensor y = l->forward(torch::relu(l->forward(x)));  // [3, 5]
+  expect_split_equals_plain({y}, {torch::randn({3, 5})}, {x}, {l->weight, l->bias}, false, "shared");
+}
+
+// Stages of the real backbones (a middle stage with open U-Net skips and the conditioning carried
+// in; a last stage with the loss) split exactly.
+TEST(SplitBackward, StagesOfTheBackbonesSplitExactly) {
+  for (const std::string arch : {"unet", "dit"}) {
+    torch::manual_seed(4);
+    Net net = make_net(small(arch, false));
+    for (auto& p : net->named_parameters()) p.value().data().normal_(0, 0.05);
+    const auto x = torch::randn({2, 1, 16, 16}), t = torch::rand({2});
+    Cond c(torch::tensor({1, 4}, torch::kLong));
+    const std::vector<NetUnit> units = net->units();
+    const size_t n = units.size(), a = n / 3, b = 2 * n / 3;
+    NetCarry k{x, {}, {}};
+    {
+      torch::NoGradGuard ng;
+      for (size_t u = 0; u < a; ++u) units[u].run(k, t, c);
+    }
+    auto stage = [&](size_t from, size_t to, NetCarry in, std::vector<torch::Tensor>& inputs, std::vector<torch::Tensor>& params) {
+      auto leaf = [&](torch::Tensor& y) {
+        if (y.defined()) y = y.detach().clone().requires_grad_(true), inputs.push_back(y);
+      };
+      leaf(in.h), leaf(in.emb);
+      for (torch::Tensor& s : in.skips) leaf(s);
+      for (size_t u = from; u < to; ++u) {
+        units[u].run(in, t, c);
+        for (const torch::Tensor& p : units[u].params) params.push_back(p);
+      }
+      return in;
+    };
+    std::vector<torch::Tensor> inputs, params;
+    NetCarry mid = stage(a, b, k, inputs, params);
+    std::vector<torch::Tensor> roots, grads;
+    for (const torch::Tensor& y : mid.tensors())
+      if (y.requires_grad()) roots.push_back(y), grads.push_back(torch::randn_like(y));
+    expect_split_equals_plain(roots, grads, inputs, params, true, arch + " middle stage");
+    std::vector<torch::Tensor> inputs2, params2;
+    NetCarry end = stage(b, n, mid, inputs2, params2);
+    expect_split_equals_plain({end.h.pow(2).mean()}, {}, inputs2, params2, true, arch + " last stage");
+  }
 }
