@@ -17,7 +17,7 @@
 #   BASE_RUN  a `ddm train --config configs/quickstart.toml` run (the ControlNet's locked base)
 #   defaults: 3 rounds, 16 steps, /tmp/ddm-pipeline-runs; MICRO=8 micro-batches
 #   SCHEDULES (default "gpipe 1f1b zb-h1"; the V-shaped 1f1b-v and zb-v run 4 stages on the 2
-#   processes), FILLS (default "false true"; V-shaped pipelines do not fill yet: give false),
+#   processes), FILLS (default "false true"),
 #   WORKLOADS (default "latent controlnet"; "pixel" adds configs/quickstart.toml, two skip levels)
 set -euo pipefail
 cd "$(dirname "$0")/.."

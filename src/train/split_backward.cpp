@@ -1,5 +1,5 @@
 // SplitBackward: the input-gradient pass now, the weight-gradient pass later, from one graph
-// (see split_backward.h for the method and when it falls back to a plain second pass).
+// (see split_backward.h for the method).
 #include "train/split_backward.h"
 
 #include <torch/csrc/autograd/autograd.h>
@@ -135,22 +135,15 @@ std::vector<torch::Tensor> SplitBackward::input_grads(const std::vector<torch::T
     part->node = n->shared_from_this();
     parts_.push_back(part);
   }
-  // Exact only if no parameter is reached from two parts.
-  std::unordered_map<ag::Node*, int> owners;
-  bool exact = true;
-  for (const auto& p : parts_)
-    for (const ag::Edge& e : p->outputs) exact = exact && ++owners[e.function.get()] == 1;
-
   // I, with the frontier's hooks on for its duration.
   std::vector<std::pair<ag::Node*, ag::FunctionPreHook*>> hooks;
   std::vector<torch::Tensor> out;
-  if (exact)
-    for (const auto& p : parts_)
-      if (p->node) {
-        auto h = std::make_unique<Keep>(&p->grads, &p->fired);
-        hooks.push_back({p->node.get(), h.get()});
-        p->node->add_pre_hook(std::move(h));
-      }
+  for (const auto& p : parts_)
+    if (p->node) {
+      auto h = std::make_unique<Keep>(&p->grads, &p->fired);
+      hooks.push_back({p->node.get(), h.get()});
+      p->node->add_pre_hook(std::move(h));
+    }
   auto unhook = [&] {
     for (const auto& [n, h] : hooks) {
       auto& v = n->pre_hooks();
@@ -167,17 +160,24 @@ std::vector<torch::Tensor> SplitBackward::input_grads(const std::vector<torch::T
     throw;
   }
   unhook();
-  split_ = exact && std::all_of(parts_.begin(), parts_.end(), [](const std::shared_ptr<Part>& p) { return p->fired; });
+  split_ = std::all_of(parts_.begin(), parts_.end(), [](const std::shared_ptr<Part>& p) { return p->fired; });
   if (!split_) {
     parts_.clear();
     return out;
   }
   for (const auto& p : parts_)
-    if (p->node) {  // start from the node's inputs that received a gradient
+    if (p->node) {
+      // Start from the node's inputs that received a gradient...
       std::vector<torch::Tensor> g = std::move(p->grads);
       p->grads.clear();
       for (size_t i = 0; i < g.size(); ++i)
         if (g[i].defined()) p->roots.push_back(ag::Edge(p->node, static_cast<uint32_t>(i))), p->grads.push_back(g[i]);
+      // ... and cut its edges into the input's chain, which I has run: W from here reaches only
+      // the parameters' side (its derivative skips an output whose edge is invalid), and the
+      // engine's walk of the graph before it runs stays as small. The graph is not used again.
+      // (Assigned directly: set_next_edge refuses a node that already has a parent.)
+      for (ag::Edge& e : p->node->next_edges())
+        if (e.function && (reach_of(e.function.get()) & kToInput)) e = ag::Edge();
     }
   return out;
 }
@@ -191,7 +191,7 @@ void SplitBackward::weight_grads() {
   } else {
     for (const auto& p : parts_)
       if (!p->roots.empty() && !p->outputs.empty())
-        ag::Engine::get_default_engine().execute(p->roots, p->grads, /*keep_graph=*/false, /*create_graph=*/false,
+        ag::Engine::get_default_engine().execute(p->roots, p->grads, /*keep_graph=*/true, /*create_graph=*/false,
                                                  /*accumulate_grad=*/true, p->outputs);
   }
   parts_.clear(), roots_.clear(), grads_.clear(), params_.clear();

@@ -8,14 +8,14 @@
 // input can be reached from it. Autograd, asked for the inputs' gradients, runs exactly the I nodes
 // and skips every edge to a node off that set (the derivative formulas check it, so a matmul's
 // weight gradient is not computed). The I nodes with an edge leaving the set toward a parameter
-// are the frontier: a hook on each keeps the gradient it receives during I. W then runs, from each
-// frontier node alone with its kept gradient, only what leads to the parameters past its edges off
-// the set. Roots that reach no input start W directly, together.
+// are the frontier: a hook on each keeps the gradient it receives during I. After I, each frontier
+// node's edges into the input's chain are cut (that chain has run; the graph serves W only), and W
+// runs from each frontier node alone with its kept gradient: only its parameters' side, a walk no
+// larger than that side. Roots that reach no input start W directly, together. A parameter read in
+// two places gets both contributions, each from its own frontier node (backward is linear in the
+// incoming gradient, and the graph is kept until W ends).
 //
-// That is exact when each parameter is reached past one frontier node only (or only from the
-// roots): otherwise W from one frontier node would also walk, through an I node, into a gradient
-// another one already carries. A graph where that happens (a parameter used by two operations whose
-// outputs both lead back to an input), or where a frontier's hook did not fire, runs W the plain way
+// Should a frontier node's hook not have fired during I (autograd skipped it), W is the plain way
 // instead: a second pass from the roots to the parameters (correct, slower); `split()` says which.
 #pragma once
 #include <memory>
@@ -35,7 +35,7 @@ class SplitBackward {
                                          const std::vector<torch::Tensor>& inputs, const std::vector<torch::Tensor>& params);
   // W: accumulates the parameters' gradients into their .grad, then frees the graph. Once.
   void weight_grads();
-  // Whether W is the split one (false: it is the plain second pass; see above).
+  // Whether W is the split one (false: the plain second pass; see above).
   bool split() const { return split_; }
 
  private:

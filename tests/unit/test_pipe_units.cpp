@@ -2,7 +2,7 @@
 // (U-Net with skips, DiT, ControlNet; labels, self-conditioning), every trainable parameter belongs
 // to exactly one unit, and gradients through a chain of units equal forward's. And a stage's
 // backward split into I and W (train/split_backward.h): the same gradients as one backward, the
-// input-gradient chain run once, and a plain second pass where the split would not be exact.
+// input-gradient chain run once, a parameter read twice.
 #include <gtest/gtest.h>
 
 #include <set>
@@ -225,14 +225,18 @@ TEST(SplitBackward, RunsTheInputChainOnceAndEqualsOneBackward) {
   expect_split_equals_plain({roots[0].pow(2).sum()}, {}, {x}, params, true, "loss");
 }
 
-// A parameter read twice on the input's path: W from one frontier node would run into the other's
-// gradient, so W is the plain second pass, with the same result.
-TEST(SplitBackward, SharedParameterFallsBackToAPlainPass) {
+// A parameter read in two places on the input's path (a layer applied twice; a transposed weight
+// made once and read by two products): each frontier node brings its own contribution.
+TEST(SplitBackward, AParameterReadTwiceGetsBothContributions) {
   torch::manual_seed(2);
   auto l = torch::nn::Linear(5, 5);
   const torch::Tensor x = torch::randn({3, 5}, torch::requires_grad());
   const torch::Tensor y = l->forward(torch::relu(l->forward(x)));  // [3, 5]
-  expect_split_equals_plain({y}, {torch::randn({3, 5})}, {x}, {l->weight, l->bias}, false, "shared");
+  expect_split_equals_plain({y}, {torch::randn({3, 5})}, {x}, {l->weight, l->bias}, true, "layer twice");
+  const torch::Tensor w = torch::randn({5, 5}, torch::requires_grad());
+  const torch::Tensor wt = w.t();
+  const torch::Tensor z = torch::tanh(x.mm(wt)).mm(wt);  // [3, 5]
+  expect_split_equals_plain({z}, {torch::randn({3, 5})}, {x}, {w}, true, "shared transpose");
 }
 
 // Stages of the real backbones (a middle stage with open U-Net skips and the conditioning carried
