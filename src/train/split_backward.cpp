@@ -119,7 +119,8 @@ std::vector<torch::Tensor> SplitBackward::input_grads(const std::vector<torch::T
     if (!part->roots.empty()) parts_.push_back(part);
   }
   // The frontier: I nodes with an edge off the set toward a parameter, in the engine's order
-  // (latest-made first; the order changes no result, each parameter being reached from one part).
+  // (latest-made first): a fixed order, so a parameter read in two places sums its two
+  // contributions alike in every run.
   std::vector<ag::Node*> on_i;
   for (const auto& [n, r] : reach)
     if (r & kToInput) on_i.push_back(n);
