@@ -328,6 +328,7 @@ struct RecordingNet : NetImpl {
 };
 
 TEST(SelfCond, SamplersFeedEachEvaluationsEstimateToTheNext) {
+  torch::manual_seed(12);  // the same draws in every run: LibTorch seeds its default generator anew per process
   for (const std::string kind : {"euler", "heun", "ddim"}) {
     auto net = std::make_shared<RecordingNet>();
     const NoisePath path(PathKind::kFlow);
@@ -349,6 +350,7 @@ TEST(SelfCond, SamplersFeedEachEvaluationsEstimateToTheNext) {
 }
 
 TEST(Guidance, BranchesShareControlEstimateAndEmbeddingButNotLabelOrEmbeddingUse) {
+  torch::manual_seed(13);  // the same draws in every run: LibTorch seeds its default generator anew per process
   auto net = std::make_shared<RecordingNet>();
   Denoiser den(net, NoisePath(PathKind::kFlow), Prediction::kVelocity, 3);
   Cond c(torch::tensor({0, 2}, torch::kLong));
@@ -408,6 +410,7 @@ TEST(Embed, NullRowsTakeTheLearnedNullEmbedding) {
 }
 
 TEST(Embed, DroppedWithTheLabelInOneKeyedDraw) {
+  torch::manual_seed(14);  // the same draws in every run: LibTorch seeds its default generator anew per process
   RunConfig cfg;
   cfg.model = base_cfg();
   cfg.train.label_dropout = 0.5;
@@ -429,6 +432,7 @@ TEST(Embed, DroppedWithTheLabelInOneKeyedDraw) {
 }
 
 TEST(Embed, TheShippedNetworksEmbeddingsHaveNormSqrtDAndSelfSimilarityOne) {
+  torch::manual_seed(15);  // the same draws in every run: LibTorch seeds its default generator anew per process
   ModelConfig m;
   m.embed = default_feature_net_path();
   m.embed_sha256 = kDefaultFeatureNetSha256;

@@ -160,6 +160,7 @@ TEST(Ensemble, GroupedBatchingEqualsAPerSampleLoop) {
 }
 
 TEST(Ensemble, StrategiesAreDeterministicUnderASeed) {
+  torch::manual_seed(16);  // the same draws in every run: LibTorch seeds its default generator anew per process
   const Mixture m = three_clusters();
   auto [x, t] = noisy_points(m, 64, 4);
   auto xt = x * 0 + torch::randn_like(x);  // pure noise at t = 1: the posterior is the prior
@@ -286,6 +287,7 @@ TEST(Ensemble, AMissingExpertIsRenormalizedAway) {
 }
 
 TEST(Ensemble, DataOracleFindsTheClusterAndTheClassPrior) {
+  torch::manual_seed(17);  // the same draws in every run: LibTorch seeds its default generator anew per process
   Dataset d;
   // Cluster 0: two dark images; cluster 1: two bright ones. Classes 0, 1, 1, 1.
   d.images = torch::tensor({10, 20, 10, 20, 30, 0, 30, 0, 240, 250, 240, 250, 200, 255, 200, 255}, torch::kUInt8)

@@ -285,6 +285,7 @@ TEST(FeatureNet, TrainingIsDeterministicAndFilesRoundTrip) {
 }
 
 TEST(Evaluate, ScoresAreDeterministicOrderedAndBadInputsAreClear) {
+  torch::manual_seed(18);  // the same draws in every run: LibTorch seeds its default generator anew per process
   const test::TempDir tmp;
   const fs::path dir = tmp.path;
   const auto train = small_fmnist("train", 2000);
