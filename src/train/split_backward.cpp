@@ -146,9 +146,10 @@ std::vector<torch::Tensor> SplitBackward::input_grads(const std::vector<torch::T
       p->node->add_pre_hook(std::move(h));
     }
   auto unhook = [&] {
-    for (const auto& [n, h] : hooks) {
-      auto& v = n->pre_hooks();
-      v.erase(std::remove_if(v.begin(), v.end(), [&](const std::unique_ptr<ag::FunctionPreHook>& x) { return x.get() == h; }), v.end());
+    for (const auto& nh : hooks) {  // (no structured binding: clang's C++17 cannot capture one in a lambda)
+      ag::FunctionPreHook* h = nh.second;
+      auto& v = nh.first->pre_hooks();
+      v.erase(std::remove_if(v.begin(), v.end(), [h](const std::unique_ptr<ag::FunctionPreHook>& x) { return x.get() == h; }), v.end());
     }
   };
   try {
