@@ -28,15 +28,11 @@
 # (train.ckpt_every = steps; a DiLoCo checkpoint gathers every replica's state to rank 0, which is part
 # of its time and bytes), parallel.timeout=900.
 #
-# The link: namespaces ddm-sl<PID>-a / -b, veth ddmsl<PID>a (10.X.Y.1, node A, rank 0) and ddmsl<PID>b
-# (10.X.Y.2, node B), X.Y from the PID, loopback up in each. A rate sets `tbf rate R burst B latency L`
-# as the root qdisc of both veths (each direction is limited at its sender): B = max(32 KiB, 4 ms at R)
-# (at least one timer tick of data, else tbf cannot reach R; BURST overrides), L = LATENCY (default
-# 100 ms: the queue tbf keeps before dropping). "unlimited" removes the qdisc (veth at memory speed).
-# With CHECK_LINK=1 (default) each rate is verified once by timing a bulk TCP transfer A -> B of about
-# 2 s of data (a small Python socket pair, no nc needed), and the qdisc is printed. Everything the
-# script creates is removed on exit, on Ctrl-C, on SIGTERM and on failure (trap; the processes it
-# started are stopped first, by their PIDs); PID-based names keep two invocations apart.
+# The link (bench/netns_link.sh): namespaces ddm-sl<PID>-a / -b, veth ddmsl<PID>a (node A, rank 0)
+# and ddmsl<PID>b (node B), each direction limited by tbf at its sender (BURST, LATENCY: see there);
+# "unlimited" removes the qdisc. With CHECK_LINK=1 (default) each rate is verified once by timing a
+# bulk TCP transfer A -> B, and the qdisc is printed. Everything the script creates is removed on
+# exit, on Ctrl-C, on SIGTERM and on failure (the processes it started are stopped first).
 #
 # With ROUNDS=R every rate and mode runs R times, interleaved (round 1 of everything, then round 2,
 # ...); the table shows medians, and the ratios to independent training and to data parallel are
@@ -81,27 +77,19 @@ hs=${H:-"10 50 200"}
 read -r stream_h stream_f stream_o stream_w <<< "${STREAM:-50 4 1 float16}"
 log_every=${LOG_EVERY:-10}
 rounds=${ROUNDS:-1}
-latency=${LATENCY:-100ms}
 evaluate=${EVAL:-0}
 eval_n=${EVAL_N:-2000}
 check_link=${CHECK_LINK:-1}
 seed=${SEED:-0}
 
-die() { echo "bench/slow_links.sh: $*" >&2; exit 2; }
-log() { echo "[$(date +%H:%M:%S)] $*" >&2; }
-
 # --- Refuse early and clearly: before anything is created or trained. ---
-[ "$(id -u)" = 0 ] || die "must run as root: it creates network namespaces, a veth pair and tc qdiscs (try: sudo -E $0 $*)"
-command -v ip > /dev/null || die "'ip' not found: install Debian's iproute2"
-command -v tc > /dev/null || die "'tc' not found: install Debian's iproute2"
-ip netns list > /dev/null 2>&1 || die "'ip netns' does not work here (network namespaces unsupported?)"
+. "$(dirname "$0")/netns_link.sh"
+link_require
 command -v gnuplot > /dev/null || die "gnuplot not found: it draws the plot; install Debian's gnuplot-nox (apt-get install gnuplot-nox)"
-[ -x "$py" ] || die "$py not found (Debian's python3 parses the results; set PYTHON)"
 [ -x "$ddm" ] || die "$ddm not found: build it first (cmake --build build --target ddm)"
 [ -f "$cfg" ] || die "config $cfg not found"
 for r in $rates; do
-  [[ $r == unlimited || $r =~ ^[0-9]+(\.[0-9]+)?(kbit|mbit|gbit)$ ]] ||
-    die "RATES: '$r' is not a rate (unlimited, or a number with kbit, mbit or gbit, e.g. 10mbit)"
+  rate_ok "$r" || die "RATES: '$r' is not a rate (unlimited, or a number with kbit, mbit or gbit, e.g. 10mbit)"
 done
 for m in $modes; do
   case $m in dp | diloco | streaming | independent | islands) ;; *) die "MODES: unknown mode '$m' (dp diloco streaming independent islands)" ;; esac
@@ -113,115 +101,9 @@ for h in $hs; do [[ $h =~ ^[1-9][0-9]*$ ]] || die "H: '$h' is not a positive num
 [[ $steps =~ ^[1-9][0-9]*$ && $router_steps =~ ^[1-9][0-9]*$ && $log_every =~ ^[1-9][0-9]*$ && $rounds =~ ^[1-9][0-9]*$ ]] ||
   die "STEPS, ROUTER_STEPS, LOG_EVERY and ROUNDS must be positive integers"
 
-# --- The two nodes. Everything below is undone by cleanup(), whatever happens. ---
-id=$$
-ns_a=ddm-sl$id-a ns_b=ddm-sl$id-b
-dev_a=ddmsl${id}a dev_b=ddmsl${id}b  # interface names: at most 15 characters (PIDs have at most 7 digits)
-net=10.$(((id >> 8) & 255)).$((id & 255))
-addr_a=$net.1 addr_b=$net.2
-running=""  # PIDs of the processes this script started and has not reaped yet
-
-cleanup() {
-  local rc=$? p i
-  trap - EXIT INT TERM
-  if [ -n "${running// /}" ]; then
-    log "stopping the processes this script started: $running"
-    for p in $running; do kill -TERM "$p" 2> /dev/null || true; done
-    for ((i = 0; i < 20; i++)); do
-      local alive=""
-      for p in $running; do kill -0 "$p" 2> /dev/null && alive+=" $p"; done
-      [ -z "$alive" ] && break
-      sleep 0.5
-    done
-    for p in $running; do kill -KILL "$p" 2> /dev/null || true; done
-    for p in $running; do wait "$p" 2> /dev/null || true; done
-  fi
-  ip netns del "$ns_a" 2> /dev/null || true  # deleting a namespace destroys the veth end in it, and so the pair
-  ip netns del "$ns_b" 2> /dev/null || true
-  if ip netns list | grep -q "^ddm-sl$id-"; then
-    echo "bench/slow_links.sh: could not remove namespaces: $(ip netns list | grep "^ddm-sl$id-" | tr '\n' ' ')" >&2
-  else
-    log "removed namespaces $ns_a and $ns_b"
-  fi
-  exit "$rc"
-}
-trap cleanup EXIT
-trap 'exit 130' INT
-trap 'exit 143' TERM
-
-started() { running="$running $1"; }
-reap() {  # PID: waits for it, removes it from the list; returns its exit status
-  local rc=0
-  wait "$1" || rc=$?
-  running=$(echo "$running" | tr ' ' '\n' | grep -vx "$1" | tr '\n' ' ' || true)
-  return "$rc"
-}
-
-log "namespaces $ns_a ($dev_a $addr_a) and $ns_b ($dev_b $addr_b)"
-ip netns add "$ns_a"
-ip netns add "$ns_b"
-ip link add "$dev_a" netns "$ns_a" type veth peer name "$dev_b" netns "$ns_b"
-ip -n "$ns_a" addr add "$addr_a/24" dev "$dev_a"
-ip -n "$ns_b" addr add "$addr_b/24" dev "$dev_b"
-for ns in "$ns_a" "$ns_b"; do
-  ip -n "$ns" link set lo up
-  for kv in ${SYSCTLS:-}; do ip netns exec "$ns" sysctl -qw "$kv" || die "SYSCTLS: cannot set $kv in $ns"; done
-done
-ip -n "$ns_a" link set "$dev_a" up
-ip -n "$ns_b" link set "$dev_b" up
-tc -n "$ns_a" qdisc add dev "$dev_a" root tbf rate 10mbit burst 32kb latency 100ms 2> /dev/null ||
-  die "tc cannot add a tbf qdisc here (is the kernel's sch_tbf available?); the link rate cannot be limited"
-tc -n "$ns_a" qdisc del dev "$dev_a" root
-
-rate_bps() {  # 10mbit -> 10000000; unlimited -> 0
-  case $1 in unlimited) echo 0 ;; *) awk -v r="$1" 'BEGIN { n = r + 0; u = substr(r, length(n "") + 1);
-    m = (u == "kbit") ? 1e3 : (u == "mbit") ? 1e6 : 1e9; printf "%.0f\n", n * m }' ;; esac
-}
-burst_for() {  # bytes: BURST, or 4 ms of data at the rate, at least 32 KiB
-  if [ -n "${BURST:-}" ]; then echo "$BURST"; return; fi
-  awk -v b="$(rate_bps "$1")" 'BEGIN { x = b / 8 * 0.004; if (x < 32768) x = 32768; printf "%.0f\n", x }'
-}
-set_rate() {
-  local ns dev
-  for ns in a b; do
-    if [ $ns = a ]; then ns=$ns_a dev=$dev_a; else ns=$ns_b dev=$dev_b; fi
-    tc -n "$ns" qdisc del dev "$dev" root 2> /dev/null || true
-    [ "$1" = unlimited ] || tc -n "$ns" qdisc add dev "$dev" root tbf rate "$1" burst "$(burst_for "$1")" latency "$latency"
-  done
-}
-tx_bytes() { ip netns exec "$1" cat "/sys/class/net/$2/statistics/tx_bytes"; }
-
-port=29500
-check_link() {  # RATE: times a bulk TCP transfer from node A to node B
-  local bps n
-  bps=$(rate_bps "$1")
-  n=$(awk -v b="$bps" 'BEGIN { n = (b == 0) ? 1073741824 : b / 8 * 2; if (n < 262144) n = 262144; printf "%.0f\n", n }')
-  port=$((port + 1))
-  ip netns exec "$ns_b" "$py" -c '
-import socket, sys, time
-s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-s.bind((sys.argv[1], int(sys.argv[2]))); s.listen(1); s.settimeout(60)
-c, _ = s.accept(); n = 0; t0 = None
-while True:
-    d = c.recv(1 << 20)
-    if not d: break
-    if t0 is None: t0 = time.perf_counter()
-    n += len(d)
-t = time.perf_counter() - t0
-print("%d %.6f" % (n, t))' "$addr_b" "$port" > "$out/link-$1.txt" &
-  local server=$!
-  started "$server"
-  ip netns exec "$ns_a" "$py" -c '
-import socket, sys, time
-for _ in range(100):
-    try: s = socket.create_connection((sys.argv[1], int(sys.argv[2]))); break
-    except OSError: time.sleep(0.05)
-s.sendall(bytes(int(sys.argv[3]))); s.close()' "$addr_b" "$port" "$n"
-  reap "$server"
-  read -r got secs < "$out/link-$1.txt"
-  log "link check at $1: $(awk -v n="$got" -v t="$secs" 'BEGIN { printf "%.1f Mbit/s measured (%.1f MB A -> B in %.2f s)", n * 8 / t / 1e6, n / 1e6, t }')"
-  log "  qdisc on $dev_a: $(tc -n "$ns_a" qdisc show dev "$dev_a" | head -1)"
-}
+# --- The two nodes (bench/netns_link.sh). Everything is undone on exit, whatever happens. ---
+mkdir -p "$out"
+link_up sl
 
 # --- The budget: the router's FLOPs in steps of the model at batch 128 (as bench/ddm_vs_monolith.sh). ---
 read -r model_mflop router_mflop < <($ddm presets | awk '$1 == "unet-tiny" {u = $4} $1 == "router-dit-tiny" {r = $4} END {print u, r}')

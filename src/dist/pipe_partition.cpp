@@ -231,6 +231,7 @@ PipePartition partition_units_v(const std::vector<PipeUnit>& units, int R, const
 PipeCosts costs_of_partition(const std::vector<PipeUnit>& units, const PipePartition& p, const PipeLink& link) {
   const int S = static_cast<int>(p.first.size()) - 1;
   PipeCosts c;
+  c.latency = link.latency;
   for (int s = 0; s < S; ++s) {
     PipeStageCost k;
     for (int l = p.first[s]; l < p.first[s + 1]; ++l)

@@ -6,6 +6,7 @@
 #include <limits>
 #include <map>
 #include <sstream>
+#include <tuple>
 
 #include "core/error.h"
 
@@ -41,6 +42,7 @@ void validate_costs(const PipeCosts& c, int S, int R) {
               "pipeline costs: send times need " << S - 1 << " entries (one per cut), got " << v->size());
     for (double t : *v) DDM_CHECK(finite(t), "pipeline costs: a send time is negative or not finite: " << t);
   }
+  DDM_CHECK(finite(c.latency), "pipeline costs: the link's latency is negative or not finite: " << c.latency);
   DDM_CHECK(c.optimizer.empty() || static_cast<int>(c.optimizer.size()) == R,
             "pipeline costs: optimizer times need " << R << " entries (one per rank), got " << c.optimizer.size());
   for (const PipeSkipRoute& k : c.skips)
@@ -125,6 +127,25 @@ PipeTimeline simulate(const PipeSchedule& s, const PipeCosts& c) {
   std::vector<std::vector<double>> end(R);
   for (int r = 0; r < R; ++r) end[r].assign(s.ranks[r].size(), kUnknown);
 
+  // The backbone's messages: when each arrives, (direction 0 = forward / 1 = backward, from stage, to
+  // stage, micro) -> time, set as its sender's action is simulated. A rank's actions are simulated
+  // in its list's order, so each link sees its messages in the order they are sent.
+  using Message = std::tuple<int, int, int, int>;
+  std::map<Message, double> arrival;
+  std::map<std::pair<int, int>, double> link_free;  // (from rank, to rank) -> when its last message has left
+  auto post = [&](const Message& msg, double sent, double time) {
+    const int a = s.rank_of(std::get<1>(msg)), b = s.rank_of(std::get<2>(msg));
+    if (a == b) {
+      arrival[msg] = sent + time;
+      return;
+    }
+    double& free = link_free[{a, b}];
+    const double start = std::max(sent, free);
+    free = start + std::max(0.0, time - c.latency);  // the bytes hold the link; the latency does not
+    arrival[msg] = start + time;
+  };
+
+  const auto at = [](const std::vector<double>& v, int i) { return v.empty() ? 0.0 : v[i]; };
   // Ready time of `a` on rank `r`, or kUnknown while an input is still missing.
   auto ready = [&](int r, const PipeAction& a) -> double {
     double t = 0;
@@ -140,6 +161,12 @@ PipeTimeline simulate(const PipeSchedule& s, const PipeCosts& c) {
                                                    << " of stage " << stage);
       need(it->second, delay);
     };
+    // The message of (direction, from stage, to stage, micro): known once its sender has run.
+    auto need_message = [&](int dir, int from, int to, int micro) {
+      need_backbone(dir, from, micro, 0);
+      auto it = arrival.find({dir, from, to, micro});
+      if (it != arrival.end()) t = std::max(t, it->second);
+    };
     // Every piece of instance (task, micro), or only its serial ones (this iteration's rows of work
     // that otherwise prepares the next iteration).
     auto need_task = [&](int task, int micro, bool serial_only) {
@@ -148,21 +175,20 @@ PipeTimeline simulate(const PipeSchedule& s, const PipeCosts& c) {
       for (const Pos& p : it->second)
         if (!serial_only || s.ranks[p.first][p.second].serial) need(p, p.first == r ? 0 : c.tasks[task].send);
     };
-    const auto at = [](const std::vector<double>& v, int i) { return v.empty() ? 0.0 : v[i]; };
     switch (a.op) {
       case PipeOp::kForward:
-        if (a.stage > 0) need_backbone(0, a.stage - 1, a.micro, at(c.send_forward, a.stage - 1));
+        if (a.stage > 0) need_message(0, a.stage - 1, a.stage, a.micro);
         for (const PipeSkipRoute& k : c.skips)
-          if (k.to == a.stage) need_backbone(0, k.from, a.micro, k.forward);
+          if (k.to == a.stage) need_message(0, k.from, k.to, a.micro);
         for (int t = 0; t < static_cast<int>(c.tasks.size()); ++t)
           if (c.tasks[t].consumer == a.stage) need_task(t, a.micro, c.tasks[t].cross_iteration);
         break;
       case PipeOp::kBackward:
       case PipeOp::kInputGrad:
         need_backbone(0, a.stage, a.micro, 0);
-        if (a.stage < S - 1) need_backbone(1, a.stage + 1, a.micro, at(c.send_backward, a.stage));
+        if (a.stage < S - 1) need_message(1, a.stage + 1, a.stage, a.micro);
         for (const PipeSkipRoute& k : c.skips)
-          if (k.from == a.stage) need_backbone(1, k.to, a.micro, k.backward);
+          if (k.from == a.stage) need_message(1, k.to, k.from, a.micro);
         break;
       case PipeOp::kWeightGrad: need_backbone(1, a.stage, a.micro, 0); break;
       case PipeOp::kTask:
@@ -193,8 +219,17 @@ PipeTimeline simulate(const PipeSchedule& s, const PipeCosts& c) {
         const double t = ready(r, a);
         if (t == kUnknown) break;
         const double start = std::max(clock[r], t);
-        clock[r] = end[r][next[r]] = start + cost(a);
-        tl.ranks[r].push_back({a, start, clock[r]});
+        const double e = clock[r] = end[r][next[r]] = start + cost(a);
+        tl.ranks[r].push_back({a, start, e});
+        if (a.op == PipeOp::kForward) {  // the carry to the next stage, then the skips sent straight on
+          if (a.stage < S - 1) post({0, a.stage, a.stage + 1, a.micro}, e, at(c.send_forward, a.stage));
+          for (const PipeSkipRoute& k : c.skips)
+            if (k.from == a.stage) post({0, k.from, k.to, a.micro}, e, k.forward);
+        } else if (a.op == PipeOp::kBackward || a.op == PipeOp::kInputGrad) {  // the gradients back
+          if (a.stage > 0) post({1, a.stage, a.stage - 1, a.micro}, e, at(c.send_backward, a.stage - 1));
+          for (const PipeSkipRoute& k : c.skips)
+            if (k.to == a.stage) post({1, k.to, k.from, a.micro}, e, k.backward);
+        }
         ++next[r];
         progress = true;
       }

@@ -10,10 +10,17 @@
 //             route's time for each skip route out of s
 //   W(s, m)   after I(s, m)
 //   task piece (t, m)  after every piece of (t.after, m) (+ send time across ranks)
-// Sends overlap compute (a link is modelled by its transfer time, not as a busy rank). After the
-// last action of every rank, the iteration ends with the slowest rank's optimizer step (clipping by
-// the global norm needs every stage's gradients). A schedule whose ranks wait on each other in a
-// cycle is reported as a deadlock naming each rank's blocked action.
+// Sends overlap compute, but the backbone's messages between two ranks share their link: each
+// direction of a pair of ranks carries one message at a time, in the order the sender makes them
+// (as one TCP connection per pair does), so a message waits for the ones before it. A message's
+// time is the link's latency plus its bytes over the bandwidth; only the bytes hold the link
+// (PipeCosts::latency says how much of each time is latency). Messages between two stages of one
+// rank take their time without a link. Task outputs are not queued on the links: they arrive their
+// `send` time after the piece ends (they are small next to the carries: a latent encoder's output
+// is 1/17 of the latent U-Net's carry per row). After the last action of every rank, the
+// iteration ends with the slowest rank's optimizer step (clipping by the global norm needs every
+// stage's gradients). A schedule whose ranks wait on each other in a cycle is reported as a
+// deadlock naming each rank's blocked action.
 #pragma once
 #include <cstdint>
 #include <string>
@@ -67,6 +74,7 @@ struct PipeCosts {
   std::vector<PipeSkipRoute> skips;
   std::vector<double> optimizer;      // per rank (or empty: 0)
   std::vector<PipeTask> tasks;
+  double latency = 0;                 // the link's latency in every send time above: it does not hold the link
 };
 
 // Throws ddm::Error naming the field when sizes disagree with the schedule (`stages` stages on

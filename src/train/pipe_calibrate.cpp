@@ -62,6 +62,7 @@ PipeCosts costs_from_measures(const std::vector<PipeStageMeasure>& stages, int64
   const double per_ms = lead.link_bytes_per_ms > 0 ? lead.link_bytes_per_ms : 1e300;
   auto link = [&](double bytes) { return lead.link_latency + bytes / per_ms; };
   PipeCosts c;
+  c.latency = lead.link_latency;
   c.optimizer.assign(static_cast<size_t>(R), 0);
   double quantum_ms = 0;
   int64_t prepared = 0;

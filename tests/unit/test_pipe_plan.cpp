@@ -209,6 +209,34 @@ TEST(PipeSimulate, LinksSkipsAndOptimizer) {
   EXPECT_DOUBLE_EQ(tl.iteration, 14);  // + the slowest optimizer step
 }
 
+// Messages between two ranks share the link, one at a time in the order sent; the latency does not
+// hold it. GPipe 2 x 3, F = B = 1, each message 2 (all bytes), worked by hand:
+//   rank 0: F0 [0,1] F1 [1,2] F2 [2,3]; the carries leave at [1,3] [3,5] [5,7]
+//   rank 1: F0 [3,4] F1 [5,6] F2 [7,8] B0 [8,9] B1 [9,10] B2 [10,11]; gradients [9,11] [11,13] [13,15]
+//   rank 0: B0 [11,12] B1 [13,14] B2 [15,16]
+// Without the queue (what the simulator did before) the makespan would be 12. With 1 of the 2 as
+// latency, each message holds the link 1: no message waits, and that is the makespan 12.
+TEST(PipeSimulate, MessagesShareTheirLink) {
+  PipeCosts c = uniform_costs(2, 1, 0.5, 0.5, 2);
+  const PipeTimeline tl = simulate(make_schedule("gpipe", 2, 3), c);
+  EXPECT_DOUBLE_EQ(tl.start_of(PipeOp::kForward, 1, 1), 5);
+  EXPECT_DOUBLE_EQ(tl.start_of(PipeOp::kForward, 1, 2), 7);
+  EXPECT_DOUBLE_EQ(tl.start_of(PipeOp::kBackward, 0, 2), 15);
+  EXPECT_DOUBLE_EQ(tl.makespan, 16);
+  c.latency = 1;
+  const PipeTimeline pipelined = simulate(make_schedule("gpipe", 2, 3), c);
+  EXPECT_DOUBLE_EQ(pipelined.start_of(PipeOp::kForward, 1, 2), 5);
+  EXPECT_DOUBLE_EQ(pipelined.makespan, 12);
+  // Each direction is a link of its own, and a skip route shares the link to its reader's rank: 3
+  // stages, 1 micro-batch, a skip 0 -> 2 of 4 and carries of 2 each way. Stage 1's carry to stage 2
+  // and the skip use different links (rank 1 -> 2, rank 0 -> 2): F2 starts at max(1 + 2 + 1 + 2, 1 + 4) = 6.
+  PipeCosts k = uniform_costs(3, 1, 0.5, 0.5, 2);
+  k.skips.push_back({0, 2, 4, 4});
+  EXPECT_DOUBLE_EQ(simulate(make_schedule("gpipe", 3, 1), k).start_of(PipeOp::kForward, 2, 0), 6);
+  k.latency = -1;
+  EXPECT_NE(error_message([&] { simulate(make_schedule("gpipe", 3, 1), k); }).find("latency is negative"), std::string::npos);
+}
+
 // A split backward runs I and W as the runtime does: with split_input / split_weight set they are
 // I's and W's times, B stays input_grad + weight_grad. costs_of_partition sets them from the units
 // on stage 0 only (train/split_backward.h): I nothing, W the first unit with parameters' own pass and

@@ -1,0 +1,157 @@
+#!/usr/bin/env bash
+# Pipelines against data parallelism across a link of known rate: the regime where DiffusionPipe's
+# 1.28x over data parallelism lives (docs/pipeline.md). Two "nodes" on this machine, joined by a
+# veth pair whose rate tbf limits (bench/netns_link.sh), one training process with one thread on
+# each, the latent U-Net of configs/latent-quickstart.toml (its frozen encoder is 41% of the
+# backbone's work) at global batch 128, for every rate in RATES:
+#   dp                      data parallelism: gradients all-reduced every step (float32 on the wire)
+#   dp-fp16                 the same with parallel.wire = float16 (half the bytes)
+#   <schedule>-serial       a 2-stage pipeline of MICRO micro-batches, frozen work serial
+#   <schedule>-filled       the same with its bubbles filled (parallel.fill, planned in the run)
+# for each schedule in SCHEDULES, split where the planner puts the cut for that schedule at that
+# link. Runs are interleaved over ROUNDS rounds; throughput is the mean img/s of the metrics.jsonl
+# intervals after the first (steps STEPS/4+1..STEPS); ratios to dp are taken within each round,
+# then their median. Beside each run the planner's prediction: from one profile of the workload
+# (measured once, before any run, by one process alone on this machine) with the link's bandwidth
+# as check_link measured it (`ddm plan --measured RUN --profile P --bandwidth B`; data parallelism:
+# `ddm plan --profile P --stages 1`), and for filled runs the plan the run made itself from its
+# second step (which times the link itself). Every process runs `ddm train` in its namespace with
+# RANK, WORLD_SIZE, MASTER_ADDR (node A), GLOO_SOCKET_IFNAME (its veth), parallel.timeout = 600.
+#
+# Outputs in OUT: results.jsonl (a record per run), results.md (the table), link-<rate>.txt, the
+# profile, and per rate and run the run directory with each rank's log.
+# Needs root, iproute2 (ip netns, tc with sch_tbf) and Debian's python3; builds nothing (build/ddm).
+# usage: bench/pipeline_links.sh AE_RUN [OUT]        (default /tmp/ddm-pipeline-links)
+#   AE_RUN  a `ddm train-autoencoder` run (the latent workload's frozen encoder)
+#   env: RATES="unlimited 1gbit 200mbit 100mbit 50mbit"  SCHEDULES="gpipe 1f1b zb-h1"  MICRO=8
+#        ROUNDS=2  STEPS=16  LATENCY=100ms BURST=(bytes) (the qdisc; bench/netns_link.sh)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ae=${1:?usage: bench/pipeline_links.sh AE_RUN [OUT]}
+out=${2:-/tmp/ddm-pipeline-links}
+ddm=${DDM:-build/ddm}
+py=${PYTHON:-/usr/bin/python3}
+rates=${RATES:-"unlimited 1gbit 200mbit 100mbit 50mbit"}
+read -r -a schedules <<< "${SCHEDULES:-gpipe 1f1b zb-h1}"
+micro=${MICRO:-8}
+rounds=${ROUNDS:-2}
+steps=${STEPS:-16}
+
+. "$(dirname "$0")/netns_link.sh"
+link_require
+[ -x "$ddm" ] || die "$ddm not found: build it first (cmake --build build --target ddm)"
+[ -f "$ae/config.toml" ] || die "$ae is not a ddm train-autoencoder run (no config.toml)"
+for r in $rates; do rate_ok "$r" || die "RATES: '$r' is not a rate (unlimited, or a number with kbit, mbit or gbit)"; done
+[[ $micro =~ ^[1-9][0-9]*$ && $rounds =~ ^[1-9][0-9]*$ && $steps =~ ^[1-9][0-9]*$ && $steps -ge 8 ]] ||
+  die "MICRO and ROUNDS must be positive integers, STEPS at least 8"
+mkdir -p "$out"
+link_up pl
+
+workload=(--config configs/latent-quickstart.toml --set model.latent="$ae")
+log "profiling the workload once (1 thread, as one of the 2 ranks runs; node A)"
+ip netns exec "$ns_a" "$ddm" plan "${workload[@]}" --set train.threads=1 --devices 2 --stages 2 --micro "$micro" \
+  --save-profile "$out/profile.json" > "$out/profile.txt"
+
+declare -A gbps cuts  # rate -> the link's measured bandwidth in GB/s; rate-schedule -> the planner's cuts
+# RATE NAME ARGS...: one training of 2 ranks, rank r on node r; appends a record to results.jsonl
+run() {
+  local rate=$1 name=$2 dir=$out/$1/$2 p0 p1 rc=0
+  shift 2
+  mkdir -p "$out/$rate"
+  rm -rf "$dir"
+  port=$((port + 1))
+  log "round $round/$rounds, $rate: $name"
+  local common=(train "${workload[@]}" --out "$dir" --set train.threads=1 --set train.steps="$steps"
+                --set train.log_every=$((steps / 4)) --set train.ckpt_every=100000 --set parallel.timeout=600 "$@")
+  ip netns exec "$ns_a" env RANK=0 WORLD_SIZE=2 LOCAL_RANK=0 LOCAL_WORLD_SIZE=1 GROUP_RANK=0 MASTER_ADDR="$addr_a" \
+    MASTER_PORT=$port GLOO_SOCKET_IFNAME="$dev_a" "$ddm" "${common[@]}" > "$dir.rank0.log" 2>&1 &
+  p0=$!
+  started $p0
+  ip netns exec "$ns_b" env RANK=1 WORLD_SIZE=2 LOCAL_RANK=0 LOCAL_WORLD_SIZE=1 GROUP_RANK=1 MASTER_ADDR="$addr_a" \
+    MASTER_PORT=$port GLOO_SOCKET_IFNAME="$dev_b" "$ddm" "${common[@]}" > "$dir.rank1.log" 2>&1 &
+  p1=$!
+  started $p1
+  reap $p0 || rc=$?
+  reap $p1 || rc=$((rc ? rc : $?))
+  [ $rc = 0 ] || { tail -n 3 "$dir".rank*.log >&2; die "$rate $name failed (exit $rc): see $dir.rank*.log"; }
+  local predicted="" own=""
+  if [ "${name#dp}" = "$name" ]; then  # a pipeline: the simulator on its split, schedule and micro-batches
+    "$ddm" plan --measured "$dir" --profile "$out/profile.json" --bandwidth "${gbps[$rate]}" --latency 20 > "$dir.plan.txt"
+    predicted=$(sed -n 's/^predicted from the profile[^:]*: \([0-9.]*\) ms.*/\1/p' "$dir.plan.txt")
+    own=$(sed -n 's/^planned in the run from the costs it measured: \([0-9.]*\) ms.*/\1/p' "$dir.plan.txt")
+  else
+    predicted=$(sed -n 's/^  data parallelism ([^)]*): \([0-9.]*\) ms.*/\1/p' "$out/plan-$rate.txt")
+    [ "$name" = dp ] || predicted=""  # the planner models a float32 all-reduce
+  fi
+  "$py" - "$dir" "$rate" "$name" "$round" "$steps" "${predicted:-0}" "${own:-0}" >> "$out/results.jsonl" <<'PY'
+import json, sys
+d, rate, name, rnd, steps, predicted, own = sys.argv[1:8]
+recs = [json.loads(l) for l in open(d + "/metrics.jsonl")]
+ips = [r["img_per_s"] for r in recs[1:]]  # the first interval warms up (and plans the fill)
+mean = sum(ips) / len(ips)
+print(json.dumps({"rate": rate, "run": name, "round": int(rnd), "img_per_s": mean, "step_ms": 128e3 / mean,
+                  "predicted_ms": float(predicted) or None, "own_plan_ms": float(own) or None,
+                  "sent_per_step": recs[-1].get("sent_bytes_per_step", 0)}))
+PY
+}
+
+: > "$out/results.jsonl"
+for ((round = 1; round <= rounds; round++)); do
+  for rate in $rates; do
+    set_rate "$rate"
+    if [ $round = 1 ]; then
+      check_link "$rate"
+      read -r got secs < "$out/link-$rate.txt"
+      gbps[$rate]=$(awk -v n="$got" -v t="$secs" 'BEGIN { printf "%.6f\n", n / t / 1e9 }')
+      "$ddm" plan --profile "$out/profile.json" --batch 128 --devices 2 --stages 1 --micro 1 --bandwidth "${gbps[$rate]}" \
+        --latency 20 > "$out/plan-$rate.txt"
+      for s in "${schedules[@]}"; do
+        "$ddm" plan --profile "$out/profile.json" --batch 128 --devices 2 --stages 2 --micro "$micro" --schedule "$s" \
+          --bandwidth "${gbps[$rate]}" --latency 20 --json "$out/plan-$rate-$s.json" > /dev/null
+        cuts[$rate-$s]=$("$py" -c "import json,sys; print(','.join(map(str, json.load(open(sys.argv[1]))[0]['first_units'][1:-1])))" \
+          "$out/plan-$rate-$s.json")
+      done
+    fi
+    run "$rate" dp --set train.grad_accum=1
+    run "$rate" dp-fp16 --set train.grad_accum=1 --set parallel.wire=float16
+    for s in "${schedules[@]}"; do
+      for fill in false true; do
+        run "$rate" "$s-$([ $fill = true ] && echo filled || echo serial)" --set parallel.pp=2 --set parallel.schedule="$s" \
+          --set train.grad_accum="$micro" --set "parallel.cuts=[${cuts[$rate-$s]}]" --set parallel.fill=$fill
+      done
+    done
+  done
+done
+set_rate unlimited
+
+"$py" - "$out" "$rates" <<'PY' | tee "$out/results.md"
+import json, statistics as st, sys
+out, rates = sys.argv[1], sys.argv[2].split()
+rows = [json.loads(l) for l in open(out + "/results.jsonl")]
+def of(rate, run): return {r["round"]: r for r in rows if r["rate"] == rate and r["run"] == run}
+def link(rate):
+    n, t = open(f"{out}/link-{rate}.txt").read().split()
+    return "%.0f Mbit/s" % (float(n) * 8 / float(t) / 1e6)
+print("2 processes x 1 thread on two nodes joined by a tbf-limited veth pair; latent U-Net, global batch 128;")
+print("medians over rounds; ratios within each round, then their median; predictions as % of the measured step\n")
+print("| link (measured) | run | img/s (min-max) | vs dp | vs the same schedule serial | MB sent per step (rank 0) | profile's prediction | the run's own plan |")
+print("|---|---|---|---|---|---|---|---|")
+for rate in rates:
+    runs = list(dict.fromkeys(r["run"] for r in rows if r["rate"] == rate))
+    dp = of(rate, "dp")
+    for run in runs:
+        x = of(rate, run)
+        ips = [r["img_per_s"] for r in x.values()]
+        vs_dp = st.median(x[k]["img_per_s"] / dp[k]["img_per_s"] for k in x if k in dp)
+        vs_serial = ""
+        if run.endswith("-filled"):
+            s = of(rate, run[: -len("-filled")] + "-serial")
+            vs_serial = "%.2fx" % st.median(x[k]["img_per_s"] / s[k]["img_per_s"] for k in x if k in s)
+        step = st.median(r["step_ms"] for r in x.values())
+        pct = lambda key: "%+.1f%%" % (100 * (st.median(r[key] for r in x.values()) - step) / step) if all(r[key] for r in x.values()) else "-"
+        last = max(x.values(), key=lambda r: r["round"])
+        print("| %s | %s | %.1f (%.1f-%.1f) | %.2fx | %s | %.2f | %s | %s |" % (
+            f"{rate} ({link(rate)})", run, st.median(ips), min(ips), max(ips), vs_dp, vs_serial,
+            last["sent_per_step"] / 1e6, pct("predicted_ms"), pct("own_plan_ms")))
+PY
+log "wrote $out/results.md and results.jsonl"
