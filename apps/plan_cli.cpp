@@ -123,7 +123,8 @@ struct Measured {
   std::vector<double> planned_optimizer;
 };
 
-// [op, micro, start_ms, end_ms] (+ rows, ahead for a prepare piece "T") on `rank`, shifted by `off`.
+// [op, micro, start_ms, end_ms] (+ rows, in a bubble, task for a task piece "T"; runs before
+// 2026-11-25 wrote no task: the prepare phase's) on `rank`, shifted by `off`.
 PipeSlot slot_of(const nlohmann::json& e, int rank, double off) {
   PipeAction a;
   const std::string op = e.at(0);
@@ -131,7 +132,7 @@ PipeSlot slot_of(const nlohmann::json& e, int rank, double off) {
        : op == "W" ? PipeOp::kWeightGrad : PipeOp::kTask;
   DDM_CHECK(a.op != PipeOp::kTask || op == "T", "unknown action '" << op << "'");
   a.stage = a.op == PipeOp::kTask ? -1 : e.size() > 4 ? e.at(4).get<int>() : rank, a.micro = e.at(1);  // [4]: a V rank's stage
-  if (a.op == PipeOp::kTask) a.task = 0, a.rows = e.at(4), a.serial = !e.at(5).get<bool>();
+  if (a.op == PipeOp::kTask) a.task = e.size() > 6 ? e.at(6).get<int>() : 0, a.rows = e.at(4), a.serial = !e.at(5).get<bool>();
   return {a, off + e.at(2).get<double>(), off + e.at(3).get<double>()};
 }
 

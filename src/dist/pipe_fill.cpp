@@ -99,6 +99,16 @@ PipeFill fill_with(const PipeSchedule& s, const PipeCosts& c, bool spread) {
     std::vector<std::vector<int64_t>> left(T, std::vector<int64_t>(M));
     std::vector<std::vector<double>> deadline(T, std::vector<double>(M));
     std::vector<std::vector<std::map<int, double>>> finish(T, std::vector<std::map<int, double>>(M));
+    const auto serial_finish = [&] {  // the base's pieces: every one serial, this iteration's rows
+      std::vector<std::vector<std::map<int, double>>> f(T, std::vector<std::map<int, double>>(M));
+      for (const auto& r : tl.ranks)
+        for (const PipeSlot& x : r)
+          if (x.action.op == PipeOp::kTask) {
+            double& e = f[x.action.task][x.action.micro][&r - tl.ranks.data()];
+            e = std::max(e, x.end);
+          }
+      return f;
+    }();
     std::map<std::pair<int, int>, double> f_start;  // (stage, micro) -> start of F
     for (const auto& r : tl.ranks)
       for (const PipeSlot& x : r) {
@@ -113,11 +123,14 @@ PipeFill fill_with(const PipeSchedule& s, const PipeCosts& c, bool spread) {
         left[t][m] = c.tasks[t].rows - serial[t][m];
         deadline[t][m] = c.tasks[t].cross_iteration ? tl.makespan : f_start.at({c.tasks[t].consumer, m});
       }
-    // When instance (t, m) is complete and its output is on rank r; +inf while rows are left.
+    // When instance (t, m) is complete and its output is on rank r; +inf while rows are left. Of a
+    // cross-iteration task only the serial pieces count: those in bubbles prepare the next iteration.
     auto available = [&](int t, int m, int r) {
-      if (left[t][m] > 0) return std::numeric_limits<double>::infinity();
+      const bool next_iteration = c.tasks[t].cross_iteration;
+      if (!next_iteration && left[t][m] > 0) return std::numeric_limits<double>::infinity();
       double a = 0;
-      for (const auto& [rank, f] : finish[t][m]) a = std::max(a, f + (rank == r ? 0 : c.tasks[t].send));
+      for (const auto& [rank, f] : (next_iteration ? serial_finish : finish)[t][m])
+        a = std::max(a, f + (rank == r ? 0 : c.tasks[t].send));
       return a;
     };
 
@@ -153,13 +166,15 @@ PipeFill fill_with(const PipeSchedule& s, const PipeCosts& c, bool spread) {
       }
     }
 
-    // Rows left run serially; so does all of their predecessors' instances, which must finish before them.
+    // Rows left run serially; so does all of their predecessors' instances, which must finish before
+    // them (up to a cross-iteration one: the serial pieces need only its serial rows).
     bool all_placed = true;
     for (int t = T - 1; t >= 0; --t)
       for (int m = 0; m < M; ++m)
         if (left[t][m] > 0) {
           serial[t][m] += left[t][m], all_placed = false;
-          for (int a = c.tasks[t].after; a >= 0; a = c.tasks[a].after) left[a][m] = c.tasks[a].rows - serial[a][m];
+          for (int a = c.tasks[t].after; a >= 0 && !c.tasks[a].cross_iteration; a = c.tasks[a].after)
+            left[a][m] = c.tasks[a].rows - serial[a][m];
         }
     if (!all_placed) continue;
 

@@ -15,7 +15,9 @@
 // that does not fit, and it leaves no rank idle while another prepares.
 // "Ready" means released (every task is released at the iteration's start: after the previous
 // optimizer step, which self-conditioning's use of the current weights needs) and its `after`
-// instance finished and sent. The result is simulated once more; the backbone keeps the times it
+// instance finished and sent (of a cross-iteration `after`, this iteration's rows: its serial
+// pieces). Serial rows of a task make its predecessors' instances serial too, up to a
+// cross-iteration one. The result is simulated once more; the backbone keeps the times it
 // had in step 1's schedule (tested). Written from the DiffusionPipe paper's description of its
 // greedy filler; no public implementation exists.
 #pragma once

@@ -29,10 +29,12 @@ std::vector<PipeTask> tasks_of(const PipeProfile& p, const PipeMachine& m, const
   if (!p.self_cond) return out;
   const int S = static_cast<int>(part.first.size()) - 1;
   for (int s = 0; s < S; ++s) {
+    // Whole, as the runtime runs it (its rows go on to the next stage as one message), after the
+    // previous stage's pass; stage 0's after this iteration's rows of the prepare phase.
     PipeTask k;
     k.name = "self-cond pass, stage " + std::to_string(s);
-    k.rows = rows, k.consumer = 0, k.ranks = {part.rank_of(s)}, k.cross_iteration = false;
-    k.after = s == 0 ? -1 : static_cast<int>(out.size()) - 1;
+    k.rows = k.quantum = rows, k.consumer = 0, k.ranks = {part.rank_of(s)}, k.cross_iteration = false;
+    k.after = static_cast<int>(out.size()) - 1;
     for (const PipeUnitSample& x : p.units.front().samples) {
       double ms = 0;
       for (int l = part.first[s]; l < part.first[s + 1]; ++l)

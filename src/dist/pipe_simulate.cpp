@@ -192,7 +192,7 @@ PipeTimeline simulate(const PipeSchedule& s, const PipeCosts& c) {
         break;
       case PipeOp::kWeightGrad: need_backbone(1, a.stage, a.micro, 0); break;
       case PipeOp::kTask:
-        if (c.tasks[a.task].after >= 0) need_task(c.tasks[a.task].after, a.micro, false);
+        if (const int after = c.tasks[a.task].after; after >= 0) need_task(after, a.micro, c.tasks[after].cross_iteration);
         break;
     }
     return missing ? kUnknown : t;

@@ -9,7 +9,9 @@
 //   B/I(s, m) after F(s, m), after B/I(s+1, m) + send_backward[s], and after B/I(to, m) + the
 //             route's time for each skip route out of s
 //   W(s, m)   after I(s, m)
-//   task piece (t, m)  after every piece of (t.after, m) (+ send time across ranks)
+//   task piece (t, m)  after every piece of (t.after, m) (+ send time across ranks); of a
+//             cross-iteration t.after only the serial pieces, as for F (a self-conditioning pass
+//             after this iteration's rows of the prepare phase)
 // Sends overlap compute, but the backbone's messages between two ranks share their link: each
 // direction of a pair of ranks carries one message at a time, in the order the sender makes them
 // (as one TCP connection per pair does), so a message waits for the ones before it. A message's
@@ -59,6 +61,7 @@ struct PipeTask {
   std::vector<int> ranks;     // ranks it may run on; empty: any rank
   double send = 0;            // moving its output to another rank (its consumer's or its successor's)
   int after = -1;             // an earlier task whose same micro-batch instance must finish first
+                              // (a cross-iteration one: its serial pieces, this iteration's rows)
   bool cross_iteration = false;  // weight-independent: may run in the previous iteration's bubbles
   int64_t quantum = 1;        // pieces are whole multiples of this many rows (it divides `rows`)
   // Time of `rows` rows: linear between profiled points, proportional to the first point below it

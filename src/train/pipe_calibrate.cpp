@@ -21,7 +21,9 @@ std::string measure_json(const PipeStageMeasure& m) {
                         {"prepared_bytes", m.prepared_bytes},
                         {"link_latency_ms", m.link_latency},
                         {"link_bytes_per_ms", m.link_bytes_per_ms},
-                        {"skip_bytes", m.skip_bytes}}
+                        {"skip_bytes", m.skip_bytes},
+                        {"first_pass_ms", m.first_pass},
+                        {"first_pass_bytes", m.first_pass_bytes}}
       .dump();
 }
 
@@ -39,6 +41,8 @@ PipeStageMeasure measure_from_json(const std::string& text) {
     m.link_latency = j.at("link_latency_ms");
     m.link_bytes_per_ms = j.at("link_bytes_per_ms");
     m.skip_bytes = j.at("skip_bytes").get<std::vector<int64_t>>();
+    m.first_pass = j.at("first_pass_ms");
+    m.first_pass_bytes = j.at("first_pass_bytes");
   } catch (const nlohmann::json::exception& e) {
     DDM_FAIL("a pipeline stage's measurements are not what this ddm sends (" << e.what()
                                                                               << "): do all stages run the same ddm binary?");
@@ -94,6 +98,21 @@ PipeCosts costs_from_measures(const std::vector<PipeStageMeasure>& stages, int64
   t.send = link(static_cast<double>(prepared));
   t.cross_iteration = true;
   c.tasks.push_back(t);
+  // Self-conditioning's first pass, stage by stage: the last stage's output returns to stage 0.
+  const bool self_cond = std::all_of(stages.begin(), stages.end(), [](const PipeStageMeasure& m) { return m.first_pass >= 0; });
+  for (int s = 0; s < S && self_cond; ++s) {
+    const PipeStageMeasure& m = stages[static_cast<size_t>(s)];
+    PipeTask k;
+    k.name = "self-conditioning pass, stage " + std::to_string(s);
+    k.cost = {{rows, m.first_pass}};
+    k.rows = k.quantum = rows;  // whole: its rows go on to the next stage as one message
+    k.consumer = 0;
+    k.ranks = {rank_of(s)};
+    k.after = static_cast<int>(c.tasks.size()) - 1;  // stage 0's: the prepare task, whose serial rows are this step's
+    const int to = s + 1 < S ? s + 1 : 0;
+    k.send = rank_of(to) == rank_of(s) ? 0 : link(static_cast<double>(m.first_pass_bytes));
+    c.tasks.push_back(k);
+  }
   validate_costs(c, S, R);
   return c;
 }
@@ -105,20 +124,34 @@ PipeFillPlan plan_fill(const PipeSchedule& schedule, const std::vector<PipeStage
   p.fill = fill_bubbles(schedule, p.costs);
   p.serial = simulate(with_serial_tasks(schedule, p.costs), p.costs);
   const int64_t filled = p.fill.filled_rows.at(0), total = filled + p.fill.serial_rows.at(0);
-  p.used = filled > 0;
-  char line[512];
+  for (size_t t = 1; t < p.costs.tasks.size(); ++t) p.first_passes += static_cast<int>(p.fill.filled_rows[t] / rows);
+  p.used = filled > 0 || p.first_passes > 0;
+  const int passes = static_cast<int>(p.costs.tasks.size()) - 1;  // stages with a first pass
+  int prepare_pieces = 0;
+  for (const auto& r : p.fill.schedule.ranks)
+    for (const PipeAction& a : r) prepare_pieces += a.op == PipeOp::kTask && a.task == 0 && !a.serial;
+  char line[640];
   std::snprintf(line, sizeof line,
                 "the prepare phase (%.1f ms per micro-batch of %lld rows) fills the bubbles: %.0f%% of its rows in %d "
-                "pieces%s; predicted step %.1f ms (bubbles %.1f%%) against %.1f ms with it serial",
+                "pieces%s",
                 p.costs.tasks[0].time(rows), static_cast<long long>(rows), total ? 100.0 * filled / total : 0.0,
-                p.fill.pieces,
+                prepare_pieces,
                 filled == total ? ""
                 : p.fill.spread ? ", the rest shared by the stages before the pipeline starts"
-                                : ", the rest serial on stage 0",
-                p.fill.timeline.iteration, 100 * p.fill.timeline.bubble_fraction(), p.serial.iteration);
-  p.summary = p.used ? line
-                     : "no piece of the prepare phase fits into a bubble (a quantum of " + std::to_string(quantum) +
-                           " rows takes longer than any): it stays serial";
+                                : ", the rest serial on stage 0");
+  std::string summary = filled > 0 ? line : "no piece of the prepare phase fits into a bubble (a quantum of " +
+                                                std::to_string(quantum) + " rows takes longer than any): it stays serial";
+  if (passes > 0) {
+    std::snprintf(line, sizeof line, "; %d of the %d self-conditioning first passes (%d stages x %d micro-batches) run in bubbles",
+                  p.first_passes, passes * schedule.micro, passes, schedule.micro);
+    summary += line;
+  }
+  if (p.used) {
+    std::snprintf(line, sizeof line, "; predicted step %.1f ms (bubbles %.1f%%) against %.1f ms with it serial",
+                  p.fill.timeline.iteration, 100 * p.fill.timeline.bubble_fraction(), p.serial.iteration);
+    summary += line;
+  }
+  p.summary = summary;
   return p;
 }
 
@@ -127,6 +160,7 @@ nlohmann::json timeline_event(const PipeAction& a, double start_ms, double end_m
   if (a.op == PipeOp::kTask) {
     e.push_back(a.rows);
     e.push_back(!a.serial);
+    e.push_back(a.task);
   } else if (stage) {
     e.push_back(a.stage);
   }

@@ -27,6 +27,8 @@ struct PipeStageMeasure {
   std::vector<int64_t> prepared_bytes;                  // per rank: a micro-batch's prepared tensors it reads
   double link_latency = 0, link_bytes_per_ms = 0;       // measured by rank 0 (0 elsewhere)
   std::vector<int64_t> skip_bytes;                      // per stage: skips it sends there directly, per micro-batch
+  double first_pass = -1;                               // self-conditioning's first pass per micro-batch; < 0: none
+  int64_t first_pass_bytes = 0;                         // ... and what it sends on per micro-batch
 };
 
 std::string measure_json(const PipeStageMeasure& m);
@@ -38,7 +40,10 @@ PipeStageMeasure measure_from_json(const std::string& text);
 // link's time for each cut's carry and its gradient and for each direct skip route, each rank's optimizer, and one task "prepare"
 // per micro-batch of `rows` rows in quanta of `quantum` (any rank, consumed by stage 0, weight-
 // independent so it may prepare the next step in this step's bubbles, its output sent to the stage
-// that reads the most of it).
+// that reads the most of it). With self-conditioning (first_pass >= 0 on every stage), also task
+// 1 + s, stage s's first pass of a micro-batch: whole (its rows travel on as one message), on
+// stage s's rank, after stage s-1's (stage 0's after this step's prepared rows), consumed by
+// stage 0's forward, and not movable into the previous step (it uses this step's weights).
 PipeCosts costs_from_measures(const std::vector<PipeStageMeasure>& stages, int64_t rows, int64_t quantum,
                               const std::vector<int>& stage_rank = {});
 
@@ -46,7 +51,8 @@ struct PipeFillPlan {
   PipeCosts costs;
   PipeFill fill;             // the schedule with the prepare pieces, and its simulated timeline
   PipeTimeline serial;       // the same schedule with the prepare work serial on stage 0's rank
-  bool used = false;         // some rows fit into bubbles (else the run keeps preparing serially)
+  bool used = false;         // some rows or first passes fit into bubbles (else the run stays serial)
+  int first_passes = 0;      // self-conditioning's first passes placed in bubbles (of stages x micro-batches)
   std::string summary;       // one line for the run's output
 };
 
@@ -55,13 +61,14 @@ PipeFillPlan plan_fill(const PipeSchedule& schedule, const std::vector<PipeStage
 
 // The plan for a run's pipeline-timeline.json: {"used", "summary", "planned_ms" (the filled
 // iteration), "serial_ms", "bubble", "quantum", "prepare_ms" (per micro-batch), "ranks": per rank the
-// filled timeline's slots [op, micro, start_ms, end_ms] (a prepare piece adds rows and whether it
-// prepares the next step), "optimizer_ms": per rank}.
+// filled timeline's slots [op, micro, start_ms, end_ms] (a task piece adds rows, whether it runs in
+// a bubble and its task: 0 the prepare phase, whose pieces in bubbles prepare the next step, 1 + s
+// stage s's self-conditioning pass), "optimizer_ms": per rank}.
 std::string fill_plan_json(const PipeFillPlan& p);
 
 // One action of a timeline as the run's pipeline-timeline.json writes it: [op, micro, start_ms,
-// end_ms], and for a prepare piece ("T") also its rows and whether it prepares the next step; with
-// `stage` (a rank of a V-shaped pipeline runs two), a backbone action also its stage.
+// end_ms], and for a task piece ("T") also its rows, whether it runs in a bubble and its task (as
+// above); with `stage` (a rank of a V-shaped pipeline runs two), a backbone action also its stage.
 nlohmann::json timeline_event(const PipeAction& a, double start_ms, double end_ms, bool stage = false);
 
 }  // namespace ddm

@@ -109,7 +109,7 @@ std::vector<PrepPiece> prep_pieces(const PipeSchedule& filled, int64_t rows) {
   for (int r = 0; r < static_cast<int>(filled.ranks.size()); ++r)
     for (int i = 0; i < static_cast<int>(filled.ranks[r].size()); ++i) {
       const PipeAction& a = filled.ranks[r][i];
-      if (a.op != PipeOp::kTask) continue;
+      if (a.op != PipeOp::kTask || a.task > 0) continue;  // (tasks 1 + s: self-conditioning's first passes)
       DDM_CHECK(a.task == 0 && a.micro >= 0 && a.micro < filled.micro && a.rows >= 1,
                 "fill plan: rank " << r << " holds a task piece " << action_text(a) << " that prepares no micro-batch");
       PrepPiece p;

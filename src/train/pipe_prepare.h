@@ -56,7 +56,7 @@ struct PrepPiece {
   bool ahead = false;  // placed in a bubble: prepares the next step's micro-batch; else (serial) this step's
 };
 
-// Every task piece of `filled`, ranks in order, each rank's in list order. Per micro-batch the
+// Every piece of the prepare task (task 0) of `filled`, ranks in order, each rank's in list order. Per micro-batch the
 // ahead pieces take rows from 0 in that order and the serial ones the rest after them; throws
 // ddm::Error unless each micro-batch's pieces add up to `rows`.
 std::vector<PrepPiece> prep_pieces(const PipeSchedule& filled, int64_t rows);

@@ -298,6 +298,7 @@ void PipeStep::send_carry(Local& l, const NetCarry& k, int micro, bool first_pas
   send_to(header, s + 1, tag_of(s, micro, first_pass ? kFirstHeader : kCarryHeader));
   torch::Tensor values = flat_of(carried);
   if (!first_pass) l.carry_bytes = rank_of(s + 1) != rank_ ? static_cast<int64_t>(values.nbytes()) : 0;
+  else if (rank_of(s + 1) != rank_) l.first_bytes += static_cast<int64_t>(values.nbytes());
   send_to(values, s + 1, tag_of(s, micro, first_pass ? kFirstValues : kCarryValues));
   if (m) m->roots = carried;
 }
@@ -498,19 +499,28 @@ StepResult PipeStep::run(const std::vector<Batch>& micro, int64_t step, const st
   for (size_t i = 0; i < actions.size(); ++i)
     if (actions[i].op == PipeOp::kBackward || actions[i].op == PipeOp::kWeightGrad) last_weights = i;
   if (sync_) sync_->set_enabled(false);
-  bool first_pass_done = !objective_self_cond_;
+  // Self-conditioning's first passes: actions of the fill plan when it placed them (tasks 1 + s),
+  // else a sweep of every micro-batch through this process's stages after this step's serial
+  // prepare pieces (each stage's passes in micro-batch order, a V's earlier stage first).
+  if (objective_self_cond_) choose_first_pass_rows(micro, step);
+  for (Local& l : locals_) l.first_bytes = 0;
+  bool sweep_done = !objective_self_cond_ || filling;  // a fill plan holds every first pass, serial or not
   for (size_t i = 0; i < actions.size(); ++i) {
     const PipeAction& a = actions[i];
-    if (!first_pass_done && !(a.op == PipeOp::kTask && a.serial)) {  // after this step's serial prepare pieces
-      first_pass(micro, step, filling);
-      first_pass_done = true;
+    if (!sweep_done && !(a.op == PipeOp::kTask && a.task == 0 && a.serial)) {
+      for (Local& l : locals_)
+        for (int m = 0; m < M; ++m) first_pass(l, m, filling, /*serial=*/true);
+      sweep_done = true;
     }
     // (Two stages here: the last action accumulates one stage's gradients alone; the replicas' sync
     // then runs after every action, not overlapped.)
     if (sync_ && i == last_weights && locals_.size() == 1) sync_->set_enabled(true);
     const Clock::time_point t0 = Clock::now();
     received_ = t0;  // a receive moves it on: the action's work starts once its input has arrived
-    if (a.op == PipeOp::kTask) {
+    if (a.op == PipeOp::kTask && a.task > 0) {
+      first_pass(local(a.task - 1), a.micro, filling, a.serial);
+      continue;  // (it records its own event)
+    } else if (a.op == PipeOp::kTask) {
       const size_t piece = static_cast<size_t>(piece_at_.at(i));
       if (pieces_[piece].ahead && next.empty()) continue;  // the run's last step: no next step to prepare
       run_piece(piece, micro, next, step);
@@ -563,49 +573,49 @@ StepResult PipeStep::run(const std::vector<Batch>& micro, int64_t step, const st
   return r;
 }
 
-void PipeStep::first_pass(const std::vector<Batch>& micro, int64_t step, bool filling) {
-  // Self-conditioning (train.self_cond): every micro-batch's chosen rows through every stage without
-  // gradients, at the step's start with this step's weights; the last stage's output goes back to
-  // stage 0, which turns it into the x0 estimate its forward feeds in. A process with two stages
-  // (V-shaped) passes every micro-batch through its earlier stage first.
+void PipeStep::choose_first_pass_rows(const std::vector<Batch>& micro, int64_t step) {
+  first_.assign(micro.size(), FirstPass{});
+  for (size_t m = 0; m < micro.size(); ++m)  // alike on every stage
+    first_[m].idx = objective_->self_cond_rows(micro[m].first, rows_, step);
+}
+
+void PipeStep::first_pass(Local& l, int m, bool filling, bool serial) {
+  // Self-conditioning (train.self_cond): micro-batch m's chosen rows through stage l without
+  // gradients, with this step's weights; the last stage's output goes back to stage 0, which turns it
+  // into the x0 estimate its forward feeds in (take_estimate).
   torch::NoGradGuard no_grad;
-  const int M = static_cast<int>(micro.size()), S = stages();
-  first_.assign(static_cast<size_t>(M), FirstPass{});
-  for (int m = 0; m < M; ++m)  // alike on every stage
-    first_[static_cast<size_t>(m)].idx = objective_->self_cond_rows(micro[static_cast<size_t>(m)].first, rows_, step);
-  for (Local& l : locals_)
-    for (int m = 0; m < M; ++m) {
-      const Clock::time_point t0 = Clock::now();
-      received_ = t0;
-      if (filling) complete(m);
-      const Prepared& p = prep_[static_cast<size_t>(m)];
-      FirstPass& f = first_[static_cast<size_t>(m)];
-      if (f.idx.numel() == 0) continue;
-      Cond c = p.cond.select(f.idx);
-      NetCarry k;
-      if (l.stage == 0) {
-        f.x = p.xt.index_select(0, f.idx);      // [b', C, H, W]
-        c.self_cond = torch::zeros_like(f.x);   // the first pass has no estimate
-        k.h = f.x;
-      } else {
-        std::vector<torch::Tensor> inputs;
-        k = recv_carry(l, m, inputs, /*first_pass=*/true);
-      }
-      const torch::Tensor t = p.t.index_select(0, f.idx);  // [b']
-      for (const NetUnit& u : l.units) u.run(k, t, c);
-      if (!last(l.stage)) {
-        send_carry(l, k, m, /*first_pass=*/true);
-      } else {
-        send_to(k.h.contiguous(), 0, tag_of(S - 1, m, kFirstOut));  // the model's output [b', C, H, W]
-      }
-      if (l.stage == 0) {
-        f.t = t;
-        f.out = post_recv(torch::empty_like(f.x), S - 1, tag_of(S - 1, m, kFirstOut));
-      }
-      PipeAction a;
-      a.op = PipeOp::kTask, a.stage = -1, a.micro = m, a.task = 1, a.rows = f.idx.numel(), a.serial = true;
-      events_.push_back({a, ms_since_start(received_), ms_since_start(Clock::now())});
-    }
+  const int S = stages();
+  received_ = Clock::now();
+  if (filling) complete(m);
+  const Prepared& p = prep_[static_cast<size_t>(m)];
+  FirstPass& f = first_.at(static_cast<size_t>(m));
+  if (f.idx.numel() == 0) return;
+  Cond c = p.cond.select(f.idx);
+  NetCarry k;
+  if (l.stage == 0) {
+    f.x = p.xt.index_select(0, f.idx);      // [b', C, H, W]
+    c.self_cond = torch::zeros_like(f.x);   // the first pass has no estimate
+    k.h = f.x;
+  } else {
+    std::vector<torch::Tensor> inputs;
+    k = recv_carry(l, m, inputs, /*first_pass=*/true);
+  }
+  const torch::Tensor t = p.t.index_select(0, f.idx);  // [b']
+  for (const NetUnit& u : l.units) u.run(k, t, c);
+  if (!last(l.stage)) {
+    send_carry(l, k, m, /*first_pass=*/true);
+  } else {
+    const torch::Tensor out = k.h.contiguous();  // the model's output [b', C, H, W]
+    if (rank_of(0) != rank_) l.first_bytes += static_cast<int64_t>(out.nbytes());
+    send_to(out, 0, tag_of(S - 1, m, kFirstOut));
+  }
+  if (l.stage == 0) {
+    f.t = t;
+    f.out = post_recv(torch::empty_like(f.x), S - 1, tag_of(S - 1, m, kFirstOut));
+  }
+  PipeAction a;
+  a.op = PipeOp::kTask, a.stage = -1, a.micro = m, a.task = 1 + l.stage, a.rows = f.idx.numel(), a.serial = serial;
+  events_.push_back({a, ms_since_start(received_), ms_since_start(Clock::now())});
 }
 
 void PipeStep::take_estimate(int micro) {

@@ -14,9 +14,11 @@
 //            train/pipe_calibrate.h), the prepare work is task pieces in the schedule: a piece in a
 //            bubble prepares rows of the *next* step's micro-batch, a serial piece rows of this
 //            step's; its rank sends each other stage what that stage reads of them
-//   first    with train.self_cond, once this step's serial prepare pieces are done: the rows each
-//            micro-batch chooses pass through every stage without gradients (this step's weights),
-//            the last stage's output goes back to stage 0, whose forward feeds the x0 estimate in
+//   first    with train.self_cond: the rows each micro-batch chooses pass through every stage without
+//            gradients (this step's weights), the last stage's output goes back to stage 0, whose
+//            forward feeds the x0 estimate in. Without a fill plan, a sweep once this step's serial
+//            prepare pieces are done; with one, an action per stage and micro-batch, in a bubble
+//            where the plan found room (never in the previous step's: the weights change)
 //   F        stage 0 runs its units on x_t; stage s > 0 first receives the carry (h, the conditioning
 //            embedding, the open U-Net skips) from stage s-1; the last stage computes the loss, the
 //            others send their carry on to s+1
@@ -119,7 +121,8 @@ class PipeStep {
   // the run's very last step runs none of the pieces in bubbles): {"stage", "step" (1-based), "filled" (it ran a fill plan), "start_ms" (steady clock, comparable between the
   // processes of one machine), "prepared_ms", "actions_ms" (the last send waited for), "synced_ms"
   // (loss and norm all-reduced), "end_ms" (from the start), "events": [[op, micro, start_ms, end_ms],
-  // ...]} (a prepare piece: ["T", micro, start_ms, end_ms, rows, ahead]). An event starts once its input
+  // ...]} (a task piece: ["T", micro, start_ms, end_ms, rows, in a bubble, task], task 0 the prepare
+  // phase (in a bubble: the next step's rows), 1 + s stage s's first pass). An event starts once its input
   // has arrived: waiting for a receive is idle time.
   std::string last_step_json() const;
 
@@ -178,6 +181,7 @@ class PipeStep {
     std::vector<bool> taken;                           // per micro-batch: its carry was received
     int64_t carry_bytes = 0;                           // the last carry it sent another process
     std::vector<int64_t> direct_bytes;                 // per stage: the skip bytes it sends there directly (another process's)
+    int64_t first_bytes = 0;                           // this step's first passes: what it sent another process
   };
   Local& local(int stage);
   bool last(int stage) const { return stage + 1 == stages(); }
@@ -199,9 +203,11 @@ class PipeStep {
   // the stage that made it), of a kind listed in pipe_step.cpp.
   int tag_of(int cut, int micro, int kind) const;
   NetCarry recv_carry(Local& l, int micro, std::vector<torch::Tensor>& inputs, bool first_pass = false);
-  // Self-conditioning's first pass of every micro-batch through the stages, and stage 0's use of its
-  // output before micro-batch `micro`'s forward.
-  void first_pass(const std::vector<Batch>& micro, int64_t step, bool filling);
+  // Self-conditioning: the rows of each micro-batch that take a first pass (keyed, alike on every
+  // stage); micro-batch m's first pass through stage l (serial: not in a bubble, for its event); and
+  // stage 0's use of the pass's output before micro-batch `micro`'s forward.
+  void choose_first_pass_rows(const std::vector<Batch>& micro, int64_t step);
+  void first_pass(Local& l, int m, bool filling, bool serial);
   void take_estimate(int micro);
   double ms_since_start(std::chrono::steady_clock::time_point t) const;
   void post_send(torch::Tensor t, int peer, int tag);

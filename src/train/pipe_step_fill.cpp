@@ -155,6 +155,12 @@ void PipeStep::measure_and_plan() {
     m.carry_bytes = l.carry_bytes;
     m.prepared_bytes = prepared_bytes_;
     m.skip_bytes = l.direct_bytes;
+    if (objective_self_cond_) {  // the first pass of each micro-batch through this stage, and what it sent on
+      m.first_pass = 0;
+      for (const PipeEvent& e : events_)
+        if (e.action.op == PipeOp::kTask && e.action.task == 1 + l.stage) m.first_pass += (e.end_ms - e.start_ms) / M;
+      m.first_pass_bytes = static_cast<int64_t>(static_cast<double>(l.first_bytes) / M);
+    }
     if (l.stage == 0) {
       m.link_latency = small;
       m.link_bytes_per_ms = big > small ? static_cast<double>(4 * kBig - 4) / (big - small) : 0;
