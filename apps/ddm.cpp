@@ -626,10 +626,11 @@ int run(int argc, char** argv) {
         "resumes by itself). With --set parallel.mode=diloco each process is a DiLoCo replica that synchronizes "
         "every diloco.inner_steps steps (diloco.fragments > 1: Streaming DiLoCo). See docs/distributed.md.\n"
         "Pipeline parallel: --set parallel.pp=S with S processes runs the model's units as S stages (one per "
-        "process), train.grad_accum micro-batches per step under parallel.schedule (gpipe, 1f1b, zb-h1), split "
-        "at parallel.cuts (`ddm plan` lists the units) or balanced automatically; from the third step the frozen work "
-        "of the prepare phase runs in the schedule's bubbles (parallel.fill = false: serially on every stage). See "
-        "docs/pipeline.md.");
+        "process), train.grad_accum micro-batches per step under parallel.schedule (gpipe, 1f1b, zb-h1, or the "
+        "V-shaped 1f1b-v, zb-v: 2S stages on S processes), split at parallel.cuts (`ddm plan` lists the units) or "
+        "balanced automatically; from the third step the frozen work of the prepare phase runs in the schedule's "
+        "bubbles (parallel.fill = false: serially on every stage); parallel.pipe_wire = bfloat16 sends the "
+        "activations and their gradients in half the bytes. See docs/pipeline.md.");
 
   // sample
   SampleArgs sa;

@@ -41,6 +41,7 @@ struct PlanArgs {
   std::vector<int> stages, micro;
   std::vector<std::string> schedules;
   double speed = 1, memory_gib = 0, bandwidth_gbps = 10, latency_us = 20;
+  std::string pipe_wire;  // empty: the config's (a measured run's) parallel.pipe_wire, else float32
 };
 
 const char* kPlanFooter =
@@ -224,6 +225,7 @@ int run_plan(PlanArgs a) {
     a.stages = {a.devices};
     a.micro = {r.at("micro").get<int>()};
     a.schedules = {r.at("schedule").get<std::string>()};
+    if (a.pipe_wire.empty()) a.pipe_wire = r.value("pipe_wire", "float32");  // runs before 2026-11-25 sent float32
     if (!a.config.empty()) {
       a.sets.push_back("train.threads=" + std::to_string(r.at("threads").get<int>()));
       if (a.rows.empty()) a.rows = {r.at("rows").get<int64_t>()};
@@ -250,17 +252,19 @@ int run_plan(PlanArgs a) {
   if (a.memory_gib > 0) m.memory = a.memory_gib * (1ull << 30);
   m.link.bandwidth = a.bandwidth_gbps * 1e9 / 1e3;  // bytes per ms
   m.link.latency = a.latency_us / 1e3;
+  if (a.pipe_wire.empty() && !a.config.empty()) a.pipe_wire = load_config(a.config, a.sets).parallel.pipe_wire;
+  m.activation_bytes = a.pipe_wire == "bfloat16" ? 0.5 : 1;
   PipePlanOptions o;
   o.batch = batch, o.stages = a.stages, o.micro = a.micro, o.schedules = a.schedules;
   if (measured) o.first = measured->record.at("first_units").get<std::vector<int>>();
   for (const std::string& s : o.schedules) make_schedule(s, 1, 1);  // a clear error for an unknown name
   const std::vector<PipePlan> plans = plan_pipeline(prof, m, o);
 
-  std::printf("model     %s\nworkload  %s\nprofiled  %s\nmachine   %d devices at %.3gx that speed, %s per device, link %.3g GB/s + %.3g us\n"
-              "batch     %lld (global)\n\n",
+  std::printf("model     %s\nworkload  %s\nprofiled  %s\nmachine   %d devices at %.3gx that speed, %s per device, link %.3g GB/s + %.3g us"
+              "%s\nbatch     %lld (global)\n\n",
               prof.model.c_str(), prof.workload.c_str(), prof.machine.c_str(), m.devices, m.speed,
               a.memory_gib > 0 ? (fmt_gib(a.memory_gib)).c_str() : "unlimited memory", a.bandwidth_gbps, a.latency_us,
-              static_cast<long long>(batch));
+              m.activation_bytes < 1 ? ", activations in bfloat16" : "", static_cast<long long>(batch));
   std::printf("%4s %9s %5s %5s %-13s %11s %11s %8s %8s %9s %9s\n", "#", "ranks*dp", "micro", "rows", "schedule",
               "serial ms", "filled ms", "bubble", "filled", "img/s", "frozen in");
   std::printf("%4s %9s %5s %5s %-13s %11s %11s %8s %8s %9s %9s\n", "", "", "", "", "", "(iteration)", "(iteration)",
@@ -288,6 +292,7 @@ int run_plan(PlanArgs a) {
     for (size_t s = 1; s + 1 < best.partition.first.size(); ++s)
       std::printf("%s%d", s > 1 ? "," : "", best.partition.first[s]);
     std::printf("]");
+    if (m.activation_bytes < 1) std::printf(" parallel.pipe_wire=bfloat16");
     if (best.replicas > 1) std::printf(" parallel.dp=%d (%d processes)", best.replicas, best.stages * best.replicas);
     std::printf("\n");
   }
@@ -409,6 +414,10 @@ Command add_plan_command(CLI::App& app) {
   cmd->add_option("--memory", a->memory_gib, "memory per device in GiB (default: unlimited)")->check(CLI::NonNegativeNumber);
   cmd->add_option("--bandwidth", a->bandwidth_gbps, "link bandwidth between devices in GB/s (default 10)")->check(CLI::PositiveNumber);
   cmd->add_option("--latency", a->latency_us, "link latency per message in microseconds (default 20)")->check(CLI::NonNegativeNumber);
+  cmd->add_option("--pipe-wire", a->pipe_wire,
+                  "what a pipeline's activations travel as: float32 or bfloat16 (half the bytes; default: the config's "
+                  "parallel.pipe_wire, a measured run's, else float32)")
+      ->check(CLI::IsMember({"float32", "bfloat16"}));
   cmd->add_option("--top", a->top, "plans to print (default 12)")->check(kPositive);
   cmd->add_option("--timeline", a->timeline, "draw the best plan's timeline, serial and filled, as a PNG");
   cmd->add_option("--json", a->json, "write every plan as JSON");

@@ -8,6 +8,8 @@
 #   dp-fp16                 the same with parallel.wire = float16 (half the bytes)
 #   <schedule>-serial       a 2-stage pipeline of MICRO micro-batches, frozen work serial
 #   <schedule>-filled       the same with its bubbles filled (parallel.fill, planned in the run)
+#   <schedule>-filled-bf16  filled, its activations and their gradients in bfloat16 on the wire
+#                           (parallel.pipe_wire; with BF16=0 left out)
 # for each schedule in SCHEDULES, split where the planner puts the cut for that schedule at that
 # link. Runs are interleaved over ROUNDS rounds; throughput is the mean img/s of the metrics.jsonl
 # intervals after the first (steps STEPS/4+1..STEPS); ratios to dp are taken within each round,
@@ -24,7 +26,7 @@
 # usage: bench/pipeline_links.sh AE_RUN [OUT]        (default /tmp/ddm-pipeline-links)
 #   AE_RUN  a `ddm train-autoencoder` run (the latent workload's frozen encoder)
 #   env: RATES="unlimited 1gbit 200mbit 100mbit 50mbit"  SCHEDULES="gpipe 1f1b zb-h1"  MICRO=8
-#        ROUNDS=2  STEPS=16  LATENCY=100ms BURST=(bytes) (the qdisc; bench/netns_link.sh)
+#        ROUNDS=2  STEPS=16  BF16=1  LATENCY=100ms BURST=(bytes) (the qdisc; bench/netns_link.sh)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ae=${1:?usage: bench/pipeline_links.sh AE_RUN [OUT]}
@@ -36,6 +38,7 @@ read -r -a schedules <<< "${SCHEDULES:-gpipe 1f1b zb-h1}"
 micro=${MICRO:-8}
 rounds=${ROUNDS:-2}
 steps=${STEPS:-16}
+bf16=${BF16:-1}
 
 . "$(dirname "$0")/netns_link.sh"
 link_require
@@ -119,6 +122,8 @@ for ((round = 1; round <= rounds; round++)); do
         run "$rate" "$s-$([ $fill = true ] && echo filled || echo serial)" --set parallel.pp=2 --set parallel.schedule="$s" \
           --set train.grad_accum="$micro" --set "parallel.cuts=[${cuts[$rate-$s]}]" --set parallel.fill=$fill
       done
+      [ "$bf16" = 1 ] && run "$rate" "$s-filled-bf16" --set parallel.pp=2 --set parallel.schedule="$s" \
+        --set train.grad_accum="$micro" --set "parallel.cuts=[${cuts[$rate-$s]}]" --set parallel.pipe_wire=bfloat16
     done
   done
 done
@@ -144,8 +149,8 @@ for rate in rates:
         ips = [r["img_per_s"] for r in x.values()]
         vs_dp = st.median(x[k]["img_per_s"] / dp[k]["img_per_s"] for k in x if k in dp)
         vs_serial = ""
-        if run.endswith("-filled"):
-            s = of(rate, run[: -len("-filled")] + "-serial")
+        if "-filled" in run:
+            s = of(rate, run.split("-filled")[0] + "-serial")
             vs_serial = "%.2fx" % st.median(x[k]["img_per_s"] / s[k]["img_per_s"] for k in x if k in s)
         step = st.median(r["step_ms"] for r in x.values())
         pct = lambda key: "%+.1f%%" % (100 * (st.median(r[key] for r in x.values()) - step) / step) if all(r[key] for r in x.values()) else "-"

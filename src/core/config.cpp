@@ -180,6 +180,7 @@ std::vector<Field> fields(RunConfig& c) {
       field("parallel.schedule", &c.parallel.schedule),
       field("parallel.cuts", &c.parallel.cuts),
       field("parallel.fill", &c.parallel.fill),
+      field("parallel.pipe_wire", &c.parallel.pipe_wire),
       field("diloco.inner_steps", &c.diloco.inner_steps),
       field("diloco.outer_lr", &c.diloco.outer_lr),
       field("diloco.outer_momentum", &c.diloco.outer_momentum),
@@ -429,6 +430,7 @@ void validate(const RunConfig& c) {
   check_choice("parallel.mode", par.mode, {"dp", "diloco"});
   DDM_CHECK(par.pp >= 1, "parallel.pp must be >= 1 (pipeline stages; 1 = no pipeline), got " << par.pp);
   check_choice("parallel.schedule", par.schedule, {"gpipe", "1f1b", "zb-h1", "1f1b-v", "zb-v"});
+  check_choice("parallel.pipe_wire", par.pipe_wire, {"float32", "bfloat16"});
   // V-shaped schedules run 2 stages on each of the pp processes.
   const bool v = par.schedule == "1f1b-v" || par.schedule == "zb-v";
   const int64_t stages = v ? 2 * par.pp : par.pp;

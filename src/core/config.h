@@ -151,6 +151,11 @@ struct ParallelConfig {
   // it. false: every stage prepares every micro-batch itself before the pipeline starts. Either way
   // the results are the same, bit for bit.
   bool fill = true;
+  // The format of what a pipeline sends between processes: the activations (the carry, skips sent
+  // straight on, self-conditioning's first pass) and their gradients. bfloat16 halves the bytes,
+  // rounding each value to 8 significant bits (float32's range, so no gradient underflows as in
+  // float16); a pipeline then trains within that rounding of one process, not of float32's.
+  std::string pipe_wire = "float32";  // float32 | bfloat16
 };
 
 // DiLoCo (Douillard et al. 2023) and Streaming DiLoCo (2025): replicas take inner_steps ordinary

@@ -16,6 +16,13 @@ std::vector<int> divisors(int64_t n, int64_t most) {
   return d;
 }
 
+// The link as the activations see it: their bytes scaled by the wire's format.
+PipeLink activation_link(const PipeMachine& m) {
+  PipeLink l = m.link;
+  l.bandwidth /= m.activation_bytes;
+  return l;
+}
+
 // The tasks of one candidate (see pipe_plan.h).
 std::vector<PipeTask> tasks_of(const PipeProfile& p, const PipeMachine& m, const PipePartition& part, int64_t rows) {
   std::vector<PipeTask> out;
@@ -44,7 +51,7 @@ std::vector<PipeTask> tasks_of(const PipeProfile& p, const PipeMachine& m, const
     }
     const int64_t last = part.first[s + 1] - 1;
     const double bytes = s + 1 < S ? p.units_at(rows)[last].cut_bytes : p.x_bytes_per_row * static_cast<double>(rows);
-    k.send = s + 1 < S && part.rank_of(s) == part.rank_of(s + 1) ? 0 : m.link.time(bytes);
+    k.send = s + 1 < S && part.rank_of(s) == part.rank_of(s + 1) ? 0 : activation_link(m).time(bytes);
     out.push_back(k);
   }
   return out;
@@ -67,6 +74,8 @@ std::vector<PipePlan> plan_pipeline(const PipeProfile& p, const PipeMachine& m, 
   DDM_CHECK(m.devices >= 1, "devices must be >= 1, got " << m.devices);
   DDM_CHECK(o.batch >= 1, "the global batch must be >= 1, got " << o.batch);
   DDM_CHECK(m.link.bandwidth > 0 && m.link.latency >= 0, "the link needs a bandwidth > 0 and a latency >= 0");
+  DDM_CHECK(m.activation_bytes > 0 && m.activation_bytes <= 1, "activation_bytes must be in (0, 1], got " << m.activation_bytes);
+  const PipeLink act = activation_link(m);
   std::vector<int> stages = o.stages;
   if (stages.empty())
     for (int s : divisors(m.devices, L)) stages.push_back(s);
@@ -110,15 +119,15 @@ std::vector<PipePlan> plan_pipeline(const PipeProfile& p, const PipeMachine& m, 
             plan.partition.first = o.first;
             plan.partition.stage_rank = plan.actions.stage_rank;
           } else if (v) {
-            plan.partition = partition_units_v(units, S, peak_in_flight(plan.actions), m.memory, m.link);
+            plan.partition = partition_units_v(units, S, peak_in_flight(plan.actions), m.memory, act);
           } else {
-            plan.partition = partition_units(units, S, peak_in_flight(plan.actions), m.memory, m.link);
+            plan.partition = partition_units(units, S, peak_in_flight(plan.actions), m.memory, act);
           }
         } catch (const Error& e) {
           last_error = e.what();
           continue;
         }
-        plan.costs = costs_of_partition(units, plan.partition, m.link);
+        plan.costs = costs_of_partition(units, plan.partition, act);
         for (int r = 0; r < S; ++r) {
           double params = 0, backward = 0;
           for (int s = 0; s < stage_count; ++s) {

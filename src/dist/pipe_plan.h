@@ -33,6 +33,9 @@ struct PipeMachine {
   double speed = 1;  // compute speed relative to the profile's machine
   double memory = std::numeric_limits<double>::infinity();  // bytes per device
   PipeLink link;     // between any two devices: bytes per ms, ms per message
+  // Bytes on the wire per float32 byte of an activation or its gradient (0.5: parallel.pipe_wire =
+  // bfloat16); the prepared rows and data parallelism's gradients travel as float32.
+  double activation_bytes = 1;
 };
 
 struct PipePlanOptions {

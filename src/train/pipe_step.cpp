@@ -202,6 +202,7 @@ PipeStep::PipeStep(const RunConfig& cfg, Net net, std::shared_ptr<Objective> obj
             "pipeline: a replica's batch of " << replica_batch << " does not split into " << tc.grad_accum << " micro-batches");
   rows_ = replica_batch / tc.grad_accum;
   objective_self_cond_ = tc.self_cond > 0;
+  bf16_wire_ = cfg_.parallel.pipe_wire == "bfloat16";
   quantum_ = prepare_quantum(rows_);
   if (replicas_) {
     // Averaged during the stage's last backward (hooks enabled for it alone), as data parallelism
@@ -226,21 +227,32 @@ PipeStep::Local& PipeStep::local(int stage) {
   DDM_FAIL("pipeline: stage " << stage << " does not run on rank " << rank_);
 }
 
+bool PipeStep::narrowed(const torch::Tensor& t) const { return bf16_wire_ && t.scalar_type() == torch::kFloat; }
+
+int64_t PipeStep::wire_bytes(const torch::Tensor& t) const {
+  return static_cast<int64_t>(t.nbytes()) / (narrowed(t) ? 2 : 1);
+}
+
 void PipeStep::send_to(torch::Tensor t, int to_stage, int tag) {
-  if (rank_of(to_stage) != rank_) return post_send(t, rank_of(to_stage), tag);
+  // Across processes a float tensor travels as bfloat16 with parallel.pipe_wire = bfloat16 (rounded
+  // to nearest); within one the mailbox hands it over as it is.
+  if (rank_of(to_stage) != rank_) return post_send(narrowed(t) ? t.to(torch::kBFloat16) : t, rank_of(to_stage), tag);
   DDM_CHECK(mailbox_.emplace(tag, t.detach()).second, "pipeline: message " << tag << " sent twice within rank " << rank_);
 }
 
 PipeStep::Recv PipeStep::post_recv(torch::Tensor t, int from_stage, int tag) {
   Recv r;
   r.tensor = t, r.from = from_stage, r.tag = tag, r.local = rank_of(from_stage) == rank_;
-  if (!r.local) r.work = comm_->recv_async(t, rank_of(from_stage), tag);
+  if (r.local) return r;
+  r.wire = narrowed(t) ? torch::empty(t.sizes(), torch::kBFloat16) : t;
+  r.work = comm_->recv_async(r.wire, rank_of(from_stage), tag);
   return r;
 }
 
 torch::Tensor PipeStep::wait_recv(Recv& r, const std::string& what) {
   if (!r.local) {
     comm_->wait(r.work, what);
+    if (r.wire.scalar_type() != r.tensor.scalar_type()) r.tensor.copy_(r.wire);  // bfloat16 -> float32, exact
     return r.tensor;
   }
   auto it = mailbox_.find(r.tag);
@@ -289,7 +301,7 @@ void PipeStep::send_carry(Local& l, const NetCarry& k, int micro, bool first_pas
     put(torch::Tensor());
     if (r >= 0) {  // straight to the stage that reads it
       const torch::Tensor x = k.skips[i].contiguous();
-      if (rank_of(r) != rank_) l.direct_bytes[static_cast<size_t>(r)] = static_cast<int64_t>(x.nbytes());
+      if (rank_of(r) != rank_) l.direct_bytes[static_cast<size_t>(r)] = wire_bytes(x);
       send_to(x, r, tag_of(s, micro, kSkip + 2 * static_cast<int>(i)));
       if (m) m->direct_roots.push_back({x, r, static_cast<int>(i)});
     }
@@ -297,8 +309,8 @@ void PipeStep::send_carry(Local& l, const NetCarry& k, int micro, bool first_pas
   h[1] = entries;
   send_to(header, s + 1, tag_of(s, micro, first_pass ? kFirstHeader : kCarryHeader));
   torch::Tensor values = flat_of(carried);
-  if (!first_pass) l.carry_bytes = rank_of(s + 1) != rank_ ? static_cast<int64_t>(values.nbytes()) : 0;
-  else if (rank_of(s + 1) != rank_) l.first_bytes += static_cast<int64_t>(values.nbytes());
+  if (!first_pass) l.carry_bytes = rank_of(s + 1) != rank_ ? wire_bytes(values) : 0;
+  else if (rank_of(s + 1) != rank_) l.first_bytes += wire_bytes(values);
   send_to(values, s + 1, tag_of(s, micro, first_pass ? kFirstValues : kCarryValues));
   if (m) m->roots = carried;
 }
@@ -606,7 +618,7 @@ void PipeStep::first_pass(Local& l, int m, bool filling, bool serial) {
     send_carry(l, k, m, /*first_pass=*/true);
   } else {
     const torch::Tensor out = k.h.contiguous();  // the model's output [b', C, H, W]
-    if (rank_of(0) != rank_) l.first_bytes += static_cast<int64_t>(out.nbytes());
+    if (rank_of(0) != rank_) l.first_bytes += wire_bytes(out);
     send_to(out, 0, tag_of(S - 1, m, kFirstOut));
   }
   if (l.stage == 0) {

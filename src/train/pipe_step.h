@@ -146,6 +146,7 @@ class PipeStep {
   struct Recv {
     c10::intrusive_ptr<c10d::Work> work;
     torch::Tensor tensor;
+    torch::Tensor wire;  // what the group receives into: `tensor`, or its bfloat16 (parallel.pipe_wire)
     int from = 0, tag = 0;
     bool local = false;
   };
@@ -189,6 +190,8 @@ class PipeStep {
   Recv post_recv(torch::Tensor t, int from_stage, int tag);
   torch::Tensor wait_recv(Recv& r, const std::string& what);
   void send_to(torch::Tensor t, int to_stage, int tag);  // a send, or into the mailbox when the stage is here
+  bool narrowed(const torch::Tensor& t) const;           // a float tensor that crosses processes as bfloat16
+  int64_t wire_bytes(const torch::Tensor& t) const;      // its bytes as sent to another process
   void post_carry_receives(int micro_count);
   void post_next_carry(Local& l);
   std::optional<PostedCarry>* posted_for(Local& l, int micro);  // null: not posted (or already taken)
@@ -270,6 +273,7 @@ class PipeStep {
   std::vector<Incoming> incoming_;
   // Self-conditioning (train.self_cond > 0).
   bool objective_self_cond_ = false;
+  bool bf16_wire_ = false;  // parallel.pipe_wire = bfloat16
   struct FirstPass {
     torch::Tensor idx;         // the micro-batch's rows that take a first pass [b']
     torch::Tensor x, t;        // stage 0: their x_t and t

@@ -544,7 +544,9 @@ TrainSummary train(TrainJob job, const TrainOptions& options) {
                   << (stages > pp ? " (rank " + std::to_string(pipe->rank_of_stage(s)) + ")" : "");
       std::cout << " (parallel.cuts = [";
       for (int s = 1; s < stages; ++s) std::cout << (s > 1 ? ", " : "") << b[static_cast<size_t>(s)];
-      std::cout << "]), collective timeout " << cfg.parallel.timeout << " s\n";
+      std::cout << "]), activations in " << cfg.parallel.pipe_wire << " on the wire"
+                << (replicas > 1 ? ", gradients in " + cfg.parallel.wire : "") << ", collective timeout "
+                << cfg.parallel.timeout << " s\n";
     } else if (world > 1) {
       std::cout << "parallel: data parallel over " << world << " processes, gradient buckets up to "
                 << cfg.parallel.bucket_mb << " MiB (first " << cfg.parallel.first_bucket_mb << " MiB), "
@@ -708,6 +710,7 @@ TrainSummary train(TrainJob job, const TrainOptions& options) {
       const nlohmann::json record = {
           {"format", "ddm pipeline timeline 1"}, {"stages", pp}, {"replicas", replicas}, {"schedule", cfg.parallel.schedule},
           {"micro", tc.grad_accum}, {"rows", tc.batch_size / tc.grad_accum}, {"threads", threads},
+          {"pipe_wire", cfg.parallel.pipe_wire},
           {"machine", cpu_model_name()},
           {"first_units", pipe->bounds()}, {"units", pipe->unit_names()}, {"step", step},
           {"steps_timed", timed_steps}, {"timed_from", timed_from + 1}, {"step_ms", timed_steps > 0 ? timed_ms / timed_steps : 0.0}, {"ranks", ranks},

@@ -138,6 +138,10 @@ TEST(Config, DilocoValuesOutOfRange) {
   EXPECT_NE(err("diloco.wire=int4").find("diloco.wire"), std::string::npos);
   EXPECT_NE(error_of("", {"parallel.mode=async"}).find("parallel.mode"), std::string::npos);
   EXPECT_EQ(error_of("", {"parallel.mode=diloco", "diloco.fragments=5", "diloco.overlap=9"}), "");
+  const std::string wire = error_of("", {"parallel.pipe_wire=float16"});
+  EXPECT_NE(wire.find("parallel.pipe_wire"), std::string::npos) << wire;
+  EXPECT_NE(wire.find("bfloat16"), std::string::npos) << wire;  // names what it takes
+  EXPECT_EQ(error_of("", {"parallel.pp=2", "parallel.pipe_wire=bfloat16"}), "");
 }
 
 TEST(Config, InvalidTomlNamesLine) {

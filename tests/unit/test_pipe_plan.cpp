@@ -731,6 +731,15 @@ TEST(PipePlan, SearchesSplitsSchedulesAndFilling) {
   EXPECT_EQ(fixed.partition.first, o.first);
   EXPECT_EQ(fixed.partition.stage_rank, (std::vector<int>{0, 1, 1, 0}));
   EXPECT_GT(fixed.costs.send_forward[0], 0);
+  // Activations in bfloat16 (parallel.pipe_wire): half the bytes of every carry, the latency alike;
+  // the prepared rows still travel as float32.
+  PipeMachine narrow = linked;
+  narrow.activation_bytes = 0.5;
+  const PipePlan half = plan_pipeline(p, narrow, o).front();
+  EXPECT_DOUBLE_EQ(half.costs.send_forward[0] - 0.01, (fixed.costs.send_forward[0] - 0.01) / 2);
+  EXPECT_DOUBLE_EQ(half.costs.tasks[0].send, fixed.costs.tasks[0].send);
+  narrow.activation_bytes = 0;
+  EXPECT_NE(error_message([&] { plan_pipeline(p, narrow, o); }).find("activation_bytes must be in (0, 1]"), std::string::npos);
   EXPECT_EQ(fixed.costs.send_forward[1], 0);  // the turn, on rank 1
   EXPECT_GT(fixed.costs.send_forward[2], 0);
   EXPECT_GT(fixed.filled_iteration(), plan_pipeline(p, linked, [&] {

@@ -452,3 +452,44 @@ TEST(PipelineTrain, SkipsGoStraightToTheStageThatReadsThem) {
     expect_same_training(dir / schedule, dir / "one", std::string("3 stages, a skip routed past stage 1, ") + schedule);
   }
 }
+
+// parallel.pipe_wire = bfloat16: every activation and gradient that crosses processes is rounded to
+// bfloat16 (8 significant bits), so the pipeline no longer trains what one process trains within
+// float32 rounding, and no bound on the whole training follows from the rounding alone. What is
+// checked: it is deterministic (bit-identical when repeated); the rounding is applied (the weights
+// differ from the float32 pipeline's) but small (the 20 steps' losses within 1e-3 of the float32
+// pipeline's, an empirical margin: 4e-5 here, each value perturbed by at most 2^-9 relative and the
+// loss an average; a broken conversion misses it by orders of magnitude); and rank 0 sends about
+// half the bytes (its carries; the loss and norm all-reduce is a few bytes).
+TEST(PipelineTrain, ABfloat16WireHalvesTheBytesAndStaysClose) {
+  test::TempDir dir;
+  for (const char* arch : {"unet", "dit"}) {
+    RunConfig cfg = piped(base(arch), 2, "1f1b", std::string(arch) == "unet" ? std::vector<int64_t>{2} : std::vector<int64_t>{});
+    cfg.parallel.fill = false;
+    const std::string f32 = dir / (std::string(arch) + "-f32"), b16 = dir / (std::string(arch) + "-bf16"),
+                      again = dir / (std::string(arch) + "-bf16-again");
+    ASSERT_EQ(train_ranks(2, {cfg, cfg}, f32), (std::vector<std::string>{"", ""}));
+    cfg.parallel.pipe_wire = "bfloat16";
+    ASSERT_EQ(train_ranks(2, {cfg, cfg}, b16), (std::vector<std::string>{"", ""}));
+    ASSERT_EQ(train_ranks(2, {cfg, cfg}, again), (std::vector<std::string>{"", ""}));
+    EXPECT_EQ(losses(again), losses(b16)) << arch;
+    EXPECT_EQ(max_weight_difference(final_weights(again), final_weights(b16)), 0.0) << arch;
+    const auto l = losses(b16), want = losses(f32);
+    ASSERT_EQ(l.size(), want.size());
+    for (size_t i = 0; i < l.size(); ++i) EXPECT_LE(std::abs(l[i] - want[i]) / want[i], 1e-3) << arch << " step " << i + 1;
+    EXPECT_GT(max_weight_difference(final_weights(b16), final_weights(f32)), 0.0) << arch;
+    auto sent = [](const std::string& run) {
+      std::ifstream in(run + "/metrics.jsonl");
+      std::string line;
+      int64_t last = 0;
+      while (std::getline(in, line)) last = nlohmann::json::parse(line)["sent_bytes_per_step"].get<int64_t>();
+      return static_cast<double>(last);
+    };
+    EXPECT_LT(sent(b16), 0.6 * sent(f32)) << arch;
+    EXPECT_GT(sent(b16), 0.4 * sent(f32)) << arch;
+    double worst = 0;
+    for (size_t i = 0; i < l.size(); ++i) worst = std::max(worst, std::abs(l[i] - want[i]) / want[i]);
+    std::printf("%s bfloat16 wire: losses within %.2e (relative) of float32's; %.3fx the bytes\n", arch, worst,
+                sent(b16) / sent(f32));
+  }
+}
