@@ -4,7 +4,8 @@
 # (every finding fatal), and one libFuzzer target per parser of outside input (fuzz/fuzz_*.cpp). Then
 #   tests: runs the `unit`-labelled tests under the sanitizers (ctest -L unit);
 #   fuzz:  runs each fuzz target for FUZZ_SECONDS (default 20) seconds, starting from its corpus
-#          fuzz/corpus/<target>/, which it only reads (new inputs go to a temporary directory).
+#          fuzz/corpus/<target>/, which it only reads (new inputs go to a temporary directory); as many
+#          targets at once as there are cores.
 # Usage: scripts/sanitize.sh [tests | fuzz [fuzz_X ...]]   (no argument: both, every target).
 # Exits non-zero on any finding. A fuzzer's crashing input is kept in build-san/fuzz-artifacts/;
 # replay it with build-san/fuzz_X FILE. Run scripts/setup.sh once first (it installs clang).
@@ -51,15 +52,29 @@ if [ "$what" != tests ]; then
   fi
   scratch=$(mktemp -d)
   trap 'rm -rf "$scratch"' EXIT
+  for t in "${targets[@]}"; do
+    [ -d "fuzz/corpus/${t#fuzz_}" ] || { echo "sanitize: $t has no corpus directory fuzz/corpus/${t#fuzz_}" >&2; exit 1; }
+    mkdir -p "$scratch/$t" "build-san/fuzz-artifacts/$t"
+  done
+  fuzz_one() {  # TARGET: fuzzes it for $seconds s; its exit status goes to $scratch/TARGET.rc
+    local rc=0
+    # A single allocation over 256 MB or a 10 s input from a few-KB file is a finding too.
+    build-san/"$1" -max_total_time="$seconds" -timeout=10 -rss_limit_mb=2048 -malloc_limit_mb=256 \
+      -artifact_prefix="build-san/fuzz-artifacts/$1/" -print_final_stats=1 \
+      "$scratch/$1" "fuzz/corpus/${1#fuzz_}" >"$scratch/$1.log" 2>&1 || rc=$?
+    echo "$rc" >"$scratch/$1.rc"
+  }
+  # One target per core at a time (each fuzzer is one single-threaded process), reported in order.
+  busy=0
+  for t in "${targets[@]}"; do
+    fuzz_one "$t" &
+    busy=$((busy + 1))
+    if [ "$busy" -ge "$jobs" ]; then wait -n; busy=$((busy - 1)); fi
+  done
+  wait
   failed=()
   for t in "${targets[@]}"; do
-    corpus=fuzz/corpus/${t#fuzz_}
-    [ -d "$corpus" ] || { echo "sanitize: $t has no corpus directory $corpus" >&2; exit 1; }
-    mkdir -p "$scratch/$t" "build-san/fuzz-artifacts/$t"
-    # A single allocation over 256 MB or a 10 s input from a few-KB file is a finding too.
-    if build-san/"$t" -max_total_time="$seconds" -timeout=10 -rss_limit_mb=2048 -malloc_limit_mb=256 \
-        -artifact_prefix="build-san/fuzz-artifacts/$t/" -print_final_stats=1 \
-        "$scratch/$t" "$corpus" >"$scratch/$t.log" 2>&1; then
+    if [ "$(cat "$scratch/$t.rc")" = 0 ]; then
       echo "sanitize: $t: $(grep -E '^stat::number_of_executed_units' "$scratch/$t.log" | awk '{print $2}') inputs" \
            "in ${seconds} s, $(find "$scratch/$t" -type f | wc -l) new, no finding"
     else
