@@ -36,11 +36,12 @@ std::vector<PipeTask> tasks_of(const PipeProfile& p, const PipeMachine& m, const
   if (!p.self_cond) return out;
   const int S = static_cast<int>(part.first.size()) - 1;
   for (int s = 0; s < S; ++s) {
-    // Whole, as the runtime runs it (its rows go on to the next stage as one message), after the
-    // previous stage's pass; stage 0's after this iteration's rows of the prepare phase.
+    // In partial batches like the prepare tasks (the runtime's pieces are whole quanta of a few
+    // rows; its rows go on to the next stage once all of them ran), after the previous stage's
+    // pass; stage 0's after this iteration's rows of the prepare phase.
     PipeTask k;
     k.name = "self-cond pass, stage " + std::to_string(s);
-    k.rows = k.quantum = rows, k.consumer = 0, k.ranks = {part.rank_of(s)}, k.cross_iteration = false;
+    k.rows = rows, k.consumer = 0, k.ranks = {part.rank_of(s)}, k.cross_iteration = false;
     k.after = static_cast<int>(out.size()) - 1;
     for (const PipeUnitSample& x : p.units.front().samples) {
       double ms = 0;

@@ -105,7 +105,8 @@ PipeCosts costs_from_measures(const std::vector<PipeStageMeasure>& stages, int64
     PipeTask k;
     k.name = "self-conditioning pass, stage " + std::to_string(s);
     k.cost = {{rows, m.first_pass}};
-    k.rows = k.quantum = rows;  // whole: its rows go on to the next stage as one message
+    k.rows = rows;
+    k.quantum = quantum;  // partial batches of whole quanta (its rows go on once all of them ran)
     k.consumer = 0;
     k.ranks = {rank_of(s)};
     k.after = static_cast<int>(c.tasks.size()) - 1;  // stage 0's: the prepare task, whose serial rows are this step's
@@ -124,8 +125,9 @@ PipeFillPlan plan_fill(const PipeSchedule& schedule, const std::vector<PipeStage
   p.fill = fill_bubbles(schedule, p.costs);
   p.serial = simulate(with_serial_tasks(schedule, p.costs), p.costs);
   const int64_t filled = p.fill.filled_rows.at(0), total = filled + p.fill.serial_rows.at(0);
-  for (size_t t = 1; t < p.costs.tasks.size(); ++t) p.first_passes += static_cast<int>(p.fill.filled_rows[t] / rows);
-  p.used = filled > 0 || p.first_passes > 0;
+  int64_t pass_rows = 0;
+  for (size_t t = 1; t < p.costs.tasks.size(); ++t) p.first_pass_rows += p.fill.filled_rows[t], pass_rows += rows * schedule.micro;
+  p.used = filled > 0 || p.first_pass_rows > 0;
   const int passes = static_cast<int>(p.costs.tasks.size()) - 1;  // stages with a first pass
   int prepare_pieces = 0;
   for (const auto& r : p.fill.schedule.ranks)
@@ -142,8 +144,9 @@ PipeFillPlan plan_fill(const PipeSchedule& schedule, const std::vector<PipeStage
   std::string summary = filled > 0 ? line : "no piece of the prepare phase fits into a bubble (a quantum of " +
                                                 std::to_string(quantum) + " rows takes longer than any): it stays serial";
   if (passes > 0) {
-    std::snprintf(line, sizeof line, "; %d of the %d self-conditioning first passes (%d stages x %d micro-batches) run in bubbles",
-                  p.first_passes, passes * schedule.micro, passes, schedule.micro);
+    std::snprintf(line, sizeof line,
+                  "; %.0f%% of the rows of the self-conditioning first passes (%d stages x %d micro-batches) run in bubbles",
+                  100.0 * static_cast<double>(p.first_pass_rows) / static_cast<double>(pass_rows), passes, schedule.micro);
     summary += line;
   }
   if (p.used) {

@@ -41,9 +41,10 @@ PipeStageMeasure measure_from_json(const std::string& text);
 // per micro-batch of `rows` rows in quanta of `quantum` (any rank, consumed by stage 0, weight-
 // independent so it may prepare the next step in this step's bubbles, its output sent to the stage
 // that reads the most of it). With self-conditioning (first_pass >= 0 on every stage), also task
-// 1 + s, stage s's first pass of a micro-batch: whole (its rows travel on as one message), on
-// stage s's rank, after stage s-1's (stage 0's after this step's prepared rows), consumed by
-// stage 0's forward, and not movable into the previous step (it uses this step's weights).
+// 1 + s, stage s's first pass of a micro-batch: in whole quanta (a partial batch where a bubble
+// holds only part; its rows travel on as one message once all pieces ran), on stage s's rank,
+// after stage s-1's (stage 0's after this step's prepared rows), consumed by stage 0's forward,
+// and not movable into the previous step (it uses this step's weights).
 PipeCosts costs_from_measures(const std::vector<PipeStageMeasure>& stages, int64_t rows, int64_t quantum,
                               const std::vector<int>& stage_rank = {});
 
@@ -52,7 +53,7 @@ struct PipeFillPlan {
   PipeFill fill;             // the schedule with the prepare pieces, and its simulated timeline
   PipeTimeline serial;       // the same schedule with the prepare work serial on stage 0's rank
   bool used = false;         // some rows or first passes fit into bubbles (else the run stays serial)
-  int first_passes = 0;      // self-conditioning's first passes placed in bubbles (of stages x micro-batches)
+  int64_t first_pass_rows = 0;  // rows of self-conditioning's first passes placed in bubbles (of stages x micro-batches x rows)
   std::string summary;       // one line for the run's output
 };
 

@@ -16,9 +16,13 @@
 //            step's; its rank sends each other stage what that stage reads of them
 //   first    with train.self_cond: the rows each micro-batch chooses pass through every stage without
 //            gradients (this step's weights), the last stage's output goes back to stage 0, whose
-//            forward feeds the x0 estimate in. Without a fill plan, a sweep once this step's serial
-//            prepare pieces are done; with one, an action per stage and micro-batch, in a bubble
-//            where the plan found room (never in the previous step's: the weights change)
+//            forward feeds the x0 estimate in. A stage runs the chosen rows of each quantum of the
+//            micro-batch's positions alone, so however a plan cuts the pass into pieces the result
+//            is the same bit for bit; once a stage has run all of a micro-batch's pieces, it sends
+//            their rows on as one message. Without a fill plan, a sweep once this step's serial
+//            prepare pieces are done; with one, the plan's pieces per stage and micro-batch, partial
+//            batches where a bubble holds only part (never in the previous step's bubbles: the
+//            weights change)
 //   F        stage 0 runs its units on x_t; stage s > 0 first receives the carry (h, the conditioning
 //            embedding, the open U-Net skips) from stage s-1; the last stage computes the loss, the
 //            others send their carry on to s+1
@@ -101,6 +105,11 @@ class PipeStep {
   // output; fill_news() is true for the step that made it.
   const std::optional<PipeFillPlan>& fill_plan() const { return plan_; }
   bool fill_news() const { return fill_news_; }
+  // Runs `plan` (made by plan_fill for this pipeline's schedule, rows and quantum; every stage the
+  // same) from the next step on, instead of the plan the run makes after its second step: a plan
+  // with known pieces, for tests.
+  void use_fill_plan(PipeFillPlan plan);
+  int64_t quantum() const { return quantum_; }
   // fill_plan_json of the plan, or "null" before one is made.
   std::string fill_json() const { return plan_ ? fill_plan_json(*plan_) : "null"; }
 
@@ -209,8 +218,9 @@ class PipeStep {
   // Self-conditioning: the rows of each micro-batch that take a first pass (keyed, alike on every
   // stage); micro-batch m's first pass through stage l (serial: not in a bubble, for its event); and
   // stage 0's use of the pass's output before micro-batch `micro`'s forward.
+  // A piece covers positions [first, first + rows) of the micro-batch (whole quanta).
   void choose_first_pass_rows(const std::vector<Batch>& micro, int64_t step);
-  void first_pass(Local& l, int m, bool filling, bool serial);
+  void first_pass(Local& l, int m, int64_t first, int64_t rows, bool filling, bool serial);
   void take_estimate(int micro);
   double ms_since_start(std::chrono::steady_clock::time_point t) const;
   void post_send(torch::Tensor t, int peer, int tag);
@@ -267,6 +277,7 @@ class PipeStep {
   bool fill_news_ = false;
   std::vector<PrepPiece> pieces_;      // the plan's, every rank's
   std::vector<int> piece_at_;          // this rank's action index -> piece index (-1: none)
+  std::vector<int64_t> pass_first_;    // this rank's action index -> a first-pass piece's first position
   using Rows = std::vector<std::pair<int64_t, TensorMap>>;
   std::vector<Rows> now_, ahead_;      // per micro-batch: prepared rows of this step, of the next
   int64_t ahead_step_ = -1;            // the step ahead_ belongs to
@@ -274,10 +285,18 @@ class PipeStep {
   // Self-conditioning (train.self_cond > 0).
   bool objective_self_cond_ = false;
   bool bf16_wire_ = false;  // parallel.pipe_wire = bfloat16
+  struct StagePass {            // one stage's first pass of one micro-batch, piece by piece
+    NetCarry in;                // stage > 0: the previous stage's carry of all b' rows
+    bool received = false;
+    std::vector<NetCarry> out;  // each quantum's carry after this stage's units, in row order
+    int64_t done = 0;           // positions covered by the pieces run so far
+  };
   struct FirstPass {
-    torch::Tensor idx;         // the micro-batch's rows that take a first pass [b']
-    torch::Tensor x, t;        // stage 0: their x_t and t
-    Recv out;                  // ... and the last stage's output
+    torch::Tensor idx;            // the micro-batch's rows that take a first pass [b'], ascending
+    std::vector<int64_t> bound;   // per quantum q of positions: idx[bound[q], bound[q + 1]) lie in it
+    torch::Tensor x, t;           // stage 0: their x_t and t
+    Recv out;                     // ... and the last stage's output
+    std::vector<StagePass> stage; // per stage
   };
   std::vector<FirstPass> first_;
 };

@@ -3,6 +3,8 @@
 // the stages, and the measurements the plan is made from.
 #include <algorithm>
 #include <cstring>
+#include <map>
+#include <utility>
 
 #include <nlohmann/json.hpp>
 
@@ -176,13 +178,28 @@ void PipeStep::measure_and_plan() {
   std::vector<PipeStageMeasure> all(static_cast<size_t>(stages()));
   std::vector<size_t> next(by_rank.size(), 0);
   for (int v = 0; v < stages(); ++v) all[static_cast<size_t>(v)] = by_rank.at(static_cast<size_t>(rank_of(v))).at(next[static_cast<size_t>(rank_of(v))]++);
-  plan_ = plan_fill(schedule_, all, rows_, quantum_);
+  use_fill_plan(plan_fill(schedule_, all, rows_, quantum_));
   fill_news_ = true;
+}
+
+void PipeStep::use_fill_plan(PipeFillPlan plan) {
+  plan_ = std::move(plan);
   if (!plan_->used) return;
   pieces_ = prep_pieces(plan_->fill.schedule, rows_);
-  piece_at_.assign(plan_->fill.schedule.ranks[static_cast<size_t>(rank_)].size(), -1);
+  const std::vector<PipeAction>& mine_now = plan_->fill.schedule.ranks[static_cast<size_t>(rank_)];
+  piece_at_.assign(mine_now.size(), -1);
   for (size_t i = 0; i < pieces_.size(); ++i)
     if (pieces_[i].rank == rank_) piece_at_[static_cast<size_t>(pieces_[i].position)] = static_cast<int>(i);
+  // A stage's first-pass pieces of a micro-batch all run on its rank: in list order, each takes the
+  // positions after the one before.
+  pass_first_.assign(mine_now.size(), 0);
+  std::map<std::pair<int, int>, int64_t> covered;  // (task, micro) -> positions so far
+  for (size_t i = 0; i < mine_now.size(); ++i)
+    if (mine_now[i].op == PipeOp::kTask && mine_now[i].task > 0) {
+      int64_t& c = covered[{mine_now[i].task, mine_now[i].micro}];
+      pass_first_[i] = c;
+      c += mine_now[i].rows;
+    }
 }
 
 }  // namespace ddm

@@ -752,8 +752,8 @@ TEST(PipePlan, SearchesSplitsSchedulesAndFilling) {
   o.stages = {2}, o.micro = {2}, o.schedules = {"1f1b"};
   const PipePlan one = plan_pipeline(p, m, o).front();
   EXPECT_LT(one.filled_iteration(), one.serial_iteration() - 1);
-  // A self-conditioned model adds a no-grad pass per stage, chained, whole (as the runtime runs it),
-  // stage 0's after this iteration's prepared rows.
+  // A self-conditioned model adds a no-grad pass per stage, chained, in partial batches where a
+  // bubble holds only part (like the prepare tasks), stage 0's after this iteration's prepared rows.
   PipeProfile sc = p;
   sc.self_cond = true;
   const PipePlan s = plan_pipeline(sc, m, o).front();
@@ -761,7 +761,8 @@ TEST(PipePlan, SearchesSplitsSchedulesAndFilling) {
   EXPECT_EQ(s.costs.tasks[1].after, 0);
   EXPECT_EQ(s.costs.tasks[2].after, 1);
   EXPECT_EQ(s.costs.tasks[2].ranks, std::vector<int>{1});
-  EXPECT_EQ(s.costs.tasks[1].quantum, s.rows);
+  EXPECT_EQ(s.costs.tasks[1].quantum, 1);
+  EXPECT_EQ(s.costs.tasks[1].rows, s.rows);
   EXPECT_FALSE(s.costs.tasks[1].cross_iteration);
   // ... on the rank of each stage under the V: stages 0..3 on ranks 0, 1, 1, 0.
   o.schedules = {"1f1b-v"};
@@ -877,24 +878,25 @@ TEST(PipeCalibrate, CostsAndPlanFromMeasurements) {
   EXPECT_NE(error_message([&] { costs_from_measures({m[0]}, 16, 4); }).find("at least 2 stages"), std::string::npos);
 }
 
-// Self-conditioning's first passes in a run's fill plan: one task per stage (1 + s), whole, on the
-// stage's rank, chained stage after stage (stage 0's after this step's prepared rows: the serial
-// pieces of the cross-iteration prepare task), consumed by stage 0's forward. Where the link leaves
-// room, some passes move into bubbles, and every dependency holds in the filled timeline.
+// Self-conditioning's first passes in a run's fill plan: one task per stage (1 + s), in whole quanta,
+// on the stage's rank, chained stage after stage (stage 0's after this step's prepared rows: the
+// serial pieces of the cross-iteration prepare task), consumed by stage 0's forward. Where the link
+// leaves room, passes move into bubbles, some in partial batches, and every dependency holds in the
+// filled timeline (a stage's pass starts after every piece of the previous stage's).
 TEST(PipeCalibrate, SelfConditioningPassesFillBubbles) {
   std::vector<PipeStageMeasure> m(2);
-  m[0] = {2, 3, 0, 0.5, 0.4, 5000, {1000, 600}, 0.1, 1000, {0, 0}, 0.4, 2000};
+  m[0] = {2, 3, 0, 0.5, 0.4, 5000, {1000, 600}, 0.1, 1000, {0, 0}, 1.6, 2000};
   m[1] = {1.5, 2.5, 0, 0.7, 0.6, 0, {1000, 600}, 0, 0, {0, 0}, 0.3, 2000};
   const PipeCosts c = costs_from_measures(m, 16, 4);
   ASSERT_EQ(c.tasks.size(), 3u);
   for (int s = 0; s < 2; ++s) {
     const PipeTask& k = c.tasks[1 + s];
-    EXPECT_EQ(k.quantum, 16);
+    EXPECT_EQ(k.quantum, 4);
     EXPECT_EQ(k.ranks, std::vector<int>{s});
     EXPECT_EQ(k.after, s);  // stage 0's after the prepare task
     EXPECT_EQ(k.consumer, 0);
     EXPECT_FALSE(k.cross_iteration);
-    EXPECT_DOUBLE_EQ(k.time(16), s == 0 ? 0.4 : 0.3);
+    EXPECT_DOUBLE_EQ(k.time(16), s == 0 ? 1.6 : 0.3);
     EXPECT_DOUBLE_EQ(k.send, 0.1 + 2);  // on to stage 1, and back to stage 0
   }
   std::vector<PipeStageMeasure> without = m;
@@ -904,14 +906,16 @@ TEST(PipeCalibrate, SelfConditioningPassesFillBubbles) {
   const PipeSchedule s = make_schedule("1f1b", 2, 4);
   const PipeFillPlan p = plan_fill(s, m, 16, 4);
   EXPECT_TRUE(p.used);
-  EXPECT_GE(p.first_passes, 1);
-  EXPECT_NE(p.summary.find("of the 8 self-conditioning first passes (2 stages x 4 micro-batches) run in bubbles"),
+  EXPECT_GE(p.first_pass_rows, 4);
+  EXPECT_NE(p.summary.find("of the rows of the self-conditioning first passes (2 stages x 4 micro-batches) run in bubbles"),
             std::string::npos) << p.summary;
   EXPECT_LE(p.fill.timeline.iteration, p.serial.iteration + 1e-9);
   for (int t = 0; t < 3; ++t) EXPECT_EQ(p.fill.filled_rows[t] + p.fill.serial_rows[t], 4 * 16) << t;
   // Each pass whole on its stage's rank; after its predecessor; before stage 0's forward.
   std::map<std::pair<int, int>, double> end_of;  // (task, micro) -> its end plus the send to the next rank
   std::map<int, double> prepared;                // micro -> the end of this step's serial prepare pieces
+  std::map<std::pair<int, int>, int64_t> pass_rows;  // (task, micro) -> rows of its pieces
+  bool partial = false;
   for (int r = 0; r < 2; ++r)
     for (const PipeSlot& x : p.fill.timeline.ranks[r]) {
       const PipeAction& a = x.action;
@@ -921,9 +925,14 @@ TEST(PipeCalibrate, SelfConditioningPassesFillBubbles) {
         continue;
       }
       EXPECT_EQ(r, a.task - 1);
-      EXPECT_EQ(a.rows, 16);
-      end_of[{a.task, a.micro}] = x.end + c.tasks[a.task].send;
+      EXPECT_EQ(a.rows % 4, 0);
+      double& e = end_of[{a.task, a.micro}];
+      e = std::max(e, x.end + c.tasks[a.task].send);
+      pass_rows[{a.task, a.micro}] += a.rows;
+      partial = partial || a.rows < 16;
     }
+  for (const auto& [instance, n] : pass_rows) EXPECT_EQ(n, 16) << instance.first << "." << instance.second;
+  EXPECT_TRUE(partial);  // some pass ran in partial batches
   for (int r = 0; r < 2; ++r)
     for (const PipeSlot& x : p.fill.timeline.ranks[r]) {
       const PipeAction& a = x.action;

@@ -9,6 +9,7 @@
 #include <gtest/gtest.h>
 
 #include <filesystem>
+#include <thread>
 
 #include "core/error.h"
 #include "core/fileio.h"
@@ -20,6 +21,7 @@
 #include "train/pipe_routes.h"
 #include "train/pipe_step.h"
 #include "test_util.h"
+#include "test_dist_util.h"
 #include "train_test_util.h"
 
 using namespace ddm;
@@ -395,6 +397,91 @@ TEST(PipelineTrain, SelfConditioningPassesThroughTheStages) {
     const std::string vdir = dir / (std::string(arch) + "-v");
     ASSERT_EQ(train_ranks(2, {v, v}, vdir), (std::vector<std::string>{"", ""}));
     expect_same_training(vdir, one, std::string(arch) + " 2 ranks x 2 stages (V), self-conditioning");
+  }
+}
+
+// Self-conditioning's first passes in partial batches, through PipeStep itself (stages as threads):
+// a fill plan made from measurements chosen so that stage 0's pass of a micro-batch is cut into
+// pieces (part at the step's start, part in a bubble) trains what the unfilled pipeline trains,
+// whose passes run whole, bit for bit: every stage runs each quantum of positions alone.
+TEST(PipelineTrain, FirstPassesInPartialBatchesChangeNoResult) {
+  RunConfig cfg = piped(base("unet"), 2, "1f1b", {2});
+  cfg.train.self_cond = 0.5;
+  cfg.train.batch_size = 64;  // 4 micro-batches of 16 rows, in quanta of 4
+  cfg.parallel.fill = false;  // no plan of the run's own
+  const TrainJob job = job_for(cfg);
+  const PipeSchedule schedule = make_schedule("1f1b", 2, 4);
+  // Stage 0's pass (1.6 per micro-batch) is longer than its bubbles: partial batches.
+  std::vector<PipeStageMeasure> m(2);
+  m[0] = {2, 3, 0, 0.5, 0.4, 5000, {1000, 600}, 0.1, 1000, {0, 0}, 1.6, 2000};
+  m[1] = {1.5, 2.5, 0, 0.7, 0.6, 0, {1000, 600}, 0, 0, {0, 0}, 0.3, 2000};
+  const PipeFillPlan plan = plan_fill(schedule, m, 16, prepare_quantum(16));
+  int partial = 0;
+  for (const auto& r : plan.fill.schedule.ranks)
+    for (const PipeAction& a : r) partial += a.op == PipeOp::kTask && a.task > 0 && a.rows < 16;
+  ASSERT_GT(partial, 0) << "the plan cuts no pass into pieces";
+
+  // Four steps of the two stages; per rank its losses and its stage's final weights.
+  auto run = [&](bool with_plan) {
+    std::vector<std::vector<double>> losses(2);
+    std::vector<std::vector<torch::Tensor>> weights(2);
+    std::vector<Net> nets;
+    Prepared sample;
+    for (int r = 0; r < 2; ++r) {  // built here: the global generator is not for threads
+      torch::manual_seed(7);
+      nets.push_back(make_net(job.cfg.model));
+    }
+    std::shared_ptr<Objective> probe = make_objective(job.cfg);
+    {
+      torch::NoGradGuard no_grad;
+      BatchLoader one(job.data, 1, 1, false);
+      sample = probe->prepare(one.next(), 0);
+    }
+    const std::vector<int> bounds = pipe_stage_bounds(*nets[0], sample, 2, cfg.parallel.cuts);
+    const PipeSkipRoutes routes = pipe_skip_routes(*nets[0], sample, bounds);
+    auto store = c10::make_intrusive<c10d::HashStore>();
+    std::vector<std::string> errors(2);
+    std::vector<std::thread> threads;
+    for (int r = 0; r < 2; ++r)
+      threads.emplace_back([&, r] {
+        try {
+          auto comm = Comm::create_for_test(store, r, 2, short_timeouts());
+          PipeStep step(job.cfg, nets[static_cast<size_t>(r)], make_objective(job.cfg), comm, bounds, schedule, nullptr,
+                        nullptr, routes);
+          if (with_plan) step.use_fill_plan(plan);
+          BatchLoader loader(job.data, 64, 3, true);
+          auto micro = [](const Batch& b) {
+            std::vector<Batch> out;
+            for (int64_t i = 0; i < 4; ++i) out.push_back(b.rows(i * 16, 16));
+            return out;
+          };
+          for (int64_t i = 0; i < 4; ++i) {
+            const Batch now = loader.next();
+            std::vector<Batch> next;
+            if (i + 1 < 4) {
+              const BatchLoader::Cursor at = loader.cursor();
+              next = micro(loader.next());
+              loader.set_cursor(at);
+            }
+            losses[static_cast<size_t>(r)].push_back(step.run(micro(now), i, next).loss);
+          }
+          for (const torch::Tensor& p : step.optim().params()) weights[static_cast<size_t>(r)].push_back(p.detach().clone());
+        } catch (const std::exception& e) {
+          errors[static_cast<size_t>(r)] = e.what();
+        }
+      });
+    for (auto& t : threads) t.join();
+    EXPECT_EQ(errors, (std::vector<std::string>{"", ""}));
+    return std::make_pair(losses, weights);
+  };
+  const auto [whole_losses, whole_weights] = run(false);
+  const auto [piece_losses, piece_weights] = run(true);
+  EXPECT_EQ(piece_losses, whole_losses);
+  for (size_t r = 0; r < 2; ++r) {
+    ASSERT_EQ(piece_weights[r].size(), whole_weights[r].size());
+    ASSERT_FALSE(whole_weights[r].empty());
+    for (size_t i = 0; i < whole_weights[r].size(); ++i)
+      EXPECT_TRUE(torch::equal(piece_weights[r][i], whole_weights[r][i])) << "stage " << r << " parameter " << i;
   }
 }
 
