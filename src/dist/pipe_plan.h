@@ -10,8 +10,9 @@
 //   tasks      each profiled task, per micro-batch, on any rank, its output sent to stage 0; weight-
 //              independent ones may fill the previous iteration's bubbles. A self-conditioned model
 //              adds a no-grad pass of every stage (its units' no-grad forward), in partial batches
-//              where a bubble holds only part, stage s after s-1 (stage 0 after this iteration's prepared rows), on the rank of stage s, the
-//              estimate sent back to stage 0: it uses this step's weights.
+//              where a bubble holds only part, stage s after s-1 (stage 0 after this iteration's
+//              prepared rows), on the rank of stage s, the estimate sent back to stage 0: it uses
+//              this step's weights.
 //   after the last action  each rank's AdamW + EMA (its parameters x the profiled rate) and, with
 //              replicas, the all-reduce of its stages' gradients over the link (ring: 2(d-1)/d of the
 //              bytes, 2(d-1) latencies), less the last backward it overlaps (the bucketed sync runs

@@ -109,7 +109,6 @@ class PipeStep {
   // same) from the next step on, instead of the plan the run makes after its second step: a plan
   // with known pieces, for tests.
   void use_fill_plan(PipeFillPlan plan);
-  int64_t quantum() const { return quantum_; }
   // fill_plan_json of the plan, or "null" before one is made.
   std::string fill_json() const { return plan_ ? fill_plan_json(*plan_) : "null"; }
 

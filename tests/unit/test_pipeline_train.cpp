@@ -9,7 +9,6 @@
 #include <gtest/gtest.h>
 
 #include <filesystem>
-#include <thread>
 
 #include "core/error.h"
 #include "core/fileio.h"
@@ -439,38 +438,29 @@ TEST(PipelineTrain, FirstPassesInPartialBatchesChangeNoResult) {
     }
     const std::vector<int> bounds = pipe_stage_bounds(*nets[0], sample, 2, cfg.parallel.cuts);
     const PipeSkipRoutes routes = pipe_skip_routes(*nets[0], sample, bounds);
-    auto store = c10::make_intrusive<c10d::HashStore>();
-    std::vector<std::string> errors(2);
-    std::vector<std::thread> threads;
-    for (int r = 0; r < 2; ++r)
-      threads.emplace_back([&, r] {
-        try {
-          auto comm = Comm::create_for_test(store, r, 2, short_timeouts());
-          PipeStep step(job.cfg, nets[static_cast<size_t>(r)], make_objective(job.cfg), comm, bounds, schedule, nullptr,
-                        nullptr, routes);
-          if (with_plan) step.use_fill_plan(plan);
-          BatchLoader loader(job.data, 64, 3, true);
-          auto micro = [](const Batch& b) {
-            std::vector<Batch> out;
-            for (int64_t i = 0; i < 4; ++i) out.push_back(b.rows(i * 16, 16));
-            return out;
-          };
-          for (int64_t i = 0; i < 4; ++i) {
-            const Batch now = loader.next();
-            std::vector<Batch> next;
-            if (i + 1 < 4) {
-              const BatchLoader::Cursor at = loader.cursor();
-              next = micro(loader.next());
-              loader.set_cursor(at);
-            }
-            losses[static_cast<size_t>(r)].push_back(step.run(micro(now), i, next).loss);
-          }
-          for (const torch::Tensor& p : step.optim().params()) weights[static_cast<size_t>(r)].push_back(p.detach().clone());
-        } catch (const std::exception& e) {
-          errors[static_cast<size_t>(r)] = e.what();
+    const auto errors = run_ranks(2, short_timeouts(), [&](Comm& c) {
+      const int r = c.rank();
+      PipeStep step(job.cfg, nets[static_cast<size_t>(r)], make_objective(job.cfg), std::shared_ptr<Comm>(&c, [](Comm*) {}),
+                    bounds, schedule, nullptr, nullptr, routes);
+      if (with_plan) step.use_fill_plan(plan);
+      BatchLoader loader(job.data, 64, 3, true);
+      auto micro = [](const Batch& b) {
+        std::vector<Batch> out;
+        for (int64_t i = 0; i < 4; ++i) out.push_back(b.rows(i * 16, 16));
+        return out;
+      };
+      for (int64_t i = 0; i < 4; ++i) {
+        const Batch now = loader.next();
+        std::vector<Batch> next;
+        if (i + 1 < 4) {
+          const BatchLoader::Cursor at = loader.cursor();
+          next = micro(loader.next());
+          loader.set_cursor(at);
         }
-      });
-    for (auto& t : threads) t.join();
+        losses[static_cast<size_t>(r)].push_back(step.run(micro(now), i, next).loss);
+      }
+      for (const torch::Tensor& p : step.optim().params()) weights[static_cast<size_t>(r)].push_back(p.detach().clone());
+    });
     EXPECT_EQ(errors, (std::vector<std::string>{"", ""}));
     return std::make_pair(losses, weights);
   };
