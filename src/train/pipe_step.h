@@ -45,6 +45,7 @@
 #pragma once
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -109,6 +110,12 @@ class PipeStep {
   // same) from the next step on, instead of the plan the run makes after its second step: a plan
   // with known pieces, for tests.
   void use_fill_plan(PipeFillPlan plan);
+  // For tests of whole runs: when set, every stage passes the gathered measurements (all stages, in
+  // stage order) through `f` before planning, so that which plan a run makes does not depend on the
+  // speed of the machine that runs the test (a test asserts what the runtime does with a plan, never
+  // which plan this machine's timings give). Process-wide (the stages of such tests are threads);
+  // an empty function turns it off.
+  static void override_measures(std::function<void(std::vector<PipeStageMeasure>&)> f);
   // fill_plan_json of the plan, or "null" before one is made.
   std::string fill_json() const { return plan_ ? fill_plan_json(*plan_) : "null"; }
 

@@ -85,19 +85,23 @@ TEST(PlanCli, ComparesAMeasuredPipelineWithTheSimulator) {
   const auto tl = nlohmann::json::parse(test::read_text(dir / "pp/pipeline-timeline.json"));
   ASSERT_EQ(tl["ranks"].size(), 2u);
   EXPECT_EQ(tl["first_units"], nlohmann::json({0, 3, tl["units"].size()}));
-  EXPECT_TRUE(tl["fill"]["used"].get<bool>()) << tl["fill"];
-  EXPECT_EQ(tl["ranks"][1]["step"], 5);  // the last step that prepared rows of a next one
-  EXPECT_TRUE(tl["ranks"][1]["filled"].get<bool>());
+  // Whether the plan the run made from its own timings fills a bubble depends on this machine's
+  // speed (tests/unit/test_pipeline_train.cpp runs fixed plans): what follows holds either way.
+  const bool used = tl["fill"]["used"].get<bool>();
+  EXPECT_EQ(tl["ranks"][1]["step"], used ? 5 : 6);  // with a plan, the last step that prepared rows of a next one
+  EXPECT_EQ(tl["ranks"][1]["filled"].get<bool>(), used);
   int backbone = 0, pieces = 0;
   for (const auto& r : tl["ranks"])
     for (const auto& e : r["events"]) (e[0] == "T" ? pieces : backbone) += 1;
   EXPECT_EQ(backbone, 16);  // F and B of 4 micro-batches on each stage
-  EXPECT_GT(pieces, 0);
+  EXPECT_EQ(pieces > 0, used);
   r = test::run_ddm("plan --measured " + (dir / "pp") + " --repeats 1 --timeline " + (dir / "m.png"));
   ASSERT_EQ(r.exit_code, 0) << r.output;
-  EXPECT_NE(r.output.find("predicted from the profile (frozen work filled into the bubbles, as the run)"), std::string::npos)
+  EXPECT_NE(r.output.find(used ? "predicted from the profile (frozen work filled into the bubbles, as the run)"
+                               : "predicted from the profile (frozen work serial, as the run)"),
+            std::string::npos)
       << r.output;
-  EXPECT_NE(r.output.find("planned in the run from the costs it measured"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("planned in the run from the costs it measured") != std::string::npos, used) << r.output;
   EXPECT_NE(r.output.find("train it: --set parallel.pp=2 parallel.schedule=1f1b train.grad_accum=4 parallel.cuts=[3]"),
             std::string::npos)
       << r.output;

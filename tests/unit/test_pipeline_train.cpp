@@ -277,9 +277,25 @@ int ahead_pieces(const std::string& run) {
 // micro-batches prepared ahead. It changes no result: the same losses and weights bit for bit as
 // every stage preparing everything, for each schedule, a DiT, a ControlNet whose second stage reads
 // the locked encoder's features, and a run resumed in the middle (the rows prepared ahead are not in
-// a checkpoint: prepared again, alike).
+// a checkpoint: prepared again, alike). The runs plan from fixed timings (their measured bytes kept),
+// so that every machine, sanitized or not, runs the same plans: one that fills bubbles.
 TEST(PipelineTrain, FillingTheBubblesChangesNoResult) {
   test::TempDir dir;
+  PipeStep::override_measures([](std::vector<PipeStageMeasure>& stages) {
+    for (PipeStageMeasure& m : stages) {
+      const bool split = m.weight_grad > 0;  // ZB: B is I + W
+      m.forward = 2;
+      m.input_grad = split ? 2 : 4;
+      m.weight_grad = split ? 2 : 0;
+      m.optimizer = 0.5;
+      m.prepare_quantum = 0.25;
+      if (m.first_pass >= 0) m.first_pass = 1;
+      if (m.link_bytes_per_ms > 0 || m.link_latency > 0) m.link_latency = 0.01, m.link_bytes_per_ms = 1e6;
+    }
+  });
+  struct Reset {
+    ~Reset() { PipeStep::override_measures(nullptr); }
+  } reset;
   auto filled_and_not = [&](RunConfig cfg, const std::string& name) {
     cfg.parallel.fill = false;
     ASSERT_EQ(train_ranks(2, {cfg, cfg}, dir / (name + "-serial")), (std::vector<std::string>{"", ""})) << name;
