@@ -20,7 +20,10 @@ jobs=$(nproc)
 
 # -O1 keeps the instrumented code fast enough; line tables name the source lines in reports. No
 # OpenMP: see CMakeLists.txt (our own parallel loops run serially here, with the same results).
-cmake -S . -B build-san -DCMAKE_CXX_COMPILER=clang++-14 -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+source scripts/torch-env.sh  # the LibTorch scripts/setup.sh installed
+args=$(torch_cmake_args)
+# shellcheck disable=SC2086
+cmake -S . -B build-san $args -DCMAKE_CXX_COMPILER=clang++-14 -DCMAKE_BUILD_TYPE=RelWithDebInfo \
   "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1 -gline-tables-only" \
   -DDDM_SANITIZE=ON -DDDM_OPENMP=OFF -DDDM_BUILD_BENCH=OFF >/dev/null
 # Only what runs here: the unit tests, the ddm binary (test_config runs it) and the fuzz targets.

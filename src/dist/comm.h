@@ -14,8 +14,11 @@
 #include <torch/csrc/distributed/c10d/Store.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
-#include "core/compat.h"
 #include "dist/env.h"
+
+namespace c10d {
+class ProcessGroupGloo;  // comm.cpp includes its header (which needs Gloo's declarations)
+}  // namespace c10d
 
 namespace ddm {
 
@@ -123,7 +126,7 @@ class Comm {
   std::vector<int> members_;  // a subgroup's job ranks by group rank (empty: the whole job)
   std::string where_;     // the store, for messages
   bool loopback_ = true;  // Gloo's device: loopback, or this host's address / GLOO_SOCKET_IFNAME
-  c10::intrusive_ptr<GlooBackend> pg_;
+  c10::intrusive_ptr<c10d::ProcessGroupGloo> pg_;
 };
 
 // Human-readable seconds for messages: "2s", "0.5s", "60s".

@@ -21,7 +21,9 @@ StoreHost::StoreHost(int port) {
     store_ = std::make_unique<c10d::TCPStore>("127.0.0.1", opts);
   } catch (const std::exception& e) {
     const std::string what = e.what();
-    DDM_CHECK(what.find("Address already in use") == std::string::npos && what.find("errno: 98") == std::string::npos,
+    // LibTorch 2.11 says "... name: EADDRINUSE, message: address already in use" (1.13: "errno: 98").
+    DDM_CHECK(what.find("EADDRINUSE") == std::string::npos && what.find("ddress already in use") == std::string::npos &&
+                  what.find("errno: 98") == std::string::npos,
               "cannot host the rendezvous store: port " << port << " is already in use; pass --master-port with a "
               "free port, or --master-port 0 to let the system pick one");
     DDM_FAIL("cannot host the rendezvous store on port " << port << ": " << what.substr(0, what.find('\n')));

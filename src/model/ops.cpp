@@ -5,7 +5,6 @@
 
 #include <torch/torch.h>
 
-#include "core/compat.h"
 #include "core/error.h"
 #include "model/fused_cpu.h"
 
@@ -19,9 +18,8 @@ torch::Tensor attention_reference(const torch::Tensor& q, const torch::Tensor& k
 
 torch::Tensor attention_qkv(const torch::Tensor& qkv) {
   DDM_CHECK(qkv.dim() == 5 && qkv.size(1) == 3, "attention: expected qkv [B, 3, heads, N, d], got " << qkv.sizes());
-  if (!kTorchHasSdpa && fused_attention_cpu_supported(qkv)) return fused_attention_cpu(qkv);  // [B, h, N, d]
-  auto u = qkv.unbind(1);                                                                    // 3 x [B, h, N, d]
-  return kTorchHasSdpa ? sdpa(u[0], u[1], u[2]) : attention_reference(u[0], u[1], u[2]);    // [B, h, N, d]
+  auto u = qkv.unbind(1);                                      // 3 x [B, h, N, d]
+  return at::scaled_dot_product_attention(u[0], u[1], u[2]);  // [B, h, N, d]
 }
 
 torch::Tensor linear_gelu(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b) {

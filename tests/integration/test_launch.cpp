@@ -39,6 +39,11 @@ using ddm::test::write_text;
 
 namespace {
 
+// The torchrun and python of the torch wheel ddm builds against (scripts/setup.sh's virtual environment).
+constexpr const char* kTorchrun = DDM_TORCHRUN;
+constexpr const char* kTorchPython = DDM_TORCH_PYTHON;
+constexpr const char* kNoTorchrun = "no torchrun: configure with -DDDM_TORCH_VENV=<the torch virtual environment> (scripts/setup.sh does)";
+
 // What the workers run: a ddm subcommand, or a program (a path and its arguments, shell-quoted).
 struct Program {
   bool ddm = false;
@@ -270,8 +275,8 @@ TEST(Launch, HostsTheStoreWhileWorkersRun) {
 }
 
 TEST(Launch, StoreServesC10dClientsUnderTheAttemptPrefix) {
-  if (run_command("/usr/bin/python3 -c 'import torch.distributed'").exit_code != 0)
-    GTEST_SKIP() << "needs /usr/bin/python3 with torch (Debian: python3-torch) for a c10d client";
+  if (!executable(kTorchPython) || run_command(std::string(kTorchPython) + " -c 'import torch.distributed'").exit_code != 0)
+    GTEST_SKIP() << "needs the python of the torch virtual environment for a c10d client (" << kNoTorchrun << ")";
   Workspace ws;
   const std::string client = ws.dir / "client.py";
   write_text(client,
@@ -281,7 +286,7 @@ TEST(Launch, StoreServesC10dClientsUnderTheAttemptPrefix) {
              "s.set(p + 'rank' + os.environ['RANK'], 'here')\n"
              "s.wait([p + 'rank0', p + 'rank1'])\n"
              "print('saw both ranks')\n");
-  const CommandResult r = launch("--nproc 2", script_program("/usr/bin/python3", client));
+  const CommandResult r = launch("--nproc 2", script_program(kTorchPython, client));
   EXPECT_EQ(r.exit_code, 0) << r.output;
   EXPECT_TRUE(contains(r.output, "[rank 0] saw both ranks")) << r.output;
   EXPECT_TRUE(contains(r.output, "[rank 1] saw both ranks")) << r.output;
@@ -326,13 +331,11 @@ TEST(Launch, RejectsBadInputClearly) {
 // ---- other launchers: the environment ddm's trainer will find under each ----
 
 TEST(Launchers, TorchrunSetsWhatDdmLaunchSets) {
-  if (!executable("/usr/bin/torchrun")) GTEST_SKIP() << "/usr/bin/torchrun is absent (Debian: python3-torch)";
+  if (!executable(kTorchrun)) GTEST_SKIP() << kNoTorchrun;
   Workspace ws;
   const std::string printer = ws.env_printer();
-  // Debian 12's torchrun (1.13, Python 3.11) crashes with its default --redirects/--tee ("0"): only
-  // 1 or 2 parse there. --redirects 2 --tee 2 keeps stdout on the console.
-  const CommandResult t = run_command("timeout 120 /usr/bin/torchrun --no_python --nproc_per_node 2 --redirects 2 "
-                                      "--tee 2 --master_port " + std::to_string(free_port()) + " " + printer);
+  const CommandResult t = run_command("timeout 120 " + std::string(kTorchrun) + " --no_python --nproc_per_node 2 --master_port " +
+                                      std::to_string(free_port()) + " " + printer);
   ASSERT_EQ(t.exit_code, 0) << t.output;
   const auto torchrun = env_lines(t.output, "RANK");
   const auto ours = env_lines(launch("--nproc 2", script_program(printer)).output, "RANK");
@@ -434,14 +437,13 @@ TEST(Launchers, TheTrainerRunsUnderEveryLauncherWithIdenticalResults) {
   ASSERT_EQ(ref.second, 2);
   std::vector<std::string> skipped;
 
-  if (executable("/usr/bin/torchrun")) {
-    const CommandResult t =
-        run_command("timeout 300 /usr/bin/torchrun --no_python --nproc_per_node 2 --redirects 2 --tee 2 --master_port " +
-                    std::to_string(free_port()) + " " + command_line(ddm_program(train_args(ws, "torchrun"))));
+  if (executable(kTorchrun)) {
+    const CommandResult t = run_command("timeout 300 " + std::string(kTorchrun) + " --no_python --nproc_per_node 2 --master_port " +
+                                        std::to_string(free_port()) + " " + command_line(ddm_program(train_args(ws, "torchrun"))));
     ASSERT_EQ(t.exit_code, 0) << t.output;
     EXPECT_EQ(final_weights(ws, "torchrun"), ref) << t.output;
   } else {
-    skipped.push_back("torchrun (python3-torch)");
+    skipped.push_back(kNoTorchrun);
   }
   if (executable("/usr/bin/mpirun")) {
     const CommandResult m = run_command("timeout 300 /usr/bin/mpirun --allow-run-as-root --oversubscribe -n 2 -x "
