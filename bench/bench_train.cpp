@@ -8,7 +8,11 @@
 //        ddm_bench sample PRESET [--n 256] [--nfe 50] [--threads 2]
 //        ddm_bench ops PRESET [--batch 128] [--threads 2] [--steps 20] [--warmup 3]
 //          (attention, fc1 + GELU, and adaLN + proj + gated residual of one DiT block, forward +
-//           backward: the fused CPU kernels against LibTorch's ops)
+//           backward: the fused CPU kernels against LibTorch's ops; attention also against
+//           LibTorch's fused scaled_dot_product_attention)
+//        ddm_bench optim PRESET [--threads 2] [--steps 20] [--warmup 3]
+//          (AdamW + EMA over the preset's parameters: FlatAdamW against LibTorch's fused AdamW on
+//           the same flat buffers, and against torch::optim::AdamW per tensor)
 //        ddm_bench dp PRESET [--batch 128] [--threads 1] [--steps 5] [--warmup 2] [--bucket-mb 25]
 //          [--first-bucket-mb 1] [--wire float32|float16] [--gloo-threads 1] [--sync on|off]
 //          [--timeline PREFIX]
@@ -64,6 +68,7 @@
 #include "train/controlnet.h"
 #include "train/embed.h"
 #include "train/latent.h"
+#include "train/optimizer.h"
 #include "train/step.h"
 #include "train/trainer.h"
 
@@ -512,6 +517,52 @@ int main(int argc, char** argv) try {
                 static_cast<long long>(count_params(*net)), step_s, a.batch / step_s, gflops);
     return 0;
   }
+  if (a.mode == "optim") {
+    // The optimizer update of the preset's parameters (AdamW + EMA, as `ddm train` runs it), best of
+    // --steps: FlatAdamW's one pass over the flat buffers against LibTorch's fused AdamW kernel
+    // (at::_fused_adamw_, what torch.optim.AdamW(fused=True) runs) on the same flat buffers followed
+    // by the EMA as one lerp_, and against LibTorch C++'s torch::optim::AdamW over the parameter
+    // tensors (+ the same EMA per tensor).
+    auto best_of = [&](const std::function<void()>& once) {
+      for (int64_t i = 0; i < a.warmup; ++i) once();
+      double best = 1e30;
+      for (int64_t i = 0; i < a.steps; ++i) {
+        auto t0 = Clock::now();
+        once();
+        best = std::min(best, seconds_since(t0));
+      }
+      return best;
+    };
+    FlatAdamW flat(*net, AdamWOptions{});
+    flat.flat_grad().copy_(torch::randn_like(flat.flat_grad()) * 1e-3);
+    const double t_flat = best_of([&] { flat.step(1e-4, 0.999); });
+    torch::Tensor p = flat.flat_params().clone(), g = flat.flat_grad().clone(), m = torch::zeros_like(p),
+                  v = torch::zeros_like(p), e = p.clone(), st = torch::zeros({}, torch::kFloat);
+    const double t_fused = best_of([&] {
+      torch::NoGradGuard no_grad;
+      st.add_(1);
+      at::_fused_adamw_({p}, {g}, {m}, {v}, {}, {st}, 1e-4, 0.9, 0.999, 0.0, 1e-8, false, false);
+      e.lerp_(p, 1 - 0.999);
+    });
+    std::vector<torch::Tensor> params, emas;
+    for (const auto& q : net->parameters()) {
+      params.push_back(q.detach().clone().requires_grad_(true));
+      params.back().mutable_grad() = torch::randn_like(q) * 1e-3;
+      emas.push_back(q.detach().clone());
+    }
+    torch::optim::AdamW per_tensor(params, torch::optim::AdamWOptions(1e-4).weight_decay(0));
+    const double t_torch = best_of([&] {
+      per_tensor.step();
+      torch::NoGradGuard no_grad;
+      for (size_t i = 0; i < params.size(); ++i) emas[i].lerp_(params[i], 1 - 0.999);
+    });
+    std::printf("{\"impl\": \"cpp\", \"mode\": \"optim\", \"preset\": \"%s\", \"threads\": %lld, \"params\": %lld, "
+                "\"flat_adamw_ms\": %.3f, \"fused_adamw_flat_ms\": %.3f, \"torch_optim_adamw_ms\": %.3f, "
+                "\"flat_over_fused\": %.2f, \"flat_over_torch_optim\": %.2f}\n",
+                a.preset.c_str(), static_cast<long long>(a.threads), static_cast<long long>(flat.numel()), t_flat * 1e3,
+                t_fused * 1e3, t_torch * 1e3, t_fused / t_flat, t_torch / t_flat);
+    return 0;
+  }
   if (a.mode == "ops") {
     // The hand-written kernels against LibTorch's own ops, forward + backward, on the shapes of
     // one block of the preset: best of --steps runs each.
@@ -531,10 +582,12 @@ int main(int argc, char** argv) try {
     };
     auto qkv_store = torch::randn({a.batch, N, 3, H, d}, torch::requires_grad());
     auto attn_grad = torch::randn({a.batch, H, N, d});
-    auto attention_once = [&](bool fused) {
+    auto attention_once = [&](int how) {  // 0: three ops, 1: the fused CPU kernel, 2: LibTorch's SDPA
       auto qkv = qkv_store.permute({0, 2, 3, 1, 4});  // [B, 3, H, N, d], as the DiT block makes it
       auto u = qkv.unbind(1);
-      auto out = fused ? fused_attention_cpu(qkv) : attention_reference(u[0], u[1], u[2]);
+      auto out = how == 1   ? fused_attention_cpu(qkv)
+                 : how == 2 ? at::scaled_dot_product_attention(u[0], u[1], u[2])
+                            : attention_reference(u[0], u[1], u[2]);
       out.backward(attn_grad);
       qkv_store.mutable_grad() = torch::Tensor();
     };
@@ -569,16 +622,18 @@ int main(int argc, char** argv) try {
       mod.mutable_grad() = torch::Tensor();
       proj->zero_grad();
     };
-    const double att3 = best_of([&] { attention_once(false); }), attf = best_of([&] { attention_once(true); });
+    const double att3 = best_of([&] { attention_once(0); }), attf = best_of([&] { attention_once(1); });
+    const double atts = best_of([&] { attention_once(2); });
     const double gel0 = best_of([&] { mlp_once(false); }), gelf = best_of([&] { mlp_once(true); });
     const double res0 = best_of([&] { residual_once(false); }), resf = best_of([&] { residual_once(true); });
     std::printf("{\"impl\": \"cpp\", \"mode\": \"ops\", \"preset\": \"%s\", \"batch\": %lld, \"threads\": %lld, "
                 "\"attention_three_op_ms\": %.3f, \"attention_fused_ms\": %.3f, \"attention_speedup\": %.2f, "
+                "\"attention_sdpa_ms\": %.3f, \"attention_fused_over_sdpa\": %.2f, "
                 "\"linear_gelu_aten_ms\": %.3f, \"linear_gelu_fused_ms\": %.3f, \"linear_gelu_speedup\": %.2f, "
                 "\"adaln_proj_residual_aten_ms\": %.3f, \"adaln_proj_residual_fused_ms\": %.3f, "
                 "\"adaln_proj_residual_speedup\": %.2f}\n",
                 a.preset.c_str(), static_cast<long long>(a.batch), static_cast<long long>(a.threads), att3 * 1e3,
-                attf * 1e3, att3 / attf, gel0 * 1e3, gelf * 1e3, gel0 / gelf, res0 * 1e3, resf * 1e3, res0 / resf);
+                attf * 1e3, att3 / attf, atts * 1e3, atts / attf, gel0 * 1e3, gelf * 1e3, gel0 / gelf, res0 * 1e3, resf * 1e3, res0 / resf);
     return 0;
   }
   if (a.mode == "sample") {

@@ -1,10 +1,14 @@
-"""The same models and training step as ddm, written in plain PyTorch: the baseline that
-bench/compare_python.sh measures ddm against (same LibTorch 1.13 via Debian's python3-torch,
-same thread count, same batch). Mirrors src/model/{layers,unet,dit}.cpp and src/train/step.cpp:
-flow matching, AdamW (torch.optim, default implementation), gradient clipping, EMA.
+"""The same models and training step as ddm, written in plain PyTorch as a PyTorch 2.x user writes
+them: the baseline that bench/compare_python.sh measures ddm against (the torch 2.11 of
+scripts/setup.sh's virtual environment, the same LibTorch ddm is built on; same thread count, same
+batch). Mirrors src/model/{layers,unet,dit}.cpp and src/train/step.cpp: flow matching, attention
+through F.scaled_dot_product_attention, AdamW (torch.optim's default implementation), gradient
+clipping, EMA. With --compile the model runs under torch.compile (inductor), and the time of the
+warm-up steps, which include compiling, is reported as compile_s.
 
-usage: python3 bench/reference.py PRESET --batch 128 --threads 2 --steps 20 --warmup 3
-prints one JSON line: {"impl": "python", "preset", "batch", "threads", "step_s", "img_per_s"}
+usage: python bench/reference.py PRESET --batch 128 --threads 2 --steps 20 --warmup 3 [--compile]
+prints one JSON line: {"impl": "python" | "python-compile", "preset", "batch", "threads", "step_s",
+"img_per_s", "compile_s"}
 """
 import argparse
 import json
@@ -79,8 +83,7 @@ class AttentionBlock(nn.Module):
         B, C, H, W = x.shape
         qkv = self.qkv(self.norm(x)).reshape(B, 3, self.heads, C // self.heads, H * W)
         q, k, v = (qkv[:, i].transpose(-1, -2) for i in range(3))
-        w = (q @ k.transpose(-2, -1) * (1.0 / math.sqrt(q.shape[-1]))).softmax(-1)
-        a = (w @ v).transpose(-1, -2).reshape(B, C, H, W)
+        a = F.scaled_dot_product_attention(q, k, v).transpose(-1, -2).reshape(B, C, H, W)
         return x + self.proj(a)
 
 
@@ -162,8 +165,7 @@ class DiTBlock(nn.Module):
         h = torch.addcmul(m[0], self.norm1(x), m[1] + 1.0)
         q, k, v = self.qkv(h).view(B, N, 3, self.heads, W // self.heads).unbind(2)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        w = (q @ k.transpose(-2, -1) * (1.0 / math.sqrt(q.shape[-1]))).softmax(-1)
-        a = self.proj((w @ v).transpose(1, 2).reshape(B, N, W))
+        a = self.proj(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(B, N, W))
         out = torch.addcmul(x, m[2], a)
         h = torch.addcmul(m[3], self.norm2(out), m[4] + 1.0)
         return torch.addcmul(out, m[5], self.fc2(F.gelu(self.fc1(h))))
@@ -202,12 +204,14 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--compile", action="store_true", help="torch.compile the model (inductor)")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
     cfg = PRESETS[a.preset]
     model = UNet(cfg) if cfg["arch"] == "unet" else DiT(cfg)
     ema = [p.detach().clone() for p in model.parameters()]
+    run = torch.compile(model) if a.compile else model
     opt = torch.optim.AdamW(model.parameters(), lr=2e-4, weight_decay=0.0)
     x0 = torch.rand(a.batch, 1, 28, 28) * 2 - 1
     y0 = torch.randint(0, 10, (a.batch,))
@@ -217,7 +221,7 @@ def main():
         t = torch.rand(a.batch)
         y = torch.where(torch.rand(a.batch) < 0.1, torch.full_like(y0, 10), y0)
         xt = (1 - t)[:, None, None, None] * x0 + t[:, None, None, None] * eps
-        loss = F.mse_loss(model(xt, t, y), eps - x0)
+        loss = F.mse_loss(run(xt, t, y), eps - x0)
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -227,17 +231,19 @@ def main():
                 e.mul_(0.999).add_(p, alpha=0.001)
         return loss.item()
 
-    for _ in range(a.warmup):
+    t0 = time.perf_counter()
+    for _ in range(max(a.warmup, 2 if a.compile else 0)):  # compiled: the forward and backward graphs
         step()
+    compile_s = time.perf_counter() - t0 if a.compile else 0.0
     times = []  # median step time, as ddm_bench reports: robust to bursts from other processes
     for _ in range(a.steps):
         t0 = time.perf_counter()
         step()
         times.append(time.perf_counter() - t0)
     dt = sorted(times)[len(times) // 2]
-    print(json.dumps({"impl": "python", "preset": a.preset, "batch": a.batch, "threads": a.threads,
+    print(json.dumps({"impl": "python-compile" if a.compile else "python", "preset": a.preset, "batch": a.batch, "threads": a.threads,
                       "params": sum(p.numel() for p in model.parameters()), "step_s": dt,
-                      "img_per_s": a.batch / dt}))
+                      "img_per_s": a.batch / dt, "compile_s": compile_s}))
 
 
 if __name__ == "__main__":
