@@ -3,7 +3,7 @@
 
 #include <cmath>
 
-#include <ATen/Parallel.h>
+#include <ATen/ops/_fused_adamw.h>
 
 #include "core/error.h"
 #include "core/run_dir.h"
@@ -63,29 +63,15 @@ void FlatAdamW::clip_grad_norm(double max_norm, double norm) {
 void FlatAdamW::step(double lr, double ema_decay) {
   torch::NoGradGuard no_grad;
   ++step_;
-  // One pass over the flat buffers, no temporaries; same arithmetic and order as torch.optim.AdamW.
-  const float b1 = static_cast<float>(opt_.beta1), b2 = static_cast<float>(opt_.beta2);
-  const float eps = static_cast<float>(opt_.eps);
-  const float decay = static_cast<float>(1.0 - lr * opt_.weight_decay);
-  const float step_size = static_cast<float>(lr / (1.0 - std::pow(opt_.beta1, static_cast<double>(step_))));
-  const float bc2_sqrt = static_cast<float>(std::sqrt(1.0 - std::pow(opt_.beta2, static_cast<double>(step_))));
-  const bool ema = ema_decay >= 0;
-  const float ed = static_cast<float>(ema_decay);
-  float *p = data_.data_ptr<float>(), *m = exp_avg_.data_ptr<float>(), *v = exp_avg_sq_.data_ptr<float>();
-  float* e = ema_.data_ptr<float>();
-  const float* g = grad_.data_ptr<float>();
-  at::parallel_for(0, data_.numel(), 16384, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const float gi = g[i];
-      const float mi = m[i] * b1 + (1.0f - b1) * gi;
-      const float vi = v[i] * b2 + (1.0f - b2) * gi * gi;
-      m[i] = mi;
-      v[i] = vi;
-      const float pi = p[i] * decay - step_size * (mi / (std::sqrt(vi) / bc2_sqrt + eps));
-      p[i] = pi;
-      if (ema) e[i] = e[i] * ed + (1.0f - ed) * pi;
-    }
-  });
+  // LibTorch's fused AdamW kernel (what torch.optim.AdamW(fused=True) runs: the same update as
+  // torch.optim.AdamW, decoupled weight decay and bias correction from the step count) over the
+  // flat buffers at once: one vectorized pass, 2.7x-4.0x faster than a scalar loop of ours on the
+  // presets (docs/results.md, "What LibTorch 2.11 does that ddm wrote by hand"). Elementwise, so
+  // the result does not depend on the thread count.
+  const torch::Tensor step = torch::full({}, static_cast<double>(step_), torch::kFloat);
+  at::_fused_adamw_({data_}, {grad_}, {exp_avg_}, {exp_avg_sq_}, {}, {step}, lr, opt_.beta1, opt_.beta2,
+                    opt_.weight_decay, opt_.eps, /*amsgrad=*/false, /*maximize=*/false);
+  if (ema_decay >= 0) ema_.lerp_(data_, 1.0 - ema_decay);  // ema = d * ema + (1 - d) * params
 }
 
 void FlatAdamW::ema_update(double decay) {

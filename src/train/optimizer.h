@@ -1,7 +1,7 @@
 // FlatAdamW: all parameters of a model live as views into one flat buffer, and so do their
 // gradients. AdamW, gradient clipping and the EMA then run as a handful of large tensor ops instead
 // of several small ops per parameter tensor, which matters on CPU for models with many small layers.
-// The update is the same arithmetic as torch.optim.AdamW (decoupled weight decay, bias correction).
+// The update is torch.optim.AdamW's (decoupled weight decay, bias correction), through its fused kernel.
 // Frozen parameters (requires_grad false) are not in the buffers: no gradient, no optimizer state, no
 // EMA and no gradient sync; they are saved with the model and loaded like every other weight.
 #pragma once
@@ -33,8 +33,8 @@ class FlatAdamW {
   double clip_grad_norm(double max_norm);
   // The same with a norm computed elsewhere (a pipeline stage: the norm over every stage's gradients).
   void clip_grad_norm(double max_norm, double norm);
-  // One AdamW step at learning rate lr; with ema_decay >= 0 also updates the EMA in the same pass
-  // (ema = d * ema + (1 - d) * params).
+  // One AdamW step at learning rate lr (LibTorch's fused AdamW kernel on the flat buffers); with
+  // ema_decay >= 0 then also the EMA (ema = d * ema + (1 - d) * params).
   void step(double lr, double ema_decay = -1.0);
 
   // EMA of the parameters: ema = d * ema + (1 - d) * params.
