@@ -4,6 +4,8 @@
 // within float32 rounding (TF32 off: cuBLAS and cuDNN then compute in float32, in another order).
 #include <gtest/gtest.h>
 
+#include <cstdio>
+
 #include <torch/cuda.h>
 #include <torch/torch.h>
 
@@ -23,6 +25,7 @@ void expect_close(const torch::Tensor& gpu, const torch::Tensor& cpu, double rto
   const double scale = c.abs().max().item<double>() + 1e-30;
   const double diff = (g - c).abs().max().item<double>();
   EXPECT_LE(diff / scale, rtol) << what << ": max |gpu - cpu| = " << diff << " of max |cpu| = " << scale;
+  std::printf("%s: max |gpu - cpu| / max |cpu| = %.2e (bound %.0e)\n", what.c_str(), diff / scale, rtol);
 }
 }  // namespace
 
