@@ -141,6 +141,18 @@ RunConfig preset_config(const std::string& preset, int64_t batch) {
 
 double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
+// The fastest of `steps` runs of `once`, in seconds, after `warmup` untimed runs.
+double best_seconds(const std::function<void()>& once, int64_t warmup, int64_t steps) {
+  for (int64_t i = 0; i < warmup; ++i) once();
+  double best = 1e30;
+  for (int64_t i = 0; i < steps; ++i) {
+    auto t0 = Clock::now();
+    once();
+    best = std::min(best, seconds_since(t0));
+  }
+  return best;
+}
+
 double matmul_peak(int64_t threads) {
   torch::set_num_threads(static_cast<int>(threads));
   const int64_t n = 1024;
@@ -523,16 +535,7 @@ int main(int argc, char** argv) try {
     // (at::_fused_adamw_, what torch.optim.AdamW(fused=True) runs) on the same flat buffers followed
     // by the EMA as one lerp_, and against LibTorch C++'s torch::optim::AdamW over the parameter
     // tensors (+ the same EMA per tensor).
-    auto best_of = [&](const std::function<void()>& once) {
-      for (int64_t i = 0; i < a.warmup; ++i) once();
-      double best = 1e30;
-      for (int64_t i = 0; i < a.steps; ++i) {
-        auto t0 = Clock::now();
-        once();
-        best = std::min(best, seconds_since(t0));
-      }
-      return best;
-    };
+    auto best_of = [&](const std::function<void()>& once) { return best_seconds(once, a.warmup, a.steps); };
     FlatAdamW flat(*net, AdamWOptions{});
     flat.flat_grad().copy_(torch::randn_like(flat.flat_grad()) * 1e-3);
     const double t_flat = best_of([&] { flat.step(1e-4, 0.999); });
@@ -570,16 +573,7 @@ int main(int argc, char** argv) try {
     DDM_CHECK(fused_attention_cpu_supported(torch::zeros({1, 3, 1, 1, 1})), "ddm_bench ops: needs an AVX2 + FMA CPU");
     const int64_t N = (28 / cfg.model.patch) * (28 / cfg.model.patch), H = cfg.model.heads;
     const int64_t d = cfg.model.width / H, hidden = dit_mlp_hidden(cfg.model);
-    auto best_of = [&](const std::function<void()>& once) {
-      for (int64_t i = 0; i < a.warmup; ++i) once();
-      double best = 1e30;
-      for (int64_t i = 0; i < a.steps; ++i) {
-        auto t0 = Clock::now();
-        once();
-        best = std::min(best, seconds_since(t0));
-      }
-      return best;
-    };
+    auto best_of = [&](const std::function<void()>& once) { return best_seconds(once, a.warmup, a.steps); };
     auto qkv_store = torch::randn({a.batch, N, 3, H, d}, torch::requires_grad());
     auto attn_grad = torch::randn({a.batch, H, N, d});
     auto attention_once = [&](int how) {  // 0: three ops, 1: the fused CPU kernel, 2: LibTorch's SDPA
