@@ -1,5 +1,5 @@
 // Comm (see comm.h): TCPStore rendezvous, the Gloo group, collectives, and the translation of c10d /
-// Gloo failures into ddm::Error. What Gloo reports (libgloo 2022-05, LibTorch 1.13, checked by
+// Gloo failures into ddm::Error. What Gloo reports (first seen on LibTorch 1.13, the same on 2.11; checked by
 // tests/unit/test_dist.cpp):
 //   peer process died          -> "[.../pair.cc:N] Connection closed by peer [addr]:port" (or a read
 //                                 / write error on the socket) within milliseconds
