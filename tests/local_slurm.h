@@ -38,7 +38,7 @@ inline std::string slurm_missing() {
 // Started in DIR/slurm (DIR must be searchable by all, for munged), stopped and removed at scope
 // exit. Prefix Slurm commands with `env` so they reach this cluster.
 struct LocalSlurm {
-  std::string script = std::string(DDM_SOURCE_DIR) + "/scripts/slurm-local.sh", state, env;
+  std::string script = test::source_dir() + "/scripts/slurm-local.sh", state, env;
   CommandResult started;
   explicit LocalSlurm(const std::string& dir) : state(dir + "/slurm") {
     env = "SLURM_CONF=" + state + "/slurm.conf DDM_SLURM_CTLD_PORT=" + std::to_string(free_port()) +

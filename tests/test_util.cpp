@@ -53,7 +53,12 @@ CommandResult run_command(const std::string& cmd) {
   return r;
 }
 
-CommandResult run_ddm(const std::string& args) { return run_command(std::string(DDM_BINARY) + " " + args); }
+CommandResult run_ddm(const std::string& args) { return run_command(ddm_binary() + " " + args); }
+
+std::string ddm_binary() { return DDM_BINARY; }
+std::string source_dir() { return DDM_SOURCE_DIR; }
+std::string venv_torchrun() { return DDM_TORCHRUN; }
+std::string venv_python() { return DDM_TORCH_PYTHON; }
 
 void write_text(const std::string& path, const std::string& text) {
   std::ofstream f(path, std::ios::binary);

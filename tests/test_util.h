@@ -24,6 +24,14 @@ CommandResult run_command(const std::string& cmd);
 // Runs the ddm binary built with the tests with the given argument string.
 CommandResult run_ddm(const std::string& args);
 
+// Paths this build was configured with. Only test_util.cpp is compiled with them (as definitions):
+// an absolute path in every test file's command line would keep ccache from serving one clone's
+// objects to another.
+std::string ddm_binary();     // the ddm executable
+std::string source_dir();     // the checkout
+std::string venv_torchrun();  // the torch venv's torchrun, "" when configured without one
+std::string venv_python();    // the torch venv's python, "" when configured without one
+
 // A gtest failure unless the command failed (non-zero exit) and its output contains `needle`.
 void expect_error(const CommandResult& r, const std::string& needle);
 

@@ -278,7 +278,7 @@ TEST(DecentralCli, IslandsSurviveAKilledIslandAndWriteASlurmArray) {
   test::write_text(dir / "isl.toml", islands);
   const std::string cd = "cd " + dir.path + " && ";
   // Run in the background; kill -9 expert 0 once it has written its step-40 checkpoint.
-  test::run_command(cd + "(" + DDM_BINARY + " islands run isl.toml > run.log 2>&1; echo $? > rc) > /dev/null 2>&1 &");
+  test::run_command(cd + "(" + test::ddm_binary() + " islands run isl.toml > run.log 2>&1; echo $? > rc) > /dev/null 2>&1 &");
   const fs::path ckpt = dir / "runs/k2/experts/0/ckpt/step-00000040";
   for (int i = 0; i < 3000 && !fs::exists(ckpt); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(20));
   ASSERT_TRUE(fs::exists(ckpt)) << test::read_text(dir / "run.log");
@@ -301,17 +301,17 @@ TEST(DecentralCli, IslandsSurviveAKilledIslandAndWriteASlurmArray) {
             0);
   EXPECT_EQ(test::read_text(dir / "ref/ckpt/step-00000300/ema.safetensors"),
             test::read_text(dir / "runs/k2/experts/0/ckpt/step-00000300/ema.safetensors"));
-  auto r = test::run_command(cd + DDM_BINARY + " islands status isl.toml");
+  auto r = test::run_command(cd + test::ddm_binary() + " islands status isl.toml");
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("expert 0   done         300/300         2"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("ensemble: runs/k2/ensemble.json"), std::string::npos) << r.output;
   // Running again skips the finished islands.
-  r = test::run_command(cd + DDM_BINARY + " islands run isl.toml");
+  r = test::run_command(cd + test::ddm_binary() + " islands run isl.toml");
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("3 already done, 0 to run"), std::string::npos) << r.output;
   // run.threads = 0 divides the cores among the concurrent islands.
   test::write_text(dir / "isl0.toml", std::string(islands).replace(islands.find("threads = 1"), 11, "threads = 0"));
-  r = test::run_command(cd + DDM_BINARY + " islands run isl0.toml");
+  r = test::run_command(cd + test::ddm_binary() + " islands run isl0.toml");
   ASSERT_EQ(r.exit_code, 0) << r.output;
   const auto share = std::max(1u, std::thread::hardware_concurrency() / 2);
   EXPECT_NE(r.output.find("2 at a time, up to 2 restarts each, " + std::to_string(share) + " threads each"),
@@ -320,7 +320,7 @@ TEST(DecentralCli, IslandsSurviveAKilledIslandAndWriteASlurmArray) {
   // A runner killed with -9 takes its islands down with it (each writes a checkpoint and stops), so
   // the next runner resumes them alone; the result is still exactly the uninterrupted one.
   test::write_text(dir / "isl2.toml", std::string(islands).replace(islands.find("runs/k2"), 7, "runs/k2b"));
-  test::run_command(cd + "(" + DDM_BINARY + " islands run isl2.toml > run2.log 2>&1 & echo $! > runner.pid)");
+  test::run_command(cd + "(" + test::ddm_binary() + " islands run isl2.toml > run2.log 2>&1 & echo $! > runner.pid)");
   const fs::path ckpt2 = dir / "runs/k2b/experts/0/ckpt/step-00000040";
   for (int i = 0; i < 3000 && !fs::exists(ckpt2); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(20));
   ASSERT_TRUE(fs::exists(ckpt2)) << test::read_text(dir / "run2.log");
@@ -341,7 +341,7 @@ TEST(DecentralCli, IslandsSurviveAKilledIslandAndWriteASlurmArray) {
   }
   EXPECT_FALSE(fs::exists(dir / "runs/k2b/experts/0/ckpt/step-00000300")) << "expert 0 trained on without its runner";
   EXPECT_NE(test::read_text(dir / "runs/k2b/logs/expert0.log").find("stopped by signal 15"), std::string::npos);
-  r = test::run_command(cd + DDM_BINARY + " islands run isl2.toml");
+  r = test::run_command(cd + test::ddm_binary() + " islands run isl2.toml");
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_EQ(test::read_text(dir / "ref/ckpt/step-00000300/ema.safetensors"),
             test::read_text(dir / "runs/k2b/experts/0/ckpt/step-00000300/ema.safetensors"));
@@ -350,7 +350,7 @@ TEST(DecentralCli, IslandsSurviveAKilledIslandAndWriteASlurmArray) {
   // and stops, the waiting ones stay pending, and the runner exits 143 (128 + SIGTERM) instead of waiting on them.
   std::string one_at_a_time = std::string(islands).replace(islands.find("runs/k2"), 7, "runs/k2c");
   test::write_text(dir / "isl3.toml", one_at_a_time.replace(one_at_a_time.find("concurrency = 2"), 15, "concurrency = 1"));
-  test::run_command(cd + "(" + DDM_BINARY + " islands run isl3.toml > run3.log 2>&1 & echo $! > runner3.pid; wait $!; " +
+  test::run_command(cd + "(" + test::ddm_binary() + " islands run isl3.toml > run3.log 2>&1 & echo $! > runner3.pid; wait $!; " +
                     "echo $? > rc3) > /dev/null 2>&1 &");
   const fs::path ckpt3 = dir / "runs/k2c/experts/0/ckpt/step-00000040";
   for (int i = 0; i < 3000 && !fs::exists(ckpt3); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(20));
@@ -365,7 +365,7 @@ TEST(DecentralCli, IslandsSurviveAKilledIslandAndWriteASlurmArray) {
   EXPECT_EQ(stopped[2]["state"], "pending") << stopped.dump();
 
   // Slurm: one array task per island; a task runs locally with SLURM_ARRAY_TASK_ID set.
-  r = test::run_command(cd + DDM_BINARY + " islands slurm isl.toml --script job.sbatch");
+  r = test::run_command(cd + test::ddm_binary() + " islands slurm isl.toml --script job.sbatch");
   ASSERT_EQ(r.exit_code, 0) << r.output;
   const std::string script = test::read_text(dir / "job.sbatch");
   EXPECT_NE(script.find("#SBATCH --array=0-2"), std::string::npos) << script;
@@ -383,12 +383,12 @@ TEST(DecentralCli, IslandsSurviveAKilledIslandAndWriteASlurmArray) {
 
   // Bad islands files name the key.
   test::write_text(dir / "bad.toml", "config = \"tiny.toml\"\n[partition]\npath = \"p\"\n");
-  expect_error(test::run_command(cd + DDM_BINARY + " islands run bad.toml"), "'out' is required");
+  expect_error(test::run_command(cd + test::ddm_binary() + " islands run bad.toml"), "'out' is required");
   test::write_text(dir / "bad.toml", islands + "speed = 3\n");
-  expect_error(test::run_command(cd + DDM_BINARY + " islands run bad.toml"), "unknown key 'run.speed'");
+  expect_error(test::run_command(cd + test::ddm_binary() + " islands run bad.toml"), "unknown key 'run.speed'");
   test::write_text(dir / "bad.toml", islands.substr(0, islands.find("[run]")) + "[run]\nconcurrency = 0\n");
-  expect_error(test::run_command(cd + DDM_BINARY + " islands run bad.toml"), "'run.concurrency' must be >= 1");
-  expect_error(test::run_command(cd + DDM_BINARY + " islands run nowhere.toml"), "does not exist");
+  expect_error(test::run_command(cd + test::ddm_binary() + " islands run bad.toml"), "'run.concurrency' must be >= 1");
+  expect_error(test::run_command(cd + test::ddm_binary() + " islands run nowhere.toml"), "does not exist");
 }
 
 TEST(DecentralCli, QuickstartRunsTheWholeDecentralizedPipeline) {

@@ -47,7 +47,7 @@ ckpt_every = 5
 seed = 3
 )";
 
-std::string binary() { return DDM_BINARY; }
+std::string binary() { return test::ddm_binary(); }
 
 struct Workdir {
   test::TempDir dir;

@@ -145,7 +145,7 @@ TEST(Islands, TwoProcessIslandsTrainAsTheLauncherDoesAndAKilledRankRestartsOnlyI
   test::write_text(dir / "tiny.toml", kTiny);
   test::write_text(dir / "isl.toml", islands_file(dir.path, "runs", "concurrency = 2\nnproc = 2\nretries = 2\nthreads = 1\n"));
   RunnerGuard guard{dir / "runner.pid", dir / "rc"};
-  test::run_command("(" + std::string(DDM_BINARY) + " islands run " + (dir / "isl.toml") + " > " + (dir / "run.log") +
+  test::run_command("(" + test::ddm_binary() + " islands run " + (dir / "isl.toml") + " > " + (dir / "run.log") +
                     " 2>&1 & echo $! > " + (dir / "runner.pid") + "; wait $!; echo $? > " + (dir / "rc") +
                     ") > /dev/null 2>&1 &");
   // Once expert 0 has a checkpoint, kill -9 its rank 1 (a worker of the island's launcher).

@@ -40,8 +40,8 @@ using ddm::test::write_text;
 namespace {
 
 // The torchrun and python of the torch wheel ddm builds against (scripts/setup.sh's virtual environment).
-constexpr const char* kTorchrun = DDM_TORCHRUN;
-constexpr const char* kTorchPython = DDM_TORCH_PYTHON;
+const std::string kTorchrun = ddm::test::venv_torchrun();
+const std::string kTorchPython = ddm::test::venv_python();
 constexpr const char* kNoTorchrun = "no torchrun: configure with -DDDM_TORCH_VENV=<the torch virtual environment> (scripts/setup.sh does)";
 
 // What the workers run: a ddm subcommand, or a program (a path and its arguments, shell-quoted).
@@ -104,11 +104,11 @@ struct Workspace {
 
 // `ddm launch FLAGS -- PROGRAM` with a --timeout, so that no test can hang.
 std::string launch_command(const std::string& flags, const Program& p) {
-  return std::string(DDM_BINARY) + " launch --timeout 60 " + flags + (p.ddm ? " -- " : " --no-ddm -- ") + p.args;
+  return ddm::test::ddm_binary() + " launch --timeout 60 " + flags + (p.ddm ? " -- " : " --no-ddm -- ") + p.args;
 }
 CommandResult launch(const std::string& flags, const Program& p) { return run_command(launch_command(flags, p)); }
 // The program as a plain command line, for launchers other than ddm launch.
-std::string command_line(const Program& p) { return p.ddm ? std::string(DDM_BINARY) + " " + p.args : p.args; }
+std::string command_line(const Program& p) { return p.ddm ? ddm::test::ddm_binary() + " " + p.args : p.args; }
 
 // The "ENV ..." lines of an output, keyed by the value of `rank_var`.
 std::map<std::string, std::map<std::string, std::string>> env_lines(const std::string& output,
@@ -248,7 +248,7 @@ TEST(Launch, WorkersDieWithALauncherKilledBySigkill) {
 TEST(Launch, TimeoutStopsAHangingAttempt) {
   Workspace ws;
   const CommandResult r =
-      run_command(std::string(DDM_BINARY) + " launch --nproc 2 --timeout 1 --no-ddm -- " + ws.dir.path + "/sleep 100");
+      run_command(ddm::test::ddm_binary() + " launch --nproc 2 --timeout 1 --no-ddm -- " + ws.dir.path + "/sleep 100");
   EXPECT_EQ(r.exit_code, 1) << r.output;
   EXPECT_TRUE(contains(r.output, "ran past --timeout 1 s")) << r.output;
   EXPECT_TRUE(ws.strays_after(5).empty());
@@ -258,7 +258,7 @@ TEST(Launch, KillsWorkersThatIgnoreSigtermAfterTheGracePeriod) {
   Workspace ws;
   // An ignored signal stays ignored across exec: neither the shell nor its sleep reacts to SIGTERM.
   const std::string worker = ws.script("worker.sh", "trap '' TERM\n$D/sleep 100\n");
-  const CommandResult r = run_command(std::string(DDM_BINARY) + " launch --nproc 2 --timeout 1 --grace 1 --no-ddm -- " +
+  const CommandResult r = run_command(ddm::test::ddm_binary() + " launch --nproc 2 --timeout 1 --grace 1 --no-ddm -- " +
                                       worker);
   EXPECT_EQ(r.exit_code, 1) << r.output;
   EXPECT_TRUE(contains(r.output, "workers still running 1 s after the stop: sending SIGKILL")) << r.output;

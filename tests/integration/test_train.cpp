@@ -60,7 +60,7 @@ TEST(Train, GoldenLossCurve) {
   train_run(cfg, {dir / "run", false, false, true, nullptr});
   auto got = loss_lines(dir / "run/metrics.jsonl");
   ASSERT_EQ(got.size(), 20u);
-  const std::string golden = std::string(DDM_SOURCE_DIR) + "/tests/golden/tiny_unet_loss.txt";
+  const std::string golden = test::source_dir() + "/tests/golden/tiny_unet_loss.txt";
   if (std::getenv("DDM_UPDATE_GOLDEN")) {
     std::ofstream out(golden);
     for (const auto& l : got) out << l << "\n";
@@ -97,7 +97,7 @@ TEST(Train, ResumeAfterKillIsBitIdentical) {
 
   // Start, kill -9 once a few checkpoints exist, resume.
   const std::string out = dir / "killed";
-  auto pid_res = test::run_command(std::string(DDM_BINARY) + " train --quiet --config " + cfg + sets + " --out " + out +
+  auto pid_res = test::run_command(test::ddm_binary() + " train --quiet --config " + cfg + sets + " --out " + out +
                                    " >/dev/null 2>&1 & echo $!");
   const int pid = std::stoi(pid_res.output);
   for (int i = 0; i < 600 && list_checkpoints(out).size() < 2; ++i)
@@ -179,7 +179,7 @@ TEST(Train, SigtermWritesCheckpointAndStops) {
   test::TempDir dir;
   test::write_text(dir / "tiny.toml", kTinyConfig);
   const std::string out = dir / "run";
-  test::run_command("(" + std::string(DDM_BINARY) + " train --config " + (dir / "tiny.toml") +
+  test::run_command("(" + test::ddm_binary() + " train --config " + (dir / "tiny.toml") +
                     " --set train.steps=1000000 --set train.ckpt_every=1000000 --out " + out + " > " +
                     (dir / "log.txt") + " 2>&1 & echo $! > " + (dir / "pid") + "; wait $!; echo $? > " + (dir / "rc") +
                     ") > /dev/null 2>&1 &");

@@ -189,14 +189,14 @@ TEST(Config, DirectoryOrEmptyConfigFileIsAnError) {
 
 TEST(Config, EveryShippedConfigParses) {
   int n = 0;
-  for (const auto& e : std::filesystem::directory_iterator(std::string(DDM_SOURCE_DIR) + "/configs")) {
+  for (const auto& e : std::filesystem::directory_iterator(test::source_dir() + "/configs")) {
     if (e.path().filename().string().rfind("islands", 0) == 0) continue;  // islands files: below
     EXPECT_NO_THROW(load_config(e.path().string())) << e.path();
     ++n;
   }
   // Islands files name paths relative to the repository root, where their comments say to run them.
   const auto cwd = std::filesystem::current_path();
-  std::filesystem::current_path(DDM_SOURCE_DIR);
+  std::filesystem::current_path(test::source_dir());
   const IslandsConfig isl = load_islands_config("configs/islands-k4.toml");
   const IslandsConfig latent = load_islands_config("configs/islands-latent.toml");
   std::filesystem::current_path(cwd);
@@ -208,7 +208,7 @@ TEST(Config, EveryShippedConfigParses) {
   EXPECT_EQ(isl.router_set, std::vector<std::string>{"train.steps=600"});
   EXPECT_EQ(isl.nproc, 1);  // one process per island unless run.nproc says otherwise
   EXPECT_GE(n, 3);
-  RunConfig c = load_config(std::string(DDM_SOURCE_DIR) + "/configs/quickstart.toml");
+  RunConfig c = load_config(test::source_dir() + "/configs/quickstart.toml");
   EXPECT_EQ(c.model.preset, "unet-tiny");
 }
 
@@ -219,7 +219,7 @@ TEST(Config, IslandsFileWithAnEmptyPathIsAClearError) {
   for (const std::string key : {"out", "config", "partition.path"}) {
     auto value = [&](const std::string& k, const std::string& v) { return k == key ? std::string() : v; };
     test::write_text(tmp / "isl.toml", "out = \"" + value("out", "runs/x") + "\"\nconfig = \"" +
-                                           value("config", DDM_SOURCE_DIR "/configs/quickstart.toml") +
+                                           value("config", test::source_dir() + "/configs/quickstart.toml") +
                                            "\"\n[partition]\npath = \"" + value("partition.path", "parts/x") + "\"\n");
     const std::string msg = test::error_message([&] { plan_islands(load_islands_config(tmp / "isl.toml"), 2); });
     EXPECT_NE(msg.find("isl.toml: '" + key + "' must not be empty"), std::string::npos) << key << ": " << msg;
@@ -230,5 +230,5 @@ TEST(Config, QuickstartFileMatchesBuiltIn) {
   // `ddm quickstart --print-config` shows the built-in config; configs/quickstart.toml documents it.
   auto r = test::run_ddm("quickstart --print-config");
   ASSERT_EQ(r.exit_code, 0) << r.output;
-  EXPECT_EQ(r.output, test::read_text(std::string(DDM_SOURCE_DIR) + "/configs/quickstart.toml"));
+  EXPECT_EQ(r.output, test::read_text(test::source_dir() + "/configs/quickstart.toml"));
 }
