@@ -572,7 +572,7 @@ int main(int argc, char** argv) try {
     DDM_CHECK(cfg.model.arch == "dit", "ddm_bench ops: needs a DiT preset");
     DDM_CHECK(fused_attention_cpu_supported(torch::zeros({1, 3, 1, 1, 1})), "ddm_bench ops: needs an AVX2 + FMA CPU");
     const int64_t N = (28 / cfg.model.patch) * (28 / cfg.model.patch), H = cfg.model.heads;
-    const int64_t d = cfg.model.width / H, hidden = dit_mlp_hidden(cfg.model);
+    const int64_t d = cfg.model.width / H;
     auto best_of = [&](const std::function<void()>& once) { return best_seconds(once, a.warmup, a.steps); };
     auto qkv_store = torch::randn({a.batch, N, 3, H, d}, torch::requires_grad());
     auto attn_grad = torch::randn({a.batch, H, N, d});
@@ -586,14 +586,6 @@ int main(int argc, char** argv) try {
       qkv_store.mutable_grad() = torch::Tensor();
     };
     const int64_t W = cfg.model.width;
-    auto x = torch::randn({a.batch * N, W}, torch::requires_grad());
-    auto fc1 = torch::nn::Linear(W, hidden);
-    auto mlp_grad = torch::randn({a.batch * N, hidden});
-    auto mlp_once = [&](bool fused) {
-      (fused ? linear_gelu_cpu(x, fc1->weight, fc1->bias) : torch::gelu(fc1(x))).backward(mlp_grad);
-      x.mutable_grad() = torch::Tensor();
-      fc1->zero_grad();
-    };
     // LayerNorm + modulation, then the proj linear and the gated residual (one half of a block
     // without its attention or MLP).
     auto xr = torch::randn({a.batch, N, W}, torch::requires_grad());
@@ -618,16 +610,14 @@ int main(int argc, char** argv) try {
     };
     const double att3 = best_of([&] { attention_once(0); }), attf = best_of([&] { attention_once(1); });
     const double atts = best_of([&] { attention_once(2); });
-    const double gel0 = best_of([&] { mlp_once(false); }), gelf = best_of([&] { mlp_once(true); });
     const double res0 = best_of([&] { residual_once(false); }), resf = best_of([&] { residual_once(true); });
     std::printf("{\"impl\": \"cpp\", \"mode\": \"ops\", \"preset\": \"%s\", \"batch\": %lld, \"threads\": %lld, "
                 "\"attention_three_op_ms\": %.3f, \"attention_fused_ms\": %.3f, \"attention_speedup\": %.2f, "
                 "\"attention_sdpa_ms\": %.3f, \"attention_fused_over_sdpa\": %.2f, "
-                "\"linear_gelu_aten_ms\": %.3f, \"linear_gelu_fused_ms\": %.3f, \"linear_gelu_speedup\": %.2f, "
                 "\"adaln_proj_residual_aten_ms\": %.3f, \"adaln_proj_residual_fused_ms\": %.3f, "
                 "\"adaln_proj_residual_speedup\": %.2f}\n",
                 a.preset.c_str(), static_cast<long long>(a.batch), static_cast<long long>(a.threads), att3 * 1e3,
-                attf * 1e3, att3 / attf, atts * 1e3, atts / attf, gel0 * 1e3, gelf * 1e3, gel0 / gelf, res0 * 1e3, resf * 1e3, res0 / resf);
+                attf * 1e3, att3 / attf, atts * 1e3, atts / attf, res0 * 1e3, resf * 1e3, res0 / resf);
     return 0;
   }
   if (a.mode == "sample") {

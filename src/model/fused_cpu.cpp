@@ -1,23 +1,19 @@
 // Hand-written CPU kernels for x86-64 with AVX2 + FMA (see fused_cpu.h): fused multi-head
-// attention, linear + GELU, adaLN modulation and gated residual. Written by hand because LibTorch
-// 1.13 has none of these fused ops on the CPU.
+// attention, adaLN modulation and gated residual. Written by hand for LibTorch 1.13, which had none
+// of these fused ops on the CPU, and kept on 2.11 because they still beat what 2.11 provides on the
+// presets' shapes, measured side by side (`ddm_bench ops`, docs/results.md "LibTorch 2.11"): the
+// attention kernel 1.04x-1.31x scaled_dot_product_attention, adaLN and the gated residual
+// 1.39x-1.56x ATen's ops. (A fused linear + GELU lived here too; on 2.11 ATen's was as fast or
+// faster, and it went.)
 //
-// Attention. LibTorch 1.13's three-op form runs one small OpenBLAS GEMM per (batch, head), each
-// paying OpenBLAS' packing and threading overhead, and writes the N x N scores and probabilities of
-// every head to memory and reads them back in the backward pass. Here each (batch, head) is
-// computed entirely in per-thread scratch buffers that stay in cache, with a small register-blocked
-// GEMM kernel of its own (OpenBLAS is not called from inside the parallel loop):
+// Attention. Each (batch, head) is computed entirely in per-thread scratch buffers that stay in
+// cache, with a small register-blocked GEMM kernel of its own (no BLAS call from inside the
+// parallel loop), and the N x N scores are never written to memory:
 //   forward:  S = Q K^T, P = softmax(S / sqrt(d)) (row log-sum-exp kept), O = P V;
 //   backward: P recomputed from the log-sum-exp, dV = P^T dO, dP = dO V^T,
 //             dS = P * (dP - rowsum(dO * O)), dQ = dS K / sqrt(d), dK = dS^T Q / sqrt(d).
 // Each (batch, head) is computed the same way whatever the thread count, so results do not
 // depend on it.
-//
-// Linear + GELU. ATen's linear first copies the broadcast bias into its output and its backward
-// sums the bias gradient in a separate pass; here the bias is added, and its gradient summed, in
-// the GELU passes. ATen also evaluates erf to full float32 accuracy with a long polynomial in the
-// forward and again in the backward; GELU only needs Phi to float32 resolution in absolute terms,
-// which one exp and a degree-5 polynomial give (Abramowitz and Stegun 7.1.26).
 //
 // adaLN modulation and gated residual (DiT blocks). In ATen, LayerNorm, the modulation
 // LN(x) * (1 + scale) + shift and the gated residual x + gate * (a + bias) are five or six
@@ -181,126 +177,6 @@ DDM_AVX2 float softmax_row(float* row, int64_t n, float scale) {
   for (j = 0; j < n; ++j) row[j] *= inv;
   return shift + std::log(sum);
 }
-
-// ---------------------------------------------------------------------------------------------
-// GELU
-
-// Phi(x) and phi(x), the standard normal CDF and density, in 8 lanes. With z = |x| / sqrt(2),
-// erfc(z) ~ t (a1 + t (a2 + t (a3 + t (a4 + t a5)))) exp(-z^2), t = 1 / (1 + p z) (A&S 7.1.26).
-DDM_AVX2 inline void normal_cdf_pdf(__m256 x, __m256& cdf, __m256& pdf) {
-  const __m256 ax = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), x);
-  const __m256 z = _mm256_mul_ps(ax, _mm256_set1_ps(0.70710678118654752f));
-  const __m256 t =
-      _mm256_div_ps(_mm256_set1_ps(1.0f), _mm256_fmadd_ps(z, _mm256_set1_ps(0.3275911f), _mm256_set1_ps(1.0f)));
-  __m256 poly = _mm256_set1_ps(1.061405429f);
-  poly = _mm256_fmadd_ps(poly, t, _mm256_set1_ps(-1.453152027f));
-  poly = _mm256_fmadd_ps(poly, t, _mm256_set1_ps(1.421413741f));
-  poly = _mm256_fmadd_ps(poly, t, _mm256_set1_ps(-0.284496736f));
-  poly = _mm256_fmadd_ps(poly, t, _mm256_set1_ps(0.254829592f));
-  poly = _mm256_mul_ps(poly, t);
-  const __m256 e = exp_nonpositive(_mm256_mul_ps(_mm256_mul_ps(x, x), _mm256_set1_ps(-0.5f)));  // exp(-z^2)
-  const __m256 tail = _mm256_mul_ps(_mm256_mul_ps(poly, e), _mm256_set1_ps(0.5f));           // Phi(-|x|)
-  const __m256 upper = _mm256_sub_ps(_mm256_set1_ps(1.0f), tail);                            // Phi(|x|)
-  cdf = _mm256_blendv_ps(upper, tail, x);  // sign bit of x set: Phi(x) = Phi(-|x|)
-  pdf = _mm256_mul_ps(e, _mm256_set1_ps(0.39894228040143268f));
-}
-
-DDM_AVX2 inline __m256 gelu_value(__m256 x) {
-  __m256 cdf, pdf;
-  normal_cdf_pdf(x, cdf, pdf);
-  return _mm256_mul_ps(x, cdf);  // x Phi(x)
-}
-
-DDM_AVX2 inline __m256 gelu_slope(__m256 x) {
-  __m256 cdf, pdf;
-  normal_cdf_pdf(x, cdf, pdf);
-  return _mm256_fmadd_ps(x, pdf, cdf);  // Phi(x) + x phi(x)
-}
-
-// Rows [r0, r1) of [M, H]: y = gelu(h + b). A row's last H % 8 elements go through the same
-// vector code via a small buffer, so every element is computed the same way.
-DDM_AVX2 void bias_gelu_rows(const float* h, const float* b, float* y, int64_t r0, int64_t r1, int64_t H) {
-  const int64_t H8 = H / 8 * 8;
-  for (int64_t r = r0; r < r1; ++r) {
-    const float* hr = h + r * H;
-    float* yr = y + r * H;
-    for (int64_t j = 0; j < H8; j += 8)
-      _mm256_storeu_ps(yr + j, gelu_value(_mm256_add_ps(_mm256_loadu_ps(hr + j), _mm256_loadu_ps(b + j))));
-    if (H8 < H) {
-      float buf[8] = {0};
-      for (int64_t j = H8; j < H; ++j) buf[j - H8] = hr[j] + b[j];
-      _mm256_storeu_ps(buf, gelu_value(_mm256_loadu_ps(buf)));
-      std::copy(buf, buf + (H - H8), yr + H8);
-    }
-  }
-}
-
-// Rows [r0, r1): gp = g * gelu'(h + b), and acc[j] += sum over the rows of gp[., j].
-DDM_AVX2 void bias_gelu_grad_rows(const float* h, const float* b, const float* g, float* gp, float* acc, int64_t r0,
-                                  int64_t r1, int64_t H) {
-  const int64_t H8 = H / 8 * 8;
-  for (int64_t r = r0; r < r1; ++r) {
-    const float *hr = h + r * H, *gr = g + r * H;
-    float* pr = gp + r * H;
-    for (int64_t j = 0; j < H8; j += 8) {
-      const __m256 pre = _mm256_add_ps(_mm256_loadu_ps(hr + j), _mm256_loadu_ps(b + j));
-      const __m256 v = _mm256_mul_ps(_mm256_loadu_ps(gr + j), gelu_slope(pre));
-      _mm256_storeu_ps(pr + j, v);
-      _mm256_storeu_ps(acc + j, _mm256_add_ps(_mm256_loadu_ps(acc + j), v));
-    }
-    if (H8 < H) {
-      float buf[8] = {0};
-      for (int64_t j = H8; j < H; ++j) buf[j - H8] = hr[j] + b[j];
-      _mm256_storeu_ps(buf, gelu_slope(_mm256_loadu_ps(buf)));
-      for (int64_t j = H8; j < H; ++j) {
-        pr[j] = gr[j] * buf[j - H8];
-        acc[j] += pr[j];
-      }
-    }
-  }
-}
-
-constexpr int64_t kRowBlock = 64;  // rows per partial bias-gradient sum (fixed: thread-count independent)
-
-// gelu(x W^T + b) for x [M, K], W [H, K], b [H]. The bias is added inside the GELU pass rather than
-// by addmm (which first copies the broadcast bias into its output), and the backward computes the
-// bias gradient in the same pass as the GELU derivative.
-struct LinearGelu : public torch::autograd::Function<LinearGelu> {
-  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x, const torch::Tensor& w,
-                               const torch::Tensor& b) {
-    const auto xc = x.contiguous(), bc = b.contiguous();
-    auto h = torch::mm(xc, w.t());  // [M, H], before bias
-    auto y = torch::empty_like(h);
-    const int64_t M = h.size(0), H = h.size(1);
-    const float *hp = h.data_ptr<float>(), *bp = bc.data_ptr<float>();
-    float* yp = y.data_ptr<float>();
-    at::parallel_for(0, M, std::max<int64_t>(1, 16384 / H),
-                     [&](int64_t r0, int64_t r1) { bias_gelu_rows(hp, bp, yp, r0, r1, H); });
-    ctx->save_for_backward({xc, w, bc, h});
-    return y;
-  }
-
-  static torch::autograd::tensor_list backward(torch::autograd::AutogradContext* ctx,
-                                               torch::autograd::tensor_list grads) {
-    const auto saved = ctx->get_saved_variables();
-    const torch::Tensor &x = saved[0], &w = saved[1], &b = saved[2], &h = saved[3];
-    const auto g = grads[0].contiguous();
-    const int64_t M = h.size(0), H = h.size(1), blocks = (M + kRowBlock - 1) / kRowBlock;
-    auto gp = torch::empty_like(h);
-    auto partial = torch::zeros({blocks, H}, h.options());
-    const float *hp = h.data_ptr<float>(), *bp = b.data_ptr<float>(), *gptr = g.data_ptr<float>();
-    float *gpp = gp.data_ptr<float>(), *pp = partial.data_ptr<float>();
-    at::parallel_for(0, blocks, 1, [&](int64_t k0, int64_t k1) {
-      for (int64_t k = k0; k < k1; ++k)
-        bias_gelu_grad_rows(hp, bp, gptr, gpp, pp + k * H, k * kRowBlock, std::min(M, (k + 1) * kRowBlock), H);
-    });
-    auto gb = torch::zeros({H}, h.options());
-    float* gbp = gb.data_ptr<float>();
-    for (int64_t k = 0; k < blocks; ++k)  // fixed order, whatever the thread count
-      for (int64_t j = 0; j < H; ++j) gbp[j] += pp[k * H + j];
-    return {gp.mm(w), gp.t().mm(x), gb};
-  }
-};
 
 // ---------------------------------------------------------------------------------------------
 // adaLN modulation and gated residual. Each sample's rows are processed by one thread in a fixed
@@ -633,18 +509,6 @@ bool fused_attention_cpu_supported(const torch::Tensor& qkv) {
          qkv.size(1) == 3 && qkv.numel() > 0;
 }
 
-bool linear_gelu_cpu_supported(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b) {
-  return cpu_has_avx2_fma() && f32_cpu(x, 2) && f32_cpu(w, 2) && f32_cpu(b, 1) && x.size(1) == w.size(1) &&
-         b.size(0) == w.size(0) && x.size(0) > 0 && w.size(0) > 0;
-}
-
-torch::Tensor linear_gelu_cpu(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b) {
-  DDM_CHECK(linear_gelu_cpu_supported(x, w, b),
-            "linear_gelu_cpu: needs float32 CPU tensors x [M, K], w [H, K], b [H] and a CPU with AVX2 + FMA, got x "
-                << x.sizes() << ", w " << w.sizes() << ", b " << b.sizes());
-  return LinearGelu::apply(x, w, b);
-}
-
 bool adaln_modulate_cpu_supported(const torch::Tensor& x, const torch::Tensor& shift, const torch::Tensor& scale) {
   return cpu_has_avx2_fma() && f32_cpu(x, 3) && f32_cpu(shift, 2) && f32_cpu(scale, 2) && x.numel() > 0 &&
          shift.sizes() == scale.sizes() && shift.size(0) == x.size(0) && shift.size(1) == x.size(2);
@@ -684,7 +548,6 @@ torch::Tensor fused_attention_cpu(const torch::Tensor& qkv) {
 #else  // no x86-64 kernel on this platform
 
 bool fused_attention_cpu_supported(const torch::Tensor&) { return false; }
-bool linear_gelu_cpu_supported(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&) { return false; }
 
 bool adaln_modulate_cpu_supported(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&) { return false; }
 bool gated_residual_cpu_supported(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
@@ -699,10 +562,6 @@ torch::Tensor adaln_modulate_cpu(const torch::Tensor&, const torch::Tensor&, con
 torch::Tensor gated_residual_cpu(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
                                  const torch::Tensor&) {
   DDM_FAIL("gated_residual_cpu: not available on this platform (needs x86-64 with AVX2 + FMA)");
-}
-
-torch::Tensor linear_gelu_cpu(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&) {
-  DDM_FAIL("linear_gelu_cpu: not available on this platform (needs x86-64 with AVX2 + FMA)");
 }
 
 torch::Tensor fused_attention_cpu(const torch::Tensor&) {

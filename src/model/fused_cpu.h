@@ -14,15 +14,6 @@ bool fused_attention_cpu_supported(const torch::Tensor& qkv);
 // saved row log-sum-exp, as in FlashAttention. Precondition: fused_attention_cpu_supported(qkv).
 torch::Tensor fused_attention_cpu(const torch::Tensor& qkv);
 
-// True when linear_gelu_cpu() can run on these tensors and this CPU.
-bool linear_gelu_cpu_supported(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b);
-
-// gelu(x w^T + b), x [M, K], w [H, K], b [H] -> [M, H], with GELU = x Phi(x) and the bias add and
-// bias gradient folded into the GELU passes. Phi comes from Abramowitz and Stegun's erf
-// approximation 7.1.26 (absolute error below 1.5e-7, float32 resolution near 1).
-// Precondition: linear_gelu_cpu_supported(x, w, b).
-torch::Tensor linear_gelu_cpu(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b);
-
 // True when adaln_modulate_cpu() can run on these tensors and this CPU.
 bool adaln_modulate_cpu_supported(const torch::Tensor& x, const torch::Tensor& shift, const torch::Tensor& scale);
 

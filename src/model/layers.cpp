@@ -154,7 +154,7 @@ torch::Tensor DiTBlockImpl::forward(const torch::Tensor& x, const torch::Tensor&
   a = torch::mm(a.transpose(1, 2).reshape({B * N, W}), proj_->weight.t()).view({B, N, W});  // [B, N, W]
   auto out = gated_residual(x, m[2], a, proj_->bias);                  // [B, N, W]
   h = adaln_modulate(out, m[3], m[4], kDiTNormEps);                    // [B, N, W]
-  h = linear_gelu(h.view({B * N, W}), fc1_->weight, fc1_->bias);      // [B N, hidden]
+  h = torch::gelu(fc1_(h.view({B * N, W})));                          // [B N, hidden]
   h = torch::mm(h, fc2_->weight.t()).view({B, N, W});                  // [B, N, W]
   return gated_residual(out, m[5], h, fc2_->bias);                     // [B, N, W]
 }

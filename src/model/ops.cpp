@@ -25,11 +25,6 @@ torch::Tensor attention_qkv(const torch::Tensor& qkv) {
   return at::scaled_dot_product_attention(u[0], u[1], u[2]);              // [B, h, N, d]
 }
 
-torch::Tensor linear_gelu(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b) {
-  if (linear_gelu_cpu_supported(x, w, b)) return linear_gelu_cpu(x, w, b);  // [M, H]
-  return torch::gelu(torch::linear(x, w, b));                                // [M, H]
-}
-
 torch::Tensor adaln_modulate(const torch::Tensor& x, const torch::Tensor& shift, const torch::Tensor& scale,
                              double eps) {
   if (adaln_modulate_cpu_supported(x, shift, scale)) return adaln_modulate_cpu(x, shift, scale, eps);  // [B, N, W]

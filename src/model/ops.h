@@ -1,10 +1,10 @@
 // Model operations with more than one implementation: multi-head self-attention on packed q, k, v,
-// a linear layer followed by GELU, and DiT's adaLN modulation and gated residual. Each call picks the
+// and DiT's adaLN modulation and gated residual. Each call picks the
 // implementation that runs here:
 //   - attention: the fused kernel of fused_cpu.h for float32 CPU tensors on AVX2 + FMA CPUs (measured
 //     1.04x-1.31x faster than LibTorch 2.11's SDPA on this project's DiT presets, docs/results.md),
 //     else LibTorch's fused at::scaled_dot_product_attention (CUDA, other dtypes);
-//   - linear_gelu, adaln_modulate, gated_residual: the fused_cpu.h kernels for float32 CPU
+//   - adaln_modulate, gated_residual: the fused_cpu.h kernels for float32 CPU
 //     tensors on AVX2 + FMA CPUs, else the same expression in ATen ops.
 #pragma once
 #include <torch/torch.h>
@@ -18,9 +18,6 @@ torch::Tensor attention_qkv(const torch::Tensor& qkv);
 
 // The reference three-op form on separate q, k, v [B, heads, N, d]; used by tests and as fallback.
 torch::Tensor attention_reference(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v);
-
-// gelu(x w^T + b) with GELU = x Phi(x), the exact normal CDF; x [M, K], w [H, K], b [H] -> [M, H].
-torch::Tensor linear_gelu(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b);
 
 // LayerNorm(x) (no affine, epsilon eps) * (1 + scale) + shift; x [B, N, W], shift/scale [B, W].
 torch::Tensor adaln_modulate(const torch::Tensor& x, const torch::Tensor& shift, const torch::Tensor& scale,
