@@ -5,9 +5,11 @@
 //
 // usage: ddm_bench train PRESET [--batch 128] [--threads 2] [--steps 20] [--warmup 3]
 //        ddm_bench peak [--threads 2]
-//        ddm_bench sample PRESET [--n 256] [--nfe 50] [--threads 2]
+//        ddm_bench sample PRESET [--n 256] [--nfe 50] [--threads 2] [--steps 20] [--warmup 3]
+//          (n images from noise with the Euler sampler in one batch, no guidance; the best of --steps
+//           timed runs after --warmup untimed ones; bench/reference.py --sample is the same in PyTorch)
 //        ddm_bench ops PRESET [--batch 128] [--threads 2] [--steps 20] [--warmup 3]
-//          (attention, fc1 + GELU, and adaLN + proj + gated residual of one DiT block, forward +
+//          (attention, and adaLN + proj + gated residual of one DiT block, forward +
 //           backward: the fused CPU kernels against LibTorch's ops; attention also against
 //           LibTorch's fused scaled_dot_product_attention)
 //        ddm_bench optim PRESET [--threads 2] [--steps 20] [--warmup 3]
@@ -628,11 +630,12 @@ int main(int argc, char** argv) try {
     g.sample.steps = a.nfe;
     g.sample.cfg = 1.0;
     g.batch_size = a.n;
-    auto out = generate(den, 1, 28, g);
+    int64_t nfe = 0;
+    const double best = best_seconds([&] { nfe = generate(den, 1, 28, g).nfe; }, a.warmup, a.steps);
     std::printf("{\"impl\": \"cpp\", \"mode\": \"sample\", \"preset\": \"%s\", \"n\": %lld, \"nfe\": %lld, "
-                "\"threads\": %lld, \"seconds\": %.3f, \"img_per_s\": %.2f}\n",
-                a.preset.c_str(), static_cast<long long>(a.n), static_cast<long long>(out.nfe),
-                static_cast<long long>(a.threads), out.seconds, a.n / out.seconds);
+                "\"threads\": %lld, \"seconds\": %.4f, \"img_per_s\": %.2f}\n",
+                a.preset.c_str(), static_cast<long long>(a.n), static_cast<long long>(nfe),
+                static_cast<long long>(a.threads), best, a.n / best);
     return 0;
   }
   DDM_FAIL("unknown mode " << a.mode << " (train | peak | sample | ops | dp | timeline)");

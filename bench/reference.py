@@ -6,9 +6,14 @@ through F.scaled_dot_product_attention, AdamW (torch.optim's default implementat
 clipping, EMA. With --compile the model runs under torch.compile (inductor), and the time of the
 warm-up steps, which include compiling, is reported as compile_s.
 
+With --sample NFE it measures sampling instead, as `ddm_bench sample` does: --batch images from
+noise in one batch with the Euler sampler of flow matching (NFE steps from t = 1 to 0, no guidance),
+under torch.inference_mode(); the best of --steps timed runs after --warmup untimed ones.
+
 usage: python bench/reference.py PRESET --batch 128 --threads 2 --steps 20 --warmup 3 [--compile]
+         [--sample NFE] [--trace FILE]
 prints one JSON line: {"impl": "python" | "python-compile", "preset", "batch", "threads", "step_s",
-"img_per_s", "compile_s"}
+"img_per_s", "compile_s"} (with --sample: "mode": "sample", "nfe", "seconds" per batch)
 """
 import argparse
 import json
@@ -205,11 +210,15 @@ def main():
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--compile", action="store_true", help="torch.compile the model (inductor)")
+    ap.add_argument("--trace", help="write a profiler trace (Chrome JSON) of 3 steps after the warm-up")
+    ap.add_argument("--sample", type=int, metavar="NFE", help="measure Euler sampling with NFE steps instead")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
     cfg = PRESETS[a.preset]
     model = UNet(cfg) if cfg["arch"] == "unet" else DiT(cfg)
+    if a.sample:
+        return sample(a, model)
     ema = [p.detach().clone() for p in model.parameters()]
     run = torch.compile(model) if a.compile else model
     opt = torch.optim.AdamW(model.parameters(), lr=2e-4, weight_decay=0.0)
@@ -235,6 +244,11 @@ def main():
     for _ in range(max(a.warmup, 2 if a.compile else 0)):  # compiled: the forward and backward graphs
         step()
     compile_s = time.perf_counter() - t0 if a.compile else 0.0
+    if a.trace:  # as ddm_bench's DDM_BENCH_TRACE: 3 steps, for bench/op_profile.py
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            for _ in range(3):
+                step()
+        prof.export_chrome_trace(a.trace)
     times = []  # median step time, as ddm_bench reports: robust to bursts from other processes
     for _ in range(a.steps):
         t0 = time.perf_counter()
@@ -244,6 +258,33 @@ def main():
     print(json.dumps({"impl": "python-compile" if a.compile else "python", "preset": a.preset, "batch": a.batch, "threads": a.threads,
                       "params": sum(p.numel() for p in model.parameters()), "step_s": dt,
                       "img_per_s": a.batch / dt, "compile_s": compile_s}))
+
+
+def sample(a, model):
+    model.eval()
+    run = torch.compile(model) if a.compile else model
+    y = torch.arange(a.batch) % 10
+
+    @torch.inference_mode()
+    def generate():
+        x = torch.randn(a.batch, 1, 28, 28)
+        for i in range(a.sample):  # Euler on the flow-matching ODE, t from 1 (noise) to 0 (data)
+            t, t_next = 1 - i / a.sample, 1 - (i + 1) / a.sample
+            x = x + (t_next - t) * run(x, torch.full((a.batch,), t), y)
+        return x
+
+    t0 = time.perf_counter()
+    for _ in range(max(a.warmup, 1 if a.compile else 0)):
+        generate()
+    compile_s = time.perf_counter() - t0 if a.compile else 0.0
+    best = float("inf")
+    for _ in range(a.steps):
+        t0 = time.perf_counter()
+        generate()
+        best = min(best, time.perf_counter() - t0)
+    print(json.dumps({"impl": "python-compile" if a.compile else "python", "mode": "sample", "preset": a.preset,
+                      "batch": a.batch, "threads": a.threads, "nfe": a.sample, "seconds": best,
+                      "img_per_s": a.batch / best, "compile_s": compile_s}))
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@
 #include <vector>
 
 #include <ATen/Parallel.h>
+#include <ATen/record_function.h>
 #include <torch/torch.h>
 
 #include "core/error.h"
@@ -519,6 +520,7 @@ torch::Tensor adaln_modulate_cpu(const torch::Tensor& x, const torch::Tensor& sh
   DDM_CHECK(adaln_modulate_cpu_supported(x, shift, scale),
             "adaln_modulate_cpu: needs float32 CPU tensors x [B, N, W], shift and scale [B, W] and a CPU with AVX2 + "
             "FMA, got x " << x.sizes() << ", shift " << shift.sizes() << ", scale " << scale.sizes());
+  RECORD_FUNCTION("ddm::adaln_modulate", std::vector<c10::IValue>{x});  // named in profiles
   return AdaLN::apply(x, shift, scale, eps);
 }
 
@@ -535,6 +537,7 @@ torch::Tensor gated_residual_cpu(const torch::Tensor& x, const torch::Tensor& ga
             "gated_residual_cpu: needs float32 CPU tensors x and a [B, N, W], gate [B, W], bias [W] and a CPU with "
             "AVX2 + FMA, got x " << x.sizes() << ", gate " << gate.sizes() << ", a " << a.sizes() << ", bias "
                                  << bias.sizes());
+  RECORD_FUNCTION("ddm::gated_residual", std::vector<c10::IValue>{x});  // named in profiles
   return GatedResidual::apply(x, gate, a, bias);
 }
 
@@ -542,6 +545,7 @@ torch::Tensor fused_attention_cpu(const torch::Tensor& qkv) {
   DDM_CHECK(fused_attention_cpu_supported(qkv),
             "fused_attention_cpu: needs a float32 CPU tensor [B, 3, heads, N, d] and a CPU with AVX2 + FMA, got "
                 << qkv.scalar_type() << " " << qkv.sizes() << " on " << qkv.device());
+  RECORD_FUNCTION("ddm::fused_attention", std::vector<c10::IValue>{qkv});  // named in profiles
   return FusedAttention::apply(qkv).permute({0, 2, 1, 3});  // [B, N, H, d] -> [B, H, N, d]
 }
 

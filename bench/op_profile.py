@@ -1,0 +1,69 @@
+#!/usr/bin/env python3
+"""Where a training step's time goes, per op, side by side: reads Chrome-format traces (ddm_bench's
+DDM_BENCH_TRACE, LibTorch's profiler; reference.py --trace, PyTorch's) and prints each op's self
+time (its duration less that of the ops it called) per step, summed over threads.
+
+usage: bench/op_profile.py [--steps N] [--top K] NAME=TRACE.json [NAME=TRACE.json ...]
+       (each trace holds N steps, 3 by default: ddm_bench and reference.py record 3)
+"""
+import argparse
+import collections
+import json
+
+
+def self_times(path):
+    """{op name: total self time in ms} over every CPU op event of a trace."""
+    with open(path) as f:
+        data = json.load(f)
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    by_thread = collections.defaultdict(list)
+    for e in events:
+        if e.get("ph") != "X" or "dur" not in e:
+            continue
+        if isinstance(data, dict) and e.get("cat") not in ("cpu_op", "user_annotation", None):
+            continue  # PyTorch's traces also hold Python-function and runtime events
+        if e.get("cat") == "user_annotation" or e["name"].startswith("ProfilerStep"):
+            continue
+        by_thread[(e.get("pid"), e.get("tid"))].append((float(e["ts"]), float(e["dur"]), e["name"]))
+    out = collections.defaultdict(float)
+    for evs in by_thread.values():
+        evs.sort(key=lambda x: (x[0], -x[1]))  # parents before their children
+        stack = []  # [end, name, child time]
+        def close(until):
+            while stack and stack[-1][0] <= until:
+                end, name, dur, child = stack.pop()
+                out[name] += dur - child
+                if stack:
+                    stack[-1][3] += dur
+        for ts, dur, name in evs:
+            close(ts)
+            stack.append([ts + dur, name, dur, 0.0])
+        close(float("inf"))
+    return {k: v / 1000.0 for k, v in out.items()}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("traces", nargs="+", help="NAME=TRACE.json")
+    ap.add_argument("--steps", type=int, default=3, help="steps each trace holds")
+    ap.add_argument("--top", type=int, default=25, help="ops shown (by the largest time in any trace)")
+    a = ap.parse_args()
+    names, tables = [], []
+    for t in a.traces:
+        name, _, path = t.partition("=")
+        if not path:
+            ap.error(f"'{t}': expected NAME=TRACE.json")
+        names.append(name)
+        tables.append({k: v / a.steps for k, v in self_times(path).items()})
+    ops = sorted({k for t in tables for k in t}, key=lambda k: -max(t.get(k, 0.0) for t in tables))
+    print("| op (self time, ms per step) | " + " | ".join(names) + " |")
+    print("|---|" + "---|" * len(names))
+    for k in ops[: a.top]:
+        print(f"| {k} | " + " | ".join(f"{t.get(k, 0.0):.1f}" for t in tables) + " |")
+    rest = [sum(v for kk, v in t.items() if kk not in ops[: a.top]) for t in tables]
+    print("| (all other ops) | " + " | ".join(f"{r:.1f}" for r in rest) + " |")
+    print("| **sum of op self times** | " + " | ".join(f"**{sum(t.values()):.1f}**" for t in tables) + " |")
+
+
+if __name__ == "__main__":
+    main()
