@@ -36,7 +36,8 @@
 //           DiffusionPipe paper's "44% of the backbone's forward+backward" measure; a ControlNet
 //           (model.controlnet) also reports locked_decoder_ms, its frozen decoder's forward and
 //           input-gradients timed alone on the same batch, and frozen_grad_path_share = that / (forward + backward))
-// DDM_BENCH_TRACE=FILE with `train` writes a LibTorch profiler trace (Chrome JSON) of 3 steps.
+// DDM_BENCH_TRACE=FILE with `train` writes a LibTorch profiler trace (Chrome JSON) of 3 steps, with
+// `sample` of one sampling run (bench/op_profile.py sums either per op).
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -632,6 +633,10 @@ int main(int argc, char** argv) try {
     g.batch_size = a.n;
     int64_t nfe = 0;
     const double best = best_seconds([&] { nfe = generate(den, 1, 28, g).nfe; }, a.warmup, a.steps);
+    if (const char* trace = std::getenv("DDM_BENCH_TRACE")) {  // LibTorch profiler trace of one run
+      torch::autograd::profiler::RecordProfile guard(trace);
+      generate(den, 1, 28, g);
+    }
     std::printf("{\"impl\": \"cpp\", \"mode\": \"sample\", \"preset\": \"%s\", \"n\": %lld, \"nfe\": %lld, "
                 "\"threads\": %lld, \"seconds\": %.4f, \"img_per_s\": %.2f}\n",
                 a.preset.c_str(), static_cast<long long>(a.n), static_cast<long long>(nfe),

@@ -210,7 +210,7 @@ def main():
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--compile", action="store_true", help="torch.compile the model (inductor)")
-    ap.add_argument("--trace", help="write a profiler trace (Chrome JSON) of 3 steps after the warm-up")
+    ap.add_argument("--trace", help="write a profiler trace (Chrome JSON) of 3 steps after the warm-up (with --sample: of one run)")
     ap.add_argument("--sample", type=int, metavar="NFE", help="measure Euler sampling with NFE steps instead")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
@@ -282,6 +282,10 @@ def sample(a, model):
         t0 = time.perf_counter()
         generate()
         best = min(best, time.perf_counter() - t0)
+    if a.trace:  # one sampling run, as ddm_bench sample's DDM_BENCH_TRACE
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            generate()
+        prof.export_chrome_trace(a.trace)
     print(json.dumps({"impl": "python-compile" if a.compile else "python", "mode": "sample", "preset": a.preset,
                       "batch": a.batch, "threads": a.threads, "nfe": a.sample, "seconds": best,
                       "img_per_s": a.batch / best, "compile_s": compile_s}))
