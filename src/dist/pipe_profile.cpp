@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cmath>
 #include <fstream>
+#include <limits>
 #include <set>
 
 #include <nlohmann/json.hpp>
@@ -202,28 +203,38 @@ PipeProfile read_profile(const std::string& path) {
   }
   PipeProfile p;
   std::string where = "";
+  // Integers are checked before conversion: nlohmann's get<int64_t>() of a float such as 3e81 is
+  // undefined behaviour (found by fuzz_pipe_profile).
+  auto whole = [&](const nlohmann::json& v, int64_t lo = std::numeric_limits<int64_t>::min(),
+                   int64_t hi = std::numeric_limits<int64_t>::max()) {
+    DDM_CHECK(v.is_number_integer() && (v.is_number_unsigned() ? v.get<uint64_t>() <= static_cast<uint64_t>(hi)
+                                                                 : v.get<int64_t>() >= lo && v.get<int64_t>() <= hi),
+              path << ": key \"" << where << "\": " << v.dump() << " is not an integer in [" << lo << ", " << hi << "]");
+    return v.get<int64_t>();
+  };
+  const int64_t int_min = std::numeric_limits<int>::min(), int_max = std::numeric_limits<int>::max();
   try {
     DDM_CHECK(j.value("format", "") == "ddm pipeline profile 1",
               path << ": not a ddm pipeline profile (\"format\" should be \"ddm pipeline profile 1\")");
     where = "model", p.model = j.at("model").get<std::string>();
     where = "workload", p.workload = j.at("workload").get<std::string>();
     where = "machine", p.machine = j.at("machine").get<std::string>();
-    where = "threads", p.threads = j.at("threads").get<int>();
+    where = "threads", p.threads = static_cast<int>(whole(j.at("threads"), int_min, int_max));
     where = "optimizer_ms_per_mparam", p.optimizer_ms_per_mparam = j.at("optimizer_ms_per_mparam").get<double>();
     where = "self_cond", p.self_cond = j.at("self_cond").get<bool>();
     where = "x_bytes_per_row", p.x_bytes_per_row = j.at("x_bytes_per_row").get<double>();
     where = "units";
     for (const auto& u : j.at("units")) {
       PipeUnitProfile x;
-      x.name = u.at("name").get<std::string>(), x.params = u.at("params").get<int64_t>();
+      x.name = u.at("name").get<std::string>(), x.params = whole(u.at("params"));
       where = "units." + x.name;
       for (const auto& s : u.at("samples"))
-        x.samples.push_back({s.at("rows").get<int64_t>(), s.at("forward_ms").get<double>(), s.at("input_grad_ms").get<double>(),
+        x.samples.push_back({whole(s.at("rows")), s.at("forward_ms").get<double>(), s.at("input_grad_ms").get<double>(),
                              s.at("weight_grad_ms").get<double>(), s.at("forward_nograd_ms").get<double>(),
                              s.at("activation_bytes").get<double>(), s.at("cut_bytes").get<double>(),
                              s.value("weight_pass_ms", -1.0)});  // older profiles have none
       if (u.contains("skips"))  // older profiles have none: every open skip is planned as carried
-        for (const auto& k : u.at("skips")) x.skips.push_back({k.at("read_by").get<int>(), k.at("bytes_per_row").get<double>()});
+        for (const auto& k : u.at("skips")) x.skips.push_back({static_cast<int>(whole(k.at("read_by"), int_min, int_max)), k.at("bytes_per_row").get<double>()});
       DDM_CHECK(!x.samples.empty(), path << ": unit '" << x.name << "' has no samples");
       for (size_t i = 0; i < x.samples.size(); ++i)
         DDM_CHECK(x.samples[i].rows >= 1 && (i == 0 || x.samples[i].rows > x.samples[i - 1].rows),
@@ -237,7 +248,7 @@ PipeProfile read_profile(const std::string& path) {
       x.name = t.at("name").get<std::string>(), x.uses_weights = t.at("uses_weights").get<bool>();
       where = "tasks." + x.name;
       x.output_bytes_per_row = t.at("output_bytes_per_row").get<double>();
-      for (const auto& c : t.at("cost")) x.cost.push_back({c.at("rows").get<int64_t>(), c.at("ms").get<double>()});
+      for (const auto& c : t.at("cost")) x.cost.push_back({whole(c.at("rows")), c.at("ms").get<double>()});
       DDM_CHECK(!x.cost.empty(), path << ": task '" << x.name << "' has no (rows, ms) points");
       p.tasks.push_back(x);
       where = "tasks";

@@ -680,6 +680,18 @@ TEST(PipeProfile, RoundTripAndBadFiles) {
   ddm::test::write_text(dir / "skip.json", skips);
   const std::string k = error_message([&] { read_profile(dir / "skip.json"); });
   EXPECT_NE(k.find("unit 'u0': a skip's read_by must be a later unit's index"), std::string::npos) << k;
+  // A non-integer, or one out of range, where an integer belongs (3e81 as a count of rows was
+  // undefined behaviour in the conversion, found by the fuzzer).
+  for (const auto& [from, to] : std::vector<std::pair<std::string, std::string>>{
+           {"\"read_by\": 2", "\"read_by\": 3e81"}, {"\"read_by\": 2", "\"read_by\": 4294967298"},
+           {"\"rows\": 8", "\"rows\": 8.5"}}) {
+    std::string t = ddm::test::read_text(dir / "p.json");
+    ASSERT_NE(t.find(from), std::string::npos) << from;
+    t.replace(t.find(from), from.size(), to);
+    ddm::test::write_text(dir / "int.json", t);
+    const std::string m = error_message([&] { read_profile(dir / "int.json"); });
+    EXPECT_NE(m.find("is not an integer in ["), std::string::npos) << to << ": " << m;
+  }
   ddm::test::write_text(dir / "bad.json", "{\"format\": \"ddm pipeline profile 1\", \"model\": 3");
   EXPECT_NE(error_message([&] { read_profile(dir / "bad.json"); }).find("bad.json is not a JSON pipeline profile"), std::string::npos);
   std::string text = ddm::test::read_text(dir / "p.json");
