@@ -11,6 +11,7 @@
 #        PRESETS="dit-tiny dit-small" ...   a subset of the presets
 #        WHAT="train" | "sample" ...         one table only (default: both)
 #        COMPILE=0 ...                       no torch.compile runs (each compiles for a minute or so)
+#        PY_PRELOAD=libtcmalloc_minimal.so.4 ...  PyTorch on the allocator ddm links (LD_PRELOAD)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 threads=${1:-2}
@@ -21,6 +22,7 @@ batches=("$@")
 source scripts/torch-env.sh
 py=$venv/bin/python
 compile=${COMPILE:-1}
+pyrun=(env ${PY_PRELOAD:+LD_PRELOAD=$PY_PRELOAD} "$py")
 field() { $py -c "import json,sys; print(json.loads(sys.argv[1])['$2'])" "$1"; }
 minf() { $py -c "print(min($1, $2))"; }
 
@@ -51,12 +53,12 @@ for what in ${WHAT:-train sample}; do
       best_c=999; best_p=999; best_k=999; gf=0; ks=0
       for ((r = 0; r < rounds; r++)); do
         c=$("${ours[@]}")
-        p=$($py "${ref[@]}")
+        p=$("${pyrun[@]}" "${ref[@]}")
         best_c=$(minf "$best_c" "$(field "$c" $key)")
         best_p=$(minf "$best_p" "$(field "$p" $key)")
         [ "$what" = train ] && gf=$($py -c "print(max($gf, $(field "$c" train_gflops)))")
         if [ "$compile" = 1 ]; then
-          k=$($py "${ref[@]}" --compile)
+          k=$("${pyrun[@]}" "${ref[@]}" --compile)
           best_k=$(minf "$best_k" "$(field "$k" $key)")
           ks=$(field "$k" compile_s)  # the last round's: with inductor's cache warm after the first
         fi

@@ -3,11 +3,17 @@
 
 namespace ddm {
 
-// Keeps freed memory in the heap instead of returning it to the OS. A training step allocates and
-// frees the same large activation buffers every iteration; with glibc's defaults, buffers above
-// its (dynamic) mmap threshold are mapped and unmapped each time and every page faults on first
-// touch, which cost 10-15% of a DiT step here (measured in docs/results.md). Call once from main().
+// ddm's binaries run on tcmalloc (linked in, CMakeLists.txt: DDM_TCMALLOC), which keeps a step's
+// large buffers for the next step by itself; there this call changes nothing (tcmalloc ignores
+// mallopt). For a build on glibc's allocator (-DDDM_TCMALLOC=OFF) it keeps freed memory in the heap
+// instead of returning it to the OS after each step: blocks up to 32 MiB, glibc's largest mmap
+// threshold (larger ones are still mapped afresh each time; docs/results.md, "The allocator").
+// Call once from main().
 void configure_allocator();
+
+// Bytes the process's allocator has handed out and not taken back (tcmalloc's count; ASan's in the
+// sanitizer build; glibc's heap and mapped chunks in a build on glibc).
+double allocated_bytes();
 
 // Peak resident memory of this process so far, in MiB.
 double peak_rss_mib();

@@ -1,8 +1,6 @@
 // Profiling a backbone's units and reading/writing pipeline profiles; see pipe_profile.h.
 #include "dist/pipe_profile.h"
 
-#include <malloc.h>
-
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -15,6 +13,7 @@
 
 #include "core/error.h"
 #include "core/fileio.h"
+#include "core/runtime.h"
 #include "model/controlnet.h"
 
 namespace ddm {
@@ -27,12 +26,6 @@ double now_ms() {
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   return v.empty() ? 0 : v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
-}
-
-// Bytes glibc's allocator has handed out (heap and mmap'd chunks).
-double heap_in_use() {
-  const struct mallinfo2 m = mallinfo2();
-  return static_cast<double>(m.uordblks + m.hblkhd);
 }
 
 // A copy of the carry whose float tensors are fresh leaves that need gradients (the unit's inputs).
@@ -121,9 +114,9 @@ std::vector<PipeUnitProfile> profile_units(NetImpl& net, const ModelConfig& cfg,
         NetCarry k = u == 0 ? in[0] : leaf_copy(in[u], inputs);  // the first unit's inputs are data
         std::set<const void*> passed;  // tensors that only pass through (open skips it does not touch)
         for (const torch::Tensor& y : k.tensors()) passed.insert(y.unsafeGetTensorImpl());
-        const double heap0 = heap_in_use(), t0 = now_ms();
+        const double heap0 = allocated_bytes(), t0 = now_ms();
         units[u].run(k, t, c);
-        const double t1 = now_ms(), heap1 = heap_in_use();
+        const double t1 = now_ms(), heap1 = allocated_bytes();
         std::vector<torch::Tensor> outs, grads;
         for (const torch::Tensor& y : k.tensors())
           if (y.requires_grad() && !passed.count(y.unsafeGetTensorImpl())) outs.push_back(y), grads.push_back(torch::randn_like(y));

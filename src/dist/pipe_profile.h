@@ -4,7 +4,7 @@
 //          input-gradient time I (autograd of the unit's inputs alone), the weight-gradient time
 //          W = (full backward) - I, the time of autograd of its parameters alone (the runtime's W
 //          pass, a second walk back through the unit), the no-grad forward time (a self-conditioning pass), the bytes
-//          the forward keeps alive for the backward (glibc's heap in use after the forward, less
+//          the forward keeps alive for the backward (the allocator's bytes in use after the forward, less
 //          before, with the graph held), and the bytes live after the unit (what a cut there sends:
 //          h, the conditioning embedding, every open U-Net skip); its parameter count; and the skips
 //          it makes (model/net.h's skip_lives): the unit that reads each and its bytes per row, so

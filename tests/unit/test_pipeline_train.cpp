@@ -530,6 +530,9 @@ TEST(PipelineTrain, SkipsGoStraightToTheStageThatReadsThem) {
   // route from stage 0 to stage 2 of one [8, 8, 8] float32 skip per row (1 byte per time unit).
   PipeProfile profile;
   profile.units = profile_units(*net, job.cfg.model, {2}, 1);
+  double held = 0;  // what the forwards keep for the backward, as the allocator counts it
+  for (const PipeUnitProfile& u : profile.units) held += u.samples[0].activation_bytes;
+  EXPECT_GT(held, 0);
   PipePartition split;
   split.first = {0, static_cast<int>(cuts[0]), static_cast<int>(cuts[1]), static_cast<int>(names.size())};
   const PipeCosts costs = costs_of_partition(profile.units_at(2), split, PipeLink{1.0, 0.0});
