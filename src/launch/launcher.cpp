@@ -181,9 +181,14 @@ Outcome run_attempt(const LaunchConfig& c, int64_t attempt, const ChildSpec& bas
   Outcome out;
   bool stopping = false, killed = false;
   Clock::time_point kill_at{};
+  // A stopped worker (SIGSTOP, a debugger) cannot act on SIGTERM until it runs again: each signal
+  // that asks the workers to stop is followed by SIGCONT, so it acts at once, not after the grace.
   auto signal_running = [&](int sig) {
     for (auto& w : a.workers)
-      if (!w.exit) signal_group(w.child.pid, sig);
+      if (!w.exit) {
+        signal_group(w.child.pid, sig);
+        if (sig != SIGKILL) signal_group(w.child.pid, SIGCONT);
+      }
   };
   auto begin_stop = [&](int sig, Outcome why) {
     out = std::move(why);

@@ -265,6 +265,22 @@ TEST(Launch, KillsWorkersThatIgnoreSigtermAfterTheGracePeriod) {
   EXPECT_TRUE(ws.strays_after(5).empty());
 }
 
+// A stopped process cannot act on SIGTERM: the launcher continues the workers it stops (SIGCONT after
+// the SIGTERM), so a SIGSTOPped worker ends at once when another fails, not after the grace period.
+TEST(Launch, AStoppedWorkerEndsWithTheOthersNotAfterTheGracePeriod) {
+  Workspace ws;
+  const std::string worker = ws.script("worker.sh",
+                                       "if [ \"$RANK\" = 1 ]; then touch $D/stopping; kill -STOP $$; $D/sleep 100; fi\n"
+                                       "for i in $(seq 200); do [ -f $D/stopping ] && break; sleep 0.1; done\n"
+                                       "sleep 0.5\nexit 1\n");
+  const CommandResult r = run_command(ddm::test::ddm_binary() + " launch --nproc 2 --timeout 120 --grace 20 --no-ddm -- " +
+                                      worker);
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_TRUE(contains(r.output, "rank 0 (pid")) << r.output;
+  EXPECT_FALSE(contains(r.output, "sending SIGKILL")) << r.output;
+  EXPECT_TRUE(ws.strays_after(5).empty());
+}
+
 TEST(Launch, HostsTheStoreWhileWorkersRun) {
   if (!executable("/bin/bash")) GTEST_SKIP() << "needs /bin/bash (for /dev/tcp)";
   const CommandResult r = launch(
