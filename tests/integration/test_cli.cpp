@@ -2,13 +2,17 @@
 // value, and leaves what was already written intact. Also --help for every subcommand.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <limits>
+#include <sstream>
+#include <string>
+#include <vector>
 
 #include "core/fileio.h"
 #include "core/safetensors.h"
-#include "train/checkpoint.h"
 #include "test_util.h"
+#include "train/checkpoint.h"
 
 namespace fs = std::filesystem;
 using namespace ddm;
@@ -21,14 +25,40 @@ const char* kTiny =
 using test::expect_error;
 }  // namespace
 
+namespace {
+// The subcommands a --help lists (CLI11: "Subcommands:", then one "  name  description" line each).
+std::vector<std::string> listed_subcommands(const std::string& help) {
+  std::vector<std::string> names;
+  std::istringstream lines(help);
+  std::string line;
+  bool in = false;
+  while (std::getline(lines, line)) {
+    if (line == "Subcommands:") in = true;
+    else if (in && line.size() > 2 && line.compare(0, 2, "  ") == 0 && line[2] != ' ') names.push_back(line.substr(2, line.find(' ', 2) - 2));
+    else if (in && line.empty()) in = false;
+  }
+  return names;
+}
+}  // namespace
+
+// Every subcommand the binary registers (found by walking the --help tree, so a new one is covered
+// without touching this test) answers --help.
 TEST(Cli, HelpForEverySubcommand) {
-  for (const char* sub : {"", "train", "train-autoencoder", "sample", "quickstart", "presets", "eval", "train-classifier", "partition",
-                          "train-router", "ensemble", "distill",
-                          "islands", "islands run", "islands status", "islands slurm", "plan"}) {
-    auto r = test::run_ddm(std::string(sub) + " --help");
+  std::vector<std::string> todo{""}, seen;
+  while (!todo.empty()) {
+    const std::string sub = todo.back();
+    todo.pop_back();
+    auto r = test::run_ddm(sub + " --help");
     EXPECT_EQ(r.exit_code, 0) << sub << r.output;
     EXPECT_NE(r.output.find("Usage"), std::string::npos) << r.output;
+    seen.push_back(sub);
+    for (const std::string& name : listed_subcommands(r.output)) todo.push_back(sub.empty() ? name : sub + " " + name);
   }
+  // The walk found them all: the list as of this writing, every one of them.
+  for (const char* sub : {"train", "train-autoencoder", "sample", "quickstart", "presets", "eval", "train-classifier",
+                          "partition", "train-router", "ensemble", "distill", "islands", "islands run", "islands status",
+                          "islands slurm", "launch", "plan"})
+    EXPECT_NE(std::find(seen.begin(), seen.end(), sub), seen.end()) << sub << " was not listed by a --help";
   auto r = test::run_ddm("presets");
   EXPECT_EQ(r.exit_code, 0);
   EXPECT_NE(r.output.find("dit-tiny"), std::string::npos) << r.output;
