@@ -23,10 +23,12 @@
 #include <sys/resource.h>
 #include <unistd.h>
 
+#include "comm/env.h"
 #include "core/config.h"
 #include "core/error.h"
-#include "core/run_dir.h"
 #include "core/fileio.h"
+#include "core/presets.h"
+#include "core/run_dir.h"
 #include "core/runtime.h"
 #include "core/safetensors.h"
 #include "core/version.h"
@@ -34,19 +36,17 @@
 #include "data/dataset.h"
 #include "data/image_folder.h"
 #include "decentral/ensemble_dir.h"
+#include "decentral/train_run.h"
 #include "diffusion/generate.h"
 #include "eval/evaluate.h"
 #include "eval/feature_net.h"
 #include "eval/grid.h"
 #include "model/net.h"
-#include "core/presets.h"
+#include "model/router.h"
+#include "run/trainer.h"
 #include "train/autoencoder_report.h"
 #include "train/controlnet.h"
-#include "model/router.h"
-#include "decentral/train_run.h"
-#include "dist/env.h"
 #include "train/loaded_model.h"
-#include "train/trainer.h"
 
 namespace fs = std::filesystem;
 using namespace ddm;
@@ -645,7 +645,7 @@ int run(int argc, char** argv) {
   int64_t qs_steps = 0, qs_threads = 0;
   auto* qs_cmd = app.add_subcommand(
       "quickstart",
-      "Decentralized diffusion end to end on Fashion-MNIST, in about 12 minutes on 2 cores: partition the data "
+      "Decentralized diffusion end to end on Fashion-MNIST, in 12 to 20 minutes on 2 cores: partition the data "
       "into 4 clusters, train 4 small class-conditional experts in isolation (independent processes, a quarter of "
       "the batch each: together one model's budget) and a router, assemble the ensemble, and write a sample grid "
       "(top-1 routing, one row per class) to OUT/samples.png. Re-running continues an interrupted run. "

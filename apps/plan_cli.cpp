@@ -1,6 +1,6 @@
 // `ddm plan`: profile a training configuration's backbone units and frozen work on this machine
 // (or read a saved profile), search pipeline plans for a machine of --devices devices
-// (dist/pipe_plan.h), print them best first and draw the best one's timeline.
+// (pipeline/plan.h), print them best first and draw the best one's timeline.
 #include <CLI/CLI.hpp>
 
 #include <cstdio>
@@ -20,14 +20,15 @@
 #include "core/fileio.h"
 #include "core/run_dir.h"
 #include "decentral/train_run.h"
-#include "dist/pipe_picture.h"
-#include "dist/pipe_plan.h"
 #include "eval/grid.h"
+#include "pipeline/picture.h"
+#include "pipeline/plan.h"
+#include "pipeline/timeline.h"
+#include "pipeline/workload.h"
+#include "run/trainer.h"
 #include "train/controlnet.h"
 #include "train/embed.h"
 #include "train/latent.h"
-#include "train/pipe_workload.h"
-#include "train/trainer.h"
 
 namespace ddm {
 namespace {
@@ -113,87 +114,22 @@ PipeProfile measure(const PlanArgs& a, int64_t* batch) {
   return profile_workload(cfg, job.data, net, objective, rows, a.repeats, workload_of(cfg));
 }
 
-// A pipelined run's measured last step (RunDir::kPipeTimeline) as a timeline on one clock: each
-// stage's prepare phase as serial frozen work, then its actions (prepare pieces of a fill plan among
-// them); the optimizer (with the loss and norm all-reduce) per rank after the last action. With a fill
-// plan, also the run's own prediction, simulated from the costs it measured.
-struct Measured {
-  nlohmann::json record;
-  PipeTimeline timeline;
-  std::vector<double> optimizer;
-  std::optional<PipeTimeline> planned;  // the run's fill plan, when it used one
-  std::vector<double> planned_optimizer;
-};
-
-// [op, micro, start_ms, end_ms] (+ rows, in a bubble, task for a task piece "T"; runs before
-// 2026-11-25 wrote no task: the prepare phase's) on `rank`, shifted by `off`.
-PipeSlot slot_of(const nlohmann::json& e, int rank, double off) {
-  PipeAction a;
-  const std::string op = e.at(0);
-  a.op = op == "F" ? PipeOp::kForward : op == "B" ? PipeOp::kBackward : op == "I" ? PipeOp::kInputGrad
-       : op == "W" ? PipeOp::kWeightGrad : PipeOp::kTask;
-  DDM_CHECK(a.op != PipeOp::kTask || op == "T", "unknown action '" << op << "'");
-  a.stage = a.op == PipeOp::kTask ? -1 : e.size() > 4 ? e.at(4).get<int>() : rank, a.micro = e.at(1);  // [4]: a V rank's stage
-  if (a.op == PipeOp::kTask) a.task = e.size() > 6 ? e.at(6).get<int>() : 0, a.rows = e.at(4), a.serial = !e.at(5).get<bool>();
-  return {a, off + e.at(2).get<double>(), off + e.at(3).get<double>()};
-}
-
-Measured read_measured(const std::string& run) {
+// A pipelined run's measured last step (pipeline/timeline.h).
+MeasuredPipeTimeline read_measured(const std::string& run) {
   const std::string path = RunDir(run) / RunDir::kPipeTimeline;
   DDM_CHECK(std::filesystem::exists(path), "ddm plan --measured: " << path << " does not exist; it is written at the end of a `ddm train` "
                                                         "with parallel.pp > 1 (the run may not have finished a step)");
-  Measured m;
-  try {
-    m.record = nlohmann::json::parse(read_file(path));
-    DDM_CHECK(m.record.at("format") == "ddm pipeline timeline 1", "unknown format " << m.record.at("format"));
-    double t0 = std::numeric_limits<double>::infinity();
-    for (const auto& r : m.record.at("ranks")) t0 = std::min(t0, r.at("start_ms").get<double>());
-    for (const auto& r : m.record.at("ranks")) {
-      const double off = r.at("start_ms").get<double>() - t0;
-      std::vector<PipeSlot> slots;
-      const double prepared = r.at("prepared_ms");
-      if (prepared > 0.05) {  // a filled step's prepare phase only posts its receives
-        PipeAction prep;
-        prep.op = PipeOp::kTask, prep.task = 0, prep.serial = true, prep.stage = -1;
-        slots.push_back({prep, off, off + prepared});
-      }
-      for (const auto& e : r.at("events")) slots.push_back(slot_of(e, r.at("stage"), off));
-      m.timeline.makespan = std::max(m.timeline.makespan, off + r.at("actions_ms").get<double>());
-      m.optimizer.push_back(r.at("end_ms").get<double>() - r.at("synced_ms").get<double>());  // clip + AdamW + EMA
-      m.timeline.ranks.push_back(std::move(slots));
-    }
-    // The run's fill plan, when the step shown ran it (a run shorter than 4 steps shows a step before).
-    const nlohmann::json fill = m.record.value("fill", nlohmann::json());
-    if (fill.is_object() && fill.at("used").get<bool>() && m.record.at("ranks").at(0).value("filled", false)) {
-      PipeTimeline t;
-      for (size_t r = 0; r < fill.at("ranks").size(); ++r) {
-        t.ranks.emplace_back();
-        for (const auto& e : fill.at("ranks")[r]) {
-          t.ranks.back().push_back(slot_of(e, static_cast<int>(r), 0));
-          t.makespan = std::max(t.makespan, t.ranks.back().back().end);
-        }
-      }
-      t.iteration = fill.at("planned_ms");
-      m.planned = t;
-      m.planned_optimizer = fill.at("optimizer_ms").get<std::vector<double>>();
-    }
-  } catch (const nlohmann::json::exception& e) {
-    DDM_FAIL(path << " is not a pipeline timeline ddm wrote: " << e.what());
-  }
-  double opt = 0;
-  for (double o : m.optimizer) opt = std::max(opt, o);
-  m.timeline.iteration = m.timeline.makespan + opt;
-  return m;
+  return read_pipe_timeline(path);
 }
 
 // A saved profile compared with a measured run must be of the run's model (the same units, by name)
 // and machine (the same CPU and threads): another's predicts another step.
-void check_profile_fits_run(const PipeProfile& prof, const nlohmann::json& run, const std::string& profile_path,
+void check_profile_fits_run(const PipeProfile& prof, const PipeTimelineRun& run, const std::string& profile_path,
                             const std::string& run_dir) {
   const std::string fix = "; give a profile saved from this run's config on this machine (ddm plan --config ... "
                           "--save-profile), or leave out --profile to profile the run's config now";
-  if (run.contains("units")) {
-    const auto units = run.at("units").get<std::vector<std::string>>();
+  if (!run.units.empty()) {
+    const std::vector<std::string>& units = run.units;
     std::vector<std::string> names;
     for (const PipeUnitProfile& u : prof.units) names.push_back(u.name);
     size_t k = 0;
@@ -203,33 +139,31 @@ void check_profile_fits_run(const PipeProfile& prof, const nlohmann::json& run, 
                                   << units.size() << ", and unit " << k << " is '" << (k < names.size() ? names[k] : "-")
                                   << "' there but '" << (k < units.size() ? units[k] : "-") << "' in the run" << fix);
   }
-  const std::string threads = std::to_string(run.at("threads").get<int>());
-  DDM_CHECK(prof.threads == run.at("threads").get<int>(),
+  DDM_CHECK(prof.threads == run.threads,
             "ddm plan --measured: the profile " << profile_path << " was taken with " << prof.threads << " thread(s), the run "
-                                                << run_dir << " ran " << threads << " per process" << fix);
-  if (run.contains("machine")) {
-    const std::string cpu = run.at("machine").get<std::string>();
-    DDM_CHECK(prof.machine.rfind(cpu + ",", 0) == 0,
+                                                << run_dir << " ran " << run.threads << " per process" << fix);
+  if (!run.machine.empty()) {
+    DDM_CHECK(prof.machine.rfind(run.machine + ",", 0) == 0,
               "ddm plan --measured: the profile " << profile_path << " was taken on another machine (" << prof.machine
-                                                  << "), the run " << run_dir << " on " << cpu << fix);
+                                                  << "), the run " << run_dir << " on " << run.machine << fix);
   }
 }
 
 int run_plan(PlanArgs a) {
-  std::optional<Measured> measured;
+  std::optional<MeasuredPipeTimeline> measured;
   if (!a.measured.empty()) {
     measured = read_measured(a.measured);
-    const nlohmann::json& r = measured->record;
+    const PipeTimelineRun& r = measured->run;
     if (a.config.empty() && a.profile.empty()) a.config = RunDir(a.measured).config();  // profiled now
-    if (a.batch == 0) a.batch = r.at("micro").get<int64_t>() * r.at("rows").get<int64_t>();
-    a.devices = r.at("stages");
+    if (a.batch == 0) a.batch = r.micro * r.rows;
+    a.devices = r.stages;
     a.stages = {a.devices};
-    a.micro = {r.at("micro").get<int>()};
-    a.schedules = {r.at("schedule").get<std::string>()};
-    if (a.pipe_wire.empty()) a.pipe_wire = r.value("pipe_wire", "float32");  // runs before 2026-11-25 sent float32
+    a.micro = {r.micro};
+    a.schedules = {r.schedule};
+    if (a.pipe_wire.empty()) a.pipe_wire = r.pipe_wire;
     if (!a.config.empty()) {
-      a.sets.push_back("train.threads=" + std::to_string(r.at("threads").get<int>()));
-      if (a.rows.empty()) a.rows = {r.at("rows").get<int64_t>()};
+      a.sets.push_back("train.threads=" + std::to_string(r.threads));
+      if (a.rows.empty()) a.rows = {r.rows};
     }
   }
   DDM_CHECK(a.config.empty() != a.profile.empty(), "ddm plan: give --config (profile now) or --profile (a saved profile), not both");
@@ -239,7 +173,7 @@ int run_plan(PlanArgs a) {
   if (!a.profile.empty()) {
     DDM_CHECK(a.sets.empty() && a.rows.empty(), "ddm plan: --set and --rows apply to --config, not to a saved --profile");
     prof = read_profile(a.profile);
-    if (measured) check_profile_fits_run(prof, measured->record, a.profile, a.measured);
+    if (measured) check_profile_fits_run(prof, measured->run, a.profile, a.measured);
     DDM_CHECK(batch > 0, "ddm plan --profile: give the global batch with --batch");
   } else {
     prof = measure(a, &batch);
@@ -257,7 +191,7 @@ int run_plan(PlanArgs a) {
   m.activation_bytes = a.pipe_wire == "bfloat16" ? 0.5 : 1;
   PipePlanOptions o;
   o.batch = batch, o.stages = a.stages, o.micro = a.micro, o.schedules = a.schedules;
-  if (measured) o.first = measured->record.at("first_units").get<std::vector<int>>();
+  if (measured) o.first = measured->run.first_units;
   for (const std::string& s : o.schedules) make_schedule(s, 1, 1);  // a clear error for an unknown name
   const std::vector<PipePlan> plans = plan_pipeline(prof, m, o);
 
@@ -327,11 +261,11 @@ int run_plan(PlanArgs a) {
     const PipePlan& p = plans.front();
     const bool filled = measured->planned.has_value();
     const PipeTimeline& predicted = filled ? p.filled.timeline : p.serial;
-    const double step_ms = measured->record.at("step_ms");
+    const double step_ms = measured->run.step_ms;
     const char* how = filled ? "frozen work filled into the bubbles" : "frozen work serial";
     std::printf("\nmeasured %s: %.1f ms per step (mean of %lld steps), last step %.1f ms, bubbles %.1f%%\n"
                 "predicted from the profile (%s, as the run): %.1f ms, bubbles %.1f%%: %+.1f%% of the measured\n",
-                a.measured.c_str(), step_ms, static_cast<long long>(measured->record.at("steps_timed").get<int64_t>()),
+                a.measured.c_str(), step_ms, static_cast<long long>(measured->run.steps_timed),
                 measured->timeline.iteration, 100 * measured->timeline.bubble_fraction(), how, predicted.iteration,
                 100 * predicted.bubble_fraction(), 100 * (predicted.iteration - step_ms) / step_ms);
     if (filled)

@@ -53,27 +53,27 @@
 #include <time.h>
 #include <torch/torch.h>
 
+#include "comm/comm.h"
+#include "comm/env.h"
+#include "comm/grad_sync.h"
 #include "core/config.h"
 #include "core/error.h"
+#include "core/presets.h"
 #include "core/runtime.h"
+#include "decentral/train_run.h"
 #include "diffusion/generate.h"
-#include "dist/comm.h"
-#include "dist/env.h"
-#include "dist/grad_sync.h"
-#include "model/fused_cpu.h"
-#include "model/ops.h"
+#include "model/controlnet.h"
 #include "model/dit.h"
+#include "model/fused_cpu.h"
 #include "model/layers.h"
 #include "model/net.h"
-#include "core/presets.h"
-#include "decentral/train_run.h"
-#include "model/controlnet.h"
+#include "model/ops.h"
+#include "run/trainer.h"
 #include "train/controlnet.h"
 #include "train/embed.h"
 #include "train/latent.h"
 #include "train/optimizer.h"
 #include "train/step.h"
-#include "train/trainer.h"
 
 using namespace ddm;
 using Clock = std::chrono::steady_clock;

@@ -1,8 +1,8 @@
 // Fuzz target: a pipeline profile (`ddm plan --profile FILE`) -> read_profile, then the planner on
 // it for 2 devices, as `ddm plan` would use it.
-#include "dist/pipe_plan.h"
-#include "dist/pipe_profile.h"
 #include "fuzz_util.h"
+#include "pipeline/plan.h"
+#include "pipeline/profile.h"
 
 namespace {
 std::string g_path;

@@ -5,8 +5,8 @@
 
 #include "core/fileio.h"
 #include "core/safetensors.h"
-#include "train/checkpoint.h"
 #include "fuzz_util.h"
+#include "train/checkpoint.h"
 
 namespace {
 

@@ -191,7 +191,7 @@ put(fe, "fortran.npy", npy("<f4", "(2, 2)", f32(1, 2, 3, 4), fortran=True))
 put(fe, "int.npy", npy("<i8", "(1, 1)", i64(3)))
 put(fe, "short.npy", npy("<f4", "(3, 2)", f32(1, 2)))
 
-# ---- launcher environments (fuzz_dist_env): NAME=VALUE lines ----------------------------------
+# ---- launcher environments (fuzz_comm_env): NAME=VALUE lines ----------------------------------
 de = "dist_env"
 put(de, "torchrun", "RANK=1\nWORLD_SIZE=2\nLOCAL_RANK=1\nLOCAL_WORLD_SIZE=2\nMASTER_ADDR=127.0.0.1\nMASTER_PORT=29500\n"
     "TORCHELASTIC_RESTART_COUNT=1\nTORCHELASTIC_USE_AGENT_STORE=True\nTORCHELASTIC_RUN_ID=none\n")

@@ -56,6 +56,9 @@ CommandResult run_command(const std::string& cmd) {
 CommandResult run_ddm(const std::string& args) { return run_command(ddm_binary() + " " + args); }
 
 std::string ddm_binary() { return DDM_BINARY; }
+std::string helper_binary(const std::string& name) {
+  return std::filesystem::path(DDM_BINARY).parent_path() / name;
+}
 std::string source_dir() { return DDM_SOURCE_DIR; }
 std::string venv_torchrun() { return DDM_TORCHRUN; }
 std::string venv_python() { return DDM_TORCH_PYTHON; }

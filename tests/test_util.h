@@ -28,6 +28,7 @@ CommandResult run_ddm(const std::string& args);
 // an absolute path in every test file's command line would keep ccache from serving one clone's
 // objects to another.
 std::string ddm_binary();     // the ddm executable
+std::string helper_binary(const std::string& name);  // a program of tests/helpers/, built beside it
 std::string source_dir();     // the checkout
 std::string venv_torchrun();  // the torch venv's torchrun, "" when configured without one
 std::string venv_python();    // the torch venv's python, "" when configured without one

@@ -471,6 +471,18 @@ void validate(const RunConfig& c) {
   DDM_CHECK(s.n > 0, "sample.n must be > 0, got " << s.n);
 }
 
+std::string first_difference(const std::string& a, const std::string& b, const std::string& name_a,
+                             const std::string& name_b) {
+  std::istringstream sa(a), sb(b);
+  std::string la, lb, section;
+  while (true) {
+    const bool ga = static_cast<bool>(std::getline(sa, la)), gb = static_cast<bool>(std::getline(sb, lb));
+    if (!ga && !gb) return "";
+    if (ga && !la.empty() && la[0] == '[') section = la;
+    if (la != lb) return section + " " + la + "  (" + name_a + ")  vs  " + lb + "  (" + name_b + ")";
+  }
+}
+
 std::string to_toml(const RunConfig& cfg) {
   RunConfig copy = cfg;
   std::vector<Field> fs = fields(copy);

@@ -195,6 +195,11 @@ RunConfig load_config(const std::string& path, const std::vector<std::string>& o
 void validate(const RunConfig& cfg);
 // The complete resolved config as TOML text (every key, including defaults).
 std::string to_toml(const RunConfig& cfg);
+// The first line where two config texts (to_toml) differ, with its [section] and each side named
+// ("[train] steps = 10  (stored run)  vs  steps = 20  (now)"), or "" when they are equal.
+std::string first_difference(const std::string& a, const std::string& b, const std::string& name_a = "stored run",
+                             const std::string& name_b = "now");
+
 // All valid keys, "section.key", for help and error messages.
 std::vector<std::string> config_keys();
 

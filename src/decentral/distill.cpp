@@ -8,8 +8,8 @@
 #include <torch/torch.h>
 
 #include "core/error.h"
-#include "core/run_dir.h"
 #include "core/fileio.h"
+#include "core/run_dir.h"
 #include "decentral/ensemble_dir.h"
 #include "decentral/partition.h"
 #include "diffusion/path.h"

@@ -5,8 +5,8 @@
 #include <sstream>
 
 #include "core/error.h"
-#include "core/run_dir.h"
 #include "core/fileio.h"
+#include "core/run_dir.h"
 #include "core/version.h"
 #include "data/dataset.h"
 #include "decentral/partition.h"

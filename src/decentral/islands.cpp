@@ -27,8 +27,8 @@
 
 #include "core/config.h"
 #include "core/error.h"
-#include "core/run_dir.h"
 #include "core/fileio.h"
+#include "core/run_dir.h"
 #include "decentral/ensemble_dir.h"
 #include "decentral/partition.h"
 #include "decentral/train_run.h"

@@ -1,4 +1,4 @@
-// Preparing the runs of decentralized training for the generic trainer (train/trainer.h): an
+// Preparing the runs of decentralized training for the generic trainer (run/trainer.h): an
 // expert (one cluster of a partition, with its share of the budget), a router (every cluster, the
 // cluster as its label, a random hold-out) and a distilled student (the ensemble as teacher). Each
 // is a TrainJob whose records (expert.json, router.json, distill.json) pin what it was trained on.
@@ -10,8 +10,8 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
-#include "core/presets.h"
 #include "core/fileio.h"
+#include "core/presets.h"
 #include "core/run_dir.h"
 #include "decentral/distill.h"
 #include "decentral/partition.h"

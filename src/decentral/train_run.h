@@ -3,7 +3,7 @@
 // the generic trainer. This is what `ddm train`, `ddm train-router` and `ddm distill` call.
 #pragma once
 #include "core/config.h"
-#include "train/trainer.h"
+#include "run/trainer.h"
 
 namespace ddm {
 

@@ -11,9 +11,9 @@
 
 #include "core/error.h"
 #include "core/fileio.h"
+#include "core/progress.h"
 #include "core/rng.h"
 #include "core/safetensors.h"
-#include "core/progress.h"
 
 #ifndef DDM_ASSET_DIR
 #define DDM_ASSET_DIR "assets"

@@ -12,7 +12,6 @@
 #include "model/controlnet.h"
 #include "train/checkpoint.h"
 #include "train/optimizer.h"
-#include "train/trainer.h"
 
 namespace fs = std::filesystem;
 

@@ -12,7 +12,7 @@
 // step of the run every fragment synchronizes, without overlap and without mixing, so the run ends on
 // global weights.
 //
-// Faults (dist/elastic.h): a synchronization whose all-reduce fails (a replica died or hangs) is
+// Faults (comm/elastic.h): a synchronization whose all-reduce fails (a replica died or hangs) is
 // redone by the survivors in a new group, after waiting up to diloco.peer_wait for the missing;
 // the dead replica's pseudo-gradient is dropped for that round (the mean is over the replicas that
 // contributed). A restarted replica asks to join; it is admitted at the next synchronization, where
@@ -26,9 +26,9 @@
 
 #include <torch/types.h>
 
+#include "comm/comm.h"
+#include "comm/elastic.h"
 #include "core/config.h"
-#include "dist/comm.h"
-#include "dist/elastic.h"
 #include <functional>
 #include "train/checkpoint.h"
 #include "train/optimizer.h"

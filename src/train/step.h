@@ -16,11 +16,11 @@
 #include <memory>
 #include <vector>
 
+#include "comm/comm.h"
+#include "comm/grad_sync.h"
 #include "core/config.h"
 #include "data/dataset.h"
 #include "diffusion/objective.h"
-#include "dist/comm.h"
-#include "dist/grad_sync.h"
 #include "model/net.h"
 #include "train/optimizer.h"
 

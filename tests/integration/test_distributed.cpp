@@ -20,8 +20,8 @@
 #include <nlohmann/json.hpp>
 
 #include "core/config.h"
-#include "train/checkpoint.h"
 #include "test_util.h"
+#include "train/checkpoint.h"
 
 using namespace ddm;
 using test::run_command;

@@ -12,10 +12,10 @@
 #include <nlohmann/json.hpp>
 
 #include "core/config.h"
-#include "train/checkpoint.h"
 #include "decentral/train_run.h"
-#include "train/trainer.h"
+#include "run/trainer.h"
 #include "test_util.h"
+#include "train/checkpoint.h"
 
 namespace fs = std::filesystem;
 using namespace ddm;

@@ -20,12 +20,12 @@
 #include "diffusion/objective.h"
 #include "diffusion/sampler.h"
 #include "eval/feature_net.h"
-#include "model/dit.h"
-#include "train/embed.h"
-#include "train/step.h"
 #include "model/controlnet.h"
+#include "model/dit.h"
 #include "model/net.h"
 #include "model/unet.h"
+#include "train/embed.h"
+#include "train/step.h"
 
 namespace ddm {
 namespace {

@@ -5,9 +5,9 @@
 #include <filesystem>
 
 #include "core/config.h"
+#include "core/error.h"
 #include "core/presets.h"
 #include "decentral/islands.h"
-#include "core/error.h"
 #include "test_util.h"
 
 using namespace ddm;

@@ -1,4 +1,4 @@
-// src/dist: environment detection for every launcher (and every malformed variable), Slurm
+// src/comm: environment detection for every launcher (and every malformed variable), Slurm
 // hostlists, the Comm collectives and their error messages (ranks as threads on a shared HashStore,
 // plus real processes over TCP on 127.0.0.1), and GradSync's buckets, hooks and averaged gradients.
 #include <gtest/gtest.h>
@@ -12,10 +12,10 @@
 
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
+#include "comm/comm.h"
+#include "comm/elastic.h"
+#include "comm/env.h"
 #include "core/error.h"
-#include "dist/comm.h"
-#include "dist/elastic.h"
-#include "dist/env.h"
 #include "test_dist_util.h"
 #include "test_util.h"
 
@@ -391,29 +391,11 @@ TEST(DistComm, ClientWaitsForTheStoreOverTcp) {
   EXPECT_EQ(error1, "");
 }
 
-// The child of DistProcess.TwoProcessesOverTcp: rank 1, configured by the environment like a real
-// launch. Skipped when run on its own.
-TEST(DistProcess, ChildRank) {
-  if (!std::getenv("DDM_TEST_DIST_CHILD")) GTEST_SKIP() << "runs only as the child of TwoProcessesOverTcp";
-  alarm(60);  // never outlive a broken parent
-  try {
-    auto comm = Comm::create(detect_dist_env(), short_timeouts());
-    auto t = torch::full({3}, 2.0f);
-    comm->allreduce_sum(t);
-    if (!torch::equal(t, torch::full({3}, 3.0f))) _exit(2);
-    if (comm->all_gather_strings("child") != std::vector<std::string>{"parent", "child"}) _exit(3);
-    comm->check_same({{"k", "v"}}, "config");
-    comm->barrier();
-    pause();  // until the parent kills us
-  } catch (...) {
-    _exit(4);
-  }
-  _exit(5);
-}
-
+// Two real processes over TCP on 127.0.0.1: this one rank 0, a helper program rank 1, configured by
+// the environment like a real launch; then the helper is killed while an all-reduce waits for it.
 TEST(DistProcess, TwoProcessesOverTcp) {
   const int port = ddm::test::free_port();
-  std::vector<std::string> env_strings = {"DDM_TEST_DIST_CHILD=1", "RANK=1", "WORLD_SIZE=2", "MASTER_ADDR=127.0.0.1",
+  std::vector<std::string> env_strings = {"RANK=1", "WORLD_SIZE=2", "MASTER_ADDR=127.0.0.1",
                                           "MASTER_PORT=" + std::to_string(port)};
   std::vector<char*> envp;
   for (char** e = environ; *e; ++e) {
@@ -424,10 +406,10 @@ TEST(DistProcess, TwoProcessesOverTcp) {
   }
   for (auto& s : env_strings) envp.push_back(s.data());
   envp.push_back(nullptr);
-  std::string self = "/proc/self/exe", filter = "--gtest_filter=DistProcess.ChildRank";
-  char* argv[] = {self.data(), filter.data(), nullptr};
+  std::string helper = ddm::test::helper_binary("dist_child");  // rank 1 (tests/helpers/dist_child.cpp)
+  char* argv[] = {helper.data(), nullptr};
   pid_t child = -1;
-  ASSERT_EQ(posix_spawn(&child, "/proc/self/exe", nullptr, nullptr, argv, envp.data()), 0);
+  ASSERT_EQ(posix_spawn(&child, helper.c_str(), nullptr, nullptr, argv, envp.data()), 0) << helper;
   struct Reaper {  // no process is left behind, whatever happens below
     pid_t pid;
     int status = 0;
@@ -467,7 +449,7 @@ TEST(DistProcess, TwoProcessesOverTcp) {
       << msg;
 }
 
-// ElasticGroup (dist/elastic.h), ranks as threads: rank 2 leaves (its connections close), the
+// ElasticGroup (comm/elastic.h), ranks as threads: rank 2 leaves (its connections close), the
 // survivors' all-reduce fails, they regroup without it after peer_wait and their all-reduce works;
 // rank 2 comes back with only the store, asks to join, is admitted at a later round and the three
 // all-reduce again; once the job is marked finished a process asking to join is told so. And a

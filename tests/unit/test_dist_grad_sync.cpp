@@ -12,8 +12,8 @@
 
 #include <future>
 
+#include "comm/grad_sync.h"
 #include "core/error.h"
-#include "dist/grad_sync.h"
 #include "float_tolerance.h"
 #include "test_dist_util.h"
 #include "test_util.h"

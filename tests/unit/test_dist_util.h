@@ -1,4 +1,4 @@
-// Helpers for the src/dist tests: ranks as threads of this process, each with its own Comm on one
+// Helpers for the src/comm tests: ranks as threads of this process, each with its own Comm on one
 // shared c10d::HashStore (Gloo over loopback, no rendezvous port), and a free TCP port for the tests
 // that use real TCP stores.
 #pragma once
@@ -17,7 +17,7 @@
 
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 
-#include "dist/comm.h"
+#include "comm/comm.h"
 
 namespace ddm::test {
 

@@ -11,13 +11,13 @@
 #include <torch/torch.h>
 
 #include "core/error.h"
+#include "core/presets.h"
 #include "core/rng.h"
 #include "decentral/ensemble.h"
 #include "diffusion/generate.h"
 #include "diffusion/path.h"
 #include "exact_gaussian.h"
 #include "model/net.h"
-#include "core/presets.h"
 #include "model/router.h"
 #include "test_util.h"
 #include "train/step.h"

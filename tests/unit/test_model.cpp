@@ -11,18 +11,18 @@
 #include <torch/torch.h>
 
 #include "core/error.h"
-#include "grad_check.h"
+#include "core/presets.h"
 #include "core/rng.h"
-#include "model/fused_cpu.h"
-#include "model/ops.h"
+#include "float_tolerance.h"
+#include "grad_check.h"
 #include "model/dit.h"
 #include "model/flops.h"
+#include "model/fused_cpu.h"
 #include "model/layers.h"
 #include "model/net.h"
-#include "core/presets.h"
+#include "model/ops.h"
 #include "model/router.h"
 #include "model/unet.h"
-#include "float_tolerance.h"
 
 namespace ddm {
 namespace {

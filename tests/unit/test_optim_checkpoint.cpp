@@ -12,9 +12,9 @@
 #include "core/error.h"
 #include "diffusion/denoiser.h"
 #include "model/net.h"
+#include "test_util.h"
 #include "train/checkpoint.h"
 #include "train/optimizer.h"
-#include "test_util.h"
 
 using namespace ddm;
 using ddm::test::error_message;

@@ -13,15 +13,16 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
-#include "dist/pipe_fill.h"
-#include "dist/pipe_plan.h"
-#include "dist/pipe_profile.h"
-#include "dist/pipe_partition.h"
-#include "dist/pipe_schedule.h"
-#include "dist/pipe_simulate.h"
+#include "pipeline/calibrate.h"
+#include "pipeline/fill.h"
+#include "pipeline/partition.h"
+#include "pipeline/plan.h"
+#include "pipeline/prepare.h"
+#include "pipeline/profile.h"
+#include "pipeline/schedule.h"
+#include "pipeline/simulate.h"
+#include "pipeline/timeline.h"
 #include "test_util.h"
-#include "train/pipe_calibrate.h"
-#include "train/pipe_prepare.h"
 
 using namespace ddm;
 using ddm::test::error_message;
@@ -101,7 +102,7 @@ TEST(PipeSchedule, ShapesOfEachSchedule) {
       for (int M = 1; M <= 9; ++M) EXPECT_NO_THROW(validate_schedule(make_schedule(n, S, M))) << n << S << M;
 }
 
-// V-shaped placement: rank r runs stages r and 2R-1-r, in ZB-V's phases (pipe_schedule.cpp). 1F1B-V
+// V-shaped placement: rank r runs stages r and 2R-1-r, in ZB-V's phases (schedule.cpp). 1F1B-V
 // over 2 ranks: rank 0 warms up with 2R-1 = 3 forwards of stage 0, then pairs its last stage's F and
 // B; rank 1 alternates its two stages.
 TEST(PipeSchedule, VShapedPlacement) {
@@ -241,7 +242,7 @@ TEST(PipeSimulate, MessagesShareTheirLink) {
 
 // A split backward runs I and W as the runtime does: with split_input / split_weight set they are
 // I's and W's times, B stays input_grad + weight_grad. costs_of_partition sets them from the units
-// on stage 0 only (train/split_backward.h): I nothing, W the first unit with parameters' own pass and
+// on stage 0 only (pipeline/split_backward.h): I nothing, W the first unit with parameters' own pass and
 // the whole backward of every unit after it. Elsewhere I and W are the units' input and weight
 // gradients (the split is exact there).
 TEST(PipeSimulate, SplitBackwardAsTheRuntimeRunsIt) {
@@ -311,7 +312,7 @@ TEST(PipeTask, CostCurve) {
   EXPECT_DOUBLE_EQ(t.time(0), 0);
 }
 
-// The hand-worked example of pipe_fill.h's rounds: GPipe 2 x 2 as in HandWorkedGPipe, and a
+// The hand-worked example of fill.h's rounds: GPipe 2 x 2 as in HandWorkedGPipe, and a
 // cross-iteration encoder of 4 rows per micro-batch at 1 per row, runnable on any rank. Round 1
 // fills rank 1 [0,1] (1 row of m0), rank 0 [2,5] (3 rows of m0), rank 1 [7,9] (2 rows of m1); the
 // 2 rows left go to the front of rank 0 (2 units: makespan 11), and round 2 fills everything else
@@ -393,8 +394,6 @@ TEST(PipeFill, PropertiesOnRandomWorkloads) {
     for (int s = 0; s + 1 < S; ++s) c.send_forward.push_back(u(rng) / 4), c.send_backward.push_back(u(rng) / 4);
     for (int t = 0; t < 3; ++t) {
       PipeTask k = linear_task("t" + std::to_string(t), u(rng) / 8, 1 + trial % 5 * 3);
-      k.cost.insert(k.cost.begin(), {0, 0});
-      k.cost.erase(k.cost.begin());
       k.consumer = static_cast<int>(rng() % S), k.cross_iteration = t == 0, k.send = u(rng) / 4;
       if (t == 2) k.after = 1;
       if (t == 1) k.ranks = {static_cast<int>(rng() % S)};

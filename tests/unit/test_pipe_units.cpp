@@ -1,7 +1,7 @@
 // Backbones as units for pipeline stages: running every unit in order equals forward bit for bit
 // (U-Net with skips, DiT, ControlNet; labels, self-conditioning), every trainable parameter belongs
 // to exactly one unit, and gradients through a chain of units equal forward's. And a stage's
-// backward split into I and W (train/split_backward.h): the same gradients as one backward, the
+// backward split into I and W (pipeline/split_backward.h): the same gradients as one backward, the
 // input-gradient chain run once, a parameter read twice.
 #include <gtest/gtest.h>
 
@@ -13,8 +13,8 @@
 #include "core/presets.h"
 #include "model/controlnet.h"
 #include "model/net.h"
+#include "pipeline/split_backward.h"
 #include "test_util.h"
-#include "train/split_backward.h"
 
 using namespace ddm;
 

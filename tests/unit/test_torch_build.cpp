@@ -14,7 +14,7 @@
 #include <torch/version.h>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 
-#include "dist/comm.h"
+#include "comm/comm.h"
 
 namespace {
 std::string maps() {

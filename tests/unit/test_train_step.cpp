@@ -10,10 +10,10 @@
 #include "data/dataset.h"
 #include "diffusion/objective.h"
 #include "model/net.h"
+#include "test_util.h"
 #include "train/checkpoint.h"
 #include "train/optimizer.h"
 #include "train/step.h"
-#include "test_util.h"
 
 using namespace ddm;
 

@@ -11,10 +11,10 @@
 #include <nlohmann/json.hpp>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 
+#include "comm/comm.h"
 #include "core/config.h"
-#include "dist/comm.h"
+#include "run/trainer.h"
 #include "train/checkpoint.h"
-#include "train/trainer.h"
 
 namespace ddm::test {
 

@@ -1,0 +1,775 @@
+// A pipeline-parallel training step (see runtime.h).
+#include "pipeline/runtime.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <map>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
+#include <torch/autograd.h>
+
+#include "core/error.h"
+#include "core/safetensors.h"
+#include "pipeline/partition.h"
+
+namespace ddm {
+namespace {
+
+// A carry on the wire: a fixed-size int64 header (which of h / emb are present, the tensor count,
+// then each tensor's rank and sizes), then every tensor's float32 values in one flat message.
+constexpr int64_t kHeader = 128;
+// Per micro-batch: the carry and its gradient; self-conditioning's first pass (its carry, and the
+// last stage's output back to stage 0); each
+// direct skip slot i's value (kSkip + 2i) and gradient (kSkipGrad + 2i).
+enum Tag { kCarryHeader = 0, kCarryValues = 1, kGradient = 2, kFirstHeader = 3, kFirstValues = 4, kFirstOut = 5,
+           kSkip = 6, kSkipGrad = 7 };
+
+using Clock = std::chrono::steady_clock;
+constexpr int64_t kMeasuredStep = 2;  // the fill plan is made from the run's second step
+
+torch::Tensor flat_of(const std::vector<torch::Tensor>& ts) {
+  std::vector<torch::Tensor> flat;
+  for (const torch::Tensor& t : ts) flat.push_back(t.detach().reshape({-1}));
+  return torch::cat(flat).contiguous();  // float [sum of numel]
+}
+
+int64_t numel_of(const std::vector<int64_t>& shape) {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+int64_t numel_of(const std::vector<std::vector<int64_t>>& shapes) {
+  int64_t n = 0;
+  for (const auto& s : shapes) n += numel_of(s);
+  return n;
+}
+
+// Views of `flat` shaped like `shapes`, in order.
+// A carry header's entries (see send_carry): the shapes of the tensors it carries, and per entry
+// whether it carries one (false: a placeholder).
+std::vector<std::vector<int64_t>> header_shapes(const torch::Tensor& header, std::vector<bool>* present = nullptr) {
+  const auto* h = header.data_ptr<int64_t>();
+  std::vector<std::vector<int64_t>> shapes;
+  for (int64_t i = 0, at = 2; i < h[1]; ++i) {
+    if (present) present->push_back(h[at] >= 0);
+    if (h[at] >= 0) shapes.emplace_back(h + at + 1, h + at + 1 + h[at]);
+    at += h[at] >= 0 ? 1 + h[at] : 1;
+  }
+  return shapes;
+}
+
+std::vector<torch::Tensor> split_flat(const torch::Tensor& flat, const std::vector<std::vector<int64_t>>& shapes) {
+  std::vector<torch::Tensor> out;
+  int64_t at = 0;
+  for (const auto& s : shapes) {
+    out.push_back(flat.narrow(0, at, numel_of(s)).view(s));
+    at += numel_of(s);
+  }
+  return out;
+}
+
+}  // namespace
+
+std::vector<int> pipe_stage_bounds(NetImpl& net, const Prepared& sample, int stages,
+                                   const std::vector<int64_t>& cuts, bool v_shaped) {
+  const std::vector<NetUnit> units = net.units();
+  const int L = static_cast<int>(units.size());
+  DDM_CHECK(v_shaped || (stages >= 1 && stages <= L), "parallel.pp = " << stages << " stages, but the model has only " << L
+                                                         << " units to split (`ddm plan` lists them): use at most " << L);
+  DDM_CHECK(!v_shaped || stages <= L, "parallel.pp = " << stages / 2 << " V-shaped ranks run " << stages
+                                                       << " stages, but the model has only " << L
+                                                       << " units to split (`ddm plan` lists them): use at most " << L / 2);
+  if (!cuts.empty()) {
+    DDM_CHECK(static_cast<int>(cuts.size()) == stages - 1,
+              "parallel.cuts has " << cuts.size() << " entries for " << stages << " stages; it needs " << stages - 1);
+    std::vector<int> b{0};
+    for (int64_t c : cuts) {
+      DDM_CHECK(c > b.back() && c < L, "parallel.cuts = " << c << " is not a unit index in " << b.back() + 1 << ".."
+                                                          << L - 1 << " (the model has " << L
+                                                          << " units, each stage at least one)");
+      b.push_back(static_cast<int>(c));
+    }
+    b.push_back(L);
+    return b;
+  }
+  // Each unit's multiply-adds, estimated on one sample row as the larger of its parameters x the
+  // positions of its output (pixels or tokens: a convolution's or linear layer's work) and its
+  // output's size x its input's channels (the same for layers without trainable parameters, such as
+  // a ControlNet's locked decoder); attention's quadratic term aside.
+  torch::NoGradGuard no_grad;
+  std::vector<PipeUnit> costs;
+  NetCarry k{sample.xt.narrow(0, 0, 1), {}, {}};
+  const torch::Tensor t = sample.t.narrow(0, 0, 1);
+  Cond c = sample.cond;
+  auto channels = [](const torch::Tensor& h) { return static_cast<double>(h.dim() == 4 ? h.size(1) : h.size(-1)); };
+  for (const NetUnit& u : units) {
+    const double in_channels = channels(k.h);
+    u.run(k, t, c);
+    double params = 0;
+    for (const torch::Tensor& p : u.params) params += static_cast<double>(p.numel());
+    const torch::Tensor& h = k.h;
+    const double positions = h.dim() == 4 ? static_cast<double>(h.size(2) * h.size(3))
+                                          : h.dim() == 3 ? static_cast<double>(h.size(1)) : 1.0;
+    PipeUnit pu;
+    pu.name = u.name;
+    pu.forward = 1.0 + std::max(params * positions, static_cast<double>(h.numel()) * in_channels);
+    costs.push_back(pu);
+  }
+  const std::vector<int> ones(static_cast<size_t>(stages), 1);
+  const PipePartition p = v_shaped ? partition_units_v(costs, stages / 2, ones, std::numeric_limits<double>::infinity(), PipeLink{})
+                                   : partition_units(costs, stages, ones, std::numeric_limits<double>::infinity(), PipeLink{});
+  return p.first;
+}
+
+PipeStep::PipeStep(const RunConfig& cfg, Net net, std::shared_ptr<Objective> objective, std::shared_ptr<Comm> comm,
+                   std::vector<int> bounds, PipeSchedule schedule, std::shared_ptr<Comm> replicas,
+                   std::shared_ptr<Comm> world, PipeSkipRoutes routes)
+    : cfg_(cfg),
+      net_(std::move(net)),
+      objective_(std::move(objective)),
+      comm_(std::move(comm)),
+      replicas_(replicas && replicas->world_size() > 1 ? std::move(replicas) : nullptr),
+      world_(world ? std::move(world) : comm_),
+      bounds_(std::move(bounds)),
+      schedule_(std::move(schedule)),
+      routes_(std::move(routes)),
+      rank_(comm_->rank()) {
+  DDM_CHECK(objective_, "PipeStep needs an objective");
+  const int S = stages(), R = static_cast<int>(schedule_.ranks.size());
+  DDM_CHECK(R == comm_->world_size() && S == schedule_.stages,
+            "a pipeline of " << S << " stages under schedule '" << schedule_.name << "' needs " << R
+                             << " processes and a schedule of " << S << " stages (got " << comm_->world_size()
+                             << " processes, a schedule of " << schedule_.stages << ")");
+  validate_schedule(schedule_);
+  for (int v = 0; v < S; ++v)
+    if (rank_of(v) == rank_) {
+      Local& l = locals_.emplace_back();
+      l.stage = v;
+      l.direct_bytes.assign(static_cast<size_t>(S), 0);
+    }
+  if (routes_.in.empty()) routes_.in.assign(static_cast<size_t>(S), {});  // no routes: every skip carried
+  DDM_CHECK(static_cast<int>(routes_.in.size()) == S && (routes_.out.empty() || static_cast<int>(routes_.out.size()) == S - 1),
+            "pipeline: skip routes for " << routes_.in.size() << " stages, not " << S);
+  tags_ = kSkip + 2 * routes_.slots;
+  // Every trainable parameter of the whole model, by name, before the other stages' are frozen.
+  std::map<const void*, std::string> name_of;
+  for (const auto& p : net_->named_parameters()) {
+    if (!p.value().requires_grad()) continue;
+    name_of[p.value().unsafeGetTensorImpl()] = p.key();
+    all_names_.push_back(p.key());
+    all_shapes_.push_back(p.value().sizes().vec());
+  }
+  std::vector<NetUnit> all = net_->units();
+  DDM_CHECK(bounds_.front() == 0 && bounds_.back() == static_cast<int>(all.size()),
+            "pipeline stage bounds must cover units 0.." << all.size() - 1);
+  std::map<const void*, bool> mine;
+  needs_.assign(static_cast<size_t>(R), PrepNeeds{});  // per rank: what its stages read
+  needs_[static_cast<size_t>(rank_of(0))].xt = needs_[static_cast<size_t>(rank_of(S - 1))].target = true;
+  for (int u = 0; u < static_cast<int>(all.size()); ++u) {
+    unit_names_.push_back(all[static_cast<size_t>(u)].name);
+    const int owner = static_cast<int>(std::upper_bound(bounds_.begin(), bounds_.end(), u) - bounds_.begin()) - 1;
+    if (all[static_cast<size_t>(u)].reads_frozen) needs_[static_cast<size_t>(rank_of(owner))].frozen = true;
+    const bool here = rank_of(owner) == rank_;
+    for (const torch::Tensor& p : all[static_cast<size_t>(u)].params) mine[p.unsafeGetTensorImpl()] = here;
+    if (here) {
+      Local& l = local(owner);
+      for (const torch::Tensor& p : all[static_cast<size_t>(u)].params)
+        if (p.requires_grad()) l.params.push_back(p);
+      l.units.push_back(std::move(all[static_cast<size_t>(u)]));
+    }
+  }
+  for (auto& p : net_->parameters()) {
+    if (!p.requires_grad()) continue;
+    auto it = mine.find(p.unsafeGetTensorImpl());
+    DDM_CHECK(it != mine.end(), "parameter " << name_of[p.unsafeGetTensorImpl()] << " belongs to no unit of the model");
+    if (!it->second) {
+      p.set_requires_grad(false);  // another stage's: no gradient, no optimizer state here
+    }
+  }
+  const TrainConfig& tc = cfg_.train;
+  // A stage may hold no trainable parameter at all (a ControlNet's locked decoder): it still runs
+  // its units' forward and input gradients.
+  optim_ = std::make_unique<FlatAdamW>(*net_, AdamWOptions{tc.beta1, tc.beta2, tc.adam_eps, tc.weight_decay},
+                                       /*allow_empty=*/true);
+  DDM_CHECK(tc.grad_accum == schedule_.micro, "pipeline: train.grad_accum = " << tc.grad_accum << " for a schedule of "
+                                                                              << schedule_.micro << " micro-batches");
+  const int64_t replica_batch = tc.batch_size / (replicas_ ? replicas_->world_size() : 1);
+  DDM_CHECK(replica_batch % tc.grad_accum == 0,
+            "pipeline: a replica's batch of " << replica_batch << " does not split into " << tc.grad_accum << " micro-batches");
+  rows_ = replica_batch / tc.grad_accum;
+  objective_self_cond_ = tc.self_cond > 0;
+  bf16_wire_ = cfg_.parallel.pipe_wire == "bfloat16";
+  quantum_ = prepare_quantum(rows_);
+  if (replicas_) {
+    // Averaged during the stage's last backward (hooks enabled for it alone), as data parallelism
+    // with gradient accumulation does.
+    const ParallelConfig& par = cfg_.parallel;
+    GradSyncOptions so;
+    so.first_bucket_bytes = static_cast<int64_t>(par.first_bucket_mb * (1 << 20));
+    so.bucket_cap_bytes = static_cast<int64_t>(par.bucket_mb * (1 << 20));
+    so.fp16_wire = par.wire == "float16";
+    sync_ = std::make_shared<GradSync>(replicas_, optim_->params(), optim_->flat_grad(), so);
+    sync_->set_enabled(false);
+  }
+}
+
+void PipeStep::post_send(torch::Tensor t, int peer, int tag) {
+  sends_.emplace_back(comm_->send_async(t, peer, tag), t);
+}
+
+PipeStep::Local& PipeStep::local(int stage) {
+  for (Local& l : locals_)
+    if (l.stage == stage) return l;
+  DDM_FAIL("pipeline: stage " << stage << " does not run on rank " << rank_);
+}
+
+bool PipeStep::narrowed(const torch::Tensor& t) const { return bf16_wire_ && t.scalar_type() == torch::kFloat; }
+
+int64_t PipeStep::wire_bytes(const torch::Tensor& t) const {
+  return static_cast<int64_t>(t.nbytes()) / (narrowed(t) ? 2 : 1);
+}
+
+void PipeStep::send_to(torch::Tensor t, int to_stage, int tag) {
+  // Across processes a float tensor travels as bfloat16 with parallel.pipe_wire = bfloat16 (rounded
+  // to nearest); within one the mailbox hands it over as it is.
+  if (rank_of(to_stage) != rank_) return post_send(narrowed(t) ? t.to(torch::kBFloat16) : t, rank_of(to_stage), tag);
+  DDM_CHECK(mailbox_.emplace(tag, t.detach()).second, "pipeline: message " << tag << " sent twice within rank " << rank_);
+}
+
+PipeStep::Recv PipeStep::post_recv(torch::Tensor t, int from_stage, int tag) {
+  Recv r;
+  r.tensor = t, r.from = from_stage, r.tag = tag, r.local = rank_of(from_stage) == rank_;
+  if (r.local) return r;
+  r.wire = narrowed(t) ? torch::empty(t.sizes(), torch::kBFloat16) : t;
+  r.work = comm_->recv_async(r.wire, rank_of(from_stage), tag);
+  return r;
+}
+
+torch::Tensor PipeStep::wait_recv(Recv& r, const std::string& what) {
+  if (!r.local) {
+    comm_->wait(r.work, what);
+    if (r.wire.scalar_type() != r.tensor.scalar_type()) r.tensor.copy_(r.wire);  // bfloat16 -> float32, exact
+    return r.tensor;
+  }
+  auto it = mailbox_.find(r.tag);
+  // A stage here sends before a stage here receives: the schedule orders both on this rank.
+  DDM_CHECK(it != mailbox_.end(), "pipeline: rank " << rank_ << " waits for message " << r.tag << " from stage " << r.from
+                                                     << ", which this rank has not sent yet (" << what << ")");
+  DDM_CHECK(it->second.sizes() == r.tensor.sizes(), "pipeline: message " << r.tag << " within rank " << rank_ << " has shape "
+                                                                          << it->second.sizes() << ", expected " << r.tensor.sizes());
+  r.tensor = it->second;
+  mailbox_.erase(it);
+  return r.tensor;
+}
+
+void PipeStep::send_carry(Local& l, const NetCarry& k, int micro, bool first_pass, Micro* m) {
+  // The header lists h and emb (when defined), then every skip slot: -1 for a placeholder (a slot an
+  // earlier stage holds, or one this stage sends directly to its reader), else its dims and sizes.
+  const int s = l.stage;
+  const std::vector<int>* route = first_pass || routes_.out.empty() ? nullptr : &routes_.out[static_cast<size_t>(s)];
+  DDM_CHECK(!route || route->size() == k.skips.size(),
+            "pipeline: stage " << s << " sends " << k.skips.size() << " skips, its routes know " << route->size());
+  std::vector<torch::Tensor> carried;
+  auto header = torch::zeros({kHeader}, torch::kLong);
+  auto* h = header.data_ptr<int64_t>();
+  h[0] = (k.h.defined() ? 1 : 0) | (k.emb.defined() ? 2 : 0);
+  int64_t at = 2, entries = 0;
+  auto put = [&](const torch::Tensor& t) {
+    DDM_CHECK(at + 1 + (t.defined() ? t.dim() : 0) <= kHeader, "pipeline: the carry has too many tensors for its header");
+    ++entries;
+    if (!t.defined()) {
+      h[at++] = -1;
+      return;
+    }
+    DDM_CHECK(t.scalar_type() == torch::kFloat, "pipeline: a carried tensor is " << t.scalar_type() << ", not float");
+    h[at++] = t.dim();
+    for (int64_t d : t.sizes()) h[at++] = d;
+    carried.push_back(t);
+  };
+  for (const torch::Tensor& t : {k.h, k.emb})
+    if (t.defined()) put(t);
+  for (size_t i = 0; i < k.skips.size(); ++i) {
+    const int r = route ? (*route)[i] : PipeSkipRoutes::kCarried;
+    if (r == PipeSkipRoutes::kCarried) {
+      put(k.skips[i]);
+      continue;
+    }
+    put(torch::Tensor());
+    if (r >= 0) {  // straight to the stage that reads it
+      const torch::Tensor x = k.skips[i].contiguous();
+      if (rank_of(r) != rank_) l.direct_bytes[static_cast<size_t>(r)] = wire_bytes(x);
+      send_to(x, r, tag_of(s, micro, kSkip + 2 * static_cast<int>(i)));
+      if (m) m->direct_roots.push_back({x, r, static_cast<int>(i)});
+    }
+  }
+  h[1] = entries;
+  send_to(header, s + 1, tag_of(s, micro, first_pass ? kFirstHeader : kCarryHeader));
+  torch::Tensor values = flat_of(carried);
+  if (!first_pass) l.carry_bytes = rank_of(s + 1) != rank_ ? wire_bytes(values) : 0;
+  else if (rank_of(s + 1) != rank_) l.first_bytes += wire_bytes(values);
+  send_to(values, s + 1, tag_of(s, micro, first_pass ? kFirstValues : kCarryValues));
+  if (m) m->roots = carried;
+}
+
+void PipeStep::post_carry_receives(int micro_count) {
+  for (Local& l : locals_) {
+    l.posted.assign(static_cast<size_t>(micro_count), std::nullopt);
+    l.taken.assign(static_cast<size_t>(micro_count), false);
+    l.next_post = 0;
+    l.carry_shapes.clear();
+    if (l.stage == 0 || !l.carry_header.defined() || rank_of(l.stage - 1) == rank_) continue;
+    l.carry_shapes = header_shapes(l.carry_header);
+    // A window of S micro-batches ahead (every schedule's forwards run in micro-batch order): enough
+    // to keep the transfers ahead of the forwards, and at most S carry buffers held at once.
+    for (int m = 0; m < std::min(micro_count, stages()); ++m) post_next_carry(l);
+  }
+}
+
+void PipeStep::post_next_carry(Local& l) {
+  // A micro-batch whose carry was already received unposted (no schedule here does that) is skipped.
+  while (l.next_post < static_cast<int>(l.posted.size()) && l.taken[static_cast<size_t>(l.next_post)]) ++l.next_post;
+  if (l.carry_shapes.empty() || l.next_post >= static_cast<int>(l.posted.size())) return;
+  const int m = l.next_post++, prev = l.stage - 1;
+  PostedCarry& c = l.posted[static_cast<size_t>(m)].emplace();
+  c.header = post_recv(torch::zeros({kHeader}, torch::kLong), prev, tag_of(prev, m, kCarryHeader));
+  c.values = post_recv(torch::empty({numel_of(l.carry_shapes)}, torch::kFloat), prev, tag_of(prev, m, kCarryValues));
+  for (const PipeSkipRoutes::Direct& d : routes_.in[static_cast<size_t>(l.stage)])
+    c.direct.push_back(post_recv(torch::empty(direct_shape(d), torch::kFloat), d.from, tag_of(d.from, m, kSkip + 2 * d.slot)));
+}
+
+std::vector<int64_t> PipeStep::direct_shape(const PipeSkipRoutes::Direct& d) const {
+  std::vector<int64_t> shape{rows_};
+  shape.insert(shape.end(), d.row_shape.begin(), d.row_shape.end());
+  return shape;
+}
+
+std::optional<PipeStep::PostedCarry>* PipeStep::posted_for(Local& l, int micro) {
+  const bool has = micro < static_cast<int>(l.posted.size()) && l.posted[static_cast<size_t>(micro)];
+  return has ? &l.posted[static_cast<size_t>(micro)] : nullptr;
+}
+
+NetCarry PipeStep::recv_carry(Local& l, int micro, std::vector<torch::Tensor>& inputs, bool first_pass) {
+  const int prev = l.stage - 1;
+  const std::string what = "receive from stage " + std::to_string(prev);
+  std::optional<PostedCarry>* posted = first_pass ? nullptr : posted_for(l, micro);
+  Recv hr = posted ? (*posted)->header
+                   : post_recv(torch::zeros({kHeader}, torch::kLong), prev, tag_of(prev, micro, first_pass ? kFirstHeader : kCarryHeader));
+  const torch::Tensor header = wait_recv(hr, what);
+  DDM_CHECK(!posted || torch::equal(header, l.carry_header),
+            "pipeline: stage " << l.stage << " received a carry for micro-batch " << micro
+                               << " whose layout differs from the earlier micro-batches'");
+  if (!first_pass && !l.carry_header.defined()) l.carry_header = header.clone();
+  if (!first_pass && micro < static_cast<int>(l.taken.size())) l.taken[static_cast<size_t>(micro)] = true;
+  const auto* h = header.data_ptr<int64_t>();
+  std::vector<bool> present;
+  const std::vector<std::vector<int64_t>> shapes = header_shapes(header, &present);
+  Recv vr = posted ? (*posted)->values
+                   : post_recv(torch::empty({numel_of(shapes)}, torch::kFloat), prev, tag_of(prev, micro, first_pass ? kFirstValues : kCarryValues));
+  const torch::Tensor values = wait_recv(vr, what);
+  received_ = Clock::now();
+  inputs.clear();
+  for (torch::Tensor& t : split_flat(values, shapes)) inputs.push_back(first_pass ? t : t.requires_grad_(true));
+  NetCarry k;
+  size_t e = 0, i = 0;
+  if (h[0] & 1) ++e, k.h = inputs[i++];
+  if (h[0] & 2) ++e, k.emb = inputs[i++];
+  for (; e < present.size(); ++e) k.skips.push_back(present[e] ? inputs[i++] : torch::Tensor());
+  return k;
+}
+
+void PipeStep::forward(Local& l, int micro) {
+  Micro& m = l.micro[static_cast<size_t>(micro)];
+  Prepared& p = prep_[static_cast<size_t>(micro)];
+  const int s = l.stage;
+  NetCarry k;
+  if (s == 0) {
+    if (objective_self_cond_) take_estimate(micro);
+    k.h = p.xt;
+  } else {
+    k = recv_carry(l, micro, m.inputs);
+    std::optional<PostedCarry>* posted = posted_for(l, micro);
+    // The skips an earlier stage sends here directly, into their places.
+    const auto& direct = routes_.in[static_cast<size_t>(s)];
+    for (size_t j = 0; j < direct.size(); ++j) {
+      const PipeSkipRoutes::Direct& d = direct[j];
+      DDM_CHECK(d.slot < static_cast<int>(k.skips.size()) && !k.skips[static_cast<size_t>(d.slot)].defined(),
+                "pipeline: stage " << s << " expected skip " << d.slot << " from stage " << d.from << " in place of a placeholder");
+      Recv r = posted ? (*posted)->direct[j]
+                      : post_recv(torch::empty(direct_shape(d), torch::kFloat), d.from, tag_of(d.from, micro, kSkip + 2 * d.slot));
+      torch::Tensor x = wait_recv(r, "receive a skip from stage " + std::to_string(d.from));
+      received_ = Clock::now();
+      k.skips[static_cast<size_t>(d.slot)] = x.requires_grad_(true);
+      m.direct_inputs.push_back(x);
+    }
+    if (posted) {
+      posted->reset();     // its tensors live on as this micro-batch's inputs
+      post_next_carry(l);  // the window moves on
+    }
+  }
+  for (const NetUnit& u : l.units) u.run(k, p.t, p.cond);
+  if (last(s)) {
+    const torch::Tensor loss = objective_->loss(k.h, p);  // []
+    loss_sum_ += loss.item<double>();
+    m.roots = {scale_ == 1.0 ? loss : loss * scale_};
+  } else {
+    send_carry(l, k, micro, /*first_pass=*/false, &m);
+    // The gradients' receives, now: they arrive while this stage runs other micro-batches.
+    std::vector<std::vector<int64_t>> shapes;
+    for (const torch::Tensor& r : m.roots) shapes.push_back(r.sizes().vec());
+    m.grad_recvs.push_back(post_recv(torch::empty({numel_of(shapes)}, torch::kFloat), s + 1, tag_of(s, micro, kGradient)));
+    for (const DirectRoot& d : m.direct_roots)
+      m.grad_recvs.push_back(post_recv(torch::empty(d.tensor.sizes(), torch::kFloat), d.to, tag_of(s, micro, kSkipGrad + 2 * d.slot)));
+  }
+}
+
+void PipeStep::backward(Local& l, int micro, PipeOp op) {
+  Micro& m = l.micro[static_cast<size_t>(micro)];
+  const int s = l.stage;
+  if (!last(s) && !m.received) {
+    DDM_CHECK(m.grad_recvs.size() == 1 + m.direct_roots.size(), "pipeline: backward of micro-batch " << micro << " before its forward");
+    std::vector<std::vector<int64_t>> shapes;
+    for (const torch::Tensor& r : m.roots) shapes.push_back(r.sizes().vec());
+    m.grads = split_flat(wait_recv(m.grad_recvs[0], "receive a gradient from stage " + std::to_string(s + 1)), shapes);
+    for (size_t j = 0; j < m.direct_roots.size(); ++j)  // the gradients of the skips sent straight to their readers
+      m.grads.push_back(wait_recv(m.grad_recvs[1 + j], "receive a skip's gradient from stage " + std::to_string(m.direct_roots[j].to)));
+    m.grad_recvs.clear();
+    m.received = true;
+    received_ = Clock::now();
+  }
+  // Only what carries a gradient back: a carried tensor may depend on no trainable parameter at all
+  // (a ControlNet's locked features), and its received gradient then has nowhere to go.
+  std::vector<torch::Tensor> all_roots = m.roots, roots, grads;
+  for (const DirectRoot& d : m.direct_roots) all_roots.push_back(d.tensor);
+  for (size_t i = 0; i < all_roots.size(); ++i)
+    if (all_roots[i].requires_grad()) {
+      roots.push_back(all_roots[i]);
+      if (!m.grads.empty()) grads.push_back(m.grads[i]);
+    }
+  std::vector<torch::Tensor> inputs = m.inputs;
+  inputs.insert(inputs.end(), m.direct_inputs.begin(), m.direct_inputs.end());
+  // The inputs' gradients: the carry's to the previous stage in one message, each directly received
+  // skip's to the stage that sent it.
+  auto send_input_grads = [&](std::vector<torch::Tensor> g) {
+    for (size_t i = 0; i < g.size(); ++i)
+      if (!g[i].defined()) g[i] = torch::zeros_like(inputs[i]);  // an input no unit here read
+    const size_t n = m.inputs.size();
+    send_to(flat_of(std::vector<torch::Tensor>(g.begin(), g.begin() + static_cast<std::ptrdiff_t>(n))), s - 1,
+            tag_of(s - 1, micro, kGradient));
+    const auto& in = routes_.in[static_cast<size_t>(s)];
+    for (size_t j = 0; j < m.direct_inputs.size(); ++j)
+      send_to(g[n + j].contiguous(), in[j].from, tag_of(in[j].from, micro, kSkipGrad + 2 * in[j].slot));
+  };
+  // (A stage's graph starts at its inputs, leaves of their own: another stage here is out of its reach.)
+  if (op == PipeOp::kBackward) {
+    if (!roots.empty()) torch::autograd::backward(roots, grads);
+    if (s > 0) {
+      std::vector<torch::Tensor> g;
+      for (const torch::Tensor& in : inputs) g.push_back(in.grad());
+      send_input_grads(g);
+    }
+  } else if (op == PipeOp::kInputGrad) {  // no parameter's gradient: W computes those later from what I keeps
+    std::vector<torch::Tensor> g = m.split.input_grads(roots, grads, inputs, l.params);
+    if (s > 0) send_input_grads(std::move(g));
+    return;
+  } else {
+    m.split.weight_grads();
+  }
+  m = Micro{};  // the activations go
+}
+
+StepResult PipeStep::run(const std::vector<Batch>& micro, int64_t step, const std::vector<Batch>& next) {
+  const int M = static_cast<int>(micro.size());
+  DDM_CHECK(M == schedule_.micro, "pipeline: " << M << " micro-batches for a schedule of " << schedule_.micro);
+  DDM_CHECK(next.empty() || static_cast<int>(next.size()) == M,
+            "pipeline: the next step has " << next.size() << " micro-batches, not " << M);
+  for (const Batch& b : micro) DDM_CHECK(b.x.size(0) == rows_, "pipeline: a micro-batch of " << b.x.size(0) << " rows, not " << rows_);
+  times_.start = Clock::now();
+  const TrainConfig& tc = cfg_.train;
+  StepResult r;
+  r.lr = lr_at(tc, step);
+  optim_->zero_grad();
+  scale_ = 1.0 / M;
+  loss_sum_ = 0;
+  fill_news_ = false;
+  for (Local& l : locals_) l.micro.assign(static_cast<size_t>(M), Micro{});
+  prep_.assign(static_cast<size_t>(M), Prepared{});
+  mailbox_.clear();
+  const bool filling = plan_ && plan_->used;
+  post_carry_receives(M);  // before the prepare phase: the carries may arrive while it runs
+  prepare(micro, step, filling, !next.empty());
+  times_.prepared = times_.backward_start = Clock::now();
+  events_.clear();
+  auto ms = [&](Clock::time_point t) { return ms_since_start(t); };
+  const std::vector<PipeAction>& actions = (filling ? plan_->fill.schedule : schedule_).ranks[static_cast<size_t>(rank_)];
+  // The last action that accumulates weight gradients (B, or W for a split backward): the replicas'
+  // all-reduce starts from its hooks, bucket by bucket.
+  size_t last_weights = actions.size();
+  for (size_t i = 0; i < actions.size(); ++i)
+    if (actions[i].op == PipeOp::kBackward || actions[i].op == PipeOp::kWeightGrad) last_weights = i;
+  if (sync_) sync_->set_enabled(false);
+  // Self-conditioning's first passes: actions of the fill plan when it placed them (tasks 1 + s),
+  // else a sweep of every micro-batch through this process's stages after this step's serial
+  // prepare pieces (each stage's passes in micro-batch order, a V's earlier stage first).
+  if (objective_self_cond_) choose_first_pass_rows(micro, step);
+  for (Local& l : locals_) l.first_bytes = 0;
+  bool sweep_done = !objective_self_cond_ || filling;  // a fill plan holds every first pass, serial or not
+  for (size_t i = 0; i < actions.size(); ++i) {
+    const PipeAction& a = actions[i];
+    if (!sweep_done && !(a.op == PipeOp::kTask && a.task == 0 && a.serial)) {
+      for (Local& l : locals_)
+        for (int m = 0; m < M; ++m) first_pass(l, m, 0, rows_, filling, /*serial=*/true);
+      sweep_done = true;
+    }
+    // (Two stages here: the last action accumulates one stage's gradients alone; the replicas' sync
+    // then runs after every action, not overlapped.)
+    if (sync_ && i == last_weights && locals_.size() == 1) sync_->set_enabled(true);
+    const Clock::time_point t0 = Clock::now();
+    received_ = t0;  // a receive moves it on: the action's work starts once its input has arrived
+    if (a.op == PipeOp::kTask && a.task > 0) {
+      first_pass(local(a.task - 1), a.micro, pass_first_.at(i), a.rows, filling, a.serial);
+      continue;  // (it records its own event)
+    } else if (a.op == PipeOp::kTask) {
+      const size_t piece = static_cast<size_t>(piece_at_.at(i));
+      if (pieces_[piece].ahead && next.empty()) continue;  // the run's last step: no next step to prepare
+      run_piece(piece, micro, next, step);
+    } else {
+      Local& l = local(a.stage);
+      if (a.op == PipeOp::kForward) {
+        if (filling) complete(a.micro);
+        forward(l, a.micro);
+      } else {
+        backward(l, a.micro, a.op);
+      }
+    }
+    events_.push_back({a, ms(received_), ms(Clock::now())});
+  }
+  if (filling) {
+    for (Incoming& in : incoming_)
+      if (!in.done) receive(in);  // the next step's rows the other stages prepared
+    incoming_.clear();
+    if (!next.empty()) ahead_step_ = step + 1;
+  }
+  for (auto& [work, tensor] : sends_) comm_->wait(work, "send to a neighbouring stage");
+  sends_.clear();
+  if (sync_ && locals_.size() == 1) sync_->finish();  // the replicas' gradients averaged
+  if (sync_ && locals_.size() > 1) sync_->sync_now();
+  times_.backward_end = Clock::now();
+  // The loss (the mean of the replicas' last stages) and the squared gradient norm (a sum over the
+  // stages' disjoint parts, once: replica 0's; after the average every replica holds the same).
+  const double norm_here = optim_->grad_norm();
+  const double replicas = replicas_ ? replicas_->world_size() : 1;
+  auto sums = torch::tensor({rank_of(stages() - 1) == rank_ ? loss_sum_ * scale_ / replicas : 0.0,
+                             replica() == 0 ? norm_here * norm_here : 0.0},
+                            torch::kDouble);
+  world_->allreduce_sum(sums);
+  r.loss = sums[0].item<double>();
+  r.grad_norm = std::sqrt(sums[1].item<double>());
+  times_.synced = Clock::now();
+  optim_->clip_grad_norm(tc.grad_clip, r.grad_norm);
+  times_.clipped = times_.end = Clock::now();
+  if (!std::isfinite(r.loss) || !std::isfinite(r.grad_norm)) {
+    r.finite = false;
+    return r;
+  }
+  const double n = static_cast<double>(optim_->step_count() + 1);
+  optim_->step(r.lr, std::min(tc.ema_decay, (1.0 + n) / (10.0 + n)));
+  times_.end = Clock::now();
+  if (!filling || !next.empty())
+    shown_times_ = times_, shown_events_ = events_, shown_step_ = step + 1, shown_filled_ = filling;
+  // The plan is made from the second step (the first warms up), by every stage at once.
+  if (++steps_run_ == kMeasuredStep && cfg_.parallel.fill && !plan_) measure_and_plan();
+  return r;
+}
+
+void PipeStep::choose_first_pass_rows(const std::vector<Batch>& micro, int64_t step) {
+  first_.assign(micro.size(), FirstPass{});
+  for (size_t m = 0; m < micro.size(); ++m) {  // alike on every stage
+    FirstPass& f = first_[m];
+    f.idx = objective_->self_cond_rows(micro[m].first, rows_, step);
+    const auto* idx = f.idx.data_ptr<int64_t>();
+    const int64_t n = f.idx.numel();
+    f.bound.assign(1, 0);
+    for (int64_t q = quantum_; q <= rows_; q += quantum_) {
+      int64_t j = f.bound.back();
+      while (j < n && idx[j] < q) ++j;
+      f.bound.push_back(j);
+    }
+    f.stage.assign(static_cast<size_t>(stages()), StagePass{});
+  }
+}
+
+namespace {
+// Rows [from, to) of every tensor of a carry (a placeholder stays one).
+NetCarry carry_rows(const NetCarry& k, int64_t from, int64_t to) {
+  auto rows = [&](const torch::Tensor& t) { return t.defined() ? t.slice(0, from, to) : t; };
+  NetCarry r;
+  r.h = rows(k.h), r.emb = rows(k.emb);
+  for (const torch::Tensor& t : k.skips) r.skips.push_back(rows(t));
+  return r;
+}
+
+// The quanta's carries joined row-wise, in order (each has the same tensors).
+NetCarry concat_carries(const std::vector<NetCarry>& parts) {
+  auto cat = [&](auto get) {
+    std::vector<torch::Tensor> ts;
+    for (const NetCarry& k : parts) ts.push_back(get(k));
+    return ts.front().defined() ? torch::cat(ts) : torch::Tensor();
+  };
+  NetCarry r;
+  r.h = cat([](const NetCarry& k) { return k.h; });
+  r.emb = cat([](const NetCarry& k) { return k.emb; });
+  for (size_t i = 0; i < parts.front().skips.size(); ++i) r.skips.push_back(cat([&](const NetCarry& k) { return k.skips.at(i); }));
+  return r;
+}
+}  // namespace
+
+void PipeStep::first_pass(Local& l, int m, int64_t first, int64_t rows, bool filling, bool serial) {
+  // Self-conditioning (train.self_cond): the chosen rows of micro-batch m's positions [first,
+  // first + rows) through stage l without gradients, with this step's weights, a quantum of
+  // positions at a time. Once all of them ran, the stage sends their carry on as one message; the
+  // last stage's output goes back to stage 0, which turns it into the x0 estimate its forward feeds
+  // in (take_estimate).
+  torch::NoGradGuard no_grad;
+  const int S = stages();
+  received_ = Clock::now();
+  if (filling) complete(m);
+  const Prepared& p = prep_[static_cast<size_t>(m)];
+  FirstPass& f = first_.at(static_cast<size_t>(m));
+  StagePass& sp = f.stage.at(static_cast<size_t>(l.stage));
+  DDM_CHECK(first == sp.done && first % quantum_ == 0 && rows % quantum_ == 0 && first + rows <= rows_,
+            "pipeline: stage " << l.stage << "'s first-pass piece of micro-batch " << m << " covers rows [" << first << ", "
+                               << first + rows << "), expected whole quanta of " << quantum_ << " from row " << sp.done);
+  const int64_t chosen = f.idx.numel();
+  if (chosen > 0 && l.stage > 0 && !sp.received) {
+    std::vector<torch::Tensor> inputs;
+    sp.in = recv_carry(l, m, inputs, /*first_pass=*/true);  // all b' rows
+    sp.received = true;
+  }
+  for (int64_t q = first / quantum_; q < (first + rows) / quantum_ && chosen > 0; ++q) {
+    const int64_t lo = f.bound[static_cast<size_t>(q)], hi = f.bound[static_cast<size_t>(q) + 1];
+    if (lo == hi) continue;
+    const torch::Tensor idx = f.idx.slice(0, lo, hi);  // [n] of this quantum's positions
+    Cond c = p.cond.select(idx);
+    NetCarry k;
+    if (l.stage == 0) {
+      k.h = p.xt.index_select(0, idx);      // [n, C, H, W]
+      c.self_cond = torch::zeros_like(k.h);  // the first pass has no estimate
+    } else {
+      k = carry_rows(sp.in, lo, hi);
+    }
+    const torch::Tensor t = p.t.index_select(0, idx);  // [n]
+    for (const NetUnit& u : l.units) u.run(k, t, c);
+    sp.out.push_back(std::move(k));
+  }
+  sp.done += rows;
+  if (sp.done == rows_ && chosen > 0) {  // every piece ran: the b' rows go on as one message
+    const NetCarry k = concat_carries(sp.out);
+    sp.in = NetCarry{}, sp.out.clear();  // (held no longer than needed)
+    if (!last(l.stage)) {
+      send_carry(l, k, m, /*first_pass=*/true);
+    } else {
+      const torch::Tensor out = k.h.contiguous();  // the model's output [b', C, H, W]
+      if (rank_of(0) != rank_) l.first_bytes += wire_bytes(out);
+      send_to(out, 0, tag_of(S - 1, m, kFirstOut));
+    }
+    if (l.stage == 0) {
+      f.x = p.xt.index_select(0, f.idx);  // [b', C, H, W]
+      f.t = p.t.index_select(0, f.idx);   // [b']
+      f.out = post_recv(torch::empty_like(f.x), S - 1, tag_of(S - 1, m, kFirstOut));
+    }
+  }
+  PipeAction a;
+  a.op = PipeOp::kTask, a.stage = -1, a.micro = m, a.task = 1 + l.stage, a.rows = rows, a.serial = serial;
+  events_.push_back({a, ms_since_start(received_), ms_since_start(Clock::now())});
+}
+
+void PipeStep::take_estimate(int micro) {
+  Prepared& p = prep_[static_cast<size_t>(micro)];
+  FirstPass& f = first_.at(static_cast<size_t>(micro));
+  p.cond.self_cond = torch::zeros_like(p.xt);  // [B, C, H, W]
+  if (f.idx.numel() == 0) return;
+  const torch::Tensor out = wait_recv(f.out, "receive the first pass's output from stage " + std::to_string(stages() - 1));
+  received_ = Clock::now();
+  torch::NoGradGuard no_grad;
+  p.cond.self_cond.index_copy_(0, f.idx, objective_->self_cond_estimate(f.x, f.t, out));
+}
+
+double PipeStep::ms_since_start(Clock::time_point t) const {
+  return std::chrono::duration<double, std::milli>(t - times_.start).count();
+}
+
+int PipeStep::tag_of(int cut, int micro, int kind) const { return (cut * schedule_.micro + micro) * tags_ + kind; }
+
+int PipeStep::piece_tag(size_t piece, int part) const {
+  return tags_ * schedule_.micro * stages() + 2 * static_cast<int>(piece) + part;  // after every micro-batch's tags
+}
+
+std::string PipeStep::last_step_json() const {
+  auto ms = [&](Clock::time_point t) { return std::chrono::duration<double, std::milli>(t - shown_times_.start).count(); };
+  PipeTimelineRank r;
+  r.stage = rank_;
+  r.step = shown_step_;
+  r.filled = shown_filled_;
+  r.start_ms = std::chrono::duration<double, std::milli>(shown_times_.start.time_since_epoch()).count();
+  r.prepared_ms = ms(shown_times_.prepared);
+  r.actions_ms = ms(shown_times_.backward_end);
+  r.synced_ms = ms(shown_times_.synced);
+  r.end_ms = ms(shown_times_.end);
+  for (const PipeEvent& e : shown_events_) r.events.push_back({e.action, e.start_ms, e.end_ms});
+  r.with_stage = schedule_.several_per_rank();
+  return timeline_rank_json(r);
+}
+
+TensorMap PipeStep::assemble(const TensorMap& mine, const std::string& prefix) {
+  torch::NoGradGuard no_grad;
+  auto flat = torch::zeros({numel_of(all_shapes_)}, torch::kFloat);
+  std::vector<torch::Tensor> views = split_flat(flat, all_shapes_);
+  for (size_t i = 0; i < all_names_.size(); ++i) {
+    auto it = mine.find(prefix + all_names_[i]);
+    if (it != mine.end()) views[i].copy_(it->second);
+  }
+  comm_->allreduce_sum(flat);
+  TensorMap out;
+  for (size_t i = 0; i < all_names_.size(); ++i) out[prefix + all_names_[i]] = views[i];
+  return out;
+}
+
+TensorMap PipeStep::share(const TensorMap& whole, const std::string& prefix, const std::string& origin) {
+  torch::NoGradGuard no_grad;
+  auto flat = torch::zeros({numel_of(all_shapes_)}, torch::kFloat);
+  std::vector<torch::Tensor> views = split_flat(flat, all_shapes_);
+  std::string error;  // stage 0's: every stage learns of it before the broadcast, so none is left waiting
+  if (comm_->rank() == 0) {
+    for (size_t i = 0; i < all_names_.size() && error.empty(); ++i) {
+      auto it = whole.find(prefix + all_names_[i]);
+      if (it == whole.end() || it->second.sizes().vec() != all_shapes_[i]) {
+        std::ostringstream os;
+        os << origin << " has no tensor '" << prefix << all_names_[i] << "' of shape "
+           << at::IntArrayRef(all_shapes_[i]) << ": it belongs to a different model";
+        error = os.str();
+      } else {
+        views[i].copy_(it->second);
+      }
+    }
+  }
+  if (comm_->max_int(error.empty() ? 0 : 1) != 0) {
+    DDM_CHECK(error.empty(), error);
+    DDM_FAIL("stage 0 could not load " << origin << " (its message says why)");
+  }
+  comm_->broadcast(flat, 0);
+  TensorMap out;
+  for (size_t i = 0; i < all_names_.size(); ++i) out[prefix + all_names_[i]] = views[i];
+  return out;
+}
+
+void PipeStep::share_with_replicas() {
+  if (!replicas_) return;
+  torch::NoGradGuard no_grad;
+  for (torch::Tensor t : optim_->state_buffers()) replicas_->broadcast(t, 0);
+}
+
+}  // namespace ddm

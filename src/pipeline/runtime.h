@@ -1,0 +1,311 @@
+// A pipeline-parallel training step (docs/pipeline.md): this process runs one stage, a contiguous
+// run of the backbone's units (NetImpl::units, model/net.h), of a pipeline of S processes, driven by
+// a schedule (pipeline/schedule.h: GPipe, 1F1B, ZB-H1) over the step's M micro-batches. Under a
+// V-shaped schedule (1F1B-V, ZB-V) each of R processes runs two of the 2R stages, r and 2R-1-r, in
+// the order of its action list; what the two pass each other (the carry at the V's turn, a skip
+// made and read on one rank, their gradients) goes through a mailbox in the process, not the group.
+// With replicas, V-shaped placement's gradient sync runs after the last action instead of
+// overlapping it.
+//   prepare  the objective's prepare (x_t, t, conditioning, target; the frozen work: a latent
+//            encoder, a ControlNet's locked encoder) in quanta of rows (pipeline/prepare.h). Without
+//            a fill plan every stage prepares every micro-batch itself before the pipeline starts
+//            (its draws are keyed by sample position, so every stage gets the same). With one
+//            (parallel.fill, planned after the run's first two steps from their measurements,
+//            pipeline/calibrate.h), the prepare work is task pieces in the schedule: a piece in a
+//            bubble prepares rows of the *next* step's micro-batch, a serial piece rows of this
+//            step's; its rank sends each other stage what that stage reads of them
+//   first    with train.self_cond: the rows each micro-batch chooses pass through every stage without
+//            gradients (this step's weights), the last stage's output goes back to stage 0, whose
+//            forward feeds the x0 estimate in. A stage runs the chosen rows of each quantum of the
+//            micro-batch's positions alone, so however a plan cuts the pass into pieces the result
+//            is the same bit for bit; once a stage has run all of a micro-batch's pieces, it sends
+//            their rows on as one message. Without a fill plan, a sweep once this step's serial
+//            prepare pieces are done; with one, the plan's pieces per stage and micro-batch, partial
+//            batches where a bubble holds only part (never in the previous step's bubbles: the
+//            weights change)
+//   F        stage 0 runs its units on x_t; stage s > 0 first receives the carry (h, the conditioning
+//            embedding, the open U-Net skips) from stage s-1; the last stage computes the loss, the
+//            others send their carry on to s+1
+//   B        the last stage back-propagates loss / M; the others first receive the gradient of their
+//            carry from s+1; every stage but the first sends its input's gradient to s-1
+//   I, W     ZB-H1's split of B: I computes and sends only the input gradient (the critical path),
+//            W later accumulates the weight gradients from the same graph, from the gradients I
+//            kept at its edges toward the parameters (pipeline/split_backward.h), not walking I again
+// Sends are posted without waiting and waited for at the end of the step (Gloo's send completes only
+// once the peer has posted its receive); a receive is waited for when its action needs it (the
+// prepared pieces' receives are posted when the step starts). Then one small all-reduce gives every
+// stage the loss and the gradient norm over all stages, every stage clips by that norm, and each
+// stage's AdamW + EMA updates its own parameters.
+//
+// Every stage builds the whole model alike (same seed); the parameters of the other stages are
+// frozen here, so this stage's optimizer holds its own alone. Checkpoints hold every parameter by
+// name, assembled from the stages (assemble / share), so a run resumes under another split or as one
+// process, and `ddm sample` loads it like any other. The next step's prepared rows are not part of a
+// checkpoint: a resumed run prepares them again, alike.
+#pragma once
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "comm/comm.h"
+#include "comm/grad_sync.h"
+#include "core/config.h"
+#include "data/dataset.h"
+#include "diffusion/objective.h"
+#include "model/net.h"
+#include "pipeline/calibrate.h"
+#include "pipeline/prepare.h"
+#include "pipeline/routes.h"
+#include "pipeline/schedule.h"
+#include "pipeline/split_backward.h"
+#include "pipeline/timeline.h"
+#include "train/checkpoint.h"
+#include "train/optimizer.h"
+#include "train/step.h"
+
+namespace ddm {
+
+// The first unit of every stage plus the unit count at the end (stage s = units [b[s], b[s+1])):
+// from parallel.cuts when given (checked against the model's units), else balanced by each unit's
+// estimated multiply-adds (parameters x output positions, measured on `sample`: one prepared row)
+// with the partition DP (pipeline/partition.h; v_shaped: the V's, `stages` / 2 ranks balanced).
+// Deterministic: every stage computes the same.
+std::vector<int> pipe_stage_bounds(NetImpl& net, const Prepared& sample, int stages,
+                                   const std::vector<int64_t>& cuts, bool v_shaped = false);
+
+// One executed action of the last step, for timelines: steady-clock milliseconds since the step began,
+// from the arrival of its input (the receive's end) to its end.
+struct PipeEvent {
+  PipeAction action;
+  double start_ms = 0, end_ms = 0;
+};
+
+class PipeStep {
+ public:
+  // cfg.model resolved; net built from it (the whole model); comm: this pipeline's group, one rank
+  // per stage, rank s runs stage s (V-shaped: the schedule's placement); bounds from pipe_stage_bounds; schedule over comm's world size and
+  // train.grad_accum micro-batches; routes: where each open skip goes (routes.h; none: every
+  // skip travels in the carry through every stage). Pipelines of data-parallel replicas (parallel.dp > 1): replicas
+  // is this stage's data-parallel group (the same stage of every replica; rank r = replica r), whose
+  // gradients are averaged during the stage's last backward (comm/grad_sync.h), and world the whole
+  // job (the loss and the gradient norm); null for one pipeline.
+  PipeStep(const RunConfig& cfg, Net net, std::shared_ptr<Objective> objective, std::shared_ptr<Comm> comm,
+           std::vector<int> bounds, PipeSchedule schedule, std::shared_ptr<Comm> replicas = nullptr,
+           std::shared_ptr<Comm> world = nullptr, PipeSkipRoutes routes = {});
+  // One step over this replica's M micro-batches (every stage passes the same ones). `next`: the
+  // next step's micro-batches, for a fill plan's pieces that prepare them in this step's bubbles;
+  // empty when this is the run's last step (and may always be, at the cost of preparing those rows
+  // at the start of the next step). wants_next() says whether they are used.
+  StepResult run(const std::vector<Batch>& micro, int64_t step, const std::vector<Batch>& next = {});
+  bool wants_next() const { return cfg_.parallel.fill; }
+  // The fill plan, once made (after the run's second step, on every stage alike), and its line of
+  // output; fill_news() is true for the step that made it.
+  const std::optional<PipeFillPlan>& fill_plan() const { return plan_; }
+  bool fill_news() const { return fill_news_; }
+  // Runs `plan` (made by plan_fill for this pipeline's schedule, rows and quantum; every stage the
+  // same) from the next step on, instead of the plan the run makes after its second step: a plan
+  // with known pieces, for tests.
+  void use_fill_plan(PipeFillPlan plan);
+  // For tests of whole runs: when set, every stage passes the gathered measurements (all stages, in
+  // stage order) through `f` before planning, so that which plan a run makes does not depend on the
+  // speed of the machine that runs the test (a test asserts what the runtime does with a plan, never
+  // which plan this machine's timings give). Process-wide (the stages of such tests are threads);
+  // an empty function turns it off.
+  static void override_measures(std::function<void(std::vector<PipeStageMeasure>&)> f);
+  // fill_plan_json of the plan, or "null" before one is made.
+  std::string fill_json() const { return plan_ ? fill_plan_json(*plan_) : "null"; }
+
+  FlatAdamW& optim() { return *optim_; }
+  int stage() const { return rank_; }  // this process's rank in the pipeline (its first stage)
+  int replica() const { return replicas_ ? replicas_->rank() : 0; }
+  // Bytes sent over the groups of its own (the pipeline's and the replicas'), not counting the job's.
+  int64_t group_bytes_sent() const {
+    return (comm_ != world_ ? comm_->bytes_sent() : 0) + (replicas_ ? replicas_->bytes_sent() : 0);
+  }
+  // Every stage's last_step_json, indexed by stage (a collective of this pipeline's group).
+  std::vector<std::string> all_last_steps() { return comm_->all_gather_strings(last_step_json()); }
+  int stages() const { return static_cast<int>(bounds_.size()) - 1; }
+  int rank_of_stage(int stage) const { return schedule_.rank_of(stage); }
+  const std::vector<int>& bounds() const { return bounds_; }
+  const std::vector<std::string>& unit_names() const { return unit_names_; }
+  // The last step on this stage as JSON (with a fill plan, the last that had a next step to prepare:
+  // the run's very last step runs none of the pieces in bubbles): {"stage", "step" (1-based), "filled" (it ran a fill plan), "start_ms" (steady clock, comparable between the
+  // processes of one machine), "prepared_ms", "actions_ms" (the last send waited for), "synced_ms"
+  // (loss and norm all-reduced), "end_ms" (from the start), "events": [[op, micro, start_ms, end_ms],
+  // ...]} (a task piece: ["T", micro, start_ms, end_ms, rows, in a bubble, task], task 0 the prepare
+  // phase (in a bubble: the next step's rows), 1 + s stage s's first pass). An event starts once its input
+  // has arrived: waiting for a receive is idle time.
+  std::string last_step_json() const;
+
+  // Every trainable parameter of the whole model by name ("<prefix><name>"), from each stage's `mine`
+  // (its own parameters' tensors, e.g. optim().named_params()): a sum over the stages of disjoint
+  // parts (one all-reduce), so every stage gets the whole.
+  TensorMap assemble(const TensorMap& mine, const std::string& prefix);
+  // The reverse for loading: stage 0's `whole` (every trainable parameter, "<prefix><name>") reaches
+  // every stage (one broadcast); the others pass an empty map.
+  TensorMap share(const TensorMap& whole, const std::string& prefix, const std::string& origin);
+  // With replicas: every replica's stage takes replica 0's optimizer state (weights, EMA, moments).
+  void share_with_replicas();
+
+ private:
+  struct DirectRoot {
+    torch::Tensor tensor;  // a skip sent straight to the stage that reads it
+    int to = 0, slot = 0;
+  };
+  // A receive: posted on the group (work), or from a stage of this same process (V-shaped
+  // placement), which left the tensor in the mailbox under its tag.
+  struct Recv {
+    c10::intrusive_ptr<c10d::Work> work;
+    torch::Tensor tensor;
+    torch::Tensor wire;  // what the group receives into: `tensor`, or its bfloat16 (parallel.pipe_wire)
+    int from = 0, tag = 0;
+    bool local = false;
+  };
+  struct Micro {
+    std::vector<torch::Tensor> inputs;         // the received carry's tensors (stage > 0), leaves with gradients
+    std::vector<torch::Tensor> direct_inputs;  // skips received straight from earlier stages (routes_.in order)
+    std::vector<torch::Tensor> roots;          // what backward starts from: the scaled loss, or the sent carry
+    std::vector<DirectRoot> direct_roots;      // ... and the skips sent straight to their readers
+    std::vector<torch::Tensor> grads;          // their gradients (the carry's, then the direct ones'; none for the loss)
+    bool received = false;                     // grads received (I then W)
+    SplitBackward split;                       // I's leftovers for W
+    // The receives of those gradients, posted as soon as the forward has sent (the flat carry's,
+    // then each direct root's), so they arrive while this stage works on other micro-batches.
+    std::vector<Recv> grad_recvs;
+  };
+  // A micro-batch's carry receives (header, values, then each direct skip), posted ahead once the
+  // carry's layout is known (from the first micro-batch this stage received): S micro-batches at
+  // the step's start, then one more as each is consumed.
+  struct PostedCarry {
+    Recv header, values;
+    std::vector<Recv> direct;
+  };
+  // One stage this process runs (two under V-shaped placement: stage r and stage 2R-1-r).
+  struct Local {
+    int stage = 0;
+    std::vector<NetUnit> units;
+    std::vector<torch::Tensor> params;                 // its units' trainable parameters
+    std::vector<Micro> micro;                          // per micro-batch of this step
+    torch::Tensor carry_header;                        // the carry's header as first received (empty: none yet)
+    std::vector<std::optional<PostedCarry>> posted;    // per micro-batch of this step
+    std::vector<std::vector<int64_t>> carry_shapes;    // the carry's tensors' shapes (empty: unknown)
+    int next_post = 0;                                 // the next micro-batch whose carry to post
+    std::vector<bool> taken;                           // per micro-batch: its carry was received
+    int64_t carry_bytes = 0;                           // the last carry it sent another process
+    std::vector<int64_t> direct_bytes;                 // per stage: the skip bytes it sends there directly (another process's)
+    int64_t first_bytes = 0;                           // this step's first passes: what it sent another process
+  };
+  Local& local(int stage);
+  bool last(int stage) const { return stage + 1 == stages(); }
+  int rank_of(int stage) const { return schedule_.rank_of(stage); }
+  Recv post_recv(torch::Tensor t, int from_stage, int tag);
+  torch::Tensor wait_recv(Recv& r, const std::string& what);
+  void send_to(torch::Tensor t, int to_stage, int tag);  // a send, or into the mailbox when the stage is here
+  bool narrowed(const torch::Tensor& t) const;           // a float tensor that crosses processes as bfloat16
+  int64_t wire_bytes(const torch::Tensor& t) const;      // its bytes as sent to another process
+  void post_carry_receives(int micro_count);
+  void post_next_carry(Local& l);
+  std::optional<PostedCarry>* posted_for(Local& l, int micro);  // null: not posted (or already taken)
+  std::vector<int64_t> direct_shape(const PipeSkipRoutes::Direct& d) const;  // [rows, row_shape...]
+  void forward(Local& l, int micro);
+  void backward(Local& l, int micro, PipeOp op);
+  // The carry of micro-batch `micro` from stage l to the next and from the previous one (first_pass:
+  // self-conditioning's, under its own tags, without gradients).
+  // With m (not the first pass), the sent tensors become m's backward roots.
+  void send_carry(Local& l, const NetCarry& k, int micro, bool first_pass = false, Micro* m = nullptr);
+  // A message of micro-batch `micro` at cut `cut` (between stages cut and cut + 1; a direct skip's:
+  // the stage that made it), of a kind listed in runtime.cpp.
+  int tag_of(int cut, int micro, int kind) const;
+  NetCarry recv_carry(Local& l, int micro, std::vector<torch::Tensor>& inputs, bool first_pass = false);
+  // Self-conditioning: the rows of each micro-batch that take a first pass (keyed, alike on every
+  // stage); micro-batch m's first pass through stage l (serial: not in a bubble, for its event); and
+  // stage 0's use of the pass's output before micro-batch `micro`'s forward.
+  // A piece covers positions [first, first + rows) of the micro-batch (whole quanta).
+  void choose_first_pass_rows(const std::vector<Batch>& micro, int64_t step);
+  void first_pass(Local& l, int m, int64_t first, int64_t rows, bool filling, bool serial);
+  void take_estimate(int micro);
+  double ms_since_start(std::chrono::steady_clock::time_point t) const;
+  void post_send(torch::Tensor t, int peer, int tag);
+  // Bubble filling: run piece `i` (sending its rows to the other stages); post the receives of the
+  // other stages' pieces; receive piece `in` (waiting for it); make micro-batch m's Prepared whole.
+  void run_piece(size_t i, const std::vector<Batch>& micro, const std::vector<Batch>& next, int64_t step);
+  // The prepare phase: every micro-batch here (no fill plan), or the rows prepared ahead (or, when
+  // there are none, those rows now) and the receives of the other stages' pieces.
+  void prepare(const std::vector<Batch>& micro, int64_t step, bool filling, bool has_next);
+  struct Incoming {
+    size_t piece;
+    torch::Tensor length;  // int64 [1]: the bytes of the piece's safetensors message
+    c10::intrusive_ptr<c10d::Work> work;
+    bool done = false;
+  };
+  void post_incoming(bool has_next);
+  void receive(Incoming& in);
+  void complete(int micro);
+  int piece_tag(size_t piece, int part) const;
+  void measure_and_plan();
+
+  RunConfig cfg_;
+  Net net_;
+  std::shared_ptr<Objective> objective_;
+  std::shared_ptr<Comm> comm_, replicas_, world_;
+  std::shared_ptr<GradSync> sync_;  // with replicas: this stage's gradients averaged over them
+  std::vector<int> bounds_;
+  PipeSchedule schedule_;
+  PipeSkipRoutes routes_;
+  int tags_ = 0;                         // message tags per micro-batch
+  int rank_ = 0;
+  std::vector<Local> locals_;            // the stages this process runs, ascending
+  std::map<int, torch::Tensor> mailbox_;  // by tag: what one stage here sent another stage here
+  std::vector<Prepared> prep_;           // per micro-batch of this step: its prepared inputs
+  std::vector<std::string> unit_names_;  // every unit's, in order
+  std::vector<std::string> all_names_;   // every trainable parameter of the whole model, in order
+  std::vector<std::vector<int64_t>> all_shapes_;
+  std::unique_ptr<FlatAdamW> optim_;
+  std::vector<std::pair<c10::intrusive_ptr<c10d::Work>, torch::Tensor>> sends_;  // waited at the end
+  double scale_ = 1, loss_sum_ = 0;
+  StepTimes times_;
+  std::chrono::steady_clock::time_point received_;  // when the current action's receive completed
+  std::vector<PipeEvent> events_;
+  StepTimes shown_times_;                // last_step_json's step
+  int64_t shown_step_ = 0;
+  bool shown_filled_ = false;
+  std::vector<PipeEvent> shown_events_;
+  // Bubble filling.
+  int64_t rows_ = 0, quantum_ = 1;     // rows per micro-batch, rows per prepare call
+  std::vector<PrepNeeds> needs_;       // per rank: what its stages read of a prepared micro-batch
+  int64_t steps_run_ = 0;
+  std::vector<int64_t> prepared_bytes_;  // per rank: what it reads of a prepared micro-batch
+  std::optional<PipeFillPlan> plan_;
+  bool fill_news_ = false;
+  std::vector<PrepPiece> pieces_;      // the plan's, every rank's
+  std::vector<int> piece_at_;          // this rank's action index -> piece index (-1: none)
+  std::vector<int64_t> pass_first_;    // this rank's action index -> a first-pass piece's first position
+  using Rows = std::vector<std::pair<int64_t, TensorMap>>;
+  std::vector<Rows> now_, ahead_;      // per micro-batch: prepared rows of this step, of the next
+  int64_t ahead_step_ = -1;            // the step ahead_ belongs to
+  std::vector<Incoming> incoming_;
+  // Self-conditioning (train.self_cond > 0).
+  bool objective_self_cond_ = false;
+  bool bf16_wire_ = false;  // parallel.pipe_wire = bfloat16
+  struct StagePass {            // one stage's first pass of one micro-batch, piece by piece
+    NetCarry in;                // stage > 0: the previous stage's carry of all b' rows
+    bool received = false;
+    std::vector<NetCarry> out;  // each quantum's carry after this stage's units, in row order
+    int64_t done = 0;           // positions covered by the pieces run so far
+  };
+  struct FirstPass {
+    torch::Tensor idx;            // the micro-batch's rows that take a first pass [b'], ascending
+    std::vector<int64_t> bound;   // per quantum q of positions: idx[bound[q], bound[q + 1]) lie in it
+    torch::Tensor x, t;           // stage 0: their x_t and t
+    Recv out;                     // ... and the last stage's output
+    std::vector<StagePass> stage; // per stage
+  };
+  std::vector<FirstPass> first_;
+};
+
+}  // namespace ddm
