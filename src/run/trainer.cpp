@@ -23,6 +23,7 @@
 #include "model/unet.h"
 #include "pipeline/profile.h"
 #include "pipeline/routes.h"
+#include "parallel/layout.h"
 #include "pipeline/runtime.h"
 #include "train/checkpoint.h"
 #include "train/controlnet.h"
@@ -234,34 +235,12 @@ TrainSummary train(TrainJob job, const TrainOptions& options) {
   const int threads = set_threads(cfg.train.threads, local_processes);
   const TrainConfig& tc = cfg.train;
   const Dataset& data = job.data;
-  const bool diloco_mode = cfg.parallel.mode == "diloco";
   // Checked alike on every rank, before any collective, so a bad value fails every rank at once.
-  const int pp = static_cast<int>(cfg.parallel.pp);
-  const bool pipelined = pp > 1;
-  // A pipeline runs one process per stage; with parallel.dp = R (0: every process), R replicas of it,
-  // rank = stage x R + replica, each replica on its share of the global batch.
-  DDM_CHECK(!pipelined || (world % pp == 0 && (cfg.parallel.dp == 0 || cfg.parallel.dp * pp == world)),
-            "rank " << rank << ": parallel.pp = " << pp << " pipeline stages"
-                    << (cfg.parallel.dp > 0 ? " x parallel.dp = " + std::to_string(cfg.parallel.dp) + " replicas" : "")
-                    << " but the job has " << world << " processes; a pipeline runs one process per stage: launch "
-                    << pp * std::max<int64_t>(1, cfg.parallel.dp) << " processes"
-                    << (cfg.parallel.dp == 0 ? " (or a multiple of " + std::to_string(pp) + " for data-parallel replicas)" : ""));
-  DDM_CHECK(pipelined || diloco_mode || cfg.parallel.dp == 0 || cfg.parallel.dp == world,
-            "parallel.dp = " << cfg.parallel.dp << " but the job has " << world
-                             << " processes; set parallel.dp = 0 (every process) or launch " << cfg.parallel.dp
-                             << " processes");
-  const int replicas = pipelined ? world / pp : 1;  // of the pipeline
-  const int stage = pipelined ? rank / replicas : 0, replica = pipelined ? rank % replicas : 0;
-  const int data_world = pipelined ? replicas : world;  // every stage of a replica takes the replica's batch
-  DDM_CHECK(tc.batch_size % (static_cast<int64_t>(data_world) * tc.grad_accum) == 0,
-            "train.batch_size = " << tc.batch_size << " does not split into " << data_world << " rank"
-                                  << (data_world > 1 ? "s" : "") << " x " << tc.grad_accum
-                                  << " micro-batch" << (tc.grad_accum > 1 ? "es" : "")
-                                  << " of equal size; the global batch must be a multiple of "
-                                  << data_world * tc.grad_accum << " (or change train.grad_accum"
-                                  << (pipelined ? ", the pipeline's micro-batches, or parallel.dp)" : " / the process count)")
-                                  << (diloco_mode ? "; with parallel.mode = \"diloco\" each replica takes its share of it" : ""));
-  const int64_t local_batch = tc.batch_size / data_world;
+  const ParallelLayout layout = derive_layout(cfg, world, rank);
+  const bool diloco_mode = layout.diloco(), pipelined = layout.pipelined();
+  const int pp = layout.pp, replicas = layout.replicas, stage = layout.stage, replica = layout.replica;
+  const int data_world = replicas;
+  const int64_t local_batch = layout.local_batch;
   const std::string config_text = to_toml(job.recorded);
 
   // The model is built before the run directory is touched, so a config it cannot take leaves nothing.
@@ -302,11 +281,8 @@ TrainSummary train(TrainJob job, const TrainOptions& options) {
     // Replicas: the groups of this process's pipeline (its stages) and of its stage (its replicas).
     std::shared_ptr<Comm> line = comm, same_stage;
     if (replicas > 1) {
-      std::vector<int> stages, peers;
-      for (int s = 0; s < pp; ++s) stages.push_back(s * replicas + replica);
-      for (int r = 0; r < replicas; ++r) peers.push_back(stage * replicas + r);
-      line = comm->subgroup("pipeline" + std::to_string(replica), stages);
-      same_stage = comm->subgroup("stage" + std::to_string(stage), peers);
+      line = comm->subgroup("pipeline" + std::to_string(replica), layout.pipeline_ranks());
+      same_stage = comm->subgroup("stage" + std::to_string(stage), layout.stage_ranks());
     }
     PipeSkipRoutes routes = pipe_skip_routes(*net, sample, bounds);
     pipe = std::make_unique<PipeStep>(cfg, net, job.objective, line, std::move(bounds),
@@ -619,7 +595,7 @@ TrainSummary train(TrainJob job, const TrainOptions& options) {
     stopped = end_step(step == tc.steps ? diloco->after_step(step, tc.steps, 0).stop : joined_signal);
   }
   while (!stopped && step < tc.steps) {
-    const int64_t shard_at = (pipelined ? replica : rank) * local_batch;
+    const int64_t shard_at = layout.shard_offset();
     const Batch shard = loader.next(shard_at, local_batch);
     std::vector<Batch> next;  // a filled pipeline prepares parts of the next step's batch in this step's bubbles
     if (pipe && pipe->wants_next() && step + 1 < tc.steps) {
