@@ -28,22 +28,11 @@ namespace {
 
 using ddm::Canvas;
 using ddm::Rgb;
+using ddm::format_number;
+using ddm::nice_tick;
 const Rgb kForward{70, 130, 180}, kBackward{245, 150, 50}, kLossClip{160, 160, 160}, kUpdate{70, 160, 80},
     kBucketA{120, 70, 180}, kBucketB{175, 130, 225}, kQueued{228, 220, 240}, kWait{215, 35, 35},
     kInk{25, 25, 25}, kGrid{225, 225, 225}, kBg{255, 255, 255};
-
-std::string fmt(const char* f, double v) {
-  char b[64];
-  std::snprintf(b, sizeof b, f, v);
-  return b;
-}
-
-double nice_tick(double span, int target) {
-  const double raw = span / target, p = std::pow(10.0, std::floor(std::log10(raw)));
-  for (double m : {1.0, 2.0, 5.0, 10.0})
-    if (m * p >= raw) return m * p;
-  return 10 * p;
-}
 
 }  // namespace
 
@@ -138,7 +127,7 @@ int timeline_main(int argc, char** argv) {
     c.fill(X(ms), top - 4, X(ms) + 1, plot_bottom, kGrid);
     c.fill(X(ms), plot_bottom, X(ms) + 1, plot_bottom + 6, kInk);
     const double at = ms + (win_to > win_from && win_from >= 0 ? win_from : 0);
-    const std::string lab = tick >= 1 ? fmt("%.0f", at) : fmt("%.1f", at);
+    const std::string lab = tick >= 1 ? format_number("%.0f", at) : format_number("%.1f", at);
     c.text(X(ms) - 4 * static_cast<int>(lab.size()), plot_bottom + 10, lab, 2);
   }
   c.fill(left, plot_bottom, left + plot_w, plot_bottom + 1, kInk);
@@ -177,13 +166,13 @@ int timeline_main(int argc, char** argv) {
         const int x0 = Xns(at(run_start)), x1 = std::max(x0 + 1, Xns(at(d)));
         c.fill(x0, ya + 4, x1, ya + row_h - 4, b % 2 ? kBucketB : kBucketA);
         c.fill(Xns(at(l)), ya, Xns(at(l)) + 2, ya + row_h, kInk);  // launch tick
-        if (x1 - x0 > 70) c.text(x0 + 4, ya + 10, "#" + std::to_string(b) + fmt(" %.1f MB", bk[b]["bytes"].get<double>() / 1e6), 1, kBg);
+        if (x1 - x0 > 70) c.text(x0 + 4, ya + 10, "#" + std::to_string(b) + format_number(" %.1f MB", bk[b]["bytes"].get<double>() / 1e6), 1, kBg);
       }
       // The exposed wait: from when backward's compute ended to when backward() returned.
       c.fill(Xns(compute_end), ya + row_h - 10, std::max(Xns(compute_end) + 2, Xns(be)), ya + row_h, kWait);
       std::ostringstream note;
-      note << bk.size() << " buckets, " << fmt("%.1f", total_bytes / 1e6) << " MB; wait after backward " << fmt("%.1f", wait_ms)
-           << " ms; step " << fmt("%.0f", (en - st) / 1e6) << " ms";
+      note << bk.size() << " buckets, " << format_number("%.1f", total_bytes / 1e6) << " MB; wait after backward " << format_number("%.1f", wait_ms)
+           << " ms; step " << format_number("%.0f", (en - st) / 1e6) << " ms";
       c.text(left, ya + row_h + 5, note.str(), 2);
     } else {
       c.text(left + 8, ya + 10, "no gradient all-reduce (one process)", 2);

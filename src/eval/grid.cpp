@@ -4,6 +4,8 @@
 
 #include <algorithm>
 #include <cctype>
+#include <cmath>
+#include <cstdio>
 #include <filesystem>
 #include <vector>
 
@@ -150,6 +152,19 @@ int Canvas::text(int x0, int y0, const std::string& s, int scale, Rgb c) {
 
 void Canvas::save(const std::string& path) {
   write_file_atomic(path, encode_png(torch::from_blob(px.data(), {h, w, 3}, torch::kUInt8)));
+}
+
+double nice_tick(double span, int target) {
+  const double raw = span / target, p = std::pow(10.0, std::floor(std::log10(raw)));
+  for (double m : {1.0, 2.0, 5.0, 10.0})
+    if (m * p >= raw) return m * p;
+  return 10 * p;
+}
+
+std::string format_number(const char* format, double v) {
+  char b[64];
+  std::snprintf(b, sizeof b, format, v);
+  return b;
 }
 
 }  // namespace ddm

@@ -42,4 +42,9 @@ struct Canvas {
   void save(const std::string& path);  // PNG, atomically
 };
 
+// For charts' axes: a tick spacing of 1, 2 or 5 x a power of ten giving about `target` ticks over
+// `span`; a number printed with a printf format ("%.0f ms").
+double nice_tick(double span, int target);
+std::string format_number(const char* format, double v);
+
 }  // namespace ddm

@@ -14,19 +14,6 @@ namespace {
 const Rgb kForward{70, 130, 180}, kBackward{235, 140, 40}, kWeight{250, 205, 120}, kSerial{175, 45, 45},
     kFilled{70, 160, 80}, kOptimizer{165, 165, 165}, kInk{25, 25, 25}, kGrid{230, 230, 230}, kWhite{255, 255, 255};
 
-std::string fmt(const char* f, double v) {
-  char b[64];
-  std::snprintf(b, sizeof b, f, v);
-  return b;
-}
-
-double nice_tick(double span, int target) {
-  const double raw = span / target, p = std::pow(10.0, std::floor(std::log10(raw)));
-  for (double m : {1.0, 2.0, 5.0, 10.0})
-    if (m * p >= raw) return m * p;
-  return 10 * p;
-}
-
 }  // namespace
 
 void save_pipe_picture(const std::string& path, const std::string& title, const std::vector<PipePanel>& panels) {
@@ -84,7 +71,7 @@ void save_pipe_picture(const std::string& path, const std::string& title, const 
   c.fill(left, y, W - right, y + 1, kInk);
   for (double t = 0; t <= span + 1e-9; t += tick) {
     c.fill(X(t), y, X(t) + 1, y + 6, kInk);
-    c.text(X(t) - 8, y + 9, fmt(tick < 1 ? "%.1f" : "%.0f", t), 1);
+    c.text(X(t) - 8, y + 9, format_number(tick < 1 ? "%.1f" : "%.0f", t), 1);
   }
   c.text(W - right - 60, y + 9, "ms", 1);
   // Legend.

@@ -48,7 +48,6 @@ int64_t numel_of(const std::vector<std::vector<int64_t>>& shapes) {
   return n;
 }
 
-// Views of `flat` shaped like `shapes`, in order.
 // A carry header's entries (see send_carry): the shapes of the tensors it carries, and per entry
 // whether it carries one (false: a placeholder).
 std::vector<std::vector<int64_t>> header_shapes(const torch::Tensor& header, std::vector<bool>* present = nullptr) {
@@ -62,6 +61,7 @@ std::vector<std::vector<int64_t>> header_shapes(const torch::Tensor& header, std
   return shapes;
 }
 
+// Views of `flat` shaped like `shapes`, in order.
 std::vector<torch::Tensor> split_flat(const torch::Tensor& flat, const std::vector<std::vector<int64_t>>& shapes) {
   std::vector<torch::Tensor> out;
   int64_t at = 0;
