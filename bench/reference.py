@@ -10,14 +10,20 @@ With --sample NFE it measures sampling instead, as `ddm_bench sample` does: --ba
 noise in one batch with the Euler sampler of flow matching (NFE steps from t = 1 to 0, no guidance),
 under torch.inference_mode(); the best of --steps timed runs after --warmup untimed ones.
 
+On a GPU (--device cuda) with --precision bf16 the forward and the loss run under bfloat16
+autocast (fp32 weights, gradients, AdamW state and EMA); the step's FLOPs are counted once by
+torch.utils.flop_counter and reported with the achieved TFLOP/s and the MFU against the card's dense
+bf16 peak (--peak TFLOPS, or known from the card's name).
+
 usage: python bench/reference.py PRESET --batch 128 --threads 2 --steps 20 --warmup 3 [--compile]
-         [--sample NFE] [--trace FILE]
+         [--sample NFE] [--trace FILE] [--device cpu|cuda] [--precision fp32|bf16] [--peak TFLOPS]
 prints one JSON line: {"impl": "python" | "python-compile", "preset", "batch", "threads", "step_s",
-"img_per_s", "compile_s"} (with --sample: "mode": "sample", "nfe", "seconds" per batch)
+"img_per_s", "compile_s", "device", "precision", "tflops", "mfu"} (with --sample: "mode": "sample", "nfe", "seconds" per batch)
 """
 import argparse
 import json
 import math
+import sys
 import time
 
 import torch
@@ -29,12 +35,16 @@ PRESETS = {
     "unet-small": dict(arch="unet", channels=64, channel_mult=[1, 2, 2], res_blocks=2, attn_levels=[2], groups=16, heads=4),
     "dit-tiny": dict(arch="dit", patch=4, width=128, depth=4, heads=4, mlp_ratio=4.0),
     "dit-small": dict(arch="dit", patch=2, width=192, depth=6, heads=6, mlp_ratio=4.0),
+    # DiT-B/2 on 32x32x4 latents (ImageNet 256 through an 8x autoencoder), 1000 classes: the DDM and
+    # DiT papers' backbone, the GPU benchmark's model
+    "dit-b": dict(arch="dit", patch=2, width=768, depth=12, heads=12, mlp_ratio=4.0, cin=4, size=32, classes=1000),
 }
+PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}  # dense, SXM; a name not here: --peak
 
 
 def timestep_embedding(t, dim, max_period=10000.0):
     half = dim // 2
-    freqs = torch.exp(torch.arange(half, dtype=t.dtype) * (-math.log(max_period) / half))
+    freqs = torch.exp(torch.arange(half, dtype=t.dtype, device=t.device) * (-math.log(max_period) / half))
     args = (t * 1000.0)[:, None] * freqs[None]
     return torch.cat([torch.cos(args), torch.sin(args)], 1)
 
@@ -212,25 +222,35 @@ def main():
     ap.add_argument("--compile", action="store_true", help="torch.compile the model (inductor)")
     ap.add_argument("--trace", help="write a profiler trace (Chrome JSON) of 3 steps after the warm-up (with --sample: of one run)")
     ap.add_argument("--sample", type=int, metavar="NFE", help="measure Euler sampling with NFE steps instead")
+    ap.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
+    ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16"], help="bf16: autocast forward and loss")
+    ap.add_argument("--peak", type=float, help="the device's dense bf16 peak in TFLOP/s, for the MFU (default: by the card's name)")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
     cfg = PRESETS[a.preset]
-    model = UNet(cfg) if cfg["arch"] == "unet" else DiT(cfg)
+    cin, size, classes = cfg.get("cin", 1), cfg.get("size", 28), cfg.get("classes", 10)
+    model = UNet(cfg, cin, classes) if cfg["arch"] == "unet" else DiT(cfg, cin, size, classes)
+    dev = torch.device(a.device)
+    model.to(dev)
+    a.shape, a.classes, a.dev = (cin, size, size), classes, dev
+    a.autocast = lambda: torch.autocast(dev.type, dtype=torch.bfloat16, enabled=a.precision == "bf16")
+    a.sync = (lambda: torch.cuda.synchronize()) if dev.type == "cuda" else (lambda: None)
     if a.sample:
         return sample(a, model)
     ema = [p.detach().clone() for p in model.parameters()]
     run = torch.compile(model) if a.compile else model
     opt = torch.optim.AdamW(model.parameters(), lr=2e-4, weight_decay=0.0)
-    x0 = torch.rand(a.batch, 1, 28, 28) * 2 - 1
-    y0 = torch.randint(0, 10, (a.batch,))
+    x0 = torch.rand(a.batch, *a.shape, device=dev) * 2 - 1
+    y0 = torch.randint(0, a.classes, (a.batch,), device=dev)
 
-    def step():
+    def step(net=None):
         eps = torch.randn_like(x0)
-        t = torch.rand(a.batch)
-        y = torch.where(torch.rand(a.batch) < 0.1, torch.full_like(y0, 10), y0)
+        t = torch.rand(a.batch, device=dev)
+        y = torch.where(torch.rand(a.batch, device=dev) < 0.1, torch.full_like(y0, a.classes), y0)
         xt = (1 - t)[:, None, None, None] * x0 + t[:, None, None, None] * eps
-        loss = F.mse_loss(run(xt, t, y), eps - x0)
+        with a.autocast():
+            loss = F.mse_loss((net or run)(xt, t, y).float(), eps - x0)
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -240,15 +260,18 @@ def main():
                 e.mul_(0.999).add_(p, alpha=0.001)
         return loss.item()
 
+    flops = count_flops(lambda: step(model))  # one step on the eager model (it also warms up)
     t0 = time.perf_counter()
     for _ in range(max(a.warmup, 2 if a.compile else 0)):  # compiled: the forward and backward graphs
         step()
     compile_s = time.perf_counter() - t0 if a.compile else 0.0
     if a.trace:  # as ddm_bench's DDM_BENCH_TRACE: 3 steps, for bench/op_profile.py
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        with torch.profiler.profile(activities=profiled(a)) as prof:
             for _ in range(3):
                 step()
         prof.export_chrome_trace(a.trace)
+        if dev.type == "cuda":  # where the GPU's time goes, by kernel-launching op, to stderr
+            print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=30), file=sys.stderr)
     times = []  # median step time, as ddm_bench reports: robust to bursts from other processes
     for _ in range(a.steps):
         t0 = time.perf_counter()
@@ -257,21 +280,50 @@ def main():
     dt = sorted(times)[len(times) // 2]
     print(json.dumps({"impl": "python-compile" if a.compile else "python", "preset": a.preset, "batch": a.batch, "threads": a.threads,
                       "params": sum(p.numel() for p in model.parameters()), "step_s": dt,
-                      "img_per_s": a.batch / dt, "compile_s": compile_s}))
+                      "img_per_s": a.batch / dt, "compile_s": compile_s, **speed(a, flops, dt)}))
+
+
+def profiled(a):
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    return acts + [torch.profiler.ProfilerActivity.CUDA] if a.dev.type == "cuda" else acts
+
+
+def count_flops(fn):
+    """The FLOPs of one call of fn (matrix products, convolutions and attention, as counted by
+    torch.utils.flop_counter: the "model FLOPs" of MFU)."""
+    from torch.utils.flop_counter import FlopCounterMode
+    with FlopCounterMode(display=False) as counter:
+        fn()
+    return counter.get_total_flops()
+
+
+def speed(a, flops, seconds):
+    peak = a.peak
+    if peak is None and a.dev.type == "cuda":
+        name = torch.cuda.get_device_name(a.dev)
+        peak = next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
+    tflops = flops / seconds / 1e12
+    return {"device": torch.cuda.get_device_name(a.dev) if a.dev.type == "cuda" else "cpu", "precision": a.precision,
+            "flops": flops, "tflops": tflops, "mfu": tflops / peak if peak else None}
 
 
 def sample(a, model):
     model.eval()
     run = torch.compile(model) if a.compile else model
-    y = torch.arange(a.batch) % 10
+    y = torch.arange(a.batch, device=a.dev) % a.classes
 
     @torch.inference_mode()
-    def generate():
-        x = torch.randn(a.batch, 1, 28, 28)
+    def generate(net=None):
+        x = torch.randn(a.batch, *a.shape, device=a.dev)
         for i in range(a.sample):  # Euler on the flow-matching ODE, t from 1 (noise) to 0 (data)
             t, t_next = 1 - i / a.sample, 1 - (i + 1) / a.sample
-            x = x + (t_next - t) * run(x, torch.full((a.batch,), t), y)
+            with a.autocast():
+                v = (net or run)(x, torch.full((a.batch,), t, device=a.dev), y).float()
+            x = x + (t_next - t) * v
+        a.sync()
         return x
+
+    flops = count_flops(lambda: generate(model))
 
     t0 = time.perf_counter()
     for _ in range(max(a.warmup, 1 if a.compile else 0)):
@@ -288,7 +340,7 @@ def sample(a, model):
         prof.export_chrome_trace(a.trace)
     print(json.dumps({"impl": "python-compile" if a.compile else "python", "mode": "sample", "preset": a.preset,
                       "batch": a.batch, "threads": a.threads, "nfe": a.sample, "seconds": best,
-                      "img_per_s": a.batch / best, "compile_s": compile_s}))
+                      "img_per_s": a.batch / best, "compile_s": compile_s, **speed(a, flops, best)}))
 
 
 if __name__ == "__main__":
