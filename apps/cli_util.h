@@ -33,6 +33,19 @@ struct Command {
   std::function<int()> run;
 };
 
+// The registry (apps/ddm.cpp) calls these in the order `ddm --help` lists them; each adds its
+// subcommand(s) to `app` and returns what runs when one is chosen.
+// `ddm train`, `train-autoencoder`, `train-classifier` (it records argv), `presets` (apps/train_cli.cpp).
+Command add_train_command(CLI::App& app);
+Command add_autoencoder_command(CLI::App& app);
+Command add_classifier_command(CLI::App& app, int argc, char** argv);
+Command add_presets_command(CLI::App& app);
+
+// `ddm quickstart` (apps/quickstart_cli.cpp).
+Command add_quickstart_command(CLI::App& app);
+
+// `ddm sample` and `ddm eval` are declared in apps/sample_cli.h.
+
 // Decentralized-diffusion subcommands (apps/decentral_cli.cpp): partition, ...
 std::vector<Command> add_decentral_commands(CLI::App& app);
 

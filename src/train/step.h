@@ -60,7 +60,7 @@ class TrainStep {
   // Data parallelism: gradients are averaged over comm's ranks by `sync` (built on this step's
   // optim().params() and flat_grad()), and the reported loss over the ranks. Without: one process.
   void set_data_parallel(std::shared_ptr<Comm> comm, std::shared_ptr<GradSync> sync);
-  // DiLoCo's inner steps leave the EMA alone: it follows the global weights (train/diloco.h).
+  // DiLoCo's inner steps leave the EMA alone: it follows the global weights (parallel/diloco.h).
   void set_ema(bool on) { ema_ = on; }
   FlatAdamW& optim() { return optim_; }
   const Net& net() const { return net_; }

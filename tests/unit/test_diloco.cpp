@@ -1,4 +1,4 @@
-// DiLoCo (train/diloco.h): with H = 1, outer lr 1 and momentum 0 the global weights become the mean
+// DiLoCo (parallel/diloco.h): with H = 1, outer lr 1 and momentum 0 the global weights become the mean
 // of the replicas' weights after their inner step (which is not data parallel's step: AdamW is not
 // linear in the gradient); the outer Nesterov step and the EMA against a hand computation; fragments
 // cover every parameter exactly once and each launches once per cycle; through the real trainer
@@ -13,7 +13,7 @@
 #include "model/net.h"
 #include "test_dist_util.h"
 #include "test_util.h"
-#include "train/diloco.h"
+#include "parallel/diloco.h"
 #include "train/optimizer.h"
 #include "train_test_util.h"
 

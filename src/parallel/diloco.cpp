@@ -1,5 +1,5 @@
 // DiLoCo's outer loop (see diloco.h).
-#include "train/diloco.h"
+#include "parallel/diloco.h"
 
 #include <algorithm>
 #include <csignal>

@@ -1,0 +1,514 @@
+// `ddm sample` (a PNG grid, and optionally raw samples, from a checkpoint or a routed ensemble, with
+// control maps and reference images) and `ddm eval` (FD-fmnist, KID, precision/recall and class
+// accuracy of a model's samples, a file, or a reference point).
+#include "sample_cli.h"
+
+#include <algorithm>
+#include <filesystem>
+#include <functional>
+#include <iostream>
+#include <memory>
+#include <optional>
+#include <unistd.h>
+
+#include "core/error.h"
+#include "core/fileio.h"
+#include "core/safetensors.h"
+#include "data/control.h"
+#include "data/dataset.h"
+#include "data/image_folder.h"
+#include "decentral/ensemble_dir.h"
+#include "diffusion/generate.h"
+#include "eval/evaluate.h"
+#include "eval/feature_net.h"
+#include "eval/grid.h"
+#include "run/trainer.h"
+#include "train/controlnet.h"
+#include "train/loaded_model.h"
+
+namespace fs = std::filesystem;
+
+namespace ddm {
+namespace {
+
+// What is sampled: one model (--ckpt) or a routed expert ensemble (--ensemble).
+struct Source {
+  std::optional<LoadedModel> model;
+  std::unique_ptr<LoadedEnsemble> members;
+  std::unique_ptr<Ensemble> ensemble;
+  std::optional<Denoiser> den;
+  std::string name;  // for messages and metadata
+  Routing routing;
+  const LoadedModel& defaults() const { return model ? *model : members->first_expert(); }
+  int64_t num_classes() const { return defaults().cfg.model.num_classes; }
+};
+
+Source open_source(const SampleArgs& a) {
+  DDM_CHECK(a.ckpt.empty() != a.ensemble.empty(), "give exactly one of --ckpt DIR and --ensemble DIR");
+  Source s;
+  if (!a.ckpt.empty()) {
+    DDM_CHECK(a.routing.empty() && !a.allow_missing, "--routing and --allow-missing apply only to --ensemble");
+    s.model = load_model(a.ckpt, !a.no_ema);
+    s.den = make_denoiser(*s.model);
+    s.name = s.model->checkpoint;
+    return s;
+  }
+  s.members = std::make_unique<LoadedEnsemble>(load_ensemble(a.ensemble, !a.no_ema, a.allow_missing));
+  s.routing = parse_routing(a.routing.empty() ? s.members->manifest.value("routing", "top1") : a.routing);
+  for (int64_t m : s.members->missing())
+    std::cout << "warning: expert " << m << " is missing (--allow-missing): its router probability is set to 0 and "
+              << "the rest renormalized; samples of its cluster come from the other experts" << std::endl;
+  s.ensemble = make_ensemble(*s.members, s.routing, static_cast<uint64_t>(a.seed));
+  s.den = s.ensemble->denoiser();
+  s.name = "ensemble " + a.ensemble + " (K = " + std::to_string(s.members->k) + ", routing " + s.routing.spec + ")";
+  return s;
+}
+
+// Control maps for sampling (--control FILE | --control-from SPLIT): what a ControlNet is given and what
+// any model's samples are measured against (control fidelity).
+struct ControlSet {
+  std::string type;     // edges | lowres
+  torch::Tensor maps;   // float [n, Cc, S, S] in [-1, 1]
+  torch::Tensor labels; // int64 [n] (--control-from: the images'; else undefined)
+  std::string origin;
+};
+
+// The first n images of a split of the model's data with their labels (--control-from, --reference-from).
+Dataset split_images(const LoadedModel& m, const std::string& split, int64_t n, const std::string& flag) {
+  DDM_CHECK(m.cfg.data.source == "fashion-mnist",
+            flag << " " << split << ": the model's data.source = " << m.cfg.data.source
+                 << " has no train/test splits; give the images as a PNG instead");
+  DataConfig dc = m.cfg.data;
+  dc.split = split;
+  dc.limit = 0;
+  dc.partition.clear();
+  dc.expert = -1;
+  Dataset d = load_dataset(dc);
+  DDM_CHECK(d.images.size(0) >= n, flag << " " << split << ": " << d.description << " has " << d.images.size(0)
+                                        << " images, fewer than --n " << n);
+  d.images = d.images.narrow(0, 0, n);
+  d.labels = d.labels.narrow(0, 0, n);
+  return d;
+}
+
+std::optional<ControlSet> open_controls(const SampleArgs& a, const LoadedModel& m, int64_t n) {
+  const bool controlnet = !m.cfg.model.controlnet.empty();
+  DDM_CHECK(a.control_file.empty() || a.control_from.empty(), "give one of --control FILE and --control-from SPLIT");
+  DDM_CHECK(a.control_from.empty() || a.class_id < 0,
+            "--class with --control-from: the samples take the labels of the images their maps come from");
+  if (a.control_file.empty() && a.control_from.empty()) {
+    DDM_CHECK(!controlnet, m.checkpoint << " is a ControlNet (model.control = " << m.cfg.model.control
+                                        << "): give its control maps with --control FILE or --control-from test");
+    DDM_CHECK(a.control_type.empty(), "--control-type needs --control FILE or --control-from SPLIT");
+    return std::nullopt;
+  }
+  ControlSet c;
+  c.type = a.control_type.empty() ? m.cfg.model.control : a.control_type;
+  DDM_CHECK(!controlnet || c.type == m.cfg.model.control,
+            "--control-type " << c.type << ": this ControlNet takes " << m.cfg.model.control << " maps");
+  const int64_t size = m.latent ? m.latent->shape().image_size : m.cfg.model.image_size;
+  const int64_t channels = m.latent ? m.latent->shape().in_channels : m.cfg.model.in_channels;
+  const int64_t cc = c.type == "edges" ? 1 : channels;
+  if (!a.control_from.empty()) {
+    const Dataset d = split_images(m, a.control_from, n, "--control-from");
+    c.maps = control_map(c.type, to_unit_range(d.images));  // [n, Cc, S, S]
+    c.labels = d.labels;
+    c.origin = "the " + c.type + " maps of the first " + std::to_string(n) + " images of " + d.description;
+  } else {
+    const torch::Tensor tiles = read_image_tiles(a.control_file, size, "--control");  // [N, C', S, S]
+    DDM_CHECK(tiles.size(1) == cc || (cc == 1 && tiles.size(1) == 3),
+              "--control " << a.control_file << ": " << tiles.size(1) << "-channel maps, but " << c.type << " maps of "
+                           << channels << "-channel images have " << cc);
+    torch::Tensor maps = to_unit_range(tiles);
+    if (maps.size(1) != cc) maps = maps.mean(1, /*keepdim=*/true);  // [N, 1, S, S]
+    const int64_t tiles_n = maps.size(0);
+    // Fewer maps than samples: they repeat in order.
+    c.maps = maps.index_select(0, torch::arange(n, torch::kLong).remainder(tiles_n));  // [n, Cc, S, S]
+    c.origin = std::to_string(tiles_n) + " " + c.type + " map(s) from " + a.control_file;
+  }
+  return c;
+}
+
+// Reference images for sampling (--reference FILE | --reference-from SPLIT): what a model.embed model is
+// conditioned on (their embeddings) and what any model's samples are compared with (embedding similarity).
+struct ReferenceSet {
+  torch::Tensor images;  // float [n, C, S, S] in [-1, 1]
+  torch::Tensor labels;  // int64 [n] (--reference-from: the images'; else undefined)
+  std::shared_ptr<const ImageEmbedder> embedder;  // the model's, or the shipped network for a baseline
+  std::string origin;
+};
+
+std::optional<ReferenceSet> open_references(const SampleArgs& a, const LoadedModel& m, int64_t n) {
+  DDM_CHECK(a.reference_file.empty() || a.reference_from.empty(), "give one of --reference FILE and --reference-from SPLIT");
+  if (a.reference_file.empty() && a.reference_from.empty()) return std::nullopt;
+  DDM_CHECK(a.reference_from.empty() || a.class_id < 0,
+            "--class with --reference-from: the samples take the labels of their reference images");
+  DDM_CHECK(a.reference_from.empty() || a.control_from.empty() || a.reference_from == a.control_from,
+            "--control-from " << a.control_from << " and --reference-from " << a.reference_from
+                              << " would give the samples two sets of labels; use one split");
+  ReferenceSet r;
+  const int64_t size = m.latent ? m.latent->shape().image_size : m.cfg.model.image_size;
+  const int64_t channels = m.latent ? m.latent->shape().in_channels : m.cfg.model.in_channels;
+  if (!a.reference_from.empty()) {
+    const Dataset d = split_images(m, a.reference_from, n, "--reference-from");
+    r.images = to_unit_range(d.images);  // [n, C, S, S]
+    r.labels = d.labels;
+    r.origin = "the first " + std::to_string(n) + " images of " + d.description;
+  } else {
+    torch::Tensor tiles = read_image_tiles(a.reference_file, size, "--reference");  // [N, C', S, S]
+    if (tiles.size(1) == 3 && channels == 1) tiles = tiles.to(torch::kFloat).mean(1, true).round().to(torch::kUInt8);
+    DDM_CHECK(tiles.size(1) == channels, "--reference " << a.reference_file << ": " << tiles.size(1)
+                                                        << "-channel images, but the model's have " << channels);
+    r.images = to_unit_range(tiles).index_select(0, torch::arange(n, torch::kLong).remainder(tiles.size(0)));
+    r.origin = std::to_string(tiles.size(0)) + " reference image(s) from " + a.reference_file;
+  }
+  // Every model is scored by the shipped network, whatever network it is conditioned on: comparable numbers.
+  ModelConfig shipped;
+  shipped.embed = default_feature_net_path();
+  shipped.embed_sha256 = kDefaultFeatureNetSha256;
+  r.embedder = ImageEmbedder::load(shipped);
+  DDM_CHECK(r.images.size(1) == 1 && r.images.size(2) == 28,
+            (a.reference_from.empty() ? "--reference " + a.reference_file : "--reference-from " + a.reference_from)
+                << ": embedding similarity is measured by the shipped Fashion-MNIST network, which takes 1x28x28 "
+                   "images, not "
+                << r.images.size(1) << "x" << r.images.size(2) << "x" << r.images.size(3));
+  return r;
+}
+
+// The control maps and reference images of the --control* / --reference* flags (a model only, not an
+// ensemble), put into g: what the model is conditioned on, and the labels they come with.
+std::pair<std::optional<ControlSet>, std::optional<ReferenceSet>> open_conditions(const SampleArgs& a,
+                                                                                  const Source& src,
+                                                                                  GenerateOptions& g) {
+  DDM_CHECK(src.model || (a.control_file.empty() && a.control_from.empty()), "--control applies only to --ckpt");
+  DDM_CHECK(src.model || (a.reference_file.empty() && a.reference_from.empty()), "--reference applies only to --ckpt");
+  if (!src.model) return {};
+  const LoadedModel& m = *src.model;
+  std::optional<ControlSet> controls = open_controls(a, m, a.n);
+  if (controls) {
+    if (!m.cfg.model.controlnet.empty()) g.control = controls->maps;
+    if (controls->labels.defined()) g.labels = controls->labels;
+    std::cout << "control: " << controls->origin << std::endl;
+  }
+  std::optional<ReferenceSet> refs = open_references(a, m, a.n);
+  if (refs) {
+    if (m.embedder) g.embed = m.embedder->embed(refs->images);
+    if (refs->labels.defined()) g.labels = refs->labels;
+    std::cout << "reference: " << refs->origin << (m.embedder ? "" : " (not a model.embed model: compared only)")
+              << std::endl;
+  }
+  return {std::move(controls), std::move(refs)};
+}
+
+// Sampling progress: a live counter on a terminal, otherwise a plain line at every 10%.
+std::function<void(int64_t, int64_t)> sampling_progress(bool tty) {
+  auto next_tenth = std::make_shared<int64_t>(1);
+  return [tty, next_tenth](int64_t done, int64_t total) {
+    if (tty) {
+      std::printf("\r  sampling %lld/%lld", static_cast<long long>(done), static_cast<long long>(total));
+    } else if (done * 10 >= *next_tenth * total) {
+      std::printf("  sampled %lld/%lld\n", static_cast<long long>(done), static_cast<long long>(total));
+      *next_tenth = done * 10 / total + 1;
+    }
+    std::fflush(stdout);
+  };
+}
+
+}  // namespace
+
+void write_samples(const SampleArgs& a) {
+  check_png_path(a.out);  // before any sampling
+  set_threads(a.threads);
+  Source src = open_source(a);
+  const LoadedModel& m = src.defaults();
+  const Denoiser& den = *src.den;
+  GenerateOptions g;
+  g.n = a.n;
+  g.sample.sampler = a.sampler.empty() ? m.cfg.sample.sampler : a.sampler;
+  g.sample.steps = a.steps > 0 ? a.steps : m.cfg.sample.steps;
+  g.sample.cfg = a.cfg >= 0 ? a.cfg : m.cfg.sample.cfg;
+  g.class_id = a.class_id;
+  g.batch_size = a.batch;
+  g.seed = static_cast<uint64_t>(a.seed);
+  const int64_t classes = m.cfg.model.num_classes;
+  g.per_class = classes > 0 && a.class_id < 0 ? std::max<int64_t>(1, a.n / classes) : a.n;
+  const bool tty = isatty(fileno(stdout));
+  g.on_progress = sampling_progress(tty);
+  std::cout << "sampling " << a.n << " images from " << src.name;
+  if (src.model) std::cout << " (step " << m.step << ", " << (a.no_ema ? "raw" : "EMA") << " weights)";
+  std::cout << ": " << g.sample.sampler << ", " << g.sample.steps << " steps, cfg " << g.sample.cfg << std::endl;
+  g.decode = image_decoder(m);  // latent models: the frozen decoder
+  const auto [controls, refs] = open_conditions(a, src, g);
+  Generated out = generate(den, m.cfg.model.in_channels, m.cfg.model.image_size, g);
+  if (tty) std::printf("\n");
+  std::vector<std::string> labels;
+  int64_t cols = std::min<int64_t>(a.n, 10);
+  if (classes > 0 && a.class_id < 0 && !g.labels.defined()) {
+    cols = g.per_class;
+    for (int64_t r = 0; r * cols < a.n; ++r) {
+      const int64_t c = out.labels[r * cols].item<int64_t>();
+      labels.push_back(c < static_cast<int64_t>(m.class_names.size()) ? m.class_names[c]
+                                                                      : "class " + std::to_string(c));
+    }
+  }
+  const std::string parent = fs::path(a.out).parent_path().string();
+  if (!parent.empty()) fs::create_directories(parent);
+  save_image_grid(a.out, out.images, cols, labels);
+  if (controls) {
+    const std::string maps_png =
+        (fs::path(a.out).parent_path() / (fs::path(a.out).stem().string() + "-control.png")).string();
+    save_image_grid(maps_png, controls->maps, cols, labels);
+    std::printf("control fidelity: %s-map MSE %.4f of the samples against the given maps\n", controls->type.c_str(),
+                control_error(controls->type, out.images, controls->maps));
+    std::cout << "wrote " << maps_png << " (the control maps, laid out as the samples)" << std::endl;
+  }
+  if (refs) {
+    const std::string refs_png =
+        (fs::path(a.out).parent_path() / (fs::path(a.out).stem().string() + "-reference.png")).string();
+    save_image_grid(refs_png, refs->images, cols, labels);
+    std::printf("embedding similarity: %.4f (mean cosine of the samples' and their references' embeddings)\n",
+                embed_similarity(*refs->embedder, out.images, refs->images));
+    std::cout << "wrote " << refs_png << " (the reference images, laid out as the samples)" << std::endl;
+  }
+  std::cout << "NFE " << out.nfe << " per image" << (g.sample.cfg != 1.0 && classes > 0 ? " (CFG: batch of 2)" : "")
+            << ", " << out.seconds << " s, " << a.n / out.seconds << " img/s\n";
+  if (src.ensemble) std::cout << src.ensemble->usage_report(a.n);
+  std::cout << "wrote " << a.out << std::endl;
+  if (!a.raw.empty()) {
+    SafetensorsFile f;
+    f.tensors["images"] = to_uint8(out.images);
+    f.tensors["labels"] = out.labels;
+    f.tensors["samples"] = out.images;
+    f.metadata["checkpoint"] = src.name;
+    f.metadata["data_source"] = m.cfg.data.source;  // ddm eval refuses samples of non-Fashion-MNIST models
+    f.metadata["sampler"] = g.sample.sampler;
+    f.metadata["steps"] = std::to_string(g.sample.steps);
+    f.metadata["cfg"] = std::to_string(g.sample.cfg);
+    save_safetensors(a.raw, f);
+    std::cout << "wrote " << a.raw << " (images uint8 NCHW, labels, samples float in [-1, 1])" << std::endl;
+  }
+}
+
+namespace {
+
+void add_sample_flags(CLI::App* cmd, SampleArgs& a) {
+  cmd->add_option("--n", a.n, "number of images")->check(kPositive);
+  cmd->add_option("--steps", a.steps, "solver steps (default: the run's sample.steps)")->check(kPositive);
+  cmd->add_option("--sampler", a.sampler, "euler | heun | ddim | ddpm (default: the run's sample.sampler)")
+      ->check(CLI::IsMember({"euler", "heun", "ddim", "ddpm"}));
+  cmd->add_option("--cfg", a.cfg, "classifier-free guidance scale; 1 = off, 0 = unconditional (default: the run's)")
+      ->check(kNonNegative);
+  cmd->add_option("--class", a.class_id, "sample only this class, 0..classes-1 (default: one row per class)")
+      ->check(kNonNegative);
+  cmd->add_option("--seed", a.seed, "sampling seed")->check(kNonNegative);
+  cmd->add_option("--batch", a.batch, "images per network batch")->check(kPositive);
+  cmd->add_option("--threads", a.threads, "intra-op threads (0 = all cores)")->check(kNonNegative);
+  cmd->add_flag("--no-ema", a.no_ema, "use the raw weights instead of the EMA");
+  cmd->add_option("--ensemble", a.ensemble,
+                  "sample a decentralized ensemble: a directory with ensemble.json (from ddm ensemble)");
+  cmd->add_option("--routing", a.routing,
+                  "with --ensemble: top1 | topk:K | full | threshold:P | sample | oracle (default: the manifest's, "
+                  "normally top1). Per step and per sample; see docs/decentralized.md");
+  cmd->add_option("--control", a.control_file,
+                  "a ControlNet's control maps: a PNG of one map, or a grid of image-size tiles without margins (read "
+                  "row by row, repeated if fewer than --n); also measures any model's fidelity to them");
+  cmd->add_option("--control-from", a.control_from,
+                  "control maps of the first --n images of this split of the model's data, with their labels (a "
+                  "ControlNet is steered by them; any model's samples are measured against them)")
+      ->check(CLI::IsMember({"train", "test"}));
+  cmd->add_option("--reference", a.reference_file,
+                  "a model.embed model's reference images: a PNG of one image, or a grid of image-size tiles without "
+                  "margins (row by row, repeated if fewer than --n); also measures any model's embedding similarity");
+  cmd->add_option("--reference-from", a.reference_from,
+                  "reference images: the first --n images of this split of the model's data, with their labels")
+      ->check(CLI::IsMember({"train", "test"}));
+  cmd->add_option("--control-type", a.control_type,
+                  "edges | lowres: the maps of --control-from (default: the model's model.control, edges)")
+      ->check(CLI::IsMember({"edges", "lowres"}));
+  cmd->add_flag("--allow-missing", a.allow_missing,
+                "with --ensemble: sample even if some experts' checkpoints are missing (their probability is "
+                "renormalized over the rest)");
+}
+
+struct EvalArgs {
+  SampleArgs sample;  // --ckpt and the sampling flags
+  std::string samples_file, anchor, out;
+  EvalConfig cfg;
+};
+
+int eval_cmd(EvalArgs a) {
+  DDM_CHECK(a.sample.ckpt.empty() + a.sample.ensemble.empty() + a.samples_file.empty() + a.anchor.empty() == 3,
+            "ddm eval: give exactly one of --ckpt DIR, --ensemble DIR, --samples FILE or --anchor train|noise");
+  set_threads(a.sample.threads);
+  SampleSet set;
+  std::string stem;
+  if (!a.anchor.empty()) {
+    set = anchor_samples(a.anchor, a.sample.n, static_cast<uint64_t>(a.sample.seed), a.cfg.data_root);
+    stem = "anchor-" + a.anchor + "-n" + std::to_string(a.sample.n);
+    if (a.out.empty()) a.out = "eval";
+  } else if (!a.samples_file.empty()) {
+    set = load_samples(a.samples_file);
+    if (set.images.size(0) > a.sample.n) {
+      std::cout << "using the first " << a.sample.n << " of " << set.images.size(0) << " images (--n)" << std::endl;
+      set.images = set.images.narrow(0, 0, a.sample.n);
+      if (set.labels.defined()) set.labels = set.labels.narrow(0, 0, a.sample.n);
+    }
+    stem = fs::path(a.samples_file).stem().string();
+    if (a.out.empty()) a.out = (fs::path(a.samples_file).parent_path() / "eval").string();
+  } else {
+    Source src = open_source(a.sample);
+    const LoadedModel& m = src.defaults();
+    check_evaluable_source(m.cfg.data.source, src.name);
+    const Denoiser& den = *src.den;
+    GenerateOptions g;
+    g.n = a.sample.n;
+    g.sample.sampler = a.sample.sampler.empty() ? m.cfg.sample.sampler : a.sample.sampler;
+    g.sample.steps = a.sample.steps > 0 ? a.sample.steps : m.cfg.sample.steps;
+    g.sample.cfg = a.sample.cfg >= 0 ? a.sample.cfg : m.cfg.sample.cfg;
+    g.batch_size = a.sample.batch;
+    g.seed = static_cast<uint64_t>(a.sample.seed);
+    g.class_id = a.sample.class_id;
+    const int64_t classes = m.cfg.model.num_classes;
+    g.per_class = classes > 0 ? std::max<int64_t>(1, (a.sample.n + classes - 1) / classes) : a.sample.n;
+    const bool tty = isatty(fileno(stdout));
+    g.on_progress = sampling_progress(tty);
+    std::cout << "sampling " << a.sample.n << " images from " << src.name << ": " << g.sample.sampler << ", "
+              << g.sample.steps << " steps, cfg " << g.sample.cfg << std::endl;
+    g.decode = image_decoder(m);  // latent models: the frozen decoder
+    const auto [controls, refs] = open_conditions(a.sample, src, g);
+    Generated out = generate(den, m.cfg.model.in_channels, m.cfg.model.image_size, g);
+    if (tty) std::printf("\n");
+    std::printf("NFE %lld per image, %.0f s (%.1f img/s)\n", static_cast<long long>(out.nfe), out.seconds,
+                a.sample.n / out.seconds);
+    if (src.ensemble) std::cout << src.ensemble->usage_report(a.sample.n);
+    set.images = to_uint8(out.images);
+    if (classes > 0) set.labels = out.labels;
+    set.origin = src.name + " (" + g.sample.sampler + ", " + std::to_string(g.sample.steps) + " steps, cfg " +
+                 std::to_string(g.sample.cfg).substr(0, 4) + ", NFE " + std::to_string(out.nfe) + ")";
+    set.info = {{"checkpoint", src.name},
+                {"sampler", g.sample.sampler},
+                {"steps", std::to_string(g.sample.steps)},
+                {"cfg", std::to_string(g.sample.cfg)},
+                {"nfe", std::to_string(out.nfe)},
+                {"seed", std::to_string(g.seed)},
+                {"sampling_seconds", std::to_string(out.seconds)}};
+    if (controls) {
+      const double err = control_error(controls->type, out.images, controls->maps);
+      std::printf("control fidelity: %s-map MSE %.4f of the samples against the given maps (%s)\n",
+                  controls->type.c_str(), err, m.cfg.model.controlnet.empty() ? "not a ControlNet: a baseline"
+                                                                             : "ControlNet");
+      set.info["control"] = controls->origin;
+      set.info["control_mse"] = std::to_string(err);
+    }
+    if (refs) {
+      const double sim = embed_similarity(*refs->embedder, out.images, refs->images);
+      std::printf("embedding similarity: %.4f (mean cosine of the samples' and their references' embeddings; %s)\n",
+                  sim, m.embedder ? "model.embed" : "not a model.embed model: a baseline");
+      set.info["reference"] = refs->origin;
+      set.info["embed_similarity"] = std::to_string(sim);
+      set.info["embed_similarity_network"] = "sha256 " + std::string(kDefaultFeatureNetSha256);
+    }
+    if (src.ensemble) {
+      const EnsembleUsage& u = src.ensemble->usage();
+      set.info["routing"] = src.routing.spec;
+      set.info["gflop_per_image"] = std::to_string((u.expert_flops + u.router_flops) / a.sample.n / 1e9);
+      set.info["router_gflop_per_image"] = std::to_string(u.router_flops / a.sample.n / 1e9);
+      std::string usage;
+      for (int64_t v : u.expert_evals) usage += (usage.empty() ? "" : " ") + std::to_string(v);
+      set.info["expert_sample_steps"] = usage;
+    }
+    std::string routing_name = src.routing.spec;  // no ':' in file names: topk:2 -> topk2
+    routing_name.erase(std::remove(routing_name.begin(), routing_name.end(), ':'), routing_name.end());
+    stem = (src.ensemble ? "routing-" + routing_name + "-" : std::string()) + g.sample.sampler + "-" +
+           std::to_string(g.sample.steps) + "steps-cfg" +
+           std::to_string(g.sample.cfg).substr(0, 4) + "-n" + std::to_string(a.sample.n) +
+           (controls ? "-control-" + controls->type + (a.sample.control_from.empty() ? "-file" : "-" + a.sample.control_from) : "") +
+           (refs ? "-reference" + (a.sample.reference_from.empty() ? std::string("-file") : "-" + a.sample.reference_from) : "");
+    if (a.out.empty()) a.out = (fs::path(src.model ? a.sample.ckpt : a.sample.ensemble) / "eval").string();
+    fs::create_directories(a.out);
+    SafetensorsFile f;
+    f.tensors["images"] = set.images;
+    f.tensors["labels"] = out.labels;
+    f.metadata["origin"] = set.origin;
+    f.metadata["data_source"] = m.cfg.data.source;
+    save_safetensors((fs::path(a.out) / (stem + ".safetensors")).string(), f);
+  }
+  EvalReport r = evaluate_samples(set, a.cfg);
+  std::cout << "\n" << r.table();
+  std::printf("(features and statistics: %.1f s)\n", r.seconds);
+  fs::create_directories(a.out);
+  const std::string json_path = (fs::path(a.out) / (stem + ".json")).string();
+  write_file_atomic(json_path, r.json() + "\n");
+  std::cout << "wrote " << json_path << std::endl;
+  // One row of up to 10 images per requested class, so a person can look as well as read.
+  if (set.labels.defined() && !r.class_names.empty()) {
+    std::vector<torch::Tensor> rows;
+    std::vector<std::string> names;
+    for (size_t c = 0; c < r.class_names.size(); ++c) {
+      auto idx = set.labels.eq(static_cast<int64_t>(c)).nonzero().flatten();
+      if (idx.numel() == 0) continue;
+      idx = idx.narrow(0, 0, std::min<int64_t>(10, idx.numel()));
+      auto imgs = set.images.index_select(0, idx);  // [<= 10, C, H, W]
+      imgs = imgs.scalar_type() == torch::kUInt8 ? to_unit_range(imgs) : imgs.to(torch::kFloat32);
+      if (imgs.size(0) < 10)  // pad the row with background
+        imgs = torch::cat({imgs, -torch::ones({10 - imgs.size(0), imgs.size(1), imgs.size(2), imgs.size(3)})});
+      rows.push_back(imgs);
+      names.push_back(r.class_names[c]);
+    }
+    const std::string png = (fs::path(a.out) / (stem + ".png")).string();
+    save_image_grid(png, torch::cat(rows), 10, names);
+    std::cout << "wrote " << png << " (one row per requested class)" << std::endl;
+  }
+  return 0;
+}
+
+}  // namespace
+
+Command add_sample_command(CLI::App& app) {
+  auto a = std::make_shared<SampleArgs>();
+  auto* cmd = app.add_subcommand("sample", "Generate a labelled PNG grid from a trained model.");
+  cmd->add_option("--ckpt", a->ckpt, "run directory (latest checkpoint) or checkpoint directory (or --ensemble)");
+  cmd->add_option("--out", a->out, "PNG grid to write");
+  cmd->add_option("--raw", a->raw, "also write the samples as safetensors");
+  add_sample_flags(cmd, *a);
+  return Command{cmd, [a] {
+                   write_samples(*a);
+                   return 0;
+                 }};
+}
+
+Command add_eval_command(CLI::App& app) {
+  auto a = std::make_shared<EvalArgs>();
+  EvalArgs& ea = *a;
+  ea.sample.n = 10000;
+  auto* cmd = app.add_subcommand(
+      "eval",
+      "Measure sample quality against the Fashion-MNIST test split: FD-fmnist (Frechet distance in the shipped "
+      "feature network's space; not FID), KID, precision/recall and, for class-conditional samples, the feature "
+      "network's accuracy on each requested class. Only for models trained on Fashion-MNIST (other data is refused). Samples a checkpoint (--ckpt), reads a file (--samples) "
+      "or draws a reference point (--anchor). Prints a table and writes JSON, a per-class PNG grid (and the samples) "
+      "to --out.");
+  cmd->add_option("--ckpt", ea.sample.ckpt, "run or checkpoint directory to sample from");
+  cmd->add_option("--samples", ea.samples_file,
+                  "safetensors file with images (uint8, or float in [-1, 1]) and optional labels, e.g. "
+                  "from `ddm sample --raw`");
+  cmd->add_option("--anchor", ea.anchor,
+                  "evaluate a reference point instead: train (random train images: the floor) or noise "
+                  "(per-pixel Gaussian with the data's mean and variance: a ceiling)")
+      ->check(CLI::IsMember({"train", "noise"}));
+  cmd->add_option("--out", ea.out,
+                  "output directory (default: eval/ in the run directory, next to --samples, or in the "
+                  "current directory for --anchor)");
+  cmd->add_option("--feature-net", ea.cfg.feature_net, "feature network file (default: the shipped one)");
+  cmd->add_option("--cache-dir", ea.cfg.cache_dir, "reference-feature cache (default: ~/.cache/ddm)");
+  cmd->add_option("--data-root", ea.cfg.data_root, "Fashion-MNIST directory (default: the Debian package's)");
+  cmd->add_flag("--cas", ea.cfg.cas,
+                "also compute CAS: train a fresh classifier on the labelled samples and report its accuracy "
+                "on the real test split (about 1-2 minutes per 10000 samples on 2 cores)");
+  cmd->add_option("--cas-epochs", ea.cfg.cas_epochs, "epochs of the CAS classifier")->check(kPositive);
+  add_sample_flags(cmd, ea.sample);
+  cmd->get_option("--n")->description("number of images (default 10000; report results at 10000)");
+  return Command{cmd, [a] { return eval_cmd(*a); }};
+}
+
+}  // namespace ddm

@@ -1,0 +1,28 @@
+// `ddm sample` and `ddm eval` (apps/sample_cli.cpp): what they share with the quickstart, which
+// writes its grid as `ddm sample` does.
+#pragma once
+#include <cstdint>
+#include <string>
+
+#include "cli_util.h"
+
+namespace ddm {
+
+// The flags of `ddm sample` (most also `ddm eval`'s).
+struct SampleArgs {
+  std::string ckpt, ensemble, routing, out = "samples.png", raw, sampler;
+  std::string control_file, control_from, control_type;  // ControlNets (and their fidelity for any model)
+  std::string reference_file, reference_from;            // model.embed (and embedding similarity for any model)
+  int64_t n = 100, steps = 0, class_id = -1, seed = 0, batch = 250, threads = 0;
+  double cfg = -1;
+  bool no_ema = false, allow_missing = false;
+};
+
+// Samples a.n images from a.ckpt or a.ensemble into the PNG grid a.out (and a.raw), printing progress.
+void write_samples(const SampleArgs& a);
+
+// `ddm sample` and `ddm eval`.
+Command add_sample_command(CLI::App& app);
+Command add_eval_command(CLI::App& app);
+
+}  // namespace ddm

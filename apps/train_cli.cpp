@@ -1,0 +1,250 @@
+// The training subcommands: `ddm train` (a diffusion model from a TOML config: plain, an expert of a
+// partition, a ControlNet on a base run; any launcher's ranks take part), `ddm train-autoencoder`
+// (latent diffusion's autoencoder, then its report), `ddm train-classifier` (the feature network of
+// the evaluation metrics), and `ddm presets` (the model presets with their sizes).
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <iostream>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "cli_util.h"
+#include "core/config.h"
+#include "core/error.h"
+#include "core/fileio.h"
+#include "core/presets.h"
+#include "core/run_dir.h"
+#include "core/runtime.h"
+#include "core/version.h"
+#include "data/dataset.h"
+#include "decentral/train_run.h"
+#include "eval/feature_net.h"
+#include "model/net.h"
+#include "model/router.h"
+#include "run/trainer.h"
+#include "train/autoencoder_report.h"
+#include "train/controlnet.h"
+
+namespace fs = std::filesystem;
+
+namespace ddm {
+namespace {
+
+struct TrainArgs {
+  std::string config_path, out_dir, controlnet, partition, budget;
+  std::vector<std::string> overrides;
+  int64_t expert = -1;
+  bool resume = false, force = false, quiet = false;
+};
+
+int train_cmd(TrainArgs a) {
+  if (!a.partition.empty()) {  // a TOML literal string, so no path is mistaken for another TOML value
+    const std::string abs = fs::absolute(a.partition).string();
+    DDM_CHECK(abs.find('\'') == std::string::npos, "--partition: a path with a ' is not supported: " << abs);
+    a.overrides.push_back("data.partition='" + abs + "'");
+  }
+  if (a.expert >= 0) a.overrides.push_back("data.expert=" + std::to_string(a.expert));
+  if (!a.budget.empty()) a.overrides.push_back("train.expert_budget=" + a.budget);
+  DDM_CHECK(!a.config_path.empty() || !a.controlnet.empty(), "ddm train: --config is required (or --controlnet BASE)");
+  RunConfig cfg;
+  if (a.config_path.empty()) {
+    cfg = controlnet_default_config(a.controlnet, a.overrides);
+  } else {
+    if (!a.controlnet.empty()) {
+      const std::string abs = fs::absolute(a.controlnet).string();
+      DDM_CHECK(abs.find('\'') == std::string::npos, "--controlnet: a path with a ' is not supported: " << abs);
+      a.overrides.push_back("model.controlnet='" + abs + "'");
+    }
+    cfg = load_config(a.config_path, a.overrides);
+  }
+  TrainSummary s = train_run(cfg, {a.out_dir, a.resume, a.force, a.quiet, nullptr});
+  if (s.rank == 0)
+    std::cout << "done: step " << s.last_step << ", checkpoint " << s.checkpoint << ", peak memory "
+            << static_cast<int64_t>(peak_rss_mib()) << " MiB" << std::endl;
+  return s.interrupted ? 128 + s.signal : 0;
+}
+
+struct AutoencoderArgs {
+  std::string config, out;
+  std::vector<std::string> overrides;
+  bool resume = false, force = false, quiet = false;
+  AutoencoderReportOptions report;
+};
+
+// ddm train-autoencoder: train (any launcher's ranks take part), then rank 0 measures the result.
+int train_autoencoder_cmd(const std::string& config, const std::vector<std::string>& overrides, const std::string& out,
+                          const TrainOptions& topt, AutoencoderReportOptions opt) {
+  RunConfig cfg = load_config(config, overrides);
+  DDM_CHECK(cfg.model.arch == "autoencoder",
+            config << ": model.arch = " << cfg.model.arch << ", but train-autoencoder trains an autoencoder; set "
+                   << "model.preset = \"ae-f4\" (or model.arch = \"autoencoder\"), or train this model with `ddm train`");
+  TrainSummary s = train_run(cfg, topt);
+  if (s.interrupted) return 128 + s.signal;
+  if (s.rank != 0) return 0;
+  std::cout << "done: step " << s.last_step << ", checkpoint " << s.checkpoint << "; measuring the autoencoder"
+            << std::endl;
+  opt.png = RunDir(out) / RunDir::kReconstructions;
+  opt.eval.quiet = topt.quiet;
+  opt.eval.data_root = cfg.data.source == "fashion-mnist" ? cfg.data.root : "";
+  const AutoencoderReport r = report_autoencoder(s.checkpoint, opt);
+  write_file_atomic(RunDir(out) / RunDir::kAutoencoder, r.json().dump(2) + "\n");
+  std::cout << r.table() << "wrote " << RunDir(out) / RunDir::kAutoencoder << " and " << opt.png
+            << "\nNext: train a latent model on it with --set model.latent=" << out << std::endl;
+  return 0;
+}
+
+struct ClassifierArgs {
+  std::string out = "feature-net.safetensors", root;
+  int64_t threads = 2;
+  bool force = false;
+  ClassifierTrainConfig cfg;
+};
+
+int train_classifier_cmd(const ClassifierArgs& a, const std::string& command) {
+  DDM_CHECK(a.force || !fs::exists(a.out),
+            a.out << " already exists; pass --force to replace it, or choose another --out");
+  set_threads(a.threads);
+  DataConfig dc;
+  dc.root = a.root;
+  const Dataset train = load_dataset(dc);
+  dc.split = "test";
+  const Dataset test = load_dataset(dc);
+  std::cout << "training the feature network on " << train.description << ": " << a.cfg.epochs << " epochs of batch "
+            << a.cfg.batch_size << ", seed " << a.cfg.seed << ", " << a.threads << " threads" << std::endl;
+  const auto t0 = std::chrono::steady_clock::now();
+  FeatureNet net = train_classifier(train, a.cfg);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const int64_t correct = count_correct(net, test), total = test.images.size(0);
+  const double acc = static_cast<double>(correct) / static_cast<double>(total);
+  const auto parent = fs::path(a.out).parent_path();
+  if (!parent.empty()) fs::create_directories(parent);
+  const std::string sha = save_feature_net(
+      a.out, net,
+      {{"command", command},
+       {"seed", std::to_string(a.cfg.seed)},
+       {"threads", std::to_string(a.threads)},
+       {"epochs", std::to_string(a.cfg.epochs)},
+       {"train_data", train.description},
+       {"test_correct", std::to_string(correct)},
+       {"test_total", std::to_string(total)},
+       {"ddm_version", version()}});
+  std::printf("test accuracy %.2f%% (%lld / %lld) after %.0f s\nwrote %s\nsha256 %s\n", 100.0 * acc,
+              static_cast<long long>(correct), static_cast<long long>(total), seconds, a.out.c_str(), sha.c_str());
+  return 0;
+}
+
+int presets_cmd() {
+  std::printf("%-17s %-11s %12s %16s\n", "preset", "arch", "parameters", "MFLOP/img fwd");
+  for (const auto& name : preset_names()) {
+    ModelConfig m;
+    apply_preset(name, m);
+    m.preset = name;
+    const bool latent = name.rfind("latent-", 0) == 0;  // sized for ae-f4's latents
+    m.in_channels = latent ? 4 : 1;
+    m.image_size = latent ? 7 : 28;
+    m.num_classes = 10;
+    if (is_router_arch(m.arch)) m.num_experts = 4;
+    Net net = make_net(m);
+    std::printf("%-17s %-11s %12lld %16.1f\n", name.c_str(), m.arch.c_str(),
+                static_cast<long long>(count_params(*net)), forward_flops_per_image(m) / 1e6);
+  }
+  std::printf("(28x28x1 images, latent-* on ae-f4's 7x7x4 latents, 10 classes, routers with K = 4 experts; "
+              "training costs about 3x the forward FLOPs)\n");
+  return 0;
+}
+
+}  // namespace
+
+Command add_train_command(CLI::App& app) {
+  auto a = std::make_shared<TrainArgs>();
+  auto* cmd = app.add_subcommand("train", "Train a diffusion model from a TOML config.");
+  cmd->add_option("--config", a->config_path,
+                        "TOML config file (see configs/); with --controlnet it defaults to the base run's own config");
+  cmd->add_option("--controlnet", a->controlnet,
+                        "train a ControlNet on this trained U-Net run (or checkpoint), which stays locked: a trainable "
+                        "copy of its encoder steers it with control maps of model.control (edges | lowres), computed "
+                        "from each batch (sets model.controlnet; the model keys become the base's). Sample it with "
+                        "`ddm sample --control-from test`; see docs/conditioning.md");
+  cmd->add_option("--set", a->overrides, "override a config key, e.g. --set train.steps=100 (repeatable)");
+  cmd->add_option("--out", a->out_dir, "run directory (config, checkpoints, metrics)")->required();
+  cmd->add_option("--partition", a->partition,
+                        "train an expert: a `ddm partition` directory (sets data.partition; needs --expert)");
+  cmd->add_option("--expert", a->expert, "the cluster this expert trains on, 0..K-1 (sets data.expert)")
+      ->check(kNonNegative);
+  cmd->add_option("--budget", a->budget,
+                        "full (train.* as written, per expert) | split-batch (batch_size / K) | split-steps "
+                        "(steps / K): with a split, K experts together cost what train.* describes "
+                        "(sets train.expert_budget)")
+      ->check(CLI::IsMember({"full", "split-batch", "split-steps"}));
+  cmd->add_flag("--resume", a->resume, "continue from the latest checkpoint in --out");
+  cmd->add_flag("--force", a->force, "overwrite a different run in --out");
+  cmd->add_flag("--quiet", a->quiet, "no progress output");
+  cmd->footer("Config keys: " + [] {
+    std::string s;
+    for (const auto& k : config_keys()) s += (s.empty() ? "" : ", ") + k;
+    return s;
+  }() + "\nData parallel: started by `ddm launch --nproc N -- train ...`, torchrun, srun or mpirun, each process "
+        "is one rank of one job (train.batch_size is the global batch; only rank 0 writes --out; a restarted job "
+        "resumes by itself). With --set parallel.mode=diloco each process is a DiLoCo replica that synchronizes "
+        "every diloco.inner_steps steps (diloco.fragments > 1: Streaming DiLoCo). See docs/distributed.md.\n"
+        "Pipeline parallel: --set parallel.pp=S with S processes runs the model's units as S stages (one per "
+        "process), train.grad_accum micro-batches per step under parallel.schedule (gpipe, 1f1b, zb-h1, or the "
+        "V-shaped 1f1b-v, zb-v: 2S stages on S processes), split at parallel.cuts (`ddm plan` lists the units) or "
+        "balanced automatically; from the third step the frozen work of the prepare phase runs in the schedule's "
+        "bubbles (parallel.fill = false: serially on every stage); parallel.pipe_wire = bfloat16 sends the "
+        "activations and their gradients in half the bytes. See docs/pipeline.md.");
+  return Command{cmd, [a] { return train_cmd(*a); }};
+}
+
+Command add_autoencoder_command(CLI::App& app) {
+  auto a = std::make_shared<AutoencoderArgs>();
+  auto* cmd = app.add_subcommand(
+      "train-autoencoder",
+      "Train the KL autoencoder of latent diffusion (model.arch = autoencoder, e.g. model.preset = \"ae-f4\": "
+      "28x28x1 -> 7x7x4), then report it: PSNR and FD-fmnist of its reconstructions of the test split (a bound on "
+      "the FD of any latent model built on it), the latent scale and shift that latent models normalize by, to "
+      "OUT/autoencoder.json, and OUT/reconstructions.png (originals beside reconstructions). A latent model then "
+      "trains on it with model.latent = OUT. Re-run with --resume on a finished run to report it again.");
+  cmd->add_option("--config", a->config, "TOML config file (see configs/autoencoder.toml)")->required();
+  cmd->add_option("--set", a->overrides, "override a config key, e.g. --set train.steps=100 (repeatable)");
+  cmd->add_option("--out", a->out, "run directory (config, checkpoints, metrics, report)")->required();
+  cmd->add_option("--n", a->report.n, "test images to reconstruct for the report")->check(kPositive);
+  cmd->add_option("--stats-n", a->report.stats_n, "training images to measure the latent statistics on")
+      ->check(kPositive);
+  cmd->add_flag("--resume", a->resume, "continue from the latest checkpoint in --out");
+  cmd->add_flag("--force", a->force, "overwrite a different run in --out");
+  cmd->add_flag("--quiet", a->quiet, "no progress output");
+  return Command{cmd, [a] {
+                   return train_autoencoder_cmd(a->config, a->overrides, a->out,
+                                                {a->out, a->resume, a->force, a->quiet, nullptr}, a->report);
+                 }};
+}
+
+Command add_classifier_command(CLI::App& app, int argc, char** argv) {
+  auto a = std::make_shared<ClassifierArgs>();
+  auto* cmd = app.add_subcommand(
+      "train-classifier",
+      "Train the CNN classifier whose features the evaluation metrics (FD-fmnist, KID, precision/recall) use, on "
+      "the Fashion-MNIST train split, and report its accuracy on the test split. Deterministic for a given seed "
+      "and thread count. ddm ships one in assets/feature-net/ (see its README for the command that made it).");
+  cmd->add_option("--out", a->out, "safetensors file to write");
+  cmd->add_option("--data-root", a->root, "Fashion-MNIST directory (default: the Debian package's)");
+  cmd->add_option("--epochs", a->cfg.epochs, "training epochs")->check(kPositive);
+  cmd->add_option("--batch", a->cfg.batch_size, "batch size")->check(kPositive);
+  cmd->add_option("--lr", a->cfg.lr, "peak AdamW learning rate")->check(kNonNegative);
+  cmd->add_option("--seed", a->cfg.seed, "seed (initialization, data order, augmentation, dropout)");
+  cmd->add_option("--threads", a->threads, "intra-op threads; results depend on it")->check(kPositive);
+  cmd->add_flag("--force", a->force, "replace an existing --out file");
+  std::string command = "ddm";
+  for (int i = 1; i < argc; ++i) command += std::string(" ") + argv[i];
+  return Command{cmd, [a, command] { return train_classifier_cmd(*a, command); }};
+}
+
+Command add_presets_command(CLI::App& app) {
+  auto* cmd = app.add_subcommand("presets", "List model presets with parameters and FLOPs per image.");
+  return Command{cmd, [] { return presets_cmd(); }};
+}
+
+}  // namespace ddm

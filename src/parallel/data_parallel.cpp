@@ -1,0 +1,69 @@
+// The data-parallel engine (parallel/engine.h): every process a whole model on its share of the
+// global batch; gradients averaged over the job by GradSync's buckets during backward
+// (comm/grad_sync.h), the loss and the gradient norm over the job too, so every rank steps alike.
+// One process is its trivial case: no sync, no collectives. parallel/diloco_engine.cpp builds on it.
+#include "parallel/data_parallel.h"
+
+#include <csignal>
+#include <sstream>
+
+#include "comm/grad_sync.h"
+
+namespace ddm {
+
+int agree_on_stop(Comm& comm, int signal) {
+  if (!comm.distributed()) return signal;
+  const int64_t agreed = comm.max_int(signal == SIGINT ? 2 : signal != 0 ? 1 : 0);
+  return agreed == 2 ? SIGINT : agreed == 1 ? (signal != 0 ? signal : SIGTERM) : 0;
+}
+
+DataParallelEngine::DataParallelEngine(const EngineParts& parts, bool sync_gradients)
+    : cfg_(parts.cfg), net_(parts.net), comm_(parts.comm), lead_(parts.layout.rank == 0),
+      step_(parts.cfg, parts.net, parts.objective) {
+  if (sync_gradients && comm_->distributed()) {
+    const ParallelConfig& p = cfg_.parallel;
+    GradSyncOptions so;
+    so.first_bucket_bytes = static_cast<int64_t>(p.first_bucket_mb * (1 << 20));
+    so.bucket_cap_bytes = static_cast<int64_t>(p.bucket_mb * (1 << 20));
+    so.fp16_wire = p.wire == "float16";
+    FlatAdamW& o = step_.optim();
+    step_.set_data_parallel(comm_, std::make_shared<GradSync>(comm_, o.params(), o.flat_grad(), so));
+  }
+}
+
+void DataParallelEngine::take_resumed(const Checkpoint*, const std::string&, int64_t) {
+  for (torch::Tensor t : step_.optim().state_buffers()) comm_->broadcast(t, 0);
+}
+
+std::vector<torch::Tensor> DataParallelEngine::initial_weights() {
+  return {step_.optim().flat_params(), step_.optim().flat_ema()};
+}
+
+StepResult DataParallelEngine::step(const std::vector<Batch>& micro, int64_t step, const std::vector<Batch>&) {
+  return step_.run(micro, step);
+}
+
+int DataParallelEngine::agree_stop(int64_t, int64_t, int signal) { return agree_on_stop(*comm_, signal); }
+
+void DataParallelEngine::contribute(Checkpoint& ck, int64_t) {
+  if (!lead_) return;
+  ck.model = module_state(*net_);
+  ck.ema = step_.optim().named_ema();
+  ck.optim = step_.optim().optimizer_state();
+}
+
+std::string DataParallelEngine::describe() const {
+  if (comm_->world_size() == 1) return {};
+  const ParallelConfig& p = cfg_.parallel;
+  std::ostringstream s;
+  s << "parallel: data parallel over " << comm_->world_size() << " processes, gradient buckets up to " << p.bucket_mb
+    << " MiB (first " << p.first_bucket_mb << " MiB), " << p.wire << " on the wire, collective timeout " << p.timeout
+    << " s";
+  return s.str();
+}
+
+std::unique_ptr<Engine> make_data_parallel_engine(const EngineParts& parts) {
+  return std::make_unique<DataParallelEngine>(parts, true);
+}
+
+}  // namespace ddm

@@ -1,0 +1,168 @@
+// The pipeline engine (parallel/engine.h): this process runs one stage (V-shaped: two) of a pipeline
+// of parallel.pp processes, stepped by pipeline/runtime.h's PipeStep; with world / pp replicas of the
+// pipeline, a stage's gradients are averaged over the same stage of every replica. Checkpoints hold
+// the whole model by name, assembled from the stages, so a run resumes under another split or as
+// one process. After the run, rank 0 writes the measured timeline of the last step
+// (pipeline/timeline.h) for `ddm plan --measured`.
+#include <chrono>
+#include <sstream>
+
+#include "parallel/data_parallel.h"
+#include "pipeline/profile.h"
+#include "pipeline/routes.h"
+#include "pipeline/runtime.h"
+#include "pipeline/timeline.h"
+
+namespace ddm {
+namespace {
+
+class PipelineEngine : public Engine {
+ public:
+  explicit PipelineEngine(const EngineParts& parts)
+      : cfg_(parts.cfg), layout_(parts.layout), net_(parts.net), comm_(parts.comm) {
+    // Stage bounds from parallel.cuts, or balanced on one prepared sample row (the same on every stage).
+    Prepared sample;
+    {
+      torch::NoGradGuard no_grad;
+      BatchLoader probe(parts.data, 1, static_cast<uint64_t>(cfg_.train.seed), false);
+      sample = parts.objective->prepare(probe.next(), 0);
+      sample.cond = net_->precompute(sample.xt, sample.t, sample.cond);
+    }
+    PipeSchedule schedule = make_schedule(cfg_.parallel.schedule, layout_.pp, static_cast<int>(cfg_.train.grad_accum));
+    std::vector<int> bounds =
+        pipe_stage_bounds(*net_, sample, schedule.stages, cfg_.parallel.cuts, schedule.several_per_rank());
+    // Replicas: the groups of this process's pipeline (its stages) and of its stage (its replicas).
+    std::shared_ptr<Comm> line = comm_, same_stage;
+    if (layout_.replicas > 1) {
+      line = comm_->subgroup("pipeline" + std::to_string(layout_.replica), layout_.pipeline_ranks());
+      same_stage = comm_->subgroup("stage" + std::to_string(layout_.stage), layout_.stage_ranks());
+    }
+    PipeSkipRoutes routes = pipe_skip_routes(*net_, sample, bounds);
+    pipe_ = std::make_unique<PipeStep>(cfg_, net_, parts.objective, line, std::move(bounds), std::move(schedule),
+                                       same_stage, comm_, std::move(routes));
+  }
+
+  FlatAdamW& optim() override { return pipe_->optim(); }
+
+  void take_resumed(const Checkpoint* resumed, const std::string& origin, int64_t optimizer_step) override {
+    // Stage 0 read the checkpoint: every stage of its pipeline takes its own parameters' state from
+    // it, by name (whatever split, or none, wrote it); the other replicas then from that pipeline.
+    const TensorMap none;
+    if (layout_.replica == 0) {
+      const TensorMap params = pipe_->share(resumed ? resumed->model : none, "", origin);
+      const TensorMap ema = pipe_->share(resumed ? resumed->ema : none, "", origin);
+      TensorMap moments = pipe_->share(resumed ? resumed->optim : none, "exp_avg.", origin);
+      moments.merge(pipe_->share(resumed ? resumed->optim : none, "exp_avg_sq.", origin));
+      pipe_->optim().load(params, ema, moments, optimizer_step, origin);
+    }
+    if (layout_.replicas > 1) pipe_->share_with_replicas();
+  }
+
+  // A stage's optimizer holds only its own parameters: the whole model is compared.
+  std::vector<torch::Tensor> initial_weights() override { return net_->parameters(); }
+
+  EngineBegun begin(const EngineStart& start) override {
+    timed_from_ = start.step + 1;  // the first step of a run warms up: not timed
+    return {start.step};
+  }
+
+  StepResult step(const std::vector<Batch>& micro, int64_t step, const std::vector<Batch>& next) override {
+    const auto start = std::chrono::steady_clock::now();
+    const StepResult r = pipe_->run(micro, step, next);
+    if (step >= timed_from_) {
+      timed_ms_ += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+      ++timed_steps_;
+    }
+    // With a fill plan, the steps after the first that runs it (which prepares its ahead rows itself).
+    if (pipe_->fill_news() && pipe_->fill_plan()->used) timed_ms_ = 0, timed_steps_ = 0, timed_from_ = step + 2;
+    return r;
+  }
+  bool wants_next() const override { return pipe_->wants_next(); }
+  std::string news(int64_t done) override {
+    if (!pipe_->fill_news()) return {};
+    return "parallel.fill after step " + std::to_string(done) + ": " + pipe_->fill_plan()->summary;
+  }
+  int agree_stop(int64_t, int64_t, int signal) override { return agree_on_stop(*comm_, signal); }
+
+  void contribute(Checkpoint& ck, int64_t) override {
+    // Every stage contributes its parameters' state, assembled by name (a collective); every replica
+    // holds the same, so replica 0's pipeline alone assembles.
+    TensorMap params, ema, moments;
+    if (layout_.replica == 0) {
+      const FlatAdamW& o = pipe_->optim();
+      params = pipe_->assemble(o.named_params(), "");
+      ema = pipe_->assemble(o.named_ema(), "");
+      const TensorMap mine = o.optimizer_state();
+      moments = pipe_->assemble(mine, "exp_avg.");
+      moments.merge(pipe_->assemble(mine, "exp_avg_sq."));
+    }
+    if (layout_.rank != 0) return;
+    ck.model = module_state(*net_);
+    for (const auto& [name, t] : params) ck.model[name] = t;  // the other stages' parameters, current
+    ck.ema = ema;
+    ck.optim = moments;
+    ck.state["pipeline"] = {{"stages", pipe_->stages()},
+                            {"processes", layout_.pp},
+                            {"schedule", cfg_.parallel.schedule},
+                            {"first_units", pipe_->bounds()}};
+  }
+
+  std::string describe() const override {
+    const std::vector<int>& b = pipe_->bounds();
+    const int stages = pipe_->stages(), pp = layout_.pp, replicas = layout_.replicas;
+    const ParallelConfig& p = cfg_.parallel;
+    std::ostringstream s;
+    s << "parallel: "
+      << (replicas > 1 ? std::to_string(replicas) + " data-parallel replicas of a pipeline" : "a pipeline") << " of "
+      << stages << " stages" << (stages > pp ? " on " + std::to_string(pp) + " processes, V-shaped" : "") << " ("
+      << p.schedule << ", " << cfg_.train.grad_accum << " micro-batches of " << layout_.local_batch / cfg_.train.grad_accum
+      << "), units";
+    const auto& names = pipe_->unit_names();
+    for (int i = 0; i < stages; ++i)
+      s << (i ? " | " : " ") << names[static_cast<size_t>(b[static_cast<size_t>(i)])] << ".."
+        << names[static_cast<size_t>(b[static_cast<size_t>(i) + 1] - 1)]
+        << (stages > pp ? " (rank " + std::to_string(pipe_->rank_of_stage(i)) + ")" : "");
+    s << " (parallel.cuts = [";
+    for (int i = 1; i < stages; ++i) s << (i > 1 ? ", " : "") << b[static_cast<size_t>(i)];
+    s << "]), activations in " << p.pipe_wire << " on the wire" << (replicas > 1 ? ", gradients in " + p.wire : "")
+      << ", collective timeout " << p.timeout << " s";
+    return s.str();
+  }
+
+  int64_t bytes_sent() const override { return comm_->bytes_sent() + pipe_->group_bytes_sent(); }
+  Comm& group() override { return *comm_; }
+
+  void finish(const RunDir& dir, int64_t first_step, int64_t step, int threads) override {
+    if (step <= first_step) return;
+    // The measured timeline of the last step, every stage's, for `ddm plan --measured` to draw and to
+    // compare with the simulator's; of each replica's pipeline: rank 0 writes its own.
+    const std::vector<std::string> stages = pipe_->all_last_steps();
+    if (layout_.rank != 0) return;
+    PipeTimelineRun run;
+    run.stages = layout_.pp, run.replicas = layout_.replicas, run.schedule = cfg_.parallel.schedule;
+    run.micro = static_cast<int>(cfg_.train.grad_accum), run.rows = cfg_.train.batch_size / cfg_.train.grad_accum;
+    run.threads = threads, run.pipe_wire = cfg_.parallel.pipe_wire, run.machine = cpu_model_name();
+    run.first_units = pipe_->bounds(), run.units = pipe_->unit_names(), run.step = step;
+    run.steps_timed = timed_steps_, run.timed_from = timed_from_ + 1;
+    run.step_ms = timed_steps_ > 0 ? timed_ms_ / timed_steps_ : 0.0;
+    write_pipe_timeline(dir / RunDir::kPipeTimeline, run, stages, pipe_->fill_json());
+  }
+
+ private:
+  const RunConfig cfg_;
+  const ParallelLayout layout_;
+  Net net_;
+  std::shared_ptr<Comm> comm_;
+  std::unique_ptr<PipeStep> pipe_;
+  // Wall time of this run's steps after its first, for the timeline.
+  double timed_ms_ = 0;
+  int64_t timed_steps_ = 0, timed_from_ = 1;
+};
+
+}  // namespace
+
+std::unique_ptr<Engine> make_pipeline_engine(const EngineParts& parts) {
+  return std::make_unique<PipelineEngine>(parts);
+}
+
+}  // namespace ddm

@@ -1,0 +1,336 @@
+// Setting up a training run (see setup.h).
+#include "run/setup.h"
+
+#include <filesystem>
+#include <iostream>
+#include <mutex>
+#include <sstream>
+#include <thread>
+
+#include "comm/env.h"
+#include "core/error.h"
+#include "core/rng.h"
+#include "model/unet.h"
+#include "train/controlnet.h"
+#include "train/embed.h"
+
+namespace fs = std::filesystem;
+
+namespace ddm {
+namespace {
+
+// Keys that may differ between a run and its resumption.
+RunConfig normalized_for_resume(RunConfig c) {
+  RunConfig d;
+  c.train.steps = d.train.steps;
+  c.train.log_every = d.train.log_every;
+  c.train.ckpt_every = d.train.ckpt_every;
+  c.train.keep_ckpts = d.train.keep_ckpts;
+  c.train.threads = d.train.threads;
+  c.train.grad_accum = d.train.grad_accum;  // the global batch stays; how it is split may change
+  c.sample = d.sample;
+  c.parallel = d.parallel;
+  c.diloco = d.diloco;
+  return c;
+}
+
+// Keys that may differ between the ranks of one job: how many threads each uses, and where each
+// finds the data (whose content is compared by hash).
+RunConfig normalized_for_ranks(RunConfig c) {
+  RunConfig d;
+  c.train.threads = d.train.threads;
+  c.data.root = d.data.root;
+  return c;
+}
+
+// Removes what a run writes into its directory (--force, or a run that saved no checkpoint).
+void remove_run_files(const fs::path& dir) {
+  std::error_code ec;
+  for (const char* name : RunDir::run_files()) fs::remove_all(dir / name, ec);
+}
+
+// Checks and prepares the run directory, and returns the lock that keeps a second `ddm train` from
+// writing to it while this one runs. The lock is taken before --force removes anything.
+FileLock prepare_run_dir(const TrainOptions& opt, const RunConfig& cfg) {
+  const fs::path dir(opt.out_dir);
+  const fs::path cfg_path = RunDir(opt.out_dir).config();
+  const char* lock_name = RunDir::kLock;
+  if (!fs::exists(cfg_path) && fs::exists(dir) && !opt.force) {
+    for (const auto& entry : fs::directory_iterator(dir))
+      DDM_CHECK(entry.path().filename() == lock_name,
+                "'" << opt.out_dir << "' is not empty and holds no ddm run; use another --out or --force");
+  }
+  fs::create_directories(dir);
+  FileLock lock((dir / lock_name).string(), "another `ddm train` is writing to " + opt.out_dir +
+                                                "; wait for it to finish or stop it, or use another --out");
+  // A run that saved no checkpoint (it failed early, or was killed before its first one) has nothing to
+  // lose and nothing to resume: it never blocks a fresh start, whatever its config was.
+  if (fs::exists(cfg_path) && !latest_checkpoint(opt.out_dir)) {
+    if (!opt.quiet)
+      std::cout << "note: " << opt.out_dir << " holds a run that saved no checkpoint; starting afresh" << std::endl;
+    remove_run_files(dir);
+    return lock;
+  }
+  if (fs::exists(cfg_path)) {
+    if (opt.resume) {
+      const RunConfig stored = load_config(cfg_path.string());
+      const std::string diff =
+          first_difference(to_toml(normalized_for_resume(stored)), to_toml(normalized_for_resume(cfg)));
+      DDM_CHECK(diff.empty(), "--resume: the config differs from the run stored in " << opt.out_dir << ": " << diff
+                                  << ". Only train.steps, log_every, ckpt_every, keep_ckpts, threads, grad_accum, sample.* and "
+                                     "parallel.* may change on resume; use a new --out or --force to start over");
+      return lock;
+    }
+    DDM_CHECK(opt.force, "'" << opt.out_dir << "' already holds a run (" << cfg_path.string()
+                             << "); use --resume to continue it, --force to overwrite it, or another --out");
+    remove_run_files(dir);
+  }
+  return lock;
+}
+
+CommOptions comm_options(const ParallelConfig& p) {
+  CommOptions o;
+  o.timeout = std::chrono::milliseconds(static_cast<int64_t>(p.timeout * 1000));
+  o.connect_timeout = o.timeout;  // a rank started long before rank 0 (a busy Slurm node) waits as long
+  return o;
+}
+
+}  // namespace
+
+int set_threads(int64_t threads, int local_processes) {
+  // 0 = the cores shared among the processes on this machine: two ranks with every core each run
+  // at half the speed of two ranks with one core each (docs/results.md, "Data parallel").
+  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  int n = threads > 0 ? static_cast<int>(threads) : std::max(1, cores / std::max(1, local_processes));
+  torch::set_num_threads(n);
+  return n;
+}
+
+void resolve_data_shape(RunConfig& cfg, const Dataset& data) {
+  ModelConfig& m = cfg.model;
+  const int64_t c = data.images.size(1), h = data.images.size(2), w = data.images.size(3);
+  DDM_CHECK(h == w, "images must be square, got " << h << "x" << w << " from " << data.description);
+  DDM_CHECK(m.num_classes == -1 || m.num_classes == 0 || m.num_classes == data.num_classes,
+            "model.num_classes = " << m.num_classes << " but the data has " << data.num_classes
+                                   << " classes; use -1 (from data) or 0 (unconditional)");
+  if (m.num_classes == -1) m.num_classes = data.num_classes;
+  m.self_cond = cfg.train.self_cond > 0;  // derived: the network takes the estimate as more channels
+  if (!m.embed.empty()) resolve_embed(m, data);      // on the pixel images, before any latent
+  if (!m.controlnet.empty()) {  // the model is the base's U-Net
+    resolve_controlnet(cfg, data);
+    return;
+  }
+  if (!m.latent.empty()) {  // the model's input is the autoencoder's latents
+    resolve_latent(m, data);
+    return;
+  }
+  DDM_CHECK(m.in_channels == 0 || m.in_channels == c,
+            "model.in_channels = " << m.in_channels << " but the data has " << c << " channels; remove the key");
+  DDM_CHECK(m.image_size == 0 || m.image_size == h,
+            "model.image_size = " << m.image_size << " but the data is " << h << "x" << w << "; remove the key");
+  m.in_channels = c;
+  m.image_size = h;
+}
+
+
+TrainJob plain_job(RunConfig cfg) {
+  validate(cfg);
+  set_threads(cfg.train.threads);
+  TrainJob job;
+  job.data = load_dataset(cfg.data);
+  resolve_data_shape(cfg, job.data);
+  DDM_CHECK(job.data.images.size(0) > 0, "the dataset " << job.data.description << " is empty");
+  job.cfg = cfg;
+  job.recorded = cfg;
+  return job;
+}
+
+JobProcess join_job(const RunConfig& cfg, TrainOptions& opt) {
+  JobProcess p;
+  p.comm = opt.comm;
+  if (p.comm) return p;
+  const DistEnv env = detect_dist_env();
+  p.local_processes = env.local_world_size;
+  p.rejoining = env.rejoin && env.distributed();
+  DDM_CHECK(!p.rejoining || cfg.parallel.mode == "diloco",
+            "rank " << env.rank << ": this process was restarted alone into a running job (DDM_REJOIN=1, `ddm launch "
+                       "--restart failed`), which only DiLoCo replicas can join (parallel.mode = \"diloco\"); "
+                       "data parallelism restarts every process: use `ddm launch --restart all`");
+  DDM_CHECK(!p.rejoining || env.rank != 0, "rank 0 writes the run and cannot rejoin it alone: restart the whole job");
+  if (env.restart_count > 0 && !opt.resume) {
+    // Restarted by the launcher after a failure (torchelastic's semantics): continue from the last
+    // checkpoint; never re-apply --force to the run the first attempt started.
+    opt.resume = true;
+    opt.force = false;
+    if (env.rank == 0 && !opt.quiet)
+      std::cout << "restart " << env.restart_count << " of this job: resuming from the last checkpoint" << std::endl;
+  }
+  p.comm = p.rejoining ? Comm::create_store_only(env, comm_options(cfg.parallel)) : Comm::create(env, comm_options(cfg.parallel));
+  return p;
+}
+
+BuiltModel build_model(TrainJob& job, bool announce) {
+  const RunConfig& cfg = job.cfg;
+  const Dataset& data = job.data;
+  if (!job.objective) job.objective = make_objective(cfg);
+  BuiltModel m;
+  static std::mutex init_mutex;  // the global generator: ranks may be threads of one process (tests)
+  std::lock_guard<std::mutex> guard(init_mutex);
+  torch::manual_seed(derive_seed({static_cast<uint64_t>(cfg.train.seed), static_cast<uint64_t>(RngPurpose::kInit)}));
+  m.net = make_net(cfg.model);
+  // Latent models: the frozen encoder runs in every step's prepare phase. Loaded under the lock
+  // too: building it draws (then overwritten) initial weights from the global generator.
+  if (cfg.train.cache_latents && announce)
+    std::cout << "caching the latents of " << data.images.size(0) << " images (train.cache_latents)..." << std::endl;
+  m.latent = attach_latent(*job.objective, cfg.model, cfg.train.cache_latents ? &data : nullptr);
+  attach_controlnet(*m.net, cfg.model);  // the locked base, and the trainable copy's initial weights
+  attach_embed(*job.objective, cfg.model);  // image-embedding conditioning: the frozen feature network
+  m.net->train();
+  m.params = count_params(*m.net);  // the whole model's, before a pipeline stage freezes the others'
+  return m;
+}
+
+std::vector<std::pair<std::string, std::string>> run_identity(const RunConfig& recorded, const Dataset& data,
+                                                              const Net& net) {
+  std::vector<std::pair<std::string, std::string>> kv;
+  std::istringstream in(to_toml(normalized_for_ranks(recorded)));
+  std::string line, section;
+  while (std::getline(in, line)) {
+    if (line.empty()) continue;
+    if (line[0] == '[') {
+      section = line.substr(1, line.find(']') - 1);
+      continue;
+    }
+    const auto eq = line.find(" = ");
+    if (eq != std::string::npos) kv.emplace_back(section + "." + line.substr(0, eq), line.substr(eq + 3));
+  }
+  const torch::Tensor images = data.images.contiguous(), labels = data.labels.contiguous();
+  kv.emplace_back("data (sha256 of the images and labels)",
+                  sha256_hex(std::string(static_cast<const char*>(images.data_ptr()), images.nbytes()) +
+                             std::string(static_cast<const char*>(labels.data_ptr()), labels.nbytes())));
+  kv.emplace_back("model (parameters)", std::to_string(count_params(*net)));
+  return kv;
+}
+
+RunStart start_run(const TrainOptions& opt, const TrainJob& job, Net& net, Engine& engine, BatchLoader& loader,
+                   Comm& comm, bool rejoining) {
+  const RunDir dir(opt.out_dir);
+  const bool lead = comm.rank() == 0;
+  FlatAdamW& optim = engine.optim();
+  RunStart s;
+  std::string resumed_from;  // rank 0: the checkpoint's directory
+  // Only rank 0 touches the run directory: lock, config, records, the checkpoint to resume from.
+  std::string setup_error;
+  if (lead) {
+    try {
+      s.lock.emplace(prepare_run_dir(opt, job.recorded));
+      write_file_atomic(dir.config(), to_toml(job.recorded));
+      if (job.records) job.records(dir, opt.resume);
+      if (opt.resume) {
+        if (auto latest = latest_checkpoint(opt.out_dir)) {
+          const Checkpoint& ck = s.resumed.emplace(read_checkpoint(*latest));
+          resumed_from = *latest;
+          load_module_state(*net, ck.model, RunDir(*latest) / RunDir::kModel);
+          optim.load(ck.model, ck.ema, ck.optim, ck.field<int64_t>("/optimizer_step"), *latest);
+          loader.set_cursor({ck.field<int64_t>("/data_cursor/epoch"), ck.field<int64_t>("/data_cursor/index")});
+          if (ck.state.contains("log_interval")) {  // absent in checkpoints of older versions
+            s.interval_loss_sum = ck.field<double>("/log_interval/loss_sum");
+            s.interval_steps = ck.field<int64_t>("/log_interval/steps");
+          }
+          if (ck.state.contains("sent_bytes")) s.sent_before = ck.field<int64_t>("/sent_bytes");
+          s.step = ck.step;
+          s.last_ckpt = *latest;
+          if (!opt.quiet) std::cout << "resuming from " << *latest << " (step " << s.step << ")\n";
+        } else if (!opt.quiet) {
+          std::cout << "no checkpoint in " << opt.out_dir << ": starting from step 0\n";
+        }
+      }
+    } catch (const std::exception& e) {
+      if (!comm.distributed()) throw;
+      setup_error = e.what();
+    }
+  }
+  if (!comm.distributed() || rejoining) return s;
+  // Every rank learns whether rank 0 could set up the run, then starts from rank 0's state (its
+  // checkpoint, or the same seeded initialization).
+  if (comm.max_int(setup_error.empty() ? 0 : 1) != 0) {
+    DDM_CHECK(!lead, setup_error);
+    DDM_FAIL("rank 0 could not set up the run in " << opt.out_dir << " (its message says why); nothing was trained");
+  }
+  torch::NoGradGuard no_grad;
+  const auto cur = loader.cursor();
+  const int64_t loaded = s.resumed ? 1 : 0;
+  auto ints = torch::tensor({s.step, optim.step_count(), cur.epoch, cur.index, s.interval_steps, s.sent_before, loaded},
+                            torch::kLong);
+  auto sums = torch::tensor({s.interval_loss_sum}, torch::kDouble);
+  comm.broadcast(ints, 0);
+  comm.broadcast(sums, 0);
+  if (ints[6].item<int64_t>() != 0) {
+    engine.take_resumed(s.resumed ? &*s.resumed : nullptr, s.resumed ? resumed_from : "the checkpoint",
+                         ints[1].item<int64_t>());
+    for (auto& b : net->named_buffers(true)) {
+      torch::Tensor t = b.value();
+      comm.broadcast(t, 0);
+    }
+  } else {
+    // A fresh start: every rank made the same seeded initialization (EMA = weights, zero moments),
+    // so a hash proves it instead of sending 4 copies of the parameters (6.5 s at 10 Mbit/s).
+    std::string blob;
+    for (const torch::Tensor& w : engine.initial_weights()) {
+      const torch::Tensor t = w.detach().contiguous();
+      blob += std::string(static_cast<const char*>(t.data_ptr()), t.nbytes());
+    }
+    for (const auto& b : net->named_buffers(true)) {
+      const torch::Tensor t = b.value().contiguous();
+      blob += std::string(static_cast<const char*>(t.data_ptr()), t.nbytes());
+    }
+    comm.check_same({{"initial weights (sha256)", sha256_hex(blob)}}, "seeded initialization");
+  }
+  s.step = ints[0].item<int64_t>();
+  optim.set_step_count(ints[1].item<int64_t>());
+  loader.set_cursor({ints[2].item<int64_t>(), ints[3].item<int64_t>()});
+  s.interval_steps = ints[4].item<int64_t>();
+  s.sent_before = ints[5].item<int64_t>();
+  s.interval_loss_sum = sums[0].item<double>();
+  return s;
+}
+
+void print_run_header(const TrainJob& job, const BuiltModel& model, const ParallelLayout& layout, const Engine& engine,
+                      int threads, const std::string& out_dir) {
+  const RunConfig& cfg = job.cfg;
+  const TrainConfig& tc = cfg.train;
+  const Dataset& data = job.data;
+  std::cout << "data:  " << data.description << "\n"
+            << "model: " << cfg.model.preset << " (" << cfg.model.arch << "), " << model.params
+            << " parameters, " << forward_flops_per_image(cfg.model) / 1e6 << " MFLOP/image forward\n"
+            << "objective: " << job.objective->describe() << "\n";
+  if (model.latent) {
+    const AutoencoderShape& a = model.latent->shape();
+    std::cout << "latent: " << a.latent_channels << "x" << a.latent_size() << "x" << a.latent_size()
+              << " latents of the frozen autoencoder " << model.latent->checkpoint() << " (sha256 "
+              << model.latent->sha256().substr(0, 12) << "..., scale " << model.latent->scale() << ", shift "
+              << model.latent->shift()
+              << "; its encoder " << encoder_flops_per_image(a) / 1e6 << " MFLOP/image)\n";
+  }
+  if (!cfg.model.embed.empty())
+    std::cout << "embed: conditioned on the " << cfg.model.embed_dim << "-dim embedding of each image by the frozen "
+              << cfg.model.embed << " (sha256 " << cfg.model.embed_sha256.substr(0, 12)
+              << "...), dropped with the label\n";
+  if (!cfg.model.controlnet.empty())
+    std::cout << "controlnet: the locked base " << cfg.model.controlnet << " (sha256 "
+              << cfg.model.controlnet_sha256.substr(0, 12) << "..., " << unet_forward_flops(cfg.model) / 1e6
+              << " MFLOP/image) steered by " << cfg.model.control << " maps; the parameters above are the "
+              << "trainable copy, hint block and zero convolutions\n";
+  std::cout << job.header << "train: " << tc.steps << " steps, batch " << tc.batch_size;
+  if (layout.replicas > 1)
+    std::cout << " (" << layout.replicas << (layout.pipelined() ? " replicas" : " ranks") << " x "
+              << layout.local_batch << ")";
+  if (tc.grad_accum > 1) std::cout << " in " << tc.grad_accum << " micro-batches";
+  std::cout << ", lr " << tc.lr << ", " << threads << " thread" << (threads > 1 ? "s" : "")
+            << (layout.world > 1 ? " per rank" : "") << ", seed " << tc.seed << "\n";
+  const std::string parallel = engine.describe();
+  if (!parallel.empty()) std::cout << parallel << "\n";
+  std::cout << "out:   " << out_dir << std::endl;
+}
+
+}  // namespace ddm
