@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Training speed of two builds of ddm side by side, in every parallel mode: for checking that a change
 # to the code's structure costs no speed (scripts/same_results.sh checks it changes no result). The
-# runs of scripts/same_results.sh, longer (unet-small, 40 steps of batch 64, 1 thread per process):
+# modes of scripts/same_results.sh, longer (unet-tiny, 40 steps of batch 64, 1 thread per process):
 # data parallel (2 processes), DiLoCo (2 replicas), a pipeline with bubble filling (2 stages, ZB-H1),
 # a V-shaped pipeline (2 x 2 stages, ZB-V). Each round runs every mode with build A then build B (B
 # first in odd rounds); a run's speed is its images per second over steps 11-40 (metrics.jsonl,
@@ -17,7 +17,7 @@ for x in "$a" "$b"; do [ -x "$x" ] || { echo "same_speed: $x is not an executabl
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 common=(--config configs/quickstart.toml --set train.steps=40 --set train.batch_size=64 --set train.log_every=10
-        --set train.ckpt_every=40 --set train.threads=1 --set train.warmup=2 --set model.preset=unet-small)
+        --set train.ckpt_every=40 --set train.threads=1 --set train.warmup=2 --set model.preset=unet-tiny)
 declare -A modes=(
   [data-parallel]="--set parallel.dp=0"
   [diloco]="--set parallel.mode=diloco --set diloco.inner_steps=4"

@@ -28,7 +28,7 @@ cmake -S . -B build-san $args -DCMAKE_CXX_COMPILER=clang++-14 -DCMAKE_BUILD_TYPE
   -DDDM_SANITIZE=ON -DDDM_OPENMP=OFF -DDDM_BUILD_BENCH=OFF >/dev/null
 # Only what runs here: the unit tests, the ddm binary (test_config runs it) and the fuzz targets.
 build_targets=(ddm)
-for f in tests/unit/test_*.cpp fuzz/fuzz_*.cpp; do build_targets+=("$(basename "$f" .cpp)"); done
+for f in $(find tests/unit -name 'test_*.cpp') fuzz/fuzz_*.cpp; do build_targets+=("$(basename "$f" .cpp)"); done
 cmake --build build-san -j"$jobs" --target "${build_targets[@]}"
 
 if [ -x /usr/lib/llvm-14/bin/llvm-symbolizer ]; then

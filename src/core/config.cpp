@@ -296,7 +296,11 @@ RunConfig load_config(const std::string& path, const std::vector<std::string>& o
   return parse_config(text, path, overrides);
 }
 
-void validate(const RunConfig& c) {
+namespace {
+
+// What the run trains on and as what: the data source and split, an expert's cluster, a router's
+// partition, the expert budget, distillation.
+void validate_data(const RunConfig& c) {
   check_choice("data.source", c.data.source, {"fashion-mnist", "folder", "safetensors"});
   check_choice("data.split", c.data.split, {"train", "test"});
   DDM_CHECK(c.data.limit >= 0, "data.limit must be >= 0 (0 = all), got " << c.data.limit);
@@ -323,7 +327,11 @@ void validate(const RunConfig& c) {
             "train.teacher = " << c.train.teacher << " distills an ensemble into one "
                                << (router ? "diffusion model, not a router" : "model trained on all the data")
                                << "; remove " << (router ? "train.teacher" : "data.partition and data.expert"));
+}
 
+// The model: its architecture, latent / ControlNet / embedding conditioning, sizes.
+void validate_model(const RunConfig& c) {
+  const ModelConfig& m = c.model;
   check_choice("model.arch", m.arch, {"unet", "dit", "router-dit", "router-conv", "autoencoder"});
   if (m.arch == "autoencoder") {
     DDM_CHECK(c.data.partition.empty(), "model.arch = autoencoder trains on all the data: remove data.partition");
@@ -380,13 +388,19 @@ void validate(const RunConfig& c) {
   DDM_CHECK(m.depth > 0, "model.depth must be > 0, got " << m.depth);
   DDM_CHECK(m.heads > 0, "model.heads must be > 0, got " << m.heads);
   DDM_CHECK(m.mlp_ratio > 0, "model.mlp_ratio must be > 0, got " << m.mlp_ratio);
+}
 
+// The noise process and the objective.
+void validate_diffusion(const RunConfig& c) {
   const DiffusionConfig& d = c.diffusion;
   check_choice("diffusion.objective", d.objective, {"flow", "eps", "v"});
   check_choice("diffusion.schedule", d.schedule, {"linear", "cosine"});
   check_choice("diffusion.time_dist", d.time_dist, {"uniform", "logit-normal"});
   DDM_CHECK(d.logit_std > 0, "diffusion.logit_std must be > 0, got " << d.logit_std);
+}
 
+// The optimization: steps, batch, learning rate, AdamW, EMA, checkpoints, threads.
+void validate_train(const RunConfig& c) {
   const TrainConfig& t = c.train;
   DDM_CHECK(t.steps > 0, "train.steps must be > 0, got " << t.steps);
   DDM_CHECK(t.batch_size > 0, "train.batch_size must be > 0, got " << t.batch_size);
@@ -419,7 +433,10 @@ void validate(const RunConfig& c) {
   DDM_CHECK(t.ckpt_every > 0, "train.ckpt_every must be > 0, got " << t.ckpt_every);
   DDM_CHECK(t.keep_ckpts > 0, "train.keep_ckpts must be > 0, got " << t.keep_ckpts);
   DDM_CHECK(t.grad_accum > 0, "train.grad_accum must be > 0, got " << t.grad_accum);
+}
 
+// How the processes divide the training: data parallel, pipeline stages and schedule, wires.
+void validate_parallel(const RunConfig& c) {
   const ParallelConfig& par = c.parallel;
   DDM_CHECK(par.dp >= 0, "parallel.dp must be >= 0 (0 = every process), got " << par.dp);
   DDM_CHECK(par.timeout > 0 && par.timeout <= 86400,
@@ -443,7 +460,10 @@ void validate(const RunConfig& c) {
     DDM_CHECK(par.cuts[i] > (i == 0 ? 0 : par.cuts[i - 1]),
               "parallel.cuts must be increasing unit indices > 0, got " << par.cuts[i] << " at position " << i);
   DDM_CHECK(par.pp == 1 || par.mode == "dp", "parallel.pp = " << par.pp << " needs parallel.mode = \"dp\" (DiLoCo replicas are whole models)");
+}
 
+// DiLoCo's outer loop.
+void validate_diloco(const RunConfig& c) {
   const DilocoConfig& dl = c.diloco;
   DDM_CHECK(dl.inner_steps > 0, "diloco.inner_steps must be > 0 (inner steps between synchronizations), got "
                                    << dl.inner_steps);
@@ -463,12 +483,27 @@ void validate(const RunConfig& c) {
   check_choice("diloco.wire", dl.wire, {"float32", "float16"});
   DDM_CHECK(dl.peer_wait > 0 && dl.peer_wait <= 86400,
             "diloco.peer_wait must be in (0, 86400] seconds, got " << dl.peer_wait);
+}
 
+// The defaults of `ddm sample`.
+void validate_sample(const RunConfig& c) {
   const SampleConfig& s = c.sample;
   check_choice("sample.sampler", s.sampler, {"euler", "heun", "ddim", "ddpm"});
   DDM_CHECK(s.steps > 0, "sample.steps must be > 0, got " << s.steps);
   DDM_CHECK(s.cfg >= 0, "sample.cfg must be >= 0 (1 = no guidance), got " << s.cfg);
   DDM_CHECK(s.n > 0, "sample.n must be > 0, got " << s.n);
+}
+
+}  // namespace
+
+void validate(const RunConfig& c) {
+  validate_data(c);
+  validate_model(c);
+  validate_diffusion(c);
+  validate_train(c);
+  validate_parallel(c);
+  validate_diloco(c);
+  validate_sample(c);
 }
 
 std::string first_difference(const std::string& a, const std::string& b, const std::string& name_a,

@@ -6,6 +6,7 @@
 
 #include "core/error.h"
 #include "core/fileio.h"
+#include "core/json.h"
 #include "core/run_dir.h"
 #include "core/version.h"
 #include "data/dataset.h"
@@ -111,9 +112,10 @@ nlohmann::json assemble_ensemble(const std::string& dir, const EnsembleSpec& spe
                    << "; list the experts in cluster order");
     const LoadedModel lm = load_model(run, /*use_ema=*/false);
     same_shape(lm, what);
-    if (rec.contains("steps") && lm.step < rec["steps"].get<int64_t>())
-      notes.push_back(what + " stopped at step " + std::to_string(lm.step) + " of " +
-                      std::to_string(rec["steps"].get<int64_t>()) + " (finish it with ddm train --resume, then re-assemble)");
+    const int64_t steps = rec.contains("steps") ? json_int(rec["steps"], what + ": key \"steps\"", 0) : 0;
+    if (lm.step < steps)
+      notes.push_back(what + " stopped at step " + std::to_string(lm.step) + " of " + std::to_string(steps) +
+                      " (finish it with ddm train --resume, then re-assemble)");
     m["experts"].push_back({{"index", i},
                             {"path", stored_path(dir, run)},
                             {"checkpoint", stored_path(dir, lm.checkpoint)},
@@ -165,7 +167,7 @@ LoadedEnsemble load_ensemble(const std::string& dir, bool use_ema, bool allow_mi
     e.manifest = nlohmann::json::parse(read_file(manifest.string()));
     DDM_CHECK(e.manifest.value("format", "") == kEnsembleFormat,
               manifest.string() << " has format '" << e.manifest.value("format", "") << "', expected " << kEnsembleFormat);
-    e.k = e.manifest.at("k").get<int64_t>();
+    e.k = json_int(e.manifest.at("k"), manifest.string() + ": key \"k\"");
     DDM_CHECK(e.k >= 1 && static_cast<int64_t>(e.manifest.at("experts").size()) == e.k,
               manifest.string() << " lists " << e.manifest.at("experts").size() << " experts for k = " << e.k);
     e.partition_dir = resolved_path(dir, e.manifest.at("partition").at("path").get<std::string>());

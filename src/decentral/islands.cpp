@@ -28,6 +28,7 @@
 #include "core/config.h"
 #include "core/error.h"
 #include "core/fileio.h"
+#include "core/json.h"
 #include "core/run_dir.h"
 #include "decentral/ensemble_dir.h"
 #include "decentral/partition.h"
@@ -132,7 +133,8 @@ Progress progress_of(const Island& is) {
   }
   try {
     if (is.expert >= 0 && fs::exists(RunDir(is.dir) / RunDir::kExpert)) {
-      p.steps = nlohmann::json::parse(read_file(RunDir(is.dir) / RunDir::kExpert)).at("steps").get<int64_t>();
+      const std::string record = RunDir(is.dir) / RunDir::kExpert;
+      p.steps = json_int(nlohmann::json::parse(read_file(record)).at("steps"), record + ": key \"steps\"", 0);
     } else if (is.expert < 0 && fs::exists(RunDir(is.dir).config())) {
       p.steps = load_config(RunDir(is.dir).config()).train.steps;
     }

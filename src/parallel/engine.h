@@ -50,8 +50,11 @@ struct EngineStart {
 struct EngineBegun {
   int64_t step = 0;  // the step to continue after (a rejoining replica: the group's)
   bool over = false; // a rejoining replica found the job finished: nothing to do
+  // Joined a running group: the rest of the step it was at comes first (at the run's last step, the
+  // other final synchronizations: agree_stop(step, last, 0); else `stop`, the stop the group agreed
+  // on when it was admitted).
   bool joined = false;
-  int stop = 0;      // joined: the stop the group agreed on when it was admitted
+  int stop = 0;
 };
 
 class Engine {

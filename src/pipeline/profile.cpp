@@ -13,6 +13,7 @@
 
 #include "core/error.h"
 #include "core/fileio.h"
+#include "core/json.h"
 #include "core/runtime.h"
 #include "model/controlnet.h"
 
@@ -196,14 +197,10 @@ PipeProfile read_profile(const std::string& path) {
   }
   PipeProfile p;
   std::string where = "";
-  // Integers are checked before conversion: nlohmann's get<int64_t>() of a float such as 3e81 is
-  // undefined behaviour (found by fuzz_pipe_profile).
+  // Integers are checked before conversion (core/json.h; found by fuzz_pipe_profile).
   auto whole = [&](const nlohmann::json& v, int64_t lo = std::numeric_limits<int64_t>::min(),
                    int64_t hi = std::numeric_limits<int64_t>::max()) {
-    DDM_CHECK(v.is_number_integer() && (v.is_number_unsigned() ? v.get<uint64_t>() <= static_cast<uint64_t>(hi)
-                                                                 : v.get<int64_t>() >= lo && v.get<int64_t>() <= hi),
-              path << ": key \"" << where << "\": " << v.dump() << " is not an integer in [" << lo << ", " << hi << "]");
-    return v.get<int64_t>();
+    return json_int(v, path + ": key \"" + where + "\"", lo, hi);
   };
   const int64_t int_min = std::numeric_limits<int>::min(), int_max = std::numeric_limits<int>::max();
   try {

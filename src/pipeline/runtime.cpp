@@ -18,59 +18,8 @@
 namespace ddm {
 namespace {
 
-// A carry on the wire: a fixed-size int64 header (which of h / emb are present, the tensor count,
-// then each tensor's rank and sizes), then every tensor's float32 values in one flat message.
-constexpr int64_t kHeader = 128;
-// Per micro-batch: the carry and its gradient; self-conditioning's first pass (its carry, and the
-// last stage's output back to stage 0); each
-// direct skip slot i's value (kSkip + 2i) and gradient (kSkipGrad + 2i).
-enum Tag { kCarryHeader = 0, kCarryValues = 1, kGradient = 2, kFirstHeader = 3, kFirstValues = 4, kFirstOut = 5,
-           kSkip = 6, kSkipGrad = 7 };
-
 using Clock = std::chrono::steady_clock;
 constexpr int64_t kMeasuredStep = 2;  // the fill plan is made from the run's second step
-
-torch::Tensor flat_of(const std::vector<torch::Tensor>& ts) {
-  std::vector<torch::Tensor> flat;
-  for (const torch::Tensor& t : ts) flat.push_back(t.detach().reshape({-1}));
-  return torch::cat(flat).contiguous();  // float [sum of numel]
-}
-
-int64_t numel_of(const std::vector<int64_t>& shape) {
-  int64_t n = 1;
-  for (int64_t d : shape) n *= d;
-  return n;
-}
-
-int64_t numel_of(const std::vector<std::vector<int64_t>>& shapes) {
-  int64_t n = 0;
-  for (const auto& s : shapes) n += numel_of(s);
-  return n;
-}
-
-// A carry header's entries (see send_carry): the shapes of the tensors it carries, and per entry
-// whether it carries one (false: a placeholder).
-std::vector<std::vector<int64_t>> header_shapes(const torch::Tensor& header, std::vector<bool>* present = nullptr) {
-  const auto* h = header.data_ptr<int64_t>();
-  std::vector<std::vector<int64_t>> shapes;
-  for (int64_t i = 0, at = 2; i < h[1]; ++i) {
-    if (present) present->push_back(h[at] >= 0);
-    if (h[at] >= 0) shapes.emplace_back(h + at + 1, h + at + 1 + h[at]);
-    at += h[at] >= 0 ? 1 + h[at] : 1;
-  }
-  return shapes;
-}
-
-// Views of `flat` shaped like `shapes`, in order.
-std::vector<torch::Tensor> split_flat(const torch::Tensor& flat, const std::vector<std::vector<int64_t>>& shapes) {
-  std::vector<torch::Tensor> out;
-  int64_t at = 0;
-  for (const auto& s : shapes) {
-    out.push_back(flat.narrow(0, at, numel_of(s)).view(s));
-    at += numel_of(s);
-  }
-  return out;
-}
 
 }  // namespace
 
@@ -154,7 +103,7 @@ PipeStep::PipeStep(const RunConfig& cfg, Net net, std::shared_ptr<Objective> obj
   if (routes_.in.empty()) routes_.in.assign(static_cast<size_t>(S), {});  // no routes: every skip carried
   DDM_CHECK(static_cast<int>(routes_.in.size()) == S && (routes_.out.empty() || static_cast<int>(routes_.out.size()) == S - 1),
             "pipeline: skip routes for " << routes_.in.size() << " stages, not " << S);
-  tags_ = kSkip + 2 * routes_.slots;
+  wire_ = std::make_unique<PipeWire>(comm_, schedule_, routes_.slots, cfg_.parallel.pipe_wire == "bfloat16");
   // Every trainable parameter of the whole model, by name, before the other stages' are frozen.
   std::map<const void*, std::string> name_of;
   for (const auto& p : net_->named_parameters()) {
@@ -202,7 +151,6 @@ PipeStep::PipeStep(const RunConfig& cfg, Net net, std::shared_ptr<Objective> obj
             "pipeline: a replica's batch of " << replica_batch << " does not split into " << tc.grad_accum << " micro-batches");
   rows_ = replica_batch / tc.grad_accum;
   objective_self_cond_ = tc.self_cond > 0;
-  bf16_wire_ = cfg_.parallel.pipe_wire == "bfloat16";
   quantum_ = prepare_quantum(rows_);
   if (replicas_) {
     // Averaged during the stage's last backward (hooks enabled for it alone), as data parallelism
@@ -217,102 +165,39 @@ PipeStep::PipeStep(const RunConfig& cfg, Net net, std::shared_ptr<Objective> obj
   }
 }
 
-void PipeStep::post_send(torch::Tensor t, int peer, int tag) {
-  sends_.emplace_back(comm_->send_async(t, peer, tag), t);
-}
-
 PipeStep::Local& PipeStep::local(int stage) {
   for (Local& l : locals_)
     if (l.stage == stage) return l;
   DDM_FAIL("pipeline: stage " << stage << " does not run on rank " << rank_);
 }
 
-bool PipeStep::narrowed(const torch::Tensor& t) const { return bf16_wire_ && t.scalar_type() == torch::kFloat; }
-
-int64_t PipeStep::wire_bytes(const torch::Tensor& t) const {
-  return static_cast<int64_t>(t.nbytes()) / (narrowed(t) ? 2 : 1);
-}
-
-void PipeStep::send_to(torch::Tensor t, int to_stage, int tag) {
-  // Across processes a float tensor travels as bfloat16 with parallel.pipe_wire = bfloat16 (rounded
-  // to nearest); within one the mailbox hands it over as it is.
-  if (rank_of(to_stage) != rank_) return post_send(narrowed(t) ? t.to(torch::kBFloat16) : t, rank_of(to_stage), tag);
-  DDM_CHECK(mailbox_.emplace(tag, t.detach()).second, "pipeline: message " << tag << " sent twice within rank " << rank_);
-}
-
-PipeStep::Recv PipeStep::post_recv(torch::Tensor t, int from_stage, int tag) {
-  Recv r;
-  r.tensor = t, r.from = from_stage, r.tag = tag, r.local = rank_of(from_stage) == rank_;
-  if (r.local) return r;
-  r.wire = narrowed(t) ? torch::empty(t.sizes(), torch::kBFloat16) : t;
-  r.work = comm_->recv_async(r.wire, rank_of(from_stage), tag);
-  return r;
-}
-
-torch::Tensor PipeStep::wait_recv(Recv& r, const std::string& what) {
-  if (!r.local) {
-    comm_->wait(r.work, what);
-    if (r.wire.scalar_type() != r.tensor.scalar_type()) r.tensor.copy_(r.wire);  // bfloat16 -> float32, exact
-    return r.tensor;
-  }
-  auto it = mailbox_.find(r.tag);
-  // A stage here sends before a stage here receives: the schedule orders both on this rank.
-  DDM_CHECK(it != mailbox_.end(), "pipeline: rank " << rank_ << " waits for message " << r.tag << " from stage " << r.from
-                                                     << ", which this rank has not sent yet (" << what << ")");
-  DDM_CHECK(it->second.sizes() == r.tensor.sizes(), "pipeline: message " << r.tag << " within rank " << rank_ << " has shape "
-                                                                          << it->second.sizes() << ", expected " << r.tensor.sizes());
-  r.tensor = it->second;
-  mailbox_.erase(it);
-  return r.tensor;
-}
-
 void PipeStep::send_carry(Local& l, const NetCarry& k, int micro, bool first_pass, Micro* m) {
-  // The header lists h and emb (when defined), then every skip slot: -1 for a placeholder (a slot an
-  // earlier stage holds, or one this stage sends directly to its reader), else its dims and sizes.
+  // The skips routed straight to the stages that read them go there; the carry lists them as
+  // placeholders (as it does a slot an earlier stage holds).
   const int s = l.stage;
   const std::vector<int>* route = first_pass || routes_.out.empty() ? nullptr : &routes_.out[static_cast<size_t>(s)];
   DDM_CHECK(!route || route->size() == k.skips.size(),
             "pipeline: stage " << s << " sends " << k.skips.size() << " skips, its routes know " << route->size());
-  std::vector<torch::Tensor> carried;
-  auto header = torch::zeros({kHeader}, torch::kLong);
-  auto* h = header.data_ptr<int64_t>();
-  h[0] = (k.h.defined() ? 1 : 0) | (k.emb.defined() ? 2 : 0);
-  int64_t at = 2, entries = 0;
-  auto put = [&](const torch::Tensor& t) {
-    DDM_CHECK(at + 1 + (t.defined() ? t.dim() : 0) <= kHeader, "pipeline: the carry has too many tensors for its header");
-    ++entries;
-    if (!t.defined()) {
-      h[at++] = -1;
-      return;
-    }
-    DDM_CHECK(t.scalar_type() == torch::kFloat, "pipeline: a carried tensor is " << t.scalar_type() << ", not float");
-    h[at++] = t.dim();
-    for (int64_t d : t.sizes()) h[at++] = d;
-    carried.push_back(t);
-  };
-  for (const torch::Tensor& t : {k.h, k.emb})
-    if (t.defined()) put(t);
+  std::vector<bool> carried(k.skips.size(), true);
   for (size_t i = 0; i < k.skips.size(); ++i) {
     const int r = route ? (*route)[i] : PipeSkipRoutes::kCarried;
-    if (r == PipeSkipRoutes::kCarried) {
-      put(k.skips[i]);
-      continue;
-    }
-    put(torch::Tensor());
+    if (r == PipeSkipRoutes::kCarried) continue;
+    carried[i] = false;
     if (r >= 0) {  // straight to the stage that reads it
       const torch::Tensor x = k.skips[i].contiguous();
-      if (rank_of(r) != rank_) l.direct_bytes[static_cast<size_t>(r)] = wire_bytes(x);
-      send_to(x, r, tag_of(s, micro, kSkip + 2 * static_cast<int>(i)));
+      if (!wire_->here(r)) l.direct_bytes[static_cast<size_t>(r)] = wire_->bytes(x);
+      wire_->send(x, r, wire_->tag(s, micro, kSkip + 2 * static_cast<int>(i)));
       if (m) m->direct_roots.push_back({x, r, static_cast<int>(i)});
     }
   }
-  h[1] = entries;
-  send_to(header, s + 1, tag_of(s, micro, first_pass ? kFirstHeader : kCarryHeader));
-  torch::Tensor values = flat_of(carried);
-  if (!first_pass) l.carry_bytes = rank_of(s + 1) != rank_ ? wire_bytes(values) : 0;
-  else if (rank_of(s + 1) != rank_) l.first_bytes += wire_bytes(values);
-  send_to(values, s + 1, tag_of(s, micro, first_pass ? kFirstValues : kCarryValues));
-  if (m) m->roots = carried;
+  std::vector<torch::Tensor> tensors;
+  const torch::Tensor header = carry_header(k, carried, tensors);
+  wire_->send(header, s + 1, wire_->tag(s, micro, first_pass ? kFirstHeader : kCarryHeader));
+  torch::Tensor values = flat_of(tensors);
+  if (!first_pass) l.carry_bytes = !wire_->here(s + 1) ? wire_->bytes(values) : 0;
+  else if (!wire_->here(s + 1)) l.first_bytes += wire_->bytes(values);
+  wire_->send(values, s + 1, wire_->tag(s, micro, first_pass ? kFirstValues : kCarryValues));
+  if (m) m->roots = tensors;
 }
 
 void PipeStep::post_carry_receives(int micro_count) {
@@ -335,10 +220,10 @@ void PipeStep::post_next_carry(Local& l) {
   if (l.carry_shapes.empty() || l.next_post >= static_cast<int>(l.posted.size())) return;
   const int m = l.next_post++, prev = l.stage - 1;
   PostedCarry& c = l.posted[static_cast<size_t>(m)].emplace();
-  c.header = post_recv(torch::zeros({kHeader}, torch::kLong), prev, tag_of(prev, m, kCarryHeader));
-  c.values = post_recv(torch::empty({numel_of(l.carry_shapes)}, torch::kFloat), prev, tag_of(prev, m, kCarryValues));
+  c.header = wire_->post_recv(torch::zeros({kCarryHeaderSize}, torch::kLong), prev, wire_->tag(prev, m, kCarryHeader));
+  c.values = wire_->post_recv(torch::empty({numel_of(l.carry_shapes)}, torch::kFloat), prev, wire_->tag(prev, m, kCarryValues));
   for (const PipeSkipRoutes::Direct& d : routes_.in[static_cast<size_t>(l.stage)])
-    c.direct.push_back(post_recv(torch::empty(direct_shape(d), torch::kFloat), d.from, tag_of(d.from, m, kSkip + 2 * d.slot)));
+    c.direct.push_back(wire_->post_recv(torch::empty(direct_shape(d), torch::kFloat), d.from, wire_->tag(d.from, m, kSkip + 2 * d.slot)));
 }
 
 std::vector<int64_t> PipeStep::direct_shape(const PipeSkipRoutes::Direct& d) const {
@@ -356,29 +241,22 @@ NetCarry PipeStep::recv_carry(Local& l, int micro, std::vector<torch::Tensor>& i
   const int prev = l.stage - 1;
   const std::string what = "receive from stage " + std::to_string(prev);
   std::optional<PostedCarry>* posted = first_pass ? nullptr : posted_for(l, micro);
-  Recv hr = posted ? (*posted)->header
-                   : post_recv(torch::zeros({kHeader}, torch::kLong), prev, tag_of(prev, micro, first_pass ? kFirstHeader : kCarryHeader));
-  const torch::Tensor header = wait_recv(hr, what);
+  PipeWire::Recv hr = posted ? (*posted)->header
+                   : wire_->post_recv(torch::zeros({kCarryHeaderSize}, torch::kLong), prev, wire_->tag(prev, micro, first_pass ? kFirstHeader : kCarryHeader));
+  const torch::Tensor header = wire_->wait(hr, what);
   DDM_CHECK(!posted || torch::equal(header, l.carry_header),
             "pipeline: stage " << l.stage << " received a carry for micro-batch " << micro
                                << " whose layout differs from the earlier micro-batches'");
   if (!first_pass && !l.carry_header.defined()) l.carry_header = header.clone();
   if (!first_pass && micro < static_cast<int>(l.taken.size())) l.taken[static_cast<size_t>(micro)] = true;
-  const auto* h = header.data_ptr<int64_t>();
-  std::vector<bool> present;
-  const std::vector<std::vector<int64_t>> shapes = header_shapes(header, &present);
-  Recv vr = posted ? (*posted)->values
-                   : post_recv(torch::empty({numel_of(shapes)}, torch::kFloat), prev, tag_of(prev, micro, first_pass ? kFirstValues : kCarryValues));
-  const torch::Tensor values = wait_recv(vr, what);
+  const std::vector<std::vector<int64_t>> shapes = header_shapes(header);
+  PipeWire::Recv vr = posted ? (*posted)->values
+                   : wire_->post_recv(torch::empty({numel_of(shapes)}, torch::kFloat), prev, wire_->tag(prev, micro, first_pass ? kFirstValues : kCarryValues));
+  const torch::Tensor values = wire_->wait(vr, what);
   received_ = Clock::now();
   inputs.clear();
   for (torch::Tensor& t : split_flat(values, shapes)) inputs.push_back(first_pass ? t : t.requires_grad_(true));
-  NetCarry k;
-  size_t e = 0, i = 0;
-  if (h[0] & 1) ++e, k.h = inputs[i++];
-  if (h[0] & 2) ++e, k.emb = inputs[i++];
-  for (; e < present.size(); ++e) k.skips.push_back(present[e] ? inputs[i++] : torch::Tensor());
-  return k;
+  return carry_from(header, inputs);
 }
 
 void PipeStep::forward(Local& l, int micro) {
@@ -398,9 +276,9 @@ void PipeStep::forward(Local& l, int micro) {
       const PipeSkipRoutes::Direct& d = direct[j];
       DDM_CHECK(d.slot < static_cast<int>(k.skips.size()) && !k.skips[static_cast<size_t>(d.slot)].defined(),
                 "pipeline: stage " << s << " expected skip " << d.slot << " from stage " << d.from << " in place of a placeholder");
-      Recv r = posted ? (*posted)->direct[j]
-                      : post_recv(torch::empty(direct_shape(d), torch::kFloat), d.from, tag_of(d.from, micro, kSkip + 2 * d.slot));
-      torch::Tensor x = wait_recv(r, "receive a skip from stage " + std::to_string(d.from));
+      PipeWire::Recv r = posted ? (*posted)->direct[j]
+                      : wire_->post_recv(torch::empty(direct_shape(d), torch::kFloat), d.from, wire_->tag(d.from, micro, kSkip + 2 * d.slot));
+      torch::Tensor x = wire_->wait(r, "receive a skip from stage " + std::to_string(d.from));
       received_ = Clock::now();
       k.skips[static_cast<size_t>(d.slot)] = x.requires_grad_(true);
       m.direct_inputs.push_back(x);
@@ -420,9 +298,9 @@ void PipeStep::forward(Local& l, int micro) {
     // The gradients' receives, now: they arrive while this stage runs other micro-batches.
     std::vector<std::vector<int64_t>> shapes;
     for (const torch::Tensor& r : m.roots) shapes.push_back(r.sizes().vec());
-    m.grad_recvs.push_back(post_recv(torch::empty({numel_of(shapes)}, torch::kFloat), s + 1, tag_of(s, micro, kGradient)));
+    m.grad_recvs.push_back(wire_->post_recv(torch::empty({numel_of(shapes)}, torch::kFloat), s + 1, wire_->tag(s, micro, kGradient)));
     for (const DirectRoot& d : m.direct_roots)
-      m.grad_recvs.push_back(post_recv(torch::empty(d.tensor.sizes(), torch::kFloat), d.to, tag_of(s, micro, kSkipGrad + 2 * d.slot)));
+      m.grad_recvs.push_back(wire_->post_recv(torch::empty(d.tensor.sizes(), torch::kFloat), d.to, wire_->tag(s, micro, kSkipGrad + 2 * d.slot)));
   }
 }
 
@@ -433,9 +311,9 @@ void PipeStep::backward(Local& l, int micro, PipeOp op) {
     DDM_CHECK(m.grad_recvs.size() == 1 + m.direct_roots.size(), "pipeline: backward of micro-batch " << micro << " before its forward");
     std::vector<std::vector<int64_t>> shapes;
     for (const torch::Tensor& r : m.roots) shapes.push_back(r.sizes().vec());
-    m.grads = split_flat(wait_recv(m.grad_recvs[0], "receive a gradient from stage " + std::to_string(s + 1)), shapes);
+    m.grads = split_flat(wire_->wait(m.grad_recvs[0], "receive a gradient from stage " + std::to_string(s + 1)), shapes);
     for (size_t j = 0; j < m.direct_roots.size(); ++j)  // the gradients of the skips sent straight to their readers
-      m.grads.push_back(wait_recv(m.grad_recvs[1 + j], "receive a skip's gradient from stage " + std::to_string(m.direct_roots[j].to)));
+      m.grads.push_back(wire_->wait(m.grad_recvs[1 + j], "receive a skip's gradient from stage " + std::to_string(m.direct_roots[j].to)));
     m.grad_recvs.clear();
     m.received = true;
     received_ = Clock::now();
@@ -457,11 +335,11 @@ void PipeStep::backward(Local& l, int micro, PipeOp op) {
     for (size_t i = 0; i < g.size(); ++i)
       if (!g[i].defined()) g[i] = torch::zeros_like(inputs[i]);  // an input no unit here read
     const size_t n = m.inputs.size();
-    send_to(flat_of(std::vector<torch::Tensor>(g.begin(), g.begin() + static_cast<std::ptrdiff_t>(n))), s - 1,
-            tag_of(s - 1, micro, kGradient));
+    wire_->send(flat_of(std::vector<torch::Tensor>(g.begin(), g.begin() + static_cast<std::ptrdiff_t>(n))), s - 1,
+            wire_->tag(s - 1, micro, kGradient));
     const auto& in = routes_.in[static_cast<size_t>(s)];
     for (size_t j = 0; j < m.direct_inputs.size(); ++j)
-      send_to(g[n + j].contiguous(), in[j].from, tag_of(in[j].from, micro, kSkipGrad + 2 * in[j].slot));
+      wire_->send(g[n + j].contiguous(), in[j].from, wire_->tag(in[j].from, micro, kSkipGrad + 2 * in[j].slot));
   };
   // (A stage's graph starts at its inputs, leaves of their own: another stage here is out of its reach.)
   if (op == PipeOp::kBackward) {
@@ -497,7 +375,7 @@ StepResult PipeStep::run(const std::vector<Batch>& micro, int64_t step, const st
   fill_news_ = false;
   for (Local& l : locals_) l.micro.assign(static_cast<size_t>(M), Micro{});
   prep_.assign(static_cast<size_t>(M), Prepared{});
-  mailbox_.clear();
+  wire_->begin_step();
   const bool filling = plan_ && plan_->used;
   post_carry_receives(M);  // before the prepare phase: the carries may arrive while it runs
   prepare(micro, step, filling, !next.empty());
@@ -553,8 +431,7 @@ StepResult PipeStep::run(const std::vector<Batch>& micro, int64_t step, const st
     incoming_.clear();
     if (!next.empty()) ahead_step_ = step + 1;
   }
-  for (auto& [work, tensor] : sends_) comm_->wait(work, "send to a neighbouring stage");
-  sends_.clear();
+  wire_->wait_sends();
   if (sync_ && locals_.size() == 1) sync_->finish();  // the replicas' gradients averaged
   if (sync_ && locals_.size() > 1) sync_->sync_now();
   times_.backward_end = Clock::now();
@@ -585,127 +462,8 @@ StepResult PipeStep::run(const std::vector<Batch>& micro, int64_t step, const st
   return r;
 }
 
-void PipeStep::choose_first_pass_rows(const std::vector<Batch>& micro, int64_t step) {
-  first_.assign(micro.size(), FirstPass{});
-  for (size_t m = 0; m < micro.size(); ++m) {  // alike on every stage
-    FirstPass& f = first_[m];
-    f.idx = objective_->self_cond_rows(micro[m].first, rows_, step);
-    const auto* idx = f.idx.data_ptr<int64_t>();
-    const int64_t n = f.idx.numel();
-    f.bound.assign(1, 0);
-    for (int64_t q = quantum_; q <= rows_; q += quantum_) {
-      int64_t j = f.bound.back();
-      while (j < n && idx[j] < q) ++j;
-      f.bound.push_back(j);
-    }
-    f.stage.assign(static_cast<size_t>(stages()), StagePass{});
-  }
-}
-
-namespace {
-// Rows [from, to) of every tensor of a carry (a placeholder stays one).
-NetCarry carry_rows(const NetCarry& k, int64_t from, int64_t to) {
-  auto rows = [&](const torch::Tensor& t) { return t.defined() ? t.slice(0, from, to) : t; };
-  NetCarry r;
-  r.h = rows(k.h), r.emb = rows(k.emb);
-  for (const torch::Tensor& t : k.skips) r.skips.push_back(rows(t));
-  return r;
-}
-
-// The quanta's carries joined row-wise, in order (each has the same tensors).
-NetCarry concat_carries(const std::vector<NetCarry>& parts) {
-  auto cat = [&](auto get) {
-    std::vector<torch::Tensor> ts;
-    for (const NetCarry& k : parts) ts.push_back(get(k));
-    return ts.front().defined() ? torch::cat(ts) : torch::Tensor();
-  };
-  NetCarry r;
-  r.h = cat([](const NetCarry& k) { return k.h; });
-  r.emb = cat([](const NetCarry& k) { return k.emb; });
-  for (size_t i = 0; i < parts.front().skips.size(); ++i) r.skips.push_back(cat([&](const NetCarry& k) { return k.skips.at(i); }));
-  return r;
-}
-}  // namespace
-
-void PipeStep::first_pass(Local& l, int m, int64_t first, int64_t rows, bool filling, bool serial) {
-  // Self-conditioning (train.self_cond): the chosen rows of micro-batch m's positions [first,
-  // first + rows) through stage l without gradients, with this step's weights, a quantum of
-  // positions at a time. Once all of them ran, the stage sends their carry on as one message; the
-  // last stage's output goes back to stage 0, which turns it into the x0 estimate its forward feeds
-  // in (take_estimate).
-  torch::NoGradGuard no_grad;
-  const int S = stages();
-  received_ = Clock::now();
-  if (filling) complete(m);
-  const Prepared& p = prep_[static_cast<size_t>(m)];
-  FirstPass& f = first_.at(static_cast<size_t>(m));
-  StagePass& sp = f.stage.at(static_cast<size_t>(l.stage));
-  DDM_CHECK(first == sp.done && first % quantum_ == 0 && rows % quantum_ == 0 && first + rows <= rows_,
-            "pipeline: stage " << l.stage << "'s first-pass piece of micro-batch " << m << " covers rows [" << first << ", "
-                               << first + rows << "), expected whole quanta of " << quantum_ << " from row " << sp.done);
-  const int64_t chosen = f.idx.numel();
-  if (chosen > 0 && l.stage > 0 && !sp.received) {
-    std::vector<torch::Tensor> inputs;
-    sp.in = recv_carry(l, m, inputs, /*first_pass=*/true);  // all b' rows
-    sp.received = true;
-  }
-  for (int64_t q = first / quantum_; q < (first + rows) / quantum_ && chosen > 0; ++q) {
-    const int64_t lo = f.bound[static_cast<size_t>(q)], hi = f.bound[static_cast<size_t>(q) + 1];
-    if (lo == hi) continue;
-    const torch::Tensor idx = f.idx.slice(0, lo, hi);  // [n] of this quantum's positions
-    Cond c = p.cond.select(idx);
-    NetCarry k;
-    if (l.stage == 0) {
-      k.h = p.xt.index_select(0, idx);      // [n, C, H, W]
-      c.self_cond = torch::zeros_like(k.h);  // the first pass has no estimate
-    } else {
-      k = carry_rows(sp.in, lo, hi);
-    }
-    const torch::Tensor t = p.t.index_select(0, idx);  // [n]
-    for (const NetUnit& u : l.units) u.run(k, t, c);
-    sp.out.push_back(std::move(k));
-  }
-  sp.done += rows;
-  if (sp.done == rows_ && chosen > 0) {  // every piece ran: the b' rows go on as one message
-    const NetCarry k = concat_carries(sp.out);
-    sp.in = NetCarry{}, sp.out.clear();  // (held no longer than needed)
-    if (!last(l.stage)) {
-      send_carry(l, k, m, /*first_pass=*/true);
-    } else {
-      const torch::Tensor out = k.h.contiguous();  // the model's output [b', C, H, W]
-      if (rank_of(0) != rank_) l.first_bytes += wire_bytes(out);
-      send_to(out, 0, tag_of(S - 1, m, kFirstOut));
-    }
-    if (l.stage == 0) {
-      f.x = p.xt.index_select(0, f.idx);  // [b', C, H, W]
-      f.t = p.t.index_select(0, f.idx);   // [b']
-      f.out = post_recv(torch::empty_like(f.x), S - 1, tag_of(S - 1, m, kFirstOut));
-    }
-  }
-  PipeAction a;
-  a.op = PipeOp::kTask, a.stage = -1, a.micro = m, a.task = 1 + l.stage, a.rows = rows, a.serial = serial;
-  events_.push_back({a, ms_since_start(received_), ms_since_start(Clock::now())});
-}
-
-void PipeStep::take_estimate(int micro) {
-  Prepared& p = prep_[static_cast<size_t>(micro)];
-  FirstPass& f = first_.at(static_cast<size_t>(micro));
-  p.cond.self_cond = torch::zeros_like(p.xt);  // [B, C, H, W]
-  if (f.idx.numel() == 0) return;
-  const torch::Tensor out = wait_recv(f.out, "receive the first pass's output from stage " + std::to_string(stages() - 1));
-  received_ = Clock::now();
-  torch::NoGradGuard no_grad;
-  p.cond.self_cond.index_copy_(0, f.idx, objective_->self_cond_estimate(f.x, f.t, out));
-}
-
 double PipeStep::ms_since_start(Clock::time_point t) const {
   return std::chrono::duration<double, std::milli>(t - times_.start).count();
-}
-
-int PipeStep::tag_of(int cut, int micro, int kind) const { return (cut * schedule_.micro + micro) * tags_ + kind; }
-
-int PipeStep::piece_tag(size_t piece, int part) const {
-  return tags_ * schedule_.micro * stages() + 2 * static_cast<int>(piece) + part;  // after every micro-batch's tags
 }
 
 std::string PipeStep::last_step_json() const {

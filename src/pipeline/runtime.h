@@ -42,6 +42,11 @@
 // name, assembled from the stages (assemble / share), so a run resumes under another split or as one
 // process, and `ddm sample` loads it like any other. The next step's prepared rows are not part of a
 // checkpoint: a resumed run prepares them again, alike.
+//
+// Files: runtime.cpp (the stages' forward and backward and the interpreter of the action list, run),
+// runtime_first_pass.cpp (self-conditioning), runtime_fill.cpp (bubble filling and its measurements);
+// the messages between the stages and the carry's format are pipeline/wire.h's, the split backward
+// pipeline/split_backward.h's.
 #pragma once
 #include <chrono>
 #include <cstdint>
@@ -64,6 +69,7 @@
 #include "pipeline/schedule.h"
 #include "pipeline/split_backward.h"
 #include "pipeline/timeline.h"
+#include "pipeline/wire.h"
 #include "train/checkpoint.h"
 #include "train/optimizer.h"
 #include "train/step.h"
@@ -157,15 +163,7 @@ class PipeStep {
     torch::Tensor tensor;  // a skip sent straight to the stage that reads it
     int to = 0, slot = 0;
   };
-  // A receive: posted on the group (work), or from a stage of this same process (V-shaped
-  // placement), which left the tensor in the mailbox under its tag.
-  struct Recv {
-    c10::intrusive_ptr<c10d::Work> work;
-    torch::Tensor tensor;
-    torch::Tensor wire;  // what the group receives into: `tensor`, or its bfloat16 (parallel.pipe_wire)
-    int from = 0, tag = 0;
-    bool local = false;
-  };
+  using Recv = PipeWire::Recv;
   struct Micro {
     std::vector<torch::Tensor> inputs;         // the received carry's tensors (stage > 0), leaves with gradients
     std::vector<torch::Tensor> direct_inputs;  // skips received straight from earlier stages (routes_.in order)
@@ -203,11 +201,6 @@ class PipeStep {
   Local& local(int stage);
   bool last(int stage) const { return stage + 1 == stages(); }
   int rank_of(int stage) const { return schedule_.rank_of(stage); }
-  Recv post_recv(torch::Tensor t, int from_stage, int tag);
-  torch::Tensor wait_recv(Recv& r, const std::string& what);
-  void send_to(torch::Tensor t, int to_stage, int tag);  // a send, or into the mailbox when the stage is here
-  bool narrowed(const torch::Tensor& t) const;           // a float tensor that crosses processes as bfloat16
-  int64_t wire_bytes(const torch::Tensor& t) const;      // its bytes as sent to another process
   void post_carry_receives(int micro_count);
   void post_next_carry(Local& l);
   std::optional<PostedCarry>* posted_for(Local& l, int micro);  // null: not posted (or already taken)
@@ -218,9 +211,6 @@ class PipeStep {
   // self-conditioning's, under its own tags, without gradients).
   // With m (not the first pass), the sent tensors become m's backward roots.
   void send_carry(Local& l, const NetCarry& k, int micro, bool first_pass = false, Micro* m = nullptr);
-  // A message of micro-batch `micro` at cut `cut` (between stages cut and cut + 1; a direct skip's:
-  // the stage that made it), of a kind listed in runtime.cpp.
-  int tag_of(int cut, int micro, int kind) const;
   NetCarry recv_carry(Local& l, int micro, std::vector<torch::Tensor>& inputs, bool first_pass = false);
   // Self-conditioning: the rows of each micro-batch that take a first pass (keyed, alike on every
   // stage); micro-batch m's first pass through stage l (serial: not in a bubble, for its event); and
@@ -230,7 +220,6 @@ class PipeStep {
   void first_pass(Local& l, int m, int64_t first, int64_t rows, bool filling, bool serial);
   void take_estimate(int micro);
   double ms_since_start(std::chrono::steady_clock::time_point t) const;
-  void post_send(torch::Tensor t, int peer, int tag);
   // Bubble filling: run piece `i` (sending its rows to the other stages); post the receives of the
   // other stages' pieces; receive piece `in` (waiting for it); make micro-batch m's Prepared whole.
   void run_piece(size_t i, const std::vector<Batch>& micro, const std::vector<Batch>& next, int64_t step);
@@ -246,7 +235,6 @@ class PipeStep {
   void post_incoming(bool has_next);
   void receive(Incoming& in);
   void complete(int micro);
-  int piece_tag(size_t piece, int part) const;
   void measure_and_plan();
 
   RunConfig cfg_;
@@ -257,16 +245,14 @@ class PipeStep {
   std::vector<int> bounds_;
   PipeSchedule schedule_;
   PipeSkipRoutes routes_;
-  int tags_ = 0;                         // message tags per micro-batch
+  std::unique_ptr<PipeWire> wire_;       // the messages between the stages
   int rank_ = 0;
   std::vector<Local> locals_;            // the stages this process runs, ascending
-  std::map<int, torch::Tensor> mailbox_;  // by tag: what one stage here sent another stage here
   std::vector<Prepared> prep_;           // per micro-batch of this step: its prepared inputs
   std::vector<std::string> unit_names_;  // every unit's, in order
   std::vector<std::string> all_names_;   // every trainable parameter of the whole model, in order
   std::vector<std::vector<int64_t>> all_shapes_;
   std::unique_ptr<FlatAdamW> optim_;
-  std::vector<std::pair<c10::intrusive_ptr<c10d::Work>, torch::Tensor>> sends_;  // waited at the end
   double scale_ = 1, loss_sum_ = 0;
   StepTimes times_;
   std::chrono::steady_clock::time_point received_;  // when the current action's receive completed
@@ -291,7 +277,6 @@ class PipeStep {
   std::vector<Incoming> incoming_;
   // Self-conditioning (train.self_cond > 0).
   bool objective_self_cond_ = false;
-  bool bf16_wire_ = false;  // parallel.pipe_wire = bfloat16
   struct StagePass {            // one stage's first pass of one micro-batch, piece by piece
     NetCarry in;                // stage > 0: the previous stage's carry of all b' rows
     bool received = false;

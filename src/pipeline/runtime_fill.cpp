@@ -77,8 +77,8 @@ void PipeStep::run_piece(size_t i, const std::vector<Batch>& micro, const std::v
     const std::string bytes = safetensors_bytes(f);
     auto values = torch::empty({static_cast<int64_t>(bytes.size())}, torch::kByte);
     std::memcpy(values.data_ptr(), bytes.data(), bytes.size());
-    post_send(torch::full({1}, static_cast<int64_t>(bytes.size()), torch::kLong), to, piece_tag(i, 0));
-    post_send(values, to, piece_tag(i, 1));
+    wire_->send_to_rank(torch::full({1}, static_cast<int64_t>(bytes.size()), torch::kLong), to, wire_->piece_tag(i, 0));
+    wire_->send_to_rank(values, to, wire_->piece_tag(i, 1));
   }
   (pc.ahead ? ahead_ : now_)[static_cast<size_t>(pc.micro)].emplace_back(pc.first,
                                                                          prepared_tensors(p, needs_[static_cast<size_t>(rank_)]));
@@ -92,7 +92,7 @@ void PipeStep::post_incoming(bool has_next) {
     Incoming in;
     in.piece = i;
     in.length = torch::zeros({1}, torch::kLong);
-    in.work = comm_->recv_async(in.length, pc.rank, piece_tag(i, 0));
+    in.work = comm_->recv_async(in.length, pc.rank, wire_->piece_tag(i, 0));
     incoming_.push_back(std::move(in));
   }
 }
@@ -104,7 +104,7 @@ void PipeStep::receive(Incoming& in) {
   const int64_t n = in.length.item<int64_t>();
   DDM_CHECK(n > 0 && n < (int64_t{1} << 40), "pipeline: stage " << pc.rank << " announced " << n << " bytes of prepared rows");
   auto bytes = torch::empty({n}, torch::kByte);
-  comm_->wait(comm_->recv_async(bytes, pc.rank, piece_tag(in.piece, 1)), what);
+  comm_->wait(comm_->recv_async(bytes, pc.rank, wire_->piece_tag(in.piece, 1)), what);
   const SafetensorsFile f = parse_safetensors(std::string(static_cast<const char*>(bytes.data_ptr()), static_cast<size_t>(n)),
                                               "the prepared rows from stage " + std::to_string(pc.rank));
   (pc.ahead ? ahead_ : now_)[static_cast<size_t>(pc.micro)].emplace_back(pc.first, f.tensors);

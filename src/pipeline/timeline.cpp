@@ -8,6 +8,7 @@
 
 #include "core/error.h"
 #include "core/fileio.h"
+#include "core/json.h"
 
 namespace ddm {
 namespace {
@@ -22,26 +23,30 @@ PipeSlot slot_of(const nlohmann::json& e, int rank, double off) {
   a.op = op == "F" ? PipeOp::kForward : op == "B" ? PipeOp::kBackward : op == "I" ? PipeOp::kInputGrad
        : op == "W" ? PipeOp::kWeightGrad : PipeOp::kTask;
   DDM_CHECK(a.op != PipeOp::kTask || op == "T", "unknown action '" << op << "'");
-  a.stage = a.op == PipeOp::kTask ? -1 : e.size() > 4 ? e.at(4).get<int>() : rank, a.micro = e.at(1);  // [4]: a V rank's stage
-  if (a.op == PipeOp::kTask) a.task = e.size() > 6 ? e.at(6).get<int>() : 0, a.rows = e.at(4), a.serial = !e.at(5).get<bool>();
+  const std::string what = "event " + e.dump();
+  a.stage = a.op == PipeOp::kTask ? -1 : e.size() > 4 ? json_int32(e.at(4), what, 0) : rank;  // [4]: a V rank's stage
+  a.micro = json_int32(e.at(1), what, 0);
+  if (a.op == PipeOp::kTask)
+    a.task = e.size() > 6 ? json_int32(e.at(6), what, 0) : 0, a.rows = json_int(e.at(4), what, 0), a.serial = !e.at(5).get<bool>();
   return {a, off + e.at(2).get<double>(), off + e.at(3).get<double>()};
 }
 
 PipeTimelineRun run_of(const nlohmann::json& j) {
+  auto count = [&](const char* key) { return json_int32(j.at(key), std::string("key \"") + key + "\"", 0); };
   PipeTimelineRun r;
-  r.stages = j.at("stages");
-  r.replicas = j.value("replicas", 1);
+  r.stages = count("stages");
+  r.replicas = j.contains("replicas") ? count("replicas") : 1;
   r.schedule = j.at("schedule");
-  r.micro = j.at("micro");
-  r.rows = j.at("rows");
-  r.threads = j.at("threads");
+  r.micro = count("micro");
+  r.rows = json_int(j.at("rows"), "key \"rows\"", 0);
+  r.threads = count("threads");
   r.pipe_wire = j.value("pipe_wire", "float32");
   r.machine = j.value("machine", "");
   r.first_units = j.at("first_units").get<std::vector<int>>();
   r.units = j.value("units", std::vector<std::string>{});
-  r.step = j.at("step");
-  r.steps_timed = j.at("steps_timed");
-  r.timed_from = j.value("timed_from", int64_t{0});
+  r.step = json_int(j.at("step"), "key \"step\"", 0);
+  r.steps_timed = json_int(j.at("steps_timed"), "key \"steps_timed\"", 0);
+  r.timed_from = j.contains("timed_from") ? json_int(j.at("timed_from"), "key \"timed_from\"", 0) : 0;
   r.step_ms = j.at("step_ms");
   return r;
 }
@@ -127,7 +132,8 @@ MeasuredPipeTimeline read_pipe_timeline(const std::string& path) {
         prep.op = PipeOp::kTask, prep.task = 0, prep.serial = true, prep.stage = -1;
         slots.push_back({prep, off, off + prepared});
       }
-      for (const auto& e : r.at("events")) slots.push_back(slot_of(e, r.at("stage"), off));
+      const int stage = json_int32(r.at("stage"), "key \"stage\"", 0);
+      for (const auto& e : r.at("events")) slots.push_back(slot_of(e, stage, off));
       m.timeline.makespan = std::max(m.timeline.makespan, off + r.at("actions_ms").get<double>());
       m.optimizer.push_back(r.at("end_ms").get<double>() - r.at("synced_ms").get<double>());  // clip + AdamW + EMA
       m.timeline.ranks.push_back(std::move(slots));
@@ -148,6 +154,8 @@ MeasuredPipeTimeline read_pipe_timeline(const std::string& path) {
       m.planned_optimizer = fill.at("optimizer_ms").get<std::vector<double>>();
     }
   } catch (const nlohmann::json::exception& e) {
+    DDM_FAIL(path << " is not a pipeline timeline ddm wrote: " << e.what());
+  } catch (const Error& e) {
     DDM_FAIL(path << " is not a pipeline timeline ddm wrote: " << e.what());
   }
   double opt = 0;

@@ -54,17 +54,18 @@ TrainSummary train(TrainJob job, const TrainOptions& options) {
   const BuiltModel model = build_model(job, !opt.quiet);
   Net net = model.net;
   const auto identity = run_identity(job.recorded, data, net);  // before a pipeline stage freezes the others'
+  // (Declared before the engine, which a DiLoCo replica's transfer hook below leaves holding them.)
+  BatchLoader loader(data, tc.batch_size,
+                     derive_seed({static_cast<uint64_t>(tc.seed), static_cast<uint64_t>(RngPurpose::kDataOrder)}),
+                     cfg.data.hflip);
+  bool ckpt_due = false;  // a checkpoint waits while the engine cannot take one (a DiLoCo all-reduce in flight)
   const std::unique_ptr<Engine> engine = make_engine({cfg, layout, net, job.objective, comm, data});
   FlatAdamW& optim = engine->optim();
   if (comm->distributed() && !proc.rejoining) comm->check_same(identity, "config, data and model");
 
-  BatchLoader loader(data, tc.batch_size,
-                     derive_seed({static_cast<uint64_t>(tc.seed), static_cast<uint64_t>(RngPurpose::kDataOrder)}),
-                     cfg.data.hflip);
   RunStart run = start_run(opt, job, net, *engine, loader, *comm, proc.rejoining);
   int64_t step = run.step;
   std::string last_ckpt = run.last_ckpt;
-  bool ckpt_due = false;  // a checkpoint waits while the engine cannot take one (a DiLoCo all-reduce in flight)
   EngineStart start;
   start.step = step, start.resumed = run.resumed ? &*run.resumed : nullptr;
   start.rejoining = proc.rejoining, start.quiet = opt.quiet;
@@ -145,7 +146,8 @@ TrainSummary train(TrainJob job, const TrainOptions& options) {
     summary.signal = sig;
     return true;
   };
-  bool stopped = begun.joined && end_step(begun.stop);
+  // A replica that joined a running group: the rest of the step the group was at.
+  bool stopped = begun.joined && end_step(step == tc.steps ? engine->agree_stop(step, tc.steps, 0) : begun.stop);
   while (!stopped && step < tc.steps) {
     const int64_t shard_at = layout.shard_offset();
     const Batch shard = loader.next(shard_at, layout.local_batch);

@@ -13,6 +13,7 @@
 
 #include "core/error.h"
 #include "core/fileio.h"
+#include "core/json.h"
 #include "core/keyed_random.h"
 #include "core/rng.h"
 #include "core/run_dir.h"
@@ -212,7 +213,7 @@ AutoencoderRecord read_autoencoder_record(const std::string& run_dir) {
     r.weights_sha256 = j.at("weights_sha256").get<std::string>();
     r.latent.shift = j.at("latent_shift").get<double>();
     r.latent.scale = j.at("latent_scale").get<double>();
-    r.latent.n = j.at("latent_stats_images").get<int64_t>();
+    r.latent.n = json_int(j.at("latent_stats_images"), file + ": key \"latent_stats_images\"", 1);
     DDM_CHECK(std::isfinite(r.latent.scale) && r.latent.scale > 0 && std::isfinite(r.latent.shift),
               file << ": latent_scale must be > 0 and latent_shift finite, got " << r.latent.scale << " and "
                    << r.latent.shift << "; re-run `ddm train-autoencoder --config " << run_dir

@@ -11,11 +11,11 @@
 #include <set>
 
 #include "model/net.h"
-#include "test_dist_util.h"
+#include "unit/test_dist_util.h"
 #include "test_util.h"
 #include "parallel/diloco.h"
 #include "train/optimizer.h"
-#include "train_test_util.h"
+#include "unit/train_test_util.h"
 
 using namespace ddm;
 using namespace ddm::test;

@@ -18,10 +18,10 @@
 #include "pipeline/profile.h"
 #include "pipeline/routes.h"
 #include "pipeline/runtime.h"
-#include "test_dist_util.h"
+#include "unit/test_dist_util.h"
 #include "test_util.h"
 #include "train/controlnet.h"
-#include "train_test_util.h"
+#include "unit/train_test_util.h"
 
 using namespace ddm;
 using namespace ddm::test;

@@ -15,7 +15,7 @@
 #include "comm/grad_sync.h"
 #include "core/error.h"
 #include "float_tolerance.h"
-#include "test_dist_util.h"
+#include "unit/test_dist_util.h"
 #include "test_util.h"
 #include "train/optimizer.h"
 

@@ -16,7 +16,7 @@
 #include "comm/elastic.h"
 #include "comm/env.h"
 #include "core/error.h"
-#include "test_dist_util.h"
+#include "unit/test_dist_util.h"
 #include "test_util.h"
 
 extern char** environ;

@@ -1,0 +1,21 @@
+// Checked integers from JSON (see json.h).
+#include "core/json.h"
+
+#include <nlohmann/json.hpp>
+
+#include "core/error.h"
+
+namespace ddm {
+
+int64_t json_int(const nlohmann::json& v, const std::string& what, int64_t lo, int64_t hi) {
+  DDM_CHECK(v.is_number_integer() && (v.is_number_unsigned() ? v.get<uint64_t>() <= static_cast<uint64_t>(hi)
+                                                               : v.get<int64_t>() >= lo && v.get<int64_t>() <= hi),
+            what << ": " << v.dump() << " is not an integer in [" << lo << ", " << hi << "]");
+  return v.get<int64_t>();
+}
+
+int json_int32(const nlohmann::json& v, const std::string& what, int lo, int hi) {
+  return static_cast<int>(json_int(v, what, lo, hi));
+}
+
+}  // namespace ddm
