@@ -1,8 +1,9 @@
 // The generic training loop: a prepared TrainJob (config, data, objective, the run's records) ->
-// phased steps (train/step.h) -> checkpoints, metrics, progress, with resume that reproduces an
-// uninterrupted run bit for bit and clean stops on a non-finite loss or SIGINT/SIGTERM (a checkpoint
-// is written first on a signal). What kind of run it is (plain, an expert, a router, a distilled
-// student) is decided before: decentral/train_run.h prepares those jobs and calls train().
+// the steps of the parallel mode's engine (parallel/engine.h; set up by run/setup.h) -> checkpoints,
+// metrics, progress, with resume that reproduces an uninterrupted run bit for bit and clean stops on
+// a non-finite loss or SIGINT/SIGTERM (a checkpoint is written first on a signal). What kind of run
+// it is (plain, an expert, a router, a distilled student) is decided before: decentral/train_run.h
+// prepares those jobs and calls train().
 #pragma once
 #include <cstdint>
 #include <functional>
