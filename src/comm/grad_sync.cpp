@@ -205,6 +205,14 @@ struct GradSync::State : std::enable_shared_from_this<GradSync::State> {
   }
 };
 
+GradSyncOptions grad_sync_options(const ParallelConfig& p) {
+  GradSyncOptions so;
+  so.first_bucket_bytes = static_cast<int64_t>(p.first_bucket_mb * (1 << 20));
+  so.bucket_cap_bytes = static_cast<int64_t>(p.bucket_mb * (1 << 20));
+  so.fp16_wire = p.wire == "float16";
+  return so;
+}
+
 GradSync::GradSync(std::shared_ptr<Comm> comm, std::vector<torch::Tensor> params, torch::Tensor flat_grad,
                    GradSyncOptions options)
     : state_(std::make_shared<State>()) {

@@ -14,6 +14,7 @@
 #include <torch/types.h>
 
 #include "comm/comm.h"
+#include "core/config.h"
 
 namespace ddm {
 
@@ -22,6 +23,8 @@ struct GradSyncOptions {
   int64_t bucket_cap_bytes = 25 << 20;   // the others; sizes count float32 bytes of the flat buffer
   bool fp16_wire = false;  // send float16 (half the bytes, ~3 decimal digits); Gloo has no bfloat16
 };
+// The options parallel.* asks for (bucket_mb, first_bucket_mb, wire).
+GradSyncOptions grad_sync_options(const ParallelConfig& p);
 
 // One bucket: the flat-buffer range [begin, end) (elements) holding `params` (indices into the
 // parameter list, last parameter first).

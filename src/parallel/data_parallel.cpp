@@ -21,13 +21,9 @@ DataParallelEngine::DataParallelEngine(const EngineParts& parts, bool sync_gradi
     : cfg_(parts.cfg), net_(parts.net), comm_(parts.comm), lead_(parts.layout.rank == 0),
       step_(parts.cfg, parts.net, parts.objective) {
   if (sync_gradients && comm_->distributed()) {
-    const ParallelConfig& p = cfg_.parallel;
-    GradSyncOptions so;
-    so.first_bucket_bytes = static_cast<int64_t>(p.first_bucket_mb * (1 << 20));
-    so.bucket_cap_bytes = static_cast<int64_t>(p.bucket_mb * (1 << 20));
-    so.fp16_wire = p.wire == "float16";
     FlatAdamW& o = step_.optim();
-    step_.set_data_parallel(comm_, std::make_shared<GradSync>(comm_, o.params(), o.flat_grad(), so));
+    step_.set_data_parallel(comm_,
+                            std::make_shared<GradSync>(comm_, o.params(), o.flat_grad(), grad_sync_options(cfg_.parallel)));
   }
 }
 

@@ -155,12 +155,8 @@ PipeStep::PipeStep(const RunConfig& cfg, Net net, std::shared_ptr<Objective> obj
   if (replicas_) {
     // Averaged during the stage's last backward (hooks enabled for it alone), as data parallelism
     // with gradient accumulation does.
-    const ParallelConfig& par = cfg_.parallel;
-    GradSyncOptions so;
-    so.first_bucket_bytes = static_cast<int64_t>(par.first_bucket_mb * (1 << 20));
-    so.bucket_cap_bytes = static_cast<int64_t>(par.bucket_mb * (1 << 20));
-    so.fp16_wire = par.wire == "float16";
-    sync_ = std::make_shared<GradSync>(replicas_, optim_->params(), optim_->flat_grad(), so);
+    sync_ = std::make_shared<GradSync>(replicas_, optim_->params(), optim_->flat_grad(),
+                                       grad_sync_options(cfg_.parallel));
     sync_->set_enabled(false);
   }
 }
