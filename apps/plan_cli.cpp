@@ -187,7 +187,7 @@ int run_plan(PlanArgs a) {
   if (a.memory_gib > 0) m.memory = a.memory_gib * (1ull << 30);
   m.link.bandwidth = a.bandwidth_gbps * 1e9 / 1e3;  // bytes per ms
   m.link.latency = a.latency_us / 1e3;
-  if (a.pipe_wire.empty() && !a.config.empty()) a.pipe_wire = load_config(a.config, a.sets).parallel.pipe_wire;
+  if (a.pipe_wire.empty() && !a.config.empty()) a.pipe_wire = name_of(load_config(a.config, a.sets).parallel.pipe_wire);
   m.activation_bytes = a.pipe_wire == "bfloat16" ? 0.5 : 1;
   PipePlanOptions o;
   o.batch = batch, o.stages = a.stages, o.micro = a.micro, o.schedules = a.schedules;

@@ -209,7 +209,7 @@ GradSyncOptions grad_sync_options(const ParallelConfig& p) {
   GradSyncOptions so;
   so.first_bucket_bytes = static_cast<int64_t>(p.first_bucket_mb * (1 << 20));
   so.bucket_cap_bytes = static_cast<int64_t>(p.bucket_mb * (1 << 20));
-  so.fp16_wire = p.wire == "float16";
+  so.fp16_wire = p.wire == WireFormat::kFloat16;
   return so;
 }
 

@@ -99,6 +99,57 @@ Field field(const std::string& key, std::vector<int64_t>* p) {
           }};
 }
 
+// The names of each choice key's enum (config.h), in the order errors list them.
+template <class E>
+const std::vector<std::pair<std::string, E>>& names();
+template <>
+const std::vector<std::pair<std::string, SyncMode>>& names() {
+  static const std::vector<std::pair<std::string, SyncMode>> t = {{"dp", SyncMode::kDp}, {"diloco", SyncMode::kDiloco}};
+  return t;
+}
+template <>
+const std::vector<std::pair<std::string, ScheduleKind>>& names() {
+  static const std::vector<std::pair<std::string, ScheduleKind>> t = {{"gpipe", ScheduleKind::kGpipe},
+                                                                      {"1f1b", ScheduleKind::k1f1b},
+                                                                      {"zb-h1", ScheduleKind::kZbH1},
+                                                                      {"1f1b-v", ScheduleKind::k1f1bV},
+                                                                      {"zb-v", ScheduleKind::kZbV}};
+  return t;
+}
+template <>
+const std::vector<std::pair<std::string, WireFormat>>& names() {
+  static const std::vector<std::pair<std::string, WireFormat>> t = {
+      {"float32", WireFormat::kFloat32}, {"float16", WireFormat::kFloat16}, {"bfloat16", WireFormat::kBfloat16}};
+  return t;
+}
+
+template <class E>
+std::string enum_name(E e) {
+  for (const auto& [name, v] : names<E>())
+    if (v == e) return name;
+  DDM_FAIL("no name for config choice " << static_cast<int>(e));
+}
+
+// A key whose value is one of `allowed` (names of E), parsed into the enum.
+template <class E>
+Field choice(const std::string& key, E* p, const std::vector<std::string>& allowed) {
+  return {key,
+          [key, p, allowed](const toml::node& n, const std::string& where) {
+            auto v = n.value_exact<std::string>();
+            DDM_CHECK(v, where << ": " << key << " must be a string, got " << type_name(n) << " " << node_str(n));
+            std::string list;
+            for (const std::string& a : allowed) {
+              list += (list.empty() ? "" : ", ") + a;
+              if (a != *v) continue;
+              for (const auto& [name, e] : names<E>())
+                if (name == a) *p = e;
+              return;
+            }
+            DDM_FAIL(where << ": " << key << " = \"" << *v << "\" is not one of: " << list);
+          },
+          [key, p](toml::table& t) { t.insert_or_assign(leaf(key), enum_name(*p)); }};
+}
+
 std::vector<Field> fields(RunConfig& c) {
   return {
       field("data.source", &c.data.source),
@@ -170,24 +221,24 @@ std::vector<Field> fields(RunConfig& c) {
       field("sample.cfg", &c.sample.cfg),
       field("sample.n", &c.sample.n),
       field("sample.use_ema", &c.sample.use_ema),
-      field("parallel.mode", &c.parallel.mode),
+      choice("parallel.mode", &c.parallel.mode, {"dp", "diloco"}),
       field("parallel.dp", &c.parallel.dp),
       field("parallel.timeout", &c.parallel.timeout),
       field("parallel.bucket_mb", &c.parallel.bucket_mb),
       field("parallel.first_bucket_mb", &c.parallel.first_bucket_mb),
-      field("parallel.wire", &c.parallel.wire),
+      choice("parallel.wire", &c.parallel.wire, {"float32", "float16"}),
       field("parallel.pp", &c.parallel.pp),
-      field("parallel.schedule", &c.parallel.schedule),
+      choice("parallel.schedule", &c.parallel.schedule, {"gpipe", "1f1b", "zb-h1", "1f1b-v", "zb-v"}),
       field("parallel.cuts", &c.parallel.cuts),
       field("parallel.fill", &c.parallel.fill),
-      field("parallel.pipe_wire", &c.parallel.pipe_wire),
+      choice("parallel.pipe_wire", &c.parallel.pipe_wire, {"float32", "bfloat16"}),
       field("diloco.inner_steps", &c.diloco.inner_steps),
       field("diloco.outer_lr", &c.diloco.outer_lr),
       field("diloco.outer_momentum", &c.diloco.outer_momentum),
       field("diloco.fragments", &c.diloco.fragments),
       field("diloco.overlap", &c.diloco.overlap),
       field("diloco.mix", &c.diloco.mix),
-      field("diloco.wire", &c.diloco.wire),
+      choice("diloco.wire", &c.diloco.wire, {"float32", "float16"}),
       field("diloco.peer_wait", &c.diloco.peer_wait),
   };
 }
@@ -230,6 +281,10 @@ void check_choice(const std::string& key, const std::string& value, const std::v
 }
 
 }  // namespace
+
+std::string name_of(SyncMode m) { return enum_name(m); }
+std::string name_of(ScheduleKind s) { return enum_name(s); }
+std::string name_of(WireFormat w) { return enum_name(w); }
 
 std::vector<std::string> config_keys() {
   RunConfig c;
@@ -443,13 +498,9 @@ void validate_parallel(const RunConfig& c) {
             "parallel.timeout must be in (0, 86400] seconds, got " << par.timeout);
   DDM_CHECK(par.bucket_mb > 0, "parallel.bucket_mb must be > 0, got " << par.bucket_mb);
   DDM_CHECK(par.first_bucket_mb > 0, "parallel.first_bucket_mb must be > 0, got " << par.first_bucket_mb);
-  check_choice("parallel.wire", par.wire, {"float32", "float16"});
-  check_choice("parallel.mode", par.mode, {"dp", "diloco"});
   DDM_CHECK(par.pp >= 1, "parallel.pp must be >= 1 (pipeline stages; 1 = no pipeline), got " << par.pp);
-  check_choice("parallel.schedule", par.schedule, {"gpipe", "1f1b", "zb-h1", "1f1b-v", "zb-v"});
-  check_choice("parallel.pipe_wire", par.pipe_wire, {"float32", "bfloat16"});
   // V-shaped schedules run 2 stages on each of the pp processes.
-  const bool v = par.schedule == "1f1b-v" || par.schedule == "zb-v";
+  const bool v = v_shaped(par.schedule);
   const int64_t stages = v ? 2 * par.pp : par.pp;
   DDM_CHECK(par.cuts.empty() || static_cast<int64_t>(par.cuts.size()) == stages - 1,
             "parallel.cuts has " << par.cuts.size() << " entries but parallel.pp = " << par.pp
@@ -459,7 +510,7 @@ void validate_parallel(const RunConfig& c) {
   for (size_t i = 0; i < par.cuts.size(); ++i)
     DDM_CHECK(par.cuts[i] > (i == 0 ? 0 : par.cuts[i - 1]),
               "parallel.cuts must be increasing unit indices > 0, got " << par.cuts[i] << " at position " << i);
-  DDM_CHECK(par.pp == 1 || par.mode == "dp", "parallel.pp = " << par.pp << " needs parallel.mode = \"dp\" (DiLoCo replicas are whole models)");
+  DDM_CHECK(par.pp == 1 || par.mode == SyncMode::kDp, "parallel.pp = " << par.pp << " needs parallel.mode = \"dp\" (DiLoCo replicas are whole models)");
 }
 
 // DiLoCo's outer loop.
@@ -480,7 +531,6 @@ void validate_diloco(const RunConfig& c) {
                                 << dl.inner_steps / dl.fragments
                                 << ", so that one fragment's all-reduce ends before the next one starts");
   DDM_CHECK(dl.mix >= 0 && dl.mix < 1, "diloco.mix must be in [0, 1), got " << dl.mix);
-  check_choice("diloco.wire", dl.wire, {"float32", "float16"});
   DDM_CHECK(dl.peer_wait > 0 && dl.peer_wait <= 86400,
             "diloco.peer_wait must be in (0, 86400] seconds, got " << dl.peer_wait);
 }

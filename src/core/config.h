@@ -7,6 +7,17 @@
 
 namespace ddm {
 
+// The choices of the parallel keys, parsed from their names once (the field table in config.cpp, which
+// rejects any other name) and compared as enums everywhere else; name_of gives the config's name back.
+enum class SyncMode { kDp, kDiloco };                           // parallel.mode
+enum class ScheduleKind { kGpipe, k1f1b, kZbH1, k1f1bV, kZbV };  // parallel.schedule
+enum class WireFormat { kFloat32, kFloat16, kBfloat16 };        // parallel.wire, parallel.pipe_wire, diloco.wire
+std::string name_of(SyncMode m);
+std::string name_of(ScheduleKind s);
+std::string name_of(WireFormat w);
+// 1f1b-v and zb-v run two stages on each process, in a V.
+inline bool v_shaped(ScheduleKind s) { return s == ScheduleKind::k1f1bV || s == ScheduleKind::kZbV; }
+
 struct DataConfig {
   std::string source = "fashion-mnist";  // fashion-mnist | folder | safetensors
   std::string root;          // directory (fashion-mnist, folder) or file (safetensors); "" = default
@@ -132,16 +143,16 @@ struct SampleConfig {
 struct ParallelConfig {
   // dp: every step all-reduces the gradients (data parallel). diloco: every process is a replica that
   // trains on its own share of the batch and synchronizes only every diloco.inner_steps (DiLoCo).
-  std::string mode = "dp";
+  SyncMode mode = SyncMode::kDp;   // dp | diloco
   int64_t dp = 0;                  // data-parallel degree (0 = every process); must equal the world size
   double timeout = 120;            // seconds a collective waits for the other ranks before the job fails
   double bucket_mb = 1;            // cap of a gradient all-reduce bucket, MiB (docs/results.md: 25 left 78% exposed)
   double first_bucket_mb = 1;      // the first bucket (the last layers' gradients, ready first), MiB
-  std::string wire = "float32";    // float32 | float16: the gradients' format on the wire
+  WireFormat wire = WireFormat::kFloat32;  // float32 | float16: the gradients' format on the wire
   // Pipeline parallelism (docs/pipeline.md): the backbone's units split into pp stages, one process
   // each; train.grad_accum is the number of micro-batches every step pipelines.
   int64_t pp = 1;                  // pipeline stages (1: none)
-  std::string schedule = "1f1b";   // gpipe | 1f1b | zb-h1 | 1f1b-v | zb-v (two stages per process)
+  ScheduleKind schedule = ScheduleKind::k1f1b;  // gpipe | 1f1b | zb-h1 | 1f1b-v | zb-v (two stages per process)
   // The first unit of stages 1..pp-1 (`ddm plan` prints them); empty: balanced by each unit's
   // parameters x output positions (its multiply-adds, attention aside).
   std::vector<int64_t> cuts;
@@ -155,7 +166,7 @@ struct ParallelConfig {
   // straight on, self-conditioning's first pass) and their gradients. bfloat16 halves the bytes,
   // rounding each value to 8 significant bits (float32's range, so no gradient underflows as in
   // float16); a pipeline then trains within that rounding of one process, not of float32's.
-  std::string pipe_wire = "float32";  // float32 | bfloat16
+  WireFormat pipe_wire = WireFormat::kFloat32;  // float32 | bfloat16
 };
 
 // DiLoCo (Douillard et al. 2023) and Streaming DiLoCo (2025): replicas take inner_steps ordinary
@@ -170,7 +181,7 @@ struct DilocoConfig {
   int64_t fragments = 1;          // 1: DiLoCo; > 1: Streaming DiLoCo's staggered fragments
   int64_t overlap = 0;            // inner steps each fragment's all-reduce overlaps (< inner_steps / fragments)
   double mix = 0.5;               // with overlap: local = mix * local + (1 - mix) * global (the paper's alpha)
-  std::string wire = "float32";   // float32 | float16: the outer gradient's format on the wire
+  WireFormat wire = WireFormat::kFloat32;  // float32 | float16: the outer gradient's format on the wire
   // Seconds the replicas wait at a synchronization for a replica that failed (a lost connection or
   // a timeout) before going on without it; a restarted one that asks to rejoin meanwhile is taken.
   double peer_wait = 30;

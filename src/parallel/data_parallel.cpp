@@ -53,7 +53,7 @@ std::string DataParallelEngine::describe() const {
   const ParallelConfig& p = cfg_.parallel;
   std::ostringstream s;
   s << "parallel: data parallel over " << comm_->world_size() << " processes, gradient buckets up to " << p.bucket_mb
-    << " MiB (first " << p.first_bucket_mb << " MiB), " << p.wire << " on the wire, collective timeout " << p.timeout
+    << " MiB (first " << p.first_bucket_mb << " MiB), " << name_of(p.wire) << " on the wire, collective timeout " << p.timeout
     << " s";
   return s.str();
 }

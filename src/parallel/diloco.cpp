@@ -104,7 +104,7 @@ void Diloco::launch(int64_t f, int64_t done, int signal) {
 }
 
 void Diloco::issue() {
-  send_ = cfg_.wire == "float16" ? delta_.to(torch::kHalf) : delta_.clone();
+  send_ = cfg_.wire == WireFormat::kFloat16 ? delta_.to(torch::kHalf) : delta_.clone();
   const double contributes = fresh_ ? 0.0 : 1.0;  // a joiner has no pseudo-gradient this round
   flags_ = torch::tensor({signal_ == SIGINT ? 1.0 : 0.0, signal_ != 0 && signal_ != SIGINT ? 1.0 : 0.0, contributes},
                          torch::kDouble);

@@ -71,7 +71,7 @@ class DilocoEngine : public DataParallelEngine {
     if (d.overlap > 0)
       s << ", each all-reduce overlapping " << d.overlap << " step" << (d.overlap > 1 ? "s" : "") << " (mix " << d.mix
         << ")";
-    s << ", outer Nesterov lr " << d.outer_lr << " momentum " << d.outer_momentum << ", " << d.wire
+    s << ", outer Nesterov lr " << d.outer_lr << " momentum " << d.outer_momentum << ", " << name_of(d.wire)
       << " on the wire, collective timeout " << cfg_.parallel.timeout << " s";
     return s.str();
   }

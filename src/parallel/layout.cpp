@@ -26,7 +26,7 @@ ParallelLayout derive_layout(const RunConfig& cfg, int world, int rank) {
   ParallelLayout l;
   l.world = world, l.rank = rank;
   l.pp = static_cast<int>(p.pp);
-  l.mode = l.pp > 1 ? ParallelMode::kPipeline : p.mode == "diloco" ? ParallelMode::kDiloco : ParallelMode::kData;
+  l.mode = l.pp > 1 ? ParallelMode::kPipeline : p.mode == SyncMode::kDiloco ? ParallelMode::kDiloco : ParallelMode::kData;
   const bool pipelined = l.pipelined();
   DDM_CHECK(!pipelined || (world % l.pp == 0 && (p.dp == 0 || p.dp * l.pp == world)),
             "rank " << rank << ": parallel.pp = " << l.pp << " pipeline stages"

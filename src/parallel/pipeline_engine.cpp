@@ -28,7 +28,7 @@ class PipelineEngine : public Engine {
       sample = parts.objective->prepare(probe.next(), 0);
       sample.cond = net_->precompute(sample.xt, sample.t, sample.cond);
     }
-    PipeSchedule schedule = make_schedule(cfg_.parallel.schedule, layout_.pp, static_cast<int>(cfg_.train.grad_accum));
+    PipeSchedule schedule = make_schedule(name_of(cfg_.parallel.schedule), layout_.pp, static_cast<int>(cfg_.train.grad_accum));
     std::vector<int> bounds =
         pipe_stage_bounds(*net_, sample, schedule.stages, cfg_.parallel.cuts, schedule.several_per_rank());
     // Replicas: the groups of this process's pipeline (its stages) and of its stage (its replicas).
@@ -103,7 +103,7 @@ class PipelineEngine : public Engine {
     ck.optim = moments;
     ck.state["pipeline"] = {{"stages", pipe_->stages()},
                             {"processes", layout_.pp},
-                            {"schedule", cfg_.parallel.schedule},
+                            {"schedule", name_of(cfg_.parallel.schedule)},
                             {"first_units", pipe_->bounds()}};
   }
 
@@ -115,7 +115,7 @@ class PipelineEngine : public Engine {
     s << "parallel: "
       << (replicas > 1 ? std::to_string(replicas) + " data-parallel replicas of a pipeline" : "a pipeline") << " of "
       << stages << " stages" << (stages > pp ? " on " + std::to_string(pp) + " processes, V-shaped" : "") << " ("
-      << p.schedule << ", " << cfg_.train.grad_accum << " micro-batches of " << layout_.local_batch / cfg_.train.grad_accum
+      << name_of(p.schedule) << ", " << cfg_.train.grad_accum << " micro-batches of " << layout_.local_batch / cfg_.train.grad_accum
       << "), units";
     const auto& names = pipe_->unit_names();
     for (int i = 0; i < stages; ++i)
@@ -124,7 +124,7 @@ class PipelineEngine : public Engine {
         << (stages > pp ? " (rank " + std::to_string(pipe_->rank_of_stage(i)) + ")" : "");
     s << " (parallel.cuts = [";
     for (int i = 1; i < stages; ++i) s << (i > 1 ? ", " : "") << b[static_cast<size_t>(i)];
-    s << "]), activations in " << p.pipe_wire << " on the wire" << (replicas > 1 ? ", gradients in " + p.wire : "")
+    s << "]), activations in " << name_of(p.pipe_wire) << " on the wire" << (replicas > 1 ? ", gradients in " + name_of(p.wire) : "")
       << ", collective timeout " << p.timeout << " s";
     return s.str();
   }
@@ -139,9 +139,9 @@ class PipelineEngine : public Engine {
     const std::vector<std::string> stages = pipe_->all_last_steps();
     if (layout_.rank != 0) return;
     PipeTimelineRun run;
-    run.stages = layout_.pp, run.replicas = layout_.replicas, run.schedule = cfg_.parallel.schedule;
+    run.stages = layout_.pp, run.replicas = layout_.replicas, run.schedule = name_of(cfg_.parallel.schedule);
     run.micro = static_cast<int>(cfg_.train.grad_accum), run.rows = cfg_.train.batch_size / cfg_.train.grad_accum;
-    run.threads = threads, run.pipe_wire = cfg_.parallel.pipe_wire, run.machine = cpu_model_name();
+    run.threads = threads, run.pipe_wire = name_of(cfg_.parallel.pipe_wire), run.machine = cpu_model_name();
     run.first_units = pipe_->bounds(), run.units = pipe_->unit_names(), run.step = step;
     run.steps_timed = timed_steps_, run.timed_from = timed_from_ + 1;
     run.step_ms = timed_steps_ > 0 ? timed_ms_ / timed_steps_ : 0.0;

@@ -103,7 +103,7 @@ PipeStep::PipeStep(const RunConfig& cfg, Net net, std::shared_ptr<Objective> obj
   if (routes_.in.empty()) routes_.in.assign(static_cast<size_t>(S), {});  // no routes: every skip carried
   DDM_CHECK(static_cast<int>(routes_.in.size()) == S && (routes_.out.empty() || static_cast<int>(routes_.out.size()) == S - 1),
             "pipeline: skip routes for " << routes_.in.size() << " stages, not " << S);
-  wire_ = std::make_unique<PipeWire>(comm_, schedule_, routes_.slots, cfg_.parallel.pipe_wire == "bfloat16");
+  wire_ = std::make_unique<PipeWire>(comm_, schedule_, routes_.slots, cfg_.parallel.pipe_wire == WireFormat::kBfloat16);
   // Every trainable parameter of the whole model, by name, before the other stages' are frozen.
   std::map<const void*, std::string> name_of;
   for (const auto& p : net_->named_parameters()) {

@@ -152,7 +152,7 @@ JobProcess join_job(const RunConfig& cfg, TrainOptions& opt) {
   const DistEnv env = detect_dist_env();
   p.local_processes = env.local_world_size;
   p.rejoining = env.rejoin && env.distributed();
-  DDM_CHECK(!p.rejoining || cfg.parallel.mode == "diloco",
+  DDM_CHECK(!p.rejoining || cfg.parallel.mode == SyncMode::kDiloco,
             "rank " << env.rank << ": this process was restarted alone into a running job (DDM_REJOIN=1, `ddm launch "
                        "--restart failed`), which only DiLoCo replicas can join (parallel.mode = \"diloco\"); "
                        "data parallelism restarts every process: use `ddm launch --restart all`");

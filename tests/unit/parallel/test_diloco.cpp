@@ -184,7 +184,7 @@ namespace {
 
 RunConfig diloco_run(int64_t h, int64_t fragments, int64_t overlap) {
   RunConfig cfg = tiny("unet");
-  cfg.parallel.mode = "diloco";
+  cfg.parallel.mode = SyncMode::kDiloco;
   cfg.diloco.inner_steps = h;
   cfg.diloco.fragments = fragments;
   cfg.diloco.overlap = overlap;

@@ -76,7 +76,7 @@ std::vector<Batch> micro_batches(const Built& b, int64_t steps = 0) {
 RunConfig mode(const std::string& which) {
   RunConfig cfg = test::tiny("unet");
   if (which == "diloco") {
-    cfg.parallel.mode = "diloco";
+    cfg.parallel.mode = SyncMode::kDiloco;
     cfg.diloco.inner_steps = 2;
   } else if (which == "pipeline") {
     cfg.parallel.pp = 2;

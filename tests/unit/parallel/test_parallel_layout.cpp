@@ -13,7 +13,7 @@ using namespace ddm;
 using ddm::test::error_message;
 
 namespace {
-RunConfig job(int64_t pp, int64_t dp, int64_t batch, int64_t micro, const std::string& mode = "dp") {
+RunConfig job(int64_t pp, int64_t dp, int64_t batch, int64_t micro, SyncMode mode = SyncMode::kDp) {
   RunConfig c;
   c.parallel.pp = pp;
   c.parallel.dp = dp;
@@ -41,7 +41,7 @@ TEST(ParallelLayout, DataParallelRanksTakeConsecutiveShares) {
     EXPECT_EQ(l.shard_offset(), 16 * rank);
     EXPECT_EQ(l.stage_ranks(), (std::vector<int>{0, 1, 2, 3}));
   }
-  EXPECT_EQ(derive_layout(job(1, 0, 64, 1, "diloco"), 2, 1).mode, ParallelMode::kDiloco);
+  EXPECT_EQ(derive_layout(job(1, 0, 64, 1, SyncMode::kDiloco), 2, 1).mode, ParallelMode::kDiloco);
 }
 
 // Three replicas of a two-stage pipeline: rank = stage x 3 + replica.
@@ -72,7 +72,7 @@ TEST(ParallelLayout, JobsThatDoNotFitAreClearErrors) {
   EXPECT_EQ(error_message([] { derive_layout(job(1, 0, 30, 4), 2, 0); }),
             "train.batch_size = 30 does not split into 2 ranks x 4 micro-batches of equal size; the global batch must "
             "be a multiple of 8 (or change train.grad_accum / the process count)");
-  EXPECT_NE(error_message([] { derive_layout(job(1, 0, 30, 1, "diloco"), 4, 0); })
+  EXPECT_NE(error_message([] { derive_layout(job(1, 0, 30, 1, SyncMode::kDiloco), 4, 0); })
                 .find("with parallel.mode = \"diloco\" each replica takes its share of it"),
             std::string::npos);
   EXPECT_NE(error_message([] { derive_layout(job(2, 0, 30, 4), 2, 0); }).find("the pipeline's micro-batches, or parallel.dp)"),

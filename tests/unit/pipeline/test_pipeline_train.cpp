@@ -29,9 +29,14 @@ namespace fs = std::filesystem;
 
 namespace {
 
+// parallel.schedule as a user writes it.
+ScheduleKind schedule_named(const std::string& name) {
+  return parse_config("", "test.toml", {"parallel.schedule=" + name}).parallel.schedule;
+}
+
 RunConfig piped(RunConfig cfg, int stages, const std::string& schedule, std::vector<int64_t> cuts = {}) {
   cfg.parallel.pp = stages;
-  cfg.parallel.schedule = schedule;
+  cfg.parallel.schedule = schedule_named(schedule);
   cfg.parallel.cuts = std::move(cuts);
   return cfg;
 }
@@ -189,8 +194,8 @@ TEST(PipelineTrain, BadStageConfigsAreClearErrors) {
   EXPECT_NE(validate_error(bad).find("parallel.cuts has 1 entries but parallel.pp = 3"), std::string::npos) << validate_error(bad);
   bad = piped(cfg, 3, "1f1b", {4, 2});
   EXPECT_NE(validate_error(bad).find("parallel.cuts must be increasing"), std::string::npos) << validate_error(bad);
-  bad = piped(cfg, 2, "1f2b");
-  EXPECT_NE(validate_error(bad).find("parallel.schedule"), std::string::npos) << validate_error(bad);
+  EXPECT_NE(error_message([] { schedule_named("1f2b"); }).find("parallel.schedule = \"1f2b\" is not one of: gpipe, 1f1b, zb-h1, 1f1b-v, zb-v"),
+            std::string::npos);
   bad = piped(cfg, 2, "zb-v", {4});  // V: 2 ranks run 4 stages, 3 cuts
   EXPECT_NE(validate_error(bad).find("parallel.cuts has 1 entries but parallel.pp = 2 V-shaped ranks (4 stages) need 3"),
             std::string::npos)
@@ -565,7 +570,7 @@ TEST(PipelineTrain, ABfloat16WireHalvesTheBytesAndStaysClose) {
     const std::string f32 = dir / (std::string(arch) + "-f32"), b16 = dir / (std::string(arch) + "-bf16"),
                       again = dir / (std::string(arch) + "-bf16-again");
     ASSERT_EQ(train_ranks(2, {cfg, cfg}, f32), (std::vector<std::string>{"", ""}));
-    cfg.parallel.pipe_wire = "bfloat16";
+    cfg.parallel.pipe_wire = WireFormat::kBfloat16;
     ASSERT_EQ(train_ranks(2, {cfg, cfg}, b16), (std::vector<std::string>{"", ""}));
     ASSERT_EQ(train_ranks(2, {cfg, cfg}, again), (std::vector<std::string>{"", ""}));
     EXPECT_EQ(losses(again), losses(b16)) << arch;
