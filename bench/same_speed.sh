@@ -7,7 +7,7 @@
 # first in odd rounds); a run's speed is its images per second over steps 11-40 (metrics.jsonl,
 # logged every 10 steps). Prints, per mode, A's and B's median img/s over the rounds and the median
 # of the per-round ratios B / A.
-# usage: bench/same_speed.sh BUILD_A BUILD_B [ROUNDS]    (default 3 rounds)
+# usage: [MODES="data-parallel ..."] bench/same_speed.sh BUILD_A BUILD_B [ROUNDS]    (default 3 rounds, every mode)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 a=$(realpath "${1:?usage: $0 BUILD_A BUILD_B [ROUNDS]}")/ddm
@@ -24,7 +24,7 @@ declare -A modes=(
   [pipeline-filled]="--set parallel.pp=2 --set parallel.schedule=zb-h1 --set parallel.fill=true --set train.grad_accum=4"
   [pipeline-v]="--set parallel.pp=2 --set parallel.schedule=zb-v --set train.grad_accum=4"
 )
-order=(data-parallel diloco pipeline-filled pipeline-v)
+read -r -a order <<<"${MODES:-data-parallel diloco pipeline-filled pipeline-v}"  # MODES="diloco ...": only these
 speed() {  # BINARY MODE -> img/s over steps 11-40
   local out="$work/run"
   # shellcheck disable=SC2086

@@ -3,13 +3,11 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <limits>
 #include <map>
 #include <sstream>
 
 #include <nlohmann/json.hpp>
-#include <torch/autograd.h>
 
 #include "core/error.h"
 #include "core/safetensors.h"
@@ -94,12 +92,6 @@ PipeStep::PipeStep(const RunConfig& cfg, Net net, std::shared_ptr<Objective> obj
                              << " processes and a schedule of " << S << " stages (got " << comm_->world_size()
                              << " processes, a schedule of " << schedule_.stages << ")");
   validate_schedule(schedule_);
-  for (int v = 0; v < S; ++v)
-    if (rank_of(v) == rank_) {
-      Local& l = locals_.emplace_back();
-      l.stage = v;
-      l.direct_bytes.assign(static_cast<size_t>(S), 0);
-    }
   if (routes_.in.empty()) routes_.in.assign(static_cast<size_t>(S), {});  // no routes: every skip carried
   DDM_CHECK(static_cast<int>(routes_.in.size()) == S && (routes_.out.empty() || static_cast<int>(routes_.out.size()) == S - 1),
             "pipeline: skip routes for " << routes_.in.size() << " stages, not " << S);
@@ -116,6 +108,7 @@ PipeStep::PipeStep(const RunConfig& cfg, Net net, std::shared_ptr<Objective> obj
   DDM_CHECK(bounds_.front() == 0 && bounds_.back() == static_cast<int>(all.size()),
             "pipeline stage bounds must cover units 0.." << all.size() - 1);
   std::map<const void*, bool> mine;
+  std::map<int, std::pair<std::vector<NetUnit>, std::vector<torch::Tensor>>> here_units;  // per stage here: units, params
   needs_.assign(static_cast<size_t>(R), PrepNeeds{});  // per rank: what its stages read
   needs_[static_cast<size_t>(rank_of(0))].xt = needs_[static_cast<size_t>(rank_of(S - 1))].target = true;
   for (int u = 0; u < static_cast<int>(all.size()); ++u) {
@@ -125,10 +118,10 @@ PipeStep::PipeStep(const RunConfig& cfg, Net net, std::shared_ptr<Objective> obj
     const bool here = rank_of(owner) == rank_;
     for (const torch::Tensor& p : all[static_cast<size_t>(u)].params) mine[p.unsafeGetTensorImpl()] = here;
     if (here) {
-      Local& l = local(owner);
+      auto& [units, params] = here_units[owner];
       for (const torch::Tensor& p : all[static_cast<size_t>(u)].params)
-        if (p.requires_grad()) l.params.push_back(p);
-      l.units.push_back(std::move(all[static_cast<size_t>(u)]));
+        if (p.requires_grad()) params.push_back(p);
+      units.push_back(std::move(all[static_cast<size_t>(u)]));
     }
   }
   for (auto& p : net_->parameters()) {
@@ -150,8 +143,10 @@ PipeStep::PipeStep(const RunConfig& cfg, Net net, std::shared_ptr<Objective> obj
   DDM_CHECK(replica_batch % tc.grad_accum == 0,
             "pipeline: a replica's batch of " << replica_batch << " does not split into " << tc.grad_accum << " micro-batches");
   rows_ = replica_batch / tc.grad_accum;
-  objective_self_cond_ = tc.self_cond > 0;
+  for (auto& [stage, up] : here_units)  // ascending
+    locals_.emplace_back(stage, S, std::move(up.first), std::move(up.second), *wire_, routes_, rows_);
   quantum_ = prepare_quantum(rows_);
+  if (tc.self_cond > 0) first_pass_ = std::make_unique<PipeFirstPass>(*objective_, *wire_, S, rows_, quantum_);
   if (replicas_) {
     // Averaged during the stage's last backward (hooks enabled for it alone), as data parallelism
     // with gradient accumulation does.
@@ -161,198 +156,29 @@ PipeStep::PipeStep(const RunConfig& cfg, Net net, std::shared_ptr<Objective> obj
   }
 }
 
-PipeStep::Local& PipeStep::local(int stage) {
-  for (Local& l : locals_)
-    if (l.stage == stage) return l;
+PipeStage& PipeStep::local(int stage) {
+  for (PipeStage& l : locals_)
+    if (l.stage() == stage) return l;
   DDM_FAIL("pipeline: stage " << stage << " does not run on rank " << rank_);
 }
 
-void PipeStep::send_carry(Local& l, const NetCarry& k, int micro, bool first_pass, Micro* m) {
-  // The skips routed straight to the stages that read them go there; the carry lists them as
-  // placeholders (as it does a slot an earlier stage holds).
-  const int s = l.stage;
-  const std::vector<int>* route = first_pass || routes_.out.empty() ? nullptr : &routes_.out[static_cast<size_t>(s)];
-  DDM_CHECK(!route || route->size() == k.skips.size(),
-            "pipeline: stage " << s << " sends " << k.skips.size() << " skips, its routes know " << route->size());
-  std::vector<bool> carried(k.skips.size(), true);
-  for (size_t i = 0; i < k.skips.size(); ++i) {
-    const int r = route ? (*route)[i] : PipeSkipRoutes::kCarried;
-    if (r == PipeSkipRoutes::kCarried) continue;
-    carried[i] = false;
-    if (r >= 0) {  // straight to the stage that reads it
-      const torch::Tensor x = k.skips[i].contiguous();
-      if (!wire_->here(r)) l.direct_bytes[static_cast<size_t>(r)] = wire_->bytes(x);
-      wire_->send(x, r, wire_->tag(s, micro, kSkip + 2 * static_cast<int>(i)));
-      if (m) m->direct_roots.push_back({x, r, static_cast<int>(i)});
-    }
-  }
-  std::vector<torch::Tensor> tensors;
-  const torch::Tensor header = carry_header(k, carried, tensors);
-  wire_->send(header, s + 1, wire_->tag(s, micro, first_pass ? kFirstHeader : kCarryHeader));
-  torch::Tensor values = flat_of(tensors);
-  if (!first_pass) l.carry_bytes = !wire_->here(s + 1) ? wire_->bytes(values) : 0;
-  else if (!wire_->here(s + 1)) l.first_bytes += wire_->bytes(values);
-  wire_->send(values, s + 1, wire_->tag(s, micro, first_pass ? kFirstValues : kCarryValues));
-  if (m) m->roots = tensors;
-}
-
-void PipeStep::post_carry_receives(int micro_count) {
-  for (Local& l : locals_) {
-    l.posted.assign(static_cast<size_t>(micro_count), std::nullopt);
-    l.taken.assign(static_cast<size_t>(micro_count), false);
-    l.next_post = 0;
-    l.carry_shapes.clear();
-    if (l.stage == 0 || !l.carry_header.defined() || rank_of(l.stage - 1) == rank_) continue;
-    l.carry_shapes = header_shapes(l.carry_header);
-    // A window of S micro-batches ahead (every schedule's forwards run in micro-batch order): enough
-    // to keep the transfers ahead of the forwards, and at most S carry buffers held at once.
-    for (int m = 0; m < std::min(micro_count, stages()); ++m) post_next_carry(l);
-  }
-}
-
-void PipeStep::post_next_carry(Local& l) {
-  // A micro-batch whose carry was already received unposted (no schedule here does that) is skipped.
-  while (l.next_post < static_cast<int>(l.posted.size()) && l.taken[static_cast<size_t>(l.next_post)]) ++l.next_post;
-  if (l.carry_shapes.empty() || l.next_post >= static_cast<int>(l.posted.size())) return;
-  const int m = l.next_post++, prev = l.stage - 1;
-  PostedCarry& c = l.posted[static_cast<size_t>(m)].emplace();
-  c.header = wire_->post_recv(torch::zeros({kCarryHeaderSize}, torch::kLong), prev, wire_->tag(prev, m, kCarryHeader));
-  c.values = wire_->post_recv(torch::empty({numel_of(l.carry_shapes)}, torch::kFloat), prev, wire_->tag(prev, m, kCarryValues));
-  for (const PipeSkipRoutes::Direct& d : routes_.in[static_cast<size_t>(l.stage)])
-    c.direct.push_back(wire_->post_recv(torch::empty(direct_shape(d), torch::kFloat), d.from, wire_->tag(d.from, m, kSkip + 2 * d.slot)));
-}
-
-std::vector<int64_t> PipeStep::direct_shape(const PipeSkipRoutes::Direct& d) const {
-  std::vector<int64_t> shape{rows_};
-  shape.insert(shape.end(), d.row_shape.begin(), d.row_shape.end());
-  return shape;
-}
-
-std::optional<PipeStep::PostedCarry>* PipeStep::posted_for(Local& l, int micro) {
-  const bool has = micro < static_cast<int>(l.posted.size()) && l.posted[static_cast<size_t>(micro)];
-  return has ? &l.posted[static_cast<size_t>(micro)] : nullptr;
-}
-
-NetCarry PipeStep::recv_carry(Local& l, int micro, std::vector<torch::Tensor>& inputs, bool first_pass) {
-  const int prev = l.stage - 1;
-  const std::string what = "receive from stage " + std::to_string(prev);
-  std::optional<PostedCarry>* posted = first_pass ? nullptr : posted_for(l, micro);
-  PipeWire::Recv hr = posted ? (*posted)->header
-                   : wire_->post_recv(torch::zeros({kCarryHeaderSize}, torch::kLong), prev, wire_->tag(prev, micro, first_pass ? kFirstHeader : kCarryHeader));
-  const torch::Tensor header = wire_->wait(hr, what);
-  DDM_CHECK(!posted || torch::equal(header, l.carry_header),
-            "pipeline: stage " << l.stage << " received a carry for micro-batch " << micro
-                               << " whose layout differs from the earlier micro-batches'");
-  if (!first_pass && !l.carry_header.defined()) l.carry_header = header.clone();
-  if (!first_pass && micro < static_cast<int>(l.taken.size())) l.taken[static_cast<size_t>(micro)] = true;
-  const std::vector<std::vector<int64_t>> shapes = header_shapes(header);
-  PipeWire::Recv vr = posted ? (*posted)->values
-                   : wire_->post_recv(torch::empty({numel_of(shapes)}, torch::kFloat), prev, wire_->tag(prev, micro, first_pass ? kFirstValues : kCarryValues));
-  const torch::Tensor values = wire_->wait(vr, what);
-  received_ = Clock::now();
-  inputs.clear();
-  for (torch::Tensor& t : split_flat(values, shapes)) inputs.push_back(first_pass ? t : t.requires_grad_(true));
-  return carry_from(header, inputs);
-}
-
-void PipeStep::forward(Local& l, int micro) {
-  Micro& m = l.micro[static_cast<size_t>(micro)];
+void PipeStep::forward(PipeStage& l, int micro) {
   Prepared& p = prep_[static_cast<size_t>(micro)];
-  const int s = l.stage;
-  NetCarry k;
-  if (s == 0) {
-    if (objective_self_cond_) take_estimate(micro);
-    k.h = p.xt;
-  } else {
-    k = recv_carry(l, micro, m.inputs);
-    std::optional<PostedCarry>* posted = posted_for(l, micro);
-    // The skips an earlier stage sends here directly, into their places.
-    const auto& direct = routes_.in[static_cast<size_t>(s)];
-    for (size_t j = 0; j < direct.size(); ++j) {
-      const PipeSkipRoutes::Direct& d = direct[j];
-      DDM_CHECK(d.slot < static_cast<int>(k.skips.size()) && !k.skips[static_cast<size_t>(d.slot)].defined(),
-                "pipeline: stage " << s << " expected skip " << d.slot << " from stage " << d.from << " in place of a placeholder");
-      PipeWire::Recv r = posted ? (*posted)->direct[j]
-                      : wire_->post_recv(torch::empty(direct_shape(d), torch::kFloat), d.from, wire_->tag(d.from, micro, kSkip + 2 * d.slot));
-      torch::Tensor x = wire_->wait(r, "receive a skip from stage " + std::to_string(d.from));
-      received_ = Clock::now();
-      k.skips[static_cast<size_t>(d.slot)] = x.requires_grad_(true);
-      m.direct_inputs.push_back(x);
-    }
-    if (posted) {
-      posted->reset();     // its tensors live on as this micro-batch's inputs
-      post_next_carry(l);  // the window moves on
-    }
-  }
-  for (const NetUnit& u : l.units) u.run(k, p.t, p.cond);
-  if (last(s)) {
-    const torch::Tensor loss = objective_->loss(k.h, p);  // []
-    loss_sum_ += loss.item<double>();
-    m.roots = {scale_ == 1.0 ? loss : loss * scale_};
-  } else {
-    send_carry(l, k, micro, /*first_pass=*/false, &m);
-    // The gradients' receives, now: they arrive while this stage runs other micro-batches.
-    std::vector<std::vector<int64_t>> shapes;
-    for (const torch::Tensor& r : m.roots) shapes.push_back(r.sizes().vec());
-    m.grad_recvs.push_back(wire_->post_recv(torch::empty({numel_of(shapes)}, torch::kFloat), s + 1, wire_->tag(s, micro, kGradient)));
-    for (const DirectRoot& d : m.direct_roots)
-      m.grad_recvs.push_back(wire_->post_recv(torch::empty(d.tensor.sizes(), torch::kFloat), d.to, wire_->tag(s, micro, kSkipGrad + 2 * d.slot)));
-  }
+  if (l.stage() == 0 && first_pass_) first_pass_->estimate(micro, p);
+  const torch::Tensor out = l.forward(micro, p);
+  if (!l.last()) return;
+  const torch::Tensor loss = objective_->loss(out, p);  // []
+  loss_sum_ += loss.item<double>();
+  l.set_loss(micro, scale_ == 1.0 ? loss : loss * scale_);
 }
 
-void PipeStep::backward(Local& l, int micro, PipeOp op) {
-  Micro& m = l.micro[static_cast<size_t>(micro)];
-  const int s = l.stage;
-  if (!last(s) && !m.received) {
-    DDM_CHECK(m.grad_recvs.size() == 1 + m.direct_roots.size(), "pipeline: backward of micro-batch " << micro << " before its forward");
-    std::vector<std::vector<int64_t>> shapes;
-    for (const torch::Tensor& r : m.roots) shapes.push_back(r.sizes().vec());
-    m.grads = split_flat(wire_->wait(m.grad_recvs[0], "receive a gradient from stage " + std::to_string(s + 1)), shapes);
-    for (size_t j = 0; j < m.direct_roots.size(); ++j)  // the gradients of the skips sent straight to their readers
-      m.grads.push_back(wire_->wait(m.grad_recvs[1 + j], "receive a skip's gradient from stage " + std::to_string(m.direct_roots[j].to)));
-    m.grad_recvs.clear();
-    m.received = true;
-    received_ = Clock::now();
-  }
-  // Only what carries a gradient back: a carried tensor may depend on no trainable parameter at all
-  // (a ControlNet's locked features), and its received gradient then has nowhere to go.
-  std::vector<torch::Tensor> all_roots = m.roots, roots, grads;
-  for (const DirectRoot& d : m.direct_roots) all_roots.push_back(d.tensor);
-  for (size_t i = 0; i < all_roots.size(); ++i)
-    if (all_roots[i].requires_grad()) {
-      roots.push_back(all_roots[i]);
-      if (!m.grads.empty()) grads.push_back(m.grads[i]);
-    }
-  std::vector<torch::Tensor> inputs = m.inputs;
-  inputs.insert(inputs.end(), m.direct_inputs.begin(), m.direct_inputs.end());
-  // The inputs' gradients: the carry's to the previous stage in one message, each directly received
-  // skip's to the stage that sent it.
-  auto send_input_grads = [&](std::vector<torch::Tensor> g) {
-    for (size_t i = 0; i < g.size(); ++i)
-      if (!g[i].defined()) g[i] = torch::zeros_like(inputs[i]);  // an input no unit here read
-    const size_t n = m.inputs.size();
-    wire_->send(flat_of(std::vector<torch::Tensor>(g.begin(), g.begin() + static_cast<std::ptrdiff_t>(n))), s - 1,
-            wire_->tag(s - 1, micro, kGradient));
-    const auto& in = routes_.in[static_cast<size_t>(s)];
-    for (size_t j = 0; j < m.direct_inputs.size(); ++j)
-      wire_->send(g[n + j].contiguous(), in[j].from, wire_->tag(in[j].from, micro, kSkipGrad + 2 * in[j].slot));
-  };
-  // (A stage's graph starts at its inputs, leaves of their own: another stage here is out of its reach.)
-  if (op == PipeOp::kBackward) {
-    if (!roots.empty()) torch::autograd::backward(roots, grads);
-    if (s > 0) {
-      std::vector<torch::Tensor> g;
-      for (const torch::Tensor& in : inputs) g.push_back(in.grad());
-      send_input_grads(g);
-    }
-  } else if (op == PipeOp::kInputGrad) {  // no parameter's gradient: W computes those later from what I keeps
-    std::vector<torch::Tensor> g = m.split.input_grads(roots, grads, inputs, l.params);
-    if (s > 0) send_input_grads(std::move(g));
-    return;
-  } else {
-    m.split.weight_grads();
-  }
-  m = Micro{};  // the activations go
+void PipeStep::first_pass(PipeStage& l, int m, int64_t first, int64_t rows, bool filling, bool serial) {
+  wire_->note_arrival(Clock::now());
+  if (filling) complete(m);
+  first_pass_->run(l, m, prep_[static_cast<size_t>(m)], first, rows);
+  PipeAction a;
+  a.op = PipeOp::kTask, a.stage = -1, a.micro = m, a.task = 1 + l.stage(), a.rows = rows, a.serial = serial;
+  events_.push_back({a, ms_since_start(wire_->arrived()), ms_since_start(Clock::now())});
 }
 
 StepResult PipeStep::run(const std::vector<Batch>& micro, int64_t step, const std::vector<Batch>& next) {
@@ -369,11 +195,12 @@ StepResult PipeStep::run(const std::vector<Batch>& micro, int64_t step, const st
   scale_ = 1.0 / M;
   loss_sum_ = 0;
   fill_news_ = false;
-  for (Local& l : locals_) l.micro.assign(static_cast<size_t>(M), Micro{});
   prep_.assign(static_cast<size_t>(M), Prepared{});
   wire_->begin_step();
   const bool filling = plan_ && plan_->used;
-  post_carry_receives(M);  // before the prepare phase: the carries may arrive while it runs
+  // Before the prepare phase: the carries may arrive while it runs. A window of S micro-batches:
+  // enough to keep the transfers ahead of the forwards, and at most S carry buffers held at once.
+  for (PipeStage& l : locals_) l.begin_step(M, stages());
   prepare(micro, step, filling, !next.empty());
   times_.prepared = times_.backward_start = Clock::now();
   events_.clear();
@@ -388,13 +215,12 @@ StepResult PipeStep::run(const std::vector<Batch>& micro, int64_t step, const st
   // Self-conditioning's first passes: actions of the fill plan when it placed them (tasks 1 + s),
   // else a sweep of every micro-batch through this process's stages after this step's serial
   // prepare pieces (each stage's passes in micro-batch order, a V's earlier stage first).
-  if (objective_self_cond_) choose_first_pass_rows(micro, step);
-  for (Local& l : locals_) l.first_bytes = 0;
-  bool sweep_done = !objective_self_cond_ || filling;  // a fill plan holds every first pass, serial or not
+  if (first_pass_) first_pass_->begin_step(micro, step);
+  bool sweep_done = !first_pass_ || filling;  // a fill plan holds every first pass, serial or not
   for (size_t i = 0; i < actions.size(); ++i) {
     const PipeAction& a = actions[i];
     if (!sweep_done && !(a.op == PipeOp::kTask && a.task == 0 && a.serial)) {
-      for (Local& l : locals_)
+      for (PipeStage& l : locals_)
         for (int m = 0; m < M; ++m) first_pass(l, m, 0, rows_, filling, /*serial=*/true);
       sweep_done = true;
     }
@@ -402,7 +228,7 @@ StepResult PipeStep::run(const std::vector<Batch>& micro, int64_t step, const st
     // then runs after every action, not overlapped.)
     if (sync_ && i == last_weights && locals_.size() == 1) sync_->set_enabled(true);
     const Clock::time_point t0 = Clock::now();
-    received_ = t0;  // a receive moves it on: the action's work starts once its input has arrived
+    wire_->note_arrival(t0);  // a receive moves it on: the action's work starts once its input has arrived
     if (a.op == PipeOp::kTask && a.task > 0) {
       first_pass(local(a.task - 1), a.micro, pass_first_.at(i), a.rows, filling, a.serial);
       continue;  // (it records its own event)
@@ -410,16 +236,13 @@ StepResult PipeStep::run(const std::vector<Batch>& micro, int64_t step, const st
       const size_t piece = static_cast<size_t>(piece_at_.at(i));
       if (pieces_[piece].ahead && next.empty()) continue;  // the run's last step: no next step to prepare
       run_piece(piece, micro, next, step);
+    } else if (a.op == PipeOp::kForward) {
+      if (filling) complete(a.micro);
+      forward(local(a.stage), a.micro);
     } else {
-      Local& l = local(a.stage);
-      if (a.op == PipeOp::kForward) {
-        if (filling) complete(a.micro);
-        forward(l, a.micro);
-      } else {
-        backward(l, a.micro, a.op);
-      }
+      local(a.stage).backward(a.micro, a.op);
     }
-    events_.push_back({a, ms(received_), ms(Clock::now())});
+    events_.push_back({a, ms(wire_->arrived()), ms(Clock::now())});
   }
   if (filling) {
     for (Incoming& in : incoming_)
@@ -473,7 +296,7 @@ std::string PipeStep::last_step_json() const {
   r.actions_ms = ms(shown_times_.backward_end);
   r.synced_ms = ms(shown_times_.synced);
   r.end_ms = ms(shown_times_.end);
-  for (const PipeEvent& e : shown_events_) r.events.push_back({e.action, e.start_ms, e.end_ms});
+  r.events = shown_events_;
   r.with_stage = schedule_.several_per_rank();
   return timeline_rank_json(r);
 }

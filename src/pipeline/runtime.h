@@ -43,10 +43,10 @@
 // process, and `ddm sample` loads it like any other. The next step's prepared rows are not part of a
 // checkpoint: a resumed run prepares them again, alike.
 //
-// Files: runtime.cpp (the stages' forward and backward and the interpreter of the action list, run),
-// runtime_first_pass.cpp (self-conditioning), runtime_fill.cpp (bubble filling and its measurements);
-// the messages between the stages and the carry's format are pipeline/wire.h's, the split backward
-// pipeline/split_backward.h's.
+// Files: runtime.cpp (the interpreter of the action list, run; the loss and the update),
+// runtime_fill.cpp (bubble filling and its measurements); a stage's forward and backward are
+// pipeline/stage.h's, self-conditioning's first pass pipeline/first_pass.h's, the messages between
+// the stages and the carry's format pipeline/wire.h's, the split backward pipeline/split_backward.h's.
 #pragma once
 #include <chrono>
 #include <cstdint>
@@ -64,10 +64,13 @@
 #include "diffusion/objective.h"
 #include "model/net.h"
 #include "pipeline/calibrate.h"
+#include "pipeline/first_pass.h"
 #include "pipeline/prepare.h"
 #include "pipeline/routes.h"
 #include "pipeline/schedule.h"
+#include "pipeline/simulate.h"
 #include "pipeline/split_backward.h"
+#include "pipeline/stage.h"
 #include "pipeline/timeline.h"
 #include "pipeline/wire.h"
 #include "train/checkpoint.h"
@@ -83,13 +86,6 @@ namespace ddm {
 // Deterministic: every stage computes the same.
 std::vector<int> pipe_stage_bounds(NetImpl& net, const Prepared& sample, int stages,
                                    const std::vector<int64_t>& cuts, bool v_shaped = false);
-
-// One executed action of the last step, for timelines: steady-clock milliseconds since the step began,
-// from the arrival of its input (the receive's end) to its end.
-struct PipeEvent {
-  PipeAction action;
-  double start_ms = 0, end_ms = 0;
-};
 
 class PipeStep {
  public:
@@ -159,66 +155,14 @@ class PipeStep {
   void share_with_replicas();
 
  private:
-  struct DirectRoot {
-    torch::Tensor tensor;  // a skip sent straight to the stage that reads it
-    int to = 0, slot = 0;
-  };
   using Recv = PipeWire::Recv;
-  struct Micro {
-    std::vector<torch::Tensor> inputs;         // the received carry's tensors (stage > 0), leaves with gradients
-    std::vector<torch::Tensor> direct_inputs;  // skips received straight from earlier stages (routes_.in order)
-    std::vector<torch::Tensor> roots;          // what backward starts from: the scaled loss, or the sent carry
-    std::vector<DirectRoot> direct_roots;      // ... and the skips sent straight to their readers
-    std::vector<torch::Tensor> grads;          // their gradients (the carry's, then the direct ones'; none for the loss)
-    bool received = false;                     // grads received (I then W)
-    SplitBackward split;                       // I's leftovers for W
-    // The receives of those gradients, posted as soon as the forward has sent (the flat carry's,
-    // then each direct root's), so they arrive while this stage works on other micro-batches.
-    std::vector<Recv> grad_recvs;
-  };
-  // A micro-batch's carry receives (header, values, then each direct skip), posted ahead once the
-  // carry's layout is known (from the first micro-batch this stage received): S micro-batches at
-  // the step's start, then one more as each is consumed.
-  struct PostedCarry {
-    Recv header, values;
-    std::vector<Recv> direct;
-  };
-  // One stage this process runs (two under V-shaped placement: stage r and stage 2R-1-r).
-  struct Local {
-    int stage = 0;
-    std::vector<NetUnit> units;
-    std::vector<torch::Tensor> params;                 // its units' trainable parameters
-    std::vector<Micro> micro;                          // per micro-batch of this step
-    torch::Tensor carry_header;                        // the carry's header as first received (empty: none yet)
-    std::vector<std::optional<PostedCarry>> posted;    // per micro-batch of this step
-    std::vector<std::vector<int64_t>> carry_shapes;    // the carry's tensors' shapes (empty: unknown)
-    int next_post = 0;                                 // the next micro-batch whose carry to post
-    std::vector<bool> taken;                           // per micro-batch: its carry was received
-    int64_t carry_bytes = 0;                           // the last carry it sent another process
-    std::vector<int64_t> direct_bytes;                 // per stage: the skip bytes it sends there directly (another process's)
-    int64_t first_bytes = 0;                           // this step's first passes: what it sent another process
-  };
-  Local& local(int stage);
-  bool last(int stage) const { return stage + 1 == stages(); }
+  PipeStage& local(int stage);
   int rank_of(int stage) const { return schedule_.rank_of(stage); }
-  void post_carry_receives(int micro_count);
-  void post_next_carry(Local& l);
-  std::optional<PostedCarry>* posted_for(Local& l, int micro);  // null: not posted (or already taken)
-  std::vector<int64_t> direct_shape(const PipeSkipRoutes::Direct& d) const;  // [rows, row_shape...]
-  void forward(Local& l, int micro);
-  void backward(Local& l, int micro, PipeOp op);
-  // The carry of micro-batch `micro` from stage l to the next and from the previous one (first_pass:
-  // self-conditioning's, under its own tags, without gradients).
-  // With m (not the first pass), the sent tensors become m's backward roots.
-  void send_carry(Local& l, const NetCarry& k, int micro, bool first_pass = false, Micro* m = nullptr);
-  NetCarry recv_carry(Local& l, int micro, std::vector<torch::Tensor>& inputs, bool first_pass = false);
-  // Self-conditioning: the rows of each micro-batch that take a first pass (keyed, alike on every
-  // stage); micro-batch m's first pass through stage l (serial: not in a bubble, for its event); and
-  // stage 0's use of the pass's output before micro-batch `micro`'s forward.
-  // A piece covers positions [first, first + rows) of the micro-batch (whole quanta).
-  void choose_first_pass_rows(const std::vector<Batch>& micro, int64_t step);
-  void first_pass(Local& l, int m, int64_t first, int64_t rows, bool filling, bool serial);
-  void take_estimate(int micro);
+  // Micro-batch m's forward on stage l (stage 0: with self-conditioning's estimate; the last: its loss).
+  void forward(PipeStage& l, int micro);
+  // Self-conditioning: a piece of micro-batch m's first pass through stage l, positions [first,
+  // first + rows) (whole quanta; serial: not in a bubble), recorded as an event.
+  void first_pass(PipeStage& l, int m, int64_t first, int64_t rows, bool filling, bool serial);
   double ms_since_start(std::chrono::steady_clock::time_point t) const;
   // Bubble filling: run piece `i` (sending its rows to the other stages); post the receives of the
   // other stages' pieces; receive piece `in` (waiting for it); make micro-batch m's Prepared whole.
@@ -247,7 +191,7 @@ class PipeStep {
   PipeSkipRoutes routes_;
   std::unique_ptr<PipeWire> wire_;       // the messages between the stages
   int rank_ = 0;
-  std::vector<Local> locals_;            // the stages this process runs, ascending
+  std::vector<PipeStage> locals_;        // the stages this process runs, ascending
   std::vector<Prepared> prep_;           // per micro-batch of this step: its prepared inputs
   std::vector<std::string> unit_names_;  // every unit's, in order
   std::vector<std::string> all_names_;   // every trainable parameter of the whole model, in order
@@ -255,12 +199,11 @@ class PipeStep {
   std::unique_ptr<FlatAdamW> optim_;
   double scale_ = 1, loss_sum_ = 0;
   StepTimes times_;
-  std::chrono::steady_clock::time_point received_;  // when the current action's receive completed
-  std::vector<PipeEvent> events_;
+  std::vector<PipeSlot> events_;         // this step's actions, ms since its start: from their input's arrival to their end
   StepTimes shown_times_;                // last_step_json's step
   int64_t shown_step_ = 0;
   bool shown_filled_ = false;
-  std::vector<PipeEvent> shown_events_;
+  std::vector<PipeSlot> shown_events_;
   // Bubble filling.
   int64_t rows_ = 0, quantum_ = 1;     // rows per micro-batch, rows per prepare call
   std::vector<PrepNeeds> needs_;       // per rank: what its stages read of a prepared micro-batch
@@ -275,22 +218,8 @@ class PipeStep {
   std::vector<Rows> now_, ahead_;      // per micro-batch: prepared rows of this step, of the next
   int64_t ahead_step_ = -1;            // the step ahead_ belongs to
   std::vector<Incoming> incoming_;
-  // Self-conditioning (train.self_cond > 0).
-  bool objective_self_cond_ = false;
-  struct StagePass {            // one stage's first pass of one micro-batch, piece by piece
-    NetCarry in;                // stage > 0: the previous stage's carry of all b' rows
-    bool received = false;
-    std::vector<NetCarry> out;  // each quantum's carry after this stage's units, in row order
-    int64_t done = 0;           // positions covered by the pieces run so far
-  };
-  struct FirstPass {
-    torch::Tensor idx;            // the micro-batch's rows that take a first pass [b'], ascending
-    std::vector<int64_t> bound;   // per quantum q of positions: idx[bound[q], bound[q + 1]) lie in it
-    torch::Tensor x, t;           // stage 0: their x_t and t
-    Recv out;                     // ... and the last stage's output
-    std::vector<StagePass> stage; // per stage
-  };
-  std::vector<FirstPass> first_;
+  // Self-conditioning's first pass (train.self_cond > 0; else null).
+  std::unique_ptr<PipeFirstPass> first_pass_;
 };
 
 }  // namespace ddm

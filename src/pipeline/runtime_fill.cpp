@@ -109,7 +109,7 @@ void PipeStep::receive(Incoming& in) {
                                               "the prepared rows from stage " + std::to_string(pc.rank));
   (pc.ahead ? ahead_ : now_)[static_cast<size_t>(pc.micro)].emplace_back(pc.first, f.tensors);
   in.done = true;
-  received_ = Clock::now();
+  wire_->note_arrival(Clock::now());
 }
 
 void PipeStep::complete(int micro) {
@@ -153,27 +153,27 @@ void PipeStep::measure_and_plan() {
   constexpr int64_t kBig = 1 << 20;
   const double small = ping(*comm_, 1), big = ping(*comm_, kBig);
   nlohmann::json mine = nlohmann::json::array();
-  for (const Local& l : locals_) {
+  for (const PipeStage& l : locals_) {
     PipeStageMeasure m;
-    for (const PipeEvent& e : events_) {
-      const double d = (e.end_ms - e.start_ms) / M;
-      if (e.action.op == PipeOp::kTask || e.action.stage != l.stage) continue;  // a first pass is not in the plan
+    for (const PipeSlot& e : events_) {
+      const double d = (e.end - e.start) / M;
+      if (e.action.op == PipeOp::kTask || e.action.stage != l.stage()) continue;  // a first pass is not in the plan
       if (e.action.op == PipeOp::kForward) m.forward += d;
       else if (e.action.op == PipeOp::kWeightGrad) m.weight_grad += d;
       else m.input_grad += d;
     }
     if (&l == &locals_.front()) m.optimizer = ms(times_.end) - ms(times_.synced);  // clip, AdamW, EMA: not the wait for the slowest stage
     m.prepare_quantum = ms(times_.prepared) / (M * static_cast<double>(rows_ / quantum_));
-    m.carry_bytes = l.carry_bytes;
+    m.carry_bytes = l.carry_bytes();
     m.prepared_bytes = prepared_bytes_;
-    m.skip_bytes = l.direct_bytes;
-    if (objective_self_cond_) {  // the first pass of each micro-batch through this stage, and what it sent on
+    m.skip_bytes = l.direct_bytes();
+    if (first_pass_) {  // the first pass of each micro-batch through this stage, and what it sent on
       m.first_pass = 0;
-      for (const PipeEvent& e : events_)
-        if (e.action.op == PipeOp::kTask && e.action.task == 1 + l.stage) m.first_pass += (e.end_ms - e.start_ms) / M;
-      m.first_pass_bytes = static_cast<int64_t>(static_cast<double>(l.first_bytes) / M);
+      for (const PipeSlot& e : events_)
+        if (e.action.op == PipeOp::kTask && e.action.task == 1 + l.stage()) m.first_pass += (e.end - e.start) / M;
+      m.first_pass_bytes = static_cast<int64_t>(static_cast<double>(l.first_bytes()) / M);
     }
-    if (l.stage == 0) {
+    if (l.stage() == 0) {
       m.link_latency = small;
       m.link_bytes_per_ms = big > small ? static_cast<double>(4 * kBig - 4) / (big - small) : 0;
     }

@@ -121,6 +121,7 @@ torch::Tensor PipeWire::wait(Recv& r, const std::string& what) {
   if (!r.local) {
     comm_->wait(r.work, what);
     if (r.wire.scalar_type() != r.tensor.scalar_type()) r.tensor.copy_(r.wire);  // bfloat16 -> float32, exact
+    arrived_ = std::chrono::steady_clock::now();
     return r.tensor;
   }
   auto it = mailbox_.find(r.tag);
@@ -131,6 +132,7 @@ torch::Tensor PipeWire::wait(Recv& r, const std::string& what) {
                                                                           << it->second.sizes() << ", expected " << r.tensor.sizes());
   r.tensor = it->second;
   mailbox_.erase(it);
+  arrived_ = std::chrono::steady_clock::now();
   return r.tensor;
 }
 

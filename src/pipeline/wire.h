@@ -7,6 +7,7 @@
 // float32 message. Sends are posted without waiting and waited for together (wait_sends), since
 // Gloo's send completes only once the peer has posted its receive.
 #pragma once
+#include <chrono>
 #include <cstdint>
 #include <map>
 #include <string>
@@ -81,6 +82,11 @@ class PipeWire {
   // The bytes t takes on the wire to another process.
   int64_t bytes(const torch::Tensor& t) const;
 
+  // When the last wait() returned: an action's work starts once its input has arrived (for
+  // timelines). note_arrival sets it (an action's start, a receive outside the wire).
+  std::chrono::steady_clock::time_point arrived() const { return arrived_; }
+  void note_arrival(std::chrono::steady_clock::time_point t) { arrived_ = t; }
+
   // A new step: the mailbox starts empty.
   void begin_step() { mailbox_.clear(); }
   // Waits for every posted send.
@@ -94,6 +100,7 @@ class PipeWire {
   bool bf16_ = false;
   std::map<int, torch::Tensor> mailbox_;  // by tag: what one stage here sent another stage here
   std::vector<std::pair<c10::intrusive_ptr<c10d::Work>, torch::Tensor>> sends_;
+  std::chrono::steady_clock::time_point arrived_;
 };
 
 }  // namespace ddm
