@@ -10,6 +10,7 @@
 
 #include <toml++/toml.h>
 
+#include "core/device.h"
 #include "core/error.h"
 #include "core/fileio.h"
 #include "core/presets.h"
@@ -210,6 +211,7 @@ std::vector<Field> fields(RunConfig& c) {
       field("train.kl_weight", &c.train.kl_weight),
       field("train.seed", &c.train.seed),
       field("train.threads", &c.train.threads),
+      field("train.device", &c.train.device),
       field("train.grad_accum", &c.train.grad_accum),
       field("train.log_every", &c.train.log_every),
       field("train.ckpt_every", &c.train.ckpt_every),
@@ -483,6 +485,7 @@ void validate_train(const RunConfig& c) {
             "train.label_dropout must be in [0, 1], got " << t.label_dropout);
   DDM_CHECK(std::isfinite(t.kl_weight) && t.kl_weight >= 0, "train.kl_weight must be >= 0, got " << t.kl_weight);
   DDM_CHECK(t.seed >= 0, "train.seed must be >= 0, got " << t.seed);
+  check_device_spec(t.device, "train.device");
   DDM_CHECK(t.threads >= 0, "train.threads must be >= 0 (0 = the cores divided among the job's processes on this machine), got " << t.threads);
   DDM_CHECK(t.log_every > 0, "train.log_every must be > 0, got " << t.log_every);
   DDM_CHECK(t.ckpt_every > 0, "train.ckpt_every must be > 0, got " << t.ckpt_every);

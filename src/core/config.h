@@ -115,6 +115,9 @@ struct TrainConfig {
   double kl_weight = 1e-6;       // autoencoders: weight of the KL term per latent element against L1 per pixel
   int64_t seed = 0;
   int64_t threads = 0;           // intra-op threads per process (0 = the cores / the job's processes on this machine)
+  // Where each process computes: auto | cpu | cuda | cuda:N (core/device.h; auto and cuda: the GPU of
+  // the process's LOCAL_RANK). The training engines run on the CPU so far: a GPU is refused clearly.
+  std::string device = "cpu";
   // Micro-batches per step: batch_size is split into grad_accum equal parts (per rank), whose
   // gradients accumulate before one optimizer step; the result equals one step on the whole batch.
   int64_t grad_accum = 1;

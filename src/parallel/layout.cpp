@@ -31,7 +31,8 @@ ParallelLayout derive_layout(const RunConfig& cfg, int world, int rank) {
   DDM_CHECK(!pipelined || (world % l.pp == 0 && (p.dp == 0 || p.dp * l.pp == world)),
             "rank " << rank << ": parallel.pp = " << l.pp << " pipeline stages"
                     << (p.dp > 0 ? " x parallel.dp = " + std::to_string(p.dp) + " replicas" : "")
-                    << " but the job has " << world << " processes; a pipeline runs one process per stage: launch "
+                    << " but the job has " << world << (world == 1 ? " process" : " processes")
+                    << "; a pipeline runs one process per stage: launch "
                     << l.pp * std::max<int64_t>(1, p.dp) << " processes"
                     << (p.dp == 0 ? " (or a multiple of " + std::to_string(l.pp) + " for data-parallel replicas)" : ""));
   DDM_CHECK(pipelined || l.diloco() || p.dp == 0 || p.dp == world,

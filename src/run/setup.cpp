@@ -8,6 +8,7 @@
 #include <thread>
 
 #include "comm/env.h"
+#include "core/device.h"
 #include "core/error.h"
 #include "core/rng.h"
 #include "model/unet.h"
@@ -27,6 +28,7 @@ RunConfig normalized_for_resume(RunConfig c) {
   c.train.ckpt_every = d.train.ckpt_every;
   c.train.keep_ckpts = d.train.keep_ckpts;
   c.train.threads = d.train.threads;
+  c.train.device = d.train.device;
   c.train.grad_accum = d.train.grad_accum;  // the global batch stays; how it is split may change
   c.sample = d.sample;
   c.parallel = d.parallel;
@@ -34,11 +36,12 @@ RunConfig normalized_for_resume(RunConfig c) {
   return c;
 }
 
-// Keys that may differ between the ranks of one job: how many threads each uses, and where each
-// finds the data (whose content is compared by hash).
+// Keys that may differ between the ranks of one job: how many threads each uses, its device, and
+// where each finds the data (whose content is compared by hash).
 RunConfig normalized_for_ranks(RunConfig c) {
   RunConfig d;
   c.train.threads = d.train.threads;
+  c.train.device = d.train.device;
   c.data.root = d.data.root;
   return c;
 }
@@ -77,7 +80,7 @@ FileLock prepare_run_dir(const TrainOptions& opt, const RunConfig& cfg) {
       const std::string diff =
           first_difference(to_toml(normalized_for_resume(stored)), to_toml(normalized_for_resume(cfg)));
       DDM_CHECK(diff.empty(), "--resume: the config differs from the run stored in " << opt.out_dir << ": " << diff
-                                  << ". Only train.steps, log_every, ckpt_every, keep_ckpts, threads, grad_accum, sample.* and "
+                                  << ". Only train.steps, log_every, ckpt_every, keep_ckpts, threads, device, grad_accum, sample.* and "
                                      "parallel.* may change on resume; use a new --out or --force to start over");
       return lock;
     }
@@ -145,11 +148,30 @@ TrainJob plain_job(RunConfig cfg) {
   return job;
 }
 
+namespace {
+
+// train.device for this process, before it joins the others: a device it cannot use fails it alone,
+// at once. The training engines run on the CPU so far.
+torch::Device train_device(const RunConfig& cfg, const DistEnv& env) {
+  const std::string key = (env.distributed() ? "rank " + std::to_string(env.rank) + ": " : std::string()) + "train.device";
+  const torch::Device device = resolve_device(cfg.train.device, env.local_rank, key);
+  DDM_CHECK(device.is_cpu(), key << " = " << cfg.train.device << " is " << device.str()
+                                 << ", but ddm trains on the CPU only so far (training on CUDA GPUs is being built): set "
+                                    "train.device = cpu");
+  return device;
+}
+
+}  // namespace
+
 JobProcess join_job(const RunConfig& cfg, TrainOptions& opt) {
   JobProcess p;
   p.comm = opt.comm;
-  if (p.comm) return p;
+  if (p.comm) {
+    p.device = train_device(cfg, DistEnv{});
+    return p;
+  }
   const DistEnv env = detect_dist_env();
+  p.device = train_device(cfg, env);
   p.local_processes = env.local_world_size;
   p.rejoining = env.rejoin && env.distributed();
   DDM_CHECK(!p.rejoining || cfg.parallel.mode == SyncMode::kDiloco,

@@ -25,6 +25,7 @@ struct JobProcess {
   std::shared_ptr<Comm> comm;
   int local_processes = 1;  // processes of this job on this machine, sharing its cores
   bool rejoining = false;   // restarted alone into a running DiLoCo job (DistEnv::rejoin)
+  torch::Device device = torch::kCPU;  // train.device, resolved for this process
 };
 // opt.comm, or the job the environment describes (a launcher's variables, else one process). A job
 // the launcher restarted after a failure resumes: opt.resume on, opt.force off.

@@ -10,6 +10,7 @@
 #include <thread>
 
 #include <nlohmann/json.hpp>
+#include <torch/cuda.h>
 
 #include "core/config.h"
 #include "decentral/train_run.h"
@@ -201,4 +202,34 @@ TEST(Train, SigtermWritesCheckpointAndStops) {
   const Checkpoint ck = read_checkpoint(*latest);
   EXPECT_GT(ck.step, 0);
   EXPECT_LT(ck.step, 1000000);
+}
+
+// A device this machine cannot train on is a clear error before anything is written: no GPU
+// (CI), or, on a GPU machine, a GPU (the engines run on the CPU so far). A run stays resumable.
+TEST(Train, ADeviceItCannotUseIsAClearErrorAndLosesNothing) {
+  test::TempDir dir;
+  test::write_text(dir / "tiny.toml", kTinyConfig);
+  const std::string cfg = " --config " + (dir / "tiny.toml") + " --set train.steps=5";
+  auto fresh = test::run_ddm("train --quiet" + cfg + " --set train.device=cuda --out " + (dir / "new"));
+  EXPECT_EQ(fresh.exit_code, 1) << fresh.output;
+  const bool gpu = torch::cuda::is_available();
+  EXPECT_NE(fresh.output.find(gpu ? "train.device = cuda is cuda:0, but ddm trains on the CPU only so far"
+                                  : "train.device = cuda, but this machine has no CUDA GPU that LibTorch can use"),
+            std::string::npos)
+      << fresh.output;
+  EXPECT_FALSE(fs::exists(fs::path(dir / "new") / "config.toml"));
+  // A run on the CPU, then a resume asking for a GPU: refused, the checkpoint intact; on the CPU it goes on.
+  ASSERT_EQ(test::run_ddm("train --quiet" + cfg + " --out " + (dir / "run")).exit_code, 0);
+  auto bad = test::run_ddm("train --quiet" + cfg + " --set train.steps=8 --set train.device=cuda:7 --out " + (dir / "run") + " --resume");
+  EXPECT_EQ(bad.exit_code, 1) << bad.output;
+  EXPECT_NE(bad.output.find("train.device = cuda:7"), std::string::npos) << bad.output;
+  ASSERT_TRUE(latest_checkpoint(dir / "run").has_value());
+  auto res = test::run_ddm("train --quiet" + cfg + " --set train.steps=8 --set train.device=auto --out " + (dir / "run") + " --resume");
+  if (!gpu) {
+    EXPECT_EQ(res.exit_code, 0) << res.output;  // auto on a machine without a GPU: the CPU
+  }
+  auto spelled = test::run_ddm("train --quiet" + cfg + " --set train.device=gpu --out " + (dir / "x"));
+  EXPECT_EQ(spelled.exit_code, 1);
+  EXPECT_NE(spelled.output.find("train.device = \"gpu\" is not one of: auto, cpu, cuda, cuda:N"), std::string::npos)
+      << spelled.output;
 }

@@ -64,6 +64,9 @@ TEST(ParallelLayout, JobsThatDoNotFitAreClearErrors) {
   EXPECT_EQ(error_message([] { derive_layout(job(2, 0, 32, 4), 3, 1); }),
             "rank 1: parallel.pp = 2 pipeline stages but the job has 3 processes; a pipeline runs one process per "
             "stage: launch 2 processes (or a multiple of 2 for data-parallel replicas)");
+  EXPECT_EQ(error_message([] { derive_layout(job(2, 0, 32, 4), 1, 0); }),
+            "rank 0: parallel.pp = 2 pipeline stages but the job has 1 process; a pipeline runs one process per "
+            "stage: launch 2 processes (or a multiple of 2 for data-parallel replicas)");
   EXPECT_EQ(error_message([] { derive_layout(job(2, 2, 32, 4), 2, 0); }),
             "rank 0: parallel.pp = 2 pipeline stages x parallel.dp = 2 replicas but the job has 2 processes; a pipeline "
             "runs one process per stage: launch 4 processes");

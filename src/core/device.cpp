@@ -1,0 +1,52 @@
+// Device selection (see device.h).
+#include "core/device.h"
+
+#include <torch/cuda.h>
+
+#include "core/error.h"
+
+namespace ddm {
+namespace {
+
+// -1: cuda without an index; N >= 0: cuda:N; -2: not a cuda spec.
+int cuda_index(const std::string& spec) {
+  if (spec == "cuda") return -1;
+  if (spec.rfind("cuda:", 0) != 0 || spec.size() == 5 || spec.size() > 9) return -2;
+  for (size_t i = 5; i < spec.size(); ++i)
+    if (spec[i] < '0' || spec[i] > '9') return -2;
+  return std::stoi(spec.substr(5));
+}
+
+std::string gpus(int n) { return std::to_string(n) + " CUDA GPU" + (n == 1 ? "" : "s"); }
+
+}  // namespace
+
+void check_device_spec(const std::string& spec, const std::string& key) {
+  DDM_CHECK(spec == "auto" || spec == "cpu" || cuda_index(spec) != -2,
+            key << " = \"" << spec << "\" is not one of: auto, cpu, cuda, cuda:N (N = 0, 1, ...)");
+}
+
+torch::Device resolve_device(const std::string& spec, int local_rank, int cuda_count, const std::string& key) {
+  check_device_spec(spec, key);
+  if (spec == "cpu" || (spec == "auto" && cuda_count == 0)) return torch::Device(torch::kCPU);
+  const int index = cuda_index(spec);
+  DDM_CHECK(cuda_count > 0, key << " = " << spec << ", but this machine has no CUDA GPU that LibTorch can use "
+                                << "(no driver, or CUDA_VISIBLE_DEVICES hides them): use cpu or auto");
+  if (index >= 0) {
+    DDM_CHECK(index < cuda_count, key << " = " << spec << ", but this machine has " << gpus(cuda_count)
+                                      << " (cuda:0.." << cuda_count - 1 << ")");
+    return torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(index));
+  }
+  // auto / cuda: one GPU per process of the node, by LOCAL_RANK (as torchrun and srun number them).
+  DDM_CHECK(local_rank < cuda_count,
+            key << " = " << spec << " gives each process of a node its own GPU, but this is local rank " << local_rank
+                << " on a machine with " << gpus(cuda_count) << ": launch at most " << cuda_count
+                << (cuda_count == 1 ? " process" : " processes") << " per node, or name one GPU (cuda:N) for processes to share");
+  return torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(local_rank));
+}
+
+torch::Device resolve_device(const std::string& spec, int local_rank, const std::string& key) {
+  return resolve_device(spec, local_rank, static_cast<int>(torch::cuda::device_count()), key);
+}
+
+}  // namespace ddm

@@ -1,0 +1,50 @@
+// Device selection (core/device.h) without a GPU: the rule for auto / cpu / cuda / cuda:N on
+// machines of 0, 1 and 4 GPUs given as counts, and a clear error for every spelling or device the
+// machine lacks.
+#include <gtest/gtest.h>
+
+#include "core/config.h"
+#include "core/device.h"
+#include "test_util.h"
+#include "unit/test_dist_util.h"
+
+namespace {
+
+using namespace ddm;
+using ddm::test::error_message;
+using ddm::test::has;
+
+TEST(Device, AutoTakesTheLocalRanksGpuOrTheCpu) {
+  EXPECT_EQ(resolve_device("auto", 0, 0, "k"), torch::Device(torch::kCPU));
+  EXPECT_EQ(resolve_device("auto", 3, 0, "k"), torch::Device(torch::kCPU));
+  EXPECT_EQ(resolve_device("auto", 0, 1, "k"), torch::Device(torch::kCUDA, 0));
+  EXPECT_EQ(resolve_device("auto", 3, 4, "k"), torch::Device(torch::kCUDA, 3));
+  EXPECT_EQ(resolve_device("cuda", 2, 4, "k"), torch::Device(torch::kCUDA, 2));
+  EXPECT_EQ(resolve_device("cuda:1", 3, 4, "k"), torch::Device(torch::kCUDA, 1));
+  EXPECT_EQ(resolve_device("cpu", 0, 4, "k"), torch::Device(torch::kCPU));
+}
+
+TEST(Device, AGpuTheMachineLacksOrABadSpellingIsAClearError) {
+  EXPECT_TRUE(has(error_message([] { resolve_device("cuda", 0, 0, "train.device"); }),
+                  "train.device = cuda, but this machine has no CUDA GPU that LibTorch can use"));
+  EXPECT_TRUE(has(error_message([] { resolve_device("cuda:0", 0, 0, "--device"); }), "--device = cuda:0, but this machine has no CUDA GPU"));
+  EXPECT_TRUE(has(error_message([] { resolve_device("cuda:2", 0, 2, "train.device"); }),
+                  "train.device = cuda:2, but this machine has 2 CUDA GPUs (cuda:0..1)"));
+  EXPECT_TRUE(has(error_message([] { resolve_device("auto", 2, 1, "rank 2: train.device"); }),
+                  "rank 2: train.device = auto gives each process of a node its own GPU, but this is local rank 2 on a "
+                  "machine with 1 CUDA GPU: launch at most 1 process per node, or name one GPU (cuda:N)"));
+  for (const char* bad : {"gpu", "CUDA", "cuda:", "cuda:x", "cuda:-1", "cuda:123456", " cpu", ""})
+    EXPECT_TRUE(has(error_message([&] { check_device_spec(bad, "train.device"); }),
+                    "is not one of: auto, cpu, cuda, cuda:N"))
+        << bad;
+  for (const char* good : {"auto", "cpu", "cuda", "cuda:0", "cuda:15"}) EXPECT_EQ(error_message([&] { check_device_spec(good, "k"); }), "");
+}
+
+TEST(Device, TheConfigKeyIsCheckedAsTheConfigIsRead) {
+  EXPECT_EQ(parse_config("", "t.toml").train.device, "cpu");
+  EXPECT_EQ(parse_config("", "t.toml", {"train.device=cuda:1"}).train.device, "cuda:1");
+  EXPECT_TRUE(has(error_message([] { validate(parse_config("[train]\ndevice = \"gpu\"\n", "t.toml")); }),
+                  "train.device = \"gpu\" is not one of: auto, cpu, cuda, cuda:N"));
+}
+
+}  // namespace
