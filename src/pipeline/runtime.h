@@ -99,6 +99,9 @@ class PipeStep {
   PipeStep(const RunConfig& cfg, Net net, std::shared_ptr<Objective> objective, std::shared_ptr<Comm> comm,
            std::vector<int> bounds, PipeSchedule schedule, std::shared_ptr<Comm> replicas = nullptr,
            std::shared_ptr<Comm> world = nullptr, PipeSkipRoutes routes = {});
+  // Its stages and first pass hold references to its wire and routes: it stays where it was built.
+  PipeStep(const PipeStep&) = delete;
+  PipeStep& operator=(const PipeStep&) = delete;
   // One step over this replica's M micro-batches (every stage passes the same ones). `next`: the
   // next step's micro-batches, for a fill plan's pieces that prepare them in this step's bubbles;
   // empty when this is the run's last step (and may always be, at the cost of preparing those rows

@@ -9,6 +9,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "core/config.h"
 #include "core/error.h"
 #include "pipeline/calibrate.h"
 #include "pipeline/fill.h"
@@ -108,3 +109,17 @@ TEST(PipeSchedule, BadInput) {
 // GPipe, 2 stages, 2 micro-batches, F = 1 and B = 2, worked by hand:
 //   rank 0: F0 [0,1] F1 [1,2] . . . B0 [5,7] B1 [7,9]
 //   rank 1: . F0 [1,2] F1 [2,3] B0 [3,5] B1 [5,7] . .
+
+// parallel.schedule (parsed into an enum by the config, which cannot include the planner) names
+// exactly the planner's schedules, and agrees with it on which are V-shaped.
+TEST(PipeSchedule, TheConfigsScheduleNamesAreThePlannersNames) {
+  for (const std::string& name : ddm::schedule_names()) {
+    const ddm::ScheduleKind kind = ddm::parse_config("", "t.toml", {"parallel.schedule=" + name}).parallel.schedule;
+    EXPECT_EQ(ddm::name_of(kind), name);
+    EXPECT_EQ(ddm::v_shaped(kind), ddm::is_v_schedule(name)) << name;
+  }
+  for (auto kind : {ddm::ScheduleKind::kGpipe, ddm::ScheduleKind::k1f1b, ddm::ScheduleKind::kZbH1,
+                    ddm::ScheduleKind::k1f1bV, ddm::ScheduleKind::kZbV})
+    EXPECT_NE(std::find(ddm::schedule_names().begin(), ddm::schedule_names().end(), ddm::name_of(kind)),
+              ddm::schedule_names().end());
+}
