@@ -12,6 +12,7 @@
 #include "comm/comm.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <map>
 #include <thread>
 
@@ -84,6 +85,16 @@ std::shared_ptr<Comm> Comm::create(const DistEnv& env, CommOptions options) {
 std::shared_ptr<Comm> Comm::create_store_only(const DistEnv& env, CommOptions options) {
   return create_impl(env, std::move(options), false);
 }
+
+namespace {
+// LibTorch 2.11's c10d flight recorder (a process-wide ring buffer of every collective, on by
+// default) registers each group's status in an unordered_map before taking its lock: groups that
+// record from several threads at once (ranks as threads in tests, a pipeline's groups, gradient
+// hooks on the autograd engine's threads) race on it, and one was seen spinning forever inside it (a
+// pipeline test, 13 minutes, in recordWithResetEnabled). ddm does not read the recorder, so it is off
+// unless TORCH_FR_BUFFER_SIZE is set; set as the program loads, before any thread or group exists.
+[[maybe_unused]] const bool kFlightRecorderOff = [] { return setenv("TORCH_FR_BUFFER_SIZE", "0", /*overwrite=*/0) == 0; }();
+}  // namespace
 
 std::shared_ptr<Comm> Comm::create_impl(const DistEnv& env, CommOptions options, bool form_group) {
   std::shared_ptr<Comm> comm(new Comm(env.rank, env.world_size, options));
@@ -246,7 +257,8 @@ auto Comm::guarded(const std::string& op, F&& f) -> decltype(f()) {
 
 c10::intrusive_ptr<c10d::Work> Comm::allreduce_async(std::vector<at::Tensor>& tensors) {
   for (const auto& t : tensors)
-    DDM_CHECK(t.is_contiguous() && t.device().is_cpu(), "allreduce: tensors must be contiguous CPU tensors");
+    DDM_CHECK(t.is_contiguous() && (t.device().is_cpu() || t.device().is_cuda()),
+              "allreduce: tensors must be contiguous CPU or CUDA tensors (Gloo reduces CUDA tensors through host copies)");
   if (world_ == 1) return c10::make_intrusive<DoneWork>();
   for (const auto& t : tensors) count_sent(2.0 * (world_ - 1) / world_ * static_cast<double>(t.nbytes()));
   return guarded("all-reduce", [&] { return pg_->allreduce(tensors); });
