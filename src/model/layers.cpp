@@ -142,21 +142,30 @@ DiTBlockImpl::DiTBlockImpl(int64_t width, int64_t heads, double mlp_ratio) : wid
   zero_init(*ada_);
 }
 
+namespace {
+// x + gate * lin(h) for x [B, N, W], gate [B, W], h [B N, in]. On the CPU the linear runs without its
+// bias, which gated_residual adds in the same pass (ops.h: the fused kernel), so no pass copies a
+// broadcast bias; on a GPU the bias goes into the GEMM (cuBLAS's epilogue), since a separate a + bias
+// there is a full pass over [B N, W] (in float32 under bf16 autocast), twice per block and again in
+// backward.
+torch::Tensor gated_linear_residual(const torch::Tensor& x, const torch::Tensor& gate, const torch::Tensor& h,
+                                    nn::Linear& lin) {
+  if (!x.is_cpu()) return torch::addcmul(x, gate.unsqueeze(1), lin(h).view(x.sizes()));  // [B, N, W]
+  return gated_residual(x, gate, torch::mm(h, lin->weight.t()).view(x.sizes()), lin->bias);  // [B, N, W]
+}
+}  // namespace
+
 torch::Tensor DiTBlockImpl::forward(const torch::Tensor& x, const torch::Tensor& c_act) {
-  // Linears run on 2-D [B N, W] views. proj and fc2 run without their bias, which gated_residual
-  // adds (ops.h), so no pass copies a broadcast bias.
+  // Linears run on 2-D [B N, W] views.
   const int64_t B = x.size(0), N = x.size(1), W = width_, d = W / heads_;
   auto m = ada_(c_act).chunk(6, -1);                                   // 6 x [B, W]
   auto h = adaln_modulate(x, m[0], m[1], kDiTNormEps);                 // [B, N, W]
-  auto qkv = qkv_(h.view({B * N, W})).view({B, N, 3, heads_, d})       // [B, N, 3, h, d]
-                 .permute({0, 2, 3, 1, 4});                            // [B, 3, h, N, d]
-  auto a = attention_qkv(qkv);                                         // [B, h, N, d]
-  a = torch::mm(a.transpose(1, 2).reshape({B * N, W}), proj_->weight.t()).view({B, N, W});  // [B, N, W]
-  auto out = gated_residual(x, m[2], a, proj_->bias);                  // [B, N, W]
+  auto qkv = qkv_(h.view({B * N, W})).view({B, N, 3, heads_, d});     // [B, N, 3, h, d]
+  auto a = attention_tokens_qkv(qkv);                                  // [B, h, N, d]
+  auto out = gated_linear_residual(x, m[2], a.transpose(1, 2).reshape({B * N, W}), proj_);  // [B, N, W]
   h = adaln_modulate(out, m[3], m[4], kDiTNormEps);                    // [B, N, W]
   h = torch::gelu(fc1_(h.view({B * N, W})));                          // [B N, hidden]
-  h = torch::mm(h, fc2_->weight.t()).view({B, N, W});                  // [B, N, W]
-  return gated_residual(out, m[5], h, fc2_->bias);                     // [B, N, W]
+  return gated_linear_residual(out, m[5], h, fc2_);                    // [B, N, W]
 }
 
 DiTFinalLayerImpl::DiTFinalLayerImpl(int64_t width, int64_t out_dim) {

@@ -25,6 +25,15 @@ torch::Tensor attention_qkv(const torch::Tensor& qkv) {
   return at::scaled_dot_product_attention(u[0], u[1], u[2]);              // [B, h, N, d]
 }
 
+torch::Tensor attention_tokens_qkv(const torch::Tensor& qkv) {
+  DDM_CHECK(qkv.dim() == 5 && qkv.size(2) == 3, "attention: expected qkv [B, N, 3, heads, d], got " << qkv.sizes());
+  const auto permuted = qkv.permute({0, 2, 3, 1, 4});                     // [B, 3, h, N, d]
+  if (fused_attention_cpu_supported(permuted)) return fused_attention_cpu(permuted);  // [B, h, N, d]
+  const auto u = qkv.unbind(2);                                           // 3 x [B, N, h, d]
+  return at::scaled_dot_product_attention(u[0].transpose(1, 2), u[1].transpose(1, 2),
+                                          u[2].transpose(1, 2));          // [B, h, N, d]
+}
+
 torch::Tensor adaln_modulate(const torch::Tensor& x, const torch::Tensor& shift, const torch::Tensor& scale,
                              double eps) {
   if (adaln_modulate_cpu_supported(x, shift, scale)) return adaln_modulate_cpu(x, shift, scale, eps);  // [B, N, W]

@@ -15,6 +15,12 @@ namespace ddm {
 // Returns softmax(q k^T / sqrt(d)) v as [B, heads, N, d]; on the fused CPU path it is a view of a
 // [B, N, heads, d] buffer, so a.transpose(1, 2).reshape(B N, heads d) costs no copy.
 torch::Tensor attention_qkv(const torch::Tensor& qkv);
+// The same from a linear's output viewed as tokens, qkv [B, N, 3, heads, d] (a DiT block's): on the
+// fused CPU path attention_qkv of its [B, 3, heads, N, d] permutation; elsewhere (CUDA, bfloat16) q,
+// k and v are unbound along dim 2 first, so that backward stacks their gradients straight into the
+// linear's layout. (Unbinding the permutation instead costs a strided concatenation and a copy per
+// block in backward: 9.5 ms of a 156 ms dit-b step on an H100, docs/results.md.)
+torch::Tensor attention_tokens_qkv(const torch::Tensor& qkv);
 
 // The reference three-op form on separate q, k, v [B, heads, N, d]; used by tests and as fallback.
 torch::Tensor attention_reference(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v);

@@ -506,5 +506,24 @@ TEST(Counting, FlopsMatchHandCounts) {
             (std::vector<int64_t>{1, 1, 4, 4}));
 }
 
+// A DiT block's attention from the qkv linear's token layout: the fused CPU kernel where it runs, and
+// elsewhere (here float64) the same softmax attention as the reference, gradients included.
+TEST(FusedAttention, TokenLayoutEqualsTheReference) {
+  torch::manual_seed(6);
+  for (const auto dtype : {torch::kFloat32, torch::kFloat64}) {
+    auto qkv = torch::randn({2, 9, 3, 2, 4}, dtype).requires_grad_(true);  // [B, N, 3, h, d]
+    auto u = qkv.permute({0, 2, 3, 1, 4}).unbind(1);                     // 3 x [B, h, N, d]
+    const auto ref = attention_reference(u[0], u[1], u[2]);
+    const auto out = attention_tokens_qkv(qkv);
+    const double tol = dtype == torch::kFloat64 ? 1e-12 : 1e-5;
+    EXPECT_TRUE(torch::allclose(out, ref, tol, tol)) << dtype;
+    const auto w = torch::randn_like(ref);
+    const auto g_ref = torch::autograd::grad({(ref * w).sum()}, {qkv}, {}, /*retain_graph=*/true)[0];
+    const auto g_out = torch::autograd::grad({(out * w).sum()}, {qkv}, {}, /*retain_graph=*/true)[0];
+    EXPECT_TRUE(torch::allclose(g_out, g_ref, tol, tol)) << dtype;
+  }
+  EXPECT_ANY_THROW(attention_tokens_qkv(torch::zeros({2, 9, 4, 2, 4})));
+}
+
 }  // namespace
 }  // namespace ddm
