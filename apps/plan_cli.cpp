@@ -105,7 +105,7 @@ PipeProfile measure(const PlanArgs& a, int64_t* batch) {
   Net net = make_net(cfg.model);
   attach_controlnet(*net, cfg.model);
   auto objective = job.objective ? job.objective : make_objective(cfg);
-  const auto latent = attach_latent(*objective, cfg.model, cfg.train.cache_latents ? &job.data : nullptr);
+  const auto latent = attach_latent(*objective, cfg.model, torch::kCPU, cfg.train.cache_latents ? &job.data : nullptr);
   const auto embedder = attach_embed(*objective, cfg.model);
   std::cout << "profiling " << cfg.model.preset << " (" << cfg.model.arch << ") and its frozen work (" << workload_of(cfg)
             << ") at micro-batches of";

@@ -11,6 +11,7 @@
 #include <optional>
 #include <unistd.h>
 
+#include "core/device.h"
 #include "core/error.h"
 #include "core/fileio.h"
 #include "core/safetensors.h"
@@ -46,13 +47,22 @@ struct Source {
 Source open_source(const SampleArgs& a) {
   DDM_CHECK(a.ckpt.empty() != a.ensemble.empty(), "give exactly one of --ckpt DIR and --ensemble DIR");
   Source s;
+  const torch::Device device = resolve_device(a.device, 0, "--device");
   if (!a.ckpt.empty()) {
     DDM_CHECK(a.routing.empty() && !a.allow_missing, "--routing and --allow-missing apply only to --ensemble");
-    s.model = load_model(a.ckpt, !a.no_ema);
+    configure_math(device, false);
+    s.model = load_model(a.ckpt, !a.no_ema, device);
     s.den = make_denoiser(*s.model);
+    s.den->set_precision(a.precision == "bf16" ? Precision::kBf16 : Precision::kFp32);
     s.name = s.model->checkpoint;
+    if (!device.is_cpu() || a.precision != "fp32") s.name += " on " + device.str() + " in " + a.precision;
     return s;
   }
+  // An ensemble's experts and router sample on the CPU so far.
+  DDM_CHECK(a.device == "auto" || a.device == "cpu",
+            "--device " << a.device << ": a decentralized ensemble (--ensemble) samples on the CPU only so far; use "
+                        "--device cpu (or auto)");
+  DDM_CHECK(a.precision == "fp32", "--precision " << a.precision << ": an ensemble samples in fp32 only so far");
   s.members = std::make_unique<LoadedEnsemble>(load_ensemble(a.ensemble, !a.no_ema, a.allow_missing));
   s.routing = parse_routing(a.routing.empty() ? s.members->manifest.value("routing", "top1") : a.routing);
   for (int64_t m : s.members->missing())
@@ -304,6 +314,20 @@ void add_sample_flags(CLI::App* cmd, SampleArgs& a) {
   cmd->add_option("--batch", a.batch, "images per network batch")->check(kPositive);
   cmd->add_option("--threads", a.threads, "intra-op threads (0 = all cores)")->check(kNonNegative);
   cmd->add_flag("--no-ema", a.no_ema, "use the raw weights instead of the EMA");
+  cmd->add_option("--device", a.device,
+                  "auto | cpu | cuda | cuda:N: where the network runs (auto: the GPU if LibTorch sees one, else the "
+                  "CPU). The noise is drawn on the CPU, so every device starts from the same noise")
+      ->check([](const std::string& v) {
+        try {
+          check_device_spec(v, "--device");
+        } catch (const std::exception& e) {
+          return std::string(e.what());
+        }
+        return std::string();
+      });
+  cmd->add_option("--precision", a.precision,
+                  "fp32 | bf16: bf16 runs the network under bfloat16 autocast (faster on GPUs), the sampler in float32")
+      ->check(CLI::IsMember({"fp32", "bf16"}));
   cmd->add_option("--ensemble", a.ensemble,
                   "sample a decentralized ensemble: a directory with ensemble.json (from ddm ensemble)");
   cmd->add_option("--routing", a.routing,

@@ -14,6 +14,7 @@ struct SampleArgs {
   std::string control_file, control_from, control_type;  // ControlNets (and their fidelity for any model)
   std::string reference_file, reference_from;            // model.embed (and embedding similarity for any model)
   int64_t n = 100, steps = 0, class_id = -1, seed = 0, batch = 250, threads = 0;
+  std::string device = "auto", precision = "fp32";  // where the network runs, and in what
   double cfg = -1;
   bool no_ema = false, allow_missing = false;
 };

@@ -3,7 +3,11 @@
 // bench/compare_python.sh runs it side by side with bench/reference.py. Results are reported, never
 // asserted.
 //
-// usage: ddm_bench train PRESET [--batch 128] [--threads 2] [--steps 20] [--warmup 3]
+// usage: ddm_bench train PRESET [--batch 128] [--threads 2] [--steps 20] [--warmup 3] [--device cpu|cuda]
+//          [--precision fp32|bf16] [--peak TFLOPS]
+//          (PRESET: any model preset, on 28x28x1 with 10 classes, or dit-b: DiT-B/2 on 32x32x4 latents
+//           with 1000 classes, as bench/reference.py's; on a GPU the step is timed to its end (a device
+//           synchronization) and --peak, the card's dense bf16 TFLOP/s, gives the MFU)
 //        ddm_bench peak [--threads 2]
 //        ddm_bench sample PRESET [--n 256] [--nfe 50] [--threads 2] [--steps 20] [--warmup 3]
 //          (n images from noise with the Euler sampler in one batch, no guidance; the best of --steps
@@ -51,12 +55,15 @@
 #include <nlohmann/json.hpp>
 #include <sys/resource.h>
 #include <time.h>
+#include <torch/csrc/autograd/profiler_kineto.h>
+#include <torch/cuda.h>
 #include <torch/torch.h>
 
 #include "comm/comm.h"
 #include "comm/env.h"
 #include "comm/grad_sync.h"
 #include "core/config.h"
+#include "core/device.h"
 #include "core/error.h"
 #include "core/presets.h"
 #include "core/runtime.h"
@@ -88,6 +95,8 @@ struct Args {
   std::string wire = "float32", sync = "on", timeline;
   std::vector<std::string> sets;  // phases: config overrides
   int64_t gloo_threads = 1;
+  std::string device = "cpu", precision = "fp32";
+  double peak_tflops = 0;
   bool threads_set = false, steps_set = false, warmup_set = false;
 };
 
@@ -118,6 +127,9 @@ Args parse(int argc, char** argv) {
     else if (k == "--sync") a.sync = s;
     else if (k == "--timeline") a.timeline = s;
     else if (k == "--set") a.sets.push_back(s);
+    else if (k == "--device") a.device = s;
+    else if (k == "--precision") a.precision = s;
+    else if (k == "--peak") a.peak_tflops = std::atof(s.c_str());
     else DDM_FAIL("unknown flag " << k);
   }
   if (a.mode == "dp") {  // defaults of the data-parallel mode: one thread per rank, few (slow) steps
@@ -126,6 +138,8 @@ Args parse(int argc, char** argv) {
     if (!a.warmup_set) a.warmup = 2;
   }
   DDM_CHECK(a.wire == "float32" || a.wire == "float16", "--wire must be float32 or float16, got " << a.wire);
+  DDM_CHECK(a.precision == "fp32" || a.precision == "bf16", "--precision must be fp32 or bf16, got " << a.precision);
+  check_device_spec(a.device, "--device");
   DDM_CHECK(a.sync == "on" || a.sync == "off", "--sync must be on or off, got " << a.sync);
   DDM_CHECK(a.bucket_mb > 0 && a.first_bucket_mb > 0 && a.gloo_threads >= 1,
             "--bucket-mb and --first-bucket-mb must be > 0, --gloo-threads >= 1");
@@ -135,6 +149,11 @@ Args parse(int argc, char** argv) {
 }
 
 RunConfig preset_config(const std::string& preset, int64_t batch) {
+  if (preset == "dit-b")  // DiT-B/2 on ImageNet-256's 32x32x4 latents: the GPU benchmark's model
+    return parse_config("", "bench",
+                        {"model.arch=dit", "model.patch=2", "model.width=768", "model.depth=12", "model.heads=12",
+                         "model.mlp_ratio=4.0", "model.in_channels=4", "model.image_size=32", "model.num_classes=1000",
+                         "train.batch_size=" + std::to_string(batch)});
   RunConfig cfg = parse_config("", "bench", {"model.preset=" + preset, "train.batch_size=" + std::to_string(batch)});
   cfg.model.in_channels = 1;
   cfg.model.image_size = 28;
@@ -417,7 +436,7 @@ int run_phases(const Args& a) {
   Net net = make_net(cfg.model);
   attach_controlnet(*net, cfg.model);
   auto objective = job.objective ? job.objective : make_objective(cfg);
-  const auto latent = attach_latent(*objective, cfg.model, cfg.train.cache_latents ? &job.data : nullptr);
+  const auto latent = attach_latent(*objective, cfg.model, torch::kCPU, cfg.train.cache_latents ? &job.data : nullptr);
   const auto embedder = attach_embed(*objective, cfg.model);
   TrainStep stepper(cfg, net, objective);
   auto* controlnet = dynamic_cast<ControlNetImpl*>(net.get());
@@ -506,13 +525,37 @@ int main(int argc, char** argv) try {
   Net net = make_net(cfg.model);
   const double fwd_flops = forward_flops_per_image(cfg.model);
   if (a.mode == "dp") return run_dp(a, cfg, net);
+  const torch::Device device = resolve_device(a.device, 0, "--device");
+  configure_math(device, false);
+  auto sync = [&] {  // a GPU step is over when the device is done
+    if (device.is_cuda()) torch::cuda::synchronize(device.index());
+  };
   if (a.mode == "train") {
+    cfg.train.precision = a.precision == "bf16" ? Precision::kBf16 : Precision::kFp32;
+    net->to(device);
     TrainStep stepper(cfg, net, make_objective(cfg));
-    Batch batch{torch::rand({a.batch, 1, 28, 28}) * 2 - 1, torch::randint(0, 10, {a.batch}), torch::Tensor(), 0};
+    const int64_t c = cfg.model.in_channels, s = cfg.model.image_size;
+    Batch batch{torch::rand({a.batch, c, s, s}) * 2 - 1, torch::randint(0, cfg.model.num_classes, {a.batch}),
+                torch::Tensor(), 0};
+    batch = batch.to(device);  // (the data's copy to the device is not part of the step timed here)
     for (int64_t i = 0; i < a.warmup; ++i) stepper.run(batch, i);
+    sync();
     if (const char* trace = std::getenv("DDM_BENCH_TRACE")) {  // LibTorch profiler trace of 3 steps
-      torch::autograd::profiler::RecordProfile guard(trace);
-      for (int64_t i = 0; i < 3; ++i) stepper.run(batch, a.warmup + i);
+      if (device.is_cuda()) {
+        // Kineto, with the GPU's kernels (the "kernel" events bench/op_profile.py --gpu sums), as
+        // reference.py --trace records them with torch.profiler.
+        namespace prof = torch::profiler::impl;
+        const prof::ProfilerConfig config(prof::ProfilerState::KINETO);
+        const std::set<prof::ActivityType> activities{prof::ActivityType::CPU, prof::ActivityType::CUDA};
+        torch::autograd::profiler::prepareProfiler(config, activities);
+        torch::autograd::profiler::enableProfiler(config, activities);
+        for (int64_t i = 0; i < 3; ++i) stepper.run(batch, a.warmup + i);
+        sync();
+        torch::autograd::profiler::disableProfiler()->save(trace);
+      } else {
+        torch::autograd::profiler::RecordProfile guard(trace);
+        for (int64_t i = 0; i < 3; ++i) stepper.run(batch, a.warmup + i);
+      }
     }
     // Median step time: robust to bursts from other processes on a shared machine. reference.py
     // reports the same statistic.
@@ -520,16 +563,31 @@ int main(int argc, char** argv) try {
     for (int64_t i = 0; i < a.steps; ++i) {
       auto t0 = Clock::now();
       stepper.run(batch, a.warmup + i);
+      sync();
       times.push_back(seconds_since(t0));
     }
     std::sort(times.begin(), times.end());
     const double step_s = times[times.size() / 2];
+    // The step's prepare phase alone (the keyed draws on the CPU, their copy, x_t and the target),
+    // median: on a GPU the device waits for it.
+    std::vector<double> prep;
+    for (int64_t i = 0; i < a.steps; ++i) {
+      torch::NoGradGuard no_grad;
+      auto t0 = Clock::now();
+      const Prepared p = stepper.objective().prepare(batch, a.warmup + i);
+      sync();
+      prep.push_back(seconds_since(t0));
+    }
+    std::sort(prep.begin(), prep.end());
     // Training FLOPs: forward + backward ~ 3x forward.
     const double gflops = 3.0 * fwd_flops * a.batch / step_s / 1e9;
-    std::printf("{\"impl\": \"cpp\", \"mode\": \"train\", \"preset\": \"%s\", \"batch\": %lld, \"threads\": %lld, "
-                "\"params\": %lld, \"step_s\": %.5f, \"img_per_s\": %.2f, \"train_gflops\": %.2f}\n",
-                a.preset.c_str(), static_cast<long long>(a.batch), static_cast<long long>(a.threads),
-                static_cast<long long>(count_params(*net)), step_s, a.batch / step_s, gflops);
+    nlohmann::json j = {{"impl", "cpp"},        {"mode", "train"},        {"preset", a.preset},
+                        {"batch", a.batch},     {"threads", a.threads},   {"device", device.str()},
+                        {"precision", a.precision}, {"params", count_params(*net)}, {"step_s", step_s},
+                        {"img_per_s", a.batch / step_s}, {"train_gflops", gflops},
+                        {"prepare_ms", prep[prep.size() / 2] * 1e3}};
+    if (a.peak_tflops > 0) j["mfu"] = gflops / 1e3 / a.peak_tflops;
+    std::printf("%s\n", j.dump().c_str());
     return 0;
   }
   if (a.mode == "optim") {
@@ -625,22 +683,25 @@ int main(int argc, char** argv) try {
   }
   if (a.mode == "sample") {
     net->eval();
-    Denoiser den(net, make_path(cfg.diffusion), prediction_for(cfg.diffusion), 10);
+    net->to(device);
+    Denoiser den(net, make_path(cfg.diffusion), prediction_for(cfg.diffusion), cfg.model.num_classes);
+    den.set_precision(a.precision == "bf16" ? Precision::kBf16 : Precision::kFp32);
     GenerateOptions g;
     g.n = a.n;
     g.sample.steps = a.nfe;
     g.sample.cfg = 1.0;
     g.batch_size = a.n;
     int64_t nfe = 0;
-    const double best = best_seconds([&] { nfe = generate(den, 1, 28, g).nfe; }, a.warmup, a.steps);
+    const int64_t c = cfg.model.in_channels, s = cfg.model.image_size;
+    const double best = best_seconds([&] { nfe = generate(den, c, s, g).nfe; }, a.warmup, a.steps);
     if (const char* trace = std::getenv("DDM_BENCH_TRACE")) {  // LibTorch profiler trace of one run
       torch::autograd::profiler::RecordProfile guard(trace);
-      generate(den, 1, 28, g);
+      generate(den, c, s, g);
     }
-    std::printf("{\"impl\": \"cpp\", \"mode\": \"sample\", \"preset\": \"%s\", \"n\": %lld, \"nfe\": %lld, "
-                "\"threads\": %lld, \"seconds\": %.4f, \"img_per_s\": %.2f}\n",
-                a.preset.c_str(), static_cast<long long>(a.n), static_cast<long long>(nfe),
-                static_cast<long long>(a.threads), best, a.n / best);
+    const nlohmann::json j = {{"impl", "cpp"}, {"mode", "sample"}, {"preset", a.preset}, {"n", a.n}, {"nfe", nfe},
+                              {"threads", a.threads}, {"device", device.str()}, {"precision", a.precision},
+                              {"seconds", best}, {"img_per_s", a.n / best}};
+    std::printf("%s\n", j.dump().c_str());
     return 0;
   }
   DDM_FAIL("unknown mode " << a.mode << " (train | peak | sample | ops | dp | timeline)");

@@ -3,7 +3,11 @@
 DDM_BENCH_TRACE, LibTorch's profiler; reference.py --trace, PyTorch's) and prints each op's self
 time (its duration less that of the ops it called) per step, summed over threads.
 
-usage: bench/op_profile.py [--steps N] [--top K] NAME=TRACE.json [NAME=TRACE.json ...]
+With --gpu it sums the GPU's kernels instead (events of category "kernel", by kernel name): what
+the device spent its time on, from Kineto traces (ddm_bench train --device cuda, reference.py --device
+cuda --trace).
+
+usage: bench/op_profile.py [--steps N] [--top K] [--gpu] NAME=TRACE.json [NAME=TRACE.json ...]
        (each trace holds N steps, 3 by default: ddm_bench and reference.py record 3)
 """
 import argparse
@@ -42,11 +46,24 @@ def self_times(path):
     return {k: v / 1000.0 for k, v in out.items()}
 
 
+def kernel_times(path):
+    """{kernel name: total GPU time in ms} over every kernel event of a trace."""
+    with open(path) as f:
+        data = json.load(f)
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    out = collections.defaultdict(float)
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") == "kernel" and "dur" in e:
+            out[e["name"][:90]] += float(e["dur"])
+    return {k: v / 1000.0 for k, v in out.items()}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("traces", nargs="+", help="NAME=TRACE.json")
     ap.add_argument("--steps", type=int, default=3, help="steps each trace holds")
     ap.add_argument("--top", type=int, default=25, help="ops shown (by the largest time in any trace)")
+    ap.add_argument("--gpu", action="store_true", help="sum the GPU's kernels, not the CPU's ops")
     a = ap.parse_args()
     names, tables = [], []
     for t in a.traces:
@@ -54,15 +71,18 @@ def main():
         if not path:
             ap.error(f"'{t}': expected NAME=TRACE.json")
         names.append(name)
-        tables.append({k: v / a.steps for k, v in self_times(path).items()})
+        times = kernel_times(path) if a.gpu else self_times(path)
+        tables.append({k: v / a.steps for k, v in times.items()})
     ops = sorted({k for t in tables for k in t}, key=lambda k: -max(t.get(k, 0.0) for t in tables))
-    print("| op (self time, ms per step) | " + " | ".join(names) + " |")
+    what = "kernel (GPU time" if a.gpu else "op (self time"
+    print(f"| {what}, ms per step) | " + " | ".join(names) + " |")
     print("|---|" + "---|" * len(names))
     for k in ops[: a.top]:
         print(f"| {k} | " + " | ".join(f"{t.get(k, 0.0):.1f}" for t in tables) + " |")
     rest = [sum(v for kk, v in t.items() if kk not in ops[: a.top]) for t in tables]
     print("| (all other ops) | " + " | ".join(f"{r:.1f}" for r in rest) + " |")
-    print("| **sum of op self times** | " + " | ".join(f"**{sum(t.values()):.1f}**" for t in tables) + " |")
+    total = "sum of kernel times" if a.gpu else "sum of op self times"
+    print(f"| **{total}** | " + " | ".join(f"**{sum(t.values()):.1f}**" for t in tables) + " |")
 
 
 if __name__ == "__main__":

@@ -1,15 +1,19 @@
 #!/usr/bin/env bash
 # The GPU checks, on a machine with a CUDA GPU and PyTorch 2.11 (+cu130) in its python3. Two steps:
-#   scripts/gpu-check.sh pack DIR     (here, after scripts/setup.sh) copies the test binaries the
-#                                     checks run, stripped, and the libraries a GPU machine may
-#                                     lack (toml++, stb, tcmalloc), into DIR, to carry there;
+#   scripts/gpu-check.sh pack DIR     (here, after scripts/setup.sh) copies what the checks run,
+#                                     stripped (the test binaries, ddm, ddm_bench), the libraries a GPU
+#                                     machine may lack (toml++, stb, tcmalloc, OpenSSL's libcrypto) and
+#                                     Fashion-MNIST into DIR, to carry there;
 #   scripts/gpu-check.sh run DIR OUT  (there) runs them against that machine's LibTorch (the torch of
 #                                     its python3, or $TORCH_LIB) and writes each one's output to OUT:
 #       test_torch_build  the LibTorch build: 2.11, libtorch_cuda loaded, Gloo from the wheel;
-#       test_cuda         the `gpu` tests: CUDA results equal the CPU's within float32 rounding;
-#   then (unless GPU_BENCH=0) the PyTorch baseline of the GPU benchmark, bench/reference.py on the
-#   card: a training step of dit-b and unet-small at batch 256 in bf16, eager and torch.compile,
-#   dit-b in fp32, and dit-b's sampling; one JSON line each in OUT/reference.jsonl.
+#       test_cuda         the `gpu` tests: CUDA results equal the CPU's within float32 rounding, and
+#                         ddm trains, resumes and samples there (tests/gpu/test_cuda.cpp);
+#   then (unless GPU_BENCH=0) the GPU benchmark side by side: ddm's training step (ddm_bench train) and
+#   PyTorch's (bench/reference.py) for dit-b and unet-small at batch 256 in bf16, PyTorch eager and
+#   torch.compile (unless REF_COMPILE=0), dit-b in fp32; one JSON line each in OUT/bench.jsonl;
+#   then (unless QUICKSTART=0) the single-model quickstart on the GPU (configs/quickstart.toml: train
+#   in bf16, then sample), timed, its grid in OUT/quickstart-gpu.png.
 # Exits non-zero if any check fails.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -19,12 +23,18 @@ case "$what" in
   pack)
     dir=${2:?usage: $0 pack DIR}
     mkdir -p "$dir/lib"
+    mkdir -p "$dir/bin" "$dir/fashion-mnist"
     for b in test_torch_build test_cuda; do
       [ -x "build/$b" ] || { echo "gpu-check: build/$b is missing: run scripts/setup.sh first" >&2; exit 1; }
       strip -o "$dir/$b" "build/$b"
     done
+    for b in ddm ddm_bench; do
+      [ -x "build/$b" ] || { echo "gpu-check: build/$b is missing: run scripts/setup.sh first" >&2; exit 1; }
+      strip -o "$dir/bin/$b" "build/$b"
+    done
     cp -L /usr/lib/x86_64-linux-gnu/libtomlplusplus.so.3 /usr/lib/x86_64-linux-gnu/libstb.so.0 \
-      /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 "$dir/lib/"
+      /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 /usr/lib/x86_64-linux-gnu/libcrypto.so.3 "$dir/lib/"
+    cp /usr/share/datasets/fashion-mnist/*.gz "$dir/fashion-mnist/"
     du -sh "$dir"
     ;;
   run)
@@ -33,6 +43,7 @@ case "$what" in
     mkdir -p "$out"
     torch_lib=${TORCH_LIB:-$(python3 -c 'import os, torch; print(os.path.join(os.path.dirname(torch.__file__), "lib"))')}
     export LD_LIBRARY_PATH="$dir/lib:$torch_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    export DDM_BINARY="$(cd "$dir" && pwd)/bin/ddm"  # what the tests run as `ddm` (test_util.h)
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt" || true
     failed=()
     for t in "$dir"/test_*; do
@@ -42,18 +53,34 @@ case "$what" in
       echo "gpu-check: $name $status ($(($(date +%s) - start)) s): $(grep -E '^\[  (PASSED|FAILED|SKIPPED) ' "$out/$name.log" | tr '\n' ' ')"
     done
     if [ "${GPU_BENCH:-1}" != 0 ]; then
-      ref() {  # one reference.py run, bounded, its JSON line appended (a failure is reported, not fatal)
+      peak=989  # dense bf16 TFLOP/s of an H100 SXM and of an H200 (the same compute)
+      bench() {  # one bounded run, its JSON line appended (a failure is reported, not fatal)
         local line
-        if line=$(timeout 240 python3 bench/reference.py "$@" --device cuda --threads 8 2>"$out/reference.err"); then
-          echo "$line" | tee -a "$out/reference.jsonl"
-        else echo "gpu-check: reference.py $* failed: $(tail -3 "$out/reference.err")"; fi
+        if line=$(timeout 240 "$@" 2>"$out/bench.err"); then echo "$line" | tail -1 | tee -a "$out/bench.jsonl"
+        else echo "gpu-check: $* failed: $(tail -3 "$out/bench.err")"; fi
       }
-      ref dit-b --batch 256 --precision bf16 --steps 20 --warmup 3
-      ref dit-b --batch 256 --precision bf16 --steps 20 --warmup 3 --compile
-      ref unet-small --batch 256 --precision bf16 --steps 20 --warmup 3
-      ref unet-small --batch 256 --precision bf16 --steps 20 --warmup 3 --compile
-      ref dit-b --batch 256 --precision fp32 --steps 10 --warmup 2
-      ref dit-b --batch 256 --precision bf16 --steps 3 --warmup 1 --sample 20
+      for preset in dit-b unet-small; do
+        bench "$dir/bin/ddm_bench" train $preset --batch 256 --device cuda --precision bf16 --steps 20 --warmup 3 --threads 8 --peak $peak
+        bench python3 bench/reference.py $preset --batch 256 --precision bf16 --steps 20 --warmup 3 --device cuda --threads 8
+        [ "${REF_COMPILE:-1}" = 0 ] || bench python3 bench/reference.py $preset --batch 256 --precision bf16 --steps 20 --warmup 3 --device cuda --threads 8 --compile
+      done
+      bench "$dir/bin/ddm_bench" train dit-b --batch 256 --device cuda --precision fp32 --steps 10 --warmup 2 --threads 8 --peak $peak
+      bench "$dir/bin/ddm_bench" sample dit-b --n 256 --nfe 20 --device cuda --precision bf16 --steps 3 --warmup 1 --threads 8
+    fi
+    if [ "${QUICKSTART:-1}" != 0 ]; then
+      # The single-model quickstart on the GPU: ddm train + ddm sample, each timed.
+      q=$(mktemp -d)
+      start=$(date +%s.%N)
+      if "$dir/bin/ddm" train --config configs/quickstart.toml --out "$q/run" --set data.root="$dir/fashion-mnist" \
+           --set train.device=cuda --set train.precision=bf16 >"$out/quickstart-train.log" 2>&1; then
+        mid=$(date +%s.%N)
+        "$dir/bin/ddm" sample --ckpt "$q/run" --out "$out/quickstart-gpu.png" --device cuda >"$out/quickstart-sample.log" 2>&1 || failed+=(quickstart-sample)
+        end=$(date +%s.%N)
+        echo "gpu-check: quickstart on the GPU: train $(awk "BEGIN{printf \"%.1f\", $mid - $start}") s, sample $(awk "BEGIN{printf \"%.1f\", $end - $mid}") s; $(grep -E 'step 1200/' "$out/quickstart-train.log" | tail -1)"
+      else
+        failed+=(quickstart-train); tail -5 "$out/quickstart-train.log"
+      fi
+      rm -rf "$q"
     fi
     if [ ${#failed[@]} -gt 0 ]; then
       for f in "${failed[@]}"; do echo "--- $f"; grep -B2 -A12 -E 'Failure|FAILED' "$out/$f.log" | head -60; done

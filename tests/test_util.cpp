@@ -55,7 +55,11 @@ CommandResult run_command(const std::string& cmd) {
 
 CommandResult run_ddm(const std::string& args) { return run_command(ddm_binary() + " " + args); }
 
-std::string ddm_binary() { return DDM_BINARY; }
+std::string ddm_binary() {
+  // DDM_BINARY in the environment: the tests' binaries carried to another machine (scripts/gpu-check.sh).
+  const char* carried = std::getenv("DDM_BINARY");
+  return carried && *carried ? carried : DDM_BINARY;
+}
 std::string helper_binary(const std::string& name) {
   return std::filesystem::path(DDM_BINARY).parent_path() / name;
 }

@@ -253,7 +253,7 @@ GradSync::GradSync(std::shared_ptr<Comm> comm, std::vector<torch::Tensor> params
   s.wire.resize(s.buckets.size());
   if (!s.comm->distributed()) return;  // one process: nothing to synchronize, no hooks
   if (options.fp16_wire)
-    for (size_t b = 0; b < s.buckets.size(); ++b) s.wire[b] = torch::empty({s.buckets[b].numel()}, torch::kHalf);
+    for (size_t b = 0; b < s.buckets.size(); ++b) s.wire[b] = torch::empty({s.buckets[b].numel()}, flat_grad.options().dtype(torch::kHalf));
   std::weak_ptr<State> weak = state_;
   for (size_t i = 0; i < s.params.size(); ++i) {
     auto acc = torch::autograd::impl::grad_accumulator(s.params[i]);

@@ -118,6 +118,11 @@ const std::vector<std::pair<std::string, ScheduleKind>>& names() {
   return t;
 }
 template <>
+const std::vector<std::pair<std::string, Precision>>& names() {
+  static const std::vector<std::pair<std::string, Precision>> t = {{"fp32", Precision::kFp32}, {"bf16", Precision::kBf16}};
+  return t;
+}
+template <>
 const std::vector<std::pair<std::string, WireFormat>>& names() {
   static const std::vector<std::pair<std::string, WireFormat>> t = {
       {"float32", WireFormat::kFloat32}, {"float16", WireFormat::kFloat16}, {"bfloat16", WireFormat::kBfloat16}};
@@ -212,6 +217,8 @@ std::vector<Field> fields(RunConfig& c) {
       field("train.seed", &c.train.seed),
       field("train.threads", &c.train.threads),
       field("train.device", &c.train.device),
+      choice("train.precision", &c.train.precision, {"fp32", "bf16"}),
+      field("train.deterministic", &c.train.deterministic),
       field("train.grad_accum", &c.train.grad_accum),
       field("train.log_every", &c.train.log_every),
       field("train.ckpt_every", &c.train.ckpt_every),
@@ -287,6 +294,7 @@ void check_choice(const std::string& key, const std::string& value, const std::v
 std::string name_of(SyncMode m) { return enum_name(m); }
 std::string name_of(ScheduleKind s) { return enum_name(s); }
 std::string name_of(WireFormat w) { return enum_name(w); }
+std::string name_of(Precision p) { return enum_name(p); }
 
 std::vector<std::string> config_keys() {
   RunConfig c;
@@ -514,6 +522,9 @@ void validate_parallel(const RunConfig& c) {
     DDM_CHECK(par.cuts[i] > (i == 0 ? 0 : par.cuts[i - 1]),
               "parallel.cuts must be increasing unit indices > 0, got " << par.cuts[i] << " at position " << i);
   DDM_CHECK(par.pp == 1 || par.mode == SyncMode::kDp, "parallel.pp = " << par.pp << " needs parallel.mode = \"dp\" (DiLoCo replicas are whole models)");
+  DDM_CHECK(par.pp == 1 || c.train.precision == Precision::kFp32,
+            "train.precision = bf16 with parallel.pp = " << par.pp << ": pipeline stages train in fp32 only so far; "
+                                                            "set train.precision = fp32");
 }
 
 // DiLoCo's outer loop.

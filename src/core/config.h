@@ -12,9 +12,11 @@ namespace ddm {
 enum class SyncMode { kDp, kDiloco };                           // parallel.mode
 enum class ScheduleKind { kGpipe, k1f1b, kZbH1, k1f1bV, kZbV };  // parallel.schedule
 enum class WireFormat { kFloat32, kFloat16, kBfloat16 };        // parallel.wire, parallel.pipe_wire, diloco.wire
+enum class Precision { kFp32, kBf16 };                          // train.precision, --precision
 std::string name_of(SyncMode m);
 std::string name_of(ScheduleKind s);
 std::string name_of(WireFormat w);
+std::string name_of(Precision p);
 // 1f1b-v and zb-v run two stages on each process, in a V.
 inline bool v_shaped(ScheduleKind s) { return s == ScheduleKind::k1f1bV || s == ScheduleKind::kZbV; }
 
@@ -116,8 +118,14 @@ struct TrainConfig {
   int64_t seed = 0;
   int64_t threads = 0;           // intra-op threads per process (0 = the cores / the job's processes on this machine)
   // Where each process computes: auto | cpu | cuda | cuda:N (core/device.h; auto and cuda: the GPU of
-  // the process's LOCAL_RANK). The training engines run on the CPU so far: a GPU is refused clearly.
+  // the process's LOCAL_RANK). docs/gpu.md says which modes run on a GPU so far.
   std::string device = "cpu";
+  // fp32: every op in float32 (TF32 off on GPUs). bf16: the forward passes and their backward under
+  // bfloat16 autocast; weights, gradients, AdamW state and EMA stay float32 (core/device.h).
+  Precision precision = Precision::kFp32;
+  // GPUs: deterministic algorithms only (cuBLAS workspace, no atomics-based kernels), so a run repeats
+  // bit for bit on the same card; slower. The CPU path is deterministic either way.
+  bool deterministic = false;
   // Micro-batches per step: batch_size is split into grad_accum equal parts (per rank), whose
   // gradients accumulate before one optimizer step; the result equals one step on the whole batch.
   int64_t grad_accum = 1;

@@ -1,6 +1,10 @@
 // Device selection (see device.h).
 #include "core/device.h"
 
+#include <cstdlib>
+
+#include <ATen/Context.h>
+#include <ATen/autocast_mode.h>
 #include <torch/cuda.h>
 
 #include "core/error.h"
@@ -47,6 +51,42 @@ torch::Device resolve_device(const std::string& spec, int local_rank, int cuda_c
 
 torch::Device resolve_device(const std::string& spec, int local_rank, const std::string& key) {
   return resolve_device(spec, local_rank, static_cast<int>(torch::cuda::device_count()), key);
+}
+
+void configure_math(torch::Device device, bool deterministic) {
+  if (!device.is_cuda()) return;
+  at::Context& ctx = at::globalContext();
+  ctx.setAllowTF32CuBLAS(false);
+  ctx.setAllowTF32CuDNN(false);
+  if (deterministic) {
+    // cuBLAS reads this when it creates its handle: before the first matmul on the device.
+    setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8", /*overwrite=*/0);
+    ctx.setDeterministicAlgorithms(true, /*warn_only=*/false);
+    ctx.setDeterministicCuDNN(true);
+    ctx.setBenchmarkCuDNN(false);
+  } else {
+    ctx.setDeterministicAlgorithms(false, /*warn_only=*/false);
+    ctx.setDeterministicCuDNN(false);
+    ctx.setBenchmarkCuDNN(true);
+  }
+}
+
+Autocast::Autocast(torch::Device device, Precision precision) : type_(device.type()) {
+  if (precision != Precision::kBf16) return;
+  on_ = true;
+  was_enabled_ = at::autocast::is_autocast_enabled(type_);
+  was_dtype_ = at::autocast::get_autocast_dtype(type_);
+  at::autocast::set_autocast_enabled(type_, true);
+  at::autocast::set_autocast_dtype(type_, at::kBFloat16);
+  at::autocast::increment_nesting();
+}
+
+Autocast::~Autocast() {
+  if (!on_) return;
+  // Leaving the outermost region drops the cached bfloat16 copies of the weights.
+  if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
+  at::autocast::set_autocast_enabled(type_, was_enabled_);
+  at::autocast::set_autocast_dtype(type_, was_dtype_);
 }
 
 }  // namespace ddm

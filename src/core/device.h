@@ -2,10 +2,15 @@
 // auto takes the GPU of this process's LOCAL_RANK when LibTorch sees a CUDA GPU, else the CPU; cuda
 // the same, but no GPU is an error; cuda:N that GPU. Every failure says what was asked, what this
 // machine has, and what to write instead.
+//
+// Also how a process computes there: configure_math (TF32, deterministic algorithms) and Autocast
+// (train.precision = bf16: bfloat16 autocast around forward passes, float32 everywhere else).
 #pragma once
 #include <string>
 
 #include <torch/types.h>
+
+#include "core/config.h"
 
 namespace ddm {
 
@@ -16,5 +21,30 @@ void check_device_spec(const std::string& spec, const std::string& key);
 torch::Device resolve_device(const std::string& spec, int local_rank, int cuda_count, const std::string& key);
 // The same on this machine (LibTorch's CUDA device count).
 torch::Device resolve_device(const std::string& spec, int local_rank, const std::string& key);
+
+// Process-wide math settings for computing on `device`, called once before its first op there.
+// fp32 means float32: TF32 is off in cuBLAS and cuDNN (PyTorch leaves it on for cuDNN's
+// convolutions), so a GPU step equals the CPU's within float32 rounding. deterministic: LibTorch's
+// deterministic algorithms and cuBLAS's fixed workspace (CUBLAS_WORKSPACE_CONFIG, unless already set),
+// so a run repeats bit for bit on the same card and software; otherwise cuDNN may pick the fastest
+// convolution algorithm by timing it (benchmark mode). Nothing to do on the CPU.
+void configure_math(torch::Device device, bool deterministic);
+
+// bfloat16 autocast on `device`'s type while alive when `precision` is bf16 (otherwise nothing):
+// matmuls, convolutions and attention run in bfloat16, reductions and losses in float32, and the
+// backward of what ran inside follows the same types. Nests; restores what was set before.
+class Autocast {
+ public:
+  Autocast(torch::Device device, Precision precision);
+  ~Autocast();
+  Autocast(const Autocast&) = delete;
+  Autocast& operator=(const Autocast&) = delete;
+
+ private:
+  bool on_ = false;
+  c10::DeviceType type_;
+  bool was_enabled_ = false;
+  at::ScalarType was_dtype_ = at::kFloat;
+};
 
 }  // namespace ddm

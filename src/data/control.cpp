@@ -13,7 +13,7 @@ torch::Tensor control_map(const std::string& type, const torch::Tensor& images) 
   const auto x = images.to(torch::kFloat);
   if (type == "edges") {
     const auto g = x.mean(1, /*keepdim=*/true);                                   // [B, 1, H, W]
-    const auto k = torch::tensor({{-1.f, 0.f, 1.f}, {-2.f, 0.f, 2.f}, {-1.f, 0.f, 1.f}});  // Sobel, d/dx
+    const auto k = torch::tensor({{-1.f, 0.f, 1.f}, {-2.f, 0.f, 2.f}, {-1.f, 0.f, 1.f}}).to(x.device());  // Sobel, d/dx
     const auto kernels = torch::stack({k, k.t()}).unsqueeze(1);                   // [2, 1, 3, 3]
     const auto padded = torch::replication_pad2d(g, {1, 1, 1, 1});               // [B, 1, H+2, W+2]
     const auto d = torch::conv2d(padded, kernels);                                // [B, 2, H, W]

@@ -112,6 +112,21 @@ Batch Batch::rows(int64_t from, int64_t n) const {
   return b;
 }
 
+Batch Batch::to(torch::Device device) const {
+  if (x.device() == device) return *this;
+  // From the CPU through pinned memory, so the copy runs asynchronously on the device's stream and
+  // the host goes on preparing; the caching host allocator keeps the pinned buffer until it is done.
+  auto move = [&](const torch::Tensor& t) {
+    if (!t.defined()) return t;
+    return (t.is_cpu() && device.is_cuda() ? t.pin_memory() : t).to(device, /*non_blocking=*/true);
+  };
+  Batch b = *this;
+  b.x = move(x);
+  b.y = move(y);
+  b.k = move(k);
+  return b;
+}
+
 BatchLoader::BatchLoader(const Dataset& data, int64_t batch_size, uint64_t seed, bool hflip)
     : data_(data), batch_size_(batch_size), seed_(seed), hflip_(hflip) {
   DDM_CHECK(batch_size > 0, "batch size must be > 0, got " << batch_size);

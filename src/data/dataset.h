@@ -46,6 +46,8 @@ struct Batch {
   torch::Tensor index{};  // int64 [B]: each image's index in its Dataset (latent caching; undefined if unknown)
   // Rows [from, from + n) of every per-image tensor, their positions in the global batch kept.
   Batch rows(int64_t from, int64_t n) const;
+  // The same batch with x, y and k on `device` (index stays on the CPU: it looks rows up in host data).
+  Batch to(torch::Device device) const;
 };
 
 // Epoch-wise shuffling without replacement. The order of epoch e is a permutation drawn from a

@@ -1,6 +1,7 @@
 // Denoiser: converts any prediction type to x0 / eps / velocity estimates, with CFG.
 #include "diffusion/denoiser.h"
 
+#include "core/device.h"
 #include "core/error.h"
 
 namespace ddm {
@@ -59,21 +60,29 @@ Denoiser::Denoiser(Net net, NoisePath path, Prediction pred, int64_t num_classes
 Denoiser::Denoiser(EstimateFn fn, NoisePath path, int64_t num_classes)
     : fn_(std::move(fn)), path_(path), pred_(Prediction::kVelocity), num_classes_(num_classes) {}
 
+torch::Device Denoiser::device() const {
+  if (!net_) return torch::kCPU;
+  const auto params = net_->parameters();
+  return params.empty() ? torch::Device(torch::kCPU) : params.front().device();
+}
+
 torch::Tensor Denoiser::raw(const torch::Tensor& x, const torch::Tensor& t, const Cond& y, double w) const {
   ++nfe_;
   const int64_t b = x.size(0);
+  const auto on_x = torch::TensorOptions().device(x.device());
+  Autocast autocast(x.device(), precision_);  // bf16: the forward passes; the output takes x's type below
   // The unconditional branch: the null class and the null embedding, the same control map.
   Cond null = y;
-  null.y = torch::full({b}, num_classes_, torch::kLong);
-  if (y.embed.defined()) null.embed_null = torch::ones({b}, torch::kBool);
+  null.y = torch::full({b}, num_classes_, on_x.dtype(torch::kLong));
+  if (y.embed.defined()) null.embed_null = torch::ones({b}, on_x.dtype(torch::kBool));
   Cond c = y;
   if (num_classes_ == 0) c.y = null.y;  // an unconditional model's only class
   const bool conditional = num_classes_ > 0 || y.embed.defined();
-  if (!conditional || w == 1.0) return net_->forward(x, t, c);  // [B,C,H,W]
-  if (w == 0.0) return net_->forward(x, t, null);               // [B,C,H,W]
+  if (!conditional || w == 1.0) return net_->forward(x, t, c).to(x.scalar_type());  // [B,C,H,W]
+  if (w == 0.0) return net_->forward(x, t, null).to(x.scalar_type());               // [B,C,H,W]
   // Conditional and unconditional branches in one batch of 2B.
-  if (y.embed.defined() && !c.embed_null.defined()) c.embed_null = torch::zeros({b}, torch::kBool);
-  auto out = net_->forward(torch::cat({x, x}), torch::cat({t, t}), Cond::cat(c, null));  // [2B,C,H,W]
+  if (y.embed.defined() && !c.embed_null.defined()) c.embed_null = torch::zeros({b}, on_x.dtype(torch::kBool));
+  auto out = net_->forward(torch::cat({x, x}), torch::cat({t, t}), Cond::cat(c, null)).to(x.scalar_type());  // [2B,C,H,W]
   auto cond = out.narrow(0, 0, b), uncond = out.narrow(0, b, b);                            // [B,C,H,W]
   return uncond + w * (cond - uncond);                                                       // [B,C,H,W]
 }

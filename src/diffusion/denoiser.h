@@ -10,6 +10,7 @@
 
 #include <torch/types.h>
 
+#include "core/config.h"
 #include "diffusion/path.h"
 #include "model/net.h"
 
@@ -64,6 +65,10 @@ class Denoiser {
   bool self_conditioned() const { return net_ && net_->self_conditioned(); }
   int64_t nfe() const { return nfe_; }
   void reset_nfe() { nfe_ = 0; }
+  // Where the network computes (its parameters' device; the CPU for an estimator): samplers put their
+  // noise there. bf16: its forward passes under bfloat16 autocast, the estimates in float32.
+  torch::Device device() const;
+  void set_precision(Precision p) { precision_ = p; }
 
  private:
   torch::Tensor raw(const torch::Tensor& x, const torch::Tensor& t, const Cond& y, double w) const;
@@ -72,6 +77,7 @@ class Denoiser {
   NoisePath path_;
   Prediction pred_;
   int64_t num_classes_;
+  Precision precision_ = Precision::kFp32;
   mutable int64_t nfe_ = 0;
 };
 

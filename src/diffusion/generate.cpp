@@ -50,8 +50,11 @@ Generated generate(const Denoiser& den, int64_t channels, int64_t size, const Ge
     Cond c(g.labels.narrow(0, start, b));                                // [b]
     if (opt.control.defined()) c.control = opt.control.narrow(0, start, b);  // [b, Cc, H, W]
     if (opt.embed.defined()) c.embed = opt.embed.narrow(0, start, b);        // [b, D]
-    auto res = sample(den, torch::cat(noise), c, so);  // [b,C,H,W]
-    chunks.push_back(opt.decode ? opt.decode(res.x) : res.x.clamp(-1, 1));  // [b, C, H, W]
+    // On the network's device (the noise is drawn on the CPU, the same on every device); back on the CPU.
+    const torch::Device dev = den.device();
+    c = c.to(dev);
+    auto res = sample(den, torch::cat(noise).to(dev), c, so);                            // [b,C,H,W]
+    chunks.push_back((opt.decode ? opt.decode(res.x) : res.x.clamp(-1, 1)).to(torch::kCPU));  // [b, C, H, W]
     g.nfe = res.nfe;
     if (opt.on_progress) opt.on_progress(start + b, opt.n);
   }

@@ -69,8 +69,10 @@ Prepared Objective::prepare(const Batch& pixels, int64_t step) const {
                                                         pixels.x.size(0)),
                                             sample_shape_, pixels.x.options()));  // [B, z, h, w]
   const int64_t b = batch.x.size(0);
+  // The draws are made on the CPU, identical whatever the device, and follow the data to its device.
+  const torch::Device dev = batch.x.device();
   Prepared p;
-  p.t = draw_time(step, batch.first, b);                  // [B]
+  p.t = draw_time(step, batch.first, b).to(dev);          // [B]
   const torch::Tensor eps = draw_noise(step, batch.first, batch.x);  // [B, C, H, W]
   // Label dropout: one keyed draw per sample drops its label and its embedding together.
   auto dropped = torch::zeros({b}, torch::kBool);  // [B]
@@ -79,8 +81,9 @@ Prepared Objective::prepare(const Batch& pixels, int64_t step) const {
     bool* d = dropped.data_ptr<bool>();
     for (int64_t j = 0; j < b; ++j) d[j] = uniform_from_key(keys[static_cast<size_t>(j)]) < label_dropout_;
   }
+  dropped = dropped.to(dev);
   if (num_classes_ == 0) {
-    p.cond.y = torch::zeros({b}, torch::kLong);  // [B]: the null class of an unconditional model
+    p.cond.y = torch::zeros({b}, torch::TensorOptions().dtype(torch::kLong).device(dev));  // [B]: the null class of an unconditional model
   } else {
     p.cond.y = batch.y.masked_fill(dropped, num_classes_);  // [B]
   }
@@ -99,7 +102,7 @@ torch::Tensor Objective::self_cond_rows(int64_t first, int64_t n, int64_t step) 
   std::vector<int64_t> chosen;
   for (int64_t j = 0; j < n; ++j)
     if (uniform_from_key(keys[static_cast<size_t>(j)]) < self_cond_) chosen.push_back(j);
-  return torch::tensor(chosen, torch::kLong);  // [b']
+  return torch::tensor(chosen, torch::kLong);  // [b'], on the CPU
 }
 
 torch::Tensor Objective::self_cond_estimate(const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& f) const {
@@ -110,7 +113,7 @@ torch::Tensor Objective::self_cond_estimate(const torch::Tensor& x, const torch:
 void Objective::self_condition(NetImpl& net, Prepared& p, int64_t first, int64_t step) const {
   if (self_cond_ <= 0) return;
   torch::NoGradGuard no_grad;
-  const auto idx = self_cond_rows(first, p.xt.size(0), step);  // [b']
+  const auto idx = self_cond_rows(first, p.xt.size(0), step).to(p.xt.device());  // [b']
   p.cond.self_cond = torch::zeros_like(p.xt);                   // [B, C, H, W]
   if (idx.numel() == 0) return;
   Cond c = p.cond.select(idx);

@@ -52,6 +52,15 @@ Cond Cond::select(const torch::Tensor& idx) const {
   return c;
 }
 
+Cond Cond::to(torch::Device device) const {
+  Cond c = *this;
+  for (torch::Tensor* t : {&c.y, &c.control, &c.self_cond, &c.embed, &c.embed_null})
+    if (t->defined()) *t = t->to(device);
+  for (auto* list : {&c.residuals, &c.frozen})
+    for (torch::Tensor& t : *list) t = t.to(device);
+  return c;
+}
+
 Cond Cond::cat(const Cond& a, const Cond& b) {
   DDM_CHECK(a.residuals.empty() && a.frozen.empty() && b.residuals.empty() && b.frozen.empty(),
             "Cond::cat: a network's internal conditioning cannot be concatenated");

@@ -46,6 +46,8 @@ struct Cond {
   Cond select(const torch::Tensor& idx) const;
   // a's rows then b's (classifier-free guidance's two branches in one batch).
   static Cond cat(const Cond& a, const Cond& b);
+  // Every tensor on `device`.
+  Cond to(torch::Device device) const;
 };
 
 // What is live between two units of a backbone (NetImpl::units): what a pipeline stage hands to the next.

@@ -29,6 +29,8 @@ RunConfig normalized_for_resume(RunConfig c) {
   c.train.keep_ckpts = d.train.keep_ckpts;
   c.train.threads = d.train.threads;
   c.train.device = d.train.device;
+  c.train.precision = d.train.precision;
+  c.train.deterministic = d.train.deterministic;
   c.train.grad_accum = d.train.grad_accum;  // the global batch stays; how it is split may change
   c.sample = d.sample;
   c.parallel = d.parallel;
@@ -80,7 +82,7 @@ FileLock prepare_run_dir(const TrainOptions& opt, const RunConfig& cfg) {
       const std::string diff =
           first_difference(to_toml(normalized_for_resume(stored)), to_toml(normalized_for_resume(cfg)));
       DDM_CHECK(diff.empty(), "--resume: the config differs from the run stored in " << opt.out_dir << ": " << diff
-                                  << ". Only train.steps, log_every, ckpt_every, keep_ckpts, threads, device, grad_accum, sample.* and "
+                                  << ". Only train.steps, log_every, ckpt_every, keep_ckpts, threads, device, precision, deterministic, grad_accum, sample.* and "
                                      "parallel.* may change on resume; use a new --out or --force to start over");
       return lock;
     }
@@ -151,13 +153,26 @@ TrainJob plain_job(RunConfig cfg) {
 namespace {
 
 // train.device for this process, before it joins the others: a device it cannot use fails it alone,
-// at once. The training engines run on the CPU so far.
+// at once. One process and data parallelism train on a GPU; the other modes on the CPU so far.
+// (auto: the CPU for a mode that does not run on GPUs yet, with a note).
 torch::Device train_device(const RunConfig& cfg, const DistEnv& env) {
   const std::string key = (env.distributed() ? "rank " + std::to_string(env.rank) + ": " : std::string()) + "train.device";
-  const torch::Device device = resolve_device(cfg.train.device, env.local_rank, key);
-  DDM_CHECK(device.is_cpu(), key << " = " << cfg.train.device << " is " << device.str()
-                                 << ", but ddm trains on the CPU only so far (training on CUDA GPUs is being built): set "
-                                    "train.device = cpu");
+  const std::string& spec = cfg.train.device;
+  const char* cpu_only = cfg.parallel.pp > 1                          ? "pipeline parallelism (parallel.pp > 1)"
+                         : cfg.parallel.mode == SyncMode::kDiloco     ? "DiLoCo (parallel.mode = diloco)"
+                         : !cfg.train.teacher.empty()                 ? "distillation (train.teacher)"
+                                                                      : nullptr;
+  DDM_CHECK(!cpu_only || spec == "cpu" || spec == "auto",
+            key << " = " << spec << ", but " << cpu_only
+                << " trains on the CPU only so far (one process and data parallelism train on GPUs): set "
+                   "train.device = cpu");
+  const torch::Device device = resolve_device(spec, env.local_rank, key);
+  if (cpu_only && device.is_cuda()) {
+    if (env.rank == 0)
+      std::cout << "note: train.device = auto, but " << cpu_only << " trains on the CPU only so far: this run uses the CPU"
+                << std::endl;
+    return torch::kCPU;
+  }
   return device;
 }
 
@@ -191,7 +206,7 @@ JobProcess join_job(const RunConfig& cfg, TrainOptions& opt) {
   return p;
 }
 
-BuiltModel build_model(TrainJob& job, bool announce) {
+BuiltModel build_model(TrainJob& job, bool announce, torch::Device device) {
   const RunConfig& cfg = job.cfg;
   const Dataset& data = job.data;
   if (!job.objective) job.objective = make_objective(cfg);
@@ -204,9 +219,10 @@ BuiltModel build_model(TrainJob& job, bool announce) {
   // too: building it draws (then overwritten) initial weights from the global generator.
   if (cfg.train.cache_latents && announce)
     std::cout << "caching the latents of " << data.images.size(0) << " images (train.cache_latents)..." << std::endl;
-  m.latent = attach_latent(*job.objective, cfg.model, cfg.train.cache_latents ? &data : nullptr);
+  m.latent = attach_latent(*job.objective, cfg.model, device, cfg.train.cache_latents ? &data : nullptr);
   attach_controlnet(*m.net, cfg.model);  // the locked base, and the trainable copy's initial weights
-  attach_embed(*job.objective, cfg.model);  // image-embedding conditioning: the frozen feature network
+  attach_embed(*job.objective, cfg.model, device);  // image-embedding conditioning: the frozen feature network
+  m.net->to(device);  // initialized on the CPU, so every device starts from the same weights
   m.net->train();
   m.params = count_params(*m.net);  // the whole model's, before a pipeline stage freezes the others'
   return m;
@@ -299,11 +315,11 @@ RunStart start_run(const TrainOptions& opt, const TrainJob& job, Net& net, Engin
     // so a hash proves it instead of sending 4 copies of the parameters (6.5 s at 10 Mbit/s).
     std::string blob;
     for (const torch::Tensor& w : engine.initial_weights()) {
-      const torch::Tensor t = w.detach().contiguous();
+      const torch::Tensor t = w.detach().to(torch::kCPU).contiguous();
       blob += std::string(static_cast<const char*>(t.data_ptr()), t.nbytes());
     }
     for (const auto& b : net->named_buffers(true)) {
-      const torch::Tensor t = b.value().contiguous();
+      const torch::Tensor t = b.value().to(torch::kCPU).contiguous();
       blob += std::string(static_cast<const char*>(t.data_ptr()), t.nbytes());
     }
     comm.check_same({{"initial weights (sha256)", sha256_hex(blob)}}, "seeded initialization");
@@ -318,7 +334,7 @@ RunStart start_run(const TrainOptions& opt, const TrainJob& job, Net& net, Engin
 }
 
 void print_run_header(const TrainJob& job, const BuiltModel& model, const ParallelLayout& layout, const Engine& engine,
-                      int threads, const std::string& out_dir) {
+                      int threads, torch::Device device, const std::string& out_dir) {
   const RunConfig& cfg = job.cfg;
   const TrainConfig& tc = cfg.train;
   const Dataset& data = job.data;
@@ -350,6 +366,11 @@ void print_run_header(const TrainJob& job, const BuiltModel& model, const Parall
   if (tc.grad_accum > 1) std::cout << " in " << tc.grad_accum << " micro-batches";
   std::cout << ", lr " << tc.lr << ", " << threads << " thread" << (threads > 1 ? "s" : "")
             << (layout.world > 1 ? " per rank" : "") << ", seed " << tc.seed << "\n";
+  if (!device.is_cpu() || tc.precision != Precision::kFp32)
+    std::cout << "device: " << device.str() << (layout.world > 1 ? " (this rank's)" : "") << ", "
+              << (tc.precision == Precision::kBf16 ? "bf16 autocast (weights, gradients, AdamW and EMA in float32)"
+                                                   : "fp32")
+              << (tc.deterministic ? ", deterministic algorithms" : "") << "\n";
   const std::string parallel = engine.describe();
   if (!parallel.empty()) std::cout << parallel << "\n";
   std::cout << "out:   " << out_dir << std::endl;

@@ -38,7 +38,7 @@ struct BuiltModel {
   std::shared_ptr<const LatentSpace> latent;  // null: a pixel model
   int64_t params = 0;                         // the whole model's trainable parameters
 };
-BuiltModel build_model(TrainJob& job, bool announce);
+BuiltModel build_model(TrainJob& job, bool announce, torch::Device device = torch::kCPU);
 
 // What every rank must agree on before the first step: each config key, the data and the model.
 std::vector<std::pair<std::string, std::string>> run_identity(const RunConfig& recorded, const Dataset& data,
@@ -65,6 +65,6 @@ RunStart start_run(const TrainOptions& opt, const TrainJob& job, Net& net, Engin
 
 // The run's header (data, model, objective, conditioning, batch and threads, the engine, out).
 void print_run_header(const TrainJob& job, const BuiltModel& model, const ParallelLayout& layout, const Engine& engine,
-                      int threads, const std::string& out_dir);
+                      int threads, torch::Device device, const std::string& out_dir);
 
 }  // namespace ddm

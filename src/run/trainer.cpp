@@ -11,6 +11,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "core/device.h"
 #include "core/error.h"
 #include "core/progress.h"
 #include "core/rng.h"
@@ -51,7 +52,8 @@ TrainSummary train(TrainJob job, const TrainOptions& options) {
   const ParallelLayout layout = derive_layout(cfg, world, rank);
   // The model and the engine are built before the run directory is touched, so a config they cannot
   // take leaves nothing.
-  const BuiltModel model = build_model(job, !opt.quiet);
+  configure_math(proc.device, tc.deterministic);
+  const BuiltModel model = build_model(job, !opt.quiet, proc.device);
   Net net = model.net;
   const auto identity = run_identity(job.recorded, data, net);  // before a pipeline stage freezes the others'
   // (Declared before the engine, which a DiLoCo replica's transfer hook below leaves holding them.)
@@ -91,7 +93,7 @@ TrainSummary train(TrainJob job, const TrainOptions& options) {
   summary.first_step = step;
   Progress progress(step, tc.steps, opt.quiet);
   progress.restore_interval(run.interval_loss_sum, run.interval_steps);
-  if (!opt.quiet) print_run_header(job, model, layout, *engine, threads, opt.out_dir);
+  if (!opt.quiet) print_run_header(job, model, layout, *engine, threads, proc.device, opt.out_dir);
 
   const std::string config_text = to_toml(job.recorded);
   auto save = [&](int64_t at_step) {
@@ -150,11 +152,11 @@ TrainSummary train(TrainJob job, const TrainOptions& options) {
   bool stopped = begun.joined && end_step(step == tc.steps ? engine->agree_stop(step, tc.steps, 0) : begun.stop);
   while (!stopped && step < tc.steps) {
     const int64_t shard_at = layout.shard_offset();
-    const Batch shard = loader.next(shard_at, layout.local_batch);
+    const Batch shard = loader.next(shard_at, layout.local_batch).to(proc.device);
     std::vector<Batch> next;  // a filled pipeline prepares parts of the next step's batch in this step's bubbles
     if (engine->wants_next() && step + 1 < tc.steps) {
       const BatchLoader::Cursor at = loader.cursor();
-      next = split_micro(loader.next(shard_at, layout.local_batch), tc.grad_accum);
+      next = split_micro(loader.next(shard_at, layout.local_batch).to(proc.device), tc.grad_accum);
       loader.set_cursor(at);
     }
     const StepResult r = engine->step(split_micro(shard, tc.grad_accum), step, next);

@@ -13,7 +13,7 @@ namespace fs = std::filesystem;
 
 namespace ddm {
 
-std::shared_ptr<const ImageEmbedder> ImageEmbedder::load(const ModelConfig& m) {
+std::shared_ptr<const ImageEmbedder> ImageEmbedder::load(const ModelConfig& m, torch::Device device) {
   DDM_CHECK(!m.embed.empty() && !m.embed_sha256.empty(),
             "model.embed = " << m.embed << " is not resolved (model.embed_sha256 unset)");
   DDM_CHECK(fs::is_regular_file(m.embed), "model.embed = " << m.embed << ": the frozen embedding network does not "
@@ -30,6 +30,7 @@ std::shared_ptr<const ImageEmbedder> ImageEmbedder::load(const ModelConfig& m) {
   out->net_ = loaded.net;
   out->net_->eval();
   for (auto& p : out->net_->parameters()) p.set_requires_grad(false);
+  out->net_->to(device);
   out->dim_ = loaded.net->shape().feature_dim;
   out->path_ = m.embed;
   DDM_CHECK(m.embed_dim == 0 || m.embed_dim == out->dim_,
@@ -41,11 +42,12 @@ torch::Tensor ImageEmbedder::embed(const torch::Tensor& images) const {
   torch::NoGradGuard no_grad;
   std::vector<torch::Tensor> out;
   for (int64_t i = 0; i < images.size(0); i += 1000) {
-    torch::Tensor x = images.slice(0, i, i + 1000);
+    torch::Tensor x = images.slice(0, i, i + 1000).to(net_->parameters().front().device());
     x = x.scalar_type() == torch::kUInt8 ? to_unit_range(x) : x.to(torch::kFloat);  // [b, C, H, W]
     const auto f = net_->features(x);                                               // [b, D]
-    out.push_back(torch::nn::functional::normalize(f, torch::nn::functional::NormalizeFuncOptions().dim(1)) *
-                  std::sqrt(static_cast<double>(dim_)));                            // [b, D], norm sqrt(D)
+    out.push_back((torch::nn::functional::normalize(f, torch::nn::functional::NormalizeFuncOptions().dim(1)) *
+                   std::sqrt(static_cast<double>(dim_)))
+                      .to(images.device()));  // [b, D], norm sqrt(D)
   }
   return torch::cat(out);  // [N, D]
 }
@@ -78,9 +80,9 @@ void resolve_embed(ModelConfig& m, const Dataset& data) {
   m.embed_dim = s.feature_dim;
 }
 
-std::shared_ptr<const ImageEmbedder> attach_embed(Objective& objective, const ModelConfig& m) {
+std::shared_ptr<const ImageEmbedder> attach_embed(Objective& objective, const ModelConfig& m, torch::Device device) {
   if (m.embed.empty()) return nullptr;
-  auto e = ImageEmbedder::load(m);
+  auto e = ImageEmbedder::load(m, device);
   objective.set_embedder([e](const torch::Tensor& x) { return e->embed(x); });
   return e;
 }

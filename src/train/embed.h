@@ -24,9 +24,10 @@ namespace ddm {
 
 class ImageEmbedder {
  public:
-  // Loads the network of a resolved config (model.embed a file, model.embed_sha256 its hash).
-  static std::shared_ptr<const ImageEmbedder> load(const ModelConfig& m);
-  // Images [N, C, H, W] (uint8, or float in [-1, 1]) -> embeddings float [N, D], 1000 at a time, no gradients.
+  // Loads the network of a resolved config (model.embed a file, model.embed_sha256 its hash) onto `device`.
+  static std::shared_ptr<const ImageEmbedder> load(const ModelConfig& m, torch::Device device = torch::kCPU);
+  // Images [N, C, H, W] (uint8, or float in [-1, 1]) -> embeddings float [N, D], 1000 at a time, no
+  // gradients; computed on the network's device, returned on the images'.
   torch::Tensor embed(const torch::Tensor& images) const;
   int64_t dim() const { return dim_; }
   const std::string& path() const { return path_; }
@@ -45,7 +46,8 @@ void resolve_embed(ModelConfig& m, const Dataset& data);
 
 // For a resolved model config with model.embed: loads the network and makes `objective` embed every
 // batch with it (Objective::set_embedder); returns it. Returns null and changes nothing otherwise.
-std::shared_ptr<const ImageEmbedder> attach_embed(Objective& objective, const ModelConfig& m);
+std::shared_ptr<const ImageEmbedder> attach_embed(Objective& objective, const ModelConfig& m,
+                                                  torch::Device device = torch::kCPU);
 
 // The mean cosine similarity of the embeddings of samples and of their references (both [N, C, H, W]):
 // how closely samples follow the images they were conditioned on, in the network's feature space.

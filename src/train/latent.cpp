@@ -37,7 +37,7 @@ bool same_dir(const std::string& a, const std::string& b) {
 
 }  // namespace
 
-std::shared_ptr<const LatentSpace> LatentSpace::load(const ModelConfig& cfg) {
+std::shared_ptr<const LatentSpace> LatentSpace::load(const ModelConfig& cfg, torch::Device device) {
   DDM_CHECK(!cfg.latent.empty(), "LatentSpace::load: model.latent is not set");
   DDM_CHECK(!cfg.latent_sha256.empty() && cfg.latent_scale > 0,
             "model.latent = " << cfg.latent << " is not resolved (latent_sha256 and latent_scale unset)");
@@ -58,6 +58,7 @@ std::shared_ptr<const LatentSpace> LatentSpace::load(const ModelConfig& cfg) {
   load_module_state(*ls->ae_, parse_safetensors(bytes, weights).tensors, weights);
   for (auto& p : ls->ae_->parameters()) p.set_requires_grad(false);
   ls->ae_->eval();
+  ls->ae_->to(device);
   ls->checkpoint_ = cfg.latent;
   ls->sha256_ = sha;
   ls->scale_ = cfg.latent_scale;
@@ -80,9 +81,9 @@ Posterior LatentSpace::posteriors(const torch::Tensor& images) const {
   torch::NoGradGuard no_grad;
   std::vector<torch::Tensor> mean, logvar;
   for (int64_t i = 0; i < images.size(0); i += 1000) {
-    const Posterior q = ae_->encode(to_unit_range(images.slice(0, i, i + 1000)));  // [b, z, h, w] each
-    mean.push_back(q.mean);
-    logvar.push_back(q.logvar);
+    const Posterior q = ae_->encode(to_unit_range(images.slice(0, i, i + 1000).to(device())));  // [b, z, h, w] each
+    mean.push_back(q.mean.to(images.device()));
+    logvar.push_back(q.logvar.to(images.device()));
   }
   return {torch::cat(mean), torch::cat(logvar)};  // [N, z, h, w] each
 }
@@ -90,13 +91,15 @@ Posterior LatentSpace::posteriors(const torch::Tensor& images) const {
 torch::Tensor LatentSpace::encode_cached(const Posterior& cache, const torch::Tensor& index,
                                          const torch::Tensor& eps) const {
   DDM_CHECK(index.defined(), "train.cache_latents: the batch does not say which images it holds (Batch::index)");
-  const Posterior q{cache.mean.index_select(0, index), cache.logvar.index_select(0, index)};  // [B, z, h, w]
+  const torch::Tensor at = index.to(cache.mean.device());
+  const Posterior q{cache.mean.index_select(0, at).to(eps.device()),
+                    cache.logvar.index_select(0, at).to(eps.device())};  // [B, z, h, w]
   return (q.sample(eps) - shift_) * scale_;                                                    // [B, z, h, w]
 }
 
 torch::Tensor LatentSpace::encode(const torch::Tensor& x, const torch::Tensor& eps) const {
   torch::NoGradGuard no_grad;
-  return (ae_->encode(x).sample(eps) - shift_) * scale_;  // [B, z, h, w]
+  return ((ae_->encode(x.to(device())).sample(eps.to(device())) - shift_) * scale_).to(x.device());  // [B, z, h, w]
 }
 
 torch::Tensor LatentSpace::encode_mean(const torch::Tensor& images) const {
@@ -104,15 +107,15 @@ torch::Tensor LatentSpace::encode_mean(const torch::Tensor& images) const {
   std::vector<torch::Tensor> z;
   for (int64_t i = 0; i < images.size(0); i += 1000) {
     torch::Tensor x = images.slice(0, i, i + 1000);
-    if (x.scalar_type() == torch::kUInt8) x = to_unit_range(x);  // [b, C, H, W] in [-1, 1]
-    z.push_back((ae_->encode(x).mean - shift_) * scale_);          // [b, z, h, w]
+    if (x.scalar_type() == torch::kUInt8) x = to_unit_range(x.to(device()));  // [b, C, H, W] in [-1, 1]
+    z.push_back(((ae_->encode(x.to(device())).mean - shift_) * scale_).to(images.device()));  // [b, z, h, w]
   }
   return torch::cat(z);  // [N, z, h, w]
 }
 
 torch::Tensor LatentSpace::decode(const torch::Tensor& z) const {
   torch::NoGradGuard no_grad;
-  return ae_->decode(z / scale_ + shift_).clamp(-1, 1);  // [B, C, H, W]
+  return ae_->decode(z.to(device()) / scale_ + shift_).clamp(-1, 1).to(z.device());  // [B, C, H, W]
 }
 
 void resolve_latent(ModelConfig& m, const Dataset& data) {
@@ -178,9 +181,10 @@ void resolve_latent(ModelConfig& m, const Dataset& data) {
   }
 }
 
-std::shared_ptr<const LatentSpace> attach_latent(Objective& objective, const ModelConfig& m, const Dataset* cache) {
+std::shared_ptr<const LatentSpace> attach_latent(Objective& objective, const ModelConfig& m, torch::Device device,
+                                                 const Dataset* cache) {
   if (m.latent.empty()) return nullptr;
-  auto latent = LatentSpace::load(m);
+  auto latent = LatentSpace::load(m, device);
   if (cache) {
     auto q = std::make_shared<Posterior>(latent->posteriors(cache->images));  // [N, z, h, w] each
     objective.set_encoder([latent, q](const Batch& b, const torch::Tensor& eps) {

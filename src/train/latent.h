@@ -23,8 +23,10 @@ namespace ddm {
 class LatentSpace {
  public:
   // Loads the autoencoder of a resolved model config (model.latent a checkpoint directory,
-  // model.latent_sha256 its weights' hash, latent_scale > 0). Errors name the file and the key.
-  static std::shared_ptr<const LatentSpace> load(const ModelConfig& cfg);
+  // model.latent_sha256 its weights' hash, latent_scale > 0) onto `device`. Errors name the file and
+  // the key. Every method below takes its inputs from any device and returns its result on the
+  // input's device, the autoencoder computing on its own.
+  static std::shared_ptr<const LatentSpace> load(const ModelConfig& cfg, torch::Device device = torch::kCPU);
   // An autoencoder already in memory (tests): its parameters are frozen here.
   LatentSpace(std::shared_ptr<AutoencoderImpl> ae, double scale, double shift);
   LatentSpace() = default;
@@ -51,6 +53,8 @@ class LatentSpace {
   double shift() const { return shift_; }
   // The frozen autoencoder itself (its parameters do not require gradients).
   AutoencoderImpl& autoencoder() const { return *ae_; }
+  // Where the autoencoder computes.
+  torch::Device device() const { return ae_->parameters().front().device(); }
 
  private:
   std::shared_ptr<AutoencoderImpl> ae_;
@@ -70,7 +74,7 @@ void resolve_latent(ModelConfig& m, const Dataset& data);
 // with it (Objective::set_encoder); returns it. Returns null and changes nothing for a pixel model.
 // With `cache` (train.cache_latents: the dataset the batches come from), the posteriors of all its
 // images are computed here once, and each batch looks its own up by Batch::index.
-std::shared_ptr<const LatentSpace> attach_latent(Objective& objective, const ModelConfig& m,
+std::shared_ptr<const LatentSpace> attach_latent(Objective& objective, const ModelConfig& m, torch::Device device,
                                                  const Dataset* cache = nullptr);
 
 }  // namespace ddm

@@ -11,7 +11,7 @@
 
 namespace ddm {
 
-LoadedModel load_model(const std::string& path, bool use_ema) {
+LoadedModel load_model(const std::string& path, bool use_ema, torch::Device device) {
   LoadedModel m;
   m.checkpoint = resolve_checkpoint(path);
   Checkpoint ck = read_checkpoint(m.checkpoint, /*weights_only=*/true);
@@ -23,8 +23,9 @@ LoadedModel load_model(const std::string& path, bool use_ema) {
   load_module_state(*m.net, ck.model, RunDir(m.checkpoint) / RunDir::kModel);
   if (use_ema) load_module_state(*m.net, ck.ema, RunDir(m.checkpoint) / RunDir::kEma, LoadScope::kTrainable);
   m.net->eval();
-  if (!m.cfg.model.latent.empty()) m.latent = LatentSpace::load(m.cfg.model);  // pinned by sha256
-  if (!m.cfg.model.embed.empty()) m.embedder = ImageEmbedder::load(m.cfg.model);  // pinned by sha256
+  m.net->to(device);
+  if (!m.cfg.model.latent.empty()) m.latent = LatentSpace::load(m.cfg.model, device);  // pinned by sha256
+  if (!m.cfg.model.embed.empty()) m.embedder = ImageEmbedder::load(m.cfg.model, device);  // pinned by sha256
   return m;
 }
 

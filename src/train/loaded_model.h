@@ -26,7 +26,7 @@ struct LoadedModel {
 };
 // path: a run directory (latest checkpoint) or a checkpoint directory. use_ema selects EMA weights
 // (frozen parameters, which have no EMA, keep their model weights).
-LoadedModel load_model(const std::string& path, bool use_ema);
+LoadedModel load_model(const std::string& path, bool use_ema, torch::Device device = torch::kCPU);
 Denoiser make_denoiser(const LoadedModel& m);
 // What turns the model's samples into images: the frozen decoder of a latent model (for
 // GenerateOptions::decode), or an empty function for a pixel model.

@@ -28,13 +28,24 @@ FlatAdamW::FlatAdamW(torch::nn::Module& module, AdamWOptions opt, bool allow_emp
     total += p.value().numel();
   }
   DDM_CHECK(total > 0 || allow_empty, "the model has no trainable parameters");
-  data_ = torch::empty({total}, torch::kFloat);
-  grad_ = torch::zeros({total}, torch::kFloat);
+  // The buffers live where the parameters do (the model is moved to its device before this).
+  torch::Device device(torch::kCPU);
+  for (const auto& p : params)
+    if (p.value().requires_grad()) {
+      device = p.value().device();
+      break;
+    }
+  const auto f32 = torch::TensorOptions().dtype(torch::kFloat).device(device);
+  data_ = torch::empty({total}, f32);
+  grad_ = torch::zeros({total}, f32);
   torch::NoGradGuard no_grad;
   size_t i = 0;
   for (const auto& p : params) {
     if (!p.value().requires_grad()) continue;
     torch::Tensor param = p.value();
+    DDM_CHECK(param.device() == device && param.scalar_type() == torch::kFloat,
+              "FlatAdamW: parameter '" << p.key() << "' is " << param.scalar_type() << " on " << param.device()
+                                       << ", the others float on " << device << " (move the whole model first)");
     auto slot = data_.narrow(0, offsets_[i], param.numel()).view(param.sizes());
     slot.copy_(param);
     param.set_data(slot);
@@ -68,7 +79,8 @@ void FlatAdamW::step(double lr, double ema_decay) {
   // flat buffers at once: one vectorized pass, 2.7x-4.0x faster than a scalar loop of ours on the
   // presets (docs/results.md, "What LibTorch 2.11 does that ddm wrote by hand"). Elementwise, so
   // the result does not depend on the thread count.
-  const torch::Tensor step = torch::full({}, static_cast<double>(step_), torch::kFloat);
+  // (On a GPU the kernel reads the step count from device memory.)
+  const torch::Tensor step = torch::full({}, static_cast<double>(step_), data_.options());
   at::_fused_adamw_({data_}, {grad_}, {exp_avg_}, {exp_avg_sq_}, {}, {step}, lr, opt_.beta1, opt_.beta2,
                     opt_.weight_decay, opt_.eps, /*amsgrad=*/false, /*maximize=*/false);
   if (ema_decay >= 0) ema_.lerp_(data_, 1.0 - ema_decay);  // ema = d * ema + (1 - d) * params

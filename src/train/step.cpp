@@ -5,6 +5,7 @@
 
 #include <torch/autograd.h>
 
+#include "core/device.h"
 #include "core/error.h"
 
 namespace ddm {
@@ -32,22 +33,29 @@ void TrainStep::set_data_parallel(std::shared_ptr<Comm> comm, std::shared_ptr<Gr
   sync_ = std::move(sync);
 }
 
-double TrainStep::forward_backward(const Batch& micro, int64_t step, double scale) {
+torch::Tensor TrainStep::forward_backward(const Batch& micro, int64_t step, double scale) {
+  const torch::Device device = optim_.flat_params().device();
+  const Precision precision = cfg_.train.precision;
   Prepared p;
   {
     torch::NoGradGuard no_grad;  // prepare: draws, x_t, target (a distillation teacher runs here)
     p = objective_->prepare(micro, step);
+    Autocast autocast(device, precision);
     objective_->self_condition(*net_, p, micro.first, step);  // train.self_cond: a first pass of the model
     p.cond = net_->precompute(p.xt, p.t, p.cond);  // the network's frozen part (a ControlNet's locked encoder)
   }
   times_.prepared = std::chrono::steady_clock::now();
-  const torch::Tensor loss = objective_->forward_loss(*net_, p);  // forward + loss, []
+  torch::Tensor loss;
+  {
+    Autocast autocast(device, precision);  // bf16: the forward in bfloat16, the loss in float32
+    loss = objective_->forward_loss(*net_, p);  // forward + loss, []
+  }
   // Backward even when the loss is not finite: with data parallelism every rank must take part in
   // the gradient all-reduce; the non-finite gradient then stops the step on every rank alike.
   times_.backward_start = std::chrono::steady_clock::now();
   (scale == 1.0 ? loss : loss * scale).backward();
   times_.backward_end = std::chrono::steady_clock::now();
-  return loss.item<double>();
+  return loss.detach().to(torch::kDouble);  // [], on the device: read once per step, not per micro-batch
 }
 
 StepResult TrainStep::run(const std::vector<Batch>& micro, int64_t step) {
@@ -59,14 +67,15 @@ StepResult TrainStep::run(const std::vector<Batch>& micro, int64_t step) {
   optim_.zero_grad();
   // Equal micro-batches: the mean of their mean losses is the mean over all their samples.
   const double scale = 1.0 / static_cast<double>(micro.size());
-  double loss_sum = 0;
+  torch::Tensor loss_sum;  // [] double, where the model is
   for (size_t i = 0; i < micro.size(); ++i) {
     // Gradient sync: only the last micro-batch's backward all-reduces (its buckets launch from the
     // gradient hooks while backward still runs); the others accumulate locally.
     if (sync_) sync_->set_enabled(i + 1 == micro.size());
-    loss_sum += forward_backward(micro[i], step, scale);
+    const torch::Tensor l = forward_backward(micro[i], step, scale);
+    loss_sum = i == 0 ? l : loss_sum + l;
   }
-  r.loss = loss_sum * scale;
+  r.loss = loss_sum.item<double>() * scale;
   if (sync_) sync_->finish();  // gradients are now the average over every rank's samples
   if (comm_ && comm_->distributed()) {
     // The loss over the global batch; every rank then decides alike whether the step is finite.

@@ -68,8 +68,9 @@ class TrainStep {
   const StepTimes& last_times() const { return times_; }
 
  private:
-  // prepare -> forward + loss -> backward for one micro-batch; returns its loss (before scaling).
-  double forward_backward(const Batch& micro, int64_t step, double scale);
+  // prepare -> forward + loss -> backward for one micro-batch, on the model's device; returns its loss
+  // (before scaling: a double [] on that device).
+  torch::Tensor forward_backward(const Batch& micro, int64_t step, double scale);
   RunConfig cfg_;
   Net net_;
   FlatAdamW optim_;

@@ -1,7 +1,11 @@
 // GPU checks (label `gpu`): each skips, saying why, where no CUDA GPU is present (CI), and runs on
 // a GPU machine (scripts/gpu-check.sh). They check that the LibTorch ddm builds against runs CUDA
 // tensors: a matmul and every backbone preset's forward and backward on the GPU equal the CPU's
-// within float32 rounding (TF32 off: cuBLAS and cuDNN then compute in float32, in another order).
+// within float32 rounding (TF32 off: cuBLAS and cuDNN then compute in float32, in another order);
+// then that ddm trains there: the trainer on CUDA trains what it trains on the CPU, data parallelism
+// over Gloo with CUDA tensors what one process trains, a run moves between the CPU and the GPU on
+// resume, bf16 autocast follows fp32, deterministic runs repeat bit for bit, and sampling on CUDA
+// gives the CPU's images.
 #include <gtest/gtest.h>
 
 #include <cstdio>
@@ -9,10 +13,16 @@
 #include <torch/cuda.h>
 #include <torch/torch.h>
 
+#include "core/device.h"
+#include "core/safetensors.h"
 #include "core/presets.h"
+#include "diffusion/generate.h"
 #include "model/net.h"
+#include "test_util.h"
+#include "unit/train_test_util.h"
 
 using namespace ddm;
+using namespace ddm::test;
 
 namespace {
 bool no_gpu() { return !torch::cuda::is_available(); }
@@ -74,5 +84,190 @@ TEST(Gpu, EveryBackbonePresetRunsForwardAndBackwardOnCuda) {
     for (size_t i = 0; i < pc.size(); ++i)
       if (pc[i].grad().defined() && pc[i].grad().abs().max().item<double>() > 0)
         expect_close(pg[i].grad(), pc[i].grad(), 1e-3, name + " gradient of parameter " + std::to_string(i));
+  }
+}
+
+// The trainer's tests (tests/unit/parallel/test_data_parallel.cpp) bound two runs that compute the
+// same thing in another float32 order: losses within 1e-4 relative per step, and weights within
+// 1e-3 after 20 steps (AdamW divides each gradient element by its running RMS, so an element whose
+// gradient is within rounding of zero may take a different step of up to ~3 lr; 1e-3 is half a step
+// at tiny()'s lr). A GPU against the CPU is such a pair: cuBLAS and cuDNN against MKL and oneDNN.
+namespace {
+void expect_same_training(const std::string& a, const std::string& b, const std::string& what,
+                          double loss_bound = 1e-4) {
+  const auto la = losses(a), lb = losses(b);
+  ASSERT_EQ(la.size(), lb.size()) << what;
+  ASSERT_FALSE(la.empty()) << what;
+  double worst = 0;
+  for (size_t i = 0; i < la.size(); ++i) worst = std::max(worst, std::abs(la[i] - lb[i]) / std::abs(lb[i]));
+  const double w = max_weight_difference(final_weights(a), final_weights(b));
+  EXPECT_LE(worst, loss_bound) << what;
+  EXPECT_LE(w, 1e-3) << what;
+  std::printf("%s: losses within %.2e (relative) over %zu steps, weights within %.2e\n", what.c_str(), worst, la.size(), w);
+}
+
+RunConfig on(RunConfig cfg, const std::string& device) {
+  cfg.train.device = device;
+  return cfg;
+}
+}  // namespace
+
+TEST(Gpu, TrainingOnCudaTrainsWhatTheCpuTrains) {
+  if (no_gpu()) GTEST_SKIP() << kNoGpu;
+  for (const char* arch : {"unet", "dit"}) {
+    TempDir dir;
+    RunConfig cfg = tiny(arch);
+    if (std::string(arch) == "dit") cfg.train.self_cond = 0.5;  // the first pass too
+    ASSERT_EQ(train_ranks(1, {cfg}, dir / "cpu"), std::vector<std::string>{""});
+    ASSERT_EQ(train_ranks(1, {on(cfg, "cuda")}, dir / "gpu"), std::vector<std::string>{""});
+    expect_same_training(dir / "gpu", dir / "cpu", std::string(arch) + " on cuda against the cpu");
+  }
+}
+
+TEST(Gpu, AnAutoencoderTrainsOnCudaAsOnTheCpu) {
+  if (no_gpu()) GTEST_SKIP() << kNoGpu;
+  TempDir dir;
+  RunConfig cfg = tiny("unet");  // its training settings; the model an autoencoder of the 8x8 images
+  cfg.model.arch = "autoencoder";
+  cfg.model.channels = 4;
+  cfg.model.channel_mult = {1, 2, 2};
+  cfg.model.latent_channels = 2;
+  cfg.model.groups = 2;
+  cfg.train.kl_weight = 0.01;
+  ASSERT_EQ(train_ranks(1, {cfg}, dir / "cpu"), std::vector<std::string>{""});
+  ASSERT_EQ(train_ranks(1, {on(cfg, "cuda")}, dir / "gpu"), std::vector<std::string>{""});
+  // Its L1 reconstruction loss has the gradient sign(residual): a residual within rounding of zero
+  // may flip its sign on the other device, so its losses drift apart faster than a squared error's
+  // (measured 4e-5 to 5e-5 relative after 20 steps): bound 1e-3.
+  expect_same_training(dir / "gpu", dir / "cpu", "autoencoder on cuda against the cpu", 1e-3);
+}
+
+// Two processes (`ddm launch --nproc 2`), both on the one GPU: Gloo reduces their CUDA gradient
+// buckets through host copies. (Not ranks as threads here: a process's autograd engine runs every
+// CUDA backward of one device on one thread, and a rank's gradient sync completes in its backward's
+// final callback, so two ranks in one process on one GPU would wait on each other there.)
+TEST(Gpu, DataParallelOverGlooWithCudaTensorsTrainsWhatOneProcessTrains) {
+  if (no_gpu()) GTEST_SKIP() << kNoGpu;
+  TempDir dir;
+  SafetensorsFile data;
+  torch::manual_seed(1);
+  data.tensors["images"] = torch::randint(0, 256, {96, 1, 8, 8}).to(torch::kUInt8);
+  data.tensors["labels"] = torch::arange(96, torch::kLong).remainder(3);
+  save_safetensors(dir / "data.safetensors", data);
+  write_text(dir / "c.toml", "[data]\nsource = \"safetensors\"\nroot = \"" + (dir / "data.safetensors") +
+                                 "\"\n[model]\narch = \"dit\"\nwidth = 32\ndepth = 2\nheads = 2\npatch = 2\n"
+                                 "[train]\nsteps = 20\nbatch_size = 16\nwarmup = 2\nthreads = 1\nlog_every = 1\n"
+                                 "ckpt_every = 10\nseed = 4\ndevice = \"cuda:0\"\n");
+  const CommandResult one = run_ddm("train --quiet --config " + (dir / "c.toml") + " --out " + (dir / "one"));
+  ASSERT_EQ(one.exit_code, 0) << one.output;
+  const CommandResult two =
+      run_ddm("launch --nproc 2 -- train --quiet --config " + (dir / "c.toml") + " --out " + (dir / "two"));
+  ASSERT_EQ(two.exit_code, 0) << two.output;
+  expect_same_training(dir / "two", dir / "one", "dp(2) over gloo on cuda, 2 processes, against 1 process");
+}
+
+TEST(Gpu, ARunMovesBetweenTheCpuAndTheGpuOnResume) {
+  if (no_gpu()) GTEST_SKIP() << kNoGpu;
+  TempDir dir;
+  const RunConfig cfg = tiny("unet");  // 20 steps, a checkpoint every 10
+  RunConfig half = cfg;
+  half.train.steps = 10;
+  ASSERT_EQ(train_ranks(1, {cfg}, dir / "cpu"), std::vector<std::string>{""});
+  for (const auto& [first, second] : {std::pair<std::string, std::string>{"cuda", "cpu"}, {"cpu", "cuda"}}) {
+    const std::string run = dir / (first + "-then-" + second);
+    ASSERT_EQ(train_ranks(1, {on(half, first)}, run), std::vector<std::string>{""});
+    std::vector<TrainSummary> s;
+    ASSERT_EQ(train_ranks(1, {on(cfg, second)}, run, /*resume=*/true, &s), std::vector<std::string>{""});
+    EXPECT_EQ(s[0].first_step, 10);
+    EXPECT_EQ(s[0].last_step, 20);
+    expect_same_training(run, dir / "cpu", first + " then " + second + " against the cpu throughout");
+  }
+}
+
+// bf16 autocast rounds each matmul's inputs to 8 significant bits (relative 2^-9): the two runs
+// take different paths (their losses differ after the first step, whose zero-initialized output is
+// the same in both) along the same curve, the mean loss of their last 10 steps within 2%. The
+// weights, gradients, AdamW state and EMA stay float32.
+TEST(Gpu, Bf16AutocastFollowsFp32Over50Steps) {
+  if (no_gpu()) GTEST_SKIP() << kNoGpu;
+  {
+    Autocast autocast(torch::Device(torch::kCUDA), Precision::kBf16);
+    const auto a = torch::randn({8, 8}, torch::kCUDA);
+    EXPECT_EQ(torch::mm(a, a).scalar_type(), torch::kBFloat16);
+  }
+  EXPECT_EQ(torch::mm(torch::randn({8, 8}, torch::kCUDA), torch::randn({8, 8}, torch::kCUDA)).scalar_type(), torch::kFloat);
+  for (const char* arch : {"unet", "dit"}) {
+    TempDir dir;
+    RunConfig cfg = on(tiny(arch), "cuda");
+    cfg.train.steps = 50;
+    cfg.train.ckpt_every = 50;
+    RunConfig bf16 = cfg;
+    bf16.train.precision = Precision::kBf16;
+    ASSERT_EQ(train_ranks(1, {cfg}, dir / "fp32"), std::vector<std::string>{""});
+    ASSERT_EQ(train_ranks(1, {bf16}, dir / "bf16"), std::vector<std::string>{""});
+    const auto lf = losses(dir / "fp32"), lb = losses(dir / "bf16");
+    ASSERT_EQ(lf.size(), 50u);
+    ASSERT_EQ(lb.size(), 50u);
+    double tail_f = 0, tail_b = 0;
+    for (size_t i = 40; i < 50; ++i) tail_f += lf[i] / 10, tail_b += lb[i] / 10;
+    const double tail = std::abs(tail_b - tail_f) / tail_f;
+    EXPECT_NE(lb, lf) << arch << ": bf16 trained exactly what fp32 did: autocast was not on";
+    EXPECT_LE(tail, 2e-2) << arch;
+    for (const auto& [name, t] : final_weights(dir / "bf16")) {
+      EXPECT_EQ(t.scalar_type(), torch::kFloat) << name;
+      EXPECT_TRUE(torch::isfinite(t).all().item<bool>()) << name;
+    }
+    std::printf("%s: bf16 against fp32: mean loss of the last 10 steps %.4f against %.4f (%.2e relative)\n", arch,
+                tail_b, tail_f, tail);
+  }
+}
+
+TEST(Gpu, DeterministicRunsRepeatBitForBit) {
+  if (no_gpu()) GTEST_SKIP() << kNoGpu;
+  TempDir dir;
+  RunConfig cfg = on(tiny("unet"), "cuda");
+  cfg.train.deterministic = true;
+  ASSERT_EQ(train_ranks(1, {cfg}, dir / "a"), std::vector<std::string>{""});
+  ASSERT_EQ(train_ranks(1, {cfg}, dir / "b"), std::vector<std::string>{""});
+  EXPECT_EQ(losses(dir / "a"), losses(dir / "b"));
+  EXPECT_EQ(max_weight_difference(final_weights(dir / "a"), final_weights(dir / "b")), 0.0);
+}
+
+// Sampling is a chain of network evaluations: 10 Euler steps with guidance, and 10 ancestral DDPM
+// steps whose noise is drawn on the CPU and moved; the GPU's images equal the CPU's within 1e-3.
+TEST(Gpu, SamplingOnCudaGivesTheCpusImages) {
+  if (no_gpu()) GTEST_SKIP() << kNoGpu;
+  configure_math(torch::kCUDA, /*deterministic=*/false);  // TF32 off
+  for (const std::string name : {"unet-tiny", "dit-tiny"}) {
+    ModelConfig m;
+    m.in_channels = 1, m.image_size = 28, m.num_classes = 10, m.preset = name;
+    apply_preset(name, m);
+    torch::manual_seed(5);
+    Net cpu = make_net(m);
+    {
+      torch::NoGradGuard no_grad;
+      for (auto& p : cpu->parameters()) p.normal_(0.0, 0.05);
+    }
+    Net gpu = make_net(m);
+    {
+      torch::NoGradGuard no_grad;
+      const auto src = cpu->parameters(), dst = gpu->parameters();
+      for (size_t i = 0; i < src.size(); ++i) dst[i].copy_(src[i]);
+    }
+    gpu->to(torch::kCUDA);
+    cpu->eval(), gpu->eval();
+    DiffusionConfig d;
+    for (const char* sampler : {"euler", "ddpm"}) {
+      GenerateOptions g;
+      g.n = 8, g.batch_size = 8, g.seed = 3, g.per_class = 1;
+      g.sample.sampler = sampler, g.sample.steps = 10, g.sample.cfg = 2.0;
+      const Denoiser on_cpu(cpu, make_path(d), prediction_for(d), 10), on_gpu(gpu, make_path(d), prediction_for(d), 10);
+      EXPECT_EQ(on_gpu.device().type(), torch::kCUDA);
+      const Generated a = generate(on_cpu, 1, 28, g), b = generate(on_gpu, 1, 28, g);
+      ASSERT_TRUE(b.images.is_cpu());
+      const double diff = (a.images - b.images).abs().max().item<double>();
+      EXPECT_LE(diff, 1e-3) << name << " " << sampler;
+      std::printf("%s, %s: max |gpu - cpu| over the images %.2e\n", name.c_str(), sampler, diff);
+    }
   }
 }

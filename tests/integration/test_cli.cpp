@@ -9,6 +9,8 @@
 #include <string>
 #include <vector>
 
+#include <torch/cuda.h>
+
 #include "core/fileio.h"
 #include "core/safetensors.h"
 #include "test_util.h"
@@ -160,6 +162,19 @@ TEST(Cli, BadSampleInputs) {
   EXPECT_FALSE(fs::exists(dir / "g.jpg"));
   expect_error(test::run_ddm("sample --ckpt " + (dir / "run") + " --cfg inf --out " + (dir / "g.png")), "cfg");
   EXPECT_FALSE(fs::exists(dir / "g.png"));
+  expect_error(test::run_ddm("sample --ckpt " + (dir / "run") + " --device gpu --out " + (dir / "g.png")),
+               "--device = \"gpu\" is not one of: auto, cpu, cuda, cuda:N");
+  expect_error(test::run_ddm("sample --ckpt " + (dir / "run") + " --precision fp16 --out " + (dir / "g.png")),
+               "--precision");
+  if (!torch::cuda::is_available())  // a GPU machine samples there instead
+    expect_error(test::run_ddm("sample --ckpt " + (dir / "run") + " --device cuda --out " + (dir / "g.png")),
+                 "--device = cuda, but this machine has no CUDA GPU that LibTorch can use");
+  EXPECT_FALSE(fs::exists(dir / "g.png"));
+  // --device auto (the default) samples on the CPU here, bf16 too.
+  ASSERT_EQ(test::run_ddm("sample --ckpt " + (dir / "run") + " --n 4 --steps 2 --precision bf16 --out " + (dir / "b.png"))
+                .exit_code,
+            0);
+  EXPECT_TRUE(fs::exists(dir / "b.png"));
   // Corrupt the weights of the only checkpoint: sampling refuses with a checksum message.
   const std::string w = *latest_checkpoint(dir / "run") + "/ema.safetensors";
   std::string bytes = test::read_text(w);

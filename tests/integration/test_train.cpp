@@ -211,13 +211,24 @@ TEST(Train, ADeviceItCannotUseIsAClearErrorAndLosesNothing) {
   test::write_text(dir / "tiny.toml", kTinyConfig);
   const std::string cfg = " --config " + (dir / "tiny.toml") + " --set train.steps=5";
   auto fresh = test::run_ddm("train --quiet" + cfg + " --set train.device=cuda --out " + (dir / "new"));
-  EXPECT_EQ(fresh.exit_code, 1) << fresh.output;
   const bool gpu = torch::cuda::is_available();
-  EXPECT_NE(fresh.output.find(gpu ? "train.device = cuda is cuda:0, but ddm trains on the CPU only so far"
-                                  : "train.device = cuda, but this machine has no CUDA GPU that LibTorch can use"),
+  if (gpu) {
+    EXPECT_EQ(fresh.exit_code, 0) << fresh.output;  // it trains there
+  } else {
+    EXPECT_EQ(fresh.exit_code, 1) << fresh.output;
+    EXPECT_NE(fresh.output.find("train.device = cuda, but this machine has no CUDA GPU that LibTorch can use"),
+              std::string::npos)
+        << fresh.output;
+    EXPECT_FALSE(fs::exists(fs::path(dir / "new") / "config.toml"));
+  }
+  // A mode that trains on the CPU only so far, given a GPU: refused on any machine, nothing written.
+  auto mode = test::run_ddm("train --quiet" + cfg + " --set parallel.mode=diloco --set train.device=cuda --out " +
+                            (dir / "diloco"));
+  EXPECT_EQ(mode.exit_code, 1) << mode.output;
+  EXPECT_NE(mode.output.find("train.device = cuda, but DiLoCo (parallel.mode = diloco) trains on the CPU only so far"),
             std::string::npos)
-      << fresh.output;
-  EXPECT_FALSE(fs::exists(fs::path(dir / "new") / "config.toml"));
+      << mode.output;
+  EXPECT_FALSE(fs::exists(fs::path(dir / "diloco") / "config.toml"));
   // A run on the CPU, then a resume asking for a GPU: refused, the checkpoint intact; on the CPU it goes on.
   ASSERT_EQ(test::run_ddm("train --quiet" + cfg + " --out " + (dir / "run")).exit_code, 0);
   auto bad = test::run_ddm("train --quiet" + cfg + " --set train.steps=8 --set train.device=cuda:7 --out " + (dir / "run") + " --resume");

@@ -220,3 +220,46 @@ TEST(FlatAdamW, FrozenParametersStayOutOfOptimizerEmaAndGradients) {
   EXPECT_NE(test::error_message([&] { load_module_state(*other, step.optim().named_ema(), "ema"); }).find(frozen[0]),
             std::string::npos);
 }
+
+// train.precision = bf16 on the CPU: the step runs its forward under bfloat16 autocast (8 significant
+// bits, relative rounding 2^-9 per input), so its loss and gradient differ from fp32's, by little;
+// the weights, gradients and AdamW state stay float32.
+TEST(TrainStep, Bf16AutocastChangesTheArithmeticNotTheState) {
+  for (const char* arch : {"unet", "dit"}) {
+    RunConfig cfg = tiny_config(arch);
+    const Batch batch = random_batch(16, 4);
+    auto run = [&](Precision p) {
+      cfg.train.precision = p;
+      Net net = net_with_seed(cfg, 9);
+      {
+        torch::NoGradGuard ng;  // away from the zero initializations, so every parameter has a gradient
+        for (auto& q : net->parameters()) q.normal_(0.0, 0.05);
+      }
+      TrainStep step(cfg, net, make_objective(cfg));
+      const StepResult r = step.run(batch, 0);
+      for (const torch::Tensor& t : step.optim().state_buffers()) EXPECT_EQ(t.scalar_type(), torch::kFloat);
+      return std::make_pair(r, step.optim().flat_grad().clone());
+    };
+    const auto [f, gf] = run(Precision::kFp32);
+    const auto [b, gb] = run(Precision::kBf16);
+    ASSERT_TRUE(b.finite) << arch;
+    const double loss_diff = std::abs(b.loss - f.loss) / f.loss;
+    const double grad_diff = ((gb - gf).abs().max() / gf.abs().max()).item<double>();
+    EXPECT_GT(loss_diff, 0.0) << arch << ": bf16 computed exactly what fp32 did: autocast was not on";
+    EXPECT_LE(loss_diff, 2e-2) << arch;
+    EXPECT_LE(grad_diff, 1e-1) << arch;
+    std::printf("%s: bf16 loss %.2e from fp32's (relative), gradient %.2e of its largest element\n", arch, loss_diff,
+                grad_diff);
+  }
+}
+
+TEST(TrainStep, PrecisionIsCheckedAsTheConfigIsRead) {
+  EXPECT_EQ(parse_config("", "t.toml").train.precision, Precision::kFp32);
+  EXPECT_EQ(parse_config("", "t.toml", {"train.precision=bf16"}).train.precision, Precision::kBf16);
+  EXPECT_NE(test::error_message([] { parse_config("[train]\nprecision = \"fp16\"\n", "t.toml"); })
+                .find("t.toml: train.precision = \"fp16\" is not one of: fp32, bf16"),
+            std::string::npos);
+  EXPECT_NE(test::error_message([] { validate(parse_config("", "t.toml", {"train.precision=bf16", "parallel.pp=2"})); })
+                .find("pipeline stages train in fp32 only so far"),
+            std::string::npos);
+}
