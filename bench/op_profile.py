@@ -15,16 +15,22 @@ import collections
 import json
 
 
-def self_times(path):
-    """{op name: total self time in ms} over every CPU op event of a trace."""
+def load_trace(path):
+    """(events, kineto): a Chrome trace's events, and whether it is a dict with categories (Kineto's
+    and torch.profiler's) rather than a bare list (LibTorch's legacy profiler)."""
     with open(path) as f:
         data = json.load(f)
-    events = data["traceEvents"] if isinstance(data, dict) else data
+    return (data["traceEvents"], True) if isinstance(data, dict) else (data, False)
+
+
+def self_times(path):
+    """{op name: total self time in ms} over every CPU op event of a trace."""
+    events, kineto = load_trace(path)
     by_thread = collections.defaultdict(list)
     for e in events:
         if e.get("ph") != "X" or "dur" not in e:
             continue
-        if isinstance(data, dict) and e.get("cat") not in ("cpu_op", "user_annotation", None):
+        if kineto and e.get("cat") not in ("cpu_op", "user_annotation", None):
             continue  # PyTorch's traces also hold Python-function and runtime events
         if e.get("cat") == "user_annotation" or e["name"].startswith("ProfilerStep"):
             continue
@@ -48,9 +54,7 @@ def self_times(path):
 
 def kernel_times(path):
     """{kernel name: total GPU time in ms} over every kernel event of a trace."""
-    with open(path) as f:
-        data = json.load(f)
-    events = data["traceEvents"] if isinstance(data, dict) else data
+    events, _ = load_trace(path)
     out = collections.defaultdict(float)
     for e in events:
         if e.get("ph") == "X" and e.get("cat") == "kernel" and "dur" in e:
