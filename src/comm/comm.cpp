@@ -20,6 +20,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
+#include "comm/nccl.h"
 #include "core/error.h"
 
 namespace ddm {
@@ -76,7 +77,28 @@ std::string seconds_str(std::chrono::milliseconds ms) {
 
 Comm::Comm(int rank, int world, CommOptions options) : rank_(rank), world_(world), options_(std::move(options)) {}
 
-Comm::~Comm() = default;
+Comm::~Comm() {
+  // A NCCL group is shut down explicitly (its destructor otherwise warns and may wait on a peer);
+  // one that failed is aborted, which never waits.
+  if (!nccl_) return;
+  try {
+    if (broken_.empty())
+      nccl_->shutdown();
+    else
+      nccl_->abort();
+  } catch (const std::exception&) {
+    // Tearing down after a failure: nothing left to report to.
+  }
+}
+
+std::string Comm::backend_description() const {
+  return nccl_ ? "nccl " + nccl_version() + " for CUDA tensors, gloo for the rest" : std::string("gloo");
+}
+
+c10d::Backend& Comm::carrier(const at::Tensor& t) {
+  if (t.is_cuda() && nccl_) return *nccl_;
+  return *pg_;
+}
 
 std::shared_ptr<Comm> Comm::create(const DistEnv& env, CommOptions options) {
   return create_impl(env, std::move(options), true);
@@ -209,22 +231,32 @@ void Comm::connect(c10::intrusive_ptr<c10d::Store> store, const std::string& whe
   } catch (const std::exception& e) {
     fail("connecting the Gloo group", e.what());
   }
+  if (options_.nccl_device < 0) return;
+  try {
+    nccl_ = make_nccl_group(c10::make_intrusive<c10d::PrefixStore>("nccl", store_), rank_, world_,
+                            options_.nccl_device, options_.timeout);
+  } catch (const std::exception& e) {
+    fail("connecting the NCCL group on cuda:" + std::to_string(options_.nccl_device), e.what());
+  }
 }
 
 [[noreturn]] void Comm::fail(const std::string& op, const std::string& what) {
   const std::string msg = strip_location(what);
+  // Which library spoke: NCCL's messages name it (and PyTorch's NCCL watchdog's say "NCCL" too).
+  const char* lib = contains(msg, "NCCL") || contains(msg, "nccl") ? "nccl" : "gloo";
   std::ostringstream os;
   os << "rank " << job_rank() << ": ";
-  if (contains(msg, "Timed out") || contains(msg, "timed out") || contains(msg, "Timeout")) {
+  if (contains(msg, "Timed out") || contains(msg, "timed out") || contains(msg, "Timeout") ||
+      contains(msg, "timing out")) {
     os << op << " timed out after " << seconds_str(options_.timeout)
        << " waiting for the other ranks (a rank is hung, stopped or much slower); raise parallel.timeout if "
-          "a rank legitimately needs longer between collectives (gloo: "
-       << msg << ")";
+          "a rank legitimately needs longer between collectives ("
+       << lib << ": " << msg << ")";
   } else if (contains(msg, "closed by peer") || contains(msg, "reset by peer") || contains(msg, "Socket closed") ||
              contains(msg, "unexpectedly closed") || contains(msg, "Broken pipe") || contains(msg, "Read error") ||
              contains(msg, "Write error") || contains(msg, "Connection refused")) {
     os << "lost the connection to " << (world_ == 2 ? "rank " + std::to_string(job_rank_of(1 - rank_)) : "a peer rank")
-       << " during " << op << " (it exited or was killed); the job stops (gloo: " << msg << ")";
+       << " during " << op << " (it exited or was killed); the job stops (" << lib << ": " << msg << ")";
   } else {
     os << op << " failed: " << msg;
   }
@@ -235,11 +267,19 @@ void Comm::connect(c10::intrusive_ptr<c10d::Store> store, const std::string& whe
 void Comm::close(const std::string& why) {
   if (broken_.empty()) broken_ = why;
   pg_.reset();
+  if (nccl_) {
+    try {
+      nccl_->abort();
+    } catch (const std::exception&) {
+      // Closing a failed group: its own errors no longer matter.
+    }
+    nccl_.reset();
+  }
 }
 
 void Comm::check_usable(const std::string& op) const {
   DDM_CHECK(broken_.empty(), "rank " << job_rank() << ": cannot run " << op
-                                     << ": the process group failed earlier and Gloo cannot recover ("
+                                     << ": the process group failed earlier and a Gloo or NCCL group cannot recover ("
                                      << broken_ << ")");
 }
 
@@ -256,12 +296,13 @@ auto Comm::guarded(const std::string& op, F&& f) -> decltype(f()) {
 }
 
 c10::intrusive_ptr<c10d::Work> Comm::allreduce_async(std::vector<at::Tensor>& tensors) {
+  DDM_CHECK(!tensors.empty(), "allreduce: no tensors");
   for (const auto& t : tensors)
-    DDM_CHECK(t.is_contiguous() && (t.device().is_cpu() || t.device().is_cuda()),
-              "allreduce: tensors must be contiguous CPU or CUDA tensors (Gloo reduces CUDA tensors through host copies)");
+    DDM_CHECK(t.is_contiguous() && t.device() == tensors[0].device() && (t.device().is_cpu() || t.device().is_cuda()),
+              "allreduce: tensors must be contiguous and on one device, the CPU or a CUDA GPU");
   if (world_ == 1) return c10::make_intrusive<DoneWork>();
   for (const auto& t : tensors) count_sent(2.0 * (world_ - 1) / world_ * static_cast<double>(t.nbytes()));
-  return guarded("all-reduce", [&] { return pg_->allreduce(tensors); });
+  return guarded("all-reduce", [&] { return carrier(tensors[0]).allreduce(tensors); });
 }
 
 void Comm::wait(const c10::intrusive_ptr<c10d::Work>& work, const std::string& op) {
@@ -274,20 +315,24 @@ void Comm::wait(const c10::intrusive_ptr<c10d::Work>& work, const std::string& o
 }
 
 c10::intrusive_ptr<c10d::Work> Comm::send_async(at::Tensor& tensor, int peer, int tag) {
-  DDM_CHECK(tensor.is_contiguous() && tensor.device().is_cpu(), "send: the tensor must be a contiguous CPU tensor");
+  DDM_CHECK(tensor.is_contiguous() && (tensor.device().is_cpu() || (tensor.is_cuda() && nccl_)),
+            "send: the tensor must be contiguous, on the CPU or (over NCCL) on a CUDA GPU");
   DDM_CHECK(peer >= 0 && peer < world_ && peer != rank_,
             "rank " << job_rank() << ": send to rank " << peer << " in a world of " << world_);
   count_sent(static_cast<double>(tensor.nbytes()));
   std::vector<at::Tensor> ts{tensor};
-  return guarded("send to rank " + std::to_string(job_rank_of(peer)), [&] { return pg_->send(ts, peer, tag); });
+  const std::string op = "send to rank " + std::to_string(job_rank_of(peer));
+  return guarded(op, [&] { return carrier(tensor).send(ts, peer, tag); });
 }
 
 c10::intrusive_ptr<c10d::Work> Comm::recv_async(at::Tensor& tensor, int peer, int tag) {
-  DDM_CHECK(tensor.is_contiguous() && tensor.device().is_cpu(), "recv: the tensor must be a contiguous CPU tensor");
+  DDM_CHECK(tensor.is_contiguous() && (tensor.device().is_cpu() || (tensor.is_cuda() && nccl_)),
+            "recv: the tensor must be contiguous, on the CPU or (over NCCL) on a CUDA GPU");
   DDM_CHECK(peer >= 0 && peer < world_ && peer != rank_,
             "rank " << job_rank() << ": receive from rank " << peer << " in a world of " << world_);
   std::vector<at::Tensor> ts{tensor};
-  return guarded("receive from rank " + std::to_string(job_rank_of(peer)), [&] { return pg_->recv(ts, peer, tag); });
+  const std::string op = "receive from rank " + std::to_string(job_rank_of(peer));
+  return guarded(op, [&] { return carrier(tensor).recv(ts, peer, tag); });
 }
 
 void Comm::allreduce_sum(at::Tensor& tensor) {
@@ -303,7 +348,7 @@ void Comm::broadcast(at::Tensor& tensor, int root) {
   if (rank_ == root) count_sent(static_cast<double>(world_ - 1) * static_cast<double>(tensor.nbytes()));
   c10d::BroadcastOptions o;
   o.rootRank = root;
-  wait(guarded("broadcast", [&] { return pg_->broadcast(ts, o); }), "broadcast");
+  wait(guarded("broadcast", [&] { return carrier(tensor).broadcast(ts, o); }), "broadcast");
 }
 
 void Comm::barrier() {

@@ -1,7 +1,8 @@
-// Comm: ddm's handle on one process group (c10d TCPStore rendezvous + ProcessGroupGloo), with the
-// few collectives training needs, and every c10d / Gloo failure turned into a ddm::Error that names
-// this rank, the operation, the peer when it can be inferred, and what to do. With one process it is
-// a no-op that never touches the network.
+// Comm: ddm's handle on one process group (c10d TCPStore rendezvous + ProcessGroupGloo, and with
+// CommOptions::nccl_device a ProcessGroupNCCL beside it for CUDA tensors), with the few collectives
+// training needs, and every c10d / Gloo / NCCL failure turned into a ddm::Error that names this rank,
+// the operation, the peer when it can be inferred, and what to do. With one process it is a no-op
+// that never touches the network.
 #pragma once
 #include <atomic>
 #include <chrono>
@@ -11,6 +12,7 @@
 #include <utility>
 #include <vector>
 
+#include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
@@ -32,6 +34,9 @@ struct CommOptions {
   // Store keys of this group live under "ddm/<group>/", so a rebuilt group (after a failure) can use
   // a fresh name on the same store.
   std::string group = "pg0";
+  // >= 0: this rank's CUDA GPU, and the data collectives (all-reduce, broadcast, send / receive) of
+  // tensors on it go over NCCL (parallel.backend, docs/gpu.md); Gloo carries everything else.
+  int nccl_device = -1;
 };
 
 class Comm {
@@ -66,15 +71,23 @@ class Comm {
   bool distributed() const { return world_ > 1; }
   const CommOptions& options() const { return options_; }
 
-  // Starts a sum all-reduce of contiguous CPU tensors in place; call wait() on the result. With one
-  // process the returned work is already complete. All ranks must issue collectives in the same order.
+  // "gloo", or "nccl 2.28.9 for CUDA tensors, gloo for the rest": for the run's header.
+  std::string backend_description() const;
+  bool uses_nccl() const { return static_cast<bool>(nccl_); }
+
+  // Starts a sum all-reduce of contiguous tensors in place (CPU or CUDA, all on one device); call
+  // wait() on the result. With one process the returned work is already complete. All ranks must
+  // issue collectives in the same order. CUDA tensors go over NCCL when the Comm has it: the
+  // all-reduce then runs on NCCL's stream after the caller's current stream's work, and wait() only
+  // orders the caller's stream after it (no host synchronization). Over Gloo, CUDA tensors are
+  // reduced through host copies and wait() blocks.
   c10::intrusive_ptr<c10d::Work> allreduce_async(std::vector<at::Tensor>& tensors);
   // Waits for work from this Comm; failures become ddm::Error naming `op`.
   void wait(const c10::intrusive_ptr<c10d::Work>& work, const std::string& op);
 
-  // Point-to-point (pipeline stages): starts sending a contiguous CPU tensor to group rank `peer`,
-  // or receiving one of the same size and type into `tensor`; messages between two ranks match by
-  // tag. Gloo's send completes only once the peer has posted the matching receive: post every send
+  // Point-to-point (pipeline stages): starts sending a contiguous tensor to group rank `peer`, or
+  // receiving one of the same size and type into `tensor` (CPU tensors; CUDA ones over NCCL only);
+  // messages between two ranks match by tag. Gloo's send completes only once the peer has posted the matching receive: post every send
   // of a step before waiting on one (or wait on them all at the end), or two stages deadlock.
   c10::intrusive_ptr<c10d::Work> send_async(at::Tensor& tensor, int peer, int tag);
   c10::intrusive_ptr<c10d::Work> recv_async(at::Tensor& tensor, int peer, int tag);
@@ -111,6 +124,8 @@ class Comm {
   Comm(int rank, int world, CommOptions options);
   static std::shared_ptr<Comm> create_impl(const DistEnv& env, CommOptions options, bool form_group);
   void connect(c10::intrusive_ptr<c10d::Store> store, const std::string& where, bool loopback);
+  // The group that carries `t`: NCCL for a CUDA tensor when there is one, else Gloo.
+  c10d::Backend& carrier(const at::Tensor& t);
   // Runs f (a c10d call), turning any exception into ddm::Error about `op`.
   template <class F>
   auto guarded(const std::string& op, F&& f) -> decltype(f());
@@ -127,6 +142,7 @@ class Comm {
   std::string where_;     // the store, for messages
   bool loopback_ = true;  // Gloo's device: loopback, or this host's address / GLOO_SOCKET_IFNAME
   c10::intrusive_ptr<c10d::ProcessGroupGloo> pg_;
+  c10::intrusive_ptr<c10d::Backend> nccl_;  // with options_.nccl_device >= 0 and world > 1
 };
 
 // Human-readable seconds for messages: "2s", "0.5s", "60s".

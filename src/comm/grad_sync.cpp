@@ -124,7 +124,8 @@ struct GradSync::State : std::enable_shared_from_this<GradSync::State> {
     stats.launch_ms[b] = ms_since_t0(Clock::now());
     stats.launch_order.push_back(b);
     stats.bytes += tensors[0].numel() * static_cast<int64_t>(tensors[0].element_size());
-    // Completion time, recorded in Gloo's thread; never throws there.
+    // Completion time, recorded in Gloo's thread; never throws there. (Over NCCL the future completes
+    // as the work is queued on the GPU: done_ms then says when it was queued, not finished.)
     std::weak_ptr<State> weak = weak_from_this();
     const int64_t gen = generation.load();
     try {

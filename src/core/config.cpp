@@ -123,6 +123,12 @@ const std::vector<std::pair<std::string, Precision>>& names() {
   return t;
 }
 template <>
+const std::vector<std::pair<std::string, CommBackend>>& names() {
+  static const std::vector<std::pair<std::string, CommBackend>> t = {
+      {"auto", CommBackend::kAuto}, {"gloo", CommBackend::kGloo}, {"nccl", CommBackend::kNccl}};
+  return t;
+}
+template <>
 const std::vector<std::pair<std::string, WireFormat>>& names() {
   static const std::vector<std::pair<std::string, WireFormat>> t = {
       {"float32", WireFormat::kFloat32}, {"float16", WireFormat::kFloat16}, {"bfloat16", WireFormat::kBfloat16}};
@@ -233,6 +239,7 @@ std::vector<Field> fields(RunConfig& c) {
       choice("parallel.mode", &c.parallel.mode, {"dp", "diloco"}),
       field("parallel.dp", &c.parallel.dp),
       field("parallel.timeout", &c.parallel.timeout),
+      choice("parallel.backend", &c.parallel.backend, {"auto", "gloo", "nccl"}),
       field("parallel.bucket_mb", &c.parallel.bucket_mb),
       field("parallel.first_bucket_mb", &c.parallel.first_bucket_mb),
       choice("parallel.wire", &c.parallel.wire, {"float32", "float16"}),
@@ -295,6 +302,7 @@ std::string name_of(SyncMode m) { return enum_name(m); }
 std::string name_of(ScheduleKind s) { return enum_name(s); }
 std::string name_of(WireFormat w) { return enum_name(w); }
 std::string name_of(Precision p) { return enum_name(p); }
+std::string name_of(CommBackend b) { return enum_name(b); }
 
 std::vector<std::string> config_keys() {
   RunConfig c;
@@ -522,6 +530,9 @@ void validate_parallel(const RunConfig& c) {
     DDM_CHECK(par.cuts[i] > (i == 0 ? 0 : par.cuts[i - 1]),
               "parallel.cuts must be increasing unit indices > 0, got " << par.cuts[i] << " at position " << i);
   DDM_CHECK(par.pp == 1 || par.mode == SyncMode::kDp, "parallel.pp = " << par.pp << " needs parallel.mode = \"dp\" (DiLoCo replicas are whole models)");
+  DDM_CHECK(par.backend != CommBackend::kNccl || c.train.device != "cpu",
+            "parallel.backend = nccl carries CUDA tensors, but train.device = cpu: set train.device = cuda (or "
+            "auto), or parallel.backend = gloo (or auto)");
   DDM_CHECK(par.pp == 1 || c.train.precision == Precision::kFp32,
             "train.precision = bf16 with parallel.pp = " << par.pp << ": pipeline stages train in fp32 only so far; "
                                                             "set train.precision = fp32");

@@ -13,10 +13,12 @@ enum class SyncMode { kDp, kDiloco };                           // parallel.mode
 enum class ScheduleKind { kGpipe, k1f1b, kZbH1, k1f1bV, kZbV };  // parallel.schedule
 enum class WireFormat { kFloat32, kFloat16, kBfloat16 };        // parallel.wire, parallel.pipe_wire, diloco.wire
 enum class Precision { kFp32, kBf16 };                          // train.precision, --precision
+enum class CommBackend { kAuto, kGloo, kNccl };                 // parallel.backend
 std::string name_of(SyncMode m);
 std::string name_of(ScheduleKind s);
 std::string name_of(WireFormat w);
 std::string name_of(Precision p);
+std::string name_of(CommBackend b);
 // 1f1b-v and zb-v run two stages on each process, in a V.
 inline bool v_shaped(ScheduleKind s) { return s == ScheduleKind::k1f1bV || s == ScheduleKind::kZbV; }
 
@@ -157,6 +159,10 @@ struct ParallelConfig {
   SyncMode mode = SyncMode::kDp;   // dp | diloco
   int64_t dp = 0;                  // data-parallel degree (0 = every process); must equal the world size
   double timeout = 120;            // seconds a collective waits for the other ranks before the job fails
+  // What carries the tensors of collectives (docs/gpu.md, "Backends"). gloo: everything. nccl: tensors
+  // on CUDA GPUs go over NCCL (Gloo still coordinates: store, config agreement, stop decisions).
+  // auto: nccl when this rank trains on its own GPU (train.device = auto or cuda), else gloo.
+  CommBackend backend = CommBackend::kAuto;
   double bucket_mb = 1;            // cap of a gradient all-reduce bucket, MiB (docs/results.md: 25 left 78% exposed)
   double first_bucket_mb = 1;      // the first bucket (the last layers' gradients, ready first), MiB
   WireFormat wire = WireFormat::kFloat32;  // float32 | float16: the gradients' format on the wire

@@ -54,7 +54,7 @@ std::string DataParallelEngine::describe() const {
   std::ostringstream s;
   s << "parallel: data parallel over " << comm_->world_size() << " processes, gradient buckets up to " << p.bucket_mb
     << " MiB (first " << p.first_bucket_mb << " MiB), " << name_of(p.wire) << " on the wire, collective timeout " << p.timeout
-    << " s";
+    << " s, over " << comm_->backend_description();
   return s.str();
 }
 

@@ -176,6 +176,28 @@ torch::Device train_device(const RunConfig& cfg, const DistEnv& env) {
   return device;
 }
 
+// parallel.backend for this process: the GPU whose CUDA tensors go over NCCL, or -1 (Gloo carries
+// everything). NCCL needs a GPU per rank: ranks that share one (train.device = cuda:N with several
+// processes on a node) stay on Gloo under auto, and nccl is an error for them.
+int nccl_device(const RunConfig& cfg, torch::Device device, const DistEnv& env) {
+  const CommBackend backend = cfg.parallel.backend;
+  if (backend == CommBackend::kGloo || !env.distributed()) return -1;
+  const std::string who = "rank " + std::to_string(env.rank) + ": ";
+  if (!device.is_cuda()) {
+    DDM_CHECK(backend != CommBackend::kNccl,
+              who << "parallel.backend = nccl carries CUDA tensors, but this rank trains on the CPU (train.device = "
+                  << cfg.train.device << "): set parallel.backend = gloo or auto");
+    return -1;
+  }
+  const bool shared = cfg.train.device.rfind("cuda:", 0) == 0 && env.local_world_size > 1;
+  DDM_CHECK(!(shared && backend == CommBackend::kNccl),
+            who << "parallel.backend = nccl, but the " << env.local_world_size << " processes on this node share "
+                << device.str() << " (train.device = " << cfg.train.device
+                << "), and NCCL cannot put two ranks on one GPU: use train.device = cuda (a GPU per process, by "
+                   "LOCAL_RANK) or parallel.backend = gloo");
+  return shared ? -1 : device.index();
+}
+
 }  // namespace
 
 JobProcess join_job(const RunConfig& cfg, TrainOptions& opt) {
@@ -202,7 +224,9 @@ JobProcess join_job(const RunConfig& cfg, TrainOptions& opt) {
     if (env.rank == 0 && !opt.quiet)
       std::cout << "restart " << env.restart_count << " of this job: resuming from the last checkpoint" << std::endl;
   }
-  p.comm = p.rejoining ? Comm::create_store_only(env, comm_options(cfg.parallel)) : Comm::create(env, comm_options(cfg.parallel));
+  CommOptions copts = comm_options(cfg.parallel);
+  copts.nccl_device = nccl_device(cfg, p.device, env);
+  p.comm = p.rejoining ? Comm::create_store_only(env, copts) : Comm::create(env, copts);
   return p;
 }
 
@@ -373,6 +397,7 @@ void print_run_header(const TrainJob& job, const BuiltModel& model, const Parall
               << (tc.deterministic ? ", deterministic algorithms" : "") << "\n";
   const std::string parallel = engine.describe();
   if (!parallel.empty()) std::cout << parallel << "\n";
+
   std::cout << "out:   " << out_dir << std::endl;
 }
 

@@ -3,7 +3,8 @@
 // tensors: a matmul and every backbone preset's forward and backward on the GPU equal the CPU's
 // within float32 rounding (TF32 off: cuBLAS and cuDNN then compute in float32, in another order);
 // then that ddm trains there: the trainer on CUDA trains what it trains on the CPU, data parallelism
-// over Gloo with CUDA tensors what one process trains, a run moves between the CPU and the GPU on
+// over Gloo with CUDA tensors what one process trains (over NCCL too, where there are two GPUs), NCCL
+// forms a group and reduces with world size 1, a run moves between the CPU and the GPU on
 // resume, bf16 autocast follows fp32, deterministic runs repeat bit for bit, and sampling on CUDA
 // gives the CPU's images.
 #include <gtest/gtest.h>
@@ -13,6 +14,9 @@
 #include <torch/cuda.h>
 #include <torch/torch.h>
 
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+
+#include "comm/nccl.h"
 #include "core/device.h"
 #include "core/safetensors.h"
 #include "core/presets.h"
@@ -164,6 +168,44 @@ TEST(Gpu, DataParallelOverGlooWithCudaTensorsTrainsWhatOneProcessTrains) {
       run_ddm("launch --nproc 2 -- train --quiet --config " + (dir / "c.toml") + " --out " + (dir / "two"));
   ASSERT_EQ(two.exit_code, 0) << two.output;
   expect_same_training(dir / "two", dir / "one", "dp(2) over gloo on cuda, 2 processes, against 1 process");
+  // Under parallel.backend = auto, ranks that share a GPU stay on Gloo (above); nccl is refused for
+  // them, naming the reason, since NCCL cannot put two ranks on one GPU.
+  const CommandResult nccl = run_ddm("launch --nproc 2 -- train --quiet --config " + (dir / "c.toml") +
+                                     " --set parallel.backend=nccl --out " + (dir / "nccl"));
+  EXPECT_NE(nccl.exit_code, 0) << nccl.output;
+  EXPECT_NE(nccl.output.find("NCCL cannot put two ranks on one GPU"), std::string::npos) << nccl.output;
+  // With a GPU per process (train.device = cuda: each LOCAL_RANK's), auto takes NCCL.
+  if (torch::cuda::device_count() < 2) {
+    std::printf("dp(2) over nccl: skipped, this machine has one GPU (NCCL needs a GPU per rank)\n");
+    return;
+  }
+  const CommandResult nccl2 = run_ddm("launch --nproc 2 -- train --quiet --config " + (dir / "c.toml") +
+                                      " --set train.device=cuda --out " + (dir / "nccl2"));
+  ASSERT_EQ(nccl2.exit_code, 0) << nccl2.output;
+  expect_same_training(dir / "nccl2", dir / "one", "dp(2) over nccl, 2 GPUs, against 1 process");
+}
+
+// NCCL with world size 1 on this GPU (what one GPU allows): the group forms, its all-reduce and
+// broadcast of CUDA tensors run on NCCL's stream, and the caller's stream, ordered after them by
+// wait(), reads the results.
+TEST(Gpu, NcclWorldOfOneReducesAndBroadcastsCudaTensors) {
+  if (no_gpu()) GTEST_SKIP() << kNoGpu;
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  auto pg = make_nccl_group(store, 0, 1, 0, std::chrono::seconds(60));
+  std::printf("nccl %s\n", nccl_version().c_str());
+  for (const auto dtype : {torch::kFloat, torch::kHalf, torch::kBFloat16}) {
+    auto t = torch::randn({1 << 20}, torch::TensorOptions(torch::kCUDA).dtype(dtype));
+    const auto before = t.clone();
+    std::vector<at::Tensor> ts{t};
+    pg->allreduce(ts)->wait();
+    t.mul_(2);  // on the caller's stream, after the all-reduce
+    EXPECT_TRUE(torch::equal(t.cpu(), (before * 2).cpu())) << c10::toString(dtype);
+    c10d::BroadcastOptions o;
+    o.rootRank = 0;
+    pg->broadcast(ts, o)->wait();
+    EXPECT_TRUE(torch::equal(t.cpu(), (before * 2).cpu())) << c10::toString(dtype);
+  }
+  pg->shutdown();
 }
 
 TEST(Gpu, ARunMovesBetweenTheCpuAndTheGpuOnResume) {

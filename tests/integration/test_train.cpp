@@ -239,6 +239,22 @@ TEST(Train, ADeviceItCannotUseIsAClearErrorAndLosesNothing) {
   if (!gpu) {
     EXPECT_EQ(res.exit_code, 0) << res.output;  // auto on a machine without a GPU: the CPU
   }
+  // parallel.backend = nccl carries CUDA tensors: with train.device = cpu it fails validation; with
+  // auto on a machine without a GPU, every rank of a launched job fails alone, naming itself.
+  auto nccl_cpu = test::run_ddm("train --quiet" + cfg + " --set parallel.backend=nccl --out " + (dir / "nccl"));
+  EXPECT_EQ(nccl_cpu.exit_code, 1) << nccl_cpu.output;
+  EXPECT_NE(nccl_cpu.output.find("parallel.backend = nccl carries CUDA tensors, but train.device = cpu"), std::string::npos)
+      << nccl_cpu.output;
+  if (!gpu) {
+    auto nccl_auto = test::run_ddm("launch --timeout 120 --nproc 2 -- train --quiet" + cfg +
+                                   " --set train.device=auto --set parallel.backend=nccl --out " + (dir / "nccl2"));
+    EXPECT_NE(nccl_auto.exit_code, 0) << nccl_auto.output;
+    EXPECT_NE(nccl_auto.output.find("rank 1: parallel.backend = nccl carries CUDA tensors, but this rank trains on the CPU"),
+              std::string::npos)
+        << nccl_auto.output;
+  }
+  EXPECT_FALSE(fs::exists(fs::path(dir / "nccl") / "config.toml"));
+  EXPECT_FALSE(fs::exists(fs::path(dir / "nccl2") / "config.toml"));
   auto spelled = test::run_ddm("train --quiet" + cfg + " --set train.device=gpu --out " + (dir / "x"));
   EXPECT_EQ(spelled.exit_code, 1);
   EXPECT_NE(spelled.output.find("train.device = \"gpu\" is not one of: auto, cpu, cuda, cuda:N"), std::string::npos)

@@ -142,6 +142,13 @@ TEST(Config, DilocoValuesOutOfRange) {
   EXPECT_NE(wire.find("parallel.pipe_wire"), std::string::npos) << wire;
   EXPECT_NE(wire.find("bfloat16"), std::string::npos) << wire;  // names what it takes
   EXPECT_EQ(error_of("", {"parallel.pp=2", "parallel.pipe_wire=bfloat16"}), "");
+  // parallel.backend: spelled out, and nccl only where tensors can be on a GPU.
+  EXPECT_NE(error_of("", {"parallel.backend=mpi"}).find("parallel.backend = \"mpi\" is not one of: auto, gloo, nccl"),
+            std::string::npos);
+  EXPECT_NE(error_of("", {"parallel.backend=nccl"}).find("parallel.backend = nccl carries CUDA tensors, but train.device = cpu"),
+            std::string::npos);
+  EXPECT_EQ(error_of("", {"parallel.backend=nccl", "train.device=cuda"}), "");
+  EXPECT_EQ(error_of("", {"parallel.backend=gloo", "train.device=cuda"}), "");
 }
 
 TEST(Config, InvalidTomlNamesLine) {

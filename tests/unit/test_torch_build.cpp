@@ -1,6 +1,7 @@
 // The LibTorch ddm is built against: PyTorch 2.11's from the torch wheel (CUDA 13.0 build), with
 // libtorch_cuda loaded although ddm names none of its symbols (so that CUDA tensors work where a GPU
-// exists), its CPU ops running on a machine without one, and c10d's Gloo from the wheel.
+// exists), its CPU ops running on a machine without one, c10d's Gloo from the wheel, and its NCCL
+// process group compiled into ddm and linked (tests/gpu/test_cuda.cpp runs it on a GPU).
 #include <gtest/gtest.h>
 
 #include <fstream>
@@ -15,6 +16,7 @@
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 
 #include "comm/comm.h"
+#include "comm/nccl.h"
 
 namespace {
 std::string maps() {
@@ -71,4 +73,33 @@ TEST(TorchBuild, GlooFromTheWheelAllReduces) {
   for (auto& t : ranks) t.join();
   EXPECT_EQ(errors, (std::vector<std::string>{"", ""}));
   for (const auto& t : out) EXPECT_TRUE(torch::equal(t, torch::full({4}, 3.f)));
+}
+
+// ProcessGroupNCCL is in the build: NCCL's version is answered without a GPU, and asking for an NCCL
+// group on a machine without one is a ddm::Error naming the rank and NCCL on every rank, not a crash
+// or a hang.
+TEST(TorchBuild, NcclIsLinkedAndWithoutAGpuIsAClearError) {
+  const std::string v = ddm::nccl_version();
+  EXPECT_EQ(v.rfind("2.", 0), 0u) << v;
+  if (torch::cuda::is_available()) GTEST_SKIP() << "this machine has a GPU (tests/gpu/test_cuda.cpp forms NCCL groups)";
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  std::vector<std::string> errors(2);
+  std::vector<std::thread> ranks;
+  for (int r = 0; r < 2; ++r)
+    ranks.emplace_back([&, r] {
+      ddm::CommOptions o;
+      o.nccl_device = 0;
+      o.timeout = std::chrono::seconds(20);
+      o.connect_timeout = std::chrono::seconds(20);
+      try {
+        auto comm = ddm::Comm::create_for_test(store, r, 2, o);
+      } catch (const std::exception& e) {
+        errors[static_cast<size_t>(r)] = e.what();
+      }
+    });
+  for (auto& t : ranks) t.join();
+  for (int r = 0; r < 2; ++r) {
+    const std::string& e = errors[static_cast<size_t>(r)];
+    EXPECT_NE(e.find("rank " + std::to_string(r) + ": connecting the NCCL group on cuda:0 failed"), std::string::npos) << e;
+  }
 }
