@@ -58,19 +58,18 @@ Source open_source(const SampleArgs& a) {
     if (!device.is_cpu() || a.precision != "fp32") s.name += " on " + device.str() + " in " + a.precision;
     return s;
   }
-  // An ensemble's experts and router sample on the CPU so far.
-  DDM_CHECK(a.device == "auto" || a.device == "cpu",
-            "--device " << a.device << ": a decentralized ensemble (--ensemble) samples on the CPU only so far; use "
-                        "--device cpu (or auto)");
-  DDM_CHECK(a.precision == "fp32", "--precision " << a.precision << ": an ensemble samples in fp32 only so far");
-  s.members = std::make_unique<LoadedEnsemble>(load_ensemble(a.ensemble, !a.no_ema, a.allow_missing));
+  // An ensemble: its experts and router on the device.
+  configure_math(device, false);
+  s.members = std::make_unique<LoadedEnsemble>(load_ensemble(a.ensemble, !a.no_ema, a.allow_missing, device));
   s.routing = parse_routing(a.routing.empty() ? s.members->manifest.value("routing", "top1") : a.routing);
   for (int64_t m : s.members->missing())
     std::cout << "warning: expert " << m << " is missing (--allow-missing): its router probability is set to 0 and "
               << "the rest renormalized; samples of its cluster come from the other experts" << std::endl;
-  s.ensemble = make_ensemble(*s.members, s.routing, static_cast<uint64_t>(a.seed));
+  s.ensemble = make_ensemble(*s.members, s.routing, static_cast<uint64_t>(a.seed),
+                             a.precision == "bf16" ? Precision::kBf16 : Precision::kFp32);
   s.den = s.ensemble->denoiser();
   s.name = "ensemble " + a.ensemble + " (K = " + std::to_string(s.members->k) + ", routing " + s.routing.spec + ")";
+  if (!device.is_cpu() || a.precision != "fp32") s.name += " on " + device.str() + " in " + a.precision;
   return s;
 }
 
@@ -315,7 +314,8 @@ void add_sample_flags(CLI::App* cmd, SampleArgs& a) {
   cmd->add_option("--threads", a.threads, "intra-op threads (0 = all cores)")->check(kNonNegative);
   cmd->add_flag("--no-ema", a.no_ema, "use the raw weights instead of the EMA");
   cmd->add_option("--device", a.device,
-                  "auto | cpu | cuda | cuda:N: where the network runs (auto: the GPU if LibTorch sees one, else the "
+                  "auto | cpu | cuda | cuda:N: where the network (an ensemble: its experts and router) runs (auto: the GPU "
+                  "if LibTorch sees one, else the "
                   "CPU). The noise is drawn on the CPU, so every device starts from the same noise")
       ->check([](const std::string& v) {
         try {

@@ -44,6 +44,7 @@ case "$what" in
     torch_lib=${TORCH_LIB:-$(python3 -c 'import os, torch; print(os.path.join(os.path.dirname(torch.__file__), "lib"))')}
     export LD_LIBRARY_PATH="$dir/lib:$torch_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
     export DDM_BINARY="$(cd "$dir" && pwd)/bin/ddm"  # what the tests run as `ddm` (test_util.h)
+    export DDM_FASHION_MNIST="$(cd "$dir" && pwd)/fashion-mnist"  # the data the GPU tests read
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt" || true
     failed=()
     for t in "$dir"/test_*; do

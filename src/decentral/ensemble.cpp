@@ -95,14 +95,14 @@ RouterFn net_router(Net router, NoisePath router_path, NoisePath sampling_path) 
 }
 
 RouterFn oracle_router(const Dataset& data, const torch::Tensor& clusters, int64_t k, NoisePath sampling_path,
-                       torch::Tensor x0) {
+                       torch::Tensor x0, torch::Device device) {
   const int64_t n = data.images.size(0);
   DDM_CHECK(clusters.size(0) == n, "oracle router: " << clusters.size(0) << " cluster labels for " << n << " images");
   DDM_CHECK(!x0.defined() || x0.size(0) == n, "oracle router: " << x0.size(0) << " rows for " << n << " images");
-  x0 = (x0.defined() ? x0 : to_unit_range(data.images)).reshape({n, -1});  // [N, D]
-  const auto sq = x0.pow(2).sum(1);                               // [N]
-  const auto member = torch::one_hot(clusters, k).to(torch::kFloat32);  // [N, K]
-  const auto labels = data.labels;
+  x0 = (x0.defined() ? x0 : to_unit_range(data.images)).reshape({n, -1}).to(device);  // [N, D]
+  const auto sq = x0.pow(2).sum(1);                                                  // [N]
+  const auto member = torch::one_hot(clusters, k).to(torch::kFloat32).to(device);    // [N, K]
+  const auto labels = data.labels.to(device);
   const int64_t classes = data.num_classes;
   return [=](const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& y) {
     const int64_t b = x.size(0);
@@ -120,7 +120,8 @@ RouterFn oracle_router(const Dataset& data, const torch::Tensor& clusters, int64
 }
 
 Ensemble::Ensemble(std::vector<std::optional<Denoiser>> experts, std::vector<double> expert_flops, RouterFn router,
-                   double router_flops, NoisePath sampling_path, int64_t num_classes, Routing routing, uint64_t seed)
+                   double router_flops, NoisePath sampling_path, int64_t num_classes, Routing routing, uint64_t seed,
+                   torch::Device device)
     : experts_(std::move(experts)),
       expert_flops_(std::move(expert_flops)),
       router_(std::move(router)),
@@ -128,13 +129,15 @@ Ensemble::Ensemble(std::vector<std::optional<Denoiser>> experts, std::vector<dou
       path_(sampling_path),
       num_classes_(num_classes),
       routing_(std::move(routing)),
-      seed_(seed) {
+      seed_(seed),
+      device_(device) {
   const int64_t K = k();
   DDM_CHECK(K >= 1 && static_cast<int64_t>(expert_flops_.size()) == K, "ensemble: one FLOP count per expert");
   present_ = torch::zeros({K});
   for (int64_t e = 0; e < K; ++e)
     if (experts_[e]) present_[e] = 1.0;
   DDM_CHECK(present_.sum().item<double>() > 0, "ensemble: no expert is present");
+  present_ = present_.to(device_);
   reset_usage();
 }
 
@@ -147,8 +150,8 @@ Denoiser::Estimate Ensemble::estimate(const torch::Tensor& x, const torch::Tenso
                                       double w, const torch::Tensor& keys) const {
   const int64_t b = x.size(0);
   // The router sees the class label, or the null label when the whole sample is unconditional.
-  auto y_route = num_classes_ == 0 ? torch::zeros({b}, torch::kLong)
-                                   : (w == 0.0 ? torch::full({b}, num_classes_, torch::kLong) : y);
+  const auto longs = torch::TensorOptions().dtype(torch::kLong).device(x.device());
+  auto y_route = num_classes_ == 0 ? torch::zeros({b}, longs) : (w == 0.0 ? torch::full({b}, num_classes_, longs) : y);
   auto probs = router_(x, t, y_route);                  // [B, K]
   const auto present = present_.to(probs.scalar_type()).unsqueeze(0);  // [1, K]
   probs = probs * present;
@@ -157,7 +160,7 @@ Denoiser::Estimate Ensemble::estimate(const torch::Tensor& x, const torch::Tenso
   torch::Tensor uniforms;  // [B]: each sample's draw for `sample` routing
   if (routing_.kind == Routing::Kind::kSample) {
     DDM_CHECK(!keys.defined() || keys.numel() == b, "ensemble: " << keys.numel() << " sample keys for " << b << " samples");
-    const auto k = keys.defined() ? keys.to(torch::kLong).contiguous() : torch::Tensor();
+    const auto k = keys.defined() ? keys.to(torch::kCPU, torch::kLong).contiguous() : torch::Tensor();
     uniforms = torch::empty({b}, torch::kDouble);
     double* u = uniforms.data_ptr<double>();
     for (int64_t j = 0; j < b; ++j) {
@@ -165,6 +168,7 @@ Denoiser::Estimate Ensemble::estimate(const torch::Tensor& x, const torch::Tenso
                                        : derive_seed({static_cast<uint64_t>(usage_.calls), static_cast<uint64_t>(j)});
       u[j] = uniform_from_key(derive_seed({seed_, static_cast<uint64_t>(RngPurpose::kSample), 0x0e7e11ULL, key}));
     }
+    uniforms = uniforms.to(x.device());  // drawn on the host: the same draws on every device
   }
   usage_.router_flops += static_cast<double>(b) * router_flops_;
   return combine(x, t, y, w, routing_weights(probs, routing_, uniforms));
@@ -176,7 +180,7 @@ Denoiser::Estimate Ensemble::estimate_assigned(const torch::Tensor& x, const tor
             "ensemble: expert indices must be 0.." << k() - 1);
   for (int64_t e = 0; e < k(); ++e)
     DDM_CHECK(experts_[e] || !experts.eq(e).any().item<bool>(), "ensemble: expert " << e << " is missing");
-  const auto weights = torch::zeros({x.size(0), k()}, x.options()).scatter_(1, experts.view({-1, 1}), 1.0);  // [B, K]
+  const auto weights = torch::zeros({x.size(0), k()}, x.options()).scatter_(1, experts.to(x.device()).view({-1, 1}), 1.0);  // [B, K]
   return combine(x, t, y, 1.0, weights);
 }
 
@@ -210,7 +214,7 @@ Denoiser Ensemble::denoiser() const {
                     DDM_CHECK(!c.control.defined(), "an ensemble of experts takes no control map");
                     return estimate(x, t, c.y, w, keys);
                   },
-                  path_, num_classes_);
+                  path_, num_classes_, device_);
 }
 
 std::string Ensemble::usage_report(int64_t n_images) const {

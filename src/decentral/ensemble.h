@@ -54,9 +54,10 @@ RouterFn net_router(Net router, NoisePath router_path, NoisePath sampling_path);
 // x0 is drawn uniformly from the images of class y (all images for the null label) and x_t =
 // alpha x0 + sigma eps: softmax over images of -|x_t - alpha x0_i|^2 / (2 sigma^2), summed per
 // cluster. Costs one [B, N] x [N, D] product per call (N images of D pixels). x0 (float [N, ...]):
-// what the experts learn, when not the images themselves: a latent ensemble's encoded images.
+// what the experts learn, when not the images themselves: a latent ensemble's encoded images. The
+// data is held, and the product computed, on `device`.
 RouterFn oracle_router(const Dataset& data, const torch::Tensor& clusters, int64_t k, NoisePath sampling_path,
-                       torch::Tensor x0 = {});
+                       torch::Tensor x0 = {}, torch::Device device = torch::kCPU);
 
 struct EnsembleUsage {
   int64_t calls = 0;                  // estimate() calls (solver evaluations, summed over batches)
@@ -69,8 +70,11 @@ class Ensemble {
  public:
   // experts[k]: expert k's denoiser, or nullopt when missing (its probability is set to 0 and the
   // rest renormalized); expert_flops[k]: its forward FLOPs per image; router_flops: per image.
+  // device: where the experts and the router compute (samples arrive there); the routing decisions
+  // are the same on every device up to the router's float32 rounding, `sample` routing's draws exactly.
   Ensemble(std::vector<std::optional<Denoiser>> experts, std::vector<double> expert_flops, RouterFn router,
-           double router_flops, NoisePath sampling_path, int64_t num_classes, Routing routing, uint64_t seed);
+           double router_flops, NoisePath sampling_path, int64_t num_classes, Routing routing, uint64_t seed,
+           torch::Device device = torch::kCPU);
 
   // The routed, grouped estimate (see the file comment). x [B,C,H,W], t [B], y [B], guidance w.
   // `sample` routing draws each sample's expert from its key (keys int64 [B], from the sampler; see
@@ -103,6 +107,7 @@ class Ensemble {
   int64_t num_classes_;
   Routing routing_;
   uint64_t seed_;
+  torch::Device device_;
   torch::Tensor present_;  // float [K]: 1 where the expert exists
   mutable EnsembleUsage usage_;
 };

@@ -4,6 +4,7 @@
 #include <filesystem>
 #include <sstream>
 
+#include "core/device.h"
 #include "core/error.h"
 #include "core/fileio.h"
 #include "core/json.h"
@@ -157,7 +158,7 @@ std::vector<int64_t> LoadedEnsemble::missing() const {
   return out;
 }
 
-LoadedEnsemble load_ensemble(const std::string& dir, bool use_ema, bool allow_missing) {
+LoadedEnsemble load_ensemble(const std::string& dir, bool use_ema, bool allow_missing, torch::Device device) {
   const fs::path manifest = fs::path(dir) / "ensemble.json";
   DDM_CHECK(fs::exists(manifest), "'" << dir << "' is not an ensemble directory (no ensemble.json); make one with "
                                   "ddm ensemble --out DIR --partition P --router R --expert E0 ...");
@@ -190,7 +191,7 @@ LoadedEnsemble load_ensemble(const std::string& dir, bool use_ema, bool allow_mi
     DDM_CHECK(now == entry.at("weights_sha256"),
               what << " changed since the ensemble was assembled: the weights in " << ckpt
                    << " no longer match ensemble.json's sha256. Re-assemble with ddm ensemble");
-    return load_model(ckpt, use_ema);
+    return load_model(ckpt, use_ema, device);
   };
   for (int64_t i = 0; i < e.k; ++i)
     e.experts.push_back(verified(e.manifest["experts"][i], "expert " + std::to_string(i), /*is_expert=*/true));
@@ -212,14 +213,17 @@ std::string ensemble_expert_run(const std::string& dir, int64_t k) {
   }
 }
 
-std::unique_ptr<Ensemble> make_ensemble(const LoadedEnsemble& e, const Routing& routing, uint64_t seed) {
+std::unique_ptr<Ensemble> make_ensemble(const LoadedEnsemble& e, const Routing& routing, uint64_t seed,
+                                        Precision precision) {
   check_routing_fits(routing, e.k);
   const LoadedModel& first = e.first_expert();
   const NoisePath path = make_path(first.cfg.diffusion);
+  const torch::Device device = make_denoiser(first).device();  // where load_ensemble put the networks
   std::vector<std::optional<Denoiser>> dens;
   std::vector<double> flops;
   for (const auto& x : e.experts) {
     dens.push_back(x ? std::optional<Denoiser>(make_denoiser(*x)) : std::nullopt);
+    if (dens.back()) dens.back()->set_precision(precision);
     flops.push_back(x ? forward_flops_per_image(x->cfg.model) : 0.0);
   }
   RouterFn router;
@@ -231,14 +235,19 @@ std::unique_ptr<Ensemble> make_ensemble(const LoadedEnsemble& e, const Routing& 
     check_partition_matches(p, data);
     // Latent experts: the oracle knows the data as they learned it, encoded (posterior means).
     const torch::Tensor x0 = first.latent ? first.latent->encode_mean(data.images) : torch::Tensor();
-    router = oracle_router(data, p.labels, e.k, path, x0);
+    router = oracle_router(data, p.labels, e.k, path, x0, device);
     router_flops = 2.0 * static_cast<double>(x0.defined() ? x0.numel() : data.images.numel());  // [1, D] x [D, N] per image
   } else {
-    router = net_router(e.router.net, make_path(e.router.cfg.diffusion), path);
+    // The router's forward runs under the experts' precision too (its probabilities in float32).
+    RouterFn net = net_router(e.router.net, make_path(e.router.cfg.diffusion), path);
+    router = [net, precision](const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& y) {
+      Autocast autocast(x.device(), precision);
+      return net(x, t, y).to(torch::kFloat);  // [B, K]
+    };
     router_flops = forward_flops_per_image(e.router.cfg.model);
   }
   return std::make_unique<Ensemble>(std::move(dens), std::move(flops), std::move(router), router_flops, path,
-                                    first.cfg.model.num_classes, routing, seed);
+                                    first.cfg.model.num_classes, routing, seed, device);
 }
 
 }  // namespace ddm

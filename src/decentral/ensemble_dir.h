@@ -45,13 +45,18 @@ struct LoadedEnsemble {
 // Loads DIR/ensemble.json and the pinned checkpoints, verifying their hashes. A missing expert
 // checkpoint is an error naming it, unless allow_missing (then that expert is left out and the
 // router's probabilities are renormalized over the rest). A changed checkpoint is always an error.
-LoadedEnsemble load_ensemble(const std::string& dir, bool use_ema, bool allow_missing);
+// The networks (experts, router, a latent model's autoencoder) are loaded onto `device`.
+LoadedEnsemble load_ensemble(const std::string& dir, bool use_ema, bool allow_missing,
+                             torch::Device device = torch::kCPU);
 
 // The run directory of expert k as DIR/ensemble.json names it (nothing is loaded or verified).
 std::string ensemble_expert_run(const std::string& dir, int64_t k);
 
 // The routed ensemble over the loaded models. Sampling happens on the first present expert's path;
-// `oracle` routing loads the partition's data for the exact posterior.
-std::unique_ptr<Ensemble> make_ensemble(const LoadedEnsemble& e, const Routing& routing, uint64_t seed);
+// `oracle` routing loads the partition's data for the exact posterior. It computes where the networks
+// were loaded; precision bf16 runs the experts' and the router's forward passes under bfloat16
+// autocast (estimates and probabilities in float32).
+std::unique_ptr<Ensemble> make_ensemble(const LoadedEnsemble& e, const Routing& routing, uint64_t seed,
+                                        Precision precision = Precision::kFp32);
 
 }  // namespace ddm

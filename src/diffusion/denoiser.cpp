@@ -57,11 +57,11 @@ torch::Tensor training_target(const NoisePath& path, Prediction pred, const torc
 Denoiser::Denoiser(Net net, NoisePath path, Prediction pred, int64_t num_classes)
     : net_(std::move(net)), path_(path), pred_(pred), num_classes_(num_classes) {}
 
-Denoiser::Denoiser(EstimateFn fn, NoisePath path, int64_t num_classes)
-    : fn_(std::move(fn)), path_(path), pred_(Prediction::kVelocity), num_classes_(num_classes) {}
+Denoiser::Denoiser(EstimateFn fn, NoisePath path, int64_t num_classes, torch::Device device)
+    : fn_(std::move(fn)), path_(path), pred_(Prediction::kVelocity), num_classes_(num_classes), fn_device_(device) {}
 
 torch::Device Denoiser::device() const {
-  if (!net_) return torch::kCPU;
+  if (!net_) return fn_device_;
   const auto params = net_->parameters();
   return params.empty() ? torch::Device(torch::kCPU) : params.front().device();
 }

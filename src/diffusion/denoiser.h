@@ -45,8 +45,9 @@ class Denoiser {
 
   // num_classes: the null class index used for the unconditional branch (0 = unconditional model).
   Denoiser(Net net, NoisePath path, Prediction pred, int64_t num_classes);
-  // A denoiser defined by an estimator on `path` (the samplers then integrate on that path).
-  Denoiser(EstimateFn fn, NoisePath path, int64_t num_classes);
+  // A denoiser defined by an estimator on `path` (the samplers then integrate on that path) that
+  // computes on `device` (where samplers put their noise).
+  Denoiser(EstimateFn fn, NoisePath path, int64_t num_classes, torch::Device device = torch::kCPU);
   // x [B,C,H,W] at times t [B]; y the conditioning (labels int64 [B]; the unconditional branch of
   // guidance takes the null class and the null embedding, and keeps a control map); guidance scale w
   // (1 = conditional only, 0 = unconditional only). Counts one network evaluation (NFE) per call, whatever the batch. keys: as
@@ -65,7 +66,7 @@ class Denoiser {
   bool self_conditioned() const { return net_ && net_->self_conditioned(); }
   int64_t nfe() const { return nfe_; }
   void reset_nfe() { nfe_ = 0; }
-  // Where the network computes (its parameters' device; the CPU for an estimator): samplers put their
+  // Where the network computes (its parameters' device; an estimator's given device): samplers put their
   // noise there. bf16: its forward passes under bfloat16 autocast, the estimates in float32.
   torch::Device device() const;
   void set_precision(Precision p) { precision_ = p; }
@@ -78,6 +79,7 @@ class Denoiser {
   Prediction pred_;
   int64_t num_classes_;
   Precision precision_ = Precision::kFp32;
+  torch::Device fn_device_ = torch::kCPU;  // an estimator's
   mutable int64_t nfe_ = 0;
 };
 

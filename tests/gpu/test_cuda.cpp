@@ -6,10 +6,11 @@
 // over Gloo with CUDA tensors what one process trains (over NCCL too, where there are two GPUs), NCCL
 // forms a group and reduces with world size 1, a run moves between the CPU and the GPU on
 // resume, bf16 autocast follows fp32, deterministic runs repeat bit for bit, and sampling on CUDA
-// gives the CPU's images.
+// (one model, and a routed ensemble of experts) gives the CPU's images.
 #include <gtest/gtest.h>
 
 #include <cstdio>
+#include <cstdlib>
 
 #include <torch/cuda.h>
 #include <torch/torch.h>
@@ -20,6 +21,7 @@
 #include "core/device.h"
 #include "core/safetensors.h"
 #include "core/presets.h"
+#include "data/dataset.h"
 #include "diffusion/generate.h"
 #include "model/net.h"
 #include "test_util.h"
@@ -312,4 +314,49 @@ TEST(Gpu, SamplingOnCudaGivesTheCpusImages) {
       std::printf("%s, %s: max |gpu - cpu| over the images %.2e\n", name.c_str(), sampler, diff);
     }
   }
+}
+
+// Decentralized sampling on the GPU: two experts and a router (trained on the CPU, 600 images of
+// Fashion-MNIST), assembled; the routed ensemble on CUDA gives the CPU's samples within 1e-3 under
+// `full` routing (mixture weights continuous in the router's probabilities; top-1 could flip a
+// near-tie) and under the exact posterior (`oracle`, its [B, N] product on the GPU); bf16 stays close.
+TEST(Gpu, ARoutedEnsembleSamplesOnCudaAsOnTheCpu) {
+  if (no_gpu()) GTEST_SKIP() << kNoGpu;
+  TempDir dir;
+  // Fashion-MNIST where scripts/gpu-check.sh carried it (DDM_FASHION_MNIST), else Debian's.
+  const char* carried = std::getenv("DDM_FASHION_MNIST");
+  const std::string root = carried && *carried ? carried : kFashionMnistRoot;
+  write_text(dir / "tiny.toml",
+             "[data]\nlimit = 600\nroot = \"" + root + "\"\n[model]\nchannels = 8\nchannel_mult = [1, 2]\ngroups = 4\n"
+             "[train]\nsteps = 6\nbatch_size = 16\nthreads = 1\nlog_every = 2\nckpt_every = 6\n");
+  ASSERT_EQ(run_ddm("partition --limit 600 --k 2 --fine 20 --data-root " + root + " --out " + (dir / "p")).exit_code, 0);
+  const std::string cfg = " --config " + (dir / "tiny.toml") + " --partition " + (dir / "p");
+  for (const char* k : {"0", "1"})
+    ASSERT_EQ(run_ddm("train --quiet" + cfg + " --expert " + k + " --out " + (dir / "e") + k).exit_code, 0);
+  CommandResult r = run_ddm("train-router --quiet" + cfg + " --preset router-conv-tiny --holdout 100 --set "
+                            "train.steps=20 --out " + (dir / "r"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  r = run_ddm("ensemble --out " + (dir / "ens") + " --partition " + (dir / "p") + " --router " + (dir / "r") +
+              " --expert " + (dir / "e0") + " --expert " + (dir / "e1"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  auto samples = [&](const std::string& name, const std::string& flags) {
+    const CommandResult s = run_ddm("sample --ensemble " + (dir / "ens") + " --n 20 --steps 4 --cfg 2 " + flags +
+                                    " --out " + (dir / (name + ".png")) + " --raw " + (dir / (name + ".safetensors")));
+    EXPECT_EQ(s.exit_code, 0) << s.output;
+    return load_safetensors(dir / (name + ".safetensors")).tensors.at("samples");
+  };
+  for (const char* routing : {"full", "oracle"}) {
+    const auto cpu = samples(std::string("cpu-") + routing, std::string("--device cpu --routing ") + routing);
+    const auto gpu = samples(std::string("gpu-") + routing, std::string("--device cuda --routing ") + routing);
+    const double diff = (cpu - gpu).abs().max().item<double>();
+    EXPECT_LE(diff, 1e-3) << routing;
+    std::printf("ensemble, routing %s: max |gpu - cpu| over the samples %.2e\n", routing, diff);
+  }
+  const auto fp32 = samples("gpu-full-fp32", "--device cuda --routing full");
+  const auto bf16 = samples("gpu-full-bf16", "--device cuda --routing full --precision bf16");
+  const double mean = (fp32 - bf16).abs().mean().item<double>();
+  EXPECT_TRUE(torch::isfinite(bf16).all().item<bool>());
+  EXPECT_GT(mean, 0.0) << "bf16 sampled exactly what fp32 did: autocast was not on";
+  EXPECT_LE(mean, 5e-2);
+  std::printf("ensemble in bf16 against fp32 on cuda: mean |difference| %.2e\n", mean);
 }
