@@ -229,7 +229,7 @@ int islands_cmd(const std::string& action, const IslandsArgs& a) {
 }  // namespace
 
 int run_quickstart_islands(const std::string& out, const std::string& experts_config, int64_t expert_steps,
-                           int64_t router_steps, int64_t threads) {
+                           int64_t router_steps, int64_t threads, const std::string& device) {
   const std::string abs = fs::absolute(out).lexically_normal().string();
   DDM_CHECK(abs.find('\'') == std::string::npos && abs.find('\n') == std::string::npos,
             "--out: a path with a ' or a line break is not supported: " << abs);
@@ -240,9 +240,10 @@ int run_quickstart_islands(const std::string& out, const std::string& experts_co
   f << "# Written by `ddm quickstart`: the islands of this run. Inspect with: ddm islands status THIS_FILE\n"
     << "out = '" << abs << "'\nconfig = '" << config << "'\n\n[partition]\npath = '" << abs
     << "/partition'\nk = 4\nfeatures = \"pixels:64\"\n\n[experts]\nbudget = \"split-batch\"\nset = ["
-    << (expert_steps > 0 ? "\"train.steps=" + std::to_string(expert_steps) + "\"" : std::string()) << "]\n\n"
+    << (expert_steps > 0 ? "\"train.steps=" + std::to_string(expert_steps) + "\", " : std::string())
+    << "\"train.device=" << device << "\"]\n\n"
     << "[router]\npreset = \"router-dit-tiny\"\nholdout = 1000\nset = [\"train.steps="
-    << (router_steps > 0 ? router_steps : 600) << "\"]\n\n[run]\nconcurrency = 1\nretries = 2\nthreads = " << threads
+    << (router_steps > 0 ? router_steps : 600) << "\", \"train.device=" << device << "\"]\n\n[run]\nconcurrency = 1\nretries = 2\nthreads = " << threads
     << "\nrouting = \"top1\"\n";
   const std::string file = (fs::path(abs) / "islands.toml").string();
   write_file_atomic(file, f.str());

@@ -14,6 +14,7 @@
 
 #include "cli_util.h"
 #include "core/config.h"
+#include "core/device.h"
 #include "core/error.h"
 #include "core/run_dir.h"
 #include "core/runtime.h"
@@ -59,6 +60,8 @@ cfg = 2.0
 
 struct QuickstartArgs {
   std::string out = "runs/quickstart";
+  std::string device = "auto";  // train.device of every run, and where the samples are drawn
+  std::string data_root;        // Fashion-MNIST's directory, when not Debian's
   int64_t steps = 0, threads = 0;
   bool print = false, monolith = false;
 };
@@ -73,14 +76,19 @@ int quickstart_cmd(const QuickstartArgs& q) {
                                             << "/config.toml); continue it with --monolith, or use another --out");
   DDM_CHECK(!(islands && q.monolith), q.out << " holds a decentralized quickstart (" << q.out
                                              << "/islands.toml); drop --monolith to continue it, or use another --out");
+  // A device this machine lacks fails here, before any island starts.
+  resolve_device(q.device, 0, "--device");
   const auto t0 = std::chrono::steady_clock::now();
   SampleArgs a;
   a.out = RunDir(q.out) / RunDir::kSamples;
   a.threads = q.threads;
+  a.device = q.device;
   if (q.monolith) {
     std::vector<std::string> ov;
     if (q.steps > 0) ov.push_back("train.steps=" + std::to_string(q.steps));
     if (q.threads > 0) ov.push_back("train.threads=" + std::to_string(q.threads));
+    ov.push_back("train.device=" + q.device);
+    if (!q.data_root.empty()) ov.push_back("data.root=" + q.data_root);
     RunConfig cfg = parse_config(kQuickstartConfig, "quickstart config", ov);
     std::cout << "ddm quickstart --monolith: " << (single ? "continuing" : "training") << " in " << q.out << std::endl;
     TrainSummary s = train_run(cfg, {q.out, /*resume=*/single, /*force=*/false, /*quiet=*/false, nullptr});
@@ -92,8 +100,18 @@ int quickstart_cmd(const QuickstartArgs& q) {
               << ": a partition of Fashion-MNIST into 4 clusters, 4 experts trained in isolation, one after "
                  "another (batch 32 each), then a router. Progress every 30 s; each island logs to "
               << q.out << "/logs." << std::endl;
-    const int rc = run_quickstart_islands(q.out, kQuickstartConfig, q.steps, q.steps > 0 ? std::max<int64_t>(1, q.steps / 2) : 0,
-                                          q.threads);
+    // Another Fashion-MNIST directory goes into the experts' config, which every island reads.
+    std::string config = kQuickstartConfig;
+    if (!q.data_root.empty()) {
+      const std::string root = fs::absolute(q.data_root).lexically_normal().string();
+      DDM_CHECK(fs::is_directory(root), "--data-root " << q.data_root << " is not a directory");
+      DDM_CHECK(root.find('\'') == std::string::npos && root.find('\n') == std::string::npos,
+                "--data-root: a path with a ' or a line break is not supported: " << root);
+      const std::string source = "source = \"fashion-mnist\"\n";
+      config.insert(config.find(source) + source.size(), "root = '" + root + "'\n");
+    }
+    const int rc = run_quickstart_islands(q.out, config, q.steps, q.steps > 0 ? std::max<int64_t>(1, q.steps / 2) : 0,
+                                          q.threads, q.device);
     if (rc != 0) return rc;
     a.ensemble = q.out;
   }
@@ -129,6 +147,20 @@ Command add_quickstart_command(CLI::App& app) {
   cmd->add_option("--steps", a->steps, "training steps of each expert, or of the monolith (default 1200; the "
                                           "router trains half as many)")->check(kPositive);
   cmd->add_option("--threads", a->threads, "intra-op threads (0 = all cores)")->check(kNonNegative);
+  cmd->add_option("--device", a->device,
+                  "auto | cpu | cuda | cuda:N: where the experts, the router and the sampling run (auto: the GPU "
+                  "if LibTorch sees one, else the CPU)")
+      ->capture_default_str()
+      ->check([](const std::string& v) {
+        try {
+          check_device_spec(v, "--device");
+        } catch (const std::exception& e) {
+          return std::string(e.what());
+        }
+        return std::string();
+      });
+  cmd->add_option("--data-root", a->data_root,
+                  "Fashion-MNIST's directory (its four .gz files), when not Debian's dataset-fashion-mnist");
   cmd->add_flag("--print-config", a->print, "print the quickstart's training config (TOML) and exit");
   cmd->add_flag("--monolith", a->monolith, "train one model on all the data instead of the ensemble");
   return Command{cmd, [a] { return quickstart_cmd(*a); }};

@@ -81,6 +81,15 @@ case "$what" in
       else
         failed+=(quickstart-train); tail -5 "$out/quickstart-train.log"
       fi
+      # The decentralized quickstart on the GPU (partition, 4 experts, router, routed samples), timed.
+      start=$(date +%s.%N)
+      if timeout 400 "$dir/bin/ddm" quickstart --device cuda --data-root "$dir/fashion-mnist" --out "$q/ddm" \
+           >"$out/quickstart-ddm.log" 2>&1; then
+        cp "$q/ddm/samples.png" "$out/quickstart-ddm-gpu.png" 2>/dev/null || true
+        echo "gpu-check: decentralized quickstart on the GPU: $(awk "BEGIN{printf \"%.1f\", $(date +%s.%N) - $start}") s; $(grep -E 'quickstart took' "$out/quickstart-ddm.log")"
+      else
+        failed+=(quickstart-ddm); tail -5 "$out/quickstart-ddm.log"
+      fi
       rm -rf "$q"
     fi
     if [ ${#failed[@]} -gt 0 ]; then

@@ -170,6 +170,14 @@ TEST(Cli, BadSampleInputs) {
     expect_error(test::run_ddm("sample --ckpt " + (dir / "run") + " --device cuda --out " + (dir / "g.png")),
                  "--device = cuda, but this machine has no CUDA GPU that LibTorch can use");
   EXPECT_FALSE(fs::exists(dir / "g.png"));
+  // The quickstart checks its device and data directory before anything starts.
+  if (!torch::cuda::is_available()) {
+    expect_error(test::run_ddm("quickstart --device cuda --out " + (dir / "qs")),
+                 "--device = cuda, but this machine has no CUDA GPU that LibTorch can use");
+    EXPECT_FALSE(fs::exists(dir / "qs"));
+  }
+  expect_error(test::run_ddm("quickstart --device cpu --data-root " + (dir / "nowhere") + " --out " + (dir / "qs")),
+               "is not a directory");
   // --device auto (the default) samples on the CPU here, bf16 too.
   ASSERT_EQ(test::run_ddm("sample --ckpt " + (dir / "run") + " --n 4 --steps 2 --precision bf16 --out " + (dir / "b.png"))
                 .exit_code,
