@@ -370,12 +370,12 @@ int64_t Comm::max_int(int64_t v) {
 std::vector<at::Tensor> Comm::gather(const at::Tensor& tensor, int root) {
   DDM_CHECK(root >= 0 && root < world_, "gather: root " << root << " is not a rank of a world of " << world_);
   DDM_CHECK(tensor.is_contiguous(), "gather: the tensor must be contiguous");
-  if (world_ == 1) return {tensor.clone()};
-  std::vector<at::Tensor> inputs{tensor};
+  if (world_ == 1) return {tensor.is_cpu() ? tensor.clone() : tensor.to(torch::kCPU)};
+  std::vector<at::Tensor> inputs{tensor.to(torch::kCPU)};  // Gloo gathers host tensors
   std::vector<std::vector<at::Tensor>> outputs;
   if (rank_ == root) {
     outputs.emplace_back();
-    for (int r = 0; r < world_; ++r) outputs[0].push_back(torch::empty_like(tensor));
+    for (int r = 0; r < world_; ++r) outputs[0].push_back(torch::empty_like(inputs[0]));
   } else {
     count_sent(static_cast<double>(tensor.nbytes()));
   }
@@ -397,16 +397,19 @@ void Comm::scatter(const std::vector<at::Tensor>& parts, at::Tensor& out, int ro
     out.copy_(parts[0]);
     return;
   }
-  std::vector<at::Tensor> outputs{out};
+  // Gloo scatters host tensors: a GPU output receives on the host first.
+  at::Tensor host = out.is_cpu() ? out : torch::empty_like(out, torch::kCPU);
+  std::vector<at::Tensor> outputs{host};
   std::vector<std::vector<at::Tensor>> inputs;
   if (rank_ == root) {
     inputs.emplace_back();
-    for (const auto& p : parts) inputs[0].push_back(p.contiguous());
+    for (const auto& p : parts) inputs[0].push_back(p.to(torch::kCPU).contiguous());
     count_sent(static_cast<double>(world_ - 1) * static_cast<double>(out.nbytes()));
   }
   c10d::ScatterOptions o;
   o.rootRank = root;
   wait(guarded("scatter", [&] { return pg_->scatter(outputs, inputs, o); }), "scatter");
+  if (!out.is_cpu()) out.copy_(host);
 }
 
 std::vector<std::string> Comm::all_gather_strings(const std::string& s) {

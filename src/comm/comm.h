@@ -96,7 +96,8 @@ class Comm {
   void broadcast(at::Tensor& tensor, int root);        // in place, root's values everywhere
   void barrier();
   // Gathers a contiguous tensor (same shape on every rank) to root: returned there indexed by rank,
-  // empty on the other ranks.
+  // on the host, empty on the other ranks. (Gather and scatter go over Gloo; GPU tensors are staged
+  // through host copies.)
   std::vector<at::Tensor> gather(const at::Tensor& tensor, int root);
   // Root sends parts[r] to rank r, which receives it into `out` (root keeps parts[root]); the other
   // ranks pass no parts.

@@ -530,6 +530,10 @@ void validate_parallel(const RunConfig& c) {
     DDM_CHECK(par.cuts[i] > (i == 0 ? 0 : par.cuts[i - 1]),
               "parallel.cuts must be increasing unit indices > 0, got " << par.cuts[i] << " at position " << i);
   DDM_CHECK(par.pp == 1 || par.mode == SyncMode::kDp, "parallel.pp = " << par.pp << " needs parallel.mode = \"dp\" (DiLoCo replicas are whole models)");
+  DDM_CHECK(par.backend != CommBackend::kNccl || par.mode != SyncMode::kDiloco,
+            "parallel.backend = nccl, but DiLoCo (parallel.mode = diloco) synchronizes over Gloo, so that its "
+            "replicas survive a lost one (NCCL's watchdog ends every process of a failed group): set "
+            "parallel.backend = gloo or auto");
   DDM_CHECK(par.backend != CommBackend::kNccl || c.train.device != "cpu",
             "parallel.backend = nccl carries CUDA tensors, but train.device = cpu: set train.device = cuda (or "
             "auto), or parallel.backend = gloo (or auto)");

@@ -104,7 +104,9 @@ void Diloco::launch(int64_t f, int64_t done, int signal) {
 }
 
 void Diloco::issue() {
-  send_ = cfg_.wire == WireFormat::kFloat16 ? delta_.to(torch::kHalf) : delta_.clone();
+  // On the host, for Gloo (on a GPU too: docs/gpu.md, "Backends", says why not NCCL).
+  send_ = delta_.to(torch::kCPU, cfg_.wire == WireFormat::kFloat16 ? torch::kHalf : torch::kFloat, /*non_blocking=*/false,
+                    /*copy=*/true);
   const double contributes = fresh_ ? 0.0 : 1.0;  // a joiner has no pseudo-gradient this round
   flags_ = torch::tensor({signal_ == SIGINT ? 1.0 : 0.0, signal_ != 0 && signal_ != SIGINT ? 1.0 : 0.0, contributes},
                          torch::kDouble);
@@ -147,7 +149,7 @@ void Diloco::transfer(Phase phase, int64_t done) {
   for (size_t i = 0; i < state.size(); ++i) state[i].copy_(got[i]);
   optim_.flat_params().copy_(global_);  // the joiner starts from the global weights
   const auto [b, e] = frags_[pending_];
-  delta_ = torch::zeros({e - b}, torch::kFloat);
+  delta_ = torch::zeros({e - b}, global_.options());
 }
 
 std::pair<int64_t, Diloco::Report> Diloco::rejoin(std::chrono::milliseconds wait, int64_t last) {
@@ -203,7 +205,7 @@ void Diloco::finish(int64_t done, bool final_sync, Report& report) {
   }
   const auto [b, e] = frags_[f];
   const double contributors = std::max(1.0, flags_[2].item<double>());
-  const torch::Tensor delta = send_.to(torch::kFloat).div_(contributors);  // the mean over the contributors
+  const torch::Tensor delta = send_.to(global_.device(), torch::kFloat).div_(contributors);  // the mean over the contributors
   // Outer Nesterov SGD, as torch.optim.SGD(nesterov=True, dampening=0): m = mu m + d; theta -= lr (d + mu m).
   torch::Tensor m = momentum_.slice(0, b, e), g = global_.slice(0, b, e);
   const double mu = cfg_.outer_momentum;

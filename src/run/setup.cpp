@@ -153,18 +153,17 @@ TrainJob plain_job(RunConfig cfg) {
 namespace {
 
 // train.device for this process, before it joins the others: a device it cannot use fails it alone,
-// at once. One process and data parallelism train on a GPU; the other modes on the CPU so far.
+// at once. One process, data parallelism and DiLoCo train on a GPU; the other modes on the CPU so far.
 // (auto: the CPU for a mode that does not run on GPUs yet, with a note).
 torch::Device train_device(const RunConfig& cfg, const DistEnv& env) {
   const std::string key = (env.distributed() ? "rank " + std::to_string(env.rank) + ": " : std::string()) + "train.device";
   const std::string& spec = cfg.train.device;
   const char* cpu_only = cfg.parallel.pp > 1                          ? "pipeline parallelism (parallel.pp > 1)"
-                         : cfg.parallel.mode == SyncMode::kDiloco     ? "DiLoCo (parallel.mode = diloco)"
                          : !cfg.train.teacher.empty()                 ? "distillation (train.teacher)"
                                                                       : nullptr;
   DDM_CHECK(!cpu_only || spec == "cpu" || spec == "auto",
             key << " = " << spec << ", but " << cpu_only
-                << " trains on the CPU only so far (one process and data parallelism train on GPUs): set "
+                << " trains on the CPU only so far (one process, data parallelism and DiLoCo train on GPUs): set "
                    "train.device = cpu");
   const torch::Device device = resolve_device(spec, env.local_rank, key);
   if (cpu_only && device.is_cuda()) {
@@ -183,6 +182,10 @@ int nccl_device(const RunConfig& cfg, torch::Device device, const DistEnv& env) 
   const CommBackend backend = cfg.parallel.backend;
   if (backend == CommBackend::kGloo || !env.distributed()) return -1;
   const std::string who = "rank " + std::to_string(env.rank) + ": ";
+  // DiLoCo survives a lost replica by regrouping, which NCCL's watchdog would prevent (it ends every
+  // process of a failed communicator); its outer all-reduce, once per diloco.inner_steps, stays on Gloo.
+  // (validate() refuses parallel.backend = nccl with DiLoCo.)
+  if (cfg.parallel.mode == SyncMode::kDiloco) return -1;
   if (!device.is_cuda()) {
     DDM_CHECK(backend != CommBackend::kNccl,
               who << "parallel.backend = nccl carries CUDA tensors, but this rank trains on the CPU (train.device = "

@@ -2,7 +2,7 @@
 // a GPU machine (scripts/gpu-check.sh). They check that the LibTorch ddm builds against runs CUDA
 // tensors: a matmul and every backbone preset's forward and backward on the GPU equal the CPU's
 // within float32 rounding (TF32 off: cuBLAS and cuDNN then compute in float32, in another order);
-// then that ddm trains there: the trainer on CUDA trains what it trains on the CPU, data parallelism
+// then that ddm trains there: the trainer on CUDA trains what it trains on the CPU, DiLoCo too, data parallelism
 // over Gloo with CUDA tensors what one process trains (over NCCL too, where there are two GPUs), NCCL
 // forms a group and reduces with world size 1, a run moves between the CPU and the GPU on
 // resume, bf16 autocast follows fp32, deterministic runs repeat bit for bit, and sampling on CUDA
@@ -208,6 +208,37 @@ TEST(Gpu, NcclWorldOfOneReducesAndBroadcastsCudaTensors) {
     EXPECT_TRUE(torch::equal(t.cpu(), (before * 2).cpu())) << c10::toString(dtype);
   }
   pg->shutdown();
+}
+
+// DiLoCo, 2 replicas (`ddm launch --nproc 2`) on the one GPU, fragments staggered and overlapped:
+// the replicas train there and synchronize through the host over Gloo; the run trains what the same
+// job trains on the CPU. parallel.backend = nccl is refused for DiLoCo.
+TEST(Gpu, DilocoOnCudaTrainsWhatItTrainsOnTheCpu) {
+  if (no_gpu()) GTEST_SKIP() << kNoGpu;
+  TempDir dir;
+  SafetensorsFile data;
+  torch::manual_seed(1);
+  data.tensors["images"] = torch::randint(0, 256, {96, 1, 8, 8}).to(torch::kUInt8);
+  data.tensors["labels"] = torch::arange(96, torch::kLong).remainder(3);
+  save_safetensors(dir / "data.safetensors", data);
+  write_text(dir / "c.toml", "[data]\nsource = \"safetensors\"\nroot = \"" + (dir / "data.safetensors") +
+                                 "\"\n[model]\narch = \"dit\"\nwidth = 32\ndepth = 2\nheads = 2\npatch = 2\n"
+                                 "[train]\nsteps = 20\nbatch_size = 16\nwarmup = 2\nthreads = 1\nlog_every = 1\n"
+                                 "ckpt_every = 10\nseed = 4\n[parallel]\nmode = \"diloco\"\n"
+                                 "[diloco]\ninner_steps = 4\nfragments = 2\noverlap = 1\n");
+  const std::string run = "launch --nproc 2 -- train --quiet --config " + (dir / "c.toml");
+  const CommandResult cpu = run_ddm(run + " --set train.device=cpu --out " + (dir / "cpu"));
+  ASSERT_EQ(cpu.exit_code, 0) << cpu.output;
+  const CommandResult gpu = run_ddm(run + " --set train.device=cuda:0 --out " + (dir / "gpu"));
+  ASSERT_EQ(gpu.exit_code, 0) << gpu.output;
+  expect_same_training(dir / "gpu", dir / "cpu", "diloco(2) on cuda against the cpu");
+  // The GPU run continues on the CPU for 10 more steps (its replicas' state moves with it).
+  const CommandResult more = run_ddm(run + " --set train.device=cpu --set train.steps=30 --resume --out " + (dir / "gpu"));
+  EXPECT_EQ(more.exit_code, 0) << more.output;
+  const CommandResult nccl = run_ddm("train --quiet --config " + (dir / "c.toml") +
+                                     " --set train.device=cuda --set parallel.backend=nccl --out " + (dir / "nccl"));
+  EXPECT_NE(nccl.exit_code, 0);
+  EXPECT_NE(nccl.output.find("DiLoCo (parallel.mode = diloco) synchronizes over Gloo"), std::string::npos) << nccl.output;
 }
 
 TEST(Gpu, ARunMovesBetweenTheCpuAndTheGpuOnResume) {

@@ -222,10 +222,10 @@ TEST(Train, ADeviceItCannotUseIsAClearErrorAndLosesNothing) {
     EXPECT_FALSE(fs::exists(fs::path(dir / "new") / "config.toml"));
   }
   // A mode that trains on the CPU only so far, given a GPU: refused on any machine, nothing written.
-  auto mode = test::run_ddm("train --quiet" + cfg + " --set parallel.mode=diloco --set train.device=cuda --out " +
+  auto mode = test::run_ddm("train --quiet" + cfg + " --set parallel.pp=2 --set train.device=cuda --out " +
                             (dir / "diloco"));
   EXPECT_EQ(mode.exit_code, 1) << mode.output;
-  EXPECT_NE(mode.output.find("train.device = cuda, but DiLoCo (parallel.mode = diloco) trains on the CPU only so far"),
+  EXPECT_NE(mode.output.find("train.device = cuda, but pipeline parallelism (parallel.pp > 1) trains on the CPU only so far"),
             std::string::npos)
       << mode.output;
   EXPECT_FALSE(fs::exists(fs::path(dir / "diloco") / "config.toml"));

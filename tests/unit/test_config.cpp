@@ -149,6 +149,9 @@ TEST(Config, DilocoValuesOutOfRange) {
             std::string::npos);
   EXPECT_EQ(error_of("", {"parallel.backend=nccl", "train.device=cuda"}), "");
   EXPECT_EQ(error_of("", {"parallel.backend=gloo", "train.device=cuda"}), "");
+  EXPECT_NE(error_of("", {"parallel.backend=nccl", "train.device=cuda", "parallel.mode=diloco"})
+                .find("DiLoCo (parallel.mode = diloco) synchronizes over Gloo"),
+            std::string::npos);
 }
 
 TEST(Config, InvalidTomlNamesLine) {
