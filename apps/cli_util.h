@@ -8,6 +8,8 @@
 #include <string>
 #include <vector>
 
+#include "core/device.h"
+
 namespace ddm {
 
 // "must be a positive integer, got 'x'" (CLI11's numeric ranges print the whole double range).
@@ -26,6 +28,17 @@ inline CLI::Validator number_at_least(double min, const std::string& what) {
 }
 inline const CLI::Validator kPositive = number_at_least(1, "a positive integer");
 inline const CLI::Validator kNonNegative = number_at_least(0, "a number >= 0");
+// A --device value: auto | cpu | cuda | cuda:N (its message is check_device_spec's).
+inline const CLI::Validator kDeviceSpec = CLI::Validator(
+    [](std::string& value) -> std::string {
+      try {
+        check_device_spec(value, "--device");
+      } catch (const std::exception& e) {
+        return e.what();
+      }
+      return "";
+    },
+    "DEVICE");
 
 // A subcommand and what runs when it was chosen (returns the exit code).
 struct Command {

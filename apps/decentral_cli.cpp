@@ -13,6 +13,7 @@
 
 #include "cli_util.h"
 #include "core/config.h"
+#include "core/device.h"
 #include "core/error.h"
 #include "core/fileio.h"
 #include "core/presets.h"
@@ -38,6 +39,7 @@ namespace {
 
 struct PartitionArgs {
   std::string config, source = "fashion-mnist", root, split = "train", features = "pixels", out;
+  std::string device = "cpu";  // where a feature network / encoder runs
   int64_t limit = 0, threads = 0;
   bool unbalanced = false, force = false;
   PartitionConfig cfg;
@@ -63,6 +65,7 @@ int partition_cmd(const PartitionArgs& a) {
   DDM_CHECK(!a.out.empty(), "--out DIR is required");
   DDM_CHECK(a.force || !fs::exists(a.out), "'" << a.out << "' already exists; use --force to replace it or another --out");
   const FeatureSource src = parse_feature_source(a.features);  // bad specs fail before any work
+  const torch::Device device = resolve_device(a.device, 0, "--device");
   set_threads(a.threads);
   DataConfig dc;
   if (!a.config.empty()) {
@@ -84,7 +87,7 @@ int partition_cmd(const PartitionArgs& a) {
                                                         cfg.metric)
             << ", seed " << cfg.seed << ")" << std::endl;
   Features feats;
-  if (cfg.method != "random") feats = compute_features(data, src, cfg.seed, /*quiet=*/false);
+  if (cfg.method != "random") feats = compute_features(data, src, cfg.seed, /*quiet=*/false, device);
   Partition p = make_partition(feats.rows, n, cfg);
   p.data_sha256 = dataset_sha256(data);
   p.data_description = data.description;
@@ -285,6 +288,12 @@ std::vector<Command> add_decentral_commands(CLI::App& app) {
   part->add_option("--split", pa->split, "fashion-mnist split")->capture_default_str();
   part->add_option("--limit", pa->limit, "use only the first N images (0 = all)")->check(kNonNegative);
   part->add_option("--threads", pa->threads, "intra-op threads (0 = all cores)")->check(kNonNegative);
+  part->add_option("--device", pa->device,
+                   "cpu | auto | cuda | cuda:N: where feature-net and latent features are computed. The default, "
+                   "cpu, gives the same partition on every machine; a GPU's features differ within float32 "
+                   "rounding, which may move an image lying on a cluster boundary")
+      ->capture_default_str()
+      ->check(kDeviceSpec);
   part->add_flag("--force", pa->force, "replace an existing --out");
   cmds.push_back({part, [pa] { return partition_cmd(*pa); }});
 

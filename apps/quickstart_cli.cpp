@@ -151,14 +151,7 @@ Command add_quickstart_command(CLI::App& app) {
                   "auto | cpu | cuda | cuda:N: where the experts, the router and the sampling run (auto: the GPU "
                   "if LibTorch sees one, else the CPU)")
       ->capture_default_str()
-      ->check([](const std::string& v) {
-        try {
-          check_device_spec(v, "--device");
-        } catch (const std::exception& e) {
-          return std::string(e.what());
-        }
-        return std::string();
-      });
+      ->check(kDeviceSpec);
   cmd->add_option("--data-root", a->data_root,
                   "Fashion-MNIST's directory (its four .gz files), when not Debian's dataset-fashion-mnist");
   cmd->add_flag("--print-config", a->print, "print the quickstart's training config (TOML) and exit");

@@ -314,17 +314,11 @@ void add_sample_flags(CLI::App* cmd, SampleArgs& a) {
   cmd->add_option("--threads", a.threads, "intra-op threads (0 = all cores)")->check(kNonNegative);
   cmd->add_flag("--no-ema", a.no_ema, "use the raw weights instead of the EMA");
   cmd->add_option("--device", a.device,
-                  "auto | cpu | cuda | cuda:N: where the network (an ensemble: its experts and router) runs (auto: the GPU "
+                  "auto | cpu | cuda | cuda:N: where the network (an ensemble: its experts and router; ddm eval: the feature "
+                  "network too) runs (auto: the GPU "
                   "if LibTorch sees one, else the "
                   "CPU). The noise is drawn on the CPU, so every device starts from the same noise")
-      ->check([](const std::string& v) {
-        try {
-          check_device_spec(v, "--device");
-        } catch (const std::exception& e) {
-          return std::string(e.what());
-        }
-        return std::string();
-      });
+      ->check(kDeviceSpec);
   cmd->add_option("--precision", a.precision,
                   "fp32 | bf16: bf16 runs the network under bfloat16 autocast (faster on GPUs), the sampler in float32")
       ->check(CLI::IsMember({"fp32", "bf16"}));
@@ -364,6 +358,7 @@ int eval_cmd(EvalArgs a) {
   DDM_CHECK(a.sample.ckpt.empty() + a.sample.ensemble.empty() + a.samples_file.empty() + a.anchor.empty() == 3,
             "ddm eval: give exactly one of --ckpt DIR, --ensemble DIR, --samples FILE or --anchor train|noise");
   set_threads(a.sample.threads);
+  a.cfg.device = resolve_device(a.sample.device, 0, "--device");  // the feature network's too
   SampleSet set;
   std::string stem;
   if (!a.anchor.empty()) {

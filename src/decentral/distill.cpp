@@ -2,6 +2,7 @@
 #include "decentral/distill.h"
 
 #include <filesystem>
+#include <mutex>
 #include <sstream>
 
 #include <nlohmann/json.hpp>
@@ -24,6 +25,19 @@ struct DistillTeacher {
   std::unique_ptr<Ensemble> model;
   std::string manifest_sha256;
   double flops_per_image = 0;  // mean over the data's clusters
+  uint64_t seed = 0;
+  // Where the experts are: loaded on the CPU (the job is prepared before its device is known) and
+  // reloaded, verified again, onto the student's device at its first step there.
+  torch::Device device = torch::kCPU;
+  std::mutex move;
+
+  void to(torch::Device d) {
+    std::lock_guard<std::mutex> lock(move);
+    if (d == device) return;
+    ens = load_ensemble(ens.dir, /*use_ema=*/true, /*allow_missing=*/false, d);
+    model = make_ensemble(ens, parse_routing("top1"), seed);
+    device = d;
+  }
 };
 
 std::shared_ptr<DistillTeacher> load_distill_teacher(const RunConfig& cfg, Dataset& data) {
@@ -54,7 +68,8 @@ std::shared_ptr<DistillTeacher> load_distill_teacher(const RunConfig& cfg, Datas
             "the student has " << st.num_classes << " classes but the ensemble's experts "
                                << (te.num_classes == 0 ? "are unconditional" : "have " + std::to_string(te.num_classes))
                                << "; set model.num_classes = 0 (unconditional student) or use the experts' data");
-  t->model = make_ensemble(t->ens, parse_routing("top1"), static_cast<uint64_t>(cfg.train.seed));
+  t->seed = static_cast<uint64_t>(cfg.train.seed);
+  t->model = make_ensemble(t->ens, parse_routing("top1"), t->seed);
   const auto sizes = p.sizes.to(torch::kDouble);
   for (int64_t k = 0; k < t->ens.k; ++k)
     t->flops_per_image += sizes[k].item<double>() / sizes.sum().item<double>() *
@@ -79,6 +94,7 @@ TeacherFn teacher_fn(std::shared_ptr<DistillTeacher> t, const RunConfig& student
   const bool unconditional = student.model.num_classes == 0;
   return [t, student_path, teacher_path, teacher_null, unconditional](const torch::Tensor& xt, const torch::Tensor& time,
                                                                       const torch::Tensor& y, const torch::Tensor& k) {
+    t->to(xt.device());  // a no-op once there
     const PathMatch m = match_path(student_path, time, teacher_path);  // the same x_t on the experts' path
     const auto y_teacher = unconditional ? torch::full_like(y, teacher_null) : y;
     // (x0_hat, eps_hat) do not depend on the path, so they serve the student's path as they are.

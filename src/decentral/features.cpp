@@ -255,7 +255,8 @@ torch::Tensor load_features_file(const std::string& path) {
   return t;
 }
 
-Features compute_features(const Dataset& data, const FeatureSource& src, uint64_t seed, bool quiet) {
+Features compute_features(const Dataset& data, const FeatureSource& src, uint64_t seed, bool quiet,
+                          torch::Device device) {
   const auto t0 = std::chrono::steady_clock::now();
   const int64_t n = data.images.size(0);
   Features out;
@@ -273,6 +274,7 @@ Features compute_features(const Dataset& data, const FeatureSource& src, uint64_
               "--features feature-net: the network at " << path << " takes " << fnet.net->shape().in_channels << "x"
                                                         << fnet.net->shape().image_size << " images, the data is "
                                                         << data.images.sizes());
+    fnet.net->to(device);
     if (!quiet) std::cout << "  feature network " << fnet.sha256.substr(0, 12) << " on " << n << " images" << std::endl;
     out.rows = extract_features(fnet.net, data.images).to(torch::kFloat32);
     desc << "feature network " << fnet.sha256.substr(0, 12) << " (" << out.rows.size(1) << "-d)";
@@ -286,7 +288,7 @@ Features compute_features(const Dataset& data, const FeatureSource& src, uint64_
     ModelConfig m;
     m.latent = src.path;
     resolve_latent(m, data);
-    const auto latent = LatentSpace::load(m);
+    const auto latent = LatentSpace::load(m, device);
     if (!quiet) std::cout << "  encoding " << n << " images with the autoencoder " << m.latent << std::endl;
     const auto flat = latent->encode_mean(data.images).flatten(1);  // [N, z*h*w]
     double kept = 0;

@@ -36,8 +36,10 @@ struct Features {
 };
 
 // Computes or loads the features of every image of `data` (rows must match it). Progress goes to
-// stdout unless quiet.
-Features compute_features(const Dataset& data, const FeatureSource& src, uint64_t seed, bool quiet);
+// stdout unless quiet. A feature network or a latent model's encoder runs on `device` (the rows
+// come back to the host); PCA, the autoencoder trained here and k-means run on the CPU.
+Features compute_features(const Dataset& data, const FeatureSource& src, uint64_t seed, bool quiet,
+                          torch::Device device = torch::kCPU);
 
 // Loads a 2-D features file (.npy or .safetensors) as float32.
 torch::Tensor load_features_file(const std::string& path);

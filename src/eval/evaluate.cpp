@@ -174,13 +174,17 @@ SampleSet anchor_samples(const std::string& kind, int64_t n, uint64_t seed, cons
 }
 
 LoadedFeatureNet load_eval_feature_net(const EvalConfig& cfg) {
+  LoadedFeatureNet f;
   if (cfg.feature_net.empty()) {
     const std::string path = default_feature_net_path();
     DDM_CHECK(fs::exists(path), path << ": the shipped feature network is missing; restore it from the repository "
                                         "(git checkout assets/) or pass one with --feature-net");
-    return load_feature_net(path, kDefaultFeatureNetSha256);
+    f = load_feature_net(path, kDefaultFeatureNetSha256);
+  } else {
+    f = load_feature_net(cfg.feature_net);
   }
-  return load_feature_net(cfg.feature_net);
+  f.net->to(cfg.device);
+  return f;
 }
 
 EvalReport evaluate_samples(const SampleSet& samples, const EvalConfig& cfg) {
@@ -204,7 +208,7 @@ EvalReport evaluate_samples(const SampleSet& samples, const EvalConfig& cfg) {
     torch::Tensor pred;  // [N]: the head on the features above (float64 holds float32 exactly)
     {
       torch::NoGradGuard ng;
-      pred = fnet.net->logits(feats.to(torch::kFloat32)).argmax(1);
+      pred = fnet.net->logits(feats.to(cfg.device, torch::kFloat32)).argmax(1).cpu();
     }
     double sum = 0;
     int64_t present = 0;

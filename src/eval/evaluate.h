@@ -27,6 +27,9 @@ struct EvalConfig {
   bool cas = false;          // also train a classifier on the (labelled) samples: slow
   int64_t cas_epochs = 5;
   bool quiet = false;
+  // Where the feature network runs. Its features agree across devices within float32 rounding, so
+  // the cached reference features serve every device.
+  torch::Device device = torch::kCPU;
 };
 
 // Generated (or real) images to evaluate: uint8 [N, C, H, W], or float in [-1, 1]; labels int64 [N]

@@ -148,13 +148,21 @@ FeatureNet train_classifier(const Dataset& train, const ClassifierTrainConfig& c
   return net;
 }
 
+namespace {
+torch::Device device_of(FeatureNet& net) {
+  const auto params = net->parameters();
+  return params.empty() ? torch::Device(torch::kCPU) : params.front().device();
+}
+}  // namespace
+
 torch::Tensor extract_features(FeatureNet& net, const torch::Tensor& images, int64_t batch) {
   torch::NoGradGuard ng;
   net->eval();
+  const torch::Device dev = device_of(net);  // each batch goes there; the features come back
   std::vector<torch::Tensor> out;
   for (int64_t i = 0; i < images.size(0); i += batch)
-    out.push_back(net->features(as_unit_range(images.narrow(0, i, std::min(batch, images.size(0) - i))))
-                      .to(torch::kFloat64));
+    out.push_back(net->features(as_unit_range(images.narrow(0, i, std::min(batch, images.size(0) - i)).to(dev)))
+                      .to(torch::kCPU, torch::kFloat64));
   DDM_CHECK(!out.empty(), "feature network: no images to extract features from");
   return torch::cat(out);  // [N, feature_dim]
 }
@@ -163,8 +171,10 @@ torch::Tensor predict_classes(FeatureNet& net, const torch::Tensor& images, int6
   torch::NoGradGuard ng;
   net->eval();
   std::vector<torch::Tensor> out;
+  const torch::Device dev = device_of(net);
   for (int64_t i = 0; i < images.size(0); i += batch)
-    out.push_back(net->forward(as_unit_range(images.narrow(0, i, std::min(batch, images.size(0) - i)))).argmax(1));
+    out.push_back(
+        net->forward(as_unit_range(images.narrow(0, i, std::min(batch, images.size(0) - i)).to(dev))).argmax(1).cpu());
   DDM_CHECK(!out.empty(), "feature network: no images to classify");
   return torch::cat(out);  // [N]
 }

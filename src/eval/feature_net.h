@@ -69,7 +69,8 @@ struct ClassifierTrainConfig {
 FeatureNet train_classifier(const Dataset& train, const ClassifierTrainConfig& cfg);
 
 // Features [N, feature_dim] (float64) or predicted classes [N] of uint8 images [N, C, S, S] or
-// float images in [-1, 1], in eval mode, in batches.
+// float images in [-1, 1], in eval mode, in batches, computed on the network's device (the images
+// may be anywhere; the results are on the host).
 torch::Tensor extract_features(FeatureNet& net, const torch::Tensor& images, int64_t batch = 250);
 torch::Tensor predict_classes(FeatureNet& net, const torch::Tensor& images, int64_t batch = 250);
 

@@ -153,17 +153,15 @@ TrainJob plain_job(RunConfig cfg) {
 namespace {
 
 // train.device for this process, before it joins the others: a device it cannot use fails it alone,
-// at once. One process, data parallelism and DiLoCo train on a GPU; the other modes on the CPU so far.
+// at once. Every mode but pipeline parallelism trains on a GPU (pipelines on the CPU so far).
 // (auto: the CPU for a mode that does not run on GPUs yet, with a note).
 torch::Device train_device(const RunConfig& cfg, const DistEnv& env) {
   const std::string key = (env.distributed() ? "rank " + std::to_string(env.rank) + ": " : std::string()) + "train.device";
   const std::string& spec = cfg.train.device;
-  const char* cpu_only = cfg.parallel.pp > 1                          ? "pipeline parallelism (parallel.pp > 1)"
-                         : !cfg.train.teacher.empty()                 ? "distillation (train.teacher)"
-                                                                      : nullptr;
+  const char* cpu_only = cfg.parallel.pp > 1 ? "pipeline parallelism (parallel.pp > 1)" : nullptr;
   DDM_CHECK(!cpu_only || spec == "cpu" || spec == "auto",
             key << " = " << spec << ", but " << cpu_only
-                << " trains on the CPU only so far (one process, data parallelism and DiLoCo train on GPUs): set "
+                << " trains on the CPU only so far (every other mode trains on GPUs): set "
                    "train.device = cpu");
   const torch::Device device = resolve_device(spec, env.local_rank, key);
   if (cpu_only && device.is_cuda()) {

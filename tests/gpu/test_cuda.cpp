@@ -11,6 +11,7 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 
 #include <torch/cuda.h>
 #include <torch/torch.h>
@@ -350,7 +351,8 @@ TEST(Gpu, SamplingOnCudaGivesTheCpusImages) {
 // Decentralized sampling on the GPU: two experts and a router (trained on the CPU, 600 images of
 // Fashion-MNIST), assembled; the routed ensemble on CUDA gives the CPU's samples within 1e-3 under
 // `full` routing (mixture weights continuous in the router's probabilities; top-1 could flip a
-// near-tie) and under the exact posterior (`oracle`, its [B, N] product on the GPU); bf16 stays close.
+// near-tie) and under the exact posterior (`oracle`, its [B, N] product on the GPU); bf16 stays close;
+// a student distilled from it on CUDA trains what it trains on the CPU.
 TEST(Gpu, ARoutedEnsembleSamplesOnCudaAsOnTheCpu) {
   if (no_gpu()) GTEST_SKIP() << kNoGpu;
   TempDir dir;
@@ -390,4 +392,47 @@ TEST(Gpu, ARoutedEnsembleSamplesOnCudaAsOnTheCpu) {
   EXPECT_GT(mean, 0.0) << "bf16 sampled exactly what fp32 did: autocast was not on";
   EXPECT_LE(mean, 5e-2);
   std::printf("ensemble in bf16 against fp32 on cuda: mean |difference| %.2e\n", mean);
+  // Distillation with this ensemble as the teacher: a student on CUDA (its teacher moved there at
+  // the first step) trains what it trains on the CPU.
+  const std::string distill = "distill --quiet --ensemble " + (dir / "ens") + " --set train.steps=6 --set train.log_every=1 ";
+  r = run_ddm(distill + "--set train.device=cpu --out " + (dir / "s-cpu"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  r = run_ddm(distill + "--set train.device=cuda --out " + (dir / "s-gpu"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  expect_same_training(dir / "s-gpu", dir / "s-cpu", "distillation on cuda against the cpu");
+}
+
+// Evaluation with the feature network on the GPU: 500 training images scored against the test
+// split (reference features cached by the CPU run) give the CPU's FD-fmnist and KID within float32
+// rounding of the features; `ddm partition --device cuda` with feature-network features runs there.
+TEST(Gpu, EvaluationAndPartitionFeaturesOnCuda) {
+  if (no_gpu()) GTEST_SKIP() << kNoGpu;
+  TempDir dir;
+  const char* carried = std::getenv("DDM_FASHION_MNIST");
+  const std::string root = carried && *carried ? carried : kFashionMnistRoot;
+  const std::string eval = "eval --anchor train --n 500 --data-root " + root + " --cache-dir " + (dir / "cache");
+  const CommandResult cpu = run_ddm(eval + " --device cpu --out " + (dir / "cpu"));
+  ASSERT_EQ(cpu.exit_code, 0) << cpu.output;
+  const CommandResult gpu = run_ddm(eval + " --device cuda --out " + (dir / "gpu"));
+  ASSERT_EQ(gpu.exit_code, 0) << gpu.output;
+  const auto json_in = [](const std::string& d) {
+    for (const auto& e : std::filesystem::directory_iterator(d))
+      if (e.path().extension() == ".json") return read_text(e.path().string());
+    return std::string();
+  };
+  const auto number = [](const std::string& text, const std::string& key) {
+    const size_t at = text.find("\"" + key + "\":");
+    EXPECT_NE(at, std::string::npos) << key << " in " << text;
+    return at == std::string::npos ? 0.0 : std::stod(text.substr(at + key.size() + 3));
+  };
+  const std::string a = json_in(dir / "cpu"), b = json_in(dir / "gpu");
+  for (const char* key : {"fd_fmnist", "kid_mean"}) {
+    const double x = number(a, key), y = number(b, key);
+    EXPECT_LE(std::abs(x - y), 1e-3 * std::abs(x) + 1e-6) << key << ": cpu " << x << ", gpu " << y;
+    std::printf("eval, %s: cpu %.6g, gpu %.6g\n", key, x, y);
+  }
+  const CommandResult part = run_ddm("partition --limit 2000 --k 4 --fine 32 --features feature-net --device cuda "
+                                     "--data-root " + root + " --out " + (dir / "p"));
+  ASSERT_EQ(part.exit_code, 0) << part.output;
+  EXPECT_TRUE(std::filesystem::exists(dir / "p/partition.safetensors"));
 }

@@ -15,6 +15,8 @@
 #include <nlohmann/json.hpp>
 #include <stb_image_write.h>
 
+#include <torch/cuda.h>
+
 #include "decentral/partition.h"
 #include "test_util.h"
 
@@ -66,6 +68,11 @@ TEST(DecentralCli, PartitionWritesBalancedClustersAndRefusesBadInput) {
                              (dir / "x")),
                "does not exist");
   expect_error(test::run_ddm("partition --limit 100 --k 8 --fine 4 --out " + (dir / "x")), "--fine 4 must be at least");
+  expect_error(test::run_ddm("partition --limit 100 --k 4 --device gpu --out " + (dir / "x")),
+               "--device = \"gpu\" is not one of: auto, cpu, cuda, cuda:N");
+  if (!torch::cuda::is_available())
+    expect_error(test::run_ddm("partition --limit 100 --k 4 --features feature-net --device cuda --out " + (dir / "x")),
+                 "--device = cuda, but this machine has no CUDA GPU");
   expect_error(test::run_ddm("partition --k 4 --data-root " + (dir / "nowhere") + " --out " + (dir / "x")),
                "nowhere");
   EXPECT_FALSE(fs::exists(dir / "x"));
