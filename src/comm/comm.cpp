@@ -78,16 +78,13 @@ std::string seconds_str(std::chrono::milliseconds ms) {
 Comm::Comm(int rank, int world, CommOptions options) : rank_(rank), world_(world), options_(std::move(options)) {}
 
 Comm::~Comm() {
-  // A NCCL group is shut down explicitly (its destructor otherwise warns and may wait on a peer);
-  // one that failed is aborted, which never waits.
+  // An NCCL group is aborted explicitly: that never waits (a graceful shutdown could wait on a peer
+  // that died, and the destructor alone warns), and nothing uses the group afterwards.
   if (!nccl_) return;
   try {
-    if (broken_.empty())
-      nccl_->shutdown();
-    else
-      nccl_->abort();
+    nccl_->abort();
   } catch (const std::exception&) {
-    // Tearing down after a failure: nothing left to report to.
+    // Tearing down: nothing left to report to.
   }
 }
 

@@ -87,8 +87,9 @@ class Comm {
 
   // Point-to-point (pipeline stages): starts sending a contiguous tensor to group rank `peer`, or
   // receiving one of the same size and type into `tensor` (CPU tensors; CUDA ones over NCCL only);
-  // messages between two ranks match by tag. Gloo's send completes only once the peer has posted the matching receive: post every send
-  // of a step before waiting on one (or wait on them all at the end), or two stages deadlock.
+  // messages between two ranks match by tag. Gloo's send completes only once the peer has posted
+  // the matching receive: post every send of a step before waiting on one (or wait on them all at
+  // the end), or two stages deadlock.
   c10::intrusive_ptr<c10d::Work> send_async(at::Tensor& tensor, int peer, int tag);
   c10::intrusive_ptr<c10d::Work> recv_async(at::Tensor& tensor, int peer, int tag);
 

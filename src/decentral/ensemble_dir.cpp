@@ -238,11 +238,11 @@ std::unique_ptr<Ensemble> make_ensemble(const LoadedEnsemble& e, const Routing& 
     router = oracle_router(data, p.labels, e.k, path, x0, device);
     router_flops = 2.0 * static_cast<double>(x0.defined() ? x0.numel() : data.images.numel());  // [1, D] x [D, N] per image
   } else {
-    // The router's forward runs under the experts' precision too (its probabilities in float32).
+    // The router's forward runs under the experts' precision too (autocast keeps softmax in float32).
     RouterFn net = net_router(e.router.net, make_path(e.router.cfg.diffusion), path);
     router = [net, precision](const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& y) {
       Autocast autocast(x.device(), precision);
-      return net(x, t, y).to(torch::kFloat);  // [B, K]
+      return net(x, t, y);  // [B, K]
     };
     router_flops = forward_flops_per_image(e.router.cfg.model);
   }

@@ -203,6 +203,11 @@ TEST(DecentralCli, RouterEnsembleAndRoutedSamplingRefuseMismatchedParts) {
   // Same seed, same samples.
   ASSERT_EQ(test::run_ddm(sample + "--out " + (dir / "g2.png") + " --raw " + (dir / "g2.safetensors")).exit_code, 0);
   EXPECT_EQ(test::read_text(dir / "g.png"), test::read_text(dir / "g2.png"));
+  // bf16 (autocast around the experts and the router, on the CPU here): other arithmetic, other bytes.
+  r = test::run_ddm(sample + "--precision bf16 --out " + (dir / "b.png") + " --raw " + (dir / "b.safetensors"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("on cpu in bf16"), std::string::npos) << r.output;
+  EXPECT_NE(test::read_text(dir / "g.safetensors"), test::read_text(dir / "b.safetensors"));
 
   // Distillation: the student (expert 0's config on all 600 images) learns each image's own expert;
   // it resumes bit for bit on the same teacher and refuses a re-assembled one.
