@@ -117,6 +117,21 @@ RunConfig on(RunConfig cfg, const std::string& device) {
   cfg.train.device = device;
   return cfg;
 }
+
+// The job the launched tests run: 96 random 8x8 images of 3 classes in dir/data.safetensors, and
+// dir/c.toml training a tiny DiT on them for 20 steps (checkpoints at 10 and 20), then `tail` (more
+// [train] keys, then further sections).
+void write_launched_job(const std::string& dir, const std::string& tail) {
+  SafetensorsFile data;
+  torch::manual_seed(1);
+  data.tensors["images"] = torch::randint(0, 256, {96, 1, 8, 8}).to(torch::kUInt8);
+  data.tensors["labels"] = torch::arange(96, torch::kLong).remainder(3);
+  save_safetensors(dir + "/data.safetensors", data);
+  write_text(dir + "/c.toml", "[data]\nsource = \"safetensors\"\nroot = \"" + dir + "/data.safetensors" +
+                                  "\"\n[model]\narch = \"dit\"\nwidth = 32\ndepth = 2\nheads = 2\npatch = 2\n"
+                                  "[train]\nsteps = 20\nbatch_size = 16\nwarmup = 2\nthreads = 1\nlog_every = 1\n"
+                                  "ckpt_every = 10\nseed = 4\n" + tail);
+}
 }  // namespace
 
 TEST(Gpu, TrainingOnCudaTrainsWhatTheCpuTrains) {
@@ -156,15 +171,7 @@ TEST(Gpu, AnAutoencoderTrainsOnCudaAsOnTheCpu) {
 TEST(Gpu, DataParallelOverGlooWithCudaTensorsTrainsWhatOneProcessTrains) {
   if (no_gpu()) GTEST_SKIP() << kNoGpu;
   TempDir dir;
-  SafetensorsFile data;
-  torch::manual_seed(1);
-  data.tensors["images"] = torch::randint(0, 256, {96, 1, 8, 8}).to(torch::kUInt8);
-  data.tensors["labels"] = torch::arange(96, torch::kLong).remainder(3);
-  save_safetensors(dir / "data.safetensors", data);
-  write_text(dir / "c.toml", "[data]\nsource = \"safetensors\"\nroot = \"" + (dir / "data.safetensors") +
-                                 "\"\n[model]\narch = \"dit\"\nwidth = 32\ndepth = 2\nheads = 2\npatch = 2\n"
-                                 "[train]\nsteps = 20\nbatch_size = 16\nwarmup = 2\nthreads = 1\nlog_every = 1\n"
-                                 "ckpt_every = 10\nseed = 4\ndevice = \"cuda:0\"\n");
+  write_launched_job(dir.path, "device = \"cuda:0\"\n");
   const CommandResult one = run_ddm("train --quiet --config " + (dir / "c.toml") + " --out " + (dir / "one"));
   ASSERT_EQ(one.exit_code, 0) << one.output;
   const CommandResult two =
@@ -217,16 +224,7 @@ TEST(Gpu, NcclWorldOfOneReducesAndBroadcastsCudaTensors) {
 TEST(Gpu, DilocoOnCudaTrainsWhatItTrainsOnTheCpu) {
   if (no_gpu()) GTEST_SKIP() << kNoGpu;
   TempDir dir;
-  SafetensorsFile data;
-  torch::manual_seed(1);
-  data.tensors["images"] = torch::randint(0, 256, {96, 1, 8, 8}).to(torch::kUInt8);
-  data.tensors["labels"] = torch::arange(96, torch::kLong).remainder(3);
-  save_safetensors(dir / "data.safetensors", data);
-  write_text(dir / "c.toml", "[data]\nsource = \"safetensors\"\nroot = \"" + (dir / "data.safetensors") +
-                                 "\"\n[model]\narch = \"dit\"\nwidth = 32\ndepth = 2\nheads = 2\npatch = 2\n"
-                                 "[train]\nsteps = 20\nbatch_size = 16\nwarmup = 2\nthreads = 1\nlog_every = 1\n"
-                                 "ckpt_every = 10\nseed = 4\n[parallel]\nmode = \"diloco\"\n"
-                                 "[diloco]\ninner_steps = 4\nfragments = 2\noverlap = 1\n");
+  write_launched_job(dir.path, "[parallel]\nmode = \"diloco\"\n[diloco]\ninner_steps = 4\nfragments = 2\noverlap = 1\n");
   const std::string run = "launch --nproc 2 -- train --quiet --config " + (dir / "c.toml");
   const CommandResult cpu = run_ddm(run + " --set train.device=cpu --out " + (dir / "cpu"));
   ASSERT_EQ(cpu.exit_code, 0) << cpu.output;
