@@ -16,6 +16,7 @@
 
 #include "cli_util.h"
 #include "core/config.h"
+#include "core/device.h"
 #include "core/error.h"
 #include "core/fileio.h"
 #include "core/run_dir.h"
@@ -23,6 +24,7 @@
 #include "eval/grid.h"
 #include "pipeline/picture.h"
 #include "pipeline/plan.h"
+#include "pipeline/profile.h"
 #include "pipeline/timeline.h"
 #include "pipeline/workload.h"
 #include "run/trainer.h"
@@ -35,6 +37,7 @@ namespace {
 
 struct PlanArgs {
   std::string config, profile, save_profile, timeline, json, measured;
+  std::string device;  // empty: the config's train.device
   std::vector<std::string> sets;
   std::vector<int64_t> rows;
   int repeats = 3, devices = 2, top = 12;
@@ -101,16 +104,22 @@ PipeProfile measure(const PlanArgs& a, int64_t* batch) {
   if (rows.empty())
     for (int64_t r : {1, 4, 16, 64})
       if (r <= *batch) rows.push_back(r);
+  // Where a stage of the planned run would compute: --device, else the config's train.device.
+  const torch::Device device = resolve_device(a.device.empty() ? cfg.train.device : a.device, 0,
+                                              a.device.empty() ? "train.device" : "--device");
+  configure_math(device, cfg.train.deterministic);
   torch::manual_seed(0);
   Net net = make_net(cfg.model);
   attach_controlnet(*net, cfg.model);
   auto objective = job.objective ? job.objective : make_objective(cfg);
-  const auto latent = attach_latent(*objective, cfg.model, torch::kCPU, cfg.train.cache_latents ? &job.data : nullptr);
-  const auto embedder = attach_embed(*objective, cfg.model);
+  const auto latent = attach_latent(*objective, cfg.model, device, cfg.train.cache_latents ? &job.data : nullptr);
+  const auto embedder = attach_embed(*objective, cfg.model, device);
+  net->to(device);  // (initialized on the CPU)
   std::cout << "profiling " << cfg.model.preset << " (" << cfg.model.arch << ") and its frozen work (" << workload_of(cfg)
             << ") at micro-batches of";
   for (int64_t r : rows) std::cout << " " << r;
-  std::cout << " rows, " << threads << " thread" << (threads == 1 ? "" : "s") << " ..." << std::endl;
+  std::cout << " rows on " << (device.is_cuda() ? machine_name(device) + " (" + device.str() + ")" : "the CPU") << ", "
+            << threads << " thread" << (threads == 1 ? "" : "s") << " ..." << std::endl;
   return profile_workload(cfg, job.data, net, objective, rows, a.repeats, workload_of(cfg));
 }
 
@@ -335,6 +344,10 @@ Command add_plan_command(CLI::App& app) {
   cmd->add_option("--set", a->sets, "override a config key (repeatable)");
   cmd->add_option("--profile", a->profile, "plan from a profile saved with --save-profile instead of measuring");
   cmd->add_option("--save-profile", a->save_profile, "write the measured profile (JSON) here, to reuse or inspect");
+  cmd->add_option("--device", a->device,
+                  "auto | cpu | cuda | cuda:N: where to profile (default: the config's train.device, itself auto by "
+                  "default: the GPU if LibTorch sees one, else the CPU)")
+      ->check(kDeviceSpec);
   cmd->add_option("--rows", a->rows, "micro-batch sizes to profile (default 1 4 16 64, up to the batch)")->check(kPositive);
   cmd->add_option("--repeats", a->repeats, "timed runs per measurement; the median is kept (default 3)")->check(kPositive);
   cmd->add_option("--devices", a->devices, "devices (processes) of the machine to plan for (default 2)")->check(kPositive);

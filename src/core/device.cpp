@@ -4,10 +4,13 @@
 #include <cstdlib>
 
 #include <ATen/Context.h>
+#include <ATen/DeviceAccelerator.h>
 #include <ATen/autocast_mode.h>
+#include <ATen/cuda/CUDAContextLight.h>
 #include <torch/cuda.h>
 
 #include "core/error.h"
+#include "core/runtime.h"
 
 namespace ddm {
 namespace {
@@ -69,6 +72,21 @@ void configure_math(torch::Device device, bool deterministic) {
     ctx.setDeterministicCuDNN(false);
     ctx.setBenchmarkCuDNN(true);
   }
+}
+
+void synchronize(torch::Device device) {
+  if (device.is_cuda()) torch::cuda::synchronize(device.index());
+}
+
+double allocated_bytes_on(torch::Device device) {
+  if (!device.is_cuda()) return allocated_bytes();
+  const auto stats = at::accelerator::getDeviceStats(device.has_index() ? device.index() : 0);
+  return static_cast<double>(stats.allocated_bytes[static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE)].current);
+}
+
+std::string gpu_name(torch::Device device) {
+  if (!device.is_cuda()) return {};
+  return at::cuda::getDeviceProperties(device.has_index() ? device.index() : 0)->name;
 }
 
 Autocast::Autocast(torch::Device device, Precision precision) : type_(device.type()) {

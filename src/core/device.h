@@ -30,6 +30,14 @@ torch::Device resolve_device(const std::string& spec, int local_rank, const std:
 // convolution algorithm by timing it (benchmark mode). Nothing to do on the CPU.
 void configure_math(torch::Device device, bool deterministic);
 
+// For measuring on `device` (profiles, timelines): waits for its queued work (nothing to wait for
+// on the CPU); the bytes its tensors take now (the host allocator's, core/runtime.h, or CUDA's
+// caching allocator's); its model name ("NVIDIA H100 80GB HBM3"; empty for the CPU, whose name
+// /proc/cpuinfo gives).
+void synchronize(torch::Device device);
+double allocated_bytes_on(torch::Device device);
+std::string gpu_name(torch::Device device);
+
 // bfloat16 autocast on `device`'s type while alive when `precision` is bf16 (otherwise nothing):
 // matmuls, convolutions and attention run in bfloat16, reductions and losses in float32, and the
 // backward of what ran inside follows the same types. Nests; restores what was set before.

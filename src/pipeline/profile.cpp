@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 #include <torch/torch.h>
 
+#include "core/device.h"
 #include "core/error.h"
 #include "core/fileio.h"
 #include "core/json.h"
@@ -75,7 +76,7 @@ std::vector<PipeUnit> PipeProfile::units_at(int64_t rows, double speed) const {
 }
 
 std::vector<PipeUnitProfile> profile_units(NetImpl& net, const ModelConfig& cfg, const std::vector<int64_t>& rows,
-                                           int repeats) {
+                                           int repeats, torch::Device device, Precision precision) {
   DDM_CHECK(!rows.empty() && std::is_sorted(rows.begin(), rows.end()) && rows.front() >= 1,
             "profile: micro-batch sizes must be ascending and >= 1");
   DDM_CHECK(repeats >= 1, "profile: repeats must be >= 1, got " << repeats);
@@ -85,14 +86,26 @@ std::vector<PipeUnitProfile> profile_units(NetImpl& net, const ModelConfig& cfg,
     out[u].name = units[u].name;
     for (const torch::Tensor& p : units[u].params) out[u].params += p.requires_grad() ? p.numel() : 0;
   }
+  // On a GPU every reading of the clock or of the allocator waits for the queued kernels first.
+  auto now = [&] {
+    synchronize(device);
+    return now_ms();
+  };
+  auto heap = [&] {
+    synchronize(device);
+    return allocated_bytes_on(device);
+  };
+  auto here = [&](const torch::Tensor& y) { return y.defined() ? y.to(device) : y; };  // drawn on the CPU: alike everywhere
   torch::manual_seed(0);
   for (int64_t r : rows) {
-    const torch::Tensor x = torch::randn({r, cfg.in_channels, cfg.image_size, cfg.image_size}), t = torch::rand({r});
+    const torch::Tensor x = here(torch::randn({r, cfg.in_channels, cfg.image_size, cfg.image_size})), t = here(torch::rand({r}));
     Cond c;
-    if (cfg.num_classes > 0) c.y = torch::randint(0, cfg.num_classes, {r}, torch::kLong);
-    if (cfg.self_cond) c.self_cond = torch::randn_like(x);
-    if (!cfg.embed.empty()) c.embed = torch::nn::functional::normalize(torch::randn({r, cfg.embed_dim}));
-    if (!cfg.controlnet.empty()) c.control = torch::rand({r, control_channels(cfg), cfg.image_size, cfg.image_size}) * 2 - 1;
+    if (cfg.num_classes > 0) c.y = here(torch::randint(0, cfg.num_classes, {r}, torch::kLong));
+    if (cfg.self_cond) c.self_cond = here(torch::randn(x.sizes()));
+    if (!cfg.embed.empty()) c.embed = here(torch::nn::functional::normalize(torch::randn({r, cfg.embed_dim})));
+    if (!cfg.controlnet.empty())
+      c.control = here(torch::rand({r, control_channels(cfg), cfg.image_size, cfg.image_size}) * 2 - 1);
+    Autocast autocast(device, precision);  // (bf16: the units as a step runs them)
     c = net.precompute(x, t, c);  // a ControlNet's locked encoder features, which its units read
     if (r == rows.front())
       for (const NetSkipLife& k : skip_lives(units, NetCarry{x, {}, {}}, t, c))
@@ -115,9 +128,9 @@ std::vector<PipeUnitProfile> profile_units(NetImpl& net, const ModelConfig& cfg,
         NetCarry k = u == 0 ? in[0] : leaf_copy(in[u], inputs);  // the first unit's inputs are data
         std::set<const void*> passed;  // tensors that only pass through (open skips it does not touch)
         for (const torch::Tensor& y : k.tensors()) passed.insert(y.unsafeGetTensorImpl());
-        const double heap0 = allocated_bytes(), t0 = now_ms();
+        const double heap0 = heap(), t0 = now();
         units[u].run(k, t, c);
-        const double t1 = now_ms(), heap1 = allocated_bytes();
+        const double t1 = now(), heap1 = heap();
         std::vector<torch::Tensor> outs, grads;
         for (const torch::Tensor& y : k.tensors())
           if (y.requires_grad() && !passed.count(y.unsafeGetTensorImpl())) outs.push_back(y), grads.push_back(torch::randn_like(y));
@@ -125,26 +138,26 @@ std::vector<PipeUnitProfile> profile_units(NetImpl& net, const ModelConfig& cfg,
         double t2 = t1;
         if (!inputs.empty()) {
           torch::autograd::grad(outs, inputs, grads, /*retain_graph=*/true, false, /*allow_unused=*/true);
-          t2 = now_ms();
+          t2 = now();
         }
         std::vector<torch::Tensor> params;
         for (const torch::Tensor& p : units[u].params)
           if (p.requires_grad()) params.push_back(p);
-        const double tw = now_ms();
+        const double tw = now();
         if (!params.empty()) torch::autograd::grad(outs, params, grads, /*retain_graph=*/true, false, /*allow_unused=*/true);
-        const double tw1 = now_ms();
+        const double tw1 = now();
         std::vector<torch::Tensor> all = inputs;
         all.insert(all.end(), params.begin(), params.end());
-        const double t3 = now_ms();
+        const double t3 = now();
         torch::autograd::grad(outs, all, grads, /*retain_graph=*/false, false, /*allow_unused=*/true);
-        const double t4 = now_ms();
+        const double t4 = now();
         double t6;
         {
           torch::NoGradGuard ng;
           NetCarry k0 = in[u];
-          const double t5 = now_ms();
+          const double t5 = now();
           units[u].run(k0, t, c);
-          t6 = now_ms() - t5;
+          t6 = now() - t5;
         }
         if (rep == 0) continue;
         f.push_back(t1 - t0), i.push_back(t2 - t1), w.push_back(tw1 - tw), b.push_back(t4 - t3), f0.push_back(t6);
@@ -270,6 +283,8 @@ PipeProfile read_profile(const std::string& path) {
   }
   return p;
 }
+
+std::string machine_name(torch::Device device) { return device.is_cuda() ? gpu_name(device) : cpu_model_name(); }
 
 std::string cpu_model_name() {
   std::ifstream in("/proc/cpuinfo");

@@ -66,15 +66,20 @@ struct PipeProfile {
 
 // Measures every unit of `net` at each of `rows` (ascending) rows per micro-batch on random inputs
 // shaped by cfg (x [r, C, S, S], t, labels, self-conditioning estimates, embeddings, control maps),
-// after net.precompute (a ControlNet's locked encoder, whose features its units read).
+// after net.precompute (a ControlNet's locked encoder, whose features its units read). On `device`
+// (the net's): inputs drawn on the CPU and moved there, times and bytes read after its queued work;
+// under `precision`'s autocast.
 std::vector<PipeUnitProfile> profile_units(NetImpl& net, const ModelConfig& cfg, const std::vector<int64_t>& rows,
-                                           int repeats);
+                                           int repeats, torch::Device device = torch::kCPU,
+                                           Precision precision = Precision::kFp32);
 
 // JSON files; read_profile throws ddm::Error naming the file and the key that is missing or wrong.
 void write_profile(const PipeProfile& p, const std::string& path);
 PipeProfile read_profile(const std::string& path);
 
-// This machine's CPU model name (/proc/cpuinfo), or "unknown CPU".
+// This machine's CPU model name (/proc/cpuinfo), or "unknown CPU"; machine_name: the GPU's name for a
+// CUDA device, else the CPU's (what profiles and measured timelines record as their machine).
 std::string cpu_model_name();
+std::string machine_name(torch::Device device);
 
 }  // namespace ddm

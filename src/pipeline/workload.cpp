@@ -6,6 +6,7 @@
 
 #include <torch/torch.h>
 
+#include "core/device.h"
 #include "core/error.h"
 #include "core/runtime.h"
 #include "train/step.h"
@@ -37,14 +38,15 @@ PipeProfile profile_workload(const RunConfig& cfg, const Dataset& data, Net net,
                                                                         << (rows.empty() ? 0 : rows.back()));
   PipeProfile p;
   const ModelConfig& m = cfg.model;
+  const torch::Device device = net->parameters().front().device();  // where the net was put, and the data goes
   p.model = m.preset + " (" + m.arch + ") " + std::to_string(m.in_channels) + "x" + std::to_string(m.image_size) + "x" +
             std::to_string(m.image_size) + ", " + std::to_string(m.num_classes) + " classes";
   p.workload = workload;
   p.threads = static_cast<int>(cfg.train.threads);
-  p.machine = cpu_model_name() + ", " + std::to_string(p.threads) + " thread" + (p.threads == 1 ? "" : "s");
+  p.machine = machine_name(device) + ", " + std::to_string(p.threads) + " thread" + (p.threads == 1 ? "" : "s");
   p.self_cond = m.self_cond;
   p.x_bytes_per_row = 4.0 * static_cast<double>(m.in_channels * m.image_size * m.image_size);
-  p.units = profile_units(*net, m, rows, repeats);
+  p.units = profile_units(*net, m, rows, repeats, device, cfg.train.precision);
 
   // The prepare phase, as TrainStep runs it less self-conditioning's pass.
   PipeTaskProfile task;
@@ -52,11 +54,16 @@ PipeProfile profile_workload(const RunConfig& cfg, const Dataset& data, Net net,
   for (int64_t r : rows) {
     std::vector<double> ms;
     for (int rep = 0; rep <= repeats; ++rep) {
-      const Batch b = batch_of(data, (rep * r) % (n - r + 1), r);
+      const Batch b = batch_of(data, (rep * r) % (n - r + 1), r).to(device);
+      synchronize(device);
       const auto t0 = std::chrono::steady_clock::now();
       torch::NoGradGuard ng;
       Prepared q = objective->prepare(b, rep);
-      q.cond = net->precompute(q.xt, q.t, q.cond);
+      {
+        Autocast autocast(device, cfg.train.precision);
+        q.cond = net->precompute(q.xt, q.t, q.cond);
+      }
+      synchronize(device);
       if (rep > 0) ms.push_back(ms_since(t0));
       if (r == rows.front() && rep == 0) {
         // What it hands the first stage per row: x_t, the target and the per-sample conditioning.
@@ -75,9 +82,10 @@ PipeProfile profile_workload(const RunConfig& cfg, const Dataset& data, Net net,
   TrainStep step(cfg, net, objective);
   std::vector<double> upd;
   for (int rep = 0; rep <= repeats; ++rep) {
-    step.run(batch_of(data, 0, rows.front()), rep);
+    step.run(batch_of(data, 0, rows.front()).to(device), rep);
+    synchronize(device);  // (on a GPU the update is queued: its end is when the device is done)
     const StepTimes& t = step.last_times();
-    if (rep > 0) upd.push_back(std::chrono::duration<double, std::milli>(t.end - t.clipped).count());
+    if (rep > 0) upd.push_back(ms_since(t.clipped));
   }
   p.optimizer_ms_per_mparam = median(upd) / (static_cast<double>(count_params(*net)) / 1e6);
   return p;

@@ -5,6 +5,7 @@
 #include <filesystem>
 
 #include <nlohmann/json.hpp>
+#include <torch/cuda.h>
 
 #include "test_util.h"
 
@@ -70,6 +71,10 @@ TEST(PlanCli, ProfilesPlansAndDraws) {
   expect_error(test::run_ddm("plan --profile " + (dir / "p.json") + " --batch 8 --timeline " + (dir / "t.jpg")), "t.jpg");
   expect_error(test::run_ddm("plan --config " + (dir / "tiny.toml") + " --set model.preset=ae-f4 --rows 1"),
                "cannot be split into pipeline stages");
+  expect_error(test::run_ddm("plan --config " + (dir / "tiny.toml") + " --device gpu"), "--device");
+  if (!torch::cuda::is_available())
+    expect_error(test::run_ddm("plan --config " + (dir / "tiny.toml") + " --device cuda --rows 1"),
+                 "--device = cuda, but this machine has no CUDA GPU");
 }
 
 // A pipelined run (2 stages under `ddm launch`) leaves its measured step, which `ddm plan --measured`
