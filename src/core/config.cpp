@@ -537,9 +537,6 @@ void validate_parallel(const RunConfig& c) {
   DDM_CHECK(par.backend != CommBackend::kNccl || c.train.device != "cpu",
             "parallel.backend = nccl carries CUDA tensors, but train.device = cpu: set train.device = cuda (or "
             "auto), or parallel.backend = gloo (or auto)");
-  DDM_CHECK(par.pp == 1 || c.train.precision == Precision::kFp32,
-            "train.precision = bf16 with parallel.pp = " << par.pp << ": pipeline stages train in fp32 only so far; "
-                                                            "set train.precision = fp32");
 }
 
 // DiLoCo's outer loop.

@@ -7,6 +7,7 @@
 #include <chrono>
 #include <sstream>
 
+#include "core/device.h"
 #include "parallel/data_parallel.h"
 #include "pipeline/profile.h"
 #include "pipeline/routes.h"
@@ -25,7 +26,9 @@ class PipelineEngine : public Engine {
     {
       torch::NoGradGuard no_grad;
       BatchLoader probe(parts.data, 1, static_cast<uint64_t>(cfg_.train.seed), false);
-      sample = parts.objective->prepare(probe.next(), 0);
+      const torch::Device device = net_->parameters().front().device();  // the model's
+      sample = parts.objective->prepare(probe.next().to(device), 0);
+      Autocast autocast(device, cfg_.train.precision);
       sample.cond = net_->precompute(sample.xt, sample.t, sample.cond);
     }
     PipeSchedule schedule = make_schedule(name_of(cfg_.parallel.schedule), layout_.pp, static_cast<int>(cfg_.train.grad_accum));
@@ -141,7 +144,7 @@ class PipelineEngine : public Engine {
     PipeTimelineRun run;
     run.stages = layout_.pp, run.replicas = layout_.replicas, run.schedule = name_of(cfg_.parallel.schedule);
     run.micro = static_cast<int>(cfg_.train.grad_accum), run.rows = cfg_.train.batch_size / cfg_.train.grad_accum;
-    run.threads = threads, run.pipe_wire = name_of(cfg_.parallel.pipe_wire), run.machine = cpu_model_name();
+    run.threads = threads, run.pipe_wire = name_of(cfg_.parallel.pipe_wire), run.machine = machine_name(net_->parameters().front().device());
     run.first_units = pipe_->bounds(), run.units = pipe_->unit_names(), run.step = step;
     run.steps_timed = timed_steps_, run.timed_from = timed_from_ + 1;
     run.step_ms = timed_steps_ > 0 ? timed_ms_ / timed_steps_ : 0.0;

@@ -24,6 +24,7 @@ void PipeFirstPass::begin_step(const std::vector<Batch>& micro, int64_t step) {
       f.bound.push_back(j);
     }
     f.stage.assign(static_cast<size_t>(stages_), StagePass{});
+    f.idx = f.idx.to(wire_.device());  // (the bounds read it on the host) the rows' device
   }
 }
 

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <map>
 
+#include "core/device.h"
 #include "core/error.h"
 
 namespace ddm {
@@ -29,13 +30,14 @@ int64_t prepare_quantum(int64_t rows) {
 }
 
 Prepared prepare_rows(const Objective& objective, NetImpl& net, const Batch& micro, int64_t first, int64_t n,
-                      int64_t quantum, int64_t step) {
+                      int64_t quantum, int64_t step, Precision precision) {
   DDM_CHECK(quantum >= 1 && n % quantum == 0,
             "prepare_rows: " << n << " rows are not a whole number of quanta of " << quantum);
   std::vector<std::pair<int64_t, TensorMap>> parts;
   const PrepNeeds all{true, true, true};
   for (int64_t at = first; at < first + n; at += quantum) {
     Prepared p = objective.prepare(micro.rows(at, quantum), step);
+    Autocast autocast(micro.x.device(), precision);
     p.cond = net.precompute(p.xt, p.t, p.cond);
     if (n == quantum) return p;
     parts.emplace_back(at - first, prepared_tensors(p, all));

@@ -29,9 +29,10 @@ namespace ddm {
 int64_t prepare_quantum(int64_t rows);
 
 // Rows [first, first + n) of `micro` (n a multiple of quantum), prepared for `step` a quantum at a
-// time: objective.prepare then net.precompute on each, concatenated. Call without gradients.
+// time: objective.prepare then net.precompute on each (under `precision`'s autocast on the batch's
+// device, as a single process's step runs it), concatenated. Call without gradients.
 Prepared prepare_rows(const Objective& objective, NetImpl& net, const Batch& micro, int64_t first, int64_t n,
-                      int64_t quantum, int64_t step);
+                      int64_t quantum, int64_t step, Precision precision = Precision::kFp32);
 
 struct PrepNeeds {
   bool xt = false;      // the backbone's input (stage 0)

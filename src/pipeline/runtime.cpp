@@ -8,7 +8,9 @@
 #include <sstream>
 
 #include <nlohmann/json.hpp>
+#include <torch/cuda.h>
 
+#include "core/device.h"
 #include "core/error.h"
 #include "core/safetensors.h"
 #include "pipeline/partition.h"
@@ -95,7 +97,11 @@ PipeStep::PipeStep(const RunConfig& cfg, Net net, std::shared_ptr<Objective> obj
   if (routes_.in.empty()) routes_.in.assign(static_cast<size_t>(S), {});  // no routes: every skip carried
   DDM_CHECK(static_cast<int>(routes_.in.size()) == S && (routes_.out.empty() || static_cast<int>(routes_.out.size()) == S - 1),
             "pipeline: skip routes for " << routes_.in.size() << " stages, not " << S);
-  wire_ = std::make_unique<PipeWire>(comm_, schedule_, routes_.slots, cfg_.parallel.pipe_wire == WireFormat::kBfloat16);
+  for (const torch::Tensor& p : net_->parameters()) {
+    device_ = p.device();  // the model's (every stage builds the whole model there)
+    break;
+  }
+  wire_ = std::make_unique<PipeWire>(comm_, schedule_, routes_.slots, cfg_.parallel.pipe_wire == WireFormat::kBfloat16, device_);
   // Every trainable parameter of the whole model, by name, before the other stages' are frozen.
   std::map<const void*, std::string> name_of;
   for (const auto& p : net_->named_parameters()) {
@@ -165,6 +171,7 @@ PipeStage& PipeStep::local(int stage) {
 void PipeStep::forward(PipeStage& l, int micro) {
   Prepared& p = prep_[static_cast<size_t>(micro)];
   if (l.stage() == 0 && first_pass_) first_pass_->estimate(micro, p);
+  Autocast autocast(device_, cfg_.train.precision);  // bf16: the units in bfloat16, the loss in float32
   const torch::Tensor out = l.forward(micro, p);
   if (!l.last()) return;
   const torch::Tensor loss = objective_->loss(out, p);  // []
@@ -175,7 +182,10 @@ void PipeStep::forward(PipeStage& l, int micro) {
 void PipeStep::first_pass(PipeStage& l, int m, int64_t first, int64_t rows, bool filling, bool serial) {
   wire_->note_arrival(Clock::now());
   if (filling) complete(m);
-  first_pass_->run(l, m, prep_[static_cast<size_t>(m)], first, rows);
+  {
+    Autocast autocast(device_, cfg_.train.precision);
+    first_pass_->run(l, m, prep_[static_cast<size_t>(m)], first, rows);
+  }
   PipeAction a;
   a.op = PipeOp::kTask, a.stage = -1, a.micro = m, a.task = 1 + l.stage(), a.rows = rows, a.serial = serial;
   events_.push_back({a, ms_since_start(wire_->arrived()), ms_since_start(Clock::now())});
@@ -242,6 +252,9 @@ StepResult PipeStep::run(const std::vector<Batch>& micro, int64_t step, const st
     } else {
       local(a.stage).backward(a.micro, a.op);
     }
+    // On a GPU an action ends when its kernels do: the timeline and the fill plan's measurements
+    // are the device's time, not the time to launch it.
+    if (device_.is_cuda()) torch::cuda::synchronize(device_.index());
     events_.push_back({a, ms(wire_->arrived()), ms(Clock::now())});
   }
   if (filling) {

@@ -192,6 +192,7 @@ class PipeStep {
   std::vector<int> bounds_;
   PipeSchedule schedule_;
   PipeSkipRoutes routes_;
+  torch::Device device_ = torch::kCPU;   // where this process's stages compute (the model's device)
   std::unique_ptr<PipeWire> wire_;       // the messages between the stages
   int rank_ = 0;
   std::vector<PipeStage> locals_;        // the stages this process runs, ascending

@@ -32,7 +32,8 @@ void PipeStep::prepare(const std::vector<Batch>& micro, int64_t step, bool filli
   torch::NoGradGuard no_grad;
   if (!filling) {  // every stage prepares every micro-batch itself, alike
     for (int i = 0; i < M; ++i)
-      prep_[static_cast<size_t>(i)] = prepare_rows(*objective_, *net_, micro[static_cast<size_t>(i)], 0, rows_, quantum_, step);
+      prep_[static_cast<size_t>(i)] =
+          prepare_rows(*objective_, *net_, micro[static_cast<size_t>(i)], 0, rows_, quantum_, step, cfg_.train.precision);
     prepared_bytes_.clear();
     for (const PrepNeeds& n : needs_) {
       int64_t bytes = 0;
@@ -54,7 +55,7 @@ void PipeStep::prepare(const std::vector<Batch>& micro, int64_t step, bool filli
       if (ahead_rows[static_cast<size_t>(m)] > 0)
         now_[static_cast<size_t>(m)].emplace_back(
             0, prepared_tensors(prepare_rows(*objective_, *net_, micro[static_cast<size_t>(m)], 0,
-                                             ahead_rows[static_cast<size_t>(m)], quantum_, step),
+                                             ahead_rows[static_cast<size_t>(m)], quantum_, step, cfg_.train.precision),
                                 needs_[static_cast<size_t>(rank_)]));
   }
   ahead_.assign(static_cast<size_t>(M), Rows{});
@@ -68,12 +69,13 @@ void PipeStep::run_piece(size_t i, const std::vector<Batch>& micro, const std::v
   {
     torch::NoGradGuard no_grad;
     p = prepare_rows(*objective_, *net_, (pc.ahead ? next : micro)[static_cast<size_t>(pc.micro)], pc.first, pc.rows,
-                     quantum_, pc.ahead ? step + 1 : step);
+                     quantum_, pc.ahead ? step + 1 : step, cfg_.train.precision);
   }
   for (int to = 0; to < comm_->world_size(); ++to) {
     if (to == rank_) continue;
     SafetensorsFile f;
     f.tensors = prepared_tensors(p, needs_[static_cast<size_t>(to)]);
+    for (auto& [key, t] : f.tensors) t = t.to(torch::kCPU);  // (from a GPU: its bytes on the host)
     const std::string bytes = safetensors_bytes(f);
     auto values = torch::empty({static_cast<int64_t>(bytes.size())}, torch::kByte);
     std::memcpy(values.data_ptr(), bytes.data(), bytes.size());
@@ -107,7 +109,9 @@ void PipeStep::receive(Incoming& in) {
   comm_->wait(comm_->recv_async(bytes, pc.rank, wire_->piece_tag(in.piece, 1)), what);
   const SafetensorsFile f = parse_safetensors(std::string(static_cast<const char*>(bytes.data_ptr()), static_cast<size_t>(n)),
                                               "the prepared rows from stage " + std::to_string(pc.rank));
-  (pc.ahead ? ahead_ : now_)[static_cast<size_t>(pc.micro)].emplace_back(pc.first, f.tensors);
+  TensorMap rows = f.tensors;
+  for (auto& [key, t] : rows) t = t.to(device_);
+  (pc.ahead ? ahead_ : now_)[static_cast<size_t>(pc.micro)].emplace_back(pc.first, std::move(rows));
   in.done = true;
   wire_->note_arrival(Clock::now());
 }

@@ -43,9 +43,9 @@ void PipeStage::post_next_carry() {
   const int m = next_post_++, prev = stage_ - 1;
   PostedCarry& c = posted_[static_cast<size_t>(m)].emplace();
   c.header = wire_.post_recv(torch::zeros({kCarryHeaderSize}, torch::kLong), prev, wire_.tag(prev, m, kCarryHeader));
-  c.values = wire_.post_recv(torch::empty({numel_of(carry_shapes_)}, torch::kFloat), prev, wire_.tag(prev, m, kCarryValues));
+  c.values = wire_.post_recv(torch::empty({numel_of(carry_shapes_)}, wire_.floats()), prev, wire_.tag(prev, m, kCarryValues));
   for (const PipeSkipRoutes::Direct& d : routes_.in[static_cast<size_t>(stage_)])
-    c.direct.push_back(wire_.post_recv(torch::empty(direct_shape(d), torch::kFloat), d.from, wire_.tag(d.from, m, kSkip + 2 * d.slot)));
+    c.direct.push_back(wire_.post_recv(torch::empty(direct_shape(d), wire_.floats()), d.from, wire_.tag(d.from, m, kSkip + 2 * d.slot)));
 }
 
 std::vector<int64_t> PipeStage::direct_shape(const PipeSkipRoutes::Direct& d) const {
@@ -59,7 +59,15 @@ std::optional<PipeStage::PostedCarry>* PipeStage::posted_for(int micro) {
   return has ? &posted_[static_cast<size_t>(micro)] : nullptr;
 }
 
-void PipeStage::send_carry(const NetCarry& k, int micro, bool first_pass, Micro* m) {
+void PipeStage::send_carry(const NetCarry& carry, int micro, bool first_pass, Micro* m) {
+  // Under bf16 autocast a unit's output may be bfloat16: the carry travels as float32 (exact), and
+  // the conversion is part of the graph, so the received gradient flows back through it.
+  NetCarry k = carry;
+  auto widen = [](torch::Tensor& t) {
+    if (t.defined() && t.scalar_type() != torch::kFloat) t = t.to(torch::kFloat);
+  };
+  widen(k.h), widen(k.emb);
+  for (torch::Tensor& t : k.skips) widen(t);
   // The skips routed straight to the stages that read them go there; the carry lists them as
   // placeholders (as it does a slot an earlier stage holds).
   const int s = stage_;
@@ -102,7 +110,7 @@ NetCarry PipeStage::recv_carry(int micro, std::vector<torch::Tensor>& inputs, bo
   if (!first_pass && micro < static_cast<int>(taken_.size())) taken_[static_cast<size_t>(micro)] = true;
   const std::vector<std::vector<int64_t>> shapes = header_shapes(header);
   Recv vr = posted ? (*posted)->values
-                   : wire_.post_recv(torch::empty({numel_of(shapes)}, torch::kFloat), prev, wire_.tag(prev, micro, first_pass ? kFirstValues : kCarryValues));
+                   : wire_.post_recv(torch::empty({numel_of(shapes)}, wire_.floats()), prev, wire_.tag(prev, micro, first_pass ? kFirstValues : kCarryValues));
   const torch::Tensor values = wire_.wait(vr, what);
   inputs.clear();
   for (torch::Tensor& t : split_flat(values, shapes)) inputs.push_back(first_pass ? t : t.requires_grad_(true));
@@ -117,8 +125,9 @@ NetCarry PipeStage::receive_first_pass(int micro) {
 }
 
 void PipeStage::send_first_out(const torch::Tensor& out, int micro) {
-  if (!wire_.here(0)) first_bytes_ += wire_.bytes(out);
-  wire_.send(out, 0, wire_.tag(stages_ - 1, micro, kFirstOut));
+  const torch::Tensor x = out.to(torch::kFloat);  // (bfloat16 under autocast)
+  if (!wire_.here(0)) first_bytes_ += wire_.bytes(x);
+  wire_.send(x, 0, wire_.tag(stages_ - 1, micro, kFirstOut));
 }
 
 torch::Tensor PipeStage::forward(int micro, const Prepared& p) {
@@ -137,7 +146,7 @@ torch::Tensor PipeStage::forward(int micro, const Prepared& p) {
       DDM_CHECK(d.slot < static_cast<int>(k.skips.size()) && !k.skips[static_cast<size_t>(d.slot)].defined(),
                 "pipeline: stage " << s << " expected skip " << d.slot << " from stage " << d.from << " in place of a placeholder");
       Recv r = posted ? (*posted)->direct[j]
-                      : wire_.post_recv(torch::empty(direct_shape(d), torch::kFloat), d.from, wire_.tag(d.from, micro, kSkip + 2 * d.slot));
+                      : wire_.post_recv(torch::empty(direct_shape(d), wire_.floats()), d.from, wire_.tag(d.from, micro, kSkip + 2 * d.slot));
       torch::Tensor x = wire_.wait(r, "receive a skip from stage " + std::to_string(d.from));
       k.skips[static_cast<size_t>(d.slot)] = x.requires_grad_(true);
       m.direct_inputs.push_back(x);
@@ -153,9 +162,9 @@ torch::Tensor PipeStage::forward(int micro, const Prepared& p) {
   // The gradients' receives, now: they arrive while this stage runs other micro-batches.
   std::vector<std::vector<int64_t>> shapes;
   for (const torch::Tensor& r : m.roots) shapes.push_back(r.sizes().vec());
-  m.grad_recvs.push_back(wire_.post_recv(torch::empty({numel_of(shapes)}, torch::kFloat), s + 1, wire_.tag(s, micro, kGradient)));
+  m.grad_recvs.push_back(wire_.post_recv(torch::empty({numel_of(shapes)}, wire_.floats()), s + 1, wire_.tag(s, micro, kGradient)));
   for (const DirectRoot& d : m.direct_roots)
-    m.grad_recvs.push_back(wire_.post_recv(torch::empty(d.tensor.sizes(), torch::kFloat), d.to, wire_.tag(s, micro, kSkipGrad + 2 * d.slot)));
+    m.grad_recvs.push_back(wire_.post_recv(torch::empty(d.tensor.sizes(), wire_.floats()), d.to, wire_.tag(s, micro, kSkipGrad + 2 * d.slot)));
   return {};
 }
 

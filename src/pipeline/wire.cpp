@@ -84,16 +84,27 @@ NetCarry carry_from(const torch::Tensor& header, const std::vector<torch::Tensor
   return k;
 }
 
-PipeWire::PipeWire(std::shared_ptr<Comm> comm, const PipeSchedule& schedule, int skip_slots, bool bf16)
+PipeWire::PipeWire(std::shared_ptr<Comm> comm, const PipeSchedule& schedule, int skip_slots, bool bf16,
+                   torch::Device device)
     : comm_(std::move(comm)),
       placement_(schedule),
       rank_(comm_->rank()),
       stages_(schedule.stages),
       micro_(schedule.micro),
       tags_(kSkip + 2 * skip_slots),
-      bf16_(bf16) {}
+      bf16_(bf16),
+      device_(device) {}
+
+namespace {
+// A host buffer for a message to or from a GPU: pinned, so the copies run at the link's full speed
+// (LibTorch's caching host allocator keeps it until the copies that use it are done).
+torch::Tensor host_like(const torch::Tensor& t, torch::ScalarType type) {
+  return torch::empty(t.sizes(), torch::TensorOptions().dtype(type).pinned_memory(true));
+}
+}  // namespace
 
 void PipeWire::send_to_rank(torch::Tensor t, int rank, int tag) {
+  if (!t.is_cpu()) t = host_like(t, t.scalar_type()).copy_(t);  // waits for the copy: Gloo reads the host buffer
   sends_.emplace_back(comm_->send_async(t, rank, tag), t);
 }
 
@@ -112,7 +123,8 @@ PipeWire::Recv PipeWire::post_recv(torch::Tensor t, int from_stage, int tag) {
   Recv r;
   r.tensor = t, r.from = from_stage, r.tag = tag, r.local = here(from_stage);
   if (r.local) return r;
-  r.wire = narrowed(t) ? torch::empty(t.sizes(), torch::kBFloat16) : t;
+  const torch::ScalarType type = narrowed(t) ? torch::kBFloat16 : t.scalar_type();
+  r.wire = !t.is_cpu() ? host_like(t, type) : type != t.scalar_type() ? torch::empty(t.sizes(), type) : t;
   r.work = comm_->recv_async(r.wire, rank_of(from_stage), tag);
   return r;
 }
@@ -120,7 +132,8 @@ PipeWire::Recv PipeWire::post_recv(torch::Tensor t, int from_stage, int tag) {
 torch::Tensor PipeWire::wait(Recv& r, const std::string& what) {
   if (!r.local) {
     comm_->wait(r.work, what);
-    if (r.wire.scalar_type() != r.tensor.scalar_type()) r.tensor.copy_(r.wire);  // bfloat16 -> float32, exact
+    // bfloat16 -> float32 (exact), host -> device (after the receive: ordered before the kernels that read it)
+    if (!r.wire.is_same(r.tensor)) r.tensor.copy_(r.wire, /*non_blocking=*/true);
     arrived_ = std::chrono::steady_clock::now();
     return r.tensor;
   }

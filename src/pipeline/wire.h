@@ -51,8 +51,17 @@ int64_t numel_of(const std::vector<std::vector<int64_t>>& shapes);
 class PipeWire {
  public:
   // comm: the pipeline's group; schedule: which rank runs each stage, the micro-batch count;
-  // skip_slots: the direct skip slots (PipeSkipRoutes::slots); bf16: parallel.pipe_wire = bfloat16.
-  PipeWire(std::shared_ptr<Comm> comm, const PipeSchedule& schedule, int skip_slots, bool bf16);
+  // skip_slots: the direct skip slots (PipeSkipRoutes::slots); bf16: parallel.pipe_wire = bfloat16;
+  // device: where this process's stages compute.
+  //
+  // On a GPU a message goes through host memory over Gloo, not over NCCL. NCCL matches a pair's
+  // point-to-point operations by their order on one stream, not by tag, and a pipeline's two
+  // neighbours do not post them in the same order: under 1F1B stage s sends micro-batch w's carry
+  // before it receives micro-batch 0's gradient, while stage s + 1 sends that gradient before it
+  // receives that carry. Two streams each blocked on the other's later operation is a deadlock. Gloo
+  // matches by tag, whatever the order.
+  PipeWire(std::shared_ptr<Comm> comm, const PipeSchedule& schedule, int skip_slots, bool bf16,
+           torch::Device device = torch::kCPU);
 
   int rank() const { return rank_; }
   bool here(int stage) const { return rank_of(stage) == rank_; }
@@ -72,13 +81,17 @@ class PipeWire {
     bool local = false;
   };
   // Posts the receive of `t`'s shape and type from `from_stage`; wait() completes it and returns the
-  // tensor (widened back to float32 when it travelled as bfloat16). `what` names it in errors.
+  // tensor (widened back to float32 when it travelled as bfloat16; on t's device when it travelled
+  // through host memory). `what` names it in errors.
   Recv post_recv(torch::Tensor t, int from_stage, int tag);
   torch::Tensor wait(Recv& r, const std::string& what);
   // Sends t to the stage (posted; narrowed across processes), or leaves it in the mailbox for a stage here.
   void send(torch::Tensor t, int to_stage, int tag);
-  // Posts t as it is to another rank of the group.
+  // Posts t as it is to another rank of the group (a GPU tensor: a host copy of it).
   void send_to_rank(torch::Tensor t, int rank, int tag);
+  // Float32 on this process's device: the receive buffers of carries and gradients.
+  torch::TensorOptions floats() const { return torch::TensorOptions().dtype(torch::kFloat).device(device_); }
+  torch::Device device() const { return device_; }
   // The bytes t takes on the wire to another process.
   int64_t bytes(const torch::Tensor& t) const;
 
@@ -98,6 +111,7 @@ class PipeWire {
   PipeSchedule placement_;  // (only its placement and sizes are used)
   int rank_ = 0, stages_ = 0, micro_ = 0, tags_ = 0;
   bool bf16_ = false;
+  torch::Device device_;
   std::map<int, torch::Tensor> mailbox_;  // by tag: what one stage here sent another stage here
   std::vector<std::pair<c10::intrusive_ptr<c10d::Work>, torch::Tensor>> sends_;
   std::chrono::steady_clock::time_point arrived_;

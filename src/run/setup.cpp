@@ -153,24 +153,10 @@ TrainJob plain_job(RunConfig cfg) {
 namespace {
 
 // train.device for this process, before it joins the others: a device it cannot use fails it alone,
-// at once. Every mode but pipeline parallelism trains on a GPU (pipelines on the CPU so far).
-// (auto: the CPU for a mode that does not run on GPUs yet, with a note).
+// at once. Every mode trains on a GPU.
 torch::Device train_device(const RunConfig& cfg, const DistEnv& env) {
   const std::string key = (env.distributed() ? "rank " + std::to_string(env.rank) + ": " : std::string()) + "train.device";
-  const std::string& spec = cfg.train.device;
-  const char* cpu_only = cfg.parallel.pp > 1 ? "pipeline parallelism (parallel.pp > 1)" : nullptr;
-  DDM_CHECK(!cpu_only || spec == "cpu" || spec == "auto",
-            key << " = " << spec << ", but " << cpu_only
-                << " trains on the CPU only so far (every other mode trains on GPUs): set "
-                   "train.device = cpu");
-  const torch::Device device = resolve_device(spec, env.local_rank, key);
-  if (cpu_only && device.is_cuda()) {
-    if (env.rank == 0)
-      std::cout << "note: train.device = auto, but " << cpu_only << " trains on the CPU only so far: this run uses the CPU"
-                << std::endl;
-    return torch::kCPU;
-  }
-  return device;
+  return resolve_device(cfg.train.device, env.local_rank, key);
 }
 
 // parallel.backend for this process: the GPU whose CUDA tensors go over NCCL, or -1 (Gloo carries

@@ -594,3 +594,40 @@ TEST(PipelineTrain, ABfloat16WireHalvesTheBytesAndStaysClose) {
                 sent(b16) / sent(f32));
   }
 }
+
+// train.precision = bf16 through a pipeline (here on the CPU; tests/gpu runs it on CUDA): each stage's
+// units run under bfloat16 autocast, the carry crosses the cut in float32 (a bfloat16 output widened
+// exactly, the widening part of the graph), the loss and the state stay float32. It trains what one
+// process in bf16 trains, within bf16 rounding: the carry is rounded where a cut falls, not where the
+// single process rounds it (a residual sum in float32 instead of bfloat16), so losses agree within
+// 2e-2 relative (the bf16-vs-fp32 bound of one step in test_train_step.cpp) over 12 steps, and it
+// repeats bit for bit. With self-conditioning, the first pass's bfloat16 output returns to stage 0 too.
+TEST(PipelineTrain, StagesTrainInBfloat16) {
+  test::TempDir dir;
+  for (const char* arch : {"unet", "dit"}) {
+    RunConfig cfg = base(arch);
+    cfg.train.steps = 12;
+    cfg.train.precision = Precision::kBf16;
+    if (std::string(arch) == "dit") cfg.train.self_cond = 0.5;
+    const std::string one = dir / (std::string(arch) + "-one"), two_dir = dir / (std::string(arch) + "-two"),
+                      again = dir / (std::string(arch) + "-again"), f32 = dir / (std::string(arch) + "-fp32");
+    ASSERT_EQ(train_ranks(1, {cfg}, one), std::vector<std::string>{""});
+    RunConfig two = piped(cfg, 2, "1f1b", std::string(arch) == "unet" ? std::vector<int64_t>{2} : std::vector<int64_t>{});
+    ASSERT_EQ(train_ranks(2, {two, two}, two_dir), (std::vector<std::string>{"", ""})) << arch;
+    ASSERT_EQ(train_ranks(2, {two, two}, again), (std::vector<std::string>{"", ""})) << arch;
+    EXPECT_EQ(losses(again), losses(two_dir)) << arch;
+    EXPECT_EQ(max_weight_difference(final_weights(again), final_weights(two_dir)), 0.0) << arch;
+    const auto l = losses(two_dir), want = losses(one);
+    ASSERT_EQ(l.size(), want.size()) << arch;
+    double worst = 0;
+    for (size_t i = 0; i < l.size(); ++i) worst = std::max(worst, std::abs(l[i] - want[i]) / want[i]);
+    EXPECT_LE(worst, 2e-2) << arch;
+    // Autocast was on: the same pipeline in fp32 computes other losses.
+    RunConfig fp32 = two;
+    fp32.train.precision = Precision::kFp32;
+    ASSERT_EQ(train_ranks(2, {fp32, fp32}, f32), (std::vector<std::string>{"", ""})) << arch;
+    EXPECT_NE(losses(f32), l) << arch;
+    for (const auto& [name, t] : final_weights(two_dir)) EXPECT_EQ(t.scalar_type(), torch::kFloat) << arch << " " << name;
+    std::printf("%s: 2 stages in bf16, losses within %.2e (relative) of one process in bf16\n", arch, worst);
+  }
+}
