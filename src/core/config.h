@@ -120,8 +120,8 @@ struct TrainConfig {
   int64_t seed = 0;
   int64_t threads = 0;           // intra-op threads per process (0 = the cores / the job's processes on this machine)
   // Where each process computes: auto | cpu | cuda | cuda:N (core/device.h; auto and cuda: the GPU of
-  // the process's LOCAL_RANK). docs/gpu.md says which modes run on a GPU so far.
-  std::string device = "cpu";
+  // the process's LOCAL_RANK; auto: the CPU where LibTorch sees no GPU). Every mode runs on a GPU.
+  std::string device = "auto";
   // fp32: every op in float32 (TF32 off on GPUs). bf16: the forward passes and their backward under
   // bfloat16 autocast; weights, gradients, AdamW state and EMA stay float32 (core/device.h).
   Precision precision = Precision::kFp32;

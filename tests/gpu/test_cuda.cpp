@@ -2,7 +2,8 @@
 // a GPU machine (scripts/gpu-check.sh). They check that the LibTorch ddm builds against runs CUDA
 // tensors: a matmul and every backbone preset's forward and backward on the GPU equal the CPU's
 // within float32 rounding (TF32 off: cuBLAS and cuDNN then compute in float32, in another order);
-// then that ddm trains there: the trainer on CUDA trains what it trains on the CPU, DiLoCo too, data parallelism
+// then that ddm trains there: the trainer on CUDA trains what it trains on the CPU, DiLoCo and a
+// pipeline's stages too (and `ddm plan` profiles there), data parallelism
 // over Gloo with CUDA tensors what one process trains (over NCCL too, where there are two GPUs), NCCL
 // forms a group and reduces with world size 1, a run moves between the CPU and the GPU on
 // resume, bf16 autocast follows fp32, deterministic runs repeat bit for bit, and sampling on CUDA
@@ -13,6 +14,7 @@
 #include <cstdlib>
 #include <filesystem>
 
+#include <nlohmann/json.hpp>
 #include <torch/cuda.h>
 #include <torch/torch.h>
 
@@ -20,6 +22,7 @@
 
 #include "comm/nccl.h"
 #include "core/device.h"
+#include "core/fileio.h"
 #include "core/safetensors.h"
 #include "core/presets.h"
 #include "data/dataset.h"
@@ -238,6 +241,61 @@ TEST(Gpu, DilocoOnCudaTrainsWhatItTrainsOnTheCpu) {
                                      " --set train.device=cuda --set parallel.backend=nccl --out " + (dir / "nccl"));
   EXPECT_NE(nccl.exit_code, 0);
   EXPECT_NE(nccl.output.find("DiLoCo (parallel.mode = diloco) synchronizes over Gloo"), std::string::npos) << nccl.output;
+}
+
+// A pipeline of 2 stages (`ddm launch --nproc 2`, parallel.pp = 2) with both processes on the one
+// GPU: the stages compute there, their carries and gradients go through host memory over Gloo (the
+// pipeline's wire, pipeline/wire.h), self-conditioning's first pass crosses the stages, and bubble
+// filling sends prepared rows between them. It trains what the same pipeline trains on the CPU; in
+// bf16 it stays within bf16 rounding of fp32 (the single-process bound below); the GPU run resumes
+// on the CPU as one process.
+TEST(Gpu, APipelineTrainsOnCudaAsOnTheCpu) {
+  if (no_gpu()) GTEST_SKIP() << kNoGpu;
+  TempDir dir;
+  write_launched_job(dir.path, "grad_accum = 4\nself_cond = 0.5\n[parallel]\npp = 2\nschedule = \"zb-h1\"\n");
+  const std::string run = "launch --nproc 2 -- train --quiet --config " + (dir / "c.toml");
+  const CommandResult cpu = run_ddm(run + " --set train.device=cpu --out " + (dir / "cpu"));
+  ASSERT_EQ(cpu.exit_code, 0) << cpu.output;
+  const CommandResult gpu = run_ddm(run + " --set train.device=cuda:0 --out " + (dir / "gpu"));
+  ASSERT_EQ(gpu.exit_code, 0) << gpu.output;
+  expect_same_training(dir / "gpu", dir / "cpu", "pipeline(2, zb-h1, filled) on cuda against the cpu");
+  const CommandResult bf16 =
+      run_ddm(run + " --set train.device=cuda:0 --set train.precision=bf16 --out " + (dir / "bf16"));
+  ASSERT_EQ(bf16.exit_code, 0) << bf16.output;
+  const auto lb = losses(dir / "bf16"), lf = losses(dir / "gpu");
+  ASSERT_EQ(lb.size(), lf.size());
+  double tail_f = 0, tail_b = 0;  // the last 10 steps' mean loss, as Bf16AutocastFollowsFp32Over50Steps bounds it
+  for (size_t i = lb.size() - 10; i < lb.size(); ++i) tail_f += lf[i] / 10, tail_b += lb[i] / 10;
+  EXPECT_NE(lb, lf) << "bf16 trained exactly what fp32 did: autocast was not on";
+  EXPECT_LE(std::abs(tail_b - tail_f) / tail_f, 2e-2);
+  std::printf("pipeline(2) in bf16 on cuda: last 10 steps' mean loss within %.2e (relative) of fp32's\n",
+              std::abs(tail_b - tail_f) / tail_f);
+  const CommandResult more = run_ddm("train --quiet --config " + (dir / "c.toml") +
+                                     " --set train.device=cpu --set parallel.pp=1 --set train.steps=30 --resume --out " +
+                                     (dir / "gpu"));
+  EXPECT_EQ(more.exit_code, 0) << more.output;
+  EXPECT_EQ(losses(dir / "gpu").size(), 30u);
+}
+
+// `ddm plan --device cuda` profiles the units on the GPU: its times are the device's (each reading
+// waits for the queued kernels), its activation bytes CUDA's allocator's, its machine the card's name.
+TEST(Gpu, PlanProfilesTheUnitsOnCuda) {
+  if (no_gpu()) GTEST_SKIP() << kNoGpu;
+  TempDir dir;
+  write_launched_job(dir.path, "");
+  const CommandResult r = run_ddm("plan --config " + (dir / "c.toml") + " --device cuda --rows 1 4 --devices 2 --save-profile " +
+                                  (dir / "p.json"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const nlohmann::json p = nlohmann::json::parse(read_file(dir / "p.json"));
+  EXPECT_EQ(p.at("machine").get<std::string>().rfind(gpu_name(torch::Device(torch::kCUDA, 0)) + ",", 0), 0u) << p.at("machine");
+  double forward = 0, activations = 0;
+  for (const auto& u : p.at("units"))
+    for (const auto& s : u.at("samples"))
+      forward += s.at("forward_ms").get<double>(), activations += s.at("activation_bytes").get<double>();
+  EXPECT_GT(forward, 0.0);
+  EXPECT_GT(activations, 0.0);
+  std::printf("plan on %s: %.3f ms of unit forwards, %.0f activation bytes in all\n", p.at("machine").get<std::string>().c_str(),
+              forward, activations);
 }
 
 TEST(Gpu, ARunMovesBetweenTheCpuAndTheGpuOnResume) {

@@ -221,14 +221,15 @@ TEST(Train, ADeviceItCannotUseIsAClearErrorAndLosesNothing) {
         << fresh.output;
     EXPECT_FALSE(fs::exists(fs::path(dir / "new") / "config.toml"));
   }
-  // A mode that trains on the CPU only so far, given a GPU: refused on any machine, nothing written.
-  auto mode = test::run_ddm("train --quiet" + cfg + " --set parallel.pp=2 --set train.device=cuda --out " +
-                            (dir / "diloco"));
-  EXPECT_EQ(mode.exit_code, 1) << mode.output;
-  EXPECT_NE(mode.output.find("train.device = cuda, but pipeline parallelism (parallel.pp > 1) trains on the CPU only so far"),
-            std::string::npos)
-      << mode.output;
-  EXPECT_FALSE(fs::exists(fs::path(dir / "diloco") / "config.toml"));
+  // A pipeline on GPUs, on a machine without one: every rank fails alone, naming itself, nothing written.
+  if (!gpu) {
+    auto pipe = test::run_ddm("launch --timeout 120 --nproc 2 -- train --quiet" + cfg +
+                              " --set parallel.pp=2 --set train.grad_accum=2 --set train.device=cuda --out " + (dir / "pipe"));
+    EXPECT_NE(pipe.exit_code, 0) << pipe.output;
+    EXPECT_NE(pipe.output.find("rank 1: train.device = cuda, but this machine has no CUDA GPU"), std::string::npos)
+        << pipe.output;
+    EXPECT_FALSE(fs::exists(fs::path(dir / "pipe") / "config.toml"));
+  }
   // A run on the CPU, then a resume asking for a GPU: refused, the checkpoint intact; on the CPU it goes on.
   ASSERT_EQ(test::run_ddm("train --quiet" + cfg + " --out " + (dir / "run")).exit_code, 0);
   auto bad = test::run_ddm("train --quiet" + cfg + " --set train.steps=8 --set train.device=cuda:7 --out " + (dir / "run") + " --resume");
@@ -241,7 +242,7 @@ TEST(Train, ADeviceItCannotUseIsAClearErrorAndLosesNothing) {
   }
   // parallel.backend = nccl carries CUDA tensors: with train.device = cpu it fails validation; with
   // auto on a machine without a GPU, every rank of a launched job fails alone, naming itself.
-  auto nccl_cpu = test::run_ddm("train --quiet" + cfg + " --set parallel.backend=nccl --out " + (dir / "nccl"));
+  auto nccl_cpu = test::run_ddm("train --quiet" + cfg + " --set parallel.backend=nccl --set train.device=cpu --out " + (dir / "nccl"));
   EXPECT_EQ(nccl_cpu.exit_code, 1) << nccl_cpu.output;
   EXPECT_NE(nccl_cpu.output.find("parallel.backend = nccl carries CUDA tensors, but train.device = cpu"), std::string::npos)
       << nccl_cpu.output;

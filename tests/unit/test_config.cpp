@@ -145,7 +145,7 @@ TEST(Config, DilocoValuesOutOfRange) {
   // parallel.backend: spelled out, and nccl only where tensors can be on a GPU.
   EXPECT_NE(error_of("", {"parallel.backend=mpi"}).find("parallel.backend = \"mpi\" is not one of: auto, gloo, nccl"),
             std::string::npos);
-  EXPECT_NE(error_of("", {"parallel.backend=nccl"}).find("parallel.backend = nccl carries CUDA tensors, but train.device = cpu"),
+  EXPECT_NE(error_of("", {"parallel.backend=nccl", "train.device=cpu"}).find("parallel.backend = nccl carries CUDA tensors, but train.device = cpu"),
             std::string::npos);
   EXPECT_EQ(error_of("", {"parallel.backend=nccl", "train.device=cuda"}), "");
   EXPECT_EQ(error_of("", {"parallel.backend=gloo", "train.device=cuda"}), "");

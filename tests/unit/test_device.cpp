@@ -41,7 +41,7 @@ TEST(Device, AGpuTheMachineLacksOrABadSpellingIsAClearError) {
 }
 
 TEST(Device, TheConfigKeyIsCheckedAsTheConfigIsRead) {
-  EXPECT_EQ(parse_config("", "t.toml").train.device, "cpu");
+  EXPECT_EQ(parse_config("", "t.toml").train.device, "auto");
   EXPECT_EQ(parse_config("", "t.toml", {"train.device=cuda:1"}).train.device, "cuda:1");
   EXPECT_TRUE(has(error_message([] { validate(parse_config("[train]\ndevice = \"gpu\"\n", "t.toml")); }),
                   "train.device = \"gpu\" is not one of: auto, cpu, cuda, cuda:N"));

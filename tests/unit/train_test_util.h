@@ -36,6 +36,10 @@ inline RunConfig tiny(const std::string& arch) {
   cfg.train.ckpt_every = 10;
   cfg.train.seed = 4;
   cfg.data.hflip = true;
+  // The CPU whatever the machine (train.device defaults to auto): these runs are the reference the
+  // GPU tests compare against, and ranks as threads sharing one GPU would wait on each other in a
+  // backward's gradient sync (tests/gpu/test_cuda.cpp says why).
+  cfg.train.device = "cpu";
   return cfg;
 }
 
