@@ -1,0 +1,117 @@
+// Image decoding and fitting (see decode.h). stb_image_resize's implementation lives in libstb.so.
+#include "data/decode.h"
+
+#include <spng.h>
+#include <stb_image_resize.h>
+#include <turbojpeg.h>
+#include <webp/decode.h>
+
+#include <memory>
+
+#include "core/error.h"
+
+namespace ddm {
+namespace {
+
+void check_size(int64_t w, int64_t h, const std::string& what) {
+  DDM_CHECK(w > 0 && h > 0 && w * h <= kMaxDecodedPixels,
+            what << ": the image claims " << w << " x " << h << " pixels (at most " << kMaxDecodedPixels << " are decoded)");
+}
+
+// uint8 [H, W, 3] RGB -> [channels, H, W]; channels 1: integer BT.601 luma, exact for grey pixels.
+torch::Tensor from_rgb(const torch::Tensor& hwc, int channels) {
+  if (channels == 3) return hwc.permute({2, 0, 1}).contiguous();
+  const auto w = hwc.to(torch::kInt32);
+  auto y = (w.select(2, 0) * 77 + w.select(2, 1) * 150 + w.select(2, 2) * 29 + 128).div(256, "floor");
+  return y.to(torch::kUInt8).unsqueeze(0).contiguous();  // [1, H, W]
+}
+
+struct TjFree {
+  void operator()(void* h) const { tjDestroy(h); }
+};
+
+torch::Tensor decode_jpeg(std::string_view bytes, int channels, const std::string& what) {
+  // One decompressor per thread: decoding runs on a pool of threads.
+  thread_local std::unique_ptr<void, TjFree> handle(tjInitDecompress());
+  DDM_CHECK(handle, what << ": libturbojpeg could not start a decompressor");
+  const auto* buf = reinterpret_cast<const unsigned char*>(bytes.data());
+  int w = 0, h = 0, subsamp = 0, colorspace = 0;
+  DDM_CHECK(tjDecompressHeader3(handle.get(), buf, static_cast<unsigned long>(bytes.size()), &w, &h, &subsamp, &colorspace) == 0,
+            what << ": not a JPEG libturbojpeg can read (" << tjGetErrorStr2(handle.get()) << ")");
+  check_size(w, h, what);
+  auto out = torch::empty({h, w, channels}, torch::kUInt8);
+  // A warning (a truncated or damaged stream, decoded with grey filling in) is an error here: a
+  // damaged image must not be trained on unnoticed.
+  const int rc = tjDecompress2(handle.get(), buf, static_cast<unsigned long>(bytes.size()), out.data_ptr<uint8_t>(), w, 0, h,
+                               channels == 1 ? TJPF_GRAY : TJPF_RGB, TJFLAG_STOPONWARNING | TJFLAG_ACCURATEDCT);
+  DDM_CHECK(rc == 0, what << ": the JPEG is damaged (" << tjGetErrorStr2(handle.get()) << ")");
+  return out.permute({2, 0, 1}).contiguous();
+}
+
+struct SpngFree {
+  void operator()(spng_ctx* c) const { spng_ctx_free(c); }
+};
+
+torch::Tensor decode_png(std::string_view bytes, int channels, const std::string& what) {
+  std::unique_ptr<spng_ctx, SpngFree> ctx(spng_ctx_new(0));
+  DDM_CHECK(ctx, what << ": libspng could not start a decoder");
+  spng_set_crc_action(ctx.get(), SPNG_CRC_ERROR, SPNG_CRC_DISCARD);
+  spng_set_chunk_limits(ctx.get(), size_t(1) << 26, size_t(1) << 26);  // no chunk may make it allocate more
+  int rc = spng_set_png_buffer(ctx.get(), bytes.data(), bytes.size());
+  spng_ihdr ihdr{};
+  if (rc == 0) rc = spng_get_ihdr(ctx.get(), &ihdr);
+  DDM_CHECK(rc == 0, what << ": not a PNG libspng can read (" << spng_strerror(rc) << ")");
+  check_size(ihdr.width, ihdr.height, what);
+  size_t size = 0;
+  rc = spng_decoded_image_size(ctx.get(), SPNG_FMT_RGB8, &size);
+  DDM_CHECK(rc == 0 && size == size_t(ihdr.width) * ihdr.height * 3, what << ": libspng cannot decode this PNG to RGB ("
+                                                                           << spng_strerror(rc) << ")");
+  auto hwc = torch::empty({static_cast<int64_t>(ihdr.height), static_cast<int64_t>(ihdr.width), 3}, torch::kUInt8);
+  rc = spng_decode_image(ctx.get(), hwc.data_ptr<uint8_t>(), size, SPNG_FMT_RGB8, 0);
+  DDM_CHECK(rc == 0, what << ": the PNG is damaged (" << spng_strerror(rc) << ")");
+  return from_rgb(hwc, channels);
+}
+
+torch::Tensor decode_webp(std::string_view bytes, int channels, const std::string& what) {
+  const auto* buf = reinterpret_cast<const uint8_t*>(bytes.data());
+  int w = 0, h = 0;
+  DDM_CHECK(WebPGetInfo(buf, bytes.size(), &w, &h), what << ": not a WebP image libwebp can read");
+  check_size(w, h, what);
+  auto hwc = torch::empty({h, w, 3}, torch::kUInt8);
+  DDM_CHECK(WebPDecodeRGBInto(buf, bytes.size(), hwc.data_ptr<uint8_t>(), static_cast<size_t>(hwc.numel()), w * 3),
+            what << ": the WebP image is damaged");
+  return from_rgb(hwc, channels);
+}
+
+}  // namespace
+
+bool is_decodable(const std::string& ext) { return ext == "jpg" || ext == "jpeg" || ext == "png" || ext == "webp"; }
+
+torch::Tensor decode_image(std::string_view bytes, const std::string& ext, int channels, const std::string& what) {
+  DDM_CHECK(channels == 1 || channels == 3, what << ": images decode to 1 or 3 channels, not " << channels);
+  DDM_CHECK(!bytes.empty(), what << ": the ." << ext << " file is empty");
+  if (ext == "jpg" || ext == "jpeg") return decode_jpeg(bytes, channels, what);
+  if (ext == "png") return decode_png(bytes, channels, what);
+  if (ext == "webp") return decode_webp(bytes, channels, what);
+  DDM_FAIL(what << ": ." << ext << " is not an image type ddm decodes (jpg, jpeg, png, webp)");
+}
+
+torch::Tensor crop_resize(const torch::Tensor& image, int64_t size, CropMode mode, double u) {
+  DDM_CHECK(image.dim() == 3 && image.scalar_type() == torch::kUInt8, "crop_resize takes a uint8 [C, H, W] image");
+  DDM_CHECK(size >= 1, "crop_resize: size must be >= 1, got " << size);
+  const int64_t c = image.size(0), h = image.size(1), w = image.size(2), s = std::min(h, w);
+  const double at = mode == CropMode::kCenter ? 0.5 : std::clamp(u, 0.0, 1.0 - 1e-12);
+  const int64_t y0 = mode == CropMode::kCenter ? (h - s) / 2 : static_cast<int64_t>(at * static_cast<double>(h - s + 1));
+  const int64_t x0 = mode == CropMode::kCenter ? (w - s) / 2 : static_cast<int64_t>(at * static_cast<double>(w - s + 1));
+  const torch::Tensor square = image.permute({1, 2, 0}).slice(0, y0, y0 + s).slice(1, x0, x0 + s);  // [s, s, C] view
+  if (s == size) return square.permute({2, 0, 1}).contiguous();
+  const torch::Tensor hwc = image.permute({1, 2, 0}).contiguous();
+  auto out = torch::empty({size, size, c}, torch::kUInt8);
+  const uint8_t* src = hwc.data_ptr<uint8_t>() + (y0 * w + x0) * c;
+  DDM_CHECK(stbir_resize_uint8(src, static_cast<int>(s), static_cast<int>(s), static_cast<int>(w * c), out.data_ptr<uint8_t>(),
+                               static_cast<int>(size), static_cast<int>(size), 0, static_cast<int>(c)) == 1,
+            "crop_resize: stb_image_resize failed on a " << s << " x " << s << " image");
+  return out.permute({2, 0, 1}).contiguous();
+}
+
+}  // namespace ddm

@@ -1,0 +1,32 @@
+// Decoding a sample's image bytes and fitting them to the model's resolution (docs/data.md), with
+// Debian's libraries: JPEG with libturbojpeg, PNG with libspng, WebP with libwebp; resizing with
+// stb_image_resize (libstb). Every decoder checks the header's size before it allocates, so a file
+// claiming a huge image is an error, not an allocation.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+#include <torch/types.h>
+
+namespace ddm {
+
+// The largest image decoded, in pixels (2^25: 6000 x 5500 fits; a lossless WebP of that size takes
+// 134 MB while it decodes).
+inline constexpr int64_t kMaxDecodedPixels = int64_t(1) << 25;
+
+// True for the extensions decode_image reads: jpg, jpeg, png, webp.
+bool is_decodable(const std::string& ext);
+
+// Decodes `bytes` (a file of type `ext`) to uint8 [channels, H, W]: channels 1 (luma, BT.601
+// weights, for a colour source) or 3 (grey replicated, for a grey source); alpha is dropped. Throws
+// ddm::Error naming `what` and the decoder's reason for bytes it cannot decode.
+torch::Tensor decode_image(std::string_view bytes, const std::string& ext, int channels, const std::string& what);
+
+// How a decoded image becomes size x size: `center` takes the centred square of the shorter side,
+// `random` a square of the shorter side at an offset drawn from `u` in [0, 1) (the caller's keyed
+// draw), then either is resized (Mitchell filter down, Catmull-Rom up, as stb_image_resize does).
+enum class CropMode { kCenter, kRandom };
+torch::Tensor crop_resize(const torch::Tensor& image, int64_t size, CropMode mode, double u = 0.5);
+
+}  // namespace ddm
