@@ -213,7 +213,7 @@ bool TarShardReader::next(ShardSample& out) {
   out.index = next_index_++;
   DDM_CHECK(seen_.insert(out.key).second, "shard " << name_ << ": sample '" << out.key
                                                    << "' appears twice, its files apart; a sample's files must be consecutive "
-                                                      "members (write shards with `ddm shards write`, or tar the files sorted)");
+                                                      "members (tar the files in sorted order)");
   for (;;) {
     DDM_CHECK(out.files.emplace(pending_ext_, std::move(pending_bytes_)).second,
               "shard " << name_ << ": sample '" << out.key << "' has two ." << pending_ext_ << " files");

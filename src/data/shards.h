@@ -1,8 +1,8 @@
-// WebDataset tar shards (docs/data.md): the shard list a user names in data.root, and the samples
+// WebDataset tar shards: the shard list a user names in data.root, and the samples
 // of one shard in their order. A sample is the files of one key: a tar member's path up to the first
 // dot of its file name ("train/n01440764_10026" of "train/n01440764_10026.jpg"), the rest its
-// extension ("jpg", "cls", "seg.png"), so shards written by webdataset, img2dataset or `ddm shards
-// write` read unchanged. A key's files are consecutive members, as those writers put them.
+// extension ("jpg", "cls", "seg.png"), so shards written by webdataset or img2dataset read
+// unchanged. A key's files are consecutive members, as those writers put them.
 //
 // Tar reading is libarchive's (Debian's libarchive-dev): it reads ustar, pax and GNU tar, and says
 // where an archive is truncated or corrupt. The brace patterns of shard lists are expanded here by
