@@ -116,6 +116,9 @@ Weights pipeline_grads(const Weights& init, const std::string& schedule_name, in
   EXPECT_EQ(schedule.stages, 2);
   const PipeSkipRoutes r = routes(direct);
   Weights got;
+  // Drawn once, before the ranks start: ranks as threads share LibTorch's default generator, so
+  // drawing on each would interleave their draws.
+  const std::vector<Prepared> p = inputs();
   const auto errors = test::run_ranks(ranks, test::short_timeouts(), [&](Comm& comm) {
     std::shared_ptr<Comm> c(&comm, [](Comm*) {});  // the runner owns it
     PipeWire wire(c, schedule, r.slots, /*bf16=*/false);
@@ -126,7 +129,6 @@ Weights pipeline_grads(const Weights& init, const std::string& schedule_name, in
         const torch::Tensor param = s == 0 ? w.w1 : w.w2;
         stages.emplace_back(s, 2, units_of(w, s), std::vector<torch::Tensor>{param}, wire, r, kRows);
       }
-    const std::vector<Prepared> p = inputs();
     run_actions(schedule, comm.rank(), stages, p);
     wire.wait_sends();
     if (schedule.rank_of(0) == comm.rank()) got.w1 = w.w1.grad();
