@@ -72,8 +72,11 @@ Dataset load_dataset(const DataConfig& cfg) {
     ds = load_image_folder(cfg.root);
   } else if (cfg.source == "safetensors") {
     ds = load_tensor_file(cfg.root);
+  } else if (cfg.source == "shards") {
+    DDM_FAIL("data.source = shards: this command reads its data whole, in memory, and shards are only streamed "
+             "(by `ddm train`) so far; give it the data the shards were written from, or a safetensors file");
   } else {
-    DDM_FAIL("data.source is '" << cfg.source << "'; choose fashion-mnist, folder or safetensors");
+    DDM_FAIL("data.source is '" << cfg.source << "'; choose fashion-mnist, folder, safetensors or shards");
   }
   DDM_CHECK(ds.images.dim() == 4 && ds.images.size(0) > 0, ds.description << ": the dataset has no images");
   DDM_CHECK(ds.labels.dim() == 1 && ds.labels.size(0) == ds.images.size(0),
@@ -152,6 +155,13 @@ void BatchLoader::set_cursor(const Cursor& c) {
             "data cursor (epoch " << c.epoch << ", index " << c.index << ") is out of range for a dataset of "
                                   << n << " images; the checkpoint belongs to a different dataset or data.limit");
   cursor_ = c;
+}
+
+Batch BatchLoader::peek(int64_t begin, int64_t count) {
+  const Cursor at = cursor_;
+  Batch b = next(begin, count);
+  cursor_ = at;
+  return b;
 }
 
 void BatchLoader::ensure_perm() {

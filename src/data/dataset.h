@@ -3,6 +3,7 @@
 // is saved in checkpoints so a resumed run sees exactly the same batches.
 #pragma once
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -10,8 +11,11 @@
 #include <torch/types.h>
 
 #include "core/config.h"
+#include "data/batch_source.h"
 
 namespace ddm {
+
+struct ShardIndex;
 
 struct Dataset {
   torch::Tensor images;                  // uint8 [N, C, H, W]
@@ -20,12 +24,16 @@ struct Dataset {
   std::vector<std::string> class_names;  // size num_classes (may be generic "class 3")
   std::string description;               // e.g. "fashion-mnist train: 60000 x 1x28x28, 10 classes"
   torch::Tensor clusters;                // int64 [N]: each image's cluster (routers, distillation; else undefined)
+  // Tar shards (data.source = "shards"): their index, and `images` holds only the first few samples,
+  // as data.resolution and data.channels make them, for the model's shape (open_shards).
+  std::shared_ptr<const ShardIndex> shards;
 };
 
 // Default root for the Debian package dataset-fashion-mnist.
 inline constexpr const char* kFashionMnistRoot = "/usr/share/datasets/fashion-mnist";
 
-// Loads according to cfg (source, root, split, limit). Throws ddm::Error with a clear message.
+// Loads according to cfg (source, root, split, limit). Throws ddm::Error with a clear message, also
+// for shards, which are streamed, not loaded (data/shard_loader.h's open_shards).
 Dataset load_dataset(const DataConfig& cfg);
 
 // Splits n images into a training part and `holdout` images withheld from it, chosen at random with
@@ -53,19 +61,16 @@ struct Batch {
 // Epoch-wise shuffling without replacement. The order of epoch e is a permutation drawn from a
 // generator seeded with (seed, e); flips are drawn from (seed, e, position). So the batch sequence is
 // a pure function of (seed, cursor), and restoring the cursor reproduces it exactly.
-class BatchLoader {
+class BatchLoader : public BatchSource {
  public:
-  struct Cursor {
-    int64_t epoch = 0;
-    int64_t index = 0;  // position within the epoch's permutation
-  };
   BatchLoader(const Dataset& data, int64_t batch_size, uint64_t seed, bool hflip);
   // The next global batch (wraps into the next epoch when the current one runs out: batches stay
   // full), or only its positions [begin, begin + count): a data-parallel rank's shard. The cursor
   // always advances by the whole global batch, so every rank walks the same sequence.
-  Batch next(int64_t begin = 0, int64_t count = -1);
-  Cursor cursor() const { return cursor_; }
-  void set_cursor(const Cursor& c);
+  Batch next(int64_t begin = 0, int64_t count = -1) override;
+  Batch peek(int64_t begin, int64_t count) override;
+  Cursor cursor() const override { return cursor_; }
+  void set_cursor(const Cursor& c) override;
 
  private:
   void ensure_perm();

@@ -96,6 +96,32 @@ torch::Tensor decode_image(std::string_view bytes, const std::string& ext, int c
   DDM_FAIL(what << ": ." << ext << " is not an image type ddm decodes (jpg, jpeg, png, webp)");
 }
 
+int image_channels(std::string_view bytes, const std::string& ext, const std::string& what) {
+  DDM_CHECK(!bytes.empty(), what << ": the ." << ext << " file is empty");
+  if (ext == "jpg" || ext == "jpeg") {
+    tjhandle h = tjInitDecompress();
+    DDM_CHECK(h, what << ": libturbojpeg could not start a decompressor");
+    int w = 0, ht = 0, subsamp = 0, colorspace = 0;
+    const int rc = tjDecompressHeader3(h, reinterpret_cast<const unsigned char*>(bytes.data()),
+                                       static_cast<unsigned long>(bytes.size()), &w, &ht, &subsamp, &colorspace);
+    const std::string why = rc == 0 ? std::string() : tjGetErrorStr2(h);
+    tjDestroy(h);
+    DDM_CHECK(rc == 0, what << ": not a JPEG libturbojpeg can read (" << why << ")");
+    return colorspace == TJCS_GRAY ? 1 : 3;
+  }
+  if (ext == "png") {
+    std::unique_ptr<spng_ctx, SpngFree> ctx(spng_ctx_new(0));
+    DDM_CHECK(ctx, what << ": libspng could not start a decoder");
+    spng_ihdr ihdr{};
+    int rc = spng_set_png_buffer(ctx.get(), bytes.data(), bytes.size());
+    if (rc == 0) rc = spng_get_ihdr(ctx.get(), &ihdr);
+    DDM_CHECK(rc == 0, what << ": not a PNG libspng can read (" << spng_strerror(rc) << ")");
+    return ihdr.color_type == SPNG_COLOR_TYPE_GRAYSCALE || ihdr.color_type == SPNG_COLOR_TYPE_GRAYSCALE_ALPHA ? 1 : 3;
+  }
+  if (ext == "webp") return 3;
+  DDM_FAIL(what << ": ." << ext << " is not an image type ddm decodes (jpg, jpeg, png, webp)");
+}
+
 torch::Tensor crop_resize(const torch::Tensor& image, int64_t size, CropMode mode, double u) {
   DDM_CHECK(image.dim() == 3 && image.scalar_type() == torch::kUInt8, "crop_resize takes a uint8 [C, H, W] image");
   DDM_CHECK(size >= 1, "crop_resize: size must be >= 1, got " << size);

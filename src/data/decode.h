@@ -23,6 +23,10 @@ bool is_decodable(const std::string& ext);
 // ddm::Error naming `what` and the decoder's reason for bytes it cannot decode.
 torch::Tensor decode_image(std::string_view bytes, const std::string& ext, int channels, const std::string& what);
 
+// The channels `bytes` hold by their header: 1 for a grey JPEG or PNG (with or without alpha), else 3.
+// Throws like decode_image for bytes that are not an image of type `ext`.
+int image_channels(std::string_view bytes, const std::string& ext, const std::string& what);
+
 // How a decoded image becomes size x size: `center` takes the centred square of the shorter side,
 // `random` a square of the shorter side at an offset drawn from `u` in [0, 1) (the caller's keyed
 // draw), then either is resized (Mitchell filter down, Catmull-Rom up, as stb_image_resize does).

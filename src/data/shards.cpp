@@ -185,6 +185,13 @@ bool TarShardReader::read_member() {
     const int64_t size = archive_entry_size(e);
     DDM_CHECK(size >= 0 && size <= kMaxMemberBytes,
               "shard " << name_ << ": member " << path << " claims " << size << " bytes (more than " << kMaxMemberBytes << ")");
+    const int64_t sample = key == building_key_ ? next_index_ - 1 : next_index_;
+    if (want_ && !want_(sample, ext)) {
+      DDM_CHECK(archive_read_data_skip(a) == ARCHIVE_OK,
+                "shard " << name_ << ": member " << path << " is truncated (" << archive_error_string(a) << ")");
+      pending_key_ = std::move(key), pending_ext_ = std::move(ext), pending_bytes_.clear();
+      return true;
+    }
     // Read in chunks, so that what is allocated is what the shard holds, not what a header claims.
     constexpr int64_t kChunk = int64_t(1) << 20;
     std::string bytes;
@@ -209,7 +216,7 @@ bool TarShardReader::next(ShardSample& out) {
     if (!has_pending_) return done_ = true, false;
   }
   out = ShardSample{};
-  out.key = pending_key_;
+  out.key = building_key_ = pending_key_;
   out.index = next_index_++;
   DDM_CHECK(seen_.insert(out.key).second, "shard " << name_ << ": sample '" << out.key
                                                    << "' appears twice, its files apart; a sample's files must be consecutive "

@@ -9,6 +9,7 @@
 // hand (glob(3) has no numeric ranges); globs are glob(3)'s.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <set>
@@ -63,6 +64,9 @@ class TarShardReader {
   // again after another).
   bool next(ShardSample& out);
   const std::string& name() const { return name_; }
+  // Which members' bytes next() reads: want(sample index, extension). A member not wanted is skipped
+  // without reading its data (a seek, on a file) and appears in `files` empty. Default: every member.
+  void set_filter(std::function<bool(int64_t, const std::string&)> want) { want_ = std::move(want); }
 
  private:
   struct Impl;
@@ -73,6 +77,8 @@ class TarShardReader {
   std::string pending_key_, pending_ext_, pending_bytes_, last_member_;
   int64_t next_index_ = 0;
   std::set<std::string> seen_;  // this shard's keys so far, to name one that comes again
+  std::string building_key_;    // the key of the sample next() is assembling
+  std::function<bool(int64_t, const std::string&)> want_;
 };
 
 // Writes one shard: members in the order added (a sample's files together), as a POSIX (pax) tar

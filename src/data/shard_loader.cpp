@@ -1,0 +1,292 @@
+// ShardLoader (see shard_loader.h): a producer thread ahead of the trainer, decoding on a pool.
+#include "data/shard_loader.h"
+
+#include <algorithm>
+#include <atomic>
+#include <iostream>
+#include <sstream>
+#include <vector>
+
+#include <torch/torch.h>
+
+#include "core/error.h"
+#include "core/rng.h"
+
+namespace ddm {
+namespace {
+
+// One sample, ready for the batch: its image [C, S, S] and label, or why it cannot be used.
+struct Decoded {
+  torch::Tensor image;
+  int64_t label = 0;
+  std::string bad;  // non-empty: the reason it is skipped (data.skip_bad)
+};
+
+Decoded decode_one(const ShardSample& s, const SampleRef& ref, int64_t epoch, const ShardIndex& index,
+                   const ShardOrder& order, const ShardLoaderOptions& o) {
+  const std::string what = "shard " + index.shards[static_cast<size_t>(ref.shard)] + ", sample '" + s.key + "'";
+  Decoded d;
+  try {
+    const std::pair<const std::string, std::string>* img = nullptr;
+    for (const auto& f : s.files)
+      if (is_decodable(f.first)) {
+        img = &f;
+        break;
+      }
+    DDM_CHECK(img, what << " has no image (.jpg, .jpeg, .png or .webp)");
+    const int64_t label = sample_label(s, what);
+    DDM_CHECK(index.num_classes == 0 || label >= 0, what << " has no label (.cls or .json), as the others have");
+    d.label = std::max<int64_t>(0, label);
+    // Keyed by the sample's place, not by when it is drawn: a resumed run draws the same values.
+    auto key = [&](RngPurpose p) {
+      return derive_seed({order.seed, static_cast<uint64_t>(p), static_cast<uint64_t>(epoch),
+                          static_cast<uint64_t>(ref.shard), static_cast<uint64_t>(ref.index)});
+    };
+    torch::Tensor x = decode_image(img->second, img->first, o.channels, what);  // uint8 [C, H, W]
+    x = crop_resize(x, o.resolution, o.crop, uniform_from_key(key(RngPurpose::kCrop)));  // uint8 [C, S, S]
+    if (o.hflip && (key(RngPurpose::kFlip) >> 63) != 0) x = x.flip({2}).contiguous();
+    d.image = x;
+  } catch (const Error& e) {
+    if (!o.skip_bad) throw;
+    d.bad = e.what();
+  }
+  return d;
+}
+
+// Runs f(i) for i in [0, n) on `threads` threads (this one among them); the first error is rethrown.
+template <class F>
+void parallel_for_each(int64_t n, int threads, F f) {
+  std::atomic<int64_t> next{0};
+  std::exception_ptr error;
+  std::mutex mu;
+  auto work = [&] {
+    for (int64_t i = next++; i < n; i = next++) {
+      try {
+        f(i);
+      } catch (...) {
+        std::lock_guard<std::mutex> lock(mu);
+        if (!error) error = std::current_exception();
+        next = n;
+      }
+    }
+  };
+  std::vector<std::thread> pool;
+  for (int t = 1; t < std::min<int64_t>(threads, n); ++t) pool.emplace_back(work);
+  work();
+  for (std::thread& t : pool) t.join();
+  if (error) std::rethrow_exception(error);
+}
+
+}  // namespace
+
+ShardLoader::ShardLoader(std::shared_ptr<const ShardIndex> index, ShardOrder order, ShardLoaderOptions options)
+    : index_(std::move(index)), order_(order), o_(options) {
+  DDM_CHECK(o_.batch > 0, "ShardLoader: the batch must have rows, got " << o_.batch);
+  DDM_CHECK(o_.resolution > 0, "data.resolution must be > 0 for shards, got " << o_.resolution);
+  DDM_CHECK(o_.channels == 1 || o_.channels == 3, "data.channels must be 1 or 3, got " << o_.channels);
+  ShardStream probe(index_, order_, 0, 0);  // the replica has samples (or a clear error, here)
+  start({});
+}
+
+ShardLoader::~ShardLoader() { stop(); }
+
+void ShardLoader::start(const Cursor& at) {
+  delivered_ = at;
+  stopping_ = false;
+  ready_.clear();
+  producer_ = std::thread([this, at] { produce(at); });
+}
+
+void ShardLoader::stop() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stopping_ = true;
+  }
+  cv_.notify_all();
+  if (producer_.joinable()) producer_.join();
+}
+
+ShardLoader::Prepared ShardLoader::prepare(ShardStream& stream) {
+  Prepared p;
+  std::vector<torch::Tensor> images;
+  std::vector<int64_t> labels;
+  while (static_cast<int64_t>(images.size()) < o_.batch) {
+    // Read what is still missing (reading is sequential), then decode it on the pool.
+    const int64_t need = o_.batch - static_cast<int64_t>(images.size());
+    std::vector<ShardSample> raw(static_cast<size_t>(need));
+    std::vector<SampleRef> refs(static_cast<size_t>(need));
+    std::vector<int64_t> epochs(static_cast<size_t>(need));
+    for (int64_t i = 0; i < need; ++i) {
+      if (stream.drawn() == stream.epoch_size()) epochs[static_cast<size_t>(i)] = stream.epoch() + 1;
+      else epochs[static_cast<size_t>(i)] = stream.epoch();
+      raw[static_cast<size_t>(i)] = stream.next(&refs[static_cast<size_t>(i)]);
+    }
+    std::vector<Decoded> done(static_cast<size_t>(need));
+    parallel_for_each(need, o_.threads, [&](int64_t i) {
+      const auto u = static_cast<size_t>(i);
+      done[u] = decode_one(raw[u], refs[u], epochs[u], *index_, order_, o_);
+    });
+    for (Decoded& d : done) {
+      if (!d.bad.empty()) {
+        ++p.skipped;
+        p.skip_note = d.bad;
+        continue;
+      }
+      images.push_back(d.image);
+      labels.push_back(d.label);
+    }
+  }
+  p.batch.x = to_unit_range(torch::stack(images));                             // float [B, C, S, S]
+  p.batch.y = torch::tensor(labels, torch::TensorOptions().dtype(torch::kInt64));  // int64 [B]
+  p.after = {stream.epoch(), stream.drawn()};
+  if (p.after.index == stream.epoch_size()) p.after = {stream.epoch() + 1, 0};
+  return p;
+}
+
+void ShardLoader::produce(Cursor at) {
+  std::unique_ptr<ShardStream> stream;
+  for (;;) {
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [&] { return stopping_ || static_cast<int>(ready_.size()) < o_.depth; });
+      if (stopping_) return;
+    }
+    Prepared p;
+    try {
+      if (!stream) stream = std::make_unique<ShardStream>(index_, order_, at.epoch, at.index);
+      p = prepare(*stream);
+      at = p.after;
+    } catch (...) {
+      p.error = std::current_exception();
+    }
+    const bool failed = static_cast<bool>(p.error);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      ready_.push_back(std::move(p));
+    }
+    cv_.notify_all();
+    if (failed) return;  // the error is handed out with the batch it stopped
+  }
+}
+
+ShardLoader::Prepared& ShardLoader::front() {
+  std::unique_lock<std::mutex> lock(mu_);
+  cv_.wait(lock, [&] { return !ready_.empty(); });
+  Prepared& p = ready_.front();
+  if (p.error) std::rethrow_exception(p.error);
+  return p;
+}
+
+Batch ShardLoader::next(int64_t begin, int64_t count) {
+  DDM_CHECK(count == -1 || count == o_.batch,
+            "ShardLoader: batches of " << o_.batch << " rows were prepared, " << count << " asked for");
+  Prepared& p = front();
+  Batch b = p.batch;
+  b.first = begin;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    delivered_ = p.after;
+    skipped_ += p.skipped;
+    if (!p.skip_note.empty()) last_skip_ = p.skip_note;
+    ready_.pop_front();
+  }
+  cv_.notify_all();
+  return b;
+}
+
+Batch ShardLoader::peek(int64_t begin, int64_t count) {
+  DDM_CHECK(count == o_.batch, "ShardLoader: batches of " << o_.batch << " rows were prepared, " << count << " asked for");
+  Batch b = front().batch;
+  b.first = begin;
+  return b;
+}
+
+BatchSource::Cursor ShardLoader::cursor() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return delivered_;
+}
+
+void ShardLoader::set_cursor(const Cursor& c) {
+  const int64_t size = c.epoch >= 0 ? static_cast<int64_t>(epoch_order(*index_, order_, c.epoch).size()) : 0;
+  DDM_CHECK(c.epoch >= 0 && c.index >= 0 && c.index < size,
+            "data position (epoch " << c.epoch << ", sample " << c.index << ") is out of range for replica "
+                                    << order_.replica << "'s " << size << " samples in that epoch; the checkpoint "
+                                    << "belongs to other shards");
+  stop();
+  start(c);
+}
+
+int64_t ShardLoader::skipped() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return skipped_;
+}
+
+std::string ShardLoader::last_skip() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return last_skip_;
+}
+
+}  // namespace ddm
+
+namespace ddm {
+
+ShardLoaderOptions shard_loader_options(const DataConfig& cfg, int64_t channels, int64_t batch, int local_processes) {
+  ShardLoaderOptions o;
+  o.batch = batch;
+  o.resolution = cfg.resolution;
+  o.channels = static_cast<int>(channels);
+  o.crop = cfg.crop == "random" ? CropMode::kRandom : CropMode::kCenter;
+  o.hflip = cfg.hflip;
+  o.skip_bad = cfg.skip_bad;
+  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  o.threads = cfg.decode_threads > 0 ? static_cast<int>(cfg.decode_threads)
+                                     : std::max(1, cores / (4 * std::max(1, local_processes)));
+  return o;
+}
+
+Dataset open_shards(const DataConfig& cfg, int threads, bool quiet) {
+  auto index = std::make_shared<ShardIndex>(
+      scan_shards(expand_shards(cfg.root, "data.root"), cfg.skip_bad, threads, "data.root"));
+  if (!quiet)
+    for (const std::string& note : index->notes) std::cout << "data: skipped the rest of a shard: " << note << "\n";
+  ShardOrder first;
+  first.shuffle = false;
+  // The first image says what data.channels = 0 means.
+  int64_t channels = cfg.channels;
+  if (channels == 0) {
+    ShardStream s(index, first, 0, 0);
+    for (int64_t i = 0; i < std::min<int64_t>(index->samples, 64) && channels == 0; ++i) {
+      SampleRef ref;
+      const ShardSample smp = s.next(&ref);
+      for (const auto& f : smp.files) {
+        if (!is_decodable(f.first)) continue;
+        try {
+          channels = image_channels(f.second, f.first, "shard " + index->shards[static_cast<size_t>(ref.shard)] + ", sample '" + smp.key + "'");
+        } catch (const Error&) {
+          if (!cfg.skip_bad) throw;
+        }
+        break;
+      }
+    }
+    DDM_CHECK(channels > 0, "data.root: none of the first 64 samples has an image ddm can read; set data.channels");
+  }
+  Dataset d;
+  d.shards = index;
+  d.num_classes = index->num_classes;
+  for (int64_t c = 0; c < d.num_classes; ++c) d.class_names.push_back("class " + std::to_string(c));
+  ShardLoaderOptions o = shard_loader_options(cfg, channels, std::min<int64_t>(index->samples, 8), 1);
+  o.crop = CropMode::kCenter, o.hflip = false, o.depth = 1;
+  ShardLoader probe(index, first, o);
+  const Batch b = probe.next();
+  d.images = to_uint8(b.x);  // uint8 [n, C, S, S]
+  d.labels = b.y;
+  std::ostringstream desc;
+  desc << "shards " << cfg.root << ": " << index->samples << " samples in " << index->shards.size() << " shard"
+       << (index->shards.size() > 1 ? "s" : "") << ", as " << channels << "x" << cfg.resolution << "x" << cfg.resolution
+       << " (" << cfg.crop << " crop), " << (d.num_classes > 0 ? std::to_string(d.num_classes) + " classes" : "unlabeled")
+       << ", streamed";
+  d.description = desc.str();
+  return d;
+}
+
+}  // namespace ddm

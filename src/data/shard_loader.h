@@ -1,0 +1,90 @@
+// ShardLoader: a data-parallel replica's batches from tar shards (data.source = "shards"). A thread
+// of its own reads the replica's ShardStream (shard_stream.h) and prepares the next batches while
+// the trainer computes: each sample decoded on a pool of threads, cropped to a square and resized to
+// data.resolution, flipped at random with data.hflip, labelled from its .cls or .json. The crop
+// offset and the flip are drawn from (seed, epoch, shard, position in the shard), so a resumed run
+// draws them again alike. A sample that cannot be used (a damaged image, a bad label) stops the run
+// with an error naming shard and key, or, with data.skip_bad, is skipped and counted; the next
+// sample takes its row.
+#pragma once
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+
+#include "data/batch_source.h"
+#include "data/dataset.h"
+#include "data/decode.h"
+#include "data/shard_stream.h"
+
+namespace ddm {
+
+struct ShardLoaderOptions {
+  int64_t batch = 1;       // rows per batch (this replica's share of the global batch)
+  int64_t resolution = 0;  // images become resolution x resolution
+  int channels = 3;        // 1 (luma) or 3 (RGB)
+  CropMode crop = CropMode::kCenter;
+  bool hflip = false;
+  bool skip_bad = false;
+  int threads = 1;         // decode threads
+  int depth = 2;           // batches prepared ahead
+};
+
+class ShardLoader : public BatchSource {
+ public:
+  ShardLoader(std::shared_ptr<const ShardIndex> index, ShardOrder order, ShardLoaderOptions options);
+  ~ShardLoader() override;
+  // `count` must be options.batch (or -1); `begin` is recorded as the batch's position (Batch::first).
+  Batch next(int64_t begin = 0, int64_t count = -1) override;
+  Batch peek(int64_t begin, int64_t count) override;
+  // (epoch, samples drawn in it) before the next batch.
+  Cursor cursor() const override;
+  void set_cursor(const Cursor& c) override;
+  bool per_replica() const override { return true; }
+  int replica() const override { return order_.replica; }
+  int replicas() const override { return order_.replicas; }
+  // Samples skipped as bad so far by the batches handed out (data.skip_bad), and the last one's reason.
+  int64_t skipped() const;
+  std::string last_skip() const;
+
+ private:
+  struct Prepared {
+    Batch batch;
+    Cursor after;           // the position after it
+    int64_t skipped = 0;    // bad samples it skipped
+    std::string skip_note;  // the last one's reason
+    std::exception_ptr error;
+  };
+  void start(const Cursor& at);
+  void stop();
+  void produce(Cursor at);
+  Prepared prepare(ShardStream& stream);
+  Prepared& front();
+
+  std::shared_ptr<const ShardIndex> index_;
+  ShardOrder order_;
+  ShardLoaderOptions o_;
+  Cursor delivered_;  // the position before the next batch handed out
+  int64_t skipped_ = 0;
+  std::string last_skip_;
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Prepared> ready_;
+  bool stopping_ = false;
+  std::thread producer_;
+};
+
+// Opens data.root's shards for training: scans them (shard_stream.h's scan_shards, on `threads`
+// threads) and decodes the first few samples as the loader will (data.channels 0 resolved from the
+// first image): a Dataset whose `shards` is set and whose `images` are only those samples. Prints the
+// scan's notes (skipped shard tails) unless quiet.
+Dataset open_shards(const DataConfig& cfg, int threads, bool quiet);
+
+// The loader options data.* give, for batches of `batch` rows.
+ShardLoaderOptions shard_loader_options(const DataConfig& cfg, int64_t channels, int64_t batch, int local_processes);
+
+}  // namespace ddm

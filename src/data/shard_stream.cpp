@@ -1,0 +1,264 @@
+// Scanning tar shards, a replica's order over them, and the stream of its samples (see
+// shard_stream.h).
+#include "data/shard_stream.h"
+
+#include <algorithm>
+#include <atomic>
+#include <exception>
+#include <thread>
+#include <unordered_map>
+
+#include <torch/torch.h>
+
+#include "core/error.h"
+#include "core/rng.h"
+#include "data/decode.h"
+
+namespace ddm {
+namespace {
+
+bool has_image(const ShardSample& s) {
+  for (const auto& f : s.files)
+    if (is_decodable(f.first)) return true;
+  return false;
+}
+
+// One shard's part of the index.
+struct ShardScan {
+  int64_t count = 0, labeled = 0, max_label = -1;
+  std::string unlabeled_key, labeled_key;  // one of each, to name in the mixed-labels error
+  bool cut = false;
+  std::string note;
+  std::exception_ptr error;
+};
+
+ShardScan scan_one(const std::string& path, bool skip_bad) {
+  ShardScan s;
+  try {
+    TarShardReader r(path);
+    r.set_filter([](int64_t, const std::string& ext) { return ext == "cls" || ext == "json"; });
+    ShardSample smp;
+    for (;;) {
+      try {
+        if (!r.next(smp)) break;
+      } catch (const Error& e) {
+        if (!skip_bad) throw;
+        s.cut = true;
+        s.note = std::string(e.what()) + "; its first " + std::to_string(s.count) + " samples are used";
+        break;
+      }
+      ++s.count;
+      const std::string what = "shard " + path + ", sample '" + smp.key + "'";
+      int64_t label = -1;
+      try {
+        DDM_CHECK(has_image(smp), what << " has no image (.jpg, .jpeg, .png or .webp); its files: "
+                                       << [&] {
+                                            std::string t;
+                                            for (const auto& f : smp.files) t += (t.empty() ? "." : ", .") + f.first;
+                                            return t;
+                                          }());
+        label = sample_label(smp, what);
+      } catch (const Error&) {
+        if (!skip_bad) throw;
+        continue;  // the loader finds it again, and skips and counts it
+      }
+      if (label >= 0) {
+        ++s.labeled;
+        s.max_label = std::max(s.max_label, label);
+        if (s.labeled_key.empty()) s.labeled_key = smp.key;
+      } else if (s.unlabeled_key.empty()) {
+        s.unlabeled_key = smp.key;
+      }
+    }
+  } catch (...) {
+    s.error = std::current_exception();
+  }
+  return s;
+}
+
+}  // namespace
+
+ShardIndex scan_shards(const std::vector<std::string>& shards, bool skip_bad, int threads, const std::string& key) {
+  DDM_CHECK(!shards.empty(), key << " names no shard");
+  std::vector<ShardScan> scans(shards.size());
+  std::atomic<size_t> next{0};
+  auto work = [&] {
+    for (size_t i = next++; i < shards.size(); i = next++) scans[i] = scan_one(shards[i], skip_bad);
+  };
+  std::vector<std::thread> pool;
+  for (int t = 1; t < std::max(1, std::min<int>(threads, static_cast<int>(shards.size()))); ++t) pool.emplace_back(work);
+  work();
+  for (std::thread& t : pool) t.join();
+
+  ShardIndex index;
+  index.shards = shards;
+  int64_t labeled = 0, max_label = -1;
+  const ShardScan* unlabeled = nullptr;
+  const ShardScan* with_label = nullptr;
+  for (size_t i = 0; i < shards.size(); ++i) {
+    const ShardScan& s = scans[i];
+    if (s.error) std::rethrow_exception(s.error);
+    index.counts.push_back(s.count);
+    index.samples += s.count;
+    labeled += s.labeled;
+    max_label = std::max(max_label, s.max_label);
+    if (s.cut) ++index.bad_shards, index.notes.push_back(s.note);
+    if (!s.unlabeled_key.empty() && !unlabeled) unlabeled = &s;
+    if (!s.labeled_key.empty() && !with_label) with_label = &s;
+  }
+  DDM_CHECK(index.samples > 0, key << ": the " << shards.size() << " shard" << (shards.size() > 1 ? "s hold" : " holds")
+                                   << " no sample (" << shards.front() << (shards.size() > 1 ? ", ..." : "") << ")");
+  if (unlabeled && with_label) {
+    const size_t u = static_cast<size_t>(unlabeled - scans.data()), l = static_cast<size_t>(with_label - scans.data());
+    DDM_CHECK(skip_bad, key << ": sample '" << unlabeled->unlabeled_key << "' of shard " << shards[u]
+                            << " has no label (.cls or .json) but sample '" << with_label->labeled_key << "' of shard "
+                            << shards[l] << " has one; label every sample or none (or set data.skip_bad = true "
+                            << "to skip the unlabeled ones)");
+  }
+  index.num_classes = labeled > 0 ? max_label + 1 : 0;
+  return index;
+}
+
+std::vector<int32_t> epoch_shards(const ShardIndex& index, const ShardOrder& o, int64_t epoch) {
+  const int64_t n = static_cast<int64_t>(index.shards.size());
+  std::vector<int32_t> order(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) order[static_cast<size_t>(i)] = static_cast<int32_t>(i);
+  if (o.shuffle) {
+    at::Generator gen = make_generator(
+        derive_seed({o.seed, static_cast<uint64_t>(RngPurpose::kDataOrder), static_cast<uint64_t>(epoch)}));
+    const torch::Tensor perm = torch::randperm(n, gen, torch::TensorOptions().dtype(torch::kInt64));
+    const int64_t* p = perm.data_ptr<int64_t>();
+    for (int64_t i = 0; i < n; ++i) order[static_cast<size_t>(i)] = static_cast<int32_t>(p[i]);
+  }
+  std::vector<int32_t> mine;
+  for (int64_t i = o.replica; i < n; i += o.replicas) mine.push_back(order[static_cast<size_t>(i)]);
+  return mine;
+}
+
+std::vector<SampleRef> epoch_order(const ShardIndex& index, const ShardOrder& o, int64_t epoch) {
+  std::vector<SampleRef> out;
+  std::vector<SampleRef> buffer;
+  const size_t cap = static_cast<size_t>(std::max<int64_t>(1, o.shuffle_buffer));
+  // The buffer's position for draw number out.size(), uniform over `size` positions.
+  auto pick = [&](size_t size) {
+    const uint64_t key = derive_seed({o.seed, static_cast<uint64_t>(RngPurpose::kShuffleBuffer),
+                                      static_cast<uint64_t>(epoch), static_cast<uint64_t>(o.replica), out.size()});
+    return std::min(size - 1, static_cast<size_t>(uniform_from_key(key) * static_cast<double>(size)));
+  };
+  for (const int32_t s : epoch_shards(index, o, epoch)) {
+    for (int64_t i = 0; i < index.counts[static_cast<size_t>(s)]; ++i) {
+      const SampleRef ref{s, i};
+      if (cap <= 1) {
+        out.push_back(ref);
+      } else if (buffer.size() < cap) {
+        buffer.push_back(ref);
+      } else {
+        const size_t j = pick(cap);
+        out.push_back(buffer[j]);
+        buffer[j] = ref;
+      }
+    }
+  }
+  while (!buffer.empty()) {
+    const size_t j = pick(buffer.size());
+    out.push_back(buffer[j]);
+    buffer[j] = buffer.back();
+    buffer.pop_back();
+  }
+  return out;
+}
+
+struct ShardStream::Reading {
+  std::unique_ptr<TarShardReader> reader;
+  int32_t shard = 0;
+  int64_t start = 0, count = 0, read = 0;
+};
+
+ShardStream::ShardStream(std::shared_ptr<const ShardIndex> index, ShardOrder order, int64_t epoch, int64_t drawn)
+    : index_(std::move(index)), o_(order) {
+  DDM_CHECK(o_.replicas >= 1 && o_.replica >= 0 && o_.replica < o_.replicas,
+            "replica " << o_.replica << " of " << o_.replicas << " does not exist");
+  DDM_CHECK(static_cast<int64_t>(index_->shards.size()) >= o_.replicas,
+            "data.root: " << index_->shards.size() << " shard" << (index_->shards.size() > 1 ? "s" : "") << " for "
+                          << o_.replicas << " data-parallel replicas; each replica reads shards of its own, so it "
+                          << "needs at least one: write the data as more, smaller shards (ddm shards write --shard-size N)");
+  begin_epoch(epoch, drawn);
+}
+
+ShardStream::~ShardStream() = default;
+
+void ShardStream::begin_epoch(int64_t epoch, int64_t drawn) {
+  epoch_ = epoch;
+  order_ = epoch_order(*index_, o_, epoch);
+  DDM_CHECK(!order_.empty(), "data.root: replica " << o_.replica << "'s shards in epoch " << epoch
+                                                   << " hold no sample (empty shards); remove the empty shards");
+  DDM_CHECK(drawn >= 0 && drawn < epoch_size(),
+            "data position (epoch " << epoch << ", sample " << drawn << ") is past replica " << o_.replica
+                                    << "'s epoch of " << epoch_size() << " samples; the checkpoint belongs to other shards");
+  shards_ = epoch_shards(*index_, o_, epoch);
+  std::vector<int64_t> first_of(index_->shards.size(), -1);
+  stream_start_.clear();
+  int64_t at = 0;
+  for (const int32_t s : shards_) {
+    first_of[static_cast<size_t>(s)] = at;
+    stream_start_.push_back(at);
+    at += index_->counts[static_cast<size_t>(s)];
+  }
+  drawn_at_.assign(static_cast<size_t>(at), 0);
+  for (size_t k = 0; k < order_.size(); ++k)
+    drawn_at_[static_cast<size_t>(first_of[static_cast<size_t>(order_[k].shard)] + order_[k].index)] = static_cast<int64_t>(k);
+  from_ = drawn_ = drawn;
+  next_shard_ = 0;
+  reading_.reset();
+  held_.clear();
+}
+
+bool ShardStream::read_one() {
+  for (;;) {
+    if (!reading_) {
+      if (next_shard_ == shards_.size()) return false;
+      const size_t i = next_shard_++;
+      auto r = std::make_unique<Reading>();
+      r->shard = shards_[i];
+      r->start = stream_start_[i];
+      r->count = index_->counts[static_cast<size_t>(r->shard)];
+      const auto first = drawn_at_.begin() + r->start;
+      if (r->count == 0 || *std::max_element(first, first + r->count) < from_) continue;  // all drawn before
+      r->reader = std::make_unique<TarShardReader>(index_->shards[static_cast<size_t>(r->shard)]);
+      const int64_t* at = drawn_at_.data() + r->start;
+      const int64_t from = from_;
+      r->reader->set_filter([at, from](int64_t sample, const std::string&) { return at[sample] >= from; });
+      reading_ = std::move(r);
+    }
+    Reading& r = *reading_;
+    if (r.read == r.count) {
+      reading_.reset();
+      continue;
+    }
+    ShardSample s;
+    DDM_CHECK(r.reader->next(s), "shard " << r.reader->name() << " ends after " << r.read << " samples, but held "
+                                          << r.count << " when this run began; a shard changed under a running job");
+    ++r.read;
+    const int64_t k = drawn_at_[static_cast<size_t>(r.start + s.index)];
+    if (k >= from_) held_.emplace(k, std::move(s));
+    return true;
+  }
+}
+
+ShardSample ShardStream::next(SampleRef* ref) {
+  if (drawn_ == epoch_size()) begin_epoch(epoch_ + 1, 0);
+  for (;;) {
+    auto it = held_.find(drawn_);
+    if (it != held_.end()) {
+      ShardSample s = std::move(it->second);
+      held_.erase(it);
+      if (ref) *ref = order_[static_cast<size_t>(drawn_)];
+      ++drawn_;
+      return s;
+    }
+    DDM_CHECK(read_one(), "replica " << o_.replica << ": the shards of epoch " << epoch_ << " ran out after "
+                                     << drawn_ << " of " << epoch_size() << " samples; a shard changed under a running job");
+  }
+}
+
+}  // namespace ddm

@@ -1,0 +1,27 @@
+// Writing a dataset ddm reads (Fashion-MNIST, a folder, a safetensors file) as WebDataset tar shards
+// (`ddm shards write`): sample i is key "%08d" with its image as lossless PNG (grey or RGB, as the
+// data is) and, for labelled data, its label as .cls; `shard_size` samples per shard, named
+// PREFIX-000000.tar, ... Each shard is written atomically, and the whole set is byte-reproducible.
+#pragma once
+#include <cstdint>
+#include <functional>
+#include <string>
+
+#include "data/dataset.h"
+
+namespace ddm {
+
+struct ShardsWritten {
+  int64_t shards = 0, samples = 0, bytes = 0;
+  std::string pattern;  // the brace pattern naming them all, for data.root
+};
+
+// Writes `data` into `dir` (created if missing; shards already there under the same names are
+// replaced). `progress(samples written)` is called after each shard.
+ShardsWritten write_shards(const Dataset& data, const std::string& dir, int64_t shard_size, const std::string& prefix,
+                           const std::function<void(int64_t)>& progress = {});
+
+// The PNG bytes of a uint8 [C, H, W] image, C 1 or 3.
+std::string png_of(const torch::Tensor& chw_u8);
+
+}  // namespace ddm

@@ -1,0 +1,243 @@
+// Streaming tar shards (data/shard_stream.h, data/shard_loader.h, data/shard_write.h): a dataset
+// written as shards reads back bit for bit in order with shuffling off; the replicas' epochs
+// together draw every sample exactly once; a stream or loader started at a saved position continues
+// with exactly the samples (and crops and flips) of an uninterrupted one; bad samples stop the run
+// naming shard and key, or with skip_bad are skipped and counted; bad shard sets are clear errors.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <set>
+
+#include "core/error.h"
+#include "data/shard_loader.h"
+#include "data/shard_stream.h"
+#include "data/shard_write.h"
+#include "data/shards.h"
+#include "test_util.h"
+
+using namespace ddm;
+namespace fs = std::filesystem;
+
+namespace {
+
+bool has(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
+
+// n random colour (or grey) images [n, c, h, w], labels i % 10.
+Dataset random_data(int64_t n, int64_t c, int64_t h, int64_t w) {
+  torch::manual_seed(5);
+  Dataset d;
+  d.images = torch::randint(0, 256, {n, c, h, w}, torch::kUInt8);
+  d.labels = torch::arange(n, torch::kInt64).remainder(10);
+  d.num_classes = 10;
+  d.description = "random";
+  return d;
+}
+
+std::shared_ptr<const ShardIndex> index_of(const std::string& pattern, bool skip_bad = false) {
+  return std::make_shared<const ShardIndex>(scan_shards(expand_shards(pattern, "data.root"), skip_bad, 2, "data.root"));
+}
+
+ShardLoaderOptions options(int64_t batch, int64_t resolution, int channels) {
+  ShardLoaderOptions o;
+  o.batch = batch, o.resolution = resolution, o.channels = channels, o.threads = 2;
+  return o;
+}
+
+TEST(ShardLoader, AWrittenDatasetReadsBackBitForBitInOrderWithoutShuffling) {
+  test::TempDir dir;
+  for (int64_t c : {1, 3}) {
+    const Dataset data = random_data(23, c, 8, 8);
+    const ShardsWritten w = write_shards(data, dir.path + "/c" + std::to_string(c), 5, "train");
+    EXPECT_EQ(w.shards, 5);
+    EXPECT_EQ(w.samples, 23);
+    const auto index = index_of(w.pattern);
+    EXPECT_EQ(index->counts, (std::vector<int64_t>{5, 5, 5, 5, 3}));
+    EXPECT_EQ(index->num_classes, 10);
+    ShardOrder order;
+    order.shuffle = false;
+    ShardLoader loader(index, order, options(4, 8, static_cast<int>(c)));
+    for (int64_t at = 0; at < 40; at += 4) {  // past the epoch's end: it wraps, batches stay full
+      const Batch b = loader.next(0, 4);
+      ASSERT_EQ(b.x.sizes(), (std::vector<int64_t>{4, c, 8, 8}));
+      for (int64_t i = 0; i < 4; ++i) {
+        const int64_t k = (at + i) % 23;
+        EXPECT_TRUE(torch::equal(b.x[i], to_unit_range(data.images[k]))) << "channels " << c << ", sample " << k;
+        EXPECT_EQ(b.y[i].item<int64_t>(), k % 10);
+      }
+    }
+    EXPECT_EQ(loader.cursor().epoch, 1);
+    EXPECT_EQ(loader.cursor().index, 40 - 23);
+  }
+}
+
+TEST(ShardLoader, TheReplicasEpochsTogetherDrawEverySampleExactlyOnce) {
+  test::TempDir dir;
+  const ShardsWritten w = write_shards(random_data(61, 1, 4, 4), dir.path, 4, "s");  // 16 shards
+  const auto index = index_of(w.pattern);
+  for (int replicas : {1, 3, 16}) {
+    for (int64_t epoch : {0, 1}) {
+      std::set<std::pair<int32_t, int64_t>> seen;
+      int64_t drawn = 0;
+      for (int r = 0; r < replicas; ++r) {
+        ShardOrder o;
+        o.seed = 9, o.replica = r, o.replicas = replicas, o.shuffle_buffer = 7;
+        for (const SampleRef& ref : epoch_order(*index, o, epoch)) {
+          seen.insert({ref.shard, ref.index});
+          ++drawn;
+        }
+      }
+      EXPECT_EQ(drawn, 61) << replicas << " replicas, epoch " << epoch;
+      EXPECT_EQ(seen.size(), 61u) << replicas << " replicas, epoch " << epoch;
+    }
+  }
+  // Shuffled: epochs differ from each other and from the written order.
+  ShardOrder o;
+  o.seed = 9, o.shuffle_buffer = 7;
+  const auto e0 = epoch_order(*index, o, 0), e1 = epoch_order(*index, o, 1);
+  auto keys = [](const std::vector<SampleRef>& v) {
+    std::vector<int64_t> k;
+    for (const SampleRef& r : v) k.push_back(r.shard * 4 + r.index);
+    return k;
+  };
+  std::vector<int64_t> written(61);
+  for (int64_t i = 0; i < 61; ++i) written[static_cast<size_t>(i)] = i;
+  EXPECT_NE(keys(e0), keys(e1));
+  EXPECT_NE(keys(e0), written);
+  // The buffer mixes samples across shard boundaries: some sample leaves after one of a later shard.
+  bool mixed = false;
+  for (size_t i = 1; i < e0.size(); ++i) mixed = mixed || (e0[i].shard != e0[i - 1].shard);
+  EXPECT_TRUE(mixed);
+}
+
+TEST(ShardLoader, AStreamStartedAtASavedPositionContinuesTheUninterruptedOne) {
+  test::TempDir dir;
+  const ShardsWritten w = write_shards(random_data(37, 3, 12, 10), dir.path, 5, "s");
+  const auto index = index_of(w.pattern);
+  ShardOrder o;
+  o.seed = 3, o.replica = 1, o.replicas = 2, o.shuffle_buffer = 6;
+  ShardStream whole(index, o, 0, 0);
+  std::vector<std::pair<int64_t, int64_t>> positions;
+  std::vector<ShardSample> samples;
+  for (int i = 0; i < 60; ++i) {  // about three of this replica's epochs
+    if (whole.drawn() == whole.epoch_size()) positions.push_back({whole.epoch() + 1, 0});
+    else positions.push_back({whole.epoch(), whole.drawn()});
+    samples.push_back(whole.next());
+  }
+  for (int start : {0, 1, 7, 18, 19, 20, 41}) {
+    ShardStream resumed(index, o, positions[static_cast<size_t>(start)].first, positions[static_cast<size_t>(start)].second);
+    for (int i = start; i < 60; ++i) {
+      const ShardSample s = resumed.next();
+      ASSERT_EQ(s.key, samples[static_cast<size_t>(i)].key) << "from draw " << start;
+      ASSERT_EQ(s.files, samples[static_cast<size_t>(i)].files) << "from draw " << start;
+    }
+  }
+  // The loader, with random crops and flips: batches after set_cursor are the uninterrupted ones.
+  ShardLoaderOptions lo = options(3, 8, 3);
+  lo.crop = CropMode::kRandom, lo.hflip = true;
+  ShardLoader a(index, o, lo);
+  std::vector<Batch> batches;
+  std::vector<BatchSource::Cursor> at;
+  for (int i = 0; i < 12; ++i) {
+    at.push_back(a.cursor());
+    batches.push_back(a.next(0, 3));
+  }
+  ShardLoader b(index, o, lo);
+  b.set_cursor(at[5]);
+  EXPECT_TRUE(torch::equal(b.peek(0, 3).x, batches[5].x));
+  for (int i = 5; i < 12; ++i) EXPECT_TRUE(torch::equal(b.next(0, 3).x, batches[static_cast<size_t>(i)].x)) << i;
+  // Random crops of a 12 x 10 image differ from the centre crop somewhere.
+  ShardLoaderOptions centre = options(3, 8, 3);
+  ShardLoader c(index, o, centre);
+  bool differs = false;
+  for (int i = 0; i < 12; ++i) differs = differs || !torch::equal(c.next(0, 3).x, batches[static_cast<size_t>(i)].x);
+  EXPECT_TRUE(differs);
+  EXPECT_TRUE(has(test::error_message([&] { b.set_cursor({0, 999}); }), "out of range for replica 1"));
+}
+
+TEST(ShardLoader, ABadSampleStopsTheRunNamingShardAndKeyOrWithSkipBadIsSkippedAndCounted) {
+  test::TempDir dir;
+  const Dataset data = random_data(6, 3, 8, 8);
+  {
+    TarShardWriter w(dir.path + "/bad.tar");
+    for (int64_t i = 0; i < 6; ++i) {
+      ShardSample s;
+      s.key = "img" + std::to_string(i);
+      s.files["png"] = png_of(data.images[i]);
+      s.files["cls"] = std::to_string(i);
+      if (i == 2) s.files["png"] = "not a png at all";
+      if (i == 4) s.files["cls"] = "four";
+      w.add(s);
+    }
+    w.finish();
+  }
+  const std::string path = dir.path + "/bad.tar";
+  ShardOrder o;
+  o.shuffle = false;
+  // The scan already refuses the bad label; the damaged image is found when it is decoded.
+  EXPECT_TRUE(has(test::error_message([&] { index_of(path); }), "sample 'img4': its .cls is \"four\""));
+  const auto index = index_of(path, /*skip_bad=*/true);
+  {
+    ShardLoaderOptions lo = options(3, 8, 3);
+    ShardLoader strict(index, o, lo);
+    const std::string e = test::error_message([&] { strict.next(0, 3); });
+    EXPECT_TRUE(has(e, "shard " + path + ", sample 'img2'")) << e;
+    EXPECT_TRUE(has(e, "not a PNG")) << e;
+  }
+  ShardLoaderOptions lo = options(4, 8, 3);
+  lo.skip_bad = true;
+  ShardLoader lenient(index, o, lo);
+  const Batch b = lenient.next(0, 4);
+  EXPECT_EQ(b.y.sizes(), (std::vector<int64_t>{4}));
+  EXPECT_EQ(b.y[0].item<int64_t>(), 0);
+  EXPECT_EQ(b.y[1].item<int64_t>(), 1);
+  EXPECT_EQ(b.y[2].item<int64_t>(), 3);  // img2 skipped
+  EXPECT_EQ(b.y[3].item<int64_t>(), 5);  // img4 skipped
+  EXPECT_EQ(lenient.skipped(), 2);
+  EXPECT_TRUE(has(lenient.last_skip(), "img4")) << lenient.last_skip();
+}
+
+TEST(ShardLoader, BadShardSetsAreClearErrors) {
+  test::TempDir dir;
+  const ShardsWritten w = write_shards(random_data(9, 1, 4, 4), dir.path, 3, "s");
+  const auto index = index_of(w.pattern);
+  ShardOrder o;
+  o.replicas = 4;
+  EXPECT_TRUE(has(test::error_message([&] { ShardStream(index, o, 0, 0); }), "3 shards for 4 data-parallel replicas"));
+  // Some samples labelled, some not.
+  {
+    TarShardWriter t(dir.path + "/mixed.tar");
+    ShardSample a, b;
+    a.key = "a", a.files = {{"png", png_of(torch::zeros({1, 4, 4}, torch::kUInt8))}, {"cls", "1"}};
+    b.key = "b", b.files = {{"png", png_of(torch::zeros({1, 4, 4}, torch::kUInt8))}};
+    t.add(a), t.add(b), t.finish();
+  }
+  EXPECT_TRUE(has(test::error_message([&] { index_of(dir.path + "/mixed.tar"); }),
+                  "sample 'b' of shard " + dir.path + "/mixed.tar has no label"));
+  // A sample without an image.
+  {
+    TarShardWriter t(dir.path + "/noimg.tar");
+    ShardSample a;
+    a.key = "a", a.files = {{"txt", "a caption"}, {"cls", "1"}};
+    t.add(a), t.finish();
+  }
+  EXPECT_TRUE(has(test::error_message([&] { index_of(dir.path + "/noimg.tar"); }), "sample 'a' has no image"));
+  // A truncated shard: an error, or with skip_bad cut where it breaks (the samples before it kept).
+  const std::string whole = dir.path + "/s-000001.tar", cut = dir.path + "/cut.tar";
+  {
+    std::ifstream in(whole, std::ios::binary);
+    std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    // A sample is 4 tar blocks of 512 bytes (cls header and data, png header and data): cut inside the
+    // third sample, after its label.
+    std::ofstream(cut, std::ios::binary) << bytes.substr(0, 2 * 2048 + 600);
+  }
+  EXPECT_TRUE(has(test::error_message([&] { index_of(cut); }), "shard " + cut));
+  const auto lenient = index_of(cut, true);
+  EXPECT_EQ(lenient->bad_shards, 1);
+  // The two whole samples before the break are kept, the broken one is not.
+  EXPECT_EQ(lenient->counts, std::vector<int64_t>{2});
+  ASSERT_EQ(lenient->notes.size(), 1u);
+  EXPECT_TRUE(has(lenient->notes[0], "shard " + cut)) << lenient->notes[0];
+}
+
+}  // namespace
