@@ -172,6 +172,12 @@ std::vector<Field> fields(RunConfig& c) {
       field("data.partition", &c.data.partition),
       field("data.expert", &c.data.expert),
       field("data.holdout", &c.data.holdout),
+      field("data.resolution", &c.data.resolution),
+      field("data.channels", &c.data.channels),
+      field("data.crop", &c.data.crop),
+      field("data.shuffle_buffer", &c.data.shuffle_buffer),
+      field("data.skip_bad", &c.data.skip_bad),
+      field("data.decode_threads", &c.data.decode_threads),
       field("model.preset", &c.model.preset),
       field("model.arch", &c.model.arch),
       field("model.in_channels", &c.model.in_channels),
@@ -374,7 +380,31 @@ namespace {
 // What the run trains on and as what: the data source and split, an expert's cluster, a router's
 // partition, the expert budget, distillation.
 void validate_data(const RunConfig& c) {
-  check_choice("data.source", c.data.source, {"fashion-mnist", "folder", "safetensors"});
+  check_choice("data.source", c.data.source, {"fashion-mnist", "folder", "safetensors", "shards"});
+  check_choice("data.crop", c.data.crop, {"center", "random"});
+  DDM_CHECK(c.data.channels == 0 || c.data.channels == 1 || c.data.channels == 3,
+            "data.channels must be 1 (grey), 3 (RGB) or 0 (as the first image), got " << c.data.channels);
+  DDM_CHECK(c.data.shuffle_buffer >= 0, "data.shuffle_buffer must be >= 0 samples (0: no mixing), got " << c.data.shuffle_buffer);
+  DDM_CHECK(c.data.decode_threads >= 0, "data.decode_threads must be >= 0 (0 = automatic), got " << c.data.decode_threads);
+  DDM_CHECK(c.data.resolution >= 0, "data.resolution must be >= 0, got " << c.data.resolution);
+  if (c.data.source == "shards") {
+    DDM_CHECK(!c.data.root.empty(), "data.source = shards needs data.root: a shard pattern (data/train-{000000..000127}.tar), "
+                                    "a glob or a list file");
+    DDM_CHECK(c.data.resolution > 0, "data.source = shards needs data.resolution: the size (e.g. 64) its images are "
+                                     "cropped square and resized to");
+    DDM_CHECK(c.data.limit == 0, "data.limit does not apply to shards; name fewer shards in data.root instead");
+    DDM_CHECK(c.data.partition.empty() && c.data.holdout == 0,
+              "data.partition and data.holdout (experts and routers) read their data in memory; with shards they are "
+              "not supported yet: write the shards' data to a safetensors file or train on the source it came from");
+    DDM_CHECK(!c.train.cache_latents, "train.cache_latents keeps every image's latent in memory, which shards are "
+                                      "streamed to avoid; remove it");
+    DDM_CHECK(c.model.controlnet.empty() && c.model.embed.empty(),
+              "model.controlnet and model.embed read their data in memory; with shards they are not supported yet");
+  } else {
+    DDM_CHECK(c.data.resolution == 0 && !c.data.skip_bad && c.data.crop == "center",
+              "data.resolution, data.crop and data.skip_bad apply to data.source = shards only (this is "
+                  << c.data.source << ")");
+  }
   check_choice("data.split", c.data.split, {"train", "test"});
   DDM_CHECK(c.data.limit >= 0, "data.limit must be >= 0 (0 = all), got " << c.data.limit);
   DDM_CHECK(c.data.expert >= -1, "data.expert must be a cluster index >= 0 (or -1 = none), got " << c.data.expert);

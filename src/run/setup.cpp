@@ -11,6 +11,7 @@
 #include "core/device.h"
 #include "core/error.h"
 #include "core/rng.h"
+#include "data/shard_loader.h"
 #include "model/unet.h"
 #include "train/controlnet.h"
 #include "train/embed.h"
@@ -100,6 +101,38 @@ CommOptions comm_options(const ParallelConfig& p) {
   return o;
 }
 
+// The data positions a checkpoint holds, one per replica of this run: its "replicas" list when the
+// loader keeps one per replica and the run has as many replicas as the checkpoint's, else its one
+// position for all (a per-replica run resumed with another replica count starts each replica at the
+// beginning of the latest epoch any replica had reached, and says so).
+std::vector<BatchSource::Cursor> saved_cursors(const Checkpoint& ck, const BatchSource& loader, bool quiet) {
+  const BatchSource::Cursor one{ck.field<int64_t>("/data_cursor/epoch"), ck.field<int64_t>("/data_cursor/index")};
+  std::vector<BatchSource::Cursor> out(static_cast<size_t>(loader.replicas()), one);
+  if (!loader.per_replica()) return out;
+  const nlohmann::json* saved = ck.state.contains("data_cursor") && ck.state["data_cursor"].contains("replicas")
+                                    ? &ck.state["data_cursor"]["replicas"]
+                                    : nullptr;
+  if (saved && saved->is_array() && static_cast<int>(saved->size()) == loader.replicas()) {
+    for (size_t r = 0; r < out.size(); ++r) {
+      const nlohmann::json& e = (*saved)[r];
+      DDM_CHECK(e.is_array() && e.size() == 2 && e[0].is_number_integer() && e[1].is_number_integer(),
+                "checkpoint state.json: data_cursor.replicas[" << r << "] is not [epoch, index]");
+      out[r] = {e[0].get<int64_t>(), e[1].get<int64_t>()};
+    }
+    return out;
+  }
+  int64_t latest = one.epoch;
+  if (saved && saved->is_array())
+    for (const nlohmann::json& e : *saved)
+      if (e.is_array() && e.size() == 2 && e[0].is_number_integer()) latest = std::max(latest, e[0].get<int64_t>());
+  if (!quiet)
+    std::cout << "note: the checkpoint's data positions are for " << (saved && saved->is_array() ? saved->size() : 1)
+              << " replica(s), this run has " << loader.replicas() << ": the shards are dealt anew, and every replica "
+              << "starts epoch " << latest + 1 << " from its beginning\n";
+  for (auto& c : out) c = {latest + 1, 0};
+  return out;
+}
+
 }  // namespace
 
 int set_threads(int64_t threads, int local_processes) {
@@ -142,7 +175,8 @@ TrainJob plain_job(RunConfig cfg) {
   validate(cfg);
   set_threads(cfg.train.threads);
   TrainJob job;
-  job.data = load_dataset(cfg.data);
+  job.data = cfg.data.source == "shards" ? open_shards(cfg.data, set_threads(cfg.train.threads), false)
+                                         : load_dataset(cfg.data);
   resolve_data_shape(cfg, job.data);
   DDM_CHECK(job.data.images.size(0) > 0, "the dataset " << job.data.description << " is empty");
   job.cfg = cfg;
@@ -257,11 +291,16 @@ std::vector<std::pair<std::string, std::string>> run_identity(const RunConfig& r
   kv.emplace_back("data (sha256 of the images and labels)",
                   sha256_hex(std::string(static_cast<const char*>(images.data_ptr()), images.nbytes()) +
                              std::string(static_cast<const char*>(labels.data_ptr()), labels.nbytes())));
+  if (data.shards) {  // the images above are only the first few: each rank's scan must agree too
+    std::string counts;
+    for (const int64_t n : data.shards->counts) counts += std::to_string(n) + " ";
+    kv.emplace_back("data (samples per shard)", sha256_hex(counts));
+  }
   kv.emplace_back("model (parameters)", std::to_string(count_params(*net)));
   return kv;
 }
 
-RunStart start_run(const TrainOptions& opt, const TrainJob& job, Net& net, Engine& engine, BatchLoader& loader,
+RunStart start_run(const TrainOptions& opt, const TrainJob& job, Net& net, Engine& engine, BatchSource& loader,
                    Comm& comm, bool rejoining) {
   const RunDir dir(opt.out_dir);
   const bool lead = comm.rank() == 0;
@@ -281,7 +320,8 @@ RunStart start_run(const TrainOptions& opt, const TrainJob& job, Net& net, Engin
           resumed_from = *latest;
           load_module_state(*net, ck.model, RunDir(*latest) / RunDir::kModel);
           optim.load(ck.model, ck.ema, ck.optim, ck.field<int64_t>("/optimizer_step"), *latest);
-          loader.set_cursor({ck.field<int64_t>("/data_cursor/epoch"), ck.field<int64_t>("/data_cursor/index")});
+          s.data_cursors = saved_cursors(ck, loader, opt.quiet);
+          loader.set_cursor(s.data_cursors[static_cast<size_t>(loader.replica())]);
           if (ck.state.contains("log_interval")) {  // absent in checkpoints of older versions
             s.interval_loss_sum = ck.field<double>("/log_interval/loss_sum");
             s.interval_steps = ck.field<int64_t>("/log_interval/steps");
@@ -337,7 +377,17 @@ RunStart start_run(const TrainOptions& opt, const TrainJob& job, Net& net, Engin
   }
   s.step = ints[0].item<int64_t>();
   optim.set_step_count(ints[1].item<int64_t>());
-  loader.set_cursor({ints[2].item<int64_t>(), ints[3].item<int64_t>()});
+  if (loader.per_replica()) {  // each replica its own position, from rank 0's checkpoint
+    auto at = torch::zeros({loader.replicas(), 2}, torch::kLong);
+    if (lead && !s.data_cursors.empty())
+      for (int r = 0; r < loader.replicas(); ++r)
+        at[r] = torch::tensor({s.data_cursors[static_cast<size_t>(r)].epoch, s.data_cursors[static_cast<size_t>(r)].index},
+                              torch::kLong);
+    comm.broadcast(at, 0);
+    loader.set_cursor({at[loader.replica()][0].item<int64_t>(), at[loader.replica()][1].item<int64_t>()});
+  } else {
+    loader.set_cursor({ints[2].item<int64_t>(), ints[3].item<int64_t>()});
+  }
   s.interval_steps = ints[4].item<int64_t>();
   s.sent_before = ints[5].item<int64_t>();
   s.interval_loss_sum = sums[0].item<double>();

@@ -53,6 +53,7 @@ struct RunStart {
   int64_t interval_steps = 0;
   int64_t sent_before = 0;            // bytes rank 0 had sent before this run resumed
   std::optional<Checkpoint> resumed;  // rank 0: the checkpoint it resumed from
+  std::vector<BatchSource::Cursor> data_cursors;  // rank 0, resumed: each replica's data position
 };
 
 // Rank 0 prepares the run directory (lock, config.toml, job.records) and, with opt.resume, loads the
@@ -60,7 +61,7 @@ struct RunStart {
 // not rejoining) every rank then learns whether that worked (rank 0's error, or one naming rank 0)
 // and takes rank 0's state: the resumed one (Engine::take_resumed and the model's buffers), or, on
 // a fresh start, a hash proves every rank's seeded initialization identical.
-RunStart start_run(const TrainOptions& opt, const TrainJob& job, Net& net, Engine& engine, BatchLoader& loader,
+RunStart start_run(const TrainOptions& opt, const TrainJob& job, Net& net, Engine& engine, BatchSource& loader,
                    Comm& comm, bool rejoining);
 
 // The run's header (data, model, objective, conditioning, batch and threads, the engine, out).

@@ -8,6 +8,7 @@
 #include <csignal>
 #include <iostream>
 #include <optional>
+#include <sstream>
 
 #include <nlohmann/json.hpp>
 
@@ -15,6 +16,7 @@
 #include "core/error.h"
 #include "core/progress.h"
 #include "core/rng.h"
+#include "data/shard_loader.h"
 #include "parallel/engine.h"
 #include "parallel/layout.h"
 #include "run/setup.h"
@@ -57,9 +59,21 @@ TrainSummary train(TrainJob job, const TrainOptions& options) {
   Net net = model.net;
   const auto identity = run_identity(job.recorded, data, net);  // before a pipeline stage freezes the others'
   // (Declared before the engine, which a DiLoCo replica's transfer hook below leaves holding them.)
-  BatchLoader loader(data, tc.batch_size,
-                     derive_seed({static_cast<uint64_t>(tc.seed), static_cast<uint64_t>(RngPurpose::kDataOrder)}),
-                     cfg.data.hflip);
+  const uint64_t data_seed = derive_seed({static_cast<uint64_t>(tc.seed), static_cast<uint64_t>(RngPurpose::kDataOrder)});
+  std::unique_ptr<BatchSource> source;
+  ShardLoader* shard_loader = nullptr;  // data.source = shards: each replica streams shards of its own
+  if (data.shards) {
+    ShardOrder order;
+    order.seed = data_seed, order.replica = layout.replica, order.replicas = layout.replicas;
+    order.shuffle_buffer = cfg.data.shuffle_buffer;
+    auto l = std::make_unique<ShardLoader>(
+        data.shards, order, shard_loader_options(cfg.data, data.images.size(1), layout.local_batch, proc.local_processes));
+    shard_loader = l.get();
+    source = std::move(l);
+  } else {
+    source = std::make_unique<BatchLoader>(data, tc.batch_size, data_seed, cfg.data.hflip);
+  }
+  BatchSource& loader = *source;
   bool ckpt_due = false;  // a checkpoint waits while the engine cannot take one (a DiLoCo all-reduce in flight)
   const std::unique_ptr<Engine> engine = make_engine({cfg, layout, net, job.objective, comm, data});
   FlatAdamW& optim = engine->optim();
@@ -72,11 +86,12 @@ TrainSummary train(TrainJob job, const TrainOptions& options) {
   start.step = step, start.resumed = run.resumed ? &*run.resumed : nullptr;
   start.rejoining = proc.rejoining, start.quiet = opt.quiet;
   // A replica joining mid-run also takes the data cursor and whether a checkpoint is due.
-  start.transfer = [&](Comm& c, int source) {
+  // (A replica reading shards of its own keeps its own position.)
+  start.transfer = [&](Comm& c, int from) {
     const auto cur = loader.cursor();
     auto t = torch::tensor({cur.epoch, cur.index, static_cast<int64_t>(ckpt_due)}, torch::kLong);
-    c.broadcast(t, source);
-    loader.set_cursor({t[0].item<int64_t>(), t[1].item<int64_t>()});
+    c.broadcast(t, from);
+    if (!loader.per_replica()) loader.set_cursor({t[0].item<int64_t>(), t[1].item<int64_t>()});
     ckpt_due = t[2].item<int64_t>() != 0;
   };
   const EngineBegun begun = engine->begin(start);
@@ -99,6 +114,20 @@ TrainSummary train(TrainJob job, const TrainOptions& options) {
   auto save = [&](int64_t at_step) {
     Checkpoint ck;
     engine->contribute(ck, at_step);  // a collective: every rank saves alike
+    // Each replica's own data position (shards), gathered from every rank.
+    nlohmann::json replicas = nlohmann::json::array();
+    if (loader.per_replica()) {
+      const auto c = loader.cursor();
+      const std::string mine = std::to_string(loader.replica()) + " " + std::to_string(c.epoch) + " " + std::to_string(c.index);
+      const std::vector<std::string> all = world > 1 ? comm->all_gather_strings(mine) : std::vector<std::string>{mine};
+      std::vector<nlohmann::json> by_replica(static_cast<size_t>(loader.replicas()));
+      for (const std::string& a : all) {
+        int64_t r = 0, e = 0, i = 0;
+        std::istringstream(a) >> r >> e >> i;
+        by_replica[static_cast<size_t>(r)] = {e, i};
+      }
+      replicas = by_replica;
+    }
     if (!lead) return last_ckpt;
     ck.step = at_step;
     ck.config_toml = config_text;
@@ -106,6 +135,7 @@ TrainSummary train(TrainJob job, const TrainOptions& options) {
     const auto cur = loader.cursor();
     ck.state["optimizer_step"] = optim.step_count();
     ck.state["data_cursor"] = {{"epoch", cur.epoch}, {"index", cur.index}};
+    if (loader.per_replica()) ck.state["data_cursor"]["replicas"] = replicas;
     ck.state["log_interval"] = {{"loss_sum", progress.interval_loss_sum()}, {"steps", progress.interval_steps()}};
     ck.state["rng"] = {{"seed", tc.seed},
                        {"scheme", "every draw is keyed by (seed, purpose, step, sample position): nothing else to save"}};
@@ -154,11 +184,8 @@ TrainSummary train(TrainJob job, const TrainOptions& options) {
     const int64_t shard_at = layout.shard_offset();
     const Batch shard = loader.next(shard_at, layout.local_batch).to(proc.device);
     std::vector<Batch> next;  // a filled pipeline prepares parts of the next step's batch in this step's bubbles
-    if (engine->wants_next() && step + 1 < tc.steps) {
-      const BatchLoader::Cursor at = loader.cursor();
-      next = split_micro(loader.next(shard_at, layout.local_batch).to(proc.device), tc.grad_accum);
-      loader.set_cursor(at);
-    }
+    if (engine->wants_next() && step + 1 < tc.steps)
+      next = split_micro(loader.peek(shard_at, layout.local_batch).to(proc.device), tc.grad_accum);
     const StepResult r = engine->step(split_micro(shard, tc.grad_accum), step, next);
     // Data parallel: the loss and the gradient norm are global, so every rank stops here alike. DiLoCo:
     // they are this replica's; the others learn of its exit at their next synchronization.
@@ -184,6 +211,7 @@ TrainSummary train(TrainJob job, const TrainOptions& options) {
         nlohmann::json rec = {{"step", step},          {"loss", progress.interval_loss()}, {"lr", r.lr},
                               {"grad_norm", r.grad_norm}, {"img_per_s", progress.interval_img_per_s()},
                               {"epoch", loader.cursor().epoch}};
+        if (shard_loader && cfg.data.skip_bad) rec["skipped_samples"] = shard_loader->skipped();  // replica 0's
         if (world > 1) {
           rec["sent_bytes"] = sent;
           rec["sent_bytes_per_step"] = (sent - interval_sent) / std::max<int64_t>(1, step - interval_first);

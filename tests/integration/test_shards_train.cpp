@@ -1,0 +1,171 @@
+// Training on tar shards end to end with the real `ddm` binary: `ddm shards write` turns Fashion-MNIST
+// into shards; a run on them killed with kill -9 and resumed ends with the bytes of the uninterrupted
+// run; two launched replicas, each reading shards of its own, resume exactly too; a damaged image
+// stops the run naming shard and key, or with data.skip_bad is skipped and counted in the metrics;
+// bad shard lists are clear errors.
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <thread>
+
+#include <nlohmann/json.hpp>
+
+#include "data/shard_write.h"
+#include "data/shards.h"
+#include "test_util.h"
+#include "train/checkpoint.h"
+
+namespace fs = std::filesystem;
+using namespace ddm;
+
+namespace {
+
+bool has(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
+
+// A tiny model on 512 Fashion-MNIST images written as 8 shards of 64, resized to 24 x 24.
+struct ShardRun {
+  test::TempDir dir;
+  std::string pattern;
+  ShardRun() {
+    const auto w = test::run_ddm("shards write --set data.limit=512 --shard-size 64 --out " + (dir / "shards"));
+    EXPECT_EQ(w.exit_code, 0) << w.output;
+    EXPECT_TRUE(has(w.output, "wrote 512 samples in 8 shards")) << w.output;
+    pattern = dir / "shards/train-{000000..000007}.tar";
+    test::write_text(dir / "tiny.toml", R"(
+[data]
+source = "shards"
+resolution = 24
+hflip = true
+shuffle_buffer = 50
+[model]
+preset = "unet-tiny"
+channels = 8
+channel_mult = [1, 2]
+groups = 4
+[train]
+batch_size = 16
+lr = 2e-3
+threads = 1
+log_every = 1
+ckpt_every = 10
+seed = 3
+)");
+  }
+  std::string train(const std::string& out, const std::string& sets, bool quiet = true) const {
+    return std::string(quiet ? "train --quiet" : "train") + " --config " + (dir / "tiny.toml") + " --set \"data.root=" + pattern + "\"" + sets + " --out " +
+           (dir / out);
+  }
+};
+
+std::string file_bytes(const std::string& path) { return test::read_text(path); }
+
+std::vector<nlohmann::json> metrics(const std::string& run) {
+  std::vector<nlohmann::json> out;
+  std::ifstream in(run + "/metrics.jsonl");
+  std::string line;
+  while (std::getline(in, line)) out.push_back(nlohmann::json::parse(line));
+  return out;
+}
+
+}  // namespace
+
+TEST(ShardsTrain, ResumeAfterKillIsBitIdentical) {
+  ShardRun r;
+  const std::string sets = " --set train.steps=80";  // 80 x 16 = 1280 samples: past two epochs of 512
+  auto ref = test::run_ddm(r.train("ref", sets));
+  ASSERT_EQ(ref.exit_code, 0) << ref.output;
+  const std::string out = r.dir / "killed";
+  auto pid_res = test::run_command(test::ddm_binary() + " " + r.train("killed", sets) + " >/dev/null 2>&1 & echo $!");
+  const int pid = std::stoi(pid_res.output);
+  for (int i = 0; i < 1200 && list_checkpoints(out).size() < 3; ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  test::run_command("kill -9 " + std::to_string(pid));
+  test::run_command("while kill -0 " + std::to_string(pid) + " 2>/dev/null; do sleep 0.05; done");
+  const auto at_kill = latest_checkpoint(out);
+  ASSERT_TRUE(at_kill.has_value());
+  auto res = test::run_ddm(r.train("killed", sets, /*quiet=*/false) + " --resume");
+  ASSERT_EQ(res.exit_code, 0) << res.output;
+  if (*at_kill != out + "/ckpt/step-00000080") EXPECT_TRUE(has(res.output, "resuming from")) << res.output;
+  for (const char* file : {"model.safetensors", "ema.safetensors", "optim.safetensors"}) {
+    const std::string want = file_bytes(r.dir / ("ref/ckpt/step-00000080/" + std::string(file)));
+    ASSERT_FALSE(want.empty()) << file;
+    EXPECT_TRUE(want == file_bytes(out + "/ckpt/step-00000080/" + file)) << file << " differs";
+  }
+  const auto m = metrics(r.dir / "ref");
+  ASSERT_EQ(m.size(), 80u);
+  EXPECT_EQ(m.back()["epoch"], 2);  // 1280 samples drawn from 512
+}
+
+TEST(ShardsTrain, TwoLaunchedReplicasResumeAsTheyWouldHaveGoneOn) {
+  ShardRun r;
+  auto whole = test::run_ddm("launch --timeout 300 --nproc 2 -- " + r.train("whole", " --set train.steps=20"));
+  ASSERT_EQ(whole.exit_code, 0) << whole.output;
+  auto first = test::run_ddm("launch --timeout 300 --nproc 2 -- " + r.train("split", " --set train.steps=10"));
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  auto rest = test::run_ddm("launch --timeout 300 --nproc 2 -- " + r.train("split", " --set train.steps=20") + " --resume");
+  ASSERT_EQ(rest.exit_code, 0) << rest.output;
+  EXPECT_TRUE(file_bytes(r.dir / "whole/ckpt/step-00000020/model.safetensors") ==
+              file_bytes(r.dir / "split/ckpt/step-00000020/model.safetensors"));
+  // Each replica's own position: 20 steps x 8 rows each.
+  const auto state = nlohmann::json::parse(file_bytes(r.dir / "whole/ckpt/step-00000020/state.json"));
+  EXPECT_EQ(state["data_cursor"]["replicas"], nlohmann::json::parse("[[0, 160], [0, 160]]")) << state.dump();
+  // Resumed as one process: the shards are dealt anew, from the next epoch, and it says so.
+  auto alone = test::run_ddm(r.train("split", " --set train.steps=25", /*quiet=*/false) + " --resume");
+  ASSERT_EQ(alone.exit_code, 0) << alone.output;
+  EXPECT_TRUE(has(alone.output, "are for 2 replica(s), this run has 1")) << alone.output;
+  EXPECT_TRUE(has(alone.output, "starts epoch 1 from its beginning")) << alone.output;
+}
+
+TEST(ShardsTrain, ADamagedImageStopsTheRunOrWithSkipBadIsSkippedAndCounted) {
+  ShardRun r;
+  // Shard 3 again, its sample 00000200's PNG replaced by bytes that are not a PNG.
+  const std::string bad = r.dir / "shards/train-000003.tar";
+  {
+    TarShardReader in(bad);
+    std::vector<ShardSample> samples;
+    ShardSample s;
+    while (in.next(s)) samples.push_back(s);
+    ASSERT_EQ(samples.size(), 64u);
+    samples[8].files["png"] = "this is not a png";
+    ASSERT_EQ(samples[8].key, "00000200");
+    TarShardWriter out(bad);
+    for (const ShardSample& x : samples) out.add(x);
+    out.finish();
+  }
+  // 32 x 16 rows: the whole epoch (the bad sample once) and one sample of the next (never it: it is a
+  // shard's ninth, and without a shuffle buffer an epoch starts with a shard's first).
+  const std::string sets = " --set train.steps=32 --set data.shuffle_buffer=0";
+  auto strict = test::run_ddm(r.train("strict", sets));
+  EXPECT_NE(strict.exit_code, 0) << strict.output;
+  EXPECT_TRUE(has(strict.output, "shard " + bad + ", sample '00000200'")) << strict.output;
+  EXPECT_TRUE(has(strict.output, "not a PNG")) << strict.output;
+  auto lenient = test::run_ddm(r.train("lenient", sets + " --set data.skip_bad=true"));
+  ASSERT_EQ(lenient.exit_code, 0) << lenient.output;
+  const auto m = metrics(r.dir / "lenient");
+  ASSERT_FALSE(m.empty());
+  EXPECT_EQ(m.back()["skipped_samples"], 1) << m.back().dump();
+}
+
+TEST(ShardsTrain, BadShardListsAndKeysAreClearErrors) {
+  ShardRun r;
+  auto missing = test::run_ddm("train --quiet --config " + (r.dir / "tiny.toml") + " --set \"data.root=" +
+                               (r.dir / "shards/train-{000000..000009}.tar") + "\" --out " + (r.dir / "m"));
+  EXPECT_NE(missing.exit_code, 0);
+  EXPECT_TRUE(has(missing.output, r.dir / "shards/train-000008.tar")) << missing.output;
+  EXPECT_FALSE(fs::exists(r.dir / "m/config.toml"));
+  auto no_res = test::run_ddm("train --quiet --config " + (r.dir / "tiny.toml") + " --set \"data.root=" + r.pattern +
+                              "\" --set data.resolution=0 --out " + (r.dir / "n"));
+  EXPECT_NE(no_res.exit_code, 0);
+  EXPECT_TRUE(has(no_res.output, "needs data.resolution")) << no_res.output;
+  auto too_few = test::run_ddm("launch --timeout 120 --nproc 2 -- train --quiet --config " + (r.dir / "tiny.toml") +
+                               " --set \"data.root=" + (r.dir / "shards/train-000000.tar") + "\" --out " + (r.dir / "f"));
+  EXPECT_NE(too_few.exit_code, 0);
+  EXPECT_TRUE(has(too_few.output, "1 shard for 2 data-parallel replicas")) << too_few.output;
+  // A command that reads its data whole says so.
+  test::write_text(r.dir / "p.toml", "[data]\nsource = \"shards\"\nresolution = 24\nroot = \"" + r.pattern + "\"\n");
+  auto elsewhere = test::run_ddm("partition --config " + (r.dir / "p.toml") + " --k 2 --out " + (r.dir / "p"));
+  EXPECT_NE(elsewhere.exit_code, 0);
+  EXPECT_TRUE(has(elsewhere.output, "shards are only streamed")) << elsewhere.output;
+}
