@@ -173,10 +173,9 @@ void resolve_data_shape(RunConfig& cfg, const Dataset& data) {
 
 TrainJob plain_job(RunConfig cfg) {
   validate(cfg);
-  set_threads(cfg.train.threads);
+  const int threads = set_threads(cfg.train.threads);
   TrainJob job;
-  job.data = cfg.data.source == "shards" ? open_shards(cfg.data, set_threads(cfg.train.threads), false)
-                                         : load_dataset(cfg.data);
+  job.data = cfg.data.source == "shards" ? open_shards(cfg.data, threads, false) : load_dataset(cfg.data);
   resolve_data_shape(cfg, job.data);
   DDM_CHECK(job.data.images.size(0) > 0, "the dataset " << job.data.description << " is empty");
   job.cfg = cfg;
