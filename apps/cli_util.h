@@ -74,8 +74,10 @@ Command add_launch_command(CLI::App& app, int argc, char** argv);
 // The decentralized quickstart's training (apps/decentral_cli.cpp): writes OUT/quickstart.toml (the
 // experts' config) and OUT/islands.toml, then runs those islands: a K = 4 partition, four experts
 // splitting the global batch, a router, and OUT/ensemble.json. expert_steps / router_steps / threads
-// of 0 keep the defaults; device is every island's train.device. Returns the islands' exit code.
+// of 0 keep the defaults; device is every island's train.device; concurrency islands run at once
+// (run.concurrency). Returns the islands' exit code.
 int run_quickstart_islands(const std::string& out, const std::string& experts_config, int64_t expert_steps,
-                           int64_t router_steps, int64_t threads, const std::string& device);
+                           int64_t router_steps, int64_t threads, const std::string& device,
+                           int64_t concurrency);
 
 }  // namespace ddm

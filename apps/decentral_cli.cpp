@@ -232,7 +232,8 @@ int islands_cmd(const std::string& action, const IslandsArgs& a) {
 }  // namespace
 
 int run_quickstart_islands(const std::string& out, const std::string& experts_config, int64_t expert_steps,
-                           int64_t router_steps, int64_t threads, const std::string& device) {
+                           int64_t router_steps, int64_t threads, const std::string& device,
+                           int64_t concurrency) {
   const std::string abs = fs::absolute(out).lexically_normal().string();
   DDM_CHECK(abs.find('\'') == std::string::npos && abs.find('\n') == std::string::npos,
             "--out: a path with a ' or a line break is not supported: " << abs);
@@ -246,7 +247,7 @@ int run_quickstart_islands(const std::string& out, const std::string& experts_co
     << (expert_steps > 0 ? "\"train.steps=" + std::to_string(expert_steps) + "\", " : std::string())
     << "\"train.device=" << device << "\"]\n\n"
     << "[router]\npreset = \"router-dit-tiny\"\nholdout = 1000\nset = [\"train.steps="
-    << (router_steps > 0 ? router_steps : 600) << "\", \"train.device=" << device << "\"]\n\n[run]\nconcurrency = 1\nretries = 2\nthreads = " << threads
+    << (router_steps > 0 ? router_steps : 600) << "\", \"train.device=" << device << "\"]\n\n[run]\nconcurrency = " << concurrency << "\nretries = 2\nthreads = " << threads
     << "\nrouting = \"top1\"\n";
   const std::string file = (fs::path(abs) / "islands.toml").string();
   write_file_atomic(file, f.str());

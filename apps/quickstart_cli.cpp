@@ -77,7 +77,7 @@ int quickstart_cmd(const QuickstartArgs& q) {
   DDM_CHECK(!(islands && q.monolith), q.out << " holds a decentralized quickstart (" << q.out
                                              << "/islands.toml); drop --monolith to continue it, or use another --out");
   // A device this machine lacks fails here, before any island starts.
-  resolve_device(q.device, 0, "--device");
+  const bool gpu = resolve_device(q.device, 0, "--device").is_cuda();
   const auto t0 = std::chrono::steady_clock::now();
   SampleArgs a;
   a.out = RunDir(q.out) / RunDir::kSamples;
@@ -97,8 +97,9 @@ int quickstart_cmd(const QuickstartArgs& q) {
   } else {
     std::cout << "ddm quickstart: " << (islands ? "continuing" : "training")
               << " a decentralized ensemble in " << q.out
-              << ": a partition of Fashion-MNIST into 4 clusters, 4 experts trained in isolation, one after "
-                 "another (batch 32 each), then a router. Progress every 30 s; each island logs to "
+              << ": a partition of Fashion-MNIST into 4 clusters, 4 experts trained in isolation (batch 32 each) "
+              << (gpu ? "and a router, all at once on the GPU" : "one after another, then a router")
+              << ". Progress every 30 s; each island logs to "
               << q.out << "/logs." << std::endl;
     // Another Fashion-MNIST directory goes into the experts' config, which every island reads.
     std::string config = kQuickstartConfig;
@@ -111,7 +112,7 @@ int quickstart_cmd(const QuickstartArgs& q) {
       config.insert(config.find(source) + source.size(), "root = '" + root + "'\n");
     }
     const int rc = run_quickstart_islands(q.out, config, q.steps, q.steps > 0 ? std::max<int64_t>(1, q.steps / 2) : 0,
-                                          q.threads, q.device);
+                                          q.threads, q.device, gpu ? 5 : 1);
     if (rc != 0) return rc;
     a.ensemble = q.out;
   }

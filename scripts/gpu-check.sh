@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # The GPU checks, on a machine with a CUDA GPU and PyTorch 2.11 (+cu130) in its python3. Two steps:
 #   scripts/gpu-check.sh pack DIR     (here, after scripts/setup.sh) copies what the checks run,
-#                                     stripped (the test binaries, ddm, ddm_bench), the libraries a GPU
-#                                     machine may lack (toml++, stb, tcmalloc, OpenSSL's libcrypto) and
+#                                     stripped (the test binaries, ddm, ddm_bench), the system libraries
+#                                     they link (a GPU machine may lack them) and
 #                                     Fashion-MNIST into DIR, to carry there;
 #   scripts/gpu-check.sh run DIR OUT  (there) runs them against that machine's LibTorch (the torch of
 #                                     its python3, or $TORCH_LIB) and writes each one's output to OUT:
 #       test_torch_build  the LibTorch build: 2.11, libtorch_cuda loaded, Gloo from the wheel;
 #       test_cuda         the `gpu` tests: CUDA results equal the CPU's within float32 rounding, and
 #                         ddm trains, resumes and samples there (tests/gpu/test_cuda.cpp);
+#   (TESTS=0 skips those two)
 #   then (unless GPU_BENCH=0) the GPU benchmark side by side: ddm's training step (ddm_bench train) and
 #   PyTorch's (bench/reference.py) for dit-b and unet-small at batch 256 in bf16, PyTorch eager and
 #   torch.compile (unless REF_COMPILE=0), dit-b in fp32; one JSON line each in OUT/bench.jsonl;
@@ -22,8 +23,7 @@ what=${1:-}
 case "$what" in
   pack)
     dir=${2:?usage: $0 pack DIR}
-    mkdir -p "$dir/lib"
-    mkdir -p "$dir/bin" "$dir/fashion-mnist"
+    mkdir -p "$dir/lib" "$dir/bin" "$dir/fashion-mnist"
     for b in test_torch_build test_cuda; do
       [ -x "build/$b" ] || { echo "gpu-check: build/$b is missing: run scripts/setup.sh first" >&2; exit 1; }
       strip -o "$dir/$b" "build/$b"
@@ -32,8 +32,12 @@ case "$what" in
       [ -x "build/$b" ] || { echo "gpu-check: build/$b is missing: run scripts/setup.sh first" >&2; exit 1; }
       strip -o "$dir/bin/$b" "build/$b"
     done
-    cp -L /usr/lib/x86_64-linux-gnu/libtomlplusplus.so.3 /usr/lib/x86_64-linux-gnu/libstb.so.0 \
-      /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 /usr/lib/x86_64-linux-gnu/libcrypto.so.3 "$dir/lib/"
+    # Every library the binaries link from the system, but the C and C++ runtimes (a GPU machine has
+    # those), compressed: libarchive's dependencies (ICU's data above all) would not fit uncompressed.
+    ldd "$dir"/test_* "$dir"/bin/* | awk '$3 ~ /^\// {print $3}' | sort -u |
+      grep -v -E '/(libc|libm|libdl|libpthread|librt|libutil|libgcc_s|libstdc\+\+)\.so|torch|site-packages' |
+      while read -r lib; do cp -L "$lib" "$dir/lib/"; done
+    tar -cJf "$dir/lib.tar.xz" -C "$dir" lib && rm -rf "$dir/lib"
     cp /usr/share/datasets/fashion-mnist/*.gz "$dir/fashion-mnist/"
     du -sh "$dir"
     ;;
@@ -42,12 +46,14 @@ case "$what" in
     out=${3:?usage: $0 run DIR OUT}
     mkdir -p "$out"
     torch_lib=${TORCH_LIB:-$(python3 -c 'import os, torch; print(os.path.join(os.path.dirname(torch.__file__), "lib"))')}
-    export LD_LIBRARY_PATH="$dir/lib:$torch_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    libs=$(mktemp -d) && tar -xJf "$dir/lib.tar.xz" -C "$libs"
+    export LD_LIBRARY_PATH="$libs/lib:$torch_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
     export DDM_BINARY="$(cd "$dir" && pwd)/bin/ddm"  # what the tests run as `ddm` (test_util.h)
     export DDM_FASHION_MNIST="$(cd "$dir" && pwd)/fashion-mnist"  # the data the GPU tests read
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt" || true
     failed=()
     for t in "$dir"/test_*; do
+      [ "${TESTS:-1}" != 0 ] || break
       name=$(basename "$t")
       start=$(date +%s)
       if "$t" --gtest_brief=1 >"$out/$name.log" 2>&1; then status=ok; else status=FAILED; failed+=("$name"); fi

@@ -482,9 +482,14 @@ TEST(Gpu, EvaluationAndPartitionFeaturesOnCuda) {
     return at == std::string::npos ? 0.0 : std::stod(text.substr(at + key.size() + 3));
   };
   const std::string a = json_in(dir / "cpu"), b = json_in(dir / "gpu");
+  // FD within 1e-3 of itself. KID is a difference of kernel means that are each >= 1 (the kernel is
+  // (x.y/d + 1)^3 on non-negative features) and nearly cancel (KID ~ 2e-4 here), so the features'
+  // float32 rounding moves it relative to those means, not to KID: within 1e-4 absolute (an H100
+  // gave 8e-6, FD 1.6e-4 relative).
   for (const char* key : {"fd_fmnist", "kid_mean"}) {
     const double x = number(a, key), y = number(b, key);
-    EXPECT_LE(std::abs(x - y), 1e-3 * std::abs(x) + 1e-6) << key << ": cpu " << x << ", gpu " << y;
+    const double tolerance = std::string(key) == "kid_mean" ? 1e-4 : 1e-3 * std::abs(x);
+    EXPECT_LE(std::abs(x - y), tolerance) << key << ": cpu " << x << ", gpu " << y;
     std::printf("eval, %s: cpu %.6g, gpu %.6g\n", key, x, y);
   }
   const CommandResult part = run_ddm("partition --limit 2000 --k 4 --fine 32 --features feature-net --device cuda "
