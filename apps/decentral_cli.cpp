@@ -11,6 +11,8 @@
 #include <memory>
 #include <sstream>
 
+#include <ATen/Parallel.h>
+
 #include "cli_util.h"
 #include "core/config.h"
 #include "core/device.h"
@@ -25,6 +27,7 @@
 #include "decentral/islands.h"
 #include "decentral/partition.h"
 #include "decentral/router_eval.h"
+#include "decentral/shard_partition.h"
 #include "decentral/train_run.h"
 #include "eval/grid.h"
 #include "launch/process.h"
@@ -40,26 +43,10 @@ namespace {
 struct PartitionArgs {
   std::string config, source = "fashion-mnist", root, split = "train", features = "pixels", out;
   std::string device = "cpu";  // where a feature network / encoder runs
-  int64_t limit = 0, threads = 0;
-  bool unbalanced = false, force = false;
+  int64_t limit = 0, threads = 0, shard_size = 10000;
+  bool unbalanced = false, force = false, reshard = false;
   PartitionConfig cfg;
 };
-
-// A look at the clusters: one row of the first 12 images of each cluster (at most 64 rows).
-void save_cluster_grid(const std::string& path, const Dataset& data, const Partition& p) {
-  constexpr int64_t kCols = 12, kMaxRows = 64;
-  std::vector<torch::Tensor> rows;
-  std::vector<std::string> labels;
-  for (int64_t k = 0; k < std::min(p.k, kMaxRows); ++k) {
-    auto idx = p.labels.eq(k).nonzero().flatten().narrow(0, 0, std::min<int64_t>(kCols, p.sizes[k].item<int64_t>()));
-    auto imgs = to_unit_range(data.images.index_select(0, idx));  // [<=12, C, H, W]
-    if (imgs.size(0) < kCols)  // pad short clusters with blank (black) cells
-      imgs = torch::cat({imgs, -torch::ones({kCols - imgs.size(0), imgs.size(1), imgs.size(2), imgs.size(3)})});
-    rows.push_back(imgs);
-    labels.push_back("cluster " + std::to_string(k));
-  }
-  save_image_grid(path, torch::cat(rows), kCols, labels);
-}
 
 int partition_cmd(const PartitionArgs& a) {
   DDM_CHECK(!a.out.empty(), "--out DIR is required");
@@ -76,11 +63,31 @@ int partition_cmd(const PartitionArgs& a) {
     dc.split = a.split;
     dc.limit = a.limit;
   }
+  PartitionConfig cfg = a.cfg;
+  cfg.balanced = !a.unbalanced;
+  if (dc.source == "shards") {
+    DDM_CHECK(!a.config.empty(), "tar shards are partitioned from a training config (--config CONFIG with "
+                                 "data.source = \"shards\", data.root and data.resolution), so that the partition "
+                                 "sees the images as the experts will");
+    ShardPartitionOptions o;
+    o.data = dc;
+    o.features = src;
+    o.cfg = cfg;
+    o.device = device;
+    o.threads = at::get_num_threads();
+    o.reshard = a.reshard;
+    o.shard_size = a.shard_size;
+    o.force = a.force;
+    std::cout << format_summary(partition_shards(o, a.out));
+    std::cout << "next: ddm train --config " << a.config << " --partition " << a.out << " --expert 0 --out runs/expert0"
+              << (a.reshard ? "" : "  (after partitioning again with --reshard: experts over shards read their own)")
+              << std::endl;
+    return 0;
+  }
+  DDM_CHECK(!a.reshard, "--reshard applies to tar shards (data.source = \"shards\" in --config) only");
   const auto t0 = std::chrono::steady_clock::now();
   const Dataset data = load_dataset(dc);
   const int64_t n = data.images.size(0);
-  PartitionConfig cfg = a.cfg;
-  cfg.balanced = !a.unbalanced;
   DDM_CHECK(cfg.k <= n, "--k " << cfg.k << " is larger than the data (" << data.description << "); use at most " << n);
   std::cout << "partitioning " << data.description << " into " << cfg.k << " clusters ("
             << (cfg.method == "random" ? "random" : std::string(cfg.balanced ? "balanced " : "") + "two-stage k-means, " +
@@ -95,7 +102,8 @@ int partition_cmd(const PartitionArgs& a) {
   if (cfg.method != "random") p.settings["features"] = src.spec();
   const auto summary = partition_summary(p, data);
   save_partition(a.out, p, summary, a.force);
-  save_cluster_grid((fs::path(a.out) / "clusters.png").string(), data, p);
+  const auto grid_rows = cluster_grid_rows(p);
+  save_cluster_grid((fs::path(a.out) / "clusters.png").string(), data.images.index_select(0, grid_rows), grid_rows, p);
   std::cout << format_summary(summary);
   std::printf("wrote %s/partition.safetensors, summary.json and clusters.png in %.1f s\n", a.out.c_str(),
               std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
@@ -263,7 +271,10 @@ std::vector<Command> add_decentral_commands(CLI::App& app) {
       "Split a dataset into K clusters, one per expert: features (PCA of pixels, the feature network, an "
       "autoencoder, or your own file), k-means into --fine centroids, then those centroids into K clusters; "
       "each image goes to the cluster of its fine centroid. Balanced (equal sizes) by default. Writes "
-      "partition.safetensors, summary.json and clusters.png (the first images of each cluster) to --out.");
+      "partition.safetensors, summary.json and clusters.png (the first images of each cluster) to --out. Tar "
+      "shards (a --config with data.source = \"shards\") are streamed, with memory bounded by the features; "
+      "each cluster's samples are listed in clusters/cluster-K.tsv (shard and key), and with --reshard also "
+      "copied into shards of their own (shards/), which the experts then train on.");
   part->add_option("--k", pa->cfg.k, "number of clusters (experts), at least 2")->required();
   part->add_option("--out", pa->out, "partition directory to write")->required();
   part->add_option("--features", pa->features,
@@ -295,6 +306,12 @@ std::vector<Command> add_decentral_commands(CLI::App& app) {
                    "rounding, which may move an image lying on a cluster boundary")
       ->capture_default_str()
       ->check(kDeviceSpec);
+  part->add_flag("--reshard", pa->reshard,
+                 "shards only: copy each cluster's samples, member for member, into shards of its own "
+                 "(OUT/shards/cluster-K-000000.tar, ...): what `ddm train --partition OUT --expert K` reads");
+  part->add_option("--shard-size", pa->shard_size, "samples per shard written by --reshard")
+      ->check(kPositive)
+      ->capture_default_str();
   part->add_flag("--force", pa->force, "replace an existing --out");
   cmds.push_back({part, [pa] { return partition_cmd(*pa); }});
 

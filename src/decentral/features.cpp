@@ -207,26 +207,61 @@ FeatureSource parse_feature_source(const std::string& spec) {
   return f;
 }
 
+StreamingPca::StreamingPca(int64_t features) : f_(features) {
+  DDM_CHECK(features >= 1, "PCA: rows need at least one feature");
+  sum_ = torch::zeros({f_}, torch::kFloat64);
+  cov_ = torch::zeros({f_, f_}, torch::kFloat64);
+}
+
+void StreamingPca::add_mean(const torch::Tensor& block) {
+  DDM_CHECK(block.dim() == 2 && block.size(1) == f_, "PCA: expected rows [n, " << f_ << "], got " << block.sizes());
+  sum_ += block.to(torch::kFloat64).sum(0);
+  n_mean_ += block.size(0);
+}
+
+void StreamingPca::add_covariance(const torch::Tensor& block) {
+  DDM_CHECK(block.dim() == 2 && block.size(1) == f_, "PCA: expected rows [n, " << f_ << "], got " << block.sizes());
+  if (!mean32_.defined()) {
+    DDM_CHECK(n_mean_ >= 2, "PCA: needs at least 2 rows, got " << n_mean_);
+    mean32_ = (sum_ / static_cast<double>(n_mean_)).to(torch::kFloat32);
+  }
+  const auto xc = block.to(torch::kFloat32) - mean32_;  // float32 products per block, float64 sums across
+  cov_ += xc.t().mm(xc).to(torch::kFloat64);
+  n_cov_ += block.size(0);
+}
+
+void StreamingPca::finish(int64_t dim) {
+  DDM_CHECK(n_cov_ == n_mean_ && n_cov_ >= 2,
+            "PCA: the covariance saw " << n_cov_ << " rows, the mean " << n_mean_ << "; both need the same >= 2 rows");
+  DDM_CHECK(dim >= 1 && dim <= f_, "PCA: cannot keep " << dim << " components of " << f_ << "-d rows; use 1.." << f_);
+  const auto cov = cov_ / static_cast<double>(n_cov_ - 1);
+  auto [ev, vecs] = torch::linalg_eigh(cov, "L");     // ascending
+  auto top = vecs.narrow(1, f_ - dim, dim).flip({1});  // [F, dim], descending variance
+  const auto pivot = top.abs().argmax(0);              // sign: largest-magnitude entry positive
+  const auto signs = top.gather(0, pivot.unsqueeze(0)).sign().clamp_min(0) * 2 - 1;
+  top_ = (top * signs).to(torch::kFloat32);
+  explained_ = ev.narrow(0, f_ - dim, dim).sum().item<double>() / ev.clamp_min(0).sum().item<double>();
+}
+
+torch::Tensor StreamingPca::project(const torch::Tensor& rows) const {
+  DDM_CHECK(top_.defined(), "PCA: project before finish");
+  return (rows.to(torch::kFloat32) - mean32_).mm(top_);  // [n, dim]
+}
+
 torch::Tensor pca_project(const torch::Tensor& x_in, int64_t dim, double* explained) {
   DDM_CHECK(x_in.dim() == 2 && x_in.size(0) >= 2, "PCA: expected rows [N >= 2, F], got " << x_in.sizes());
   const int64_t n = x_in.size(0), f = x_in.size(1);
   DDM_CHECK(dim >= 1 && dim <= f, "PCA: cannot keep " << dim << " components of " << f << "-d rows; use 1.." << f);
   const auto x = x_in.to(torch::kFloat32).contiguous();
-  const auto mean = x.to(torch::kFloat64).mean(0);  // [F]
-  const auto mean32 = mean.to(torch::kFloat32);
-  auto cov = torch::zeros({f, f}, torch::kFloat64);
-  for (int64_t i = 0; i < n; i += 4096) {  // float32 products per block, float64 sums across blocks
-    const auto xc = x.narrow(0, i, std::min<int64_t>(4096, n - i)) - mean32;
-    cov += xc.t().mm(xc).to(torch::kFloat64);
-  }
-  cov /= static_cast<double>(n - 1);
-  auto [ev, vecs] = torch::linalg_eigh(cov, "L");  // ascending
-  auto top = vecs.narrow(1, f - dim, dim).flip({1});  // [F, dim], descending variance
-  const auto pivot = top.abs().argmax(0);            // sign: largest-magnitude entry positive
-  const auto signs = top.gather(0, pivot.unsqueeze(0)).sign().clamp_min(0) * 2 - 1;
-  top = top * signs;
-  if (explained) *explained = ev.narrow(0, f - dim, dim).sum().item<double>() / ev.clamp_min(0).sum().item<double>();
-  return (x - mean32).mm(top.to(torch::kFloat32));  // [N, dim]
+  StreamingPca pca(f);
+  const auto block = [&](int64_t i) { return x.narrow(0, i, std::min(StreamingPca::kBlock, n - i)); };
+  for (int64_t i = 0; i < n; i += StreamingPca::kBlock) pca.add_mean(block(i));
+  for (int64_t i = 0; i < n; i += StreamingPca::kBlock) pca.add_covariance(block(i));
+  pca.finish(dim);
+  if (explained) *explained = pca.explained();
+  std::vector<torch::Tensor> out;
+  for (int64_t i = 0; i < n; i += StreamingPca::kBlock) out.push_back(pca.project(block(i)));
+  return torch::cat(out);  // [N, dim]
 }
 
 torch::Tensor load_features_file(const std::string& path) {

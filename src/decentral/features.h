@@ -46,7 +46,27 @@ torch::Tensor load_features_file(const std::string& path);
 
 // Projection of x [N, F] on its top `dim` principal components (centred, covariance in float64,
 // each component's sign fixed so its largest entry is positive): float32 [N, dim]. explained gets
-// the fraction of the variance kept.
+// the fraction of the variance kept. StreamingPca over blocks of x.
 torch::Tensor pca_project(const torch::Tensor& x, int64_t dim, double* explained = nullptr);
+
+// PCA over rows that arrive in blocks, so that they need not all be in memory at once: every block
+// once to add_mean, then every block again to add_covariance, then finish, then project any rows.
+// Blocks of kBlock rows (the last shorter) give bit for bit what pca_project gives on all of them.
+class StreamingPca {
+ public:
+  static constexpr int64_t kBlock = 4096;
+  explicit StreamingPca(int64_t features);
+  void add_mean(const torch::Tensor& block);        // float [n, F]
+  void add_covariance(const torch::Tensor& block);  // float [n, F], the same blocks again
+  void finish(int64_t dim);                         // keeps the top `dim` components
+  torch::Tensor project(const torch::Tensor& rows) const;  // float [n, F] -> float32 [n, dim]
+  double explained() const { return explained_; }   // the fraction of the variance kept
+  int64_t features() const { return f_; }
+
+ private:
+  int64_t f_ = 0, n_mean_ = 0, n_cov_ = 0;
+  torch::Tensor sum_, mean32_, cov_, top_;
+  double explained_ = 0;
+};
 
 }  // namespace ddm

@@ -20,6 +20,7 @@
 #include "core/rng.h"
 #include "core/safetensors.h"
 #include "decentral/kmeans.h"
+#include "eval/grid.h"
 
 namespace fs = std::filesystem;
 
@@ -27,6 +28,7 @@ namespace ddm {
 namespace {
 
 constexpr const char* kFormat = "ddm-partition-1";
+constexpr int64_t kGridCols = 12, kGridRows = 64;  // clusters.png: images per cluster, clusters at most
 
 double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -205,7 +207,30 @@ std::string format_summary(const nlohmann::json& s) {
   return o.str();
 }
 
-void save_partition(const std::string& dir, const Partition& p, const nlohmann::json& summary, bool force) {
+torch::Tensor cluster_grid_rows(const Partition& p) {
+  std::vector<torch::Tensor> rows;
+  for (int64_t k = 0; k < std::min(p.k, kGridRows); ++k)
+    rows.push_back(p.labels.eq(k).nonzero().flatten().narrow(0, 0, std::min<int64_t>(kGridCols, p.sizes[k].item<int64_t>())));
+  return std::get<0>(torch::cat(rows).sort());
+}
+
+void save_cluster_grid(const std::string& path, const torch::Tensor& images, const torch::Tensor& rows,
+                       const Partition& p) {
+  const auto labels = p.labels.index_select(0, rows);  // [M]
+  std::vector<torch::Tensor> grid;
+  std::vector<std::string> names;
+  for (int64_t k = 0; k < std::min(p.k, kGridRows); ++k) {
+    auto imgs = to_unit_range(images.index_select(0, labels.eq(k).nonzero().flatten()));  // [<=12, C, H, W]
+    if (imgs.size(0) < kGridCols)  // pad short clusters with blank (black) cells
+      imgs = torch::cat({imgs, -torch::ones({kGridCols - imgs.size(0), imgs.size(1), imgs.size(2), imgs.size(3)})});
+    grid.push_back(imgs);
+    names.push_back("cluster " + std::to_string(k));
+  }
+  save_image_grid(path, torch::cat(grid), kGridCols, names);
+}
+
+void save_partition(const std::string& dir, const Partition& p, const nlohmann::json& summary, bool force,
+                    const std::function<void(const std::string&)>& extra) {
   DDM_CHECK(!fs::exists(dir) || force, "'" << dir << "' already exists; use --force to replace it or another --out");
   const fs::path target = fs::absolute(dir);
   const fs::path tmp = target.string() + ".tmp-" + std::to_string(::getpid());
@@ -226,8 +251,10 @@ void save_partition(const std::string& dir, const Partition& p, const nlohmann::
                 {"data", p.data_description},
                 {"features", p.features},
                 {"settings", p.settings.dump()}};
+  if (!p.shards.is_null()) f.metadata["shards"] = p.shards.dump();
   save_safetensors((tmp / "partition.safetensors").string(), f);
   write_file_atomic((tmp / "summary.json").string(), summary.dump(2) + "\n");
+  if (extra) extra(tmp.string());
   fsync_dir(tmp.string());
   const fs::path old = target.string() + ".old-" + std::to_string(::getpid());
   if (fs::exists(target)) fs::rename(target, old);
@@ -264,6 +291,10 @@ Partition load_partition(const std::string& path) {
   p.data_sha256 = meta("data_sha256");
   p.data_description = meta("data");
   p.features = meta("features");
+  if (f.metadata.count("shards")) {
+    p.shards = nlohmann::json::parse(f.metadata.at("shards"), nullptr, /*allow_exceptions=*/false);
+    DDM_CHECK(p.shards.is_object(), file.string() << ": metadata 'shards' is not a JSON object");
+  }
   p.settings = nlohmann::json::parse(meta("settings"), nullptr, /*allow_exceptions=*/false);
   DDM_CHECK(p.settings.is_object(), file.string() << ": metadata 'settings' is not a JSON object: '" << meta("settings")
                                                   << "'; the file is damaged (make it again with ddm partition)");

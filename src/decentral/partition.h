@@ -5,9 +5,12 @@
 //   partition.safetensors  labels [N], sizes [K], centroids [K, D], fine_labels [N], fine_centroids,
 //                          with metadata naming the data (row count, sha256), settings and features
 //   summary.json           sizes and agreement with the dataset's class labels (for information)
+//   clusters.png           the first images of each cluster
+// and, for a partition of tar shards (shard_partition.h), clusters/ and shards/.
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 
 #include <nlohmann/json.hpp>
@@ -41,6 +44,7 @@ struct Partition {
   std::string features;          // how the features were made
   nlohmann::json settings;       // the PartitionConfig used
   std::string origin;            // the file it was loaded from
+  nlohmann::json shards;         // made on tar shards: where each cluster's list and shards are (else null)
 };
 
 // Clusters feature rows [N, D] (k-means) or just N rows (random). Fills labels, sizes, centroids and
@@ -56,8 +60,15 @@ nlohmann::json partition_summary(const Partition& p, const Dataset& data);
 std::string format_summary(const nlohmann::json& summary);
 
 // Writes a partition directory atomically (a temporary directory renamed into place). An existing
-// `dir` is replaced only with force.
-void save_partition(const std::string& dir, const Partition& p, const nlohmann::json& summary, bool force);
+// `dir` is replaced only with force. `extra(temporary directory)` may add files before the rename.
+void save_partition(const std::string& dir, const Partition& p, const nlohmann::json& summary, bool force,
+                    const std::function<void(const std::string&)>& extra = {});
+// A look at the clusters: a row of the first 12 images of each cluster (at most 64 rows), as PNG.
+// `images` [M, C, H, W] (uint8) are rows `rows` [M] of the data p.labels labels.
+void save_cluster_grid(const std::string& path, const torch::Tensor& images, const torch::Tensor& rows,
+                       const Partition& p);
+// The rows whose images save_cluster_grid shows, sorted.
+torch::Tensor cluster_grid_rows(const Partition& p);
 // Loads a partition directory (or its partition.safetensors), checking its contents.
 Partition load_partition(const std::string& path);
 // Throws ddm::Error unless the partition was made on exactly this dataset (row count and hash).

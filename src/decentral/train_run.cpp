@@ -13,8 +13,10 @@
 #include "core/fileio.h"
 #include "core/presets.h"
 #include "core/run_dir.h"
+#include "data/shard_stream.h"
 #include "decentral/distill.h"
 #include "decentral/partition.h"
+#include "decentral/shard_partition.h"
 #include "model/router.h"
 
 namespace fs = std::filesystem;
@@ -24,13 +26,24 @@ namespace {
 
 // An expert trains on one cluster of a partition: checks that the partition belongs to this data,
 // keeps the cluster's images, and applies train.expert_budget. Returns a line for the run header.
+// Over shards, data.root already names the cluster's own shards (expert_shard_root).
 std::string select_expert_data(RunConfig& cfg, Dataset& data, const Partition& p) {
-  check_partition_matches(p, data);
-  data = cluster_subset(data, p, cfg.data.expert);
-  DDM_CHECK(data.images.size(0) > 0, "cluster " << cfg.data.expert << " of " << p.origin << " is empty");
+  int64_t size = 0;
+  if (data.shards) {
+    size = data.shards->samples;
+    DDM_CHECK(size == p.sizes[cfg.data.expert].item<int64_t>(),
+              "cluster " << cfg.data.expert << "'s shards (" << cfg.data.root << ") hold " << size << " samples, but "
+                         << p.origin << " gave it " << p.sizes[cfg.data.expert].item<int64_t>()
+                         << "; they changed since: make the partition again");
+  } else {
+    check_partition_matches(p, data);
+    data = cluster_subset(data, p, cfg.data.expert);
+    size = data.images.size(0);
+  }
+  DDM_CHECK(size > 0, "cluster " << cfg.data.expert << " of " << p.origin << " is empty");
   TrainConfig& t = cfg.train;
   std::ostringstream line;
-  line << "expert: cluster " << cfg.data.expert << " of " << p.k << " (" << data.images.size(0) << " images), budget "
+  line << "expert: cluster " << cfg.data.expert << " of " << p.k << " (" << size << (data.shards ? " samples in its own shards" : " images") << "), budget "
        << t.expert_budget;
   if (t.expert_budget == "split-batch") {
     DDM_CHECK(t.batch_size % p.k == 0, "train.expert_budget = split-batch: train.batch_size = "
@@ -106,11 +119,24 @@ void check_partition_record(const RunDir& dir, bool resume, const RunConfig& cfg
 }  // namespace
 
 TrainJob prepare_train_job(RunConfig cfg) {
+  const bool router = is_router_arch(cfg.model.arch);
+  Partition partition;
+  if (!cfg.data.partition.empty()) partition = load_partition(cfg.data.partition);
+  // An expert over shards reads its cluster's own shards; its config keeps data.root as written.
+  const std::string root = cfg.data.root;
+  const bool shard_expert = cfg.data.source == "shards" && !cfg.data.partition.empty();
+  const int64_t classes = cfg.model.num_classes;
+  if (shard_expert) cfg.data.root = expert_shard_root(partition, cfg.data.expert, cfg.data.root);
   TrainJob job = plain_job(std::move(cfg));
   RunConfig& c = job.cfg;
-  const bool router = is_router_arch(c.model.arch);
-  Partition partition;
-  if (!c.data.partition.empty()) partition = load_partition(c.data.partition);
+  // A cluster's shards may lack the highest classes; its expert still takes every class of the data,
+  // as its siblings do (an ensemble's experts share their label space).
+  const int64_t all_classes = shard_expert ? partition.shards.value("num_classes", int64_t(0)) : 0;
+  if (all_classes > job.data.num_classes) {
+    for (int64_t k = job.data.num_classes; k < all_classes; ++k) job.data.class_names.push_back("class " + std::to_string(k));
+    job.data.num_classes = all_classes;
+    if (classes == -1) c.model.num_classes = all_classes;
+  }
   if (router) job.header = select_router_data(c, job.data, partition);
   std::shared_ptr<DistillTeacher> teacher;
   if (!c.train.teacher.empty()) {
@@ -119,6 +145,7 @@ TrainJob prepare_train_job(RunConfig cfg) {
     job.objective = std::make_shared<DistillObjective>(c, teacher_fn(teacher, c));
   }
   job.recorded = c;  // an expert's config keeps the global budget; it runs on its share
+  job.recorded.data.root = root;
   if (!c.data.partition.empty() && !router) job.header = select_expert_data(c, job.data, partition);
   if (!c.data.partition.empty()) {
     const RunConfig rc = c;

@@ -2,7 +2,8 @@
 // into shards; a run on them killed with kill -9 and resumed ends with the bytes of the uninterrupted
 // run; two launched replicas, each reading shards of its own, resume exactly too; a damaged image
 // stops the run naming shard and key, or with data.skip_bad is skipped and counted in the metrics;
-// bad shard lists are clear errors.
+// bad shard lists are clear errors; an expert of a partition made with --reshard trains on its
+// cluster's shards.
 #include <gtest/gtest.h>
 
 #include <chrono>
@@ -12,6 +13,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "core/safetensors.h"
+#include "data/dataset.h"
 #include "data/shard_write.h"
 #include "data/shards.h"
 #include "test_util.h"
@@ -164,8 +167,58 @@ TEST(ShardsTrain, BadShardListsAndKeysAreClearErrors) {
   EXPECT_NE(too_few.exit_code, 0);
   EXPECT_TRUE(has(too_few.output, "1 shard for 2 data-parallel replicas")) << too_few.output;
   // A command that reads its data whole says so.
-  test::write_text(r.dir / "p.toml", "[data]\nsource = \"shards\"\nresolution = 24\nroot = \"" + r.pattern + "\"\n");
-  auto elsewhere = test::run_ddm("partition --config " + (r.dir / "p.toml") + " --k 2 --out " + (r.dir / "p"));
+  auto elsewhere = test::run_ddm("shards write --config " + (r.dir / "tiny.toml") + " --set \"data.root=" + r.pattern +
+                                 "\" --out " + (r.dir / "w"));
   EXPECT_NE(elsewhere.exit_code, 0);
   EXPECT_TRUE(has(elsewhere.output, "shards are only streamed")) << elsewhere.output;
+}
+
+// Decentralized diffusion over shards: `ddm partition --reshard` on the shards, then an expert
+// trains on its cluster's own shards (and resumes); its config keeps the shards it was given. A
+// partition without --reshard, or a router, is a clear error.
+TEST(ShardsTrain, AnExpertTrainsOnItsClustersShards) {
+  ShardRun r;
+  test::write_text(r.dir / "p.toml", "[data]\nsource = \"shards\"\nresolution = 24\nroot = \"" + r.pattern + "\"\n");
+  auto part = test::run_ddm("partition --config " + (r.dir / "p.toml") + " --k 2 --fine 8 --reshard --shard-size 100 "
+                            "--out " + (r.dir / "p"));
+  ASSERT_EQ(part.exit_code, 0) << part.output;
+  EXPECT_TRUE(has(part.output, "partition of 512 images into 2 clusters: sizes 256 to 256")) << part.output;
+  EXPECT_TRUE(fs::exists(r.dir / "p/shards/cluster-1-000002.tar"));  // 256 samples in shards of 100
+  const std::string expert = " --partition " + (r.dir / "p") + " --expert 1 --set train.steps=12";
+  auto e = test::run_ddm(r.train("e1", expert, /*quiet=*/false));
+  ASSERT_EQ(e.exit_code, 0) << e.output;
+  EXPECT_TRUE(has(e.output, "expert: cluster 1 of 2 (256 samples in its own shards)")) << e.output;
+  EXPECT_TRUE(has(test::read_text(r.dir / "e1/config.toml"), r.pattern));
+  auto more = test::run_ddm(r.train("e1", " --partition " + (r.dir / "p") + " --expert 1 --set train.steps=20") +
+                            " --resume");
+  ASSERT_EQ(more.exit_code, 0) << more.output;
+  EXPECT_TRUE(fs::exists(r.dir / "e1/ckpt/step-00000020/model.safetensors"));
+  // Clusters by class (a features file: 1 for classes 5-9): each expert still takes all 10 classes.
+  DataConfig dc;
+  dc.limit = 512;
+  SafetensorsFile f;
+  f.tensors["features"] = load_dataset(dc).labels.ge(5).to(torch::kFloat32).unsqueeze(1);  // [512, 1]
+  save_safetensors(r.dir / "f.safetensors", f);
+  auto by_class = test::run_ddm("partition --config " + (r.dir / "p.toml") + " --k 2 --fine 2 --unbalanced --reshard "
+                                "--features file:" + (r.dir / "f.safetensors") + " --out " + (r.dir / "c"));
+  ASSERT_EQ(by_class.exit_code, 0) << by_class.output;
+  for (const char* k : {"0", "1"}) {
+    auto ek = test::run_ddm(r.train(std::string("c") + k, " --partition " + (r.dir / "c") + " --expert " + k +
+                                                            " --set train.steps=1"));
+    ASSERT_EQ(ek.exit_code, 0) << ek.output;
+    EXPECT_TRUE(has(test::read_text(r.dir / ("c" + std::string(k) + "/config.toml")), "num_classes = 10")) << k;
+  }
+  auto lists = test::run_ddm("partition --config " + (r.dir / "p.toml") + " --k 2 --fine 8 --out " + (r.dir / "q"));
+  ASSERT_EQ(lists.exit_code, 0) << lists.output;
+  auto no_shards = test::run_ddm(r.train("e2", " --partition " + (r.dir / "q") + " --expert 0"));
+  EXPECT_NE(no_shards.exit_code, 0);
+  EXPECT_TRUE(has(no_shards.output, "again with --reshard")) << no_shards.output;
+  EXPECT_FALSE(fs::exists(r.dir / "e2/config.toml"));
+  std::string full = test::read_text(r.dir / "tiny.toml");
+  full.insert(full.find("[data]\n") + 7, "root = \"" + r.pattern + "\"\n");
+  test::write_text(r.dir / "full.toml", full);
+  auto router = test::run_ddm("train-router --config " + (r.dir / "full.toml") + " --partition " + (r.dir / "p") +
+                              " --out " + (r.dir / "router"));
+  EXPECT_NE(router.exit_code, 0);
+  EXPECT_TRUE(has(router.output, "not supported over shards yet")) << router.output;
 }

@@ -1,0 +1,331 @@
+// Partitioning tar shards with memory bounded by the features (see shard_partition.h).
+#include "decentral/shard_partition.h"
+
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <iomanip>
+#include <iostream>
+#include <memory>
+#include <sstream>
+
+#include <torch/torch.h>
+
+#include "core/error.h"
+#include "core/fileio.h"
+#include "data/dataset.h"
+#include "data/shard_loader.h"
+#include "data/shard_stream.h"
+#include "data/shards.h"
+#include "eval/feature_net.h"
+
+namespace fs = std::filesystem;
+
+namespace ddm {
+namespace {
+
+constexpr int64_t kBatch = 256;  // samples decoded at a time
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// Streams samples [0, stop) in shard order, decoded as training sees them (centre crop, no flip), a
+// batch at a time: f(images float [b, C, S, S] in [-1, 1], labels int64 [b], first row).
+void stream_samples(const Dataset& opened, const ShardPartitionOptions& o, int64_t stop, const std::string& what,
+                    const std::function<void(const torch::Tensor&, const torch::Tensor&, int64_t)>& f) {
+  ShardOrder order;
+  order.shuffle = false;
+  ShardLoaderOptions lo = shard_loader_options(o.data, opened.images.size(1), kBatch, 1);
+  lo.crop = CropMode::kCenter;
+  lo.hflip = false;
+  lo.threads = std::max(1, o.threads);
+  ShardLoader loader(opened.shards, order, lo);
+  auto last = std::chrono::steady_clock::now();
+  for (int64_t first = 0; first < stop; first += kBatch) {
+    const Batch b = loader.next();
+    const int64_t rows = std::min(kBatch, stop - first);  // the last batch runs on into the next epoch
+    f(b.x.narrow(0, 0, rows), b.y.narrow(0, 0, rows), first);
+    if (!o.cfg.quiet && seconds_since(last) >= 10) {
+      std::printf("  %s: %lld/%lld samples\n", what.c_str(), static_cast<long long>(first + rows),
+                  static_cast<long long>(stop));
+      std::fflush(stdout);
+      last = std::chrono::steady_clock::now();
+    }
+  }
+}
+
+// Cuts a stream of rows into StreamingPca's blocks of kBlock rows (the last one shorter).
+class Blocks {
+ public:
+  explicit Blocks(std::function<void(const torch::Tensor&)> f) : f_(std::move(f)) {}
+  void add(const torch::Tensor& rows) {
+    pending_.push_back(rows);
+    n_ += rows.size(0);
+    while (n_ >= StreamingPca::kBlock) emit(StreamingPca::kBlock);
+  }
+  void flush() {
+    if (n_ > 0) emit(n_);
+  }
+
+ private:
+  void emit(int64_t m) {
+    const auto all = torch::cat(pending_);  // [n_, F]
+    f_(all.narrow(0, 0, m));
+    pending_.clear();
+    n_ -= m;
+    if (n_ > 0) pending_.push_back(all.narrow(0, m, n_).clone());
+  }
+  std::function<void(const torch::Tensor&)> f_;
+  std::vector<torch::Tensor> pending_;
+  int64_t n_ = 0;
+};
+
+// Images float [b, C, S, S] -> pixel rows [b, C s s], s = min(S, kMaxPixelSide) (area averages).
+torch::Tensor pixel_rows(const torch::Tensor& x) {
+  const auto y = x.size(2) > kMaxPixelSide ? torch::adaptive_avg_pool2d(x, {kMaxPixelSide, kMaxPixelSide}) : x;
+  return y.flatten(1).contiguous();
+}
+
+// Every sample's label (-1 for none) from the shards' .cls / .json members alone.
+torch::Tensor read_labels(const ShardIndex& index) {
+  auto labels = torch::empty({index.samples}, torch::kInt64);
+  auto* out = labels.data_ptr<int64_t>();
+  for (size_t s = 0; s < index.shards.size(); ++s) {
+    TarShardReader r(index.shards[s]);
+    r.set_filter([](int64_t, const std::string& ext) { return ext == "cls" || ext == "json"; });
+    ShardSample smp;
+    for (int64_t i = 0; i < index.counts[s]; ++i) {
+      DDM_CHECK(r.next(smp), "shard " << index.shards[s] << " has fewer samples than when it was scanned");
+      *out++ = sample_label(smp, "shard " + index.shards[s] + ", sample '" + smp.key + "'");
+    }
+  }
+  return labels;
+}
+
+struct Computed {
+  torch::Tensor rows;    // float32 [N, D] (undefined for a random partition)
+  torch::Tensor labels;  // int64 [N], the class labels (-1: none)
+  std::string description;
+};
+
+Computed compute(const Dataset& opened, const ShardPartitionOptions& o) {
+  const ShardIndex& index = *opened.shards;
+  const int64_t n = index.samples;
+  Computed c;
+  if (o.cfg.method == "random" || o.features.kind == "file") {
+    c.labels = read_labels(index);
+    if (o.cfg.method == "random") return c;
+    c.rows = load_features_file(o.features.path);
+    DDM_CHECK(c.rows.size(0) == n, "features file " << o.features.path << " has " << c.rows.size(0) << " rows but "
+                                                    << opened.description << " has " << n
+                                                    << " samples; it needs one row per sample, in shard order");
+    c.description = "file " + o.features.path + " (" + std::to_string(c.rows.size(1)) + "-d)";
+    return c;
+  }
+  c.labels = torch::empty({n}, torch::kInt64);
+  const auto keep_labels = [&](const torch::Tensor& y, int64_t first) { c.labels.narrow(0, first, y.size(0)).copy_(y); };
+  std::ostringstream desc;
+  if (o.features.kind == "pixels") {
+    const int64_t channels = opened.images.size(1), side = std::min(o.data.resolution, kMaxPixelSide);
+    const int64_t f = channels * side * side;
+    StreamingPca pca(f);
+    const bool keep = n * f * 4 <= o.keep_pixel_bytes;  // else each pass decodes the shards again
+    std::vector<torch::Tensor> kept;
+    const auto each_block = [&](const std::string& what, const std::function<void(const torch::Tensor&)>& g) {
+      if (!kept.empty()) {
+        for (const auto& b : kept) g(b);
+        return;
+      }
+      Blocks blocks(g);
+      stream_samples(opened, o, n, what, [&](const torch::Tensor& x, const torch::Tensor& y, int64_t first) {
+        keep_labels(y, first);
+        blocks.add(pixel_rows(x));
+      });
+      blocks.flush();
+    };
+    each_block("pixels, the mean", [&](const torch::Tensor& b) {
+      pca.add_mean(b);
+      if (keep) kept.push_back(b);
+    });
+    each_block("pixels, the covariance", [&](const torch::Tensor& b) { pca.add_covariance(b); });
+    pca.finish(std::min(o.features.dim, f));
+    std::vector<torch::Tensor> rows;
+    each_block("pixels, the projection", [&](const torch::Tensor& b) { rows.push_back(pca.project(b)); });
+    c.rows = torch::cat(rows);  // [N, D]
+    desc << "pixels PCA " << c.rows.size(1) << " of " << f << (side < o.data.resolution ? " (downsampled to " + std::to_string(side) + "x" + std::to_string(side) + ")" : "")
+         << " (" << std::fixed << std::setprecision(1) << 100 * pca.explained() << "% of the variance)";
+  } else if (o.features.kind == "feature-net") {
+    const std::string path = o.features.path.empty() ? default_feature_net_path() : o.features.path;
+    auto fnet = load_feature_net(path, o.features.path.empty() ? kDefaultFeatureNetSha256 : "");
+    DDM_CHECK(fnet.net->shape().in_channels == opened.images.size(1) &&
+                  fnet.net->shape().image_size == opened.images.size(2),
+              "--features feature-net: the network at " << path << " takes " << fnet.net->shape().in_channels << "x"
+                                                        << fnet.net->shape().image_size << " images; data.channels and "
+                                                        << "data.resolution make these " << opened.images.size(1) << "x"
+                                                        << opened.images.size(2));
+    fnet.net->to(o.device);
+    std::vector<torch::Tensor> rows;
+    stream_samples(opened, o, n, "feature network", [&](const torch::Tensor& x, const torch::Tensor& y, int64_t first) {
+      keep_labels(y, first);
+      rows.push_back(extract_features(fnet.net, x).to(torch::kFloat32));
+    });
+    c.rows = torch::cat(rows);
+    desc << "feature network " << fnet.sha256.substr(0, 12) << " (" << c.rows.size(1) << "-d)";
+  } else {
+    DDM_FAIL("--features " << o.features.spec() << " is not supported over shards yet; use pixels[:D], feature-net "
+                           "or file:PATH (one row per sample, in shard order)");
+  }
+  c.description = desc.str();
+  return c;
+}
+
+std::string shard_name(int64_t cluster, int64_t i) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "cluster-%lld-%06lld.tar", static_cast<long long>(cluster), static_cast<long long>(i));
+  return buf;
+}
+
+// The lists (and with reshard the shards) of every cluster, written into `dir`.
+void write_clusters(const ShardIndex& index, const Partition& p, const ShardPartitionOptions& o, const fs::path& dir) {
+  fs::create_directories(dir / "clusters");
+  if (o.reshard) fs::create_directories(dir / "shards");
+  std::vector<std::ofstream> lists(static_cast<size_t>(p.k));
+  for (int64_t c = 0; c < p.k; ++c) {
+    const auto path = dir / "clusters" / ("cluster-" + std::to_string(c) + ".tsv");
+    lists[static_cast<size_t>(c)].open(path);
+    DDM_CHECK(lists[static_cast<size_t>(c)], "cannot write " << path.string());
+  }
+  std::vector<std::unique_ptr<TarShardWriter>> writers(static_cast<size_t>(p.k));
+  std::vector<int64_t> written(static_cast<size_t>(p.k), 0);
+  const auto* label = p.labels.data_ptr<int64_t>();
+  auto last = std::chrono::steady_clock::now();
+  int64_t row = 0;
+  for (size_t s = 0; s < index.shards.size(); ++s) {
+    const std::string shard = fs::absolute(index.shards[s]).lexically_normal().string();
+    TarShardReader r(index.shards[s]);
+    if (!o.reshard) r.set_filter([](int64_t, const std::string&) { return false; });  // keys only
+    ShardSample smp;
+    for (int64_t i = 0; i < index.counts[s]; ++i, ++row) {
+      DDM_CHECK(r.next(smp), "shard " << index.shards[s] << " has fewer samples than when it was scanned");
+      const auto c = static_cast<size_t>(label[row]);
+      lists[c] << shard << '\t' << smp.key << '\n';
+      if (!o.reshard) continue;
+      if (written[c] % o.shard_size == 0) {
+        if (writers[c]) writers[c]->finish();
+        writers[c] = std::make_unique<TarShardWriter>(
+            (dir / "shards" / shard_name(static_cast<int64_t>(c), written[c] / o.shard_size)).string());
+      }
+      writers[c]->add(smp);
+      ++written[c];
+    }
+    if (!o.cfg.quiet && seconds_since(last) >= 10) {
+      std::printf("  %s: %lld/%lld samples\n", o.reshard ? "resharding" : "listing", static_cast<long long>(row),
+                  static_cast<long long>(index.samples));
+      std::fflush(stdout);
+      last = std::chrono::steady_clock::now();
+    }
+  }
+  for (auto& w : writers)
+    if (w) w->finish();
+  for (int64_t c = 0; c < p.k; ++c) {
+    lists[static_cast<size_t>(c)].close();
+    DDM_CHECK(lists[static_cast<size_t>(c)], "writing the list of cluster " << c << " in " << dir.string() << " failed");
+  }
+}
+
+}  // namespace
+
+std::string shards_fingerprint(const std::vector<std::string>& shards) {
+  std::string s;
+  for (const std::string& path : shards)
+    s += fs::path(path).filename().string() + "\t" + std::to_string(fs::file_size(path)) + "\n";
+  return sha256_hex(s);
+}
+
+nlohmann::json partition_shards(const ShardPartitionOptions& o, const std::string& out) {
+  DDM_CHECK(o.data.source == "shards", "partition_shards: data.source is " << o.data.source);
+  DDM_CHECK(!o.data.skip_bad, "ddm partition places every sample of the shards; data.skip_bad = true would leave "
+                              "some out: set it to false (a bad sample is then named) and mend or drop it");
+  DDM_CHECK(o.shard_size >= 1, "--shard-size must be >= 1, got " << o.shard_size);
+  DDM_CHECK(o.force || !fs::exists(out), "'" << out << "' already exists; use --force to replace it or another --out");
+  const auto t0 = std::chrono::steady_clock::now();
+  const Dataset opened = open_shards(o.data, o.threads, o.cfg.quiet);
+  const ShardIndex& index = *opened.shards;
+  const int64_t n = index.samples;
+  DDM_CHECK(o.cfg.k <= n, "--k " << o.cfg.k << " is larger than the data (" << opened.description << "); use at most " << n);
+  if (!o.cfg.quiet)
+    std::cout << "partitioning " << opened.description << " into " << o.cfg.k << " clusters ("
+              << (o.cfg.method == "random" ? "random"
+                                           : std::string(o.cfg.balanced ? "balanced " : "") + "two-stage k-means, " + o.cfg.metric)
+              << ", seed " << o.cfg.seed << ")" << std::endl;
+  const Computed c = compute(opened, o);
+  if (!o.cfg.quiet && c.rows.defined())
+    std::printf("features: %s, %lld x %lld in %.1f s\n", c.description.c_str(), static_cast<long long>(n),
+                static_cast<long long>(c.rows.size(1)), seconds_since(t0));
+  Partition p = make_partition(c.rows, n, o.cfg);
+  p.data_sha256 = shards_fingerprint(index.shards);
+  p.data_description = opened.description;
+  p.features = o.cfg.method == "random" ? "none (random)" : c.description;
+  if (o.cfg.method != "random") p.settings["features"] = o.features.spec();
+  nlohmann::json clusters = nlohmann::json::array();
+  for (int64_t k = 0; k < p.k; ++k) {
+    const int64_t size = p.sizes[k].item<int64_t>();
+    nlohmann::json e = {{"list", "clusters/cluster-" + std::to_string(k) + ".tsv"}, {"samples", size}};
+    if (o.reshard) {
+      char last[16];
+      std::snprintf(last, sizeof last, "%06lld", static_cast<long long>((size - 1) / o.shard_size));
+      e["shards"] = "shards/cluster-" + std::to_string(k) + "-{000000.." + last + "}.tar";
+    }
+    clusters.push_back(e);
+  }
+  p.shards = {{"root", o.data.root}, {"resolution", o.data.resolution}, {"num_classes", opened.num_classes}, {"reshard", o.reshard},
+              {"shard_size", o.shard_size}, {"clusters", clusters}};
+  // The summary's class agreement, from the samples' labels.
+  Dataset labelled;
+  labelled.labels = c.labels.clamp_min(0);
+  labelled.num_classes = c.labels.lt(0).any().item<bool>() ? 0 : opened.num_classes;
+  labelled.class_names = opened.class_names;
+  const auto summary = partition_summary(p, labelled);
+  save_partition(out, p, summary, o.force, [&](const std::string& tmp) {
+    // clusters.png: the first images of each cluster, decoded again up to the last one shown.
+    const auto rows = cluster_grid_rows(p);
+    const auto* wanted = rows.data_ptr<int64_t>();
+    const int64_t m = rows.size(0);
+    std::vector<torch::Tensor> images;
+    stream_samples(opened, o, wanted[m - 1] + 1, "clusters.png",
+                   [&](const torch::Tensor& x, const torch::Tensor&, int64_t first) {
+                     while (static_cast<int64_t>(images.size()) < m && wanted[images.size()] < first + x.size(0))
+                       images.push_back(to_uint8(x[wanted[images.size()] - first]));
+                   });
+    save_cluster_grid((fs::path(tmp) / "clusters.png").string(), torch::stack(images), rows, p);
+    write_clusters(index, p, o, tmp);
+  });
+  if (!o.cfg.quiet)
+    std::printf("wrote %s in %.1f s: partition.safetensors, summary.json, clusters.png, clusters/ (each cluster's "
+                "shard and key per line)%s\n",
+                out.c_str(), seconds_since(t0), o.reshard ? " and shards/ (each cluster's samples as shards)" : "");
+  return summary;
+}
+
+std::string expert_shard_root(const Partition& p, int64_t expert, const std::string& root) {
+  DDM_CHECK(p.shards.is_object(), "partition " << p.origin << " was made on in-memory data (" << p.data_description
+                                               << "), not on data.root's shards; partition them with ddm partition "
+                                                  "--config CONFIG --reshard");
+  const std::string fp = shards_fingerprint(expand_shards(root, "data.root"));
+  DDM_CHECK(fp == p.data_sha256, "partition " << p.origin << " was made on other shards (" << p.data_description
+                                              << ") than data.root = " << root
+                                              << " (their names or sizes differ); partition these with ddm partition "
+                                                 "--config CONFIG --reshard");
+  DDM_CHECK(p.shards.value("reshard", false),
+            "partition " << p.origin << " lists each cluster's samples but has no shards of their own: an expert "
+                         << "over shards reads its cluster's shards; make the partition again with --reshard");
+  DDM_CHECK(expert >= 0 && expert < p.k,
+            "expert " << expert << " does not exist: partition " << p.origin << " has clusters 0.." << p.k - 1);
+  const fs::path dir = fs::path(p.origin).parent_path();
+  return (dir / p.shards.at("clusters").at(expert).at("shards").get<std::string>()).string();
+}
+
+}  // namespace ddm
