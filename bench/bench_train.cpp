@@ -31,6 +31,9 @@
 //        ddm_bench timeline OUT.png RANK0.json [RANK1.json ...] [--step K] [--title TEXT] [--window FROM TO]
 //          (one step per rank: compute and communication rows, in ms; the step of median duration
 //           on rank 0 unless --step is given; --window: only FROM..TO ms after the step's start)
+//        ddm_bench loader SHARDS [--resolution 64] [--batch 256] [--threads 2] [--steps 20] [--warmup 3]
+//          (the shard loader alone: batches of RGB images from JPEG/PNG/WebP shards, decoded on
+//           --threads threads; bench/loader.sh runs it beside bench/loader_reference.py)
 //        ddm_bench phases CONFIG [--set section.key=value ...] [--batch 128] [--threads 2] [--steps 20]
 //          [--warmup 3]
 //          (the step of a real training config on its real data, model.latent and all, split into its
@@ -67,6 +70,7 @@
 #include "core/error.h"
 #include "core/presets.h"
 #include "core/runtime.h"
+#include "data/shard_loader.h"
 #include "decentral/train_run.h"
 #include "diffusion/generate.h"
 #include "model/controlnet.h"
@@ -97,16 +101,19 @@ struct Args {
   int64_t gloo_threads = 1;
   std::string device = "cpu", precision = "fp32";
   double peak_tflops = 0;
+  int64_t resolution = 64;  // loader
   bool threads_set = false, steps_set = false, warmup_set = false;
 };
 
 Args parse(int argc, char** argv) {
   Args a;
-  DDM_CHECK(argc >= 2, "usage: ddm_bench train|peak|sample|ops|dp|phases|timeline [PRESET|CONFIG] [--batch N] [--threads N] [--steps N]");
+  DDM_CHECK(argc >= 2, "usage: ddm_bench train|peak|sample|ops|dp|phases|timeline|loader [PRESET|CONFIG|SHARDS] [--batch N] "
+                       "[--threads N] [--steps N]");
   a.mode = argv[1];
   int i = 2;
   if (a.mode != "peak") {
-    DDM_CHECK(argc >= 3, "ddm_bench " << a.mode << " needs a " << (a.mode == "phases" ? "config file" : "preset"));
+    DDM_CHECK(argc >= 3, "ddm_bench " << a.mode << " needs a "
+                                      << (a.mode == "phases" ? "config file" : a.mode == "loader" ? "shard pattern" : "preset"));
     a.preset = argv[i++];
   }
   for (; i < argc; i += 2) {
@@ -130,6 +137,7 @@ Args parse(int argc, char** argv) {
     else if (k == "--device") a.device = s;
     else if (k == "--precision") a.precision = s;
     else if (k == "--peak") a.peak_tflops = std::atof(s.c_str());
+    else if (k == "--resolution") a.resolution = v;
     else DDM_FAIL("unknown flag " << k);
   }
   if (a.mode == "dp") {  // defaults of the data-parallel mode: one thread per rank, few (slow) steps
@@ -507,6 +515,36 @@ int run_phases(const Args& a) {
   return 0;
 }
 
+// Loader throughput: batches of decoded, centre-cropped, resized, flipped RGB images (float in
+// [-1, 1], as the trainer takes them) from the shards a.preset names, decoded on a.threads threads,
+// a shuffle buffer of 1000; images per second over a.steps batches after a.warmup. The intra-op
+// pool gets one thread, as a PyTorch DataLoader worker's does (bench/loader_reference.py).
+int run_loader(const Args& a) {
+  torch::set_num_threads(1);
+  DataConfig dc;
+  dc.source = "shards";
+  dc.root = a.preset;
+  dc.resolution = a.resolution;
+  dc.channels = 3;
+  dc.hflip = true;
+  dc.decode_threads = a.threads;
+  const Dataset d = open_shards(dc, static_cast<int>(a.threads), /*quiet=*/true);
+  ShardOrder order;
+  order.shuffle_buffer = 1000;
+  ShardLoader loader(d.shards, order, shard_loader_options(dc, 3, a.batch, 1));
+  for (int64_t i = 0; i < a.warmup; ++i) loader.next();
+  const auto t0 = Clock::now();
+  for (int64_t i = 0; i < a.steps; ++i) {
+    const Batch b = loader.next();
+    DDM_CHECK(b.x.size(0) == a.batch && b.x.size(2) == a.resolution, "ddm_bench loader: a batch of " << b.x.sizes());
+  }
+  const double dt = std::chrono::duration<double>(Clock::now() - t0).count();
+  const nlohmann::json j = {{"impl", "cpp"}, {"mode", "loader"}, {"resolution", a.resolution}, {"workers", a.threads},
+                            {"batch", a.batch}, {"steps", a.steps}, {"img_per_s", static_cast<double>(a.steps * a.batch) / dt}};
+  std::printf("%s\n", j.dump().c_str());
+  return 0;
+}
+
 int timeline_main(int argc, char** argv);  // bench/timeline.cpp
 
 int main(int argc, char** argv) try {
@@ -518,6 +556,7 @@ int main(int argc, char** argv) try {
                 static_cast<long long>(a.threads), matmul_peak(a.threads) / 1e9);
     return 0;
   }
+  if (a.mode == "loader") return run_loader(a);
   torch::set_num_threads(static_cast<int>(a.threads));
   if (a.mode == "phases") return run_phases(a);
   RunConfig cfg = preset_config(a.preset, a.batch);

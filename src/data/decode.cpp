@@ -1,12 +1,13 @@
-// Image decoding and fitting (see decode.h). stb_image_resize's implementation lives in libstb.so.
+// Image decoding and fitting (see decode.h).
 #include "data/decode.h"
 
 #include <spng.h>
-#include <stb_image_resize.h>
 #include <turbojpeg.h>
 #include <webp/decode.h>
 
 #include <memory>
+
+#include <torch/torch.h>
 
 #include "core/error.h"
 
@@ -18,9 +19,9 @@ void check_size(int64_t w, int64_t h, const std::string& what) {
             what << ": the image claims " << w << " x " << h << " pixels (at most " << kMaxDecodedPixels << " are decoded)");
 }
 
-// uint8 [H, W, 3] RGB -> [channels, H, W]; channels 1: integer BT.601 luma, exact for grey pixels.
+// uint8 [H, W, 3] RGB -> [channels, H, W] (a view); channels 1: integer BT.601 luma, exact for grey pixels.
 torch::Tensor from_rgb(const torch::Tensor& hwc, int channels) {
-  if (channels == 3) return hwc.permute({2, 0, 1}).contiguous();
+  if (channels == 3) return hwc.permute({2, 0, 1});
   const auto w = hwc.to(torch::kInt32);
   auto y = (w.select(2, 0) * 77 + w.select(2, 1) * 150 + w.select(2, 2) * 29 + 128).div(256, "floor");
   return y.to(torch::kUInt8).unsqueeze(0).contiguous();  // [1, H, W]
@@ -45,7 +46,7 @@ torch::Tensor decode_jpeg(std::string_view bytes, int channels, const std::strin
   const int rc = tjDecompress2(handle.get(), buf, static_cast<unsigned long>(bytes.size()), out.data_ptr<uint8_t>(), w, 0, h,
                                channels == 1 ? TJPF_GRAY : TJPF_RGB, TJFLAG_STOPONWARNING | TJFLAG_ACCURATEDCT);
   DDM_CHECK(rc == 0, what << ": the JPEG is damaged (" << tjGetErrorStr2(handle.get()) << ")");
-  return out.permute({2, 0, 1}).contiguous();
+  return out.permute({2, 0, 1});  // [C, H, W] view
 }
 
 struct SpngFree {
@@ -129,15 +130,10 @@ torch::Tensor crop_resize(const torch::Tensor& image, int64_t size, CropMode mod
   const double at = mode == CropMode::kCenter ? 0.5 : std::clamp(u, 0.0, 1.0 - 1e-12);
   const int64_t y0 = mode == CropMode::kCenter ? (h - s) / 2 : static_cast<int64_t>(at * static_cast<double>(h - s + 1));
   const int64_t x0 = mode == CropMode::kCenter ? (w - s) / 2 : static_cast<int64_t>(at * static_cast<double>(w - s + 1));
-  const torch::Tensor square = image.permute({1, 2, 0}).slice(0, y0, y0 + s).slice(1, x0, x0 + s);  // [s, s, C] view
-  if (s == size) return square.permute({2, 0, 1}).contiguous();
-  const torch::Tensor hwc = image.permute({1, 2, 0}).contiguous();
-  auto out = torch::empty({size, size, c}, torch::kUInt8);
-  const uint8_t* src = hwc.data_ptr<uint8_t>() + (y0 * w + x0) * c;
-  DDM_CHECK(stbir_resize_uint8(src, static_cast<int>(s), static_cast<int>(s), static_cast<int>(w * c), out.data_ptr<uint8_t>(),
-                               static_cast<int>(size), static_cast<int>(size), 0, static_cast<int>(c)) == 1,
-            "crop_resize: stb_image_resize failed on a " << s << " x " << s << " image");
-  return out.permute({2, 0, 1}).contiguous();
+  const torch::Tensor square = image.slice(1, y0, y0 + s).slice(2, x0, x0 + s);  // [C, s, s] view
+  if (s == size) return square;
+  const auto in = square.unsqueeze(0).contiguous(torch::MemoryFormat::ChannelsLast);  // [1, C, s, s]
+  return torch::_upsample_bilinear2d_aa(in, {size, size}, /*align_corners=*/false).squeeze(0);  // [C, size, size]
 }
 
 }  // namespace ddm

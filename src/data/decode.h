@@ -19,8 +19,9 @@ inline constexpr int64_t kMaxDecodedPixels = int64_t(1) << 25;
 bool is_decodable(const std::string& ext);
 
 // Decodes `bytes` (a file of type `ext`) to uint8 [channels, H, W]: channels 1 (luma, BT.601
-// weights, for a colour source) or 3 (grey replicated, for a grey source); alpha is dropped. Throws
-// ddm::Error naming `what` and the decoder's reason for bytes it cannot decode.
+// weights, for a colour source) or 3 (grey replicated, for a grey source); alpha is dropped. The
+// result is a view of the decoder's channels-last buffer (.contiguous() gives planar storage).
+// Throws ddm::Error naming `what` and the decoder's reason for bytes it cannot decode.
 torch::Tensor decode_image(std::string_view bytes, const std::string& ext, int channels, const std::string& what);
 
 // The channels `bytes` hold by their header: 1 for a grey JPEG or PNG (with or without alpha), else 3.
@@ -29,7 +30,9 @@ int image_channels(std::string_view bytes, const std::string& ext, const std::st
 
 // How a decoded image becomes size x size: `center` takes the centred square of the shorter side,
 // `random` a square of the shorter side at an offset drawn from `u` in [0, 1) (the caller's keyed
-// draw), then either is resized (Mitchell filter down, Catmull-Rom up, as stb_image_resize does).
+// draw), then either is resized: LibTorch's antialiased bilinear for uint8 (a triangle filter as
+// wide as the scale when shrinking, plain bilinear when growing; vectorized for channels-last
+// images), Pillow's BILINEAR. The result is uint8 [C, size, size], channels last (a view).
 enum class CropMode { kCenter, kRandom };
 torch::Tensor crop_resize(const torch::Tensor& image, int64_t size, CropMode mode, double u = 0.5);
 

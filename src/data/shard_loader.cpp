@@ -15,9 +15,11 @@
 namespace ddm {
 namespace {
 
-// One sample, ready for the batch: its image [C, S, S] and label, or why it cannot be used.
+// One sample, ready for the batch: its image [C, S, S] (uint8, any strides), whether it is to be
+// mirrored, and its label; or why it cannot be used.
 struct Decoded {
   torch::Tensor image;
+  bool flip = false;
   int64_t label = 0;
   std::string bad;  // non-empty: the reason it is skipped (data.skip_bad)
 };
@@ -43,14 +45,24 @@ Decoded decode_one(const ShardSample& s, const SampleRef& ref, int64_t epoch, co
                           static_cast<uint64_t>(ref.shard), static_cast<uint64_t>(ref.index)});
     };
     torch::Tensor x = decode_image(img->second, img->first, o.channels, what);  // uint8 [C, H, W]
-    x = crop_resize(x, o.resolution, o.crop, uniform_from_key(key(RngPurpose::kCrop)));  // uint8 [C, S, S]
-    if (o.hflip && (key(RngPurpose::kFlip) >> 63) != 0) x = x.flip({2}).contiguous();
-    d.image = x;
+    d.image = crop_resize(x, o.resolution, o.crop, uniform_from_key(key(RngPurpose::kCrop)));  // uint8 [C, S, S]
+    d.flip = o.hflip && (key(RngPurpose::kFlip) >> 63) != 0;
   } catch (const Error& e) {
     if (!o.skip_bad) throw;
     d.bad = e.what();
   }
   return d;
+}
+
+// A decoded image as a batch row: uint8 [C, S, S] (any strides) -> float [C, S, S] at `out` in [-1, 1],
+// as to_unit_range computes it (v / 127.5 - 1, each step rounded to float32), mirrored left-right
+// when flip. Written by hand so that the decode threads start no OpenMP team of LibTorch's.
+void unit_range_row(const torch::Tensor& image, bool flip, float* out) {
+  const auto a = image.accessor<uint8_t, 3>();
+  const int64_t c = image.size(0), h = image.size(1), w = image.size(2);
+  for (int64_t k = 0; k < c; ++k)
+    for (int64_t y = 0; y < h; ++y)
+      for (int64_t x = 0; x < w; ++x) *out++ = static_cast<float>(a[k][y][flip ? w - 1 - x : x]) / 127.5f - 1.0f;
 }
 
 // Runs f(i) for i in [0, n) on `threads` threads (this one among them); the first error is rethrown.
@@ -108,7 +120,7 @@ void ShardLoader::stop() {
 
 ShardLoader::Prepared ShardLoader::prepare(ShardStream& stream) {
   Prepared p;
-  std::vector<torch::Tensor> images;
+  std::vector<Decoded> images;
   std::vector<int64_t> labels;
   while (static_cast<int64_t>(images.size()) < o_.batch) {
     // Read what is still missing (reading is sequential), then decode it on the pool.
@@ -132,11 +144,18 @@ ShardLoader::Prepared ShardLoader::prepare(ShardStream& stream) {
         p.skip_note = d.bad;
         continue;
       }
-      images.push_back(d.image);
       labels.push_back(d.label);
+      images.push_back(std::move(d));
     }
   }
-  p.batch.x = to_unit_range(torch::stack(images));                             // float [B, C, S, S]
+  const auto& first = images.front().image;
+  p.batch.x = torch::empty({o_.batch, first.size(0), first.size(1), first.size(2)});  // float [B, C, S, S]
+  const int64_t row = first.numel();
+  float* x = p.batch.x.data_ptr<float>();
+  parallel_for_each(o_.batch, o_.threads, [&](int64_t i) {
+    const Decoded& d = images[static_cast<size_t>(i)];
+    unit_range_row(d.image, d.flip, x + i * row);
+  });
   p.batch.y = torch::tensor(labels, torch::TensorOptions().dtype(torch::kInt64));  // int64 [B]
   p.after = {stream.epoch(), stream.drawn()};
   if (p.after.index == stream.epoch_size()) p.after = {stream.epoch() + 1, 0};

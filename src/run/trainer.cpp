@@ -4,6 +4,7 @@
 #include "run/trainer.h"
 
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <csignal>
 #include <iostream>
@@ -180,12 +181,20 @@ TrainSummary train(TrainJob job, const TrainOptions& options) {
   };
   // A replica that joined a running group: the rest of the step the group was at.
   bool stopped = begun.joined && end_step(step == tc.steps ? engine->agree_stop(step, tc.steps, 0) : begun.stop);
+  // The time this rank waits for its batches, as a share of each logging interval's wall time
+  // (metrics.jsonl's data_wait): how far the loader is from being the bottleneck.
+  using WaitClock = std::chrono::steady_clock;
+  double waited = 0;
+  auto interval_start = WaitClock::now();
+  const auto seconds_since = [](WaitClock::time_point t) { return std::chrono::duration<double>(WaitClock::now() - t).count(); };
   while (!stopped && step < tc.steps) {
     const int64_t shard_at = layout.shard_offset();
+    const auto wait_start = WaitClock::now();
     const Batch shard = loader.next(shard_at, layout.local_batch).to(proc.device);
     std::vector<Batch> next;  // a filled pipeline prepares parts of the next step's batch in this step's bubbles
     if (engine->wants_next() && step + 1 < tc.steps)
       next = split_micro(loader.peek(shard_at, layout.local_batch).to(proc.device), tc.grad_accum);
+    waited += seconds_since(wait_start);
     const StepResult r = engine->step(split_micro(shard, tc.grad_accum), step, next);
     // Data parallel: the loss and the gradient norm are global, so every rank stops here alike. DiLoCo:
     // they are this replica's; the others learn of its exit at their next synchronization.
@@ -211,6 +220,7 @@ TrainSummary train(TrainJob job, const TrainOptions& options) {
         nlohmann::json rec = {{"step", step},          {"loss", progress.interval_loss()}, {"lr", r.lr},
                               {"grad_norm", r.grad_norm}, {"img_per_s", progress.interval_img_per_s()},
                               {"epoch", loader.cursor().epoch}};
+        rec["data_wait"] = waited / std::max(1e-9, seconds_since(interval_start));
         if (shard_loader && cfg.data.skip_bad) rec["skipped_samples"] = shard_loader->skipped();  // replica 0's
         if (world > 1) {
           rec["sent_bytes"] = sent;
@@ -220,6 +230,8 @@ TrainSummary train(TrainJob job, const TrainOptions& options) {
       }
       interval_sent = sent;
       interval_first = step;
+      waited = 0;
+      interval_start = WaitClock::now();
       if (!progress.tty() && !opt.quiet) {
         std::printf("step %lld/%lld  loss %.4f  lr %.2e  |g| %.3f  %.0f img/s  ETA %s\n",
                     static_cast<long long>(step), static_cast<long long>(tc.steps), progress.interval_loss(), r.lr,

@@ -99,6 +99,10 @@ TEST(ShardsTrain, ResumeAfterKillIsBitIdentical) {
   const auto m = metrics(r.dir / "ref");
   ASSERT_EQ(m.size(), 80u);
   EXPECT_EQ(m.back()["epoch"], 2);  // 1280 samples drawn from 512
+  for (const auto& rec : m) {  // the share of each interval spent waiting for data
+    EXPECT_GE(rec["data_wait"].get<double>(), 0.0) << rec.dump();
+    EXPECT_LE(rec["data_wait"].get<double>(), 1.0) << rec.dump();
+  }
 }
 
 TEST(ShardsTrain, TwoLaunchedReplicasResumeAsTheyWouldHaveGoneOn) {
