@@ -1,6 +1,6 @@
 // Decoding a sample's image bytes and fitting them to the model's resolution, with
 // Debian's libraries: JPEG with libturbojpeg, PNG with libspng, WebP with libwebp; resizing with
-// stb_image_resize (libstb). Every decoder checks the header's size before it allocates, so a file
+// LibTorch's antialiased uint8 kernel. Every decoder checks the header's size before it allocates, so a file
 // claiming a huge image is an error, not an allocation.
 #pragma once
 #include <cstdint>
