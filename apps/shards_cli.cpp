@@ -1,5 +1,6 @@
 // `ddm shards write`: any dataset ddm loads whole (Fashion-MNIST, an image folder, a safetensors
-// file; config data.*) written as WebDataset tar shards for data.source = "shards" (docs/data.md).
+// file; config data.*) written as WebDataset tar shards for data.source = "shards" (docs/data.md);
+// or shards (--from, or a config whose data.source is shards) re-sharded, samples copied unchanged.
 #include <CLI/CLI.hpp>
 
 #include <iostream>
@@ -9,15 +10,17 @@
 
 #include "cli_util.h"
 #include "core/config.h"
+#include "core/error.h"
 #include "core/progress.h"  // format_bytes
 #include "data/dataset.h"
 #include "data/shard_write.h"
+#include "data/shards.h"
 
 namespace ddm {
 
 Command add_shards_command(CLI::App& app) {
   struct Args {
-    std::string config, out, prefix = "train";
+    std::string config, out, prefix = "train", from;
     std::vector<std::string> overrides;
     int64_t shard_size = 10000;
   };
@@ -29,28 +32,54 @@ Command add_shards_command(CLI::App& app) {
       "Write the data a config names (data.source fashion-mnist, folder or safetensors, with data.split and "
       "data.limit) as tar shards OUT/PREFIX-000000.tar, ...: each sample a lossless PNG (grey or RGB, as the data "
       "is) and its label as .cls. Each shard is written atomically; the same data gives the same bytes. Train on "
-      "them with --set data.source=shards --set data.root='<the pattern it prints>' --set data.resolution=N.");
+      "them with --set data.source=shards --set data.root='<the pattern it prints>' --set data.resolution=N. "
+      "Shards (--from, or a config with data.source = shards) are re-sharded: their samples copied in order, "
+      "keys and bytes unchanged, into shards of --shard-size.");
   write->add_option("--config", a->config, "a config whose data.* names the data (default: Fashion-MNIST train)");
   write->add_option("--set", a->overrides, "override a config key, e.g. --set data.split=test (repeatable)");
   write->add_option("--out", a->out, "the folder to write the shards into (created if missing)")->required();
   write->add_option("--shard-size", a->shard_size, "samples per shard (default 10000)")->check(kPositive);
   write->add_option("--prefix", a->prefix, "shard file names start with this (default train)");
+  write->add_option("--from", a->from, "re-shard these shards (a brace pattern, a glob or a list file)");
   return Command{cmd, [a] {
+                   const auto report = [&](int64_t shards) {
+                     return [&, shards](int64_t done) {
+                       const int64_t k = (done + a->shard_size - 1) / a->shard_size;
+                       if (shards <= 0 || k == shards || k % std::max<int64_t>(1, shards / 10) == 0)
+                         std::cout << "  " << k << (shards > 0 ? "/" + std::to_string(shards) : std::string())
+                                   << " shards, " << done << " samples" << std::endl;
+                     };
+                   };
+                   const auto done = [&](const ShardsWritten& w, const std::string& resolution) {
+                     std::cout << "wrote " << w.samples << " samples in " << w.shards << " shard"
+                               << (w.shards > 1 ? "s" : "") << " (" << format_bytes(w.bytes) << ")\n"
+                               << "train on them with: --set data.source=shards --set \"data.root=" << w.pattern
+                               << "\" --set data.resolution=" << resolution << std::endl;
+                   };
+                   std::string from = a->from;
+                   if (from.empty()) {
+                     const RunConfig cfg = a->config.empty() ? parse_config("", "--set", a->overrides)
+                                                             : load_config(a->config, a->overrides);
+                     if (cfg.data.source == "shards") from = cfg.data.root;
+                   } else {
+                     DDM_CHECK(a->config.empty() && a->overrides.empty(), "--from re-shards shards as they are; "
+                                                                          "it takes no --config or --set");
+                   }
+                   if (!from.empty()) {
+                     const auto shards = expand_shards(from, a->from.empty() ? "data.root" : "--from");
+                     std::cout << "re-sharding " << shards.size() << " shard" << (shards.size() > 1 ? "s" : "")
+                               << " (" << from << ") into shards of " << a->shard_size << " in " << a->out << std::endl;
+                     done(reshard(shards, a->out, a->shard_size, a->prefix, report(0)), "N");
+                     return 0;
+                   }
                    const RunConfig cfg = a->config.empty() ? parse_config("", "--set", a->overrides)
                                                            : load_config(a->config, a->overrides);
                    const Dataset data = load_dataset(cfg.data);
                    std::cout << "writing " << data.description << " as shards of " << a->shard_size << " into "
                              << a->out << std::endl;
                    const int64_t n = data.images.size(0), shards = (n + a->shard_size - 1) / a->shard_size;
-                   const ShardsWritten w = write_shards(data, a->out, a->shard_size, a->prefix, [&](int64_t done) {
-                     const int64_t k = (done + a->shard_size - 1) / a->shard_size;
-                     if (k == shards || k % std::max<int64_t>(1, shards / 10) == 0)
-                       std::cout << "  " << k << "/" << shards << " shards, " << done << " samples" << std::endl;
-                   });
-                   std::cout << "wrote " << w.samples << " samples in " << w.shards << " shard"
-                             << (w.shards > 1 ? "s" : "") << " (" << format_bytes(w.bytes) << ")\n"
-                             << "train on them with: --set data.source=shards --set \"data.root=" << w.pattern
-                             << "\" --set data.resolution=" << data.images.size(2) << std::endl;
+                   done(write_shards(data, a->out, a->shard_size, a->prefix, report(shards)),
+                        std::to_string(data.images.size(2)));
                    return 0;
                  }};
 }

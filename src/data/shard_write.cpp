@@ -5,6 +5,7 @@
 
 #include <cstdio>
 #include <filesystem>
+#include <memory>
 
 #include "core/error.h"
 #include "data/shards.h"
@@ -57,6 +58,50 @@ ShardsWritten write_shards(const Dataset& data, const std::string& dir, int64_t 
     out.bytes += static_cast<int64_t>(std::filesystem::file_size(path));  // with tar's 512-byte blocks
     if (progress) progress(out.samples);
   }
+  out.pattern = dir + "/" + prefix + "-{" + numbered(0, 6) + ".." + numbered(out.shards - 1, 6) + "}.tar";
+  return out;
+}
+
+ShardsWritten reshard(const std::vector<std::string>& shards, const std::string& dir, int64_t shard_size,
+                      const std::string& prefix, const std::function<void(int64_t)>& progress) {
+  DDM_CHECK(shard_size > 0, "--shard-size must be > 0, got " << shard_size);
+  DDM_CHECK(!prefix.empty() && prefix.find('/') == std::string::npos && prefix.find('{') == std::string::npos,
+            "--prefix '" << prefix << "' must be a plain file name start (no '/', no braces)");
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  DDM_CHECK(!ec, "cannot create " << dir << ": " << ec.message());
+  const auto out_path = [&](int64_t s) { return dir + "/" + prefix + "-" + numbered(s, 6) + ".tar"; };
+  // An output name that is one of the inputs would be replaced while it is still to be read.
+  const std::string first_out = std::filesystem::weakly_canonical(out_path(0)).parent_path().string() + "/" + prefix + "-";
+  for (const std::string& in : shards) {
+    const std::string canon = std::filesystem::weakly_canonical(in).string();
+    DDM_CHECK(canon.rfind(first_out, 0) != 0,
+              "--out " << dir << " with --prefix " << prefix << " would write over the input shard " << in
+                       << "; use another --out or --prefix");
+  }
+  ShardsWritten out;
+  std::unique_ptr<TarShardWriter> w;
+  std::string path;
+  const auto close = [&] {
+    w->finish();
+    out.bytes += static_cast<int64_t>(std::filesystem::file_size(path));
+    if (progress) progress(out.samples);
+  };
+  for (const std::string& in : shards) {
+    TarShardReader r(in);
+    ShardSample smp;
+    while (r.next(smp)) {
+      if (out.samples % shard_size == 0) {
+        if (w) close();
+        path = out_path(out.shards++);
+        w = std::make_unique<TarShardWriter>(path);
+      }
+      w->add(smp);
+      ++out.samples;
+    }
+  }
+  DDM_CHECK(w, "the shards to re-shard hold no sample");
+  close();
   out.pattern = dir + "/" + prefix + "-{" + numbered(0, 6) + ".." + numbered(out.shards - 1, 6) + "}.tar";
   return out;
 }

@@ -2,10 +2,12 @@
 // (`ddm shards write`): sample i is key "%08d" with its image as lossless PNG (grey or RGB, as the
 // data is) and, for labelled data, its label as .cls; `shard_size` samples per shard, named
 // PREFIX-000000.tar, ... Each shard is written atomically, and the whole set is byte-reproducible.
+// Shards themselves are re-sharded as they are: their samples copied, keys and bytes unchanged.
 #pragma once
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <vector>
 
 #include "data/dataset.h"
 
@@ -20,6 +22,12 @@ struct ShardsWritten {
 // replaced). `progress(samples written)` is called after each shard.
 ShardsWritten write_shards(const Dataset& data, const std::string& dir, int64_t shard_size, const std::string& prefix,
                            const std::function<void(int64_t)>& progress = {});
+
+// Re-shards: every sample of `shards` (paths, in order), member for member and with its key, into
+// shards of `shard_size` samples named as write_shards names them. Refuses to write over one of
+// `shards`. `progress(samples written)` is called after each shard.
+ShardsWritten reshard(const std::vector<std::string>& shards, const std::string& dir, int64_t shard_size,
+                      const std::string& prefix, const std::function<void(int64_t)>& progress = {});
 
 // The PNG bytes of a uint8 [C, H, W] image, C 1 or 3.
 std::string png_of(const torch::Tensor& chw_u8);

@@ -2,7 +2,7 @@
 // into shards; a run on them killed with kill -9 and resumed ends with the bytes of the uninterrupted
 // run; two launched replicas, each reading shards of its own, resume exactly too; a damaged image
 // stops the run naming shard and key, or with data.skip_bad is skipped and counted in the metrics;
-// bad shard lists are clear errors; an expert of a partition made with --reshard trains on its
+// bad shard lists are clear errors; shards are re-sharded; an expert of a partition made with --reshard trains on its
 // cluster's shards.
 #include <gtest/gtest.h>
 
@@ -170,11 +170,14 @@ TEST(ShardsTrain, BadShardListsAndKeysAreClearErrors) {
                                " --set \"data.root=" + (r.dir / "shards/train-000000.tar") + "\" --out " + (r.dir / "f"));
   EXPECT_NE(too_few.exit_code, 0);
   EXPECT_TRUE(has(too_few.output, "1 shard for 2 data-parallel replicas")) << too_few.output;
-  // A command that reads its data whole says so.
-  auto elsewhere = test::run_ddm("shards write --config " + (r.dir / "tiny.toml") + " --set \"data.root=" + r.pattern +
-                                 "\" --out " + (r.dir / "w"));
-  EXPECT_NE(elsewhere.exit_code, 0);
-  EXPECT_TRUE(has(elsewhere.output, "shards are only streamed")) << elsewhere.output;
+  // Re-sharding: into shards of 100 (the samples unchanged: test_shard_loader), never over its input.
+  auto again = test::run_ddm("shards write --from \"" + r.pattern + "\" --shard-size 100 --out " + (r.dir / "w"));
+  ASSERT_EQ(again.exit_code, 0) << again.output;
+  EXPECT_TRUE(has(again.output, "wrote 512 samples in 6 shards")) << again.output;
+  auto over = test::run_ddm("shards write --from \"" + r.pattern + "\" --out " + (r.dir / "shards"));
+  EXPECT_NE(over.exit_code, 0);
+  EXPECT_TRUE(has(over.output, "would write over the input shard")) << over.output;
+  EXPECT_EQ(test::run_command("tar tf " + (r.dir / "shards/train-000000.tar") + " | wc -l").output, "128\n");
 }
 
 // Decentralized diffusion over shards: `ddm partition --reshard` on the shards, then an expert

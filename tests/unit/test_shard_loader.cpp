@@ -240,4 +240,33 @@ TEST(ShardLoader, BadShardSetsAreClearErrors) {
   EXPECT_TRUE(has(lenient->notes[0], "shard " + cut)) << lenient->notes[0];
 }
 
+TEST(ShardLoader, ReshardingCopiesEverySampleInOrderAndCommandsThatLoadWholeRefuseShards) {
+  test::TempDir dir;
+  const Dataset data = random_data(23, 3, 6, 6);
+  const ShardsWritten w = write_shards(data, dir.path + "/in", 5, "train");
+  const ShardsWritten r = reshard(expand_shards(w.pattern, "test"), dir.path + "/out", 7, "again");
+  EXPECT_EQ(r.shards, 4);
+  EXPECT_EQ(r.samples, 23);
+  std::vector<ShardSample> a, b;
+  for (const auto& [pattern, into] : {std::make_pair(w.pattern, &a), std::make_pair(r.pattern, &b)})
+    for (const std::string& shard : expand_shards(pattern, "test")) {
+      TarShardReader reader(shard);
+      ShardSample s;
+      while (reader.next(s)) into->push_back(s);
+    }
+  ASSERT_EQ(a.size(), 23u);
+  ASSERT_EQ(b.size(), 23u);
+  for (size_t i = 0; i < a.size(); ++i) {
+    EXPECT_EQ(a[i].key, b[i].key);
+    EXPECT_EQ(a[i].files, b[i].files) << a[i].key;
+  }
+  EXPECT_TRUE(has(test::error_message([&] { reshard(expand_shards(w.pattern, "test"), dir.path + "/in", 7, "train"); }),
+                  "would write over the input shard"));
+  DataConfig dc;
+  dc.source = "shards";
+  dc.root = w.pattern;
+  dc.resolution = 6;
+  EXPECT_TRUE(has(test::error_message([&] { load_dataset(dc); }), "shards are only streamed"));
+}
+
 }  // namespace
