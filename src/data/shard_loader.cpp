@@ -308,4 +308,25 @@ Dataset open_shards(const DataConfig& cfg, int threads, bool quiet) {
   return d;
 }
 
+Dataset shard_prefix(const DataConfig& cfg, int64_t n, int threads) {
+  Dataset d = open_shards(cfg, threads, /*quiet=*/true);
+  n = std::min(n, d.shards->samples);
+  ShardOrder order;
+  order.shuffle = false;
+  ShardLoaderOptions o = shard_loader_options(cfg, d.images.size(1), std::min<int64_t>(n, 256), 1);
+  o.crop = CropMode::kCenter, o.hflip = false, o.threads = std::max(1, threads);
+  ShardLoader loader(d.shards, order, o);
+  std::vector<torch::Tensor> images, labels;
+  for (int64_t done = 0; done < n; done += o.batch) {
+    const Batch b = loader.next();
+    const int64_t rows = std::min(o.batch, n - done);  // the last batch runs on into the next epoch
+    images.push_back(to_uint8(b.x.narrow(0, 0, rows)));
+    labels.push_back(b.y.narrow(0, 0, rows));
+  }
+  d.images = torch::cat(images);  // uint8 [n, C, S, S]
+  d.labels = torch::cat(labels);
+  d.description = "the first " + std::to_string(n) + " samples of " + d.description;
+  return d;
+}
+
 }  // namespace ddm

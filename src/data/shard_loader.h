@@ -84,6 +84,11 @@ class ShardLoader : public BatchSource {
 // scan's notes (skipped shard tails) unless quiet.
 Dataset open_shards(const DataConfig& cfg, int threads, bool quiet);
 
+// The first `n` samples of data.root's shards (all, if they hold fewer) in shard order, decoded as
+// the loader decodes them but with a centre crop and no flip, held in memory: for the commands that
+// measure a model on a sample of its data (an autoencoder's latent statistics and reconstructions).
+Dataset shard_prefix(const DataConfig& cfg, int64_t n, int threads);
+
 // The loader options data.* give, for batches of `batch` rows.
 ShardLoaderOptions shard_loader_options(const DataConfig& cfg, int64_t channels, int64_t batch, int local_processes);
 

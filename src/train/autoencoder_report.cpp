@@ -18,6 +18,7 @@
 #include "core/rng.h"
 #include "core/run_dir.h"
 #include "data/dataset.h"
+#include "data/shard_loader.h"
 #include "eval/grid.h"
 #include "train/loaded_model.h"
 
@@ -124,16 +125,20 @@ AutoencoderReport report_autoencoder(const std::string& path, const AutoencoderR
   DataConfig train_data = m.cfg.data;
   // Only images the autoencoder trained on (data.limit), at most stats_n of them.
   train_data.limit = train_data.limit > 0 ? std::min(train_data.limit, opt.stats_n) : opt.stats_n;
-  const Dataset train = load_dataset(train_data);
+  // Shards are streamed: their first images stand for the data here.
+  const bool shards = m.cfg.data.source == "shards";
+  const int threads = at::get_num_threads();
+  const Dataset train = shards ? shard_prefix(train_data, train_data.limit, threads) : load_dataset(train_data);
   say("measuring the latent statistics on " + std::to_string(train.images.size(0)) + " images of " + train.description);
   r.latent = measure_latent_stats(*ae, to_unit_range(train.images), static_cast<uint64_t>(m.cfg.train.seed));
 
-  // Reconstructions of the test split (Fashion-MNIST), else of the training data itself.
+  // Reconstructions of the test split (Fashion-MNIST), else of the training data itself (for shards
+  // their first images, as above).
   const bool fmnist = m.cfg.data.source == "fashion-mnist";
   DataConfig test_data = m.cfg.data;
   if (fmnist) test_data.split = "test";
   test_data.limit = opt.n;
-  const Dataset test = load_dataset(test_data);
+  const Dataset test = shards ? shard_prefix(test_data, test_data.limit, threads) : load_dataset(test_data);
   const torch::Tensor x = to_unit_range(test.images);  // [N, C, H, W]
   r.reconstructed = test.description;
   say("reconstructing " + std::to_string(x.size(0)) + " images of " + test.description);

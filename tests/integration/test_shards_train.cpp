@@ -2,8 +2,8 @@
 // into shards; a run on them killed with kill -9 and resumed ends with the bytes of the uninterrupted
 // run; two launched replicas, each reading shards of its own, resume exactly too; a damaged image
 // stops the run naming shard and key, or with data.skip_bad is skipped and counted in the metrics;
-// bad shard lists are clear errors; shards are re-sharded; an expert of a partition made with --reshard trains on its
-// cluster's shards.
+// bad shard lists are clear errors; shards are re-sharded; an expert of a partition made with
+// --reshard trains on its cluster's shards; an autoencoder and a latent model train on shards.
 #include <gtest/gtest.h>
 
 #include <chrono>
@@ -229,3 +229,25 @@ TEST(ShardsTrain, AnExpertTrainsOnItsClustersShards) {
   EXPECT_NE(router.exit_code, 0);
   EXPECT_TRUE(has(router.output, "not supported over shards yet")) << router.output;
 }
+
+// Latent diffusion over shards: an autoencoder trains on them and reports on their first images
+// (the latent statistics a latent model needs), then a latent model trains on the shards through it.
+TEST(ShardsTrain, AnAutoencoderAndALatentModelTrainOnShards) {
+  ShardRun r;
+  const std::string data = "[data]\nsource = \"shards\"\nresolution = 24\nroot = \"" + r.pattern + "\"\n";
+  test::write_text(r.dir / "ae.toml", data + "[model]\npreset = \"ae-f4\"\nchannels = 8\ngroups = 4\n"
+                                             "[train]\nsteps = 4\nbatch_size = 16\nthreads = 1\nlog_every = 2\n");
+  auto ae = test::run_ddm("train-autoencoder --quiet --config " + (r.dir / "ae.toml") + " --out " + (r.dir / "ae") +
+                          " --n 32 --stats-n 100");
+  ASSERT_EQ(ae.exit_code, 0) << ae.output;
+  const auto j = nlohmann::json::parse(test::read_text(r.dir / "ae/autoencoder.json"));
+  EXPECT_EQ(j["latent_shape"], (std::vector<int64_t>{4, 6, 6}));
+  EXPECT_GT(j["latent_scale"].get<double>(), 0);
+  test::write_text(r.dir / "latent.toml", data + "[model]\npreset = \"latent-dit\"\nwidth = 32\ndepth = 2\nheads = 2\n"
+                                                 "[train]\nsteps = 3\nbatch_size = 16\nthreads = 1\nlog_every = 1\n");
+  auto latent = test::run_ddm("train --quiet --config " + (r.dir / "latent.toml") + " --set model.latent=" +
+                              (r.dir / "ae") + " --out " + (r.dir / "latent"));
+  ASSERT_EQ(latent.exit_code, 0) << latent.output;
+  EXPECT_EQ(metrics(r.dir / "latent").size(), 3u);
+}
+
