@@ -155,7 +155,9 @@ Computed compute(const Dataset& opened, const ShardPartitionOptions& o) {
     std::vector<torch::Tensor> rows;
     each_block("pixels, the projection", [&](const torch::Tensor& b) { rows.push_back(pca.project(b)); });
     c.rows = torch::cat(rows);  // [N, D]
-    desc << "pixels PCA " << c.rows.size(1) << " of " << f << (side < o.data.resolution ? " (downsampled to " + std::to_string(side) + "x" + std::to_string(side) + ")" : "")
+    const std::string side_text = std::to_string(side) + "x" + std::to_string(side);
+    desc << "pixels PCA " << c.rows.size(1) << " of " << f
+         << (side < o.data.resolution ? " (downsampled to " + side_text + ")" : "")
          << " (" << std::fixed << std::setprecision(1) << 100 * pca.explained() << "% of the variance)";
   } else if (o.features.kind == "feature-net") {
     const std::string path = o.features.path.empty() ? default_feature_net_path() : o.features.path;

@@ -43,8 +43,8 @@ std::string select_expert_data(RunConfig& cfg, Dataset& data, const Partition& p
   DDM_CHECK(size > 0, "cluster " << cfg.data.expert << " of " << p.origin << " is empty");
   TrainConfig& t = cfg.train;
   std::ostringstream line;
-  line << "expert: cluster " << cfg.data.expert << " of " << p.k << " (" << size << (data.shards ? " samples in its own shards" : " images") << "), budget "
-       << t.expert_budget;
+  line << "expert: cluster " << cfg.data.expert << " of " << p.k << " (" << size
+       << (data.shards ? " samples in its own shards" : " images") << "), budget " << t.expert_budget;
   if (t.expert_budget == "split-batch") {
     DDM_CHECK(t.batch_size % p.k == 0, "train.expert_budget = split-batch: train.batch_size = "
                                            << t.batch_size << " is not divisible by K = " << p.k

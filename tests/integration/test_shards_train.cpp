@@ -90,7 +90,9 @@ TEST(ShardsTrain, ResumeAfterKillIsBitIdentical) {
   ASSERT_TRUE(at_kill.has_value());
   auto res = test::run_ddm(r.train("killed", sets, /*quiet=*/false) + " --resume");
   ASSERT_EQ(res.exit_code, 0) << res.output;
-  if (*at_kill != out + "/ckpt/step-00000080") EXPECT_TRUE(has(res.output, "resuming from")) << res.output;
+  if (*at_kill != out + "/ckpt/step-00000080") {
+    EXPECT_TRUE(has(res.output, "resuming from")) << res.output;
+  }
   for (const char* file : {"model.safetensors", "ema.safetensors", "optim.safetensors"}) {
     const std::string want = file_bytes(r.dir / ("ref/ckpt/step-00000080/" + std::string(file)));
     ASSERT_FALSE(want.empty()) << file;
