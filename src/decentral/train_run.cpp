@@ -135,6 +135,7 @@ TrainJob prepare_train_job(RunConfig cfg) {
   if (all_classes > job.data.num_classes) {
     for (int64_t k = job.data.num_classes; k < all_classes; ++k) job.data.class_names.push_back("class " + std::to_string(k));
     job.data.num_classes = all_classes;
+    job.data.description += " (the expert takes all " + std::to_string(all_classes) + " classes of the data)";
     if (classes == -1) c.model.num_classes = all_classes;
   }
   if (router) job.header = select_router_data(c, job.data, partition);

@@ -211,12 +211,15 @@ TEST(ShardsTrain, AnExpertTrainsOnItsClustersShards) {
   auto by_class = test::run_ddm("partition --config " + (r.dir / "p.toml") + " --k 2 --fine 2 --unbalanced --reshard "
                                 "--features file:" + (r.dir / "f.safetensors") + " --out " + (r.dir / "c"));
   ASSERT_EQ(by_class.exit_code, 0) << by_class.output;
+  int told = 0;  // the cluster of classes 0-4 says its expert takes all 10
   for (const char* k : {"0", "1"}) {
     auto ek = test::run_ddm(r.train(std::string("c") + k, " --partition " + (r.dir / "c") + " --expert " + k +
-                                                            " --set train.steps=1"));
+                                                            " --set train.steps=1", /*quiet=*/false));
     ASSERT_EQ(ek.exit_code, 0) << ek.output;
+    told += has(ek.output, "5 classes, streamed (the expert takes all 10 classes of the data)");
     EXPECT_TRUE(has(test::read_text(r.dir / ("c" + std::string(k) + "/config.toml")), "num_classes = 10")) << k;
   }
+  EXPECT_EQ(told, 1);
   auto lists = test::run_ddm("partition --config " + (r.dir / "p.toml") + " --k 2 --fine 8 --out " + (r.dir / "q"));
   ASSERT_EQ(lists.exit_code, 0) << lists.output;
   auto no_shards = test::run_ddm(r.train("e2", " --partition " + (r.dir / "q") + " --expert 0"));
