@@ -308,21 +308,29 @@ Dataset open_shards(const DataConfig& cfg, int threads, bool quiet) {
   return d;
 }
 
+void for_each_in_order(const Dataset& opened, const DataConfig& cfg, int64_t n, int threads,
+                       const std::function<void(const torch::Tensor&, const torch::Tensor&, int64_t)>& f) {
+  constexpr int64_t kBatch = 256;
+  ShardOrder order;
+  order.shuffle = false;
+  ShardLoaderOptions o = shard_loader_options(cfg, opened.images.size(1), kBatch, 1);
+  o.crop = CropMode::kCenter, o.hflip = false, o.threads = std::max(1, threads);
+  ShardLoader loader(opened.shards, order, o);
+  for (int64_t first = 0; first < n; first += kBatch) {
+    const Batch b = loader.next();
+    const int64_t rows = std::min(kBatch, n - first);  // the last batch runs on into the next epoch
+    f(b.x.narrow(0, 0, rows), b.y.narrow(0, 0, rows), first);
+  }
+}
+
 Dataset shard_prefix(const DataConfig& cfg, int64_t n, int threads) {
   Dataset d = open_shards(cfg, threads, /*quiet=*/true);
   n = std::min(n, d.shards->samples);
-  ShardOrder order;
-  order.shuffle = false;
-  ShardLoaderOptions o = shard_loader_options(cfg, d.images.size(1), std::min<int64_t>(n, 256), 1);
-  o.crop = CropMode::kCenter, o.hflip = false, o.threads = std::max(1, threads);
-  ShardLoader loader(d.shards, order, o);
   std::vector<torch::Tensor> images, labels;
-  for (int64_t done = 0; done < n; done += o.batch) {
-    const Batch b = loader.next();
-    const int64_t rows = std::min(o.batch, n - done);  // the last batch runs on into the next epoch
-    images.push_back(to_uint8(b.x.narrow(0, 0, rows)));
-    labels.push_back(b.y.narrow(0, 0, rows));
-  }
+  for_each_in_order(d, cfg, n, threads, [&](const torch::Tensor& x, const torch::Tensor& y, int64_t) {
+    images.push_back(to_uint8(x));
+    labels.push_back(y);
+  });
   d.images = torch::cat(images);  // uint8 [n, C, S, S]
   d.labels = torch::cat(labels);
   d.description = "the first " + std::to_string(n) + " samples of " + d.description;

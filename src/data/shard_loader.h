@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <deque>
 #include <exception>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -84,9 +85,15 @@ class ShardLoader : public BatchSource {
 // scan's notes (skipped shard tails) unless quiet.
 Dataset open_shards(const DataConfig& cfg, int threads, bool quiet);
 
-// The first `n` samples of data.root's shards (all, if they hold fewer) in shard order, decoded as
-// the loader decodes them but with a centre crop and no flip, held in memory: for the commands that
-// measure a model on a sample of its data (an autoencoder's latent statistics and reconstructions).
+// Samples [0, n) of the shards `opened` (open_shards of cfg) in shard order, decoded as the loader
+// decodes them but with a centre crop and no flip, 256 at a time on `threads` threads:
+// f(images float [b, C, S, S] in [-1, 1], labels int64 [b], the first one's row).
+void for_each_in_order(const Dataset& opened, const DataConfig& cfg, int64_t n, int threads,
+                       const std::function<void(const torch::Tensor&, const torch::Tensor&, int64_t)>& f);
+
+// The first `n` samples of data.root's shards (all, if they hold fewer), as for_each_in_order gives
+// them, held in memory: for the commands that measure a model on a sample of its data (an
+// autoencoder's latent statistics and reconstructions).
 Dataset shard_prefix(const DataConfig& cfg, int64_t n, int threads);
 
 // The loader options data.* give, for batches of `batch` rows.

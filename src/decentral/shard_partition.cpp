@@ -26,35 +26,23 @@ namespace fs = std::filesystem;
 namespace ddm {
 namespace {
 
-constexpr int64_t kBatch = 256;  // samples decoded at a time
-
 double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
-// Streams samples [0, stop) in shard order, decoded as training sees them (centre crop, no flip), a
-// batch at a time: f(images float [b, C, S, S] in [-1, 1], labels int64 [b], first row).
+// for_each_in_order (data/shard_loader.h) with a line of progress every 10 s unless quiet.
 void stream_samples(const Dataset& opened, const ShardPartitionOptions& o, int64_t stop, const std::string& what,
                     const std::function<void(const torch::Tensor&, const torch::Tensor&, int64_t)>& f) {
-  ShardOrder order;
-  order.shuffle = false;
-  ShardLoaderOptions lo = shard_loader_options(o.data, opened.images.size(1), kBatch, 1);
-  lo.crop = CropMode::kCenter;
-  lo.hflip = false;
-  lo.threads = std::max(1, o.threads);
-  ShardLoader loader(opened.shards, order, lo);
   auto last = std::chrono::steady_clock::now();
-  for (int64_t first = 0; first < stop; first += kBatch) {
-    const Batch b = loader.next();
-    const int64_t rows = std::min(kBatch, stop - first);  // the last batch runs on into the next epoch
-    f(b.x.narrow(0, 0, rows), b.y.narrow(0, 0, rows), first);
+  for_each_in_order(opened, o.data, stop, o.threads, [&](const torch::Tensor& x, const torch::Tensor& y, int64_t first) {
+    f(x, y, first);
     if (!o.cfg.quiet && seconds_since(last) >= 10) {
-      std::printf("  %s: %lld/%lld samples\n", what.c_str(), static_cast<long long>(first + rows),
+      std::printf("  %s: %lld/%lld samples\n", what.c_str(), static_cast<long long>(first + x.size(0)),
                   static_cast<long long>(stop));
       std::fflush(stdout);
       last = std::chrono::steady_clock::now();
     }
-  }
+  });
 }
 
 // Cuts a stream of rows into StreamingPca's blocks of kBlock rows (the last one shorter).
