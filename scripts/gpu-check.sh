@@ -14,7 +14,10 @@
 #   PyTorch's (bench/reference.py) for dit-b and unet-small at batch 256 in bf16, PyTorch eager and
 #   torch.compile (unless REF_COMPILE=0), dit-b in fp32; one JSON line each in OUT/bench.jsonl;
 #   then (unless QUICKSTART=0) the single-model quickstart on the GPU (configs/quickstart.toml: train
-#   in bf16, then sample), timed, its grid in OUT/quickstart-gpu.png.
+#   in bf16, then sample), timed, its grid in OUT/quickstart-gpu.png;
+#   then (unless LOADER=0; the pack has JPEG shards where this machine's venv has Pillow) the shard
+#   loader on that machine's cores (ddm_bench loader at 64x64 and 256x256, several thread counts) and
+#   the trainer's wait for data (metrics.jsonl's data_wait) training DiTs on the GPU from JPEG shards.
 # Exits non-zero if any check fails.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -39,6 +42,13 @@ case "$what" in
       while read -r lib; do cp -L "$lib" "$dir/lib/"; done
     tar -cJf "$dir/lib.tar.xz" -C "$dir" lib && rm -rf "$dir/lib"
     cp /usr/share/datasets/fashion-mnist/*.gz "$dir/fashion-mnist/"
+    # Procedural colour JPEG shards for the loader checks (bench/make_jpeg_shards.py), small enough
+    # to carry: the loader cycles through them epoch after epoch.
+    source scripts/torch-env.sh
+    if "$venv/bin/python" -c "import PIL, numpy" 2>/dev/null; then
+      "$venv/bin/python" bench/make_jpeg_shards.py "$dir/shards/64" --n 400 --width 80 --height 80 --shards 4
+      "$venv/bin/python" bench/make_jpeg_shards.py "$dir/shards/256" --n 200 --width 320 --height 288 --shards 4
+    fi
     du -sh "$dir"
     ;;
   run)
@@ -97,6 +107,38 @@ case "$what" in
         failed+=(quickstart-ddm); tail -5 "$out/quickstart-ddm.log"
       fi
       rm -rf "$q"
+    fi
+    if [ "${LOADER:-1}" != 0 ] && [ -d "$dir/shards" ]; then
+      # The loader alone: decoded, cropped, resized, batched images per second by decode threads.
+      for res in 64 256; do
+        for t in 1 4 8 15; do
+          line=$("$dir/bin/ddm_bench" loader "$dir/shards/$res/bench-{000000..000003}.tar" --resolution $res \
+                   --threads $t --batch 256 --steps $([ $res = 64 ] && echo 40 || echo 12) --warmup 3 2>&1 | tail -1)
+          echo "$line" | tee -a "$out/loader.jsonl"
+        done
+      done
+      # The trainer's wait for data on the GPU: DiTs at 64x64 RGB from the JPEG shards, bf16,
+      # batch 256, with the default decode threads (a quarter of the cores) and with 8.
+      for preset in dit-tiny dit-small; do
+        for threads in 0 8; do
+          r=$(mktemp -d)
+          if timeout 200 "$dir/bin/ddm" train --config configs/quickstart.toml --out "$r/run" \
+               --set model.preset=$preset --set data.source=shards \
+               --set "data.root=$dir/shards/64/bench-{000000..000003}.tar" --set data.resolution=64 \
+               --set data.hflip=true --set data.decode_threads=$threads --set train.device=cuda \
+               --set train.precision=bf16 --set train.batch_size=256 --set train.steps=300 \
+               --set train.log_every=50 --set train.ckpt_every=300 >"$out/wait-$preset-$threads.log" 2>&1; then
+            cp "$r/run/metrics.jsonl" "$out/wait-$preset-$threads.jsonl"
+            echo "gpu-check: $preset from shards, decode_threads=$threads: $(python3 -c '
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if "data_wait" in l]
+print("data_wait", [round(r["data_wait"], 4) for r in rows], "img/s", [round(r.get("img_per_s", 0)) for r in rows])' "$r/run/metrics.jsonl")"
+          else
+            failed+=("wait-$preset-$threads"); tail -5 "$out/wait-$preset-$threads.log"
+          fi
+          rm -rf "$r"
+        done
+      done
     fi
     if [ ${#failed[@]} -gt 0 ]; then
       for f in "${failed[@]}"; do echo "--- $f"; grep -B2 -A12 -E 'Failure|FAILED' "$out/$f.log" | head -60; done

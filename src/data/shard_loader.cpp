@@ -149,14 +149,16 @@ ShardLoader::Prepared ShardLoader::prepare(ShardStream& stream) {
     }
   }
   const auto& first = images.front().image;
-  p.batch.x = torch::empty({o_.batch, first.size(0), first.size(1), first.size(2)});  // float [B, C, S, S]
+  const auto host = torch::TensorOptions().pinned_memory(o_.pin);
+  p.batch.x = torch::empty({o_.batch, first.size(0), first.size(1), first.size(2)}, host);  // float [B, C, S, S]
   const int64_t row = first.numel();
   float* x = p.batch.x.data_ptr<float>();
   parallel_for_each(o_.batch, o_.threads, [&](int64_t i) {
     const Decoded& d = images[static_cast<size_t>(i)];
     unit_range_row(d.image, d.flip, x + i * row);
   });
-  p.batch.y = torch::tensor(labels, torch::TensorOptions().dtype(torch::kInt64));  // int64 [B]
+  p.batch.y = torch::empty({o_.batch}, host.dtype(torch::kInt64));  // int64 [B]
+  std::copy(labels.begin(), labels.end(), p.batch.y.data_ptr<int64_t>());
   p.after = {stream.epoch(), stream.drawn()};
   if (p.after.index == stream.epoch_size()) p.after = {stream.epoch() + 1, 0};
   return p;

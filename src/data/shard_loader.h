@@ -33,6 +33,8 @@ struct ShardLoaderOptions {
   bool skip_bad = false;
   int threads = 1;         // decode threads
   int depth = 2;           // batches prepared ahead
+  bool pin = false;        // batches in page-locked memory (training on CUDA: the copy to the device is then
+                           // asynchronous, and the trainer does not wait for a staging copy)
 };
 
 class ShardLoader : public BatchSource {

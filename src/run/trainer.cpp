@@ -67,8 +67,9 @@ TrainSummary train(TrainJob job, const TrainOptions& options) {
     ShardOrder order;
     order.seed = data_seed, order.replica = layout.replica, order.replicas = layout.replicas;
     order.shuffle_buffer = cfg.data.shuffle_buffer;
-    auto l = std::make_unique<ShardLoader>(
-        data.shards, order, shard_loader_options(cfg.data, data.images.size(1), layout.local_batch, proc.local_processes));
+    ShardLoaderOptions lo = shard_loader_options(cfg.data, data.images.size(1), layout.local_batch, proc.local_processes);
+    lo.pin = proc.device.is_cuda();
+    auto l = std::make_unique<ShardLoader>(data.shards, order, lo);
     shard_loader = l.get();
     source = std::move(l);
   } else {
