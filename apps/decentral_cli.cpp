@@ -21,6 +21,7 @@
 #include "core/presets.h"
 #include "core/run_dir.h"
 #include "data/dataset.h"
+#include "data/shard_loader.h"
 #include "decentral/distill.h"
 #include "decentral/ensemble_dir.h"
 #include "decentral/features.h"
@@ -123,21 +124,35 @@ struct RouterArgs {
 void evaluate_router_run(const std::string& out, int64_t buckets) {
   LoadedModel r = load_model(out, /*use_ema=*/true);
   DataConfig dc = r.cfg.data;
-  const Dataset data = load_dataset(dc);
+  const bool shards = dc.source == "shards";
+  const int threads = std::max(1, static_cast<int>(torch::get_num_threads()));
+  Dataset data = shards ? open_shards(dc, threads, /*quiet=*/true) : load_dataset(dc);
   const Partition p = load_partition(dc.partition);
   check_partition_matches(p, data);
-  const int64_t n = data.images.size(0), h = dc.holdout;
+  const int64_t n = shards ? data.shards->samples : data.images.size(0), h = dc.holdout;
   // The images train() withheld (the same seeded split), or without a hold-out the first 2000.
   const torch::Tensor idx = h > 0 ? holdout_split(n, h, static_cast<uint64_t>(r.cfg.train.seed)).second
                                   : torch::arange(std::min<int64_t>(n, 2000), torch::kInt64);
   const std::string note = h > 0 ? "held-out images (" + std::to_string(h) + " chosen at random, never trained on)"
                                  : "training images (data.holdout = 0: none were held out)";
+  torch::Tensor images, labels;  // uint8 [N, C, H, W], int64 [N]
+  if (shards) {  // those samples (idx, in shard order), decoded as training decodes them, centre-cropped
+    auto keep = std::make_shared<std::vector<bool>>(static_cast<size_t>(n), false);
+    const auto at = idx.accessor<int64_t, 1>();
+    for (int64_t i = 0; i < idx.size(0); ++i) (*keep)[static_cast<size_t>(at[i])] = true;
+    std::vector<torch::Tensor> xs, ys;
+    for_each_in_order(data, dc, idx.size(0), threads, [&](const torch::Tensor& x, const torch::Tensor& y, int64_t) {
+      xs.push_back(to_uint8(x));
+      ys.push_back(y);
+    }, keep);
+    images = torch::cat(xs), labels = torch::cat(ys);
+  } else {
+    images = data.images.index_select(0, idx), labels = data.labels.index_select(0, idx);
+  }
   // A latent ensemble's router routes latents: its x_t is built on the encoder's means.
-  const torch::Tensor images = data.images.index_select(0, idx);  // uint8 [N, C, H, W]
   const torch::Tensor x0 = r.latent ? r.latent->encode_mean(images) : to_unit_range(images);
-  const RouterReport rep =
-      evaluate_router(r.net, r.cfg, x0, data.labels.index_select(0, idx),
-                      p.labels.index_select(0, idx), buckets, static_cast<uint64_t>(r.cfg.train.seed) + 1, note);
+  const RouterReport rep = evaluate_router(r.net, r.cfg, x0, labels, p.labels.index_select(0, idx), buckets,
+                                           static_cast<uint64_t>(r.cfg.train.seed) + 1, note);
   std::cout << "\n" << rep.table();
   nlohmann::json j = rep.json();
   j["checkpoint"] = r.checkpoint;

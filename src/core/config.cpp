@@ -393,10 +393,6 @@ void validate_data(const RunConfig& c) {
     DDM_CHECK(c.data.resolution > 0, "data.source = shards needs data.resolution: the size (e.g. 64) its images are "
                                      "cropped square and resized to");
     DDM_CHECK(c.data.limit == 0, "data.limit does not apply to shards; name fewer shards in data.root instead");
-    DDM_CHECK(c.data.holdout == 0 && (c.data.partition.empty() || c.data.expert >= 0),
-              "routers (data.holdout, data.partition without data.expert) read their data in memory and are not "
-              "supported over shards yet; experts are (data.partition with data.expert, on a partition made with "
-              "ddm partition --reshard)");
     DDM_CHECK(!c.train.cache_latents, "train.cache_latents keeps every image's latent in memory, which shards are "
                                       "streamed to avoid; remove it");
     DDM_CHECK(c.model.controlnet.empty() && c.model.embed.empty(),

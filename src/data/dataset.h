@@ -27,6 +27,9 @@ struct Dataset {
   // Tar shards (data.source = "shards"): their index, and `images` holds only the first few samples,
   // as data.resolution and data.channels make them, for the model's shape (open_shards).
   std::shared_ptr<const ShardIndex> shards;
+  // Shards: the samples training takes, by position in shard order (a router's data.holdout leaves
+  // some out; `clusters` is then indexed by that position too); null: all of them.
+  std::shared_ptr<const std::vector<bool>> shard_keep;
 };
 
 // Default root for the Debian package dataset-fashion-mnist.

@@ -96,6 +96,9 @@ ShardLoader::ShardLoader(std::shared_ptr<const ShardIndex> index, ShardOrder ord
   DDM_CHECK(o_.batch > 0, "ShardLoader: the batch must have rows, got " << o_.batch);
   DDM_CHECK(o_.resolution > 0, "data.resolution must be > 0 for shards, got " << o_.resolution);
   DDM_CHECK(o_.channels == 1 || o_.channels == 3, "data.channels must be 1 or 3, got " << o_.channels);
+  DDM_CHECK(!o_.clusters || static_cast<int64_t>(o_.clusters->size()) == index_->samples,
+            "ShardLoader: clusters are given for " << o_.clusters->size() << " samples, the shards hold " << index_->samples);
+  offsets_ = shard_offsets(*index_);
   ShardStream probe(index_, order_, 0, 0);  // the replica has samples (or a clear error, here)
   start({});
 }
@@ -121,7 +124,7 @@ void ShardLoader::stop() {
 ShardLoader::Prepared ShardLoader::prepare(ShardStream& stream) {
   Prepared p;
   std::vector<Decoded> images;
-  std::vector<int64_t> labels;
+  std::vector<int64_t> labels, clusters;
   while (static_cast<int64_t>(images.size()) < o_.batch) {
     // Read what is still missing (reading is sequential), then decode it on the pool.
     const int64_t need = o_.batch - static_cast<int64_t>(images.size());
@@ -138,13 +141,16 @@ ShardLoader::Prepared ShardLoader::prepare(ShardStream& stream) {
       const auto u = static_cast<size_t>(i);
       done[u] = decode_one(raw[u], refs[u], epochs[u], *index_, order_, o_);
     });
-    for (Decoded& d : done) {
+    for (size_t i = 0; i < done.size(); ++i) {
+      Decoded& d = done[i];
       if (!d.bad.empty()) {
         ++p.skipped;
         p.skip_note = d.bad;
         continue;
       }
       labels.push_back(d.label);
+      if (o_.clusters)
+        clusters.push_back((*o_.clusters)[static_cast<size_t>(offsets_[static_cast<size_t>(refs[i].shard)] + refs[i].index)]);
       images.push_back(std::move(d));
     }
   }
@@ -159,6 +165,10 @@ ShardLoader::Prepared ShardLoader::prepare(ShardStream& stream) {
   });
   p.batch.y = torch::empty({o_.batch}, host.dtype(torch::kInt64));  // int64 [B]
   std::copy(labels.begin(), labels.end(), p.batch.y.data_ptr<int64_t>());
+  if (o_.clusters) {
+    p.batch.k = torch::empty({o_.batch}, host.dtype(torch::kInt64));  // int64 [B]
+    std::copy(clusters.begin(), clusters.end(), p.batch.k.data_ptr<int64_t>());
+  }
   p.after = {stream.epoch(), stream.drawn()};
   if (p.after.index == stream.epoch_size()) p.after = {stream.epoch() + 1, 0};
   return p;
@@ -311,10 +321,12 @@ Dataset open_shards(const DataConfig& cfg, int threads, bool quiet) {
 }
 
 void for_each_in_order(const Dataset& opened, const DataConfig& cfg, int64_t n, int threads,
-                       const std::function<void(const torch::Tensor&, const torch::Tensor&, int64_t)>& f) {
+                       const std::function<void(const torch::Tensor&, const torch::Tensor&, int64_t)>& f,
+                       std::shared_ptr<const std::vector<bool>> keep) {
   constexpr int64_t kBatch = 256;
   ShardOrder order;
   order.shuffle = false;
+  order.keep = std::move(keep);
   ShardLoaderOptions o = shard_loader_options(cfg, opened.images.size(1), kBatch, 1);
   o.crop = CropMode::kCenter, o.hflip = false, o.threads = std::max(1, threads);
   ShardLoader loader(opened.shards, order, o);

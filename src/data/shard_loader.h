@@ -33,6 +33,8 @@ struct ShardLoaderOptions {
   bool skip_bad = false;
   int threads = 1;         // decode threads
   int depth = 2;           // batches prepared ahead
+  // Each sample's cluster by position in shard order (a router's targets): Batch::k; null: none.
+  std::shared_ptr<const std::vector<int64_t>> clusters;
   bool pin = false;        // batches in page-locked memory (training on CUDA: the copy to the device is then
                            // asynchronous, and the trainer does not wait for a staging copy)
 };
@@ -71,6 +73,7 @@ class ShardLoader : public BatchSource {
   std::shared_ptr<const ShardIndex> index_;
   ShardOrder order_;
   ShardLoaderOptions o_;
+  std::vector<int64_t> offsets_;  // shard_offsets(*index_)
   Cursor delivered_;  // the position before the next batch handed out
   int64_t skipped_ = 0;
   std::string last_skip_;
@@ -90,8 +93,10 @@ Dataset open_shards(const DataConfig& cfg, int threads, bool quiet);
 // Samples [0, n) of the shards `opened` (open_shards of cfg) in shard order, decoded as the loader
 // decodes them but with a centre crop and no flip, 256 at a time on `threads` threads:
 // f(images float [b, C, S, S] in [-1, 1], labels int64 [b], the first one's row).
+// With `keep` (by position in shard order), only the samples it keeps, n of them at most.
 void for_each_in_order(const Dataset& opened, const DataConfig& cfg, int64_t n, int threads,
-                       const std::function<void(const torch::Tensor&, const torch::Tensor&, int64_t)>& f);
+                       const std::function<void(const torch::Tensor&, const torch::Tensor&, int64_t)>& f,
+                       std::shared_ptr<const std::vector<bool>> keep = nullptr);
 
 // The first `n` samples of data.root's shards (all, if they hold fewer), as for_each_in_order gives
 // them, held in memory: for the commands that measure a model on a sample of its data (an

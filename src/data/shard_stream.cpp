@@ -135,7 +135,21 @@ std::vector<int32_t> epoch_shards(const ShardIndex& index, const ShardOrder& o, 
   return mine;
 }
 
+std::vector<int64_t> shard_offsets(const ShardIndex& index) {
+  std::vector<int64_t> first;
+  int64_t at = 0;
+  for (const int64_t c : index.counts) {
+    first.push_back(at);
+    at += c;
+  }
+  return first;
+}
+
 std::vector<SampleRef> epoch_order(const ShardIndex& index, const ShardOrder& o, int64_t epoch) {
+  DDM_CHECK(!o.keep || static_cast<int64_t>(o.keep->size()) == index.samples,
+            "ShardOrder: the samples to keep are given for " << o.keep->size() << " samples, the shards hold "
+                                                             << index.samples);
+  const std::vector<int64_t> first = o.keep ? shard_offsets(index) : std::vector<int64_t>();
   std::vector<SampleRef> out;
   std::vector<SampleRef> buffer;
   const size_t cap = static_cast<size_t>(std::max<int64_t>(1, o.shuffle_buffer));
@@ -148,6 +162,7 @@ std::vector<SampleRef> epoch_order(const ShardIndex& index, const ShardOrder& o,
   for (const int32_t s : epoch_shards(index, o, epoch)) {
     for (int64_t i = 0; i < index.counts[static_cast<size_t>(s)]; ++i) {
       const SampleRef ref{s, i};
+      if (o.keep && !(*o.keep)[static_cast<size_t>(first[static_cast<size_t>(s)] + i)]) continue;
       if (cap <= 1) {
         out.push_back(ref);
       } else if (buffer.size() < cap) {
@@ -190,8 +205,10 @@ ShardStream::~ShardStream() = default;
 void ShardStream::begin_epoch(int64_t epoch, int64_t drawn) {
   epoch_ = epoch;
   order_ = epoch_order(*index_, o_, epoch);
-  DDM_CHECK(!order_.empty(), "data.root: replica " << o_.replica << "'s shards in epoch " << epoch
-                                                   << " hold no sample (empty shards); remove the empty shards");
+  DDM_CHECK(!order_.empty(), "data.root: replica " << o_.replica << "'s shards in epoch " << epoch << " hold no sample "
+                                                   << (o_.keep ? "that is not held out; hold out fewer samples, or "
+                                                               : "(empty shards); ")
+                                                   << "remove the empty shards");
   DDM_CHECK(drawn >= 0 && drawn < epoch_size(),
             "data position (epoch " << epoch << ", sample " << drawn << ") is past replica " << o_.replica
                                     << "'s epoch of " << epoch_size() << " samples; the checkpoint belongs to other shards");
@@ -204,7 +221,7 @@ void ShardStream::begin_epoch(int64_t epoch, int64_t drawn) {
     stream_start_.push_back(at);
     at += index_->counts[static_cast<size_t>(s)];
   }
-  drawn_at_.assign(static_cast<size_t>(at), 0);
+  drawn_at_.assign(static_cast<size_t>(at), -1);  // -1: never drawn (left out by ShardOrder::keep)
   for (size_t k = 0; k < order_.size(); ++k)
     drawn_at_[static_cast<size_t>(first_of[static_cast<size_t>(order_[k].shard)] + order_[k].index)] = static_cast<int64_t>(k);
   from_ = drawn_ = drawn;

@@ -9,7 +9,7 @@
 // the same way at the epoch's end. So each sample is drawn exactly once per epoch, the replicas'
 // epochs together draw every sample once, and the whole order is a function of the shards' sample
 // counts alone: a resumed run computes it, then reads only the samples still to come (the tar data
-// of those before them is skipped, not read).
+// of those before them is skipped, not read). ShardOrder::keep leaves samples out of every epoch.
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -43,7 +43,14 @@ struct ShardOrder {
   int replica = 0, replicas = 1;
   bool shuffle = true;         // shards permuted per epoch (else in list order)
   int64_t shuffle_buffer = 0;  // samples; <= 1: none
+  // The samples the stream takes, by position in shard order (shard_offsets); null: all. The others
+  // are never drawn, and their tar data is skipped, not read (a router's held-out samples).
+  std::shared_ptr<const std::vector<bool>> keep;
 };
+
+// The position in shard order (the index's shards in turn, their samples in turn) of each shard's
+// first sample: sample i of shard s is sample shard_offsets(index)[s] + i.
+std::vector<int64_t> shard_offsets(const ShardIndex& index);
 
 // A sample's place: its shard (an index into ShardIndex::shards) and its position in that shard.
 struct SampleRef {

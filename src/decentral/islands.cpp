@@ -321,10 +321,11 @@ int64_t ensure_partition(const IslandsConfig& c, const std::string& ddm_binary) 
               << std::endl;
     const std::string log = (fs::path(c.out) / "logs" / "partition.log").string();
     const std::uintmax_t from = size_of(log);
-    const ExitStatus status = wait_exit(spawn(
-        ddm_binary,
-        {"partition", "--config", c.config, "--k", std::to_string(c.k), "--features", c.features, "--out", c.partition},
-        log));
+    std::vector<std::string> args = {"partition", "--config", c.config,      "--k",
+                                     std::to_string(c.k), "--features", c.features, "--out", c.partition};
+    // Over tar shards each expert's island reads its cluster's own shards, written with the partition.
+    if (load_config(c.config).data.source == "shards") args.push_back("--reshard");
+    const ExitStatus status = wait_exit(spawn(ddm_binary, args, log));
     DDM_CHECK(status.ok(), "making the partition failed (" << describe_exit(status) << "): " << last_error(log, from)
                                                             << " (log " << log << ")");
   }

@@ -19,7 +19,9 @@
 #include "core/fileio.h"
 #include "core/rng.h"
 #include "core/safetensors.h"
+#include "data/shard_stream.h"
 #include "decentral/kmeans.h"
+#include "decentral/shard_partition.h"
 #include "eval/grid.h"
 
 namespace fs = std::filesystem;
@@ -320,6 +322,13 @@ Partition load_partition(const std::string& path) {
 }
 
 void check_partition_matches(const Partition& p, const Dataset& data) {
+  if (data.shards) {
+    check_partition_of_shards(p, data.shards->shards, data.description);
+    return;
+  }
+  DDM_CHECK(!p.shards.is_object(), "partition " << p.origin << " was made on tar shards (" << p.data_description
+                                                << ") but the data (" << data.description << ") is held in memory; "
+                                                << "use the partition with data.source = \"shards\" and those shards");
   DDM_CHECK(p.n == data.images.size(0), "partition " << p.origin << " has " << p.n << " rows but the data ("
                                                      << data.description << ") has " << data.images.size(0)
                                                      << " images; partition this dataset with ddm partition");

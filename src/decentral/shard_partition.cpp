@@ -300,15 +300,17 @@ nlohmann::json partition_shards(const ShardPartitionOptions& o, const std::strin
   return summary;
 }
 
-std::string expert_shard_root(const Partition& p, int64_t expert, const std::string& root) {
+void check_partition_of_shards(const Partition& p, const std::vector<std::string>& shards, const std::string& what) {
   DDM_CHECK(p.shards.is_object(), "partition " << p.origin << " was made on in-memory data (" << p.data_description
-                                               << "), not on data.root's shards; partition them with ddm partition "
-                                                  "--config CONFIG --reshard");
-  const std::string fp = shards_fingerprint(expand_shards(root, "data.root"));
-  DDM_CHECK(fp == p.data_sha256, "partition " << p.origin << " was made on other shards (" << p.data_description
-                                              << ") than data.root = " << root
-                                              << " (their names or sizes differ); partition these with ddm partition "
-                                                 "--config CONFIG --reshard");
+                                               << "), not on the shards of " << what
+                                               << "; partition them with ddm partition --config CONFIG");
+  DDM_CHECK(shards_fingerprint(shards) == p.data_sha256,
+            "partition " << p.origin << " was made on other shards (" << p.data_description << ") than those of "
+                         << what << " (their names or sizes differ); partition these with ddm partition --config CONFIG");
+}
+
+std::string expert_shard_root(const Partition& p, int64_t expert, const std::string& root) {
+  check_partition_of_shards(p, expand_shards(root, "data.root"), "data.root = " + root);
   DDM_CHECK(p.shards.value("reshard", false),
             "partition " << p.origin << " lists each cluster's samples but has no shards of their own: an expert "
                          << "over shards reads its cluster's shards; make the partition again with --reshard");

@@ -47,6 +47,10 @@ nlohmann::json partition_shards(const ShardPartitionOptions& o, const std::strin
 // What a partition of shards is tied to: sha256 over each shard's file name and size, in order.
 std::string shards_fingerprint(const std::vector<std::string>& shards);
 
+// Checks that `p` was made on `shards` (`what` names them in the errors): a router or a distilled
+// student over shards then takes sample i's cluster from p.labels[i], i in shard order.
+void check_partition_of_shards(const Partition& p, const std::vector<std::string>& shards, const std::string& what);
+
 // The data.root that expert `expert` of a partition of shards reads: its cluster's own shards (an
 // absolute brace pattern). Checks that the partition was made on data.root's shards (`root`) and
 // with reshard, naming what to do otherwise.

@@ -63,7 +63,8 @@ std::string select_expert_data(RunConfig& cfg, Dataset& data, const Partition& p
 
 // A router trains on every cluster: checks the partition, fills model.num_experts, attaches each
 // image's cluster and withholds data.holdout images chosen at random (holdout_split, seeded by
-// train.seed; evaluate_router_run picks the same ones). Returns a line for the run header.
+// train.seed; evaluate_router_run picks the same ones). Over shards the images are positions in shard
+// order, withheld by the loader (Dataset::shard_keep). Returns a line for the run header.
 std::string select_router_data(RunConfig& cfg, Dataset& data, const Partition& p) {
   check_partition_matches(p, data);
   ModelConfig& m = cfg.model;
@@ -71,9 +72,15 @@ std::string select_router_data(RunConfig& cfg, Dataset& data, const Partition& p
                                                         << p.origin << " has K = " << p.k << "; remove the key");
   m.num_experts = p.k;
   data.clusters = p.labels;
-  const int64_t n = data.images.size(0), h = cfg.data.holdout;
+  const int64_t n = data.shards ? data.shards->samples : data.images.size(0), h = cfg.data.holdout;
   DDM_CHECK(h < n, "data.holdout = " << h << " leaves no training images (the data has " << n << ")");
-  if (h > 0) {
+  if (h > 0 && data.shards) {
+    auto keep = std::make_shared<std::vector<bool>>(static_cast<size_t>(n), true);
+    const torch::Tensor held = holdout_split(n, h, static_cast<uint64_t>(cfg.train.seed)).second;
+    const auto at = held.accessor<int64_t, 1>();
+    for (int64_t i = 0; i < h; ++i) (*keep)[static_cast<size_t>(at[i])] = false;
+    data.shard_keep = std::move(keep);
+  } else if (h > 0) {
     const torch::Tensor keep = holdout_split(n, h, static_cast<uint64_t>(cfg.train.seed)).first;
     data.images = data.images.index_select(0, keep);
     data.labels = data.labels.index_select(0, keep);
@@ -124,7 +131,7 @@ TrainJob prepare_train_job(RunConfig cfg) {
   if (!cfg.data.partition.empty()) partition = load_partition(cfg.data.partition);
   // An expert over shards reads its cluster's own shards; its config keeps data.root as written.
   const std::string root = cfg.data.root;
-  const bool shard_expert = cfg.data.source == "shards" && !cfg.data.partition.empty();
+  const bool shard_expert = cfg.data.source == "shards" && !cfg.data.partition.empty() && !router;
   const int64_t classes = cfg.model.num_classes;
   if (shard_expert) cfg.data.root = expert_shard_root(partition, cfg.data.expert, cfg.data.root);
   TrainJob job = plain_job(std::move(cfg));

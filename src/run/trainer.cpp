@@ -67,8 +67,13 @@ TrainSummary train(TrainJob job, const TrainOptions& options) {
     ShardOrder order;
     order.seed = data_seed, order.replica = layout.replica, order.replicas = layout.replicas;
     order.shuffle_buffer = cfg.data.shuffle_buffer;
+    order.keep = data.shard_keep;  // a router's held-out samples are never drawn
     ShardLoaderOptions lo = shard_loader_options(cfg.data, data.images.size(1), layout.local_batch, proc.local_processes);
     lo.pin = proc.device.is_cuda();
+    if (data.clusters.defined()) {  // a router: each sample's cluster, by its position in shard order
+      const torch::Tensor k = data.clusters.contiguous();
+      lo.clusters = std::make_shared<const std::vector<int64_t>>(k.data_ptr<int64_t>(), k.data_ptr<int64_t>() + k.numel());
+    }
     auto l = std::make_unique<ShardLoader>(data.shards, order, lo);
     shard_loader = l.get();
     source = std::move(l);

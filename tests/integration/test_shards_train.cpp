@@ -3,7 +3,8 @@
 // run; two launched replicas, each reading shards of its own, resume exactly too; a damaged image
 // stops the run naming shard and key, or with data.skip_bad is skipped and counted in the metrics;
 // bad shard lists are clear errors; shards are re-sharded; an expert of a partition made with
-// --reshard trains on its cluster's shards; an autoencoder and a latent model train on shards.
+// --reshard trains on its cluster's shards; a router (with samples held out) and a distilled student
+// train on shards; an autoencoder and a latent model train on shards.
 #include <gtest/gtest.h>
 
 #include <chrono>
@@ -184,7 +185,7 @@ TEST(ShardsTrain, BadShardListsAndKeysAreClearErrors) {
 
 // Decentralized diffusion over shards: `ddm partition --reshard` on the shards, then an expert
 // trains on its cluster's own shards (and resumes); its config keeps the shards it was given. A
-// partition without --reshard, or a router, is a clear error.
+// partition without --reshard is a clear error.
 TEST(ShardsTrain, AnExpertTrainsOnItsClustersShards) {
   ShardRun r;
   test::write_text(r.dir / "p.toml", "[data]\nsource = \"shards\"\nresolution = 24\nroot = \"" + r.pattern + "\"\n");
@@ -226,13 +227,54 @@ TEST(ShardsTrain, AnExpertTrainsOnItsClustersShards) {
   EXPECT_NE(no_shards.exit_code, 0);
   EXPECT_TRUE(has(no_shards.output, "again with --reshard")) << no_shards.output;
   EXPECT_FALSE(fs::exists(r.dir / "e2/config.toml"));
+}
+
+// A router trains over the shards themselves (no --reshard needed), each sample's cluster taken from
+// the partition by its position in shard order, with --holdout samples never drawn and its report
+// made on exactly those; it resumes after a kill as it would have gone on. Then the experts and the
+// router make an ensemble, and a student distils it from the same shards.
+TEST(ShardsTrain, ARouterAndADistilledStudentTrainOnShards) {
+  ShardRun r;
+  test::write_text(r.dir / "p.toml", "[data]\nsource = \"shards\"\nresolution = 24\nroot = \"" + r.pattern + "\"\n");
+  auto part = test::run_ddm("partition --config " + (r.dir / "p.toml") + " --k 2 --fine 8 --reshard --out " + (r.dir / "p"));
+  ASSERT_EQ(part.exit_code, 0) << part.output;
   std::string full = test::read_text(r.dir / "tiny.toml");
   full.insert(full.find("[data]\n") + 7, "root = \"" + r.pattern + "\"\n");
   test::write_text(r.dir / "full.toml", full);
-  auto router = test::run_ddm("train-router --config " + (r.dir / "full.toml") + " --partition " + (r.dir / "p") +
-                              " --out " + (r.dir / "router"));
-  EXPECT_NE(router.exit_code, 0);
-  EXPECT_TRUE(has(router.output, "not supported over shards yet")) << router.output;
+  const std::string router = "train-router --config " + (r.dir / "full.toml") + " --partition " + (r.dir / "p") +
+                             " --holdout 100 --set model.patch=6 --set train.ckpt_every=5 --set train.log_every=1";
+  auto whole = test::run_ddm(router + " --set train.steps=10 --out " + (r.dir / "r"));
+  ASSERT_EQ(whole.exit_code, 0) << whole.output;
+  EXPECT_TRUE(has(whole.output, "trains on 412 images, 100 held out at random")) << whole.output;
+  const auto report = nlohmann::json::parse(test::read_text(r.dir / "r/router_eval.json"));
+  EXPECT_EQ(report["images"], 100);
+  EXPECT_TRUE(has(report["images_note"].get<std::string>(), "never trained on"));
+  EXPECT_EQ(nlohmann::json::parse(test::read_text(r.dir / "r/router.json"))["holdout"], 100);
+  // Stopped after step 5 and resumed: the bytes of the uninterrupted run.
+  ASSERT_EQ(test::run_ddm(router + " --set train.steps=5 --out " + (r.dir / "r5")).exit_code, 0);
+  auto rest = test::run_ddm(router + " --set train.steps=10 --resume --out " + (r.dir / "r5"));
+  ASSERT_EQ(rest.exit_code, 0) << rest.output;
+  EXPECT_EQ(file_bytes(r.dir / "r/ckpt/step-00000010/model.safetensors"),
+            file_bytes(r.dir / "r5/ckpt/step-00000010/model.safetensors"));
+  EXPECT_EQ(file_bytes(r.dir / "r/router_eval.json").substr(0, 400), file_bytes(r.dir / "r5/router_eval.json").substr(0, 400));
+  // A partition made in memory is refused, naming what to do.
+  auto mem = test::run_ddm("partition --limit 512 --k 2 --out " + (r.dir / "m"));
+  ASSERT_EQ(mem.exit_code, 0) << mem.output;
+  auto wrong = test::run_ddm("train-router --config " + (r.dir / "full.toml") + " --partition " + (r.dir / "m") +
+                             " --out " + (r.dir / "rm"));
+  EXPECT_NE(wrong.exit_code, 0);
+  EXPECT_TRUE(has(wrong.output, "made on in-memory data")) << wrong.output;
+
+  for (const char* k : {"0", "1"})
+    ASSERT_EQ(test::run_ddm(r.train(std::string("e") + k, " --partition " + (r.dir / "p") + " --expert " + k +
+                                                            " --set train.steps=4")).exit_code, 0);
+  auto ens = test::run_ddm("ensemble --out " + (r.dir / "ens") + " --partition " + (r.dir / "p") + " --router " +
+                           (r.dir / "r") + " --expert " + (r.dir / "e0") + " --expert " + (r.dir / "e1"));
+  ASSERT_EQ(ens.exit_code, 0) << ens.output;
+  auto student = test::run_ddm("distill --ensemble " + (r.dir / "ens") + " --set train.steps=4 --out " + (r.dir / "s"));
+  ASSERT_EQ(student.exit_code, 0) << student.output;
+  EXPECT_TRUE(has(student.output, "512 samples in 8 shards")) << student.output;
+  EXPECT_TRUE(has(test::read_text(r.dir / "s/config.toml"), r.pattern));
 }
 
 // Latent diffusion over shards: an autoencoder trains on them and reports on their first images

@@ -155,6 +155,68 @@ TEST(ShardLoader, AStreamStartedAtASavedPositionContinuesTheUninterruptedOne) {
   EXPECT_TRUE(has(test::error_message([&] { b.set_cursor({0, 999}); }), "out of range for replica 1"));
 }
 
+// A router's held-out samples (ShardOrder::keep) are never drawn: each replica's epochs together
+// draw every kept sample once and no other. Each row's cluster (ShardLoaderOptions::clusters, by
+// position in shard order) is its own sample's, as are its image and label; a resumed loader goes on
+// with the same rows.
+TEST(ShardLoader, SamplesLeftOutAreNeverDrawnAndEachRowCarriesItsOwnCluster) {
+  test::TempDir dir;
+  const Dataset data = random_data(37, 1, 4, 4);
+  const ShardsWritten w = write_shards(data, dir.path, 5, "s");  // 8 shards, the last of 2
+  const auto index = index_of(w.pattern);
+  const std::vector<int64_t> first = shard_offsets(*index);
+  EXPECT_EQ(first, (std::vector<int64_t>{0, 5, 10, 15, 20, 25, 30, 35}));
+  auto keep = std::make_shared<std::vector<bool>>(37, true);
+  for (const int64_t held : {0, 3, 7, 12, 20, 21, 36}) (*keep)[static_cast<size_t>(held)] = false;  // 30 kept
+  ShardOrder o;
+  o.seed = 9, o.shuffle_buffer = 6, o.keep = keep;
+  for (int64_t epoch = 0; epoch < 3; ++epoch) {
+    std::vector<int> drawn(37, 0);
+    for (int r = 0; r < 2; ++r) {
+      ShardOrder mine = o;
+      mine.replica = r, mine.replicas = 2;
+      for (const SampleRef& s : epoch_order(*index, mine, epoch)) ++drawn[static_cast<size_t>(first[s.shard] + s.index)];
+    }
+    for (size_t i = 0; i < 37; ++i) EXPECT_EQ(drawn[i], (*keep)[i] ? 1 : 0) << "sample " << i << ", epoch " << epoch;
+  }
+  // One replica, batches of 10: each epoch (30 kept samples) is three batches.
+  auto clusters = std::make_shared<std::vector<int64_t>>();
+  for (int64_t i = 0; i < 37; ++i) clusters->push_back(i);  // each sample's "cluster" is its position
+  ShardLoaderOptions lo = options(10, 4, 1);
+  lo.clusters = clusters;
+  ShardLoader loader(index, o, lo);
+  std::vector<Batch> batches;
+  std::vector<BatchSource::Cursor> at;
+  for (int epoch = 0; epoch < 2; ++epoch) {
+    std::vector<int> seen(37, 0);
+    for (int b = 0; b < 3; ++b) {
+      at.push_back(loader.cursor());
+      batches.push_back(loader.next());
+      const Batch& batch = batches.back();
+      ASSERT_TRUE(batch.k.defined());
+      for (int64_t row = 0; row < 10; ++row) {
+        const int64_t k = batch.k[row].item<int64_t>();
+        ++seen[static_cast<size_t>(k)];
+        EXPECT_EQ(batch.y[row].item<int64_t>(), data.labels[k].item<int64_t>()) << "row " << row;
+        EXPECT_TRUE(torch::equal(batch.x[row], to_unit_range(data.images[k]))) << "row " << row;
+      }
+    }
+    for (size_t i = 0; i < 37; ++i) EXPECT_EQ(seen[i], (*keep)[i] ? 1 : 0) << "sample " << i << ", epoch " << epoch;
+  }
+  ShardLoader resumed(index, o, lo);
+  resumed.set_cursor(at[4]);
+  for (size_t b = 4; b < batches.size(); ++b) {
+    const Batch again = resumed.next();
+    EXPECT_TRUE(torch::equal(again.k, batches[b].k)) << "batch " << b;
+    EXPECT_TRUE(torch::equal(again.x, batches[b].x)) << "batch " << b;
+  }
+  // Keeping nothing of a replica's shards is a clear error.
+  auto none = std::make_shared<std::vector<bool>>(37, false);
+  ShardOrder empty = o;
+  empty.keep = none;
+  EXPECT_TRUE(has(test::error_message([&] { ShardLoader l(index, empty, lo); }), "hold out fewer samples"));
+}
+
 TEST(ShardLoader, ABadSampleStopsTheRunNamingShardAndKeyOrWithSkipBadIsSkippedAndCounted) {
   test::TempDir dir;
   const Dataset data = random_data(6, 3, 8, 8);
