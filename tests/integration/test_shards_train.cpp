@@ -275,6 +275,17 @@ TEST(ShardsTrain, ARouterAndADistilledStudentTrainOnShards) {
   ASSERT_EQ(student.exit_code, 0) << student.output;
   EXPECT_TRUE(has(student.output, "512 samples in 8 shards")) << student.output;
   EXPECT_TRUE(has(test::read_text(r.dir / "s/config.toml"), r.pattern));
+
+  // ddm islands over shards: it makes its partition with --reshard, so each expert reads its own.
+  test::write_text(r.dir / "isl.toml", "out = \"" + (r.dir / "isl") + "\"\nconfig = \"" + (r.dir / "full.toml") +
+                                         "\"\n[partition]\npath = \"" + (r.dir / "ip") + "\"\nk = 2\n"
+                                         "[experts]\nset = [\"train.steps=3\"]\n[router]\nholdout = 50\n"
+                                         "set = [\"train.steps=3\", \"model.patch=6\"]\n");
+  auto isl = test::run_ddm("islands run " + (r.dir / "isl.toml"));
+  ASSERT_EQ(isl.exit_code, 0) << isl.output;
+  EXPECT_TRUE(fs::exists(r.dir / "ip/shards/cluster-1-000000.tar"));
+  EXPECT_TRUE(has(test::read_text(r.dir / "isl/logs/expert1.log"), "samples in its own shards"));
+  EXPECT_TRUE(fs::exists(r.dir / "isl/ensemble.json"));
 }
 
 // Latent diffusion over shards: an autoencoder trains on them and reports on their first images
