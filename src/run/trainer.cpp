@@ -70,7 +70,7 @@ TrainSummary train(TrainJob job, const TrainOptions& options) {
     order.keep = data.shard_keep;  // a router's held-out samples are never drawn
     ShardLoaderOptions lo = shard_loader_options(cfg.data, data.images.size(1), layout.local_batch, proc.local_processes);
     lo.pin = proc.device.is_cuda();
-    if (data.clusters.defined()) {  // a router: each sample's cluster, by its position in shard order
+    if (data.clusters.defined()) {  // a router or a distilled student: each sample's cluster, by position
       const torch::Tensor k = data.clusters.contiguous();
       lo.clusters = std::make_shared<const std::vector<int64_t>>(k.data_ptr<int64_t>(), k.data_ptr<int64_t>() + k.numel());
     }
