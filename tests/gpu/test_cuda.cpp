@@ -503,7 +503,8 @@ TEST(Gpu, EvaluationAndPartitionFeaturesOnCuda) {
 
 // Training on CUDA from shards: the loader writes its batches in page-locked memory, so the copy to
 // the device is asynchronous (an H100 waited 5% of each dit-small step for pageable staging copies).
-// The pinned batches hold what the pageable ones hold, in the same order, and arrive on the device intact.
+// The pinned batches (images, labels and a router's clusters) hold what the pageable ones hold, in
+// the same order, and arrive on the device intact.
 TEST(Gpu, ShardBatchesArePinnedForCudaAndHoldTheSameSamples) {
   if (no_gpu()) GTEST_SKIP() << kNoGpu;
   test::TempDir dir;
@@ -518,18 +519,23 @@ TEST(Gpu, ShardBatchesArePinnedForCudaAndHoldTheSameSamples) {
   order.seed = 4, order.shuffle_buffer = 5;
   ShardLoaderOptions o;
   o.batch = 8, o.resolution = 8, o.channels = 3, o.hflip = true, o.threads = 2;
+  auto clusters = std::make_shared<std::vector<int64_t>>();  // a router's targets, by position
+  for (int64_t i = 0; i < 29; ++i) clusters->push_back(i % 3);
+  o.clusters = clusters;
   ShardLoader pageable(index, order, o);
   o.pin = true;
   ShardLoader pinned(index, order, o);
   for (int i = 0; i < 9; ++i) {  // over two epochs
     const Batch a = pageable.next(), b = pinned.next();
     EXPECT_FALSE(a.x.is_pinned());
-    ASSERT_TRUE(b.x.is_pinned() && b.y.is_pinned()) << "batch " << i;
+    ASSERT_TRUE(b.x.is_pinned() && b.y.is_pinned() && b.k.is_pinned()) << "batch " << i;
     EXPECT_TRUE(torch::equal(a.x, b.x)) << "batch " << i;
     EXPECT_TRUE(torch::equal(a.y, b.y)) << "batch " << i;
+    EXPECT_TRUE(torch::equal(a.k, b.k)) << "batch " << i;
     const Batch on = b.to(torch::Device(torch::kCUDA));
-    EXPECT_TRUE(on.x.is_cuda());
+    EXPECT_TRUE(on.x.is_cuda() && on.k.is_cuda());
     EXPECT_TRUE(torch::equal(on.x.cpu(), a.x)) << "batch " << i;
     EXPECT_TRUE(torch::equal(on.y.cpu(), a.y)) << "batch " << i;
+    EXPECT_TRUE(torch::equal(on.k.cpu(), a.k)) << "batch " << i;
   }
 }
