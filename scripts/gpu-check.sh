@@ -17,7 +17,9 @@
 #   in bf16, then sample), timed, its grid in OUT/quickstart-gpu.png;
 #   then (unless LOADER=0; the pack has JPEG shards where this machine's venv has Pillow) the shard
 #   loader on that machine's cores (ddm_bench loader at 64x64 and 256x256, several thread counts) and
-#   the trainer's wait for data (metrics.jsonl's data_wait) training DiTs on the GPU from JPEG shards.
+#   the trainer's wait for data (metrics.jsonl's data_wait) training DiTs on the GPU from JPEG shards;
+#   then (unless SHARDS_E2E=0) experts, a router and a distilled student over shards on CUDA, and with
+#   Pillow and numpy there, the 50k colour end-to-end run (bench/colour_e2e.sh), its grid in OUT.
 # Exits non-zero if any check fails.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -139,6 +141,39 @@ print("data_wait", [round(r["data_wait"], 4) for r in rows], "img/s", [round(r.g
           rm -rf "$r"
         done
       done
+    fi
+    if [ "${SHARDS_E2E:-1}" != 0 ] && [ -d "$dir/shards" ]; then
+      # Decentralized training over shards on CUDA (partition --reshard, experts, a router with a
+      # hold-out, an ensemble, a distilled student), then with Pillow and numpy in this python the
+      # 50k colour end-to-end run (bench/colour_e2e.sh's steps, 3600 expert steps, islands 5 at a time).
+      w=$(mktemp -d)
+      printf '[data]\nsource = "shards"\nroot = "%s"\nresolution = 32\n[model]\npreset = "unet-tiny"\nnum_classes = 0\n[train]\nsteps = 30\nbatch_size = 64\ndevice = "cuda"\nckpt_every = 30\n' \
+        "$dir/shards/64/bench-{000000..000003}.tar" > "$w/c.toml"
+      step() {  # one bounded command, its output in OUT/NAME.log
+        local name=$1; shift
+        if timeout "${limit:-120}" "$@" >"$out/$name.log" 2>&1; then echo "gpu-check: over shards, $name: ok"
+        else failed+=("$name"); echo "gpu-check: over shards, $name: FAILED"; tail -4 "$out/$name.log"; fi
+      }
+      step shards-partition "$dir/bin/ddm" partition --config "$w/c.toml" --k 2 --fine 16 --reshard --out "$w/p"
+      step shards-expert0 "$dir/bin/ddm" train --config "$w/c.toml" --partition "$w/p" --expert 0 --out "$w/e0"
+      step shards-expert1 "$dir/bin/ddm" train --config "$w/c.toml" --partition "$w/p" --expert 1 --out "$w/e1"
+      step shards-router "$dir/bin/ddm" train-router --config "$w/c.toml" --partition "$w/p" --holdout 50 \
+        --set model.patch=4 --out "$w/r"
+      step shards-ensemble "$dir/bin/ddm" ensemble --out "$w/ens" --partition "$w/p" --router "$w/r" --expert "$w/e0" --expert "$w/e1"
+      step shards-distill "$dir/bin/ddm" distill --ensemble "$w/ens" --set train.steps=20 --out "$w/s"
+      rm -rf "$w"
+      if python3 -c "import PIL, numpy" 2>/dev/null; then
+        e=$(mktemp -d) && start=$(date +%s)
+        python3 bench/make_jpeg_shards.py "$e/data" --n 50000 --width 40 --height 40 --shards 50 --style shapes >/dev/null
+        sed -n '/^\[data\]/,/^TOML$/p' bench/colour_e2e.sh | grep -v '^TOML$' |
+          sed -e "s|\$dir/data|$e/data|" -e "s|\$steps|3600|" -e "s|\$device|cuda|" > "$e/colour.toml"
+        printf 'out = "%s/isl"\nconfig = "%s/colour.toml"\n[partition]\npath = "%s/part"\nk = 4\nfeatures = "pixels:64"\n[experts]\nbudget = "split-batch"\n[router]\nholdout = 1000\nset = ["train.steps=1200", "model.patch=4"]\n[run]\nconcurrency = 5\n' \
+          "$e" "$e" "$e" > "$e/islands.toml"
+        limit=300 step colour-e2e-islands "$dir/bin/ddm" islands run "$e/islands.toml"
+        step colour-e2e-sample "$dir/bin/ddm" sample --ensemble "$e/isl" --n 64 --device cuda --out "$out/colour-e2e-routed.png"
+        echo "gpu-check: the colour end-to-end run took $(( $(date +%s) - start )) s (data, partition, 4 experts, router, samples)"
+        rm -rf "$e"
+      fi
     fi
     if [ ${#failed[@]} -gt 0 ]; then
       for f in "${failed[@]}"; do echo "--- $f"; grep -B2 -A12 -E 'Failure|FAILED' "$out/$f.log" | head -60; done
