@@ -20,6 +20,7 @@
 #include "data/shard_stream.h"
 #include "data/shards.h"
 #include "eval/feature_net.h"
+#include "train/latent.h"
 
 namespace fs = std::filesystem;
 
@@ -116,9 +117,23 @@ Computed compute(const Dataset& opened, const ShardPartitionOptions& o) {
   c.labels = torch::empty({n}, torch::kInt64);
   const auto keep_labels = [&](const torch::Tensor& y, int64_t first) { c.labels.narrow(0, first, y.size(0)).copy_(y); };
   std::ostringstream desc;
-  if (o.features.kind == "pixels") {
+  if (o.features.kind == "pixels" || o.features.kind == "latent") {
+    // A row per sample: its pixels (downsampled), or the normalized posterior mean of a
+    // `ddm train-autoencoder` run's encoder (latent:RUN, as in memory); then PCA in blocks.
+    const bool pixels = o.features.kind == "pixels";
     const int64_t channels = opened.images.size(1), side = std::min(o.data.resolution, kMaxPixelSide);
-    const int64_t f = channels * side * side;
+    ModelConfig m;
+    std::shared_ptr<const LatentSpace> latent;
+    if (!pixels) {
+      m.latent = o.features.path;
+      resolve_latent(m, opened);  // checks that the autoencoder takes these images
+      latent = LatentSpace::load(m, o.device);
+    }
+    const int64_t f = pixels ? channels * side * side : m.in_channels * m.image_size * m.image_size;
+    const auto rows_of = [&](const torch::Tensor& x) {  // x float [b, C, S, S] -> [b, f]
+      return pixels ? pixel_rows(x) : latent->encode_mean(x).flatten(1).to(torch::kFloat32);
+    };
+    const std::string what = pixels ? "pixels" : "latents";
     StreamingPca pca(f);
     const bool keep = n * f * 4 <= o.keep_pixel_bytes;  // else each pass decodes the shards again
     std::vector<torch::Tensor> kept;
@@ -130,23 +145,27 @@ Computed compute(const Dataset& opened, const ShardPartitionOptions& o) {
       Blocks blocks(g);
       stream_samples(opened, o, n, what, [&](const torch::Tensor& x, const torch::Tensor& y, int64_t first) {
         keep_labels(y, first);
-        blocks.add(pixel_rows(x));
+        blocks.add(rows_of(x));
       });
       blocks.flush();
     };
-    each_block("pixels, the mean", [&](const torch::Tensor& b) {
+    each_block(what + ", the mean", [&](const torch::Tensor& b) {
       pca.add_mean(b);
       if (keep) kept.push_back(b);
     });
-    each_block("pixels, the covariance", [&](const torch::Tensor& b) { pca.add_covariance(b); });
+    each_block(what + ", the covariance", [&](const torch::Tensor& b) { pca.add_covariance(b); });
     pca.finish(std::min(o.features.dim, f));
     std::vector<torch::Tensor> rows;
-    each_block("pixels, the projection", [&](const torch::Tensor& b) { rows.push_back(pca.project(b)); });
+    each_block(what + ", the projection", [&](const torch::Tensor& b) { rows.push_back(pca.project(b)); });
     c.rows = torch::cat(rows);  // [N, D]
     const std::string side_text = std::to_string(side) + "x" + std::to_string(side);
-    desc << "pixels PCA " << c.rows.size(1) << " of " << f
-         << (side < o.data.resolution ? " (downsampled to " + side_text + ")" : "")
-         << " (" << std::fixed << std::setprecision(1) << 100 * pca.explained() << "% of the variance)";
+    if (pixels)
+      desc << "pixels PCA " << c.rows.size(1) << " of " << f
+           << (side < o.data.resolution ? " (downsampled to " + side_text + ")" : "");
+    else
+      desc << "latents of " << m.latent << " (sha256 " << m.latent_sha256.substr(0, 12) << "), PCA " << c.rows.size(1)
+           << " of " << f;
+    desc << " (" << std::fixed << std::setprecision(1) << 100 * pca.explained() << "% of the variance)";
   } else if (o.features.kind == "feature-net") {
     const std::string path = o.features.path.empty() ? default_feature_net_path() : o.features.path;
     auto fnet = load_feature_net(path, o.features.path.empty() ? kDefaultFeatureNetSha256 : "");
@@ -165,8 +184,9 @@ Computed compute(const Dataset& opened, const ShardPartitionOptions& o) {
     c.rows = torch::cat(rows);
     desc << "feature network " << fnet.sha256.substr(0, 12) << " (" << c.rows.size(1) << "-d)";
   } else {
-    DDM_FAIL("--features " << o.features.spec() << " is not supported over shards yet; use pixels[:D], feature-net "
-                           "or file:PATH (one row per sample, in shard order)");
+    DDM_FAIL("--features " << o.features.spec() << " is not supported over shards yet (it trains an autoencoder on "
+                           "the images in memory); use pixels[:D], feature-net, latent:RUN or file:PATH (one row per "
+                           "sample, in shard order)");
   }
   c.description = desc.str();
   return c;

@@ -5,6 +5,8 @@
 //                 StreamingPca's blocks: the same images give the in-memory partition's features bit
 //                 for bit. The pixels are kept for the later passes when they fit in 1 GiB, else the
 //                 shards are read again (once for the mean, once for the covariance, once to project)
+//   latent:RUN    the normalized posterior means of a `ddm train-autoencoder` run's encoder, PCA in the
+//                 same blocks (kept, or encoded again for each pass, as pixels are)
 //   feature-net   the evaluation network, a batch at a time
 //   file:PATH     one row per sample, in shard order (the order of data.root, then of each tar)
 // and are clustered as in memory (partition.h). Then each cluster's samples are listed, a
@@ -37,7 +39,7 @@ struct ShardPartitionOptions {
   bool reshard = false;     // also copy each cluster's samples into shards of its own
   int64_t shard_size = 10000;  // samples per written shard
   bool force = false;       // replace an existing partition directory
-  int64_t keep_pixel_bytes = int64_t(1) << 30;  // pixel rows kept between passes up to this (else read again)
+  int64_t keep_pixel_bytes = int64_t(1) << 30;  // pixel or latent rows kept between passes up to this (else read again)
 };
 
 // Makes the partition and writes its directory `out` (atomically: lists and shards included).

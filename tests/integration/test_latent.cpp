@@ -2,8 +2,9 @@
 // trained once for the suite: `ddm train-autoencoder` writes its report and picture; a latent model
 // resolves and pins its frozen autoencoder, keeps none of its weights, trains, resumes bit for bit
 // and samples decoded images; a changed, missing or wrong autoencoder is a clear error; latent
-// experts (partitioned on the latents, routed by a latent router) form an ensemble that samples
-// images, refuses a pixel expert, and distills into a latent student.
+// experts (partitioned on the latents, in memory or streamed from shards alike, routed by a latent
+// router) form an ensemble that samples images, refuses a pixel expert, and distills into a latent
+// student.
 #include <gtest/gtest.h>
 
 #include <filesystem>
@@ -17,6 +18,7 @@
 #include "core/config.h"
 #include "core/fileio.h"
 #include "core/safetensors.h"
+#include "decentral/partition.h"
 #include "test_util.h"
 
 namespace fs = std::filesystem;
@@ -215,6 +217,16 @@ TEST_F(Latent, ExpertsOnOneAutoencoderMakeAnEnsembleThatSamplesImagesAndDistills
   auto r = test::run_ddm("partition --limit 256 --k 2 --fine 16 --features latent:" + ae() + " --out " + part);
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("latents of"), std::string::npos) << r.output;
+  // The same 256 images as tar shards, partitioned by the same latents while streamed: the same
+  // partition, label for label.
+  ASSERT_EQ(test::run_ddm("shards write --set data.limit=256 --shard-size 64 --out " + path("shards")).exit_code, 0);
+  test::write_text(path("shards.toml"), "[data]\nsource = \"shards\"\nresolution = 28\nroot = \"" + path("shards") +
+                                            "/train-{000000..000003}.tar\"\n");
+  r = test::run_ddm("partition --config " + path("shards.toml") + " --k 2 --fine 16 --features latent:" + ae() +
+                    " --out " + path("ps"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("latents of"), std::string::npos) << r.output;
+  EXPECT_TRUE(torch::equal(load_partition(part).labels, load_partition(path("ps")).labels));
   const std::string cfg = " --config " + path("latent.toml") + " --set model.latent=" + ae() + " --partition " + part;
   for (const char* k : {"0", "1"})
     ASSERT_EQ(test::run_ddm("train --quiet" + cfg + " --expert " + k + " --out " + path(std::string("e") + k)).exit_code, 0);
