@@ -6,7 +6,7 @@
 //   partition, train-router, ensemble, islands, distill   apps/decentral_cli.cpp
 //   launch                                                apps/launch_cli.cpp
 //   plan                                                  apps/plan_cli.cpp
-//   shards write                                          apps/shards_cli.cpp
+//   shards write, encode                                  apps/shards_cli.cpp
 #include <CLI/CLI.hpp>
 
 #include <csignal>
@@ -38,6 +38,7 @@ int run(int argc, char** argv) {
   commands.push_back(add_launch_command(app, argc, argv));
   commands.push_back(add_plan_command(app));
   commands.push_back(add_shards_command(app));
+  commands.push_back(add_encode_command(app));
   commands.push_back(add_presets_command(app));
   CLI11_PARSE(app, argc, argv);
   for (const Command& c : commands)

@@ -1,8 +1,10 @@
 // `ddm shards write`: any dataset ddm loads whole (Fashion-MNIST, an image folder, a safetensors
 // file; config data.*) written as WebDataset tar shards for data.source = "shards" (docs/data.md);
 // or shards (--from, or a config whose data.source is shards) re-sharded, samples copied unchanged.
+// `ddm encode`: latent shards, a frozen autoencoder's posterior of every sample (train/latent_shards.h).
 #include <CLI/CLI.hpp>
 
+#include <chrono>
 #include <iostream>
 #include <memory>
 #include <string>
@@ -15,6 +17,8 @@
 #include "data/dataset.h"
 #include "data/shard_write.h"
 #include "data/shards.h"
+#include "run/trainer.h"  // set_threads
+#include "train/latent_shards.h"
 
 namespace ddm {
 
@@ -80,6 +84,48 @@ Command add_shards_command(CLI::App& app) {
                    const int64_t n = data.images.size(0), shards = (n + a->shard_size - 1) / a->shard_size;
                    done(write_shards(data, a->out, a->shard_size, a->prefix, report(shards)),
                         std::to_string(data.images.size(2)));
+                   return 0;
+                 }};
+}
+
+Command add_encode_command(CLI::App& app) {
+  struct Args {
+    std::string config, ae, out, device = "cpu";
+    std::vector<std::string> overrides;
+    int64_t shard_size = 10000, threads = 0;
+  };
+  auto a = std::make_shared<Args>();
+  auto* cmd = app.add_subcommand(
+      "encode",
+      "Encode every image of the data a config names (any source: Fashion-MNIST, a folder, a safetensors file, tar "
+      "shards) once with a frozen autoencoder (`ddm train-autoencoder`) and write its posteriors (mean and log-variance, "
+      "float32, as KEY.safetensors, with KEY.cls) as tar shards OUT/latents-000000.tar, ... with OUT/encode.json naming "
+      "the autoencoder and the data. Shards keep the source shards' sizes (so samples keep their positions), or hold "
+      "--shard-size samples. Images are centre-cropped and never flipped. OUT is written whole or not at all.");
+  cmd->add_option("--ae", a->ae, "the autoencoder: a `ddm train-autoencoder` run directory")->required();
+  cmd->add_option("--out", a->out, "the directory to write (must not exist)")->required();
+  cmd->add_option("--config", a->config, "a config whose data.* names the data (default: Fashion-MNIST train)");
+  cmd->add_option("--set", a->overrides, "override a config key, e.g. --set data.split=test (repeatable)");
+  cmd->add_option("--shard-size", a->shard_size, "samples per shard for data held in memory (default 10000)")
+      ->check(kPositive);
+  cmd->add_option("--device", a->device, "where the encoder runs: cpu (default), cuda, cuda:N or auto")
+      ->check(kDeviceSpec);
+  cmd->add_option("--threads", a->threads, "intra-op and decode threads (0 = all cores)")->check(kNonNegative);
+  return Command{cmd, [a] {
+                   const RunConfig cfg = a->config.empty() ? parse_config("", "--set", a->overrides)
+                                                           : load_config(a->config, a->overrides);
+                   EncodeShardsOptions o;
+                   o.out = a->out;
+                   o.shard_size = a->shard_size;
+                   o.device = resolve_device(a->device, 0, "--device");
+                   o.threads = set_threads(a->threads);
+                   const auto t0 = std::chrono::steady_clock::now();
+                   const LatentShardsInfo info = encode_latent_shards(cfg.data, a->ae, o);
+                   const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+                   std::cout << "wrote the latents of " << info.samples << " samples in " << info.shards << " shard"
+                             << (info.shards > 1 ? "s" : "") << " (" << format_bytes(info.bytes) << ") in "
+                             << static_cast<int64_t>(s + 0.5) << " s\n"
+                             << "their record: " << a->out << "/" << kLatentShardsInfo << std::endl;
                    return 0;
                  }};
 }

@@ -59,7 +59,7 @@ TEST(Cli, HelpForEverySubcommand) {
   // The walk found them all: the list as of this writing, every one of them.
   for (const char* sub : {"train", "train-autoencoder", "sample", "quickstart", "presets", "eval", "train-classifier",
                           "partition", "train-router", "ensemble", "distill", "islands", "islands run", "islands status",
-                          "islands slurm", "launch", "plan"})
+                          "islands slurm", "launch", "plan", "shards", "shards write", "encode"})
     EXPECT_NE(std::find(seen.begin(), seen.end(), sub), seen.end()) << sub << " was not listed by a --help";
   auto r = test::run_ddm("presets");
   EXPECT_EQ(r.exit_code, 0);

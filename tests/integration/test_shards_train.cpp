@@ -4,10 +4,12 @@
 // stops the run naming shard and key, or with data.skip_bad is skipped and counted in the metrics;
 // bad shard lists are clear errors; shards are re-sharded; an expert of a partition made with
 // --reshard trains on its cluster's shards; a router (with samples held out) and a distilled student
-// train on shards; an autoencoder and a latent model train on shards.
+// train on shards; an autoencoder and a latent model train on shards, and `ddm encode` writes the
+// latents of the shards once.
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <thread>
@@ -15,11 +17,15 @@
 #include <nlohmann/json.hpp>
 
 #include "core/safetensors.h"
+#include "core/config.h"
 #include "data/dataset.h"
+#include "data/shard_loader.h"
 #include "data/shard_write.h"
 #include "data/shards.h"
 #include "test_util.h"
 #include "train/checkpoint.h"
+#include "train/latent.h"
+#include "train/latent_shards.h"
 
 namespace fs = std::filesystem;
 using namespace ddm;
@@ -27,6 +33,12 @@ using namespace ddm;
 namespace {
 
 bool has(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
+
+std::string numbered_key(int64_t i) {
+  char buf[16];
+  std::snprintf(buf, sizeof buf, "%08lld", static_cast<long long>(i));
+  return buf;
+}
 
 // A tiny model on 512 Fashion-MNIST images written as 8 shards of 64, resized to 24 x 24.
 struct ShardRun {
@@ -307,5 +319,69 @@ TEST(ShardsTrain, AnAutoencoderAndALatentModelTrainOnShards) {
                               (r.dir / "ae") + " --out " + (r.dir / "latent"));
   ASSERT_EQ(latent.exit_code, 0) << latent.output;
   EXPECT_EQ(metrics(r.dir / "latent").size(), 3u);
+
+  // `ddm encode`: every sample's posterior once, in shard order, in shards of the source's sizes,
+  // labels kept, the encoder's own output for the same images (up to float32 rounding across processes).
+  const std::string encode = "encode --threads 1 --ae " + (r.dir / "ae") + " --config " + (r.dir / "ae.toml");
+  auto enc = test::run_ddm(encode + " --out " + (r.dir / "lat"));
+  ASSERT_EQ(enc.exit_code, 0) << enc.output;
+  EXPECT_TRUE(has(enc.output, "wrote the latents of 512 samples in 8 shards")) << enc.output;
+  const LatentShardsInfo info = read_latent_shards_info(r.dir / "lat");
+  EXPECT_EQ(info.samples, 512);
+  EXPECT_EQ(info.shards, 8);
+  EXPECT_EQ(info.latent_channels, 4);
+  EXPECT_EQ(info.latent_size, 6);
+  EXPECT_EQ(info.image_size, 24);
+  EXPECT_EQ(info.num_classes, 10);
+  EXPECT_EQ(info.autoencoder_sha256, j["weights_sha256"].get<std::string>());
+  EXPECT_EQ(info.latent_scale, j["latent_scale"].get<double>());
+  EXPECT_FALSE(fs::exists(r.dir / "lat.partial"));
+  const auto latent_shards = expand_shards(info.pattern, "pattern");
+  const auto source_shards = expand_shards(r.pattern, "pattern");
+  ASSERT_EQ(latent_shards.size(), 8u);
+  std::vector<torch::Tensor> means, logvars;
+  int64_t i = 0;
+  for (size_t s = 0; s < latent_shards.size(); ++s) {
+    TarShardReader in(latent_shards[s]), src(source_shards[s]);
+    ShardSample smp, orig;
+    int64_t in_shard = 0;
+    while (in.next(smp)) {
+      ASSERT_TRUE(src.next(orig));
+      EXPECT_EQ(smp.key, numbered_key(i)) << latent_shards[s];
+      EXPECT_EQ(std::stoll(smp.files.at("cls")), std::stoll(orig.files.at("cls"))) << smp.key;
+      const auto t = parse_safetensors(smp.files.at("safetensors"), smp.key).tensors;
+      ASSERT_EQ(t.at("mean").sizes(), (std::vector<int64_t>{4, 6, 6}));
+      ASSERT_EQ(t.at("logvar").sizes(), (std::vector<int64_t>{4, 6, 6}));
+      means.push_back(t.at("mean"));
+      logvars.push_back(t.at("logvar"));
+      ++i, ++in_shard;
+    }
+    EXPECT_EQ(in_shard, 64) << latent_shards[s];
+  }
+  ASSERT_EQ(i, 512);
+  {
+    const RunConfig cfg = load_config(r.dir / "ae.toml");
+    const Dataset opened = open_shards(cfg.data, 1, /*quiet=*/true);
+    ModelConfig m;
+    m.latent = r.dir / "ae";
+    resolve_latent(m, opened);
+    const auto ls = LatentSpace::load(m);
+    const torch::Tensor mean = torch::stack(means), logvar = torch::stack(logvars);  // [512, 4, 6, 6]
+    for_each_in_order(opened, cfg.data, 512, 1, [&](const torch::Tensor& x, const torch::Tensor&, int64_t first) {
+      torch::NoGradGuard no_grad;
+      const Posterior q = ls->autoencoder().encode(x);  // [b, 4, 6, 6] each
+      EXPECT_TRUE(torch::allclose(mean.narrow(0, first, x.size(0)), q.mean, 1e-4, 1e-5)) << first;
+      EXPECT_TRUE(torch::allclose(logvar.narrow(0, first, x.size(0)), q.logvar, 1e-4, 1e-5)) << first;
+    });
+  }
+  // Bad input loses nothing: an existing --out, flips, an autoencoder of other images.
+  test::expect_error(test::run_ddm(encode + " --out " + (r.dir / "lat")), "already exists");
+  test::expect_error(test::run_ddm(encode + " --set data.hflip=true --out " + (r.dir / "lat2")), "data.hflip");
+  test::expect_error(test::run_ddm(encode + " --set data.resolution=32 --out " + (r.dir / "lat2")),
+               "trained on 1x24x24 images");
+  test::expect_error(test::run_ddm("encode --ae " + (r.dir / "nothing") + " --out " + (r.dir / "lat2")),
+               "no such directory");
+  EXPECT_FALSE(fs::exists(r.dir / "lat2"));
+  EXPECT_EQ(read_latent_shards_info(r.dir / "lat").samples, 512);
 }
 

@@ -1,0 +1,205 @@
+// Latent shards: a dataset's autoencoder posteriors written once as tar shards (see latent_shards.h).
+#include "train/latent_shards.h"
+
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <iostream>
+#include <memory>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+#include <torch/torch.h>
+
+#include "core/error.h"
+#include "core/fileio.h"
+#include "core/json.h"
+#include "core/safetensors.h"
+#include "data/dataset.h"
+#include "data/shard_loader.h"
+#include "data/shards.h"
+#include "train/latent.h"
+
+namespace fs = std::filesystem;
+
+namespace ddm {
+namespace {
+
+std::string numbered(int64_t i, int width) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%0*lld", width, static_cast<long long>(i));
+  return buf;
+}
+
+// Writes samples into shards of the given sizes, in turn.
+class ShardsOut {
+ public:
+  ShardsOut(std::string dir, std::vector<int64_t> sizes) : dir_(std::move(dir)), sizes_(std::move(sizes)) {}
+  void add(const ShardSample& s) {
+    DDM_CHECK(shard_ < sizes_.size(), "encode: more samples than the shards hold (" << dir_ << ")");
+    if (!w_) w_ = std::make_unique<TarShardWriter>(path(shard_));
+    w_->add(s);
+    if (++in_shard_ == sizes_[shard_]) {
+      w_->finish();
+      bytes_ += static_cast<int64_t>(fs::file_size(path(shard_)));
+      w_.reset();
+      in_shard_ = 0;
+      ++shard_;
+    }
+  }
+  std::string path(size_t s) const { return dir_ + "/latents-" + numbered(static_cast<int64_t>(s), 6) + ".tar"; }
+  size_t done() const { return shard_; }
+  int64_t bytes() const { return bytes_; }
+
+ private:
+  std::string dir_;
+  std::vector<int64_t> sizes_;
+  std::unique_ptr<TarShardWriter> w_;
+  size_t shard_ = 0;
+  int64_t in_shard_ = 0, bytes_ = 0;
+};
+
+nlohmann::json to_json(const LatentShardsInfo& i) {
+  return {{"format", "ddm latent shards"},
+          {"version", 1},
+          {"autoencoder", i.autoencoder},
+          {"autoencoder_sha256", i.autoencoder_sha256},
+          {"latent_scale", i.latent_scale},
+          {"latent_shift", i.latent_shift},
+          {"latent_shape", {i.latent_channels, i.latent_size, i.latent_size}},
+          {"image_shape", {i.image_channels, i.image_size, i.image_size}},
+          {"samples", i.samples},
+          {"shards", i.shards},
+          {"num_classes", i.num_classes},
+          {"bytes", i.bytes},
+          {"data", i.data},
+          {"pattern", i.pattern}};
+}
+
+}  // namespace
+
+LatentShardsInfo encode_latent_shards(const DataConfig& data, const std::string& autoencoder,
+                                      const EncodeShardsOptions& o) {
+  DDM_CHECK(!o.out.empty(), "--out DIR is required");
+  DDM_CHECK(!fs::exists(o.out), "--out " << o.out << " already exists; remove it or choose another directory");
+  DDM_CHECK(!data.hflip, "data.hflip = true: latent shards hold each image's posterior as it is, and a flipped "
+                         "image's latent is not the flip of its latent; set data.hflip = false");
+  DDM_CHECK(o.shard_size > 0 && o.batch > 0, "--shard-size and the batch must be > 0");
+  const bool from_shards = data.source == "shards";
+  const Dataset d = from_shards ? open_shards(data, o.threads, o.quiet) : load_dataset(data);
+  ModelConfig m;
+  m.latent = autoencoder;
+  resolve_latent(m, d);  // the autoencoder's checkpoint and sha256; refuses images of another shape
+  const auto latent = LatentSpace::load(m, o.device);
+
+  LatentShardsInfo info;
+  info.autoencoder = m.latent;
+  info.autoencoder_sha256 = m.latent_sha256;
+  info.latent_scale = m.latent_scale;
+  info.latent_shift = m.latent_shift;
+  info.latent_channels = m.in_channels;
+  info.latent_size = m.image_size;
+  info.image_channels = d.images.size(1);
+  info.image_size = d.images.size(2);
+  info.samples = from_shards ? d.shards->samples : d.images.size(0);
+  info.num_classes = d.num_classes;
+  info.data = d.description;
+  DDM_CHECK(info.samples > 0, d.description << " has no samples to encode");
+  std::vector<int64_t> sizes;
+  if (from_shards) {
+    for (int64_t c : d.shards->counts)
+      if (c > 0) sizes.push_back(c);  // an empty source shard gives no latent shard
+  } else {
+    for (int64_t i = 0; i < info.samples; i += o.shard_size) sizes.push_back(std::min(o.shard_size, info.samples - i));
+  }
+  info.shards = static_cast<int64_t>(sizes.size());
+  info.pattern = o.out + "/latents-{" + numbered(0, 6) + ".." + numbered(info.shards - 1, 6) + "}.tar";
+
+  const std::string partial = o.out + ".partial";
+  std::error_code ec;
+  fs::remove_all(partial, ec);  // what an interrupted encode left
+  fs::create_directories(partial, ec);
+  DDM_CHECK(!ec, "cannot create " << partial << ": " << ec.message());
+  if (!o.quiet)
+    std::cout << "encoding " << d.description << " with the autoencoder " << m.latent << " (sha256 "
+              << m.latent_sha256.substr(0, 12) << ", latents " << m.in_channels << "x" << m.image_size << "x"
+              << m.image_size << ") on " << latent->device() << " into " << info.shards << " shard"
+              << (info.shards > 1 ? "s" : "") << " in " << o.out << std::endl;
+  ShardsOut out(partial, sizes);
+  int64_t written = 0;
+  auto last = std::chrono::steady_clock::now();
+  // x float [b, C, S, S] in [-1, 1], labels int64 [b], x[0]'s position in the data's order.
+  const auto encode = [&](const torch::Tensor& x, const torch::Tensor& y, int64_t first) {
+    DDM_CHECK(first == written, "encode: samples out of order (" << first << " after " << written << ")");
+    Posterior q;
+    {
+      torch::NoGradGuard no_grad;
+      q = latent->autoencoder().encode(x.to(latent->device()));  // [b, z, h, w] each
+    }
+    const torch::Tensor mean = q.mean.to(torch::kCPU, torch::kFloat32).contiguous();
+    const torch::Tensor logvar = q.logvar.to(torch::kCPU, torch::kFloat32).contiguous();
+    for (int64_t i = 0; i < x.size(0); ++i) {
+      ShardSample s;
+      s.key = numbered(first + i, 8);
+      SafetensorsFile f;
+      f.tensors["mean"] = mean[i].clone();      // [z, h, w]
+      f.tensors["logvar"] = logvar[i].clone();  // [z, h, w]
+      s.files["safetensors"] = safetensors_bytes(f);
+      if (d.num_classes > 0) s.files["cls"] = std::to_string(y[i].item<int64_t>());
+      out.add(s);
+    }
+    written += x.size(0);
+    if (!o.quiet && std::chrono::duration<double>(std::chrono::steady_clock::now() - last).count() >= 10) {
+      std::cout << "  encoded " << written << "/" << info.samples << " samples" << std::endl;
+      last = std::chrono::steady_clock::now();
+    }
+  };
+  if (from_shards) {
+    for_each_in_order(d, data, info.samples, o.threads, encode);
+  } else {
+    for (int64_t i = 0; i < info.samples; i += o.batch) {
+      const int64_t b = std::min(o.batch, info.samples - i);
+      encode(to_unit_range(d.images.narrow(0, i, b)), d.labels.narrow(0, i, b), i);
+    }
+  }
+  DDM_CHECK(written == info.samples && out.done() == sizes.size(),
+            "encode: " << written << " of " << info.samples << " samples were read; the data changed while encoding?");
+  info.bytes = out.bytes();
+  write_file_atomic(partial + "/" + kLatentShardsInfo, to_json(info).dump(2) + "\n");
+  fsync_dir(partial);
+  fs::rename(partial, o.out, ec);
+  DDM_CHECK(!ec, "cannot rename " << partial << " to " << o.out << ": " << ec.message());
+  return info;
+}
+
+LatentShardsInfo read_latent_shards_info(const std::string& dir) {
+  const std::string file = dir + "/" + kLatentShardsInfo;
+  DDM_CHECK(fs::is_regular_file(file), file << " does not exist: " << dir << " is not a `ddm encode` output");
+  try {
+    const auto j = nlohmann::json::parse(read_file(file));
+    LatentShardsInfo i;
+    i.autoencoder = j.at("autoencoder").get<std::string>();
+    i.autoencoder_sha256 = j.at("autoencoder_sha256").get<std::string>();
+    i.latent_scale = j.at("latent_scale").get<double>();
+    i.latent_shift = j.at("latent_shift").get<double>();
+    const auto& ls = j.at("latent_shape");
+    const auto& is = j.at("image_shape");
+    DDM_CHECK(ls.is_array() && ls.size() == 3 && is.is_array() && is.size() == 3,
+              file << ": latent_shape and image_shape must be [channels, size, size]");
+    i.latent_channels = json_int(ls[0], file + ": latent_shape[0]", 1, 1 << 16);
+    i.latent_size = json_int(ls[1], file + ": latent_shape[1]", 1, 1 << 16);
+    i.image_channels = json_int(is[0], file + ": image_shape[0]", 1, 4);
+    i.image_size = json_int(is[1], file + ": image_shape[1]", 1, 1 << 16);
+    i.samples = json_int(j.at("samples"), file + ": samples", 1);
+    i.shards = json_int(j.at("shards"), file + ": shards", 1);
+    i.num_classes = json_int(j.at("num_classes"), file + ": num_classes", 0);
+    i.bytes = json_int(j.at("bytes"), file + ": bytes", 0);
+    i.data = j.at("data").get<std::string>();
+    i.pattern = j.at("pattern").get<std::string>();
+    return i;
+  } catch (const nlohmann::json::exception& e) {
+    DDM_FAIL(file << " is not a valid latent shards record (" << e.what() << "); encode again with `ddm encode`");
+  }
+}
+
+}  // namespace ddm
