@@ -82,7 +82,9 @@ std::string fmt_ms(double ms) {
 std::string workload_of(const RunConfig& cfg) {
   const ModelConfig& m = cfg.model;
   std::vector<std::string> w;
-  if (!m.latent.empty()) w.push_back(cfg.train.cache_latents ? "cached latents" : "latent encoder");
+  if (!m.latent.empty())
+    w.push_back(cfg.data.source == "latents" ? "latent shards"
+                                             : cfg.train.cache_latents ? "cached latents" : "latent encoder");
   if (!m.controlnet.empty()) w.push_back("ControlNet (" + m.control + " maps, locked encoder)");
   if (!m.embed.empty()) w.push_back("embedding network");
   if (!cfg.train.teacher.empty()) w.push_back("teacher ensemble");
@@ -112,7 +114,8 @@ PipeProfile measure(const PlanArgs& a, int64_t* batch) {
   Net net = make_net(cfg.model);
   attach_controlnet(*net, cfg.model);
   auto objective = job.objective ? job.objective : make_objective(cfg);
-  const auto latent = attach_latent(*objective, cfg.model, device, cfg.train.cache_latents ? &job.data : nullptr);
+  const auto latent = attach_latent(*objective, cfg.model, device, cfg.train.cache_latents ? &job.data : nullptr,
+                                    job.data.latents != nullptr);
   const auto embedder = attach_embed(*objective, cfg.model, device);
   net->to(device);  // (initialized on the CPU)
   std::cout << "profiling " << cfg.model.preset << " (" << cfg.model.arch << ") and its frozen work (" << workload_of(cfg)

@@ -1,7 +1,7 @@
 // `ddm shards write`: any dataset ddm loads whole (Fashion-MNIST, an image folder, a safetensors
 // file; config data.*) written as WebDataset tar shards for data.source = "shards" (docs/data.md);
 // or shards (--from, or a config whose data.source is shards) re-sharded, samples copied unchanged.
-// `ddm encode`: latent shards, a frozen autoencoder's posterior of every sample (train/latent_shards.h).
+// `ddm encode`: latent shards, a frozen autoencoder's posterior of every sample (train/encode_shards.h).
 #include <CLI/CLI.hpp>
 
 #include <chrono>
@@ -18,7 +18,7 @@
 #include "data/shard_write.h"
 #include "data/shards.h"
 #include "run/trainer.h"  // set_threads
-#include "train/latent_shards.h"
+#include "train/encode_shards.h"
 
 namespace ddm {
 
@@ -101,7 +101,8 @@ Command add_encode_command(CLI::App& app) {
       "shards) once with a frozen autoencoder (`ddm train-autoencoder`) and write its posteriors (mean and log-variance, "
       "float32, as KEY.safetensors, with KEY.cls) as tar shards OUT/latents-000000.tar, ... with OUT/encode.json naming "
       "the autoencoder and the data. Shards keep the source shards' sizes (so samples keep their positions), or hold "
-      "--shard-size samples. Images are centre-cropped and never flipped. OUT is written whole or not at all.");
+      "--shard-size samples. Images are centre-cropped and never flipped. OUT is written whole or not at all. A latent "
+      "model (model.latent = the same autoencoder) trains on them with data.source = \"latents\", data.root = OUT.");
   cmd->add_option("--ae", a->ae, "the autoencoder: a `ddm train-autoencoder` run directory")->required();
   cmd->add_option("--out", a->out, "the directory to write (must not exist)")->required();
   cmd->add_option("--config", a->config, "a config whose data.* names the data (default: Fashion-MNIST train)");
@@ -125,7 +126,10 @@ Command add_encode_command(CLI::App& app) {
                    std::cout << "wrote the latents of " << info.samples << " samples in " << info.shards << " shard"
                              << (info.shards > 1 ? "s" : "") << " (" << format_bytes(info.bytes) << ") in "
                              << static_cast<int64_t>(s + 0.5) << " s\n"
-                             << "their record: " << a->out << "/" << kLatentShardsInfo << std::endl;
+                             << "their record: " << a->out << "/" << kLatentShardsInfo << "\n"
+                             << "train a latent model on them: ddm train --config CONFIG --set data.source=latents "
+                             << "--set data.root=" << a->out << " --set model.latent=" << a->ae << " --out RUN"
+                             << std::endl;
                    return 0;
                  }};
 }

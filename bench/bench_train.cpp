@@ -531,7 +531,7 @@ int run_loader(const Args& a) {
   const Dataset d = open_shards(dc, static_cast<int>(a.threads), /*quiet=*/true);
   ShardOrder order;
   order.shuffle_buffer = 1000;
-  ShardLoader loader(d.shards, order, shard_loader_options(dc, 3, a.batch, 1));
+  ShardLoader loader(d.shards, order, shard_loader_options(dc, d, a.batch, 1));
   for (int64_t i = 0; i < a.warmup; ++i) loader.next();
   const auto t0 = Clock::now();
   for (int64_t i = 0; i < a.steps; ++i) {

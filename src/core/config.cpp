@@ -380,7 +380,7 @@ namespace {
 // What the run trains on and as what: the data source and split, an expert's cluster, a router's
 // partition, the expert budget, distillation.
 void validate_data(const RunConfig& c) {
-  check_choice("data.source", c.data.source, {"fashion-mnist", "folder", "safetensors", "shards"});
+  check_choice("data.source", c.data.source, {"fashion-mnist", "folder", "safetensors", "shards", "latents"});
   check_choice("data.crop", c.data.crop, {"center", "random"});
   DDM_CHECK(c.data.channels == 0 || c.data.channels == 1 || c.data.channels == 3,
             "data.channels must be 1 (grey), 3 (RGB) or 0 (as the first image), got " << c.data.channels);
@@ -397,6 +397,24 @@ void validate_data(const RunConfig& c) {
                                       "streamed to avoid; remove it");
     DDM_CHECK(c.model.controlnet.empty() && c.model.embed.empty(),
               "model.controlnet and model.embed read their data in memory; with shards they are not supported yet");
+  } else if (c.data.source == "latents") {
+    // data.resolution, channels and crop are checked against the directory's encode.json when it is
+    // opened, model.latent when the data's shape is resolved (run/setup.cpp).
+    DDM_CHECK(!c.data.root.empty(), "data.source = latents needs data.root: a directory `ddm encode --out` wrote");
+    DDM_CHECK(c.model.arch != "autoencoder", "model.arch = autoencoder learns images, and data.source = latents "
+                                             "holds latents; train it on the images");
+    DDM_CHECK(!c.data.hflip, "data.hflip with data.source = latents: a flipped image's latent is not the flip of its "
+                             "latent, and latent shards hold the unflipped ones; set data.hflip = false");
+    DDM_CHECK(c.data.limit == 0, "data.limit does not apply to latent shards; encode fewer samples instead");
+    DDM_CHECK(!c.train.cache_latents, "train.cache_latents with data.source = latents: the latents are already "
+                                      "encoded; remove it");
+    DDM_CHECK(c.model.controlnet.empty() && c.model.embed.empty(),
+              "model.controlnet and model.embed condition on images, and data.source = latents has none; train them "
+              "on the images");
+    DDM_CHECK(c.data.partition.empty() && c.train.teacher.empty(),
+              "data.source = latents trains one latent model on all the data; experts, routers and distillation "
+              "(data.partition, train.teacher) do not read latent shards yet: train them on the images' shards "
+              "(data.source = shards) with model.latent");
   } else {
     DDM_CHECK(c.data.resolution == 0 && !c.data.skip_bad && c.data.crop == "center",
               "data.resolution, data.crop and data.skip_bad apply to data.source = shards only (this is "

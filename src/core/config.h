@@ -23,7 +23,7 @@ std::string name_of(CommBackend b);
 inline bool v_shaped(ScheduleKind s) { return s == ScheduleKind::k1f1bV || s == ScheduleKind::kZbV; }
 
 struct DataConfig {
-  std::string source = "fashion-mnist";  // fashion-mnist | folder | safetensors | shards
+  std::string source = "fashion-mnist";  // fashion-mnist | folder | safetensors | shards | latents
   std::string root;          // directory (fashion-mnist, folder) or file (safetensors); "" = default
   std::string split = "train";  // fashion-mnist: train | test
   bool hflip = false;        // random horizontal flip
@@ -31,7 +31,8 @@ struct DataConfig {
   std::string partition;     // a `ddm partition` directory: train on one of its clusters ("" = all data)
   int64_t expert = -1;       // the cluster to train on, 0..K-1 (an expert); -1 with a router model
   int64_t holdout = 0;       // routers: withhold the last N images from training to measure accuracy on
-  // Tar shards (source = "shards", root = a shard list; see docs/data.md)
+  // Tar shards (source = "shards", root = a shard list; source = "latents", root = a `ddm encode`
+  // directory; see docs/data.md)
   int64_t resolution = 0;       // images are cropped square and resized to this (required for shards)
   int64_t channels = 0;         // 1 (grey) or 3 (RGB); 0 = as the first image is
   std::string crop = "center";  // center | random: which square of the shorter side

@@ -75,8 +75,11 @@ Dataset load_dataset(const DataConfig& cfg) {
   } else if (cfg.source == "shards") {
     DDM_FAIL("data.source = shards: this command reads its data whole, in memory, and shards are only streamed "
              "(by `ddm train`) so far; give it the data the shards were written from, or a safetensors file");
+  } else if (cfg.source == "latents") {
+    DDM_FAIL("data.source = latents: latent shards (`ddm encode`) are read only by the training of a latent model "
+             "(`ddm train` with model.latent); this command needs images: give it the data they were encoded from");
   } else {
-    DDM_FAIL("data.source is '" << cfg.source << "'; choose fashion-mnist, folder, safetensors or shards");
+    DDM_FAIL("data.source is '" << cfg.source << "'; choose fashion-mnist, folder, safetensors, shards or latents");
   }
   DDM_CHECK(ds.images.dim() == 4 && ds.images.size(0) > 0, ds.description << ": the dataset has no images");
   DDM_CHECK(ds.labels.dim() == 1 && ds.labels.size(0) == ds.images.size(0),
@@ -134,8 +137,10 @@ BatchLoader::BatchLoader(const Dataset& data, int64_t batch_size, uint64_t seed,
     : data_(data), batch_size_(batch_size), seed_(seed), hflip_(hflip) {
   DDM_CHECK(batch_size > 0, "batch size must be > 0, got " << batch_size);
   DDM_CHECK(data.images.defined() && data.images.dim() == 4 && data.images.size(0) > 0 &&
-                data.images.scalar_type() == torch::kUInt8,
-            "BatchLoader needs a non-empty dataset of uint8 [N,C,H,W] images");
+                data.images.scalar_type() == (data.latents ? torch::kFloat32 : torch::kUInt8),
+            "BatchLoader needs a non-empty dataset of uint8 [N,C,H,W] images (or float posteriors)");
+  DDM_CHECK(!(hflip && data.latents), "BatchLoader: latents are not flipped (a flipped image's latent is not the "
+                                      "flip of its latent)");
   DDM_CHECK(data.labels.defined() && data.labels.dim() == 1 && data.labels.size(0) == data.images.size(0),
             "BatchLoader: the dataset has " << data.images.size(0) << " images but "
                                             << (data.labels.defined() ? data.labels.numel() : 0) << " labels");
@@ -202,7 +207,7 @@ Batch BatchLoader::next(int64_t begin, int64_t count) {
     }
   }
   const torch::Tensor idx = (pieces.size() == 1 ? pieces[0] : torch::cat(pieces)).slice(0, begin, begin + count);
-  torch::Tensor x = data_.images.index_select(0, idx);  // uint8 [b, C, H, W]
+  torch::Tensor x = data_.images.index_select(0, idx);  // uint8 [b, C, H, W] (latents: float [b, 2z, h, w])
   if (hflip_) {
     // from_blob wraps `flip` (alive until return); .to(kBool) copies it out in any case.
     const torch::Tensor mask = torch::from_blob(flip.data() + begin, {count}, torch::TensorOptions().dtype(torch::kUInt8))
@@ -212,7 +217,7 @@ Batch BatchLoader::next(int64_t begin, int64_t count) {
   }
   Batch b;
   b.first = begin;
-  b.x = to_unit_range(x);                        // float [B, C, H, W] in [-1, 1]
+  b.x = data_.latents ? x : to_unit_range(x);    // float [B, C, H, W] in [-1, 1] (latents: as they are)
   b.y = data_.labels.index_select(0, idx);       // int64 [B]
   if (data_.clusters.defined()) b.k = data_.clusters.index_select(0, idx);  // int64 [B]
   b.index = idx;                                                              // int64 [B]

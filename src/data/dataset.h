@@ -16,9 +16,10 @@
 namespace ddm {
 
 struct ShardIndex;
+struct LatentShardsInfo;
 
 struct Dataset {
-  torch::Tensor images;                  // uint8 [N, C, H, W]
+  torch::Tensor images;                  // uint8 [N, C, H, W] (latent shards: float [N, 2z, h, w], below)
   torch::Tensor labels;                  // int64 [N]; zeros when the source has no labels
   int64_t num_classes = 0;               // 0 = unlabeled
   std::vector<std::string> class_names;  // size num_classes (may be generic "class 3")
@@ -30,6 +31,9 @@ struct Dataset {
   // Shards: the samples training takes, by position in shard order (a router's data.holdout leaves
   // some out; `clusters` is then indexed by that position too); null: all of them.
   std::shared_ptr<const std::vector<bool>> shard_keep;
+  // Latent shards (data.source = "latents", data/latent_shards.h): their encode.json. Then `images`
+  // holds the first few samples' posteriors as batches carry them, [mean; logvar] float [n, 2z, h, w].
+  std::shared_ptr<const LatentShardsInfo> latents;
 };
 
 // Default root for the Debian package dataset-fashion-mnist.

@@ -126,7 +126,7 @@ int image_channels(std::string_view bytes, const std::string& ext, const std::st
 torch::Tensor crop_resize(const torch::Tensor& image, int64_t size, CropMode mode, double u) {
   DDM_CHECK(image.dim() == 3 && image.scalar_type() == torch::kUInt8, "crop_resize takes a uint8 [C, H, W] image");
   DDM_CHECK(size >= 1, "crop_resize: size must be >= 1, got " << size);
-  const int64_t c = image.size(0), h = image.size(1), w = image.size(2), s = std::min(h, w);
+  const int64_t h = image.size(1), w = image.size(2), s = std::min(h, w);
   const double at = mode == CropMode::kCenter ? 0.5 : std::clamp(u, 0.0, 1.0 - 1e-12);
   const int64_t y0 = mode == CropMode::kCenter ? (h - s) / 2 : static_cast<int64_t>(at * static_cast<double>(h - s + 1));
   const int64_t x0 = mode == CropMode::kCenter ? (w - s) / 2 : static_cast<int64_t>(at * static_cast<double>(w - s + 1));

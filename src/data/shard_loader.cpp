@@ -3,6 +3,8 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstring>
+#include <filesystem>
 #include <iostream>
 #include <sstream>
 #include <vector>
@@ -15,10 +17,10 @@
 namespace ddm {
 namespace {
 
-// One sample, ready for the batch: its image [C, S, S] (uint8, any strides), whether it is to be
-// mirrored, and its label; or why it cannot be used.
+// One sample, ready for the batch: its image [C, S, S] (uint8, any strides) and whether it is to be
+// mirrored, or its posterior [2z, h, w] (float, contiguous); its label; or why it cannot be used.
 struct Decoded {
-  torch::Tensor image;
+  torch::Tensor image, posterior;
   bool flip = false;
   int64_t label = 0;
   std::string bad;  // non-empty: the reason it is skipped (data.skip_bad)
@@ -29,6 +31,15 @@ Decoded decode_one(const ShardSample& s, const SampleRef& ref, int64_t epoch, co
   const std::string what = "shard " + index.shards[static_cast<size_t>(ref.shard)] + ", sample '" + s.key + "'";
   Decoded d;
   try {
+    const int64_t label = sample_label(s, what);
+    DDM_CHECK(index.num_classes == 0 || label >= 0, what << " has no label (.cls or .json), as the others have");
+    d.label = std::max<int64_t>(0, label);
+    if (o.posteriors) {  // latent shards: the posterior as it was written
+      const auto st = s.files.find("safetensors");
+      DDM_CHECK(st != s.files.end(), what << " has no posterior (.safetensors)");
+      d.posterior = read_posterior(st->second, *o.posteriors, what).contiguous();  // float [2z, h, w]
+      return d;
+    }
     const std::pair<const std::string, std::string>* img = nullptr;
     for (const auto& f : s.files)
       if (is_decodable(f.first)) {
@@ -36,9 +47,6 @@ Decoded decode_one(const ShardSample& s, const SampleRef& ref, int64_t epoch, co
         break;
       }
     DDM_CHECK(img, what << " has no image (.jpg, .jpeg, .png or .webp)");
-    const int64_t label = sample_label(s, what);
-    DDM_CHECK(index.num_classes == 0 || label >= 0, what << " has no label (.cls or .json), as the others have");
-    d.label = std::max<int64_t>(0, label);
     // Keyed by the sample's place, not by when it is drawn: a resumed run draws the same values.
     auto key = [&](RngPurpose p) {
       return derive_seed({order.seed, static_cast<uint64_t>(p), static_cast<uint64_t>(epoch),
@@ -94,8 +102,10 @@ void parallel_for_each(int64_t n, int threads, F f) {
 ShardLoader::ShardLoader(std::shared_ptr<const ShardIndex> index, ShardOrder order, ShardLoaderOptions options)
     : index_(std::move(index)), order_(order), o_(options) {
   DDM_CHECK(o_.batch > 0, "ShardLoader: the batch must have rows, got " << o_.batch);
-  DDM_CHECK(o_.resolution > 0, "data.resolution must be > 0 for shards, got " << o_.resolution);
-  DDM_CHECK(o_.channels == 1 || o_.channels == 3, "data.channels must be 1 or 3, got " << o_.channels);
+  DDM_CHECK(o_.posteriors || o_.resolution > 0, "data.resolution must be > 0 for shards, got " << o_.resolution);
+  DDM_CHECK(o_.posteriors || o_.channels == 1 || o_.channels == 3, "data.channels must be 1 or 3, got " << o_.channels);
+  DDM_CHECK(!(o_.posteriors && o_.hflip), "latent shards are not flipped (a flipped image's latent is not the flip "
+                                          "of its latent): set data.hflip = false");
   DDM_CHECK(!o_.clusters || static_cast<int64_t>(o_.clusters->size()) == index_->samples,
             "ShardLoader: clusters are given for " << o_.clusters->size() << " samples, the shards hold " << index_->samples);
   offsets_ = shard_offsets(*index_);
@@ -154,15 +164,20 @@ ShardLoader::Prepared ShardLoader::prepare(ShardStream& stream) {
       images.push_back(std::move(d));
     }
   }
-  const auto& first = images.front().image;
+  const auto& first = o_.posteriors ? images.front().posterior : images.front().image;
   const auto host = torch::TensorOptions().pinned_memory(o_.pin);
   p.batch.x = torch::empty({o_.batch, first.size(0), first.size(1), first.size(2)}, host);  // float [B, C, S, S]
   const int64_t row = first.numel();
   float* x = p.batch.x.data_ptr<float>();
-  parallel_for_each(o_.batch, o_.threads, [&](int64_t i) {
-    const Decoded& d = images[static_cast<size_t>(i)];
-    unit_range_row(d.image, d.flip, x + i * row);
-  });
+  if (o_.posteriors) {  // [B, 2z, h, w]: each row copied as it is
+    for (int64_t i = 0; i < o_.batch; ++i)
+      std::memcpy(x + i * row, images[static_cast<size_t>(i)].posterior.data_ptr<float>(), row * sizeof(float));
+  } else {
+    parallel_for_each(o_.batch, o_.threads, [&](int64_t i) {
+      const Decoded& d = images[static_cast<size_t>(i)];
+      unit_range_row(d.image, d.flip, x + i * row);
+    });
+  }
   p.batch.y = torch::empty({o_.batch}, host.dtype(torch::kInt64));  // int64 [B]
   std::copy(labels.begin(), labels.end(), p.batch.y.data_ptr<int64_t>());
   if (o_.clusters) {
@@ -261,7 +276,9 @@ std::string ShardLoader::last_skip() const {
 
 namespace ddm {
 
-ShardLoaderOptions shard_loader_options(const DataConfig& cfg, int64_t channels, int64_t batch, int local_processes) {
+namespace {
+
+ShardLoaderOptions loader_options(const DataConfig& cfg, int64_t channels, int64_t batch, int local_processes) {
   ShardLoaderOptions o;
   o.batch = batch;
   o.resolution = cfg.resolution;
@@ -275,7 +292,69 @@ ShardLoaderOptions shard_loader_options(const DataConfig& cfg, int64_t channels,
   return o;
 }
 
+// data.source = "latents": the shards of a `ddm encode` directory, checked against its encode.json.
+Dataset open_latent_shards(const DataConfig& cfg, int threads, bool quiet) {
+  const std::string& dir = cfg.root;
+  const auto info = std::make_shared<const LatentShardsInfo>(read_latent_shards_info(dir));
+  const std::string images = std::to_string(info->image_channels) + "x" + std::to_string(info->image_size) + "x" +
+                             std::to_string(info->image_size);
+  DDM_CHECK(cfg.resolution == 0 || cfg.resolution == info->image_size,
+            "data.resolution = " << cfg.resolution << ", but data.root = " << dir << " holds the latents of " << images
+                                 << " images (" << kLatentShardsInfo << "); remove data.resolution, or encode the data "
+                                 << "again at that resolution");
+  DDM_CHECK(cfg.channels == 0 || cfg.channels == info->image_channels,
+            "data.channels = " << cfg.channels << ", but data.root = " << dir << " holds the latents of " << images
+                               << " images (" << kLatentShardsInfo << "); remove data.channels");
+  DDM_CHECK(cfg.crop == "center", "data.crop = " << cfg.crop << ": latent shards hold the latents of centre-cropped "
+                                  << "images, taken as they are; set data.crop = center");
+  auto index = std::make_shared<ShardIndex>(
+      scan_shards(latent_shard_paths(dir, *info), cfg.skip_bad, threads, "data.root", SampleContent::kPosterior));
+  if (!quiet)
+    for (const std::string& note : index->notes) std::cout << "data: skipped the rest of a shard: " << note << "\n";
+  DDM_CHECK(index->samples == info->samples || index->bad_shards > 0,
+            "data.root = " << dir << ": its shards hold " << index->samples << " samples, but " << kLatentShardsInfo
+                           << " records " << info->samples << "; the directory changed since `ddm encode` wrote it: "
+                           << "encode again");
+  DDM_CHECK(index->num_classes <= info->num_classes && (index->num_classes > 0) == (info->num_classes > 0),
+            "data.root = " << dir << ": its shards' labels give " << index->num_classes << " classes, but "
+                           << kLatentShardsInfo << " records " << info->num_classes << "; encode again");
+  Dataset d;
+  d.shards = index;
+  d.latents = info;
+  d.num_classes = info->num_classes;
+  for (int64_t c = 0; c < d.num_classes; ++c) d.class_names.push_back("class " + std::to_string(c));
+  ShardOrder first;
+  first.shuffle = false;
+  ShardLoaderOptions o = shard_loader_options(cfg, d, std::min<int64_t>(index->samples, 8), 1);
+  o.depth = 1;
+  ShardLoader probe(index, first, o);
+  const Batch b = probe.next();
+  d.images = b.x;  // float [n, 2z, h, w]
+  d.labels = b.y;
+  std::ostringstream desc;
+  desc << "latent shards " << dir << ": " << index->samples << " posteriors " << info->latent_channels << "x"
+       << info->latent_size << "x" << info->latent_size << " in " << index->shards.size() << " shard"
+       << (index->shards.size() > 1 ? "s" : "") << ", "
+       << (d.num_classes > 0 ? std::to_string(d.num_classes) + " classes" : "unlabeled") << ", streamed (encoded from "
+       << info->data << ")";
+  d.description = desc.str();
+  return d;
+}
+
+}  // namespace
+
+ShardLoaderOptions shard_loader_options(const DataConfig& cfg, const Dataset& opened, int64_t batch,
+                                        int local_processes) {
+  ShardLoaderOptions o = loader_options(cfg, opened.latents ? 0 : opened.images.size(1), batch, local_processes);
+  if (opened.latents) {  // posteriors, taken as they are
+    o.posteriors = opened.latents;
+    o.crop = CropMode::kCenter;
+  }
+  return o;
+}
+
 Dataset open_shards(const DataConfig& cfg, int threads, bool quiet) {
+  if (cfg.source == "latents") return open_latent_shards(cfg, threads, quiet);
   auto index = std::make_shared<ShardIndex>(
       scan_shards(expand_shards(cfg.root, "data.root"), cfg.skip_bad, threads, "data.root"));
   if (!quiet)
@@ -305,7 +384,7 @@ Dataset open_shards(const DataConfig& cfg, int threads, bool quiet) {
   d.shards = index;
   d.num_classes = index->num_classes;
   for (int64_t c = 0; c < d.num_classes; ++c) d.class_names.push_back("class " + std::to_string(c));
-  ShardLoaderOptions o = shard_loader_options(cfg, channels, std::min<int64_t>(index->samples, 8), 1);
+  ShardLoaderOptions o = loader_options(cfg, channels, std::min<int64_t>(index->samples, 8), 1);
   o.crop = CropMode::kCenter, o.hflip = false, o.depth = 1;
   ShardLoader probe(index, first, o);
   const Batch b = probe.next();
@@ -324,10 +403,12 @@ void for_each_in_order(const Dataset& opened, const DataConfig& cfg, int64_t n, 
                        const std::function<void(const torch::Tensor&, const torch::Tensor&, int64_t)>& f,
                        std::shared_ptr<const std::vector<bool>> keep) {
   constexpr int64_t kBatch = 256;
+  DDM_CHECK(!opened.latents, "this command needs images, but " << opened.description << " are latents (`ddm "
+                             "encode`); give it the data they were encoded from");
   ShardOrder order;
   order.shuffle = false;
   order.keep = std::move(keep);
-  ShardLoaderOptions o = shard_loader_options(cfg, opened.images.size(1), kBatch, 1);
+  ShardLoaderOptions o = shard_loader_options(cfg, opened, kBatch, 1);
   o.crop = CropMode::kCenter, o.hflip = false, o.threads = std::max(1, threads);
   ShardLoader loader(opened.shards, order, o);
   for (int64_t first = 0; first < n; first += kBatch) {

@@ -5,7 +5,8 @@
 // offset and the flip are drawn from (seed, epoch, shard, position in the shard), so a resumed run
 // draws them again alike. A sample that cannot be used (a damaged image, a bad label) stops the run
 // with an error naming shard and key, or, with data.skip_bad, is skipped and counted; the next
-// sample takes its row.
+// sample takes its row. Latent shards (data.source = "latents", data/latent_shards.h) are read the
+// same way, each sample's posterior taken as it is: x = [mean; logvar], float [B, 2z, h, w].
 #pragma once
 #include <condition_variable>
 #include <cstdint>
@@ -20,6 +21,7 @@
 #include "data/batch_source.h"
 #include "data/dataset.h"
 #include "data/decode.h"
+#include "data/latent_shards.h"
 #include "data/shard_stream.h"
 
 namespace ddm {
@@ -35,6 +37,9 @@ struct ShardLoaderOptions {
   int depth = 2;           // batches prepared ahead
   // Each sample's cluster by position in shard order (a router's targets): Batch::k; null: none.
   std::shared_ptr<const std::vector<int64_t>> clusters;
+  // Latent shards: samples are posteriors of this record's shape (resolution, channels, crop and
+  // flips do not apply); null: images.
+  std::shared_ptr<const LatentShardsInfo> posteriors;
   bool pin = false;        // batches in page-locked memory (training on CUDA: the copy to the device is then
                            // asynchronous, and the trainer does not wait for a staging copy)
 };
@@ -87,10 +92,12 @@ class ShardLoader : public BatchSource {
 // Opens data.root's shards for training: scans them (shard_stream.h's scan_shards, on `threads`
 // threads) and decodes the first few samples as the loader will (data.channels 0 resolved from the
 // first image): a Dataset whose `shards` is set and whose `images` are only those samples. Prints the
-// scan's notes (skipped shard tails) unless quiet.
+// scan's notes (skipped shard tails) unless quiet. For data.source = "latents" (data.root a `ddm
+// encode` directory), `latents` is set too, and `images` are the first few posteriors, float
+// [n, 2z, h, w].
 Dataset open_shards(const DataConfig& cfg, int threads, bool quiet);
 
-// Samples [0, n) of the shards `opened` (open_shards of cfg) in shard order, decoded as the loader
+// Samples [0, n) of the image shards `opened` (open_shards of cfg) in shard order, decoded as the loader
 // decodes them but with a centre crop and no flip, 256 at a time on `threads` threads:
 // f(images float [b, C, S, S] in [-1, 1], labels int64 [b], the first one's row).
 // With `keep` (by position in shard order), only the samples it keeps, n of them at most.
@@ -103,7 +110,7 @@ void for_each_in_order(const Dataset& opened, const DataConfig& cfg, int64_t n, 
 // autoencoder's latent statistics and reconstructions).
 Dataset shard_prefix(const DataConfig& cfg, int64_t n, int threads);
 
-// The loader options data.* give, for batches of `batch` rows.
-ShardLoaderOptions shard_loader_options(const DataConfig& cfg, int64_t channels, int64_t batch, int local_processes);
+// The loader options data.* give for the shards `opened` (open_shards of cfg), in batches of `batch` rows.
+ShardLoaderOptions shard_loader_options(const DataConfig& cfg, const Dataset& opened, int64_t batch, int local_processes);
 
 }  // namespace ddm

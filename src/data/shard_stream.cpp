@@ -17,10 +17,14 @@
 namespace ddm {
 namespace {
 
-bool has_image(const ShardSample& s) {
+bool has_content(const ShardSample& s, SampleContent content) {
   for (const auto& f : s.files)
-    if (is_decodable(f.first)) return true;
+    if (content == SampleContent::kImage ? is_decodable(f.first) : f.first == "safetensors") return true;
   return false;
+}
+
+const char* content_text(SampleContent content) {
+  return content == SampleContent::kImage ? "image (.jpg, .jpeg, .png or .webp)" : "posterior (.safetensors)";
 }
 
 // One shard's part of the index.
@@ -32,7 +36,7 @@ struct ShardScan {
   std::exception_ptr error;
 };
 
-ShardScan scan_one(const std::string& path, bool skip_bad) {
+ShardScan scan_one(const std::string& path, bool skip_bad, SampleContent content) {
   ShardScan s;
   try {
     TarShardReader r(path);
@@ -51,7 +55,7 @@ ShardScan scan_one(const std::string& path, bool skip_bad) {
       const std::string what = "shard " + path + ", sample '" + smp.key + "'";
       int64_t label = -1;
       try {
-        DDM_CHECK(has_image(smp), what << " has no image (.jpg, .jpeg, .png or .webp); its files: "
+        DDM_CHECK(has_content(smp, content), what << " has no " << content_text(content) << "; its files: "
                                        << [&] {
                                             std::string t;
                                             for (const auto& f : smp.files) t += (t.empty() ? "." : ", .") + f.first;
@@ -78,12 +82,13 @@ ShardScan scan_one(const std::string& path, bool skip_bad) {
 
 }  // namespace
 
-ShardIndex scan_shards(const std::vector<std::string>& shards, bool skip_bad, int threads, const std::string& key) {
+ShardIndex scan_shards(const std::vector<std::string>& shards, bool skip_bad, int threads, const std::string& key,
+                       SampleContent content) {
   DDM_CHECK(!shards.empty(), key << " names no shard");
   std::vector<ShardScan> scans(shards.size());
   std::atomic<size_t> next{0};
   auto work = [&] {
-    for (size_t i = next++; i < shards.size(); i = next++) scans[i] = scan_one(shards[i], skip_bad);
+    for (size_t i = next++; i < shards.size(); i = next++) scans[i] = scan_one(shards[i], skip_bad, content);
   };
   std::vector<std::thread> pool;
   for (int t = 1; t < std::max(1, std::min<int>(threads, static_cast<int>(shards.size()))); ++t) pool.emplace_back(work);

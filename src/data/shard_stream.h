@@ -31,12 +31,17 @@ struct ShardIndex {
   std::vector<std::string> notes;  // what was skipped, one line each (skip_bad only)
 };
 
-// Scans the shards on `threads` threads. Every sample needs an image (jpg, jpeg, png or webp); either
-// every sample has a label (.cls or .json) or none has. A corrupt or truncated shard, a malformed label
+// What a sample must hold: an image (jpg, jpeg, png or webp), or a latent posterior (safetensors:
+// latent shards, data/latent_shards.h).
+enum class SampleContent { kImage, kPosterior };
+
+// Scans the shards on `threads` threads. Every sample needs its content (an image, or a posterior);
+// either every sample has a label (.cls or .json) or none has. A corrupt or truncated shard, a malformed label
 // or a sample without an image is an error naming the shard and key; with skip_bad, a shard is cut
 // at its first corrupt member (the samples before it are kept) and the other faults are left for the
 // loader to skip and count. `key` names the setting in errors (data.root).
-ShardIndex scan_shards(const std::vector<std::string>& shards, bool skip_bad, int threads, const std::string& key);
+ShardIndex scan_shards(const std::vector<std::string>& shards, bool skip_bad, int threads, const std::string& key,
+                       SampleContent content = SampleContent::kImage);
 
 struct ShardOrder {
   uint64_t seed = 0;

@@ -13,13 +13,13 @@
 namespace ddm {
 namespace {
 void append(void* ctx, void* data, int size) { static_cast<std::string*>(ctx)->append(static_cast<const char*>(data), static_cast<size_t>(size)); }
+}  // namespace
 
-std::string numbered(int64_t i, int width) {
+std::string zero_padded(int64_t i, int width) {
   char buf[32];
   std::snprintf(buf, sizeof buf, "%0*lld", width, static_cast<long long>(i));
   return buf;
 }
-}  // namespace
 
 std::string png_of(const torch::Tensor& chw_u8) {
   DDM_CHECK(chw_u8.dim() == 3 && (chw_u8.size(0) == 1 || chw_u8.size(0) == 3) && chw_u8.scalar_type() == torch::kUInt8,
@@ -44,11 +44,11 @@ ShardsWritten write_shards(const Dataset& data, const std::string& dir, int64_t 
   ShardsWritten out;
   out.shards = (n + shard_size - 1) / shard_size;
   for (int64_t s = 0; s < out.shards; ++s) {
-    const std::string path = dir + "/" + prefix + "-" + numbered(s, 6) + ".tar";
+    const std::string path = dir + "/" + prefix + "-" + zero_padded(s, 6) + ".tar";
     TarShardWriter w(path);
     for (int64_t i = s * shard_size; i < std::min(n, (s + 1) * shard_size); ++i) {
       ShardSample smp;
-      smp.key = numbered(i, 8);
+      smp.key = zero_padded(i, 8);
       smp.files["png"] = png_of(data.images[i]);
       if (data.num_classes > 0) smp.files["cls"] = std::to_string(data.labels[i].item<int64_t>());
       w.add(smp);
@@ -58,7 +58,7 @@ ShardsWritten write_shards(const Dataset& data, const std::string& dir, int64_t 
     out.bytes += static_cast<int64_t>(std::filesystem::file_size(path));  // with tar's 512-byte blocks
     if (progress) progress(out.samples);
   }
-  out.pattern = dir + "/" + prefix + "-{" + numbered(0, 6) + ".." + numbered(out.shards - 1, 6) + "}.tar";
+  out.pattern = dir + "/" + prefix + "-{" + zero_padded(0, 6) + ".." + zero_padded(out.shards - 1, 6) + "}.tar";
   return out;
 }
 
@@ -70,7 +70,7 @@ ShardsWritten reshard(const std::vector<std::string>& shards, const std::string&
   std::error_code ec;
   std::filesystem::create_directories(dir, ec);
   DDM_CHECK(!ec, "cannot create " << dir << ": " << ec.message());
-  const auto out_path = [&](int64_t s) { return dir + "/" + prefix + "-" + numbered(s, 6) + ".tar"; };
+  const auto out_path = [&](int64_t s) { return dir + "/" + prefix + "-" + zero_padded(s, 6) + ".tar"; };
   // An output name that is one of the inputs would be replaced while it is still to be read.
   const std::string first_out = std::filesystem::weakly_canonical(out_path(0)).parent_path().string() + "/" + prefix + "-";
   for (const std::string& in : shards) {
@@ -102,7 +102,7 @@ ShardsWritten reshard(const std::vector<std::string>& shards, const std::string&
   }
   DDM_CHECK(w, "the shards to re-shard hold no sample");
   close();
-  out.pattern = dir + "/" + prefix + "-{" + numbered(0, 6) + ".." + numbered(out.shards - 1, 6) + "}.tar";
+  out.pattern = dir + "/" + prefix + "-{" + zero_padded(0, 6) + ".." + zero_padded(out.shards - 1, 6) + "}.tar";
   return out;
 }
 

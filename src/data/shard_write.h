@@ -32,4 +32,7 @@ ShardsWritten reshard(const std::vector<std::string>& shards, const std::string&
 // The PNG bytes of a uint8 [C, H, W] image, C 1 or 3.
 std::string png_of(const torch::Tensor& chw_u8);
 
+// i in decimal, zero-padded to `width` digits (shard numbers and sample keys: 000042).
+std::string zero_padded(int64_t i, int width);
+
 }  // namespace ddm

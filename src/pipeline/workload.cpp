@@ -24,7 +24,8 @@ double median(std::vector<double> v) {
 }
 
 Batch batch_of(const Dataset& data, int64_t first, int64_t rows) {
-  return Batch{to_unit_range(data.images.slice(0, first, first + rows)), data.labels.slice(0, first, first + rows),
+  const torch::Tensor x = data.images.slice(0, first, first + rows);  // uint8 images, or latent shards' posteriors
+  return Batch{data.latents ? x : to_unit_range(x), data.labels.slice(0, first, first + rows),
                data.clusters.defined() ? data.clusters.slice(0, first, first + rows) : torch::Tensor(), 0,
                torch::arange(first, first + rows, torch::kLong)};
 }

@@ -158,6 +158,10 @@ void resolve_data_shape(RunConfig& cfg, const Dataset& data) {
     resolve_controlnet(cfg, data);
     return;
   }
+  DDM_CHECK(!data.latents || !m.latent.empty(),
+            "data.source = latents holds the latents of a frozen autoencoder (" << data.description
+                << "): set model.latent to the autoencoder that encoded them (" << data.latents->autoencoder
+                << ", or its run directory)");
   if (!m.latent.empty()) {  // the model's input is the autoencoder's latents
     resolve_latent(m, data);
     return;
@@ -175,7 +179,8 @@ TrainJob plain_job(RunConfig cfg) {
   validate(cfg);
   const int threads = set_threads(cfg.train.threads);
   TrainJob job;
-  job.data = cfg.data.source == "shards" ? open_shards(cfg.data, threads, false) : load_dataset(cfg.data);
+  const bool streamed = cfg.data.source == "shards" || cfg.data.source == "latents";
+  job.data = streamed ? open_shards(cfg.data, threads, false) : load_dataset(cfg.data);
   resolve_data_shape(cfg, job.data);
   DDM_CHECK(job.data.images.size(0) > 0, "the dataset " << job.data.description << " is empty");
   job.cfg = cfg;
@@ -263,7 +268,8 @@ BuiltModel build_model(TrainJob& job, bool announce, torch::Device device) {
   // too: building it draws (then overwritten) initial weights from the global generator.
   if (cfg.train.cache_latents && announce)
     std::cout << "caching the latents of " << data.images.size(0) << " images (train.cache_latents)..." << std::endl;
-  m.latent = attach_latent(*job.objective, cfg.model, device, cfg.train.cache_latents ? &data : nullptr);
+  m.latent = attach_latent(*job.objective, cfg.model, device, cfg.train.cache_latents ? &data : nullptr,
+                           data.latents != nullptr);
   attach_controlnet(*m.net, cfg.model);  // the locked base, and the trainable copy's initial weights
   attach_embed(*job.objective, cfg.model, device);  // image-embedding conditioning: the frozen feature network
   m.net->to(device);  // initialized on the CPU, so every device starts from the same weights
@@ -407,8 +413,11 @@ void print_run_header(const TrainJob& job, const BuiltModel& model, const Parall
     std::cout << "latent: " << a.latent_channels << "x" << a.latent_size() << "x" << a.latent_size()
               << " latents of the frozen autoencoder " << model.latent->checkpoint() << " (sha256 "
               << model.latent->sha256().substr(0, 12) << "..., scale " << model.latent->scale() << ", shift "
-              << model.latent->shift()
-              << "; its encoder " << encoder_flops_per_image(a) / 1e6 << " MFLOP/image)\n";
+              << model.latent->shift() << "; ";
+    if (data.latents)
+      std::cout << "encoded once by `ddm encode`: its encoder does not run)\n";
+    else
+      std::cout << "its encoder " << encoder_flops_per_image(a) / 1e6 << " MFLOP/image)\n";
   }
   if (!cfg.model.embed.empty())
     std::cout << "embed: conditioned on the " << cfg.model.embed_dim << "-dim embedding of each image by the frozen "

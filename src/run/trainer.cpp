@@ -68,7 +68,7 @@ TrainSummary train(TrainJob job, const TrainOptions& options) {
     order.seed = data_seed, order.replica = layout.replica, order.replicas = layout.replicas;
     order.shuffle_buffer = cfg.data.shuffle_buffer;
     order.keep = data.shard_keep;  // a router's held-out samples are never drawn
-    ShardLoaderOptions lo = shard_loader_options(cfg.data, data.images.size(1), layout.local_batch, proc.local_processes);
+    ShardLoaderOptions lo = shard_loader_options(cfg.data, data, layout.local_batch, proc.local_processes);
     lo.pin = proc.device.is_cuda();
     if (data.clusters.defined()) {  // a router or a distilled student: each sample's cluster, by position
       const torch::Tensor k = data.clusters.contiguous();

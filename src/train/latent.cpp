@@ -9,6 +9,7 @@
 #include "core/fileio.h"
 #include "core/run_dir.h"
 #include "core/safetensors.h"
+#include "data/latent_shards.h"
 #include "train/autoencoder_report.h"
 #include "train/checkpoint.h"
 #include "train/optimizer.h"
@@ -97,6 +98,14 @@ torch::Tensor LatentSpace::encode_cached(const Posterior& cache, const torch::Te
   return (q.sample(eps) - shift_) * scale_;                                                    // [B, z, h, w]
 }
 
+torch::Tensor LatentSpace::sample_posterior(const torch::Tensor& x, const torch::Tensor& eps) const {
+  const int64_t z = shape().latent_channels;
+  DDM_CHECK(x.dim() == 4 && x.size(1) == 2 * z, "latent shards: a batch of posteriors must be [B, " << 2 * z
+                                                    << ", h, w] (mean and logvar), got " << x.sizes());
+  const Posterior q{x.narrow(1, 0, z), x.narrow(1, z, z)};       // [B, z, h, w] each
+  return (q.sample(eps.to(x.device())) - shift_) * scale_;  // [B, z, h, w]
+}
+
 torch::Tensor LatentSpace::encode(const torch::Tensor& x, const torch::Tensor& eps) const {
   torch::NoGradGuard no_grad;
   return ((ae_->encode(x.to(device())).sample(eps.to(device())) - shift_) * scale_).to(x.device());  // [B, z, h, w]
@@ -129,6 +138,7 @@ void resolve_latent(ModelConfig& m, const Dataset& data) {
   const bool is_ckpt = fs::is_regular_file(dir / RunDir::kState);
   const int64_t c = data.images.size(1), h = data.images.size(2);
   auto check_data = [&](const RunConfig& ae) {
+    if (data.latents) return;  // encoded by this autoencoder: checked by its sha256 below
     DDM_CHECK(c == ae.model.in_channels && h == ae.model.image_size && data.images.size(3) == h,
               key << ": the autoencoder was trained on " << ae.model.in_channels << "x" << ae.model.image_size << "x"
                   << ae.model.image_size << " images, but the data is " << c << "x" << h << "x"
@@ -146,6 +156,15 @@ void resolve_latent(ModelConfig& m, const Dataset& data) {
     m.in_channels = s.latent_channels;
     m.image_size = s.latent_size();
   };
+  // Latent shards: the autoencoder that encoded them must be this one.
+  auto check_encoded = [&](const std::string& sha) {
+    if (!data.latents) return;
+    DDM_CHECK(sha == data.latents->autoencoder_sha256,
+              key << " (sha256 " << sha.substr(0, 12) << ") is not the autoencoder that encoded the latent shards "
+                  << data.description << ": their " << kLatentShardsInfo << " names " << data.latents->autoencoder
+                  << " (sha256 " << data.latents->autoencoder_sha256.substr(0, 12) << "); set model.latent to that "
+                  << "run, or encode the data again with `ddm encode --ae " << m.latent << "`");
+  };
   if (is_ckpt && !m.latent_sha256.empty() && m.latent_scale > 0) {
     // Already resolved (a run's own config.toml, e.g. on resume): the pinned checkpoint must still be
     // what it was; the autoencoder run's later checkpoints or reports do not matter.
@@ -154,6 +173,7 @@ void resolve_latent(ModelConfig& m, const Dataset& data) {
     check_data(ae);
     set_shape(ae);
     LatentSpace::load(m);  // checks the sha256
+    check_encoded(m.latent_sha256);
     return;
   }
   // A run directory (with the record), or a checkpoint directory whose run's record measured it.
@@ -172,6 +192,7 @@ void resolve_latent(ModelConfig& m, const Dataset& data) {
             "the frozen autoencoder changed: model.latent_sha256 = " << m.latent_sha256 << ", but " << rec.weights
                                                                     << " now has sha256 " << sha);
   check_data(ae);
+  check_encoded(sha);
   set_shape(ae);
   m.latent = rec.checkpoint;
   m.latent_sha256 = sha;
@@ -182,10 +203,12 @@ void resolve_latent(ModelConfig& m, const Dataset& data) {
 }
 
 std::shared_ptr<const LatentSpace> attach_latent(Objective& objective, const ModelConfig& m, torch::Device device,
-                                                 const Dataset* cache) {
+                                                 const Dataset* cache, bool posteriors) {
   if (m.latent.empty()) return nullptr;
   auto latent = LatentSpace::load(m, device);
-  if (cache) {
+  if (posteriors) {
+    objective.set_encoder([latent](const Batch& b, const torch::Tensor& eps) { return latent->sample_posterior(b.x, eps); });
+  } else if (cache) {
     auto q = std::make_shared<Posterior>(latent->posteriors(cache->images));  // [N, z, h, w] each
     objective.set_encoder([latent, q](const Batch& b, const torch::Tensor& eps) {
       return latent->encode_cached(*q, b.index, eps);

@@ -43,6 +43,10 @@ class LatentSpace {
   // rounding of the encoder over another batch.
   Posterior posteriors(const torch::Tensor& images) const;
   torch::Tensor encode_cached(const Posterior& cache, const torch::Tensor& index, const torch::Tensor& eps) const;
+  // Latent shards (data.source = "latents"): a batch of posteriors x = [mean; logvar] float
+  // [B, 2z, h, w] and noise eps [B, z, h, w] -> normalized latents [B, z, h, w] on x's device, what
+  // encode gives the images they were encoded from (up to float32 rounding of the encoder).
+  torch::Tensor sample_posterior(const torch::Tensor& x, const torch::Tensor& eps) const;
   // Normalized latents [B, z, h, w] -> images [B, C, H, W] clamped to [-1, 1]. No gradients.
   torch::Tensor decode(const torch::Tensor& z) const;
 
@@ -67,14 +71,16 @@ class LatentSpace {
 // becomes that checkpoint directory, latent_sha256 the hash of its weights (a value already set must
 // match it: the autoencoder must not have changed), latent_scale / latent_shift the measured ones
 // (unless set), and in_channels / image_size the latents' (the data must have the shape the
-// autoencoder was trained on). Throws ddm::Error naming the run, the file or the key.
+// autoencoder was trained on; latent shards must have been encoded by this autoencoder, by sha256).
+// Throws ddm::Error naming the run, the file or the key.
 void resolve_latent(ModelConfig& m, const Dataset& data);
 
 // For a resolved latent model config, loads its autoencoder and makes `objective` encode every batch
 // with it (Objective::set_encoder); returns it. Returns null and changes nothing for a pixel model.
 // With `cache` (train.cache_latents: the dataset the batches come from), the posteriors of all its
-// images are computed here once, and each batch looks its own up by Batch::index.
+// images are computed here once, and each batch looks its own up by Batch::index. With
+// `posteriors` (latent shards), each batch holds its posteriors already, and is only sampled.
 std::shared_ptr<const LatentSpace> attach_latent(Objective& objective, const ModelConfig& m, torch::Device device,
-                                                 const Dataset* cache = nullptr);
+                                                 const Dataset* cache = nullptr, bool posteriors = false);
 
 }  // namespace ddm

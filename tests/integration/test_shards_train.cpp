@@ -4,8 +4,8 @@
 // stops the run naming shard and key, or with data.skip_bad is skipped and counted in the metrics;
 // bad shard lists are clear errors; shards are re-sharded; an expert of a partition made with
 // --reshard trains on its cluster's shards; a router (with samples held out) and a distilled student
-// train on shards; an autoencoder and a latent model train on shards, and `ddm encode` writes the
-// latents of the shards once.
+// train on shards; an autoencoder and a latent model train on shards, `ddm encode` writes the
+// latents of the shards once, and a latent model trains on those as on fresh encodes.
 #include <gtest/gtest.h>
 
 #include <chrono>
@@ -25,7 +25,7 @@
 #include "test_util.h"
 #include "train/checkpoint.h"
 #include "train/latent.h"
-#include "train/latent_shards.h"
+#include "train/encode_shards.h"
 
 namespace fs = std::filesystem;
 using namespace ddm;
@@ -83,6 +83,18 @@ std::vector<nlohmann::json> metrics(const std::string& run) {
   std::string line;
   while (std::getline(in, line)) out.push_back(nlohmann::json::parse(line));
   return out;
+}
+
+// A 4-step autoencoder on r's shards at 24 x 24 (r.dir/ae.toml, run r.dir/ae), its report on the
+// first n and stats_n samples. Returns the [data] section naming the shards.
+std::string train_autoencoder(const ShardRun& r, int n, int stats_n) {
+  const std::string data = "[data]\nsource = \"shards\"\nresolution = 24\nroot = \"" + r.pattern + "\"\n";
+  test::write_text(r.dir / "ae.toml", data + "[model]\npreset = \"ae-f4\"\nchannels = 8\ngroups = 4\n"
+                                             "[train]\nsteps = 4\nbatch_size = 16\nthreads = 1\nlog_every = 2\n");
+  auto ae = test::run_ddm("train-autoencoder --quiet --config " + (r.dir / "ae.toml") + " --out " + (r.dir / "ae") +
+                          " --n " + std::to_string(n) + " --stats-n " + std::to_string(stats_n));
+  EXPECT_EQ(ae.exit_code, 0) << ae.output;
+  return data;
 }
 
 }  // namespace
@@ -304,12 +316,8 @@ TEST(ShardsTrain, ARouterAndADistilledStudentTrainOnShards) {
 // (the latent statistics a latent model needs), then a latent model trains on the shards through it.
 TEST(ShardsTrain, AnAutoencoderAndALatentModelTrainOnShards) {
   ShardRun r;
-  const std::string data = "[data]\nsource = \"shards\"\nresolution = 24\nroot = \"" + r.pattern + "\"\n";
-  test::write_text(r.dir / "ae.toml", data + "[model]\npreset = \"ae-f4\"\nchannels = 8\ngroups = 4\n"
-                                             "[train]\nsteps = 4\nbatch_size = 16\nthreads = 1\nlog_every = 2\n");
-  auto ae = test::run_ddm("train-autoencoder --quiet --config " + (r.dir / "ae.toml") + " --out " + (r.dir / "ae") +
-                          " --n 32 --stats-n 100");
-  ASSERT_EQ(ae.exit_code, 0) << ae.output;
+  const std::string data = train_autoencoder(r, 32, 100);
+  ASSERT_TRUE(fs::exists(r.dir / "ae/autoencoder.json"));
   const auto j = nlohmann::json::parse(test::read_text(r.dir / "ae/autoencoder.json"));
   EXPECT_EQ(j["latent_shape"], (std::vector<int64_t>{4, 6, 6}));
   EXPECT_GT(j["latent_scale"].get<double>(), 0);
@@ -385,3 +393,100 @@ TEST(ShardsTrain, AnAutoencoderAndALatentModelTrainOnShards) {
   EXPECT_EQ(read_latent_shards_info(r.dir / "lat").samples, 512);
 }
 
+
+// data.source = "latents": a latent model trains on the shards `ddm encode` wrote as it trains on
+// the images' shards through the frozen encoder: the same samples in the same order and the same
+// keyed posterior noise, so the same losses up to the encoder's float32 rounding over other batches.
+// A run on them resumes from a checkpoint to the bytes of an uninterrupted one (across an epoch),
+// and each bad input is a clear error.
+TEST(ShardsTrain, ALatentModelTrainsOnEncodedShardsAsOnFreshEncodes) {
+  ShardRun r;
+  const std::string data = train_autoencoder(r, 16, 64);
+  ASSERT_TRUE(fs::exists(r.dir / "ae/autoencoder.json"));
+  auto enc = test::run_ddm("encode --threads 1 --ae " + (r.dir / "ae") + " --config " + (r.dir / "ae.toml") +
+                           " --out " + (r.dir / "lat"));
+  ASSERT_EQ(enc.exit_code, 0) << enc.output;
+  EXPECT_TRUE(has(enc.output, "--set data.source=latents --set data.root=" + (r.dir / "lat"))) << enc.output;
+  test::write_text(r.dir / "latent.toml", data + "[model]\npreset = \"latent-dit\"\nwidth = 32\ndepth = 2\nheads = 2\n"
+                                                 "[train]\nsteps = 40\nbatch_size = 16\nthreads = 1\nlog_every = 1\n"
+                                                 "ckpt_every = 20\n");
+  const std::string train = "train --quiet --config " + (r.dir / "latent.toml") + " --set model.latent=" + (r.dir / "ae");
+  const std::string latents = " --set data.source=latents --set data.root=" + (r.dir / "lat");
+  auto fresh = test::run_ddm(train + " --set train.steps=12 --out " + (r.dir / "fresh"));
+  ASSERT_EQ(fresh.exit_code, 0) << fresh.output;
+  auto ref = test::run_ddm(train + latents + " --out " + (r.dir / "ref"));
+  ASSERT_EQ(ref.exit_code, 0) << ref.output;
+  const auto mf = metrics(r.dir / "fresh"), ml = metrics(r.dir / "ref");
+  ASSERT_EQ(mf.size(), 12u);
+  ASSERT_EQ(ml.size(), 40u);
+  for (size_t s = 0; s < mf.size(); ++s) {
+    const double a = mf[s]["loss"].get<double>(), b = ml[s]["loss"].get<double>();
+    EXPECT_NEAR(a, b, 1e-4 * std::abs(a)) << "step " << s + 1;
+  }
+  EXPECT_EQ(ml.back()["epoch"], 1);  // 640 samples drawn from 512
+  const RunConfig resolved = load_config(r.dir / "ref/config.toml");
+  EXPECT_EQ(resolved.data.source, "latents");
+  EXPECT_EQ(resolved.model.in_channels, 4);
+  EXPECT_EQ(resolved.model.image_size, 6);
+  EXPECT_EQ(resolved.model.num_classes, 10);
+  EXPECT_EQ(resolved.model.latent_sha256, read_latent_shards_info(r.dir / "lat").autoencoder_sha256);
+
+  // Resumed from its step-20 checkpoint, a run ends with the uninterrupted run's bytes.
+  auto half = test::run_ddm(train + latents + " --set train.steps=20 --out " + (r.dir / "resumed"));
+  ASSERT_EQ(half.exit_code, 0) << half.output;
+  auto rest = test::run_ddm(train + latents + " --resume --out " + (r.dir / "resumed"));
+  ASSERT_EQ(rest.exit_code, 0) << rest.output;
+  for (const char* file : {"model.safetensors", "ema.safetensors", "optim.safetensors"}) {
+    const std::string want = file_bytes(r.dir / ("ref/ckpt/step-00000040/" + std::string(file)));
+    ASSERT_FALSE(want.empty()) << file;
+    EXPECT_TRUE(want == file_bytes(r.dir / ("resumed/ckpt/step-00000040/" + std::string(file)))) << file << " differs";
+  }
+
+  // Bad input: each a clear error, naming the key or the shard and the key.
+  const std::string bad = train + latents + " --set train.steps=2";
+  test::expect_error(test::run_ddm("train --quiet --config " + (r.dir / "latent.toml") + latents + " --out " +
+                                   (r.dir / "x")),
+                     "set model.latent to the autoencoder that encoded them");
+  test::expect_error(test::run_ddm(bad + " --set data.hflip=true --out " + (r.dir / "x")), "data.hflip");
+  test::expect_error(test::run_ddm(bad + " --set data.resolution=32 --out " + (r.dir / "x")),
+                     "holds the latents of 1x24x24 images");
+  test::expect_error(test::run_ddm(train + " --set data.source=latents --set data.root=" + (r.dir / "ae") +
+                                   " --out " + (r.dir / "x")),
+                     "is not a `ddm encode` output");
+  test::expect_error(test::run_ddm("encode --ae " + (r.dir / "ae") + latents + " --out " + (r.dir / "x")),
+                     "this command needs images");
+  // Another autoencoder's latents (encode.json's pin changed), a missing shard, a damaged posterior.
+  const auto copy_latents = [&](const std::string& name) {
+    fs::copy(r.dir / "lat", r.dir / name, fs::copy_options::recursive);
+    return " --set data.source=latents --set data.root=" + (r.dir / name);
+  };
+  const std::string other = copy_latents("other");
+  auto j = nlohmann::json::parse(test::read_text(r.dir / "other/encode.json"));
+  j["autoencoder_sha256"] = std::string(64, '0');
+  test::write_text(r.dir / "other/encode.json", j.dump());
+  test::expect_error(test::run_ddm(train + other + " --set train.steps=2 --out " + (r.dir / "x")),
+                     "is not the autoencoder that encoded the latent shards");
+  const std::string missing = copy_latents("missing");
+  fs::remove(r.dir / "missing/latents-000005.tar");
+  test::expect_error(test::run_ddm(train + missing + " --set train.steps=2 --out " + (r.dir / "x")),
+                     "latents-000005.tar does not exist");
+  const std::string damaged = copy_latents("damaged");
+  {
+    const std::string shard = r.dir / "damaged/latents-000000.tar";
+    std::vector<ShardSample> samples;
+    TarShardReader in(shard);
+    for (ShardSample s; in.next(s);) samples.push_back(s);
+    samples[7].files["safetensors"] = "not a safetensors file";
+    TarShardWriter out(shard);
+    for (const ShardSample& s : samples) out.add(s);
+    out.finish();
+  }
+  // (8 batches of 64 draw the whole epoch, so sample 7 of shard 0 is read whatever the shard order.)
+  const std::string all = " --set data.shuffle_buffer=0 --set train.batch_size=64";
+  auto broken = test::run_ddm(train + damaged + all + " --set train.steps=8 --out " + (r.dir / "x"));
+  test::expect_error(broken, "latents-000000.tar, sample '00000007'");
+  auto skipped = test::run_ddm(train + damaged + all + " --set train.steps=8 --set data.skip_bad=true --out " +
+                               (r.dir / "skip"));
+  ASSERT_EQ(skipped.exit_code, 0) << skipped.output;
+  EXPECT_EQ(metrics(r.dir / "skip").back()["skipped_samples"], 1);
+}

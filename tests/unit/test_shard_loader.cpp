@@ -2,14 +2,19 @@
 // written as shards reads back bit for bit in order with shuffling off; the replicas' epochs
 // together draw every sample exactly once; a stream or loader started at a saved position continues
 // with exactly the samples (and crops and flips) of an uninterrupted one; bad samples stop the run
-// naming shard and key, or with skip_bad are skipped and counted; bad shard sets are clear errors.
+// naming shard and key, or with skip_bad are skipped and counted; bad shard sets are clear errors;
+// latent shards read back as their posteriors.
 #include <gtest/gtest.h>
 
 #include <filesystem>
 #include <fstream>
 #include <set>
 
+#include <nlohmann/json.hpp>
+
 #include "core/error.h"
+#include "core/safetensors.h"
+#include "data/latent_shards.h"
 #include "data/shard_loader.h"
 #include "data/shard_stream.h"
 #include "data/shard_write.h"
@@ -332,3 +337,82 @@ TEST(ShardLoader, ReshardingCopiesEverySampleInOrderAndCommandsThatLoadWholeRefu
 }
 
 }  // namespace
+
+// Latent shards (data.source = "latents"): each batch row is the sample's [mean; logvar] exactly,
+// in order with shuffling off; the record and each sample are checked, errors naming shard and key.
+TEST(ShardLoader, LatentShardsReadBackAsPosteriorsAndBadOnesAreNamed) {
+  test::TempDir dir;
+  torch::manual_seed(9);
+  const int64_t n = 11, z = 2, s = 3;
+  const torch::Tensor mean = torch::randn({n, z, s, s}), logvar = torch::randn({n, z, s, s});
+  LatentShardsInfo info;
+  info.autoencoder = "/nowhere/ae", info.autoencoder_sha256 = std::string(64, 'a');
+  info.latent_channels = z, info.latent_size = s, info.image_channels = 1, info.image_size = 12;
+  info.samples = n, info.shards = 3, info.num_classes = 10, info.data = "random";
+  // The posterior member of sample i (tensors by name; `shape` overrides the logvar's).
+  auto member = [&](int64_t i, std::vector<int64_t> shape = {}) {
+    SafetensorsFile f;
+    f.tensors["mean"] = mean[i].clone();
+    f.tensors["logvar"] = shape.empty() ? logvar[i].clone() : torch::zeros(shape);
+    return safetensors_bytes(f);
+  };
+  auto write = [&](const std::string& root, int64_t bad, const std::string& bytes) {
+    fs::create_directories(root);
+    for (int64_t k = 0, i = 0; k < info.shards; ++k) {
+      TarShardWriter w(latent_shard_path(root, k));
+      for (int64_t j = 0; j < 4 && i < n; ++j, ++i) {
+        ShardSample smp;
+        smp.key = zero_padded(i, 8);
+        smp.files["safetensors"] = i == bad ? bytes : member(i);
+        smp.files["cls"] = std::to_string(i % 10);
+        w.add(smp);
+      }
+      w.finish();
+    }
+    test::write_text(root + "/encode.json", latent_shards_json(info).dump());
+  };
+  DataConfig cfg;
+  cfg.source = "latents", cfg.root = dir.path + "/good";
+  write(cfg.root, -1, "");
+  const Dataset d = open_shards(cfg, 2, /*quiet=*/true);
+  ASSERT_TRUE(d.latents);
+  EXPECT_EQ(d.num_classes, 10);
+  EXPECT_EQ(d.images.sizes(), (std::vector<int64_t>{8, 2 * z, s, s}));
+  EXPECT_TRUE(torch::equal(d.images, torch::cat({mean, logvar}, 1).narrow(0, 0, 8)));
+  ShardOrder order;
+  order.shuffle = false;
+  ShardLoader loader(d.shards, order, shard_loader_options(cfg, d, 3, 1));
+  for (int64_t at = 0; at < 2 * n; at += 3) {  // past the epoch's end: it wraps
+    const Batch b = loader.next();
+    for (int64_t r = 0; r < 3; ++r) {
+      const int64_t i = (at + r) % n;
+      EXPECT_TRUE(torch::equal(b.x[r], torch::cat({mean[i], logvar[i]}))) << "sample " << i;
+      EXPECT_EQ(b.y[r].item<int64_t>(), i % 10);
+    }
+  }
+  // Images are refused where a command needs them.
+  EXPECT_TRUE(has(test::error_message([&] { for_each_in_order(d, cfg, 4, 1, [](auto&, auto&, int64_t) {}); }),
+                  "needs images"));
+  // A posterior of another shape (among the first samples, which opening reads), a member that is
+  // not safetensors (read by the loader): named by shard and key.
+  cfg.root = dir.path + "/shape";
+  write(cfg.root, 5, member(5, {z, s, s + 1}));
+  const std::string e = test::error_message([&] { open_shards(cfg, 2, true); });
+  EXPECT_TRUE(has(e, "latents-000001.tar, sample '00000005'") && has(e, "'logvar' is") && has(e, "[2, 3, 3]")) << e;
+  cfg.root = dir.path + "/garbage";
+  write(cfg.root, 9, "not safetensors");
+  const Dataset garbage = open_shards(cfg, 2, true);
+  cfg.skip_bad = true;
+  ShardLoader l3(garbage.shards, order, shard_loader_options(cfg, garbage, 11, 1));
+  l3.next();
+  EXPECT_EQ(l3.skipped(), 1);
+  EXPECT_TRUE(has(l3.last_skip(), "latents-000002.tar, sample '00000009'")) << l3.last_skip();
+  // The record: another resolution, a missing shard, a missing record.
+  cfg.skip_bad = false, cfg.root = dir.path + "/good", cfg.resolution = 28;
+  EXPECT_TRUE(has(test::error_message([&] { open_shards(cfg, 1, true); }), "holds the latents of 1x12x12 images"));
+  cfg.resolution = 0;
+  fs::remove(latent_shard_path(cfg.root, 2));
+  EXPECT_TRUE(has(test::error_message([&] { open_shards(cfg, 1, true); }), "latents-000002.tar does not exist"));
+  fs::remove(cfg.root + "/encode.json");
+  EXPECT_TRUE(has(test::error_message([&] { open_shards(cfg, 1, true); }), "is not a `ddm encode` output"));
+}

@@ -1,5 +1,5 @@
-// Latent shards: a dataset's autoencoder posteriors written once as tar shards (see latent_shards.h).
-#include "train/latent_shards.h"
+// `ddm encode`: a dataset's autoencoder posteriors written once as latent shards (see encode_shards.h).
+#include "train/encode_shards.h"
 
 #include <chrono>
 #include <cstdio>
@@ -17,6 +17,7 @@
 #include "core/safetensors.h"
 #include "data/dataset.h"
 #include "data/shard_loader.h"
+#include "data/shard_write.h"
 #include "data/shards.h"
 #include "train/latent.h"
 
@@ -24,12 +25,6 @@ namespace fs = std::filesystem;
 
 namespace ddm {
 namespace {
-
-std::string numbered(int64_t i, int width) {
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "%0*lld", width, static_cast<long long>(i));
-  return buf;
-}
 
 // Writes samples into shards of the given sizes, in turn.
 class ShardsOut {
@@ -47,7 +42,7 @@ class ShardsOut {
       ++shard_;
     }
   }
-  std::string path(size_t s) const { return dir_ + "/latents-" + numbered(static_cast<int64_t>(s), 6) + ".tar"; }
+  std::string path(size_t s) const { return latent_shard_path(dir_, static_cast<int64_t>(s)); }
   size_t done() const { return shard_; }
   int64_t bytes() const { return bytes_; }
 
@@ -58,23 +53,6 @@ class ShardsOut {
   size_t shard_ = 0;
   int64_t in_shard_ = 0, bytes_ = 0;
 };
-
-nlohmann::json to_json(const LatentShardsInfo& i) {
-  return {{"format", "ddm latent shards"},
-          {"version", 1},
-          {"autoencoder", i.autoencoder},
-          {"autoencoder_sha256", i.autoencoder_sha256},
-          {"latent_scale", i.latent_scale},
-          {"latent_shift", i.latent_shift},
-          {"latent_shape", {i.latent_channels, i.latent_size, i.latent_size}},
-          {"image_shape", {i.image_channels, i.image_size, i.image_size}},
-          {"samples", i.samples},
-          {"shards", i.shards},
-          {"num_classes", i.num_classes},
-          {"bytes", i.bytes},
-          {"data", i.data},
-          {"pattern", i.pattern}};
-}
 
 }  // namespace
 
@@ -113,7 +91,7 @@ LatentShardsInfo encode_latent_shards(const DataConfig& data, const std::string&
     for (int64_t i = 0; i < info.samples; i += o.shard_size) sizes.push_back(std::min(o.shard_size, info.samples - i));
   }
   info.shards = static_cast<int64_t>(sizes.size());
-  info.pattern = o.out + "/latents-{" + numbered(0, 6) + ".." + numbered(info.shards - 1, 6) + "}.tar";
+  info.pattern = o.out + "/latents-{" + zero_padded(0, 6) + ".." + zero_padded(info.shards - 1, 6) + "}.tar";
 
   const std::string partial = o.out + ".partial";
   std::error_code ec;
@@ -140,7 +118,7 @@ LatentShardsInfo encode_latent_shards(const DataConfig& data, const std::string&
     const torch::Tensor logvar = q.logvar.to(torch::kCPU, torch::kFloat32).contiguous();
     for (int64_t i = 0; i < x.size(0); ++i) {
       ShardSample s;
-      s.key = numbered(first + i, 8);
+      s.key = zero_padded(first + i, 8);
       SafetensorsFile f;
       f.tensors["mean"] = mean[i].clone();      // [z, h, w]
       f.tensors["logvar"] = logvar[i].clone();  // [z, h, w]
@@ -165,41 +143,11 @@ LatentShardsInfo encode_latent_shards(const DataConfig& data, const std::string&
   DDM_CHECK(written == info.samples && out.done() == sizes.size(),
             "encode: " << written << " of " << info.samples << " samples were read; the data changed while encoding?");
   info.bytes = out.bytes();
-  write_file_atomic(partial + "/" + kLatentShardsInfo, to_json(info).dump(2) + "\n");
+  write_file_atomic(partial + "/" + kLatentShardsInfo, latent_shards_json(info).dump(2) + "\n");
   fsync_dir(partial);
   fs::rename(partial, o.out, ec);
   DDM_CHECK(!ec, "cannot rename " << partial << " to " << o.out << ": " << ec.message());
   return info;
-}
-
-LatentShardsInfo read_latent_shards_info(const std::string& dir) {
-  const std::string file = dir + "/" + kLatentShardsInfo;
-  DDM_CHECK(fs::is_regular_file(file), file << " does not exist: " << dir << " is not a `ddm encode` output");
-  try {
-    const auto j = nlohmann::json::parse(read_file(file));
-    LatentShardsInfo i;
-    i.autoencoder = j.at("autoencoder").get<std::string>();
-    i.autoencoder_sha256 = j.at("autoencoder_sha256").get<std::string>();
-    i.latent_scale = j.at("latent_scale").get<double>();
-    i.latent_shift = j.at("latent_shift").get<double>();
-    const auto& ls = j.at("latent_shape");
-    const auto& is = j.at("image_shape");
-    DDM_CHECK(ls.is_array() && ls.size() == 3 && is.is_array() && is.size() == 3,
-              file << ": latent_shape and image_shape must be [channels, size, size]");
-    i.latent_channels = json_int(ls[0], file + ": latent_shape[0]", 1, 1 << 16);
-    i.latent_size = json_int(ls[1], file + ": latent_shape[1]", 1, 1 << 16);
-    i.image_channels = json_int(is[0], file + ": image_shape[0]", 1, 4);
-    i.image_size = json_int(is[1], file + ": image_shape[1]", 1, 1 << 16);
-    i.samples = json_int(j.at("samples"), file + ": samples", 1);
-    i.shards = json_int(j.at("shards"), file + ": shards", 1);
-    i.num_classes = json_int(j.at("num_classes"), file + ": num_classes", 0);
-    i.bytes = json_int(j.at("bytes"), file + ": bytes", 0);
-    i.data = j.at("data").get<std::string>();
-    i.pattern = j.at("pattern").get<std::string>();
-    return i;
-  } catch (const nlohmann::json::exception& e) {
-    DDM_FAIL(file << " is not a valid latent shards record (" << e.what() << "); encode again with `ddm encode`");
-  }
 }
 
 }  // namespace ddm

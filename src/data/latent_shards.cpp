@@ -1,0 +1,106 @@
+// Latent shards' record and samples (see latent_shards.h).
+#include "data/latent_shards.h"
+
+#include <filesystem>
+
+#include <nlohmann/json.hpp>
+#include <torch/torch.h>
+
+#include "core/error.h"
+#include "core/fileio.h"
+#include "core/json.h"
+#include "core/safetensors.h"
+#include "data/shard_write.h"
+
+namespace fs = std::filesystem;
+
+namespace ddm {
+
+nlohmann::json latent_shards_json(const LatentShardsInfo& i) {
+  return {{"format", "ddm latent shards"},
+          {"version", 1},
+          {"autoencoder", i.autoencoder},
+          {"autoencoder_sha256", i.autoencoder_sha256},
+          {"latent_scale", i.latent_scale},
+          {"latent_shift", i.latent_shift},
+          {"latent_shape", {i.latent_channels, i.latent_size, i.latent_size}},
+          {"image_shape", {i.image_channels, i.image_size, i.image_size}},
+          {"samples", i.samples},
+          {"shards", i.shards},
+          {"num_classes", i.num_classes},
+          {"bytes", i.bytes},
+          {"data", i.data},
+          {"pattern", i.pattern}};
+}
+
+LatentShardsInfo read_latent_shards_info(const std::string& dir) {
+  const std::string file = (fs::path(dir) / kLatentShardsInfo).string();
+  DDM_CHECK(fs::is_regular_file(file), file << " does not exist: " << dir << " is not a `ddm encode` output "
+                                            << "(write one with: ddm encode --ae AUTOENCODER_RUN --config CONFIG --out "
+                                            << dir << ")");
+  try {
+    const auto j = nlohmann::json::parse(read_file(file));
+    DDM_CHECK(j.value("format", std::string()) == "ddm latent shards" && j.value("version", 0) == 1,
+              file << " is not a ddm latent shards record of version 1 (format '" << j.value("format", std::string())
+                   << "'); encode again with `ddm encode`");
+    LatentShardsInfo i;
+    i.autoencoder = j.at("autoencoder").get<std::string>();
+    i.autoencoder_sha256 = j.at("autoencoder_sha256").get<std::string>();
+    i.latent_scale = j.at("latent_scale").get<double>();
+    i.latent_shift = j.at("latent_shift").get<double>();
+    const auto& ls = j.at("latent_shape");
+    const auto& is = j.at("image_shape");
+    DDM_CHECK(ls.is_array() && ls.size() == 3 && is.is_array() && is.size() == 3,
+              file << ": latent_shape and image_shape must be [channels, size, size]");
+    i.latent_channels = json_int(ls[0], file + ": latent_shape[0]", 1, 1 << 16);
+    i.latent_size = json_int(ls[1], file + ": latent_shape[1]", 1, 1 << 16);
+    DDM_CHECK(json_int(ls[2], file + ": latent_shape[2]", 1, 1 << 16) == i.latent_size,
+              file << ": latent_shape must be square, got " << ls.dump());
+    i.image_channels = json_int(is[0], file + ": image_shape[0]", 1, 4);
+    i.image_size = json_int(is[1], file + ": image_shape[1]", 1, 1 << 16);
+    i.samples = json_int(j.at("samples"), file + ": samples", 1);
+    i.shards = json_int(j.at("shards"), file + ": shards", 1, 1000000);
+    i.num_classes = json_int(j.at("num_classes"), file + ": num_classes", 0);
+    i.bytes = json_int(j.at("bytes"), file + ": bytes", 0);
+    i.data = j.at("data").get<std::string>();
+    i.pattern = j.at("pattern").get<std::string>();
+    return i;
+  } catch (const nlohmann::json::exception& e) {
+    DDM_FAIL(file << " is not a valid latent shards record (" << e.what() << "); encode again with `ddm encode`");
+  }
+}
+
+std::string latent_shard_path(const std::string& dir, int64_t i) {
+  return (fs::path(dir) / ("latents-" + zero_padded(i, 6) + ".tar")).string();
+}
+
+std::vector<std::string> latent_shard_paths(const std::string& dir, const LatentShardsInfo& info) {
+  std::vector<std::string> out;
+  for (int64_t i = 0; i < info.shards; ++i) {
+    out.push_back(latent_shard_path(dir, i));
+    DDM_CHECK(fs::is_regular_file(out.back()), "data.root = " << dir << ": " << kLatentShardsInfo << " records "
+                                                              << info.shards << " shards, but " << out.back()
+                                                              << " does not exist; copy the whole directory, or "
+                                                                 "encode again with `ddm encode`");
+  }
+  return out;
+}
+
+torch::Tensor read_posterior(const std::string& bytes, const LatentShardsInfo& info, const std::string& what) {
+  const SafetensorsFile f = parse_safetensors(bytes, what);
+  const std::vector<int64_t> shape{info.latent_channels, info.latent_size, info.latent_size};
+  torch::Tensor parts[2];
+  const char* names[2] = {"mean", "logvar"};
+  for (int k = 0; k < 2; ++k) {
+    const auto it = f.tensors.find(names[k]);
+    DDM_CHECK(it != f.tensors.end(), what << ": its .safetensors has no '" << names[k] << "' tensor");
+    const torch::Tensor& t = it->second;
+    DDM_CHECK(t.scalar_type() == torch::kFloat32 && t.sizes() == shape,
+              what << ": '" << names[k] << "' is " << t.scalar_type() << " " << t.sizes() << ", but "
+                   << kLatentShardsInfo << " says the latents are float32 " << torch::IntArrayRef(shape));
+    parts[k] = t;
+  }
+  return torch::cat({parts[0], parts[1]});  // float [2z, h, w]
+}
+
+}  // namespace ddm

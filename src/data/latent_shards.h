@@ -1,0 +1,47 @@
+// The latent shards `ddm encode` writes (train/encode_shards.h) and data.source = "latents" reads:
+// a directory of WebDataset tar shards latents-000000.tar, ... and encode.json beside them. Sample i
+// (the source's sample i in shard order) has key "%08d" of i and
+//   KEY.safetensors  "mean" and "logvar", float32 [z, h, w]: the frozen encoder's posterior itself,
+//                    neither sampled nor normalized (a training step samples it with its own keyed
+//                    noise and normalizes it with the model's latent_scale / latent_shift)
+//   KEY.cls          its label, for labelled data.
+// encode.json names the autoencoder (checkpoint, sha256, scale and shift), the latent and image
+// shapes and the data. A training batch of latent shards is x = [mean; logvar], float [B, 2z, h, w].
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json_fwd.hpp>
+#include <torch/types.h>
+
+namespace ddm {
+
+// What encode.json records.
+struct LatentShardsInfo {
+  std::string autoencoder;         // the checkpoint directory (model.latent, resolved)
+  std::string autoencoder_sha256;  // of its weights
+  double latent_scale = 1, latent_shift = 0;
+  int64_t latent_channels = 0, latent_size = 0;  // z and h = w
+  int64_t image_channels = 0, image_size = 0;    // what was encoded
+  int64_t samples = 0, shards = 0, num_classes = 0, bytes = 0;
+  std::string data;     // the source's description
+  std::string pattern;  // the brace pattern naming the shards (as written; latent_shard_paths reads them)
+};
+
+inline constexpr const char* kLatentShardsInfo = "encode.json";
+
+// encode.json's content.
+nlohmann::json latent_shards_json(const LatentShardsInfo& info);
+// Reads DIR/encode.json; errors name the file and the key.
+LatentShardsInfo read_latent_shards_info(const std::string& dir);
+// The name of latent shard `i` in `dir`, and the paths of all of them (each must exist: the first
+// missing one is named).
+std::string latent_shard_path(const std::string& dir, int64_t i);
+std::vector<std::string> latent_shard_paths(const std::string& dir, const LatentShardsInfo& info);
+
+// One sample's KEY.safetensors bytes -> [mean; logvar], float [2z, h, w], checked against the shape
+// encode.json gives; errors name `what` (shard and key).
+torch::Tensor read_posterior(const std::string& bytes, const LatentShardsInfo& info, const std::string& what);
+
+}  // namespace ddm

@@ -1,0 +1,37 @@
+// `ddm encode`: the frozen autoencoder's posterior of every sample of a dataset, computed once and
+// written as latent shards (data/latent_shards.h), so that a latent model trained on them
+// (data.source = "latents") need not run the encoder over every image again each epoch. Sample i is
+// the data's sample i in its order (shards in shard order, centre-cropped and never flipped, as
+// for_each_in_order gives them). Shards keep the source shards' sizes (so a sample's position, by
+// which partitions and hold-outs name samples, is the same in both), or hold `shard_size` samples for
+// data held in memory. The directory is written as "<out>.partial" and renamed onto `out` when
+// complete: `out` holds all of it or does not exist.
+#pragma once
+#include <cstdint>
+#include <string>
+
+#include <torch/types.h>
+
+#include "core/config.h"
+#include "data/latent_shards.h"
+
+namespace ddm {
+
+struct EncodeShardsOptions {
+  std::string out;             // a directory that must not exist yet
+  int64_t shard_size = 10000;  // samples per shard for data held in memory (shards keep their own sizes)
+  int64_t batch = 256;         // images encoded at once
+  torch::Device device = torch::kCPU;
+  int threads = 1;             // decode threads (shards)
+  bool quiet = false;          // no progress lines
+};
+
+// Encodes every sample of `data` (any source ddm reads) with the autoencoder of `autoencoder` (a
+// `ddm train-autoencoder` run directory, or the checkpoint its record measured; model.latent's forms)
+// on `o.device`, and writes the latent shards into o.out. Refuses data.hflip (a flipped image's
+// latent is not the flip of its latent), an existing o.out and an autoencoder trained on images of
+// another shape, naming the setting.
+LatentShardsInfo encode_latent_shards(const DataConfig& data, const std::string& autoencoder,
+                                      const EncodeShardsOptions& o);
+
+}  // namespace ddm
