@@ -91,14 +91,6 @@ pid_t spawn(const std::string& env, const std::string& args, const std::string& 
   return static_cast<pid_t>(std::stol(r.output));
 }
 
-int wait_exit(pid_t pid, double seconds) {
-  // The process is a child of the shell that started it, not of this test: poll until it is gone.
-  const auto end = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
-  while (kill(pid, 0) == 0 && std::chrono::steady_clock::now() < end)
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  return kill(pid, 0) == 0 ? -1 : 0;
-}
-
 // Pids of the ddm workers a launcher started (its children).
 std::vector<pid_t> children(pid_t parent) {
   std::vector<pid_t> out;
@@ -107,6 +99,19 @@ std::vector<pid_t> children(pid_t parent) {
   pid_t p;
   while (in >> p) out.push_back(p);
   return out;
+}
+
+// 0 once `pid` has exited; -1 if it is still running after `seconds`, and then it is killed with its
+// children (a launcher's workers), so that a failed test leaves no process behind.
+int wait_exit(pid_t pid, double seconds) {
+  // The process is a child of the shell that started it, not of this test: poll until it is gone.
+  const auto end = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
+  while (kill(pid, 0) == 0 && std::chrono::steady_clock::now() < end)
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  if (kill(pid, 0) != 0) return 0;
+  for (const pid_t child : children(pid)) kill(child, SIGKILL);
+  kill(pid, SIGKILL);
+  return -1;
 }
 
 void wait_for_checkpoints(const std::string& run, size_t n, double seconds) {
@@ -174,9 +179,8 @@ std::string rank_one_killed(const Workdir& r, const std::string& out, const std:
   const pid_t r0 = spawn("RANK=0 " + env, args, r.dir / "r0.log"), r1 = spawn("RANK=1 " + env, args, r.dir / "r1.log");
   wait_for_checkpoints(r.dir / out, 1, 120);
   kill(r1, SIGKILL);
-  const auto t0 = std::chrono::steady_clock::now();
+  // Bounded by the wait, not timed: the message says the lost connection (not a timeout) stopped it.
   EXPECT_EQ(wait_exit(r0, 60), 0) << test::read_text(r.dir / "r0.log");
-  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 30);
   const std::string log = test::read_text(r.dir / "r0.log");
   EXPECT_TRUE(has(log, "error: rank 0: lost the connection to rank 1")) << log;
   return log;
@@ -197,12 +201,11 @@ std::string worker_one_hung(const Workdir& r, const std::string& out, const std:
     return "";
   }
   kill(workers[1], SIGSTOP);
-  const auto t0 = std::chrono::steady_clock::now();
+  // Bounded by the wait (Gloo's own timeout is 30 minutes), not timed: the message says which
+  // timeout stopped it.
   EXPECT_EQ(wait_exit(launcher, 120), 0) << test::read_text(log);
-  const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   const std::string text = test::read_text(log);
   EXPECT_TRUE(has(text, "timed out after 3")) << text;
-  EXPECT_LT(waited, 60) << text;  // bounded by the timeout and the grace period, not by Gloo's 30 minutes
   return text;
 }
 
