@@ -13,7 +13,6 @@
 
 #include "core/error.h"
 #include "core/fileio.h"
-#include "core/json.h"
 #include "core/safetensors.h"
 #include "data/dataset.h"
 #include "data/shard_loader.h"
