@@ -21,6 +21,7 @@
 #include "core/presets.h"
 #include "core/run_dir.h"
 #include "data/dataset.h"
+#include "data/latent_shards.h"
 #include "data/shard_loader.h"
 #include "decentral/distill.h"
 #include "decentral/ensemble_dir.h"
@@ -42,7 +43,7 @@ namespace ddm {
 namespace {
 
 struct PartitionArgs {
-  std::string config, source = "fashion-mnist", root, split = "train", features = "pixels", out;
+  std::string config, source = "fashion-mnist", root, split = "train", features, out;  // features "": pixels, or latent
   std::string device = "cpu";  // where a feature network / encoder runs
   int64_t limit = 0, threads = 0, shard_size = 10000;
   bool unbalanced = false, force = false, reshard = false;
@@ -52,9 +53,6 @@ struct PartitionArgs {
 int partition_cmd(const PartitionArgs& a) {
   DDM_CHECK(!a.out.empty(), "--out DIR is required");
   DDM_CHECK(a.force || !fs::exists(a.out), "'" << a.out << "' already exists; use --force to replace it or another --out");
-  const FeatureSource src = parse_feature_source(a.features);  // bad specs fail before any work
-  const torch::Device device = resolve_device(a.device, 0, "--device");
-  set_threads(a.threads);
   DataConfig dc;
   if (!a.config.empty()) {
     dc = load_config(a.config).data;
@@ -64,12 +62,17 @@ int partition_cmd(const PartitionArgs& a) {
     dc.split = a.split;
     dc.limit = a.limit;
   }
+  const bool latents = dc.source == "latents";
+  // Latent shards hold no pixels: their own latents are the default features.
+  const FeatureSource src = parse_feature_source(!a.features.empty() ? a.features : latents ? "latent" : "pixels");
+  const torch::Device device = resolve_device(a.device, 0, "--device");
+  set_threads(a.threads);
   PartitionConfig cfg = a.cfg;
   cfg.balanced = !a.unbalanced;
-  if (dc.source == "shards") {
+  if (dc.source == "shards" || latents) {
     DDM_CHECK(!a.config.empty(), "tar shards are partitioned from a training config (--config CONFIG with "
-                                 "data.source = \"shards\", data.root and data.resolution), so that the partition "
-                                 "sees the images as the experts will");
+                                 "data.source = \"shards\", data.root and data.resolution, or data.source = "
+                                 "\"latents\" and data.root), so that the partition sees the data as the experts will");
     ShardPartitionOptions o;
     o.data = dc;
     o.features = src;
@@ -85,7 +88,7 @@ int partition_cmd(const PartitionArgs& a) {
               << std::endl;
     return 0;
   }
-  DDM_CHECK(!a.reshard, "--reshard applies to tar shards (data.source = \"shards\" in --config) only");
+  DDM_CHECK(!a.reshard, "--reshard applies to tar shards (data.source = \"shards\" or \"latents\" in --config) only");
   const auto t0 = std::chrono::steady_clock::now();
   const Dataset data = load_dataset(dc);
   const int64_t n = data.images.size(0);
@@ -124,7 +127,7 @@ struct RouterArgs {
 void evaluate_router_run(const std::string& out, int64_t buckets) {
   LoadedModel r = load_model(out, /*use_ema=*/true);
   DataConfig dc = r.cfg.data;
-  const bool shards = dc.source == "shards";
+  const bool shards = dc.source == "shards" || dc.source == "latents";
   const int threads = std::max(1, static_cast<int>(torch::get_num_threads()));
   Dataset data = shards ? open_shards(dc, threads, /*quiet=*/true) : load_dataset(dc);
   const Partition p = load_partition(dc.partition);
@@ -135,22 +138,26 @@ void evaluate_router_run(const std::string& out, int64_t buckets) {
                                   : torch::arange(std::min<int64_t>(n, 2000), torch::kInt64);
   const std::string note = h > 0 ? "held-out images (" + std::to_string(h) + " chosen at random, never trained on)"
                                  : "training images (data.holdout = 0: none were held out)";
-  torch::Tensor images, labels;  // uint8 [N, C, H, W], int64 [N]
+  // uint8 images [N, C, H, W] (latent shards: posteriors float [N, 2z, h, w]), labels int64 [N]
+  torch::Tensor images, labels;
   if (shards) {  // those samples (idx, in shard order), decoded as training decodes them, centre-cropped
     auto keep = std::make_shared<std::vector<bool>>(static_cast<size_t>(n), false);
     const auto at = idx.accessor<int64_t, 1>();
     for (int64_t i = 0; i < idx.size(0); ++i) (*keep)[static_cast<size_t>(at[i])] = true;
     std::vector<torch::Tensor> xs, ys;
     for_each_in_order(data, dc, idx.size(0), threads, [&](const torch::Tensor& x, const torch::Tensor& y, int64_t) {
-      xs.push_back(to_uint8(x));
+      xs.push_back(data.latents ? x.clone() : to_uint8(x));
       ys.push_back(y);
     }, keep);
     images = torch::cat(xs), labels = torch::cat(ys);
   } else {
     images = data.images.index_select(0, idx), labels = data.labels.index_select(0, idx);
   }
-  // A latent ensemble's router routes latents: its x_t is built on the encoder's means.
-  const torch::Tensor x0 = r.latent ? r.latent->encode_mean(images) : to_unit_range(images);
+  // A latent ensemble's router routes latents: its x_t is built on the encoder's means (latent shards
+  // hold them).
+  const torch::Tensor x0 = data.latents ? normalized_means(images, r.latent->scale(), r.latent->shift())
+                           : r.latent   ? r.latent->encode_mean(images)
+                                        : to_unit_range(images);
   const RouterReport rep = evaluate_router(r.net, r.cfg, x0, labels, p.labels.index_select(0, idx), buckets,
                                            static_cast<uint64_t>(r.cfg.train.seed) + 1, note);
   std::cout << "\n" << rep.table();
@@ -293,10 +300,10 @@ std::vector<Command> add_decentral_commands(CLI::App& app) {
   part->add_option("--k", pa->cfg.k, "number of clusters (experts), at least 2")->required();
   part->add_option("--out", pa->out, "partition directory to write")->required();
   part->add_option("--features", pa->features,
-                   "pixels[:D] (PCA, default D 64) | feature-net[:FILE] | autoencoder[:D] (default 32) | "
+                   "pixels[:D] (PCA, default D 64; the default) | feature-net[:FILE] | autoencoder[:D] (default 32) | "
                    "latent:RUN (a `ddm train-autoencoder` run's latents, PCA 64: the space latent experts train in) | "
-                   "file:PATH (.npy or .safetensors, one row per image)")
-      ->capture_default_str();
+                   "latent (latent shards' own, PCA 64; the default for data.source = \"latents\") | "
+                   "file:PATH (.npy or .safetensors, one row per image)");
   part->add_option("--method", pa->cfg.method, "kmeans | random (a seeded balanced random split, for ablations)")
       ->check(CLI::IsMember({"kmeans", "random"}))
       ->capture_default_str();
@@ -323,7 +330,8 @@ std::vector<Command> add_decentral_commands(CLI::App& app) {
       ->check(kDeviceSpec);
   part->add_flag("--reshard", pa->reshard,
                  "shards only: copy each cluster's samples, member for member, into shards of its own "
-                 "(OUT/shards/cluster-K-000000.tar, ...): what `ddm train --partition OUT --expert K` reads");
+                 "(OUT/shards/cluster-K-000000.tar, ...; latent shards into a `ddm encode` directory "
+                 "OUT/shards/cluster-K): what `ddm train --partition OUT --expert K` reads");
   part->add_option("--shard-size", pa->shard_size, "samples per shard written by --reshard")
       ->check(kPositive)
       ->capture_default_str();

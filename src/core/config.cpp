@@ -411,10 +411,6 @@ void validate_data(const RunConfig& c) {
     DDM_CHECK(c.model.controlnet.empty() && c.model.embed.empty(),
               "model.controlnet and model.embed condition on images, and data.source = latents has none; train them "
               "on the images");
-    DDM_CHECK(c.data.partition.empty() && c.train.teacher.empty(),
-              "data.source = latents trains one latent model on all the data; experts, routers and distillation "
-              "(data.partition, train.teacher) do not read latent shards yet: train them on the images' shards "
-              "(data.source = shards) with model.latent");
   } else {
     DDM_CHECK(c.data.resolution == 0 && !c.data.skip_bad && c.data.crop == "center",
               "data.resolution, data.crop and data.skip_bad apply to data.source = shards only (this is "

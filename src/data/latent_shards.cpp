@@ -11,6 +11,7 @@
 #include "core/json.h"
 #include "core/safetensors.h"
 #include "data/shard_write.h"
+#include "data/shards.h"
 
 namespace fs = std::filesystem;
 
@@ -84,6 +85,30 @@ std::vector<std::string> latent_shard_paths(const std::string& dir, const Latent
                                                                  "encode again with `ddm encode`");
   }
   return out;
+}
+
+torch::Tensor normalized_means(const torch::Tensor& posteriors, double scale, double shift) {
+  DDM_CHECK(posteriors.dim() == 4 && posteriors.size(1) % 2 == 0,
+            "latent shards: a batch of posteriors must be [B, 2z, h, w] (mean and logvar), got " << posteriors.sizes());
+  return (posteriors.narrow(1, 0, posteriors.size(1) / 2) - shift) * scale;  // [B, z, h, w]
+}
+
+LatentShardsWriter::LatentShardsWriter(std::string dir, std::vector<int64_t> sizes)
+    : dir_(std::move(dir)), sizes_(std::move(sizes)) {}
+LatentShardsWriter::~LatentShardsWriter() = default;
+
+void LatentShardsWriter::add(const ShardSample& s) {
+  DDM_CHECK(shard_ < sizes_.size(), "writing latent shards: more samples than the shards hold (" << dir_ << ")");
+  const std::string path = latent_shard_path(dir_, static_cast<int64_t>(shard_));
+  if (!w_) w_ = std::make_unique<TarShardWriter>(path);
+  w_->add(s);
+  if (++in_shard_ == sizes_[shard_]) {
+    w_->finish();
+    bytes_ += static_cast<int64_t>(fs::file_size(path));
+    w_.reset();
+    in_shard_ = 0;
+    ++shard_;
+  }
 }
 
 torch::Tensor read_posterior(const std::string& bytes, const LatentShardsInfo& info, const std::string& what) {

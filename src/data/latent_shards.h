@@ -9,6 +9,7 @@
 // shapes and the data. A training batch of latent shards is x = [mean; logvar], float [B, 2z, h, w].
 #pragma once
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -39,6 +40,32 @@ LatentShardsInfo read_latent_shards_info(const std::string& dir);
 // missing one is named).
 std::string latent_shard_path(const std::string& dir, int64_t i);
 std::vector<std::string> latent_shard_paths(const std::string& dir, const LatentShardsInfo& info);
+
+// The normalized posterior means (mean - shift) * scale, [B, z, h, w], of a batch of posteriors
+// [B, 2z, h, w] (what LatentSpace::encode_mean gives the images they were encoded from, up to float32
+// rounding of the encoder over another batch; bit for bit over the same batch).
+torch::Tensor normalized_means(const torch::Tensor& posteriors, double scale, double shift);
+
+struct ShardSample;
+class TarShardWriter;
+
+// Writes samples into DIR/latents-000000.tar, ... of the given sizes, in turn (each shard complete
+// before the next is opened). `ddm encode` and a partition's per-cluster latent shards use it.
+class LatentShardsWriter {
+ public:
+  LatentShardsWriter(std::string dir, std::vector<int64_t> sizes);
+  ~LatentShardsWriter();
+  void add(const ShardSample& s);
+  size_t done() const { return shard_; }  // shards complete
+  int64_t bytes() const { return bytes_; }  // their bytes
+
+ private:
+  std::string dir_;
+  std::vector<int64_t> sizes_;
+  std::unique_ptr<TarShardWriter> w_;
+  size_t shard_ = 0;
+  int64_t in_shard_ = 0, bytes_ = 0;
+};
 
 // One sample's KEY.safetensors bytes -> [mean; logvar], float [2z, h, w], checked against the shape
 // encode.json gives; errors name `what` (shard and key).

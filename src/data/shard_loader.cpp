@@ -402,8 +402,6 @@ void for_each_in_order(const Dataset& opened, const DataConfig& cfg, int64_t n, 
                        const std::function<void(const torch::Tensor&, const torch::Tensor&, int64_t)>& f,
                        std::shared_ptr<const std::vector<bool>> keep) {
   constexpr int64_t kBatch = 256;
-  DDM_CHECK(!opened.latents, "this command needs images, but " << opened.description << " are latents (`ddm "
-                             "encode`); give it the data they were encoded from");
   ShardOrder order;
   order.shuffle = false;
   order.keep = std::move(keep);
@@ -417,8 +415,14 @@ void for_each_in_order(const Dataset& opened, const DataConfig& cfg, int64_t n, 
   }
 }
 
+void require_images(const Dataset& opened) {
+  DDM_CHECK(!opened.latents, "this command needs images, but " << opened.description << " are latents (`ddm "
+                             "encode`); give it the data they were encoded from");
+}
+
 Dataset shard_prefix(const DataConfig& cfg, int64_t n, int threads) {
   Dataset d = open_shards(cfg, threads, /*quiet=*/true);
+  require_images(d);
   n = std::min(n, d.shards->samples);
   std::vector<torch::Tensor> images, labels;
   for_each_in_order(d, cfg, n, threads, [&](const torch::Tensor& x, const torch::Tensor& y, int64_t) {

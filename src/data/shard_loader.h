@@ -97,13 +97,17 @@ class ShardLoader : public BatchSource {
 // [n, 2z, h, w].
 Dataset open_shards(const DataConfig& cfg, int threads, bool quiet);
 
-// Samples [0, n) of the image shards `opened` (open_shards of cfg) in shard order, decoded as the loader
+// Samples [0, n) of the shards `opened` (open_shards of cfg) in shard order, decoded as the loader
 // decodes them but with a centre crop and no flip, 256 at a time on `threads` threads:
-// f(images float [b, C, S, S] in [-1, 1], labels int64 [b], the first one's row).
+// f(images float [b, C, S, S] in [-1, 1], labels int64 [b], the first one's row). Latent shards give
+// their posteriors instead, float [b, 2z, h, w] (require_images refuses them where images are needed).
 // With `keep` (by position in shard order), only the samples it keeps, n of them at most.
 void for_each_in_order(const Dataset& opened, const DataConfig& cfg, int64_t n, int threads,
                        const std::function<void(const torch::Tensor&, const torch::Tensor&, int64_t)>& f,
                        std::shared_ptr<const std::vector<bool>> keep = nullptr);
+
+// Throws, naming `opened`, when it is latent shards: for the commands that need images.
+void require_images(const Dataset& opened);
 
 // The first `n` samples of data.root's shards (all, if they hold fewer), as for_each_in_order gives
 // them, held in memory: for the commands that measure a model on a sample of its data (an

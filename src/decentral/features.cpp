@@ -26,7 +26,8 @@ namespace fs = std::filesystem;
 namespace ddm {
 namespace {
 
-constexpr const char* kForms = "pixels[:D], feature-net[:FILE], autoencoder[:D], latent:RUN or file:PATH";
+constexpr const char* kForms =
+    "pixels[:D], feature-net[:FILE], autoencoder[:D], latent:RUN, latent (latent shards) or file:PATH";
 
 int64_t parse_dim(const std::string& spec, const std::string& value) {
   int64_t d = 0;
@@ -180,8 +181,8 @@ torch::Tensor autoencoder_features(const Dataset& data, int64_t dim, uint64_t se
 }  // namespace
 
 std::string FeatureSource::spec() const {
-  if (kind == "file" || kind == "latent") return kind + ":" + path;
-  if (kind == "feature-net") return path.empty() ? kind : kind + ":" + path;
+  if (kind == "file") return kind + ":" + path;
+  if (kind == "feature-net" || kind == "latent") return path.empty() ? kind : kind + ":" + path;
   return kind + ":" + std::to_string(dim);
 }
 
@@ -198,8 +199,7 @@ FeatureSource parse_feature_source(const std::string& spec) {
     DDM_CHECK(!arg.empty(), "--features file: needs a path, e.g. file:dino.npy");
     f.path = arg;
   } else if (f.kind == "latent") {
-    DDM_CHECK(!arg.empty(), "--features latent: needs a `ddm train-autoencoder` run, e.g. latent:runs/ae");
-    f.path = arg;
+    f.path = arg;  // empty: latent shards' own posteriors (checked where the data is known)
     f.dim = 64;
   } else {
     DDM_FAIL("--features '" << spec << "' is not a feature source; use " << kForms);
@@ -320,6 +320,8 @@ Features compute_features(const Dataset& data, const FeatureSource& src, uint64_
   } else if (src.kind == "latent") {
     // The latents a latent model learns (the posterior means, normalized), projected on their top
     // principal components as pixels are: clusters in the space the experts will train in.
+    DDM_CHECK(!src.path.empty(), "--features latent: needs a `ddm train-autoencoder` run, e.g. latent:runs/ae ("
+                                 "`latent` alone is for latent shards, which hold their own)");
     ModelConfig m;
     m.latent = src.path;
     resolve_latent(m, data);

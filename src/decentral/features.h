@@ -7,6 +7,7 @@
 //                      alone, without labels (deterministic from the seed)
 //   latent:RUN         the normalized posterior means of a `ddm train-autoencoder` run's frozen encoder
 //                      (the space latent experts train in), projected on their top 64 principal components
+//   latent             the same for latent shards (`ddm encode`): their own posterior means, no encoder
 //   file:PATH          rows computed elsewhere (DINOv2, CLIP, ...): a .npy (float32/float64, 2-D,
 //                      C order) or a .safetensors file with one 2-D tensor (or one named `features`)
 #pragma once
@@ -23,7 +24,7 @@ namespace ddm {
 struct FeatureSource {
   std::string kind;  // pixels | feature-net | autoencoder | latent | file
   int64_t dim = 0;   // pixels / autoencoder / latent (PCA)
-  std::string path;  // feature-net (optional) / latent (the autoencoder run) / file
+  std::string path;  // feature-net (optional) / latent (the autoencoder run; empty: latent shards' own) / file
   std::string spec() const;  // back to the flag's form
 };
 

@@ -244,8 +244,8 @@ std::vector<Island> plan_islands(const IslandsConfig& c, int64_t k) {
     if (e < k) {
       is.args = {"train", "--config", c.config, "--partition", part, "--expert", std::to_string(e), "--budget", c.budget};
     } else {
-      is.args = {"train-router", "--config", c.config, "--partition", part, "--preset", c.router_preset, "--holdout",
-                 std::to_string(c.holdout)};
+      is.args = {"train-router", "--config", c.config, "--partition", part, "--holdout", std::to_string(c.holdout)};
+      if (!c.router_preset.empty()) is.args.insert(is.args.end(), {"--preset", c.router_preset});
     }
     is.args.insert(is.args.end(), {"--set", threads});
     for (const auto& s : e < k ? c.expert_set : c.router_set) is.args.insert(is.args.end(), {"--set", s});
@@ -317,14 +317,16 @@ void check_island_batches(const IslandsConfig& c) {
 int64_t ensure_partition(const IslandsConfig& c, const std::string& ddm_binary) {
   if (!fs::exists(c.partition)) {
     DDM_CHECK(c.k >= 2, c.origin << ": the partition " << c.partition << " does not exist; set partition.k to make it");
-    std::cout << "[islands] making the partition " << c.partition << " (K = " << c.k << ", " << c.features << ")"
-              << std::endl;
+    std::cout << "[islands] making the partition " << c.partition << " (K = " << c.k << ", "
+              << (c.features.empty() ? "default features" : c.features) << ")" << std::endl;
     const std::string log = (fs::path(c.out) / "logs" / "partition.log").string();
     const std::uintmax_t from = size_of(log);
-    std::vector<std::string> args = {"partition", "--config", c.config,      "--k",
-                                     std::to_string(c.k), "--features", c.features, "--out", c.partition};
-    // Over tar shards each expert's island reads its cluster's own shards, written with the partition.
-    if (load_config(c.config).data.source == "shards") args.push_back("--reshard");
+    std::vector<std::string> args = {"partition", "--config", c.config, "--k", std::to_string(c.k), "--out", c.partition};
+    if (!c.features.empty()) args.insert(args.end(), {"--features", c.features});
+    // Over tar shards (or latent shards) each expert's island reads its cluster's own shards, written
+    // with the partition.
+    const std::string source = load_config(c.config).data.source;
+    if (source == "shards" || source == "latents") args.push_back("--reshard");
     const ExitStatus status = wait_exit(spawn(ddm_binary, args, log));
     DDM_CHECK(status.ok(), "making the partition failed (" << describe_exit(status) << "): " << last_error(log, from)
                                                             << " (log " << log << ")");

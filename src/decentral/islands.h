@@ -11,9 +11,11 @@
 // Islands file (TOML; relative paths are relative to the working directory):
 //   out = "runs/k4"                       # experts/0..K-1, router/, logs/, islands.json, ensemble.json
 //   config = "configs/quickstart.toml"    # the experts' training config
-//   [partition]  path = "parts/k4", k = 4, features = "pixels:64"   (made first if path is missing)
+//   [partition]  path = "parts/k4", k = 4, features = "pixels:64"   (made first if path is missing;
+//                features default: ddm partition's, pixels:64, or latent for latent shards)
 //   [experts]    budget = "split-batch", set = ["train.steps=1200"]
 //   [router]     preset = "router-dit-tiny", holdout = 1000, set = ["train.steps=600"]
+//                (preset default: ddm train-router's, router-dit-tiny, or latent-router-dit for latent experts)
 //   [run]        concurrency = 1, nproc = 1, retries = 2, threads = 0, routing = "top1"
 // run.nproc (processes per island, data parallel; each island's batch must split into them) and
 // run.threads (per process; 0 = cores / (concurrency x nproc), at least 1) share the cores:
@@ -27,8 +29,8 @@ namespace ddm {
 
 struct IslandsConfig {
   std::string origin;  // the islands file
-  std::string out, config, partition, features = "pixels:64", budget = "split-batch";
-  std::string router_preset = "router-dit-tiny", routing = "top1";
+  std::string out, config, partition, features, budget = "split-batch";
+  std::string router_preset, routing = "top1";  // router_preset "": ddm train-router's default
   int64_t k = 0, holdout = 1000, concurrency = 1, nproc = 1, retries = 2, threads = 0;
   std::vector<std::string> expert_set, router_set;
 };

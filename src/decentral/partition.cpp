@@ -323,7 +323,7 @@ Partition load_partition(const std::string& path) {
 
 void check_partition_matches(const Partition& p, const Dataset& data) {
   if (data.shards) {
-    check_partition_of_shards(p, data.shards->shards, "the data (" + data.description + ")");
+    check_partition_of_shards(p, data.shards->shards, data.latents != nullptr, "the data (" + data.description + ")");
     return;
   }
   DDM_CHECK(!p.shards.is_object(), "partition " << p.origin << " was made on tar shards (" << p.data_description

@@ -16,8 +16,10 @@
 #include "core/error.h"
 #include "core/fileio.h"
 #include "data/dataset.h"
+#include "data/latent_shards.h"
 #include "data/shard_loader.h"
 #include "data/shard_stream.h"
+#include "data/shard_write.h"
 #include "data/shards.h"
 #include "eval/feature_net.h"
 #include "train/latent.h"
@@ -114,23 +116,41 @@ Computed compute(const Dataset& opened, const ShardPartitionOptions& o) {
     c.description = "file " + o.features.path + " (" + std::to_string(c.rows.size(1)) + "-d)";
     return c;
   }
+  const LatentShardsInfo* encoded = opened.latents.get();
+  DDM_CHECK(!encoded || o.features.kind == "latent",
+            "--features " << o.features.spec() << ": latent shards (" << opened.description << ") hold no images; "
+                          << "their features are their own latents: --features latent (the default for latent "
+                             "shards), or file:PATH (one row per sample, in shard order)");
   c.labels = torch::empty({n}, torch::kInt64);
   const auto keep_labels = [&](const torch::Tensor& y, int64_t first) { c.labels.narrow(0, first, y.size(0)).copy_(y); };
   std::ostringstream desc;
   if (o.features.kind == "pixels" || o.features.kind == "latent") {
     // A row per sample: its pixels (downsampled), or the normalized posterior mean of a
-    // `ddm train-autoencoder` run's encoder (latent:RUN, as in memory); then PCA in blocks.
+    // `ddm train-autoencoder` run's encoder (latent:RUN, as in memory), or of latent shards the
+    // posterior mean they hold (the encoder's output over the same batches of 256: the same rows as
+    // latent:RUN on the images they were encoded from); then PCA in blocks.
     const bool pixels = o.features.kind == "pixels";
     const int64_t channels = opened.images.size(1), side = std::min(o.data.resolution, kMaxPixelSide);
     ModelConfig m;
     std::shared_ptr<const LatentSpace> latent;
-    if (!pixels) {
+    if (encoded) {
+      m.latent = encoded->autoencoder, m.latent_sha256 = encoded->autoencoder_sha256;
+      m.in_channels = encoded->latent_channels, m.image_size = encoded->latent_size;
+      if (!o.features.path.empty()) {  // latent:RUN names the autoencoder: the one that encoded them
+        ModelConfig named;
+        named.latent = o.features.path;
+        resolve_latent(named, opened);
+      }
+    } else if (!pixels) {
+      DDM_CHECK(!o.features.path.empty(), "--features latent (without a run) is for latent shards (data.source = "
+                                          "latents); for images name the autoencoder: latent:RUN");
       m.latent = o.features.path;
       resolve_latent(m, opened);  // checks that the autoencoder takes these images
       latent = LatentSpace::load(m, o.device);
     }
     const int64_t f = pixels ? channels * side * side : m.in_channels * m.image_size * m.image_size;
-    const auto rows_of = [&](const torch::Tensor& x) {  // x float [b, C, S, S] -> [b, f]
+    const auto rows_of = [&](const torch::Tensor& x) {  // x float [b, C, S, S] (latent shards [b, 2z, h, w]) -> [b, f]
+      if (encoded) return normalized_means(x, encoded->latent_scale, encoded->latent_shift).flatten(1).contiguous();
       return pixels ? pixel_rows(x) : latent->encode_mean(x).flatten(1).to(torch::kFloat32);
     };
     const std::string what = pixels ? "pixels" : "latents";
@@ -167,6 +187,7 @@ Computed compute(const Dataset& opened, const ShardPartitionOptions& o) {
            << " of " << f;
     desc << " (" << std::fixed << std::setprecision(1) << 100 * pca.explained() << "% of the variance)";
   } else if (o.features.kind == "feature-net") {
+    require_images(opened);
     const std::string path = o.features.path.empty() ? default_feature_net_path() : o.features.path;
     auto fnet = load_feature_net(path, o.features.path.empty() ? kDefaultFeatureNetSha256 : "");
     DDM_CHECK(fnet.net->shape().in_channels == opened.images.size(1) &&
@@ -198,10 +219,27 @@ std::string shard_name(int64_t cluster, int64_t i) {
   return buf;
 }
 
+// Cluster c's latent shards with reshard: a `ddm encode` directory of its own, whose encode.json is
+// the source's with this cluster's samples and shards.
+std::string latent_cluster_dir(int64_t cluster) { return "shards/cluster-" + std::to_string(cluster); }
+
 // The lists (and with reshard the shards) of every cluster, written into `dir`.
-void write_clusters(const ShardIndex& index, const Partition& p, const ShardPartitionOptions& o, const fs::path& dir) {
+void write_clusters(const Dataset& opened, const Partition& p, const ShardPartitionOptions& o, const fs::path& dir) {
+  const ShardIndex& index = *opened.shards;
+  const LatentShardsInfo* encoded = opened.latents.get();
   fs::create_directories(dir / "clusters");
   if (o.reshard) fs::create_directories(dir / "shards");
+  // Latent shards: each cluster's own directory, its shards o.shard_size samples each.
+  std::vector<std::unique_ptr<LatentShardsWriter>> latent_out(static_cast<size_t>(p.k));
+  if (encoded && o.reshard)
+    for (int64_t c = 0; c < p.k; ++c) {
+      std::vector<int64_t> sizes;
+      for (int64_t left = p.sizes[c].item<int64_t>(); left > 0; left -= o.shard_size)
+        sizes.push_back(std::min(left, o.shard_size));
+      const fs::path cdir = dir / latent_cluster_dir(c);
+      fs::create_directories(cdir);
+      latent_out[static_cast<size_t>(c)] = std::make_unique<LatentShardsWriter>(cdir.string(), std::move(sizes));
+    }
   std::vector<std::ofstream> lists(static_cast<size_t>(p.k));
   for (int64_t c = 0; c < p.k; ++c) {
     const auto path = dir / "clusters" / ("cluster-" + std::to_string(c) + ".tsv");
@@ -223,6 +261,10 @@ void write_clusters(const ShardIndex& index, const Partition& p, const ShardPart
       const auto c = static_cast<size_t>(label[row]);
       lists[c] << shard << '\t' << smp.key << '\n';
       if (!o.reshard) continue;
+      if (encoded) {
+        latent_out[c]->add(smp);
+        continue;
+      }
       if (written[c] % o.shard_size == 0) {
         if (writers[c]) writers[c]->finish();
         writers[c] = std::make_unique<TarShardWriter>(
@@ -240,6 +282,16 @@ void write_clusters(const ShardIndex& index, const Partition& p, const ShardPart
   }
   for (auto& w : writers)
     if (w) w->finish();
+  for (int64_t c = 0; encoded && o.reshard && c < p.k; ++c) {
+    const LatentShardsWriter& w = *latent_out[static_cast<size_t>(c)];
+    LatentShardsInfo info = *encoded;
+    info.samples = p.sizes[c].item<int64_t>();
+    info.shards = static_cast<int64_t>(w.done());
+    info.bytes = w.bytes();
+    info.data = "cluster " + std::to_string(c) + " of " + std::to_string(p.k) + " of " + encoded->data;
+    info.pattern = "latents-{" + zero_padded(0, 6) + ".." + zero_padded(std::max<int64_t>(info.shards - 1, 0), 6) + "}.tar";
+    write_file_atomic((dir / latent_cluster_dir(c) / kLatentShardsInfo).string(), latent_shards_json(info).dump(2) + "\n");
+  }
   for (int64_t c = 0; c < p.k; ++c) {
     lists[static_cast<size_t>(c)].close();
     DDM_CHECK(lists[static_cast<size_t>(c)], "writing the list of cluster " << c << " in " << dir.string() << " failed");
@@ -256,7 +308,7 @@ std::string shards_fingerprint(const std::vector<std::string>& shards) {
 }
 
 nlohmann::json partition_shards(const ShardPartitionOptions& o, const std::string& out) {
-  DDM_CHECK(o.data.source == "shards", "partition_shards: data.source is " << o.data.source);
+  DDM_CHECK(o.data.source == "shards" || o.data.source == "latents", "partition_shards: data.source is " << o.data.source);
   DDM_CHECK(!o.data.skip_bad, "ddm partition places every sample of the shards; data.skip_bad = true would leave "
                               "some out: set it to false (a bad sample is then named) and mend or drop it");
   DDM_CHECK(o.shard_size >= 1, "--shard-size must be >= 1, got " << o.shard_size);
@@ -265,6 +317,15 @@ nlohmann::json partition_shards(const ShardPartitionOptions& o, const std::strin
   const Dataset opened = open_shards(o.data, o.threads, o.cfg.quiet);
   const ShardIndex& index = *opened.shards;
   const int64_t n = index.samples;
+  // Latent shards: clusters.png shows the decoded means, so the autoencoder must load (before the work).
+  std::shared_ptr<const LatentSpace> decoder;
+  if (opened.latents) {
+    ModelConfig m;
+    m.latent = opened.latents->autoencoder, m.latent_sha256 = opened.latents->autoencoder_sha256;
+    m.latent_scale = opened.latents->latent_scale, m.latent_shift = opened.latents->latent_shift;
+    m.in_channels = opened.latents->latent_channels, m.image_size = opened.latents->latent_size;
+    decoder = LatentSpace::load(m, o.device);
+  }
   DDM_CHECK(o.cfg.k <= n, "--k " << o.cfg.k << " is larger than the data (" << opened.description << "); use at most " << n);
   if (!o.cfg.quiet)
     std::cout << "partitioning " << opened.description << " into " << o.cfg.k << " clusters ("
@@ -284,7 +345,9 @@ nlohmann::json partition_shards(const ShardPartitionOptions& o, const std::strin
   for (int64_t k = 0; k < p.k; ++k) {
     const int64_t size = p.sizes[k].item<int64_t>();
     nlohmann::json e = {{"list", "clusters/cluster-" + std::to_string(k) + ".tsv"}, {"samples", size}};
-    if (o.reshard) {
+    if (o.reshard && opened.latents) {
+      e["shards"] = latent_cluster_dir(k);  // a `ddm encode` directory
+    } else if (o.reshard) {
       char last[16];
       std::snprintf(last, sizeof last, "%06lld", static_cast<long long>((size - 1) / o.shard_size));
       e["shards"] = "shards/cluster-" + std::to_string(k) + "-{000000.." + last + "}.tar";
@@ -292,7 +355,7 @@ nlohmann::json partition_shards(const ShardPartitionOptions& o, const std::strin
     clusters.push_back(e);
   }
   p.shards = {{"root", o.data.root}, {"resolution", o.data.resolution}, {"num_classes", opened.num_classes}, {"reshard", o.reshard},
-              {"shard_size", o.shard_size}, {"clusters", clusters}};
+              {"shard_size", o.shard_size}, {"latents", opened.latents != nullptr}, {"clusters", clusters}};
   // The summary's class agreement, from the samples' labels.
   Dataset labelled;
   labelled.labels = c.labels.clamp_min(0);
@@ -304,33 +367,50 @@ nlohmann::json partition_shards(const ShardPartitionOptions& o, const std::strin
     const auto rows = cluster_grid_rows(p);
     const auto* wanted = rows.data_ptr<int64_t>();
     const int64_t m = rows.size(0);
-    std::vector<torch::Tensor> images;
+    std::vector<torch::Tensor> shown;  // images float [C, S, S] (latent shards: posteriors [2z, h, w])
     stream_samples(opened, o, wanted[m - 1] + 1, "clusters.png",
                    [&](const torch::Tensor& x, const torch::Tensor&, int64_t first) {
-                     while (static_cast<int64_t>(images.size()) < m && wanted[images.size()] < first + x.size(0))
-                       images.push_back(to_uint8(x[wanted[images.size()] - first]));
+                     while (static_cast<int64_t>(shown.size()) < m && wanted[shown.size()] < first + x.size(0))
+                       shown.push_back(x[wanted[shown.size()] - first].clone());
                    });
-    save_cluster_grid((fs::path(tmp) / "clusters.png").string(), torch::stack(images), rows, p);
-    write_clusters(index, p, o, tmp);
+    torch::Tensor images = torch::stack(shown);  // [m, C, S, S] in [-1, 1]
+    if (decoder)
+      images = decoder->decode(normalized_means(images, decoder->scale(), decoder->shift()));  // the means, decoded
+    save_cluster_grid((fs::path(tmp) / "clusters.png").string(), to_uint8(images), rows, p);
+    write_clusters(opened, p, o, tmp);
   });
   if (!o.cfg.quiet)
     std::printf("wrote %s in %.1f s: partition.safetensors, summary.json, clusters.png, clusters/ (each cluster's "
                 "shard and key per line)%s\n",
-                out.c_str(), seconds_since(t0), o.reshard ? " and shards/ (each cluster's samples as shards)" : "");
+                out.c_str(), seconds_since(t0),
+                !o.reshard       ? ""
+                : opened.latents ? " and shards/ (each cluster's latents as a `ddm encode` directory)"
+                                 : " and shards/ (each cluster's samples as shards)");
   return summary;
 }
 
-void check_partition_of_shards(const Partition& p, const std::vector<std::string>& shards, const std::string& what) {
+void check_partition_of_shards(const Partition& p, const std::vector<std::string>& shards, bool latents,
+                               const std::string& what) {
   DDM_CHECK(p.shards.is_object(), "partition " << p.origin << " was made on in-memory data (" << p.data_description
                                                << "), not on the shards of " << what
                                                << "; partition them with ddm partition --config CONFIG");
+  const bool made_on_latents = p.shards.value("latents", false);
+  DDM_CHECK(made_on_latents == latents,
+            "partition " << p.origin << " was made on " << (made_on_latents ? "latent shards" : "image shards") << " ("
+                         << p.data_description << "), but " << what << " are "
+                         << (latents ? "latent shards; partition these" : "images; partition them")
+                         << " with ddm partition --config CONFIG (the same data.source and data.root)");
   DDM_CHECK(shards_fingerprint(shards) == p.data_sha256,
             "partition " << p.origin << " was made on other shards (" << p.data_description << ") than those of "
                          << what << " (their names or sizes differ); partition these with ddm partition --config CONFIG");
 }
 
-std::string expert_shard_root(const Partition& p, int64_t expert, const std::string& root) {
-  check_partition_of_shards(p, expand_shards(root, "data.root"), "data.root = " + root);
+std::string expert_shard_root(const Partition& p, int64_t expert, const DataConfig& data) {
+  const bool latents = data.source == "latents";
+  check_partition_of_shards(p,
+                            latents ? latent_shard_paths(data.root, read_latent_shards_info(data.root))
+                                    : expand_shards(data.root, "data.root"),
+                            latents, "data.root = " + data.root);
   DDM_CHECK(p.shards.value("reshard", false),
             "partition " << p.origin << " lists each cluster's samples but has no shards of their own: an expert "
                          << "over shards reads its cluster's shards; make the partition again with --reshard");

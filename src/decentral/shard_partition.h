@@ -9,9 +9,12 @@
 //                 same blocks (kept, or encoded again for each pass, as pixels are)
 //   feature-net   the evaluation network, a batch at a time
 //   file:PATH     one row per sample, in shard order (the order of data.root, then of each tar)
-// and are clustered as in memory (partition.h). Then each cluster's samples are listed, a
+// Latent shards (data.source = "latents", a `ddm encode` directory) give their own posterior means,
+// normalized, as latent:RUN would (--features latent), and clusters.png shows them decoded.
+// The features are clustered as in memory (partition.h). Then each cluster's samples are listed, a
 // "SHARD<TAB>KEY" line each (clusters/cluster-K.tsv), and with reshard copied, member for member and
-// in shard order, into shards of their own (shards/cluster-K-000000.tar, ...). An expert of a
+// in shard order, into shards of their own (shards/cluster-K-000000.tar, ...; latent shards into a
+// `ddm encode` directory per cluster, shards/cluster-K/). An expert of a
 // partition of shards trains on its cluster's own shards (expert_shard_root).
 #pragma once
 
@@ -31,8 +34,9 @@ namespace ddm {
 inline constexpr int64_t kMaxPixelSide = 32;
 
 struct ShardPartitionOptions {
-  DataConfig data;          // source = "shards": root, resolution, channels (crop and flips are not used)
-  FeatureSource features;   // pixels, feature-net or file
+  DataConfig data;          // source = "shards": root, resolution, channels (crop and flips are not used);
+                            // or "latents": root
+  FeatureSource features;   // pixels, feature-net, latent or file
   PartitionConfig cfg;
   torch::Device device = torch::kCPU;  // where a feature network runs
   int threads = 1;          // decode threads
@@ -49,13 +53,15 @@ nlohmann::json partition_shards(const ShardPartitionOptions& o, const std::strin
 // What a partition of shards is tied to: sha256 over each shard's file name and size, in order.
 std::string shards_fingerprint(const std::vector<std::string>& shards);
 
-// Checks that `p` was made on `shards` (`what` names them in the errors): a router or a distilled
-// student over shards then takes sample i's cluster from p.labels[i], i in shard order.
-void check_partition_of_shards(const Partition& p, const std::vector<std::string>& shards, const std::string& what);
+// Checks that `p` was made on `shards` (latent shards if `latents`; `what` names them in the errors):
+// a router or a distilled student over shards then takes sample i's cluster from p.labels[i], i in
+// shard order.
+void check_partition_of_shards(const Partition& p, const std::vector<std::string>& shards, bool latents,
+                               const std::string& what);
 
 // The data.root that expert `expert` of a partition of shards reads: its cluster's own shards (an
-// absolute brace pattern). Checks that the partition was made on data.root's shards (`root`) and
-// with reshard, naming what to do otherwise.
-std::string expert_shard_root(const Partition& p, int64_t expert, const std::string& root);
+// absolute brace pattern; for latent shards its `ddm encode` directory). Checks that the partition
+// was made on `data`'s shards and with reshard, naming what to do otherwise.
+std::string expert_shard_root(const Partition& p, int64_t expert, const DataConfig& data);
 
 }  // namespace ddm

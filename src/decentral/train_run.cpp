@@ -131,9 +131,10 @@ TrainJob prepare_train_job(RunConfig cfg) {
   if (!cfg.data.partition.empty()) partition = load_partition(cfg.data.partition);
   // An expert over shards reads its cluster's own shards; its config keeps data.root as written.
   const std::string root = cfg.data.root;
-  const bool shard_expert = cfg.data.source == "shards" && !cfg.data.partition.empty() && !router;
+  const bool shard_expert =
+      (cfg.data.source == "shards" || cfg.data.source == "latents") && !cfg.data.partition.empty() && !router;
   const int64_t classes = cfg.model.num_classes;
-  if (shard_expert) cfg.data.root = expert_shard_root(partition, cfg.data.expert, cfg.data.root);
+  if (shard_expert) cfg.data.root = expert_shard_root(partition, cfg.data.expert, cfg.data);
   TrainJob job = plain_job(std::move(cfg));
   RunConfig& c = job.cfg;
   // A cluster's shards may lack the highest classes; its expert still takes every class of the data,

@@ -23,37 +23,6 @@
 namespace fs = std::filesystem;
 
 namespace ddm {
-namespace {
-
-// Writes samples into shards of the given sizes, in turn.
-class ShardsOut {
- public:
-  ShardsOut(std::string dir, std::vector<int64_t> sizes) : dir_(std::move(dir)), sizes_(std::move(sizes)) {}
-  void add(const ShardSample& s) {
-    DDM_CHECK(shard_ < sizes_.size(), "encode: more samples than the shards hold (" << dir_ << ")");
-    if (!w_) w_ = std::make_unique<TarShardWriter>(path(shard_));
-    w_->add(s);
-    if (++in_shard_ == sizes_[shard_]) {
-      w_->finish();
-      bytes_ += static_cast<int64_t>(fs::file_size(path(shard_)));
-      w_.reset();
-      in_shard_ = 0;
-      ++shard_;
-    }
-  }
-  std::string path(size_t s) const { return latent_shard_path(dir_, static_cast<int64_t>(s)); }
-  size_t done() const { return shard_; }
-  int64_t bytes() const { return bytes_; }
-
- private:
-  std::string dir_;
-  std::vector<int64_t> sizes_;
-  std::unique_ptr<TarShardWriter> w_;
-  size_t shard_ = 0;
-  int64_t in_shard_ = 0, bytes_ = 0;
-};
-
-}  // namespace
 
 LatentShardsInfo encode_latent_shards(const DataConfig& data, const std::string& autoencoder,
                                       const EncodeShardsOptions& o) {
@@ -102,7 +71,7 @@ LatentShardsInfo encode_latent_shards(const DataConfig& data, const std::string&
               << m.latent_sha256.substr(0, 12) << ", latents " << m.in_channels << "x" << m.image_size << "x"
               << m.image_size << ") on " << latent->device() << " into " << info.shards << " shard"
               << (info.shards > 1 ? "s" : "") << " in " << o.out << std::endl;
-  ShardsOut out(partial, sizes);
+  LatentShardsWriter out(partial, sizes);
   int64_t written = 0;
   auto last = std::chrono::steady_clock::now();
   // x float [b, C, S, S] in [-1, 1], labels int64 [b], x[0]'s position in the data's order.

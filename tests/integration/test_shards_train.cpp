@@ -5,7 +5,8 @@
 // bad shard lists are clear errors; shards are re-sharded; an expert of a partition made with
 // --reshard trains on its cluster's shards; a router (with samples held out) and a distilled student
 // train on shards; an autoencoder and a latent model train on shards, `ddm encode` writes the
-// latents of the shards once, and a latent model trains on those as on fresh encodes.
+// latents of the shards once, and a latent model trains on those as on fresh encodes; the latent
+// shards are partitioned, and latent experts, a router and a student train on them.
 #include <gtest/gtest.h>
 
 #include <chrono>
@@ -19,9 +20,11 @@
 #include "core/safetensors.h"
 #include "core/config.h"
 #include "data/dataset.h"
+#include "data/latent_shards.h"
 #include "data/shard_loader.h"
 #include "data/shard_write.h"
 #include "data/shards.h"
+#include "decentral/partition.h"
 #include "test_util.h"
 #include "train/checkpoint.h"
 #include "train/latent.h"
@@ -489,4 +492,95 @@ TEST(ShardsTrain, ALatentModelTrainsOnEncodedShardsAsOnFreshEncodes) {
                                (r.dir / "skip"));
   ASSERT_EQ(skipped.exit_code, 0) << skipped.output;
   EXPECT_EQ(metrics(r.dir / "skip").back()["skipped_samples"], 1);
+}
+
+// Decentralized latent diffusion on latent shards: `ddm partition` clusters the shards' own latents
+// (the clusters latent:AE gives on the images they were encoded from) and with --reshard writes each
+// cluster's latents as a `ddm encode` directory of its own; an expert trains on it with the losses
+// of the expert of the images' shards; a router (holding samples out) and a distilled student train
+// over all the latent shards; the ensemble samples images; and the bad pairings are named.
+TEST(ShardsTrain, LatentExpertsARouterAndAStudentTrainOnLatentShards) {
+  ShardRun r;
+  const std::string data = train_autoencoder(r, 16, 64);
+  auto enc = test::run_ddm("encode --threads 1 --ae " + (r.dir / "ae") + " --config " + (r.dir / "ae.toml") +
+                           " --out " + (r.dir / "lat"));
+  ASSERT_EQ(enc.exit_code, 0) << enc.output;
+  const std::string model = "[model]\npreset = \"latent-dit\"\nwidth = 32\ndepth = 2\nheads = 2\nlatent = \"" +
+                            (r.dir / "ae") + "\"\n[train]\nsteps = 12\nbatch_size = 16\nthreads = 1\nlog_every = 1\n";
+  test::write_text(r.dir / "img.toml", data + model);
+  test::write_text(r.dir / "lat.toml", "[data]\nsource = \"latents\"\nroot = \"" + (r.dir / "lat") + "\"\n" + model);
+  const std::string k2 = " --k 2 --fine 8 --threads 1 --reshard --shard-size 100 --out ";
+  auto lp = test::run_ddm("partition --config " + (r.dir / "lat.toml") + k2 + (r.dir / "lp"));
+  ASSERT_EQ(lp.exit_code, 0) << lp.output;
+  EXPECT_TRUE(has(lp.output, "latents of " + (r.dir / "ae"))) << lp.output;
+  EXPECT_TRUE(has(lp.output, "each cluster's latents as a `ddm encode` directory")) << lp.output;
+  auto ip = test::run_ddm("partition --config " + (r.dir / "img.toml") + " --features latent:" + (r.dir / "ae") + k2 +
+                          (r.dir / "ip"));
+  ASSERT_EQ(ip.exit_code, 0) << ip.output;
+  const Partition on_latents = load_partition(r.dir / "lp"), on_images = load_partition(r.dir / "ip");
+  EXPECT_TRUE(on_latents.labels.equal(on_images.labels));
+  const int64_t size1 = on_latents.sizes[1].item<int64_t>();
+  const LatentShardsInfo own = read_latent_shards_info(r.dir / "lp/shards/cluster-1");
+  EXPECT_EQ(own.samples, size1);
+  EXPECT_EQ(own.shards, (size1 + 99) / 100);
+  EXPECT_EQ(own.autoencoder_sha256, read_latent_shards_info(r.dir / "lat").autoencoder_sha256);
+  EXPECT_TRUE(fs::exists(r.dir / "lp/clusters.png"));
+
+  // Expert 1 on its cluster's latents: the losses of expert 1 on its cluster's image shards.
+  const std::string latent = "train --quiet --config " + (r.dir / "lat.toml");
+  auto e1 = test::run_ddm(latent + " --partition " + (r.dir / "lp") + " --expert 1 --out " + (r.dir / "e1"));
+  ASSERT_EQ(e1.exit_code, 0) << e1.output;
+  auto i1 = test::run_ddm("train --quiet --config " + (r.dir / "img.toml") + " --partition " + (r.dir / "ip") +
+                          " --expert 1 --out " + (r.dir / "i1"));
+  ASSERT_EQ(i1.exit_code, 0) << i1.output;
+  const auto me = metrics(r.dir / "e1"), mi = metrics(r.dir / "i1");
+  ASSERT_EQ(me.size(), mi.size());
+  for (size_t s = 0; s < me.size(); ++s) {
+    const double a = mi[s]["loss"].get<double>(), b = me[s]["loss"].get<double>();
+    EXPECT_NEAR(a, b, 1e-4 * std::abs(a)) << "step " << s + 1;
+  }
+  EXPECT_EQ(load_config(r.dir / "e1/config.toml").data.root, r.dir / "lat");  // as written, not the cluster's
+  ASSERT_EQ(test::run_ddm(latent + " --partition " + (r.dir / "lp") + " --expert 0 --set train.steps=4 --out " +
+                          (r.dir / "e0")).exit_code, 0);
+
+  // A router over all the latent shards, 100 samples held out and reported on.
+  auto router = test::run_ddm("train-router --quiet --config " + (r.dir / "lat.toml") + " --partition " + (r.dir / "lp") +
+                              " --holdout 100 --set train.steps=4 --out " + (r.dir / "r"));
+  ASSERT_EQ(router.exit_code, 0) << router.output;
+  EXPECT_EQ(nlohmann::json::parse(test::read_text(r.dir / "r/router_eval.json"))["images"], 100);
+  auto ens = test::run_ddm("ensemble --out " + (r.dir / "ens") + " --partition " + (r.dir / "lp") + " --router " +
+                           (r.dir / "r") + " --expert " + (r.dir / "e0") + " --expert " + (r.dir / "e1"));
+  ASSERT_EQ(ens.exit_code, 0) << ens.output;
+  auto grid = test::run_ddm("sample --ensemble " + (r.dir / "ens") + " --n 10 --steps 4 --out " + (r.dir / "g.png"));
+  ASSERT_EQ(grid.exit_code, 0) << grid.output;
+  EXPECT_TRUE(fs::exists(r.dir / "g.png"));
+  auto student = test::run_ddm("distill --ensemble " + (r.dir / "ens") + " --set train.steps=3 --out " + (r.dir / "s"));
+  ASSERT_EQ(student.exit_code, 0) << student.output;
+  EXPECT_TRUE(has(student.output, "latent shards " + (r.dir / "lat"))) << student.output;
+  // ddm islands over latent shards: its partition (of the latents, with --reshard) and every island.
+  test::write_text(r.dir / "isl.toml", "out = \"" + (r.dir / "isl") + "\"\nconfig = \"" + (r.dir / "lat.toml") +
+                                         "\"\n[partition]\npath = \"" + (r.dir / "isp") + "\"\nk = 2\n"
+                                         "[experts]\nset = [\"train.steps=2\"]\n[router]\nholdout = 50\n"
+                                         "set = [\"train.steps=2\"]\n");
+  auto isl = test::run_ddm("islands run " + (r.dir / "isl.toml"));
+  ASSERT_EQ(isl.exit_code, 0) << isl.output;
+  EXPECT_TRUE(fs::exists(r.dir / "isp/shards/cluster-1/encode.json"));
+  EXPECT_TRUE(has(test::read_text(r.dir / "isl/logs/expert1.log"), "latent shards " + (r.dir / "isp/shards/cluster-1")));
+  EXPECT_TRUE(fs::exists(r.dir / "isl/ensemble.json"));
+
+  // Bad pairings, each named: a partition of the images for latent shards (and the reverse), one
+  // without --reshard, pixel features of latents.
+  test::expect_error(test::run_ddm(latent + " --partition " + (r.dir / "ip") + " --expert 0 --out " + (r.dir / "x")),
+                     "was made on image shards");
+  test::expect_error(test::run_ddm("train --quiet --config " + (r.dir / "img.toml") + " --partition " + (r.dir / "lp") +
+                                   " --expert 0 --out " + (r.dir / "x")),
+                     "was made on latent shards");
+  ASSERT_EQ(test::run_ddm("partition --config " + (r.dir / "lat.toml") + " --k 2 --fine 8 --out " + (r.dir / "nr"))
+                .exit_code, 0);
+  test::expect_error(test::run_ddm(latent + " --partition " + (r.dir / "nr") + " --expert 0 --out " + (r.dir / "x")),
+                     "again with --reshard");
+  test::expect_error(test::run_ddm("partition --config " + (r.dir / "lat.toml") + " --k 2 --features pixels --out " +
+                                   (r.dir / "x")),
+                     "hold no images");
+  EXPECT_FALSE(fs::exists(r.dir / "x"));
 }

@@ -390,9 +390,15 @@ TEST(ShardLoader, LatentShardsReadBackAsPosteriorsAndBadOnesAreNamed) {
       EXPECT_EQ(b.y[r].item<int64_t>(), i % 10);
     }
   }
-  // Images are refused where a command needs them.
-  EXPECT_TRUE(has(test::error_message([&] { for_each_in_order(d, cfg, 4, 1, [](auto&, auto&, int64_t) {}); }),
-                  "needs images"));
+  // In order (a partition's pass, a router's held-out samples): the posteriors as written.
+  int64_t seen = 0;
+  for_each_in_order(d, cfg, 5, 1, [&](const torch::Tensor& x, const torch::Tensor&, int64_t first) {
+    for (int64_t r = 0; r < x.size(0); ++r, ++seen)
+      EXPECT_TRUE(torch::equal(x[r], torch::cat({mean[first + r], logvar[first + r]}))) << "sample " << first + r;
+  });
+  EXPECT_EQ(seen, 5);
+  // Refused where a command needs images.
+  EXPECT_TRUE(has(test::error_message([&] { require_images(d); }), "needs images"));
   // A posterior of another shape (among the first samples, which opening reads), a member that is
   // not safetensors (read by the loader): named by shard and key.
   cfg.root = dir.path + "/shape";

@@ -25,6 +25,13 @@ namespace {
 
 bool has(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
 
+DataConfig shards_at(const std::string& root) {
+  DataConfig d;
+  d.source = "shards";
+  d.root = root;
+  return d;
+}
+
 // Every sample of the shards `pattern` names: key -> its files.
 std::map<std::string, std::map<std::string, std::string>> samples_of(const std::string& pattern) {
   std::map<std::string, std::map<std::string, std::string>> out;
@@ -88,7 +95,7 @@ TEST(ShardPartition, EqualsTheInMemoryPartitionAndReshardsEverySampleOnce) {
       EXPECT_TRUE(fs::exists(line.substr(0, line.find('\t')))) << line;
     }
     EXPECT_EQ(lines, p.sizes[k].item<int64_t>());
-    const std::string root = expert_shard_root(p, k, w.pattern);
+    const std::string root = expert_shard_root(p, k, shards_at(w.pattern));
     const auto own = samples_of(root);
     EXPECT_EQ(static_cast<int64_t>(own.size()), p.sizes[k].item<int64_t>());
     EXPECT_EQ(static_cast<int64_t>(expand_shards(root, "test").size()), (p.sizes[k].item<int64_t>() + 169) / 170);
@@ -101,7 +108,7 @@ TEST(ShardPartition, EqualsTheInMemoryPartitionAndReshardsEverySampleOnce) {
 
   // Another shard list (fewer shards), or a partition without reshard: clear errors.
   try {
-    expert_shard_root(p, 0, dir / "shards/train-{000000..000006}.tar");
+    expert_shard_root(p, 0, shards_at(dir / "shards/train-{000000..000006}.tar"));
     ADD_FAILURE() << "no error for other shards";
   } catch (const Error& e) {
     EXPECT_TRUE(has(e.what(), "made on other shards")) << e.what();
@@ -110,13 +117,13 @@ TEST(ShardPartition, EqualsTheInMemoryPartitionAndReshardsEverySampleOnce) {
   partition_shards(o, dir / "q");
   EXPECT_FALSE(fs::exists(dir / "q/shards"));
   try {
-    expert_shard_root(load_partition(dir / "q"), 0, w.pattern);
+    expert_shard_root(load_partition(dir / "q"), 0, shards_at(w.pattern));
     ADD_FAILURE() << "no error without reshard";
   } catch (const Error& e) {
     EXPECT_TRUE(has(e.what(), "--reshard")) << e.what();
   }
   try {
-    expert_shard_root(mem, 0, w.pattern);
+    expert_shard_root(mem, 0, shards_at(w.pattern));
     ADD_FAILURE() << "no error for an in-memory partition";
   } catch (const Error& e) {
     EXPECT_TRUE(has(e.what(), "in-memory data")) << e.what();
