@@ -18,6 +18,7 @@
 #include "data/control.h"
 #include "data/dataset.h"
 #include "data/image_folder.h"
+#include "data/origin.h"
 #include "decentral/ensemble_dir.h"
 #include "diffusion/generate.h"
 #include "eval/evaluate.h"
@@ -31,6 +32,16 @@ namespace fs = std::filesystem;
 
 namespace ddm {
 namespace {
+
+// Where a model's data came from (data/origin.h), which `ddm eval` needs; data.source itself when
+// that data is gone (its shards moved or deleted), which eval then refuses, naming it.
+std::string origin_of(const DataConfig& data) {
+  try {
+    return data_origin(data);
+  } catch (const Error&) {
+    return data.source;
+  }
+}
 
 // What is sampled: one model (--ckpt) or a routed expert ensemble (--ensemble).
 struct Source {
@@ -289,7 +300,7 @@ void write_samples(const SampleArgs& a) {
     f.tensors["labels"] = out.labels;
     f.tensors["samples"] = out.images;
     f.metadata["checkpoint"] = src.name;
-    f.metadata["data_source"] = m.cfg.data.source;  // ddm eval refuses samples of non-Fashion-MNIST models
+    f.metadata["data_source"] = origin_of(m.cfg.data);  // ddm eval refuses samples of non-Fashion-MNIST models
     f.metadata["sampler"] = g.sample.sampler;
     f.metadata["steps"] = std::to_string(g.sample.steps);
     f.metadata["cfg"] = std::to_string(g.sample.cfg);
@@ -377,7 +388,7 @@ int eval_cmd(EvalArgs a) {
   } else {
     Source src = open_source(a.sample);
     const LoadedModel& m = src.defaults();
-    check_evaluable_source(m.cfg.data.source, src.name);
+    check_evaluable_source(origin_of(m.cfg.data), src.name);
     const Denoiser& den = *src.den;
     GenerateOptions g;
     g.n = a.sample.n;
@@ -449,7 +460,7 @@ int eval_cmd(EvalArgs a) {
     f.tensors["images"] = set.images;
     f.tensors["labels"] = out.labels;
     f.metadata["origin"] = set.origin;
-    f.metadata["data_source"] = m.cfg.data.source;
+    f.metadata["data_source"] = origin_of(m.cfg.data);
     save_safetensors((fs::path(a.out) / (stem + ".safetensors")).string(), f);
   }
   EvalReport r = evaluate_samples(set, a.cfg);

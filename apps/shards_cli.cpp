@@ -15,6 +15,7 @@
 #include "core/error.h"
 #include "core/progress.h"  // format_bytes
 #include "data/dataset.h"
+#include "data/origin.h"
 #include "data/shard_write.h"
 #include "data/shards.h"
 #include "run/trainer.h"  // set_threads
@@ -73,7 +74,11 @@ Command add_shards_command(CLI::App& app) {
                      const auto shards = expand_shards(from, a->from.empty() ? "data.root" : "--from");
                      std::cout << "re-sharding " << shards.size() << " shard" << (shards.size() > 1 ? "s" : "")
                                << " (" << from << ") into shards of " << a->shard_size << " in " << a->out << std::endl;
-                     done(reshard(shards, a->out, a->shard_size, a->prefix, report(0)), "N");
+                     DataConfig source;
+                     source.source = "shards", source.root = from;
+                     const ShardsWritten w = reshard(shards, a->out, a->shard_size, a->prefix, report(0));
+                     write_shards_record(a->out, a->prefix, w, data_origin(source), "re-sharded from " + from);
+                     done(w, "N");
                      return 0;
                    }
                    const RunConfig cfg = a->config.empty() ? parse_config("", "--set", a->overrides)
@@ -82,8 +87,9 @@ Command add_shards_command(CLI::App& app) {
                    std::cout << "writing " << data.description << " as shards of " << a->shard_size << " into "
                              << a->out << std::endl;
                    const int64_t n = data.images.size(0), shards = (n + a->shard_size - 1) / a->shard_size;
-                   done(write_shards(data, a->out, a->shard_size, a->prefix, report(shards)),
-                        std::to_string(data.images.size(2)));
+                   const ShardsWritten w = write_shards(data, a->out, a->shard_size, a->prefix, report(shards));
+                   write_shards_record(a->out, a->prefix, w, data_origin(cfg.data), data.description);
+                   done(w, std::to_string(data.images.size(2)));
                    return 0;
                  }};
 }

@@ -31,6 +31,7 @@ nlohmann::json latent_shards_json(const LatentShardsInfo& i) {
           {"num_classes", i.num_classes},
           {"bytes", i.bytes},
           {"data", i.data},
+          {"origin", i.origin},
           {"pattern", i.pattern}};
 }
 
@@ -64,6 +65,7 @@ LatentShardsInfo read_latent_shards_info(const std::string& dir) {
     i.num_classes = json_int(j.at("num_classes"), file + ": num_classes", 0);
     i.bytes = json_int(j.at("bytes"), file + ": bytes", 0);
     i.data = j.at("data").get<std::string>();
+    i.origin = j.value("origin", std::string());
     i.pattern = j.at("pattern").get<std::string>();
     return i;
   } catch (const nlohmann::json::exception& e) {

@@ -27,6 +27,7 @@ struct LatentShardsInfo {
   int64_t image_channels = 0, image_size = 0;    // what was encoded
   int64_t samples = 0, shards = 0, num_classes = 0, bytes = 0;
   std::string data;     // the source's description
+  std::string origin;   // where its images come from (data/origin.h; "" in records written before it)
   std::string pattern;  // the brace pattern naming the shards (as written; latent_shard_paths reads them)
 };
 

@@ -110,9 +110,14 @@ Reference reference_features(FeatureNet& net, const std::string& net_sha, const 
 
 }  // namespace
 
-void check_evaluable_source(const std::string& data_source, const std::string& what) {
-  DDM_CHECK(data_source == "fashion-mnist",
-            what << " was trained on data.source = \"" << data_source << "\", not Fashion-MNIST. ddm eval scores "
+void check_evaluable_source(const std::string& origin, const std::string& what) {
+  const std::string unknown =
+      origin == "shards"    ? " (tar shards without the record `ddm shards write` leaves beside them, PREFIX.shards.json, "
+                              "so ddm cannot tell what they hold)"
+      : origin == "latents" ? " (latent shards whose encode.json records no origin)"
+                            : "";
+  DDM_CHECK(origin == "fashion-mnist",
+            what << " was trained on data from \"" << origin << "\"" << unknown << ", not Fashion-MNIST. ddm eval scores "
                  "samples against Fashion-MNIST's test split with a feature network trained on Fashion-MNIST (and "
                  "names its classes), so for other data its FD, KID, precision/recall and class accuracy would be "
                  "meaningless; look at `ddm sample` grids instead");

@@ -47,9 +47,10 @@ struct SampleSet {
 SampleSet load_samples(const std::string& path);
 
 // The metrics compare against Fashion-MNIST's test split in the space of a network trained on
-// Fashion-MNIST, with its class names: samples of a model trained on other data (data_source other
-// than "fashion-mnist") would get meaningless scores. Throws ddm::Error naming `what` for those.
-void check_evaluable_source(const std::string& data_source, const std::string& what);
+// Fashion-MNIST, with its class names: samples of a model trained on other data (an origin,
+// data/origin.h, other than "fashion-mnist") would get meaningless scores. Throws ddm::Error naming
+// `what` for those.
+void check_evaluable_source(const std::string& origin, const std::string& what);
 
 // Reference points for the metrics, drawn with a generator seeded by `seed`:
 //   "train": n random images (with labels) of the Fashion-MNIST train split, the floor a perfect

@@ -15,6 +15,7 @@
 #include "core/fileio.h"
 #include "core/safetensors.h"
 #include "data/dataset.h"
+#include "data/origin.h"
 #include "data/shard_loader.h"
 #include "data/shard_write.h"
 #include "data/shards.h"
@@ -50,6 +51,7 @@ LatentShardsInfo encode_latent_shards(const DataConfig& data, const std::string&
   info.samples = from_shards ? d.shards->samples : d.images.size(0);
   info.num_classes = d.num_classes;
   info.data = d.description;
+  info.origin = data_origin(data);
   DDM_CHECK(info.samples > 0, d.description << " has no samples to encode");
   std::vector<int64_t> sizes;
   if (from_shards) {

@@ -185,6 +185,30 @@ TEST(ShardsTrain, ADamagedImageStopsTheRunOrWithSkipBadIsSkippedAndCounted) {
   EXPECT_EQ(m.back()["skipped_samples"], 1) << m.back().dump();
 }
 
+// `ddm shards write` records where its shards come from, so a model trained on shards of
+// Fashion-MNIST is one to `ddm eval`; shards without that record (anyone's) are refused by name.
+TEST(ShardsTrain, AModelOnShardsOfFashionMnistIsEvaluable) {
+  ShardRun r;
+  const auto record = nlohmann::json::parse(test::read_text(r.dir / "shards/train.shards.json"));
+  EXPECT_EQ(record["origin"], "fashion-mnist");
+  EXPECT_EQ(record["shards"].size(), 8u);
+  ASSERT_EQ(test::run_ddm(r.train("run", " --set train.steps=2 --set data.resolution=28")).exit_code, 0);
+  auto scored = test::run_ddm("eval --ckpt " + (r.dir / "run") + " --n 200 --steps 2 --out " + (r.dir / "ok"));
+  ASSERT_EQ(scored.exit_code, 0) << scored.output;
+  EXPECT_TRUE(has(scored.output, "Ankle boot")) << scored.output;  // its class accuracies, by name
+  const std::string raw = r.dir / "s.safetensors";
+  const std::string sample = "sample --ckpt " + (r.dir / "run") + " --n 10 --steps 2 --out " + (r.dir / "s.png") +
+                             " --raw " + raw;
+  ASSERT_EQ(test::run_ddm(sample).exit_code, 0);
+  EXPECT_EQ(load_safetensors(raw).metadata.at("data_source"), "fashion-mnist");
+  fs::remove(r.dir / "shards/train.shards.json");
+  ASSERT_EQ(test::run_ddm(sample).exit_code, 0);
+  EXPECT_EQ(load_safetensors(raw).metadata.at("data_source"), "shards");
+  test::expect_error(test::run_ddm("eval --samples " + raw + " --out " + (r.dir / "eval")), "PREFIX.shards.json");
+  test::expect_error(test::run_ddm("eval --ckpt " + (r.dir / "run") + " --n 200 --out " + (r.dir / "eval")),
+                     "not Fashion-MNIST");
+}
+
 TEST(ShardsTrain, BadShardListsAndKeysAreClearErrors) {
   ShardRun r;
   auto missing = test::run_ddm("train --quiet --config " + (r.dir / "tiny.toml") + " --set \"data.root=" +
@@ -524,6 +548,7 @@ TEST(ShardsTrain, LatentExpertsARouterAndAStudentTrainOnLatentShards) {
   EXPECT_EQ(own.samples, size1);
   EXPECT_EQ(own.shards, (size1 + 99) / 100);
   EXPECT_EQ(own.autoencoder_sha256, read_latent_shards_info(r.dir / "lat").autoencoder_sha256);
+  EXPECT_EQ(own.origin, "fashion-mnist");  // from the image shards' record, through encode.json
   EXPECT_TRUE(fs::exists(r.dir / "lp/clusters.png"));
 
   // Expert 1 on its cluster's latents: the losses of expert 1 on its cluster's image shards.

@@ -4,7 +4,7 @@
 // are errors naming the shard and key; PNG and lossless WebP decode to the encoded pixels exactly,
 // JPEG within its quantization; grey and colour convert both ways; a header claiming a huge image
 // is refused before any allocation; crops take the centre or the drawn offset, resizing keeps a
-// flat image flat.
+// flat image flat. The origin of shards follows the records `ddm shards write` and `ddm encode` leave.
 #include <gtest/gtest.h>
 
 #include <turbojpeg.h>
@@ -14,7 +14,12 @@
 #include <filesystem>
 #include <fstream>
 
+#include <nlohmann/json.hpp>
+
 #include "core/fileio.h"
+#include "data/latent_shards.h"
+#include "data/origin.h"
+#include "data/shard_write.h"
 #include "data/decode.h"
 #include "data/shards.h"
 #include "eval/grid.h"
@@ -116,6 +121,58 @@ TEST(ShardList, PatternsGlobsAndListFilesNameExistingShards) {
   EXPECT_TRUE(has(test::error_message([&] { expand_shards(dir / "nope.txt", "data.root"); }), "no such list file"));
   test::write_text(dir / "empty.txt", "# nothing\n");
   EXPECT_TRUE(has(test::error_message([&] { expand_shards(dir / "empty.txt", "data.root"); }), "names no shard"));
+}
+
+// A shard's origin is its record's when the record lists it at its current size; one shard without
+// (or changed since, or of another origin) makes the origin unknown. Latent shards carry their
+// data's origin in encode.json.
+TEST(ShardList, TheOriginFollowsTheRecordsOfWrittenShards) {
+  test::TempDir dir;
+  Dataset data;
+  data.images = torch::zeros({5, 1, 4, 4}, torch::kUInt8);
+  data.labels = torch::arange(5, torch::kInt64);
+  data.num_classes = 5;
+  const ShardsWritten w = write_shards(data, dir / "a", 2, "train");
+  ASSERT_EQ(w.shards, 3);
+  DataConfig shards;
+  shards.source = "shards";
+  shards.root = w.pattern;
+  EXPECT_EQ(data_origin(shards), "shards");  // no record yet
+  write_shards_record(dir / "a", "train", w, "fashion-mnist", "test images");
+  EXPECT_EQ(data_origin(shards), "fashion-mnist");
+  const ShardsWritten v = write_shards(data, dir / "a", 5, "val");
+  write_shards_record(dir / "a", "val", v, "folder", "other images");
+  test::write_text(dir / "list.txt", w.pattern.substr(0, w.pattern.find('{')) + "000001.tar\n" + dir / "a/val-000000.tar\n");
+  shards.root = dir / "list.txt";
+  EXPECT_EQ(data_origin(shards), "shards");  // two origins
+  shards.root = dir / "a/val-000000.tar";
+  EXPECT_EQ(data_origin(shards), "folder");
+  {
+    std::ofstream grow(dir / "a/train-000002.tar", std::ios::app);
+    grow << std::string(512, '\0');  // still a valid tar, but not the recorded one
+  }
+  shards.root = w.pattern;
+  EXPECT_EQ(data_origin(shards), "shards");
+  shards.root = dir / "a/train-{000000..000001}.tar";
+  EXPECT_EQ(data_origin(shards), "fashion-mnist");  // a subset of the recorded shards
+  for (const char* source : {"fashion-mnist", "folder"}) {
+    DataConfig d;
+    d.source = source;
+    EXPECT_EQ(data_origin(d), source);
+  }
+  LatentShardsInfo info;
+  info.autoencoder = "ae", info.autoencoder_sha256 = std::string(64, 'a');
+  info.latent_channels = 4, info.latent_size = 2, info.image_channels = 1, info.image_size = 8;
+  info.samples = 5, info.shards = 1, info.data = "test images", info.pattern = "latents-{000000..000000}.tar";
+  fs::create_directories(dir / "lat");
+  test::write_text(dir / "lat/encode.json", latent_shards_json(info).dump());
+  DataConfig latents;
+  latents.source = "latents";
+  latents.root = dir / "lat";
+  EXPECT_EQ(data_origin(latents), "latents");  // not recorded
+  info.origin = "fashion-mnist";
+  test::write_text(dir / "lat/encode.json", latent_shards_json(info).dump());
+  EXPECT_EQ(data_origin(latents), "fashion-mnist");
 }
 
 TEST(TarShard, WrittenSamplesReadBackInOrder) {
