@@ -148,7 +148,7 @@ TEST(DecentralCli, GrayscaleFolderPartitionExpertsRouterAndNoFashionMnistEval) {
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("12 held out at random"), std::string::npos) << r.output;
   expect_error(test::run_ddm("eval --ckpt " + (dir / "e0") + " --n 20 --steps 2 --cache-dir " + (dir / "cache")),
-               "was trained on data.source = \"folder\", not Fashion-MNIST");
+               "was trained on data from \"folder\", not Fashion-MNIST");
   // Its raw samples carry the data source, so `eval --samples` refuses them too.
   r = test::run_ddm("sample --ckpt " + (dir / "e0") + " --n 4 --steps 2 --out " + (dir / "g.png") + " --raw " +
                     (dir / "g.safetensors"));
