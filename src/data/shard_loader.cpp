@@ -266,6 +266,11 @@ int64_t ShardLoader::skipped() const {
   return skipped_;
 }
 
+void ShardLoader::set_skipped(int64_t n) {
+  std::lock_guard<std::mutex> lock(mu_);
+  skipped_ = n;
+}
+
 std::string ShardLoader::last_skip() const {
   std::lock_guard<std::mutex> lock(mu_);
   return last_skip_;

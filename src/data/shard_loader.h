@@ -58,8 +58,10 @@ class ShardLoader : public BatchSource {
   int replica() const override { return order_.replica; }
   int replicas() const override { return order_.replicas; }
   // Samples skipped as bad so far by the batches handed out (data.skip_bad), and the last one's reason.
+  // A resumed run restores the count its checkpoint holds (set_skipped).
   int64_t skipped() const;
   std::string last_skip() const;
+  void set_skipped(int64_t n);
 
  private:
   struct Prepared {

@@ -133,6 +133,22 @@ std::vector<BatchSource::Cursor> saved_cursors(const Checkpoint& ck, const Batch
   return out;
 }
 
+// The bad samples each replica had skipped (data.skip_bad) by a checkpoint: its state's
+// skipped_samples.replicas when the run has as many replicas, else the total on replica 0 (the sum
+// goes on); none in checkpoints of older versions.
+std::vector<int64_t> saved_skipped(const Checkpoint& ck, int replicas) {
+  std::vector<int64_t> out(static_cast<size_t>(replicas), 0);
+  if (!ck.state.contains("skipped_samples")) return out;
+  const nlohmann::json& j = ck.state["skipped_samples"];
+  const nlohmann::json* each = j.contains("replicas") && j["replicas"].is_array() ? &j["replicas"] : nullptr;
+  if (each && static_cast<int>(each->size()) == replicas) {
+    for (size_t r = 0; r < out.size(); ++r) out[r] = (*each)[r].get<int64_t>();
+  } else {
+    out[0] = ck.field<int64_t>("/skipped_samples/total");
+  }
+  return out;
+}
+
 }  // namespace
 
 int set_threads(int64_t threads, int local_processes) {
@@ -326,7 +342,10 @@ RunStart start_run(const TrainOptions& opt, const TrainJob& job, Net& net, Engin
           load_module_state(*net, ck.model, RunDir(*latest) / RunDir::kModel);
           optim.load(ck.model, ck.ema, ck.optim, ck.field<int64_t>("/optimizer_step"), *latest);
           s.data_cursors = saved_cursors(ck, loader, opt.quiet);
+          s.data_skipped = saved_skipped(ck, loader.replicas());
           loader.set_cursor(s.data_cursors[static_cast<size_t>(loader.replica())]);
+          if (auto* shards = dynamic_cast<ShardLoader*>(&loader))
+            shards->set_skipped(s.data_skipped[static_cast<size_t>(loader.replica())]);
           if (ck.state.contains("log_interval")) {  // absent in checkpoints of older versions
             s.interval_loss_sum = ck.field<double>("/log_interval/loss_sum");
             s.interval_steps = ck.field<int64_t>("/log_interval/steps");
@@ -383,13 +402,15 @@ RunStart start_run(const TrainOptions& opt, const TrainJob& job, Net& net, Engin
   s.step = ints[0].item<int64_t>();
   optim.set_step_count(ints[1].item<int64_t>());
   if (loader.per_replica()) {  // each replica its own position, from rank 0's checkpoint
-    auto at = torch::zeros({loader.replicas(), 2}, torch::kLong);
+    auto at = torch::zeros({loader.replicas(), 3}, torch::kLong);  // [replica] = epoch, index, skipped
     if (lead && !s.data_cursors.empty())
-      for (int r = 0; r < loader.replicas(); ++r)
-        at[r] = torch::tensor({s.data_cursors[static_cast<size_t>(r)].epoch, s.data_cursors[static_cast<size_t>(r)].index},
-                              torch::kLong);
+      for (int r = 0; r < loader.replicas(); ++r) {
+        const auto i = static_cast<size_t>(r);
+        at[r] = torch::tensor({s.data_cursors[i].epoch, s.data_cursors[i].index, s.data_skipped[i]}, torch::kLong);
+      }
     comm.broadcast(at, 0);
     loader.set_cursor({at[loader.replica()][0].item<int64_t>(), at[loader.replica()][1].item<int64_t>()});
+    if (auto* shards = dynamic_cast<ShardLoader*>(&loader)) shards->set_skipped(at[loader.replica()][2].item<int64_t>());
   } else {
     loader.set_cursor({ints[2].item<int64_t>(), ints[3].item<int64_t>()});
   }

@@ -54,6 +54,7 @@ struct RunStart {
   int64_t sent_before = 0;            // bytes rank 0 had sent before this run resumed
   std::optional<Checkpoint> resumed;  // rank 0: the checkpoint it resumed from
   std::vector<BatchSource::Cursor> data_cursors;  // rank 0, resumed: each replica's data position
+  std::vector<int64_t> data_skipped;  // rank 0, resumed: each replica's bad samples skipped so far
 };
 
 // Rank 0 prepares the run directory (lock, config.toml, job.records) and, with opt.resume, loads the

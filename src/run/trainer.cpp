@@ -118,22 +118,30 @@ TrainSummary train(TrainJob job, const TrainOptions& options) {
   if (!opt.quiet) print_run_header(job, model, layout, *engine, threads, proc.device, opt.out_dir);
 
   const std::string config_text = to_toml(job.recorded);
+  int64_t reported_skips = shard_loader ? shard_loader->skipped() : 0;  // the total the lead last printed
+  int64_t noticed_skips = reported_skips;                                // this replica's, last named
   auto save = [&](int64_t at_step) {
     Checkpoint ck;
     engine->contribute(ck, at_step);  // a collective: every rank saves alike
-    // Each replica's own data position (shards), gathered from every rank.
-    nlohmann::json replicas = nlohmann::json::array();
+    // Each replica's own data position (shards) and the bad samples it skipped, gathered from every rank.
+    nlohmann::json replicas = nlohmann::json::array(), skipped = nlohmann::json::array();
+    int64_t skipped_total = 0;
     if (loader.per_replica()) {
       const auto c = loader.cursor();
-      const std::string mine = std::to_string(loader.replica()) + " " + std::to_string(c.epoch) + " " + std::to_string(c.index);
+      const std::string mine = std::to_string(loader.replica()) + " " + std::to_string(c.epoch) + " " +
+                               std::to_string(c.index) + " " + std::to_string(shard_loader ? shard_loader->skipped() : 0);
       const std::vector<std::string> all = world > 1 ? comm->all_gather_strings(mine) : std::vector<std::string>{mine};
       std::vector<nlohmann::json> by_replica(static_cast<size_t>(loader.replicas()));
+      std::vector<int64_t> skipped_by(static_cast<size_t>(loader.replicas()), 0);
       for (const std::string& a : all) {
-        int64_t r = 0, e = 0, i = 0;
-        std::istringstream(a) >> r >> e >> i;
+        int64_t r = 0, e = 0, i = 0, k = 0;
+        std::istringstream(a) >> r >> e >> i >> k;
         by_replica[static_cast<size_t>(r)] = {e, i};
+        skipped_by[static_cast<size_t>(r)] = k;  // the ranks of a replica (pipeline stages) read alike
       }
       replicas = by_replica;
+      skipped = skipped_by;
+      for (const int64_t k : skipped_by) skipped_total += k;
     }
     if (!lead) return last_ckpt;
     ck.step = at_step;
@@ -143,6 +151,14 @@ TrainSummary train(TrainJob job, const TrainOptions& options) {
     ck.state["optimizer_step"] = optim.step_count();
     ck.state["data_cursor"] = {{"epoch", cur.epoch}, {"index", cur.index}};
     if (loader.per_replica()) ck.state["data_cursor"]["replicas"] = replicas;
+    if (shard_loader && cfg.data.skip_bad) {
+      ck.state["skipped_samples"] = {{"total", skipped_total}, {"replicas", skipped}};
+      if (skipped_total > reported_skips && !opt.quiet)
+        std::cout << "data: " << skipped_total << " bad sample" << (skipped_total > 1 ? "s" : "")
+                  << " skipped so far" << (loader.replicas() > 1 ? ", all replicas together" : "")
+                  << " (data.skip_bad; each rank's log names its own)" << std::endl;
+      reported_skips = skipped_total;
+    }
     ck.state["log_interval"] = {{"loss_sum", progress.interval_loss_sum()}, {"steps", progress.interval_steps()}};
     ck.state["rng"] = {{"seed", tc.seed},
                        {"scheme", "every draw is keyed by (seed, purpose, step, sample position): nothing else to save"}};
@@ -220,6 +236,14 @@ TrainSummary train(TrainJob job, const TrainOptions& options) {
       std::cout << news << std::endl;
     }
     progress.step(step, r.loss, r.lr, r.grad_norm, tc.batch_size);
+    // Every replica names its own skipped samples (data.skip_bad) in its own output, as they come.
+    if (shard_loader && !options.quiet && shard_loader->skipped() > noticed_skips) {
+      progress.finish();
+      noticed_skips = shard_loader->skipped();
+      std::cout << (world > 1 ? "replica " + std::to_string(layout.replica) + ": " : std::string()) << "skipped "
+                << noticed_skips << " bad sample" << (noticed_skips > 1 ? "s" : "") << " so far; the last: "
+                << shard_loader->last_skip() << std::endl;
+    }
     if (step % tc.log_every == 0 || step == tc.steps) {
       const int64_t sent = sent_now();
       if (metrics) {
@@ -227,7 +251,8 @@ TrainSummary train(TrainJob job, const TrainOptions& options) {
                               {"grad_norm", r.grad_norm}, {"img_per_s", progress.interval_img_per_s()},
                               {"epoch", loader.cursor().epoch}};
         rec["data_wait"] = waited / std::max(1e-9, seconds_since(interval_start));
-        if (shard_loader && cfg.data.skip_bad) rec["skipped_samples"] = shard_loader->skipped();  // replica 0's
+        // Replica 0's, since the run began (the total of all replicas: each checkpoint's state.json).
+        if (shard_loader && cfg.data.skip_bad) rec["skipped_samples"] = shard_loader->skipped();
         if (world > 1) {
           rec["sent_bytes"] = sent;
           rec["sent_bytes_per_step"] = (sent - interval_sent) / std::max<int64_t>(1, step - interval_first);

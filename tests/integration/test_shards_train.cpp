@@ -178,11 +178,32 @@ TEST(ShardsTrain, ADamagedImageStopsTheRunOrWithSkipBadIsSkippedAndCounted) {
   EXPECT_NE(strict.exit_code, 0) << strict.output;
   EXPECT_TRUE(has(strict.output, "shard " + bad + ", sample '00000200'")) << strict.output;
   EXPECT_TRUE(has(strict.output, "not a PNG")) << strict.output;
-  auto lenient = test::run_ddm(r.train("lenient", sets + " --set data.skip_bad=true"));
+  auto lenient = test::run_ddm(r.train("lenient", sets + " --set data.skip_bad=true", /*quiet=*/false));
   ASSERT_EQ(lenient.exit_code, 0) << lenient.output;
+  EXPECT_TRUE(has(lenient.output, "skipped 1 bad sample so far; the last: shard " + bad + ", sample '00000200'"))
+      << lenient.output;
   const auto m = metrics(r.dir / "lenient");
   ASSERT_FALSE(m.empty());
   EXPECT_EQ(m.back()["skipped_samples"], 1) << m.back().dump();
+  const auto skipped_at = [&](const std::string& ckpt) {
+    return nlohmann::json::parse(file_bytes(r.dir / (ckpt + "/state.json")))["skipped_samples"];
+  };
+  EXPECT_EQ(skipped_at("lenient/ckpt/step-00000032")["total"], 1);
+  // The count goes on across a resume: 64 steps straight, or 32 and 32 more, skip alike (the
+  // second epoch meets the bad sample again).
+  const std::string more = " --set train.steps=64 --set data.shuffle_buffer=0 --set data.skip_bad=true";
+  ASSERT_EQ(test::run_ddm(r.train("lenient", more) + " --resume").exit_code, 0);
+  ASSERT_EQ(test::run_ddm(r.train("straight", more)).exit_code, 0);
+  EXPECT_EQ(metrics(r.dir / "lenient").back()["skipped_samples"], 2);
+  EXPECT_EQ(metrics(r.dir / "straight").back()["skipped_samples"], 2);
+  // Two replicas: the one that meets it names it; each checkpoint holds the total of both.
+  auto two = test::run_ddm("launch --timeout 300 --nproc 2 -- " +
+                           r.train("two", sets + " --set data.skip_bad=true", /*quiet=*/false));
+  ASSERT_EQ(two.exit_code, 0) << two.output;
+  EXPECT_TRUE(has(two.output, ": skipped 1 bad sample so far; the last: shard " + bad)) << two.output;
+  const auto both = skipped_at("two/ckpt/step-00000032");
+  EXPECT_EQ(both["total"], 1) << both.dump();
+  EXPECT_EQ(both["replicas"].size(), 2u) << both.dump();
 }
 
 // `ddm shards write` records where its shards come from, so a model trained on shards of
