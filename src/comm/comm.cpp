@@ -16,6 +16,7 @@
 #include <map>
 #include <thread>
 
+#include <torch/cuda.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
@@ -191,6 +192,11 @@ void Comm::connect(c10::intrusive_ptr<c10d::Store> store, const std::string& whe
   base_store_ = store;
   where_ = where;
   loopback_ = loopback;
+  // NCCL needs its GPU: checked before anything connects, so every rank fails alike (a rank failing
+  // after the Gloo group formed would close its half while another rank is still connecting it).
+  if (options_.nccl_device >= 0 && options_.nccl_device >= static_cast<int>(torch::cuda::device_count()))
+    fail("connecting the NCCL group on cuda:" + std::to_string(options_.nccl_device),
+         "NCCL needs that CUDA device, and this process sees " + std::to_string(torch::cuda::device_count()));
   store_ = c10::make_intrusive<c10d::PrefixStore>("ddm/" + options_.group, std::move(store));
   // Join: every rank announces itself and waits for all others, so a missing rank is named here
   // rather than surfacing as an anonymous timeout inside Gloo's rendezvous.
