@@ -100,6 +100,15 @@ std::string train_autoencoder(const ShardRun& r, int n, int stats_n) {
   return data;
 }
 
+// r.dir/isl.toml: islands writing r.dir/isl, experts of r.dir/CONFIG, the partition r.dir/PART (K = 2,
+// made if missing), 50 samples held out; the experts' and the router's --set lists as TOML items.
+void write_islands(const ShardRun& r, const std::string& config, const std::string& part, const std::string& expert_sets,
+                   const std::string& router_sets) {
+  test::write_text(r.dir / "isl.toml", "out = \"" + (r.dir / "isl") + "\"\nconfig = \"" + (r.dir / config) +
+                                         "\"\n[partition]\npath = \"" + (r.dir / part) + "\"\nk = 2\n[experts]\nset = [" +
+                                         expert_sets + "]\n[router]\nholdout = 50\nset = [" + router_sets + "]\n");
+}
+
 }  // namespace
 
 TEST(ShardsTrain, ResumeAfterKillIsBitIdentical) {
@@ -349,10 +358,7 @@ TEST(ShardsTrain, ARouterAndADistilledStudentTrainOnShards) {
   EXPECT_TRUE(has(test::read_text(r.dir / "s/config.toml"), r.pattern));
 
   // ddm islands over shards: it makes its partition with --reshard, so each expert reads its own.
-  test::write_text(r.dir / "isl.toml", "out = \"" + (r.dir / "isl") + "\"\nconfig = \"" + (r.dir / "full.toml") +
-                                         "\"\n[partition]\npath = \"" + (r.dir / "ip") + "\"\nk = 2\n"
-                                         "[experts]\nset = [\"train.steps=3\"]\n[router]\nholdout = 50\n"
-                                         "set = [\"train.steps=3\", \"model.patch=6\"]\n");
+  write_islands(r, "full.toml", "ip", "\"train.steps=3\"", "\"train.steps=3\", \"model.patch=6\"");
   auto isl = test::run_ddm("islands run " + (r.dir / "isl.toml"));
   ASSERT_EQ(isl.exit_code, 0) << isl.output;
   EXPECT_TRUE(fs::exists(r.dir / "ip/shards/cluster-1-000000.tar"));
@@ -604,10 +610,7 @@ TEST(ShardsTrain, LatentExpertsARouterAndAStudentTrainOnLatentShards) {
   ASSERT_EQ(student.exit_code, 0) << student.output;
   EXPECT_TRUE(has(student.output, "latent shards " + (r.dir / "lat"))) << student.output;
   // ddm islands over latent shards: its partition (of the latents, with --reshard) and every island.
-  test::write_text(r.dir / "isl.toml", "out = \"" + (r.dir / "isl") + "\"\nconfig = \"" + (r.dir / "lat.toml") +
-                                         "\"\n[partition]\npath = \"" + (r.dir / "isp") + "\"\nk = 2\n"
-                                         "[experts]\nset = [\"train.steps=2\"]\n[router]\nholdout = 50\n"
-                                         "set = [\"train.steps=2\"]\n");
+  write_islands(r, "lat.toml", "isp", "\"train.steps=2\"", "\"train.steps=2\"");
   auto isl = test::run_ddm("islands run " + (r.dir / "isl.toml"));
   ASSERT_EQ(isl.exit_code, 0) << isl.output;
   EXPECT_TRUE(fs::exists(r.dir / "isp/shards/cluster-1/encode.json"));
