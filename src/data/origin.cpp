@@ -37,9 +37,13 @@ std::string recorded_origin(const std::string& path, std::map<std::string, nlohm
   }
   const nlohmann::json& j = it->second;
   if (j.is_null() || !j.contains("shards") || !j["shards"].is_array()) return "";
-  for (const auto& s : j["shards"])
-    if (s.is_object() && s.value("name", "") == name && s.value("bytes", int64_t(-1)) == static_cast<int64_t>(fs::file_size(p)))
-      return j.value("origin", "");
+  try {  // a record with fields of the wrong types says nothing
+    for (const auto& s : j["shards"])
+      if (s.is_object() && s.value("name", "") == name &&
+          s.value("bytes", int64_t(-1)) == static_cast<int64_t>(fs::file_size(p)))
+        return j.value("origin", "");
+  } catch (const nlohmann::json::exception&) {
+  }
   return "";
 }
 
