@@ -303,7 +303,8 @@ std::vector<Command> add_decentral_commands(CLI::App& app) {
                    "pixels[:D] (PCA, default D 64; the default) | feature-net[:FILE] | autoencoder[:D] (default 32) | "
                    "latent:RUN (a `ddm train-autoencoder` run's latents, PCA 64: the space latent experts train in) | "
                    "latent (latent shards' own, PCA 64; the default for data.source = \"latents\") | "
-                   "file:PATH (.npy or .safetensors, one row per image)");
+                   "file:PATH (.npy or .safetensors, one row per image in data order; or, for shards, an .npz of "
+                   "numpy.savez(PATH, features=F, keys=K): row i for the sample with key K[i], in any order)");
   part->add_option("--method", pa->cfg.method, "kmeans | random (a seeded balanced random split, for ablations)")
       ->check(CLI::IsMember({"kmeans", "random"}))
       ->capture_default_str();

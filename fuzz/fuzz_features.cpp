@@ -1,6 +1,7 @@
-// Fuzz target: a features file for `ddm partition --features file:F.npy` -> load_features_file
-// (the hand-written .npy reader).
-#include "decentral/features.h"
+// Fuzz target: a features file for `ddm partition --features file:F` -> read_features_file, the same
+// bytes as an .npy (the hand-written reader) and as an .npz (libarchive's zip reader, then that .npy
+// reader on each member).
+#include "decentral/features_file.h"
 #include "fuzz_util.h"
 
 extern "C" int LLVMFuzzerInitialize(int*, char***) {
@@ -9,8 +10,10 @@ extern "C" int LLVMFuzzerInitialize(int*, char***) {
 }
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
-  const std::string path = ddm::fuzz::scratch_dir() + "/features.npy";
-  ddm::fuzz::write_bytes(path, data, size);
-  ddm::fuzz::expect_errors([&] { ddm::fuzz::touch(ddm::load_features_file(path)); });
+  for (const char* name : {"/features.npy", "/features.npz"}) {
+    const std::string path = ddm::fuzz::scratch_dir() + name;
+    ddm::fuzz::write_bytes(path, data, size);
+    ddm::fuzz::expect_errors([&] { ddm::fuzz::touch(ddm::read_features_file(path).rows); });
+  }
   return 0;
 }

@@ -191,8 +191,33 @@ put(fe, "fortran.npy", npy("<f4", "(2, 2)", f32(1, 2, 3, 4), fortran=True))
 put(fe, "int.npy", npy("<i8", "(1, 1)", i64(3)))
 put(fe, "short.npy", npy("<f4", "(3, 2)", f32(1, 2)))
 
+
+def npz(arrays, compression):
+    """numpy.savez's layout: a zip of NAME.npy members."""
+    import io
+    import zipfile
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w", compression) as z:
+        for name, data in arrays:
+            info = zipfile.ZipInfo(name + ".npy", date_time=(2026, 1, 1, 0, 0, 0))  # the same bytes each run
+            info.compress_type = compression
+            z.writestr(info, data)
+    return out.getvalue()
+
+
+def utf32(keys, width):
+    return b"".join(k.ljust(width, "\0").encode("utf-32-le") for k in keys)
+
+
+import zipfile  # noqa: E402
+keyed = [("features", npy("<f4", "(3, 2)", f32(*range(6)))), ("keys", npy("<U2", "(3,)", utf32(["a", "b1", "c"], 2)))]
+put(fe, "keyed.npz", npz(keyed, zipfile.ZIP_STORED))
+put(fe, "keyed-deflated.npz", npz(keyed, zipfile.ZIP_DEFLATED))
+put(fe, "bytes-keys.npz", npz([keyed[0], ("keys", npy("|S2", "(3,)", b"a\0b1c\0"))], zipfile.ZIP_STORED))
+put(fe, "alone.npz", npz([("arr_0", npy("<f8", "(1, 2)", struct.pack("<2d", 1, 2)))], zipfile.ZIP_STORED))
+
 # ---- launcher environments (fuzz_comm_env): NAME=VALUE lines ----------------------------------
-de = "dist_env"
+de = "comm_env"
 put(de, "torchrun", "RANK=1\nWORLD_SIZE=2\nLOCAL_RANK=1\nLOCAL_WORLD_SIZE=2\nMASTER_ADDR=127.0.0.1\nMASTER_PORT=29500\n"
     "TORCHELASTIC_RESTART_COUNT=1\nTORCHELASTIC_USE_AGENT_STORE=True\nTORCHELASTIC_RUN_ID=none\n")
 put(de, "slurm", "SLURM_PROCID=3\nSLURM_NTASKS=8\nSLURM_LOCALID=1\nSLURM_NODEID=1\nSLURM_TASKS_PER_NODE=2(x3),2\n"

@@ -1,12 +1,9 @@
 // Feature sources for partitioning (see features.h): PCA of pixels, the evaluation feature network,
-// an unsupervised conv autoencoder, and features files (.npy read by hand: no Debian package offers a
-// C++ .npy reader, and the format is a short text header before raw little-endian data).
+// an unsupervised conv autoencoder, and features files (decentral/features_file.h).
 #include "decentral/features.h"
 
-#include <charconv>
 #include <chrono>
 #include <cstdio>
-#include <cstring>
 #include <filesystem>
 #include <iomanip>
 #include <iostream>
@@ -15,9 +12,8 @@
 #include <torch/torch.h>
 
 #include "core/error.h"
-#include "core/fileio.h"
 #include "core/rng.h"
-#include "core/safetensors.h"
+#include "decentral/features_file.h"
 #include "eval/feature_net.h"
 #include "train/latent.h"
 
@@ -44,75 +40,6 @@ int64_t parse_dim(const std::string& spec, const std::string& value) {
 
 double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-}
-
-// .npy: magic "\x93NUMPY", version (1|2|3).x, header length (u16 for v1, u32 after), then a Python
-// dict literal {'descr': '<f4', 'fortran_order': False, 'shape': (N, D), }.
-torch::Tensor load_npy(const std::string& path) {
-  const std::string bytes = read_file(path);
-  DDM_CHECK(bytes.size() >= 10 && bytes.compare(0, 6, "\x93NUMPY") == 0,
-            path << ": not a .npy file (bad magic); save features with numpy.save");
-  const int major = static_cast<unsigned char>(bytes[6]);
-  DDM_CHECK(major >= 1 && major <= 3, path << ": unsupported .npy version " << major);
-  size_t header_len = 0, start = 0;
-  if (major == 1) {
-    header_len = static_cast<unsigned char>(bytes[8]) | (static_cast<unsigned char>(bytes[9]) << 8);
-    start = 10;
-  } else {
-    DDM_CHECK(bytes.size() >= 12, path << ": truncated .npy header");
-    for (int i = 0; i < 4; ++i) header_len |= static_cast<size_t>(static_cast<unsigned char>(bytes[8 + i])) << (8 * i);
-    start = 12;
-  }
-  DDM_CHECK(bytes.size() >= start + header_len, path << ": truncated .npy header");
-  const std::string header = bytes.substr(start, header_len);
-  auto value_of = [&](const std::string& key) -> std::string {
-    const size_t k = header.find("'" + key + "'");
-    DDM_CHECK(k != std::string::npos, path << ": .npy header lacks '" << key << "': " << header);
-    size_t v = header.find(':', k);
-    DDM_CHECK(v != std::string::npos, path << ": malformed .npy header: " << header);
-    ++v;
-    while (v < header.size() && header[v] == ' ') ++v;
-    const char open = header[v];
-    const char close = open == '(' ? ')' : open == '\'' ? '\'' : ',';
-    const size_t end = header.find(close, v + 1);
-    DDM_CHECK(end != std::string::npos, path << ": malformed .npy header: " << header);
-    return header.substr(open == '(' || open == '\'' ? v + 1 : v, end - (open == '(' || open == '\'' ? v + 1 : v));
-  };
-  const std::string descr = value_of("descr"), fortran = value_of("fortran_order"), shape = value_of("shape");
-  DDM_CHECK(fortran.find("False") != std::string::npos,
-            path << ": Fortran-ordered arrays are not supported; save numpy.ascontiguousarray(features)");
-  torch::ScalarType dtype;
-  size_t elem = 0;
-  if (descr == "<f4" || descr == "=f4") {
-    dtype = torch::kFloat32, elem = 4;
-  } else if (descr == "<f8" || descr == "=f8") {
-    dtype = torch::kFloat64, elem = 8;
-  } else {
-    DDM_FAIL(path << ": .npy dtype '" << descr << "' is not supported; use little-endian float32 or float64");
-  }
-  std::vector<int64_t> dims;
-  size_t pos = 0;
-  while (pos < shape.size()) {
-    while (pos < shape.size() && (shape[pos] == ' ' || shape[pos] == ',')) ++pos;
-    if (pos >= shape.size()) break;
-    int64_t d = -1;
-    const auto [end, ec] = std::from_chars(shape.data() + pos, shape.data() + shape.size(), d);
-    DDM_CHECK(ec == std::errc() && d >= 0,
-              path << ": malformed .npy shape (" << shape << "): expected non-negative integers");
-    dims.push_back(d);
-    pos = static_cast<size_t>(end - shape.data());
-  }
-  DDM_CHECK(dims.size() == 2, path << ": features must be 2-D [N, D], got shape (" << shape << ")");
-  uint64_t need = 0;
-  DDM_CHECK(!__builtin_mul_overflow(static_cast<uint64_t>(dims[0]), static_cast<uint64_t>(dims[1]), &need) &&
-                !__builtin_mul_overflow(need, static_cast<uint64_t>(elem), &need),
-            path << ": .npy shape (" << shape << ") is implausibly large; the file is corrupt");
-  DDM_CHECK(bytes.size() - start - header_len == need, path << ": holds " << bytes.size() - start - header_len
-                                                               << " data bytes, but shape (" << shape << ") of "
-                                                               << descr << " needs " << need << "; the file is truncated");
-  auto t = torch::empty({dims[0], dims[1]}, dtype);
-  if (need > 0) std::memcpy(t.data_ptr(), bytes.data() + start + header_len, need);
-  return t;
 }
 
 // A small conv autoencoder (encoder: two stride-2 convs and a linear bottleneck; decoder mirrors it)
@@ -264,32 +191,6 @@ torch::Tensor pca_project(const torch::Tensor& x_in, int64_t dim, double* explai
   return torch::cat(out);  // [N, dim]
 }
 
-torch::Tensor load_features_file(const std::string& path) {
-  DDM_CHECK(fs::is_regular_file(path), "features file '" << path << "' does not exist");
-  const std::string ext = fs::path(path).extension().string();
-  torch::Tensor t;
-  if (ext == ".npy") {
-    t = load_npy(path);
-  } else if (ext == ".safetensors") {
-    const SafetensorsFile f = load_safetensors(path);
-    if (f.tensors.count("features")) {
-      t = f.tensors.at("features");
-    } else {
-      DDM_CHECK(f.tensors.size() == 1, path << ": holds " << f.tensors.size()
-                                            << " tensors; name the features tensor 'features' or store only one");
-      t = f.tensors.begin()->second;
-    }
-    DDM_CHECK(t.dim() == 2, path << ": features must be 2-D [N, D], got " << t.sizes());
-    DDM_CHECK(t.is_floating_point(), path << ": features must be floating point, got " << t.scalar_type());
-  } else {
-    DDM_FAIL("features file '" << path << "': use a .npy or .safetensors file");
-  }
-  t = t.to(torch::kFloat32).contiguous();
-  DDM_CHECK(t.size(0) > 0 && t.size(1) > 0, path << ": features are empty " << t.sizes());
-  DDM_CHECK(torch::isfinite(t).all().item<bool>(), path << ": features contain NaN or infinity");
-  return t;
-}
-
 Features compute_features(const Dataset& data, const FeatureSource& src, uint64_t seed, bool quiet,
                           torch::Device device) {
   const auto t0 = std::chrono::steady_clock::now();
@@ -333,7 +234,11 @@ Features compute_features(const Dataset& data, const FeatureSource& src, uint64_
     desc << "latents of " << m.latent << " (sha256 " << m.latent_sha256.substr(0, 12) << "), PCA " << out.rows.size(1)
          << " of " << flat.size(1) << " (" << std::fixed << std::setprecision(1) << 100 * kept << "% of the variance)";
   } else if (src.kind == "file") {
-    out.rows = load_features_file(src.path);
+    const FeaturesFile file = read_features_file(src.path);
+    DDM_CHECK(file.keys.empty(), src.path << ": its rows are matched to samples by key, which only sharded data have "
+                                          "(data.source = shards or latents); for " << data.description << ", give "
+                                          "one row per image in dataset order (an .npy, or an .npz without keys)");
+    out.rows = file.rows;
     DDM_CHECK(out.rows.size(0) == n, "features file " << src.path << " has " << out.rows.size(0) << " rows but "
                                                       << data.description
                                                       << " has " << n << " images; it needs one row per image, in "

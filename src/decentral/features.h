@@ -8,8 +8,8 @@
 //   latent:RUN         the normalized posterior means of a `ddm train-autoencoder` run's frozen encoder
 //                      (the space latent experts train in), projected on their top 64 principal components
 //   latent             the same for latent shards (`ddm encode`): their own posterior means, no encoder
-//   file:PATH          rows computed elsewhere (DINOv2, CLIP, ...): a .npy (float32/float64, 2-D,
-//                      C order) or a .safetensors file with one 2-D tensor (or one named `features`)
+//   file:PATH          rows computed elsewhere (DINOv2, CLIP, ...): a .npy, .npz or .safetensors file
+//                      (decentral/features_file.h); in memory, one row per image in dataset order
 #pragma once
 
 #include <cstdint>
@@ -41,9 +41,6 @@ struct Features {
 // come back to the host); PCA, the autoencoder trained here and k-means run on the CPU.
 Features compute_features(const Dataset& data, const FeatureSource& src, uint64_t seed, bool quiet,
                           torch::Device device = torch::kCPU);
-
-// Loads a 2-D features file (.npy or .safetensors) as float32.
-torch::Tensor load_features_file(const std::string& path);
 
 // Projection of x [N, F] on its top `dim` principal components (centred, covariance in float64,
 // each component's sign fixed so its largest entry is positive): float32 [N, dim]. explained gets

@@ -21,6 +21,7 @@
 #include "data/shard_stream.h"
 #include "data/shard_write.h"
 #include "data/shards.h"
+#include "decentral/features_file.h"
 #include "eval/feature_net.h"
 #include "train/latent.h"
 
@@ -80,10 +81,11 @@ torch::Tensor pixel_rows(const torch::Tensor& x) {
   return y.flatten(1).contiguous();
 }
 
-// Every sample's label (-1 for none) from the shards' .cls / .json members alone.
-torch::Tensor read_labels(const ShardIndex& index) {
+// Every sample's label (-1 for none) from the shards' .cls / .json members alone, and with `keys` its key.
+torch::Tensor read_labels(const ShardIndex& index, std::vector<std::string>* keys = nullptr) {
   auto labels = torch::empty({index.samples}, torch::kInt64);
   auto* out = labels.data_ptr<int64_t>();
+  if (keys) keys->reserve(static_cast<size_t>(index.samples));
   for (size_t s = 0; s < index.shards.size(); ++s) {
     TarShardReader r(index.shards[s]);
     r.set_filter([](int64_t, const std::string& ext) { return ext == "cls" || ext == "json"; });
@@ -91,6 +93,7 @@ torch::Tensor read_labels(const ShardIndex& index) {
     for (int64_t i = 0; i < index.counts[s]; ++i) {
       DDM_CHECK(r.next(smp), "shard " << index.shards[s] << " has fewer samples than when it was scanned");
       *out++ = sample_label(smp, "shard " + index.shards[s] + ", sample '" + smp.key + "'");
+      if (keys) keys->push_back(smp.key);
     }
   }
   return labels;
@@ -107,20 +110,34 @@ Computed compute(const Dataset& opened, const ShardPartitionOptions& o) {
   const int64_t n = index.samples;
   Computed c;
   if (o.cfg.method == "random" || o.features.kind == "file") {
-    c.labels = read_labels(index);
-    if (o.cfg.method == "random") return c;
-    c.rows = load_features_file(o.features.path);
-    DDM_CHECK(c.rows.size(0) == n, "features file " << o.features.path << " has " << c.rows.size(0) << " rows but "
-                                                    << opened.description << " has " << n
-                                                    << " samples; it needs one row per sample, in shard order");
-    c.description = "file " + o.features.path + " (" + std::to_string(c.rows.size(1)) + "-d)";
+    if (o.cfg.method == "random") {
+      c.labels = read_labels(index);
+      return c;
+    }
+    const FeaturesFile file = read_features_file(o.features.path);
+    std::vector<std::string> keys;
+    c.labels = read_labels(index, file.keys.empty() ? nullptr : &keys);
+    std::ostringstream desc;
+    desc << "file " << o.features.path << " (" << file.rows.size(1) << "-d";
+    if (file.keys.empty()) {
+      DDM_CHECK(file.rows.size(0) == n, "features file " << o.features.path << " has " << file.rows.size(0)
+                                                          << " rows but " << opened.description << " has " << n
+                                                          << " samples; it needs one row per sample, in shard order "
+                                                             "(or keys: an .npz with 'features' and 'keys')");
+      c.rows = file.rows;
+    } else {
+      c.rows = rows_by_key(file, keys, o.features.path, opened.description);
+      desc << ", rows by key: " << n << " of " << file.rows.size(0);
+    }
+    desc << ")";
+    c.description = desc.str();
     return c;
   }
   const LatentShardsInfo* encoded = opened.latents.get();
   DDM_CHECK(!encoded || o.features.kind == "latent",
             "--features " << o.features.spec() << ": latent shards (" << opened.description << ") hold no images; "
                           << "their features are their own latents: --features latent (the default for latent "
-                             "shards), or file:PATH (one row per sample, in shard order)");
+                             "shards), or file:PATH (one row per sample, in shard order, or by key)");
   c.labels = torch::empty({n}, torch::kInt64);
   const auto keep_labels = [&](const torch::Tensor& y, int64_t first) { c.labels.narrow(0, first, y.size(0)).copy_(y); };
   std::ostringstream desc;
@@ -207,7 +224,7 @@ Computed compute(const Dataset& opened, const ShardPartitionOptions& o) {
   } else {
     DDM_FAIL("--features " << o.features.spec() << " is not supported over shards yet (it trains an autoencoder on "
                            "the images in memory); use pixels[:D], feature-net, latent:RUN or file:PATH (one row per "
-                           "sample, in shard order)");
+                           "sample, in shard order, or by key)");
   }
   c.description = desc.str();
   return c;

@@ -8,7 +8,8 @@
 //   latent:RUN    the normalized posterior means of a `ddm train-autoencoder` run's encoder, PCA in the
 //                 same blocks (kept, or encoded again for each pass, as pixels are)
 //   feature-net   the evaluation network, a batch at a time
-//   file:PATH     one row per sample, in shard order (the order of data.root, then of each tar)
+//   file:PATH     one row per sample, in shard order (the order of data.root, then of each tar), or an
+//                 .npz with keys: each sample's row found by its key (features_file.h)
 // Latent shards (data.source = "latents", a `ddm encode` directory) give their own posterior means,
 // normalized, as latent:RUN would (--features latent), and clusters.png shows them decoded.
 // The features are clustered as in memory (partition.h). Then each cluster's samples are listed, a

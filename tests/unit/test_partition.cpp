@@ -10,6 +10,7 @@
 #include "core/error.h"
 #include "core/safetensors.h"
 #include "decentral/features.h"
+#include "decentral/features_file.h"
 #include "decentral/kmeans.h"
 #include "decentral/partition.h"
 #include "test_util.h"
@@ -277,6 +278,7 @@ TEST(Features, PcaFindsTheLargestVarianceDirections) {
 
 TEST(Features, FilesInNpyAndSafetensors) {
   const test::TempDir tmp;
+  const auto load_features_file = [](const std::string& path) { return read_features_file(path).rows; };
   const auto rows = torch::randn({5, 3});
   auto write_npy = [&](const std::string& path, const std::string& descr, const std::string& shape,
                        const void* data, size_t bytes, bool fortran = false) {
@@ -326,6 +328,9 @@ TEST(Features, FilesInNpyAndSafetensors) {
   EXPECT_NE(test::error_message([&] { load_features_file(tmp / "g.safetensors"); }).find("name the features tensor"),
             std::string::npos);
   EXPECT_NE(test::error_message([&] { load_features_file(tmp / "f.csv"); }).find("does not exist"), std::string::npos);
+  test::write_text(tmp / "f.csv", "1,2\n");
+  EXPECT_NE(test::error_message([&] { load_features_file(tmp / "f.csv"); }).find("use a .npy, .npz or .safetensors"),
+            std::string::npos);
 
   // A file whose row count differs from the dataset's.
   const Dataset data = tiny_dataset(6, 1);
@@ -334,6 +339,62 @@ TEST(Features, FilesInNpyAndSafetensors) {
             std::string::npos);
   EXPECT_EQ(compute_features(tiny_dataset(5, 1), parse_feature_source("file:" + (tmp / "f4.npy")), 0, true)
                 .rows.size(1),
+            3);
+}
+
+// .npz files as numpy writes them (tests/data/README.md): the features with each row's sample key,
+// stored or deflated, '<U' or '|S' keys; rows_by_key puts them in the data's order.
+TEST(Features, NpzFilesAsNumpyWritesThem) {
+  const auto fixture = [](const std::string& name) { return test::source_dir() + "/tests/data/" + name; };
+  const auto rows = torch::tensor({1.5f, -2.0f, 0.25f, 4.0f, 3.0f, 0.5f}).view({3, 2});
+  const std::vector<std::string> keys{"b/002", "a/001", "c\xc3\xa9\xe2\x98\x83"};  // "cé☃" in UTF-8
+  for (const char* name : {"features-keyed.npz", "features-keyed-compressed.npz"}) {
+    const FeaturesFile f = read_features_file(fixture(name));
+    EXPECT_TRUE(f.rows.equal(rows)) << name;
+    EXPECT_EQ(f.keys, keys) << name;
+  }
+  EXPECT_EQ(read_features_file(fixture("features-bytes-keys.npz")).keys,
+            (std::vector<std::string>{"b/002", "a/001", "c"}));
+  const FeaturesFile alone = read_features_file(fixture("features-alone.npz"));
+  EXPECT_TRUE(alone.rows.equal(rows));
+  EXPECT_TRUE(alone.keys.empty());
+
+  // Rows by key, in the data's order; a sample without a row, or two samples of one key, are named.
+  const FeaturesFile f = read_features_file(fixture("features-keyed.npz"));
+  EXPECT_TRUE(rows_by_key(f, {"a/001", keys[2], "b/002"}, "f.npz", "the data").equal(rows.index_select(0, torch::tensor({1, 2, 0}))));
+  EXPECT_TRUE(rows_by_key(f, {"b/002"}, "f.npz", "the data").equal(rows.narrow(0, 0, 1)));  // extra rows are fine
+  std::string msg = test::error_message([&] { rows_by_key(f, {"a/001", "zz", "b/002"}, "f.npz", "the data"); });
+  EXPECT_NE(msg.find("f.npz: has no row for 1 of the 3 samples of the data (keys 'zz')"), std::string::npos) << msg;
+  msg = test::error_message([&] { rows_by_key(f, {"a/001", "b/002", "a/001"}, "f.npz", "the data"); });
+  EXPECT_NE(msg.find("the key 'a/001' names samples 0 and 2"), std::string::npos) << msg;
+
+  // Bad files: each error names the file and what is wrong.
+  const auto error_of = [&](const std::string& path) { return test::error_message([&] { read_features_file(path); }); };
+  const std::pair<const char*, const char*> bad[] = {
+      {"features-object-keys.npz", "pickle"},
+      {"features-short-keys.npz", "has 2 keys for 3 rows"},
+      {"features-duplicate-keys.npz", "the key 'a' names rows 0 and 2"},
+      {"features-extra-array.npz", "holds the arrays 'features', 'ids', 'keys'"},
+  };
+  for (const auto& [name, says] : bad) {
+    msg = error_of(fixture(name));
+    EXPECT_NE(msg.find(name), std::string::npos) << msg;
+    EXPECT_NE(msg.find(says), std::string::npos) << msg;
+  }
+  const test::TempDir tmp;
+  const std::string whole = test::read_text(fixture("features-keyed.npz"));
+  test::write_text(tmp / "cut.npz", whole.substr(0, whole.size() / 2));
+  msg = error_of(tmp / "cut.npz");
+  EXPECT_NE(msg.find("cut.npz"), std::string::npos) << msg;
+  test::write_text(tmp / "text.npz", "not a zip archive");
+  msg = error_of(tmp / "text.npz");
+  EXPECT_NE(msg.find("text.npz"), std::string::npos) << msg;
+
+  // In memory, samples have no keys: a keyed file is refused.
+  msg = test::error_message([&] { compute_features(tiny_dataset(3, 1), parse_feature_source("file:" + fixture("features-keyed.npz")), 0, true); });
+  EXPECT_NE(msg.find("only sharded data have"), std::string::npos) << msg;
+  EXPECT_EQ(compute_features(tiny_dataset(3, 1), parse_feature_source("file:" + fixture("features-alone.npz")), 0, true)
+                .rows.size(0),
             3);
 }
 

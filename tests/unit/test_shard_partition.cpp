@@ -5,12 +5,16 @@
 // its cluster's shards, and partitions made on other shards or without reshard are clear errors.
 #include <gtest/gtest.h>
 
+#include <archive.h>
+#include <archive_entry.h>
+
 #include <filesystem>
 #include <fstream>
 #include <map>
 #include <set>
 
 #include "core/error.h"
+#include "core/safetensors.h"
 #include "data/shard_write.h"
 #include "data/shards.h"
 #include "decentral/features.h"
@@ -55,6 +59,47 @@ ShardPartitionOptions options(const std::string& root, int64_t resolution, const
   o.cfg.quiet = true;
   o.threads = 2;
   return o;
+}
+
+// numpy.savez(path, features=rows, keys=keys) as numpy lays it out: a zip (here deflated, by
+// libarchive) of features.npy ('<f4' [M, D]) and keys.npy ('<U' [M], ASCII keys).
+void write_keyed_npz(const std::string& path, const torch::Tensor& rows, const std::vector<std::string>& keys) {
+  const auto npy = [](const std::string& descr, const std::string& shape, const std::string& data) {
+    std::string header = "{'descr': '" + descr + "', 'fortran_order': False, 'shape': (" + shape + "), }";
+    header += std::string(63 - (10 + header.size()) % 64, ' ') + "\n";
+    std::string out("\x93NUMPY\x01\x00", 8);
+    out += static_cast<char>(header.size() & 0xff);
+    out += static_cast<char>(header.size() >> 8);
+    return out + header + data;
+  };
+  size_t width = 1;
+  for (const std::string& k : keys) width = std::max(width, k.size());
+  std::string utf32;
+  for (const std::string& k : keys)
+    for (size_t c = 0; c < width; ++c) {  // UTF-32LE, NUL-padded to the width
+      utf32 += c < k.size() ? k[c] : '\0';
+      utf32 += std::string(3, '\0');
+    }
+  const auto f = rows.to(torch::kFloat32).contiguous();
+  const std::map<std::string, std::string> members{
+      {"features.npy", npy("<f4", std::to_string(f.size(0)) + ", " + std::to_string(f.size(1)),
+                           std::string(static_cast<const char*>(f.data_ptr()), f.numel() * 4))},
+      {"keys.npy", npy("<U" + std::to_string(width), std::to_string(keys.size()) + ",", utf32)}};
+  archive* a = archive_write_new();
+  ASSERT_EQ(archive_write_set_format_zip(a), ARCHIVE_OK);
+  ASSERT_EQ(archive_write_open_filename(a, path.c_str()), ARCHIVE_OK);
+  for (const auto& [name, bytes] : members) {
+    archive_entry* e = archive_entry_new();
+    archive_entry_set_pathname(e, name.c_str());
+    archive_entry_set_size(e, static_cast<la_int64_t>(bytes.size()));
+    archive_entry_set_filetype(e, AE_IFREG);
+    archive_entry_set_perm(e, 0644);
+    ASSERT_EQ(archive_write_header(a, e), ARCHIVE_OK);
+    ASSERT_EQ(archive_write_data(a, bytes.data(), bytes.size()), static_cast<la_ssize_t>(bytes.size()));
+    archive_entry_free(e);
+  }
+  ASSERT_EQ(archive_write_close(a), ARCHIVE_OK);
+  archive_write_free(a);
 }
 
 }  // namespace
@@ -145,6 +190,45 @@ TEST(ShardPartition, ReadingTheShardsForEachPassGivesWhatKeepingThePixelsGives) 
   EXPECT_TRUE(a.labels.equal(b.labels));
   EXPECT_TRUE(a.centroids.equal(b.centroids));
   EXPECT_TRUE(has(a.features, "downsampled to 32x32")) << a.features;
+}
+
+// Features computed elsewhere and saved with each sample's key (an .npz) give the partition that the
+// same rows in shard order give, whatever the file's order and with rows for samples not in the shards.
+TEST(ShardPartition, FeaturesByKeyGiveWhatTheSameRowsInShardOrderGive) {
+  test::TempDir dir;
+  torch::manual_seed(13);
+  Dataset d;
+  d.images = torch::randint(0, 256, {120, 1, 8, 8}, torch::kUInt8);
+  d.labels = torch::zeros({120}, torch::kInt64);
+  const ShardsWritten w = write_shards(d, dir / "shards", 50, "k");
+  const auto rows = torch::randn({130, 5});  // sample i's features for i < 120, then 10 of no sample
+  SafetensorsFile ordered;
+  ordered.tensors["features"] = rows.narrow(0, 0, 120);
+  save_safetensors(dir / "ordered.safetensors", ordered);
+  std::vector<std::string> keys;
+  for (int64_t i = 0; i < 130; ++i) keys.push_back(i < 120 ? zero_padded(i, 8) : "extra-" + std::to_string(i));
+  const auto perm = torch::randperm(130, torch::kLong);
+  std::vector<std::string> shuffled;
+  for (int64_t i = 0; i < 130; ++i) shuffled.push_back(keys[static_cast<size_t>(perm[i].item<int64_t>())]);
+  write_keyed_npz(dir / "keyed.npz", rows.index_select(0, perm), shuffled);
+
+  partition_shards(options(w.pattern, 8, "file:" + (dir / "ordered.safetensors")), dir / "a");
+  partition_shards(options(w.pattern, 8, "file:" + (dir / "keyed.npz")), dir / "b");
+  const Partition a = load_partition(dir / "a"), b = load_partition(dir / "b");
+  EXPECT_TRUE(a.labels.equal(b.labels));
+  EXPECT_TRUE(a.centroids.equal(b.centroids));
+  EXPECT_TRUE(has(b.features, "rows by key: 120 of 130")) << b.features;
+
+  // A sample without a row is named, and nothing is written.
+  write_keyed_npz(dir / "short.npz", rows.narrow(0, 0, 119), std::vector<std::string>(keys.begin(), keys.begin() + 119));
+  try {
+    partition_shards(options(w.pattern, 8, "file:" + (dir / "short.npz")), dir / "c");
+    ADD_FAILURE() << "no error for a sample without a row";
+  } catch (const Error& e) {
+    EXPECT_TRUE(has(e.what(), "has no row for 1 of the 120 samples")) << e.what();
+    EXPECT_TRUE(has(e.what(), "'" + zero_padded(119, 8) + "'")) << e.what();
+  }
+  EXPECT_FALSE(fs::exists(dir / "c"));
 }
 
 TEST(ShardPartition, BadInputsAreClearErrors) {
