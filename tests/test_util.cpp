@@ -4,6 +4,8 @@
 #include <gtest/gtest.h>
 
 #include <array>
+#include <chrono>
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -11,6 +13,7 @@
 #include <sstream>
 #include <stdexcept>
 #include <sys/wait.h>
+#include <thread>
 
 #include "core/error.h"
 
@@ -54,6 +57,30 @@ CommandResult run_command(const std::string& cmd) {
 }
 
 CommandResult run_ddm(const std::string& args) { return run_command(ddm_binary() + " " + args); }
+
+int spawn_ddm(const std::string& env, const std::string& args, const std::string& log) {
+  const auto r = run_command("env " + env + " " + ddm_binary() + " " + args + " > " + log + " 2>&1 & echo $!");
+  return std::stoi(r.output);
+}
+
+std::vector<int> child_pids(int parent) {
+  std::vector<int> out;
+  std::istringstream in(run_command("pgrep -P " + std::to_string(parent)).output);
+  int p;
+  while (in >> p) out.push_back(p);
+  return out;
+}
+
+int wait_exit(int pid, double seconds) {
+  // The process is a child of the shell that started it, not of this test: poll until it is gone.
+  const auto end = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
+  while (kill(pid, 0) == 0 && std::chrono::steady_clock::now() < end)
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  if (kill(pid, 0) != 0) return 0;
+  for (const int child : child_pids(pid)) kill(child, SIGKILL);
+  kill(pid, SIGKILL);
+  return -1;
+}
 
 std::string ddm_binary() {
   // DDM_BINARY in the environment: the tests' binaries carried to another machine (scripts/gpu-check.sh).

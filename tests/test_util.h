@@ -2,6 +2,7 @@
 #pragma once
 #include <functional>
 #include <string>
+#include <vector>
 
 namespace ddm::test {
 
@@ -23,6 +24,15 @@ struct CommandResult {
 CommandResult run_command(const std::string& cmd);
 // Runs the ddm binary built with the tests with the given argument string.
 CommandResult run_ddm(const std::string& args);
+
+// Background processes, for fault tests (a launcher and its workers): `ddm ARGS` started in the
+// background with environment assignments `env` ("A=1 B=2", or ""), its output into `log`; its pid.
+int spawn_ddm(const std::string& env, const std::string& args, const std::string& log);
+// The pids of `parent`'s children (a launcher's workers).
+std::vector<int> child_pids(int parent);
+// 0 once `pid` has exited; -1 if it still runs after `seconds`, and then it is killed with its children,
+// so that a failed test leaves no process behind.
+int wait_exit(int pid, double seconds);
 
 // Paths this build was configured with. Only test_util.cpp is compiled with them (as definitions):
 // an absolute path in every test file's command line would keep ccache from serving one clone's

@@ -41,11 +41,16 @@ StepResult DataParallelEngine::step(const std::vector<Batch>& micro, int64_t ste
 
 int DataParallelEngine::agree_stop(int64_t, int64_t, int signal) { return agree_on_stop(*comm_, signal); }
 
-void DataParallelEngine::contribute(Checkpoint& ck, int64_t) {
+void DataParallelEngine::fill_checkpoint(Checkpoint& ck) {
   if (!lead_) return;
   ck.model = module_state(*net_);
   ck.ema = step_.optim().named_ema();
   ck.optim = step_.optim().optimizer_state();
+}
+
+std::vector<std::string> DataParallelEngine::contribute(Checkpoint& ck, int64_t, const std::string& mine) {
+  fill_checkpoint(ck);
+  return comm_->world_size() > 1 ? comm_->all_gather_strings(mine) : std::vector<std::string>{mine};
 }
 
 std::string DataParallelEngine::describe() const {

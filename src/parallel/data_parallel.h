@@ -22,12 +22,13 @@ class DataParallelEngine : public Engine {
   std::vector<torch::Tensor> initial_weights() override;
   StepResult step(const std::vector<Batch>& micro, int64_t step, const std::vector<Batch>& next) override;
   int agree_stop(int64_t done, int64_t last, int signal) override;
-  void contribute(Checkpoint& ck, int64_t step) override;
+  std::vector<std::string> contribute(Checkpoint& ck, int64_t step, const std::string& mine) override;
   std::string describe() const override;
   int64_t bytes_sent() const override { return comm_->bytes_sent(); }
   Comm& group() override { return *comm_; }
 
  protected:
+  void fill_checkpoint(Checkpoint& ck);  // rank 0: the model, EMA and optimizer tensors
   const RunConfig cfg_;
   Net net_;
   std::shared_ptr<Comm> comm_;

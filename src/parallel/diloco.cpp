@@ -260,7 +260,7 @@ Diloco::Report Diloco::after_step(int64_t done, int64_t last, int signal) {
   return report;
 }
 
-DilocoReplicas Diloco::gather_replicas(int64_t step) {
+DilocoReplicas Diloco::gather_replicas(int64_t step, const std::string& mine) {
   std::string failure;
   for (int tries = 0;; ++tries) {
     try {
@@ -277,6 +277,7 @@ DilocoReplicas Diloco::gather_replicas(int64_t step) {
       r.exp_avg_sq = comm.gather(optim_.flat_exp_avg_sq(), 0);
       if (comm.rank() == 0)
         for (int i = 0; i < comm.world_size(); ++i) r.ranks.push_back(comm.job_rank_of(i));
+      r.records = comm.world_size() > 1 ? comm.all_gather_strings(mine) : std::vector<std::string>{mine};
       return r;
     } catch (const ElasticGroup::Fatal&) {
       throw;

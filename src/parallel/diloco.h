@@ -38,6 +38,7 @@ namespace ddm {
 struct DilocoReplicas {  // every replica's inner state, on rank 0 (empty on the others)
   std::vector<torch::Tensor> params, exp_avg, exp_avg_sq;
   std::vector<int> ranks;  // their job ranks
+  std::vector<std::string> records;  // each replica's `mine` (gather_replicas), on every replica
 };
 
 class Diloco {
@@ -91,8 +92,9 @@ class Diloco {
                int64_t step);
   int64_t syncs() const { return syncs_; }  // outer steps applied (all fragments) in this process
   // Collective over the replicas that are there (a dead one is left out after diloco.peer_wait):
-  // every replica sends its local weights and moments to rank 0, for the checkpoint of `step`.
-  DilocoReplicas gather_replicas(int64_t step);
+  // every replica sends its local weights and moments to rank 0, for the checkpoint of `step`, and
+  // `mine` to every replica.
+  DilocoReplicas gather_replicas(int64_t step, const std::string& mine = "");
 
  private:
   enum Phase : int64_t { kLaunching = 0, kFinishing = 1 };

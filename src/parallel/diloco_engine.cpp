@@ -55,11 +55,12 @@ class DilocoEngine : public DataParallelEngine {
   }
   bool can_checkpoint() const override { return !diloco_->in_flight(); }
 
-  void contribute(Checkpoint& ck, int64_t step) override {
+  std::vector<std::string> contribute(Checkpoint& ck, int64_t step, const std::string& mine) override {
     // Every replica sends its inner state to rank 0 (a collective: every rank saves alike).
-    const DilocoReplicas replicas = diloco_->gather_replicas(step);
-    DataParallelEngine::contribute(ck, step);
+    DilocoReplicas replicas = diloco_->gather_replicas(step, mine);
+    fill_checkpoint(ck);
     if (lead_) add_diloco_state(ck, *diloco_, step_.optim(), replicas);
+    return std::move(replicas.records);
   }
 
   std::string describe() const override {

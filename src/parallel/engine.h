@@ -85,8 +85,11 @@ class Engine {
 
   // Whether a checkpoint may be written now (false while a DiLoCo all-reduce is in flight).
   virtual bool can_checkpoint() const { return true; }
-  // Collective: on rank 0 fills ck's model, EMA and optimizer tensors and this mode's state.
-  virtual void contribute(Checkpoint& ck, int64_t step) = 0;
+  // Collective: on rank 0 fills ck's model, EMA and optimizer tensors and this mode's state. Returns
+  // every rank's `mine` (the trainer's record of its data), on every rank: DiLoCo's are the replicas
+  // in the group, gathered with their state in one round, so that a replica lost during it is left
+  // out of both alike.
+  virtual std::vector<std::string> contribute(Checkpoint& ck, int64_t step, const std::string& mine) = 0;
 
   // The "parallel: ..." line of the run header (no newline); empty for one process.
   virtual std::string describe() const = 0;

@@ -87,7 +87,7 @@ class PipelineEngine : public Engine {
   }
   int agree_stop(int64_t, int64_t, int signal) override { return agree_on_stop(*comm_, signal); }
 
-  void contribute(Checkpoint& ck, int64_t) override {
+  std::vector<std::string> contribute(Checkpoint& ck, int64_t, const std::string& mine_record) override {
     // Every stage contributes its parameters' state, assembled by name (a collective); every replica
     // holds the same, so replica 0's pipeline alone assembles.
     TensorMap params, ema, moments;
@@ -99,7 +99,9 @@ class PipelineEngine : public Engine {
       moments = pipe_->assemble(mine, "exp_avg.");
       moments.merge(pipe_->assemble(mine, "exp_avg_sq."));
     }
-    if (layout_.rank != 0) return;
+    std::vector<std::string> records =
+        comm_->world_size() > 1 ? comm_->all_gather_strings(mine_record) : std::vector<std::string>{mine_record};
+    if (layout_.rank != 0) return records;
     ck.model = module_state(*net_);
     for (const auto& [name, t] : params) ck.model[name] = t;  // the other stages' parameters, current
     ck.ema = ema;
@@ -108,6 +110,7 @@ class PipelineEngine : public Engine {
                             {"processes", layout_.pp},
                             {"schedule", name_of(cfg_.parallel.schedule)},
                             {"first_units", pipe_->bounds()}};
+    return records;
   }
 
   std::string describe() const override {

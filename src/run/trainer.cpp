@@ -3,6 +3,7 @@
 // stops alike on every rank.
 #include "run/trainer.h"
 
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -82,6 +83,11 @@ TrainSummary train(TrainJob job, const TrainOptions& options) {
   }
   BatchSource& loader = *source;
   bool ckpt_due = false;  // a checkpoint waits while the engine cannot take one (a DiLoCo all-reduce in flight)
+  // Each replica's data position and bad samples skipped at the last checkpoint it was in (or the one
+  // resumed from; at the start, the beginning): [replica] = epoch, index, skipped, step. Rank 0's
+  // lets a replica that rejoins go on from its own (the transfer hook below).
+  std::vector<std::array<int64_t, 4>> positions;
+  bool adopted = false;  // a rejoining replica has taken its position
   const std::unique_ptr<Engine> engine = make_engine({cfg, layout, net, job.objective, comm, data});
   FlatAdamW& optim = engine->optim();
   if (comm->distributed() && !proc.rejoining) comm->check_same(identity, "config, data and model");
@@ -92,14 +98,43 @@ TrainSummary train(TrainJob job, const TrainOptions& options) {
   EngineStart start;
   start.step = step, start.resumed = run.resumed ? &*run.resumed : nullptr;
   start.rejoining = proc.rejoining, start.quiet = opt.quiet;
-  // A replica joining mid-run also takes the data cursor and whether a checkpoint is due.
-  // (A replica reading shards of its own keeps its own position.)
+  positions.assign(static_cast<size_t>(loader.replicas()), {0, 0, 0, run.step});
+  for (size_t r = 0; r < run.data_cursors.size() && r < positions.size(); ++r)
+    positions[r] = {run.data_cursors[r].epoch, run.data_cursors[r].index,
+                    r < run.data_skipped.size() ? run.data_skipped[r] : 0, run.step};
+  // A replica joining mid-run also takes the data cursor and whether a checkpoint is due. A replica
+  // reading shards of its own goes on from its own position at the last checkpoint, which the sender
+  // (rank 0) holds: what it drew after that was lost with it, as a --resume of the whole run would.
   start.transfer = [&](Comm& c, int from) {
     const auto cur = loader.cursor();
     auto t = torch::tensor({cur.epoch, cur.index, static_cast<int64_t>(ckpt_due)}, torch::kLong);
     c.broadcast(t, from);
     if (!loader.per_replica()) loader.set_cursor({t[0].item<int64_t>(), t[1].item<int64_t>()});
     ckpt_due = t[2].item<int64_t>() != 0;
+    if (!loader.per_replica()) return;
+    auto at = torch::full({loader.replicas(), 4}, -1, torch::kLong);  // [replica] = positions[replica]
+    if (c.rank() == from && lead)
+      for (size_t r = 0; r < positions.size(); ++r)
+        at[static_cast<int64_t>(r)] =
+            torch::tensor({positions[r][0], positions[r][1], positions[r][2], positions[r][3]}, torch::kLong);
+    c.broadcast(at, from);
+    if (!proc.rejoining || adopted) return;
+    adopted = true;
+    const auto mine = at[loader.replica()];
+    const int64_t epoch = mine[0].item<int64_t>(), index = mine[1].item<int64_t>();
+    if (epoch < 0) {
+      std::cerr << "rank " << rank << ": the replica that sent the state keeps no record of this replica's data "
+                << "position; its shards start again from the beginning" << std::endl;
+      return;
+    }
+    loader.set_cursor({epoch, index});
+    if (shard_loader) shard_loader->set_skipped(std::max<int64_t>(0, mine[2].item<int64_t>()));
+    const int64_t recorded = mine[3].item<int64_t>();
+    std::cerr << "rank " << rank << ": replica " << loader.replica() << "'s shards go on from epoch " << epoch
+              << ", sample " << index << ": "
+              << (recorded > 0 ? "its position at the checkpoint of step " + std::to_string(recorded)
+                               : std::string("the beginning (no checkpoint has recorded it yet)"))
+              << std::endl;
   };
   const EngineBegun begun = engine->begin(start);
   TrainSummary summary;
@@ -122,26 +157,26 @@ TrainSummary train(TrainJob job, const TrainOptions& options) {
   int64_t noticed_skips = reported_skips;                                // this replica's, last named
   auto save = [&](int64_t at_step) {
     Checkpoint ck;
-    engine->contribute(ck, at_step);  // a collective: every rank saves alike
-    // Each replica's own data position (shards) and the bad samples it skipped, gathered from every rank.
+    // Each replica's own data position (shards) and the bad samples it skipped, gathered from the
+    // ranks with their state (a collective: every rank saves alike). DiLoCo: from the replicas in
+    // the group; one that is gone keeps its last record.
+    const auto c = loader.cursor();
+    const std::string mine = std::to_string(loader.replica()) + " " + std::to_string(c.epoch) + " " +
+                             std::to_string(c.index) + " " + std::to_string(shard_loader ? shard_loader->skipped() : 0);
+    const std::vector<std::string> records = engine->contribute(ck, at_step, mine);
     nlohmann::json replicas = nlohmann::json::array(), skipped = nlohmann::json::array();
     int64_t skipped_total = 0;
     if (loader.per_replica()) {
-      const auto c = loader.cursor();
-      const std::string mine = std::to_string(loader.replica()) + " " + std::to_string(c.epoch) + " " +
-                               std::to_string(c.index) + " " + std::to_string(shard_loader ? shard_loader->skipped() : 0);
-      const std::vector<std::string> all = world > 1 ? comm->all_gather_strings(mine) : std::vector<std::string>{mine};
-      std::vector<nlohmann::json> by_replica(static_cast<size_t>(loader.replicas()));
-      std::vector<int64_t> skipped_by(static_cast<size_t>(loader.replicas()), 0);
-      for (const std::string& a : all) {
+      for (const std::string& a : records) {
         int64_t r = 0, e = 0, i = 0, k = 0;
         std::istringstream(a) >> r >> e >> i >> k;
-        by_replica[static_cast<size_t>(r)] = {e, i};
-        skipped_by[static_cast<size_t>(r)] = k;  // the ranks of a replica (pipeline stages) read alike
+        positions[static_cast<size_t>(r)] = {e, i, k, at_step};  // the ranks of a replica (pipeline stages) read alike
       }
-      replicas = by_replica;
-      skipped = skipped_by;
-      for (const int64_t k : skipped_by) skipped_total += k;
+      for (const auto& p : positions) {
+        replicas.push_back({p[0], p[1]});
+        skipped.push_back(p[2]);
+        skipped_total += p[2];
+      }
     }
     if (!lead) return last_ckpt;
     ck.step = at_step;

@@ -85,35 +85,6 @@ int free_port() {
   return std::stoi(r.output);
 }
 
-// Starts `ddm ARGS` in the background with an environment; returns its pid.
-pid_t spawn(const std::string& env, const std::string& args, const std::string& log) {
-  const auto r = run_command("env " + env + " " + binary() + " " + args + " > " + log + " 2>&1 & echo $!");
-  return static_cast<pid_t>(std::stol(r.output));
-}
-
-// Pids of the ddm workers a launcher started (its children).
-std::vector<pid_t> children(pid_t parent) {
-  std::vector<pid_t> out;
-  const auto r = run_command("pgrep -P " + std::to_string(parent));
-  std::istringstream in(r.output);
-  pid_t p;
-  while (in >> p) out.push_back(p);
-  return out;
-}
-
-// 0 once `pid` has exited; -1 if it is still running after `seconds`, and then it is killed with its
-// children (a launcher's workers), so that a failed test leaves no process behind.
-int wait_exit(pid_t pid, double seconds) {
-  // The process is a child of the shell that started it, not of this test: poll until it is gone.
-  const auto end = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
-  while (kill(pid, 0) == 0 && std::chrono::steady_clock::now() < end)
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  if (kill(pid, 0) != 0) return 0;
-  for (const pid_t child : children(pid)) kill(child, SIGKILL);
-  kill(pid, SIGKILL);
-  return -1;
-}
-
 void wait_for_checkpoints(const std::string& run, size_t n, double seconds) {
   const auto end = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
   while (list_checkpoints(run).size() < n && std::chrono::steady_clock::now() < end)
@@ -124,12 +95,12 @@ void wait_for_checkpoints(const std::string& run, size_t n, double seconds) {
 // after the second checkpoint and waits for the launch to end; returns the launcher's log.
 std::string killed_under_launcher(const Workdir& r, const std::string& out, const std::string& sets, int victim) {
   const std::string log = r.dir / (out + ".log");
-  const pid_t launcher = spawn("", "launch --timeout 300 --max-restarts 1 --nproc 2 -- " + r.train(out, sets), log);
+  const pid_t launcher = test::spawn_ddm("", "launch --timeout 300 --max-restarts 1 --nproc 2 -- " + r.train(out, sets), log);
   wait_for_checkpoints(r.dir / out, 2, 120);
-  auto workers = children(launcher);
+  auto workers = test::child_pids(launcher);
   if (workers.size() != 2u) ADD_FAILURE() << "expected 2 workers: " << test::read_text(log);
   else kill(workers[static_cast<size_t>(victim)], SIGKILL);
-  if (wait_exit(launcher, 300) != 0) ADD_FAILURE() << "the launcher did not end: " << test::read_text(log);
+  if (test::wait_exit(launcher, 300) != 0) ADD_FAILURE() << "the launcher did not end: " << test::read_text(log);
   return test::read_text(log);
 }
 
@@ -155,12 +126,12 @@ void a_kill_changes_nothing(const Workdir& r, const std::string& sets, int steps
 nlohmann::json sigterm_to_rank_one(const Workdir& r, const std::string& out, const std::string& sets) {
   const std::string env = "WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(free_port());
   const std::string args = r.train(out, " --set train.steps=100000 --set train.ckpt_every=100000" + sets);
-  const pid_t r0 = spawn("RANK=0 " + env, args, r.dir / "r0.log"), r1 = spawn("RANK=1 " + env, args, r.dir / "r1.log");
+  const pid_t r0 = test::spawn_ddm("RANK=0 " + env, args, r.dir / "r0.log"), r1 = test::spawn_ddm("RANK=1 " + env, args, r.dir / "r1.log");
   const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(120);
   while (losses(r.dir / out).size() < 3 && std::chrono::steady_clock::now() < end)
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
   kill(r1, SIGTERM);
-  const bool exited = wait_exit(r0, 60) == 0 && wait_exit(r1, 60) == 0;
+  const bool exited = test::wait_exit(r0, 60) == 0 && test::wait_exit(r1, 60) == 0;
   const std::string out0 = test::read_text(r.dir / "r0.log");
   EXPECT_TRUE(exited) << out0;
   EXPECT_TRUE(has(out0, "stopped by signal 15")) << out0;
@@ -176,11 +147,11 @@ nlohmann::json sigterm_to_rank_one(const Workdir& r, const std::string& out, con
 std::string rank_one_killed(const Workdir& r, const std::string& out, const std::string& sets) {
   const std::string env = "WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(free_port());
   const std::string args = r.train(out, sets + " --set train.steps=100000");
-  const pid_t r0 = spawn("RANK=0 " + env, args, r.dir / "r0.log"), r1 = spawn("RANK=1 " + env, args, r.dir / "r1.log");
+  const pid_t r0 = test::spawn_ddm("RANK=0 " + env, args, r.dir / "r0.log"), r1 = test::spawn_ddm("RANK=1 " + env, args, r.dir / "r1.log");
   wait_for_checkpoints(r.dir / out, 1, 120);
   kill(r1, SIGKILL);
   // Bounded by the wait, not timed: the message says the lost connection (not a timeout) stopped it.
-  EXPECT_EQ(wait_exit(r0, 60), 0) << test::read_text(r.dir / "r0.log");
+  EXPECT_EQ(test::wait_exit(r0, 60), 0) << test::read_text(r.dir / "r0.log");
   const std::string log = test::read_text(r.dir / "r0.log");
   EXPECT_TRUE(has(log, "error: rank 0: lost the connection to rank 1")) << log;
   return log;
@@ -191,11 +162,11 @@ std::string rank_one_killed(const Workdir& r, const std::string& out, const std:
 // that and returns the launcher's log.
 std::string worker_one_hung(const Workdir& r, const std::string& out, const std::string& sets) {
   const std::string log = r.dir / (out + ".log");
-  const pid_t launcher = spawn("", "launch --timeout 200 --grace 2 --nproc 2 -- " +
+  const pid_t launcher = test::spawn_ddm("", "launch --timeout 200 --grace 2 --nproc 2 -- " +
                                        r.train(out, sets + " --set train.steps=100000 --set parallel.timeout=3"),
                                log);
   wait_for_checkpoints(r.dir / out, 1, 120);
-  auto workers = children(launcher);
+  auto workers = test::child_pids(launcher);
   if (workers.size() != 2u) {
     ADD_FAILURE() << "expected 2 workers: " << test::read_text(log);
     return "";
@@ -203,7 +174,7 @@ std::string worker_one_hung(const Workdir& r, const std::string& out, const std:
   kill(workers[1], SIGSTOP);
   // Bounded by the wait (Gloo's own timeout is 30 minutes), not timed: the message says which
   // timeout stopped it.
-  EXPECT_EQ(wait_exit(launcher, 120), 0) << test::read_text(log);
+  EXPECT_EQ(test::wait_exit(launcher, 120), 0) << test::read_text(log);
   const std::string text = test::read_text(log);
   EXPECT_TRUE(has(text, "timed out after 3")) << text;
   return text;
@@ -327,11 +298,11 @@ TEST(Distributed, DilocoGoesOnWithoutAKilledReplica) {
                                            "--set parallel.mode=diloco --set diloco.inner_steps=5 --set diloco.peer_wait=2");
   std::vector<pid_t> ranks;
   for (int k = 0; k < 3; ++k)
-    ranks.push_back(spawn("RANK=" + std::to_string(k) + " " + env, args, r.dir / ("r" + std::to_string(k) + ".log")));
+    ranks.push_back(test::spawn_ddm("RANK=" + std::to_string(k) + " " + env, args, r.dir / ("r" + std::to_string(k) + ".log")));
   wait_for_checkpoints(r.dir / "lost", 1, 120);
   kill(ranks[2], SIGKILL);
-  ASSERT_EQ(wait_exit(ranks[0], 120), 0) << test::read_text(r.dir / "r0.log");
-  ASSERT_EQ(wait_exit(ranks[1], 30), 0) << test::read_text(r.dir / "r1.log");
+  ASSERT_EQ(test::wait_exit(ranks[0], 120), 0) << test::read_text(r.dir / "r0.log");
+  ASSERT_EQ(test::wait_exit(ranks[1], 30), 0) << test::read_text(r.dir / "r1.log");
   const std::string out0 = test::read_text(r.dir / "r0.log");
   // Both survivors' output on failure: in two full `ctest -j2` runs (2026-11-23) rank 0 found itself
   // left out of the regrouping at its first synchronization after the kill, and in a full ctest run
@@ -352,16 +323,16 @@ TEST(Distributed, DilocoGoesOnWithoutAKilledReplica) {
 TEST(Distributed, DilocoKilledReplicaRejoins) {
   Workdir r;
   const std::string log = r.dir / "launch.log";
-  const pid_t launcher = spawn("", "launch --timeout 300 --restart failed --max-restarts 1 --nproc 2 -- " +
+  const pid_t launcher = test::spawn_ddm("", "launch --timeout 300 --restart failed --max-restarts 1 --nproc 2 -- " +
                                        r.train("rejoin", " --set train.steps=150 --set train.ckpt_every=10 "
                                                          "--set parallel.mode=diloco --set diloco.inner_steps=5 "
                                                          "--set diloco.peer_wait=0.2"),
                                log);
   wait_for_checkpoints(r.dir / "rejoin", 1, 120);
-  auto workers = children(launcher);
+  auto workers = test::child_pids(launcher);
   ASSERT_EQ(workers.size(), 2u) << test::read_text(log);
   kill(workers[1], SIGKILL);
-  ASSERT_EQ(wait_exit(launcher, 300), 0) << test::read_text(log);
+  ASSERT_EQ(test::wait_exit(launcher, 300), 0) << test::read_text(log);
   const std::string out = test::read_text(log);
   EXPECT_TRUE(has(out, "restarting it alone (restart 1 of 1, DDM_REJOIN=1)")) << out;
   EXPECT_TRUE(has(out, "[rank 1] rank 1: rejoined at step")) << out;
@@ -385,13 +356,13 @@ TEST(Distributed, BadStartsAreClearErrors) {
       << alone.output;
   EXPECT_FALSE(fs::exists(r.dir / "alone"));
   // Rank 0's port is taken.
-  const pid_t holder = spawn("", "launch --timeout 60 --master-port " + std::to_string(port) +
+  const pid_t holder = test::spawn_ddm("", "launch --timeout 60 --master-port " + std::to_string(port) +
                                      " --nproc 1 --no-ddm -- sleep 30", r.dir / "holder.log");
   std::this_thread::sleep_for(std::chrono::milliseconds(500));
   auto taken = run_command("RANK=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(port) + " " +
                            binary() + " " + r.train("taken", " --set parallel.timeout=2"));
   kill(holder, SIGTERM);
-  wait_exit(holder, 30);
+  test::wait_exit(holder, 30);
   EXPECT_EQ(taken.exit_code, 1) << taken.output;
   EXPECT_TRUE(has(taken.output, "already in use")) << taken.output;
   // Ranks with different configs: the key and the ranks are named; nothing is written.

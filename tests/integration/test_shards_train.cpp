@@ -10,6 +10,7 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <csignal>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -162,6 +163,54 @@ TEST(ShardsTrain, TwoLaunchedReplicasResumeAsTheyWouldHaveGoneOn) {
   ASSERT_EQ(alone.exit_code, 0) << alone.output;
   EXPECT_TRUE(has(alone.output, "are for 2 replica(s), this run has 1")) << alone.output;
   EXPECT_TRUE(has(alone.output, "starts epoch 1 from its beginning")) << alone.output;
+}
+
+// DiLoCo replicas on shards under `ddm launch --restart failed`: the killed replica rejoins and goes
+// on from its own data position at the last checkpoint that recorded it (not from the beginning of
+// its shards), and the checkpoints after it rejoined gather the positions in the regrouped group.
+TEST(ShardsTrain, ARejoiningDilocoReplicaGoesOnFromItsCheckpointedPosition) {
+  ShardRun r;
+  const std::string log = r.dir / "launch.log", out = r.dir / "rejoin";
+  const int launcher = test::spawn_ddm("", "launch --timeout 300 --restart failed --max-restarts 1 --nproc 2 -- " +
+                                               r.train("rejoin", " --set train.steps=300 --set train.keep_ckpts=100 "
+                                                                 "--set parallel.mode=diloco --set diloco.inner_steps=5 "
+                                                                 "--set diloco.peer_wait=2"),
+                                       log);
+  for (int i = 0; i < 2400 && list_checkpoints(out).size() < 2; ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  const auto workers = test::child_pids(launcher);
+  ASSERT_EQ(workers.size(), 2u) << test::read_text(log);
+  kill(workers[1], SIGKILL);
+  ASSERT_EQ(test::wait_exit(launcher, 300), 0) << test::read_text(log);
+  const std::string text = test::read_text(log);
+  ASSERT_TRUE(has(text, "[rank 1] rank 1: rejoined at step")) << text;
+  // "replica 1's shards go on from epoch E, sample I: its position at the checkpoint of step S"
+  const size_t said = text.find("replica 1's shards go on from epoch ");
+  ASSERT_NE(said, std::string::npos) << text;
+  int64_t epoch = -1, index = -1, ckpt = -1, joined = -1;
+  ASSERT_EQ(std::sscanf(text.c_str() + said, "replica 1's shards go on from epoch %ld, sample %ld: its position at "
+                                             "the checkpoint of step %ld", &epoch, &index, &ckpt), 3) << text;
+  ASSERT_EQ(std::sscanf(text.c_str() + text.find("rank 1: rejoined at step "), "rank 1: rejoined at step %ld", &joined), 1);
+  char name[32];
+  std::snprintf(name, sizeof name, "/ckpt/step-%08ld", static_cast<long>(ckpt));
+  const auto at_ckpt = read_checkpoint(out + name).state["data_cursor"]["replicas"][1];
+  EXPECT_EQ(at_ckpt, nlohmann::json::array({epoch, index})) << text;
+  EXPECT_GT(ckpt, 0);
+  // Checkpoints written while it was away keep that position for it.
+  for (const std::string& c : list_checkpoints(out)) {
+    const auto st = read_checkpoint(c).state;
+    if (st["diloco"]["replicas"] == std::vector<int>{0}) {
+      EXPECT_EQ(st["data_cursor"]["replicas"][1], at_ckpt) << c;
+    }
+  }
+  // From there it drew 8 samples (its half of a batch of 16) at each step after it rejoined; each
+  // replica's epoch is its 4 shards of 64.
+  const auto last = read_checkpoint(list_checkpoints(out).back());
+  EXPECT_EQ(last.step, 300);
+  EXPECT_EQ(last.state["diloco"]["replicas"], (std::vector<int>{0, 1}));
+  const auto end = last.state["data_cursor"]["replicas"][1];
+  EXPECT_EQ(end[0].get<int64_t>() * 256 + end[1].get<int64_t>(), epoch * 256 + index + 8 * (300 - joined))
+      << end.dump() << "\n" << text;
 }
 
 TEST(ShardsTrain, ADamagedImageStopsTheRunOrWithSkipBadIsSkippedAndCounted) {

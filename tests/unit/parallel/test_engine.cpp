@@ -190,7 +190,8 @@ TEST(Engine, CheckpointsHoldTheWholeModelInEveryMode) {
       b.engine->begin({});
       b.engine->step(micro_batches(b), 0, {});
       b.engine->agree_stop(1, 4, 0);
-      b.engine->contribute(cks[static_cast<size_t>(comm->rank())], 1);
+      const auto records = b.engine->contribute(cks[static_cast<size_t>(comm->rank())], 1, "rank " + std::to_string(comm->rank()));
+      EXPECT_EQ(records, (std::vector<std::string>{"rank 0", "rank 1"})) << which;
       b.engine->finish(RunDir(""), 1, 1, 1);
     });
     ASSERT_EQ(errors[0], "") << which;
