@@ -178,6 +178,7 @@ std::vector<Field> fields(RunConfig& c) {
       field("data.shuffle_buffer", &c.data.shuffle_buffer),
       field("data.skip_bad", &c.data.skip_bad),
       field("data.decode_threads", &c.data.decode_threads),
+      field("data.scan_cache", &c.data.scan_cache),
       field("model.preset", &c.model.preset),
       field("model.arch", &c.model.arch),
       field("model.in_channels", &c.model.in_channels),

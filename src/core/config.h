@@ -39,6 +39,7 @@ struct DataConfig {
   int64_t shuffle_buffer = 1000;  // samples mixed across shard boundaries (0 or 1: none)
   bool skip_bad = false;        // skip (and count) samples that cannot be used instead of stopping
   int64_t decode_threads = 0;   // threads decoding images (0 = a quarter of the cores, at least 1)
+  bool scan_cache = true;       // keep what the scan of each shard found (data/scan_cache.h)
 };
 
 struct ModelConfig {

@@ -11,7 +11,9 @@
 
 #include <cerrno>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <memory>
 
 #include "core/error.h"
@@ -143,6 +145,15 @@ std::string sha256_hex(const std::string& bytes) {
   MdCtx ctx = new_sha256();
   DDM_CHECK(EVP_DigestUpdate(ctx.get(), bytes.data(), bytes.size()) == 1, "OpenSSL SHA-256 update failed");
   return finish_hex(ctx.get());
+}
+
+std::string default_cache_dir() {
+  namespace fs = std::filesystem;
+  if (const char* x = std::getenv("XDG_CACHE_HOME"); x && *x) return (fs::path(x) / "ddm").string();
+  if (const char* h = std::getenv("HOME"); h && *h) return (fs::path(h) / ".cache" / "ddm").string();
+  std::error_code ec;
+  const fs::path tmp = fs::temp_directory_path(ec);
+  return ((ec ? fs::path("/tmp") : tmp) / "ddm-cache").string();
 }
 
 std::string sha256_file(const std::string& path) {

@@ -1,5 +1,5 @@
-// Small file helpers: whole-file read, atomic write (temporary name + fsync + rename), sha256, and an
-// exclusive lock that keeps two processes from writing one run directory.
+// Small file helpers: whole-file read, atomic write (temporary name + fsync + rename), sha256, ddm's
+// cache directory, and an exclusive lock that keeps two processes from writing one run directory.
 #pragma once
 #include <string>
 
@@ -14,6 +14,9 @@ void fsync_dir(const std::string& dir);
 // Lower-case hex SHA-256 of bytes / of a file's content.
 std::string sha256_hex(const std::string& bytes);
 std::string sha256_file(const std::string& path);
+// ddm's cache directory (evaluation references, shard scans): $XDG_CACHE_HOME/ddm, else
+// ~/.cache/ddm, else ddm-cache in the system's temporary directory.
+std::string default_cache_dir();
 
 // An exclusive advisory lock (flock) on a file, held until destruction. The operating system drops
 // it when the process dies, even by kill -9, so a stale lock never blocks a resume; children do not

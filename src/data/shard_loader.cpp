@@ -11,6 +11,7 @@
 #include <torch/torch.h>
 
 #include "core/error.h"
+#include "core/fileio.h"
 #include "core/rng.h"
 
 namespace ddm {
@@ -312,7 +313,8 @@ Dataset open_latent_shards(const DataConfig& cfg, int threads, bool quiet) {
   DDM_CHECK(cfg.crop == "center", "data.crop = " << cfg.crop << ": latent shards hold the latents of centre-cropped "
                                   << "images, taken as they are; set data.crop = center");
   auto index = std::make_shared<ShardIndex>(
-      scan_shards(latent_shard_paths(dir, *info), cfg.skip_bad, threads, "data.root", SampleContent::kPosterior));
+      scan_shards(latent_shard_paths(dir, *info), cfg.skip_bad, threads, "data.root", SampleContent::kPosterior,
+                  cfg.scan_cache ? default_cache_dir() : ""));
   if (!quiet)
     for (const std::string& note : index->notes) std::cout << "data: skipped the rest of a shard: " << note << "\n";
   DDM_CHECK(index->samples == info->samples || index->bad_shards > 0,
@@ -360,7 +362,8 @@ ShardLoaderOptions shard_loader_options(const DataConfig& cfg, const Dataset& op
 Dataset open_shards(const DataConfig& cfg, int threads, bool quiet) {
   if (cfg.source == "latents") return open_latent_shards(cfg, threads, quiet);
   auto index = std::make_shared<ShardIndex>(
-      scan_shards(expand_shards(cfg.root, "data.root"), cfg.skip_bad, threads, "data.root"));
+      scan_shards(expand_shards(cfg.root, "data.root"), cfg.skip_bad, threads, "data.root", SampleContent::kImage,
+                  cfg.scan_cache ? default_cache_dir() : ""));
   if (!quiet)
     for (const std::string& note : index->notes) std::cout << "data: skipped the rest of a shard: " << note << "\n";
   ShardOrder first;

@@ -92,7 +92,7 @@ class ShardLoader : public BatchSource {
 };
 
 // Opens data.root's shards for training: scans them (shard_stream.h's scan_shards, on `threads`
-// threads) and decodes the first few samples as the loader will (data.channels 0 resolved from the
+// threads, with ddm's scan cache unless data.scan_cache = false) and decodes the first few samples as the loader will (data.channels 0 resolved from the
 // first image): a Dataset whose `shards` is set and whose `images` are only those samples. Prints the
 // scan's notes (skipped shard tails) unless quiet. For data.source = "latents" (data.root a `ddm
 // encode` directory), `latents` is set too, and `images` are the first few posteriors, float

@@ -13,6 +13,7 @@
 #include "core/error.h"
 #include "core/rng.h"
 #include "data/decode.h"
+#include "data/scan_cache.h"
 
 namespace ddm {
 namespace {
@@ -27,11 +28,13 @@ const char* content_text(SampleContent content) {
   return content == SampleContent::kImage ? "image (.jpg, .jpeg, .png or .webp)" : "posterior (.safetensors)";
 }
 
-// One shard's part of the index.
+// One shard's part of the index, and how its scan went.
 struct ShardScan {
-  int64_t count = 0, labeled = 0, max_label = -1;
-  std::string unlabeled_key, labeled_key;  // one of each, to name in the mixed-labels error
-  bool cut = false;
+  ShardFacts f;
+  ScanCache::FileId id;     // the file as it was when the scan began
+  int64_t bad = 0;          // samples left for the loader to skip (skip_bad)
+  bool cut = false;         // cut at a corrupt member (skip_bad)
+  bool from_cache = false;
   std::string note;
   std::exception_ptr error;
 };
@@ -48,10 +51,10 @@ ShardScan scan_one(const std::string& path, bool skip_bad, SampleContent content
       } catch (const Error& e) {
         if (!skip_bad) throw;
         s.cut = true;
-        s.note = std::string(e.what()) + "; its first " + std::to_string(s.count) + " samples are used";
+        s.note = std::string(e.what()) + "; its first " + std::to_string(s.f.count) + " samples are used";
         break;
       }
-      ++s.count;
+      ++s.f.count;
       const std::string what = "shard " + path + ", sample '" + smp.key + "'";
       int64_t label = -1;
       try {
@@ -64,14 +67,15 @@ ShardScan scan_one(const std::string& path, bool skip_bad, SampleContent content
         label = sample_label(smp, what);
       } catch (const Error&) {
         if (!skip_bad) throw;
+        ++s.bad;
         continue;  // the loader finds it again, and skips and counts it
       }
       if (label >= 0) {
-        ++s.labeled;
-        s.max_label = std::max(s.max_label, label);
-        if (s.labeled_key.empty()) s.labeled_key = smp.key;
-      } else if (s.unlabeled_key.empty()) {
-        s.unlabeled_key = smp.key;
+        ++s.f.labeled;
+        s.f.max_label = std::max(s.f.max_label, label);
+        if (s.f.labeled_key.empty()) s.f.labeled_key = smp.key;
+      } else if (s.f.unlabeled_key.empty()) {
+        s.f.unlabeled_key = smp.key;
       }
     }
   } catch (...) {
@@ -83,17 +87,32 @@ ShardScan scan_one(const std::string& path, bool skip_bad, SampleContent content
 }  // namespace
 
 ShardIndex scan_shards(const std::vector<std::string>& shards, bool skip_bad, int threads, const std::string& key,
-                       SampleContent content) {
+                       SampleContent content, const std::string& cache_dir) {
   DDM_CHECK(!shards.empty(), key << " names no shard");
+  ScanCache cache(cache_dir, shards, content == SampleContent::kImage ? "image" : "posterior");
   std::vector<ShardScan> scans(shards.size());
   std::atomic<size_t> next{0};
   auto work = [&] {
-    for (size_t i = next++; i < shards.size(); i = next++) scans[i] = scan_one(shards[i], skip_bad, content);
+    for (size_t i = next++; i < shards.size(); i = next++) {
+      if (const auto cached = cache.find(i)) {
+        scans[i].f = *cached;
+        scans[i].from_cache = true;
+      } else {
+        const ScanCache::FileId id = ScanCache::identify(shards[i]);
+        scans[i] = scan_one(shards[i], skip_bad, content);
+        scans[i].id = id;
+      }
+    }
   };
   std::vector<std::thread> pool;
   for (int t = 1; t < std::max(1, std::min<int>(threads, static_cast<int>(shards.size()))); ++t) pool.emplace_back(work);
   work();
   for (std::thread& t : pool) t.join();
+  for (size_t i = 0; i < shards.size(); ++i) {
+    const ShardScan& s = scans[i];
+    if (!s.from_cache && !s.error && !s.cut && s.bad == 0) cache.put(i, s.id, s.f);
+  }
+  cache.save();
 
   ShardIndex index;
   index.shards = shards;
@@ -103,20 +122,20 @@ ShardIndex scan_shards(const std::vector<std::string>& shards, bool skip_bad, in
   for (size_t i = 0; i < shards.size(); ++i) {
     const ShardScan& s = scans[i];
     if (s.error) std::rethrow_exception(s.error);
-    index.counts.push_back(s.count);
-    index.samples += s.count;
-    labeled += s.labeled;
-    max_label = std::max(max_label, s.max_label);
+    index.counts.push_back(s.f.count);
+    index.samples += s.f.count;
+    labeled += s.f.labeled;
+    max_label = std::max(max_label, s.f.max_label);
     if (s.cut) ++index.bad_shards, index.notes.push_back(s.note);
-    if (!s.unlabeled_key.empty() && !unlabeled) unlabeled = &s;
-    if (!s.labeled_key.empty() && !with_label) with_label = &s;
+    if (!s.f.unlabeled_key.empty() && !unlabeled) unlabeled = &s;
+    if (!s.f.labeled_key.empty() && !with_label) with_label = &s;
   }
   DDM_CHECK(index.samples > 0, key << ": the " << shards.size() << " shard" << (shards.size() > 1 ? "s hold" : " holds")
                                    << " no sample (" << shards.front() << (shards.size() > 1 ? ", ..." : "") << ")");
   if (unlabeled && with_label) {
     const size_t u = static_cast<size_t>(unlabeled - scans.data()), l = static_cast<size_t>(with_label - scans.data());
-    DDM_CHECK(skip_bad, key << ": sample '" << unlabeled->unlabeled_key << "' of shard " << shards[u]
-                            << " has no label (.cls or .json) but sample '" << with_label->labeled_key << "' of shard "
+    DDM_CHECK(skip_bad, key << ": sample '" << unlabeled->f.unlabeled_key << "' of shard " << shards[u]
+                            << " has no label (.cls or .json) but sample '" << with_label->f.labeled_key << "' of shard "
                             << shards[l] << " has one; label every sample or none (or set data.skip_bad = true "
                             << "to skip the unlabeled ones)");
   }

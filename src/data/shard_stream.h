@@ -39,9 +39,11 @@ enum class SampleContent { kImage, kPosterior };
 // either every sample has a label (.cls or .json) or none has. A corrupt or truncated shard, a malformed label
 // or a sample without an image is an error naming the shard and key; with skip_bad, a shard is cut
 // at its first corrupt member (the samples before it are kept) and the other faults are left for the
-// loader to skip and count. `key` names the setting in errors (data.root).
+// loader to skip and count. `key` names the setting in errors (data.root). With a `cache_dir`, shards
+// whose clean scan is cached there (data/scan_cache.h) are not read again, and new clean scans are
+// added.
 ShardIndex scan_shards(const std::vector<std::string>& shards, bool skip_bad, int threads, const std::string& key,
-                       SampleContent content = SampleContent::kImage);
+                       SampleContent content = SampleContent::kImage, const std::string& cache_dir = "");
 
 struct ShardOrder {
   uint64_t seed = 0;

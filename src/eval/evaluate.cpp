@@ -3,7 +3,6 @@
 
 #include <chrono>
 #include <cstdio>
-#include <cstdlib>
 #include <filesystem>
 #include <iostream>
 #include <sstream>
@@ -23,12 +22,6 @@ namespace fs = std::filesystem;
 namespace ddm {
 
 namespace {
-
-std::string default_cache_dir() {
-  if (const char* x = std::getenv("XDG_CACHE_HOME"); x && *x) return (fs::path(x) / "ddm").string();
-  if (const char* h = std::getenv("HOME"); h && *h) return (fs::path(h) / ".cache" / "ddm").string();
-  return (fs::temp_directory_path() / "ddm-cache").string();
-}
 
 // Checks images (shape, dtype, range) and labels against the feature network's input.
 void check_images(const SampleSet& s, const FeatureNetShape& shape) {

@@ -33,6 +33,8 @@ RunConfig normalized_for_resume(RunConfig c) {
   c.train.precision = d.train.precision;
   c.train.deterministic = d.train.deterministic;
   c.train.grad_accum = d.train.grad_accum;  // the global batch stays; how it is split may change
+  c.data.decode_threads = d.data.decode_threads;  // how the same samples are read
+  c.data.scan_cache = d.data.scan_cache;
   c.sample = d.sample;
   c.parallel = d.parallel;
   c.diloco = d.diloco;
@@ -40,12 +42,14 @@ RunConfig normalized_for_resume(RunConfig c) {
 }
 
 // Keys that may differ between the ranks of one job: how many threads each uses, its device, and
-// where each finds the data (whose content is compared by hash).
+// where and how each finds the data (whose content is compared by hash).
 RunConfig normalized_for_ranks(RunConfig c) {
   RunConfig d;
   c.train.threads = d.train.threads;
   c.train.device = d.train.device;
   c.data.root = d.data.root;
+  c.data.decode_threads = d.data.decode_threads;
+  c.data.scan_cache = d.data.scan_cache;
   return c;
 }
 

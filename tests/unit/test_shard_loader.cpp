@@ -6,6 +6,7 @@
 // latent shards read back as their posteriors.
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <filesystem>
 #include <fstream>
 #include <set>
@@ -15,6 +16,7 @@
 #include "core/error.h"
 #include "core/safetensors.h"
 #include "data/latent_shards.h"
+#include "data/scan_cache.h"
 #include "data/shard_loader.h"
 #include "data/shard_stream.h"
 #include "data/shard_write.h"
@@ -262,6 +264,73 @@ TEST(ShardLoader, ABadSampleStopsTheRunNamingShardAndKeyOrWithSkipBadIsSkippedAn
   EXPECT_EQ(b.y[3].item<int64_t>(), 5);  // img4 skipped
   EXPECT_EQ(lenient.skipped(), 2);
   EXPECT_TRUE(has(lenient.last_skip(), "img4")) << lenient.last_skip();
+}
+
+// The scan cache (data/scan_cache.h): a second scan of unchanged shards reads the cache, not the
+// tars; a shard whose modification time changed is scanned again; a shard with a bad sample is never
+// cached, so its fault is found again; a malformed cache file is ignored and replaced; the directory
+// keeps its newest files.
+TEST(ShardLoader, TheScanCacheServesUnchangedShardsOnly) {
+  test::TempDir dir;
+  const ShardsWritten w = write_shards(random_data(23, 1, 8, 8), dir / "s", 5, "train");
+  const std::vector<std::string> shards = expand_shards(w.pattern, "data.root");
+  const std::string cache = dir / "cache";
+  const auto scan = [&](const std::vector<std::string>& list, bool skip_bad = false) {
+    return scan_shards(list, skip_bad, 2, "data.root", SampleContent::kImage, cache);
+  };
+  EXPECT_EQ(scan(shards).counts, (std::vector<int64_t>{5, 5, 5, 5, 3}));
+  const std::string file = ScanCache(cache, shards, "image").path();
+  ASSERT_TRUE(fs::exists(file));
+  EXPECT_TRUE(scan_shards(shards, false, 2, "data.root").counts == scan(shards).counts);
+  // The second scan takes the counts from the file: one edited there is what it reports.
+  auto j = nlohmann::json::parse(test::read_text(file));
+  j["shards"][1]["count"] = 7;
+  test::write_text(file, j.dump());
+  EXPECT_EQ(scan(shards).counts, (std::vector<int64_t>{5, 7, 5, 5, 3}));
+  // A shard touched since is scanned again, and the file corrected.
+  fs::last_write_time(shards[1], fs::last_write_time(shards[1]) + std::chrono::seconds(5));
+  EXPECT_EQ(scan(shards).counts, (std::vector<int64_t>{5, 5, 5, 5, 3}));
+  EXPECT_EQ(nlohmann::json::parse(test::read_text(file))["shards"][1]["count"], 5);
+  // A malformed file is no cache, and is replaced.
+  test::write_text(file, "{not json");
+  EXPECT_EQ(scan(shards).samples, 23);
+  EXPECT_EQ(nlohmann::json::parse(test::read_text(file))["format"], "ddm-shard-scan-1");
+
+  // A shard with a bad label: with skip_bad it is scanned (the loader skips the sample) but not
+  // cached, so a strict scan still names the sample.
+  {
+    TarShardWriter t(dir / "bad.tar");
+    for (int64_t i = 0; i < 3; ++i) {
+      ShardSample smp;
+      smp.key = "img" + std::to_string(i);
+      smp.files["png"] = png_of(random_data(1, 1, 8, 8).images[0]);
+      smp.files["cls"] = i == 1 ? "one" : std::to_string(i);
+      t.add(smp);
+    }
+    t.finish();
+  }
+  const std::vector<std::string> with_bad{shards[0], dir / "bad.tar"};
+  EXPECT_EQ(scan(with_bad, /*skip_bad=*/true).counts, (std::vector<int64_t>{5, 3}));
+  const auto kept = nlohmann::json::parse(test::read_text(ScanCache(cache, with_bad, "image").path()));
+  EXPECT_FALSE(kept["shards"][0].is_null());
+  EXPECT_TRUE(kept["shards"][1].is_null());
+  EXPECT_TRUE(has(test::error_message([&] { scan(with_bad); }), "sample 'img1': its .cls is \"one\""));
+
+  // Without a directory nothing is written; with one, only the newest kMaxFiles stay.
+  const size_t before = std::distance(fs::directory_iterator(cache + "/shard-scans"), fs::directory_iterator{});
+  scan_shards({shards[2]}, false, 1, "data.root", SampleContent::kImage, "");
+  EXPECT_EQ(static_cast<size_t>(std::distance(fs::directory_iterator(cache + "/shard-scans"), fs::directory_iterator{})),
+            before);
+  for (size_t k = 0; k < ScanCache::kMaxFiles + 5; ++k) {
+    const std::string old = cache + "/shard-scans/old-" + std::to_string(k) + ".json";
+    test::write_text(old, "{}");
+    fs::last_write_time(old, fs::file_time_type::clock::now() - std::chrono::hours(2));
+  }
+  scan({shards[3]});
+  EXPECT_EQ(static_cast<size_t>(std::distance(fs::directory_iterator(cache + "/shard-scans"), fs::directory_iterator{})),
+            ScanCache::kMaxFiles);
+  EXPECT_TRUE(fs::exists(ScanCache(cache, {shards[3]}, "image").path()));
+  EXPECT_TRUE(fs::exists(file));
 }
 
 TEST(ShardLoader, BadShardSetsAreClearErrors) {
