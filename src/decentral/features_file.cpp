@@ -4,6 +4,7 @@
 #include <archive.h>
 #include <archive_entry.h>
 
+#include <algorithm>
 #include <charconv>
 #include <cstring>
 #include <filesystem>
@@ -27,6 +28,8 @@ namespace {
 struct Source {
   std::function<size_t(char*, size_t)> read;  // up to n bytes; fewer only at the end
   int64_t size = 0;
+  // Bytes that surely exist: the file's size (an .npz member's recorded size may be corrupt).
+  int64_t trusted = 0;
   std::string name;  // in errors: "f.npy", or "f.npz, array 'keys'"
 };
 
@@ -146,15 +149,30 @@ Npy read_npy(const Source& in) {
   DDM_CHECK(have == need, name << ": holds " << have << " data bytes, but shape (" << shape << ") of " << descr
                                << " needs " << need << "; the file is "
                                << (have < need ? "truncated" : "corrupt (bytes after the data)"));
-  if (chars == 0) {  // floats, straight into the tensor (its pages are touched only as data arrives)
-    try {
-      out.values = torch::empty({static_cast<int64_t>(count)}, dtype);
-    } catch (const std::exception&) {
-      DDM_FAIL(name << ": shape (" << shape << ") of " << descr << " needs " << need << " bytes, more than this "
-                    << "machine can hold; the file is corrupt or too large");
+  if (chars == 0) {  // floats
+    const auto allocate = [&](uint64_t elems) {
+      try {
+        return torch::empty({static_cast<int64_t>(elems)}, dtype);
+      } catch (const std::exception&) {
+        DDM_FAIL(name << ": shape (" << shape << ") of " << descr << " needs " << need << " bytes, more than this "
+                      << "machine can hold; the file is corrupt or too large");
+      }
+    };
+    const auto truncated = [&] { return name + ": the data ends before its " + std::to_string(need) +
+                                        " bytes; the file is truncated"; };
+    if (need <= static_cast<uint64_t>(std::max<int64_t>(in.trusted, 0))) {  // straight into the tensor
+      out.values = allocate(count);
+      DDM_CHECK(read_up_to(in, static_cast<char*>(out.values.data_ptr()), need) == need, truncated());
+    } else {  // a size that only the archive's record vouches for: in pieces, as the data arrives
+      constexpr uint64_t kPiece = uint64_t(1) << 24;  // elements
+      std::vector<torch::Tensor> pieces;
+      for (uint64_t done = 0; done < count; done += kPiece) {
+        pieces.push_back(allocate(std::min(kPiece, count - done)));
+        const size_t bytes = static_cast<size_t>(pieces.back().numel()) * elem;
+        DDM_CHECK(read_up_to(in, static_cast<char*>(pieces.back().data_ptr()), bytes) == bytes, truncated());
+      }
+      out.values = pieces.empty() ? allocate(0) : pieces.size() == 1 ? pieces[0] : torch::cat(pieces);
     }
-    DDM_CHECK(read_up_to(in, static_cast<char*>(out.values.data_ptr()), need) == need,
-              name << ": the data ends before its " << need << " bytes; the file is truncated");
     out.values = out.values.view(out.dims);
     return out;
   }
@@ -187,6 +205,7 @@ Source file_source(const std::string& path, std::shared_ptr<std::ifstream>& keep
   DDM_CHECK(*keep, "cannot read features file '" << path << "'");
   Source s;
   s.size = static_cast<int64_t>(fs::file_size(path));
+  s.trusted = s.size;
   s.name = path;
   std::ifstream* in = keep.get();
   s.read = [in](char* dst, size_t n) {
@@ -214,6 +233,7 @@ std::map<std::string, NpzArray> read_npz(const std::string& path) {
   archive_read_support_format_zip(a.get());
   DDM_CHECK(archive_read_open_filename(a.get(), path.c_str(), 1 << 16) == ARCHIVE_OK,
             path << ": cannot open it as an .npz (zip) archive (" << reason(a.get()) << ")");
+  const int64_t archive_bytes = static_cast<int64_t>(fs::file_size(path));
   std::map<std::string, NpzArray> arrays;
   for (;;) {
     archive_entry* e = nullptr;
@@ -228,6 +248,7 @@ std::map<std::string, NpzArray> read_npz(const std::string& path) {
     DDM_CHECK(!arrays.count(array), path << ": holds array '" << array << "' twice");
     Source src;
     src.name = path + ", array '" + array + "'";
+    src.trusted = archive_bytes;  // a stored member is no larger; a deflated one is read in pieces
     archive* ar = a.get();
     src.read = [ar, name = src.name](char* dst, size_t n) {
       const la_ssize_t r = archive_read_data(ar, dst, n);
@@ -241,7 +262,7 @@ std::map<std::string, NpzArray> read_npz(const std::string& path) {
     } else {
       char buf[1 << 16];
       for (size_t r; (r = read_up_to(src, buf, sizeof buf)) > 0;) whole.append(buf, r);
-      src.size = static_cast<int64_t>(whole.size());
+      src.size = src.trusted = static_cast<int64_t>(whole.size());
       src.read = [&whole, at = size_t(0)](char* dst, size_t n) mutable {
         const size_t r = std::min(n, whole.size() - at);
         std::memcpy(dst, whole.data() + at, r);

@@ -18,6 +18,7 @@
 #include "data/shard_write.h"
 #include "data/shards.h"
 #include "decentral/features.h"
+#include "decentral/features_file.h"
 #include "decentral/partition.h"
 #include "decentral/shard_partition.h"
 #include "test_util.h"
@@ -218,6 +219,16 @@ TEST(ShardPartition, FeaturesByKeyGiveWhatTheSameRowsInShardOrderGive) {
   EXPECT_TRUE(a.labels.equal(b.labels));
   EXPECT_TRUE(a.centroids.equal(b.centroids));
   EXPECT_TRUE(has(b.features, "rows by key: 120 of 130")) << b.features;
+
+  // Rows that deflate far below their size (more bytes than the archive) are read in pieces, as they arrive.
+  write_keyed_npz(dir / "zeros.npz", torch::zeros({2000, 8}), std::vector<std::string>(2000, "k"));
+  ASSERT_LT(fs::file_size(dir / "zeros.npz"), 2000u * 8 * 4);
+  EXPECT_TRUE(has(test::error_message([&] { read_features_file(dir / "zeros.npz"); }), "the key 'k' names rows 0 and 1"));
+  std::vector<std::string> distinct;
+  for (int i = 0; i < 2000; ++i) distinct.push_back(std::to_string(i % 10));
+  for (int i = 10; i < 2000; ++i) distinct[static_cast<size_t>(i)] = "s" + std::to_string(i);
+  write_keyed_npz(dir / "zeros.npz", torch::zeros({2000, 8}), distinct);
+  EXPECT_TRUE(read_features_file(dir / "zeros.npz").rows.equal(torch::zeros({2000, 8})));
 
   // A sample without a row is named, and nothing is written.
   write_keyed_npz(dir / "short.npz", rows.narrow(0, 0, 119), std::vector<std::string>(keys.begin(), keys.begin() + 119));
