@@ -62,6 +62,16 @@ ShardPartitionOptions options(const std::string& root, int64_t resolution, const
   return o;
 }
 
+// n random grey side x side images (labels 0) written as shards of shard_size into dir/shards.
+ShardsWritten random_shards(const test::TempDir& dir, uint64_t seed, int64_t n, int64_t side, int64_t shard_size,
+                            const std::string& prefix) {
+  torch::manual_seed(seed);
+  Dataset d;
+  d.images = torch::randint(0, 256, {n, 1, side, side}, torch::kUInt8);
+  d.labels = torch::zeros({n}, torch::kInt64);
+  return write_shards(d, dir / "shards", shard_size, prefix);
+}
+
 // numpy.savez(path, features=rows, keys=keys) as numpy lays it out: a zip (here deflated, by
 // libarchive) of features.npy ('<f4' [M, D]) and keys.npy ('<U' [M], ASCII keys).
 void write_keyed_npz(const std::string& path, const torch::Tensor& rows, const std::vector<std::string>& keys) {
@@ -178,11 +188,8 @@ TEST(ShardPartition, EqualsTheInMemoryPartitionAndReshardsEverySampleOnce) {
 
 TEST(ShardPartition, ReadingTheShardsForEachPassGivesWhatKeepingThePixelsGives) {
   test::TempDir dir;
-  torch::manual_seed(11);
-  Dataset d;  // larger than kMaxPixelSide: the pixels are downsampled to 32 x 32
-  d.images = torch::randint(0, 256, {300, 1, 40, 40}, torch::kUInt8);
-  d.labels = torch::zeros({300}, torch::kInt64);
-  const ShardsWritten w = write_shards(d, dir / "shards", 64, "c");
+  // Larger than kMaxPixelSide: the pixels are downsampled to 32 x 32.
+  const ShardsWritten w = random_shards(dir, 11, 300, 40, 64, "c");
   ShardPartitionOptions o = options(w.pattern, 40, "pixels:8");
   partition_shards(o, dir / "kept");
   o.keep_pixel_bytes = 0;
@@ -197,11 +204,7 @@ TEST(ShardPartition, ReadingTheShardsForEachPassGivesWhatKeepingThePixelsGives) 
 // same rows in shard order give, whatever the file's order and with rows for samples not in the shards.
 TEST(ShardPartition, FeaturesByKeyGiveWhatTheSameRowsInShardOrderGive) {
   test::TempDir dir;
-  torch::manual_seed(13);
-  Dataset d;
-  d.images = torch::randint(0, 256, {120, 1, 8, 8}, torch::kUInt8);
-  d.labels = torch::zeros({120}, torch::kInt64);
-  const ShardsWritten w = write_shards(d, dir / "shards", 50, "k");
+  const ShardsWritten w = random_shards(dir, 13, 120, 8, 50, "k");
   const auto rows = torch::randn({130, 5});  // sample i's features for i < 120, then 10 of no sample
   SafetensorsFile ordered;
   ordered.tensors["features"] = rows.narrow(0, 0, 120);
@@ -244,11 +247,7 @@ TEST(ShardPartition, FeaturesByKeyGiveWhatTheSameRowsInShardOrderGive) {
 
 TEST(ShardPartition, BadInputsAreClearErrors) {
   test::TempDir dir;
-  torch::manual_seed(12);
-  Dataset d;
-  d.images = torch::randint(0, 256, {40, 1, 8, 8}, torch::kUInt8);
-  d.labels = torch::zeros({40}, torch::kInt64);
-  const ShardsWritten w = write_shards(d, dir / "shards", 20, "s");
+  const ShardsWritten w = random_shards(dir, 12, 40, 8, 20, "s");
   const auto error_of = [&](ShardPartitionOptions o, const std::string& out) {
     try {
       partition_shards(o, out);
