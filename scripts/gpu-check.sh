@@ -18,8 +18,9 @@
 #   then (unless LOADER=0; the pack has JPEG shards where this machine's venv has Pillow) the shard
 #   loader on that machine's cores (ddm_bench loader at 64x64 and 256x256, several thread counts) and
 #   the trainer's wait for data (metrics.jsonl's data_wait) training DiTs on the GPU from JPEG shards;
-#   then (unless SHARDS_E2E=0) experts, a router and a distilled student over shards on CUDA, and with
-#   Pillow and numpy there, the 50k colour end-to-end run (bench/colour_e2e.sh), its grid in OUT.
+#   then (unless SHARDS_E2E=0) experts, a router and a distilled student over shards on CUDA, latent
+#   shards written by `ddm encode` on CUDA and a latent model trained from them, and with
+#   Pillow and numpy there (unless COLOUR_E2E=0), the 50k colour end-to-end run (bench/colour_e2e.sh), its grid in OUT.
 # Exits non-zero if any check fails.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -161,8 +162,19 @@ print("data_wait", [round(r["data_wait"], 4) for r in rows], "img/s", [round(r.g
         --set model.patch=4 --out "$w/r"
       step shards-ensemble "$dir/bin/ddm" ensemble --out "$w/ens" --partition "$w/p" --router "$w/r" --expert "$w/e0" --expert "$w/e1"
       step shards-distill "$dir/bin/ddm" distill --ensemble "$w/ens" --set train.steps=20 --out "$w/s"
+      # Latent shards on CUDA: an autoencoder (a few steps), every Fashion-MNIST image encoded once
+      # there, a latent model trained from those shards in bf16, and its samples.
+      fm=(--set "data.root=$dir/fashion-mnist")
+      step latent-ae "$dir/bin/ddm" train-autoencoder --config configs/autoencoder.toml "${fm[@]}" \
+        --set train.steps=50 --set train.device=cuda --n 256 --stats-n 1000 --out "$w/ae"
+      step latent-encode "$dir/bin/ddm" encode --ae "$w/ae" --config configs/autoencoder.toml "${fm[@]}" \
+        --device cuda --out "$w/lat"
+      step latent-train "$dir/bin/ddm" train --config configs/latent-quickstart.toml --set model.latent="$w/ae" \
+        --set data.source=latents --set "data.root=$w/lat" --set train.device=cuda --set train.precision=bf16 \
+        --set train.steps=200 --set train.ckpt_every=200 --out "$w/lm"
+      step latent-sample "$dir/bin/ddm" sample --ckpt "$w/lm" --device cuda --out "$out/latent-shards-gpu.png"
       rm -rf "$w"
-      if python3 -c "import PIL, numpy" 2>/dev/null; then
+      if [ "${COLOUR_E2E:-1}" != 0 ] && python3 -c "import PIL, numpy" 2>/dev/null; then
         e=$(mktemp -d) && start=$(date +%s)
         python3 bench/make_jpeg_shards.py "$e/data" --n 50000 --width 40 --height 40 --shards 50 --style shapes >/dev/null
         sed -n '/^\[data\]/,/^TOML$/p' bench/colour_e2e.sh | grep -v '^TOML$' |
