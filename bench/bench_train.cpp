@@ -76,6 +76,7 @@
 #include "model/controlnet.h"
 #include "model/dit.h"
 #include "model/fused_cpu.h"
+#include "model/fused_gpu.h"
 #include "model/layers.h"
 #include "model/net.h"
 #include "model/ops.h"
@@ -625,6 +626,7 @@ int main(int argc, char** argv) try {
                         {"precision", a.precision}, {"params", count_params(*net)}, {"step_s", step_s},
                         {"img_per_s", a.batch / step_s}, {"train_gflops", gflops},
                         {"prepare_ms", prep[prep.size() / 2] * 1e3}};
+    if (device.is_cuda()) j["fused_cuda"] = fused_cuda_enabled();  // DDM_FUSED_CUDA (model/fused_gpu.h)
     if (a.peak_tflops > 0) j["mfu"] = gflops / 1e3 / a.peak_tflops;
     std::printf("%s\n", j.dump().c_str());
     return 0;

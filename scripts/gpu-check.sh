@@ -7,12 +7,13 @@
 #   scripts/gpu-check.sh run DIR OUT  (there) runs them against that machine's LibTorch (the torch of
 #                                     its python3, or $TORCH_LIB) and writes each one's output to OUT:
 #       test_torch_build  the LibTorch build: 2.11, libtorch_cuda loaded, Gloo from the wheel;
-#       test_cuda         the `gpu` tests: CUDA results equal the CPU's within float32 rounding, and
+#       test_cuda         the `gpu` tests (with DDM_FUSED_CUDA=1): CUDA results equal the CPU's within float32 rounding, and
 #                         ddm trains, resumes and samples there (tests/gpu/test_cuda.cpp);
 #   (TESTS=0 skips those two)
-#   then (unless GPU_BENCH=0) the GPU benchmark side by side: ddm's training step (ddm_bench train) and
-#   PyTorch's (bench/reference.py) for dit-b and unet-small at batch 256 in bf16, PyTorch eager and
-#   torch.compile (unless REF_COMPILE=0), dit-b in fp32; one JSON line each in OUT/bench.jsonl;
+#   then (unless GPU_BENCH=0) the GPU benchmark side by side: ddm's training step (ddm_bench train;
+#   for dit-b also with DDM_FUSED_CUDA=1, with its hand-written kernels) and PyTorch's
+#   (bench/reference.py) for dit-b and unet-small (BENCH_PRESETS) at batch 256 in bf16, PyTorch eager
+#   and torch.compile (unless REF_COMPILE=0), dit-b in fp32; one JSON line each in OUT/bench.jsonl;
 #   then (unless QUICKSTART=0) the single-model quickstart on the GPU (configs/quickstart.toml: train
 #   in bf16, then sample), timed, its grid in OUT/quickstart-gpu.png;
 #   then (unless LOADER=0; the pack has JPEG shards where this machine's venv has Pillow) the shard
@@ -71,7 +72,9 @@ case "$what" in
       [ "${TESTS:-1}" != 0 ] || break
       name=$(basename "$t")
       start=$(date +%s)
-      if "$t" --gtest_brief=1 >"$out/$name.log" 2>&1; then status=ok; else status=FAILED; failed+=("$name"); fi
+      # With the hand-written DiT kernels on (model/fused_gpu.h: opt-in until a GPU has checked them),
+      # so that the DiT tests against the CPU check them too.
+      if DDM_FUSED_CUDA=1 "$t" --gtest_brief=1 >"$out/$name.log" 2>&1; then status=ok; else status=FAILED; failed+=("$name"); fi
       echo "gpu-check: $name $status ($(($(date +%s) - start)) s): $(grep -E '^\[  (PASSED|FAILED|SKIPPED) ' "$out/$name.log" | tr '\n' ' ')"
     done
     if [ "${GPU_BENCH:-1}" != 0 ]; then
@@ -81,8 +84,11 @@ case "$what" in
         if line=$(timeout 240 "$@" 2>"$out/bench.err"); then echo "$line" | tail -1 | tee -a "$out/bench.jsonl"
         else echo "gpu-check: $* failed: $(tail -3 "$out/bench.err")"; fi
       }
-      for preset in dit-b unet-small; do
+      for preset in ${BENCH_PRESETS:-dit-b unet-small}; do
         bench "$dir/bin/ddm_bench" train $preset --batch 256 --device cuda --precision bf16 --steps 20 --warmup 3 --threads 8 --peak $peak
+        # The same with the hand-written DiT kernels (model/fused_gpu.h) in place of LibTorch's ops.
+        [ "$preset" != dit-b ] || bench env DDM_FUSED_CUDA=1 "$dir/bin/ddm_bench" train $preset --batch 256 --device cuda \
+          --precision bf16 --steps 20 --warmup 3 --threads 8 --peak $peak
         bench python3 bench/reference.py $preset --batch 256 --precision bf16 --steps 20 --warmup 3 --device cuda --threads 8
         [ "${REF_COMPILE:-1}" = 0 ] || bench python3 bench/reference.py $preset --batch 256 --precision bf16 --steps 20 --warmup 3 --device cuda --threads 8 --compile
       done

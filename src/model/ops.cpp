@@ -7,6 +7,7 @@
 
 #include "core/error.h"
 #include "model/fused_cpu.h"
+#include "model/fused_gpu.h"
 
 namespace ddm {
 
@@ -37,8 +38,14 @@ torch::Tensor attention_tokens_qkv(const torch::Tensor& qkv) {
 torch::Tensor adaln_modulate(const torch::Tensor& x, const torch::Tensor& shift, const torch::Tensor& scale,
                              double eps) {
   if (adaln_modulate_cpu_supported(x, shift, scale)) return adaln_modulate_cpu(x, shift, scale, eps);  // [B, N, W]
+  if (adaln_modulate_cuda_supported(x, shift, scale)) return adaln_modulate_cuda(x, shift, scale, eps);  // [B, N, W]
   auto h = torch::layer_norm(x, {x.size(-1)}, {}, {}, eps);                                            // [B, N, W]
   return torch::addcmul(shift.unsqueeze(1), h, scale.unsqueeze(1) + 1.0);                              // [B, N, W]
+}
+
+torch::Tensor gated_residual(const torch::Tensor& x, const torch::Tensor& gate, const torch::Tensor& a) {
+  if (gated_residual_cuda_supported(x, gate, a)) return gated_residual_cuda(x, gate, a);  // [B, N, W]
+  return torch::addcmul(x, gate.unsqueeze(1), a);                                       // [B, N, W]
 }
 
 torch::Tensor gated_residual(const torch::Tensor& x, const torch::Tensor& gate, const torch::Tensor& a,

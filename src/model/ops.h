@@ -4,8 +4,8 @@
 //   - attention: the fused kernel of fused_cpu.h for float32 CPU tensors on AVX2 + FMA CPUs (measured
 //     1.04x-1.31x faster than LibTorch 2.11's SDPA on this project's DiT presets, docs/results.md),
 //     else LibTorch's fused at::scaled_dot_product_attention (CUDA, other dtypes);
-//   - adaln_modulate, gated_residual: the fused_cpu.h kernels for float32 CPU
-//     tensors on AVX2 + FMA CPUs, else the same expression in ATen ops.
+//   - adaln_modulate, gated_residual: the fused_cpu.h kernels for float32 CPU tensors on AVX2 + FMA
+//     CPUs, the fused_gpu.h kernels for CUDA tensors, else the same expression in ATen ops.
 #pragma once
 #include <torch/torch.h>
 
@@ -25,9 +25,14 @@ torch::Tensor attention_tokens_qkv(const torch::Tensor& qkv);
 // The reference three-op form on separate q, k, v [B, heads, N, d]; used by tests and as fallback.
 torch::Tensor attention_reference(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v);
 
-// LayerNorm(x) (no affine, epsilon eps) * (1 + scale) + shift; x [B, N, W], shift/scale [B, W].
+// LayerNorm(x) (no affine, epsilon eps) * (1 + scale) + shift; x [B, N, W], shift/scale [B, W]. On
+// the CUDA kernel's path under bfloat16 autocast the result is bfloat16 (it feeds a linear, which
+// would cast it); elsewhere float32 for float32 x.
 torch::Tensor adaln_modulate(const torch::Tensor& x, const torch::Tensor& shift, const torch::Tensor& scale,
                              double eps);
+
+// x + gate * a; x, a [B, N, W], gate [B, W].
+torch::Tensor gated_residual(const torch::Tensor& x, const torch::Tensor& gate, const torch::Tensor& a);
 
 // x + gate * (a + bias); x, a [B, N, W], gate [B, W], bias [W] (the bias of the linear that made a).
 torch::Tensor gated_residual(const torch::Tensor& x, const torch::Tensor& gate, const torch::Tensor& a,

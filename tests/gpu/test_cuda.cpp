@@ -30,7 +30,9 @@
 #include "data/shard_write.h"
 #include "data/shards.h"
 #include "diffusion/generate.h"
+#include "model/fused_gpu.h"
 #include "model/net.h"
+#include "model/ops.h"
 #include "test_util.h"
 #include "unit/train_test_util.h"
 
@@ -354,6 +356,93 @@ TEST(Gpu, Bf16AutocastFollowsFp32Over50Steps) {
     }
     std::printf("%s: bf16 against fp32: mean loss of the last 10 steps %.4f against %.4f (%.2e relative)\n", arch,
                 tail_b, tail_f, tail);
+  }
+}
+
+namespace {
+// max |a - b| / max |b|, both taken to float64 on the host.
+double rel(const torch::Tensor& a, const torch::Tensor& b) {
+  const auto x = a.detach().cpu().to(torch::kDouble), y = b.detach().cpu().to(torch::kDouble);
+  return (x - y).abs().max().item<double>() / (y.abs().max().item<double>() + 1e-30);
+}
+}  // namespace
+
+// The hand-written kernels of a DiT block (model/fused_gpu.h) against the same expressions in float64
+// on the host, from the same inputs (rounded to bfloat16 where the kernels read bfloat16), forward and
+// every gradient: in float32, and under bf16 autocast with bfloat16 modulation (the adaLN linear's
+// output there), where the modulated output and the [B, W] gradients are rounded to bfloat16 (8 bits:
+// 4e-3 of their largest). The modulation tensors are strided views of one [B, 6 W] tensor, as in a
+// block; widths that are not multiples of 32, a single row, and the widest row the kernels take. The
+// same inputs give the same bits twice (the reductions have a fixed order).
+TEST(Gpu, FusedDiTKernelsMatchTheirExpressionsInFloat64) {
+  if (no_gpu()) GTEST_SKIP() << kNoGpu;
+  // The kernels are opt-in (model/fused_gpu.h): on for this test, as they were before it.
+  const char* was = std::getenv("DDM_FUSED_CUDA");
+  const std::string before = was ? was : "";
+  setenv("DDM_FUSED_CUDA", "1", 1);
+  struct Restore {
+    bool had;
+    std::string value;
+    ~Restore() { had ? setenv("DDM_FUSED_CUDA", value.c_str(), 1) : unsetenv("DDM_FUSED_CUDA"); }
+  } restore{was != nullptr, before};
+  torch::manual_seed(17);
+  const auto cuda = torch::Device(torch::kCUDA);
+  for (const bool bf16 : {false, true}) {
+    for (auto [B, N, W] : {std::tuple<int64_t, int64_t, int64_t>{3, 7, 20}, {2, 49, 128}, {1, 1, 5},
+                           {4, 256, 768}, {2, 33, 2048}}) {
+      const std::string where = std::string(bf16 ? "bf16" : "fp32") + " B " + std::to_string(B) + " N " +
+                                std::to_string(N) + " W " + std::to_string(W);
+      const auto mod_type = bf16 ? torch::kBFloat16 : torch::kFloat;
+      const auto x0 = torch::randn({B, N, W}) * 3 + 1;                       // [B, N, W] float32
+      const auto ada0 = (torch::randn({B, 6 * W}) * 0.5).to(mod_type);      // [B, 6 W]
+      const auto a0 = torch::randn({B, N, W}).to(mod_type);                 // a linear's output
+      const auto gy0 = torch::randn({B, N, W}).to(mod_type);                // dL/d(modulated)
+      const auto go0 = torch::randn({B, N, W});                             // dL/d(residual), float32
+      struct Out { torch::Tensor y, o, gx, gada, ga; };
+      auto run = [&] {
+        auto x = x0.to(cuda).requires_grad_(true), ada = ada0.to(cuda).requires_grad_(true);
+        auto a = a0.to(cuda).requires_grad_(true);
+        const auto m = ada.chunk(6, -1);                                   // 6 x [B, W], row stride 6 W
+        EXPECT_TRUE(adaln_modulate_cuda_supported(x, m[0], m[1])) << where;
+        EXPECT_TRUE(gated_residual_cuda_supported(x, m[2], a)) << where;
+        torch::Tensor y, o;
+        {
+          Autocast autocast(cuda, bf16 ? Precision::kBf16 : Precision::kFp32);
+          y = adaln_modulate(x, m[0], m[1], 1e-6);                        // ops.h's dispatch
+          o = gated_residual(x, m[2], a);
+        }
+        EXPECT_EQ(y.scalar_type(), mod_type) << where;
+        EXPECT_EQ(o.scalar_type(), torch::kFloat) << where;
+        torch::autograd::backward({y, o}, {gy0.to(cuda), go0.to(cuda)});
+        return Out{y.detach().cpu(), o.detach().cpu(), x.grad().cpu(), ada.grad().cpu(), a.grad().cpu()};
+      };
+      const auto got = run();
+      // The float64 reference.
+      auto x = x0.to(torch::kDouble).requires_grad_(true), ada = ada0.to(torch::kDouble).requires_grad_(true);
+      auto a = a0.to(torch::kDouble).requires_grad_(true);
+      const auto m = ada.chunk(6, -1);
+      const auto y = torch::layer_norm(x, {W}, {}, {}, 1e-6) * (1 + m[1].unsqueeze(1)) + m[0].unsqueeze(1);
+      const auto o = x + m[2].unsqueeze(1) * a;
+      torch::autograd::backward({y, o}, {gy0.to(torch::kDouble), go0.to(torch::kDouble)});
+      const double round = bf16 ? 8e-3 : 2e-6;  // what the result's type keeps
+      EXPECT_LT(rel(got.y, y), round) << where;
+      EXPECT_LT(rel(got.o, o), 2e-6) << where;
+      EXPECT_LT(rel(got.gx, x.grad()), 5e-5) << where;
+      EXPECT_LT(rel(got.ga, a.grad()), round) << where;
+      for (int i : {0, 1, 2}) {
+        const auto sl = torch::indexing::Slice(i * W, (i + 1) * W);
+        EXPECT_LT(rel(got.gada.index({torch::indexing::Slice(), sl}), ada.grad().index({torch::indexing::Slice(), sl})),
+                  bf16 ? 8e-3 : 2e-5)
+            << where << ", the gradient of modulation " << i;
+      }
+      std::printf("%s: out %.1e, residual %.1e, dx %.1e, da %.1e, d(shift, scale, gate) %.1e\n", where.c_str(),
+                  rel(got.y, y), rel(got.o, o), rel(got.gx, x.grad()), rel(got.ga, a.grad()),
+                  rel(got.gada.narrow(1, 0, 3 * W), ada.grad().narrow(1, 0, 3 * W)));
+      const auto again = run();
+      EXPECT_TRUE(torch::equal(again.y, got.y) && torch::equal(again.gx, got.gx) &&
+                  torch::equal(again.gada, got.gada) && torch::equal(again.ga, got.ga))
+          << where << ": not the same bits twice";
+    }
   }
 }
 

@@ -2,6 +2,7 @@
 // shapes of every preset, null / absent class labels, config errors, float64 finite-difference
 // gradient checks of the building blocks, parameter and FLOP counting.
 #include <cmath>
+#include <cstdlib>
 #include <functional>
 #include <tuple>
 #include <string>
@@ -18,6 +19,7 @@
 #include "model/dit.h"
 #include "model/flops.h"
 #include "model/fused_cpu.h"
+#include "model/fused_gpu.h"
 #include "model/layers.h"
 #include "model/net.h"
 #include "model/ops.h"
@@ -527,3 +529,21 @@ TEST(FusedAttention, TokenLayoutEqualsTheReference) {
 
 }  // namespace
 }  // namespace ddm
+
+// The hand-written CUDA kernels (model/fused_gpu.h) are opt-in with DDM_FUSED_CUDA=1 and never take
+// CPU tensors; what they compute is checked on a GPU (tests/gpu/test_cuda.cpp).
+TEST(FusedGpu, OptInAndNeverForCpuTensors) {
+  const auto x = torch::randn({2, 5, 8}), m = torch::randn({2, 8});
+  const char* was = std::getenv("DDM_FUSED_CUDA");
+  const std::string before = was ? was : "";
+  unsetenv("DDM_FUSED_CUDA");
+  EXPECT_FALSE(ddm::fused_cuda_enabled());
+  setenv("DDM_FUSED_CUDA", "0", 1);
+  EXPECT_FALSE(ddm::fused_cuda_enabled());
+  setenv("DDM_FUSED_CUDA", "1", 1);
+  EXPECT_TRUE(ddm::fused_cuda_enabled());
+  EXPECT_FALSE(ddm::adaln_modulate_cuda_supported(x, m, m));
+  EXPECT_FALSE(ddm::gated_residual_cuda_supported(x, m, x));
+  EXPECT_THROW(ddm::adaln_modulate_cuda(x, m, m, 1e-6), ddm::Error);
+  was ? setenv("DDM_FUSED_CUDA", before.c_str(), 1) : unsetenv("DDM_FUSED_CUDA");
+}

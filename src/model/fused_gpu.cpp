@@ -1,0 +1,150 @@
+// Autograd functions over the CUDA kernels of fused_cuda.cu (fused_gpu.h). The kernels take raw
+// pointers; this file checks what they may be given, picks the types, allocates the outputs and the
+// partial sums, and runs them on the current CUDA stream of the tensors' device.
+#include "model/fused_gpu.h"
+
+#include <cstdlib>
+#include <cstring>
+
+#include <ATen/autocast_mode.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include "core/error.h"
+#include "model/fused_cuda.h"
+
+namespace ddm {
+namespace {
+
+namespace k = cuda_kernels;
+using torch::autograd::AutogradContext;
+using torch::autograd::tensor_list;
+
+bool kernel_type(const torch::Tensor& t) {
+  return t.scalar_type() == torch::kFloat || t.scalar_type() == torch::kBFloat16;
+}
+
+k::DType dtype(const torch::Tensor& t) { return t.scalar_type() == torch::kBFloat16 ? k::DType::bf16 : k::DType::f32; }
+
+// A [B, W] modulation tensor the kernels read with a row stride: a view of the adaLN linear's output.
+bool modulation(const torch::Tensor& m, const torch::Tensor& x) {
+  return m.device() == x.device() && kernel_type(m) && m.dim() == 2 && m.size(0) == x.size(0) &&
+         m.size(1) == x.size(2) && m.stride(1) == 1;
+}
+
+bool block_input(const torch::Tensor& x) {
+  return fused_cuda_enabled() && x.is_cuda() && x.scalar_type() == torch::kFloat && x.dim() == 3 && x.is_contiguous() &&
+         x.numel() > 0 && x.size(0) <= 65535 && x.size(2) <= k::kMaxWidth;
+}
+
+void check(const char* error, const char* what) {
+  DDM_CHECK(error == nullptr, what << ": the CUDA kernel failed to launch: " << error);
+}
+
+void* stream_of(const torch::Tensor& t) {
+  return static_cast<void*>(c10::cuda::getCurrentCUDAStream(t.device().index()).stream());
+}
+
+// The [B, W] gradient from its partial sums [B, chunks, W], in the type of the input it is for.
+torch::Tensor summed(const torch::Tensor& parts, const torch::Tensor& like) {
+  return parts.sum(1).to(like.scalar_type());
+}
+
+struct AdaLNModulate : torch::autograd::Function<AdaLNModulate> {
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x, const torch::Tensor& shift,
+                               const torch::Tensor& scale, double eps) {
+    const c10::cuda::CUDAGuard guard(x.device());
+    const int64_t B = x.size(0), N = x.size(1), W = x.size(2);
+    const auto out_type = at::autocast::is_autocast_enabled(at::kCUDA) &&
+                                  at::autocast::get_autocast_dtype(at::kCUDA) == torch::kBFloat16
+                              ? torch::kBFloat16
+                              : torch::kFloat;
+    auto out = torch::empty({B, N, W}, x.options().dtype(out_type));   // [B, N, W]
+    auto mean = torch::empty({B * N}, x.options());                    // [B N]
+    auto rstd = torch::empty({B * N}, x.options());                    // [B N]
+    check(k::adaln_forward(x.data_ptr<float>(), shift.data_ptr(), scale.data_ptr(), dtype(scale), scale.stride(0),
+                           out.data_ptr(), dtype(out), mean.data_ptr<float>(), rstd.data_ptr<float>(), B, N, W,
+                           static_cast<float>(eps), stream_of(x)),
+          "adaln_modulate");
+    ctx->save_for_backward({x, shift, scale, mean, rstd});
+    return out;
+  }
+
+  static tensor_list backward(AutogradContext* ctx, tensor_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto &x = saved[0], &shift = saved[1], &scale = saved[2], &mean = saved[3], &rstd = saved[4];
+    const c10::cuda::CUDAGuard guard(x.device());
+    const int64_t B = x.size(0), N = x.size(1), W = x.size(2);
+    auto g = grads[0].contiguous();                                    // [B, N, W]
+    if (!kernel_type(g)) g = g.to(torch::kFloat);
+    auto gx = torch::empty_like(x);                                    // [B, N, W]
+    const int64_t chunks = k::row_chunks(N);
+    auto part_scale = torch::empty({B, chunks, W}, x.options());       // [B, chunks, W]
+    auto part_shift = torch::empty({B, chunks, W}, x.options());       // [B, chunks, W]
+    check(k::adaln_backward(g.data_ptr(), dtype(g), x.data_ptr<float>(), mean.data_ptr<float>(),
+                            rstd.data_ptr<float>(), scale.data_ptr(), dtype(scale), scale.stride(0),
+                            gx.data_ptr<float>(), part_scale.data_ptr<float>(), part_shift.data_ptr<float>(), B, N,
+                            W, stream_of(x)),
+          "adaln_modulate backward");
+    return {gx, summed(part_shift, shift), summed(part_scale, scale), torch::Tensor()};
+  }
+};
+
+struct GatedResidual : torch::autograd::Function<GatedResidual> {
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x, const torch::Tensor& gate,
+                               const torch::Tensor& a) {
+    ctx->save_for_backward({gate, a});
+    return torch::addcmul(x, gate.unsqueeze(1), a);                    // [B, N, W] float32
+  }
+
+  static tensor_list backward(AutogradContext* ctx, tensor_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto &gate = saved[0], &a = saved[1];
+    const c10::cuda::CUDAGuard guard(a.device());
+    const int64_t B = a.size(0), N = a.size(1), W = a.size(2);
+    const auto g = grads[0].to(torch::kFloat).contiguous();            // [B, N, W]
+    const auto ac = a.contiguous();                                    // [B, N, W]
+    auto ga = torch::empty_like(ac);                                   // [B, N, W]
+    auto part_gate = torch::empty({B, k::row_chunks(N), W}, g.options());  // [B, chunks, W]
+    check(k::gated_backward(g.data_ptr<float>(), ac.data_ptr(), dtype(ac), gate.data_ptr(), dtype(gate),
+                            gate.stride(0), ga.data_ptr(), part_gate.data_ptr<float>(), B, N, W, stream_of(g)),
+          "gated_residual backward");
+    return {grads[0], summed(part_gate, gate), ga};
+  }
+};
+
+}  // namespace
+
+bool fused_cuda_enabled() {
+  // Read at every call (a few per block), so a test can turn the kernels on and off.
+  const char* v = std::getenv("DDM_FUSED_CUDA");
+  return v != nullptr && std::strcmp(v, "1") == 0;
+}
+
+bool adaln_modulate_cuda_supported(const torch::Tensor& x, const torch::Tensor& shift, const torch::Tensor& scale) {
+  return block_input(x) && modulation(shift, x) && modulation(scale, x) &&
+         shift.scalar_type() == scale.scalar_type() && shift.stride(0) == scale.stride(0);
+}
+
+torch::Tensor adaln_modulate_cuda(const torch::Tensor& x, const torch::Tensor& shift, const torch::Tensor& scale,
+                                  double eps) {
+  DDM_CHECK(adaln_modulate_cuda_supported(x, shift, scale),
+            "adaln_modulate_cuda: needs float32 CUDA x [B, N, W] (contiguous, W <= "
+                << k::kMaxWidth << ") and shift, scale [B, W] of one type; got " << x.sizes() << " " << x.dtype()
+                << ", " << shift.sizes() << " " << shift.dtype() << ", " << scale.sizes() << " " << scale.dtype());
+  return AdaLNModulate::apply(x, shift, scale, eps);
+}
+
+bool gated_residual_cuda_supported(const torch::Tensor& x, const torch::Tensor& gate, const torch::Tensor& a) {
+  return block_input(x) && modulation(gate, x) && a.device() == x.device() && kernel_type(a) &&
+         a.sizes() == x.sizes();
+}
+
+torch::Tensor gated_residual_cuda(const torch::Tensor& x, const torch::Tensor& gate, const torch::Tensor& a) {
+  DDM_CHECK(gated_residual_cuda_supported(x, gate, a),
+            "gated_residual_cuda: needs float32 CUDA x [B, N, W] (contiguous), a of its shape and gate [B, W]; got "
+                << x.sizes() << " " << x.dtype() << ", " << a.sizes() << " " << a.dtype() << ", " << gate.sizes());
+  return GatedResidual::apply(x, gate, a);
+}
+
+}  // namespace ddm

@@ -1,0 +1,34 @@
+// The DiT block's adaLN modulation and gated residual on CUDA tensors, as autograd functions over the
+// hand-written kernels of fused_cuda.cu; model/ops.h decides when they run. Each replaces a chain of
+// LibTorch ops that makes a pass over [B, N, W] per op, forward and backward (fused_cuda.h).
+// Off unless DDM_FUSED_CUDA=1 is in the environment: written and compiled, but not yet run on a GPU
+// (scripts/gpu-check.sh runs the gpu tests with them on and times dit-b with and without them); the
+// default becomes on once a GPU has checked them. Off, LibTorch's ops run, as before.
+#pragma once
+#include <torch/torch.h>
+
+namespace ddm {
+
+// True when DDM_FUSED_CUDA=1 is set; otherwise neither function below runs (its _supported is false).
+bool fused_cuda_enabled();
+
+// True when adaln_modulate_cuda() runs on these tensors: float32 CUDA x [B, N, W] (contiguous, W at
+// most 2048), shift and scale [B, W] of one type, float32 or bfloat16, with unit column stride.
+bool adaln_modulate_cuda_supported(const torch::Tensor& x, const torch::Tensor& shift, const torch::Tensor& scale);
+
+// LayerNorm(x) (no affine, epsilon eps) * (1 + scale) + shift, [B, N, W], in one pass each way. Under
+// CUDA autocast the result has autocast's type (bfloat16): the linear that takes it would cast it
+// anyway, so the cast is fused too. Precondition: adaln_modulate_cuda_supported(x, shift, scale).
+torch::Tensor adaln_modulate_cuda(const torch::Tensor& x, const torch::Tensor& shift, const torch::Tensor& scale,
+                                  double eps);
+
+// True when gated_residual_cuda() runs on these tensors: float32 CUDA x [B, N, W] (contiguous), a of
+// x's shape, float32 or bfloat16, gate [B, W] float32 or bfloat16 with unit column stride.
+bool gated_residual_cuda_supported(const torch::Tensor& x, const torch::Tensor& gate, const torch::Tensor& a);
+
+// x + gate * a, float32 [B, N, W]: LibTorch's addcmul forward, and a backward in one pass (the
+// gradient of a in a's type, the gate's summed over N without atomics).
+// Precondition: gated_residual_cuda_supported(x, gate, a).
+torch::Tensor gated_residual_cuda(const torch::Tensor& x, const torch::Tensor& gate, const torch::Tensor& a);
+
+}  // namespace ddm
