@@ -201,6 +201,12 @@ void with_type(DType t, F&& f) {
   }
 }
 
+// Calls f with null pointers of the C++ types of t1 and t2, to pick a kernel's two types.
+template <typename F>
+void with_types(DType t1, DType t2, F&& f) {
+  with_type(t1, [&](auto* a) { with_type(t2, [&](auto* b) { f(a, b); }); });
+}
+
 }  // namespace
 
 int row_chunks(int64_t N) { return static_cast<int>((N + kRows - 1) / kRows); }
@@ -209,14 +215,12 @@ const char* adaln_forward(const float* x, const void* shift, const void* scale, 
                           void* out, DType out_type, float* mean, float* rstd, int64_t B, int64_t N, int64_t W,
                           float eps, void* stream) {
   if (W > kMaxWidth) return "adaln_forward: a row wider than kMaxWidth";
-  with_type(mod, [&](auto* tm) {
+  with_types(mod, out_type, [&](auto* tm, auto* to) {
     using TM = std::remove_pointer_t<decltype(tm)>;
-    with_type(out_type, [&](auto* to) {
-      using TO = std::remove_pointer_t<decltype(to)>;
-      adaln_forward_kernel<TM, TO><<<grid_for(B, N), threads_for(W), 0, static_cast<cudaStream_t>(stream)>>>(
-          x, static_cast<const TM*>(shift), static_cast<const TM*>(scale), mod_stride, static_cast<TO*>(out), mean,
-          rstd, N, W, eps);
-    });
+    using TO = std::remove_pointer_t<decltype(to)>;
+    adaln_forward_kernel<TM, TO><<<grid_for(B, N), threads_for(W), 0, static_cast<cudaStream_t>(stream)>>>(
+        x, static_cast<const TM*>(shift), static_cast<const TM*>(scale), mod_stride, static_cast<TO*>(out), mean,
+        rstd, N, W, eps);
   });
   return launched();
 }
@@ -225,14 +229,12 @@ const char* adaln_backward(const void* g, DType g_type, const float* x, const fl
                            const void* scale, DType mod, int64_t mod_stride, float* gx, float* part_scale,
                            float* part_shift, int64_t B, int64_t N, int64_t W, void* stream) {
   if (W > kMaxWidth) return "adaln_backward: a row wider than kMaxWidth";
-  with_type(g_type, [&](auto* tg) {
+  with_types(g_type, mod, [&](auto* tg, auto* tm) {
     using TG = std::remove_pointer_t<decltype(tg)>;
-    with_type(mod, [&](auto* tm) {
-      using TM = std::remove_pointer_t<decltype(tm)>;
-      adaln_backward_kernel<TG, TM><<<grid_for(B, N), threads_for(W), 0, static_cast<cudaStream_t>(stream)>>>(
-          static_cast<const TG*>(g), x, mean, rstd, static_cast<const TM*>(scale), mod_stride, gx, part_scale,
-          part_shift, N, W);
-    });
+    using TM = std::remove_pointer_t<decltype(tm)>;
+    adaln_backward_kernel<TG, TM><<<grid_for(B, N), threads_for(W), 0, static_cast<cudaStream_t>(stream)>>>(
+        static_cast<const TG*>(g), x, mean, rstd, static_cast<const TM*>(scale), mod_stride, gx, part_scale,
+        part_shift, N, W);
   });
   return launched();
 }
@@ -240,14 +242,11 @@ const char* adaln_backward(const void* g, DType g_type, const float* x, const fl
 const char* gated_backward(const float* g, const void* a, DType a_type, const void* gate, DType mod,
                            int64_t mod_stride, void* ga, float* part_gate, int64_t B, int64_t N, int64_t W,
                            void* stream) {
-  with_type(a_type, [&](auto* ta) {
+  with_types(a_type, mod, [&](auto* ta, auto* tm) {
     using TA = std::remove_pointer_t<decltype(ta)>;
-    with_type(mod, [&](auto* tm) {
-      using TM = std::remove_pointer_t<decltype(tm)>;
-      gated_backward_kernel<TA, TM><<<grid_for(B, N), threads_for(W), 0, static_cast<cudaStream_t>(stream)>>>(
-          g, static_cast<const TA*>(a), static_cast<const TM*>(gate), mod_stride, static_cast<TA*>(ga), part_gate, N,
-          W);
-    });
+    using TM = std::remove_pointer_t<decltype(tm)>;
+    gated_backward_kernel<TA, TM><<<grid_for(B, N), threads_for(W), 0, static_cast<cudaStream_t>(stream)>>>(
+        g, static_cast<const TA*>(a), static_cast<const TM*>(gate), mod_stride, static_cast<TA*>(ga), part_gate, N, W);
   });
   return launched();
 }
