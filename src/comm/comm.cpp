@@ -1,6 +1,6 @@
 // Comm (see comm.h): TCPStore rendezvous, the Gloo group, collectives, and the translation of c10d /
 // Gloo failures into ddm::Error. What Gloo reports (first seen on LibTorch 1.13, the same on 2.11; checked by
-// tests/unit/test_dist.cpp):
+// tests/unit/comm/test_comm.cpp):
 //   peer process died          -> "[.../pair.cc:N] Connection closed by peer [addr]:port" (or a read
 //                                 / write error on the socket) within milliseconds
 //   peer alive, never joins    -> "[.../unbound_buffer.cc:N] Timed out waiting Nms for recv

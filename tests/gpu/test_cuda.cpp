@@ -34,7 +34,7 @@
 #include "model/net.h"
 #include "model/ops.h"
 #include "test_util.h"
-#include "unit/train_test_util.h"
+#include "unit/run/train_test_util.h"
 
 using namespace ddm;
 using namespace ddm::test;

@@ -1,4 +1,4 @@
-// The second process of DistProcess.TwoProcessesOverTcp (tests/unit/test_dist.cpp): rank 1 of a job
+// The second process of DistProcess.TwoProcessesOverTcp (tests/unit/comm/test_comm.cpp): rank 1 of a job
 // of two, configured by the environment like a real launch (RANK, WORLD_SIZE, MASTER_ADDR,
 // MASTER_PORT). It all-reduces, gathers, agrees and meets a barrier with the parent, then waits to
 // be killed (the parent checks what its peer sees when this rank dies mid-collective). Its exit

@@ -1,6 +1,7 @@
 // The source tree's floors (README, "Layout"): a file under src/ includes headers of its own folder
 // and of the folders on floors below it, never of one above. Checked on every #include "folder/..."
-// of every file, so a new include that runs back up fails here, naming the file and line.
+// of every file, so a new include that runs back up fails here, naming the file and line. And the
+// unit tests mirror those folders (tests/unit/<folder>/).
 #include <gtest/gtest.h>
 
 #include <filesystem>
@@ -40,4 +41,32 @@ TEST(Layout, NoFileIncludesAFolderAboveItsOwn) {
     ++files;
   }
   EXPECT_GT(files, 100);
+}
+
+TEST(Layout, TheUnitTestsMirrorTheSourceFolders) {
+  // tests/unit/<folder>/ holds the tests of src/<folder>/; only the whole tree's and the build's own
+  // checks sit in tests/unit/ itself.
+  const fs::path root(ddm::test::source_dir());
+  const fs::path src = root / "src", unit = root / "tests" / "unit";
+  int folders = 0;
+  for (const auto& entry : fs::directory_iterator(src)) {
+    if (!entry.is_directory()) continue;
+    const std::string folder = entry.path().filename().string();
+    int tests = 0;
+    if (fs::is_directory(unit / folder))
+      for (const auto& t : fs::directory_iterator(unit / folder))
+        tests += t.path().filename().string().rfind("test_", 0) == 0 && t.path().extension() == ".cpp";
+    EXPECT_GT(tests, 0) << "src/" << folder << " has no tests in tests/unit/" << folder << "/";
+    ++folders;
+  }
+  EXPECT_GE(folders, 12);
+  for (const auto& entry : fs::directory_iterator(unit)) {
+    const std::string name = entry.path().filename().string();
+    if (entry.is_directory()) {
+      EXPECT_TRUE(fs::is_directory(src / name)) << "tests/unit/" << name << "/ mirrors no folder of src/";
+    } else if (entry.path().extension() == ".cpp") {
+      EXPECT_TRUE(name == "test_layout.cpp" || name == "test_torch_build.cpp")
+          << "tests/unit/" << name << " belongs in the folder of the source it tests";
+    }
+  }
 }

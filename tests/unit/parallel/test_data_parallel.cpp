@@ -8,7 +8,7 @@
 #include <filesystem>
 
 #include "test_util.h"
-#include "unit/train_test_util.h"
+#include "unit/run/train_test_util.h"
 
 using namespace ddm;
 using namespace ddm::test;

@@ -15,7 +15,7 @@
 #include "test_util.h"
 #include "parallel/diloco.h"
 #include "train/optimizer.h"
-#include "unit/train_test_util.h"
+#include "unit/run/train_test_util.h"
 
 using namespace ddm;
 using namespace ddm::test;

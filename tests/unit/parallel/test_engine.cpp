@@ -16,7 +16,7 @@
 #include "parallel/engine.h"
 #include "run/setup.h"
 #include "unit/test_dist_util.h"
-#include "unit/train_test_util.h"
+#include "unit/run/train_test_util.h"
 
 namespace {
 

@@ -21,7 +21,7 @@
 #include "unit/test_dist_util.h"
 #include "test_util.h"
 #include "train/controlnet.h"
-#include "unit/train_test_util.h"
+#include "unit/run/train_test_util.h"
 
 using namespace ddm;
 using namespace ddm::test;
