@@ -5,13 +5,12 @@
 #include <iostream>
 #include <mutex>
 #include <sstream>
-#include <thread>
 
 #include "comm/env.h"
 #include "core/device.h"
 #include "core/error.h"
 #include "core/rng.h"
-#include "data/shard_loader.h"
+#include "data/shard_stream.h"
 #include "model/unet.h"
 #include "train/controlnet.h"
 #include "train/embed.h"
@@ -104,111 +103,6 @@ CommOptions comm_options(const ParallelConfig& p) {
   o.connect_timeout = o.timeout;  // a rank started long before rank 0 (a busy Slurm node) waits as long
   return o;
 }
-
-// The data positions a checkpoint holds, one per replica of this run: its "replicas" list when the
-// loader keeps one per replica and the run has as many replicas as the checkpoint's, else its one
-// position for all (a per-replica run resumed with another replica count starts each replica at the
-// beginning of the latest epoch any replica had reached, and says so).
-std::vector<BatchSource::Cursor> saved_cursors(const Checkpoint& ck, const BatchSource& loader, bool quiet) {
-  const BatchSource::Cursor one{ck.field<int64_t>("/data_cursor/epoch"), ck.field<int64_t>("/data_cursor/index")};
-  std::vector<BatchSource::Cursor> out(static_cast<size_t>(loader.replicas()), one);
-  if (!loader.per_replica()) return out;
-  const nlohmann::json* saved = ck.state.contains("data_cursor") && ck.state["data_cursor"].contains("replicas")
-                                    ? &ck.state["data_cursor"]["replicas"]
-                                    : nullptr;
-  if (saved && saved->is_array() && static_cast<int>(saved->size()) == loader.replicas()) {
-    for (size_t r = 0; r < out.size(); ++r) {
-      const nlohmann::json& e = (*saved)[r];
-      DDM_CHECK(e.is_array() && e.size() == 2 && e[0].is_number_integer() && e[1].is_number_integer(),
-                "checkpoint state.json: data_cursor.replicas[" << r << "] is not [epoch, index]");
-      out[r] = {e[0].get<int64_t>(), e[1].get<int64_t>()};
-    }
-    return out;
-  }
-  int64_t latest = one.epoch;
-  if (saved && saved->is_array())
-    for (const nlohmann::json& e : *saved)
-      if (e.is_array() && e.size() == 2 && e[0].is_number_integer()) latest = std::max(latest, e[0].get<int64_t>());
-  if (!quiet)
-    std::cout << "note: the checkpoint's data positions are for " << (saved && saved->is_array() ? saved->size() : 1)
-              << " replica(s), this run has " << loader.replicas() << ": the shards are dealt anew, and every replica "
-              << "starts epoch " << latest + 1 << " from its beginning\n";
-  for (auto& c : out) c = {latest + 1, 0};
-  return out;
-}
-
-// The bad samples each replica had skipped (data.skip_bad) by a checkpoint: its state's
-// skipped_samples.replicas when the run has as many replicas, else the total on replica 0 (the sum
-// goes on); none in checkpoints of older versions.
-std::vector<int64_t> saved_skipped(const Checkpoint& ck, int replicas) {
-  std::vector<int64_t> out(static_cast<size_t>(replicas), 0);
-  if (!ck.state.contains("skipped_samples")) return out;
-  const nlohmann::json& j = ck.state["skipped_samples"];
-  const nlohmann::json* each = j.contains("replicas") && j["replicas"].is_array() ? &j["replicas"] : nullptr;
-  if (each && static_cast<int>(each->size()) == replicas) {
-    for (size_t r = 0; r < out.size(); ++r) out[r] = (*each)[r].get<int64_t>();
-  } else {
-    out[0] = ck.field<int64_t>("/skipped_samples/total");
-  }
-  return out;
-}
-
-}  // namespace
-
-int set_threads(int64_t threads, int local_processes) {
-  // 0 = the cores shared among the processes on this machine: two ranks with every core each run
-  // at half the speed of two ranks with one core each (docs/results.md, "Data parallel").
-  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  int n = threads > 0 ? static_cast<int>(threads) : std::max(1, cores / std::max(1, local_processes));
-  torch::set_num_threads(n);
-  return n;
-}
-
-void resolve_data_shape(RunConfig& cfg, const Dataset& data) {
-  ModelConfig& m = cfg.model;
-  const int64_t c = data.images.size(1), h = data.images.size(2), w = data.images.size(3);
-  DDM_CHECK(h == w, "images must be square, got " << h << "x" << w << " from " << data.description);
-  DDM_CHECK(m.num_classes == -1 || m.num_classes == 0 || m.num_classes == data.num_classes,
-            "model.num_classes = " << m.num_classes << " but the data has " << data.num_classes
-                                   << " classes; use -1 (from data) or 0 (unconditional)");
-  if (m.num_classes == -1) m.num_classes = data.num_classes;
-  m.self_cond = cfg.train.self_cond > 0;  // derived: the network takes the estimate as more channels
-  if (!m.embed.empty()) resolve_embed(m, data);      // on the pixel images, before any latent
-  if (!m.controlnet.empty()) {  // the model is the base's U-Net
-    resolve_controlnet(cfg, data);
-    return;
-  }
-  DDM_CHECK(!data.latents || !m.latent.empty(),
-            "data.source = latents holds the latents of a frozen autoencoder (" << data.description
-                << "): set model.latent to the autoencoder that encoded them (" << data.latents->autoencoder
-                << ", or its run directory)");
-  if (!m.latent.empty()) {  // the model's input is the autoencoder's latents
-    resolve_latent(m, data);
-    return;
-  }
-  DDM_CHECK(m.in_channels == 0 || m.in_channels == c,
-            "model.in_channels = " << m.in_channels << " but the data has " << c << " channels; remove the key");
-  DDM_CHECK(m.image_size == 0 || m.image_size == h,
-            "model.image_size = " << m.image_size << " but the data is " << h << "x" << w << "; remove the key");
-  m.in_channels = c;
-  m.image_size = h;
-}
-
-
-TrainJob plain_job(RunConfig cfg) {
-  validate(cfg);
-  const int threads = set_threads(cfg.train.threads);
-  TrainJob job;
-  const bool streamed = cfg.data.source == "shards" || cfg.data.source == "latents";
-  job.data = streamed ? open_shards(cfg.data, threads, false) : load_dataset(cfg.data);
-  resolve_data_shape(cfg, job.data);
-  DDM_CHECK(job.data.images.size(0) > 0, "the dataset " << job.data.description << " is empty");
-  job.cfg = cfg;
-  job.recorded = cfg;
-  return job;
-}
-
-namespace {
 
 // train.device for this process, before it joins the others: a device it cannot use fails it alone,
 // at once. Every mode trains on a GPU.
@@ -325,7 +219,7 @@ std::vector<std::pair<std::string, std::string>> run_identity(const RunConfig& r
   return kv;
 }
 
-RunStart start_run(const TrainOptions& opt, const TrainJob& job, Net& net, Engine& engine, BatchSource& loader,
+RunStart start_run(const TrainOptions& opt, const TrainJob& job, Net& net, Engine& engine, DataPosition& data,
                    Comm& comm, bool rejoining) {
   const RunDir dir(opt.out_dir);
   const bool lead = comm.rank() == 0;
@@ -345,11 +239,7 @@ RunStart start_run(const TrainOptions& opt, const TrainJob& job, Net& net, Engin
           resumed_from = *latest;
           load_module_state(*net, ck.model, RunDir(*latest) / RunDir::kModel);
           optim.load(ck.model, ck.ema, ck.optim, ck.field<int64_t>("/optimizer_step"), *latest);
-          s.data_cursors = saved_cursors(ck, loader, opt.quiet);
-          s.data_skipped = saved_skipped(ck, loader.replicas());
-          loader.set_cursor(s.data_cursors[static_cast<size_t>(loader.replica())]);
-          if (auto* shards = dynamic_cast<ShardLoader*>(&loader))
-            shards->set_skipped(s.data_skipped[static_cast<size_t>(loader.replica())]);
+          data.resume(ck, opt.quiet);
           if (ck.state.contains("log_interval")) {  // absent in checkpoints of older versions
             s.interval_loss_sum = ck.field<double>("/log_interval/loss_sum");
             s.interval_steps = ck.field<int64_t>("/log_interval/steps");
@@ -375,14 +265,12 @@ RunStart start_run(const TrainOptions& opt, const TrainJob& job, Net& net, Engin
     DDM_FAIL("rank 0 could not set up the run in " << opt.out_dir << " (its message says why); nothing was trained");
   }
   torch::NoGradGuard no_grad;
-  const auto cur = loader.cursor();
   const int64_t loaded = s.resumed ? 1 : 0;
-  auto ints = torch::tensor({s.step, optim.step_count(), cur.epoch, cur.index, s.interval_steps, s.sent_before, loaded},
-                            torch::kLong);
+  auto ints = torch::tensor({s.step, optim.step_count(), s.interval_steps, s.sent_before, loaded}, torch::kLong);
   auto sums = torch::tensor({s.interval_loss_sum}, torch::kDouble);
   comm.broadcast(ints, 0);
   comm.broadcast(sums, 0);
-  if (ints[6].item<int64_t>() != 0) {
+  if (ints[4].item<int64_t>() != 0) {
     engine.take_resumed(s.resumed ? &*s.resumed : nullptr, s.resumed ? resumed_from : "the checkpoint",
                          ints[1].item<int64_t>());
     for (auto& b : net->named_buffers(true)) {
@@ -405,21 +293,9 @@ RunStart start_run(const TrainOptions& opt, const TrainJob& job, Net& net, Engin
   }
   s.step = ints[0].item<int64_t>();
   optim.set_step_count(ints[1].item<int64_t>());
-  if (loader.per_replica()) {  // each replica its own position, from rank 0's checkpoint
-    auto at = torch::zeros({loader.replicas(), 3}, torch::kLong);  // [replica] = epoch, index, skipped
-    if (lead && !s.data_cursors.empty())
-      for (int r = 0; r < loader.replicas(); ++r) {
-        const auto i = static_cast<size_t>(r);
-        at[r] = torch::tensor({s.data_cursors[i].epoch, s.data_cursors[i].index, s.data_skipped[i]}, torch::kLong);
-      }
-    comm.broadcast(at, 0);
-    loader.set_cursor({at[loader.replica()][0].item<int64_t>(), at[loader.replica()][1].item<int64_t>()});
-    if (auto* shards = dynamic_cast<ShardLoader*>(&loader)) shards->set_skipped(at[loader.replica()][2].item<int64_t>());
-  } else {
-    loader.set_cursor({ints[2].item<int64_t>(), ints[3].item<int64_t>()});
-  }
-  s.interval_steps = ints[4].item<int64_t>();
-  s.sent_before = ints[5].item<int64_t>();
+  data.share(comm);  // each replica's data position, rank 0's
+  s.interval_steps = ints[2].item<int64_t>();
+  s.sent_before = ints[3].item<int64_t>();
   s.interval_loss_sum = sums[0].item<double>();
   return s;
 }

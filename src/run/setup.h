@@ -1,8 +1,7 @@
 // Setting up a training run, everything before its first step (run/trainer.cpp's loop runs after):
 // joining the job's processes, building the model alike on every rank, the run directory (rank 0:
 // lock, config, records, the checkpoint to resume from), every rank agreeing on where the run
-// starts, and the run's header. The public entry points (set_threads, resolve_data_shape,
-// plain_job) are declared in run/trainer.h.
+// starts, and the run's header.
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -14,7 +13,8 @@
 #include "comm/comm.h"
 #include "core/fileio.h"
 #include "parallel/engine.h"
-#include "run/trainer.h"
+#include "run/data_position.h"
+#include "run/job.h"
 #include "train/checkpoint.h"
 #include "train/latent.h"
 
@@ -53,16 +53,15 @@ struct RunStart {
   int64_t interval_steps = 0;
   int64_t sent_before = 0;            // bytes rank 0 had sent before this run resumed
   std::optional<Checkpoint> resumed;  // rank 0: the checkpoint it resumed from
-  std::vector<BatchSource::Cursor> data_cursors;  // rank 0, resumed: each replica's data position
-  std::vector<int64_t> data_skipped;  // rank 0, resumed: each replica's bad samples skipped so far
 };
 
 // Rank 0 prepares the run directory (lock, config.toml, job.records) and, with opt.resume, loads the
-// latest checkpoint into net, the engine's optimizer and the loader. With several processes (and
-// not rejoining) every rank then learns whether that worked (rank 0's error, or one naming rank 0)
-// and takes rank 0's state: the resumed one (Engine::take_resumed and the model's buffers), or, on
-// a fresh start, a hash proves every rank's seeded initialization identical.
-RunStart start_run(const TrainOptions& opt, const TrainJob& job, Net& net, Engine& engine, BatchSource& loader,
+// latest checkpoint into net, the engine's optimizer and the data position. With several processes
+// (and not rejoining) every rank then learns whether that worked (rank 0's error, or one naming rank
+// 0) and takes rank 0's state: the resumed one (Engine::take_resumed and the model's buffers), or,
+// on a fresh start, a hash proves every rank's seeded initialization identical; and each replica's
+// data position.
+RunStart start_run(const TrainOptions& opt, const TrainJob& job, Net& net, Engine& engine, DataPosition& data,
                    Comm& comm, bool rejoining);
 
 // The run's header (data, model, objective, conditioning, batch and threads, the engine, out).

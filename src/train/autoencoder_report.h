@@ -7,6 +7,7 @@
 //     posterior samples of the training images (Rombach et al.: scale = 1 / std, so that the
 //     diffusion model sees unit-variance latents; the shift centres them);
 //   reconstructions.png: originals beside their reconstructions, one pair of rows per class.
+// (What latent models read back of it, the record, is train/autoencoder_record.h's.)
 #pragma once
 #include <cstdint>
 #include <string>
@@ -16,14 +17,9 @@
 
 #include "eval/evaluate.h"
 #include "model/autoencoder.h"
+#include "train/autoencoder_record.h"
 
 namespace ddm {
-
-struct LatentStats {
-  double shift = 0;  // mean of every latent element
-  double scale = 1;  // 1 / standard deviation of every latent element
-  int64_t n = 0;     // images measured
-};
 
 // Posterior samples z of images float [N, C, H, W] in [-1, 1], image i's noise keyed by (seed, i), so
 // the result does not depend on `batch`: shift = mean(z), scale = 1 / std(z) over all elements
@@ -60,13 +56,5 @@ struct AutoencoderReport {
 
 // Measures the autoencoder of a run directory (latest checkpoint) or checkpoint directory.
 AutoencoderReport report_autoencoder(const std::string& path, const AutoencoderReportOptions& opt);
-
-// The latent statistics and pinned weights a latent model needs, read back from RUN/autoencoder.json
-// of the run that holds `checkpoint`; errors name the file and say to run `ddm train-autoencoder`.
-struct AutoencoderRecord {
-  std::string checkpoint, weights, weights_sha256;
-  LatentStats latent;
-};
-AutoencoderRecord read_autoencoder_record(const std::string& run_dir);
 
 }  // namespace ddm

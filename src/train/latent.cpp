@@ -10,7 +10,7 @@
 #include "core/run_dir.h"
 #include "core/safetensors.h"
 #include "data/latent_shards.h"
-#include "train/autoencoder_report.h"
+#include "train/autoencoder_record.h"
 #include "train/checkpoint.h"
 #include "train/optimizer.h"
 

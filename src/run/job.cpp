@@ -1,0 +1,68 @@
+// A training job's definition (see job.h).
+#include "run/job.h"
+
+#include <algorithm>
+#include <thread>
+
+#include "core/error.h"
+#include "data/shard_loader.h"
+#include "train/controlnet.h"
+#include "train/embed.h"
+#include "train/latent.h"
+
+namespace ddm {
+
+int set_threads(int64_t threads, int local_processes) {
+  // 0 = the cores shared among the processes on this machine: two ranks with every core each run
+  // at half the speed of two ranks with one core each (docs/results.md, "Data parallel").
+  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  int n = threads > 0 ? static_cast<int>(threads) : std::max(1, cores / std::max(1, local_processes));
+  torch::set_num_threads(n);
+  return n;
+}
+
+void resolve_data_shape(RunConfig& cfg, const Dataset& data) {
+  ModelConfig& m = cfg.model;
+  const int64_t c = data.images.size(1), h = data.images.size(2), w = data.images.size(3);
+  DDM_CHECK(h == w, "images must be square, got " << h << "x" << w << " from " << data.description);
+  DDM_CHECK(m.num_classes == -1 || m.num_classes == 0 || m.num_classes == data.num_classes,
+            "model.num_classes = " << m.num_classes << " but the data has " << data.num_classes
+                                   << " classes; use -1 (from data) or 0 (unconditional)");
+  if (m.num_classes == -1) m.num_classes = data.num_classes;
+  m.self_cond = cfg.train.self_cond > 0;  // derived: the network takes the estimate as more channels
+  if (!m.embed.empty()) resolve_embed(m, data);      // on the pixel images, before any latent
+  if (!m.controlnet.empty()) {  // the model is the base's U-Net
+    resolve_controlnet(cfg, data);
+    return;
+  }
+  DDM_CHECK(!data.latents || !m.latent.empty(),
+            "data.source = latents holds the latents of a frozen autoencoder (" << data.description
+                << "): set model.latent to the autoencoder that encoded them (" << data.latents->autoencoder
+                << ", or its run directory)");
+  if (!m.latent.empty()) {  // the model's input is the autoencoder's latents
+    resolve_latent(m, data);
+    return;
+  }
+  DDM_CHECK(m.in_channels == 0 || m.in_channels == c,
+            "model.in_channels = " << m.in_channels << " but the data has " << c << " channels; remove the key");
+  DDM_CHECK(m.image_size == 0 || m.image_size == h,
+            "model.image_size = " << m.image_size << " but the data is " << h << "x" << w << "; remove the key");
+  m.in_channels = c;
+  m.image_size = h;
+}
+
+
+TrainJob plain_job(RunConfig cfg) {
+  validate(cfg);
+  const int threads = set_threads(cfg.train.threads);
+  TrainJob job;
+  const bool streamed = cfg.data.source == "shards" || cfg.data.source == "latents";
+  job.data = streamed ? open_shards(cfg.data, threads, false) : load_dataset(cfg.data);
+  resolve_data_shape(cfg, job.data);
+  DDM_CHECK(job.data.images.size(0) > 0, "the dataset " << job.data.description << " is empty");
+  job.cfg = cfg;
+  job.recorded = cfg;
+  return job;
+}
+
+}  // namespace ddm

@@ -1,0 +1,68 @@
+// The loop of every training run (see loop.h).
+#include "run/loop.h"
+
+#include <chrono>
+#include <cmath>
+#include <vector>
+
+#include "core/error.h"
+
+namespace ddm {
+namespace {
+
+// This process's share of a global batch, split into equal micro-batches with their global positions.
+std::vector<Batch> split_micro(const Batch& shard, int64_t n) {
+  std::vector<Batch> out;
+  const int64_t b = shard.x.size(0) / n;
+  for (int64_t i = 0; i < n; ++i) out.push_back(shard.rows(i * b, b));
+  return out;
+}
+
+}  // namespace
+
+int run_loop(Engine& engine, BatchSource& source, const LoopSpec& spec, const EngineBegun& begun, LoopState& state,
+             RunLog& log, const LoopHooks& hooks) {
+  // The end of every step: a checkpoint if one is due and the engine can take one, then the agreed
+  // stop (true: the run stops here).
+  auto end_step = [&](int sig) {
+    state.ckpt_due = state.ckpt_due || state.step % spec.ckpt_every == 0 || state.step == spec.steps || sig != 0;
+    if (state.ckpt_due && engine.can_checkpoint()) {
+      state.last_ckpt = hooks.save(state.step);
+      state.ckpt_due = false;
+    }
+    if (sig != 0) log.stopped(sig, state.step, state.last_ckpt);
+    return sig != 0;
+  };
+  int stopped_by = 0;
+  if (begun.joined) {  // a replica that joined a running group: the rest of the step the group was at
+    stopped_by = state.step == spec.steps ? engine.agree_stop(state.step, spec.steps, 0) : begun.stop;
+    if (end_step(stopped_by)) return stopped_by;
+  }
+  using Clock = std::chrono::steady_clock;
+  while (state.step < spec.steps) {
+    const auto wait_start = Clock::now();
+    const Batch shard = source.next(spec.shard_offset, spec.local_batch).to(spec.device);  // [local_batch, C, H, W]
+    std::vector<Batch> next;  // a filled pipeline prepares parts of the next step's batch in this step's bubbles
+    if (engine.wants_next() && state.step + 1 < spec.steps)
+      next = split_micro(source.peek(spec.shard_offset, spec.local_batch).to(spec.device), spec.grad_accum);
+    log.waited(std::chrono::duration<double>(Clock::now() - wait_start).count());
+    const StepResult r = engine.step(split_micro(shard, spec.grad_accum), state.step, next);
+    // Data parallel: the loss and the gradient norm are global, so every rank stops here alike. DiLoCo:
+    // they are this replica's; the others learn of its exit at their next synchronization.
+    DDM_CHECK(r.finite, spec.who << "step " << state.step + 1 << ": the "
+                                 << (std::isfinite(r.loss) ? "gradient norm" : "loss") << " is "
+                                 << (std::isfinite(r.loss) ? r.grad_norm : r.loss)
+                                 << "; training stopped. The last good checkpoint (" << state.last_ckpt
+                                 << ") is intact. Lower train.lr (now " << spec.lr
+                                 << ") or set train.grad_clip, then --resume");
+    ++state.step;
+    // A signal to any rank stops every rank after the same step: agreed every step with data
+    // parallelism, at the next synchronization with DiLoCo.
+    stopped_by = engine.agree_stop(state.step, spec.steps, hooks.signal());
+    log.step(state.step, r, engine.news(state.step));
+    if (end_step(stopped_by)) break;
+  }
+  return stopped_by;
+}
+
+}  // namespace ddm

@@ -1,0 +1,202 @@
+// run_loop (src/run/loop.h) driven by an engine of the test's own over a real in-memory batch source:
+// the checkpoint cadence (every ckpt_every, the last step, deferred while the engine cannot take
+// one), stops agreed after a signal on this or another rank (with a checkpoint first), a non-finite
+// loss, a resumed loop drawing what the uninterrupted one drew, micro-batches, and a replica that
+// joins a running group.
+#include <gtest/gtest.h>
+
+#include <csignal>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "core/error.h"
+#include "data/dataset.h"
+#include "run/data_position.h"
+#include "run/loop.h"
+#include "run/run_log.h"
+
+namespace ddm {
+namespace {
+
+// Records what the loop asks of it; stops, refuses checkpoints and fails where told.
+class FakeEngine : public Engine {
+ public:
+  struct Seen {
+    int64_t step;
+    std::vector<int64_t> rows, firsts;  // each micro-batch's rows and its first row's global position
+    double sum;                         // of the whole step's images
+  };
+  std::vector<Seen> seen;
+  int64_t busy_at = -1;       // can_checkpoint() is false after this many steps
+  int64_t fail_at = -1;       // step() reports a non-finite loss at this 0-based step
+  int64_t others_stop_at = -1;  // another rank's SIGINT, agreed after this many steps
+  int64_t done = 0;
+
+  FlatAdamW& optim() override { throw std::logic_error("the loop never asks for the optimizer"); }
+  void take_resumed(const Checkpoint*, const std::string&, int64_t) override {}
+  std::vector<torch::Tensor> initial_weights() override { return {}; }
+  StepResult step(const std::vector<Batch>& micro, int64_t step, const std::vector<Batch>&) override {
+    Seen s{step, {}, {}, 0.0};
+    for (const Batch& b : micro) {
+      s.rows.push_back(b.x.size(0));
+      s.firsts.push_back(b.first);
+      s.sum += b.x.to(torch::kDouble).sum().item<double>();
+    }
+    seen.push_back(s);
+    StepResult r;
+    r.loss = step == fail_at ? std::nan("") : 1.0 / static_cast<double>(step + 1);
+    r.finite = step != fail_at;
+    return r;
+  }
+  int agree_stop(int64_t d, int64_t, int signal) override {
+    done = d;
+    if (d == others_stop_at) return signal == SIGINT || signal == 0 ? SIGINT : signal;
+    return signal;
+  }
+  bool can_checkpoint() const override { return done != busy_at; }
+  std::vector<std::string> contribute(Checkpoint&, int64_t, const std::string& mine) override { return {mine}; }
+  std::string describe() const override { return {}; }
+  int64_t bytes_sent() const override { return 0; }
+  Comm& group() override { throw std::logic_error("the loop never asks for the group"); }
+};
+
+// 64 distinct 1x4x4 images: every batch's sum tells it apart.
+Dataset numbered_images() {
+  Dataset d;
+  d.images = (torch::arange(64 * 16) % 251).to(torch::kUInt8).reshape({64, 1, 4, 4});
+  d.labels = torch::zeros({64}, torch::kLong);
+  d.description = "numbered";
+  return d;
+}
+
+struct Harness {
+  Dataset data = numbered_images();
+  BatchLoader source{data, 8, 7, false};
+  DataPosition position{source};
+  FakeEngine engine;
+  LoopSpec spec;
+  LoopState state;
+  std::vector<int64_t> saved;                 // the steps checkpointed
+  std::vector<BatchSource::Cursor> cursors;   // the source's position at each
+  int signal_from = -1;                       // this process gets SIGTERM once this many steps are done
+
+  Harness() {
+    spec.steps = 10, spec.ckpt_every = 4, spec.local_batch = 8;
+  }
+  int run(EngineBegun begun = {}) {
+    RunLogSpec ls;
+    ls.steps = spec.steps, ls.first_step = state.step, ls.quiet = true, ls.batch_size = 8;
+    RunLog log(ls, [] { return int64_t{0}; }, position, source);
+    LoopHooks hooks;
+    hooks.save = [&](int64_t step) {
+      saved.push_back(step);
+      cursors.push_back(source.cursor());
+      return "ckpt-" + std::to_string(step);
+    };
+    hooks.signal = [&] { return signal_from >= 0 && state.step >= signal_from ? SIGTERM : 0; };
+    return run_loop(engine, source, spec, begun, state, log, hooks);
+  }
+};
+
+TEST(Loop, ChecksPointsEveryCkptEveryAndAtTheLastStepDeferredWhileTheEngineIsBusy) {
+  Harness h;
+  EXPECT_EQ(h.run(), 0);
+  EXPECT_EQ(h.state.step, 10);
+  EXPECT_EQ(h.saved, (std::vector<int64_t>{4, 8, 10}));
+  EXPECT_EQ(h.state.last_ckpt, "ckpt-10");
+  ASSERT_EQ(h.engine.seen.size(), 10u);
+  for (int64_t i = 0; i < 10; ++i) EXPECT_EQ(h.engine.seen[static_cast<size_t>(i)].step, i);
+
+  Harness busy;
+  busy.engine.busy_at = 4;  // e.g. a DiLoCo all-reduce in flight after step 4
+  busy.run();
+  EXPECT_EQ(busy.saved, (std::vector<int64_t>{5, 8, 10}));
+}
+
+TEST(Loop, ASignalHereOrOnAnotherRankStopsAfterTheAgreedStepWithACheckpoint) {
+  Harness here;
+  here.signal_from = 3;
+  EXPECT_EQ(here.run(), SIGTERM);
+  EXPECT_EQ(here.state.step, 3);
+  EXPECT_EQ(here.saved, (std::vector<int64_t>{3}));
+  EXPECT_EQ(here.engine.seen.size(), 3u);
+
+  Harness there;
+  there.engine.others_stop_at = 6;  // this process received nothing; the group agreed on SIGINT
+  EXPECT_EQ(there.run(), SIGINT);
+  EXPECT_EQ(there.state.step, 6);
+  EXPECT_EQ(there.saved, (std::vector<int64_t>{4, 6}));
+}
+
+TEST(Loop, AResumedLoopDrawsWhatTheUninterruptedOneDrew) {
+  Harness whole;
+  whole.spec.ckpt_every = 3;
+  whole.run();
+  ASSERT_EQ(whole.saved, (std::vector<int64_t>{3, 6, 9, 10}));
+
+  Harness resumed;  // from the checkpoint of step 6: its step and data position
+  resumed.spec.ckpt_every = 3;
+  resumed.state.step = 6;
+  resumed.source.set_cursor(whole.cursors[1]);
+  resumed.run();
+  ASSERT_EQ(resumed.engine.seen.size(), 4u);
+  for (size_t i = 0; i < 4; ++i) {
+    EXPECT_EQ(resumed.engine.seen[i].step, whole.engine.seen[6 + i].step);
+    EXPECT_EQ(resumed.engine.seen[i].sum, whole.engine.seen[6 + i].sum) << "step " << 6 + i;
+  }
+  EXPECT_EQ(resumed.saved, (std::vector<int64_t>{9, 10}));
+  // The batches differ from step to step, so equal sums are the same batches.
+  EXPECT_NE(whole.engine.seen[6].sum, whole.engine.seen[7].sum);
+}
+
+TEST(Loop, ANonFiniteLossStopsTheRunNamingTheStepAndTheLastGoodCheckpoint) {
+  Harness h;
+  h.engine.fail_at = 5;  // the sixth step
+  h.spec.who = "rank 1: ";
+  try {
+    h.run();
+    FAIL() << "a NaN loss was taken";
+  } catch (const Error& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("rank 1: step 6: the loss is nan"), std::string::npos) << m;
+    EXPECT_NE(m.find("(ckpt-4) is intact"), std::string::npos) << m;
+  }
+  EXPECT_EQ(h.saved, (std::vector<int64_t>{4}));
+  EXPECT_EQ(h.state.step, 5);
+}
+
+TEST(Loop, ThisProcesssRowsGoToTheEngineAsMicroBatchesWithTheirGlobalPositions) {
+  Harness h;
+  h.spec.shard_offset = 4, h.spec.local_batch = 4, h.spec.grad_accum = 2, h.spec.steps = 2;
+  h.run();
+  ASSERT_EQ(h.engine.seen.size(), 2u);
+  EXPECT_EQ(h.engine.seen[0].rows, (std::vector<int64_t>{2, 2}));
+  EXPECT_EQ(h.engine.seen[0].firsts, (std::vector<int64_t>{4, 6}));
+  // Rows 4..7 of the global batch the whole-batch loop draws first.
+  Harness all;
+  all.spec.steps = 1;
+  all.run();
+  const Batch first = BatchLoader(all.data, 8, 7, false).next();
+  EXPECT_EQ(h.engine.seen[0].sum, first.x.slice(0, 4, 8).to(torch::kDouble).sum().item<double>());
+}
+
+TEST(Loop, AReplicaJoiningARunningGroupFinishesTheStepTheGroupWasAtFirst) {
+  Harness h;
+  h.state.step = 7;
+  EngineBegun begun;
+  begun.step = 7, begun.joined = true, begun.stop = SIGTERM;  // the group agreed to stop after step 7
+  EXPECT_EQ(h.run(begun), SIGTERM);
+  EXPECT_TRUE(h.engine.seen.empty());
+  EXPECT_EQ(h.saved, (std::vector<int64_t>{7}));
+
+  Harness going_on;
+  going_on.state.step = 7;
+  begun.stop = 0;
+  EXPECT_EQ(going_on.run(begun), 0);
+  EXPECT_EQ(going_on.engine.seen.size(), 3u);
+  EXPECT_EQ(going_on.saved, (std::vector<int64_t>{8, 10}));
+}
+
+}  // namespace
+}  // namespace ddm
