@@ -7,6 +7,9 @@
 //   launch                                                apps/launch_cli.cpp
 //   plan                                                  apps/plan_cli.cpp
 //   shards write, encode                                  apps/shards_cli.cpp
+// Exit status: 0; 1 for an error; 2 (kExitBadInput, core/error.h) when the command line or the
+// config was refused before anything ran (running it again unchanged fails the same way); 128 + the
+// signal for a run stopped by SIGINT / SIGTERM.
 #include <CLI/CLI.hpp>
 
 #include <csignal>
@@ -40,13 +43,20 @@ int run(int argc, char** argv) {
   commands.push_back(add_shards_command(app));
   commands.push_back(add_encode_command(app));
   commands.push_back(add_presets_command(app));
-  CLI11_PARSE(app, argc, argv);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {  // --help and --version exit 0; a command line it cannot parse, 2
+    const int code = app.exit(e);
+    return code == 0 ? 0 : kExitBadInput;
+  }
   for (const Command& c : commands)
     if (*c.app) return c.run();
   return 0;
 }
 
 // "error: " or, in a process of a distributed job, "error: rank R: " (unless the message names it).
+// Under `ddm launch`, whose "[rank R] " prefix names the rank already, the launcher shows the line
+// as "[rank R] error: ..." (src/launch/output.h); torchrun, srun and mpirun show it as it is.
 std::string error_prefix(const std::string& message) {
   try {
     const ddm::DistEnv env = ddm::detect_dist_env();
@@ -67,6 +77,9 @@ int main(int argc, char** argv) {
   ddm::configure_allocator();
   try {
     return run(argc, argv);
+  } catch (const ddm::InputError& e) {  // the config or the job's input: running it again fails alike
+    std::cerr << error_prefix(e.what()) << e.what() << std::endl;
+    return ddm::kExitBadInput;
   } catch (const ddm::Error& e) {
     std::cerr << error_prefix(e.what()) << e.what() << std::endl;
     return 1;

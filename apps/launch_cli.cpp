@@ -23,18 +23,21 @@ const char* kLaunchHelp =
     "TORCHELASTIC_MAX_RESTARTS, TORCHELASTIC_RUN_ID, TORCHELASTIC_USE_AGENT_STORE=True, and DDM_LAUNCHER=ddm. "
     "Like torchrun's agent, the launcher hosts the rendezvous TCPStore at MASTER_ADDR:MASTER_PORT for the whole "
     "launch; workers connect to it as clients under the prefix /worker/attempt_<TORCHELASTIC_RESTART_COUNT>. "
-    "Each worker's stdout and stderr are shown line by line, prefixed `[rank N] `.";
+    "Each worker's stdout and stderr are shown line by line, prefixed `[rank N] ` (a ddm worker's "
+    "`error: rank N: ...` is shown as `[rank N] error: ...`).";
 
 const char* kLaunchFooter =
     "Faults: when a worker exits non-zero or is killed by a signal, the launcher names the rank and the cause, "
     "stops the other workers (SIGTERM, then SIGKILL after --grace seconds) and, while --max-restarts allows, "
     "starts all of them again with TORCHELASTIC_RESTART_COUNT one higher. `ddm train` resumes from its last "
     "checkpoint in --out when that count is above 0, so a restart repeats at most the steps since the last "
-    "checkpoint. Ranks are not tied to processes across restarts.\n"
+    "checkpoint. Ranks are not tied to processes across restarts. A ddm worker that exits with status 2 had its "
+    "command line or config refused before it ran: it is not restarted, since it would fail the same way.\n"
     "Signals: SIGINT, SIGTERM and SIGHUP are forwarded to every worker; the launcher waits --grace seconds, kills "
     "what is left and exits with 128 + the signal (130 for Ctrl-C). A second signal kills at once.\n"
     "Exit status: 0 when every worker exited 0; 1 when the restarts ran out, --timeout expired, or the launch "
-    "could not start; 128 + signal when the launcher was signalled. Worker processes never outlive the launcher, "
+    "could not start; 2 when a ddm worker's input was refused (exit status 2, not restarted); 128 + signal when "
+    "the launcher was signalled. Worker processes never outlive the launcher, "
     "even one killed with SIGKILL (they get SIGTERM; a worker that starts children of its own must pass it on).\n"
     "Examples:\n"
     "  ddm launch --nproc 2 -- train --config configs/quickstart.toml --out runs/dp2\n"

@@ -94,6 +94,23 @@ std::string source_dir() { return DDM_SOURCE_DIR; }
 std::string venv_torchrun() { return DDM_TORCHRUN; }
 std::string venv_python() { return DDM_TORCH_PYTHON; }
 
+std::string cache_home() {
+  // Beside ddm_binary(), not the compiled DDM_BINARY: binaries carried to another machine
+  // (scripts/gpu-check.sh) keep their cache beside the carried ddm, where they may write.
+  return (std::filesystem::absolute(ddm_binary()).parent_path() / "test-cache").string();
+}
+
+namespace {
+// Runs as the test binary starts, before any test (and before any thread that could read the
+// environment): this object file is linked into every test that uses any helper here (TempDir,
+// run_ddm, ...), which every test that writes files or starts ddm does. Only the variable is set;
+// ddm makes the directory when it first caches something.
+[[maybe_unused]] const bool kCacheHomeSet = [] {
+  ::setenv("XDG_CACHE_HOME", cache_home().c_str(), /*overwrite=*/1);
+  return true;
+}();
+}  // namespace
+
 void write_text(const std::string& path, const std::string& text) {
   std::ofstream f(path, std::ios::binary);
   f << text;

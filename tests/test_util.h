@@ -1,4 +1,5 @@
-// Helpers shared by the tests: temporary directories, running the ddm binary, file edits, errors.
+// Helpers shared by the tests: temporary directories, running the ddm binary, file edits, errors,
+// and the cache directory every test process uses instead of the user's.
 #pragma once
 #include <functional>
 #include <string>
@@ -42,6 +43,13 @@ std::string helper_binary(const std::string& name);  // a program of tests/helpe
 std::string source_dir();     // the checkout
 std::string venv_torchrun();  // the torch venv's torchrun, "" when configured without one
 std::string venv_python();    // the torch venv's python, "" when configured without one
+
+// The XDG_CACHE_HOME of every test process, and so of every ddm (or other program) a test starts:
+// test-cache/ beside the ddm binary (the build directory). Tests never read or write the user's
+// ~/.cache/ddm (shard scans, evaluation reference features: core/fileio.h's default_cache_dir);
+// this one is shared by the tests of a build and kept between runs, so a reference is computed once,
+// not once per test process. test_util.cpp sets it as the test binary starts.
+std::string cache_home();
 
 // A gtest failure unless the command failed (non-zero exit) and its output contains `needle`.
 void expect_error(const CommandResult& r, const std::string& needle);

@@ -318,8 +318,10 @@ std::vector<std::string> config_keys() {
   return keys;
 }
 
-RunConfig parse_config(const std::string& toml_text, const std::string& origin,
-                       const std::vector<std::string>& overrides) {
+namespace {
+
+RunConfig parse_config_text(const std::string& toml_text, const std::string& origin,
+                            const std::vector<std::string>& overrides) {
   std::vector<toml::table> tables;  // keeps the parsed nodes alive
   tables.reserve(overrides.size() + 1);
   std::vector<Entry> entries;
@@ -363,7 +365,7 @@ RunConfig parse_config(const std::string& toml_text, const std::string& origin,
   return cfg;
 }
 
-RunConfig load_config(const std::string& path, const std::vector<std::string>& overrides) {
+RunConfig load_config_file(const std::string& path, const std::vector<std::string>& overrides) {
   std::string text;
   try {
     text = read_file(path);  // refuses a directory
@@ -373,7 +375,19 @@ RunConfig load_config(const std::string& path, const std::vector<std::string>& o
   // A file that sets nothing (empty, /dev/null, only comments) is a mistake, not "all defaults".
   DDM_CHECK(!parse_toml(text, path).empty(),
             path << ": the config file sets no keys (is it empty?); start from one of configs/*.toml");
-  return parse_config(text, path, overrides);
+  return parse_config_text(text, path, overrides);
+}
+
+}  // namespace
+
+// The config is input: its errors are InputErrors (core/error.h), which the CLI exits 2 on.
+RunConfig parse_config(const std::string& toml_text, const std::string& origin,
+                       const std::vector<std::string>& overrides) {
+  return as_input_error([&] { return parse_config_text(toml_text, origin, overrides); });
+}
+
+RunConfig load_config(const std::string& path, const std::vector<std::string>& overrides) {
+  return as_input_error([&] { return load_config_file(path, overrides); });
 }
 
 namespace {
@@ -557,8 +571,21 @@ void validate_parallel(const RunConfig& c) {
   DDM_CHECK(par.dp >= 0, "parallel.dp must be >= 0 (0 = every process), got " << par.dp);
   DDM_CHECK(par.timeout > 0 && par.timeout <= 86400,
             "parallel.timeout must be in (0, 86400] seconds, got " << par.timeout);
-  DDM_CHECK(par.bucket_mb > 0, "parallel.bucket_mb must be > 0, got " << par.bucket_mb);
-  DDM_CHECK(par.first_bucket_mb > 0, "parallel.first_bucket_mb must be > 0, got " << par.first_bucket_mb);
+  // The gradient buckets' sizes become byte counts, mb * 2^20 truncated (comm/grad_sync.cpp). At least
+  // 1 KiB, 256 float32 gradients: below that nearly every tensor is an all-reduce of its own, paying the
+  // collective's latency for a few values, and under 4 bytes a bucket holds nothing. At most 1 TiB: a
+  // bucket larger than every gradient holds them all anyway, and the byte count must fit in 64 bits.
+  const auto check_bucket = [](const char* key, double mb) {
+    DDM_CHECK(!(mb < 1.0 / 1024),
+              key << " = " << mb << " MiB is less than 1 KiB: a gradient bucket must hold at least 256 float32 "
+                  << "gradients, or nearly every tensor pays an all-reduce's latency alone (and under 4 bytes a "
+                  << "bucket holds nothing); set it to at least 0.0009765625 (1/1024 MiB; the default is 1)");
+    DDM_CHECK(std::isfinite(mb) && mb <= 1048576,
+              key << " = " << mb << " MiB: it must be a number of MiB up to 1048576 (1 TiB; a bucket larger than "
+                  << "the model's gradients holds them all anyway)");
+  };
+  check_bucket("parallel.bucket_mb", par.bucket_mb);
+  check_bucket("parallel.first_bucket_mb", par.first_bucket_mb);
   DDM_CHECK(par.pp >= 1, "parallel.pp must be >= 1 (pipeline stages; 1 = no pipeline), got " << par.pp);
   // V-shaped schedules run 2 stages on each of the pp processes.
   const bool v = v_shaped(par.schedule);
@@ -615,13 +642,15 @@ void validate_sample(const RunConfig& c) {
 }  // namespace
 
 void validate(const RunConfig& c) {
-  validate_data(c);
-  validate_model(c);
-  validate_diffusion(c);
-  validate_train(c);
-  validate_parallel(c);
-  validate_diloco(c);
-  validate_sample(c);
+  as_input_error([&] {
+    validate_data(c);
+    validate_model(c);
+    validate_diffusion(c);
+    validate_train(c);
+    validate_parallel(c);
+    validate_diloco(c);
+    validate_sample(c);
+  });
 }
 
 std::string first_difference(const std::string& a, const std::string& b, const std::string& name_a,

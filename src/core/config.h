@@ -224,11 +224,12 @@ struct RunConfig {
 };
 
 // Parses TOML text (origin names the file in errors) plus overrides "section.key=value".
-// Unknown keys, ill-typed values and out-of-range values throw ddm::Error naming key and origin.
+// Unknown keys, ill-typed values and out-of-range values throw ddm::InputError (a ddm::Error: the
+// CLI exits 2, core/error.h) naming key and origin; so do load_config's unreadable or empty files.
 RunConfig parse_config(const std::string& toml_text, const std::string& origin,
                        const std::vector<std::string>& overrides = {});
 RunConfig load_config(const std::string& path, const std::vector<std::string>& overrides = {});
-// Validates ranges and choices; throws ddm::Error naming the key.
+// Validates ranges and choices; throws ddm::InputError naming the key.
 void validate(const RunConfig& cfg);
 // The complete resolved config as TOML text (every key, including defaults).
 std::string to_toml(const RunConfig& cfg);

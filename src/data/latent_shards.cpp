@@ -29,6 +29,7 @@ nlohmann::json latent_shards_json(const LatentShardsInfo& i) {
           {"samples", i.samples},
           {"shards", i.shards},
           {"num_classes", i.num_classes},
+          {"class_names", i.class_names},
           {"bytes", i.bytes},
           {"data", i.data},
           {"origin", i.origin},
@@ -63,6 +64,12 @@ LatentShardsInfo read_latent_shards_info(const std::string& dir) {
     i.samples = json_int(j.at("samples"), file + ": samples", 1);
     i.shards = json_int(j.at("shards"), file + ": shards", 1, 1000000);
     i.num_classes = json_int(j.at("num_classes"), file + ": num_classes", 0);
+    if (j.contains("class_names")) {  // absent in records written before it
+      i.class_names = j.at("class_names").get<std::vector<std::string>>();
+      DDM_CHECK(i.class_names.empty() || static_cast<int64_t>(i.class_names.size()) == i.num_classes,
+                file << ": class_names has " << i.class_names.size() << " names, but num_classes is " << i.num_classes
+                     << "; remove class_names from it, or encode again with `ddm encode`");
+    }
     i.bytes = json_int(j.at("bytes"), file + ": bytes", 0);
     i.data = j.at("data").get<std::string>();
     i.origin = j.value("origin", std::string());

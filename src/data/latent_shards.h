@@ -6,7 +6,8 @@
 //                    noise and normalizes it with the model's latent_scale / latent_shift)
 //   KEY.cls          its label, for labelled data.
 // encode.json names the autoencoder (checkpoint, sha256, scale and shift), the latent and image
-// shapes and the data. A training batch of latent shards is x = [mean; logvar], float [B, 2z, h, w].
+// shapes, the data and its class names. A training batch of latent shards is x = [mean; logvar],
+// float [B, 2z, h, w].
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -29,6 +30,9 @@ struct LatentShardsInfo {
   std::string data;     // the source's description
   std::string origin;   // where its images come from (data/origin.h; "" in records written before it)
   std::string pattern;  // the brace pattern naming the shards (as written; latent_shard_paths reads them)
+  // The source's class names, size num_classes (so a model trained on the latents labels its grids
+  // as one trained on the images would); empty in records written before them.
+  std::vector<std::string> class_names;
 };
 
 inline constexpr const char* kLatentShardsInfo = "encode.json";

@@ -328,7 +328,9 @@ Dataset open_latent_shards(const DataConfig& cfg, int threads, bool quiet) {
   d.shards = index;
   d.latents = info;
   d.num_classes = info->num_classes;
-  for (int64_t c = 0; c < d.num_classes; ++c) d.class_names.push_back("class " + std::to_string(c));
+  d.class_names = info->class_names;  // the source's, as encode.json records them
+  if (d.class_names.empty())          // a record written before it kept them
+    for (int64_t c = 0; c < d.num_classes; ++c) d.class_names.push_back("class " + std::to_string(c));
   ShardOrder first;
   first.shuffle = false;
   ShardLoaderOptions o = shard_loader_options(cfg, d, std::min<int64_t>(index->samples, 8), 1);

@@ -441,7 +441,15 @@ int run_islands(const IslandsConfig& c, const std::string& ddm_binary) {
       const std::string err = last_error(is.log, log_start[i]);
       state[i]["last_error"] = describe_exit(status) + " at step " + std::to_string(p.step) + (err.empty() ? "" : ": " + err);
       const int64_t attempts = state[i]["attempts"].get<int64_t>();
-      if (attempts <= c.retries) {
+      // Exit status 2 (kExitBadInput): ddm refused the island's config or input before it ran (its
+      // launcher passes that on); a restart would fail the same way, so the island fails now.
+      const bool refused = status.signal == 0 && status.code == kExitBadInput;
+      if (refused) {
+        state[i]["state"] = "failed";
+        std::cout << "[islands] " << is.name << ": failed (" << describe_exit(status)
+                  << ": its config or input was refused before it ran; not restarted, a restart would fail the same "
+                     "way): " << (err.empty() ? "see its log" : err) << " (log " << is.log << ")" << std::endl;
+      } else if (attempts <= c.retries) {
         state[i]["state"] = "retrying";
         queue.push_back(i);
         std::cout << "[islands] " << is.name << ": " << describe_exit(status) << " at step " << p.step

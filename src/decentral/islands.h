@@ -5,8 +5,11 @@
 // a port the kernel picks, so concurrent islands never share one). The runner keeps at most
 // `concurrency` islands alive, restarts a failed island (a crash, or any of its N processes killed)
 // from its last checkpoint (at most `retries` times) while the others go on, records every island's
-// state in OUT/islands.json, and assembles OUT/ensemble.json when all are done. The same islands
-// can run as a Slurm job array instead (slurm_script), one array task of N Slurm tasks per island.
+// state in OUT/islands.json, and assembles OUT/ensemble.json when all are done. An island that exits
+// with status 2 (kExitBadInput, core/error.h: ddm refused its config or input, e.g. a bad value or
+// data that does not fit it, before it ran) is not restarted: it would fail the same way every
+// time, so it is reported failed at once, with its error. The same islands can run as a Slurm job
+// array instead (slurm_script), one array task of N Slurm tasks per island.
 //
 // Islands file (TOML; relative paths are relative to the working directory):
 //   out = "runs/k4"                       # experts/0..K-1, router/, logs/, islands.json, ensemble.json

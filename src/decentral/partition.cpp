@@ -143,6 +143,7 @@ nlohmann::json partition_summary(const Partition& p, const Dataset& data) {
   std::vector<int64_t> sz(sizes.data_ptr<int64_t>(), sizes.data_ptr<int64_t>() + p.k);
   s["k"] = p.k;
   s["n"] = p.n;
+  s["items"] = data.latents ? "latents" : "images";  // what the n rows are (format_summary says it)
   s["sizes"] = sz;
   s["min_size"] = *std::min_element(sz.begin(), sz.end());
   s["max_size"] = *std::max_element(sz.begin(), sz.end());
@@ -190,8 +191,8 @@ std::string format_summary(const nlohmann::json& s) {
   std::ostringstream o;
   const auto sizes = s.at("sizes").get<std::vector<int64_t>>();
   const int64_t mx = s.at("max_size").get<int64_t>();
-  o << "partition of " << s.at("n").get<int64_t>() << " images into " << s.at("k").get<int64_t>()
-    << " clusters: sizes " << s.at("min_size").get<int64_t>() << " to " << mx << "\n";
+  o << "partition of " << s.at("n").get<int64_t>() << " " << s.value("items", std::string("images")) << " into "
+    << s.at("k").get<int64_t>() << " clusters: sizes " << s.at("min_size").get<int64_t>() << " to " << mx << "\n";
   for (size_t k = 0; k < sizes.size(); ++k) {
     const int bar = mx ? static_cast<int>(std::lround(30.0 * static_cast<double>(sizes[k]) / static_cast<double>(mx))) : 0;
     o << "  " << std::setw(3) << k << " " << std::setw(8) << sizes[k] << " " << std::string(static_cast<size_t>(bar), '#');

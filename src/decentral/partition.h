@@ -54,7 +54,8 @@ Partition make_partition(const torch::Tensor& features, int64_t n, const Partiti
 // sha256 of a dataset's image bytes: what a partition is tied to.
 std::string dataset_sha256(const Dataset& data);
 
-// Sizes, a size histogram and agreement with the class labels (purity, NMI, per-cluster classes).
+// Sizes, a size histogram and agreement with the class labels (purity, NMI, per-cluster classes);
+// "items" says what was partitioned: "latents" for latent shards (data.latents), else "images".
 nlohmann::json partition_summary(const Partition& p, const Dataset& data);
 // The summary as a few human-readable lines.
 std::string format_summary(const nlohmann::json& summary);

@@ -378,6 +378,7 @@ nlohmann::json partition_shards(const ShardPartitionOptions& o, const std::strin
   labelled.labels = c.labels.clamp_min(0);
   labelled.num_classes = c.labels.lt(0).any().item<bool>() ? 0 : opened.num_classes;
   labelled.class_names = opened.class_names;
+  labelled.latents = opened.latents;  // the summary then counts latents, not images
   const auto summary = partition_summary(p, labelled);
   save_partition(out, p, summary, o.force, [&](const std::string& tmp) {
     // clusters.png: the first images of each cluster, decoded again up to the last one shown.

@@ -123,9 +123,7 @@ void check_partition_record(const RunDir& dir, bool resume, const RunConfig& cfg
   write_file_atomic(record.string(), j.dump(2) + "\n");
 }
 
-}  // namespace
-
-TrainJob prepare_train_job(RunConfig cfg) {
+TrainJob prepare_job(RunConfig cfg) {
   const bool router = is_router_arch(cfg.model.arch);
   Partition partition;
   if (!cfg.data.partition.empty()) partition = load_partition(cfg.data.partition);
@@ -167,10 +165,8 @@ TrainJob prepare_train_job(RunConfig cfg) {
   return job;
 }
 
-TrainSummary train_run(RunConfig cfg, const TrainOptions& opt) { return train(prepare_train_job(std::move(cfg)), opt); }
-
-RunConfig router_run_config(const std::string& config, const std::string& partition, const std::string& preset,
-                            int64_t holdout, const std::vector<std::string>& overrides) {
+RunConfig router_config(const std::string& config, const std::string& partition, const std::string& preset,
+                        int64_t holdout, const std::vector<std::string>& overrides) {
   RunConfig c = load_config(config);
   ModelConfig m = c.model;  // apply_preset keeps what the model learns (the data's shape, model.latent*)
   // No preset given: router-dit-tiny, or for latent experts latent-router-dit (router-dit-tiny's
@@ -191,6 +187,21 @@ RunConfig router_run_config(const std::string& config, const std::string& partit
   c.train.expert_budget = "full";
   c.train.self_cond = 0;  // the experts' self-conditioning is theirs: a router has no estimate to take
   return parse_config(to_toml(c), "the router config made from " + config, overrides);
+}
+
+}  // namespace
+
+// Nothing has run yet: what fails here is the input (config, data, partition, model), so it fails
+// as an InputError (core/error.h) and a supervisor does not restart it.
+TrainJob prepare_train_job(RunConfig cfg) {
+  return as_input_error([&] { return prepare_job(std::move(cfg)); });
+}
+
+TrainSummary train_run(RunConfig cfg, const TrainOptions& opt) { return train(prepare_train_job(std::move(cfg)), opt); }
+
+RunConfig router_run_config(const std::string& config, const std::string& partition, const std::string& preset,
+                            int64_t holdout, const std::vector<std::string>& overrides) {
+  return as_input_error([&] { return router_config(config, partition, preset, holdout, overrides); });
 }
 
 }  // namespace ddm

@@ -90,7 +90,7 @@ struct Worker {
   LinePrefixer out;
   std::optional<ExitStatus> exit;
   bool reaped = false;
-  Worker(int64_t r, Child c) : rank(r), child(c), out("[rank " + std::to_string(r) + "] ") {}
+  Worker(int64_t r, Child c) : rank(r), child(c), out(LinePrefixer::for_rank(r)) {}
 };
 
 // Reads what a worker's pipe holds now; at end of file writes the held partial line and closes it.
@@ -133,6 +133,7 @@ struct Outcome {
   pid_t pid = 0;
   std::string how;
   int signal = 0;
+  bool refused = false;  // a ddm worker exited kExitBadInput: its input was refused, a restart fails alike
 };
 
 // Output a finished worker still has in its pipe, for up to two seconds (a pipe held open by a
@@ -196,6 +197,9 @@ Outcome run_attempt(const LaunchConfig& c, int64_t attempt, const ChildSpec& bas
     kill_at = Clock::now() + grace;
     signal_running(sig);
   };
+  // A ddm worker that exited kExitBadInput (core/error.h) was refused its command line or config
+  // before it ran: a restart would fail the same way, so it gets none.
+  auto refused = [&](const ExitStatus& s) { return !c.no_ddm && s.signal == 0 && s.code == kExitBadInput; };
   auto kill_now = [&](const std::string& why) {
     say(why + ": sending SIGKILL to the workers still running");
     signal_running(SIGKILL);
@@ -212,7 +216,8 @@ Outcome run_attempt(const LaunchConfig& c, int64_t attempt, const ChildSpec& bas
         continue;
       }
       pump(w);  // its last lines come before the news of its exit
-      if (!w.exit->ok() && !stopping && c.restart == "failed" && w.rank != 0 && restarts_used < c.max_restarts) {
+      if (!w.exit->ok() && !stopping && c.restart == "failed" && w.rank != 0 && restarts_used < c.max_restarts &&
+          !refused(*w.exit)) {
         ++restarts_used;
         say("rank " + std::to_string(w.rank) + " (pid " + std::to_string(w.child.pid) + ") " + describe(*w.exit) +
             "; restarting it alone (restart " + std::to_string(restarts_used) + " of " +
@@ -232,7 +237,7 @@ Outcome run_attempt(const LaunchConfig& c, int64_t attempt, const ChildSpec& bas
         const std::string how = describe(*w.exit);
         say("rank " + std::to_string(w.rank) + " (pid " + std::to_string(w.child.pid) + ") " + how +
             (c.nproc > 1 ? "; stopping the other workers" : ""));
-        begin_stop(SIGTERM, Outcome{Outcome::kFailed, w.rank, w.child.pid, how, 0});
+        begin_stop(SIGTERM, Outcome{Outcome::kFailed, w.rank, w.child.pid, how, 0, refused(*w.exit)});
       }
     }
     if (all_exited) break;
@@ -349,6 +354,12 @@ int run_launch(const LaunchConfig& c) {
     DDM_CHECK(o.kind != Outcome::kTimedOut,
               "attempt " << attempt << " ran past --timeout " << seconds(c.timeout_s)
                          << " and its workers were stopped; raise --timeout (0: no limit) if the job needs longer");
+    if (o.refused)
+      throw InputError("rank " + std::to_string(o.rank) + " (pid " + std::to_string(o.pid) + ") " + o.how +
+                       " in attempt " + std::to_string(attempt + 1) +
+                       ": ddm refused its command line or config before it ran, and a restart would fail the same "
+                       "way, so none was made; fix the input and launch again. Its output is above, prefixed [rank " +
+                       std::to_string(o.rank) + "]");
     DDM_CHECK(restarts_used < c.max_restarts,
               "rank " << o.rank << " (pid " << o.pid << ") " << o.how << " in attempt " << attempt + 1
                       << "; no restarts left (--max-restarts " << c.max_restarts

@@ -15,6 +15,9 @@
 //     the rest are killed; the launcher exits 128 + signal. A second signal kills at once.
 //   - `timeout_s` bounds each attempt's wall-clock time (0: none): the workers are stopped and the
 //     launch fails (exit 1).
+//   - A ddm worker (not --no-ddm) that exits kExitBadInput (2, core/error.h) had its command line or
+//     config refused before it ran: no restart (it would fail the same way); the others are
+//     stopped and the launch fails with ddm::InputError (exit 2).
 //   - Nothing outlives the launch: at the end of each attempt whatever is left in a worker's
 //     process group is killed, and a launcher that dies (even by SIGKILL) takes its workers with
 //     it (PR_SET_PDEATHSIG: each worker process gets SIGTERM; children a worker started itself
@@ -42,7 +45,8 @@ struct LaunchConfig {
 void check_launch_config(const LaunchConfig& c);
 
 // Runs the launch and returns the exit code (0, or 128 + signal); throws ddm::Error for a failed
-// launch (restarts exhausted, timeout, store cannot be hosted), with the failing rank and reason.
+// launch (restarts exhausted, timeout, store cannot be hosted), with the failing rank and reason,
+// and ddm::InputError when a ddm worker's input was refused.
 int run_launch(const LaunchConfig& c);
 
 }  // namespace ddm

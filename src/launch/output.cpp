@@ -1,4 +1,5 @@
-// LinePrefixer (see output.h): worker bytes in, whole "[rank N] " lines out.
+// LinePrefixer (see output.h): worker bytes in, whole "[rank N] " lines out, without the rank
+// repeated after "error: ".
 #include "launch/output.h"
 
 #include <utility>
@@ -8,7 +9,21 @@ namespace ddm {
 LinePrefixer::LinePrefixer(std::string prefix, std::chrono::milliseconds progress_interval, size_t max_line)
     : prefix_(std::move(prefix)), progress_interval_(progress_interval), max_line_(max_line < 1 ? 1 : max_line) {}
 
-std::string LinePrefixer::emit(const std::string& text) { return prefix_ + text + "\n"; }
+LinePrefixer LinePrefixer::for_rank(int64_t rank, std::chrono::milliseconds progress_interval, size_t max_line) {
+  LinePrefixer p("[rank " + std::to_string(rank) + "] ", progress_interval, max_line);
+  p.named_ = "rank " + std::to_string(rank) + ": ";
+  return p;
+}
+
+std::string LinePrefixer::emit(const std::string& text) {
+  if (!named_.empty() && !continued_)
+    for (const char* error : {"error: ", "error (LibTorch): "}) {
+      const std::string e = error;
+      if (text.compare(0, e.size(), e) == 0 && text.compare(e.size(), named_.size(), named_) == 0)
+        return prefix_ + e + text.substr(e.size() + named_.size()) + "\n";
+    }
+  return prefix_ + text + "\n";
+}
 
 std::string LinePrefixer::feed(const char* data, size_t n, Clock::time_point now) {
   std::string out;
@@ -27,6 +42,7 @@ std::string LinePrefixer::feed(const char* data, size_t n, Clock::time_point now
       current_.clear();
       redrawn_.clear();
       redrawn_shown_ = false;
+      continued_ = false;
     } else if (c == '\r') {
       if (current_.empty()) continue;  // "\r" at the start of a redraw, or "\r\r"
       redrawn_.swap(current_);
@@ -44,6 +60,7 @@ std::string LinePrefixer::feed(const char* data, size_t n, Clock::time_point now
         current_.clear();
         redrawn_.clear();
         redrawn_shown_ = false;
+        continued_ = true;
       }
     }
   }
@@ -60,6 +77,7 @@ std::string LinePrefixer::flush() {
   current_.clear();
   redrawn_.clear();
   redrawn_shown_ = false;
+  continued_ = false;
   return out;
 }
 

@@ -11,9 +11,15 @@
 //     fast counter neither floods the output nor stays invisible for a long phase.
 //   - A partial line is held until its end arrives, or emitted when it grows past `max_line`
 //     bytes (a program that never writes "\n"), or when the worker's pipe closes (flush).
+//   - A rank's prefixer (for_rank) drops the rank a line's error already names: ddm prints a
+//     failure as "error: rank N: ..." in any distributed job (apps/ddm.cpp; many messages start
+//     with "rank N: " themselves), which is what torchrun, srun and mpirun show; under `ddm launch`
+//     the prefix names the rank, so rank N's "error: rank N: X" (and "error (LibTorch): rank N: X")
+//     is shown as "[rank N] error: X". An error naming another rank is kept whole.
 #pragma once
 #include <chrono>
 #include <cstddef>
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -25,6 +31,10 @@ class LinePrefixer {
 
   explicit LinePrefixer(std::string prefix, std::chrono::milliseconds progress_interval = std::chrono::seconds(2),
                         size_t max_line = 64 * 1024);
+  // `ddm launch`'s prefixer for the worker of rank `rank`: "[rank N] ", without a repeated "rank N: "
+  // after "error: " (see the rules above).
+  static LinePrefixer for_rank(int64_t rank, std::chrono::milliseconds progress_interval = std::chrono::seconds(2),
+                               size_t max_line = 64 * 1024);
 
   // Feeds bytes read from the worker; returns the complete prefixed lines they finish, each
   // ending in "\n", concatenated (empty when nothing is complete yet). `now` is for the progress
@@ -40,8 +50,10 @@ class LinePrefixer {
   std::string emit(const std::string& text);
 
   std::string prefix_;
+  std::string named_;  // "rank N: " for for_rank(N): dropped after "error: "; "" otherwise
   std::chrono::milliseconds progress_interval_;
   size_t max_line_;
+  bool continued_ = false;  // the current line was split at max_line: its rest does not start a line
   std::string current_;   // text since the last "\r" or "\n"
   std::string redrawn_;   // the last non-empty text ended by "\r" in this line
   bool redrawn_shown_ = false;  // redrawn_ was already emitted

@@ -212,9 +212,9 @@ void Diloco::finish(int64_t done, bool final_sync, Report& report) {
   m.mul_(mu).add_(delta);
   g.sub_(delta.add(m, mu), cfg_.outer_lr);
   // The EMA follows the global weights: every inner step since the last sync contributes its decay
-  // (with the trainer's warm-up, min(d, (1 + n) / (10 + n)) at optimizer step n).
+  // (with the trainer's warm-up, ema_decay_at: train/optimizer.h, at optimizer step n).
   double keep = 1.0;
-  for (int64_t n = last_sync_[f] + 1; n <= pending_step_; ++n) keep *= std::min(ema_decay_, (1.0 + n) / (10.0 + n));
+  for (int64_t n = last_sync_[f] + 1; n <= pending_step_; ++n) keep *= ema_decay_at(ema_decay_, n);
   optim_.flat_ema().slice(0, b, e).mul_(keep).add_(g, 1.0 - keep);
   torch::Tensor local = optim_.flat_params().slice(0, b, e);
   if (done == pending_step_ || final_sync || fresh_)

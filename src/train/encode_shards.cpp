@@ -50,6 +50,7 @@ LatentShardsInfo encode_latent_shards(const DataConfig& data, const std::string&
   info.image_size = d.images.size(2);
   info.samples = from_shards ? d.shards->samples : d.images.size(0);
   info.num_classes = d.num_classes;
+  if (static_cast<int64_t>(d.class_names.size()) == d.num_classes) info.class_names = d.class_names;
   info.data = d.description;
   info.origin = data_origin(data);
   DDM_CHECK(info.samples > 0, d.description << " has no samples to encode");

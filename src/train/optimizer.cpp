@@ -1,6 +1,7 @@
 // FlatAdamW and module state helpers (see optimizer.h).
 #include "train/optimizer.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include <ATen/ops/_fused_adamw.h>
@@ -16,6 +17,11 @@ std::string shape_str(at::IntArrayRef s) {
   return out + "]";
 }
 }  // namespace
+
+double ema_decay_at(double decay, int64_t n) {
+  const double x = static_cast<double>(n);
+  return std::min(decay, (1.0 + x) / (10.0 + x));
+}
 
 FlatAdamW::FlatAdamW(torch::nn::Module& module, AdamWOptions opt, bool allow_empty) : opt_(opt) {
   auto params = module.named_parameters(/*recurse=*/true);

@@ -20,6 +20,12 @@ struct AdamWOptions {
   double beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 0.0;
 };
 
+// The EMA decay of optimizer step n (n = 1 for a run's first step): `decay` (train.ema_decay) with the
+// usual warm-up, min(decay, (1 + n) / (10 + n)), so that a short run's EMA is not dominated by the
+// initial weights (0.18 at step 1, 0.5 at step 8, 0.9 at step 80). The one formula of every trainer:
+// TrainStep, the pipeline runtime, and DiLoCo's EMA of the global weights.
+double ema_decay_at(double decay, int64_t n);
+
 class FlatAdamW {
  public:
   // Re-points every parameter of `module` (and its .grad) into flat buffers. A module without

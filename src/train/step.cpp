@@ -92,8 +92,7 @@ StepResult TrainStep::run(const std::vector<Batch>& micro, int64_t step) {
     return r;
   }
   // EMA with the usual warm-up so short runs are not dominated by the initial weights.
-  const double n = static_cast<double>(optim_.step_count() + 1);
-  optim_.step(r.lr, ema_ ? std::min(tc.ema_decay, (1.0 + n) / (10.0 + n)) : -1.0);
+  optim_.step(r.lr, ema_ ? ema_decay_at(tc.ema_decay, optim_.step_count() + 1) : -1.0);
   times_.end = std::chrono::steady_clock::now();
   return r;
 }

@@ -2,8 +2,9 @@
 // launcher, or one Slurm array task of N tasks. Checked here: a 2-process island trains exactly what
 // `ddm launch --nproc 2 -- train ...` trains, a rank killed with -9 restarts its own island only (from
 // its last checkpoint, still bit for bit), concurrent islands get their own rendezvous ports, a bad
-// run.nproc is refused before anything starts, and the Slurm script runs an island as 2 srun tasks
-// (a rank killed there restarts the island inside its array task).
+// run.nproc is refused before anything starts, an island whose input ddm refuses (exit status 2) is
+// not restarted, and the Slurm script runs an island as 2 srun tasks (a rank killed there restarts
+// the island inside its array task).
 //
 // Every run is bounded (polling loops with limits, `timeout` / --timeout on the commands), and the
 // background runner is killed at scope exit if a check failed early (its islands die with it).
@@ -236,6 +237,39 @@ TEST(Islands, BadNprocIsAClearErrorBeforeAnythingStarts) {
   // Nothing was made or started: no partition, no run directory.
   EXPECT_FALSE(fs::exists(dir / "parts/k2"));
   EXPECT_FALSE(fs::exists(dir / "runs"));
+}
+
+// An island whose input ddm refuses before it runs (exit status 2) would fail the same way on every
+// restart, so it is reported failed at once, naming the island and the error, while the others go
+// on. Here the router's holdout takes all 600 images: the runner's own checks (the configs, the
+// batches) pass, and the router's data check refuses it. The experts train 2 steps.
+TEST(Islands, AnIslandWhoseInputIsRefusedFailsOnceWithoutRestarts) {
+  const test::TempDir dir;
+  test::write_text(dir / "tiny.toml", kTiny);
+  std::string file = islands_file(dir.path, "runs", "concurrency = 3\nretries = 2\nthreads = 1\n");
+  file.replace(file.find("holdout = 100"), 13, "holdout = 600");
+  file.replace(file.find("budget = \"split-batch\""), 22, "budget = \"split-batch\"\nset = [\"train.steps=2\"]");
+  test::write_text(dir / "isl.toml", file);
+  const auto r = test::run_command("timeout 300 " + test::ddm_binary() + " islands run " + (dir / "isl.toml"));
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  const std::string error = "data.holdout = 600 leaves no training images (the data has 600)";
+  EXPECT_EQ(count(r.output, "router: started (attempt"), 1u) << r.output;
+  EXPECT_EQ(count(r.output, "restarting from its last checkpoint"), 0u) << r.output;
+  EXPECT_EQ(count(r.output, "[islands] router: failed (exit code 2: its config or input was refused before it ran; "
+                            "not restarted"), 1u) << r.output;
+  EXPECT_NE(r.output.find(error), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("not done: router (failed);"), std::string::npos) << r.output;
+  const auto state = nlohmann::json::parse(test::read_text(dir / "runs/islands.json"));
+  ASSERT_EQ(state.size(), 3u) << state.dump();
+  EXPECT_EQ(state[0]["state"], "done") << state.dump();
+  EXPECT_EQ(state[1]["state"], "done") << state.dump();
+  EXPECT_EQ(state[2]["name"], "router");
+  EXPECT_EQ(state[2]["state"], "failed");
+  EXPECT_EQ(state[2]["attempts"], 1);
+  EXPECT_EQ(state[2]["last_exit"], "exit code 2");
+  EXPECT_NE(state[2]["last_error"].get<std::string>().find(error), std::string::npos) << state.dump();
+  EXPECT_FALSE(fs::exists(dir / "runs/ensemble.json"));
+  EXPECT_FALSE(fs::exists(dir / "runs/router/config.toml"));  // refused before its run directory was made
 }
 
 TEST(Islands, SlurmRunsATwoProcessIslandAsOneArrayTaskOfTwoTasks) {

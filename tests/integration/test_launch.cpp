@@ -178,11 +178,25 @@ TEST(Launch, RunsDdmSubcommandsWithThisBinary) {
   const CommandResult ok = launch("--nproc 2", ddm_program("--version"));
   EXPECT_EQ(ok.exit_code, 0) << ok.output;
   EXPECT_TRUE(contains(ok.output, "[rank 1] ddm ")) << ok.output;
-  // An unknown subcommand is the worker's error; the launcher reports the failed rank.
-  const CommandResult bad = launch("--nproc 2", ddm_program("no-such-subcommand"));
-  EXPECT_EQ(bad.exit_code, 1) << bad.output;
-  EXPECT_TRUE(contains(bad.output, "exited with status")) << bad.output;
-  EXPECT_TRUE(contains(bad.output, "no restarts left")) << bad.output;
+  // An unknown subcommand is the worker's error, a refused command line (exit 2): the launcher
+  // reports the failed rank and makes no restart, which would fail the same way.
+  const CommandResult bad = launch("--nproc 2 --max-restarts 2", ddm_program("no-such-subcommand"));
+  EXPECT_EQ(bad.exit_code, 2) << bad.output;
+  EXPECT_TRUE(contains(bad.output, "exited with status 2")) << bad.output;
+  EXPECT_TRUE(contains(bad.output, "a restart would fail the same way")) << bad.output;
+  EXPECT_FALSE(contains(bad.output, "restarting")) << bad.output;
+  // So is a bad config key; the rank's error names the rank once ("[rank R] error: ...", where
+  // torchrun or srun show ddm's "error: rank R: ...").
+  Workspace ws;
+  write_text(ws.dir / "bad.toml", "[train]\nstepz = 3\n");
+  const std::string train = "train --config " + (ws.dir / "bad.toml") + " --out " + (ws.dir / "run");
+  const CommandResult key = launch("--nproc 2 --max-restarts 2", ddm_program(train));
+  EXPECT_EQ(key.exit_code, 2) << key.output;
+  EXPECT_TRUE(contains(key.output, "] error: " + (ws.dir / "bad.toml") + ": unknown config key 'train.stepz'"))
+      << key.output;
+  EXPECT_FALSE(contains(key.output, "] error: rank ")) << key.output;
+  EXPECT_FALSE(contains(key.output, "restarting")) << key.output;
+  EXPECT_FALSE(fs::exists(ws.dir / "run"));
 }
 
 TEST(Launch, RestartsAllWorkersAfterOneIsKilled) {

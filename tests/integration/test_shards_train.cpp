@@ -6,7 +6,8 @@
 // --reshard trains on its cluster's shards; a router (with samples held out) and a distilled student
 // train on shards; an autoencoder and a latent model train on shards, `ddm encode` writes the
 // latents of the shards once, and a latent model trains on those as on fresh encodes; the latent
-// shards are partitioned, and latent experts, a router and a student train on them.
+// shards are partitioned, and latent experts, a router and a student train on them. A run that a
+// test starts caches its shard scans in the build's test cache, not the user's.
 #include <gtest/gtest.h>
 
 #include <chrono>
@@ -20,8 +21,10 @@
 
 #include "core/safetensors.h"
 #include "core/config.h"
+#include "core/fileio.h"
 #include "data/dataset.h"
 #include "data/latent_shards.h"
+#include "data/scan_cache.h"
 #include "data/shard_loader.h"
 #include "data/shard_write.h"
 #include "data/shards.h"
@@ -286,6 +289,19 @@ TEST(ShardsTrain, AModelOnShardsOfFashionMnistIsEvaluable) {
   test::expect_error(test::run_ddm("eval --samples " + raw + " --out " + (r.dir / "eval")), "PREFIX.shards.json");
   test::expect_error(test::run_ddm("eval --ckpt " + (r.dir / "run") + " --n 200 --out " + (r.dir / "eval")),
                      "not Fashion-MNIST");
+}
+
+// Tests keep off the user's cache (test_util.h): a ddm that a test starts keeps its shard scans in the
+// build's test-cache/, the directory the test's own default_cache_dir() names, not in ~/.cache/ddm.
+TEST(ShardsTrain, ARunStartedByATestCachesItsShardScanInTheBuildNotTheUsersCache) {
+  ShardRun r;
+  const std::string cache = default_cache_dir();
+  EXPECT_EQ(cache, (fs::path(test::cache_home()) / "ddm").string());
+  const std::string file = ScanCache(cache, expand_shards(r.pattern, "data.root"), "image").path();
+  fs::remove(file);
+  const auto run = test::run_ddm(r.train("run", " --set train.steps=1"));
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  EXPECT_TRUE(fs::exists(file)) << file;
 }
 
 TEST(ShardsTrain, BadShardListsAndKeysAreClearErrors) {
@@ -614,9 +630,11 @@ TEST(ShardsTrain, LatentExpertsARouterAndAStudentTrainOnLatentShards) {
   ASSERT_EQ(lp.exit_code, 0) << lp.output;
   EXPECT_TRUE(has(lp.output, "latents of " + (r.dir / "ae"))) << lp.output;
   EXPECT_TRUE(has(lp.output, "each cluster's latents as a `ddm encode` directory")) << lp.output;
+  EXPECT_TRUE(has(lp.output, " latents into 2 clusters: sizes") && !has(lp.output, " images into ")) << lp.output;
   auto ip = test::run_ddm("partition --config " + (r.dir / "img.toml") + " --features latent:" + (r.dir / "ae") + k2 +
                           (r.dir / "ip"));
   ASSERT_EQ(ip.exit_code, 0) << ip.output;
+  EXPECT_TRUE(has(ip.output, " images into 2 clusters: sizes")) << ip.output;
   const Partition on_latents = load_partition(r.dir / "lp"), on_images = load_partition(r.dir / "ip");
   EXPECT_TRUE(on_latents.labels.equal(on_images.labels));
   const int64_t size1 = on_latents.sizes[1].item<int64_t>();

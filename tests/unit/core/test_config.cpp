@@ -68,6 +68,26 @@ TEST(Config, OutOfRangeValues) {
   EXPECT_NE(error_of("", {"train.steps"}).find("expected section.key=value"), std::string::npos);
 }
 
+// A bucket size becomes bytes (mb * 2^20, truncated): one that would round to (almost) nothing, or
+// overflow, is refused when the config is read, naming the key and value, not at the first all-reduce.
+TEST(Config, GradientBucketsOfLessThanOneKibOrMoreThanOneTibAreRefused) {
+  for (const std::string key : {"parallel.bucket_mb", "parallel.first_bucket_mb"}) {
+    for (const std::string v : {"1e-9", "0.0009", "0", "-1"}) {
+      const std::string e = error_of("", {key + "=" + v});
+      EXPECT_NE(e.find(key + " = "), std::string::npos) << e;
+      EXPECT_NE(e.find("less than 1 KiB"), std::string::npos) << e;
+      EXPECT_NE(e.find("set it to at least 0.0009765625"), std::string::npos) << e;
+    }
+    EXPECT_NE(error_of("", {key + "=1e-9"}).find(key + " = 1e-09 MiB"), std::string::npos);
+    for (const std::string v : {"inf", "nan", "2e6"})
+      EXPECT_NE(error_of("", {key + "=" + v}).find(key + " = "), std::string::npos) << v;
+    EXPECT_NE(error_of("", {key + "=inf"}).find("up to 1048576 (1 TiB"), std::string::npos);
+    // The bounds themselves are fine.
+    EXPECT_EQ(error_of("", {key + "=0.0009765625"}), "");
+    EXPECT_EQ(error_of("", {key + "=1048576"}), "");
+  }
+}
+
 TEST(Config, AutoencoderAndLatentKeys) {
   const RunConfig ae = parse_config("[model]\npreset = \"ae-f4\"\n", "test.toml");
   EXPECT_EQ(ae.model.arch, "autoencoder");

@@ -5,6 +5,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <functional>
@@ -257,6 +258,22 @@ TEST(FileIo, Sha256KnownVectors) {
   EXPECT_EQ(ddm::read_file(dir / "abc"), "replaced");
   EXPECT_THROW(ddm::read_file(dir.path), ddm::Error);
   EXPECT_THROW(ddm::sha256_file(dir / "none"), ddm::Error);
+}
+
+// Tests keep off the user's cache (test_util.h): a test process, and every program it starts, has
+// XDG_CACHE_HOME = the build's test-cache/, so ddm's cache directory is there, not ~/.cache/ddm.
+TEST(FileIo, TestProcessesUseTheBuildsCacheDirectoryNotTheUsers) {
+  const std::string home = ddm::test::cache_home();
+  const char* xdg = std::getenv("XDG_CACHE_HOME");
+  ASSERT_NE(xdg, nullptr);
+  EXPECT_EQ(std::string(xdg), home);
+  EXPECT_TRUE(std::filesystem::path(home).is_absolute()) << home;
+  EXPECT_EQ(ddm::default_cache_dir(), (std::filesystem::path(home) / "ddm").string());
+  if (const char* user = std::getenv("HOME"); user && *user) {
+    EXPECT_NE(ddm::default_cache_dir(), (std::filesystem::path(user) / ".cache" / "ddm").string());
+  }
+  const auto child = ddm::test::run_command("printenv XDG_CACHE_HOME");
+  EXPECT_EQ(child.output, home + "\n");
 }
 
 }  // namespace

@@ -3,7 +3,7 @@
 // together draw every sample exactly once; a stream or loader started at a saved position continues
 // with exactly the samples (and crops and flips) of an uninterrupted one; bad samples stop the run
 // naming shard and key, or with skip_bad are skipped and counted; bad shard sets are clear errors;
-// latent shards read back as their posteriors.
+// latent shards read back as their posteriors, with the class names encode.json records.
 #include <gtest/gtest.h>
 
 #include <chrono>
@@ -490,4 +490,48 @@ TEST(ShardLoader, LatentShardsReadBackAsPosteriorsAndBadOnesAreNamed) {
   EXPECT_TRUE(has(test::error_message([&] { open_shards(cfg, 1, true); }), "latents-000002.tar does not exist"));
   fs::remove(cfg.root + "/encode.json");
   EXPECT_TRUE(has(test::error_message([&] { open_shards(cfg, 1, true); }), "is not a `ddm encode` output"));
+}
+
+// Latent shards keep their source's class names (encode.json's class_names), so a latent model's
+// grids name Fashion-MNIST's classes as a pixel model's do; a record written before them still
+// opens, with generic names; names that do not match num_classes are a clear error.
+TEST(ShardLoader, LatentShardsRestoreTheClassNamesTheirRecordKeeps) {
+  test::TempDir dir;
+  const int64_t n = 4, z = 2, s = 3;
+  LatentShardsInfo info;
+  info.autoencoder = "/nowhere/ae", info.autoencoder_sha256 = std::string(64, 'a');
+  info.latent_channels = z, info.latent_size = s, info.image_channels = 1, info.image_size = 12;
+  info.samples = n, info.shards = 1, info.num_classes = 3, info.data = "random";
+  info.class_names = {"T-shirt/top", "Trouser", "Pullover"};
+  DataConfig cfg;
+  cfg.source = "latents", cfg.root = dir.path + "/lat";
+  fs::create_directories(cfg.root);
+  {
+    TarShardWriter w(latent_shard_path(cfg.root, 0));
+    for (int64_t i = 0; i < n; ++i) {
+      ShardSample smp;
+      smp.key = zero_padded(i, 8);
+      SafetensorsFile f;
+      f.tensors["mean"] = torch::zeros({z, s, s});
+      f.tensors["logvar"] = torch::zeros({z, s, s});
+      smp.files["safetensors"] = safetensors_bytes(f);
+      smp.files["cls"] = std::to_string(i % 3);
+      w.add(smp);
+    }
+    w.finish();
+  }
+  const std::string record = cfg.root + "/encode.json";
+  test::write_text(record, latent_shards_json(info).dump());
+  EXPECT_EQ(read_latent_shards_info(cfg.root).class_names, info.class_names);
+  EXPECT_EQ(open_shards(cfg, 1, /*quiet=*/true).class_names, info.class_names);
+  // A record from before class_names: it opens as before, each class named by its number.
+  nlohmann::json old = latent_shards_json(info);
+  old.erase("class_names");
+  test::write_text(record, old.dump());
+  EXPECT_EQ(open_shards(cfg, 1, true).class_names, (std::vector<std::string>{"class 0", "class 1", "class 2"}));
+  // Names for another number of classes: named, with what to do.
+  old["class_names"] = {"T-shirt/top", "Trouser"};
+  test::write_text(record, old.dump());
+  const std::string e = test::error_message([&] { open_shards(cfg, 1, true); });
+  EXPECT_TRUE(has(e, "encode.json: class_names has 2 names, but num_classes is 3") && has(e, "ddm encode")) << e;
 }

@@ -9,6 +9,7 @@
 
 #include "core/error.h"
 #include "core/safetensors.h"
+#include "data/latent_shards.h"
 #include "decentral/features.h"
 #include "decentral/features_file.h"
 #include "decentral/kmeans.h"
@@ -231,6 +232,28 @@ TEST(Partition, FilesRoundTripAndMustMatchTheirData) {
   p.labels = p.labels.roll(1);
   save_partition(dir, p, summary, true);
   EXPECT_TRUE(load_partition(dir).labels.equal(p.labels));
+}
+
+// The summary's first line says what was partitioned: images, or the posteriors of latent shards
+// (`ddm partition` over data.source = "latents"); a summary written before it said images.
+TEST(Partition, TheSummaryCountsLatentsForLatentShardsAndImagesOtherwise) {
+  PartitionConfig pc;
+  pc.k = 3;
+  pc.method = "random";
+  const Partition p = make_partition(torch::Tensor(), 90, pc);
+  Dataset data = tiny_dataset(90, 1);
+  auto summary = partition_summary(p, data);
+  EXPECT_EQ(summary["items"], "images");
+  EXPECT_EQ(format_summary(summary).rfind("partition of 90 images into 3 clusters: sizes 30 to 30\n", 0), 0u)
+      << format_summary(summary);
+  data.latents = std::make_shared<const LatentShardsInfo>();
+  summary = partition_summary(p, data);
+  EXPECT_EQ(summary["items"], "latents");
+  const std::string text = format_summary(summary);
+  EXPECT_EQ(text.rfind("partition of 90 latents into 3 clusters: sizes 30 to 30\n", 0), 0u) << text;
+  EXPECT_EQ(text.find("images"), std::string::npos) << text;
+  summary.erase("items");
+  EXPECT_EQ(format_summary(summary).rfind("partition of 90 images into 3 clusters", 0), 0u);
 }
 
 TEST(Partition, DamagedMetadataIsAClearError) {

@@ -1,5 +1,6 @@
 // LinePrefixer (src/launch/output.h): how `ddm launch` turns a worker's bytes into "[rank N] " lines:
-// whole lines, partial lines held until their end, "\r" progress redraws, "\r\n", long lines, flush.
+// whole lines, partial lines held until their end, "\r" progress redraws, "\r\n", long lines, flush,
+// and a rank's error line naming the rank once.
 #include <gtest/gtest.h>
 
 #include <chrono>
@@ -52,6 +53,34 @@ TEST(LinePrefixer, SplitsLinesLongerThanTheLimit) {
   LinePrefixer p("> ", milliseconds(1000), 4);
   EXPECT_EQ(p.feed("abcdefghij", t0), "> abcd\n> efgh\n");
   EXPECT_EQ(p.flush(), "> ij\n");
+}
+
+// ddm prints a rank's failure as "error: rank N: ..." under any launcher (apps/ddm.cpp, and many
+// messages start with "rank N: " themselves); under `ddm launch` the prefix already names the rank.
+TEST(LinePrefixer, ARanksErrorLineNamesTheRankOnce) {
+  LinePrefixer p = LinePrefixer::for_rank(1);
+  EXPECT_EQ(p.feed("error: rank 1: train.batch_size = 15 does not split\n", t0),
+            "[rank 1] error: train.batch_size = 15 does not split\n");
+  EXPECT_EQ(p.feed("error (LibTorch): rank 1: CUDA out of memory\n", t0),
+            "[rank 1] error (LibTorch): CUDA out of memory\n");
+  // Only the worker's own rank, right after "error: ", at the start of a line.
+  EXPECT_EQ(p.feed("error: rank 0: lost the connection to rank 1\n", t0),
+            "[rank 1] error: rank 0: lost the connection to rank 1\n");
+  EXPECT_EQ(p.feed("error: rank 12: x\n", t0), "[rank 1] error: rank 12: x\n");
+  EXPECT_EQ(p.feed("rank 1: rejoined at step 40\n", t0), "[rank 1] rank 1: rejoined at step 40\n");
+  EXPECT_EQ(p.feed("note: error: rank 1: x\n", t0), "[rank 1] note: error: rank 1: x\n");
+  EXPECT_EQ(p.feed("error: rank 1 (pid 7) exited\n", t0), "[rank 1] error: rank 1 (pid 7) exited\n");
+  // A line that arrives in pieces, and one the pipe's close ends.
+  EXPECT_EQ(p.feed("error: ra", t0), "");
+  EXPECT_EQ(p.feed("nk 1: split\nerror: rank 1: last", t0), "[rank 1] error: split\n");
+  EXPECT_EQ(p.flush(), "[rank 1] error: last\n");
+  // The rest of a line split at max_line does not start a line.
+  LinePrefixer q = LinePrefixer::for_rank(1, milliseconds(1000), 20);
+  EXPECT_EQ(q.feed("error: rank 1: abcdeerror: rank 1: x\n", t0), "[rank 1] error: abcde\n[rank 1] error: rank 1: x\n");
+  EXPECT_EQ(q.feed("error: rank 1: y\n", t0), "[rank 1] error: y\n");
+  // A prefixer that is not a rank's keeps every line whole.
+  LinePrefixer plain("[rank 1] ");
+  EXPECT_EQ(plain.feed("error: rank 1: x\n", t0), "[rank 1] error: rank 1: x\n");
 }
 
 TEST(LaunchProcess, DescribesExitsAndSignals) {

@@ -1,7 +1,8 @@
-// FlatAdamW against LibTorch's AdamW, gradient clipping, EMA, module state loading with shape
+// FlatAdamW against LibTorch's AdamW, gradient clipping, EMA and its warm-up, module state loading with shape
 // checks, overfitting one batch, and checkpoint write / read / prune / corruption detection.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <functional>
 #include <limits>
 
@@ -73,6 +74,27 @@ TEST(FlatAdamW, ClipAndEma) {
   for (auto& [k, v] : opt.named_ema()) {
     auto p = opt.named_params().at(k);
     EXPECT_TRUE(torch::allclose(v, 0.5 * ema_before[k] + 0.5 * p, 1e-6, 1e-7)) << k;
+  }
+}
+
+// The EMA warm-up every trainer uses: min(decay, (1 + n) / (10 + n)) at optimizer step n.
+TEST(EmaDecay, WarmsUpFromTwoEleventhsAndThenHoldsTheConfiguredDecay) {
+  EXPECT_DOUBLE_EQ(ema_decay_at(0.999, 1), 2.0 / 11);  // the first step keeps little of the initial weights
+  EXPECT_DOUBLE_EQ(ema_decay_at(0.999, 8), 0.5);
+  EXPECT_DOUBLE_EQ(ema_decay_at(0.999, 80), 0.9);
+  EXPECT_DOUBLE_EQ(ema_decay_at(0.999, 8989), 8990.0 / 8999);  // still warming up: 0.9989999 < 0.999
+  EXPECT_DOUBLE_EQ(ema_decay_at(0.999, 8990), 0.999);          // (1 + n) / (10 + n) reaches 0.999 at n = 8990
+  EXPECT_DOUBLE_EQ(ema_decay_at(0.999, 1000000), 0.999);
+  EXPECT_DOUBLE_EQ(ema_decay_at(0.0, 5), 0.0);  // decay 0: the EMA is the weights
+  EXPECT_DOUBLE_EQ(ema_decay_at(0.5, 7), 8.0 / 17);  // below the configured decay until n = 8
+  EXPECT_DOUBLE_EQ(ema_decay_at(0.5, 8), 0.5);
+  // Never decreasing in n, and never above the configured decay.
+  double last = 0;
+  for (int64_t n = 1; n <= 20000; ++n) {
+    const double d = ema_decay_at(0.9999, n);
+    ASSERT_GE(d, last) << n;
+    ASSERT_LE(d, 0.9999) << n;
+    last = d;
   }
 }
 
