@@ -167,9 +167,11 @@ int run_plan(PlanArgs a) {
     measured = read_measured(a.measured);
     const PipeTimelineRun& r = measured->run;
     if (a.config.empty() && a.profile.empty()) a.config = RunDir(a.measured).config();  // profiled now
-    if (a.batch == 0) a.batch = r.micro * r.rows;
-    a.devices = r.stages;
-    a.stages = {a.devices};
+    // The run as it ran: r.replicas pipelines of r.stages processes, each its r.micro micro-batches of
+    // r.rows rows (its share of the global batch), so that the simulator's micro-batches are the run's.
+    if (a.batch == 0) a.batch = static_cast<int64_t>(r.replicas) * r.micro * r.rows;
+    a.devices = r.stages * r.replicas;
+    a.stages = {r.stages};
     a.micro = {r.micro};
     a.schedules = {r.schedule};
     if (a.pipe_wire.empty()) a.pipe_wire = r.pipe_wire;

@@ -41,7 +41,6 @@ ParallelLayout derive_layout(const RunConfig& cfg, int world, int rank) {
   l.replicas = pipelined ? world / l.pp : world;  // every stage of a pipeline replica takes that replica's batch
   l.stage = pipelined ? rank / l.replicas : 0;
   l.replica = pipelined ? rank % l.replicas : rank;
-  l.micro = tc.grad_accum;
   DDM_CHECK(tc.batch_size % (static_cast<int64_t>(l.replicas) * tc.grad_accum) == 0,
             "train.batch_size = " << tc.batch_size << " does not split into " << l.replicas << " rank"
                                   << (l.replicas > 1 ? "s" : "") << " x " << tc.grad_accum

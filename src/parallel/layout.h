@@ -24,8 +24,7 @@ struct ParallelLayout {
   int replicas = 1;  // copies of the model that split the global batch (the data-parallel world)
   int stage = 0;     // this process's rank within its pipeline (0 without one)
   int replica = 0;   // which copy this process belongs to
-  int64_t micro = 1;        // micro-batches per step (train.grad_accum)
-  int64_t local_batch = 0;  // rows of the global batch each replica takes per step
+  int64_t local_batch = 0;  // rows of the global batch each replica takes per step (train.grad_accum micro-batches)
 
   bool pipelined() const { return mode == ParallelMode::kPipeline; }
   bool diloco() const { return mode == ParallelMode::kDiloco; }

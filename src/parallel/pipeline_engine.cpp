@@ -41,7 +41,9 @@ class PipelineEngine : public Engine {
       same_stage = comm_->subgroup("stage" + std::to_string(layout_.stage), layout_.stage_ranks());
     }
     PipeSkipRoutes routes = pipe_skip_routes(*net_, sample, bounds);
-    pipe_ = std::make_unique<PipeStep>(cfg_, net_, parts.objective, line, std::move(bounds), std::move(schedule),
+    // Each micro-batch: this replica's share of the global batch (the layout's), cut into grad_accum.
+    const int64_t rows = layout_.local_batch / cfg_.train.grad_accum;
+    pipe_ = std::make_unique<PipeStep>(cfg_, net_, parts.objective, line, std::move(bounds), std::move(schedule), rows,
                                        same_stage, comm_, std::move(routes));
   }
 
@@ -121,8 +123,7 @@ class PipelineEngine : public Engine {
     s << "parallel: "
       << (replicas > 1 ? std::to_string(replicas) + " data-parallel replicas of a pipeline" : "a pipeline") << " of "
       << stages << " stages" << (stages > pp ? " on " + std::to_string(pp) + " processes, V-shaped" : "") << " ("
-      << name_of(p.schedule) << ", " << cfg_.train.grad_accum << " micro-batches of " << layout_.local_batch / cfg_.train.grad_accum
-      << "), units";
+      << name_of(p.schedule) << ", " << pipe_->micro_batches() << " micro-batches of " << pipe_->rows() << "), units";
     const auto& names = pipe_->unit_names();
     for (int i = 0; i < stages; ++i)
       s << (i ? " | " : " ") << names[static_cast<size_t>(b[static_cast<size_t>(i)])] << ".."
@@ -146,7 +147,8 @@ class PipelineEngine : public Engine {
     if (layout_.rank != 0) return;
     PipeTimelineRun run;
     run.stages = layout_.pp, run.replicas = layout_.replicas, run.schedule = name_of(cfg_.parallel.schedule);
-    run.micro = static_cast<int>(cfg_.train.grad_accum), run.rows = cfg_.train.batch_size / cfg_.train.grad_accum;
+    // The micro-batches one pipeline ran: with replicas, each takes its share of the global batch.
+    run.micro = pipe_->micro_batches(), run.rows = pipe_->rows();
     run.threads = threads, run.pipe_wire = name_of(cfg_.parallel.pipe_wire), run.machine = machine_name(net_->parameters().front().device());
     run.first_units = pipe_->bounds(), run.units = pipe_->unit_names(), run.step = step;
     run.steps_timed = timed_steps_, run.timed_from = timed_from_ + 1;

@@ -75,7 +75,7 @@ std::vector<int> pipe_stage_bounds(NetImpl& net, const Prepared& sample, int sta
 }
 
 PipeStep::PipeStep(const RunConfig& cfg, Net net, std::shared_ptr<Objective> objective, std::shared_ptr<Comm> comm,
-                   std::vector<int> bounds, PipeSchedule schedule, std::shared_ptr<Comm> replicas,
+                   std::vector<int> bounds, PipeSchedule schedule, int64_t rows, std::shared_ptr<Comm> replicas,
                    std::shared_ptr<Comm> world, PipeSkipRoutes routes)
     : cfg_(cfg),
       net_(std::move(net)),
@@ -86,8 +86,10 @@ PipeStep::PipeStep(const RunConfig& cfg, Net net, std::shared_ptr<Objective> obj
       bounds_(std::move(bounds)),
       schedule_(std::move(schedule)),
       routes_(std::move(routes)),
-      rank_(comm_->rank()) {
+      rank_(comm_->rank()),
+      rows_(rows) {
   DDM_CHECK(objective_, "PipeStep needs an objective");
+  DDM_CHECK(rows_ >= 1, "pipeline: micro-batches of " << rows_ << " rows; a micro-batch needs at least one");
   const int S = stages(), R = static_cast<int>(schedule_.ranks.size());
   DDM_CHECK(R == comm_->world_size() && S == schedule_.stages,
             "a pipeline of " << S << " stages under schedule '" << schedule_.name << "' needs " << R
@@ -143,12 +145,6 @@ PipeStep::PipeStep(const RunConfig& cfg, Net net, std::shared_ptr<Objective> obj
   // its units' forward and input gradients.
   optim_ = std::make_unique<FlatAdamW>(*net_, AdamWOptions{tc.beta1, tc.beta2, tc.adam_eps, tc.weight_decay},
                                        /*allow_empty=*/true);
-  DDM_CHECK(tc.grad_accum == schedule_.micro, "pipeline: train.grad_accum = " << tc.grad_accum << " for a schedule of "
-                                                                              << schedule_.micro << " micro-batches");
-  const int64_t replica_batch = tc.batch_size / (replicas_ ? replicas_->world_size() : 1);
-  DDM_CHECK(replica_batch % tc.grad_accum == 0,
-            "pipeline: a replica's batch of " << replica_batch << " does not split into " << tc.grad_accum << " micro-batches");
-  rows_ = replica_batch / tc.grad_accum;
   for (auto& [stage, up] : here_units)  // ascending
     locals_.emplace_back(stage, S, std::move(up.first), std::move(up.second), *wire_, routes_, rows_);
   quantum_ = prepare_quantum(rows_);
@@ -284,8 +280,7 @@ StepResult PipeStep::run(const std::vector<Batch>& micro, int64_t step, const st
     r.finite = false;
     return r;
   }
-  const double n = static_cast<double>(optim_->step_count() + 1);
-  optim_->step(r.lr, std::min(tc.ema_decay, (1.0 + n) / (10.0 + n)));
+  optim_->step(r.lr, ema_decay_at(tc.ema_decay, optim_->step_count() + 1));
   times_.end = Clock::now();
   if (!filling || !next.empty())
     shown_times_ = times_, shown_events_ = events_, shown_step_ = step + 1, shown_filled_ = filling;

@@ -91,13 +91,16 @@ class PipeStep {
  public:
   // cfg.model resolved; net built from it (the whole model); comm: this pipeline's group, one rank
   // per stage, rank s runs stage s (V-shaped: the schedule's placement); bounds from pipe_stage_bounds; schedule over comm's world size and
-  // train.grad_accum micro-batches; routes: where each open skip goes (routes.h; none: every
+  // the step's M micro-batches; rows: the rows of each micro-batch (this replica's batch / M, as the
+  // job's layout derived it, parallel/layout.h; the step's micro-batches are checked against it);
+  // routes: where each open skip goes (routes.h; none: every
   // skip travels in the carry through every stage). Pipelines of data-parallel replicas (parallel.dp > 1): replicas
   // is this stage's data-parallel group (the same stage of every replica; rank r = replica r), whose
   // gradients are averaged during the stage's last backward (comm/grad_sync.h), and world the whole
-  // job (the loss and the gradient norm); null for one pipeline.
+  // job (the loss and the gradient norm); null for one pipeline. The pipeline's shape (stages,
+  // micro-batches, rows) is what it is handed; of cfg it reads the training's settings alone.
   PipeStep(const RunConfig& cfg, Net net, std::shared_ptr<Objective> objective, std::shared_ptr<Comm> comm,
-           std::vector<int> bounds, PipeSchedule schedule, std::shared_ptr<Comm> replicas = nullptr,
+           std::vector<int> bounds, PipeSchedule schedule, int64_t rows, std::shared_ptr<Comm> replicas = nullptr,
            std::shared_ptr<Comm> world = nullptr, PipeSkipRoutes routes = {});
   // Its stages and first pass hold references to its wire and routes: it stays where it was built.
   PipeStep(const PipeStep&) = delete;
@@ -135,6 +138,8 @@ class PipeStep {
   // Every stage's last_step_json, indexed by stage (a collective of this pipeline's group).
   std::vector<std::string> all_last_steps() { return comm_->all_gather_strings(last_step_json()); }
   int stages() const { return static_cast<int>(bounds_.size()) - 1; }
+  int micro_batches() const { return schedule_.micro; }  // per step
+  int64_t rows() const { return rows_; }                 // per micro-batch (this replica's share)
   int rank_of_stage(int stage) const { return schedule_.rank_of(stage); }
   const std::vector<int>& bounds() const { return bounds_; }
   const std::vector<std::string>& unit_names() const { return unit_names_; }

@@ -31,7 +31,7 @@ struct PipeTimelineRun {
   int replicas = 1;
   std::string schedule;
   int micro = 0;     // micro-batches per step
-  int64_t rows = 0;  // rows per micro-batch
+  int64_t rows = 0;  // rows per micro-batch of one pipeline (with replicas, of its share of the global batch)
   int threads = 0;
   std::string pipe_wire = "float32";  // runs before 2026-11-25 sent float32
   std::string machine;                // the CPU; "" in runs that did not record it

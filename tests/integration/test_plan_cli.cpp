@@ -91,7 +91,7 @@ TEST(PlanCli, ComparesAMeasuredPipelineWithTheSimulator) {
   ASSERT_EQ(tl["ranks"].size(), 2u);
   EXPECT_EQ(tl["first_units"], nlohmann::json({0, 3, tl["units"].size()}));
   // Whether the plan the run made from its own timings fills a bubble depends on this machine's
-  // speed (tests/unit/test_pipeline_train.cpp runs fixed plans): what follows holds either way.
+  // speed (tests/unit/pipeline/test_pipeline_train.cpp runs fixed plans): what follows holds either way.
   const bool used = tl["fill"]["used"].get<bool>();
   EXPECT_EQ(tl["ranks"][1]["step"], used ? 5 : 6);  // with a plan, the last step that prepared rows of a next one
   EXPECT_EQ(tl["ranks"][1]["filled"].get<bool>(), used);
@@ -130,4 +130,29 @@ TEST(PlanCli, ComparesAMeasuredPipelineWithTheSimulator) {
   ASSERT_EQ(test::run_ddm(save + (dir / "threads.json") + " --set train.threads=2").exit_code, 0);
   expect_error(test::run_ddm("plan --measured " + (dir / "serial") + " --profile " + (dir / "threads.json")),
                "threads.json was taken with 2 thread(s), the run");
+}
+
+// With data-parallel replicas (parallel.dp = 2: two pipelines of 2 stages, 4 processes) each pipeline
+// runs its share of the global batch: the timeline records those micro-batches (each replica's 4 rows
+// in 2 of 2), and `ddm plan --measured` profiles and simulates them, with the run's replicas, not
+// micro-batches of the global batch's rows (8 / 2).
+TEST(PlanCli, SimulatesTheMicroBatchesEachReplicaRan) {
+  test::TempDir dir;
+  test::write_text(dir / "tiny.toml", kTiny);  // batch 8, 3 steps
+  auto r = test::run_ddm("launch --timeout 300 --nproc 4 -- train --quiet --config " + (dir / "tiny.toml") +
+                         " --set parallel.pp=2 parallel.dp=2 parallel.cuts=[3] train.grad_accum=2 parallel.fill=false --out " +
+                         (dir / "hybrid"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const auto tl = nlohmann::json::parse(test::read_text(dir / "hybrid/pipeline-timeline.json"));
+  EXPECT_EQ(tl["stages"], 2);
+  EXPECT_EQ(tl["replicas"], 2);
+  EXPECT_EQ(tl["micro"], 2);
+  EXPECT_EQ(tl["rows"], 2);
+  r = test::run_ddm("plan --measured " + (dir / "hybrid") + " --repeats 1");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("at micro-batches of 2 rows"), std::string::npos) << r.output;  // the profile's
+  EXPECT_NE(r.output.find("batch     8 (global)"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("best: 2 stages x 2 replicas, 1f1b, 2 micro-batches of 2 rows"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("parallel.dp=2 (4 processes)"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("predicted from the profile (frozen work serial, as the run)"), std::string::npos) << r.output;
 }

@@ -18,6 +18,7 @@
 #include "pipeline/profile.h"
 #include "pipeline/routes.h"
 #include "pipeline/runtime.h"
+#include "pipeline/timeline.h"
 #include "unit/test_dist_util.h"
 #include "test_util.h"
 #include "train/controlnet.h"
@@ -355,6 +356,13 @@ TEST(PipelineTrain, DataParallelReplicasOfAPipeline) {
   hybrid.train.grad_accum = 2;  // each replica: 8 rows in 2 micro-batches of 4
   ASSERT_EQ(train_ranks(4, std::vector<RunConfig>(4, hybrid), dir / "hybrid"), std::vector<std::string>(4, ""));
   expect_same_training(dir / "hybrid", dir / "one", "2 stages x 2 replicas");
+  // The measured timeline (`ddm plan --measured` simulates its micro-batches) records what one
+  // pipeline ran: its replica's 8 rows in 2 micro-batches of 4, not the global batch's 16 / 2.
+  const MeasuredPipeTimeline tl = read_pipe_timeline(RunDir(dir / "hybrid") / RunDir::kPipeTimeline);
+  EXPECT_EQ(tl.run.stages, 2);
+  EXPECT_EQ(tl.run.replicas, 2);
+  EXPECT_EQ(tl.run.micro, 2);
+  EXPECT_EQ(tl.run.rows, 4);
   // V-shaped: 4 stages on each replica's 2 processes (the replicas' sync after the last action).
   RunConfig vhybrid = piped(hybrid, 2, "1f1b-v", {2, 3, 5});
   vhybrid.parallel.fill = false;
@@ -462,7 +470,7 @@ TEST(PipelineTrain, FirstPassesInPartialBatchesChangeNoResult) {
     const auto errors = run_ranks(2, short_timeouts(), [&](Comm& c) {
       const int r = c.rank();
       PipeStep step(job.cfg, nets[static_cast<size_t>(r)], make_objective(job.cfg), std::shared_ptr<Comm>(&c, [](Comm*) {}),
-                    bounds, schedule, nullptr, nullptr, routes);
+                    bounds, schedule, 16, nullptr, nullptr, routes);
       if (with_plan) step.use_fill_plan(plan);
       BatchLoader loader(job.data, 64, 3, true);
       auto micro = [](const Batch& b) {
