@@ -24,8 +24,9 @@ jobs=$(nproc)
 # OpenMP: see CMakeLists.txt (our own parallel loops run serially here, with the same results).
 source scripts/torch-env.sh  # the LibTorch scripts/setup.sh installed
 args=$(torch_cmake_args)
+generator=$(cmake_generator_args build-san)
 # shellcheck disable=SC2086
-cmake -S . -B build-san $args -DCMAKE_CXX_COMPILER=clang++-14 -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+cmake -S . -B build-san $generator $args -DCMAKE_CXX_COMPILER=clang++-14 -DCMAKE_BUILD_TYPE=RelWithDebInfo \
   "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1 -gline-tables-only" \
   -DDDM_SANITIZE=ON -DDDM_OPENMP=OFF -DDDM_BUILD_BENCH=OFF >/dev/null
 all_tests=0

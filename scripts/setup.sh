@@ -18,7 +18,7 @@ source scripts/torch-env.sh   # torch_version, venv, cuda, torch_cmake_args
 numpy_version=2.3.5   # for the Python benchmarks (bench/compare_python.sh); torch warns without it
 
 packages=(
-  cmake g++ ccache pkg-config python3-venv
+  cmake ninja-build g++ ccache pkg-config python3-venv   # Ninja: a new file rebuilds that file alone (scripts/torch-env.sh)
   lld   # LLVM's linker: links each of the ~70 binaries several times faster than GNU ld (CMakeLists.txt)
   libgloo-dev   # declarations only: the Gloo that runs is the one inside the wheel's libtorch_cpu (docs/testing.md)
   dataset-fashion-mnist
@@ -67,9 +67,10 @@ if [ "$(cat "$marker" 2>/dev/null)" != "torch==$torch_version" ]; then
 fi
 [ -x "$cuda/bin/nvcc" ] || { echo "setup: no CUDA 13.0 toolkit at $cuda (nvcc): Torch's CMake configuration needs it; set CUDA_HOME" >&2; exit 1; }
 args=$(torch_cmake_args)
+generator=$(cmake_generator_args build)
 
 jobs=$(nproc)
 # shellcheck disable=SC2086  # the arguments are paths without spaces (the venv's, the toolkit's)
-cmake -S . -B build -DCMAKE_BUILD_TYPE=Release $args >/dev/null
+cmake -S . -B build $generator -DCMAKE_BUILD_TYPE=Release $args >/dev/null
 cmake --build build -j"$jobs"
 echo "setup: built build/ddm against LibTorch $torch_version ($venv)"

@@ -12,3 +12,16 @@ torch_cmake_args() {
     { echo "no torch in $venv: run scripts/setup.sh first" >&2; return 1; }
   echo "-DCMAKE_PREFIX_PATH=$prefix -DDDM_TORCH_VENV=$venv -DCUDAToolkit_ROOT=$cuda -DTORCH_CUDA_ARCH_LIST=9.0"
 }
+# The CMake generator every build directory uses: Ninja. It rebuilds only the outputs whose inputs or
+# command changed, so adding a source file compiles that file alone (CMake's Makefiles rewrote the
+# library's flags file, which rebuilt the precompiled header and every object: 26 minutes here).
+# A directory configured before with another generator (ddm used Makefiles until 2026-11) is
+# configured afresh: CMake refuses to switch generators in place. Prints the arguments for `cmake`.
+cmake_generator_args() {  # BUILD_DIR
+  local cache="$1/CMakeCache.txt"
+  if [ -f "$cache" ] && ! grep -qx 'CMAKE_GENERATOR:INTERNAL=Ninja' "$cache"; then
+    echo "$1 was configured with another CMake generator: configuring it afresh for Ninja" >&2
+    rm -rf "$cache" "$1/CMakeFiles"
+  fi
+  echo "-G Ninja"
+}

@@ -45,6 +45,13 @@ std::vector<std::string> listed_subcommands(const std::string& help) {
 
 // Every subcommand the binary registers (found by walking the --help tree, so a new one is covered
 // without touching this test) answers --help.
+TEST(Cli, TheQuickstartFileMatchesTheBuiltInConfig) {
+  // `ddm quickstart --print-config` shows the built-in config; configs/quickstart.toml documents it.
+  auto r = test::run_ddm("quickstart --print-config");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(r.output, test::read_text(test::source_dir() + "/configs/quickstart.toml"));
+}
+
 TEST(Cli, HelpForEverySubcommand) {
   std::vector<std::string> todo{""}, seen;
   while (!todo.empty()) {

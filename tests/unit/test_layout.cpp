@@ -7,6 +7,8 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <set>
+#include <sstream>
 #include <string>
 
 #include "test_util.h"
@@ -69,4 +71,48 @@ TEST(Layout, TheUnitTestsMirrorTheSourceFolders) {
           << "tests/unit/" << name << " belongs in the folder of the source it tests";
     }
   }
+}
+
+namespace {
+
+// Whether `file` includes a LibTorch header, directly or through the project's own headers (src/,
+// tests/).
+bool reaches_torch(const fs::path& file, const fs::path& root, std::set<std::string>& seen, std::string& via) {
+  if (!seen.insert(file.string()).second) return false;
+  std::ifstream in(file);
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind("#include <torch/", 0) == 0 || line.rfind("#include <ATen/", 0) == 0 ||
+        line.rfind("#include <c10/", 0) == 0) {
+      via = file.string() + ": " + line;
+      return true;
+    }
+    if (line.rfind("#include \"", 0) != 0) continue;
+    const std::string name = line.substr(10, line.find('"', 10) - 10);
+    for (const char* dir : {"src", "tests"})
+      if (fs::exists(root / dir / name) && reaches_torch(root / dir / name, root, seen, via)) return true;
+  }
+  return false;
+}
+
+}  // namespace
+
+TEST(Layout, TorchFreeSourcesIncludeNoTorch) {
+  // CMakeLists.txt's DDM_TORCH_FREE_SOURCES compile without the precompiled LibTorch header.
+  const fs::path root(ddm::test::source_dir());
+  std::ifstream cmake(root / "CMakeLists.txt");
+  const std::string text((std::istreambuf_iterator<char>(cmake)), std::istreambuf_iterator<char>());
+  const size_t begin = text.find("set(DDM_TORCH_FREE_SOURCES"), end = text.find(')', begin);
+  ASSERT_NE(begin, std::string::npos);
+  std::istringstream list(text.substr(begin + 26, end - begin - 26));
+  int files = 0;
+  for (std::string f; list >> f; ++files) {
+    ASSERT_TRUE(fs::exists(root / f)) << "DDM_TORCH_FREE_SOURCES names " << f << ", which does not exist";
+    std::set<std::string> seen;
+    std::string via;
+    EXPECT_FALSE(reaches_torch(root / f, root, seen, via))
+        << f << " is listed in DDM_TORCH_FREE_SOURCES but includes LibTorch (" << via
+        << "): take it off the list";
+  }
+  EXPECT_GT(files, 10);
 }

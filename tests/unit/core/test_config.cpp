@@ -255,10 +255,3 @@ TEST(Config, IslandsFileWithAnEmptyPathIsAClearError) {
     EXPECT_NE(msg.find("isl.toml: '" + key + "' must not be empty"), std::string::npos) << key << ": " << msg;
   }
 }
-
-TEST(Config, QuickstartFileMatchesBuiltIn) {
-  // `ddm quickstart --print-config` shows the built-in config; configs/quickstart.toml documents it.
-  auto r = test::run_ddm("quickstart --print-config");
-  ASSERT_EQ(r.exit_code, 0) << r.output;
-  EXPECT_EQ(r.output, test::read_text(test::source_dir() + "/configs/quickstart.toml"));
-}
