@@ -10,6 +10,7 @@
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
 #include "core/error.h"
+#include "core/stop_signal.h"
 
 namespace ddm {
 namespace {
@@ -164,6 +165,11 @@ std::vector<int> ElasticGroup::recover_impl(const std::string& round, const std:
     if (static_cast<int>(proposal.members.size()) == job_size_ || store_->check({plan_key}) ||
         (now >= deadline && (writer_here || now >= writer_deadline)))
       break;
+    // Asked to stop while waiting (a launcher stopping the job after it lost a worker): stop now,
+    // not after the wait for rank 0, which would outlast the launcher's grace period.
+    if (const int sig = stop_signal(); sig != 0)
+      throw Fatal("rank " + std::to_string(job_rank_) + ": stopped by signal " + std::to_string(sig) +
+                  " while regrouping (" + what + "); nothing after the last checkpoint is kept");
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
   }
   const Plan plan = decide(plan_key, proposal);

@@ -281,7 +281,7 @@ TEST(DecentralCli, IslandsSurviveAKilledIslandAndWriteASlurmArray) {
   const test::TempDir dir;
   test::write_text(dir / "tiny.toml",
                    "[data]\nlimit = 600\n[model]\nchannels = 8\nchannel_mult = [1, 2]\ngroups = 4\n"
-                   "[train]\nsteps = 300\nbatch_size = 32\nlog_every = 20\nckpt_every = 20\n");
+                   "[train]\nsteps = 120\nbatch_size = 32\nlog_every = 20\nckpt_every = 20\n");
   const std::string islands = "out = \"runs/k2\"\nconfig = \"tiny.toml\"\n"
                               "[partition]\npath = \"parts/k2\"\nk = 2\nfeatures = \"pixels:16\"\n"
                               "[experts]\nbudget = \"full\"\n"
@@ -289,9 +289,9 @@ TEST(DecentralCli, IslandsSurviveAKilledIslandAndWriteASlurmArray) {
                               "[run]\nconcurrency = 2\nretries = 2\nthreads = 1\n";
   test::write_text(dir / "isl.toml", islands);
   const std::string cd = "cd " + dir.path + " && ";
-  // Run in the background; kill -9 expert 0 once it has written its step-40 checkpoint.
+  // Run in the background; kill -9 expert 0 once it has written its step-20 checkpoint.
   test::run_command(cd + "(" + test::ddm_binary() + " islands run isl.toml > run.log 2>&1; echo $? > rc) > /dev/null 2>&1 &");
-  const fs::path ckpt = dir / "runs/k2/experts/0/ckpt/step-00000040";
+  const fs::path ckpt = dir / "runs/k2/experts/0/ckpt/step-00000020";
   for (int i = 0; i < 3000 && !fs::exists(ckpt); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(20));
   ASSERT_TRUE(fs::exists(ckpt)) << test::read_text(dir / "run.log");
   const auto running = nlohmann::json::parse(test::read_text(dir / "runs/k2/islands.json"));
@@ -311,11 +311,11 @@ TEST(DecentralCli, IslandsSurviveAKilledIslandAndWriteASlurmArray) {
                           " --expert 0 --budget full --set train.threads=1 --out " + (dir / "ref"))
                 .exit_code,
             0);
-  EXPECT_EQ(test::read_text(dir / "ref/ckpt/step-00000300/ema.safetensors"),
-            test::read_text(dir / "runs/k2/experts/0/ckpt/step-00000300/ema.safetensors"));
+  EXPECT_EQ(test::read_text(dir / "ref/ckpt/step-00000120/ema.safetensors"),
+            test::read_text(dir / "runs/k2/experts/0/ckpt/step-00000120/ema.safetensors"));
   auto r = test::run_command(cd + test::ddm_binary() + " islands status isl.toml");
   ASSERT_EQ(r.exit_code, 0) << r.output;
-  EXPECT_NE(r.output.find("expert 0   done         300/300         2"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("expert 0   done         120/120         2"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("ensemble: runs/k2/ensemble.json"), std::string::npos) << r.output;
   // Running again skips the finished islands.
   r = test::run_command(cd + test::ddm_binary() + " islands run isl.toml");
@@ -333,7 +333,7 @@ TEST(DecentralCli, IslandsSurviveAKilledIslandAndWriteASlurmArray) {
   // the next runner resumes them alone; the result is still exactly the uninterrupted one.
   test::write_text(dir / "isl2.toml", std::string(islands).replace(islands.find("runs/k2"), 7, "runs/k2b"));
   test::run_command(cd + "(" + test::ddm_binary() + " islands run isl2.toml > run2.log 2>&1 & echo $! > runner.pid)");
-  const fs::path ckpt2 = dir / "runs/k2b/experts/0/ckpt/step-00000040";
+  const fs::path ckpt2 = dir / "runs/k2b/experts/0/ckpt/step-00000020";
   for (int i = 0; i < 3000 && !fs::exists(ckpt2); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(20));
   ASSERT_TRUE(fs::exists(ckpt2)) << test::read_text(dir / "run2.log");
   const auto islands2 = nlohmann::json::parse(test::read_text(dir / "runs/k2b/islands.json"));
@@ -351,12 +351,12 @@ TEST(DecentralCli, IslandsSurviveAKilledIslandAndWriteASlurmArray) {
     for (int i = 0; i < 1500 && alive(pid); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(20));
     EXPECT_FALSE(alive(pid)) << "island " << pid << " outlived its runner";
   }
-  EXPECT_FALSE(fs::exists(dir / "runs/k2b/experts/0/ckpt/step-00000300")) << "expert 0 trained on without its runner";
+  EXPECT_FALSE(fs::exists(dir / "runs/k2b/experts/0/ckpt/step-00000120")) << "expert 0 trained on without its runner";
   EXPECT_NE(test::read_text(dir / "runs/k2b/logs/expert0.log").find("stopped by signal 15"), std::string::npos);
   r = test::run_command(cd + test::ddm_binary() + " islands run isl2.toml");
   ASSERT_EQ(r.exit_code, 0) << r.output;
-  EXPECT_EQ(test::read_text(dir / "ref/ckpt/step-00000300/ema.safetensors"),
-            test::read_text(dir / "runs/k2b/experts/0/ckpt/step-00000300/ema.safetensors"));
+  EXPECT_EQ(test::read_text(dir / "ref/ckpt/step-00000120/ema.safetensors"),
+            test::read_text(dir / "runs/k2b/experts/0/ckpt/step-00000120/ema.safetensors"));
 
   // SIGTERM (or Ctrl-C) to a runner with islands still waiting: the running one writes a checkpoint
   // and stops, the waiting ones stay pending, and the runner exits 143 (128 + SIGTERM) instead of waiting on them.
@@ -364,7 +364,7 @@ TEST(DecentralCli, IslandsSurviveAKilledIslandAndWriteASlurmArray) {
   test::write_text(dir / "isl3.toml", one_at_a_time.replace(one_at_a_time.find("concurrency = 2"), 15, "concurrency = 1"));
   test::run_command(cd + "(" + test::ddm_binary() + " islands run isl3.toml > run3.log 2>&1 & echo $! > runner3.pid; wait $!; " +
                     "echo $? > rc3) > /dev/null 2>&1 &");
-  const fs::path ckpt3 = dir / "runs/k2c/experts/0/ckpt/step-00000040";
+  const fs::path ckpt3 = dir / "runs/k2c/experts/0/ckpt/step-00000020";
   for (int i = 0; i < 3000 && !fs::exists(ckpt3); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(20));
   ASSERT_TRUE(fs::exists(ckpt3)) << test::read_text(dir / "run3.log");
   ASSERT_EQ(kill(std::stoi(test::read_text(dir / "runner3.pid")), SIGTERM), 0);
@@ -385,7 +385,7 @@ TEST(DecentralCli, IslandsSurviveAKilledIslandAndWriteASlurmArray) {
   fs::remove_all(dir / "runs/k2/experts/1");
   r = test::run_command("SLURM_ARRAY_TASK_ID=1 bash " + (dir / "job.sbatch"));
   ASSERT_EQ(r.exit_code, 0) << r.output;
-  EXPECT_TRUE(fs::exists(dir / "runs/k2/experts/1/ckpt/step-00000300"));
+  EXPECT_TRUE(fs::exists(dir / "runs/k2/experts/1/ckpt/step-00000120"));
   EXPECT_EQ(test::read_text(dir / "runs/k2/experts/1/expert.json").find("\"expert\": 1") != std::string::npos, true);
   r = test::run_command("SLURM_ARRAY_TASK_ID=7 bash " + (dir / "job.sbatch"));
   EXPECT_EQ(r.exit_code, 2);
