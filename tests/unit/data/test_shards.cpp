@@ -11,6 +11,8 @@
 #include <webp/encode.h>
 #include <zlib.h>
 
+#include <sys/resource.h>
+
 #include <filesystem>
 #include <fstream>
 
@@ -286,6 +288,28 @@ TEST(Decode, BadBytesAreErrorsNamingTheSample) {
   EXPECT_TRUE(has(test::error_message([] { decode_image(png_header_claiming(100000, 100000), "png", 3, "big"); }),
                   "claims 100000 x 100000 pixels"));
   EXPECT_TRUE(has(test::error_message([&] { decode_image(png, "png", 2, "w"); }), "1 or 3 channels"));
+}
+
+// Found by fuzz_decode: a 1342-byte lossless WebP of the largest size allowed (5792 x 5792, one
+// colour) decoded to grey made a 400 MB int32 copy and as much again in temporaries. Grey costs only
+// its output now. The high-water mark of this process's memory is read before and after; the decode
+// itself needs the RGB buffer (100 MB) and the grey output (34 MB).
+TEST(Decode, TheLargestImageDecodesToGreyWithoutCopiesOfItsPixels) {
+  const std::string file = test::read_text(test::source_dir() + "/fuzz/corpus/decode/crash-grey-webp-of-the-largest-size.bin");
+  const std::string webp = file.substr(1);  // the fuzzer's first byte picked webp and grey
+  const auto peak_mb = [] {
+    rusage u{};
+    getrusage(RUSAGE_SELF, &u);
+    return u.ru_maxrss / 1024.0;  // kB on Linux
+  };
+  const double before = peak_mb();
+  const torch::Tensor grey = decode_image(webp, "webp", 1, "big.webp");
+  const double grew = peak_mb() - before;
+  ASSERT_EQ(grey.sizes(), (std::vector<int64_t>{1, 5792, 5792}));
+  // BT.601 luma of (200, 100, 50), by the same integer weights: (200*77 + 100*150 + 50*29 + 128) >> 8.
+  EXPECT_EQ(grey.min().item<int>(), 124);
+  EXPECT_EQ(grey.max().item<int>(), 124);
+  EXPECT_LT(grew, 400.0) << "decoding to grey raised this process's peak memory by " << grew << " MB";
 }
 
 TEST(Decode, CropsAndResizes) {
