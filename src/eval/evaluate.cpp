@@ -186,6 +186,7 @@ LoadedFeatureNet load_eval_feature_net(const EvalConfig& cfg) {
 }
 
 EvalReport evaluate_samples(const SampleSet& samples, const EvalConfig& cfg) {
+  DDM_CHECK(!cfg.cas || samples.labels.defined(), samples.origin << ": CAS needs labelled samples (class-conditional)");
   LoadedFeatureNet fnet = load_eval_feature_net(cfg);
   check_images(samples, fnet.net->shape());
   const Reference ref = reference_features(fnet.net, fnet.sha256, cfg);
@@ -221,7 +222,6 @@ EvalReport evaluate_samples(const SampleSet& samples, const EvalConfig& cfg) {
   }
   r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   if (cfg.cas) {
-    DDM_CHECK(samples.labels.defined(), samples.origin << ": CAS needs labelled samples (class-conditional)");
     Dataset gen;
     gen.images = samples.images.scalar_type() == torch::kUInt8 ? samples.images : to_uint8(samples.images);
     gen.labels = samples.labels;
