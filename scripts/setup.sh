@@ -24,6 +24,7 @@ packages=(
   dataset-fashion-mnist
   libtomlplusplus-dev libcli11-dev nlohmann-json3-dev libstb-dev zlib1g-dev libssl-dev
   libarchive-dev libturbojpeg0-dev libspng-dev libwebp-dev   # sharded datasets: tar, JPEG, PNG, WebP
+  libpcre2-dev libicu-dev   # tokenizers: Unicode-aware regular expressions, normalization and case
   libgtest-dev libbenchmark-dev
   libgoogle-perftools-dev   # tcmalloc, the allocator ddm's binaries run on (CMakeLists.txt)
   clang-14 libclang-rt-14-dev llvm-14   # the sanitizer build and fuzzers (scripts/sanitize.sh)
