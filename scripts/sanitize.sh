@@ -26,12 +26,13 @@ jobs=$(nproc)
 # inputs in their 20 s at -O0 (docs/testing.md has both counts). No OpenMP: see CMakeLists.txt (our
 # own parallel loops run serially here, with the same results).
 source scripts/torch-env.sh  # the LibTorch scripts/setup.sh installed
+source scripts/reference-env.sh  # the reference environment it made (reference_env_python)
 args=$(torch_cmake_args)
 generator=$(cmake_generator_args build-san)
 # shellcheck disable=SC2086
 cmake -S . -B build-san $generator $args -DCMAKE_CXX_COMPILER=clang++-14 -DCMAKE_BUILD_TYPE=RelWithDebInfo \
   "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O0 -gline-tables-only" \
-  -DDDM_SANITIZE=ON -DDDM_OPENMP=OFF -DDDM_BUILD_BENCH=OFF >/dev/null
+  "-DDDM_REFERENCE_PYTHON=$(reference_env_python)" -DDDM_SANITIZE=ON -DDDM_OPENMP=OFF -DDDM_BUILD_BENCH=OFF >/dev/null
 all_tests=0
 if [ "$what" = tests ] && [ "${1:-}" = all ]; then all_tests=1; shift; fi
 # Only what runs here: the chosen unit tests (with the ddm binary and the helpers they start) and the

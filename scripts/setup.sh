@@ -8,13 +8,16 @@
 #      by the version, so that every clone on the machine shares it: $DDM_TORCH_VENV, by default
 #      ${XDG_CACHE_HOME:-~/.cache}/ddm/torch-2.11.0. It also holds the torchrun the launcher tests use
 #      and the PyTorch the Python benchmarks compare against. About 5 GB.
-#   3. CMake, with Torch found through torch.utils.cmake_prefix_path, and the CUDA 13.0 toolkit in
+#   3. The reference environment (scripts/reference-env.sh): open_clip, transformers, diffusers and
+#      sentence-transformers at pinned versions, whose outputs the tests compare ddm's with.
+#   4. CMake, with Torch found through torch.utils.cmake_prefix_path, and the CUDA 13.0 toolkit in
 #      /usr/local/cuda (or $CUDA_HOME) for the CUDA half of Torch's CMake configuration; no GPU is
 #      needed: the GPU architecture is fixed (TORCH_CUDA_ARCH_LIST=9.0, H100/H200), not detected.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 source scripts/torch-env.sh   # torch_version, venv, cuda, torch_cmake_args
+source scripts/reference-env.sh  # reference_env_make, reference_env_python
 numpy_version=2.3.5   # for the Python benchmarks (bench/compare_python.sh); torch warns without it
 
 packages=(
@@ -66,12 +69,14 @@ if [ "$(cat "$marker" 2>/dev/null)" != "torch==$torch_version" ]; then
   fi
   echo "torch==$torch_version" >"$marker"
 fi
+# 3. The reference environment the tests compare ddm's text and model formats with (about 1 GB).
+reference_env_make
 [ -x "$cuda/bin/nvcc" ] || { echo "setup: no CUDA 13.0 toolkit at $cuda (nvcc): Torch's CMake configuration needs it; set CUDA_HOME" >&2; exit 1; }
 args=$(torch_cmake_args)
 generator=$(cmake_generator_args build)
 
 jobs=$(nproc)
 # shellcheck disable=SC2086  # the arguments are paths without spaces (the venv's, the toolkit's)
-cmake -S . -B build $generator -DCMAKE_BUILD_TYPE=Release $args >/dev/null
+cmake -S . -B build $generator -DCMAKE_BUILD_TYPE=Release $args "-DDDM_REFERENCE_PYTHON=$(reference_env_python)" >/dev/null
 cmake --build build -j"$jobs"
 echo "setup: built build/ddm against LibTorch $torch_version ($venv)"

@@ -93,6 +93,14 @@ std::string helper_binary(const std::string& name) {
 std::string source_dir() { return DDM_SOURCE_DIR; }
 std::string venv_torchrun() { return DDM_TORCHRUN; }
 std::string venv_python() { return DDM_TORCH_PYTHON; }
+std::string reference_python() {
+  const std::string python = DDM_REFERENCE_PYTHON;
+  if (python.empty() || !std::filesystem::exists(python)) {
+    ADD_FAILURE() << "no reference Python environment" << (python.empty() ? "" : " at " + python)
+                  << ": run scripts/setup.sh (it makes it with scripts/reference-env.sh)";
+  }
+  return python;
+}
 
 std::string cache_home() {
   // Beside ddm_binary(), not the compiled DDM_BINARY: binaries carried to another machine

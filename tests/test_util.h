@@ -43,6 +43,9 @@ std::string helper_binary(const std::string& name);  // a program of tests/helpe
 std::string source_dir();     // the checkout
 std::string venv_torchrun();  // the torch venv's torchrun, "" when configured without one
 std::string venv_python();    // the torch venv's python, "" when configured without one
+// The reference environment's python (scripts/reference-env.sh: open_clip, transformers, ...):
+// a test that compares ddm with those libraries fails with what to run if it is missing.
+std::string reference_python();
 
 // The XDG_CACHE_HOME of every test process, and so of every ddm (or other program) a test starts:
 // test-cache/ beside the ddm binary (the build directory). Tests never read or write the user's

@@ -1,0 +1,156 @@
+// CLIP's BPE tokenizer (src/text/clip_tokenizer.*, clean.*, unicode.*) against open_clip's own
+// SimpleTokenizer: the ids of 6000 strings computed by open_clip in the reference environment
+// (tests/reference/clip_tokenizer.py), on the vocabulary file open_clip ships; and its bad inputs.
+#include <gtest/gtest.h>
+#include <zlib.h>
+
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "test_util.h"
+#include "text/clean.h"
+#include "text/clip_tokenizer.h"
+#include "text/unicode.h"
+
+using ddm::test::TempDir;
+using ddm::text::ClipTokenizer;
+
+namespace {
+
+// The vocabulary file inside the reference environment's open_clip (found without importing it).
+std::string open_clip_vocab() {
+  static const std::string path = [] {
+    const std::string python = ddm::test::reference_python();
+    const auto r = ddm::test::run_command(
+        python + " -c \"import importlib.util, os; print(os.path.join(importlib.util.find_spec('open_clip')"
+                 ".submodule_search_locations[0], 'bpe_simple_vocab_16e6.txt.gz'))\"");
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    return r.output.substr(0, r.output.find('\n'));
+  }();
+  return path;
+}
+
+const ClipTokenizer& tokenizer() {
+  static const ClipTokenizer t = ClipTokenizer::from_open_clip_file(open_clip_vocab());
+  return t;
+}
+
+// A printable form of a string for failure messages: non-ASCII and controls as \u{...}.
+std::string visible(const std::string& utf8) {
+  std::ostringstream os;
+  for (char32_t c : ddm::text::utf8_to_u32(utf8, "case")) {
+    if (c >= 0x20 && c < 0x7F) os << static_cast<char>(c); else os << "\\u{" << std::hex << c << std::dec << "}";
+  }
+  return os.str();
+}
+
+std::string ids_text(const std::vector<int64_t>& ids) {
+  std::ostringstream os;
+  for (auto id : ids) { if (id == 0) break; os << id << " "; }
+  return os.str();
+}
+
+}  // namespace
+
+TEST(ClipTokenizer, EqualsOpenClipsTokenizerOnSixThousandStrings) {
+  TempDir dir;
+  const std::string out = dir / "reference.json";
+  const auto r = ddm::test::run_command(ddm::test::reference_python() + " " + ddm::test::source_dir() +
+                                        "/tests/reference/clip_tokenizer.py " + out + " 400");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const auto reference = nlohmann::json::parse(ddm::test::read_text(out));
+  ASSERT_EQ(reference["vocab"].get<std::string>(), open_clip_vocab());
+  const auto& cases = reference["cases"];
+  ASSERT_GE(cases.size(), 5000u);
+  std::map<std::string, int> checked, differing;
+  int mojibake = 0, shown = 0;
+  for (const auto& c : cases) {
+    const std::string text = c["text"].get<std::string>(), kind = c["kind"].get<std::string>();
+    if (c["mojibake"].get<bool>()) {  // ftfy's mojibake repair is not ddm's (text/clean.h)
+      ++mojibake;
+      continue;
+    }
+    const auto expected = c["ids"].get<std::vector<int64_t>>();
+    const auto got = tokenizer().tokenize(text);
+    ++checked[kind];
+    if (got != expected) {
+      ++differing[kind];
+      if (shown++ < 15) {
+        ADD_FAILURE() << kind << " \"" << visible(text) << "\"\n  open_clip: " << ids_text(expected)
+                      << "\n  ddm:       " << ids_text(got) << "\n  cleaned:   \""
+                      << visible(ddm::text::u32_to_utf8(ddm::text::clip_clean(ddm::text::utf8_to_u32(text, "case"))))
+                      << "\"";
+      }
+    }
+  }
+  for (const auto& [kind, n] : checked) {
+    EXPECT_EQ(differing[kind], 0) << differing[kind] << " of " << n << " '" << kind << "' strings differ";
+  }
+  EXPECT_LE(mojibake, 10) << "the corpus should test ddm's cleaning, not skip it";
+  RecordProperty("strings", static_cast<int>(cases.size()) - mojibake);
+}
+
+TEST(ClipTokenizer, VocabularyHasOpenClipsSizeAndSpecialIds) {
+  const auto& t = tokenizer();
+  EXPECT_EQ(t.vocab_size(), 49408);
+  EXPECT_EQ(t.start_id(), 49406);
+  EXPECT_EQ(t.end_id(), 49407);
+  // bytes_to_unicode lists the printable bytes first: '!' is id 0, "a</w>" is 256 + ('a' - '!').
+  EXPECT_EQ(t.symbol(0), "!");
+  EXPECT_EQ(t.symbol(256 + 'a' - '!'), "a</w>");
+  EXPECT_EQ(t.tokenize("a")[1], 256 + 'a' - '!');
+}
+
+TEST(ClipTokenizer, TextPastTheContextIsCutWithEndOfTextLastAndShortTextPaddedWithZeros) {
+  const auto& t = tokenizer();
+  std::string long_text;
+  for (int i = 0; i < 100; ++i) long_text += "photo ";
+  const auto ids = t.tokenize(long_text);
+  ASSERT_EQ(ids.size(), 77u);
+  EXPECT_EQ(ids.front(), t.start_id());
+  EXPECT_EQ(ids.back(), t.end_id());
+  EXPECT_EQ(ids[1], ids[75]);  // "photo" all the way
+  const auto short_ids = t.tokenize("a photo", 10);
+  ASSERT_EQ(short_ids.size(), 10u);
+  EXPECT_EQ(short_ids[3], t.end_id());
+  for (size_t i = 4; i < 10; ++i) EXPECT_EQ(short_ids[i], 0);
+  EXPECT_EQ(t.tokenize("", 77)[1], t.end_id());
+  EXPECT_NE(ddm::test::error_message([&] { t.tokenize("x", 1); }).find("at least"), std::string::npos);
+}
+
+TEST(ClipTokenizer, BadTextAndBadVocabularyFilesAreClearErrors) {
+  TempDir dir;
+  // Text that is not UTF-8: named, with the byte.
+  const std::string bad = std::string("caf") + char(0xE9) + " au lait";
+  EXPECT_NE(ddm::test::error_message([&] { tokenizer().encode(bad, "captions.txt line 3"); })
+                .find("captions.txt line 3: not UTF-8 at byte 3"),
+            std::string::npos);
+  const std::string overlong = std::string("a") + char(0xC0) + char(0xAF);
+  EXPECT_NE(ddm::test::error_message([&] { tokenizer().encode(overlong); }).find("not UTF-8 at byte 1"), std::string::npos);
+  // A missing file, a file cut short, a line that is not a merge.
+  EXPECT_NE(ddm::test::error_message([&] { ClipTokenizer::from_open_clip_file(dir / "none.txt.gz"); })
+                .find("cannot open the CLIP vocabulary file"),
+            std::string::npos);
+  std::string whole;
+  {
+    gzFile f = gzopen(open_clip_vocab().c_str(), "rb");
+    char buf[1 << 16];
+    int n;
+    while ((n = gzread(f, buf, sizeof buf)) > 0) whole.append(buf, static_cast<size_t>(n));
+    gzclose(f);
+  }
+  size_t cut = 0;
+  for (int line = 0; line < 1001; ++line) cut = whole.find('\n', cut) + 1;
+  ddm::test::write_text(dir / "short.txt", whole.substr(0, cut));
+  EXPECT_NE(ddm::test::error_message([&] { ClipTokenizer::from_open_clip_file(dir / "short.txt"); })
+                .find("has 1000 merges; CLIP's vocabulary has 48894"),
+            std::string::npos);
+  std::string broken = whole;
+  broken.insert(whole.find('\n') + 1, "abc\n");
+  ddm::test::write_text(dir / "broken.txt", broken);
+  EXPECT_NE(ddm::test::error_message([&] { ClipTokenizer::from_open_clip_file(dir / "broken.txt"); })
+                .find("line 2 is not a merge of two symbols (\"a b\"): \"abc\""),
+            std::string::npos);
+}
