@@ -7,7 +7,7 @@ libraries that define them (never typed by hand):
     Windows-1252 reading of C1 controls.
 Run with the reference environment's python (scripts/reference-env.sh), which pins ftfy:
     $(scripts/reference-env.sh) scripts/gen-text-tables.py > src/text/text_tables.inc
-tests/unit/text/test_text_tables.cpp checks that the committed file is what this prints."""
+tests/unit/text/test_clip_tokenizer.cpp (TextTables) checks that the committed file is what this prints."""
 import html
 import html.entities
 import sys

@@ -1,4 +1,5 @@
-// CLIP's BPE: the vocabulary read from open_clip's file, the split by PCRE2, the merges by rank.
+// CLIP's BPE: the vocabulary read from open_clip's file or a transformers directory, the split by
+// PCRE2, the merges by rank.
 #define PCRE2_CODE_UNIT_WIDTH 8
 #include "text/clip_tokenizer.h"
 
@@ -6,19 +7,27 @@
 #include <zlib.h>
 
 #include <algorithm>
+#include <filesystem>
+#include <fstream>
 #include <limits>
 #include <mutex>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include <unicode/uchar.h>
 
 #include "core/error.h"
+#include "core/json.h"
 #include "text/clean.h"
 #include "text/unicode.h"
 
 namespace ddm::text {
 namespace {
 
-constexpr const char* kStart = "<start_of_text>";
-constexpr const char* kEnd = "<end_of_text>";
-// open_clip keeps lines [1, 49152 - 256 - 2 + 1) of the file: 48894 merges after the header line.
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+// open_clip keeps lines [1, 49152 - 256 - 2 + 1) of its file: 48894 merges after the header line.
 constexpr size_t kMergeLines = 49152 - 256 - 2;
 
 // The whole file (gzip or plain: zlib reads both).
@@ -37,9 +46,35 @@ std::string read_gz(const std::string& path) {
   return out;
 }
 
-// GPT-2's bytes_to_unicode: printable bytes stand for themselves; the others, in order, for
-// U+0100, U+0101, ... so that every byte is a visible character the merges can name.
-// Returns the bytes in the order bytes_to_unicode lists them: the printable ones, then the others.
+std::string read_file(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  DDM_CHECK(in, path.string() << ": cannot read it");
+  std::ostringstream os;
+  os << in.rdbuf();
+  return os.str();
+}
+
+json parse_json(const fs::path& path) {
+  try {
+    return json::parse(read_file(path));
+  } catch (const json::exception& e) {
+    throw Error(path.string() + ": not valid JSON (" + e.what() + ")");
+  }
+}
+
+// A token named in tokenizer_config.json: a string, or an object with "content" (transformers' AddedToken).
+std::string token_name(const json& config, const std::string& key, const std::string& fallback, const fs::path& file) {
+  if (!config.contains(key) || config[key].is_null()) return fallback;
+  const json& v = config[key];
+  if (v.is_string()) return v.get<std::string>();
+  DDM_CHECK(v.is_object() && v.contains("content") && v["content"].is_string(),
+            file.string() << ": \"" << key << "\" is neither a token nor an object with \"content\"");
+  return v["content"].get<std::string>();
+}
+
+// Returns the bytes in the order bytes_to_unicode lists them: the printable ones, then the others;
+// out[b] is the character byte b stands for (GPT-2's map: printable bytes themselves, the others
+// U+0100, U+0101, ... in order), UTF-8.
 std::vector<int> byte_symbols(std::string (&out)[256]) {
   auto printable = [](int b) { return (b >= '!' && b <= '~') || (b >= 0xA1 && b <= 0xAC) || (b >= 0xAE && b <= 0xFF); };
   std::vector<int> order, others;
@@ -51,6 +86,33 @@ std::vector<int> byte_symbols(std::string (&out)[256]) {
   }
   order.insert(order.end(), others.begin(), others.end());
   return order;
+}
+
+// PCRE2's pattern syntax for a literal.
+std::string quote(const std::string& s) {
+  std::string out;
+  for (char c : s) {
+    if (std::string_view("\\^$.[]|()?*+{}").find(c) != std::string_view::npos) out.push_back('\\');
+    out.push_back(c);
+  }
+  return out;
+}
+
+// transformers' normalizer for CLIP: NFC, each run of white space one space, then lower case one
+// character at a time (the tokenizers library maps characters alone: no final sigma).
+std::u32string transformers_normalize(std::u32string_view text) {
+  std::u32string t = nfc(text), out;
+  out.reserve(t.size());
+  for (size_t i = 0; i < t.size();) {
+    if (u_isUWhiteSpace(static_cast<UChar32>(t[i]))) {
+      while (i < t.size() && u_isUWhiteSpace(static_cast<UChar32>(t[i]))) ++i;
+      out.push_back(U' ');
+    } else {
+      out += lower(std::u32string_view(&t[i], 1));
+      ++i;
+    }
+  }
+  return out;
 }
 
 }  // namespace
@@ -71,11 +133,36 @@ ClipTokenizer::ClipTokenizer(ClipTokenizer&&) noexcept = default;
 ClipTokenizer& ClipTokenizer::operator=(ClipTokenizer&&) noexcept = default;
 ClipTokenizer::~ClipTokenizer() = default;
 
+void ClipTokenizer::finish(const std::string& source, const std::string& start, const std::string& end) {
+  start_ = start;
+  end_ = end;
+  auto id_of = [&](const std::string& name) {
+    auto it = vocab_.find(name);
+    DDM_CHECK(it != vocab_.end(), source << ": the vocabulary has no \"" << name << "\"");
+    return it->second;
+  };
+  start_id_ = id_of(start);
+  end_id_ = id_of(end);
+  // CLIP's split, with Unicode classes (PCRE2's UTF + UCP modes); open_clip's is case-insensitive.
+  // Its \s is written \p{White_Space}: that is what \s means to Python's regex module and to the
+  // tokenizers library, and PCRE2's own \s also takes U+180E (a format character since Unicode 6.3),
+  // which both keep as a symbol.
+  const std::string pattern = quote(start) + "|" + quote(end) +
+                              R"(|'s|'t|'re|'ve|'m|'ll|'d|[\p{L}]+|[\p{N}]|[^\p{White_Space}\p{L}\p{N}]+)";
+  int error = 0;
+  PCRE2_SIZE offset = 0;
+  pattern_ = std::make_unique<Pattern>();
+  const uint32_t flags = PCRE2_UTF | PCRE2_UCP | (flavor_ == Flavor::open_clip ? PCRE2_CASELESS : 0);
+  pattern_->code = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(pattern.c_str()), pattern.size(), flags, &error,
+                                 &offset, nullptr);
+  DDM_CHECK(pattern_->code != nullptr, "PCRE2 refused CLIP's split pattern (error " << error << ")");
+}
+
 ClipTokenizer ClipTokenizer::from_open_clip_file(const std::string& path) {
   const std::string file = read_gz(path);
   ClipTokenizer t;
-  // The first 512 ids: the byte symbols, printable bytes first (as bytes_to_unicode lists them),
-  // then the same with '</w>'.
+  t.flavor_ = Flavor::open_clip;
+  // The first 512 ids: the byte symbols in bytes_to_unicode's order, then the same with '</w>'.
   const std::vector<int> order = byte_symbols(t.byte_symbol_);
   for (int b : order) t.symbols_.push_back(t.byte_symbol_[b]);
   for (int b : order) t.symbols_.push_back(t.byte_symbol_[b] + "</w>");
@@ -96,27 +183,117 @@ ClipTokenizer ClipTokenizer::from_open_clip_file(const std::string& path) {
     t.ranks_.emplace(text, static_cast<int32_t>(line - 1));
     t.symbols_.push_back(text.substr(0, space) + text.substr(space + 1));
   }
-  t.symbols_.push_back(kStart);
-  t.symbols_.push_back(kEnd);
-  for (size_t id = 0; id < t.symbols_.size(); ++id) t.vocab_[t.symbols_[id]] = static_cast<int64_t>(id);
+  t.symbols_.push_back("<start_of_text>");
+  t.symbols_.push_back("<end_of_text>");
   // Later duplicates win, as in open_clip's dict(zip(vocab, range(len(vocab)))).
-  t.start_id_ = t.vocab_.at(kStart);
-  t.end_id_ = t.vocab_.at(kEnd);
+  for (size_t id = 0; id < t.symbols_.size(); ++id) t.vocab_[t.symbols_[id]] = static_cast<int64_t>(id);
+  t.finish(path, "<start_of_text>", "<end_of_text>");
+  t.pad_id_ = 0;
+  return t;
+}
 
-  // CLIP's split, case-insensitive, with Unicode classes (PCRE2's UTF + UCP modes).
-  const std::string pattern = std::string(kStart) + "|" + kEnd +
-                              R"(|'s|'t|'re|'ve|'m|'ll|'d|[\p{L}]+|[\p{N}]|[^\s\p{L}\p{N}]+)";
-  int error = 0;
-  PCRE2_SIZE offset = 0;
-  t.pattern_ = std::make_unique<Pattern>();
-  t.pattern_->code = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(pattern.c_str()), pattern.size(),
-                                   PCRE2_UTF | PCRE2_UCP | PCRE2_CASELESS, &error, &offset, nullptr);
-  DDM_CHECK(t.pattern_->code != nullptr, "PCRE2 refused CLIP's split pattern (error " << error << ")");
+ClipTokenizer ClipTokenizer::from_transformers_dir(const std::string& dir_name) {
+  const fs::path dir(dir_name);
+  ClipTokenizer t;
+  t.flavor_ = Flavor::transformers;
+  byte_symbols(t.byte_symbol_);
+  json config = json::object();
+  if (fs::exists(dir / "tokenizer_config.json")) config = parse_json(dir / "tokenizer_config.json");
+  const fs::path config_file = dir / "tokenizer_config.json";
+  std::string source;
+  std::vector<std::pair<std::string, std::string>> merges;
+  json vocab;
+  std::vector<std::pair<std::string, int64_t>> added;  // content -> id, from tokenizer.json
+  if (fs::exists(dir / "tokenizer.json")) {
+    source = (dir / "tokenizer.json").string();
+    const json tj = parse_json(dir / "tokenizer.json");
+    const json model = tj.value("model", json::object());
+    DDM_CHECK(model.value("type", "") == "BPE" && model.value("end_of_word_suffix", "") == "</w>",
+              source << ": not CLIP's tokenizer (its \"model\" is not a BPE with end_of_word_suffix \"</w>\"; ddm reads"
+                     << " CLIP's tokenizers, as transformers' CLIPTokenizer writes them)");
+    DDM_CHECK(model.contains("vocab") && model["vocab"].is_object() && model.contains("merges") &&
+                  model["merges"].is_array(),
+              source << ": \"model\" has no \"vocab\" object or \"merges\" list");
+    vocab = model["vocab"];
+    for (size_t i = 0; i < model["merges"].size(); ++i) {
+      const json& m = model["merges"][i];
+      if (m.is_array() && m.size() == 2 && m[0].is_string() && m[1].is_string()) {
+        merges.emplace_back(m[0].get<std::string>(), m[1].get<std::string>());
+      } else if (m.is_string() && m.get<std::string>().find(' ') != std::string::npos) {  // older files: "a b"
+        const std::string s = m.get<std::string>();
+        merges.emplace_back(s.substr(0, s.find(' ')), s.substr(s.find(' ') + 1));
+      } else {
+        DDM_FAIL(source << ": model.merges[" << i << "] is not a pair of symbols");
+      }
+    }
+    for (const json& a : tj.value("added_tokens", json::array())) {
+      DDM_CHECK(a.is_object() && a.contains("content") && a["content"].is_string() && a.contains("id"),
+                source << ": an entry of \"added_tokens\" has no \"content\" or \"id\"");
+      added.emplace_back(a["content"].get<std::string>(), json_int(a["id"], source + ": added_tokens id", 0));
+    }
+  } else {
+    DDM_CHECK(fs::exists(dir / "vocab.json") && fs::exists(dir / "merges.txt"),
+              dir_name << ": holds neither tokenizer.json nor vocab.json + merges.txt (a transformers CLIPTokenizer"
+                       << " directory, such as a Stable Diffusion directory's tokenizer/)");
+    source = (dir / "vocab.json").string();
+    vocab = parse_json(dir / "vocab.json");
+    DDM_CHECK(vocab.is_object(), source << ": not a JSON object of symbol -> id");
+    std::istringstream lines(read_file(dir / "merges.txt"));
+    std::string line;
+    for (int number = 1; std::getline(lines, line); ++number) {
+      if (!line.empty() && line.back() == '\r') line.pop_back();
+      if (line.empty() || (number == 1 && line.rfind("#version", 0) == 0)) continue;
+      const size_t space = line.find(' ');
+      DDM_CHECK(space != std::string::npos && space > 0 && line.find(' ', space + 1) == std::string::npos,
+                (dir / "merges.txt").string() << ": line " << number << " is not a merge of two symbols (\"a b\"): \""
+                                              << line << "\"");
+      merges.emplace_back(line.substr(0, space), line.substr(space + 1));
+    }
+  }
+  for (const auto& [symbol, id] : vocab.items()) {
+    const int64_t i = json_int(id, source + ": the id of \"" + symbol + "\"", 0, 1 << 24);
+    t.vocab_[symbol] = i;
+    if (t.symbols_.size() <= static_cast<size_t>(i)) t.symbols_.resize(static_cast<size_t>(i) + 1);
+    t.symbols_[static_cast<size_t>(i)] = symbol;
+  }
+  for (size_t rank = 0; rank < merges.size(); ++rank) {
+    const auto& [a, b] = merges[rank];
+    DDM_CHECK(t.vocab_.count(a + b), source << ": merge " << rank << " (\"" << a << " " << b << "\") makes \"" << a + b
+                                            << "\", which the vocabulary lacks");
+    t.ranks_.emplace(a + " " + b, static_cast<int32_t>(rank));  // the first of duplicates keeps its rank
+  }
+  for (int b = 0; b < 256; ++b) {
+    DDM_CHECK(t.vocab_.count(t.byte_symbol_[b] + "</w>") && t.vocab_.count(t.byte_symbol_[b]),
+              source << ": not a byte-level CLIP vocabulary (no symbol for byte " << b << ")");
+  }
+  const std::string start = token_name(config, "bos_token", "<|startoftext|>", config_file);
+  const std::string end = token_name(config, "eos_token", "<|endoftext|>", config_file);
+  const std::string pad = token_name(config, "pad_token", "<|endoftext|>", config_file);
+  t.finish(source, start, end);
+  auto pad_it = t.vocab_.find(pad);
+  DDM_CHECK(pad_it != t.vocab_.end(), config_file.string() << ": pad_token \"" << pad << "\" is not in the vocabulary");
+  t.pad_id_ = pad_it->second;
+  // Special tokens found in the raw text: tokenizer.json's added tokens and the ones the config
+  // names, as transformers adds them. So SD 2.x's pad token "!" is cut out of the text as itself
+  // (id 0), not merged as the end of a word ("!</w>", 256) as open_clip's tokenizer does.
+  added.emplace_back(start, t.start_id_);
+  added.emplace_back(end, t.end_id_);
+  added.emplace_back(pad, t.pad_id_);
+  const std::string unk = token_name(config, "unk_token", "<|endoftext|>", config_file);
+  if (t.vocab_.count(unk)) added.emplace_back(unk, t.vocab_.at(unk));
+  for (const auto& [content, id] : added) {
+    if (!content.empty()) t.added_.emplace_back(utf8_to_u32(content, source + ": an added token"), id);
+  }
+  if (config.contains("model_max_length") && config["model_max_length"].is_number_integer()) {
+    const int64_t n = config["model_max_length"].get<int64_t>();  // transformers writes 1e30 for "none"
+    if (n >= 2 && n <= 4096) t.context_ = static_cast<int>(n);
+  }
   return t;
 }
 
 void ClipTokenizer::bpe(const std::string& piece, std::vector<int64_t>& ids) const {
-  if (piece == kStart || piece == kEnd) {  // open_clip's cache holds the special tokens as they are
+  // open_clip's cache holds its special tokens as they are; transformers' merges them like any text.
+  if (flavor_ == Flavor::open_clip && (piece == start_ || piece == end_)) {
     ids.push_back(vocab_.at(piece));
     return;
   }
@@ -170,9 +347,7 @@ void ClipTokenizer::bpe(const std::string& piece, std::vector<int64_t>& ids) con
   cache_->ids.emplace(piece, std::move(out));
 }
 
-std::vector<int64_t> ClipTokenizer::encode(std::string_view text, std::string_view what) const {
-  const std::string clean = u32_to_utf8(clip_clean(utf8_to_u32(text, what)));
-  std::vector<int64_t> ids;
+void ClipTokenizer::encode_clean(const std::string& clean, std::vector<int64_t>& ids, std::string_view what) const {
   pcre2_match_data* match = pcre2_match_data_create_from_pattern(pattern_->code, nullptr);
   DDM_CHECK(match != nullptr, "out of memory tokenizing " << what);
   const auto* subject = reinterpret_cast<PCRE2_SPTR>(clean.data());
@@ -191,11 +366,36 @@ std::vector<int64_t> ClipTokenizer::encode(std::string_view text, std::string_vi
     start = at[1];
   }
   pcre2_match_data_free(match);
+}
+
+std::vector<int64_t> ClipTokenizer::encode(std::string_view text, std::string_view what) const {
+  const std::u32string raw = utf8_to_u32(text, what);
+  std::vector<int64_t> ids;
+  if (flavor_ == Flavor::open_clip) {
+    encode_clean(u32_to_utf8(clip_clean(raw)), ids, what);
+    return ids;
+  }
+  // transformers: the added tokens are cut out of the raw text first (leftmost, then longest).
+  for (size_t pos = 0; pos <= raw.size();) {
+    size_t best_at = raw.size(), best_len = 0;
+    int64_t best_id = -1;
+    for (const auto& [content, id] : added_) {
+      const size_t at = raw.find(content, pos);
+      if (at != std::u32string::npos && (at < best_at || (at == best_at && content.size() > best_len))) {
+        best_at = at, best_len = content.size(), best_id = id;
+      }
+    }
+    if (best_at > pos) encode_clean(u32_to_utf8(transformers_normalize(raw.substr(pos, best_at - pos))), ids, what);
+    if (best_id < 0) break;
+    ids.push_back(best_id);
+    pos = best_at + best_len;
+  }
   return ids;
 }
 
 std::vector<int64_t> ClipTokenizer::tokenize(std::string_view text, int context, std::string_view what) const {
-  DDM_CHECK(context >= 2, "a CLIP context must hold at least <start_of_text> and <end_of_text>, got " << context);
+  if (context == 0) context = context_;
+  DDM_CHECK(context >= 2, "a CLIP context must hold at least the start and end tokens, got " << context);
   std::vector<int64_t> ids{start_id_};
   const std::vector<int64_t> body = encode(text, what);
   ids.insert(ids.end(), body.begin(), body.end());
@@ -204,7 +404,7 @@ std::vector<int64_t> ClipTokenizer::tokenize(std::string_view text, int context,
     ids.resize(static_cast<size_t>(context));
     ids.back() = end_id_;
   }
-  ids.resize(static_cast<size_t>(context), 0);
+  ids.resize(static_cast<size_t>(context), pad_id_);
   return ids;
 }
 

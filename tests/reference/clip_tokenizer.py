@@ -1,7 +1,7 @@
 """Reference token ids from open_clip's own tokenizer, for tests/unit/text/test_clip_tokenizer.cpp.
 
 Writes a JSON file: {"vocab": path of the vocabulary file open_clip reads, "open_clip": version,
-"cases": [{"text": ..., "kind": ..., "ids": [77 ids], "mojibake": bool}, ...]} for a corpus of
+"cases": [{"text": ..., "kind": ..., "open_clip": [77 ids], "mojibake": bool}, ...]} for a corpus of
 strings drawn (with a fixed seed) from what captions hold and what breaks tokenizers: captions of
 real vocabulary words, punctuation and digits, accented and non-Latin scripts, decomposed forms,
 emoji sequences, HTML entities, curly quotes, ligatures, full-width forms, control characters and
@@ -11,10 +11,14 @@ the special tokens' own names, and random assigned code points.
 "mojibake" marks the strings ftfy.fix_text changes differently with its mojibake repair on than off
 (text/clean.h says why ddm does not repair mojibake).
 
-Usage: python clip_tokenizer.py OUT.json [N_PER_KIND]   (run by the reference environment's python)
+With a directory DIR, also the ids of transformers' CLIPTokenizer (max_length 77, truncated and
+padded) loaded from the two directories it writes there (transformers_dirs), as "json" and "legacy".
+
+Usage: python clip_tokenizer.py OUT.json [N_PER_KIND [DIR]]   (run by the reference environment's python)
 """
 import html.entities
 import json
+import os
 import random
 import sys
 import unicodedata
@@ -43,7 +47,7 @@ def corpus(rng, per_kind, tok):
                 "\ufb00", "\u0132", "\u01c4", "\uff21", "\uff41", "\uff10", "\u3000", "\uff01", "\x85", "\x80",
                 "\x93", "\x94", "\x9b", "\x00", "\x07", "\x1b[31m", "\x1b[0m", "\x1b[1;2H", "\r\n", "\r",
                 "\u2028", "\u2029", "\t", "\x0b", "\x0c", "\xa0", "\u200b", "\ufeff", "\u00ad", "\x7f",
-                "\u0301", "\u0308", "\u2066", "\ufffc"]
+                "\u0301", "\u0308", "\u2066", "\ufffc", "\u180e", "\x1c", "\x1f", "\u200a", "\u205f"]
 
     def caption(lo, hi):
         out = []
@@ -114,20 +118,47 @@ def corpus(rng, per_kind, tok):
             yield kind, make()
 
 
+def transformers_dirs(tok, root):
+    """Two tokenizer directories of CLIP's vocabulary as transformers reads them: `json/` written by
+    transformers' own save_pretrained (tokenizer.json + tokenizer_config.json, padding with
+    <|endoftext|> as SD 1.x's), and `legacy/` in the older layout hub repositories keep (vocab.json +
+    merges.txt + tokenizer_config.json, padding with "!" as SD 2.x's), loaded back by transformers."""
+    from transformers import CLIPTokenizer
+    vocab = dict(tok.encoder)
+    vocab["<|startoftext|>"] = vocab.pop("<start_of_text>")
+    vocab["<|endoftext|>"] = vocab.pop("<end_of_text>")
+    merges = [m for m, _ in sorted(tok.bpe_ranks.items(), key=lambda kv: kv[1])]
+    CLIPTokenizer(vocab=vocab, merges=merges).save_pretrained(os.path.join(root, "json"))
+    legacy = os.path.join(root, "legacy")
+    os.makedirs(legacy)
+    with open(os.path.join(legacy, "vocab.json"), "w", encoding="utf-8") as f:
+        json.dump(vocab, f, ensure_ascii=False)
+    with open(os.path.join(legacy, "merges.txt"), "w", encoding="utf-8") as f:
+        f.write("#version: 0.2\n" + "".join(a + " " + b + "\n" for a, b in merges))
+    with open(os.path.join(legacy, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+        json.dump({"tokenizer_class": "CLIPTokenizer", "model_max_length": 77, "pad_token": "!",
+                   "bos_token": "<|startoftext|>", "eos_token": "<|endoftext|>", "unk_token": "<|endoftext|>"}, f)
+    return {name: CLIPTokenizer.from_pretrained(os.path.join(root, name)) for name in ("json", "legacy")}
+
+
 def main():
     out_path = sys.argv[1]
     per_kind = int(sys.argv[2]) if len(sys.argv) > 2 else 400
+    hf_root = sys.argv[3] if len(sys.argv) > 3 else None
     tok = SimpleTokenizer()
     rng = random.Random(20261128)
     texts, kinds = [], []
     for kind, text in corpus(rng, per_kind, tok):
         texts.append(text)
         kinds.append(kind)
-    ids = tok(texts).tolist()
+    ids = {"open_clip": tok(texts).tolist()}
+    if hf_root:
+        for name, hf in transformers_dirs(tok, hf_root).items():
+            ids[name] = hf(texts, padding="max_length", max_length=77, truncation=True)["input_ids"]
     cases = []
-    for text, kind, row in zip(texts, kinds, ids):
+    for i, (text, kind) in enumerate(zip(texts, kinds)):
         mojibake = ftfy.fix_text(text) != ftfy.fix_text(text, fix_encoding=False)
-        cases.append({"text": text, "kind": kind, "ids": row, "mojibake": mojibake})
+        cases.append({"text": text, "kind": kind, "mojibake": mojibake, **{k: v[i] for k, v in ids.items()}})
     with open(out_path, "w", encoding="utf-8") as f:
         json.dump({"vocab": default_bpe(), "open_clip": open_clip.__version__, "cases": cases}, f)
 

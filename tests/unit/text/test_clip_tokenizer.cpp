@@ -1,9 +1,11 @@
 // CLIP's BPE tokenizer (src/text/clip_tokenizer.*, clean.*, unicode.*) against open_clip's own
-// SimpleTokenizer: the ids of 6000 strings computed by open_clip in the reference environment
-// (tests/reference/clip_tokenizer.py), on the vocabulary file open_clip ships; and its bad inputs.
+// SimpleTokenizer and transformers' CLIPTokenizer: the ids of 6000 strings computed by those
+// libraries in the reference environment (tests/reference/clip_tokenizer.py), on the vocabulary
+// file open_clip ships and the tokenizer directories transformers writes; and bad inputs.
 #include <gtest/gtest.h>
 #include <zlib.h>
 
+#include <algorithm>
 #include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
@@ -46,50 +48,76 @@ std::string visible(const std::string& utf8) {
   return os.str();
 }
 
-std::string ids_text(const std::vector<int64_t>& ids) {
+std::string ids_text(const std::vector<int64_t>& ids) {  // to the first <end_of_text> after the start
   std::ostringstream os;
-  for (auto id : ids) { if (id == 0) break; os << id << " "; }
+  const auto end = std::find(ids.begin() + 1, ids.end(), 49407);
+  for (auto it = ids.begin(); it != ids.end() && it <= end; ++it) os << *it << " ";
   return os.str();
 }
 
 }  // namespace
 
-TEST(ClipTokenizer, EqualsOpenClipsTokenizerOnSixThousandStrings) {
+// The corpus and the three tokenizers' ids for it (open_clip's; transformers' from the two
+// directories the script has transformers write), computed once per test process.
+struct Reference {
   TempDir dir;
-  const std::string out = dir / "reference.json";
-  const auto r = ddm::test::run_command(ddm::test::reference_python() + " " + ddm::test::source_dir() +
-                                        "/tests/reference/clip_tokenizer.py " + out + " 400");
-  ASSERT_EQ(r.exit_code, 0) << r.output;
-  const auto reference = nlohmann::json::parse(ddm::test::read_text(out));
-  ASSERT_EQ(reference["vocab"].get<std::string>(), open_clip_vocab());
-  const auto& cases = reference["cases"];
+  nlohmann::json cases;
+};
+const Reference& reference() {
+  static const Reference* r = [] {
+    auto* ref = new Reference;
+    const std::string out = ref->dir / "reference.json";
+    const auto run = ddm::test::run_command(ddm::test::reference_python() + " " + ddm::test::source_dir() +
+                                            "/tests/reference/clip_tokenizer.py " + out + " 400 " + ref->dir.path);
+    EXPECT_EQ(run.exit_code, 0) << run.output;
+    const auto all = nlohmann::json::parse(ddm::test::read_text(out));
+    EXPECT_EQ(all["vocab"].get<std::string>(), open_clip_vocab());
+    ref->cases = all["cases"];
+    return ref;
+  }();
+  return *r;
+}
+
+// Every case's ids from `t` equal the reference's `key`; failures show the text and both id lists.
+void expect_equal_on_corpus(const ClipTokenizer& t, const std::string& key) {
+  const auto& cases = reference().cases;
   ASSERT_GE(cases.size(), 5000u);
   std::map<std::string, int> checked, differing;
   int mojibake = 0, shown = 0;
   for (const auto& c : cases) {
     const std::string text = c["text"].get<std::string>(), kind = c["kind"].get<std::string>();
-    if (c["mojibake"].get<bool>()) {  // ftfy's mojibake repair is not ddm's (text/clean.h)
+    if (key == "open_clip" && c["mojibake"].get<bool>()) {  // ftfy's mojibake repair is not ddm's (text/clean.h)
       ++mojibake;
       continue;
     }
-    const auto expected = c["ids"].get<std::vector<int64_t>>();
-    const auto got = tokenizer().tokenize(text);
+    const auto expected = c[key].get<std::vector<int64_t>>();
+    const auto got = t.tokenize(text);
     ++checked[kind];
     if (got != expected) {
       ++differing[kind];
-      if (shown++ < 15) {
-        ADD_FAILURE() << kind << " \"" << visible(text) << "\"\n  open_clip: " << ids_text(expected)
-                      << "\n  ddm:       " << ids_text(got) << "\n  cleaned:   \""
-                      << visible(ddm::text::u32_to_utf8(ddm::text::clip_clean(ddm::text::utf8_to_u32(text, "case"))))
-                      << "\"";
+      if (shown++ < 10) {
+        ADD_FAILURE() << key << ": " << kind << " \"" << visible(text) << "\"\n  reference: " << ids_text(expected)
+                      << "\n  ddm:       " << ids_text(got);
       }
     }
   }
   for (const auto& [kind, n] : checked) {
-    EXPECT_EQ(differing[kind], 0) << differing[kind] << " of " << n << " '" << kind << "' strings differ";
+    EXPECT_EQ(differing[kind], 0) << key << ": " << differing[kind] << " of " << n << " '" << kind << "' strings differ";
   }
   EXPECT_LE(mojibake, 10) << "the corpus should test ddm's cleaning, not skip it";
-  RecordProperty("strings", static_cast<int>(cases.size()) - mojibake);
+}
+
+TEST(ClipTokenizer, EqualsOpenClipsTokenizerOnSixThousandStrings) { expect_equal_on_corpus(tokenizer(), "open_clip"); }
+
+TEST(ClipTokenizer, EqualsTransformersTokenizerFromTheDirectoriesItWrites) {
+  reference();
+  const auto from_json = ClipTokenizer::from_transformers_dir(reference().dir / "json");
+  EXPECT_EQ(from_json.pad_id(), from_json.end_id());  // SD 1.x's padding
+  expect_equal_on_corpus(from_json, "json");
+  const auto legacy = ClipTokenizer::from_transformers_dir(reference().dir / "legacy");
+  EXPECT_EQ(legacy.pad_id(), 0);  // "!": SD 2.x's padding
+  EXPECT_EQ(legacy.context(), 77);
+  expect_equal_on_corpus(legacy, "legacy");
 }
 
 TEST(ClipTokenizer, VocabularyHasOpenClipsSizeAndSpecialIds) {
@@ -153,4 +181,44 @@ TEST(ClipTokenizer, BadTextAndBadVocabularyFilesAreClearErrors) {
   EXPECT_NE(ddm::test::error_message([&] { ClipTokenizer::from_open_clip_file(dir / "broken.txt"); })
                 .find("line 2 is not a merge of two symbols (\"a b\"): \"abc\""),
             std::string::npos);
+}
+
+TEST(ClipTokenizer, BadTransformersDirectoriesAreClearErrorsNamingFileAndKey) {
+  reference();
+  TempDir dir;
+  auto message = [](const std::string& d) {
+    return ddm::test::error_message([&] { ClipTokenizer::from_transformers_dir(d); });
+  };
+  EXPECT_NE(message(dir.path).find("holds neither tokenizer.json nor vocab.json + merges.txt"), std::string::npos);
+  const std::string legacy = reference().dir / "legacy";
+  const std::string vocab = ddm::test::read_text(legacy + "/vocab.json");
+  const std::string merges = ddm::test::read_text(legacy + "/merges.txt");
+  ddm::test::write_text(dir / "vocab.json", vocab);
+  ddm::test::write_text(dir / "merges.txt", merges + "abc\n");
+  EXPECT_NE(message(dir.path).find("merges.txt: line 48896 is not a merge of two symbols"), std::string::npos)
+      << message(dir.path);
+  ddm::test::write_text(dir / "merges.txt", merges + "zq zz\n");
+  EXPECT_NE(message(dir.path).find("makes \"zqzz\", which the vocabulary lacks"), std::string::npos) << message(dir.path);
+  ddm::test::write_text(dir / "merges.txt", merges);
+  ddm::test::write_text(dir / "tokenizer_config.json", R"({"pad_token": "<pad>"})");
+  EXPECT_NE(message(dir.path).find("tokenizer_config.json: pad_token \"<pad>\" is not in the vocabulary"),
+            std::string::npos);
+  ddm::test::write_text(dir / "tokenizer_config.json", "{not json");
+  EXPECT_NE(message(dir.path).find("tokenizer_config.json: not valid JSON"), std::string::npos);
+  ddm::test::write_text(dir / "tokenizer_config.json", "{}");
+  ddm::test::write_text(dir / "vocab.json", "[1, 2]");
+  EXPECT_NE(message(dir.path).find("vocab.json: not a JSON object of symbol -> id"), std::string::npos);
+  ddm::test::write_text(dir / "tokenizer.json", R"({"model": {"type": "WordPiece"}})");
+  EXPECT_NE(message(dir.path).find("tokenizer.json: not CLIP's tokenizer"), std::string::npos);
+}
+
+TEST(TextTables, AreWhatTheGeneratorPrintsFromPythonsHtmlAndFtfy) {
+  // src/text/text_tables.inc is generated; a changed generator or library version shows here.
+  TempDir dir;
+  const auto run = ddm::test::run_command(ddm::test::reference_python() + " " + ddm::test::source_dir() +
+                                          "/scripts/gen-text-tables.py > " + (dir / "tables.inc"));
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  EXPECT_TRUE(ddm::test::read_text(dir / "tables.inc") ==
+              ddm::test::read_text(ddm::test::source_dir() + "/src/text/text_tables.inc"))
+      << "src/text/text_tables.inc is not what scripts/gen-text-tables.py prints: regenerate it (its header says how)";
 }
