@@ -54,6 +54,9 @@ Command add_autoencoder_command(CLI::App& app);
 Command add_classifier_command(CLI::App& app, int argc, char** argv);
 Command add_presets_command(CLI::App& app);
 
+// `ddm text tokenize` (apps/text_cli.cpp).
+Command add_text_command(CLI::App& app);
+
 // `ddm shards write` and `ddm encode` (apps/shards_cli.cpp).
 Command add_shards_command(CLI::App& app);
 Command add_encode_command(CLI::App& app);

@@ -9,15 +9,12 @@
 
 #include <torch/torch.h>
 
+#include "core/assets.h"
 #include "core/error.h"
 #include "core/fileio.h"
 #include "core/progress.h"
 #include "core/rng.h"
 #include "core/safetensors.h"
-
-#ifndef DDM_ASSET_DIR
-#define DDM_ASSET_DIR "assets"
-#endif
 
 namespace ddm {
 
@@ -242,6 +239,6 @@ LoadedFeatureNet load_feature_net(const std::string& path, const std::string& ex
   return out;
 }
 
-std::string default_feature_net_path() { return std::string(DDM_ASSET_DIR) + "/feature-net/fmnist-cnn.safetensors"; }
+std::string default_feature_net_path() { return asset_path("feature-net/fmnist-cnn.safetensors"); }
 
 }  // namespace ddm

@@ -14,6 +14,7 @@
 #include "test_util.h"
 #include "text/clean.h"
 #include "text/clip_tokenizer.h"
+#include "text/tokenizer.h"
 #include "text/unicode.h"
 
 using ddm::test::TempDir;
@@ -118,6 +119,14 @@ TEST(ClipTokenizer, EqualsTransformersTokenizerFromTheDirectoriesItWrites) {
   EXPECT_EQ(legacy.pad_id(), 0);  // "!": SD 2.x's padding
   EXPECT_EQ(legacy.context(), 77);
   expect_equal_on_corpus(legacy, "legacy");
+}
+
+TEST(ClipTokenizer, ShippedVocabularyIsOpenClipsFile) {
+  // assets/clip/ (what `--tokenizer clip` reads) is the file of the pinned open_clip wheel, unchanged.
+  EXPECT_TRUE(ddm::test::read_text(ddm::test::source_dir() + "/assets/clip/bpe_simple_vocab_16e6.txt.gz") ==
+              ddm::test::read_text(open_clip_vocab()));
+  const auto shipped = ddm::text::load_tokenizer("clip");
+  EXPECT_EQ(shipped->tokenize("a photo of a cat"), tokenizer().tokenize("a photo of a cat"));
 }
 
 TEST(ClipTokenizer, VocabularyHasOpenClipsSizeAndSpecialIds) {
