@@ -14,8 +14,6 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
-#include <unicode/uchar.h>
-
 #include "core/error.h"
 #include "core/json.h"
 #include "text/clean.h"
@@ -26,6 +24,17 @@ namespace {
 
 namespace fs = std::filesystem;
 using nlohmann::json;
+
+struct CodeRange {
+  char32_t first, last;
+};
+#include "text/split_tables.inc"
+
+template <size_t N>
+bool in_ranges(const CodeRange (&table)[N], char32_t c) {
+  const auto* it = std::upper_bound(table, table + N, c, [](char32_t v, const CodeRange& r) { return v < r.first; });
+  return it != table && c <= (it - 1)->last;
+}
 
 // open_clip keeps lines [1, 49152 - 256 - 2 + 1) of its file: 48894 merges after the header line.
 constexpr size_t kMergeLines = 49152 - 256 - 2;
@@ -104,8 +113,8 @@ std::u32string transformers_normalize(std::u32string_view text) {
   std::u32string t = nfc(text), out;
   out.reserve(t.size());
   for (size_t i = 0; i < t.size();) {
-    if (u_isUWhiteSpace(static_cast<UChar32>(t[i]))) {
-      while (i < t.size() && u_isUWhiteSpace(static_cast<UChar32>(t[i]))) ++i;
+    if (is_white_space(t[i])) {
+      while (i < t.size() && is_white_space(t[i])) ++i;
       out.push_back(U' ');
     } else {
       out += lower(std::u32string_view(&t[i], 1));
@@ -372,7 +381,12 @@ std::vector<int64_t> ClipTokenizer::encode(std::string_view text, std::string_vi
   const std::u32string raw = utf8_to_u32(text, what);
   std::vector<int64_t> ids;
   if (flavor_ == Flavor::open_clip) {
-    encode_clean(u32_to_utf8(clip_clean(raw)), ids, what);
+    // The characters open_clip's pattern never matches (U+0345 alone: Python's regex module,
+    // matching case-insensitively, takes it neither as a letter nor as "not a letter") are skipped
+    // and end the piece before them, as a space does.
+    std::u32string clean = clip_clean(raw);
+    std::replace_if(clean.begin(), clean.end(), [](char32_t c) { return in_ranges(kClipSkipped, c); }, U' ');
+    encode_clean(u32_to_utf8(clean), ids, what);
     return ids;
   }
   // transformers: the added tokens are cut out of the raw text first (leftmost, then longest).

@@ -159,6 +159,8 @@ bool is_space(char32_t c) {
   return d == U_WHITE_SPACE_NEUTRAL || d == U_BLOCK_SEPARATOR || d == U_SEGMENT_SEPARATOR;
 }
 
+bool is_white_space(char32_t c) { return u_isUWhiteSpace(static_cast<UChar32>(c)); }
+
 std::u32string collapse_whitespace(std::u32string_view text) {
   std::u32string out;
   out.reserve(text.size());

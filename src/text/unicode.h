@@ -31,4 +31,8 @@ std::u32string collapse_whitespace(std::u32string_view text);
 // text.strip(): is_space characters removed from both ends.
 std::u32string strip(std::u32string_view text);
 
+// Unicode's White_Space property (what \s means to Python's regex module and to Rust's
+// char::is_whitespace): unlike is_space, not U+001C..U+001F.
+bool is_white_space(char32_t c);
+
 }  // namespace ddm::text

@@ -108,7 +108,9 @@ def corpus(rng, per_kind, tok):
         "edge": lambda: rng.choice(["", " ", "   ", "\t\n", "\u3000", "<start_of_text>", "<end_of_text>",
                                     "a <end_of_text> b", "<START_OF_TEXT>hi", "it's", "IT'S", "'s", "''s", "we'LL",
                                     "'", "''", "a'b", "<|endoftext|>", "x" * 500, "\u0130stanbul", "\u03a3\u0391\u03a3",
-                                    "stra\u00dfe", "\u017fs", "\u212a", "\u1e9e"]) + rng.choice(["", " ", caption(0, 3)]),
+                                    "stra\u00dfe", "\u017fs", "\u212a", "\u1e9e", "[CLS] a [SEP]", "[MASK]ed",
+                                    "##ing", "un##able", "[UNK]", "[pad]", "\U0002B830\U0002B925",
+                                    "pneumonoultramicroscopicsilicovolcanoconiosis" * 3]) + rng.choice(["", " ", caption(0, 3)]),
         "random": lambda: "".join(chr(c) for c in (rng.choice([rng.randint(0x20, 0x2FFF), rng.randint(0x3000, 0xFFFF),
                                                                 rng.randint(0x10000, 0x1FFFF)]) for _ in range(rng.randint(1, 30)))
                                   if assigned(c)),
