@@ -31,9 +31,9 @@ Command add_text_command(CLI::App& app) {
   tokenize->add_option("--file", a->file, "a UTF-8 file of texts, one per line");
   tokenize->add_option("--tokenizer", a->tokenizer,
                        "clip (default: CLIP's BPE as open_clip tokenizes), a CLIP vocabulary file, a transformers "
-                       "tokenizer directory or a Stable Diffusion directory");
-  tokenize->add_option("--context", a->context, "ids per text (default: the tokenizer's, 77 for CLIP)")->check(kPositive);
-  tokenize->add_flag("--no-pad", a->no_pad, "stop each line at the end token instead of padding to the context");
+                       "tokenizer directory (CLIP or BERT) or a Stable Diffusion directory");
+  tokenize->add_option("--context", a->context, "ids per text (default: the tokenizer's: 77 for CLIP, its model_max_length for BERT)")->check(kPositive);
+  tokenize->add_flag("--no-pad", a->no_pad, "print each text's ids without the padding");
   return Command{cmd, [a] {
                    std::vector<std::pair<std::string, std::string>> texts;  // text, what to call it in errors
                    for (size_t i = 0; i < a->texts.size(); ++i)
@@ -51,11 +51,15 @@ Command add_text_command(CLI::App& app) {
                    const auto t = as_input_error([&] { return text::load_tokenizer(a->tokenizer); });
                    std::cerr << text::describe(*t, a->tokenizer) << "\n";
                    std::vector<std::vector<int64_t>> all;  // every text first: a bad one prints nothing
-                   for (const auto& [s, what] : texts)
-                     all.push_back(as_input_error([&, &s = s, &what = what] { return t->tokenize(s, a->context, what); }));
-                   for (const auto& ids : all) {
-                     size_t n = ids.size();
-                     if (a->no_pad) n = std::find(ids.begin() + 1, ids.end(), t->end_id()) - ids.begin() + 1;
+                   std::vector<int64_t> lengths;
+                   for (const auto& [s, what] : texts) {
+                     int64_t length = 0;
+                     all.push_back(as_input_error([&, &s = s, &what = what] { return t->tokenize(s, a->context, what, &length); }));
+                     lengths.push_back(length);
+                   }
+                   for (size_t k = 0; k < all.size(); ++k) {
+                     const auto& ids = all[k];
+                     const size_t n = a->no_pad ? static_cast<size_t>(lengths[k]) : ids.size();
                      for (size_t i = 0; i < n && i < ids.size(); ++i) std::cout << (i ? " " : "") << ids[i];
                      std::cout << "\n";
                    }

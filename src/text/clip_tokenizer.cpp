@@ -407,7 +407,8 @@ std::vector<int64_t> ClipTokenizer::encode(std::string_view text, std::string_vi
   return ids;
 }
 
-std::vector<int64_t> ClipTokenizer::tokenize(std::string_view text, int context, std::string_view what) const {
+std::vector<int64_t> ClipTokenizer::tokenize(std::string_view text, int context, std::string_view what,
+                                             int64_t* length) const {
   if (context == 0) context = context_;
   DDM_CHECK(context >= 2, "a CLIP context must hold at least the start and end tokens, got " << context);
   std::vector<int64_t> ids{start_id_};
@@ -418,6 +419,7 @@ std::vector<int64_t> ClipTokenizer::tokenize(std::string_view text, int context,
     ids.resize(static_cast<size_t>(context));
     ids.back() = end_id_;
   }
+  if (length) *length = static_cast<int64_t>(ids.size());
   ids.resize(static_cast<size_t>(context), pad_id_);
   return ids;
 }

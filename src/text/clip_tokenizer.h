@@ -22,9 +22,11 @@
 #include <unordered_map>
 #include <vector>
 
+#include "text/tokens.h"
+
 namespace ddm::text {
 
-class ClipTokenizer {
+class ClipTokenizer : public Tokenizer {
  public:
   enum class Flavor { open_clip, transformers };
 
@@ -38,14 +40,18 @@ class ClipTokenizer {
   std::vector<int64_t> encode(std::string_view text, std::string_view what = "text") const;
   // What the model gets: start, encode(text), end, cut to `context` ids (0: the tokenizer's own,
   // 77 for CLIP) with the end token last, then padded to `context`.
-  std::vector<int64_t> tokenize(std::string_view text, int context = 0, std::string_view what = "text") const;
+  std::vector<int64_t> tokenize(std::string_view text, int context = 0, std::string_view what = "text",
+                                int64_t* length = nullptr) const override;
 
   Flavor flavor() const { return flavor_; }
-  int context() const { return context_; }
+  int context() const override { return context_; }
   int64_t start_id() const { return start_id_; }
   int64_t end_id() const { return end_id_; }
-  int64_t pad_id() const { return pad_id_; }
-  int64_t vocab_size() const { return static_cast<int64_t>(symbols_.size()); }
+  int64_t pad_id() const override { return pad_id_; }
+  int64_t vocab_size() const override { return static_cast<int64_t>(symbols_.size()); }
+  std::string kind() const override {
+    return flavor_ == Flavor::open_clip ? "CLIP BPE (open_clip)" : "CLIP BPE (transformers)";
+  }
   // The symbol (byte-unicode characters, '</w>' on a word's end) of an id, as the vocabulary names it.
   const std::string& symbol(int64_t id) const { return symbols_.at(static_cast<size_t>(id)); }
 

@@ -2,33 +2,58 @@
 #include "text/tokenizer.h"
 
 #include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
 
 #include "core/assets.h"
 #include "core/error.h"
+#include "text/clip_tokenizer.h"
+#include "text/wordpiece.h"
 
 namespace ddm::text {
 
 namespace fs = std::filesystem;
 
-std::unique_ptr<ClipTokenizer> load_tokenizer(const std::string& spec) {
-  if (spec == "clip") {
-    return std::make_unique<ClipTokenizer>(ClipTokenizer::from_open_clip_file(asset_path("clip/bpe_simple_vocab_16e6.txt.gz")));
+namespace {
+
+const char* kShippedClip = "clip/bpe_simple_vocab_16e6.txt.gz";
+
+// Whether a transformers tokenizer directory holds WordPiece (BERT) rather than BPE (CLIP).
+bool is_wordpiece(const fs::path& dir) {
+  if (fs::exists(dir / "tokenizer.json")) {
+    std::ifstream in(dir / "tokenizer.json");
+    try {
+      const auto j = nlohmann::json::parse(in);
+      return j.contains("model") && j["model"].value("type", "") == "WordPiece";
+    } catch (const nlohmann::json::exception& e) {
+      throw Error((dir / "tokenizer.json").string() + ": not valid JSON (" + e.what() + ")");
+    }
   }
+  return fs::exists(dir / "vocab.txt") && !fs::exists(dir / "vocab.json");
+}
+
+}  // namespace
+
+std::unique_ptr<Tokenizer> load_tokenizer(const std::string& spec) {
+  if (spec == "clip") return std::make_unique<ClipTokenizer>(ClipTokenizer::from_open_clip_file(asset_path(kShippedClip)));
   DDM_CHECK(fs::exists(spec), spec << ": no such tokenizer file or directory (give `clip`, a CLIP vocabulary file, a"
                                    << " transformers tokenizer directory or a Stable Diffusion directory)");
   if (!fs::is_directory(spec)) return std::make_unique<ClipTokenizer>(ClipTokenizer::from_open_clip_file(spec));
-  const fs::path dir(spec);
-  if (fs::exists(dir / "model_index.json") && fs::is_directory(dir / "tokenizer")) {  // diffusers' pipeline directory
-    return std::make_unique<ClipTokenizer>(ClipTokenizer::from_transformers_dir((dir / "tokenizer").string()));
+  fs::path dir(spec);
+  for (const char* sub : {"tokenizer", "model"}) {  // diffusers' layout; a packaged sentence-transformers model
+    if (!fs::exists(dir / "tokenizer.json") && !fs::exists(dir / "vocab.json") && !fs::exists(dir / "vocab.txt") &&
+        fs::is_directory(dir / sub)) {
+      dir /= sub;
+      break;
+    }
   }
-  return std::make_unique<ClipTokenizer>(ClipTokenizer::from_transformers_dir(spec));
+  if (is_wordpiece(dir)) return std::make_unique<WordPieceTokenizer>(WordPieceTokenizer::from_dir(dir.string()));
+  return std::make_unique<ClipTokenizer>(ClipTokenizer::from_transformers_dir(dir.string()));
 }
 
-std::string describe(const ClipTokenizer& t, const std::string& spec) {
-  const bool open_clip = t.flavor() == ClipTokenizer::Flavor::open_clip;
-  return std::string("CLIP BPE (") + (open_clip ? "open_clip" : "transformers") + "), " +
-         std::to_string(t.vocab_size()) + " ids, context " + std::to_string(t.context()) + ", pad " +
-         std::to_string(t.pad_id()) + ": " + (spec == "clip" ? asset_path("clip/bpe_simple_vocab_16e6.txt.gz") : spec);
+std::string describe(const Tokenizer& t, const std::string& spec) {
+  return t.kind() + ", " + std::to_string(t.vocab_size()) + " ids, context " + std::to_string(t.context()) + ", pad " +
+         std::to_string(t.pad_id()) + ": " + (spec == "clip" ? asset_path(kShippedClip) : spec);
 }
 
 }  // namespace ddm::text

