@@ -254,3 +254,22 @@ for u in routed["units"]:
     for x in u["samples"]:
         x["weight_pass_ms"] = x["weight_grad_ms"] * 2
 put(pp, "skips.json", json.dumps(routed, indent=1) + "\n")
+
+# ---- text (fuzz_text): the first byte picks the context; the rest is the text -------------------
+put("text", "caption", "MA photo of a red star, it\u2019s &amp; caf\u00e9 \U0001F408\u200d\u2b1b <end_of_text>")
+put("text", "html", "\x10&#x41;&amp;lt; &notin; &#150; <b>bold</b>\r\n\u3000\uff21\ufb01\x1b[31m")
+put("text", "bert", "\x30[CLS] the photos, caf\u00e9 \u4e2d\u6587 [MASK]ing \u00ad\u0345")
+put("text", "invalid", b"\x05caf\xe9 \xc0\xaf")
+
+# ---- tokenizer files (fuzz_tokenizer_files): the first byte picks the file ----------------------
+put("tokenizer_files", "vocab", b"\x00#version: 0.2\ni n\nt h\na n\n")
+put("tokenizer_files", "tokenizer-json", "\x01" + json.dumps(
+    {"model": {"type": "BPE", "end_of_word_suffix": "</w>", "vocab": {"a": 0, "a</w>": 1}, "merges": [["a", "b"]]},
+     "added_tokens": [{"id": 0, "content": "a"}]}))
+put("tokenizer_files", "merges", "\x03#version: 0.2\n! !\n")
+put("tokenizer_files", "config", "\x04" + json.dumps(
+    {"pad_token": {"content": "!"}, "model_max_length": 77, "bos_token": "<|startoftext|>"}))
+put("tokenizer_files", "bert-json", "\x05" + json.dumps(
+    {"model": {"type": "WordPiece", "vocab": {"[PAD]": 0, "[UNK]": 1, "[CLS]": 2, "[SEP]": 3, "a": 4}},
+     "normalizer": {"type": "BertNormalizer", "lowercase": True}}))
+put("tokenizer_files", "vocab-txt", "\x06[PAD]\n[UNK]\n[CLS]\n[SEP]\na\n##b\n")

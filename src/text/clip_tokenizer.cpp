@@ -201,7 +201,15 @@ ClipTokenizer ClipTokenizer::from_open_clip_file(const std::string& path) {
   return t;
 }
 
-ClipTokenizer ClipTokenizer::from_transformers_dir(const std::string& dir_name) {
+ClipTokenizer ClipTokenizer::from_transformers_dir(const std::string& dir) {
+  try {
+    return load_transformers_dir(dir);
+  } catch (const json::exception& e) {  // a field of another type than transformers writes
+    throw Error(dir + ": its tokenizer files do not have the structure transformers writes (" + e.what() + ")");
+  }
+}
+
+ClipTokenizer ClipTokenizer::load_transformers_dir(const std::string& dir_name) {
   const fs::path dir(dir_name);
   ClipTokenizer t;
   t.flavor_ = Flavor::transformers;

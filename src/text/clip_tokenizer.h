@@ -61,6 +61,7 @@ class ClipTokenizer : public Tokenizer {
 
  private:
   ClipTokenizer();
+  static ClipTokenizer load_transformers_dir(const std::string& dir);  // from_transformers_dir, unguarded
   struct Pattern;  // the compiled split pattern (PCRE2)
   struct Cache;    // piece -> ids, shared by the threads that tokenize with this tokenizer
 

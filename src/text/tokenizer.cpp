@@ -24,7 +24,8 @@ bool is_wordpiece(const fs::path& dir) {
     std::ifstream in(dir / "tokenizer.json");
     try {
       const auto j = nlohmann::json::parse(in);
-      return j.contains("model") && j["model"].value("type", "") == "WordPiece";
+      return j.is_object() && j.contains("model") && j["model"].is_object() && j["model"].contains("type") &&
+             j["model"]["type"] == "WordPiece";
     } catch (const nlohmann::json::exception& e) {
       throw Error((dir / "tokenizer.json").string() + ": not valid JSON (" + e.what() + ")");
     }

@@ -64,7 +64,15 @@ bool bert_accent(char32_t c) { return in_ranges(kBertStripped, c); }
 
 }  // namespace
 
-WordPieceTokenizer WordPieceTokenizer::from_dir(const std::string& dir_name) {
+WordPieceTokenizer WordPieceTokenizer::from_dir(const std::string& dir) {
+  try {
+    return load_dir(dir);
+  } catch (const json::exception& e) {  // a field of another type than transformers writes
+    throw Error(dir + ": its tokenizer files do not have the structure transformers writes (" + e.what() + ")");
+  }
+}
+
+WordPieceTokenizer WordPieceTokenizer::load_dir(const std::string& dir_name) {
   const fs::path dir(dir_name);
   WordPieceTokenizer t;
   json config = json::object();

@@ -43,6 +43,7 @@ class WordPieceTokenizer : public Tokenizer {
   bool lowercase() const { return lowercase_; }
 
  private:
+  static WordPieceTokenizer load_dir(const std::string& dir);  // from_dir, unguarded
   // The normalized text's words, each cut into pieces, appended to `ids`.
   void encode_normalized(std::u32string_view text, std::vector<int64_t>& ids) const;
   void word_pieces(const std::u32string& word, std::vector<int64_t>& ids) const;

@@ -220,6 +220,9 @@ TEST(ClipTokenizer, BadTransformersDirectoriesAreClearErrorsNamingFileAndKey) {
   EXPECT_NE(message(dir.path).find("vocab.json: not a JSON object of symbol -> id"), std::string::npos);
   ddm::test::write_text(dir / "tokenizer.json", R"({"model": {"type": "WordPiece"}})");
   EXPECT_NE(message(dir.path).find("tokenizer.json: not CLIP's tokenizer"), std::string::npos);
+  ddm::test::write_text(dir / "tokenizer.json", R"("")");  // found by fuzz_tokenizer_files
+  EXPECT_NE(message(dir.path).find("its tokenizer files do not have the structure transformers writes"),
+            std::string::npos) << message(dir.path);
 }
 
 TEST(TextTables, AreWhatTheGeneratorWritesFromTheLibraries) {

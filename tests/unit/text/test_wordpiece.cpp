@@ -104,6 +104,10 @@ TEST(WordPiece, BadDirectoriesAreClearErrorsNamingTheFile) {
   EXPECT_NE(message().find("tokenizer.json: not a WordPiece tokenizer"), std::string::npos) << message();
   ddm::test::write_text(dir / "tokenizer.json", R"({"model": {"type": "WordPiece", "vocab": {"a": -3}}})");
   EXPECT_NE(message().find("tokenizer.json: the id of \"a\""), std::string::npos) << message();
+  ddm::test::write_text(dir / "tokenizer.json", R"({"model": {"type": "WordPiece", "vocab": []}, "normalizer": 3})");
+  EXPECT_NE(message().find("not a WordPiece tokenizer"), std::string::npos) << message();
+  ddm::test::write_text(dir / "tokenizer.json", R"({"model": {"type": "WordPiece", "vocab": {"a": 1}}, "normalizer": 3})");
+  EXPECT_NE(message().find("do not have the structure transformers writes"), std::string::npos) << message();
   ddm::test::write_text(dir / "tokenizer.json", "{");
   EXPECT_NE(message().find("tokenizer.json: not valid JSON"), std::string::npos) << message();
 }
