@@ -284,7 +284,7 @@ TEST(Islands, SlurmRunsATwoProcessIslandAsOneArrayTaskOfTwoTasks) {
   const std::string script = test::read_text(dir / "job.sbatch");
   for (const char* line : {"#SBATCH --array=0-2\n", "#SBATCH --ntasks=2\n", "#SBATCH --cpus-per-task=1\n",
                            "for attempt in $(seq 0 1); do\n",
-                           "  if srun --ntasks=2 --cpus-per-task=1 --kill-on-bad-exit=1 \"${island[@]}\"; then exit 0; fi\n"})
+                           "  srun --ntasks=2 --cpus-per-task=1 --kill-on-bad-exit=1 \"${island[@]}\" || rc=$?\n"})
     EXPECT_NE(script.find(line), std::string::npos) << line << " not in:\n" << script;
   EXPECT_EQ(test::run_command("bash -n " + (dir / "job.sbatch")).exit_code, 0);
   r = test::run_command("env -u SLURM_ARRAY_TASK_ID bash " + (dir / "job.sbatch"));
@@ -336,4 +336,13 @@ TEST(Islands, SlurmRunsATwoProcessIslandAsOneArrayTaskOfTwoTasks) {
   ASSERT_EQ(ref.exit_code, 0) << ref.output;
   EXPECT_EQ(test::read_text(dir / "ref/ckpt/step-00000120/ema.safetensors"),
             test::read_text(dir / "runs/experts/0/ckpt/step-00000120/ema.safetensors"));
+  // An island whose input ddm refuses (exit 2: here a config key it does not know) fails at once:
+  // restarting would fail alike.
+  test::write_text(dir / "tiny.toml", std::string(kTiny) + "\nno_such_key = 1\n");
+  r = test::run_command(slurm.env + "timeout 120 sbatch --wait --array=1 " + (dir / "job.sbatch"));
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  const std::string refused = logs();
+  EXPECT_NE(refused.find("[islands] array task 1: the island refused its input (exit 2"), std::string::npos) << refused;
+  EXPECT_EQ(refused.find("array task 1: restarting"), std::string::npos) << refused;
+  EXPECT_NE(refused.find("no_such_key"), std::string::npos) << refused;
 }
