@@ -4,6 +4,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
+#include "core/fileio.h"
 
 namespace ddm {
 
@@ -12,6 +13,15 @@ int64_t json_int(const nlohmann::json& v, const std::string& what, int64_t lo, i
                                                                : v.get<int64_t>() >= lo && v.get<int64_t>() <= hi),
             what << ": " << v.dump() << " is not an integer in [" << lo << ", " << hi << "]");
   return v.get<int64_t>();
+}
+
+nlohmann::json read_json_file(const std::string& path) {
+  const std::string text = read_file(path);
+  try {
+    return nlohmann::json::parse(text);
+  } catch (const nlohmann::json::exception& e) {
+    throw Error(path + ": not valid JSON (" + e.what() + ")");
+  }
 }
 
 int json_int32(const nlohmann::json& v, const std::string& what, int lo, int hi) {

@@ -14,6 +14,8 @@ namespace ddm {
 // v as an integer in [lo, hi]; otherwise a ddm::Error "<what>: <v> is not an integer in [lo, hi]".
 int64_t json_int(const nlohmann::json& v, const std::string& what, int64_t lo = std::numeric_limits<int64_t>::min(),
                  int64_t hi = std::numeric_limits<int64_t>::max());
+// A JSON file parsed; a ddm::Error "<path>: not valid JSON (...)" if it is not, or cannot be read.
+nlohmann::json read_json_file(const std::string& path);
 // The same in [lo, hi] within int's range.
 int json_int32(const nlohmann::json& v, const std::string& what, int lo = std::numeric_limits<int>::min(),
                int hi = std::numeric_limits<int>::max());

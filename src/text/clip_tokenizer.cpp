@@ -8,15 +8,16 @@
 
 #include <algorithm>
 #include <filesystem>
-#include <fstream>
 #include <limits>
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
 #include "core/error.h"
+#include "core/fileio.h"
 #include "core/json.h"
 #include "text/clean.h"
+#include "text/code_ranges.h"
 #include "text/unicode.h"
 
 namespace ddm::text {
@@ -25,16 +26,7 @@ namespace {
 namespace fs = std::filesystem;
 using nlohmann::json;
 
-struct CodeRange {
-  char32_t first, last;
-};
 #include "text/split_tables.inc"
-
-template <size_t N>
-bool in_ranges(const CodeRange (&table)[N], char32_t c) {
-  const auto* it = std::upper_bound(table, table + N, c, [](char32_t v, const CodeRange& r) { return v < r.first; });
-  return it != table && c <= (it - 1)->last;
-}
 
 // open_clip keeps lines [1, 49152 - 256 - 2 + 1) of its file: 48894 merges after the header line.
 constexpr size_t kMergeLines = 49152 - 256 - 2;
@@ -55,21 +47,7 @@ std::string read_gz(const std::string& path) {
   return out;
 }
 
-std::string read_file(const fs::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  DDM_CHECK(in, path.string() << ": cannot read it");
-  std::ostringstream os;
-  os << in.rdbuf();
-  return os.str();
-}
-
-json parse_json(const fs::path& path) {
-  try {
-    return json::parse(read_file(path));
-  } catch (const json::exception& e) {
-    throw Error(path.string() + ": not valid JSON (" + e.what() + ")");
-  }
-}
+json parse_json(const fs::path& path) { return read_json_file(path.string()); }
 
 // A token named in tokenizer_config.json: a string, or an object with "content" (transformers' AddedToken).
 std::string token_name(const json& config, const std::string& key, const std::string& fallback, const fs::path& file) {
@@ -255,7 +233,7 @@ ClipTokenizer ClipTokenizer::load_transformers_dir(const std::string& dir_name) 
     source = (dir / "vocab.json").string();
     vocab = parse_json(dir / "vocab.json");
     DDM_CHECK(vocab.is_object(), source << ": not a JSON object of symbol -> id");
-    std::istringstream lines(read_file(dir / "merges.txt"));
+    std::istringstream lines(read_file((dir / "merges.txt").string()));
     std::string line;
     for (int number = 1; std::getline(lines, line); ++number) {
       if (!line.empty() && line.back() == '\r') line.pop_back();

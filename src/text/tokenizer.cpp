@@ -2,11 +2,11 @@
 #include "text/tokenizer.h"
 
 #include <filesystem>
-#include <fstream>
 #include <nlohmann/json.hpp>
 
 #include "core/assets.h"
 #include "core/error.h"
+#include "core/json.h"
 #include "text/clip_tokenizer.h"
 #include "text/wordpiece.h"
 
@@ -21,14 +21,9 @@ const char* kShippedClip = "clip/bpe_simple_vocab_16e6.txt.gz";
 // Whether a transformers tokenizer directory holds WordPiece (BERT) rather than BPE (CLIP).
 bool is_wordpiece(const fs::path& dir) {
   if (fs::exists(dir / "tokenizer.json")) {
-    std::ifstream in(dir / "tokenizer.json");
-    try {
-      const auto j = nlohmann::json::parse(in);
-      return j.is_object() && j.contains("model") && j["model"].is_object() && j["model"].contains("type") &&
-             j["model"]["type"] == "WordPiece";
-    } catch (const nlohmann::json::exception& e) {
-      throw Error((dir / "tokenizer.json").string() + ": not valid JSON (" + e.what() + ")");
-    }
+    const auto j = read_json_file((dir / "tokenizer.json").string());
+    return j.is_object() && j.contains("model") && j["model"].is_object() && j["model"].contains("type") &&
+           j["model"]["type"] == "WordPiece";
   }
   return fs::exists(dir / "vocab.txt") && !fs::exists(dir / "vocab.json");
 }

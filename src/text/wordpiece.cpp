@@ -3,12 +3,13 @@
 
 #include <algorithm>
 #include <filesystem>
-#include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
 #include "core/error.h"
+#include "core/fileio.h"
 #include "core/json.h"
+#include "text/code_ranges.h"
 #include "text/unicode.h"
 
 namespace ddm::text {
@@ -17,21 +18,7 @@ namespace {
 namespace fs = std::filesystem;
 using nlohmann::json;
 
-std::string read_file(const fs::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  DDM_CHECK(in, path.string() << ": cannot read it");
-  std::ostringstream os;
-  os << in.rdbuf();
-  return os.str();
-}
-
-json parse_json(const fs::path& path) {
-  try {
-    return json::parse(read_file(path));
-  } catch (const json::exception& e) {
-    throw Error(path.string() + ": not valid JSON (" + e.what() + ")");
-  }
-}
+json parse_json(const fs::path& path) { return read_json_file(path.string()); }
 
 // The CJK ideograph blocks BERT sets apart, as the tokenizers library lists them (its BertNormalizer
 // starts one block at U+2B920 where Google's BERT has U+2B820).
@@ -41,16 +28,7 @@ bool is_cjk(char32_t c) {
          (c >= 0xF900 && c <= 0xFAFF) || (c >= 0x2F800 && c <= 0x2FA1F);
 }
 
-struct CodeRange {
-  char32_t first, last;
-};
 #include "text/split_tables.inc"
-
-template <size_t N>
-bool in_ranges(const CodeRange (&table)[N], char32_t c) {
-  const auto* it = std::upper_bound(table, table + N, c, [](char32_t v, const CodeRange& r) { return v < r.first; });
-  return it != table && c <= (it - 1)->last;
-}
 
 // The tokenizers library classes characters by Unicode 8.0's tables (its unicode_categories
 // dependency), so its punctuation, controls and accents are not today's: every P* character
