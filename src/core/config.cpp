@@ -360,7 +360,15 @@ RunConfig parse_config_text(const std::string& toml_text, const std::string& ori
   try {
     validate(cfg);
   } catch (const Error& err) {
-    DDM_FAIL(origin << ": " << err.what());
+    // Named where the value came from: the file, or the --set that last set the key the message is about.
+    const std::string message = err.what();
+    std::string where = origin;
+    for (const Entry& e : entries) {
+      const bool about = message.rfind(e.key, 0) == 0 &&
+                         (message.size() == e.key.size() || std::string(" =:,").find(message[e.key.size()]) != std::string::npos);
+      if (about) where = e.where;
+    }
+    DDM_FAIL(where << ": " << message);
   }
   return cfg;
 }

@@ -88,6 +88,16 @@ TEST(Config, GradientBucketsOfLessThanOneKibOrMoreThanOneTibAreRefused) {
   }
 }
 
+// An invalid value is named where it was set: the --set that set it last, or else the file.
+TEST(Config, ValidationErrorsNameTheSetThatGaveTheValue) {
+  const std::string from_set = error_of("[parallel]\nbucket_mb = 2\n", {"parallel.bucket_mb=0.0001"});
+  EXPECT_EQ(from_set.rfind("--set parallel.bucket_mb=0.0001: parallel.bucket_mb = 0.0001 MiB", 0), 0u) << from_set;
+  const std::string from_file = error_of("[parallel]\nbucket_mb = 0.0001\n", {"train.steps=5"});
+  EXPECT_EQ(from_file.rfind("test.toml: parallel.bucket_mb = 0.0001 MiB", 0), 0u) << from_file;
+  const std::string steps = error_of("[train]\nsteps = 3\n", {"train.steps=-5", "train.batch_size=4"});
+  EXPECT_EQ(steps.rfind("--set train.steps=-5: train.steps must be > 0", 0), 0u) << steps;
+}
+
 TEST(Config, AutoencoderAndLatentKeys) {
   const RunConfig ae = parse_config("[model]\npreset = \"ae-f4\"\n", "test.toml");
   EXPECT_EQ(ae.model.arch, "autoencoder");
