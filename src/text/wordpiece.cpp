@@ -57,7 +57,7 @@ WordPieceTokenizer WordPieceTokenizer::load_dir(const std::string& dir_name) {
   const fs::path config_file = dir / "tokenizer_config.json";
   if (fs::exists(config_file)) config = parse_json(config_file);
   auto name = [&](const char* key, const char* fallback) {
-    const json& v = config.contains(key) ? config[key] : json(fallback);
+    const json& v = config.contains(key) && !config[key].is_null() ? config[key] : json(fallback);
     if (v.is_object() && v.contains("content")) return v["content"].get<std::string>();
     DDM_CHECK(v.is_string(), config_file.string() << ": \"" << key << "\" is not a token");
     return v.get<std::string>();

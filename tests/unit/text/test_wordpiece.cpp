@@ -4,6 +4,7 @@
 // tokenizer.json and from vocab.txt + tokenizer_config.json; and bad directories.
 #include <gtest/gtest.h>
 
+#include <filesystem>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -100,6 +101,13 @@ TEST(WordPiece, BadDirectoriesAreClearErrorsNamingTheFile) {
   EXPECT_NE(message().find("holds neither tokenizer.json nor vocab.txt"), std::string::npos) << message();
   ddm::test::write_text(dir / "vocab.txt", "[PAD]\n[UNK]\n[CLS]\nhello\n");
   EXPECT_NE(message().find("vocab.txt: the vocabulary has no \"[SEP]\""), std::string::npos) << message();
+  // A config's null token is its default; a cased model stays cased.
+  ddm::test::write_text(dir / "vocab.txt", "[PAD]\n[UNK]\n[CLS]\n[SEP]\nHello\n##s\n");
+  ddm::test::write_text(dir / "tokenizer_config.json", R"({"mask_token": null, "do_lower_case": false})");
+  const auto cased = WordPieceTokenizer::from_dir(dir.path);
+  EXPECT_FALSE(cased.lowercase());
+  EXPECT_EQ(cased.tokenize("Hellos hello", 6), (std::vector<int64_t>{2, 4, 5, 1, 3, 0}));
+  std::filesystem::remove(dir / "tokenizer_config.json");
   ddm::test::write_text(dir / "tokenizer.json", R"({"model": {"type": "BPE", "vocab": {}}})");
   EXPECT_NE(message().find("tokenizer.json: not a WordPiece tokenizer"), std::string::npos) << message();
   ddm::test::write_text(dir / "tokenizer.json", R"({"model": {"type": "WordPiece", "vocab": {"a": -3}}})");
