@@ -16,6 +16,7 @@
 #include "core/error.h"
 #include "core/fileio.h"
 #include "core/json.h"
+#include "text/added_tokens.h"
 #include "text/clean.h"
 #include "text/code_ranges.h"
 #include "text/unicode.h"
@@ -48,16 +49,6 @@ std::string read_gz(const std::string& path) {
 }
 
 json parse_json(const fs::path& path) { return read_json_file(path.string()); }
-
-// A token named in tokenizer_config.json: a string, or an object with "content" (transformers' AddedToken).
-std::string token_name(const json& config, const std::string& key, const std::string& fallback, const fs::path& file) {
-  if (!config.contains(key) || config[key].is_null()) return fallback;
-  const json& v = config[key];
-  if (v.is_string()) return v.get<std::string>();
-  DDM_CHECK(v.is_object() && v.contains("content") && v["content"].is_string(),
-            file.string() << ": \"" << key << "\" is neither a token nor an object with \"content\"");
-  return v["content"].get<std::string>();
-}
 
 // Returns the bytes in the order bytes_to_unicode lists them: the printable ones, then the others;
 // out[b] is the character byte b stands for (GPT-2's map: printable bytes themselves, the others
@@ -198,7 +189,7 @@ ClipTokenizer ClipTokenizer::load_transformers_dir(const std::string& dir_name) 
   std::string source;
   std::vector<std::pair<std::string, std::string>> merges;
   json vocab;
-  std::vector<std::pair<std::string, int64_t>> added;  // content -> id, from tokenizer.json
+  AddedTokens added;  // from tokenizer.json, then the config's special tokens
   if (fs::exists(dir / "tokenizer.json")) {
     source = (dir / "tokenizer.json").string();
     const json tj = parse_json(dir / "tokenizer.json");
@@ -221,11 +212,7 @@ ClipTokenizer ClipTokenizer::load_transformers_dir(const std::string& dir_name) 
         DDM_FAIL(source << ": model.merges[" << i << "] is not a pair of symbols");
       }
     }
-    for (const json& a : tj.value("added_tokens", json::array())) {
-      DDM_CHECK(a.is_object() && a.contains("content") && a["content"].is_string() && a.contains("id"),
-                source << ": an entry of \"added_tokens\" has no \"content\" or \"id\"");
-      added.emplace_back(a["content"].get<std::string>(), json_int(a["id"], source + ": added_tokens id", 0));
-    }
+    added = read_added_tokens(tj, source);
   } else {
     DDM_CHECK(fs::exists(dir / "vocab.json") && fs::exists(dir / "merges.txt"),
               dir_name << ": holds neither tokenizer.json nor vocab.json + merges.txt (a transformers CLIPTokenizer"
@@ -261,9 +248,9 @@ ClipTokenizer ClipTokenizer::load_transformers_dir(const std::string& dir_name) 
     DDM_CHECK(t.vocab_.count(t.byte_symbol_[b] + "</w>") && t.vocab_.count(t.byte_symbol_[b]),
               source << ": not a byte-level CLIP vocabulary (no symbol for byte " << b << ")");
   }
-  const std::string start = token_name(config, "bos_token", "<|startoftext|>", config_file);
-  const std::string end = token_name(config, "eos_token", "<|endoftext|>", config_file);
-  const std::string pad = token_name(config, "pad_token", "<|endoftext|>", config_file);
+  const std::string start = config_token(config, "bos_token", "<|startoftext|>", config_file.string());
+  const std::string end = config_token(config, "eos_token", "<|endoftext|>", config_file.string());
+  const std::string pad = config_token(config, "pad_token", "<|endoftext|>", config_file.string());
   t.finish(source, start, end);
   auto pad_it = t.vocab_.find(pad);
   DDM_CHECK(pad_it != t.vocab_.end(), config_file.string() << ": pad_token \"" << pad << "\" is not in the vocabulary");
@@ -271,14 +258,11 @@ ClipTokenizer ClipTokenizer::load_transformers_dir(const std::string& dir_name) 
   // Special tokens found in the raw text: tokenizer.json's added tokens and the ones the config
   // names, as transformers adds them. So SD 2.x's pad token "!" is cut out of the text as itself
   // (id 0), not merged as the end of a word ("!</w>", 256) as open_clip's tokenizer does.
-  added.emplace_back(start, t.start_id_);
-  added.emplace_back(end, t.end_id_);
-  added.emplace_back(pad, t.pad_id_);
-  const std::string unk = token_name(config, "unk_token", "<|endoftext|>", config_file);
-  if (t.vocab_.count(unk)) added.emplace_back(unk, t.vocab_.at(unk));
-  for (const auto& [content, id] : added) {
-    if (!content.empty()) t.added_.emplace_back(utf8_to_u32(content, source + ": an added token"), id);
+  const std::string unk = config_token(config, "unk_token", "<|endoftext|>", config_file.string());
+  for (const std::string& token : {start, end, pad, unk}) {
+    if (!token.empty() && t.vocab_.count(token)) added.emplace_back(utf8_to_u32(token, config_file.string()), t.vocab_.at(token));
   }
+  t.added_ = std::move(added);
   if (config.contains("model_max_length") && config["model_max_length"].is_number_integer()) {
     const int64_t n = config["model_max_length"].get<int64_t>();  // transformers writes 1e30 for "none"
     if (n >= 2 && n <= 4096) t.context_ = static_cast<int>(n);
@@ -375,21 +359,10 @@ std::vector<int64_t> ClipTokenizer::encode(std::string_view text, std::string_vi
     encode_clean(u32_to_utf8(clean), ids, what);
     return ids;
   }
-  // transformers: the added tokens are cut out of the raw text first (leftmost, then longest).
-  for (size_t pos = 0; pos <= raw.size();) {
-    size_t best_at = raw.size(), best_len = 0;
-    int64_t best_id = -1;
-    for (const auto& [content, id] : added_) {
-      const size_t at = raw.find(content, pos);
-      if (at != std::u32string::npos && (at < best_at || (at == best_at && content.size() > best_len))) {
-        best_at = at, best_len = content.size(), best_id = id;
-      }
-    }
-    if (best_at > pos) encode_clean(u32_to_utf8(transformers_normalize(raw.substr(pos, best_at - pos))), ids, what);
-    if (best_id < 0) break;
-    ids.push_back(best_id);
-    pos = best_at + best_len;
-  }
+  // transformers: the added tokens are cut out of the raw text first (text/added_tokens.h).
+  split_on_added(raw, added_, ids, [&](std::u32string_view part) {
+    encode_clean(u32_to_utf8(transformers_normalize(part)), ids, what);
+  });
   return ids;
 }
 

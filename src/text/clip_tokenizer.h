@@ -77,7 +77,7 @@ class ClipTokenizer : public Tokenizer {
   std::vector<std::string> symbols_;                // id -> symbol ("" where the vocabulary has none)
   std::unordered_map<std::string, int32_t> ranks_;  // "a b" -> merge rank (lower merges first)
   std::string byte_symbol_[256];                    // byte -> its printable character, UTF-8
-  std::vector<std::pair<std::u32string, int64_t>> added_;  // transformers: found in the raw text first
+  std::vector<std::pair<std::u32string, int64_t>> added_;  // transformers: found in the raw text first (AddedTokens)
   std::string start_, end_;                         // the special tokens' names
   int64_t start_id_ = 0, end_id_ = 0, pad_id_ = 0;
   int context_ = 77;

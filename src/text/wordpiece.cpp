@@ -9,6 +9,7 @@
 #include "core/error.h"
 #include "core/fileio.h"
 #include "core/json.h"
+#include "text/added_tokens.h"
 #include "text/code_ranges.h"
 #include "text/unicode.h"
 
@@ -56,12 +57,7 @@ WordPieceTokenizer WordPieceTokenizer::load_dir(const std::string& dir_name) {
   json config = json::object();
   const fs::path config_file = dir / "tokenizer_config.json";
   if (fs::exists(config_file)) config = parse_json(config_file);
-  auto name = [&](const char* key, const char* fallback) {
-    const json& v = config.contains(key) && !config[key].is_null() ? config[key] : json(fallback);
-    if (v.is_object() && v.contains("content")) return v["content"].get<std::string>();
-    DDM_CHECK(v.is_string(), config_file.string() << ": \"" << key << "\" is not a token");
-    return v.get<std::string>();
-  };
+  auto name = [&](const char* key, const char* fallback) { return config_token(config, key, fallback, config_file.string()); };
   std::string source;
   if (fs::exists(dir / "tokenizer.json")) {
     source = (dir / "tokenizer.json").string();
@@ -82,12 +78,7 @@ WordPieceTokenizer WordPieceTokenizer::load_dir(const std::string& dir_name) {
     t.lowercase_ = norm.value("lowercase", true);
     t.strip_accents_ = norm.contains("strip_accents") && norm["strip_accents"].is_boolean()
                            ? norm["strip_accents"].get<bool>() : t.lowercase_;
-    for (const json& a : tj.value("added_tokens", json::array())) {
-      DDM_CHECK(a.is_object() && a.contains("content") && a["content"].is_string() && a.contains("id"),
-                source << ": an entry of \"added_tokens\" has no \"content\" or \"id\"");
-      t.added_.emplace_back(utf8_to_u32(a["content"].get<std::string>(), source),
-                            json_int(a["id"], source + ": added_tokens id", 0));
-    }
+    t.added_ = read_added_tokens(tj, source);
   } else {
     source = (dir / "vocab.txt").string();
     DDM_CHECK(fs::exists(source), dir_name << ": holds neither tokenizer.json nor vocab.txt (a transformers BERT"
@@ -196,21 +187,8 @@ void WordPieceTokenizer::encode_normalized(std::u32string_view raw, std::vector<
 std::vector<int64_t> WordPieceTokenizer::encode(std::string_view text, std::string_view what) const {
   const std::u32string raw = utf8_to_u32(text, what);
   std::vector<int64_t> ids;
-  // The special tokens are cut out of the raw text first (leftmost, then longest).
-  for (size_t pos = 0; pos <= raw.size();) {
-    size_t best_at = raw.size(), best_len = 0;
-    int64_t best_id = -1;
-    for (const auto& [content, id] : added_) {
-      const size_t at = raw.find(content, pos);
-      if (at != std::u32string::npos && (at < best_at || (at == best_at && content.size() > best_len))) {
-        best_at = at, best_len = content.size(), best_id = id;
-      }
-    }
-    if (best_at > pos) encode_normalized(std::u32string_view(raw).substr(pos, best_at - pos), ids);
-    if (best_id < 0) break;
-    ids.push_back(best_id);
-    pos = best_at + best_len;
-  }
+  // The special tokens are cut out of the raw text first (text/added_tokens.h).
+  split_on_added(raw, added_, ids, [&](std::u32string_view part) { encode_normalized(part, ids); });
   return ids;
 }
 
