@@ -8,7 +8,9 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstring>
+#include <fstream>
 #include <limits>
 #include <vector>
 
@@ -149,31 +151,31 @@ std::string safetensors_bytes(const SafetensorsFile& file) {
   return out;
 }
 
-SafetensorsFile parse_safetensors(const std::string& bytes, const std::string& origin) {
-  DDM_CHECK(bytes.size() >= 8, origin << ": not a safetensors file: " << bytes.size()
-                                      << " bytes, shorter than the 8-byte header length");
-  uint64_t n = 0;
-  for (int i = 0; i < 8; ++i) n |= static_cast<uint64_t>(static_cast<unsigned char>(bytes[i])) << (8 * i);
-  DDM_CHECK(n <= bytes.size() - 8, origin << ": header length " << n << " goes beyond the file size ("
-                                          << bytes.size() << " bytes); the file is truncated or not safetensors");
-  DDM_CHECK(n >= 2 && bytes[8] == '{', origin << ": header does not start with '{'; not a safetensors file");
+namespace {
+
+// The header and the entries it describes, checked whole (keys unique, entries tiling the data
+// buffer of `data_size` bytes exactly).
+struct Header {
+  std::map<std::string, std::string> metadata;
+  std::vector<Entry> entries;
+};
+
+Header parse_header(const char* text, uint64_t n, uint64_t data_size, const std::string& origin) {
+  DDM_CHECK(n >= 2 && text[0] == '{', origin << ": header does not start with '{'; not a safetensors file");
   // nlohmann keeps the last of duplicate keys silently; a safetensors header must not have any.
   std::vector<std::string> top_keys;
   const json::parser_callback_t note_keys = [&top_keys](int depth, json::parse_event_t event, json& parsed) {
     if (depth == 1 && event == json::parse_event_t::key) top_keys.push_back(parsed.get<std::string>());
     return true;
   };
-  const json header = json::parse(bytes.begin() + 8, bytes.begin() + 8 + static_cast<std::ptrdiff_t>(n),
-                                  note_keys, /*allow_exceptions=*/false);
+  const json header = json::parse(text, text + n, note_keys, /*allow_exceptions=*/false);
   DDM_CHECK(!header.is_discarded(), origin << ": header is not valid JSON");
   std::sort(top_keys.begin(), top_keys.end());
   const auto dup = std::adjacent_find(top_keys.begin(), top_keys.end());
   DDM_CHECK(dup == top_keys.end(), origin << ": tensor '" << *dup << "' appears twice in the header");
   DDM_CHECK(header.is_object(), origin << ": header must be a JSON object");
 
-  const uint64_t data_size = bytes.size() - 8 - n;
-  SafetensorsFile out;
-  std::vector<Entry> entries;
+  Header out;
   for (const auto& [name, info] : header.items()) {
     if (name == "__metadata__") {
       DDM_CHECK(info.is_object(), origin << ": '__metadata__' must be an object of string values");
@@ -184,12 +186,12 @@ SafetensorsFile parse_safetensors(const std::string& bytes, const std::string& o
       }
       continue;
     }
-    entries.push_back(parse_entry(name, info, origin, data_size));
+    out.entries.push_back(parse_entry(name, info, origin, data_size));
   }
 
   // The entries must tile the data buffer exactly: no overlap, no gap, nothing left over.
   std::vector<const Entry*> by_offset;
-  for (const auto& e : entries) by_offset.push_back(&e);
+  for (const auto& e : out.entries) by_offset.push_back(&e);
   std::sort(by_offset.begin(), by_offset.end(), [](const Entry* a, const Entry* b) {
     return a->begin != b->begin ? a->begin < b->begin : a->end < b->end;
   });
@@ -206,19 +208,43 @@ SafetensorsFile parse_safetensors(const std::string& bytes, const std::string& o
   DDM_CHECK(expect == data_size, origin << ": " << (data_size - expect) << " bytes after the last tensor"
                                         << (prev ? " '" + prev->name + "'" : std::string())
                                         << " are not described by the header");
+  return out;
+}
 
+uint64_t header_length(const char* first8) {
+  uint64_t n = 0;
+  for (int i = 0; i < 8; ++i) n |= static_cast<uint64_t>(static_cast<unsigned char>(first8[i])) << (8 * i);
+  return n;
+}
+
+// An empty tensor of the entry's dtype and shape, for its bytes to be copied or read into.
+torch::Tensor empty_for(const Entry& e) { return torch::empty(e.shape, torch::TensorOptions().dtype(e.dtype->type)); }
+
+// BOOL tensors must hold only 0 and 1.
+void check_bools(const Entry& e, const torch::Tensor& t, const std::string& origin) {
+  if (e.dtype->type != torch::kBool) return;
+  const auto* bytes = static_cast<const unsigned char*>(t.data_ptr());
+  for (uint64_t i = 0; i < e.end - e.begin; ++i)
+    DDM_CHECK(bytes[i] <= 1, origin << ": tensor '" << e.name << "' is BOOL but byte " << i << " is "
+                                    << static_cast<int>(bytes[i]) << " (must be 0 or 1)");
+}
+
+}  // namespace
+
+SafetensorsFile parse_safetensors(const std::string& bytes, const std::string& origin) {
+  DDM_CHECK(bytes.size() >= 8, origin << ": not a safetensors file: " << bytes.size()
+                                      << " bytes, shorter than the 8-byte header length");
+  const uint64_t n = header_length(bytes.data());
+  DDM_CHECK(n <= bytes.size() - 8, origin << ": header length " << n << " goes beyond the file size ("
+                                          << bytes.size() << " bytes); the file is truncated or not safetensors");
+  const Header header = parse_header(bytes.data() + 8, n, bytes.size() - 8 - n, origin);
+  SafetensorsFile out;
+  out.metadata = header.metadata;
   const char* data = bytes.data() + 8 + n;
-  for (const auto& e : entries) {
-    torch::Tensor t = torch::empty(e.shape, torch::TensorOptions().dtype(e.dtype->type));
-    const uint64_t nbytes = e.end - e.begin;
-    if (e.dtype->type == torch::kBool) {
-      for (uint64_t i = 0; i < nbytes; ++i) {
-        const unsigned char b = static_cast<unsigned char>(data[e.begin + i]);
-        DDM_CHECK(b <= 1, origin << ": tensor '" << e.name << "' is BOOL but byte " << i << " is "
-                                 << static_cast<int>(b) << " (must be 0 or 1)");
-      }
-    }
-    if (nbytes > 0) std::memcpy(t.data_ptr(), data + e.begin, nbytes);
+  for (const auto& e : header.entries) {
+    torch::Tensor t = empty_for(e);
+    if (e.end > e.begin) std::memcpy(t.data_ptr(), data + e.begin, e.end - e.begin);
+    check_bools(e, t, origin);
     out.tensors[e.name] = t;
   }
   return out;
@@ -229,5 +255,35 @@ void save_safetensors(const std::string& path, const SafetensorsFile& file) {
 }
 
 SafetensorsFile load_safetensors(const std::string& path) { return parse_safetensors(read_file(path), path); }
+
+SafetensorsFile load_safetensors(const std::string& path, const std::function<bool(const std::string&)>& keep) {
+  std::ifstream in(path, std::ios::binary);
+  DDM_CHECK(in, path << ": cannot open (" << std::strerror(errno) << ")");
+  in.seekg(0, std::ios::end);
+  const uint64_t size = static_cast<uint64_t>(in.tellg());
+  DDM_CHECK(size >= 8, path << ": not a safetensors file: " << size << " bytes, shorter than the 8-byte header length");
+  char first8[8];
+  in.seekg(0);
+  in.read(first8, 8);
+  const uint64_t n = header_length(first8);
+  DDM_CHECK(n <= size - 8, path << ": header length " << n << " goes beyond the file size (" << size
+                                << " bytes); the file is truncated or not safetensors");
+  std::string text(n, '\0');
+  in.read(text.data(), static_cast<std::streamsize>(n));
+  DDM_CHECK(in, path << ": cannot read the header (" << std::strerror(errno) << ")");
+  const Header header = parse_header(text.data(), n, size - 8 - n, path);
+  SafetensorsFile out;
+  out.metadata = header.metadata;
+  for (const auto& e : header.entries) {
+    if (!keep(e.name)) continue;
+    torch::Tensor t = empty_for(e);
+    in.seekg(static_cast<std::streamoff>(8 + n + e.begin));
+    in.read(static_cast<char*>(t.data_ptr()), static_cast<std::streamsize>(e.end - e.begin));
+    DDM_CHECK(in, path << ": cannot read tensor '" << e.name << "' (" << std::strerror(errno) << ")");
+    check_bools(e, t, path);
+    out.tensors[e.name] = t;
+  }
+  return out;
+}
 
 }  // namespace ddm

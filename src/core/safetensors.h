@@ -3,6 +3,7 @@
 // "__metadata__": {str: str}}, then the raw little-endian tensor bytes. Written by hand because no
 // Debian package provides a C++ implementation; the format is small and fully specified.
 #pragma once
+#include <functional>
 #include <map>
 #include <string>
 
@@ -25,5 +26,8 @@ SafetensorsFile parse_safetensors(const std::string& bytes, const std::string& o
 // File helpers. save_safetensors writes atomically (temporary name, fsync, rename).
 void save_safetensors(const std::string& path, const SafetensorsFile& file);
 SafetensorsFile load_safetensors(const std::string& path);
+// Reads only the tensors `keep` accepts, each straight from the file into its tensor (the header is
+// still checked whole): a 4 GB CLIP of which the text tower is wanted costs the text tower's memory.
+SafetensorsFile load_safetensors(const std::string& path, const std::function<bool(const std::string&)>& keep);
 
 }  // namespace ddm

@@ -1,0 +1,52 @@
+// Reads STEM.safetensors or the shards STEM.safetensors.index.json maps tensors to.
+#include "core/weights_dir.h"
+
+#include <filesystem>
+#include <nlohmann/json.hpp>
+#include <set>
+
+#include "core/error.h"
+#include "core/json.h"
+
+namespace ddm {
+
+SafetensorsFile load_weights_dir(const std::string& dir, const std::string& stem,
+                                 const std::function<bool(const std::string&)>& keep) {
+  namespace fs = std::filesystem;
+  const auto all = [](const std::string&) { return true; };
+  const std::function<bool(const std::string&)> wanted = keep ? keep : all;
+  const std::string single = dir + "/" + stem + ".safetensors", index = single + ".index.json";
+  if (fs::exists(single)) return load_safetensors(single, wanted);
+  if (!fs::exists(index)) {
+    std::string pickles;
+    for (const char* p : {"pytorch_model.bin", "diffusion_pytorch_model.bin", "open_clip_pytorch_model.bin"})
+      if (fs::exists(dir + "/" + p)) pickles += std::string(pickles.empty() ? "" : ", ") + p;
+    throw Error(dir + ": no " + stem + ".safetensors and no " + stem + ".safetensors.index.json" +
+                (pickles.empty() ? std::string()
+                                 : " (it has " + pickles + ", a PyTorch pickle, which ddm does not read: "
+                                   "save the model with safetensors, as save_pretrained does by default)"));
+  }
+  const nlohmann::json j = read_json_file(index);
+  DDM_CHECK(j.is_object() && j.contains("weight_map") && j["weight_map"].is_object(),
+            index << ": no \"weight_map\" object (tensor name -> shard file)");
+  std::set<std::string> shards;
+  for (const auto& [name, file] : j["weight_map"].items()) {
+    DDM_CHECK(file.is_string(), index << ": weight_map[\"" << name << "\"] is not a file name");
+    const std::string f = file.get<std::string>();
+    DDM_CHECK(!f.empty() && f.find('/') == std::string::npos && f != "..",
+              index << ": weight_map[\"" << name << "\"] = \"" << f << "\" is not a file beside the index");
+    if (wanted(name)) shards.insert(f);
+  }
+  SafetensorsFile out;
+  for (const auto& shard : shards) {
+    SafetensorsFile part = load_safetensors(dir + "/" + shard, wanted);
+    for (auto& [name, t] : part.tensors) {
+      DDM_CHECK(!out.tensors.count(name), dir << "/" << shard << ": tensor \"" << name << "\" is also in another shard");
+      out.tensors[name] = t;
+    }
+    out.metadata.insert(part.metadata.begin(), part.metadata.end());
+  }
+  return out;
+}
+
+}  // namespace ddm
