@@ -247,6 +247,35 @@ TEST(Safetensors, FileRoundTripAndAtomicFailureKeepsOldFile) {
   }
 }
 
+TEST(Safetensors, SelectiveLoadReadsTheChosenTensorsAndChecksTheWholeHeader) {
+  ddm::test::TempDir dir;
+  const std::string path = dir / "all.safetensors";
+  const SafetensorsFile f = every_dtype();
+  ddm::save_safetensors(path, f);
+  const SafetensorsFile some = ddm::load_safetensors(path, [](const std::string& k) { return k[0] == 'f' || k == "bool"; });
+  EXPECT_EQ(some.metadata, f.metadata);
+  ASSERT_EQ(some.tensors.size(), 4u);  // f64 f32 f16 bool
+  for (const auto& [name, t] : some.tensors) EXPECT_TRUE(torch::equal(t, f.tensors.at(name))) << name;
+  // The same malformed files as the whole reader refuses, even when no tensor is wanted.
+  const auto none = [](const std::string&) { return false; };
+  ddm::test::write_text(dir / "cut.safetensors", ddm::read_file(path).substr(0, 100));
+  EXPECT_NE(ddm::test::error_message([&] { ddm::load_safetensors(dir / "cut.safetensors", none); }).find("cut.safetensors"),
+            std::string::npos);
+  ddm::test::write_text(dir / "gap.safetensors", make_file(R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},)"
+                                                           R"("b":{"dtype":"F32","shape":[1],"data_offsets":[8,12]}})",
+                                                           std::string(12, '\0')));
+  EXPECT_NE(ddm::test::error_message([&] { ddm::load_safetensors(dir / "gap.safetensors", none); })
+                .find("gap of 4 bytes before tensor 'b'"),
+            std::string::npos);
+  ddm::test::write_text(dir / "bool.safetensors", make_file(R"({"w":{"dtype":"BOOL","shape":[2],"data_offsets":[0,2]}})",
+                                                            std::string("\x01\x02", 2)));
+  EXPECT_NE(ddm::test::error_message([&] { ddm::load_safetensors(dir / "bool.safetensors", [](const std::string&) { return true; }); })
+                .find("must be 0 or 1"),
+            std::string::npos);
+  EXPECT_NE(ddm::test::error_message([&] { ddm::load_safetensors(dir / "nope.safetensors", none); }).find("No such file"),
+            std::string::npos);
+}
+
 TEST(FileIo, Sha256KnownVectors) {
   EXPECT_EQ(ddm::sha256_hex(""), "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855");
   EXPECT_EQ(ddm::sha256_hex("abc"), "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
