@@ -1,5 +1,6 @@
-// `ddm text tokenize`: what a text model gets from a tokenizer, to check a tokenizer before training
-// on it (src/text/tokenizer.h names the tokenizers ddm reads).
+// `ddm text tokenize` and `ddm text encode`: what a text model gets from a tokenizer, and what a frozen
+// text encoder makes of it, to check either before training on it (src/text/tokenizer.h and
+// src/text/encoder.h name the directories ddm reads).
 #include <CLI/CLI.hpp>
 
 #include <algorithm>
@@ -11,9 +12,33 @@
 
 #include "cli_util.h"
 #include "core/error.h"
+#include "core/device.h"
+#include "core/safetensors.h"
+#include "text/encoder.h"
 #include "text/tokenizer.h"
 
 namespace ddm {
+namespace {
+
+// The texts of the command line, then those of `file` (one per line, a trailing \r dropped), each
+// with what names it in errors.
+std::vector<std::pair<std::string, std::string>> read_texts(const std::vector<std::string>& args, const std::string& file,
+                                                            const std::string& option) {
+  std::vector<std::pair<std::string, std::string>> texts;
+  for (size_t i = 0; i < args.size(); ++i) texts.emplace_back(args[i], "text " + std::to_string(i + 1) + " of the command line");
+  if (!file.empty()) {
+    std::ifstream in(file, std::ios::binary);
+    if (!in) throw InputError(file + ": cannot read it (" + option + ")");
+    std::string line;
+    for (int n = 1; std::getline(in, line); ++n) {
+      if (!line.empty() && line.back() == '\r') line.pop_back();
+      texts.emplace_back(line, file + " line " + std::to_string(n));
+    }
+  }
+  return texts;
+}
+
+}  // namespace
 
 Command add_text_command(CLI::App& app) {
   struct Args {
@@ -21,9 +46,14 @@ Command add_text_command(CLI::App& app) {
     std::vector<std::string> texts;
     int context = 0;
     bool no_pad = false;
+    // encode
+    std::string encoder, encoder_tokenizer, prompts, out, device = "cpu";
+    std::vector<std::string> prompt_args;
+    int64_t skip = 0, batch = 64;
+    int encode_context = 0;
   };
   auto a = std::make_shared<Args>();
-  auto* cmd = app.add_subcommand("text", "The text side of text-to-image models: tokenizers.");
+  auto* cmd = app.add_subcommand("text", "The text side of text-to-image models: tokenizers and text encoders.");
   cmd->require_subcommand(1);
   auto* tokenize = cmd->add_subcommand(
       "tokenize", "Print the token ids each text becomes, one line per text, as the model gets them.");
@@ -34,19 +64,68 @@ Command add_text_command(CLI::App& app) {
                        "tokenizer directory (CLIP or BERT) or a Stable Diffusion directory");
   tokenize->add_option("--context", a->context, "ids per text (default: the tokenizer's: 77 for CLIP, its model_max_length for BERT)")->check(kPositive);
   tokenize->add_flag("--no-pad", a->no_pad, "print each text's ids without the padding");
-  return Command{cmd, [a] {
-                   std::vector<std::pair<std::string, std::string>> texts;  // text, what to call it in errors
-                   for (size_t i = 0; i < a->texts.size(); ++i)
-                     texts.emplace_back(a->texts[i], "text " + std::to_string(i + 1) + " of the command line");
-                   if (!a->file.empty()) {
-                     std::ifstream in(a->file, std::ios::binary);
-                     if (!in) throw InputError(a->file + ": cannot read it (--file)");
-                     std::string line;
-                     for (int n = 1; std::getline(in, line); ++n) {
-                       if (!line.empty() && line.back() == '\r') line.pop_back();
-                       texts.emplace_back(line, a->file + " line " + std::to_string(n));
+  auto* encode = cmd->add_subcommand(
+      "encode", "Write a frozen text encoder's outputs for prompts into a safetensors file: per-token states "
+                "[N, T, D], their attention mask [N, T], the pooled embedding [N, P] and the ids [N, T].");
+  encode->add_option("prompts", a->prompt_args, "prompts to encode (or --prompts)");
+  encode->add_option("--encoder", a->encoder,
+                     "the encoder's directory: open_clip's (open_clip_config.json), transformers' CLIP or BERT "
+                     "(config.json), a sentence-transformers model, or a diffusers Stable Diffusion directory")
+      ->required();
+  encode->add_option("--prompts", a->prompts, "a UTF-8 file of prompts, one per line");
+  encode->add_option("--out", a->out, "the safetensors file to write (written whole or not at all)")->required();
+  encode->add_option("--skip", a->skip, "CLIP: states from this many layers before the last (1: the penultimate, as SD 2.x) [0]")
+      ->check(kNonNegative);
+  encode->add_option("--tokenizer", a->encoder_tokenizer, "a tokenizer instead of the one found with the encoder");
+  encode->add_option("--context", a->encode_context, "ids per prompt (default: the tokenizer's, at most the encoder's positions)")
+      ->check(kPositive);
+  encode->add_option("--batch", a->batch, "prompts encoded at once [64]")->check(kPositive);
+  encode->add_option("--device", a->device, "where the encoder runs: cpu | cuda | cuda:N [cpu]")->check(kDeviceSpec);
+  return Command{cmd, [a, encode] {
+                   if (encode->parsed()) {
+                     const auto texts = read_texts(a->prompt_args, a->prompts, "--prompts");
+                     if (texts.empty()) throw InputError("ddm text encode: give prompts or --prompts (see --help)");
+                     text::TextEncoderOptions options;
+                     options.skip = a->skip;
+                     options.tokenizer = a->encoder_tokenizer;
+                     options.context = a->encode_context;
+                     auto enc = as_input_error([&] { return text::load_text_encoder(a->encoder, options); });
+                     std::cerr << enc->describe() << "\n";
+                     const torch::Device device = resolve_device(a->device, 0, "--device");
+                     configure_math(device, false);
+                     enc->to(device);
+                     // Every prompt tokenized first: a bad one stops before any work and names its line.
+                     for (const auto& [s, what] : texts) as_input_error([&, &s = s, &what = what] { enc->tokenizer().tokenize(s, enc->context(), what); });
+                     std::vector<torch::Tensor> states, masks, pooled, ids;
+                     const size_t n = texts.size(), step = static_cast<size_t>(a->batch);
+                     for (size_t i = 0; i < n; i += step) {
+                       std::vector<std::string> batch, what;
+                       for (size_t k = i; k < std::min(n, i + step); ++k) {
+                         batch.push_back(texts[k].first);
+                         what.push_back(texts[k].second);
+                       }
+                       const auto e = enc->encode(batch, what);
+                       states.push_back(e.states.cpu());
+                       masks.push_back(e.mask.cpu());
+                       pooled.push_back(e.pooled.cpu());
+                       if (n > step) std::cerr << "encoded " << std::min(n, i + step) << " of " << n << " prompts\n";
                      }
+                     SafetensorsFile f;
+                     f.tensors["states"] = torch::cat(states);
+                     f.tensors["mask"] = torch::cat(masks);
+                     f.tensors["pooled"] = torch::cat(pooled);
+                     torch::Tensor all_ids = torch::empty({static_cast<int64_t>(n), enc->context()}, torch::kInt64);
+                     for (size_t k = 0; k < n; ++k)
+                       all_ids[static_cast<int64_t>(k)].copy_(torch::tensor(enc->tokenizer().tokenize(texts[k].first, enc->context()), torch::kInt64));
+                     f.tensors["ids"] = all_ids;
+                     f.metadata["encoder"] = enc->describe();
+                     f.metadata["prompts"] = std::to_string(n);
+                     as_input_error([&] { save_safetensors(a->out, f); });
+                     std::cerr << "wrote " << a->out << ": states " << f.tensors["states"].sizes() << ", pooled "
+                               << f.tensors["pooled"].sizes() << "\n";
+                     return 0;
                    }
+                   const auto texts = read_texts(a->texts, a->file, "--file");
                    if (texts.empty()) throw InputError("ddm text tokenize: give texts or --file (see --help)");
                    const auto t = as_input_error([&] { return text::load_tokenizer(a->tokenizer); });
                    std::cerr << text::describe(*t, a->tokenizer) << "\n";

@@ -3,6 +3,7 @@
 
 #include <filesystem>
 #include <nlohmann/json.hpp>
+#include <map>
 #include <set>
 
 #include "core/error.h"
@@ -10,14 +11,29 @@
 
 namespace ddm {
 
-SafetensorsFile load_weights_dir(const std::string& dir, const std::string& stem,
-                                 const std::function<bool(const std::string&)>& keep) {
-  namespace fs = std::filesystem;
-  const auto all = [](const std::string&) { return true; };
-  const std::function<bool(const std::string&)> wanted = keep ? keep : all;
+namespace {
+
+namespace fs = std::filesystem;
+
+// STEM.safetensors.index.json's weight_map: tensor name -> shard file beside it.
+std::map<std::string, std::string> weight_map(const std::string& index) {
+  const nlohmann::json j = read_json_file(index);
+  DDM_CHECK(j.is_object() && j.contains("weight_map") && j["weight_map"].is_object(),
+            index << ": no \"weight_map\" object (tensor name -> shard file)");
+  std::map<std::string, std::string> out;
+  for (const auto& [name, file] : j["weight_map"].items()) {
+    DDM_CHECK(file.is_string(), index << ": weight_map[\"" << name << "\"] is not a file name");
+    const std::string f = file.get<std::string>();
+    DDM_CHECK(!f.empty() && f.find('/') == std::string::npos && f != "..",
+              index << ": weight_map[\"" << name << "\"] = \"" << f << "\" is not a file beside the index");
+    out[name] = f;
+  }
+  return out;
+}
+
+void refuse_missing(const std::string& dir, const std::string& stem) {
   const std::string single = dir + "/" + stem + ".safetensors", index = single + ".index.json";
-  if (fs::exists(single)) return load_safetensors(single, wanted);
-  if (!fs::exists(index)) {
+  if (!fs::exists(single) && !fs::exists(index)) {
     std::string pickles;
     for (const char* p : {"pytorch_model.bin", "diffusion_pytorch_model.bin", "open_clip_pytorch_model.bin"})
       if (fs::exists(dir + "/" + p)) pickles += std::string(pickles.empty() ? "" : ", ") + p;
@@ -26,17 +42,29 @@ SafetensorsFile load_weights_dir(const std::string& dir, const std::string& stem
                                  : " (it has " + pickles + ", a PyTorch pickle, which ddm does not read: "
                                    "save the model with safetensors, as save_pretrained does by default)"));
   }
-  const nlohmann::json j = read_json_file(index);
-  DDM_CHECK(j.is_object() && j.contains("weight_map") && j["weight_map"].is_object(),
-            index << ": no \"weight_map\" object (tensor name -> shard file)");
+}
+
+}  // namespace
+
+std::vector<std::string> weights_dir_files(const std::string& dir, const std::string& stem) {
+  refuse_missing(dir, stem);
+  const std::string single = dir + "/" + stem + ".safetensors";
+  if (fs::exists(single)) return {single};
   std::set<std::string> shards;
-  for (const auto& [name, file] : j["weight_map"].items()) {
-    DDM_CHECK(file.is_string(), index << ": weight_map[\"" << name << "\"] is not a file name");
-    const std::string f = file.get<std::string>();
-    DDM_CHECK(!f.empty() && f.find('/') == std::string::npos && f != "..",
-              index << ": weight_map[\"" << name << "\"] = \"" << f << "\" is not a file beside the index");
+  for (const auto& [name, f] : weight_map(single + ".index.json")) shards.insert(dir + "/" + f);
+  return {shards.begin(), shards.end()};
+}
+
+SafetensorsFile load_weights_dir(const std::string& dir, const std::string& stem,
+                                 const std::function<bool(const std::string&)>& keep) {
+  const auto all = [](const std::string&) { return true; };
+  const std::function<bool(const std::string&)> wanted = keep ? keep : all;
+  refuse_missing(dir, stem);
+  const std::string single = dir + "/" + stem + ".safetensors";
+  if (fs::exists(single)) return load_safetensors(single, wanted);
+  std::set<std::string> shards;
+  for (const auto& [name, f] : weight_map(single + ".index.json"))
     if (wanted(name)) shards.insert(f);
-  }
   SafetensorsFile out;
   for (const auto& shard : shards) {
     SafetensorsFile part = load_safetensors(dir + "/" + shard, wanted);

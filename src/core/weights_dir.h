@@ -4,6 +4,7 @@
 #pragma once
 #include <functional>
 #include <string>
+#include <vector>
 
 #include "core/safetensors.h"
 
@@ -14,5 +15,9 @@ namespace ddm {
 // index or shard that is malformed.
 SafetensorsFile load_weights_dir(const std::string& dir, const std::string& stem,
                                  const std::function<bool(const std::string&)>& keep = nullptr);
+
+// The files load_weights_dir reads for `dir` and `stem` (every shard the index names), for pinning by
+// sha256. Throws as load_weights_dir does when there are none.
+std::vector<std::string> weights_dir_files(const std::string& dir, const std::string& stem);
 
 }  // namespace ddm

@@ -2,12 +2,13 @@
 #include "text/bert_encoder.h"
 
 #include <cmath>
+#include <filesystem>
 #include <limits>
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
 #include "core/json.h"
-#include "core/safetensors.h"
+#include "core/weights_dir.h"
 
 namespace ddm::text {
 
@@ -29,8 +30,34 @@ BertEncoder BertEncoder::load(const std::string& dir) {
   }
   DDM_CHECK(e.hidden % e.heads == 0, config_path << ": hidden_size " << e.hidden << " is not a multiple of "
                                                  << "num_attention_heads " << e.heads);
+  // sentence-transformers' modules: mean pooling (the only one ddm runs), then Normalize or not.
+  if (std::filesystem::exists(dir + "/modules.json")) {
+    const std::string modules_path = dir + "/modules.json";
+    const nlohmann::json modules = read_json_file(modules_path);
+    DDM_CHECK(modules.is_array(), modules_path << ": not a JSON array of modules");
+    for (const auto& m : modules) {
+      const std::string type = m.is_object() ? m.value("type", "") : "";
+      if (type == "sentence_transformers.models.Normalize") e.normalize = true;
+    }
+  }
+  if (std::filesystem::exists(dir + "/1_Pooling/config.json")) {
+    const std::string pooling_path = dir + "/1_Pooling/config.json";
+    const nlohmann::json pooling = read_json_file(pooling_path);
+    DDM_CHECK(pooling.is_object() && pooling.value("pooling_mode_mean_tokens", false) &&
+                  !pooling.value("pooling_mode_cls_token", false) && !pooling.value("pooling_mode_max_tokens", false) &&
+                  !pooling.value("pooling_mode_mean_sqrt_len_tokens", false),
+              pooling_path << ": ddm pools BERT sentence embeddings by the mean of the tokens only "
+                           << "(pooling_mode_mean_tokens true, the other modes false)");
+  }
+  if (std::filesystem::exists(dir + "/sentence_bert_config.json")) {
+    const std::string st_path = dir + "/sentence_bert_config.json";
+    const nlohmann::json st = read_json_file(st_path);
+    if (st.is_object() && st.contains("max_seq_length"))
+      e.max_seq_length = json_int(st["max_seq_length"], st_path + ": max_seq_length", 1, 1 << 20);
+  }
   const std::string weights = dir + "/model.safetensors";
-  for (auto& [name, t] : load_safetensors(weights).tensors) {
+  e.files = weights_dir_files(dir, "model");
+  for (auto& [name, t] : load_weights_dir(dir, "model").tensors) {
     const std::string key = name.rfind("bert.", 0) == 0 ? name.substr(5) : name;
     e.w[key] = t.to(torch::kFloat32);
   }
@@ -105,6 +132,7 @@ torch::Tensor BertEncoder::sentence_embedding(const torch::Tensor& ids, const to
   const torch::Tensor states = forward(ids, mask);                       // [B, T, hidden]
   const torch::Tensor m = mask.to(torch::kFloat32).unsqueeze(-1);       // [B, T, 1]
   const torch::Tensor mean = (states * m).sum(1) / m.sum(1).clamp_min(1e-9);  // [B, hidden]
+  if (!normalize) return mean;
   return torch::nn::functional::normalize(mean, torch::nn::functional::NormalizeFuncOptions().p(2).dim(1));
 }
 

@@ -77,6 +77,7 @@ ClipTextEncoder load_transformers(const std::string& dir) {
   check_size(e, path);
   Weights w;
   w.file = dir + "/model.safetensors";
+  e.files = weights_dir_files(dir, "model");
   w.t = load_weights_dir(dir, "model", [](const std::string& k) {
           return starts_with(k, "text_model.") || starts_with(k, "text_projection.") || starts_with(k, "embeddings.") ||
                  starts_with(k, "encoder.") || starts_with(k, "final_layer_norm.");
@@ -173,6 +174,7 @@ ClipTextEncoder load_open_clip(const std::string& dir) {
     }
   Weights w;
   w.file = dir + "/" + stem + ".safetensors";
+  e.files = weights_dir_files(dir, stem);
   w.t = load_weights_dir(dir, stem, [&](const std::string& k) {
           return !starts_with(k, "visual.") && (p.empty() || starts_with(k, p));
         }).tensors;

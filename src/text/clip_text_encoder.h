@@ -39,6 +39,7 @@ struct ClipTextEncoder {
     torch::Tensor ln1_w, ln1_b, qkv_w, qkv_b, out_w, out_b, ln2_w, ln2_b, fc1_w, fc1_b, fc2_w, fc2_b;
   };
   std::string format;  // "transformers" or "open_clip"
+  std::vector<std::string> files;  // the weights' files (a run pins them by sha256)
   int64_t width = 0, heads = 0, positions = 0, vocab = 0;
   bool quick_gelu = false;  // x * sigmoid(1.702 x), as OpenAI's CLIP; otherwise exact GELU
   double eps = 1e-5;

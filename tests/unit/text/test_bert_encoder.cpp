@@ -30,6 +30,8 @@ TEST(BertEncoder, MiniLmEmbeddingsEqualSentenceTransformersWithinFloat32Rounding
   const auto enc = BertEncoder::load(model);
   EXPECT_EQ(enc.hidden, 384);
   EXPECT_EQ(enc.layers, 6);
+  EXPECT_TRUE(enc.normalize);                   // its modules.json lists Normalize
+  EXPECT_EQ(enc.max_seq_length, max_len);       // sentence_bert_config.json's, as sentence-transformers cuts
   const auto& texts = ref["texts"];
   ASSERT_GE(texts.size(), 100u);
   double worst = 0;

@@ -15,6 +15,7 @@
 #include "core/safetensors.h"
 #include "test_util.h"
 #include "text/clip_text_encoder.h"
+#include "text/encoder.h"
 #include "text/tokenizer.h"
 
 using ddm::test::TempDir;
@@ -69,6 +70,20 @@ void check_against_libraries(const std::string& size, int texts) {
     std::ostringstream s;
     s << std::scientific << r_last << " " << r_pen << " " << r_pool;
     ::testing::Test::RecordProperty(std::string(c.name) + "_relative_last_penultimate_pooled", s.str());
+    if (std::string(c.format) == "open_clip") {
+      // The same through load_text_encoder: texts in, its own tokenizer (CLIP's BPE, open_clip's
+      // padding), SD 2.x's penultimate states out; every position attended to.
+      ddm::text::TextEncoderOptions options;
+      options.skip = 1;
+      const auto text_encoder = ddm::text::load_text_encoder(model, options);
+      std::vector<std::string> batch;
+      for (const auto& t : all_texts) batch.push_back(t.get<std::string>());
+      const auto e = text_encoder->encode(batch);
+      EXPECT_LT(relative(e.states, ref.at("penultimate")), 1e-4);
+      EXPECT_LT(relative(e.pooled, ref.at("pooled")), 1e-4);
+      EXPECT_EQ(e.mask.sum().item<int64_t>(), e.mask.numel());
+      EXPECT_EQ(text_encoder->weight_files(), std::vector<std::string>{model + "/open_clip_model.safetensors"});
+    }
     std::printf("%s (%s): relative difference last %.2e, penultimate %.2e, pooled %.2e\n", c.name, size.c_str(), r_last,
                 r_pen, r_pool);
   }
