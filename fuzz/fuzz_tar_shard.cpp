@@ -1,6 +1,7 @@
 // Fuzz target: a WebDataset tar shard read from memory (libarchive through TarShardReader), every
-// sample's label parsed as the loader does; then read again as the scan and a resumed stream read it,
+// sample's label and caption parsed as the loader does; then read again as the scan and a resumed stream read it,
 // skipping the data of the members a filter leaves out.
+#include "data/captions.h"
 #include "data/shards.h"
 #include "fuzz_util.h"
 
@@ -13,7 +14,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   ddm::fuzz::expect_errors([&] {
     ddm::TarShardReader r(reinterpret_cast<const char*>(data), size, "fuzz.tar");
     ddm::ShardSample s;
-    while (r.next(s)) ddm::fuzz::expect_errors([&] { (void)ddm::sample_label(s, "fuzz.tar " + s.key); });
+    while (r.next(s)) {
+      ddm::fuzz::expect_errors([&] { (void)ddm::sample_label(s, "fuzz.tar " + s.key); });
+      ddm::fuzz::expect_errors([&] { (void)ddm::sample_caption(s, "fuzz.tar " + s.key); });
+    }
   });
   ddm::fuzz::expect_errors([&] {
     ddm::TarShardReader r(reinterpret_cast<const char*>(data), size, "fuzz.tar");

@@ -273,3 +273,22 @@ put("tokenizer_files", "bert-json", "\x05" + json.dumps(
     {"model": {"type": "WordPiece", "vocab": {"[PAD]": 0, "[UNK]": 1, "[CLS]": 2, "[SEP]": 3, "a": 4}},
      "normalizer": {"type": "BertNormalizer", "lowercase": True}}))
 put("tokenizer_files", "vocab-txt", "\x06[PAD]\n[UNK]\n[CLS]\n[SEP]\na\n##b\n")
+
+# ---- tar shards with captions (fuzz_tar_shard): .txt, img2dataset's .json, a caption not UTF-8 --
+def tar_of(members):
+    import io
+    import tarfile
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT) as t:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size, info.mtime = len(data), 0
+            t.addfile(info, io.BytesIO(data))
+    return out.getvalue()
+
+
+put("tar_shard", "captions.tar", tar_of([
+    ("a.png", b"\x89PNG"), ("a.txt", "a red star, caf\u00e9\n".encode()),
+    ("b.png", b"\x89PNG"), ("b.json", b'{"caption": "a ring", "url": "http://x", "width": 4}'),
+    ("c.png", b"\x89PNG"), ("c.json", b'{"text": 3, "label": 1}'),
+    ("d.png", b"\x89PNG"), ("d.txt", b"caf\xe9")]))

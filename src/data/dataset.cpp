@@ -87,6 +87,7 @@ Dataset load_dataset(const DataConfig& cfg) {
   if (cfg.limit > 0 && cfg.limit < ds.images.size(0)) {
     ds.images = ds.images.slice(0, 0, cfg.limit).contiguous();
     ds.labels = ds.labels.slice(0, 0, cfg.limit).contiguous();
+    if (!ds.captions.empty()) ds.captions.resize(static_cast<size_t>(cfg.limit));
   }
   if (cfg.source == "fashion-mnist") {
     ds.description += ": " + std::to_string(ds.images.size(0)) + " x " + shape_text(ds.images) + ", 10 classes";
@@ -114,6 +115,7 @@ Batch Batch::rows(int64_t from, int64_t n) const {
   b.y = y.narrow(0, from, n);  // [n]
   if (k.defined()) b.k = k.narrow(0, from, n);
   if (index.defined()) b.index = index.narrow(0, from, n);
+  if (!captions.empty()) b.captions.assign(captions.begin() + from, captions.begin() + from + n);
   b.first = first + from;
   return b;
 }
@@ -144,6 +146,8 @@ BatchLoader::BatchLoader(const Dataset& data, int64_t batch_size, uint64_t seed,
   DDM_CHECK(data.labels.defined() && data.labels.dim() == 1 && data.labels.size(0) == data.images.size(0),
             "BatchLoader: the dataset has " << data.images.size(0) << " images but "
                                             << (data.labels.defined() ? data.labels.numel() : 0) << " labels");
+  DDM_CHECK(data.captions.empty() || static_cast<int64_t>(data.captions.size()) == data.images.size(0),
+            "BatchLoader: the dataset has " << data.images.size(0) << " images but " << data.captions.size() << " captions");
 }
 
 std::pair<torch::Tensor, torch::Tensor> holdout_split(int64_t n, int64_t holdout, uint64_t seed) {
@@ -221,6 +225,10 @@ Batch BatchLoader::next(int64_t begin, int64_t count) {
   b.y = data_.labels.index_select(0, idx);       // int64 [B]
   if (data_.clusters.defined()) b.k = data_.clusters.index_select(0, idx);  // int64 [B]
   b.index = idx;                                                              // int64 [B]
+  if (!data_.captions.empty()) {
+    const int64_t* p = idx.data_ptr<int64_t>();
+    for (int64_t i = 0; i < count; ++i) b.captions.push_back(data_.captions[static_cast<size_t>(p[i])]);
+  }
   return b;
 }
 

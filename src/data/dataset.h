@@ -25,6 +25,7 @@ struct Dataset {
   std::vector<std::string> class_names;  // size num_classes (may be generic "class 3")
   std::string description;               // e.g. "fashion-mnist train: 60000 x 1x28x28, 10 classes"
   torch::Tensor clusters;                // int64 [N]: each image's cluster (routers, distillation; else undefined)
+  std::vector<std::string> captions;     // N captions (data/captions.h), or none
   // Tar shards (data.source = "shards"): their index, and `images` holds only the first few samples,
   // as data.resolution and data.channels make them, for the model's shape (open_shards).
   std::shared_ptr<const ShardIndex> shards;
@@ -59,6 +60,7 @@ struct Batch {
   torch::Tensor k;  // int64 [B]: the images' clusters (routers and distillation; undefined otherwise)
   int64_t first = 0;  // position of x[0] in the step's global batch: per-sample randomness is keyed by it
   torch::Tensor index{};  // int64 [B]: each image's index in its Dataset (latent caching; undefined if unknown)
+  std::vector<std::string> captions{};  // B captions when the data has them, else none
   // Rows [from, from + n) of every per-image tensor, their positions in the global batch kept.
   Batch rows(int64_t from, int64_t n) const;
   // The same batch with x, y and k on `device` (index stays on the CPU: it looks rows up in host data).

@@ -13,6 +13,7 @@
 
 #include "core/error.h"
 #include "core/fileio.h"
+#include "data/captions.h"
 
 namespace ddm {
 namespace fs = std::filesystem;
@@ -164,8 +165,12 @@ Dataset load_image_folder(const std::string& root) {
     ds.images[i].copy_(img);
     lab[i] = files[i].second;
   }
+  std::vector<std::string> paths;
+  for (const auto& f : files) paths.push_back(f.first);
+  ds.captions = folder_captions(root, paths);
   ds.description = "folder " + root + ": " + std::to_string(n) + " x " + shape_str(first) + ", " +
-                   (ds.num_classes ? std::to_string(ds.num_classes) + " classes" : std::string("unlabeled"));
+                   (ds.num_classes ? std::to_string(ds.num_classes) + " classes" : std::string("unlabeled")) +
+                   (ds.captions.empty() ? "" : ", captioned");
   return ds;
 }
 

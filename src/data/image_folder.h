@@ -1,5 +1,6 @@
 // Loading a folder of images into a Dataset: one sub-folder per class (class names are the sorted
-// sub-folder names, labels their index), or images directly in the folder for an unlabeled set.
+// sub-folder names, labels their index), or images directly in the folder for an unlabeled set; with
+// their captions where the folder has them (data/captions.h).
 // Files are decoded with stb_image (PNG, JPEG, BMP, TGA, GIF, PSD, PNM, HDR) from Debian's libstb.
 #pragma once
 #include <string>

@@ -21,7 +21,7 @@ namespace fs = std::filesystem;
 namespace ddm {
 namespace {
 
-constexpr const char* kFormat = "ddm-shard-scan-1";
+constexpr const char* kFormat = "ddm-shard-scan-2";  // 2: captions counted
 
 }  // namespace
 
@@ -61,8 +61,11 @@ ScanCache::ScanCache(const std::string& dir, const std::vector<std::string>& sha
       out.facts.max_label = e.at("max_label").get<int64_t>();
       out.facts.unlabeled_key = e.at("unlabeled_key").get<std::string>();
       out.facts.labeled_key = e.at("labeled_key").get<std::string>();
+      out.facts.captioned = e.at("captioned").get<int64_t>();
+      out.facts.uncaptioned_key = e.at("uncaptioned_key").get<std::string>();
+      out.facts.captioned_key = e.at("captioned_key").get<std::string>();
       out.valid = out.facts.count >= 0 && out.facts.labeled >= 0 && out.facts.labeled <= out.facts.count &&
-                  out.facts.max_label >= -1;
+                  out.facts.max_label >= -1 && out.facts.captioned >= 0 && out.facts.captioned <= out.facts.count;
     }
   } catch (const std::exception&) {  // a malformed cache is no cache
     for (Entry& e : entries_) e = Entry{};
@@ -101,7 +104,9 @@ void ScanCache::save() {
     list.push_back({{"path", shards_[i]}, {"bytes", e.id.bytes}, {"mtime_ns", e.id.mtime_ns}, {"inode", e.id.inode},
                     {"count", e.facts.count},
                     {"labeled", e.facts.labeled}, {"max_label", e.facts.max_label},
-                    {"unlabeled_key", e.facts.unlabeled_key}, {"labeled_key", e.facts.labeled_key}});
+                    {"unlabeled_key", e.facts.unlabeled_key}, {"labeled_key", e.facts.labeled_key},
+                    {"captioned", e.facts.captioned}, {"uncaptioned_key", e.facts.uncaptioned_key},
+                    {"captioned_key", e.facts.captioned_key}});
   }
   const nlohmann::json j = {{"format", kFormat}, {"content", content_}, {"shards", list}};
   std::error_code ec;

@@ -21,8 +21,9 @@ namespace ddm {
 
 // One shard's part of the index (what scan_shards needs of it).
 struct ShardFacts {
-  int64_t count = 0, labeled = 0, max_label = -1;
-  std::string unlabeled_key, labeled_key;  // one of each, to name in the mixed-labels error
+  int64_t count = 0, labeled = 0, max_label = -1, captioned = 0;
+  std::string unlabeled_key, labeled_key;      // one of each, to name in the mixed-labels error
+  std::string uncaptioned_key, captioned_key;  // the same for captions
 };
 
 class ScanCache {

@@ -13,6 +13,7 @@
 #include "core/error.h"
 #include "core/fileio.h"
 #include "core/rng.h"
+#include "data/captions.h"
 
 namespace ddm {
 namespace {
@@ -23,6 +24,7 @@ struct Decoded {
   torch::Tensor image, posterior;
   bool flip = false;
   int64_t label = 0;
+  std::string caption;
   std::string bad;  // non-empty: the reason it is skipped (data.skip_bad)
 };
 
@@ -34,6 +36,11 @@ Decoded decode_one(const ShardSample& s, const SampleRef& ref, int64_t epoch, co
     const int64_t label = sample_label(s, what);
     DDM_CHECK(index.num_classes == 0 || label >= 0, what << " has no label (.cls or .json), as the others have");
     d.label = std::max<int64_t>(0, label);
+    if (index.captioned > 0) {
+      const auto caption = sample_caption(s, what);
+      DDM_CHECK(caption, what << " has no caption (.txt, or .json with \"caption\" or \"text\"), as the others have");
+      d.caption = *caption;
+    }
     if (o.posteriors) {  // latent shards: the posterior as it was written
       const auto st = s.files.find("safetensors");
       DDM_CHECK(st != s.files.end(), what << " has no posterior (.safetensors)");
@@ -135,6 +142,7 @@ ShardLoader::Prepared ShardLoader::prepare(ShardStream& stream) {
   Prepared p;
   std::vector<Decoded> images;
   std::vector<int64_t> labels, clusters;
+  std::vector<std::string> captions;
   while (static_cast<int64_t>(images.size()) < o_.batch) {
     // Read what is still missing (reading is sequential), then decode it on the pool.
     const int64_t need = o_.batch - static_cast<int64_t>(images.size());
@@ -159,6 +167,7 @@ ShardLoader::Prepared ShardLoader::prepare(ShardStream& stream) {
         continue;
       }
       labels.push_back(d.label);
+      if (index_->captioned > 0) captions.push_back(std::move(d.caption));
       if (o_.clusters)
         clusters.push_back((*o_.clusters)[static_cast<size_t>(offsets_[static_cast<size_t>(refs[i].shard)] + refs[i].index)]);
       images.push_back(std::move(d));
@@ -184,6 +193,7 @@ ShardLoader::Prepared ShardLoader::prepare(ShardStream& stream) {
     p.batch.k = torch::empty({o_.batch}, host.dtype(torch::kInt64));  // int64 [B]
     std::copy(clusters.begin(), clusters.end(), p.batch.k.data_ptr<int64_t>());
   }
+  p.batch.captions = std::move(captions);  // B captions, or none
   p.after = {stream.epoch(), stream.drawn()};
   if (p.after.index == stream.epoch_size()) p.after = {stream.epoch() + 1, 0};
   return p;

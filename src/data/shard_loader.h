@@ -1,7 +1,8 @@
 // ShardLoader: a data-parallel replica's batches from tar shards (data.source = "shards"). A thread
 // of its own reads the replica's ShardStream (shard_stream.h) and prepares the next batches while
 // the trainer computes: each sample decoded on a pool of threads, cropped to a square and resized to
-// data.resolution, flipped at random with data.hflip, labelled from its .cls or .json. The crop
+// data.resolution, flipped at random with data.hflip, labelled from its .cls or .json and captioned
+// from its .txt or .json (data/captions.h) where the shards have captions. The crop
 // offset and the flip are drawn from (seed, epoch, shard, position in the shard), so a resumed run
 // draws them again alike. A sample that cannot be used (a damaged image, a bad label) stops the run
 // with an error naming shard and key, or, with data.skip_bad, is skipped and counted; the next

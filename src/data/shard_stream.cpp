@@ -12,6 +12,7 @@
 
 #include "core/error.h"
 #include "core/rng.h"
+#include "data/captions.h"
 #include "data/decode.h"
 #include "data/scan_cache.h"
 
@@ -43,7 +44,7 @@ ShardScan scan_one(const std::string& path, bool skip_bad, SampleContent content
   ShardScan s;
   try {
     TarShardReader r(path);
-    r.set_filter([](int64_t, const std::string& ext) { return ext == "cls" || ext == "json"; });
+    r.set_filter([](int64_t, const std::string& ext) { return ext == "cls" || ext == "json" || ext == "txt"; });
     ShardSample smp;
     for (;;) {
       try {
@@ -57,6 +58,7 @@ ShardScan scan_one(const std::string& path, bool skip_bad, SampleContent content
       ++s.f.count;
       const std::string what = "shard " + path + ", sample '" + smp.key + "'";
       int64_t label = -1;
+      bool captioned = false;
       try {
         DDM_CHECK(has_content(smp, content), what << " has no " << content_text(content) << "; its files: "
                                        << [&] {
@@ -65,6 +67,7 @@ ShardScan scan_one(const std::string& path, bool skip_bad, SampleContent content
                                             return t;
                                           }());
         label = sample_label(smp, what);
+        captioned = sample_caption(smp, what).has_value();
       } catch (const Error&) {
         if (!skip_bad) throw;
         ++s.bad;
@@ -76,6 +79,12 @@ ShardScan scan_one(const std::string& path, bool skip_bad, SampleContent content
         if (s.f.labeled_key.empty()) s.f.labeled_key = smp.key;
       } else if (s.f.unlabeled_key.empty()) {
         s.f.unlabeled_key = smp.key;
+      }
+      if (captioned) {
+        ++s.f.captioned;
+        if (s.f.captioned_key.empty()) s.f.captioned_key = smp.key;
+      } else if (s.f.uncaptioned_key.empty()) {
+        s.f.uncaptioned_key = smp.key;
       }
     }
   } catch (...) {
@@ -119,6 +128,8 @@ ShardIndex scan_shards(const std::vector<std::string>& shards, bool skip_bad, in
   int64_t labeled = 0, max_label = -1;
   const ShardScan* unlabeled = nullptr;
   const ShardScan* with_label = nullptr;
+  const ShardScan* uncaptioned = nullptr;
+  const ShardScan* with_caption = nullptr;
   for (size_t i = 0; i < shards.size(); ++i) {
     const ShardScan& s = scans[i];
     if (s.error) std::rethrow_exception(s.error);
@@ -129,6 +140,9 @@ ShardIndex scan_shards(const std::vector<std::string>& shards, bool skip_bad, in
     if (s.cut) ++index.bad_shards, index.notes.push_back(s.note);
     if (!s.f.unlabeled_key.empty() && !unlabeled) unlabeled = &s;
     if (!s.f.labeled_key.empty() && !with_label) with_label = &s;
+    index.captioned += s.f.captioned;
+    if (!s.f.uncaptioned_key.empty() && !uncaptioned) uncaptioned = &s;
+    if (!s.f.captioned_key.empty() && !with_caption) with_caption = &s;
   }
   DDM_CHECK(index.samples > 0, key << ": the " << shards.size() << " shard" << (shards.size() > 1 ? "s hold" : " holds")
                                    << " no sample (" << shards.front() << (shards.size() > 1 ? ", ..." : "") << ")");
@@ -138,6 +152,14 @@ ShardIndex scan_shards(const std::vector<std::string>& shards, bool skip_bad, in
                             << " has no label (.cls or .json) but sample '" << with_label->f.labeled_key << "' of shard "
                             << shards[l] << " has one; label every sample or none (or set data.skip_bad = true "
                             << "to skip the unlabeled ones)");
+  }
+  if (uncaptioned && with_caption) {
+    const size_t u = static_cast<size_t>(uncaptioned - scans.data()), c = static_cast<size_t>(with_caption - scans.data());
+    DDM_CHECK(skip_bad, key << ": sample '" << uncaptioned->f.uncaptioned_key << "' of shard " << shards[u]
+                            << " has no caption (.txt, or .json with \"caption\" or \"text\") but sample '"
+                            << with_caption->f.captioned_key << "' of shard " << shards[c] << " has one; caption every "
+                            << "sample or none (an empty .txt for one meant to go uncaptioned), or set data.skip_bad = "
+                            << "true to skip the uncaptioned ones");
   }
   index.num_classes = labeled > 0 ? max_label + 1 : 0;
   return index;

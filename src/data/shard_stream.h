@@ -27,6 +27,7 @@ struct ShardIndex {
   std::vector<int64_t> counts;  // samples per shard
   int64_t samples = 0;          // their sum
   int64_t num_classes = 0;      // 1 + the largest label; 0 when no sample has a label
+  int64_t captioned = 0;        // samples with a caption (data/captions.h): all of them, or none
   int64_t bad_shards = 0;       // shards cut short at a corrupt or truncated member (skip_bad only)
   std::vector<std::string> notes;  // what was skipped, one line each (skip_bad only)
 };
@@ -36,7 +37,7 @@ struct ShardIndex {
 enum class SampleContent { kImage, kPosterior };
 
 // Scans the shards on `threads` threads. Every sample needs its content (an image, or a posterior);
-// either every sample has a label (.cls or .json) or none has. A corrupt or truncated shard, a malformed label
+// either every sample has a label (.cls or .json) or none has, and a caption (.txt or .json) or none. A corrupt or truncated shard, a malformed label
 // or a sample without an image is an error naming the shard and key; with skip_bad, a shard is cut
 // at its first corrupt member (the samples before it are kept) and the other faults are left for the
 // loader to skip and count. `key` names the setting in errors (data.root). With a `cache_dir`, shards

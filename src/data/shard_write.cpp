@@ -51,6 +51,7 @@ ShardsWritten write_shards(const Dataset& data, const std::string& dir, int64_t 
       smp.key = zero_padded(i, 8);
       smp.files["png"] = png_of(data.images[i]);
       if (data.num_classes > 0) smp.files["cls"] = std::to_string(data.labels[i].item<int64_t>());
+      if (!data.captions.empty()) smp.files["txt"] = data.captions[static_cast<size_t>(i)];
       w.add(smp);
       ++out.samples;
     }

@@ -1,6 +1,7 @@
 // Writing a dataset ddm reads (Fashion-MNIST, a folder, a safetensors file) as WebDataset tar shards
 // (`ddm shards write`): sample i is key "%08d" with its image as lossless PNG (grey or RGB, as the
-// data is) and, for labelled data, its label as .cls; `shard_size` samples per shard, named
+// data is), for labelled data its label as .cls, for captioned data its caption as .txt;
+// `shard_size` samples per shard, named
 // PREFIX-000000.tar, ... Each shard is written atomically, and the whole set is byte-reproducible.
 // Shards themselves are re-sharded as they are: their samples copied, keys and bytes unchanged.
 #pragma once

@@ -309,8 +309,9 @@ int64_t sample_label(const ShardSample& s, const std::string& what) {
     const nlohmann::json j = nlohmann::json::parse(js->second, nullptr, /*allow_exceptions=*/false);
     DDM_CHECK(!j.is_discarded() && j.is_object(), what << ": its .json is not a JSON object");
     auto it = j.find("label");
-    DDM_CHECK(it != j.end() && it->is_number_integer() && it->get<int64_t>() >= 0,
-              what << ": its .json has no non-negative integer \"label\"");
+    if (it == j.end()) return -1;  // img2dataset's .json: a caption, a URL, sizes; no label
+    DDM_CHECK(it->is_number_integer() && it->get<int64_t>() >= 0,
+              what << ": its .json's \"label\" is " << it->dump().substr(0, 40) << ", not a non-negative integer");
     return it->get<int64_t>();
   }
   return -1;

@@ -104,7 +104,8 @@ class TarShardWriter {
 };
 
 // The label of a sample: "cls" (a decimal integer, whitespace around it allowed) or "json" (an
-// object with an integer "label"); -1 when it has neither. Errors name `what` (shard and key) and the
+// object with an integer "label"); -1 when it has neither (a .json without "label", as img2dataset
+// writes, is no label). Errors name `what` (shard and key) and the
 // bad text.
 int64_t sample_label(const ShardSample& s, const std::string& what);
 

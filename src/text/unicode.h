@@ -9,14 +9,14 @@
 #include <string>
 #include <string_view>
 
+#include "core/utf8.h"
+
 namespace ddm::text {
 
-// UTF-8 -> code points. Throws ddm::Error "<what>: not UTF-8 at byte N" on an invalid sequence
-// (overlong forms, surrogates and values past U+10FFFF included), as Python's bytes.decode does.
-std::u32string utf8_to_u32(std::string_view utf8, std::string_view what);
-std::string u32_to_utf8(std::u32string_view text);
-// Appends one code point's UTF-8 bytes.
-void append_utf8(std::string& out, char32_t c);
+// UTF-8 in and out: core/utf8.h's.
+using ddm::append_utf8;
+using ddm::u32_to_utf8;
+using ddm::utf8_to_u32;
 
 // unicodedata.normalize("NFC" / "NFD", text).
 std::u32string nfc(std::u32string_view text);

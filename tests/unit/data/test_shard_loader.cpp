@@ -294,7 +294,7 @@ TEST(ShardLoader, TheScanCacheServesUnchangedShardsOnly) {
   // A malformed file is no cache, and is replaced.
   test::write_text(file, "{not json");
   EXPECT_EQ(scan(shards).samples, 23);
-  EXPECT_EQ(nlohmann::json::parse(test::read_text(file))["format"], "ddm-shard-scan-1");
+  EXPECT_EQ(nlohmann::json::parse(test::read_text(file))["format"], "ddm-shard-scan-2");
 
   // A shard with a bad label: with skip_bad it is scanned (the loader skips the sample) but not
   // cached, so a strict scan still names the sample.

@@ -251,7 +251,10 @@ TEST(TarShard, BadShardsAreErrorsNamingShardAndKey) {
   EXPECT_EQ(sample_label(sample("x", {{"png", ""}}), "w"), -1);
   EXPECT_TRUE(has(test::error_message([] { sample_label(sample("x", {{"cls", "cat"}}), "s.tar key x"); }),
                   "s.tar key x: its .cls is \"cat\", not a non-negative integer label"));
-  EXPECT_TRUE(has(test::error_message([] { sample_label(sample("x", {{"json", "{\"lbl\": 1}"}}), "w"); }), "no non-negative integer \"label\""));
+  // A .json without "label" is no label (img2dataset's: a caption, a URL); one with a bad label is an error.
+  EXPECT_EQ(sample_label(sample("x", {{"json", "{\"caption\": \"a cat\", \"url\": \"http://x\"}"}}), "w"), -1);
+  EXPECT_TRUE(has(test::error_message([] { sample_label(sample("x", {{"json", "{\"label\": -1}"}}), "w"); }),
+                  "w: its .json's \"label\" is -1, not a non-negative integer"));
   EXPECT_TRUE(has(test::error_message([] { sample_label(sample("x", {{"json", "{"}}), "w"); }), "not a JSON object"));
 }
 
