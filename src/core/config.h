@@ -94,6 +94,12 @@ struct ModelConfig {
   std::string embed;
   std::string embed_sha256;
   int64_t embed_dim = 0;
+  // Text conditioning (model/text_layers.h): the width of a text encoder's token states, which the
+  // U-Net's attention levels (as SD's transformers) and every DiT block (as PixArt-α's) attend to,
+  // and of its pooled embedding, added to the time embedding. 0 = none.
+  int64_t text_dim = 0;
+  int64_t text_pooled_dim = 0;
+  int64_t text_tokens = 0;  // tokens per text (the encoder's context): for FLOP counts
 };
 
 struct DiffusionConfig {

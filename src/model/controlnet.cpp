@@ -81,6 +81,8 @@ torch::Tensor ControlNetImpl::forward(const torch::Tensor& x, const torch::Tenso
   f.emb_act = pre.frozen[0];
   f.h = pre.frozen[1];
   f.skips.assign(pre.frozen.begin() + 2, pre.frozen.end());
+  f.text.context = c.context;                                      // the locked decoder's text, if any
+  f.text.context_mask = c.context_mask;
   return base_->decode(std::move(f), residuals(x, t, c));          // [B, C, S, S]
 }
 

@@ -49,8 +49,9 @@ DiTImpl::DiTImpl(const ModelConfig& cfg) : cfg_(cfg) {
   time_ = register_module("time", TimeEmbedder(kTimeFreqDim, W));
   if (cfg.num_classes > 0) label_ = register_module("label", LabelEmbedder(cfg.num_classes, W));
   if (cfg.embed_dim > 0) embed_ = register_module("embed", EmbedProjector(cfg.embed_dim, W));
+  if (cfg.text_pooled_dim > 0) pooled_ = register_module("pooled", nn::Linear(cfg.text_pooled_dim, W));
   for (int64_t i = 0; i < cfg.depth; ++i)
-    blocks_.push_back(register_module("block" + std::to_string(i), DiTBlock(W, cfg.heads, cfg.mlp_ratio)));
+    blocks_.push_back(register_module("block" + std::to_string(i), DiTBlock(W, cfg.heads, cfg.mlp_ratio, cfg.text_dim)));
   final_ = register_module("final", DiTFinalLayer(W, p * p * cfg.in_channels));
 
   init_dit_weights(*this);
@@ -58,18 +59,19 @@ DiTImpl::DiTImpl(const ModelConfig& cfg) : cfg_(cfg) {
 
 void init_dit_weights(nn::Module& root) {
   // DiT's initialization: Xavier-uniform linears with zero bias, N(0, 0.02) for the time MLP and
-  // the label table; the adaLN modulations and the output linear stay zero (adaLN-Zero).
+  // the label table; the adaLN modulations and the output linear stay zero (adaLN-Zero), and so do
+  // the cross-attentions' output linears (as PixArt-α's): a text block starts as DiT's.
   torch::NoGradGuard ng;
   for (auto& item : root.named_modules(/*name_prefix=*/"", /*include_self=*/false)) {
     const std::string& name = item.key();
     if (auto* lin = item.value()->as<nn::Linear>()) {
-      if (ends_with(name, ".ada") || name == "final.linear") continue;
+      if (ends_with(name, ".ada") || ends_with(name, ".cross.out") || name == "final.linear") continue;
       if (name.rfind("time.", 0) == 0) {
         nn::init::normal_(lin->weight, 0.0, 0.02);
       } else {
         nn::init::xavier_uniform_(lin->weight);
       }
-      nn::init::zeros_(lin->bias);
+      if (lin->bias.defined()) nn::init::zeros_(lin->bias);
     } else if (auto* emb = item.value()->as<nn::Embedding>()) {
       nn::init::normal_(emb->weight, 0.0, 0.02);
     }
@@ -92,6 +94,15 @@ void DiTImpl::unit_in(NetCarry& k, const torch::Tensor& t, const Cond& cond) {
     c = c + label_(cond.y);                                      // [B, W]
   }
   if (embed_) c = c + embed_(cond, B);                           // [B, W]
+  if (cfg_.text_dim > 0)
+    DDM_CHECK(cond.context.defined() && cond.context.dim() == 3 && cond.context.size(0) == B &&
+                  cond.context.size(2) == cfg_.text_dim,
+              "DiT: a text-conditioned model needs each sample's text encoding [B, T, " << cfg_.text_dim << "], got "
+                                                                                      << (cond.context.defined() ? cond.context.sizes() : torch::IntArrayRef{}));
+  if (pooled_) {
+    DDM_CHECK(cond.pooled.defined(), "DiT: a model with model.text_pooled_dim needs each sample's pooled text embedding");
+    c = c + pooled_(cond.pooled);                                // [B, W]
+  }
   k.emb = torch::silu(c);                                        // [B, W]
 }
 
@@ -104,7 +115,7 @@ void DiTImpl::unit_out(NetCarry& k) {
 torch::Tensor DiTImpl::forward(const torch::Tensor& x, const torch::Tensor& t, const Cond& cond) {
   NetCarry k{x, {}, {}};
   unit_in(k, t, cond);                                           // h [B, N, W], emb [B, W]
-  for (auto& block : blocks_) k.h = block->forward(k.h, k.emb);  // [B, N, W]
+  for (auto& block : blocks_) k.h = block->forward(k.h, k.emb, cond.context, cond.context_mask);  // [B, N, W]
   unit_out(k);
   return k.h;                                                    // [B, C, S, S]
 }
@@ -120,10 +131,12 @@ std::vector<NetUnit> DiTImpl::units() {
   };
   std::vector<NetUnit> u;
   u.push_back({"in", [this](NetCarry& k, const torch::Tensor& t, const Cond& c) { unit_in(k, t, c); },
-               params({mod(patch_embed_), mod(time_), mod(label_), mod(embed_)})});
+               params({mod(patch_embed_), mod(time_), mod(label_), mod(embed_), mod(pooled_)})});
   for (size_t i = 0; i < blocks_.size(); ++i)
     u.push_back({"block" + std::to_string(i),
-                 [this, i](NetCarry& k, const torch::Tensor&, const Cond&) { k.h = blocks_[i]->forward(k.h, k.emb); },
+                 [this, i](NetCarry& k, const torch::Tensor&, const Cond& c) {
+                   k.h = blocks_[i]->forward(k.h, k.emb, c.context, c.context_mask);
+                 },
                  params({mod(blocks_[i])})});
   u.push_back({"out", [this](NetCarry& k, const torch::Tensor&, const Cond&) { unit_out(k); }, params({mod(final_)})});
   return u;
@@ -135,8 +148,13 @@ double dit_forward_flops(const ModelConfig& cfg) {
   const int64_t N = (cfg.image_size / p) * (cfg.image_size / p), hidden = dit_mlp_hidden(cfg);
   double f = flops::linear(C * (cfg.self_cond ? 2 : 1) * p * p, W, N);   // patch embedding
   f += flops::linear(kTimeFreqDim, W) + flops::linear(W, W);            // time MLP
+  if (cfg.text_pooled_dim > 0) f += flops::linear(cfg.text_pooled_dim, W);
+  const int64_t T = cfg.text_tokens;
+  const double cross = cfg.text_dim > 0 ? flops::linear(W, W, N) * 2 + flops::linear(cfg.text_dim, W, T) * 2 +
+                                              flops::cross_attention(N, T, W)
+                                        : 0.0;                          // q, out; k, v; the attention
   const double block = flops::linear(W, 6 * W)                          // adaLN modulation
-                       + flops::linear(W, 3 * W, N) + flops::attention(N, W) + flops::linear(W, W, N)
+                       + flops::linear(W, 3 * W, N) + flops::attention(N, W) + flops::linear(W, W, N) + cross
                        + flops::linear(W, hidden, N) + flops::linear(hidden, W, N);
   f += static_cast<double>(cfg.depth) * block;
   f += flops::linear(W, 2 * W) + flops::linear(W, p * p * C, N);        // final layer

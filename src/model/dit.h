@@ -2,7 +2,9 @@
 // images:
 //   tokens = Linear(patchify(x, patch)) + fixed 2-D sin-cos position embedding   [B, N, width]
 //   c = TimeEmbedder(t) (+ LabelEmbedder(y) when num_classes > 0)                [B, width]
-//   depth x DiTBlock(tokens, SiLU(c))  (adaLN-Zero; one fused qkv and one modulation linear each)
+//       (+ Linear(Cond::pooled) when text_pooled_dim > 0)
+//   depth x DiTBlock(tokens, SiLU(c))  (adaLN-Zero; one fused qkv and one modulation linear each;
+//       with text_dim > 0 each also attends to Cond::context after its self-attention, as PixArt-α)
 //   DiTFinalLayer (adaLN + zero-initialized linear) -> unpatchify                [B, C, H, W]
 // The linear patch embedding equals a Conv2d(C, width, patch, stride patch). With the zero
 // initialization the network outputs exactly 0 at init.
@@ -37,6 +39,7 @@ class DiTImpl : public NetImpl {
   torch::Tensor pos_;  // buffer [1, N, width], fixed
   TimeEmbedder time_{nullptr};
   LabelEmbedder label_{nullptr};
+  torch::nn::Linear pooled_{nullptr};  // the text's pooled embedding (model.text_pooled_dim)
   std::vector<DiTBlock> blocks_;
   DiTFinalLayer final_{nullptr};
 };

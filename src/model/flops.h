@@ -23,4 +23,9 @@ inline double attention(int64_t tokens, int64_t width) {
   return 2.0 * 2.0 * static_cast<double>(tokens) * tokens * width;
 }
 
+// Q K^T ([N, d] x [d, T]) and A V ([N, T] x [T, d]) of N queries on T keys, width = heads * d.
+inline double cross_attention(int64_t queries, int64_t keys, int64_t width) {
+  return 2.0 * 2.0 * static_cast<double>(queries) * keys * width;
+}
+
 }  // namespace ddm::flops

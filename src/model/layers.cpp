@@ -129,7 +129,8 @@ torch::Tensor AttentionBlockImpl::forward(const torch::Tensor& x) {
 }
 
 // ---------------------------------------------------------------------------------------------
-DiTBlockImpl::DiTBlockImpl(int64_t width, int64_t heads, double mlp_ratio) : width_(width), heads_(heads) {
+DiTBlockImpl::DiTBlockImpl(int64_t width, int64_t heads, double mlp_ratio, int64_t context_dim)
+    : width_(width), heads_(heads) {
   DDM_CHECK(heads > 0 && width % heads == 0,
             "DiTBlock: width " << width << " not divisible by heads " << heads);
   const auto hidden = static_cast<int64_t>(std::lround(static_cast<double>(width) * mlp_ratio));
@@ -140,6 +141,7 @@ DiTBlockImpl::DiTBlockImpl(int64_t width, int64_t heads, double mlp_ratio) : wid
   fc2_ = register_module("fc2", nn::Linear(hidden, width));
   ada_ = register_module("ada", nn::Linear(width, 6 * width));
   zero_init(*ada_);
+  if (context_dim > 0) cross_ = register_module("cross", CrossAttention(width, context_dim, heads));
 }
 
 namespace {
@@ -155,7 +157,8 @@ torch::Tensor gated_linear_residual(const torch::Tensor& x, const torch::Tensor&
 }
 }  // namespace
 
-torch::Tensor DiTBlockImpl::forward(const torch::Tensor& x, const torch::Tensor& c_act) {
+torch::Tensor DiTBlockImpl::forward(const torch::Tensor& x, const torch::Tensor& c_act, const torch::Tensor& context,
+                                    const torch::Tensor& context_mask) {
   // Linears run on 2-D [B N, W] views.
   const int64_t B = x.size(0), N = x.size(1), W = width_, d = W / heads_;
   auto m = ada_(c_act).chunk(6, -1);                                   // 6 x [B, W]
@@ -163,6 +166,7 @@ torch::Tensor DiTBlockImpl::forward(const torch::Tensor& x, const torch::Tensor&
   auto qkv = qkv_(h.view({B * N, W})).view({B, N, 3, heads_, d});     // [B, N, 3, h, d]
   auto a = attention_tokens_qkv(qkv);                                  // [B, h, N, d]
   auto out = gated_linear_residual(x, m[2], a.transpose(1, 2).reshape({B * N, W}), proj_);  // [B, N, W]
+  if (cross_) out = out + cross_(out, context, context_mask);          // [B, N, W]
   h = adaln_modulate(out, m[3], m[4], kDiTNormEps);                    // [B, N, W]
   h = torch::gelu(fc1_(h.view({B * N, W})));                          // [B N, hidden]
   return gated_linear_residual(out, m[5], h, fc2_);                    // [B, N, W]

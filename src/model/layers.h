@@ -17,6 +17,8 @@
 #include <torch/nn/pimpl.h>
 #include <torch/types.h>
 
+#include "model/text_layers.h"
+
 namespace ddm {
 
 // Sinusoidal embedding of the noise level t (float [B], t in [0, 1]) -> float [B, dim].
@@ -105,16 +107,22 @@ constexpr double kDiTNormEps = 1e-6;
 // SiLU(c) yields (shift, scale, gate) for the attention and the MLP branch; it is zero-initialized,
 // so every block is the identity at init. Attention uses one fused qkv Linear. LayerNorm has no
 // affine parameters (epsilon kDiTNormEps) and runs fused with the modulation (ops.h).
+//
+// With context_dim > 0 the block is PixArt-α's: after the self-attention, x += CrossAttention(x,
+// context) (model/text_layers.h; its output linear zero-initialized, no modulation, no norm).
 class DiTBlockImpl : public torch::nn::Module {
  public:
-  DiTBlockImpl(int64_t width, int64_t heads, double mlp_ratio);
-  // x [B, N, width]; c_act = SiLU(c) [B, width] (computed once for all blocks by the caller).
-  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& c_act);
+  DiTBlockImpl(int64_t width, int64_t heads, double mlp_ratio, int64_t context_dim = 0);
+  // x [B, N, width]; c_act = SiLU(c) [B, width] (computed once for all blocks by the caller);
+  // context [B, T, context_dim] and its mask [B, T] (or undefined) when the block has cross-attention.
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& c_act, const torch::Tensor& context = {},
+                        const torch::Tensor& context_mask = {});
   torch::nn::Linear& modulation() { return ada_; }
 
  private:
   int64_t width_, heads_;
   torch::nn::Linear qkv_{nullptr}, proj_{nullptr}, fc1_{nullptr}, fc2_{nullptr}, ada_{nullptr};
+  CrossAttention cross_{nullptr};  // with context_dim > 0
 };
 TORCH_MODULE(DiTBlock);
 

@@ -32,30 +32,32 @@ void validate_common(const ModelConfig& cfg) {
 
 }  // namespace
 
+namespace {
+// Every per-sample tensor of a Cond, in one order: rows, select, to and cat walk them alike.
+constexpr torch::Tensor Cond::*kPerSample[] = {&Cond::y,     &Cond::control,      &Cond::self_cond, &Cond::embed,
+                                                &Cond::embed_null, &Cond::context, &Cond::context_mask, &Cond::pooled};
+}  // namespace
+
 Cond Cond::rows(int64_t first, int64_t n) const {
   DDM_CHECK(residuals.empty() && frozen.empty(), "Cond::rows: a network's internal conditioning cannot be sliced");
   Cond c;
-  if (y.defined()) c.y = y.narrow(0, first, n);
-  if (control.defined()) c.control = control.narrow(0, first, n);
-  if (self_cond.defined()) c.self_cond = self_cond.narrow(0, first, n);
-  if (embed.defined()) c.embed = embed.narrow(0, first, n);
-  if (embed_null.defined()) c.embed_null = embed_null.narrow(0, first, n);
+  for (auto m : kPerSample)
+    if ((this->*m).defined()) c.*m = (this->*m).narrow(0, first, n);
   return c;
 }
 
 Cond Cond::select(const torch::Tensor& idx) const {
   DDM_CHECK(residuals.empty() && frozen.empty(), "Cond::select: a network's internal conditioning cannot be indexed");
   Cond c;
-  for (auto [from, to] : {std::pair<const torch::Tensor*, torch::Tensor*>{&y, &c.y}, {&control, &c.control},
-                          {&self_cond, &c.self_cond}, {&embed, &c.embed}, {&embed_null, &c.embed_null}})
-    if (from->defined()) *to = from->index_select(0, idx);
+  for (auto m : kPerSample)
+    if ((this->*m).defined()) c.*m = (this->*m).index_select(0, idx);
   return c;
 }
 
 Cond Cond::to(torch::Device device) const {
   Cond c = *this;
-  for (torch::Tensor* t : {&c.y, &c.control, &c.self_cond, &c.embed, &c.embed_null})
-    if (t->defined()) *t = t->to(device);
+  for (auto m : kPerSample)
+    if ((c.*m).defined()) c.*m = (c.*m).to(device);
   for (auto* list : {&c.residuals, &c.frozen})
     for (torch::Tensor& t : *list) t = t.to(device);
   return c;
@@ -64,16 +66,11 @@ Cond Cond::to(torch::Device device) const {
 Cond Cond::cat(const Cond& a, const Cond& b) {
   DDM_CHECK(a.residuals.empty() && a.frozen.empty() && b.residuals.empty() && b.frozen.empty(),
             "Cond::cat: a network's internal conditioning cannot be concatenated");
-  DDM_CHECK(a.y.defined() == b.y.defined() && a.control.defined() == b.control.defined() &&
-                a.self_cond.defined() == b.self_cond.defined() && a.embed.defined() == b.embed.defined() &&
-                a.embed_null.defined() == b.embed_null.defined(),
-            "Cond::cat: the two conditionings carry different fields");
   Cond c;
-  if (a.y.defined()) c.y = torch::cat({a.y, b.y});
-  if (a.control.defined()) c.control = torch::cat({a.control, b.control});
-  if (a.self_cond.defined()) c.self_cond = torch::cat({a.self_cond, b.self_cond});
-  if (a.embed.defined()) c.embed = torch::cat({a.embed, b.embed});
-  if (a.embed_null.defined()) c.embed_null = torch::cat({a.embed_null, b.embed_null});
+  for (auto m : kPerSample) {
+    DDM_CHECK((a.*m).defined() == (b.*m).defined(), "Cond::cat: the two conditionings carry different fields");
+    if ((a.*m).defined()) c.*m = torch::cat({a.*m, b.*m});
+  }
   return c;
 }
 

@@ -1,7 +1,8 @@
 // The network interface every backbone implements. A Net maps (x, noise-level conditioning t,
 // conditioning c) to a tensor shaped like x. It knows nothing about the noise process: what t means
 // and what the output is trained to predict is decided in src/diffusion. The conditioning is a small
-// struct: the class label, a ControlNet's control map, and what a ControlNet hands its locked U-Net.
+// struct: the class label, a ControlNet's control map, what a ControlNet hands its locked U-Net, an
+// image embedding, and a text encoder's token states and pooled embedding.
 #pragma once
 #include <functional>
 #include <memory>
@@ -38,9 +39,15 @@ struct Cond {
   // (optional): the rows that take it anyway (dropped in training, guidance's unconditional branch).
   torch::Tensor embed;
   torch::Tensor embed_null;
+  // Text conditioning (model.text_dim > 0): a frozen text encoder's token states float [B, T, D] and
+  // which of them to attend to, int64 [B, T] (nonzero: attend; undefined: all); its pooled embedding
+  // float [B, P] (model.text_pooled_dim > 0). The null condition is the empty prompt's encoding.
+  torch::Tensor context;
+  torch::Tensor context_mask;
+  torch::Tensor pooled;
 
-  // The rows [first, first + n) of every per-sample tensor (y, control, self_cond); residuals and frozen
-  // must be empty.
+  // The rows [first, first + n) of every per-sample tensor (y, control, self_cond, embed, text);
+  // residuals and frozen must be empty.
   Cond rows(int64_t first, int64_t n) const;
   // The rows idx (int64 [b]) of every per-sample tensor, in that order; residuals and frozen must be empty.
   Cond select(const torch::Tensor& idx) const;

@@ -59,11 +59,15 @@ UNetImpl::UNetImpl(const ModelConfig& cfg, bool encoder_only) : cfg_(cfg), encod
   time_ = register_module("time", TimeEmbedder(cfg.channels, emb_dim));
   if (cfg.num_classes > 0) label_ = register_module("label", LabelEmbedder(cfg.num_classes, emb_dim));
   if (cfg.embed_dim > 0) embed_ = register_module("embed", EmbedProjector(cfg.embed_dim, emb_dim));
+  if (cfg.text_pooled_dim > 0) pooled_ = register_module("pooled", nn::Linear(cfg.text_pooled_dim, emb_dim));
 
   auto make_stage = [&](const std::string& name, int64_t in, int64_t out, size_t l) {
     Stage s;
     s.res = register_module(name, ResBlock(in, out, emb_dim, cfg.groups));
-    if (has_attn(cfg, l)) s.attn = register_module(name + "_attn", AttentionBlock(out, cfg.heads, cfg.groups));
+    if (has_attn(cfg, l) && cfg.text_dim > 0)
+      s.xattn = register_module(name + "_xattn", SpatialTransformer(out, cfg.text_dim, cfg.heads, cfg.groups));
+    else if (has_attn(cfg, l))
+      s.attn = register_module(name + "_attn", AttentionBlock(out, cfg.heads, cfg.groups));
     return s;
   };
   auto conv3 = [](int64_t in, int64_t out, int64_t stride) {
@@ -107,9 +111,10 @@ UNetImpl::UNetImpl(const ModelConfig& cfg, bool encoder_only) : cfg_(cfg), encod
   zero_init(*out_conv_);
 }
 
-torch::Tensor UNetImpl::run(Stage& s, const torch::Tensor& h, const torch::Tensor& emb_act) {
-  auto out = s.res->forward(h, emb_act);        // [B, ch, H, W]
-  return s.attn ? s.attn->forward(out) : out;   // [B, ch, H, W]
+torch::Tensor UNetImpl::run(Stage& s, const torch::Tensor& h, const torch::Tensor& emb_act, const Cond& c) {
+  auto out = s.res->forward(h, emb_act);                                          // [B, ch, H, W]
+  if (s.xattn) return s.xattn->forward(out, c.context, c.context_mask);           // [B, ch, H, W]
+  return s.attn ? s.attn->forward(out) : out;                                     // [B, ch, H, W]
 }
 
 int64_t UNetImpl::mid_channels() const { return level_channels(cfg_, cfg_.channel_mult.size() - 1); }
@@ -128,29 +133,38 @@ void UNetImpl::unit_in(NetCarry& k, const torch::Tensor& t, const Cond& c, const
     emb = emb + label_(c.y);                                     // [B, E]
   }
   if (embed_) emb = emb + embed_(c, x.size(0));                  // [B, E]
+  if (cfg_.text_dim > 0)
+    DDM_CHECK(c.context.defined() && c.context.dim() == 3 && c.context.size(0) == x.size(0) &&
+                  c.context.size(2) == cfg_.text_dim,
+              "UNet: a text-conditioned model needs each sample's text encoding [B, T, " << cfg_.text_dim << "], got "
+                                                                                       << (c.context.defined() ? c.context.sizes() : torch::IntArrayRef{}));
+  if (pooled_) {
+    DDM_CHECK(c.pooled.defined(), "UNet: a model with model.text_pooled_dim needs each sample's pooled text embedding");
+    emb = emb + pooled_(c.pooled);                               // [B, E]
+  }
   k.emb = torch::silu(emb);                                      // [B, E]
   k.h = in_conv_(with_self_cond(x, c, cfg_.self_cond));         // [B, c0, S, S]
   if (in_add.defined()) k.h = k.h + in_add;                      // [B, c0, S, S]
 }
 
-void UNetImpl::unit_enc(NetCarry& k, size_t l, size_t j) {
-  k.h = run(enc_[l][j], k.h, k.emb);                             // [B, c_l, S_l, S_l]
+void UNetImpl::unit_enc(NetCarry& k, size_t l, size_t j, const Cond& c) {
+  k.h = run(enc_[l][j], k.h, k.emb, c);                             // [B, c_l, S_l, S_l]
   k.skips.push_back(k.h);
 }
 
 void UNetImpl::unit_down(NetCarry& k, size_t l) { k.h = down_[l](k.h); }  // [B, c_l, S_l / 2, S_l / 2]
 
-void UNetImpl::unit_mid(NetCarry& k, size_t j) { k.h = run(mid_[j], k.h, k.emb); }  // [B, c_{L-1}, S_{L-1}, S_{L-1}]
+void UNetImpl::unit_mid(NetCarry& k, size_t j, const Cond& c) { k.h = run(mid_[j], k.h, k.emb, c); }  // [B, c_{L-1}, S_{L-1}, S_{L-1}]
 
 void UNetImpl::unit_up(NetCarry& k, size_t l) {
   k.h = torch::upsample_nearest2d(k.h, {k.h.size(2) * 2, k.h.size(3) * 2});  // [B, c_{l+1}, S_l, S_l]
   k.h = up_[l](k.h);                                             // [B, c_l, S_l, S_l]
 }
 
-void UNetImpl::unit_dec(NetCarry& k, size_t l, size_t j) {
+void UNetImpl::unit_dec(NetCarry& k, size_t l, size_t j, const Cond& c) {
   k.h = torch::cat({k.h, k.skips.back()}, 1);                    // [B, c + c_l, S_l, S_l]
   k.skips.pop_back();
-  k.h = run(dec_[l][j], k.h, k.emb);                             // [B, c_l, S_l, S_l]
+  k.h = run(dec_[l][j], k.h, k.emb, c);                             // [B, c_l, S_l, S_l]
 }
 
 void UNetImpl::unit_out(NetCarry& k) {
@@ -163,11 +177,14 @@ UNetImpl::Features UNetImpl::encode(const torch::Tensor& x, const torch::Tensor&
   NetCarry k{x, {}, {}};
   unit_in(k, t, c, in_add);
   for (size_t l = 0; l < enc_.size(); ++l) {
-    for (size_t j = 0; j < enc_[l].size(); ++j) unit_enc(k, l, j);
+    for (size_t j = 0; j < enc_[l].size(); ++j) unit_enc(k, l, j, c);
     unit_down(k, l);
   }
-  for (size_t j = 0; j < mid_.size(); ++j) unit_mid(k, j);
-  return Features{k.emb, std::move(k.skips), k.h};
+  for (size_t j = 0; j < mid_.size(); ++j) unit_mid(k, j, c);
+  Cond text;
+  text.context = c.context;
+  text.context_mask = c.context_mask;
+  return Features{k.emb, std::move(k.skips), k.h, std::move(text)};
 }
 
 torch::Tensor UNetImpl::decode(Features f, const std::vector<torch::Tensor>& residuals) {
@@ -181,7 +198,7 @@ torch::Tensor UNetImpl::decode(Features f, const std::vector<torch::Tensor>& res
   NetCarry k{f.h, f.emb_act, std::move(f.skips)};
   for (size_t l = dec_.size(); l-- > 0;) {
     unit_up(k, l);
-    for (size_t j = 0; j < dec_[l].size(); ++j) unit_dec(k, l, j);
+    for (size_t j = 0; j < dec_[l].size(); ++j) unit_dec(k, l, j, f.text);
   }
   unit_out(k);
   return k.h;                                                    // [B, C, S, S]
@@ -205,18 +222,19 @@ std::vector<NetUnit> UNetImpl::encoder_units(std::function<torch::Tensor(const C
                  DDM_CHECK(c.residuals.empty(), "UNet: a pipeline stage takes no ControlNet residuals");
                  unit_in(k, t, c, in_add ? in_add(c) : torch::Tensor());
                },
-               params({mod(time_), mod(label_), mod(embed_), mod(in_conv_)})});
-  auto add = [&](std::string name, std::function<void(NetCarry&)> f, std::vector<torch::Tensor> p) {
-    u.push_back({std::move(name), [f](NetCarry& k, const torch::Tensor&, const Cond&) { f(k); }, std::move(p)});
+               params({mod(time_), mod(label_), mod(embed_), mod(pooled_), mod(in_conv_)})});
+  auto add = [&](std::string name, std::function<void(NetCarry&, const Cond&)> f, std::vector<torch::Tensor> p) {
+    u.push_back({std::move(name), [f](NetCarry& k, const torch::Tensor&, const Cond& c) { f(k, c); }, std::move(p)});
   };
   for (size_t l = 0; l < enc_.size(); ++l) {
     for (size_t j = 0; j < enc_[l].size(); ++j)
-      add("enc" + std::to_string(l) + "_" + std::to_string(j), [this, l, j](NetCarry& k) { unit_enc(k, l, j); },
-          params({mod(enc_[l][j].res), mod(enc_[l][j].attn)}));
-    add("down" + std::to_string(l), [this, l](NetCarry& k) { unit_down(k, l); }, params({mod(down_[l])}));
+      add("enc" + std::to_string(l) + "_" + std::to_string(j), [this, l, j](NetCarry& k, const Cond& c) { unit_enc(k, l, j, c); },
+          params({mod(enc_[l][j].res), mod(enc_[l][j].attn), mod(enc_[l][j].xattn)}));
+    add("down" + std::to_string(l), [this, l](NetCarry& k, const Cond&) { unit_down(k, l); }, params({mod(down_[l])}));
   }
   for (size_t j = 0; j < mid_.size(); ++j)
-    add("mid" + std::to_string(j), [this, j](NetCarry& k) { unit_mid(k, j); }, params({mod(mid_[j].res), mod(mid_[j].attn)}));
+    add("mid" + std::to_string(j), [this, j](NetCarry& k, const Cond& c) { unit_mid(k, j, c); },
+        params({mod(mid_[j].res), mod(mid_[j].attn), mod(mid_[j].xattn)}));
   return u;
 }
 
@@ -231,16 +249,16 @@ std::vector<NetUnit> UNetImpl::decoder_units() {
     return out;
   };
   std::vector<NetUnit> u;
-  auto add = [&](std::string name, std::function<void(NetCarry&)> f, std::vector<torch::Tensor> p) {
-    u.push_back({std::move(name), [f](NetCarry& k, const torch::Tensor&, const Cond&) { f(k); }, std::move(p)});
+  auto add = [&](std::string name, std::function<void(NetCarry&, const Cond&)> f, std::vector<torch::Tensor> p) {
+    u.push_back({std::move(name), [f](NetCarry& k, const torch::Tensor&, const Cond& c) { f(k, c); }, std::move(p)});
   };
   for (size_t l = dec_.size(); l-- > 0;) {
-    add("up" + std::to_string(l), [this, l](NetCarry& k) { unit_up(k, l); }, params({mod(up_[l])}));
+    add("up" + std::to_string(l), [this, l](NetCarry& k, const Cond&) { unit_up(k, l); }, params({mod(up_[l])}));
     for (size_t j = 0; j < dec_[l].size(); ++j)
-      add("dec" + std::to_string(l) + "_" + std::to_string(j), [this, l, j](NetCarry& k) { unit_dec(k, l, j); },
-          params({mod(dec_[l][j].res), mod(dec_[l][j].attn)}));
+      add("dec" + std::to_string(l) + "_" + std::to_string(j), [this, l, j](NetCarry& k, const Cond& c) { unit_dec(k, l, j, c); },
+          params({mod(dec_[l][j].res), mod(dec_[l][j].attn), mod(dec_[l][j].xattn)}));
   }
-  add("out", [this](NetCarry& k) { unit_out(k); }, params({mod(out_norm_), mod(out_conv_)}));
+  add("out", [this](NetCarry& k, const Cond&) { unit_out(k); }, params({mod(out_norm_), mod(out_conv_)}));
   return u;
 }
 
@@ -263,10 +281,19 @@ double unet_forward_flops(const ModelConfig& cfg, bool encoder_only) {
   auto attn = [&](int64_t c, int64_t s) {
     return flops::conv2d(c, 3 * c, 1, s, s) + flops::attention(s * s, c) + flops::conv2d(c, c, 1, s, s);
   };
+  // SD's transformer (text_layers.h): projections in and out, self-attention, cross-attention on T
+  // tokens of width D, and the GEGLU feed-forward (c -> 8c, 4c -> c).
+  auto xattn = [&](int64_t c, int64_t s) {
+    const int64_t n = s * s, T = cfg.text_tokens;
+    return flops::linear(c, c, n) * 2 + flops::linear(c, 3 * c, n) + flops::attention(n, c) + flops::linear(c, c, n) +
+           flops::linear(c, c, n) * 2 + flops::linear(cfg.text_dim, c, T) * 2 + flops::cross_attention(n, T, c) +
+           flops::linear(c, 8 * c, n) + flops::linear(4 * c, c, n);
+  };
   auto stage = [&](int64_t in, int64_t out, int64_t s, size_t l) {
-    return res(in, out, s) + (has_attn(cfg, l) ? attn(out, s) : 0.0);
+    return res(in, out, s) + (has_attn(cfg, l) ? (cfg.text_dim > 0 ? xattn(out, s) : attn(out, s)) : 0.0);
   };
   double f = flops::linear(cfg.channels, E) + flops::linear(E, E);  // time MLP
+  if (cfg.text_pooled_dim > 0) f += flops::linear(cfg.text_pooled_dim, E);
   int64_t s = cfg.image_size, cur = level_channels(cfg, 0);
   f += flops::conv2d(cfg.in_channels * (cfg.self_cond ? 2 : 1), cur, 3, s, s);
   for (size_t l = 0; l + 1 < L; ++l) {

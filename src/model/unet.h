@@ -9,9 +9,11 @@
 //                        resolution than keeping the coarser level's width); res_blocks x
 //                        (concat skip, ResBlock [+ attention])
 //   out: GroupNorm, SiLU, conv 3x3 (zero-initialized, so the net outputs exactly 0 at init)
-// Attention is added at the levels listed in attn_levels, with cfg.heads heads. Conditioning:
-// emb = TimeEmbedder(t) (+ LabelEmbedder(y) when num_classes > 0), emb_dim = 4 * channels; each
-// ResBlock turns SiLU(emb) into a GroupNorm scale/shift.
+// Attention is added at the levels listed in attn_levels, with cfg.heads heads; with text
+// conditioning (text_dim > 0) it is SD's transformer there instead (self-attention, cross-attention
+// on Cond::context, feed-forward: model/text_layers.h). Conditioning: emb = TimeEmbedder(t)
+// (+ LabelEmbedder(y) when num_classes > 0, + Linear(Cond::pooled) when text_pooled_dim > 0),
+// emb_dim = 4 * channels; each ResBlock turns SiLU(emb) into a GroupNorm scale/shift.
 //
 // A ControlNet (model/controlnet.h) splits the U-Net at its middle: encode (in_conv, encoder and
 // bottleneck) and decode (decoder and out), with residuals added to every skip feature and to the
@@ -23,6 +25,7 @@
 #include "core/config.h"
 #include "model/layers.h"
 #include "model/net.h"
+#include "model/text_layers.h"
 
 namespace ddm {
 
@@ -40,6 +43,7 @@ class UNetImpl : public NetImpl {
     torch::Tensor emb_act;             // SiLU(time + label embedding) [B, E]
     std::vector<torch::Tensor> skips;  // in push order: skips[i] [B, skip_channels()[i], S_l, S_l]
     torch::Tensor h;                   // the bottleneck's output [B, c_{L-1}, S_{L-1}, S_{L-1}]
+    Cond text{};                       // the text conditioning the decoder attends to (context, mask)
   };
   // x [B, C, S, S], t [B], c.y [B] (and c.self_cond under model.self_cond); in_add (optional)
   // [B, c0, S, S] is added to in_conv's output (a ControlNet's control features).
@@ -60,24 +64,26 @@ class UNetImpl : public NetImpl {
   std::vector<NetUnit> decoder_units();
 
  private:
-  struct Stage {  // one ResBlock and its optional attention
+  struct Stage {  // one ResBlock and its optional attention: self-attention, or SD's transformer with text
     ResBlock res{nullptr};
     AttentionBlock attn{nullptr};
+    SpatialTransformer xattn{nullptr};
   };
-  torch::Tensor run(Stage& s, const torch::Tensor& h, const torch::Tensor& emb_act);
+  torch::Tensor run(Stage& s, const torch::Tensor& h, const torch::Tensor& emb_act, const Cond& c);
   // The units' bodies (see units()); encode and decode are made of them.
   void unit_in(NetCarry& k, const torch::Tensor& t, const Cond& c, const torch::Tensor& in_add = {});
-  void unit_enc(NetCarry& k, size_t l, size_t j);
+  void unit_enc(NetCarry& k, size_t l, size_t j, const Cond& c);
   void unit_down(NetCarry& k, size_t l);
-  void unit_mid(NetCarry& k, size_t j);
+  void unit_mid(NetCarry& k, size_t j, const Cond& c);
   void unit_up(NetCarry& k, size_t l);
-  void unit_dec(NetCarry& k, size_t l, size_t j);
+  void unit_dec(NetCarry& k, size_t l, size_t j, const Cond& c);
   void unit_out(NetCarry& k);
 
   ModelConfig cfg_;
   TimeEmbedder time_{nullptr};
   LabelEmbedder label_{nullptr};
   EmbedProjector embed_{nullptr};  // model.embed
+  torch::nn::Linear pooled_{nullptr};  // the text's pooled embedding (model.text_pooled_dim)
   torch::nn::Conv2d in_conv_{nullptr}, out_conv_{nullptr};
   torch::nn::GroupNorm out_norm_{nullptr};
   std::vector<std::vector<Stage>> enc_;  // [L-1][res_blocks]
