@@ -204,6 +204,9 @@ std::pair<std::optional<ControlSet>, std::optional<ReferenceSet>> open_condition
   DDM_CHECK(src.model || (a.reference_file.empty() && a.reference_from.empty()), "--reference applies only to --ckpt");
   if (!src.model) return {};
   const LoadedModel& m = *src.model;
+  DDM_CHECK(m.cfg.model.text_encoder.empty(),
+            m.checkpoint << " is conditioned on text (model.text_encoder = " << m.cfg.model.text_encoder
+                         << "); sampling it from prompts is not in ddm yet (docs/text.md says what is)");
   std::optional<ControlSet> controls = open_controls(a, m, a.n);
   if (controls) {
     if (!m.cfg.model.controlnet.empty()) g.control = controls->maps;

@@ -36,7 +36,7 @@ Command add_shards_command(CLI::App& app) {
       "write",
       "Write the data a config names (data.source fashion-mnist, folder or safetensors, with data.split and "
       "data.limit) as tar shards OUT/PREFIX-000000.tar, ...: each sample a lossless PNG (grey or RGB, as the data "
-      "is) and its label as .cls. Each shard is written atomically; the same data gives the same bytes. Train on "
+      "is), its label as .cls and its caption as .txt. Each shard is written atomically; the same data gives the same bytes. Train on "
       "them with --set data.source=shards --set data.root='<the pattern it prints>' --set data.resolution=N. "
       "Shards (--from, or a config with data.source = shards) are re-sharded: their samples copied in order, "
       "keys and bytes unchanged, into shards of --shard-size.");

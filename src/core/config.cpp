@@ -207,6 +207,12 @@ std::vector<Field> fields(RunConfig& c) {
       field("model.embed", &c.model.embed),
       field("model.embed_sha256", &c.model.embed_sha256),
       field("model.embed_dim", &c.model.embed_dim),
+      field("model.text_encoder", &c.model.text_encoder),
+      field("model.text_sha256", &c.model.text_sha256),
+      field("model.text_skip", &c.model.text_skip),
+      field("model.text_dim", &c.model.text_dim),
+      field("model.text_pooled_dim", &c.model.text_pooled_dim),
+      field("model.text_tokens", &c.model.text_tokens),
       field("diffusion.objective", &c.diffusion.objective),
       field("diffusion.schedule", &c.diffusion.schedule),
       field("diffusion.time_dist", &c.diffusion.time_dist),
@@ -224,6 +230,7 @@ std::vector<Field> fields(RunConfig& c) {
       field("train.grad_clip", &c.train.grad_clip),
       field("train.ema_decay", &c.train.ema_decay),
       field("train.label_dropout", &c.train.label_dropout),
+      field("train.caption_dropout", &c.train.caption_dropout),
       field("train.self_cond", &c.train.self_cond),
       field("train.cache_latents", &c.train.cache_latents),
       field("train.kl_weight", &c.train.kl_weight),
@@ -502,6 +509,18 @@ void validate_model(const RunConfig& c) {
   DDM_CHECK(m.embed.empty() || c.train.label_dropout > 0,
             "model.embed with train.label_dropout = 0: the null embedding that guidance and sampling without "
             "references use would never be trained; set train.label_dropout > 0 (e.g. 0.1)");
+  DDM_CHECK(m.text_encoder.empty() || m.arch == "unet" || m.arch == "dit",
+            "model.text_encoder = " << m.text_encoder << " conditions a diffusion backbone (model.arch = unet | dit), not " << m.arch);
+  DDM_CHECK(m.text_encoder.empty() || (m.controlnet.empty() && m.embed.empty()),
+            "model.text_encoder with model." << (m.controlnet.empty() ? "embed" : "controlnet") << ": not supported yet; remove one");
+  DDM_CHECK(m.text_encoder.empty() || (c.train.teacher.empty() && c.data.partition.empty() && c.parallel.pp <= 1),
+            "model.text_encoder with " << (!c.train.teacher.empty() ? "train.teacher" : !c.data.partition.empty() ? "data.partition" : "parallel.pipeline")
+                                        << ": experts, distillation and pipelines do not pass text yet; remove one");
+  DDM_CHECK(!m.text_encoder.empty() || (m.text_sha256.empty() && m.text_skip == 0 && m.text_dim == 0 &&
+                                        m.text_pooled_dim == 0 && m.text_tokens == 0),
+            "model.text_sha256, text_skip, text_dim, text_pooled_dim and text_tokens describe model.text_encoder, which is not set");
+  DDM_CHECK(m.text_skip >= 0 && m.text_dim >= 0 && m.text_pooled_dim >= 0 && m.text_tokens >= 0,
+            "model.text_skip, text_dim, text_pooled_dim and text_tokens must be >= 0 (the dims: 0 = from the encoder)");
   DDM_CHECK(!m.embed.empty() || (m.embed_sha256.empty() && m.embed_dim == 0),
             "model.embed_sha256 and model.embed_dim describe model.embed, which is not set");
   DDM_CHECK(m.embed_dim >= 0, "model.embed_dim must be >= 0 (0 = from the network), got " << m.embed_dim);
@@ -563,6 +582,8 @@ void validate_train(const RunConfig& c) {
             "the unflipped one's); turn one of them off");
   DDM_CHECK(t.label_dropout >= 0 && t.label_dropout <= 1,
             "train.label_dropout must be in [0, 1], got " << t.label_dropout);
+  DDM_CHECK(t.caption_dropout >= 0 && t.caption_dropout <= 1,
+            "train.caption_dropout must be in [0, 1], got " << t.caption_dropout);
   DDM_CHECK(std::isfinite(t.kl_weight) && t.kl_weight >= 0, "train.kl_weight must be >= 0, got " << t.kl_weight);
   DDM_CHECK(t.seed >= 0, "train.seed must be >= 0, got " << t.seed);
   check_device_spec(t.device, "train.device");

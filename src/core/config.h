@@ -94,12 +94,20 @@ struct ModelConfig {
   std::string embed;
   std::string embed_sha256;
   int64_t embed_dim = 0;
-  // Text conditioning (model/text_layers.h): the width of a text encoder's token states, which the
-  // U-Net's attention levels (as SD's transformers) and every DiT block (as PixArt-α's) attend to,
-  // and of its pooled embedding, added to the time embedding. 0 = none.
+  // Text conditioning (docs/text.md): a frozen text encoder's directory (text/encoder.h: open_clip's,
+  // transformers' CLIP or BERT, sentence-transformers', a diffusers Stable Diffusion one) whose
+  // encoding of each sample's caption the model attends to. "" = none. Resolved at train time and
+  // recorded: the absolute directory, text_sha256 of its weight files (checked on every load), the
+  // width of its token states (text_dim: the U-Net's attention levels become SD's transformers,
+  // every DiT block gets PixArt-α's cross-attention), of its pooled embedding (text_pooled_dim,
+  // added to the time embedding) and its tokens per text (text_tokens; set it to cut a BERT
+  // encoder's 256 to what captions need, e.g. 32).
+  std::string text_encoder;
+  std::string text_sha256;
+  int64_t text_skip = 0;  // CLIP: states from this many layers before the last (1: SD 2.x's penultimate)
   int64_t text_dim = 0;
   int64_t text_pooled_dim = 0;
-  int64_t text_tokens = 0;  // tokens per text (the encoder's context): for FLOP counts
+  int64_t text_tokens = 0;
 };
 
 struct DiffusionConfig {
@@ -123,6 +131,7 @@ struct TrainConfig {
   double grad_clip = 1.0;        // max global grad norm (0 = off)
   double ema_decay = 0.999;
   double label_dropout = 0.1;    // probability of replacing the label by the null class
+  double caption_dropout = 0.1;  // text models: probability of replacing the caption by the empty prompt
   // Self-conditioning: the probability that a sample's training pass receives the x0 estimate of a
   // first no-grad pass of the current model (else zeros); samplers feed each step's estimate to the
   // next. 0 = off; > 0 sets model.self_cond. Chen et al. use 0.5.

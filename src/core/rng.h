@@ -31,6 +31,6 @@ inline at::Generator make_generator(uint64_t seed) { return at::make_generator<a
 // Purposes, so that different uses of the same step never share a stream.
 enum class RngPurpose : uint64_t { kDataOrder = 1, kFlip = 2, kNoise = 3, kTime = 4, kLabelDrop = 5, kSample = 6, kInit = 7,
                                  kHoldout = 8, kPosterior = 9, kSelfCond = 10, kShuffleBuffer = 11,
-                                 kCrop = 12 };
+                                 kCrop = 12, kCaptionDrop = 13 };
 
 }  // namespace ddm

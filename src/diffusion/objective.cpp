@@ -34,6 +34,7 @@ Objective::Objective(const RunConfig& cfg)
       seed_(static_cast<uint64_t>(cfg.train.seed)),
       num_classes_(cfg.model.num_classes),
       label_dropout_(cfg.train.label_dropout),
+      caption_dropout_(cfg.train.caption_dropout),
       self_cond_(cfg.train.self_cond),
       sample_shape_{cfg.model.in_channels, cfg.model.image_size, cfg.model.image_size},
       control_(cfg.model.controlnet.empty() ? "" : cfg.model.control) {}
@@ -91,10 +92,29 @@ Prepared Objective::prepare(const Batch& pixels, int64_t step) const {
     p.cond.embed = embed_(pixels.x);  // [B, D]
     p.cond.embed_null = dropped;      // [B]
   }
+  if (text_) {  // the frozen text encoder's encoding of each caption (dropped ones: the empty prompt)
+    const Cond text = text_(captions_after_dropout(pixels, step), dev);
+    p.cond.context = text.context;            // [B, T, D]
+    p.cond.context_mask = text.context_mask;  // [B, T]
+    p.cond.pooled = text.pooled;              // [B, P]
+  }
   if (!control_.empty()) p.cond.control = control_map(control_, pixels.x);  // [B, Cc, H, W]
   p.xt = path_.alpha(p.t).view({-1, 1, 1, 1}) * batch.x + path_.sigma(p.t).view({-1, 1, 1, 1}) * eps;  // [B,C,H,W]
   p.target = target(batch, p, eps);
   return p;
+}
+
+std::vector<std::string> Objective::captions_after_dropout(const Batch& b, int64_t step) const {
+  const int64_t n = b.x.size(0);
+  DDM_CHECK(static_cast<int64_t>(b.captions.size()) == n,
+            "a text-conditioned model (model.text_encoder) needs a caption for every sample, and this batch of " << n
+                << " has " << b.captions.size() << " (docs/data.md, Captions)");
+  std::vector<std::string> out = b.captions;
+  if (caption_dropout_ <= 0) return out;
+  const auto keys = sample_keys(seed_, RngPurpose::kCaptionDrop, step, b.first, n);
+  for (int64_t j = 0; j < n; ++j)
+    if (uniform_from_key(keys[static_cast<size_t>(j)]) < caption_dropout_) out[static_cast<size_t>(j)].clear();
+  return out;
 }
 
 torch::Tensor Objective::self_cond_rows(int64_t first, int64_t n, int64_t step) const {

@@ -80,6 +80,14 @@ class Objective {
   // the embedding with the label (one draw per sample), even for a model without classes.
   using EmbedFn = std::function<torch::Tensor(const torch::Tensor& x)>;
   void set_embedder(EmbedFn embed) { embed_ = std::move(embed); }
+  // Text conditioning (train/text.h): captions -> a Cond holding the frozen encoder's token states,
+  // their mask and the pooled embedding, on `device` (no gradients). Set, prepare encodes each
+  // batch's captions, each first replaced by the empty prompt with probability
+  // train.caption_dropout (one keyed draw per sample): the null condition guidance needs.
+  using TextFn = std::function<Cond(const std::vector<std::string>& captions, torch::Device device)>;
+  void set_text_encoder(TextFn text) { text_ = std::move(text); }
+  // The captions a batch's rows are encoded from at `step`: those of the batch, with the dropped ones empty.
+  std::vector<std::string> captions_after_dropout(const Batch& b, int64_t step) const;
 
   // The per-sample draws alone (for tests): t [B] and eps [B, C, H, W] of positions first..first+B-1.
   torch::Tensor draw_time(int64_t step, int64_t first, int64_t n) const;
@@ -93,11 +101,13 @@ class Objective {
   uint64_t seed_;
   int64_t num_classes_;
   double label_dropout_;
+  double caption_dropout_;
   double self_cond_;
   std::vector<int64_t> sample_shape_;  // the model's input [C, H, W] (the latents' with an encoder)
   std::string control_;                // a ControlNet's model.control (else empty)
   EncodeFn encode_;
   EmbedFn embed_;
+  TextFn text_;
 };
 
 class RouterObjective : public Objective {

@@ -9,6 +9,7 @@
 #include "train/controlnet.h"
 #include "train/embed.h"
 #include "train/latent.h"
+#include "train/text.h"
 
 namespace ddm {
 
@@ -31,6 +32,7 @@ void resolve_data_shape(RunConfig& cfg, const Dataset& data) {
   if (m.num_classes == -1) m.num_classes = data.num_classes;
   m.self_cond = cfg.train.self_cond > 0;  // derived: the network takes the estimate as more channels
   if (!m.embed.empty()) resolve_embed(m, data);      // on the pixel images, before any latent
+  if (!m.text_encoder.empty()) resolve_text(m, data);  // the frozen text encoder: its dims and sha256
   if (!m.controlnet.empty()) {  // the model is the base's U-Net
     resolve_controlnet(cfg, data);
     return;

@@ -35,7 +35,10 @@ class Clip final : public TextEncoder {
            ", states of layer " + std::to_string(n - skip_) + (skip_ == 1 ? " (the penultimate)" : "") + ", pooled " +
            std::to_string(pooled_dim()) + (e_.projection_w.defined() ? " (projected)" : "");
   }
-  void to(torch::Device device) override { e_ = e_.to(device); }
+  void to(torch::Device device) override {
+    e_ = e_.to(device);
+    device_ = device;
+  }
   int64_t positions() const { return e_.positions; }
   const std::vector<std::string>& files() const { return e_.files; }
 
@@ -63,6 +66,7 @@ class Bert final : public TextEncoder {
   }
   void to(torch::Device device) override {
     for (auto& [k, t] : e_.w) t = t.to(device);
+    device_ = device;
   }
   int64_t positions() const { return e_.w.at("embeddings.position_embeddings.weight").size(0); }
   int64_t max_seq_length() const { return e_.max_seq_length; }
@@ -94,7 +98,7 @@ TextEncoding TextEncoder::encode(const std::vector<std::string>& texts, const st
     ids[i].copy_(torch::tensor(row, torch::kInt64));
     lengths[i] = length;
   }
-  return encode_ids(ids, lengths);
+  return encode_ids(ids.to(device_), lengths.to(device_));
 }
 
 std::string TextEncoder::describe() const {

@@ -58,6 +58,7 @@ class TextEncoder {
 
  protected:
   std::unique_ptr<Tokenizer> tokenizer_;
+  torch::Device device_ = torch::kCPU;  // where the weights are (to())
   int context_ = 0;
   std::string dir_;
   std::vector<std::string> weight_files_;

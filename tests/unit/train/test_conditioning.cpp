@@ -26,6 +26,7 @@
 #include "model/unet.h"
 #include "train/embed.h"
 #include "train/step.h"
+#include "test_util.h"
 
 namespace ddm {
 namespace {
@@ -450,6 +451,38 @@ TEST(Embed, TheShippedNetworksEmbeddingsHaveNormSqrtDAndSelfSimilarityOne) {
   } catch (const Error& err) {
     EXPECT_NE(std::string(err.what()).find("model.embed_sha256"), std::string::npos) << err.what();
   }
+}
+
+
+// Caption dropout (train.caption_dropout, Objective::captions_after_dropout): one keyed draw per
+// sample by its position in the global batch, so a batch split across ranks or micro-batches drops
+// the same captions; about the configured share; a batch without captions is a clear error.
+TEST(CaptionDropout, KeyedPerSampleAtTheConfiguredRate) {
+  RunConfig cfg;
+  cfg.model.in_channels = 1, cfg.model.image_size = 4;
+  cfg.train.caption_dropout = 0.25;
+  cfg.train.seed = 9;
+  const Objective objective(cfg);
+  Batch b;
+  b.x = torch::zeros({4000, 1, 4, 4});
+  b.y = torch::zeros({4000}, torch::kLong);
+  for (int i = 0; i < 4000; ++i) b.captions.push_back("caption " + std::to_string(i));
+  const auto out = objective.captions_after_dropout(b, 7);
+  int64_t dropped = 0;
+  for (size_t i = 0; i < out.size(); ++i) {
+    if (out[i].empty()) ++dropped;
+    else EXPECT_EQ(out[i], b.captions[i]);
+  }
+  // 4000 draws at p = 0.25: the share is within 5 standard deviations (0.034) of it.
+  EXPECT_NEAR(static_cast<double>(dropped) / 4000, 0.25, 0.034);
+  // Rows 1000..1999 alone drop what they dropped in the whole batch; another step drops others.
+  const auto part = objective.captions_after_dropout(b.rows(1000, 1000), 7);
+  EXPECT_EQ(part, std::vector<std::string>(out.begin() + 1000, out.begin() + 2000));
+  EXPECT_NE(objective.captions_after_dropout(b, 8), out);
+  b.captions.pop_back();
+  EXPECT_NE(test::error_message([&] { objective.captions_after_dropout(b, 7); })
+                .find("needs a caption for every sample, and this batch of 4000 has 3999"),
+            std::string::npos);
 }
 
 }  // namespace

