@@ -96,7 +96,7 @@ Command add_text_command(CLI::App& app) {
                      enc->to(device);
                      // Every prompt tokenized first: a bad one stops before any work and names its line.
                      for (const auto& [s, what] : texts) as_input_error([&, &s = s, &what = what] { enc->tokenizer().tokenize(s, enc->context(), what); });
-                     std::vector<torch::Tensor> states, masks, pooled, ids;
+                     std::vector<torch::Tensor> states, masks, pooled, ids;  // per batch
                      const size_t n = texts.size(), step = static_cast<size_t>(a->batch);
                      for (size_t i = 0; i < n; i += step) {
                        std::vector<std::string> batch, what;
@@ -108,16 +108,14 @@ Command add_text_command(CLI::App& app) {
                        states.push_back(e.states.cpu());
                        masks.push_back(e.mask.cpu());
                        pooled.push_back(e.pooled.cpu());
+                       ids.push_back(e.ids);
                        if (n > step) std::cerr << "encoded " << std::min(n, i + step) << " of " << n << " prompts\n";
                      }
                      SafetensorsFile f;
                      f.tensors["states"] = torch::cat(states);
                      f.tensors["mask"] = torch::cat(masks);
                      f.tensors["pooled"] = torch::cat(pooled);
-                     torch::Tensor all_ids = torch::empty({static_cast<int64_t>(n), enc->context()}, torch::kInt64);
-                     for (size_t k = 0; k < n; ++k)
-                       all_ids[static_cast<int64_t>(k)].copy_(torch::tensor(enc->tokenizer().tokenize(texts[k].first, enc->context()), torch::kInt64));
-                     f.tensors["ids"] = all_ids;
+                     f.tensors["ids"] = torch::cat(ids);
                      f.metadata["encoder"] = enc->describe();
                      f.metadata["prompts"] = std::to_string(n);
                      as_input_error([&] { save_safetensors(a->out, f); });

@@ -94,15 +94,8 @@ void DiTImpl::unit_in(NetCarry& k, const torch::Tensor& t, const Cond& cond) {
     c = c + label_(cond.y);                                      // [B, W]
   }
   if (embed_) c = c + embed_(cond, B);                           // [B, W]
-  if (cfg_.text_dim > 0)
-    DDM_CHECK(cond.context.defined() && cond.context.dim() == 3 && cond.context.size(0) == B &&
-                  cond.context.size(2) == cfg_.text_dim,
-              "DiT: a text-conditioned model needs each sample's text encoding [B, T, " << cfg_.text_dim << "], got "
-                                                                                      << (cond.context.defined() ? cond.context.sizes() : torch::IntArrayRef{}));
-  if (pooled_) {
-    DDM_CHECK(cond.pooled.defined(), "DiT: a model with model.text_pooled_dim needs each sample's pooled text embedding");
-    c = c + pooled_(cond.pooled);                                // [B, W]
-  }
+  check_text_cond(cond, B, cfg_, "DiT");
+  if (pooled_) c = c + pooled_(cond.pooled);                    // [B, W]
   k.emb = torch::silu(c);                                        // [B, W]
 }
 

@@ -11,6 +11,15 @@ namespace ddm {
 
 namespace nn = torch::nn;
 
+void check_text_cond(const Cond& c, int64_t B, const ModelConfig& m, const char* net) {
+  if (m.text_dim == 0) return;
+  DDM_CHECK(c.context.defined() && c.context.dim() == 3 && c.context.size(0) == B && c.context.size(2) == m.text_dim,
+            net << ": a text-conditioned model needs each sample's text encoding [B, T, " << m.text_dim << "], got "
+                << (c.context.defined() ? c.context.sizes() : torch::IntArrayRef{}));
+  DDM_CHECK(m.text_pooled_dim == 0 || c.pooled.defined(),
+            net << ": a model with model.text_pooled_dim needs each sample's pooled text embedding");
+}
+
 torch::Tensor attention_key_mask(const torch::Tensor& mask) {
   if (!mask.defined()) return {};
   return (mask != 0).view({mask.size(0), 1, 1, mask.size(1)});  // bool [B, 1, 1, T]

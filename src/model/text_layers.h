@@ -18,6 +18,9 @@
 #include <torch/nn/pimpl.h>
 #include <torch/types.h>
 
+#include "core/config.h"
+#include "model/net.h"
+
 namespace ddm {
 
 class CrossAttentionImpl : public torch::nn::Module {
@@ -48,6 +51,10 @@ class SpatialTransformerImpl : public torch::nn::Module {
   CrossAttention cross_{nullptr};
 };
 TORCH_MODULE(SpatialTransformer);
+
+// Checks that c carries what a text-conditioned net of model `m` takes for a batch of B (the token
+// states [B, T, text_dim]; the pooled embedding when text_pooled_dim > 0): a ddm::Error naming `net`.
+void check_text_cond(const Cond& c, int64_t B, const ModelConfig& m, const char* net);
 
 // A key mask [B, T] (nonzero: attend) as scaled_dot_product_attention's boolean mask [B, 1, 1, T];
 // undefined stays undefined.

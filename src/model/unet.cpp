@@ -133,15 +133,8 @@ void UNetImpl::unit_in(NetCarry& k, const torch::Tensor& t, const Cond& c, const
     emb = emb + label_(c.y);                                     // [B, E]
   }
   if (embed_) emb = emb + embed_(c, x.size(0));                  // [B, E]
-  if (cfg_.text_dim > 0)
-    DDM_CHECK(c.context.defined() && c.context.dim() == 3 && c.context.size(0) == x.size(0) &&
-                  c.context.size(2) == cfg_.text_dim,
-              "UNet: a text-conditioned model needs each sample's text encoding [B, T, " << cfg_.text_dim << "], got "
-                                                                                       << (c.context.defined() ? c.context.sizes() : torch::IntArrayRef{}));
-  if (pooled_) {
-    DDM_CHECK(c.pooled.defined(), "UNet: a model with model.text_pooled_dim needs each sample's pooled text embedding");
-    emb = emb + pooled_(c.pooled);                               // [B, E]
-  }
+  check_text_cond(c, x.size(0), cfg_, "UNet");
+  if (pooled_) emb = emb + pooled_(c.pooled);                   // [B, E]
   k.emb = torch::silu(emb);                                      // [B, E]
   k.h = in_conv_(with_self_cond(x, c, cfg_.self_cond));         // [B, c0, S, S]
   if (in_add.defined()) k.h = k.h + in_add;                      // [B, c0, S, S]

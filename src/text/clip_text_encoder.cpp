@@ -4,6 +4,7 @@
 #include "text/clip_text_encoder.h"
 
 #include <filesystem>
+#include <tuple>
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
@@ -41,6 +42,27 @@ int64_t config_int(const json& c, const char* key, const std::string& path, int6
 void check_size(const ClipTextEncoder& e, const std::string& path) {
   DDM_CHECK(e.width % e.heads == 0, path << ": the width " << e.width << " is not a multiple of the "
                                          << e.heads << " attention heads");
+}
+
+// The two layouts name a layer's tensors differently (their q, k, v also differ: the callers read
+// those); everything else about a layer is read here, each tensor checked against its shape.
+struct LayerNames {
+  const char *ln1, *ln2, *out, *fc1, *fc2;  // each a module: ".weight" and ".bias" follow
+};
+
+ClipTextEncoder::Layer read_layer(Weights& w, const std::string& q, const LayerNames& n, int64_t W, int64_t inner,
+                                  const char* kind) {
+  auto pair = [&](const char* m, std::vector<int64_t> shape) {
+    std::vector<int64_t> bias{shape.front()};
+    return std::make_pair(w.need(q + m + ".weight", shape, kind), w.need(q + m + ".bias", bias, kind));
+  };
+  ClipTextEncoder::Layer L;
+  std::tie(L.ln1_w, L.ln1_b) = pair(n.ln1, {W});
+  std::tie(L.out_w, L.out_b) = pair(n.out, {W, W});
+  std::tie(L.ln2_w, L.ln2_b) = pair(n.ln2, {W});
+  std::tie(L.fc1_w, L.fc1_b) = pair(n.fc1, {inner, W});
+  std::tie(L.fc2_w, L.fc2_b) = pair(n.fc2, {W, inner});
+  return L;
 }
 
 ClipTextEncoder load_transformers(const std::string& dir) {
@@ -90,21 +112,12 @@ ClipTextEncoder load_transformers(const std::string& dir) {
   e.position_embedding = w.need(p + "embeddings.position_embedding.weight", {e.positions, W}, kind);
   for (int64_t l = 0; l < n_layers; ++l) {
     const std::string q = p + "encoder.layers." + std::to_string(l) + ".";
-    ClipTextEncoder::Layer L;
-    L.ln1_w = w.need(q + "layer_norm1.weight", {W}, kind);
-    L.ln1_b = w.need(q + "layer_norm1.bias", {W}, kind);
+    ClipTextEncoder::Layer L = read_layer(w, q, {"layer_norm1", "layer_norm2", "self_attn.out_proj", "mlp.fc1", "mlp.fc2"},
+                                          W, inner, kind);
     L.qkv_w = torch::cat({w.need(q + "self_attn.q_proj.weight", {W, W}, kind), w.need(q + "self_attn.k_proj.weight", {W, W}, kind),
                           w.need(q + "self_attn.v_proj.weight", {W, W}, kind)});
     L.qkv_b = torch::cat({w.need(q + "self_attn.q_proj.bias", {W}, kind), w.need(q + "self_attn.k_proj.bias", {W}, kind),
                           w.need(q + "self_attn.v_proj.bias", {W}, kind)});
-    L.out_w = w.need(q + "self_attn.out_proj.weight", {W, W}, kind);
-    L.out_b = w.need(q + "self_attn.out_proj.bias", {W}, kind);
-    L.ln2_w = w.need(q + "layer_norm2.weight", {W}, kind);
-    L.ln2_b = w.need(q + "layer_norm2.bias", {W}, kind);
-    L.fc1_w = w.need(q + "mlp.fc1.weight", {inner, W}, kind);
-    L.fc1_b = w.need(q + "mlp.fc1.bias", {inner}, kind);
-    L.fc2_w = w.need(q + "mlp.fc2.weight", {W, inner}, kind);
-    L.fc2_b = w.need(q + "mlp.fc2.bias", {W}, kind);
     e.layers.push_back(L);
   }
   DDM_CHECK(!w.t.count(p + "encoder.layers." + std::to_string(n_layers) + ".layer_norm1.weight"),
@@ -184,19 +197,9 @@ ClipTextEncoder load_open_clip(const std::string& dir) {
   e.position_embedding = w.need(p + "positional_embedding", {e.positions, W}, kind);
   for (int64_t l = 0; l < n_layers; ++l) {
     const std::string q = p + "transformer.resblocks." + std::to_string(l) + ".";
-    ClipTextEncoder::Layer L;
-    L.ln1_w = w.need(q + "ln_1.weight", {W}, kind);
-    L.ln1_b = w.need(q + "ln_1.bias", {W}, kind);
+    ClipTextEncoder::Layer L = read_layer(w, q, {"ln_1", "ln_2", "attn.out_proj", "mlp.c_fc", "mlp.c_proj"}, W, inner, kind);
     L.qkv_w = w.need(q + "attn.in_proj_weight", {3 * W, W}, kind);
     L.qkv_b = w.need(q + "attn.in_proj_bias", {3 * W}, kind);
-    L.out_w = w.need(q + "attn.out_proj.weight", {W, W}, kind);
-    L.out_b = w.need(q + "attn.out_proj.bias", {W}, kind);
-    L.ln2_w = w.need(q + "ln_2.weight", {W}, kind);
-    L.ln2_b = w.need(q + "ln_2.bias", {W}, kind);
-    L.fc1_w = w.need(q + "mlp.c_fc.weight", {inner, W}, kind);
-    L.fc1_b = w.need(q + "mlp.c_fc.bias", {inner}, kind);
-    L.fc2_w = w.need(q + "mlp.c_proj.weight", {W, inner}, kind);
-    L.fc2_b = w.need(q + "mlp.c_proj.bias", {W}, kind);
     e.layers.push_back(L);
   }
   DDM_CHECK(!w.t.count(p + "transformer.resblocks." + std::to_string(n_layers) + ".ln_1.weight"),

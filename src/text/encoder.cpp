@@ -22,10 +22,10 @@ class Clip final : public TextEncoder {
     DDM_CHECK(skip >= 0 && skip < static_cast<int64_t>(e_.layers.size()),
               "a CLIP text encoder of " << e_.layers.size() << " layers cannot skip " << skip << " (text.skip)");
   }
-  TextEncoding encode_ids(const torch::Tensor& ids, const torch::Tensor& lengths) const override {
+  // CLIP attends to every position, padding too, as Stable Diffusion does: the lengths are not used.
+  TextEncoding encode_ids(const torch::Tensor& ids, const torch::Tensor& /*lengths*/) const override {
     const auto out = e_.encode(ids, skip_);
     return {out.states, torch::ones_like(ids), out.pooled};
-    (void)lengths;  // CLIP attends to every position, as Stable Diffusion does
   }
   int64_t state_dim() const override { return e_.width; }
   int64_t pooled_dim() const override { return e_.projection_w.defined() ? e_.projection_w.size(0) : e_.width; }
@@ -98,7 +98,9 @@ TextEncoding TextEncoder::encode(const std::vector<std::string>& texts, const st
     ids[i].copy_(torch::tensor(row, torch::kInt64));
     lengths[i] = length;
   }
-  return encode_ids(ids.to(device_), lengths.to(device_));
+  TextEncoding out = encode_ids(ids.to(device_), lengths.to(device_));
+  out.ids = ids;
+  return out;
 }
 
 std::string TextEncoder::describe() const {

