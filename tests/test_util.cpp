@@ -3,6 +3,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <array>
 #include <chrono>
 #include <csignal>
@@ -16,6 +17,7 @@
 #include <thread>
 
 #include "core/error.h"
+#include "core/fileio.h"
 
 namespace ddm::test {
 
@@ -100,6 +102,38 @@ std::string reference_python() {
                   << ": run scripts/setup.sh (it makes it with scripts/reference-env.sh)";
   }
   return python;
+}
+
+ReferenceOutputs reference_outputs(const std::string& script, const std::string& args) {
+  namespace fs = std::filesystem;
+  const std::string python = reference_python();
+  std::string keyed = python + "\n" + script + "\n" + read_text(source_dir() + "/" + script) + "\n" + args;
+  std::vector<fs::path> scripts;
+  for (const auto& e : fs::directory_iterator(source_dir() + "/tests/reference")) scripts.push_back(e.path());
+  std::sort(scripts.begin(), scripts.end());
+  for (const auto& p : scripts) keyed += "\n" + p.filename().string() + "\n" + read_text(p.string());
+  const fs::path kept = fs::path(python).parent_path().parent_path() / "ddm-test-outputs" / sha256_hex(keyed).substr(0, 24);
+  const char* fresh = std::getenv("DDM_REFERENCE_FRESH");
+  const bool rerun = fresh && std::string(fresh) == "1";
+  if (!rerun && fs::exists(kept / ".complete")) return {{0, "kept from an earlier run in " + kept.string()}, kept};
+  // Written under a temporary name and renamed when complete, so that two tests (or two builds) that
+  // need the same outputs at once never read a half-written directory.
+  fs::create_directories(kept.parent_path());
+  std::string templ = kept.string() + ".tmp-XXXXXX";
+  if (!mkdtemp(templ.data())) throw std::runtime_error("mkdtemp failed in " + kept.parent_path().string());
+  std::string with_dir = args;
+  for (size_t at; (at = with_dir.find("{dir}")) != std::string::npos;) with_dir.replace(at, 5, templ);
+  ReferenceOutputs r{run_command(python + " " + source_dir() + "/" + script + " " + with_dir + " 2>&1"), templ};
+  std::error_code ec;
+  if (r.run.exit_code != 0) return r;  // left for a look at what it wrote
+  write_text(templ + "/.complete", "");
+  if (rerun) fs::remove_all(kept, ec);
+  fs::rename(templ, kept, ec);
+  if (ec) {  // another process kept the same outputs first: use those
+    fs::remove_all(templ, ec);
+  }
+  r.dir = kept.string();
+  return r;
 }
 
 std::string cache_home() {

@@ -46,6 +46,20 @@ std::string venv_python();    // the torch venv's python, "" when configured wit
 // The reference environment's python (scripts/reference-env.sh: open_clip, transformers, ...):
 // a test that compares ddm with those libraries fails with what to run if it is missing.
 std::string reference_python();
+// The outputs of a reference script (a path under the checkout, e.g. "tests/reference/x.py") run by
+// reference_python() with `args`, in which every "{dir}" names the directory it writes into. That
+// directory is kept in the reference environment (ddm-test-outputs/KEY), KEY being the sha256 of the
+// environment's python path (which holds its versions' key), the script, the other scripts of
+// tests/reference/ (which it may import) and `args`: the scripts draw their inputs from fixed seeds,
+// so the same key means the same outputs, and a second build (a fresh clone) reads them instead of
+// running the libraries again. DDM_REFERENCE_FRESH=1 always runs the script. For scripts whose inputs
+// the test writes, or whose outputs are too big to keep, use run_command. The directory is shared:
+// read it, never write into it.
+struct ReferenceOutputs {
+  CommandResult run;  // the script's exit code and output ("kept from an earlier run" when kept)
+  std::string dir;
+};
+ReferenceOutputs reference_outputs(const std::string& script, const std::string& args);
 
 // The XDG_CACHE_HOME of every test process, and so of every ddm (or other program) a test starts:
 // test-cache/ beside the ddm binary (the build directory). Tests never read or write the user's

@@ -18,12 +18,9 @@ using ddm::text::BertEncoder;
 using ddm::text::WordPieceTokenizer;
 
 TEST(BertEncoder, MiniLmEmbeddingsEqualSentenceTransformersWithinFloat32Rounding) {
-  TempDir dir;
-  const std::string out = dir / "ref.json";
-  const auto run = ddm::test::run_command(ddm::test::reference_python() + " " + ddm::test::source_dir() +
-                                          "/tests/reference/sentence_embeddings.py " + out + " 8");
-  ASSERT_EQ(run.exit_code, 0) << run.output;
-  const auto ref = nlohmann::json::parse(ddm::test::read_text(out));
+  const auto made = ddm::test::reference_outputs("tests/reference/sentence_embeddings.py", "{dir}/ref.json 8");
+  ASSERT_EQ(made.run.exit_code, 0) << made.run.output;
+  const auto ref = nlohmann::json::parse(ddm::test::read_text(made.dir + "/ref.json"));
   const std::string model = ref["model"].get<std::string>();
   const int max_len = ref["max_seq_length"].get<int>();
   const auto tok = WordPieceTokenizer::from_dir(model);

@@ -61,17 +61,16 @@ std::string ids_text(const std::vector<int64_t>& ids) {  // to the first <end_of
 // The corpus and the three tokenizers' ids for it (open_clip's; transformers' from the two
 // directories the script has transformers write), computed once per test process.
 struct Reference {
-  TempDir dir;
+  std::string dir;  // shared: read only
   nlohmann::json cases;
 };
 const Reference& reference() {
   static const Reference* r = [] {
     auto* ref = new Reference;
-    const std::string out = ref->dir / "reference.json";
-    const auto run = ddm::test::run_command(ddm::test::reference_python() + " " + ddm::test::source_dir() +
-                                            "/tests/reference/clip_tokenizer.py " + out + " 400 " + ref->dir.path);
-    EXPECT_EQ(run.exit_code, 0) << run.output;
-    const auto all = nlohmann::json::parse(ddm::test::read_text(out));
+    const auto made = ddm::test::reference_outputs("tests/reference/clip_tokenizer.py", "{dir}/reference.json 400 {dir}");
+    EXPECT_EQ(made.run.exit_code, 0) << made.run.output;
+    ref->dir = made.dir;
+    const auto all = nlohmann::json::parse(ddm::test::read_text(made.dir + "/reference.json"));
     EXPECT_EQ(all["vocab"].get<std::string>(), open_clip_vocab());
     ref->cases = all["cases"];
     return ref;
@@ -111,10 +110,10 @@ void expect_equal_on_corpus(const ClipTokenizer& t, const std::string& key) {
 // One test for the three, so that the reference (about 8 s of Python) is computed once.
 TEST(ClipTokenizer, EqualsOpenClipsAndTransformersTokenizersOnSixThousandStrings) {
   expect_equal_on_corpus(tokenizer(), "open_clip");
-  const auto from_json = ClipTokenizer::from_transformers_dir(reference().dir / "json");
+  const auto from_json = ClipTokenizer::from_transformers_dir(reference().dir + "/json");
   EXPECT_EQ(from_json.pad_id(), from_json.end_id());  // SD 1.x's padding
   expect_equal_on_corpus(from_json, "json");
-  const auto legacy = ClipTokenizer::from_transformers_dir(reference().dir / "legacy");
+  const auto legacy = ClipTokenizer::from_transformers_dir(reference().dir + "/legacy");
   EXPECT_EQ(legacy.pad_id(), 0);  // "!": SD 2.x's padding
   EXPECT_EQ(legacy.context(), 77);
   expect_equal_on_corpus(legacy, "legacy");
@@ -227,12 +226,10 @@ TEST(ClipTokenizer, BadTransformersDirectoriesAreClearErrorsNamingFileAndKey) {
 
 TEST(TextTables, AreWhatTheGeneratorWritesFromTheLibraries) {
   // src/text/{text,split}_tables.inc are generated; a changed generator or library version shows here.
-  TempDir dir;
-  const auto run = ddm::test::run_command(ddm::test::reference_python() + " " + ddm::test::source_dir() +
-                                          "/scripts/gen-text-tables.py " + dir.path);
-  ASSERT_EQ(run.exit_code, 0) << run.output;
+  const auto made = ddm::test::reference_outputs("scripts/gen-text-tables.py", "{dir}");
+  ASSERT_EQ(made.run.exit_code, 0) << made.run.output;
   for (const std::string name : {"text_tables.inc", "split_tables.inc"}) {
-    EXPECT_TRUE(ddm::test::read_text(dir / name) == ddm::test::read_text(ddm::test::source_dir() + "/src/text/" + name))
+    EXPECT_TRUE(ddm::test::read_text(made.dir + "/" + name) == ddm::test::read_text(ddm::test::source_dir() + "/src/text/" + name))
         << "src/text/" << name << " is not what scripts/gen-text-tables.py writes: regenerate it (its header says how)";
   }
 }

@@ -16,22 +16,20 @@
 #include "text/unicode.h"
 #include "text/wordpiece.h"
 
-using ddm::test::TempDir;
 
 namespace {
 
 struct Reference {
-  TempDir dir;
+  std::string dir;  // shared: read only
   nlohmann::json all;
 };
 const Reference& reference() {
   static const Reference* r = [] {
     auto* ref = new Reference;
-    const std::string out = ref->dir / "every.json";
-    const auto run = ddm::test::run_command(ddm::test::reference_python() + " " + ddm::test::source_dir() +
-                                            "/tests/reference/every_character.py " + out + " " + ref->dir.path);
-    EXPECT_EQ(run.exit_code, 0) << run.output;
-    ref->all = nlohmann::json::parse(ddm::test::read_text(out));
+    const auto made = ddm::test::reference_outputs("tests/reference/every_character.py", "{dir}/every.json {dir}");
+    EXPECT_EQ(made.run.exit_code, 0) << made.run.output;
+    ref->dir = made.dir;
+    ref->all = nlohmann::json::parse(ddm::test::read_text(made.dir + "/every.json"));
     return ref;
   }();
   return *r;
@@ -70,7 +68,7 @@ TEST(EveryCharacter, EachTokenizerEqualsItsLibrary) {
   const auto shipped = ddm::text::load_tokenizer("clip");
   const auto& open_clip = dynamic_cast<const ddm::text::ClipTokenizer&>(*shipped);
   expect_every_character("open_clip", open_clip.end_id(), [&](const std::string& s) { return open_clip.tokenize(s, 16); });
-  const auto clip = ddm::text::ClipTokenizer::from_transformers_dir(reference().dir / "json");
+  const auto clip = ddm::text::ClipTokenizer::from_transformers_dir(reference().dir + "/json");
   expect_every_character("transformers_clip", clip.end_id(), [&](const std::string& s) { return clip.tokenize(s, 16); });
   const auto bert = ddm::text::WordPieceTokenizer::from_dir(reference().all["bert_model"].get<std::string>());
   expect_every_character("bert", bert.sep_id(), [&](const std::string& s) { return bert.tokenize(s, 16); });

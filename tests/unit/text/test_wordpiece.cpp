@@ -19,18 +19,17 @@ using ddm::text::WordPieceTokenizer;
 namespace {
 
 struct Reference {
-  TempDir dir;
+  std::string dir;  // shared: read only
   std::string model;
   nlohmann::json cases;
 };
 const Reference& reference() {
   static const Reference* r = [] {
     auto* ref = new Reference;
-    const std::string out = ref->dir / "reference.json";
-    const auto run = ddm::test::run_command(ddm::test::reference_python() + " " + ddm::test::source_dir() +
-                                            "/tests/reference/bert_tokenizer.py " + out + " 400 " + ref->dir.path);
-    EXPECT_EQ(run.exit_code, 0) << run.output;
-    const auto all = nlohmann::json::parse(ddm::test::read_text(out));
+    const auto made = ddm::test::reference_outputs("tests/reference/bert_tokenizer.py", "{dir}/reference.json 400 {dir}");
+    EXPECT_EQ(made.run.exit_code, 0) << made.run.output;
+    ref->dir = made.dir;
+    const auto all = nlohmann::json::parse(ddm::test::read_text(made.dir + "/reference.json"));
     ref->model = all["model"].get<std::string>();
     ref->cases = all["cases"];
     return ref;
@@ -92,7 +91,7 @@ TEST(WordPiece, EqualsTransformersBertTokenizerOnMiniLmsRealVocabularyFromBothLa
   EXPECT_EQ(t.max_length(), 512);
   EXPECT_TRUE(t.lowercase());
   expect_equal_on_corpus(t, "json");
-  expect_equal_on_corpus(WordPieceTokenizer::from_dir(reference().dir / "legacy"), "legacy");
+  expect_equal_on_corpus(WordPieceTokenizer::from_dir(reference().dir + "/legacy"), "legacy");
 }
 
 TEST(WordPiece, BadDirectoriesAreClearErrorsNamingTheFile) {
