@@ -4,11 +4,13 @@
 
 #include <CLI/CLI.hpp>
 
+#include <fstream>
 #include <functional>
 #include <string>
 #include <vector>
 
 #include "core/device.h"
+#include "core/error.h"
 
 namespace ddm {
 
@@ -39,6 +41,25 @@ inline const CLI::Validator kDeviceSpec = CLI::Validator(
       return "";
     },
     "DEVICE");
+
+// The texts of the command line, then those of `file` (one per line, a trailing \r dropped), each
+// with what names it in errors.
+inline std::vector<std::pair<std::string, std::string>> read_texts(const std::vector<std::string>& args,
+                                                                   const std::string& file, const std::string& option) {
+  std::vector<std::pair<std::string, std::string>> texts;
+  for (size_t i = 0; i < args.size(); ++i) texts.emplace_back(args[i], "text " + std::to_string(i + 1) + " of the command line");
+  if (!file.empty()) {
+    std::ifstream in(file, std::ios::binary);
+    if (!in) throw InputError(file + ": cannot read it (" + option + ")");
+    std::string line;
+    for (int n = 1; std::getline(in, line); ++n) {
+      if (!line.empty() && line.back() == '\r') line.pop_back();
+      texts.emplace_back(line, file + " line " + std::to_string(n));
+    }
+  }
+  return texts;
+}
+
 
 // A subcommand and what runs when it was chosen (returns the exit code).
 struct Command {

@@ -27,6 +27,7 @@
 #include "run/trainer.h"
 #include "train/controlnet.h"
 #include "train/loaded_model.h"
+#include "train/text.h"
 
 namespace fs = std::filesystem;
 
@@ -195,6 +196,72 @@ std::optional<ReferenceSet> open_references(const SampleArgs& a, const LoadedMod
   return r;
 }
 
+// A prompt as a grid's row label: stb_easy_font draws printable ASCII only, so every other code point
+// shows as '?', and a long prompt is cut to 40 characters.
+std::string row_label(const std::string& prompt) {
+  std::string out;
+  int chars = 0;
+  for (size_t i = 0; i < prompt.size(); ++i) {
+    const auto c = static_cast<unsigned char>(prompt[i]);
+    if ((c & 0xC0) == 0x80) continue;  // a UTF-8 continuation byte: its code point is counted already
+    if (++chars > 40) return out + "...";
+    out += c >= 0x20 && c < 0x7F ? static_cast<char>(c) : '?';
+  }
+  return out;
+}
+
+// A text model's prompts (--prompt, --prompts) into g, as classes are laid out: n / P samples of each
+// of the P prompts in a row, cycling if n is not a multiple; guidance's unconditional branch takes
+// --negative-prompt's encoding instead of the empty prompt's. Returns the rows' labels; nothing for
+// a model without text, which refuses the flags.
+std::vector<std::string> open_prompts(const SampleArgs& a, Source& src, GenerateOptions& g) {
+  const bool given = !a.prompts.empty() || !a.prompts_file.empty() || !a.negative_prompt.empty();
+  if (!src.model || !src.model->text) {
+    DDM_CHECK(!given, "--prompt, --prompts and --negative-prompt: " << src.name
+                                                                   << " is not conditioned on text (model.text_encoder)");
+    return {};
+  }
+  const LoadedModel& m = *src.model;
+  const auto texts = read_texts(a.prompts, a.prompts_file, "--prompts");
+  DDM_CHECK(!texts.empty(), m.checkpoint << " is conditioned on text (model.text_encoder = " << m.cfg.model.text_encoder
+                                         << "): give --prompt TEXT (once per row) or --prompts FILE (one per line)");
+  const auto p = static_cast<int64_t>(texts.size());
+  DDM_CHECK(p <= a.n, "--n " << a.n << " is fewer than the " << p << " prompts: give --n " << p << " or more");
+  DDM_CHECK(m.cfg.model.num_classes == 0 || a.class_id >= 0,
+            m.checkpoint << " is conditioned on classes and text: give --class too (the rows are the prompts)");
+  std::vector<std::string> prompts, what;
+  for (const auto& [text, name] : texts) {
+    prompts.push_back(text);
+    what.push_back(name);
+  }
+  const torch::Device device = src.den->device();
+  // Each prompt encoded once (in batches of 64, every prompt tokenized before any is encoded: a bad
+  // one stops sampling before it starts, naming its line), then repeated for its samples.
+  std::vector<Cond> parts;
+  for (int64_t i = 0; i < p; i += 64) {
+    const int64_t b = std::min<int64_t>(64, p - i);
+    parts.push_back(encode_texts(*m.text, {prompts.begin() + i, prompts.begin() + i + b}, device,
+                                 {what.begin() + i, what.begin() + i + b}));
+  }
+  Cond enc;
+  for (auto field : {&Cond::context, &Cond::context_mask, &Cond::pooled}) {
+    std::vector<torch::Tensor> all;
+    for (const Cond& part : parts) all.push_back(part.*field);
+    enc.*field = torch::cat(all);  // [P, ...]
+  }
+  const int64_t per = a.n / p;
+  g.per_class = per;
+  const torch::Tensor which = torch::arange(a.n, torch::kLong).div(per, "floor").remainder(p).to(device);  // [n]
+  g.text = enc.select(which);  // [n, T, D], [n, T], [n, P]
+  if (!a.negative_prompt.empty())
+    src.den->set_null_text(encode_texts(*m.text, {a.negative_prompt}, device, {"--negative-prompt"}));
+  std::cout << "text: " << p << " prompt(s), " << per << " sample(s) each per row; guidance against "
+            << (a.negative_prompt.empty() ? "the empty prompt" : "--negative-prompt") << std::endl;
+  std::vector<std::string> labels;
+  for (int64_t r = 0; r * per < a.n; ++r) labels.push_back(row_label(prompts[r % p]));
+  return labels;
+}
+
 // The control maps and reference images of the --control* / --reference* flags (a model only, not an
 // ensemble), put into g: what the model is conditioned on, and the labels they come with.
 std::pair<std::optional<ControlSet>, std::optional<ReferenceSet>> open_conditions(const SampleArgs& a,
@@ -204,9 +271,6 @@ std::pair<std::optional<ControlSet>, std::optional<ReferenceSet>> open_condition
   DDM_CHECK(src.model || (a.reference_file.empty() && a.reference_from.empty()), "--reference applies only to --ckpt");
   if (!src.model) return {};
   const LoadedModel& m = *src.model;
-  DDM_CHECK(m.cfg.model.text_encoder.empty(),
-            m.checkpoint << " is conditioned on text (model.text_encoder = " << m.cfg.model.text_encoder
-                         << "); sampling it from prompts is not in ddm yet (docs/text.md says what is)");
   std::optional<ControlSet> controls = open_controls(a, m, a.n);
   if (controls) {
     if (!m.cfg.model.controlnet.empty()) g.control = controls->maps;
@@ -262,11 +326,13 @@ void write_samples(const SampleArgs& a) {
   std::cout << ": " << g.sample.sampler << ", " << g.sample.steps << " steps, cfg " << g.sample.cfg << std::endl;
   g.decode = image_decoder(m);  // latent models: the frozen decoder
   const auto [controls, refs] = open_conditions(a, src, g);
+  std::vector<std::string> labels = open_prompts(a, src, g);
   Generated out = generate(den, m.cfg.model.in_channels, m.cfg.model.image_size, g);
   if (tty) std::printf("\n");
-  std::vector<std::string> labels;
   int64_t cols = std::min<int64_t>(a.n, 10);
-  if (classes > 0 && a.class_id < 0 && !g.labels.defined()) {
+  if (!labels.empty()) {
+    cols = g.per_class;  // a row per prompt
+  } else if (classes > 0 && a.class_id < 0 && !g.labels.defined()) {
     cols = g.per_class;
     for (int64_t r = 0; r * cols < a.n; ++r) {
       const int64_t c = out.labels[r * cols].item<int64_t>();
@@ -293,7 +359,8 @@ void write_samples(const SampleArgs& a) {
                 embed_similarity(*refs->embedder, out.images, refs->images));
     std::cout << "wrote " << refs_png << " (the reference images, laid out as the samples)" << std::endl;
   }
-  std::cout << "NFE " << out.nfe << " per image" << (g.sample.cfg != 1.0 && classes > 0 ? " (CFG: batch of 2)" : "")
+  const bool guided = g.sample.cfg != 1.0 && (classes > 0 || g.text.context.defined());
+  std::cout << "NFE " << out.nfe << " per image" << (guided ? " (CFG: batch of 2)" : "")
             << ", " << out.seconds << " s, " << a.n / out.seconds << " img/s\n";
   if (src.ensemble) std::cout << src.ensemble->usage_report(a.n);
   std::cout << "wrote " << a.out << std::endl;
@@ -323,6 +390,11 @@ void add_sample_flags(CLI::App* cmd, SampleArgs& a) {
       ->check(kNonNegative);
   cmd->add_option("--class", a.class_id, "sample only this class, 0..classes-1 (default: one row per class)")
       ->check(kNonNegative);
+  cmd->add_option("--prompt", a.prompts,
+                  "a text model's prompt; give it once per row of the grid (n / prompts samples each)");
+  cmd->add_option("--prompts", a.prompts_file, "a UTF-8 file of a text model's prompts, one per line (after --prompt's)");
+  cmd->add_option("--negative-prompt", a.negative_prompt,
+                  "what guidance steers away from (default: the empty prompt, the null condition the model learned)");
   cmd->add_option("--seed", a.seed, "sampling seed")->check(kNonNegative);
   cmd->add_option("--batch", a.batch, "images per network batch")->check(kPositive);
   cmd->add_option("--threads", a.threads, "intra-op threads (0 = all cores)")->check(kNonNegative);
@@ -409,6 +481,7 @@ int eval_cmd(EvalArgs a) {
               << g.sample.steps << " steps, cfg " << g.sample.cfg << std::endl;
     g.decode = image_decoder(m);  // latent models: the frozen decoder
     const auto [controls, refs] = open_conditions(a.sample, src, g);
+    open_prompts(a.sample, src, g);  // a text model: a row of samples per prompt
     Generated out = generate(den, m.cfg.model.in_channels, m.cfg.model.image_size, g);
     if (tty) std::printf("\n");
     std::printf("NFE %lld per image, %.0f s (%.1f img/s)\n", static_cast<long long>(out.nfe), out.seconds,

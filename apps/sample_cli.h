@@ -3,6 +3,7 @@
 #pragma once
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "cli_util.h"
 
@@ -13,6 +14,8 @@ struct SampleArgs {
   std::string ckpt, ensemble, routing, out = "samples.png", raw, sampler;
   std::string control_file, control_from, control_type;  // ControlNets (and their fidelity for any model)
   std::string reference_file, reference_from;            // model.embed (and embedding similarity for any model)
+  std::vector<std::string> prompts;                       // text models: --prompt, one row each
+  std::string prompts_file, negative_prompt;              // --prompts FILE; guidance's unconditional prompt
   int64_t n = 100, steps = 0, class_id = -1, seed = 0, batch = 250, threads = 0;
   std::string device = "auto", precision = "fp32";  // where the network runs, and in what
   double cfg = -1;

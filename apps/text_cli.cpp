@@ -18,27 +18,6 @@
 #include "text/tokenizer.h"
 
 namespace ddm {
-namespace {
-
-// The texts of the command line, then those of `file` (one per line, a trailing \r dropped), each
-// with what names it in errors.
-std::vector<std::pair<std::string, std::string>> read_texts(const std::vector<std::string>& args, const std::string& file,
-                                                            const std::string& option) {
-  std::vector<std::pair<std::string, std::string>> texts;
-  for (size_t i = 0; i < args.size(); ++i) texts.emplace_back(args[i], "text " + std::to_string(i + 1) + " of the command line");
-  if (!file.empty()) {
-    std::ifstream in(file, std::ios::binary);
-    if (!in) throw InputError(file + ": cannot read it (" + option + ")");
-    std::string line;
-    for (int n = 1; std::getline(in, line); ++n) {
-      if (!line.empty() && line.back() == '\r') line.pop_back();
-      texts.emplace_back(line, file + " line " + std::to_string(n));
-    }
-  }
-  return texts;
-}
-
-}  // namespace
 
 Command add_text_command(CLI::App& app) {
   struct Args {

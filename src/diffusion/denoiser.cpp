@@ -71,14 +71,25 @@ torch::Tensor Denoiser::raw(const torch::Tensor& x, const torch::Tensor& t, cons
   const int64_t b = x.size(0);
   const auto on_x = torch::TensorOptions().device(x.device());
   Autocast autocast(x.device(), precision_);  // bf16: the forward passes; the output takes x's type below
-  // The unconditional branch: the null class and the null embedding, the same control map.
+  // The unconditional branch: the null class, the null embedding and the null text (the empty or the
+  // negative prompt), the same control map.
   Cond null = y;
   null.y = torch::full({b}, num_classes_, on_x.dtype(torch::kLong));
   if (y.embed.defined()) null.embed_null = torch::ones({b}, on_x.dtype(torch::kBool));
   Cond c = y;
   if (num_classes_ == 0) c.y = null.y;  // an unconditional model's only class
-  const bool conditional = num_classes_ > 0 || y.embed.defined();
+  const bool conditional = num_classes_ > 0 || y.embed.defined() || y.context.defined();
   if (!conditional || w == 1.0) return net_->forward(x, t, c).to(x.scalar_type());  // [B,C,H,W]
+  if (y.context.defined()) {
+    DDM_CHECK(null_text_.context.defined(), "guidance of a text-conditioned model needs the empty prompt's encoding "
+                                            "(Denoiser::set_null_text)");
+    const Cond nt = null_text_.to(x.device());
+    null.context = nt.context.expand({b, -1, -1});                                     // [B, T, D]
+    null.context_mask = nt.context_mask.defined() ? nt.context_mask.expand({b, -1}) : nt.context_mask;  // [B, T]
+    null.pooled = nt.pooled.defined() ? nt.pooled.expand({b, -1}) : nt.pooled;       // [B, P]
+    DDM_CHECK(null.context_mask.defined() == y.context_mask.defined() && null.pooled.defined() == y.pooled.defined(),
+              "the null text condition and the samples' carry different fields");
+  }
   if (w == 0.0) return net_->forward(x, t, null).to(x.scalar_type());               // [B,C,H,W]
   // Conditional and unconditional branches in one batch of 2B.
   if (y.embed.defined() && !c.embed_null.defined()) c.embed_null = torch::zeros({b}, on_x.dtype(torch::kBool));

@@ -70,6 +70,10 @@ class Denoiser {
   // noise there. bf16: its forward passes under bfloat16 autocast, the estimates in float32.
   torch::Device device() const;
   void set_precision(Precision p) { precision_ = p; }
+  // Text models: the unconditional branch of guidance takes this text condition (context [1, T, D],
+  // context_mask [1, T], pooled [1, P]: the empty prompt's encoding, or a negative prompt's) for every
+  // row. Without it, guidance of a text-conditioned y is refused.
+  void set_null_text(Cond null_text) { null_text_ = std::move(null_text); }
 
  private:
   torch::Tensor raw(const torch::Tensor& x, const torch::Tensor& t, const Cond& y, double w) const;
@@ -80,6 +84,7 @@ class Denoiser {
   int64_t num_classes_;
   Precision precision_ = Precision::kFp32;
   torch::Device fn_device_ = torch::kCPU;  // an estimator's
+  Cond null_text_;
   mutable int64_t nfe_ = 0;
 };
 

@@ -35,6 +35,8 @@ Generated generate(const Denoiser& den, int64_t channels, int64_t size, const Ge
             "generate: " << opt.control.size(0) << " control maps for " << opt.n << " samples");
   DDM_CHECK(!opt.embed.defined() || opt.embed.size(0) == opt.n,
             "generate: " << opt.embed.size(0) << " embeddings for " << opt.n << " samples");
+  DDM_CHECK(!opt.text.context.defined() || opt.text.context.size(0) == opt.n,
+            "generate: " << opt.text.context.size(0) << " prompt encodings for " << opt.n << " samples");
   std::vector<torch::Tensor> chunks;
   for (int64_t start = 0; start < opt.n; start += opt.batch_size) {
     const int64_t b = std::min(opt.batch_size, opt.n - start);
@@ -50,6 +52,12 @@ Generated generate(const Denoiser& den, int64_t channels, int64_t size, const Ge
     Cond c(g.labels.narrow(0, start, b));                                // [b]
     if (opt.control.defined()) c.control = opt.control.narrow(0, start, b);  // [b, Cc, H, W]
     if (opt.embed.defined()) c.embed = opt.embed.narrow(0, start, b);        // [b, D]
+    if (opt.text.context.defined()) {
+      const Cond t = opt.text.rows(start, b);
+      c.context = t.context;            // [b, T, D]
+      c.context_mask = t.context_mask;  // [b, T]
+      c.pooled = t.pooled;              // [b, P]
+    }
     // On the network's device (the noise is drawn on the CPU, the same on every device); back on the CPU.
     const torch::Device dev = den.device();
     c = c.to(dev);

@@ -27,6 +27,10 @@ struct GenerateOptions {
   torch::Tensor control;
   // model.embed: each sample's reference embedding, float [n, D]; undefined: the null embedding.
   torch::Tensor embed;
+  // Text models: each sample's prompt encoding (context [n, T, D], context_mask [n, T], pooled [n, P]:
+  // the other fields unset); undefined context: none. Guidance's unconditional branch takes the
+  // denoiser's null text (Denoiser::set_null_text).
+  Cond text;
   // Each sample's label, int64 [n] (e.g. of the test images the control maps come from); undefined:
   // from class_id and per_class.
   torch::Tensor labels;

@@ -8,6 +8,7 @@
 #include "train/checkpoint.h"
 #include "train/controlnet.h"
 #include "train/optimizer.h"
+#include "train/text.h"
 
 namespace ddm {
 
@@ -26,6 +27,7 @@ LoadedModel load_model(const std::string& path, bool use_ema, torch::Device devi
   m.net->to(device);
   if (!m.cfg.model.latent.empty()) m.latent = LatentSpace::load(m.cfg.model, device);  // pinned by sha256
   if (!m.cfg.model.embed.empty()) m.embedder = ImageEmbedder::load(m.cfg.model, device);  // pinned by sha256
+  if (!m.cfg.model.text_encoder.empty()) m.text = load_pinned_text_encoder(m.cfg.model, device);  // pinned by sha256
   return m;
 }
 
@@ -41,7 +43,9 @@ Denoiser make_denoiser(const LoadedModel& m) {
             m.checkpoint << " holds an autoencoder, not a diffusion model: it reconstructs images (`ddm "
                             "train-autoencoder --config RUN/config.toml --out RUN --resume` reports it) and latent models train on it "
                             "(model.latent = RUN)");
-  return Denoiser(m.net, make_path(m.cfg.diffusion), prediction_for(m.cfg.diffusion), m.cfg.model.num_classes);
+  Denoiser den(m.net, make_path(m.cfg.diffusion), prediction_for(m.cfg.diffusion), m.cfg.model.num_classes);
+  if (m.text) den.set_null_text(encode_texts(*m.text, {""}, den.device()));  // [1, T, D], [1, T], [1, P]
+  return den;
 }
 
 }  // namespace ddm

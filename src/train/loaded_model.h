@@ -12,6 +12,7 @@
 #include "model/net.h"
 #include "train/embed.h"
 #include "train/latent.h"
+#include "text/encoder.h"
 
 namespace ddm {
 
@@ -23,10 +24,12 @@ struct LoadedModel {
   std::string checkpoint;
   std::shared_ptr<const LatentSpace> latent;  // latent models: the frozen autoencoder (else null)
   std::shared_ptr<const ImageEmbedder> embedder;  // model.embed: the frozen embedding network (else null)
+  std::shared_ptr<const text::TextEncoder> text;  // model.text_encoder: the frozen text encoder (else null)
 };
 // path: a run directory (latest checkpoint) or a checkpoint directory. use_ema selects EMA weights
 // (frozen parameters, which have no EMA, keep their model weights).
 LoadedModel load_model(const std::string& path, bool use_ema, torch::Device device = torch::kCPU);
+// A text model's denoiser guides against the empty prompt (Denoiser::set_null_text).
 Denoiser make_denoiser(const LoadedModel& m);
 // What turns the model's samples into images: the frozen decoder of a latent model (for
 // GenerateOptions::decode), or an empty function for a pixel model.

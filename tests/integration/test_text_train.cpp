@@ -119,3 +119,55 @@ TEST(TextTrain, AChangedEncoderUncaptionedDataAndContradictingKeysAreClearErrors
                      "train.caption_dropout must be in [0, 1], got 2");
   EXPECT_FALSE(fs::exists(dir / "x/ckpt"));
 }
+
+// Sampling a text model from prompts (`ddm sample --prompt`): trained 200 steps on the three
+// colours, each prompt's row is its colour (the channel the caption names is each sample's
+// brightest); guidance with a negative prompt at --cfg 0 is that prompt's model alone; bad prompts
+// and prompts for a model without text are clear errors.
+TEST(TextSample, PromptsSteerTheSamplesAndTheNegativePromptIsGuidancesNullCondition) {
+  test::TempDir dir;
+  const std::string root = dir / "images", run = dir / "run";
+  captioned_folder(root);
+  test::write_text(dir / "text.toml", config(root, minilm_model_dir()));
+  ASSERT_EQ(test::run_ddm("train --quiet --config " + (dir / "text.toml") +
+                          " --set train.steps=200 --set train.ckpt_every=200 --set train.warmup=5 --out " + run)
+                .exit_code,
+            0);
+  // The channel each sample is brightest in, [n].
+  auto brightest = [&](const std::string& file) {
+    const auto images = load_safetensors(file).tensors.at("images").to(torch::kFloat);  // [n, 3, 8, 8]
+    return images.mean({2, 3}).argmax(1);
+  };
+  const std::string sample = "sample --ckpt " + run + " --steps 10 --cfg 3 --n 12 ";
+  auto r = test::run_ddm(sample + "--prompt 'a red square' --prompt 'a green square' --prompt 'a blue square' --out " +
+                         (dir / "s.png") + " --raw " + (dir / "s.safetensors"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("text: 3 prompt(s), 4 sample(s) each per row; guidance against the empty prompt"),
+            std::string::npos) << r.output;
+  EXPECT_TRUE(fs::exists(dir / "s.png"));
+  const auto want = torch::arange(3, torch::kLong).repeat_interleave(4);  // rows: red, green, blue
+  EXPECT_TRUE(brightest(dir / "s.safetensors").equal(want)) << brightest(dir / "s.safetensors");
+  // --cfg 0 samples the unconditional branch alone: the negative prompt's colour, whatever the prompt.
+  test::write_text(dir / "prompts.txt", "a red square\n");
+  r = test::run_ddm("sample --ckpt " + run + " --steps 10 --cfg 0 --n 4 --prompts " + (dir / "prompts.txt") +
+                    " --negative-prompt 'a blue square' --out " + (dir / "n.png") + " --raw " + (dir / "n.safetensors"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_TRUE(brightest(dir / "n.safetensors").eq(2).all().item<bool>()) << brightest(dir / "n.safetensors");
+  // Bad prompts, before any sampling.
+  test::expect_error(test::run_ddm(sample + "--out " + (dir / "x.png")), "is conditioned on text (model.text_encoder = ");
+  test::expect_error(test::run_ddm("sample --ckpt " + run + " --n 1 --prompt a --prompt b --out " + (dir / "x.png")),
+                     "--n 1 is fewer than the 2 prompts");
+  test::write_text(dir / "bad.txt", "a red square\n\xff broken\n");
+  test::expect_error(test::run_ddm(sample + "--prompts " + (dir / "bad.txt") + " --out " + (dir / "x.png")),
+                     "bad.txt line 2: not UTF-8");
+  test::expect_error(test::run_ddm(sample + "--prompts " + (dir / "none.txt") + " --out " + (dir / "x.png")),
+                     "none.txt: cannot read it (--prompts)");
+  EXPECT_FALSE(fs::exists(dir / "x.png"));
+  // A model without text refuses prompts.
+  ASSERT_EQ(test::run_ddm("train --quiet --config " + (dir / "text.toml") +
+                          " --set model.text_encoder= --set model.text_tokens=0 --set train.steps=1 --out " + (dir / "plain"))
+                .exit_code,
+            0);
+  test::expect_error(test::run_ddm("sample --ckpt " + (dir / "plain") + " --n 2 --prompt a --out " + (dir / "x.png")),
+                     "is not conditioned on text (model.text_encoder)");
+}
