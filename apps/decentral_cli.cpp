@@ -36,6 +36,7 @@
 #include "model/router.h"
 #include "run/trainer.h"
 #include "train/loaded_model.h"
+#include "train/text.h"
 
 namespace fs = std::filesystem;
 
@@ -140,6 +141,7 @@ void evaluate_router_run(const std::string& out, int64_t buckets) {
                                  : "training images (data.holdout = 0: none were held out)";
   // uint8 images [N, C, H, W] (latent shards: posteriors float [N, 2z, h, w]), labels int64 [N]
   torch::Tensor images, labels;
+  std::vector<std::string> captions;  // a text router's: each image's caption
   if (shards) {  // those samples (idx, in shard order), decoded as training decodes them, centre-cropped
     auto keep = std::make_shared<std::vector<bool>>(static_cast<size_t>(n), false);
     const auto at = idx.accessor<int64_t, 1>();
@@ -148,10 +150,25 @@ void evaluate_router_run(const std::string& out, int64_t buckets) {
     for_each_in_order(data, dc, idx.size(0), threads, [&](const torch::Tensor& x, const torch::Tensor& y, int64_t) {
       xs.push_back(data.latents ? x.clone() : to_uint8(x));
       ys.push_back(y);
-    }, keep);
+    }, keep, r.text ? &captions : nullptr);
     images = torch::cat(xs), labels = torch::cat(ys);
   } else {
     images = data.images.index_select(0, idx), labels = data.labels.index_select(0, idx);
+    if (r.text) {
+      const auto at = idx.accessor<int64_t, 1>();
+      for (int64_t i = 0; i < idx.size(0); ++i) captions.push_back(data.captions.at(static_cast<size_t>(at[i])));
+    }
+  }
+  // A text router is measured on each image's own caption (and the empty prompt for the null column).
+  torch::Tensor pooled, null_pooled;
+  if (r.text) {
+    std::vector<torch::Tensor> parts;
+    for (size_t i = 0; i < captions.size(); i += 64) {
+      const std::vector<std::string> some(captions.begin() + i, captions.begin() + std::min(captions.size(), i + 64));
+      parts.push_back(encode_texts(*r.text, some, torch::kCPU).pooled);  // [b, P]
+    }
+    pooled = torch::cat(parts);                                      // [N, P]
+    null_pooled = encode_texts(*r.text, {""}, torch::kCPU).pooled;  // [1, P]
   }
   // A latent ensemble's router routes latents: its x_t is built on the encoder's means (latent shards
   // hold them).
@@ -159,7 +176,7 @@ void evaluate_router_run(const std::string& out, int64_t buckets) {
                            : r.latent   ? r.latent->encode_mean(images)
                                         : to_unit_range(images);
   const RouterReport rep = evaluate_router(r.net, r.cfg, x0, labels, p.labels.index_select(0, idx), buckets,
-                                           static_cast<uint64_t>(r.cfg.train.seed) + 1, note);
+                                           static_cast<uint64_t>(r.cfg.train.seed) + 1, note, pooled, null_pooled);
   std::cout << "\n" << rep.table();
   nlohmann::json j = rep.json();
   j["checkpoint"] = r.checkpoint;

@@ -216,14 +216,14 @@ std::string row_label(const std::string& prompt) {
 // a model without text, which refuses the flags.
 std::vector<std::string> open_prompts(const SampleArgs& a, Source& src, GenerateOptions& g) {
   const bool given = !a.prompts.empty() || !a.prompts_file.empty() || !a.negative_prompt.empty();
-  if (!src.model || !src.model->text) {
+  const LoadedModel& m = src.defaults();  // an ensemble's experts share one encoder (ddm ensemble checks)
+  if (!m.text) {
     DDM_CHECK(!given, "--prompt, --prompts and --negative-prompt: " << src.name
                                                                    << " is not conditioned on text (model.text_encoder)");
     return {};
   }
-  const LoadedModel& m = *src.model;
   const auto texts = read_texts(a.prompts, a.prompts_file, "--prompts");
-  DDM_CHECK(!texts.empty(), m.checkpoint << " is conditioned on text (model.text_encoder = " << m.cfg.model.text_encoder
+  DDM_CHECK(!texts.empty(), src.name << " is conditioned on text (model.text_encoder = " << m.cfg.model.text_encoder
                                          << "): give --prompt TEXT (once per row) or --prompts FILE (one per line)");
   const auto p = static_cast<int64_t>(texts.size());
   DDM_CHECK(p <= a.n, "--n " << a.n << " is fewer than the " << p << " prompts: give --n " << p << " or more");
@@ -253,8 +253,11 @@ std::vector<std::string> open_prompts(const SampleArgs& a, Source& src, Generate
   g.per_class = per;
   const torch::Tensor which = torch::arange(a.n, torch::kLong).div(per, "floor").remainder(p).to(device);  // [n]
   g.text = enc.select(which);  // [n, T, D], [n, T], [n, P]
-  if (!a.negative_prompt.empty())
-    src.den->set_null_text(encode_texts(*m.text, {a.negative_prompt}, device, {"--negative-prompt"}));
+  if (!a.negative_prompt.empty()) {
+    const Cond negative = encode_texts(*m.text, {a.negative_prompt}, device, {"--negative-prompt"});
+    if (src.ensemble) src.ensemble->set_null_text(negative);  // each expert's guidance
+    else src.den->set_null_text(negative);
+  }
   std::cout << "text: " << p << " prompt(s), " << per << " sample(s) each per row; guidance against "
             << (a.negative_prompt.empty() ? "the empty prompt" : "--negative-prompt") << std::endl;
   std::vector<std::string> labels;

@@ -509,13 +509,14 @@ void validate_model(const RunConfig& c) {
   DDM_CHECK(m.embed.empty() || c.train.label_dropout > 0,
             "model.embed with train.label_dropout = 0: the null embedding that guidance and sampling without "
             "references use would never be trained; set train.label_dropout > 0 (e.g. 0.1)");
-  DDM_CHECK(m.text_encoder.empty() || m.arch == "unet" || m.arch == "dit",
-            "model.text_encoder = " << m.text_encoder << " conditions a diffusion backbone (model.arch = unet | dit), not " << m.arch);
+  DDM_CHECK(m.text_encoder.empty() || m.arch == "unet" || m.arch == "dit" || m.arch == "router-dit" || m.arch == "router-conv",
+            "model.text_encoder = " << m.text_encoder << " conditions a diffusion backbone or a router (model.arch = unet | dit | "
+                                    "router-dit | router-conv), not " << m.arch);
   DDM_CHECK(m.text_encoder.empty() || (m.controlnet.empty() && m.embed.empty()),
             "model.text_encoder with model." << (m.controlnet.empty() ? "embed" : "controlnet") << ": not supported yet; remove one");
-  DDM_CHECK(m.text_encoder.empty() || (c.train.teacher.empty() && c.data.partition.empty() && c.parallel.pp <= 1),
-            "model.text_encoder with " << (!c.train.teacher.empty() ? "train.teacher" : !c.data.partition.empty() ? "data.partition" : "parallel.pipeline")
-                                        << ": experts, distillation and pipelines do not pass text yet; remove one");
+  DDM_CHECK(m.text_encoder.empty() || (c.train.teacher.empty() && c.parallel.pp <= 1),
+            "model.text_encoder with " << (!c.train.teacher.empty() ? "train.teacher" : "parallel.pipeline")
+                                        << ": distillation and pipelines do not pass text yet; remove one");
   DDM_CHECK(!m.text_encoder.empty() || (m.text_sha256.empty() && m.text_skip == 0 && m.text_dim == 0 &&
                                         m.text_pooled_dim == 0 && m.text_tokens == 0),
             "model.text_sha256, text_skip, text_dim, text_pooled_dim and text_tokens describe model.text_encoder, which is not set");

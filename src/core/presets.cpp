@@ -158,6 +158,12 @@ void apply_preset(const std::string& name, ModelConfig& cfg) {
     m.embed = cfg.embed;
     m.embed_sha256 = cfg.embed_sha256;
     m.embed_dim = cfg.embed_dim;
+    m.text_encoder = cfg.text_encoder;  // a router is conditioned on the text like its experts
+    m.text_sha256 = cfg.text_sha256;
+    m.text_skip = cfg.text_skip;
+    m.text_dim = cfg.text_dim;
+    m.text_pooled_dim = cfg.text_pooled_dim;
+    m.text_tokens = cfg.text_tokens;
     p.second(m);
     if (m.arch != "unet" && m.arch != "dit") {  // a router or an autoencoder takes none of the backbone's conditioning
       m.controlnet.clear();
@@ -166,6 +172,11 @@ void apply_preset(const std::string& name, ModelConfig& cfg) {
       m.embed.clear();
       m.embed_sha256.clear();
       m.embed_dim = 0;
+    }
+    if (m.arch == "autoencoder") {
+      m.text_encoder.clear();
+      m.text_sha256.clear();
+      m.text_skip = m.text_dim = m.text_pooled_dim = m.text_tokens = 0;
     }
     cfg = m;
     return;

@@ -420,7 +420,7 @@ Dataset open_shards(const DataConfig& cfg, int threads, bool quiet) {
 
 void for_each_in_order(const Dataset& opened, const DataConfig& cfg, int64_t n, int threads,
                        const std::function<void(const torch::Tensor&, const torch::Tensor&, int64_t)>& f,
-                       std::shared_ptr<const std::vector<bool>> keep) {
+                       std::shared_ptr<const std::vector<bool>> keep, std::vector<std::string>* captions) {
   constexpr int64_t kBatch = 256;
   ShardOrder order;
   order.shuffle = false;
@@ -432,6 +432,7 @@ void for_each_in_order(const Dataset& opened, const DataConfig& cfg, int64_t n, 
     const Batch b = loader.next();
     const int64_t rows = std::min(kBatch, n - first);  // the last batch runs on into the next epoch
     f(b.x.narrow(0, 0, rows), b.y.narrow(0, 0, rows), first);
+    if (captions && !b.captions.empty()) captions->insert(captions->end(), b.captions.begin(), b.captions.begin() + rows);
   }
 }
 

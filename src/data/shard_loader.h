@@ -104,10 +104,12 @@ Dataset open_shards(const DataConfig& cfg, int threads, bool quiet);
 // decodes them but with a centre crop and no flip, 256 at a time on `threads` threads:
 // f(images float [b, C, S, S] in [-1, 1], labels int64 [b], the first one's row). Latent shards give
 // their posteriors instead, float [b, 2z, h, w] (require_images refuses them where images are needed).
-// With `keep` (by position in shard order), only the samples it keeps, n of them at most.
+// With `keep` (by position in shard order), only the samples it keeps, n of them at most. With
+// `captions`, the samples' captions are appended to it in the same order (none for uncaptioned shards).
 void for_each_in_order(const Dataset& opened, const DataConfig& cfg, int64_t n, int threads,
                        const std::function<void(const torch::Tensor&, const torch::Tensor&, int64_t)>& f,
-                       std::shared_ptr<const std::vector<bool>> keep = nullptr);
+                       std::shared_ptr<const std::vector<bool>> keep = nullptr,
+                       std::vector<std::string>* captions = nullptr);
 
 // Throws, naming `opened`, when it is latent shards: for the commands that need images.
 void require_images(const Dataset& opened);

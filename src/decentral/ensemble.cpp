@@ -88,7 +88,7 @@ torch::Tensor routing_weights(const torch::Tensor& probs, const Routing& r, cons
 }
 
 RouterFn net_router(Net router, NoisePath router_path, NoisePath sampling_path) {
-  return [router, router_path, sampling_path](const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& y) {
+  return [router, router_path, sampling_path](const torch::Tensor& x, const torch::Tensor& t, const Cond& y) {
     const PathMatch m = match_path(sampling_path, t, router_path);
     return torch::softmax(router->forward(x * col(m.scale), m.t, y), 1);  // [B, K]
   };
@@ -104,7 +104,9 @@ RouterFn oracle_router(const Dataset& data, const torch::Tensor& clusters, int64
   const auto member = torch::one_hot(clusters, k).to(torch::kFloat32).to(device);    // [N, K]
   const auto labels = data.labels.to(device);
   const int64_t classes = data.num_classes;
-  return [=](const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& y) {
+  // The prompt is not conditioned on: text ensembles' oracle is the posterior given the class alone.
+  return [=](const torch::Tensor& x, const torch::Tensor& t, const Cond& c) {
+    const torch::Tensor& y = c.y;
     const int64_t b = x.size(0);
     auto a = sampling_path.alpha(t).view({-1, 1}), s = sampling_path.sigma(t).view({-1, 1});  // [B, 1]
     // log N(x; a x0_i, s^2 I) up to terms constant in i: (a x.x0_i - a^2 |x0_i|^2 / 2) / s^2.
@@ -146,13 +148,18 @@ void Ensemble::reset_usage() {
   usage_.expert_evals.assign(experts_.size(), 0);
 }
 
-Denoiser::Estimate Ensemble::estimate(const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& y,
+Denoiser::Estimate Ensemble::estimate(const torch::Tensor& x, const torch::Tensor& t, const Cond& y,
                                       double w, const torch::Tensor& keys) const {
   const int64_t b = x.size(0);
   // The router sees the class label, or the null label when the whole sample is unconditional.
   const auto longs = torch::TensorOptions().dtype(torch::kLong).device(x.device());
-  auto y_route = num_classes_ == 0 ? torch::zeros({b}, longs) : (w == 0.0 ? torch::full({b}, num_classes_, longs) : y);
-  auto probs = router_(x, t, y_route);                  // [B, K]
+  Cond route(num_classes_ == 0 ? torch::zeros({b}, longs) : (w == 0.0 ? torch::full({b}, num_classes_, longs) : y.y));
+  if (y.pooled.defined()) {  // text: the prompt's pooled embedding, or the null prompt's when unconditional
+    DDM_CHECK(w != 0.0 || null_text_.pooled.defined(), "ensemble: guidance of text experts needs the empty prompt's "
+                                                      "encoding (Ensemble::set_null_text)");
+    route.pooled = w == 0.0 ? null_text_.pooled.to(x.device()).expand({b, -1}) : y.pooled;  // [B, P]
+  }
+  auto probs = router_(x, t, route);                  // [B, K]
   const auto present = present_.to(probs.scalar_type()).unsqueeze(0);  // [1, K]
   probs = probs * present;
   auto mass = probs.sum(1, true);                       // [B, 1]
@@ -174,7 +181,7 @@ Denoiser::Estimate Ensemble::estimate(const torch::Tensor& x, const torch::Tenso
   return combine(x, t, y, w, routing_weights(probs, routing_, uniforms));
 }
 
-Denoiser::Estimate Ensemble::estimate_assigned(const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& y,
+Denoiser::Estimate Ensemble::estimate_assigned(const torch::Tensor& x, const torch::Tensor& t, const Cond& y,
                                                const torch::Tensor& experts) const {
   DDM_CHECK(experts.numel() == x.size(0) && experts.min().item<int64_t>() >= 0 && experts.max().item<int64_t>() < k(),
             "ensemble: expert indices must be 0.." << k() - 1);
@@ -184,10 +191,16 @@ Denoiser::Estimate Ensemble::estimate_assigned(const torch::Tensor& x, const tor
   return combine(x, t, y, 1.0, weights);
 }
 
-Denoiser::Estimate Ensemble::combine(const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& y, double w,
+void Ensemble::set_null_text(const Cond& null_text) {
+  null_text_ = null_text;
+  for (auto& e : experts_)
+    if (e) e->set_null_text(null_text);
+}
+
+Denoiser::Estimate Ensemble::combine(const torch::Tensor& x, const torch::Tensor& t, const Cond& y, double w,
                                      const torch::Tensor& weights) const {
   const int64_t b = x.size(0);
-  const int branches = num_classes_ > 0 && w != 0.0 && w != 1.0 ? 2 : 1;
+  const int branches = (num_classes_ > 0 || y.context.defined()) && w != 0.0 && w != 1.0 ? 2 : 1;
 
   Denoiser::Estimate out{torch::zeros_like(x), torch::zeros_like(x)};
   for (int64_t e = 0; e < k(); ++e) {
@@ -196,7 +209,7 @@ Denoiser::Estimate Ensemble::combine(const torch::Tensor& x, const torch::Tensor
     const Denoiser& den = *experts_[e];  // weights are 0 for missing experts
     auto te = t.index_select(0, idx);
     const PathMatch m = match_path(path_, te, den.path());
-    auto est = den.estimate(x.index_select(0, idx) * col(m.scale), m.t, y.index_select(0, idx), w);  // [B_e,C,H,W]
+    auto est = den.estimate(x.index_select(0, idx) * col(m.scale), m.t, y.select(idx), w);  // [B_e,C,H,W]
     auto we = col(weights.index_select(0, idx).select(1, e));                                       // [B_e,1,1,1]
     out.x0.index_add_(0, idx, we * est.x0);
     out.eps.index_add_(0, idx, we * est.eps);
@@ -212,7 +225,11 @@ Denoiser Ensemble::denoiser() const {
   return Denoiser([this](const torch::Tensor& x, const torch::Tensor& t, const Cond& c, double w,
                          const torch::Tensor& keys) {
                     DDM_CHECK(!c.control.defined(), "an ensemble of experts takes no control map");
-                    return estimate(x, t, c.y, w, keys);
+                    Cond y(c.y);  // the labels and the prompts' encodings: what experts and router read
+                    y.context = c.context;
+                    y.context_mask = c.context_mask;
+                    y.pooled = c.pooled;
+                    return estimate(x, t, y, w, keys);
                   },
                   path_, num_classes_, device_);
 }

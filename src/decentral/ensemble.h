@@ -43,8 +43,9 @@ Routing parse_routing(const std::string& spec);
 // expert whose cumulative probability exceeds uniforms[b] times the row's total.
 torch::Tensor routing_weights(const torch::Tensor& probs, const Routing& r, const torch::Tensor& uniforms = {});
 
-// Router probabilities [B, K] at (x, t) on the sampling path with labels y [B] (null = num_classes).
-using RouterFn = std::function<torch::Tensor(const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& y)>;
+// Router probabilities [B, K] at (x, t) on the sampling path with labels y.y [B] (null = num_classes)
+// and, for text, the prompts' encodings (the router reads y.pooled).
+using RouterFn = std::function<torch::Tensor(const torch::Tensor& x, const torch::Tensor& t, const Cond& y)>;
 
 // A trained router net (logits) as a RouterFn: converts x_t from the sampling path to the path the
 // router was trained on, then softmax.
@@ -76,16 +77,22 @@ class Ensemble {
            double router_flops, NoisePath sampling_path, int64_t num_classes, Routing routing, uint64_t seed,
            torch::Device device = torch::kCPU);
 
-  // The routed, grouped estimate (see the file comment). x [B,C,H,W], t [B], y [B], guidance w.
+  // The routed, grouped estimate (see the file comment). x [B,C,H,W], t [B], guidance w; y: the labels
+  // [B] (the router's condition) and, for text experts, the prompts' encodings (each expert's guidance
+  // takes its own null text, Denoiser::set_null_text).
   // `sample` routing draws each sample's expert from its key (keys int64 [B], from the sampler; see
   // sampler.h) and the ensemble's seed, so the draw does not depend on the batch; without keys (a
   // direct call) from the seed, the number of this call and the row.
-  Denoiser::Estimate estimate(const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& y, double w,
+  Denoiser::Estimate estimate(const torch::Tensor& x, const torch::Tensor& t, const Cond& y, double w,
                               const torch::Tensor& keys = {}) const;
   // Each sample evaluated by one given expert, experts [B] int64 (no router), with the labels as
   // given (the null label for unconditional) and no guidance: the teacher of distillation.
-  Denoiser::Estimate estimate_assigned(const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& y,
+  Denoiser::Estimate estimate_assigned(const torch::Tensor& x, const torch::Tensor& t, const Cond& y,
                                        const torch::Tensor& experts) const;
+  // Text experts: the unconditional branch of every expert's guidance takes this text condition
+  // (context [1, T, D], context_mask [1, T], pooled [1, P]: the empty prompt's, make_ensemble sets it;
+  // or a negative prompt's), and so does the router when the whole sample is unconditional (w = 0).
+  void set_null_text(const Cond& null_text);
   // A Denoiser over this ensemble (which must outlive it).
   Denoiser denoiser() const;
 
@@ -97,9 +104,10 @@ class Ensemble {
 
  private:
   // Mixes the experts with weights [B, K], grouped: each expert runs once on the samples it weighs.
-  Denoiser::Estimate combine(const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& y, double w,
+  Denoiser::Estimate combine(const torch::Tensor& x, const torch::Tensor& t, const Cond& y, double w,
                              const torch::Tensor& weights) const;
   std::vector<std::optional<Denoiser>> experts_;
+  Cond null_text_;
   std::vector<double> expert_flops_;
   RouterFn router_;
   double router_flops_;

@@ -16,6 +16,7 @@
 #include "model/net.h"
 #include "model/router.h"
 #include "train/checkpoint.h"
+#include "train/text.h"
 
 namespace fs = std::filesystem;
 
@@ -103,6 +104,7 @@ nlohmann::json assemble_ensemble(const std::string& dir, const EnsembleSpec& spe
                    << rec.value("partition_sha256", "?").substr(0, 12) << ") than " << spec.partition << " (sha256 "
                    << part_sha.substr(0, 12) << ")");
   };
+  ModelConfig expert_text;  // expert 0's text keys
   for (int64_t i = 0; i < p.k; ++i) {
     const std::string& run = spec.experts[i];
     const std::string what = "expert " + std::to_string(i) + " (" + run + ")";
@@ -113,6 +115,17 @@ nlohmann::json assemble_ensemble(const std::string& dir, const EnsembleSpec& spe
                    << "; list the experts in cluster order");
     const LoadedModel lm = load_model(run, /*use_ema=*/false);
     same_shape(lm, what);
+    // Text experts: one frozen encoder for all, so a prompt is encoded once for every expert.
+    const ModelConfig& first = i == 0 ? lm.cfg.model : expert_text;
+    if (i == 0) expert_text = lm.cfg.model;
+    DDM_CHECK(lm.cfg.model.text_sha256 == first.text_sha256 && lm.cfg.model.text_skip == first.text_skip &&
+                  lm.cfg.model.text_tokens == first.text_tokens,
+              what << (lm.cfg.model.text_encoder.empty() ? " is not conditioned on text"
+                                                         : " is conditioned on the text encoder " + lm.cfg.model.text_encoder +
+                                                               " (sha256 " + lm.cfg.model.text_sha256.substr(0, 12) + ")")
+                   << ", expert 0 " << (first.text_encoder.empty() ? "not on text" : "on " + first.text_encoder + " (sha256 " +
+                                                                                       first.text_sha256.substr(0, 12) + ")")
+                   << " (or another text_skip / text_tokens); every expert of an ensemble must share one text encoder");
     const int64_t steps = rec.contains("steps") ? json_int(rec["steps"], what + ": key \"steps\"", 0) : 0;
     if (lm.step < steps)
       notes.push_back(what + " stopped at step " + std::to_string(lm.step) + " of " + std::to_string(steps) +
@@ -131,6 +144,12 @@ nlohmann::json assemble_ensemble(const std::string& dir, const EnsembleSpec& spe
   const LoadedModel r = load_model(spec.router, /*use_ema=*/false);
   DDM_CHECK(is_router_arch(r.cfg.model.arch), what << " is not a router (model.arch = " << r.cfg.model.arch << ")");
   same_shape(r, what);
+  DDM_CHECK(r.cfg.model.text_sha256 == expert_text.text_sha256 && r.cfg.model.text_skip == expert_text.text_skip &&
+                r.cfg.model.text_tokens == expert_text.text_tokens,
+            what << (r.cfg.model.text_encoder.empty() ? " is not conditioned on text" : " is conditioned on the text encoder " +
+                                                                                          r.cfg.model.text_encoder)
+                 << ", the experts " << (expert_text.text_encoder.empty() ? "not on text" : "on " + expert_text.text_encoder)
+                 << "; the router must see the experts' condition (train it with the experts' config)");
   if (r.step < r.cfg.train.steps)
     notes.push_back(what + " stopped at step " + std::to_string(r.step) + " of " + std::to_string(r.cfg.train.steps));
   m["router"] = {{"path", stored_path(dir, spec.router)},
@@ -240,14 +259,16 @@ std::unique_ptr<Ensemble> make_ensemble(const LoadedEnsemble& e, const Routing& 
   } else {
     // The router's forward runs under the experts' precision too (autocast keeps softmax in float32).
     RouterFn net = net_router(e.router.net, make_path(e.router.cfg.diffusion), path);
-    router = [net, precision](const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& y) {
+    router = [net, precision](const torch::Tensor& x, const torch::Tensor& t, const Cond& y) {
       Autocast autocast(x.device(), precision);
       return net(x, t, y);  // [B, K]
     };
     router_flops = forward_flops_per_image(e.router.cfg.model);
   }
-  return std::make_unique<Ensemble>(std::move(dens), std::move(flops), std::move(router), router_flops, path,
-                                    first.cfg.model.num_classes, routing, seed, device);
+  auto ensemble = std::make_unique<Ensemble>(std::move(dens), std::move(flops), std::move(router), router_flops, path,
+                                             first.cfg.model.num_classes, routing, seed, device);
+  if (first.text) ensemble->set_null_text(encode_texts(*first.text, {""}, device));  // guidance's null prompt
+  return ensemble;
 }
 
 }  // namespace ddm

@@ -347,6 +347,10 @@ Dataset cluster_subset(const Dataset& data, const Partition& p, int64_t cluster)
   Dataset d;
   d.images = data.images.index_select(0, rows);
   d.labels = data.labels.index_select(0, rows);
+  if (!data.captions.empty()) {
+    const auto at = rows.accessor<int64_t, 1>();
+    for (int64_t i = 0; i < rows.size(0); ++i) d.captions.push_back(data.captions[static_cast<size_t>(at[i])]);
+  }
   d.num_classes = data.num_classes;
   d.class_names = data.class_names;
   d.description = data.description + ", cluster " + std::to_string(cluster) + " of " + std::to_string(p.k) + " (" +

@@ -37,7 +37,10 @@ double expected_calibration_error(const torch::Tensor& conf, const torch::Tensor
 
 RouterReport evaluate_router(const Net& router, const RunConfig& cfg, const torch::Tensor& x0,
                              const torch::Tensor& labels, const torch::Tensor& clusters, int64_t buckets,
-                             uint64_t seed, const std::string& images_note) {
+                             uint64_t seed, const std::string& images_note, const torch::Tensor& pooled,
+                             const torch::Tensor& null_pooled) {
+  DDM_CHECK(!pooled.defined() || (pooled.size(0) == x0.size(0) && null_pooled.defined()),
+            "router evaluation: " << pooled.size(0) << " prompt embeddings for " << x0.size(0) << " images");
   DDM_CHECK(buckets > 0, "router evaluation needs at least one noise bucket");
   const int64_t n = x0.size(0), K = cfg.model.num_experts, classes = cfg.model.num_classes;
   DDM_CHECK(n > 0, "router evaluation needs at least one image");
@@ -63,14 +66,16 @@ RouterReport evaluate_router(const Net& router, const RunConfig& cfg, const torc
       auto eps = torch::randn(x.sizes(), gen);                                      // [m, C, H, W]
       auto xt = path.alpha(t).view({-1, 1, 1, 1}) * x + path.sigma(t).view({-1, 1, 1, 1}) * eps;
       auto k = clusters.narrow(0, s, m);                                            // [m]
-      auto y = classes > 0 ? labels.narrow(0, s, m) : torch::zeros({m}, torch::kLong);
+      Cond y(classes > 0 ? labels.narrow(0, s, m) : torch::zeros({m}, torch::kLong));  // [m]
+      if (pooled.defined()) y.pooled = pooled.narrow(0, s, m);                          // [m, P]
       auto logp = torch::log_softmax(router->forward(xt, t, y).to(torch::kDouble), 1);  // [m, K]
       auto [pmax, arg] = logp.exp().max(1);
       conf.push_back(pmax);
       correct.push_back(arg.eq(k));
       nll.push_back(-logp.gather(1, k.unsqueeze(1)).squeeze(1));
-      auto null_y = torch::full({m}, classes, torch::kLong);
-      auto arg_null = classes > 0 ? router->forward(xt, t, null_y).argmax(1) : arg;
+      Cond null_y(torch::full({m}, classes, torch::kLong));  // [m]
+      if (pooled.defined()) null_y.pooled = null_pooled.expand({m, -1});  // [m, P]
+      auto arg_null = classes > 0 || pooled.defined() ? router->forward(xt, t, null_y).argmax(1) : arg;
       correct_null.push_back(arg_null.eq(k));
     }
     auto c = torch::cat(conf), ok = torch::cat(correct);

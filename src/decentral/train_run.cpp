@@ -85,6 +85,12 @@ std::string select_router_data(RunConfig& cfg, Dataset& data, const Partition& p
     data.images = data.images.index_select(0, keep);
     data.labels = data.labels.index_select(0, keep);
     data.clusters = data.clusters.index_select(0, keep);
+    if (!data.captions.empty()) {
+      std::vector<std::string> kept;
+      const auto at = keep.accessor<int64_t, 1>();
+      for (int64_t i = 0; i < keep.size(0); ++i) kept.push_back(data.captions[static_cast<size_t>(at[i])]);
+      data.captions = std::move(kept);
+    }
   }
   std::ostringstream line;
   line << "router: " << p.k << " clusters of " << p.origin << "; trains on " << n - h << " images, " << h

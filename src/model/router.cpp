@@ -48,6 +48,7 @@ RouterDiTImpl::RouterDiTImpl(const ModelConfig& cfg) : cfg_(cfg) {
   cls_ = register_parameter("cls", torch::zeros({1, 1, W}));
   time_ = register_module("time", TimeEmbedder(kTimeFreqDim, W));
   if (cfg.num_classes > 0) label_ = register_module("label", LabelEmbedder(cfg.num_classes, W));
+  if (cfg.text_pooled_dim > 0) pooled_ = register_module("pooled", nn::Linear(cfg.text_pooled_dim, W));
   for (int64_t i = 0; i < cfg.depth; ++i)
     blocks_.push_back(register_module("block" + std::to_string(i), DiTBlock(W, cfg.heads, cfg.mlp_ratio)));
   norm_ = register_module("norm", nn::LayerNorm(nn::LayerNormOptions({W}).eps(kDiTNormEps)));
@@ -72,6 +73,10 @@ torch::Tensor RouterDiTImpl::forward(const torch::Tensor& x, const torch::Tensor
     DDM_CHECK(y.defined(), "router: class labels y are required (model.num_classes = " << cfg_.num_classes << ")");
     c = c + label_(y);                                               // [B, W]
   }
+  if (pooled_) {
+    DDM_CHECK(cond.pooled.defined(), "router: the prompts' pooled embedding is required (model.text_encoder)");
+    c = c + pooled_(cond.pooled);                                    // [B, W]
+  }
   const auto c_act = torch::silu(c);                                 // [B, W]
   for (auto& block : blocks_) h = block->forward(h, c_act);          // [B, 1 + N, W]
   return head_(norm_(h.select(1, 0)));                               // [B, K]
@@ -85,6 +90,7 @@ RouterConvImpl::RouterConvImpl(const ModelConfig& cfg) : cfg_(cfg) {
   const int64_t emb = 4 * cfg.channels;
   time_ = register_module("time", TimeEmbedder(cfg.channels, emb));
   if (cfg.num_classes > 0) label_ = register_module("label", LabelEmbedder(cfg.num_classes, emb));
+  if (cfg.text_pooled_dim > 0) pooled_ = register_module("pooled", nn::Linear(cfg.text_pooled_dim, emb));
   int64_t cur = cfg.channels * cfg.channel_mult[0];
   stem_ = register_module("stem", nn::Conv2d(nn::Conv2dOptions(cfg.in_channels, cur, cfg.patch).stride(cfg.patch)));
   for (size_t l = 0; l < cfg.channel_mult.size(); ++l) {
@@ -114,6 +120,10 @@ torch::Tensor RouterConvImpl::forward(const torch::Tensor& x, const torch::Tenso
     DDM_CHECK(y.defined(), "router: class labels y are required (model.num_classes = " << cfg_.num_classes << ")");
     e = e + label_(y);                                               // [B, E]
   }
+  if (pooled_) {
+    DDM_CHECK(cond.pooled.defined(), "router: the prompts' pooled embedding is required (model.text_encoder)");
+    e = e + pooled_(cond.pooled);                                    // [B, E]
+  }
   const auto e_act = torch::silu(e);                                 // [B, E]
   auto h = stem_(x);                                                 // [B, ch0, S/p, S/p]
   for (size_t l = 0; l < levels_.size(); ++l) {
@@ -133,12 +143,14 @@ double router_forward_flops(const ModelConfig& cfg) {
     const int64_t W = cfg.width, N = grid * grid + 1, hidden = dit_mlp_hidden(cfg);
     double f = flops::linear(C * p * p, W, N - 1);                       // patch embedding
     f += flops::linear(kTimeFreqDim, W) + flops::linear(W, W);          // time MLP
+    if (cfg.text_pooled_dim > 0) f += flops::linear(cfg.text_pooled_dim, W);  // pooled text
     const double block = flops::linear(W, 6 * W) + flops::linear(W, 3 * W, N) + flops::attention(N, W) +
                          flops::linear(W, W, N) + flops::linear(W, hidden, N) + flops::linear(hidden, W, N);
     return f + static_cast<double>(cfg.depth) * block + flops::linear(W, K);
   }
   const int64_t E = 4 * cfg.channels;
   double f = flops::linear(cfg.channels, E) + flops::linear(E, E);     // time MLP
+  if (cfg.text_pooled_dim > 0) f += flops::linear(cfg.text_pooled_dim, E);  // pooled text
   int64_t cur = cfg.channels * cfg.channel_mult[0], s = grid;
   f += flops::conv2d(C, cur, p, s, s);                                  // stem
   for (size_t l = 0; l < cfg.channel_mult.size(); ++l) {

@@ -3,6 +3,9 @@
 // and the class exactly like the experts. They implement the Net interface (same forward signature,
 // so the trainer, checkpoints and EMA serve them unchanged) but return logits [B, K] instead of an
 // image; K = model.num_experts.
+// A text model's router is conditioned on the prompt as well, p(k | x_t, t, c) (the posterior the
+// ensemble needs is that of the experts' own condition): the text encoder's pooled embedding through a
+// linear into the (t, y) embedding, as the experts take it (no cross-attention: a router is small).
 //   router-dit   DiT tokens plus a learned CLS token (no position embedding); adaLN-Zero blocks
 //                conditioned on (t, y); LayerNorm of the CLS token -> Linear(width, K) (the paper's
 //                router, small)
@@ -35,6 +38,7 @@ class RouterDiTImpl : public NetImpl {
   torch::Tensor pos_, cls_;  // buffer [1, N, W] fixed; parameter [1, 1, W] learned
   TimeEmbedder time_{nullptr};
   LabelEmbedder label_{nullptr};
+  torch::nn::Linear pooled_{nullptr};  // text: the pooled embedding into the conditioning
   std::vector<DiTBlock> blocks_;
   torch::nn::LayerNorm norm_{nullptr};
 };
@@ -53,6 +57,7 @@ class RouterConvImpl : public NetImpl {
   torch::nn::GroupNorm norm_{nullptr};
   TimeEmbedder time_{nullptr};
   LabelEmbedder label_{nullptr};
+  torch::nn::Linear pooled_{nullptr};  // text: the pooled embedding into the conditioning
   torch::nn::Linear head_{nullptr};
 };
 

@@ -86,7 +86,7 @@ std::vector<std::optional<Denoiser>> exact_experts(const Mixture& m) {
 Ensemble make(const Mixture& m, const std::string& routing, std::vector<std::optional<Denoiser>> experts,
               uint64_t seed = 0) {
   const NoisePath flow(PathKind::kFlow);
-  RouterFn router = [m, flow](const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor&) {
+  RouterFn router = [m, flow](const torch::Tensor& x, const torch::Tensor& t, const Cond&) {
     return posterior(m, flow, x, t);
   };
   std::vector<double> flops(experts.size(), 1.0);
@@ -205,7 +205,7 @@ TEST(Ensemble, SampledRoutingDoesNotDependOnTheBatch) {
                                 flow, Prediction::kVelocity, 0));
     return out;
   };
-  RouterFn router = [m, flow](const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor&) {
+  RouterFn router = [m, flow](const torch::Tensor& x, const torch::Tensor& t, const Cond&) {
     return posterior(m, flow, x, t).to(torch::kFloat32);  // float32, as a trained router's
   };
   auto run = [&](int64_t batch, uint64_t seed, const char* routing = "sample") {
