@@ -68,6 +68,12 @@ std::shared_ptr<DistillTeacher> load_distill_teacher(const RunConfig& cfg, Datas
             "the student has " << st.num_classes << " classes but the ensemble's experts "
                                << (te.num_classes == 0 ? "are unconditional" : "have " + std::to_string(te.num_classes))
                                << "; set model.num_classes = 0 (unconditional student) or use the experts' data");
+  DDM_CHECK(te.text_sha256 == st.text_sha256 && te.text_skip == st.text_skip && te.text_tokens == st.text_tokens,
+            "the ensemble " << dir << "'s experts are "
+                            << (te.text_encoder.empty() ? "not conditioned on text" : "conditioned on the text encoder " + te.text_encoder)
+                            << ", the student " << (st.text_encoder.empty() ? "not" : "on " + st.text_encoder)
+                            << " (or another text_skip / text_tokens); a student is conditioned on its teachers' text: "
+                            << (te.text_encoder.empty() ? "remove model.text_encoder" : "use the experts' text keys"));
   t->seed = static_cast<uint64_t>(cfg.train.seed);
   t->model = make_ensemble(t->ens, parse_routing("top1"), t->seed);
   const auto sizes = p.sizes.to(torch::kDouble);
@@ -93,10 +99,13 @@ TeacherFn teacher_fn(std::shared_ptr<DistillTeacher> t, const RunConfig& student
   const int64_t teacher_null = t->ens.first_expert().cfg.model.num_classes;
   const bool unconditional = student.model.num_classes == 0;
   return [t, student_path, teacher_path, teacher_null, unconditional](const torch::Tensor& xt, const torch::Tensor& time,
-                                                                      const torch::Tensor& y, const torch::Tensor& k) {
+                                                                      const Cond& y, const torch::Tensor& k) {
     t->to(xt.device());  // a no-op once there
     const PathMatch m = match_path(student_path, time, teacher_path);  // the same x_t on the experts' path
-    const auto y_teacher = unconditional ? torch::full_like(y, teacher_null) : y;
+    Cond y_teacher(unconditional ? torch::full_like(y.y, teacher_null) : y.y);  // [B]
+    y_teacher.context = y.context;            // text: the same captions, through the same encoder
+    y_teacher.context_mask = y.context_mask;
+    y_teacher.pooled = y.pooled;
     // (x0_hat, eps_hat) do not depend on the path, so they serve the student's path as they are.
     return t->model->estimate_assigned(xt * m.scale.view({-1, 1, 1, 1}), m.t, y_teacher, k);
   };

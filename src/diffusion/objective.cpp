@@ -177,7 +177,7 @@ DistillObjective::DistillObjective(const RunConfig& cfg, TeacherFn teacher)
 
 torch::Tensor DistillObjective::target(const Batch& b, const Prepared& p, const torch::Tensor&) const {
   DDM_CHECK(b.k.defined(), "distillation needs the batch's clusters (Dataset::clusters)");
-  const Denoiser::Estimate est = teacher_(p.xt, p.t, p.cond.y, b.k);
+  const Denoiser::Estimate est = teacher_(p.xt, p.t, p.cond, b.k);
   return training_target(path_, pred_, est.x0, est.eps, p.t);  // [B, C, H, W]
 }
 

@@ -41,9 +41,10 @@ struct Prepared {
 class NetImpl;
 
 // The teacher of distillation: (x0_hat, eps_hat) at x_t [B,C,H,W] on the student's path, times t [B],
-// labels y [B] (null = num_classes) and the examples' clusters k [B].
-using TeacherFn = std::function<Denoiser::Estimate(const torch::Tensor& xt, const torch::Tensor& t,
-                                                   const torch::Tensor& y, const torch::Tensor& k)>;
+// the student's condition y (labels y.y [B], null = num_classes; a text student's caption encodings,
+// the dropped ones the empty prompt's) and the examples' clusters k [B].
+using TeacherFn = std::function<Denoiser::Estimate(const torch::Tensor& xt, const torch::Tensor& t, const Cond& y,
+                                                   const torch::Tensor& k)>;
 
 class Objective {
  public:

@@ -1,8 +1,9 @@
 // Decentralized text-to-image as DDM trains it: a folder of captioned images (four colours, the
 // caption names the colour) partitioned by pixels into two clusters, a text-conditioned expert per
 // cluster trained in isolation, a router conditioned on the prompt like the experts, `ddm ensemble`,
-// and routed sampling from prompts. Each expert saw two colours only, so a prompt is followed only
-// if the router sends it to the expert that learned it. The encoder is the real all-MiniLM-L6-v2.
+// routed sampling from prompts, and a student distilled from the ensemble. Each expert saw two
+// colours only, so a prompt is followed only if the router sends it to the expert that learned it.
+// The encoder is the real all-MiniLM-L6-v2.
 #include <gtest/gtest.h>
 
 #include <filesystem>
@@ -55,7 +56,7 @@ torch::Tensor nearest_colour(const std::string& raw) {
 
 }  // namespace
 
-TEST(TextDecentral, ExpertsAndAPromptConditionedRouterFollowThePrompts) {
+TEST(TextDecentral, ExpertsAPromptConditionedRouterAndTheirStudentFollowThePrompts) {
   test::TempDir dir;
   const std::string root = dir / "images", cfg = dir / "text.toml";
   colour_folder(root);
@@ -95,6 +96,13 @@ TEST(TextDecentral, ExpertsAndAPromptConditionedRouterFollowThePrompts) {
                     " --n 4 --steps 10 --cfg 0 --out " + (dir / "n.png") + " --raw " + (dir / "n.safetensors"));
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_TRUE(nearest_colour(dir / "n.safetensors").eq(3).all().item<bool>()) << nearest_colour(dir / "n.safetensors");
+  // Distilled into one text model: each caption's target is its cluster's expert, conditioned on it.
+  r = test::run_ddm("distill --quiet --ensemble " + (dir / "ens") + " --out " + (dir / "student") + " --set train.steps=100");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  r = test::run_ddm("sample --ckpt " + (dir / "student") + prompts + " --n 16 --steps 10 --cfg 3 --out " + (dir / "d.png") +
+                    " --raw " + (dir / "d.safetensors"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_TRUE(nearest_colour(dir / "d.safetensors").equal(want)) << nearest_colour(dir / "d.safetensors");
   // A router that does not see the text cannot route prompts: refused, naming it.
   r = test::run_ddm("train-router --config " + cfg + " --partition " + (dir / "parts") + " --holdout 8 --set model.patch=4" +
                     " --set model.text_encoder= --set model.text_tokens=0 --set train.steps=2 --out " + (dir / "plain"));

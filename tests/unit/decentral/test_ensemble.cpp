@@ -422,12 +422,12 @@ TEST(Distill, TheTrainingStepRegressesTheTeachersPrediction) {
     return step.run(batch, 0).loss;
   };
   torch::Tensor seen_k;
-  auto truth = [&](const torch::Tensor& xt, const torch::Tensor& t, const torch::Tensor&, const torch::Tensor& k) {
+  auto truth = [&](const torch::Tensor& xt, const torch::Tensor& t, const Cond&, const torch::Tensor& k) {
     seen_k = k;
     auto eps = (xt - path.alpha(t).view({-1, 1, 1, 1}) * batch.x) / path.sigma(t).view({-1, 1, 1, 1});
     return Denoiser::Estimate{batch.x, eps};
   };
-  auto blurred = [&](const torch::Tensor& xt, const torch::Tensor& t, const torch::Tensor& y, const torch::Tensor& k) {
+  auto blurred = [&](const torch::Tensor& xt, const torch::Tensor& t, const Cond& y, const torch::Tensor& k) {
     auto e = truth(xt, t, y, k);
     auto x0 = 0.5 * e.x0;
     return Denoiser::Estimate{x0, (xt - path.alpha(t).view({-1, 1, 1, 1}) * x0) / path.sigma(t).view({-1, 1, 1, 1})};
