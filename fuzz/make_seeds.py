@@ -274,6 +274,33 @@ put("tokenizer_files", "bert-json", "\x05" + json.dumps(
      "normalizer": {"type": "BertNormalizer", "lowercase": True}}))
 put("tokenizer_files", "vocab-txt", "\x06[PAD]\n[UNK]\n[CLS]\n[SEP]\na\n##b\n")
 
+# ---- text encoder configs (fuzz_text_encoder_files): the first byte picks the file ---------------
+put("text_encoder_files", "clip-config", "\x00" + json.dumps(
+    {"model_type": "clip_text_model", "hidden_size": 8, "num_attention_heads": 2, "num_hidden_layers": 1,
+     "intermediate_size": 16, "max_position_embeddings": 5, "vocab_size": 12, "hidden_act": "quick_gelu",
+     "eos_token_id": 11}))
+put("text_encoder_files", "clip-config-whole-clip", "\x00" + json.dumps(
+    {"model_type": "clip", "text_config": {"hidden_size": 8, "num_attention_heads": 2, "num_hidden_layers": 1,
+     "intermediate_size": 16, "max_position_embeddings": 5, "vocab_size": 12}, "projection_dim": 4}))
+put("text_encoder_files", "index", "\x01" + json.dumps(
+    {"metadata": {"total_size": 0}, "weight_map": {
+        "text_model.embeddings.token_embedding.weight": "model-00001-of-00002.safetensors",
+        "text_model.final_layer_norm.weight": "model-00002-of-00002.safetensors"}}))
+put("text_encoder_files", "open-clip", "\x02" + json.dumps(
+    {"model_cfg": {"embed_dim": 4, "quick_gelu": True, "text_cfg": {
+        "width": 8, "heads": 2, "layers": 1, "context_length": 5, "vocab_size": 12, "pool_type": "argmax"}}}))
+put("text_encoder_files", "bert-config", "\x03" + json.dumps(
+    {"model_type": "bert", "hidden_size": 8, "num_attention_heads": 2, "num_hidden_layers": 1,
+     "intermediate_size": 16, "max_position_embeddings": 5, "vocab_size": 12, "layer_norm_eps": 1e-12}))
+put("text_encoder_files", "modules", "\x04" + json.dumps(
+    [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+     {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+     {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]))
+put("text_encoder_files", "pooling", "\x05" + json.dumps(
+    {"word_embedding_dimension": 8, "pooling_mode_cls_token": False, "pooling_mode_mean_tokens": True,
+     "pooling_mode_max_tokens": False}))
+put("text_encoder_files", "st-config", "\x06" + json.dumps({"max_seq_length": 4, "do_lower_case": False}))
+
 # ---- tar shards with captions (fuzz_tar_shard): .txt, img2dataset's .json, a caption not UTF-8 --
 def tar_of(members):
     import io

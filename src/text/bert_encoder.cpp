@@ -16,6 +16,7 @@ BertEncoder BertEncoder::load(const std::string& dir) {
   const std::string config_path = dir + "/config.json";
   const nlohmann::json config = read_json_file(config_path);
   BertEncoder e;
+  int64_t inter = 0;
   try {
     DDM_CHECK(config.value("model_type", "bert") == "bert" && config.value("hidden_act", "gelu") == "gelu" &&
                   config.value("position_embedding_type", "absolute") == "absolute",
@@ -25,6 +26,9 @@ BertEncoder BertEncoder::load(const std::string& dir) {
     e.heads = json_int(config.at("num_attention_heads"), config_path + ": num_attention_heads", 1, 1024);
     e.layers = json_int(config.at("num_hidden_layers"), config_path + ": num_hidden_layers", 1, 1024);
     e.eps = config.value("layer_norm_eps", 1e-12);
+    inter = config.contains("intermediate_size")
+                ? json_int(config["intermediate_size"], config_path + ": intermediate_size", 1, 1 << 20)
+                : 4 * e.hidden;
   } catch (const nlohmann::json::exception& err) {
     throw Error(config_path + ": " + err.what());
   }
@@ -36,16 +40,21 @@ BertEncoder BertEncoder::load(const std::string& dir) {
     const nlohmann::json modules = read_json_file(modules_path);
     DDM_CHECK(modules.is_array(), modules_path << ": not a JSON array of modules");
     for (const auto& m : modules) {
-      const std::string type = m.is_object() ? m.value("type", "") : "";
-      if (type == "sentence_transformers.models.Normalize") e.normalize = true;
+      const bool typed = m.is_object() && m.contains("type") && m["type"].is_string();
+      if (typed && m["type"].get<std::string>() == "sentence_transformers.models.Normalize") e.normalize = true;
     }
   }
   if (std::filesystem::exists(dir + "/1_Pooling/config.json")) {
     const std::string pooling_path = dir + "/1_Pooling/config.json";
     const nlohmann::json pooling = read_json_file(pooling_path);
-    DDM_CHECK(pooling.is_object() && pooling.value("pooling_mode_mean_tokens", false) &&
-                  !pooling.value("pooling_mode_cls_token", false) && !pooling.value("pooling_mode_max_tokens", false) &&
-                  !pooling.value("pooling_mode_mean_sqrt_len_tokens", false),
+    auto mode = [&](const char* key) {  // true only for a JSON true
+      return pooling.is_object() && pooling.contains(key) && pooling[key].is_boolean() && pooling[key].get<bool>();
+    };
+    auto unset = [&](const char* key) {  // absent, null or false
+      return !pooling.is_object() || !pooling.contains(key) || pooling[key].is_null() || pooling[key] == false;
+    };
+    DDM_CHECK(pooling.is_object() && mode("pooling_mode_mean_tokens") && unset("pooling_mode_cls_token") &&
+                  unset("pooling_mode_max_tokens") && unset("pooling_mode_mean_sqrt_len_tokens"),
               pooling_path << ": ddm pools BERT sentence embeddings by the mean of the tokens only "
                            << "(pooling_mode_mean_tokens true, the other modes false)");
   }
@@ -61,7 +70,6 @@ BertEncoder BertEncoder::load(const std::string& dir) {
     const std::string key = name.rfind("bert.", 0) == 0 ? name.substr(5) : name;
     e.w[key] = t.to(torch::kFloat32);
   }
-  const int64_t inter = config.contains("intermediate_size") ? config["intermediate_size"].get<int64_t>() : 4 * e.hidden;
   auto need = [&](const std::string& key, std::vector<int64_t> shape) {
     auto it = e.w.find(key);
     DDM_CHECK(it != e.w.end(), weights << ": no tensor \"" << key << "\" (a BERT model's, as transformers names it)");

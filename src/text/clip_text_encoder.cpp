@@ -69,15 +69,17 @@ ClipTextEncoder load_transformers(const std::string& dir) {
   const std::string path = dir + "/config.json";
   const json config = read_json_file(path);
   DDM_CHECK(config.is_object(), path << ": not a JSON object");
-  const std::string type = config.value("model_type", "");
-  DDM_CHECK(type == "clip_text_model" || type == "clip",
-            path << ": model_type \"" << type << "\" is not a CLIP text model (ddm reads clip_text_model, as "
-                 << "CLIPTextModel and CLIPTextModelWithProjection save it, or clip, a whole CLIPModel)");
-  const json& c = type == "clip" ? config.at("text_config") : config;
   ClipTextEncoder e;
   e.format = "transformers";
-  int64_t inner = 0, n_layers = 0;
-  try {
+  int64_t inner = 0, n_layers = 0, proj = 0;  // proj: CLIPTextModelWithProjection's (0: none given)
+  try {  // every value read in here: one of the wrong type is named with the file
+    const std::string type = config.value("model_type", "");
+    DDM_CHECK(type == "clip_text_model" || type == "clip",
+              path << ": model_type \"" << type << "\" is not a CLIP text model (ddm reads clip_text_model, as "
+                   << "CLIPTextModel and CLIPTextModelWithProjection save it, or clip, a whole CLIPModel)");
+    DDM_CHECK(type != "clip" || (config.contains("text_config") && config["text_config"].is_object()),
+              path << ": model_type \"clip\" without a \"text_config\" object");
+    const json& c = type == "clip" ? config["text_config"] : config;
     e.width = config_int(c, "hidden_size", path, 1, 1 << 16);
     e.heads = config_int(c, "num_attention_heads", path, 1, 1024);
     n_layers = config_int(c, "num_hidden_layers", path, 1, 1024);
@@ -93,6 +95,8 @@ ClipTextEncoder load_transformers(const std::string& dir) {
     const int64_t eos = c.contains("eos_token_id") ? json_int(c["eos_token_id"], path + ": eos_token_id", 0, 1 << 24) : 49407;
     e.pool_argmax = eos == 2;
     e.end_id = e.pool_argmax ? 49407 : eos;
+    const json& with_proj = c.contains("projection_dim") ? c : config;
+    if (with_proj.contains("projection_dim")) proj = config_int(with_proj, "projection_dim", path, 1, 1 << 16);
   } catch (const json::exception& err) {
     throw Error(path + ": " + err.what());
   }
@@ -125,8 +129,7 @@ ClipTextEncoder load_transformers(const std::string& dir) {
   e.final_ln_w = w.need(p + "final_layer_norm.weight", {W}, kind);
   e.final_ln_b = w.need(p + "final_layer_norm.bias", {W}, kind);
   if (w.t.count("text_projection.weight")) {
-    const int64_t proj = c.contains("projection_dim") ? config_int(c, "projection_dim", path, 1, 1 << 16)
-                                                      : config_int(config, "projection_dim", path, 1, 1 << 16);
+    DDM_CHECK(proj > 0, path << ": no \"projection_dim\", but " << w.file << " holds text_projection.weight");
     e.projection_w = w.need("text_projection.weight", {proj, W}, kind);
   }
   return e;
@@ -140,6 +143,16 @@ ClipTextEncoder load_open_clip(const std::string& dir) {
   const json& m = config["model_cfg"];
   DDM_CHECK(m.contains("text_cfg") && m["text_cfg"].is_object(), path << ": model_cfg has no \"text_cfg\" object");
   const json& c = m["text_cfg"];
+  auto text = [&](const json& o, const char* key, const std::string& otherwise) {
+    if (!o.contains(key) || o[key].is_null()) return otherwise;
+    DDM_CHECK(o[key].is_string(), path << ": " << key << " must be a string, got " << o[key].dump());
+    return o[key].get<std::string>();
+  };
+  auto flag = [&](const json& o, const char* key) {
+    if (!o.contains(key) || o[key].is_null()) return false;
+    DDM_CHECK(o[key].is_boolean(), path << ": " << key << " must be true or false, got " << o[key].dump());
+    return o[key].get<bool>();
+  };
   // Text towers open_clip builds otherwise than CLIP's (a Hugging Face model inside, layer scale,
   // other attention or pooling): ddm refuses them by name rather than run them wrong.
   for (const char* option : {"hf_model_name", "ls_init_value", "embed_cls", "no_causal_mask", "final_ln_after_pool",
@@ -149,12 +162,12 @@ ClipTextEncoder load_open_clip(const std::string& dir) {
     DDM_CHECK(!set, path << ": text_cfg." << option << " = " << c[option].dump()
                          << ": ddm runs open_clip's standard CLIP text tower, without this option");
   }
-  const std::string block = c.value("block_type", std::string("default"));
+  const std::string block = text(c, "block_type", "default");
   DDM_CHECK(block == "default", path << ": text_cfg.block_type \"" << block << "\": ddm runs the default block");
-  const std::string pool = c.value("pool_type", std::string("argmax"));
+  const std::string pool = text(c, "pool_type", "argmax");
   DDM_CHECK(pool == "argmax" || pool == "eos", path << ": text_cfg.pool_type \"" << pool
                                                     << "\": ddm pools CLIP text as argmax or eos");
-  const std::string proj_type = c.value("proj_type", std::string("linear"));
+  const std::string proj_type = text(c, "proj_type", "linear");
   DDM_CHECK(proj_type == "linear" || proj_type == "none",
             path << ": text_cfg.proj_type \"" << proj_type << "\": ddm runs linear or no projection");
   ClipTextEncoder e;
@@ -170,7 +183,7 @@ ClipTextEncoder load_open_clip(const std::string& dir) {
     DDM_CHECK(ratio > 0 && ratio < 64, path << ": text_cfg.mlp_ratio " << ratio << " is not in (0, 64)");
     inner = static_cast<int64_t>(static_cast<double>(e.width) * ratio);  // int(width * mlp_ratio), as open_clip
     embed = config_int(m, "embed_dim", path, 1, 1 << 16);
-    e.quick_gelu = m.value("quick_gelu", false);
+    e.quick_gelu = flag(m, "quick_gelu");
     e.pool_argmax = pool == "argmax";
     e.end_id = e.pool_argmax ? 49407 : (c.contains("eos_id") ? json_int(c["eos_id"], path + ": text_cfg.eos_id", 0, 1 << 24) : 2);
   } catch (const json::exception& err) {
@@ -178,7 +191,7 @@ ClipTextEncoder load_open_clip(const std::string& dir) {
   }
   check_size(e, path);
   // CLIP keeps the text tower at the top level; CustomTextCLIP (custom_text) under "text.".
-  const std::string p = m.value("custom_text", false) ? "text." : "";
+  const std::string p = flag(m, "custom_text") ? "text." : "";
   std::string stem = "open_clip_model";
   for (const char* s : {"open_clip_model", "open_clip_pytorch_model", "model"})
     if (std::filesystem::exists(dir + "/" + s + ".safetensors") || std::filesystem::exists(dir + "/" + s + ".safetensors.index.json")) {
@@ -207,7 +220,7 @@ ClipTextEncoder load_open_clip(const std::string& dir) {
   e.final_ln_w = w.need(p + "ln_final.weight", {W}, kind);
   e.final_ln_b = w.need(p + "ln_final.bias", {W}, kind);
   if (proj_type == "linear") {
-    if (c.value("proj_bias", false)) {  // an nn.Linear
+    if (flag(c, "proj_bias")) {  // an nn.Linear
       e.projection_w = w.need(p + "text_projection.weight", {embed, W}, kind);
       e.projection_b = w.need(p + "text_projection.bias", {embed}, kind);
     } else {  // a [width, embed] matrix that x is multiplied by

@@ -4,6 +4,8 @@
 // together. And a directory with a missing or misshapen tensor refused by name.
 #include <gtest/gtest.h>
 
+#include <filesystem>
+
 #include <nlohmann/json.hpp>
 #include <sstream>
 
@@ -79,4 +81,17 @@ TEST(BertEncoder, AMissingOrMisshapenTensorIsRefusedByName) {
             std::string::npos) << ddm::test::error_message([&] { BertEncoder::load(dir.path); });
   ddm::test::write_text(dir / "config.json", R"({"hidden_size": 8, "num_attention_heads": 3, "num_hidden_layers": 1})");
   EXPECT_NE(ddm::test::error_message([&] { BertEncoder::load(dir.path); }).find("not a multiple of"), std::string::npos);
+  // Values of the wrong type (found by fuzz_text_encoder_files: they escaped as nlohmann's exceptions).
+  ddm::test::write_text(dir / "config.json",
+                        R"({"hidden_size": 8, "num_attention_heads": 2, "num_hidden_layers": 1, "intermediate_size": "16"})");
+  EXPECT_NE(ddm::test::error_message([&] { BertEncoder::load(dir.path); }).find("config.json: intermediate_size"),
+            std::string::npos) << ddm::test::error_message([&] { BertEncoder::load(dir.path); });
+  ddm::test::write_text(dir / "config.json", R"({"hidden_size": 8, "num_attention_heads": 2, "num_hidden_layers": 1})");
+  std::filesystem::create_directories(dir / "1_Pooling");
+  ddm::test::write_text(dir / "1_Pooling/config.json", R"({"pooling_mode_mean_tokens": "yes"})");
+  EXPECT_NE(ddm::test::error_message([&] { BertEncoder::load(dir.path); }).find("by the mean of the tokens only"),
+            std::string::npos);
+  ddm::test::write_text(dir / "modules.json", R"([{"type": 5}, 7])");  // not a Normalize: ignored, no crash
+  EXPECT_NE(ddm::test::error_message([&] { BertEncoder::load(dir.path); }).find("by the mean of the tokens only"),
+            std::string::npos);
 }

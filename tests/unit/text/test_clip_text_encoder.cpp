@@ -193,6 +193,12 @@ TEST(ClipTextEncoder, FilesAUserCanGetWrongAreRefusedByName) {
   ddm::test::write_text(dir / "config.json", R"({"model_type": "clip_text_model", "hidden_size": 8, "num_attention_heads": 3,
       "num_hidden_layers": 1, "intermediate_size": 16, "max_position_embeddings": 5, "vocab_size": 12})");
   EXPECT_NE(load_error(dir.path).find("not a multiple of the 3 attention heads"), std::string::npos);
+  // Values of the wrong type (found by fuzz_text_encoder_files: they escaped as nlohmann's exceptions).
+  ddm::test::write_text(dir / "config.json", R"({"model_type": 5})");
+  EXPECT_NE(load_error(dir.path).find("config.json: [json.exception.type_error"), std::string::npos) << load_error(dir.path);
+  ddm::test::write_text(dir / "config.json", R"({"model_type": "clip"})");
+  EXPECT_NE(load_error(dir.path).find("model_type \"clip\" without a \"text_config\" object"), std::string::npos)
+      << load_error(dir.path);
   ddm::test::write_text(dir / "config.json", R"({"model_type": "clip_text_model", "num_attention_heads": 2})");
   EXPECT_NE(load_error(dir.path).find("config.json: no \"hidden_size\""), std::string::npos) << load_error(dir.path);
   tiny_transformers(dir.path);
@@ -204,6 +210,8 @@ TEST(ClipTextEncoder, FilesAUserCanGetWrongAreRefusedByName) {
   ddm::test::write_text(oc / "open_clip_config.json", R"({"model_cfg": {"embed_dim": 8, "text_cfg": {"hf_model_name": "roberta-base"}}})");
   EXPECT_NE(load_error(oc.path).find("text_cfg.hf_model_name = \"roberta-base\": ddm runs open_clip's standard CLIP text tower"),
             std::string::npos) << load_error(oc.path);
+  ddm::test::write_text(oc / "open_clip_config.json", R"({"model_cfg": {"custom_text": 1, "text_cfg": {"pool_type": 3}}})");
+  EXPECT_NE(load_error(oc.path).find("pool_type must be a string, got 3"), std::string::npos) << load_error(oc.path);
   ddm::test::write_text(oc / "open_clip_config.json", R"({"preprocess_cfg": {}})");
   EXPECT_NE(load_error(oc.path).find("no \"model_cfg\" object"), std::string::npos);
   ddm::test::write_text(oc / "open_clip_config.json", R"({"model_cfg": {"embed_dim": 8, "text_cfg": {"width": 8, "heads": 2,
