@@ -5,7 +5,7 @@
 #   tests: runs the unit tests labelled `sanitize` under the sanitizers (each executable once): those
 #          of the code that handles bytes and pointers by hand (CMakeLists.txt lists them and says why);
 #          `tests all` runs every unit test there (about 25 minutes on 2 cores: not in CI);
-#   fuzz:  runs each fuzz target for FUZZ_SECONDS (default 20) seconds, starting from its corpus
+#   fuzz:  runs each fuzz target for FUZZ_SECONDS (default 15) seconds, starting from its corpus
 #          fuzz/corpus/<target>/, which it only reads (new inputs go to a temporary directory); as many
 #          targets at once as there are cores.
 # Usage: scripts/sanitize.sh [tests [all] | fuzz [fuzz_X ...]]   (no argument: both, what CI runs).
@@ -17,13 +17,13 @@ cd "$(dirname "$0")/.."
 what=${1:-all}
 [ $# -gt 0 ] && shift
 case "$what" in all | tests | fuzz) ;; *) echo "usage: $0 [tests [all] | fuzz [fuzz_X ...]]" >&2; exit 2 ;; esac
-seconds=${FUZZ_SECONDS:-20}
+seconds=${FUZZ_SECONDS:-15}
 jobs=$(nproc)
 
 # -O0 with line tables (reports name the source lines). Not -O1: optimizing LibTorch's inline code
 # in every file made a cold build of this directory 661 s instead of 489 s, while the tests here
 # spend their time starting LibTorch, not running our code; the fuzzers execute about half as many
-# inputs in their 20 s at -O0 (docs/testing.md has both counts). No OpenMP: see CMakeLists.txt (our
+# inputs in a given time at -O0 (docs/testing.md has both counts). No OpenMP: see CMakeLists.txt (our
 # own parallel loops run serially here, with the same results).
 source scripts/torch-env.sh  # the LibTorch scripts/setup.sh installed
 source scripts/reference-env.sh  # the reference environment it made (reference_env_python)
