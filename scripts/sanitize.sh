@@ -5,7 +5,7 @@
 #   tests: runs the unit tests labelled `sanitize` under the sanitizers (each executable once): those
 #          of the code that handles bytes and pointers by hand (CMakeLists.txt lists them and says why);
 #          `tests all` runs every unit test there (about 25 minutes on 2 cores: not in CI);
-#   fuzz:  runs each fuzz target for FUZZ_SECONDS (default 15) seconds, starting from its corpus
+#   fuzz:  runs each fuzz target for FUZZ_SECONDS (default 12) seconds, starting from its corpus
 #          fuzz/corpus/<target>/, which it only reads (new inputs go to a temporary directory); as many
 #          targets at once as there are cores.
 # Usage: scripts/sanitize.sh [tests [all] | fuzz [fuzz_X ...]]   (no argument: both, what CI runs).
@@ -17,7 +17,7 @@ cd "$(dirname "$0")/.."
 what=${1:-all}
 [ $# -gt 0 ] && shift
 case "$what" in all | tests | fuzz) ;; *) echo "usage: $0 [tests [all] | fuzz [fuzz_X ...]]" >&2; exit 2 ;; esac
-seconds=${FUZZ_SECONDS:-15}
+seconds=${FUZZ_SECONDS:-12}
 jobs=$(nproc)
 
 # -O0 with line tables (reports name the source lines). Not -O1: optimizing LibTorch's inline code
