@@ -2,6 +2,8 @@
 #include "train/text.h"
 
 #include <filesystem>
+#include <map>
+#include <mutex>
 
 #include "core/error.h"
 #include "core/fileio.h"
@@ -62,6 +64,14 @@ void resolve_text(ModelConfig& m, const Dataset& data) {
 }
 
 std::shared_ptr<const text::TextEncoder> load_pinned_text_encoder(const ModelConfig& m, torch::Device device) {
+  // One encoder per process for every model that pins the same one (a routed ensemble's experts and
+  // router: K + 1 loads of a 1.4 GB CLIP tower otherwise), while any of them holds it.
+  static std::mutex mutex;
+  static std::map<std::string, std::weak_ptr<const text::TextEncoder>> loaded;
+  const std::string key = m.text_encoder + "\n" + m.text_sha256 + "\n" + std::to_string(m.text_skip) + "\n" +
+                          std::to_string(m.text_tokens) + "\n" + device.str();
+  std::lock_guard<std::mutex> lock(mutex);
+  if (auto kept = loaded[key].lock()) return kept;
   std::shared_ptr<text::TextEncoder> e = text::load_text_encoder(m.text_encoder, options_of(m));
   const std::string sha = text_weights_sha256(e->weight_files());
   DDM_CHECK(sha == m.text_sha256, "the frozen text encoder changed: " << m.text_encoder << " has weights of sha256 " << sha
@@ -72,6 +82,7 @@ std::shared_ptr<const text::TextEncoder> load_pinned_text_encoder(const ModelCon
                            << e->context() << " tokens, the model was trained on " << m.text_dim << ", " << m.text_pooled_dim
                            << ", " << m.text_tokens);
   e->to(device);
+  loaded[key] = e;
   return e;
 }
 

@@ -27,7 +27,8 @@ std::string text_weights_sha256(const std::vector<std::string>& files);
 // the key and the directory.
 void resolve_text(ModelConfig& m, const Dataset& data);
 
-// The encoder of a resolved config on `device`, its weights checked against model.text_sha256.
+// The encoder of a resolved config on `device`, its weights checked against model.text_sha256. Models
+// of one process that pin the same encoder share it (loaded and checked once while one holds it).
 std::shared_ptr<const text::TextEncoder> load_pinned_text_encoder(const ModelConfig& m, torch::Device device);
 
 // The Cond fields (context, context_mask, pooled) of `texts` through `e`, on `device`; `what` names them in errors.
