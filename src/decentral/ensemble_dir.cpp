@@ -237,7 +237,6 @@ std::unique_ptr<Ensemble> make_ensemble(const LoadedEnsemble& e, const Routing& 
   check_routing_fits(routing, e.k);
   const LoadedModel& first = e.first_expert();
   const NoisePath path = make_path(first.cfg.diffusion);
-  const torch::Device device = make_denoiser(first).device();  // where load_ensemble put the networks
   std::vector<std::optional<Denoiser>> dens;
   std::vector<double> flops;
   for (const auto& x : e.experts) {
@@ -245,6 +244,12 @@ std::unique_ptr<Ensemble> make_ensemble(const LoadedEnsemble& e, const Routing& 
     if (dens.back()) dens.back()->set_precision(precision);
     flops.push_back(x ? forward_flops_per_image(x->cfg.model) : 0.0);
   }
+  torch::Device device = torch::kCPU;  // where load_ensemble put the networks: the first present expert's
+  for (const auto& d : dens)
+    if (d) {
+      device = d->device();
+      break;
+    }
   RouterFn router;
   double router_flops = 0;
   if (routing.oracle) {
