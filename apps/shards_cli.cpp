@@ -99,6 +99,7 @@ Command add_encode_command(CLI::App& app) {
     std::string config, ae, out, device = "cpu";
     std::vector<std::string> overrides;
     int64_t shard_size = 10000, threads = 0;
+    bool text = false;
   };
   auto a = std::make_shared<Args>();
   auto* cmd = app.add_subcommand(
@@ -108,7 +109,9 @@ Command add_encode_command(CLI::App& app) {
       "float32, as KEY.safetensors, with KEY.cls) as tar shards OUT/latents-000000.tar, ... with OUT/encode.json naming "
       "the autoencoder and the data. Shards keep the source shards' sizes (so samples keep their positions), or hold "
       "--shard-size samples. Images are centre-cropped and never flipped. OUT is written whole or not at all. A latent "
-      "model (model.latent = the same autoencoder) trains on them with data.source = \"latents\", data.root = OUT.");
+      "model (model.latent = the same autoencoder) trains on them with data.source = \"latents\", data.root = OUT. "
+      "Captions are kept (KEY.txt); with --text, each caption's encoding by the config's model.text_encoder is "
+      "written too, and a text model trained on the shards does not run the encoder (docs/text.md).");
   cmd->add_option("--ae", a->ae, "the autoencoder: a `ddm train-autoencoder` run directory")->required();
   cmd->add_option("--out", a->out, "the directory to write (must not exist)")->required();
   cmd->add_option("--config", a->config, "a config whose data.* names the data (default: Fashion-MNIST train)");
@@ -118,6 +121,9 @@ Command add_encode_command(CLI::App& app) {
   cmd->add_option("--device", a->device, "where the encoder runs: cpu (default), cuda, cuda:N or auto")
       ->check(kDeviceSpec);
   cmd->add_option("--threads", a->threads, "intra-op and decode threads (0 = all cores)")->check(kNonNegative);
+  cmd->add_flag("--text", a->text,
+                "also cache each caption's text encoding by the config's model.text_encoder (with its text_skip and "
+                "text_tokens): float32 states per token, so about T x D x 4 bytes a sample");
   return Command{cmd, [a] {
                    const RunConfig cfg = a->config.empty() ? parse_config("", "--set", a->overrides)
                                                            : load_config(a->config, a->overrides);
@@ -126,16 +132,20 @@ Command add_encode_command(CLI::App& app) {
                    o.shard_size = a->shard_size;
                    o.device = resolve_device(a->device, 0, "--device");
                    o.threads = set_threads(a->threads);
+                   o.text = a->text;
+                   o.text_model = cfg.model;
                    const auto t0 = std::chrono::steady_clock::now();
                    const LatentShardsInfo info = encode_latent_shards(cfg.data, a->ae, o);
                    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-                   std::cout << "wrote the latents of " << info.samples << " samples in " << info.shards << " shard"
+                   std::cout << "wrote the latents" << (info.text.encoder.empty() ? "" : " and text encodings") << " of "
+                             << info.samples << " samples in " << info.shards << " shard"
                              << (info.shards > 1 ? "s" : "") << " (" << format_bytes(info.bytes) << ") in "
                              << static_cast<int64_t>(s + 0.5) << " s\n"
                              << "their record: " << a->out << "/" << kLatentShardsInfo << "\n"
                              << "train a latent model on them: ddm train --config CONFIG --set data.source=latents "
-                             << "--set data.root=" << a->out << " --set model.latent=" << a->ae << " --out RUN"
-                             << std::endl;
+                             << "--set data.root=" << a->out << " --set model.latent=" << a->ae
+                             << (info.text.encoder.empty() ? "" : " --set model.text_encoder=" + info.text.encoder)
+                             << " --out RUN" << std::endl;
                    return 0;
                  }};
 }

@@ -116,6 +116,11 @@ Batch Batch::rows(int64_t from, int64_t n) const {
   if (k.defined()) b.k = k.narrow(0, from, n);
   if (index.defined()) b.index = index.narrow(0, from, n);
   if (!captions.empty()) b.captions.assign(captions.begin() + from, captions.begin() + from + n);
+  if (context.defined()) {
+    b.context = context.narrow(0, from, n);            // [n, T, D]
+    b.context_mask = context_mask.narrow(0, from, n);  // [n, T]
+    b.pooled = pooled.narrow(0, from, n);              // [n, P]
+  }
   b.first = first + from;
   return b;
 }
@@ -132,6 +137,9 @@ Batch Batch::to(torch::Device device) const {
   b.x = move(x);
   b.y = move(y);
   b.k = move(k);
+  b.context = move(context);
+  b.context_mask = move(context_mask);
+  b.pooled = move(pooled);
   return b;
 }
 

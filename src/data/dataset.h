@@ -61,9 +61,12 @@ struct Batch {
   int64_t first = 0;  // position of x[0] in the step's global batch: per-sample randomness is keyed by it
   torch::Tensor index{};  // int64 [B]: each image's index in its Dataset (latent caching; undefined if unknown)
   std::vector<std::string> captions{};  // B captions when the data has them, else none
+  // The captions' text encodings when the data holds them (latent shards `ddm encode --text` wrote),
+  // as encode_texts gives them: float [B, T, D], int64 [B, T], float [B, P]; else undefined.
+  torch::Tensor context{}, context_mask{}, pooled{};
   // Rows [from, from + n) of every per-image tensor, their positions in the global batch kept.
   Batch rows(int64_t from, int64_t n) const;
-  // The same batch with x, y and k on `device` (index stays on the CPU: it looks rows up in host data).
+  // The same batch with x, y, k and the text encodings on `device` (index stays on the CPU: it looks rows up in host data).
   Batch to(torch::Device device) const;
 };
 

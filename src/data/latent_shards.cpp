@@ -33,7 +33,15 @@ nlohmann::json latent_shards_json(const LatentShardsInfo& i) {
           {"bytes", i.bytes},
           {"data", i.data},
           {"origin", i.origin},
-          {"pattern", i.pattern}};
+          {"pattern", i.pattern},
+          {"captioned", i.captioned},
+          {"text", i.text.encoder.empty() ? nlohmann::json(nullptr)
+                                          : nlohmann::json{{"encoder", i.text.encoder},
+                                                           {"sha256", i.text.sha256},
+                                                           {"skip", i.text.skip},
+                                                           {"tokens", i.text.tokens},
+                                                           {"dim", i.text.dim},
+                                                           {"pooled_dim", i.text.pooled_dim}}}};
 }
 
 LatentShardsInfo read_latent_shards_info(const std::string& dir) {
@@ -74,6 +82,18 @@ LatentShardsInfo read_latent_shards_info(const std::string& dir) {
     i.data = j.at("data").get<std::string>();
     i.origin = j.value("origin", std::string());
     i.pattern = j.at("pattern").get<std::string>();
+    i.captioned = j.value("captioned", false);  // absent in records written before captions were carried
+    if (j.contains("text") && !j.at("text").is_null()) {
+      const auto& t = j.at("text");
+      i.text.encoder = t.at("encoder").get<std::string>();
+      i.text.sha256 = t.at("sha256").get<std::string>();
+      i.text.skip = json_int(t.at("skip"), file + ": text.skip", 0, 64);
+      i.text.tokens = json_int(t.at("tokens"), file + ": text.tokens", 1, 1 << 16);
+      i.text.dim = json_int(t.at("dim"), file + ": text.dim", 1, 1 << 16);
+      i.text.pooled_dim = json_int(t.at("pooled_dim"), file + ": text.pooled_dim", 1, 1 << 16);
+      DDM_CHECK(!i.text.encoder.empty() && i.captioned,
+                file << ": text names an encoder, so it needs \"encoder\" and \"captioned\": true; encode again");
+    }
     return i;
   } catch (const nlohmann::json::exception& e) {
     DDM_FAIL(file << " is not a valid latent shards record (" << e.what() << "); encode again with `ddm encode`");
@@ -120,21 +140,35 @@ void LatentShardsWriter::add(const ShardSample& s) {
   }
 }
 
-torch::Tensor read_posterior(const std::string& bytes, const LatentShardsInfo& info, const std::string& what) {
+namespace {
+
+// f's tensor `name`, which must be of `dtype` and `shape`.
+torch::Tensor expect_tensor(const SafetensorsFile& f, const char* name, torch::ScalarType dtype,
+                            const std::vector<int64_t>& shape, const std::string& what) {
+  const auto it = f.tensors.find(name);
+  DDM_CHECK(it != f.tensors.end(), what << ": its .safetensors has no '" << name << "' tensor");
+  const torch::Tensor& t = it->second;
+  DDM_CHECK(t.scalar_type() == dtype && t.sizes() == shape,
+            what << ": '" << name << "' is " << t.scalar_type() << " " << t.sizes() << ", but " << kLatentShardsInfo
+                 << " says it is " << dtype << " " << torch::IntArrayRef(shape));
+  return t;
+}
+
+}  // namespace
+
+EncodedSample read_encoded(const std::string& bytes, const LatentShardsInfo& info, const std::string& what) {
   const SafetensorsFile f = parse_safetensors(bytes, what);
   const std::vector<int64_t> shape{info.latent_channels, info.latent_size, info.latent_size};
-  torch::Tensor parts[2];
-  const char* names[2] = {"mean", "logvar"};
-  for (int k = 0; k < 2; ++k) {
-    const auto it = f.tensors.find(names[k]);
-    DDM_CHECK(it != f.tensors.end(), what << ": its .safetensors has no '" << names[k] << "' tensor");
-    const torch::Tensor& t = it->second;
-    DDM_CHECK(t.scalar_type() == torch::kFloat32 && t.sizes() == shape,
-              what << ": '" << names[k] << "' is " << t.scalar_type() << " " << t.sizes() << ", but "
-                   << kLatentShardsInfo << " says the latents are float32 " << torch::IntArrayRef(shape));
-    parts[k] = t;
+  EncodedSample s;
+  s.posterior = torch::cat({expect_tensor(f, "mean", torch::kFloat32, shape, what),
+                            expect_tensor(f, "logvar", torch::kFloat32, shape, what)});  // float [2z, h, w]
+  if (!info.text.encoder.empty()) {
+    const auto& t = info.text;
+    s.context = expect_tensor(f, "context", torch::kFloat32, {t.tokens, t.dim}, what);   // [T, D]
+    s.context_mask = expect_tensor(f, "context_mask", torch::kBool, {t.tokens}, what);    // [T]
+    s.pooled = expect_tensor(f, "pooled", torch::kFloat32, {t.pooled_dim}, what);         // [P]
   }
-  return torch::cat({parts[0], parts[1]});  // float [2z, h, w]
+  return s;
 }
 
 }  // namespace ddm

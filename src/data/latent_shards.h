@@ -4,7 +4,12 @@
 //   KEY.safetensors  "mean" and "logvar", float32 [z, h, w]: the frozen encoder's posterior itself,
 //                    neither sampled nor normalized (a training step samples it with its own keyed
 //                    noise and normalizes it with the model's latent_scale / latent_shift)
-//   KEY.cls          its label, for labelled data.
+//   KEY.cls          its label, for labelled data
+//   KEY.txt          its caption, for captioned data
+// and, when encode.json names a text encoder (`ddm encode --text`), KEY.safetensors also holds the
+// frozen text encoder's encoding of the caption, as the model would get it in a step:
+//   "context" float32 [T, D], "context_mask" bool [T] (the tokens that are not padding) and
+//   "pooled" float32 [P].
 // encode.json names the autoencoder (checkpoint, sha256, scale and shift), the latent and image
 // shapes, the data and its class names. A training batch of latent shards is x = [mean; logvar],
 // float [B, 2z, h, w].
@@ -33,6 +38,13 @@ struct LatentShardsInfo {
   // The source's class names, size num_classes (so a model trained on the latents labels its grids
   // as one trained on the images would); empty in records written before them.
   std::vector<std::string> class_names;
+  bool captioned = false;  // each sample has its caption (KEY.txt)
+  // The text encoder whose encodings the samples hold (model.text_encoder's resolved keys); empty
+  // encoder: none (a text model then encodes the captions in each step).
+  struct Text {
+    std::string encoder, sha256;  // the directory and text_weights_sha256 of its weights
+    int64_t skip = 0, tokens = 0, dim = 0, pooled_dim = 0;  // model.text_skip, text_tokens, text_dim, text_pooled_dim
+  } text;
 };
 
 inline constexpr const char* kLatentShardsInfo = "encode.json";
@@ -72,8 +84,12 @@ class LatentShardsWriter {
   int64_t in_shard_ = 0, bytes_ = 0;
 };
 
-// One sample's KEY.safetensors bytes -> [mean; logvar], float [2z, h, w], checked against the shape
-// encode.json gives; errors name `what` (shard and key).
-torch::Tensor read_posterior(const std::string& bytes, const LatentShardsInfo& info, const std::string& what);
+// One sample's KEY.safetensors, checked against the shapes encode.json gives; errors name `what`
+// (shard and key).
+struct EncodedSample {
+  torch::Tensor posterior;                      // [mean; logvar], float [2z, h, w]
+  torch::Tensor context, context_mask, pooled;  // float [T, D], bool [T], float [P]; undefined without info.text
+};
+EncodedSample read_encoded(const std::string& bytes, const LatentShardsInfo& info, const std::string& what);
 
 }  // namespace ddm

@@ -22,6 +22,7 @@ namespace {
 // mirrored, or its posterior [2z, h, w] (float, contiguous); its label; or why it cannot be used.
 struct Decoded {
   torch::Tensor image, posterior;
+  torch::Tensor context, context_mask, pooled;  // cached text encodings (latent shards with text): [T, D], [T], [P]
   bool flip = false;
   int64_t label = 0;
   std::string caption;
@@ -44,7 +45,9 @@ Decoded decode_one(const ShardSample& s, const SampleRef& ref, int64_t epoch, co
     if (o.posteriors) {  // latent shards: the posterior as it was written
       const auto st = s.files.find("safetensors");
       DDM_CHECK(st != s.files.end(), what << " has no posterior (.safetensors)");
-      d.posterior = read_posterior(st->second, *o.posteriors, what).contiguous();  // float [2z, h, w]
+      EncodedSample e = read_encoded(st->second, *o.posteriors, what);
+      d.posterior = e.posterior.contiguous();  // float [2z, h, w]
+      d.context = std::move(e.context), d.context_mask = std::move(e.context_mask), d.pooled = std::move(e.pooled);
       return d;
     }
     const std::pair<const std::string, std::string>* img = nullptr;
@@ -174,6 +177,7 @@ ShardLoader::Prepared ShardLoader::prepare(ShardStream& stream) {
     }
   }
   const auto& first = o_.posteriors ? images.front().posterior : images.front().image;
+  const bool first_cached = images.front().context.defined();
   const auto host = torch::TensorOptions().pinned_memory(o_.pin);
   p.batch.x = torch::empty({o_.batch, first.size(0), first.size(1), first.size(2)}, host);  // float [B, C, S, S]
   const int64_t row = first.numel();
@@ -194,6 +198,18 @@ ShardLoader::Prepared ShardLoader::prepare(ShardStream& stream) {
     std::copy(clusters.begin(), clusters.end(), p.batch.k.data_ptr<int64_t>());
   }
   p.batch.captions = std::move(captions);  // B captions, or none
+  if (first_cached) {  // the text encoder's cached encodings, stacked as encode_texts gives them
+    std::vector<torch::Tensor> c, m, q;
+    for (const Decoded& d : images) c.push_back(d.context), m.push_back(d.context_mask), q.push_back(d.pooled);
+    p.batch.context = torch::stack(c);                         // float [B, T, D]
+    p.batch.context_mask = torch::stack(m).to(torch::kInt64);  // int64 [B, T]
+    p.batch.pooled = torch::stack(q);                          // float [B, P]
+    if (o_.pin) {
+      p.batch.context = p.batch.context.pin_memory();
+      p.batch.context_mask = p.batch.context_mask.pin_memory();
+      p.batch.pooled = p.batch.pooled.pin_memory();
+    }
+  }
   p.after = {stream.epoch(), stream.drawn()};
   if (p.after.index == stream.epoch_size()) p.after = {stream.epoch() + 1, 0};
   return p;
@@ -431,8 +447,8 @@ void for_each_in_order(const Dataset& opened, const DataConfig& cfg, int64_t n, 
   for (int64_t first = 0; first < n; first += kBatch) {
     const Batch b = loader.next();
     const int64_t rows = std::min(kBatch, n - first);  // the last batch runs on into the next epoch
-    f(b.x.narrow(0, 0, rows), b.y.narrow(0, 0, rows), first);
     if (captions && !b.captions.empty()) captions->insert(captions->end(), b.captions.begin(), b.captions.begin() + rows);
+    f(b.x.narrow(0, 0, rows), b.y.narrow(0, 0, rows), first);
   }
 }
 

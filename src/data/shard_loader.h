@@ -105,7 +105,8 @@ Dataset open_shards(const DataConfig& cfg, int threads, bool quiet);
 // f(images float [b, C, S, S] in [-1, 1], labels int64 [b], the first one's row). Latent shards give
 // their posteriors instead, float [b, 2z, h, w] (require_images refuses them where images are needed).
 // With `keep` (by position in shard order), only the samples it keeps, n of them at most. With
-// `captions`, the samples' captions are appended to it in the same order (none for uncaptioned shards).
+// `captions`, the samples' captions are appended to it in the same order (none for uncaptioned shards),
+// each batch's before f sees the batch.
 void for_each_in_order(const Dataset& opened, const DataConfig& cfg, int64_t n, int threads,
                        const std::function<void(const torch::Tensor&, const torch::Tensor&, int64_t)>& f,
                        std::shared_ptr<const std::vector<bool>> keep = nullptr,

@@ -97,6 +97,15 @@ Prepared Objective::prepare(const Batch& pixels, int64_t step) const {
     p.cond.context = text.context;            // [B, T, D]
     p.cond.context_mask = text.context_mask;  // [B, T]
     p.cond.pooled = text.pooled;              // [B, P]
+  } else if (cached_null_.context.defined()) {  // the encodings the batch holds (dropped ones: the empty prompt's)
+    DDM_CHECK(pixels.context.defined() && pixels.context.size(0) == b,
+              "a text-conditioned model trained on cached text encodings needs them in every batch (latent "
+              "shards `ddm encode --text` wrote)");
+    const torch::Tensor keep = caption_drops(batch.first, b, step).logical_not().to(dev).view({-1, 1});  // [B, 1]
+    const Cond& null = cached_null_;
+    p.cond.context = torch::where(keep.unsqueeze(2), pixels.context, null.context.to(dev));     // [B, T, D]
+    p.cond.context_mask = torch::where(keep, pixels.context_mask, null.context_mask.to(dev));  // [B, T]
+    p.cond.pooled = torch::where(keep, pixels.pooled, null.pooled.to(dev));                    // [B, P]
   }
   if (!control_.empty()) p.cond.control = control_map(control_, pixels.x);  // [B, Cc, H, W]
   p.xt = path_.alpha(p.t).view({-1, 1, 1, 1}) * batch.x + path_.sigma(p.t).view({-1, 1, 1, 1}) * eps;  // [B,C,H,W]
@@ -110,11 +119,20 @@ std::vector<std::string> Objective::captions_after_dropout(const Batch& b, int64
             "a text-conditioned model (model.text_encoder) needs a caption for every sample, and this batch of " << n
                 << " has " << b.captions.size() << " (docs/data.md, Captions)");
   std::vector<std::string> out = b.captions;
-  if (caption_dropout_ <= 0) return out;
-  const auto keys = sample_keys(seed_, RngPurpose::kCaptionDrop, step, b.first, n);
+  const torch::Tensor drops = caption_drops(b.first, n, step);  // [n]
+  const bool* d = drops.data_ptr<bool>();
   for (int64_t j = 0; j < n; ++j)
-    if (uniform_from_key(keys[static_cast<size_t>(j)]) < caption_dropout_) out[static_cast<size_t>(j)].clear();
+    if (d[j]) out[static_cast<size_t>(j)].clear();
   return out;
+}
+
+torch::Tensor Objective::caption_drops(int64_t first, int64_t n, int64_t step) const {
+  auto drops = torch::zeros({n}, torch::kBool);  // [n]
+  if (caption_dropout_ <= 0) return drops;
+  const auto keys = sample_keys(seed_, RngPurpose::kCaptionDrop, step, first, n);
+  bool* d = drops.data_ptr<bool>();
+  for (int64_t j = 0; j < n; ++j) d[j] = uniform_from_key(keys[static_cast<size_t>(j)]) < caption_dropout_;
+  return drops;
 }
 
 torch::Tensor Objective::self_cond_rows(int64_t first, int64_t n, int64_t step) const {

@@ -87,8 +87,14 @@ class Objective {
   // train.caption_dropout (one keyed draw per sample): the null condition guidance needs.
   using TextFn = std::function<Cond(const std::vector<std::string>& captions, torch::Device device)>;
   void set_text_encoder(TextFn text) { text_ = std::move(text); }
+  // Or the batches hold their captions' encodings (Batch::context: latent shards `ddm encode --text`
+  // wrote) and `null` [1, T, D] / [1, T] / [1, P] is the empty prompt's: prepare takes the batch's,
+  // the dropped rows (the same draws) replaced by `null`. No encoder runs.
+  void set_cached_text(Cond null) { cached_null_ = std::move(null); }
   // The captions a batch's rows are encoded from at `step`: those of the batch, with the dropped ones empty.
   std::vector<std::string> captions_after_dropout(const Batch& b, int64_t step) const;
+  // Which of the rows caption dropout drops at `step`: bool [n], on the CPU.
+  torch::Tensor caption_drops(int64_t first, int64_t n, int64_t step) const;
 
   // The per-sample draws alone (for tests): t [B] and eps [B, C, H, W] of positions first..first+B-1.
   torch::Tensor draw_time(int64_t step, int64_t first, int64_t n) const;
@@ -109,6 +115,7 @@ class Objective {
   EncodeFn encode_;
   EmbedFn embed_;
   TextFn text_;
+  Cond cached_null_;  // set_cached_text's (context undefined: not set)
 };
 
 class RouterObjective : public Objective {

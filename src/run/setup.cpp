@@ -187,7 +187,7 @@ BuiltModel build_model(TrainJob& job, bool announce, torch::Device device) {
                            data.latents != nullptr);
   attach_controlnet(*m.net, cfg.model);  // the locked base, and the trainable copy's initial weights
   attach_embed(*job.objective, cfg.model, device);  // image-embedding conditioning: the frozen feature network
-  attach_text(*job.objective, cfg.model, device);   // text conditioning: the frozen text encoder
+  attach_text(*job.objective, cfg.model, data, device);  // text conditioning: the frozen text encoder
   m.net->to(device);  // initialized on the CPU, so every device starts from the same weights
   m.net->train();
   m.params = count_params(*m.net);  // the whole model's, before a pipeline stage freezes the others'
@@ -326,7 +326,11 @@ void print_run_header(const TrainJob& job, const BuiltModel& model, const Parall
     std::cout << "text: conditioned on the captions through the frozen " << cfg.model.text_encoder << " (sha256 "
               << cfg.model.text_sha256.substr(0, 12) << "...; states " << cfg.model.text_tokens << " x "
               << cfg.model.text_dim << ", pooled " << cfg.model.text_pooled_dim << "), captions dropped with probability "
-              << cfg.train.caption_dropout << std::endl;
+              << cfg.train.caption_dropout
+              << (cached_text(cfg.model, data) ? "; the encodings cached in the data are used (the encoder encoded "
+                                                 "only the empty prompt)"
+                                               : "")
+              << std::endl;
   if (!cfg.model.embed.empty())
     std::cout << "embed: conditioned on the " << cfg.model.embed_dim << "-dim embedding of each image by the frozen "
               << cfg.model.embed << " (sha256 " << cfg.model.embed_sha256.substr(0, 12)

@@ -20,6 +20,7 @@
 #include "data/shard_write.h"
 #include "data/shards.h"
 #include "train/latent.h"
+#include "train/text.h"
 
 namespace fs = std::filesystem;
 
@@ -54,6 +55,16 @@ LatentShardsInfo encode_latent_shards(const DataConfig& data, const std::string&
   info.data = d.description;
   info.origin = data_origin(data);
   DDM_CHECK(info.samples > 0, d.description << " has no samples to encode");
+  info.captioned = from_shards ? d.shards->captioned > 0 : !d.captions.empty();
+  std::shared_ptr<const text::TextEncoder> encoder;
+  ModelConfig tm = o.text_model;
+  if (o.text) {
+    DDM_CHECK(!tm.text_encoder.empty(), "--text caches the captions' encodings by the config's model.text_encoder, "
+                                        "and the config names none; set it (docs/text.md)");
+    resolve_text(tm, d);  // the encoder's directory, sha256 and sizes; refuses data without captions
+    encoder = load_pinned_text_encoder(tm, o.device);
+    info.text = {tm.text_encoder, tm.text_sha256, tm.text_skip, tm.text_tokens, tm.text_dim, tm.text_pooled_dim};
+  }
   std::vector<int64_t> sizes;
   if (from_shards) {
     for (int64_t c : d.shards->counts)
@@ -73,9 +84,14 @@ LatentShardsInfo encode_latent_shards(const DataConfig& data, const std::string&
     std::cout << "encoding " << d.description << " with the autoencoder " << m.latent << " (sha256 "
               << m.latent_sha256.substr(0, 12) << ", latents " << m.in_channels << "x" << m.image_size << "x"
               << m.image_size << ") on " << latent->device() << " into " << info.shards << " shard"
-              << (info.shards > 1 ? "s" : "") << " in " << o.out << std::endl;
+              << (info.shards > 1 ? "s" : "") << " in " << o.out
+              << (encoder ? ", and each caption with the text encoder " + tm.text_encoder + " (" +
+                                std::to_string(tm.text_tokens) + " tokens x " + std::to_string(tm.text_dim) + ")"
+                          : info.captioned ? ", with the captions" : "")
+              << std::endl;
   LatentShardsWriter out(partial, sizes);
   int64_t written = 0;
+  std::vector<std::string> shard_captions;  // for_each_in_order's, in order (shards)
   auto last = std::chrono::steady_clock::now();
   // x float [b, C, S, S] in [-1, 1], labels int64 [b], x[0]'s position in the data's order.
   const auto encode = [&](const torch::Tensor& x, const torch::Tensor& y, int64_t first) {
@@ -87,24 +103,46 @@ LatentShardsInfo encode_latent_shards(const DataConfig& data, const std::string&
     }
     const torch::Tensor mean = q.mean.to(torch::kCPU, torch::kFloat32).contiguous();
     const torch::Tensor logvar = q.logvar.to(torch::kCPU, torch::kFloat32).contiguous();
-    for (int64_t i = 0; i < x.size(0); ++i) {
+    const int64_t b = x.size(0);
+    std::vector<std::string> captions;
+    if (info.captioned) {
+      const auto& all = from_shards ? shard_captions : d.captions;
+      DDM_CHECK(static_cast<int64_t>(all.size()) >= first + b, "encode: fewer captions than samples");
+      captions.assign(all.begin() + first, all.begin() + first + b);
+    }
+    Cond text;
+    if (encoder) {
+      std::vector<std::string> what;
+      for (int64_t i = 0; i < b; ++i) what.push_back("the caption of sample " + std::to_string(first + i));
+      text = encode_texts(*encoder, captions, torch::kCPU, what);  // [b, T, D], [b, T], [b, P]
+      text.context = text.context.to(torch::kFloat32).contiguous();
+      text.context_mask = text.context_mask.to(torch::kBool).contiguous();
+      text.pooled = text.pooled.to(torch::kFloat32).contiguous();
+    }
+    for (int64_t i = 0; i < b; ++i) {
       ShardSample s;
       s.key = zero_padded(first + i, 8);
       SafetensorsFile f;
       f.tensors["mean"] = mean[i].clone();      // [z, h, w]
       f.tensors["logvar"] = logvar[i].clone();  // [z, h, w]
+      if (encoder) {
+        f.tensors["context"] = text.context[i].clone();            // [T, D]
+        f.tensors["context_mask"] = text.context_mask[i].clone();  // [T]
+        f.tensors["pooled"] = text.pooled[i].clone();              // [P]
+      }
       s.files["safetensors"] = safetensors_bytes(f);
       if (d.num_classes > 0) s.files["cls"] = std::to_string(y[i].item<int64_t>());
+      if (info.captioned) s.files["txt"] = captions[static_cast<size_t>(i)];
       out.add(s);
     }
-    written += x.size(0);
+    written += b;
     if (!o.quiet && std::chrono::duration<double>(std::chrono::steady_clock::now() - last).count() >= 10) {
       std::cout << "  encoded " << written << "/" << info.samples << " samples" << std::endl;
       last = std::chrono::steady_clock::now();
     }
   };
   if (from_shards) {
-    for_each_in_order(d, data, info.samples, o.threads, encode);
+    for_each_in_order(d, data, info.samples, o.threads, encode, nullptr, info.captioned ? &shard_captions : nullptr);
   } else {
     for (int64_t i = 0; i < info.samples; i += o.batch) {
       const int64_t b = std::min(o.batch, info.samples - i);

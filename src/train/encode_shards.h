@@ -5,7 +5,9 @@
 // for_each_in_order gives them). Shards keep the source shards' sizes (so a sample's position, by
 // which partitions and hold-outs name samples, is the same in both), or hold `shard_size` samples for
 // data held in memory. The directory is written as "<out>.partial" and renamed onto `out` when
-// complete: `out` holds all of it or does not exist.
+// complete: `out` holds all of it or does not exist. Captioned data keeps each sample's caption (KEY.txt);
+// with `text`, each caption's encoding by the text encoder the config's model.text_encoder names is
+// written too (data/latent_shards.h), so a text model trained on the shards need not run the encoder.
 #pragma once
 #include <cstdint>
 #include <string>
@@ -24,6 +26,10 @@ struct EncodeShardsOptions {
   torch::Device device = torch::kCPU;
   int threads = 1;             // decode threads (shards)
   bool quiet = false;          // no progress lines
+  // Cache the captions' text encodings: model.text_encoder, text_skip and text_tokens of this model
+  // (resolved here) say which encoder and how, as a text model's training would encode them.
+  bool text = false;
+  ModelConfig text_model;
 };
 
 // Encodes every sample of `data` (any source ddm reads) with the autoencoder of `autoencoder` (a

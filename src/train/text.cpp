@@ -4,9 +4,11 @@
 #include <filesystem>
 #include <map>
 #include <mutex>
+#include <tuple>
 
 #include "core/error.h"
 #include "core/fileio.h"
+#include "data/latent_shards.h"
 #include "data/shard_stream.h"
 
 namespace ddm {
@@ -61,6 +63,22 @@ void resolve_text(ModelConfig& m, const Dataset& data) {
   }
   m.text_encoder = dir;
   m.text_sha256 = sha;
+  if (data.latents && !data.latents->text.encoder.empty()) {  // cached encodings: they must be this encoder's
+    const auto& t = data.latents->text;
+    const std::string rec = (fs::path(data.latents->pattern).parent_path() / kLatentShardsInfo).string();
+    DDM_CHECK(t.sha256 == sha, key << " has weights of sha256 " << sha.substr(0, 12) << ", but the text encodings in "
+                                   << rec << " are those of " << t.encoder << " (sha256 " << t.sha256.substr(0, 12)
+                                   << "); set model.text_encoder to it, or encode the data again with this one");
+    for (auto [name, have, want] : {std::tuple<const char*, int64_t, int64_t>{"text_skip", m.text_skip, t.skip},
+                                    {"text_tokens", m.text_tokens, t.tokens}})
+      DDM_CHECK(have == want, "model." << name << " = " << have << ", but the text encodings in " << rec
+                                       << " were made with " << want << "; set model." << name << " = " << want
+                                       << ", or encode the data again with `ddm encode --text`");
+  }
+}
+
+bool cached_text(const ModelConfig& m, const Dataset& data) {
+  return !m.text_encoder.empty() && data.latents && !data.latents->text.encoder.empty();
 }
 
 std::shared_ptr<const text::TextEncoder> load_pinned_text_encoder(const ModelConfig& m, torch::Device device) {
@@ -97,9 +115,14 @@ Cond encode_texts(const text::TextEncoder& e, const std::vector<std::string>& te
   return c;
 }
 
-std::shared_ptr<const text::TextEncoder> attach_text(Objective& objective, const ModelConfig& m, torch::Device device) {
+std::shared_ptr<const text::TextEncoder> attach_text(Objective& objective, const ModelConfig& m, const Dataset& data,
+                                                     torch::Device device) {
   if (m.text_encoder.empty()) return nullptr;
   auto e = load_pinned_text_encoder(m, device);
+  if (cached_text(m, data)) {  // the batches hold the encodings; the empty prompt's is the one left to make
+    objective.set_cached_text(encode_texts(*e, {""}, device));  // [1, T, D], [1, T], [1, P]
+    return nullptr;
+  }
   objective.set_text_encoder([e](const std::vector<std::string>& captions, torch::Device dev) {
     return encode_texts(*e, captions, dev);
   });

