@@ -11,6 +11,8 @@
 #include <optional>
 #include <unistd.h>
 
+#include <nlohmann/json.hpp>
+
 #include "core/device.h"
 #include "core/error.h"
 #include "core/fileio.h"
@@ -24,6 +26,7 @@
 #include "eval/evaluate.h"
 #include "eval/feature_net.h"
 #include "eval/grid.h"
+#include "eval/shapes_report.h"
 #include "run/trainer.h"
 #include "train/controlnet.h"
 #include "train/loaded_model.h"
@@ -439,11 +442,109 @@ void add_sample_flags(CLI::App* cmd, SampleArgs& a) {
 
 struct EvalArgs {
   SampleArgs sample;  // --ckpt and the sampling flags
-  std::string samples_file, anchor, out;
+  std::string samples_file, anchor, out, shapes;
+  int64_t per_prompt = 8;  // --shapes: samples per prompt
   EvalConfig cfg;
 };
 
+// The sampling flags as the run's defaults fill them in: a.n images.
+GenerateOptions eval_generate_options(const SampleArgs& a, const LoadedModel& m) {
+  GenerateOptions g;
+  g.n = a.n;
+  g.sample.sampler = a.sampler.empty() ? m.cfg.sample.sampler : a.sampler;
+  g.sample.steps = a.steps > 0 ? a.steps : m.cfg.sample.steps;
+  g.sample.cfg = a.cfg >= 0 ? a.cfg : m.cfg.sample.cfg;
+  g.batch_size = a.batch;
+  g.seed = static_cast<uint64_t>(a.seed);
+  g.class_id = a.class_id;
+  const int64_t classes = m.cfg.model.num_classes;
+  g.per_class = classes > 0 ? std::max<int64_t>(1, (a.n + classes - 1) / classes) : a.n;
+  g.on_progress = sampling_progress(isatty(fileno(stdout)));
+  g.decode = image_decoder(m);  // latent models: the frozen decoder
+  return g;
+}
+
+// `ddm eval --shapes DIR`: prompt accuracy of a text model on the shapes dataset (eval/shapes_report.h).
+int eval_shapes_cmd(EvalArgs a) {
+  DDM_CHECK(a.sample.ckpt.empty() != a.sample.ensemble.empty() && a.samples_file.empty() && a.anchor.empty(),
+            "ddm eval --shapes: give --ckpt DIR or --ensemble DIR (the text model whose prompts are measured)");
+  DDM_CHECK(!a.cfg.feature_net.empty(),
+            "ddm eval --shapes needs --feature-net FILE: a shape classifier trained on the dataset (`ddm "
+            "train-classifier --config` on the shards scripts/make_shapes.py --labels wrote; docs/text.md)");
+  DDM_CHECK(a.sample.prompts.empty() && a.sample.prompts_file.empty(),
+            "ddm eval --shapes takes its prompts from " << a.shapes << "/prompts.jsonl; remove --prompt / --prompts");
+  set_threads(a.sample.threads);
+  const torch::Device device = resolve_device(a.sample.device, 0, "--device");
+  const ShapesDataset data = read_shapes_dataset(a.shapes);
+  LoadedFeatureNet net = load_feature_net(a.cfg.feature_net);
+  const FeatureNetShape& shape = net.net->shape();
+  DDM_CHECK(shape.in_channels == 3 && shape.image_size == data.size &&
+                shape.num_classes == static_cast<int64_t>(data.shapes.size()),
+            "--feature-net " << a.cfg.feature_net << " classifies " << shape.in_channels << "x" << shape.image_size << "x"
+                             << shape.image_size << " images into " << shape.num_classes << " classes, but "
+                             << a.shapes << " has 3x" << data.size << "x" << data.size << " images of "
+                             << data.shapes.size() << " shapes: train it on this dataset's shards");
+  net.net->to(device);
+  Source src = open_source(a.sample);
+  const LoadedModel& m = src.defaults();
+  const auto p = static_cast<int64_t>(data.prompts.size());
+  for (const ShapesPrompt& prompt : data.prompts) a.sample.prompts.push_back(prompt.caption);
+  a.sample.n = p * a.per_prompt;
+  GenerateOptions g = eval_generate_options(a.sample, m);
+  std::cout << "sampling " << a.per_prompt << " images for each of the " << p << " prompts of " << a.shapes
+            << "/prompts.jsonl from " << src.name << ": " << g.sample.sampler << ", " << g.sample.steps << " steps, cfg "
+            << g.sample.cfg << std::endl;
+  const std::vector<std::string> labels = open_prompts(a.sample, src, g);
+  Generated out = generate(*src.den, m.cfg.model.in_channels, m.cfg.model.image_size, g);
+  if (isatty(fileno(stdout))) std::printf("\n");
+  const torch::Tensor images = to_uint8(out.images);  // [n, C, S, S]
+  DDM_CHECK(images.size(1) == 3 && images.size(2) == data.size,
+            src.name << " draws " << images.size(1) << "x" << images.size(2) << "x" << images.size(3) << " images, but "
+                     << a.shapes << "'s are 3x" << data.size << "x" << data.size);
+  const torch::Tensor classes = predict_classes(net.net, images);  // [n]
+  const std::vector<ShapeAttributes> measured = measure_shapes(data, images, classes);
+  std::vector<int64_t> prompt_of;
+  for (int64_t i = 0; i < a.sample.n; ++i) prompt_of.push_back(i / a.per_prompt);
+  const ShapesReport r = shapes_report(data, prompt_of, measured);
+  std::cout << "\nprompt accuracy of " << src.name << " (" << g.sample.sampler << ", " << g.sample.steps << " steps, cfg "
+            << g.sample.cfg << ", seed " << g.seed << ") on " << a.shapes << "; held out of training: ";
+  for (size_t i = 0; i < data.held_out.size(); ++i) std::cout << (i ? "; " : "") << data.held_out[i];
+  std::cout << "\n" << r.table();
+  if (a.out.empty()) a.out = (fs::path(src.model ? a.sample.ckpt : a.sample.ensemble) / "eval").string();
+  fs::create_directories(a.out);
+  const std::string stem = "shapes-" + g.sample.sampler + "-" + std::to_string(g.sample.steps) + "steps-cfg" +
+                           std::to_string(g.sample.cfg).substr(0, 4) + "-seed" + std::to_string(g.seed);
+  auto j = nlohmann::json::parse(r.json());
+  j["checkpoint"] = src.name, j["shapes"] = a.shapes, j["feature_net_sha256"] = net.sha256;
+  j["sampler"] = g.sample.sampler, j["steps"] = g.sample.steps, j["cfg"] = g.sample.cfg, j["seed"] = g.seed;
+  j["per_prompt"] = a.per_prompt;
+  nlohmann::json each = nlohmann::json::array();
+  for (size_t i = 0; i < measured.size(); ++i) {
+    nlohmann::json e{{"prompt", prompt_of[i]}};
+    for (int k = 0; k < kNumShapeAttributes; ++k) e[kShapeAttributes[k]] = measured[i][static_cast<size_t>(k)];
+    each.push_back(e);
+  }
+  j["measured"] = each;
+  const std::string json_path = (fs::path(a.out) / (stem + ".json")).string();
+  write_file_atomic(json_path, j.dump(2) + "\n");
+  // The grid: a row per prompt (its caption on the left), the first 12 seen and the first 12 held-out.
+  std::vector<torch::Tensor> rows;
+  std::vector<std::string> row_labels;
+  int64_t shown[2] = {0, 0};
+  for (int64_t q = 0; q < p; ++q) {
+    int64_t& k = shown[data.prompts[static_cast<size_t>(q)].heldout];
+    if (k++ >= 12) continue;
+    rows.push_back(images.narrow(0, q * a.per_prompt, a.per_prompt));
+    row_labels.push_back(labels[static_cast<size_t>(q)]);
+  }
+  const std::string png = (fs::path(a.out) / (stem + ".png")).string();
+  save_image_grid(png, to_unit_range(torch::cat(rows)), a.per_prompt, row_labels);
+  std::cout << "wrote " << json_path << " and " << png << " (a row per prompt: 12 seen, then 12 held-out)" << std::endl;
+  return 0;
+}
+
 int eval_cmd(EvalArgs a) {
+  if (!a.shapes.empty()) return eval_shapes_cmd(std::move(a));
   DDM_CHECK(a.sample.ckpt.empty() + a.sample.ensemble.empty() + a.samples_file.empty() + a.anchor.empty() == 3,
             "ddm eval: give exactly one of --ckpt DIR, --ensemble DIR, --samples FILE or --anchor train|noise");
   set_threads(a.sample.threads);
@@ -468,21 +569,11 @@ int eval_cmd(EvalArgs a) {
     const LoadedModel& m = src.defaults();
     check_evaluable_source(origin_of(m.cfg.data), src.name);
     const Denoiser& den = *src.den;
-    GenerateOptions g;
-    g.n = a.sample.n;
-    g.sample.sampler = a.sample.sampler.empty() ? m.cfg.sample.sampler : a.sample.sampler;
-    g.sample.steps = a.sample.steps > 0 ? a.sample.steps : m.cfg.sample.steps;
-    g.sample.cfg = a.sample.cfg >= 0 ? a.sample.cfg : m.cfg.sample.cfg;
-    g.batch_size = a.sample.batch;
-    g.seed = static_cast<uint64_t>(a.sample.seed);
-    g.class_id = a.sample.class_id;
+    GenerateOptions g = eval_generate_options(a.sample, m);
     const int64_t classes = m.cfg.model.num_classes;
-    g.per_class = classes > 0 ? std::max<int64_t>(1, (a.sample.n + classes - 1) / classes) : a.sample.n;
     const bool tty = isatty(fileno(stdout));
-    g.on_progress = sampling_progress(tty);
     std::cout << "sampling " << a.sample.n << " images from " << src.name << ": " << g.sample.sampler << ", "
               << g.sample.steps << " steps, cfg " << g.sample.cfg << std::endl;
-    g.decode = image_decoder(m);  // latent models: the frozen decoder
     const auto [controls, refs] = open_conditions(a.sample, src, g);
     open_prompts(a.sample, src, g);  // a text model: a row of samples per prompt
     Generated out = generate(den, m.cfg.model.in_channels, m.cfg.model.image_size, g);
@@ -615,6 +706,12 @@ Command add_eval_command(CLI::App& app) {
                 "also compute CAS: train a fresh classifier on the labelled samples and report its accuracy "
                 "on the real test split (about 1-2 minutes per 10000 samples on 2 cores)");
   cmd->add_option("--cas-epochs", ea.cfg.cas_epochs, "epochs of the CAS classifier")->check(kPositive);
+  cmd->add_option("--shapes", ea.shapes,
+                  "prompt accuracy instead, on the shapes dataset DIR (scripts/make_shapes.py): each prompt of "
+                  "DIR/prompts.jsonl sampled --per-prompt times, the shape judged by --feature-net (a shape "
+                  "classifier: `ddm train-classifier --config`), colour, size, position and background measured "
+                  "from pixels; seen against held-out compositions (docs/text.md)");
+  cmd->add_option("--per-prompt", ea.per_prompt, "--shapes: samples per prompt [8]")->check(kPositive);
   add_sample_flags(cmd, ea.sample);
   cmd->get_option("--n")->description("number of images (default 10000; report results at 10000)");
   return Command{cmd, [a] { return eval_cmd(*a); }};

@@ -6,9 +6,12 @@
 #include <cstdio>
 #include <filesystem>
 #include <iostream>
+#include <limits>
 #include <memory>
 #include <string>
 #include <vector>
+
+#include <nlohmann/json.hpp>
 
 #include "cli_util.h"
 #include "core/config.h"
@@ -19,6 +22,7 @@
 #include "core/runtime.h"
 #include "core/version.h"
 #include "data/dataset.h"
+#include "data/shard_loader.h"
 #include "decentral/train_run.h"
 #include "eval/feature_net.h"
 #include "model/net.h"
@@ -96,25 +100,57 @@ int train_autoencoder_cmd(const std::string& config, const std::vector<std::stri
 }
 
 struct ClassifierArgs {
-  std::string out = "feature-net.safetensors", root;
+  std::string out = "feature-net.safetensors", root, config;
+  std::vector<std::string> overrides, test_overrides;
   int64_t threads = 2;
-  bool force = false;
+  bool force = false, no_hflip = false;
   ClassifierTrainConfig cfg;
 };
+
+// Any data ddm reads, whole in memory (shards: every sample, decoded as training decodes them with a
+// centre crop).
+Dataset load_whole(const DataConfig& dc, int threads) {
+  if (dc.source == "shards") return shard_prefix(dc, std::numeric_limits<int64_t>::max(), threads);
+  return load_dataset(dc);
+}
 
 int train_classifier_cmd(const ClassifierArgs& a, const std::string& command) {
   DDM_CHECK(a.force || !fs::exists(a.out),
             a.out << " already exists; pass --force to replace it, or choose another --out");
   set_threads(a.threads);
-  DataConfig dc;
-  dc.root = a.root;
-  const Dataset train = load_dataset(dc);
-  dc.split = "test";
-  const Dataset test = load_dataset(dc);
+  Dataset train, test;
+  if (a.config.empty()) {  // Fashion-MNIST: train and test splits
+    DDM_CHECK(a.overrides.empty() && a.test_overrides.empty(), "--set and --test-set need --config");
+    DataConfig dc;
+    dc.root = a.root;
+    train = load_dataset(dc);
+    dc.split = "test";
+    test = load_dataset(dc);
+  } else {
+    DDM_CHECK(a.root.empty(), "--data-root is for Fashion-MNIST; with --config the config's data.root names the data");
+    DDM_CHECK(!a.test_overrides.empty(), "--config needs --test-set KEY=VALUE (e.g. --test-set data.root=TEST_SHARDS, "
+                                         "or --test-set data.split=test for Fashion-MNIST): the data the accuracy "
+                                         "is measured on, never trained on");
+    const RunConfig cfg = load_config(a.config, a.overrides);
+    std::vector<std::string> test_keys = a.overrides;
+    test_keys.insert(test_keys.end(), a.test_overrides.begin(), a.test_overrides.end());
+    const RunConfig tcfg = load_config(a.config, test_keys);
+    train = load_whole(cfg.data, static_cast<int>(a.threads));
+    test = load_whole(tcfg.data, static_cast<int>(a.threads));
+    DDM_CHECK(test.images.sizes().slice(1) == train.images.sizes().slice(1),
+              "the test data (" << test.description << ") has images of " << test.images.sizes().slice(1)
+                                << ", the training data " << train.images.sizes().slice(1) << "; set data.resolution");
+    DDM_CHECK(train.num_classes >= 2, "train-classifier: " << train.description << " has no class labels (.cls or a "
+                                                           "\"label\" in .json for shards; subfolders for a folder)");
+    DDM_CHECK(test.num_classes <= train.num_classes,
+              "the test data has " << test.num_classes << " classes, the training data " << train.num_classes);
+  }
+  ClassifierTrainConfig tc = a.cfg;
+  tc.hflip = !a.no_hflip;
   std::cout << "training the feature network on " << train.description << ": " << a.cfg.epochs << " epochs of batch "
             << a.cfg.batch_size << ", seed " << a.cfg.seed << ", " << a.threads << " threads" << std::endl;
   const auto t0 = std::chrono::steady_clock::now();
-  FeatureNet net = train_classifier(train, a.cfg);
+  FeatureNet net = train_classifier(train, tc);
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   const int64_t correct = count_correct(net, test), total = test.images.size(0);
   const double acc = static_cast<double>(correct) / static_cast<double>(total);
@@ -127,6 +163,11 @@ int train_classifier_cmd(const ClassifierArgs& a, const std::string& command) {
        {"threads", std::to_string(a.threads)},
        {"epochs", std::to_string(a.cfg.epochs)},
        {"train_data", train.description},
+       {"test_data", test.description},
+       {"image_shape", std::to_string(train.images.size(1)) + "x" + std::to_string(train.images.size(2)) + "x" +
+                           std::to_string(train.images.size(3))},
+       {"num_classes", std::to_string(train.num_classes)},
+       {"class_names", nlohmann::json(train.class_names).dump()},
        {"test_correct", std::to_string(correct)},
        {"test_total", std::to_string(total)},
        {"ddm_version", version()}});
@@ -227,10 +268,18 @@ Command add_classifier_command(CLI::App& app, int argc, char** argv) {
   auto* cmd = app.add_subcommand(
       "train-classifier",
       "Train the CNN classifier whose features the evaluation metrics (FD-fmnist, KID, precision/recall) use, on "
-      "the Fashion-MNIST train split, and report its accuracy on the test split. Deterministic for a given seed "
-      "and thread count. ddm ships one in assets/feature-net/ (see its README for the command that made it).");
-  cmd->add_option("--out", a->out, "safetensors file to write");
+      "the Fashion-MNIST train split, and report its accuracy on the test split; or, with --config, on any "
+      "labelled data ddm reads (the shapes dataset's shapes: docs/text.md), measured on --test-set's. "
+      "Deterministic for a given seed and thread count. ddm ships one in assets/feature-net/ (see its README for "
+      "the command that made it).");
+  cmd->add_option("--out", a->out, "safetensors file to write [feature-net.safetensors]");
   cmd->add_option("--data-root", a->root, "Fashion-MNIST directory (default: the Debian package's)");
+  cmd->add_option("--config", a->config, "train on this config's data (any source, labelled) instead of Fashion-MNIST");
+  cmd->add_option("--set", a->overrides, "override a key of --config's, e.g. --set data.resolution=32 (repeatable)");
+  cmd->add_option("--test-set", a->test_overrides,
+                  "with --config: the overrides that make it name the test data, e.g. --test-set data.root=TEST "
+                  "(repeatable; required with --config)");
+  cmd->add_flag("--no-hflip", a->no_hflip, "no random horizontal flips while training (default: flipped)");
   cmd->add_option("--epochs", a->cfg.epochs, "training epochs")->check(kPositive);
   cmd->add_option("--batch", a->cfg.batch_size, "batch size")->check(kPositive);
   cmd->add_option("--lr", a->cfg.lr, "peak AdamW learning rate")->check(kNonNegative);
