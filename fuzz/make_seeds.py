@@ -58,6 +58,11 @@ put(st, "truncated.safetensors", safetensors([("w", "F32", [2, 2], f32(1, 2, 3, 
 overlap = b'{"a":{"dtype":"U8","shape":[2],"data_offsets":[0,2]},"b":{"dtype":"U8","shape":[2],"data_offsets":[1,3]}}'
 put(st, "overlap.safetensors", struct.pack("<Q", len(overlap)) + overlap + b"\x00" * 3)
 put(st, "bad-bool.safetensors", safetensors([("b", "BOOL", [2], b"\x00\x07")]))
+# A latent shard's sample with text encodings, of the shapes the target's record gives (z 2, 2x2; 3 tokens of 4; pooled 4).
+put(st, "encoded-sample.safetensors", safetensors([
+    ("mean", "F32", [2, 2, 2], f32(*range(8))), ("logvar", "F32", [2, 2, 2], f32(*range(8))),
+    ("context", "F32", [3, 4], f32(*range(12))), ("context_mask", "BOOL", [3], b"\x01\x01\x00"),
+    ("pooled", "F32", [4], f32(1, 2, 3, 4))]))
 
 # ---- safetensors datasets ----------------------------------------------------------------------
 tf = "tensor_file"

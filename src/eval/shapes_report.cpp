@@ -183,8 +183,9 @@ std::string ShapesReport::table() const {
     s << buf;
   }
   s << "  all five\n";
-  for (const auto& [name, g] : {std::pair<const char*, const Group&>{"seen", seen}, {"held-out", heldout}}) {
-    std::snprintf(buf, sizeof buf, "%-12s  %7lld", name, static_cast<long long>(g.n));
+  for (const auto& named : {std::pair<const char*, const Group&>{"seen", seen}, {"held-out", heldout}}) {
+    const Group& g = named.second;
+    std::snprintf(buf, sizeof buf, "%-12s  %7lld", named.first, static_cast<long long>(g.n));
     s << buf;
     auto cell = [&](int64_t k) {
       const auto [lo, hi] = wilson95(k, g.n);
@@ -202,7 +203,8 @@ std::string ShapesReport::table() const {
 
 std::string ShapesReport::json() const {
   nlohmann::json j;
-  for (const auto& [name, g] : {std::pair<const char*, const Group&>{"seen", seen}, {"heldout", heldout}}) {
+  for (const auto& named : {std::pair<const char*, const Group&>{"seen", seen}, {"heldout", heldout}}) {
+    const Group& g = named.second;
     nlohmann::json gj{{"samples", g.n}};
     auto put = [&](const std::string& key, int64_t k) {
       const auto [lo, hi] = wilson95(k, g.n);
@@ -211,7 +213,7 @@ std::string ShapesReport::json() const {
     };
     for (int a = 0; a < kNumShapeAttributes; ++a) put(kShapeAttributes[a], g.right[static_cast<size_t>(a)]);
     put("all", g.all_right);
-    j[name] = gj;
+    j[named.first] = gj;
   }
   return j.dump(2);
 }
