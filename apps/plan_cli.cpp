@@ -31,6 +31,7 @@
 #include "train/controlnet.h"
 #include "train/embed.h"
 #include "train/latent.h"
+#include "train/text.h"
 
 namespace ddm {
 namespace {
@@ -79,7 +80,8 @@ std::string fmt_ms(double ms) {
   return b;
 }
 
-std::string workload_of(const RunConfig& cfg) {
+// cached_text: the data holds the captions' text encodings (`ddm encode --text`).
+std::string workload_of(const RunConfig& cfg, bool cached_text) {
   const ModelConfig& m = cfg.model;
   std::vector<std::string> w;
   if (!m.latent.empty())
@@ -87,6 +89,7 @@ std::string workload_of(const RunConfig& cfg) {
                                              : cfg.train.cache_latents ? "cached latents" : "latent encoder");
   if (!m.controlnet.empty()) w.push_back("ControlNet (" + m.control + " maps, locked encoder)");
   if (!m.embed.empty()) w.push_back("embedding network");
+  if (!m.text_encoder.empty()) w.push_back(cached_text ? "cached text encodings" : "text encoder");
   if (!cfg.train.teacher.empty()) w.push_back("teacher ensemble");
   std::string s;
   for (const std::string& x : w) s += (s.empty() ? "" : " + ") + x;
@@ -117,13 +120,14 @@ PipeProfile measure(const PlanArgs& a, int64_t* batch) {
   const auto latent = attach_latent(*objective, cfg.model, device, cfg.train.cache_latents ? &job.data : nullptr,
                                     job.data.latents != nullptr);
   const auto embedder = attach_embed(*objective, cfg.model, device);
+  const auto text = attach_text(*objective, cfg.model, job.data, device);  // the frozen text encoder (or cached encodings)
   net->to(device);  // (initialized on the CPU)
-  std::cout << "profiling " << cfg.model.preset << " (" << cfg.model.arch << ") and its frozen work (" << workload_of(cfg)
+  std::cout << "profiling " << cfg.model.preset << " (" << cfg.model.arch << ") and its frozen work (" << workload_of(cfg, cached_text(cfg.model, job.data))
             << ") at micro-batches of";
   for (int64_t r : rows) std::cout << " " << r;
   std::cout << " rows on " << (device.is_cuda() ? machine_name(device) + " (" + device.str() + ")" : "the CPU") << ", "
             << threads << " thread" << (threads == 1 ? "" : "s") << " ..." << std::endl;
-  return profile_workload(cfg, job.data, net, objective, rows, a.repeats, workload_of(cfg));
+  return profile_workload(cfg, job.data, net, objective, rows, a.repeats, workload_of(cfg, cached_text(cfg.model, job.data)));
 }
 
 // A pipelined run's measured last step (pipeline/timeline.h).

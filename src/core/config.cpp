@@ -514,8 +514,6 @@ void validate_model(const RunConfig& c) {
                                     "router-dit | router-conv), not " << m.arch);
   DDM_CHECK(m.text_encoder.empty() || (m.controlnet.empty() && m.embed.empty()),
             "model.text_encoder with model." << (m.controlnet.empty() ? "embed" : "controlnet") << ": not supported yet; remove one");
-  DDM_CHECK(m.text_encoder.empty() || c.parallel.pp <= 1,
-            "model.text_encoder with parallel.pipeline: pipelines do not pass text yet; remove one");
   DDM_CHECK(!m.text_encoder.empty() || (m.text_sha256.empty() && m.text_skip == 0 && m.text_dim == 0 &&
                                         m.text_pooled_dim == 0 && m.text_tokens == 0),
             "model.text_sha256, text_skip, text_dim, text_pooled_dim and text_tokens describe model.text_encoder, which is not set");

@@ -60,6 +60,9 @@ TensorMap prepared_tensors(const Prepared& p, const PrepNeeds& needs) {
   put("embed", p.cond.embed, true);
   put("embed_null", p.cond.embed_null, true);
   put("self_cond", p.cond.self_cond, true);
+  put("context", p.cond.context, true);  // text: every stage's cross-attention and its pooled embedding read them
+  put("context_mask", p.cond.context_mask, true);
+  put("pooled", p.cond.pooled, true);
   if (needs.frozen)
     for (size_t i = 0; i < p.cond.frozen.size(); ++i) out[kFrozen + std::to_string(i)] = p.cond.frozen[i];
   return out;
@@ -95,6 +98,9 @@ Prepared prepared_from(std::vector<std::pair<int64_t, TensorMap>> pieces, int64_
     else if (key == "embed") p.cond.embed = t;
     else if (key == "embed_null") p.cond.embed_null = t;
     else if (key == "self_cond") p.cond.self_cond = t;
+    else if (key == "context") p.cond.context = t;
+    else if (key == "context_mask") p.cond.context_mask = t;
+    else if (key == "pooled") p.cond.pooled = t;
     else if (key.rfind(kFrozen, 0) == 0) frozen[std::stoi(key.substr(std::string(kFrozen).size()))] = t;
     else DDM_FAIL(what << ": unknown prepared tensor '" << key << "'");
   }

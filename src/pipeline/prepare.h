@@ -7,7 +7,7 @@
 //                  so whatever pieces a plan cuts a micro-batch into, the result is the same bit for
 //                  bit (and within float32 rounding of one call on all its rows).
 //   PrepNeeds      what a stage reads: t and the small conditioning tensors (labels, control maps,
-//                  embeddings) always; x_t on stage 0, the target on the last stage, Cond::frozen on a
+//                  embeddings, a caption's text encoding) always; x_t on stage 0, the target on the last stage, Cond::frozen on a
 //                  stage whose units read it (NetUnit::reads_frozen).
 //   prep_pieces    a filled schedule's task pieces and the rows each covers.
 #pragma once
@@ -41,7 +41,8 @@ struct PrepNeeds {
 };
 
 // The tensors of `p` a stage with `needs` reads, by name ("xt", "t", "target", "y", "control",
-// "embed", "embed_null", "self_cond", "posterior_eps", "frozen.<i>"), each with the rows first.
+// "embed", "embed_null", "self_cond", "posterior_eps", "context", "context_mask", "pooled",
+// "frozen.<i>"), each with the rows first.
 TensorMap prepared_tensors(const Prepared& p, const PrepNeeds& needs);
 
 // Pieces (first row, prepared_tensors of those rows) back into one Prepared of `rows` rows,

@@ -105,6 +105,11 @@ std::vector<PipeUnitProfile> profile_units(NetImpl& net, const ModelConfig& cfg,
     if (!cfg.embed.empty()) c.embed = here(torch::nn::functional::normalize(torch::randn({r, cfg.embed_dim})));
     if (!cfg.controlnet.empty())
       c.control = here(torch::rand({r, control_channels(cfg), cfg.image_size, cfg.image_size}) * 2 - 1);
+    if (!cfg.text_encoder.empty()) {  // a caption's encoding: states [r, T, D], every token attended, pooled [r, P]
+      c.context = here(torch::randn({r, cfg.text_tokens, cfg.text_dim}));
+      c.context_mask = here(torch::ones({r, cfg.text_tokens}, torch::kLong));
+      c.pooled = here(torch::randn({r, cfg.text_pooled_dim}));
+    }
     Autocast autocast(device, precision);  // (bf16: the units as a step runs them)
     c = net.precompute(x, t, c);  // a ControlNet's locked encoder features, which its units read
     if (r == rows.front())

@@ -9,6 +9,7 @@
 #include "core/device.h"
 #include "core/error.h"
 #include "core/runtime.h"
+#include "data/latent_shards.h"
 #include "train/step.h"
 
 namespace ddm {
@@ -25,9 +26,17 @@ double median(std::vector<double> v) {
 
 Batch batch_of(const Dataset& data, int64_t first, int64_t rows) {
   const torch::Tensor x = data.images.slice(0, first, first + rows);  // uint8 images, or latent shards' posteriors
-  return Batch{data.latents ? x : to_unit_range(x), data.labels.slice(0, first, first + rows),
-               data.clusters.defined() ? data.clusters.slice(0, first, first + rows) : torch::Tensor(), 0,
-               torch::arange(first, first + rows, torch::kLong)};
+  Batch b{data.latents ? x : to_unit_range(x), data.labels.slice(0, first, first + rows),
+          data.clusters.defined() ? data.clusters.slice(0, first, first + rows) : torch::Tensor(), 0,
+          torch::arange(first, first + rows, torch::kLong)};
+  if (!data.captions.empty()) b.captions.assign(data.captions.begin() + first, data.captions.begin() + first + rows);
+  if (data.latents && !data.latents->text.encoder.empty()) {  // cached text encodings: their shapes (the values cost alike)
+    const auto& t = data.latents->text;
+    b.context = torch::randn({rows, t.tokens, t.dim});        // [rows, T, D]
+    b.context_mask = torch::ones({rows, t.tokens}, torch::kLong);  // [rows, T]
+    b.pooled = torch::randn({rows, t.pooled_dim});             // [rows, P]
+  }
+  return b;
 }
 
 }  // namespace
@@ -69,7 +78,8 @@ PipeProfile profile_workload(const RunConfig& cfg, const Dataset& data, Net net,
       if (r == rows.front() && rep == 0) {
         // What it hands the first stage per row: x_t, the target and the per-sample conditioning.
         double bytes = 0;
-        for (const torch::Tensor& x : {q.xt, q.t, q.target, q.cond.y, q.cond.control, q.cond.embed})
+        for (const torch::Tensor& x : {q.xt, q.t, q.target, q.cond.y, q.cond.control, q.cond.embed, q.cond.context,
+                                       q.cond.context_mask, q.cond.pooled})
           if (x.defined()) bytes += static_cast<double>(x.numel() * x.element_size());
         for (const torch::Tensor& x : q.cond.frozen) bytes += static_cast<double>(x.numel() * x.element_size());
         task.output_bytes_per_row = bytes / static_cast<double>(r);

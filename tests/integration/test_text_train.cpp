@@ -277,6 +277,15 @@ TEST(TextTrain, EncodeCachesTheCaptionsEncodingsAndTrainingFromThemTrainsWhatEnc
     EXPECT_EQ(test::read_text(dir / ("split/ckpt/step-00000004/" + std::string(file))),
               test::read_text(dir / ("from-cache/ckpt/step-00000004/" + std::string(file))))
         << file;
+  // `ddm plan` profiles the encoder as frozen work, or, on the cached shards, none.
+  r = test::run_ddm("plan --config " + (dir / "text.toml") + " --set train.threads=1 --rows 2 --repeats 1 --top 1");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("workload  text encoder"), std::string::npos) << r.output;
+  r = test::run_ddm("plan --config " + (dir / "text.toml") + " --set data.source=latents --set data.root=" + (dir / "cached") +
+                    " --set model.latent=" + ae + " --set model.preset=latent-unet --set model.channels=8 --set model.groups=4 " +
+                    "--set model.attn_levels=[0] --set train.threads=1 --rows 2 --repeats 1 --top 1");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("workload  latent shards + cached text encodings"), std::string::npos) << r.output;
   // Encodings of another length, another encoder, --text without one: errors naming what to do.
   test::expect_error(test::run_ddm(train + "--set data.root=" + (dir / "cached") + " --set model.text_tokens=12 --out " +
                                    (dir / "x")),

@@ -6,6 +6,8 @@
 // bad stage configurations are clear errors on every stage; data-parallel replicas of a pipeline
 // (parallel.pp x parallel.dp) train what one process trains too. Bubble filling: a micro-batch prepared in
 // pieces is the whole one bit for bit, and a filled pipeline trains exactly what an unfilled one does.
+// Text models (model.text_encoder, the real all-MiniLM-L6-v2): the captions' encodings travel to the
+// stages, and the encoder is fill work.
 #include <gtest/gtest.h>
 
 #include <filesystem>
@@ -342,6 +344,65 @@ TEST(PipelineTrain, FillingTheBubblesChangesNoResult) {
   ASSERT_TRUE(units[static_cast<size_t>(zero)].reads_frozen);
   filled_and_not(piped(cn, 2, "1f1b", {zero}), "controlnet");
   filled_and_not(piped(cn, 2, "1f1b-v"), "controlnet-v");  // the control maps' reader on a rank's second stage
+}
+
+// A text model in a pipeline: the encodings of the micro-batch's captions (made in the prepare phase,
+// caption dropout keyed as in one process) travel to every stage, whose cross-attention and pooled
+// embedding read them; 2 stages train what one process trains, and with the prepare phase, text
+// encoder included, placed into the bubbles in pieces, exactly what the unfilled pipeline trains.
+TEST(PipelineTrain, TextModelsTrainThroughTheStagesAndTheEncoderFillsTheBubbles) {
+  test::TempDir dir;
+  auto text = [](RunConfig cfg) {
+    cfg.model.text_encoder = test::minilm_package_dir() + "/model";
+    cfg.model.text_tokens = 8;
+    cfg.model.attn_levels = {1};
+    cfg.train.caption_dropout = 0.3;
+    cfg.train.steps = 8;
+    cfg.data.hflip = false;
+    return cfg;
+  };
+  for (const char* arch : {"unet", "dit"}) {
+    const RunConfig cfg = text(base(arch));
+    const std::string one = dir / (std::string(arch) + "-one"), two = dir / (std::string(arch) + "-two");
+    ASSERT_EQ(train_ranks(1, {cfg}, one), std::vector<std::string>{""});
+    const RunConfig piped2 = piped(cfg, 2, "1f1b");
+    ASSERT_EQ(train_ranks(2, {piped2, piped2}, two), (std::vector<std::string>{"", ""})) << arch;
+    expect_same_training(two, one, std::string("text ") + arch + " 2 stages 1f1b");
+  }
+  // The captions matter: without dropout the text weights train otherwise.
+  RunConfig no_drop = text(base("dit"));
+  no_drop.train.caption_dropout = 0;
+  ASSERT_EQ(train_ranks(1, {no_drop}, dir / "no-drop"), std::vector<std::string>{""});
+  EXPECT_GT(max_weight_difference(final_weights(dir / "no-drop"), final_weights(dir / "dit-one")), 1e-3);
+  // Bubble filling, its measures fixed so that the prepare phase's pieces fit the bubbles.
+  PipeStep::override_measures([](std::vector<PipeStageMeasure>& stages) {
+    for (PipeStageMeasure& m : stages) {
+      const bool split = m.weight_grad > 0;
+      m.forward = 2;
+      m.input_grad = split ? 2 : 4;
+      m.weight_grad = split ? 2 : 0;
+      m.optimizer = 0.5;
+      m.prepare_quantum = 0.25;
+      if (m.first_pass >= 0) m.first_pass = 1;
+      if (m.link_bytes_per_ms > 0 || m.link_latency > 0) m.link_latency = 0.01, m.link_bytes_per_ms = 1e6;
+    }
+  });
+  struct Reset {
+    ~Reset() { PipeStep::override_measures(nullptr); }
+  } reset;
+  for (const char* schedule : {"1f1b", "zb-v"}) {
+    RunConfig cfg = piped(text(base("unet")), 2, schedule);
+    cfg.train.batch_size = 32;  // micro-batches of 8 rows, prepared in quanta of 4
+    cfg.train.steps = 6;
+    const std::string name = dir / (std::string("fill-") + schedule);
+    cfg.parallel.fill = false;
+    ASSERT_EQ(train_ranks(2, {cfg, cfg}, name + "-serial"), (std::vector<std::string>{"", ""})) << schedule;
+    cfg.parallel.fill = true;
+    ASSERT_EQ(train_ranks(2, {cfg, cfg}, name), (std::vector<std::string>{"", ""})) << schedule;
+    EXPECT_EQ(losses(name), losses(name + "-serial")) << schedule;
+    EXPECT_EQ(max_weight_difference(final_weights(name), final_weights(name + "-serial")), 0.0) << schedule;
+    EXPECT_GT(ahead_pieces(name), 0) << schedule;
+  }
 }
 
 // Pipelines of data-parallel replicas: 2 stages x 2 replicas (4 processes, rank = stage x 2 +

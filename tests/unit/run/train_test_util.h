@@ -15,6 +15,7 @@
 #include "core/config.h"
 #include "run/trainer.h"
 #include "train/checkpoint.h"
+#include "train/text.h"
 
 namespace ddm::test {
 
@@ -55,11 +56,22 @@ inline Dataset synthetic_data() {
   return d;
 }
 
+// The same images captioned by their class ("a picture of a"), for text models (model.text_encoder).
+inline Dataset synthetic_captioned_data() {
+  Dataset d = synthetic_data();
+  for (int64_t i = 0; i < d.labels.size(0); ++i)
+    d.captions.push_back("a picture of " + d.class_names[static_cast<size_t>(d.labels[i].item<int64_t>())]);
+  d.description += ", captioned";
+  return d;
+}
+
 inline TrainJob job_for(RunConfig cfg) {
   static const Dataset data = synthetic_data();  // made once: ranks are threads, the generator is global
+  static const Dataset captioned = synthetic_captioned_data();
   TrainJob job;
-  job.data = data;
+  job.data = cfg.model.text_encoder.empty() ? data : captioned;
   resolve_data_shape(cfg, job.data);
+  if (!cfg.model.text_encoder.empty()) resolve_text(cfg.model, job.data);  // its sizes and sha256
   job.cfg = cfg;
   job.recorded = cfg;
   return job;
