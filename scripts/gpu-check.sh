@@ -2,8 +2,8 @@
 # The GPU checks, on a machine with a CUDA GPU and PyTorch 2.11 (+cu130) in its python3. Two steps:
 #   scripts/gpu-check.sh pack DIR     (here, after scripts/setup.sh) copies what the checks run,
 #                                     stripped (the test binaries, ddm, ddm_bench), the system libraries
-#                                     they link (a GPU machine may lack them) and
-#                                     Fashion-MNIST into DIR, to carry there;
+#                                     they link (a GPU machine may lack them),
+#                                     Fashion-MNIST and a small text encoder into DIR, to carry there;
 #   scripts/gpu-check.sh run DIR OUT  (there) runs them against that machine's LibTorch (the torch of
 #                                     its python3, or $TORCH_LIB) and writes each one's output to OUT:
 #       test_torch_build  the LibTorch build: 2.11, libtorch_cuda loaded, Gloo from the wheel;
@@ -55,6 +55,11 @@ case "$what" in
     else
       echo "gpu-check: no JPEG shards packed ($venv/bin/python lacks Pillow or numpy: $venv/bin/pip install pillow numpy); the loader and shards checks will be skipped" >&2
     fi
+    # A small sentence encoder (2 layers of width 32, random, in sentence-transformers' layout) for the
+    # text-model checks: the real MiniLM (90 MB) does not fit what a check carries.
+    rm -rf "$dir/text-encoder"
+    "$(bash scripts/reference-env.sh)" tests/reference/tiny_bert.py "$dir/text-encoder" >/dev/null 2>&1 ||
+      echo "gpu-check: no text encoder packed (tests/reference/tiny_bert.py failed); the text GPU check will be skipped" >&2
     du -sh "$dir"
     ;;
   run)
@@ -66,6 +71,7 @@ case "$what" in
     export LD_LIBRARY_PATH="$libs/lib:$torch_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
     export DDM_BINARY="$(cd "$dir" && pwd)/bin/ddm"  # what the tests run as `ddm` (test_util.h)
     export DDM_FASHION_MNIST="$(cd "$dir" && pwd)/fashion-mnist"  # the data the GPU tests read
+    [ -d "$dir/text-encoder" ] && export DDM_TEST_TEXT_ENCODER="$(cd "$dir" && pwd)/text-encoder"  # the text checks' encoder
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt" || true
     failed=()
     for t in "$dir"/test_*; do

@@ -6,7 +6,7 @@
 // pipeline's stages too (and `ddm plan` profiles there), data parallelism
 // over Gloo with CUDA tensors what one process trains (over NCCL too, where there are two GPUs), NCCL
 // forms a group and reduces with world size 1, a run moves between the CPU and the GPU on
-// resume, bf16 autocast follows fp32, deterministic runs repeat bit for bit, and sampling on CUDA
+// resume, bf16 autocast follows fp32 (a text model's too), deterministic runs repeat bit for bit, and sampling on CUDA
 // (one model, and a routed ensemble of experts) gives the CPU's images.
 #include <gtest/gtest.h>
 
@@ -356,6 +356,38 @@ TEST(Gpu, Bf16AutocastFollowsFp32Over50Steps) {
     }
     std::printf("%s: bf16 against fp32: mean loss of the last 10 steps %.4f against %.4f (%.2e relative)\n", arch,
                 tail_b, tail_f, tail);
+  }
+}
+
+// A text model (model.text_encoder: the small sentence encoder scripts/gpu-check.sh packs, named by
+// DDM_TEST_TEXT_ENCODER) on CUDA, its encoder there too, trains what it trains on the CPU; in bf16 it
+// follows fp32.
+TEST(Gpu, TextModelsTrainOnCudaAsOnTheCpuAndInBf16) {
+  if (no_gpu()) GTEST_SKIP() << kNoGpu;
+  const char* encoder = std::getenv("DDM_TEST_TEXT_ENCODER");
+  if (!encoder) GTEST_SKIP() << "DDM_TEST_TEXT_ENCODER names no text encoder (scripts/gpu-check.sh packs one)";
+  for (const char* arch : {"unet", "dit"}) {
+    TempDir dir;
+    RunConfig cfg = tiny(arch);
+    cfg.model.text_encoder = encoder;
+    cfg.model.text_tokens = 8;
+    cfg.model.attn_levels = {1};
+    cfg.train.caption_dropout = 0.3;
+    cfg.data.hflip = false;
+    ASSERT_EQ(train_ranks(1, {cfg}, dir / "cpu"), std::vector<std::string>{""});
+    ASSERT_EQ(train_ranks(1, {on(cfg, "cuda")}, dir / "gpu"), std::vector<std::string>{""});
+    expect_same_training(dir / "gpu", dir / "cpu", std::string(arch) + " text on cuda against the cpu");
+    RunConfig bf16 = on(cfg, "cuda");
+    bf16.train.precision = Precision::kBf16;
+    ASSERT_EQ(train_ranks(1, {bf16}, dir / "bf16"), std::vector<std::string>{""});
+    const auto lf = losses(dir / "gpu"), lb = losses(dir / "bf16");
+    ASSERT_EQ(lb.size(), lf.size());
+    EXPECT_NE(lb, lf) << arch << ": bf16 trained exactly what fp32 did: autocast was not on";
+    double tail_f = 0, tail_b = 0;
+    for (size_t i = lf.size() - 5; i < lf.size(); ++i) tail_f += lf[i] / 5, tail_b += lb[i] / 5;
+    EXPECT_LE(std::abs(tail_b - tail_f) / tail_f, 5e-2) << arch;
+    std::printf("%s text: bf16 against fp32 on cuda: mean loss of the last 5 steps %.4f against %.4f\n", arch, tail_b,
+                tail_f);
   }
 }
 
