@@ -687,7 +687,7 @@ Command add_eval_command(CLI::App& app) {
       "feature network's space; not FID), KID, precision/recall and, for class-conditional samples, the feature "
       "network's accuracy on each requested class. Only for models trained on Fashion-MNIST (other data is refused). Samples a checkpoint (--ckpt), reads a file (--samples) "
       "or draws a reference point (--anchor). Prints a table and writes JSON, a per-class PNG grid (and the samples) "
-      "to --out.");
+      "to --out. With --shapes, a text model's prompt accuracy on the shapes dataset instead (docs/text.md).");
   cmd->add_option("--ckpt", ea.sample.ckpt, "run or checkpoint directory to sample from");
   cmd->add_option("--samples", ea.samples_file,
                   "safetensors file with images (uint8, or float in [-1, 1]) and optional labels, e.g. "
