@@ -309,28 +309,36 @@ std::function<void(int64_t, int64_t)> sampling_progress(bool tty) {
 
 }  // namespace
 
+// The sampling flags as the run's defaults fill them in: a.n images (per_class for `ddm eval`'s rows).
+GenerateOptions generate_options(const SampleArgs& a, const LoadedModel& m) {
+  GenerateOptions g;
+  g.n = a.n;
+  g.sample.sampler = a.sampler.empty() ? m.cfg.sample.sampler : a.sampler;
+  g.sample.steps = a.steps > 0 ? a.steps : m.cfg.sample.steps;
+  g.sample.cfg = a.cfg >= 0 ? a.cfg : m.cfg.sample.cfg;
+  g.batch_size = a.batch;
+  g.seed = static_cast<uint64_t>(a.seed);
+  g.class_id = a.class_id;
+  const int64_t classes = m.cfg.model.num_classes;
+  g.per_class = classes > 0 ? std::max<int64_t>(1, (a.n + classes - 1) / classes) : a.n;
+  g.on_progress = sampling_progress(isatty(fileno(stdout)));
+  g.decode = image_decoder(m);  // latent models: the frozen decoder
+  return g;
+}
+
 void write_samples(const SampleArgs& a) {
   check_png_path(a.out);  // before any sampling
   set_threads(a.threads);
   Source src = open_source(a);
   const LoadedModel& m = src.defaults();
   const Denoiser& den = *src.den;
-  GenerateOptions g;
-  g.n = a.n;
-  g.sample.sampler = a.sampler.empty() ? m.cfg.sample.sampler : a.sampler;
-  g.sample.steps = a.steps > 0 ? a.steps : m.cfg.sample.steps;
-  g.sample.cfg = a.cfg >= 0 ? a.cfg : m.cfg.sample.cfg;
-  g.class_id = a.class_id;
-  g.batch_size = a.batch;
-  g.seed = static_cast<uint64_t>(a.seed);
+  GenerateOptions g = generate_options(a, m);
   const int64_t classes = m.cfg.model.num_classes;
-  g.per_class = classes > 0 && a.class_id < 0 ? std::max<int64_t>(1, a.n / classes) : a.n;
+  g.per_class = classes > 0 && a.class_id < 0 ? std::max<int64_t>(1, a.n / classes) : a.n;  // whole rows
   const bool tty = isatty(fileno(stdout));
-  g.on_progress = sampling_progress(tty);
   std::cout << "sampling " << a.n << " images from " << src.name;
   if (src.model) std::cout << " (step " << m.step << ", " << (a.no_ema ? "raw" : "EMA") << " weights)";
   std::cout << ": " << g.sample.sampler << ", " << g.sample.steps << " steps, cfg " << g.sample.cfg << std::endl;
-  g.decode = image_decoder(m);  // latent models: the frozen decoder
   const auto [controls, refs] = open_conditions(a, src, g);
   std::vector<std::string> labels = open_prompts(a, src, g);
   Generated out = generate(den, m.cfg.model.in_channels, m.cfg.model.image_size, g);
@@ -447,23 +455,6 @@ struct EvalArgs {
   EvalConfig cfg;
 };
 
-// The sampling flags as the run's defaults fill them in: a.n images.
-GenerateOptions eval_generate_options(const SampleArgs& a, const LoadedModel& m) {
-  GenerateOptions g;
-  g.n = a.n;
-  g.sample.sampler = a.sampler.empty() ? m.cfg.sample.sampler : a.sampler;
-  g.sample.steps = a.steps > 0 ? a.steps : m.cfg.sample.steps;
-  g.sample.cfg = a.cfg >= 0 ? a.cfg : m.cfg.sample.cfg;
-  g.batch_size = a.batch;
-  g.seed = static_cast<uint64_t>(a.seed);
-  g.class_id = a.class_id;
-  const int64_t classes = m.cfg.model.num_classes;
-  g.per_class = classes > 0 ? std::max<int64_t>(1, (a.n + classes - 1) / classes) : a.n;
-  g.on_progress = sampling_progress(isatty(fileno(stdout)));
-  g.decode = image_decoder(m);  // latent models: the frozen decoder
-  return g;
-}
-
 // `ddm eval --shapes DIR`: prompt accuracy of a text model on the shapes dataset (eval/shapes_report.h).
 int eval_shapes_cmd(EvalArgs a) {
   DDM_CHECK(a.sample.ckpt.empty() != a.sample.ensemble.empty() && a.samples_file.empty() && a.anchor.empty(),
@@ -490,7 +481,7 @@ int eval_shapes_cmd(EvalArgs a) {
   const auto p = static_cast<int64_t>(data.prompts.size());
   for (const ShapesPrompt& prompt : data.prompts) a.sample.prompts.push_back(prompt.caption);
   a.sample.n = p * a.per_prompt;
-  GenerateOptions g = eval_generate_options(a.sample, m);
+  GenerateOptions g = generate_options(a.sample, m);
   std::cout << "sampling " << a.per_prompt << " images for each of the " << p << " prompts of " << a.shapes
             << "/prompts.jsonl from " << src.name << ": " << g.sample.sampler << ", " << g.sample.steps << " steps, cfg "
             << g.sample.cfg << std::endl;
@@ -569,7 +560,7 @@ int eval_cmd(EvalArgs a) {
     const LoadedModel& m = src.defaults();
     check_evaluable_source(origin_of(m.cfg.data), src.name);
     const Denoiser& den = *src.den;
-    GenerateOptions g = eval_generate_options(a.sample, m);
+    GenerateOptions g = generate_options(a.sample, m);
     const int64_t classes = m.cfg.model.num_classes;
     const bool tty = isatty(fileno(stdout));
     std::cout << "sampling " << a.sample.n << " images from " << src.name << ": " << g.sample.sampler << ", "

@@ -31,6 +31,7 @@ import json
 import math
 import os
 import random
+import shutil
 import struct
 import sys
 import tarfile
@@ -202,7 +203,6 @@ def main():
         p.error(f"--out {args.out} already exists; remove it or choose another directory")
     partial = args.out.rstrip("/") + ".partial"
     if os.path.exists(partial):
-        import shutil
         shutil.rmtree(partial)
     os.makedirs(partial)
     rng = random.Random(args.seed)

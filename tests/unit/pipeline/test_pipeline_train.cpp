@@ -287,23 +287,29 @@ int ahead_pieces(const std::string& run) {
 // the locked encoder's features, and a run resumed in the middle (the rows prepared ahead are not in
 // a checkpoint: prepared again, alike). The runs plan from fixed timings (their measured bytes kept),
 // so that every machine, sanitized or not, runs the same plans: one that fills bubbles.
+// The stages' measures fixed while it lives (the pieces of the prepare phase then fit the bubbles,
+// whatever this machine's speed), as the plan of a filled pipeline reads them.
+struct FixedFillMeasures {
+  FixedFillMeasures() {
+    PipeStep::override_measures([](std::vector<PipeStageMeasure>& stages) {
+      for (PipeStageMeasure& m : stages) {
+        const bool split = m.weight_grad > 0;  // ZB: B is I + W
+        m.forward = 2;
+        m.input_grad = split ? 2 : 4;
+        m.weight_grad = split ? 2 : 0;
+        m.optimizer = 0.5;
+        m.prepare_quantum = 0.25;
+        if (m.first_pass >= 0) m.first_pass = 1;
+        if (m.link_bytes_per_ms > 0 || m.link_latency > 0) m.link_latency = 0.01, m.link_bytes_per_ms = 1e6;
+      }
+    });
+  }
+  ~FixedFillMeasures() { PipeStep::override_measures(nullptr); }
+};
+
 TEST(PipelineTrain, FillingTheBubblesChangesNoResult) {
   test::TempDir dir;
-  PipeStep::override_measures([](std::vector<PipeStageMeasure>& stages) {
-    for (PipeStageMeasure& m : stages) {
-      const bool split = m.weight_grad > 0;  // ZB: B is I + W
-      m.forward = 2;
-      m.input_grad = split ? 2 : 4;
-      m.weight_grad = split ? 2 : 0;
-      m.optimizer = 0.5;
-      m.prepare_quantum = 0.25;
-      if (m.first_pass >= 0) m.first_pass = 1;
-      if (m.link_bytes_per_ms > 0 || m.link_latency > 0) m.link_latency = 0.01, m.link_bytes_per_ms = 1e6;
-    }
-  });
-  struct Reset {
-    ~Reset() { PipeStep::override_measures(nullptr); }
-  } reset;
+  const FixedFillMeasures fixed;
   auto filled_and_not = [&](RunConfig cfg, const std::string& name) {
     cfg.parallel.fill = false;
     ASSERT_EQ(train_ranks(2, {cfg, cfg}, dir / (name + "-serial")), (std::vector<std::string>{"", ""})) << name;
@@ -375,21 +381,7 @@ TEST(PipelineTrain, TextModelsTrainThroughTheStagesAndTheEncoderFillsTheBubbles)
   ASSERT_EQ(train_ranks(1, {no_drop}, dir / "no-drop"), std::vector<std::string>{""});
   EXPECT_GT(max_weight_difference(final_weights(dir / "no-drop"), final_weights(dir / "dit-one")), 1e-3);
   // Bubble filling, its measures fixed so that the prepare phase's pieces fit the bubbles.
-  PipeStep::override_measures([](std::vector<PipeStageMeasure>& stages) {
-    for (PipeStageMeasure& m : stages) {
-      const bool split = m.weight_grad > 0;
-      m.forward = 2;
-      m.input_grad = split ? 2 : 4;
-      m.weight_grad = split ? 2 : 0;
-      m.optimizer = 0.5;
-      m.prepare_quantum = 0.25;
-      if (m.first_pass >= 0) m.first_pass = 1;
-      if (m.link_bytes_per_ms > 0 || m.link_latency > 0) m.link_latency = 0.01, m.link_bytes_per_ms = 1e6;
-    }
-  });
-  struct Reset {
-    ~Reset() { PipeStep::override_measures(nullptr); }
-  } reset;
+  const FixedFillMeasures fixed;
   for (const char* schedule : {"1f1b", "zb-v"}) {
     RunConfig cfg = piped(text(base("unet")), 2, schedule);
     cfg.train.batch_size = 32;  // micro-batches of 8 rows, prepared in quanta of 4
