@@ -64,8 +64,10 @@ int partition_cmd(const PartitionArgs& a) {
     dc.limit = a.limit;
   }
   const bool latents = dc.source == "latents";
-  // Latent shards hold no pixels: their own latents are the default features.
-  const FeatureSource src = parse_feature_source(!a.features.empty() ? a.features : latents ? "latent" : "pixels");
+  // Latent shards hold no pixels: their own latents are the default features (images that `ddm encode
+  // --text` kept are partitioned by their pixels, as any images).
+  const bool latent_features = latents && !read_latent_shards_info(dc.root).holds_images();
+  const FeatureSource src = parse_feature_source(!a.features.empty() ? a.features : latent_features ? "latent" : "pixels");
   const torch::Device device = resolve_device(a.device, 0, "--device");
   set_threads(a.threads);
   PartitionConfig cfg = a.cfg;

@@ -111,8 +111,12 @@ Command add_encode_command(CLI::App& app) {
       "--shard-size samples. Images are centre-cropped and never flipped. OUT is written whole or not at all. A latent "
       "model (model.latent = the same autoencoder) trains on them with data.source = \"latents\", data.root = OUT. "
       "Captions are kept (KEY.txt); with --text, each caption's encoding by the config's model.text_encoder is "
-      "written too, and a text model trained on the shards does not run the encoder (docs/text.md).");
-  cmd->add_option("--ae", a->ae, "the autoencoder: a `ddm train-autoencoder` run directory")->required();
+      "written too, and a text model trained on the shards does not run the encoder (docs/text.md). For a pixel "
+      "text model, --text without --ae keeps the images as they are (OUT/images-000000.tar, ...) beside each "
+      "caption's encoding.");
+  cmd->add_option("--ae", a->ae,
+                  "the autoencoder: a `ddm train-autoencoder` run directory (required, except with --text for a pixel "
+                  "model)");
   cmd->add_option("--out", a->out, "the directory to write (must not exist)")->required();
   cmd->add_option("--config", a->config, "a config whose data.* names the data (default: Fashion-MNIST train)");
   cmd->add_option("--set", a->overrides, "override a config key, e.g. --set data.split=test (repeatable)");
@@ -137,13 +141,16 @@ Command add_encode_command(CLI::App& app) {
                    const auto t0 = std::chrono::steady_clock::now();
                    const LatentShardsInfo info = encode_latent_shards(cfg.data, a->ae, o);
                    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-                   std::cout << "wrote the latents" << (info.text.encoder.empty() ? "" : " and text encodings") << " of "
+                   std::cout << "wrote the " << (info.holds_images() ? "images" : "latents")
+                             << (info.text.encoder.empty() ? "" : " and text encodings") << " of "
                              << info.samples << " samples in " << info.shards << " shard"
                              << (info.shards > 1 ? "s" : "") << " (" << format_bytes(info.bytes) << ") in "
                              << static_cast<int64_t>(s + 0.5) << " s\n"
                              << "their record: " << a->out << "/" << kLatentShardsInfo << "\n"
-                             << "train a latent model on them: ddm train --config CONFIG --set data.source=latents "
-                             << "--set data.root=" << a->out << " --set model.latent=" << a->ae
+                             << "train " << (info.holds_images() ? "a pixel" : "a latent")
+                             << " model on them: ddm train --config CONFIG --set data.source=latents "
+                             << "--set data.root=" << a->out
+                             << (info.holds_images() ? "" : " --set model.latent=" + a->ae)
                              << (info.text.encoder.empty() ? "" : " --set model.text_encoder=" + info.text.encoder)
                              << " --out RUN" << std::endl;
                    return 0;

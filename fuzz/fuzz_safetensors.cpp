@@ -19,15 +19,18 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     const std::string twice = ddm::safetensors_bytes(ddm::parse_safetensors(once, "rewritten.safetensors"));
     if (once != twice) std::abort();  // the writer and the reader disagree
   });
-  ddm::fuzz::expect_errors([&] {
-    ddm::LatentShardsInfo info;
-    info.latent_channels = 2, info.latent_size = 2, info.captioned = true;
-    info.text = {"encoder", "sha", 0, 3, 4, 4};
-    const ddm::EncodedSample s = ddm::read_encoded(bytes, info, "fuzz sample");
-    ddm::fuzz::touch(s.posterior);
-    ddm::fuzz::touch(s.context);
-    ddm::fuzz::touch(s.context_mask);
-    ddm::fuzz::touch(s.pooled);
-  });
+  for (const char* autoencoder : {"ae", ""}) {  // latents with text encodings; images' text encodings alone
+    ddm::fuzz::expect_errors([&] {
+      ddm::LatentShardsInfo info;
+      info.autoencoder = autoencoder;
+      info.latent_channels = 2, info.latent_size = 2, info.captioned = true;
+      info.text = {"encoder", "sha", 0, 3, 4, 4};
+      const ddm::EncodedSample s = ddm::read_encoded(bytes, info, "fuzz sample");
+      ddm::fuzz::touch(s.posterior);
+      ddm::fuzz::touch(s.context);
+      ddm::fuzz::touch(s.context_mask);
+      ddm::fuzz::touch(s.pooled);
+    });
+  }
   return 0;
 }

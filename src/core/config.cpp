@@ -428,13 +428,12 @@ void validate_data(const RunConfig& c) {
     DDM_CHECK(c.model.controlnet.empty() && c.model.embed.empty(),
               "model.controlnet and model.embed read their data in memory; with shards they are not supported yet");
   } else if (c.data.source == "latents") {
-    // data.resolution, channels and crop are checked against the directory's encode.json when it is
-    // opened, model.latent when the data's shape is resolved (run/setup.cpp).
+    // data.resolution, channels, crop and hflip are checked against the directory's encode.json when
+    // it is opened (a directory of latents takes them as encoded; one of images, as image shards do),
+    // model.latent when the data's shape is resolved (run/setup.cpp).
     DDM_CHECK(!c.data.root.empty(), "data.source = latents needs data.root: a directory `ddm encode --out` wrote");
     DDM_CHECK(c.model.arch != "autoencoder", "model.arch = autoencoder learns images, and data.source = latents "
                                              "holds latents; train it on the images");
-    DDM_CHECK(!c.data.hflip, "data.hflip with data.source = latents: a flipped image's latent is not the flip of its "
-                             "latent, and latent shards hold the unflipped ones; set data.hflip = false");
     DDM_CHECK(c.data.limit == 0, "data.limit does not apply to latent shards; encode fewer samples instead");
     DDM_CHECK(!c.train.cache_latents, "train.cache_latents with data.source = latents: the latents are already "
                                       "encoded; remove it");

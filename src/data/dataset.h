@@ -35,6 +35,9 @@ struct Dataset {
   // Latent shards (data.source = "latents", data/latent_shards.h): their encode.json. Then `images`
   // holds the first few samples' posteriors as batches carry them, [mean; logvar] float [n, 2z, h, w].
   std::shared_ptr<const LatentShardsInfo> latents;
+  // Any `ddm encode` directory (data.source = "latents"): its encode.json, whether it holds latents
+  // (then `latents` is the same) or images with their captions' text encodings (then `latents` is null).
+  std::shared_ptr<const LatentShardsInfo> encoded;
 };
 
 // Default root for the Debian package dataset-fashion-mnist.

@@ -24,7 +24,8 @@ nlohmann::json latent_shards_json(const LatentShardsInfo& i) {
           {"autoencoder_sha256", i.autoencoder_sha256},
           {"latent_scale", i.latent_scale},
           {"latent_shift", i.latent_shift},
-          {"latent_shape", {i.latent_channels, i.latent_size, i.latent_size}},
+          {"latent_shape", i.holds_images() ? nlohmann::json(nullptr)
+                                            : nlohmann::json{i.latent_channels, i.latent_size, i.latent_size}},
           {"image_shape", {i.image_channels, i.image_size, i.image_size}},
           {"samples", i.samples},
           {"shards", i.shards},
@@ -61,12 +62,15 @@ LatentShardsInfo read_latent_shards_info(const std::string& dir) {
     i.latent_shift = j.at("latent_shift").get<double>();
     const auto& ls = j.at("latent_shape");
     const auto& is = j.at("image_shape");
-    DDM_CHECK(ls.is_array() && ls.size() == 3 && is.is_array() && is.size() == 3,
-              file << ": latent_shape and image_shape must be [channels, size, size]");
-    i.latent_channels = json_int(ls[0], file + ": latent_shape[0]", 1, 1 << 16);
-    i.latent_size = json_int(ls[1], file + ": latent_shape[1]", 1, 1 << 16);
-    DDM_CHECK(json_int(ls[2], file + ": latent_shape[2]", 1, 1 << 16) == i.latent_size,
-              file << ": latent_shape must be square, got " << ls.dump());
+    DDM_CHECK((i.holds_images() ? ls.is_null() : ls.is_array() && ls.size() == 3) && is.is_array() && is.size() == 3,
+              file << ": latent_shape and image_shape must be [channels, size, size] (latent_shape null where "
+                      "autoencoder is \"\")");
+    if (!i.holds_images()) {
+      i.latent_channels = json_int(ls[0], file + ": latent_shape[0]", 1, 1 << 16);
+      i.latent_size = json_int(ls[1], file + ": latent_shape[1]", 1, 1 << 16);
+      DDM_CHECK(json_int(ls[2], file + ": latent_shape[2]", 1, 1 << 16) == i.latent_size,
+                file << ": latent_shape must be square, got " << ls.dump());
+    }
     i.image_channels = json_int(is[0], file + ": image_shape[0]", 1, 4);
     i.image_size = json_int(is[1], file + ": image_shape[1]", 1, 1 << 16);
     i.samples = json_int(j.at("samples"), file + ": samples", 1);
@@ -94,20 +98,22 @@ LatentShardsInfo read_latent_shards_info(const std::string& dir) {
       DDM_CHECK(!i.text.encoder.empty() && i.captioned,
                 file << ": text names an encoder, so it needs \"encoder\" and \"captioned\": true; encode again");
     }
+    DDM_CHECK(!i.holds_images() || !i.text.encoder.empty(),
+              file << ": names no autoencoder and no text encoder, so its shards hold nothing encoded; encode again");
     return i;
   } catch (const nlohmann::json::exception& e) {
     DDM_FAIL(file << " is not a valid latent shards record (" << e.what() << "); encode again with `ddm encode`");
   }
 }
 
-std::string latent_shard_path(const std::string& dir, int64_t i) {
-  return (fs::path(dir) / ("latents-" + zero_padded(i, 6) + ".tar")).string();
+std::string latent_shard_path(const std::string& dir, int64_t i, bool images) {
+  return (fs::path(dir) / ((images ? "images-" : "latents-") + zero_padded(i, 6) + ".tar")).string();
 }
 
 std::vector<std::string> latent_shard_paths(const std::string& dir, const LatentShardsInfo& info) {
   std::vector<std::string> out;
   for (int64_t i = 0; i < info.shards; ++i) {
-    out.push_back(latent_shard_path(dir, i));
+    out.push_back(latent_shard_path(dir, i, info.holds_images()));
     DDM_CHECK(fs::is_regular_file(out.back()), "data.root = " << dir << ": " << kLatentShardsInfo << " records "
                                                               << info.shards << " shards, but " << out.back()
                                                               << " does not exist; copy the whole directory, or "
@@ -122,13 +128,13 @@ torch::Tensor normalized_means(const torch::Tensor& posteriors, double scale, do
   return (posteriors.narrow(1, 0, posteriors.size(1) / 2) - shift) * scale;  // [B, z, h, w]
 }
 
-LatentShardsWriter::LatentShardsWriter(std::string dir, std::vector<int64_t> sizes)
-    : dir_(std::move(dir)), sizes_(std::move(sizes)) {}
+LatentShardsWriter::LatentShardsWriter(std::string dir, std::vector<int64_t> sizes, bool images)
+    : dir_(std::move(dir)), sizes_(std::move(sizes)), images_(images) {}
 LatentShardsWriter::~LatentShardsWriter() = default;
 
 void LatentShardsWriter::add(const ShardSample& s) {
   DDM_CHECK(shard_ < sizes_.size(), "writing latent shards: more samples than the shards hold (" << dir_ << ")");
-  const std::string path = latent_shard_path(dir_, static_cast<int64_t>(shard_));
+  const std::string path = latent_shard_path(dir_, static_cast<int64_t>(shard_), images_);
   if (!w_) w_ = std::make_unique<TarShardWriter>(path);
   w_->add(s);
   if (++in_shard_ == sizes_[shard_]) {
@@ -158,10 +164,12 @@ torch::Tensor expect_tensor(const SafetensorsFile& f, const char* name, torch::S
 
 EncodedSample read_encoded(const std::string& bytes, const LatentShardsInfo& info, const std::string& what) {
   const SafetensorsFile f = parse_safetensors(bytes, what);
-  const std::vector<int64_t> shape{info.latent_channels, info.latent_size, info.latent_size};
   EncodedSample s;
-  s.posterior = torch::cat({expect_tensor(f, "mean", torch::kFloat32, shape, what),
-                            expect_tensor(f, "logvar", torch::kFloat32, shape, what)});  // float [2z, h, w]
+  if (!info.holds_images()) {
+    const std::vector<int64_t> shape{info.latent_channels, info.latent_size, info.latent_size};
+    s.posterior = torch::cat({expect_tensor(f, "mean", torch::kFloat32, shape, what),
+                              expect_tensor(f, "logvar", torch::kFloat32, shape, what)});  // float [2z, h, w]
+  }
   if (!info.text.encoder.empty()) {
     const auto& t = info.text;
     s.context = expect_tensor(f, "context", torch::kFloat32, {t.tokens, t.dim}, what);   // [T, D]

@@ -13,6 +13,12 @@
 // encode.json names the autoencoder (checkpoint, sha256, scale and shift), the latent and image
 // shapes, the data and its class names. A training batch of latent shards is x = [mean; logvar],
 // float [B, 2z, h, w].
+//
+// For pixel models, `ddm encode --text` without an autoencoder writes the same directory with the
+// images kept instead of latents (images-000000.tar, ...): each sample as the source had it (its image
+// file's bytes, .cls, its caption) and KEY.safetensors holding only the caption's encoding; encode.json
+// then names no autoencoder (holds_images()). Such shards are read as image shards are (crops and
+// flips as data.* says), with each step's text encodings read instead of computed.
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -45,6 +51,8 @@ struct LatentShardsInfo {
     std::string encoder, sha256;  // the directory and text_weights_sha256 of its weights
     int64_t skip = 0, tokens = 0, dim = 0, pooled_dim = 0;  // model.text_skip, text_tokens, text_dim, text_pooled_dim
   } text;
+  // No autoencoder: the shards keep the images themselves, with the captions' text encodings.
+  bool holds_images() const { return autoencoder.empty(); }
 };
 
 inline constexpr const char* kLatentShardsInfo = "encode.json";
@@ -53,9 +61,9 @@ inline constexpr const char* kLatentShardsInfo = "encode.json";
 nlohmann::json latent_shards_json(const LatentShardsInfo& info);
 // Reads DIR/encode.json; errors name the file and the key.
 LatentShardsInfo read_latent_shards_info(const std::string& dir);
-// The name of latent shard `i` in `dir`, and the paths of all of them (each must exist: the first
-// missing one is named).
-std::string latent_shard_path(const std::string& dir, int64_t i);
+// The name of latent shard `i` in `dir` (images-... where the shards hold images), and the paths of all
+// of them (each must exist: the first missing one is named).
+std::string latent_shard_path(const std::string& dir, int64_t i, bool images = false);
 std::vector<std::string> latent_shard_paths(const std::string& dir, const LatentShardsInfo& info);
 
 // The normalized posterior means (mean - shift) * scale, [B, z, h, w], of a batch of posteriors
@@ -66,11 +74,12 @@ torch::Tensor normalized_means(const torch::Tensor& posteriors, double scale, do
 struct ShardSample;
 class TarShardWriter;
 
-// Writes samples into DIR/latents-000000.tar, ... of the given sizes, in turn (each shard complete
-// before the next is opened). `ddm encode` and a partition's per-cluster latent shards use it.
+// Writes samples into DIR/latents-000000.tar (images-000000.tar with `images`), ... of the given
+// sizes, in turn (each shard complete before the next is opened). `ddm encode` and a partition's
+// per-cluster latent shards use it.
 class LatentShardsWriter {
  public:
-  LatentShardsWriter(std::string dir, std::vector<int64_t> sizes);
+  LatentShardsWriter(std::string dir, std::vector<int64_t> sizes, bool images = false);
   ~LatentShardsWriter();
   void add(const ShardSample& s);
   size_t done() const { return shard_; }  // shards complete
@@ -79,6 +88,7 @@ class LatentShardsWriter {
  private:
   std::string dir_;
   std::vector<int64_t> sizes_;
+  bool images_ = false;
   std::unique_ptr<TarShardWriter> w_;
   size_t shard_ = 0;
   int64_t in_shard_ = 0, bytes_ = 0;
@@ -87,7 +97,7 @@ class LatentShardsWriter {
 // One sample's KEY.safetensors, checked against the shapes encode.json gives; errors name `what`
 // (shard and key).
 struct EncodedSample {
-  torch::Tensor posterior;                      // [mean; logvar], float [2z, h, w]
+  torch::Tensor posterior;                      // [mean; logvar], float [2z, h, w]; undefined where holds_images()
   torch::Tensor context, context_mask, pooled;  // float [T, D], bool [T], float [P]; undefined without info.text
 };
 EncodedSample read_encoded(const std::string& bytes, const LatentShardsInfo& info, const std::string& what);

@@ -57,6 +57,13 @@ Decoded decode_one(const ShardSample& s, const SampleRef& ref, int64_t epoch, co
         break;
       }
     DDM_CHECK(img, what << " has no image (.jpg, .jpeg, .png or .webp)");
+    if (o.text_encodings) {  // images that `ddm encode --text` kept, with their captions' encodings
+      const auto st = s.files.find("safetensors");
+      DDM_CHECK(st != s.files.end(), what << " has no text encodings (.safetensors), as " << kLatentShardsInfo
+                                          << " says its samples have; encode again");
+      EncodedSample e = read_encoded(st->second, *o.text_encodings, what);
+      d.context = std::move(e.context), d.context_mask = std::move(e.context_mask), d.pooled = std::move(e.pooled);
+    }
     // Keyed by the sample's place, not by when it is drawn: a resumed run draws the same values.
     auto key = [&](RngPurpose p) {
       return derive_seed({order.seed, static_cast<uint64_t>(p), static_cast<uint64_t>(epoch),
@@ -323,75 +330,10 @@ ShardLoaderOptions loader_options(const DataConfig& cfg, int64_t channels, int64
   return o;
 }
 
-// data.source = "latents": the shards of a `ddm encode` directory, checked against its encode.json.
-Dataset open_latent_shards(const DataConfig& cfg, int threads, bool quiet) {
-  const std::string& dir = cfg.root;
-  const auto info = std::make_shared<const LatentShardsInfo>(read_latent_shards_info(dir));
-  const std::string images = std::to_string(info->image_channels) + "x" + std::to_string(info->image_size) + "x" +
-                             std::to_string(info->image_size);
-  DDM_CHECK(cfg.resolution == 0 || cfg.resolution == info->image_size,
-            "data.resolution = " << cfg.resolution << ", but data.root = " << dir << " holds the latents of " << images
-                                 << " images (" << kLatentShardsInfo << "); remove data.resolution, or encode the data "
-                                 << "again at that resolution");
-  DDM_CHECK(cfg.channels == 0 || cfg.channels == info->image_channels,
-            "data.channels = " << cfg.channels << ", but data.root = " << dir << " holds the latents of " << images
-                               << " images (" << kLatentShardsInfo << "); remove data.channels");
-  DDM_CHECK(cfg.crop == "center", "data.crop = " << cfg.crop << ": latent shards hold the latents of centre-cropped "
-                                  << "images, taken as they are; set data.crop = center");
-  auto index = std::make_shared<ShardIndex>(
-      scan_shards(latent_shard_paths(dir, *info), cfg.skip_bad, threads, "data.root", SampleContent::kPosterior,
-                  cfg.scan_cache ? default_cache_dir() : ""));
-  if (!quiet)
-    for (const std::string& note : index->notes) std::cout << "data: skipped the rest of a shard: " << note << "\n";
-  DDM_CHECK(index->samples == info->samples || index->bad_shards > 0,
-            "data.root = " << dir << ": its shards hold " << index->samples << " samples, but " << kLatentShardsInfo
-                           << " records " << info->samples << "; the directory changed since `ddm encode` wrote it: "
-                           << "encode again");
-  DDM_CHECK(index->num_classes <= info->num_classes && (index->num_classes > 0) == (info->num_classes > 0),
-            "data.root = " << dir << ": its shards' labels give " << index->num_classes << " classes, but "
-                           << kLatentShardsInfo << " records " << info->num_classes << "; encode again");
-  Dataset d;
-  d.shards = index;
-  d.latents = info;
-  d.num_classes = info->num_classes;
-  d.class_names = info->class_names;  // the source's, as encode.json records them
-  if (d.class_names.empty())          // a record written before it kept them
-    for (int64_t c = 0; c < d.num_classes; ++c) d.class_names.push_back("class " + std::to_string(c));
-  ShardOrder first;
-  first.shuffle = false;
-  ShardLoaderOptions o = shard_loader_options(cfg, d, std::min<int64_t>(index->samples, 8), 1);
-  o.depth = 1;
-  ShardLoader probe(index, first, o);
-  const Batch b = probe.next();
-  d.images = b.x;  // float [n, 2z, h, w]
-  d.labels = b.y;
-  std::ostringstream desc;
-  desc << "latent shards " << dir << ": " << index->samples << " posteriors " << info->latent_channels << "x"
-       << info->latent_size << "x" << info->latent_size << " in " << index->shards.size() << " shard"
-       << (index->shards.size() > 1 ? "s" : "") << ", "
-       << (d.num_classes > 0 ? std::to_string(d.num_classes) + " classes" : "unlabeled") << ", streamed (encoded from "
-       << info->data << ")";
-  d.description = desc.str();
-  return d;
-}
-
-}  // namespace
-
-ShardLoaderOptions shard_loader_options(const DataConfig& cfg, const Dataset& opened, int64_t batch,
-                                        int local_processes) {
-  ShardLoaderOptions o = loader_options(cfg, opened.latents ? 0 : opened.images.size(1), batch, local_processes);
-  if (opened.latents) {  // posteriors, taken as they are
-    o.posteriors = opened.latents;
-    o.crop = CropMode::kCenter;
-  }
-  return o;
-}
-
-Dataset open_shards(const DataConfig& cfg, int threads, bool quiet) {
-  if (cfg.source == "latents") return open_latent_shards(cfg, threads, quiet);
-  auto index = std::make_shared<ShardIndex>(
-      scan_shards(expand_shards(cfg.root, "data.root"), cfg.skip_bad, threads, "data.root", SampleContent::kImage,
-                  cfg.scan_cache ? default_cache_dir() : ""));
+// Image shards (`paths`): scanned, and the first few samples decoded as the loader decodes them.
+Dataset open_image_shards(const DataConfig& cfg, const std::vector<std::string>& paths, int threads, bool quiet) {
+  auto index = std::make_shared<ShardIndex>(scan_shards(paths, cfg.skip_bad, threads, "data.root", SampleContent::kImage,
+                                                        cfg.scan_cache ? default_cache_dir() : ""));
   if (!quiet)
     for (const std::string& note : index->notes) std::cout << "data: skipped the rest of a shard: " << note << "\n";
   ShardOrder first;
@@ -432,6 +374,92 @@ Dataset open_shards(const DataConfig& cfg, int threads, bool quiet) {
        << ", streamed";
   d.description = desc.str();
   return d;
+}
+
+// data.source = "latents": the shards of a `ddm encode` directory, checked against its encode.json.
+Dataset open_latent_shards(const DataConfig& cfg, int threads, bool quiet) {
+  const std::string& dir = cfg.root;
+  const auto info = std::make_shared<const LatentShardsInfo>(read_latent_shards_info(dir));
+  if (info->holds_images()) {  // images kept with their captions' text encodings: read as image shards are
+    DataConfig c = cfg;
+    if (c.resolution == 0) c.resolution = info->image_size;  // as encoded
+    Dataset d = open_image_shards(c, latent_shard_paths(dir, *info), threads, quiet);
+    DDM_CHECK(d.shards->samples == info->samples || d.shards->bad_shards > 0,
+              "data.root = " << dir << ": its shards hold " << d.shards->samples << " samples, but " << kLatentShardsInfo
+                             << " records " << info->samples << "; the directory changed since `ddm encode` wrote it: "
+                             << "encode again");
+    d.encoded = info;
+    if (static_cast<int64_t>(info->class_names.size()) == d.num_classes) d.class_names = info->class_names;
+    d.description = "images and cached text encodings in " + d.description.substr(std::string("shards ").size());
+    return d;
+  }
+  const std::string images = std::to_string(info->image_channels) + "x" + std::to_string(info->image_size) + "x" +
+                             std::to_string(info->image_size);
+  DDM_CHECK(cfg.resolution == 0 || cfg.resolution == info->image_size,
+            "data.resolution = " << cfg.resolution << ", but data.root = " << dir << " holds the latents of " << images
+                                 << " images (" << kLatentShardsInfo << "); remove data.resolution, or encode the data "
+                                 << "again at that resolution");
+  DDM_CHECK(cfg.channels == 0 || cfg.channels == info->image_channels,
+            "data.channels = " << cfg.channels << ", but data.root = " << dir << " holds the latents of " << images
+                               << " images (" << kLatentShardsInfo << "); remove data.channels");
+  DDM_CHECK(cfg.crop == "center", "data.crop = " << cfg.crop << ": latent shards hold the latents of centre-cropped "
+                                  << "images, taken as they are; set data.crop = center");
+  auto index = std::make_shared<ShardIndex>(
+      scan_shards(latent_shard_paths(dir, *info), cfg.skip_bad, threads, "data.root", SampleContent::kPosterior,
+                  cfg.scan_cache ? default_cache_dir() : ""));
+  if (!quiet)
+    for (const std::string& note : index->notes) std::cout << "data: skipped the rest of a shard: " << note << "\n";
+  DDM_CHECK(index->samples == info->samples || index->bad_shards > 0,
+            "data.root = " << dir << ": its shards hold " << index->samples << " samples, but " << kLatentShardsInfo
+                           << " records " << info->samples << "; the directory changed since `ddm encode` wrote it: "
+                           << "encode again");
+  DDM_CHECK(index->num_classes <= info->num_classes && (index->num_classes > 0) == (info->num_classes > 0),
+            "data.root = " << dir << ": its shards' labels give " << index->num_classes << " classes, but "
+                           << kLatentShardsInfo << " records " << info->num_classes << "; encode again");
+  Dataset d;
+  d.shards = index;
+  d.latents = info;
+  d.encoded = info;
+  d.num_classes = info->num_classes;
+  d.class_names = info->class_names;  // the source's, as encode.json records them
+  if (d.class_names.empty())          // a record written before it kept them
+    for (int64_t c = 0; c < d.num_classes; ++c) d.class_names.push_back("class " + std::to_string(c));
+  ShardOrder first;
+  first.shuffle = false;
+  ShardLoaderOptions o = shard_loader_options(cfg, d, std::min<int64_t>(index->samples, 8), 1);
+  o.depth = 1;
+  ShardLoader probe(index, first, o);
+  const Batch b = probe.next();
+  d.images = b.x;  // float [n, 2z, h, w]
+  d.labels = b.y;
+  std::ostringstream desc;
+  desc << "latent shards " << dir << ": " << index->samples << " posteriors " << info->latent_channels << "x"
+       << info->latent_size << "x" << info->latent_size << " in " << index->shards.size() << " shard"
+       << (index->shards.size() > 1 ? "s" : "") << ", "
+       << (d.num_classes > 0 ? std::to_string(d.num_classes) + " classes" : "unlabeled") << ", streamed (encoded from "
+       << info->data << ")";
+  d.description = desc.str();
+  return d;
+}
+
+}  // namespace
+
+ShardLoaderOptions shard_loader_options(const DataConfig& cfg, const Dataset& opened, int64_t batch,
+                                        int local_processes) {
+  ShardLoaderOptions o = loader_options(cfg, opened.latents ? 0 : opened.images.size(1), batch, local_processes);
+  if (opened.latents) {  // posteriors, taken as they are
+    o.posteriors = opened.latents;
+    o.crop = CropMode::kCenter;
+  } else if (opened.encoded) {  // images with their captions' text encodings
+    o.text_encodings = opened.encoded;
+    if (o.resolution == 0) o.resolution = opened.encoded->image_size;  // as encoded
+  }
+  return o;
+}
+
+Dataset open_shards(const DataConfig& cfg, int threads, bool quiet) {
+  if (cfg.source == "latents") return open_latent_shards(cfg, threads, quiet);
+  return open_image_shards(cfg, expand_shards(cfg.root, "data.root"), threads, quiet);
 }
 
 void for_each_in_order(const Dataset& opened, const DataConfig& cfg, int64_t n, int threads,

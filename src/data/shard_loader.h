@@ -7,7 +7,8 @@
 // draws them again alike. A sample that cannot be used (a damaged image, a bad label) stops the run
 // with an error naming shard and key, or, with data.skip_bad, is skipped and counted; the next
 // sample takes its row. Latent shards (data.source = "latents", data/latent_shards.h) are read the
-// same way, each sample's posterior taken as it is: x = [mean; logvar], float [B, 2z, h, w].
+// same way, each sample's posterior taken as it is: x = [mean; logvar], float [B, 2z, h, w]; where they
+// hold text encodings (`ddm encode --text`), those are read into the batch too.
 #pragma once
 #include <condition_variable>
 #include <cstdint>
@@ -41,6 +42,9 @@ struct ShardLoaderOptions {
   // Latent shards: samples are posteriors of this record's shape (resolution, channels, crop and
   // flips do not apply); null: images.
   std::shared_ptr<const LatentShardsInfo> posteriors;
+  // Image shards that `ddm encode --text` wrote (LatentShardsInfo::holds_images): each sample's text
+  // encodings are read from its KEY.safetensors; null: none.
+  std::shared_ptr<const LatentShardsInfo> text_encodings;
   bool pin = false;        // batches in page-locked memory (training on CUDA: the copy to the device is then
                            // asynchronous, and the trainer does not wait for a staging copy)
 };
@@ -96,8 +100,8 @@ class ShardLoader : public BatchSource {
 // threads, with ddm's scan cache unless data.scan_cache = false) and decodes the first few samples as the loader will (data.channels 0 resolved from the
 // first image): a Dataset whose `shards` is set and whose `images` are only those samples. Prints the
 // scan's notes (skipped shard tails) unless quiet. For data.source = "latents" (data.root a `ddm
-// encode` directory), `latents` is set too, and `images` are the first few posteriors, float
-// [n, 2z, h, w].
+// encode` directory), `encoded` is set too; for latents also `latents`, and `images` are then the
+// first few posteriors, float [n, 2z, h, w].
 Dataset open_shards(const DataConfig& cfg, int threads, bool quiet);
 
 // Samples [0, n) of the shards `opened` (open_shards of cfg) in shard order, decoded as the loader

@@ -147,7 +147,10 @@ Computed compute(const Dataset& opened, const ShardPartitionOptions& o) {
     // posterior mean they hold (the encoder's output over the same batches of 256: the same rows as
     // latent:RUN on the images they were encoded from); then PCA in blocks.
     const bool pixels = o.features.kind == "pixels";
-    const int64_t channels = opened.images.size(1), side = std::min(o.data.resolution, kMaxPixelSide);
+    // The images' side as the loader gives them (images that `ddm encode --text` kept: as encoded,
+    // unless data.resolution says otherwise).
+    const int64_t resolution = opened.images.size(3);
+    const int64_t channels = opened.images.size(1), side = std::min(resolution, kMaxPixelSide);
     ModelConfig m;
     std::shared_ptr<const LatentSpace> latent;
     if (encoded) {
@@ -198,7 +201,7 @@ Computed compute(const Dataset& opened, const ShardPartitionOptions& o) {
     const std::string side_text = std::to_string(side) + "x" + std::to_string(side);
     if (pixels)
       desc << "pixels PCA " << c.rows.size(1) << " of " << f
-           << (side < o.data.resolution ? " (downsampled to " + side_text + ")" : "");
+           << (side < resolution ? " (downsampled to " + side_text + ")" : "");
     else
       desc << "latents of " << m.latent << " (sha256 " << m.latent_sha256.substr(0, 12) << "), PCA " << c.rows.size(1)
            << " of " << f;
@@ -243,10 +246,10 @@ std::string latent_cluster_dir(int64_t cluster) { return "shards/cluster-" + std
 // The lists (and with reshard the shards) of every cluster, written into `dir`.
 void write_clusters(const Dataset& opened, const Partition& p, const ShardPartitionOptions& o, const fs::path& dir) {
   const ShardIndex& index = *opened.shards;
-  const LatentShardsInfo* encoded = opened.latents.get();
+  const LatentShardsInfo* encoded = opened.encoded.get();  // latents, or images with text encodings
   fs::create_directories(dir / "clusters");
   if (o.reshard) fs::create_directories(dir / "shards");
-  // Latent shards: each cluster's own directory, its shards o.shard_size samples each.
+  // A `ddm encode` directory: each cluster's own, its shards o.shard_size samples each.
   std::vector<std::unique_ptr<LatentShardsWriter>> latent_out(static_cast<size_t>(p.k));
   if (encoded && o.reshard)
     for (int64_t c = 0; c < p.k; ++c) {
@@ -255,7 +258,8 @@ void write_clusters(const Dataset& opened, const Partition& p, const ShardPartit
         sizes.push_back(std::min(left, o.shard_size));
       const fs::path cdir = dir / latent_cluster_dir(c);
       fs::create_directories(cdir);
-      latent_out[static_cast<size_t>(c)] = std::make_unique<LatentShardsWriter>(cdir.string(), std::move(sizes));
+      latent_out[static_cast<size_t>(c)] =
+          std::make_unique<LatentShardsWriter>(cdir.string(), std::move(sizes), encoded->holds_images());
     }
   std::vector<std::ofstream> lists(static_cast<size_t>(p.k));
   for (int64_t c = 0; c < p.k; ++c) {
@@ -306,7 +310,7 @@ void write_clusters(const Dataset& opened, const Partition& p, const ShardPartit
     info.shards = static_cast<int64_t>(w.done());
     info.bytes = w.bytes();
     info.data = "cluster " + std::to_string(c) + " of " + std::to_string(p.k) + " of " + encoded->data;
-    info.pattern = "latents-{" + zero_padded(0, 6) + ".." + zero_padded(std::max<int64_t>(info.shards - 1, 0), 6) + "}.tar";
+    info.pattern = std::string(encoded->holds_images() ? "images" : "latents") + "-{" + zero_padded(0, 6) + ".." + zero_padded(std::max<int64_t>(info.shards - 1, 0), 6) + "}.tar";
     write_file_atomic((dir / latent_cluster_dir(c) / kLatentShardsInfo).string(), latent_shards_json(info).dump(2) + "\n");
   }
   for (int64_t c = 0; c < p.k; ++c) {
@@ -362,7 +366,7 @@ nlohmann::json partition_shards(const ShardPartitionOptions& o, const std::strin
   for (int64_t k = 0; k < p.k; ++k) {
     const int64_t size = p.sizes[k].item<int64_t>();
     nlohmann::json e = {{"list", "clusters/cluster-" + std::to_string(k) + ".tsv"}, {"samples", size}};
-    if (o.reshard && opened.latents) {
+    if (o.reshard && opened.encoded) {
       e["shards"] = latent_cluster_dir(k);  // a `ddm encode` directory
     } else if (o.reshard) {
       char last[16];
@@ -403,6 +407,7 @@ nlohmann::json partition_shards(const ShardPartitionOptions& o, const std::strin
                 out.c_str(), seconds_since(t0),
                 !o.reshard       ? ""
                 : opened.latents ? " and shards/ (each cluster's latents as a `ddm encode` directory)"
+                : opened.encoded ? " and shards/ (each cluster's images and text encodings as a `ddm encode` directory)"
                                  : " and shards/ (each cluster's samples as shards)");
   return summary;
 }
@@ -424,11 +429,10 @@ void check_partition_of_shards(const Partition& p, const std::vector<std::string
 }
 
 std::string expert_shard_root(const Partition& p, int64_t expert, const DataConfig& data) {
-  const bool latents = data.source == "latents";
-  check_partition_of_shards(p,
-                            latents ? latent_shard_paths(data.root, read_latent_shards_info(data.root))
-                                    : expand_shards(data.root, "data.root"),
-                            latents, "data.root = " + data.root);
+  const bool encoded = data.source == "latents";  // a `ddm encode` directory: latents, or images with text encodings
+  const LatentShardsInfo info = encoded ? read_latent_shards_info(data.root) : LatentShardsInfo{};
+  check_partition_of_shards(p, encoded ? latent_shard_paths(data.root, info) : expand_shards(data.root, "data.root"),
+                            encoded && !info.holds_images(), "data.root = " + data.root);
   DDM_CHECK(p.shards.value("reshard", false),
             "partition " << p.origin << " lists each cluster's samples but has no shards of their own: an expert "
                          << "over shards reads its cluster's shards; make the partition again with --reshard");

@@ -30,8 +30,8 @@ Batch batch_of(const Dataset& data, int64_t first, int64_t rows) {
           data.clusters.defined() ? data.clusters.slice(0, first, first + rows) : torch::Tensor(), 0,
           torch::arange(first, first + rows, torch::kLong)};
   if (!data.captions.empty()) b.captions.assign(data.captions.begin() + first, data.captions.begin() + first + rows);
-  if (data.latents && !data.latents->text.encoder.empty()) {  // cached text encodings: their shapes (the values cost alike)
-    const auto& t = data.latents->text;
+  if (data.encoded && !data.encoded->text.encoder.empty()) {  // cached text encodings: their shapes (the values cost alike)
+    const auto& t = data.encoded->text;
     b.context = torch::randn({rows, t.tokens, t.dim});        // [rows, T, D]
     b.context_mask = torch::ones({rows, t.tokens}, torch::kLong);  // [rows, T]
     b.pooled = torch::randn({rows, t.pooled_dim});             // [rows, P]

@@ -8,6 +8,9 @@
 // complete: `out` holds all of it or does not exist. Captioned data keeps each sample's caption (KEY.txt);
 // with `text`, each caption's encoding by the text encoder the config's model.text_encoder names is
 // written too (data/latent_shards.h), so a text model trained on the shards need not run the encoder.
+// Without an autoencoder (pixel models), `text` writes the images themselves with their captions'
+// encodings (images-000000.tar, ...): from shards each sample's members as they are, from data held in
+// memory a PNG per image; either way under the key of its position.
 #pragma once
 #include <cstdint>
 #include <string>
@@ -33,10 +36,10 @@ struct EncodeShardsOptions {
 };
 
 // Encodes every sample of `data` (any source ddm reads) with the autoencoder of `autoencoder` (a
-// `ddm train-autoencoder` run directory, or the checkpoint its record measured; model.latent's forms)
-// on `o.device`, and writes the latent shards into o.out. Refuses data.hflip (a flipped image's
-// latent is not the flip of its latent), an existing o.out and an autoencoder trained on images of
-// another shape, naming the setting.
+// `ddm train-autoencoder` run directory, or the checkpoint its record measured; model.latent's forms;
+// "" with o.text: none, the images are kept) on `o.device`, and writes the shards into o.out. Refuses
+// data.hflip for latents (a flipped image's latent is not the flip of its latent), an existing o.out
+// and an autoencoder trained on images of another shape, naming the setting.
 LatentShardsInfo encode_latent_shards(const DataConfig& data, const std::string& autoencoder,
                                       const EncodeShardsOptions& o);
 

@@ -63,9 +63,9 @@ void resolve_text(ModelConfig& m, const Dataset& data) {
   }
   m.text_encoder = dir;
   m.text_sha256 = sha;
-  if (data.latents && !data.latents->text.encoder.empty()) {  // cached encodings: they must be this encoder's
-    const auto& t = data.latents->text;
-    const std::string rec = (fs::path(data.latents->pattern).parent_path() / kLatentShardsInfo).string();
+  if (data.encoded && !data.encoded->text.encoder.empty()) {  // cached encodings: they must be this encoder's
+    const auto& t = data.encoded->text;
+    const std::string rec = (fs::path(data.encoded->pattern).parent_path() / kLatentShardsInfo).string();
     DDM_CHECK(t.sha256 == sha, key << " has weights of sha256 " << sha.substr(0, 12) << ", but the text encodings in "
                                    << rec << " are those of " << t.encoder << " (sha256 " << t.sha256.substr(0, 12)
                                    << "); set model.text_encoder to it, or encode the data again with this one");
@@ -78,7 +78,7 @@ void resolve_text(ModelConfig& m, const Dataset& data) {
 }
 
 bool cached_text(const ModelConfig& m, const Dataset& data) {
-  return !m.text_encoder.empty() && data.latents && !data.latents->text.encoder.empty();
+  return !m.text_encoder.empty() && data.encoded && !data.encoded->text.encoder.empty();
 }
 
 std::shared_ptr<const text::TextEncoder> load_pinned_text_encoder(const ModelConfig& m, torch::Device device) {

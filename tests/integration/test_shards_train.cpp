@@ -573,7 +573,7 @@ TEST(ShardsTrain, ALatentModelTrainsOnEncodedShardsAsOnFreshEncodes) {
                                    " --out " + (r.dir / "x")),
                      "is not a `ddm encode` output");
   test::expect_error(test::run_ddm("encode --ae " + (r.dir / "ae") + latents + " --out " + (r.dir / "x")),
-                     "this command needs images");
+                     "the data is a `ddm encode` directory already; give the config of the data it was encoded from");
   // Another autoencoder's latents (encode.json's pin changed), a missing shard, a damaged posterior.
   const auto copy_latents = [&](const std::string& name) {
     fs::copy(r.dir / "lat", r.dir / name, fs::copy_options::recursive);

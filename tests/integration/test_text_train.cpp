@@ -301,3 +301,89 @@ TEST(TextTrain, EncodeCachesTheCaptionsEncodingsAndTrainingFromThemTrainsWhatEnc
   EXPECT_FALSE(fs::exists(dir / "x"));
   EXPECT_FALSE(fs::exists(dir / "y"));
 }
+
+// A pixel text model: `ddm encode --text` without an autoencoder keeps the images (from a folder as
+// PNGs, from shards each sample's members byte for byte) beside each caption's encoding; training
+// from them (flips and all) trains what encoding in each step trains; a partition of them gives each
+// cluster its own such directory, on which an expert trains.
+TEST(TextTrain, PixelModelsTrainFromTheCachedEncodingsBesideTheirImages) {
+  test::TempDir dir;
+  const std::string encoder = dir / "minilm", root = dir / "images";
+  fs::copy(test::minilm_package_dir() + "/model", encoder, fs::copy_options::recursive);
+  captioned_folder(root);
+  test::write_text(dir / "text.toml", config(root, encoder));
+  auto r = test::run_ddm("encode --text --config " + (dir / "text.toml") + " --out " + (dir / "cached"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("wrote the images and text encodings of 24 samples"), std::string::npos) << r.output;
+  const auto record = nlohmann::json::parse(test::read_text(dir / "cached/encode.json"));
+  EXPECT_EQ(record["autoencoder"], "");
+  EXPECT_TRUE(record["latent_shape"].is_null());
+  EXPECT_EQ(record["image_shape"], nlohmann::json({3, 8, 8}));
+  {
+    TarShardReader shard(dir / "cached/images-000000.tar");
+    ShardSample s;
+    ASSERT_TRUE(shard.next(s));
+    EXPECT_EQ(s.key, "00000000");
+    EXPECT_EQ(s.files.at("txt"), "a red square");
+    EXPECT_EQ(s.files.count("png"), 1u);
+    EXPECT_EQ(parse_safetensors(s.files.at("safetensors"), s.key).tensors.count("context"), 1u);
+  }
+  // The folder's images as shards, and those encoded: each sample's members kept byte for byte, the
+  // shards' sizes too.
+  r = test::run_ddm("shards write --config " + (dir / "text.toml") + " --shard-size 10 --out " + (dir / "shards"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const std::string shards = "--set data.source=shards --set data.resolution=8 --set data.root=" +
+                             (dir / "shards/train-{000000..000002}.tar");
+  r = test::run_ddm("encode --text --config " + (dir / "text.toml") + " " + shards + " --out " + (dir / "cached2"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  for (int k = 0; k < 3; ++k) {
+    TarShardReader a(dir / ("shards/train-00000" + std::to_string(k) + ".tar"));
+    TarShardReader b(dir / ("cached2/images-00000" + std::to_string(k) + ".tar"));
+    ShardSample x, y;
+    int n = 0;
+    for (; a.next(x); ++n) {
+      ASSERT_TRUE(b.next(y));
+      for (const auto& [ext, bytes] : x.files) EXPECT_EQ(y.files.at(ext), bytes) << x.key << "." << ext;
+      EXPECT_EQ(y.files.size(), x.files.size() + 1) << y.key;  // and its .safetensors
+    }
+    EXPECT_FALSE(b.next(y));
+    EXPECT_EQ(n, k < 2 ? 10 : 4);
+  }
+  // From the cache or encoding in every step: the same weights (within float32 rounding of the encoder
+  // over other batches), with caption dropout and flips.
+  const std::string train = "train --quiet --config " + (dir / "text.toml") +
+                            " --set train.caption_dropout=0.25 --set data.hflip=true --set train.log_every=1 ";
+  const std::string cached = train + "--set data.source=latents --set data.root=" + (dir / "cached2");
+  r = test::run_ddm(cached + " --out " + (dir / "from-cache"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  ASSERT_EQ(test::run_ddm(train + shards + " --out " + (dir / "each-step")).exit_code, 0);
+  const auto w1 = load_safetensors(dir / "from-cache/ckpt/step-00000004/model.safetensors").tensors;
+  const auto w2 = load_safetensors(dir / "each-step/ckpt/step-00000004/model.safetensors").tensors;
+  for (const auto& [name, t] : w1) EXPECT_LE((t - w2.at(name)).abs().max().item<double>(), 1e-5) << name;
+  // Without the dropout's draws the weights come out elsewhere: the comparison above can fail.
+  ASSERT_EQ(test::run_ddm(cached + " --set train.caption_dropout=0 --out " + (dir / "no-drop")).exit_code, 0);
+  const auto w3 = load_safetensors(dir / "no-drop/ckpt/step-00000004/model.safetensors").tensors;
+  double moved = 0;
+  for (const auto& [name, t] : w1) moved = std::max(moved, (t - w3.at(name)).abs().max().item<double>());
+  EXPECT_GT(moved, 1e-4);
+  // The folder's cache trains too (its one shard read as image shards are).
+  r = test::run_ddm(train + "--set data.source=latents --set data.root=" + (dir / "cached") + " --out " + (dir / "folder"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  // A partition of the cached shards: each cluster a `ddm encode` directory of its images, and an
+  // expert trains on its cluster's without running the encoder.
+  test::write_text(dir / "p.toml", "[data]\nsource = \"latents\"\nroot = \"" + (dir / "cached2") + "\"\n");
+  r = test::run_ddm("partition --config " + (dir / "p.toml") + " --k 2 --fine 4 --reshard --out " + (dir / "p"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const auto c0 = nlohmann::json::parse(test::read_text(dir / "p/shards/cluster-0/encode.json"));
+  EXPECT_EQ(c0["autoencoder"], "");
+  EXPECT_TRUE(fs::exists(dir / "p/shards/cluster-0/images-000000.tar"));
+  r = test::run_ddm(cached + " --partition " + (dir / "p") + " --expert 0 --out " + (dir / "e0"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  // Bad input: --ae missing without --text; a directory of images for an autoencoder's data.
+  test::expect_error(test::run_ddm("encode --config " + (dir / "text.toml") + " --out " + (dir / "x")),
+                     "--ae is required: name the autoencoder whose latents to write, or, for a pixel model, give --text");
+  test::expect_error(test::run_ddm("encode --text --config " + (dir / "text.toml") + " --set data.source=latents "
+                                   "--set data.root=" + (dir / "cached") + " --out " + (dir / "x")),
+                     "the data is a `ddm encode` directory already");
+  EXPECT_FALSE(fs::exists(dir / "x"));
+}
