@@ -1,12 +1,14 @@
 // Reads STEM.safetensors or the shards STEM.safetensors.index.json maps tensors to.
 #include "core/weights_dir.h"
 
+#include <algorithm>
 #include <filesystem>
 #include <nlohmann/json.hpp>
 #include <map>
 #include <set>
 
 #include "core/error.h"
+#include "core/fileio.h"
 #include "core/json.h"
 
 namespace ddm {
@@ -75,6 +77,16 @@ SafetensorsFile load_weights_dir(const std::string& dir, const std::string& stem
     out.metadata.insert(part.metadata.begin(), part.metadata.end());
   }
   return out;
+}
+
+std::string weights_sha256(const std::vector<std::string>& files) {
+  DDM_CHECK(!files.empty(), "weights_sha256: no weight files");
+  if (files.size() == 1) return sha256_file(files[0]);
+  std::vector<std::string> sorted = files;
+  std::sort(sorted.begin(), sorted.end());
+  std::string list;
+  for (const auto& f : sorted) list += sha256_file(f) + "\n";
+  return sha256_hex(list);
 }
 
 }  // namespace ddm

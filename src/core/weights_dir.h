@@ -20,4 +20,8 @@ SafetensorsFile load_weights_dir(const std::string& dir, const std::string& stem
 // sha256. Throws as load_weights_dir does when there are none.
 std::vector<std::string> weights_dir_files(const std::string& dir, const std::string& stem);
 
+// The sha256 naming a frozen model's weights (a text encoder, a diffusers VAE): that of its one file,
+// or, for sharded weights, the sha256 of the files' sha256s in name order, one per line.
+std::string weights_sha256(const std::vector<std::string>& files);
+
 }  // namespace ddm

@@ -48,7 +48,7 @@ struct LatentShardsInfo {
   // The text encoder whose encodings the samples hold (model.text_encoder's resolved keys); empty
   // encoder: none (a text model then encodes the captions in each step).
   struct Text {
-    std::string encoder, sha256;  // the directory and text_weights_sha256 of its weights
+    std::string encoder, sha256;  // the directory and weights_sha256 of its weights
     int64_t skip = 0, tokens = 0, dim = 0, pooled_dim = 0;  // model.text_skip, text_tokens, text_dim, text_pooled_dim
   } text;
   // No autoencoder: the shards keep the images themselves, with the captions' text encodings.

@@ -191,7 +191,7 @@ LatentShardsInfo encode_latent_shards(const DataConfig& data, const std::string&
       Posterior q;
       {
         torch::NoGradGuard no_grad;
-        q = latent->autoencoder().encode(x.to(latent->device()));  // [b, z, h, w] each
+        q = latent->posterior(x.to(latent->device()));  // [b, z, h, w] each
       }
       const torch::Tensor mean = q.mean.to(torch::kCPU, torch::kFloat32).contiguous();
       const torch::Tensor logvar = q.logvar.to(torch::kCPU, torch::kFloat32).contiguous();

@@ -7,8 +7,10 @@
 
 #include "core/error.h"
 #include "core/fileio.h"
+#include "core/json.h"
 #include "core/run_dir.h"
 #include "core/safetensors.h"
+#include "core/weights_dir.h"
 #include "data/latent_shards.h"
 #include "train/autoencoder_record.h"
 #include "train/checkpoint.h"
@@ -36,12 +38,74 @@ bool same_dir(const std::string& a, const std::string& b) {
   return fs::weakly_canonical(fs::absolute(a)) == fs::weakly_canonical(fs::absolute(b));
 }
 
+// A diffusers AutoencoderKL folder: its config.json names the class.
+bool is_diffusers_vae(const fs::path& dir) {
+  const fs::path config = dir / "config.json";
+  if (!fs::is_regular_file(config)) return false;
+  const auto j = read_json_file(config.string());
+  return j.is_object() && j.value("_class_name", std::string()) == "AutoencoderKL";
+}
+
+// model.latent as given: a diffusers pipeline's directory (model_index.json) stands for its vae/.
+fs::path diffusers_vae_dir(const fs::path& dir) {
+  return fs::is_regular_file(dir / "model_index.json") && is_diffusers_vae(dir / "vae") ? dir / "vae" : dir;
+}
+
+sd::AutoencoderKLConfig diffusers_vae_config(const fs::path& dir) {
+  const std::string file = (dir / "config.json").string();
+  return sd::parse_autoencoder_kl_config(read_json_file(file), file);
+}
+
+// A diffusers VAE's design as ddm's autoencoder describes it (the same design), for latents of side
+// `latent_size`.
+AutoencoderShape shape_of(const sd::AutoencoderKLConfig& c, int64_t latent_size, const std::string& dir) {
+  DDM_CHECK(c.in_channels == c.out_channels, dir << ": in_channels " << c.in_channels << " and out_channels "
+                                                 << c.out_channels << " differ; ddm's latent models decode to the "
+                                                 << "images they encode");
+  AutoencoderShape s;
+  s.in_channels = c.in_channels;
+  s.image_size = latent_size * c.factor();
+  s.channels = c.block_out_channels.front();
+  s.channel_mult.clear();
+  for (int64_t w : c.block_out_channels) {
+    DDM_CHECK(w % s.channels == 0, dir << ": block_out_channels " << torch::IntArrayRef(c.block_out_channels)
+                                       << " are not multiples of the first; not supported yet");
+    s.channel_mult.push_back(w / s.channels);
+  }
+  s.res_blocks = c.layers_per_block;
+  s.latent_channels = c.latent_channels;
+  s.groups = c.norm_num_groups;
+  s.mid_attention = c.mid_block_add_attention;
+  return s;
+}
+
 }  // namespace
 
 std::shared_ptr<const LatentSpace> LatentSpace::load(const ModelConfig& cfg, torch::Device device) {
   DDM_CHECK(!cfg.latent.empty(), "LatentSpace::load: model.latent is not set");
   DDM_CHECK(!cfg.latent_sha256.empty() && cfg.latent_scale > 0,
             "model.latent = " << cfg.latent << " is not resolved (latent_sha256 and latent_scale unset)");
+  if (is_diffusers_vae(cfg.latent)) {  // diffusers' AutoencoderKL, its weights pinned by weights_sha256
+    const std::string sha = weights_sha256(weights_dir_files(cfg.latent, "diffusion_pytorch_model"));
+    DDM_CHECK(sha == cfg.latent_sha256,
+              "the frozen autoencoder changed: the weights of " << cfg.latent << " have sha256 " << sha
+                                                                << ", but this model was trained on model.latent_sha256 = "
+                                                                << cfg.latent_sha256 << "; restore that VAE (a latent "
+                                                                << "model is tied to its own)");
+    auto ls = std::make_shared<LatentSpace>();
+    ls->kl_ = sd::load_autoencoder_kl(cfg.latent).ptr();
+    for (auto& p : ls->kl_->parameters()) p.set_requires_grad(false);
+    ls->kl_->to(device);
+    ls->shape_ = shape_of(ls->kl_->config(), cfg.image_size, cfg.latent);
+    ls->checkpoint_ = cfg.latent;
+    ls->sha256_ = sha;
+    ls->scale_ = cfg.latent_scale;
+    ls->shift_ = cfg.latent_shift;
+    DDM_CHECK(cfg.in_channels == ls->shape_.latent_channels,
+              "model.in_channels = " << cfg.in_channels << " is not the latent channels of " << cfg.latent << " ("
+                                     << ls->shape_.latent_channels << ")");
+    return ls;
+  }
   // The pin first: a replaced autoencoder is named as such, whatever else its checkpoint says.
   const std::string weights = (fs::path(cfg.latent) / RunDir::kEma).string();
   DDM_CHECK(fs::is_regular_file(weights), "model.latent = " << cfg.latent << ": the frozen autoencoder's weights "
@@ -60,6 +124,7 @@ std::shared_ptr<const LatentSpace> LatentSpace::load(const ModelConfig& cfg, tor
   for (auto& p : ls->ae_->parameters()) p.set_requires_grad(false);
   ls->ae_->eval();
   ls->ae_->to(device);
+  ls->shape_ = ls->ae_->shape();
   ls->checkpoint_ = cfg.latent;
   ls->sha256_ = sha;
   ls->scale_ = cfg.latent_scale;
@@ -73,16 +138,27 @@ std::shared_ptr<const LatentSpace> LatentSpace::load(const ModelConfig& cfg, tor
 }
 
 LatentSpace::LatentSpace(std::shared_ptr<AutoencoderImpl> ae, double scale, double shift)
-    : ae_(std::move(ae)), scale_(scale), shift_(shift) {
+    : ae_(std::move(ae)), shape_(ae_->shape()), scale_(scale), shift_(shift) {
   for (auto& p : ae_->parameters()) p.set_requires_grad(false);
   ae_->eval();
+}
+
+torch::Device LatentSpace::device() const {
+  return (ae_ ? ae_->parameters() : kl_->parameters()).front().device();
+}
+
+Posterior LatentSpace::posterior(const torch::Tensor& x) const {
+  torch::NoGradGuard no_grad;
+  if (ae_) return ae_->encode(x);
+  auto [mean, logvar] = kl_->encode(x);  // [B, z, h, w] each
+  return {mean, logvar};
 }
 
 Posterior LatentSpace::posteriors(const torch::Tensor& images) const {
   torch::NoGradGuard no_grad;
   std::vector<torch::Tensor> mean, logvar;
   for (int64_t i = 0; i < images.size(0); i += 1000) {
-    const Posterior q = ae_->encode(to_unit_range(images.slice(0, i, i + 1000).to(device())));  // [b, z, h, w] each
+    const Posterior q = posterior(to_unit_range(images.slice(0, i, i + 1000).to(device())));  // [b, z, h, w] each
     mean.push_back(q.mean.to(images.device()));
     logvar.push_back(q.logvar.to(images.device()));
   }
@@ -108,7 +184,7 @@ torch::Tensor LatentSpace::sample_posterior(const torch::Tensor& x, const torch:
 
 torch::Tensor LatentSpace::encode(const torch::Tensor& x, const torch::Tensor& eps) const {
   torch::NoGradGuard no_grad;
-  return ((ae_->encode(x.to(device())).sample(eps.to(device())) - shift_) * scale_).to(x.device());  // [B, z, h, w]
+  return ((posterior(x.to(device())).sample(eps.to(device())) - shift_) * scale_).to(x.device());  // [B, z, h, w]
 }
 
 torch::Tensor LatentSpace::encode_mean(const torch::Tensor& images) const {
@@ -117,14 +193,15 @@ torch::Tensor LatentSpace::encode_mean(const torch::Tensor& images) const {
   for (int64_t i = 0; i < images.size(0); i += 1000) {
     torch::Tensor x = images.slice(0, i, i + 1000);
     if (x.scalar_type() == torch::kUInt8) x = to_unit_range(x.to(device()));  // [b, C, H, W] in [-1, 1]
-    z.push_back(((ae_->encode(x.to(device())).mean - shift_) * scale_).to(images.device()));  // [b, z, h, w]
+    z.push_back(((posterior(x.to(device())).mean - shift_) * scale_).to(images.device()));  // [b, z, h, w]
   }
   return torch::cat(z);  // [N, z, h, w]
 }
 
 torch::Tensor LatentSpace::decode(const torch::Tensor& z) const {
   torch::NoGradGuard no_grad;
-  return ae_->decode(z.to(device()) / scale_ + shift_).clamp(-1, 1).to(z.device());  // [B, C, H, W]
+  const torch::Tensor u = z.to(device()) / scale_ + shift_;                                   // [B, z, h, w]
+  return (ae_ ? ae_->decode(u) : kl_->decode(u)).clamp(-1, 1).to(z.device());  // [B, C, H, W]
 }
 
 void resolve_latent(ModelConfig& m, const Dataset& data) {
@@ -135,6 +212,46 @@ void resolve_latent(ModelConfig& m, const Dataset& data) {
   // Absolute and without a trailing slash: the resolved config is read from other directories too.
   fs::path dir = fs::absolute(m.latent).lexically_normal();
   if (dir.filename().empty()) dir = dir.parent_path();
+  dir = diffusers_vae_dir(dir);
+  if (is_diffusers_vae(dir)) {  // diffusers' AutoencoderKL: any image size its downsampling divides
+    const sd::AutoencoderKLConfig vae = diffusers_vae_config(dir);
+    const std::string sha = weights_sha256(weights_dir_files(dir.string(), "diffusion_pytorch_model"));
+    DDM_CHECK(m.latent_sha256.empty() || m.latent_sha256 == sha,
+              "the frozen autoencoder changed: model.latent_sha256 = " << m.latent_sha256 << ", but the weights of "
+                                                                      << dir.string() << " now have sha256 " << sha);
+    int64_t latent_size = 0;
+    if (data.latents) {  // encoded by this VAE: checked by its sha256 below
+      latent_size = data.latents->latent_size;
+    } else {
+      const int64_t c = data.images.size(1), h = data.images.size(2), w = data.images.size(3), f = vae.factor();
+      DDM_CHECK(c == vae.in_channels, key << ": the VAE takes " << vae.in_channels << "-channel images, but the data is "
+                                          << c << "x" << h << "x" << w << " (" << data.description << ")");
+      DDM_CHECK(h == w && h % f == 0, key << ": the VAE downsamples by " << f << ", so the images must be square with a "
+                                          << "side that " << f << " divides, but the data is " << c << "x" << h << "x"
+                                          << w << "; set data.resolution to a multiple of " << f);
+      latent_size = h / f;
+    }
+    DDM_CHECK(m.in_channels == 0 || m.in_channels == vae.latent_channels,
+              "model.in_channels = " << m.in_channels << " but the latents of " << dir.string() << " have "
+                                     << vae.latent_channels << " channels; remove the key");
+    DDM_CHECK(m.image_size == 0 || m.image_size == latent_size,
+              "model.image_size = " << m.image_size << " but the latents of " << dir.string() << " are " << latent_size
+                                    << "x" << latent_size << "; remove the key");
+    if (data.latents)
+      DDM_CHECK(sha == data.latents->autoencoder_sha256,
+                key << " (sha256 " << sha.substr(0, 12) << ") is not the autoencoder that encoded the latent shards "
+                    << data.description << ": their " << kLatentShardsInfo << " names " << data.latents->autoencoder
+                    << "; set model.latent to it, or encode the data again with `ddm encode --ae " << m.latent << "`");
+    m.in_channels = vae.latent_channels;
+    m.image_size = latent_size;
+    m.latent = dir.string();
+    m.latent_sha256 = sha;
+    if (m.latent_scale == 0) {
+      m.latent_scale = vae.scaling_factor;
+      m.latent_shift = vae.shift_factor;
+    }
+    return;
+  }
   const bool is_ckpt = fs::is_regular_file(dir / RunDir::kState);
   const int64_t c = data.images.size(1), h = data.images.size(2);
   auto check_data = [&](const RunConfig& ae) {

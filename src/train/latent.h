@@ -1,10 +1,15 @@
 // Latent diffusion (Rombach et al. 2022): a model with model.latent set learns and samples the latents
-// of a frozen autoencoder (`ddm train-autoencoder`) instead of pixels. Each training step encodes its
+// of a frozen autoencoder instead of pixels: ddm's own (`ddm train-autoencoder`), or diffusers'
+// AutoencoderKL read from the directory diffusers keeps it in (Stable Diffusion's VAE, sd-vae-ft-mse,
+// SDXL's, 16-channel ones: sd/autoencoder_kl.h; model.latent = its folder, or a pipeline's whose
+// vae/ holds it). Each training step encodes its
 // batch with the frozen encoder under no-grad, sampling the posterior with keyed noise, and normalizes
 // z' = (z - shift) * scale (measured once on the data by train-autoencoder); sampling decodes.
 //
 // The frozen part is pinned, not copied: a latent model's resolved config names the autoencoder's
-// checkpoint directory and the sha256 of its weights file, so its checkpoints never hold the
+// checkpoint directory (a diffusers VAE's folder) and the sha256 of its weights file (weights_sha256
+// of a diffusers VAE's files); scale and shift are the measured ones, or a diffusers VAE's
+// scaling_factor and shift_factor, so its checkpoints never hold the
 // autoencoder again, and a changed or missing autoencoder is an error naming it on every load.
 #pragma once
 #include <cstdint>
@@ -17,6 +22,7 @@
 #include "data/dataset.h"
 #include "diffusion/objective.h"
 #include "model/autoencoder.h"
+#include "sd/autoencoder_kl.h"
 
 namespace ddm {
 
@@ -49,26 +55,34 @@ class LatentSpace {
   torch::Tensor sample_posterior(const torch::Tensor& x, const torch::Tensor& eps) const;
   // Normalized latents [B, z, h, w] -> images [B, C, H, W] clamped to [-1, 1]. No gradients.
   torch::Tensor decode(const torch::Tensor& z) const;
+  // The frozen encoder's posterior of images float [B, C, H, W] in [-1, 1] on its device: mean and
+  // log-variance [B, z, h, w], neither sampled nor normalized. No gradients.
+  Posterior posterior(const torch::Tensor& x) const;
 
-  const AutoencoderShape& shape() const { return ae_->shape(); }
+  // The autoencoder's design (a diffusers VAE's too: the same design; its image_size is that of the
+  // model's latents times the downsampling factor).
+  const AutoencoderShape& shape() const { return shape_; }
+  bool is_diffusers() const { return static_cast<bool>(kl_); }
   const std::string& checkpoint() const { return checkpoint_; }
   const std::string& sha256() const { return sha256_; }
   double scale() const { return scale_; }
   double shift() const { return shift_; }
-  // The frozen autoencoder itself (its parameters do not require gradients).
-  AutoencoderImpl& autoencoder() const { return *ae_; }
   // Where the autoencoder computes.
-  torch::Device device() const { return ae_->parameters().front().device(); }
+  torch::Device device() const;
 
  private:
-  std::shared_ptr<AutoencoderImpl> ae_;
+  std::shared_ptr<AutoencoderImpl> ae_;  // ddm's own, or
+  std::shared_ptr<sd::AutoencoderKLImpl> kl_;  // diffusers' (then ae_ is null)
+  AutoencoderShape shape_;
   std::string checkpoint_, sha256_;
   double scale_ = 1, shift_ = 0;
 };
 
 // Resolves model.latent of a config before training, against the data it trains on: `latent` given
 // as a `ddm train-autoencoder` run directory (or the checkpoint its autoencoder.json measured)
-// becomes that checkpoint directory, latent_sha256 the hash of its weights (a value already set must
+// becomes that checkpoint directory (a diffusers AutoencoderKL folder, or a diffusers pipeline's
+// directory, its vae/ folder; its latent_scale / latent_shift its scaling_factor / shift_factor, and
+// the data's images any size its downsampling divides), latent_sha256 the hash of its weights (a value already set must
 // match it: the autoencoder must not have changed), latent_scale / latent_shift the measured ones
 // (unless set), and in_channels / image_size the latents' (the data must have the shape the
 // autoencoder was trained on; latent shards must have been encoded by this autoencoder, by sha256).

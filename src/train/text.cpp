@@ -8,6 +8,7 @@
 
 #include "core/error.h"
 #include "core/fileio.h"
+#include "core/weights_dir.h"
 #include "data/latent_shards.h"
 #include "data/shard_stream.h"
 
@@ -26,16 +27,6 @@ text::TextEncoderOptions options_of(const ModelConfig& m) {
 
 }  // namespace
 
-std::string text_weights_sha256(const std::vector<std::string>& files) {
-  DDM_CHECK(!files.empty(), "a text encoder without weight files");
-  if (files.size() == 1) return sha256_file(files[0]);
-  std::vector<std::string> sorted = files;
-  std::sort(sorted.begin(), sorted.end());
-  std::string list;
-  for (const auto& f : sorted) list += sha256_file(f) + "\n";
-  return sha256_hex(list);
-}
-
 void resolve_text(ModelConfig& m, const Dataset& data) {
   const std::string key = "model.text_encoder = " + m.text_encoder;
   const bool captioned = data.shards ? data.shards->captioned > 0 : !data.captions.empty();
@@ -50,7 +41,7 @@ void resolve_text(ModelConfig& m, const Dataset& data) {
   } catch (const Error& err) {
     DDM_FAIL(key << ": " << err.what());
   }
-  const std::string sha = text_weights_sha256(e->weight_files());
+  const std::string sha = weights_sha256(e->weight_files());
   DDM_CHECK(m.text_sha256.empty() || m.text_sha256 == sha,
             "the frozen text encoder changed: " << dir << " has weights of sha256 " << sha << ", but model.text_sha256 = "
                                                 << m.text_sha256 << "; restore it (the model is tied to its own)");
@@ -91,7 +82,7 @@ std::shared_ptr<const text::TextEncoder> load_pinned_text_encoder(const ModelCon
   std::lock_guard<std::mutex> lock(mutex);
   if (auto kept = loaded[key].lock()) return kept;
   std::shared_ptr<text::TextEncoder> e = text::load_text_encoder(m.text_encoder, options_of(m));
-  const std::string sha = text_weights_sha256(e->weight_files());
+  const std::string sha = weights_sha256(e->weight_files());
   DDM_CHECK(sha == m.text_sha256, "the frozen text encoder changed: " << m.text_encoder << " has weights of sha256 " << sha
                                                                       << ", but the model was trained with sha256 "
                                                                       << m.text_sha256 << " (model.text_sha256); restore it");

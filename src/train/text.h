@@ -17,10 +17,6 @@
 
 namespace ddm {
 
-// The sha256 naming a text encoder's weights: that of its one file, or, for sharded weights, the
-// sha256 of the files' sha256s in name order, one per line.
-std::string text_weights_sha256(const std::vector<std::string>& files);
-
 // Resolves model.text_encoder before training: the absolute directory, text_sha256 (a value already
 // set must match: the encoder must not have changed), text_dim, text_pooled_dim and text_tokens from
 // the encoder (values already set must agree). The data must have captions. Latent shards holding

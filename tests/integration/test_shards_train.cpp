@@ -496,7 +496,7 @@ TEST(ShardsTrain, AnAutoencoderAndALatentModelTrainOnShards) {
     const torch::Tensor mean = torch::stack(means), logvar = torch::stack(logvars);  // [512, 4, 6, 6]
     for_each_in_order(opened, cfg.data, 512, 1, [&](const torch::Tensor& x, const torch::Tensor&, int64_t first) {
       torch::NoGradGuard no_grad;
-      const Posterior q = ls->autoencoder().encode(x);  // [b, 4, 6, 6] each
+      const Posterior q = ls->posterior(x);  // [b, 4, 6, 6] each
       EXPECT_TRUE(torch::allclose(mean.narrow(0, first, x.size(0)), q.mean, 1e-4, 1e-5)) << first;
       EXPECT_TRUE(torch::allclose(logvar.narrow(0, first, x.size(0)), q.logvar, 1e-4, 1e-5)) << first;
     });
