@@ -18,6 +18,9 @@ The configs are the architectures users keep, as their repositories' vae/config.
   flux  a 16-channel one as FLUX.1's: no quant convolutions, scaling_factor 0.3611, shift_factor 0.1159
   gray  (small only) SD's kind for one-channel 28x28 images, f = 2: the one the latent training tests
         put under a model trained on Fashion-MNIST
+The gray one is also written sharded (gray-sharded/: save_pretrained's max_shard_size cut to 100KB:
+diffusion_pytorch_model-0000K-of-0000N.safetensors and their .index.json) and as a PyTorch pickle
+(gray-bin/: safe_serialization=False), as older repositories keep theirs.
 With "small", each keeps its kind (latent channels, quant convolutions, the factors, f = 8 for sd)
 but is cut to widths [32, 32, 64, 64] (flux: [32, 64]), 1 layer per block and 8 groups; "full"
 keeps the real sizes (sd: 83.7M parameters) at S = 64.
@@ -57,6 +60,9 @@ def make(out_dir, name, small, seed):
             p.add_(0.05 * torch.randn_like(p))
     path = os.path.join(out_dir, name)
     vae.save_pretrained(path, safe_serialization=True)
+    if name == "gray":
+        vae.save_pretrained(path + "-sharded", safe_serialization=True, max_shard_size="100KB")
+        vae.save_pretrained(path + "-bin", safe_serialization=False)
     f = 2 ** (len(config["block_out_channels"]) - 1)
     side = 28 if name == "gray" else 32 if small else 64
     g = torch.Generator().manual_seed(seed + 1)

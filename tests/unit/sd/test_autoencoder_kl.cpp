@@ -139,3 +139,22 @@ TEST(AutoencoderKL, BadDirectoriesAreRefusedByName) {
                  "diffusion_pytorch_model");
   expect_refused([](const std::string& d) { fs::remove(d + "/config.json"); }, "no config.json");
 }
+
+// The same VAE saved by diffusers in shards (an index and 22 files) loads to the same weights; saved
+// as a PyTorch pickle, it is refused with the reason and what to do.
+TEST(AutoencoderKL, ReadsShardedWeightsAndRefusesPickles) {
+  const auto made = ddm::test::reference_outputs("tests/reference/diffusers_vae.py", "{dir} small");
+  ASSERT_EQ(made.run.exit_code, 0) << made.run.output;
+  ASSERT_TRUE(fs::exists(made.dir + "/gray-sharded/diffusion_pytorch_model.safetensors.index.json"));
+  auto whole = ddm::sd::load_autoencoder_kl(made.dir + "/gray");
+  auto sharded = ddm::sd::load_autoencoder_kl(made.dir + "/gray-sharded");
+  const auto a = whole->named_parameters(), b = sharded->named_parameters();
+  ASSERT_EQ(a.size(), b.size());
+  for (const auto& p : a) EXPECT_TRUE(p.value().equal(b[p.key()])) << p.key();
+  try {
+    ddm::sd::load_autoencoder_kl(made.dir + "/gray-bin");
+    ADD_FAILURE() << "a pickle was read";
+  } catch (const ddm::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("diffusion_pytorch_model.bin"), std::string::npos) << e.what();
+  }
+}
