@@ -39,10 +39,17 @@ void refuse_missing(const std::string& dir, const std::string& stem) {
     std::string pickles;
     for (const char* p : {"pytorch_model.bin", "diffusion_pytorch_model.bin", "open_clip_pytorch_model.bin"})
       if (fs::exists(dir + "/" + p)) pickles += std::string(pickles.empty() ? "" : ", ") + p;
+    // The one-line conversion of this model's own pickle, where it has one.
+    const std::string bin = dir + "/" + stem + ".bin";
+    const std::string convert =
+        fs::exists(bin) ? "; or convert it: python3 -c \"import torch, safetensors.torch as st; st.save_file({k: "
+                          "v.contiguous() for k, v in torch.load('" + bin + "', weights_only=True).items()}, '" +
+                              single + "')\""
+                        : "";
     throw Error(dir + ": no " + stem + ".safetensors and no " + stem + ".safetensors.index.json" +
                 (pickles.empty() ? std::string()
                                  : " (it has " + pickles + ", a PyTorch pickle, which ddm does not read: "
-                                   "save the model with safetensors, as save_pretrained does by default)"));
+                                   "save the model with safetensors, as save_pretrained does by default" + convert + ")"));
   }
 }
 

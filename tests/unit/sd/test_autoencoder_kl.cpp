@@ -141,7 +141,7 @@ TEST(AutoencoderKL, BadDirectoriesAreRefusedByName) {
 }
 
 // The same VAE saved by diffusers in shards (an index and 22 files) loads to the same weights; saved
-// as a PyTorch pickle, it is refused with the reason and what to do.
+// as a PyTorch pickle, it is refused with the reason and the one-line conversion, which works.
 TEST(AutoencoderKL, ReadsShardedWeightsAndRefusesPickles) {
   const auto made = ddm::test::reference_outputs("tests/reference/diffusers_vae.py", "{dir} small");
   ASSERT_EQ(made.run.exit_code, 0) << made.run.output;
@@ -151,10 +151,22 @@ TEST(AutoencoderKL, ReadsShardedWeightsAndRefusesPickles) {
   const auto a = whole->named_parameters(), b = sharded->named_parameters();
   ASSERT_EQ(a.size(), b.size());
   for (const auto& p : a) EXPECT_TRUE(p.value().equal(b[p.key()])) << p.key();
+  TempDir dir;
+  fs::copy(made.dir + "/gray-bin", dir / "vae");
+  std::string message;
   try {
-    ddm::sd::load_autoencoder_kl(made.dir + "/gray-bin");
+    ddm::sd::load_autoencoder_kl(dir / "vae");
     ADD_FAILURE() << "a pickle was read";
   } catch (const ddm::Error& e) {
-    EXPECT_NE(std::string(e.what()).find("diffusion_pytorch_model.bin"), std::string::npos) << e.what();
+    message = e.what();
   }
+  const size_t at = message.find("python3 -c \"");
+  ASSERT_NE(at, std::string::npos) << message;
+  EXPECT_NE(message.find("it has diffusion_pytorch_model.bin, a PyTorch pickle"), std::string::npos) << message;
+  const size_t from = at + std::string("python3 -c ").size();
+  const std::string command = message.substr(from, message.rfind('"') + 1 - from);  // "import torch, ...'", quoted
+  const auto run = ddm::test::run_command(ddm::test::reference_python() + " -c " + command + " 2>&1");
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  auto converted = ddm::sd::load_autoencoder_kl(dir / "vae");
+  for (const auto& p : whole->named_parameters()) EXPECT_TRUE(p.value().equal(converted->named_parameters()[p.key()])) << p.key();
 }
