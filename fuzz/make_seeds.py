@@ -306,6 +306,18 @@ put("text_encoder_files", "pooling", "\x05" + json.dumps(
      "pooling_mode_max_tokens": False}))
 put("text_encoder_files", "st-config", "\x06" + json.dumps({"max_seq_length": 4, "do_lower_case": False}))
 
+# ---- diffusers configs (fuzz_diffusers_configs): the first byte picks the class -------------------
+put("diffusers_configs", "vae", "\x00" + json.dumps(
+    {"_class_name": "AutoencoderKL", "in_channels": 3, "out_channels": 3, "latent_channels": 4,
+     "block_out_channels": [8, 16], "layers_per_block": 1, "norm_num_groups": 4,
+     "down_block_types": ["DownEncoderBlock2D"] * 2, "up_block_types": ["UpDecoderBlock2D"] * 2,
+     "scaling_factor": 0.18215, "shift_factor": None, "latents_mean": None, "use_quant_conv": True}))
+put("diffusers_configs", "unet", "\x01" + json.dumps(
+    {"_class_name": "UNet2DConditionModel", "in_channels": 4, "out_channels": 4, "block_out_channels": [16, 32],
+     "layers_per_block": 1, "norm_num_groups": 4, "cross_attention_dim": 8, "attention_head_dim": [2, 4],
+     "down_block_types": ["CrossAttnDownBlock2D", "DownBlock2D"], "up_block_types": ["UpBlock2D", "CrossAttnUpBlock2D"],
+     "use_linear_projection": True, "num_class_embeds": None, "flip_sin_to_cos": True}))
+
 # ---- tar shards with captions (fuzz_tar_shard): .txt, img2dataset's .json, a caption not UTF-8 --
 def tar_of(members):
     import io

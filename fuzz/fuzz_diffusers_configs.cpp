@@ -1,0 +1,54 @@
+// Fuzz target: the config.json of a diffusers model folder. The first byte picks the class the rest
+// of the input is read as (0: AutoencoderKL, 1: UNet2DConditionModel). A bad config must be a
+// ddm::Error; one that parses and is small builds its model, which runs on a tiny input.
+#include <nlohmann/json.hpp>
+#include <torch/torch.h>
+
+#include "fuzz_util.h"
+#include "sd/autoencoder_kl.h"
+#include "sd/unet_2d_condition.h"
+
+namespace {
+
+// Small enough to build and run at once: few levels, narrow.
+template <class Config>
+bool small(const Config& c) {
+  int64_t width = 0;
+  for (int64_t w : c.block_out_channels) width += w;
+  return c.block_out_channels.size() <= 3 && width <= 96 && c.layers_per_block <= 2;
+}
+
+}  // namespace
+
+extern "C" int LLVMFuzzerInitialize(int*, char***) {
+  ddm::fuzz::init_torch();
+  return 0;
+}
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  if (size < 1) return 0;
+  const nlohmann::json j = nlohmann::json::parse(data + 1, data + size, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded()) return 0;
+  torch::NoGradGuard no_grad;
+  ddm::fuzz::expect_errors([&] {
+    if (data[0] % 2 == 0) {
+      const auto c = ddm::sd::parse_autoencoder_kl_config(j, "config.json");
+      (void)ddm::sd::autoencoder_kl_config_json(c).dump();
+      if (!small(c) || c.in_channels > 4 || c.latent_channels > 16) return;
+      ddm::sd::AutoencoderKL vae(c);
+      const int64_t side = 2 * c.factor();
+      const auto [mean, logvar] = vae->encode(torch::zeros({1, c.in_channels, side, side}));
+      ddm::fuzz::touch(vae->decode(mean));
+      ddm::fuzz::touch(logvar);
+    } else {
+      const auto c = ddm::sd::parse_unet_2d_condition_config(j, "config.json");
+      (void)ddm::sd::unet_2d_condition_config_json(c).dump();
+      if (!small(c) || c.in_channels > 8 || c.cross_attention_dim > 64) return;
+      ddm::sd::UNet2DConditionModel unet(c);
+      const int64_t side = int64_t{1} << (c.block_out_channels.size() - 1);
+      ddm::fuzz::touch(unet->forward(torch::zeros({1, c.in_channels, side, side}), torch::tensor({3.0}),
+                                     torch::zeros({1, 2, c.cross_attention_dim})));
+    }
+  });
+  return 0;
+}
