@@ -1,11 +1,13 @@
 // Fuzz target: the config.json of a diffusers model folder. The first byte picks the class the rest
-// of the input is read as (0: AutoencoderKL, 1: UNet2DConditionModel). A bad config must be a
-// ddm::Error; one that parses and is small builds its model, which runs on a tiny input.
+// of the input is read as (0: AutoencoderKL, 1: UNet2DConditionModel, 2: a scheduler's
+// scheduler_config.json). A bad config must be a ddm::Error; a model config that parses and is small
+// builds its model, which runs on a tiny input; a schedule that parses gives its alphas_cumprod.
 #include <nlohmann/json.hpp>
 #include <torch/torch.h>
 
 #include "fuzz_util.h"
 #include "sd/autoencoder_kl.h"
+#include "sd/scheduler.h"
 #include "sd/unet_2d_condition.h"
 
 namespace {
@@ -31,7 +33,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (j.is_discarded()) return 0;
   torch::NoGradGuard no_grad;
   ddm::fuzz::expect_errors([&] {
-    if (data[0] % 2 == 0) {
+    if (data[0] % 3 == 2) {
+      const auto s = ddm::sd::parse_scheduler_config(j, "scheduler_config.json");
+      if (s.num_train_timesteps <= 4096) ddm::fuzz::touch(ddm::sd::alphas_cumprod(s));
+    } else if (data[0] % 3 == 0) {
       const auto c = ddm::sd::parse_autoencoder_kl_config(j, "config.json");
       (void)ddm::sd::autoencoder_kl_config_json(c).dump();
       if (!small(c) || c.in_channels > 4 || c.latent_channels > 16) return;

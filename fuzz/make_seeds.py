@@ -318,6 +318,11 @@ put("diffusers_configs", "unet", "\x01" + json.dumps(
      "down_block_types": ["CrossAttnDownBlock2D", "DownBlock2D"], "up_block_types": ["UpBlock2D", "CrossAttnUpBlock2D"],
      "use_linear_projection": True, "num_class_embeds": None, "flip_sin_to_cos": True}))
 
+put("diffusers_configs", "scheduler", "\x02" + json.dumps(
+    {"_class_name": "PNDMScheduler", "num_train_timesteps": 1000, "beta_start": 0.00085, "beta_end": 0.012,
+     "beta_schedule": "scaled_linear", "prediction_type": "epsilon", "skip_prk_steps": True, "steps_offset": 1,
+     "trained_betas": None, "set_alpha_to_one": False}))
+
 # ---- tar shards with captions (fuzz_tar_shard): .txt, img2dataset's .json, a caption not UTF-8 --
 def tar_of(members):
     import io

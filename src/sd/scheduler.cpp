@@ -1,0 +1,92 @@
+// A diffusers scheduler's noise schedule (see scheduler.h).
+#include "sd/scheduler.h"
+
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+#include <set>
+
+#include <nlohmann/json.hpp>
+#include <torch/torch.h>
+
+#include "core/error.h"
+#include "core/json.h"
+
+namespace fs = std::filesystem;
+
+namespace ddm::sd {
+
+SchedulerConfig parse_scheduler_config(const nlohmann::json& j, const std::string& file) {
+  DDM_CHECK(j.is_object(), file << ": not a JSON object");
+  // Keys of diffusers' samplers, which ddm's own replace.
+  static const std::set<std::string> sampler = {
+      "clip_sample", "clip_sample_range", "set_alpha_to_one", "skip_prk_steps", "steps_offset", "timestep_spacing",
+      "thresholding", "dynamic_thresholding_ratio", "sample_max_value", "variance_type", "interpolation_type",
+      "use_karras_sigmas", "use_exponential_sigmas", "use_beta_sigmas", "sigma_min", "sigma_max", "final_sigmas_type",
+      "timestep_type", "algorithm_type", "solver_order", "solver_type", "lower_order_final", "euler_at_final",
+      "lambda_min_clipped", "variance_tiny", "use_lu_lambdas", "disable_corrector", "solver_p", "predict_x0",
+      "use_flow_sigmas", "flow_shift", "eta", "s_noise", "sigma_data"};
+  static const std::set<std::string> meta = {"_class_name", "_diffusers_version", "_name_or_path", "_use_default_values"};
+  SchedulerConfig c;
+  c.class_name = j.value("_class_name", std::string());
+  DDM_CHECK(c.class_name.size() > 9 && c.class_name.compare(c.class_name.size() - 9, 9, "Scheduler") == 0,
+            file << ": _class_name \"" << c.class_name << "\" is not a diffusers scheduler");
+  for (const auto& [key, value] : j.items()) {
+    if (meta.count(key) || sampler.count(key)) {
+      if (sampler.count(key)) c.sampler_keys.push_back(key);
+      continue;
+    }
+    if (key == "trained_betas") {
+      DDM_CHECK(value.is_null(), file << ": trained_betas is set: a schedule given beta by beta is not supported yet");
+    } else if (key == "rescale_betas_zero_snr") {
+      DDM_CHECK(value == false, file << ": rescale_betas_zero_snr = " << value.dump() << ": the zero-terminal-SNR "
+                                     << "rescaling is not supported yet");
+    } else if (key == "num_train_timesteps") {
+      c.num_train_timesteps = json_int(value, file + ": num_train_timesteps", 2, 1 << 20);
+    } else if (key == "beta_start" || key == "beta_end") {
+      DDM_CHECK(value.is_number() && value.get<double>() > 0 && value.get<double>() < 1,
+                file << ": " << key << " must be a number in (0, 1), got " << value.dump());
+      (key == "beta_start" ? c.beta_start : c.beta_end) = value.get<double>();
+    } else if (key == "beta_schedule" || key == "prediction_type") {
+      DDM_CHECK(value.is_string(), file << ": " << key << " must be a string, got " << value.dump());
+      (key == "beta_schedule" ? c.beta_schedule : c.prediction_type) = value.get<std::string>();
+    } else {
+      DDM_FAIL(file << ": \"" << key << "\" is not a key of a diffusers scheduler that ddm reads; ddm does not "
+                    << "ignore what it does not know");
+    }
+  }
+  DDM_CHECK(c.beta_schedule == "linear" || c.beta_schedule == "scaled_linear" || c.beta_schedule == "squaredcos_cap_v2",
+            file << ": beta_schedule \"" << c.beta_schedule << "\": ddm builds linear, scaled_linear and "
+                 << "squaredcos_cap_v2");
+  DDM_CHECK(c.prediction_type == "epsilon" || c.prediction_type == "v_prediction" || c.prediction_type == "sample",
+            file << ": prediction_type \"" << c.prediction_type << "\": ddm reads epsilon, v_prediction and sample");
+  DDM_CHECK(c.beta_schedule == "squaredcos_cap_v2" || c.beta_start < c.beta_end,
+            file << ": beta_start " << c.beta_start << " is not below beta_end " << c.beta_end);
+  return c;
+}
+
+SchedulerConfig load_scheduler_config(const std::string& dir) {
+  const std::string file = (fs::path(dir) / "scheduler_config.json").string();
+  DDM_CHECK(fs::is_regular_file(file), dir << ": no scheduler_config.json (a diffusers scheduler folder)");
+  return parse_scheduler_config(read_json_file(file), file);
+}
+
+torch::Tensor alphas_cumprod(const SchedulerConfig& c) {
+  const int64_t T = c.num_train_timesteps;
+  torch::Tensor betas;
+  if (c.beta_schedule == "linear") {
+    betas = torch::linspace(c.beta_start, c.beta_end, T, torch::kFloat32);
+  } else if (c.beta_schedule == "scaled_linear") {
+    betas = torch::linspace(std::sqrt(c.beta_start), std::sqrt(c.beta_end), T, torch::kFloat32).pow(2);
+  } else {  // squaredcos_cap_v2: GLIDE's cosine, each beta capped at 0.999, in double, then float32
+    auto alpha_bar = [](double t) { return std::pow(std::cos((t + 0.008) / 1.008 * M_PI / 2), 2); };
+    std::vector<float> b(static_cast<size_t>(T));
+    for (int64_t i = 0; i < T; ++i)
+      b[static_cast<size_t>(i)] = static_cast<float>(std::min(
+          1 - alpha_bar(static_cast<double>(i + 1) / T) / alpha_bar(static_cast<double>(i) / T), 0.999));
+    betas = torch::tensor(b, torch::kFloat32);
+  }
+  return torch::cumprod(1.0 - betas, 0);  // float32 [T]
+}
+
+}  // namespace ddm::sd
