@@ -1,7 +1,6 @@
 // diffusers' AutoencoderKL in LibTorch, under diffusers' parameter names (see autoencoder_kl.h).
 #include "sd/autoencoder_kl.h"
 
-#include <cmath>
 #include <filesystem>
 #include <set>
 
@@ -53,41 +52,21 @@ AutoencoderKLConfig parse_autoencoder_kl_config(const json& j, const std::string
   const std::string cls = j.value("_class_name", std::string());
   DDM_CHECK(cls == "AutoencoderKL", file << ": _class_name \"" << cls << "\": ddm reads diffusers' AutoencoderKL here");
   AutoencoderKLConfig c;
-  auto integer = [&](const char* key, int64_t& out, int64_t lo, int64_t hi) {
-    if (j.contains(key)) out = json_int(j[key], file + ": " + key, lo, hi);
-  };
-  auto boolean = [&](const char* key, bool& out) {
-    if (!j.contains(key)) return;
-    DDM_CHECK(j[key].is_boolean(), file << ": " << key << " must be true or false, got " << j[key].dump());
-    out = j[key].get<bool>();
-  };
-  auto number = [&](const char* key, double& out) {
-    if (!j.contains(key) || j[key].is_null()) return;
-    DDM_CHECK(j[key].is_number() && std::isfinite(j[key].get<double>()),
-              file << ": " << key << " must be a number, got " << j[key].dump());
-    out = j[key].get<double>();
-  };
-  integer("in_channels", c.in_channels, 1, 64);
-  integer("out_channels", c.out_channels, 1, 64);
-  integer("latent_channels", c.latent_channels, 1, 1024);
-  integer("layers_per_block", c.layers_per_block, 1, 64);
-  integer("norm_num_groups", c.norm_num_groups, 1, 1024);
-  integer("sample_size", c.sample_size, 1, 1 << 16);
-  number("scaling_factor", c.scaling_factor);
-  number("shift_factor", c.shift_factor);
-  boolean("force_upcast", c.force_upcast);
-  boolean("use_quant_conv", c.use_quant_conv);
-  boolean("use_post_quant_conv", c.use_post_quant_conv);
-  boolean("mid_block_add_attention", c.mid_block_add_attention);
+  const ConfigReader r{j, file};
+  r.integer("in_channels", c.in_channels, 1, 64);
+  r.integer("out_channels", c.out_channels, 1, 64);
+  r.integer("latent_channels", c.latent_channels, 1, 1024);
+  r.integer("layers_per_block", c.layers_per_block, 1, 64);
+  r.integer("norm_num_groups", c.norm_num_groups, 1, 1024);
+  r.integer("sample_size", c.sample_size, 1, 1 << 16);
+  r.number("scaling_factor", c.scaling_factor);
+  r.number("shift_factor", c.shift_factor);
+  r.boolean("force_upcast", c.force_upcast);
+  r.boolean("use_quant_conv", c.use_quant_conv);
+  r.boolean("use_post_quant_conv", c.use_post_quant_conv);
+  r.boolean("mid_block_add_attention", c.mid_block_add_attention);
   DDM_CHECK(c.scaling_factor > 0, file << ": scaling_factor must be > 0, got " << c.scaling_factor);
-  if (j.contains("block_out_channels")) {
-    const json& b = j["block_out_channels"];
-    DDM_CHECK(b.is_array() && !b.empty() && b.size() <= 16,
-              file << ": block_out_channels must be a list of 1 to 16 widths, got " << b.dump());
-    c.block_out_channels.clear();
-    for (size_t i = 0; i < b.size(); ++i)
-      c.block_out_channels.push_back(json_int(b[i], file + ": block_out_channels[" + std::to_string(i) + "]", 1, 1 << 16));
-  }
+  r.widths("block_out_channels", c.block_out_channels);
   const size_t levels = c.block_out_channels.size();
   auto types = [&](const char* key, const char* want) {
     if (!j.contains(key)) {

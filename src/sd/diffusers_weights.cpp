@@ -1,6 +1,7 @@
 // Reading and writing a diffusers model folder's weights (see diffusers_weights.h).
 #include "sd/diffusers_weights.h"
 
+#include <cmath>
 #include <filesystem>
 
 #include <nlohmann/json.hpp>
@@ -8,12 +9,40 @@
 
 #include "core/error.h"
 #include "core/fileio.h"
+#include "core/json.h"
 #include "core/safetensors.h"
 #include "core/weights_dir.h"
 
 namespace fs = std::filesystem;
 
 namespace ddm::sd {
+
+void ConfigReader::integer(const char* key, int64_t& out, int64_t lo, int64_t hi) const {
+  if (j.contains(key) && !j[key].is_null()) out = json_int(j[key], file + ": " + key, lo, hi);
+}
+
+void ConfigReader::boolean(const char* key, bool& out) const {
+  if (!j.contains(key)) return;
+  DDM_CHECK(j[key].is_boolean(), file << ": " << key << " must be true or false, got " << j[key].dump());
+  out = j[key].get<bool>();
+}
+
+void ConfigReader::number(const char* key, double& out) const {
+  if (!j.contains(key) || j[key].is_null()) return;
+  DDM_CHECK(j[key].is_number() && std::isfinite(j[key].get<double>()),
+            file << ": " << key << " must be a number, got " << j[key].dump());
+  out = j[key].get<double>();
+}
+
+void ConfigReader::widths(const char* key, std::vector<int64_t>& out) const {
+  if (!j.contains(key)) return;
+  const nlohmann::json& b = j[key];
+  DDM_CHECK(b.is_array() && !b.empty() && b.size() <= 16, file << ": " << key << " must be a list of 1 to 16 widths, got "
+                                                                << b.dump());
+  out.clear();
+  for (size_t i = 0; i < b.size(); ++i)
+    out.push_back(json_int(b[i], file + ": " + key + "[" + std::to_string(i) + "]", 1, 1 << 16));
+}
 
 void load_diffusers_weights(torch::nn::Module& model, const std::string& dir, const std::string& config_file) {
   SafetensorsFile w = load_weights_dir(dir, "diffusion_pytorch_model");

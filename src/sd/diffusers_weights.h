@@ -1,12 +1,26 @@
-// A diffusers model folder's weights into a module whose parameters carry diffusers' names, and back:
-// diffusion_pytorch_model.safetensors (or its sharded index) read key for key, every tensor checked.
+// A diffusers model folder: its config.json's keys read with their types checked, and its weights
+// into a module whose parameters carry diffusers' names, and back: diffusion_pytorch_model.safetensors
+// (or its sharded index) read key for key, every tensor checked.
 #pragma once
+#include <cstdint>
 #include <string>
+#include <vector>
 
 #include <nlohmann/json_fwd.hpp>
 #include <torch/nn/module.h>
 
 namespace ddm::sd {
+
+// Typed reads of a config.json's keys: a key that is absent (or null) leaves `out` as it is; one of
+// the wrong type or out of range is a ddm::Error naming the file and the key.
+struct ConfigReader {
+  const nlohmann::json& j;
+  std::string file;
+  void integer(const char* key, int64_t& out, int64_t lo, int64_t hi) const;
+  void boolean(const char* key, bool& out) const;
+  void number(const char* key, double& out) const;  // finite
+  void widths(const char* key, std::vector<int64_t>& out) const;  // a list of 1 to 16 widths
+};
 
 // Copies DIR's weights into `model`'s parameters (float32, on the CPU). Throws ddm::Error naming the
 // weights file and the tensor: one the model has and the file lacks, one of another shape (the shape

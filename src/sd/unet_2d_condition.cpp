@@ -163,35 +163,18 @@ UNet2DConditionConfig parse_unet_2d_condition_config(const json& j, const std::s
                                      << "what it does not know");
   }
   UNet2DConditionConfig c;
-  auto integer = [&](const char* key, int64_t& out, int64_t lo, int64_t hi) {
-    if (j.contains(key)) out = json_int(j[key], file + ": " + key, lo, hi);
-  };
-  auto boolean = [&](const char* key, bool& out) {
-    if (!j.contains(key)) return;
-    DDM_CHECK(j[key].is_boolean(), file << ": " << key << " must be true or false, got " << j[key].dump());
-    out = j[key].get<bool>();
-  };
-  integer("in_channels", c.in_channels, 1, 1024);
-  integer("out_channels", c.out_channels, 1, 1024);
-  if (j.contains("sample_size") && !j["sample_size"].is_null()) integer("sample_size", c.sample_size, 1, 1 << 16);
-  integer("layers_per_block", c.layers_per_block, 1, 64);
-  integer("norm_num_groups", c.norm_num_groups, 1, 1024);
-  integer("cross_attention_dim", c.cross_attention_dim, 1, 1 << 16);
-  boolean("use_linear_projection", c.use_linear_projection);
-  boolean("upcast_attention", c.upcast_attention);
-  if (j.contains("norm_eps")) {
-    DDM_CHECK(j["norm_eps"].is_number() && j["norm_eps"].get<double>() > 0,
-              file << ": norm_eps must be a positive number, got " << j["norm_eps"].dump());
-    c.norm_eps = j["norm_eps"].get<double>();
-  }
-  if (j.contains("block_out_channels")) {
-    const json& b = j["block_out_channels"];
-    DDM_CHECK(b.is_array() && !b.empty() && b.size() <= 16,
-              file << ": block_out_channels must be a list of 1 to 16 widths, got " << b.dump());
-    c.block_out_channels.clear();
-    for (size_t i = 0; i < b.size(); ++i)
-      c.block_out_channels.push_back(json_int(b[i], file + ": block_out_channels[" + std::to_string(i) + "]", 1, 1 << 16));
-  }
+  const ConfigReader r{j, file};
+  r.integer("in_channels", c.in_channels, 1, 1024);
+  r.integer("out_channels", c.out_channels, 1, 1024);
+  r.integer("sample_size", c.sample_size, 1, 1 << 16);
+  r.integer("layers_per_block", c.layers_per_block, 1, 64);
+  r.integer("norm_num_groups", c.norm_num_groups, 1, 1024);
+  r.integer("cross_attention_dim", c.cross_attention_dim, 1, 1 << 16);
+  r.boolean("use_linear_projection", c.use_linear_projection);
+  r.boolean("upcast_attention", c.upcast_attention);
+  r.number("norm_eps", c.norm_eps);
+  DDM_CHECK(c.norm_eps > 0, file << ": norm_eps must be > 0, got " << c.norm_eps);
+  r.widths("block_out_channels", c.block_out_channels);
   const size_t levels = c.block_out_channels.size();
   auto types = [&](const char* key, std::vector<std::string>& out, const std::string& plain, const std::string& cross) {
     if (j.contains(key)) {
