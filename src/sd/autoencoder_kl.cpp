@@ -49,10 +49,11 @@ AutoencoderKLConfig parse_autoencoder_kl_config(const json& j, const std::string
     DDM_CHECK(known.count(key), file << ": \"" << key << "\" is not a key of diffusers' AutoencoderKL that ddm reads "
                                      << "(a newer diffusers, or another model's config?); ddm does not ignore what it "
                                      << "does not know");
-  const std::string cls = j.value("_class_name", std::string());
+  const ConfigReader r{j, file};
+  std::string cls;
+  r.string("_class_name", cls);
   DDM_CHECK(cls == "AutoencoderKL", file << ": _class_name \"" << cls << "\": ddm reads diffusers' AutoencoderKL here");
   AutoencoderKLConfig c;
-  const ConfigReader r{j, file};
   r.integer("in_channels", c.in_channels, 1, 64);
   r.integer("out_channels", c.out_channels, 1, 64);
   r.integer("latent_channels", c.latent_channels, 1, 1024);
@@ -82,7 +83,8 @@ AutoencoderKLConfig parse_autoencoder_kl_config(const json& j, const std::string
   };
   types("down_block_types", "DownEncoderBlock2D");
   types("up_block_types", "UpDecoderBlock2D");
-  const std::string act = j.value("act_fn", std::string("silu"));
+  std::string act = "silu";
+  r.string("act_fn", act);
   DDM_CHECK(act == "silu", file << ": act_fn \"" << act << "\": ddm's AutoencoderKL uses silu, as Stable Diffusion's");
   for (const char* key : {"latents_mean", "latents_std"})
     DDM_CHECK(!j.contains(key) || j[key].is_null(),

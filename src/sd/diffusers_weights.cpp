@@ -34,6 +34,12 @@ void ConfigReader::number(const char* key, double& out) const {
   out = j[key].get<double>();
 }
 
+void ConfigReader::string(const char* key, std::string& out) const {
+  if (!j.contains(key)) return;
+  DDM_CHECK(j[key].is_string(), file << ": " << key << " must be a string, got " << j[key].dump());
+  out = j[key].get<std::string>();
+}
+
 void ConfigReader::widths(const char* key, std::vector<int64_t>& out) const {
   if (!j.contains(key)) return;
   const nlohmann::json& b = j[key];

@@ -19,6 +19,7 @@ struct ConfigReader {
   void integer(const char* key, int64_t& out, int64_t lo, int64_t hi) const;
   void boolean(const char* key, bool& out) const;
   void number(const char* key, double& out) const;  // finite
+  void string(const char* key, std::string& out) const;
   void widths(const char* key, std::vector<int64_t>& out) const;  // a list of 1 to 16 widths
 };
 

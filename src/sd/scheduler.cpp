@@ -11,6 +11,7 @@
 
 #include "core/error.h"
 #include "core/json.h"
+#include "sd/diffusers_weights.h"
 
 namespace fs = std::filesystem;
 
@@ -28,7 +29,8 @@ SchedulerConfig parse_scheduler_config(const nlohmann::json& j, const std::strin
       "use_flow_sigmas", "flow_shift", "eta", "s_noise", "sigma_data"};
   static const std::set<std::string> meta = {"_class_name", "_diffusers_version", "_name_or_path", "_use_default_values"};
   SchedulerConfig c;
-  c.class_name = j.value("_class_name", std::string());
+  const ConfigReader r{j, file};
+  r.string("_class_name", c.class_name);
   DDM_CHECK(c.class_name.size() > 9 && c.class_name.compare(c.class_name.size() - 9, 9, "Scheduler") == 0,
             file << ": _class_name \"" << c.class_name << "\" is not a diffusers scheduler");
   for (const auto& [key, value] : j.items()) {

@@ -142,7 +142,9 @@ const std::map<std::string, json>& fixed_keys() {
 
 UNet2DConditionConfig parse_unet_2d_condition_config(const json& j, const std::string& file) {
   DDM_CHECK(j.is_object(), file << ": not a JSON object");
-  const std::string cls = j.value("_class_name", std::string());
+  const ConfigReader r{j, file};
+  std::string cls;
+  r.string("_class_name", cls);
   DDM_CHECK(cls == "UNet2DConditionModel",
             file << ": _class_name \"" << cls << "\": ddm reads diffusers' UNet2DConditionModel here");
   const std::set<std::string> known = {"_class_name", "_diffusers_version", "_name_or_path", "_use_default_values",
@@ -163,7 +165,6 @@ UNet2DConditionConfig parse_unet_2d_condition_config(const json& j, const std::s
                                      << "what it does not know");
   }
   UNet2DConditionConfig c;
-  const ConfigReader r{j, file};
   r.integer("in_channels", c.in_channels, 1, 1024);
   r.integer("out_channels", c.out_channels, 1, 1024);
   r.integer("sample_size", c.sample_size, 1, 1 << 16);

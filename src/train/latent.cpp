@@ -43,7 +43,7 @@ bool is_diffusers_vae(const fs::path& dir) {
   const fs::path config = dir / "config.json";
   if (!fs::is_regular_file(config)) return false;
   const auto j = read_json_file(config.string());
-  return j.is_object() && j.value("_class_name", std::string()) == "AutoencoderKL";
+  return j.is_object() && j.contains("_class_name") && j["_class_name"] == "AutoencoderKL";
 }
 
 // model.latent as given: a diffusers pipeline's directory (model_index.json) stands for its vae/.

@@ -110,4 +110,5 @@ TEST(UNet2DCondition, ConfigsItDoesNotBuildAreRefusedByName) {
   refused("attention_head_dim", 3, "the 3 heads of level 0 (attention_head_dim) do not divide its width 32");
   refused("some_new_key", true, "\"some_new_key\" is not a key of diffusers' UNet2DConditionModel");
   refused("_class_name", "UNet2DModel", "_class_name \"UNet2DModel\"");
+  refused("_class_name", 1, "unet/config.json: _class_name must be a string, got 1");  // found by fuzz_diffusers_configs
 }
