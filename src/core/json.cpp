@@ -9,8 +9,12 @@
 namespace ddm {
 
 int64_t json_int(const nlohmann::json& v, const std::string& what, int64_t lo, int64_t hi) {
-  DDM_CHECK(v.is_number_integer() && (v.is_number_unsigned() ? v.get<uint64_t>() <= static_cast<uint64_t>(hi)
-                                                               : v.get<int64_t>() >= lo && v.get<int64_t>() <= hi),
+  // A non-negative integer in the file parses as unsigned: compared with both bounds as unsigned.
+  DDM_CHECK(v.is_number_integer() &&
+                (v.is_number_unsigned()
+                     ? hi >= 0 && v.get<uint64_t>() <= static_cast<uint64_t>(hi) &&
+                           (lo <= 0 || v.get<uint64_t>() >= static_cast<uint64_t>(lo))
+                     : v.get<int64_t>() >= lo && v.get<int64_t>() <= hi),
             what << ": " << v.dump() << " is not an integer in [" << lo << ", " << hi << "]");
   return v.get<int64_t>();
 }

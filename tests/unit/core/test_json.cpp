@@ -30,6 +30,9 @@ TEST(JsonInt, ChecksTypeAndRangeBeforeConverting) {
   EXPECT_EQ(error_message([] { json_int(json(2.0), "k", 0, 10); }), "k: 2.0 is not an integer in [0, 10]");
   EXPECT_EQ(error_message([] { json_int(json("12"), "k", 0, 10); }), "k: \"12\" is not an integer in [0, 10]");
   EXPECT_EQ(error_message([] { json_int(json(-1), "k", 0, 10); }), "k: -1 is not an integer in [0, 10]");
+  // A non-negative value below a positive lower bound (parsed as unsigned; found by fuzz_diffusers_configs).
+  EXPECT_EQ(error_message([] { json_int(nlohmann::json::parse("0"), "k", 1, 10); }), "k: 0 is not an integer in [1, 10]");
+  EXPECT_EQ(error_message([] { json_int(nlohmann::json::parse("3"), "k", -10, -1); }), "k: 3 is not an integer in [-10, -1]");
   EXPECT_EQ(error_message([] { json_int(json(std::numeric_limits<uint64_t>::max()), "k"); }),
             "k: 18446744073709551615 is not an integer in [-9223372036854775808, 9223372036854775807]");
   EXPECT_EQ(error_message([] { json_int32(json(int64_t{1} << 40), "k", 0); }),
