@@ -82,6 +82,9 @@ Command add_text_command(CLI::App& app);
 Command add_shards_command(CLI::App& app);
 Command add_encode_command(CLI::App& app);
 
+// `ddm export` (apps/export_cli.cpp).
+Command add_export_command(CLI::App& app);
+
 // `ddm quickstart` (apps/quickstart_cli.cpp).
 Command add_quickstart_command(CLI::App& app);
 

@@ -8,6 +8,7 @@
 //   plan                                                  apps/plan_cli.cpp
 //   shards write, encode                                  apps/shards_cli.cpp
 //   text tokenize                                         apps/text_cli.cpp
+//   export                                                apps/export_cli.cpp
 // Exit status: 0; 1 for an error; 2 (kExitBadInput, core/error.h) when the command line or the
 // config was refused before anything ran (running it again unchanged fails the same way); 128 + the
 // signal for a run stopped by SIGINT / SIGTERM.
@@ -44,6 +45,7 @@ int run(int argc, char** argv) {
   commands.push_back(add_shards_command(app));
   commands.push_back(add_encode_command(app));
   commands.push_back(add_text_command(app));
+  commands.push_back(add_export_command(app));
   commands.push_back(add_presets_command(app));
   try {
     app.parse(argc, argv);

@@ -30,6 +30,7 @@
 #include "run/trainer.h"
 #include "train/controlnet.h"
 #include "train/embed.h"
+#include "train/network.h"
 #include "train/latent.h"
 #include "train/text.h"
 
@@ -114,7 +115,7 @@ PipeProfile measure(const PlanArgs& a, int64_t* batch) {
                                               a.device.empty() ? "train.device" : "--device");
   configure_math(device, cfg.train.deterministic);
   torch::manual_seed(0);
-  Net net = make_net(cfg.model);
+  Net net = make_network(cfg);
   attach_controlnet(*net, cfg.model);
   auto objective = job.objective ? job.objective : make_objective(cfg);
   const auto latent = attach_latent(*objective, cfg.model, device, cfg.train.cache_latents ? &job.data : nullptr,

@@ -309,6 +309,27 @@ std::function<void(int64_t, int64_t)> sampling_progress(bool tty) {
 
 }  // namespace
 
+// --init-noise FILE: its tensor "noise", float [n, C, H, W] of the model's input shape, finite.
+static torch::Tensor read_init_noise(const std::string& file, int64_t n, const ModelConfig& m) {
+  SafetensorsFile f;
+  try {
+    f = load_safetensors(file);
+  } catch (const Error& e) {
+    DDM_FAIL("--init-noise " << file << ": " << e.what());
+  }
+  const auto it = f.tensors.find("noise");
+  DDM_CHECK(it != f.tensors.end(), "--init-noise " << file << ": no tensor named \"noise\" (it holds "
+                                                   << f.tensors.size() << " other tensors)");
+  const torch::Tensor& x = it->second;
+  const std::vector<int64_t> want{n, m.in_channels, m.image_size, m.image_size};
+  DDM_CHECK(x.is_floating_point() && x.sizes() == torch::IntArrayRef(want),
+            "--init-noise " << file << ": \"noise\" is " << x.scalar_type() << " " << x.sizes() << ", but --n " << n
+                            << " samples of this model start from float " << torch::IntArrayRef(want)
+                            << (m.latent.empty() ? "" : " (its latents)"));
+  DDM_CHECK(torch::isfinite(x).all().item<bool>(), "--init-noise " << file << ": \"noise\" holds NaN or inf");
+  return x.to(torch::kFloat);
+}
+
 // The sampling flags as the run's defaults fill them in: a.n images (per_class for `ddm eval`'s rows).
 GenerateOptions generate_options(const SampleArgs& a, const LoadedModel& m) {
   GenerateOptions g;
@@ -323,6 +344,7 @@ GenerateOptions generate_options(const SampleArgs& a, const LoadedModel& m) {
   g.per_class = classes > 0 ? std::max<int64_t>(1, (a.n + classes - 1) / classes) : a.n;
   g.on_progress = sampling_progress(isatty(fileno(stdout)));
   g.decode = image_decoder(m);  // latent models: the frozen decoder
+  if (!a.init_noise.empty()) g.init_noise = read_init_noise(a.init_noise, a.n, m.cfg.model);
   return g;
 }
 
@@ -383,13 +405,15 @@ void write_samples(const SampleArgs& a) {
     f.tensors["images"] = to_uint8(out.images);
     f.tensors["labels"] = out.labels;
     f.tensors["samples"] = out.images;
+    if (out.latents.defined()) f.tensors["latents"] = out.latents;
     f.metadata["checkpoint"] = src.name;
     f.metadata["data_source"] = origin_of(m.cfg.data);  // ddm eval refuses samples of non-Fashion-MNIST models
     f.metadata["sampler"] = g.sample.sampler;
     f.metadata["steps"] = std::to_string(g.sample.steps);
     f.metadata["cfg"] = std::to_string(g.sample.cfg);
     save_safetensors(a.raw, f);
-    std::cout << "wrote " << a.raw << " (images uint8 NCHW, labels, samples float in [-1, 1])" << std::endl;
+    std::cout << "wrote " << a.raw << " (images uint8 NCHW, labels, samples float in [-1, 1]"
+              << (out.latents.defined() ? ", latents: the sampled latents before decoding" : "") << ")" << std::endl;
   }
 }
 
@@ -410,6 +434,10 @@ void add_sample_flags(CLI::App* cmd, SampleArgs& a) {
   cmd->add_option("--negative-prompt", a.negative_prompt,
                   "what guidance steers away from (default: the empty prompt, the null condition the model learned)");
   cmd->add_option("--seed", a.seed, "sampling seed")->check(kNonNegative);
+  cmd->add_option("--init-noise", a.init_noise,
+                  "a safetensors file whose tensor `noise` [n, C, H, W] (float, one row per image; a latent model's "
+                  "latent shape) is the noise the samples start from instead of the seeded draws, as diffusers "
+                  "pipelines take `latents=`");
   cmd->add_option("--batch", a.batch, "images per network batch")->check(kPositive);
   cmd->add_option("--threads", a.threads, "intra-op threads (0 = all cores)")->check(kNonNegative);
   cmd->add_flag("--no-ema", a.no_ema, "use the raw weights instead of the EMA");

@@ -213,8 +213,15 @@ std::vector<Field> fields(RunConfig& c) {
       field("model.text_dim", &c.model.text_dim),
       field("model.text_pooled_dim", &c.model.text_pooled_dim),
       field("model.text_tokens", &c.model.text_tokens),
+      field("model.unet", &c.model.unet),
+      field("model.unet_sha256", &c.model.unet_sha256),
       field("diffusion.objective", &c.diffusion.objective),
       field("diffusion.schedule", &c.diffusion.schedule),
+      field("diffusion.beta_schedule", &c.diffusion.beta_schedule),
+      field("diffusion.beta_start", &c.diffusion.beta_start),
+      field("diffusion.beta_end", &c.diffusion.beta_end),
+      field("diffusion.timesteps", &c.diffusion.timesteps),
+      field("diffusion.scheduler", &c.diffusion.scheduler),
       field("diffusion.time_dist", &c.diffusion.time_dist),
       field("diffusion.logit_mean", &c.diffusion.logit_mean),
       field("diffusion.logit_std", &c.diffusion.logit_std),
@@ -475,7 +482,20 @@ void validate_data(const RunConfig& c) {
 // The model: its architecture, latent / ControlNet / embedding conditioning, sizes.
 void validate_model(const RunConfig& c) {
   const ModelConfig& m = c.model;
-  check_choice("model.arch", m.arch, {"unet", "dit", "router-dit", "router-conv", "autoencoder"});
+  check_choice("model.arch", m.arch, {"unet", "dit", "router-dit", "router-conv", "autoencoder", "sd-unet"});
+  if (m.arch == "sd-unet") {
+    DDM_CHECK(!m.unet.empty(), "model.arch = sd-unet is diffusers' UNet2DConditionModel: set model.unet to its folder "
+                               "(config.json, and weights to fine-tune) or to a Stable Diffusion pipeline directory");
+    DDM_CHECK(!m.text_encoder.empty(), "model.arch = sd-unet attends to a text encoder's states: set model.text_encoder "
+                                       "(a Stable Diffusion pipeline directory gives its own)");
+    DDM_CHECK(m.controlnet.empty() && m.embed.empty() && c.train.self_cond == 0,
+              "model.arch = sd-unet: " << (!m.controlnet.empty() ? "model.controlnet" : !m.embed.empty() ? "model.embed"
+                                                                                                       : "train.self_cond")
+                                       << " is not supported with diffusers' UNet yet; remove it");
+  }
+  DDM_CHECK(m.arch == "sd-unet" || (m.unet.empty() && m.unet_sha256.empty()),
+            "model.unet and model.unet_sha256 describe diffusers' UNet, which model.arch = sd-unet trains; set it, or "
+            "remove them");
   if (m.arch == "autoencoder") {
     DDM_CHECK(c.data.partition.empty(), "model.arch = autoencoder trains on all the data: remove data.partition");
     DDM_CHECK(c.train.teacher.empty(), "model.arch = autoencoder cannot be distilled: remove train.teacher");
@@ -508,9 +528,9 @@ void validate_model(const RunConfig& c) {
   DDM_CHECK(m.embed.empty() || c.train.label_dropout > 0,
             "model.embed with train.label_dropout = 0: the null embedding that guidance and sampling without "
             "references use would never be trained; set train.label_dropout > 0 (e.g. 0.1)");
-  DDM_CHECK(m.text_encoder.empty() || m.arch == "unet" || m.arch == "dit" || m.arch == "router-dit" || m.arch == "router-conv",
+  DDM_CHECK(m.text_encoder.empty() || m.arch != "autoencoder",
             "model.text_encoder = " << m.text_encoder << " conditions a diffusion backbone or a router (model.arch = unet | dit | "
-                                    "router-dit | router-conv), not " << m.arch);
+                                    "sd-unet | router-dit | router-conv), not " << m.arch);
   DDM_CHECK(m.text_encoder.empty() || (m.controlnet.empty() && m.embed.empty()),
             "model.text_encoder with model." << (m.controlnet.empty() ? "embed" : "controlnet") << ": not supported yet; remove one");
   DDM_CHECK(!m.text_encoder.empty() || (m.text_sha256.empty() && m.text_skip == 0 && m.text_dim == 0 &&
@@ -547,7 +567,15 @@ void validate_model(const RunConfig& c) {
 void validate_diffusion(const RunConfig& c) {
   const DiffusionConfig& d = c.diffusion;
   check_choice("diffusion.objective", d.objective, {"flow", "eps", "v"});
-  check_choice("diffusion.schedule", d.schedule, {"linear", "cosine"});
+  check_choice("diffusion.schedule", d.schedule, {"linear", "cosine", "discrete"});
+  DDM_CHECK(d.objective != "flow" || d.schedule != "discrete",
+            "diffusion.schedule = discrete is a VP schedule, for diffusion.objective = eps or v (flow has its own path)");
+  check_choice("diffusion.beta_schedule", d.beta_schedule, {"linear", "scaled_linear", "squaredcos_cap_v2"});
+  DDM_CHECK(d.beta_start > 0 && d.beta_start < 1, "diffusion.beta_start must be in (0, 1), got " << d.beta_start);
+  DDM_CHECK(d.beta_end > 0 && d.beta_end < 1, "diffusion.beta_end must be in (0, 1), got " << d.beta_end);
+  DDM_CHECK(d.beta_schedule == "squaredcos_cap_v2" || d.beta_start < d.beta_end,
+            "diffusion.beta_start (" << d.beta_start << ") must be below diffusion.beta_end (" << d.beta_end << ")");
+  DDM_CHECK(d.timesteps >= 2 && d.timesteps <= 100000, "diffusion.timesteps must be in [2, 100000], got " << d.timesteps);
   check_choice("diffusion.time_dist", d.time_dist, {"uniform", "logit-normal"});
   DDM_CHECK(d.logit_std > 0, "diffusion.logit_std must be > 0, got " << d.logit_std);
 }

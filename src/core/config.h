@@ -44,7 +44,7 @@ struct DataConfig {
 
 struct ModelConfig {
   std::string preset = "unet-tiny";  // see src/core/presets.h; explicit keys below override it
-  std::string arch = "unet";         // unet | dit | router-dit | router-conv | autoencoder
+  std::string arch = "unet";         // unet | dit | router-dit | router-conv | autoencoder | sd-unet
   // Filled from the dataset at train time (0 = take from data); recorded in the resolved config.
   int64_t in_channels = 0;
   int64_t image_size = 0;
@@ -108,11 +108,29 @@ struct ModelConfig {
   int64_t text_dim = 0;
   int64_t text_pooled_dim = 0;
   int64_t text_tokens = 0;
+  // Stable Diffusion's UNet (model.arch = sd-unet, docs/stable-diffusion.md): diffusers'
+  // UNet2DConditionModel of `unet`, its folder (config.json, and its weights to fine-tune them; without
+  // weights it trains from its initialization) or a pipeline directory holding it as unet/. The other
+  // U-Net and DiT keys do not apply. Resolved at train time and recorded: unet names the absolute
+  // folder and unet_sha256 its config.json (the architecture, checked on every load; the checkpoints
+  // hold the weights).
+  std::string unet;
+  std::string unet_sha256;
 };
 
 struct DiffusionConfig {
   std::string objective = "flow";     // flow (velocity) | eps | v
-  std::string schedule = "linear";    // eps / v only: linear | cosine (flow is always linear interp.)
+  // eps / v only: linear | cosine (continuous VP schedules) | discrete (DDPM's and Stable
+  // Diffusion's: `timesteps` betas of `beta_schedule`, diffusion/path.h). Flow is always linear interp.
+  std::string schedule = "linear";
+  // The discrete schedule, under diffusers' names; the defaults are Stable Diffusion's.
+  std::string beta_schedule = "scaled_linear";  // linear | scaled_linear | squaredcos_cap_v2
+  double beta_start = 0.00085;
+  double beta_end = 0.012;
+  int64_t timesteps = 1000;  // also the scale of a diffusers UNet's timestep input (t * timesteps - 1)
+  // A diffusers scheduler (scheduler_config.json, its folder or a pipeline directory): resolved at
+  // train time into schedule = discrete and the four keys above, and checked against the objective.
+  std::string scheduler;
   std::string time_dist = "uniform";  // uniform | logit-normal
   double logit_mean = 0.0;
   double logit_std = 1.0;

@@ -15,6 +15,7 @@
 #include "decentral/partition.h"
 #include "diffusion/path.h"
 #include "model/net.h"
+#include "train/network.h"
 
 namespace fs = std::filesystem;
 
@@ -79,7 +80,7 @@ std::shared_ptr<DistillTeacher> load_distill_teacher(const RunConfig& cfg, Datas
   const auto sizes = p.sizes.to(torch::kDouble);
   for (int64_t k = 0; k < t->ens.k; ++k)
     t->flops_per_image += sizes[k].item<double>() / sizes.sum().item<double>() *
-                          forward_flops_per_image(t->ens.experts[k]->cfg.model);
+                          network_flops_per_image(t->ens.experts[k]->cfg.model);
   return t;
 }
 

@@ -16,6 +16,7 @@
 #include "model/net.h"
 #include "model/router.h"
 #include "train/checkpoint.h"
+#include "train/network.h"
 #include "train/text.h"
 
 namespace fs = std::filesystem;
@@ -156,7 +157,7 @@ nlohmann::json assemble_ensemble(const std::string& dir, const EnsembleSpec& spe
                  {"checkpoint", stored_path(dir, r.checkpoint)},
                  {"step", r.step},
                  {"preset", r.cfg.model.preset},
-                 {"forward_flops", forward_flops_per_image(r.cfg.model)},
+                 {"forward_flops", network_flops_per_image(r.cfg.model)},
                  {"weights_sha256", weights_hashes(r.checkpoint)}};
   m["image"] = {{"channels", channels}, {"size", size}, {"num_classes", classes}};
   fs::create_directories(dir);
@@ -242,7 +243,7 @@ std::unique_ptr<Ensemble> make_ensemble(const LoadedEnsemble& e, const Routing& 
   for (const auto& x : e.experts) {
     dens.push_back(x ? std::optional<Denoiser>(make_denoiser(*x)) : std::nullopt);
     if (dens.back()) dens.back()->set_precision(precision);
-    flops.push_back(x ? forward_flops_per_image(x->cfg.model) : 0.0);
+    flops.push_back(x ? network_flops_per_image(x->cfg.model) : 0.0);
   }
   torch::Device device = torch::kCPU;  // where load_ensemble put the networks: the first present expert's
   for (const auto& d : dens)
@@ -268,7 +269,7 @@ std::unique_ptr<Ensemble> make_ensemble(const LoadedEnsemble& e, const Routing& 
       Autocast autocast(x.device(), precision);
       return net(x, t, y);  // [B, K]
     };
-    router_flops = forward_flops_per_image(e.router.cfg.model);
+    router_flops = network_flops_per_image(e.router.cfg.model);
   }
   auto ensemble = std::make_unique<Ensemble>(std::move(dens), std::move(flops), std::move(router), router_flops, path,
                                              first.cfg.model.num_classes, routing, seed, device);

@@ -37,11 +37,15 @@ Generated generate(const Denoiser& den, int64_t channels, int64_t size, const Ge
             "generate: " << opt.embed.size(0) << " embeddings for " << opt.n << " samples");
   DDM_CHECK(!opt.text.context.defined() || opt.text.context.size(0) == opt.n,
             "generate: " << opt.text.context.size(0) << " prompt encodings for " << opt.n << " samples");
-  std::vector<torch::Tensor> chunks;
+  DDM_CHECK(!opt.init_noise.defined() || opt.init_noise.sizes() == torch::IntArrayRef({opt.n, channels, size, size}),
+            "generate: initial noise of shape " << opt.init_noise.sizes() << " for " << opt.n << " samples of "
+                                                << channels << "x" << size << "x" << size);
+  std::vector<torch::Tensor> chunks, latents;
   for (int64_t start = 0; start < opt.n; start += opt.batch_size) {
     const int64_t b = std::min(opt.batch_size, opt.n - start);
     std::vector<torch::Tensor> noise;
-    for (int64_t i = start; i < start + b; ++i) {
+    if (opt.init_noise.defined()) noise.push_back(opt.init_noise.narrow(0, start, b).to(torch::kFloat));  // [b,C,H,W]
+    for (int64_t i = start; i < start + b && !opt.init_noise.defined(); ++i) {
       auto gen = make_generator(derive_seed({opt.seed, static_cast<uint64_t>(RngPurpose::kSample), 0xfeedULL,
                                              static_cast<uint64_t>(i)}));
       noise.push_back(torch::randn({1, channels, size, size}, gen));  // [1,C,H,W]
@@ -63,10 +67,12 @@ Generated generate(const Denoiser& den, int64_t channels, int64_t size, const Ge
     c = c.to(dev);
     auto res = sample(den, torch::cat(noise).to(dev), c, so);                            // [b,C,H,W]
     chunks.push_back((opt.decode ? opt.decode(res.x) : res.x.clamp(-1, 1)).to(torch::kCPU));  // [b, C, H, W]
+    if (opt.decode) latents.push_back(res.x.to(torch::kCPU));                                  // [b, z, h, w]
     g.nfe = res.nfe;
     if (opt.on_progress) opt.on_progress(start + b, opt.n);
   }
   g.images = torch::cat(chunks);
+  if (!latents.empty()) g.latents = torch::cat(latents);
   // A NaN survives clamp() and would be written as a black tile: refuse instead.
   const int64_t bad = torch::isfinite(g.images.reshape({opt.n, -1})).all(1).logical_not().sum().item<int64_t>();
   DDM_CHECK(bad == 0, bad << " of " << opt.n << " samples hold NaN or inf: the model produced non-finite output "

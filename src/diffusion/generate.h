@@ -31,6 +31,9 @@ struct GenerateOptions {
   // the other fields unset); undefined context: none. Guidance's unconditional branch takes the
   // denoiser's null text (Denoiser::set_null_text).
   Cond text;
+  // Each sample's noise at t = 1, float [n, C, H, W] (`ddm sample --init-noise`: the latents another
+  // library starts from); undefined: drawn from (seed, sample number).
+  torch::Tensor init_noise;
   // Each sample's label, int64 [n] (e.g. of the test images the control maps come from); undefined:
   // from class_id and per_class.
   torch::Tensor labels;
@@ -39,6 +42,7 @@ struct GenerateOptions {
 struct Generated {
   torch::Tensor images;  // float [N, C, H, W] in [-1, 1] (clamped; decoded with GenerateOptions::decode)
   torch::Tensor labels;  // int64 [N] (num_classes = unconditional)
+  torch::Tensor latents;  // latent models: what was sampled, before decoding, float [N, z, h, w]; else undefined
   int64_t nfe = 0;       // network evaluations per sample
   double seconds = 0;
 };

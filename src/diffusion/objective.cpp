@@ -15,7 +15,15 @@
 #include "model/router.h"
 
 namespace ddm {
+
 namespace {
+// A number as written in a config: 0.00085, not 0.000850000.
+std::string format_number(double v) {
+  std::ostringstream o;
+  o << v;
+  return o.str();
+}
+
 uint64_t u64(int64_t v) { return static_cast<uint64_t>(v); }
 
 // One key per sample: (seed, purpose, step, position in the global batch).
@@ -53,7 +61,9 @@ torch::Tensor Objective::draw_time(int64_t step, int64_t first, int64_t n) const
       u = 1.0 / (1.0 + std::exp(-(normal_from_key(key) * diffusion_.logit_std + diffusion_.logit_mean)));
     else
       u = uniform_from_key(key);
-    p[j] = static_cast<float>(t_min + (1.0 - t_min) * u);
+    // The discrete path trains at its timesteps' times (k + 1) / T only, as diffusers' scripts do.
+    p[j] = static_cast<float>(path_.kind() == PathKind::kDiscrete ? discrete_time(u, path_.timesteps())
+                                                                  : t_min + (1.0 - t_min) * u);
   }
   return t;
 }
@@ -174,6 +184,11 @@ torch::Tensor Objective::loss(const torch::Tensor& out, const Prepared& p) const
 }
 
 std::string Objective::describe() const {
+  if (path_.kind() == PathKind::kDiscrete)
+    return diffusion_.objective + " on the discrete schedule (" + diffusion_.beta_schedule + " betas " +
+           format_number(diffusion_.beta_start) + ".." + format_number(diffusion_.beta_end) + " over " +
+           std::to_string(diffusion_.timesteps) + " timesteps), each timestep drawn " +
+           (diffusion_.time_dist == "uniform" ? "alike" : "by " + diffusion_.time_dist);
   return diffusion_.objective + " on path " + path_.name() + ", t " + diffusion_.time_dist;
 }
 

@@ -38,7 +38,10 @@ std::vector<double> time_grid(const NoisePath& path, int64_t steps) {
   }
   // EDM (Karras et al. 2022) rho-schedule in r = sigma / alpha, mapped back to t by bisection
   // (r is increasing in t); the last point is t = 0.
-  const double rho = 7.0, r_max = path.sigma(1.0) / path.alpha(1.0), r_min = 0.002;
+  // A discrete path's least noise is its timestep 0's (t = 1 / T): the grid ends there, then at the data.
+  const double rho = 7.0, r_max = path.sigma(1.0) / path.alpha(1.0);
+  const double t_least = path.kind() == PathKind::kDiscrete ? 1.0 / static_cast<double>(path.timesteps()) : 0.0;
+  const double r_min = std::max(0.002, path.sigma(t_least) / path.alpha(t_least));
   auto t_of = [&](double r) {
     double lo = 0.0, hi = 1.0;
     for (int k = 0; k < 60; ++k) {

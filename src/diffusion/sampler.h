@@ -1,6 +1,7 @@
 // Samplers over a Denoiser, integrating from t = 1 (noise) to t = 0 (data) on a time grid that is
 // uniform in t for the flow path and, for VP paths, follows the EDM schedule (rho = 7) in the
-// noise-to-signal ratio sigma/alpha down to 0.002, which puts steps where the VP paths change fastest:
+// noise-to-signal ratio sigma/alpha down to 0.002 (a discrete path: down to its timestep 0's, then
+// the data), which puts steps where the VP paths change fastest:
 //   euler  first-order probability-flow ODE          NFE = steps
 //   heun   second-order ODE (Euler on the last step)  NFE = 2 * steps - 1
 //   ddim   deterministic DDIM (eta = 0)               NFE = steps

@@ -19,6 +19,8 @@ namespace {
 // Checks the fields every architecture needs; the arch-specific ones are checked by
 // validate_unet / validate_dit.
 void validate_common(const ModelConfig& cfg) {
+  DDM_CHECK(cfg.arch != "sd-unet", "model.arch = sd-unet is diffusers' UNet, which make_network (train/network.h) "
+                                   "builds, and network_flops_per_image counts");
   DDM_CHECK(cfg.arch == "unet" || cfg.arch == "dit" || cfg.arch == "autoencoder" || is_router_arch(cfg.arch),
             "model.arch = '" << cfg.arch
                              << "' is not a known architecture; use unet, dit, router-dit, router-conv or autoencoder");

@@ -9,6 +9,7 @@
 #include "train/controlnet.h"
 #include "train/embed.h"
 #include "train/latent.h"
+#include "train/network.h"
 #include "train/text.h"
 
 namespace ddm {
@@ -22,7 +23,9 @@ int set_threads(int64_t threads, int local_processes) {
   return n;
 }
 
-void resolve_data_shape(RunConfig& cfg, const Dataset& data) {
+namespace {
+
+void resolve_input_shape(RunConfig& cfg, const Dataset& data) {
   ModelConfig& m = cfg.model;
   const int64_t c = data.images.size(1), h = data.images.size(2), w = data.images.size(3);
   DDM_CHECK(h == w, "images must be square, got " << h << "x" << w << " from " << data.description);
@@ -51,6 +54,15 @@ void resolve_data_shape(RunConfig& cfg, const Dataset& data) {
             "model.image_size = " << m.image_size << " but the data is " << h << "x" << w << "; remove the key");
   m.in_channels = c;
   m.image_size = h;
+}
+
+}  // namespace
+
+void resolve_data_shape(RunConfig& cfg, const Dataset& data) {
+  if (cfg.model.arch == "sd-unet" && cfg.model.num_classes == -1) cfg.model.num_classes = 0;  // no class embedding
+  resolve_input_shape(cfg, data);
+  if (cfg.model.arch == "sd-unet") resolve_sd_unet(cfg.model);  // diffusers' UNet: its folder and sha256
+  if (!cfg.diffusion.scheduler.empty()) resolve_scheduler(cfg.diffusion);  // diffusers' training schedule
 }
 
 

@@ -14,6 +14,7 @@
 #include "model/unet.h"
 #include "train/controlnet.h"
 #include "train/embed.h"
+#include "train/network.h"
 #include "train/text.h"
 
 namespace fs = std::filesystem;
@@ -178,7 +179,9 @@ BuiltModel build_model(TrainJob& job, bool announce, torch::Device device) {
   static std::mutex init_mutex;  // the global generator: ranks may be threads of one process (tests)
   std::lock_guard<std::mutex> guard(init_mutex);
   torch::manual_seed(derive_seed({static_cast<uint64_t>(cfg.train.seed), static_cast<uint64_t>(RngPurpose::kInit)}));
-  m.net = make_net(cfg.model);
+  m.net = make_network(cfg);
+  const std::string pretrained = load_pretrained(*m.net, cfg.model);  // fine-tuning: the folder's weights
+  if (!pretrained.empty() && announce) std::cout << pretrained << std::endl;
   // Latent models: the frozen encoder runs in every step's prepare phase. Loaded under the lock
   // too: building it draws (then overwritten) initial weights from the global generator.
   if (cfg.train.cache_latents && announce)
@@ -308,8 +311,11 @@ void print_run_header(const TrainJob& job, const BuiltModel& model, const Parall
   const TrainConfig& tc = cfg.train;
   const Dataset& data = job.data;
   std::cout << "data:  " << data.description << "\n"
-            << "model: " << cfg.model.preset << " (" << cfg.model.arch << "), " << model.params
-            << " parameters, " << forward_flops_per_image(cfg.model) / 1e6 << " MFLOP/image forward\n"
+            << "model: "
+            << (cfg.model.arch == "sd-unet" ? "diffusers' UNet2DConditionModel of " + cfg.model.unet
+                                            : cfg.model.preset + " (" + cfg.model.arch + ")")
+            << ", " << model.params
+            << " parameters, " << network_flops_per_image(cfg.model) / 1e6 << " MFLOP/image forward\n"
             << "objective: " << job.objective->describe() << "\n";
   if (model.latent) {
     const AutoencoderShape& a = model.latent->shape();

@@ -50,6 +50,13 @@ void ConfigReader::widths(const char* key, std::vector<int64_t>& out) const {
     out.push_back(json_int(b[i], file + ": " + key + "[" + std::to_string(i) + "]", 1, 1 << 16));
 }
 
+bool has_diffusers_weights(const std::string& dir) {
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(dir, ec))
+    if (e.path().filename().string().rfind("diffusion_pytorch_model.", 0) == 0) return true;
+  return false;
+}
+
 void load_diffusers_weights(torch::nn::Module& model, const std::string& dir, const std::string& config_file) {
   SafetensorsFile w = load_weights_dir(dir, "diffusion_pytorch_model");
   const std::string weights = (fs::path(dir) / "diffusion_pytorch_model.safetensors").string();

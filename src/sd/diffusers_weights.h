@@ -23,6 +23,10 @@ struct ConfigReader {
   void widths(const char* key, std::vector<int64_t>& out) const;  // a list of 1 to 16 widths
 };
 
+// Whether DIR holds weights of any kind (diffusion_pytorch_model.*: safetensors, their index, or a
+// pickle that load_diffusers_weights refuses with the conversion): a folder with none holds a config only.
+bool has_diffusers_weights(const std::string& dir);
+
 // Copies DIR's weights into `model`'s parameters (float32, on the CPU). Throws ddm::Error naming the
 // weights file and the tensor: one the model has and the file lacks, one of another shape (the shape
 // `config_file` makes), one of no floating type, one the file has and the model has no place for.

@@ -11,6 +11,7 @@
 
 #include "core/error.h"
 #include "core/json.h"
+#include "diffusion/path.h"
 #include "sd/diffusers_weights.h"
 
 namespace fs = std::filesystem;
@@ -74,21 +75,7 @@ SchedulerConfig load_scheduler_config(const std::string& dir) {
 }
 
 torch::Tensor alphas_cumprod(const SchedulerConfig& c) {
-  const int64_t T = c.num_train_timesteps;
-  torch::Tensor betas;
-  if (c.beta_schedule == "linear") {
-    betas = torch::linspace(c.beta_start, c.beta_end, T, torch::kFloat32);
-  } else if (c.beta_schedule == "scaled_linear") {
-    betas = torch::linspace(std::sqrt(c.beta_start), std::sqrt(c.beta_end), T, torch::kFloat32).pow(2);
-  } else {  // squaredcos_cap_v2: GLIDE's cosine, each beta capped at 0.999, in double, then float32
-    auto alpha_bar = [](double t) { return std::pow(std::cos((t + 0.008) / 1.008 * M_PI / 2), 2); };
-    std::vector<float> b(static_cast<size_t>(T));
-    for (int64_t i = 0; i < T; ++i)
-      b[static_cast<size_t>(i)] = static_cast<float>(std::min(
-          1 - alpha_bar(static_cast<double>(i + 1) / T) / alpha_bar(static_cast<double>(i) / T), 0.999));
-    betas = torch::tensor(b, torch::kFloat32);
-  }
-  return torch::cumprod(1.0 - betas, 0);  // float32 [T]
+  return discrete_alphas_cumprod(c.beta_schedule, c.beta_start, c.beta_end, c.num_train_timesteps);
 }
 
 }  // namespace ddm::sd

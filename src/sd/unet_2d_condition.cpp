@@ -340,55 +340,177 @@ UNet2DConditionModelImpl::UNet2DConditionModelImpl(UNet2DConditionConfig c) : c_
   conv_out = register_module("conv_out", conv(w[0], c_.out_channels, 3));
 }
 
-torch::Tensor UNet2DConditionModelImpl::forward(const torch::Tensor& sample, const torch::Tensor& timestep,
-                                                const torch::Tensor& context) {
+void UNet2DConditionModelImpl::check_inputs(const torch::Tensor& sample, const torch::Tensor& timestep,
+                                            const torch::Tensor& context) const {
   const int64_t B = sample.size(0), f = int64_t{1} << (c_.block_out_channels.size() - 1);
   DDM_CHECK(sample.dim() == 4 && sample.size(1) == c_.in_channels && sample.size(2) % f == 0 && sample.size(3) % f == 0,
             "UNet2DConditionModel: the sample must be [B, " << c_.in_channels << ", H, W] with H and W multiples of "
                                                             << f << ", got " << sample.sizes());
   DDM_CHECK(timestep.dim() == 1 && timestep.size(0) == B, "UNet2DConditionModel: one timestep per sample, got "
                                                               << timestep.sizes() << " for " << B);
-  DDM_CHECK(context.dim() == 3 && context.size(0) == B && context.size(2) == c_.cross_attention_dim,
+  DDM_CHECK(context.defined() && context.dim() == 3 && context.size(0) == B && context.size(2) == c_.cross_attention_dim,
             "UNet2DConditionModel: the context must be [" << B << ", T, " << c_.cross_attention_dim << "], got "
-                                                          << context.sizes());
-  auto* te = time_embedding->as<TimeEmbedding>();
-  const torch::Tensor t_emb = timestep_embedding(timestep, c_.block_out_channels[0]).to(sample.dtype());  // [B, w0]
-  const torch::Tensor temb = te->linear_2(F::silu(te->linear_1(t_emb)));                                 // [B, 4 w0]
-  torch::Tensor h = conv_in(sample);  // [B, w0, H, W]
-  std::vector<torch::Tensor> skips{h};
-  for (const auto& m : *down_blocks) {
-    auto* level = m->as<Level>();
-    for (size_t j = 0; j < level->resnets->size(); ++j) {
-      h = level->attend(j, level->resnet(j, h, temb), context);  // [B, w_i, H_i, W_i]
-      skips.push_back(h);
-    }
-    if (level->resample) {
-      h = level->resample(h);  // [B, w_i, H_i / 2, W_i / 2]
-      skips.push_back(h);
-    }
-  }
-  auto* mid = mid_block->as<Level>();
-  h = mid->resnet(1, mid->attend(0, mid->resnet(0, h, temb), context), temb);  // [B, w[-1], H/f, W/f]
-  for (const auto& m : *up_blocks) {
-    auto* level = m->as<Level>();
-    for (size_t j = 0; j < level->resnets->size(); ++j) {
-      h = torch::cat({h, skips.back()}, 1);  // [B, in + skip, h, w]
-      skips.pop_back();
-      h = level->attend(j, level->resnet(j, h, temb), context);
-    }
-    if (level->resample)  // nearest 2x, then a conv
-      h = level->resample(
-          F::interpolate(h, F::InterpolateFuncOptions().scale_factor(std::vector<double>{2.0, 2.0}).mode(torch::kNearest)));
-  }
-  return conv_out(F::silu(conv_norm_out(h)));  // [B, out_channels, H, W]
+                                                          << (context.defined() ? context.sizes() : torch::IntArrayRef{}));
 }
 
-UNet2DConditionModel load_unet_2d_condition(const std::string& dir) {
+void UNet2DConditionModelImpl::unit_in(NetCarry& k, const torch::Tensor& timestep) {
+  auto* te = time_embedding->as<TimeEmbedding>();
+  const torch::Tensor t_emb = timestep_embedding(timestep, c_.block_out_channels[0]).to(k.h.dtype());  // [B, w0]
+  k.emb = te->linear_2(F::silu(te->linear_1(t_emb)));                                                 // [B, 4 w0]
+  k.h = conv_in(k.h);                                                                                  // [B, w0, H, W]
+  k.skips = {k.h};
+}
+
+void UNet2DConditionModelImpl::unit_down(NetCarry& k, size_t i, size_t j, const torch::Tensor& context) {
+  auto* level = down_blocks[i]->as<Level>();
+  k.h = level->attend(j, level->resnet(j, k.h, k.emb), context);  // [B, w_i, H_i, W_i]
+  k.skips.push_back(k.h);
+}
+
+void UNet2DConditionModelImpl::unit_downsample(NetCarry& k, size_t i) {
+  k.h = down_blocks[i]->as<Level>()->resample(k.h);  // [B, w_i, H_i / 2, W_i / 2]
+  k.skips.push_back(k.h);
+}
+
+void UNet2DConditionModelImpl::unit_mid(NetCarry& k, const torch::Tensor& context) {
+  auto* mid = mid_block->as<Level>();
+  k.h = mid->resnet(1, mid->attend(0, mid->resnet(0, k.h, k.emb), context), k.emb);  // [B, w[-1], H/f, W/f]
+}
+
+void UNet2DConditionModelImpl::unit_up(NetCarry& k, size_t i, size_t j, const torch::Tensor& context) {
+  auto* level = up_blocks[i]->as<Level>();
+  k.h = torch::cat({k.h, k.skips.back()}, 1);  // [B, in + skip, h, w]
+  k.skips.pop_back();
+  k.h = level->attend(j, level->resnet(j, k.h, k.emb), context);  // [B, out, h, w]
+}
+
+void UNet2DConditionModelImpl::unit_upsample(NetCarry& k, size_t i) {  // nearest 2x, then a conv
+  k.h = up_blocks[i]->as<Level>()->resample(
+      F::interpolate(k.h, F::InterpolateFuncOptions().scale_factor(std::vector<double>{2.0, 2.0}).mode(torch::kNearest)));
+}
+
+void UNet2DConditionModelImpl::unit_out(NetCarry& k) {
+  k.h = conv_out(F::silu(conv_norm_out(k.h)));  // [B, out_channels, H, W]
+  k.emb = torch::Tensor();
+}
+
+torch::Tensor UNet2DConditionModelImpl::forward(const torch::Tensor& sample, const torch::Tensor& timestep,
+                                                const torch::Tensor& context) {
+  check_inputs(sample, timestep, context);
+  NetCarry k{sample, {}, {}};
+  unit_in(k, timestep);
+  for (size_t i = 0; i < down_blocks->size(); ++i) {
+    for (size_t j = 0; j < down_blocks[i]->as<Level>()->resnets->size(); ++j) unit_down(k, i, j, context);
+    if (down_blocks[i]->as<Level>()->resample) unit_downsample(k, i);
+  }
+  unit_mid(k, context);
+  for (size_t i = 0; i < up_blocks->size(); ++i) {
+    for (size_t j = 0; j < up_blocks[i]->as<Level>()->resnets->size(); ++j) unit_up(k, i, j, context);
+    if (up_blocks[i]->as<Level>()->resample) unit_upsample(k, i);
+  }
+  unit_out(k);
+  return k.h;  // [B, out_channels, H, W]
+}
+
+std::vector<NetUnit> UNet2DConditionModelImpl::units(std::function<torch::Tensor(const torch::Tensor&)> timestep) {
+  std::vector<NetUnit> u;
+  auto params = [](std::initializer_list<const nn::Module*> ms) {
+    std::vector<torch::Tensor> out;
+    for (const nn::Module* m : ms)
+      if (m)
+        for (const torch::Tensor& p : m->parameters()) out.push_back(p);
+    return out;
+  };
+  auto at = [](nn::ModuleList list, size_t j) -> const nn::Module* { return j < list->size() ? list[j].get() : nullptr; };
+  u.push_back({"in",
+               [this, timestep](NetCarry& k, const torch::Tensor& t, const Cond& c) {
+                 check_inputs(k.h, t, c.context);
+                 unit_in(k, timestep(t));
+               },
+               params({conv_in.get(), time_embedding.get()})});
+  for (size_t i = 0; i < down_blocks->size(); ++i) {
+    auto* level = down_blocks[i]->as<Level>();
+    for (size_t j = 0; j < level->resnets->size(); ++j)
+      u.push_back({"down" + std::to_string(i) + "_" + std::to_string(j),
+                   [this, i, j](NetCarry& k, const torch::Tensor&, const Cond& c) { unit_down(k, i, j, c.context); },
+                   params({at(level->resnets, j), at(level->attentions, j)})});
+    if (level->resample)
+      u.push_back({"downsample" + std::to_string(i), [this, i](NetCarry& k, const torch::Tensor&, const Cond&) { unit_downsample(k, i); },
+                   params({level->samplers.get()})});
+  }
+  u.push_back({"mid", [this](NetCarry& k, const torch::Tensor&, const Cond& c) { unit_mid(k, c.context); },
+               params({mid_block.get()})});
+  for (size_t i = 0; i < up_blocks->size(); ++i) {
+    auto* level = up_blocks[i]->as<Level>();
+    for (size_t j = 0; j < level->resnets->size(); ++j)
+      u.push_back({"up" + std::to_string(i) + "_" + std::to_string(j),
+                   [this, i, j](NetCarry& k, const torch::Tensor&, const Cond& c) { unit_up(k, i, j, c.context); },
+                   params({at(level->resnets, j), at(level->attentions, j)})});
+    if (level->resample)
+      u.push_back({"upsample" + std::to_string(i), [this, i](NetCarry& k, const torch::Tensor&, const Cond&) { unit_upsample(k, i); },
+                   params({level->samplers.get()})});
+  }
+  u.push_back({"out", [this](NetCarry& k, const torch::Tensor&, const Cond&) { unit_out(k); },
+               params({conv_norm_out.get(), conv_out.get()})});
+  return u;
+}
+
+double unet_2d_condition_flops(const UNet2DConditionConfig& c, int64_t H, int64_t W, int64_t tokens) {
+  const auto& w = c.block_out_channels;
+  const int64_t L = static_cast<int64_t>(w.size()), temb = c.time_embed_dim();
+  const double T = static_cast<double>(tokens), ctx = static_cast<double>(c.cross_attention_dim);
+  auto conv = [](double in, double out, double k, double n) { return 2 * in * out * k * k * n; };
+  auto resnet = [&](double in, double out, double n) {
+    return conv(in, out, 3, n) + conv(out, out, 3, n) + (in != out ? conv(in, out, 1, n) : 0.0) + 2.0 * temb * out;
+  };
+  auto transformer = [&](double ch, double n) {
+    const double proj = 2 * 2 * n * ch * ch;                                    // proj_in, proj_out
+    const double self = 4 * 2 * n * ch * ch + 2 * 2 * n * n * ch;                // q, k, v, out; scores, values
+    const double cross = 2 * 2 * n * ch * ch + 2 * 2 * T * ctx * ch + 2 * 2 * n * T * ch;
+    const double ff = 2 * n * ch * 8 * ch + 2 * n * 4 * ch * ch;                 // GEGLU in, out
+    return proj + self + cross + ff;
+  };
+  double n = static_cast<double>(H * W), f = conv(c.in_channels, w[0], 3, n) + 2.0 * (w[0] * temb + temb * temb);
+  std::vector<int64_t> skips{w[0]};
+  int64_t ch = w[0];
+  for (int64_t i = 0; i < L; ++i) {
+    for (int64_t j = 0; j < c.layers_per_block; ++j) {
+      f += resnet(ch, w[i], n) + (c.down_block_types[i] == "CrossAttnDownBlock2D" ? transformer(w[i], n) : 0.0);
+      ch = w[i];
+      skips.push_back(ch);
+    }
+    if (i + 1 < L) {
+      n /= 4;
+      f += conv(ch, ch, 3, n);  // stride 2
+      skips.push_back(ch);
+    }
+  }
+  f += 2 * resnet(ch, ch, n) + transformer(ch, n);  // the middle
+  for (int64_t i = 0; i < L; ++i) {
+    const int64_t out = w[L - 1 - i];
+    for (int64_t j = 0; j <= c.layers_per_block; ++j) {
+      f += resnet(ch + skips.back(), out, n) + (c.up_block_types[i] == "CrossAttnUpBlock2D" ? transformer(out, n) : 0.0);
+      skips.pop_back();
+      ch = out;
+    }
+    if (i + 1 < L) {
+      n *= 4;
+      f += conv(ch, ch, 3, n);  // after the nearest 2x
+    }
+  }
+  return f + conv(w[0], c.out_channels, 3, n);
+}
+
+UNet2DConditionConfig load_unet_2d_condition_config(const std::string& dir) {
   const std::string config_file = (fs::path(dir) / "config.json").string();
   DDM_CHECK(fs::is_regular_file(config_file), dir << ": no config.json (a diffusers UNet2DConditionModel directory "
                                                   << "holds config.json and diffusion_pytorch_model.safetensors)");
-  UNet2DConditionModel model(parse_unet_2d_condition_config(read_json_file(config_file), config_file));
-  load_diffusers_weights(*model, dir, config_file);
+  return parse_unet_2d_condition_config(read_json_file(config_file), config_file);
+}
+
+UNet2DConditionModel load_unet_2d_condition(const std::string& dir) {
+  UNet2DConditionModel model(load_unet_2d_condition_config(dir));
+  load_diffusers_weights(*model, dir, (fs::path(dir) / "config.json").string());
   return model;
 }
 

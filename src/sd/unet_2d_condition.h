@@ -15,6 +15,7 @@
 // Heads per level: attention_head_dim, which in these configs counts heads (diffusers' legacy name).
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -26,6 +27,8 @@
 #include <torch/nn/modules/normalization.h>
 #include <torch/nn/pimpl.h>
 #include <torch/types.h>
+
+#include "model/net.h"
 
 namespace ddm::sd {
 
@@ -101,8 +104,22 @@ class UNet2DConditionModelImpl : public torch::nn::Module {
   // sample [B, in_channels, H, W] (H, W multiples of 2^(levels - 1)), timestep [B] on diffusers'
   // scale (0..999, any float), context [B, T, cross_attention_dim] -> [B, out_channels, H, W].
   torch::Tensor forward(const torch::Tensor& sample, const torch::Tensor& timestep, const torch::Tensor& context);
+  // forward as units (model/net.h), for pipeline stages and their profiler: from NetCarry{h = sample}
+  // they leave forward's output in h, bit for bit. A unit reads ddm's time t, which `timestep` maps to
+  // diffusers' scale, and the context from Cond::context. The carry's emb is the time embedding.
+  std::vector<NetUnit> units(std::function<torch::Tensor(const torch::Tensor&)> timestep);
 
  private:
+  void check_inputs(const torch::Tensor& sample, const torch::Tensor& timestep, const torch::Tensor& context) const;
+  // The pieces of forward, each a unit: k.h is the running activation, k.emb the time embedding, k.skips the skips.
+  void unit_in(NetCarry& k, const torch::Tensor& timestep);
+  void unit_down(NetCarry& k, size_t level, size_t j, const torch::Tensor& context);
+  void unit_downsample(NetCarry& k, size_t level);
+  void unit_mid(NetCarry& k, const torch::Tensor& context);
+  void unit_up(NetCarry& k, size_t level, size_t j, const torch::Tensor& context);
+  void unit_upsample(NetCarry& k, size_t level);
+  void unit_out(NetCarry& k);
+
   UNet2DConditionConfig c_;
   torch::nn::Conv2d conv_in{nullptr}, conv_out{nullptr};
   std::shared_ptr<torch::nn::Module> time_embedding, mid_block;
@@ -111,6 +128,13 @@ class UNet2DConditionModelImpl : public torch::nn::Module {
 };
 TORCH_MODULE(UNet2DConditionModel);
 
+// Analytic forward FLOPs of one sample of H x W latents attending to `tokens` text states (2 x the
+// multiply-accumulates of convolutions, linear layers and attention matmuls; norms and elementwise
+// ops ignored, as model/net.h's forward_flops_per_image counts ddm's own networks).
+double unet_2d_condition_flops(const UNet2DConditionConfig& c, int64_t H, int64_t W, int64_t tokens);
+
+// DIR/config.json's architecture (errors name the file).
+UNet2DConditionConfig load_unet_2d_condition_config(const std::string& dir);
 // A diffusers UNet2DConditionModel directory (config.json and diffusion_pytorch_model.safetensors or
 // its sharded index): the model with its weights, on the CPU in float32. Errors name the file and
 // the key or tensor.

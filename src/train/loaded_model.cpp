@@ -7,6 +7,7 @@
 #include "model/router.h"
 #include "train/checkpoint.h"
 #include "train/controlnet.h"
+#include "train/network.h"
 #include "train/optimizer.h"
 #include "train/text.h"
 
@@ -19,7 +20,7 @@ LoadedModel load_model(const std::string& path, bool use_ema, torch::Device devi
   m.cfg = parse_config(ck.config_toml, m.checkpoint + "/" + RunDir::kState + " (config)");
   m.step = ck.step;
   if (ck.state.contains("class_names")) m.class_names = ck.field<std::vector<std::string>>("/class_names");
-  m.net = make_net(m.cfg.model);
+  m.net = make_network(m.cfg);
   attach_controlnet(*m.net, m.cfg.model);  // a ControlNet's locked base, pinned by sha256
   load_module_state(*m.net, ck.model, RunDir(m.checkpoint) / RunDir::kModel);
   if (use_ema) load_module_state(*m.net, ck.ema, RunDir(m.checkpoint) / RunDir::kEma, LoadScope::kTrainable);

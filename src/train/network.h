@@ -1,0 +1,36 @@
+// The network of a run, whichever room defines it: ddm's own (model/net.h: make_net) or Stable
+// Diffusion's UNet in diffusers' format (model.arch = sd-unet, src/sd). Also resolves the keys that
+// name diffusers' folders (model.unet, diffusion.scheduler) before training, as the other frozen and
+// pretrained parts are resolved (train/latent.h, train/text.h): absolute paths, pinned by sha256.
+#pragma once
+#include "core/config.h"
+#include "model/net.h"
+
+namespace ddm {
+
+// model.arch = sd-unet, once the data's shape, the latent space and the text encoder are resolved:
+// model.unet becomes the UNet's absolute folder (a pipeline directory's unet/), unet_sha256 the sha256
+// of its config.json (a value already set must match: the architecture must not have changed). The
+// UNet must take model.in_channels and give as many, its downsampling must divide model.image_size,
+// its cross_attention_dim must be model.text_dim, and the model has no classes (num_classes -1
+// becomes 0). Throws ddm::Error naming the key, the folder and what to change.
+void resolve_sd_unet(ModelConfig& m);
+
+// diffusion.scheduler, when set: a diffusers scheduler (scheduler_config.json, its folder, or a
+// pipeline directory's scheduler/) becomes schedule = discrete and its beta_schedule, beta_start,
+// beta_end and timesteps (num_train_timesteps); the path is made absolute. Its prediction_type must be
+// the objective (epsilon: eps, v_prediction: v; "sample" is not trained by ddm).
+void resolve_scheduler(DiffusionConfig& d);
+
+// The network cfg describes, with its initial weights (sd-unet: from its initialization, not its
+// folder's weights; see load_pretrained). sd-unet's config.json is checked against model.unet_sha256.
+Net make_network(const RunConfig& cfg);
+
+// A fresh run's starting weights where the model has them: sd-unet with weights in its folder (to
+// fine-tune). Returns a line saying what was loaded, "" when nothing was.
+std::string load_pretrained(NetImpl& net, const ModelConfig& m);
+
+// forward_flops_per_image for every architecture (sd-unet: from its config.json, at text_tokens tokens).
+double network_flops_per_image(const ModelConfig& m);
+
+}  // namespace ddm
