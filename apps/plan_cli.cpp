@@ -123,7 +123,7 @@ PipeProfile measure(const PlanArgs& a, int64_t* batch) {
   const auto embedder = attach_embed(*objective, cfg.model, device);
   const auto text = attach_text(*objective, cfg.model, job.data, device);  // the frozen text encoder (or cached encodings)
   net->to(device);  // (initialized on the CPU)
-  std::cout << "profiling " << cfg.model.preset << " (" << cfg.model.arch << ") and its frozen work (" << workload_of(cfg, cached_text(cfg.model, job.data))
+  std::cout << "profiling " << network_name(cfg.model) << " and its frozen work (" << workload_of(cfg, cached_text(cfg.model, job.data))
             << ") at micro-batches of";
   for (int64_t r : rows) std::cout << " " << r;
   std::cout << " rows on " << (device.is_cuda() ? machine_name(device) + " (" + device.str() + ")" : "the CPU") << ", "

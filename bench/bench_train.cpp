@@ -84,8 +84,10 @@
 #include "train/controlnet.h"
 #include "train/embed.h"
 #include "train/latent.h"
+#include "train/network.h"
 #include "train/optimizer.h"
 #include "train/step.h"
+#include "train/text.h"
 
 using namespace ddm;
 using Clock = std::chrono::steady_clock;
@@ -442,11 +444,12 @@ int run_phases(const Args& a) {
   TrainJob job = prepare_train_job(load_config(a.preset, sets));
   const RunConfig& cfg = job.cfg;
   torch::manual_seed(0);
-  Net net = make_net(cfg.model);
+  Net net = make_network(cfg);  // ddm's networks and diffusers' UNet (model.arch = sd-unet)
   attach_controlnet(*net, cfg.model);
   auto objective = job.objective ? job.objective : make_objective(cfg);
   const auto latent = attach_latent(*objective, cfg.model, torch::kCPU, cfg.train.cache_latents ? &job.data : nullptr);
   const auto embedder = attach_embed(*objective, cfg.model);
+  const auto text = attach_text(*objective, cfg.model, job.data, torch::kCPU);  // the frozen text encoder
   TrainStep stepper(cfg, net, objective);
   auto* controlnet = dynamic_cast<ControlNetImpl*>(net.get());
   std::vector<double> locked;  // a ControlNet's locked decoder: forward + input-gradients
@@ -459,6 +462,8 @@ int run_phases(const Args& a) {
             job.data.labels.slice(0, first, first + a.batch),
             job.data.clusters.defined() ? job.data.clusters.slice(0, first, first + a.batch) : torch::Tensor(), 0,
             torch::arange(first, first + a.batch, torch::kLong)};
+    if (!job.data.captions.empty())
+      b.captions.assign(job.data.captions.begin() + first, job.data.captions.begin() + first + a.batch);
     stepper.run(b, i);
     if (i < a.warmup) continue;
     const StepTimes& t = stepper.last_times();
@@ -488,15 +493,17 @@ int run_phases(const Args& a) {
   nlohmann::json j = {{"mode", "phases"},
                       {"config", a.preset},
                       {"set", a.sets},
-                      {"model", cfg.model.preset + " (" + cfg.model.arch + ")"},
+                      {"model", network_name(cfg.model)},
+                      {"params", count_params(*net)},
                       {"input", std::to_string(cfg.model.in_channels) + "x" + std::to_string(cfg.model.image_size) +
                                     "x" + std::to_string(cfg.model.image_size)},
-                      {"frozen", latent ? (cfg.train.cache_latents ? "cached latents of " : "encoder of ") + latent->checkpoint()
+                      {"frozen", (text ? "text encoder " + cfg.model.text_encoder + (latent ? " and " : "") : std::string()) +
+                                     (latent ? (cfg.train.cache_latents ? "cached latents of " : "encoder of ") + latent->checkpoint()
                                         : !cfg.train.teacher.empty() ? "teacher ensemble " + cfg.train.teacher
                                         : embedder ? "embedding network " + embedder->path()
                                         : controlnet ? cfg.model.control + " maps and the locked encoder of " +
                                                            cfg.model.controlnet
-                                                     : "none"},
+                                                     : text ? "" : "none")},
                       {"batch", a.batch},
                       {"threads", a.threads},
                       {"steps", a.steps},

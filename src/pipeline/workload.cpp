@@ -10,6 +10,7 @@
 #include "core/error.h"
 #include "core/runtime.h"
 #include "data/latent_shards.h"
+#include "train/network.h"
 #include "train/step.h"
 
 namespace ddm {
@@ -49,7 +50,7 @@ PipeProfile profile_workload(const RunConfig& cfg, const Dataset& data, Net net,
   PipeProfile p;
   const ModelConfig& m = cfg.model;
   const torch::Device device = net->parameters().front().device();  // where the net was put, and the data goes
-  p.model = m.preset + " (" + m.arch + ") " + std::to_string(m.in_channels) + "x" + std::to_string(m.image_size) + "x" +
+  p.model = network_name(m) + " " + std::to_string(m.in_channels) + "x" + std::to_string(m.image_size) + "x" +
             std::to_string(m.image_size) + ", " + std::to_string(m.num_classes) + " classes";
   p.workload = workload;
   p.threads = static_cast<int>(cfg.train.threads);

@@ -311,10 +311,7 @@ void print_run_header(const TrainJob& job, const BuiltModel& model, const Parall
   const TrainConfig& tc = cfg.train;
   const Dataset& data = job.data;
   std::cout << "data:  " << data.description << "\n"
-            << "model: "
-            << (cfg.model.arch == "sd-unet" ? "diffusers' UNet2DConditionModel of " + cfg.model.unet
-                                            : cfg.model.preset + " (" + cfg.model.arch + ")")
-            << ", " << model.params
+            << "model: " << network_name(cfg.model) << ", " << model.params
             << " parameters, " << network_flops_per_image(cfg.model) / 1e6 << " MFLOP/image forward\n"
             << "objective: " << job.objective->describe() << "\n";
   if (model.latent) {

@@ -288,7 +288,9 @@ SdTransformerImpl::SdTransformerImpl(int64_t ch, int64_t heads, int64_t context_
 torch::Tensor SdTransformerImpl::forward(const torch::Tensor& x, const torch::Tensor& context) {
   const int64_t B = x.size(0), C = x.size(1), H = x.size(2), W = x.size(3);
   auto tokens = [&](const torch::Tensor& t) { return t.permute({0, 2, 3, 1}).reshape({B, H * W, C}); };  // [B, HW, C]
-  auto image = [&](const torch::Tensor& t) { return t.reshape({B, H, W, C}).permute({0, 3, 1, 2}); };    // [B, C, H, W]
+  // Contiguous, as diffusers makes it: the residual stream stays in NCHW order (GroupNorm's CPU kernels
+  // take another path for channels-last input).
+  auto image = [&](const torch::Tensor& t) { return t.reshape({B, H, W, C}).permute({0, 3, 1, 2}).contiguous(); };  // [B, C, H, W]
   torch::Tensor h = norm(x);
   h = linear_ ? proj_in->as<nn::Linear>()->forward(tokens(h)) : tokens(proj_in->as<nn::Conv2d>()->forward(h));
   h = transformer_blocks[0]->as<Block>()->forward(h, context);  // [B, HW, C]

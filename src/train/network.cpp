@@ -100,6 +100,11 @@ std::string load_pretrained(NetImpl& net, const ModelConfig& m) {
   return "started from the UNet's weights in " + m.unet;
 }
 
+std::string network_name(const ModelConfig& m) {
+  if (m.arch == "sd-unet") return "sd-unet (diffusers' UNet2DConditionModel of " + m.unet + ")";
+  return m.preset + " (" + m.arch + ")";
+}
+
 double network_flops_per_image(const ModelConfig& m) {
   if (m.arch != "sd-unet") return forward_flops_per_image(m);
   return sd::unet_2d_condition_flops(pinned_unet_config(m), m.image_size, m.image_size, m.text_tokens);

@@ -3,6 +3,8 @@
 // name diffusers' folders (model.unet, diffusion.scheduler) before training, as the other frozen and
 // pretrained parts are resolved (train/latent.h, train/text.h): absolute paths, pinned by sha256.
 #pragma once
+#include <string>
+
 #include "core/config.h"
 #include "model/net.h"
 
@@ -29,6 +31,10 @@ Net make_network(const RunConfig& cfg);
 // A fresh run's starting weights where the model has them: sd-unet with weights in its folder (to
 // fine-tune). Returns a line saying what was loaded, "" when nothing was.
 std::string load_pretrained(NetImpl& net, const ModelConfig& m);
+
+// How a run names its network in what it prints: "unet-tiny (unet)", or for sd-unet "sd-unet
+// (diffusers' UNet2DConditionModel of DIR)".
+std::string network_name(const ModelConfig& m);
 
 // forward_flops_per_image for every architecture (sd-unet: from its config.json, at text_tokens tokens).
 double network_flops_per_image(const ModelConfig& m);

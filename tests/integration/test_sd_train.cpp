@@ -207,3 +207,24 @@ TEST(SdTrain, WrongFoldersAndMisfitUnetsAreClearErrors) {
   test::expect_error(test::run_ddm(train + " --set model.unet=" + pickled), "safetensors");
   EXPECT_FALSE(fs::exists(dir / "run/ckpt"));
 }
+
+TEST(SdTrain, PlanProfilesTheUnetsUnitsAndItsFrozenWork) {
+  // `ddm plan` splits diffusers' UNet into its units (time embedding and conv_in, each down block's
+  // resnet and transformer, the middle, each up block's, the output) and profiles the VAE's encoder
+  // and the text encoder as the frozen work that bubble filling places.
+  ASSERT_EQ(pipeline().run.exit_code, 0) << pipeline().run.output;
+  test::TempDir dir;
+  const std::string sd = pipeline().dir + "/sd", root = dir / "images";
+  captioned_folder(root, 16);
+  test::write_text(dir / "sd.toml", config(root, sd));
+  const auto r = test::run_ddm("plan --config " + (dir / "sd.toml") + " --devices 2 --rows 1 --repeats 1 --batch 4 "
+                               "--save-profile " + (dir / "profile.json"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("profiling sd-unet (diffusers' UNet2DConditionModel of " + sd + "/unet) and its frozen work "
+                          "(latent encoder + text encoder)"),
+            std::string::npos)
+      << r.output;
+  const std::string profile = test::read_text(dir / "profile.json");
+  for (const char* unit : {"\"in\"", "\"down0_0\"", "\"downsample0\"", "\"mid\"", "\"up1_1\"", "\"upsample0\"", "\"out\""})
+    EXPECT_NE(profile.find(unit), std::string::npos) << unit;
+}

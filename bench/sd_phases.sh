@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# The pipeline seed's statistic on Stable Diffusion 2.1's real architecture: a training step of
+# diffusers' UNet (865M parameters, model.arch = sd-unet) on the VAE's latents with the CLIP ViT-H/14
+# text tower as SD 2.x keeps it, all at full size with random weights (bench/sd_pipeline.py, written
+# by diffusers), split at its phase boundaries by `ddm_bench phases`: the frozen work (the text
+# encoder on the captions and the VAE's encoder on the images, the prepare phase) against the
+# trainable forward + backward. DiffusionPipe reports 44% for SD 2.1. Images of SIZE px (random,
+# captioned), BATCH per step. Needs build/ with the benchmarks and about 6 GB of disk (the pipeline is
+# kept in SD_DIR, default /tmp/ddm-sd21, for the next run). Prints one JSON line per size.
+#
+# usage: bench/sd_phases.sh [SIZES="256 512"] [BATCH=1] [THREADS=2] [STEPS=3]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+sizes=${1:-256 512} batch=${2:-1} threads=${3:-2} steps=${4:-3}
+python=$(bash scripts/reference-env.sh)
+sd=${SD_DIR:-/tmp/ddm-sd21}
+[ -f "$sd/model_index.json" ] || "$python" bench/sd_pipeline.py "$sd"
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+for size in $sizes; do
+  "$python" - "$work/images-$size" "$size" "$batch" <<'PY'
+import os, sys
+import numpy as np
+from PIL import Image
+root, size, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+os.makedirs(root)
+rng = np.random.default_rng(0)
+for i in range(max(n, 2)):
+    Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8)).save(f"{root}/{i:03d}.png")
+    open(f"{root}/{i:03d}.txt", "w").write(f"a photograph of a random pattern, number {i}, in many colours\n")
+PY
+  cat > "$work/sd-$size.toml" <<TOML
+[data]
+source = "folder"
+root = "$work/images-$size"
+[model]
+arch = "sd-unet"
+unet = "$sd"
+latent = "$sd"
+text_encoder = "$sd"
+[diffusion]
+objective = "v"
+scheduler = "$sd"
+TOML
+  OMP_NUM_THREADS=$threads build/ddm_bench phases "$work/sd-$size.toml" --batch "$batch" --threads "$threads" \
+    --steps "$steps" --warmup 1
+done
