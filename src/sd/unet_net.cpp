@@ -4,6 +4,7 @@
 #include <filesystem>
 
 #include "core/error.h"
+#include "sd/pipeline_dir.h"
 
 namespace fs = std::filesystem;
 
@@ -28,13 +29,7 @@ std::vector<NetUnit> SdUNetNetImpl::units() {
 }
 
 std::string unet_folder(const std::string& path) {
-  const fs::path p(path);
-  if (fs::is_regular_file(p / "model_index.json")) {
-    DDM_CHECK(fs::is_directory(p / "unet"), path << " is a diffusers pipeline directory (model_index.json) without "
-                                                 << "a unet/ folder: name the UNet's folder instead");
-    return (p / "unet").string();
-  }
-  return p.string();
+  return is_pipeline_dir(path) ? pipeline_component(path, "unet", {"UNet2DConditionModel"}) : path;
 }
 
 }  // namespace ddm::sd

@@ -12,6 +12,7 @@
 #include "core/safetensors.h"
 #include "core/weights_dir.h"
 #include "data/latent_shards.h"
+#include "sd/pipeline_dir.h"
 #include "train/autoencoder_record.h"
 #include "train/checkpoint.h"
 #include "train/optimizer.h"
@@ -48,7 +49,7 @@ bool is_diffusers_vae(const fs::path& dir) {
 
 // model.latent as given: a diffusers pipeline's directory (model_index.json) stands for its vae/.
 fs::path diffusers_vae_dir(const fs::path& dir) {
-  return fs::is_regular_file(dir / "model_index.json") && is_diffusers_vae(dir / "vae") ? dir / "vae" : dir;
+  return sd::is_pipeline_dir(dir.string()) ? fs::path(sd::pipeline_component(dir.string(), "vae", {"AutoencoderKL"})) : dir;
 }
 
 sd::AutoencoderKLConfig diffusers_vae_config(const fs::path& dir) {
@@ -212,7 +213,11 @@ void resolve_latent(ModelConfig& m, const Dataset& data) {
   // Absolute and without a trailing slash: the resolved config is read from other directories too.
   fs::path dir = fs::absolute(m.latent).lexically_normal();
   if (dir.filename().empty()) dir = dir.parent_path();
-  dir = diffusers_vae_dir(dir);
+  try {
+    dir = diffusers_vae_dir(dir);
+  } catch (const Error& e) {
+    DDM_FAIL(key << ": " << e.what());
+  }
   if (is_diffusers_vae(dir)) {  // diffusers' AutoencoderKL: any image size its downsampling divides
     const sd::AutoencoderKLConfig vae = diffusers_vae_config(dir);
     const std::string sha = weights_sha256(weights_dir_files(dir.string(), "diffusion_pytorch_model"));

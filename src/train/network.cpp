@@ -7,6 +7,7 @@
 #include "core/fileio.h"
 #include "core/json.h"
 #include "sd/diffusers_weights.h"
+#include "sd/pipeline_dir.h"
 #include "sd/scheduler.h"
 #include "sd/unet_net.h"
 
@@ -34,9 +35,9 @@ void resolve_sd_unet(ModelConfig& m) {
   const std::string key = "model.unet = " + m.unet;
   DDM_CHECK(fs::is_directory(m.unet), key << ": no such directory (diffusers' UNet2DConditionModel folder, or a "
                                           << "Stable Diffusion pipeline directory)");
-  m.unet = fs::absolute(sd::unet_folder(m.unet)).lexically_normal().string();
   sd::UNet2DConditionConfig c;
   try {
+    m.unet = fs::absolute(sd::unet_folder(m.unet)).lexically_normal().string();
     c = pinned_unet_config(m);
   } catch (const Error& e) {
     DDM_FAIL(key << ": " << e.what());
@@ -61,7 +62,11 @@ void resolve_sd_unet(ModelConfig& m) {
 void resolve_scheduler(DiffusionConfig& d) {
   const std::string key = "diffusion.scheduler = " + d.scheduler;
   fs::path p(d.scheduler);
-  if (fs::is_regular_file(p / "model_index.json")) p /= "scheduler";
+  try {
+    if (sd::is_pipeline_dir(p.string())) p = sd::pipeline_component(p.string(), "scheduler", {});
+  } catch (const Error& e) {
+    DDM_FAIL(key << ": " << e.what());
+  }
   if (fs::is_regular_file(p)) p = p.parent_path();
   DDM_CHECK(fs::is_directory(p), key << ": no such file or directory (a diffusers scheduler_config.json, its folder "
                                      << "or a pipeline directory)");

@@ -188,9 +188,24 @@ TEST(SdTrain, WrongFoldersAndMisfitUnetsAreClearErrors) {
   test::expect_error(test::run_ddm(train + " --set model.unet=" + (dir / "none")), "model.unet = " + (dir / "none") + ": no such directory");
   fs::create_directories(dir / "empty");
   test::expect_error(test::run_ddm(train + " --set model.unet=" + (dir / "empty")), "no config.json");
-  fs::create_directories(dir / "pipe");
-  fs::copy_file(sd + "/model_index.json", dir / "pipe/model_index.json");
-  test::expect_error(test::run_ddm(train + " --set model.unet=" + (dir / "pipe")), "without a unet/ folder");
+  // Pipeline directories that do not hold what their model_index.json says, or hold something else.
+  const std::string pipe = dir / "pipe";
+  fs::create_directories(pipe);
+  fs::copy_file(sd + "/model_index.json", pipe + "/model_index.json");
+  test::expect_error(test::run_ddm(train + " --set model.unet=" + pipe),
+                     "model_index.json lists the unet (UNet2DConditionModel), but " + pipe + "/unet is missing");
+  test::expect_error(test::run_ddm(train + " --set model.latent=" + pipe),
+                     "model.latent = " + pipe + ": " + pipe + "/model_index.json lists the vae (AutoencoderKL), but");
+  std::string index = test::read_text(sd + "/model_index.json");
+  index.replace(index.find("\"UNet2DConditionModel\""), 22, "\"UNet2DModel\"");
+  index.replace(index.find("\"DDIMScheduler\""), 15, "null");
+  test::write_text(pipe + "/model_index.json", index);
+  test::expect_error(test::run_ddm(train + " --set model.unet=" + pipe),
+                     "the pipeline's unet is a UNet2DModel, and ddm reads UNet2DConditionModel there");
+  test::expect_error(test::run_ddm(train + " --set diffusion.scheduler=" + pipe),
+                     "diffusion.scheduler = " + pipe + ": " + pipe + "/model_index.json: the pipeline was saved without a scheduler");
+  test::write_text(pipe + "/model_index.json", "[1, 2]");
+  test::expect_error(test::run_ddm(train + " --set model.unet=" + pipe), "not a JSON object");
   // A UNet of 3 channels on 4-channel latents; an encoder of another width.
   test::expect_error(test::run_ddm(train + " --set model.unet=" + pipeline().dir + "/pixel-unet"),
                      "the UNet takes 3 and gives 3 channels, but the model's input has 4 (model.latent's latents)");
