@@ -4,7 +4,7 @@
 // diffusion.scheduler. The run takes the scheduler's discrete schedule and prediction type, starts
 // from the UNet's weights, pins its architecture by sha256, resumes bit for bit and samples. A UNet
 // given by its config.json alone trains from its initialisation, and learns captioned colours in
-// pixel space. Wrong folders, a UNet that does not fit the data or the encoder, and a changed UNet are
+// pixel space (400 steps). Wrong folders, a UNet that does not fit the data or the encoder, and a changed UNet are
 // clear errors.
 #include <gtest/gtest.h>
 
@@ -158,8 +158,8 @@ TEST(SdTrain, AUnetFromItsConfigAloneLearnsCaptionedColoursInPixelSpace) {
   captioned_folder(root, 8);
   test::write_text(dir / "px.toml", "[data]\nsource = \"folder\"\nroot = \"" + root + "\"\n[model]\narch = \"sd-unet\"\n"
                                     "unet = \"" + unet + "\"\ntext_encoder = \"" + sd + "\"\n[diffusion]\nobjective = \"v\"\n"
-                                    "schedule = \"discrete\"\n[train]\nsteps = 200\nbatch_size = 6\nwarmup = 5\n"
-                                    "threads = 1\nlog_every = 50\nckpt_every = 200\nseed = 3\n");
+                                    "schedule = \"discrete\"\n[train]\nsteps = 400\nbatch_size = 6\nwarmup = 5\n"
+                                    "threads = 1\nlog_every = 100\nckpt_every = 400\nseed = 3\n");
   const std::string run = dir / "run";
   auto r = test::run_ddm("train --config " + (dir / "px.toml") + " --out " + run);
   ASSERT_EQ(r.exit_code, 0) << r.output;
@@ -171,9 +171,10 @@ TEST(SdTrain, AUnetFromItsConfigAloneLearnsCaptionedColoursInPixelSpace) {
                     "'a green square' --prompt 'a blue square' --out " + (dir / "s.png") + " --raw " + (dir / "s.safetensors"));
   ASSERT_EQ(r.exit_code, 0) << r.output;
   const auto images = load_safetensors(dir / "s.safetensors").tensors.at("images").to(torch::kFloat);  // [12, 3, 8, 8]
-  // Each sample's brightest channel is its prompt's colour: at least 10 of the 12, and most of each row.
+  // Each sample's brightest channel is its prompt's colour: at least 11 of the 12, and most of each row
+  // (at 200 steps red and blue were still confused: 2 of 5 red samples were blue).
   const auto right = images.mean({2, 3}).argmax(1).eq(torch::arange(3, torch::kLong).repeat_interleave(4));  // [12]
-  EXPECT_GE(right.sum().item<int64_t>(), 10) << right;
+  EXPECT_GE(right.sum().item<int64_t>(), 11) << right;
   EXPECT_TRUE(right.view({3, 4}).sum(1).ge(3).all().item<bool>()) << right;
 }
 
