@@ -11,6 +11,7 @@
 #include "core/weights_dir.h"
 #include "data/latent_shards.h"
 #include "data/shard_stream.h"
+#include "sd/pipeline_dir.h"
 
 namespace ddm {
 
@@ -37,6 +38,10 @@ void resolve_text(ModelConfig& m, const Dataset& data) {
   const std::string dir = fs::absolute(m.text_encoder).lexically_normal().string();
   std::shared_ptr<text::TextEncoder> e;
   try {
+    if (sd::is_pipeline_dir(dir)) {  // diffusers' layout: the parts model_index.json records, of CLIP's classes
+      sd::pipeline_component(dir, "text_encoder", {"CLIPTextModel", "CLIPTextModelWithProjection"});
+      sd::pipeline_component(dir, "tokenizer", {"CLIPTokenizer", "CLIPTokenizerFast"});
+    }
     e = text::load_text_encoder(dir, options_of(m));
   } catch (const Error& err) {
     DDM_FAIL(key << ": " << err.what());

@@ -197,6 +197,8 @@ TEST(SdTrain, WrongFoldersAndMisfitUnetsAreClearErrors) {
                      "model_index.json lists the unet (UNet2DConditionModel), but " + pipe + "/unet is missing");
   test::expect_error(test::run_ddm(train + " --set model.latent=" + pipe),
                      "model.latent = " + pipe + ": " + pipe + "/model_index.json lists the vae (AutoencoderKL), but");
+  test::expect_error(test::run_ddm(train + " --set model.text_encoder=" + pipe),
+                     "model.text_encoder = " + pipe + ": " + pipe + "/model_index.json lists the text_encoder (CLIPTextModel), but");
   std::string index = test::read_text(sd + "/model_index.json");
   index.replace(index.find("\"UNet2DConditionModel\""), 22, "\"UNet2DModel\"");
   index.replace(index.find("\"DDIMScheduler\""), 15, "null");
