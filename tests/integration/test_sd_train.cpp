@@ -48,14 +48,20 @@ std::string config(const std::string& root, const std::string& sd) {
          sd + "\"\n[train]\nsteps = 4\nbatch_size = 4\nwarmup = 1\nthreads = 1\nlog_every = 1\nckpt_every = 2\nseed = 3\n";
 }
 
+// DIR/images (16 px) and DIR/sd.toml naming the pipeline for every part; returns the pipeline's directory.
+std::string write_sd_config(const test::TempDir& dir) {
+  const std::string sd = pipeline().dir + "/sd";
+  captioned_folder(dir / "images", 16);
+  test::write_text(dir / "sd.toml", config(dir / "images", sd));
+  return sd;
+}
+
 }  // namespace
 
 TEST(SdTrain, AStableDiffusionPipelineFineTunesResumesBitForBitAndSamples) {
   ASSERT_EQ(pipeline().run.exit_code, 0) << pipeline().run.output;
   test::TempDir dir;
-  const std::string sd = pipeline().dir + "/sd", root = dir / "images";
-  captioned_folder(root, 16);
-  test::write_text(dir / "sd.toml", config(root, sd));
+  const std::string sd = write_sd_config(dir), root = dir / "images";
   const std::string train = "train --config " + (dir / "sd.toml") + " --out ";
   auto r = test::run_ddm(train + (dir / "run") + " --set train.steps=2");
   ASSERT_EQ(r.exit_code, 0) << r.output;
@@ -181,9 +187,7 @@ TEST(SdTrain, AUnetFromItsConfigAloneLearnsCaptionedColoursInPixelSpace) {
 TEST(SdTrain, WrongFoldersAndMisfitUnetsAreClearErrors) {
   ASSERT_EQ(pipeline().run.exit_code, 0) << pipeline().run.output;
   test::TempDir dir;
-  const std::string sd = pipeline().dir + "/sd", root = dir / "images";
-  captioned_folder(root, 16);
-  test::write_text(dir / "sd.toml", config(root, sd));
+  const std::string sd = write_sd_config(dir), root = dir / "images";
   const std::string train = "train --config " + (dir / "sd.toml") + " --set train.steps=1 --out " + (dir / "run");
   // No such folder; a folder without config.json; a pipeline without unet/.
   test::expect_error(test::run_ddm(train + " --set model.unet=" + (dir / "none")), "model.unet = " + (dir / "none") + ": no such directory");
@@ -232,9 +236,7 @@ TEST(SdTrain, PlanProfilesTheUnetsUnitsAndItsFrozenWork) {
   // and the text encoder as the frozen work that bubble filling places.
   ASSERT_EQ(pipeline().run.exit_code, 0) << pipeline().run.output;
   test::TempDir dir;
-  const std::string sd = pipeline().dir + "/sd", root = dir / "images";
-  captioned_folder(root, 16);
-  test::write_text(dir / "sd.toml", config(root, sd));
+  const std::string sd = write_sd_config(dir), root = dir / "images";
   const auto r = test::run_ddm("plan --config " + (dir / "sd.toml") + " --devices 2 --rows 1 --repeats 1 --batch 4 "
                                "--save-profile " + (dir / "profile.json"));
   ASSERT_EQ(r.exit_code, 0) << r.output;
