@@ -11,6 +11,7 @@
 #include <gtest/gtest.h>
 
 #include <future>
+#include <sstream>
 
 #include "comm/grad_sync.h"
 #include "core/error.h"
@@ -103,6 +104,21 @@ struct Reentrant : torch::autograd::Function<Reentrant> {
 };
 
 std::shared_ptr<Comm> borrow(Comm& c) { return std::shared_ptr<Comm>(&c, [](Comm*) {}); }
+
+// "" when a and b are bit-identical; otherwise how many elements differ and the first one (its flat index
+// and bucket in small_buckets()'s layout: bucket 0 starts at the end), to tell a wrong local gradient
+// from a wrong reduction when a run fails.
+std::string differences(const torch::Tensor& a, const torch::Tensor& b) {
+  if (torch::equal(a, b)) return "";
+  const auto ne = (a != b).nonzero();
+  const int64_t i = ne.numel() ? ne[0][0].item<int64_t>() : -1;
+  std::ostringstream o;
+  o << ne.size(0) << " of " << a.numel() << " elements differ; the first at " << i << " ("
+    << (i >= 1400 ? "bucket 1, head" : i >= 1112 ? "bucket 2, shared + lin.bias" : i >= 88 ? "bucket 3, lin.weight"
+                                                                                    : "bucket 4, conv + unused")
+    << "): " << (i >= 0 ? a[i].item<float>() : 0.f) << " vs " << (i >= 0 ? b[i].item<float>() : 0.f);
+  return o.str();
+}
 
 }  // namespace
 
@@ -279,10 +295,10 @@ TEST(DistGradSync, FinishSyncsARankWhoseBackwardTouchedNothing) {
   });
   ASSERT_EQ(errors[0], "");
   ASSERT_EQ(errors[1], "");
-  EXPECT_TRUE(torch::equal(first[0], g[0] / 2));
-  EXPECT_TRUE(torch::equal(first[1], first[0]));
-  EXPECT_TRUE(torch::equal(second[0], g[0] / 2 + g[1] / 2));
-  EXPECT_TRUE(torch::equal(second[1], second[0]));
+  EXPECT_EQ(differences(first[0], g[0] / 2), "");
+  EXPECT_EQ(differences(first[1], first[0]), "");
+  EXPECT_EQ(differences(second[0], g[0] / 2 + g[1] / 2), "");
+  EXPECT_EQ(differences(second[1], second[0]), "");
 }
 
 TEST(DistGradSync, WorldOneIsANoOp) {
