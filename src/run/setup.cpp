@@ -139,6 +139,21 @@ int nccl_device(const RunConfig& cfg, torch::Device device, const DistEnv& env) 
   return shared ? -1 : device.index();
 }
 
+// Whether rank 0 will resume from a checkpoint, known to every rank (a collective unless rejoining: a
+// rejoining replica takes the group's weights and loads the pretrained ones as on a fresh start). A
+// directory rank 0 cannot list counts as none here; start_run then reports it.
+bool finds_checkpoint(const TrainOptions& opt, Comm& comm, bool rejoining) {
+  if (!opt.resume || rejoining) return false;
+  int64_t found = 0;
+  if (comm.rank() == 0) {
+    try {
+      found = latest_checkpoint(opt.out_dir) ? 1 : 0;
+    } catch (const std::exception&) {
+    }
+  }
+  return (comm.distributed() ? comm.max_int(found) : found) != 0;
+}
+
 }  // namespace
 
 JobProcess join_job(const RunConfig& cfg, TrainOptions& opt) {
@@ -146,6 +161,7 @@ JobProcess join_job(const RunConfig& cfg, TrainOptions& opt) {
   p.comm = opt.comm;
   if (p.comm) {
     p.device = train_device(cfg, DistEnv{});
+    p.from_checkpoint = finds_checkpoint(opt, *p.comm, false);
     return p;
   }
   const DistEnv env = detect_dist_env();
@@ -168,10 +184,11 @@ JobProcess join_job(const RunConfig& cfg, TrainOptions& opt) {
   CommOptions copts = comm_options(cfg.parallel);
   copts.nccl_device = nccl_device(cfg, p.device, env);
   p.comm = p.rejoining ? Comm::create_store_only(env, copts) : Comm::create(env, copts);
+  p.from_checkpoint = finds_checkpoint(opt, *p.comm, p.rejoining);
   return p;
 }
 
-BuiltModel build_model(TrainJob& job, bool announce, torch::Device device) {
+BuiltModel build_model(TrainJob& job, bool announce, torch::Device device, bool pretrained) {
   const RunConfig& cfg = job.cfg;
   const Dataset& data = job.data;
   if (!job.objective) job.objective = make_objective(cfg);
@@ -180,8 +197,10 @@ BuiltModel build_model(TrainJob& job, bool announce, torch::Device device) {
   std::lock_guard<std::mutex> guard(init_mutex);
   torch::manual_seed(derive_seed({static_cast<uint64_t>(cfg.train.seed), static_cast<uint64_t>(RngPurpose::kInit)}));
   m.net = make_network(cfg);
-  const std::string pretrained = load_pretrained(*m.net, cfg.model);  // fine-tuning: the folder's weights
-  if (!pretrained.empty() && announce) std::cout << pretrained << std::endl;
+  if (pretrained) {  // fine-tuning: the folder's weights
+    const std::string from = load_pretrained(*m.net, cfg.model);
+    if (!from.empty() && announce) std::cout << from << std::endl;
+  }
   // Latent models: the frozen encoder runs in every step's prepare phase. Loaded under the lock
   // too: building it draws (then overwritten) initial weights from the global generator.
   if (cfg.train.cache_latents && announce)
@@ -225,7 +244,7 @@ std::vector<std::pair<std::string, std::string>> run_identity(const RunConfig& r
 }
 
 RunStart start_run(const TrainOptions& opt, const TrainJob& job, Net& net, Engine& engine, DataPosition& data,
-                   Comm& comm, bool rejoining) {
+                   Comm& comm, bool rejoining, bool from_checkpoint) {
   const RunDir dir(opt.out_dir);
   const bool lead = comm.rank() == 0;
   FlatAdamW& optim = engine.optim();
@@ -253,8 +272,11 @@ RunStart start_run(const TrainOptions& opt, const TrainJob& job, Net& net, Engin
           s.step = ck.step;
           s.last_ckpt = *latest;
           if (!opt.quiet) std::cout << "resuming from " << *latest << " (step " << s.step << ")\n";
-        } else if (!opt.quiet) {
-          std::cout << "no checkpoint in " << opt.out_dir << ": starting from step 0\n";
+        } else {
+          DDM_CHECK(!from_checkpoint, "the checkpoints in " << opt.out_dir
+                                          << " went away while this run started (another process removed them?); "
+                                             "nothing was trained: check the directory and run again");
+          if (!opt.quiet) std::cout << "no checkpoint in " << opt.out_dir << ": starting from step 0\n";
         }
       }
     } catch (const std::exception& e) {

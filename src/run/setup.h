@@ -25,6 +25,9 @@ struct JobProcess {
   std::shared_ptr<Comm> comm;
   int local_processes = 1;  // processes of this job on this machine, sharing its cores
   bool rejoining = false;   // restarted alone into a running DiLoCo job (DistEnv::rejoin)
+  // --resume and rank 0 found a checkpoint in the run directory (every rank knows): the weights come from
+  // it, so build_model skips a fine-tuned network's pretrained ones.
+  bool from_checkpoint = false;
   torch::Device device = torch::kCPU;  // train.device, resolved for this process
 };
 // opt.comm, or the job the environment describes (a launcher's variables, else one process). A job
@@ -33,12 +36,13 @@ JobProcess join_job(const RunConfig& cfg, TrainOptions& opt);
 
 // The model, built alike on every rank from the seed, with the frozen parts attached: a latent
 // model's encoder (job.objective, made if null), a ControlNet's locked base, an embedding network.
+// With pretrained off (a run resuming from its checkpoint), model.unet's weights are not read.
 struct BuiltModel {
   Net net;
   std::shared_ptr<const LatentSpace> latent;  // null: a pixel model
   int64_t params = 0;                         // the whole model's trainable parameters
 };
-BuiltModel build_model(TrainJob& job, bool announce, torch::Device device = torch::kCPU);
+BuiltModel build_model(TrainJob& job, bool announce, torch::Device device = torch::kCPU, bool pretrained = true);
 
 // What every rank must agree on before the first step: each config key, the data and the model.
 std::vector<std::pair<std::string, std::string>> run_identity(const RunConfig& recorded, const Dataset& data,
@@ -60,9 +64,10 @@ struct RunStart {
 // (and not rejoining) every rank then learns whether that worked (rank 0's error, or one naming rank
 // 0) and takes rank 0's state: the resumed one (Engine::take_resumed and the model's buffers), or,
 // on a fresh start, a hash proves every rank's seeded initialization identical; and each replica's
-// data position.
+// data position. from_checkpoint: JobProcess's (a checkpoint that has gone since is an error, not a
+// start from the network's initialization).
 RunStart start_run(const TrainOptions& opt, const TrainJob& job, Net& net, Engine& engine, DataPosition& data,
-                   Comm& comm, bool rejoining);
+                   Comm& comm, bool rejoining, bool from_checkpoint);
 
 // The run's header (data, model, objective, conditioning, batch and threads, the engine, out).
 void print_run_header(const TrainJob& job, const BuiltModel& model, const ParallelLayout& layout, const Engine& engine,

@@ -84,16 +84,20 @@ TEST(SdTrain, AStableDiffusionPipelineFineTunesResumesBitForBitAndSamples) {
   const auto diffusers = load_safetensors(sd + "/unet/diffusion_pytorch_model.safetensors").tensors;
   EXPECT_EQ(saved.size(), diffusers.size());
   for (const auto& [name, t] : diffusers) EXPECT_TRUE(saved.count("unet." + name)) << name;
-  // Resumed to step 4: what an uninterrupted run of 4 steps writes, byte for byte.
-  ASSERT_EQ(test::run_ddm(train + (dir / "run") + " --resume --quiet").exit_code, 0);
+  // Resumed to step 4: what an uninterrupted run of 4 steps writes, byte for byte. The weights come from the
+  // checkpoint alone: the UNet's own are not read again.
+  r = test::run_ddm(train + (dir / "run") + " --resume");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("resuming from"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("started from"), std::string::npos) << r.output;
   ASSERT_EQ(test::run_ddm(train + (dir / "whole") + " --quiet").exit_code, 0);
   EXPECT_EQ(test::read_text(dir / "run/ckpt/step-00000004/model.safetensors"),
             test::read_text(dir / "whole/ckpt/step-00000004/model.safetensors"));
   // Fine-tuning starts from diffusers' weights: with a step too small to move them, every tensor is theirs.
-  ASSERT_EQ(test::run_ddm(train + (dir / "still") + " --quiet --set train.steps=1 --set train.lr=1e-30 "
-                                                      "--set train.grad_clip=0")
-                .exit_code,
-            0);
+  // (--resume with no checkpoint yet starts there too, not from the UNet's initialization.)
+  r = test::run_ddm(train + (dir / "still") + " --resume --set train.steps=1 --set train.lr=1e-30 --set train.grad_clip=0");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("started from the UNet's weights"), std::string::npos) << r.output;
   const auto still = load_safetensors(dir / "still/ckpt/step-00000001/model.safetensors").tensors;
   for (const auto& [name, t] : diffusers) EXPECT_TRUE(torch::equal(still.at("unet." + name), t)) << name;
   // Sampling: the VAE decodes 16x16 RGB images.
