@@ -29,95 +29,6 @@ nn::GroupNorm group_norm(int64_t groups, int64_t ch, double eps) {
 nn::Conv2d conv(int64_t in, int64_t out, int64_t k, int64_t stride = 1) {
   return nn::Conv2d(nn::Conv2dOptions(in, out, k).stride(stride).padding(k / 2));
 }
-nn::Linear linear(int64_t in, int64_t out, bool bias = true) { return nn::Linear(nn::LinearOptions(in, out).bias(bias)); }
-
-// A module of its one parameter set "conv" (Downsample2D, Upsample2D) or "proj" (GEGLU).
-struct ConvHolderImpl : nn::Module {
-  explicit ConvHolderImpl(nn::Conv2d c) : conv(register_module("conv", std::move(c))) {}
-  nn::Conv2d conv;
-};
-TORCH_MODULE(ConvHolder);
-struct GegluImpl : nn::Module {
-  GegluImpl(int64_t dim, int64_t inner) : proj(register_module("proj", linear(dim, 2 * inner))) {}
-  torch::Tensor forward(const torch::Tensor& x) {  // [B, N, dim] -> [B, N, inner]
-    const auto parts = proj(x).chunk(2, -1);
-    return parts[0] * F::gelu(parts[1]);
-  }
-  nn::Linear proj;
-};
-TORCH_MODULE(Geglu);
-
-// BasicTransformerBlock: self-attention, cross-attention, GEGLU feed-forward (ff.net.0, ff.net.2).
-struct BlockImpl : nn::Module {
-  BlockImpl(int64_t dim, int64_t heads, int64_t context_dim) {
-    norm1 = register_module("norm1", nn::LayerNorm(nn::LayerNormOptions({dim})));
-    attn1 = register_module("attn1", SdAttention(dim, dim, heads));
-    norm2 = register_module("norm2", nn::LayerNorm(nn::LayerNormOptions({dim})));
-    attn2 = register_module("attn2", SdAttention(dim, context_dim, heads));
-    norm3 = register_module("norm3", nn::LayerNorm(nn::LayerNormOptions({dim})));
-    auto ff = register_module("ff", std::make_shared<nn::Module>());
-    net = ff->register_module("net", nn::ModuleList());
-    net->push_back(Geglu(dim, 4 * dim));
-    net->push_back(nn::Identity());  // diffusers' dropout
-    net->push_back(linear(4 * dim, dim));
-  }
-  torch::Tensor forward(torch::Tensor x, const torch::Tensor& context) {  // [B, N, dim], [B, T, C] -> [B, N, dim]
-    const torch::Tensor a = norm1(x);
-    x = attn1(a, a) + x;
-    x = attn2(norm2(x), context) + x;
-    const torch::Tensor h = net[0]->as<Geglu>()->forward(norm3(x));  // [B, N, 4 dim]
-    return net[2]->as<nn::Linear>()->forward(h) + x;
-  }
-  nn::LayerNorm norm1{nullptr}, norm2{nullptr}, norm3{nullptr};
-  SdAttention attn1{nullptr}, attn2{nullptr};
-  nn::ModuleList net;
-};
-TORCH_MODULE(Block);
-
-// CrossAttnDownBlock2D / DownBlock2D / UNetMidBlock2DCrossAttn / CrossAttnUpBlock2D / UpBlock2D:
-// resnets, attentions (none in the plain blocks) and a resampler.
-struct LevelImpl : nn::Module {
-  enum class Kind { kDown, kMid, kUp };
-  Kind kind;
-  nn::ModuleList resnets, attentions, samplers;
-  nn::Conv2d resample{nullptr};
-  explicit LevelImpl(Kind k) : kind(k) {
-    resnets = register_module("resnets", nn::ModuleList());
-    attentions = register_module("attentions", nn::ModuleList());
-  }
-  void add_resampler(int64_t ch) {
-    samplers = register_module(kind == Kind::kDown ? "downsamplers" : "upsamplers", nn::ModuleList());
-    ConvHolder h(kind == Kind::kDown ? conv(ch, ch, 3, 2) : conv(ch, ch, 3));
-    resample = h->conv;
-    samplers->push_back(h);
-  }
-  torch::Tensor resnet(size_t i, const torch::Tensor& x, const torch::Tensor& temb) {
-    return resnets[i]->as<UnetResnet>()->forward(x, temb);
-  }
-  torch::Tensor attend(size_t i, const torch::Tensor& x, const torch::Tensor& context) {
-    return i < attentions->size() ? attentions[i]->as<SdTransformer>()->forward(x, context) : x;
-  }
-};
-TORCH_MODULE(Level);
-
-struct TimeEmbeddingImpl : nn::Module {
-  TimeEmbeddingImpl(int64_t in, int64_t dim) {
-    linear_1 = register_module("linear_1", linear(in, dim));
-    linear_2 = register_module("linear_2", linear(dim, dim));
-  }
-  nn::Linear linear_1{nullptr}, linear_2{nullptr};
-};
-TORCH_MODULE(TimeEmbedding);
-
-// diffusers' get_timestep_embedding with flip_sin_to_cos and no frequency shift: [cos, sin] of
-// t * 10000^(-k / (dim / 2)), k = 0 .. dim/2 - 1. t [B] -> [B, dim].
-torch::Tensor timestep_embedding(const torch::Tensor& t, int64_t dim) {
-  const int64_t half = dim / 2;
-  const torch::Tensor exponent =
-      torch::arange(half, t.options().dtype(torch::kFloat32)) * (-std::log(10000.0) / static_cast<double>(half));
-  const torch::Tensor args = t.to(torch::kFloat32).unsqueeze(1) * exponent.exp().unsqueeze(0);  // [B, half]
-  return torch::cat({args.cos(), args.sin()}, 1);                                                  // [B, dim]
-}
 
 // The keys of diffusers' UNet2DConditionModel that ddm does not build on, with the value (diffusers'
 // default) they must have.
@@ -141,161 +52,22 @@ const std::map<std::string, json>& fixed_keys() {
 }  // namespace
 
 UNet2DConditionConfig parse_unet_2d_condition_config(const json& j, const std::string& file) {
-  DDM_CHECK(j.is_object(), file << ": not a JSON object");
+  UNet2DConditionConfig c = parse_unet_config_keys(j, file, "UNet2DConditionModel",
+                                                   {"out_channels", "sample_size", "up_block_types"}, fixed_keys());
   const ConfigReader r{j, file};
-  std::string cls;
-  r.string("_class_name", cls);
-  DDM_CHECK(cls == "UNet2DConditionModel",
-            file << ": _class_name \"" << cls << "\": ddm reads diffusers' UNet2DConditionModel here");
-  const std::set<std::string> known = {"_class_name", "_diffusers_version", "_name_or_path", "_use_default_values",
-                                       "in_channels", "out_channels", "sample_size", "down_block_types",
-                                       "up_block_types", "block_out_channels", "layers_per_block", "norm_num_groups",
-                                       "norm_eps", "cross_attention_dim", "attention_head_dim",
-                                       "use_linear_projection", "upcast_attention", "addition_embed_type_num_heads"};
-  for (const auto& [key, value] : j.items()) {
-    const auto fixed = fixed_keys().find(key);
-    if (fixed != fixed_keys().end()) {
-      DDM_CHECK(value == fixed->second, file << ": " << key << " = " << value.dump() << ": ddm's UNet2DConditionModel "
-                                             << "builds only " << fixed->second.dump()
-                                             << " (Stable Diffusion 1.x / 2.x's); not supported yet");
-      continue;
-    }
-    DDM_CHECK(known.count(key), file << ": \"" << key << "\" is not a key of diffusers' UNet2DConditionModel that ddm "
-                                     << "reads (a newer diffusers, or another model's config?); ddm does not ignore "
-                                     << "what it does not know");
-  }
-  UNet2DConditionConfig c;
-  r.integer("in_channels", c.in_channels, 1, 1024);
   r.integer("out_channels", c.out_channels, 1, 1024);
   r.integer("sample_size", c.sample_size, 1, 1 << 16);
-  r.integer("layers_per_block", c.layers_per_block, 1, 64);
-  r.integer("norm_num_groups", c.norm_num_groups, 1, 1024);
-  r.integer("cross_attention_dim", c.cross_attention_dim, 1, 1 << 16);
-  r.boolean("use_linear_projection", c.use_linear_projection);
-  r.boolean("upcast_attention", c.upcast_attention);
-  r.number("norm_eps", c.norm_eps);
-  DDM_CHECK(c.norm_eps > 0, file << ": norm_eps must be > 0, got " << c.norm_eps);
-  r.widths("block_out_channels", c.block_out_channels);
-  const size_t levels = c.block_out_channels.size();
-  auto types = [&](const char* key, std::vector<std::string>& out, const std::string& plain, const std::string& cross) {
-    if (j.contains(key)) {
-      const json& t = j[key];
-      DDM_CHECK(t.is_array(), file << ": " << key << " must be a list, got " << t.dump());
-      out.clear();
-      for (const auto& v : t) {
-        DDM_CHECK(v.is_string() && (v.get<std::string>() == plain || v.get<std::string>() == cross),
-                  file << ": " << key << " holds " << v.dump() << "; ddm builds " << plain << " and " << cross
-                       << " blocks only");
-        out.push_back(v.get<std::string>());
-      }
-    }
-    DDM_CHECK(out.size() == levels, file << ": " << key << " names " << out.size() << " blocks, block_out_channels "
-                                         << levels << " levels");
-  };
-  types("down_block_types", c.down_block_types, "DownBlock2D", "CrossAttnDownBlock2D");
-  types("up_block_types", c.up_block_types, "UpBlock2D", "CrossAttnUpBlock2D");
-  c.heads.assign(levels, 8);
-  if (j.contains("attention_head_dim")) {
-    const json& h = j["attention_head_dim"];
-    if (h.is_array()) {
-      DDM_CHECK(h.size() == levels, file << ": attention_head_dim names " << h.size() << " levels, block_out_channels "
-                                         << levels);
-      for (size_t i = 0; i < levels; ++i) c.heads[i] = json_int(h[i], file + ": attention_head_dim", 1, 1024);
-    } else {
-      c.heads.assign(levels, json_int(h, file + ": attention_head_dim", 1, 1024));
-    }
-  }
-  for (size_t i = 0; i < levels; ++i) {
-    const int64_t w = c.block_out_channels[i];
-    DDM_CHECK(w % c.norm_num_groups == 0, file << ": norm_num_groups " << c.norm_num_groups << " does not divide "
-                                               << "the width " << w);
-    DDM_CHECK(w % c.heads[i] == 0, file << ": the " << c.heads[i] << " heads of level " << i
-                                        << " (attention_head_dim) do not divide its width " << w);
-  }
-  DDM_CHECK(c.block_out_channels.front() % 2 == 0, file << ": block_out_channels[0] must be even (the time embedding)");
   return c;
 }
 
 json unet_2d_condition_config_json(const UNet2DConditionConfig& c) {
-  json j = {{"_class_name", "UNet2DConditionModel"},
-            {"_diffusers_version", "0.42.1"},
-            {"in_channels", c.in_channels},
-            {"out_channels", c.out_channels},
-            {"sample_size", c.sample_size},
-            {"down_block_types", c.down_block_types},
-            {"up_block_types", c.up_block_types},
-            {"block_out_channels", c.block_out_channels},
-            {"layers_per_block", c.layers_per_block},
-            {"norm_num_groups", c.norm_num_groups},
-            {"norm_eps", c.norm_eps},
-            {"cross_attention_dim", c.cross_attention_dim},
-            {"attention_head_dim", c.heads},
-            {"use_linear_projection", c.use_linear_projection},
-            {"upcast_attention", c.upcast_attention},
-            {"addition_embed_type_num_heads", 64}};
+  json j = {{"_class_name", "UNet2DConditionModel"}, {"_diffusers_version", "0.42.1"}};
+  j.update(unet_config_keys_json(c));
+  j["out_channels"] = c.out_channels;
+  j["sample_size"] = c.sample_size;
+  j["up_block_types"] = c.up_block_types;
   for (const auto& [key, value] : fixed_keys()) j[key] = value;
   return j;
-}
-
-UnetResnetImpl::UnetResnetImpl(int64_t in, int64_t out, int64_t temb, int64_t groups, double eps) {
-  norm1 = register_module("norm1", group_norm(groups, in, eps));
-  conv1 = register_module("conv1", conv(in, out, 3));
-  time_emb_proj = register_module("time_emb_proj", linear(temb, out));
-  norm2 = register_module("norm2", group_norm(groups, out, eps));
-  conv2 = register_module("conv2", conv(out, out, 3));
-  if (in != out) conv_shortcut = register_module("conv_shortcut", conv(in, out, 1));
-}
-
-torch::Tensor UnetResnetImpl::forward(const torch::Tensor& x, const torch::Tensor& temb) {
-  torch::Tensor h = conv1(F::silu(norm1(x)));                        // [B, out, H, W]
-  h = h + time_emb_proj(F::silu(temb)).unsqueeze(-1).unsqueeze(-1);  // + [B, out, 1, 1]
-  h = conv2(F::silu(norm2(h)));                                      // [B, out, H, W]
-  return (conv_shortcut ? conv_shortcut(x) : x) + h;
-}
-
-SdAttentionImpl::SdAttentionImpl(int64_t dim, int64_t context_dim, int64_t heads) : heads_(heads) {
-  to_q = register_module("to_q", linear(dim, dim, false));
-  to_k = register_module("to_k", linear(context_dim, dim, false));
-  to_v = register_module("to_v", linear(context_dim, dim, false));
-  to_out = register_module("to_out", nn::ModuleList());
-  to_out->push_back(linear(dim, dim));
-}
-
-torch::Tensor SdAttentionImpl::forward(const torch::Tensor& x, const torch::Tensor& context) {
-  const int64_t B = x.size(0), N = x.size(1), D = to_q->options.out_features(), hd = D / heads_;
-  auto split = [&](const torch::Tensor& t) { return t.view({B, t.size(1), heads_, hd}).transpose(1, 2); };  // [B, h, n, hd]
-  const torch::Tensor a = at::scaled_dot_product_attention(split(to_q(x)), split(to_k(context)), split(to_v(context)));
-  return to_out[0]->as<nn::Linear>()->forward(a.transpose(1, 2).reshape({B, N, D}));  // [B, N, dim]
-}
-
-SdTransformerImpl::SdTransformerImpl(int64_t ch, int64_t heads, int64_t context_dim, int64_t groups, bool linear_projection)
-    : linear_(linear_projection) {
-  norm = register_module("norm", group_norm(groups, ch, 1e-6));
-  if (linear_) {
-    proj_in = register_module("proj_in", linear(ch, ch).ptr());
-  } else {
-    proj_in = register_module("proj_in", conv(ch, ch, 1).ptr());
-  }
-  transformer_blocks = register_module("transformer_blocks", nn::ModuleList());
-  transformer_blocks->push_back(Block(ch, heads, context_dim));
-  if (linear_) {
-    proj_out = register_module("proj_out", linear(ch, ch).ptr());
-  } else {
-    proj_out = register_module("proj_out", conv(ch, ch, 1).ptr());
-  }
-}
-
-torch::Tensor SdTransformerImpl::forward(const torch::Tensor& x, const torch::Tensor& context) {
-  const int64_t B = x.size(0), C = x.size(1), H = x.size(2), W = x.size(3);
-  auto tokens = [&](const torch::Tensor& t) { return t.permute({0, 2, 3, 1}).reshape({B, H * W, C}); };  // [B, HW, C]
-  // Contiguous, as diffusers makes it: the residual stream stays in NCHW order (GroupNorm's CPU kernels
-  // take another path for channels-last input).
-  auto image = [&](const torch::Tensor& t) { return t.reshape({B, H, W, C}).permute({0, 3, 1, 2}).contiguous(); };  // [B, C, H, W]
-  torch::Tensor h = norm(x);
-  h = linear_ ? proj_in->as<nn::Linear>()->forward(tokens(h)) : tokens(proj_in->as<nn::Conv2d>()->forward(h));
-  h = transformer_blocks[0]->as<Block>()->forward(h, context);  // [B, HW, C]
-  h = linear_ ? image(proj_out->as<nn::Linear>()->forward(h)) : proj_out->as<nn::Conv2d>()->forward(image(h));
-  return h + x;
 }
 
 UNet2DConditionModelImpl::UNet2DConditionModelImpl(UNet2DConditionConfig c) : c_(std::move(c)) {
@@ -303,26 +75,12 @@ UNet2DConditionModelImpl::UNet2DConditionModelImpl(UNet2DConditionConfig c) : c_
   const int64_t L = static_cast<int64_t>(w.size()), g = c_.norm_num_groups, T = c_.time_embed_dim();
   const double eps = c_.norm_eps;
   conv_in = register_module("conv_in", conv(c_.in_channels, w[0], 3));
-  time_embedding = register_module("time_embedding", TimeEmbedding(w[0], T).ptr());
+  time_embedding = register_module("time_embedding", TimeEmbedding(w[0], T));
   auto transformer = [&](int64_t ch, int64_t heads) {
     return SdTransformer(ch, heads, c_.cross_attention_dim, g, c_.use_linear_projection);
   };
-  down_blocks = register_module("down_blocks", nn::ModuleList());
-  for (int64_t i = 0; i < L; ++i) {
-    const bool cross = c_.down_block_types[i] == "CrossAttnDownBlock2D";
-    Level level(LevelImpl::Kind::kDown);
-    for (int64_t j = 0; j < c_.layers_per_block; ++j) {
-      level->resnets->push_back(UnetResnet(j == 0 ? (i == 0 ? w[0] : w[i - 1]) : w[i], w[i], T, g, eps));
-      if (cross) level->attentions->push_back(transformer(w[i], c_.heads[i]));
-    }
-    if (i + 1 < L) level->add_resampler(w[i]);
-    down_blocks->push_back(level);
-  }
-  Level mid(LevelImpl::Kind::kMid);
-  mid->resnets->push_back(UnetResnet(w.back(), w.back(), T, g, eps));
-  mid->attentions->push_back(transformer(w.back(), c_.heads.back()));
-  mid->resnets->push_back(UnetResnet(w.back(), w.back(), T, g, eps));
-  mid_block = register_module("mid_block", mid.ptr());
+  down_blocks = register_module("down_blocks", make_down_blocks(c_));
+  mid_block = register_module("mid_block", make_mid_block(c_));
   up_blocks = register_module("up_blocks", nn::ModuleList());
   for (int64_t i = 0; i < L; ++i) {
     const int64_t out = w[L - 1 - i], prev = w[L - 1 - std::max<int64_t>(i - 1, 0)];
@@ -356,9 +114,7 @@ void UNet2DConditionModelImpl::check_inputs(const torch::Tensor& sample, const t
 }
 
 void UNet2DConditionModelImpl::unit_in(NetCarry& k, const torch::Tensor& timestep) {
-  auto* te = time_embedding->as<TimeEmbedding>();
-  const torch::Tensor t_emb = timestep_embedding(timestep, c_.block_out_channels[0]).to(k.h.dtype());  // [B, w0]
-  k.emb = te->linear_2(F::silu(te->linear_1(t_emb)));                                                 // [B, 4 w0]
+  k.emb = time_embedding(timestep, k.h.scalar_type());  // [B, 4 w0]
   k.h = conv_in(k.h);                                                                                  // [B, w0, H, W]
   k.skips = {k.h};
 }
@@ -375,8 +131,22 @@ void UNet2DConditionModelImpl::unit_downsample(NetCarry& k, size_t i) {
 }
 
 void UNet2DConditionModelImpl::unit_mid(NetCarry& k, const torch::Tensor& context) {
-  auto* mid = mid_block->as<Level>();
-  k.h = mid->resnet(1, mid->attend(0, mid->resnet(0, k.h, k.emb), context), k.emb);  // [B, w[-1], H/f, W/f]
+  k.h = mid_forward(*mid_block, k.h, k.emb, context);  // [B, w[-1], H/f, W/f]
+}
+
+void UNet2DConditionModelImpl::add_residuals(NetCarry& k, const UNetResiduals& r) const {
+  DDM_CHECK(r.down.size() == k.skips.size() && r.mid.defined(),
+            "UNet2DConditionModel: a ControlNet's residuals must be one per skip (" << k.skips.size()
+                                                                                  << ") and the middle's, got "
+                                                                                  << r.down.size());
+  for (size_t i = 0; i < k.skips.size(); ++i) {
+    DDM_CHECK(r.down[i].sizes() == k.skips[i].sizes(), "UNet2DConditionModel: residual " << i << " is "
+                                                           << r.down[i].sizes() << ", its skip " << k.skips[i].sizes());
+    k.skips[i] = k.skips[i] + r.down[i];  // [B, w, h, w]
+  }
+  DDM_CHECK(r.mid.sizes() == k.h.sizes(), "UNet2DConditionModel: the middle residual is " << r.mid.sizes()
+                                                                                           << ", the middle " << k.h.sizes());
+  k.h = k.h + r.mid;
 }
 
 void UNet2DConditionModelImpl::unit_up(NetCarry& k, size_t i, size_t j, const torch::Tensor& context) {
@@ -397,7 +167,7 @@ void UNet2DConditionModelImpl::unit_out(NetCarry& k) {
 }
 
 torch::Tensor UNet2DConditionModelImpl::forward(const torch::Tensor& sample, const torch::Tensor& timestep,
-                                                const torch::Tensor& context) {
+                                                const torch::Tensor& context, const UNetResiduals* residuals) {
   check_inputs(sample, timestep, context);
   NetCarry k{sample, {}, {}};
   unit_in(k, timestep);
@@ -406,6 +176,7 @@ torch::Tensor UNet2DConditionModelImpl::forward(const torch::Tensor& sample, con
     if (down_blocks[i]->as<Level>()->resample) unit_downsample(k, i);
   }
   unit_mid(k, context);
+  if (residuals) add_residuals(k, *residuals);  // (diffusers adds the skips' before the middle: the same sums)
   for (size_t i = 0; i < up_blocks->size(); ++i) {
     for (size_t j = 0; j < up_blocks[i]->as<Level>()->resnets->size(); ++j) unit_up(k, i, j, context);
     if (up_blocks[i]->as<Level>()->resample) unit_upsample(k, i);
@@ -459,48 +230,28 @@ std::vector<NetUnit> UNet2DConditionModelImpl::units(std::function<torch::Tensor
 
 double unet_2d_condition_flops(const UNet2DConditionConfig& c, int64_t H, int64_t W, int64_t tokens) {
   const auto& w = c.block_out_channels;
-  const int64_t L = static_cast<int64_t>(w.size()), temb = c.time_embed_dim();
-  const double T = static_cast<double>(tokens), ctx = static_cast<double>(c.cross_attention_dim);
-  auto conv = [](double in, double out, double k, double n) { return 2 * in * out * k * k * n; };
-  auto resnet = [&](double in, double out, double n) {
-    return conv(in, out, 3, n) + conv(out, out, 3, n) + (in != out ? conv(in, out, 1, n) : 0.0) + 2.0 * temb * out;
-  };
-  auto transformer = [&](double ch, double n) {
-    const double proj = 2 * 2 * n * ch * ch;                                    // proj_in, proj_out
-    const double self = 4 * 2 * n * ch * ch + 2 * 2 * n * n * ch;                // q, k, v, out; scores, values
-    const double cross = 2 * 2 * n * ch * ch + 2 * 2 * T * ctx * ch + 2 * 2 * n * T * ch;
-    const double ff = 2 * n * ch * 8 * ch + 2 * n * 4 * ch * ch;                 // GEGLU in, out
-    return proj + self + cross + ff;
-  };
-  double n = static_cast<double>(H * W), f = conv(c.in_channels, w[0], 3, n) + 2.0 * (w[0] * temb + temb * temb);
-  std::vector<int64_t> skips{w[0]};
-  int64_t ch = w[0];
-  for (int64_t i = 0; i < L; ++i) {
-    for (int64_t j = 0; j < c.layers_per_block; ++j) {
-      f += resnet(ch, w[i], n) + (c.down_block_types[i] == "CrossAttnDownBlock2D" ? transformer(w[i], n) : 0.0);
-      ch = w[i];
-      skips.push_back(ch);
-    }
-    if (i + 1 < L) {
-      n /= 4;
-      f += conv(ch, ch, 3, n);  // stride 2
-      skips.push_back(ch);
-    }
-  }
-  f += 2 * resnet(ch, ch, n) + transformer(ch, n);  // the middle
+  const int64_t L = static_cast<int64_t>(w.size());
+  const double temb = static_cast<double>(c.time_embed_dim());
+  std::vector<int64_t> skips;
+  double n = 0;
+  double f = flops_of::encoder(c, H, W, tokens, skips, n);
+  int64_t ch = w.back();
   for (int64_t i = 0; i < L; ++i) {
     const int64_t out = w[L - 1 - i];
     for (int64_t j = 0; j <= c.layers_per_block; ++j) {
-      f += resnet(ch + skips.back(), out, n) + (c.up_block_types[i] == "CrossAttnUpBlock2D" ? transformer(out, n) : 0.0);
+      f += flops_of::resnet(ch + skips.back(), out, temb, n) +
+           (c.up_block_types[i] == "CrossAttnUpBlock2D"
+                ? flops_of::transformer(out, n, tokens, c.cross_attention_dim)
+                : 0.0);
       skips.pop_back();
       ch = out;
     }
     if (i + 1 < L) {
       n *= 4;
-      f += conv(ch, ch, 3, n);  // after the nearest 2x
+      f += flops_of::conv(ch, ch, 3, n);  // after the nearest 2x
     }
   }
-  return f + conv(w[0], c.out_channels, 3, n);
+  return f + flops_of::conv(w[0], c.out_channels, 3, n);
 }
 
 UNet2DConditionConfig load_unet_2d_condition_config(const std::string& dir) {
