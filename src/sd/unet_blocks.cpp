@@ -1,6 +1,7 @@
 // The pieces diffusers' UNet2DConditionModel and ControlNetModel share (see unet_blocks.h).
 #include "sd/unet_blocks.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include <torch/nn/functional.h>
@@ -156,6 +157,7 @@ UNet2DConditionConfig parse_unet_config_keys(const json& j, const std::string& f
 }
 
 json unet_config_keys_json(const UNet2DConditionConfig& c) {
+  const bool one_heads = std::all_of(c.heads.begin(), c.heads.end(), [&](int64_t h) { return h == c.heads.front(); });
   return {{"in_channels", c.in_channels},
           {"down_block_types", c.down_block_types},
           {"block_out_channels", c.block_out_channels},
@@ -163,7 +165,7 @@ json unet_config_keys_json(const UNet2DConditionConfig& c) {
           {"norm_num_groups", c.norm_num_groups},
           {"norm_eps", c.norm_eps},
           {"cross_attention_dim", c.cross_attention_dim},
-          {"attention_head_dim", c.heads},
+          {"attention_head_dim", one_heads ? json(c.heads.front()) : json(c.heads)},  // as SD 1.5's (8) and 2.1's
           {"use_linear_projection", c.use_linear_projection},
           {"upcast_attention", c.upcast_attention},
           {"addition_embed_type_num_heads", 64}};
