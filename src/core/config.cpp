@@ -488,9 +488,8 @@ void validate_model(const RunConfig& c) {
                                "(config.json, and weights to fine-tune) or to a Stable Diffusion pipeline directory");
     DDM_CHECK(!m.text_encoder.empty(), "model.arch = sd-unet attends to a text encoder's states: set model.text_encoder "
                                        "(a Stable Diffusion pipeline directory gives its own)");
-    DDM_CHECK(m.controlnet.empty() && m.embed.empty() && c.train.self_cond == 0,
-              "model.arch = sd-unet: " << (!m.controlnet.empty() ? "model.controlnet" : !m.embed.empty() ? "model.embed"
-                                                                                                       : "train.self_cond")
+    DDM_CHECK(m.embed.empty() && c.train.self_cond == 0,
+              "model.arch = sd-unet: " << (!m.embed.empty() ? "model.embed" : "train.self_cond")
                                        << " is not supported with diffusers' UNet yet; remove it");
   }
   DDM_CHECK(m.arch == "sd-unet" || (m.unet.empty() && m.unet_sha256.empty()),
@@ -509,10 +508,10 @@ void validate_model(const RunConfig& c) {
   DDM_CHECK(!m.latent.empty() || (m.latent_sha256.empty() && m.latent_scale == 0 && m.latent_shift == 0),
             "model.latent_sha256, latent_scale and latent_shift describe model.latent, which is not set");
   check_choice("model.control", m.control, {"edges", "lowres"});
-  DDM_CHECK(m.controlnet.empty() || m.arch == "unet",
-            "model.controlnet = " << m.controlnet << " steers a U-Net, but model.arch = " << m.arch
-                                  << " (the base run's model keys are taken over when it is resolved)");
-  DDM_CHECK(m.controlnet.empty() || m.latent.empty(),
+  DDM_CHECK(m.controlnet.empty() || m.arch == "unet" || m.arch == "sd-unet",
+            "model.controlnet = " << m.controlnet << " steers a U-Net (ddm's or Stable Diffusion's), but model.arch = "
+                                  << m.arch << " (the base run's model keys are taken over when it is resolved)");
+  DDM_CHECK(m.controlnet.empty() || m.arch == "sd-unet" || m.latent.empty(),
             "model.controlnet with model.latent: a ControlNet on a latent U-Net is not supported yet; use a pixel "
             "base run");
   DDM_CHECK(m.controlnet.empty() || (c.train.teacher.empty() && c.data.partition.empty()),
@@ -531,7 +530,7 @@ void validate_model(const RunConfig& c) {
   DDM_CHECK(m.text_encoder.empty() || m.arch != "autoencoder",
             "model.text_encoder = " << m.text_encoder << " conditions a diffusion backbone or a router (model.arch = unet | dit | "
                                     "sd-unet | router-dit | router-conv), not " << m.arch);
-  DDM_CHECK(m.text_encoder.empty() || (m.controlnet.empty() && m.embed.empty()),
+  DDM_CHECK(m.text_encoder.empty() || ((m.controlnet.empty() || m.arch == "sd-unet") && m.embed.empty()),
             "model.text_encoder with model." << (m.controlnet.empty() ? "embed" : "controlnet") << ": not supported yet; remove one");
   DDM_CHECK(!m.text_encoder.empty() || (m.text_sha256.empty() && m.text_skip == 0 && m.text_dim == 0 &&
                                         m.text_pooled_dim == 0 && m.text_tokens == 0),

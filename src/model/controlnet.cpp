@@ -44,6 +44,19 @@ ControlNetImpl::ControlNetImpl(const ModelConfig& cfg) : cfg_(cfg) {
   }
 }
 
+void ControlNetImpl::to(torch::Device device, torch::Dtype dtype, bool non_blocking) {
+  NetImpl::to(device, dtype, non_blocking);
+  base_->to(device, dtype, non_blocking);
+}
+void ControlNetImpl::to(torch::Dtype dtype, bool non_blocking) {
+  NetImpl::to(dtype, non_blocking);
+  base_->to(dtype, non_blocking);
+}
+void ControlNetImpl::to(torch::Device device, bool non_blocking) {
+  NetImpl::to(device, non_blocking);
+  base_->to(device, non_blocking);
+}
+
 std::vector<torch::Tensor> ControlNetImpl::residuals(const torch::Tensor& x, const torch::Tensor& t, const Cond& c) {
   DDM_CHECK(c.control.defined(), "ControlNet: a control map is required (model.control = " << cfg_.control << ")");
   const int64_t cc = control_channels(cfg_);

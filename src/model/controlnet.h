@@ -35,6 +35,10 @@ class ControlNetImpl : public NetImpl {
   // convolutions, adding the residuals to the locked encoder's features from c.frozen (precompute
   // must have run); locked.up{l} .. locked.out: the locked decoder (no trainable parameters).
   std::vector<NetUnit> units() override;
+  // The locked base moves with the network (it is not a registered submodule).
+  void to(torch::Device device, torch::Dtype dtype, bool non_blocking = false) override;
+  void to(torch::Dtype dtype, bool non_blocking = false) override;
+  void to(torch::Device device, bool non_blocking = false) override;
 
   // The locked base, built with random weights: train/controlnet.h loads it (set_base_loaded after).
   UNetImpl& base() { return *base_; }

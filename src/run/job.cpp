@@ -36,7 +36,7 @@ void resolve_input_shape(RunConfig& cfg, const Dataset& data) {
   m.self_cond = cfg.train.self_cond > 0;  // derived: the network takes the estimate as more channels
   if (!m.embed.empty()) resolve_embed(m, data);      // on the pixel images, before any latent
   if (!m.text_encoder.empty()) resolve_text(m, data);  // the frozen text encoder: its dims and sha256
-  if (!m.controlnet.empty()) {  // the model is the base's U-Net
+  if (!m.controlnet.empty() && m.arch != "sd-unet") {  // the model is the base's U-Net
     resolve_controlnet(cfg, data);
     return;
   }

@@ -197,7 +197,8 @@ BuiltModel build_model(TrainJob& job, bool announce, torch::Device device, bool 
   std::lock_guard<std::mutex> guard(init_mutex);
   torch::manual_seed(derive_seed({static_cast<uint64_t>(cfg.train.seed), static_cast<uint64_t>(RngPurpose::kInit)}));
   m.net = make_network(cfg);
-  if (pretrained) {  // fine-tuning: the folder's weights
+  attach_controlnet(*m.net, cfg.model);  // the locked base, and (ddm's) the trainable copy's initial weights
+  if (pretrained) {  // fine-tuning: the folder's weights (an SD ControlNet's: after its locked UNet)
     const std::string from = load_pretrained(*m.net, cfg.model);
     if (!from.empty() && announce) std::cout << from << std::endl;
   }
@@ -207,7 +208,6 @@ BuiltModel build_model(TrainJob& job, bool announce, torch::Device device, bool 
     std::cout << "caching the latents of " << data.images.size(0) << " images (train.cache_latents)..." << std::endl;
   m.latent = attach_latent(*job.objective, cfg.model, device, cfg.train.cache_latents ? &data : nullptr,
                            data.latents != nullptr);
-  attach_controlnet(*m.net, cfg.model);  // the locked base, and the trainable copy's initial weights
   attach_embed(*job.objective, cfg.model, device);  // image-embedding conditioning: the frozen feature network
   attach_text(*job.objective, cfg.model, data, device);  // text conditioning: the frozen text encoder
   m.net->to(device);  // initialized on the CPU, so every device starts from the same weights
@@ -360,7 +360,13 @@ void print_run_header(const TrainJob& job, const BuiltModel& model, const Parall
     std::cout << "embed: conditioned on the " << cfg.model.embed_dim << "-dim embedding of each image by the frozen "
               << cfg.model.embed << " (sha256 " << cfg.model.embed_sha256.substr(0, 12)
               << "...), dropped with the label\n";
-  if (!cfg.model.controlnet.empty())
+  if (!cfg.model.controlnet.empty() && cfg.model.arch == "sd-unet")
+    std::cout << "controlnet: "
+              << (cfg.model.controlnet == kControlNetFromUnet ? "new, from the UNet's encoder (diffusers' from_unet)"
+                                                              : "started from " + cfg.model.controlnet)
+              << ", steering the locked UNet (weights sha256 " << cfg.model.controlnet_sha256.substr(0, 12)
+              << "...) with " << cfg.model.control << " maps; the parameters above are the ControlNet's\n";
+  else if (!cfg.model.controlnet.empty())
     std::cout << "controlnet: the locked base " << cfg.model.controlnet << " (sha256 "
               << cfg.model.controlnet_sha256.substr(0, 12) << "..., " << unet_forward_flops(cfg.model) / 1e6
               << " MFLOP/image) steered by " << cfg.model.control << " maps; the parameters above are the "

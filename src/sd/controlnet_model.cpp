@@ -171,15 +171,17 @@ UNetResiduals ControlNetModelImpl::forward(const torch::Tensor& sample, const to
   return r;
 }
 
+std::string controlnet_mismatch(const ControlNetModelConfig& c, const UNet2DConditionConfig& u) {
+  const json a = unet_config_keys_json(c.unet), b = unet_config_keys_json(u);
+  for (const auto& [key, value] : a.items())
+    if (b.at(key) != value) return key + " is " + value.dump() + " in the ControlNet, " + b.at(key).dump() + " in the UNet";
+  return "";
+}
+
 void ControlNetModelImpl::copy_encoder_from(const UNet2DConditionModelImpl& unet) {
-  const UNet2DConditionConfig& a = unet.config();
-  const UNet2DConditionConfig& b = c_.unet;
-  DDM_CHECK(a.in_channels == b.in_channels && a.block_out_channels == b.block_out_channels &&
-                a.down_block_types == b.down_block_types && a.layers_per_block == b.layers_per_block &&
-                a.norm_num_groups == b.norm_num_groups && a.cross_attention_dim == b.cross_attention_dim &&
-                a.heads == b.heads && a.use_linear_projection == b.use_linear_projection,
-            "ControlNetModel: its encoder's config differs from the UNet's (in_channels, widths, block types, layers, "
-            "groups, cross_attention_dim, heads or projections): it is not a ControlNet of that UNet");
+  const std::string differs = controlnet_mismatch(c_, unet.config());
+  DDM_CHECK(differs.empty(), "ControlNetModel: its encoder differs from the UNet's (" << differs
+                                                                                     << "): it is not a ControlNet of that UNet");
   const auto from = unet.named_parameters();
   torch::NoGradGuard no_grad;
   for (auto& p : named_parameters()) {

@@ -46,6 +46,10 @@ nlohmann::json controlnet_model_config_json(const ControlNetModelConfig& c);
 ControlNetModelConfig controlnet_config_from_unet(const UNet2DConditionConfig& unet, int64_t conditioning_channels,
                                                   std::vector<int64_t> embedding_widths = {16, 32, 96, 256});
 
+// "" when a ControlNet of config `c` fits `unet` (its encoder keys equal the UNet's), else the first
+// key that differs, with both values.
+std::string controlnet_mismatch(const ControlNetModelConfig& c, const UNet2DConditionConfig& unet);
+
 // ControlNetConditioningEmbedding: conv_in, blocks, conv_out.
 class ControlNetConditioningEmbeddingImpl : public torch::nn::Module {
  public:

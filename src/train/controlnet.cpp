@@ -11,6 +11,7 @@
 #include "core/safetensors.h"
 #include "model/controlnet.h"
 #include "train/checkpoint.h"
+#include "train/network.h"
 #include "train/optimizer.h"
 
 namespace fs = std::filesystem;
@@ -92,6 +93,7 @@ void resolve_controlnet(RunConfig& cfg, const Dataset& data) {
 
 void attach_controlnet(NetImpl& net, const ModelConfig& m) {
   if (m.controlnet.empty()) return;
+  if (m.arch == "sd-unet") return attach_sd_controlnet(net, m);  // diffusers' ControlNetModel on its UNet
   auto* cn = dynamic_cast<ControlNetImpl*>(&net);
   DDM_CHECK(cn, "attach_controlnet: the net is not a ControlNet");
   DDM_CHECK(!m.controlnet_sha256.empty(), "model.controlnet = " << m.controlnet << " is not resolved (controlnet_sha256 unset)");

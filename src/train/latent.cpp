@@ -205,6 +205,12 @@ torch::Tensor LatentSpace::decode(const torch::Tensor& z) const {
   return (ae_ ? ae_->decode(u) : kl_->decode(u)).clamp(-1, 1).to(z.device());  // [B, C, H, W]
 }
 
+int64_t latent_downsampling(const ModelConfig& m) {
+  if (m.latent.empty()) return 1;
+  if (is_diffusers_vae(m.latent)) return diffusers_vae_config(m.latent).factor();
+  return autoencoder_shape(autoencoder_config(m.latent, "model.latent = " + m.latent).model).factor();
+}
+
 void resolve_latent(ModelConfig& m, const Dataset& data) {
   const std::string key = "model.latent = " + m.latent;
   DDM_CHECK(fs::exists(m.latent), key << ": no such directory; give a `ddm train-autoencoder` run directory (make "

@@ -89,6 +89,10 @@ class LatentSpace {
 // Throws ddm::Error naming the run, the file or the key.
 void resolve_latent(ModelConfig& m, const Dataset& data);
 
+// How many times smaller than the images the model's input is, for a resolved config: the
+// autoencoder's downsampling factor (a diffusers VAE's or ddm's own), 1 for a pixel model.
+int64_t latent_downsampling(const ModelConfig& m);
+
 // For a resolved latent model config, loads its autoencoder and makes `objective` encode every batch
 // with it (Objective::set_encoder); returns it. Returns null and changes nothing for a pixel model.
 // With `cache` (train.cache_latents: the dataset the batches come from), the posteriors of all its

@@ -6,10 +6,13 @@
 #include "core/error.h"
 #include "core/fileio.h"
 #include "core/json.h"
+#include "core/weights_dir.h"
+#include "sd/controlnet_net.h"
 #include "sd/diffusers_weights.h"
 #include "sd/pipeline_dir.h"
 #include "sd/scheduler.h"
 #include "sd/unet_net.h"
+#include "train/latent.h"
 
 namespace fs = std::filesystem;
 
@@ -27,6 +30,64 @@ sd::UNet2DConditionConfig pinned_unet_config(const ModelConfig& m) {
             "the UNet's architecture changed: " << file << " has sha256 " << sha << ", but model.unet_sha256 = "
                                                 << m.unet_sha256 << "; restore it (the model is tied to its own)");
   return sd::load_unet_2d_condition_config(m.unet);
+}
+
+// The ControlNet's architecture for a resolved model.controlnet: its folder's config.json, or
+// from_unet's, with a conditioning embedding that takes the control image from the images' size down
+// to the UNet's input (diffusers' widths 16, 32, 96, 256, as many as that needs: all four for SD's VAE).
+sd::ControlNetModelConfig controlnet_config(const ModelConfig& m, const sd::UNet2DConditionConfig& unet) {
+  if (m.controlnet != kControlNetFromUnet) return sd::load_controlnet_model_config(m.controlnet);
+  const int64_t f = latent_downsampling(m);
+  std::vector<int64_t> widths = {16, 32, 96, 256};
+  size_t n = 1;
+  while ((int64_t{1} << (n - 1)) < f) ++n;
+  DDM_CHECK((int64_t{1} << (n - 1)) == f && n <= widths.size(),
+            "model.controlnet = from-unet: the images are " << f << " times the latents' size; diffusers' "
+                                                           << "conditioning embedding downsamples by 1, 2, 4 or 8");
+  widths.resize(n);
+  return sd::controlnet_config_from_unet(unet, 3, widths);
+}
+
+std::string unet_weights_sha256(const std::string& unet) {
+  return weights_sha256(weights_dir_files(unet, "diffusion_pytorch_model"));
+}
+
+// model.controlnet of an sd-unet model (see resolve_sd_unet).
+void resolve_sd_controlnet(ModelConfig& m, const sd::UNet2DConditionConfig& unet) {
+  const std::string key = "model.controlnet = " + m.controlnet;
+  DDM_CHECK(sd::has_diffusers_weights(m.unet),
+            key << ": a ControlNet steers a trained UNet, but model.unet = " << m.unet << " holds its config.json "
+                << "alone; give a UNet with its weights (a Stable Diffusion pipeline directory)");
+  if (m.controlnet != kControlNetFromUnet) {
+    DDM_CHECK(fs::is_directory(m.controlnet), key << ": no such directory (diffusers' ControlNetModel folder, a pipeline "
+                                                  << "directory with a controlnet, or from-unet for a new one)");
+    try {
+      const std::string dir = sd::is_pipeline_dir(m.controlnet)
+                                  ? sd::pipeline_component(m.controlnet, "controlnet", {"ControlNetModel"})
+                                  : m.controlnet;
+      m.controlnet = fs::absolute(dir).lexically_normal().string();
+    } catch (const Error& e) {
+      DDM_FAIL(key << ": " << e.what());
+    }
+  }
+  sd::ControlNetModelConfig c;
+  try {
+    c = controlnet_config(m, unet);
+  } catch (const Error& e) {
+    DDM_FAIL(key << ": " << e.what());
+  }
+  const std::string differs = sd::controlnet_mismatch(c, unet);
+  DDM_CHECK(differs.empty(), key << ": not a ControlNet of the UNet " << m.unet << ": " << differs);
+  const int64_t f = latent_downsampling(m);
+  DDM_CHECK(c.hint_factor() == f, key << ": its conditioning embedding takes control images " << c.hint_factor()
+                                      << " times the UNet's input size, but the images are " << f
+                                      << " times the model's input (the latents'); use a ControlNet made for them");
+  const std::string sha = unet_weights_sha256(m.unet);
+  DDM_CHECK(m.controlnet_sha256.empty() || m.controlnet_sha256 == sha,
+            "the locked UNet changed: the weights of " << m.unet << " have sha256 " << sha << ", but this ControlNet "
+                                                       << "was trained on model.controlnet_sha256 = " << m.controlnet_sha256
+                                                       << "; restore them (a ControlNet is tied to its UNet)");
+  m.controlnet_sha256 = sha;
 }
 
 }  // namespace
@@ -57,6 +118,7 @@ void resolve_sd_unet(ModelConfig& m) {
   DDM_CHECK(m.num_classes <= 0, "model.arch = sd-unet has no class embedding, but model.num_classes = " << m.num_classes
                                                                                                          << "; set it to 0");
   m.num_classes = 0;
+  if (!m.controlnet.empty()) resolve_sd_controlnet(m, c);
 }
 
 void resolve_scheduler(DiffusionConfig& d) {
@@ -93,11 +155,44 @@ Net make_network(const RunConfig& cfg) {
   const ModelConfig& m = cfg.model;
   if (m.arch != "sd-unet") return make_net(m);
   DDM_CHECK(!m.unet.empty(), "model.arch = sd-unet needs model.unet");
-  sd::UNet2DConditionModel unet(pinned_unet_config(m));
+  const sd::UNet2DConditionConfig uc = pinned_unet_config(m);
+  sd::UNet2DConditionModel unet(uc);
+  if (!m.controlnet.empty())
+    return std::make_shared<sd::SdControlNetNetImpl>(std::move(unet), sd::ControlNetModel(controlnet_config(m, uc)),
+                                                     cfg.diffusion.timesteps);
   return std::make_shared<sd::SdUNetNetImpl>(std::move(unet), cfg.diffusion.timesteps);
 }
 
+void attach_sd_controlnet(NetImpl& net, const ModelConfig& m) {
+  auto* s = dynamic_cast<sd::SdControlNetNetImpl*>(&net);
+  DDM_CHECK(s, "attach_sd_controlnet: the network is not a ControlNet on diffusers' UNet");
+  DDM_CHECK(!m.controlnet_sha256.empty(), "model.controlnet = " << m.controlnet << " is not resolved (controlnet_sha256 unset)");
+  std::string sha;
+  try {
+    sha = unet_weights_sha256(m.unet);
+  } catch (const Error& e) {
+    DDM_FAIL("model.unet = " << m.unet << ": the locked UNet's weights: " << e.what() << "; restore them (a ControlNet "
+                                                                                         "is tied to its UNet)");
+  }
+  DDM_CHECK(sha == m.controlnet_sha256,
+            "the locked UNet changed: the weights of " << m.unet << " have sha256 " << sha << ", but this ControlNet was "
+                                                       << "trained on model.controlnet_sha256 = " << m.controlnet_sha256
+                                                       << "; restore them (a ControlNet is tied to its UNet)");
+  sd::load_diffusers_weights(*s->unet(), m.unet, (fs::path(m.unet) / "config.json").string());
+  s->set_unet_loaded();
+}
+
 std::string load_pretrained(NetImpl& net, const ModelConfig& m) {
+  if (m.arch == "sd-unet" && !m.controlnet.empty()) {
+    auto* s = dynamic_cast<sd::SdControlNetNetImpl*>(&net);
+    DDM_CHECK(s, "load_pretrained: model.controlnet is set but the network is not a ControlNet on diffusers' UNet");
+    if (m.controlnet == kControlNetFromUnet) {
+      s->controlnet()->copy_encoder_from(*s->unet());
+      return "started the ControlNet as a copy of the UNet's encoder (diffusers' from_unet), its zero convolutions zero";
+    }
+    sd::load_diffusers_weights(*s->controlnet(), m.controlnet, (fs::path(m.controlnet) / "config.json").string());
+    return "started from the ControlNet's weights in " + m.controlnet;
+  }
   if (m.arch != "sd-unet" || !sd::has_diffusers_weights(m.unet)) return "";
   auto* s = dynamic_cast<sd::SdUNetNetImpl*>(&net);
   DDM_CHECK(s, "load_pretrained: model.arch = sd-unet but the network is not diffusers' UNet");
@@ -106,13 +201,18 @@ std::string load_pretrained(NetImpl& net, const ModelConfig& m) {
 }
 
 std::string network_name(const ModelConfig& m) {
+  if (m.arch == "sd-unet" && !m.controlnet.empty())
+    return "sd-unet ControlNet (diffusers' ControlNetModel on the locked UNet2DConditionModel of " + m.unet + ")";
   if (m.arch == "sd-unet") return "sd-unet (diffusers' UNet2DConditionModel of " + m.unet + ")";
   return m.preset + " (" + m.arch + ")";
 }
 
 double network_flops_per_image(const ModelConfig& m) {
   if (m.arch != "sd-unet") return forward_flops_per_image(m);
-  return sd::unet_2d_condition_flops(pinned_unet_config(m), m.image_size, m.image_size, m.text_tokens);
+  const sd::UNet2DConditionConfig uc = pinned_unet_config(m);
+  const double unet = sd::unet_2d_condition_flops(uc, m.image_size, m.image_size, m.text_tokens);
+  if (m.controlnet.empty()) return unet;
+  return unet + sd::controlnet_model_flops(controlnet_config(m, uc), m.image_size, m.image_size, m.text_tokens);
 }
 
 }  // namespace ddm

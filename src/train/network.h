@@ -18,6 +18,18 @@ namespace ddm {
 // becomes 0). Throws ddm::Error naming the key, the folder and what to change.
 void resolve_sd_unet(ModelConfig& m);
 
+// model.controlnet of an sd-unet model: a ControlNet (diffusers' ControlNetModel) is trained on the
+// locked UNet. Its value is a ControlNetModel folder (or a pipeline directory's controlnet/) to start
+// from, made absolute, or kControlNetFromUnet: a new one, copied from the UNet's encoder as diffusers'
+// from_unet does. resolve_sd_unet checks that it fits the UNet and takes control images as many times
+// the UNet's input as the images are the latents, that the UNet has weights, and sets
+// controlnet_sha256 to the sha256 of the UNet's weights (a value already set must match).
+inline constexpr const char* kControlNetFromUnet = "from-unet";
+
+// For a resolved sd-unet ControlNet (make_network's): loads the locked UNet's weights, checked
+// against model.controlnet_sha256. The ControlNet's own starting weights are load_pretrained's.
+void attach_sd_controlnet(NetImpl& net, const ModelConfig& m);
+
 // diffusion.scheduler, when set: a diffusers scheduler (scheduler_config.json, its folder, or a
 // pipeline directory's scheduler/) becomes schedule = discrete and its beta_schedule, beta_start,
 // beta_end and timesteps (num_train_timesteps); the path is made absolute. Its prediction_type must be
@@ -29,7 +41,8 @@ void resolve_scheduler(DiffusionConfig& d);
 Net make_network(const RunConfig& cfg);
 
 // A fresh run's starting weights where the model has them: sd-unet with weights in its folder (to
-// fine-tune). Returns a line saying what was loaded, "" when nothing was.
+// fine-tune); an sd-unet ControlNet's from model.controlnet's folder, or copied from the UNet's
+// encoder (after attach_sd_controlnet). Returns a line saying what was loaded, "" when nothing was.
 std::string load_pretrained(NetImpl& net, const ModelConfig& m);
 
 // How a run names its network in what it prints: "unet-tiny (unet)", or for sd-unet "sd-unet

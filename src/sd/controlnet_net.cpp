@@ -1,0 +1,47 @@
+// A ControlNet on Stable Diffusion's UNet as a ddm network (see controlnet_net.h).
+#include "sd/controlnet_net.h"
+
+#include "core/error.h"
+
+namespace ddm::sd {
+
+SdControlNetNetImpl::SdControlNetNetImpl(UNet2DConditionModel unet, ControlNetModel controlnet, int64_t timesteps)
+    : unet_(std::move(unet)), controlnet_(register_module("controlnet", std::move(controlnet))), timesteps_(timesteps) {
+  DDM_CHECK(timesteps_ >= 2, "diffusers' ControlNet: diffusion.timesteps must be >= 2, got " << timesteps_);
+  for (auto& p : unet_->parameters()) p.set_requires_grad(false);
+  unet_->eval();
+}
+
+void SdControlNetNetImpl::to(torch::Device device, torch::Dtype dtype, bool non_blocking) {
+  NetImpl::to(device, dtype, non_blocking);
+  unet_->to(device, dtype, non_blocking);
+}
+void SdControlNetNetImpl::to(torch::Dtype dtype, bool non_blocking) {
+  NetImpl::to(dtype, non_blocking);
+  unet_->to(dtype, non_blocking);
+}
+void SdControlNetNetImpl::to(torch::Device device, bool non_blocking) {
+  NetImpl::to(device, non_blocking);
+  unet_->to(device, non_blocking);
+}
+
+torch::Tensor SdControlNetNetImpl::control_image(const torch::Tensor& map) const {
+  const int64_t cc = controlnet_->config().conditioning_channels;
+  DDM_CHECK(map.defined() && map.dim() == 4 && (map.size(1) == cc || map.size(1) == 1),
+            "diffusers' ControlNet reads " << cc << "-channel control images; the control map is "
+                                           << (map.defined() ? map.sizes() : torch::IntArrayRef{}));
+  const torch::Tensor unit = (map + 1) * 0.5;                           // [B, Cc, S, S] in [0, 1]
+  return map.size(1) == cc ? unit : unit.expand({-1, cc, -1, -1}).contiguous();  // [B, cc, S, S]
+}
+
+torch::Tensor SdControlNetNetImpl::forward(const torch::Tensor& x, const torch::Tensor& t, const Cond& c) {
+  DDM_CHECK(unet_loaded_, "diffusers' ControlNet: the locked UNet was not loaded (train/network.h)");
+  DDM_CHECK(c.context.defined(), "diffusers' ControlNet needs the text encoder's states (Cond::context)");
+  DDM_CHECK(c.control.defined(), "diffusers' ControlNet needs a control map (Cond::control)");
+  const torch::Tensor ts = (t.to(torch::kDouble) * static_cast<double>(timesteps_) - 1.0).to(torch::kFloat);  // [B]
+  const torch::Tensor context = c.context.to(x.dtype());                                                   // [B, T, D]
+  const UNetResiduals r = controlnet_(x, ts, context, control_image(c.control).to(x.dtype()));
+  return unet_(x, ts, context, &r);  // [B, C, H, W]
+}
+
+}  // namespace ddm::sd

@@ -1,0 +1,158 @@
+// A ControlNet (diffusers' ControlNetModel) trained by ddm on Stable Diffusion's locked UNet, through
+// the ddm binary: the pipeline diffusers wrote (tests/reference/diffusers_pipeline.py) gives the UNet,
+// VAE, text encoder and schedule; model.controlnet = "from-unet" starts the ControlNet as diffusers'
+// from_unet does. The run holds only the ControlNet, pins the UNet's weights by sha256, resumes bit
+// for bit and samples from control maps; a ControlNet that does not fit, a UNet without weights and a
+// changed UNet are clear errors.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <string>
+
+#include <torch/torch.h>
+
+#include "core/config.h"
+#include "core/fileio.h"
+#include "core/safetensors.h"
+#include "data/shard_write.h"
+#include "test_util.h"
+
+namespace fs = std::filesystem;
+using namespace ddm;
+
+namespace {
+
+const test::ReferenceOutputs& pipeline() {
+  static const test::ReferenceOutputs made = test::reference_outputs("tests/reference/diffusers_pipeline.py", "{dir}");
+  return made;
+}
+
+// 12 RGB images of side 16: a coloured square on black, captioned with its colour.
+void captioned_squares(const std::string& root) {
+  fs::create_directories(root);
+  const char* names[] = {"red", "green", "blue"};
+  for (int i = 0; i < 12; ++i) {
+    auto img = torch::zeros({3, 16, 16}, torch::kUInt8);
+    const int64_t a = 2 + i % 4, b = 10 + i % 3;
+    img[i % 3].slice(0, a, b).slice(1, a, b).fill_(220);
+    const std::string stem = root + "/" + zero_padded(i, 3);
+    test::write_text(stem + ".png", png_of(img));
+    test::write_text(stem + ".txt", std::string("a ") + names[i % 3] + " square\n");
+  }
+}
+
+std::string config(const std::string& root, const std::string& sd, const std::string& controlnet) {
+  return "[data]\nsource = \"folder\"\nroot = \"" + root + "\"\n[model]\narch = \"sd-unet\"\nunet = \"" + sd +
+         "\"\nlatent = \"" + sd + "\"\ntext_encoder = \"" + sd + "\"\ncontrolnet = \"" + controlnet +
+         "\"\ncontrol = \"edges\"\n[diffusion]\nobjective = \"v\"\nscheduler = \"" + sd +
+         "\"\n[train]\nsteps = 4\nbatch_size = 4\nwarmup = 1\nthreads = 1\nlog_every = 1\nckpt_every = 2\nseed = 5\n";
+}
+
+}  // namespace
+
+TEST(SdControlNet, FromTheUnetTrainsResumesBitForBitAndSamplesFromControlMaps) {
+  ASSERT_EQ(pipeline().run.exit_code, 0) << pipeline().run.output;
+  test::TempDir dir;
+  const std::string sd = pipeline().dir + "/sd";
+  captioned_squares(dir / "images");
+  test::write_text(dir / "cn.toml", config(dir / "images", sd, "from-unet"));
+  const std::string train = "train --config " + (dir / "cn.toml") + " --out ";
+  auto r = test::run_ddm(train + (dir / "run") + " --set train.steps=2");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("sd-unet ControlNet (diffusers' ControlNetModel on the locked UNet2DConditionModel of " + sd +
+                          "/unet)"),
+            std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find("started the ControlNet as a copy of the UNet's encoder"), std::string::npos) << r.output;
+  const RunConfig cfg = load_config(dir / "run/config.toml");
+  EXPECT_EQ(cfg.model.controlnet, "from-unet");
+  EXPECT_EQ(cfg.model.controlnet_sha256, sha256_file(sd + "/unet/diffusion_pytorch_model.safetensors"));
+  // The checkpoint holds the ControlNet alone, under diffusers' names.
+  const auto saved = load_safetensors(dir / "run/ckpt/step-00000002/model.safetensors").tensors;
+  EXPECT_TRUE(saved.count("controlnet.controlnet_mid_block.weight"));
+  EXPECT_TRUE(saved.count("controlnet.controlnet_cond_embedding.blocks.1.weight"));  // the VAE halves: 16 -> 8
+  for (const auto& [name, t] : saved) EXPECT_EQ(name.rfind("controlnet.", 0), 0u) << name;
+  // Resumed to step 4: what an uninterrupted run of 4 steps writes, byte for byte.
+  r = test::run_ddm(train + (dir / "run") + " --resume");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(r.output.find("started the ControlNet"), std::string::npos) << r.output;
+  ASSERT_EQ(test::run_ddm(train + (dir / "whole") + " --quiet").exit_code, 0);
+  EXPECT_EQ(test::read_text(dir / "run/ckpt/step-00000004/model.safetensors"),
+            test::read_text(dir / "whole/ckpt/step-00000004/model.safetensors"));
+  // from_unet: with a step too small to move them, the encoder is the UNet's and the zero convolutions ~0.
+  ASSERT_EQ(test::run_ddm(train + (dir / "still") + " --quiet --set train.steps=1 --set train.lr=1e-30 "
+                                                     "--set train.grad_clip=0")
+                .exit_code,
+            0);
+  const auto still = load_safetensors(dir / "still/ckpt/step-00000001/model.safetensors").tensors;
+  const auto unet = load_safetensors(sd + "/unet/diffusion_pytorch_model.safetensors").tensors;
+  int copied = 0, zero = 0;
+  for (const auto& [name, t] : still) {
+    const std::string key = name.substr(std::string("controlnet.").size());
+    if (unet.count(key)) {
+      EXPECT_TRUE(torch::equal(t, unet.at(key))) << key;
+      ++copied;
+    } else if (key.rfind("controlnet_down_blocks.", 0) == 0 || key.rfind("controlnet_mid_block.", 0) == 0) {
+      EXPECT_LT(t.abs().max().item<double>(), 1e-20) << key;
+      ++zero;
+    }
+  }
+  EXPECT_GT(copied, 40);
+  EXPECT_EQ(zero, 2 * (4 + 1));
+  // Sampling from an edge map (a square's outline, as a PNG).
+  auto map = torch::zeros({1, 16, 16}, torch::kUInt8);
+  map.slice(1, 4, 12).select(2, 4).fill_(255);
+  map.slice(1, 4, 12).select(2, 11).fill_(255);
+  map.slice(2, 4, 12).select(1, 4).fill_(255);
+  map.slice(2, 4, 12).select(1, 11).fill_(255);
+  test::write_text(dir / "edges.png", png_of(map));
+  const std::string sample = "sample --ckpt " + (dir / "run") + " --n 2 --steps 3 --cfg 2 --prompt 'a red square' --out " +
+                             (dir / "s.png");
+  r = test::run_ddm(sample + " --control " + (dir / "edges.png") + " --raw " + (dir / "s.safetensors"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(load_safetensors(dir / "s.safetensors").tensors.at("images").sizes(), (std::vector<int64_t>{2, 3, 16, 16}));
+  test::expect_error(test::run_ddm(sample), "is a ControlNet (model.control = edges): give its control maps");
+  // A changed UNet (its weights): refused on sampling and on resume.
+  const std::string moved = dir / "moved";
+  fs::copy(sd, moved, fs::copy_options::recursive);
+  test::write_text(dir / "moved.toml", config(dir / "images", moved, "from-unet"));
+  ASSERT_EQ(test::run_ddm("train --quiet --config " + (dir / "moved.toml") + " --set train.steps=1 --out " + (dir / "m"))
+                .exit_code,
+            0);
+  auto w = load_safetensors(moved + "/unet/diffusion_pytorch_model.safetensors");
+  w.tensors.at("conv_in.bias").add_(1e-3);
+  save_safetensors(moved + "/unet/diffusion_pytorch_model.safetensors", w);
+  test::expect_error(test::run_ddm("sample --ckpt " + (dir / "m") + " --n 1 --prompt a --control " + (dir / "edges.png") +
+                                   " --out " + (dir / "x.png")),
+                     "the locked UNet changed: the weights of " + moved + "/unet have sha256");
+  test::expect_error(test::run_ddm("train --config " + (dir / "m/config.toml") + " --set train.steps=2 --resume --out " +
+                                   (dir / "m")),
+                     "the locked UNet changed");
+}
+
+TEST(SdControlNet, ControlNetsThatDoNotFitAndUnetsWithoutWeightsAreClearErrors) {
+  ASSERT_EQ(pipeline().run.exit_code, 0) << pipeline().run.output;
+  const auto other = test::reference_outputs("tests/reference/diffusers_controlnet.py", "{dir}");
+  ASSERT_EQ(other.run.exit_code, 0) << other.run.output;
+  test::TempDir dir;
+  const std::string sd = pipeline().dir + "/sd";
+  captioned_squares(dir / "images");
+  auto refused = [&](const std::string& controlnet, const std::string& needle, const std::string& extra = "") {
+    test::write_text(dir / "x.toml", config(dir / "images", sd, controlnet) + extra);
+    test::expect_error(test::run_ddm("train --config " + (dir / "x.toml") + " --out " + (dir / "x")), needle);
+    EXPECT_FALSE(fs::exists(dir / "x"));
+  };
+  refused(dir / "nowhere", "model.controlnet = " + (dir / "nowhere") + ": no such directory");
+  // A ControlNet of another UNet (1x1 conv projections, where this one's are linear).
+  refused(other.dir + "/sd15/controlnet", ": not a ControlNet of the UNet " + sd + "/unet: attention_head_dim is 2");
+  // The pipeline's UNet as a ControlNet.
+  refused(sd + "/unet", "_class_name \"UNet2DConditionModel\": ddm reads diffusers' ControlNetModel here");
+  // A UNet given by its config alone has nothing to steer.
+  test::write_text(dir / "y.toml", "[data]\nsource = \"folder\"\nroot = \"" + (dir / "images") +
+                                       "\"\n[model]\narch = \"sd-unet\"\nunet = \"" + pipeline().dir +
+                                       "/pixel-unet\"\ntext_encoder = \"" + sd +
+                                       "\"\ncontrolnet = \"from-unet\"\n[train]\nsteps = 1\n");
+  test::expect_error(test::run_ddm("train --config " + (dir / "y.toml") + " --out " + (dir / "y")),
+                     "a ControlNet steers a trained UNet, but model.unet = " + pipeline().dir +
+                         "/pixel-unet holds its config.json alone");
+}
