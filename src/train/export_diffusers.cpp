@@ -11,6 +11,7 @@
 #include "core/fileio.h"
 #include "core/json.h"
 #include "core/weights_dir.h"
+#include "sd/controlnet_net.h"
 #include "sd/scheduler.h"
 #include "sd/unet_net.h"
 
@@ -105,7 +106,8 @@ std::string export_diffusers(const LoadedModel& m, const std::string& out) {
   DDM_CHECK(mc.arch == "sd-unet", m.checkpoint << " holds a " << mc.arch << " model; a Stable Diffusion pipeline "
                                                << "holds diffusers' UNet (model.arch = sd-unet)");
   auto* net = dynamic_cast<sd::SdUNetNetImpl*>(m.net.get());
-  DDM_CHECK(net, "export_diffusers: the network of " << m.checkpoint << " is not diffusers' UNet");
+  auto* controlnet = dynamic_cast<sd::SdControlNetNetImpl*>(m.net.get());
+  DDM_CHECK(net || controlnet, "export_diffusers: the network of " << m.checkpoint << " is not diffusers' UNet");
   const fs::path vae(mc.latent);
   DDM_CHECK(!mc.latent.empty(), m.checkpoint << " is a pixel model, and a Stable Diffusion pipeline samples latents "
                                              << "of diffusers' AutoencoderKL (model.latent)");
@@ -121,7 +123,12 @@ std::string export_diffusers(const LoadedModel& m, const std::string& out) {
   fs::remove_all(tmp);
   try {
     fs::create_directories(tmp);
-    sd::save_unet_2d_condition(net->unet(), (tmp / "unet").string());
+    if (controlnet) {  // the locked UNet as it is, and the trained ControlNet
+      copy_model_folder(mc.unet, "diffusion_pytorch_model", tmp / "unet");
+      sd::save_controlnet_model(controlnet->controlnet(), (tmp / "controlnet").string());
+    } else {
+      sd::save_unet_2d_condition(net->unet(), (tmp / "unet").string());
+    }
     copy_model_folder(vae, "diffusion_pytorch_model", tmp / "vae");
     json vc = read_json_object(vae / "config.json");  // the run's latent scale and shift are what it sampled with
     vc["scaling_factor"] = mc.latent_scale;
@@ -135,7 +142,7 @@ std::string export_diffusers(const LoadedModel& m, const std::string& out) {
     fs::create_directories(tmp / "scheduler");
     write_file_atomic((tmp / "scheduler/scheduler_config.json").string(), scheduler.dump(2) + "\n");
     const json none = json::array({nullptr, nullptr});
-    const json index{{"_class_name", "StableDiffusionPipeline"},
+    json index{{"_class_name", controlnet ? "StableDiffusionControlNetPipeline" : "StableDiffusionPipeline"},
                      {"_diffusers_version", kDiffusersVersion},
                      {"feature_extractor", none},
                      {"image_encoder", none},
@@ -146,6 +153,7 @@ std::string export_diffusers(const LoadedModel& m, const std::string& out) {
                      {"tokenizer", {"transformers", text.tokenizer_class}},
                      {"unet", {"diffusers", "UNet2DConditionModel"}},
                      {"vae", {"diffusers", "AutoencoderKL"}}};
+    if (controlnet) index["controlnet"] = {"diffusers", "ControlNetModel"};
     write_file_atomic((tmp / "model_index.json").string(), index.dump(2) + "\n");
     fs::rename(tmp, final_dir);
     fsync_dir(final_dir.parent_path().string());
@@ -154,8 +162,11 @@ std::string export_diffusers(const LoadedModel& m, const std::string& out) {
     fs::remove_all(tmp, ec);
     throw;
   }
-  return "wrote " + final_dir.string() + ": a StableDiffusionPipeline (unet/ from step " + std::to_string(m.step) +
-         ", vae/, text_encoder/, tokenizer/, scheduler/ " + scheduler.value("_class_name", "") + ")" +
+  const std::string parts = controlnet ? "a StableDiffusionControlNetPipeline (controlnet/ from step " + std::to_string(m.step) +
+                                             ", unet/ the locked UNet's"
+                                       : "a StableDiffusionPipeline (unet/ from step " + std::to_string(m.step);
+  return "wrote " + final_dir.string() + ": " + parts + ", vae/, text_encoder/, tokenizer/, scheduler/ " +
+         scheduler.value("_class_name", "") + ")" +
          (mc.text_skip > 0 ? "; the run used the text encoder's states " + std::to_string(mc.text_skip) +
                                  " layers before the last: pass clip_skip=" + std::to_string(mc.text_skip) + " to the pipeline"
                            : "");

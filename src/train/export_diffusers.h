@@ -9,6 +9,8 @@
 //   scheduler/     the scheduler the run was trained with (diffusion.scheduler), or an
 //                  EulerDiscreteScheduler of its discrete schedule and prediction type
 //   model_index.json
+// A ControlNet on the UNet (model.controlnet) becomes a StableDiffusionControlNetPipeline: controlnet/
+// holds the run's ControlNetModel (EMA weights unless told otherwise), unet/ the locked UNet's files.
 // The directory is written under a temporary name and renamed when complete: an error leaves nothing.
 #pragma once
 #include <string>

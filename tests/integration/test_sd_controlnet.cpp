@@ -112,6 +112,49 @@ TEST(SdControlNet, FromTheUnetTrainsResumesBitForBitAndSamplesFromControlMaps) {
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_EQ(load_safetensors(dir / "s.safetensors").tensors.at("images").sizes(), (std::vector<int64_t>{2, 3, 16, 16}));
   test::expect_error(test::run_ddm(sample), "is a ControlNet (model.control = edges): give its control maps");
+  // Exported as a StableDiffusionControlNetPipeline and sampled by diffusers itself from the same noise,
+  // prompts, control images, guidance and steps: what `ddm sample` gives, within float32 rounding.
+  const std::string exported = dir / "exported";
+  // (A run at a large learning rate, exported with its raw weights: after 4 steps at the default one the
+  // zero convolutions have hardly moved, and the control maps would hardly matter: below the tolerance.)
+  ASSERT_EQ(test::run_ddm(train + (dir / "strong") + " --quiet --set train.lr=0.05").exit_code, 0);
+  r = test::run_ddm("export --no-ema --ckpt " + (dir / "strong") + " --diffusers " + exported);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("a StableDiffusionControlNetPipeline (controlnet/ from step 4, unet/ the locked UNet's"),
+            std::string::npos)
+      << r.output;
+  EXPECT_EQ(test::read_text(exported + "/unet/diffusion_pytorch_model.safetensors"),
+            test::read_text(sd + "/unet/diffusion_pytorch_model.safetensors"));
+  SafetensorsFile noise, control;
+  noise.tensors["noise"] = torch::randn({2, 4, 8, 8}, at::detail::createCPUGenerator(13));
+  save_safetensors(dir / "noise.safetensors", noise);
+  control.tensors["image"] = (map.to(torch::kFloat) / 255).unsqueeze(0).expand({2, 3, 16, 16}).contiguous();
+  save_safetensors(dir / "control.safetensors", control);
+  const std::string same = "sample --no-ema --ckpt " + (dir / "strong") + " --n 2 --steps 6 --cfg 3 --sampler ddim --prompt 'a red "
+                           "square' --prompt 'a blue square' --init-noise " + (dir / "noise.safetensors") + " --out " +
+                           (dir / "d.png") + " --control ";
+  r = test::run_ddm(same + (dir / "edges.png") + " --raw " + (dir / "d.safetensors"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const auto py = test::run_command(test::reference_python() + " " + test::source_dir() +
+                                    "/tests/reference/diffusers_sample.py --control " + (dir / "control.safetensors") +
+                                    " " + exported + " " + (dir / "noise.safetensors") + " " + (dir / "py.safetensors") +
+                                    " 6 3 'a red square' 'a blue square' 2>&1");
+  ASSERT_EQ(py.exit_code, 0) << py.output;
+  const auto ours = load_safetensors(dir / "d.safetensors").tensors, theirs = load_safetensors(dir / "py.safetensors").tensors;
+  auto relative = [](const torch::Tensor& a, const torch::Tensor& b) {
+    return (a - b).abs().max().item<double>() / b.abs().max().item<double>();
+  };
+  EXPECT_LT(relative(ours.at("latents"), theirs.at("latents")), 1e-5);
+  EXPECT_LT(relative(ours.at("samples"), theirs.at("images")), 1e-5);
+  RecordProperty("relative", std::to_string(relative(ours.at("latents"), theirs.at("latents"))) + " " +
+                                 std::to_string(relative(ours.at("samples"), theirs.at("images"))));
+  // The check can fail: another control map gives other latents.
+  test::write_text(dir / "blank.png", png_of(torch::zeros({1, 16, 16}, torch::kUInt8)));
+  r = test::run_ddm(same + (dir / "blank.png") + " --raw " + (dir / "b.safetensors"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const double other = relative(load_safetensors(dir / "b.safetensors").tensors.at("latents"), theirs.at("latents"));
+  EXPECT_GT(other, 1e-3);  // 100 x the tolerance
+  RecordProperty("blank_map_relative", std::to_string(other));
   // A changed UNet (its weights): refused on sampling and on resume.
   const std::string moved = dir / "moved";
   fs::copy(sd, moved, fs::copy_options::recursive);

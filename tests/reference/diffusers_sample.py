@@ -1,6 +1,7 @@
-"""Samples a pipeline directory with diffusers' own StableDiffusionPipeline, for
-tests/integration/test_sd_train.cpp: a model ddm trained and exported (`ddm export --diffusers`) must
-give, from the same initial noise, prompts, guidance and steps, the images `ddm sample` gives.
+"""Samples a pipeline directory with diffusers' own StableDiffusionPipeline (or, given --control,
+StableDiffusionControlNetPipeline), for tests/integration/test_sd_train.cpp and test_sd_controlnet.cpp:
+a model ddm trained and exported (`ddm export --diffusers`) must give, from the same initial noise,
+prompts, control images, guidance and steps, the images `ddm sample` gives.
 
 The pipeline's scheduler is swapped for EulerDiscreteScheduler with Karras sigmas over linspace
 timesteps: the sigmas from the schedule's noisiest timestep to its least noisy one with rho = 7, then
@@ -12,21 +13,28 @@ Writes OUT_FILE with
   latents  what the pipeline sampled (output_type="latent")  [N, 4, h, w]
   images   those latents decoded by the pipeline's VAE, in [-1, 1]  [N, 3, H, W]
 
-Usage: python diffusers_sample.py PIPELINE_DIR NOISE_FILE OUT_FILE STEPS GUIDANCE PROMPT...
-       (NOISE_FILE: safetensors with `noise` [N, 4, h, w]; the reference environment's python)
+Usage: python diffusers_sample.py [--control FILE] PIPELINE_DIR NOISE_FILE OUT_FILE STEPS GUIDANCE PROMPT...
+       (NOISE_FILE: safetensors with `noise` [N, 4, h, w]; --control FILE: safetensors with `image`
+       [N, 3, H, W] in [0, 1], the control images; the reference environment's python)
 """
 import sys
 
 import torch
-from diffusers import EulerDiscreteScheduler, StableDiffusionPipeline
+from diffusers import EulerDiscreteScheduler, StableDiffusionControlNetPipeline, StableDiffusionPipeline
 from safetensors.torch import load_file, save_file
 
 
 def main():
-    pipe_dir, noise_file, out_file, steps, guidance = sys.argv[1:6]
-    prompts = sys.argv[6:]
+    args = sys.argv[1:]
+    control = None
+    if args[0] == "--control":
+        control = load_file(args[1])["image"]
+        args = args[2:]
+    pipe_dir, noise_file, out_file, steps, guidance = args[:5]
+    prompts = args[5:]
     torch.set_num_threads(1)
-    pipe = StableDiffusionPipeline.from_pretrained(pipe_dir, torch_dtype=torch.float32)
+    kind = StableDiffusionPipeline if control is None else StableDiffusionControlNetPipeline
+    pipe = kind.from_pretrained(pipe_dir, torch_dtype=torch.float32)
     pipe.scheduler = EulerDiscreteScheduler.from_config(pipe.scheduler.config, use_karras_sigmas=True,
                                                         timestep_spacing="linspace")
     pipe.set_progress_bar_config(disable=True)
@@ -39,11 +47,12 @@ def main():
     sigma_max = pipe.scheduler.sigmas.max()
     noise = noise * ((sigma_max**2 + 1) ** 0.5 / pipe.scheduler.init_noise_sigma)
     with torch.no_grad():
+        extra = {} if control is None else {"image": control}
         latents = pipe(prompt=prompts, latents=noise, num_inference_steps=int(steps), guidance_scale=float(guidance),
-                       output_type="latent").images
+                       output_type="latent", **extra).images
         images = pipe.vae.decode(latents / pipe.vae.config.scaling_factor).sample.clamp(-1, 1)
     save_file({"latents": latents.contiguous(), "images": images.contiguous()}, out_file)
-    print("sampled", len(prompts), "prompts with diffusers' StableDiffusionPipeline into", out_file)
+    print("sampled", len(prompts), "prompts with diffusers'", kind.__name__, "into", out_file)
 
 
 if __name__ == "__main__":
