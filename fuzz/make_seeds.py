@@ -318,6 +318,12 @@ put("diffusers_configs", "unet", "\x01" + json.dumps(
      "down_block_types": ["CrossAttnDownBlock2D", "DownBlock2D"], "up_block_types": ["UpBlock2D", "CrossAttnUpBlock2D"],
      "use_linear_projection": True, "num_class_embeds": None, "flip_sin_to_cos": True}))
 
+put("diffusers_configs", "controlnet", "\x04" + json.dumps(
+    {"_class_name": "ControlNetModel", "in_channels": 4, "block_out_channels": [16, 32], "layers_per_block": 1,
+     "norm_num_groups": 4, "cross_attention_dim": 8, "attention_head_dim": 2, "conditioning_channels": 3,
+     "conditioning_embedding_out_channels": [4, 8], "controlnet_conditioning_channel_order": "bgr",
+     "down_block_types": ["CrossAttnDownBlock2D", "DownBlock2D"], "global_pool_conditions": False}))
+
 put("diffusers_configs", "scheduler", "\x02" + json.dumps(
     {"_class_name": "PNDMScheduler", "num_train_timesteps": 1000, "beta_start": 0.00085, "beta_end": 0.012,
      "beta_schedule": "scaled_linear", "prediction_type": "epsilon", "skip_prk_steps": True, "steps_offset": 1,
