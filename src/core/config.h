@@ -78,7 +78,9 @@ struct ModelConfig {
   // locked and steered by a trainable copy of its encoder fed the control map `control` (edges |
   // lowres, data/control.h). Resolved at train time and recorded: the other model keys become the
   // base's, controlnet names its checkpoint directory and controlnet_sha256 its EMA weights (checked
-  // on every load).
+  // on every load). With arch = sd-unet the locked base is model.unet's UNet: controlnet is
+  // "from-unet" (diffusers' from_unet) or a diffusers ControlNetModel folder to start from, and
+  // controlnet_sha256 pins the UNet's weights (train/network.h).
   std::string controlnet;
   std::string controlnet_sha256;
   std::string control = "edges";
