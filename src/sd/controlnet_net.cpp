@@ -34,14 +34,39 @@ torch::Tensor SdControlNetNetImpl::control_image(const torch::Tensor& map) const
   return map.size(1) == cc ? unit : unit.expand({-1, cc, -1, -1}).contiguous();  // [B, cc, S, S]
 }
 
+torch::Tensor SdControlNetNetImpl::timestep(const torch::Tensor& t) const {
+  return (t.to(torch::kDouble) * static_cast<double>(timesteps_) - 1.0).to(torch::kFloat);  // [B]
+}
+
+Cond SdControlNetNetImpl::precompute(const torch::Tensor& x, const torch::Tensor& t, const Cond& c) {
+  DDM_CHECK(unet_loaded_, "diffusers' ControlNet: the locked UNet was not loaded (train/network.h)");
+  DDM_CHECK(c.context.defined(), "diffusers' ControlNet needs the text encoder's states (Cond::context)");
+  torch::NoGradGuard no_grad;
+  NetCarry k = unet_->encode(x, timestep(t), c.context.to(x.dtype()));
+  Cond out = c;
+  out.frozen = {k.emb, k.h};                                         // [B, 4 w0], [B, w[-1], h, w]
+  for (auto& s : k.skips) out.frozen.push_back(std::move(s));        // [B, w_l, H_l, W_l] each
+  return out;
+}
+
 torch::Tensor SdControlNetNetImpl::forward(const torch::Tensor& x, const torch::Tensor& t, const Cond& c) {
   DDM_CHECK(unet_loaded_, "diffusers' ControlNet: the locked UNet was not loaded (train/network.h)");
   DDM_CHECK(c.context.defined(), "diffusers' ControlNet needs the text encoder's states (Cond::context)");
   DDM_CHECK(c.control.defined(), "diffusers' ControlNet needs a control map (Cond::control)");
-  const torch::Tensor ts = (t.to(torch::kDouble) * static_cast<double>(timesteps_) - 1.0).to(torch::kFloat);  // [B]
-  const torch::Tensor context = c.context.to(x.dtype());                                                   // [B, T, D]
+  const torch::Tensor ts = timestep(t);                   // [B]
+  const torch::Tensor context = c.context.to(x.dtype());  // [B, T, D]
   const UNetResiduals r = controlnet_(x, ts, context, control_image(c.control).to(x.dtype()));
-  return unet_(x, ts, context, &r);  // [B, C, H, W]
+  NetCarry k;
+  if (c.frozen.empty()) {
+    k = unet_->encode(x, ts, context);  // (no trainable parameter: nothing to differentiate)
+  } else {
+    DDM_CHECK(c.frozen.size() == r.down.size() + 2,
+              "diffusers' ControlNet: Cond::frozen holds " << c.frozen.size() << " tensors, not this ControlNet's precompute");
+    k.emb = c.frozen[0];
+    k.h = c.frozen[1];
+    k.skips.assign(c.frozen.begin() + 2, c.frozen.end());
+  }
+  return unet_->decode(std::move(k), context, &r);  // [B, C, H, W]
 }
 
 }  // namespace ddm::sd

@@ -28,6 +28,10 @@ class SdControlNetNetImpl : public NetImpl {
   // x [B, C, H, W], t [B] in [0, 1], c.context [B, T, cross_attention_dim], c.control [B, Cc, H f, W f]
   // in [-1, 1] -> [B, C, H, W]
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& t, const Cond& c) override;
+  // The locked UNet's encoder half (no trainable parameter: the training step's prepare phase runs it,
+  // DiffusionPipe's frozen work) into c.frozen: its time embedding, middle output and skips, which
+  // forward then decodes instead of recomputing (bit for bit).
+  Cond precompute(const torch::Tensor& x, const torch::Tensor& t, const Cond& c) override;
   // The locked UNet moves with the network (it is not a registered submodule).
   void to(torch::Device device, torch::Dtype dtype, bool non_blocking = false) override;
   void to(torch::Dtype dtype, bool non_blocking = false) override;
@@ -39,6 +43,8 @@ class SdControlNetNetImpl : public NetImpl {
   // ControlNetModel's control image for a ddm control map [B, Cc, S, S] in [-1, 1]: in [0, 1], its
   // channels repeated when Cc = 1.
   torch::Tensor control_image(const torch::Tensor& map) const;
+  // diffusers' timestep for ddm's t [B]: t * T - 1, computed in double, float32 [B].
+  torch::Tensor timestep(const torch::Tensor& t) const;
 
  private:
   UNet2DConditionModel unet_;

@@ -166,8 +166,8 @@ void UNet2DConditionModelImpl::unit_out(NetCarry& k) {
   k.emb = torch::Tensor();
 }
 
-torch::Tensor UNet2DConditionModelImpl::forward(const torch::Tensor& sample, const torch::Tensor& timestep,
-                                                const torch::Tensor& context, const UNetResiduals* residuals) {
+NetCarry UNet2DConditionModelImpl::encode(const torch::Tensor& sample, const torch::Tensor& timestep,
+                                          const torch::Tensor& context) {
   check_inputs(sample, timestep, context);
   NetCarry k{sample, {}, {}};
   unit_in(k, timestep);
@@ -176,6 +176,10 @@ torch::Tensor UNet2DConditionModelImpl::forward(const torch::Tensor& sample, con
     if (down_blocks[i]->as<Level>()->resample) unit_downsample(k, i);
   }
   unit_mid(k, context);
+  return k;
+}
+
+torch::Tensor UNet2DConditionModelImpl::decode(NetCarry k, const torch::Tensor& context, const UNetResiduals* residuals) {
   if (residuals) add_residuals(k, *residuals);  // (diffusers adds the skips' before the middle: the same sums)
   for (size_t i = 0; i < up_blocks->size(); ++i) {
     for (size_t j = 0; j < up_blocks[i]->as<Level>()->resnets->size(); ++j) unit_up(k, i, j, context);
@@ -183,6 +187,11 @@ torch::Tensor UNet2DConditionModelImpl::forward(const torch::Tensor& sample, con
   }
   unit_out(k);
   return k.h;  // [B, out_channels, H, W]
+}
+
+torch::Tensor UNet2DConditionModelImpl::forward(const torch::Tensor& sample, const torch::Tensor& timestep,
+                                                const torch::Tensor& context, const UNetResiduals* residuals) {
+  return decode(encode(sample, timestep, context), context, residuals);  // [B, out_channels, H, W]
 }
 
 std::vector<NetUnit> UNet2DConditionModelImpl::units(std::function<torch::Tensor(const torch::Tensor&)> timestep) {

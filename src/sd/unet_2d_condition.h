@@ -52,6 +52,11 @@ class UNet2DConditionModelImpl : public torch::nn::Module {
   // residuals, each is added to its skip after the down blocks and to the middle block's output.
   torch::Tensor forward(const torch::Tensor& sample, const torch::Tensor& timestep, const torch::Tensor& context,
                         const UNetResiduals* residuals = nullptr);
+  // forward's two halves, bit for bit: encode runs conv_in, the down blocks and the middle (the carry's
+  // h is the middle's output [B, w[-1], H / f, W / f], emb the time embedding [B, 4 w0], skips every
+  // down block output); decode adds the residuals and runs the up blocks and the output.
+  NetCarry encode(const torch::Tensor& sample, const torch::Tensor& timestep, const torch::Tensor& context);
+  torch::Tensor decode(NetCarry k, const torch::Tensor& context, const UNetResiduals* residuals = nullptr);
   // forward as units (model/net.h), for pipeline stages and their profiler: from NetCarry{h = sample}
   // they leave forward's output in h, bit for bit. A unit reads ddm's time t, which `timestep` maps to
   // diffusers' scale, and the context from Cond::context. The carry's emb is the time embedding.

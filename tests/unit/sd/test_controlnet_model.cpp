@@ -13,6 +13,7 @@
 #include "core/error.h"
 #include "core/safetensors.h"
 #include "sd/controlnet_model.h"
+#include "sd/controlnet_net.h"
 #include "test_util.h"
 
 using ddm::test::TempDir;
@@ -162,4 +163,44 @@ TEST(ControlNetModel, WrongConfigsInputsAndUnetsAreRefusedByName) {
   EXPECT_NE(msg.find("the control image must be [2, 3, 64, 64] (8 x the sample's size), got [2, 3, 8, 8]"),
             std::string::npos)
       << msg;
+}
+
+// The Net adapter (sd/controlnet_net.h): the locked UNet's encoder half precomputed (the training
+// step's prepare phase) gives forward's output and the ControlNet's gradients bit for bit; the locked
+// UNet has no trainable parameter and holds no gradient; an edge map in [-1, 1] becomes a 3-channel
+// control image in [0, 1].
+TEST(ControlNetModel, TheNetPrecomputesTheLockedEncoderBitForBit) {
+  ASSERT_EQ(made().run.exit_code, 0) << made().run.output;
+  const std::string dir = made().dir + "/sd21";
+  const auto ref = ddm::load_safetensors(dir + "/reference.safetensors").tensors;
+  auto net = std::make_shared<sd::SdControlNetNetImpl>(sd::load_unet_2d_condition(dir + "/unet"),
+                                                      sd::load_controlnet_model(dir + "/controlnet"), 1000);
+  net->set_unet_loaded();
+  ddm::Cond c;
+  c.context = ref.at("context");
+  c.control = ref.at("cond").mean(1, /*keepdim=*/true) * 2 - 1;  // [2, 1, 64, 64] in [-1, 1]
+  const torch::Tensor image = net->control_image(c.control);
+  EXPECT_EQ(image.sizes(), (std::vector<int64_t>{2, 3, 64, 64}));
+  EXPECT_TRUE(image.select(1, 2).equal((c.control.squeeze(1) + 1) * 0.5));
+  const torch::Tensor t = torch::tensor({0.018f, 0.804f});
+  std::vector<torch::Tensor> outs, grads;
+  for (const bool pre : {false, true}) {
+    net->zero_grad();
+    const ddm::Cond cc = pre ? net->precompute(ref.at("sample"), t, c) : c;
+    EXPECT_EQ(cc.frozen.size(), pre ? 6u : 0u);  // time embedding, middle, 4 skips
+    const torch::Tensor out = net->forward(ref.at("sample"), t, cc);
+    (out * ref.at("weight")).sum().backward();
+    outs.push_back(out.detach());
+    std::vector<torch::Tensor> g;
+    for (const auto& p : net->parameters()) g.push_back(p.grad().flatten());
+    grads.push_back(torch::cat(g));
+  }
+  EXPECT_TRUE(outs[0].equal(outs[1]));
+  EXPECT_TRUE(grads[0].equal(grads[1]));
+  EXPECT_GT(grads[0].abs().max().item<float>(), 0);
+  for (const auto& p : net->unet()->parameters()) {
+    EXPECT_FALSE(p.requires_grad());
+    EXPECT_FALSE(p.grad().defined());
+  }
+  EXPECT_EQ(net->parameters().size(), net->controlnet()->parameters().size());
 }
