@@ -81,6 +81,7 @@
 #include "model/net.h"
 #include "model/ops.h"
 #include "run/trainer.h"
+#include "sd/controlnet_net.h"
 #include "train/controlnet.h"
 #include "train/embed.h"
 #include "train/latent.h"
@@ -452,6 +453,7 @@ int run_phases(const Args& a) {
   const auto text = attach_text(*objective, cfg.model, job.data, torch::kCPU);  // the frozen text encoder
   TrainStep stepper(cfg, net, objective);
   auto* controlnet = dynamic_cast<ControlNetImpl*>(net.get());
+  auto* sd_controlnet = dynamic_cast<sd::SdControlNetNetImpl*>(net.get());  // on Stable Diffusion's UNet
   std::vector<double> locked;  // a ControlNet's locked decoder: forward + input-gradients
   const int64_t n = job.data.images.size(0);
   DDM_CHECK(n >= a.batch, a.preset << ": the data has " << n << " images, fewer than --batch " << a.batch);
@@ -489,7 +491,25 @@ int run_phases(const Args& a) {
       controlnet->base().decode(f, res).pow(2).mean().backward();
       locked.push_back(ms_between(t0, std::chrono::steady_clock::now()));
     }
+    if (sd_controlnet) {  // the same for the locked UNet's decoder (its up blocks and output)
+      Prepared p;
+      {
+        torch::NoGradGuard ng;
+        p = objective->prepare(b, i);
+        p.cond = sd_controlnet->precompute(p.xt, p.t, p.cond);
+      }
+      NetCarry k{p.cond.frozen[1], p.cond.frozen[0], {p.cond.frozen.begin() + 2, p.cond.frozen.end()}};
+      sd::UNetResiduals res;
+      for (const auto& s : k.skips) res.down.push_back(torch::zeros_like(s).requires_grad_());
+      res.mid = torch::zeros_like(k.h).requires_grad_();
+      const auto t0 = std::chrono::steady_clock::now();
+      sd_controlnet->unet()->decode(k, p.cond.context, &res).pow(2).mean().backward();
+      locked.push_back(ms_between(t0, std::chrono::steady_clock::now()));
+    }
   }
+  const std::string cn_frozen = controlnet || sd_controlnet ? cfg.model.control + " maps and the locked " +
+                                                                  (sd_controlnet ? "UNet's encoder" : "encoder of " + cfg.model.controlnet)
+                                                            : "";
   nlohmann::json j = {{"mode", "phases"},
                       {"config", a.preset},
                       {"set", a.sets},
@@ -501,9 +521,8 @@ int run_phases(const Args& a) {
                                      (latent ? (cfg.train.cache_latents ? "cached latents of " : "encoder of ") + latent->checkpoint()
                                         : !cfg.train.teacher.empty() ? "teacher ensemble " + cfg.train.teacher
                                         : embedder ? "embedding network " + embedder->path()
-                                        : controlnet ? cfg.model.control + " maps and the locked encoder of " +
-                                                           cfg.model.controlnet
-                                                     : text ? "" : "none")},
+                                        : text || !cn_frozen.empty() ? "" : "none") +
+                                     (cn_frozen.empty() ? "" : (text || latent ? ", " : "") + cn_frozen)},
                       {"batch", a.batch},
                       {"threads", a.threads},
                       {"steps", a.steps},
@@ -515,7 +534,7 @@ int run_phases(const Args& a) {
                       {"step_ms", median(step)},
                       {"img_per_s", a.batch / (median(step) / 1e3)},
                       {"frozen_share", median(prep) / (median(fwd) + median(bwd))}};
-  if (controlnet) {  // the locked decoder runs inside forward + backward: how much of it
+  if (controlnet || sd_controlnet) {  // the locked decoder runs inside forward + backward: how much of it
     j["locked_decoder_ms"] = median(locked);
     j["frozen_grad_path_share"] = median(locked) / (median(fwd) + median(bwd));
   }

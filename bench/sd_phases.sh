@@ -6,15 +6,26 @@
 # encoder on the captions and the VAE's encoder on the images, the prepare phase) against the
 # trainable forward + backward. DiffusionPipe reports 44% for SD 2.1. Images of SIZE px (random,
 # captioned), BATCH per step. Needs build/ with the benchmarks and about 6 GB of disk (the pipeline is
-# kept in SD_DIR, default /tmp/ddm-sd21, for the next run). Prints one JSON line per size.
+# kept in SD_DIR, default /tmp/ddm-KIND, for the next run). Prints one JSON line per size.
+# KIND=sd15-controlnet measures ControlNet v1.0 on SD 1.5 instead (DiffusionPipe: 89%): the frozen
+# work is then the text encoder (CLIP ViT-L/14), the VAE's encoder, the edge maps and the locked
+# UNet's encoder half; the trainable part is the ControlNet, whose forward + backward also runs the
+# locked UNet's decoder (reported apart: locked_decoder_ms).
 #
-# usage: bench/sd_phases.sh [SIZES="256 512"] [BATCH=1] [THREADS=2] [STEPS=3]
+# usage: [KIND=sd21|sd15-controlnet] bench/sd_phases.sh [SIZES="256 512"] [BATCH=1] [THREADS=2] [STEPS=3]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 sizes=${1:-256 512} batch=${2:-1} threads=${3:-2} steps=${4:-3}
+kind=${KIND:-sd21}
 python=$(bash scripts/reference-env.sh)
-sd=${SD_DIR:-/tmp/ddm-sd21}
-[ -f "$sd/model_index.json" ] || "$python" bench/sd_pipeline.py "$sd"
+sd=${SD_DIR:-/tmp/ddm-$kind}
+[ -f "$sd/model_index.json" ] || "$python" bench/sd_pipeline.py "$sd" "$kind"
+if [ "$kind" = sd15-controlnet ]; then
+  objective=eps extra="controlnet = \"$sd\"
+control = \"edges\""
+else
+  objective=v extra=""
+fi
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 for size in $sizes; do
@@ -38,8 +49,9 @@ arch = "sd-unet"
 unet = "$sd"
 latent = "$sd"
 text_encoder = "$sd"
+$extra
 [diffusion]
-objective = "v"
+objective = "$objective"
 scheduler = "$sd"
 TOML
   OMP_NUM_THREADS=$threads build/ddm_bench phases "$work/sd-$size.toml" --batch "$batch" --threads "$threads" \
