@@ -252,10 +252,9 @@ torch::Tensor AutoencoderKLImpl::decode(const torch::Tensor& z) {
 }
 
 AutoencoderKL load_autoencoder_kl(const std::string& dir) {
-  const std::string config_file = (fs::path(dir) / "config.json").string();
-  DDM_CHECK(fs::is_regular_file(config_file), dir << ": no config.json (a diffusers AutoencoderKL directory holds "
-                                                  << "config.json and diffusion_pytorch_model.safetensors)");
-  AutoencoderKL model(parse_autoencoder_kl_config(read_json_file(config_file), config_file));
+  std::string config_file;
+  const nlohmann::json j = read_model_config(dir, "AutoencoderKL", config_file);
+  AutoencoderKL model(parse_autoencoder_kl_config(j, config_file));
   load_diffusers_weights(*model, dir, config_file);
   model->eval();
   return model;

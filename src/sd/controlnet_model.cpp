@@ -21,12 +21,8 @@ namespace {
 
 using json = nlohmann::json;
 
-nn::Conv2d conv(int64_t in, int64_t out, int64_t k, int64_t stride = 1) {
-  return nn::Conv2d(nn::Conv2dOptions(in, out, k).stride(stride).padding(k / 2));
-}
-
 nn::Conv2d zero_conv(int64_t in, int64_t out, int64_t k) {
-  nn::Conv2d c = conv(in, out, k);
+  nn::Conv2d c = sd_conv(in, out, k);
   torch::NoGradGuard no_grad;
   c->weight.zero_();
   c->bias.zero_();
@@ -91,11 +87,11 @@ ControlNetModelConfig controlnet_config_from_unet(const UNet2DConditionConfig& u
 
 ControlNetConditioningEmbeddingImpl::ControlNetConditioningEmbeddingImpl(int64_t out, int64_t in,
                                                                          const std::vector<int64_t>& widths) {
-  conv_in = register_module("conv_in", conv(in, widths.front(), 3));
+  conv_in = register_module("conv_in", sd_conv(in, widths.front(), 3));
   blocks = register_module("blocks", nn::ModuleList());
   for (size_t i = 0; i + 1 < widths.size(); ++i) {
-    blocks->push_back(conv(widths[i], widths[i], 3));
-    blocks->push_back(conv(widths[i], widths[i + 1], 3, 2));
+    blocks->push_back(sd_conv(widths[i], widths[i], 3));
+    blocks->push_back(sd_conv(widths[i], widths[i + 1], 3, 2));
   }
   conv_out = register_module("conv_out", zero_conv(widths.back(), out, 3));
 }
@@ -109,7 +105,7 @@ torch::Tensor ControlNetConditioningEmbeddingImpl::forward(const torch::Tensor& 
 ControlNetModelImpl::ControlNetModelImpl(ControlNetModelConfig c) : c_(std::move(c)) {
   const auto& u = c_.unet;
   const auto& w = u.block_out_channels;
-  conv_in = register_module("conv_in", conv(u.in_channels, w[0], 3));
+  conv_in = register_module("conv_in", sd_conv(u.in_channels, w[0], 3));
   time_embedding = register_module("time_embedding", TimeEmbedding(w[0], u.time_embed_dim()));
   controlnet_cond_embedding = register_module(
       "controlnet_cond_embedding",
@@ -226,10 +222,9 @@ double controlnet_model_flops(const ControlNetModelConfig& c, int64_t H, int64_t
 }
 
 ControlNetModelConfig load_controlnet_model_config(const std::string& dir) {
-  const std::string config_file = (fs::path(dir) / "config.json").string();
-  DDM_CHECK(fs::is_regular_file(config_file), dir << ": no config.json (a diffusers ControlNetModel directory "
-                                                  << "holds config.json and diffusion_pytorch_model.safetensors)");
-  return parse_controlnet_model_config(read_json_file(config_file), config_file);
+  std::string file;
+  const nlohmann::json j = read_model_config(dir, "ControlNetModel", file);
+  return parse_controlnet_model_config(j, file);
 }
 
 ControlNetModel load_controlnet_model(const std::string& dir) {

@@ -50,6 +50,13 @@ void ConfigReader::widths(const char* key, std::vector<int64_t>& out) const {
     out.push_back(json_int(b[i], file + ": " + key + "[" + std::to_string(i) + "]", 1, 1 << 16));
 }
 
+nlohmann::json read_model_config(const std::string& dir, const std::string& class_name, std::string& file) {
+  file = (fs::path(dir) / "config.json").string();
+  DDM_CHECK(fs::is_regular_file(file), dir << ": no config.json (a diffusers " << class_name << " directory holds "
+                                           << "config.json and diffusion_pytorch_model.safetensors)");
+  return read_json_file(file);
+}
+
 bool has_diffusers_weights(const std::string& dir) {
   std::error_code ec;
   for (const auto& e : fs::directory_iterator(dir, ec))

@@ -23,6 +23,10 @@ struct ConfigReader {
   void widths(const char* key, std::vector<int64_t>& out) const;  // a list of 1 to 16 widths
 };
 
+// DIR/config.json of a diffusers model folder of class `class_name`, read (errors name the folder
+// and what it should hold); `file` is set to its path.
+nlohmann::json read_model_config(const std::string& dir, const std::string& class_name, std::string& file);
+
 // Whether DIR holds weights of any kind (diffusion_pytorch_model.*: safetensors, their index, or a
 // pickle that load_diffusers_weights refuses with the conversion): a folder with none holds a config only.
 bool has_diffusers_weights(const std::string& dir);

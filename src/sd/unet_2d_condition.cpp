@@ -23,12 +23,6 @@ namespace {
 
 using json = nlohmann::json;
 
-nn::GroupNorm group_norm(int64_t groups, int64_t ch, double eps) {
-  return nn::GroupNorm(nn::GroupNormOptions(groups, ch).eps(eps));
-}
-nn::Conv2d conv(int64_t in, int64_t out, int64_t k, int64_t stride = 1) {
-  return nn::Conv2d(nn::Conv2dOptions(in, out, k).stride(stride).padding(k / 2));
-}
 
 // The keys of diffusers' UNet2DConditionModel that ddm does not build on, with the value (diffusers'
 // default) they must have.
@@ -74,7 +68,7 @@ UNet2DConditionModelImpl::UNet2DConditionModelImpl(UNet2DConditionConfig c) : c_
   const auto& w = c_.block_out_channels;
   const int64_t L = static_cast<int64_t>(w.size()), g = c_.norm_num_groups, T = c_.time_embed_dim();
   const double eps = c_.norm_eps;
-  conv_in = register_module("conv_in", conv(c_.in_channels, w[0], 3));
+  conv_in = register_module("conv_in", sd_conv(c_.in_channels, w[0], 3));
   time_embedding = register_module("time_embedding", TimeEmbedding(w[0], T));
   auto transformer = [&](int64_t ch, int64_t heads) {
     return SdTransformer(ch, heads, c_.cross_attention_dim, g, c_.use_linear_projection);
@@ -96,8 +90,8 @@ UNet2DConditionModelImpl::UNet2DConditionModelImpl(UNet2DConditionConfig c) : c_
     if (i + 1 < L) level->add_resampler(out);
     up_blocks->push_back(level);
   }
-  conv_norm_out = register_module("conv_norm_out", group_norm(g, w[0], eps));
-  conv_out = register_module("conv_out", conv(w[0], c_.out_channels, 3));
+  conv_norm_out = register_module("conv_norm_out", sd_group_norm(g, w[0], eps));
+  conv_out = register_module("conv_out", sd_conv(w[0], c_.out_channels, 3));
 }
 
 void UNet2DConditionModelImpl::check_inputs(const torch::Tensor& sample, const torch::Tensor& timestep,
@@ -264,10 +258,9 @@ double unet_2d_condition_flops(const UNet2DConditionConfig& c, int64_t H, int64_
 }
 
 UNet2DConditionConfig load_unet_2d_condition_config(const std::string& dir) {
-  const std::string config_file = (fs::path(dir) / "config.json").string();
-  DDM_CHECK(fs::is_regular_file(config_file), dir << ": no config.json (a diffusers UNet2DConditionModel directory "
-                                                  << "holds config.json and diffusion_pytorch_model.safetensors)");
-  return parse_unet_2d_condition_config(read_json_file(config_file), config_file);
+  std::string file;
+  const nlohmann::json j = read_model_config(dir, "UNet2DConditionModel", file);
+  return parse_unet_2d_condition_config(j, file);
 }
 
 UNet2DConditionModel load_unet_2d_condition(const std::string& dir) {

@@ -19,12 +19,8 @@ namespace {
 
 using json = nlohmann::json;
 
-nn::GroupNorm group_norm(int64_t groups, int64_t ch, double eps) {
-  return nn::GroupNorm(nn::GroupNormOptions(groups, ch).eps(eps));
-}
-nn::Conv2d conv(int64_t in, int64_t out, int64_t k, int64_t stride = 1) {
-  return nn::Conv2d(nn::Conv2dOptions(in, out, k).stride(stride).padding(k / 2));
-}
+nn::GroupNorm group_norm(int64_t groups, int64_t ch, double eps) { return sd_group_norm(groups, ch, eps); }
+nn::Conv2d conv(int64_t in, int64_t out, int64_t k, int64_t stride = 1) { return sd_conv(in, out, k, stride); }
 nn::Linear linear(int64_t in, int64_t out, bool bias = true) { return nn::Linear(nn::LinearOptions(in, out).bias(bias)); }
 
 // A module of its one parameter set "conv" (Downsample2D, Upsample2D) or "proj" (GEGLU).
@@ -81,6 +77,14 @@ torch::Tensor timestep_embedding(const torch::Tensor& t, int64_t dim) {
 }
 
 }  // namespace
+
+nn::Conv2d sd_conv(int64_t in, int64_t out, int64_t k, int64_t stride) {
+  return nn::Conv2d(nn::Conv2dOptions(in, out, k).stride(stride).padding(k / 2));
+}
+
+nn::GroupNorm sd_group_norm(int64_t groups, int64_t ch, double eps) {
+  return nn::GroupNorm(nn::GroupNormOptions(groups, ch).eps(eps));
+}
 
 UNet2DConditionConfig parse_unet_config_keys(const json& j, const std::string& file, const std::string& class_name,
                                              const std::set<std::string>& extra, const std::map<std::string, json>& fixed) {

@@ -25,6 +25,10 @@
 
 namespace ddm::sd {
 
+// diffusers' convolutions (padding k / 2) and group norms, as every block here makes them.
+torch::nn::Conv2d sd_conv(int64_t in, int64_t out, int64_t k, int64_t stride = 1);
+torch::nn::GroupNorm sd_group_norm(int64_t groups, int64_t ch, double eps);
+
 // config.json's keys that shape the network, as diffusers names them. A ControlNetModel has no
 // out_channels, sample_size or up_block_types: they keep these defaults there.
 struct UNet2DConditionConfig {
