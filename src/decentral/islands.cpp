@@ -552,7 +552,12 @@ std::string slurm_script(const IslandsConfig& c, int64_t k, const std::string& d
   if (n > 1) {
     // One job step of n tasks per attempt: SLURM_PROCID is the rank; rank 0 hosts the rendezvous
     // on port 20000 + SLURM_JOB_ID mod 20000 (each array task has its own job id) unless MASTER_PORT
-    // is set. --kill-on-bad-exit ends the step when one rank fails, and the island restarts whole.
+    // is set. The step is not ended when one rank exits (--kill-on-bad-exit=0): the others end by
+    // themselves (a lost peer is an error within seconds, a hung one after parallel.timeout), and
+    // --wait ends the step 60 s after the first rank ended. So a refused input, which every rank
+    // refuses alike, comes back as exit 2: with the others killed first, srun would return their
+    // signal's code (143), and the script would restart what cannot start. A failed step restarts
+    // the island whole.
     s << "# The island's " << n << " ranks are one job step; a failed step (a rank crashed or was killed) restarts\n"
       << "# the whole island from its last checkpoint, at most " << r << " times (run.retries).\n"
       << "for attempt in $(seq 0 " << r << "); do\n"
@@ -561,7 +566,7 @@ std::string slurm_script(const IslandsConfig& c, int64_t k, const std::string& d
       << r << ")\" >&2\n"
       << "  fi\n"
       << "  rc=0\n"
-      << "  srun --ntasks=" << n << " --cpus-per-task=" << cpus << " --kill-on-bad-exit=1 \"${island[@]}\" || rc=$?\n"
+      << "  srun --ntasks=" << n << " --cpus-per-task=" << cpus << " --kill-on-bad-exit=0 --wait=60 \"${island[@]}\" || rc=$?\n"
       << "  if [ \"$rc\" -eq 0 ]; then exit 0; fi\n"
       << "  if [ \"$rc\" -eq 2 ]; then  # ddm refused its input (config, data): a restart would fail alike\n"
       << "    echo \"[islands] array task $task: the island refused its input (exit 2; the reason is above); not "

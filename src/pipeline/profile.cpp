@@ -17,6 +17,7 @@
 #include "core/json.h"
 #include "core/runtime.h"
 #include "model/controlnet.h"
+#include "train/latent.h"
 
 namespace ddm {
 namespace {
@@ -103,8 +104,10 @@ std::vector<PipeUnitProfile> profile_units(NetImpl& net, const ModelConfig& cfg,
     if (cfg.num_classes > 0) c.y = here(torch::randint(0, cfg.num_classes, {r}, torch::kLong));
     if (cfg.self_cond) c.self_cond = here(torch::randn(x.sizes()));
     if (!cfg.embed.empty()) c.embed = here(torch::nn::functional::normalize(torch::randn({r, cfg.embed_dim})));
-    if (!cfg.controlnet.empty())
-      c.control = here(torch::rand({r, control_channels(cfg), cfg.image_size, cfg.image_size}) * 2 - 1);
+    if (!cfg.controlnet.empty()) {  // at the images' size; SD's ControlNet takes a map of one channel alike
+      const int64_t side = cfg.image_size * latent_downsampling(cfg), ch = cfg.arch == "sd-unet" ? 1 : control_channels(cfg);
+      c.control = here(torch::rand({r, ch, side, side}) * 2 - 1);
+    }
     if (!cfg.text_encoder.empty()) {  // a caption's encoding: states [r, T, D], every token attended, pooled [r, P]
       c.context = here(torch::randn({r, cfg.text_tokens, cfg.text_dim}));
       c.context_mask = here(torch::ones({r, cfg.text_tokens}, torch::kLong));

@@ -121,9 +121,8 @@ ControlNetModelImpl::ControlNetModelImpl(ControlNetModelConfig c) : c_(std::move
   mid_block = register_module("mid_block", make_mid_block(u));
 }
 
-UNetResiduals ControlNetModelImpl::forward(const torch::Tensor& sample, const torch::Tensor& timestep,
-                                           const torch::Tensor& context, const torch::Tensor& cond,
-                                           double conditioning_scale) {
+void ControlNetModelImpl::check_inputs(const torch::Tensor& sample, const torch::Tensor& timestep,
+                                       const torch::Tensor& context, const torch::Tensor& cond) const {
   const auto& u = c_.unet;
   const int64_t B = sample.size(0), f = c_.hint_factor(), down = int64_t{1} << (u.block_out_channels.size() - 1);
   DDM_CHECK(sample.dim() == 4 && sample.size(1) == u.in_channels && sample.size(2) % down == 0 &&
@@ -141,30 +140,87 @@ UNetResiduals ControlNetModelImpl::forward(const torch::Tensor& sample, const to
                                                            << sample.size(2) * f << ", " << sample.size(3) * f
                                                            << "] (" << f << " x the sample's size), got "
                                                            << (cond.defined() ? cond.sizes() : torch::IntArrayRef{}));
-  const torch::Tensor emb = time_embedding(timestep, sample.scalar_type());              // [B, 4 w0]
+}
+
+void ControlNetModelImpl::unit_in(NetCarry& k, const torch::Tensor& timestep, const torch::Tensor& cond) {
+  k.emb = time_embedding(timestep, k.h.scalar_type());                                   // [B, 4 w0]
   const torch::Tensor hint = controlnet_cond_embedding(c_.bgr ? cond.flip({1}) : cond);  // [B, w0, H, W]
-  torch::Tensor h = conv_in(sample) + hint;                                               // [B, w0, H, W]
-  std::vector<torch::Tensor> skips{h};
-  for (const auto& m : *down_blocks) {
-    auto* level = m->as<Level>();
-    for (size_t j = 0; j < level->resnets->size(); ++j) {
-      h = level->attend(j, level->resnet(j, h, emb), context);  // [B, w_i, H_i, W_i]
-      skips.push_back(h);
-    }
-    if (level->resample) {
-      h = level->resample(h);  // [B, w_i, H_i / 2, W_i / 2]
-      skips.push_back(h);
-    }
-  }
-  h = mid_forward(*mid_block, h, emb, context);  // [B, w[-1], H / down, W / down]
+  k.h = conv_in(k.h) + hint;                                                              // [B, w0, H, W]
+  k.skips = {k.h};
+}
+
+void ControlNetModelImpl::unit_down(NetCarry& k, size_t i, size_t j, const torch::Tensor& context) {
+  auto* level = down_blocks[i]->as<Level>();
+  k.h = level->attend(j, level->resnet(j, k.h, k.emb), context);  // [B, w_i, H_i, W_i]
+  k.skips.push_back(k.h);
+}
+
+void ControlNetModelImpl::unit_downsample(NetCarry& k, size_t i) {
+  k.h = down_blocks[i]->as<Level>()->resample(k.h);  // [B, w_i, H_i / 2, W_i / 2]
+  k.skips.push_back(k.h);
+}
+
+UNetResiduals ControlNetModelImpl::residuals(const std::vector<torch::Tensor>& skips, const torch::Tensor& mid,
+                                             double scale) {
+  DDM_CHECK(skips.size() == controlnet_down_blocks->size(),
+            "ControlNetModel: " << skips.size() << " skips for " << controlnet_down_blocks->size() << " zero convolutions");
   UNetResiduals r;
   for (size_t i = 0; i < skips.size(); ++i) r.down.push_back(controlnet_down_blocks[i]->as<nn::Conv2d>()->forward(skips[i]));
-  r.mid = controlnet_mid_block(h);
-  if (conditioning_scale != 1.0) {
-    for (auto& t : r.down) t = t * conditioning_scale;
-    r.mid = r.mid * conditioning_scale;
+  r.mid = controlnet_mid_block(mid);  // [B, w[-1], h, w]
+  if (scale != 1.0) {
+    for (auto& t : r.down) t = t * scale;
+    r.mid = r.mid * scale;
   }
   return r;
+}
+
+std::vector<torch::Tensor> ControlNetModelImpl::zero_parameters() const {
+  std::vector<torch::Tensor> out = controlnet_down_blocks->parameters();
+  for (const auto& p : controlnet_mid_block->parameters()) out.push_back(p);
+  return out;
+}
+
+UNetResiduals ControlNetModelImpl::forward(const torch::Tensor& sample, const torch::Tensor& timestep,
+                                           const torch::Tensor& context, const torch::Tensor& cond,
+                                           double conditioning_scale) {
+  check_inputs(sample, timestep, context, cond);
+  NetCarry k{sample, {}, {}};
+  unit_in(k, timestep, cond);
+  for (size_t i = 0; i < down_blocks->size(); ++i) {
+    for (size_t j = 0; j < down_blocks[i]->as<Level>()->resnets->size(); ++j) unit_down(k, i, j, context);
+    if (down_blocks[i]->as<Level>()->resample) unit_downsample(k, i);
+  }
+  k.h = mid_forward(*mid_block, k.h, k.emb, context);  // [B, w[-1], H / f, W / f]
+  return residuals(k.skips, k.h, conditioning_scale);
+}
+
+std::vector<NetUnit> ControlNetModelImpl::units(std::function<torch::Tensor(const torch::Tensor&)> timestep,
+                                                std::function<torch::Tensor(const Cond&)> control) {
+  std::vector<NetUnit> u;
+  u.push_back({"in",
+               [this, timestep, control](NetCarry& k, const torch::Tensor& t, const Cond& c) {
+                 const torch::Tensor ts = timestep(t), cond = control(c);
+                 check_inputs(k.h, ts, c.context, cond);
+                 unit_in(k, ts, cond);
+               },
+               params_of({conv_in.get(), time_embedding.get(), controlnet_cond_embedding.get()})});
+  for (size_t i = 0; i < down_blocks->size(); ++i) {
+    auto* level = down_blocks[i]->as<Level>();
+    for (size_t j = 0; j < level->resnets->size(); ++j)
+      u.push_back({"down" + std::to_string(i) + "_" + std::to_string(j),
+                   [this, i, j](NetCarry& k, const torch::Tensor&, const Cond& c) { unit_down(k, i, j, c.context); },
+                   params_of({item_or_null(level->resnets, j), item_or_null(level->attentions, j)})});
+    if (level->resample)
+      u.push_back({"downsample" + std::to_string(i),
+                   [this, i](NetCarry& k, const torch::Tensor&, const Cond&) { unit_downsample(k, i); },
+                   params_of({level->samplers.get()})});
+  }
+  u.push_back({"mid",
+               [this](NetCarry& k, const torch::Tensor&, const Cond& c) {
+                 k.h = mid_forward(*mid_block, k.h, k.emb, c.context);  // [B, w[-1], h, w]
+               },
+               params_of({mid_block.get()})});
+  return u;
 }
 
 std::string controlnet_mismatch(const ControlNetModelConfig& c, const UNet2DConditionConfig& u) {

@@ -13,6 +13,7 @@
 // down_blocks, mid_block), as diffusers' ControlNetModel.from_unet does.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -23,6 +24,7 @@
 #include <torch/nn/pimpl.h>
 #include <torch/types.h>
 
+#include "model/net.h"
 #include "sd/unet_2d_condition.h"
 #include "sd/unet_blocks.h"
 
@@ -71,11 +73,26 @@ class ControlNetModelImpl : public torch::nn::Module {
   // ([B, w, h, w] each) and the middle's, each times conditioning_scale.
   UNetResiduals forward(const torch::Tensor& sample, const torch::Tensor& timestep, const torch::Tensor& context,
                         const torch::Tensor& cond, double conditioning_scale = 1.0);
+  // forward's encoder as units (model/net.h), for pipeline stages: from NetCarry{h = sample} they leave
+  // the features the zero convolutions read (h: the middle's output; skips). A unit reads diffusers'
+  // timestep from `timestep` (ddm's t mapped) and the control image from `control` (of the Cond).
+  std::vector<NetUnit> units(std::function<torch::Tensor(const torch::Tensor&)> timestep,
+                             std::function<torch::Tensor(const Cond&)> control);
+  // The zero convolutions: features (skips, the middle's output) -> residuals, each times scale.
+  UNetResiduals residuals(const std::vector<torch::Tensor>& skips, const torch::Tensor& mid, double scale = 1.0);
+  std::vector<torch::Tensor> zero_parameters() const;  // controlnet_down_blocks' and controlnet_mid_block's
   // diffusers' from_unet: conv_in, time_embedding, down_blocks and mid_block become copies of the
   // UNet's (whose encoder keys must equal this config's); the rest keeps its initialisation.
   void copy_encoder_from(const UNet2DConditionModelImpl& unet);
 
  private:
+  void check_inputs(const torch::Tensor& sample, const torch::Tensor& timestep, const torch::Tensor& context,
+                    const torch::Tensor& cond) const;
+  // The pieces of the encoder, each a unit's work on the carry.
+  void unit_in(NetCarry& k, const torch::Tensor& timestep, const torch::Tensor& cond);
+  void unit_down(NetCarry& k, size_t level, size_t j, const torch::Tensor& context);
+  void unit_downsample(NetCarry& k, size_t level);
+
   ControlNetModelConfig c_;
   torch::nn::Conv2d conv_in{nullptr}, controlnet_mid_block{nullptr};
   TimeEmbedding time_embedding{nullptr};

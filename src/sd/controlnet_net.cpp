@@ -69,4 +69,31 @@ torch::Tensor SdControlNetNetImpl::forward(const torch::Tensor& x, const torch::
   return unet_->decode(std::move(k), context, &r);  // [B, C, H, W]
 }
 
+std::vector<NetUnit> SdControlNetNetImpl::units() {
+  DDM_CHECK(unet_loaded_, "diffusers' ControlNet: the locked UNet was not loaded (train/network.h)");
+  std::vector<NetUnit> u = controlnet_->units([this](const torch::Tensor& t) { return timestep(t); },
+                                              [this](const Cond& c) {
+                                                DDM_CHECK(c.control.defined(),
+                                                          "diffusers' ControlNet needs a control map (Cond::control)");
+                                                return control_image(c.control);
+                                              });
+  for (NetUnit& x : u) x.name = "control." + x.name;
+  u.push_back({"zero",
+               [this](NetCarry& k, const torch::Tensor&, const Cond& c) {
+                 DDM_CHECK(c.frozen.size() == k.skips.size() + 2,
+                           "diffusers' ControlNet: a pipeline stage needs the locked encoder's features (Cond::frozen "
+                           "from precompute)");
+                 const UNetResiduals r = controlnet_->residuals(k.skips, k.h);
+                 NetCarry out{c.frozen[1] + r.mid, c.frozen[0], {}};                                      // as decode adds them
+                 for (size_t i = 0; i < r.down.size(); ++i) out.skips.push_back(c.frozen[2 + i] + r.down[i]);  // [B, w, h, w]
+                 k = std::move(out);
+               },
+               controlnet_->zero_parameters(), /*reads_frozen=*/true});
+  for (NetUnit& d : unet_->decoder_units()) {
+    d.name = "locked." + d.name;
+    u.push_back(std::move(d));
+  }
+  return u;
+}
+
 }  // namespace ddm::sd

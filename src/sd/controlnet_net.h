@@ -32,6 +32,11 @@ class SdControlNetNetImpl : public NetImpl {
   // DiffusionPipe's frozen work) into c.frozen: its time embedding, middle output and skips, which
   // forward then decodes instead of recomputing (bit for bit).
   Cond precompute(const torch::Tensor& x, const torch::Tensor& t, const Cond& c) override;
+  // control.in .. control.mid: the ControlNet's encoder (its first unit reads the control image);
+  // zero: the zero convolutions, adding the residuals to the locked encoder's features from c.frozen
+  // (precompute must have run); locked.up{i}_{j} .. locked.out: the locked UNet's decoder (no
+  // trainable parameter of its own: its parameters stay listed, frozen).
+  std::vector<NetUnit> units() override;
   // The locked UNet moves with the network (it is not a registered submodule).
   void to(torch::Device device, torch::Dtype dtype, bool non_blocking = false) override;
   void to(torch::Dtype dtype, bool non_blocking = false) override;

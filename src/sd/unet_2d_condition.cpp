@@ -190,14 +190,8 @@ torch::Tensor UNet2DConditionModelImpl::forward(const torch::Tensor& sample, con
 
 std::vector<NetUnit> UNet2DConditionModelImpl::units(std::function<torch::Tensor(const torch::Tensor&)> timestep) {
   std::vector<NetUnit> u;
-  auto params = [](std::initializer_list<const nn::Module*> ms) {
-    std::vector<torch::Tensor> out;
-    for (const nn::Module* m : ms)
-      if (m)
-        for (const torch::Tensor& p : m->parameters()) out.push_back(p);
-    return out;
-  };
-  auto at = [](nn::ModuleList list, size_t j) -> const nn::Module* { return j < list->size() ? list[j].get() : nullptr; };
+  const auto params = params_of;
+  const auto at = item_or_null;
   u.push_back({"in",
                [this, timestep](NetCarry& k, const torch::Tensor& t, const Cond& c) {
                  check_inputs(k.h, t, c.context);
@@ -216,6 +210,14 @@ std::vector<NetUnit> UNet2DConditionModelImpl::units(std::function<torch::Tensor
   }
   u.push_back({"mid", [this](NetCarry& k, const torch::Tensor&, const Cond& c) { unit_mid(k, c.context); },
                params({mid_block.get()})});
+  for (NetUnit& d : decoder_units()) u.push_back(std::move(d));
+  return u;
+}
+
+std::vector<NetUnit> UNet2DConditionModelImpl::decoder_units() {
+  std::vector<NetUnit> u;
+  const auto params = params_of;
+  const auto at = item_or_null;
   for (size_t i = 0; i < up_blocks->size(); ++i) {
     auto* level = up_blocks[i]->as<Level>();
     for (size_t j = 0; j < level->resnets->size(); ++j)

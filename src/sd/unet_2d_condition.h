@@ -61,6 +61,9 @@ class UNet2DConditionModelImpl : public torch::nn::Module {
   // they leave forward's output in h, bit for bit. A unit reads ddm's time t, which `timestep` maps to
   // diffusers' scale, and the context from Cond::context. The carry's emb is the time embedding.
   std::vector<NetUnit> units(std::function<torch::Tensor(const torch::Tensor&)> timestep);
+  // The units of decode alone (up blocks, upsamplers, output), from encode's carry: a ControlNet's
+  // locked decoder.
+  std::vector<NetUnit> decoder_units();
 
  private:
   void check_inputs(const torch::Tensor& sample, const torch::Tensor& timestep, const torch::Tensor& context) const;

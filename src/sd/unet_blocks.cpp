@@ -298,6 +298,18 @@ torch::Tensor mid_forward(LevelImpl& mid, const torch::Tensor& h, const torch::T
   return mid.resnet(1, mid.attend(0, mid.resnet(0, h, emb), context), emb);  // [B, w[-1], h, w]
 }
 
+std::vector<torch::Tensor> params_of(std::initializer_list<const nn::Module*> modules) {
+  std::vector<torch::Tensor> out;
+  for (const nn::Module* m : modules)
+    if (m)
+      for (const torch::Tensor& p : m->parameters()) out.push_back(p);
+  return out;
+}
+
+const nn::Module* item_or_null(const nn::ModuleList& list, size_t j) {
+  return j < list->size() ? list->ptr(j).get() : nullptr;
+}
+
 namespace flops_of {
 
 double conv(double in, double out, double k, double pixels) { return 2 * in * out * k * k * pixels; }

@@ -134,6 +134,11 @@ Level make_mid_block(const UNet2DConditionConfig& c);
 // The mid block's forward: [B, w[-1], h, w] -> the same.
 torch::Tensor mid_forward(LevelImpl& mid, const torch::Tensor& h, const torch::Tensor& emb, const torch::Tensor& context);
 
+// For NetUnits (model/net.h): the parameters of the given modules (null ones skipped), and the j-th
+// module of a list (null past its end).
+std::vector<torch::Tensor> params_of(std::initializer_list<const torch::nn::Module*> modules);
+const torch::nn::Module* item_or_null(const torch::nn::ModuleList& list, size_t j);
+
 // The multiply-accumulate counts, doubled, that unet_2d_condition_flops and controlnet_model_flops add up.
 namespace flops_of {
 double conv(double in, double out, double k, double pixels);

@@ -199,3 +199,37 @@ TEST(SdControlNet, ControlNetsThatDoNotFitAndUnetsWithoutWeightsAreClearErrors) 
                      "a ControlNet steers a trained UNet, but model.unet = " + pipeline().dir +
                          "/pixel-unet holds its config.json alone");
 }
+
+TEST(SdControlNet, PlansAndTrainsAsAPipelineOfTwoStagesAsOneProcessTrains) {
+  // `ddm plan` splits the ControlNet into its units (the ControlNet's encoder, the zero convolutions,
+  // the locked UNet's decoder) and profiles the frozen work that bubble filling places: the VAE's and
+  // the text encoder, the control maps and the locked UNet's encoder half. A pipeline of 2 stages
+  // (real processes, bubbles filled) trains what one process trains, within float32 rounding.
+  ASSERT_EQ(pipeline().run.exit_code, 0) << pipeline().run.output;
+  test::TempDir dir;
+  const std::string sd = pipeline().dir + "/sd";
+  captioned_squares(dir / "images");
+  test::write_text(dir / "cn.toml", config(dir / "images", sd, "from-unet"));
+  const auto r = test::run_ddm("plan --config " + (dir / "cn.toml") + " --devices 2 --rows 1 --repeats 1 --batch 4 "
+                               "--save-profile " + (dir / "profile.json"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("ControlNet (edges maps, locked encoder)"), std::string::npos) << r.output;
+  const std::string profile = test::read_text(dir / "profile.json");
+  for (const char* unit : {"\"control.in\"", "\"control.down0_0\"", "\"control.mid\"", "\"zero\"", "\"locked.up0_0\"",
+                           "\"locked.out\""})
+    EXPECT_NE(profile.find(unit), std::string::npos) << unit;
+  const std::string steps = " --config " + (dir / "cn.toml") + " --set train.steps=3 --set train.grad_accum=2 --set train.threads=1 --out ";
+  auto p = test::run_ddm("launch --nproc 2 -- train" + steps + (dir / "pp") + " --set parallel.pp=2");
+  ASSERT_EQ(p.exit_code, 0) << p.output;
+  EXPECT_NE(p.output.find("a pipeline of 2 stages"), std::string::npos) << p.output;
+  EXPECT_NE(p.output.find("parallel.fill after step 2"), std::string::npos) << p.output;
+  ASSERT_EQ(test::run_ddm("train --quiet" + steps + (dir / "one")).exit_code, 0);
+  const auto a = load_safetensors(dir / "pp/ckpt/step-00000003/model.safetensors").tensors;
+  const auto b = load_safetensors(dir / "one/ckpt/step-00000003/model.safetensors").tensors;
+  ASSERT_EQ(a.size(), b.size());
+  double worst = 0;
+  for (const auto& [name, t] : b)
+    worst = std::max(worst, (a.at(name) - t).abs().max().item<double>() / std::max(t.abs().max().item<double>(), 1e-30));
+  EXPECT_LE(worst, 1e-5);  // 3 AdamW steps from the same gradients up to float32 summation order
+  RecordProperty("pipeline_vs_one_process_relative", std::to_string(worst));
+}

@@ -6,6 +6,8 @@
 // from_unet's copy, the configs ddm writes, its FLOP count and the refusals are checked too.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <map>
 #include <sstream>
 
 #include <nlohmann/json.hpp>
@@ -203,4 +205,22 @@ TEST(ControlNetModel, TheNetPrecomputesTheLockedEncoderBitForBit) {
     EXPECT_FALSE(p.grad().defined());
   }
   EXPECT_EQ(net->parameters().size(), net->controlnet()->parameters().size());
+  // As units (pipeline stages): the ControlNet's encoder, the zero convolutions on the precomputed
+  // features, the locked decoder; forward's output bit for bit, every trainable parameter in one unit.
+  const ddm::Cond pre = net->precompute(ref.at("sample"), t, c);
+  ddm::NetCarry k{ref.at("sample"), {}, {}};
+  std::map<const void*, int> owners;
+  std::vector<std::string> names;
+  for (const ddm::NetUnit& u : net->units()) {
+    u.run(k, t, pre);
+    names.push_back(u.name);
+    for (const auto& p : u.params)
+      if (p.requires_grad()) ++owners[p.data_ptr()];
+  }
+  EXPECT_TRUE(k.h.detach().equal(outs[0]));
+  EXPECT_EQ(owners.size(), net->parameters().size());
+  for (const auto& [p, n] : owners) EXPECT_EQ(n, 1);
+  EXPECT_EQ(names.front(), "control.in");
+  EXPECT_EQ(names.back(), "locked.out");
+  EXPECT_NE(std::find(names.begin(), names.end(), "zero"), names.end());
 }
