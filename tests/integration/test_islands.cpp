@@ -284,7 +284,7 @@ TEST(Islands, SlurmRunsATwoProcessIslandAsOneArrayTaskOfTwoTasks) {
   const std::string script = test::read_text(dir / "job.sbatch");
   for (const char* line : {"#SBATCH --array=0-2\n", "#SBATCH --ntasks=2\n", "#SBATCH --cpus-per-task=1\n",
                            "for attempt in $(seq 0 1); do\n",
-                           "  srun --ntasks=2 --cpus-per-task=1 --kill-on-bad-exit=1 \"${island[@]}\" || rc=$?\n"})
+                           "  srun --ntasks=2 --cpus-per-task=1 --kill-on-bad-exit=0 --wait=60 \"${island[@]}\" || rc=$?\n"})
     EXPECT_NE(script.find(line), std::string::npos) << line << " not in:\n" << script;
   EXPECT_EQ(test::run_command("bash -n " + (dir / "job.sbatch")).exit_code, 0);
   r = test::run_command("env -u SLURM_ARRAY_TASK_ID bash " + (dir / "job.sbatch"));
