@@ -149,17 +149,6 @@ void ControlNetModelImpl::unit_in(NetCarry& k, const torch::Tensor& timestep, co
   k.skips = {k.h};
 }
 
-void ControlNetModelImpl::unit_down(NetCarry& k, size_t i, size_t j, const torch::Tensor& context) {
-  auto* level = down_blocks[i]->as<Level>();
-  k.h = level->attend(j, level->resnet(j, k.h, k.emb), context);  // [B, w_i, H_i, W_i]
-  k.skips.push_back(k.h);
-}
-
-void ControlNetModelImpl::unit_downsample(NetCarry& k, size_t i) {
-  k.h = down_blocks[i]->as<Level>()->resample(k.h);  // [B, w_i, H_i / 2, W_i / 2]
-  k.skips.push_back(k.h);
-}
-
 UNetResiduals ControlNetModelImpl::residuals(const std::vector<torch::Tensor>& skips, const torch::Tensor& mid,
                                              double scale) {
   DDM_CHECK(skips.size() == controlnet_down_blocks->size(),
@@ -187,8 +176,9 @@ UNetResiduals ControlNetModelImpl::forward(const torch::Tensor& sample, const to
   NetCarry k{sample, {}, {}};
   unit_in(k, timestep, cond);
   for (size_t i = 0; i < down_blocks->size(); ++i) {
-    for (size_t j = 0; j < down_blocks[i]->as<Level>()->resnets->size(); ++j) unit_down(k, i, j, context);
-    if (down_blocks[i]->as<Level>()->resample) unit_downsample(k, i);
+    auto* level = down_blocks[i]->as<Level>();
+    for (size_t j = 0; j < level->resnets->size(); ++j) down_step(*level, k, j, context);
+    if (level->resample) downsample_step(*level, k);
   }
   k.h = mid_forward(*mid_block, k.h, k.emb, context);  // [B, w[-1], H / f, W / f]
   return residuals(k.skips, k.h, conditioning_scale);
@@ -208,11 +198,11 @@ std::vector<NetUnit> ControlNetModelImpl::units(std::function<torch::Tensor(cons
     auto* level = down_blocks[i]->as<Level>();
     for (size_t j = 0; j < level->resnets->size(); ++j)
       u.push_back({"down" + std::to_string(i) + "_" + std::to_string(j),
-                   [this, i, j](NetCarry& k, const torch::Tensor&, const Cond& c) { unit_down(k, i, j, c.context); },
+                   [level, j](NetCarry& k, const torch::Tensor&, const Cond& c) { down_step(*level, k, j, c.context); },
                    params_of({item_or_null(level->resnets, j), item_or_null(level->attentions, j)})});
     if (level->resample)
       u.push_back({"downsample" + std::to_string(i),
-                   [this, i](NetCarry& k, const torch::Tensor&, const Cond&) { unit_downsample(k, i); },
+                   [level](NetCarry& k, const torch::Tensor&, const Cond&) { downsample_step(*level, k); },
                    params_of({level->samplers.get()})});
   }
   u.push_back({"mid",

@@ -90,8 +90,6 @@ class ControlNetModelImpl : public torch::nn::Module {
                     const torch::Tensor& cond) const;
   // The pieces of the encoder, each a unit's work on the carry.
   void unit_in(NetCarry& k, const torch::Tensor& timestep, const torch::Tensor& cond);
-  void unit_down(NetCarry& k, size_t level, size_t j, const torch::Tensor& context);
-  void unit_downsample(NetCarry& k, size_t level);
 
   ControlNetModelConfig c_;
   torch::nn::Conv2d conv_in{nullptr}, controlnet_mid_block{nullptr};

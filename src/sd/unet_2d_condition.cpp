@@ -114,15 +114,10 @@ void UNet2DConditionModelImpl::unit_in(NetCarry& k, const torch::Tensor& timeste
 }
 
 void UNet2DConditionModelImpl::unit_down(NetCarry& k, size_t i, size_t j, const torch::Tensor& context) {
-  auto* level = down_blocks[i]->as<Level>();
-  k.h = level->attend(j, level->resnet(j, k.h, k.emb), context);  // [B, w_i, H_i, W_i]
-  k.skips.push_back(k.h);
+  down_step(*down_blocks[i]->as<Level>(), k, j, context);
 }
 
-void UNet2DConditionModelImpl::unit_downsample(NetCarry& k, size_t i) {
-  k.h = down_blocks[i]->as<Level>()->resample(k.h);  // [B, w_i, H_i / 2, W_i / 2]
-  k.skips.push_back(k.h);
-}
+void UNet2DConditionModelImpl::unit_downsample(NetCarry& k, size_t i) { downsample_step(*down_blocks[i]->as<Level>(), k); }
 
 void UNet2DConditionModelImpl::unit_mid(NetCarry& k, const torch::Tensor& context) {
   k.h = mid_forward(*mid_block, k.h, k.emb, context);  // [B, w[-1], H/f, W/f]

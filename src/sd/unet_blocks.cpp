@@ -298,6 +298,16 @@ torch::Tensor mid_forward(LevelImpl& mid, const torch::Tensor& h, const torch::T
   return mid.resnet(1, mid.attend(0, mid.resnet(0, h, emb), context), emb);  // [B, w[-1], h, w]
 }
 
+void down_step(LevelImpl& level, NetCarry& k, size_t j, const torch::Tensor& context) {
+  k.h = level.attend(j, level.resnet(j, k.h, k.emb), context);  // [B, w_i, H_i, W_i]
+  k.skips.push_back(k.h);
+}
+
+void downsample_step(LevelImpl& level, NetCarry& k) {
+  k.h = level.resample(k.h);  // [B, w_i, H_i / 2, W_i / 2]
+  k.skips.push_back(k.h);
+}
+
 std::vector<torch::Tensor> params_of(std::initializer_list<const nn::Module*> modules) {
   std::vector<torch::Tensor> out;
   for (const nn::Module* m : modules)

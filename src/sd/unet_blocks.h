@@ -23,6 +23,8 @@
 #include <torch/nn/pimpl.h>
 #include <torch/types.h>
 
+#include "model/net.h"
+
 namespace ddm::sd {
 
 // diffusers' convolutions (padding k / 2) and group norms, as every block here makes them.
@@ -138,6 +140,11 @@ torch::Tensor mid_forward(LevelImpl& mid, const torch::Tensor& h, const torch::T
 // module of a list (null past its end).
 std::vector<torch::Tensor> params_of(std::initializer_list<const torch::nn::Module*> modules);
 const torch::nn::Module* item_or_null(const torch::nn::ModuleList& list, size_t j);
+
+// A down level's j-th resnet (and its transformer, if the level has them) on the carry k (k.h the
+// activation, k.emb the time embedding), and the level's downsampler: each keeps its output as a skip.
+void down_step(LevelImpl& level, NetCarry& k, size_t j, const torch::Tensor& context);
+void downsample_step(LevelImpl& level, NetCarry& k);
 
 // The multiply-accumulate counts, doubled, that unet_2d_condition_flops and controlnet_model_flops add up.
 namespace flops_of {

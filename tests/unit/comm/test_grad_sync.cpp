@@ -3,8 +3,9 @@
 // gradients against a serial reference, no-sync micro-batches, the float16 wire, a rank whose
 // backward touches nothing, world 1, and a timeout surfacing from backward as ddm::Error.
 //
-// Tolerances: with two ranks the result is exact: each rank halves its gradient (exact) and the sum
-// of two floats is the same in either order, so it equals g0/2 + g1/2 computed serially. With three
+// Tolerances: ranks agree bit for bit. With two ranks the result is normally exact: each rank halves
+// its gradient (exact) and the sum of two floats is the same in either order, so it equals g0/2 + g1/2
+// computed serially; it is checked within 8 roundings of it (mean_of below says why). With three
 // ranks Gloo may add in any order: |result - mean| <= 4u * sum_k |g_k| / 3 (one rounding for each
 // division, two for the sum; u = 2^-24). The float16 wire: each input rounded to half (u16 = 2^-11),
 // the half sum rounded once more: 3 u16 (|g0| + |g1|) / 2, plus 2^-24 for half's subnormal spacing.
@@ -108,6 +109,14 @@ std::shared_ptr<Comm> borrow(Comm& c) { return std::shared_ptr<Comm>(&c, [](Comm
 // "" when a and b are bit-identical; otherwise how many elements differ and the first one (its flat index
 // and bucket in small_buckets()'s layout: bucket 0 starts at the end), to tell a wrong local gradient
 // from a wrong reduction when a run fails.
+// Whether the averaged gradient `got` is the serial mean of a and b within float32 rounding: with two
+// ranks it is normally bit-identical (see the top of this file), but once in several hundred CI runs
+// a comparison with a serially computed reference came out not bitwise equal while both ranks agreed
+// (a local gradient off by rounding; not reproduced in 1,700 repeats here). So ranks are compared bit for
+// bit, and the reference within 8 roundings of |a| + |b| (a wrong reduction, a sum or a lost rank,
+// is off by half the value); `differences` says where a bitwise difference was.
+::testing::AssertionResult mean_of(const torch::Tensor& got, const torch::Tensor& a, const torch::Tensor& b);
+
 std::string differences(const torch::Tensor& a, const torch::Tensor& b) {
   if (torch::equal(a, b)) return "";
   const auto ne = (a != b).nonzero();
@@ -118,6 +127,17 @@ std::string differences(const torch::Tensor& a, const torch::Tensor& b) {
                                                                                     : "bucket 4, conv + unused")
     << "): " << (i >= 0 ? a[i].item<float>() : 0.f) << " vs " << (i >= 0 ? b[i].item<float>() : 0.f);
   return o.str();
+}
+
+::testing::AssertionResult mean_of(const torch::Tensor& got, const torch::Tensor& a, const torch::Tensor& b) {
+  const torch::Tensor want = a / 2 + b / 2;
+  if (torch::equal(got, want)) return ::testing::AssertionSuccess();
+  const auto tol = 8 * ddm::test::kFloat32Roundoff * (a.abs() + b.abs()).to(torch::kDouble) + 1e-30;
+  const double r = ddm::test::tolerance_ratio(got, want.to(torch::kDouble), tol);
+  ::testing::Test::RecordProperty("not_bitwise", differences(got, want));
+  if (r <= 1.0) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << "not the mean within float32 rounding (ratio " << r << "): "
+                                       << differences(got, want);
 }
 
 }  // namespace
@@ -189,7 +209,7 @@ TEST(DistGradSync, AveragesGradientsLikeOneProcess) {
     for (int r = 1; r < world; ++r) EXPECT_TRUE(torch::equal(out[r], out[0])) << "ranks differ, world " << world;
     EXPECT_TRUE(torch::equal(out[0].narrow(0, 0, 12), torch::zeros({12})));  // the unused layer
     if (world == 2) {
-      EXPECT_TRUE(torch::equal(out[0], g[0] / 2 + g[1] / 2));
+      EXPECT_TRUE(mean_of(out[0], g[0], g[1]));
     } else {
       auto sum = torch::zeros({kParams}, torch::kDouble), abs = torch::zeros({kParams}, torch::kDouble);
       for (auto& gr : g) sum += gr.to(torch::kDouble), abs += gr.to(torch::kDouble).abs();
@@ -239,8 +259,9 @@ TEST(DistGradSync, NoSyncMicroBatchesThenOneSyncedBackward) {
   });
   ASSERT_EQ(errors[0], "");
   ASSERT_EQ(errors[1], "");
-  EXPECT_TRUE(torch::equal(out[0], sums[0] / 2 + sums[1] / 2));
-  EXPECT_TRUE(torch::equal(out[1], out[0]));
+  EXPECT_TRUE(mean_of(out[0], sums[0], sums[1]));
+  EXPECT_FALSE(mean_of(out[0] * 2, sums[0], sums[1]));  // a sum, not a mean, is caught
+  EXPECT_EQ(differences(out[1], out[0]), "");
 }
 
 TEST(DistGradSync, Fp16WireWithinHalfPrecision) {
@@ -295,9 +316,9 @@ TEST(DistGradSync, FinishSyncsARankWhoseBackwardTouchedNothing) {
   });
   ASSERT_EQ(errors[0], "");
   ASSERT_EQ(errors[1], "");
-  EXPECT_EQ(differences(first[0], g[0] / 2), "");
+  EXPECT_TRUE(mean_of(first[0], g[0], torch::zeros_like(g[0])));
   EXPECT_EQ(differences(first[1], first[0]), "");
-  EXPECT_EQ(differences(second[0], g[0] / 2 + g[1] / 2), "");
+  EXPECT_TRUE(mean_of(second[0], g[0], g[1]));
   EXPECT_EQ(differences(second[1], second[0]), "");
 }
 
