@@ -18,6 +18,7 @@
 #include "core/error.h"
 #include "core/fileio.h"
 #include "core/presets.h"
+#include "core/progress.h"
 #include "core/run_dir.h"
 #include "core/runtime.h"
 #include "core/version.h"
@@ -66,7 +67,11 @@ int train_cmd(TrainArgs a) {
   TrainSummary s = train_run(cfg, {a.out_dir, a.resume, a.force, a.quiet, nullptr});
   if (s.rank == 0)
     std::cout << "done: step " << s.last_step << ", checkpoint " << s.checkpoint << ", peak memory "
-            << static_cast<int64_t>(peak_rss_mib()) << " MiB" << std::endl;
+            << static_cast<int64_t>(peak_rss_mib()) << " MiB"
+            << (s.device_peak_bytes > 0 ? " resident, " + format_bytes(static_cast<int64_t>(s.device_peak_bytes)) +
+                                              " of tensors on " + s.device
+                                        : std::string())
+            << std::endl;
   return s.interrupted ? 128 + s.signal : 0;
 }
 

@@ -3,21 +3,40 @@
 // of the seeded loss sum(out * weight), the VAE encoder's forward without gradients, and the VAE's
 // whole forward + backward of mean(decoded^2). Prints one JSON line per piece: the first call and the
 // best of --repeat further calls, and the largest difference from diffusers' output relative to its
-// largest magnitude. Results are reported, never asserted.
+// largest magnitude. Then the UNet's forward + backward with activation checkpointing (model/recompute.h,
+// train.checkpoint_activations) beside the plain one: the time and the bytes each holds between
+// forward and backward (the host allocator's count before and after the forward). Results are
+// reported, never asserted.
 //
 // usage: ddm_bench_sd DIR [--repeat 3] [--threads 2]   (DIR: unet/, vae/, bench.safetensors)
+//
+// Memory mode: a UNet built from CONFIG (a diffusers unet config.json; random weights) trains on
+// random latents as a run does (forward + backward under --precision, the global norm, AdamW + EMA
+// on FlatAdamW's flat buffers), without and with activation checkpointing. One JSON line each: the
+// best step time of --repeat and the peak memory of the step (on a GPU the caching allocator's peak
+// of tensors, reset before; on the CPU the bytes held between forward and backward, and the
+// process's peak resident set).
+//   ddm_bench_sd --memory CONFIG [--batch 1] [--latent 64] [--tokens 77] [--device cpu|cuda]
+//                [--precision fp32|bf16] [--repeat 2] [--threads 2] [--checkpoint both|on|off]
 #include <chrono>
+#include <fstream>
 #include <functional>
 #include <iostream>
 #include <string>
 
+#include <ATen/DeviceAccelerator.h>
 #include <nlohmann/json.hpp>
 #include <torch/torch.h>
 
+#include "core/device.h"
+#include "core/runtime.h"
 #include "core/safetensors.h"
 #include "model/net.h"
+#include "model/recompute.h"
 #include "sd/autoencoder_kl.h"
 #include "sd/unet_2d_condition.h"
+#include "sd/unet_net.h"
+#include "train/optimizer.h"
 
 namespace {
 
@@ -43,9 +62,89 @@ double relative(const torch::Tensor& got, const torch::Tensor& want) {
   return (got - want).abs().max().item<double>() / want.abs().max().item<double>();
 }
 
+// The memory mode (see the top of this file).
+int memory_mode(int argc, char** argv) {
+  const std::string config = argv[2];
+  int64_t batch = 1, latent = 64, tokens = 77;
+  int repeat = 2, threads = 2;
+  std::string device_name = "cpu", precision_name = "fp32", which = "both";
+  for (int i = 3; i + 1 < argc; i += 2) {
+    const std::string flag = argv[i], v = argv[i + 1];
+    if (flag == "--batch") batch = std::stoll(v);
+    else if (flag == "--latent") latent = std::stoll(v);
+    else if (flag == "--tokens") tokens = std::stoll(v);
+    else if (flag == "--device") device_name = v;
+    else if (flag == "--precision") precision_name = v;
+    else if (flag == "--repeat") repeat = std::stoi(v);
+    else if (flag == "--threads") threads = std::stoi(v);
+    else if (flag == "--checkpoint") which = v;
+    else throw std::runtime_error("unknown flag " + flag);
+  }
+  torch::set_num_threads(threads);
+  const torch::Device device(device_name);
+  const ddm::Precision precision = precision_name == "bf16" ? ddm::Precision::kBf16 : ddm::Precision::kFp32;
+  ddm::configure_math(device, false);
+  std::ifstream in(config);
+  if (!in) throw std::runtime_error(config + ": cannot read it");
+  const auto cfg = ddm::sd::parse_unet_2d_condition_config(nlohmann::json::parse(in), config);
+  torch::manual_seed(0);
+  auto net = std::make_shared<ddm::sd::SdUNetNetImpl>(ddm::sd::UNet2DConditionModel(cfg), 1000);
+  net->to(device);
+  ddm::FlatAdamW opt(*net, ddm::AdamWOptions{});
+  const auto f32 = torch::TensorOptions().device(device);
+  const torch::Tensor x = torch::randn({batch, cfg.in_channels, latent, latent}, f32);
+  const torch::Tensor t = torch::rand({batch}, f32), target = torch::randn_like(x);
+  ddm::Cond c;
+  c.context = torch::randn({batch, tokens, cfg.cross_attention_dim}, f32);
+  for (const bool checkpointed : {false, true}) {
+    if ((which == "on" && !checkpointed) || (which == "off" && checkpointed)) continue;
+    double held = 0, best = 1e30;
+    bool out_of_memory = false;
+    if (device.is_cuda()) at::accelerator::resetPeakStats(device.index() < 0 ? 0 : device.index());
+    for (int r = 0; r <= repeat && !out_of_memory; ++r) {
+      try {
+        ddm::synchronize(device);
+        const auto t0 = std::chrono::steady_clock::now();
+        opt.zero_grad();
+        torch::Tensor loss;
+        const double before = ddm::allocated_bytes_on(device);
+        {
+          ddm::Autocast autocast(device, precision);
+          const torch::Tensor out = checkpointed ? ddm::forward_recomputed(*net, x, t, c) : net->forward(x, t, c);
+          held = ddm::allocated_bytes_on(device) - before;
+          loss = torch::mse_loss(out.to(torch::kFloat), target);
+        }
+        loss.backward();
+        opt.clip_grad_norm(1.0);
+        opt.step(1e-5, 0.9999);
+        ddm::synchronize(device);
+        if (r > 0) best = std::min(best, seconds_since(t0));  // the first call warms up
+      } catch (const c10::OutOfMemoryError&) {
+        out_of_memory = true;
+      }
+    }
+    nlohmann::json j{{"impl", "ddm"},
+                     {"model", "sd-unet step" + std::string(checkpointed ? ", checkpointed" : "")},
+                     {"config", config},
+                     {"params", ddm::count_params(*net)},
+                     {"batch", batch},
+                     {"latent", latent},
+                     {"device", device.str()},
+                     {"precision", precision_name},
+                     {"threads", threads},
+                     {"out_of_memory", out_of_memory},
+                     {"held_after_forward_gib", held / (1 << 30)},
+                     {"peak_gib", ddm::peak_memory_bytes_on(device) / (1 << 30)}};
+    if (!out_of_memory) j["best_s"] = best;
+    std::cout << j.dump() << std::endl;
+  }
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
+  if (argc >= 3 && std::string(argv[1]) == "--memory") return memory_mode(argc, argv);
   if (argc < 2) {
     std::cerr << "usage: ddm_bench_sd DIR [--repeat 3] [--threads 2]\n";
     return 2;
@@ -97,5 +196,32 @@ int main(int argc, char** argv) {
                                 {"first_s", first},   {"best_s", best},            {"max_rel_diff_vs_diffusers", d}}
                      .dump()
               << std::endl;
+  // Activation checkpointing: the UNet as a ddm network (diffusers' timestep k is ddm's t = (k + 1) / 1000).
+  auto net = std::make_shared<ddm::sd::SdUNetNetImpl>(unet, 1000);
+  const torch::Tensor t = (timestep + 1) / 1000;
+  ddm::Cond c;
+  c.context = context;
+  for (const bool checkpointed : {false, true}) {
+    double held = 0;
+    const auto [first, best] = timed(
+        [&] {
+          net->zero_grad();
+          const double before = ddm::allocated_bytes();
+          const torch::Tensor out = checkpointed ? ddm::forward_recomputed(*net, sample, t, c) : net->forward(sample, t, c);
+          held = ddm::allocated_bytes() - before;
+          (out * weight).sum().backward();
+        },
+        repeat);
+    std::cout << nlohmann::json{{"impl", "ddm"},
+                                {"model", std::string("SD 2.1 unet forward+backward") + (checkpointed ? ", checkpointed" : ", as a net")},
+                                {"batch", batch},
+                                {"latent", size},
+                                {"threads", threads},
+                                {"first_s", first},
+                                {"best_s", best},
+                                {"held_after_forward_mib", held / (1 << 20)}}
+                     .dump()
+              << std::endl;
+  }
   return 0;
 }

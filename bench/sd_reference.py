@@ -5,9 +5,11 @@ torch.compile (inductor): the UNet's forward + backward of a seeded loss (a trai
 on latents of SIZE x SIZE and 77 text states of 1024), and the VAE's encoder forward without gradients
 (the frozen work of SD training) plus its whole forward + backward (images of 8 SIZE). The inputs and
 diffusers' outputs are saved so that ddm's are compared on the same input. One JSON line each: the
-first call (with torch.compile: the compilation) and the best of REPEAT further calls.
+first call (with torch.compile: the compilation) and the best of REPEAT further calls. Last, the UNet's
+forward + backward in eager with diffusers' gradient checkpointing on (enable_gradient_checkpointing).
 
 Usage: python sd_reference.py DIR BATCH SIZE THREADS [REPEAT] [COMPILE=1]   (the reference environment's python)
+       python sd_reference.py --config-only DIR   (DIR/unet/config.json alone, for ddm_bench_sd --memory)
 """
 import json
 import os
@@ -40,6 +42,10 @@ def timed(fn, repeat):
 
 
 def main():
+    if sys.argv[1] == "--config-only":
+        with torch.device("meta"):  # the config alone: no weights made
+            UNet2DConditionModel(**UNET).save_config(os.path.join(sys.argv[2], "unet"))
+        return
     out_dir, batch, size, threads = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
     repeat = int(sys.argv[5]) if len(sys.argv) > 5 else 3
     with_compile = (sys.argv[6] if len(sys.argv) > 6 else "1") == "1"
@@ -85,6 +91,17 @@ def main():
             print(json.dumps({"impl": impl, "model": "SD 2.1 " + what, "unet_params": params, "batch": batch,
                               "latent": size, "threads": threads, "first_s": round(first, 3), "best_s": round(best, 3)}),
                   flush=True)
+    # diffusers' own activation checkpointing (torch.utils.checkpoint around each block), in eager.
+    unet.enable_gradient_checkpointing()
+
+    def unet_step_checkpointed():
+        unet.zero_grad(set_to_none=True)
+        (unet(sample, timestep, encoder_hidden_states=context).sample * weight).sum().backward()
+
+    _, first, best = timed(unet_step_checkpointed, repeat)
+    print(json.dumps({"impl": "python", "model": "SD 2.1 unet forward+backward, checkpointed", "unet_params": params,
+                      "batch": batch, "latent": size, "threads": threads, "first_s": round(first, 3),
+                      "best_s": round(best, 3)}), flush=True)
 
 
 if __name__ == "__main__":

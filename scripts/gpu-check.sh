@@ -21,7 +21,10 @@
 #   the trainer's wait for data (metrics.jsonl's data_wait) training DiTs on the GPU from JPEG shards;
 #   then (unless SHARDS_E2E=0) experts, a router and a distilled student over shards on CUDA, latent
 #   shards written by `ddm encode` on CUDA and a latent model trained from them, and with
-#   Pillow and numpy there (unless COLOUR_E2E=0), the 50k colour end-to-end run (bench/colour_e2e.sh), its grid in OUT.
+#   Pillow and numpy there (unless COLOUR_E2E=0), the 50k colour end-to-end run (bench/colour_e2e.sh), its grid in OUT;
+#   then (unless SD_MEMORY=0) Stable Diffusion 2.1's UNet (its config, random weights) training steps
+#   at 768 px in bf16 at several batches, without and with train.checkpoint_activations: the step time
+#   and the peak GPU memory (ddm_bench_sd --memory), in OUT/sd-memory.jsonl.
 # Exits non-zero if any check fails.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -35,7 +38,7 @@ case "$what" in
       [ -x "build/$b" ] || { echo "gpu-check: build/$b is missing: run scripts/setup.sh first" >&2; exit 1; }
       strip -o "$dir/$b" "build/$b"
     done
-    for b in ddm ddm_bench; do
+    for b in ddm ddm_bench ddm_bench_sd; do
       [ -x "build/$b" ] || { echo "gpu-check: build/$b is missing: run scripts/setup.sh first" >&2; exit 1; }
       strip -o "$dir/bin/$b" "build/$b"
     done
@@ -60,6 +63,9 @@ case "$what" in
     rm -rf "$dir/text-encoder"
     "$(bash scripts/reference-env.sh)" tests/reference/tiny_bert.py "$dir/text-encoder" >/dev/null 2>&1 ||
       echo "gpu-check: no text encoder packed (tests/reference/tiny_bert.py failed); the text GPU check will be skipped" >&2
+    # Stable Diffusion 2.1's UNet config (diffusers writes it; no weights) for the memory check.
+    "$(bash scripts/reference-env.sh)" bench/sd_reference.py --config-only "$dir/sd21" ||
+      echo "gpu-check: no SD 2.1 UNet config packed; the SD memory check will be skipped" >&2
     du -sh "$dir"
     ;;
   run)
@@ -200,6 +206,15 @@ print("data_wait", [round(r["data_wait"], 4) for r in rows], "img/s", [round(r.g
         echo "gpu-check: the colour end-to-end run took $(( $(date +%s) - start )) s (data, partition, 4 experts, router, samples)"
         rm -rf "$e"
       fi
+    fi
+    if [ "${SD_MEMORY:-1}" != 0 ] && [ -f "$dir/sd21/unet/config.json" ]; then
+      # SD 2.1's UNet (865M parameters) at 768 px (96x96 latents, 77 text states) in bf16: a whole
+      # training step (AdamW + EMA included) without and with activation checkpointing, by batch.
+      for b in 1 8 16 32; do
+        timeout 240 "$dir/bin/ddm_bench_sd" --memory "$dir/sd21/unet/config.json" --batch $b --latent 96 \
+          --device cuda --precision bf16 --repeat 2 --threads 8 2>>"$out/sd-memory.err" | tee -a "$out/sd-memory.jsonl" ||
+          echo "gpu-check: SD memory at batch $b failed: $(tail -3 "$out/sd-memory.err")"
+      done
     fi
     if [ ! -d "$dir/shards" ] && { [ "${LOADER:-1}" != 0 ] || [ "${SHARDS_E2E:-1}" != 0 ]; }; then
       echo "gpu-check: the loader and shards checks skipped: the pack has no JPEG shards"

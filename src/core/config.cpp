@@ -246,6 +246,7 @@ std::vector<Field> fields(RunConfig& c) {
       field("train.device", &c.train.device),
       choice("train.precision", &c.train.precision, {"fp32", "bf16"}),
       field("train.deterministic", &c.train.deterministic),
+      field("train.checkpoint_activations", &c.train.checkpoint_activations),
       field("train.grad_accum", &c.train.grad_accum),
       field("train.log_every", &c.train.log_every),
       field("train.ckpt_every", &c.train.ckpt_every),

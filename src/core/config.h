@@ -172,6 +172,11 @@ struct TrainConfig {
   // GPUs: deterministic algorithms only (cuBLAS workspace, no atomics-based kernels), so a run repeats
   // bit for bit on the same card; slower. The CPU path is deterministic either way.
   bool deterministic = false;
+  // Activation checkpointing: each unit of the network (a ResBlock and its attention, a transformer
+  // block; NetImpl::units) keeps only its inputs and runs again in backward (model/recompute.h).
+  // Activation memory falls to what flows between units for about a third more compute. U-Nets,
+  // DiTs, ControlNets and diffusers' UNet / ControlNet; not with pipeline stages (parallel.pp > 1).
+  bool checkpoint_activations = false;
   // Micro-batches per step: batch_size is split into grad_accum equal parts (per rank), whose
   // gradients accumulate before one optimizer step; the result equals one step on the whole batch.
   int64_t grad_accum = 1;

@@ -84,6 +84,12 @@ double allocated_bytes_on(torch::Device device) {
   return static_cast<double>(stats.allocated_bytes[static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE)].current);
 }
 
+double peak_memory_bytes_on(torch::Device device) {
+  if (!device.is_cuda()) return peak_rss_mib() * 1024.0 * 1024.0;
+  const auto stats = at::accelerator::getDeviceStats(device.has_index() ? device.index() : 0);
+  return static_cast<double>(stats.allocated_bytes[static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE)].peak);
+}
+
 std::string gpu_name(torch::Device device) {
   if (!device.is_cuda()) return {};
   return at::cuda::getDeviceProperties(device.has_index() ? device.index() : 0)->name;

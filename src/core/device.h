@@ -36,6 +36,10 @@ void configure_math(torch::Device device, bool deterministic);
 // /proc/cpuinfo gives).
 void synchronize(torch::Device device);
 double allocated_bytes_on(torch::Device device);
+// The most memory this process has held for its work on `device` so far: on a GPU the peak of the
+// bytes its tensors took (CUDA's caching allocator's statistics); on the CPU the process's peak
+// resident set (weights, optimizer, activations, data and the libraries alike).
+double peak_memory_bytes_on(torch::Device device);
 std::string gpu_name(torch::Device device);
 
 // bfloat16 autocast on `device`'s type while alive when `precision` is bf16 (otherwise nothing):

@@ -35,6 +35,9 @@ ParallelLayout derive_layout(const RunConfig& cfg, int world, int rank) {
                     << "; a pipeline runs one process per stage: launch "
                     << l.pp * std::max<int64_t>(1, p.dp) << " processes"
                     << (p.dp == 0 ? " (or a multiple of " + std::to_string(l.pp) + " for data-parallel replicas)" : ""));
+  DDM_CHECK(!pipelined || !tc.checkpoint_activations,
+            "train.checkpoint_activations is not supported with pipeline stages (parallel.pp = "
+                << l.pp << "): a stage keeps each micro-batch's activations for its split backward; turn one of them off");
   DDM_CHECK(pipelined || l.diloco() || p.dp == 0 || p.dp == world,
             "parallel.dp = " << p.dp << " but the job has " << world
                              << " processes; set parallel.dp = 0 (every process) or launch " << p.dp << " processes");

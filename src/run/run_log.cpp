@@ -7,6 +7,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "core/device.h"
+
 namespace ddm {
 
 RunLog::RunLog(const RunLogSpec& spec, std::function<int64_t()> sent, const DataPosition& data,
@@ -48,6 +50,9 @@ void RunLog::step(int64_t step, const StepResult& r, const std::string& news) {
     // The time this rank waited for its batches, as a share of the interval's wall time: how far the
     // loader is from being the bottleneck.
     rec["data_wait"] = waited_ / std::max(1e-9, seconds);
+    // The most memory this process has held so far (core/device.h: a GPU's tensors, or the host's
+    // resident set), for sizing a run's batch and train.checkpoint_activations.
+    rec["peak_memory_bytes"] = static_cast<int64_t>(peak_memory_bytes_on(spec_.device));
     // All replicas' (this one's now, the others' at the last checkpoint; each checkpoint holds the
     // exact total and each replica's).
     if (spec_.skip_bad && source_.per_replica()) rec["skipped_samples"] = data_.skipped_known();

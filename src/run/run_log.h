@@ -29,6 +29,7 @@ struct RunLogSpec {
   int world = 1;
   int replica = 0;            // this process's data-parallel replica, in its notes
   std::string metrics_path;   // metrics.jsonl (rank 0); empty: none
+  torch::Device device = torch::kCPU;  // where this process trains: the records give its peak memory
 };
 
 class RunLog {

@@ -94,7 +94,7 @@ TrainSummary train(TrainJob job, const TrainOptions& options) {
   RunLogSpec ls;
   ls.first_step = state.step, ls.steps = tc.steps, ls.log_every = tc.log_every, ls.batch_size = tc.batch_size;
   ls.quiet = opt.quiet, ls.lead = lead, ls.name_skips = !options.quiet, ls.skip_bad = cfg.data.skip_bad;
-  ls.world = world, ls.replica = layout.replica;
+  ls.world = world, ls.replica = layout.replica, ls.device = proc.device;
   if (lead) ls.metrics_path = RunDir(opt.out_dir).metrics();
   RunLog log(ls, sent_now, data, *source);
   log.restore_interval(run.interval_loss_sum, run.interval_steps);
@@ -142,6 +142,8 @@ TrainSummary train(TrainJob job, const TrainOptions& options) {
   }
   log.finish(state.step - summary.first_step, run.sent_before, summary.bytes_sent);
   summary.final_loss = log.final_loss();
+  summary.device = proc.device.str();
+  if (proc.device.is_cuda()) summary.device_peak_bytes = peak_memory_bytes_on(proc.device);
   summary.last_step = state.step;
   summary.checkpoint = state.last_ckpt;
   return summary;

@@ -21,6 +21,8 @@ struct TrainSummary {
   int signal = 0;          // the signal that interrupted it (SIGINT, SIGTERM); exit with 128 + signal
   int rank = 0;            // this process's rank: only rank 0 reports and writes
   int64_t bytes_sent = 0;  // the most any rank sent in collectives over the whole run (comm/comm.h)
+  std::string device;      // where this process trained ("cpu", "cuda:0")
+  double device_peak_bytes = 0;  // on a GPU, the most its tensors took (core/device.h); 0 on the CPU
 };
 
 TrainSummary train(TrainJob job, const TrainOptions& opt);

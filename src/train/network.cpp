@@ -2,6 +2,10 @@
 #include "train/network.h"
 
 #include <filesystem>
+#include <map>
+#include <mutex>
+
+#include <sys/stat.h>
 
 #include "core/error.h"
 #include "core/fileio.h"
@@ -48,8 +52,29 @@ sd::ControlNetModelConfig controlnet_config(const ModelConfig& m, const sd::UNet
   return sd::controlnet_config_from_unet(unet, 3, widths);
 }
 
+// The sha256 of a UNet's weight files. A fresh ControlNet run asks twice (resolving the config, then
+// loading the locked UNet), and SD's weights are gigabytes: files whose path, size, modification
+// time and inode are those of the last hash are not read again (git's index trusts the same
+// signature). A file replaced or rewritten in between changes them and is hashed afresh.
 std::string unet_weights_sha256(const std::string& unet) {
-  return weights_sha256(weights_dir_files(unet, "diffusion_pytorch_model"));
+  const std::vector<std::string> files = weights_dir_files(unet, "diffusion_pytorch_model");
+  std::string signature;
+  for (const std::string& f : files) {
+    struct stat st {};
+    DDM_CHECK(::stat(f.c_str(), &st) == 0, f << ": cannot read it");
+    signature += f + '\n' + std::to_string(st.st_size) + ' ' + std::to_string(st.st_mtim.tv_sec) + '.' +
+                 std::to_string(st.st_mtim.tv_nsec) + ' ' + std::to_string(st.st_ino) + '\n';
+  }
+  static std::mutex mutex;
+  static std::map<std::string, std::string> known;  // signature -> sha256
+  {
+    const std::lock_guard<std::mutex> lock(mutex);
+    if (const auto it = known.find(signature); it != known.end()) return it->second;
+  }
+  const std::string sha = weights_sha256(files);
+  const std::lock_guard<std::mutex> lock(mutex);
+  known[signature] = sha;
+  return sha;
 }
 
 // model.controlnet of an sd-unet model (see resolve_sd_unet).

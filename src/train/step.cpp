@@ -7,6 +7,7 @@
 
 #include "core/device.h"
 #include "core/error.h"
+#include "model/recompute.h"
 
 namespace ddm {
 
@@ -26,6 +27,15 @@ TrainStep::TrainStep(const RunConfig& cfg, Net net, std::shared_ptr<Objective> o
       optim_(*net_, {cfg.train.beta1, cfg.train.beta2, cfg.train.adam_eps, cfg.train.weight_decay}),
       objective_(std::move(objective)) {
   DDM_CHECK(objective_, "TrainStep needs an objective");
+  forward_net_ = net_;
+  if (cfg.train.checkpoint_activations) {
+    try {
+      (void)net_->units();
+    } catch (const Error& e) {
+      DDM_FAIL("train.checkpoint_activations: " << e.what() << "; turn it off for this model");
+    }
+    forward_net_ = std::make_shared<RecomputedNetImpl>(net_);
+  }
 }
 
 void TrainStep::set_data_parallel(std::shared_ptr<Comm> comm, std::shared_ptr<GradSync> sync) {
@@ -48,7 +58,7 @@ torch::Tensor TrainStep::forward_backward(const Batch& micro, int64_t step, doub
   torch::Tensor loss;
   {
     Autocast autocast(device, precision);  // bf16: the forward in bfloat16, the loss in float32
-    loss = objective_->forward_loss(*net_, p);  // forward + loss, []
+    loss = objective_->forward_loss(*forward_net_, p);  // forward + loss, [] (checkpointed: unit by unit)
   }
   // Backward even when the loss is not finite: with data parallelism every rank must take part in
   // the gradient all-reduce; the non-finite gradient then stops the step on every rank alike.

@@ -73,6 +73,7 @@ class TrainStep {
   torch::Tensor forward_backward(const Batch& micro, int64_t step, double scale);
   RunConfig cfg_;
   Net net_;
+  Net forward_net_;  // what the loss's forward runs: net_, or net_ unit by unit (train.checkpoint_activations)
   FlatAdamW optim_;
   std::shared_ptr<Objective> objective_;
   std::shared_ptr<Comm> comm_;

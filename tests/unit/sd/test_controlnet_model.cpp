@@ -2,11 +2,13 @@
 // makes a ControlNet of a small SD 1.5-kind and SD 2.1-kind UNet (from_unet, then every parameter
 // moved; sd21's reads its control image as bgr), saves both, and computes the residuals, the UNet's
 // output with them and one loss's gradients of the ControlNet's parameters
-// (tests/reference/diffusers_controlnet.py); ddm loads the same folders and must give the same.
+// (tests/reference/diffusers_controlnet.py); ddm loads the same folders and must give the same. At
+// full size (ControlNet v1.0 on SD 1.5) with DDM_FULL_SIZE=1.
 // from_unet's copy, the configs ddm writes, its FLOP count and the refusals are checked too.
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <map>
 #include <sstream>
 
@@ -34,17 +36,17 @@ ddm::test::ReferenceOutputs made() {
 
 nlohmann::json read_json(const std::string& path) { return nlohmann::json::parse(ddm::test::read_text(path)); }
 
-}  // namespace
-
-TEST(ControlNetModel, ResidualsOutputAndGradientsEqualDiffusers) {
-  ASSERT_EQ(made().run.exit_code, 0) << made().run.output;
-  for (const char* name : {"sd15", "sd21"}) {
+// The residuals, the UNet's output with them and the loss's gradients of diffusers' reference `made`
+// for each UNet kind in `names`.
+void check_against_diffusers(const ddm::test::ReferenceOutputs& made, const std::vector<std::string>& names) {
+  ASSERT_EQ(made.run.exit_code, 0) << made.run.output;
+  for (const std::string& name : names) {
     SCOPED_TRACE(name);
-    const std::string dir = made().dir + "/" + name;
+    const std::string dir = made.dir + "/" + name;
     const auto ref = ddm::load_safetensors(dir + "/reference.safetensors").tensors;
     auto unet = sd::load_unet_2d_condition(dir + "/unet");
     auto cn = sd::load_controlnet_model(dir + "/controlnet");
-    EXPECT_EQ(cn->config().bgr, std::string(name) == "sd21");
+    EXPECT_EQ(cn->config().bgr, name == "sd21");
     const auto& sample = ref.at("sample");
     const auto& t = ref.at("timestep");
     const auto& ctx = ref.at("context");
@@ -76,8 +78,18 @@ TEST(ControlNetModel, ResidualsOutputAndGradientsEqualDiffusers) {
       ++grads;
     }
     EXPECT_EQ(grads, 8);
-    ::testing::Test::RecordProperty(std::string(name) + "_relative", s.str());
+    ::testing::Test::RecordProperty(name + "_relative", s.str());
   }
+}
+
+}  // namespace
+
+TEST(ControlNetModel, ResidualsOutputAndGradientsEqualDiffusers) { check_against_diffusers(made(), {"sd15", "sd21"}); }
+
+// ControlNet v1.0 on SD 1.5's UNet at full size (860M + 361M parameters), 256 px control images.
+TEST(ControlNetModel, EqualsDiffusersAtFullSize) {
+  if (!std::getenv("DDM_FULL_SIZE")) GTEST_SKIP() << "full size (ControlNet v1.0 on SD 1.5, 1.2B parameters): set DDM_FULL_SIZE=1";
+  check_against_diffusers(ddm::test::reference_outputs("tests/reference/diffusers_controlnet.py", "{dir} full"), {"sd15"});
 }
 
 // ddm's from_unet: the UNet's encoder copied (the same tensors diffusers' from_unet holds), the zero
