@@ -12,7 +12,11 @@
 # UNet's encoder half; the trainable part is the ControlNet, whose forward + backward also runs the
 # locked UNet's decoder (reported apart: locked_decoder_ms).
 #
-# usage: [KIND=sd21|sd15-controlnet] bench/sd_phases.sh [SIZES="256 512"] [BATCH=1] [THREADS=2] [STEPS=3]
+# PLAN=1 profiles the same training with `ddm plan` instead (its units and frozen work at micro-batches
+# of 1 and 2, one repeat) and prints its plans for 2 devices at a global batch of 8 (PLAN_ARGS adds
+# options, e.g. "--bandwidth 1 --memory 80"); the profile is kept in SD_DIR/profile-SIZE.json.
+#
+# usage: [KIND=sd21|sd15-controlnet] [PLAN=1] bench/sd_phases.sh [SIZES="256 512"] [BATCH=1] [THREADS=2] [STEPS=3]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 sizes=${1:-256 512} batch=${2:-1} threads=${3:-2} steps=${4:-3}
@@ -54,6 +58,12 @@ $extra
 objective = "$objective"
 scheduler = "$sd"
 TOML
-  OMP_NUM_THREADS=$threads build/ddm_bench phases "$work/sd-$size.toml" --batch "$batch" --threads "$threads" \
-    --steps "$steps" --warmup 1
+  if [ "${PLAN:-0}" = 1 ]; then
+    # shellcheck disable=SC2086
+    OMP_NUM_THREADS=$threads build/ddm plan --config "$work/sd-$size.toml" --set train.threads="$threads" --rows 1 2 \
+      --repeats 1 --devices 2 --batch 8 --save-profile "$sd/profile-$size.json" --top 8 ${PLAN_ARGS:-}
+  else
+    OMP_NUM_THREADS=$threads build/ddm_bench phases "$work/sd-$size.toml" --batch "$batch" --threads "$threads" \
+      --steps "$steps" --warmup 1
+  fi
 done
