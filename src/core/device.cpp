@@ -78,16 +78,22 @@ void synchronize(torch::Device device) {
   if (device.is_cuda()) torch::cuda::synchronize(device.index());
 }
 
-double allocated_bytes_on(torch::Device device) {
-  if (!device.is_cuda()) return allocated_bytes();
+namespace {
+
+// The CUDA caching allocator's count of the bytes a GPU's tensors take (current and peak).
+c10::CachingAllocator::Stat allocated_on_gpu(torch::Device device) {
   const auto stats = at::accelerator::getDeviceStats(device.has_index() ? device.index() : 0);
-  return static_cast<double>(stats.allocated_bytes[static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE)].current);
+  return stats.allocated_bytes[static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE)];
+}
+
+}  // namespace
+
+double allocated_bytes_on(torch::Device device) {
+  return device.is_cuda() ? static_cast<double>(allocated_on_gpu(device).current) : allocated_bytes();
 }
 
 double peak_memory_bytes_on(torch::Device device) {
-  if (!device.is_cuda()) return peak_rss_mib() * 1024.0 * 1024.0;
-  const auto stats = at::accelerator::getDeviceStats(device.has_index() ? device.index() : 0);
-  return static_cast<double>(stats.allocated_bytes[static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE)].peak);
+  return device.is_cuda() ? static_cast<double>(allocated_on_gpu(device).peak) : peak_rss_mib() * 1024.0 * 1024.0;
 }
 
 std::string gpu_name(torch::Device device) {
