@@ -42,9 +42,9 @@ std::string parent_dir(const std::string& path) {
 }
 
 // Writes all of `bytes` to fd, retrying on short writes and EINTR.
-void write_all(int fd, const std::string& bytes, const std::string& path) {
-  const char* p = bytes.data();
-  size_t left = bytes.size();
+void write_all(int fd, const void* bytes, size_t size, const std::string& path) {
+  const char* p = static_cast<const char*>(bytes);
+  size_t left = size;
   while (left > 0) {
     const ssize_t n = ::write(fd, p, left);
     if (n < 0) {
@@ -116,6 +116,10 @@ void fsync_dir(const std::string& dir) {
 }
 
 void write_file_atomic(const std::string& path, const std::string& bytes) {
+  write_file_atomic(path, [&bytes](const PutBytes& put) { put(bytes.data(), bytes.size()); });
+}
+
+void write_file_atomic(const std::string& path, const std::function<void(const PutBytes& put)>& fill) {
   const std::string tmp = path + ".tmp-" + std::to_string(::getpid());
   {
     FdGuard fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
@@ -123,7 +127,7 @@ void write_file_atomic(const std::string& path, const std::string& bytes) {
                                            << "): " << os_reason(errno)
                                            << " (check that the directory exists and is writable)");
     try {
-      write_all(fd.fd, bytes, tmp);
+      fill([&](const void* bytes, size_t n) { write_all(fd.fd, bytes, n, tmp); });
       DDM_CHECK(::fsync(fd.fd) == 0, "cannot fsync " << tmp << ": " << os_reason(errno));
       const int rc = ::close(fd.fd);
       fd.fd = -1;
@@ -146,6 +150,16 @@ std::string sha256_hex(const std::string& bytes) {
   DDM_CHECK(EVP_DigestUpdate(ctx.get(), bytes.data(), bytes.size()) == 1, "OpenSSL SHA-256 update failed");
   return finish_hex(ctx.get());
 }
+
+struct Sha256::Ctx {
+  MdCtx md = new_sha256();
+};
+Sha256::Sha256() : ctx_(std::make_unique<Ctx>()) {}
+Sha256::~Sha256() = default;
+void Sha256::update(const void* bytes, size_t n) {
+  DDM_CHECK(EVP_DigestUpdate(ctx_->md.get(), bytes, n) == 1, "OpenSSL SHA-256 update failed");
+}
+std::string Sha256::hex() { return finish_hex(ctx_->md.get()); }
 
 std::string default_cache_dir() {
   namespace fs = std::filesystem;

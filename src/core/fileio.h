@@ -1,6 +1,9 @@
 // Small file helpers: whole-file read, atomic write (temporary name + fsync + rename), sha256, ddm's
 // cache directory, and an exclusive lock that keeps two processes from writing one run directory.
 #pragma once
+#include <cstddef>
+#include <functional>
+#include <memory>
 #include <string>
 
 namespace ddm {
@@ -9,11 +12,29 @@ namespace ddm {
 std::string read_file(const std::string& path);
 // Writes `bytes` to `path` atomically: path.tmp-PID, fsync, rename, fsync of the directory.
 void write_file_atomic(const std::string& path, const std::string& bytes);
+// The same for content made piece by piece: `fill` calls `put` for each piece, in order, so a large
+// file (a checkpoint's tensors) is never held whole in memory.
+using PutBytes = std::function<void(const void* bytes, size_t n)>;
+void write_file_atomic(const std::string& path, const std::function<void(const PutBytes& put)>& fill);
 // fsync a directory (after renames inside it).
 void fsync_dir(const std::string& dir);
 // Lower-case hex SHA-256 of bytes / of a file's content.
 std::string sha256_hex(const std::string& bytes);
 std::string sha256_file(const std::string& path);
+// SHA-256 over several pieces without joining them (a model's tensors: no copy of the weights).
+class Sha256 {
+ public:
+  Sha256();
+  ~Sha256();
+  Sha256(const Sha256&) = delete;
+  Sha256& operator=(const Sha256&) = delete;
+  void update(const void* bytes, size_t n);
+  std::string hex();  // lower-case; finishes the digest (call once)
+
+ private:
+  struct Ctx;
+  std::unique_ptr<Ctx> ctx_;
+};
 // ddm's cache directory (evaluation references, shard scans): $XDG_CACHE_HOME/ddm, else
 // ~/.cache/ddm, else ddm-cache in the system's temporary directory.
 std::string default_cache_dir();

@@ -119,10 +119,13 @@ Entry parse_entry(const std::string& name, const json& info, const std::string& 
 
 }  // namespace
 
-std::string safetensors_bytes(const SafetensorsFile& file) {
+namespace {
+
+// Writes the file piece by piece through `put`: the 8-byte header length, the header, then each
+// tensor's bytes, moved to the CPU one at a time (a model on a GPU is never copied whole).
+void stream_safetensors(const SafetensorsFile& file, const PutBytes& put) {
   json header = json::object();
   if (!file.metadata.empty()) header["__metadata__"] = file.metadata;
-  std::vector<torch::Tensor> ordered;
   uint64_t offset = 0;
   for (const auto& [name, tensor] : file.tensors) {
     DDM_CHECK(name != "__metadata__", "safetensors: '__metadata__' is reserved and cannot name a tensor");
@@ -131,23 +134,28 @@ std::string safetensors_bytes(const SafetensorsFile& file) {
     DDM_CHECK(d, "safetensors: tensor '" << name << "' has dtype " << tensor.scalar_type()
                                          << ", which safetensors cannot store here (supported: "
                                          << supported_list() << ")");
-    torch::Tensor t = tensor.detach().to(torch::kCPU).contiguous();
-    const uint64_t nbytes = static_cast<uint64_t>(t.numel()) * d->size;
-    header[name] = {{"dtype", d->name}, {"shape", t.sizes().vec()}, {"data_offsets", {offset, offset + nbytes}}};
+    const uint64_t nbytes = static_cast<uint64_t>(tensor.numel()) * d->size;
+    header[name] = {{"dtype", d->name}, {"shape", tensor.sizes().vec()}, {"data_offsets", {offset, offset + nbytes}}};
     offset += nbytes;
-    ordered.push_back(t);
   }
   std::string text = header.dump();
   text.append((8 - text.size() % 8) % 8, ' ');
-
-  std::string out;
-  out.reserve(8 + text.size() + offset);
+  char length[8];
   const uint64_t n = text.size();
-  for (int i = 0; i < 8; ++i) out.push_back(static_cast<char>((n >> (8 * i)) & 0xff));
-  out += text;
-  for (const auto& t : ordered) {
-    if (t.numel() > 0) out.append(static_cast<const char*>(t.data_ptr()), t.nbytes());
+  for (int i = 0; i < 8; ++i) length[i] = static_cast<char>((n >> (8 * i)) & 0xff);
+  put(length, 8);
+  put(text.data(), text.size());
+  for (const auto& [name, tensor] : file.tensors) {
+    const torch::Tensor t = tensor.detach().to(torch::kCPU).contiguous();
+    if (t.numel() > 0) put(t.data_ptr(), t.nbytes());
   }
+}
+
+}  // namespace
+
+std::string safetensors_bytes(const SafetensorsFile& file) {
+  std::string out;
+  stream_safetensors(file, [&out](const void* p, size_t n) { out.append(static_cast<const char*>(p), n); });
   return out;
 }
 
@@ -250,11 +258,56 @@ SafetensorsFile parse_safetensors(const std::string& bytes, const std::string& o
   return out;
 }
 
-void save_safetensors(const std::string& path, const SafetensorsFile& file) {
-  write_file_atomic(path, safetensors_bytes(file));
+std::string save_safetensors(const std::string& path, const SafetensorsFile& file) {
+  Sha256 hash;
+  write_file_atomic(path, [&](const PutBytes& put) {
+    stream_safetensors(file, [&](const void* p, size_t n) {
+      hash.update(p, n);
+      put(p, n);
+    });
+  });
+  return hash.hex();
 }
 
 SafetensorsFile load_safetensors(const std::string& path) { return parse_safetensors(read_file(path), path); }
+
+SafetensorsFile load_safetensors(const std::string& path, std::string& sha256) {
+  std::ifstream in(path, std::ios::binary);
+  DDM_CHECK(in, path << ": cannot open (" << std::strerror(errno) << ")");
+  in.seekg(0, std::ios::end);
+  const uint64_t size = static_cast<uint64_t>(in.tellg());
+  DDM_CHECK(size >= 8, path << ": not a safetensors file: " << size << " bytes, shorter than the 8-byte header length");
+  Sha256 hash;
+  char first8[8];
+  in.seekg(0);
+  in.read(first8, 8);
+  hash.update(first8, 8);
+  const uint64_t n = header_length(first8);
+  DDM_CHECK(n <= size - 8, path << ": header length " << n << " goes beyond the file size (" << size
+                                << " bytes); the file is truncated or not safetensors");
+  std::string text(n, '\0');
+  in.read(text.data(), static_cast<std::streamsize>(n));
+  DDM_CHECK(in, path << ": cannot read the header (" << std::strerror(errno) << ")");
+  hash.update(text.data(), n);
+  const Header header = parse_header(text.data(), n, size - 8 - n, path);
+  // The entries tile the data buffer (parse_header checks it): read in file order, every byte of
+  // the file passes through the hash once, straight into its tensor.
+  std::vector<const Entry*> by_offset;
+  for (const auto& e : header.entries) by_offset.push_back(&e);
+  std::sort(by_offset.begin(), by_offset.end(), [](const Entry* a, const Entry* b) { return a->begin < b->begin; });
+  SafetensorsFile out;
+  out.metadata = header.metadata;
+  for (const Entry* e : by_offset) {
+    torch::Tensor t = empty_for(*e);
+    in.read(static_cast<char*>(t.data_ptr()), static_cast<std::streamsize>(e->end - e->begin));
+    DDM_CHECK(in, path << ": cannot read tensor '" << e->name << "' (" << std::strerror(errno) << ")");
+    hash.update(t.data_ptr(), e->end - e->begin);
+    check_bools(*e, t, path);
+    out.tensors[e->name] = t;
+  }
+  sha256 = hash.hex();
+  return out;
+}
 
 SafetensorsFile load_safetensors(const std::string& path, const std::function<bool(const std::string&)>& keep) {
   std::ifstream in(path, std::ios::binary);

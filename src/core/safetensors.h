@@ -23,9 +23,13 @@ std::string safetensors_bytes(const SafetensorsFile& file);
 // offsets out of range or overlapping, or sizes that do not match dtype x shape.
 SafetensorsFile parse_safetensors(const std::string& bytes, const std::string& origin);
 
-// File helpers. save_safetensors writes atomically (temporary name, fsync, rename).
-void save_safetensors(const std::string& path, const SafetensorsFile& file);
+// File helpers. save_safetensors writes atomically (temporary name, fsync, rename), one tensor at
+// a time (never the whole file in memory), and returns the sha256 of what it wrote.
+std::string save_safetensors(const std::string& path, const SafetensorsFile& file);
 SafetensorsFile load_safetensors(const std::string& path);
+// Reads every tensor straight from the file into its tensor and sets `sha256` to the file's digest,
+// taken on the way (a checkpoint is checked without a second copy of its bytes in memory).
+SafetensorsFile load_safetensors(const std::string& path, std::string& sha256);
 // Reads only the tensors `keep` accepts, each straight from the file into its tensor (the header is
 // still checked whole): a 4 GB CLIP of which the text tower is wanted costs the text tower's memory.
 SafetensorsFile load_safetensors(const std::string& path, const std::function<bool(const std::string&)>& keep);

@@ -232,9 +232,10 @@ std::vector<std::pair<std::string, std::string>> run_identity(const RunConfig& r
     if (eq != std::string::npos) kv.emplace_back(section + "." + line.substr(0, eq), line.substr(eq + 3));
   }
   const torch::Tensor images = data.images.contiguous(), labels = data.labels.contiguous();
-  kv.emplace_back("data (sha256 of the images and labels)",
-                  sha256_hex(std::string(static_cast<const char*>(images.data_ptr()), images.nbytes()) +
-                             std::string(static_cast<const char*>(labels.data_ptr()), labels.nbytes())));
+  Sha256 data_hash;
+  data_hash.update(images.data_ptr(), images.nbytes());
+  data_hash.update(labels.data_ptr(), labels.nbytes());
+  kv.emplace_back("data (sha256 of the images and labels)", data_hash.hex());
   if (data.shards) {  // the images above are only the first few: each rank's scan must agree too
     std::string counts;
     for (const int64_t n : data.shards->counts) counts += std::to_string(n) + " ";
@@ -308,16 +309,16 @@ RunStart start_run(const TrainOptions& opt, const TrainJob& job, Net& net, Engin
   } else {
     // A fresh start: every rank made the same seeded initialization (EMA = weights, zero moments),
     // so a hash proves it instead of sending 4 copies of the parameters (6.5 s at 10 Mbit/s).
-    std::string blob;
-    for (const torch::Tensor& w : engine.initial_weights()) {
+    // Hashed tensor by tensor: joining them first held another copy of the weights (1.4 GB for a
+    // ControlNet v1.0), which on a big model is what ran a machine out of memory.
+    Sha256 hash;
+    auto add = [&hash](const torch::Tensor& w) {
       const torch::Tensor t = w.detach().to(torch::kCPU).contiguous();
-      blob += std::string(static_cast<const char*>(t.data_ptr()), t.nbytes());
-    }
-    for (const auto& b : net->named_buffers(true)) {
-      const torch::Tensor t = b.value().to(torch::kCPU).contiguous();
-      blob += std::string(static_cast<const char*>(t.data_ptr()), t.nbytes());
-    }
-    comm.check_same({{"initial weights (sha256)", sha256_hex(blob)}}, "seeded initialization");
+      hash.update(t.data_ptr(), t.nbytes());
+    };
+    for (const torch::Tensor& w : engine.initial_weights()) add(w);
+    for (const auto& b : net->named_buffers(true)) add(b.value());
+    comm.check_same({{"initial weights (sha256)", hash.hex()}}, "seeded initialization");
   }
   s.step = ints[0].item<int64_t>();
   optim.set_step_count(ints[1].item<int64_t>());

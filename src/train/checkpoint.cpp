@@ -77,9 +77,7 @@ std::string write_checkpoint(const std::string& run_dir, const Checkpoint& ckpt,
     f.tensors = *tensors;
     f.metadata["format"] = kFormat;
     f.metadata["step"] = std::to_string(ckpt.step);
-    const std::string bytes = safetensors_bytes(f);
-    write_file_atomic((tmp_dir / name).string(), bytes);
-    state["sha256"][name] = sha256_hex(bytes);
+    state["sha256"][name] = save_safetensors((tmp_dir / name).string(), f);  // streamed: no copy in memory
   }
   write_file_atomic((tmp_dir / RunDir::kState).string(), state.dump(2) + "\n");
   fsync_dir(tmp_dir.string());
@@ -119,12 +117,18 @@ Checkpoint read_checkpoint(const std::string& ckpt_dir, bool weights_only) {
     if (weights_only && std::string(name) == RunDir::kOptim) continue;
     const std::string path = (dir / name).string();
     const std::string want = Checkpoint::state_field<std::string>(state, std::string("/sha256/") + name, state_path);
-    const std::string bytes = read_file(path);
-    const std::string got = sha256_hex(bytes);
+    DDM_CHECK(fs::is_regular_file(path), path << " is missing; the checkpoint is damaged: delete " << ckpt_dir
+                                                << " to resume from the previous checkpoint");
+    std::string got;
+    SafetensorsFile f;
+    try {
+      f = load_safetensors(path, got);  // straight into the tensors, hashed on the way
+    } catch (const Error& e) {
+      DDM_FAIL(e.what() << "; the checkpoint is damaged: delete " << ckpt_dir << " to resume from the previous checkpoint");
+    }
     DDM_CHECK(got == want, path << ": checksum mismatch (sha256 " << got << ", state.json says " << want
                                 << "); the checkpoint is damaged: delete " << ckpt_dir
                                 << " to resume from the previous checkpoint");
-    auto f = parse_safetensors(bytes, path);
     TensorMap& dst = std::string(name) == RunDir::kModel ? ck.model
                      : std::string(name) == RunDir::kEma ? ck.ema
                                                                : ck.optim;

@@ -283,6 +283,11 @@ TEST(FileIo, Sha256KnownVectors) {
   ddm::write_file_atomic(dir / "abc", "abc");
   EXPECT_EQ(ddm::read_file(dir / "abc"), "abc");
   EXPECT_EQ(ddm::sha256_file(dir / "abc"), ddm::sha256_hex("abc"));
+  ddm::Sha256 pieces;  // the same digest over pieces as over their concatenation
+  pieces.update("a", 1);
+  pieces.update("", 0);
+  pieces.update("bc", 2);
+  EXPECT_EQ(pieces.hex(), ddm::sha256_hex("abc"));
   ddm::write_file_atomic(dir / "abc", "replaced");
   EXPECT_EQ(ddm::read_file(dir / "abc"), "replaced");
   EXPECT_THROW(ddm::read_file(dir.path), ddm::Error);

@@ -169,6 +169,13 @@ TEST(Checkpoint, RoundTripPruneAndCorruption) {
   const std::string e = error_message([&] { read_checkpoint(all[1]); });
   EXPECT_NE(e.find("checksum mismatch"), std::string::npos) << e;
   EXPECT_NE(e.find("model.safetensors"), std::string::npos) << e;
+  // Cut short (a disk that filled up): named as damaged, with what to do, before any checksum.
+  test::write_text(w, bytes.substr(0, bytes.size() / 2));
+  const std::string cut = error_message([&] { read_checkpoint(all[1]); });
+  EXPECT_NE(cut.find("truncated"), std::string::npos) << cut;
+  EXPECT_NE(cut.find("delete " + all[1]), std::string::npos) << cut;
+  std::filesystem::remove(w);
+  EXPECT_NE(error_message([&] { read_checkpoint(all[1]); }).find("model.safetensors is missing"), std::string::npos);
   EXPECT_NO_THROW(read_checkpoint(all[0]));
 
   // A directory that is not a checkpoint.
