@@ -106,16 +106,19 @@ PipeStep::PipeStep(const RunConfig& cfg, Net net, std::shared_ptr<Objective> obj
   wire_ = std::make_unique<PipeWire>(comm_, schedule_, routes_.slots, cfg_.parallel.pipe_wire == WireFormat::kBfloat16, device_);
   // Every trainable parameter of the whole model, by name, before the other stages' are frozen.
   std::map<const void*, std::string> name_of;
+  std::vector<const void*> all_impls;
   for (const auto& p : net_->named_parameters()) {
     if (!p.value().requires_grad()) continue;
     name_of[p.value().unsafeGetTensorImpl()] = p.key();
     all_names_.push_back(p.key());
     all_shapes_.push_back(p.value().sizes().vec());
+    all_impls.push_back(p.value().unsafeGetTensorImpl());
   }
   std::vector<NetUnit> all = net_->units();
   DDM_CHECK(bounds_.front() == 0 && bounds_.back() == static_cast<int>(all.size()),
             "pipeline stage bounds must cover units 0.." << all.size() - 1);
   std::map<const void*, bool> mine;
+  std::map<const void*, int> owner_rank;  // each parameter's rank in this pipeline
   std::map<int, std::pair<std::vector<NetUnit>, std::vector<torch::Tensor>>> here_units;  // per stage here: units, params
   needs_.assign(static_cast<size_t>(R), PrepNeeds{});  // per rank: what its stages read
   needs_[static_cast<size_t>(rank_of(0))].xt = needs_[static_cast<size_t>(rank_of(S - 1))].target = true;
@@ -124,7 +127,10 @@ PipeStep::PipeStep(const RunConfig& cfg, Net net, std::shared_ptr<Objective> obj
     const int owner = static_cast<int>(std::upper_bound(bounds_.begin(), bounds_.end(), u) - bounds_.begin()) - 1;
     if (all[static_cast<size_t>(u)].reads_frozen) needs_[static_cast<size_t>(rank_of(owner))].frozen = true;
     const bool here = rank_of(owner) == rank_;
-    for (const torch::Tensor& p : all[static_cast<size_t>(u)].params) mine[p.unsafeGetTensorImpl()] = here;
+    for (const torch::Tensor& p : all[static_cast<size_t>(u)].params) {
+      mine[p.unsafeGetTensorImpl()] = here;
+      owner_rank[p.unsafeGetTensorImpl()] = rank_of(owner);
+    }
     if (here) {
       auto& [units, params] = here_units[owner];
       for (const torch::Tensor& p : all[static_cast<size_t>(u)].params)
@@ -140,6 +146,7 @@ PipeStep::PipeStep(const RunConfig& cfg, Net net, std::shared_ptr<Objective> obj
       p.set_requires_grad(false);  // another stage's: no gradient, no optimizer state here
     }
   }
+  for (const void* impl : all_impls) all_owners_.push_back(owner_rank.at(impl));  // each checked above: in a unit
   const TrainConfig& tc = cfg_.train;
   // A stage may hold no trainable parameter at all (a ControlNet's locked decoder): it still runs
   // its units' forward and input gradients.
@@ -310,24 +317,39 @@ std::string PipeStep::last_step_json() const {
 }
 
 TensorMap PipeStep::assemble(const TensorMap& mine, const std::string& prefix) {
+  // Point to point, one message per parameter: each stage sends its own to rank 0, which alone
+  // holds the whole (the checkpoint's writer). An all-reduce of zero-padded copies held the whole
+  // model's state on every stage at once, which ran a 2-stage ControlNet out of memory.
   torch::NoGradGuard no_grad;
-  auto flat = torch::zeros({numel_of(all_shapes_)}, torch::kFloat);
-  std::vector<torch::Tensor> views = split_flat(flat, all_shapes_);
-  for (size_t i = 0; i < all_names_.size(); ++i) {
-    auto it = mine.find(prefix + all_names_[i]);
-    if (it != mine.end()) views[i].copy_(it->second);
-  }
-  comm_->allreduce_sum(flat);
   TensorMap out;
-  for (size_t i = 0; i < all_names_.size(); ++i) out[prefix + all_names_[i]] = views[i];
+  std::vector<torch::Tensor> held;  // host copies being sent (a Gloo send needs its tensor alive)
+  std::vector<c10::intrusive_ptr<c10d::Work>> works;
+  for (size_t i = 0; i < all_names_.size(); ++i) {
+    const std::string name = prefix + all_names_[i];
+    const int owner = all_owners_[i], tag = static_cast<int>(i);
+    if (owner == comm_->rank()) {
+      auto it = mine.find(name);
+      DDM_CHECK(it != mine.end(), "pipeline: stage tensor '" << name << "' is missing from this stage's state");
+      if (comm_->rank() == 0) {
+        out[name] = it->second;
+      } else {
+        held.push_back(it->second.detach().to(torch::kCPU).contiguous());
+        works.push_back(comm_->send_async(held.back(), 0, tag));
+      }
+    } else if (comm_->rank() == 0) {
+      torch::Tensor t = torch::empty(all_shapes_[i], torch::kFloat);
+      works.push_back(comm_->recv_async(t, owner, tag));
+      out[name] = t;
+    }
+  }
+  for (const auto& w : works) comm_->wait(w, "assembling the stages' state for a checkpoint");
   return out;
 }
 
 TensorMap PipeStep::share(const TensorMap& whole, const std::string& prefix, const std::string& origin) {
+  // The reverse: stage 0 checks the whole, then sends each stage only its own parameters.
   torch::NoGradGuard no_grad;
-  auto flat = torch::zeros({numel_of(all_shapes_)}, torch::kFloat);
-  std::vector<torch::Tensor> views = split_flat(flat, all_shapes_);
-  std::string error;  // stage 0's: every stage learns of it before the broadcast, so none is left waiting
+  std::string error;  // stage 0's: every stage learns of it first, so none is left waiting
   if (comm_->rank() == 0) {
     for (size_t i = 0; i < all_names_.size() && error.empty(); ++i) {
       auto it = whole.find(prefix + all_names_[i]);
@@ -336,8 +358,6 @@ TensorMap PipeStep::share(const TensorMap& whole, const std::string& prefix, con
         os << origin << " has no tensor '" << prefix << all_names_[i] << "' of shape "
            << at::IntArrayRef(all_shapes_[i]) << ": it belongs to a different model";
         error = os.str();
-      } else {
-        views[i].copy_(it->second);
       }
     }
   }
@@ -345,9 +365,27 @@ TensorMap PipeStep::share(const TensorMap& whole, const std::string& prefix, con
     DDM_CHECK(error.empty(), error);
     DDM_FAIL("stage 0 could not load " << origin << " (its message says why)");
   }
-  comm_->broadcast(flat, 0);
   TensorMap out;
-  for (size_t i = 0; i < all_names_.size(); ++i) out[prefix + all_names_[i]] = views[i];
+  std::vector<torch::Tensor> held;
+  std::vector<c10::intrusive_ptr<c10d::Work>> works;
+  for (size_t i = 0; i < all_names_.size(); ++i) {
+    const std::string name = prefix + all_names_[i];
+    const int owner = all_owners_[i], tag = static_cast<int>(i);
+    if (comm_->rank() == 0) {
+      const torch::Tensor& t = whole.at(name);
+      if (owner == 0) {
+        out[name] = t;
+      } else {
+        held.push_back(t.detach().to(torch::kCPU, torch::kFloat).contiguous());
+        works.push_back(comm_->send_async(held.back(), owner, tag));
+      }
+    } else if (owner == comm_->rank()) {
+      torch::Tensor t = torch::empty(all_shapes_[i], torch::kFloat);
+      works.push_back(comm_->recv_async(t, 0, tag));
+      out[name] = t;
+    }
+  }
+  for (const auto& w : works) comm_->wait(w, "sending each stage its state from " + origin);
   return out;
 }
 

@@ -153,11 +153,12 @@ class PipeStep {
   std::string last_step_json() const;
 
   // Every trainable parameter of the whole model by name ("<prefix><name>"), from each stage's `mine`
-  // (its own parameters' tensors, e.g. optim().named_params()): a sum over the stages of disjoint
-  // parts (one all-reduce), so every stage gets the whole.
+  // (its own parameters' tensors, e.g. optim().named_params()), sent point to point to rank 0 of
+  // the pipeline, which returns the whole; the other ranks return an empty map (a collective).
   TensorMap assemble(const TensorMap& mine, const std::string& prefix);
-  // The reverse for loading: stage 0's `whole` (every trainable parameter, "<prefix><name>") reaches
-  // every stage (one broadcast); the others pass an empty map.
+  // The reverse for loading: stage 0's `whole` (every trainable parameter, "<prefix><name>") is
+  // checked there, and each rank receives only its own stages' parameters; the others pass an
+  // empty map. No rank holds more of the model's state than its stages' share (and rank 0 `whole`).
   TensorMap share(const TensorMap& whole, const std::string& prefix, const std::string& origin);
   // With replicas: every replica's stage takes replica 0's optimizer state (weights, EMA, moments).
   void share_with_replicas();
@@ -205,6 +206,7 @@ class PipeStep {
   std::vector<std::string> unit_names_;  // every unit's, in order
   std::vector<std::string> all_names_;   // every trainable parameter of the whole model, in order
   std::vector<std::vector<int64_t>> all_shapes_;
+  std::vector<int> all_owners_;          // the rank (in this pipeline) whose stage trains each one
   std::unique_ptr<FlatAdamW> optim_;
   double scale_ = 1, loss_sum_ = 0;
   StepTimes times_;
