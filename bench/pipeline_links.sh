@@ -22,38 +22,100 @@
 #
 # Outputs in OUT: results.jsonl (a record per run), results.md (the table), link-<rate>.txt, the
 # profile, and per rate and run the run directory with each rank's log.
+# KIND=sd15-controlnet or KIND=sd21 runs the seed's own workloads instead, at their real shapes with
+# random weights (bench/sd_pipeline.py writes the diffusers directory, kept in /tmp/ddm-KIND): ControlNet
+# v1.0 on SD 1.5 (text encoder, VAE, edge maps and the locked UNet's encoder frozen) or SD 2.1's UNet
+# (text encoder and VAE frozen), on SIZE px random captioned images, global batch BATCH; its profile is
+# taken at the micro-batch's rows. Each rank holds the model's frozen parts and its stage's optimizer
+# state; data parallelism holds the whole optimizer state on both, which is what RUNS leaves out on a
+# machine too small for two such copies (docs/results.md says how much each needs).
 # Needs root, iproute2 (ip netns, tc with sch_tbf) and Debian's python3; builds nothing (build/ddm).
 # usage: bench/pipeline_links.sh AE_RUN [OUT]        (default /tmp/ddm-pipeline-links)
+#        KIND=sd15-controlnet|sd21 bench/pipeline_links.sh [SD_DIR] [OUT]
 #   AE_RUN  a `ddm train-autoencoder` run (the latent workload's frozen encoder)
 #   env: RATES="unlimited 1gbit 200mbit 100mbit 50mbit"  SCHEDULES="gpipe 1f1b zb-h1"  MICRO=8
 #        ROUNDS=2  STEPS=16  BF16=1  LATENCY=100ms BURST=(bytes) (the qdisc; bench/netns_link.sh)
+#        BATCH=128 (SD: 8)  SIZE=128 (SD images, px)  RUNS="dp dp-fp16 serial filled filled-bf16"
 set -euo pipefail
 cd "$(dirname "$0")/.."
-ae=${1:?usage: bench/pipeline_links.sh AE_RUN [OUT]}
-out=${2:-/tmp/ddm-pipeline-links}
+kind=${KIND:-latent}
 ddm=${DDM:-build/ddm}
 py=${PYTHON:-/usr/bin/python3}
+case $kind in
+  latent) ae=${1:?usage: bench/pipeline_links.sh AE_RUN [OUT]}; batch=${BATCH:-128} ;;
+  sd15-controlnet | sd21) sd=${1:-/tmp/ddm-$kind}; batch=${BATCH:-8} ;;
+  *) echo "KIND must be latent, sd15-controlnet or sd21, not '$kind'" >&2; exit 2 ;;
+esac
+out=${2:-/tmp/ddm-pipeline-links${kind#latent}}
 rates=${RATES:-"unlimited 1gbit 200mbit 100mbit 50mbit"}
 read -r -a schedules <<< "${SCHEDULES:-gpipe 1f1b zb-h1}"
 micro=${MICRO:-8}
 rounds=${ROUNDS:-2}
 steps=${STEPS:-16}
 bf16=${BF16:-1}
+size=${SIZE:-128}
+runs=" ${RUNS:-dp dp-fp16 serial filled filled-bf16} "
+[ "$bf16" = 1 ] || runs=${runs/ filled-bf16 / }
+wanted() { [[ $runs == *" $1 "* ]]; }
 
 . "$(dirname "$0")/netns_link.sh"
 link_require
 [ -x "$ddm" ] || die "$ddm not found: build it first (cmake --build build --target ddm)"
-[ -f "$ae/config.toml" ] || die "$ae is not a ddm train-autoencoder run (no config.toml)"
 for r in $rates; do rate_ok "$r" || die "RATES: '$r' is not a rate (unlimited, or a number with kbit, mbit or gbit)"; done
 [[ $micro =~ ^[1-9][0-9]*$ && $rounds =~ ^[1-9][0-9]*$ && $steps =~ ^[1-9][0-9]*$ && $steps -ge 8 ]] ||
   die "MICRO and ROUNDS must be positive integers, STEPS at least 8"
+[[ $batch =~ ^[1-9][0-9]*$ && $((batch % (2 * micro))) = 0 ]] || die "BATCH ($batch) must be a multiple of 2 x MICRO ($micro)"
+for r in $runs; do [[ " dp dp-fp16 serial filled filled-bf16 " == *" $r "* ]] || die "RUNS: unknown run '$r'"; done
 mkdir -p "$out"
+profile_args=()
+if [ "$kind" = latent ]; then
+  [ -f "$ae/config.toml" ] || die "$ae is not a ddm train-autoencoder run (no config.toml)"
+  workload=(--config configs/latent-quickstart.toml --set model.latent="$ae")
+else
+  [[ $size =~ ^[1-9][0-9]*$ && $((size % 64)) = 0 ]] || die "SIZE ($size) must be a multiple of 64 (SD's latents, downsampled 3 times)"
+  if [ ! -f "$sd/model_index.json" ]; then
+    log "writing the $kind pipeline with random weights to $sd (diffusers; a few minutes)"
+    "$(bash scripts/reference-env.sh)" bench/sd_pipeline.py "$sd" "$kind"
+  fi
+  # Random captioned images (the throughput depends on their size, not their content).
+  "$py" - "$out/images-$size" "$size" "$batch" <<'PY'
+import os, random, struct, sys, zlib
+root, size, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+os.makedirs(root, exist_ok=True)
+rng = random.Random(0)
+def png(path):
+    rows = b"".join(b"\0" + rng.randbytes(3 * size) for _ in range(size))
+    chunk = lambda t, d: struct.pack(">I", len(d)) + t + d + struct.pack(">I", zlib.crc32(t + d))
+    open(path, "wb").write(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", size, size, 8, 2, 0, 0, 0)) +
+                           chunk(b"IDAT", zlib.compress(rows)) + chunk(b"IEND", b""))
+for i in range(2 * n):
+    png(f"{root}/{i:04d}.png")
+    open(f"{root}/{i:04d}.txt", "w").write(f"a photograph of a random pattern, number {i}, in many colours\n")
+PY
+  cat > "$out/workload.toml" <<TOML
+[data]
+source = "folder"
+root = "$out/images-$size"
+[model]
+arch = "sd-unet"
+unet = "$sd"
+latent = "$sd"
+text_encoder = "$sd"
+$([ "$kind" = sd15-controlnet ] && printf 'controlnet = "%s"\ncontrol = "edges"' "$sd")
+[diffusion]
+objective = "$([ "$kind" = sd21 ] && echo v || echo eps)"
+scheduler = "$sd"
+TOML
+  workload=(--config "$out/workload.toml")
+  profile_args=(--rows $((batch / micro)) --repeats 1)
+  if wanted dp || wanted dp-fp16; then profile_args=(--rows $((batch / micro)) $((batch / 2)) --repeats 1); fi
+fi
+workload+=(--set train.batch_size="$batch")
 link_up pl
 
-workload=(--config configs/latent-quickstart.toml --set model.latent="$ae")
 log "profiling the workload once (1 thread, as one of the 2 ranks runs; node A)"
 ip netns exec "$ns_a" "$ddm" plan "${workload[@]}" --set train.threads=1 --devices 2 --stages 2 --micro "$micro" \
-  --save-profile "$out/profile.json" > "$out/profile.txt"
+  "${profile_args[@]}" --save-profile "$out/profile.json" > "$out/profile.txt"
 
 declare -A gbps cuts  # rate -> the link's measured bandwidth in GB/s; rate-schedule -> the planner's cuts
 # RATE NAME ARGS...: one training of 2 ranks, rank r on node r; appends a record to results.jsonl
@@ -86,13 +148,13 @@ run() {
     predicted=$(sed -n 's/^  data parallelism ([^)]*): \([0-9.]*\) ms.*/\1/p' "$out/plan-$rate.txt")
     [ "$name" = dp ] || predicted=""  # the planner models a float32 all-reduce
   fi
-  "$py" - "$dir" "$rate" "$name" "$round" "$steps" "${predicted:-0}" "${own:-0}" >> "$out/results.jsonl" <<'PY'
+  "$py" - "$dir" "$rate" "$name" "$round" "$steps" "${predicted:-0}" "${own:-0}" "$batch" >> "$out/results.jsonl" <<'PY'
 import json, sys
-d, rate, name, rnd, steps, predicted, own = sys.argv[1:8]
+d, rate, name, rnd, steps, predicted, own, batch = sys.argv[1:9]
 recs = [json.loads(l) for l in open(d + "/metrics.jsonl")]
 ips = [r["img_per_s"] for r in recs[1:]]  # the first interval warms up (and plans the fill)
 mean = sum(ips) / len(ips)
-print(json.dumps({"rate": rate, "run": name, "round": int(rnd), "img_per_s": mean, "step_ms": 128e3 / mean,
+print(json.dumps({"rate": rate, "run": name, "round": int(rnd), "img_per_s": mean, "step_ms": int(batch) * 1e3 / mean,
                   "predicted_ms": float(predicted) or None, "own_plan_ms": float(own) or None,
                   "sent_per_step": recs[-1].get("sent_bytes_per_step", 0)}))
 PY
@@ -106,38 +168,38 @@ for ((round = 1; round <= rounds; round++)); do
       check_link "$rate"
       read -r got secs < "$out/link-$rate.txt"
       gbps[$rate]=$(awk -v n="$got" -v t="$secs" 'BEGIN { printf "%.6f\n", n / t / 1e9 }')
-      "$ddm" plan --profile "$out/profile.json" --batch 128 --devices 2 --stages 1 --micro 1 --bandwidth "${gbps[$rate]}" \
+      "$ddm" plan --profile "$out/profile.json" --batch "$batch" --devices 2 --stages 1 --micro 1 --bandwidth "${gbps[$rate]}" \
         --latency 20 > "$out/plan-$rate.txt"
       for s in "${schedules[@]}"; do
-        "$ddm" plan --profile "$out/profile.json" --batch 128 --devices 2 --stages 2 --micro "$micro" --schedule "$s" \
+        "$ddm" plan --profile "$out/profile.json" --batch "$batch" --devices 2 --stages 2 --micro "$micro" --schedule "$s" \
           --bandwidth "${gbps[$rate]}" --latency 20 --json "$out/plan-$rate-$s.json" > /dev/null
         cuts[$rate-$s]=$("$py" -c "import json,sys; print(','.join(map(str, json.load(open(sys.argv[1]))[0]['first_units'][1:-1])))" \
           "$out/plan-$rate-$s.json")
       done
     fi
-    run "$rate" dp --set train.grad_accum=1
-    run "$rate" dp-fp16 --set train.grad_accum=1 --set parallel.wire=float16
+    if wanted dp; then run "$rate" dp --set train.grad_accum=1; fi
+    if wanted dp-fp16; then run "$rate" dp-fp16 --set train.grad_accum=1 --set parallel.wire=float16; fi
     for s in "${schedules[@]}"; do
-      for fill in false true; do
-        run "$rate" "$s-$([ $fill = true ] && echo filled || echo serial)" --set parallel.pp=2 --set parallel.schedule="$s" \
-          --set train.grad_accum="$micro" --set "parallel.cuts=[${cuts[$rate-$s]}]" --set parallel.fill=$fill
-      done
-      [ "$bf16" = 1 ] && run "$rate" "$s-filled-bf16" --set parallel.pp=2 --set parallel.schedule="$s" \
-        --set train.grad_accum="$micro" --set "parallel.cuts=[${cuts[$rate-$s]}]" --set parallel.pipe_wire=bfloat16
+      pipe=(--set parallel.pp=2 --set parallel.schedule="$s" --set train.grad_accum="$micro" --set "parallel.cuts=[${cuts[$rate-$s]}]")
+      if wanted serial; then run "$rate" "$s-serial" "${pipe[@]}" --set parallel.fill=false; fi
+      if wanted filled; then run "$rate" "$s-filled" "${pipe[@]}" --set parallel.fill=true; fi
+      if wanted filled-bf16; then run "$rate" "$s-filled-bf16" "${pipe[@]}" --set parallel.pipe_wire=bfloat16; fi
     done
   done
 done
 set_rate unlimited
 
-"$py" - "$out" "$rates" <<'PY' | tee "$out/results.md"
-import json, statistics as st, sys
-out, rates = sys.argv[1], sys.argv[2].split()
+"$py" - "$out" "$rates" "$kind" "$batch" "$size" <<'PY' | tee "$out/results.md"
+import json, re, statistics as st, sys
+out, rates, kind, batch, size = sys.argv[1], sys.argv[2].split(), sys.argv[3], sys.argv[4], sys.argv[5]
+workload = {"latent": "latent U-Net", "sd15-controlnet": f"ControlNet v1.0 on SD 1.5 at {size} px",
+            "sd21": f"SD 2.1's UNet at {size} px"}[kind]
 rows = [json.loads(l) for l in open(out + "/results.jsonl")]
 def of(rate, run): return {r["round"]: r for r in rows if r["rate"] == rate and r["run"] == run}
 def link(rate):
     n, t = open(f"{out}/link-{rate}.txt").read().split()
     return "%.0f Mbit/s" % (float(n) * 8 / float(t) / 1e6)
-print("2 processes x 1 thread on two nodes joined by a tbf-limited veth pair; latent U-Net, global batch 128;")
+print(f"2 processes x 1 thread on two nodes joined by a tbf-limited veth pair; {workload}, global batch {batch};")
 print("medians over rounds; ratios within each round, then their median; predictions as % of the measured step\n")
 print("| link (measured) | run | img/s (min-max) | vs dp | vs the same schedule serial | MB sent per step (rank 0) | profile's prediction | the run's own plan |")
 print("|---|---|---|---|---|---|---|---|")
@@ -147,7 +209,8 @@ for rate in rates:
     for run in runs:
         x = of(rate, run)
         ips = [r["img_per_s"] for r in x.values()]
-        vs_dp = st.median(x[k]["img_per_s"] / dp[k]["img_per_s"] for k in x if k in dp)
+        both = [k for k in x if k in dp]
+        vs_dp = "%.2fx" % st.median(x[k]["img_per_s"] / dp[k]["img_per_s"] for k in both) if both else "-"
         vs_serial = ""
         if "-filled" in run:
             s = of(rate, run.split("-filled")[0] + "-serial")
@@ -155,8 +218,13 @@ for rate in rates:
         step = st.median(r["step_ms"] for r in x.values())
         pct = lambda key: "%+.1f%%" % (100 * (st.median(r[key] for r in x.values()) - step) / step) if all(r[key] for r in x.values()) else "-"
         last = max(x.values(), key=lambda r: r["round"])
-        print("| %s | %s | %.1f (%.1f-%.1f) | %.2fx | %s | %.2f | %s | %s |" % (
+        print("| %s | %s | %.2f (%.2f-%.2f) | %s | %s | %.2f | %s | %s |" % (
             f"{rate} ({link(rate)})", run, st.median(ips), min(ips), max(ips), vs_dp, vs_serial,
             last["sent_per_step"] / 1e6, pct("predicted_ms"), pct("own_plan_ms")))
+    if not dp:  # not run: the planner's data parallelism, beside the measured pipelines
+        m = re.search(r"^  data parallelism \([^)]*\): ([0-9.]+) ms.*$", open(f"{out}/plan-{rate}.txt").read(), re.M)
+        if m:
+            print("| %s | dp (not run: predicted) | %.2f | | | | %s | |" % (
+                f"{rate} ({link(rate)})", int(batch) * 1e3 / float(m.group(1)), m.group(0).strip()))
 PY
 log "wrote $out/results.md and results.jsonl"
