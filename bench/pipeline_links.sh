@@ -158,6 +158,7 @@ print(json.dumps({"rate": rate, "run": name, "round": int(rnd), "img_per_s": mea
                   "predicted_ms": float(predicted) or None, "own_plan_ms": float(own) or None,
                   "sent_per_step": recs[-1].get("sent_bytes_per_step", 0)}))
 PY
+  rm -rf "$dir/ckpt"  # its checkpoint is not measured (an SD run's is 5 GB or more)
 }
 
 : > "$out/results.jsonl"

@@ -8,6 +8,7 @@
 #include <sstream>
 
 #include "core/device.h"
+#include "core/fileio.h"
 #include "parallel/data_parallel.h"
 #include "pipeline/profile.h"
 #include "pipeline/routes.h"
@@ -41,6 +42,18 @@ class PipelineEngine : public Engine {
       same_stage = comm_->subgroup("stage" + std::to_string(layout_.stage), layout_.stage_ranks());
     }
     PipeSkipRoutes routes = pipe_skip_routes(*net_, sample, bounds);
+    // The whole model's seeded initialization, hashed before the stage lets the other stages'
+    // weights go (start_run compares it across ranks on a fresh start).
+    {
+      torch::NoGradGuard no_grad;
+      Sha256 hash;
+      for (const torch::Tensor& w : net_->parameters()) {
+        const torch::Tensor t = w.detach().to(torch::kCPU).contiguous();
+        hash.update(t.data_ptr(), t.nbytes());
+      }
+      const std::string hex = hash.hex();
+      initial_digest_ = torch::from_blob(const_cast<char*>(hex.data()), {static_cast<int64_t>(hex.size())}, torch::kUInt8).clone();
+    }
     // Each micro-batch: this replica's share of the global batch (the layout's), cut into grad_accum.
     const int64_t rows = layout_.local_batch / cfg_.train.grad_accum;
     pipe_ = std::make_unique<PipeStep>(cfg_, net_, parts.objective, line, std::move(bounds), std::move(schedule), rows,
@@ -63,8 +76,8 @@ class PipelineEngine : public Engine {
     if (layout_.replicas > 1) pipe_->share_with_replicas();
   }
 
-  // A stage's optimizer holds only its own parameters: the whole model is compared.
-  std::vector<torch::Tensor> initial_weights() override { return net_->parameters(); }
+  // A stage holds only its own stages' trainable weights: the whole model's digest, taken before.
+  std::vector<torch::Tensor> initial_weights() override { return {initial_digest_}; }
 
   EngineBegun begin(const EngineStart& start) override {
     timed_from_ = start.step + 1;  // the first step of a run warms up: not timed
@@ -162,6 +175,7 @@ class PipelineEngine : public Engine {
   Net net_;
   std::shared_ptr<Comm> comm_;
   std::unique_ptr<PipeStep> pipe_;
+  torch::Tensor initial_digest_;  // uint8 [64]: the hex sha256 of every parameter at construction
   // Wall time of this run's steps after its first, for the timeline.
   double timed_ms_ = 0;
   int64_t timed_steps_ = 0, timed_from_ = 1;

@@ -5,6 +5,7 @@
 #include <cmath>
 
 #include "core/error.h"
+#include "pipeline/prepare.h"
 
 namespace ddm {
 namespace {
@@ -29,6 +30,7 @@ std::vector<PipeTask> tasks_of(const PipeProfile& p, const PipeMachine& m, const
   for (const PipeTaskProfile& t : p.tasks) {
     PipeTask k;
     k.name = t.name, k.rows = rows, k.consumer = 0, k.cross_iteration = !t.uses_weights;
+    k.quantum = prepare_quantum(rows);  // the pieces a run can place (pipeline/prepare.h)
     for (const auto& [r, ms] : t.cost) k.cost.push_back({r, ms / m.speed});
     k.send = m.link.time(t.output_bytes_per_row * static_cast<double>(rows));
     out.push_back(k);
@@ -43,6 +45,7 @@ std::vector<PipeTask> tasks_of(const PipeProfile& p, const PipeMachine& m, const
     k.name = "self-cond pass, stage " + std::to_string(s);
     k.rows = rows, k.consumer = 0, k.ranks = {part.rank_of(s)}, k.cross_iteration = false;
     k.after = static_cast<int>(out.size()) - 1;
+    k.quantum = prepare_quantum(rows);
     for (const PipeUnitSample& x : p.units.front().samples) {
       double ms = 0;
       for (int l = part.first[s]; l < part.first[s + 1]; ++l)

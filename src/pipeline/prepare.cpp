@@ -23,10 +23,9 @@ torch::Tensor cat_rows(const std::vector<std::pair<int64_t, TensorMap>>& pieces,
 
 int64_t prepare_quantum(int64_t rows) {
   DDM_CHECK(rows >= 1, "a micro-batch needs at least one row, got " << rows);
-  const int64_t most = std::min(rows, std::max<int64_t>(4, rows / 8));
-  for (int64_t q = most; q > 1; --q)
-    if (rows % q == 0) return q;
-  return 1;
+  for (int64_t q = 1; q < rows; ++q)
+    if (rows % q == 0 && rows / q <= 8) return q;
+  return 1;  // a prime above 8 (one quantum would be the whole micro-batch): one row at a time
 }
 
 Prepared prepare_rows(const Objective& objective, NetImpl& net, const Batch& micro, int64_t first, int64_t n,

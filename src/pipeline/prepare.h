@@ -24,8 +24,10 @@
 
 namespace ddm {
 
-// The rows prepared per call for micro-batches of `rows` rows: the largest divisor of `rows` that is
-// at most max(4, rows / 8) (so a micro-batch has up to 8 quanta, each of at least 4 rows when it can).
+// The rows prepared per call for micro-batches of `rows` rows: the smallest divisor of `rows` that
+// cuts it into at most 8 quanta (1 for a prime above 8). The quantum is the finest piece bubble filling can place; at least
+// 4 rows (the rule until the seed's own workloads were measured) left ControlNet v1.0's micro-batches
+// of 2 rows, whose prepare phase outlasts every bubble, nothing to fill with (docs/results.md).
 int64_t prepare_quantum(int64_t rows);
 
 // Rows [first, first + n) of `micro` (n a multiple of quantum), prepared for `step` a quantum at a

@@ -143,7 +143,10 @@ PipeStep::PipeStep(const RunConfig& cfg, Net net, std::shared_ptr<Objective> obj
     auto it = mine.find(p.unsafeGetTensorImpl());
     DDM_CHECK(it != mine.end(), "parameter " << name_of[p.unsafeGetTensorImpl()] << " belongs to no unit of the model");
     if (!it->second) {
-      p.set_requires_grad(false);  // another stage's: no gradient, no optimizer state here
+      // Another stage's: no gradient, no optimizer state, and no weights here (they come and go by
+      // name through assemble / share), so a stage holds its share of the model, not the whole.
+      p.set_requires_grad(false);
+      p.set_data(torch::empty({0}, p.options()));
     }
   }
   for (const void* impl : all_impls) all_owners_.push_back(owner_rank.at(impl));  // each checked above: in a unit

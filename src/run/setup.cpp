@@ -263,7 +263,7 @@ RunStart start_run(const TrainOptions& opt, const TrainJob& job, Net& net, Engin
         if (auto latest = latest_checkpoint(opt.out_dir)) {
           const Checkpoint& ck = s.resumed.emplace(read_checkpoint(*latest));
           resumed_from = *latest;
-          load_module_state(*net, ck.model, RunDir(*latest) / RunDir::kModel);
+          load_module_state(*net, ck.model, RunDir(*latest) / RunDir::kModel, LoadScope::kHeld);
           optim.load(ck.model, ck.ema, ck.optim, ck.field<int64_t>("/optimizer_step"), *latest);
           data.resume(ck, opt.quiet);
           if (ck.state.contains("log_interval")) {  // absent in checkpoints of older versions

@@ -174,8 +174,11 @@ void load_module_state(torch::nn::Module& module, const TensorMap& tensors, cons
     }
     dst.copy_(it->second);
   };
-  for (auto& p : module.named_parameters(true))
-    if (scope == LoadScope::kAll || p.value().requires_grad()) load_one(p.key(), p.value());
+  for (auto& p : module.named_parameters(true)) {
+    const bool let_go = !p.value().requires_grad() && p.value().numel() == 0;
+    if (scope == LoadScope::kAll || (scope == LoadScope::kHeld && !let_go) || p.value().requires_grad())
+      load_one(p.key(), p.value());
+  }
   if (scope == LoadScope::kTrainable) return;
   for (auto& b : module.named_buffers(true)) {
     if (tensors.count(b.key())) load_one(b.key(), b.value());

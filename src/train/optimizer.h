@@ -86,9 +86,10 @@ class FlatAdamW {
 
 // What load_module_state fills: every parameter and buffer (model.safetensors), or only the
 // trainable parameters (ema.safetensors: frozen parameters have no EMA and keep their weights).
-enum class LoadScope { kAll, kTrainable };
+enum class LoadScope { kAll, kTrainable, kHeld };
 // Loads named tensors into a module's parameters and buffers, checking names and shapes; errors
-// name `origin` (the checkpoint) and the first mismatching tensor.
+// name `origin` (the checkpoint) and the first mismatching tensor. kHeld: all but the frozen
+// parameters with no elements (another pipeline stage's, whose weights this process let go).
 void load_module_state(torch::nn::Module& module, const TensorMap& tensors, const std::string& origin,
                        LoadScope scope = LoadScope::kAll);
 // Parameters and buffers of a module by name (contiguous copies).

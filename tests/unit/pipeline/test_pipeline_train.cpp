@@ -488,7 +488,7 @@ TEST(PipelineTrain, SelfConditioningPassesThroughTheStages) {
 TEST(PipelineTrain, FirstPassesInPartialBatchesChangeNoResult) {
   RunConfig cfg = piped(base("unet"), 2, "1f1b", {2});
   cfg.train.self_cond = 0.5;
-  cfg.train.batch_size = 64;  // 4 micro-batches of 16 rows, in quanta of 4
+  cfg.train.batch_size = 64;  // 4 micro-batches of 16 rows, in quanta of 2
   cfg.parallel.fill = false;  // no plan of the run's own
   const TrainJob job = job_for(cfg);
   const PipeSchedule schedule = make_schedule("1f1b", 2, 4);
@@ -520,10 +520,16 @@ TEST(PipelineTrain, FirstPassesInPartialBatchesChangeNoResult) {
     }
     const std::vector<int> bounds = pipe_stage_bounds(*nets[0], sample, 2, cfg.parallel.cuts);
     const PipeSkipRoutes routes = pipe_skip_routes(*nets[0], sample, bounds);
+    const int64_t whole = count_params(*nets[0]);
     const auto errors = run_ranks(2, short_timeouts(), [&](Comm& c) {
       const int r = c.rank();
       PipeStep step(job.cfg, nets[static_cast<size_t>(r)], make_objective(job.cfg), std::shared_ptr<Comm>(&c, [](Comm*) {}),
                     bounds, schedule, 16, nullptr, nullptr, routes);
+      // A stage keeps only its own weights: the other stage's were let go.
+      int64_t held = 0;
+      for (const torch::Tensor& p : nets[static_cast<size_t>(r)]->parameters()) held += p.numel();
+      EXPECT_EQ(held, step.optim().flat_params().numel()) << "stage " << r;
+      EXPECT_LT(held, whole) << "stage " << r;
       if (with_plan) step.use_fill_plan(plan);
       BatchLoader loader(job.data, 64, 3, true);
       auto micro = [](const Batch& b) {

@@ -147,7 +147,9 @@ TEST(PipePlan, SearchesSplitsSchedulesAndFilling) {
   EXPECT_EQ(s.costs.tasks[1].after, 0);
   EXPECT_EQ(s.costs.tasks[2].after, 1);
   EXPECT_EQ(s.costs.tasks[2].ranks, std::vector<int>{1});
-  EXPECT_EQ(s.costs.tasks[1].quantum, 1);
+  EXPECT_EQ(s.costs.tasks[1].quantum, prepare_quantum(s.rows));  // the pieces a run can place, as it cuts them
+  EXPECT_EQ(s.costs.tasks[0].quantum, prepare_quantum(s.rows));
+  EXPECT_GT(s.costs.tasks[0].quantum, 1) << "micro-batches of " << s.rows << " rows";
   EXPECT_EQ(s.costs.tasks[1].rows, s.rows);
   EXPECT_FALSE(s.costs.tasks[1].cross_iteration);
   // ... on the rank of each stage under the V: stages 0..3 on ranks 0, 1, 1, 0.

@@ -26,8 +26,9 @@ using namespace ddm;
 using namespace ddm::test;
 
 TEST(PipePrepare, QuantaAndThePiecesOfAFilledSchedule) {
-  for (const auto& [rows, q] : std::vector<std::pair<int64_t, int64_t>>{{1, 1}, {2, 2}, {4, 4}, {6, 3}, {7, 1}, {8, 4},
-                                                                        {16, 4}, {64, 8}, {128, 16}, {96, 12}})
+  for (const auto& [rows, q] : std::vector<std::pair<int64_t, int64_t>>{{1, 1}, {2, 1}, {4, 1}, {6, 1}, {7, 1}, {8, 1},
+                                                                        {9, 3}, {16, 2}, {64, 8}, {128, 16}, {96, 12},
+                                                                        {11, 1}})
     EXPECT_EQ(prepare_quantum(rows), q) << rows;
   auto piece = [](int micro, int64_t rows, bool serial) {
     PipeAction a;
