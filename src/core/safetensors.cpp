@@ -271,36 +271,57 @@ std::string save_safetensors(const std::string& path, const SafetensorsFile& fil
 
 SafetensorsFile load_safetensors(const std::string& path) { return parse_safetensors(read_file(path), path); }
 
-SafetensorsFile load_safetensors(const std::string& path, std::string& sha256) {
-  std::ifstream in(path, std::ios::binary);
-  DDM_CHECK(in, path << ": cannot open (" << std::strerror(errno) << ")");
-  in.seekg(0, std::ios::end);
-  const uint64_t size = static_cast<uint64_t>(in.tellg());
+namespace {
+
+// A safetensors file opened for reading tensor by tensor: its header read and checked whole; the
+// stream then stands at the first tensor's bytes. `hash`, if given, has taken the bytes read so far.
+struct OpenedFile {
+  std::ifstream in;
+  uint64_t header_bytes = 0;  // n: the tensors' bytes start at 8 + n
+  Header header;
+};
+
+OpenedFile open_safetensors(const std::string& path, Sha256* hash) {
+  OpenedFile f;
+  f.in.open(path, std::ios::binary);
+  DDM_CHECK(f.in, path << ": cannot open (" << std::strerror(errno) << ")");
+  f.in.seekg(0, std::ios::end);
+  const uint64_t size = static_cast<uint64_t>(f.in.tellg());
   DDM_CHECK(size >= 8, path << ": not a safetensors file: " << size << " bytes, shorter than the 8-byte header length");
-  Sha256 hash;
   char first8[8];
-  in.seekg(0);
-  in.read(first8, 8);
-  hash.update(first8, 8);
+  f.in.seekg(0);
+  f.in.read(first8, 8);
   const uint64_t n = header_length(first8);
   DDM_CHECK(n <= size - 8, path << ": header length " << n << " goes beyond the file size (" << size
                                 << " bytes); the file is truncated or not safetensors");
   std::string text(n, '\0');
-  in.read(text.data(), static_cast<std::streamsize>(n));
-  DDM_CHECK(in, path << ": cannot read the header (" << std::strerror(errno) << ")");
-  hash.update(text.data(), n);
-  const Header header = parse_header(text.data(), n, size - 8 - n, path);
+  f.in.read(text.data(), static_cast<std::streamsize>(n));
+  DDM_CHECK(f.in, path << ": cannot read the header (" << std::strerror(errno) << ")");
+  if (hash) {
+    hash->update(first8, 8);
+    hash->update(text.data(), n);
+  }
+  f.header_bytes = n;
+  f.header = parse_header(text.data(), n, size - 8 - n, path);
+  return f;
+}
+
+}  // namespace
+
+SafetensorsFile load_safetensors(const std::string& path, std::string& sha256) {
+  Sha256 hash;
+  OpenedFile f = open_safetensors(path, &hash);
   // The entries tile the data buffer (parse_header checks it): read in file order, every byte of
   // the file passes through the hash once, straight into its tensor.
   std::vector<const Entry*> by_offset;
-  for (const auto& e : header.entries) by_offset.push_back(&e);
+  for (const auto& e : f.header.entries) by_offset.push_back(&e);
   std::sort(by_offset.begin(), by_offset.end(), [](const Entry* a, const Entry* b) { return a->begin < b->begin; });
   SafetensorsFile out;
-  out.metadata = header.metadata;
+  out.metadata = f.header.metadata;
   for (const Entry* e : by_offset) {
     torch::Tensor t = empty_for(*e);
-    in.read(static_cast<char*>(t.data_ptr()), static_cast<std::streamsize>(e->end - e->begin));
-    DDM_CHECK(in, path << ": cannot read tensor '" << e->name << "' (" << std::strerror(errno) << ")");
+    f.in.read(static_cast<char*>(t.data_ptr()), static_cast<std::streamsize>(e->end - e->begin));
+    DDM_CHECK(f.in, path << ": cannot read tensor '" << e->name << "' (" << std::strerror(errno) << ")");
     hash.update(t.data_ptr(), e->end - e->begin);
     check_bools(*e, t, path);
     out.tensors[e->name] = t;
@@ -310,24 +331,12 @@ SafetensorsFile load_safetensors(const std::string& path, std::string& sha256) {
 }
 
 SafetensorsFile load_safetensors(const std::string& path, const std::function<bool(const std::string&)>& keep) {
-  std::ifstream in(path, std::ios::binary);
-  DDM_CHECK(in, path << ": cannot open (" << std::strerror(errno) << ")");
-  in.seekg(0, std::ios::end);
-  const uint64_t size = static_cast<uint64_t>(in.tellg());
-  DDM_CHECK(size >= 8, path << ": not a safetensors file: " << size << " bytes, shorter than the 8-byte header length");
-  char first8[8];
-  in.seekg(0);
-  in.read(first8, 8);
-  const uint64_t n = header_length(first8);
-  DDM_CHECK(n <= size - 8, path << ": header length " << n << " goes beyond the file size (" << size
-                                << " bytes); the file is truncated or not safetensors");
-  std::string text(n, '\0');
-  in.read(text.data(), static_cast<std::streamsize>(n));
-  DDM_CHECK(in, path << ": cannot read the header (" << std::strerror(errno) << ")");
-  const Header header = parse_header(text.data(), n, size - 8 - n, path);
+  OpenedFile f = open_safetensors(path, nullptr);
+  std::ifstream& in = f.in;
+  const uint64_t n = f.header_bytes;
   SafetensorsFile out;
-  out.metadata = header.metadata;
-  for (const auto& e : header.entries) {
+  out.metadata = f.header.metadata;
+  for (const auto& e : f.header.entries) {
     if (!keep(e.name)) continue;
     torch::Tensor t = empty_for(e);
     in.seekg(static_cast<std::streamoff>(8 + n + e.begin));
