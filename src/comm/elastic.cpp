@@ -129,11 +129,54 @@ std::vector<int> ElasticGroup::admit_impl(const std::string& round) {
   return plan.joiners;
 }
 
+std::string ElasticGroup::outcome_prefix(const std::string& round) const {
+  return "outcome/" + round + "@" + (round_.empty() ? std::string("job") : round_ + "/" + std::to_string(k_)) + "/";
+}
+
+bool ElasticGroup::completed_everywhere(const std::string& round) {
+  if (members_.size() <= 1) return true;
+  return on_store("confirming a synchronization", [&] { return completed_everywhere_impl(round); });
+}
+
+bool ElasticGroup::completed_everywhere_impl(const std::string& round) {
+  const std::string prefix = outcome_prefix(round);
+  store_->set(prefix + std::to_string(job_rank_), bytes("ok"));
+  std::vector<std::string> keys;
+  for (int g : members_) keys.push_back(prefix + std::to_string(g));
+  // The members complete a collective within moments of each other: poll briefly, then less often.
+  auto deadline = std::chrono::steady_clock::now() + peer_wait_;
+  bool signalled = false;
+  auto pause = std::chrono::milliseconds(1);
+  std::string proposal = "redo";  // if someone stays silent for peer_wait
+  while (!store_->check({prefix + "decided"})) {
+    // Asked to stop (a launcher stopping the job after it lost a worker): wait a second more, not
+    // peer_wait, which could outlast the launcher's grace period; recover() then stops this process.
+    if (!signalled && stop_signal() != 0) {
+      signalled = true;
+      deadline = std::min(deadline, std::chrono::steady_clock::now() + std::chrono::seconds(1));
+    }
+    if (store_->check(keys)) {
+      const auto said = store_->multiGet(keys);
+      const bool all_ok = std::all_of(said.begin(), said.end(), [](const auto& b) { return text(b) == "ok"; });
+      proposal = all_ok ? "commit" : "redo";
+      break;
+    }
+    if (std::chrono::steady_clock::now() >= deadline) break;
+    std::this_thread::sleep_for(pause);
+    pause = std::min(pause * 2, std::chrono::milliseconds(50));
+  }
+  return text(store_->compareSet(prefix + "decided", {}, bytes(proposal))) == "commit";
+}
+
 std::vector<int> ElasticGroup::recover(const std::string& round, const std::string& what, bool admit_joiners) {
   return on_store("regrouping", [&] { return recover_impl(round, what, admit_joiners); });
 }
 
 std::vector<int> ElasticGroup::recover_impl(const std::string& round, const std::string& what, bool admit_joiners) {
+  // Members that completed this round's collectives learn that it failed here, and redo it too.
+  const std::string outcome = outcome_prefix(round);
+  store_->set(outcome + std::to_string(job_rank_), bytes("failed"));
+  store_->compareSet(outcome + "decided", {}, bytes("redo"));
   const int64_t k = round_ == round ? k_ + 1 : 1;
   // The failed group goes first: a survivor still blocked in its collective on this process (the
   // ring's order decides which one learned of the lost replica) then fails at once and comes here

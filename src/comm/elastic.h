@@ -11,6 +11,12 @@
 //                  joiners (with their tokens); the first proposal written wins
 //   alive/<r>/<k>/<g>  job rank g survived the failure of group k-1 and takes part in group k
 //   join/<g>       a restarted process g asks to join (its token); admit/<g>/<token> = "<r>/<k>"
+//   outcome/<r>@<group>/<g>  "ok" or "failed": how round r's collectives ended on member g of the
+//                  current group; outcome/<r>@<group>/decided  "commit" or "redo", the first written
+//                  wins, and "commit" only once every member wrote "ok"
+// A collective can end differently on different members: one that lost a peer fails, while another
+// whose last message from that peer had arrived completes. So a round's result counts only when every
+// member completed it (completed_everywhere); otherwise every member regroups and redoes the round.
 // Before each round a group with missing members proposes itself plus whoever asked to join (no
 // waiting). After a failed collective the survivors register and wait up to `peer_wait` for every
 // missing process (a restarted one counts once it asks to join), then go on with whoever is there.
@@ -59,6 +65,10 @@ class ElasticGroup {
   // (and admitting joiners when `admit_joiners`). Returns the joiners. Throws Fatal if job rank 0 is
   // gone, or if this process came too late and was left out.
   std::vector<int> recover(const std::string& round, const std::string& what, bool admit_joiners);
+  // After this process completed round `round`'s collectives: true when every member completed them
+  // (the result holds everywhere), false when one failed, or did not say so within peer_wait: the
+  // caller then recovers (as the failed one does) and redoes the round in the new group.
+  bool completed_everywhere(const std::string& round);
   // A rejoining process: asks to join and waits up to `wait` to be admitted; returns the round, or
   // "" when the job finished meanwhile (finished() was called).
   std::string join(std::chrono::milliseconds wait);
@@ -76,7 +86,9 @@ class ElasticGroup {
   void adopt(const std::string& round, int64_t k, const Plan& plan);  // builds the plan's group
   std::vector<int> joiners_asking(std::vector<std::string>& tokens);
   std::string get(const std::string& key);
+  std::string outcome_prefix(const std::string& round) const;
   std::vector<int> admit_impl(const std::string& round);
+  bool completed_everywhere_impl(const std::string& round);
   std::vector<int> recover_impl(const std::string& round, const std::string& what, bool admit_joiners);
   std::string join_impl(std::chrono::milliseconds wait);
   // Runs f; a failure of the store itself becomes Fatal (nothing can regroup without it).

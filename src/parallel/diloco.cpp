@@ -193,7 +193,10 @@ void Diloco::finish(int64_t done, bool final_sync, Report& report) {
       }
       group_->comm().wait(work_, what);
       group_->comm().wait(flag_work_, "DiLoCo outer all-reduce (stop flags)");
-      break;
+      // A replica lost mid-way can fail the all-reduce on some survivors and not on others: the
+      // sums are applied only where every member has them, else every member redoes them.
+      if (group_->completed_everywhere(round_name())) break;
+      throw Error("another replica did not complete the " + what);
     } catch (const ElasticGroup::Fatal&) {
       throw;  // rank 0 is gone, or this replica was left out: no new group mends that
     } catch (const Error& e) {
@@ -278,7 +281,8 @@ DilocoReplicas Diloco::gather_replicas(int64_t step, const std::string& mine) {
       if (comm.rank() == 0)
         for (int i = 0; i < comm.world_size(); ++i) r.ranks.push_back(comm.job_rank_of(i));
       r.records = comm.world_size() > 1 ? comm.all_gather_strings(mine) : std::vector<std::string>{mine};
-      return r;
+      if (group_->completed_everywhere("c" + std::to_string(step))) return r;
+      throw Error("another replica did not complete gathering the replicas for the checkpoint");
     } catch (const ElasticGroup::Fatal&) {
       throw;
     } catch (const Error& e) {

@@ -586,6 +586,47 @@ TEST(DistElastic, ARegroupingPeerUnblocksTheSurvivorsStillInTheFailedCollective)
   EXPECT_FALSE(has(blocked, "timed out")) << blocked;
 }
 
+// A collective can end differently on different members (a 3-replica DiLoCo run in CI, 2026-12-02:
+// rank 2 was killed, rank 0 completed the all-reduce and went on, rank 1 failed it and waited to
+// regroup at that round, and the two never met again). A round counts only where every member
+// completed it: here ranks 0 and 1 complete round s2 and rank 2 fails it, so all three redo it; a
+// member that stays silent for peer_wait makes the others redo the round without it.
+TEST(DistElastic, ARoundCountsOnlyWhereEveryMemberCompletedIt) {
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  std::vector<std::string> errors(3);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 3; ++r)
+    threads.emplace_back([&, r] {
+      try {
+        auto job = Comm::create_for_test(store, r, 3, short_timeouts(5000));
+        ElasticGroup g(job, 3, std::chrono::milliseconds(300));
+        auto t = torch::ones({2});
+        g.comm().allreduce_sum(t);
+        EXPECT_TRUE(g.completed_everywhere("s1")) << "rank " << r;
+        if (r < 2) EXPECT_FALSE(g.completed_everywhere("s2")) << "rank " << r;
+        g.recover("s2", "test", false);  // rank 2 at once; ranks 0 and 1 once they learn of it
+        EXPECT_EQ(g.members(), (std::vector<int>{0, 1, 2}));
+        t = torch::ones({2});
+        g.comm().allreduce_sum(t);
+        EXPECT_TRUE(torch::equal(t, torch::full({2}, 3.0f)));
+        EXPECT_TRUE(g.completed_everywhere("s2")) << "rank " << r;
+      } catch (const std::exception& e) {
+        errors[r] = e.what();
+      }
+    });
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(errors, std::vector<std::string>(3, ""));
+
+  const auto left = rank_two_leaves(short_timeouts(5000), [](std::shared_ptr<Comm> job, int) {
+    ElasticGroup g(job, 3, std::chrono::milliseconds(300));
+    EXPECT_FALSE(g.completed_everywhere("s1"));  // rank 2 never says
+    g.recover("s1", "test", false);
+    EXPECT_EQ(g.members(), (std::vector<int>{0, 1}));
+    EXPECT_TRUE(g.completed_everywhere("s1"));
+  });
+  EXPECT_EQ(left, std::vector<std::string>(3, ""));
+}
+
 TEST(DistElastic, LosingRankZeroIsFatal) {
   // Rank 1 waits for rank 0 up to the collective timeout (2 s here) before it gives up. Rank 0
   // leaves after one all-reduce of both: leaving right after its own pairs connected, it could close
