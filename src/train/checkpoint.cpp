@@ -57,6 +57,14 @@ std::optional<std::string> latest_checkpoint(const std::string& run_dir) {
   return all.back();
 }
 
+void Checkpoint::fetch_all() {
+  if (!more) return;
+  TensorMap* parts[] = {&model, &ema, &optim};
+  for (int part = 0; part < 3; ++part)
+    for (auto& [key, t] : more(part)) (*parts[part])[key] = std::move(t);
+  more = nullptr;
+}
+
 std::string write_checkpoint(const std::string& run_dir, const Checkpoint& ckpt, int64_t keep) {
   const fs::path ckdir = fs::path(run_dir) / RunDir::kCheckpoints;
   fs::create_directories(ckdir);
@@ -72,9 +80,12 @@ std::string write_checkpoint(const std::string& run_dir, const Checkpoint& ckpt,
   state["config"] = ckpt.config_toml;
   const std::pair<const char*, const TensorMap*> parts[] = {
       {RunDir::kModel, &ckpt.model}, {RunDir::kEma, &ckpt.ema}, {RunDir::kOptim, &ckpt.optim}};
-  for (const auto& [name, tensors] : parts) {
+  for (int part = 0; part < 3; ++part) {
+    const auto& [name, tensors] = parts[part];
     SafetensorsFile f;
     f.tensors = *tensors;
+    if (ckpt.more)
+      for (auto& [key, t] : ckpt.more(part)) f.tensors[key] = std::move(t);
     f.metadata["format"] = kFormat;
     f.metadata["step"] = std::to_string(ckpt.step);
     state["sha256"][name] = save_safetensors((tmp_dir / name).string(), f);  // streamed: no copy in memory

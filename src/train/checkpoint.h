@@ -4,6 +4,7 @@
 // of each safetensors file, verified on load. A checkpoint is written into a temporary directory,
 // fsynced and renamed, so a crash leaves either the whole checkpoint or none of it.
 #pragma once
+#include <functional>
 #include <map>
 #include <optional>
 #include <string>
@@ -25,6 +26,15 @@ struct Checkpoint {
   TensorMap optim;          // optimizer state (flat tensors)
   nlohmann::json state;     // everything else: data cursor, optimizer step, rng scheme, ...
   std::string state_path;   // where state was read from (for messages)
+  // Optional, for the writer: more tensors of part 0 (model), 1 (ema) or 2 (optim), fetched just
+  // before that part's file is written and let go after it, so only one part's fetched tensors are
+  // in memory at a time (a pipeline's rank 0 gathers the other stages' state so). They replace
+  // entries of the same name. Called once per part, in that order (the other ranks do their side of
+  // the collectives in that same order).
+  std::function<TensorMap(int part)> more;
+  // Fetches every part now (more(0..2) into model, ema, optim) and clears `more`: the whole
+  // checkpoint in memory, for a caller that keeps it rather than writes it.
+  void fetch_all();
 
   // A field of state.json by JSON pointer ("/data_cursor/epoch"), as T. A field that is missing or of
   // another type throws ddm::Error naming state.json and the field.

@@ -184,6 +184,35 @@ TEST(Checkpoint, RoundTripPruneAndCorruption) {
   EXPECT_NE(error_message([&] { resolve_checkpoint(dir / "empty"); }).find("holds no checkpoint"), std::string::npos);
 }
 
+// Parts fetched while writing (Checkpoint::more, a pipeline's rank 0 gathering the other stages):
+// each part's fetched tensors are let go before the next part is fetched, and they land in the
+// right files, replacing the entries of the same name.
+TEST(Checkpoint, PartsFetchedWhileWritingAreHeldOneAtATime) {
+  test::TempDir dir;
+  Checkpoint ck;
+  ck.step = 5;
+  ck.model = {{"a", torch::zeros({0})}, {"own", torch::ones({2})}};  // "a" belongs to another stage
+  std::vector<int> order;
+  std::vector<bool> previous_alive;
+  c10::weak_intrusive_ptr<c10::TensorImpl> last(c10::intrusive_ptr<c10::TensorImpl>{});
+  ck.more = [&](int part) {
+    order.push_back(part);
+    previous_alive.push_back(!last.expired());
+    torch::Tensor t = torch::full({3}, static_cast<float>(part + 1));
+    last = c10::weak_intrusive_ptr<c10::TensorImpl>(t.getIntrusivePtr());
+    return TensorMap{{part == 2 ? "exp_avg.a" : "a", t}};
+  };
+  const std::string path = write_checkpoint(dir.path, ck, 1);
+  EXPECT_EQ(order, (std::vector<int>{0, 1, 2}));
+  EXPECT_EQ(previous_alive, (std::vector<bool>{false, false, false}));
+  EXPECT_TRUE(last.expired());
+  const Checkpoint back = read_checkpoint(path);
+  EXPECT_TRUE(torch::equal(back.model.at("a"), torch::full({3}, 1.0f)));
+  EXPECT_TRUE(torch::equal(back.model.at("own"), torch::ones({2})));
+  EXPECT_TRUE(torch::equal(back.ema.at("a"), torch::full({3}, 2.0f)));
+  EXPECT_TRUE(torch::equal(back.optim.at("exp_avg.a"), torch::full({3}, 3.0f)));
+}
+
 // A checksum only proves the file is what was written: weights that are NaN or inf are refused by
 // name, not sampled into a black grid.
 TEST(ModuleState, NonFiniteWeightsAreAClearError) {
