@@ -14,6 +14,10 @@ namespace ddm {
 struct SafetensorsFile {
   std::map<std::string, torch::Tensor> tensors;       // contiguous CPU tensors
   std::map<std::string, std::string> metadata;        // the optional "__metadata__" table
+  // Writing only: a tensor on the meta device is a placeholder (its shape and dtype go into the
+  // header); its data is fetched by name just before it is written, and let go after, so a file
+  // of tensors held elsewhere (another pipeline stage's) costs one tensor's memory.
+  std::function<torch::Tensor(const std::string& name)> fetch;
 };
 
 // Serializes to bytes (tensors are moved to CPU and made contiguous). Supported dtypes:

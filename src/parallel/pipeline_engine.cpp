@@ -103,29 +103,32 @@ class PipelineEngine : public Engine {
   int agree_stop(int64_t, int64_t, int signal) override { return agree_on_stop(*comm_, signal); }
 
   std::vector<std::string> contribute(Checkpoint& ck, int64_t, const std::string& mine_record) override {
-    // The data positions first, then every stage's parameters' state, assembled by name on rank 0
-    // one part at a time (parameters, EMA, moments): rank 0 fetches each just before it writes it
-    // (Checkpoint::more), so it holds one part of the other stages' state at a time, not all
-    // four copies (SD 2.1's UNet as 2 stages: 1.7 GB at a time, not 6.9 GB). Every replica holds
-    // the same, so replica 0's pipeline alone assembles.
+    // The data positions first; then rank 0 writes every stage's parameters' state by name while
+    // the other stages send theirs, a tensor at a time as the writer reaches it (Checkpoint::fetch):
+    // parameters, EMA, moments, in that order on every stage. Rank 0 holds no more of the other
+    // stages' state than one tensor. Every replica holds the same, so replica 0's pipeline alone
+    // takes part.
     std::vector<std::string> records =
         comm_->world_size() > 1 ? comm_->all_gather_strings(mine_record) : std::vector<std::string>{mine_record};
-    auto part = [this](int p) {
-      const FlatAdamW& o = pipe_->optim();
-      if (p == 0) return pipe_->assemble(o.named_params(), "");
-      if (p == 1) return pipe_->assemble(o.named_ema(), "");
-      const TensorMap mine = o.optimizer_state();
-      TensorMap moments = pipe_->assemble(mine, "exp_avg.");
-      moments.merge(pipe_->assemble(mine, "exp_avg_sq."));
-      return moments;
-    };
+    const FlatAdamW& o = pipe_->optim();
+    const TensorMap moments = o.optimizer_state();
     if (layout_.rank != 0) {
-      if (layout_.replica == 0)
-        for (int p = 0; p < 3; ++p) part(p);  // this stage's side of rank 0's gathering, in its order
+      if (layout_.replica == 0) {
+        pipe_->send_own(o.named_params(), {""}, 0);
+        pipe_->send_own(o.named_ema(), {""}, 1);
+        pipe_->send_own(moments, {"exp_avg.", "exp_avg_sq."}, 2);
+      }
       return records;
     }
-    ck.model = module_state(*net_);  // the other stages' parameters come with part 0, current
-    ck.more = part;
+    ck.model = module_state(*net_);
+    for (auto& [name, t] : pipe_->gather_view(o.named_params(), "")) ck.model[name] = t;
+    ck.ema = pipe_->gather_view(o.named_ema(), "");
+    ck.optim = pipe_->gather_view(moments, "exp_avg.");
+    ck.optim.merge(pipe_->gather_view(moments, "exp_avg_sq."));
+    ck.fetch = [this](int part, const std::string& name) {
+      if (part < 2) return pipe_->fetch(name, "", part);
+      return name.rfind("exp_avg_sq.", 0) == 0 ? pipe_->fetch(name, "exp_avg_sq.", 3) : pipe_->fetch(name, "exp_avg.", 2);
+    };
     ck.state["pipeline"] = {{"stages", pipe_->stages()},
                             {"processes", layout_.pp},
                             {"schedule", name_of(cfg_.parallel.schedule)},

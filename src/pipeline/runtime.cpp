@@ -110,6 +110,7 @@ PipeStep::PipeStep(const RunConfig& cfg, Net net, std::shared_ptr<Objective> obj
   for (const auto& p : net_->named_parameters()) {
     if (!p.value().requires_grad()) continue;
     name_of[p.value().unsafeGetTensorImpl()] = p.key();
+    index_of_[p.key()] = all_names_.size();
     all_names_.push_back(p.key());
     all_shapes_.push_back(p.value().sizes().vec());
     all_impls.push_back(p.value().unsafeGetTensorImpl());
@@ -144,7 +145,7 @@ PipeStep::PipeStep(const RunConfig& cfg, Net net, std::shared_ptr<Objective> obj
     DDM_CHECK(it != mine.end(), "parameter " << name_of[p.unsafeGetTensorImpl()] << " belongs to no unit of the model");
     if (!it->second) {
       // Another stage's: no gradient, no optimizer state, and no weights here (they come and go by
-      // name through assemble / share), so a stage holds its share of the model, not the whole.
+      // name through gather_view / send_own / share), so a stage holds its share of the model, not the whole.
       p.set_requires_grad(false);
       p.set_data(torch::empty({0}, p.options()));
     }
@@ -319,34 +320,52 @@ std::string PipeStep::last_step_json() const {
   return timeline_rank_json(r);
 }
 
-TensorMap PipeStep::assemble(const TensorMap& mine, const std::string& prefix) {
-  // Point to point, one message per parameter: each stage sends its own to rank 0, which alone
-  // holds the whole (the checkpoint's writer). An all-reduce of zero-padded copies held the whole
-  // model's state on every stage at once, which ran a 2-stage ControlNet out of memory.
-  torch::NoGradGuard no_grad;
+TensorMap PipeStep::gather_view(const TensorMap& mine, const std::string& prefix) const {
+  // Point to point, one message per parameter, received only as the writer reaches it: an
+  // all-reduce of zero-padded copies held the whole model's state on every stage at once (a
+  // 2-stage ControlNet ran out of memory), and receiving a whole part held it on rank 0 (SD 2.1's).
   TensorMap out;
-  std::vector<torch::Tensor> held;  // host copies being sent (a Gloo send needs its tensor alive)
-  std::vector<c10::intrusive_ptr<c10d::Work>> works;
   for (size_t i = 0; i < all_names_.size(); ++i) {
     const std::string name = prefix + all_names_[i];
-    const int owner = all_owners_[i], tag = static_cast<int>(i);
-    if (owner == comm_->rank()) {
+    if (all_owners_[i] == comm_->rank()) {
       auto it = mine.find(name);
       DDM_CHECK(it != mine.end(), "pipeline: stage tensor '" << name << "' is missing from this stage's state");
-      if (comm_->rank() == 0) {
-        out[name] = it->second;
-      } else {
-        held.push_back(it->second.detach().to(torch::kCPU).contiguous());
-        works.push_back(comm_->send_async(held.back(), 0, tag));
-      }
-    } else if (comm_->rank() == 0) {
-      torch::Tensor t = torch::empty(all_shapes_[i], torch::kFloat);
-      works.push_back(comm_->recv_async(t, owner, tag));
-      out[name] = t;
+      out[name] = it->second;
+    } else {
+      out[name] = torch::empty(all_shapes_[i], torch::TensorOptions().dtype(torch::kFloat).device(torch::kMeta));
+    }
+  }
+  return out;
+}
+
+torch::Tensor PipeStep::fetch(const std::string& name, const std::string& prefix, int slot) {
+  torch::NoGradGuard no_grad;
+  auto it = name.rfind(prefix, 0) == 0 ? index_of_.find(name.substr(prefix.size())) : index_of_.end();
+  DDM_CHECK(it != index_of_.end(), "pipeline: no parameter '" << name << "' to gather");
+  const size_t i = it->second;
+  torch::Tensor t = torch::empty(all_shapes_[i], torch::kFloat);
+  comm_->wait(comm_->recv_async(t, all_owners_[i], slot * static_cast<int>(all_names_.size()) + static_cast<int>(i)),
+              "assembling the stages' state for a checkpoint");
+  return t;
+}
+
+void PipeStep::send_own(const TensorMap& mine, const std::vector<std::string>& prefixes, int first_slot) {
+  torch::NoGradGuard no_grad;
+  std::vector<torch::Tensor> held;  // host copies being sent (a Gloo send needs its tensor alive)
+  std::vector<c10::intrusive_ptr<c10d::Work>> works;
+  for (size_t k = 0; k < prefixes.size(); ++k) {
+    const int slot = first_slot + static_cast<int>(k);
+    DDM_CHECK(slot >= 0 && slot < kSlots, "pipeline: gathering slot " << slot << " out of range");
+    for (size_t i = 0; i < all_names_.size(); ++i) {
+      if (all_owners_[i] != comm_->rank()) continue;
+      const std::string name = prefixes[k] + all_names_[i];
+      auto it = mine.find(name);
+      DDM_CHECK(it != mine.end(), "pipeline: stage tensor '" << name << "' is missing from this stage's state");
+      held.push_back(it->second.detach().to(torch::kCPU, torch::kFloat).contiguous());
+      works.push_back(comm_->send_async(held.back(), 0, slot * static_cast<int>(all_names_.size()) + static_cast<int>(i)));
     }
   }
   for (const auto& w : works) comm_->wait(w, "assembling the stages' state for a checkpoint");
-  return out;
 }
 
 TensorMap PipeStep::share(const TensorMap& whole, const std::string& prefix, const std::string& origin) {

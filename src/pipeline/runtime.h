@@ -39,7 +39,7 @@
 //
 // Every stage builds the whole model alike (same seed); the parameters of the other stages are
 // frozen here, so this stage's optimizer holds its own alone. Checkpoints hold every parameter by
-// name, assembled from the stages (assemble / share), so a run resumes under another split or as one
+// name, assembled from the stages (gather_view / send_own / share), so a run resumes under another split or as one
 // process, and `ddm sample` loads it like any other. The next step's prepared rows are not part of a
 // checkpoint: a resumed run prepares them again, alike.
 //
@@ -152,10 +152,16 @@ class PipeStep {
   // has arrived: waiting for a receive is idle time.
   std::string last_step_json() const;
 
-  // Every trainable parameter of the whole model by name ("<prefix><name>"), from each stage's `mine`
-  // (its own parameters' tensors, e.g. optim().named_params()), sent point to point to rank 0 of
-  // the pipeline, which returns the whole; the other ranks return an empty map (a collective).
-  TensorMap assemble(const TensorMap& mine, const std::string& prefix);
+  // Every trainable parameter of the whole model by name ("<prefix><name>"), for rank 0 of the
+  // pipeline to write, a tensor at a time: its own from `mine` (this stage's tensors, e.g.
+  // optim().named_params()), the other stages' as placeholders on the meta device that fetch()
+  // receives, one at a time in any order, while the owners run send_own with the same prefix and
+  // slot. `slot` (0..kSlots-1) tells the tensors of one gathering from another's on the wire;
+  // send_own sends prefixes[k] in slot first_slot + k, all before it waits for any.
+  static constexpr int kSlots = 4;
+  TensorMap gather_view(const TensorMap& mine, const std::string& prefix) const;
+  torch::Tensor fetch(const std::string& name, const std::string& prefix, int slot);
+  void send_own(const TensorMap& mine, const std::vector<std::string>& prefixes, int first_slot);
   // The reverse for loading: stage 0's `whole` (every trainable parameter, "<prefix><name>") is
   // checked there, and each rank receives only its own stages' parameters; the others pass an
   // empty map. No rank holds more of the model's state than its stages' share (and rank 0 `whole`).
@@ -207,6 +213,7 @@ class PipeStep {
   std::vector<std::string> all_names_;   // every trainable parameter of the whole model, in order
   std::vector<std::vector<int64_t>> all_shapes_;
   std::vector<int> all_owners_;          // the rank (in this pipeline) whose stage trains each one
+  std::map<std::string, size_t> index_of_;  // all_names_' positions
   std::unique_ptr<FlatAdamW> optim_;
   double scale_ = 1, loss_sum_ = 0;
   StepTimes times_;

@@ -58,11 +58,12 @@ std::optional<std::string> latest_checkpoint(const std::string& run_dir) {
 }
 
 void Checkpoint::fetch_all() {
-  if (!more) return;
+  if (!fetch) return;
   TensorMap* parts[] = {&model, &ema, &optim};
   for (int part = 0; part < 3; ++part)
-    for (auto& [key, t] : more(part)) (*parts[part])[key] = std::move(t);
-  more = nullptr;
+    for (auto& [name, t] : *parts[part])
+      if (t.is_meta()) t = fetch(part, name);
+  fetch = nullptr;
 }
 
 std::string write_checkpoint(const std::string& run_dir, const Checkpoint& ckpt, int64_t keep) {
@@ -84,8 +85,7 @@ std::string write_checkpoint(const std::string& run_dir, const Checkpoint& ckpt,
     const auto& [name, tensors] = parts[part];
     SafetensorsFile f;
     f.tensors = *tensors;
-    if (ckpt.more)
-      for (auto& [key, t] : ckpt.more(part)) f.tensors[key] = std::move(t);
+    if (ckpt.fetch) f.fetch = [&ckpt, part](const std::string& key) { return ckpt.fetch(part, key); };
     f.metadata["format"] = kFormat;
     f.metadata["step"] = std::to_string(ckpt.step);
     state["sha256"][name] = save_safetensors((tmp_dir / name).string(), f);  // streamed: no copy in memory

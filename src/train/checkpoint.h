@@ -26,14 +26,13 @@ struct Checkpoint {
   TensorMap optim;          // optimizer state (flat tensors)
   nlohmann::json state;     // everything else: data cursor, optimizer step, rng scheme, ...
   std::string state_path;   // where state was read from (for messages)
-  // Optional, for the writer: more tensors of part 0 (model), 1 (ema) or 2 (optim), fetched just
-  // before that part's file is written and let go after it, so only one part's fetched tensors are
-  // in memory at a time (a pipeline's rank 0 gathers the other stages' state so). They replace
-  // entries of the same name. Called once per part, in that order (the other ranks do their side of
-  // the collectives in that same order).
-  std::function<TensorMap(int part)> more;
-  // Fetches every part now (more(0..2) into model, ema, optim) and clears `more`: the whole
-  // checkpoint in memory, for a caller that keeps it rather than writes it.
+  // For the writer: a tensor of model / ema / optim (part 0 / 1 / 2) on the meta device is held
+  // elsewhere; fetch(part, name) brings it just before it is written and it is let go after, so
+  // the writer holds one such tensor at a time (a pipeline's rank 0 gathers the other stages' state
+  // so). Parts are written in that order, each in its names' order (the senders need not follow it).
+  std::function<torch::Tensor(int part, const std::string& name)> fetch;
+  // Fetches every placeholder now and clears `fetch`: the whole checkpoint in memory, for a caller
+  // that keeps it rather than writes it.
   void fetch_all();
 
   // A field of state.json by JSON pointer ("/data_cursor/epoch"), as T. A field that is missing or of

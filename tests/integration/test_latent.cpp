@@ -245,7 +245,27 @@ TEST_F(Latent, ExpertsOnOneAutoencoderMakeAnEnsembleThatSamplesImagesAndDistills
   r = test::run_ddm("sample --ensemble " + path("ens") + " --n 4 --steps 2 --threads 1 --out " + path("g.png") +
                     " --raw " + path("g.safetensors"));
   ASSERT_EQ(r.exit_code, 0) << r.output;
-  EXPECT_EQ(load_safetensors(path("g.safetensors")).tensors.at("samples").sizes(), (std::vector<int64_t>{4, 1, 28, 28}));
+  const SafetensorsFile seeded = load_safetensors(path("g.safetensors"));
+  EXPECT_EQ(seeded.tensors.at("samples").sizes(), (std::vector<int64_t>{4, 1, 28, 28}));
+  // --init-noise: an ensemble starts from the given latents, whatever the seed (the routed experts
+  // and the router see them as they would the seeded draw); a file of pixel shape is refused.
+  SafetensorsFile noise;
+  noise.tensors["noise"] = torch::randn(seeded.tensors.at("latents").sizes(), torch::TensorOptions().dtype(torch::kFloat));
+  save_safetensors(path("noise.safetensors"), noise);
+  const std::string from_noise = "sample --ensemble " + path("ens") + " --n 4 --steps 2 --threads 1 --init-noise " +
+                                 path("noise.safetensors") + " --out " + path("n.png");
+  for (const char* seed : {"1", "2"}) {
+    r = test::run_ddm(from_noise + " --seed " + seed + " --raw " + path(std::string("n") + seed + ".safetensors"));
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+  }
+  const auto n1 = load_safetensors(path("n1.safetensors")).tensors, n2 = load_safetensors(path("n2.safetensors")).tensors;
+  EXPECT_TRUE(torch::equal(n1.at("latents"), n2.at("latents")));
+  EXPECT_FALSE(torch::equal(n1.at("latents"), seeded.tensors.at("latents")));
+  noise.tensors["noise"] = torch::zeros({4, 1, 28, 28});
+  save_safetensors(path("pixels.safetensors"), noise);
+  expect_error(test::run_ddm("sample --ensemble " + path("ens") + " --n 4 --steps 2 --init-noise " +
+                             path("pixels.safetensors") + " --out " + path("p.png")),
+               "--init-noise " + path("pixels.safetensors"));
   // The oracle router knows the training data as the experts learned it: encoded.
   r = test::run_ddm("sample --ensemble " + path("ens") + " --routing oracle --n 4 --steps 2 --threads 1 --out " +
                     path("o.png"));

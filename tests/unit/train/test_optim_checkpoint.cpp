@@ -184,33 +184,42 @@ TEST(Checkpoint, RoundTripPruneAndCorruption) {
   EXPECT_NE(error_message([&] { resolve_checkpoint(dir / "empty"); }).find("holds no checkpoint"), std::string::npos);
 }
 
-// Parts fetched while writing (Checkpoint::more, a pipeline's rank 0 gathering the other stages):
-// each part's fetched tensors are let go before the next part is fetched, and they land in the
-// right files, replacing the entries of the same name.
-TEST(Checkpoint, PartsFetchedWhileWritingAreHeldOneAtATime) {
+// Tensors held elsewhere (Checkpoint::fetch, a pipeline's rank 0 gathering the other stages): the
+// writer fetches each placeholder just before writing it and lets it go before the next, part by
+// part (model, ema, optim), and each lands in its file, replacing nothing of the writer's own.
+TEST(Checkpoint, PlaceholdersAreFetchedOneTensorAtATime) {
   test::TempDir dir;
   Checkpoint ck;
   ck.step = 5;
-  ck.model = {{"a", torch::zeros({0})}, {"own", torch::ones({2})}};  // "a" belongs to another stage
-  std::vector<int> order;
-  std::vector<bool> previous_alive;
+  auto meta = [](int64_t n) { return torch::empty({n}, torch::TensorOptions().device(torch::kMeta)); };
+  ck.model = {{"a", meta(3)}, {"b", meta(2)}, {"own", torch::ones({2})}};
+  ck.ema = {{"a", meta(3)}};
+  ck.optim = {{"exp_avg.a", meta(3)}};
+  std::vector<std::string> order;
+  int alive_at_fetch = 0;  // fetched tensors still held when the next one is fetched
   c10::weak_intrusive_ptr<c10::TensorImpl> last(c10::intrusive_ptr<c10::TensorImpl>{});
-  ck.more = [&](int part) {
-    order.push_back(part);
-    previous_alive.push_back(!last.expired());
-    torch::Tensor t = torch::full({3}, static_cast<float>(part + 1));
+  ck.fetch = [&](int part, const std::string& name) {
+    order.push_back(std::to_string(part) + name);
+    alive_at_fetch += last.expired() ? 0 : 1;
+    torch::Tensor t = torch::full({name == "b" ? 2 : 3}, static_cast<float>(part + 1));
     last = c10::weak_intrusive_ptr<c10::TensorImpl>(t.getIntrusivePtr());
-    return TensorMap{{part == 2 ? "exp_avg.a" : "a", t}};
+    return t;
   };
   const std::string path = write_checkpoint(dir.path, ck, 1);
-  EXPECT_EQ(order, (std::vector<int>{0, 1, 2}));
-  EXPECT_EQ(previous_alive, (std::vector<bool>{false, false, false}));
+  EXPECT_EQ(order, (std::vector<std::string>{"0a", "0b", "1a", "2exp_avg.a"}));
+  EXPECT_EQ(alive_at_fetch, 0);
   EXPECT_TRUE(last.expired());
   const Checkpoint back = read_checkpoint(path);
   EXPECT_TRUE(torch::equal(back.model.at("a"), torch::full({3}, 1.0f)));
+  EXPECT_TRUE(torch::equal(back.model.at("b"), torch::full({2}, 1.0f)));
   EXPECT_TRUE(torch::equal(back.model.at("own"), torch::ones({2})));
   EXPECT_TRUE(torch::equal(back.ema.at("a"), torch::full({3}, 2.0f)));
   EXPECT_TRUE(torch::equal(back.optim.at("exp_avg.a"), torch::full({3}, 3.0f)));
+  // A fetched tensor that is not what the header promised is an error, and nothing is written.
+  ck.step = 6;
+  ck.fetch = [](int, const std::string&) { return torch::zeros({7}); };
+  EXPECT_NE(error_message([&] { write_checkpoint(dir.path, ck, 1); }).find("but the header says"), std::string::npos);
+  EXPECT_EQ(list_checkpoints(dir.path).size(), 1u);
 }
 
 // A checksum only proves the file is what was written: weights that are NaN or inf are refused by
