@@ -108,4 +108,7 @@ int run_quickstart_islands(const std::string& out, const std::string& experts_co
                            int64_t router_steps, int64_t threads, const std::string& device,
                            int64_t concurrency);
 
+// `ddm --version`'s text (apps/version_cli.cpp): ddm, its commit, LibTorch, CUDA, the GPUs seen.
+std::string version_text();
+
 }  // namespace ddm

@@ -9,11 +9,13 @@
 //   shards write, encode                                  apps/shards_cli.cpp
 //   text tokenize                                         apps/text_cli.cpp
 //   export                                                apps/export_cli.cpp
+//   --version                                             apps/version_cli.cpp
 // Exit status: 0; 1 for an error; 2 (kExitBadInput, core/error.h) when the command line or the
 // config was refused before anything ran (running it again unchanged fails the same way); 128 + the
 // signal for a run stopped by SIGINT / SIGTERM.
 #include <CLI/CLI.hpp>
 
+#include <algorithm>
 #include <csignal>
 #include <exception>
 #include <iostream>
@@ -24,6 +26,7 @@
 #include "comm/env.h"
 #include "core/error.h"
 #include "core/runtime.h"
+#include "core/suggest.h"
 #include "core/version.h"
 #include "sample_cli.h"
 
@@ -33,7 +36,7 @@ int run(int argc, char** argv) {
   using namespace ddm;
   CLI::App app{"ddm: decentralized diffusion models. Train diffusion models, sample them, and train "
                "expert ensembles across independent compute islands."};
-  app.set_version_flag("--version", std::string("ddm ") + version());
+  app.set_version_flag("--version", [] { return version_text(); }, "print ddm's version and commit, LibTorch's, CUDA's, the GPUs seen, and exit");
   app.require_subcommand(1);
   // In the order `ddm --help` lists them.
   std::vector<Command> commands{add_train_command(app),       add_sample_command(app),
@@ -47,6 +50,14 @@ int run(int argc, char** argv) {
   commands.push_back(add_text_command(app));
   commands.push_back(add_export_command(app));
   commands.push_back(add_presets_command(app));
+  // A mistyped subcommand: named, with the nearest one, before CLI11's "arguments were not expected".
+  if (argc > 1 && argv[1][0] != '-') {
+    std::vector<std::string> names;
+    for (const CLI::App* sub : app.get_subcommands([](const CLI::App*) { return true; })) names.push_back(sub->get_name());
+    if (std::find(names.begin(), names.end(), argv[1]) == names.end())
+      throw InputError(std::string("'") + argv[1] + "' is not a ddm command" + did_you_mean(argv[1], names) +
+                       "; `ddm --help` lists them");
+  }
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {  // --help and --version exit 0; a command line it cannot parse, 2

@@ -3,6 +3,7 @@
 // disagree.
 #include "core/config.h"
 
+#include <algorithm>
 #include <cmath>
 #include <functional>
 #include <set>
@@ -13,6 +14,7 @@
 #include "core/device.h"
 #include "core/error.h"
 #include "core/fileio.h"
+#include "core/suggest.h"
 #include "core/presets.h"
 
 namespace ddm {
@@ -326,6 +328,27 @@ std::string name_of(WireFormat w) { return enum_name(w); }
 std::string name_of(Precision p) { return enum_name(p); }
 std::string name_of(CommBackend b) { return enum_name(b); }
 
+std::string unknown_key_message(const std::string& key) {
+  // The nearest key if it looks like a typo, then the keys of its section (or the sections): not
+  // all of them, which is a wall of a hundred names.
+  const std::vector<std::string> keys = config_keys();
+  std::ostringstream m;
+  m << "unknown config key '" << key << "'" << did_you_mean(key, keys) << ". ";
+  const std::string section = key.substr(0, key.find('.'));
+  std::vector<std::string> in_section, sections;
+  for (const std::string& k : keys) {
+    const std::string s = k.substr(0, k.find('.'));
+    if (s == section) in_section.push_back(k);
+    if (std::find(sections.begin(), sections.end(), s) == sections.end()) sections.push_back(s);
+  }
+  if (!in_section.empty())
+    m << "The keys of [" << section << "]: " << join(in_section, ", ");
+  else
+    m << "The sections: " << join(sections, ", ");
+  m << " (`ddm train --help` lists every key)";
+  return m.str();
+}
+
 std::vector<std::string> config_keys() {
   RunConfig c;
   std::vector<std::string> keys;
@@ -364,8 +387,7 @@ RunConfig parse_config_text(const std::string& toml_text, const std::string& ori
   std::map<std::string, const Field*> by_key;
   for (const Field& f : fs) by_key[f.key] = &f;
   for (const Entry& e : entries)
-    DDM_CHECK(by_key.count(e.key), e.where << ": unknown config key '" << e.key << "'. Valid keys: "
-                                           << join(config_keys(), ", "));
+    if (!by_key.count(e.key)) DDM_FAIL(e.where << ": " << unknown_key_message(e.key));
 
   // The preset is applied first so that explicit model keys override it.
   for (const Entry& e : entries)

@@ -280,5 +280,7 @@ std::string first_difference(const std::string& a, const std::string& b, const s
 
 // All valid keys, "section.key", for help and error messages.
 std::vector<std::string> config_keys();
+// "unknown config key 'K' (did you mean ...?). The keys of [section]: ..."
+std::string unknown_key_message(const std::string& key);
 
 }  // namespace ddm

@@ -71,6 +71,15 @@ TEST(Cli, HelpForEverySubcommand) {
   auto r = test::run_ddm("presets");
   EXPECT_EQ(r.exit_code, 0);
   EXPECT_NE(r.output.find("dit-tiny"), std::string::npos) << r.output;
+  // A mistyped subcommand: refused as bad input (exit 2), with the nearest one.
+  r = test::run_ddm("trian --config x.toml");
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("'trian' is not a ddm command (did you mean 'train'?)"), std::string::npos) << r.output;
+  // --version: what a bug report needs.
+  r = test::run_ddm("--version");
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  for (const char* line : {"ddm 0.", "(commit ", "LibTorch 2.11", "ddm's CUDA kernels: CUDA 13", "CUDA GPUs LibTorch sees: "})
+    EXPECT_NE(r.output.find(line), std::string::npos) << line << "\n" << r.output;
 }
 
 TEST(Cli, BadConfigInputs) {

@@ -5,6 +5,7 @@
 #include <filesystem>
 
 #include "core/config.h"
+#include "core/suggest.h"
 #include "core/error.h"
 #include "core/presets.h"
 #include "decentral/islands.h"
@@ -50,6 +51,29 @@ TEST(Config, UnknownKeyIsAnErrorNamingKeyAndFile) {
   EXPECT_NE(e.find("unknown config key 'train.stepz'"), std::string::npos) << e;
   EXPECT_NE(e.find("test.toml"), std::string::npos) << e;
   EXPECT_NE(error_of("", {"nosuch.key=1"}).find("nosuch.key"), std::string::npos);
+  // A typo gets the nearest key and the keys of its section, not all hundred of them; an unknown
+  // section gets the sections.
+  EXPECT_NE(e.find("(did you mean 'train.steps'?)"), std::string::npos) << e;
+  EXPECT_NE(e.find("The keys of [train]: "), std::string::npos) << e;
+  EXPECT_EQ(e.find("model.preset"), std::string::npos) << e;
+  const std::string swapped = error_of("", {"train.batch_szie=4"});
+  EXPECT_NE(swapped.find("did you mean 'train.batch_size'"), std::string::npos) << swapped;
+  const std::string far = error_of("", {"nosuch.key=1"});
+  EXPECT_EQ(far.find("did you mean"), std::string::npos) << far;
+  EXPECT_NE(far.find("The sections: "), std::string::npos) << far;
+  EXPECT_NE(far.find("train"), std::string::npos) << far;
+}
+
+TEST(Suggest, TheNearestNameWithinATypoOrNone) {
+  const std::vector<std::string> names{"train", "train-autoencoder", "sample", "shards", "plan"};
+  EXPECT_EQ(nearest_name("trian", names), "train");    // two neighbours swapped: one edit
+  EXPECT_EQ(nearest_name("smaple", names), "sample");
+  EXPECT_EQ(nearest_name("shard", names), "shards");   // one deleted
+  EXPECT_EQ(nearest_name("plna", names), "plan");
+  EXPECT_EQ(nearest_name("xyz", names), "");           // nothing within a third of its length
+  EXPECT_EQ(nearest_name("evaluate", names), "");
+  EXPECT_EQ(did_you_mean("trian", names), " (did you mean 'train'?)");
+  EXPECT_EQ(did_you_mean("xyz", names), "");
 }
 
 TEST(Config, IllTypedValues) {

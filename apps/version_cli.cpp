@@ -1,0 +1,24 @@
+// `ddm --version`: ddm's version and commit, the LibTorch it runs on, the CUDA toolkit and GPU
+// architectures its own kernels were built for, and the CUDA GPUs LibTorch sees now (what a bug
+// report needs, as `python -c "import torch; print(torch.__version__)"` gives PyTorch's users).
+#include <torch/cuda.h>
+#include <torch/version.h>
+
+#include <string>
+
+#include "cli_util.h"
+#include "core/version.h"
+#include "ddm_commit.h"
+
+namespace ddm {
+
+std::string version_text() {
+  std::string s = std::string("ddm ") + version() + " (commit " + DDM_COMMIT + ")\n";
+  s += std::string("LibTorch ") + TORCH_VERSION + "\n";
+  s += std::string("ddm's CUDA kernels: CUDA ") + DDM_CUDA_TOOLKIT + ", compute capability " + DDM_CUDA_ARCHS + "\n";
+  const int64_t gpus = static_cast<int64_t>(torch::cuda::device_count());
+  s += "CUDA GPUs LibTorch sees: " + std::to_string(gpus);
+  return s;
+}
+
+}  // namespace ddm
