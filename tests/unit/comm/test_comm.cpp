@@ -519,26 +519,32 @@ TEST(DistElastic, SurvivorsRegroupAndALeaverRejoins) {
 
 namespace {
 
-// Ranks 0..2 as threads on one HashStore; once every connection is up (one all-reduce of the job),
-// rank 2 leaves (its Comm and connections go with it) and ranks 0 and 1 run `survivor` on the job's
-// Comm. Returns each rank's error, "" for none.
-std::vector<std::string> rank_two_leaves(const CommOptions& o, const std::function<void(std::shared_ptr<Comm>, int)>& survivor) {
+// Ranks 0..2 as threads on one HashStore, each running `body` on its job's Comm. Returns each
+// rank's error, "" for none.
+std::vector<std::string> three_ranks(const CommOptions& o, const std::function<void(std::shared_ptr<Comm>, int)>& body) {
   auto store = c10::make_intrusive<c10d::HashStore>();
   std::vector<std::string> errors(3);
   std::vector<std::thread> threads;
   for (int r = 0; r < 3; ++r)
     threads.emplace_back([&, r] {
       try {
-        auto job = Comm::create_for_test(store, r, 3, o);
-        auto all = torch::ones({1});
-        job->allreduce_sum(all);
-        if (r < 2) survivor(job, r);
+        body(Comm::create_for_test(store, r, 3, o), r);
       } catch (const std::exception& e) {
         errors[r] = e.what();
       }
     });
   for (auto& t : threads) t.join();
   return errors;
+}
+
+// Once every connection is up (one all-reduce of the job), rank 2 leaves (its Comm and connections
+// go with it) and ranks 0 and 1 run `survivor` on the job's Comm.
+std::vector<std::string> rank_two_leaves(const CommOptions& o, const std::function<void(std::shared_ptr<Comm>, int)>& survivor) {
+  return three_ranks(o, [&](std::shared_ptr<Comm> job, int r) {
+    auto all = torch::ones({1});
+    job->allreduce_sum(all);
+    if (r < 2) survivor(job, r);
+  });
 }
 
 }  // namespace
@@ -592,29 +598,19 @@ TEST(DistElastic, ARegroupingPeerUnblocksTheSurvivorsStillInTheFailedCollective)
 // completed it: here ranks 0 and 1 complete round s2 and rank 2 fails it, so all three redo it; a
 // member that stays silent for peer_wait makes the others redo the round without it.
 TEST(DistElastic, ARoundCountsOnlyWhereEveryMemberCompletedIt) {
-  auto store = c10::make_intrusive<c10d::HashStore>();
-  std::vector<std::string> errors(3);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < 3; ++r)
-    threads.emplace_back([&, r] {
-      try {
-        auto job = Comm::create_for_test(store, r, 3, short_timeouts(5000));
-        ElasticGroup g(job, 3, std::chrono::milliseconds(300));
-        auto t = torch::ones({2});
-        g.comm().allreduce_sum(t);
-        EXPECT_TRUE(g.completed_everywhere("s1")) << "rank " << r;
-        if (r < 2) EXPECT_FALSE(g.completed_everywhere("s2")) << "rank " << r;
-        g.recover("s2", "test", false);  // rank 2 at once; ranks 0 and 1 once they learn of it
-        EXPECT_EQ(g.members(), (std::vector<int>{0, 1, 2}));
-        t = torch::ones({2});
-        g.comm().allreduce_sum(t);
-        EXPECT_TRUE(torch::equal(t, torch::full({2}, 3.0f)));
-        EXPECT_TRUE(g.completed_everywhere("s2")) << "rank " << r;
-      } catch (const std::exception& e) {
-        errors[r] = e.what();
-      }
-    });
-  for (auto& t : threads) t.join();
+  const auto errors = three_ranks(short_timeouts(5000), [](std::shared_ptr<Comm> job, int r) {
+    ElasticGroup g(job, 3, std::chrono::milliseconds(300));
+    auto t = torch::ones({2});
+    g.comm().allreduce_sum(t);
+    EXPECT_TRUE(g.completed_everywhere("s1")) << "rank " << r;
+    if (r < 2) EXPECT_FALSE(g.completed_everywhere("s2")) << "rank " << r;
+    g.recover("s2", "test", false);  // rank 2 at once; ranks 0 and 1 once they learn of it
+    EXPECT_EQ(g.members(), (std::vector<int>{0, 1, 2}));
+    t = torch::ones({2});
+    g.comm().allreduce_sum(t);
+    EXPECT_TRUE(torch::equal(t, torch::full({2}, 3.0f)));
+    EXPECT_TRUE(g.completed_everywhere("s2")) << "rank " << r;
+  });
   EXPECT_EQ(errors, std::vector<std::string>(3, ""));
 
   const auto left = rank_two_leaves(short_timeouts(5000), [](std::shared_ptr<Comm> job, int) {
