@@ -165,7 +165,17 @@ bool ElasticGroup::completed_everywhere_impl(const std::string& round) {
     std::this_thread::sleep_for(pause);
     pause = std::min(pause * 2, std::chrono::milliseconds(50));
   }
-  return text(store_->compareSet(prefix + "decided", {}, bytes(proposal))) == "commit";
+  if (text(store_->compareSet(prefix + "decided", {}, bytes(proposal))) != "commit") return false;
+  // A long run confirms every synchronization: its keys go once nobody reads them, which is true of
+  // the last committed round's once this one commits (every member had left that round's wait
+  // before it said "ok" to this one). Not this round's own: a member between its check of the words
+  // and its multiGet would wait for a deleted key until the store's timeout.
+  if (!committed_prefix_.empty()) {
+    store_->deleteKey(committed_prefix_ + std::to_string(job_rank_));
+    store_->deleteKey(committed_prefix_ + "decided");
+  }
+  committed_prefix_ = prefix;
+  return true;
 }
 
 std::vector<int> ElasticGroup::recover(const std::string& round, const std::string& what, bool admit_joiners) {

@@ -103,6 +103,7 @@ class ElasticGroup {
   std::string round_;           // the current group's plan: round and k
   int64_t k_ = 0;
   int64_t retired_bytes_ = 0;   // sent in groups already replaced
+  std::string committed_prefix_;  // the outcome keys of the last round completed everywhere
 };
 
 }  // namespace ddm

@@ -10,6 +10,7 @@
 #include <future>
 #include <map>
 
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include "comm/comm.h"
@@ -610,6 +611,11 @@ TEST(DistElastic, ARoundCountsOnlyWhereEveryMemberCompletedIt) {
     g.comm().allreduce_sum(t);
     EXPECT_TRUE(torch::equal(t, torch::full({2}, 3.0f)));
     EXPECT_TRUE(g.completed_everywhere("s2")) << "rank " << r;
+    // A run confirms every synchronization: a committed round's keys go once the next commits.
+    c10d::PrefixStore keys("ddm/elastic", job->job_store());
+    EXPECT_TRUE(keys.check({"outcome/s2@s2/1/" + std::to_string(r)})) << "rank " << r;
+    EXPECT_FALSE(keys.check({"outcome/s1@job/" + std::to_string(r)})) << "rank " << r;
+    EXPECT_FALSE(keys.check({"outcome/s1@job/decided"})) << "rank " << r;
   });
   EXPECT_EQ(errors, std::vector<std::string>(3, ""));
 
