@@ -146,18 +146,16 @@ void stream_safetensors(const SafetensorsFile& file, const PutBytes& put) {
   put(length, 8);
   put(text.data(), text.size());
   for (const auto& [name, tensor] : file.tensors) {
-    torch::Tensor t;
-    if (tensor.is_meta()) {
+    torch::Tensor t = tensor;
+    if (t.is_meta()) {
       DDM_CHECK(file.fetch, "safetensors: tensor '" << name << "' is a placeholder and nothing fetches it");
       t = file.fetch(name);
       DDM_CHECK(t.defined() && t.sizes() == tensor.sizes() && t.scalar_type() == tensor.scalar_type(),
                 "safetensors: tensor '" << name << "' arrived as " << (t.defined() ? t.toString() : "nothing") << " "
                                         << (t.defined() ? t.sizes() : at::IntArrayRef{}) << ", but the header says "
                                         << tensor.scalar_type() << " " << tensor.sizes());
-      t = t.detach().to(torch::kCPU).contiguous();
-    } else {
-      t = tensor.detach().to(torch::kCPU).contiguous();
     }
+    t = t.detach().to(torch::kCPU).contiguous();
     if (t.numel() > 0) put(t.data_ptr(), t.nbytes());
   }
 }

@@ -8,7 +8,7 @@
 #include <sstream>
 
 #include "core/device.h"
-#include "core/fileio.h"
+#include "core/tensor_hash.h"
 #include "parallel/data_parallel.h"
 #include "pipeline/profile.h"
 #include "pipeline/routes.h"
@@ -47,10 +47,7 @@ class PipelineEngine : public Engine {
     {
       torch::NoGradGuard no_grad;
       Sha256 hash;
-      for (const torch::Tensor& w : net_->parameters()) {
-        const torch::Tensor t = w.detach().to(torch::kCPU).contiguous();
-        hash.update(t.data_ptr(), t.nbytes());
-      }
+      for (const torch::Tensor& w : net_->parameters()) hash_tensor(hash, w);
       const std::string hex = hash.hex();
       initial_digest_ = torch::from_blob(const_cast<char*>(hex.data()), {static_cast<int64_t>(hex.size())}, torch::kUInt8).clone();
     }

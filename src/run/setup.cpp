@@ -10,6 +10,7 @@
 #include "core/device.h"
 #include "core/error.h"
 #include "core/rng.h"
+#include "core/tensor_hash.h"
 #include "data/shard_stream.h"
 #include "model/unet.h"
 #include "train/controlnet.h"
@@ -231,10 +232,9 @@ std::vector<std::pair<std::string, std::string>> run_identity(const RunConfig& r
     const auto eq = line.find(" = ");
     if (eq != std::string::npos) kv.emplace_back(section + "." + line.substr(0, eq), line.substr(eq + 3));
   }
-  const torch::Tensor images = data.images.contiguous(), labels = data.labels.contiguous();
   Sha256 data_hash;
-  data_hash.update(images.data_ptr(), images.nbytes());
-  data_hash.update(labels.data_ptr(), labels.nbytes());
+  hash_tensor(data_hash, data.images);
+  hash_tensor(data_hash, data.labels);
   kv.emplace_back("data (sha256 of the images and labels)", data_hash.hex());
   if (data.shards) {  // the images above are only the first few: each rank's scan must agree too
     std::string counts;
@@ -312,12 +312,8 @@ RunStart start_run(const TrainOptions& opt, const TrainJob& job, Net& net, Engin
     // Hashed tensor by tensor: joining them first held another copy of the weights (1.4 GB for a
     // ControlNet v1.0), which on a big model is what ran a machine out of memory.
     Sha256 hash;
-    auto add = [&hash](const torch::Tensor& w) {
-      const torch::Tensor t = w.detach().to(torch::kCPU).contiguous();
-      hash.update(t.data_ptr(), t.nbytes());
-    };
-    for (const torch::Tensor& w : engine.initial_weights()) add(w);
-    for (const auto& b : net->named_buffers(true)) add(b.value());
+    for (const torch::Tensor& w : engine.initial_weights()) hash_tensor(hash, w);
+    for (const auto& b : net->named_buffers(true)) hash_tensor(hash, b.value());
     comm.check_same({{"initial weights (sha256)", hash.hex()}}, "seeded initialization");
   }
   s.step = ints[0].item<int64_t>();
