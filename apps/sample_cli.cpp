@@ -199,20 +199,6 @@ std::optional<ReferenceSet> open_references(const SampleArgs& a, const LoadedMod
   return r;
 }
 
-// A prompt as a grid's row label: stb_easy_font draws printable ASCII only, so every other code point
-// shows as '?', and a long prompt is cut to 40 characters.
-std::string row_label(const std::string& prompt) {
-  std::string out;
-  int chars = 0;
-  for (size_t i = 0; i < prompt.size(); ++i) {
-    const auto c = static_cast<unsigned char>(prompt[i]);
-    if ((c & 0xC0) == 0x80) continue;  // a UTF-8 continuation byte: its code point is counted already
-    if (++chars > 40) return out + "...";
-    out += c >= 0x20 && c < 0x7F ? static_cast<char>(c) : '?';
-  }
-  return out;
-}
-
 // A text model's prompts (--prompt, --prompts) into g, as classes are laid out: n / P samples of each
 // of the P prompts in a row, cycling if n is not a multiple; guidance's unconditional branch takes
 // --negative-prompt's encoding instead of the empty prompt's. Returns the rows' labels; nothing for
@@ -264,7 +250,7 @@ std::vector<std::string> open_prompts(const SampleArgs& a, Source& src, Generate
   std::cout << "text: " << p << " prompt(s), " << per << " sample(s) each per row; guidance against "
             << (a.negative_prompt.empty() ? "the empty prompt" : "--negative-prompt") << std::endl;
   std::vector<std::string> labels;
-  for (int64_t r = 0; r * per < a.n; ++r) labels.push_back(row_label(prompts[r % p]));
+  for (int64_t r = 0; r * per < a.n; ++r) labels.push_back(grid_row_label(prompts[r % p]));
   return labels;
 }
 

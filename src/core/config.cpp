@@ -102,6 +102,26 @@ Field field(const std::string& key, std::vector<int64_t>* p) {
           }};
 }
 
+Field field(const std::string& key, std::vector<std::string>* p) {
+  return {key,
+          [key, p](const toml::node& n, const std::string& where) {
+            const toml::array* arr = n.as_array();
+            DDM_CHECK(arr, where << ": " << key << " must be an array of strings, got " << type_name(n) << " " << node_str(n));
+            std::vector<std::string> out;
+            for (const toml::node& e : *arr) {
+              auto v = e.value_exact<std::string>();
+              DDM_CHECK(v, where << ": " << key << " must be an array of strings, got element " << node_str(e));
+              out.push_back(*v);
+            }
+            *p = out;
+          },
+          [key, p](toml::table& t) {
+            toml::array arr;
+            for (const std::string& v : *p) arr.push_back(v);
+            t.insert_or_assign(leaf(key), arr);
+          }};
+}
+
 // The names of each choice key's enum (config.h), in the order errors list them.
 template <class E>
 const std::vector<std::pair<std::string, E>>& names();
@@ -253,6 +273,9 @@ std::vector<Field> fields(RunConfig& c) {
       field("train.log_every", &c.train.log_every),
       field("train.ckpt_every", &c.train.ckpt_every),
       field("train.keep_ckpts", &c.train.keep_ckpts),
+      field("train.sample_every", &c.train.sample_every),
+      field("train.sample_n", &c.train.sample_n),
+      field("train.sample_prompts", &c.train.sample_prompts),
       field("train.expert_budget", &c.train.expert_budget),
       field("train.teacher", &c.train.teacher),
       field("sample.sampler", &c.sample.sampler),
@@ -603,6 +626,8 @@ void validate_diffusion(const RunConfig& c) {
 }
 
 // The optimization: steps, batch, learning rate, AdamW, EMA, checkpoints, threads.
+void validate_sample_every(const RunConfig& c);
+
 void validate_train(const RunConfig& c) {
   const TrainConfig& t = c.train;
   DDM_CHECK(t.steps > 0, "train.steps must be > 0, got " << t.steps);
@@ -639,6 +664,36 @@ void validate_train(const RunConfig& c) {
   DDM_CHECK(t.ckpt_every > 0, "train.ckpt_every must be > 0, got " << t.ckpt_every);
   DDM_CHECK(t.keep_ckpts > 0, "train.keep_ckpts must be > 0, got " << t.keep_ckpts);
   DDM_CHECK(t.grad_accum > 0, "train.grad_accum must be > 0, got " << t.grad_accum);
+  validate_sample_every(c);
+}
+
+// Grids during training (train.sample_every): only where a process holds a whole diffusion model
+// that samples from classes, prompts or nothing.
+void validate_sample_every(const RunConfig& c) {
+  const TrainConfig& t = c.train;
+  DDM_CHECK(t.sample_every >= 0, "train.sample_every must be >= 0 (steps between grids; 0 = none), got " << t.sample_every);
+  DDM_CHECK(t.sample_n >= 1, "train.sample_n must be >= 1 (samples in each grid), got " << t.sample_n);
+  for (const std::string& p : t.sample_prompts)
+    DDM_CHECK(!p.empty(), "train.sample_prompts holds an empty prompt: give each row's text");
+  DDM_CHECK(t.sample_prompts.size() <= static_cast<size_t>(t.sample_n),
+            "train.sample_prompts has " << t.sample_prompts.size() << " prompts but train.sample_n = " << t.sample_n
+                                        << ": each prompt needs a sample at least; raise train.sample_n");
+  DDM_CHECK(t.sample_prompts.empty() || !c.model.text_encoder.empty(),
+            "train.sample_prompts is set, but the model is not conditioned on text (model.text_encoder)");
+  if (t.sample_every == 0) return;
+  const std::string& arch = c.model.arch;
+  DDM_CHECK(arch != "autoencoder" && arch.rfind("router", 0) != 0,
+            "train.sample_every = " << t.sample_every << ": model.arch = " << arch
+                                    << " is not a diffusion model; set train.sample_every = 0");
+  DDM_CHECK(c.parallel.pp == 1,
+            "train.sample_every = " << t.sample_every << " samples from the whole model, and with parallel.pp = "
+                                    << c.parallel.pp << " no process holds it: set train.sample_every = 0 and sample "
+                                    << "the checkpoints (ddm sample --ckpt RUN)");
+  DDM_CHECK(c.model.controlnet.empty() && c.model.embed.empty(),
+            "train.sample_every = " << t.sample_every << ": a " << (c.model.embed.empty() ? "ControlNet" : "model.embed model")
+                                    << " samples from conditioning images, which training grids do not take yet: set "
+                                    << "train.sample_every = 0 and sample the checkpoints (ddm sample --ckpt RUN "
+                                    << (c.model.embed.empty() ? "--control-from test" : "--reference-from test") << ")");
 }
 
 // How the processes divide the training: data parallel, pipeline stages and schedule, wires.

@@ -183,6 +183,14 @@ struct TrainConfig {
   int64_t log_every = 50;
   int64_t ckpt_every = 500;      // steps between checkpoints (a final one is always written)
   int64_t keep_ckpts = 3;        // keep the last N checkpoints
+  // Every sample_every steps (and at the last step), a grid of sample_n samples into RUN/grids/ and
+  // the TensorBoard event files (0 = off): fixed noise (train.seed) and rows of classes or prompts,
+  // EMA weights (sample.use_ema), sample.sampler / steps / cfg. Text models: sample_prompts, one row
+  // each (empty: the data's first 4 distinct captions). Needs the whole model in one process (not
+  // parallel.pp > 1); not for ControlNets, model.embed models, routers or autoencoders.
+  int64_t sample_every = 0;
+  int64_t sample_n = 40;
+  std::vector<std::string> sample_prompts;
   // With data.partition: how an expert's budget relates to the numbers above. full: as written (per
   // expert); split-batch: batch_size / K per step (the paper's 256 -> 8 x 32), so K experts together
   // cost what one model with these numbers costs; split-steps: steps / K at the full batch size.

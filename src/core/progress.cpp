@@ -2,6 +2,7 @@
 #include "core/progress.h"
 
 #include <cstdio>
+#include <ctime>
 #include <filesystem>
 #include <sstream>
 #include <unistd.h>
@@ -33,6 +34,17 @@ std::string format_duration(double s) {
     std::snprintf(buf, sizeof buf, "%ldm%02lds", t / 60, t % 60);
   else
     std::snprintf(buf, sizeof buf, "%lds", t);
+  return buf;
+}
+
+std::string format_finish_time(double seconds) {
+  if (!(seconds >= 0) || seconds > 1e7) return "";
+  const std::time_t now = std::time(nullptr), end = now + static_cast<std::time_t>(seconds + 0.5);
+  std::tm a{}, b{};
+  localtime_r(&now, &a);
+  localtime_r(&end, &b);
+  char buf[32];
+  std::strftime(buf, sizeof buf, a.tm_yday == b.tm_yday && a.tm_year == b.tm_year ? "%H:%M" : "%a %H:%M", &b);
   return buf;
 }
 
@@ -73,9 +85,11 @@ void Progress::step(int64_t step, double loss, double lr, double grad_norm, int6
   if (tty_) {
     if (std::chrono::duration<double>(now - last_draw_).count() < 0.2 && step != total_) return;
     last_draw_ = now;
-    std::printf("\r  step %lld/%lld %3d%%  loss %.4f  lr %.2e  |g| %.3f  %.0f img/s  ETA %s   ",
+    const std::string at = format_finish_time(eta);
+    std::printf("\r  step %lld/%lld %3d%%  loss %.4f  lr %.2e  |g| %.3f  %.0f img/s  ETA %s%s   ",
                 static_cast<long long>(step), static_cast<long long>(total_),
-                static_cast<int>(100.0 * step / total_), loss, lr, grad_norm, img_s, format_duration(eta).c_str());
+                static_cast<int>(100.0 * step / total_), loss, lr, grad_norm, img_s, format_duration(eta).c_str(),
+                at.empty() || step == total_ ? "" : (" (" + at + ")").c_str());
     std::fflush(stdout);
   }
   (void)0;

@@ -10,6 +10,9 @@ namespace ddm {
 
 std::string format_duration(double seconds);  // "1h02m", "3m05s", "12s"
 std::string format_bytes(int64_t bytes);       // "512 B", "3.2 KiB", "41.0 MiB", "1.20 GiB"
+// When a run `seconds` from now ends, on the local clock: "14:05", or "Tue 14:05" past today; "" if
+// unknown (seconds < 0).
+std::string format_finish_time(double seconds);
 
 class Progress {
  public:
@@ -25,6 +28,11 @@ class Progress {
   // Estimated seconds to reach the last step, from the average step time so far.
   double eta_seconds(int64_t step) const;
   void reset_interval();
+  // Work between steps that is not training (a grid of samples): left out of the interval's img/s,
+  // kept in the ETA (it recurs).
+  void exclude_from_interval(double seconds) {
+    interval_start_ += std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
+  }
   // The loss sum and step count of the logging interval so far: saved in a checkpoint and restored on
   // resume, so that the first record after a resume averages the same steps as an uninterrupted run.
   double interval_loss_sum() const { return interval_sum_; }

@@ -1,5 +1,6 @@
 // The names of the files in a run directory and a checkpoint directory, spelled in one place:
 //   RUN/config.toml  metrics.jsonl  train.lock  samples.png  train.log
+//       tensorboard/events.out.tfevents.*  grids/step-XXXXXXXX.png                (train.sample_every)
 //       expert.json | router.json + router_eval.json | distill.json   (records of decentralized runs)
 //       autoencoder.json + reconstructions.png                        (`ddm train-autoencoder`)
 //       pipeline-timeline.json                                        (a pipelined `ddm train`)
@@ -24,6 +25,8 @@ struct RunDir {
   static constexpr const char* kAutoencoder = "autoencoder.json";
   static constexpr const char* kReconstructions = "reconstructions.png";
   static constexpr const char* kPipeTimeline = "pipeline-timeline.json";  // a pipelined run's measured last step
+  static constexpr const char* kTensorBoard = "tensorboard";  // event files: the metrics, the grids
+  static constexpr const char* kGrids = "grids";              // step-XXXXXXXX.png every train.sample_every
   // Inside a checkpoint directory.
   static constexpr const char* kModel = "model.safetensors";
   static constexpr const char* kEma = "ema.safetensors";
@@ -42,7 +45,7 @@ struct RunDir {
   // checkpoint is started afresh); the lock is not among them.
   static std::vector<const char*> run_files() {
     return {kCheckpoints, kMetrics, kConfig, kSamples, kTrainLog, kExpert, kRouter, kRouterEval, kDistill,
-            kAutoencoder, kReconstructions, kPipeTimeline};
+            kAutoencoder, kReconstructions, kPipeTimeline, kTensorBoard, kGrids};
   }
 };
 

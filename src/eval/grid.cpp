@@ -74,6 +74,18 @@ std::vector<TextRect> text_rects(const std::string& text, int scale, int* width)
   return out;
 }
 
+std::string grid_row_label(const std::string& text) {
+  std::string out;
+  int chars = 0;
+  for (size_t i = 0; i < text.size(); ++i) {
+    const auto c = static_cast<unsigned char>(text[i]);
+    if ((c & 0xC0) == 0x80) continue;  // a UTF-8 continuation byte: its code point is counted already
+    if (++chars > 40) return out + "...";
+    out += c >= 0x20 && c < 0x7F ? static_cast<char>(c) : '?';
+  }
+  return out;
+}
+
 void check_png_path(const std::string& path, const std::string& what) {
   std::string ext = fs::path(path).extension().string();
   std::transform(ext.begin(), ext.end(), ext.begin(), [](unsigned char c) { return std::tolower(c); });

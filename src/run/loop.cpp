@@ -60,6 +60,7 @@ int run_loop(Engine& engine, BatchSource& source, const LoopSpec& spec, const En
     // parallelism, at the next synchronization with DiLoCo.
     stopped_by = engine.agree_stop(state.step, spec.steps, hooks.signal());
     log.step(state.step, r, engine.news(state.step));
+    if (stopped_by == 0 && hooks.after_step) hooks.after_step(state.step);
     if (end_step(stopped_by)) break;
   }
   return stopped_by;

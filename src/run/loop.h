@@ -40,6 +40,8 @@ struct LoopHooks {
   std::function<std::string(int64_t step)> save;
   // The signal this process received (SIGINT, SIGTERM), 0 if none.
   std::function<int()> signal;
+  // After each step that no signal stops, before its checkpoint (rank 0's grids); unset: nothing.
+  std::function<void(int64_t step)> after_step;
 };
 
 // Runs from state.step to spec.steps, or to the step every rank agreed to stop after. `begun`: a

@@ -3,6 +3,8 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
+#include <filesystem>
 #include <iostream>
 
 #include <nlohmann/json.hpp>
@@ -24,6 +26,15 @@ RunLog::RunLog(const RunLogSpec& spec, std::function<int64_t()> sent, const Data
       noticed_skips_(data.skipped_mine()),
       reported_skips_(data.skipped_recorded()) {
   if (!spec.metrics_path.empty()) metrics_.emplace(spec.metrics_path, spec.first_step);
+  if (!spec.tensorboard_dir.empty()) events_.emplace(spec.tensorboard_dir, spec.first_step);
+  // The grids of steps a crash made the run repeat belong to a history that is undone, as the records
+  // after first_step do (RUN/grids/step-XXXXXXXX.png).
+  std::error_code ec;
+  if (!spec.grids_dir.empty() && std::filesystem::is_directory(spec.grids_dir, ec))
+    for (const auto& e : std::filesystem::directory_iterator(spec.grids_dir)) {
+      const std::string name = e.path().filename().string();
+      if (name.rfind("step-", 0) == 0 && std::atoll(name.c_str() + 5) > spec.first_step) std::filesystem::remove(e.path(), ec);
+    }
 }
 
 void RunLog::step(int64_t step, const StepResult& r, const std::string& news) {
@@ -61,15 +72,21 @@ void RunLog::step(int64_t step, const StepResult& r, const std::string& news) {
       rec["sent_bytes_per_step"] = (sent - interval_sent_) / std::max<int64_t>(1, step - interval_first_);
     }
     metrics_->write(rec.dump());
+    // TensorBoard: the record's numbers as scalars, grouped under train/.
+    if (events_)
+      for (const auto& [name, v] : rec.items())
+        if (name != "step" && v.is_number()) events_->scalar("train/" + name, step, v.get<double>());
   }
   interval_sent_ = sent;
   interval_first_ = step;
   waited_ = 0;
   interval_start_ = Clock::now();
   if (!progress_.tty() && !spec_.quiet) {
-    std::printf("step %lld/%lld  loss %.4f  lr %.2e  |g| %.3f  %.0f img/s  ETA %s\n", static_cast<long long>(step),
+    const double eta = progress_.eta_seconds(step);
+    const std::string at = step < spec_.steps ? format_finish_time(eta) : "";
+    std::printf("step %lld/%lld  loss %.4f  lr %.2e  |g| %.3f  %.0f img/s  ETA %s%s\n", static_cast<long long>(step),
                 static_cast<long long>(spec_.steps), progress_.interval_loss(), r.lr, r.grad_norm,
-                progress_.interval_img_per_s(), format_duration(progress_.eta_seconds(step)).c_str());
+                progress_.interval_img_per_s(), format_duration(eta).c_str(), at.empty() ? "" : (" (" + at + ")").c_str());
     std::fflush(stdout);
   }
   final_loss_ = progress_.interval_loss();
@@ -84,6 +101,16 @@ void RunLog::skipped_at_checkpoint(int64_t total, int replicas) {
               << std::endl;
   }
   reported_skips_ = std::max(reported_skips_, total);
+}
+
+void RunLog::grid(int64_t step, const std::string& path, const std::string& png, double seconds) {
+  // The interval's img/s and data-wait share are training's: the grid's time is left out of them.
+  progress_.exclude_from_interval(seconds);
+  interval_start_ += std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
+  if (events_) events_->image("samples", step, png);
+  if (spec_.quiet) return;
+  progress_.finish();
+  std::cout << "step " << step << ": wrote " << path << std::endl;
 }
 
 void RunLog::stopped(int signal, int64_t step, const std::string& checkpoint) {

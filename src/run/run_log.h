@@ -2,7 +2,8 @@
 // not on a terminal), metrics.jsonl's records (one per logging interval: loss, lr, gradient norm,
 // img/s, the share of time spent waiting for data, bytes sent, samples skipped), the engine's news,
 // each replica's notes on the bad samples it skipped, the stop on a signal, and the communication
-// totals at the end. Only rank 0 prints the run's lines and writes metrics; every replica names the
+// totals at the end. The same records, and the grids of train.sample_every, go into TensorBoard
+// event files (core/tensorboard.h). Only rank 0 prints the run's lines and writes metrics; every replica names the
 // samples it skipped itself.
 #pragma once
 #include <chrono>
@@ -12,6 +13,7 @@
 #include <string>
 
 #include "core/progress.h"
+#include "core/tensorboard.h"
 #include "run/data_position.h"
 #include "train/step.h"
 
@@ -29,6 +31,8 @@ struct RunLogSpec {
   int world = 1;
   int replica = 0;            // this process's data-parallel replica, in its notes
   std::string metrics_path;   // metrics.jsonl (rank 0); empty: none
+  std::string tensorboard_dir;  // event files (rank 0); empty: none
+  std::string grids_dir;        // train.sample_every's grids (rank 0): those after first_step go; empty: none
   torch::Device device = torch::kCPU;  // where this process trains: the records give its peak memory
 };
 
@@ -49,6 +53,9 @@ class RunLog {
   void step(int64_t step, const StepResult& r, const std::string& news);
   // At a checkpoint: the bad samples all replicas skipped so far, when more than last said.
   void skipped_at_checkpoint(int64_t total, int replicas);
+  // A grid of samples after `step` (train.sample_every) that took `seconds`: its PNG into the event
+  // files, its path said.
+  void grid(int64_t step, const std::string& path, const std::string& png, double seconds);
   void stopped(int signal, int64_t step, const std::string& checkpoint);
   // The communication totals (this run's, rank 0's; `most` the most any rank sent), then the end.
   void finish(int64_t steps_run, int64_t sent_before, int64_t most);
@@ -62,6 +69,7 @@ class RunLog {
   const BatchSource& source_;
   Progress progress_;
   std::optional<MetricsLog> metrics_;
+  std::optional<EventWriter> events_;
   double waited_ = 0;
   Clock::time_point interval_start_;
   int64_t interval_sent_ = 0, interval_first_ = 0;

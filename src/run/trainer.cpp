@@ -4,7 +4,10 @@
 // rank; this file puts them together and writes the checkpoints.
 #include "run/trainer.h"
 
+#include <chrono>
 #include <csignal>
+#include <iostream>
+#include <optional>
 
 #include <nlohmann/json.hpp>
 
@@ -17,6 +20,7 @@
 #include "run/loop.h"
 #include "run/run_log.h"
 #include "run/setup.h"
+#include "run/train_grids.h"
 
 namespace ddm {
 namespace {
@@ -95,10 +99,29 @@ TrainSummary train(TrainJob job, const TrainOptions& options) {
   ls.first_step = state.step, ls.steps = tc.steps, ls.log_every = tc.log_every, ls.batch_size = tc.batch_size;
   ls.quiet = opt.quiet, ls.lead = lead, ls.name_skips = !options.quiet, ls.skip_bad = cfg.data.skip_bad;
   ls.world = world, ls.replica = layout.replica, ls.device = proc.device;
-  if (lead) ls.metrics_path = RunDir(opt.out_dir).metrics();
+  if (lead) {
+    const RunDir dir(opt.out_dir);
+    ls.metrics_path = dir.metrics(), ls.tensorboard_dir = dir / RunDir::kTensorBoard, ls.grids_dir = dir / RunDir::kGrids;
+  }
   RunLog log(ls, sent_now, data, *source);
   log.restore_interval(run.interval_loss_sum, run.interval_steps);
   if (!opt.quiet) print_run_header(job, model, layout, *engine, threads, proc.device, opt.out_dir);
+  // Rank 0 holds the whole model (train.sample_every refuses pipeline stages), and samples its grids.
+  std::optional<TrainingGrids> grids;
+  if (lead && tc.sample_every > 0) {
+    grids.emplace(cfg, net, model.latent, job.data.class_names, job.data.captions, proc.device, opt.out_dir);
+    if (!opt.quiet) std::cout << grids->describe() << std::endl;
+  }
+  auto after_step = [&](int64_t at_step) {
+    if (!grids || !grids->due(at_step, tc.steps)) return;
+    const auto t0 = std::chrono::steady_clock::now();
+    try {
+      const TrainingGrids::Written w = grids->write(at_step, engine->optim().named_ema());
+      log.grid(at_step, w.path, w.png, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    } catch (const Error& e) {  // a grid is for watching: training goes on without it
+      std::cout << "step " << at_step << ": no grid (" << e.what() << "); training goes on" << std::endl;
+    }
+  };
 
   const std::string config_text = to_toml(job.recorded);
   // A checkpoint: a collective (the engine gathers every rank's state and data position); rank 0
@@ -130,7 +153,7 @@ TrainSummary train(TrainJob job, const TrainOptions& options) {
   int stopped_by = 0;
   {
     const SignalsCaught signals;
-    stopped_by = run_loop(*engine, *source, spec, begun, state, log, {save, [] { return stop_signal(); }});
+    stopped_by = run_loop(*engine, *source, spec, begun, state, log, {save, [] { return stop_signal(); }, after_step});
   }
   summary.interrupted = stopped_by != 0;
   summary.signal = stopped_by;

@@ -109,8 +109,13 @@ TEST_F(Latent, TrainAutoencoderWritesItsReportAndPicture) {
 TEST_F(Latent, ModelPinsItsAutoencoderTrainsResumesAndSamplesImages) {
   ASSERT_EQ(ae_result_.exit_code, 0) << ae_result_.output;
   const std::string run = path("latent");
-  const auto r = train_latent(run);
+  // With grids while it trains (the split run below has none and trains the same bytes).
+  const auto r = train_latent(run, "--set train.sample_every=6 --set train.sample_n=2 --set sample.steps=2");
   ASSERT_EQ(r.exit_code, 0) << r.output;
+  // The grid holds decoded images: 2 rows (a class each) of 28 px tiles, scaled 2x with 2 px gaps.
+  const std::string grid = test::read_text(run + "/grids/step-00000006.png");
+  ASSERT_GT(grid.size(), 24u);
+  EXPECT_EQ((static_cast<uint8_t>(grid[22]) << 8) | static_cast<uint8_t>(grid[23]), 2 * (28 * 2 + 2) + 2);
   // The resolved config pins the measured checkpoint by hash and trains on its latents.
   const RunConfig cfg = load_config(run + "/config.toml");
   EXPECT_EQ(fs::path(cfg.model.latent).filename(), "step-00000010");

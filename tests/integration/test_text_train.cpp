@@ -127,17 +127,26 @@ TEST(TextSample, PromptsSteerTheSamplesAndTheNegativePromptIsGuidancesNullCondit
   const std::string root = dir / "images", run = dir / "run";
   captioned_folder(root);
   test::write_text(dir / "text.toml", config(root, test::minilm_package_dir() + "/model"));
+  // Grids while it trains (train.sample_every): by default a row for each of the data's first distinct
+  // captions.
   ASSERT_EQ(test::run_ddm("train --quiet --config " + (dir / "text.toml") +
-                          " --set train.steps=200 --set train.ckpt_every=200 --set train.warmup=5 --out " + run)
+                          " --set train.steps=200 --set train.ckpt_every=200 --set train.warmup=5 " +
+                          "--set train.sample_every=100 --set train.sample_n=6 --set sample.steps=10 --out " + run)
                 .exit_code,
             0);
+  // The last grid is `ddm sample`'s of the last checkpoint, with the run's seed and those prompts.
+  auto r = test::run_ddm("sample --ckpt " + run + " --steps 10 --n 6 --seed 3 --threads 1 --prompt 'a red square' "
+                         "--prompt 'a green square' --prompt 'a blue square' --out " + (dir / "grid.png"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_TRUE(test::read_text(dir / "grid.png") == test::read_text(run + "/grids/step-00000200.png"));
+  EXPECT_TRUE(fs::exists(run + "/grids/step-00000100.png"));
   // The channel each sample is brightest in, [n].
   auto brightest = [&](const std::string& file) {
     const auto images = load_safetensors(file).tensors.at("images").to(torch::kFloat);  // [n, 3, 8, 8]
     return images.mean({2, 3}).argmax(1);
   };
   const std::string sample = "sample --ckpt " + run + " --steps 10 --cfg 3 --n 12 ";
-  auto r = test::run_ddm(sample + "--prompt 'a red square' --prompt 'a green square' --prompt 'a blue square' --out " +
+  r = test::run_ddm(sample + "--prompt 'a red square' --prompt 'a green square' --prompt 'a blue square' --out " +
                          (dir / "s.png") + " --raw " + (dir / "s.safetensors"));
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("text: 3 prompt(s), 4 sample(s) each per row; guidance against the empty prompt"),
