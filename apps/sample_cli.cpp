@@ -21,6 +21,8 @@
 #include "data/dataset.h"
 #include "data/image_folder.h"
 #include "data/origin.h"
+#include "data/shard_loader.h"
+#include "data/shard_write.h"
 #include "decentral/ensemble_dir.h"
 #include "diffusion/generate.h"
 #include "eval/evaluate.h"
@@ -334,8 +336,23 @@ GenerateOptions generate_options(const SampleArgs& a, const LoadedModel& m) {
   return g;
 }
 
+// Each image as its own PNG, DIR/000000.png ... (RGB; a grey image's channel three times): the folder
+// clean-fid, torch-fidelity and most FID tools take.
+static void write_png_folder(const std::string& dir, const torch::Tensor& images) {
+  fs::create_directories(dir);
+  const torch::Tensor u8 = to_uint8(images);  // [N, C, H, W]
+  for (int64_t i = 0; i < u8.size(0); ++i) {
+    torch::Tensor rgb = u8[i].permute({1, 2, 0});  // [H, W, C]
+    if (rgb.size(2) == 1) rgb = rgb.expand({rgb.size(0), rgb.size(1), 3});
+    write_file_atomic((fs::path(dir) / (zero_padded(i, 6) + ".png")).string(), encode_png(rgb.contiguous()));
+  }
+  std::cout << "wrote " << u8.size(0) << " PNG files into " << dir << " (000000.png ...)" << std::endl;
+}
+
 void write_samples(const SampleArgs& a) {
   check_png_path(a.out);  // before any sampling
+  DDM_CHECK(a.png_dir.empty() || !fs::exists(a.png_dir) || fs::is_empty(a.png_dir),
+            "--png-dir " << a.png_dir << " holds files already: name an empty or new directory (nothing was written)");
   set_threads(a.threads);
   Source src = open_source(a);
   const LoadedModel& m = src.defaults();
@@ -386,6 +403,7 @@ void write_samples(const SampleArgs& a) {
             << ", " << out.seconds << " s, " << a.n / out.seconds << " img/s\n";
   if (src.ensemble) std::cout << src.ensemble->usage_report(a.n);
   std::cout << "wrote " << a.out << std::endl;
+  if (!a.png_dir.empty()) write_png_folder(a.png_dir, out.images);
   if (!a.raw.empty()) {
     SafetensorsFile f;
     f.tensors["images"] = to_uint8(out.images);
@@ -465,6 +483,8 @@ void add_sample_flags(CLI::App* cmd, SampleArgs& a) {
 struct EvalArgs {
   SampleArgs sample;  // --ckpt and the sampling flags
   std::string samples_file, anchor, out, shapes;
+  std::string reference_config;              // --reference-config: the real images' data config
+  std::vector<std::string> reference_sets;   // --reference-set KEY=VALUE: overrides of it (or of the model's)
   int64_t per_prompt = 8;  // --shapes: samples per prompt
   EvalConfig cfg;
 };
@@ -548,6 +568,30 @@ int eval_shapes_cmd(EvalArgs a) {
   return 0;
 }
 
+// The real images to compare with, when they are not Fashion-MNIST's test split: --reference-config's
+// data, else (for a model trained on other data) the model's own training data; either with the
+// --reference-set overrides (e.g. data.root=TEST). Null: Fashion-MNIST.
+std::shared_ptr<const Dataset> open_reference(const EvalArgs& a, const RunConfig* model_cfg, const std::string& what) {
+  std::optional<RunConfig> cfg;
+  if (!a.reference_config.empty()) {
+    cfg = load_config(a.reference_config, a.reference_sets);
+  } else if (model_cfg && origin_of(model_cfg->data) != "fashion-mnist") {
+    DDM_CHECK(!a.cfg.feature_net.empty(),
+              what << " was trained on data from \"" << origin_of(model_cfg->data) << "\", not Fashion-MNIST: give "
+                   << "--feature-net FILE, a network trained on that data (`ddm train-classifier --config RUN/config.toml --out "
+                   << "F.safetensors`), and optionally --reference-set data.root=HELD_OUT to compare with images "
+                   << "the model never saw (default: its training data)");
+    cfg = parse_config(to_toml(*model_cfg), what + " (its config)", a.reference_sets);
+  } else {
+    DDM_CHECK(a.reference_sets.empty(), "--reference-set applies to --reference-config's data or to a model trained "
+                                        "on data other than Fashion-MNIST");
+    return nullptr;
+  }
+  auto d = std::make_shared<Dataset>(load_whole_dataset(cfg->data, static_cast<int>(std::max<int64_t>(1, a.sample.threads))));
+  std::cout << "reference: " << d->description << std::endl;
+  return d;
+}
+
 int eval_cmd(EvalArgs a) {
   if (!a.shapes.empty()) return eval_shapes_cmd(std::move(a));
   DDM_CHECK(a.sample.ckpt.empty() + a.sample.ensemble.empty() + a.samples_file.empty() + a.anchor.empty() == 3,
@@ -561,7 +605,8 @@ int eval_cmd(EvalArgs a) {
     stem = "anchor-" + a.anchor + "-n" + std::to_string(a.sample.n);
     if (a.out.empty()) a.out = "eval";
   } else if (!a.samples_file.empty()) {
-    set = load_samples(a.samples_file);
+    a.cfg.reference = open_reference(a, nullptr, a.samples_file);
+    set = load_samples(a.samples_file, /*any_source=*/a.cfg.reference != nullptr);
     if (set.images.size(0) > a.sample.n) {
       std::cout << "using the first " << a.sample.n << " of " << set.images.size(0) << " images (--n)" << std::endl;
       set.images = set.images.narrow(0, 0, a.sample.n);
@@ -572,7 +617,7 @@ int eval_cmd(EvalArgs a) {
   } else {
     Source src = open_source(a.sample);
     const LoadedModel& m = src.defaults();
-    check_evaluable_source(origin_of(m.cfg.data), src.name);
+    a.cfg.reference = open_reference(a, &m.cfg, src.name);
     const Denoiser& den = *src.den;
     GenerateOptions g = generate_options(a.sample, m);
     const int64_t classes = m.cfg.model.num_classes;
@@ -675,6 +720,8 @@ Command add_sample_command(CLI::App& app) {
   cmd->add_option("--ckpt", a->ckpt, "run directory (latest checkpoint) or checkpoint directory (or --ensemble)");
   cmd->add_option("--out", a->out, "PNG grid to write");
   cmd->add_option("--raw", a->raw, "also write the samples as safetensors");
+  cmd->add_option("--png-dir", a->png_dir,
+                  "also write each sample as its own PNG into this new directory (for clean-fid, torch-fidelity)");
   add_sample_flags(cmd, *a);
   return Command{cmd, [a] {
                    write_samples(*a);
@@ -688,10 +735,12 @@ Command add_eval_command(CLI::App& app) {
   ea.sample.n = 10000;
   auto* cmd = app.add_subcommand(
       "eval",
-      "Measure sample quality against the Fashion-MNIST test split: FD-fmnist (Frechet distance in the shipped "
-      "feature network's space; not FID), KID, precision/recall and, for class-conditional samples, the feature "
-      "network's accuracy on each requested class. Only for models trained on Fashion-MNIST (other data is refused). Samples a checkpoint (--ckpt), reads a file (--samples) "
-      "or draws a reference point (--anchor). Prints a table and writes JSON, a per-class PNG grid (and the samples) "
+      "Measure sample quality against real images: FD (Frechet distance in a feature network's space; not "
+      "Inception FID), KID, precision/recall and, for class-conditional samples, the feature network's accuracy "
+      "on each requested class. Fashion-MNIST models are compared with its test split in the shipped network's "
+      "space (FD-fmnist); a model trained on other data with its training data (or --reference-set's) in the "
+      "space of --feature-net, trained on that data by `ddm train-classifier --config` (docs/evaluation.md). "
+      "Samples a checkpoint (--ckpt), reads a file (--samples) or draws a reference point (--anchor). Prints a table and writes JSON, a per-class PNG grid (and the samples) "
       "to --out. With --shapes, a text model's prompt accuracy on the shapes dataset instead (docs/text.md).");
   cmd->add_option("--ckpt", ea.sample.ckpt, "run or checkpoint directory to sample from");
   cmd->add_option("--samples", ea.samples_file,
@@ -704,7 +753,13 @@ Command add_eval_command(CLI::App& app) {
   cmd->add_option("--out", ea.out,
                   "output directory (default: eval/ in the run directory, next to --samples, or in the "
                   "current directory for --anchor)");
-  cmd->add_option("--feature-net", ea.cfg.feature_net, "feature network file (default: the shipped one)");
+  cmd->add_option("--feature-net", ea.cfg.feature_net,
+                  "feature network file (default: the shipped Fashion-MNIST one; for other data, one "
+                  "`ddm train-classifier --config` trained on it)");
+  cmd->add_option("--reference-config", ea.reference_config,
+                  "compare with this config's data (default: Fashion-MNIST's test split, or the model's own data)");
+  cmd->add_option("--reference-set", ea.reference_sets,
+                  "override a key of the reference's config, e.g. --reference-set data.root=HELD_OUT (repeatable)");
   cmd->add_option("--cache-dir", ea.cfg.cache_dir, "reference-feature cache (default: ~/.cache/ddm)");
   cmd->add_option("--data-root", ea.cfg.data_root, "Fashion-MNIST directory (default: the Debian package's)");
   cmd->add_flag("--cas", ea.cfg.cas,

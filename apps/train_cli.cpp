@@ -112,18 +112,12 @@ struct ClassifierArgs {
   ClassifierTrainConfig cfg;
 };
 
-// Any data ddm reads, whole in memory (shards: every sample, decoded as training decodes them with a
-// centre crop).
-Dataset load_whole(const DataConfig& dc, int threads) {
-  if (dc.source == "shards") return shard_prefix(dc, std::numeric_limits<int64_t>::max(), threads);
-  return load_dataset(dc);
-}
-
 int train_classifier_cmd(const ClassifierArgs& a, const std::string& command) {
   DDM_CHECK(a.force || !fs::exists(a.out),
             a.out << " already exists; pass --force to replace it, or choose another --out");
   set_threads(a.threads);
   Dataset train, test;
+  std::string task = "classes";  // or "rotation" (unlabelled data)
   if (a.config.empty()) {  // Fashion-MNIST: train and test splits
     DDM_CHECK(a.overrides.empty() && a.test_overrides.empty(), "--set and --test-set need --config");
     DataConfig dc;
@@ -133,25 +127,43 @@ int train_classifier_cmd(const ClassifierArgs& a, const std::string& command) {
     test = load_dataset(dc);
   } else {
     DDM_CHECK(a.root.empty(), "--data-root is for Fashion-MNIST; with --config the config's data.root names the data");
-    DDM_CHECK(!a.test_overrides.empty(), "--config needs --test-set KEY=VALUE (e.g. --test-set data.root=TEST_SHARDS, "
-                                         "or --test-set data.split=test for Fashion-MNIST): the data the accuracy "
-                                         "is measured on, never trained on");
     const RunConfig cfg = load_config(a.config, a.overrides);
-    std::vector<std::string> test_keys = a.overrides;
-    test_keys.insert(test_keys.end(), a.test_overrides.begin(), a.test_overrides.end());
-    const RunConfig tcfg = load_config(a.config, test_keys);
-    train = load_whole(cfg.data, static_cast<int>(a.threads));
-    test = load_whole(tcfg.data, static_cast<int>(a.threads));
+    train = load_whole_dataset(cfg.data, static_cast<int>(a.threads));
+    if (a.test_overrides.empty()) {  // the last tenth is held out: measured on, never trained on
+      const int64_t n = train.images.size(0), held = std::max<int64_t>(1, n / 10);
+      DDM_CHECK(n >= 20, "train-classifier: " << train.description << " holds " << n << " images; at least 20 are "
+                                              "needed (a tenth is held out to measure the network on)");
+      test = train;
+      test.images = train.images.narrow(0, n - held, held);
+      test.description = "the last " + std::to_string(held) + " images of " + train.description + " (held out)";
+      std::cout << "measuring on " << test.description << ", training on the others (--test-set names other data)"
+                << std::endl;
+      train.images = train.images.narrow(0, 0, n - held);
+      if (train.labels.defined()) {
+        test.labels = train.labels.narrow(0, n - held, held);
+        train.labels = train.labels.narrow(0, 0, n - held);
+      }
+    } else {
+      std::vector<std::string> test_keys = a.overrides;
+      test_keys.insert(test_keys.end(), a.test_overrides.begin(), a.test_overrides.end());
+      test = load_whole_dataset(load_config(a.config, test_keys).data, static_cast<int>(a.threads));
+    }
     DDM_CHECK(test.images.sizes().slice(1) == train.images.sizes().slice(1),
               "the test data (" << test.description << ") has images of " << test.images.sizes().slice(1)
                                 << ", the training data " << train.images.sizes().slice(1) << "; set data.resolution");
-    DDM_CHECK(train.num_classes >= 2, "train-classifier: " << train.description << " has no class labels (.cls or a "
-                                                           "\"label\" in .json for shards; subfolders for a folder)");
+    if (train.num_classes < 2) {  // unlabelled: learn which way each image was turned
+      std::cout << train.description << " has no class labels: the network learns the self-supervised task of "
+                << "telling how far each image was turned (0/90/180/270 degrees), whose features serve the metrics "
+                << "as a classifier's do" << std::endl;
+      train = rotation_dataset(train);
+      test = rotation_dataset(test);
+      task = "rotation";
+    }
     DDM_CHECK(test.num_classes <= train.num_classes,
               "the test data has " << test.num_classes << " classes, the training data " << train.num_classes);
   }
   ClassifierTrainConfig tc = a.cfg;
-  tc.hflip = !a.no_hflip;
+  tc.hflip = !a.no_hflip && task == "classes";  // a flip of a turned image looks like the opposite turn
   std::cout << "training the feature network on " << train.description << ": " << a.cfg.epochs << " epochs of batch "
             << a.cfg.batch_size << ", seed " << a.cfg.seed << ", " << a.threads << " threads" << std::endl;
   const auto t0 = std::chrono::steady_clock::now();
@@ -172,6 +184,7 @@ int train_classifier_cmd(const ClassifierArgs& a, const std::string& command) {
        {"image_shape", std::to_string(train.images.size(1)) + "x" + std::to_string(train.images.size(2)) + "x" +
                            std::to_string(train.images.size(3))},
        {"num_classes", std::to_string(train.num_classes)},
+       {"task", task},
        {"class_names", nlohmann::json(train.class_names).dump()},
        {"test_correct", std::to_string(correct)},
        {"test_total", std::to_string(total)},
@@ -274,7 +287,8 @@ Command add_classifier_command(CLI::App& app, int argc, char** argv) {
       "train-classifier",
       "Train the CNN classifier whose features the evaluation metrics (FD-fmnist, KID, precision/recall) use, on "
       "the Fashion-MNIST train split, and report its accuracy on the test split; or, with --config, on any "
-      "labelled data ddm reads (the shapes dataset's shapes: docs/text.md), measured on --test-set's. "
+      "data ddm reads, measured on --test-set's or on a held-out tenth: its classes, or for unlabelled data which "
+      "way each image was turned (docs/evaluation.md). "
       "Deterministic for a given seed and thread count. ddm ships one in assets/feature-net/ (see its README for "
       "the command that made it).");
   cmd->add_option("--out", a->out, "safetensors file to write [feature-net.safetensors]");
@@ -283,7 +297,7 @@ Command add_classifier_command(CLI::App& app, int argc, char** argv) {
   cmd->add_option("--set", a->overrides, "override a key of --config's, e.g. --set data.resolution=32 (repeatable)");
   cmd->add_option("--test-set", a->test_overrides,
                   "with --config: the overrides that make it name the test data, e.g. --test-set data.root=TEST "
-                  "(repeatable; required with --config)");
+                  "(repeatable; default: the last tenth of the data, held out)");
   cmd->add_flag("--no-hflip", a->no_hflip, "no random horizontal flips while training (default: flipped)");
   cmd->add_option("--epochs", a->cfg.epochs, "training epochs")->check(kPositive);
   cmd->add_option("--batch", a->cfg.batch_size, "batch size")->check(kPositive);

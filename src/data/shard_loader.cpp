@@ -2,6 +2,7 @@
 #include "data/shard_loader.h"
 
 #include <algorithm>
+#include <limits>
 #include <atomic>
 #include <cstring>
 #include <iostream>
@@ -498,6 +499,11 @@ Dataset shard_prefix(const DataConfig& cfg, int64_t n, int threads) {
   d.labels = torch::cat(labels);
   d.description = "the first " + std::to_string(n) + " samples of " + d.description;
   return d;
+}
+
+Dataset load_whole_dataset(const DataConfig& cfg, int threads) {
+  if (cfg.source == "shards") return shard_prefix(cfg, std::numeric_limits<int64_t>::max(), threads);
+  return load_dataset(cfg);
 }
 
 }  // namespace ddm

@@ -124,6 +124,10 @@ void require_images(const Dataset& opened);
 // autoencoder's latent statistics and reconstructions).
 Dataset shard_prefix(const DataConfig& cfg, int64_t n, int threads);
 
+// Any data ddm reads, whole in memory (shards: every sample, decoded as training decodes them with a
+// centre crop): what train-classifier trains on and eval compares with.
+Dataset load_whole_dataset(const DataConfig& cfg, int threads);
+
 // The loader options data.* give for the shards `opened` (open_shards of cfg), in batches of `batch` rows.
 ShardLoaderOptions shard_loader_options(const DataConfig& cfg, const Dataset& opened, int64_t batch, int local_processes);
 

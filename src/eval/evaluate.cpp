@@ -1,4 +1,4 @@
-// Sample evaluation against the Fashion-MNIST test split (see evaluate.h).
+// Sample evaluation against real images (see evaluate.h).
 #include "eval/evaluate.h"
 
 #include <chrono>
@@ -30,7 +30,8 @@ void check_images(const SampleSet& s, const FeatureNetShape& shape) {
                                                   << (x.defined() ? x.sizes() : at::IntArrayRef{}));
   DDM_CHECK(x.size(1) == shape.in_channels && x.size(2) == shape.image_size && x.size(3) == shape.image_size,
             s.origin << ": images are " << x.sizes() << " but the feature network takes [N, " << shape.in_channels
-                     << ", " << shape.image_size << ", " << shape.image_size << "] (Fashion-MNIST-shaped images)");
+                     << ", " << shape.image_size << ", " << shape.image_size << "]: give the network trained on this "
+                     << "data (--feature-net; `ddm train-classifier --config` makes one)");
   DDM_CHECK(x.size(0) > 0, s.origin << ": no images");
   const auto t = x.scalar_type();
   DDM_CHECK(t == torch::kUInt8 || t == torch::kFloat32 || t == torch::kFloat64,
@@ -56,22 +57,38 @@ struct Reference {
   torch::Tensor features;  // float64 [N, D]
   std::string description;
   std::vector<std::string> class_names;
+  bool labelled = false;
 };
 
-// Features of the test split, from the cache or computed and cached.
-Reference reference_features(FeatureNet& net, const std::string& net_sha, const EvalConfig& cfg) {
+// The real images: EvalConfig::reference, else Fashion-MNIST's test split.
+Dataset reference_images(const EvalConfig& cfg) {
+  if (cfg.reference) return *cfg.reference;
   DataConfig dc;
   dc.root = cfg.data_root;
   dc.split = "test";
-  const Dataset test = load_dataset(dc);
-  const std::string data_sha = sha256_hex(std::string(static_cast<const char*>(test.images.data_ptr()),
-                                                      static_cast<size_t>(test.images.numel())));
+  return load_dataset(dc);
+}
+
+// Features of the real images, from the cache or computed and cached.
+Reference reference_features(FeatureNet& net, const std::string& net_sha, const EvalConfig& cfg) {
+  const Dataset test = reference_images(cfg);
+  DDM_CHECK(test.images.scalar_type() == torch::kUInt8 && test.images.dim() == 4 &&
+                test.images.size(1) == net->shape().in_channels && test.images.size(2) == net->shape().image_size &&
+                test.images.size(3) == net->shape().image_size,
+            "the reference images (" << test.description << ") are " << test.images.scalar_type() << " "
+                                     << test.images.sizes() << ", but the feature network takes uint8 [N, "
+                                     << net->shape().in_channels << ", " << net->shape().image_size << ", "
+                                     << net->shape().image_size << "]: give the network trained on this data");
+  const torch::Tensor flat = test.images.contiguous();
+  const std::string data_sha = sha256_hex(std::string(static_cast<const char*>(flat.data_ptr()),
+                                                      static_cast<size_t>(flat.numel())));
   const fs::path dir = cfg.cache_dir.empty() ? default_cache_dir() : cfg.cache_dir;
-  const fs::path path =
-      dir / ("fmnist-test-" + data_sha.substr(0, 12) + "-net-" + net_sha.substr(0, 12) + ".safetensors");
+  const fs::path path = dir / ((cfg.reference ? "reference-" : "fmnist-test-") + data_sha.substr(0, 12) + "-net-" +
+                               net_sha.substr(0, 12) + ".safetensors");
   Reference ref;
   ref.description = test.description;
   ref.class_names = test.class_names;
+  ref.labelled = test.num_classes > 0;
   if (fs::exists(path)) {
     SafetensorsFile f = load_safetensors(path.string());
     const std::string got = f.metadata.count("feature_net_sha256") ? f.metadata["feature_net_sha256"] : "";
@@ -113,13 +130,14 @@ void check_evaluable_source(const std::string& origin, const std::string& what) 
             what << " was trained on data from \"" << origin << "\"" << unknown << ", not Fashion-MNIST. ddm eval scores "
                  "samples against Fashion-MNIST's test split with a feature network trained on Fashion-MNIST (and "
                  "names its classes), so for other data its FD, KID, precision/recall and class accuracy would be "
-                 "meaningless; look at `ddm sample` grids instead");
+                 "meaningless: give --feature-net (a network `ddm train-classifier --config` trained on that data) "
+                 "and --reference-config (that data's config)");
 }
 
-SampleSet load_samples(const std::string& path) {
+SampleSet load_samples(const std::string& path, bool any_source) {
   DDM_CHECK(fs::exists(path), path << ": no such samples file (write one with `ddm sample --raw FILE`)");
   SafetensorsFile f = load_safetensors(path);
-  if (f.metadata.count("data_source")) check_evaluable_source(f.metadata["data_source"], path + " (its model)");
+  if (f.metadata.count("data_source") && !any_source) check_evaluable_source(f.metadata["data_source"], path + " (its model)");
   SampleSet s;
   s.origin = path;
   auto labels = f.tensors.find("labels");
@@ -187,23 +205,34 @@ LoadedFeatureNet load_eval_feature_net(const EvalConfig& cfg) {
 
 EvalReport evaluate_samples(const SampleSet& samples, const EvalConfig& cfg) {
   DDM_CHECK(!cfg.cas || samples.labels.defined(), samples.origin << ": CAS needs labelled samples (class-conditional)");
+  DDM_CHECK(!cfg.reference || !cfg.feature_net.empty(),
+            "evaluating against " << cfg.reference->description << " needs a feature network trained on that data "
+                                  "(--feature-net FILE; `ddm train-classifier --config` makes one): the shipped one "
+                                  "knows Fashion-MNIST only");
   LoadedFeatureNet fnet = load_eval_feature_net(cfg);
   check_images(samples, fnet.net->shape());
   const Reference ref = reference_features(fnet.net, fnet.sha256, cfg);
+  // The network's classes are the data's (not the turns of an unlabelled set's network): then it
+  // judges the requested classes.
+  const bool classes = fnet.metadata.count("task") == 0 || fnet.metadata.at("task") == "classes";
+  DDM_CHECK(!cfg.cas || (classes && ref.labelled),
+            samples.origin << ": CAS measures a classifier of the samples on the reference's classes, and "
+                           << ref.description << " has none");
   const auto t0 = std::chrono::steady_clock::now();
   EvalReport r;
   r.origin = samples.origin;
   r.info = samples.info;
   r.feature_net_sha256 = fnet.sha256;
+  r.fmnist = !cfg.reference;
   r.reference = ref.description;
   r.n = samples.images.size(0);
   r.reference_n = ref.features.size(0);
-  r.class_names = ref.class_names;
+  if (classes) r.class_names = ref.class_names;
   const auto feats = extract_features(fnet.net, samples.images);  // [N, D] float64
   r.fd = frechet_distance(gaussian_stats(feats), gaussian_stats(ref.features));
   r.kid = kernel_inception_distance(feats, ref.features, cfg.kid_subsets, cfg.kid_subset_size, cfg.seed);
   r.pr = precision_recall(ref.features, feats, cfg.pr_k);
-  if (samples.labels.defined()) {
+  if (samples.labels.defined() && classes && ref.labelled) {
     torch::Tensor pred;  // [N]: the head on the features above (float64 holds float32 exactly)
     {
       torch::NoGradGuard ng;
@@ -237,10 +266,7 @@ EvalReport evaluate_samples(const SampleSet& samples, const EvalConfig& cfg) {
     if (!cfg.quiet)
       std::cout << "CAS: training a classifier on the samples for " << tc.epochs << " epochs" << std::endl;
     FeatureNet cas_net = train_classifier(gen, tc);
-    DataConfig dc;
-    dc.root = cfg.data_root;
-    dc.split = "test";
-    const Dataset test = load_dataset(dc);
+    const Dataset test = reference_images(cfg);
     r.cas = static_cast<double>(count_correct(cas_net, test)) / static_cast<double>(test.images.size(0));
   }
   return r;
@@ -252,7 +278,7 @@ std::string EvalReport::json() const {
                       {"feature_net_sha256", feature_net_sha256},
                       {"reference", reference},
                       {"reference_n", reference_n},
-                      {"fd_fmnist", fd},
+                      {fmnist ? "fd_fmnist" : "fd", fd},
                       {"kid_mean", kid.mean},
                       {"kid_std", kid.std},
                       {"kid_subsets", kid.subsets},
@@ -277,7 +303,8 @@ std::string EvalReport::table() const {
   o << "samples          " << n << " from " << origin << "\n";
   o << "reference        " << reference << "\n";
   o << "feature network  sha256 " << feature_net_sha256.substr(0, 16) << "...\n";
-  std::snprintf(buf, sizeof buf, "FD-fmnist        %.3f\n", fd);
+  std::snprintf(buf, sizeof buf, "%-16s %.3f%s\n", fmnist ? "FD-fmnist" : "FD", fd,
+                fmnist ? "" : " (in the feature network's space: not Inception FID, docs/evaluation.md)");
   o << buf;
   std::snprintf(buf, sizeof buf, "KID              %.5f +- %.5f (%lld subsets of %lld)\n", kid.mean, kid.std,
                 static_cast<long long>(kid.subsets), static_cast<long long>(kid.subset_size));

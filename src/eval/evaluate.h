@@ -1,16 +1,20 @@
-// Evaluating a set of generated images against the Fashion-MNIST test split with the feature
-// network: FD-fmnist, KID, precision/recall, and for class-conditional samples the feature
-// network's accuracy per requested class and, on request, the classification accuracy score (CAS:
-// the test accuracy of a fresh classifier trained only on the samples, Ravuri & Vinyals 2019).
-// Reference features of the test split are cached on disk, keyed by the feature network's sha256.
+// Evaluating a set of generated images against real ones with the feature network: FD, KID,
+// precision/recall, and for class-conditional samples the feature network's accuracy per requested
+// class and, on request, the classification accuracy score (CAS: the test accuracy of a fresh
+// classifier trained only on the samples, Ravuri & Vinyals 2019). The real images are Fashion-MNIST's
+// test split (with the shipped network), or any dataset (EvalConfig::reference) with a network
+// `ddm train-classifier --config` trained on that data. Reference features are cached on disk, keyed
+// by the images' and the network's sha256.
 #pragma once
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include <torch/types.h>
 
+#include "data/dataset.h"
 #include "eval/feature_net.h"
 #include "eval/metrics.h"
 
@@ -30,6 +34,9 @@ struct EvalConfig {
   // Where the feature network runs. Its features agree across devices within float32 rounding, so
   // the cached reference features serve every device.
   torch::Device device = torch::kCPU;
+  // The real images to compare with (uint8 [N, C, H, W], labels if it has classes); null: the
+  // Fashion-MNIST test split of data_root.
+  std::shared_ptr<const Dataset> reference;
 };
 
 // Generated (or real) images to evaluate: uint8 [N, C, H, W], or float in [-1, 1]; labels int64 [N]
@@ -43,8 +50,9 @@ struct SampleSet {
 
 // Reads a safetensors file with `images` (uint8 NCHW/NHWC as in data/tensor_file.h, or float NCHW
 // in [-1, 1]) or `samples` (float NCHW in [-1, 1], as `ddm sample --raw` writes) and optional
-// `labels`. Errors name the file and say what is wrong.
-SampleSet load_samples(const std::string& path);
+// `labels`. Errors name the file and say what is wrong. Samples of a model trained on other data
+// than Fashion-MNIST (their "data_source") are refused unless any_source (a reference of their own).
+SampleSet load_samples(const std::string& path, bool any_source = false);
 
 // The metrics compare against Fashion-MNIST's test split in the space of a network trained on
 // Fashion-MNIST, with its class names: samples of a model trained on other data (an origin,
@@ -61,6 +69,7 @@ SampleSet anchor_samples(const std::string& kind, int64_t n, uint64_t seed, cons
 
 struct EvalReport {
   std::string origin, feature_net_sha256, reference;
+  bool fmnist = true;                  // against Fashion-MNIST's test split (FD-fmnist), else EvalConfig::reference
   int64_t n = 0, reference_n = 0;
   double fd = 0;
   KidResult kid;

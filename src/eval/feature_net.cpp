@@ -24,6 +24,25 @@ namespace {
 nn::Conv2d conv3x3(int64_t in, int64_t out) { return nn::Conv2d(nn::Conv2dOptions(in, out, 3).padding(1).bias(false)); }
 }  // namespace
 
+int64_t pooled_side(int64_t image_size) { return std::min(image_size / 4, kMaxPooledSide); }
+
+Dataset rotation_dataset(const Dataset& d) {
+  DDM_CHECK(d.images.dim() == 4 && d.images.size(2) == d.images.size(3),
+            d.description << ": rotations need square images, got " << d.images.sizes());
+  Dataset r;
+  std::vector<torch::Tensor> images, labels;
+  for (int64_t k = 0; k < 4; ++k) {
+    images.push_back(torch::rot90(d.images, k, {2, 3}).contiguous());  // [N, C, S, S], turned k x 90 degrees
+    labels.push_back(torch::full({d.images.size(0)}, k, torch::kLong));
+  }
+  r.images = torch::cat(images);  // [4N, C, S, S]
+  r.labels = torch::cat(labels);  // [4N]
+  r.num_classes = 4;
+  r.class_names = {"0 deg", "90 deg", "180 deg", "270 deg"};
+  r.description = d.description + ", each image turned 0/90/180/270 degrees";
+  return r;
+}
+
 FeatureNetImpl::FeatureNetImpl(const FeatureNetShape& shape) : shape_(shape) {
   DDM_CHECK(shape.in_channels >= 1 && shape.image_size >= 4 && shape.image_size % 4 == 0,
             "feature network: needs image_size divisible by 4 and >= 1 channel, got " << shape.in_channels << "x"
@@ -39,7 +58,7 @@ FeatureNetImpl::FeatureNetImpl(const FeatureNetShape& shape) : shape_(shape) {
   b3_ = register_module("b3", nn::BatchNorm2d(64));
   c4_ = register_module("c4", conv3x3(64, 64));
   b4_ = register_module("b4", nn::BatchNorm2d(64));
-  const int64_t flat = 64 * (shape.image_size / 4) * (shape.image_size / 4);
+  const int64_t flat = 64 * pooled_side(shape.image_size) * pooled_side(shape.image_size);
   fc_ = register_module("fc", nn::Linear(nn::LinearOptions(flat, shape.feature_dim).bias(false)));
   bf_ = register_module("bf", nn::BatchNorm1d(shape.feature_dim));
   drop_ = register_module("drop", nn::Dropout(0.3));
@@ -55,6 +74,7 @@ torch::Tensor FeatureNetImpl::features(const torch::Tensor& x) {
   h = torch::max_pool2d(torch::relu(b2_(c2_(h))), 2);    // [B, 32, S/2, S/2]
   h = torch::relu(b3_(c3_(h)));                          // [B, 64, S/2, S/2]
   h = torch::max_pool2d(torch::relu(b4_(c4_(h))), 2);    // [B, 64, S/4, S/4]
+  if (h.size(2) > kMaxPooledSide) h = torch::adaptive_avg_pool2d(h, {kMaxPooledSide, kMaxPooledSide});  // [B, 64, 8, 8]
   return torch::relu(bf_(fc_(h.flatten(1))));            // [B, feature_dim]
 }
 
