@@ -195,22 +195,23 @@ int train_classifier_cmd(const ClassifierArgs& a, const std::string& command) {
 }
 
 int presets_cmd() {
-  std::printf("%-17s %-11s %12s %16s\n", "preset", "arch", "parameters", "MFLOP/img fwd");
+  std::printf("%-17s %-11s %12s %16s  %s\n", "preset", "arch", "parameters", "MFLOP/img fwd", "sized for");
   for (const auto& name : preset_names()) {
     ModelConfig m;
     apply_preset(name, m);
     m.preset = name;
-    const bool latent = name.rfind("latent-", 0) == 0;  // sized for ae-f4's latents
-    m.in_channels = latent ? 4 : 1;
-    m.image_size = latent ? 7 : 28;
+    const PresetShape shape = preset_shape(name);
+    m.in_channels = m.arch == "autoencoder" ? 1 : shape.channels;
+    m.image_size = shape.side;
     m.num_classes = 10;
     if (is_router_arch(m.arch)) m.num_experts = 4;
     Net net = make_net(m);
-    std::printf("%-17s %-11s %12lld %16.1f\n", name.c_str(), m.arch.c_str(),
-                static_cast<long long>(count_params(*net)), forward_flops_per_image(m) / 1e6);
+    std::printf("%-17s %-11s %12lld %16.1f  %s\n", name.c_str(), m.arch.c_str(),
+                static_cast<long long>(count_params(*net)), forward_flops_per_image(m) / 1e6,
+                m.arch == "autoencoder" ? "28 px grey -> 7x7x4" : shape.what.c_str());
   }
-  std::printf("(28x28x1 images, latent-* on ae-f4's 7x7x4 latents, 10 classes, routers with K = 4 experts; "
-              "training costs about 3x the forward FLOPs)\n");
+  std::printf("(10 classes, routers with K = 4 experts; training costs about 3x the forward FLOPs; a preset trains "
+              "at any size its levels divide)\n");
   return 0;
 }
 

@@ -1,4 +1,5 @@
-// Named model presets sized for CPU training on 28x28x1 images (see presets.h).
+// Named model presets (see presets.h): sized for CPU training on 28x28x1 images, and for your own
+// RGB images at 32-256 px (unet-N, latent-unet-N; `ddm presets` gives their sizes).
 // Sizes for 28x28x1 with 10 classes (count_params / forward_flops_per_image, forward FLOPs per image):
 //   unet-tiny   0.49M params, 0.20 GFLOP  U-Net 32/64/64, 1 res block per level, 28 -> 14 -> 7
 //   unet-small  3.61M params, 1.46 GFLOP  U-Net 64/128/128, 2 res blocks per level, attention at 7x7
@@ -106,6 +107,71 @@ const std::vector<std::pair<std::string, PresetFn>>& presets() {
          m.latent_channels = 4;
          m.groups = 8;
        }},
+      // Your own RGB images at 32, 64, 128 and 256 px (docs/own-data.md): U-Nets with attention at 16x16
+      // and 8x8 (at 8x8 only above 64 px), one more halving per doubling of the side. 32 and 64 px are
+      // sized to train on a CPU (0.5 and 2.2 GFLOP per image forward), 128 and 256 px for a GPU.
+      {"unet-32",
+       [](ModelConfig& m) {
+         m.arch = "unet";
+         m.channels = 32;
+         m.channel_mult = {1, 2, 2};
+         m.res_blocks = 2;
+         m.attn_levels = {1, 2};
+         m.groups = 16;
+         m.heads = 4;
+       }},
+      {"unet-64",
+       [](ModelConfig& m) {
+         m.arch = "unet";
+         m.channels = 32;
+         m.channel_mult = {1, 2, 2, 4};
+         m.res_blocks = 2;
+         m.attn_levels = {2, 3};
+         m.groups = 16;
+         m.heads = 4;
+       }},
+      {"unet-128",
+       [](ModelConfig& m) {
+         m.arch = "unet";
+         m.channels = 64;
+         m.channel_mult = {1, 1, 2, 2, 4};
+         m.res_blocks = 2;
+         m.attn_levels = {4};
+         m.groups = 16;
+         m.heads = 4;
+       }},
+      {"unet-256",
+       [](ModelConfig& m) {
+         m.arch = "unet";
+         m.channels = 64;
+         m.channel_mult = {1, 1, 2, 2, 4, 4};
+         m.res_blocks = 2;
+         m.attn_levels = {5};
+         m.groups = 16;
+         m.heads = 4;
+       }},
+      // Latent U-Nets for 128 and 256 px images on an f = 8 autoencoder with 4 channels (diffusers'
+      // sd-vae-ft-mse: model.latent = its folder): 16x16x4 and 32x32x4 latents.
+      {"latent-unet-128",
+       [](ModelConfig& m) {
+         m.arch = "unet";
+         m.channels = 128;
+         m.channel_mult = {1, 2};
+         m.res_blocks = 2;
+         m.attn_levels = {1};
+         m.groups = 16;
+         m.heads = 4;
+       }},
+      {"latent-unet-256",
+       [](ModelConfig& m) {
+         m.arch = "unet";
+         m.channels = 128;
+         m.channel_mult = {1, 2, 2};
+         m.res_blocks = 2;
+         m.attn_levels = {1, 2};
+         m.groups = 16;
+         m.heads = 4;
+       }},
       // Routers: a few percent of an expert's FLOPs, so routed sampling costs about one expert.
       {"router-dit-tiny",
        [](ModelConfig& m) {
@@ -130,6 +196,20 @@ const std::vector<std::pair<std::string, PresetFn>>& presets() {
 }
 
 }  // namespace
+
+PresetShape preset_shape(const std::string& name) {
+  const size_t dash = name.rfind('-');
+  const std::string tail = dash == std::string::npos ? "" : name.substr(dash + 1);
+  const bool sized = !tail.empty() && tail.find_first_not_of("0123456789") == std::string::npos;
+  const bool latent = name.rfind("latent-", 0) == 0;
+  if (sized) {
+    const int64_t side = std::stoll(tail);
+    return latent ? PresetShape{4, side / 8, std::to_string(side) + " px images as f8 latents"}
+                  : PresetShape{3, side, std::to_string(side) + " px RGB"};
+  }
+  if (latent) return {4, 7, "ae-f4's latents of 28 px"};
+  return {1, 28, "28 px grey"};
+}
 
 std::vector<std::string> preset_names() {
   std::vector<std::string> names;

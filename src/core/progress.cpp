@@ -38,7 +38,7 @@ std::string format_duration(double s) {
 }
 
 std::string format_finish_time(double seconds) {
-  if (!(seconds >= 0) || seconds > 1e7) return "";
+  if (!(seconds >= 60) || seconds > 1e7) return "";  // under a minute the clock says nothing more
   const std::time_t now = std::time(nullptr), end = now + static_cast<std::time_t>(seconds + 0.5);
   std::tm a{}, b{};
   localtime_r(&now, &a);

@@ -11,7 +11,7 @@ namespace ddm {
 std::string format_duration(double seconds);  // "1h02m", "3m05s", "12s"
 std::string format_bytes(int64_t bytes);       // "512 B", "3.2 KiB", "41.0 MiB", "1.20 GiB"
 // When a run `seconds` from now ends, on the local clock: "14:05", or "Tue 14:05" past today; "" if
-// unknown (seconds < 0).
+// unknown (seconds < 0) or under a minute away.
 std::string format_finish_time(double seconds);
 
 class Progress {

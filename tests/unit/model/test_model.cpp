@@ -29,15 +29,24 @@
 namespace ddm {
 namespace {
 
+// A preset at 28x28x1, or (presets sized for other images, core/presets.h) at the smallest side its
+// levels divide with their channels: RGB at 32 px, latents at 16.
 ModelConfig preset_cfg(const std::string& name, int64_t num_classes = 10) {
   ModelConfig cfg;
-  cfg.in_channels = 1;
-  cfg.image_size = 28;
+  const PresetShape shape = preset_shape(name);
+  const bool sized = shape.side != 28 && shape.side != 7;
+  cfg.in_channels = sized ? shape.channels : 1;
+  cfg.image_size = sized ? (shape.channels == 3 ? 32 : 16) : 28;
   cfg.num_classes = num_classes;
   cfg.num_experts = 3;  // used by the router presets only
   cfg.preset = name;
   apply_preset(name, cfg);
   return cfg;
+}
+
+// n images of the shape the preset's config takes, [n, C, S, S].
+torch::Tensor images_for(const ModelConfig& cfg, int64_t n) {
+  return torch::randn({n, cfg.in_channels, cfg.image_size, cfg.image_size});
 }
 
 // The output shape of a preset's net for a batch of images x: like x, or [B, K] logits for a router.
@@ -134,7 +143,7 @@ TEST(Nets, DiTOutputsExactlyZeroAtInit) {
     if (cfg.arch != "dit") continue;
     ++n;
     auto net = make_net(cfg);
-    auto out = net->forward(torch::randn({3, 1, 28, 28}), torch::rand({3}), torch::tensor({0, 5, 10}));
+    auto out = net->forward(images_for(cfg, 3), torch::rand({3}), torch::tensor({0, 5, 10}));
     EXPECT_TRUE(torch::equal(out, torch::zeros_like(out))) << name;
   }
   EXPECT_GE(n, 2);
@@ -145,8 +154,8 @@ TEST(Nets, UNetOutputsExactlyZeroAtInit) {
     auto cfg = preset_cfg(name);
     if (cfg.arch != "unet") continue;
     auto net = make_net(cfg);
-    auto out = net->forward(torch::randn({2, 1, 28, 28}), torch::rand({2}), torch::tensor({1, 10}));
-    ASSERT_EQ(out.sizes(), (std::vector<int64_t>{2, 1, 28, 28}));
+    auto out = net->forward(images_for(cfg, 2), torch::rand({2}), torch::tensor({1, 10}));
+    ASSERT_EQ(out.sizes(), images_for(cfg, 2).sizes());
     EXPECT_TRUE(torch::equal(out, torch::zeros_like(out))) << name;
   }
 }
@@ -157,7 +166,7 @@ TEST(Nets, AllPresetsGiveInputShapedFiniteOutputs) {
     auto cfg = preset_cfg(name);
     auto net = make_net(cfg);
     randomize(*net, 0.05);
-    auto x = torch::randn({3, 1, 28, 28});
+    auto x = images_for(cfg, 3);
     auto out = net->forward(x, torch::rand({3}), torch::tensor({0, 9, 10}));
     EXPECT_EQ(out.sizes(), out_shape(cfg, x)) << name;
     EXPECT_TRUE(torch::isfinite(out).all().item<bool>()) << name;
@@ -183,7 +192,7 @@ TEST(Nets, UnconditionalNetsIgnoreLabels) {
     auto net = make_net(cfg);
     for (const auto& p : net->named_parameters())
       EXPECT_EQ(p.key().find("label"), std::string::npos) << name << ": " << p.key();
-    auto x = torch::randn({2, 1, 28, 28});
+    auto x = images_for(cfg, 2);
     auto out = net->forward(x, torch::rand({2}), torch::Tensor());
     EXPECT_EQ(out.sizes(), out_shape(cfg, x)) << name;
   }
