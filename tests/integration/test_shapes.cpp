@@ -124,8 +124,11 @@ TEST(Shapes, TrainClassifierOnTheShardsAndEvalShapesReportsSeenAndHeldOut) {
                          (dir / "shape-net.safetensors"));
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("test accuracy"), std::string::npos) << r.output;
-  test::expect_error(test::run_ddm("train-classifier --config " + (dir / "data.toml") + " --out " + (dir / "x.safetensors")),
-                     "--config needs --test-set KEY=VALUE");
+  // Test data that is not there is an error naming it, and nothing is written.
+  test::expect_error(test::run_ddm("train-classifier --config " + (dir / "data.toml") + " --test-set data.root=" +
+                                   (dir / "d/none-{000000..000001}.tar") + " --out " + (dir / "x.safetensors")),
+                     "none-000000.tar");
+  EXPECT_FALSE(fs::exists(dir / "x.safetensors"));
   // A text model on the shards, conditioned on the captions alone (model.num_classes = 0: the shards'
   // labels, the shapes, are not given to it).
   const std::string encoder = test::minilm_package_dir() + "/model";
