@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <functional>
+#include <map>
 #include <set>
 #include <sstream>
 
@@ -24,6 +25,7 @@ struct Field {
   std::string key;  // "section.name"
   std::function<void(const toml::node&, const std::string& where)> set;
   std::function<void(toml::table&)> dump;  // inserts name = value into the section's table
+  std::string type;  // for the reference: "integer", "number", "true / false", "string", ...
 };
 
 std::string type_name(const toml::node& n) {
@@ -48,7 +50,7 @@ Field field(const std::string& key, int64_t* p) {
             DDM_CHECK(v, where << ": " << key << " must be an integer, got " << type_name(n) << " " << node_str(n));
             *p = *v;
           },
-          [key, p](toml::table& t) { t.insert_or_assign(leaf(key), *p); }};
+          [key, p](toml::table& t) { t.insert_or_assign(leaf(key), *p); }, "integer"};
 }
 
 Field field(const std::string& key, double* p) {
@@ -59,7 +61,7 @@ Field field(const std::string& key, double* p) {
                       where << ": " << key << " must be a number, got " << type_name(n) << " " << node_str(n));
             *p = *v;
           },
-          [key, p](toml::table& t) { t.insert_or_assign(leaf(key), *p); }};
+          [key, p](toml::table& t) { t.insert_or_assign(leaf(key), *p); }, "number"};
 }
 
 Field field(const std::string& key, bool* p) {
@@ -69,7 +71,7 @@ Field field(const std::string& key, bool* p) {
             DDM_CHECK(v, where << ": " << key << " must be true or false, got " << type_name(n) << " " << node_str(n));
             *p = *v;
           },
-          [key, p](toml::table& t) { t.insert_or_assign(leaf(key), *p); }};
+          [key, p](toml::table& t) { t.insert_or_assign(leaf(key), *p); }, "true / false"};
 }
 
 Field field(const std::string& key, std::string* p) {
@@ -79,7 +81,7 @@ Field field(const std::string& key, std::string* p) {
             DDM_CHECK(v, where << ": " << key << " must be a string, got " << type_name(n) << " " << node_str(n));
             *p = *v;
           },
-          [key, p](toml::table& t) { t.insert_or_assign(leaf(key), *p); }};
+          [key, p](toml::table& t) { t.insert_or_assign(leaf(key), *p); }, "string"};
 }
 
 Field field(const std::string& key, std::vector<int64_t>* p) {
@@ -99,7 +101,7 @@ Field field(const std::string& key, std::vector<int64_t>* p) {
             toml::array arr;
             for (int64_t v : *p) arr.push_back(v);
             t.insert_or_assign(leaf(key), arr);
-          }};
+          }, "integers"};
 }
 
 Field field(const std::string& key, std::vector<std::string>* p) {
@@ -119,7 +121,13 @@ Field field(const std::string& key, std::vector<std::string>* p) {
             toml::array arr;
             for (const std::string& v : *p) arr.push_back(v);
             t.insert_or_assign(leaf(key), arr);
-          }};
+          }, "strings"};
+}
+
+std::string join_names(const std::vector<std::string>& v) {
+  std::string out;
+  for (const std::string& a : v) out += (out.empty() ? "" : ", ") + a;
+  return out;
 }
 
 // The names of each choice key's enum (config.h), in the order errors list them.
@@ -181,7 +189,273 @@ Field choice(const std::string& key, E* p, const std::vector<std::string>& allow
             }
             DDM_FAIL(where << ": " << key << " = \"" << *v << "\" is not one of: " << list);
           },
-          [key, p](toml::table& t) { t.insert_or_assign(leaf(key), enum_name(*p)); }};
+          [key, p](toml::table& t) { t.insert_or_assign(leaf(key), enum_name(*p)); }, "one of: " + join_names(allowed)};
+}
+
+// What each key means, for `ddm train --config-reference` and docs/config.md (generated from it and
+// checked against it by a test). One line each; where a key has more to say, its docs/ page does.
+const std::map<std::string, std::string>& key_docs() {
+  static const std::map<std::string, std::string> d = {
+      {"data.source",
+       "where the images come from: fashion-mnist, folder (class sub-folders or plain images, all one size), safetensors (a file of `images`, optional `labels`), shards (tar files, streamed) or latents (a `ddm encode` directory)"},
+      {"data.root",
+       "the data's directory, file, shard pattern (`x-{000000..000009}.tar`) or `ddm encode` directory; empty: Debian's Fashion-MNIST"},
+      {"data.split",
+       "Fashion-MNIST's split: train or test"},
+      {"data.hflip",
+       "flip each image horizontally at random (only where a mirrored image is as valid)"},
+      {"data.limit",
+       "use only the first N images (0: all)"},
+      {"data.partition",
+       "a `ddm partition` directory: train on one of its clusters (with data.expert)"},
+      {"data.expert",
+       "the cluster to train on, 0..K-1 (-1: all data; routers)"},
+      {"data.holdout",
+       "routers: keep the last N images out of training, to measure the router on"},
+      {"data.resolution",
+       "shards: crop each image square and resize it to this side (required for shards)"},
+      {"data.channels",
+       "shards: 1 (grey) or 3 (RGB); 0: as the first image is"},
+      {"data.crop",
+       "shards: which square of the shorter side: center or random"},
+      {"data.shuffle_buffer",
+       "shards: samples mixed across shard boundaries (0 or 1: none)"},
+      {"data.skip_bad",
+       "skip and count samples that cannot be used instead of stopping at the first"},
+      {"data.decode_threads",
+       "threads decoding shard images (0: a quarter of the cores, at least 1)"},
+      {"data.scan_cache",
+       "keep what the scan of each shard found, so the next run starts at once"},
+      {"model.preset",
+       "a named architecture (`ddm presets`); the keys below override its values"},
+      {"model.arch",
+       "unet, dit, router-dit, router-conv, autoencoder or sd-unet (diffusers' UNet; model.unet)"},
+      {"model.in_channels",
+       "input channels; 0: taken from the data (recorded)"},
+      {"model.image_size",
+       "input side in pixels (latents: the latents'); 0: taken from the data (recorded)"},
+      {"model.num_classes",
+       "classes the model is conditioned on; -1: taken from the data, 0: unconditional"},
+      {"model.num_experts",
+       "routers: K, the number of experts (0: taken from the partition)"},
+      {"model.channels",
+       "U-Net: base width"},
+      {"model.channel_mult",
+       "U-Net: the width of each resolution level, times model.channels"},
+      {"model.res_blocks",
+       "U-Net: residual blocks per level"},
+      {"model.attn_levels",
+       "U-Net: levels with self-attention (0: full resolution)"},
+      {"model.groups",
+       "U-Net: GroupNorm groups"},
+      {"model.patch",
+       "DiT: patch side in pixels"},
+      {"model.width",
+       "DiT: token width"},
+      {"model.depth",
+       "DiT: transformer blocks"},
+      {"model.heads",
+       "attention heads (DiT blocks, U-Net attention)"},
+      {"model.mlp_ratio",
+       "DiT: MLP width over token width"},
+      {"model.latent_channels",
+       "autoencoders: latent channels"},
+      {"model.latent",
+       "latent diffusion: a `ddm train-autoencoder` run or diffusers' AutoencoderKL folder; the model learns its latents"},
+      {"model.latent_sha256",
+       "the autoencoder's weights, pinned (filled in at train time)"},
+      {"model.latent_scale",
+       "latents are (z - shift) * scale; 0: the autoencoder's own (filled in)"},
+      {"model.latent_shift",
+       "see latent_scale (filled in)"},
+      {"model.controlnet",
+       "a ControlNet on this locked base run (`ddm train --controlnet`); sd-unet: from-unet or a ControlNetModel folder"},
+      {"model.controlnet_sha256",
+       "the base's weights, pinned (filled in)"},
+      {"model.control",
+       "the ControlNet's control maps: edges or lowres"},
+      {"model.self_cond",
+       "self-conditioning input channels (set from train.self_cond)"},
+      {"model.embed",
+       "image-embedding conditioning: feature-net or a `ddm train-classifier` file (empty: off)"},
+      {"model.embed_sha256",
+       "the embedding network's file, pinned (filled in)"},
+      {"model.embed_dim",
+       "the embedding's width (filled in)"},
+      {"model.text_encoder",
+       "a frozen text encoder's directory (CLIP, BERT, sentence-transformers, a diffusers pipeline): the model attends to each caption's encoding (docs/text.md)"},
+      {"model.text_sha256",
+       "the encoder's weights, pinned (filled in)"},
+      {"model.text_skip",
+       "CLIP: states from this many layers before the last (1: SD 2.x's penultimate)"},
+      {"model.text_dim",
+       "width of the encoder's token states (filled in)"},
+      {"model.text_pooled_dim",
+       "width of its pooled embedding (filled in)"},
+      {"model.text_tokens",
+       "tokens per caption (0: the encoder's; e.g. 32 to cut BERT's 256)"},
+      {"model.unet",
+       "sd-unet: diffusers' UNet2DConditionModel folder (or a pipeline directory holding unet/)"},
+      {"model.unet_sha256",
+       "the UNet's config.json, pinned (filled in)"},
+      {"diffusion.objective",
+       "what the network predicts: flow (velocity), eps or v"},
+      {"diffusion.schedule",
+       "eps / v: linear, cosine, or discrete (DDPM's and Stable Diffusion's betas)"},
+      {"diffusion.beta_schedule",
+       "discrete: linear, scaled_linear or squaredcos_cap_v2 (diffusers' names)"},
+      {"diffusion.beta_start",
+       "discrete: the first beta"},
+      {"diffusion.beta_end",
+       "discrete: the last beta"},
+      {"diffusion.timesteps",
+       "discrete: the number of timesteps"},
+      {"diffusion.scheduler",
+       "a diffusers scheduler (folder or pipeline): sets the discrete schedule and checks the objective"},
+      {"diffusion.time_dist",
+       "how training draws t: uniform or logit-normal"},
+      {"diffusion.logit_mean",
+       "logit-normal: the mean of logit(t)"},
+      {"diffusion.logit_std",
+       "logit-normal: the standard deviation of logit(t)"},
+      {"train.steps",
+       "optimizer steps of the run"},
+      {"train.batch_size",
+       "images per step, over all processes"},
+      {"train.lr",
+       "AdamW's peak learning rate"},
+      {"train.lr_schedule",
+       "constant or cosine, after the linear warm-up"},
+      {"train.warmup",
+       "steps of linear warm-up from 0 to train.lr"},
+      {"train.weight_decay",
+       "AdamW's decoupled weight decay"},
+      {"train.beta1",
+       "AdamW's first-moment decay"},
+      {"train.beta2",
+       "AdamW's second-moment decay"},
+      {"train.adam_eps",
+       "AdamW's epsilon"},
+      {"train.grad_clip",
+       "clip the global gradient norm to this (0: off)"},
+      {"train.ema_decay",
+       "decay of the weights' exponential moving average, which sampling uses"},
+      {"train.label_dropout",
+       "probability of training a sample without its class (classifier-free guidance)"},
+      {"train.caption_dropout",
+       "text models: probability of training a sample on the empty prompt"},
+      {"train.self_cond",
+       "self-conditioning: probability a sample gets a first pass's estimate (0: off; Chen et al. use 0.5)"},
+      {"train.cache_latents",
+       "latent models: encode the data once before training instead of every step"},
+      {"train.kl_weight",
+       "autoencoders: weight of the KL term against the L1 reconstruction"},
+      {"train.seed",
+       "every random draw is keyed by it (with the step and the sample's position)"},
+      {"train.threads",
+       "intra-op threads per process (0: the cores divided among the job's processes on this machine)"},
+      {"train.device",
+       "auto, cpu, cuda or cuda:N (auto and cuda: the GPU of the process's LOCAL_RANK)"},
+      {"train.precision",
+       "fp32, or bf16: bfloat16 autocast with float32 weights, optimizer and EMA"},
+      {"train.deterministic",
+       "GPUs: deterministic algorithms only, so a run repeats bit for bit (slower)"},
+      {"train.checkpoint_activations",
+       "keep only each unit's inputs and recompute it in backward: less memory, a third more compute"},
+      {"train.grad_accum",
+       "micro-batches per step (per process); the same step as the whole batch at once"},
+      {"train.log_every",
+       "steps between metrics records (metrics.jsonl, TensorBoard) and progress lines"},
+      {"train.ckpt_every",
+       "steps between checkpoints (the last step always writes one)"},
+      {"train.keep_ckpts",
+       "checkpoints kept, newest first"},
+      {"train.sample_every",
+       "steps between grids of samples in RUN/grids/ and TensorBoard (0: none)"},
+      {"train.sample_n",
+       "samples in each grid (a row per class or prompt)"},
+      {"train.sample_prompts",
+       "text models: the grid's prompts, a row each (empty: the data's first 4 captions)"},
+      {"train.expert_budget",
+       "experts: full, split-batch (batch_size / K) or split-steps (steps / K)"},
+      {"train.teacher",
+       "distillation: an ensemble directory whose experts the model learns from"},
+      {"sample.sampler",
+       "`ddm sample`'s default solver: euler, heun, ddim or ddpm"},
+      {"sample.steps",
+       "its default solver steps"},
+      {"sample.cfg",
+       "its default classifier-free guidance scale (1: off, 0: unconditional)"},
+      {"sample.n",
+       "its default number of samples"},
+      {"sample.use_ema",
+       "sample the EMA weights (also the training grids)"},
+      {"parallel.mode",
+       "dp (every step all-reduces the gradients) or diloco (replicas synchronize every diloco.inner_steps)"},
+      {"parallel.dp",
+       "data-parallel degree (0: every process; with pipelines: the replicas)"},
+      {"parallel.timeout",
+       "seconds a collective waits for the other ranks before the job fails"},
+      {"parallel.backend",
+       "auto, gloo or nccl (auto: NCCL where each rank has its own GPU)"},
+      {"parallel.bucket_mb",
+       "cap of a gradient all-reduce bucket, MiB"},
+      {"parallel.first_bucket_mb",
+       "the first bucket's cap, MiB (the last layers' gradients, ready first)"},
+      {"parallel.wire",
+       "the gradients on the wire: float32 or float16"},
+      {"parallel.pp",
+       "pipeline stages, one process each (1: no pipeline)"},
+      {"parallel.schedule",
+       "gpipe, 1f1b, zb-h1, or the V-shaped 1f1b-v, zb-v (two stages per process)"},
+      {"parallel.cuts",
+       "the first unit of each stage after the first (`ddm plan` lists them); empty: balanced"},
+      {"parallel.fill",
+       "run the frozen work in the pipeline's bubbles (DiffusionPipe); false: before the pipeline"},
+      {"parallel.pipe_wire",
+       "activations and their gradients between stages: float32 or bfloat16"},
+      {"diloco.inner_steps",
+       "H: inner steps between two synchronizations of a fragment"},
+      {"diloco.outer_lr",
+       "outer Nesterov learning rate (the paper's 0.7)"},
+      {"diloco.outer_momentum",
+       "outer Nesterov momentum, in [0, 1)"},
+      {"diloco.fragments",
+       "1: DiLoCo; more: Streaming DiLoCo's staggered fragments"},
+      {"diloco.overlap",
+       "inner steps each fragment's all-reduce overlaps (< inner_steps / fragments)"},
+      {"diloco.mix",
+       "with overlap: local = mix * local + (1 - mix) * global"},
+      {"diloco.wire",
+       "the outer gradient on the wire: float32 or float16"},
+      {"diloco.peer_wait",
+       "seconds a synchronization waits for a failed replica before going on without it"},
+      {"data.source",
+       "where the images come from: fashion-mnist, folder (class sub-folders or plain images, all one size), safetensors (a file of `images`, optional `labels`), shards (tar files, streamed) or latents (a `ddm encode` directory)"},
+      {"data.crop",
+       "shards: which square of the shorter side: center or random"},
+      {"data.split",
+       "Fashion-MNIST's split: train or test"},
+      {"train.expert_budget",
+       "experts: full, split-batch (batch_size / K) or split-steps (steps / K)"},
+      {"model.arch",
+       "unet, dit, router-dit, router-conv, autoencoder or sd-unet (diffusers' UNet; model.unet)"},
+      {"model.control",
+       "the ControlNet's control maps: edges or lowres"},
+      {"diffusion.objective",
+       "what the network predicts: flow (velocity), eps or v"},
+      {"diffusion.schedule",
+       "eps / v: linear, cosine, or discrete (DDPM's and Stable Diffusion's betas)"},
+      {"diffusion.beta_schedule",
+       "discrete: linear, scaled_linear or squaredcos_cap_v2 (diffusers' names)"},
+      {"diffusion.time_dist",
+       "how training draws t: uniform or logit-normal"},
+      {"train.lr_schedule",
+       "constant or cosine, after the linear warm-up"},
+      {"sample.sampler",
+       "`ddm sample`'s default solver: euler, heun, ddim or ddpm"},
+  };
+  return d;
 }
 
 std::vector<Field> fields(RunConfig& c) {
@@ -377,6 +651,37 @@ std::vector<std::string> config_keys() {
   std::vector<std::string> keys;
   for (const Field& f : fields(c)) keys.push_back(f.key);
   return keys;
+}
+
+std::string config_reference() {
+  RunConfig c;
+  const std::map<std::string, std::string>& docs = key_docs();
+  std::ostringstream md;
+  md << "# Config keys\n\n"
+        "Every key of a run's TOML config, with its type, its default and what it does. Generated from the config's "
+        "field table (`ddm train --config-reference > docs/config.md`; a test checks that this file is what it "
+        "writes). A key set in the config file or with `--set section.key=value` overrides the default; an unknown "
+        "key, a value of the wrong type or out of range is an error naming the key. `ddm train --config C "
+        "--print-config` shows C's values; `ddm presets` the model presets. Keys marked *filled in* are resolved "
+        "when a run starts and recorded in its config.toml.\n";
+  std::string section;
+  for (const Field& f : fields(c)) {
+    const std::string sec = f.key.substr(0, f.key.find('.'));
+    if (sec != section) {
+      section = sec;
+      md << "\n## [" << sec << "]\n\n| key | type | default | meaning |\n|---|---|---|---|\n";
+    }
+    toml::table t;
+    f.dump(t);
+    std::ostringstream value;
+    t.begin()->second.visit([&](auto&& n) { value << n; });
+    std::string v = value.str();
+    if (v == "''" || v == "\"\"") v = "(empty)";
+    const auto doc = docs.find(f.key);
+    md << "| `" << f.key.substr(sec.size() + 1) << "` | " << f.type << " | `" << v << "` | "
+       << (doc == docs.end() ? "" : doc->second) << " |\n";
+  }
+  return md.str();
 }
 
 namespace {

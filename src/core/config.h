@@ -288,6 +288,9 @@ std::string first_difference(const std::string& a, const std::string& b, const s
 
 // All valid keys, "section.key", for help and error messages.
 std::vector<std::string> config_keys();
+// Every key with its type, default and meaning, as Markdown: docs/config.md (`ddm train
+// --config-reference`).
+std::string config_reference();
 // "unknown config key 'K' (did you mean ...?). The keys of [section]: ..."
 std::string unknown_key_message(const std::string& key);
 

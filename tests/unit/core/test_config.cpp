@@ -289,3 +289,19 @@ TEST(Config, IslandsFileWithAnEmptyPathIsAClearError) {
     EXPECT_NE(msg.find("isl.toml: '" + key + "' must not be empty"), std::string::npos) << key << ": " << msg;
   }
 }
+
+// docs/config.md is the reference `ddm train --config-reference` writes from the field table, and
+// every key in it says what it does.
+TEST(Config, TheReferenceInDocsIsWhatTheFieldTableWrites) {
+  const std::string ref = config_reference();
+  EXPECT_EQ(ref, test::read_text(test::source_dir() + "/docs/config.md"))
+      << "docs/config.md is out of date: run `build/ddm train --config-reference > docs/config.md`";
+  for (const std::string& key : config_keys()) {
+    const std::string leaf = key.substr(key.find('.') + 1);
+    const size_t row = ref.find("| `" + leaf + "` |", ref.find("## [" + key.substr(0, key.find('.')) + "]"));
+    ASSERT_NE(row, std::string::npos) << key;
+    const std::string line = ref.substr(row, ref.find('\n', row) - row);
+    EXPECT_EQ(line.find("|  |"), std::string::npos) << key << " has no meaning: " << line;
+  }
+  EXPECT_NE(ref.find("| `steps` | integer | `1500` | optimizer steps of the run |"), std::string::npos) << ref;
+}
