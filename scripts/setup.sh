@@ -12,7 +12,8 @@
 #      sentence-transformers at pinned versions, whose outputs the tests compare ddm's with.
 #   4. CMake, with Torch found through torch.utils.cmake_prefix_path, and the CUDA 13.0 toolkit in
 #      /usr/local/cuda (or $CUDA_HOME) for the CUDA half of Torch's CMake configuration; no GPU is
-#      needed: the GPU architecture is fixed (TORCH_CUDA_ARCH_LIST=9.0, H100/H200), not detected.
+#      needed: the GPU architectures are fixed (TORCH_CUDA_ARCH_LIST: 7.5 to 12.0, T4 to Blackwell), not
+#      detected.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

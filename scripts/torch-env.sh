@@ -10,7 +10,7 @@ torch_cmake_args() {
   local prefix
   prefix=$("$venv/bin/python" -c 'import torch.utils; print(torch.utils.cmake_prefix_path)' 2>/dev/null) ||
     { echo "no torch in $venv: run scripts/setup.sh first" >&2; return 1; }
-  echo "-DCMAKE_PREFIX_PATH=$prefix -DDDM_TORCH_VENV=$venv -DCUDAToolkit_ROOT=$cuda -DTORCH_CUDA_ARCH_LIST=9.0"
+  echo "-DCMAKE_PREFIX_PATH=$prefix -DDDM_TORCH_VENV=$venv -DCUDAToolkit_ROOT=$cuda -DTORCH_CUDA_ARCH_LIST=7.5;8.0;8.6;8.9;9.0;10.0;12.0"
 }
 # The CMake generator every build directory uses: Ninja. It rebuilds only the outputs whose inputs or
 # command changed, so adding a source file compiles that file alone (CMake's Makefiles rewrote the

@@ -21,6 +21,10 @@ constexpr int kMaxWidth = 2048;
 // How many partial sums per batch row the backward kernels write: one per chunk of rows of N.
 int row_chunks(int64_t N);
 
+// Whether the kernels can run on GPU `device`: nullptr if so, else CUDA's reason (no code or PTX of
+// the architectures they were built for runs there). Fills in its compute capability.
+const char* kernels_load(int device, int* major, int* minor);
+
 // Each returns nullptr on success, else CUDA's error message for the launch. stream: a cudaStream_t.
 
 // out = LayerNorm(x) * (1 + scale) + shift (no affine, biased variance, epsilon eps); mean and rstd

@@ -5,6 +5,10 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <iostream>
+#include <map>
+#include <mutex>
+#include <string>
 
 #include <ATen/autocast_mode.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -33,8 +37,9 @@ bool modulation(const torch::Tensor& m, const torch::Tensor& x) {
 }
 
 bool block_input(const torch::Tensor& x) {
-  return fused_cuda_enabled() && x.is_cuda() && x.scalar_type() == torch::kFloat && x.dim() == 3 && x.is_contiguous() &&
-         x.numel() > 0 && x.size(0) <= 65535 && x.size(2) <= k::kMaxWidth;
+  return fused_cuda_enabled() && x.is_cuda() && x.scalar_type() == torch::kFloat && x.dim() == 3 &&
+         x.is_contiguous() && x.numel() > 0 && x.size(0) <= 65535 && x.size(2) <= k::kMaxWidth &&
+         fused_cuda_runs_on(x.device().index());
 }
 
 void check(const char* error, const char* what) {
@@ -119,6 +124,25 @@ bool fused_cuda_enabled() {
   // Read at every call (a few per block), so a test can turn the kernels on and off.
   const char* v = std::getenv("DDM_FUSED_CUDA");
   return v != nullptr && std::strcmp(v, "1") == 0;
+}
+
+std::string fused_cuda_archs() { return DDM_CUDA_ARCHS; }
+
+bool fused_cuda_runs_on(int device) {
+  // Asked once per device; a GPU none of the built architectures runs on gets LibTorch's ops and one
+  // line saying so.
+  static std::mutex mu;
+  static std::map<int, bool> known;
+  const std::lock_guard<std::mutex> lock(mu);
+  const auto it = known.find(device);
+  if (it != known.end()) return it->second;
+  int major = 0, minor = 0;
+  const char* error = k::kernels_load(device, &major, &minor);
+  if (error != nullptr)
+    std::cerr << "note: ddm's fused DiT kernels have no code for cuda:" << device << " (compute capability " << major
+              << "." << minor << "; built for " << fused_cuda_archs() << "): LibTorch's ops run instead (" << error
+              << ")" << std::endl;
+  return known[device] = error == nullptr;
 }
 
 bool adaln_modulate_cuda_supported(const torch::Tensor& x, const torch::Tensor& shift, const torch::Tensor& scale) {

@@ -11,6 +11,12 @@ namespace ddm {
 
 // True when DDM_FUSED_CUDA=1 is set; otherwise neither function below runs (its _supported is false).
 bool fused_cuda_enabled();
+// The compute capabilities the kernels were built for ("7.5 8.0 ... 12.0"; each with its PTX, which
+// newer GPUs compile when they load it).
+std::string fused_cuda_archs();
+// Whether the kernels run on GPU `device` (asked once per device). Where none of the built
+// architectures does, LibTorch's ops run instead, and one line on stderr says so.
+bool fused_cuda_runs_on(int device);
 
 // True when adaln_modulate_cuda() runs on these tensors: float32 CUDA x [B, N, W] (contiguous, W at
 // most 2048), shift and scale [B, W] of one type, float32 or bfloat16, with unit column stride.

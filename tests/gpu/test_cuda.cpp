@@ -399,6 +399,14 @@ double rel(const torch::Tensor& a, const torch::Tensor& b) {
 }
 }  // namespace
 
+// The kernels were built for this GPU's architecture (or one whose PTX it compiles): they load, and
+// the fallback to LibTorch's ops (a GPU none of the built architectures runs on) is not taken.
+TEST(Gpu, FusedKernelsLoadOnThisGpusArchitecture) {
+  if (no_gpu()) GTEST_SKIP() << kNoGpu;
+  for (int d = 0; d < static_cast<int>(torch::cuda::device_count()); ++d)
+    EXPECT_TRUE(fused_cuda_runs_on(d)) << "cuda:" << d << ", built for " << fused_cuda_archs();
+}
+
 // The hand-written kernels of a DiT block (model/fused_gpu.h) against the same expressions in float64
 // on the host, from the same inputs (rounded to bfloat16 where the kernels read bfloat16), forward and
 // every gradient: in float32, and under bf16 autocast with bfloat16 modulation (the adaLN linear's
