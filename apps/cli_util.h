@@ -1,5 +1,8 @@
 // Shared pieces of the ddm command line: validators with readable messages and the Command record
-// that each group of subcommands returns to main.
+// that each group of subcommands returns to main. Defaults are shown one way: a literal default after
+// the option's type (`--n INT=100`, captured for every option by ddm.cpp); where the default is
+// worked out when the command runs (the run's sample.steps), the option shows none (default_str(""))
+// and its text says "(default: ...)".
 #pragma once
 
 #include <CLI/CLI.hpp>
@@ -26,7 +29,7 @@ inline CLI::Validator number_at_least(double min, const std::string& what) {
         }
         return "must be " + what + ", got '" + value + "'";
       },
-      what);
+      "");  // nothing after the type in --help: the type and the default say it (INT=100)
 }
 inline const CLI::Validator kPositive = number_at_least(1, "a positive integer");
 inline const CLI::Validator kNonNegative = number_at_least(0, "a number >= 0");

@@ -19,6 +19,8 @@
 #include <csignal>
 #include <exception>
 #include <iostream>
+#include <memory>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -32,24 +34,53 @@
 
 namespace {
 
+// `ddm --help` lists each subcommand by the first line of its description (its summary; `ddm NAME
+// --help` shows the whole), grouped as git groups its commands.
+class SummaryFormatter : public CLI::Formatter {
+ public:
+  std::string make_subcommand(const CLI::App* sub) const override {
+    std::stringstream out;
+    const std::string d = sub->get_description();
+    CLI::detail::format_help(out, sub->get_display_name(true), d.substr(0, d.find('\n')), column_width_);
+    return out.str();
+  }
+};
+
+// The group each subcommand is listed under, in the order of `ddm --help`.
+const std::vector<std::pair<std::string, std::vector<std::string>>>& command_groups() {
+  static const std::vector<std::pair<std::string, std::vector<std::string>>> g = {
+      {"Start here", {"quickstart", "train", "sample", "eval"}},
+      {"Decentralized training",
+       {"partition", "train-router", "ensemble", "islands", "distill"}},
+      {"Models and data", {"train-autoencoder", "train-classifier", "encode", "shards", "text", "export", "presets"}},
+      {"Several processes", {"launch", "plan"}}};
+  return g;
+}
+
 int run(int argc, char** argv) {
   using namespace ddm;
-  CLI::App app{"ddm: decentralized diffusion models. Train diffusion models, sample them, and train "
-               "expert ensembles across independent compute islands."};
+  CLI::App app{"ddm trains diffusion models: one model, data- or pipeline-parallel on many processes,\n"
+               "or as decentralized experts on independent compute islands with a router.\n"
+               "`ddm NAME --help` explains a command; docs/ the rest."};
+  app.formatter(std::make_shared<SummaryFormatter>());
+  app.option_defaults()->always_capture_default();  // every option's default, shown one way: --n INT=100
   app.set_version_flag("--version", [] { return version_text(); }, "print ddm's version and commit, LibTorch's, CUDA's, the GPUs seen, and exit");
   app.require_subcommand(1);
-  // In the order `ddm --help` lists them.
-  std::vector<Command> commands{add_train_command(app),       add_sample_command(app),
-                                add_quickstart_command(app),  add_autoencoder_command(app),
-                                add_classifier_command(app, argc, argv), add_eval_command(app)};
+  // In the order `ddm --help` lists them (CLI11 lists each group where its first command was added).
+  std::vector<Command> commands{add_quickstart_command(app), add_train_command(app), add_sample_command(app),
+                                add_eval_command(app)};
   for (Command& c : add_decentral_commands(app)) commands.push_back(std::move(c));
-  commands.push_back(add_launch_command(app, argc, argv));
-  commands.push_back(add_plan_command(app));
-  commands.push_back(add_shards_command(app));
+  commands.push_back(add_autoencoder_command(app));
+  commands.push_back(add_classifier_command(app, argc, argv));
   commands.push_back(add_encode_command(app));
+  commands.push_back(add_shards_command(app));
   commands.push_back(add_text_command(app));
   commands.push_back(add_export_command(app));
   commands.push_back(add_presets_command(app));
+  commands.push_back(add_launch_command(app, argc, argv));
+  commands.push_back(add_plan_command(app));
+  for (const auto& [group, names] : command_groups())
+    for (const std::string& name : names) app.get_subcommand(name)->group(group);
   // A mistyped subcommand: named, with the nearest one, before CLI11's "arguments were not expected".
   if (argc > 1 && argv[1][0] != '-') {
     std::vector<std::string> names;

@@ -309,6 +309,7 @@ std::vector<Command> add_decentral_commands(CLI::App& app) {
   auto pa = std::make_shared<PartitionArgs>();
   auto* part = app.add_subcommand(
       "partition",
+      "Split a dataset into K clusters, one per expert.\n"
       "Split a dataset into K clusters, one per expert: features (PCA of pixels, the feature network, an "
       "autoencoder, or your own file), k-means into --fine centroids, then those centroids into K clusters; "
       "each image goes to the cluster of its fine centroid. Balanced (equal sizes) by default. Writes "
@@ -319,7 +320,7 @@ std::vector<Command> add_decentral_commands(CLI::App& app) {
   part->add_option("--k", pa->cfg.k, "number of clusters (experts), at least 2")->required();
   part->add_option("--out", pa->out, "partition directory to write")->required();
   part->add_option("--features", pa->features,
-                   "pixels[:D] (PCA, default D 64; the default) | feature-net[:FILE] | autoencoder[:D] (default 32) | "
+                   "pixels[:D] (PCA, default D 64; the default) | feature-net[:FILE] | autoencoder[:D] (D 32 unless given) | "
                    "latent:RUN (a `ddm train-autoencoder` run's latents, PCA 64: the space latent experts train in) | "
                    "latent (latent shards' own, PCA 64; the default for data.source = \"latents\") | "
                    "file:PATH (.npy or .safetensors, one row per image in data order; or, for shards, an .npz of "
@@ -361,6 +362,7 @@ std::vector<Command> add_decentral_commands(CLI::App& app) {
   auto ra = std::make_shared<RouterArgs>();
   auto* router = app.add_subcommand(
       "train-router",
+      "Train the router that weighs the experts at each sampling step.\n"
       "Train the router of a decentralized ensemble: a small classifier of p(cluster | x_t, t, class) on every "
       "image of the partition's data, with noisy inputs from the experts' own forward process, time distribution "
       "and label dropout (all taken from --config, the experts' config; the model is --preset). Then reports its "
@@ -390,6 +392,7 @@ std::vector<Command> add_decentral_commands(CLI::App& app) {
   auto eforce = std::make_shared<bool>(false);
   auto* ens = app.add_subcommand(
       "ensemble",
+      "Assemble experts and their router into an ensemble to sample.\n"
       "Assemble a decentralized ensemble: checks that the experts (one per cluster, in order) and the router were "
       "trained on --partition and share the image shape, pins each to its latest checkpoint with the sha256 of its "
       "weights, and writes ensemble.json to --out. Then sample it with ddm sample --ensemble DIR.");
@@ -405,6 +408,7 @@ std::vector<Command> add_decentral_commands(CLI::App& app) {
 
   auto* isl = app.add_subcommand(
       "islands",
+      "Train a whole ensemble as independent processes (compute islands).\n"
       "Train a whole decentralized ensemble as independent processes (\"compute islands\"): the K experts and the "
       "router, each with its own directory, log and checkpoints and no communication (each optionally "
       "data-parallel over run.nproc processes), from one islands file (see docs/decentralized.md and "
@@ -437,6 +441,7 @@ std::vector<Command> add_decentral_commands(CLI::App& app) {
   auto da = std::make_shared<DistillArgs>();
   auto* dist = app.add_subcommand(
       "distill",
+      "Distill an ensemble into one dense model.\n"
       "Distill a decentralized ensemble into one dense model: the student trains on every image of the ensemble's "
       "data, regressing the prediction of the expert of that image's cluster at the same noisy input (converted "
       "to the student's path and parameterization) instead of the data target. By default the student is expert 0's "

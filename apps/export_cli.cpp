@@ -19,7 +19,7 @@ Command add_export_command(CLI::App& app) {
   };
   auto a = std::make_shared<Args>();
   auto* cmd = app.add_subcommand(
-      "export", "Write a trained model in diffusers' format: a Stable Diffusion pipeline directory that "
+      "export", "Write a trained model in diffusers' format.\nA Stable Diffusion pipeline directory that "
                 "StableDiffusionPipeline.from_pretrained opens (docs/stable-diffusion.md).");
   cmd->add_option("--ckpt", a->ckpt, "run directory (latest checkpoint) or checkpoint directory")->required();
   cmd->add_option("--diffusers", a->diffusers, "the pipeline directory to write (must not exist)")->required();

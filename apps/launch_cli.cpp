@@ -17,6 +17,7 @@ namespace ddm {
 namespace {
 
 const char* kLaunchHelp =
+    "Start --nproc worker processes of a ddm command, as torchrun does.\n"
     "Start --nproc workers on this machine, each running `ddm COMMAND...` (this ddm binary), with the "
     "environment torchrun gives its workers: RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK=0, "
     "ROLE_RANK, ROLE_WORLD_SIZE, MASTER_ADDR=127.0.0.1, MASTER_PORT, TORCHELASTIC_RESTART_COUNT, "
@@ -61,19 +62,18 @@ Command add_launch_command(CLI::App& app, int argc, char** argv) {
   auto* cmd = app.add_subcommand("launch", kLaunchHelp);
   cmd->add_option("--nproc", c->nproc, "number of workers (ranks 0..N-1)")->required();
   cmd->add_option("--max-restarts", c->max_restarts,
-                  "how many restarts (of all workers, or of one with --restart failed) the launch may use (default 0)");
+                  "how many restarts (of all workers, or of one with --restart failed) the launch may use");
   cmd->add_option("--restart", c->restart,
-                  "all (default, torchrun's semantics): a failed worker stops the others and all restart from the "
+                  "all (torchrun's semantics): a failed worker stops the others and all restart from the "
                   "last checkpoint; failed: a failed worker other than rank 0 restarts alone (DDM_REJOIN=1) while "
                   "the others go on, which DiLoCo replicas take back at their next synchronization");
   cmd->add_option("--timeout", c->timeout_s,
-                  "seconds an attempt may run before its workers are stopped and the launch fails (default 0: no "
-                  "limit)");
-  cmd->add_option("--grace", c->grace_s, "seconds stopped workers get to exit before SIGKILL (default 30)");
+                  "seconds an attempt may run before its workers are stopped and the launch fails (0: no limit)");
+  cmd->add_option("--grace", c->grace_s, "seconds stopped workers get to exit before SIGKILL");
   cmd->add_option("--master-port", c->master_port,
-                  "port of the launcher's TCPStore (MASTER_PORT); default 0: the kernel picks a free port as the "
+                  "port of the launcher's TCPStore (MASTER_PORT); 0: the kernel picks a free port as the "
                   "store binds it, so no other process can take it in between");
-  cmd->add_option("--run-id", c->run_id, "TORCHELASTIC_RUN_ID (default none, as torchrun)");
+  cmd->add_option("--run-id", c->run_id, "TORCHELASTIC_RUN_ID (none unless given, as torchrun)");
   cmd->add_flag("--no-ddm", c->no_ddm,
                 "the command is a program and its arguments, not a ddm subcommand (as torchrun's --no_python)");
   cmd->add_option("command", *positional, "after `--`: the ddm subcommand and its flags (or, with --no-ddm, a "

@@ -345,7 +345,7 @@ int run_plan(PlanArgs a) {
 
 Command add_plan_command(CLI::App& app) {
   auto a = std::make_shared<PlanArgs>();
-  auto* cmd = app.add_subcommand("plan", "Plan pipeline-parallel training: profile a config's units and frozen work, "
+  auto* cmd = app.add_subcommand("plan", "Plan pipeline-parallel training without running it.\nProfile a config's units and frozen work, "
                                          "search stage splits, schedules and micro-batch counts, and predict each "
                                          "plan's iteration time with and without bubble filling (no training runs).");
   cmd->add_option("--config", a->config,
@@ -358,25 +358,27 @@ Command add_plan_command(CLI::App& app) {
                   "auto | cpu | cuda | cuda:N: where to profile (default: the config's train.device, itself auto by "
                   "default: the GPU if LibTorch sees one, else the CPU)")
       ->check(kDeviceSpec);
-  cmd->add_option("--rows", a->rows, "micro-batch sizes to profile (default 1 4 16 64, up to the batch)")->check(kPositive);
-  cmd->add_option("--repeats", a->repeats, "timed runs per measurement; the median is kept (default 3)")->check(kPositive);
-  cmd->add_option("--devices", a->devices, "devices (processes) of the machine to plan for (default 2)")->check(kPositive);
-  cmd->add_option("--batch", a->batch, "global batch (default: the config's train.batch_size)")->check(kPositive);
+  cmd->add_option("--rows", a->rows, "micro-batch sizes to profile (default: the sizes 1, 4, 16 and 64 up to the batch)")->check(kPositive);
+  cmd->add_option("--repeats", a->repeats, "timed runs per measurement; the median is kept")->check(kPositive);
+  cmd->add_option("--devices", a->devices, "devices (processes) of the machine to plan for")->check(kPositive);
+  cmd->add_option("--batch", a->batch, "global batch (default: the config's train.batch_size)")->default_str("")->check(kPositive);
   cmd->add_option("--stages", a->stages, "stage counts to try, each dividing --devices (default: all divisors)")->check(kPositive);
   cmd->add_option("--micro", a->micro, "micro-batch counts to try (default: every divisor of a replica's batch up to 64)")
       ->check(kPositive);
   cmd->add_option("--schedule", a->schedules,
                   "schedules to try: gpipe, 1f1b, zb-h1, and the V-shaped 1f1b-v, zb-v (default: all)");
-  cmd->add_option("--speed", a->speed, "each device's compute speed relative to the profiled one (default 1)")
+  cmd->add_option("--speed", a->speed, "each device's compute speed relative to the profiled one")
       ->check(CLI::PositiveNumber);
-  cmd->add_option("--memory", a->memory_gib, "memory per device in GiB (default: unlimited)")->check(CLI::NonNegativeNumber);
-  cmd->add_option("--bandwidth", a->bandwidth_gbps, "link bandwidth between devices in GB/s (default 10)")->check(CLI::PositiveNumber);
-  cmd->add_option("--latency", a->latency_us, "link latency per message in microseconds (default 20)")->check(CLI::NonNegativeNumber);
+  cmd->add_option("--memory", a->memory_gib, "memory per device in GiB (default: unlimited)")
+      ->default_str("")
+      ->check(CLI::NonNegativeNumber);
+  cmd->add_option("--bandwidth", a->bandwidth_gbps, "link bandwidth between devices in GB/s")->check(CLI::PositiveNumber);
+  cmd->add_option("--latency", a->latency_us, "link latency per message in microseconds")->check(CLI::NonNegativeNumber);
   cmd->add_option("--pipe-wire", a->pipe_wire,
                   "what a pipeline's activations travel as: float32 or bfloat16 (half the bytes; default: the config's "
                   "parallel.pipe_wire, a measured run's, else float32)")
       ->check(CLI::IsMember({"float32", "bfloat16"}));
-  cmd->add_option("--top", a->top, "plans to print (default 12)")->check(kPositive);
+  cmd->add_option("--top", a->top, "plans to print")->check(kPositive);
   cmd->add_option("--timeline", a->timeline, "draw the best plan's timeline, serial and filled, as a PNG");
   cmd->add_option("--json", a->json, "write every plan as JSON");
   cmd->add_option("--measured", a->measured,

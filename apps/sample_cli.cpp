@@ -425,12 +425,16 @@ namespace {
 
 void add_sample_flags(CLI::App* cmd, SampleArgs& a) {
   cmd->add_option("--n", a.n, "number of images")->check(kPositive);
-  cmd->add_option("--steps", a.steps, "solver steps (default: the run's sample.steps)")->check(kPositive);
+  cmd->add_option("--steps", a.steps, "solver steps (default: the run's sample.steps)")
+      ->default_str("")
+      ->check(kPositive);
   cmd->add_option("--sampler", a.sampler, "euler | heun | ddim | ddpm (default: the run's sample.sampler)")
       ->check(CLI::IsMember({"euler", "heun", "ddim", "ddpm"}));
   cmd->add_option("--cfg", a.cfg, "classifier-free guidance scale; 1 = off, 0 = unconditional (default: the run's)")
+      ->default_str("")
       ->check(kNonNegative);
   cmd->add_option("--class", a.class_id, "sample only this class, 0..classes-1 (default: one row per class)")
+      ->default_str("")
       ->check(kNonNegative);
   cmd->add_option("--prompt", a.prompts,
                   "a text model's prompt; give it once per row of the grid (n / prompts samples each)");
@@ -716,13 +720,21 @@ int eval_cmd(EvalArgs a) {
 
 Command add_sample_command(CLI::App& app) {
   auto a = std::make_shared<SampleArgs>();
-  auto* cmd = app.add_subcommand("sample", "Generate a labelled PNG grid from a trained model.");
+  auto* cmd = app.add_subcommand("sample", "Sample a trained model or ensemble into a labelled PNG grid.\n"
+                                           "Rows are classes or prompts; --raw keeps the samples as safetensors, --png-dir as "
+                                           "PNG files.");
   cmd->add_option("--ckpt", a->ckpt, "run directory (latest checkpoint) or checkpoint directory (or --ensemble)");
   cmd->add_option("--out", a->out, "PNG grid to write");
   cmd->add_option("--raw", a->raw, "also write the samples as safetensors");
   cmd->add_option("--png-dir", a->png_dir,
                   "also write each sample as its own PNG into this new directory (for clean-fid, torch-fidelity)");
   add_sample_flags(cmd, *a);
+  cmd->footer("\nExamples:\n"
+              "  ddm sample --ckpt runs/mine --out grid.png                 # a row per class\n"
+              "  ddm sample --ckpt runs/mine --class 8 --n 16 --sampler heun --steps 10 --out bags.png\n"
+              "  ddm sample --ckpt runs/text --prompt 'a red square' --prompt 'a blue circle' --out p.png\n"
+              "  ddm sample --ensemble runs/quickstart --routing top1 --out e.png\n"
+              "  ddm sample --ckpt runs/photos --n 10000 --png-dir samples/ --out grid.png");
   return Command{cmd, [a] {
                    write_samples(*a);
                    return 0;
@@ -735,6 +747,7 @@ Command add_eval_command(CLI::App& app) {
   ea.sample.n = 10000;
   auto* cmd = app.add_subcommand(
       "eval",
+      "Measure sample quality: FD, KID, precision/recall, class accuracy.\n"
       "Measure sample quality against real images: FD (Frechet distance in a feature network's space; not "
       "Inception FID), KID, precision/recall and, for class-conditional samples, the feature network's accuracy "
       "on each requested class. Fashion-MNIST models are compared with its test split in the shipped network's "
@@ -771,9 +784,14 @@ Command add_eval_command(CLI::App& app) {
                   "DIR/prompts.jsonl sampled --per-prompt times, the shape judged by --feature-net (a shape "
                   "classifier: `ddm train-classifier --config`), colour, size, position and background measured "
                   "from pixels; seen against held-out compositions (docs/text.md)");
-  cmd->add_option("--per-prompt", ea.per_prompt, "--shapes: samples per prompt [8]")->check(kPositive);
+  cmd->add_option("--per-prompt", ea.per_prompt, "--shapes: samples per prompt")->check(kPositive);
   add_sample_flags(cmd, ea.sample);
-  cmd->get_option("--n")->description("number of images (default 10000; report results at 10000)");
+  cmd->get_option("--n")->description("number of images (report results at 10000)");
+  cmd->footer("\nExamples:\n"
+              "  ddm eval --ckpt runs/quickstart                      # Fashion-MNIST: FD-fmnist against its test split\n"
+              "  ddm eval --ckpt runs/photos --feature-net photos-net.safetensors --reference-set data.root=held-out.tar\n"
+              "  ddm eval --samples samples.safetensors --cas\n"
+              "  ddm eval --anchor train                              # the floor: real images");
   return Command{cmd, [a] { return eval_cmd(*a); }};
 }
 

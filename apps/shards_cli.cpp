@@ -30,7 +30,7 @@ Command add_shards_command(CLI::App& app) {
     int64_t shard_size = 10000;
   };
   auto a = std::make_shared<Args>();
-  auto* cmd = app.add_subcommand("shards", "Tar shards (WebDataset layout) for streaming large datasets.");
+  auto* cmd = app.add_subcommand("shards", "Write tar shards (WebDataset layout) to stream large datasets from.");
   cmd->require_subcommand(1);
   auto* write = cmd->add_subcommand(
       "write",
@@ -43,8 +43,8 @@ Command add_shards_command(CLI::App& app) {
   write->add_option("--config", a->config, "a config whose data.* names the data (default: Fashion-MNIST train)");
   write->add_option("--set", a->overrides, "override a config key, e.g. --set data.split=test (repeatable)");
   write->add_option("--out", a->out, "the folder to write the shards into (created if missing)")->required();
-  write->add_option("--shard-size", a->shard_size, "samples per shard (default 10000)")->check(kPositive);
-  write->add_option("--prefix", a->prefix, "shard file names start with this (default train)");
+  write->add_option("--shard-size", a->shard_size, "samples per shard")->check(kPositive);
+  write->add_option("--prefix", a->prefix, "shard file names start with this");
   write->add_option("--from", a->from, "re-shard these shards (a brace pattern, a glob or a list file)");
   return Command{cmd, [a] {
                    const auto report = [&](int64_t shards) {
@@ -104,6 +104,7 @@ Command add_encode_command(CLI::App& app) {
   auto a = std::make_shared<Args>();
   auto* cmd = app.add_subcommand(
       "encode",
+      "Encode a dataset once: latents (and caption encodings) as tar shards.\n"
       "Encode every image of the data a config names (any source: Fashion-MNIST, a folder, a safetensors file, tar "
       "shards) once with a frozen autoencoder (`ddm train-autoencoder`) and write its posteriors (mean and log-variance, "
       "float32, as KEY.safetensors, with KEY.cls) as tar shards OUT/latents-000000.tar, ... with OUT/encode.json naming "
@@ -120,9 +121,9 @@ Command add_encode_command(CLI::App& app) {
   cmd->add_option("--out", a->out, "the directory to write (must not exist)")->required();
   cmd->add_option("--config", a->config, "a config whose data.* names the data (default: Fashion-MNIST train)");
   cmd->add_option("--set", a->overrides, "override a config key, e.g. --set data.split=test (repeatable)");
-  cmd->add_option("--shard-size", a->shard_size, "samples per shard for data held in memory (default 10000)")
+  cmd->add_option("--shard-size", a->shard_size, "samples per shard for data held in memory")
       ->check(kPositive);
-  cmd->add_option("--device", a->device, "where the encoder runs: cpu (default), cuda, cuda:N or auto")
+  cmd->add_option("--device", a->device, "where the encoder runs: cpu, cuda, cuda:N or auto")
       ->check(kDeviceSpec);
   cmd->add_option("--threads", a->threads, "intra-op and decode threads (0 = all cores)")->check(kNonNegative);
   cmd->add_flag("--text", a->text,

@@ -32,16 +32,18 @@ Command add_text_command(CLI::App& app) {
     int encode_context = 0;
   };
   auto a = std::make_shared<Args>();
-  auto* cmd = app.add_subcommand("text", "The text side of text-to-image models: tokenizers and text encoders.");
+  auto* cmd = app.add_subcommand("text", "Tokenize and encode text as text-to-image models do.");
   cmd->require_subcommand(1);
   auto* tokenize = cmd->add_subcommand(
       "tokenize", "Print the token ids each text becomes, one line per text, as the model gets them.");
   tokenize->add_option("texts", a->texts, "texts to tokenize (or --file)");
   tokenize->add_option("--file", a->file, "a UTF-8 file of texts, one per line");
   tokenize->add_option("--tokenizer", a->tokenizer,
-                       "clip (default: CLIP's BPE as open_clip tokenizes), a CLIP vocabulary file, a transformers "
+                       "clip (CLIP's BPE as open_clip tokenizes), a CLIP vocabulary file, a transformers "
                        "tokenizer directory (CLIP or BERT) or a Stable Diffusion directory");
-  tokenize->add_option("--context", a->context, "ids per text (default: the tokenizer's: 77 for CLIP, its model_max_length for BERT)")->check(kPositive);
+  tokenize->add_option("--context", a->context, "ids per text (default: the tokenizer's: 77 for CLIP, its model_max_length for BERT)")
+      ->default_str("")
+      ->check(kPositive);
   tokenize->add_flag("--no-pad", a->no_pad, "print each text's ids without the padding");
   auto* encode = cmd->add_subcommand(
       "encode", "Write a frozen text encoder's outputs for prompts into a safetensors file: per-token states "
@@ -53,13 +55,14 @@ Command add_text_command(CLI::App& app) {
       ->required();
   encode->add_option("--prompts", a->prompts, "a UTF-8 file of prompts, one per line");
   encode->add_option("--out", a->out, "the safetensors file to write (written whole or not at all)")->required();
-  encode->add_option("--skip", a->skip, "CLIP: states from this many layers before the last (1: the penultimate, as SD 2.x) [0]")
+  encode->add_option("--skip", a->skip, "CLIP: states from this many layers before the last (1: the penultimate, as SD 2.x)")
       ->check(kNonNegative);
   encode->add_option("--tokenizer", a->encoder_tokenizer, "a tokenizer instead of the one found with the encoder");
   encode->add_option("--context", a->encode_context, "ids per prompt (default: the tokenizer's, at most the encoder's positions)")
+      ->default_str("")
       ->check(kPositive);
-  encode->add_option("--batch", a->batch, "prompts encoded at once [64]")->check(kPositive);
-  encode->add_option("--device", a->device, "where the encoder runs: cpu | cuda | cuda:N [cpu]")->check(kDeviceSpec);
+  encode->add_option("--batch", a->batch, "prompts encoded at once")->check(kPositive);
+  encode->add_option("--device", a->device, "where the encoder runs: cpu | cuda | cuda:N")->check(kDeviceSpec);
   return Command{cmd, [a, encode] {
                    if (encode->parsed()) {
                      const auto texts = read_texts(a->prompt_args, a->prompts, "--prompts");

@@ -38,11 +38,32 @@ namespace ddm {
 namespace {
 
 struct TrainArgs {
-  std::string config_path, out_dir, controlnet, partition, budget;
+  std::string config_path, out_dir, controlnet, partition, budget, device;
   std::vector<std::string> overrides;
   int64_t expert = -1;
-  bool resume = false, force = false, quiet = false;
+  bool resume = false, force = false, quiet = false, print_config = false, config_reference = false;
 };
+
+// "  [data] source, root, ..." a line per section, wrapped at 100 columns.
+std::string config_keys_by_section() {
+  std::string out, section, line;
+  for (const std::string& k : config_keys()) {
+    const std::string sec = k.substr(0, k.find('.')), leaf = k.substr(k.find('.') + 1);
+    if (sec != section) {
+      if (!line.empty()) out += line + "\n";
+      section = sec;
+      line = "  [" + sec + "] " + leaf;
+      continue;
+    }
+    if (line.size() + leaf.size() + 2 > 100) {
+      out += line + ",\n";
+      line = std::string(sec.size() + 5, ' ') + leaf;
+    } else {
+      line += ", " + leaf;
+    }
+  }
+  return out + line + "\n";
+}
 
 int train_cmd(TrainArgs a) {
   if (!a.partition.empty()) {  // a TOML literal string, so no path is mistaken for another TOML value
@@ -52,6 +73,11 @@ int train_cmd(TrainArgs a) {
   }
   if (a.expert >= 0) a.overrides.push_back("data.expert=" + std::to_string(a.expert));
   if (!a.budget.empty()) a.overrides.push_back("train.expert_budget=" + a.budget);
+  if (!a.device.empty()) a.overrides.push_back("train.device=\"" + a.device + "\"");
+  if (a.config_reference) {
+    std::cout << config_reference();
+    return 0;
+  }
   DDM_CHECK(!a.config_path.empty() || !a.controlnet.empty(), "ddm train: --config is required (or --controlnet BASE)");
   RunConfig cfg;
   if (a.config_path.empty()) {
@@ -64,6 +90,12 @@ int train_cmd(TrainArgs a) {
     }
     cfg = load_config(a.config_path, a.overrides);
   }
+  if (a.print_config) {  // every key, defaults included, as config.toml records it (before the data fills in its shape)
+    validate(cfg);
+    std::cout << to_toml(cfg);
+    return 0;
+  }
+  DDM_CHECK(!a.out_dir.empty(), "ddm train: --out DIR is required (the run directory)");
   TrainSummary s = train_run(cfg, {a.out_dir, a.resume, a.force, a.quiet, nullptr});
   if (s.rank == 0)
     std::cout << "done: step " << s.last_step << ", checkpoint " << s.checkpoint << ", peak memory "
@@ -219,7 +251,9 @@ int presets_cmd() {
 
 Command add_train_command(CLI::App& app) {
   auto a = std::make_shared<TrainArgs>();
-  auto* cmd = app.add_subcommand("train", "Train a diffusion model from a TOML config.");
+  auto* cmd = app.add_subcommand("train", "Train a diffusion model from a TOML config.\n"
+                                          "Writes checkpoints, metrics, TensorBoard files and (train.sample_every) sample "
+                                          "grids into --out; Ctrl-C checkpoints and stops; --resume goes on.");
   cmd->add_option("--config", a->config_path,
                         "TOML config file (see configs/); with --controlnet it defaults to the base run's own config");
   cmd->add_option("--controlnet", a->controlnet,
@@ -228,10 +262,16 @@ Command add_train_command(CLI::App& app) {
                         "from each batch (sets model.controlnet; the model keys become the base's). Sample it with "
                         "`ddm sample --control-from test`; see docs/conditioning.md");
   cmd->add_option("--set", a->overrides, "override a config key, e.g. --set train.steps=100 (repeatable)");
-  cmd->add_option("--out", a->out_dir, "run directory (config, checkpoints, metrics)")->required();
+  cmd->add_option("--out", a->out_dir, "run directory (config, checkpoints, metrics, grids, TensorBoard files); required");
+  cmd->add_option("--device", a->device, "auto | cpu | cuda | cuda:N (sets train.device)")->check(kDeviceSpec);
+  cmd->add_flag("--print-config", a->print_config,
+                "print the config with --set applied and every key's value, defaults included (TOML), and exit");
+  cmd->add_flag("--config-reference", a->config_reference,
+                "print every config key with its type, default and meaning (Markdown: docs/config.md), and exit");
   cmd->add_option("--partition", a->partition,
                         "train an expert: a `ddm partition` directory (sets data.partition; needs --expert)");
   cmd->add_option("--expert", a->expert, "the cluster this expert trains on, 0..K-1 (sets data.expert)")
+      ->default_str("")
       ->check(kNonNegative);
   cmd->add_option("--budget", a->budget,
                         "full (train.* as written, per expert) | split-batch (batch_size / K) | split-steps "
@@ -241,20 +281,18 @@ Command add_train_command(CLI::App& app) {
   cmd->add_flag("--resume", a->resume, "continue from the latest checkpoint in --out");
   cmd->add_flag("--force", a->force, "overwrite a different run in --out");
   cmd->add_flag("--quiet", a->quiet, "no progress output");
-  cmd->footer("Config keys: " + [] {
-    std::string s;
-    for (const auto& k : config_keys()) s += (s.empty() ? "" : ", ") + k;
-    return s;
-  }() + "\nData parallel: started by `ddm launch --nproc N -- train ...`, torchrun, srun or mpirun, each process "
-        "is one rank of one job (train.batch_size is the global batch; only rank 0 writes --out; a restarted job "
-        "resumes by itself). With --set parallel.mode=diloco each process is a DiLoCo replica that synchronizes "
-        "every diloco.inner_steps steps (diloco.fragments > 1: Streaming DiLoCo). See docs/distributed.md.\n"
-        "Pipeline parallel: --set parallel.pp=S with S processes runs the model's units as S stages (one per "
-        "process), train.grad_accum micro-batches per step under parallel.schedule (gpipe, 1f1b, zb-h1, or the "
-        "V-shaped 1f1b-v, zb-v: 2S stages on S processes), split at parallel.cuts (`ddm plan` lists the units) or "
-        "balanced automatically; from the third step the frozen work of the prepare phase runs in the schedule's "
-        "bubbles (parallel.fill = false: serially on every stage); parallel.pipe_wire = bfloat16 sends the "
-        "activations and their gradients in half the bytes. See docs/pipeline.md.");
+  cmd->footer("\nExamples:\n"
+              "  ddm train --config configs/quickstart.toml --out runs/mine\n"
+              "  ddm train --config configs/own-64.toml --set data.root='photos-{000000..000009}.tar' --out runs/photos\n"
+              "  ddm train --config configs/quickstart.toml --out runs/mine --resume      # after a stop or a crash\n"
+              "  ddm train --config configs/quickstart.toml --print-config               # every key and its value\n"
+              "  ddm launch --nproc 4 -- train --config configs/quickstart.toml --out runs/dp4   # data parallel\n"
+              "\nConfig keys, section by section (`--print-config` shows their values, docs/config.md what they mean):\n" +
+              config_keys_by_section() +
+              "\nSeveral processes: `ddm launch --nproc N -- train ...`, torchrun, srun or mpirun run one job, each "
+              "process one rank (train.batch_size is the global batch; only rank 0 writes --out). parallel.mode = "
+              "diloco makes each a DiLoCo replica (docs/distributed.md); parallel.pp = S runs the model as S "
+              "pipeline stages whose bubbles the frozen work fills (docs/pipeline.md).");
   return Command{cmd, [a] { return train_cmd(*a); }};
 }
 
@@ -262,6 +300,7 @@ Command add_autoencoder_command(CLI::App& app) {
   auto a = std::make_shared<AutoencoderArgs>();
   auto* cmd = app.add_subcommand(
       "train-autoencoder",
+      "Train the autoencoder latent models learn on, and report it.\n"
       "Train the KL autoencoder of latent diffusion (model.arch = autoencoder, e.g. model.preset = \"ae-f4\": "
       "28x28x1 -> 7x7x4), then report it: PSNR and FD-fmnist of its reconstructions of the test split (a bound on "
       "the FD of any latent model built on it), the latent scale and shift that latent models normalize by, to "
@@ -286,20 +325,21 @@ Command add_classifier_command(CLI::App& app, int argc, char** argv) {
   auto a = std::make_shared<ClassifierArgs>();
   auto* cmd = app.add_subcommand(
       "train-classifier",
+      "Train the feature network the quality metrics use.\n"
       "Train the CNN classifier whose features the evaluation metrics (FD-fmnist, KID, precision/recall) use, on "
       "the Fashion-MNIST train split, and report its accuracy on the test split; or, with --config, on any "
       "data ddm reads, measured on --test-set's or on a held-out tenth: its classes, or for unlabelled data which "
       "way each image was turned (docs/evaluation.md). "
       "Deterministic for a given seed and thread count. ddm ships one in assets/feature-net/ (see its README for "
       "the command that made it).");
-  cmd->add_option("--out", a->out, "safetensors file to write [feature-net.safetensors]");
+  cmd->add_option("--out", a->out, "safetensors file to write");
   cmd->add_option("--data-root", a->root, "Fashion-MNIST directory (default: the Debian package's)");
   cmd->add_option("--config", a->config, "train on this config's data (any source, labelled) instead of Fashion-MNIST");
   cmd->add_option("--set", a->overrides, "override a key of --config's, e.g. --set data.resolution=32 (repeatable)");
   cmd->add_option("--test-set", a->test_overrides,
                   "with --config: the overrides that make it name the test data, e.g. --test-set data.root=TEST "
                   "(repeatable; default: the last tenth of the data, held out)");
-  cmd->add_flag("--no-hflip", a->no_hflip, "no random horizontal flips while training (default: flipped)");
+  cmd->add_flag("--no-hflip", a->no_hflip, "no random horizontal flips while training (they are on without it)");
   cmd->add_option("--epochs", a->cfg.epochs, "training epochs")->check(kPositive);
   cmd->add_option("--batch", a->cfg.batch_size, "batch size")->check(kPositive);
   cmd->add_option("--lr", a->cfg.lr, "peak AdamW learning rate")->check(kNonNegative);
@@ -312,7 +352,7 @@ Command add_classifier_command(CLI::App& app, int argc, char** argv) {
 }
 
 Command add_presets_command(CLI::App& app) {
-  auto* cmd = app.add_subcommand("presets", "List model presets with parameters and FLOPs per image.");
+  auto* cmd = app.add_subcommand("presets", "List model presets with their parameters and FLOPs per image.");
   return Command{cmd, [] { return presets_cmd(); }};
 }
 

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <filesystem>
 #include <limits>
+#include <regex>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -34,9 +35,12 @@ std::vector<std::string> listed_subcommands(const std::string& help) {
   std::istringstream lines(help);
   std::string line;
   bool in = false;
+  // Under "Subcommands:" or a group's heading (`ddm --help` groups them: "Start here:", ...).
   while (std::getline(lines, line)) {
-    if (line == "Subcommands:") in = true;
-    else if (in && line.size() > 2 && line.compare(0, 2, "  ") == 0 && line[2] != ' ') names.push_back(line.substr(2, line.find(' ', 2) - 2));
+    const bool heading = !line.empty() && line[0] != ' ' && line.back() == ':';
+    if (heading) in = line != "Options:" && line != "Positionals:" && line != "Examples:" && line.find('(') == std::string::npos;
+    else if (in && line.size() > 2 && line.compare(0, 2, "  ") == 0 && line[2] != ' ' && line[2] != '[')
+      names.push_back(line.substr(2, line.find(' ', 2) - 2));
     else if (in && line.empty()) in = false;
   }
   return names;
@@ -60,6 +64,8 @@ TEST(Cli, HelpForEverySubcommand) {
     auto r = test::run_ddm(sub + " --help");
     EXPECT_EQ(r.exit_code, 0) << sub << r.output;
     EXPECT_NE(r.output.find("Usage"), std::string::npos) << r.output;
+    // Defaults are shown one way, after the option's type (--n INT=100), not also in its text.
+    EXPECT_FALSE(std::regex_search(r.output, std::regex(R"(\(default:? [0-9])"))) << sub << r.output;
     seen.push_back(sub);
     for (const std::string& name : listed_subcommands(r.output)) todo.push_back(sub.empty() ? name : sub + " " + name);
   }
@@ -68,7 +74,29 @@ TEST(Cli, HelpForEverySubcommand) {
                           "partition", "train-router", "ensemble", "distill", "islands", "islands run", "islands status",
                           "islands slurm", "launch", "plan", "shards", "shards write", "encode"})
     EXPECT_NE(std::find(seen.begin(), seen.end(), sub), seen.end()) << sub << " was not listed by a --help";
-  auto r = test::run_ddm("presets");
+  // `ddm --help`: a line per command, grouped.
+  auto r = test::run_ddm("--help");
+  for (const char* group : {"Start here:", "Decentralized training:", "Models and data:", "Several processes:"})
+    EXPECT_NE(r.output.find(group), std::string::npos) << group << "\n" << r.output;
+  {
+    std::istringstream lines(r.output);
+    for (std::string line; std::getline(lines, line);) EXPECT_LE(line.size(), 120u) << line;
+  }
+  for (const char* sub : {"train", "sample", "eval", "quickstart"})
+    EXPECT_NE(test::run_ddm(std::string(sub) + " --help").output.find("Examples:"), std::string::npos) << sub;
+  EXPECT_NE(test::run_ddm("sample --help").output.find("--n INT=100 "), std::string::npos);
+  EXPECT_NE(test::run_ddm("eval --help").output.find("--n INT=10000 "), std::string::npos);
+  // Training steps and sampling steps have their own names.
+  r = test::run_ddm("quickstart --steps 5");
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("quickstart's --steps is now --train-steps"), std::string::npos) << r.output;
+  // --print-config: every key with its value; --device sets train.device.
+  r = test::run_ddm("train --config " + test::source_dir() + "/configs/quickstart.toml --device cpu --print-config");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("steps = 1200"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("device = 'cpu'"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("sample_every = 0"), std::string::npos) << r.output;
+  r = test::run_ddm("presets");
   EXPECT_EQ(r.exit_code, 0);
   EXPECT_NE(r.output.find("dit-tiny"), std::string::npos) << r.output;
   // A mistyped subcommand: refused as bad input (exit 2), with the nearest one.
@@ -78,7 +106,8 @@ TEST(Cli, HelpForEverySubcommand) {
   // --version: what a bug report needs.
   r = test::run_ddm("--version");
   EXPECT_EQ(r.exit_code, 0) << r.output;
-  for (const char* line : {"ddm 0.", "(commit ", "LibTorch 2.11", "ddm's CUDA kernels: CUDA 13", "CUDA GPUs LibTorch sees: "})
+  for (const char* line : {"ddm 0.", "(commit ", "LibTorch 2.11", "ddm's CUDA kernels: CUDA 13", "7.5 8.0 8.6 8.9 9.0 10.0 12.0",
+                           "CUDA GPUs LibTorch sees: "})
     EXPECT_NE(r.output.find(line), std::string::npos) << line << "\n" << r.output;
 }
 

@@ -407,7 +407,7 @@ TEST(DecentralCli, QuickstartRunsTheWholeDecentralizedPipeline) {
   // The main command at a few steps: partition of all 60000 images into 4, four experts and a router
   // as islands, the assembled ensemble, and a top-1 grid; a re-run continues (here: nothing left).
   const test::TempDir dir;
-  const std::string qs = "quickstart --steps 4 --threads 1 --out " + (dir / "qs");
+  const std::string qs = "quickstart --train-steps 4 --threads 1 --out " + (dir / "qs");
   auto r = test::run_ddm(qs);
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("routing top1"), std::string::npos) << r.output;
