@@ -1,5 +1,5 @@
 // Fuzz target: an islands file (TOML, `ddm islands run FILE`) -> load_islands_config, then the plan
-// of islands it describes.
+// of islands it describes and the Slurm script it writes (with its [slurm] lines).
 #include "decentral/islands.h"
 #include "fuzz_util.h"
 
@@ -8,7 +8,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   ddm::fuzz::write_bytes(path, data, size);
   ddm::fuzz::expect_errors([&] {
     const ddm::IslandsConfig c = ddm::load_islands_config(path);
-    ddm::plan_islands(c, c.k > 0 && c.k <= 64 ? c.k : 2);
+    const int64_t k = c.k > 0 && c.k <= 64 ? c.k : 2;
+    ddm::plan_islands(c, k);
+    ddm::slurm_script(c, k, "ddm");
   });
   return 0;
 }

@@ -45,9 +45,18 @@ torch::Device resolve_device(const std::string& spec, int local_rank, int cuda_c
     return torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(index));
   }
   // auto / cuda: one GPU per process of the node, by LOCAL_RANK (as torchrun and srun number them).
+  // A launcher that shows each process only its own GPU (Slurm's --gpus-per-task or --gpu-bind set
+  // CUDA_VISIBLE_DEVICES per task) leaves local ranks above 0 without theirs: said so by name.
+  const char* visible = std::getenv("CUDA_VISIBLE_DEVICES");
+  const std::string bound = visible != nullptr && local_rank > 0 && cuda_count == 1
+                                ? std::string(" (CUDA_VISIBLE_DEVICES=") + visible +
+                                      " shows this process one GPU: Slurm's --gpus-per-task and --gpu-bind give each "
+                                      "task its own; ask for --gpus-per-node instead, so that every task of a node sees "
+                                      "its GPUs and takes the one of its SLURM_LOCALID)"
+                                : std::string();
   DDM_CHECK(local_rank < cuda_count,
             key << " = " << spec << " gives each process of a node its own GPU, but this is local rank " << local_rank
-                << " on a machine with " << gpus(cuda_count) << ": launch at most " << cuda_count
+                << " on a machine with " << gpus(cuda_count) << bound << ": launch at most " << cuda_count
                 << (cuda_count == 1 ? " process" : " processes") << " per node, or name one GPU (cuda:N) for processes to share");
   return torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(local_rank));
 }

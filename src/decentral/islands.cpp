@@ -47,19 +47,54 @@ void on_stop(int sig) { g_stop = sig; }
 
 // ---- the islands file ----
 
+// The sbatch options ddm derives itself (slurm_script), with the islands key that sets each.
+const std::map<std::string, std::string>& derived_sbatch_options() {
+  static const std::map<std::string, std::string> m = {
+      {"--array", "one array task per island, from partition.k"},
+      {"-a", "one array task per island, from partition.k"},
+      {"--ntasks", "run.nproc (the processes of each island)"},
+      {"-n", "run.nproc (the processes of each island)"},
+      {"--cpus-per-task", "run.threads"},
+      {"-c", "run.threads"},
+      {"--output", "OUT/logs/slurm-%A_%a.log, where `ddm islands status` and the docs look"},
+      {"-o", "OUT/logs/slurm-%A_%a.log, where `ddm islands status` and the docs look"}};
+  return m;
+}
+
+// "--time=1:00:00" -> "--time", "-t 60" -> "-t", "-t60" -> "-t".
+std::string sbatch_option_name(const std::string& line) {
+  if (line.rfind("--", 0) == 0) return line.substr(0, line.find_first_of("= \t"));
+  return line.substr(0, 2);
+}
+
+// One `#SBATCH` line of slurm.sbatch: an option on one line, not one that ddm writes itself.
+void check_sbatch_option(const std::string& line, const std::string& origin) {
+  DDM_CHECK(line.size() >= 2 && line[0] == '-' && line != "--",
+            origin << ": slurm.sbatch holds sbatch options, each starting with '-' (\"--time=24:00:00\", "
+                      "\"--gpus-per-node=8\"); got '" << line << "'");
+  DDM_CHECK(line.find_first_of("\n\r") == std::string::npos,
+            origin << ": slurm.sbatch holds one option per string; this one has a line break: '" << line << "'");
+  const std::string name = sbatch_option_name(line);
+  const auto derived = derived_sbatch_options().find(name);
+  DDM_CHECK(derived == derived_sbatch_options().end(),
+            origin << ": slurm.sbatch: '" << line << "' sets " << name << ", which ddm writes itself from "
+                   << derived->second << "; remove it from slurm.sbatch");
+}
+
 IslandsConfig parse(const toml::table& t, const std::string& origin) {
   IslandsConfig c;
   c.origin = origin;
   const std::map<std::string, std::set<std::string>> known = {
-      {"", {"out", "config", "partition", "experts", "router", "run"}},
+      {"", {"out", "config", "partition", "experts", "router", "run", "slurm"}},
       {"partition", {"path", "k", "features"}},
       {"experts", {"budget", "set"}},
       {"router", {"preset", "holdout", "set"}},
-      {"run", {"concurrency", "nproc", "retries", "threads", "routing"}}};
+      {"run", {"concurrency", "nproc", "retries", "threads", "routing"}},
+      {"slurm", {"sbatch", "setup"}}};
   for (auto&& [k, v] : t) {
     const std::string key(k.str());
     DDM_CHECK(known.at("").count(key), origin << ": unknown key '" << key << "'; valid: out, config, [partition], "
-                                              "[experts], [router], [run]");
+                                              "[experts], [router], [run], [slurm]");
     if (const auto* sub = v.as_table())
       for (auto&& [k2, v2] : *sub) {
         (void)v2;
@@ -84,12 +119,12 @@ IslandsConfig parse(const toml::table& t, const std::string& origin) {
     out = node.as_integer()->get();
     DDM_CHECK(out >= min, origin << ": '" << path << "' must be >= " << min << ", got " << out);
   };
-  auto list = [&](const char* path, std::vector<std::string>& out) {
+  auto list = [&](const char* path, std::vector<std::string>& out, const char* example = "\"train.steps=600\"") {
     auto node = t.at_path(path);
     if (!node) return;
-    DDM_CHECK(node.is_array(), origin << ": '" << path << "' must be an array of \"section.key=value\" strings");
+    DDM_CHECK(node.is_array(), origin << ": '" << path << "' must be an array of strings like " << example);
     for (const auto& e : *node.as_array()) {
-      DDM_CHECK(e.is_string(), origin << ": '" << path << "' must hold strings like \"train.steps=600\"");
+      DDM_CHECK(e.is_string(), origin << ": '" << path << "' must hold strings like " << example);
       out.push_back(e.as_string()->get());
     }
   };
@@ -111,6 +146,12 @@ IslandsConfig parse(const toml::table& t, const std::string& origin) {
   num("run.retries", c.retries, 0);
   num("run.threads", c.threads, 0);
   str("run.routing", c.routing, false);
+  list("slurm.sbatch", c.sbatch, "\"--partition=gpu\"");
+  list("slurm.setup", c.setup, "\"module load cuda\"");
+  for (const auto& line : c.sbatch) check_sbatch_option(line, origin);
+  for (const auto& line : c.setup)
+    DDM_CHECK(line.find('\n') == std::string::npos && line.find('\r') == std::string::npos,
+              origin << ": slurm.setup holds one shell line per string; this one has a line break: '" << line << "'");
   DDM_CHECK(c.budget == "full" || c.budget == "split-batch" || c.budget == "split-steps",
             origin << ": experts.budget = '" << c.budget << "' is not one of full, split-batch, split-steps");
   DDM_CHECK(fs::exists(c.config), origin << ": config = '" << c.config << "' does not exist");
@@ -526,6 +567,11 @@ std::string islands_status(const IslandsConfig& c) {
 std::string slurm_script(const IslandsConfig& c, int64_t k, const std::string& ddm_binary) {
   const std::vector<Island> islands = plan_islands(c, k);
   const int64_t cpus = c.threads > 0 ? c.threads : 2, n = c.nproc, r = c.retries;
+  bool user_job_name = false;
+  for (const auto& line : c.sbatch) {
+    const std::string name = sbatch_option_name(line);
+    user_job_name = user_job_name || name == "--job-name" || name == "-J";
+  }
   std::ostringstream s;
   s << "#!/bin/bash\n"
     << "# ddm islands as a Slurm job array: tasks 0.." << k - 1 << " train the experts, task " << k << " the router"
@@ -533,16 +579,20 @@ std::string slurm_script(const IslandsConfig& c, int64_t k, const std::string& d
     << ".\n# Written by `ddm islands slurm " << c.origin << "`. Submit with: sbatch THIS_FILE\n"
     << "# Each task resumes from its own checkpoints, so a requeued or resubmitted task loses nothing.\n"
     << "# When all tasks are done, `ddm islands run " << c.origin << "` assembles " << c.out << "/ensemble.json.\n"
-    << "#SBATCH --job-name=ddm-islands\n"
+    << (user_job_name ? "" : "#SBATCH --job-name=ddm-islands\n")
     << "#SBATCH --array=0-" << k << "\n"
     << (n > 1 ? "#SBATCH --ntasks=" + std::to_string(n) + "\n" : "")
     << "#SBATCH --cpus-per-task=" << cpus << "\n"
     << "#SBATCH --output=" << fs::absolute(fs::path(c.out) / "logs").string() << "/slurm-%A_%a.log\n"
-    << "#SBATCH --requeue\n"
-    << "set -euo pipefail\n"
+    << "#SBATCH --requeue\n";
+  if (!c.sbatch.empty()) s << "# slurm.sbatch of " << c.origin << ":\n";
+  for (const auto& line : c.sbatch) s << "#SBATCH " << line << "\n";
+  s << "set -euo pipefail\n"
     << "task=${SLURM_ARRAY_TASK_ID:?run this script with sbatch, or set SLURM_ARRAY_TASK_ID to 0.." << k << "}\n"
-    << "cd " << quote(fs::current_path().string()) << "\n"
-    << "case \"$task\" in\n";
+    << "cd " << quote(fs::current_path().string()) << "\n";
+  if (!c.setup.empty()) s << "# slurm.setup of " << c.origin << ":\n";
+  for (const auto& line : c.setup) s << line << "\n";
+  s << "case \"$task\" in\n";
   for (size_t i = 0; i < islands.size(); ++i) {
     s << "  " << i << ")  # " << islands[i].name << "\n    " << (n > 1 ? "island=(" : "exec ") << quote(ddm_binary);
     for (const auto& a : islands[i].args) s << " " << quote(a);

@@ -20,6 +20,9 @@
 //   [router]     preset = "router-dit-tiny", holdout = 1000, set = ["train.steps=600"]
 //                (preset default: ddm train-router's, router-dit-tiny, or latent-router-dit for latent experts)
 //   [run]        concurrency = 1, nproc = 1, retries = 2, threads = 0, routing = "top1"
+//   [slurm]      sbatch = ["--gpus-per-node=8", "--time=24:00:00"]  (extra #SBATCH lines of the
+//                `ddm islands slurm` script; the ones ddm derives itself are refused),
+//                setup = ["module load cuda"]  (shell lines each array task runs first)
 // run.nproc (processes per island, data parallel; each island's batch must split into them) and
 // run.threads (per process; 0 = cores / (concurrency x nproc), at least 1) share the cores:
 // concurrency x nproc x threads should be about the machine's cores.
@@ -36,6 +39,7 @@ struct IslandsConfig {
   std::string router_preset, routing = "top1";  // router_preset "": ddm train-router's default
   int64_t k = 0, holdout = 1000, concurrency = 1, nproc = 1, retries = 2, threads = 0;
   std::vector<std::string> expert_set, router_set;
+  std::vector<std::string> sbatch, setup;  // [slurm]: extra #SBATCH options, shell lines run first
 };
 
 // Parses and checks an islands file; errors name the file and the key.

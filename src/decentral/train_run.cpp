@@ -192,6 +192,7 @@ RunConfig router_config(const std::string& config, const std::string& partition,
   c.data.holdout = holdout;
   c.train.expert_budget = "full";
   c.train.self_cond = 0;  // the experts' self-conditioning is theirs: a router has no estimate to take
+  c.train.sample_every = 0;  // the experts' grids are theirs: a router samples nothing
   return parse_config(to_toml(c), "the router config made from " + config, overrides);
 }
 

@@ -204,7 +204,7 @@ TEST(Islands, TwoProcessIslandsTrainAsTheLauncherDoesAndAKilledRankRestartsOnlyI
   EXPECT_TRUE(wait_for([&] { return strays(dir.path).empty(); }, 10)) << "processes left behind";
 }
 
-TEST(Islands, BadNprocIsAClearErrorBeforeAnythingStarts) {
+TEST(Islands, BadNprocOrSlurmLinesAreClearErrorsBeforeAnythingStarts) {
   const test::TempDir dir;
   test::write_text(dir / "tiny.toml", kTiny);
   auto run = [&](const std::string& run_section, const std::string& action = "run") {
@@ -234,6 +234,21 @@ TEST(Islands, BadNprocIsAClearErrorBeforeAnythingStarts) {
   test::write_text(dir / "bad.toml", accum);
   expect_error(test::run_ddm("islands run " + (dir / "bad.toml")),
                "= 16, in train.grad_accum = 4 micro-batches, is not a multiple of 32; set run.nproc to one of 1, 2, 4,");
+  // [slurm]: options only, one per string, never one that ddm derives itself.
+  auto slurm = [&](const std::string& section) {
+    test::write_text(dir / "bad.toml", islands_file(dir.path, "runs", "nproc = 2\n") + "[slurm]\n" + section);
+    return test::run_ddm("islands slurm " + (dir / "bad.toml"));
+  };
+  expect_error(slurm("sbatch = [\"--array=0-9\"]\n"), "bad.toml: slurm.sbatch: '--array=0-9' sets --array, which ddm "
+                                                         "writes itself from one array task per island");
+  expect_error(slurm("sbatch = [\"-n 8\"]\n"), "'-n 8' sets -n, which ddm writes itself from run.nproc");
+  expect_error(slurm("sbatch = [\"--cpus-per-task=4\"]\n"), "sets --cpus-per-task, which ddm writes itself from run.threads");
+  expect_error(slurm("sbatch = [\"--output=x.log\"]\n"), "sets --output, which ddm writes itself from OUT/logs/");
+  expect_error(slurm("sbatch = [\"partition=gpu\"]\n"), "slurm.sbatch holds sbatch options, each starting with '-'");
+  expect_error(slurm("sbatch = [\"--time=1:00:00\\n#SBATCH --array=1\"]\n"), "one option per string; this one has a line break");
+  expect_error(slurm("sbatch = \"--time=1:00:00\"\n"), "'slurm.sbatch' must be an array of strings like \"--partition=gpu\"");
+  expect_error(slurm("setup = [\"a\\nb\"]\n"), "slurm.setup holds one shell line per string");
+  expect_error(slurm("account = \"x\"\n"), "unknown key 'slurm.account'");
   // Nothing was made or started: no partition, no run directory.
   EXPECT_FALSE(fs::exists(dir / "parts/k2"));
   EXPECT_FALSE(fs::exists(dir / "runs"));
@@ -276,13 +291,22 @@ TEST(Islands, SlurmRunsATwoProcessIslandAsOneArrayTaskOfTwoTasks) {
   const test::TempDir dir;
   fs::permissions(dir.path, fs::perms::owner_all | fs::perms::group_read | fs::perms::group_exec |
                                 fs::perms::others_read | fs::perms::others_exec);  // for munged and slurmd
-  test::write_text(dir / "tiny.toml", kTiny);
-  test::write_text(dir / "isl.toml", islands_file(dir.path, "runs", "nproc = 2\nretries = 1\nthreads = 1\n"));
+  // The experts write a grid at their last step; the router made from the same config does not
+  // (it samples nothing, and `islands slurm` builds its config before writing the script).
+  test::write_text(dir / "tiny.toml", std::string(kTiny) + "sample_every = 120\nsample_n = 4\n[sample]\nsteps = 2\n");
+  // [slurm]: extra #SBATCH lines (a job name of the user's replaces ddm's) and shell lines each
+  // array task runs first, here one the log shows.
+  test::write_text(dir / "isl.toml", islands_file(dir.path, "runs", "nproc = 2\nretries = 1\nthreads = 1\n") +
+                                         "[slurm]\nsbatch = [\"--time=00:20:00\", \"--job-name=isl-test\"]\n"
+                                         "setup = [\"setup_word=ready\", \"echo \\\"slurm.setup ran: $setup_word\\\"\"]\n");
   auto r = test::run_ddm("islands slurm " + (dir / "isl.toml") + " --script " + (dir / "job.sbatch"));
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("each island 2 Slurm tasks"), std::string::npos) << r.output;
   const std::string script = test::read_text(dir / "job.sbatch");
+  EXPECT_EQ(script.find("--job-name=ddm-islands"), std::string::npos) << script;
   for (const char* line : {"#SBATCH --array=0-2\n", "#SBATCH --ntasks=2\n", "#SBATCH --cpus-per-task=1\n",
+                           "#SBATCH --time=00:20:00\n", "#SBATCH --job-name=isl-test\n", "setup_word=ready\n",
+                           "echo \"slurm.setup ran: $setup_word\"\n",
                            "for attempt in $(seq 0 1); do\n",
                            "  srun --ntasks=2 --cpus-per-task=1 --kill-on-bad-exit=0 --wait=60 \"${island[@]}\" || rc=$?\n"})
     EXPECT_NE(script.find(line), std::string::npos) << line << " not in:\n" << script;
@@ -324,6 +348,8 @@ TEST(Islands, SlurmRunsATwoProcessIslandAsOneArrayTaskOfTwoTasks) {
   ASSERT_TRUE(wait_for([&] { return fs::exists(dir / "rc"); }, 280)) << logs();
   const std::string log = logs();
   ASSERT_EQ(test::read_text(dir / "rc"), "0\n") << test::read_text(dir / "sbatch.out") << log;
+  EXPECT_NE(log.find("slurm.setup ran: ready"), std::string::npos) << log;
+  EXPECT_TRUE(fs::exists(dir / "runs/experts/0/grids/step-00000120.png")) << log;
   EXPECT_NE(log.find("parallel: data parallel over 2 processes"), std::string::npos) << log;
   EXPECT_NE(log.find("train: 120 steps, batch 16 (2 ranks x 8)"), std::string::npos) << log;
   EXPECT_NE(log.find("[islands] array task 0: restarting the island from its last checkpoint (restart 1 of 1)"),

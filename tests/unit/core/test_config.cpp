@@ -255,6 +255,7 @@ TEST(Config, EveryShippedConfigParses) {
   int n = 0;
   for (const auto& e : std::filesystem::directory_iterator(test::source_dir() + "/configs")) {
     if (e.path().filename().string().rfind("islands", 0) == 0) continue;  // islands files: below
+    if (e.path().extension() != ".toml") continue;  // the sbatch example: TheGpuSlurmExamplesAreValid
     EXPECT_NO_THROW(load_config(e.path().string())) << e.path();
     ++n;
   }
@@ -274,6 +275,39 @@ TEST(Config, EveryShippedConfigParses) {
   EXPECT_GE(n, 3);
   RunConfig c = load_config(test::source_dir() + "/configs/quickstart.toml");
   EXPECT_EQ(c.model.preset, "unet-tiny");
+}
+
+// configs/islands-gpu.toml and configs/slurm-train-gpu.sbatch: the islands file's batches split into
+// its ranks, its [slurm] lines reach the script, the script is valid bash; the data-parallel script's
+// config and overrides are valid.
+TEST(Config, TheGpuSlurmExamplesAreValid) {
+  const auto cwd = std::filesystem::current_path();
+  std::filesystem::current_path(test::source_dir());
+  const IslandsConfig isl = load_islands_config("configs/islands-gpu.toml");
+  EXPECT_NO_THROW(check_island_batches(isl));
+  const std::string script = slurm_script(isl, isl.k, "/opt/ddm/build/ddm");
+  std::filesystem::current_path(cwd);
+  EXPECT_EQ(isl.nproc, 8);
+  for (const char* line : {"#SBATCH --array=0-8\n", "#SBATCH --ntasks=8\n", "#SBATCH --cpus-per-task=4\n",
+                           "#SBATCH --gpus-per-node=8\n", "#SBATCH --time=24:00:00\n", "export NCCL_DEBUG=WARN\n",
+                           "srun --ntasks=8 --cpus-per-task=4 "})
+    EXPECT_NE(script.find(line), std::string::npos) << line << " not in:\n" << script;
+  const test::TempDir dir;
+  test::write_text(dir / "islands.sbatch", script);
+  EXPECT_EQ(test::run_command("bash -n " + (dir / "islands.sbatch")).exit_code, 0) << script;
+
+  const std::string dp = test::read_text(test::source_dir() + "/configs/slurm-train-gpu.sbatch");
+  EXPECT_EQ(test::run_command("bash -n " + test::source_dir() + "/configs/slurm-train-gpu.sbatch").exit_code, 0);
+  const std::string config = "CONFIG=${CONFIG:-";
+  ASSERT_NE(dp.find(config), std::string::npos);
+  const size_t at = dp.find(config) + config.size();
+  std::vector<std::string> sets;
+  for (size_t p = dp.find("--set "); p != std::string::npos; p = dp.find("--set ", p + 1))
+    sets.push_back(dp.substr(p + 6, dp.find_first_of(" \n", p + 6) - p - 6));
+  EXPECT_EQ(sets.size(), 4u);
+  const RunConfig c = load_config(test::source_dir() + "/" + dp.substr(at, dp.find('}', at) - at), sets);
+  EXPECT_EQ(c.train.device, "cuda");
+  EXPECT_EQ(c.train.batch_size % 32, 0) << "4 nodes x 8 ranks split the batch";
 }
 
 TEST(Config, IslandsFileWithAnEmptyPathIsAClearError) {

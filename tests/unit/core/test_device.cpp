@@ -1,6 +1,7 @@
 // Device selection (core/device.h) without a GPU: the rule for auto / cpu / cuda / cuda:N on
 // machines of 0, 1 and 4 GPUs given as counts, and a clear error for every spelling or device the
 // machine lacks.
+#include <cstdlib>
 #include <gtest/gtest.h>
 
 #include "core/config.h"
@@ -30,9 +31,19 @@ TEST(Device, AGpuTheMachineLacksOrABadSpellingIsAClearError) {
   EXPECT_TRUE(has(error_message([] { resolve_device("cuda:0", 0, 0, "--device"); }), "--device = cuda:0, but this machine has no CUDA GPU"));
   EXPECT_TRUE(has(error_message([] { resolve_device("cuda:2", 0, 2, "train.device"); }),
                   "train.device = cuda:2, but this machine has 2 CUDA GPUs (cuda:0..1)"));
+  const char* visible = std::getenv("CUDA_VISIBLE_DEVICES");
+  const std::string saved = visible ? visible : "";
+  unsetenv("CUDA_VISIBLE_DEVICES");
   EXPECT_TRUE(has(error_message([] { resolve_device("auto", 2, 1, "rank 2: train.device"); }),
                   "rank 2: train.device = auto gives each process of a node its own GPU, but this is local rank 2 on a "
                   "machine with 1 CUDA GPU: launch at most 1 process per node, or name one GPU (cuda:N)"));
+  // Slurm's --gpus-per-task shows each task one GPU: the message says so and what to ask for instead.
+  setenv("CUDA_VISIBLE_DEVICES", "3", 1);
+  EXPECT_TRUE(has(error_message([] { resolve_device("auto", 2, 1, "rank 2: train.device"); }),
+                  "local rank 2 on a machine with 1 CUDA GPU (CUDA_VISIBLE_DEVICES=3 shows this process one GPU: "
+                  "Slurm's --gpus-per-task and --gpu-bind give each task its own; ask for --gpus-per-node instead"));
+  EXPECT_EQ(resolve_device("auto", 0, 1, "k"), torch::Device(torch::kCUDA, 0));  // local rank 0 takes the one it sees
+  if (visible) setenv("CUDA_VISIBLE_DEVICES", saved.c_str(), 1); else unsetenv("CUDA_VISIBLE_DEVICES");
   for (const char* bad : {"gpu", "CUDA", "cuda:", "cuda:x", "cuda:-1", "cuda:123456", " cpu", ""})
     EXPECT_TRUE(has(error_message([&] { check_device_spec(bad, "train.device"); }),
                     "is not one of: auto, cpu, cuda, cuda:N"))
