@@ -1,4 +1,4 @@
-// The source tree's floors (README, "Layout"): a file under src/ includes headers of its own folder
+// The source tree's floors (docs/contributing.md, "The source layout"): a file under src/ includes headers of its own folder
 // and of the folders on floors below it, never of one above. Checked on every #include "folder/..."
 // of every file, so a new include that runs back up fails here, naming the file and line. And the
 // unit tests mirror those folders (tests/unit/<folder>/).
@@ -26,7 +26,7 @@ TEST(Layout, NoFileIncludesAFolderAboveItsOwn) {
   for (const auto& entry : fs::recursive_directory_iterator(src)) {
     if (!entry.is_regular_file()) continue;
     const std::string folder = fs::relative(entry.path(), src).begin()->string();
-    ASSERT_TRUE(floor.count(folder)) << "src/" << folder << " has no floor: add it to README's Layout and here";
+    ASSERT_TRUE(floor.count(folder)) << "src/" << folder << " has no floor: add it to docs/contributing.md's layout and here";
     std::ifstream in(entry.path());
     std::string line;
     int number = 0;
