@@ -970,9 +970,15 @@ void validate_sample_every(const RunConfig& c) {
             "train.sample_every = " << t.sample_every << " samples from the whole model, and with parallel.pp = "
                                     << c.parallel.pp << " no process holds it: set train.sample_every = 0 and sample "
                                     << "the checkpoints (ddm sample --ckpt RUN)");
-  DDM_CHECK(c.model.controlnet.empty() && c.model.embed.empty(),
+  // A ControlNet's or model.embed model's grid is conditioned on the data's first images, in pixels:
+  // not on latents (their maps and references would need the images the latents came from), not on
+  // Stable Diffusion's ControlNet (it is conditioned on text as well).
+  const bool conditioned = !c.model.controlnet.empty() || !c.model.embed.empty();
+  const bool latent = !c.model.latent.empty() || c.data.source == "latents";
+  DDM_CHECK(!conditioned || (!latent && arch != "sd-unet"),
             "train.sample_every = " << t.sample_every << ": a " << (c.model.embed.empty() ? "ControlNet" : "model.embed model")
-                                    << " samples from conditioning images, which training grids do not take yet: set "
+                                    << (arch == "sd-unet" ? " of Stable Diffusion" : " on latents")
+                                    << " samples from conditioning images, which training grids do not take for it: set "
                                     << "train.sample_every = 0 and sample the checkpoints (ddm sample --ckpt RUN "
                                     << (c.model.embed.empty() ? "--control-from test" : "--reference-from test") << ")");
 }

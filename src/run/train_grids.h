@@ -1,5 +1,7 @@
 // Grids of samples while a model trains (train.sample_every): every N steps rank 0 samples the same
-// noise (train.seed) with the rows of a fixed grid (its classes, its prompts, or none) from the
+// noise (train.seed) with the rows of a fixed grid (its classes, its prompts, or none; for a
+// ControlNet or a model.embed model, the first images of its data, each row led by the control map
+// or reference image its samples are conditioned on) from the
 // weights training has reached (the EMA by default, sample.use_ema), and writes RUN/grids/
 // step-XXXXXXXX.png; the run's TensorBoard files get the same picture. The network is the one being
 // trained: its weights are swapped for the EMA's and back, bit for bit, so training goes on as if
@@ -11,6 +13,7 @@
 #include <vector>
 
 #include "core/config.h"
+#include "data/dataset.h"
 #include "diffusion/denoiser.h"
 #include "model/net.h"
 #include "train/checkpoint.h"
@@ -22,10 +25,10 @@ class TrainingGrids {
  public:
   // cfg: the run's resolved config; net: the network being trained (whole, in this process); latent:
   // its frozen autoencoder (null for a pixel model); captions: the data's (a text model's default
-  // prompts). Loads and uses a text model's encoder once, for the prompts, then lets it go.
-  TrainingGrids(const RunConfig& cfg, Net net, std::shared_ptr<const LatentSpace> latent,
-                std::vector<std::string> class_names, const std::vector<std::string>& captions, torch::Device device,
-                std::string dir);
+  // prompts; its first images, a ControlNet's control maps or a model.embed model's references).
+  // Loads and uses a text model's encoder or an embed model's network once, then lets it go.
+  TrainingGrids(const RunConfig& cfg, Net net, std::shared_ptr<const LatentSpace> latent, const Dataset& data,
+                torch::Device device, std::string dir);
   // One line for the run's header: what each grid holds and where it goes.
   std::string describe() const;
   bool due(int64_t step, int64_t last) const { return every_ > 0 && (step % every_ == 0 || step == last); }
@@ -48,6 +51,9 @@ class TrainingGrids {
   int64_t every_ = 0;
   std::unique_ptr<Denoiser> den_;
   Cond text_;                      // each sample's prompt encoding; undefined context: none
+  torch::Tensor control_, embed_;  // each sample's control map [n, Cc, H, W] / embedding [n, D]; or undefined
+  torch::Tensor labels_;           // each sample's label [n] (rows of data images); undefined: by row
+  torch::Tensor leads_;            // a column before the samples: each row's map or reference, [rows, C, H, W]
   std::vector<std::string> rows_;  // row labels
   int64_t cols_ = 10;
 };

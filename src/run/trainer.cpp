@@ -109,7 +109,7 @@ TrainSummary train(TrainJob job, const TrainOptions& options) {
   // Rank 0 holds the whole model (train.sample_every refuses pipeline stages), and samples its grids.
   std::optional<TrainingGrids> grids;
   if (lead && tc.sample_every > 0) {
-    grids.emplace(cfg, net, model.latent, job.data.class_names, job.data.captions, proc.device, opt.out_dir);
+    grids.emplace(cfg, net, model.latent, job.data, proc.device, opt.out_dir);
     if (!opt.quiet) std::cout << grids->describe() << std::endl;
   }
   auto after_step = [&](int64_t at_step) {

@@ -153,3 +153,37 @@ TEST(TrainWatch, GridsThatCannotBeMadeAreClearErrors) {
                      "with parallel.pp = 2 no process holds it: set train.sample_every = 0");
   EXPECT_FALSE(fs::exists(dir / "run/ckpt"));
 }
+
+// A ControlNet's and a model.embed model's grids: a row per image of the data (the first 4), each led
+// by what its samples are conditioned on (its edge map, its reference image), then its samples.
+TEST(TrainWatch, ControlNetAndEmbedGridsLeadEachRowWithItsConditioning) {
+  test::TempDir dir;
+  test::write_text(dir / "tiny.toml", kTiny);
+  auto r = test::run_ddm("train --quiet --config " + (dir / "tiny.toml") + " --out " + (dir / "base") +
+                         " --set train.sample_every=0");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  // 8 samples over 4 rows: 2 per row, after each row's map; a grid at steps 2 and 4.
+  r = test::run_ddm("train --controlnet " + (dir / "base") + " --out " + (dir / "cn") +
+                    " --set train.steps=4 --set train.sample_every=2 --set train.sample_n=8");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("grids: every 2 steps, 8 samples (4 row(s) of the data's first images, each led by its "
+                          "edges map;"), std::string::npos) << r.output;
+  const auto cn = png_size(test::read_text(dir / "cn/grids/step-00000004.png"));
+  ASSERT_TRUE(fs::exists(dir / "cn/grids/step-00000002.png"));
+  // model.embed: each row led by its reference image; 4 samples over 4 rows, one each.
+  r = test::run_ddm("train --config " + (dir / "tiny.toml") + " --out " + (dir / "embed") +
+                    " --set model.embed=feature-net --set train.steps=2 --set train.sample_every=2 --set train.sample_n=4");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("(4 row(s) of the data's first images, each led by its reference image;"), std::string::npos)
+      << r.output;
+  const auto embed = png_size(test::read_text(dir / "embed/grids/step-00000002.png"));
+  // The same 4 rows (the same images' class names in the margin): 3 tiles a row against 2, so the
+  // ControlNet's grid is one tile wider, as its rows are as high.
+  EXPECT_EQ(cn.second, embed.second);
+  EXPECT_GT(cn.first, embed.first);
+  EXPECT_LT(cn.first - embed.first, embed.first / 2);
+  // A plain grid of 8 samples (a row per class: 1 tile a row) is higher: more rows.
+  EXPECT_EQ(test::run_ddm("train --quiet --config " + (dir / "tiny.toml") + " --out " + (dir / "plain") +
+                          " --set train.steps=2 --set train.sample_every=2 --set train.sample_n=8").exit_code, 0);
+  EXPECT_GT(png_size(test::read_text(dir / "plain/grids/step-00000002.png")).second, cn.second);
+}
