@@ -223,6 +223,8 @@ int train_classifier_cmd(const ClassifierArgs& a, const std::string& command) {
        {"ddm_version", version()}});
   std::printf("test accuracy %.2f%% (%lld / %lld) after %.0f s\nwrote %s\nsha256 %s\n", 100.0 * acc,
               static_cast<long long>(correct), static_cast<long long>(total), seconds, a.out.c_str(), sha.c_str());
+  const std::string warning = feature_net_warning(task, acc, train.num_classes);
+  if (!warning.empty()) std::cout << warning << std::endl;
   return 0;
 }
 

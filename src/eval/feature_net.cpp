@@ -15,6 +15,7 @@
 #include "core/progress.h"
 #include "core/rng.h"
 #include "core/safetensors.h"
+#include "eval/grid.h"
 
 namespace ddm {
 
@@ -194,6 +195,22 @@ torch::Tensor predict_classes(FeatureNet& net, const torch::Tensor& images, int6
         net->forward(as_unit_range(images.narrow(0, i, std::min(batch, images.size(0) - i)).to(dev))).argmax(1).cpu());
   DDM_CHECK(!out.empty(), "feature network: no images to classify");
   return torch::cat(out);  // [N]
+}
+
+std::string feature_net_warning(const std::string& task, double accuracy, int64_t classes) {
+  if (classes < 2) return "";
+  const double chance = 1.0 / static_cast<double>(classes);
+  if (accuracy >= chance + (1.0 - chance) / 4) return "";
+  std::string w = "warning: a held-out accuracy of " + format_number("%.1f", 100 * accuracy) + "% is close to chance (" +
+                  format_number("%.1f", 100 * chance) + "% for " + std::to_string(classes) +
+                  (task == "rotation" ? " turns" : " classes") +
+                  "): the network learned little about these images, and FD, KID and precision/recall in its "
+                  "features will barely tell models apart. ";
+  if (task == "rotation")
+    return w + "Pictures with no up and down (textures, aerial or microscope images, objects at any angle) cannot "
+               "teach which way they were turned: label them (a .cls file beside each picture, docs/own-data.md) "
+               "and train on the labels instead.";
+  return w + "Train longer (--epochs), or check that the labels match the pictures.";
 }
 
 int64_t count_correct(FeatureNet& net, const Dataset& data) {

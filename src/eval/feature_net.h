@@ -87,6 +87,12 @@ torch::Tensor predict_classes(FeatureNet& net, const torch::Tensor& images, int6
 // Number of images of `data` classified correctly.
 int64_t count_correct(FeatureNet& net, const Dataset& data);
 
+// A warning for a network whose held-out accuracy closed less than a quarter of the way from chance
+// (1 / classes) to 100%: its features say little about the images, so metrics in them barely tell
+// models apart. Says why for the rotation task (pictures with no up cannot teach it) and what to do.
+// "" when the accuracy is clear of that.
+std::string feature_net_warning(const std::string& task, double accuracy, int64_t classes);
+
 // A trained network with its file's hash and the metadata written with it.
 struct LoadedFeatureNet {
   FeatureNet net{nullptr};

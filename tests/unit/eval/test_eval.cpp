@@ -476,3 +476,20 @@ TEST(Grid, ShortRowLabelsAreDrawnWhole) {
     EXPECT_EQ(alone, in_word) << "label '" << letter << "' lost strokes";
   }
 }
+
+// A feature network near chance on its held-out images is named as such, with the reason and the remedy
+// for its task; one clear of it is not.
+TEST(FeatureNet, ANetworkNearChanceIsAWarning) {
+  const std::string rotation = feature_net_warning("rotation", 0.30, 4);
+  EXPECT_NE(rotation.find("warning: a held-out accuracy of 30.0% is close to chance (25.0% for 4 turns)"), std::string::npos)
+      << rotation;
+  EXPECT_NE(rotation.find("Pictures with no up and down"), std::string::npos) << rotation;
+  const std::string classes = feature_net_warning("classes", 0.2, 10);
+  EXPECT_NE(classes.find("20.0% is close to chance (10.0% for 10 classes)"), std::string::npos) << classes;
+  EXPECT_NE(classes.find("Train longer (--epochs)"), std::string::npos) << classes;
+  // A quarter of the way from chance to 100%: 43.75% for 4 turns, 32.5% for 10 classes.
+  EXPECT_EQ(feature_net_warning("rotation", 0.44, 4), "");
+  EXPECT_NE(feature_net_warning("rotation", 0.43, 4), "");
+  EXPECT_EQ(feature_net_warning("classes", 0.925, 10), "");
+  EXPECT_EQ(feature_net_warning("classes", 0.33, 10), "");
+}
