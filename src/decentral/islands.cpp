@@ -150,7 +150,7 @@ IslandsConfig parse(const toml::table& t, const std::string& origin) {
   list("slurm.setup", c.setup, "\"module load cuda\"");
   for (const auto& line : c.sbatch) check_sbatch_option(line, origin);
   for (const auto& line : c.setup)
-    DDM_CHECK(line.find('\n') == std::string::npos && line.find('\r') == std::string::npos,
+    DDM_CHECK(line.find_first_of("\n\r") == std::string::npos,
               origin << ": slurm.setup holds one shell line per string; this one has a line break: '" << line << "'");
   DDM_CHECK(c.budget == "full" || c.budget == "split-batch" || c.budget == "split-steps",
             origin << ": experts.budget = '" << c.budget << "' is not one of full, split-batch, split-steps");

@@ -141,7 +141,8 @@ std::string TrainingGrids::describe() const {
   if (leads_.defined())
     rows = std::to_string(rows_.size()) + " row(s) of the data's first images, each led by its " +
            (control_.defined() ? cfg_.model.control + " map" : std::string("reference image"));
-  return "grids: every " + std::to_string(every_) + " steps, " + std::to_string(cfg_.train.sample_n) + " samples (" +
+  const int64_t n = leads_.defined() ? static_cast<int64_t>(rows_.size()) * cols_ : cfg_.train.sample_n;
+  return "grids: every " + std::to_string(every_) + " steps, " + std::to_string(n) + " samples (" +
          rows + "; " + (s.use_ema ? "EMA" : "raw") + " weights, " + s.sampler + ", " + std::to_string(s.steps) +
          " steps, cfg " + format_number("%g", s.cfg) + ") into " + dir_ + "/" + RunDir::kGrids + "/ and " + dir_ + "/" +
          RunDir::kTensorBoard + "/";
