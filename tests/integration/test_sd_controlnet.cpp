@@ -2,8 +2,9 @@
 // the ddm binary: the pipeline diffusers wrote (tests/reference/diffusers_pipeline.py) gives the UNet,
 // VAE, text encoder and schedule; model.controlnet = "from-unet" starts the ControlNet as diffusers'
 // from_unet does. The run holds only the ControlNet, pins the UNet's weights by sha256, resumes bit
-// for bit and samples from control maps; a ControlNet that does not fit, a UNet without weights and a
-// changed UNet are clear errors.
+// for bit and samples from control maps, on the pipeline's VAE or on ddm's own autoencoder (which no
+// export takes); a ControlNet that does not fit, a UNet without weights and a changed UNet are clear
+// errors.
 #include <gtest/gtest.h>
 
 #include <filesystem>
@@ -171,6 +172,55 @@ TEST(SdControlNet, FromTheUnetTrainsResumesBitForBitAndSamplesFromControlMaps) {
   test::expect_error(test::run_ddm("train --config " + (dir / "m/config.toml") + " --set train.steps=2 --resume --out " +
                                    (dir / "m")),
                      "the locked UNet changed");
+}
+
+TEST(SdControlNet, OnDdmsOwnAutoencoderItTrainsAndSamplesAndNeitherItNorItsUnetIsExported) {
+  // Stable Diffusion's UNet and a ControlNet on it, both on the latents of ddm's own autoencoder (4
+  // channels, 4 times smaller than the images, where the pipeline's VAE halves them): from_unet makes
+  // a conditioning embedding that downsamples by 4, the run trains and samples from a control map,
+  // and `ddm export --diffusers` refuses both models by name (a Stable Diffusion pipeline holds
+  // diffusers' AutoencoderKL), writing nothing.
+  ASSERT_EQ(pipeline().run.exit_code, 0) << pipeline().run.output;
+  test::TempDir dir;
+  const std::string sd = pipeline().dir + "/sd", ae = dir / "ae";
+  captioned_squares(dir / "images");
+  test::write_text(dir / "ae.toml", "[data]\nsource = \"folder\"\nroot = \"" + (dir / "images") +
+                                        "\"\n[model]\npreset = \"ae-f4\"\nchannels = 8\ngroups = 4\n"
+                                        "[train]\nsteps = 4\nbatch_size = 4\nwarmup = 1\nthreads = 1\nckpt_every = 4\n");
+  auto r = test::run_ddm("train-autoencoder --quiet --config " + (dir / "ae.toml") + " --out " + ae + " --n 4 --stats-n 12");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  std::string cn = config(dir / "images", sd, "from-unet");
+  cn.replace(cn.find("latent = \"" + sd + "\""), 11 + sd.size(), "latent = \"" + ae + "\"");
+  test::write_text(dir / "cn.toml", cn);
+  r = test::run_ddm("train --config " + (dir / "cn.toml") + " --out " + (dir / "cn") + " --set train.steps=2");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const auto saved = load_safetensors(dir / "cn/ckpt/step-00000002/model.safetensors").tensors;
+  EXPECT_TRUE(saved.count("controlnet.controlnet_cond_embedding.blocks.3.weight"));  // two stride-2 steps: 16 -> 4
+  EXPECT_FALSE(saved.count("controlnet.controlnet_cond_embedding.blocks.4.weight"));
+  EXPECT_EQ(load_config(dir / "cn/config.toml").model.latent, ae + "/ckpt/step-00000004");  // resolved to its checkpoint
+  auto map = torch::zeros({1, 16, 16}, torch::kUInt8);
+  map.slice(1, 4, 12).select(2, 4).fill_(255);
+  test::write_text(dir / "edges.png", png_of(map));
+  r = test::run_ddm("sample --ckpt " + (dir / "cn") + " --n 2 --steps 3 --cfg 2 --prompt 'a red square' --control " +
+                    (dir / "edges.png") + " --out " + (dir / "s.png") + " --raw " + (dir / "s.safetensors"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const auto images = load_safetensors(dir / "s.safetensors").tensors.at("images");
+  EXPECT_EQ(images.sizes(), (std::vector<int64_t>{2, 3, 16, 16}));
+  // The UNet alone on the same latents.
+  std::string plain = config(dir / "images", sd, "from-unet");
+  plain.replace(plain.find("latent = \"" + sd + "\""), 11 + sd.size(), "latent = \"" + ae + "\"");
+  plain.erase(plain.find("controlnet = "), plain.find("[diffusion]") - plain.find("controlnet = "));
+  test::write_text(dir / "unet.toml", plain);
+  ASSERT_EQ(test::run_ddm("train --quiet --config " + (dir / "unet.toml") + " --out " + (dir / "unet") +
+                          " --set train.steps=1")
+                .exit_code,
+            0);
+  for (const char* run : {"cn", "unet"}) {
+    test::expect_error(test::run_ddm("export --ckpt " + (dir / run) + " --diffusers " + (dir / "x")),
+                       "model.latent = " + ae + "/ckpt/step-00000004 is ddm's own autoencoder; a Stable Diffusion pipeline needs diffusers' "
+                                                "AutoencoderKL");
+    EXPECT_FALSE(fs::exists(dir / "x")) << run;
+  }
 }
 
 TEST(SdControlNet, ControlNetsThatDoNotFitAndUnetsWithoutWeightsAreClearErrors) {
