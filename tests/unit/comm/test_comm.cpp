@@ -437,13 +437,21 @@ TEST(DistProcess, TwoProcessesOverTcp) {
   comm->check_same({{"k", "v"}}, "config");
   comm->barrier();
 
-  // The child is killed while our all-reduce waits for it.
+  // The child is killed while our send waits for it to receive (it never posts the receive: as a
+  // checkpoint's sends wait for a writer that died) and our all-reduce waits for it.
+  auto big = torch::ones({1 << 20}), back = torch::zeros({4});
+  auto send = comm->send_async(big, 1, 9);
+  auto recv = comm->recv_async(back, 1, 10);
   std::vector<at::Tensor> ts{t};
   auto work = comm->allreduce_async(ts);
   std::this_thread::sleep_for(std::chrono::milliseconds(300));
   reaper.kill_and_reap();
   EXPECT_TRUE(WIFSIGNALED(reaper.status) && WTERMSIG(reaper.status) == SIGKILL)
       << "the child exited by itself with status " << reaper.status << " (a failed check in it)";
+  const auto received = shown(error_message([&] { comm->wait(recv, "receive from rank 1"); }));
+  EXPECT_TRUE(has(received, "rank 0: lost the connection to rank 1 during receive from rank 1")) << received;
+  const auto sent = shown(error_message([&] { comm->wait(send, "send to rank 1"); }));
+  EXPECT_TRUE(has(sent, "rank 0: lost the connection to rank 1 during send to rank 1 (it exited or was killed)")) << sent;
   const auto msg = shown(error_message([&] { comm->wait(work, "all-reduce"); }));
   EXPECT_TRUE(has(msg, "rank 0: lost the connection to rank 1 during all-reduce (it exited or was killed); the job "
                        "stops"))
