@@ -33,6 +33,9 @@ struct EngineParts {
   std::shared_ptr<Objective> objective;
   std::shared_ptr<Comm> comm;
   const Dataset& data;  // a pipeline balances its stages on one prepared row of it
+  // The run resumes from a checkpoint (JobProcess::from_checkpoint): no rank compares the seeded
+  // initialization, so a pipeline stage does not hash the whole model's weights.
+  bool from_checkpoint = false;
 };
 
 // How the run begins, once every rank holds rank 0's state (Engine::begin).

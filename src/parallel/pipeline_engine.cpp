@@ -8,6 +8,7 @@
 #include <sstream>
 
 #include "core/device.h"
+#include "core/error.h"
 #include "core/tensor_hash.h"
 #include "parallel/data_parallel.h"
 #include "pipeline/profile.h"
@@ -43,8 +44,9 @@ class PipelineEngine : public Engine {
     }
     PipeSkipRoutes routes = pipe_skip_routes(*net_, sample, bounds);
     // The whole model's seeded initialization, hashed before the stage lets the other stages'
-    // weights go (start_run compares it across ranks on a fresh start).
-    {
+    // weights go (start_run compares it across ranks on a fresh start; a resumed run takes the
+    // checkpoint's weights instead, and hashing 3.5 GB of SD 2.1's would cost every stage seconds).
+    if (!parts.from_checkpoint) {
       torch::NoGradGuard no_grad;
       Sha256 hash;
       for (const torch::Tensor& w : net_->parameters()) hash_tensor(hash, w);
@@ -74,7 +76,10 @@ class PipelineEngine : public Engine {
   }
 
   // A stage holds only its own stages' trainable weights: the whole model's digest, taken before.
-  std::vector<torch::Tensor> initial_weights() override { return {initial_digest_}; }
+  std::vector<torch::Tensor> initial_weights() override {
+    DDM_CHECK(initial_digest_.defined(), "pipeline: the initial weights were not hashed (the run resumes)");
+    return {initial_digest_};
+  }
 
   EngineBegun begin(const EngineStart& start) override {
     timed_from_ = start.step + 1;  // the first step of a run warms up: not timed

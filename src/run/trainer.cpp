@@ -67,7 +67,7 @@ TrainSummary train(TrainJob job, const TrainOptions& options) {
       make_batch_source(cfg, job.data, layout, proc.local_processes, proc.device.is_cuda());
   DataPosition data(*source);
   LoopState state;
-  const std::unique_ptr<Engine> engine = make_engine({cfg, layout, net, job.objective, comm, job.data});
+  const std::unique_ptr<Engine> engine = make_engine({cfg, layout, net, job.objective, comm, job.data, proc.from_checkpoint});
   if (comm->distributed() && !proc.rejoining) comm->check_same(identity, "config, data and model");
 
   RunStart run = start_run(opt, job, net, *engine, data, *comm, proc.rejoining, proc.from_checkpoint);
