@@ -52,22 +52,26 @@ struct PartitionArgs {
 };
 
 int partition_cmd(const PartitionArgs& a) {
-  DDM_CHECK(!a.out.empty(), "--out DIR is required");
-  DDM_CHECK(a.force || !fs::exists(a.out), "'" << a.out << "' already exists; use --force to replace it or another --out");
+  // What it was asked to do, and the data's header, are checked first; an error there is bad input
+  // (exit status 2: `ddm islands` reports it as its own).
   DataConfig dc;
-  if (!a.config.empty()) {
-    dc = load_config(a.config).data;
-  } else {
-    dc.source = a.source;
-    dc.root = a.root;
-    dc.split = a.split;
-    dc.limit = a.limit;
-  }
+  const FeatureSource src = as_input_error([&] {
+    DDM_CHECK(!a.out.empty(), "--out DIR is required");
+    DDM_CHECK(a.force || !fs::exists(a.out), "'" << a.out << "' already exists; use --force to replace it or another --out");
+    if (!a.config.empty()) {
+      dc = load_config(a.config).data;
+    } else {
+      dc.source = a.source;
+      dc.root = a.root;
+      dc.split = a.split;
+      dc.limit = a.limit;
+    }
+    // Latent shards hold no pixels: their own latents are the default features (images that `ddm encode
+    // --text` kept are partitioned by their pixels, as any images).
+    const bool latent_features = dc.source == "latents" && !read_latent_shards_info(dc.root).holds_images();
+    return parse_feature_source(!a.features.empty() ? a.features : latent_features ? "latent" : "pixels");
+  });
   const bool latents = dc.source == "latents";
-  // Latent shards hold no pixels: their own latents are the default features (images that `ddm encode
-  // --text` kept are partitioned by their pixels, as any images).
-  const bool latent_features = latents && !read_latent_shards_info(dc.root).holds_images();
-  const FeatureSource src = parse_feature_source(!a.features.empty() ? a.features : latent_features ? "latent" : "pixels");
   const torch::Device device = resolve_device(a.device, 0, "--device");
   set_threads(a.threads);
   PartitionConfig cfg = a.cfg;
@@ -93,9 +97,11 @@ int partition_cmd(const PartitionArgs& a) {
   }
   DDM_CHECK(!a.reshard, "--reshard applies to tar shards (data.source = \"shards\" or \"latents\" in --config) only");
   const auto t0 = std::chrono::steady_clock::now();
-  const Dataset data = load_dataset(dc);
+  const Dataset data = as_input_error([&] { return load_dataset(dc); });
   const int64_t n = data.images.size(0);
-  DDM_CHECK(cfg.k <= n, "--k " << cfg.k << " is larger than the data (" << data.description << "); use at most " << n);
+  if (cfg.k > n)
+    throw InputError("--k " + std::to_string(cfg.k) + " is larger than the data (" + data.description + "); use at most " +
+                     std::to_string(n));
   std::cout << "partitioning " << data.description << " into " << cfg.k << " clusters ("
             << (cfg.method == "random" ? "random" : std::string(cfg.balanced ? "balanced " : "") + "two-stage k-means, " +
                                                         cfg.metric)

@@ -369,8 +369,14 @@ int64_t ensure_partition(const IslandsConfig& c, const std::string& ddm_binary) 
     const std::string source = load_config(c.config).data.source;
     if (source == "shards" || source == "latents") args.push_back("--reshard");
     const ExitStatus status = wait_exit(spawn(ddm_binary, args, log));
-    DDM_CHECK(status.ok(), "making the partition failed (" << describe_exit(status) << "): " << last_error(log, from)
-                                                            << " (log " << log << ")");
+    if (!status.ok()) {
+      std::ostringstream os;
+      os << "making the partition failed (" << describe_exit(status) << "): " << last_error(log, from) << " (log " << log
+         << ")";
+      // Its input (the experts' config, the data it names) is this run's: bad input here is bad input.
+      if (status.signal == 0 && status.code == kExitBadInput) throw InputError(os.str());
+      DDM_FAIL(os.str());
+    }
   }
   const Partition p = load_partition(c.partition);
   DDM_CHECK(c.k == 0 || c.k == p.k, c.origin << ": partition.k = " << c.k << " but " << c.partition << " has K = "

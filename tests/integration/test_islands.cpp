@@ -2,9 +2,10 @@
 // launcher, or one Slurm array task of N tasks. Checked here: a 2-process island trains exactly what
 // `ddm launch --nproc 2 -- train ...` trains, a rank killed with -9 restarts its own island only (from
 // its last checkpoint, still bit for bit), concurrent islands get their own rendezvous ports, a bad
-// run.nproc is refused before anything starts, an island whose input ddm refuses (exit status 2) is
-// not restarted, and the Slurm script runs an island as 2 srun tasks (a rank killed there restarts
-// the island inside its array task).
+// run.nproc is refused before anything starts, data the partition cannot read is bad input (exit
+// status 2), an island whose input ddm refuses (exit status 2) is not restarted, and the Slurm
+// script runs an island as 2 srun tasks (a rank killed there restarts the island inside its array
+// task).
 //
 // Every run is bounded (polling loops with limits, `timeout` / --timeout on the commands), and the
 // background runner is killed at scope exit if a check failed early (its islands die with it).
@@ -22,6 +23,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "core/error.h"
 #include "local_slurm.h"
 #include "test_util.h"
 
@@ -252,6 +254,22 @@ TEST(Islands, BadNprocOrSlurmLinesAreClearErrorsBeforeAnythingStarts) {
   // Nothing was made or started: no partition, no run directory.
   EXPECT_FALSE(fs::exists(dir / "parts/k2"));
   EXPECT_FALSE(fs::exists(dir / "runs"));
+  // Data that is not there: the partition's own ddm refuses it, and the runner's exit status says so
+  // (2: bad input, as the child's), naming the log that holds the child's words. No partition is made.
+  std::string nodata = kTiny;
+  nodata.replace(nodata.find("limit = 600"), 11, "source = \"folder\"\nroot = \"" + (dir / "none") + "\"");
+  test::write_text(dir / "nodata.toml", nodata);
+  std::string file = islands_file(dir.path, "runs", "nproc = 2\n");
+  file.replace(file.find("/tiny.toml"), 10, "/nodata.toml");
+  test::write_text(dir / "nodata-islands.toml", file);
+  for (const char* action : {"slurm", "run"}) {
+    const auto r = test::run_ddm(std::string("islands ") + action + " " + (dir / "nodata-islands.toml"));
+    EXPECT_EQ(r.exit_code, kExitBadInput) << r.output;
+    EXPECT_NE(r.output.find("making the partition failed (exit code 2"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find(dir / "none"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("(log " + (dir / "runs/logs/partition.log") + ")"), std::string::npos) << r.output;
+    EXPECT_FALSE(fs::exists(dir / "parts/k2")) << action;
+  }
 }
 
 // An island whose input ddm refuses before it runs (exit status 2) would fail the same way on every
