@@ -17,7 +17,8 @@
 # (measured once, before any run, by one process alone on this machine) with the link's bandwidth
 # as check_link measured it (`ddm plan --measured RUN --profile P --bandwidth B`; data parallelism:
 # `ddm plan --profile P --stages 1`), and for filled runs the plan the run made itself from its
-# second step (which times the link itself). Every process runs `ddm train` in its namespace with
+# second step (which times the link itself). Once a run's last step is logged the link is opened
+# for its final checkpoint (not measured). Every process runs `ddm train` in its namespace with
 # RANK, WORLD_SIZE, MASTER_ADDR (node A), GLOO_SOCKET_IFNAME (its veth), parallel.timeout = 600.
 #
 # Outputs in OUT: results.jsonl (a record per run), results.md (the table), link-<rate>.txt, the
@@ -136,8 +137,15 @@ run() {
     MASTER_PORT=$port GLOO_SOCKET_IFNAME="$dev_b" "$ddm" "${common[@]}" > "$dir.rank1.log" 2>&1 &
   p1=$!
   started $p1
+  # The final checkpoint is not measured: once the last step is logged, the link is opened for it
+  # (at 20 Mbit/s an SD run's stage state would take 12 minutes to reach rank 0), then closed again.
+  (while ! grep -qsE "\"step\":$steps[,}]" "$dir/metrics.jsonl"; do sleep 1; done; set_rate unlimited) &
+  local opener=$!
   reap $p0 || rc=$?
   reap $p1 || rc=$((rc ? rc : $?))
+  kill "$opener" 2> /dev/null || true
+  wait "$opener" 2> /dev/null || true
+  set_rate "$rate"
   [ $rc = 0 ] || { tail -n 3 "$dir".rank*.log >&2; die "$rate $name failed (exit $rc): see $dir.rank*.log"; }
   local predicted="" own=""
   if [ "${name#dp}" = "$name" ]; then  # a pipeline: the simulator on its split, schedule and micro-batches
