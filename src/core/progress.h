@@ -13,6 +13,10 @@ std::string format_bytes(int64_t bytes);       // "512 B", "3.2 KiB", "41.0 MiB"
 // When a run `seconds` from now ends, on the local clock: "14:05", or "Tue 14:05" past today; "" if
 // unknown (seconds < 0) or under a minute away.
 std::string format_finish_time(double seconds);
+// Seconds from t0 until now, on the steady clock.
+inline double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
 
 class Progress {
  public:

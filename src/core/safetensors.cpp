@@ -57,7 +57,7 @@ std::string supported_list() {
 }
 
 // One parsed header entry, kept until all entries are checked against each other.
-struct Entry {
+struct TensorEntry {
   std::string name;
   const DtypeInfo* dtype = nullptr;
   std::vector<int64_t> shape;
@@ -65,7 +65,7 @@ struct Entry {
   uint64_t end = 0;
 };
 
-Entry parse_entry(const std::string& name, const json& info, const std::string& origin,
+TensorEntry parse_entry(const std::string& name, const json& info, const std::string& origin,
                   uint64_t data_size) {
   const std::string where = origin + ": tensor '" + name + "'";
   DDM_CHECK(info.is_object(), where << ": header entry must be a JSON object with dtype, shape and "
@@ -75,7 +75,7 @@ Entry parse_entry(const std::string& name, const json& info, const std::string& 
     DDM_CHECK(key == "dtype" || key == "shape" || key == "data_offsets",
               where << ": unexpected key '" << key << "' (allowed: dtype, shape, data_offsets)");
   }
-  Entry e;
+  TensorEntry e;
   e.name = name;
 
   DDM_CHECK(info.contains("dtype"), where << ": missing 'dtype'");
@@ -174,7 +174,7 @@ namespace {
 // buffer of `data_size` bytes exactly).
 struct Header {
   std::map<std::string, std::string> metadata;
-  std::vector<Entry> entries;
+  std::vector<TensorEntry> entries;
 };
 
 Header parse_header(const char* text, uint64_t n, uint64_t data_size, const std::string& origin) {
@@ -207,14 +207,14 @@ Header parse_header(const char* text, uint64_t n, uint64_t data_size, const std:
   }
 
   // The entries must tile the data buffer exactly: no overlap, no gap, nothing left over.
-  std::vector<const Entry*> by_offset;
+  std::vector<const TensorEntry*> by_offset;
   for (const auto& e : out.entries) by_offset.push_back(&e);
-  std::sort(by_offset.begin(), by_offset.end(), [](const Entry* a, const Entry* b) {
+  std::sort(by_offset.begin(), by_offset.end(), [](const TensorEntry* a, const TensorEntry* b) {
     return a->begin != b->begin ? a->begin < b->begin : a->end < b->end;
   });
   uint64_t expect = 0;
-  const Entry* prev = nullptr;
-  for (const Entry* e : by_offset) {
+  const TensorEntry* prev = nullptr;
+  for (const TensorEntry* e : by_offset) {
     DDM_CHECK(e->begin >= expect, origin << ": tensor '" << e->name << "' (bytes " << e->begin << ".." << e->end
                                          << ") overlaps tensor '" << (prev ? prev->name : "") << "'");
     DDM_CHECK(e->begin == expect, origin << ": gap of " << (e->begin - expect) << " bytes before tensor '"
@@ -235,10 +235,10 @@ uint64_t header_length(const char* first8) {
 }
 
 // An empty tensor of the entry's dtype and shape, for its bytes to be copied or read into.
-torch::Tensor empty_for(const Entry& e) { return torch::empty(e.shape, torch::TensorOptions().dtype(e.dtype->type)); }
+torch::Tensor empty_for(const TensorEntry& e) { return torch::empty(e.shape, torch::TensorOptions().dtype(e.dtype->type)); }
 
 // BOOL tensors must hold only 0 and 1.
-void check_bools(const Entry& e, const torch::Tensor& t, const std::string& origin) {
+void check_bools(const TensorEntry& e, const torch::Tensor& t, const std::string& origin) {
   if (e.dtype->type != torch::kBool) return;
   const auto* bytes = static_cast<const unsigned char*>(t.data_ptr());
   for (uint64_t i = 0; i < e.end - e.begin; ++i)
@@ -322,12 +322,12 @@ SafetensorsFile load_safetensors(const std::string& path, std::string& sha256) {
   OpenedFile f = open_safetensors(path, &hash);
   // The entries tile the data buffer (parse_header checks it): read in file order, every byte of
   // the file passes through the hash once, straight into its tensor.
-  std::vector<const Entry*> by_offset;
+  std::vector<const TensorEntry*> by_offset;
   for (const auto& e : f.header.entries) by_offset.push_back(&e);
-  std::sort(by_offset.begin(), by_offset.end(), [](const Entry* a, const Entry* b) { return a->begin < b->begin; });
+  std::sort(by_offset.begin(), by_offset.end(), [](const TensorEntry* a, const TensorEntry* b) { return a->begin < b->begin; });
   SafetensorsFile out;
   out.metadata = f.header.metadata;
-  for (const Entry* e : by_offset) {
+  for (const TensorEntry* e : by_offset) {
     torch::Tensor t = empty_for(*e);
     f.in.read(static_cast<char*>(t.data_ptr()), static_cast<std::streamsize>(e->end - e->begin));
     DDM_CHECK(f.in, path << ": cannot read tensor '" << e->name << "' (" << std::strerror(errno) << ")");

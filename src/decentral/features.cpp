@@ -12,6 +12,7 @@
 #include <torch/torch.h>
 
 #include "core/error.h"
+#include "core/progress.h"
 #include "core/rng.h"
 #include "decentral/features_file.h"
 #include "eval/feature_net.h"
@@ -36,10 +37,6 @@ int64_t parse_dim(const std::string& spec, const std::string& value) {
   DDM_CHECK(used == value.size() && d >= 1, "--features " << spec << ": '" << value
                                                           << "' is not a positive dimension; use " << kForms);
   return d;
-}
-
-double seconds_since(std::chrono::steady_clock::time_point t0) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
 // A small conv autoencoder (encoder: two stride-2 convs and a linear bottleneck; decoder mirrors it)

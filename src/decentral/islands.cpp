@@ -161,13 +161,13 @@ IslandsConfig parse(const toml::table& t, const std::string& origin) {
 
 // ---- islands on disk ----
 
-struct Progress {
+struct IslandProgress {
   int64_t step = 0, steps = 0;  // steps = 0: not started (target unknown)
   bool done = false;
 };
 
-Progress progress_of(const Island& is) {
-  Progress p;
+IslandProgress progress_of(const Island& is) {
+  IslandProgress p;
   if (auto latest = latest_checkpoint(is.dir)) {
     const std::string name = fs::path(*latest).filename().string();  // step-XXXXXXXX
     p.step = std::stoll(name.substr(name.find('-') + 1));
@@ -460,7 +460,7 @@ int run_islands(const IslandsConfig& c, const std::string& ddm_binary) {
         last_report = std::chrono::steady_clock::now();
         std::cout << "[islands]";
         for (const auto& r : running) {
-          const Progress p = progress_of(islands[r.second]);
+          const IslandProgress p = progress_of(islands[r.second]);
           const int64_t live = std::max(p.step, logged_step(islands[r.second]));
           std::cout << " " << islands[r.second].name << " step " << live << "/" << (p.steps > 0 ? std::to_string(p.steps) : "?")
                     << ";";
@@ -475,7 +475,7 @@ int run_islands(const IslandsConfig& c, const std::string& ddm_binary) {
     const size_t i = running[pid];
     running.erase(pid);
     const Island& is = islands[i];
-    const Progress p = progress_of(is);
+    const IslandProgress p = progress_of(is);
     state[i]["pid"] = 0;
     state[i]["last_exit"] = describe_exit(status);
     if (status.ok() && p.done) {
@@ -547,7 +547,7 @@ std::string islands_status(const IslandsConfig& c) {
   std::snprintf(line, sizeof line, "%-10s %-12s %-15s %-9s %s\n", "island", "state", "step", "attempts", "last failure");
   s << line;
   for (size_t i = 0; i < islands.size(); ++i) {
-    const Progress p = progress_of(islands[i]);
+    const IslandProgress p = progress_of(islands[i]);
     std::string st = p.done ? "done" : (p.step > 0 || p.steps > 0 ? "partial" : "not started");
     int64_t attempts = 0;
     std::string err;

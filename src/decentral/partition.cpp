@@ -17,6 +17,7 @@
 
 #include "core/error.h"
 #include "core/fileio.h"
+#include "core/progress.h"
 #include "core/rng.h"
 #include "core/safetensors.h"
 #include "data/shard_stream.h"
@@ -31,10 +32,6 @@ namespace {
 
 constexpr const char* kFormat = "ddm-partition-1";
 constexpr int64_t kGridCols = 12, kGridRows = 64;  // clusters.png: images per cluster, clusters at most
-
-double seconds_since(std::chrono::steady_clock::time_point t0) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-}
 
 std::function<void(int64_t, double, int64_t)> iter_printer(const char* stage, int64_t max_iter, bool quiet) {
   if (quiet) return nullptr;

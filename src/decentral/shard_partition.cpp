@@ -15,6 +15,7 @@
 
 #include "core/error.h"
 #include "core/fileio.h"
+#include "core/progress.h"
 #include "data/dataset.h"
 #include "data/latent_shards.h"
 #include "data/shard_loader.h"
@@ -29,10 +30,6 @@ namespace fs = std::filesystem;
 
 namespace ddm {
 namespace {
-
-double seconds_since(std::chrono::steady_clock::time_point t0) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-}
 
 // for_each_in_order (data/shard_loader.h) with a line of progress every 10 s unless quiet.
 void stream_samples(const Dataset& opened, const ShardPartitionOptions& o, int64_t stop, const std::string& what,

@@ -95,7 +95,7 @@ struct AdaLNModulate : torch::autograd::Function<AdaLNModulate> {
   }
 };
 
-struct GatedResidual : torch::autograd::Function<GatedResidual> {
+struct GatedResidualCuda : torch::autograd::Function<GatedResidualCuda> {
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x, const torch::Tensor& gate,
                                const torch::Tensor& a) {
     ctx->save_for_backward({gate, a});
@@ -168,7 +168,7 @@ torch::Tensor gated_residual_cuda(const torch::Tensor& x, const torch::Tensor& g
   DDM_CHECK(gated_residual_cuda_supported(x, gate, a),
             "gated_residual_cuda: needs float32 CUDA x [B, N, W] (contiguous), a of its shape and gate [B, W]; got "
                 << x.sizes() << " " << x.dtype() << ", " << a.sizes() << " " << a.dtype() << ", " << gate.sizes());
-  return GatedResidual::apply(x, gate, a);
+  return GatedResidualCuda::apply(x, gate, a);
 }
 
 }  // namespace ddm
