@@ -262,15 +262,18 @@ std::string describe_exit(const ExitStatus& s) {
 
 }  // namespace
 
+// A missing, malformed or invalid islands file is bad input (exit 2): running again fails alike.
 IslandsConfig load_islands_config(const std::string& path) {
-  DDM_CHECK(fs::exists(path), "islands file '" << path << "' does not exist");
-  toml::table t;
-  try {
-    t = toml::parse_file(path);
-  } catch (const toml::parse_error& e) {
-    DDM_FAIL(path << ":" << e.source().begin.line << ": " << e.description());
-  }
-  return parse(t, path);
+  return as_input_error([&] {
+    DDM_CHECK(fs::exists(path), "islands file '" << path << "' does not exist");
+    toml::table t;
+    try {
+      t = toml::parse_file(path);
+    } catch (const toml::parse_error& e) {
+      DDM_FAIL(path << ":" << e.source().begin.line << ": " << e.description());
+    }
+    return parse(t, path);
+  });
 }
 
 std::vector<Island> plan_islands(const IslandsConfig& c, int64_t k) {

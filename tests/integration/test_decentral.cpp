@@ -393,14 +393,24 @@ TEST(DecentralCli, IslandsSurviveAKilledIslandAndWriteASlurmArray) {
   r = test::run_command("env -u SLURM_ARRAY_TASK_ID bash " + (dir / "job.sbatch"));
   expect_error(r, "run this script with sbatch");
 
-  // Bad islands files name the key.
+  // Bad islands files name the key, and are bad input (exit 2: running again fails alike).
+  auto expect_bad_input = [&](const std::string& args, const std::string& needle) {
+    const auto res = test::run_command(cd + test::ddm_binary() + " " + args);
+    EXPECT_EQ(res.exit_code, 2) << args << "\n" << res.output;
+    EXPECT_NE(res.output.find(needle), std::string::npos) << args << "\n" << res.output;
+  };
   test::write_text(dir / "bad.toml", "config = \"tiny.toml\"\n[partition]\npath = \"p\"\n");
-  expect_error(test::run_command(cd + test::ddm_binary() + " islands run bad.toml"), "'out' is required");
+  expect_bad_input("islands run bad.toml", "'out' is required");
   test::write_text(dir / "bad.toml", islands + "speed = 3\n");
-  expect_error(test::run_command(cd + test::ddm_binary() + " islands run bad.toml"), "unknown key 'run.speed'");
+  expect_bad_input("islands run bad.toml", "unknown key 'run.speed'");
+  expect_bad_input("islands slurm bad.toml", "unknown key 'run.speed'");
   test::write_text(dir / "bad.toml", islands.substr(0, islands.find("[run]")) + "[run]\nconcurrency = 0\n");
-  expect_error(test::run_command(cd + test::ddm_binary() + " islands run bad.toml"), "'run.concurrency' must be >= 1");
-  expect_error(test::run_command(cd + test::ddm_binary() + " islands run nowhere.toml"), "does not exist");
+  expect_bad_input("islands run bad.toml", "'run.concurrency' must be >= 1");
+  test::write_text(dir / "bad.toml", "config = \"tiny.toml\"\n[partition\n");
+  expect_bad_input("islands run bad.toml", "bad.toml:2");
+  expect_bad_input("islands run nowhere.toml", "does not exist");
+  expect_bad_input("islands slurm nowhere.toml", "does not exist");
+  expect_bad_input("islands status nowhere.toml", "does not exist");
 }
 
 TEST(DecentralCli, QuickstartRunsTheWholeDecentralizedPipeline) {
