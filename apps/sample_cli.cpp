@@ -29,6 +29,7 @@
 #include "eval/feature_net.h"
 #include "eval/grid.h"
 #include "eval/shapes_report.h"
+#include "model/graphed_net.h"
 #include "run/trainer.h"
 #include "train/controlnet.h"
 #include "train/loaded_model.h"
@@ -64,11 +65,21 @@ struct Source {
 Source open_source(const SampleArgs& a) {
   DDM_CHECK(a.ckpt.empty() != a.ensemble.empty(), "give exactly one of --ckpt DIR and --ensemble DIR");
   Source s;
+  if (a.cuda_graphs && !a.ensemble.empty())
+    throw InputError("--cuda-graphs applies to --ckpt: an ensemble's experts get batches whose size the routing "
+                     "decides at every step; leave it out");
+  if (a.cuda_graphs && a.device == "cpu")
+    throw InputError("--cuda-graphs replays the network on a CUDA GPU, but --device cpu: leave one of them out");
   const torch::Device device = resolve_device(a.device, 0, "--device");
   if (!a.ckpt.empty()) {
     DDM_CHECK(a.routing.empty() && !a.allow_missing, "--routing and --allow-missing apply only to --ensemble");
     configure_math(device, false);
     s.model = load_model(a.ckpt, !a.no_ema, device);
+    if (a.cuda_graphs) {
+      DDM_CHECK(device.is_cuda(), "--cuda-graphs needs a CUDA GPU, but the network runs on "
+                                      << device << ": leave --cuda-graphs out, or give --device cuda");
+      s.model->net = std::make_shared<GraphedNetImpl>(s.model->net);
+    }
     s.den = make_denoiser(*s.model);
     s.den->set_precision(a.precision == "bf16" ? Precision::kBf16 : Precision::kFp32);
     s.name = s.model->checkpoint;
@@ -458,6 +469,9 @@ void add_sample_flags(CLI::App* cmd, SampleArgs& a) {
   cmd->add_option("--precision", a.precision,
                   "fp32 | bf16: bf16 runs the network under bfloat16 autocast (faster on GPUs), the sampler in float32")
       ->check(CLI::IsMember({"fp32", "bf16"}));
+  cmd->add_flag("--cuda-graphs", a.cuda_graphs,
+                "GPUs, --ckpt: capture the network's forward as a CUDA graph (one per batch shape) and replay it at "
+                "every step: the same images, fewer kernel launches by the host");
   cmd->add_option("--ensemble", a.ensemble,
                   "sample a decentralized ensemble: a directory with ensemble.json (from ddm ensemble)");
   cmd->add_option("--routing", a.routing,

@@ -22,6 +22,7 @@ struct SampleArgs {
   std::string device = "auto", precision = "fp32";  // where the network runs, and in what
   double cfg = -1;
   bool no_ema = false, allow_missing = false;
+  bool cuda_graphs = false;  // --cuda-graphs: the network's forward replayed from CUDA graphs (model/graphed_net.h)
 };
 
 // Samples a.n images from a.ckpt or a.ensemble into the PNG grid a.out (and a.raw), printing progress.

@@ -4,12 +4,15 @@
 // asserted.
 //
 // usage: ddm_bench train PRESET [--batch 128] [--threads 2] [--steps 20] [--warmup 3] [--device cpu|cuda]
-//          [--precision fp32|bf16] [--peak TFLOPS]
+//          [--precision fp32|bf16] [--peak TFLOPS] [--cuda-graphs on|off] (on: train.cuda_graphs, the step
+//          captured after 2 eager steps, so keep --warmup >= 3)
 //          (PRESET: any model preset, on 28x28x1 with 10 classes, or dit-b: DiT-B/2 on 32x32x4 latents
 //           with 1000 classes, as bench/reference.py's; on a GPU the step is timed to its end (a device
 //           synchronization) and --peak, the card's dense bf16 TFLOP/s, gives the MFU)
 //        ddm_bench peak [--threads 2]
 //        ddm_bench sample PRESET [--n 256] [--nfe 50] [--threads 2] [--steps 20] [--warmup 3]
+//          [--device cpu|cuda] [--precision fp32|bf16] [--cuda-graphs on|off] (on: the network's forward
+//          replayed from a CUDA graph, as `ddm sample --cuda-graphs`)
 //          (n images from noise with the Euler sampler in one batch, no guidance; the best of --steps
 //           timed runs after --warmup untimed ones; bench/reference.py --sample is the same in PyTorch)
 //        ddm_bench ops PRESET [--batch 128] [--threads 2] [--steps 20] [--warmup 3]
@@ -77,6 +80,7 @@
 #include "model/dit.h"
 #include "model/fused_cpu.h"
 #include "model/fused_gpu.h"
+#include "model/graphed_net.h"
 #include "model/layers.h"
 #include "model/net.h"
 #include "model/ops.h"
@@ -103,7 +107,7 @@ struct Args {
   std::string wire = "float32", sync = "on", timeline;
   std::vector<std::string> sets;  // phases: config overrides
   int64_t gloo_threads = 1;
-  std::string device = "cpu", precision = "fp32";
+  std::string device = "cpu", precision = "fp32", cuda_graphs = "off";  // train
   double peak_tflops = 0;
   int64_t resolution = 64;  // loader
   bool threads_set = false, steps_set = false, warmup_set = false;
@@ -140,6 +144,7 @@ Args parse(int argc, char** argv) {
     else if (k == "--set") a.sets.push_back(s);
     else if (k == "--device") a.device = s;
     else if (k == "--precision") a.precision = s;
+    else if (k == "--cuda-graphs") a.cuda_graphs = s;
     else if (k == "--peak") a.peak_tflops = std::atof(s.c_str());
     else if (k == "--resolution") a.resolution = v;
     else DDM_FAIL("unknown flag " << k);
@@ -153,6 +158,7 @@ Args parse(int argc, char** argv) {
   DDM_CHECK(a.precision == "fp32" || a.precision == "bf16", "--precision must be fp32 or bf16, got " << a.precision);
   check_device_spec(a.device, "--device");
   DDM_CHECK(a.sync == "on" || a.sync == "off", "--sync must be on or off, got " << a.sync);
+  DDM_CHECK(a.cuda_graphs == "on" || a.cuda_graphs == "off", "--cuda-graphs must be on or off, got " << a.cuda_graphs);
   DDM_CHECK(a.bucket_mb > 0 && a.first_bucket_mb > 0 && a.gloo_threads >= 1,
             "--bucket-mb and --first-bucket-mb must be > 0, --gloo-threads >= 1");
   DDM_CHECK(a.batch >= 1 && a.threads >= 1 && a.steps >= 1 && a.warmup >= 0 && a.n >= 1 && a.nfe >= 1,
@@ -598,6 +604,7 @@ int main(int argc, char** argv) try {
   };
   if (a.mode == "train") {
     cfg.train.precision = a.precision == "bf16" ? Precision::kBf16 : Precision::kFp32;
+    cfg.train.cuda_graphs = a.cuda_graphs == "on";  // train/step_graph.cpp: captured after 2 eager steps
     net->to(device);
     TrainStep stepper(cfg, net, make_objective(cfg));
     const int64_t c = cfg.model.in_channels, s = cfg.model.image_size;
@@ -653,6 +660,7 @@ int main(int argc, char** argv) try {
                         {"img_per_s", a.batch / step_s}, {"train_gflops", gflops},
                         {"prepare_ms", prep[prep.size() / 2] * 1e3}};
     if (device.is_cuda()) j["fused_cuda"] = fused_cuda_enabled();  // DDM_FUSED_CUDA (model/fused_gpu.h)
+    if (device.is_cuda()) j["cuda_graphs"] = cfg.train.cuda_graphs;
     if (a.peak_tflops > 0) j["mfu"] = gflops / 1e3 / a.peak_tflops;
     std::printf("%s\n", j.dump().c_str());
     return 0;
@@ -751,6 +759,10 @@ int main(int argc, char** argv) try {
   if (a.mode == "sample") {
     net->eval();
     net->to(device);
+    if (a.cuda_graphs == "on") {  // `ddm sample --cuda-graphs` (model/graphed_net.h)
+      DDM_CHECK(device.is_cuda(), "ddm_bench sample: --cuda-graphs on needs --device cuda");
+      net = std::make_shared<GraphedNetImpl>(net);
+    }
     Denoiser den(net, make_path(cfg.diffusion), prediction_for(cfg.diffusion), cfg.model.num_classes);
     den.set_precision(a.precision == "bf16" ? Precision::kBf16 : Precision::kFp32);
     GenerateOptions g;
@@ -767,7 +779,7 @@ int main(int argc, char** argv) try {
     }
     const nlohmann::json j = {{"impl", "cpp"}, {"mode", "sample"}, {"preset", a.preset}, {"n", a.n}, {"nfe", nfe},
                               {"threads", a.threads}, {"device", device.str()}, {"precision", a.precision},
-                              {"seconds", best}, {"img_per_s", a.n / best}};
+                              {"seconds", best}, {"img_per_s", a.n / best}, {"cuda_graphs", a.cuda_graphs == "on"}};
     std::printf("%s\n", j.dump().c_str());
     return 0;
   }

@@ -16,8 +16,8 @@ torch.utils.flop_counter and reported with the achieved TFLOP/s and the MFU agai
 bf16 peak (--peak TFLOPS, or known from the card's name).
 
 usage: python bench/reference.py PRESET --batch 128 --threads 2 --steps 20 --warmup 3 [--compile]
-         [--sample NFE] [--trace FILE] [--device cpu|cuda] [--precision fp32|bf16] [--peak TFLOPS]
-prints one JSON line: {"impl": "python" | "python-compile", "preset", "batch", "threads", "step_s",
+         [--compile-mode default|reduce-overhead|max-autotune] [--sample NFE] [--trace FILE] [--device cpu|cuda] [--precision fp32|bf16] [--peak TFLOPS]
+prints one JSON line: {"impl": "python" | "python-compile", "compile_mode" (compiled), "preset", "batch", "threads", "step_s",
 "img_per_s", "compile_s", "device", "precision", "tflops", "mfu"} (with --sample: "mode": "sample", "nfe", "seconds" per batch)
 """
 import argparse
@@ -220,12 +220,16 @@ def main():
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--compile", action="store_true", help="torch.compile the model (inductor)")
+    ap.add_argument("--compile-mode", choices=["default", "reduce-overhead", "max-autotune"],
+                    help="torch.compile's mode (implies --compile); reduce-overhead: CUDA graphs of the compiled model")
     ap.add_argument("--trace", help="write a profiler trace (Chrome JSON) of 3 steps after the warm-up (with --sample: of one run)")
     ap.add_argument("--sample", type=int, metavar="NFE", help="measure Euler sampling with NFE steps instead")
     ap.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
     ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16"], help="bf16: autocast forward and loss")
     ap.add_argument("--peak", type=float, help="the device's dense bf16 peak in TFLOP/s, for the MFU (default: by the card's name)")
     a = ap.parse_args()
+    a.compile = a.compile or a.compile_mode is not None
+    a.mode = a.compile_mode or "default"
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
     cfg = PRESETS[a.preset]
@@ -239,7 +243,7 @@ def main():
     if a.sample:
         return sample(a, model)
     ema = [p.detach().clone() for p in model.parameters()]
-    run = torch.compile(model) if a.compile else model
+    run = torch.compile(model, mode=a.mode) if a.compile else model
     opt = torch.optim.AdamW(model.parameters(), lr=2e-4, weight_decay=0.0)
     x0 = torch.rand(a.batch, *a.shape, device=dev) * 2 - 1
     y0 = torch.randint(0, a.classes, (a.batch,), device=dev)
@@ -279,6 +283,7 @@ def main():
         times.append(time.perf_counter() - t0)
     dt = sorted(times)[len(times) // 2]
     print(json.dumps({"impl": "python-compile" if a.compile else "python", "preset": a.preset, "batch": a.batch, "threads": a.threads,
+                      **({"compile_mode": a.mode} if a.compile else {}),
                       "params": sum(p.numel() for p in model.parameters()), "step_s": dt,
                       "img_per_s": a.batch / dt, "compile_s": compile_s, **speed(a, flops, dt)}))
 
@@ -309,7 +314,7 @@ def speed(a, flops, seconds):
 
 def sample(a, model):
     model.eval()
-    run = torch.compile(model) if a.compile else model
+    run = torch.compile(model, mode=a.mode) if a.compile else model
     y = torch.arange(a.batch, device=a.dev) % a.classes
 
     @torch.inference_mode()
@@ -339,6 +344,7 @@ def sample(a, model):
             generate()
         prof.export_chrome_trace(a.trace)
     print(json.dumps({"impl": "python-compile" if a.compile else "python", "mode": "sample", "preset": a.preset,
+                      **({"compile_mode": a.mode} if a.compile else {}),
                       "batch": a.batch, "threads": a.threads, "nfe": a.sample, "seconds": best,
                       "img_per_s": a.batch / best, "compile_s": compile_s, **speed(a, flops, best)}))
 

@@ -11,9 +11,10 @@
 #                         ddm trains, resumes and samples there (tests/gpu/test_cuda.cpp);
 #   (TESTS=0 skips those two)
 #   then (unless GPU_BENCH=0) the GPU benchmark side by side: ddm's training step (ddm_bench train;
-#   for dit-b also with DDM_FUSED_CUDA=1, with its hand-written kernels) and PyTorch's
-#   (bench/reference.py) for dit-b and unet-small (BENCH_PRESETS) at batch 256 in bf16, PyTorch eager
-#   and torch.compile (unless REF_COMPILE=0), dit-b in fp32; one JSON line each in OUT/bench.jsonl;
+#   for dit-b also with DDM_FUSED_CUDA=1, with its hand-written kernels; and with train.cuda_graphs)
+#   and PyTorch's (bench/reference.py) for dit-b and unet-small (BENCH_PRESETS) at batch 256 in bf16,
+#   PyTorch eager and torch.compile, default and "reduce-overhead" (unless REF_COMPILE=0), dit-b in
+#   fp32; one JSON line each in OUT/bench.jsonl;
 #   then (unless QUICKSTART=0) the single-model quickstart on the GPU (configs/quickstart.toml: train
 #   in bf16, then sample), timed, its grid in OUT/quickstart-gpu.png;
 #   then (unless LOADER=0; the pack has JPEG shards where this machine's venv has Pillow) the shard
@@ -101,11 +102,25 @@ case "$what" in
         # The same with the hand-written DiT kernels (model/fused_gpu.h) in place of LibTorch's ops.
         [ "$preset" != dit-b ] || bench env DDM_FUSED_CUDA=1 "$dir/bin/ddm_bench" train $preset --batch 256 --device cuda \
           --precision bf16 --steps 20 --warmup 3 --threads 8 --peak $peak
+        # The step captured as a CUDA graph and replayed (train.cuda_graphs, train/step_graph.cpp).
+        bench "$dir/bin/ddm_bench" train $preset --batch 256 --device cuda --precision bf16 --steps 20 --warmup 3 \
+          --threads 8 --peak $peak --cuda-graphs on
         bench python3 bench/reference.py $preset --batch 256 --precision bf16 --steps 20 --warmup 3 --device cuda --threads 8
         [ "${REF_COMPILE:-1}" = 0 ] || bench python3 bench/reference.py $preset --batch 256 --precision bf16 --steps 20 --warmup 3 --device cuda --threads 8 --compile
+        # torch.compile's CUDA graphs ("reduce-overhead"): the comparison for train.cuda_graphs.
+        [ "${REF_COMPILE:-1}" = 0 ] || bench python3 bench/reference.py $preset --batch 256 --precision bf16 --steps 20 --warmup 3 --device cuda --threads 8 --compile-mode reduce-overhead
       done
       bench "$dir/bin/ddm_bench" train dit-b --batch 256 --device cuda --precision fp32 --steps 10 --warmup 2 --threads 8 --peak $peak
-      bench "$dir/bin/ddm_bench" sample dit-b --n 256 --nfe 20 --device cuda --precision bf16 --steps 3 --warmup 1 --threads 8
+      # Sampling 256 images with 20 Euler steps: eager, from CUDA graphs (`ddm sample --cuda-graphs`), and
+      # PyTorch's eager and compiled samplers.
+      for preset in dit-b unet-small; do
+        bench "$dir/bin/ddm_bench" sample $preset --n 256 --nfe 20 --device cuda --precision bf16 --steps 3 --warmup 1 --threads 8
+        bench "$dir/bin/ddm_bench" sample $preset --n 256 --nfe 20 --device cuda --precision bf16 --steps 3 --warmup 1 --threads 8 \
+          --cuda-graphs on
+        bench python3 bench/reference.py $preset --sample 20 --batch 256 --precision bf16 --steps 3 --warmup 1 --device cuda --threads 8
+        [ "${REF_COMPILE:-1}" = 0 ] || bench python3 bench/reference.py $preset --sample 20 --batch 256 --precision bf16 \
+          --steps 3 --warmup 1 --device cuda --threads 8 --compile-mode reduce-overhead
+      done
     fi
     if [ "${QUICKSTART:-1}" != 0 ]; then
       # The single-model quickstart on the GPU: ddm train + ddm sample, each timed.

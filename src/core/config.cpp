@@ -362,6 +362,8 @@ const std::map<std::string, std::string>& key_docs() {
        "GPUs: deterministic algorithms only, so a run repeats bit for bit (slower)"},
       {"train.checkpoint_activations",
        "keep only each unit's inputs and recompute it in backward: less memory, a third more compute"},
+      {"train.cuda_graphs",
+       "GPUs: capture the step once as a CUDA graph and replay it (one process; the prepare phase stays outside)"},
       {"train.grad_accum",
        "micro-batches per step (per process); the same step as the whole batch at once"},
       {"train.log_every",
@@ -519,6 +521,7 @@ std::vector<Field> fields(RunConfig& c) {
       choice("train.precision", &c.train.precision, {"fp32", "bf16"}),
       field("train.deterministic", &c.train.deterministic),
       field("train.checkpoint_activations", &c.train.checkpoint_activations),
+      field("train.cuda_graphs", &c.train.cuda_graphs),
       field("train.grad_accum", &c.train.grad_accum),
       field("train.log_every", &c.train.log_every),
       field("train.ckpt_every", &c.train.ckpt_every),
@@ -940,6 +943,11 @@ void validate_train(const RunConfig& c) {
   DDM_CHECK(std::isfinite(t.kl_weight) && t.kl_weight >= 0, "train.kl_weight must be >= 0, got " << t.kl_weight);
   DDM_CHECK(t.seed >= 0, "train.seed must be >= 0, got " << t.seed);
   check_device_spec(t.device, "train.device");
+  DDM_CHECK(!t.cuda_graphs || t.device != "cpu",
+            "train.cuda_graphs captures the step on a CUDA GPU, but train.device = cpu: turn train.cuda_graphs off, or "
+            "set train.device = cuda");
+  DDM_CHECK(!t.cuda_graphs || !t.checkpoint_activations,
+            "train.cuda_graphs with train.checkpoint_activations is not supported: turn one of them off");
   DDM_CHECK(t.threads >= 0, "train.threads must be >= 0 (0 = the cores divided among the job's processes on this machine), got " << t.threads);
   DDM_CHECK(t.log_every > 0, "train.log_every must be > 0, got " << t.log_every);
   DDM_CHECK(t.ckpt_every > 0, "train.ckpt_every must be > 0, got " << t.ckpt_every);

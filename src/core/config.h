@@ -177,6 +177,10 @@ struct TrainConfig {
   // Activation memory falls to what flows between units for about a third more compute. U-Nets,
   // DiTs, ControlNets and diffusers' UNet / ControlNet; not with pipeline stages (parallel.pp > 1).
   bool checkpoint_activations = false;
+  // GPUs: the step's device work (forward, backward, clip, AdamW + EMA) captured once as a CUDA graph
+  // and replayed every step, so that the host's kernel launches leave the step (train/step_graph.cpp).
+  // The prepare phase stays outside. One process only; not with checkpoint_activations.
+  bool cuda_graphs = false;
   // Micro-batches per step: batch_size is split into grad_accum equal parts (per rank), whose
   // gradients accumulate before one optimizer step; the result equals one step on the whole batch.
   int64_t grad_accum = 1;

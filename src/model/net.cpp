@@ -56,6 +56,14 @@ Cond Cond::select(const torch::Tensor& idx) const {
   return c;
 }
 
+std::vector<torch::Tensor*> Cond::slots() {
+  std::vector<torch::Tensor*> out;
+  for (auto m : kPerSample) out.push_back(&(this->*m));
+  for (auto* list : {&residuals, &frozen})
+    for (torch::Tensor& t : *list) out.push_back(&t);
+  return out;
+}
+
 Cond Cond::to(torch::Device device) const {
   Cond c = *this;
   for (auto m : kPerSample)

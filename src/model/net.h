@@ -55,6 +55,9 @@ struct Cond {
   static Cond cat(const Cond& a, const Cond& b);
   // Every tensor on `device`.
   Cond to(torch::Device device) const;
+  // Every tensor slot in a fixed order (the per-sample ones, then residuals and frozen), defined or
+  // not: what a CUDA graph copies its inputs into (core/cuda_graph.h).
+  std::vector<torch::Tensor*> slots();
 };
 
 // What is live between two units of a backbone (NetImpl::units): what a pipeline stage hands to the next.

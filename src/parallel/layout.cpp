@@ -38,6 +38,11 @@ ParallelLayout derive_layout(const RunConfig& cfg, int world, int rank) {
   DDM_CHECK(!pipelined || !tc.checkpoint_activations,
             "train.checkpoint_activations is not supported with pipeline stages (parallel.pp = "
                 << l.pp << "): a stage keeps each micro-batch's activations for its split backward; turn one of them off");
+  DDM_CHECK(!tc.cuda_graphs || (world == 1 && !l.diloco()),
+            "rank " << rank << ": train.cuda_graphs captures one process's whole step, but the job has " << world
+                    << (world == 1 ? " process with DiLoCo" : " processes")
+                    << " (their gradient all-reduce, a pipeline's sends and DiLoCo's outer step run outside what ddm "
+                       "captures); turn train.cuda_graphs off, or train with one process");
   DDM_CHECK(pipelined || l.diloco() || p.dp == 0 || p.dp == world,
             "parallel.dp = " << p.dp << " but the job has " << world
                              << " processes; set parallel.dp = 0 (every process) or launch " << p.dp << " processes");

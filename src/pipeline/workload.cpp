@@ -91,7 +91,9 @@ PipeProfile profile_workload(const RunConfig& cfg, const Dataset& data, Net net,
   p.tasks.push_back(task);
 
   // AdamW + EMA per million parameters: TrainStep's update phase at the smallest micro-batch.
-  TrainStep step(cfg, net, objective);
+  RunConfig eager = cfg;
+  eager.train.cuda_graphs = false;  // a pipeline's stages update eagerly
+  TrainStep step(eager, net, objective);
   std::vector<double> upd;
   for (int rep = 0; rep <= repeats; ++rep) {
     step.run(batch_of(data, 0, rows.front()).to(device), rep);

@@ -35,6 +35,7 @@ RunConfig normalized_for_resume(RunConfig c) {
   c.train.precision = d.train.precision;
   c.train.deterministic = d.train.deterministic;
   c.train.checkpoint_activations = d.train.checkpoint_activations;  // what backward keeps, not what it computes
+  c.train.cuda_graphs = d.train.cuda_graphs;  // how the same step is launched
   c.train.grad_accum = d.train.grad_accum;  // the global batch stays; how it is split may change
   c.train.sample_every = d.train.sample_every;  // what is watched, not what is trained
   c.train.sample_n = d.train.sample_n;
@@ -93,7 +94,7 @@ FileLock prepare_run_dir(const TrainOptions& opt, const RunConfig& cfg) {
       const std::string diff =
           first_difference(to_toml(normalized_for_resume(stored)), to_toml(normalized_for_resume(cfg)));
       DDM_CHECK(diff.empty(), "--resume: the config differs from the run stored in " << opt.out_dir << ": " << diff
-                                  << ". Only train.steps, log_every, ckpt_every, keep_ckpts, threads, device, precision, deterministic, checkpoint_activations, grad_accum, sample_every, sample_n, sample_prompts, sample.* and "
+                                  << ". Only train.steps, log_every, ckpt_every, keep_ckpts, threads, device, precision, deterministic, checkpoint_activations, cuda_graphs, grad_accum, sample_every, sample_n, sample_prompts, sample.* and "
                                      "parallel.* may change on resume; use a new --out or --force to start over");
       return lock;
     }

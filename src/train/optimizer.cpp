@@ -92,6 +92,27 @@ void FlatAdamW::step(double lr, double ema_decay) {
   if (ema_decay >= 0) ema_.lerp_(data_, 1.0 - ema_decay);  // ema = d * ema + (1 - d) * params
 }
 
+torch::Tensor FlatAdamW::clip_and_step_on_device(const torch::Tensor& loss, double max_norm, const torch::Tensor& lr,
+                                                  const torch::Tensor& step, const torch::Tensor& ema_weight) {
+  torch::NoGradGuard no_grad;
+  // As clip_grad_norm: the float norm, compared and divided in double, the factor rounded to float.
+  const torch::Tensor norm = grad_.norm().to(torch::kDouble);  // []
+  const torch::Tensor norm_finite = torch::isfinite(norm);
+  const torch::Tensor finite = norm_finite.logical_and(torch::isfinite(loss));  // bool []
+  if (max_norm > 0) {
+    // (max_norm / x written as a division: LibTorch's scalar / tensor is a reciprocal and a product.)
+    const torch::Tensor factor = torch::full_like(norm, max_norm).div(norm + 1e-6);
+    const torch::Tensor clip = norm_finite.logical_and(norm.gt(max_norm));
+    grad_.mul_(torch::where(clip, factor, torch::ones_like(norm)).to(torch::kFloat));  // x 1 leaves a gradient as it is
+  }
+  // The fused kernel does nothing where found_inf is 1: no AdamW step, no moment changes.
+  const torch::Tensor found_inf = finite.logical_not().to(torch::kFloat);
+  at::_fused_adamw_({data_}, {grad_}, {exp_avg_}, {exp_avg_sq_}, {}, {step}, lr, opt_.beta1, opt_.beta2,
+                    opt_.weight_decay, opt_.eps, /*amsgrad=*/false, /*maximize=*/false, /*grad_scale=*/{}, found_inf);
+  if (ema_weight.defined()) ema_.lerp_(data_, ema_weight * finite.to(torch::kFloat));  // weight 0: ema unchanged
+  return torch::stack({norm, finite.to(torch::kDouble)});  // [2]
+}
+
 void FlatAdamW::ema_update(double decay) {
   torch::NoGradGuard no_grad;
   ema_.mul_(decay).add_(data_, 1.0 - decay);

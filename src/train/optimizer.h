@@ -46,6 +46,18 @@ class FlatAdamW {
   // EMA of the parameters: ema = d * ema + (1 - d) * params.
   void ema_update(double decay);
 
+  // The clip and the update of a step with nothing read back to the host, for a step captured as a
+  // CUDA graph (train/step_graph.cpp): the gradient's global norm, the clip to max_norm (<= 0: none),
+  // then AdamW and the EMA, both skipped on the device when `loss` (a double []) or the norm is not
+  // finite. lr (double [] on the CPU, float [] on a GPU: the fused kernel reads it so), step (float
+  // [], the 1-based count this update makes) and ema_weight (float [], 1 - decay; undefined: no EMA)
+  // are 0-dim tensors on the buffers' device that the caller fills before each run. Returns double
+  // [2]: the norm before clipping, and 1 if the step was finite (else 0); the caller then counts a
+  // finite step with count_step(). On the CPU the result equals clip_grad_norm + step bit for bit.
+  torch::Tensor clip_and_step_on_device(const torch::Tensor& loss, double max_norm, const torch::Tensor& lr,
+                                        const torch::Tensor& step, const torch::Tensor& ema_weight);
+  void count_step() { ++step_; }
+
   int64_t step_count() const { return step_; }
   // The trainable parameters in flat-buffer order, and the flat gradient their .grad views point into
   // (what gradient synchronization reduces).

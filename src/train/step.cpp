@@ -36,6 +36,14 @@ TrainStep::TrainStep(const RunConfig& cfg, Net net, std::shared_ptr<Objective> o
     }
     forward_net_ = std::make_shared<RecomputedNetImpl>(net_);
   }
+  if (cfg.train.cuda_graphs) {
+    const torch::Device device = optim_.flat_params().device();
+    DDM_CHECK(device.is_cuda(), "train.cuda_graphs needs a CUDA GPU, but this run's model is on "
+                                    << device << ": turn train.cuda_graphs off, or set train.device = cuda");
+    DDM_CHECK(!cfg.train.checkpoint_activations,
+              "train.cuda_graphs with train.checkpoint_activations is not supported: turn one of them off");
+    graph_ = make_step_graph(device);
+  }
 }
 
 void TrainStep::set_data_parallel(std::shared_ptr<Comm> comm, std::shared_ptr<GradSync> sync) {
@@ -43,21 +51,20 @@ void TrainStep::set_data_parallel(std::shared_ptr<Comm> comm, std::shared_ptr<Gr
   sync_ = std::move(sync);
 }
 
-torch::Tensor TrainStep::forward_backward(const Batch& micro, int64_t step, double scale) {
-  const torch::Device device = optim_.flat_params().device();
-  const Precision precision = cfg_.train.precision;
-  Prepared p;
-  {
-    torch::NoGradGuard no_grad;  // prepare: draws, x_t, target (a distillation teacher runs here)
-    p = objective_->prepare(micro, step);
-    Autocast autocast(device, precision);
-    objective_->self_condition(*net_, p, micro.first, step);  // train.self_cond: a first pass of the model
-    p.cond = net_->precompute(p.xt, p.t, p.cond);  // the network's frozen part (a ControlNet's locked encoder)
-  }
+Prepared TrainStep::prepare(const Batch& micro, int64_t step) {
+  torch::NoGradGuard no_grad;  // prepare: draws, x_t, target (a distillation teacher runs here)
+  Prepared p = objective_->prepare(micro, step);
+  Autocast autocast(optim_.flat_params().device(), cfg_.train.precision);
+  objective_->self_condition(*net_, p, micro.first, step);  // train.self_cond: a first pass of the model
+  p.cond = net_->precompute(p.xt, p.t, p.cond);  // the network's frozen part (a ControlNet's locked encoder)
   times_.prepared = std::chrono::steady_clock::now();
+  return p;
+}
+
+torch::Tensor TrainStep::forward_backward(const Prepared& p, double scale) {
   torch::Tensor loss;
   {
-    Autocast autocast(device, precision);  // bf16: the forward in bfloat16, the loss in float32
+    Autocast autocast(optim_.flat_params().device(), cfg_.train.precision);  // bf16: the forward in bfloat16, the loss in float32
     loss = objective_->forward_loss(*forward_net_, p);  // forward + loss, [] (checkpointed: unit by unit)
   }
   // Backward even when the loss is not finite: with data parallelism every rank must take part in
@@ -70,10 +77,8 @@ torch::Tensor TrainStep::forward_backward(const Batch& micro, int64_t step, doub
 
 StepResult TrainStep::run(const std::vector<Batch>& micro, int64_t step) {
   DDM_CHECK(!micro.empty(), "TrainStep::run: no micro-batches");
+  if (graph_) return run_graphed(micro, step);
   times_.start = std::chrono::steady_clock::now();
-  const TrainConfig& tc = cfg_.train;
-  StepResult r;
-  r.lr = lr_at(tc, step);
   optim_.zero_grad();
   // Equal micro-batches: the mean of their mean losses is the mean over all their samples.
   const double scale = 1.0 / static_cast<double>(micro.size());
@@ -82,9 +87,16 @@ StepResult TrainStep::run(const std::vector<Batch>& micro, int64_t step) {
     // Gradient sync: only the last micro-batch's backward all-reduces (its buckets launch from the
     // gradient hooks while backward still runs); the others accumulate locally.
     if (sync_) sync_->set_enabled(i + 1 == micro.size());
-    const torch::Tensor l = forward_backward(micro[i], step, scale);
+    const torch::Tensor l = forward_backward(prepare(micro[i], step), scale);
     loss_sum = i == 0 ? l : loss_sum + l;
   }
+  return finish(loss_sum, scale, step);
+}
+
+StepResult TrainStep::finish(const torch::Tensor& loss_sum, double scale, int64_t step) {
+  const TrainConfig& tc = cfg_.train;
+  StepResult r;
+  r.lr = lr_at(tc, step);
   r.loss = loss_sum.item<double>() * scale;
   if (sync_) sync_->finish();  // gradients are now the average over every rank's samples
   if (comm_ && comm_->distributed()) {

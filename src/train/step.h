@@ -10,6 +10,8 @@
 //   clip                     by the global gradient norm
 //   update                   AdamW + EMA, one pass over the flat buffers
 // All randomness is keyed by (seed, step, global sample position): see objective.h.
+// train.cuda_graphs: the phases from forward to update are captured once as a CUDA graph and
+// replayed (train/step_graph.cpp); prepare stays outside.
 #pragma once
 #include <chrono>
 #include <cstdint>
@@ -39,6 +41,8 @@ double lr_at(const TrainConfig& t, int64_t step);
 // When the phases of the last TrainStep::run() began and ended (steady clock), for benchmarks and
 // timelines; reading the clock six times a step costs nothing measurable. With several micro-batches
 // backward_start / backward_end are those of the last one (the one whose backward synchronizes).
+// With train.cuda_graphs (a step replayed from its graph) backward_start is `prepared` and synced,
+// clipped and end are when the replay's results were read back: the phases in between are one launch.
 struct StepTimes {
   using TimePoint = std::chrono::steady_clock::time_point;
   TimePoint start;           // run() entered
@@ -49,6 +53,9 @@ struct StepTimes {
   TimePoint clipped;         // the global gradient norm is computed and applied
   TimePoint end;             // AdamW + EMA done (== clipped when the step was not finite)
 };
+
+struct StepGraph;  // train/step_graph.cpp: a step's CUDA graph, its inputs and its stream
+std::shared_ptr<StepGraph> make_step_graph(torch::Device device);
 
 class TrainStep {
  public:
@@ -66,11 +73,21 @@ class TrainStep {
   const Net& net() const { return net_; }
   const Objective& objective() const { return *objective_; }
   const StepTimes& last_times() const { return times_; }
+  // train.cuda_graphs: the steps that replayed the captured graph so far (0 without graphs).
+  int64_t graph_replays() const;
 
  private:
-  // prepare -> forward + loss -> backward for one micro-batch, on the model's device; returns its loss
+  // The prepare phase of one micro-batch (no gradients): draws, x_t, target, frozen work.
+  Prepared prepare(const Batch& micro, int64_t step);
+  // forward + loss -> backward for one prepared micro-batch, on the model's device; returns its loss
   // (before scaling: a double [] on that device).
-  torch::Tensor forward_backward(const Batch& micro, int64_t step, double scale);
+  torch::Tensor forward_backward(const Prepared& p, double scale);
+  // After the micro-batches' backward: the loss over the job, the clip and the update (the eager tail).
+  StepResult finish(const torch::Tensor& loss_sum, double scale, int64_t step);
+  // train.cuda_graphs (train/step_graph.cpp): the graph's stream, warm-up, capture and replay.
+  StepResult run_graphed(const std::vector<Batch>& micro, int64_t step);
+  StepResult graph_step(const std::vector<Batch>& micro, int64_t step);
+  void capture(const std::vector<Prepared>& prepared, double scale);
   RunConfig cfg_;
   Net net_;
   Net forward_net_;  // what the loss's forward runs: net_, or net_ unit by unit (train.checkpoint_activations)
@@ -80,6 +97,7 @@ class TrainStep {
   std::shared_ptr<GradSync> sync_;
   StepTimes times_;
   bool ema_ = true;
+  std::shared_ptr<StepGraph> graph_;  // train.cuda_graphs
 };
 
 }  // namespace ddm

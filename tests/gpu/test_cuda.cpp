@@ -7,7 +7,8 @@
 // over Gloo with CUDA tensors what one process trains (over NCCL too, where there are two GPUs), NCCL
 // forms a group and reduces with world size 1, a run moves between the CPU and the GPU on
 // resume, bf16 autocast follows fp32 (a text model's too), deterministic runs repeat bit for bit, and sampling on CUDA
-// (one model, and a routed ensemble of experts) gives the CPU's images.
+// (one model, and a routed ensemble of experts) gives the CPU's images; CUDA graphs of a training step
+// (train.cuda_graphs) train what eager steps train, and sampling from graphs gives the eager images.
 #include <gtest/gtest.h>
 
 #include <cstdio>
@@ -31,9 +32,11 @@
 #include "data/shards.h"
 #include "diffusion/generate.h"
 #include "model/fused_gpu.h"
+#include "model/graphed_net.h"
 #include "model/net.h"
 #include "model/ops.h"
 #include "test_util.h"
+#include "train/step.h"
 #include "unit/run/train_test_util.h"
 
 using namespace ddm;
@@ -497,6 +500,75 @@ TEST(Gpu, DeterministicRunsRepeatBitForBit) {
   EXPECT_EQ(max_weight_difference(final_weights(dir / "a"), final_weights(dir / "b")), 0.0);
 }
 
+// train.cuda_graphs (train/step_graph.cpp): the step captured after two eager ones and replayed trains
+// what the eager step trains (the one difference: the fused AdamW kernel reads the learning rate as
+// float32), for a U-Net and a DiT, fp32 and bf16, one micro-batch and two, self-conditioning's first
+// pass outside the graph, clipped steps; a batch of another shape runs eagerly and the replays go on
+// after it. Then the trainer with it: the same run as without, and bit for bit again under
+// train.deterministic.
+TEST(Gpu, CudaGraphStepsTrainWhatEagerStepsTrain) {
+  if (no_gpu()) GTEST_SKIP() << kNoGpu;
+  const torch::Device cuda(torch::kCUDA);
+  struct Case {
+    const char* arch;
+    Precision precision;
+    int64_t accum;
+    double self_cond;
+  };
+  for (const Case& k : {Case{"unet", Precision::kFp32, 1, 0.0}, Case{"dit", Precision::kFp32, 2, 0.5},
+                        Case{"unet", Precision::kBf16, 2, 0.0}, Case{"dit", Precision::kBf16, 1, 0.0}}) {
+    const std::string what = std::string(k.arch) + (k.precision == Precision::kBf16 ? " bf16" : " fp32") + " x" +
+                             std::to_string(k.accum) + (k.self_cond > 0 ? " self-cond" : "");
+    RunConfig cfg = on(tiny(k.arch), "cuda");
+    cfg.model.in_channels = 1;
+    cfg.model.image_size = 8;
+    cfg.model.num_classes = 3;
+    cfg.train.precision = k.precision;
+    cfg.train.self_cond = k.self_cond;
+    cfg.train.grad_clip = 0.5;  // some steps clip
+    RunConfig graphed = cfg;
+    graphed.train.cuda_graphs = true;
+    torch::manual_seed(7);
+    Net a = make_net(cfg.model);
+    torch::manual_seed(7);
+    Net b = make_net(cfg.model);
+    a->to(cuda);
+    b->to(cuda);
+    TrainStep eager(cfg, a, make_objective(cfg)), graph(graphed, b, make_objective(graphed));
+    torch::manual_seed(8);
+    double worst = 0;
+    for (int64_t i = 0; i < 8; ++i) {
+      const int64_t rows = i == 5 ? 8 : 16, r = rows / k.accum;  // step 5: another shape
+      const auto x = torch::rand({rows, 1, 8, 8}) * 2 - 1;
+      const auto y = torch::randint(0, 3, {rows});
+      std::vector<Batch> micro;
+      for (int64_t m = 0; m < k.accum; ++m)
+        micro.push_back(Batch{x.narrow(0, m * r, r), y.narrow(0, m * r, r), torch::Tensor(), m * r}.to(cuda));
+      const StepResult ra = eager.run(micro, i), rb = graph.run(micro, i);
+      ASSERT_TRUE(ra.finite && rb.finite) << what << " step " << i;
+      worst = std::max(worst, std::abs(ra.loss - rb.loss) / std::abs(ra.loss));
+      EXPECT_NEAR(rb.grad_norm, ra.grad_norm, 1e-4 * ra.grad_norm) << what << " step " << i;
+    }
+    EXPECT_EQ(graph.graph_replays(), 5) << what << ": steps 2, 3, 4, 6 and 7 replay the graph";
+    EXPECT_EQ(graph.optim().step_count(), 8) << what;
+    EXPECT_LE(worst, 1e-5) << what;
+    expect_close(graph.optim().flat_params(), eager.optim().flat_params().cpu(), 1e-5, what + ": weights");
+    expect_close(graph.optim().flat_ema(), eager.optim().flat_ema().cpu(), 1e-5, what + ": EMA");
+    std::printf("%s: graphed losses within %.2e of eager's\n", what.c_str(), worst);
+  }
+  TempDir dir;
+  RunConfig cfg = on(tiny("dit"), "cuda");
+  cfg.train.deterministic = true;
+  RunConfig graphed = cfg;
+  graphed.train.cuda_graphs = true;
+  ASSERT_EQ(train_ranks(1, {cfg}, dir / "eager"), std::vector<std::string>{""});
+  ASSERT_EQ(train_ranks(1, {graphed}, dir / "a"), std::vector<std::string>{""});
+  ASSERT_EQ(train_ranks(1, {graphed}, dir / "b"), std::vector<std::string>{""});
+  expect_same_training(dir / "a", dir / "eager", "ddm train with train.cuda_graphs against without", 1e-5);
+  EXPECT_EQ(losses(dir / "a"), losses(dir / "b"));
+  EXPECT_EQ(max_weight_difference(final_weights(dir / "a"), final_weights(dir / "b")), 0.0);
+}
+
 // Sampling is a chain of network evaluations: 10 Euler steps with guidance, and 10 ancestral DDPM
 // steps whose noise is drawn on the CPU and moved; the GPU's images equal the CPU's within 1e-3.
 TEST(Gpu, SamplingOnCudaGivesTheCpusImages) {
@@ -533,6 +605,46 @@ TEST(Gpu, SamplingOnCudaGivesTheCpusImages) {
       EXPECT_LE(diff, 1e-3) << name << " " << sampler;
       std::printf("%s, %s: max |gpu - cpu| over the images %.2e\n", name.c_str(), sampler, diff);
     }
+  }
+}
+
+// `ddm sample --cuda-graphs` (model/graphed_net.h): the network's forward replayed from CUDA graphs
+// gives the images the eager forward gives (the same kernels: within 1e-5, and in practice equal), with
+// guidance (a doubled batch), a last batch of another size (its own graph), self-conditioning (the
+// first evaluation without an estimate, the rest with: two graphs) and bf16; the graphs were replayed.
+TEST(Gpu, SamplingFromCudaGraphsGivesTheEagerImages) {
+  if (no_gpu()) GTEST_SKIP() << kNoGpu;
+  for (const std::string name : {"unet-tiny", "dit-tiny"}) {
+    ModelConfig m;
+    m.in_channels = 1, m.image_size = 28, m.num_classes = 10, m.preset = name;
+    apply_preset(name, m);
+    m.self_cond = name == "dit-tiny";
+    torch::manual_seed(5);
+    Net net = make_net(m);
+    {
+      torch::NoGradGuard no_grad;
+      for (auto& p : net->parameters()) p.normal_(0.0, 0.05);
+    }
+    net->to(torch::kCUDA);
+    net->eval();
+    auto graphed = std::make_shared<GraphedNetImpl>(net);
+    DiffusionConfig d;
+    for (const Precision precision : {Precision::kFp32, Precision::kBf16}) {
+      GenerateOptions g;
+      g.n = 12, g.batch_size = 8, g.seed = 3, g.per_class = 1;  // batches of 8 and 4
+      g.sample.steps = 6, g.sample.cfg = 2.0;
+      Denoiser eager(net, make_path(d), prediction_for(d), 10), replayed(graphed, make_path(d), prediction_for(d), 10);
+      eager.set_precision(precision);
+      replayed.set_precision(precision);
+      const Generated a = generate(eager, 1, 28, g), b = generate(replayed, 1, 28, g);
+      const double diff = (a.images - b.images).abs().max().item<double>();
+      const std::string what = name + (precision == Precision::kBf16 ? " bf16" : " fp32");
+      EXPECT_LE(diff, 1e-5) << what;
+      std::printf("%s: max |graphed - eager| over the images %.2e (%lld graphs, %lld replays)\n", what.c_str(), diff,
+                  static_cast<long long>(graphed->graphs()), static_cast<long long>(graphed->replays()));
+    }
+    EXPECT_GE(graphed->graphs(), 2) << name;
+    EXPECT_GT(graphed->replays(), 0) << name;
   }
 }
 

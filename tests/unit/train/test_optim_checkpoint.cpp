@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <functional>
 #include <limits>
+#include <tuple>
+#include <cmath>
 
 #include <filesystem>
 #include <fstream>
@@ -74,6 +76,73 @@ TEST(FlatAdamW, ClipAndEma) {
   for (auto& [k, v] : opt.named_ema()) {
     auto p = opt.named_params().at(k);
     EXPECT_TRUE(torch::allclose(v, 0.5 * ema_before[k] + 0.5 * p, 1e-6, 1e-7)) << k;
+  }
+}
+
+// The update a CUDA graph captures (train.cuda_graphs) reads nothing back to the host: the clip and the
+// skip of a non-finite step happen on the device. On the CPU it must give the eager update bit for bit:
+// clipped and unclipped steps, no clip at all, EMA on and off, and non-finite losses and gradients
+// (nothing changes, the step is not counted).
+TEST(FlatAdamW, TheUpdateWithNothingReadBackEqualsTheEagerOneBitForBit) {
+  struct Case {
+    double gain, max_norm;
+    bool ema;
+    double poison;  // 0: none; else written into the loss (NaN) or a gradient (inf)
+    bool poison_grad;
+  };
+  const double nan = std::numeric_limits<double>::quiet_NaN(), inf = std::numeric_limits<double>::infinity();
+  const std::vector<Case> cases = {{1000, 1.0, true, 0, false},  {1e-3, 1.0, true, 0, false}, {1000, 0.0, true, 0, false},
+                                   {1000, 1.0, false, 0, false}, {1, 1.0, true, nan, false},  {1, 1.0, true, inf, true}};
+  for (size_t c = 0; c < cases.size(); ++c) {
+    const Case& k = cases[c];
+    torch::manual_seed(3);
+    auto a = small_mlp(16), b = small_mlp(16);
+    {
+      torch::NoGradGuard ng;
+      for (size_t i = 0; i < a->parameters().size(); ++i) b->parameters()[i].copy_(a->parameters()[i]);
+    }
+    FlatAdamW eager(*a, {0.9, 0.99, 1e-8, 0.05}), device(*b, {0.9, 0.99, 1e-8, 0.05});
+    const auto x = torch::randn({32, 4}), y = torch::randn({32, 3});
+    const torch::Tensor lr = torch::zeros({}, torch::kDouble), step = torch::zeros({}, torch::kFloat),
+                        ema_w = k.ema ? torch::zeros({}, torch::kFloat) : torch::Tensor();
+    for (int s = 0; s < 4; ++s) {
+      const bool poisoned = s == 2 && k.poison != 0;
+      eager.zero_grad();
+      device.zero_grad();
+      auto la = torch::mse_loss(a->forward(x), y) * k.gain, lb = torch::mse_loss(b->forward(x), y) * k.gain;
+      la.backward();
+      lb.backward();
+      double loss = la.item<double>();
+      torch::Tensor loss_t = lb.detach().to(torch::kDouble);
+      if (poisoned && k.poison_grad) {
+        eager.flat_grad()[5] = k.poison;
+        device.flat_grad()[5] = k.poison;
+      } else if (poisoned) {
+        loss = k.poison;
+        loss_t.fill_(k.poison);
+      }
+      const double rate = 1e-2 * (s + 1), decay = ema_decay_at(0.999, eager.step_count() + 1);
+      // Eager, as TrainStep::finish runs it.
+      const double norm = eager.clip_grad_norm(k.max_norm);
+      const bool finite = std::isfinite(loss) && std::isfinite(norm);
+      if (finite) eager.step(rate, k.ema ? decay : -1.0);
+      // On the device's terms: the scalars written first, the flags read after.
+      lr.fill_(rate);
+      step.fill_(static_cast<double>(device.step_count() + 1));
+      if (k.ema) ema_w.fill_(1.0 - decay);
+      const torch::Tensor out = device.clip_and_step_on_device(loss_t, k.max_norm, lr, step, ema_w);
+      ASSERT_EQ(out.sizes(), (std::vector<int64_t>{2}));
+      EXPECT_EQ(out[1].item<double>() != 0, finite) << c << " step " << s;
+      if (std::isfinite(norm)) EXPECT_EQ(out[0].item<double>(), norm) << c << " step " << s;
+      if (out[1].item<double>() != 0) device.count_step();
+      EXPECT_EQ(device.step_count(), eager.step_count()) << c << " step " << s;
+      for (const auto& [what, p, q] :
+           {std::tuple{"weights", eager.flat_params(), device.flat_params()}, {"ema", eager.flat_ema(), device.flat_ema()},
+            {"exp_avg", eager.flat_exp_avg(), device.flat_exp_avg()},
+            {"exp_avg_sq", eager.flat_exp_avg_sq(), device.flat_exp_avg_sq()}, {"gradient", eager.flat_grad(), device.flat_grad()}})
+        EXPECT_TRUE(torch::equal(p, q)) << c << " step " << s << ": " << what;
+    }
+    EXPECT_EQ(eager.step_count(), k.poison != 0 ? 3 : 4) << c;
   }
 }
 

@@ -13,6 +13,7 @@
 #include "test_util.h"
 #include "train/checkpoint.h"
 #include "train/optimizer.h"
+#include "parallel/layout.h"
 #include "train/step.h"
 
 using namespace ddm;
@@ -260,4 +261,31 @@ TEST(TrainStep, PrecisionIsCheckedAsTheConfigIsRead) {
                 .find("t.toml: train.precision = \"fp16\" is not one of: fp32, bf16"),
             std::string::npos);
   validate(parse_config("", "t.toml", {"train.precision=bf16", "parallel.pp=2"}));  // every mode trains in bf16
+}
+
+// train.cuda_graphs (train/step_graph.cpp) captures one process's step on a GPU; everywhere else it is
+// refused by name before any step runs. (tests/gpu/test_cuda.cpp trains with it on a GPU.)
+TEST(TrainStep, CudaGraphsAreRefusedWhereTheyCannotRun) {
+  RunConfig cfg = tiny_config();
+  cfg.train.cuda_graphs = true;
+  EXPECT_NE(test::error_message([&] { TrainStep step(cfg, make_net(cfg.model), make_objective(cfg)); })
+                .find("train.cuda_graphs needs a CUDA GPU, but this run's model is on cpu"),
+            std::string::npos);
+  EXPECT_NO_THROW(derive_layout(cfg, 1, 0));
+  EXPECT_NE(test::error_message([&] { derive_layout(cfg, 2, 1); })
+                .find("rank 1: train.cuda_graphs captures one process's whole step, but the job has 2 processes"),
+            std::string::npos);
+  RunConfig pp = cfg;
+  pp.parallel.pp = 2;
+  EXPECT_NE(test::error_message([&] { derive_layout(pp, 2, 0); }).find("turn train.cuda_graphs off"), std::string::npos);
+  EXPECT_EQ(parse_config("", "t.toml", {"train.cuda_graphs=true"}).train.cuda_graphs, true);
+  // As the config is read (the CLI exits 2): on the CPU by name, and with activation checkpointing.
+  EXPECT_NE(test::error_message([] { validate(parse_config("", "t.toml", {"train.cuda_graphs=true", "train.device=cpu"})); })
+                .find("train.cuda_graphs captures the step on a CUDA GPU, but train.device = cpu"),
+            std::string::npos);
+  EXPECT_NE(test::error_message([] {
+              validate(parse_config("", "t.toml", {"train.cuda_graphs=true", "train.checkpoint_activations=true"}));
+            }).find("train.cuda_graphs with train.checkpoint_activations is not supported"),
+            std::string::npos);
+  validate(parse_config("", "t.toml", {"train.cuda_graphs=true", "train.device=cuda"}));  // checked against a GPU later
 }
