@@ -113,7 +113,7 @@ case "$what" in
       bench "$dir/bin/ddm_bench" train dit-b --batch 256 --device cuda --precision fp32 --steps 10 --warmup 2 --threads 8 --peak $peak
       # Sampling 256 images with 20 Euler steps: eager, from CUDA graphs (`ddm sample --cuda-graphs`), and
       # PyTorch's eager and compiled samplers.
-      for preset in dit-b unet-small; do
+      for preset in ${BENCH_PRESETS:-dit-b unet-small}; do
         bench "$dir/bin/ddm_bench" sample $preset --n 256 --nfe 20 --device cuda --precision bf16 --steps 3 --warmup 1 --threads 8
         bench "$dir/bin/ddm_bench" sample $preset --n 256 --nfe 20 --device cuda --precision bf16 --steps 3 --warmup 1 --threads 8 \
           --cuda-graphs on
