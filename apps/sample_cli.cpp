@@ -68,6 +68,11 @@ Source open_source(const SampleArgs& a) {
   if (a.cuda_graphs && !a.ensemble.empty())
     throw InputError("--cuda-graphs applies to --ckpt: an ensemble's experts get batches whose size the routing "
                      "decides at every step; leave it out");
+  // A path on the command line that is not there is bad input (exit 2), as a bad flag is.
+  if (!a.ckpt.empty() && !fs::exists(a.ckpt))
+    throw InputError("--ckpt: checkpoint path '" + a.ckpt + "' does not exist");
+  if (!a.ensemble.empty() && !fs::exists(a.ensemble))
+    throw InputError("--ensemble: '" + a.ensemble + "' does not exist; make one with ddm ensemble --out DIR ...");
   if (a.cuda_graphs && a.device == "cpu")
     throw InputError("--cuda-graphs replays the network on a CUDA GPU, but --device cpu: leave one of them out");
   const torch::Device device = resolve_device(a.device, 0, "--device");

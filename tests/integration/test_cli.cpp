@@ -194,7 +194,11 @@ TEST(Cli, BadSampleInputs) {
   test::TempDir dir;
   test::write_text(dir / "tiny.toml", kTiny);
   ASSERT_EQ(test::run_ddm("train --quiet --config " + (dir / "tiny.toml") + " --out " + (dir / "run")).exit_code, 0);
-  expect_error(test::run_ddm("sample --ckpt " + (dir / "nope")), "does not exist");
+  for (const char* flag : {"--ckpt ", "--ensemble "}) {  // bad input: exit 2
+    const auto missing = test::run_ddm(std::string("sample ") + flag + (dir / "nope"));
+    EXPECT_EQ(missing.exit_code, 2) << missing.output;
+    EXPECT_NE(missing.output.find("'" + (dir / "nope") + "' does not exist"), std::string::npos) << missing.output;
+  }
   expect_error(test::run_ddm("sample --ckpt " + (dir / "run") + " --cfg -1"), "cfg");
   expect_error(test::run_ddm("sample --ckpt " + (dir / "run") + " --steps 0"), "steps");
   expect_error(test::run_ddm("sample --ckpt " + (dir / "run") + " --sampler magic"), "sampler");
