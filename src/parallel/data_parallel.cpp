@@ -35,8 +35,8 @@ std::vector<torch::Tensor> DataParallelEngine::initial_weights() {
   return {step_.optim().flat_params(), step_.optim().flat_ema()};
 }
 
-StepResult DataParallelEngine::step(const std::vector<Batch>& micro, int64_t step, const std::vector<Batch>&) {
-  return step_.run(micro, step);
+StepResult DataParallelEngine::step(const std::vector<Batch>& micro, int64_t step, const std::vector<Batch>& next) {
+  return step_.run(micro, step, next);  // the next step's prepare phase at this one's end (train/step.h)
 }
 
 int DataParallelEngine::agree_stop(int64_t, int64_t, int signal) { return agree_on_stop(*comm_, signal); }

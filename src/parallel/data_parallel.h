@@ -21,6 +21,9 @@ class DataParallelEngine : public Engine {
   void take_resumed(const Checkpoint* resumed, const std::string& origin, int64_t optimizer_step) override;
   std::vector<torch::Tensor> initial_weights() override;
   StepResult step(const std::vector<Batch>& micro, int64_t step, const std::vector<Batch>& next) override;
+  // The next step's prepare phase runs at the end of each step (train/step.h): nothing else changes
+  // the weights in between.
+  bool wants_next() const override { return true; }
   int agree_stop(int64_t done, int64_t last, int signal) override;
   std::vector<std::string> contribute(Checkpoint& ck, int64_t step, const std::string& mine) override;
   std::string describe() const override;

@@ -53,6 +53,9 @@ class DilocoEngine : public DataParallelEngine {
   int agree_stop(int64_t done, int64_t last, int signal) override {
     return diloco_->after_step(done, last, signal).stop;
   }
+  // No prepare ahead: an outer step can change the weights between two inner steps, and
+  // self-conditioning's first pass reads them.
+  bool wants_next() const override { return false; }
   bool can_checkpoint() const override { return !diloco_->in_flight(); }
 
   std::vector<std::string> contribute(Checkpoint& ck, int64_t step, const std::string& mine) override {

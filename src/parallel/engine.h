@@ -76,7 +76,8 @@ class Engine {
   virtual EngineBegun begin(const EngineStart& start) { return {start.step}; }
 
   // One step over this process's micro-batches. `next`: the next step's, when wants_next() (a filled
-  // pipeline prepares them in this step's bubbles); empty on the run's last step.
+  // pipeline prepares them in this step's bubbles, data parallelism at this step's end); empty on the
+  // run's last step. The loop then passes these same tensors as the next step's micro-batches.
   virtual StepResult step(const std::vector<Batch>& micro, int64_t step, const std::vector<Batch>& next) = 0;
   virtual bool wants_next() const { return false; }
   // A line worth printing after the last step, `done` steps in all (a pipeline's fill plan, once

@@ -3,6 +3,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <optional>
 #include <vector>
 
 #include "core/error.h"
@@ -39,12 +40,21 @@ int run_loop(Engine& engine, BatchSource& source, const LoopSpec& spec, const En
     if (end_step(stopped_by)) return stopped_by;
   }
   using Clock = std::chrono::steady_clock;
+  std::optional<Batch> peeked;  // the batch this step draws, on the device since the step before peeked it
   while (state.step < spec.steps) {
     const auto wait_start = Clock::now();
-    const Batch shard = source.next(spec.shard_offset, spec.local_batch).to(spec.device);  // [local_batch, C, H, W]
-    std::vector<Batch> next;  // a filled pipeline prepares parts of the next step's batch in this step's bubbles
-    if (engine.wants_next() && state.step + 1 < spec.steps)
-      next = split_micro(source.peek(spec.shard_offset, spec.local_batch).to(spec.device), spec.grad_accum);
+    Batch drawn = source.next(spec.shard_offset, spec.local_batch);  // [local_batch, C, H, W]
+    const Batch shard = peeked ? *peeked : drawn.to(spec.device);  // the same rows: peek's contract
+    peeked.reset();
+    // The next step's batch, for engines that work on it during this step: a filled pipeline prepares
+    // parts of it in this step's bubbles, one process or data parallelism prepares it at this step's
+    // end (while a GPU still computes this one). It is handed back to the engine as the next shard:
+    // an engine recognises the tensors it already worked on.
+    std::vector<Batch> next;
+    if (engine.wants_next() && state.step + 1 < spec.steps) {
+      peeked = source.peek(spec.shard_offset, spec.local_batch).to(spec.device);
+      next = split_micro(*peeked, spec.grad_accum);
+    }
     log.waited(std::chrono::duration<double>(Clock::now() - wait_start).count());
     const StepResult r = engine.step(split_micro(shard, spec.grad_accum), state.step, next);
     // Data parallel: the loss and the gradient norm are global, so every rank stops here alike. DiLoCo:

@@ -2,6 +2,7 @@
 #include "train/step.h"
 
 #include <cmath>
+#include <sstream>
 
 #include <torch/autograd.h>
 
@@ -75,10 +76,53 @@ torch::Tensor TrainStep::forward_backward(const Prepared& p, double scale) {
   return loss.detach().to(torch::kDouble);  // [], on the device: read once per step, not per micro-batch
 }
 
-StepResult TrainStep::run(const std::vector<Batch>& micro, int64_t step) {
+namespace {
+
+// A micro-batch's identity for prepare ahead: the memory its images start at, their shape and their
+// position in the global batch (the stash keeps that memory alive, so no other batch can take it).
+std::string identity(const Batch& b) {
+  std::ostringstream s;
+  s << b.x.data_ptr() << " " << b.x.sizes() << " " << b.first;
+  return s.str();
+}
+
+}  // namespace
+
+std::vector<Prepared> TrainStep::prepared_for(const std::vector<Batch>& micro, int64_t step, bool lazy) {
+  Ahead ahead = std::move(ahead_);
+  ahead_ = Ahead();
+  bool same = ahead.step == step && ahead.of.size() == micro.size();
+  for (size_t i = 0; same && i < micro.size(); ++i) same = ahead.of[i] == identity(micro[i]);
+  if (same) {
+    ++ahead_used_;
+    times_.prepared = times_.start;
+    return std::move(ahead.prepared);
+  }
+  std::vector<Prepared> out;
+  if (!lazy)
+    for (const Batch& b : micro) out.push_back(prepare(b, step));
+  return out;
+}
+
+void TrainStep::prepare_ahead(const std::vector<Batch>& next, int64_t step) {
+  if (next.empty()) return;
+  const auto prepared = times_.prepared;  // this step's, for benchmarks and timelines
+  Ahead a;
+  a.step = step;
+  for (const Batch& b : next) {
+    a.of.push_back(identity(b));
+    a.keep.push_back(b.x);  // the identity's memory stays this batch's
+    a.prepared.push_back(prepare(b, step));
+  }
+  ahead_ = std::move(a);
+  times_.prepared = prepared;
+}
+
+StepResult TrainStep::run(const std::vector<Batch>& micro, int64_t step, const std::vector<Batch>& next) {
   DDM_CHECK(!micro.empty(), "TrainStep::run: no micro-batches");
-  if (graph_) return run_graphed(micro, step);
+  if (graph_) return run_graphed(micro, step, next);
   times_.start = std::chrono::steady_clock::now();
+  std::vector<Prepared> ahead = prepared_for(micro, step, /*lazy=*/true);
   optim_.zero_grad();
   // Equal micro-batches: the mean of their mean losses is the mean over all their samples.
   const double scale = 1.0 / static_cast<double>(micro.size());
@@ -87,10 +131,12 @@ StepResult TrainStep::run(const std::vector<Batch>& micro, int64_t step) {
     // Gradient sync: only the last micro-batch's backward all-reduces (its buckets launch from the
     // gradient hooks while backward still runs); the others accumulate locally.
     if (sync_) sync_->set_enabled(i + 1 == micro.size());
-    const torch::Tensor l = forward_backward(prepare(micro[i], step), scale);
+    const torch::Tensor l = forward_backward(ahead.empty() ? prepare(micro[i], step) : std::move(ahead[i]), scale);
     loss_sum = i == 0 ? l : loss_sum + l;
   }
-  return finish(loss_sum, scale, step);
+  const StepResult r = finish(loss_sum, scale, step);
+  if (r.finite) prepare_ahead(next, step + 1);  // after the update it reads (self-conditioning's first pass)
+  return r;
 }
 
 StepResult TrainStep::finish(const torch::Tensor& loss_sum, double scale, int64_t step) {

@@ -10,12 +10,17 @@
 //   clip                     by the global gradient norm
 //   update                   AdamW + EMA, one pass over the flat buffers
 // All randomness is keyed by (seed, step, global sample position): see objective.h.
+// Prepare ahead: given the next step's micro-batches, run() prepares them once its own update is
+// queued, so that on a GPU the host draws and launches the next step's prepare phase while the
+// device still computes this one (docs/gpu.md). The prepare phase is a pure function of the batch,
+// the step and the weights, so the results are bit-identical to preparing at the start of the step.
 // train.cuda_graphs: the phases from forward to update are captured once as a CUDA graph and
 // replayed (train/step_graph.cpp); prepare stays outside.
 #pragma once
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "comm/comm.h"
@@ -62,7 +67,11 @@ class TrainStep {
   // cfg.model must be resolved (in_channels, image_size, num_classes); net built from it.
   TrainStep(const RunConfig& cfg, Net net, std::shared_ptr<Objective> objective);
   // One step over this process's micro-batches (equal sizes; their `first` positions disjoint).
-  StepResult run(const std::vector<Batch>& micro, int64_t step);
+  // `next`: the micro-batches of step + 1, when the caller knows them and nothing but this step
+  // changes the weights before it (not DiLoCo's outer steps): their prepare phase runs at the end of
+  // this step, and run(next, step + 1) uses it (the same tensors: a batch is recognised by its memory,
+  // shape and position; any other batch is prepared as usual).
+  StepResult run(const std::vector<Batch>& micro, int64_t step, const std::vector<Batch>& next = {});
   StepResult run(const Batch& batch, int64_t step) { return run(std::vector<Batch>{batch}, step); }
   // Data parallelism: gradients are averaged over comm's ranks by `sync` (built on this step's
   // optim().params() and flat_grad()), and the reported loss over the ranks. Without: one process.
@@ -75,18 +84,25 @@ class TrainStep {
   const StepTimes& last_times() const { return times_; }
   // train.cuda_graphs: the steps that replayed the captured graph so far (0 without graphs).
   int64_t graph_replays() const;
+  // The steps whose prepare phase ran at the end of the step before (given as `next`).
+  int64_t prepared_ahead() const { return ahead_used_; }
 
  private:
   // The prepare phase of one micro-batch (no gradients): draws, x_t, target, frozen work.
   Prepared prepare(const Batch& micro, int64_t step);
+  // The prepared micro-batches of this step: those made ahead by the step before when they are of
+  // these batches, else prepared now (empty when `lazy`: the caller prepares each one as it goes).
+  std::vector<Prepared> prepared_for(const std::vector<Batch>& micro, int64_t step, bool lazy);
+  // At the end of a step: the next step's prepare phase, kept for prepared_for.
+  void prepare_ahead(const std::vector<Batch>& next, int64_t step);
   // forward + loss -> backward for one prepared micro-batch, on the model's device; returns its loss
   // (before scaling: a double [] on that device).
   torch::Tensor forward_backward(const Prepared& p, double scale);
   // After the micro-batches' backward: the loss over the job, the clip and the update (the eager tail).
   StepResult finish(const torch::Tensor& loss_sum, double scale, int64_t step);
   // train.cuda_graphs (train/step_graph.cpp): the graph's stream, warm-up, capture and replay.
-  StepResult run_graphed(const std::vector<Batch>& micro, int64_t step);
-  StepResult graph_step(const std::vector<Batch>& micro, int64_t step);
+  StepResult run_graphed(const std::vector<Batch>& micro, int64_t step, const std::vector<Batch>& next);
+  StepResult graph_step(const std::vector<Batch>& micro, int64_t step, const std::vector<Batch>& next);
   void capture(const std::vector<Prepared>& prepared, double scale);
   RunConfig cfg_;
   Net net_;
@@ -98,6 +114,14 @@ class TrainStep {
   StepTimes times_;
   bool ema_ = true;
   std::shared_ptr<StepGraph> graph_;  // train.cuda_graphs
+  struct Ahead {
+    int64_t step = -1;                 // the step they were prepared for (-1: none)
+    std::vector<std::string> of;       // each micro-batch's identity: memory, shape, position
+    std::vector<torch::Tensor> keep;   // their images: that memory is not reused while stashed
+    std::vector<Prepared> prepared;
+  };
+  Ahead ahead_;
+  int64_t ahead_used_ = 0;
 };
 
 }  // namespace ddm

@@ -5,7 +5,8 @@
 // skip the update on the device when the step is not finite). What stays outside: the prepare phase
 // (keyed draws on the host, frozen encoders, self-conditioning's first pass), whose tensors are
 // copied into the graph's inputs before each replay, and the learning rate, step count and EMA
-// weight, written into the graph's scalars. One read back per step, as the eager step's.
+// weight, written into the graph's scalars. One read back per step, as the eager step's; given the
+// next step's batches, their prepare phase is launched before the host waits for it (step.h).
 //
 // The order of things: every step runs on the graph's own stream (capture needs one that is not the
 // default stream), after what the caller queued on its stream; the first kWarmup steps run eagerly
@@ -20,6 +21,8 @@
 #include <chrono>
 #include <iostream>
 
+#include <ATen/cuda/CUDAContext.h>
+#include <ATen/cuda/CUDAEvent.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 
 #include "core/cuda_graph.h"
@@ -37,6 +40,7 @@ struct StepGraph {
   std::string signature;         // their shapes and types
   torch::Tensor lr, step, ema_weight;  // 0-dim float, written before each replay (ema_weight: EMA on)
   torch::Tensor stats;                 // double [3]: the loss sum, the norm, 1 if finite (the graph's output)
+  torch::Tensor host_stats;            // its copy in pinned host memory
   bool ema = true;                     // what the graph was captured with
   int64_t eager = 0;                   // eager steps run so far
   bool failed = false;                 // the capture failed: the run stays eager
@@ -70,19 +74,18 @@ std::string signature(std::vector<Prepared>& ps) {
 
 int64_t TrainStep::graph_replays() const { return graph_ ? graph_->replays : 0; }
 
-StepResult TrainStep::run_graphed(const std::vector<Batch>& micro, int64_t step) {
+StepResult TrainStep::run_graphed(const std::vector<Batch>& micro, int64_t step, const std::vector<Batch>& next) {
   DDM_CHECK(!sync_, "train.cuda_graphs: a step with data parallelism cannot be captured (one process only)");
   StepResult r;
-  graph_->stream.run([&] { r = graph_step(micro, step); });
+  graph_->stream.run([&] { r = graph_step(micro, step, next); });
   return r;
 }
 
-StepResult TrainStep::graph_step(const std::vector<Batch>& micro, int64_t step) {
+StepResult TrainStep::graph_step(const std::vector<Batch>& micro, int64_t step, const std::vector<Batch>& next) {
   StepGraph& g = *graph_;
   times_.start = std::chrono::steady_clock::now();
   const double scale = 1.0 / static_cast<double>(micro.size());
-  std::vector<Prepared> ps;
-  for (const Batch& b : micro) ps.push_back(prepare(b, step));
+  std::vector<Prepared> ps = prepared_for(micro, step, /*lazy=*/false);
   if (g.graph.captured() && g.ema != ema_) g.graph.reset();  // captured with the EMA on and now off, or the reverse
   if (!g.graph.captured() && !g.failed && g.eager >= StepGraph::kWarmup) capture(ps, scale);
   const bool replay = g.graph.captured() && signature(ps) == g.signature;
@@ -99,7 +102,9 @@ StepResult TrainStep::graph_step(const std::vector<Batch>& micro, int64_t step) 
       const torch::Tensor l = forward_backward(ps[i], scale);
       loss_sum = i == 0 ? l : loss_sum + l;
     }
-    return finish(loss_sum, scale, step);
+    const StepResult r = finish(loss_sum, scale, step);
+    if (r.finite) prepare_ahead(next, step + 1);
+    return r;
   }
   {
     torch::NoGradGuard no_grad;
@@ -108,6 +113,7 @@ StepResult TrainStep::graph_step(const std::vector<Batch>& micro, int64_t step) 
       for (size_t k = 0; k < to.size(); ++k)
         if (to[k]->defined()) to[k]->copy_(*from[k]);
     }
+    ps.clear();  // copied: what the replay reads are the graph's own inputs
     const TrainConfig& tc = cfg_.train;
     const int64_t n = optim_.step_count() + 1;  // the optimizer step this one makes, if finite
     g.lr.fill_(lr_at(tc, step));
@@ -117,7 +123,16 @@ StepResult TrainStep::graph_step(const std::vector<Batch>& micro, int64_t step) 
   times_.backward_start = std::chrono::steady_clock::now();
   g.graph.replay();
   ++g.replays;
-  const torch::Tensor stats = g.stats.to(torch::kCPU);  // the one read back: waits for the replay
+  // The one read back: queued after the replay, then the next step's prepare phase is launched
+  // while the device computes this one, and only then does the host wait for the results.
+  if (!g.host_stats.defined())
+    g.host_stats = torch::empty({3}, torch::TensorOptions().dtype(torch::kDouble).pinned_memory(true));
+  g.host_stats.copy_(g.stats, /*non_blocking=*/true);
+  at::cuda::CUDAEvent read;
+  read.record(at::cuda::getCurrentCUDAStream());
+  prepare_ahead(next, step + 1);  // on this stream, after the replay's update (self-conditioning reads it)
+  read.synchronize();
+  const torch::Tensor& stats = g.host_stats;
   times_.backward_end = times_.synced = times_.clipped = times_.end = std::chrono::steady_clock::now();
   StepResult r;
   r.lr = lr_at(cfg_.train, step);

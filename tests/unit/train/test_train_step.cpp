@@ -151,6 +151,37 @@ TEST(TrainStep, RunWithMicroBatchesTakesOneStepPerCall) {
   EXPECT_EQ(b.optim().step_count(), 3);
 }
 
+TEST(TrainStep, PreparingTheNextStepAheadChangesNoBit) {
+  // The next step's prepare phase run at the end of this one (what the training loop does with one
+  // process or data parallelism) gives bit for bit what preparing it at its own start gives: with
+  // self-conditioning, whose first pass reads the weights this step's update just wrote, and over 2
+  // micro-batches. A batch other than the one prepared ahead (other memory) is prepared as usual.
+  RunConfig cfg = tiny_config();
+  cfg.train.self_cond = 0.5;
+  cfg.model.self_cond = true;
+  const int64_t steps = 5;
+  std::vector<std::vector<Batch>> batches;
+  for (int64_t s = 0; s < steps; ++s) {
+    const Batch b = random_batch(8, 20 + s);
+    batches.push_back({slice(b, 0, 4), slice(b, 4, 4)});
+  }
+  TrainStep plain(cfg, net_with_seed(cfg, 4), make_objective(cfg)), ahead(cfg, net_with_seed(cfg, 4), make_objective(cfg));
+  for (int64_t s = 0; s < steps; ++s) {
+    const StepResult rp = plain.run(batches[s], s);
+    // Step 3 is given copies of its batches (other memory), not the batches prepared ahead at step 2.
+    std::vector<Batch> micro = batches[s];
+    if (s == 3)
+      for (Batch& b : micro) b.x = b.x.clone();
+    const StepResult ra = ahead.run(micro, s, s + 1 < steps ? batches[s + 1] : std::vector<Batch>{});
+    EXPECT_EQ(rp.loss, ra.loss) << "step " << s;
+    EXPECT_EQ(rp.grad_norm, ra.grad_norm) << "step " << s;
+  }
+  EXPECT_EQ(ahead.prepared_ahead(), steps - 2);  // steps 1, 2 and 4: not 0 (none before) nor 3 (a copy)
+  EXPECT_EQ(plain.prepared_ahead(), 0);
+  EXPECT_TRUE(torch::equal(plain.optim().flat_params(), ahead.optim().flat_params()));
+  EXPECT_TRUE(torch::equal(plain.optim().flat_ema(), ahead.optim().flat_ema()));
+}
+
 TEST(FlatAdamW, OptimizerStateIsSavedByParameterName) {
   const RunConfig cfg = tiny_config();
   TrainStep a(cfg, net_with_seed(cfg, 4), make_objective(cfg));
