@@ -65,9 +65,6 @@ struct Source {
 Source open_source(const SampleArgs& a) {
   DDM_CHECK(a.ckpt.empty() != a.ensemble.empty(), "give exactly one of --ckpt DIR and --ensemble DIR");
   Source s;
-  if (a.cuda_graphs && !a.ensemble.empty())
-    throw InputError("--cuda-graphs applies to --ckpt: an ensemble's experts get batches whose size the routing "
-                     "decides at every step; leave it out");
   // A path on the command line that is not there is bad input (exit 2), as a bad flag is.
   if (!a.ckpt.empty() && !fs::exists(a.ckpt))
     throw InputError("--ckpt: checkpoint path '" + a.ckpt + "' does not exist");
@@ -95,11 +92,21 @@ Source open_source(const SampleArgs& a) {
   configure_math(device, false);
   s.members = std::make_unique<LoadedEnsemble>(load_ensemble(a.ensemble, !a.no_ema, a.allow_missing, device));
   s.routing = parse_routing(a.routing.empty() ? s.members->manifest.value("routing", "top1") : a.routing);
+  if (a.cuda_graphs) {  // every expert's and the router's forward from graphs, on padded groups (below)
+    DDM_CHECK(device.is_cuda(), "--cuda-graphs needs a CUDA GPU, but the ensemble runs on "
+                                    << device << ": leave --cuda-graphs out, or give --device cuda");
+    for (auto& e : s.members->experts)
+      if (e) e->net = std::make_shared<GraphedNetImpl>(e->net, /*max_graphs=*/8);
+    if (s.members->router.net) s.members->router.net = std::make_shared<GraphedNetImpl>(s.members->router.net);
+  }
   for (int64_t m : s.members->missing())
     std::cout << "warning: expert " << m << " is missing (--allow-missing): its router probability is set to 0 and "
               << "the rest renormalized; samples of its cluster come from the other experts" << std::endl;
   s.ensemble = make_ensemble(*s.members, s.routing, static_cast<uint64_t>(a.seed),
                              a.precision == "bf16" ? Precision::kBf16 : Precision::kFp32);
+  // With graphs, each expert's group is padded to a multiple of a quarter of the batch: four sizes,
+  // times guidance's doubled batch and self-conditioning's first call, within the graphs kept.
+  if (a.cuda_graphs) s.ensemble->set_group_quantum((std::min(a.batch, a.n) + 3) / 4);
   s.den = s.ensemble->denoiser();
   s.name = "ensemble " + a.ensemble + " (K = " + std::to_string(s.members->k) + ", routing " + s.routing.spec + ")";
   if (!device.is_cpu() || a.precision != "fp32") s.name += " on " + device.str() + " in " + a.precision;
@@ -475,8 +482,10 @@ void add_sample_flags(CLI::App* cmd, SampleArgs& a) {
                   "fp32 | bf16: bf16 runs the network under bfloat16 autocast (faster on GPUs), the sampler in float32")
       ->check(CLI::IsMember({"fp32", "bf16"}));
   cmd->add_flag("--cuda-graphs", a.cuda_graphs,
-                "GPUs, --ckpt: capture the network's forward as a CUDA graph (one per batch shape) and replay it at "
-                "every step: the same images, fewer kernel launches by the host");
+                "GPUs: capture the network's forward as a CUDA graph (one per batch shape) and replay it at every "
+                "step: the same images, fewer kernel launches by the host. With --ensemble, every expert's and the "
+                "router's, each expert's batch padded to a multiple of a quarter of --batch (images within float "
+                "rounding of the unpadded ones)");
   cmd->add_option("--ensemble", a.ensemble,
                   "sample a decentralized ensemble: a directory with ensemble.json (from ddm ensemble)");
   cmd->add_option("--routing", a.routing,

@@ -12,9 +12,13 @@
 //        ddm_bench peak [--threads 2]
 //        ddm_bench sample PRESET [--n 256] [--nfe 50] [--threads 2] [--steps 20] [--warmup 3]
 //          [--device cpu|cuda] [--precision fp32|bf16] [--cuda-graphs on|off] (on: the network's forward
-//          replayed from a CUDA graph, as `ddm sample --cuda-graphs`)
+//          replayed from a CUDA graph, as `ddm sample --cuda-graphs`) [--experts K]
 //          (n images from noise with the Euler sampler in one batch, no guidance; the best of --steps
-//           timed runs after --warmup untimed ones; bench/reference.py --sample is the same in PyTorch)
+//           timed runs after --warmup untimed ones; bench/reference.py --sample is the same in PyTorch.
+//           --experts K: a routed top-1 ensemble of K experts of PRESET (random weights, seeds 0..K-1)
+//           and an untrained router-conv-tiny whose probabilities a fixed random projection of x_t
+//           tilts, so that samples spread over the experts (expert_share says how); with --cuda-graphs on, as `ddm sample --ensemble --cuda-graphs`:
+//           every expert and the router from graphs, groups padded to multiples of n / 4)
 //        ddm_bench ops PRESET [--batch 128] [--threads 2] [--steps 20] [--warmup 3]
 //          (attention, and adaLN + proj + gated residual of one DiT block, forward +
 //           backward: the fused CPU kernels against LibTorch's ops; attention also against
@@ -55,6 +59,7 @@
 #include <fstream>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -74,6 +79,7 @@
 #include "core/presets.h"
 #include "core/runtime.h"
 #include "data/shard_loader.h"
+#include "decentral/ensemble.h"
 #include "decentral/train_run.h"
 #include "diffusion/generate.h"
 #include "model/controlnet.h"
@@ -110,6 +116,7 @@ struct Args {
   std::string device = "cpu", precision = "fp32", cuda_graphs = "off";  // train
   double peak_tflops = 0;
   int64_t resolution = 64;  // loader
+  int64_t experts = 0;      // sample: a routed ensemble of this many experts (0: one model)
   bool threads_set = false, steps_set = false, warmup_set = false;
 };
 
@@ -147,6 +154,7 @@ Args parse(int argc, char** argv) {
     else if (k == "--cuda-graphs") a.cuda_graphs = s;
     else if (k == "--peak") a.peak_tflops = std::atof(s.c_str());
     else if (k == "--resolution") a.resolution = v;
+    else if (k == "--experts") a.experts = v;
     else DDM_FAIL("unknown flag " << k);
   }
   if (a.mode == "dp") {  // defaults of the data-parallel mode: one thread per rank, few (slow) steps
@@ -163,6 +171,7 @@ Args parse(int argc, char** argv) {
             "--bucket-mb and --first-bucket-mb must be > 0, --gloo-threads >= 1");
   DDM_CHECK(a.batch >= 1 && a.threads >= 1 && a.steps >= 1 && a.warmup >= 0 && a.n >= 1 && a.nfe >= 1,
             "ddm_bench: --batch, --threads, --steps, --n and --nfe must be >= 1 and --warmup >= 0");
+  DDM_CHECK(a.experts == 0 || (a.experts >= 2 && a.mode == "sample"), "--experts K (K >= 2) applies to ddm_bench sample");
   return a;
 }
 
@@ -611,7 +620,11 @@ int main(int argc, char** argv) try {
     Batch batch{torch::rand({a.batch, c, s, s}) * 2 - 1, torch::randint(0, cfg.model.num_classes, {a.batch}),
                 torch::Tensor(), 0};
     batch = batch.to(device);  // (the data's copy to the device is not part of the step timed here)
-    for (int64_t i = 0; i < a.warmup; ++i) stepper.run(batch, i);
+    // As the training loop steps: each step prepares the next one at its end (train/step.h), here
+    // the same batch at the next step's draws.
+    const std::vector<Batch> micro{batch};
+    auto step = [&](int64_t i) { stepper.run(micro, i, micro); };
+    for (int64_t i = 0; i < a.warmup; ++i) step(i);
     sync();
     if (const char* trace = std::getenv("DDM_BENCH_TRACE")) {  // LibTorch profiler trace of 3 steps
       if (device.is_cuda()) {
@@ -622,12 +635,12 @@ int main(int argc, char** argv) try {
         const std::set<prof::ActivityType> activities{prof::ActivityType::CPU, prof::ActivityType::CUDA};
         torch::autograd::profiler::prepareProfiler(config, activities);
         torch::autograd::profiler::enableProfiler(config, activities);
-        for (int64_t i = 0; i < 3; ++i) stepper.run(batch, a.warmup + i);
+        for (int64_t i = 0; i < 3; ++i) step(a.warmup + i);
         sync();
         torch::autograd::profiler::disableProfiler()->save(trace);
       } else {
         torch::autograd::profiler::RecordProfile guard(trace);
-        for (int64_t i = 0; i < 3; ++i) stepper.run(batch, a.warmup + i);
+        for (int64_t i = 0; i < 3; ++i) step(a.warmup + i);
       }
     }
     // Median step time: robust to bursts from other processes on a shared machine. reference.py
@@ -635,7 +648,7 @@ int main(int argc, char** argv) try {
     std::vector<double> times;
     for (int64_t i = 0; i < a.steps; ++i) {
       auto t0 = Clock::now();
-      stepper.run(batch, a.warmup + i);
+      step(a.warmup + i);
       sync();
       times.push_back(seconds_since(t0));
     }
@@ -757,14 +770,55 @@ int main(int argc, char** argv) try {
     return 0;
   }
   if (a.mode == "sample") {
-    net->eval();
-    net->to(device);
-    if (a.cuda_graphs == "on") {  // `ddm sample --cuda-graphs` (model/graphed_net.h)
-      DDM_CHECK(device.is_cuda(), "ddm_bench sample: --cuda-graphs on needs --device cuda");
-      net = std::make_shared<GraphedNetImpl>(net);
+    const bool graphs = a.cuda_graphs == "on";
+    DDM_CHECK(!graphs || device.is_cuda(), "ddm_bench sample: --cuda-graphs on needs --device cuda");
+    const Precision precision = a.precision == "bf16" ? Precision::kBf16 : Precision::kFp32;
+    auto ready = [&](Net n, int64_t max_graphs) -> Net {  // eval mode on the device, from graphs if asked
+      n->eval();
+      n->to(device);
+      if (graphs) n = std::make_shared<GraphedNetImpl>(n, max_graphs);  // model/graphed_net.h
+      return n;
+    };
+    std::unique_ptr<Ensemble> ensemble;
+    std::optional<Denoiser> den;
+    if (a.experts == 0) {
+      den.emplace(ready(net, 4), make_path(cfg.diffusion), prediction_for(cfg.diffusion), cfg.model.num_classes);
+      den->set_precision(precision);
+    } else {
+      std::vector<std::optional<Denoiser>> experts;
+      for (int64_t e = 0; e < a.experts; ++e) {
+        torch::manual_seed(static_cast<uint64_t>(e));
+        experts.emplace_back(Denoiser(ready(make_net(cfg.model), 8), make_path(cfg.diffusion),
+                                      prediction_for(cfg.diffusion), cfg.model.num_classes));
+        experts.back()->set_precision(precision);
+      }
+      ModelConfig rm;
+      apply_preset("router-conv-tiny", rm);
+      rm.in_channels = cfg.model.in_channels, rm.image_size = cfg.model.image_size;
+      rm.num_classes = cfg.model.num_classes, rm.num_experts = a.experts;
+      torch::manual_seed(100);
+      Net router = make_net(rm);  // untrained: its output layer is zero, its probabilities uniform
+      // A trained router spreads the samples over its clusters; an untrained one would send them all
+      // to one expert. So its probabilities are tilted by a fixed random projection of x_t, which
+      // spreads Gaussian noise evenly over the experts; router-conv-tiny's forward is what it costs.
+      const torch::Tensor proj =
+          torch::randn({cfg.model.in_channels * cfg.model.image_size * cfg.model.image_size, a.experts}).to(device);
+      const NoisePath path = make_path(cfg.diffusion);
+      RouterFn route = net_router(ready(router, 4), path, path);
+      RouterFn routed = [route, precision, proj](const torch::Tensor& x, const torch::Tensor& t, const Cond& y) {
+        torch::Tensor p;
+        {
+          Autocast autocast(x.device(), precision);
+          p = route(x, t, y);  // [B, K]
+        }
+        return torch::softmax(torch::log(p.to(torch::kFloat)) + torch::mm(x.flatten(1).to(torch::kFloat), proj), 1);
+      };
+      ensemble = std::make_unique<Ensemble>(std::move(experts), std::vector<double>(a.experts, fwd_flops), routed,
+                                            network_flops_per_image(rm), path, cfg.model.num_classes,
+                                            parse_routing("top1"), 0, device);
+      if (graphs) ensemble->set_group_quantum((a.n + 3) / 4);
+      den.emplace(ensemble->denoiser());
     }
-    Denoiser den(net, make_path(cfg.diffusion), prediction_for(cfg.diffusion), cfg.model.num_classes);
-    den.set_precision(a.precision == "bf16" ? Precision::kBf16 : Precision::kFp32);
     GenerateOptions g;
     g.n = a.n;
     g.sample.steps = a.nfe;
@@ -772,14 +826,23 @@ int main(int argc, char** argv) try {
     g.batch_size = a.n;
     int64_t nfe = 0;
     const int64_t c = cfg.model.in_channels, s = cfg.model.image_size;
-    const double best = best_seconds([&] { nfe = generate(den, c, s, g).nfe; }, a.warmup, a.steps);
+    const double best = best_seconds([&] { nfe = generate(*den, c, s, g).nfe; }, a.warmup, a.steps);
     if (const char* trace = std::getenv("DDM_BENCH_TRACE")) {  // LibTorch profiler trace of one run
       torch::autograd::profiler::RecordProfile guard(trace);
-      generate(den, c, s, g);
+      generate(*den, c, s, g);
     }
-    const nlohmann::json j = {{"impl", "cpp"}, {"mode", "sample"}, {"preset", a.preset}, {"n", a.n}, {"nfe", nfe},
-                              {"threads", a.threads}, {"device", device.str()}, {"precision", a.precision},
-                              {"seconds", best}, {"img_per_s", a.n / best}, {"cuda_graphs", a.cuda_graphs == "on"}};
+    nlohmann::json j = {{"impl", "cpp"}, {"mode", "sample"}, {"preset", a.preset}, {"n", a.n}, {"nfe", nfe},
+                        {"threads", a.threads}, {"device", device.str()}, {"precision", a.precision},
+                        {"seconds", best}, {"img_per_s", a.n / best}, {"cuda_graphs", graphs}};
+    if (ensemble) {  // how the routing spread the samples, over every run
+      const EnsembleUsage& u = ensemble->usage();
+      nlohmann::json share = nlohmann::json::array();
+      for (int64_t e : u.expert_evals) share.push_back(static_cast<double>(e) / std::max<int64_t>(1, u.sample_evals));
+      j["experts"] = a.experts;
+      j["routing"] = "top1";
+      j["expert_share"] = share;
+      j["padding_rows_share"] = static_cast<double>(u.padding_evals) / std::max<int64_t>(1, u.sample_evals);
+    }
     std::printf("%s\n", j.dump().c_str());
     return 0;
   }

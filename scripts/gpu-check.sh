@@ -111,12 +111,18 @@ case "$what" in
         [ "${REF_COMPILE:-1}" = 0 ] || bench python3 bench/reference.py $preset --batch 256 --precision bf16 --steps 20 --warmup 3 --device cuda --threads 8 --compile-mode reduce-overhead
       done
       bench "$dir/bin/ddm_bench" train dit-b --batch 256 --device cuda --precision fp32 --steps 10 --warmup 2 --threads 8 --peak $peak
-      # Sampling 256 images with 20 Euler steps: eager, from CUDA graphs (`ddm sample --cuda-graphs`), and
-      # PyTorch's eager and compiled samplers.
+      # Sampling 256 images with 20 Euler steps: eager, from CUDA graphs (`ddm sample --cuda-graphs`), a
+      # routed ensemble of 4 experts both ways, and PyTorch's eager and compiled samplers.
       for preset in ${BENCH_PRESETS:-dit-b unet-small}; do
         bench "$dir/bin/ddm_bench" sample $preset --n 256 --nfe 20 --device cuda --precision bf16 --steps 3 --warmup 1 --threads 8
         bench "$dir/bin/ddm_bench" sample $preset --n 256 --nfe 20 --device cuda --precision bf16 --steps 3 --warmup 1 --threads 8 \
           --cuda-graphs on
+        # A routed top-1 ensemble of 4 experts of the preset, eager and from graphs (padded groups):
+        # against one model's sampling above (the target: at least 0.9x).
+        for graphs in off on; do
+          bench "$dir/bin/ddm_bench" sample $preset --n 256 --nfe 20 --device cuda --precision bf16 --steps 3 --warmup 1 \
+            --threads 8 --experts 4 --cuda-graphs $graphs
+        done
         bench python3 bench/reference.py $preset --sample 20 --batch 256 --precision bf16 --steps 3 --warmup 1 --device cuda --threads 8
         [ "${REF_COMPILE:-1}" = 0 ] || bench python3 bench/reference.py $preset --sample 20 --batch 256 --precision bf16 \
           --steps 3 --warmup 1 --device cuda --threads 8 --compile-mode reduce-overhead

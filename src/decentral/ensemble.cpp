@@ -146,6 +146,12 @@ Ensemble::Ensemble(std::vector<std::optional<Denoiser>> experts, std::vector<dou
 void Ensemble::reset_usage() {
   usage_ = EnsembleUsage();
   usage_.expert_evals.assign(experts_.size(), 0);
+  usage_.group_sizes.assign(experts_.size(), {});
+}
+
+void Ensemble::set_group_quantum(int64_t rows) {
+  DDM_CHECK(rows >= 0, "ensemble: a group quantum of " << rows << " rows");
+  quantum_ = rows;
 }
 
 Denoiser::Estimate Ensemble::estimate(const torch::Tensor& x, const torch::Tensor& t, const Cond& y,
@@ -203,18 +209,27 @@ Denoiser::Estimate Ensemble::combine(const torch::Tensor& x, const torch::Tensor
   const int branches = (num_classes_ > 0 || y.context.defined()) && w != 0.0 && w != 1.0 ? 2 : 1;
 
   Denoiser::Estimate out{torch::zeros_like(x), torch::zeros_like(x)};
+  // Each expert's group: its rows in order, found with one read back for all experts (the group
+  // sizes); padded with row 0 to a multiple of the quantum when one is set (its outputs are dropped).
+  const auto chosen = weights.gt(0);                                                       // [B, K]
+  const auto counts = chosen.sum(0).to(torch::kCPU, torch::kLong).contiguous();            // [K]
   for (int64_t e = 0; e < k(); ++e) {
-    auto idx = weights.select(1, e).gt(0).nonzero().flatten();  // [B_e]
-    if (idx.numel() == 0) continue;
+    const int64_t n = counts.data_ptr<int64_t>()[e];
+    if (n == 0) continue;
+    const int64_t rows = quantum_ > 0 ? (n + quantum_ - 1) / quantum_ * quantum_ : n;
+    const auto group = torch::nonzero_static(chosen.select(1, e), rows, /*fill_value=*/0).flatten();  // [rows]
+    const auto idx = group.narrow(0, 0, n);                                                          // [B_e]
     const Denoiser& den = *experts_[e];  // weights are 0 for missing experts
-    auto te = t.index_select(0, idx);
+    auto te = t.index_select(0, group);
     const PathMatch m = match_path(path_, te, den.path());
-    auto est = den.estimate(x.index_select(0, idx) * col(m.scale), m.t, y.select(idx), w);  // [B_e,C,H,W]
-    auto we = col(weights.index_select(0, idx).select(1, e));                                       // [B_e,1,1,1]
-    out.x0.index_add_(0, idx, we * est.x0);
-    out.eps.index_add_(0, idx, we * est.eps);
-    usage_.expert_evals[e] += idx.numel();
-    usage_.expert_flops += static_cast<double>(idx.numel()) * branches * expert_flops_[e];
+    auto est = den.estimate(x.index_select(0, group) * col(m.scale), m.t, y.select(group), w);  // [rows,C,H,W]
+    auto we = col(weights.index_select(0, idx).select(1, e));                                     // [B_e,1,1,1]
+    out.x0.index_add_(0, idx, we * est.x0.narrow(0, 0, n));
+    out.eps.index_add_(0, idx, we * est.eps.narrow(0, 0, n));
+    usage_.expert_evals[e] += n;
+    usage_.padding_evals += rows - n;
+    usage_.group_sizes[static_cast<size_t>(e)].insert(rows);
+    usage_.expert_flops += static_cast<double>(rows) * branches * expert_flops_[e];
   }
   usage_.calls += 1;
   usage_.sample_evals += b;
@@ -246,6 +261,12 @@ std::string Ensemble::usage_report(int64_t n_images) const {
     total += usage_.expert_evals[e];
   }
   const double n = static_cast<double>(std::max<int64_t>(1, n_images));
+  if (quantum_ > 0) {
+    char pad[120];
+    std::snprintf(pad, sizeof pad, "\nexpert batches padded to multiples of %lld rows: %.1f%% more expert rows",
+                  static_cast<long long>(quantum_), 100.0 * usage_.padding_evals / std::max<int64_t>(1, total));
+    s << pad;
+  }
   char buf[200];
   std::snprintf(buf, sizeof buf,
                 "\nexperts per sample-step %.2f; forward GFLOP per image %.3f (experts %.3f + router %.3f, %.1f%%)\n",

@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <functional>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -64,6 +65,8 @@ struct EnsembleUsage {
   int64_t calls = 0;                  // estimate() calls (solver evaluations, summed over batches)
   int64_t sample_evals = 0;           // samples x calls
   std::vector<int64_t> expert_evals;  // per expert: samples it was evaluated on, summed over calls
+  int64_t padding_evals = 0;          // rows evaluated only to pad a group (set_group_quantum)
+  std::vector<std::set<int64_t>> group_sizes;  // per expert: the batch sizes it was called with
   double router_flops = 0, expert_flops = 0;  // forward FLOPs spent, in total
 };
 
@@ -93,6 +96,12 @@ class Ensemble {
   // (context [1, T, D], context_mask [1, T], pooled [1, P]: the empty prompt's, make_ensemble sets it;
   // or a negative prompt's), and so does the router when the whole sample is unconditional (w = 0).
   void set_null_text(const Cond& null_text);
+  // Pads each expert's group to a multiple of `rows` (0: exact groups, the default), so that an
+  // expert is called with a few batch sizes only: what CUDA graphs of the experts' forward need
+  // (`ddm sample --ensemble --cuda-graphs`: a quarter of the sampling batch, four sizes). The padding
+  // rows repeat row 0 and their outputs are dropped; the real rows' estimates change only by the
+  // float rounding of another batch size.
+  void set_group_quantum(int64_t rows);
   // A Denoiser over this ensemble (which must outlive it).
   Denoiser denoiser() const;
 
@@ -117,6 +126,7 @@ class Ensemble {
   uint64_t seed_;
   torch::Device device_;
   torch::Tensor present_;  // float [K]: 1 where the expert exists
+  int64_t quantum_ = 0;    // set_group_quantum
   mutable EnsembleUsage usage_;
 };
 

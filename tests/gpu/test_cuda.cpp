@@ -536,7 +536,7 @@ TEST(Gpu, CudaGraphStepsTrainWhatEagerStepsTrain) {
     b->to(cuda);
     TrainStep eager(cfg, a, make_objective(cfg)), graph(graphed, b, make_objective(graphed));
     torch::manual_seed(8);
-    double worst = 0;
+    std::vector<std::vector<Batch>> steps;
     for (int64_t i = 0; i < 8; ++i) {
       const int64_t rows = i == 5 ? 8 : 16, r = rows / k.accum;  // step 5: another shape
       const auto x = torch::rand({rows, 1, 8, 8}) * 2 - 1;
@@ -544,12 +544,21 @@ TEST(Gpu, CudaGraphStepsTrainWhatEagerStepsTrain) {
       std::vector<Batch> micro;
       for (int64_t m = 0; m < k.accum; ++m)
         micro.push_back(Batch{x.narrow(0, m * r, r), y.narrow(0, m * r, r), torch::Tensor(), m * r}.to(cuda));
-      const StepResult ra = eager.run(micro, i), rb = graph.run(micro, i);
+      steps.push_back(micro);
+    }
+    double worst = 0;
+    for (int64_t i = 0; i < 8; ++i) {
+      const std::vector<Batch>& micro = steps[static_cast<size_t>(i)];
+      // The graphed steps prepare the next step ahead, as the training loop has them do; the eager
+      // ones at their own start.
+      const StepResult ra = eager.run(micro, i),
+                       rb = graph.run(micro, i, i + 1 < 8 ? steps[static_cast<size_t>(i + 1)] : std::vector<Batch>{});
       ASSERT_TRUE(ra.finite && rb.finite) << what << " step " << i;
       worst = std::max(worst, std::abs(ra.loss - rb.loss) / std::abs(ra.loss));
       EXPECT_NEAR(rb.grad_norm, ra.grad_norm, 1e-4 * ra.grad_norm) << what << " step " << i;
     }
     EXPECT_EQ(graph.graph_replays(), 5) << what << ": steps 2, 3, 4, 6 and 7 replay the graph";
+    EXPECT_EQ(graph.prepared_ahead(), 7) << what << ": every step after the first was prepared ahead";
     EXPECT_EQ(graph.optim().step_count(), 8) << what;
     EXPECT_LE(worst, 1e-5) << what;
     expect_close(graph.optim().flat_params(), eager.optim().flat_params().cpu(), 1e-5, what + ": weights");
@@ -651,7 +660,8 @@ TEST(Gpu, SamplingFromCudaGraphsGivesTheEagerImages) {
 // Decentralized sampling on the GPU: two experts and a router (trained on the CPU, 600 images of
 // Fashion-MNIST), assembled; the routed ensemble on CUDA gives the CPU's samples within 1e-3 under
 // `full` routing (mixture weights continuous in the router's probabilities; top-1 could flip a
-// near-tie) and under the exact posterior (`oracle`, its [B, N] product on the GPU); bf16 stays close;
+// near-tie) and under the exact posterior (`oracle`, its [B, N] product on the GPU); with --cuda-graphs
+// (padded expert groups) it gives the eager images; bf16 stays close;
 // a student distilled from it on CUDA trains what it trains on the CPU.
 TEST(Gpu, ARoutedEnsembleSamplesOnCudaAsOnTheCpu) {
   if (no_gpu()) GTEST_SKIP() << kNoGpu;
@@ -684,6 +694,17 @@ TEST(Gpu, ARoutedEnsembleSamplesOnCudaAsOnTheCpu) {
     const double diff = (cpu - gpu).abs().max().item<double>();
     EXPECT_LE(diff, 1e-3) << routing;
     std::printf("ensemble, routing %s: max |gpu - cpu| over the samples %.2e\n", routing, diff);
+  }
+  // The experts and the router replayed from CUDA graphs, each expert's group padded to a multiple of
+  // a quarter of the batch: the eager images within float32 rounding (another batch size can pick
+  // another cuBLAS kernel), under top-1 (groups that change size from step to step) and full routing.
+  for (const char* routing : {"top1", "full"}) {
+    const auto eager = samples(std::string("gpu-") + routing + "-eager", std::string("--device cuda --routing ") + routing);
+    const auto graphed =
+        samples(std::string("gpu-") + routing + "-graphs", std::string("--device cuda --cuda-graphs --routing ") + routing);
+    const double diff = (eager - graphed).abs().max().item<double>();
+    EXPECT_LE(diff, 1e-3) << routing;
+    std::printf("ensemble, routing %s, --cuda-graphs: max |graphed - eager| over the samples %.2e\n", routing, diff);
   }
   const auto fp32 = samples("gpu-full-fp32", "--device cuda --routing full");
   const auto bf16 = samples("gpu-full-bf16", "--device cuda --routing full --precision bf16");

@@ -159,6 +159,34 @@ TEST(Ensemble, GroupedBatchingEqualsAPerSampleLoop) {
   EXPECT_EQ(ens.usage().sample_evals, 24);
 }
 
+TEST(Ensemble, PaddedGroupsGiveTheExactGroupsEstimates) {
+  // set_group_quantum (what `ddm sample --ensemble --cuda-graphs` sets): every expert is called on a
+  // multiple of the quantum, its real rows give what the exact groups give (these experts compute
+  // row by row, so bit for bit), and the padding is counted, not reported as samples.
+  const Mixture m = three_clusters();
+  auto [x, t] = noisy_points(m, 26, 4);
+  auto y = torch::zeros({26}, torch::kLong);
+  for (const char* routing : {"top1", "topk:2", "full"}) {
+    const Ensemble exact = make(m, routing, exact_experts(m));
+    Ensemble padded = make(m, routing, exact_experts(m));
+    padded.set_group_quantum(7);
+    const auto a = exact.estimate(x, t, y, 1.0), b = padded.estimate(x, t, y, 1.0);
+    EXPECT_TRUE(torch::equal(a.x0, b.x0)) << routing;
+    EXPECT_TRUE(torch::equal(a.eps, b.eps)) << routing;
+    EXPECT_EQ(exact.usage().expert_evals, padded.usage().expert_evals) << routing;
+    int64_t pad = 0;
+    for (size_t e = 0; e < 3; ++e) {
+      for (int64_t rows : padded.usage().group_sizes[e]) EXPECT_EQ(rows % 7, 0) << routing << " expert " << e;
+      for (int64_t rows : exact.usage().group_sizes[e]) EXPECT_EQ(rows, exact.usage().expert_evals[e]) << routing;
+      const int64_t n = padded.usage().expert_evals[e];
+      pad += n == 0 ? 0 : (n + 6) / 7 * 7 - n;
+    }
+    EXPECT_EQ(padded.usage().padding_evals, pad) << routing;
+    EXPECT_EQ(exact.usage().padding_evals, 0) << routing;
+    EXPECT_NE(padded.usage_report(26).find("padded to multiples of 7 rows"), std::string::npos);
+  }
+}
+
 TEST(Ensemble, StrategiesAreDeterministicUnderASeed) {
   torch::manual_seed(16);  // the same draws in every run: LibTorch seeds its default generator anew per process
   const Mixture m = three_clusters();
