@@ -57,7 +57,7 @@ if [ "$what" != fuzz ]; then
   # Each test executable runs once, all its tests in one process, two executables at a time: an
   # instrumented process takes about 1 s to start (LibTorch's libraries under ASan), which was most of
   # the 95 s that running the 140 tests one process each took (now about 20 s). Leaks are checked
-  # when each process ends. The Release run (ctest) still runs every test in its own process.
+  # when each process ends. The Release run (ctest) runs each unit executable once too.
   if ((all_tests)); then
     executables=("${build_targets[@]:1}")
   else
