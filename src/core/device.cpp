@@ -83,6 +83,11 @@ void configure_math(torch::Device device, bool deterministic) {
   }
 }
 
+torch::Tensor to_device_async(const torch::Tensor& t, torch::Device device) {
+  if (!t.defined() || t.device() == device) return t;
+  return (t.is_cpu() && device.is_cuda() ? t.pin_memory() : t).to(device, /*non_blocking=*/true);
+}
+
 void synchronize(torch::Device device) {
   if (device.is_cuda()) torch::cuda::synchronize(device.index());
 }

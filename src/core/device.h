@@ -30,6 +30,12 @@ torch::Device resolve_device(const std::string& spec, int local_rank, const std:
 // convolution algorithm by timing it (benchmark mode). Nothing to do on the CPU.
 void configure_math(torch::Device device, bool deterministic);
 
+// `t` on `device` without the host waiting: a CPU tensor goes to a GPU through pinned memory, copied
+// on the current stream while the host goes on (the caching host allocator keeps the pinned buffer
+// until the copy is done); a plain `.to(device)` from pageable memory waits for everything queued on
+// the stream first. Elsewhere t.to(device). The keyed draws of a step and the batches take this way.
+torch::Tensor to_device_async(const torch::Tensor& t, torch::Device device);
+
 // For measuring on `device` (profiles, timelines): waits for its queued work (nothing to wait for
 // on the CPU); the bytes its tensors take now (the host allocator's, core/runtime.h, or CUDA's
 // caching allocator's); its model name ("NVIDIA H100 80GB HBM3"; empty for the CPU, whose name

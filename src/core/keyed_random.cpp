@@ -5,6 +5,7 @@
 
 #include <ATen/Parallel.h>
 
+#include "core/device.h"
 #include "core/rng.h"
 
 namespace ddm {
@@ -38,7 +39,8 @@ torch::Tensor normal_rows(const std::vector<uint64_t>& keys, at::IntArrayRef row
   });
   std::vector<int64_t> shape{n};
   shape.insert(shape.end(), row_shape.begin(), row_shape.end());
-  return z.to(options).view(shape);  // [N, shape...]
+  // Converted on the host, then moved without waiting for the device's queue (core/device.h).
+  return to_device_async(z.to(options.dtype().toScalarType()), options.device()).view(shape);  // [N, shape...]
 }
 
 double normal_from_key(uint64_t key) {

@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <vector>
 
+#include "core/device.h"
 #include "core/error.h"
 #include "core/rng.h"
 #include "data/idx.h"
@@ -129,10 +130,7 @@ Batch Batch::to(torch::Device device) const {
   if (x.device() == device) return *this;
   // From the CPU through pinned memory, so the copy runs asynchronously on the device's stream and
   // the host goes on preparing; the caching host allocator keeps the pinned buffer until it is done.
-  auto move = [&](const torch::Tensor& t) {
-    if (!t.defined()) return t;
-    return (t.is_cpu() && device.is_cuda() ? t.pin_memory() : t).to(device, /*non_blocking=*/true);
-  };
+  auto move = [&](const torch::Tensor& t) { return to_device_async(t, device); };
   Batch b = *this;
   b.x = move(x);
   b.y = move(y);

@@ -211,13 +211,13 @@ Denoiser::Estimate Ensemble::combine(const torch::Tensor& x, const torch::Tensor
   Denoiser::Estimate out{torch::zeros_like(x), torch::zeros_like(x)};
   // Each expert's group: its rows in order, found with one read back for all experts (the group
   // sizes); padded with row 0 to a multiple of the quantum when one is set (its outputs are dropped).
-  const auto chosen = weights.gt(0);                                                       // [B, K]
-  const auto counts = chosen.sum(0).to(torch::kCPU, torch::kLong).contiguous();            // [K]
+  const auto chosen = weights.gt(0).t().contiguous();                                      // [K, B]
+  const auto counts = chosen.sum(1).to(torch::kCPU, torch::kLong).contiguous();            // [K]
   for (int64_t e = 0; e < k(); ++e) {
     const int64_t n = counts.data_ptr<int64_t>()[e];
     if (n == 0) continue;
     const int64_t rows = quantum_ > 0 ? (n + quantum_ - 1) / quantum_ * quantum_ : n;
-    const auto group = torch::nonzero_static(chosen.select(1, e), rows, /*fill_value=*/0).flatten();  // [rows]
+    const auto group = torch::nonzero_static(chosen[e], rows, /*fill_value=*/0).flatten();  // [rows]
     const auto idx = group.narrow(0, 0, n);                                                          // [B_e]
     const Denoiser& den = *experts_[e];  // weights are 0 for missing experts
     auto te = t.index_select(0, group);

@@ -7,6 +7,7 @@
 
 #include <torch/nn/functional/loss.h>
 
+#include "core/device.h"
 #include "core/error.h"
 #include "core/keyed_random.h"
 #include "core/rng.h"
@@ -83,7 +84,7 @@ Prepared Objective::prepare(const Batch& pixels, int64_t step) const {
   // The draws are made on the CPU, identical whatever the device, and follow the data to its device.
   const torch::Device dev = batch.x.device();
   Prepared p;
-  p.t = draw_time(step, batch.first, b).to(dev);          // [B]
+  p.t = to_device_async(draw_time(step, batch.first, b), dev);  // [B]
   const torch::Tensor eps = draw_noise(step, batch.first, batch.x);  // [B, C, H, W]
   // Label dropout: one keyed draw per sample drops its label and its embedding together.
   auto dropped = torch::zeros({b}, torch::kBool);  // [B]
@@ -92,7 +93,7 @@ Prepared Objective::prepare(const Batch& pixels, int64_t step) const {
     bool* d = dropped.data_ptr<bool>();
     for (int64_t j = 0; j < b; ++j) d[j] = uniform_from_key(keys[static_cast<size_t>(j)]) < label_dropout_;
   }
-  dropped = dropped.to(dev);
+  dropped = to_device_async(dropped, dev);
   if (num_classes_ == 0) {
     p.cond.y = torch::zeros({b}, torch::TensorOptions().dtype(torch::kLong).device(dev));  // [B]: the null class of an unconditional model
   } else {
@@ -111,11 +112,11 @@ Prepared Objective::prepare(const Batch& pixels, int64_t step) const {
     DDM_CHECK(pixels.context.defined() && pixels.context.size(0) == b,
               "a text-conditioned model trained on cached text encodings needs them in every batch (latent "
               "shards `ddm encode --text` wrote)");
-    const torch::Tensor keep = caption_drops(batch.first, b, step).logical_not().to(dev).view({-1, 1});  // [B, 1]
+    const torch::Tensor keep = to_device_async(caption_drops(batch.first, b, step).logical_not(), dev).view({-1, 1});  // [B, 1]
     const Cond& null = cached_null_;
-    p.cond.context = torch::where(keep.unsqueeze(2), pixels.context, null.context.to(dev));     // [B, T, D]
-    p.cond.context_mask = torch::where(keep, pixels.context_mask, null.context_mask.to(dev));  // [B, T]
-    p.cond.pooled = torch::where(keep, pixels.pooled, null.pooled.to(dev));                    // [B, P]
+    p.cond.context = torch::where(keep.unsqueeze(2), pixels.context, to_device_async(null.context, dev));  // [B, T, D]
+    p.cond.context_mask = torch::where(keep, pixels.context_mask, to_device_async(null.context_mask, dev));  // [B, T]
+    p.cond.pooled = torch::where(keep, pixels.pooled, to_device_async(null.pooled, dev));  // [B, P]
   }
   if (!control_.empty()) p.cond.control = control_map(control_, pixels.x);  // [B, Cc, H, W]
   p.xt = path_.alpha(p.t).view({-1, 1, 1, 1}) * batch.x + path_.sigma(p.t).view({-1, 1, 1, 1}) * eps;  // [B,C,H,W]
@@ -161,7 +162,7 @@ torch::Tensor Objective::self_cond_estimate(const torch::Tensor& x, const torch:
 void Objective::self_condition(NetImpl& net, Prepared& p, int64_t first, int64_t step) const {
   if (self_cond_ <= 0) return;
   torch::NoGradGuard no_grad;
-  const auto idx = self_cond_rows(first, p.xt.size(0), step).to(p.xt.device());  // [b']
+  const auto idx = to_device_async(self_cond_rows(first, p.xt.size(0), step), p.xt.device());  // [b']
   p.cond.self_cond = torch::zeros_like(p.xt);                   // [B, C, H, W]
   if (idx.numel() == 0) return;
   Cond c = p.cond.select(idx);

@@ -9,7 +9,11 @@
 namespace ddm {
 
 GraphedNetImpl::GraphedNetImpl(std::shared_ptr<NetImpl> inner, int64_t max_graphs)
-    : inner_(std::move(inner)), max_graphs_(max_graphs) {}
+    : inner_(std::move(inner)), max_graphs_(max_graphs) {
+  // A submodule: its parameters are this network's, so that whoever asks where the network computes
+  // (Denoiser::device, the ensemble built on it) finds the GPU, and eval() and to() reach it.
+  register_module("inner", inner_);
+}
 
 torch::Tensor GraphedNetImpl::forward(const torch::Tensor& x, const torch::Tensor& t, const Cond& c) {
   if (failed_ || torch::GradMode::is_enabled() || !x.is_cuda()) return inner_->forward(x, t, c);

@@ -52,8 +52,15 @@ int run_loop(Engine& engine, BatchSource& source, const LoopSpec& spec, const En
     // an engine recognises the tensors it already worked on.
     std::vector<Batch> next;
     if (engine.wants_next() && state.step + 1 < spec.steps) {
-      peeked = source.peek(spec.shard_offset, spec.local_batch).to(spec.device);
-      next = split_micro(*peeked, spec.grad_accum);
+      try {
+        peeked = source.peek(spec.shard_offset, spec.local_batch).to(spec.device);
+        next = split_micro(*peeked, spec.grad_accum);
+      } catch (const std::exception&) {
+        // A batch that cannot be read (a corrupt sample in a shard) fails at its own step, as before:
+        // this step runs, and its checkpoint is written if one is due.
+        peeked.reset();
+        next.clear();
+      }
     }
     log.waited(std::chrono::duration<double>(Clock::now() - wait_start).count());
     const StepResult r = engine.step(split_micro(shard, spec.grad_accum), state.step, next);

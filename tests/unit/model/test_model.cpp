@@ -20,6 +20,7 @@
 #include "model/flops.h"
 #include "model/fused_cpu.h"
 #include "model/fused_gpu.h"
+#include "model/graphed_net.h"
 #include "model/layers.h"
 #include "model/net.h"
 #include "model/ops.h"
@@ -171,6 +172,27 @@ TEST(Nets, AllPresetsGiveInputShapedFiniteOutputs) {
     EXPECT_EQ(out.sizes(), out_shape(cfg, x)) << name;
     EXPECT_TRUE(torch::isfinite(out).all().item<bool>()) << name;
   }
+}
+
+TEST(Nets, AGraphedNetworkIsItsInnerNetworkOnTheCpu) {
+  // `--cuda-graphs`' wrapper (model/graphed_net.h): its parameters are the inner network's (where the
+  // network computes is read from them: a wrapper without them sent a GPU model's samples to the CPU),
+  // eval() reaches the inner network, and on the CPU every call runs the inner network eagerly.
+  torch::manual_seed(3);
+  Net inner = make_net(preset_cfg("dit-tiny"));
+  randomize(*inner, 0.05);
+  auto graphed = std::make_shared<GraphedNetImpl>(inner);
+  const auto mine = graphed->parameters(), theirs = inner->parameters();
+  ASSERT_EQ(mine.size(), theirs.size());
+  for (size_t i = 0; i < mine.size(); ++i) EXPECT_TRUE(mine[i].is_same(theirs[i])) << i;
+  graphed->eval();
+  EXPECT_FALSE(inner->is_training());
+  torch::NoGradGuard no_grad;
+  const auto x = torch::randn({3, 1, 28, 28}), t = torch::rand({3});
+  const auto y = torch::tensor({0, 9, 10});
+  EXPECT_TRUE(torch::equal(graphed->forward(x, t, y), inner->forward(x, t, y)));
+  EXPECT_EQ(graphed->graphs(), 0);
+  EXPECT_EQ(graphed->replays(), 0);
 }
 
 TEST(Nets, NullClassIsItsOwnLabel) {

@@ -26,23 +26,28 @@ class FakeEngine : public Engine {
     int64_t step;
     std::vector<int64_t> rows, firsts;  // each micro-batch's rows and its first row's global position
     double sum;                         // of the whole step's images
+    std::vector<const void*> memory, next_memory;  // where each micro-batch's images are; the next step's
   };
   std::vector<Seen> seen;
   int64_t busy_at = -1;       // can_checkpoint() is false after this many steps
   int64_t fail_at = -1;       // step() reports a non-finite loss at this 0-based step
   int64_t others_stop_at = -1;  // another rank's SIGINT, agreed after this many steps
+  bool want_next = false;       // wants_next(): the next step's micro-batches with each step
   int64_t done = 0;
 
   FlatAdamW& optim() override { throw std::logic_error("the loop never asks for the optimizer"); }
   void take_resumed(const Checkpoint*, const std::string&, int64_t) override {}
   std::vector<torch::Tensor> initial_weights() override { return {}; }
-  StepResult step(const std::vector<Batch>& micro, int64_t step, const std::vector<Batch>&) override {
-    Seen s{step, {}, {}, 0.0};
+  bool wants_next() const override { return want_next; }
+  StepResult step(const std::vector<Batch>& micro, int64_t step, const std::vector<Batch>& next) override {
+    Seen s{step, {}, {}, 0.0, {}, {}};
     for (const Batch& b : micro) {
       s.rows.push_back(b.x.size(0));
       s.firsts.push_back(b.first);
       s.sum += b.x.to(torch::kDouble).sum().item<double>();
+      s.memory.push_back(b.x.data_ptr());
     }
+    for (const Batch& b : next) s.next_memory.push_back(b.x.data_ptr());
     seen.push_back(s);
     StepResult r;
     r.loss = step == fail_at ? std::nan("") : 1.0 / static_cast<double>(step + 1);
@@ -199,4 +204,33 @@ TEST(Loop, AReplicaJoiningARunningGroupFinishesTheStepTheGroupWasAtFirst) {
 }
 
 }  // namespace
+TEST(Loop, AnEngineGivenTheNextStepsBatchGetsTheSameTensorsAtThatStep) {
+  // What prepare ahead relies on (train/step.h): the micro-batches handed over as `next` at step s
+  // are the very tensors of step s + 1 (an engine recognises them by their memory), the batches are
+  // the ones a loop without it draws, and checkpoints record the same data positions.
+  Harness plain, ahead;
+  plain.spec.grad_accum = ahead.spec.grad_accum = 2;
+  ahead.engine.want_next = true;
+  plain.run();
+  ahead.run();
+  ASSERT_EQ(ahead.engine.seen.size(), 10u);
+  for (size_t i = 0; i < 10; ++i) {
+    const auto& a = ahead.engine.seen[i];
+    EXPECT_EQ(a.sum, plain.engine.seen[i].sum) << "step " << i;
+    EXPECT_EQ(a.firsts, plain.engine.seen[i].firsts) << "step " << i;
+    EXPECT_TRUE(plain.engine.seen[i].next_memory.empty());
+    if (i + 1 < 10) {
+      EXPECT_EQ(a.next_memory, ahead.engine.seen[i + 1].memory) << "step " << i;
+    } else {
+      EXPECT_TRUE(a.next_memory.empty()) << "the last step has no next one";
+    }
+  }
+  EXPECT_EQ(ahead.saved, plain.saved);
+  ASSERT_EQ(ahead.cursors.size(), plain.cursors.size());
+  for (size_t i = 0; i < plain.cursors.size(); ++i) {
+    EXPECT_EQ(ahead.cursors[i].epoch, plain.cursors[i].epoch);
+    EXPECT_EQ(ahead.cursors[i].index, plain.cursors[i].index);
+  }
+}
+
 }  // namespace ddm
