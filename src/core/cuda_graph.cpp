@@ -6,6 +6,8 @@
 #include <ATen/autocast_mode.h>
 #include <ATen/cuda/CUDAEvent.h>
 #include <ATen/cuda/CUDAGraph.h>
+#include <ATen/core/CachingHostAllocator.h>
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
@@ -46,25 +48,57 @@ struct CapturedGraph::Impl {
 CapturedGraph::CapturedGraph() : impl_(std::make_unique<Impl>()) {}
 CapturedGraph::~CapturedGraph() = default;
 
+namespace {
+
+// LibTorch 2.11's CUDAGraph::capture_end throws at cudaStreamEndCapture for a capture that was
+// invalidated (a host synchronization inside it, say) before it tells the caching allocators that the
+// capture is over, and a graph whose capture did not end never gives its memory pool back. Left so,
+// the device allocator believes a capture is still under way: its emptyCache() then fails an internal
+// assertion, and it no longer frees cached blocks to retry an allocation that ran out of memory. So
+// the pool is ended here, where capture_end did not end it, and released. (Where capture_end failed
+// after ending it, the ending here throws and nothing is released twice.)
+void end_failed_capture(c10::DeviceIndex device, c10::MempoolId_t pool) {
+  try {
+    c10::cuda::CUDACachingAllocator::endAllocateToPool(device, pool);
+    c10::cuda::CUDACachingAllocator::releasePool(device, pool);
+  } catch (const std::exception&) {
+  }
+  try {
+    at::getHostAllocator(at::kCUDA)->end_allocate_to_pool(pool);
+    at::getHostAllocator(at::kCUDA)->release_pool(pool);
+  } catch (const std::exception&) {
+  }
+}
+
+}  // namespace
+
 std::string CapturedGraph::capture(const std::function<void()>& f) {
   impl_->graph.reset();
   const bool cache = at::autocast::is_autocast_cache_enabled();
   at::autocast::set_autocast_cache_enabled(false);
   auto graph = std::make_unique<at::cuda::CUDAGraph>();
+  const c10::DeviceIndex device = c10::cuda::current_device();
+  const c10::MempoolId_t pool = at::cuda::graph_pool_handle();  // the graph's own, named so it can be ended
   std::string why;
   try {
     // Thread-local: a data loader's threads may use CUDA (pinned memory) while this one captures.
-    graph->capture_begin({0, 0}, cudaStreamCaptureModeThreadLocal);
+    graph->capture_begin(pool, cudaStreamCaptureModeThreadLocal);
     try {
       f();
     } catch (...) {
       try {
         graph->capture_end();  // ends the stream's capture; throws for the invalidated graph
       } catch (...) {
+        end_failed_capture(device, pool);
       }
       throw;
     }
-    graph->capture_end();
+    try {
+      graph->capture_end();
+    } catch (...) {
+      end_failed_capture(device, pool);
+      throw;
+    }
     impl_->graph = std::move(graph);
   } catch (const std::exception& e) {
     why = e.what();

@@ -6,6 +6,7 @@
 
 #include <torch/torch.h>
 
+#include "core/device.h"
 #include "core/error.h"
 
 namespace ddm {
@@ -67,7 +68,7 @@ void NoisePath::discrete_ratio(double t, double& r, double& dr) const {
 
 void NoisePath::discrete_ratio(const torch::Tensor& t, torch::Tensor& r, torch::Tensor& dr) const {
   const int64_t T = timesteps();
-  const torch::Tensor table = ratio_table_.to(t.device());                                   // [T + 1]
+  const torch::Tensor table = to_device_async(ratio_table_, t.device());                       // [T + 1]
   const torch::Tensor s = t.to(torch::kDouble).clamp(0.0, 1.0) * static_cast<double>(T);   // [B]
   const torch::Tensor k = s.floor().clamp_max(static_cast<double>(T - 1)).to(torch::kLong);  // [B]
   const torch::Tensor lo = table.index_select(0, k.flatten()).view_as(s);
@@ -219,8 +220,9 @@ torch::Tensor NoisePath::dsigma(const torch::Tensor& t) const {
 }
 
 PathMatch match_path(const NoisePath& from, const torch::Tensor& t, const NoisePath& to) {
-  if (from.kind() == to.kind() && from.kind() != PathKind::kDiscrete) return {t, torch::ones_like(t)};
-  const auto tc = t.to(torch::kDouble).contiguous();
+  if (from.same_as(to)) return {t, torch::ones_like(t)};
+  // A loop over the times on the host: a copy of them there, the results sent back to t's device.
+  const auto tc = t.to(torch::kCPU, torch::kDouble).contiguous();
   auto t_to = torch::empty_like(tc), scale = torch::empty_like(tc);
   const double* ti = tc.data_ptr<double>();
   double* out_t = t_to.data_ptr<double>();
@@ -244,7 +246,7 @@ PathMatch match_path(const NoisePath& from, const torch::Tensor& t, const NoiseP
     const double at = to.alpha(out_t[i]), st = to.sigma(out_t[i]);
     out_s[i] = std::sqrt(at * at + st * st) / std::sqrt(a * a + s * s);
   }
-  return {t_to.to(t.scalar_type()), scale.to(t.scalar_type())};
+  return {to_device_async(t_to.to(t.scalar_type()), t.device()), to_device_async(scale.to(t.scalar_type()), t.device())};
 }
 
 NoisePath make_path(const DiffusionConfig& cfg) {

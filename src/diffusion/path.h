@@ -44,6 +44,10 @@ class NoisePath {
   torch::Tensor sigma(const torch::Tensor& t) const;
   torch::Tensor dalpha(const torch::Tensor& t) const;
   torch::Tensor dsigma(const torch::Tensor& t) const;
+  // The same path: the same kind, and for the discrete kind the same table of ratios.
+  bool same_as(const NoisePath& other) const {
+    return kind_ == other.kind_ && tau_ == other.tau_ && ratio_ == other.ratio_;
+  }
 
  private:
   PathKind kind_;

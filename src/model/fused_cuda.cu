@@ -212,15 +212,12 @@ void with_types(DType t1, DType t2, F&& f) {
 int row_chunks(int64_t N) { return static_cast<int>((N + kRows - 1) / kRows); }
 
 const char* kernels_load(int device, int* major, int* minor) {
-  int current = 0;
-  if (cudaGetDevice(&current) != cudaSuccess || cudaSetDevice(device) != cudaSuccess) return launched();
   cudaDeviceGetAttribute(major, cudaDevAttrComputeCapabilityMajor, device);
   cudaDeviceGetAttribute(minor, cudaDevAttrComputeCapabilityMinor, device);
   // Fails with "no kernel image is available" where neither the code nor the PTX of any built
   // architecture runs on this device.
   cudaFuncAttributes attr{};
   const cudaError_t e = cudaFuncGetAttributes(&attr, gated_backward_kernel<float, float>);
-  cudaSetDevice(current);
   cudaGetLastError();  // the query's error is answered here, not left for the next launch
   return e == cudaSuccess ? nullptr : cudaGetErrorString(e);
 }

@@ -22,7 +22,8 @@ constexpr int kMaxWidth = 2048;
 int row_chunks(int64_t N);
 
 // Whether the kernels can run on GPU `device`: nullptr if so, else CUDA's reason (no code or PTX of
-// the architectures they were built for runs there). Fills in its compute capability.
+// the architectures they were built for runs there). Fills in its compute capability. Call it with
+// `device` current (a device guard).
 const char* kernels_load(int device, int* major, int* minor);
 
 // Each returns nullptr on success, else CUDA's error message for the launch. stream: a cudaStream_t.

@@ -137,6 +137,9 @@ bool fused_cuda_runs_on(int device) {
   const auto it = known.find(device);
   if (it != known.end()) return it->second;
   int major = 0, minor = 0;
+  // The query runs on `device` (LibTorch's guard: rank r of a data-parallel run on cuda:r makes no
+  // context on cuda:0).
+  const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
   const char* error = k::kernels_load(device, &major, &minor);
   if (error != nullptr)
     std::cerr << "note: ddm's fused DiT kernels have no code for cuda:" << device << " (compute capability " << major

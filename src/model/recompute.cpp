@@ -210,6 +210,7 @@ torch::Tensor forward_recomputed(NetImpl& net, const torch::Tensor& x, const tor
 
 RecomputedNetImpl::RecomputedNetImpl(std::shared_ptr<NetImpl> inner) : inner_(std::move(inner)) {
   DDM_CHECK(inner_, "RecomputedNet: no network");
+  register_module("inner", inner_);  // its parameters, device and train()/eval() are the inner network's
 }
 
 torch::Tensor RecomputedNetImpl::forward(const torch::Tensor& x, const torch::Tensor& t, const Cond& c) {

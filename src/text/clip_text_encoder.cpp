@@ -262,7 +262,9 @@ ClipTextEncoder::Output ClipTextEncoder::encode(const torch::Tensor& ids, int64_
   const int64_t B = ids.size(0), T = ids.size(1), H = heads, d = width / heads, n = static_cast<int64_t>(layers.size());
   DDM_CHECK(T >= 1 && T <= positions, "CLIP text encoder: " << T << " tokens, but the model has " << positions << " positions");
   DDM_CHECK(skip >= 0 && skip < n, "CLIP text encoder: cannot skip " << skip << " of its " << n << " layers");
-  DDM_CHECK(ids.numel() == 0 || (ids.min().item<int64_t>() >= 0 && ids.max().item<int64_t>() < vocab),
+  // Ids on a GPU were checked on the host before they went there (TextEncoder::encode): reading them
+  // back here would wait for the GPU.
+  DDM_CHECK(!ids.is_cpu() || ids.numel() == 0 || (ids.min().item<int64_t>() >= 0 && ids.max().item<int64_t>() < vocab),
             "CLIP text encoder: a token id outside the vocabulary of " << vocab);
   auto ln = [&](const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b) {
     return torch::layer_norm(x, {width}, w, b, eps);

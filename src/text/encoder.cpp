@@ -5,6 +5,7 @@
 #include <filesystem>
 #include <nlohmann/json.hpp>
 
+#include "core/device.h"
 #include "core/error.h"
 #include "core/json.h"
 #include "text/bert_encoder.h"
@@ -29,6 +30,7 @@ class Clip final : public TextEncoder {
   }
   int64_t state_dim() const override { return e_.width; }
   int64_t pooled_dim() const override { return e_.projection_w.defined() ? e_.projection_w.size(0) : e_.width; }
+  int64_t vocab() const override { return e_.vocab; }
   std::string kind() const override {
     const int64_t n = static_cast<int64_t>(e_.layers.size());
     return "CLIP text (" + e_.format + "), " + std::to_string(n) + " layers of width " + std::to_string(e_.width) +
@@ -60,6 +62,7 @@ class Bert final : public TextEncoder {
   }
   int64_t state_dim() const override { return e_.hidden; }
   int64_t pooled_dim() const override { return e_.hidden; }
+  int64_t vocab() const override { return e_.w.at("embeddings.word_embeddings.weight").size(0); }
   std::string kind() const override {
     return "BERT sentence encoder, " + std::to_string(e_.layers) + " layers of width " + std::to_string(e_.hidden) +
            ", pooled by the mean" + (e_.normalize ? " at unit length" : "");
@@ -98,7 +101,15 @@ TextEncoding TextEncoder::encode(const std::vector<std::string>& texts, const st
     ids[i].copy_(torch::tensor(row, torch::kInt64));
     lengths[i] = length;
   }
-  TextEncoding out = encode_ids(ids.to(device_), lengths.to(device_));
+  // Checked here, on the host: on a GPU an id past the embedding's rows is a device-side assertion.
+  const torch::Tensor outside = ids.lt(0).logical_or(ids.ge(vocab())).any(1).nonzero();  // [n, 1]
+  if (outside.numel() > 0) {
+    const auto i = static_cast<size_t>(outside[0][0].item<int64_t>());
+    DDM_FAIL(tokenizer_->kind() << " gave a token id outside the text encoder's vocabulary of " << vocab() << " for "
+                                << (i < what.size() ? what[i] : "text " + std::to_string(i + 1))
+                                << ": the tokenizer does not belong to this encoder (" << dir_ << ")");
+  }
+  TextEncoding out = encode_ids(to_device_async(ids, device_), to_device_async(lengths, device_));
   out.ids = ids;
   return out;
 }

@@ -46,6 +46,7 @@ class TextEncoder {
   virtual TextEncoding encode_ids(const torch::Tensor& ids, const torch::Tensor& lengths) const = 0;
   virtual int64_t state_dim() const = 0;
   virtual int64_t pooled_dim() const = 0;
+  virtual int64_t vocab() const = 0;  // token ids run from 0 to vocab() - 1
   // "CLIP text (open_clip), 24 layers of width 1024, states of layer 23, pooled 1024"
   virtual std::string kind() const = 0;
   // Moves the weights (the encoder then takes and gives tensors on `device`).

@@ -173,14 +173,14 @@ void TrainStep::capture(const std::vector<Prepared>& prepared, double scale) {
   if (why.empty()) {
     std::cerr << "train.cuda_graphs: the step is captured (" << g.inputs.size() << " micro-batch"
               << (g.inputs.size() == 1 ? "" : "es") << "); later steps replay it\n";
+    // The eager warm-up's blocks are cached in the default pool; the graph has its own from now on.
+    c10::cuda::CUDACachingAllocator::emptyCache();
   } else {
     g.failed = true;
     g.inputs.clear();
     std::cerr << "train.cuda_graphs: the step could not be captured as a CUDA graph (" << why
               << "); the run goes on without graphs\n";
   }
-  // The eager warm-up's blocks are cached in the default pool; the graph has its own from now on.
-  c10::cuda::CUDACachingAllocator::emptyCache();
 }
 
 }  // namespace ddm

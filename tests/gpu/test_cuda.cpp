@@ -20,6 +20,7 @@
 #include <torch/torch.h>
 
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
+#include <c10/cuda/CUDACachingAllocator.h>
 
 #include "comm/nccl.h"
 #include "core/device.h"
@@ -617,6 +618,36 @@ TEST(Gpu, SamplingOnCudaGivesTheCpusImages) {
   }
 }
 
+// A network whose forward reads a value back to the host cannot be captured (the read is illegal on
+// a capturing stream): --cuda-graphs says so once and runs it eagerly, with the eager outputs, and the
+// failed capture leaves the caching allocator whole (LibTorch 2.11 does not end a failed capture's
+// memory pool itself; left so, emptyCache() fails an internal assertion and out-of-memory retries stop
+// freeing cached blocks). The training step's capture goes through the same CapturedGraph::capture.
+TEST(Gpu, ANetworkThatCannotBeCapturedRunsEagerlyAndLeavesTheAllocatorWhole) {
+  if (no_gpu()) GTEST_SKIP() << kNoGpu;
+  struct Syncing : NetImpl {
+    torch::Tensor w;
+    Syncing() { w = register_parameter("w", torch::full({1}, 0.5)); }
+    torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& /*t*/, const Cond& /*c*/) override {
+      const double scale = x.abs().max().item<double>() > 1e9 ? 0.0 : 1.0;  // a host synchronization
+      return x * w * scale;                                                 // [B, C, H, W]
+    }
+  };
+  const torch::Device cuda(torch::kCUDA, 0);
+  auto inner = std::make_shared<Syncing>();
+  inner->to(cuda);
+  auto graphed = std::make_shared<GraphedNetImpl>(inner);
+  torch::NoGradGuard no_grad;
+  const auto x = torch::randn({4, 1, 8, 8}, cuda), t = torch::rand({4}, cuda);
+  for (int call = 0; call < 4; ++call)  // warm-up, the capture that fails, then eager calls
+    EXPECT_TRUE(torch::equal(graphed->forward(x, t, Cond{}), inner->forward(x, t, Cond{}))) << "call " << call;
+  EXPECT_EQ(graphed->graphs(), 0);
+  EXPECT_EQ(graphed->replays(), 0);
+  c10::cuda::CUDACachingAllocator::emptyCache();  // asserts where a capture was left under way
+  const auto big = torch::ones({64, 1024, 1024}, cuda);  // 256 MiB from the default pool afterwards
+  EXPECT_EQ(big.sum().item<double>(), 64.0 * 1024 * 1024);
+}
+
 // `ddm sample --cuda-graphs` (model/graphed_net.h): the network's forward replayed from CUDA graphs
 // gives the images the eager forward gives (the same kernels: within 1e-5, and in practice equal), with
 // guidance (a doubled batch), a last batch of another size (its own graph), self-conditioning (the
@@ -698,13 +729,40 @@ TEST(Gpu, ARoutedEnsembleSamplesOnCudaAsOnTheCpu) {
   // The experts and the router replayed from CUDA graphs, each expert's group padded to a multiple of
   // a quarter of the batch: the eager images within float32 rounding (another batch size can pick
   // another cuBLAS kernel), under top-1 (groups that change size from step to step) and full routing.
+  // Under top-1 a near-tie in the router's choice may flip on such rounding and change that one
+  // sample: at least 18 of the 20 within 1e-3.
   for (const char* routing : {"top1", "full"}) {
     const auto eager = samples(std::string("gpu-") + routing + "-eager", std::string("--device cuda --routing ") + routing);
     const auto graphed =
         samples(std::string("gpu-") + routing + "-graphs", std::string("--device cuda --cuda-graphs --routing ") + routing);
-    const double diff = (eager - graphed).abs().max().item<double>();
-    EXPECT_LE(diff, 1e-3) << routing;
-    std::printf("ensemble, routing %s, --cuda-graphs: max |graphed - eager| over the samples %.2e\n", routing, diff);
+    const torch::Tensor per_sample = (eager - graphed).abs().flatten(1).amax(1);  // [20]
+    const int64_t close = per_sample.le(1e-3).sum().item<int64_t>();
+    EXPECT_GE(close, std::string(routing) == "top1" ? 18 : 20) << routing;
+    std::printf("ensemble, routing %s, --cuda-graphs: max |graphed - eager| per sample: median %.2e, max %.2e; %lld of "
+                "20 within 1e-3\n",
+                routing, per_sample.median().item<double>(), per_sample.max().item<double>(), static_cast<long long>(close));
+  }
+  // Experts on Stable Diffusion's discrete schedule (eps) under the router trained on the flow path:
+  // each step's times are matched between the two paths on the host (a loop over them), and the
+  // results sent back to the GPU.
+  for (const char* k : {"0", "1"})
+    ASSERT_EQ(run_ddm("train --quiet" + cfg + " --expert " + k + " --set diffusion.objective=eps --set "
+                      "diffusion.schedule=discrete --out " + (dir / "d") + k).exit_code, 0);
+  r = run_ddm("ensemble --out " + (dir / "ens-discrete") + " --partition " + (dir / "p") + " --router " + (dir / "r") +
+              " --expert " + (dir / "d0") + " --expert " + (dir / "d1"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  {
+    auto discrete = [&](const std::string& device) {
+      const std::string name = "discrete-" + device;
+      const CommandResult s = run_ddm("sample --ensemble " + (dir / "ens-discrete") + " --n 20 --steps 4 --cfg 2 --routing "
+                                      "full --device " + device + " --out " + (dir / (name + ".png")) + " --raw " +
+                                      (dir / (name + ".safetensors")));
+      EXPECT_EQ(s.exit_code, 0) << s.output;
+      return load_safetensors(dir / (name + ".safetensors")).tensors.at("samples");
+    };
+    const double diff = (discrete("cpu") - discrete("cuda")).abs().max().item<double>();
+    EXPECT_LE(diff, 1e-3);
+    std::printf("ensemble of discrete-schedule experts under a flow router: max |gpu - cpu| %.2e\n", diff);
   }
   const auto fp32 = samples("gpu-full-fp32", "--device cuda --routing full");
   const auto bf16 = samples("gpu-full-bf16", "--device cuda --routing full --precision bf16");

@@ -358,6 +358,31 @@ TEST(Path, MatchingTimesHaveEqualSignalToNoiseRatios) {
   EXPECT_DOUBLE_EQ(end.t[0].item<double>(), 1.0);
 }
 
+// Discrete paths (Stable Diffusion's experts): the same table is the same path, so times pass
+// unchanged, in the caller's dtype; two different tables meet where their ratios agree, computed
+// on the host whatever the times' device (the result goes back to it).
+TEST(Path, DiscretePathsMatchTheirOwnKindByTheirTables) {
+  const NoisePath sd = NoisePath::discrete(discrete_alphas_cumprod("scaled_linear", 0.00085, 0.012, 1000));
+  const NoisePath sd_again = NoisePath::discrete(discrete_alphas_cumprod("scaled_linear", 0.00085, 0.012, 1000));
+  const NoisePath ddpm = NoisePath::discrete(discrete_alphas_cumprod("linear", 0.0001, 0.02, 1000));
+  EXPECT_TRUE(sd.same_as(sd_again));
+  EXPECT_FALSE(sd.same_as(ddpm));
+  EXPECT_FALSE(sd.same_as(NoisePath(PathKind::kFlow)));
+  EXPECT_TRUE(NoisePath(PathKind::kVpCosine).same_as(NoisePath(PathKind::kVpCosine)));
+  const auto t = torch::tensor({0.05f, 0.3f, 0.7f, 0.99f});
+  const PathMatch same = match_path(sd, t, sd_again);
+  EXPECT_TRUE(torch::equal(same.t, t));
+  EXPECT_TRUE(torch::equal(same.scale, torch::ones_like(t)));
+  const PathMatch m = match_path(sd, t, ddpm);
+  EXPECT_EQ(m.t.scalar_type(), torch::kFloat);
+  EXPECT_FALSE(torch::allclose(m.t, t, 0, 1e-3));  // another table: other times
+  for (int64_t i = 0; i < 4; ++i) {
+    const double ti = t[i].item<double>(), tt = m.t[i].item<double>();
+    EXPECT_NEAR(ddpm.alpha(tt) / ddpm.sigma(tt), sd.alpha(ti) / sd.sigma(ti),
+                1e-5 * sd.alpha(ti) / sd.sigma(ti)) << ti;
+  }
+}
+
 TEST(Router, BothArchitecturesStartUniformAndLearn) {
   for (const char* preset : {"router-dit-tiny", "router-conv-tiny"}) {
     ModelConfig cfg;

@@ -21,6 +21,7 @@
 #include "model/fused_cpu.h"
 #include "model/fused_gpu.h"
 #include "model/graphed_net.h"
+#include "model/recompute.h"
 #include "model/layers.h"
 #include "model/net.h"
 #include "model/ops.h"
@@ -193,6 +194,24 @@ TEST(Nets, AGraphedNetworkIsItsInnerNetworkOnTheCpu) {
   EXPECT_TRUE(torch::equal(graphed->forward(x, t, y), inner->forward(x, t, y)));
   EXPECT_EQ(graphed->graphs(), 0);
   EXPECT_EQ(graphed->replays(), 0);
+}
+
+TEST(Nets, ACheckpointedNetworkIsItsInnerNetwork) {
+  // train.checkpoint_activations' wrapper (model/recompute.h): the same parameters and mode as the
+  // network it runs unit by unit, and without gradients the same forward.
+  torch::manual_seed(4);
+  Net inner = make_net(preset_cfg("unet-tiny"));
+  randomize(*inner, 0.05);
+  auto recomputed = std::make_shared<RecomputedNetImpl>(inner);
+  const auto mine = recomputed->parameters(), theirs = inner->parameters();
+  ASSERT_EQ(mine.size(), theirs.size());
+  for (size_t i = 0; i < mine.size(); ++i) EXPECT_TRUE(mine[i].is_same(theirs[i])) << i;
+  recomputed->eval();
+  EXPECT_FALSE(inner->is_training());
+  torch::NoGradGuard no_grad;
+  const auto x = torch::randn({2, 1, 28, 28}), t = torch::rand({2});
+  const auto y = torch::tensor({0, 9});
+  EXPECT_TRUE(torch::equal(recomputed->forward(x, t, y), inner->forward(x, t, y)));
 }
 
 TEST(Nets, NullClassIsItsOwnLabel) {

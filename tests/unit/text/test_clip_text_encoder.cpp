@@ -167,6 +167,22 @@ TEST(ClipTextEncoder, ShardedWeightsLoadAsOneFile) {
   EXPECT_TRUE(got.pooled[0].equal(got.states[0][2]));
 }
 
+// A tokenizer whose ids the encoder's embedding does not have (CLIP's BPE of 49408 ids on a model of
+// 12): refused by name on the host, before the ids go to the weights' device (on a GPU an id past the
+// embedding is a device-side assertion that ends the process).
+TEST(ClipTextEncoder, ATokenizerOfAnotherVocabularyIsRefusedByName) {
+  TempDir dir;
+  tiny_transformers(dir.path);
+  ddm::text::TextEncoderOptions options;
+  options.tokenizer = "clip";
+  options.context = 5;
+  const auto encoder = ddm::text::load_text_encoder(dir.path, options);
+  EXPECT_EQ(encoder->vocab(), 12);
+  const std::string e = ddm::test::error_message([&] { encoder->encode({"a", "a red square"}, {"prompt 1", "prompt 2"}); });
+  EXPECT_NE(e.find("outside the text encoder's vocabulary of 12 for prompt 1"), std::string::npos) << e;
+  EXPECT_NE(e.find("the tokenizer does not belong to this encoder"), std::string::npos) << e;
+}
+
 TEST(ClipTextEncoder, FilesAUserCanGetWrongAreRefusedByName) {
   TempDir dir;
   auto f = tiny_transformers(dir.path);
