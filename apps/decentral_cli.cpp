@@ -46,7 +46,7 @@ namespace {
 struct PartitionArgs {
   std::string config, source = "fashion-mnist", root, split = "train", features, out;  // features "": pixels, or latent
   std::string device = "cpu";  // where a feature network / encoder runs
-  int64_t limit = 0, threads = 0, shard_size = 10000;
+  int64_t limit = 0, threads = 0, shard_size = 10000, min_shards = 1;
   bool unbalanced = false, force = false, reshard = false;
   PartitionConfig cfg;
 };
@@ -88,6 +88,7 @@ int partition_cmd(const PartitionArgs& a) {
     o.threads = at::get_num_threads();
     o.reshard = a.reshard;
     o.shard_size = a.shard_size;
+    o.min_shards = a.min_shards;
     o.force = a.force;
     std::cout << format_summary(partition_shards(o, a.out));
     std::cout << "next: ddm train --config " << a.config << " --partition " << a.out << " --expert 0 --out runs/expert0"
@@ -323,7 +324,7 @@ std::vector<Command> add_decentral_commands(CLI::App& app) {
       "shards (a --config with data.source = \"shards\") are streamed, with memory bounded by the features; "
       "each cluster's samples are listed in clusters/cluster-K.tsv (shard and key), and with --reshard also "
       "copied into shards of their own (shards/), which the experts then train on.");
-  part->add_option("--k", pa->cfg.k, "number of clusters (experts), at least 2")->required();
+  part->add_option("--k", pa->cfg.k, "number of clusters (experts), at least 2")->required()->default_str("");
   part->add_option("--out", pa->out, "partition directory to write")->required();
   part->add_option("--features", pa->features,
                    "pixels[:D] (PCA, default D 64; the default) | feature-net[:FILE] | autoencoder[:D] (D 32 unless given) | "
@@ -360,6 +361,12 @@ std::vector<Command> add_decentral_commands(CLI::App& app) {
                  "(OUT/shards/cluster-K-000000.tar, ...; latent shards into a `ddm encode` directory "
                  "OUT/shards/cluster-K): what `ddm train --partition OUT --expert K` reads");
   part->add_option("--shard-size", pa->shard_size, "samples per shard written by --reshard")
+      ->check(kPositive)
+      ->capture_default_str();
+  part->add_option("--min-shards", pa->min_shards,
+                   "--reshard: at least this many shards per cluster, smaller than --shard-size where a cluster "
+                   "needs it (an expert trained by N data-parallel processes needs N; `ddm islands run` passes "
+                   "its run.nproc)")
       ->check(kPositive)
       ->capture_default_str();
   part->add_flag("--force", pa->force, "replace an existing --out");

@@ -60,7 +60,7 @@ Command add_launch_command(CLI::App& app, int argc, char** argv) {
   auto c = std::make_shared<LaunchConfig>();
   auto positional = std::make_shared<std::vector<std::string>>();
   auto* cmd = app.add_subcommand("launch", kLaunchHelp);
-  cmd->add_option("--nproc", c->nproc, "number of workers (ranks 0..N-1)")->required();
+  cmd->add_option("--nproc", c->nproc, "number of workers (ranks 0..N-1)")->required()->default_str("");
   cmd->add_option("--max-restarts", c->max_restarts,
                   "how many restarts (of all workers, or of one with --restart failed) the launch may use");
   cmd->add_option("--restart", c->restart,

@@ -348,6 +348,14 @@ GenerateOptions generate_options(const SampleArgs& a, const LoadedModel& m) {
   g.sample.sampler = a.sampler.empty() ? m.cfg.sample.sampler : a.sampler;
   g.sample.steps = a.steps > 0 ? a.steps : m.cfg.sample.steps;
   g.sample.cfg = a.cfg >= 0 ? a.cfg : m.cfg.sample.cfg;
+  const ModelConfig& mc = m.cfg.model;
+  if (mc.num_classes == 0 && mc.text_encoder.empty() && mc.controlnet.empty() && mc.embed.empty() &&
+      g.sample.cfg != 1.0) {  // nothing to guide by: guidance would repeat the same prediction
+    if (a.cfg >= 0)
+      std::cout << "note: --cfg " << a.cfg << " does nothing for a model without a condition (no classes, "
+                << "prompts, control maps or embeddings): sampling without guidance (cfg 1)" << std::endl;
+    g.sample.cfg = 1.0;
+  }
   g.batch_size = a.batch;
   g.seed = static_cast<uint64_t>(a.seed);
   g.class_id = a.class_id;
@@ -374,6 +382,8 @@ static void write_png_folder(const std::string& dir, const torch::Tensor& images
 
 void write_samples(const SampleArgs& a) {
   check_png_path(a.out);  // before any sampling
+  create_output_dir(fs::path(a.out).parent_path().string(), "--out");
+  if (!a.raw.empty()) create_output_dir(fs::path(a.raw).parent_path().string(), "--raw");
   DDM_CHECK(a.png_dir.empty() || !fs::exists(a.png_dir) || fs::is_empty(a.png_dir),
             "--png-dir " << a.png_dir << " holds files already: name an empty or new directory (nothing was written)");
   set_threads(a.threads);
@@ -402,8 +412,6 @@ void write_samples(const SampleArgs& a) {
                                                                       : "class " + std::to_string(c));
     }
   }
-  const std::string parent = fs::path(a.out).parent_path().string();
-  if (!parent.empty()) fs::create_directories(parent);
   save_image_grid(a.out, out.images, cols, labels);
   if (controls) {
     const std::string maps_png =
@@ -651,6 +659,10 @@ int eval_cmd(EvalArgs a) {
     const LoadedModel& m = src.defaults();
     a.cfg.reference = open_reference(a, &m.cfg, src.name);
     const Denoiser& den = *src.den;
+    // Everything that would refuse the samples is checked before they are made (hours at --n 10000).
+    check_eval_inputs(a.cfg, m.cfg.model.in_channels, m.cfg.model.image_size, a.sample.n, src.name);
+    if (a.out.empty()) a.out = (fs::path(src.model ? a.sample.ckpt : a.sample.ensemble) / "eval").string();
+    create_output_dir(a.out, "--out");
     GenerateOptions g = generate_options(a.sample, m);
     const int64_t classes = m.cfg.model.num_classes;
     const bool tty = isatty(fileno(stdout));
@@ -706,8 +718,6 @@ int eval_cmd(EvalArgs a) {
            std::to_string(g.sample.cfg).substr(0, 4) + "-n" + std::to_string(a.sample.n) +
            (controls ? "-control-" + controls->type + (a.sample.control_from.empty() ? "-file" : "-" + a.sample.control_from) : "") +
            (refs ? "-reference" + (a.sample.reference_from.empty() ? std::string("-file") : "-" + a.sample.reference_from) : "");
-    if (a.out.empty()) a.out = (fs::path(src.model ? a.sample.ckpt : a.sample.ensemble) / "eval").string();
-    fs::create_directories(a.out);
     SafetensorsFile f;
     f.tensors["images"] = set.images;
     f.tensors["labels"] = out.labels;
@@ -718,7 +728,7 @@ int eval_cmd(EvalArgs a) {
   EvalReport r = evaluate_samples(set, a.cfg);
   std::cout << "\n" << r.table();
   std::printf("(features and statistics: %.1f s)\n", r.seconds);
-  fs::create_directories(a.out);
+  create_output_dir(a.out, "--out");
   const std::string json_path = (fs::path(a.out) / (stem + ".json")).string();
   write_file_atomic(json_path, r.json() + "\n");
   std::cout << "wrote " << json_path << std::endl;
@@ -781,7 +791,7 @@ Command add_eval_command(CLI::App& app) {
       "on each requested class. Fashion-MNIST models are compared with its test split in the shipped network's "
       "space (FD-fmnist); a model trained on other data with its training data (or --reference-set's) in the "
       "space of --feature-net, trained on that data by `ddm train-classifier --config` (docs/evaluation.md). "
-      "Samples a checkpoint (--ckpt), reads a file (--samples) or draws a reference point (--anchor). Prints a table and writes JSON, a per-class PNG grid (and the samples) "
+      "Samples a checkpoint (--ckpt), reads a file (--samples) or draws a reference point (--anchor). Prints a table and writes JSON, the samples and, for class-conditional samples, a per-class PNG grid "
       "to --out. With --shapes, a text model's prompt accuracy on the shapes dataset instead (docs/text.md).");
   cmd->add_option("--ckpt", ea.sample.ckpt, "run or checkpoint directory to sample from");
   cmd->add_option("--samples", ea.samples_file,

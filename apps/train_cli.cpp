@@ -78,7 +78,15 @@ int train_cmd(TrainArgs a) {
     std::cout << config_reference();
     return 0;
   }
-  DDM_CHECK(!a.config_path.empty() || !a.controlnet.empty(), "ddm train: --config is required (or --controlnet BASE)");
+  // --resume of a run without --config: the config the run recorded.
+  if (a.resume && a.config_path.empty() && a.controlnet.empty() && !a.out_dir.empty() &&
+      fs::is_regular_file(RunDir(a.out_dir).config())) {
+    a.config_path = RunDir(a.out_dir).config();
+    if (!a.quiet) std::cout << "note: --resume without --config: the run's own " << a.config_path << std::endl;
+  }
+  DDM_CHECK(!a.config_path.empty() || !a.controlnet.empty(),
+            "ddm train: --config is required (or --controlnet BASE; with --resume, a run directory's own config.toml "
+            "is used)");
   RunConfig cfg;
   if (a.config_path.empty()) {
     cfg = controlnet_default_config(a.controlnet, a.overrides);
@@ -147,6 +155,7 @@ struct ClassifierArgs {
 int train_classifier_cmd(const ClassifierArgs& a, const std::string& command) {
   DDM_CHECK(a.force || !fs::exists(a.out),
             a.out << " already exists; pass --force to replace it, or choose another --out");
+  create_output_dir(fs::path(a.out).parent_path().string(), "--out");  // before the training
   set_threads(a.threads);
   Dataset train, test;
   std::string task = "classes";  // or "rotation" (unlabelled data)
@@ -203,8 +212,6 @@ int train_classifier_cmd(const ClassifierArgs& a, const std::string& command) {
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   const int64_t correct = count_correct(net, test), total = test.images.size(0);
   const double acc = static_cast<double>(correct) / static_cast<double>(total);
-  const auto parent = fs::path(a.out).parent_path();
-  if (!parent.empty()) fs::create_directories(parent);
   const std::string sha = save_feature_net(
       a.out, net,
       {{"command", command},
@@ -336,7 +343,7 @@ Command add_classifier_command(CLI::App& app, int argc, char** argv) {
       "the command that made it).");
   cmd->add_option("--out", a->out, "safetensors file to write");
   cmd->add_option("--data-root", a->root, "Fashion-MNIST directory (default: the Debian package's)");
-  cmd->add_option("--config", a->config, "train on this config's data (any source, labelled) instead of Fashion-MNIST");
+  cmd->add_option("--config", a->config, "train on this config's data (any source; labelled data trains a classifier of its classes, unlabelled data one of the image's rotation) instead of Fashion-MNIST");
   cmd->add_option("--set", a->overrides, "override a key of --config's, e.g. --set data.resolution=32 (repeatable)");
   cmd->add_option("--test-set", a->test_overrides,
                   "with --config: the overrides that make it name the test data, e.g. --test-set data.root=TEST "

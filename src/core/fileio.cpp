@@ -115,6 +115,24 @@ void fsync_dir(const std::string& dir) {
   }
 }
 
+void create_output_dir(const std::string& dir, const std::string& what) {
+  if (dir.empty()) return;
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  if (!ec && std::filesystem::is_directory(dir)) return;
+  // The first part of the path that exists and is not a directory, if one is the reason.
+  std::filesystem::path p;
+  for (const auto& part : std::filesystem::path(dir)) {
+    p /= part;
+    std::error_code e2;
+    if (std::filesystem::exists(p, e2) && !std::filesystem::is_directory(p, e2))
+      DDM_FAIL(what << " " << dir << ": cannot create the directory, " << p.string()
+                    << " is a file; give another path");
+  }
+  DDM_FAIL(what << " " << dir << ": cannot create the directory (" << (ec ? ec.message() : "not a directory")
+                << "); give another path");
+}
+
 void write_file_atomic(const std::string& path, const std::string& bytes) {
   write_file_atomic(path, [&bytes](const PutBytes& put) { put(bytes.data(), bytes.size()); });
 }

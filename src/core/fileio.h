@@ -18,6 +18,10 @@ using PutBytes = std::function<void(const void* bytes, size_t n)>;
 void write_file_atomic(const std::string& path, const std::function<void(const PutBytes& put)>& fill);
 // fsync a directory (after renames inside it).
 void fsync_dir(const std::string& dir);
+// Creates the directory `dir` and its parents for an output option (`what`: "--out"), or fails naming
+// the option, the path and why (a file where a directory should be, no permission). An empty dir
+// (the current directory) is left alone. Called before the work whose results go there.
+void create_output_dir(const std::string& dir, const std::string& what);
 // Lower-case hex SHA-256 of bytes / of a file's content.
 std::string sha256_hex(const std::string& bytes);
 std::string sha256_file(const std::string& path);

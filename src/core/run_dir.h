@@ -27,6 +27,7 @@ struct RunDir {
   static constexpr const char* kPipeTimeline = "pipeline-timeline.json";  // a pipelined run's measured last step
   static constexpr const char* kTensorBoard = "tensorboard";  // event files: the metrics, the grids
   static constexpr const char* kGrids = "grids";              // step-XXXXXXXX.png every train.sample_every
+  static constexpr const char* kEval = "eval";                // `ddm eval --ckpt RUN`'s reports and samples
   // Inside a checkpoint directory.
   static constexpr const char* kModel = "model.safetensors";
   static constexpr const char* kEma = "ema.safetensors";
@@ -45,7 +46,7 @@ struct RunDir {
   // checkpoint is started afresh); the lock is not among them.
   static std::vector<const char*> run_files() {
     return {kCheckpoints, kMetrics, kConfig, kSamples, kTrainLog, kExpert, kRouter, kRouterEval, kDistill,
-            kAutoencoder, kReconstructions, kPipeTimeline, kTensorBoard, kGrids};
+            kAutoencoder, kReconstructions, kPipeTimeline, kTensorBoard, kGrids, kEval};
   }
 };
 

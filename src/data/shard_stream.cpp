@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <atomic>
 #include <exception>
+#include <sstream>
 #include <thread>
 #include <unordered_map>
 
@@ -23,6 +24,24 @@ bool has_content(const ShardSample& s, SampleContent content) {
   for (const auto& f : s.files)
     if (content == SampleContent::kImage ? is_decodable(f.first) : f.first == "safetensors") return true;
   return false;
+}
+
+// What to do about a sample without its image: a label or caption apart from its picture means the
+// tar was not made in sorted order; anything else is a stray file (Thumbs.db, notes).
+std::string no_content_hint(const ShardSample& s, SampleContent content) {
+  if (content != SampleContent::kImage) return "";
+  bool companion = false;
+  for (const auto& f : s.files) {
+    companion = companion || f.first == "cls" || f.first == "txt" || f.first == "json";
+    const size_t dot = f.first.rfind('.');
+    if (dot != std::string::npos && is_decodable(f.first.substr(dot + 1)))
+      return ". A sample's key ends at the first dot of a file's name (WebDataset's rule), so " + s.key + "." + f.first +
+             " is not read as an image: rename it without the inner dots (e.g. " + s.key + "_" +
+             f.first.substr(0, dot) + "." + f.first.substr(dot + 1) + "), or set data.skip_bad = true to skip it";
+  }
+  return companion ? ". A sample's files must be consecutive members of the tar: make it with `tar --sort=name` "
+                     "(or set data.skip_bad = true to skip such samples)"
+                   : ". A stray file? Remove it from the tar, or set data.skip_bad = true to skip such samples";
 }
 
 const char* content_text(SampleContent content) {
@@ -65,7 +84,8 @@ ShardScan scan_one(const std::string& path, bool skip_bad, SampleContent content
                                             std::string t;
                                             for (const auto& f : smp.files) t += (t.empty() ? "." : ", .") + f.first;
                                             return t;
-                                          }());
+                                          }()
+                                       << no_content_hint(smp, content));
         label = sample_label(smp, what);
         captioned = sample_caption(smp, what).has_value();
       } catch (const Error&) {
@@ -239,10 +259,14 @@ ShardStream::ShardStream(std::shared_ptr<const ShardIndex> index, ShardOrder ord
     : index_(std::move(index)), o_(order) {
   DDM_CHECK(o_.replicas >= 1 && o_.replica >= 0 && o_.replica < o_.replicas,
             "replica " << o_.replica << " of " << o_.replicas << " does not exist");
-  DDM_CHECK(static_cast<int64_t>(index_->shards.size()) >= o_.replicas,
-            "data.root: " << index_->shards.size() << " shard" << (index_->shards.size() > 1 ? "s" : "") << " for "
-                          << o_.replicas << " data-parallel replicas; each replica reads shards of its own, so it "
-                          << "needs at least one: write the data as more, smaller shards (ddm shards write --shard-size N)");
+  if (static_cast<int64_t>(index_->shards.size()) < o_.replicas) {  // the same on every run: bad input (exit 2)
+    std::ostringstream m;
+    m << "data.root: " << index_->shards.size() << " shard" << (index_->shards.size() > 1 ? "s" : "") << " for "
+      << o_.replicas << " data-parallel replicas; each replica reads shards of its own, so it needs at least one: "
+      << "write the data as more, smaller shards (ddm shards write --shard-size N; an expert's cluster: ddm partition "
+      << "--reshard --min-shards " << o_.replicas << ")";
+    throw InputError(m.str());
+  }
   begin_epoch(epoch, drawn);
 }
 

@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cctype>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 
@@ -84,7 +85,9 @@ std::vector<std::string> expand_shards(const std::string& spec, const std::strin
   DDM_CHECK(!spec.empty(), key << " is empty: name the shards (a brace pattern such as train-{000000..000009}.tar, a "
                                   "glob, or a text file listing them)");
   std::vector<std::string> paths;
-  const bool is_tar = spec.size() >= 4 && spec.compare(spec.size() - 4, 4, ".tar") == 0;
+  std::string lower = spec;
+  for (char& c : lower) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  const bool is_tar = lower.size() >= 4 && lower.compare(lower.size() - 4, 4, ".tar") == 0;  // Photos.TAR too
   if (spec.find('{') != std::string::npos) {
     paths = expand_braces(spec, key);
   } else if (spec.find_first_of("*?[") != std::string::npos) {
@@ -97,6 +100,14 @@ std::vector<std::string> expand_shards(const std::string& spec, const std::strin
     DDM_CHECK(!paths.empty(), key << " = \"" << spec << "\" matches no file");
   } else if (!is_tar) {
     std::error_code ec;
+    DDM_CHECK(!fs::is_directory(spec, ec),
+              key << " = \"" << spec << "\" is a folder: put its pictures in a tar (tar --sort=name -cf "
+                  << fs::path(spec).lexically_normal().filename().string() << "-000000.tar -C " << spec
+                  << " .) and name that, or read the folder itself with data.source = \"folder\"");
+    for (const char* z : {".tar.gz", ".tgz", ".tar.bz2", ".tar.xz", ".tar.zst", ".zip"})
+      DDM_CHECK(lower.size() < std::strlen(z) || lower.compare(lower.size() - std::strlen(z), std::strlen(z), z) != 0,
+                key << " = \"" << spec << "\": a compressed archive; shards are plain tars (images are compressed "
+                                           "already): unpack it and tar the files (tar --sort=name -cf NAME-000000.tar ...)");
     DDM_CHECK(fs::is_regular_file(spec, ec), key << " = \"" << spec << "\": no such list file (a shard list is a brace "
                                                                          "pattern, a glob, a .tar, or a text file of paths)");
     std::ifstream in(spec);
@@ -119,7 +130,10 @@ std::vector<std::string> expand_shards(const std::string& spec, const std::strin
   for (const std::string& p : paths) {
     std::error_code ec;
     DDM_CHECK(fs::is_regular_file(p, ec), key << " = \"" << spec << "\": shard " << p << " does not exist"
-                                              << (paths.size() > 1 ? " (" + std::to_string(paths.size()) + " shards named)" : ""));
+                                              << (paths.size() > 1 ? " (" + std::to_string(paths.size()) + " shards named)" : "")
+                                              << (fs::path(p).is_relative() ? " (a relative path is read from the current "
+                                                                               "directory, " + fs::current_path().string() + ")"
+                                                                            : std::string()));
   }
   return paths;
 }

@@ -370,7 +370,11 @@ int64_t ensure_partition(const IslandsConfig& c, const std::string& ddm_binary) 
     // Over tar shards (or latent shards) each expert's island reads its cluster's own shards, written
     // with the partition.
     const std::string source = load_config(c.config).data.source;
-    if (source == "shards" || source == "latents") args.push_back("--reshard");
+    if (source == "shards" || source == "latents") {
+      args.push_back("--reshard");
+      // An island of run.nproc processes gives each its own shards: each cluster needs that many.
+      if (c.nproc > 1) args.insert(args.end(), {"--min-shards", std::to_string(c.nproc)});
+    }
     const ExitStatus status = wait_exit(spawn(ddm_binary, args, log));
     if (!status.ok()) {
       std::ostringstream os;

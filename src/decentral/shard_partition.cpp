@@ -325,11 +325,13 @@ std::string shards_fingerprint(const std::vector<std::string>& shards) {
   return sha256_hex(s);
 }
 
-nlohmann::json partition_shards(const ShardPartitionOptions& o, const std::string& out) {
+nlohmann::json partition_shards(const ShardPartitionOptions& options, const std::string& out) {
+  ShardPartitionOptions o = options;  // the shard size may shrink to give each cluster --min-shards
   DDM_CHECK(o.data.source == "shards" || o.data.source == "latents", "partition_shards: data.source is " << o.data.source);
   DDM_CHECK(!o.data.skip_bad, "ddm partition places every sample of the shards; data.skip_bad = true would leave "
                               "some out: set it to false (a bad sample is then named) and mend or drop it");
   DDM_CHECK(o.shard_size >= 1, "--shard-size must be >= 1, got " << o.shard_size);
+  DDM_CHECK(o.min_shards >= 1, "--min-shards must be >= 1, got " << o.min_shards);
   DDM_CHECK(o.force || !fs::exists(out), "'" << out << "' already exists; use --force to replace it or another --out");
   const auto t0 = std::chrono::steady_clock::now();
   const Dataset opened = open_shards(o.data, o.threads, o.cfg.quiet);
@@ -355,6 +357,16 @@ nlohmann::json partition_shards(const ShardPartitionOptions& o, const std::strin
     std::printf("features: %s, %lld x %lld in %.1f s\n", c.description.c_str(), static_cast<long long>(n),
                 static_cast<long long>(c.rows.size(1)), seconds_since(t0));
   Partition p = make_partition(c.rows, n, o.cfg);
+  if (o.reshard && o.min_shards > 1) {  // e.g. an island of N data-parallel processes needs N shards
+    const int64_t smallest = p.sizes.min().item<int64_t>();
+    const int64_t fit = std::max<int64_t>(1, smallest / o.min_shards);
+    if (fit < o.shard_size) {
+      if (!o.cfg.quiet)
+        std::cout << "shards of " << fit << " samples: the smallest cluster (" << smallest << ") in at least "
+                  << o.min_shards << " (--min-shards)" << std::endl;
+      o.shard_size = fit;
+    }
+  }
   p.data_sha256 = shards_fingerprint(index.shards);
   p.data_description = opened.description;
   p.features = o.cfg.method == "random" ? "none (random)" : c.description;

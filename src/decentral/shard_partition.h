@@ -43,6 +43,7 @@ struct ShardPartitionOptions {
   int threads = 1;          // decode threads
   bool reshard = false;     // also copy each cluster's samples into shards of its own
   int64_t shard_size = 10000;  // samples per written shard
+  int64_t min_shards = 1;      // at least this many shards per cluster (smaller shards where needed)
   bool force = false;       // replace an existing partition directory
   int64_t keep_pixel_bytes = int64_t(1) << 30;  // pixel or latent rows kept between passes up to this (else read again)
 };

@@ -10,7 +10,7 @@ namespace ddm {
 
 torch::Tensor sample_labels(int64_t n, int64_t num_classes, int64_t class_id, int64_t per_class) {
   DDM_CHECK(num_classes > 0 || class_id < 0,
-            "--class " << class_id << ": the model is unconditional (trained without labels); drop --class");
+            "--class " << class_id << ": the model has no classes (trained without labels); drop --class");
   if (num_classes == 0) return torch::zeros({n}, torch::kLong);
   DDM_CHECK(class_id >= -1 && class_id < num_classes,
             "--class " << class_id << " is out of range: the model has classes 0.." << num_classes - 1);

@@ -203,15 +203,49 @@ LoadedFeatureNet load_eval_feature_net(const EvalConfig& cfg) {
   return f;
 }
 
-EvalReport evaluate_samples(const SampleSet& samples, const EvalConfig& cfg) {
-  DDM_CHECK(!cfg.cas || samples.labels.defined(), samples.origin << ": CAS needs labelled samples (class-conditional)");
+namespace {
+
+void check_reference_has_a_network(const EvalConfig& cfg) {
   DDM_CHECK(!cfg.reference || !cfg.feature_net.empty(),
             "evaluating against " << cfg.reference->description << " needs a feature network trained on that data "
                                   "(--feature-net FILE; `ddm train-classifier --config` makes one): the shipped one "
                                   "knows Fashion-MNIST only");
+}
+
+// FD fits a Gaussian to each set's features: each needs more images than the features have dimensions.
+void check_count(int64_t n, int64_t dim, const std::string& what, const std::string& fix) {
+  DDM_CHECK(n > dim, what << ": " << n << " images, but FD needs more than the feature network's " << dim
+                          << " feature dimensions; " << fix);
+}
+
+}  // namespace
+
+void check_eval_inputs(const EvalConfig& cfg, int64_t channels, int64_t image_size, int64_t n, const std::string& what) {
+  check_reference_has_a_network(cfg);
+  DDM_CHECK(cfg.feature_net.empty() || fs::is_regular_file(cfg.feature_net),
+            "--feature-net " << cfg.feature_net << ": no such file (`ddm train-classifier --config C --out F.safetensors` "
+                                                   "makes one)");
+  const LoadedFeatureNet fnet = load_eval_feature_net(cfg);  // a damaged file, or not a feature network, fails here
+  SampleSet probe;
+  probe.origin = what;
+  probe.images = torch::zeros({1, channels, image_size, image_size}, torch::kUInt8);
+  check_images(probe, fnet.net->shape());
+  const int64_t dim = fnet.net->shape().feature_dim;
+  check_count(n, dim, what, "give a larger --n (at least " + std::to_string(dim + 1) + "; 10000 is the default)");
+  if (cfg.reference)
+    check_count(cfg.reference->images.size(0), dim, "the reference (" + cfg.reference->description + ")",
+                "give it more images (--reference-set)");
+}
+
+EvalReport evaluate_samples(const SampleSet& samples, const EvalConfig& cfg) {
+  DDM_CHECK(!cfg.cas || samples.labels.defined(), samples.origin << ": CAS needs labelled samples (class-conditional)");
+  check_reference_has_a_network(cfg);
   LoadedFeatureNet fnet = load_eval_feature_net(cfg);
   check_images(samples, fnet.net->shape());
+  check_count(samples.images.size(0), fnet.net->shape().feature_dim, samples.origin, "give more samples (--n)");
   const Reference ref = reference_features(fnet.net, fnet.sha256, cfg);
+  check_count(ref.features.size(0), fnet.net->shape().feature_dim, "the reference (" + ref.description + ")",
+              "give it more images");
   // The network's classes are the data's (not the turns of an unlabelled set's network): then it
   // judges the requested classes.
   const bool classes = fnet.metadata.count("task") == 0 || fnet.metadata.at("task") == "classes";

@@ -90,4 +90,9 @@ EvalReport evaluate_samples(const SampleSet& samples, const EvalConfig& cfg);
 // The loaded feature network of cfg (shipped one by default, hash-checked).
 LoadedFeatureNet load_eval_feature_net(const EvalConfig& cfg);
 
+// What evaluate_samples will refuse, checked before the samples are made (sampling 10000 images takes
+// hours): the feature network (present, readable, taking channels x image_size images), a reference
+// that needs one, and enough samples (n) and reference images for FD. `what` names the samples.
+void check_eval_inputs(const EvalConfig& cfg, int64_t channels, int64_t image_size, int64_t n, const std::string& what);
+
 }  // namespace ddm

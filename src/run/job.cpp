@@ -2,6 +2,8 @@
 #include "run/job.h"
 
 #include <algorithm>
+#include <cstdlib>
+#include <iostream>
 #include <thread>
 
 #include "core/error.h"
@@ -56,11 +58,29 @@ void resolve_input_shape(RunConfig& cfg, const Dataset& data) {
   m.image_size = h;
 }
 
+// A DiT's patch must divide the image size, which the data sets. A router's patch is a detail of its
+// preset (router-dit-tiny's 7 fits 28 px, not 32 or 64): it becomes the divisor nearest it, said once.
+// A model's is the user's to choose: refused before anything is built, with the divisor to use.
+void fit_patch(ModelConfig& m) {
+  if ((m.arch != "dit" && m.arch != "router-dit") || m.patch <= 0 || m.image_size <= 0 || m.image_size % m.patch == 0)
+    return;
+  int64_t best = 1;
+  for (int64_t d = 1; d <= m.image_size; ++d)
+    if (m.image_size % d == 0 && std::abs(d - m.patch) <= std::abs(best - m.patch)) best = d;
+  DDM_CHECK(m.arch == "router-dit", "model.image_size = " << m.image_size << " (the data's) is not divisible by model.patch = "
+                                                          << m.patch << ": set model.patch to a divisor of it, e.g. "
+                                                          << best);
+  std::cerr << "note: the router's model.patch " << m.patch << " does not divide the data's " << m.image_size
+            << " px: it uses " << best << std::endl;
+  m.patch = best;
+}
+
 }  // namespace
 
 void resolve_data_shape(RunConfig& cfg, const Dataset& data) {
   if (cfg.model.arch == "sd-unet" && cfg.model.num_classes == -1) cfg.model.num_classes = 0;  // no class embedding
   resolve_input_shape(cfg, data);
+  fit_patch(cfg.model);
   if (cfg.model.arch == "sd-unet") resolve_sd_unet(cfg.model);  // diffusers' UNet: its folder and sha256
   if (!cfg.diffusion.scheduler.empty()) resolve_scheduler(cfg.diffusion);  // diffusers' training schedule
 }

@@ -70,8 +70,8 @@ int run_loop(Engine& engine, BatchSource& source, const LoopSpec& spec, const En
                                  << (std::isfinite(r.loss) ? "gradient norm" : "loss") << " is "
                                  << (std::isfinite(r.loss) ? r.grad_norm : r.loss)
                                  << "; training stopped. The last good checkpoint (" << state.last_ckpt
-                                 << ") is intact. Lower train.lr (now " << spec.lr
-                                 << ") or set train.grad_clip, then --resume");
+                                 << ") is intact. Lower train.lr (now " << spec.lr << ") or train.grad_clip (now "
+                                 << spec.grad_clip << "; 0 is off) and go on from it: --resume --set train.lr=" << spec.lr / 10);
     ++state.step;
     // A signal to any rank stops every rank after the same step: agreed every step with data
     // parallelism, at the next synchronization with DiLoCo.

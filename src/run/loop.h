@@ -24,6 +24,7 @@ struct LoopSpec {
   torch::Device device = torch::kCPU;
   std::string who;           // "rank N: " in a job of several processes (errors), else empty
   double lr = 0;             // train.lr, named in the error for a non-finite loss
+  double grad_clip = 0;      // train.grad_clip, the same
 };
 
 // Where the loop is. Shared with the engine's transfer hook: a DiLoCo replica joining mid-run takes

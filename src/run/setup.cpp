@@ -9,6 +9,7 @@
 #include "comm/env.h"
 #include "core/device.h"
 #include "core/error.h"
+#include "core/fileio.h"
 #include "core/rng.h"
 #include "core/tensor_hash.h"
 #include "data/shard_stream.h"
@@ -37,6 +38,8 @@ RunConfig normalized_for_resume(RunConfig c) {
   c.train.checkpoint_activations = d.train.checkpoint_activations;  // what backward keeps, not what it computes
   c.train.cuda_graphs = d.train.cuda_graphs;  // how the same step is launched
   c.train.grad_accum = d.train.grad_accum;  // the global batch stays; how it is split may change
+  c.train.lr = d.train.lr;  // the way on after a loss that was not finite (said when it changes)
+  c.train.grad_clip = d.train.grad_clip;
   c.train.sample_every = d.train.sample_every;  // what is watched, not what is trained
   c.train.sample_n = d.train.sample_n;
   c.train.sample_prompts = d.train.sample_prompts;
@@ -77,7 +80,7 @@ FileLock prepare_run_dir(const TrainOptions& opt, const RunConfig& cfg) {
       DDM_CHECK(entry.path().filename() == lock_name,
                 "'" << opt.out_dir << "' is not empty and holds no ddm run; use another --out or --force");
   }
-  fs::create_directories(dir);
+  create_output_dir(opt.out_dir, "--out");
   FileLock lock((dir / lock_name).string(), "another `ddm train` is writing to " + opt.out_dir +
                                                 "; wait for it to finish or stop it, or use another --out");
   // A run that saved no checkpoint (it failed early, or was killed before its first one) has nothing to
@@ -94,8 +97,15 @@ FileLock prepare_run_dir(const TrainOptions& opt, const RunConfig& cfg) {
       const std::string diff =
           first_difference(to_toml(normalized_for_resume(stored)), to_toml(normalized_for_resume(cfg)));
       DDM_CHECK(diff.empty(), "--resume: the config differs from the run stored in " << opt.out_dir << ": " << diff
-                                  << ". Only train.steps, log_every, ckpt_every, keep_ckpts, threads, device, precision, deterministic, checkpoint_activations, cuda_graphs, grad_accum, sample_every, sample_n, sample_prompts, sample.* and "
+                                  << ". Only train.steps, lr, grad_clip, log_every, ckpt_every, keep_ckpts, threads, device, precision, deterministic, checkpoint_activations, cuda_graphs, grad_accum, sample_every, sample_n, sample_prompts, sample.* and "
                                      "parallel.* may change on resume; use a new --out or --force to start over");
+      // What changes the training from here on is said (and recorded: config.toml is rewritten).
+      const auto changed = [&](const char* key, double was, double now) {
+        if (was != now && !opt.quiet)
+          std::cout << "note: --resume: train." << key << " changes from " << was << " to " << now << std::endl;
+      };
+      changed("lr", stored.train.lr, cfg.train.lr);
+      changed("grad_clip", stored.train.grad_clip, cfg.train.grad_clip);
       return lock;
     }
     DDM_CHECK(opt.force, "'" << opt.out_dir << "' already holds a run (" << cfg_path.string()

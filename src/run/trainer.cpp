@@ -150,6 +150,7 @@ TrainSummary train(TrainJob job, const TrainOptions& options) {
   spec.shard_offset = layout.shard_offset(), spec.local_batch = layout.local_batch, spec.device = proc.device;
   spec.who = world > 1 ? "rank " + std::to_string(rank) + ": " : std::string();
   spec.lr = tc.lr;
+  spec.grad_clip = tc.grad_clip;
   int stopped_by = 0;
   {
     const SignalsCaught signals;

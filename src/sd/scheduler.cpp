@@ -32,8 +32,18 @@ SchedulerConfig parse_scheduler_config(const nlohmann::json& j, const std::strin
   SchedulerConfig c;
   const ConfigReader r{j, file};
   r.string("_class_name", c.class_name);
-  DDM_CHECK(c.class_name.size() > 9 && c.class_name.compare(c.class_name.size() - 9, 9, "Scheduler") == 0,
-            file << ": _class_name \"" << c.class_name << "\" is not a diffusers scheduler");
+  // diffusers' schedulers of a beta schedule (its KarrasDiffusionSchedulers, and DDPM's and DDIM's
+  // parallel forms, LCM and TCD): what ddm reads the schedule of, and what an export writes back.
+  static const std::set<std::string> classes = {
+      "DDIMScheduler", "DDPMScheduler", "PNDMScheduler", "LMSDiscreteScheduler", "EulerDiscreteScheduler",
+      "HeunDiscreteScheduler", "EulerAncestralDiscreteScheduler", "DPMSolverMultistepScheduler",
+      "DPMSolverSinglestepScheduler", "KDPM2DiscreteScheduler", "KDPM2AncestralDiscreteScheduler",
+      "DEISMultistepScheduler", "UniPCMultistepScheduler", "DPMSolverSDEScheduler", "DDPMParallelScheduler",
+      "DDIMParallelScheduler", "LCMScheduler", "TCDScheduler"};
+  DDM_CHECK(classes.count(c.class_name), file << ": _class_name \"" << c.class_name
+                                              << "\" is not one of diffusers' schedulers of a beta schedule that ddm "
+                                                 "reads (DDIMScheduler, DDPMScheduler, EulerDiscreteScheduler, "
+                                                 "DPMSolverMultistepScheduler, PNDMScheduler, ...)");
   for (const auto& [key, value] : j.items()) {
     if (meta.count(key) || sampler.count(key)) {
       if (sampler.count(key)) c.sampler_keys.push_back(key);

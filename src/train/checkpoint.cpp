@@ -153,6 +153,13 @@ Checkpoint read_checkpoint(const std::string& ckpt_dir, bool weights_only) {
 std::string resolve_checkpoint(const std::string& path) {
   DDM_CHECK(fs::exists(path), "checkpoint path '" << path << "' does not exist");
   if (fs::is_regular_file(fs::path(path) / RunDir::kState)) return path;
+  const fs::path p = fs::path(path).lexically_normal();
+  const fs::path parent = (p.has_filename() ? p : p.parent_path()).parent_path();
+  // A file of a checkpoint (RUN/ckpt/step-N/model.safetensors): that checkpoint.
+  if (fs::is_regular_file(p) && fs::is_regular_file(p.parent_path() / RunDir::kState)) return p.parent_path().string();
+  // The run's checkpoint folder (RUN/ckpt): its latest, as for RUN.
+  if (fs::is_directory(p) && (p.has_filename() ? p.filename() : p.parent_path().filename()) == RunDir::kCheckpoints)
+    if (auto latest = latest_checkpoint(parent.empty() ? "." : parent.string())) return *latest;
   auto latest = latest_checkpoint(path);
   DDM_CHECK(latest, "'" << path << "' holds no checkpoint (expected " << path
                         << "/ckpt/step-XXXXXXXX/ or a checkpoint directory); train first with ddm train");

@@ -44,7 +44,12 @@ bool is_diffusers_vae(const fs::path& dir) {
   const fs::path config = dir / "config.json";
   if (!fs::is_regular_file(config)) return false;
   const auto j = read_json_file(config.string());
-  return j.is_object() && j.contains("_class_name") && j["_class_name"] == "AutoencoderKL";
+  if (!j.is_object() || !j.contains("_class_name")) return false;
+  // Another diffusers class (AutoencoderTiny, a UNet): named, not taken for a ddm run without its files.
+  DDM_CHECK(j["_class_name"] == "AutoencoderKL",
+            config.string() << ": _class_name " << j["_class_name"].dump() << ": model.latent takes diffusers' "
+                            << "AutoencoderKL (or a ddm train-autoencoder run)");
+  return true;
 }
 
 // model.latent as given: a diffusers pipeline's directory (model_index.json) stands for its vae/.

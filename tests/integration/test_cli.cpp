@@ -149,8 +149,11 @@ TEST(Cli, RunDirectoryProtection) {
   auto more = test::run_ddm(base + " --resume --set train.steps=5");
   EXPECT_EQ(more.exit_code, 0) << more.output;
   EXPECT_TRUE(fs::exists(dir / "run/ckpt/step-00000005"));
+  fs::create_directories(dir / "run/eval");
+  test::write_text(dir / "run/eval/old-report.json", "{}");  // `ddm eval`'s reports on the old model
   EXPECT_EQ(test::run_ddm(base + " --force").exit_code, 0);
   EXPECT_FALSE(fs::exists(dir / "run/ckpt/step-00000005"));
+  EXPECT_FALSE(fs::exists(dir / "run/eval"));
   {
     // While another process trains into the directory (here: this one holds its lock), neither
     // --resume nor --force may touch it.
@@ -162,6 +165,11 @@ TEST(Cli, RunDirectoryProtection) {
   }
   auto after = test::run_ddm(base + " --resume --set train.steps=5");  // the lock went with its holder
   EXPECT_EQ(after.exit_code, 0) << after.output;
+  // --resume without --config takes the run's own config.toml.
+  auto own = test::run_ddm("train --out " + (dir / "run") + " --resume --set train.steps=6");
+  EXPECT_EQ(own.exit_code, 0) << own.output;
+  EXPECT_NE(own.output.find("note: --resume without --config: the run's own"), std::string::npos) << own.output;
+  EXPECT_TRUE(fs::exists(dir / "run/ckpt/step-00000006"));
   // A directory left with only the lock file (a run killed before it wrote its config) is empty.
   fs::create_directories(dir / "stale");
   test::write_text(dir / "stale/train.lock", "");
@@ -208,6 +216,11 @@ TEST(Cli, BadSampleInputs) {
   expect_error(test::run_ddm("sample --ckpt " + (dir / "run") + " --class -1 --out " + (dir / "g.png")), "--class");
   expect_error(test::run_ddm("sample --ckpt " + (dir / "run") + " --out " + (dir / "g.jpg")),
                "g.jpg: ddm writes image grids as PNG");
+  // An --out under a file: named before any sampling (the message, not "sampling").
+  test::write_text(dir / "afile", "x");
+  const auto under_file = test::run_ddm("sample --ckpt " + (dir / "run") + " --out " + (dir / "afile/g.png"));
+  expect_error(under_file, "--out " + (dir / "afile") + ": cannot create the directory, " + (dir / "afile") + " is a file");
+  EXPECT_EQ(under_file.output.find("sampling"), std::string::npos) << under_file.output;
   EXPECT_FALSE(fs::exists(dir / "g.jpg"));
   expect_error(test::run_ddm("sample --ckpt " + (dir / "run") + " --cfg inf --out " + (dir / "g.png")), "cfg");
   EXPECT_FALSE(fs::exists(dir / "g.png"));

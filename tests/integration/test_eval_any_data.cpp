@@ -73,6 +73,14 @@ TEST(EvalAnyData, AnUnlabelledFolderTrainsItsFeatureNetworkAndFdTellsTrainedFrom
   test::expect_error(test::run_ddm("eval --ckpt " + (dir / "run") + " --n 200" + cache),
                      "was trained on data from \"folder\", not Fashion-MNIST: give --feature-net FILE");
   const std::string eval = " --n 200 --feature-net " + net + " --reference-set data.root=" + (dir / "held") + cache;
+  // What would refuse the samples is refused before they are made: too few for FD, a missing network.
+  r = test::run_ddm("eval --ckpt " + (dir / "run") + " --n 64 --feature-net " + net + " --reference-set data.root=" +
+                    (dir / "held") + cache);
+  test::expect_error(r, "64 images, but FD needs more than the feature network's 128 feature dimensions; give a larger --n");
+  EXPECT_EQ(r.output.find("sampling 64 images"), std::string::npos) << r.output;
+  r = test::run_ddm("eval --ckpt " + (dir / "run") + " --n 200 --feature-net " + (dir / "nothere.safetensors") + cache);
+  test::expect_error(r, "--feature-net " + (dir / "nothere.safetensors") + ": no such file");
+  EXPECT_EQ(r.output.find("sampling 200 images"), std::string::npos) << r.output;
   r = test::run_ddm("eval --ckpt " + (dir / "run") + eval + " --out " + (dir / "e-run"));
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("reference: "), std::string::npos) << r.output;
@@ -80,7 +88,8 @@ TEST(EvalAnyData, AnUnlabelledFolderTrainsItsFeatureNetworkAndFdTellsTrainedFrom
   EXPECT_EQ(r.output.find("FD-fmnist"), std::string::npos) << r.output;
   r = test::run_ddm("eval --ckpt " + (dir / "untrained") + eval + " --out " + (dir / "e-untrained"));
   ASSERT_EQ(r.exit_code, 0) << r.output;
-  const std::string json = "euler-10steps-cfg2.00-n200.json";
+  // (cfg 1: an unconditional model has nothing to guide by)
+  const std::string json = "euler-10steps-cfg1.00-n200.json";
   const double trained = fd_of(dir / "e-run/" + json), untrained = fd_of(dir / "e-untrained/" + json);
   std::cout << "FD: trained " << trained << ", untrained " << untrained << std::endl;
   EXPECT_LT(trained * 1.5, untrained) << "trained " << trained << ", untrained " << untrained;

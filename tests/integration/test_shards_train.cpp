@@ -355,9 +355,14 @@ TEST(ShardsTrain, AnExpertTrainsOnItsClustersShards) {
   SafetensorsFile f;
   f.tensors["features"] = load_dataset(dc).labels.ge(5).to(torch::kFloat32).unsqueeze(1);  // [512, 1]
   save_safetensors(r.dir / "f.safetensors", f);
+  // --min-shards 3 (what `ddm islands run` asks for islands of 3 processes): the default 10000 samples
+  // a shard shrink until the smaller cluster has 3 shards.
   auto by_class = test::run_ddm("partition --config " + (r.dir / "p.toml") + " --k 2 --fine 2 --unbalanced --reshard "
-                                "--features file:" + (r.dir / "f.safetensors") + " --out " + (r.dir / "c"));
+                                "--min-shards 3 --features file:" + (r.dir / "f.safetensors") + " --out " + (r.dir / "c"));
   ASSERT_EQ(by_class.exit_code, 0) << by_class.output;
+  EXPECT_TRUE(has(by_class.output, "in at least 3 (--min-shards)")) << by_class.output;
+  for (const char* k : {"0", "1"})
+    EXPECT_TRUE(fs::exists(r.dir / ("c/shards/cluster-" + std::string(k) + "-000002.tar"))) << k;
   int told = 0;  // the cluster of classes 0-4 says its expert takes all 10
   for (const char* k : {"0", "1"}) {
     auto ek = test::run_ddm(r.train(std::string("c") + k, " --partition " + (r.dir / "c") + " --expert " + k +

@@ -161,6 +161,21 @@ TEST(Train, NonFiniteLossStopsAndKeepsCheckpoint) {
   auto latest = latest_checkpoint(dir / "run");
   ASSERT_TRUE(latest.has_value()) << res.output;
   EXPECT_NO_THROW(read_checkpoint(*latest));
+  // The way on that the message gives: --resume with a lower learning rate or clip.
+  EXPECT_NE(res.output.find("Lower train.lr (now 1e+30) or train.grad_clip (now 0; 0 is off)"), std::string::npos)
+      << res.output;
+  EXPECT_NE(res.output.find("--resume --set train.lr=1e+29"), std::string::npos) << res.output;
+  // Which --resume takes (here from a run whose weights this learning rate has not yet ruined): the
+  // change is said, recorded in config.toml, and the run goes on from its checkpoint.
+  const std::string base = "train --config " + (dir / "tiny.toml") + " --set train.steps=3 --out " + (dir / "ok");
+  ASSERT_EQ(test::run_ddm(base + " --quiet").exit_code, 0);
+  res = test::run_ddm(base + " --set train.steps=5 --set train.lr=1e-3 --set train.grad_clip=0.5 --resume");
+  ASSERT_EQ(res.exit_code, 0) << res.output;
+  EXPECT_NE(res.output.find("note: --resume: train.lr changes from 0.002 to 0.001"), std::string::npos) << res.output;
+  EXPECT_NE(res.output.find("note: --resume: train.grad_clip changes from 1 to 0.5"), std::string::npos) << res.output;
+  EXPECT_NE(res.output.find("resuming from"), std::string::npos) << res.output;
+  EXPECT_NE(test::read_text(dir / "ok/config.toml").find("lr = 0.001"), std::string::npos);
+  EXPECT_TRUE(fs::exists(dir / "ok/ckpt/step-00000005"));
 }
 
 TEST(Train, SampleFromTrainedRun) {

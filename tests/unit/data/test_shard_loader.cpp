@@ -252,6 +252,7 @@ TEST(ShardLoader, ABadSampleStopsTheRunNamingShardAndKeyOrWithSkipBadIsSkippedAn
     const std::string e = test::error_message([&] { strict.next(0, 3); });
     EXPECT_TRUE(has(e, "shard " + path + ", sample 'img2'")) << e;
     EXPECT_TRUE(has(e, "not a PNG")) << e;
+    EXPECT_TRUE(has(e, "or set data.skip_bad = true to skip such samples")) << e;
   }
   ShardLoaderOptions lo = options(4, 8, 3);
   lo.skip_bad = true;
@@ -340,6 +341,7 @@ TEST(ShardLoader, BadShardSetsAreClearErrors) {
   ShardOrder o;
   o.replicas = 4;
   EXPECT_TRUE(has(test::error_message([&] { ShardStream(index, o, 0, 0); }), "3 shards for 4 data-parallel replicas"));
+  EXPECT_THROW(ShardStream(index, o, 0, 0), InputError);  // exit 2: a supervisor does not restart it
   // Some samples labelled, some not.
   {
     TarShardWriter t(dir.path + "/mixed.tar");
@@ -358,6 +360,22 @@ TEST(ShardLoader, BadShardSetsAreClearErrors) {
     t.add(a), t.finish();
   }
   EXPECT_TRUE(has(test::error_message([&] { index_of(dir.path + "/noimg.tar"); }), "sample 'a' has no image"));
+  // Each says what to do: a label apart from its picture (a tar made unsorted), a stray file, a name
+  // with inner dots.
+  EXPECT_TRUE(has(test::error_message([&] { index_of(dir.path + "/noimg.tar"); }), "make it with `tar --sort=name`"));
+  {
+    TarShardWriter t(dir.path + "/stray.tar");
+    ShardSample a, b;
+    a.key = "Thumbs", a.files = {{"db", "x"}};
+    b.key = "IMG_1234", b.files = {{"edited.png", png_of(torch::zeros({1, 4, 4}, torch::kUInt8))}};
+    t.add(a), t.finish();
+    TarShardWriter u(dir.path + "/dots.tar");
+    u.add(b), u.finish();
+  }
+  EXPECT_TRUE(has(test::error_message([&] { index_of(dir.path + "/stray.tar"); }),
+                  "A stray file? Remove it from the tar, or set data.skip_bad = true"));
+  EXPECT_TRUE(has(test::error_message([&] { index_of(dir.path + "/dots.tar"); }),
+                  "rename it without the inner dots (e.g. IMG_1234_edited.png)"));
   // A truncated shard: an error, or with skip_bad cut where it breaks (the samples before it kept).
   const std::string whole = dir.path + "/s-000001.tar", cut = dir.path + "/cut.tar";
   {

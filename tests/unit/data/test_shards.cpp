@@ -121,6 +121,13 @@ TEST(ShardList, PatternsGlobsAndListFilesNameExistingShards) {
   EXPECT_TRUE(has(test::error_message([&] { expand_shards(dir / "d/*.tgz", "data.root"); }), "matches no file"));
   EXPECT_TRUE(has(test::error_message([&] { expand_shards("", "data.root"); }), "data.root is empty"));
   EXPECT_TRUE(has(test::error_message([&] { expand_shards(dir / "nope.txt", "data.root"); }), "no such list file"));
+  // What a user may name instead of a tar: the folder of pictures, a compressed tar; and .TAR is a tar.
+  EXPECT_TRUE(has(test::error_message([&] { expand_shards(dir / "d", "data.root"); }),
+                  "is a folder: put its pictures in a tar (tar --sort=name -cf d-000000.tar -C " + dir / "d"));
+  test::write_text(dir / "p.tar.gz", "x");
+  EXPECT_TRUE(has(test::error_message([&] { expand_shards(dir / "p.tar.gz", "data.root"); }), "a compressed archive"));
+  fs::copy_file(dir / "d/s-00.tar", dir / "d/UPPER.TAR");
+  EXPECT_EQ(expand_shards(dir / "d/UPPER.TAR", "data.root"), std::vector<std::string>{dir / "d/UPPER.TAR"});
   test::write_text(dir / "empty.txt", "# nothing\n");
   EXPECT_TRUE(has(test::error_message([&] { expand_shards(dir / "empty.txt", "data.root"); }), "names no shard"));
 }

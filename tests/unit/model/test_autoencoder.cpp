@@ -18,6 +18,7 @@
 #include "model/autoencoder.h"
 #include "model/net.h"
 #include "train/autoencoder_report.h"
+#include "test_util.h"
 #include "train/latent.h"
 
 namespace ddm {
@@ -113,6 +114,17 @@ TEST(Autoencoder, InvalidShapesNameTheField) {
   EXPECT_NE(msg.find("expected images [B, 1, 28, 28]"), std::string::npos) << msg;
   msg = error_of([&] { ok->decode(torch::zeros({1, 4, 14, 14})); });
   EXPECT_NE(msg.find("expected latents [B, 4, 7, 7]"), std::string::npos) << msg;
+}
+
+// model.latent naming a diffusers folder of another class (AutoencoderTiny) is refused by that class,
+// not taken for a ddm run missing its files.
+TEST(Autoencoder, ALatentOfAnotherDiffusersClassIsRefusedByItsName) {
+  ddm::test::TempDir dir;
+  ddm::test::write_text(dir / "config.json", R"({"_class_name": "AutoencoderTiny", "latent_channels": 4})");
+  ModelConfig m;
+  m.latent = dir.path;
+  const std::string e = error_of([&] { latent_downsampling(m); });
+  EXPECT_NE(e.find("_class_name \"AutoencoderTiny\": model.latent takes diffusers' AutoencoderKL"), std::string::npos) << e;
 }
 
 TEST(Autoencoder, FlopsMatchAHandCount) {

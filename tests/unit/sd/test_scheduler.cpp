@@ -54,6 +54,10 @@ TEST(SdScheduler, KeysThatChangeTheScheduleAreRefusedByName) {
   refused("beta_schedule", "sigmoid", "beta_schedule \"sigmoid\"");
   refused("prediction_type", "flow", "prediction_type \"flow\"");
   refused("shift_terminal", 0.5, "\"shift_terminal\" is not a key of a diffusers scheduler that ddm reads");
-  refused("_class_name", "UNet2DConditionModel", "is not a diffusers scheduler");
+  refused("_class_name", "UNet2DConditionModel", "is not one of diffusers' schedulers of a beta schedule");
+  // A class diffusers does not have (an export would write a pipeline from_pretrained cannot open),
+  // and one of another kind of schedule.
+  refused("_class_name", "FooScheduler", "\"FooScheduler\" is not one of diffusers' schedulers");
+  refused("_class_name", "FlowMatchEulerDiscreteScheduler", "is not one of diffusers' schedulers");
   refused("beta_end", 0.0001, "beta_start 0.00085 is not below beta_end 0.0001");
 }

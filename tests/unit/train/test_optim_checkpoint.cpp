@@ -229,6 +229,12 @@ TEST(Checkpoint, RoundTripPruneAndCorruption) {
   EXPECT_EQ(back.config_toml, "[train]\nsteps = 40\n");
   for (auto& [k, v] : module_state(*m)) EXPECT_TRUE(torch::equal(back.model.at(k), v)) << k;
   EXPECT_EQ(resolve_checkpoint(dir.path), all[1]);
+  // What a user may point at instead of the run: its ckpt/ folder (the latest), one checkpoint, or a
+  // file in one (that checkpoint).
+  EXPECT_EQ(resolve_checkpoint(dir / "ckpt"), all[1]);
+  EXPECT_EQ(resolve_checkpoint(dir / "ckpt/"), all[1]);
+  EXPECT_EQ(resolve_checkpoint(all[0]), all[0]);
+  EXPECT_EQ(resolve_checkpoint(all[0] + "/model.safetensors"), all[0]);
 
   // Flip one byte of the weights: loading must fail with a checksum message; the other one loads.
   const std::string w = all[1] + "/model.safetensors";
