@@ -248,6 +248,15 @@ std::vector<std::string> open_prompts(const SampleArgs& a, Source& src, Generate
     prompts.push_back(text);
     what.push_back(name);
   }
+  // A prompt longer than the text encoder's context is cut to it, as diffusers cuts it; said, as
+  // diffusers says it.
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    int64_t full = 0;
+    (void)m.text->tokenizer().tokenize(prompts[i], 4096, what[i], &full);
+    if (full > m.text->context())
+      std::cout << "note: " << what[i] << " is " << full << " tokens; the text encoder reads the first "
+                << m.text->context() << " (the rest of the prompt is left out)" << std::endl;
+  }
   const torch::Device device = src.den->device();
   // Each prompt encoded once (in batches of 64, every prompt tokenized before any is encoded: a bad
   // one stops sampling before it starts, naming its line), then repeated for its samples.

@@ -251,8 +251,10 @@ void Comm::connect(c10::intrusive_ptr<c10d::Store> store, const std::string& whe
   os << "rank " << job_rank() << ": ";
   if (contains(msg, "Timed out") || contains(msg, "timed out") || contains(msg, "Timeout") ||
       contains(msg, "timing out")) {
-    os << op << " timed out after " << seconds_str(options_.timeout)
-       << " waiting for the other ranks (a rank is hung, stopped or much slower); raise parallel.timeout if "
+    os << op << " timed out after " << seconds_str(options_.timeout) << " waiting for "
+       << (world_ == 2 ? "rank " + std::to_string(job_rank_of(1 - rank_)) + " (hung, stopped or much slower)"
+                       : std::string("the other ranks (a rank is hung, stopped or much slower)"))
+       << "; raise parallel.timeout if "
           "a rank legitimately needs longer between collectives ("
        << lib << ": " << msg << ")";
   } else if (contains(msg, "closed by peer") || contains(msg, "reset by peer") || contains(msg, "Socket closed") ||

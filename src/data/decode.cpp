@@ -45,6 +45,20 @@ torch::Tensor decode_jpeg(std::string_view bytes, int channels, const std::strin
   DDM_CHECK(tjDecompressHeader3(handle.get(), buf, static_cast<unsigned long>(bytes.size()), &w, &h, &subsamp, &colorspace) == 0,
             what << ": not a JPEG libturbojpeg can read (" << tjGetErrorStr2(handle.get()) << ")");
   check_size(w, h, what);
+  if (colorspace == TJCS_CMYK || colorspace == TJCS_YCCK) {
+    // Print files (Photoshop's CMYK JPEGs). libjpeg gives the ink values as Adobe stores them,
+    // inverted (255 = no ink), so RGB = C' K' / 255 per channel: what Pillow's CMYK-to-RGB gives.
+    auto cmyk = torch::empty({h, w, 4}, torch::kUInt8);
+    const int rc = tjDecompress2(handle.get(), buf, static_cast<unsigned long>(bytes.size()), cmyk.data_ptr<uint8_t>(), w,
+                                 0, h, TJPF_CMYK, TJFLAG_STOPONWARNING | TJFLAG_ACCURATEDCT);
+    DDM_CHECK(rc == 0, what << ": the JPEG is damaged (" << tjGetErrorStr2(handle.get()) << ")");
+    auto hwc = torch::empty({h, w, 3}, torch::kUInt8);
+    const uint8_t* in = cmyk.data_ptr<uint8_t>();
+    uint8_t* rgb = hwc.data_ptr<uint8_t>();
+    for (int64_t i = 0; i < static_cast<int64_t>(w) * h; ++i, in += 4, rgb += 3)
+      for (int c = 0; c < 3; ++c) rgb[c] = static_cast<uint8_t>((in[c] * in[3] + 127) / 255);
+    return from_rgb(hwc, channels);
+  }
   auto out = torch::empty({h, w, channels}, torch::kUInt8);
   // A warning (a truncated or damaged stream, decoded with grey filling in) is an error here: a
   // damaged image must not be trained on unnoticed.

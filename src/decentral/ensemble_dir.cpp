@@ -256,6 +256,10 @@ std::unique_ptr<Ensemble> make_ensemble(const LoadedEnsemble& e, const Routing& 
   if (routing.oracle) {
     const Partition p = load_partition(e.partition_dir);
     DataConfig dc = e.router.cfg.data;
+    DDM_CHECK(dc.source != "shards" && dc.source != "latents",
+              "--routing oracle computes each step's exact posterior over every training image, held in memory, "
+              "and this ensemble's data is streamed from shards (" << dc.root << "): use a learned routing "
+                                                                   "(top1, topk:K, full, threshold:P or sample)");
     const Dataset data = load_dataset(dc);
     check_partition_matches(p, data);
     // Latent experts: the oracle knows the data as they learned it, encoded (posterior means).

@@ -526,8 +526,12 @@ int run_islands(const IslandsConfig& c, const std::string& ddm_binary) {
   if (!failed.empty()) {
     std::cout << "[islands] not done:";
     for (const auto& f : failed) std::cout << " " << f << ";";
-    std::cout << " the others are finished and kept. Fix the cause (see the logs), then run the same command again: "
-                 "finished islands are skipped, the rest resume from their checkpoints" << std::endl;
+    if (stopping)  // asked to stop (Ctrl-C, SIGTERM): nothing to fix
+      std::cout << " stopped as asked; run the same command again to go on: finished islands are skipped, the "
+                   "rest resume from their checkpoints" << std::endl;
+    else
+      std::cout << " the others are finished and kept. Fix the cause (see the logs), then run the same command "
+                   "again: finished islands are skipped, the rest resume from their checkpoints" << std::endl;
     return stopping ? 128 + g_stop.load() : 1;  // 130 for SIGINT, 143 for SIGTERM
   }
   EnsembleSpec spec;
@@ -568,9 +572,9 @@ std::string islands_status(const IslandsConfig& c) {
       if (!p.done && (recorded == "failed" || recorded == "stopped" || recorded == "retrying")) st = recorded;
     }
     const std::string step = std::to_string(p.step) + "/" + (p.steps > 0 ? std::to_string(p.steps) : "?");
-    std::snprintf(line, sizeof line, "%-10s %-12s %-15s %-9lld %s\n", islands[i].name.c_str(), st.c_str(),
-                  step.c_str(), static_cast<long long>(attempts), err.substr(0, 120).c_str());
-    s << line;
+    std::snprintf(line, sizeof line, "%-10s %-12s %-15s %-9lld ", islands[i].name.c_str(), st.c_str(), step.c_str(),
+                  static_cast<long long>(attempts));
+    s << line << err << "\n";  // the whole message: it says what to do
   }
   s << (fs::exists(fs::path(c.out) / "ensemble.json") ? "ensemble: " + c.out + "/ensemble.json\n"
                                                        : std::string("ensemble: not assembled yet\n"));

@@ -18,6 +18,16 @@ namespace fs = std::filesystem;
 
 namespace ddm::sd {
 
+const std::set<std::string>& beta_scheduler_classes() {
+  static const std::set<std::string> classes = {
+      "DDIMScheduler", "DDPMScheduler", "PNDMScheduler", "LMSDiscreteScheduler", "EulerDiscreteScheduler",
+      "HeunDiscreteScheduler", "EulerAncestralDiscreteScheduler", "DPMSolverMultistepScheduler",
+      "DPMSolverSinglestepScheduler", "KDPM2DiscreteScheduler", "KDPM2AncestralDiscreteScheduler",
+      "DEISMultistepScheduler", "UniPCMultistepScheduler", "DDPMParallelScheduler",
+      "DDIMParallelScheduler", "LCMScheduler", "TCDScheduler"};
+  return classes;
+}
+
 SchedulerConfig parse_scheduler_config(const nlohmann::json& j, const std::string& file) {
   DDM_CHECK(j.is_object(), file << ": not a JSON object");
   // Keys of diffusers' samplers, which ddm's own replace.
@@ -32,15 +42,7 @@ SchedulerConfig parse_scheduler_config(const nlohmann::json& j, const std::strin
   SchedulerConfig c;
   const ConfigReader r{j, file};
   r.string("_class_name", c.class_name);
-  // diffusers' schedulers of a beta schedule (its KarrasDiffusionSchedulers, and DDPM's and DDIM's
-  // parallel forms, LCM and TCD): what ddm reads the schedule of, and what an export writes back.
-  static const std::set<std::string> classes = {
-      "DDIMScheduler", "DDPMScheduler", "PNDMScheduler", "LMSDiscreteScheduler", "EulerDiscreteScheduler",
-      "HeunDiscreteScheduler", "EulerAncestralDiscreteScheduler", "DPMSolverMultistepScheduler",
-      "DPMSolverSinglestepScheduler", "KDPM2DiscreteScheduler", "KDPM2AncestralDiscreteScheduler",
-      "DEISMultistepScheduler", "UniPCMultistepScheduler", "DPMSolverSDEScheduler", "DDPMParallelScheduler",
-      "DDIMParallelScheduler", "LCMScheduler", "TCDScheduler"};
-  DDM_CHECK(classes.count(c.class_name), file << ": _class_name \"" << c.class_name
+  DDM_CHECK(beta_scheduler_classes().count(c.class_name), file << ": _class_name \"" << c.class_name
                                               << "\" is not one of diffusers' schedulers of a beta schedule that ddm "
                                                  "reads (DDIMScheduler, DDPMScheduler, EulerDiscreteScheduler, "
                                                  "DPMSolverMultistepScheduler, PNDMScheduler, ...)");

@@ -8,6 +8,7 @@
 // (trained_betas, rescale_betas_zero_snr, other beta schedules) is refused by name.
 #pragma once
 #include <cstdint>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -24,6 +25,11 @@ struct SchedulerConfig {
   std::string prediction_type = "epsilon";  // epsilon | v_prediction | sample
   std::vector<std::string> sampler_keys;    // the keys read and not used (diffusers' sampler's)
 };
+
+// diffusers' schedulers of a beta schedule (its KarrasDiffusionSchedulers but DPMSolverSDEScheduler,
+// which needs torchsde beside diffusers; DDPM's and DDIM's parallel forms, LCM and TCD): the classes whose schedule ddm reads, and which an export writes back. Each is
+// checked to be a class of the pinned diffusers (tests/unit/sd/test_scheduler.cpp).
+const std::set<std::string>& beta_scheduler_classes();
 
 // Reads a scheduler_config.json object (`file` names it in errors).
 SchedulerConfig parse_scheduler_config(const nlohmann::json& config, const std::string& file);

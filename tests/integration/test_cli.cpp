@@ -300,7 +300,7 @@ TEST(Cli, EvalWritesAReportAndRefusesBadSamples) {
   expect_error(test::run_ddm("eval --samples " + (dir / "missing.safetensors") + cache), "no such samples file");
   test::write_text(dir / "junk.safetensors", "not a safetensors file");
   expect_error(test::run_ddm("eval --samples " + (dir / "junk.safetensors") + cache), "junk.safetensors");
-  expect_error(test::run_ddm("eval --anchor train --n 100" + cache), "more samples than feature dimensions");
+  expect_error(test::run_ddm("eval --anchor train --n 100" + cache), "100 images, but FD needs more than the feature network's 128");
   expect_error(test::run_ddm("eval --anchor train --feature-net " + (dir / "junk.safetensors") + cache),
                "junk.safetensors");
 }

@@ -371,6 +371,9 @@ TEST(DecentralCli, IslandsSurviveAKilledIslandAndWriteASlurmArray) {
   for (int i = 0; i < 1500 && !fs::exists(dir / "rc3"); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(20));
   ASSERT_TRUE(fs::exists(dir / "rc3")) << "the runner did not exit after SIGTERM:\n" << test::read_text(dir / "run3.log");
   EXPECT_EQ(test::read_text(dir / "rc3"), "143\n") << test::read_text(dir / "run3.log");
+  EXPECT_NE(test::read_text(dir / "run3.log").find("stopped as asked; run the same command again to go on"),
+            std::string::npos)
+      << test::read_text(dir / "run3.log");
   const auto stopped = nlohmann::json::parse(test::read_text(dir / "runs/k2c/islands.json"));
   EXPECT_EQ(stopped[0]["state"], "stopped") << stopped.dump();
   EXPECT_EQ(stopped[1]["state"], "pending") << stopped.dump();

@@ -422,6 +422,10 @@ TEST(ShardsTrain, ARouterAndADistilledStudentTrainOnShards) {
   auto ens = test::run_ddm("ensemble --out " + (r.dir / "ens") + " --partition " + (r.dir / "p") + " --router " +
                            (r.dir / "r") + " --expert " + (r.dir / "e0") + " --expert " + (r.dir / "e1"));
   ASSERT_EQ(ens.exit_code, 0) << ens.output;
+  // The exact posterior needs every training image in memory: over shards, refused saying so.
+  test::expect_error(test::run_ddm("sample --ensemble " + (r.dir / "ens") + " --routing oracle --n 4 --out " +
+                                   (r.dir / "o.png")),
+                     "--routing oracle computes each step's exact posterior over every training image");
   auto student = test::run_ddm("distill --ensemble " + (r.dir / "ens") + " --set train.steps=4 --out " + (r.dir / "s"));
   ASSERT_EQ(student.exit_code, 0) << student.output;
   EXPECT_TRUE(has(student.output, "512 samples in 8 shards")) << student.output;

@@ -160,6 +160,12 @@ TEST(TextSample, PromptsSteerTheSamplesAndTheNegativePromptIsGuidancesNullCondit
                     " --negative-prompt 'a blue square' --out " + (dir / "n.png") + " --raw " + (dir / "n.safetensors"));
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_TRUE(brightest(dir / "n.safetensors").eq(2).all().item<bool>()) << brightest(dir / "n.safetensors");
+  // A prompt longer than the encoder's 16 tokens (model.text_tokens) is cut, with a note.
+  r = test::run_ddm("sample --ckpt " + run + " --steps 1 --n 1 --prompt 'a red square beside a green square beside a "
+                    "blue square beside a red square beside a green square' --out " + (dir / "long.png"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find(" tokens; the text encoder reads the first 16 (the rest of the prompt is left out)"),
+            std::string::npos) << r.output;
   // Bad prompts, before any sampling.
   test::expect_error(test::run_ddm(sample + "--out " + (dir / "x.png")), "is conditioned on text (model.text_encoder = ");
   test::expect_error(test::run_ddm("sample --ckpt " + run + " --n 1 --prompt a --prompt b --out " + (dir / "x.png")),

@@ -8,8 +8,6 @@
 #include "core/suggest.h"
 #include "core/error.h"
 #include "core/presets.h"
-#include "data/dataset.h"
-#include "run/job.h"
 #include "decentral/islands.h"
 #include "test_util.h"
 
@@ -177,26 +175,6 @@ TEST(Config, EmbedSelfCondAndCacheKeys) {
   EXPECT_NE(error_of("", {"train.cache_latents=true"}).find("model.latent is not set"), std::string::npos);
   EXPECT_NE(error_of("", {"train.cache_latents=true", "model.latent=runs/ae", "data.hflip=true"}).find("data.hflip"),
             std::string::npos);
-}
-
-// The data sets a model's image size; a DiT's patch must divide it. A router's patch comes with its
-// preset (router-dit-tiny's 7 is for 28 px): on 32 px data it becomes 8. A model's is refused, naming a
-// divisor to use, before anything is built.
-TEST(Config, ARoutersPatchFitsTheDataAndAModelsIsRefusedWithADivisor) {
-  ddm::Dataset d;
-  d.images = torch::zeros({4, 3, 32, 32}, torch::kUInt8);
-  d.description = "32 px pictures";
-  RunConfig router = parse_config("[data]\npartition = \"parts\"\n[model]\npreset = \"router-dit-tiny\"\n", "router.toml", {});
-  ASSERT_EQ(router.model.patch, 7);
-  ddm::resolve_data_shape(router, d);
-  EXPECT_EQ(router.model.image_size, 32);
-  EXPECT_EQ(router.model.patch, 8);
-  RunConfig dit = parse_config("[model]\npreset = \"dit-tiny\"\npatch = 3\n", "dit.toml", {});
-  const std::string e = ddm::test::error_message([&] { ddm::resolve_data_shape(dit, d); });
-  EXPECT_NE(e.find("model.image_size = 32 (the data's) is not divisible by model.patch = 3: set model.patch to a "
-                   "divisor of it, e.g. 4"),
-            std::string::npos)
-      << e;
 }
 
 TEST(Config, DilocoValuesOutOfRange) {

@@ -286,6 +286,21 @@ TEST(Decode, PngAndLosslessWebpGiveTheirPixelsJpegItsQuantization) {
   EXPECT_LT((decode_image(jpeg_of(flat, 95), "jpeg", 1, "g.jpg").to(torch::kFloat) - grey.to(torch::kFloat)).abs().mean().item<double>(), 2.0);
 }
 
+// A CMYK JPEG (print files; Adobe's inverted inks), written by Pillow: ddm gives Pillow's RGB of it
+// within a unit (both decode the same JPEG with libjpeg; the inks to RGB round alike), not an error.
+TEST(Decode, ACmykJpegGivesPillowsRgb) {
+  const auto made = ddm::test::reference_outputs("tests/reference/cmyk_jpeg.py", "{dir}");
+  ASSERT_EQ(made.run.exit_code, 0) << made.run.output;
+  const std::string jpg = test::read_text(made.dir + "/cmyk.jpg"), rgb = test::read_text(made.dir + "/rgb.bin");
+  ASSERT_EQ(rgb.size(), 24u * 40u * 3u);
+  const torch::Tensor want =
+      torch::from_blob(const_cast<char*>(rgb.data()), {24, 40, 3}, torch::kUInt8).permute({2, 0, 1}).to(torch::kFloat);
+  const torch::Tensor got = decode_image(jpg, "jpg", 3, "cmyk.jpg");
+  ASSERT_EQ(got.sizes(), (std::vector<int64_t>{3, 24, 40}));
+  EXPECT_LE((got.to(torch::kFloat) - want).abs().max().item<double>(), 1.0);
+  EXPECT_EQ(image_channels(jpg, "jpg", "cmyk.jpg"), 3);
+}
+
 TEST(Decode, BadBytesAreErrorsNamingTheSample) {
   const std::string png = encode_png(gradient(8, 8));
   for (const auto& [bytes, ext] : std::vector<std::pair<std::string, std::string>>{

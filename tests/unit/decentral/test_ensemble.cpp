@@ -10,15 +10,18 @@
 
 #include <torch/torch.h>
 
+#include "core/config.h"
 #include "core/error.h"
 #include "core/presets.h"
 #include "core/rng.h"
+#include "data/dataset.h"
 #include "decentral/ensemble.h"
 #include "diffusion/generate.h"
 #include "diffusion/path.h"
 #include "exact_gaussian.h"
 #include "model/net.h"
 #include "model/router.h"
+#include "run/job.h"
 #include "test_util.h"
 #include "train/step.h"
 
@@ -381,6 +384,26 @@ TEST(Path, DiscretePathsMatchTheirOwnKindByTheirTables) {
     EXPECT_NEAR(ddpm.alpha(tt) / ddpm.sigma(tt), sd.alpha(ti) / sd.sigma(ti),
                 1e-5 * sd.alpha(ti) / sd.sigma(ti)) << ti;
   }
+}
+
+// The data sets a model's image size; a DiT's patch must divide it. A router's patch comes with its
+// preset (router-dit-tiny's 7 is for 28 px): on 32 px data it becomes 8. A model's is refused, naming a
+// divisor to use, before anything is built.
+TEST(Router, ARoutersPatchFitsTheDataAndAModelsIsRefusedWithADivisor) {
+  Dataset d;
+  d.images = torch::zeros({4, 3, 32, 32}, torch::kUInt8);
+  d.description = "32 px pictures";
+  RunConfig router = parse_config("[data]\npartition = \"parts\"\n[model]\npreset = \"router-dit-tiny\"\n", "router.toml", {});
+  ASSERT_EQ(router.model.patch, 7);
+  resolve_data_shape(router, d);
+  EXPECT_EQ(router.model.image_size, 32);
+  EXPECT_EQ(router.model.patch, 8);
+  RunConfig dit = parse_config("[model]\npreset = \"dit-tiny\"\npatch = 3\n", "dit.toml", {});
+  const std::string e = test::error_message([&] { resolve_data_shape(dit, d); });
+  EXPECT_NE(e.find("model.image_size = 32 (the data's) is not divisible by model.patch = 3: set model.patch to a "
+                   "divisor of it, e.g. 4"),
+            std::string::npos)
+      << e;
 }
 
 TEST(Router, BothArchitecturesStartUniformAndLearn) {

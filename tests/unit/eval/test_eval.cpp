@@ -367,7 +367,8 @@ TEST(Evaluate, ScoresAreDeterministicOrderedAndBadInputsAreClear) {
   EXPECT_NE(msg(torch::zeros({200, 1, 28, 28}, torch::kInt32)).find("must be uint8"), std::string::npos);
   EXPECT_NE(msg(torch::zeros({200, 1, 28, 28}, torch::kUInt8), torch::full({200}, 10, torch::kLong)).find("labels"),
             std::string::npos);
-  EXPECT_NE(msg(torch::zeros({100, 1, 28, 28}, torch::kUInt8)).find("more samples than feature dimensions"),
+  EXPECT_NE(msg(torch::zeros({100, 1, 28, 28}, torch::kUInt8))
+                .find("bad.safetensors: 100 images, but FD needs more than the feature network's 128 feature dimensions"),
             std::string::npos);
 
   // A reference cache made with another feature network is refused.

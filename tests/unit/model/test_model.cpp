@@ -175,43 +175,32 @@ TEST(Nets, AllPresetsGiveInputShapedFiniteOutputs) {
   }
 }
 
-TEST(Nets, AGraphedNetworkIsItsInnerNetworkOnTheCpu) {
-  // `--cuda-graphs`' wrapper (model/graphed_net.h): its parameters are the inner network's (where the
-  // network computes is read from them: a wrapper without them sent a GPU model's samples to the CPU),
-  // eval() reaches the inner network, and on the CPU every call runs the inner network eagerly.
-  torch::manual_seed(3);
-  Net inner = make_net(preset_cfg("dit-tiny"));
-  randomize(*inner, 0.05);
-  auto graphed = std::make_shared<GraphedNetImpl>(inner);
-  const auto mine = graphed->parameters(), theirs = inner->parameters();
+// A network wrapped as `--cuda-graphs` (model/graphed_net.h) and train.checkpoint_activations
+// (model/recompute.h) wrap it: its parameters are the inner network's (where a network computes is
+// read from them: a wrapper without them once sent a GPU model's samples to the CPU), eval() reaches
+// the inner network, and on the CPU without gradients every call is the inner network's forward.
+void expect_wrapper_is_inner(const std::shared_ptr<NetImpl>& wrapper, const Net& inner) {
+  const auto mine = wrapper->parameters(), theirs = inner->parameters();
   ASSERT_EQ(mine.size(), theirs.size());
   for (size_t i = 0; i < mine.size(); ++i) EXPECT_TRUE(mine[i].is_same(theirs[i])) << i;
-  graphed->eval();
+  wrapper->eval();
   EXPECT_FALSE(inner->is_training());
   torch::NoGradGuard no_grad;
   const auto x = torch::randn({3, 1, 28, 28}), t = torch::rand({3});
   const auto y = torch::tensor({0, 9, 10});
-  EXPECT_TRUE(torch::equal(graphed->forward(x, t, y), inner->forward(x, t, y)));
-  EXPECT_EQ(graphed->graphs(), 0);
-  EXPECT_EQ(graphed->replays(), 0);
+  EXPECT_TRUE(torch::equal(wrapper->forward(x, t, y), inner->forward(x, t, y)));
 }
 
-TEST(Nets, ACheckpointedNetworkIsItsInnerNetwork) {
-  // train.checkpoint_activations' wrapper (model/recompute.h): the same parameters and mode as the
-  // network it runs unit by unit, and without gradients the same forward.
-  torch::manual_seed(4);
-  Net inner = make_net(preset_cfg("unet-tiny"));
-  randomize(*inner, 0.05);
-  auto recomputed = std::make_shared<RecomputedNetImpl>(inner);
-  const auto mine = recomputed->parameters(), theirs = inner->parameters();
-  ASSERT_EQ(mine.size(), theirs.size());
-  for (size_t i = 0; i < mine.size(); ++i) EXPECT_TRUE(mine[i].is_same(theirs[i])) << i;
-  recomputed->eval();
-  EXPECT_FALSE(inner->is_training());
-  torch::NoGradGuard no_grad;
-  const auto x = torch::randn({2, 1, 28, 28}), t = torch::rand({2});
-  const auto y = torch::tensor({0, 9});
-  EXPECT_TRUE(torch::equal(recomputed->forward(x, t, y), inner->forward(x, t, y)));
+TEST(Nets, AGraphedOrCheckpointedNetworkIsItsInnerNetworkOnTheCpu) {
+  torch::manual_seed(3);
+  Net dit = make_net(preset_cfg("dit-tiny")), unet = make_net(preset_cfg("unet-tiny"));
+  randomize(*dit, 0.05);
+  randomize(*unet, 0.05);
+  auto graphed = std::make_shared<GraphedNetImpl>(dit);
+  expect_wrapper_is_inner(graphed, dit);
+  EXPECT_EQ(graphed->graphs(), 0);
+  EXPECT_EQ(graphed->replays(), 0);
+  expect_wrapper_is_inner(std::make_shared<RecomputedNetImpl>(unet), unet);
 }
 
 TEST(Nets, NullClassIsItsOwnLabel) {

@@ -61,3 +61,15 @@ TEST(SdScheduler, KeysThatChangeTheScheduleAreRefusedByName) {
   refused("_class_name", "FlowMatchEulerDiscreteScheduler", "is not one of diffusers' schedulers");
   refused("beta_end", 0.0001, "beta_start 0.00085 is not below beta_end 0.0001");
 }
+
+// Every scheduler class ddm accepts (and an export writes back) is a class of the pinned diffusers
+// whose config takes a beta schedule: diffusers itself says so.
+TEST(SdScheduler, EveryAcceptedClassIsADiffusersSchedulerOfBetas) {
+  std::string names;
+  for (const std::string& n : ddm::sd::beta_scheduler_classes()) names += " " + n;
+  const auto made = ddm::test::reference_outputs("tests/reference/diffusers_scheduler_classes.py", "{dir}" + names);
+  ASSERT_EQ(made.run.exit_code, 0) << made.run.output;
+  const auto got = nlohmann::json::parse(ddm::test::read_text(made.dir + "/classes.json"));
+  ASSERT_EQ(got.size(), ddm::sd::beta_scheduler_classes().size()) << got.dump();
+  for (const auto& [name, verdict] : got.items()) EXPECT_EQ(verdict, true) << name << ": " << verdict.dump();
+}
