@@ -249,10 +249,10 @@ std::vector<std::string> open_prompts(const SampleArgs& a, Source& src, Generate
     what.push_back(name);
   }
   // A prompt longer than the text encoder's context is cut to it, as diffusers cuts it; said, as
-  // diffusers says it.
+  // diffusers says it. A prompt that is not UTF-8 is bad input (exit 2), named by its line.
   for (size_t i = 0; i < prompts.size(); ++i) {
     int64_t full = 0;
-    (void)m.text->tokenizer().tokenize(prompts[i], 4096, what[i], &full);
+    as_input_error([&] { (void)m.text->tokenizer().tokenize(prompts[i], 4096, what[i], &full); });
     if (full > m.text->context())
       std::cout << "note: " << what[i] << " is " << full << " tokens; the text encoder reads the first "
                 << m.text->context() << " (the rest of the prompt is left out)" << std::endl;

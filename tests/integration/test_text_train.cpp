@@ -171,8 +171,9 @@ TEST(TextSample, PromptsSteerTheSamplesAndTheNegativePromptIsGuidancesNullCondit
   test::expect_error(test::run_ddm("sample --ckpt " + run + " --n 1 --prompt a --prompt b --out " + (dir / "x.png")),
                      "--n 1 is fewer than the 2 prompts");
   test::write_text(dir / "bad.txt", "a red square\n\xff broken\n");
-  test::expect_error(test::run_ddm(sample + "--prompts " + (dir / "bad.txt") + " --out " + (dir / "x.png")),
-                     "bad.txt line 2: not UTF-8");
+  const auto not_utf8 = test::run_ddm(sample + "--prompts " + (dir / "bad.txt") + " --out " + (dir / "x.png"));
+  test::expect_error(not_utf8, "bad.txt line 2: not UTF-8");
+  EXPECT_EQ(not_utf8.exit_code, 2);  // bad input, as `ddm text tokenize` says it
   test::expect_error(test::run_ddm(sample + "--prompts " + (dir / "none.txt") + " --out " + (dir / "x.png")),
                      "none.txt: cannot read it (--prompts)");
   EXPECT_FALSE(fs::exists(dir / "x.png"));
