@@ -96,8 +96,9 @@ void RunLog::step(int64_t step, const StepResult& r, const std::string& news) {
 void RunLog::skipped_at_checkpoint(int64_t total, int replicas) {
   if (total > reported_skips_ && !spec_.quiet) {
     progress_.finish();
-    std::cout << "data: " << total << " bad sample" << (total > 1 ? "s" : "") << " skipped so far"
-              << (replicas > 1 ? ", all replicas together" : "") << " (data.skip_bad; each rank's log names its own)"
+    std::cout << "data: " << total << " skip" << (total > 1 ? "s" : "") << " of bad samples so far"
+              << (replicas > 1 ? ", all replicas together" : "")
+              << " (data.skip_bad: a bad sample is skipped again in each epoch; each rank's log names its own)"
               << std::endl;
   }
   reported_skips_ = std::max(reported_skips_, total);
