@@ -358,11 +358,12 @@ GenerateOptions generate_options(const SampleArgs& a, const LoadedModel& m) {
   g.sample.steps = a.steps > 0 ? a.steps : m.cfg.sample.steps;
   g.sample.cfg = a.cfg >= 0 ? a.cfg : m.cfg.sample.cfg;
   const ModelConfig& mc = m.cfg.model;
-  if (mc.num_classes == 0 && mc.text_encoder.empty() && mc.controlnet.empty() && mc.embed.empty() &&
-      g.sample.cfg != 1.0) {  // nothing to guide by: guidance would repeat the same prediction
+  // Nothing to guide by (Denoiser::raw's rule: no classes, prompts or embeddings; a control map stays in
+  // both branches): the denoiser ignores the scale, so the run is named and reported as what it is.
+  if (mc.num_classes == 0 && mc.text_encoder.empty() && mc.embed.empty() && g.sample.cfg != 1.0) {
     if (a.cfg >= 0)
-      std::cout << "note: --cfg " << a.cfg << " does nothing for a model without a condition (no classes, "
-                << "prompts, control maps or embeddings): sampling without guidance (cfg 1)" << std::endl;
+      std::cout << "note: --cfg " << a.cfg << " does nothing for a model without classes, prompts or embeddings: "
+                << "sampling without guidance (cfg 1)" << std::endl;
     g.sample.cfg = 1.0;
   }
   g.batch_size = a.batch;

@@ -27,8 +27,9 @@ struct SchedulerConfig {
 };
 
 // diffusers' schedulers of a beta schedule (its KarrasDiffusionSchedulers but DPMSolverSDEScheduler,
-// which needs torchsde beside diffusers; DDPM's and DDIM's parallel forms, LCM and TCD): the classes whose schedule ddm reads, and which an export writes back. Each is
-// checked to be a class of the pinned diffusers (tests/unit/sd/test_scheduler.cpp).
+// which needs torchsde beside diffusers; DDPM's and DDIM's parallel forms, LCM and TCD): the classes
+// whose schedule ddm reads, and which an export writes back. Each is checked to be a class of the
+// pinned diffusers (tests/unit/sd/test_scheduler.cpp).
 const std::set<std::string>& beta_scheduler_classes();
 
 // Reads a scheduler_config.json object (`file` names it in errors).
