@@ -14,6 +14,7 @@
 #include "core/error.h"
 #include "core/fileio.h"
 #include "data/captions.h"
+#include "data/decode.h"
 
 namespace ddm {
 namespace fs = std::filesystem;
@@ -59,6 +60,14 @@ std::string png_chunk_past_end(const std::string& bytes) {
   return "";
 }
 
+// The decoder of data/decode.h for bytes that begin as a JPEG or a WebP file does ("jpg", "webp"), or
+// "" for the rest, which stb decodes. By content, not by name, as stb does.
+std::string shard_decoder_type(const std::string& bytes) {
+  if (bytes.size() >= 3 && bytes.compare(0, 3, "\xff\xd8\xff", 3) == 0) return "jpg";
+  if (bytes.size() >= 12 && bytes.compare(0, 4, "RIFF") == 0 && bytes.compare(8, 4, "WEBP") == 0) return "webp";
+  return "";
+}
+
 std::string shape_str(const torch::Tensor& chw) {
   return std::to_string(chw.size(0)) + "x" + std::to_string(chw.size(1)) + "x" + std::to_string(chw.size(2));
 }
@@ -66,8 +75,8 @@ std::string shape_str(const torch::Tensor& chw) {
 }  // namespace
 
 bool is_image_file_name(const std::string& name) {
-  static const char* kExt[] = {".png", ".jpg", ".jpeg", ".bmp", ".tga", ".gif", ".psd",
-                               ".pnm", ".ppm", ".pgm", ".hdr", ".pic"};
+  static const char* kExt[] = {".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tga", ".gif",
+                               ".psd", ".pnm", ".ppm", ".pgm", ".hdr", ".pic"};
   std::string lower = name;
   std::transform(lower.begin(), lower.end(), lower.begin(), [](unsigned char c) { return std::tolower(c); });
   for (const char* e : kExt) {
@@ -82,6 +91,17 @@ torch::Tensor read_image(const std::string& path) {
   const std::string bytes = read_file(path);  // read once; stb decodes from memory
   DDM_CHECK(bytes.size() <= static_cast<size_t>(std::numeric_limits<int>::max()),
             path << ": " << bytes.size() << " bytes is too large for an image file (replace or remove it)");
+  const std::string type = shard_decoder_type(bytes);
+  if (!type.empty()) {
+    // JPEG and WebP decode as in tar shards: libturbojpeg reads what libjpeg (and so Pillow) reads,
+    // CMYK and arithmetic-coded files among them, with its accurate IDCT, so that a folder and a
+    // shard of the same files give the same pixels; stb reads no WebP. Neither keeps an alpha channel.
+    torch::Tensor chw = decode_image(bytes, type, image_channels(bytes, type, path), path);  // [C, H, W], a view
+    DDM_CHECK(chw.size(1) * chw.size(2) <= kMaxImagePixels,
+              path << ": image is " << chw.size(2) << "x" << chw.size(1) << " pixels, more than the " << kMaxImagePixels
+                   << " (4096x4096) that ddm reads; downscale it (or remove it)");
+    return chw.contiguous();
+  }
   const auto* data = reinterpret_cast<const stbi_uc*>(bytes.data());
   const int len = static_cast<int>(bytes.size());
   // stb allocates what the header says before it reads any pixel: a 20-byte file can claim a

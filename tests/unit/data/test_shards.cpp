@@ -23,6 +23,7 @@
 #include "data/origin.h"
 #include "data/shard_write.h"
 #include "data/decode.h"
+#include "data/image_folder.h"
 #include "data/shards.h"
 #include "eval/grid.h"
 #include "test_util.h"
@@ -299,6 +300,37 @@ TEST(Decode, ACmykJpegGivesPillowsRgb) {
   ASSERT_EQ(got.sizes(), (std::vector<int64_t>{3, 24, 40}));
   EXPECT_LE((got.to(torch::kFloat) - want).abs().max().item<double>(), 1.0);
   EXPECT_EQ(image_channels(jpg, "jpg", "cmyk.jpg"), 3);
+}
+
+// A folder (data.source = "folder") decodes JPEG and WebP files as shards do: the same pixels as
+// decode_image, CMYK JPEGs as Pillow gives them, the type read from the bytes (a JPEG named .png),
+// and a damaged JPEG names its file. stb, which folders used for every type, read no WebP and no CMYK.
+TEST(Decode, AFolderDecodesJpegWebpAndCmykAsShardsDo) {
+  const auto made = ddm::test::reference_outputs("tests/reference/cmyk_jpeg.py", "{dir}");
+  ASSERT_EQ(made.run.exit_code, 0) << made.run.output;
+  const std::string cmyk = test::read_text(made.dir + "/cmyk.jpg"), rgb = test::read_text(made.dir + "/rgb.bin");
+  const std::string jpg = jpeg_of(gradient(24, 40), 90), webp = webp_lossless_of(gradient(24, 40));
+  test::TempDir dir;
+  fs::create_directories(dir / "imgs/a");
+  test::write_text(dir / "imgs/a/1.jpg", jpg);
+  test::write_text(dir / "imgs/a/2.WEBP", webp);
+  test::write_text(dir / "imgs/a/3.jpeg", cmyk);
+  test::write_text(dir / "imgs/a/4.png", jpg);  // a JPEG by its bytes
+  test::write_text(dir / "imgs/a/5.png", encode_png(gradient(24, 40)));
+  const Dataset d = load_image_folder(dir / "imgs");
+  ASSERT_EQ(d.images.sizes(), (std::vector<int64_t>{5, 3, 24, 40}));
+  EXPECT_TRUE(torch::equal(d.images[0], decode_image(jpg, "jpg", 3, "1.jpg")));
+  EXPECT_TRUE(torch::equal(d.images[1], gradient(24, 40).permute({2, 0, 1})));
+  EXPECT_TRUE(torch::equal(d.images[2], decode_image(cmyk, "jpg", 3, "3.jpeg")));
+  const torch::Tensor pillow =
+      torch::from_blob(const_cast<char*>(rgb.data()), {24, 40, 3}, torch::kUInt8).permute({2, 0, 1}).to(torch::kFloat);
+  EXPECT_LE((d.images[2].to(torch::kFloat) - pillow).abs().max().item<double>(), 1.0);
+  EXPECT_TRUE(torch::equal(d.images[3], d.images[0]));
+  EXPECT_TRUE(torch::equal(d.images[4], gradient(24, 40).permute({2, 0, 1})));
+  test::write_text(dir / "imgs/a/7.jpg", jpg.substr(0, 200));
+  const std::string e = test::error_message([&] { load_image_folder(dir / "imgs"); });
+  EXPECT_TRUE(has(e, "imgs/a/7.jpg: ")) << e;
+  EXPECT_TRUE(has(e, "JPEG")) << e;
 }
 
 TEST(Decode, BadBytesAreErrorsNamingTheSample) {
