@@ -24,6 +24,7 @@
 #include <string>
 #include <vector>
 
+#include "core/cuda_load.h"
 #include "cli_util.h"
 #include "comm/env.h"
 #include "core/error.h"
@@ -120,6 +121,7 @@ int main(int argc, char** argv) {
   // fail as an error the collective reports, not kill this process with SIGPIPE: that would turn
   // one dead DiLoCo replica into two (seen under load). Python programs get this by default.
   std::signal(SIGPIPE, SIG_IGN);
+  ddm::load_cuda();  // before anything asks LibTorch about CUDA (core/cuda_load.h)
   ddm::configure_allocator();
   try {
     return run(argc, argv);

@@ -1,5 +1,6 @@
 // `ddm --version`: ddm's version and commit, the LibTorch it runs on, the CUDA toolkit and GPU
-// architectures its own kernels were built for, and the CUDA GPUs LibTorch sees now (what a bug
+// architectures its own kernels were built for, whether LibTorch's CUDA libraries are loaded
+// (core/cuda_module.h), and the CUDA GPUs LibTorch sees now (what a bug
 // report needs, as `python -c "import torch; print(torch.__version__)"` gives PyTorch's users).
 #include <torch/cuda.h>
 #include <torch/version.h>
@@ -7,6 +8,7 @@
 #include <string>
 
 #include "cli_util.h"
+#include "core/cuda_load.h"
 #include "core/version.h"
 #include "ddm_commit.h"
 
@@ -16,6 +18,7 @@ std::string version_text() {
   std::string s = std::string("ddm ") + version() + " (commit " + DDM_COMMIT + ")\n";
   s += std::string("LibTorch ") + TORCH_VERSION + "\n";
   s += std::string("ddm's CUDA kernels: CUDA ") + DDM_CUDA_TOOLKIT + ", compute capability " + DDM_CUDA_ARCHS + "\n";
+  s += "LibTorch's CUDA libraries: " + cuda_status() + "\n";
   const int64_t gpus = static_cast<int64_t>(torch::cuda::device_count());
   s += "CUDA GPUs LibTorch sees: " + std::to_string(gpus);
   return s;

@@ -28,6 +28,7 @@
 #include <nlohmann/json.hpp>
 #include <torch/torch.h>
 
+#include "core/cuda_load.h"
 #include "core/device.h"
 #include "core/runtime.h"
 #include "core/safetensors.h"
@@ -144,6 +145,7 @@ int memory_mode(int argc, char** argv) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  ddm::load_cuda();  // before anything asks LibTorch about CUDA (core/cuda_load.h)
   if (argc >= 3 && std::string(argv[1]) == "--memory") return memory_mode(argc, argv);
   if (argc < 2) {
     std::cerr << "usage: ddm_bench_sd DIR [--repeat 3] [--threads 2]\n";

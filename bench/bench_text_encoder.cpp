@@ -12,6 +12,7 @@
 #include <nlohmann/json.hpp>
 #include <torch/torch.h>
 
+#include "core/cuda_load.h"
 #include "core/safetensors.h"
 #include "text/clip_text_encoder.h"
 
@@ -24,6 +25,7 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  ddm::load_cuda();  // before anything asks LibTorch about CUDA (core/cuda_load.h)
   if (argc < 2) {
     std::cerr << "usage: ddm_bench_text_encoder DIR [--repeat 3] [--threads 2]\n";
     return 2;

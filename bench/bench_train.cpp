@@ -70,6 +70,7 @@
 #include <torch/cuda.h>
 #include <torch/torch.h>
 
+#include "core/cuda_load.h"
 #include "comm/comm.h"
 #include "comm/env.h"
 #include "comm/grad_sync.h"
@@ -590,6 +591,7 @@ int run_loader(const Args& a) {
 int timeline_main(int argc, char** argv);  // bench/timeline.cpp
 
 int main(int argc, char** argv) try {
+  ddm::load_cuda();  // before anything asks LibTorch about CUDA (core/cuda_load.h)
   if (argc >= 2 && std::string(argv[1]) == "timeline") return timeline_main(argc, argv);
   const Args a = parse(argc, argv);
   if (!std::getenv("DDM_DEFAULT_MALLOC")) configure_allocator();

@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
 # The GPU checks, on a machine with a CUDA GPU and PyTorch 2.11 (+cu130) in its python3. Two steps:
 #   scripts/gpu-check.sh pack DIR     (here, after scripts/setup.sh) copies what the checks run,
-#                                     stripped (the test binaries, ddm, ddm_bench), the system libraries
+#                                     stripped (the test binaries, ddm, ddm_bench, and libddm_cuda.so
+#                                     beside them), the system libraries
 #                                     they link (a GPU machine may lack them),
 #                                     Fashion-MNIST and a small text encoder into DIR, to carry there;
 #   scripts/gpu-check.sh run DIR OUT  (there) runs them against that machine's LibTorch (the torch of
 #                                     its python3, or $TORCH_LIB) and writes each one's output to OUT:
 #       test_torch_build  the LibTorch build: 2.11, libtorch_cuda loaded, Gloo from the wheel;
+#       test_cuda_module  libddm_cuda.so loads there, exporting its one function;
 #       test_cuda         the `gpu` tests (with DDM_FUSED_CUDA=1): CUDA results equal the CPU's within float32 rounding, and
 #                         ddm trains, resumes and samples there (tests/gpu/test_cuda.cpp);
-#   (TESTS=0 skips those two)
+#   (TESTS=0 skips those three)
 #   then (unless GPU_BENCH=0) the GPU benchmark side by side: ddm's training step (ddm_bench train;
 #   for dit-b also with DDM_FUSED_CUDA=1, with its hand-written kernels; and with train.cuda_graphs)
 #   and PyTorch's (bench/reference.py) for dit-b and unet-small (BENCH_PRESETS) at batch 256 in bf16,
@@ -35,7 +37,7 @@ case "$what" in
   pack)
     dir=${2:?usage: $0 pack DIR}
     mkdir -p "$dir/lib" "$dir/bin" "$dir/fashion-mnist"
-    for b in test_torch_build test_cuda; do
+    for b in test_torch_build test_cuda_module test_cuda; do
       [ -x "build/$b" ] || { echo "gpu-check: build/$b is missing: run scripts/setup.sh first" >&2; exit 1; }
       strip -o "$dir/$b" "build/$b"
     done
@@ -43,6 +45,9 @@ case "$what" in
       [ -x "build/$b" ] || { echo "gpu-check: build/$b is missing: run scripts/setup.sh first" >&2; exit 1; }
       strip -o "$dir/bin/$b" "build/$b"
     done
+    # LibTorch's CUDA half as ddm uses it (core/cuda_module.h), beside every binary that loads it.
+    [ -f build/libddm_cuda.so ] || { echo "gpu-check: build/libddm_cuda.so is missing: run scripts/setup.sh first" >&2; exit 1; }
+    strip -o "$dir/libddm_cuda.so" build/libddm_cuda.so && cp "$dir/libddm_cuda.so" "$dir/bin/"
     # Every library the binaries link from the system, but the C and C++ runtimes (a GPU machine has
     # those), compressed: libarchive's dependencies (ICU's data above all) would not fit uncompressed.
     ldd "$dir"/test_* "$dir"/bin/* | awk '$3 ~ /^\// {print $3}' | sort -u |

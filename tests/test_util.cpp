@@ -16,10 +16,16 @@
 #include <sys/wait.h>
 #include <thread>
 
+#include "core/cuda_load.h"
 #include "core/error.h"
 #include "core/fileio.h"
 
 namespace ddm::test {
+namespace {
+// LibTorch's CUDA half where a driver is present (core/cuda_load.h), loaded before any test asks
+// LibTorch about CUDA: at the start of every test program, as the ddm binary does in main.
+const bool cuda_loaded_at_start = (load_cuda(), true);
+}  // namespace
 
 void expect_error(const CommandResult& r, const std::string& needle) {
   EXPECT_NE(r.exit_code, 0) << r.output;

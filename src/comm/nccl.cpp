@@ -1,25 +1,16 @@
-// make_nccl_group (see nccl.h). ProcessGroupNCCL's header is guarded by USE_C10D_NCCL, which the
-// PyPI wheel was built with: defined here, the one file that includes it.
-#define USE_C10D_NCCL 1
+// make_nccl_group and nccl_version (see nccl.h): ProcessGroupNCCL is LibTorch's CUDA half, used in
+// libddm_cuda.so (src/cuda/nccl.cpp; core/cuda_module.h says why).
 #include "comm/nccl.h"
 
-#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+#include "core/cuda_module.h"
 
 namespace ddm {
 
 c10::intrusive_ptr<c10d::Backend> make_nccl_group(const c10::intrusive_ptr<c10d::Store>& store, int rank, int world,
                                                   int device, std::chrono::milliseconds timeout) {
-  auto opts = c10d::ProcessGroupNCCL::Options::create(/*is_high_priority_stream=*/true);
-  opts->timeout = timeout;
-  auto pg = c10::make_intrusive<c10d::ProcessGroupNCCL>(store, rank, world, opts);
-  // Eager: the communicator forms now, so a rank that cannot form it fails at start-up, not inside
-  // the first step's backward.
-  pg->eagerConnectSingleDevice(at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(device)));
-  return pg;
+  return cuda_module().nccl_group(store, rank, world, device, timeout);
 }
 
-std::string nccl_version() {
-  return c10d::getNcclVersion();
-}
+std::string nccl_version() { return cuda_module().nccl_version(); }
 
 }  // namespace ddm

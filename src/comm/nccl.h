@@ -1,7 +1,8 @@
 // NCCL for the data plane: the process group that carries CUDA tensors (the gradient buckets, a
 // pipeline's activations, DiLoCo's pseudo-gradients) when parallel.backend resolves to nccl. Gloo
 // stays the control plane (the store, config agreement, stop decisions, faults) and carries every
-// CPU tensor. Kept apart from comm.cpp so that only this file compiles against CUDA's headers.
+// CPU tensor. The group is made in libddm_cuda.so (src/cuda/nccl.cpp; core/cuda_module.h): both
+// functions throw ddm::Error where LibTorch's CUDA libraries are not loaded.
 #pragma once
 #include <chrono>
 #include <string>

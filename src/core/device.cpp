@@ -6,9 +6,9 @@
 #include <ATen/Context.h>
 #include <ATen/DeviceAccelerator.h>
 #include <ATen/autocast_mode.h>
-#include <ATen/cuda/CUDAContextLight.h>
 #include <torch/cuda.h>
 
+#include "core/cuda_module.h"
 #include "core/error.h"
 #include "core/runtime.h"
 
@@ -38,7 +38,8 @@ torch::Device resolve_device(const std::string& spec, int local_rank, int cuda_c
   if (spec == "cpu" || (spec == "auto" && cuda_count == 0)) return torch::Device(torch::kCPU);
   const int index = cuda_index(spec);
   DDM_CHECK(cuda_count > 0, key << " = " << spec << ", but this machine has no CUDA GPU that LibTorch can use "
-                                << "(no driver, or CUDA_VISIBLE_DEVICES hides them): use cpu or auto");
+                                << "(" << (cuda_loaded() ? "no GPU, or CUDA_VISIBLE_DEVICES hides them" : "CUDA " + cuda_status())
+                                << "): use cpu or auto");
   if (index >= 0) {
     DDM_CHECK(index < cuda_count, key << " = " << spec << ", but this machine has " << gpus(cuda_count)
                                       << " (cuda:0.." << cuda_count - 1 << ")");
@@ -112,7 +113,7 @@ double peak_memory_bytes_on(torch::Device device) {
 
 std::string gpu_name(torch::Device device) {
   if (!device.is_cuda()) return {};
-  return at::cuda::getDeviceProperties(device.has_index() ? device.index() : 0)->name;
+  return cuda_module().device_name(device.has_index() ? device.index() : 0);
 }
 
 Autocast::Autocast(torch::Device device, Precision precision) : type_(device.type()) {

@@ -11,9 +11,9 @@
 #include <string>
 
 #include <ATen/autocast_mode.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
+#include <c10/core/DeviceGuard.h>
 
+#include "core/cuda_module.h"
 #include "core/error.h"
 #include "model/fused_cuda.h"
 
@@ -47,7 +47,7 @@ void check(const char* error, const char* what) {
 }
 
 void* stream_of(const torch::Tensor& t) {
-  return static_cast<void*>(c10::cuda::getCurrentCUDAStream(t.device().index()).stream());
+  return cuda_module().current_stream(t.device().index());
 }
 
 // The [B, W] gradient from its partial sums [B, chunks, W], in the type of the input it is for.
@@ -58,7 +58,7 @@ torch::Tensor summed(const torch::Tensor& parts, const torch::Tensor& like) {
 struct AdaLNModulate : torch::autograd::Function<AdaLNModulate> {
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x, const torch::Tensor& shift,
                                const torch::Tensor& scale, double eps) {
-    const c10::cuda::CUDAGuard guard(x.device());
+    const c10::DeviceGuard guard(x.device());
     const int64_t B = x.size(0), N = x.size(1), W = x.size(2);
     const auto out_type = at::autocast::is_autocast_enabled(at::kCUDA) &&
                                   at::autocast::get_autocast_dtype(at::kCUDA) == torch::kBFloat16
@@ -78,7 +78,7 @@ struct AdaLNModulate : torch::autograd::Function<AdaLNModulate> {
   static tensor_list backward(AutogradContext* ctx, tensor_list grads) {
     const auto saved = ctx->get_saved_variables();
     const auto &x = saved[0], &shift = saved[1], &scale = saved[2], &mean = saved[3], &rstd = saved[4];
-    const c10::cuda::CUDAGuard guard(x.device());
+    const c10::DeviceGuard guard(x.device());
     const int64_t B = x.size(0), N = x.size(1), W = x.size(2);
     auto g = grads[0].contiguous();                                    // [B, N, W]
     if (!kernel_type(g)) g = g.to(torch::kFloat);
@@ -105,7 +105,7 @@ struct GatedResidualCuda : torch::autograd::Function<GatedResidualCuda> {
   static tensor_list backward(AutogradContext* ctx, tensor_list grads) {
     const auto saved = ctx->get_saved_variables();
     const auto &gate = saved[0], &a = saved[1];
-    const c10::cuda::CUDAGuard guard(a.device());
+    const c10::DeviceGuard guard(a.device());
     const int64_t B = a.size(0), N = a.size(1), W = a.size(2);
     const auto g = grads[0].to(torch::kFloat).contiguous();            // [B, N, W]
     const auto ac = a.contiguous();                                    // [B, N, W]
@@ -139,7 +139,7 @@ bool fused_cuda_runs_on(int device) {
   int major = 0, minor = 0;
   // The query runs on `device` (LibTorch's guard: rank r of a data-parallel run on cuda:r makes no
   // context on cuda:0).
-  const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+  const c10::DeviceGuard guard(c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(device)));
   const char* error = k::kernels_load(device, &major, &minor);
   if (error != nullptr)
     std::cerr << "note: ddm's fused DiT kernels have no code for cuda:" << device << " (compute capability " << major

@@ -21,11 +21,8 @@
 #include <chrono>
 #include <iostream>
 
-#include <ATen/cuda/CUDAContext.h>
-#include <ATen/cuda/CUDAEvent.h>
-#include <c10/cuda/CUDACachingAllocator.h>
-
 #include "core/cuda_graph.h"
+#include "core/cuda_module.h"
 #include "core/error.h"
 #include "train/step.h"
 
@@ -128,10 +125,9 @@ StepResult TrainStep::graph_step(const std::vector<Batch>& micro, int64_t step, 
   if (!g.host_stats.defined())
     g.host_stats = torch::empty({3}, torch::TensorOptions().dtype(torch::kDouble).pinned_memory(true));
   g.host_stats.copy_(g.stats, /*non_blocking=*/true);
-  at::cuda::CUDAEvent read;
-  read.record(at::cuda::getCurrentCUDAStream());
+  const std::function<void()> read = cuda_module().mark(-1);  // the current device's stream
   prepare_ahead(next, step + 1);  // on this stream, after the replay's update (self-conditioning reads it)
-  read.synchronize();
+  read();  // the host waits for the read back
   const torch::Tensor& stats = g.host_stats;
   times_.backward_end = times_.synced = times_.clipped = times_.end = std::chrono::steady_clock::now();
   StepResult r;
@@ -174,7 +170,7 @@ void TrainStep::capture(const std::vector<Prepared>& prepared, double scale) {
     std::cerr << "train.cuda_graphs: the step is captured (" << g.inputs.size() << " micro-batch"
               << (g.inputs.size() == 1 ? "" : "es") << "); later steps replay it\n";
     // The eager warm-up's blocks are cached in the default pool; the graph has its own from now on.
-    c10::cuda::CUDACachingAllocator::emptyCache();
+    cuda_module().empty_cache();
   } else {
     g.failed = true;
     g.inputs.clear();

@@ -20,9 +20,9 @@
 #include <torch/torch.h>
 
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
-#include <c10/cuda/CUDACachingAllocator.h>
 
 #include "comm/nccl.h"
+#include "core/cuda_module.h"
 #include "core/device.h"
 #include "core/fileio.h"
 #include "core/safetensors.h"
@@ -643,7 +643,7 @@ TEST(Gpu, ANetworkThatCannotBeCapturedRunsEagerlyAndLeavesTheAllocatorWhole) {
     EXPECT_TRUE(torch::equal(graphed->forward(x, t, Cond{}), inner->forward(x, t, Cond{}))) << "call " << call;
   EXPECT_EQ(graphed->graphs(), 0);
   EXPECT_EQ(graphed->replays(), 0);
-  c10::cuda::CUDACachingAllocator::emptyCache();  // asserts where a capture was left under way
+  cuda_module().empty_cache();  // LibTorch's emptyCache: asserts where a capture was left under way
   const auto big = torch::ones({64, 1024, 1024}, cuda);  // 256 MiB from the default pool afterwards
   EXPECT_EQ(big.sum().item<double>(), 64.0 * 1024 * 1024);
 }

@@ -10,11 +10,13 @@
 
 #include <torch/torch.h>
 
+#include "core/cuda_load.h"
 #include "comm/comm.h"
 #include "comm/env.h"
 #include "unit/test_dist_util.h"
 
 int main() {
+  ddm::load_cuda();  // before anything asks LibTorch about CUDA (core/cuda_load.h)
   alarm(60);  // never outlive a broken parent
   try {
     auto comm = ddm::Comm::create(ddm::detect_dist_env(), ddm::test::short_timeouts());

@@ -107,8 +107,29 @@ TEST(Cli, HelpForEverySubcommand) {
   r = test::run_ddm("--version");
   EXPECT_EQ(r.exit_code, 0) << r.output;
   for (const char* line : {"ddm 0.", "(commit ", "LibTorch 2.11", "ddm's CUDA kernels: CUDA 13", "7.5 8.0 8.6 8.9 9.0 10.0 12.0",
-                           "CUDA GPUs LibTorch sees: "})
+                           "CUDA GPUs LibTorch sees: ", "LibTorch's CUDA libraries: "})
     EXPECT_NE(r.output.find(line), std::string::npos) << line << "\n" << r.output;
+  // LibTorch's CUDA half (core/cuda_module.h): without a driver it is not loaded; DDM_CUDA=1 loads it
+  // all the same (LibTorch then sees no GPU), DDM_CUDA=0 never; a binary copied away from its
+  // libddm_cuda.so says where it looked.
+  if (r.output.find("LibTorch's CUDA libraries: not loaded: no NVIDIA driver here") == std::string::npos) return;
+  const std::string ddm = test::ddm_binary();
+  r = test::run_command("DDM_CUDA=1 " + ddm + " --version");
+  EXPECT_NE(r.output.find("LibTorch's CUDA libraries: loaded\nCUDA GPUs LibTorch sees: 0"), std::string::npos) << r.output;
+  r = test::run_command("DDM_CUDA=0 " + ddm + " --version");
+  EXPECT_NE(r.output.find("LibTorch's CUDA libraries: not loaded: DDM_CUDA=0"), std::string::npos) << r.output;
+  test::TempDir dir;
+  expect_error(test::run_command("DDM_CUDA=1 " + ddm + " quickstart --device cuda --out " + (dir / "qs")),
+               "--device = cuda, but this machine has no CUDA GPU that LibTorch can use (no GPU, or CUDA_VISIBLE_DEVICES "
+               "hides them)");
+  expect_error(test::run_ddm("quickstart --device cuda --out " + (dir / "qs")),
+               "--device = cuda, but this machine has no CUDA GPU that LibTorch can use (CUDA not loaded: no NVIDIA driver");
+  fs::copy_file(ddm, dir / "ddm");
+  r = test::run_command("DDM_CUDA=1 " + (dir / "ddm") + " --version");
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("LibTorch's CUDA libraries: not loaded: " + (dir / "libddm_cuda.so") + " cannot be opened ("),
+            std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("keep it with them"), std::string::npos) << r.output;
 }
 
 TEST(Cli, BadConfigInputs) {

@@ -1,7 +1,9 @@
-// The LibTorch ddm is built against: PyTorch 2.11's from the torch wheel (CUDA 13.0 build), with
-// libtorch_cuda loaded although ddm names none of its symbols (so that CUDA tensors work where a GPU
-// exists), its CPU ops running on a machine without one, c10d's Gloo from the wheel, and its NCCL
-// process group compiled into ddm and linked (tests/gpu/test_cuda.cpp runs it on a GPU).
+// The LibTorch ddm is built against: PyTorch 2.11's from the torch wheel (CUDA 13.0 build). ddm's
+// binaries link its CPU libraries; its CUDA half (libtorch_cuda, NCCL's process group) comes with
+// libddm_cuda.so (core/cuda_module.h), which this program loads although the machine may have no
+// driver, to check it: it loads, LibTorch's CUDA library with it, CUDA is answered without a GPU, its
+// CPU ops run, c10d's Gloo comes from the wheel, and NCCL's process group is there (tests/gpu/test_cuda.cpp
+// runs it on a GPU). tests/unit/core/test_device.cpp checks that a process without a driver loads none of it.
 #include <gtest/gtest.h>
 
 #include <fstream>
@@ -17,8 +19,12 @@
 
 #include "comm/comm.h"
 #include "comm/nccl.h"
+#include "core/cuda_load.h"
 
 namespace {
+// Before any test asks LibTorch about CUDA (at static initialization, as test_util.cpp's own load).
+const bool module_loaded = (ddm::load_cuda(/*always=*/true), true);
+
 std::string maps() {
   std::ifstream in("/proc/self/maps");
   std::stringstream ss;
@@ -27,11 +33,15 @@ std::string maps() {
 }
 }  // namespace
 
-TEST(TorchBuild, IsLibTorch211WithItsCudaLibraryLoaded) {
+TEST(TorchBuild, IsLibTorch211WithItsCudaLibraryLoadedByTheModule) {
   EXPECT_EQ(TORCH_VERSION_MAJOR, 2);
   EXPECT_EQ(TORCH_VERSION_MINOR, 11);
+  ASSERT_TRUE(module_loaded);
+  EXPECT_TRUE(ddm::cuda_loaded()) << ddm::cuda_status();
+  EXPECT_EQ(ddm::cuda_status(), "loaded");
   const std::string m = maps();
   EXPECT_NE(m.find("/libtorch_cpu.so"), std::string::npos);
+  EXPECT_NE(m.find("/libddm_cuda.so"), std::string::npos);
   EXPECT_NE(m.find("/libtorch_cuda.so"), std::string::npos) << "libtorch_cuda is not loaded: CUDA ops would be missing";
   // One OpenMP runtime in the process: the wheel's (ddm's own parallel loops link it too).
   size_t gomps = 0;

@@ -1,10 +1,15 @@
 // Device selection (core/device.h) without a GPU: the rule for auto / cpu / cuda / cuda:N on
 // machines of 0, 1 and 4 GPUs given as counts, and a clear error for every spelling or device the
-// machine lacks.
+// machine lacks; where no NVIDIA driver is present, none of LibTorch's CUDA half is loaded.
 #include <cstdlib>
+#include <fstream>
+#include <sstream>
 #include <gtest/gtest.h>
 
+#include <torch/cuda.h>
+
 #include "core/config.h"
+#include "core/cuda_module.h"
 #include "core/device.h"
 #include "test_util.h"
 #include "unit/test_dist_util.h"
@@ -56,6 +61,26 @@ TEST(Device, TheConfigKeyIsCheckedAsTheConfigIsRead) {
   EXPECT_EQ(parse_config("", "t.toml", {"train.device=cuda:1"}).train.device, "cuda:1");
   EXPECT_TRUE(has(error_message([] { validate(parse_config("[train]\ndevice = \"gpu\"\n", "t.toml")); }),
                   "train.device = \"gpu\" is not one of: auto, cpu, cuda, cuda:N"));
+}
+
+// A process on a machine without an NVIDIA driver (CI's) loads no part of LibTorch's CUDA half
+// (core/cuda_module.h): not libddm_cuda.so, not libtorch_cuda. LibTorch then answers as a CPU build,
+// and asking for CUDA names why.
+TEST(Device, WithoutADriverNothingOfCudaIsLoaded) {
+  if (cuda_loaded()) GTEST_SKIP() << "this process loaded CUDA (" << cuda_status() << ")";
+  if (std::getenv("DDM_CUDA") == nullptr) {
+    EXPECT_TRUE(has(cuda_status(), "not loaded: no NVIDIA driver here")) << cuda_status();
+  }
+  std::ifstream in("/proc/self/maps");
+  std::stringstream maps;
+  maps << in.rdbuf();
+  EXPECT_FALSE(has(maps.str(), "libtorch_cuda.so"));
+  EXPECT_FALSE(has(maps.str(), "libddm_cuda.so"));
+  EXPECT_EQ(torch::cuda::device_count(), 0u);
+  EXPECT_TRUE(has(error_message([] { resolve_device("cuda", 0, "train.device"); }),
+                  "train.device = cuda, but this machine has no CUDA GPU that LibTorch can use (CUDA not loaded: "))
+      << error_message([] { resolve_device("cuda", 0, "train.device"); });
+  EXPECT_TRUE(has(error_message([] { cuda_module(); }), "CUDA is needed here, but LibTorch's CUDA libraries are not loaded"));
 }
 
 }  // namespace
