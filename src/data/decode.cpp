@@ -107,6 +107,22 @@ torch::Tensor decode_webp(std::string_view bytes, int channels, const std::strin
 
 bool is_decodable(const std::string& ext) { return ext == "jpg" || ext == "jpeg" || ext == "png" || ext == "webp"; }
 
+const std::pair<const std::string, std::string>* sample_image(const std::map<std::string, std::string>& files,
+                                                              const std::string& what) {
+  const std::pair<const std::string, std::string>* image = nullptr;
+  std::string exts;
+  int n = 0;
+  for (const auto& f : files) {
+    if (!is_decodable(f.first)) continue;
+    if (image == nullptr) image = &f;
+    exts += (n++ ? " and ." : ".") + f.first;
+  }
+  DDM_CHECK(n <= 1, what << " has " << n << " images (" << exts << "): the files of one name up to its first dot are "
+                         << "one sample, which holds one image. Rename all but one (or set data.skip_bad = true to "
+                         << "skip such samples)");
+  return image;
+}
+
 torch::Tensor decode_image(std::string_view bytes, const std::string& ext, int channels, const std::string& what) {
   DDM_CHECK(channels == 1 || channels == 3, what << ": images decode to 1 or 3 channels, not " << channels);
   DDM_CHECK(!bytes.empty(), what << ": the ." << ext << " file is empty");

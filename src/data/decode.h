@@ -4,6 +4,7 @@
 // claiming a huge image is an error, not an allocation.
 #pragma once
 #include <cstdint>
+#include <map>
 #include <string>
 #include <string_view>
 
@@ -17,6 +18,12 @@ inline constexpr int64_t kMaxDecodedPixels = int64_t(1) << 25;
 
 // True for the extensions decode_image reads: jpg, jpeg, png, webp.
 bool is_decodable(const std::string& ext);
+
+// The one image among a sample's files (extension -> bytes): nullptr where there is none. Two or
+// more (a.jpg and a.png in one tar are one sample, the files of one name up to its first dot) are an
+// error naming `what` and their extensions: which one the sample meant is unknown.
+const std::pair<const std::string, std::string>* sample_image(const std::map<std::string, std::string>& files,
+                                                              const std::string& what);
 
 // Decodes `bytes` (a file of type `ext`) to uint8 [channels, H, W]: channels 1 (luma, BT.601
 // weights, for a colour source) or 3 (grey replicated, for a grey source); alpha is dropped. The

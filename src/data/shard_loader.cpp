@@ -51,12 +51,7 @@ Decoded decode_one(const ShardSample& s, const SampleRef& ref, int64_t epoch, co
       d.context = std::move(e.context), d.context_mask = std::move(e.context_mask), d.pooled = std::move(e.pooled);
       return d;
     }
-    const std::pair<const std::string, std::string>* img = nullptr;
-    for (const auto& f : s.files)
-      if (is_decodable(f.first)) {
-        img = &f;
-        break;
-      }
+    const std::pair<const std::string, std::string>* img = sample_image(s.files, what);
     DDM_CHECK(img, what << " has no image (.jpg, .jpeg, .png or .webp)");
     if (o.text_encodings) {  // images that `ddm encode --text` kept, with their captions' encodings
       const auto st = s.files.find("safetensors");

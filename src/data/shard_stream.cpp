@@ -20,10 +20,10 @@
 namespace ddm {
 namespace {
 
-bool has_content(const ShardSample& s, SampleContent content) {
-  for (const auto& f : s.files)
-    if (content == SampleContent::kImage ? is_decodable(f.first) : f.first == "safetensors") return true;
-  return false;
+// Whether the sample has its content; two images are an error (sample_image).
+bool has_content(const ShardSample& s, SampleContent content, const std::string& what) {
+  if (content == SampleContent::kImage) return sample_image(s.files, what) != nullptr;
+  return s.files.count("safetensors") > 0;
 }
 
 // What to do about a sample without its image: a label or caption apart from its picture means the
@@ -79,7 +79,7 @@ ShardScan scan_one(const std::string& path, bool skip_bad, SampleContent content
       int64_t label = -1;
       bool captioned = false;
       try {
-        DDM_CHECK(has_content(smp, content), what << " has no " << content_text(content) << "; its files: "
+        DDM_CHECK(has_content(smp, content, what), what << " has no " << content_text(content) << "; its files: "
                                        << [&] {
                                             std::string t;
                                             for (const auto& f : smp.files) t += (t.empty() ? "." : ", .") + f.first;

@@ -267,6 +267,38 @@ TEST(ShardLoader, ABadSampleStopsTheRunNamingShardAndKeyOrWithSkipBadIsSkippedAn
   EXPECT_TRUE(has(lenient.last_skip(), "img4")) << lenient.last_skip();
 }
 
+// Two images of one name (img1.jpg beside img1.png: one sample by WebDataset's rule) are refused by
+// the scan, naming both, and with skip_bad skipped like any bad sample: which one was meant is unknown.
+TEST(ShardLoader, TwoImagesOfOneNameAreNamedOrWithSkipBadSkipped) {
+  test::TempDir dir;
+  const Dataset data = random_data(3, 3, 8, 8);
+  {
+    TarShardWriter w(dir.path + "/twins.tar");
+    for (int64_t i = 0; i < 3; ++i) {
+      ShardSample s;
+      s.key = "img" + std::to_string(i);
+      s.files["png"] = png_of(data.images[i]);
+      s.files["cls"] = std::to_string(i);
+      if (i == 1) s.files["jpg"] = png_of(data.images[0]);
+      w.add(s);
+    }
+    w.finish();
+  }
+  const std::string path = dir.path + "/twins.tar";
+  const std::string e = test::error_message([&] { index_of(path); });
+  EXPECT_TRUE(has(e, "sample 'img1' has 2 images (.jpg and .png)")) << e;
+  EXPECT_TRUE(has(e, "Rename all but one (or set data.skip_bad = true")) << e;
+  ShardOrder o;
+  o.shuffle = false;
+  ShardLoaderOptions lo = options(2, 8, 3);
+  lo.skip_bad = true;
+  ShardLoader lenient(index_of(path, /*skip_bad=*/true), o, lo);
+  const Batch b = lenient.next(0, 2);
+  EXPECT_EQ(b.y[0].item<int64_t>(), 0);
+  EXPECT_EQ(b.y[1].item<int64_t>(), 2);  // img1 skipped
+  EXPECT_EQ(lenient.skipped(), 1);
+}
+
 // The scan cache (data/scan_cache.h): a second scan of unchanged shards reads the cache, not the
 // tars; a shard whose modification time changed is scanned again; a shard with a bad sample is never
 // cached, so its fault is found again; a malformed cache file is ignored and replaced; the directory
