@@ -778,8 +778,9 @@ void validate_data(const RunConfig& c) {
               "model.controlnet and model.embed condition on images, and data.source = latents has none; train them "
               "on the images");
   } else {
-    DDM_CHECK(c.data.resolution == 0 && !c.data.skip_bad && c.data.crop == "center",
-              "data.resolution, data.crop and data.skip_bad apply to data.source = shards only (this is "
+    // (A folder, a safetensors file or Fashion-MNIST keeps its images' own size and channels.)
+    DDM_CHECK(c.data.resolution == 0 && c.data.channels == 0 && !c.data.skip_bad && c.data.crop == "center",
+              "data.resolution, data.channels, data.crop and data.skip_bad apply to data.source = shards only (this is "
                   << c.data.source << ")");
   }
   check_choice("data.split", c.data.split, {"train", "test"});

@@ -90,6 +90,12 @@ TEST(Config, OutOfRangeValues) {
   EXPECT_NE(error_of("", {"diffusion.objective=score"}).find("not one of: flow, eps, v"), std::string::npos);
   EXPECT_NE(error_of("", {"model.preset=huge"}).find("huge"), std::string::npos);
   EXPECT_NE(error_of("", {"train.steps"}).find("expected section.key=value"), std::string::npos);
+  // Keys of shards only are refused elsewhere, not ignored (a folder keeps its images' channels).
+  EXPECT_NE(error_of("", {"data.source=folder", "data.channels=1"})
+                .find("data.resolution, data.channels, data.crop and data.skip_bad apply to data.source = shards only "
+                      "(this is folder)"),
+            std::string::npos)
+      << error_of("", {"data.source=folder", "data.channels=1"});
 }
 
 // A bucket size becomes bytes (mb * 2^20, truncated): one that would round to (almost) nothing, or
