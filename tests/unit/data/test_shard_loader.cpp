@@ -6,6 +6,8 @@
 // latent shards read back as their posteriors, with the class names encode.json records.
 #include <gtest/gtest.h>
 
+#include <functional>
+
 #include <chrono>
 #include <filesystem>
 #include <fstream>
@@ -39,6 +41,21 @@ Dataset random_data(int64_t n, int64_t c, int64_t h, int64_t w) {
   d.num_classes = 10;
   d.description = "random";
   return d;
+}
+
+// A shard of the images of `data` as samples img0, img1, ... (a PNG and its label), each given to
+// `edit` before it is written.
+void write_labelled_tar(const std::string& path, const Dataset& data, const std::function<void(int64_t, ShardSample&)>& edit) {
+  TarShardWriter w(path);
+  for (int64_t i = 0; i < data.images.size(0); ++i) {
+    ShardSample s;
+    s.key = "img" + std::to_string(i);
+    s.files["png"] = png_of(data.images[i]);
+    s.files["cls"] = std::to_string(i);
+    edit(i, s);
+    w.add(s);
+  }
+  w.finish();
 }
 
 std::shared_ptr<const ShardIndex> index_of(const std::string& pattern, bool skip_bad = false) {
@@ -227,19 +244,10 @@ TEST(ShardLoader, SamplesLeftOutAreNeverDrawnAndEachRowCarriesItsOwnCluster) {
 TEST(ShardLoader, ABadSampleStopsTheRunNamingShardAndKeyOrWithSkipBadIsSkippedAndCounted) {
   test::TempDir dir;
   const Dataset data = random_data(6, 3, 8, 8);
-  {
-    TarShardWriter w(dir.path + "/bad.tar");
-    for (int64_t i = 0; i < 6; ++i) {
-      ShardSample s;
-      s.key = "img" + std::to_string(i);
-      s.files["png"] = png_of(data.images[i]);
-      s.files["cls"] = std::to_string(i);
-      if (i == 2) s.files["png"] = "not a png at all";
-      if (i == 4) s.files["cls"] = "four";
-      w.add(s);
-    }
-    w.finish();
-  }
+  write_labelled_tar(dir.path + "/bad.tar", data, [](int64_t i, ShardSample& s) {
+    if (i == 2) s.files["png"] = "not a png at all";
+    if (i == 4) s.files["cls"] = "four";
+  });
   const std::string path = dir.path + "/bad.tar";
   ShardOrder o;
   o.shuffle = false;
@@ -272,18 +280,9 @@ TEST(ShardLoader, ABadSampleStopsTheRunNamingShardAndKeyOrWithSkipBadIsSkippedAn
 TEST(ShardLoader, TwoImagesOfOneNameAreNamedOrWithSkipBadSkipped) {
   test::TempDir dir;
   const Dataset data = random_data(3, 3, 8, 8);
-  {
-    TarShardWriter w(dir.path + "/twins.tar");
-    for (int64_t i = 0; i < 3; ++i) {
-      ShardSample s;
-      s.key = "img" + std::to_string(i);
-      s.files["png"] = png_of(data.images[i]);
-      s.files["cls"] = std::to_string(i);
-      if (i == 1) s.files["jpg"] = png_of(data.images[0]);
-      w.add(s);
-    }
-    w.finish();
-  }
+  write_labelled_tar(dir.path + "/twins.tar", data, [&](int64_t i, ShardSample& s) {
+    if (i == 1) s.files["jpg"] = png_of(data.images[0]);
+  });
   const std::string path = dir.path + "/twins.tar";
   const std::string e = test::error_message([&] { index_of(path); });
   EXPECT_TRUE(has(e, "sample 'img1' has 2 images (.jpg and .png)")) << e;
