@@ -6,11 +6,10 @@
 // latent shards read back as their posteriors, with the class names encode.json records.
 #include <gtest/gtest.h>
 
-#include <functional>
-
 #include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <set>
 
 #include <nlohmann/json.hpp>
