@@ -24,9 +24,9 @@
 #include <string>
 #include <vector>
 
-#include "core/cuda_load.h"
 #include "cli_util.h"
 #include "comm/env.h"
+#include "core/cuda_load.h"
 #include "core/error.h"
 #include "core/runtime.h"
 #include "core/suggest.h"

@@ -70,11 +70,11 @@
 #include <torch/cuda.h>
 #include <torch/torch.h>
 
-#include "core/cuda_load.h"
 #include "comm/comm.h"
 #include "comm/env.h"
 #include "comm/grad_sync.h"
 #include "core/config.h"
+#include "core/cuda_load.h"
 #include "core/device.h"
 #include "core/error.h"
 #include "core/presets.h"

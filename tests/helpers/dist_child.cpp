@@ -10,9 +10,9 @@
 
 #include <torch/torch.h>
 
-#include "core/cuda_load.h"
 #include "comm/comm.h"
 #include "comm/env.h"
+#include "core/cuda_load.h"
 #include "unit/test_dist_util.h"
 
 int main() {
