@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <future>
 #include <map>
 #include <thread>
 
@@ -119,6 +120,7 @@ namespace {
 std::shared_ptr<Comm> Comm::create_impl(const DistEnv& env, CommOptions options, bool form_group) {
   std::shared_ptr<Comm> comm(new Comm(env.rank, env.world_size, options));
   if (!env.distributed()) return comm;
+  comm->store_host_ = env.agent_store ? "the launcher" : "rank 0";
   const std::string where = env.master_addr + ":" + std::to_string(env.master_port);
   const bool server = env.rank == 0 && !env.agent_store;
   c10d::TCPStoreOptions so;
@@ -163,6 +165,7 @@ std::shared_ptr<Comm> Comm::create_for_test(c10::intrusive_ptr<c10d::Store> stor
                                             CommOptions options, bool form_group) {
   DDM_CHECK(world >= 1 && rank >= 0 && rank < world, "create_for_test: rank " << rank << " of world " << world);
   std::shared_ptr<Comm> comm(new Comm(rank, world, options));
+  comm->store_host_ = "the test's process";
   if (world > 1 && form_group) {
     comm->connect(std::move(store), "the test store", /*loopback=*/true);
   } else if (world > 1) {
@@ -182,6 +185,7 @@ std::shared_ptr<Comm> Comm::subgroup(const std::string& name, const std::vector<
   std::shared_ptr<Comm> comm(new Comm(static_cast<int>(me - members.begin()), static_cast<int>(members.size()), o));
   comm->base_store_ = base_store_;
   comm->where_ = where_;
+  comm->store_host_ = store_host_;
   comm->loopback_ = loopback_;
   comm->members_ = members;
   if (members.size() > 1) comm->connect(base_store_, where_, loopback_);
@@ -251,15 +255,19 @@ void Comm::connect(c10::intrusive_ptr<c10d::Store> store, const std::string& whe
   os << "rank " << job_rank() << ": ";
   if (contains(msg, "Timed out") || contains(msg, "timed out") || contains(msg, "Timeout") ||
       contains(msg, "timing out")) {
-    os << op << " timed out after " << seconds_str(options_.timeout) << " waiting for "
-       << (world_ == 2 ? "rank " + std::to_string(job_rank_of(1 - rank_)) + " (hung, stopped or much slower)"
-                       : std::string("the other ranks (a rank is hung, stopped or much slower)"))
+    std::string whom = world_ == 2 ? "rank " + std::to_string(job_rank_of(1 - rank_)) + " (hung, stopped or much slower)"
+                                   : std::string();
+    if (whom.empty() && broken_.empty()) whom = probe_peers(op);
+    if (whom.empty()) whom = "the other ranks (a rank is hung, stopped or much slower)";
+    os << op << " timed out after " << seconds_str(options_.timeout) << " waiting for " << whom
        << "; raise parallel.timeout if "
           "a rank legitimately needs longer between collectives ("
        << lib << ": " << msg << ")";
   } else if (contains(msg, "closed by peer") || contains(msg, "reset by peer") || contains(msg, "Socket closed") ||
              contains(msg, "unexpectedly closed") || contains(msg, "Broken pipe") || contains(msg, "Read error") ||
              contains(msg, "Write error") || contains(msg, "Connection refused")) {
+    // With more ranks, a rank that times out meanwhile reads this, so it does not name this one as hung.
+    if (world_ > 2 && broken_.empty()) report_failure("lost", op);
     os << "lost the connection to " << (world_ == 2 ? "rank " + std::to_string(job_rank_of(1 - rank_)) : "a peer rank")
        << " during " << op << " (it exited or was killed); the job stops (" << lib << ": " << msg << ")";
   } else {
@@ -267,6 +275,104 @@ void Comm::connect(c10::intrusive_ptr<c10d::Store> store, const std::string& whe
   }
   if (broken_.empty()) broken_ = os.str();
   throw Error(os.str());
+}
+
+void Comm::report_failure(const std::string& how, const std::string& op) {
+  if (!store_ || options_.probe_wait.count() == 0) return;
+  const std::string v = how + "\t" + op;
+  try {
+    store_->set("failed/" + std::to_string(rank_), std::vector<uint8_t>(v.begin(), v.end()));  // sends only
+  } catch (const std::exception&) {
+    // The store is gone too: nothing to tell the others through it.
+  }
+}
+
+namespace {
+std::string rank_list(const std::vector<int>& ranks) {
+  std::string s = ranks.size() == 1 ? "rank " : "ranks ";
+  for (size_t i = 0; i < ranks.size(); ++i) s += (i ? ", " : "") + std::to_string(ranks[i]);
+  return s;
+}
+}  // namespace
+
+std::string Comm::probe_peers(const std::string& op) {
+  using std::chrono::milliseconds;
+  const milliseconds wait = options_.probe_wait.count() >= 0
+                                ? options_.probe_wait
+                                : std::clamp(milliseconds(options_.timeout.count() / 4), milliseconds(1000), milliseconds(10000));
+  if (wait.count() == 0 || world_ <= 2 || !store_) return "";
+  // Each rank whose collective failed writes what it was in under "failed/<group rank>", then waits
+  // for the others' keys. On a thread of its own: if the store's host is the stopped process, a store
+  // call can block for good, and this rank must still fail. Such a thread is left behind (detached,
+  // holding the store); the process is about to stop with the error anyway.
+  auto answer = std::make_shared<std::promise<std::vector<std::string>>>();
+  auto reported = answer->get_future();
+  std::thread([store = store_, world = world_, wait, answer] {
+    try {
+      std::vector<std::string> keys;
+      for (int r = 0; r < world; ++r) keys.push_back("failed/" + std::to_string(r));
+      // Polled rather than a store wait, whose timeout c10d logs as a warning on every rank.
+      const auto deadline = std::chrono::steady_clock::now() + wait;
+      while (!store->check(keys) && std::chrono::steady_clock::now() < deadline)
+        std::this_thread::sleep_for(milliseconds(50));
+      std::vector<std::string> ops(world);  // "" where the rank did not report
+      for (int r = 0; r < world; ++r)
+        if (store->check({keys[r]})) {
+          const auto v = store->get(keys[r]);
+          ops[r] = v.empty() ? "?" : std::string(v.begin(), v.end());
+        }
+      answer->set_value(ops);
+    } catch (...) {
+      answer->set_exception(std::current_exception());
+    }
+  }).detach();
+  report_failure("timeout", op);  // after the thread started: a store that blocks this one too is timed
+  if (reported.wait_for(wait + milliseconds(3000)) != std::future_status::ready)
+    return "the other ranks (a rank is hung, stopped or much slower, and " + where_ + " did not answer either: " +
+           store_host_ + " serves it, so it may be the one stopped)";
+  std::vector<std::string> ops;
+  try {
+    ops = reported.get();
+  } catch (const std::exception& e) {
+    return "the other ranks (a rank is hung, stopped or much slower; " + where_ + " failed too: " +
+           strip_location(e.what()) + ")";
+  }
+  std::vector<int> silent, lost;
+  std::map<std::string, std::vector<int>> by_op;  // the collective each rank that timed out was in
+  for (int r = 0; r < world_; ++r) {
+    const size_t tab = ops[r].find('\t');
+    if (ops[r].empty()) silent.push_back(job_rank_of(r));
+    else if (ops[r].rfind("lost\t", 0) == 0) lost.push_back(job_rank_of(r));
+    else by_op[tab == std::string::npos ? ops[r] : ops[r].substr(tab + 1)].push_back(job_rank_of(r));
+  }
+  std::ostringstream os;
+  if (!silent.empty()) {
+    os << rank_list(silent) << " (hung, stopped or much slower: of the " << world_ << " ranks, "
+       << (silent.size() == 1 ? "it alone" : "they") << " did not report the failure within " << seconds_str(wait);
+    if (!lost.empty())
+      os << "; " << rank_list(lost) << (lost.size() == 1 ? " has" : " have")
+         << " lost a connection, so it may also have exited or been killed";
+    os << ")";
+    return os.str();
+  }
+  // Every rank failed in a collective of its own: not a hung rank, but ranks that disagree on what to
+  // run next (or one that came so late that the others had given up).
+  os << "the other ranks (every rank reported a failure:";
+  const char* sep = " ";
+  if (!lost.empty()) {
+    os << sep << rank_list(lost) << " lost a connection";
+    sep = ", ";
+  }
+  bool first = true;
+  for (const auto& [what, ranks] : by_op) {
+    os << sep << rank_list(ranks) << (first ? " timed out in " : " in ") << what;
+    sep = ", ";
+    first = false;
+  }
+  if (by_op.size() > 1) os << "; the ranks ran different collectives, so their code paths or configs differ";
+  else if (lost.empty()) os << "; a rank may have entered it much later than the others";
+  os << ")";
+  return os.str();
 }
 
 void Comm::close(const std::string& why) {

@@ -34,6 +34,11 @@ struct CommOptions {
   // Store keys of this group live under "ddm/<group>/", so a rebuilt group (after a failure) can use
   // a fresh name on the same store.
   std::string group = "pg0";
+  // After a collective times out in a group of more than two, each rank that failed says so on the
+  // store and waits this long for the others to say so too; the ranks that did not are named as the
+  // hung ones. Negative: a quarter of `timeout`, at least 1 s and at most 10 s; zero: no probe
+  // (DiLoCo's ElasticGroup keeps its own account of who is alive).
+  std::chrono::milliseconds probe_wait{-1};
   // >= 0: this rank's CUDA GPU, and the data collectives (all-reduce, broadcast, send / receive) of
   // tensors on it go over NCCL (parallel.backend, docs/gpu.md); Gloo carries everything else.
   int nccl_device = -1;
@@ -132,6 +137,13 @@ class Comm {
   template <class F>
   auto guarded(const std::string& op, F&& f) -> decltype(f());
   [[noreturn]] void fail(const std::string& op, const std::string& what);
+  // After `op` timed out in a group of more than two: who is hung, as fail()'s message says it
+  // ("rank 2 (hung, ...: it alone did not report ...)"), from what each failed rank wrote on the store
+  // within probe_wait; "" without a probe. Bounded even when the store's host is the stopped process.
+  std::string probe_peers(const std::string& op);
+  // Writes "failed/<group rank>" = "<how>\t<op>" on the group's store for probe_peers ("timeout" or
+  // "lost"); never throws.
+  void report_failure(const std::string& how, const std::string& op);
   void check_usable(const std::string& op) const;
 
   int rank_ = 0, world_ = 1;
@@ -142,6 +154,7 @@ class Comm {
   c10::intrusive_ptr<c10d::Store> store_, base_store_;
   std::vector<int> members_;  // a subgroup's job ranks by group rank (empty: the whole job)
   std::string where_;     // the store, for messages
+  std::string store_host_ = "rank 0";  // who serves the store: "rank 0", "the launcher" (messages)
   bool loopback_ = true;  // Gloo's device: loopback, or this host's address / GLOO_SOCKET_IFNAME
   c10::intrusive_ptr<c10d::ProcessGroupGloo> pg_;
   c10::intrusive_ptr<c10d::Backend> nccl_;  // with options_.nccl_device >= 0 and world > 1

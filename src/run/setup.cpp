@@ -119,6 +119,8 @@ CommOptions comm_options(const ParallelConfig& p) {
   CommOptions o;
   o.timeout = std::chrono::milliseconds(static_cast<int64_t>(p.timeout * 1000));
   o.connect_timeout = o.timeout;  // a rank started long before rank 0 (a busy Slurm node) waits as long
+  // DiLoCo's ElasticGroup regroups after a failure and keeps its own account of who is alive.
+  if (p.mode == SyncMode::kDiloco) o.probe_wait = std::chrono::milliseconds(0);
   return o;
 }
 

@@ -1,16 +1,18 @@
 // Data-parallel `ddm train` as real processes on 127.0.0.1: under `ddm launch` two ranks train what
 // one process trains (within float32 rounding); a worker killed with kill -9 is restarted with the
 // others and the run ends bit-identical to an uninterrupted one; a run resumes under another world
-// size; a hung (SIGSTOPped) worker fails the others after the collective timeout; SIGTERM to one
-// rank stops every rank after the same step with a checkpoint; and every bad start (store
-// unreachable, port taken, ranks with different configs, a batch that does not split) is a clear
-// error naming the rank, with nothing left running. Pipeline stages (parallel.pp) face the same faults.
+// size; a hung (SIGSTOPped) worker fails the others after the collective timeout, and with three
+// ranks the two that time out name it; SIGTERM to one rank stops every rank after the same step with a
+// checkpoint; and every bad start (store unreachable, port taken, ranks with different configs, a
+// batch that does not split) is a clear error naming the rank, with nothing left running. Pipeline
+// stages (parallel.pp) face the same faults.
 #include <gtest/gtest.h>
 
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
@@ -159,21 +161,35 @@ std::string rank_one_killed(const Workdir& r, const std::string& out, const std:
   return log;
 }
 
-// Trains `out` under `ddm launch` with parallel.timeout = 3, stops worker 1 with SIGSTOP after the
-// first checkpoint; the other must fail after the timeout, well before Gloo's 30 minutes. Checks
-// that and returns the launcher's log.
-std::string worker_one_hung(const Workdir& r, const std::string& out, const std::string& sets) {
+// A worker's RANK, from its environment (-1 if it has none).
+int rank_of(pid_t pid) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/environ");
+  std::string var;
+  while (std::getline(in, var, '\0'))
+    if (var.rfind("RANK=", 0) == 0) return std::stoi(var.substr(5));
+  return -1;
+}
+
+// Trains `out` under `ddm launch` with `nproc` workers and parallel.timeout = 3, stops rank 1 with
+// SIGSTOP after the first checkpoint; the others must fail after the timeout, well before Gloo's 30
+// minutes. Checks that and returns the launcher's log.
+std::string worker_one_hung(const Workdir& r, const std::string& out, const std::string& sets, int nproc = 2) {
   const std::string log = r.dir / (out + ".log");
-  const pid_t launcher = test::spawn_ddm("", "launch --timeout 200 --grace 2 --nproc 2 -- " +
+  const pid_t launcher = test::spawn_ddm("", "launch --timeout 200 --grace 2 --nproc " + std::to_string(nproc) + " -- " +
                                        r.train(out, sets + " --set train.steps=100000 --set parallel.timeout=3"),
                                log);
   wait_for_checkpoints(r.dir / out, 1, 120);
   auto workers = test::child_pids(launcher);
-  if (workers.size() != 2u) {
-    ADD_FAILURE() << "expected 2 workers: " << test::read_text(log);
+  if (workers.size() != static_cast<size_t>(nproc)) {
+    ADD_FAILURE() << "expected " << nproc << " workers: " << test::read_text(log);
     return "";
   }
-  kill(workers[1], SIGSTOP);
+  const auto one = std::find_if(workers.begin(), workers.end(), [](pid_t p) { return rank_of(p) == 1; });
+  if (one == workers.end()) {
+    ADD_FAILURE() << "no worker has RANK=1: " << test::read_text(log);
+    return "";
+  }
+  kill(*one, SIGSTOP);
   // Bounded by the wait (Gloo's own timeout is 30 minutes), not timed: the message says which
   // timeout stopped it.
   EXPECT_EQ(test::wait_exit(launcher, 120), 0) << test::read_text(log);
@@ -235,10 +251,19 @@ TEST(Distributed, AKilledRankFailsTheOtherWithinSecondsNamingIt) {
   EXPECT_FALSE(list_checkpoints(r.dir / "lost").empty());
 }
 
+// Three workers: the two that time out name the stopped one.
 TEST(Distributed, AHungWorkerFailsTheOthersAfterTheTimeout) {
   Workdir r;
-  const std::string out = worker_one_hung(r, "hung", "");
-  EXPECT_TRUE(has(out, "rank 0")) << out;
+  const std::string out = worker_one_hung(r, "hung", " --set train.batch_size=15", 3);
+  // Under ddm launch an error line reads "[rank R] error: ..." (docs/distributed.md).
+  for (const char* rank : {"[rank 0] error: ", "[rank 2] error: "}) {
+    const size_t at = out.find(rank);
+    ASSERT_NE(at, std::string::npos) << out;
+    EXPECT_TRUE(has(out.substr(at, out.find('\n', at) - at),
+                    "timed out after 3s waiting for rank 1 (hung, stopped or much slower: of the 3 ranks, it alone did "
+                    "not report the failure within 1s)"))
+        << out;
+  }
   EXPECT_FALSE(list_checkpoints(r.dir / "hung").empty());
 }
 

@@ -1,14 +1,17 @@
 // src/comm: environment detection for every launcher (and every malformed variable), Slurm
 // hostlists, the Comm collectives and their error messages (ranks as threads on a shared HashStore,
-// plus real processes over TCP on 127.0.0.1), and GradSync's buckets, hooks and averaged gradients.
+// plus real processes over TCP on 127.0.0.1) with the hung rank named among more than two, and
+// ElasticGroup's regrouping.
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <spawn.h>
 #include <sys/wait.h>
 
+#include <atomic>
 #include <functional>
 #include <future>
 #include <map>
+#include <thread>
 
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
@@ -325,6 +328,65 @@ TEST(DistComm, PeerThatNeverJoinsTimesOut) {
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(60));
 }
 
+// With more than two ranks, the ranks that time out name the hung one: each failed rank reports on the
+// store and waits a moment for the others (Comm::probe_peers).
+TEST(DistComm, AHungRankAmongFourIsNamedByTheOthers) {
+  std::atomic<int> failed{0};
+  std::promise<void> all_failed;
+  auto released = all_failed.get_future().share();
+  const auto errors = run_ranks(4, short_timeouts(2000), [&](Comm& c) {
+    auto t = torch::ones({4});
+    if (c.rank() == 2) {  // alive, but never joins the all-reduce
+      released.wait();
+      return;
+    }
+    const auto msg = shown(error_message([&] { c.allreduce_sum(t); }));
+    if (++failed == 3) all_failed.set_value();
+    EXPECT_TRUE(has(msg, "rank " + std::to_string(c.rank()) +
+                             ": all-reduce timed out after 2s waiting for rank 2 (hung, stopped or much slower: of "
+                             "the 4 ranks, it alone did not report the failure within 1s)"))
+        << msg;
+  });
+  for (const auto& e : errors) EXPECT_EQ(e, "");
+}
+
+// A rank that lost a connection reports that too, so the ranks that time out name only the one that
+// is silent, and say it may be gone: rank 3 leaves (its connections close), rank 0 waits on it, ranks
+// 1 and 2 on each other.
+TEST(DistComm, RanksThatLostAConnectionAreNotNamedAsHung) {
+  const auto errors = run_ranks(4, short_timeouts(2000), [&](Comm& c) {
+    auto t = torch::ones({4});
+    if (c.rank() == 3) return c.close("leaving");
+    const int peer = c.rank() == 0 ? 3 : 3 - c.rank();
+    c.wait(c.recv_async(t, peer, 5), "receive from rank " + std::to_string(peer));
+  });
+  EXPECT_TRUE(has(errors[0], "rank 0: lost the connection to a peer rank during receive from rank 3")) << errors[0];
+  for (int r : {1, 2})
+    EXPECT_TRUE(has(errors[r], "waiting for rank 3 (hung, stopped or much slower: of the 4 ranks, it alone did not "
+                               "report the failure within 1s; rank 0 has lost a connection, so it may also have "
+                               "exited or been killed)"))
+        << r << ": " << errors[r];
+  EXPECT_EQ(errors[3], "");
+}
+
+// Every rank timed out, each in a collective the others did not run: named as different code paths.
+TEST(DistComm, RanksInDifferentCollectivesAreToldSo) {
+  const auto errors = run_ranks(3, short_timeouts(2000), [&](Comm& c) {
+    auto t = torch::ones({4});
+    if (c.rank() == 2) {  // expects a message rank 0 never sends
+      auto w = c.recv_async(t, 0, 777);
+      c.wait(w, "receive from rank 0");
+      return;
+    }
+    c.allreduce_sum(t);
+  });
+  for (int r = 0; r < 3; ++r)
+    EXPECT_TRUE(has(errors[r], "waiting for the other ranks (every rank reported a failure: ranks 0, 1 timed out in "
+                               "all-reduce, rank 2 in receive from rank 0; the ranks ran different collectives, so "
+                               "their code paths or configs differ)"))
+        << r << ": " << errors[r];
+}
+
 TEST(DistComm, RendezvousErrors) {
   DistEnv env;
   env.world_size = 2;
@@ -392,12 +454,25 @@ TEST(DistComm, ClientWaitsForTheStoreOverTcp) {
   EXPECT_EQ(error1, "");
 }
 
-// Two real processes over TCP on 127.0.0.1: this one rank 0, a helper program rank 1, configured by
-// the environment like a real launch; then the helper is killed while an all-reduce waits for it.
-TEST(DistProcess, TwoProcessesOverTcp) {
-  const int port = ddm::test::free_port();
-  std::vector<std::string> env_strings = {"RANK=1", "WORLD_SIZE=2", "MASTER_ADDR=127.0.0.1",
-                                          "MASTER_PORT=" + std::to_string(port)};
+namespace {
+struct Reaper {  // no process is left behind, whatever happens in a test
+  pid_t pid = -1;
+  int status = 0;
+  bool reaped = false;
+  void kill_and_reap() {
+    if (reaped || pid < 0) return;
+    ::kill(pid, SIGKILL);
+    waitpid(pid, &status, 0);
+    reaped = true;
+  }
+  ~Reaper() { kill_and_reap(); }
+};
+
+// Starts tests/helpers/dist_child as job rank `rank` of `world` (with `arg`, if any), its environment
+// as a real launch gives it.
+void spawn_dist_child(Reaper& reaper, int rank, int world, int port, const std::string& arg = "") {
+  std::vector<std::string> env_strings = {"RANK=" + std::to_string(rank), "WORLD_SIZE=" + std::to_string(world),
+                                          "MASTER_ADDR=127.0.0.1", "MASTER_PORT=" + std::to_string(port)};
   std::vector<char*> envp;
   for (char** e = environ; *e; ++e) {
     const std::string kv = *e;
@@ -407,22 +482,21 @@ TEST(DistProcess, TwoProcessesOverTcp) {
   }
   for (auto& s : env_strings) envp.push_back(s.data());
   envp.push_back(nullptr);
-  std::string helper = ddm::test::helper_binary("dist_child");  // rank 1 (tests/helpers/dist_child.cpp)
-  char* argv[] = {helper.data(), nullptr};
-  pid_t child = -1;
-  ASSERT_EQ(posix_spawn(&child, helper.c_str(), nullptr, nullptr, argv, envp.data()), 0) << helper;
-  struct Reaper {  // no process is left behind, whatever happens below
-    pid_t pid;
-    int status = 0;
-    bool reaped = false;
-    void kill_and_reap() {
-      if (reaped) return;
-      ::kill(pid, SIGKILL);
-      waitpid(pid, &status, 0);
-      reaped = true;
-    }
-    ~Reaper() { kill_and_reap(); }
-  } reaper{child};
+  std::string helper = ddm::test::helper_binary("dist_child"), a = arg;
+  std::vector<char*> argv{helper.data()};
+  if (!a.empty()) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  ASSERT_EQ(posix_spawn(&reaper.pid, helper.c_str(), nullptr, nullptr, argv.data(), envp.data()), 0) << helper;
+}
+}  // namespace
+
+// Two real processes over TCP on 127.0.0.1: this one rank 0, a helper program rank 1, configured by
+// the environment like a real launch; then the helper is killed while an all-reduce waits for it.
+TEST(DistProcess, TwoProcessesOverTcp) {
+  const int port = ddm::test::free_port();
+  Reaper reaper;
+  spawn_dist_child(reaper, 1, 2, port);  // rank 1 (tests/helpers/dist_child.cpp)
+  ASSERT_GT(reaper.pid, 0);
 
   DistEnv env;
   env.world_size = 2;
@@ -456,6 +530,49 @@ TEST(DistProcess, TwoProcessesOverTcp) {
   EXPECT_TRUE(has(msg, "rank 0: lost the connection to rank 1 during all-reduce (it exited or was killed); the job "
                        "stops"))
       << msg;
+}
+
+// Rank 0 serves the store (Slurm, mpirun, a bare launch) and is stopped with SIGSTOP: the other ranks'
+// probe for the hung rank cannot reach the store either, and they still fail, within a bounded time,
+// saying so. Ranks 1 and 2 are threads of this process, rank 0 a helper program.
+TEST(DistProcess, RanksFailWhenTheStoppedRankServesTheStore) {
+  const int port = ddm::test::free_port();
+  Reaper reaper;
+  spawn_dist_child(reaper, 0, 3, port, "store-host");
+  ASSERT_GT(reaper.pid, 0);
+  std::atomic<int> joined{0};
+  std::vector<std::string> errors(2);
+  std::vector<std::thread> ranks;
+  for (int r = 1; r <= 2; ++r)
+    ranks.emplace_back([&, r] {
+      errors[r - 1] = error_message([&] {
+        DistEnv env;
+        env.rank = r;
+        env.world_size = 3;
+        env.master_addr = "127.0.0.1";
+        env.master_port = port;
+        env.launcher = "env";
+        auto comm = Comm::create(env, short_timeouts(2000));
+        auto t = torch::full({3}, 1.0f);
+        comm->allreduce_sum(t);  // with rank 0
+        EXPECT_TRUE(torch::equal(t, torch::full({3}, 4.0f)));
+        ++joined;
+        while (joined.load() < 3) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+        comm->allreduce_sum(t);  // rank 0 is stopped by now
+      });
+    });
+  while (joined.load() < 2) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  ::kill(reaper.pid, SIGSTOP);
+  ++joined;
+  for (auto& t : ranks) t.join();
+  for (int r = 1; r <= 2; ++r)
+    EXPECT_TRUE(has(shown(errors[r - 1]),
+                    "rank " + std::to_string(r) +
+                        ": all-reduce timed out after 2s waiting for the other ranks (a rank is hung, stopped or much "
+                        "slower, and the rendezvous store at 127.0.0.1:" +
+                        std::to_string(port) + " did not answer either: rank 0 serves it, so it may be the one stopped)"))
+        << errors[r - 1];
+  reaper.kill_and_reap();  // the probes still blocked on the stopped store end here
 }
 
 // ElasticGroup (comm/elastic.h), ranks as threads: rank 2 leaves (its connections close), the
