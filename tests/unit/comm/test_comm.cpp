@@ -729,7 +729,9 @@ TEST(DistElastic, ARoundCountsOnlyWhereEveryMemberCompletedIt) {
     auto t = torch::ones({2});
     g.comm().allreduce_sum(t);
     EXPECT_TRUE(g.completed_everywhere("s1")) << "rank " << r;
-    if (r < 2) EXPECT_FALSE(g.completed_everywhere("s2")) << "rank " << r;
+    if (r < 2) {
+      EXPECT_FALSE(g.completed_everywhere("s2")) << "rank " << r;
+    }
     g.recover("s2", "test", false);  // rank 2 at once; ranks 0 and 1 once they learn of it
     EXPECT_EQ(g.members(), (std::vector<int>{0, 1, 2}));
     t = torch::ones({2});
