@@ -57,7 +57,6 @@ class LinePrefixer {
   std::string current_;   // text since the last "\r" or "\n"
   std::string redrawn_;   // the last non-empty text ended by "\r" in this line
   bool redrawn_shown_ = false;  // redrawn_ was already emitted
-  bool pending_cr_ = false;     // the previous byte was "\r" (it may be the first half of "\r\n")
   Clock::time_point last_progress_{};
 };
 
