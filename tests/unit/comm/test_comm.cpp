@@ -8,9 +8,12 @@
 #include <sys/wait.h>
 
 #include <atomic>
+#include <condition_variable>
 #include <functional>
 #include <future>
 #include <map>
+#include <memory>
+#include <mutex>
 #include <thread>
 
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
@@ -328,23 +331,46 @@ TEST(DistComm, PeerThatNeverJoinsTimesOut) {
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(60));
 }
 
+namespace {
+// Ranks as threads that must all have failed before any lets its Comm go: a Comm destroyed early
+// closes its connections, and a rank still waiting would then fail with "lost the connection" (as a
+// real rank does when another exits) instead of the timeout a test looks at.
+class Arrivals {
+ public:
+  explicit Arrivals(int n) : left_(n) {}
+  void arrive_and_wait() {
+    std::unique_lock<std::mutex> lock(m_);
+    if (--left_ == 0) cv_.notify_all();
+    cv_.wait(lock, [&] { return left_ <= 0; });
+  }
+
+ private:
+  std::mutex m_;
+  std::condition_variable cv_;
+  int left_;
+};
+
+// A 2 s collective timeout and a probe of 4 s: the ranks' timeouts may fire seconds apart when this
+// machine is loaded (another test beside), and the probe must outlast that skew.
+CommOptions probing() {
+  CommOptions o = short_timeouts(2000);
+  o.probe_wait = std::chrono::milliseconds(4000);
+  return o;
+}
+}  // namespace
+
 // With more than two ranks, the ranks that time out name the hung one: each failed rank reports on the
 // store and waits a moment for the others (Comm::probe_peers).
 TEST(DistComm, AHungRankAmongFourIsNamedByTheOthers) {
-  std::atomic<int> failed{0};
-  std::promise<void> all_failed;
-  auto released = all_failed.get_future().share();
-  const auto errors = run_ranks(4, short_timeouts(2000), [&](Comm& c) {
+  Arrivals all(4);
+  const auto errors = run_ranks(4, probing(), [&](Comm& c) {
     auto t = torch::ones({4});
-    if (c.rank() == 2) {  // alive, but never joins the all-reduce
-      released.wait();
-      return;
-    }
+    if (c.rank() == 2) return all.arrive_and_wait();  // alive, but never joins the all-reduce
     const auto msg = shown(error_message([&] { c.allreduce_sum(t); }));
-    if (++failed == 3) all_failed.set_value();
+    all.arrive_and_wait();
     EXPECT_TRUE(has(msg, "rank " + std::to_string(c.rank()) +
                              ": all-reduce timed out after 2s waiting for rank 2 (hung, stopped or much slower: of "
-                             "the 4 ranks, it alone did not report the failure within 1s)"))
+                             "the 4 ranks, it alone did not report the failure within 4s)"))
         << msg;
   });
   for (const auto& e : errors) EXPECT_EQ(e, "");
@@ -354,16 +380,19 @@ TEST(DistComm, AHungRankAmongFourIsNamedByTheOthers) {
 // is silent, and say it may be gone: rank 3 leaves (its connections close), rank 0 waits on it, ranks
 // 1 and 2 on each other.
 TEST(DistComm, RanksThatLostAConnectionAreNotNamedAsHung) {
-  const auto errors = run_ranks(4, short_timeouts(2000), [&](Comm& c) {
+  Arrivals failed(3);
+  std::vector<std::string> errors(4);
+  run_ranks(4, probing(), [&](Comm& c) {
     auto t = torch::ones({4});
     if (c.rank() == 3) return c.close("leaving");
     const int peer = c.rank() == 0 ? 3 : 3 - c.rank();
-    c.wait(c.recv_async(t, peer, 5), "receive from rank " + std::to_string(peer));
+    errors[c.rank()] = error_message([&] { c.wait(c.recv_async(t, peer, 5), "receive from rank " + std::to_string(peer)); });
+    failed.arrive_and_wait();
   });
   EXPECT_TRUE(has(errors[0], "rank 0: lost the connection to a peer rank during receive from rank 3")) << errors[0];
   for (int r : {1, 2})
     EXPECT_TRUE(has(errors[r], "waiting for rank 3 (hung, stopped or much slower: of the 4 ranks, it alone did not "
-                               "report the failure within 1s; rank 0 has lost a connection, so it may also have "
+                               "report the failure within 4s; rank 0 has lost a connection, so it may also have "
                                "exited or been killed)"))
         << r << ": " << errors[r];
   EXPECT_EQ(errors[3], "");
@@ -371,14 +400,17 @@ TEST(DistComm, RanksThatLostAConnectionAreNotNamedAsHung) {
 
 // Every rank timed out, each in a collective the others did not run: named as different code paths.
 TEST(DistComm, RanksInDifferentCollectivesAreToldSo) {
-  const auto errors = run_ranks(3, short_timeouts(2000), [&](Comm& c) {
+  Arrivals all(3);
+  std::vector<std::string> errors(3);
+  run_ranks(3, probing(), [&](Comm& c) {
     auto t = torch::ones({4});
-    if (c.rank() == 2) {  // expects a message rank 0 never sends
-      auto w = c.recv_async(t, 0, 777);
-      c.wait(w, "receive from rank 0");
-      return;
-    }
-    c.allreduce_sum(t);
+    errors[c.rank()] = error_message([&] {
+      if (c.rank() == 2)  // expects a message rank 0 never sends
+        c.wait(c.recv_async(t, 0, 777), "receive from rank 0");
+      else
+        c.allreduce_sum(t);
+    });
+    all.arrive_and_wait();
   });
   for (int r = 0; r < 3; ++r)
     EXPECT_TRUE(has(errors[r], "waiting for the other ranks (every rank reported a failure: ranks 0, 1 timed out in "
@@ -541,10 +573,12 @@ TEST(DistProcess, RanksFailWhenTheStoppedRankServesTheStore) {
   spawn_dist_child(reaper, 0, 3, port, "store-host");
   ASSERT_GT(reaper.pid, 0);
   std::atomic<int> joined{0};
+  Arrivals failed(2);
   std::vector<std::string> errors(2);
   std::vector<std::thread> ranks;
   for (int r = 1; r <= 2; ++r)
     ranks.emplace_back([&, r] {
+      std::shared_ptr<Comm> comm;  // kept until both ranks failed (Arrivals)
       errors[r - 1] = error_message([&] {
         DistEnv env;
         env.rank = r;
@@ -552,7 +586,7 @@ TEST(DistProcess, RanksFailWhenTheStoppedRankServesTheStore) {
         env.master_addr = "127.0.0.1";
         env.master_port = port;
         env.launcher = "env";
-        auto comm = Comm::create(env, short_timeouts(2000));
+        comm = Comm::create(env, short_timeouts(2000));
         auto t = torch::full({3}, 1.0f);
         comm->allreduce_sum(t);  // with rank 0
         EXPECT_TRUE(torch::equal(t, torch::full({3}, 4.0f)));
@@ -560,6 +594,7 @@ TEST(DistProcess, RanksFailWhenTheStoppedRankServesTheStore) {
         while (joined.load() < 3) std::this_thread::sleep_for(std::chrono::milliseconds(10));
         comm->allreduce_sum(t);  // rank 0 is stopped by now
       });
+      failed.arrive_and_wait();
     });
   while (joined.load() < 2) std::this_thread::sleep_for(std::chrono::milliseconds(10));
   ::kill(reaper.pid, SIGSTOP);
@@ -573,6 +608,8 @@ TEST(DistProcess, RanksFailWhenTheStoppedRankServesTheStore) {
                         std::to_string(port) + " did not answer either: rank 0 serves it, so it may be the one stopped)"))
         << errors[r - 1];
   reaper.kill_and_reap();  // the probes still blocked on the stopped store end here
+  EXPECT_TRUE(WIFSIGNALED(reaper.status) && WTERMSIG(reaper.status) == SIGKILL)
+      << "the store's host ended by itself (status " << reaper.status << "), not by our SIGKILL";
 }
 
 // ElasticGroup (comm/elastic.h), ranks as threads: rank 2 leaves (its connections close), the
