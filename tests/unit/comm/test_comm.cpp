@@ -361,19 +361,25 @@ CommOptions probing() {
 
 // With more than two ranks, the ranks that time out name the hung one: each failed rank reports on the
 // store and waits a moment for the others (Comm::probe_peers).
+// Gloo closes a pair whose operation timed out, so a neighbour of a rank that timed out first may fail
+// with a lost connection instead; every other rank names rank 2 alone.
 TEST(DistComm, AHungRankAmongFourIsNamedByTheOthers) {
   Arrivals all(4);
+  std::atomic<int> named{0};
   const auto errors = run_ranks(4, probing(), [&](Comm& c) {
     auto t = torch::ones({4});
     if (c.rank() == 2) return all.arrive_and_wait();  // alive, but never joins the all-reduce
     const auto msg = shown(error_message([&] { c.allreduce_sum(t); }));
     all.arrive_and_wait();
-    EXPECT_TRUE(has(msg, "rank " + std::to_string(c.rank()) +
-                             ": all-reduce timed out after 2s waiting for rank 2 (hung, stopped or much slower: of "
-                             "the 4 ranks, it alone did not report the failure within 4s)"))
+    const std::string me = "rank " + std::to_string(c.rank()) + ": ";
+    if (has(msg, me + "lost the connection to a peer rank during all-reduce")) return;
+    ++named;
+    EXPECT_TRUE(has(msg, me + "all-reduce timed out after 2s waiting for rank 2 (hung, stopped or much slower: of the "
+                              "4 ranks, it alone did not report the failure within 4s"))
         << msg;
   });
   for (const auto& e : errors) EXPECT_EQ(e, "");
+  EXPECT_GE(named.load(), 1);
 }
 
 // A rank that lost a connection reports that too, so the ranks that time out name only the one that
