@@ -267,7 +267,7 @@ void Comm::connect(c10::intrusive_ptr<c10d::Store> store, const std::string& whe
              contains(msg, "unexpectedly closed") || contains(msg, "Broken pipe") || contains(msg, "Read error") ||
              contains(msg, "Write error") || contains(msg, "Connection refused")) {
     // With more ranks, a rank that times out meanwhile reads this, so it does not name this one as hung.
-    if (world_ > 2 && broken_.empty()) report_failure("lost", op);
+    if (world_ > 2 && broken_.empty()) report_lost(op);
     os << "lost the connection to " << (world_ == 2 ? "rank " + std::to_string(job_rank_of(1 - rank_)) : "a peer rank")
        << " during " << op << " (it exited or was killed); the job stops (" << lib << ": " << msg << ")";
   } else {
@@ -277,9 +277,9 @@ void Comm::connect(c10::intrusive_ptr<c10d::Store> store, const std::string& whe
   throw Error(os.str());
 }
 
-void Comm::report_failure(const std::string& how, const std::string& op) {
+void Comm::report_lost(const std::string& op) {
   if (!store_ || options_.probe_wait.count() == 0) return;
-  const std::string v = how + "\t" + op;
+  const std::string v = "lost\t" + op;
   try {
     store_->set("failed/" + std::to_string(rank_), std::vector<uint8_t>(v.begin(), v.end()));  // sends only
   } catch (const std::exception&) {
@@ -302,13 +302,15 @@ std::string Comm::probe_peers(const std::string& op) {
                                 : std::clamp(milliseconds(options_.timeout.count() / 4), milliseconds(1000), milliseconds(10000));
   if (wait.count() == 0 || world_ <= 2 || !store_) return "";
   // Each rank whose collective failed writes what it was in under "failed/<group rank>", then waits
-  // for the others' keys. On a thread of its own: if the store's host is the stopped process, a store
-  // call can block for good, and this rank must still fail. Such a thread is left behind (detached,
-  // holding the store); the process is about to stop with the error anyway.
+  // for the others' keys. All on a thread of its own: if the store's host is the stopped process, a
+  // store call can block for good (holding the store client's lock, so no other call may be made on
+  // this rank either), and this rank must still fail. Such a thread is left behind (detached, holding
+  // the store); the process is about to stop with the error anyway.
   auto answer = std::make_shared<std::promise<std::vector<std::string>>>();
   auto reported = answer->get_future();
-  std::thread([store = store_, world = world_, wait, answer] {
+  std::thread([this_rank = rank_, store = store_, world = world_, wait, answer, mine = "timeout\t" + op] {
     try {
+      store->set("failed/" + std::to_string(this_rank), std::vector<uint8_t>(mine.begin(), mine.end()));
       std::vector<std::string> keys;
       for (int r = 0; r < world; ++r) keys.push_back("failed/" + std::to_string(r));
       // Polled rather than a store wait, whose timeout c10d logs as a warning on every rank.
@@ -319,14 +321,13 @@ std::string Comm::probe_peers(const std::string& op) {
       for (int r = 0; r < world; ++r)
         if (store->check({keys[r]})) {
           const auto v = store->get(keys[r]);
-          ops[r] = v.empty() ? "?" : std::string(v.begin(), v.end());
+          ops[r].assign(v.begin(), v.end());
         }
       answer->set_value(ops);
     } catch (...) {
       answer->set_exception(std::current_exception());
     }
   }).detach();
-  report_failure("timeout", op);  // after the thread started: a store that blocks this one too is timed
   if (reported.wait_for(wait + milliseconds(3000)) != std::future_status::ready)
     return "the other ranks (a rank is hung, stopped or much slower, and " + where_ + " did not answer either: " +
            store_host_ + " serves it, so it may be the one stopped)";
@@ -340,10 +341,9 @@ std::string Comm::probe_peers(const std::string& op) {
   std::vector<int> silent, lost;
   std::map<std::string, std::vector<int>> by_op;  // the collective each rank that timed out was in
   for (int r = 0; r < world_; ++r) {
-    const size_t tab = ops[r].find('\t');
     if (ops[r].empty()) silent.push_back(job_rank_of(r));
     else if (ops[r].rfind("lost\t", 0) == 0) lost.push_back(job_rank_of(r));
-    else by_op[tab == std::string::npos ? ops[r] : ops[r].substr(tab + 1)].push_back(job_rank_of(r));
+    else by_op[ops[r].substr(ops[r].find('\t') + 1)].push_back(job_rank_of(r));  // "timeout\t<op>"
   }
   std::ostringstream os;
   if (!silent.empty()) {

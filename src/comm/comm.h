@@ -141,9 +141,9 @@ class Comm {
   // ("rank 2 (hung, ...: it alone did not report ...)"), from what each failed rank wrote on the store
   // within probe_wait; "" without a probe. Bounded even when the store's host is the stopped process.
   std::string probe_peers(const std::string& op);
-  // Writes "failed/<group rank>" = "<how>\t<op>" on the group's store for probe_peers ("timeout" or
-  // "lost"); never throws.
-  void report_failure(const std::string& how, const std::string& op);
+  // Writes "failed/<group rank>" = "lost\t<op>" on the group's store, so the ranks that time out do not
+  // name this one as hung (probe_peers writes "timeout\t<op>" itself); never throws.
+  void report_lost(const std::string& op);
   void check_usable(const std::string& op) const;
 
   int rank_ = 0, world_ = 1;
