@@ -63,6 +63,7 @@ struct QuickstartArgs {
   std::string device = "auto";  // train.device of every run, and where the samples are drawn
   std::string data_root;        // Fashion-MNIST's directory, when not Debian's
   int64_t steps = 0, threads = 0;
+  int64_t sample_steps = 0;  // the grid's solver steps (0: the config's sample.steps, 20)
   int64_t old_steps = 0;  // --steps: renamed --train-steps
   bool print = false, monolith = false;
 };
@@ -87,6 +88,7 @@ int quickstart_cmd(const QuickstartArgs& q) {
   a.out = RunDir(q.out) / RunDir::kSamples;
   a.threads = q.threads;
   a.device = q.device;
+  a.steps = q.sample_steps;
   if (q.monolith) {
     std::vector<std::string> ov;
     if (q.steps > 0) ov.push_back("train.steps=" + std::to_string(q.steps));
@@ -152,6 +154,11 @@ Command add_quickstart_command(CLI::App& app) {
   cmd->add_option("--train-steps", a->steps, "training steps of each expert, or of the monolith (the router trains half "
                                                 "as many)")
       ->default_str("1200")
+      ->check(kPositive);
+  cmd->add_option("--sample-steps", a->sample_steps,
+                  "solver steps of the sample grid at the end (fewer: a faster, rougher grid; `ddm sample` draws "
+                  "others later)")
+      ->default_str("20")
       ->check(kPositive);
   // The name it had: `ddm sample --steps` counts sampling steps, so training steps have their own name.
   cmd->add_option("--steps", a->old_steps)->group("");
