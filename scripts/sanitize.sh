@@ -7,8 +7,11 @@
 #          `tests all` runs every unit test there (about 25 minutes on 2 cores: not in CI);
 #   fuzz:  runs each fuzz target for FUZZ_SECONDS (default 12) seconds, starting from its corpus
 #          fuzz/corpus/<target>/, which it only reads (new inputs go to a temporary directory); as many
-#          targets at once as there are cores.
-# Usage: scripts/sanitize.sh [tests [all] | fuzz [fuzz_X ...]]   (no argument: both, what CI runs).
+#          targets at once as there are cores;
+#   build: only configures and builds what `tests` and `fuzz` run (.ci/run starts it beside the
+#          Release tests, then runs both).
+# Usage: scripts/sanitize.sh [tests [all] | fuzz [fuzz_X ...] | build]   (no argument: tests and fuzz,
+# what CI runs).
 # Exits non-zero on any finding. A fuzzer's crashing input is kept in build-san/fuzz-artifacts/;
 # replay it with build-san/fuzz_X FILE. Run scripts/setup.sh once first (it installs clang).
 set -euo pipefail
@@ -16,7 +19,7 @@ cd "$(dirname "$0")/.."
 
 what=${1:-all}
 [ $# -gt 0 ] && shift
-case "$what" in all | tests | fuzz) ;; *) echo "usage: $0 [tests [all] | fuzz [fuzz_X ...]]" >&2; exit 2 ;; esac
+case "$what" in all | tests | fuzz | build) ;; *) echo "usage: $0 [tests [all] | fuzz [fuzz_X ...] | build]" >&2; exit 2 ;; esac
 seconds=${FUZZ_SECONDS:-12}
 jobs=$(nproc)
 
@@ -42,6 +45,7 @@ if ((all_tests)); then
   for f in $(find tests/unit -name 'test_*.cpp'); do build_targets+=("$(basename "$f" .cpp)"); done
 fi
 cmake --build build-san -j"$jobs" --target "${build_targets[@]}"
+[ "$what" = build ] && exit 0
 
 if [ -x /usr/lib/llvm-14/bin/llvm-symbolizer ]; then
   export ASAN_SYMBOLIZER_PATH=/usr/lib/llvm-14/bin/llvm-symbolizer
