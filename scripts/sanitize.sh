@@ -8,8 +8,7 @@
 #   fuzz:  runs each fuzz target for FUZZ_SECONDS (default 12) seconds, starting from its corpus
 #          fuzz/corpus/<target>/, which it only reads (new inputs go to a temporary directory); as many
 #          targets at once as there are cores;
-#   build: only configures and builds what `tests` and `fuzz` run (.ci/run starts it beside the
-#          Release tests, then runs both).
+#   build: only configures and builds what `tests` and `fuzz` run.
 # Usage: scripts/sanitize.sh [tests [all] | fuzz [fuzz_X ...] | build]   (no argument: tests and fuzz,
 # what CI runs).
 # Exits non-zero on any finding. A fuzzer's crashing input is kept in build-san/fuzz-artifacts/;
