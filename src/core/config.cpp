@@ -406,6 +406,8 @@ const std::map<std::string, std::string>& key_docs() {
        "the first bucket's cap, MiB (the last layers' gradients, ready first)"},
       {"parallel.wire",
        "the gradients on the wire: float32 or float16"},
+      {"parallel.shard_optimizer",
+       "each data-parallel rank holds AdamW's moments and the EMA of 1/dp of the parameters (ZeRO-1)"},
       {"parallel.pp",
        "pipeline stages, one process each (1: no pipeline)"},
       {"parallel.schedule",
@@ -543,6 +545,7 @@ std::vector<Field> fields(RunConfig& c) {
       field("parallel.bucket_mb", &c.parallel.bucket_mb),
       field("parallel.first_bucket_mb", &c.parallel.first_bucket_mb),
       choice("parallel.wire", &c.parallel.wire, {"float32", "float16"}),
+      field("parallel.shard_optimizer", &c.parallel.shard_optimizer),
       field("parallel.pp", &c.parallel.pp),
       choice("parallel.schedule", &c.parallel.schedule, {"gpipe", "1f1b", "zb-h1", "1f1b-v", "zb-v"}),
       field("parallel.cuts", &c.parallel.cuts),
@@ -1026,6 +1029,15 @@ void validate_parallel(const RunConfig& c) {
     DDM_CHECK(par.cuts[i] > (i == 0 ? 0 : par.cuts[i - 1]),
               "parallel.cuts must be increasing unit indices > 0, got " << par.cuts[i] << " at position " << i);
   DDM_CHECK(par.pp == 1 || par.mode == SyncMode::kDp, "parallel.pp = " << par.pp << " needs parallel.mode = \"dp\" (DiLoCo replicas are whole models)");
+  if (par.shard_optimizer) {
+    DDM_CHECK(par.mode == SyncMode::kDp && par.pp == 1,
+              "parallel.shard_optimizer shards the optimizer state over data-parallel ranks, but this run is "
+                  << (par.pp > 1 ? "a pipeline (parallel.pp = " + std::to_string(par.pp) + "), whose stages hold only their own state already"
+                                 : std::string("DiLoCo (parallel.mode = diloco), whose replicas each keep a whole optimizer"))
+                  << ": set parallel.shard_optimizer = false");
+    DDM_CHECK(!c.train.cuda_graphs, "parallel.shard_optimizer with train.cuda_graphs is not supported (the "
+                                    "parameters' broadcast after the update is not captured): turn one of them off");
+  }
   DDM_CHECK(par.backend != CommBackend::kNccl || par.mode != SyncMode::kDiloco,
             "parallel.backend = nccl, but DiLoCo (parallel.mode = diloco) synchronizes over Gloo, so that its "
             "replicas survive a lost one (NCCL's watchdog ends every process of a failed group): set "

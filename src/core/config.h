@@ -227,6 +227,11 @@ struct ParallelConfig {
   double bucket_mb = 1;            // cap of a gradient all-reduce bucket, MiB (docs/results.md: 25 left 78% exposed)
   double first_bucket_mb = 1;      // the first bucket (the last layers' gradients, ready first), MiB
   WireFormat wire = WireFormat::kFloat32;  // float32 | float16: the gradients' format on the wire
+  // ZeRO stage 1 (train/shard.h): each data-parallel rank keeps AdamW's moments and the EMA for 1/dp
+  // of the trainable parameters and updates only those; the ranks then broadcast their updated
+  // parameters. Saves 3 (dp - 1) / dp float32 copies of the trainable model per rank for one more copy
+  // on the wire per step; the same training, checkpoints as an unsharded run's.
+  bool shard_optimizer = false;
   // Pipeline parallelism (docs/pipeline.md): the backbone's units split into pp stages, one process
   // each; train.grad_accum is the number of micro-batches every step pipelines.
   int64_t pp = 1;                  // pipeline stages (1: none)

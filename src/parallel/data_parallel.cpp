@@ -2,12 +2,14 @@
 // global batch; gradients averaged over the job by GradSync's buckets during backward
 // (comm/grad_sync.h), the loss and the gradient norm over the job too, so every rank steps alike.
 // One process is its trivial case: no sync, no collectives. parallel/diloco_engine.cpp builds on it.
+// parallel.shard_optimizer: each rank keeps a range of the optimizer state (train/shard.h).
 #include "parallel/data_parallel.h"
 
 #include <csignal>
 #include <sstream>
 
 #include "comm/grad_sync.h"
+#include "train/shard.h"
 
 namespace ddm {
 
@@ -24,15 +26,24 @@ DataParallelEngine::DataParallelEngine(const EngineParts& parts, bool sync_gradi
     FlatAdamW& o = step_.optim();
     step_.set_data_parallel(comm_,
                             std::make_shared<GradSync>(comm_, o.params(), o.flat_grad(), grad_sync_options(cfg_.parallel)));
+    // Before rank 0 loads a checkpoint into it: each rank then holds (and resumes) its range alone.
+    if (cfg_.parallel.shard_optimizer) shard_optimizer(*comm_, o);
   }
 }
 
-void DataParallelEngine::take_resumed(const Checkpoint*, const std::string&, int64_t) {
+void DataParallelEngine::take_resumed(const Checkpoint* resumed, const std::string& origin, int64_t) {
+  if (step_.optim().sharded()) return share_resumed(*comm_, step_.optim(), resumed, origin);
   for (torch::Tensor t : step_.optim().state_buffers()) comm_->broadcast(t, 0);
 }
 
 std::vector<torch::Tensor> DataParallelEngine::initial_weights() {
+  // (A sharded EMA is a range of the same weights.)
+  if (step_.optim().sharded()) return {step_.optim().flat_params()};
   return {step_.optim().flat_params(), step_.optim().flat_ema()};
+}
+
+TensorMap DataParallelEngine::lead_ema() {
+  return step_.optim().sharded() ? gather_ema(*comm_, step_.optim()) : step_.optim().named_ema();
 }
 
 StepResult DataParallelEngine::step(const std::vector<Batch>& micro, int64_t step, const std::vector<Batch>& next) {
@@ -49,8 +60,16 @@ void DataParallelEngine::fill_checkpoint(Checkpoint& ck) {
 }
 
 std::vector<std::string> DataParallelEngine::contribute(Checkpoint& ck, int64_t, const std::string& mine) {
-  fill_checkpoint(ck);
-  return comm_->world_size() > 1 ? comm_->all_gather_strings(mine) : std::vector<std::string>{mine};
+  std::vector<std::string> records =
+      comm_->world_size() > 1 ? comm_->all_gather_strings(mine) : std::vector<std::string>{mine};
+  if (!step_.optim().sharded()) {
+    fill_checkpoint(ck);
+    return records;
+  }
+  // After the records: the other ranks return from here only once rank 0 has written their parts.
+  if (lead_) ck.model = module_state(*net_);
+  contribute_shards(*comm_, step_.optim(), ck);
+  return records;
 }
 
 std::string DataParallelEngine::describe() const {
@@ -60,6 +79,11 @@ std::string DataParallelEngine::describe() const {
   s << "parallel: data parallel over " << comm_->world_size() << " processes, gradient buckets up to " << p.bucket_mb
     << " MiB (first " << p.first_bucket_mb << " MiB), " << name_of(p.wire) << " on the wire, collective timeout " << p.timeout
     << " s, over " << comm_->backend_description();
+  const FlatAdamW& o = step_.optim();
+  if (o.sharded())
+    s << "; optimizer state sharded (parallel.shard_optimizer): this rank keeps AdamW's moments and the EMA of "
+      << o.shard_end() - o.shard_begin() << " of the " << o.numel() << " trainable parameters (flat range "
+      << o.shard_begin() << ".." << o.shard_end() << ")";
   return s.str();
 }
 

@@ -20,6 +20,7 @@ class DataParallelEngine : public Engine {
   FlatAdamW& optim() override { return step_.optim(); }
   void take_resumed(const Checkpoint* resumed, const std::string& origin, int64_t optimizer_step) override;
   std::vector<torch::Tensor> initial_weights() override;
+  TensorMap lead_ema() override;  // sharded: assembled on rank 0 from every rank's range
   StepResult step(const std::vector<Batch>& micro, int64_t step, const std::vector<Batch>& next) override;
   // The next step's prepare phase runs at the end of each step (train/step.h): nothing else changes
   // the weights in between.

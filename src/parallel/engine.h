@@ -87,6 +87,11 @@ class Engine {
   // signal this process received (0: none). SIGINT wins over SIGTERM.
   virtual int agree_stop(int64_t done, int64_t last, int signal) = 0;
 
+  // Collective: the EMA of the trainable parameters by name on rank 0, for its training grids (a
+  // sharded optimizer's assembled from every rank's range; elsewhere this process's own, no
+  // communication); empty or unused on the other ranks.
+  virtual TensorMap lead_ema() { return optim().named_ema(); }
+
   // Whether a checkpoint may be written now (false while a DiLoCo all-reduce is in flight).
   virtual bool can_checkpoint() const { return true; }
   // Collective: on rank 0 fills ck's model, EMA and optimizer tensors and this mode's state. Returns

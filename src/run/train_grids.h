@@ -31,7 +31,9 @@ class TrainingGrids {
                 torch::Device device, std::string dir);
   // One line for the run's header: what each grid holds and where it goes.
   std::string describe() const;
-  bool due(int64_t step, int64_t last) const { return every_ > 0 && (step % every_ == 0 || step == last); }
+  bool due(int64_t step, int64_t last) const { return due(every_, step, last); }
+  // Whether a grid is due after `step` (of `last`) every `every` steps (0: never), on any rank.
+  static bool due(int64_t every, int64_t step, int64_t last) { return every > 0 && (step % every == 0 || step == last); }
 
   struct Written {
     std::string path;  // RUN/grids/step-XXXXXXXX.png

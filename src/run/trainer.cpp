@@ -113,10 +113,13 @@ TrainSummary train(TrainJob job, const TrainOptions& options) {
     if (!opt.quiet) std::cout << grids->describe() << std::endl;
   }
   auto after_step = [&](int64_t at_step) {
-    if (!grids || !grids->due(at_step, tc.steps)) return;
+    if (!TrainingGrids::due(tc.sample_every, at_step, tc.steps)) return;
     const auto t0 = std::chrono::steady_clock::now();
+    // On every rank: a sharded EMA (parallel.shard_optimizer) is assembled on rank 0 from all of them.
+    const TensorMap ema = cfg.sample.use_ema ? engine->lead_ema() : TensorMap{};
+    if (!grids) return;
     try {
-      const TrainingGrids::Written w = grids->write(at_step, engine->optim().named_ema());
+      const TrainingGrids::Written w = grids->write(at_step, ema);
       log.grid(at_step, w.path, w.png, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
     } catch (const Error& e) {  // a grid is for watching: training goes on without it
       std::cout << "step " << at_step << ": no grid (" << e.what() << "); training goes on" << std::endl;

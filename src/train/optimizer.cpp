@@ -63,6 +63,20 @@ FlatAdamW::FlatAdamW(torch::nn::Module& module, AdamWOptions opt, bool allow_emp
   ema_ = data_.clone();
   exp_avg_ = torch::zeros_like(data_);
   exp_avg_sq_ = torch::zeros_like(data_);
+  end_ = total;
+}
+
+void FlatAdamW::shard(int64_t begin, int64_t end) {
+  DDM_CHECK(!sharded_, "FlatAdamW::shard: already sharded");
+  DDM_CHECK(0 <= begin && begin <= end && end <= data_.numel(),
+            "FlatAdamW::shard: range [" << begin << ", " << end << ") outside the " << data_.numel() << " parameters");
+  if (begin == 0 && end == data_.numel()) return;
+  // clone() of the range: the whole buffers' memory goes with the old tensors.
+  ema_ = ema_.narrow(0, begin, end - begin).clone();
+  exp_avg_ = exp_avg_.narrow(0, begin, end - begin).clone();
+  exp_avg_sq_ = exp_avg_sq_.narrow(0, begin, end - begin).clone();
+  sharded_ = true;
+  begin_ = begin, end_ = end;
 }
 
 double FlatAdamW::grad_norm() const { return grad_.norm().item<double>(); }
@@ -86,15 +100,18 @@ void FlatAdamW::step(double lr, double ema_decay) {
   // presets (docs/results.md, "What LibTorch 2.11 does that ddm wrote by hand"). Elementwise, so
   // the result does not depend on the thread count.
   // (On a GPU the kernel reads the step count from device memory.)
+  // Sharded: the shard's range of the parameters and gradients (the whole buffers otherwise).
   const torch::Tensor step = torch::full({}, static_cast<double>(step_), data_.options());
-  at::_fused_adamw_({data_}, {grad_}, {exp_avg_}, {exp_avg_sq_}, {}, {step}, lr, opt_.beta1, opt_.beta2,
+  const torch::Tensor data = data_.narrow(0, begin_, end_ - begin_), grad = grad_.narrow(0, begin_, end_ - begin_);
+  at::_fused_adamw_({data}, {grad}, {exp_avg_}, {exp_avg_sq_}, {}, {step}, lr, opt_.beta1, opt_.beta2,
                     opt_.weight_decay, opt_.eps, /*amsgrad=*/false, /*maximize=*/false);
-  if (ema_decay >= 0) ema_.lerp_(data_, 1.0 - ema_decay);  // ema = d * ema + (1 - d) * params
+  if (ema_decay >= 0) ema_.lerp_(data, 1.0 - ema_decay);  // ema = d * ema + (1 - d) * params
 }
 
 torch::Tensor FlatAdamW::clip_and_step_on_device(const torch::Tensor& loss, double max_norm, const torch::Tensor& lr,
                                                   const torch::Tensor& step, const torch::Tensor& ema_weight) {
   torch::NoGradGuard no_grad;
+  DDM_CHECK(!sharded_, "a step captured as a CUDA graph cannot update a sharded optimizer (parallel.shard_optimizer)");
   // As clip_grad_norm: the float norm, compared and divided in double, the factor rounded to float.
   const torch::Tensor norm = grad_.norm().to(torch::kDouble);  // []
   const torch::Tensor norm_finite = torch::isfinite(norm);
@@ -115,7 +132,12 @@ torch::Tensor FlatAdamW::clip_and_step_on_device(const torch::Tensor& loss, doub
 
 void FlatAdamW::ema_update(double decay) {
   torch::NoGradGuard no_grad;
-  ema_.mul_(decay).add_(data_, 1.0 - decay);
+  ema_.mul_(decay).add_(data_.narrow(0, begin_, end_ - begin_), 1.0 - decay);
+}
+
+TensorMap FlatAdamW::named_ema() const {
+  DDM_CHECK(!sharded_, "FlatAdamW::named_ema: the EMA is sharded (train/shard.h assembles it)");
+  return views(ema_);
 }
 
 TensorMap FlatAdamW::views(const torch::Tensor& flat) const {
@@ -131,6 +153,7 @@ TensorMap FlatAdamW::views(const torch::Tensor& flat) const {
 // Moments by parameter name ("exp_avg.<param>", "exp_avg_sq.<param>"), so that a checkpoint does not
 // depend on the order of the flat buffer (another stage split, frozen parts added).
 TensorMap FlatAdamW::optimizer_state() const {
+  DDM_CHECK(!sharded_, "FlatAdamW::optimizer_state: the moments are sharded (train/shard.h assembles them)");
   TensorMap out;
   for (const auto& [name, t] : views(exp_avg_)) out["exp_avg." + name] = t;
   for (const auto& [name, t] : views(exp_avg_sq_)) out["exp_avg_sq." + name] = t;
@@ -153,11 +176,30 @@ void FlatAdamW::fill_flat(const torch::Tensor& flat, const TensorMap& src, const
   }
 }
 
-void FlatAdamW::load(const TensorMap& params, const TensorMap& ema, const TensorMap& optim_state, int64_t step,
-                     const std::string& origin) {
+void FlatAdamW::fill_range(const torch::Tensor& range, int64_t begin, int64_t end, const TensorMap& src,
+                           const std::string& prefix, const std::string& what, const std::string& origin) const {
   torch::NoGradGuard no_grad;
-  fill_flat(data_, params, "", RunDir::kModel, origin);
-  fill_flat(ema_, ema, "", RunDir::kEma, origin);
+  DDM_CHECK(range.numel() == end - begin, "FlatAdamW::fill_range: " << range.numel() << " elements for [" << begin
+                                                                     << ", " << end << ")");
+  for (size_t i = 0; i < names_.size(); ++i) {
+    const std::string& name = names_[i];
+    auto it = src.find(prefix + name);
+    DDM_CHECK(it != src.end(), origin << ": " << what << " has no tensor '" << prefix + name
+                                      << "': the checkpoint belongs to a different model (check model.preset)");
+    DDM_CHECK(it->second.sizes() == at::IntArrayRef(shapes_[i]),
+              origin << ": " << what << " tensor '" << prefix + name << "' has shape "
+                     << shape_str(it->second.sizes()) << " but the model expects " << shape_str(shapes_[i])
+                     << ": the checkpoint belongs to a different model shape");
+    const int64_t a = std::max(begin, offsets_[i]), b = std::min(end, offsets_[i] + it->second.numel());
+    if (a < b) range.narrow(0, a - begin, b - a).copy_(it->second.reshape({-1}).narrow(0, a - offsets_[i], b - a));
+  }
+}
+
+void FlatAdamW::state_range(const TensorMap& ema_src, const TensorMap& optim_state, int64_t begin, int64_t end,
+                            const torch::Tensor& ema, const torch::Tensor& exp_avg, const torch::Tensor& exp_avg_sq,
+                            const std::string& origin) const {
+  torch::NoGradGuard no_grad;
+  fill_range(ema, begin, end, ema_src, "", RunDir::kEma, origin);
   const bool legacy = optim_state.count("exp_avg") != 0;  // before moments were saved by name: two flat tensors
   if (legacy) {
     for (const char* k : {"exp_avg", "exp_avg_sq"}) {
@@ -165,12 +207,19 @@ void FlatAdamW::load(const TensorMap& params, const TensorMap& ema, const Tensor
       DDM_CHECK(it != optim_state.end() && it->second.numel() == data_.numel(),
                 origin << ": " << RunDir::kOptim << " '" << k << "' is missing or has the wrong size");
     }
-    exp_avg_.copy_(optim_state.at("exp_avg").view({-1}));
-    exp_avg_sq_.copy_(optim_state.at("exp_avg_sq").view({-1}));
+    exp_avg.copy_(optim_state.at("exp_avg").view({-1}).narrow(0, begin, end - begin));
+    exp_avg_sq.copy_(optim_state.at("exp_avg_sq").view({-1}).narrow(0, begin, end - begin));
   } else {
-    fill_flat(exp_avg_, optim_state, "exp_avg.", RunDir::kOptim, origin);
-    fill_flat(exp_avg_sq_, optim_state, "exp_avg_sq.", RunDir::kOptim, origin);
+    fill_range(exp_avg, begin, end, optim_state, "exp_avg.", RunDir::kOptim, origin);
+    fill_range(exp_avg_sq, begin, end, optim_state, "exp_avg_sq.", RunDir::kOptim, origin);
   }
+}
+
+void FlatAdamW::load(const TensorMap& params, const TensorMap& ema, const TensorMap& optim_state, int64_t step,
+                     const std::string& origin) {
+  torch::NoGradGuard no_grad;
+  fill_flat(data_, params, "", RunDir::kModel, origin);
+  state_range(ema, optim_state, begin_, end_, ema_, exp_avg_, exp_avg_sq_, origin);
   step_ = step;
 }
 

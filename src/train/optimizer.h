@@ -4,6 +4,9 @@
 // The update is torch.optim.AdamW's (decoupled weight decay, bias correction), through its fused kernel.
 // Frozen parameters (requires_grad false) are not in the buffers: no gradient, no optimizer state, no
 // EMA and no gradient sync; they are saved with the model and loaded like every other weight.
+// Sharded (parallel.shard_optimizer, ZeRO stage 1): the EMA and both moments are held for one range
+// of the flat buffer only, and step() updates only that range of the parameters; train/shard.h
+// gathers the rest from the other data-parallel ranks, and assembles checkpoints from the ranges.
 #pragma once
 #include <cstdint>
 #include <string>
@@ -46,6 +49,14 @@ class FlatAdamW {
   // EMA of the parameters: ema = d * ema + (1 - d) * params.
   void ema_update(double decay);
 
+  // Keeps the EMA and both moments of the flat range [begin, end) only (their current values there),
+  // freeing the rest; from then on step() and ema_update() change only that range of the parameters.
+  // Once per optimizer; the whole range [0, numel()) leaves it unsharded.
+  void shard(int64_t begin, int64_t end);
+  bool sharded() const { return sharded_; }
+  int64_t shard_begin() const { return begin_; }
+  int64_t shard_end() const { return end_; }
+
   // The clip and the update of a step with nothing read back to the host, for a step captured as a
   // CUDA graph (train/step_graph.cpp): the gradient's global norm, the clip to max_norm (<= 0: none),
   // then AdamW and the EMA, both skipped on the device when `loss` (a double []) or the norm is not
@@ -65,7 +76,8 @@ class FlatAdamW {
   const torch::Tensor& flat_grad() const { return grad_; }
   const torch::Tensor& flat_params() const { return data_; }
   // Every flat buffer that makes up the optimizer's state (parameters, EMA, both moments), for
-  // broadcasting it from one rank to the others; and the step counter that goes with them.
+  // broadcasting it from one rank to the others; and the step counter that goes with them. Sharded:
+  // the EMA and the moments are the shard's range [shard_begin(), shard_end()) only.
   std::vector<torch::Tensor> state_buffers() const { return {data_, ema_, exp_avg_, exp_avg_sq_}; }
   const torch::Tensor& flat_ema() const { return ema_; }
   const torch::Tensor& flat_exp_avg() const { return exp_avg_; }
@@ -73,16 +85,32 @@ class FlatAdamW {
   void set_step_count(int64_t step) { step_ = step; }
   int64_t numel() const { return data_.numel(); }
 
-  // Named views of the parameters / EMA, for checkpoints; and restoring from them.
+  // Named views of the parameters / EMA, for checkpoints; and restoring from them (named_ema and
+  // optimizer_state only unsharded: train/shard.h assembles a sharded optimizer's).
   TensorMap named_params() const { return views(data_); }
-  TensorMap named_ema() const { return views(ema_); }
+  TensorMap named_ema() const;
   TensorMap optimizer_state() const;
+  // The trainable parameters' names, their offsets in the flat buffers and their shapes, in order.
+  const std::vector<std::string>& names() const { return names_; }
+  const std::vector<int64_t>& offsets() const { return offsets_; }
+  const std::vector<std::vector<int64_t>>& shapes() const { return shapes_; }
   // Any flat buffer laid out like the parameters (e.g. DiLoCo's global weights), viewed by parameter
   // name; and the reverse: fills `flat` from src["<prefix><name>"], checking that every name is there
   // with the right shape (errors name `what`, the file, and `origin`, the checkpoint).
   TensorMap views(const torch::Tensor& flat) const;
   void fill_flat(const torch::Tensor& flat, const TensorMap& src, const std::string& prefix, const std::string& what,
                  const std::string& origin) const;
+  // The same for the range [begin, end) of such a buffer: `range` (numel end - begin) takes the parts
+  // of the named tensors that fall into it; every name is still checked.
+  void fill_range(const torch::Tensor& range, int64_t begin, int64_t end, const TensorMap& src, const std::string& prefix,
+                  const std::string& what, const std::string& origin) const;
+  // The EMA and both moments of the range [begin, end) from a checkpoint's named tensors (or its flat
+  // moments, as checkpoints of older versions hold them), into ema, exp_avg and exp_avg_sq (each
+  // end - begin elements).
+  void state_range(const TensorMap& ema_src, const TensorMap& optim_state, int64_t begin, int64_t end,
+                   const torch::Tensor& ema, const torch::Tensor& exp_avg, const torch::Tensor& exp_avg_sq,
+                   const std::string& origin) const;
+  // Restores the state from named tensors (a checkpoint's); sharded: the EMA and moments of its range.
   void load(const TensorMap& params, const TensorMap& ema, const TensorMap& optim_state, int64_t step,
             const std::string& origin);
 
@@ -92,8 +120,10 @@ class FlatAdamW {
   std::vector<torch::Tensor> params_;
   std::vector<std::vector<int64_t>> shapes_;
   std::vector<int64_t> offsets_;
-  torch::Tensor data_, grad_, ema_, exp_avg_, exp_avg_sq_;  // float [P]
+  torch::Tensor data_, grad_, ema_, exp_avg_, exp_avg_sq_;  // float [P] (sharded: ema_ and the moments [end_ - begin_])
   int64_t step_ = 0;
+  bool sharded_ = false;
+  int64_t begin_ = 0, end_ = 0;  // the range the EMA and the moments cover
 };
 
 // What load_module_state fills: every parameter and buffer (model.safetensors), or only the

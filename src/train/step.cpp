@@ -9,6 +9,7 @@
 #include "core/device.h"
 #include "core/error.h"
 #include "model/recompute.h"
+#include "train/shard.h"
 
 namespace ddm {
 
@@ -161,6 +162,7 @@ StepResult TrainStep::finish(const torch::Tensor& loss_sum, double scale, int64_
   }
   // EMA with the usual warm-up so short runs are not dominated by the initial weights.
   optim_.step(r.lr, ema_ ? ema_decay_at(tc.ema_decay, optim_.step_count() + 1) : -1.0);
+  if (optim_.sharded()) gather_parameters(*comm_, optim_);  // each rank updated its range alone
   times_.end = std::chrono::steady_clock::now();
   return r;
 }

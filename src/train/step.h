@@ -8,7 +8,8 @@
 //   backward                 gradients accumulate into FlatAdamW's flat buffer, micro-batch by micro-batch
 //   gradient sync            all-reduce across data-parallel ranks (a no-op with one process)
 //   clip                     by the global gradient norm
-//   update                   AdamW + EMA, one pass over the flat buffers
+//   update                   AdamW + EMA, one pass over the flat buffers (parallel.shard_optimizer:
+//                            over this rank's range, then every rank's range broadcast: train/shard.h)
 // All randomness is keyed by (seed, step, global sample position): see objective.h.
 // Prepare ahead: given the next step's micro-batches, run() prepares them once its own update is
 // queued, so that on a GPU the host draws and launches the next step's prepare phase while the
@@ -79,6 +80,7 @@ class TrainStep {
   // DiLoCo's inner steps leave the EMA alone: it follows the global weights (parallel/diloco.h).
   void set_ema(bool on) { ema_ = on; }
   FlatAdamW& optim() { return optim_; }
+  const FlatAdamW& optim() const { return optim_; }
   const Net& net() const { return net_; }
   const Objective& objective() const { return *objective_; }
   const StepTimes& last_times() const { return times_; }

@@ -98,6 +98,20 @@ TEST(Config, OutOfRangeValues) {
       << error_of("", {"data.source=folder", "data.channels=1"});
 }
 
+// parallel.shard_optimizer shards a data-parallel optimizer: refused, with the reason, for a pipeline
+// (whose stages hold their own state), DiLoCo (whole optimizers per replica) and CUDA graphs.
+TEST(Config, AShardedOptimizerIsRefusedWhereItCannotShard) {
+  const std::string on = "parallel.shard_optimizer=true";
+  EXPECT_EQ(error_of("", {on}), "");
+  const std::string pp = error_of("", {on, "parallel.pp=2"});
+  EXPECT_NE(pp.find("a pipeline (parallel.pp = 2)"), std::string::npos) << pp;
+  EXPECT_NE(pp.find("set parallel.shard_optimizer = false"), std::string::npos) << pp;
+  const std::string dl = error_of("", {on, "parallel.mode=diloco"});
+  EXPECT_NE(dl.find("DiLoCo (parallel.mode = diloco)"), std::string::npos) << dl;
+  const std::string graphs = error_of("", {on, "train.cuda_graphs=true"});
+  EXPECT_NE(graphs.find("parallel.shard_optimizer with train.cuda_graphs is not supported"), std::string::npos) << graphs;
+}
+
 // A bucket size becomes bytes (mb * 2^20, truncated): one that would round to (almost) nothing, or
 // overflow, is refused when the config is read, naming the key and value, not at the first all-reduce.
 TEST(Config, GradientBucketsOfLessThanOneKibOrMoreThanOneTibAreRefused) {

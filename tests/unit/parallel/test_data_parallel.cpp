@@ -2,7 +2,9 @@
 // c10d HashStore (Gloo over loopback): 2 ranks x b samples train what 1 rank x 2b samples trains
 // (losses and final weights within float32 rounding, U-Net and DiT, 20 steps), with gradient
 // accumulation too; only rank 0 writes the run directory; ranks that disagree on the config, and a
-// global batch that does not split, are clear errors on every rank.
+// global batch that does not split, are clear errors on every rank; a sharded optimizer
+// (parallel.shard_optimizer) trains, samples and checkpoints what an unsharded one does, and resumes
+// from either at another world size.
 #include <gtest/gtest.h>
 
 #include <filesystem>
@@ -94,4 +96,61 @@ TEST(DataParallel, AGlobalBatchThatDoesNotSplitIsAClearError) {
   for (const auto& e : train_ranks(2, {cfg, cfg}, dir / "run"))
     EXPECT_NE(e.find("parallel.dp = 4 but the job has 2 processes"), std::string::npos) << e;
   EXPECT_FALSE(fs::exists(dir / "run"));
+}
+
+// parallel.shard_optimizer (ZeRO-1, train/shard.h): every rank updates its range of the parameters
+// with the same elementwise AdamW and EMA and then receives the others' ranges, so the run is the
+// unsharded one bit for bit: losses, weights, the EMA and the moments in both checkpoints (assembled
+// on rank 0 from both ranks' ranges, by name), and the grid sampled from the EMA assembled on rank 0.
+// Killed after step 10, it resumes from its own checkpoint and from an unsharded run's, and with 4
+// ranks sharding the same state differently (agreement within the first test's tolerance, as any
+// change of world size).
+TEST(DataParallel, AShardedOptimizerTrainsSamplesAndCheckpointsWhatAnUnshardedOneDoes) {
+  test::TempDir dir;
+  RunConfig plain = tiny("unet");
+  plain.train.sample_every = 10;
+  plain.train.sample_n = 4;
+  RunConfig sharded = plain;
+  sharded.parallel.shard_optimizer = true;
+  ASSERT_EQ(train_ranks(2, {plain, plain}, dir / "plain"), (std::vector<std::string>{"", ""}));
+  ASSERT_EQ(train_ranks(2, {sharded, sharded}, dir / "sharded"), (std::vector<std::string>{"", ""}));
+  EXPECT_EQ(losses(dir / "plain"), losses(dir / "sharded"));
+  const auto ckpts = list_checkpoints(dir / "sharded");
+  ASSERT_EQ(ckpts.size(), 2u);
+  for (const std::string step : {"step-00000010", "step-00000020"}) {
+    const Checkpoint a = read_checkpoint(dir / ("plain/ckpt/" + step));
+    const Checkpoint b = read_checkpoint(dir / ("sharded/ckpt/" + step));
+    ASSERT_EQ(a.ema.size(), b.ema.size()) << step;
+    ASSERT_EQ(a.optim.size(), b.optim.size()) << step;
+    EXPECT_EQ(max_weight_difference(a.model, b.model), 0.0) << step;
+    EXPECT_EQ(max_weight_difference(a.ema, b.ema), 0.0) << step;
+    EXPECT_EQ(max_weight_difference(a.optim, b.optim), 0.0) << step;
+    EXPECT_GT(max_weight_difference(a.ema, a.model), 0.0) << step << ": the EMA is not the weights";
+    EXPECT_EQ(test::read_text(dir / ("plain/grids/" + step + ".png")),
+              test::read_text(dir / ("sharded/grids/" + step + ".png")))
+        << step;
+  }
+  // Killed after step 10's checkpoint: resumed from it, and from the unsharded run's.
+  for (const std::string from : {"sharded", "plain"}) {
+    const std::string run = dir / ("resumed-from-" + from);
+    fs::copy(dir / from, run, fs::copy_options::recursive);
+    fs::remove_all(run + "/ckpt/step-00000020");
+    std::vector<TrainSummary> sums;
+    ASSERT_EQ(train_ranks(2, {sharded, sharded}, run, true, &sums), (std::vector<std::string>{"", ""})) << from;
+    EXPECT_EQ(sums[1].first_step, 10) << from;
+    EXPECT_EQ(losses(run), losses(dir / "plain")) << from;
+    const Checkpoint a = read_checkpoint(*latest_checkpoint(dir / "plain")), b = read_checkpoint(*latest_checkpoint(run));
+    EXPECT_EQ(max_weight_difference(a.model, b.model), 0.0) << from;
+    EXPECT_EQ(max_weight_difference(a.ema, b.ema), 0.0) << from;
+    EXPECT_EQ(max_weight_difference(a.optim, b.optim), 0.0) << from;
+  }
+  const std::string four = dir / "four";
+  fs::copy(dir / "sharded", four, fs::copy_options::recursive);
+  fs::remove_all(four + "/ckpt/step-00000020");
+  ASSERT_EQ(train_ranks(4, {sharded, sharded, sharded, sharded}, four, true),
+            (std::vector<std::string>(4, "")));
+  EXPECT_EQ(losses(four).size(), 20u);
+  const Checkpoint a = read_checkpoint(*latest_checkpoint(dir / "plain")), c = read_checkpoint(*latest_checkpoint(four));
+  EXPECT_LE(max_weight_difference(a.model, c.model), 1e-3);
+  EXPECT_LE(max_weight_difference(a.ema, c.ema), 1e-3);
 }

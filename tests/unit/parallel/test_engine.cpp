@@ -78,6 +78,8 @@ RunConfig mode(const std::string& which) {
   if (which == "diloco") {
     cfg.parallel.mode = SyncMode::kDiloco;
     cfg.diloco.inner_steps = 2;
+  } else if (which == "dp-sharded") {
+    cfg.parallel.shard_optimizer = true;
   } else if (which == "pipeline") {
     cfg.parallel.pp = 2;
     cfg.train.grad_accum = 2;
@@ -122,6 +124,7 @@ TEST(Engine, EveryModeDescribesItselfAndOneProcessSaysNothing) {
   EXPECT_EQ(one[0], "");
   const std::vector<std::pair<std::string, std::string>> expected{
       {"dp", "parallel: data parallel over 2 processes, gradient buckets up to 1 MiB"},
+      {"dp-sharded", "parallel: data parallel over 2 processes, gradient buckets up to 1 MiB"},
       {"diloco", "parallel: DiLoCo over 2 replicas, 2 inner steps between syncs"},
       {"pipeline", "parallel: a pipeline of 2 stages (1f1b, 2 micro-batches of 8), units in.."}};
   for (const auto& [which, start] : expected) {
@@ -132,6 +135,8 @@ TEST(Engine, EveryModeDescribesItselfAndOneProcessSaysNothing) {
     for (int r = 0; r < 2; ++r) {
       EXPECT_EQ(errors[static_cast<size_t>(r)], "") << which;
       EXPECT_EQ(said[static_cast<size_t>(r)].rfind(start, 0), 0u) << which << ": " << said[static_cast<size_t>(r)];
+      EXPECT_EQ(said[static_cast<size_t>(r)].find("optimizer state sharded") != std::string::npos, which == "dp-sharded")
+          << said[static_cast<size_t>(r)];
     }
   }
 }
@@ -179,7 +184,7 @@ TEST(Engine, TheStateRankZeroResumedReachesEveryRank) {
 }
 
 TEST(Engine, CheckpointsHoldTheWholeModelInEveryMode) {
-  for (const std::string which : {"dp", "diloco", "pipeline"}) {
+  for (const std::string which : {"dp", "dp-sharded", "diloco", "pipeline"}) {
     std::vector<Checkpoint> cks(2);
     std::vector<std::string> names;  // every parameter and buffer of the whole model
     const auto errors = on_ranks(2, [&](std::shared_ptr<Comm> comm) {
