@@ -6,6 +6,8 @@
 # backbone's work) at global batch 128, for every rate in RATES:
 #   dp                      data parallelism: gradients all-reduced every step (float32 on the wire)
 #   dp-fp16                 the same with parallel.wire = float16 (half the bytes)
+#   dp-sharded              data parallelism with parallel.shard_optimizer (ZeRO-1: each rank keeps the
+#                           moments and EMA of half the parameters, and broadcasts its half after the update)
 #   <schedule>-serial       a 2-stage pipeline of MICRO micro-batches, frozen work serial
 #   <schedule>-filled       the same with its bubbles filled (parallel.fill, planned in the run)
 #   <schedule>-filled-bf16  filled, its activations and their gradients in bfloat16 on the wire
@@ -29,14 +31,15 @@
 # (text encoder and VAE frozen), on SIZE px random captioned images, global batch BATCH; its profile is
 # taken at the micro-batch's rows. Each rank holds the model's frozen parts and its stage's optimizer
 # state; data parallelism holds the whole optimizer state on both, which is what RUNS leaves out on a
-# machine too small for two such copies (docs/results.md says how much each needs).
+# machine too small for two such copies (docs/results.md says how much each needs); dp-sharded half
+# of the moments and the EMA.
 # Needs root, iproute2 (ip netns, tc with sch_tbf) and Debian's python3; builds nothing (build/ddm).
 # usage: bench/pipeline_links.sh AE_RUN [OUT]        (default /tmp/ddm-pipeline-links)
 #        KIND=sd15-controlnet|sd21 bench/pipeline_links.sh [SD_DIR] [OUT]
 #   AE_RUN  a `ddm train-autoencoder` run (the latent workload's frozen encoder)
 #   env: RATES="unlimited 1gbit 200mbit 100mbit 50mbit"  SCHEDULES="gpipe 1f1b zb-h1"  MICRO=8
 #        ROUNDS=2  STEPS=16  BF16=1  LATENCY=100ms BURST=(bytes) (the qdisc; bench/netns_link.sh)
-#        BATCH=128 (SD: 8)  SIZE=128 (SD images, px)  RUNS="dp dp-fp16 serial filled filled-bf16"
+#        BATCH=128 (SD: 8)  SIZE=128 (SD images, px)  RUNS="dp dp-fp16 serial filled filled-bf16" (and dp-sharded)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 kind=${KIND:-latent}
@@ -66,7 +69,7 @@ for r in $rates; do rate_ok "$r" || die "RATES: '$r' is not a rate (unlimited, o
 [[ $micro =~ ^[1-9][0-9]*$ && $rounds =~ ^[1-9][0-9]*$ && $steps =~ ^[1-9][0-9]*$ && $steps -ge 8 ]] ||
   die "MICRO and ROUNDS must be positive integers, STEPS at least 8"
 [[ $batch =~ ^[1-9][0-9]*$ && $((batch % (2 * micro))) = 0 ]] || die "BATCH ($batch) must be a multiple of 2 x MICRO ($micro)"
-for r in $runs; do [[ " dp dp-fp16 serial filled filled-bf16 " == *" $r "* ]] || die "RUNS: unknown run '$r'"; done
+for r in $runs; do [[ " dp dp-fp16 dp-sharded serial filled filled-bf16 " == *" $r "* ]] || die "RUNS: unknown run '$r'"; done
 mkdir -p "$out"
 profile_args=()
 if [ "$kind" = latent ]; then
@@ -109,7 +112,7 @@ scheduler = "$sd"
 TOML
   workload=(--config "$out/workload.toml")
   profile_args=(--rows $((batch / micro)) --repeats 1)
-  if wanted dp || wanted dp-fp16; then profile_args=(--rows $((batch / micro)) $((batch / 2)) --repeats 1); fi
+  if wanted dp || wanted dp-fp16 || wanted dp-sharded; then profile_args=(--rows $((batch / micro)) $((batch / 2)) --repeats 1); fi
 fi
 workload+=(--set train.batch_size="$batch")
 link_up pl
@@ -154,7 +157,7 @@ run() {
     own=$(sed -n 's/^planned in the run from the costs it measured: \([0-9.]*\) ms.*/\1/p' "$dir.plan.txt")
   else
     predicted=$(sed -n 's/^  data parallelism ([^)]*): \([0-9.]*\) ms.*/\1/p' "$out/plan-$rate.txt")
-    [ "$name" = dp ] || predicted=""  # the planner models a float32 all-reduce
+    [ "$name" = dp ] || predicted=""  # the planner models a float32 all-reduce (not dp-sharded's broadcast)
   fi
   "$py" - "$dir" "$rate" "$name" "$round" "$steps" "${predicted:-0}" "${own:-0}" "$batch" >> "$out/results.jsonl" <<'PY'
 import json, sys
@@ -188,6 +191,7 @@ for ((round = 1; round <= rounds; round++)); do
     fi
     if wanted dp; then run "$rate" dp --set train.grad_accum=1; fi
     if wanted dp-fp16; then run "$rate" dp-fp16 --set train.grad_accum=1 --set parallel.wire=float16; fi
+    if wanted dp-sharded; then run "$rate" dp-sharded --set train.grad_accum=1 --set parallel.shard_optimizer=true; fi
     for s in "${schedules[@]}"; do
       pipe=(--set parallel.pp=2 --set parallel.schedule="$s" --set train.grad_accum="$micro" --set "parallel.cuts=[${cuts[$rate-$s]}]")
       if wanted serial; then run "$rate" "$s-serial" "${pipe[@]}" --set parallel.fill=false; fi
@@ -209,12 +213,13 @@ def link(rate):
     n, t = open(f"{out}/link-{rate}.txt").read().split()
     return "%.0f Mbit/s" % (float(n) * 8 / float(t) / 1e6)
 print(f"2 processes x 1 thread on two nodes joined by a tbf-limited veth pair; {workload}, global batch {batch};")
-print("medians over rounds; ratios within each round, then their median; predictions as % of the measured step\n")
+print("medians over rounds; ratios within each round, then their median (vs dp: dp-sharded where dp was not run);")
+print("predictions as % of the measured step\n")
 print("| link (measured) | run | img/s (min-max) | vs dp | vs the same schedule serial | MB sent per step (rank 0) | profile's prediction | the run's own plan |")
 print("|---|---|---|---|---|---|---|---|")
 for rate in rates:
     runs = list(dict.fromkeys(r["run"] for r in rows if r["rate"] == rate))
-    dp = of(rate, "dp")
+    dp = of(rate, "dp") or of(rate, "dp-sharded")  # the reference: dp, or dp-sharded where dp was not run
     for run in runs:
         x = of(rate, run)
         ips = [r["img_per_s"] for r in x.values()]
@@ -230,7 +235,7 @@ for rate in rates:
         print("| %s | %s | %.2f (%.2f-%.2f) | %s | %s | %.2f | %s | %s |" % (
             f"{rate} ({link(rate)})", run, st.median(ips), min(ips), max(ips), vs_dp, vs_serial,
             last["sent_per_step"] / 1e6, pct("predicted_ms"), pct("own_plan_ms")))
-    if not dp:  # not run: the planner's data parallelism, beside the measured pipelines
+    if not of(rate, "dp"):  # not run: the planner's data parallelism, beside the measured pipelines
         m = re.search(r"^  data parallelism \([^)]*\): ([0-9.]+) ms.*$", open(f"{out}/plan-{rate}.txt").read(), re.M)
         if m:
             print("| %s | dp (not run: predicted) | %.2f | | | | %s | |" % (

@@ -19,15 +19,21 @@ int agree_on_stop(Comm& comm, int signal) {
   return agreed == 2 ? SIGINT : agreed == 1 ? (signal != 0 ? signal : SIGTERM) : 0;
 }
 
+namespace {
+// parallel.shard_optimizer: this rank's share of the optimizer state, allocated so from the start.
+ShardOf shard_of(const EngineParts& parts, bool sync_gradients) {
+  if (!sync_gradients || !parts.cfg.parallel.shard_optimizer || !parts.comm->distributed()) return {};
+  return {parts.comm->world_size(), parts.comm->rank()};
+}
+}  // namespace
+
 DataParallelEngine::DataParallelEngine(const EngineParts& parts, bool sync_gradients)
     : cfg_(parts.cfg), net_(parts.net), comm_(parts.comm), lead_(parts.layout.rank == 0),
-      step_(parts.cfg, parts.net, parts.objective) {
+      step_(parts.cfg, parts.net, parts.objective, shard_of(parts, sync_gradients)) {
   if (sync_gradients && comm_->distributed()) {
     FlatAdamW& o = step_.optim();
     step_.set_data_parallel(comm_,
                             std::make_shared<GradSync>(comm_, o.params(), o.flat_grad(), grad_sync_options(cfg_.parallel)));
-    // Before rank 0 loads a checkpoint into it: each rank then holds (and resumes) its range alone.
-    if (cfg_.parallel.shard_optimizer) shard_optimizer(*comm_, o);
   }
 }
 

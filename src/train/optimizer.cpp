@@ -8,6 +8,7 @@
 
 #include "core/error.h"
 #include "core/run_dir.h"
+#include "train/shard.h"
 
 namespace ddm {
 namespace {
@@ -23,7 +24,7 @@ double ema_decay_at(double decay, int64_t n) {
   return std::min(decay, (1.0 + x) / (10.0 + x));
 }
 
-FlatAdamW::FlatAdamW(torch::nn::Module& module, AdamWOptions opt, bool allow_empty) : opt_(opt) {
+FlatAdamW::FlatAdamW(torch::nn::Module& module, AdamWOptions opt, bool allow_empty, ShardOf shard) : opt_(opt) {
   auto params = module.named_parameters(/*recurse=*/true);
   int64_t total = 0;
   for (const auto& p : params) {
@@ -60,23 +61,14 @@ FlatAdamW::FlatAdamW(torch::nn::Module& module, AdamWOptions opt, bool allow_emp
     params_.push_back(param);
     ++i;
   }
-  ema_ = data_.clone();
-  exp_avg_ = torch::zeros_like(data_);
-  exp_avg_sq_ = torch::zeros_like(data_);
-  end_ = total;
-}
-
-void FlatAdamW::shard(int64_t begin, int64_t end) {
-  DDM_CHECK(!sharded_, "FlatAdamW::shard: already sharded");
-  DDM_CHECK(0 <= begin && begin <= end && end <= data_.numel(),
-            "FlatAdamW::shard: range [" << begin << ", " << end << ") outside the " << data_.numel() << " parameters");
-  if (begin == 0 && end == data_.numel()) return;
-  // clone() of the range: the whole buffers' memory goes with the old tensors.
-  ema_ = ema_.narrow(0, begin, end - begin).clone();
-  exp_avg_ = exp_avg_.narrow(0, begin, end - begin).clone();
-  exp_avg_sq_ = exp_avg_sq_.narrow(0, begin, end - begin).clone();
-  sharded_ = true;
-  begin_ = begin, end_ = end;
+  // Sharded: only this rank's range is ever allocated (a whole copy first would be the peak the
+  // sharding is there to avoid).
+  const ShardRange range = shard_range(total, shard.world, shard.rank);
+  sharded_ = shard.world > 1;
+  begin_ = range.begin, end_ = range.end;
+  ema_ = data_.narrow(0, begin_, end_ - begin_).clone();
+  exp_avg_ = torch::zeros({end_ - begin_}, f32);
+  exp_avg_sq_ = torch::zeros({end_ - begin_}, f32);
 }
 
 double FlatAdamW::grad_norm() const { return grad_.norm().item<double>(); }

@@ -23,6 +23,12 @@ struct AdamWOptions {
   double beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 0.0;
 };
 
+// This rank's share of a sharded optimizer's state (parallel.shard_optimizer): rank `rank` of `world`
+// keeps the EMA and moments of the flat range train/shard.h's shard_range gives; world 1: all of it.
+struct ShardOf {
+  int world = 1, rank = 0;
+};
+
 // The EMA decay of optimizer step n (n = 1 for a run's first step): `decay` (train.ema_decay) with the
 // usual warm-up, min(decay, (1 + n) / (10 + n)), so that a short run's EMA is not dominated by the
 // initial weights (0.18 at step 1, 0.5 at step 8, 0.9 at step 80). The one formula of every trainer:
@@ -33,7 +39,8 @@ class FlatAdamW {
  public:
   // Re-points every parameter of `module` (and its .grad) into flat buffers. A module without
   // trainable parameters is an error unless allow_empty (a pipeline stage of frozen layers only).
-  FlatAdamW(torch::nn::Module& module, AdamWOptions opt, bool allow_empty = false);
+  // `shard`: the EMA and the moments are allocated for this rank's range alone (sharded()).
+  FlatAdamW(torch::nn::Module& module, AdamWOptions opt, bool allow_empty = false, ShardOf shard = {});
 
   void zero_grad() { grad_.zero_(); }
   // Global L2 norm of the gradient, before clipping.
@@ -49,10 +56,9 @@ class FlatAdamW {
   // EMA of the parameters: ema = d * ema + (1 - d) * params.
   void ema_update(double decay);
 
-  // Keeps the EMA and both moments of the flat range [begin, end) only (their current values there),
-  // freeing the rest; from then on step() and ema_update() change only that range of the parameters.
-  // Once per optimizer; the whole range [0, numel()) leaves it unsharded.
-  void shard(int64_t begin, int64_t end);
+  // Sharded (constructed with a ShardOf of world > 1): the EMA and both moments cover the flat range
+  // [shard_begin(), shard_end()) only, and step() and ema_update() change only that range of the
+  // parameters.
   bool sharded() const { return sharded_; }
   int64_t shard_begin() const { return begin_; }
   int64_t shard_end() const { return end_; }

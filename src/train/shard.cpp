@@ -44,11 +44,6 @@ ShardRange shard_range(int64_t n, int world, int rank) {
   return r;
 }
 
-void shard_optimizer(Comm& comm, FlatAdamW& optim) {
-  const ShardRange r = shard_range(optim.numel(), comm.world_size(), comm.rank());
-  optim.shard(r.begin, r.end);
-}
-
 void gather_parameters(Comm& comm, FlatAdamW& optim) {
   torch::NoGradGuard no_grad;
   for (int root = 0; root < comm.world_size(); ++root) {

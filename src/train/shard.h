@@ -29,9 +29,6 @@ struct ShardRange {
 // where a whole-buffer kernel's vector would), the last ones shorter or empty.
 ShardRange shard_range(int64_t n, int world, int rank);
 
-// Shards `optim` over comm's ranks (shard_range of its parameters). Before anything loads into it.
-void shard_optimizer(Comm& comm, FlatAdamW& optim);
-
 // Collective, after every rank updated its range: every rank's range of the parameters broadcast
 // from it, in place.
 void gather_parameters(Comm& comm, FlatAdamW& optim);

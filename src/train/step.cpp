@@ -23,10 +23,10 @@ double lr_at(const TrainConfig& t, int64_t step) {
   return lr;
 }
 
-TrainStep::TrainStep(const RunConfig& cfg, Net net, std::shared_ptr<Objective> objective)
+TrainStep::TrainStep(const RunConfig& cfg, Net net, std::shared_ptr<Objective> objective, ShardOf shard)
     : cfg_(cfg),
       net_(std::move(net)),
-      optim_(*net_, {cfg.train.beta1, cfg.train.beta2, cfg.train.adam_eps, cfg.train.weight_decay}),
+      optim_(*net_, {cfg.train.beta1, cfg.train.beta2, cfg.train.adam_eps, cfg.train.weight_decay}, false, shard),
       objective_(std::move(objective)) {
   DDM_CHECK(objective_, "TrainStep needs an objective");
   forward_net_ = net_;

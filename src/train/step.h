@@ -66,7 +66,8 @@ std::shared_ptr<StepGraph> make_step_graph(torch::Device device);
 class TrainStep {
  public:
   // cfg.model must be resolved (in_channels, image_size, num_classes); net built from it.
-  TrainStep(const RunConfig& cfg, Net net, std::shared_ptr<Objective> objective);
+  // shard: this rank's share of the optimizer state (parallel.shard_optimizer; train/shard.h).
+  TrainStep(const RunConfig& cfg, Net net, std::shared_ptr<Objective> objective, ShardOf shard = {});
   // One step over this process's micro-batches (equal sizes; their `first` positions disjoint).
   // `next`: the micro-batches of step + 1, when the caller knows them and nothing but this step
   // changes the weights before it (not DiLoCo's outer steps): their prepare phase runs at the end of

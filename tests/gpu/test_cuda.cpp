@@ -190,6 +190,19 @@ TEST(Gpu, DataParallelOverGlooWithCudaTensorsTrainsWhatOneProcessTrains) {
       run_ddm("launch --nproc 2 -- train --quiet --config " + (dir / "c.toml") + " --out " + (dir / "two"));
   ASSERT_EQ(two.exit_code, 0) << two.output;
   expect_same_training(dir / "two", dir / "one", "dp(2) over gloo on cuda, 2 processes, against 1 process");
+  // parallel.shard_optimizer on the GPU: each rank's range updated on the device and broadcast over
+  // Gloo, the checkpoint assembled on rank 0 from host copies of the ranges: the unsharded run bit for
+  // bit (AdamW and the EMA are elementwise).
+  const CommandResult sharded = run_ddm("launch --nproc 2 -- train --quiet --config " + (dir / "c.toml") +
+                                        " --set parallel.shard_optimizer=true --out " + (dir / "sharded"));
+  ASSERT_EQ(sharded.exit_code, 0) << sharded.output;
+  EXPECT_EQ(losses(dir / "sharded"), losses(dir / "two"));
+  {
+    const Checkpoint a = read_checkpoint(*latest_checkpoint(dir / "sharded")), b = read_checkpoint(*latest_checkpoint(dir / "two"));
+    EXPECT_EQ(max_weight_difference(a.model, b.model), 0.0);
+    EXPECT_EQ(max_weight_difference(a.ema, b.ema), 0.0);
+    EXPECT_EQ(max_weight_difference(a.optim, b.optim), 0.0);
+  }
   // Under parallel.backend = auto, ranks that share a GPU stay on Gloo (above); nccl is refused for
   // them, naming the reason, since NCCL cannot put two ranks on one GPU.
   const CommandResult nccl = run_ddm("launch --nproc 2 -- train --quiet --config " + (dir / "c.toml") +
