@@ -240,6 +240,7 @@ int run_plan(PlanArgs a) {
               best.micro, static_cast<long long>(best.rows), best.filled_iteration(), batch / (best.filled_iteration() / 1e3),
               best.cuts_text().c_str());
   // The flags that train it.
+  if (best.schedule == "dp-sharded") std::printf("  train it: --set parallel.shard_optimizer=true (%d processes)\n", best.replicas);
   if (best.stages > 1) {
     std::printf("  train it: --set parallel.pp=%d parallel.schedule=%s train.grad_accum=%d parallel.cuts=[", best.stages,
                 best.schedule.c_str(), best.micro);
@@ -253,10 +254,12 @@ int run_plan(PlanArgs a) {
   // The three references: plain data parallelism, the best pipeline with its frozen work serial, and
   // the best pipeline with it filled into the bubbles.
   const PipePlan* dp = nullptr;
+  const PipePlan* sharded = nullptr;
   const PipePlan* serial = nullptr;
   const PipePlan* filled = nullptr;
   for (const PipePlan& p : plans) {
-    if (p.stages == 1 && (!dp || p.serial_iteration() < dp->serial_iteration())) dp = &p;
+    if (p.stages == 1 && p.schedule != "dp-sharded" && (!dp || p.serial_iteration() < dp->serial_iteration())) dp = &p;
+    if (p.schedule == "dp-sharded" && (!sharded || p.serial_iteration() < sharded->serial_iteration())) sharded = &p;
     if (p.stages > 1 && (!serial || p.serial_iteration() < serial->serial_iteration())) serial = &p;
     if (p.stages > 1 && (!filled || p.filled_iteration() < filled->filled_iteration())) filled = &p;
   }
@@ -265,13 +268,24 @@ int run_plan(PlanArgs a) {
            std::to_string(p.replicas) + ", " + p.schedule + ", " +
            std::to_string(p.micro) + " micro-batches";
   };
-  if (dp) std::printf("  data parallelism (%d devices, %d micro-batches): %.1f ms\n", dp->replicas, dp->micro, dp->serial_iteration());
+  // (The trainable part's state and activations on a device, as the memory limit counts them.)
+  auto held = [](const PipePlan& p) {
+    return fmt_gib(p.partition.stage_memory.empty() ? 0 : p.partition.stage_memory[0] / (1ull << 30));
+  };
+  if (dp)
+    std::printf("  data parallelism (%d devices, %d micro-batches): %.1f ms, %s of state and activations per device\n",
+                dp->replicas, dp->micro, dp->serial_iteration(), held(*dp).c_str());
+  if (sharded)
+    std::printf("  data parallelism, optimizer state sharded (%d devices, %d micro-batches): %.1f ms, %s per device\n",
+                sharded->replicas, sharded->micro, sharded->serial_iteration(), held(*sharded).c_str());
   if (serial) std::printf("  best pipeline, frozen work serial (%s): %.1f ms\n", describe(*serial).c_str(), serial->serial_iteration());
   if (filled) {
     std::printf("  best pipeline, frozen work filled (%s): %.1f ms, bubbles %.1f%% of the iteration", describe(*filled).c_str(),
                 filled->filled_iteration(), 100 * filled->filled.timeline.bubble_fraction());
     if (serial) std::printf("; %.2fx the serial pipeline", serial->serial_iteration() / filled->filled_iteration());
     if (dp) std::printf(", %.2fx data parallelism", dp->serial_iteration() / filled->filled_iteration());
+    else if (sharded)
+      std::printf(", %.2fx data parallelism with its optimizer state sharded", sharded->serial_iteration() / filled->filled_iteration());
     std::printf("\n");
   }
   if (measured) {

@@ -156,8 +156,12 @@ run() {
     predicted=$(sed -n 's/^predicted from the profile[^:]*: \([0-9.]*\) ms.*/\1/p' "$dir.plan.txt")
     own=$(sed -n 's/^planned in the run from the costs it measured: \([0-9.]*\) ms.*/\1/p' "$dir.plan.txt")
   else
-    predicted=$(sed -n 's/^  data parallelism ([^)]*): \([0-9.]*\) ms.*/\1/p' "$out/plan-$rate.txt")
-    [ "$name" = dp ] || predicted=""  # the planner models a float32 all-reduce (not dp-sharded's broadcast)
+    case $name in
+      dp) predicted=$(sed -n 's/^  data parallelism ([^)]*): \([0-9.]*\) ms.*/\1/p' "$out/plan-$rate.txt") ;;
+      dp-sharded) predicted=$(sed -n 's/^  data parallelism, optimizer state sharded ([^)]*): \([0-9.]*\) ms.*/\1/p' \
+                    "$out/plan-$rate.txt") ;;
+      *) predicted="" ;;  # dp-fp16: the planner models a float32 all-reduce
+    esac
   fi
   "$py" - "$dir" "$rate" "$name" "$round" "$steps" "${predicted:-0}" "${own:-0}" "$batch" >> "$out/results.jsonl" <<'PY'
 import json, sys

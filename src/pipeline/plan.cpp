@@ -104,17 +104,25 @@ std::vector<PipePlan> plan_pipeline(const PipeProfile& p, const PipeMachine& m, 
                                                                            << " over " << replicas << " replicas)");
       const int64_t rows = replica_batch / M;
       const std::vector<PipeUnit> units = p.units_at(rows, m.speed);
-      for (const std::string& name : S == 1 ? std::vector<std::string>{"gpipe"} : schedules) {
+      // Data parallelism, and with its optimizer state sharded (parallel.shard_optimizer): each replica
+      // holds the weights and gradients whole, the moments and the EMA of 1/replicas (2 + 3/d of the
+      // 5 float32 copies in state_bytes).
+      std::vector<PipeUnit> sharded_units = units;
+      for (PipeUnit& u : sharded_units) u.state_bytes *= (2 + 3.0 / replicas) / 5;
+      const std::vector<std::string> names =
+          S > 1 ? schedules : replicas > 1 ? std::vector<std::string>{"data-parallel", "dp-sharded"} : std::vector<std::string>{"single"};
+      for (const std::string& name : names) {
         PipePlan plan;
         plan.stages = S, plan.replicas = replicas, plan.micro = M, plan.rows = rows, plan.units = units;
+        const bool sharded = name == "dp-sharded";
         const bool v = is_v_schedule(name);
         if (v && 2 * S > L) {
           last_error = "a V-shaped pipeline over " + std::to_string(S) + " ranks needs " + std::to_string(2 * S) +
                        " units; the model has " + std::to_string(L);
           continue;
         }
-        plan.actions = make_schedule(name, S, M);
-        plan.schedule = S == 1 ? (replicas > 1 ? "data-parallel" : "single") : name;
+        plan.actions = make_schedule(S == 1 ? "gpipe" : name, S, M);
+        plan.schedule = name;
         const int stage_count = plan.actions.stages;
         try {
           if (static_cast<int>(o.first.size()) == stage_count + 1) {
@@ -125,7 +133,7 @@ std::vector<PipePlan> plan_pipeline(const PipeProfile& p, const PipeMachine& m, 
           } else if (v) {
             plan.partition = partition_units_v(units, S, peak_in_flight(plan.actions), m.memory, act);
           } else {
-            plan.partition = partition_units(units, S, peak_in_flight(plan.actions), m.memory, act);
+            plan.partition = partition_units(sharded ? sharded_units : units, S, peak_in_flight(plan.actions), m.memory, act);
           }
         } catch (const Error& e) {
           last_error = e.what();
@@ -139,11 +147,15 @@ std::vector<PipePlan> plan_pipeline(const PipeProfile& p, const PipeMachine& m, 
             for (int l = plan.partition.first[s]; l < plan.partition.first[s + 1]; ++l) params += units[l].state_bytes / 20;
             backward += plan.costs.stage[s].input_grad + plan.costs.stage[s].weight_grad;
           }
-          double t = params / 1e6 * p.optimizer_ms_per_mparam / m.speed;
+          const double d = replicas;
+          double t = params / (sharded ? d : 1.0) / 1e6 * p.optimizer_ms_per_mparam / m.speed;
           if (replicas > 1) {
-            const double d = replicas, ring = 2 * (d - 1) / d * 4 * params / m.link.bandwidth + 2 * (d - 1) * m.link.latency;
+            const double ring = 2 * (d - 1) / d * 4 * params / m.link.bandwidth + 2 * (d - 1) * m.link.latency;
             t += std::max(0.0, ring - backward);
           }
+          // Sharded: after the update every replica's range of the weights goes to the others (an
+          // all-gather's bytes), with nothing left to overlap it.
+          if (sharded) t += (d - 1) / d * 4 * params / m.link.bandwidth + (d - 1) * m.link.latency;
           plan.costs.optimizer.push_back(t);
           plan.sync = std::max(plan.sync, t);
         }

@@ -5,7 +5,9 @@
 // the schedule's in-flight micro-batches); and scores each candidate by its simulated iteration
 // time with the non-trainable work run serially (data parallelism's and an unfilled pipeline's
 // way) and with it filled into the bubbles (fill.h). S = 1 is plain data parallelism (with M
-// gradient-accumulation micro-batches). A V-shaped schedule (1f1b-v, zb-v) spreads 2S stages over
+// gradient-accumulation micro-batches), and "dp-sharded" the same with the optimizer state sharded
+// (parallel.shard_optimizer: 2 + 3/d of the state's 5 copies per device, AdamW on 1/d of the
+// parameters, their all-gather after it). A V-shaped schedule (1f1b-v, zb-v) spreads 2S stages over
 // the S ranks of a pipeline (partition_units_v); S counts ranks throughout.
 //   tasks      each profiled task, per micro-batch, on any rank, its output sent to stage 0; weight-
 //              independent ones may fill the previous iteration's bubbles. A self-conditioned model
@@ -52,7 +54,7 @@ struct PipePlanOptions {
 struct PipePlan {
   int stages = 1, replicas = 1, micro = 1;  // stages: ranks per pipeline (actions.stages counts V's 2S)
   int64_t rows = 0;  // per micro-batch
-  std::string schedule;
+  std::string schedule;  // a pipeline's; with 1 stage "single", "data-parallel" or "dp-sharded"
   std::vector<PipeUnit> units;  // at `rows` rows, on this machine
   PipePartition partition;
   PipeCosts costs;

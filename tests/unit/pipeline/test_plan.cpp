@@ -183,5 +183,38 @@ TEST(PipePlan, BadOptions) {
   EXPECT_NE(error_message([&] { plan_pipeline(p, m, o); }).find("global batch 63 does not split over 2"), std::string::npos);
 }
 
+// Data parallelism with its optimizer state sharded (parallel.shard_optimizer) beside the plain one:
+// 2 + 3/d of the state's 5 float32 copies on each device, AdamW on 1/d of the parameters, and the
+// all-gather of the updated weights after it (not overlapped); under a memory limit between the two,
+// only the sharded one fits.
+TEST(PipePlan, ShardedDataParallelismHoldsLessStateAndGathersTheWeights) {
+  const PipeProfile p = synthetic_profile(8, 6.0);  // 8 units of 1000 parameters
+  PipeMachine m;
+  m.devices = 2;
+  m.link = PipeLink{1e3, 0.01};  // 1000 bytes per ms
+  PipePlanOptions o;
+  o.batch = 64, o.stages = {1}, o.micro = {1};
+  std::map<std::string, PipePlan> by;
+  for (const PipePlan& x : plan_pipeline(p, m, o)) by.emplace(x.schedule, x);
+  ASSERT_EQ(by.size(), 2u);
+  const PipePlan& plain = by.at("data-parallel");
+  const PipePlan& sharded = by.at("dp-sharded");
+  const double params = 8000, state = 20 * params;
+  EXPECT_DOUBLE_EQ(plain.partition.stage_memory[0] - sharded.partition.stage_memory[0], state * 1.5 / 5);
+  // Half the optimizer's work (1 ms per million parameters), then 4 bytes of half the weights over
+  // the link and one latency.
+  EXPECT_NEAR(sharded.sync - plain.sync, -params / 2 / 1e6 + 4 * params / 2 / 1e3 + 0.01, 1e-9);
+  EXPECT_GT(sharded.serial_iteration(), plain.serial_iteration());
+  m.memory = (plain.partition.stage_memory[0] + sharded.partition.stage_memory[0]) / 2;
+  const std::vector<PipePlan> fits = plan_pipeline(p, m, o);
+  ASSERT_EQ(fits.size(), 1u);
+  EXPECT_EQ(fits[0].schedule, "dp-sharded");
+  // One device: neither, a single process.
+  m.devices = 1, m.memory = std::numeric_limits<double>::infinity();
+  const std::vector<PipePlan> one = plan_pipeline(p, m, o);
+  ASSERT_EQ(one.size(), 1u);
+  EXPECT_EQ(one[0].schedule, "single");
+}
+
 // The rows prepared per call, and which rows each prepare piece of a filled schedule covers: the
 // pieces in bubbles (the next step's) from row 0, ranks in order; the serial ones (this step's) after.
