@@ -10,6 +10,14 @@ forward + backward in eager with diffusers' gradient checkpointing on (enable_gr
 
 Usage: python sd_reference.py DIR BATCH SIZE THREADS [REPEAT] [COMPILE=1]   (the reference environment's python)
        python sd_reference.py --config-only DIR   (DIR/unet/config.json alone, for ddm_bench_sd --memory)
+       python sd_reference.py --step CONFIG BATCH SIZE DEVICE PRECISION [REPEAT] [COMPILE=none|default|reduce-overhead]
+
+The --step mode is ddm_bench_sd --memory's training step in diffusers (bench/bench_sd.cpp): the UNet
+made from CONFIG (random weights) on DEVICE, forward under autocast (bf16) or not (fp32), the MSE
+against a random target in float32, backward, the global norm clipped to 1, torch.optim.AdamW (fused
+on CUDA; lr 1e-5, weight decay 0) and an EMA (decay 0.9999) of every parameter. One JSON line: the
+best of REPEAT steps after a first (with torch.compile: the compilation, timed), the peak memory of
+the step and the step's FLOPs (torch.utils.flop_counter), for an MFU.
 """
 import json
 import os
@@ -41,7 +49,53 @@ def timed(fn, repeat):
     return out, first, best
 
 
+def train_step(config, batch, size, device, precision, repeat, compile_mode):
+    """The --step mode (see the top of this file)."""
+    from torch.utils.flop_counter import FlopCounterMode
+    torch.manual_seed(0)
+    with open(config) as f:
+        unet = UNet2DConditionModel.from_config(json.load(f)).to(device)
+    params = list(unet.parameters())
+    opt = torch.optim.AdamW(params, lr=1e-5, weight_decay=0.0, fused=device.startswith("cuda"))
+    ema = [p.detach().clone() for p in params]
+    run = unet if compile_mode == "none" else torch.compile(unet, mode=compile_mode)
+    x = torch.randn(batch, unet.config.in_channels, size, size, device=device)
+    t = torch.rand(batch, device=device) * 1000
+    target = torch.randn_like(x)
+    context = torch.randn(batch, 77, unet.config.cross_attention_dim, device=device)
+
+    def step():
+        opt.zero_grad(set_to_none=False)
+        with torch.autocast(device.split(":")[0], dtype=torch.bfloat16, enabled=precision == "bf16"):
+            out = run(x, t, encoder_hidden_states=context).sample
+        torch.nn.functional.mse_loss(out.float(), target).backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        torch._foreach_lerp_(ema, [p.detach() for p in params], 1 - 0.9999)
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+
+    if device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()
+    _, first, best = timed(step, repeat)
+    peak = torch.cuda.max_memory_allocated() / 2**30 if device.startswith("cuda") else None
+    counter = FlopCounterMode(display=False)
+    with counter:  # eager, so that every op is counted
+        opt.zero_grad(set_to_none=False)
+        with torch.autocast(device.split(":")[0], dtype=torch.bfloat16, enabled=precision == "bf16"):
+            out = unet(x, t, encoder_hidden_states=context).sample
+        torch.nn.functional.mse_loss(out.float(), target).backward()
+    print(json.dumps({"impl": "diffusers" if compile_mode == "none" else "diffusers-compile", "compile_mode": compile_mode,
+                      "model": "sd-unet step", "params": sum(p.numel() for p in params), "batch": batch, "latent": size,
+                      "device": device, "precision": precision, "first_s": round(first, 3), "best_s": round(best, 4),
+                      "peak_gib": peak, "flops": counter.get_total_flops()}), flush=True)
+
+
 def main():
+    if sys.argv[1] == "--step":
+        a = sys.argv[2:]
+        train_step(a[0], int(a[1]), int(a[2]), a[3], a[4], int(a[5]) if len(a) > 5 else 3, a[6] if len(a) > 6 else "none")
+        return
     if sys.argv[1] == "--config-only":
         with torch.device("meta"):  # the config alone: no weights made
             UNet2DConditionModel(**UNET).save_config(os.path.join(sys.argv[2], "unet"))

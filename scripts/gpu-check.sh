@@ -9,11 +9,11 @@
 #                                     its python3, or $TORCH_LIB) and writes each one's output to OUT:
 #       test_torch_build  the LibTorch build: 2.11, libtorch_cuda loaded, Gloo from the wheel;
 #       test_cuda_module  libddm_cuda.so loads there, exporting its one function;
-#       test_cuda         the `gpu` tests (with DDM_FUSED_CUDA=1): CUDA results equal the CPU's within float32 rounding, and
+#       test_cuda         the `gpu` tests (the hand-written kernels on, as by default): CUDA results equal the CPU's within float32 rounding, and
 #                         ddm trains, resumes and samples there (tests/gpu/test_cuda.cpp);
 #   (TESTS=0 skips those three)
 #   then (unless GPU_BENCH=0) the GPU benchmark side by side: ddm's training step (ddm_bench train;
-#   for dit-b also with DDM_FUSED_CUDA=1, with its hand-written kernels; and with train.cuda_graphs)
+#   for dit-b also with DDM_FUSED_CUDA=0, without its hand-written kernels; and with train.cuda_graphs)
 #   and PyTorch's (bench/reference.py) for dit-b and unet-small (BENCH_PRESETS) at batch 256 in bf16,
 #   PyTorch eager and torch.compile, default and "reduce-overhead" (unless REF_COMPILE=0), dit-b in
 #   fp32; one JSON line each in OUT/bench.jsonl;
@@ -27,7 +27,10 @@
 #   Pillow and numpy there (unless COLOUR_E2E=0), the 50k colour end-to-end run (bench/colour_e2e.sh), its grid in OUT;
 #   then (unless SD_MEMORY=0) Stable Diffusion 2.1's UNet (its config, random weights) training steps
 #   at 768 px in bf16 at several batches, without and with train.checkpoint_activations: the step time
-#   and the peak GPU memory (ddm_bench_sd --memory), in OUT/sd-memory.jsonl.
+#   and the peak GPU memory (ddm_bench_sd --memory), in OUT/sd-memory.jsonl;
+#   then (unless SD_COMPARE=0; where this python3 imports diffusers) the same step of SD 2.1's UNet in
+#   ddm beside diffusers eager and under torch.compile (bench/sd_reference.py --step) at batch
+#   SD_BATCH (8) in bf16, in OUT/sd-compare.jsonl.
 # Exits non-zero if any check fails.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -90,8 +93,8 @@ case "$what" in
       [ "${TESTS:-1}" != 0 ] || break
       name=$(basename "$t")
       start=$(date +%s)
-      # With the hand-written DiT kernels on (model/fused_gpu.h: opt-in until a GPU has checked them),
-      # so that the DiT tests against the CPU check them too.
+      # With the hand-written DiT kernels on (model/fused_gpu.h; the default), so that the DiT tests
+      # against the CPU check them too.
       if DDM_FUSED_CUDA=1 "$t" --gtest_brief=1 >"$out/$name.log" 2>&1; then status=ok; else status=FAILED; failed+=("$name"); fi
       echo "gpu-check: $name $status ($(($(date +%s) - start)) s): $(grep -E '^\[  (PASSED|FAILED|SKIPPED) ' "$out/$name.log" | tr '\n' ' ')"
     done
@@ -104,8 +107,8 @@ case "$what" in
       }
       for preset in ${BENCH_PRESETS:-dit-b unet-small}; do
         bench "$dir/bin/ddm_bench" train $preset --batch 256 --device cuda --precision bf16 --steps 20 --warmup 3 --threads 8 --peak $peak
-        # The same with the hand-written DiT kernels (model/fused_gpu.h) in place of LibTorch's ops.
-        [ "$preset" != dit-b ] || bench env DDM_FUSED_CUDA=1 "$dir/bin/ddm_bench" train $preset --batch 256 --device cuda \
+        # The same without the hand-written DiT kernels (model/fused_gpu.h): LibTorch's ops instead.
+        [ "$preset" != dit-b ] || bench env DDM_FUSED_CUDA=0 "$dir/bin/ddm_bench" train $preset --batch 256 --device cuda \
           --precision bf16 --steps 20 --warmup 3 --threads 8 --peak $peak
         # The step captured as a CUDA graph and replayed (train.cuda_graphs, train/step_graph.cpp).
         bench "$dir/bin/ddm_bench" train $preset --batch 256 --device cuda --precision bf16 --steps 20 --warmup 3 \
@@ -240,6 +243,18 @@ print("data_wait", [round(r["data_wait"], 4) for r in rows], "img/s", [round(r.g
         timeout 240 "$dir/bin/ddm_bench_sd" --memory "$dir/sd21/unet/config.json" --batch $b --latent 96 \
           --device cuda --precision bf16 --repeat 2 --threads 8 2>>"$out/sd-memory.err" | tee -a "$out/sd-memory.jsonl" ||
           echo "gpu-check: SD memory at batch $b failed: $(tail -3 "$out/sd-memory.err")"
+      done
+    fi
+    if [ "${SD_COMPARE:-1}" != 0 ] && [ -f "$dir/sd21/unet/config.json" ] && python3 -c "import diffusers" 2>/dev/null; then
+      # SD 2.1's UNet training step at 768 px in bf16: ddm, then diffusers eager, then compiled.
+      b=${SD_BATCH:-8}
+      timeout 120 "$dir/bin/ddm_bench_sd" --memory "$dir/sd21/unet/config.json" --batch $b --latent 96 --device cuda \
+        --precision bf16 --repeat 3 --threads 8 --checkpoint off 2>>"$out/sd-compare.err" | tee -a "$out/sd-compare.jsonl" ||
+        echo "gpu-check: ddm's SD step failed: $(tail -3 "$out/sd-compare.err")"
+      for mode in none default; do
+        timeout 240 python3 bench/sd_reference.py --step "$dir/sd21/unet/config.json" $b 96 cuda bf16 3 $mode \
+          2>>"$out/sd-compare.err" | tee -a "$out/sd-compare.jsonl" ||
+          echo "gpu-check: diffusers' SD step ($mode) failed: $(tail -3 "$out/sd-compare.err")"
       done
     fi
     if [ ! -d "$dir/shards" ] && { [ "${LOADER:-1}" != 0 ] || [ "${SHARDS_E2E:-1}" != 0 ]; }; then

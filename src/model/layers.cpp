@@ -149,7 +149,7 @@ namespace {
 // bias, which gated_residual adds in the same pass (ops.h: the fused kernel), so no pass copies a
 // broadcast bias; on a GPU the bias goes into the GEMM (cuBLAS's epilogue), since a separate a + bias
 // there is a full pass over [B N, W] (in float32 under bf16 autocast), twice per block and again in
-// backward; with DDM_FUSED_CUDA=1 the residual's backward is one kernel (fused_gpu.h).
+// backward; on CUDA (unless DDM_FUSED_CUDA=0) the residual's backward is one kernel (fused_gpu.h).
 torch::Tensor gated_linear_residual(const torch::Tensor& x, const torch::Tensor& gate, const torch::Tensor& h,
                                     nn::Linear& lin) {
   if (!x.is_cpu()) return gated_residual(x, gate, lin(h).view(x.sizes()));             // [B, N, W]

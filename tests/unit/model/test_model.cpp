@@ -569,16 +569,17 @@ TEST(FusedAttention, TokenLayoutEqualsTheReference) {
 }  // namespace
 }  // namespace ddm
 
-// The hand-written CUDA kernels (model/fused_gpu.h) are opt-in with DDM_FUSED_CUDA=1 and never take
+// The hand-written CUDA kernels (model/fused_gpu.h) are on unless DDM_FUSED_CUDA=0 and never take
 // CPU tensors; what they compute is checked on a GPU (tests/gpu/test_cuda.cpp).
-TEST(FusedGpu, OptInAndNeverForCpuTensors) {
+TEST(FusedGpu, OnUnlessTurnedOffAndNeverForCpuTensors) {
   const auto x = torch::randn({2, 5, 8}), m = torch::randn({2, 8});
   const char* was = std::getenv("DDM_FUSED_CUDA");
   const std::string before = was ? was : "";
   unsetenv("DDM_FUSED_CUDA");
-  EXPECT_FALSE(ddm::fused_cuda_enabled());
+  EXPECT_TRUE(ddm::fused_cuda_enabled());
   setenv("DDM_FUSED_CUDA", "0", 1);
   EXPECT_FALSE(ddm::fused_cuda_enabled());
+  EXPECT_FALSE(ddm::adaln_modulate_cuda_supported(x, m, m));
   setenv("DDM_FUSED_CUDA", "1", 1);
   EXPECT_TRUE(ddm::fused_cuda_enabled());
   EXPECT_FALSE(ddm::adaln_modulate_cuda_supported(x, m, m));
