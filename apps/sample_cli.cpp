@@ -96,7 +96,7 @@ Source open_source(const SampleArgs& a) {
     DDM_CHECK(device.is_cuda(), "--cuda-graphs needs a CUDA GPU, but the ensemble runs on "
                                     << device << ": leave --cuda-graphs out, or give --device cuda");
     for (auto& e : s.members->experts)
-      if (e) e->net = std::make_shared<GraphedNetImpl>(e->net, /*max_graphs=*/8);
+      if (e) e->net = std::make_shared<GraphedNetImpl>(e->net, graphed_expert_graphs(s.members->k));
     if (s.members->router.net) s.members->router.net = std::make_shared<GraphedNetImpl>(s.members->router.net);
   }
   for (int64_t m : s.members->missing())
@@ -104,9 +104,8 @@ Source open_source(const SampleArgs& a) {
               << "the rest renormalized; samples of its cluster come from the other experts" << std::endl;
   s.ensemble = make_ensemble(*s.members, s.routing, static_cast<uint64_t>(a.seed),
                              a.precision == "bf16" ? Precision::kBf16 : Precision::kFp32);
-  // With graphs, each expert's group is padded to a multiple of a quarter of the batch: four sizes,
-  // times guidance's doubled batch and self-conditioning's first call, within the graphs kept.
-  if (a.cuda_graphs) s.ensemble->set_group_quantum((std::min(a.batch, a.n) + 3) / 4);
+  // With graphs, each expert's group is padded to a few sizes (graphed_group_quantum).
+  if (a.cuda_graphs) s.ensemble->set_group_quantum(graphed_group_quantum(std::min(a.batch, a.n), s.members->k));
   s.den = s.ensemble->denoiser();
   s.name = "ensemble " + a.ensemble + " (K = " + std::to_string(s.members->k) + ", routing " + s.routing.spec + ")";
   if (!device.is_cpu() || a.precision != "fp32") s.name += " on " + device.str() + " in " + a.precision;

@@ -790,7 +790,7 @@ int main(int argc, char** argv) try {
       std::vector<std::optional<Denoiser>> experts;
       for (int64_t e = 0; e < a.experts; ++e) {
         torch::manual_seed(static_cast<uint64_t>(e));
-        experts.emplace_back(Denoiser(ready(make_net(cfg.model), 8), make_path(cfg.diffusion),
+        experts.emplace_back(Denoiser(ready(make_net(cfg.model), graphed_expert_graphs(a.experts)), make_path(cfg.diffusion),
                                       prediction_for(cfg.diffusion), cfg.model.num_classes));
         experts.back()->set_precision(precision);
       }
@@ -818,7 +818,7 @@ int main(int argc, char** argv) try {
       ensemble = std::make_unique<Ensemble>(std::move(experts), std::vector<double>(a.experts, fwd_flops), routed,
                                             network_flops_per_image(rm), path, cfg.model.num_classes,
                                             parse_routing("top1"), 0, device);
-      if (graphs) ensemble->set_group_quantum((a.n + 3) / 4);
+      if (graphs) ensemble->set_group_quantum(graphed_group_quantum(a.n, a.experts));
       den.emplace(ensemble->denoiser());
     }
     GenerateOptions g;

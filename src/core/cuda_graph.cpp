@@ -30,7 +30,7 @@ struct CapturedGraph::Impl {
 CapturedGraph::CapturedGraph() : impl_(std::make_unique<Impl>()) {}
 CapturedGraph::~CapturedGraph() = default;
 
-std::string CapturedGraph::capture(const std::function<void()>& f) {
+std::string CapturedGraph::capture(const std::function<void()>& f, const CapturedGraph* share_pool_of) {
   if (!impl_->graph) {
     try {
       impl_->graph = cuda_module().graph();
@@ -38,7 +38,8 @@ std::string CapturedGraph::capture(const std::function<void()>& f) {
       return e.what();  // as a capture that failed: the caller goes on eagerly
     }
   }
-  return impl_->graph->capture(f);
+  const CudaGraph* other = share_pool_of != nullptr && share_pool_of->captured() ? share_pool_of->impl_->graph.get() : nullptr;
+  return impl_->graph->capture(f, other);
 }
 
 bool CapturedGraph::captured() const { return impl_->graph && impl_->graph->captured(); }

@@ -40,7 +40,11 @@ class CapturedGraph {
   CapturedGraph& operator=(const CapturedGraph&) = delete;
   // Captures f's work on the current stream (inside GraphStream::run; nothing runs). Returns "" or,
   // when the capture failed, why (the first line of the error); the graph is then empty.
-  std::string capture(const std::function<void()>& f);
+  // share_pool_of: a captured graph whose memory pool this one allocates from, so that a set of
+  // graphs holds the memory of its largest capture rather than the sum of all. Safe where the
+  // graphs replay one at a time on one stream and what each leaves in the pool (its output) is read
+  // right after its own replay, before another replays (GraphedNetImpl copies it out).
+  std::string capture(const std::function<void()>& f, const CapturedGraph* share_pool_of = nullptr);
   bool captured() const;
   void replay();
   void reset();  // drops the graph and its memory

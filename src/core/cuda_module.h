@@ -40,7 +40,9 @@ class CudaGraph {
  public:
   virtual ~CudaGraph() = default;
   // Captures f's work on the current stream; "" or, when the capture failed, why (its first line).
-  virtual std::string capture(const std::function<void()>& f) = 0;
+  // With share_pool_of (a graph of this module, captured), the capture allocates from that graph's
+  // memory pool instead of a pool of its own (CapturedGraph::capture says when that is safe).
+  virtual std::string capture(const std::function<void()>& f, const CudaGraph* share_pool_of) = 0;
   virtual bool captured() const = 0;
   virtual void replay() = 0;  // only when captured()
   virtual void reset() = 0;

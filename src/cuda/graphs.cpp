@@ -60,13 +60,16 @@ void end_failed_capture(c10::DeviceIndex device, c10::MempoolId_t pool) {
 
 class Graph final : public CudaGraph {
  public:
-  std::string capture(const std::function<void()>& f) override {
+  std::string capture(const std::function<void()>& f, const CudaGraph* share_pool_of) override {
     graph_.reset();
+    // The pool: another graph's (LibTorch counts its users; each graph releases its use), or the
+    // graph's own, named so that a failed capture can end it.
+    const auto* other = dynamic_cast<const Graph*>(share_pool_of);
+    const c10::MempoolId_t pool = other != nullptr && other->graph_ ? other->graph_->pool() : at::cuda::graph_pool_handle();
     const bool cache = at::autocast::is_autocast_cache_enabled();
     at::autocast::set_autocast_cache_enabled(false);
     auto graph = std::make_unique<at::cuda::CUDAGraph>();
     const c10::DeviceIndex device = c10::cuda::current_device();
-    const c10::MempoolId_t pool = at::cuda::graph_pool_handle();  // the graph's own, named so it can be ended
     std::string why;
     try {
       // Thread-local: a data loader's threads may use CUDA (pinned memory) while this one captures.

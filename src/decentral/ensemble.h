@@ -11,6 +11,7 @@
 // expert, the guidance direction cond - uncond is taken within one expert's model, and routing costs
 // one router pass per step whatever the guidance.
 #pragma once
+#include <algorithm>
 #include <cstdint>
 #include <functional>
 #include <optional>
@@ -70,6 +71,15 @@ struct EnsembleUsage {
   double router_flops = 0, expert_flops = 0;  // forward FLOPs spent, in total
 };
 
+// CUDA graphs of an ensemble of K experts sampling batches of `batch` (`ddm sample --ensemble
+// --cuda-graphs`): each expert's group is padded to a multiple of batch / 4K rows. With the batch
+// shared evenly each group is about 4 quanta, so the padding adds about an eighth of the rows,
+// whatever K (a quarter of the batch, as before, doubled the rows of 4 even groups). An expert may
+// see any of 4K sizes, each also with guidance's doubled batch and self-conditioning's first call:
+// graphed_expert_graphs() bounds its graphs (model/graphed_net.h; they share one memory pool).
+inline int64_t graphed_group_quantum(int64_t batch, int64_t k) { return std::max<int64_t>(1, (batch + 4 * k - 1) / (4 * k)); }
+inline int64_t graphed_expert_graphs(int64_t k) { return 16 * k; }
+
 class Ensemble {
  public:
   // experts[k]: expert k's denoiser, or nullopt when missing (its probability is set to 0 and the
@@ -98,9 +108,9 @@ class Ensemble {
   void set_null_text(const Cond& null_text);
   // Pads each expert's group to a multiple of `rows` (0: exact groups, the default), so that an
   // expert is called with a few batch sizes only: what CUDA graphs of the experts' forward need
-  // (`ddm sample --ensemble --cuda-graphs`: a quarter of the sampling batch, four sizes). The padding
-  // rows repeat row 0 and their outputs are dropped; the real rows' estimates change only by the
-  // float rounding of another batch size.
+  // (`ddm sample --ensemble --cuda-graphs`: graphed_group_quantum above). The padding rows repeat
+  // row 0 and their outputs are dropped; the real rows' estimates change only by the float rounding
+  // of another batch size.
   void set_group_quantum(int64_t rows);
   // A Denoiser over this ensemble (which must outlive it).
   Denoiser denoiser() const;

@@ -40,7 +40,10 @@ torch::Tensor GraphedNetImpl::forward(const torch::Tensor& x, const torch::Tenso
     for (torch::Tensor* s : g->c.slots())
       if (s->defined()) *s = s->clone();
     std::string why;
-    stream_->run([&] { why = g->graph.capture([&] { g->out = inner_->forward(g->x, g->t, g->c); }); });
+    // Every graph of this network allocates from the first one's memory pool: they replay one at a time
+    // on stream_, and each one's output is copied out right after its replay (below).
+    const CapturedGraph* pool = graphs_.empty() ? nullptr : &graphs_.begin()->second->graph;
+    stream_->run([&] { why = g->graph.capture([&] { g->out = inner_->forward(g->x, g->t, g->c); }, pool); });
     if (!why.empty()) {
       failed_ = true;
       std::cerr << "--cuda-graphs: the network could not be captured as a CUDA graph (" << why

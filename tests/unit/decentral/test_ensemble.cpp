@@ -190,6 +190,31 @@ TEST(Ensemble, PaddedGroupsGiveTheExactGroupsEstimates) {
   }
 }
 
+// The quantum `ddm sample --ensemble --cuda-graphs` pads with: at most 4K sizes per expert (within
+// the graphs it keeps, 4 variants of each), and for a batch shared evenly about an eighth more rows,
+// where a quarter of the batch (the earlier quantum) doubled the rows of 4 even groups.
+TEST(Ensemble, GraphedGroupsArePaddedToFewSizesAndLittleMore) {
+  for (int64_t k : {1, 2, 4, 8})
+    for (int64_t batch : {1, 7, 64, 100, 256, 1000}) {
+      const int64_t q = graphed_group_quantum(batch, k);
+      ASSERT_GE(q, 1);
+      EXPECT_LE((batch + q - 1) / q, 4 * k) << "batch " << batch << ", K " << k;  // distinct padded sizes
+      EXPECT_LE(4 * ((batch + q - 1) / q), graphed_expert_graphs(k));
+      if (batch < 64) continue;
+      int64_t padded = 0;  // an even split: groups of batch / k, the remainder spread
+      for (int64_t e = 0; e < k; ++e) {
+        const int64_t n = batch / k + (e < batch % k ? 1 : 0);
+        padded += (n + q - 1) / q * q;
+      }
+      EXPECT_LE(padded - batch, batch / 4) << "batch " << batch << ", K " << k;
+    }
+  EXPECT_EQ(graphed_group_quantum(256, 4), 16);
+  // The dit-b benchmark's groups on an H200 (65, 65, 62, 64 of 256): 32 padding rows, not 128.
+  int64_t pad = 0;
+  for (int64_t n : {65, 65, 62, 64}) pad += (n + 15) / 16 * 16 - n;
+  EXPECT_EQ(pad, 32);
+}
+
 TEST(Ensemble, StrategiesAreDeterministicUnderASeed) {
   torch::manual_seed(16);  // the same draws in every run: LibTorch seeds its default generator anew per process
   const Mixture m = three_clusters();
