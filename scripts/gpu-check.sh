@@ -30,7 +30,9 @@
 #   and the peak GPU memory (ddm_bench_sd --memory), in OUT/sd-memory.jsonl;
 #   then (unless SD_COMPARE=0; where this python3 imports diffusers) the same step of SD 2.1's UNet in
 #   ddm beside diffusers eager and under torch.compile (bench/sd_reference.py --step) at batch
-#   SD_BATCH (8) in bf16, in OUT/sd-compare.jsonl.
+#   SD_BATCH (8) in bf16, in OUT/sd-compare.jsonl (torch.compile of SD's UNet takes minutes);
+#   then (with PROFILE=1) where dit-b's step spends its GPU time, kernel by kernel, in ddm and under
+#   torch.compile (DDM_BENCH_TRACE, reference.py --trace, bench/op_profile.py --gpu), in OUT/profile.txt.
 # Exits non-zero if any check fails.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -256,6 +258,16 @@ print("data_wait", [round(r["data_wait"], 4) for r in rows], "img/s", [round(r.g
           2>>"$out/sd-compare.err" | tee -a "$out/sd-compare.jsonl" ||
           echo "gpu-check: diffusers' SD step ($mode) failed: $(tail -3 "$out/sd-compare.err")"
       done
+    fi
+    if [ "${PROFILE:-0}" = 1 ]; then
+      # dit-b, batch 256, bf16: 3 steps under the profiler each, summed by kernel (the top 40).
+      p=$(mktemp -d)
+      DDM_BENCH_TRACE="$p/ddm.json" timeout 120 "$dir/bin/ddm_bench" train dit-b --batch 256 --device cuda \
+        --precision bf16 --steps 5 --warmup 3 --threads 8 >/dev/null 2>>"$out/profile.err" || echo "gpu-check: ddm's trace failed"
+      timeout 240 python3 bench/reference.py dit-b --batch 256 --precision bf16 --steps 5 --warmup 3 --device cuda \
+        --threads 8 --compile --trace "$p/compile.json" >/dev/null 2>>"$out/profile.err" || echo "gpu-check: compile's trace failed"
+      python3 bench/op_profile.py --gpu --top 40 ddm="$p/ddm.json" compile="$p/compile.json" | tee "$out/profile.txt" | head -60
+      rm -rf "$p"
     fi
     if [ ! -d "$dir/shards" ] && { [ "${LOADER:-1}" != 0 ] || [ "${SHARDS_E2E:-1}" != 0 ]; }; then
       echo "gpu-check: the loader and shards checks skipped: the pack has no JPEG shards"
