@@ -16,12 +16,19 @@
 # of 1 and 2, one repeat) and prints its plans for 2 devices at a global batch of 8 (PLAN_ARGS adds
 # options, e.g. "--bandwidth 1 --memory 80"); the profile is kept in SD_DIR/profile-SIZE.json.
 #
-# usage: [KIND=sd21|sd15-controlnet] [PLAN=1] bench/sd_phases.sh [SIZES="256 512"] [BATCH=1] [THREADS=2] [STEPS=3]
+# On a GPU machine (scripts/gpu-check.sh's SD_PLAN): PLAN=1 DEVICE=cuda PRECISION=bf16 profile there
+# (train.device, train.precision; `ddm_bench phases` measures on the CPU only), PYTHON names a python
+# with diffusers, transformers and open_clip instead of the reference environment's, and BIN the
+# folder of ddm and ddm_bench instead of build/.
+#
+# usage: [KIND=sd21|sd15-controlnet] [PLAN=1] [DEVICE=auto] [PRECISION=fp32] [PYTHON=...] [BIN=build]
+#        bench/sd_phases.sh [SIZES="256 512"] [BATCH=1] [THREADS=2] [STEPS=3]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 sizes=${1:-256 512} batch=${2:-1} threads=${3:-2} steps=${4:-3}
 kind=${KIND:-sd21}
-python=$(bash scripts/reference-env.sh)
+python=${PYTHON:-$(bash scripts/reference-env.sh)}
+bin=${BIN:-build}
 sd=${SD_DIR:-/tmp/ddm-$kind}
 [ -f "$sd/model_index.json" ] || "$python" bench/sd_pipeline.py "$sd" "$kind"
 if [ "$kind" = sd15-controlnet ]; then
@@ -57,13 +64,16 @@ $extra
 [diffusion]
 objective = "$objective"
 scheduler = "$sd"
+[train]
+device = "${DEVICE:-auto}"
+precision = "${PRECISION:-fp32}"
 TOML
   if [ "${PLAN:-0}" = 1 ]; then
     # shellcheck disable=SC2086
-    OMP_NUM_THREADS=$threads build/ddm plan --config "$work/sd-$size.toml" --set train.threads="$threads" --rows 1 2 \
+    OMP_NUM_THREADS=$threads "$bin/ddm" plan --config "$work/sd-$size.toml" --set train.threads="$threads" --rows 1 2 \
       --repeats 1 --devices 2 --batch 8 --save-profile "$sd/profile-$size.json" --top 8 ${PLAN_ARGS:-}
   else
-    OMP_NUM_THREADS=$threads build/ddm_bench phases "$work/sd-$size.toml" --batch "$batch" --threads "$threads" \
+    OMP_NUM_THREADS=$threads "$bin/ddm_bench" phases "$work/sd-$size.toml" --batch "$batch" --threads "$threads" \
       --steps "$steps" --warmup 1
   fi
 done

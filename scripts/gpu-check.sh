@@ -4,7 +4,8 @@
 #                                     stripped (the test binaries, ddm, ddm_bench, and libddm_cuda.so
 #                                     beside them), the system libraries
 #                                     they link (a GPU machine may lack them),
-#                                     Fashion-MNIST and a small text encoder into DIR, to carry there;
+#                                     Fashion-MNIST (20000 of its training images) and a small text
+#                                     encoder into DIR, to carry there (at most 53 MB beside the tree);
 #   scripts/gpu-check.sh run DIR OUT  (there) runs them against that machine's LibTorch (the torch of
 #                                     its python3, or $TORCH_LIB) and writes each one's output to OUT:
 #       test_torch_build  the LibTorch build: 2.11, libtorch_cuda loaded, Gloo from the wheel;
@@ -31,6 +32,9 @@
 #   then (unless SD_COMPARE=0; where this python3 imports diffusers) the same step of SD 2.1's UNet in
 #   ddm beside diffusers eager and under torch.compile (bench/sd_reference.py --step) at batch
 #   SD_BATCH (8) in bf16, in OUT/sd-compare.jsonl (torch.compile of SD's UNet takes minutes);
+#   then (with SD_PLAN=1; about 5 GB of disk) a full-size SD 2.1 pipeline with random weights
+#   (bench/sd_pipeline.py) profiled by `ddm plan` on the GPU in bf16 at 512 and 768 px (PLAN=1
+#   bench/sd_phases.sh): its units, the frozen work's share and its plans for 2 devices;
 #   then (with PROFILE=1) where dit-b's step spends its GPU time, kernel by kernel, in ddm and under
 #   torch.compile (DDM_BENCH_TRACE, reference.py --trace, bench/op_profile.py --gpu), in OUT/profile.txt.
 # Exits non-zero if any check fails.
@@ -59,7 +63,20 @@ case "$what" in
       grep -v -E '/(libc|libm|libdl|libpthread|librt|libutil|libgcc_s|libstdc\+\+)\.so|torch|site-packages' |
       while read -r lib; do cp -L "$lib" "$dir/lib/"; done
     tar -cJf "$dir/lib.tar.xz" -C "$dir" lib && rm -rf "$dir/lib"
-    cp /usr/share/datasets/fashion-mnist/*.gz "$dir/fashion-mnist/"
+    # The binaries compressed too (about a third of their size): what a call carries is limited.
+    (cd "$dir" && tar -cJf bin.tar.xz test_* bin libddm_cuda.so && rm -rf test_* bin libddm_cuda.so)
+    # Fashion-MNIST's test split and the first 20000 training images (the IDX headers' counts
+    # rewritten): what a call carries is limited. The GPU tests read at most 600 of them; the
+    # quickstarts on the GPU train on these 20000.
+    cp /usr/share/datasets/fashion-mnist/t10k-*.gz "$dir/fashion-mnist/"
+    python3 - "$dir/fashion-mnist" <<'PY'
+import gzip, struct, sys
+for name, head, size in (("train-images-idx3-ubyte", 16, 784), ("train-labels-idx1-ubyte", 8, 1)):
+    raw = gzip.open(f"/usr/share/datasets/fashion-mnist/{name}.gz").read()
+    n = 20000
+    with gzip.open(f"{sys.argv[1]}/{name}.gz", "wb") as f:
+        f.write(raw[:4] + struct.pack(">I", n) + raw[8:head] + raw[head:head + n * size])
+PY
     # Procedural colour JPEG shards for the loader checks (bench/make_jpeg_shards.py), small enough
     # to carry: the loader cycles through them epoch after epoch.
     source scripts/torch-env.sh
@@ -74,6 +91,12 @@ case "$what" in
     rm -rf "$dir/text-encoder"
     "$(bash scripts/reference-env.sh)" tests/reference/tiny_bert.py "$dir/text-encoder" >/dev/null 2>&1 ||
       echo "gpu-check: no text encoder packed (tests/reference/tiny_bert.py failed); the text GPU check will be skipped" >&2
+    # What the SD parts import where the GPU machine's python lacks it (pure-Python wheels, the
+    # reference environment's pins): diffusers, and for SD_PLAN open_clip's tokenizer files.
+    rm -rf "$dir/wheels"
+    python3 -m pip download -q --no-deps --only-binary=:all: -d "$dir/wheels" diffusers==0.42.1 importlib_metadata==8.7.0 \
+      open_clip_torch==3.3.0 ftfy==6.3.1 wcwidth==0.2.13 ||
+      echo "gpu-check: no wheels packed; the SD parts need diffusers (and open_clip) on the GPU machine" >&2
     # Stable Diffusion 2.1's UNet config (diffusers writes it; no weights) for the memory check.
     "$(bash scripts/reference-env.sh)" bench/sd_reference.py --config-only "$dir/sd21" ||
       echo "gpu-check: no SD 2.1 UNet config packed; the SD memory check will be skipped" >&2
@@ -83,6 +106,7 @@ case "$what" in
     dir=${2:?usage: $0 run DIR OUT}
     out=${3:?usage: $0 run DIR OUT}
     mkdir -p "$out"
+    [ ! -f "$dir/bin.tar.xz" ] || { tar -xJf "$dir/bin.tar.xz" -C "$dir" && rm "$dir/bin.tar.xz"; }
     torch_lib=${TORCH_LIB:-$(python3 -c 'import os, torch; print(os.path.join(os.path.dirname(torch.__file__), "lib"))')}
     libs=$(mktemp -d) && tar -xJf "$dir/lib.tar.xz" -C "$libs"
     export LD_LIBRARY_PATH="$libs/lib:$torch_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
@@ -90,6 +114,12 @@ case "$what" in
     export DDM_FASHION_MNIST="$(cd "$dir" && pwd)/fashion-mnist"  # the data the GPU tests read
     [ -d "$dir/text-encoder" ] && export DDM_TEST_TEXT_ENCODER="$(cd "$dir" && pwd)/text-encoder"  # the text checks' encoder
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt" || true
+    # The packed wheels, where this python lacks them (installed into a folder of their own).
+    if ! python3 -c "import diffusers, open_clip" 2>/dev/null && [ -d "$dir/wheels" ]; then
+      site=$(mktemp -d)
+      python3 -m pip install -q --root-user-action=ignore --no-index --no-deps --no-compile --target "$site" "$dir"/wheels/*.whl &&
+        export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+    fi
     failed=()
     for t in "$dir"/test_*; do
       [ "${TESTS:-1}" != 0 ] || break
@@ -258,6 +288,30 @@ print("data_wait", [round(r["data_wait"], 4) for r in rows], "img/s", [round(r.g
           2>>"$out/sd-compare.err" | tee -a "$out/sd-compare.jsonl" ||
           echo "gpu-check: diffusers' SD step ($mode) failed: $(tail -3 "$out/sd-compare.err")"
       done
+    fi
+    if [ "${SD_PLAN:-0}" = 1 ]; then
+      # SD 2.1 at full size (random weights), profiled on the GPU by ddm plan: the frozen share.
+      s=$(mktemp -d)
+      if timeout 300 python3 bench/sd_pipeline.py "$s/sd21" sd21 >"$out/sd-plan.log" 2>&1; then
+        PLAN=1 DEVICE=cuda PRECISION=bf16 PYTHON=python3 BIN="$dir/bin" SD_DIR="$s/sd21" \
+          timeout 400 bash bench/sd_phases.sh "512 768" 1 8 2>&1 | tee -a "$out/sd-plan.log" | grep -E -i "frozen|best|stage|^  " | head -40 ||
+          failed+=(sd-plan)
+        # The seed's statistic from each saved profile: the frozen work over the UNet's forward + backward.
+        for f in "$s"/sd21/profile-*.json; do
+          python3 - "$f" <<'PY' | tee -a "$out/sd-plan.log"
+import json, sys
+p = json.load(open(sys.argv[1]))
+for i, c in enumerate(p["tasks"][0]["cost"]):
+    unit = lambda u: u["samples"][i]["forward_ms"] + u["samples"][i]["input_grad_ms"] + u["samples"][i]["weight_grad_ms"]
+    trainable = sum(unit(u) for u in p["units"])
+    print(f"gpu-check: {sys.argv[1].rsplit('/', 1)[-1]}, {c['rows']} row(s): frozen {c['ms']:.1f} ms, "
+          f"UNet forward + backward {trainable:.1f} ms: {100 * c['ms'] / trainable:.0f}% (DiffusionPipe: 44%)")
+PY
+        done
+      else
+        failed+=(sd-plan); tail -5 "$out/sd-plan.log"
+      fi
+      rm -rf "$s"
     fi
     if [ "${PROFILE:-0}" = 1 ]; then
       # dit-b, batch 256, bf16: 3 steps under the profiler each, summed by kernel (the top 40).
