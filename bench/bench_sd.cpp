@@ -8,7 +8,9 @@
 // forward and backward (the host allocator's count before and after the forward). Results are
 // reported, never asserted.
 //
-// usage: ddm_bench_sd DIR [--repeat 3] [--threads 2]   (DIR: unet/, vae/, bench.safetensors)
+// usage: ddm_bench_sd DIR [--repeat 3] [--threads 2] [--device cpu|cuda] [--precision fp32|bf16]
+//        (DIR: unet/, vae/, bench.safetensors; on a GPU the forwards run under autocast in --precision
+//        and each timed call ends with a synchronization, as sd_reference.py's DEVICE and PRECISION)
 //
 // Memory mode: a UNet built from CONFIG (a diffusers unet config.json; random weights) trains on
 // random latents as a run does (forward + backward under --precision, the global norm, AdamW + EMA
@@ -153,39 +155,65 @@ int main(int argc, char** argv) {
   }
   const std::string dir = argv[1];
   int repeat = 3, threads = 2;
+  std::string device_name = "cpu", precision_name = "fp32";
   for (int i = 2; i + 1 < argc; i += 2) {
     const std::string flag = argv[i];
     if (flag == "--repeat") repeat = std::stoi(argv[i + 1]);
     else if (flag == "--threads") threads = std::stoi(argv[i + 1]);
+    else if (flag == "--device") device_name = argv[i + 1];
+    else if (flag == "--precision") precision_name = argv[i + 1];
+    else throw std::runtime_error("unknown flag " + flag);
   }
   torch::set_num_threads(threads);
+  const torch::Device device(device_name);
+  const ddm::Precision precision = precision_name == "bf16" ? ddm::Precision::kBf16 : ddm::Precision::kFp32;
+  ddm::configure_math(device, false);
   const auto in = ddm::load_safetensors(dir + "/bench.safetensors").tensors;
   auto unet = ddm::sd::load_unet_2d_condition(dir + "/unet");
   auto vae = ddm::sd::load_autoencoder_kl(dir + "/vae");
-  const torch::Tensor sample = in.at("sample"), timestep = in.at("timestep"), context = in.at("context");
-  const torch::Tensor weight = in.at("weight"), images = in.at("images");
+  unet->to(device);
+  vae->to(device);
+  const auto on = [&](const char* name) { return in.at(name).to(device); };
+  const torch::Tensor sample = on("sample"), timestep = on("timestep"), context = on("context");
+  const torch::Tensor weight = on("weight"), images = on("images");
+  // diffusers' outputs were computed in float32 on the CPU.
+  const auto off = [](const torch::Tensor& t) { return t.to(torch::kCPU, torch::kFloat); };
   double diff = 0;
   {
     torch::NoGradGuard no_grad;
-    diff = relative(unet->forward(sample, timestep, context), in.at("out"));
+    ddm::Autocast autocast(device, precision);
+    diff = relative(off(unet->forward(sample, timestep, context)), in.at("out"));
   }
   const auto [uf, ub] = timed(
       [&] {
         unet->zero_grad();
-        (unet->forward(sample, timestep, context) * weight).sum().backward();
+        torch::Tensor out;
+        {
+          ddm::Autocast autocast(device, precision);
+          out = unet->forward(sample, timestep, context);
+        }
+        (out.to(torch::kFloat) * weight).sum().backward();
+        ddm::synchronize(device);
       },
       repeat);
   double vdiff = 0;
   const auto [ef, eb] = timed(
       [&] {
         torch::NoGradGuard no_grad;
-        vdiff = relative(vae->encode(images).first, in.at("mean"));
+        ddm::Autocast autocast(device, precision);
+        vdiff = relative(off(vae->encode(images).first), in.at("mean"));
       },
       repeat);
   const auto [vf, vb] = timed(
       [&] {
         vae->zero_grad();
-        vae->decode(vae->encode(images).first).square().mean().backward();
+        torch::Tensor decoded;
+        {
+          ddm::Autocast autocast(device, precision);
+          decoded = vae->decode(vae->encode(images).first);
+        }
+        decoded.to(torch::kFloat).square().mean().backward();
+        ddm::synchronize(device);
       },
       repeat);
   const int64_t batch = sample.size(0), size = sample.size(2);
@@ -193,11 +221,20 @@ int main(int argc, char** argv) {
        {std::tuple<std::string, double, double, double>{"unet forward+backward", uf, ub, diff},
         {"vae encode", ef, eb, vdiff},
         {"vae forward+backward", vf, vb, vdiff}})
-    std::cout << nlohmann::json{{"impl", "ddm"},      {"model", "SD 2.1 " + what}, {"unet_params", ddm::count_params(*unet)},
-                                {"batch", batch},     {"latent", size},            {"threads", threads},
-                                {"first_s", first},   {"best_s", best},            {"max_rel_diff_vs_diffusers", d}}
+    std::cout << nlohmann::json{{"impl", "ddm"},
+                                {"model", "SD 2.1 " + what},
+                                {"unet_params", ddm::count_params(*unet)},
+                                {"batch", batch},
+                                {"latent", size},
+                                {"threads", threads},
+                                {"device", device.str()},
+                                {"precision", precision_name},
+                                {"first_s", first},
+                                {"best_s", best},
+                                {"max_rel_diff_vs_diffusers", d}}
                      .dump()
               << std::endl;
+  if (device.is_cuda()) return 0;  // the checkpointing comparison below counts the CPU allocator's bytes
   // Activation checkpointing: the UNet as a ddm network (diffusers' timestep k is ddm's t = (k + 1) / 1000).
   auto net = std::make_shared<ddm::sd::SdUNetNetImpl>(unet, 1000);
   const torch::Tensor t = (timestep + 1) / 1000;

@@ -8,7 +8,12 @@ diffusers' outputs are saved so that ddm's are compared on the same input. One J
 first call (with torch.compile: the compilation) and the best of REPEAT further calls. Last, the UNet's
 forward + backward in eager with diffusers' gradient checkpointing on (enable_gradient_checkpointing).
 
-Usage: python sd_reference.py DIR BATCH SIZE THREADS [REPEAT] [COMPILE=1]   (the reference environment's python)
+On a GPU (DEVICE cuda) the networks and inputs move there after the reference outputs are computed
+on the CPU in float32, the forwards run under autocast in PRECISION (bf16 or fp32), and each timed
+call ends with a synchronization (bench_sd.cpp's --device and --precision do the same).
+
+Usage: python sd_reference.py DIR BATCH SIZE THREADS [REPEAT] [COMPILE=1] [DEVICE=cpu] [PRECISION=fp32]
+       (the reference environment's python)
        python sd_reference.py --config-only DIR   (DIR/unet/config.json alone, for ddm_bench_sd --memory)
        python sd_reference.py --step CONFIG BATCH SIZE DEVICE PRECISION [REPEAT] [COMPILE=none|default|reduce-overhead]
 
@@ -103,6 +108,8 @@ def main():
     out_dir, batch, size, threads = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
     repeat = int(sys.argv[5]) if len(sys.argv) > 5 else 3
     with_compile = (sys.argv[6] if len(sys.argv) > 6 else "1") == "1"
+    device = sys.argv[7] if len(sys.argv) > 7 else "cpu"
+    precision = sys.argv[8] if len(sys.argv) > 8 else "fp32"
     torch.set_num_threads(threads)
     torch.manual_seed(20261129)
     unet = UNet2DConditionModel(**UNET)
@@ -121,6 +128,10 @@ def main():
     save_file({"sample": sample, "timestep": timestep, "context": context, "weight": weight, "out": out.contiguous(),
                "images": images, "mean": mean.contiguous()}, os.path.join(out_dir, "bench.safetensors"))
     params = sum(p.numel() for p in unet.parameters())
+    unet.to(device), vae.to(device)
+    sample, timestep, context, weight, images = (v.to(device) for v in (sample, timestep, context, weight, images))
+    autocast = lambda: torch.autocast(device.split(":")[0], dtype=torch.bfloat16, enabled=precision == "bf16")
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     for impl in ("python", "python-compile") if with_compile else ("python",):
         compiled = impl == "python-compile"
         run_unet = torch.compile(unet) if compiled else unet
@@ -129,28 +140,39 @@ def main():
 
         def unet_step():
             unet.zero_grad(set_to_none=True)
-            (run_unet(sample, timestep, encoder_hidden_states=context).sample * weight).sum().backward()
+            with autocast():
+                out = run_unet(sample, timestep, encoder_hidden_states=context).sample
+            (out.float() * weight).sum().backward()
+            sync()
 
         def vae_encode():
-            with torch.no_grad():
-                return run_encode(images).latent_dist.mean
+            with torch.no_grad(), autocast():
+                mean = run_encode(images).latent_dist.mean
+            sync()
+            return mean
 
         def vae_step():
             vae.zero_grad(set_to_none=True)
-            run_vae(images).sample.square().mean().backward()
+            with autocast():
+                decoded = run_vae(images).sample
+            decoded.float().square().mean().backward()
+            sync()
 
         for what, fn in (("unet forward+backward", unet_step), ("vae encode", vae_encode),
                          ("vae forward+backward", vae_step)):
             _, first, best = timed(fn, repeat)
             print(json.dumps({"impl": impl, "model": "SD 2.1 " + what, "unet_params": params, "batch": batch,
-                              "latent": size, "threads": threads, "first_s": round(first, 3), "best_s": round(best, 3)}),
-                  flush=True)
+                              "latent": size, "threads": threads, "device": device, "precision": precision,
+                              "first_s": round(first, 3), "best_s": round(best, 4)}), flush=True)
     # diffusers' own activation checkpointing (torch.utils.checkpoint around each block), in eager.
     unet.enable_gradient_checkpointing()
 
     def unet_step_checkpointed():
         unet.zero_grad(set_to_none=True)
-        (unet(sample, timestep, encoder_hidden_states=context).sample * weight).sum().backward()
+        with autocast():
+            out = unet(sample, timestep, encoder_hidden_states=context).sample
+        (out.float() * weight).sum().backward()
+        sync()
 
     _, first, best = timed(unet_step_checkpointed, repeat)
     print(json.dumps({"impl": "python", "model": "SD 2.1 unet forward+backward, checkpointed", "unet_params": params,

@@ -30,8 +30,10 @@
 #   at 768 px in bf16 at several batches, without and with train.checkpoint_activations: the step time
 #   and the peak GPU memory (ddm_bench_sd --memory), in OUT/sd-memory.jsonl;
 #   then (unless SD_COMPARE=0; where this python3 imports diffusers) the same step of SD 2.1's UNet in
-#   ddm beside diffusers eager and under torch.compile (bench/sd_reference.py --step) at batch
-#   SD_BATCH (8) in bf16, in OUT/sd-compare.jsonl (torch.compile of SD's UNet takes minutes);
+#   ddm beside diffusers eager (bench/sd_reference.py --step) at batch SD_BATCH (8) in bf16, and the
+#   UNet's forward + backward, the VAE's encoder and the VAE's forward + backward at 768 px, batch 2,
+#   in both (sd_reference.py DIR ... cuda bf16, then ddm_bench_sd DIR --device cuda); with
+#   SD_COMPILE=1 diffusers under torch.compile too (minutes of compilation); in OUT/sd-compare.jsonl;
 #   then (with SD_PLAN=1; about 5 GB of disk) a full-size SD 2.1 pipeline with random weights
 #   (bench/sd_pipeline.py) profiled by `ddm plan` on the GPU in bf16 at 512 and 768 px (PLAN=1
 #   bench/sd_phases.sh): its units, the frozen work's share and its plans for 2 devices;
@@ -283,11 +285,18 @@ print("data_wait", [round(r["data_wait"], 4) for r in rows], "img/s", [round(r.g
       timeout 120 "$dir/bin/ddm_bench_sd" --memory "$dir/sd21/unet/config.json" --batch $b --latent 96 --device cuda \
         --precision bf16 --repeat 3 --threads 8 --checkpoint off 2>>"$out/sd-compare.err" | tee -a "$out/sd-compare.jsonl" ||
         echo "gpu-check: ddm's SD step failed: $(tail -3 "$out/sd-compare.err")"
-      for mode in none default; do
-        timeout 240 python3 bench/sd_reference.py --step "$dir/sd21/unet/config.json" $b 96 cuda bf16 3 $mode \
+      for mode in none $([ "${SD_COMPILE:-0}" = 1 ] && echo default); do
+        timeout 300 python3 bench/sd_reference.py --step "$dir/sd21/unet/config.json" $b 96 cuda bf16 3 $mode \
           2>>"$out/sd-compare.err" | tee -a "$out/sd-compare.jsonl" ||
           echo "gpu-check: diffusers' SD step ($mode) failed: $(tail -3 "$out/sd-compare.err")"
       done
+      # The pieces, on one seeded batch that diffusers writes with its networks (random weights).
+      s=$(mktemp -d)
+      timeout 600 python3 bench/sd_reference.py "$s" 2 96 8 3 "${SD_COMPILE:-0}" cuda bf16 2>>"$out/sd-compare.err" |
+        tee -a "$out/sd-compare.jsonl" || echo "gpu-check: diffusers' SD pieces failed: $(tail -3 "$out/sd-compare.err")"
+      timeout 120 "$dir/bin/ddm_bench_sd" "$s" --repeat 3 --threads 8 --device cuda --precision bf16 2>>"$out/sd-compare.err" |
+        tee -a "$out/sd-compare.jsonl" || echo "gpu-check: ddm's SD pieces failed: $(tail -3 "$out/sd-compare.err")"
+      rm -rf "$s"
     fi
     if [ "${SD_PLAN:-0}" = 1 ]; then
       # SD 2.1 at full size (random weights), profiled on the GPU by ddm plan: the frozen share.
