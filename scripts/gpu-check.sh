@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # The GPU checks, on a machine with a CUDA GPU and PyTorch 2.11 (+cu130) in its python3. Two steps:
 #   scripts/gpu-check.sh pack DIR     (here, after scripts/setup.sh) copies what the checks run,
-#                                     stripped (the test binaries, ddm, ddm_bench, and libddm_cuda.so
-#                                     beside them), the system libraries
-#                                     they link (a GPU machine may lack them),
-#                                     Fashion-MNIST (20000 of its training images) and a small text
-#                                     encoder into DIR, to carry there (at most 53 MB beside the tree);
+#                                     stripped and xz-compressed (the test binaries, ddm, ddm_bench,
+#                                     ddm_bench_sd, and libddm_cuda.so beside them), the system
+#                                     libraries they link (a GPU machine may lack them), Fashion-MNIST
+#                                     (20000 of its training images), a small text encoder and the SD
+#                                     parts' pure-Python wheels into DIR, to carry there (44 MB: a call
+#                                     carries 64 MiB with the tree);
 #   scripts/gpu-check.sh run DIR OUT  (there) runs them against that machine's LibTorch (the torch of
 #                                     its python3, or $TORCH_LIB) and writes each one's output to OUT:
 #       test_torch_build  the LibTorch build: 2.11, libtorch_cuda loaded, Gloo from the wheel;
@@ -39,7 +40,9 @@
 #   bench/sd_phases.sh): its units, the frozen work's share and its plans for 2 devices;
 #   then (with PROFILE=1) where dit-b's step spends its GPU time, kernel by kernel, in ddm and under
 #   torch.compile (DDM_BENCH_TRACE, reference.py --trace, bench/op_profile.py --gpu), in OUT/profile.txt.
-# Exits non-zero if any check fails.
+# Exits non-zero if any check fails. Everything at once outlasts one call (10 minutes) and a lease
+# (15): a lease fits three calls, e.g. TESTS with GPU_BENCH (REF_COMPILE=0) and the rest off (about 4
+# minutes); then PROFILE=1 alone; then SD_COMPARE and SD_PLAN (about 5 minutes).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
