@@ -21,7 +21,7 @@
 # with diffusers, transformers and open_clip instead of the reference environment's, and BIN the
 # folder of ddm and ddm_bench instead of build/.
 #
-# usage: [KIND=sd21|sd15-controlnet] [PLAN=1] [DEVICE=auto] [PRECISION=fp32] [PYTHON=...] [BIN=build]
+# usage: [KIND=sd21|sd15-controlnet] [PLAN=1 [REPEATS=1]] [DEVICE=auto] [PRECISION=fp32] [PYTHON=...] [BIN=build]
 #        bench/sd_phases.sh [SIZES="256 512"] [BATCH=1] [THREADS=2] [STEPS=3]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -71,7 +71,7 @@ TOML
   if [ "${PLAN:-0}" = 1 ]; then
     # shellcheck disable=SC2086
     OMP_NUM_THREADS=$threads "$bin/ddm" plan --config "$work/sd-$size.toml" --set train.threads="$threads" --rows 1 2 \
-      --repeats 1 --devices 2 --batch 8 --save-profile "$sd/profile-$size.json" --top 8 ${PLAN_ARGS:-}
+      --repeats "${REPEATS:-1}" --devices 2 --batch 8 --save-profile "$sd/profile-$size.json" --top 8 ${PLAN_ARGS:-}
   else
     OMP_NUM_THREADS=$threads "$bin/ddm_bench" phases "$work/sd-$size.toml" --batch "$batch" --threads "$threads" \
       --steps "$steps" --warmup 1

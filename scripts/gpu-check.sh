@@ -305,7 +305,7 @@ print("data_wait", [round(r["data_wait"], 4) for r in rows], "img/s", [round(r.g
       # SD 2.1 at full size (random weights), profiled on the GPU by ddm plan: the frozen share.
       s=$(mktemp -d)
       if timeout 300 python3 bench/sd_pipeline.py "$s/sd21" sd21 >"$out/sd-plan.log" 2>&1; then
-        PLAN=1 DEVICE=cuda PRECISION=bf16 PYTHON=python3 BIN="$dir/bin" SD_DIR="$s/sd21" \
+        PLAN=1 REPEATS=3 DEVICE=cuda PRECISION=bf16 PYTHON=python3 BIN="$dir/bin" SD_DIR="$s/sd21" \
           timeout 400 bash bench/sd_phases.sh "512 768" 1 8 2>&1 | tee -a "$out/sd-plan.log" | grep -E -i "frozen|best|stage|^  " | head -40 ||
           failed+=(sd-plan)
         # The seed's statistic from each saved profile: the frozen work over the UNet's forward + backward.
