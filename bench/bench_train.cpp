@@ -191,6 +191,24 @@ RunConfig preset_config(const std::string& preset, int64_t batch) {
 
 double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
+// DDM_BENCH_TRACE: `run` under LibTorch's profiler, its Chrome trace written to `path`. On a GPU with
+// Kineto, so that the GPU's kernels are in it (the "kernel" events bench/op_profile.py --gpu sums), as
+// reference.py --trace records them with torch.profiler; on the CPU the CPU ops alone.
+void profiled(const char* path, torch::Device device, const std::function<void()>& run) {
+  if (device.is_cuda()) {
+    namespace prof = torch::profiler::impl;
+    const prof::ProfilerConfig config(prof::ProfilerState::KINETO);
+    const std::set<prof::ActivityType> activities{prof::ActivityType::CPU, prof::ActivityType::CUDA};
+    torch::autograd::profiler::prepareProfiler(config, activities);
+    torch::autograd::profiler::enableProfiler(config, activities);
+    run();
+    torch::autograd::profiler::disableProfiler()->save(path);
+  } else {
+    torch::autograd::profiler::RecordProfile guard(path);
+    run();
+  }
+}
+
 // The fastest of `steps` runs of `once`, in seconds, after `warmup` untimed runs.
 double best_seconds(const std::function<void()>& once, int64_t warmup, int64_t steps) {
   for (int64_t i = 0; i < warmup; ++i) once();
@@ -628,23 +646,11 @@ int main(int argc, char** argv) try {
     auto step = [&](int64_t i) { stepper.run(micro, i, micro); };
     for (int64_t i = 0; i < a.warmup; ++i) step(i);
     sync();
-    if (const char* trace = std::getenv("DDM_BENCH_TRACE")) {  // LibTorch profiler trace of 3 steps
-      if (device.is_cuda()) {
-        // Kineto, with the GPU's kernels (the "kernel" events bench/op_profile.py --gpu sums), as
-        // reference.py --trace records them with torch.profiler.
-        namespace prof = torch::profiler::impl;
-        const prof::ProfilerConfig config(prof::ProfilerState::KINETO);
-        const std::set<prof::ActivityType> activities{prof::ActivityType::CPU, prof::ActivityType::CUDA};
-        torch::autograd::profiler::prepareProfiler(config, activities);
-        torch::autograd::profiler::enableProfiler(config, activities);
+    if (const char* trace = std::getenv("DDM_BENCH_TRACE"))  // LibTorch profiler trace of 3 steps
+      profiled(trace, device, [&] {
         for (int64_t i = 0; i < 3; ++i) step(a.warmup + i);
         sync();
-        torch::autograd::profiler::disableProfiler()->save(trace);
-      } else {
-        torch::autograd::profiler::RecordProfile guard(trace);
-        for (int64_t i = 0; i < 3; ++i) step(a.warmup + i);
-      }
-    }
+      });
     // Median step time: robust to bursts from other processes on a shared machine. reference.py
     // reports the same statistic.
     std::vector<double> times;
@@ -829,10 +835,11 @@ int main(int argc, char** argv) try {
     int64_t nfe = 0;
     const int64_t c = cfg.model.in_channels, s = cfg.model.image_size;
     const double best = best_seconds([&] { nfe = generate(*den, c, s, g).nfe; }, a.warmup, a.steps);
-    if (const char* trace = std::getenv("DDM_BENCH_TRACE")) {  // LibTorch profiler trace of one run
-      torch::autograd::profiler::RecordProfile guard(trace);
-      generate(*den, c, s, g);
-    }
+    if (const char* trace = std::getenv("DDM_BENCH_TRACE"))  // LibTorch profiler trace of one run
+      profiled(trace, device, [&] {
+        generate(*den, c, s, g);
+        sync();
+      });
     nlohmann::json j = {{"impl", "cpp"}, {"mode", "sample"}, {"preset", a.preset}, {"n", a.n}, {"nfe", nfe},
                         {"threads", a.threads}, {"device", device.str()}, {"precision", a.precision},
                         {"seconds", best}, {"img_per_s", a.n / best}, {"cuda_graphs", graphs}};

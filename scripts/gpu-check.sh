@@ -38,8 +38,9 @@
 #   then (with SD_PLAN=1; about 5 GB of disk) a full-size SD 2.1 pipeline with random weights
 #   (bench/sd_pipeline.py) profiled by `ddm plan` on the GPU in bf16 at 512 and 768 px (PLAN=1
 #   bench/sd_phases.sh): its units, the frozen work's share and its plans for 2 devices;
-#   then (with PROFILE=1) where dit-b's step spends its GPU time, kernel by kernel, in ddm and under
-#   torch.compile (DDM_BENCH_TRACE, reference.py --trace, bench/op_profile.py --gpu), in OUT/profile.txt.
+#   then (with PROFILE=1) where dit-b's training step and its sampling (256 images, 20 steps) spend
+#   their GPU time, kernel by kernel, in ddm and under torch.compile (DDM_BENCH_TRACE, reference.py
+#   --trace, bench/op_profile.py --gpu), in OUT/profile.txt.
 # Exits non-zero if any check fails. Everything at once outlasts one call (10 minutes) and a lease
 # (15): a lease fits three calls, e.g. TESTS with GPU_BENCH (REF_COMPILE=0) and the rest off (about 4
 # minutes); then PROFILE=1 alone; then SD_COMPARE and SD_PLAN (about 5 minutes).
@@ -333,6 +334,15 @@ PY
       timeout 240 python3 bench/reference.py dit-b --batch 256 --precision bf16 --steps 5 --warmup 3 --device cuda \
         --threads 8 --compile --trace "$p/compile.json" >/dev/null 2>>"$out/profile.err" || echo "gpu-check: compile's trace failed"
       python3 bench/op_profile.py --gpu --top 40 ddm="$p/ddm.json" compile="$p/compile.json" | tee "$out/profile.txt" | head -60
+      # Sampling 256 images in 20 Euler steps, one run each (op_profile's --steps 1: per run).
+      DDM_BENCH_TRACE="$p/ddm-sample.json" timeout 120 "$dir/bin/ddm_bench" sample dit-b --n 256 --nfe 20 --device cuda \
+        --precision bf16 --steps 1 --warmup 1 --threads 8 >/dev/null 2>>"$out/profile.err" || echo "gpu-check: ddm's sampling trace failed"
+      timeout 240 python3 bench/reference.py dit-b --sample 20 --batch 256 --precision bf16 --steps 1 --warmup 1 --device cuda \
+        --threads 8 --compile --trace "$p/compile-sample.json" >/dev/null 2>>"$out/profile.err" ||
+        echo "gpu-check: compile's sampling trace failed"
+      echo "--- sampling, one run of 20 steps" | tee -a "$out/profile.txt"
+      python3 bench/op_profile.py --gpu --steps 1 --top 30 ddm="$p/ddm-sample.json" compile="$p/compile-sample.json" |
+        tee -a "$out/profile.txt" | head -45
       rm -rf "$p"
     fi
     if [ ! -d "$dir/shards" ] && { [ "${LOADER:-1}" != 0 ] || [ "${SHARDS_E2E:-1}" != 0 ]; }; then
