@@ -1,5 +1,6 @@
 // `ddm --version`: ddm's version and commit, the LibTorch it runs on, the CUDA toolkit and GPU
-// architectures its own kernels were built for, whether LibTorch's CUDA libraries are loaded
+// architectures its own kernels were built for and whether they run (DDM_FUSED_CUDA), whether
+// LibTorch's CUDA libraries are loaded
 // (core/cuda_module.h), and the CUDA GPUs LibTorch sees now (what a bug
 // report needs, as `python -c "import torch; print(torch.__version__)"` gives PyTorch's users).
 #include <torch/cuda.h>
@@ -11,13 +12,15 @@
 #include "core/cuda_load.h"
 #include "core/version.h"
 #include "ddm_commit.h"
+#include "model/fused_gpu.h"
 
 namespace ddm {
 
 std::string version_text() {
   std::string s = std::string("ddm ") + version() + " (commit " + DDM_COMMIT + ")\n";
   s += std::string("LibTorch ") + TORCH_VERSION + "\n";
-  s += std::string("ddm's CUDA kernels: CUDA ") + DDM_CUDA_TOOLKIT + ", compute capability " + DDM_CUDA_ARCHS + "\n";
+  s += std::string("ddm's CUDA kernels: CUDA ") + DDM_CUDA_TOOLKIT + ", compute capability " + DDM_CUDA_ARCHS +
+       (fused_cuda_enabled() ? "; on (DDM_FUSED_CUDA=0 turns them off)\n" : "; off (DDM_FUSED_CUDA=0)\n");
   s += "LibTorch's CUDA libraries: " + cuda_status() + "\n";
   const int64_t gpus = static_cast<int64_t>(torch::cuda::device_count());
   s += "CUDA GPUs LibTorch sees: " + std::to_string(gpus);

@@ -118,6 +118,10 @@ TEST(Cli, HelpForEverySubcommand) {
   EXPECT_NE(r.output.find("LibTorch's CUDA libraries: loaded\nCUDA GPUs LibTorch sees: 0"), std::string::npos) << r.output;
   r = test::run_command("DDM_CUDA=0 " + ddm + " --version");
   EXPECT_NE(r.output.find("LibTorch's CUDA libraries: not loaded: DDM_CUDA=0"), std::string::npos) << r.output;
+  // The hand-written kernels (model/fused_gpu.h): on unless DDM_FUSED_CUDA=0.
+  EXPECT_NE(test::run_command(ddm + " --version").output.find("12.0; on (DDM_FUSED_CUDA=0 turns them off)"), std::string::npos);
+  r = test::run_command("DDM_FUSED_CUDA=0 " + ddm + " --version");
+  EXPECT_NE(r.output.find("12.0; off (DDM_FUSED_CUDA=0)"), std::string::npos) << r.output;
   test::TempDir dir;
   expect_error(test::run_command("DDM_CUDA=1 " + ddm + " quickstart --device cuda --out " + (dir / "qs")),
                "--device = cuda, but this machine has no CUDA GPU that LibTorch can use (no GPU, or CUDA_VISIBLE_DEVICES "
