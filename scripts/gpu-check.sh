@@ -100,7 +100,7 @@ PY
     # What the SD parts import where the GPU machine's python lacks it (pure-Python wheels, the
     # reference environment's pins): diffusers, and for SD_PLAN open_clip's tokenizer files.
     rm -rf "$dir/wheels"
-    python3 -m pip download -q --no-deps --only-binary=:all: -d "$dir/wheels" diffusers==0.42.1 importlib_metadata==8.7.0 \
+    "$venv/bin/python" -m pip download -q --no-deps --only-binary=:all: -d "$dir/wheels" diffusers==0.42.1 importlib_metadata==8.7.0 \
       open_clip_torch==3.3.0 ftfy==6.3.1 wcwidth==0.2.13 ||
       echo "gpu-check: no wheels packed; the SD parts need diffusers (and open_clip) on the GPU machine" >&2
     # Stable Diffusion 2.1's UNet config (diffusers writes it; no weights) for the memory check.
