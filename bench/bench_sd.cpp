@@ -146,7 +146,7 @@ int memory_mode(int argc, char** argv) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
+int main(int argc, char** argv) try {
   ddm::load_cuda();  // before anything asks LibTorch about CUDA (core/cuda_load.h)
   if (argc >= 3 && std::string(argv[1]) == "--memory") return memory_mode(argc, argv);
   if (argc < 2) {
@@ -263,4 +263,7 @@ int main(int argc, char** argv) {
               << std::endl;
   }
   return 0;
+} catch (const std::exception& e) {  // a bad flag, a missing file: named, exit 1
+  std::cerr << "ddm_bench_sd: " << e.what() << "\n";
+  return 1;
 }

@@ -796,8 +796,8 @@ int main(int argc, char** argv) try {
       std::vector<std::optional<Denoiser>> experts;
       for (int64_t e = 0; e < a.experts; ++e) {
         torch::manual_seed(static_cast<uint64_t>(e));
-        experts.emplace_back(Denoiser(ready(make_net(cfg.model), graphed_expert_graphs(a.experts)), make_path(cfg.diffusion),
-                                      prediction_for(cfg.diffusion), cfg.model.num_classes));
+        experts.emplace_back(Denoiser(ready(make_net(cfg.model), graphed_expert_graphs(a.experts)),
+                                      make_path(cfg.diffusion), prediction_for(cfg.diffusion), cfg.model.num_classes));
         experts.back()->set_precision(precision);
       }
       ModelConfig rm;

@@ -54,6 +54,17 @@ def timed(fn, repeat):
     return out, first, best
 
 
+def autocast(device, precision):
+    """Autocast to bfloat16 on DEVICE's type when PRECISION is bf16; a no-op context for fp32."""
+    return torch.autocast(device.split(":")[0], dtype=torch.bfloat16, enabled=precision == "bf16")
+
+
+def sync(device):
+    """Waits for DEVICE's queued work (a GPU's), so that a timed call ends when its work does."""
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
 def train_step(config, batch, size, device, precision, repeat, compile_mode):
     """The --step mode (see the top of this file)."""
     from torch.utils.flop_counter import FlopCounterMode
@@ -71,14 +82,13 @@ def train_step(config, batch, size, device, precision, repeat, compile_mode):
 
     def step():
         opt.zero_grad(set_to_none=False)
-        with torch.autocast(device.split(":")[0], dtype=torch.bfloat16, enabled=precision == "bf16"):
+        with autocast(device, precision):
             out = run(x, t, encoder_hidden_states=context).sample
         torch.nn.functional.mse_loss(out.float(), target).backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         torch._foreach_lerp_(ema, [p.detach() for p in params], 1 - 0.9999)
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
+        sync(device)
 
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
@@ -87,11 +97,11 @@ def train_step(config, batch, size, device, precision, repeat, compile_mode):
     counter = FlopCounterMode(display=False)
     with counter:  # eager, so that every op is counted
         opt.zero_grad(set_to_none=False)
-        with torch.autocast(device.split(":")[0], dtype=torch.bfloat16, enabled=precision == "bf16"):
+        with autocast(device, precision):
             out = unet(x, t, encoder_hidden_states=context).sample
         torch.nn.functional.mse_loss(out.float(), target).backward()
-    print(json.dumps({"impl": "diffusers" if compile_mode == "none" else "diffusers-compile", "compile_mode": compile_mode,
-                      "model": "sd-unet step", "params": sum(p.numel() for p in params), "batch": batch, "latent": size,
+    impl = "diffusers" if compile_mode == "none" else "diffusers-compile"
+    print(json.dumps({"impl": impl, "compile_mode": compile_mode, "model": "sd-unet step", "params": sum(p.numel() for p in params), "batch": batch, "latent": size,
                       "device": device, "precision": precision, "first_s": round(first, 3), "best_s": round(best, 4),
                       "peak_gib": peak, "flops": counter.get_total_flops()}), flush=True)
 
@@ -99,7 +109,8 @@ def train_step(config, batch, size, device, precision, repeat, compile_mode):
 def main():
     if sys.argv[1] == "--step":
         a = sys.argv[2:]
-        train_step(a[0], int(a[1]), int(a[2]), a[3], a[4], int(a[5]) if len(a) > 5 else 3, a[6] if len(a) > 6 else "none")
+        train_step(a[0], int(a[1]), int(a[2]), a[3], a[4], int(a[5]) if len(a) > 5 else 3,
+                   a[6] if len(a) > 6 else "none")
         return
     if sys.argv[1] == "--config-only":
         with torch.device("meta"):  # the config alone: no weights made
@@ -130,8 +141,6 @@ def main():
     params = sum(p.numel() for p in unet.parameters())
     unet.to(device), vae.to(device)
     sample, timestep, context, weight, images = (v.to(device) for v in (sample, timestep, context, weight, images))
-    autocast = lambda: torch.autocast(device.split(":")[0], dtype=torch.bfloat16, enabled=precision == "bf16")
-    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     for impl in ("python", "python-compile") if with_compile else ("python",):
         compiled = impl == "python-compile"
         run_unet = torch.compile(unet) if compiled else unet
@@ -140,23 +149,23 @@ def main():
 
         def unet_step():
             unet.zero_grad(set_to_none=True)
-            with autocast():
+            with autocast(device, precision):
                 out = run_unet(sample, timestep, encoder_hidden_states=context).sample
             (out.float() * weight).sum().backward()
-            sync()
+            sync(device)
 
         def vae_encode():
-            with torch.no_grad(), autocast():
+            with torch.no_grad(), autocast(device, precision):
                 mean = run_encode(images).latent_dist.mean
-            sync()
+            sync(device)
             return mean
 
         def vae_step():
             vae.zero_grad(set_to_none=True)
-            with autocast():
+            with autocast(device, precision):
                 decoded = run_vae(images).sample
             decoded.float().square().mean().backward()
-            sync()
+            sync(device)
 
         for what, fn in (("unet forward+backward", unet_step), ("vae encode", vae_encode),
                          ("vae forward+backward", vae_step)):
@@ -169,10 +178,10 @@ def main():
 
     def unet_step_checkpointed():
         unet.zero_grad(set_to_none=True)
-        with autocast():
+        with autocast(device, precision):
             out = unet(sample, timestep, encoder_hidden_states=context).sample
         (out.float() * weight).sum().backward()
-        sync()
+        sync(device)
 
     _, first, best = timed(unet_step_checkpointed, repeat)
     print(json.dumps({"impl": "python", "model": "SD 2.1 unet forward+backward, checkpointed", "unet_params": params,

@@ -38,7 +38,8 @@ std::string CapturedGraph::capture(const std::function<void()>& f, const Capture
       return e.what();  // as a capture that failed: the caller goes on eagerly
     }
   }
-  const CudaGraph* other = share_pool_of != nullptr && share_pool_of->captured() ? share_pool_of->impl_->graph.get() : nullptr;
+  const CudaGraph* other =
+      share_pool_of != nullptr && share_pool_of->captured() ? share_pool_of->impl_->graph.get() : nullptr;
   return impl_->graph->capture(f, other);
 }
 

@@ -65,7 +65,8 @@ class Graph final : public CudaGraph {
     // The pool: another graph's (LibTorch counts its users; each graph releases its use), or the
     // graph's own, named so that a failed capture can end it.
     const auto* other = dynamic_cast<const Graph*>(share_pool_of);
-    const c10::MempoolId_t pool = other != nullptr && other->graph_ ? other->graph_->pool() : at::cuda::graph_pool_handle();
+    const c10::MempoolId_t pool =
+        other != nullptr && other->graph_ ? other->graph_->pool() : at::cuda::graph_pool_handle();
     const bool cache = at::autocast::is_autocast_cache_enabled();
     at::autocast::set_autocast_cache_enabled(false);
     auto graph = std::make_unique<at::cuda::CUDAGraph>();

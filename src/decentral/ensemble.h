@@ -77,7 +77,9 @@ struct EnsembleUsage {
 // whatever K (a quarter of the batch, as before, doubled the rows of 4 even groups). An expert may
 // see any of 4K sizes, each also with guidance's doubled batch and self-conditioning's first call:
 // graphed_expert_graphs() bounds its graphs (model/graphed_net.h; they share one memory pool).
-inline int64_t graphed_group_quantum(int64_t batch, int64_t k) { return std::max<int64_t>(1, (batch + 4 * k - 1) / (4 * k)); }
+inline int64_t graphed_group_quantum(int64_t batch, int64_t k) {
+  return std::max<int64_t>(1, (batch + 4 * k - 1) / (4 * k));
+}
 inline int64_t graphed_expert_graphs(int64_t k) { return 16 * k; }
 
 class Ensemble {

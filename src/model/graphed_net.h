@@ -4,9 +4,10 @@
 // of a shape runs eagerly on the graph's stream (cuBLAS sets itself up there), the second captures
 // it; from then on the inputs are copied into the graph's and its output is copied out (a caller may
 // keep it while the next call replays). The graphs share one memory pool, so that many shapes cost
-// the memory of the largest one's forward (and each one's output), not the sum. Shapes beyond max_graphs, calls that record gradients, CPU
-// tensors, and a network that cannot be captured (said once on stderr) run eagerly: the same
-// results either way, bit for bit, since a replay runs the eager call's kernels.
+// the memory of the largest one's forward (and each one's output), not the sum. Shapes beyond
+// max_graphs, calls that record gradients, CPU tensors, and a network that cannot be captured (said
+// once on stderr) run eagerly: the same results either way, bit for bit, since a replay runs the
+// eager call's kernels.
 #pragma once
 #include <map>
 #include <memory>

@@ -119,7 +119,8 @@ TEST(Cli, HelpForEverySubcommand) {
   r = test::run_command("DDM_CUDA=0 " + ddm + " --version");
   EXPECT_NE(r.output.find("LibTorch's CUDA libraries: not loaded: DDM_CUDA=0"), std::string::npos) << r.output;
   // The hand-written kernels (model/fused_gpu.h): on unless DDM_FUSED_CUDA=0.
-  EXPECT_NE(test::run_command(ddm + " --version").output.find("12.0; on (DDM_FUSED_CUDA=0 turns them off)"), std::string::npos);
+  EXPECT_NE(test::run_command(ddm + " --version").output.find("12.0; on (DDM_FUSED_CUDA=0 turns them off)"),
+            std::string::npos);
   r = test::run_command("DDM_FUSED_CUDA=0 " + ddm + " --version");
   EXPECT_NE(r.output.find("12.0; off (DDM_FUSED_CUDA=0)"), std::string::npos) << r.output;
   test::TempDir dir;
