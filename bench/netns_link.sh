@@ -9,10 +9,15 @@
 # needed). Everything created here is removed on exit, on Ctrl-C, on SIGTERM and on failure (an EXIT
 # trap; the processes registered with `started` are stopped first, by their PIDs); PID-based names
 # keep two invocations apart.
+# LINK=loopback instead runs both "nodes" in this machine's own network namespace on 127.0.0.1 (lo),
+# for a machine where network namespaces cannot be made (a container without the capability): the
+# link is then the loopback device at memory speed, so "unlimited" is the only rate, and root, ip and
+# tc are not needed. The default, LINK=veth, is the namespaces and the veth pair above.
 #
 # The caller sets py (Debian's python3) and out (a directory for the link check's files). Defined
 # here: log MSG (timestamped, to stderr), die MSG (names the script, exits 2), link_require (refuses clearly unless root with a working `ip netns` and tc's
 # tbf), link_up TAG (the namespaces, after which ns_a ns_b dev_a dev_b addr_a addr_b are set),
+# in_ns NS CMD... (runs CMD in namespace NS, or here where NS is empty, as LINK=loopback leaves both),
 # set_rate RATE, check_link RATE, rate_ok RATE, tx_bytes NS DEV, started PID, reap PID. SYSCTLS
 # ("k=v ...") are set in both namespaces (their TCP stacks are their own). `port` is the last TCP
 # port used (link_up sets 29500 unless the caller set one); check_link takes the next.
@@ -20,8 +25,21 @@
 log() { echo "[$(date +%H:%M:%S)] $*" >&2; }
 die() { echo "$0: $*" >&2; exit 2; }
 rate_ok() { [[ $1 == unlimited || $1 =~ ^[0-9]+(\.[0-9]+)?(kbit|mbit|gbit)$ ]]; }
+link_mode=${LINK:-veth}
+in_ns() {  # NS CMD...: CMD in network namespace NS; where NS is empty (LINK=loopback), here
+  local ns=$1
+  shift
+  if [ -n "$ns" ]; then ip netns exec "$ns" "$@"; else "$@"; fi
+}
 
 link_require() {
+  case $link_mode in
+    veth) ;;
+    loopback)
+      [ -x "$py" ] || die "$py not found (Debian's python3 checks the link; set PYTHON)"
+      return ;;
+    *) die "LINK must be veth or loopback, not '$link_mode'" ;;
+  esac
   [ "$(id -u)" = 0 ] || die "must run as root: it creates network namespaces, a veth pair and tc qdiscs (try: sudo -E $0)"
   command -v ip > /dev/null || die "'ip' not found: install Debian's iproute2"
   command -v tc > /dev/null || die "'tc' not found: install Debian's iproute2"
@@ -71,12 +89,17 @@ link_up() {  # TAG: a few letters naming the caller's namespaces and interfaces
   trap link_cleanup EXIT
   trap 'exit 130' INT
   trap 'exit 143' TERM
+  port=${port:-29500}
+  if [ "$link_mode" = loopback ]; then
+    ns_a="" ns_b="" dev_a=lo dev_b=lo addr_a=127.0.0.1 addr_b=127.0.0.1
+    log "both nodes on 127.0.0.1 (LINK=loopback: no namespaces, the link is lo at memory speed)"
+    return
+  fi
   ns_a=ddm-$1$id-a ns_b=ddm-$1$id-b
   dev_a=ddm$1${id}a dev_b=ddm$1${id}b  # interface names: at most 15 characters (PIDs have at most 7 digits)
   [ ${#dev_a} -le 15 ] || die "interface name $dev_a is longer than 15 characters: use a shorter tag than '$1'"
   local net=10.$(((id >> 8) & 255)).$((id & 255))
   addr_a=$net.1 addr_b=$net.2
-  port=${port:-29500}
   log "namespaces $ns_a ($dev_a $addr_a) and $ns_b ($dev_b $addr_b)"
   ip netns add "$ns_a"
   ip netns add "$ns_b"
@@ -104,20 +127,24 @@ burst_for() {  # bytes: BURST, or 4 ms of data at the rate, at least 32 KiB
 }
 set_rate() {
   local ns dev
+  if [ "$link_mode" = loopback ]; then
+    [ "$1" = unlimited ] || die "LINK=loopback has no rate but 'unlimited' (asked for $1): limiting lo would limit every connection of this machine"
+    return
+  fi
   for ns in a b; do
     if [ $ns = a ]; then ns=$ns_a dev=$dev_a; else ns=$ns_b dev=$dev_b; fi
     tc -n "$ns" qdisc del dev "$dev" root 2> /dev/null || true
     [ "$1" = unlimited ] || tc -n "$ns" qdisc add dev "$dev" root tbf rate "$1" burst "$(burst_for "$1")" latency "${LATENCY:-100ms}"
   done
 }
-tx_bytes() { ip netns exec "$1" cat "/sys/class/net/$2/statistics/tx_bytes"; }
+tx_bytes() { in_ns "$1" cat "/sys/class/net/$2/statistics/tx_bytes"; }
 
 check_link() {  # RATE: times a bulk TCP transfer from node A to node B; logs it and leaves "bytes seconds" in $out/link-RATE.txt
   local bps n
   bps=$(rate_bps "$1")
   n=$(awk -v b="$bps" 'BEGIN { n = (b == 0) ? 1073741824 : b / 8 * 2; if (n < 262144) n = 262144; printf "%.0f\n", n }')
   port=$((port + 1))
-  ip netns exec "$ns_b" "$py" -c '
+  in_ns "$ns_b" "$py" -c '
 import socket, sys, time
 s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
 s.bind((sys.argv[1], int(sys.argv[2]))); s.listen(1); s.settimeout(60)
@@ -131,7 +158,7 @@ t = time.perf_counter() - t0
 print("%d %.6f" % (n, t))' "$addr_b" "$port" > "$out/link-$1.txt" &
   local server=$!
   started "$server"
-  ip netns exec "$ns_a" "$py" -c '
+  in_ns "$ns_a" "$py" -c '
 import socket, sys, time
 for _ in range(100):
     try: s = socket.create_connection((sys.argv[1], int(sys.argv[2]))); break
@@ -140,5 +167,5 @@ s.sendall(bytes(int(sys.argv[3]))); s.close()' "$addr_b" "$port" "$n"
   reap "$server"
   read -r got secs < "$out/link-$1.txt"
   log "link check at $1: $(awk -v n="$got" -v t="$secs" 'BEGIN { printf "%.1f Mbit/s measured (%.1f MB A -> B in %.2f s)", n * 8 / t / 1e6, n / 1e6, t }')"
-  log "  qdisc on $dev_a: $(tc -n "$ns_a" qdisc show dev "$dev_a" | head -1)"
+  [ "$link_mode" = loopback ] || log "  qdisc on $dev_a: $(tc -n "$ns_a" qdisc show dev "$dev_a" | head -1)"
 }

@@ -33,13 +33,18 @@
 # state; data parallelism holds the whole optimizer state on both, which is what RUNS leaves out on a
 # machine too small for two such copies (docs/results.md says how much each needs); dp-sharded half
 # of the moments and the EMA.
-# Needs root, iproute2 (ip netns, tc with sch_tbf) and Debian's python3; builds nothing (build/ddm).
+# THREADS (default 1) sets each process's threads (train.threads), and the profile's. LINK=loopback
+# runs both processes on 127.0.0.1 without namespaces, for a machine that cannot make them (RATES must
+# then be unlimited; bench/netns_link.sh).
+# Needs root, iproute2 (ip netns, tc with sch_tbf) and Debian's python3 (with LINK=loopback only the
+# python); builds nothing (build/ddm, or DDM).
 # usage: bench/pipeline_links.sh AE_RUN [OUT]        (default /tmp/ddm-pipeline-links)
 #        KIND=sd15-controlnet|sd21 bench/pipeline_links.sh [SD_DIR] [OUT]
 #   AE_RUN  a `ddm train-autoencoder` run (the latent workload's frozen encoder)
 #   env: RATES="unlimited 1gbit 200mbit 100mbit 50mbit"  SCHEDULES="gpipe 1f1b zb-h1"  MICRO=8
 #        ROUNDS=2  STEPS=16  BF16=1  LATENCY=100ms BURST=(bytes) (the qdisc; bench/netns_link.sh)
 #        BATCH=128 (SD: 8)  SIZE=128 (SD images, px)  RUNS="dp dp-fp16 serial filled filled-bf16" (and dp-sharded)
+#        THREADS=1  LINK=veth|loopback  DDM=build/ddm  DEVICE=cpu (train.device)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 kind=${KIND:-latent}
@@ -58,6 +63,8 @@ rounds=${ROUNDS:-2}
 steps=${STEPS:-16}
 bf16=${BF16:-1}
 size=${SIZE:-128}
+threads=${THREADS:-1}
+device=${DEVICE:-cpu}
 runs=" ${RUNS:-dp dp-fp16 serial filled filled-bf16} "
 [ "$bf16" = 1 ] || runs=${runs/ filled-bf16 / }
 wanted() { [[ $runs == *" $1 "* ]]; }
@@ -66,6 +73,8 @@ wanted() { [[ $runs == *" $1 "* ]]; }
 link_require
 [ -x "$ddm" ] || die "$ddm not found: build it first (cmake --build build --target ddm)"
 for r in $rates; do rate_ok "$r" || die "RATES: '$r' is not a rate (unlimited, or a number with kbit, mbit or gbit)"; done
+[ "$link_mode" != loopback ] || [ "$rates" = unlimited ] || die "LINK=loopback takes RATES=unlimited only (not '$rates'): lo cannot be limited"
+[[ $threads =~ ^[1-9][0-9]*$ ]] || die "THREADS must be a positive integer, not '$threads'"
 [[ $micro =~ ^[1-9][0-9]*$ && $rounds =~ ^[1-9][0-9]*$ && $steps =~ ^[1-9][0-9]*$ && $steps -ge 8 ]] ||
   die "MICRO and ROUNDS must be positive integers, STEPS at least 8"
 [[ $batch =~ ^[1-9][0-9]*$ && $((batch % (2 * micro))) = 0 ]] || die "BATCH ($batch) must be a multiple of 2 x MICRO ($micro)"
@@ -117,8 +126,8 @@ fi
 workload+=(--set train.batch_size="$batch")
 link_up pl
 
-log "profiling the workload once (1 thread, as one of the 2 ranks runs; node A)"
-ip netns exec "$ns_a" "$ddm" plan "${workload[@]}" --set train.threads=1 --devices 2 --stages 2 --micro "$micro" \
+log "profiling the workload once ($threads thread(s), as one of the 2 ranks runs; node A)"
+in_ns "$ns_a" "$ddm" plan "${workload[@]}" --set train.threads="$threads" --set train.device="$device" --devices 2 --stages 2 --micro "$micro" \
   "${profile_args[@]}" --save-profile "$out/profile.json" > "$out/profile.txt"
 
 declare -A gbps cuts  # rate -> the link's measured bandwidth in GB/s; rate-schedule -> the planner's cuts
@@ -130,13 +139,13 @@ run() {
   rm -rf "$dir"
   port=$((port + 1))
   log "round $round/$rounds, $rate: $name"
-  local common=(train "${workload[@]}" --out "$dir" --set train.threads=1 --set train.steps="$steps"
+  local common=(train "${workload[@]}" --out "$dir" --set train.threads="$threads" --set train.device="$device" --set train.steps="$steps"
                 --set train.log_every=$((steps / 4)) --set train.ckpt_every=100000 --set parallel.timeout=600 "$@")
-  ip netns exec "$ns_a" env RANK=0 WORLD_SIZE=2 LOCAL_RANK=0 LOCAL_WORLD_SIZE=1 GROUP_RANK=0 MASTER_ADDR="$addr_a" \
+  in_ns "$ns_a" env RANK=0 WORLD_SIZE=2 LOCAL_RANK=0 LOCAL_WORLD_SIZE=1 GROUP_RANK=0 MASTER_ADDR="$addr_a" \
     MASTER_PORT=$port GLOO_SOCKET_IFNAME="$dev_a" "$ddm" "${common[@]}" > "$dir.rank0.log" 2>&1 &
   p0=$!
   started $p0
-  ip netns exec "$ns_b" env RANK=1 WORLD_SIZE=2 LOCAL_RANK=0 LOCAL_WORLD_SIZE=1 GROUP_RANK=1 MASTER_ADDR="$addr_a" \
+  in_ns "$ns_b" env RANK=1 WORLD_SIZE=2 LOCAL_RANK=0 LOCAL_WORLD_SIZE=1 GROUP_RANK=1 MASTER_ADDR="$addr_a" \
     MASTER_PORT=$port GLOO_SOCKET_IFNAME="$dev_b" "$ddm" "${common[@]}" > "$dir.rank1.log" 2>&1 &
   p1=$!
   started $p1
@@ -171,7 +180,8 @@ ips = [r["img_per_s"] for r in recs[1:]]  # the first interval warms up (and pla
 mean = sum(ips) / len(ips)
 print(json.dumps({"rate": rate, "run": name, "round": int(rnd), "img_per_s": mean, "step_ms": int(batch) * 1e3 / mean,
                   "predicted_ms": float(predicted) or None, "own_plan_ms": float(own) or None,
-                  "sent_per_step": recs[-1].get("sent_bytes_per_step", 0)}))
+                  "sent_per_step": recs[-1].get("sent_bytes_per_step", 0),
+                  "rank0_peak_gib": max(r.get("peak_memory_bytes", 0) for r in recs) / 2**30}))
 PY
   rm -rf "$dir/ckpt"  # its checkpoint is not measured (an SD run's is 5 GB or more)
 }
@@ -206,9 +216,9 @@ for ((round = 1; round <= rounds; round++)); do
 done
 set_rate unlimited
 
-"$py" - "$out" "$rates" "$kind" "$batch" "$size" <<'PY' | tee "$out/results.md"
+"$py" - "$out" "$rates" "$kind" "$batch" "$size" "$threads" "$link_mode" <<'PY' | tee "$out/results.md"
 import json, re, statistics as st, sys
-out, rates, kind, batch, size = sys.argv[1], sys.argv[2].split(), sys.argv[3], sys.argv[4], sys.argv[5]
+out, rates, kind, batch, size, threads, link_mode = sys.argv[1], sys.argv[2].split(), *sys.argv[3:8]
 workload = {"latent": "latent U-Net", "sd15-controlnet": f"ControlNet v1.0 on SD 1.5 at {size} px",
             "sd21": f"SD 2.1's UNet at {size} px"}[kind]
 rows = [json.loads(l) for l in open(out + "/results.jsonl")]
@@ -216,11 +226,12 @@ def of(rate, run): return {r["round"]: r for r in rows if r["rate"] == rate and 
 def link(rate):
     n, t = open(f"{out}/link-{rate}.txt").read().split()
     return "%.0f Mbit/s" % (float(n) * 8 / float(t) / 1e6)
-print(f"2 processes x 1 thread on two nodes joined by a tbf-limited veth pair; {workload}, global batch {batch};")
+nodes = "two nodes joined by a tbf-limited veth pair" if link_mode == "veth" else "127.0.0.1 (LINK=loopback)"
+print(f"2 processes x {threads} thread(s) on {nodes}; {workload}, global batch {batch};")
 print("medians over rounds; ratios within each round, then their median (vs dp: dp-sharded where dp was not run);")
 print("predictions as % of the measured step\n")
-print("| link (measured) | run | img/s (min-max) | vs dp | vs the same schedule serial | MB sent per step (rank 0) | profile's prediction | the run's own plan |")
-print("|---|---|---|---|---|---|---|---|")
+print("| link (measured) | run | img/s (min-max) | vs dp | vs the same schedule serial | MB sent per step (rank 0) | profile's prediction | the run's own plan | peak GiB (rank 0) |")
+print("|---|---|---|---|---|---|---|---|---|")
 for rate in rates:
     runs = list(dict.fromkeys(r["run"] for r in rows if r["rate"] == rate))
     dp = of(rate, "dp") or of(rate, "dp-sharded")  # the reference: dp, or dp-sharded where dp was not run
@@ -231,18 +242,19 @@ for rate in rates:
         vs_dp = "%.2fx" % st.median(x[k]["img_per_s"] / dp[k]["img_per_s"] for k in both) if both else "-"
         vs_serial = ""
         if "-filled" in run:
-            s = of(rate, run.split("-filled")[0] + "-serial")
-            vs_serial = "%.2fx" % st.median(x[k]["img_per_s"] / s[k]["img_per_s"] for k in x if k in s)
+            s = of(rate, run.split("-filled")[0] + "-serial")  # empty where RUNS left serial out
+            pairs = [x[k]["img_per_s"] / s[k]["img_per_s"] for k in x if k in s]
+            vs_serial = "%.2fx" % st.median(pairs) if pairs else "-"
         step = st.median(r["step_ms"] for r in x.values())
         pct = lambda key: "%+.1f%%" % (100 * (st.median(r[key] for r in x.values()) - step) / step) if all(r[key] for r in x.values()) else "-"
         last = max(x.values(), key=lambda r: r["round"])
-        print("| %s | %s | %.2f (%.2f-%.2f) | %s | %s | %.2f | %s | %s |" % (
+        print("| %s | %s | %.2f (%.2f-%.2f) | %s | %s | %.2f | %s | %s | %.2f |" % (
             f"{rate} ({link(rate)})", run, st.median(ips), min(ips), max(ips), vs_dp, vs_serial,
-            last["sent_per_step"] / 1e6, pct("predicted_ms"), pct("own_plan_ms")))
+            last["sent_per_step"] / 1e6, pct("predicted_ms"), pct("own_plan_ms"), last.get("rank0_peak_gib", 0)))
     if not of(rate, "dp"):  # not run: the planner's data parallelism, beside the measured pipelines
         m = re.search(r"^  data parallelism \([^)]*\): ([0-9.]+) ms.*$", open(f"{out}/plan-{rate}.txt").read(), re.M)
         if m:
-            print("| %s | dp (not run: predicted) | %.2f | | | | %s | |" % (
+            print("| %s | dp (not run: predicted) | %.2f | | | | %s | | |" % (
                 f"{rate} ({link(rate)})", int(batch) * 1e3 / float(m.group(1)), m.group(0).strip()))
 PY
 log "wrote $out/results.md and results.jsonl"

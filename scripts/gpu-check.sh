@@ -34,16 +34,24 @@
 #   ddm beside diffusers eager (bench/sd_reference.py --step) at batch SD_BATCH (8) in bf16, and the
 #   UNet's forward + backward, the VAE's encoder and the VAE's forward + backward at 768 px, batch 2,
 #   in both (sd_reference.py DIR ... cuda bf16, then ddm_bench_sd DIR --device cuda); with
-#   SD_COMPILE=1 diffusers under torch.compile too (minutes of compilation); in OUT/sd-compare.jsonl;
+#   SD_COMPILE=1 diffusers' training step under torch.compile too (minutes of compilation: give it a
+#   call of its own, with SD_PIECES=0 leaving the pieces out), SD_COMPILE=2 the pieces compiled as well;
+#   in OUT/sd-compare.jsonl;
 #   then (with SD_PLAN=1; about 5 GB of disk) a full-size SD 2.1 pipeline with random weights
 #   (bench/sd_pipeline.py) profiled by `ddm plan` on the GPU in bf16 at 512 and 768 px (PLAN=1
 #   bench/sd_phases.sh): its units, the frozen work's share and its plans for 2 devices;
+#   then (with SD_LINKS=1; the same pipeline) SD 2.1 trained by 2 processes on the host's CPUs, data
+#   parallel against its 2-stage pipeline without and with bubble filling (bench/pipeline_links.sh at
+#   128 px, global batch 8, SD_LINKS_THREADS=8 threads each, SD_LINKS_RUNS="dp serial filled"; about
+#   7 minutes), in OUT/sd-links.log: the comparison a 24 GB machine cannot hold;
 #   then (with PROFILE=1) where dit-b's training step and its sampling (256 images, 20 steps) spend
 #   their GPU time, kernel by kernel, in ddm and under torch.compile (DDM_BENCH_TRACE, reference.py
 #   --trace, bench/op_profile.py --gpu), in OUT/profile.txt.
 # Exits non-zero if any check fails. Everything at once outlasts one call (10 minutes) and a lease
-# (15): a lease fits three calls, e.g. TESTS with GPU_BENCH (REF_COMPILE=0) and the rest off (about 4
-# minutes); then PROFILE=1 alone; then SD_COMPARE and SD_PLAN (about 5 minutes).
+# (15): a lease fits two or three calls, e.g. TESTS with GPU_BENCH (REF_COMPILE=0) and the rest off
+# (about 4 minutes); then PROFILE=1 alone; then SD_COMPARE and SD_PLAN (about 5 minutes). Calls of
+# their own, each turning every other part off: SD_COMPARE=1 SD_COMPILE=1 SD_PIECES=0 (diffusers
+# compiled), SD_LINKS=1 (SD 2.1 data parallel against its pipeline on the host's CPUs).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -289,23 +297,28 @@ print("data_wait", [round(r["data_wait"], 4) for r in rows], "img/s", [round(r.g
       timeout 120 "$dir/bin/ddm_bench_sd" --memory "$dir/sd21/unet/config.json" --batch $b --latent 96 --device cuda \
         --precision bf16 --repeat 3 --threads 8 --checkpoint off 2>>"$out/sd-compare.err" | tee -a "$out/sd-compare.jsonl" ||
         echo "gpu-check: ddm's SD step failed: $(tail -3 "$out/sd-compare.err")"
-      for mode in none $([ "${SD_COMPILE:-0}" = 1 ] && echo default); do
-        timeout 300 python3 bench/sd_reference.py --step "$dir/sd21/unet/config.json" $b 96 cuda bf16 3 $mode \
+      for mode in none $([ "${SD_COMPILE:-0}" != 0 ] && echo default); do
+        timeout $([ $mode = none ] && echo 180 || echo 450) python3 bench/sd_reference.py --step "$dir/sd21/unet/config.json" $b 96 cuda bf16 3 $mode \
           2>>"$out/sd-compare.err" | tee -a "$out/sd-compare.jsonl" ||
           echo "gpu-check: diffusers' SD step ($mode) failed: $(tail -3 "$out/sd-compare.err")"
       done
       # The pieces, on one seeded batch that diffusers writes with its networks (random weights).
-      s=$(mktemp -d)
-      timeout 600 python3 bench/sd_reference.py "$s" 2 96 8 3 "${SD_COMPILE:-0}" cuda bf16 2>>"$out/sd-compare.err" |
-        tee -a "$out/sd-compare.jsonl" || echo "gpu-check: diffusers' SD pieces failed: $(tail -3 "$out/sd-compare.err")"
-      timeout 120 "$dir/bin/ddm_bench_sd" "$s" --repeat 3 --threads 8 --device cuda --precision bf16 2>>"$out/sd-compare.err" |
-        tee -a "$out/sd-compare.jsonl" || echo "gpu-check: ddm's SD pieces failed: $(tail -3 "$out/sd-compare.err")"
-      rm -rf "$s"
+      if [ "${SD_PIECES:-1}" != 0 ]; then
+        s=$(mktemp -d)
+        timeout 600 python3 bench/sd_reference.py "$s" 2 96 8 3 "$([ "${SD_COMPILE:-0}" = 2 ] && echo 1 || echo 0)" cuda bf16 2>>"$out/sd-compare.err" |
+          tee -a "$out/sd-compare.jsonl" || echo "gpu-check: diffusers' SD pieces failed: $(tail -3 "$out/sd-compare.err")"
+        timeout 120 "$dir/bin/ddm_bench_sd" "$s" --repeat 3 --threads 8 --device cuda --precision bf16 2>>"$out/sd-compare.err" |
+          tee -a "$out/sd-compare.jsonl" || echo "gpu-check: ddm's SD pieces failed: $(tail -3 "$out/sd-compare.err")"
+        rm -rf "$s"
+      fi
     fi
-    if [ "${SD_PLAN:-0}" = 1 ]; then
-      # SD 2.1 at full size (random weights), profiled on the GPU by ddm plan: the frozen share.
-      s=$(mktemp -d)
-      if timeout 300 python3 bench/sd_pipeline.py "$s/sd21" sd21 >"$out/sd-plan.log" 2>&1; then
+    if [ "${SD_PLAN:-0}" = 1 ] || [ "${SD_LINKS:-0}" = 1 ]; then
+      # SD 2.1 at full size (random weights), written once for both parts.
+      s=$(mktemp -d) written=1
+      timeout 300 python3 bench/sd_pipeline.py "$s/sd21" sd21 >"$out/sd-write.log" 2>&1 ||
+        { written=0; failed+=(sd-write); tail -5 "$out/sd-write.log"; }
+      if [ $written = 1 ] && [ "${SD_PLAN:-0}" = 1 ]; then
+        # Profiled on the GPU by ddm plan: the frozen share.
         PLAN=1 REPEATS=3 DEVICE=cuda PRECISION=bf16 PYTHON=python3 BIN="$dir/bin" SD_DIR="$s/sd21" \
           timeout 400 bash bench/sd_phases.sh "512 768" 1 8 2>&1 | tee -a "$out/sd-plan.log" | grep -E -i "frozen|best|stage|^  " | head -40 ||
           failed+=(sd-plan)
@@ -321,8 +334,18 @@ for i, c in enumerate(p["tasks"][0]["cost"]):
           f"UNet forward + backward {trainable:.1f} ms: {100 * c['ms'] / trainable:.0f}% (DiffusionPipe: 44%)")
 PY
         done
-      else
-        failed+=(sd-plan); tail -5 "$out/sd-plan.log"
+      fi
+      if [ $written = 1 ] && [ "${SD_LINKS:-0}" = 1 ]; then
+        # Data parallelism against the 2-stage pipeline, serial and filled, on this machine's CPUs: two
+        # processes of SD_LINKS_THREADS threads each (two data-parallel copies of SD 2.1's training
+        # state, about 40 GB, do not fit a 24 GB CI machine). Over a veth pair where namespaces can
+        # be made, else over 127.0.0.1; both at memory speed.
+        link=loopback
+        if command -v tc >/dev/null && ip netns add "ddm-probe-$$" 2>/dev/null; then ip netns del "ddm-probe-$$"; link=veth; fi
+        LINK=$link KIND=sd21 DDM="$dir/bin/ddm" PYTHON=python3 RATES=unlimited SCHEDULES=1f1b MICRO=4 ROUNDS=1 STEPS=8 \
+          THREADS=${SD_LINKS_THREADS:-8} RUNS="${SD_LINKS_RUNS:-dp serial filled}" \
+          timeout 520 bash bench/pipeline_links.sh "$s/sd21" "$s/links" >"$out/sd-links.log" 2>&1 || failed+=(sd-links)
+        grep "^|\|^2 processes" "$out/sd-links.log" || tail -5 "$out/sd-links.log"
       fi
       rm -rf "$s"
     fi
