@@ -13,7 +13,7 @@
 # locked UNet's decoder (reported apart: locked_decoder_ms).
 #
 # PLAN=1 profiles the same training with `ddm plan` instead (its units and frozen work at micro-batches
-# of 1 and 2, one repeat) and prints its plans for 2 devices at a global batch of 8 (PLAN_ARGS adds
+# of ROWS rows, default "1 2", one repeat) and prints its plans for 2 devices at a global batch of 8 (PLAN_ARGS adds
 # options, e.g. "--bandwidth 1 --memory 80"); the profile is kept in SD_DIR/profile-SIZE.json.
 #
 # On a GPU machine (scripts/gpu-check.sh's SD_PLAN): PLAN=1 DEVICE=cuda PRECISION=bf16 profile there
@@ -21,7 +21,7 @@
 # with diffusers, transformers and open_clip instead of the reference environment's, and BIN the
 # folder of ddm and ddm_bench instead of build/.
 #
-# usage: [KIND=sd21|sd15-controlnet] [PLAN=1 [REPEATS=1]] [DEVICE=auto] [PRECISION=fp32] [PYTHON=...] [BIN=build]
+# usage: [KIND=sd21|sd15-controlnet] [PLAN=1 [REPEATS=1] [ROWS="1 2"]] [DEVICE=auto] [PRECISION=fp32] [PYTHON=...] [BIN=build]
 #        bench/sd_phases.sh [SIZES="256 512"] [BATCH=1] [THREADS=2] [STEPS=3]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -70,7 +70,7 @@ precision = "${PRECISION:-fp32}"
 TOML
   if [ "${PLAN:-0}" = 1 ]; then
     # shellcheck disable=SC2086
-    OMP_NUM_THREADS=$threads "$bin/ddm" plan --config "$work/sd-$size.toml" --set train.threads="$threads" --rows 1 2 \
+    OMP_NUM_THREADS=$threads "$bin/ddm" plan --config "$work/sd-$size.toml" --set train.threads="$threads" --rows ${ROWS:-1 2} \
       --repeats "${REPEATS:-1}" --devices 2 --batch 8 --save-profile "$sd/profile-$size.json" --top 8 ${PLAN_ARGS:-}
   else
     OMP_NUM_THREADS=$threads "$bin/ddm_bench" phases "$work/sd-$size.toml" --batch "$batch" --threads "$threads" \

@@ -37,9 +37,10 @@
 #   SD_COMPILE=1 diffusers' training step under torch.compile too (minutes of compilation: give it a
 #   call of its own, with SD_PIECES=0 leaving the pieces out), SD_COMPILE=2 the pieces compiled as well;
 #   in OUT/sd-compare.jsonl;
-#   then (with SD_PLAN=1; about 5 GB of disk) a full-size SD 2.1 pipeline with random weights
-#   (bench/sd_pipeline.py) profiled by `ddm plan` on the GPU in bf16 at 512 and 768 px (PLAN=1
-#   bench/sd_phases.sh): its units, the frozen work's share and its plans for 2 devices;
+#   then (with SD_PLAN=1; about 10 GB of disk) full-size SD 2.1 and ControlNet v1.0 on SD 1.5 with
+#   random weights (bench/sd_pipeline.py) profiled by `ddm plan` on the GPU in bf16 at micro-batches of
+#   ROWS ("2 8") rows, SD 2.1 at 512 and 768 px, the ControlNet at 512 (PLAN=1 bench/sd_phases.sh):
+#   their units, the frozen work's share beside DiffusionPipe's 44% and 89%, and plans for 2 devices;
 #   then (with SD_LINKS=1; the same pipeline) SD 2.1 trained by 2 processes on the host's CPUs, data
 #   parallel against its 2-stage pipeline without and with bubble filling (bench/pipeline_links.sh at
 #   128 px, global batch 8, SD_LINKS_THREADS=8 threads each, SD_LINKS_RUNS="dp serial filled"; about
@@ -318,21 +319,34 @@ print("data_wait", [round(r["data_wait"], 4) for r in rows], "img/s", [round(r.g
       timeout 300 python3 bench/sd_pipeline.py "$s/sd21" sd21 >"$out/sd-write.log" 2>&1 ||
         { written=0; failed+=(sd-write); tail -5 "$out/sd-write.log"; }
       if [ $written = 1 ] && [ "${SD_PLAN:-0}" = 1 ]; then
-        # Profiled on the GPU by ddm plan: the frozen share.
-        PLAN=1 REPEATS=3 DEVICE=cuda PRECISION=bf16 PYTHON=python3 BIN="$dir/bin" SD_DIR="$s/sd21" \
-          timeout 400 bash bench/sd_phases.sh "512 768" 1 8 2>&1 | tee -a "$out/sd-plan.log" | grep -E -i "frozen|best|stage|^  " | head -40 ||
-          failed+=(sd-plan)
-        # The seed's statistic from each saved profile: the frozen work over the UNet's forward + backward.
-        for f in "$s"/sd21/profile-*.json; do
-          python3 - "$f" <<'PY' | tee -a "$out/sd-plan.log"
+        # Profiled on the GPU by ddm plan (micro-batches of ROWS rows): the frozen share, for SD 2.1 at
+        # 512 and 768 px and ControlNet v1.0 on SD 1.5 at 512 (written here too).
+        timeout 300 python3 bench/sd_pipeline.py "$s/sd15-controlnet" sd15-controlnet >>"$out/sd-write.log" 2>&1 ||
+          { failed+=(sd-write); tail -5 "$out/sd-write.log"; }
+        for kind in sd21 sd15-controlnet; do
+          [ -f "$s/$kind/model_index.json" ] || continue
+          sizes="512 768" seed=44
+          [ $kind = sd21 ] || sizes=512 seed=89
+          KIND=$kind PLAN=1 REPEATS=3 ROWS="${ROWS:-2 8}" DEVICE=cuda PRECISION=bf16 PYTHON=python3 BIN="$dir/bin" \
+            SD_DIR="$s/$kind" timeout 300 bash bench/sd_phases.sh "$sizes" 1 8 >>"$out/sd-plan.log" 2>&1 || failed+=(sd-plan)
+          grep -E -i "frozen|best|stage|^  " "$out/sd-plan.log" | tail -20 || true
+          # The seed's statistic from each saved profile: the frozen work over the trainable forward + backward.
+          for f in "$s/$kind"/profile-*.json; do
+            [ -f "$f" ] || continue
+            python3 - "$f" "$kind" "$seed" <<'PY' | tee -a "$out/sd-plan.log"
 import json, sys
 p = json.load(open(sys.argv[1]))
 for i, c in enumerate(p["tasks"][0]["cost"]):
     unit = lambda u: u["samples"][i]["forward_ms"] + u["samples"][i]["input_grad_ms"] + u["samples"][i]["weight_grad_ms"]
     trainable = sum(unit(u) for u in p["units"])
-    print(f"gpu-check: {sys.argv[1].rsplit('/', 1)[-1]}, {c['rows']} row(s): frozen {c['ms']:.1f} ms, "
-          f"UNet forward + backward {trainable:.1f} ms: {100 * c['ms'] / trainable:.0f}% (DiffusionPipe: 44%)")
+    # A ControlNet's locked decoder is frozen but on the gradient path: counted with the trainable part.
+    locked = sum(unit(u) for u in p["units"] if u["name"].startswith("locked."))
+    print(f"gpu-check: {sys.argv[2]} {sys.argv[1].rsplit('/', 1)[-1]}, {c['rows']} row(s): frozen {c['ms']:.1f} ms, "
+          f"trainable forward + backward {trainable:.1f} ms: {100 * c['ms'] / trainable:.0f}% (DiffusionPipe: {sys.argv[3]}%)"
+          + (f"; the locked decoder {locked:.1f} ms of it; over the ControlNet's own forward + backward: "
+             f"{100 * c['ms'] / (trainable - locked):.0f}%" if locked else ""))
 PY
+          done
         done
       fi
       if [ $written = 1 ] && [ "${SD_LINKS:-0}" = 1 ]; then
