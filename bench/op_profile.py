@@ -5,7 +5,8 @@ time (its duration less that of the ops it called) per step, summed over threads
 
 With --gpu it sums the GPU's kernels instead (events of category "kernel", by kernel name): what
 the device spent its time on, from Kineto traces (ddm_bench train --device cuda, reference.py --device
-cuda --trace).
+cuda --trace); then the kernels launched per step and the share of the GPU's span (first kernel to
+last) in which no kernel ran: time the GPU waited for the host.
 
 usage: bench/op_profile.py [--steps N] [--top K] [--gpu] NAME=TRACE.json [NAME=TRACE.json ...]
        (each trace holds N steps, 3 by default: ddm_bench and reference.py record 3)
@@ -62,6 +63,25 @@ def kernel_times(path):
     return {k: v / 1000.0 for k, v in out.items()}
 
 
+def kernel_span(path):
+    """(kernels, span ms, busy ms): how many kernels a trace holds, the time from the first one's start
+    to the last one's end, and the part of it some kernel was running (the union of their intervals):
+    span less busy is the GPU waiting for the host (launches, synchronizations, host work)."""
+    events, _ = load_trace(path)
+    ivs = sorted((float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in events
+                 if e.get("ph") == "X" and e.get("cat") == "kernel" and "dur" in e)
+    if not ivs:
+        return 0, 0.0, 0.0
+    busy, (lo, hi) = 0.0, ivs[0]
+    for a, b in ivs[1:]:
+        if a > hi:
+            busy, lo, hi = busy + hi - lo, a, b
+        else:
+            hi = max(hi, b)
+    busy += hi - lo
+    return len(ivs), (max(b for _, b in ivs) - ivs[0][0]) / 1000.0, busy / 1000.0
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("traces", nargs="+", help="NAME=TRACE.json")
@@ -87,6 +107,12 @@ def main():
     print("| (all other ops) | " + " | ".join(f"{r:.1f}" for r in rest) + " |")
     total = "sum of kernel times" if a.gpu else "sum of op self times"
     print(f"| **{total}** | " + " | ".join(f"**{sum(t.values()):.1f}**" for t in tables) + " |")
+    if a.gpu:  # per step: launches, and how much of the GPU's span it sat idle
+        spans = [kernel_span(t.partition("=")[2]) for t in a.traces]
+        print("| kernels launched | " + " | ".join(f"{n / a.steps:.0f}" for n, _, _ in spans) + " |")
+        print("| GPU span, first kernel to last (ms) | " + " | ".join(f"{sp / a.steps:.1f}" for _, sp, _ in spans) + " |")
+        print("| of it idle (no kernel running) | " +
+              " | ".join(f"{100 * (1 - b / sp):.1f}%" if sp else "-" for _, sp, b in spans) + " |")
 
 
 if __name__ == "__main__":

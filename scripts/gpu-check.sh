@@ -46,7 +46,8 @@
 #   128 px, global batch 8, SD_LINKS_THREADS=8 threads each, SD_LINKS_RUNS="dp serial filled"; about
 #   7 minutes), in OUT/sd-links.log: the comparison a 24 GB machine cannot hold;
 #   then (with PROFILE=1) where dit-b's training step and its sampling (256 images, 20 steps) spend
-#   their GPU time, kernel by kernel, in ddm and under torch.compile (DDM_BENCH_TRACE, reference.py
+#   their GPU time, kernel by kernel, in ddm and under torch.compile (sampling also a routed ensemble of
+#   4 dit-b experts), with the kernels launched and the GPU's idle share (DDM_BENCH_TRACE, reference.py
 #   --trace, bench/op_profile.py --gpu), in OUT/profile.txt.
 # Exits non-zero if any check fails. Everything at once outlasts one call (10 minutes) and a lease
 # (15): a lease fits two or three calls, e.g. TESTS with GPU_BENCH (REF_COMPILE=0) and the rest off
@@ -377,9 +378,13 @@ PY
       timeout 240 python3 bench/reference.py dit-b --sample 20 --batch 256 --precision bf16 --steps 1 --warmup 1 --device cuda \
         --threads 8 --compile --trace "$p/compile-sample.json" >/dev/null 2>>"$out/profile.err" ||
         echo "gpu-check: compile's sampling trace failed"
+      # The routed top-1 ensemble of 4 dit-b experts, eager (issue 55's target: 0.9x one model).
+      DDM_BENCH_TRACE="$p/ddm-ensemble.json" timeout 120 "$dir/bin/ddm_bench" sample dit-b --n 256 --nfe 20 --device cuda \
+        --precision bf16 --steps 1 --warmup 1 --threads 8 --experts 4 >/dev/null 2>>"$out/profile.err" ||
+        echo "gpu-check: the ensemble's sampling trace failed"
       echo "--- sampling, one run of 20 steps" | tee -a "$out/profile.txt"
-      python3 bench/op_profile.py --gpu --steps 1 --top 30 ddm="$p/ddm-sample.json" compile="$p/compile-sample.json" |
-        tee -a "$out/profile.txt" | head -45
+      python3 bench/op_profile.py --gpu --steps 1 --top 30 ddm="$p/ddm-sample.json" compile="$p/compile-sample.json" \
+        ensemble="$p/ddm-ensemble.json" | tee -a "$out/profile.txt" | head -45
       rm -rf "$p"
     fi
     if [ ! -d "$dir/shards" ] && { [ "${LOADER:-1}" != 0 ] || [ "${SHARDS_E2E:-1}" != 0 ]; }; then
