@@ -501,8 +501,8 @@ void add_sample_flags(CLI::App* cmd, SampleArgs& a) {
   cmd->add_flag("--cuda-graphs", a.cuda_graphs,
                 "GPUs: capture the network's forward as a CUDA graph (one per batch shape) and replay it at every "
                 "step: the same images, fewer kernel launches by the host. With --ensemble, every expert's and the "
-                "router's, each expert's batch padded to a multiple of --batch / 4K rows for K experts (images "
-                "within float rounding of the unpadded ones)");
+                "router's, each expert's batch padded to a multiple of B / 4K rows for K experts and B images per "
+                "network batch, the smaller of --batch and --n (images within float rounding of the unpadded ones)");
   cmd->add_option("--ensemble", a.ensemble,
                   "sample a decentralized ensemble: a directory with ensemble.json (from ddm ensemble)");
   cmd->add_option("--routing", a.routing,

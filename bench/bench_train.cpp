@@ -18,7 +18,7 @@
 //           --experts K: a routed top-1 ensemble of K experts of PRESET (random weights, seeds 0..K-1)
 //           and an untrained router-conv-tiny whose probabilities a fixed random projection of x_t
 //           tilts, so that samples spread over the experts (expert_share says how); with --cuda-graphs on, as `ddm sample --ensemble --cuda-graphs`:
-//           every expert and the router from graphs, groups padded to multiples of n / 4)
+//           every expert and the router from graphs, groups padded to multiples of n / 4K for K experts)
 //        ddm_bench ops PRESET [--batch 128] [--threads 2] [--steps 20] [--warmup 3]
 //          (attention, and adaLN + proj + gated residual of one DiT block, forward +
 //           backward: the fused CPU kernels against LibTorch's ops; attention also against

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Pipelines against data parallelism across a link of known rate: the regime where DiffusionPipe's
 # 1.28x over data parallelism lives (docs/pipeline.md). Two "nodes" on this machine, joined by a
-# veth pair whose rate tbf limits (bench/netns_link.sh), one training process with one thread on
-# each, the latent U-Net of configs/latent-quickstart.toml (its frozen encoder is 41% of the
-# backbone's work) at global batch 128, for every rate in RATES:
+# veth pair whose rate tbf limits (bench/netns_link.sh), one training process with THREADS threads
+# (default 1) on each, the latent U-Net of configs/latent-quickstart.toml (its frozen encoder is 41%
+# of the backbone's work) at global batch 128, for every rate in RATES:
 #   dp                      data parallelism: gradients all-reduced every step (float32 on the wire)
 #   dp-fp16                 the same with parallel.wire = float16 (half the bytes)
 #   dp-sharded              data parallelism with parallel.shard_optimizer (ZeRO-1: each rank keeps the
@@ -44,7 +44,7 @@
 #   env: RATES="unlimited 1gbit 200mbit 100mbit 50mbit"  SCHEDULES="gpipe 1f1b zb-h1"  MICRO=8
 #        ROUNDS=2  STEPS=16  BF16=1  LATENCY=100ms BURST=(bytes) (the qdisc; bench/netns_link.sh)
 #        BATCH=128 (SD: 8)  SIZE=128 (SD images, px)  RUNS="dp dp-fp16 serial filled filled-bf16" (and dp-sharded)
-#        THREADS=1  LINK=veth|loopback  DDM=build/ddm  DEVICE=cpu (train.device)
+#        THREADS=1  LINK=veth|loopback  DDM=build/ddm  DEVICE=cpu (train.device)  PYTHON=/usr/bin/python3
 set -euo pipefail
 cd "$(dirname "$0")/.."
 kind=${KIND:-latent}

@@ -18,9 +18,12 @@
 #   for dit-b also with DDM_FUSED_CUDA=0, without its hand-written kernels; and with train.cuda_graphs)
 #   and PyTorch's (bench/reference.py) for dit-b and unet-small (BENCH_PRESETS) at batch 256 in bf16,
 #   PyTorch eager and torch.compile, default and "reduce-overhead" (unless REF_COMPILE=0), dit-b in
-#   fp32; one JSON line each in OUT/bench.jsonl;
+#   fp32; and sampling 256 images in 20 steps for each preset: eager, from CUDA graphs, a routed
+#   ensemble of 4 experts both ways, PyTorch eager and "reduce-overhead"; one JSON line each in
+#   OUT/bench.jsonl;
 #   then (unless QUICKSTART=0) the single-model quickstart on the GPU (configs/quickstart.toml: train
-#   in bf16, then sample), timed, its grid in OUT/quickstart-gpu.png;
+#   in bf16, then sample), timed, its grid in OUT/quickstart-gpu.png, and the decentralized
+#   `ddm quickstart --device cuda`, its grid in OUT/quickstart-ddm-gpu.png;
 #   then (unless LOADER=0; the pack has JPEG shards where this machine's venv has Pillow) the shard
 #   loader on that machine's cores (ddm_bench loader at 64x64 and 256x256, several thread counts) and
 #   the trainer's wait for data (metrics.jsonl's data_wait) training DiTs on the GPU from JPEG shards;
@@ -51,9 +54,10 @@
 #   --trace, bench/op_profile.py --gpu), in OUT/profile.txt.
 # Exits non-zero if any check fails. Everything at once outlasts one call (10 minutes) and a lease
 # (15): a lease fits two or three calls, e.g. TESTS with GPU_BENCH (REF_COMPILE=0) and the rest off
-# (about 4 minutes); then PROFILE=1 alone; then SD_COMPARE and SD_PLAN (about 5 minutes). Calls of
-# their own, each turning every other part off: SD_COMPARE=1 SD_COMPILE=1 SD_PIECES=0 (diffusers
-# compiled), SD_LINKS=1 (SD 2.1 data parallel against its pipeline on the host's CPUs).
+# (about 4 minutes); then PROFILE=1 alone (about 6); then SD_COMPARE and SD_PLAN (about 5 before
+# SD_PLAN took the ControlNet too: give that call up to 10). Calls of their own, each turning every
+# other part off: SD_COMPARE=1 SD_COMPILE=1 SD_PIECES=0 (diffusers compiled), SD_LINKS=1 (SD 2.1 data
+# parallel against its pipeline on the host's CPUs).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

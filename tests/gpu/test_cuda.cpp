@@ -433,7 +433,8 @@ TEST(Gpu, FusedKernelsLoadOnThisGpusArchitecture) {
 // same inputs give the same bits twice (the reductions have a fixed order).
 TEST(Gpu, FusedDiTKernelsMatchTheirExpressionsInFloat64) {
   if (no_gpu()) GTEST_SKIP() << kNoGpu;
-  // The kernels are opt-in (model/fused_gpu.h): on for this test, as they were before it.
+  // The kernels are on by default (model/fused_gpu.h); forced on here, so that a caller's
+  // DDM_FUSED_CUDA=0 does not skip this check, and restored after it.
   const char* was = std::getenv("DDM_FUSED_CUDA");
   const std::string before = was ? was : "";
   setenv("DDM_FUSED_CUDA", "1", 1);
@@ -740,7 +741,7 @@ TEST(Gpu, ARoutedEnsembleSamplesOnCudaAsOnTheCpu) {
     std::printf("ensemble, routing %s: max |gpu - cpu| over the samples %.2e\n", routing, diff);
   }
   // The experts and the router replayed from CUDA graphs, each expert's group padded to a multiple of
-  // a quarter of the batch: the eager images within float32 rounding (another batch size can pick
+  // batch / 4K rows (graphed_group_quantum): the eager images within float32 rounding (another batch size can pick
   // another cuBLAS kernel), under top-1 (groups that change size from step to step) and full routing.
   // Under top-1 a near-tie in the router's choice may flip on such rounding and change that one
   // sample: at least 18 of the 20 within 1e-3.
