@@ -84,6 +84,7 @@ seed=${SEED:-0}
 
 # --- Refuse early and clearly: before anything is created or trained. ---
 . "$(dirname "$0")/netns_link.sh"
+[ "$link_mode" = veth ] || die "LINK=$link_mode: this benchmark limits the link's rate, which needs the namespaces (LINK=veth)"
 link_require
 command -v gnuplot > /dev/null || die "gnuplot not found: it draws the plot; install Debian's gnuplot-nox (apt-get install gnuplot-nox)"
 [ -x "$ddm" ] || die "$ddm not found: build it first (cmake --build build --target ddm)"
