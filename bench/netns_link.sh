@@ -36,7 +36,7 @@ link_require() {
   case $link_mode in
     veth) ;;
     loopback)
-      [ -x "$py" ] || die "$py not found (Debian's python3 checks the link; set PYTHON)"
+      command -v "$py" > /dev/null || die "$py not found (Debian's python3 checks the link; set PYTHON)"
       return ;;
     *) die "LINK must be veth or loopback, not '$link_mode'" ;;
   esac
@@ -44,7 +44,7 @@ link_require() {
   command -v ip > /dev/null || die "'ip' not found: install Debian's iproute2"
   command -v tc > /dev/null || die "'tc' not found: install Debian's iproute2"
   ip netns list > /dev/null 2>&1 || die "'ip netns' does not work here (network namespaces unsupported?)"
-  [ -x "$py" ] || die "$py not found (Debian's python3 checks the link; set PYTHON)"
+  command -v "$py" > /dev/null || die "$py not found (Debian's python3 checks the link; set PYTHON)"
 }
 
 running=""  # PIDs of the processes the caller started and has not reaped yet

@@ -361,7 +361,7 @@ PY
         # be made, else over 127.0.0.1; both at memory speed.
         link=loopback
         if command -v tc >/dev/null && ip netns add "ddm-probe-$$" 2>/dev/null; then ip netns del "ddm-probe-$$"; link=veth; fi
-        LINK=$link KIND=sd21 DDM="$dir/bin/ddm" PYTHON=python3 RATES=unlimited SCHEDULES=1f1b MICRO=4 ROUNDS=1 STEPS=8 \
+        LINK=$link KIND=sd21 DDM="$dir/bin/ddm" PYTHON="$(command -v python3)" RATES=unlimited SCHEDULES=1f1b MICRO=4 ROUNDS=1 STEPS=8 \
           THREADS=${SD_LINKS_THREADS:-8} RUNS="${SD_LINKS_RUNS:-dp serial filled}" \
           timeout 520 bash bench/pipeline_links.sh "$s/sd21" "$s/links" >"$out/sd-links.log" 2>&1 || failed+=(sd-links)
         grep "^|\|^2 processes" "$out/sd-links.log" || tail -5 "$out/sd-links.log"
