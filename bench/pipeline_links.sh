@@ -127,8 +127,8 @@ workload+=(--set train.batch_size="$batch")
 link_up pl
 
 log "profiling the workload once ($threads thread(s), as one of the 2 ranks runs; node A)"
-in_ns "$ns_a" "$ddm" plan "${workload[@]}" --set train.threads="$threads" --set train.device="$device" --devices 2 --stages 2 --micro "$micro" \
-  "${profile_args[@]}" --save-profile "$out/profile.json" > "$out/profile.txt"
+in_ns "$ns_a" "$ddm" plan "${workload[@]}" --set train.threads="$threads" --set train.device="$device" --devices 2 --stages 2 \
+  --micro "$micro" "${profile_args[@]}" --save-profile "$out/profile.json" > "$out/profile.txt"
 
 declare -A gbps cuts  # rate -> the link's measured bandwidth in GB/s; rate-schedule -> the planner's cuts
 # RATE NAME ARGS...: one training of 2 ranks, rank r on node r; appends a record to results.jsonl
@@ -139,8 +139,9 @@ run() {
   rm -rf "$dir"
   port=$((port + 1))
   log "round $round/$rounds, $rate: $name"
-  local common=(train "${workload[@]}" --out "$dir" --set train.threads="$threads" --set train.device="$device" --set train.steps="$steps"
-                --set train.log_every=$((steps / 4)) --set train.ckpt_every=100000 --set parallel.timeout=600 "$@")
+  local common=(train "${workload[@]}" --out "$dir" --set train.threads="$threads" --set train.device="$device"
+                --set train.steps="$steps" --set train.log_every=$((steps / 4)) --set train.ckpt_every=100000
+                --set parallel.timeout=600 "$@")
   in_ns "$ns_a" env RANK=0 WORLD_SIZE=2 LOCAL_RANK=0 LOCAL_WORLD_SIZE=1 GROUP_RANK=0 MASTER_ADDR="$addr_a" \
     MASTER_PORT=$port GLOO_SOCKET_IFNAME="$dev_a" "$ddm" "${common[@]}" > "$dir.rank0.log" 2>&1 &
   p0=$!

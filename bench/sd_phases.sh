@@ -13,15 +13,17 @@
 # locked UNet's decoder (reported apart: locked_decoder_ms).
 #
 # PLAN=1 profiles the same training with `ddm plan` instead (its units and frozen work at micro-batches
-# of ROWS rows, default "1 2", one repeat) and prints its plans for 2 devices at a global batch of 8 (PLAN_ARGS adds
-# options, e.g. "--bandwidth 1 --memory 80"); the profile is kept in SD_DIR/profile-SIZE.json.
+# of ROWS rows, default "1 2", one repeat) and prints its plans for 2 devices at a global batch of 8
+# (PLAN_ARGS adds options, e.g. "--bandwidth 1 --memory 80"); the profile is kept in
+# SD_DIR/profile-SIZE.json.
 #
 # On a GPU machine (scripts/gpu-check.sh's SD_PLAN): PLAN=1 DEVICE=cuda PRECISION=bf16 profile there
 # (train.device, train.precision; `ddm_bench phases` measures on the CPU only), PYTHON names a python
 # with diffusers, transformers and open_clip instead of the reference environment's, and BIN the
 # folder of ddm and ddm_bench instead of build/.
 #
-# usage: [KIND=sd21|sd15-controlnet] [PLAN=1 [REPEATS=1] [ROWS="1 2"]] [DEVICE=auto] [PRECISION=fp32] [PYTHON=...] [BIN=build]
+# usage: [KIND=sd21|sd15-controlnet] [PLAN=1 [REPEATS=1] [ROWS="1 2"]] [DEVICE=auto] [PRECISION=fp32]
+#        [PYTHON=...] [BIN=build]
 #        bench/sd_phases.sh [SIZES="256 512"] [BATCH=1] [THREADS=2] [STEPS=3]
 set -euo pipefail
 cd "$(dirname "$0")/.."

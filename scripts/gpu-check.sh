@@ -330,11 +330,12 @@ print("data_wait", [round(r["data_wait"], 4) for r in rows], "img/s", [round(r.g
           { failed+=(sd-write); tail -5 "$out/sd-write.log"; }
         for kind in sd21 sd15-controlnet; do
           [ -f "$s/$kind/model_index.json" ] || continue
-          sizes="512 768" seed=44
-          [ $kind = sd21 ] || sizes=512 seed=89
+          sizes="512 768" seed=44 limit=400
+          [ $kind = sd21 ] || sizes=512 seed=89 limit=300
+          seen=$(cat "$out/sd-plan.log" 2>/dev/null | wc -l)
           KIND=$kind PLAN=1 REPEATS=3 ROWS="${ROWS:-2 8}" DEVICE=cuda PRECISION=bf16 PYTHON=python3 BIN="$dir/bin" \
-            SD_DIR="$s/$kind" timeout 300 bash bench/sd_phases.sh "$sizes" 1 8 >>"$out/sd-plan.log" 2>&1 || failed+=(sd-plan)
-          grep -E -i "frozen|best|stage|^  " "$out/sd-plan.log" | tail -20 || true
+            SD_DIR="$s/$kind" timeout $limit bash bench/sd_phases.sh "$sizes" 1 8 >>"$out/sd-plan.log" 2>&1 || failed+=(sd-plan)
+          tail -n +$((seen + 1)) "$out/sd-plan.log" | grep -E -i "frozen|best|stage|^  " | head -30 || true  # this kind's lines
           # The seed's statistic from each saved profile: the frozen work over the trainable forward + backward.
           for f in "$s/$kind"/profile-*.json; do
             [ -f "$f" ] || continue
