@@ -340,7 +340,7 @@ def sample(a, model):
         generate()
         best = min(best, time.perf_counter() - t0)
     if a.trace:  # one sampling run, as ddm_bench sample's DDM_BENCH_TRACE
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        with torch.profiler.profile(activities=profiled(a)) as prof:
             generate()
         prof.export_chrome_trace(a.trace)
     print(json.dumps({"impl": "python-compile" if a.compile else "python", "mode": "sample", "preset": a.preset,
