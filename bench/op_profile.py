@@ -6,9 +6,11 @@ time (its duration less that of the ops it called) per step, summed over threads
 With --gpu it sums the GPU's kernels instead (events of category "kernel", by kernel name): what
 the device spent its time on, from Kineto traces (ddm_bench train --device cuda, reference.py --device
 cuda --trace); then the kernels launched per step and the share of the GPU's span (first kernel to
-last) in which no kernel ran: time the GPU waited for the host.
+last) in which no kernel ran: time the GPU waited for the host. With --by-op as well, each kernel's
+time goes to the CPU op that launched it (the innermost op around its launch on the launching thread,
+found through the launch's correlation id), as "op: kernel": which op of a program a kernel is.
 
-usage: bench/op_profile.py [--steps N] [--top K] [--gpu] NAME=TRACE.json [NAME=TRACE.json ...]
+usage: bench/op_profile.py [--steps N] [--top K] [--gpu [--by-op]] NAME=TRACE.json [NAME=TRACE.json ...]
        (each trace holds N steps, 3 by default: ddm_bench and reference.py record 3)
 """
 import argparse
@@ -53,13 +55,44 @@ def self_times(path):
     return {k: v / 1000.0 for k, v in out.items()}
 
 
-def kernel_times(path):
-    """{kernel name: total GPU time in ms} over every kernel event of a trace."""
+def launching_ops(events):
+    """{correlation id: the name of the innermost CPU op around the runtime call (a kernel's launch)
+    with that id}, by a sweep over each thread's ops and runtime calls in time order."""
+    by_thread = collections.defaultdict(list)
+    for e in events:
+        if e.get("ph") != "X" or "dur" not in e:
+            continue
+        if e.get("cat") == "cpu_op":
+            by_thread[(e.get("pid"), e.get("tid"))].append((float(e["ts"]), 0, -float(e["dur"]), e["name"]))
+        elif e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {}):
+            by_thread[(e.get("pid"), e.get("tid"))].append((float(e["ts"]), 1, 0.0, e["args"]["correlation"]))
+    out = {}
+    for evs in by_thread.values():
+        evs.sort()  # by start; an op before a call that starts with it, an outer op before its inner ones
+        stack = []  # [(end, name)] of the ops open at the sweep's time
+        for ts, kind, neg_dur, what in evs:
+            while stack and stack[-1][0] <= ts:
+                stack.pop()
+            if kind == 0:
+                stack.append((ts - neg_dur, what))
+            else:
+                out[what] = stack[-1][1] if stack else "(no op)"
+    return out
+
+
+def kernel_times(path, by_op=False):
+    """{kernel name: total GPU time in ms} over every kernel event of a trace; by_op: keyed by
+    "launching op: kernel name" instead."""
     events, _ = load_trace(path)
+    ops = launching_ops(events) if by_op else {}
     out = collections.defaultdict(float)
     for e in events:
         if e.get("ph") == "X" and e.get("cat") == "kernel" and "dur" in e:
-            out[e["name"][:90]] += float(e["dur"])
+            if by_op:
+                op = ops.get(e.get("args", {}).get("correlation"), "(no op)")
+                out[f"{op}: {e['name'][:60]}"] += float(e["dur"])
+            else:
+                out[e["name"][:90]] += float(e["dur"])
     return {k: v / 1000.0 for k, v in out.items()}
 
 
@@ -88,17 +121,20 @@ def main():
     ap.add_argument("--steps", type=int, default=3, help="steps each trace holds")
     ap.add_argument("--top", type=int, default=25, help="ops shown (by the largest time in any trace)")
     ap.add_argument("--gpu", action="store_true", help="sum the GPU's kernels, not the CPU's ops")
+    ap.add_argument("--by-op", action="store_true", help="with --gpu: key each kernel by the op that launched it")
     a = ap.parse_args()
+    if a.by_op and not a.gpu:
+        ap.error("--by-op goes with --gpu")
     names, tables = [], []
     for t in a.traces:
         name, _, path = t.partition("=")
         if not path:
             ap.error(f"'{t}': expected NAME=TRACE.json")
         names.append(name)
-        times = kernel_times(path) if a.gpu else self_times(path)
+        times = kernel_times(path, a.by_op) if a.gpu else self_times(path)
         tables.append({k: v / a.steps for k, v in times.items()})
     ops = sorted({k for t in tables for k in t}, key=lambda k: -max(t.get(k, 0.0) for t in tables))
-    what = "kernel (GPU time" if a.gpu else "op (self time"
+    what = ("launching op: kernel (GPU time" if a.by_op else "kernel (GPU time") if a.gpu else "op (self time"
     print(f"| {what}, ms per step) | " + " | ".join(names) + " |")
     print("|---|" + "---|" * len(names))
     for k in ops[: a.top]:

@@ -51,7 +51,8 @@
 #   then (with PROFILE=1) where dit-b's training step and its sampling (256 images, 20 steps) spend
 #   their GPU time, kernel by kernel, in ddm and under torch.compile (sampling also a routed ensemble of
 #   4 dit-b experts), with the kernels launched and the GPU's idle share (DDM_BENCH_TRACE, reference.py
-#   --trace, bench/op_profile.py --gpu), in OUT/profile.txt.
+#   --trace, bench/op_profile.py --gpu), ddm's kernels by the op that launched them (--by-op), and
+#   unet-small's training step in ddm and under torch.compile, in OUT/profile.txt.
 # Exits non-zero if any check fails. Everything at once outlasts one call (10 minutes) and a lease
 # (15): a lease fits two or three calls, e.g. TESTS with GPU_BENCH (REF_COMPILE=0) and the rest off
 # (about 4 minutes); then PROFILE=1 alone (about 6); then SD_COMPARE and SD_PLAN (about 5 before
@@ -390,6 +391,21 @@ PY
       echo "--- sampling, one run of 20 steps" | tee -a "$out/profile.txt"
       python3 bench/op_profile.py --gpu --steps 1 --top 30 ddm="$p/ddm-sample.json" compile="$p/compile-sample.json" \
         ensemble="$p/ddm-ensemble.json" | tee -a "$out/profile.txt" | head -45
+      # Which of ddm's ops launched each kernel (training step; one sampling run), for the elementwise
+      # kernels that are not the hand-written ones.
+      echo "--- ddm's kernels by the op that launched them: training step | sampling run" >>"$out/profile.txt"
+      python3 bench/op_profile.py --gpu --by-op --top 30 train="$p/ddm.json" >>"$out/profile.txt"
+      python3 bench/op_profile.py --gpu --by-op --steps 1 --top 30 sample="$p/ddm-sample.json" >>"$out/profile.txt"
+      # unet-small's step (batch 256, bf16), host-bound where dit-b is not: ddm eager beside compile.
+      DDM_BENCH_TRACE="$p/unet.json" timeout 120 "$dir/bin/ddm_bench" train unet-small --batch 256 --device cuda \
+        --precision bf16 --steps 5 --warmup 3 --threads 8 >/dev/null 2>>"$out/profile.err" || echo "gpu-check: unet-small's trace failed"
+      timeout 240 python3 bench/reference.py unet-small --batch 256 --precision bf16 --steps 5 --warmup 3 --device cuda \
+        --threads 8 --compile --trace "$p/unet-compile.json" >/dev/null 2>>"$out/profile.err" ||
+        echo "gpu-check: unet-small's compile trace failed"
+      echo "--- unet-small, training step" | tee -a "$out/profile.txt"
+      python3 bench/op_profile.py --gpu --top 25 ddm="$p/unet.json" compile="$p/unet-compile.json" | tee -a "$out/profile.txt" |
+        tail -4
+      python3 bench/op_profile.py --gpu --by-op --top 25 ddm="$p/unet.json" >>"$out/profile.txt"
       rm -rf "$p"
     fi
     if [ ! -d "$dir/shards" ] && { [ "${LOADER:-1}" != 0 ] || [ "${SHARDS_E2E:-1}" != 0 ]; }; then
