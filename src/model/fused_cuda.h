@@ -16,7 +16,7 @@ namespace ddm::cuda_kernels {
 
 enum class DType { f32, bf16 };
 
-// The widest row the kernels take (each thread holds up to 8 columns of a row, 256 threads a block).
+// The widest row the kernels take (the adaLN kernels: 64 columns a lane, a warp a row).
 constexpr int kMaxWidth = 2048;
 // How many partial sums per batch row the backward kernels write: one per chunk of rows of N.
 int row_chunks(int64_t N);
@@ -29,12 +29,12 @@ const char* kernels_load(int device, int* major, int* minor);
 // Each returns nullptr on success, else CUDA's error message for the launch. stream: a cudaStream_t.
 
 // out = LayerNorm(x) * (1 + scale) + shift (no affine, biased variance, epsilon eps); mean and rstd
-// [B N] get each row's mean and 1 / sqrt(var + eps) for the backward.
+// [B N] get each row's mean and 1 / sqrt(var + eps) for the backward. shift, scale and out of one type.
 const char* adaln_forward(const float* x, const void* shift, const void* scale, DType mod, int64_t mod_stride,
                           void* out, DType out_type, float* mean, float* rstd, int64_t B, int64_t N, int64_t W,
                           float eps, void* stream);
 
-// From g = dL/dout (of out_type): gx = dL/dx (float32, [B, N, W]), and per chunk of rows the partial
+// From g = dL/dout (of scale's type): gx = dL/dx (float32, [B, N, W]), and per chunk of rows the partial
 // sums of dL/dscale = sum_n g * xhat and dL/dshift = sum_n g, part_scale and part_shift
 // [B, row_chunks(N), W] (float32).
 const char* adaln_backward(const void* g, DType g_type, const float* x, const float* mean, const float* rstd,

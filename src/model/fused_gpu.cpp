@@ -55,15 +55,20 @@ torch::Tensor summed(const torch::Tensor& parts, const torch::Tensor& like) {
   return parts.sum(1).to(like.scalar_type());
 }
 
+// The type of adaln_modulate's output: bfloat16 under bf16 autocast (the next op, a linear, would cast
+// it there), else float32.
+torch::ScalarType adaln_out_type() {
+  return at::autocast::is_autocast_enabled(at::kCUDA) && at::autocast::get_autocast_dtype(at::kCUDA) == torch::kBFloat16
+             ? torch::kBFloat16
+             : torch::kFloat;
+}
+
 struct AdaLNModulate : torch::autograd::Function<AdaLNModulate> {
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x, const torch::Tensor& shift,
                                const torch::Tensor& scale, double eps) {
     const c10::DeviceGuard guard(x.device());
     const int64_t B = x.size(0), N = x.size(1), W = x.size(2);
-    const auto out_type = at::autocast::is_autocast_enabled(at::kCUDA) &&
-                                  at::autocast::get_autocast_dtype(at::kCUDA) == torch::kBFloat16
-                              ? torch::kBFloat16
-                              : torch::kFloat;
+    const auto out_type = adaln_out_type();
     auto out = torch::empty({B, N, W}, x.options().dtype(out_type));   // [B, N, W]
     auto mean = torch::empty({B * N}, x.options());                    // [B N]
     auto rstd = torch::empty({B * N}, x.options());                    // [B N]
@@ -80,8 +85,7 @@ struct AdaLNModulate : torch::autograd::Function<AdaLNModulate> {
     const auto &x = saved[0], &shift = saved[1], &scale = saved[2], &mean = saved[3], &rstd = saved[4];
     const c10::DeviceGuard guard(x.device());
     const int64_t B = x.size(0), N = x.size(1), W = x.size(2);
-    auto g = grads[0].contiguous();                                    // [B, N, W]
-    if (!kernel_type(g)) g = g.to(torch::kFloat);
+    const auto g = grads[0].to(scale.scalar_type()).contiguous();      // [B, N, W], the output's type
     auto gx = torch::empty_like(x);                                    // [B, N, W]
     const int64_t chunks = k::row_chunks(N);
     auto part_scale = torch::empty({B, chunks, W}, x.options());       // [B, chunks, W]
@@ -149,15 +153,18 @@ bool fused_cuda_runs_on(int device) {
 }
 
 bool adaln_modulate_cuda_supported(const torch::Tensor& x, const torch::Tensor& shift, const torch::Tensor& scale) {
-  return block_input(x) && modulation(shift, x) && modulation(scale, x) &&
-         shift.scalar_type() == scale.scalar_type() && shift.stride(0) == scale.stride(0);
+  // The kernels read shift and scale in the output's type (a DiT's adaLN linear runs under the same
+  // autocast); float32 modulation under bf16 autocast takes LibTorch's ops.
+  return block_input(x) && modulation(shift, x) && modulation(scale, x) && shift.scalar_type() == adaln_out_type() &&
+         scale.scalar_type() == adaln_out_type() && shift.stride(0) == scale.stride(0);
 }
 
 torch::Tensor adaln_modulate_cuda(const torch::Tensor& x, const torch::Tensor& shift, const torch::Tensor& scale,
                                   double eps) {
   DDM_CHECK(adaln_modulate_cuda_supported(x, shift, scale),
             "adaln_modulate_cuda: needs float32 CUDA x [B, N, W] (contiguous, W <= "
-                << k::kMaxWidth << ") and shift, scale [B, W] of one type; got " << x.sizes() << " " << x.dtype()
+                << k::kMaxWidth << ") and shift, scale [B, W] of the output's type (bfloat16 under bf16 autocast, "
+                   "else float32); got " << x.sizes() << " " << x.dtype()
                 << ", " << shift.sizes() << " " << shift.dtype() << ", " << scale.sizes() << " " << scale.dtype());
   return AdaLNModulate::apply(x, shift, scale, eps);
 }

@@ -428,7 +428,8 @@ TEST(Gpu, FusedKernelsLoadOnThisGpusArchitecture) {
 // on the host, from the same inputs (rounded to bfloat16 where the kernels read bfloat16), forward and
 // every gradient: in float32, and under bf16 autocast with bfloat16 modulation (the adaLN linear's
 // output there), where the modulated output and the [B, W] gradients are rounded to bfloat16 (8 bits:
-// 4e-3 of their largest). The modulation tensors are strided views of one [B, 6 W] tensor, as in a
+// 4e-3 of their largest), and with float32 modulation, which the adaLN kernel leaves to LibTorch's ops
+// (it reads the modulation in its output's type). The modulation tensors are strided views of one [B, 6 W] tensor, as in a
 // block; widths that are not multiples of 32, a single row, and the widest row the kernels take. The
 // same inputs give the same bits twice (the reductions have a fixed order).
 TEST(Gpu, FusedDiTKernelsMatchTheirExpressionsInFloat64) {
@@ -445,12 +446,13 @@ TEST(Gpu, FusedDiTKernelsMatchTheirExpressionsInFloat64) {
   } restore{was != nullptr, before};
   torch::manual_seed(17);
   const auto cuda = torch::Device(torch::kCUDA);
-  for (const bool bf16 : {false, true}) {
+  for (const auto& [bf16, mod_bf16] : {std::pair{false, false}, {true, true}, {true, false}}) {
     for (auto [B, N, W] : {std::tuple<int64_t, int64_t, int64_t>{3, 7, 20}, {2, 49, 128}, {1, 1, 5},
-                           {4, 256, 768}, {2, 33, 2048}}) {
-      const std::string where = std::string(bf16 ? "bf16" : "fp32") + " B " + std::to_string(B) + " N " +
-                                std::to_string(N) + " W " + std::to_string(W);
-      const auto mod_type = bf16 ? torch::kBFloat16 : torch::kFloat;
+                           {4, 256, 768}, {2, 33, 2048}, {2, 40, 1152}}) {
+      const std::string where = std::string(bf16 ? "bf16" : "fp32") + (bf16 && !mod_bf16 ? " (fp32 modulation)" : "") +
+                                " B " + std::to_string(B) + " N " + std::to_string(N) + " W " + std::to_string(W);
+      const auto mod_type = mod_bf16 ? torch::kBFloat16 : torch::kFloat;
+      const auto out_type = bf16 && mod_bf16 ? torch::kBFloat16 : torch::kFloat;
       const auto x0 = torch::randn({B, N, W}) * 3 + 1;                       // [B, N, W] float32
       const auto ada0 = (torch::randn({B, 6 * W}) * 0.5).to(mod_type);      // [B, 6 W]
       const auto a0 = torch::randn({B, N, W}).to(mod_type);                 // a linear's output
@@ -461,15 +463,15 @@ TEST(Gpu, FusedDiTKernelsMatchTheirExpressionsInFloat64) {
         auto x = x0.to(cuda).requires_grad_(true), ada = ada0.to(cuda).requires_grad_(true);
         auto a = a0.to(cuda).requires_grad_(true);
         const auto m = ada.chunk(6, -1);                                   // 6 x [B, W], row stride 6 W
-        EXPECT_TRUE(adaln_modulate_cuda_supported(x, m[0], m[1])) << where;
-        EXPECT_TRUE(gated_residual_cuda_supported(x, m[2], a)) << where;
         torch::Tensor y, o;
         {
           Autocast autocast(cuda, bf16 ? Precision::kBf16 : Precision::kFp32);
+          EXPECT_EQ(adaln_modulate_cuda_supported(x, m[0], m[1]), bf16 == mod_bf16) << where;
+          EXPECT_TRUE(gated_residual_cuda_supported(x, m[2], a)) << where;
           y = adaln_modulate(x, m[0], m[1], 1e-6);                        // ops.h's dispatch
           o = gated_residual(x, m[2], a);
         }
-        EXPECT_EQ(y.scalar_type(), mod_type) << where;
+        EXPECT_EQ(y.scalar_type(), out_type) << where;
         EXPECT_EQ(o.scalar_type(), torch::kFloat) << where;
         torch::autograd::backward({y, o}, {gy0.to(cuda), go0.to(cuda)});
         return Out{y.detach().cpu(), o.detach().cpu(), x.grad().cpu(), ada.grad().cpu(), a.grad().cpu()};
