@@ -134,4 +134,16 @@ Autocast::~Autocast() {
   at::autocast::set_autocast_dtype(type_, was_dtype_);
 }
 
+AutocastWeightCache::AutocastWeightCache() { at::autocast::increment_nesting(); }
+
+AutocastWeightCache::~AutocastWeightCache() {
+  if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
+}
+
+AutocastCacheOff::AutocastCacheOff() : was_(at::autocast::is_autocast_cache_enabled()) {
+  at::autocast::set_autocast_cache_enabled(false);
+}
+
+AutocastCacheOff::~AutocastCacheOff() { at::autocast::set_autocast_cache_enabled(was_); }
+
 }  // namespace ddm

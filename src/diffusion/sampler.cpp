@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "core/device.h"
 #include "core/error.h"
 #include "core/keyed_random.h"
 #include "core/rng.h"
@@ -72,6 +73,7 @@ SampleResult sample(const Denoiser& den, const torch::Tensor& x1, const Cond& y,
   DDM_CHECK(kind == "euler" || kind == "heun" || kind == "ddim" || kind == "ddpm",
             "sampler \"" << kind << "\" is not one of: euler, heun, ddim, ddpm");
   torch::NoGradGuard no_grad;
+  const AutocastWeightCache weight_casts;  // bf16: each weight cast once for all the steps
   const NoisePath& path = den.path();
   const int64_t n = x1.size(0);
   const int64_t nfe0 = den.nfe();

@@ -6,6 +6,8 @@
 #include <ATen/autocast_mode.h>
 #include <torch/autograd.h>
 
+#include "core/device.h"
+
 namespace ddm {
 
 GraphedNetImpl::GraphedNetImpl(std::shared_ptr<NetImpl> inner, int64_t max_graphs)
@@ -17,6 +19,9 @@ GraphedNetImpl::GraphedNetImpl(std::shared_ptr<NetImpl> inner, int64_t max_graph
 
 torch::Tensor GraphedNetImpl::forward(const torch::Tensor& x, const torch::Tensor& t, const Cond& c) {
   if (failed_ || torch::GradMode::is_enabled() || !x.is_cuda()) return inner_->forward(x, t, c);
+  // A graph casts its weights itself: autocast's cached casts (a sampler keeps them across its steps)
+  // would be freed when the sampler returns, under the graph's feet.
+  const AutocastCacheOff own_casts;
   Cond cc = c;
   std::vector<const torch::Tensor*> in{&x, &t};
   for (torch::Tensor* s : cc.slots()) in.push_back(s);

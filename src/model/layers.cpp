@@ -74,8 +74,8 @@ TimeEmbedderImpl::TimeEmbedderImpl(int64_t freq_dim, int64_t dim) : freq_dim_(fr
 
 torch::Tensor TimeEmbedderImpl::forward(const torch::Tensor& t) {
   auto e = timestep_embedding(t, freq_dim_);   // [B, F]
-  e = torch::silu(fc1_(e));                    // [B, D]
-  return fc2_(e);                              // [B, D]
+  e = torch::silu(apply_linear(fc1_, e));      // [B, D]
+  return apply_linear(fc2_, e);                // [B, D]
 }
 
 LabelEmbedderImpl::LabelEmbedderImpl(int64_t num_classes, int64_t dim) : num_classes_(num_classes) {
@@ -101,7 +101,7 @@ ResBlockImpl::ResBlockImpl(int64_t in_ch, int64_t out_ch, int64_t emb_dim, int64
 
 torch::Tensor ResBlockImpl::forward(const torch::Tensor& x, const torch::Tensor& emb_act) {
   auto h = conv1_(torch::silu(norm1_(x)));                        // [B, out, H, W]
-  auto ss = emb_(emb_act).unsqueeze(-1).unsqueeze(-1);            // [B, 2 out, 1, 1]
+  auto ss = apply_linear(emb_, emb_act).unsqueeze(-1).unsqueeze(-1);  // [B, 2 out, 1, 1]
   auto scale = ss.narrow(1, 0, out_ch_);                          // [B, out, 1, 1]
   auto shift = ss.narrow(1, out_ch_, out_ch_);                    // [B, out, 1, 1]
   h = torch::addcmul(shift, norm2_(h), scale + 1.0);              // [B, out, H, W]
@@ -152,8 +152,8 @@ namespace {
 // backward; on CUDA (unless DDM_FUSED_CUDA=0) the residual's backward is one kernel (fused_gpu.h).
 torch::Tensor gated_linear_residual(const torch::Tensor& x, const torch::Tensor& gate, const torch::Tensor& h,
                                     nn::Linear& lin) {
-  if (!x.is_cpu()) return gated_residual(x, gate, lin(h).view(x.sizes()));             // [B, N, W]
-  return gated_residual(x, gate, torch::mm(h, lin->weight.t()).view(x.sizes()), lin->bias);  // [B, N, W]
+  if (!x.is_cpu()) return gated_residual(x, gate, apply_linear(lin, h).view(x.sizes()));  // [B, N, W]
+  return gated_residual(x, gate, at::linear(h, lin->weight).view(x.sizes()), lin->bias);  // [B, N, W], h W^T
 }
 }  // namespace
 
@@ -161,14 +161,14 @@ torch::Tensor DiTBlockImpl::forward(const torch::Tensor& x, const torch::Tensor&
                                     const torch::Tensor& context_mask) {
   // Linears run on 2-D [B N, W] views.
   const int64_t B = x.size(0), N = x.size(1), W = width_, d = W / heads_;
-  auto m = ada_(c_act).chunk(6, -1);                                   // 6 x [B, W]
+  auto m = apply_linear(ada_, c_act).chunk(6, -1);                     // 6 x [B, W]
   auto h = adaln_modulate(x, m[0], m[1], kDiTNormEps);                 // [B, N, W]
-  auto qkv = qkv_(h.view({B * N, W})).view({B, N, 3, heads_, d});     // [B, N, 3, h, d]
+  auto qkv = apply_linear(qkv_, h.view({B * N, W})).view({B, N, 3, heads_, d});  // [B, N, 3, h, d]
   auto a = attention_tokens_qkv(qkv);                                  // [B, h, N, d]
   auto out = gated_linear_residual(x, m[2], a.transpose(1, 2).reshape({B * N, W}), proj_);  // [B, N, W]
   if (cross_) out = out + cross_(out, context, context_mask);          // [B, N, W]
   h = adaln_modulate(out, m[3], m[4], kDiTNormEps);                    // [B, N, W]
-  h = torch::gelu(fc1_(h.view({B * N, W})));                          // [B N, hidden]
+  h = torch::gelu(apply_linear(fc1_, h.view({B * N, W})));            // [B N, hidden]
   return gated_linear_residual(out, m[5], h, fc2_);                    // [B, N, W]
 }
 
@@ -181,9 +181,9 @@ DiTFinalLayerImpl::DiTFinalLayerImpl(int64_t width, int64_t out_dim) {
 
 torch::Tensor DiTFinalLayerImpl::forward(const torch::Tensor& x, const torch::Tensor& c_act) {
   const int64_t B = x.size(0), N = x.size(1);
-  auto m = ada_(c_act).chunk(2, -1);                                   // 2 x [B, W]
+  auto m = apply_linear(ada_, c_act).chunk(2, -1);                     // 2 x [B, W]
   auto h = adaln_modulate(x, m[0], m[1], kDiTNormEps);                 // [B, N, W]
-  return linear_(h.view({B * N, x.size(2)})).view({B, N, -1});         // [B, N, out_dim]
+  return apply_linear(linear_, h.view({B * N, x.size(2)})).view({B, N, -1});  // [B, N, out_dim]
 }
 
 }  // namespace ddm

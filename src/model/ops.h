@@ -11,6 +11,12 @@
 
 namespace ddm {
 
+// m's map of x [.., in] (x W^T + b), through at::linear: under autocast the weight is cast as itself (a
+// leaf tensor), a cast that an AutocastWeightCache (core/device.h) keeps for all of a sampler's steps;
+// nn::Linear's own forward casts the view W^T instead, afresh at every call. The same arithmetic (for
+// 2-D x both are addmm(b, x, W^T)).
+torch::Tensor apply_linear(const torch::nn::Linear& m, const torch::Tensor& x);
+
 // qkv: [B, 3, heads, N, d] (any strides, e.g. a permuted view of a linear's output).
 // Returns softmax(q k^T / sqrt(d)) v as [B, heads, N, d]; on the fused CPU path it is a view of a
 // [B, N, heads, d] buffer, so a.transpose(1, 2).reshape(B N, heads d) costs no copy.

@@ -3,6 +3,7 @@
 // machine lacks; where no NVIDIA driver is present, none of LibTorch's CUDA half is loaded.
 #include <cstdlib>
 #include <fstream>
+#include <optional>
 #include <sstream>
 #include <gtest/gtest.h>
 
@@ -11,6 +12,7 @@
 #include "core/config.h"
 #include "core/cuda_module.h"
 #include "core/device.h"
+#include "model/ops.h"
 #include "test_util.h"
 #include "unit/test_dist_util.h"
 
@@ -81,6 +83,39 @@ TEST(Device, WithoutADriverNothingOfCudaIsLoaded) {
                   "train.device = cuda, but this machine has no CUDA GPU that LibTorch can use (CUDA not loaded: "))
       << error_message([] { resolve_device("cuda", 0, "train.device"); });
   EXPECT_TRUE(has(error_message([] { cuda_module(); }), "CUDA is needed here, but LibTorch's CUDA libraries are not loaded"));
+}
+
+// AutocastWeightCache (a sampler's steps): a weight's bfloat16 cast, made in the first Autocast region,
+// is what later regions use until the scope ends; AutocastCacheOff (a CUDA graph's capture) casts afresh.
+// Seen by changing the weight in place between regions: only a fresh cast sees the change.
+TEST(Device, AutocastWeightCacheKeepsAWeightsCastAcrossRegions) {
+  torch::manual_seed(3);
+  torch::nn::Linear lin(16, 8);
+  const auto x = torch::randn({4, 16});                             // [4, 16]
+  const torch::NoGradGuard no_grad;
+  auto forward = [&] {
+    const Autocast autocast(torch::kCPU, Precision::kBf16);
+    return apply_linear(lin, x);  // [4, 8] bfloat16 (model/ops.h; nn::Linear's forward casts W^T, a view, at every call)
+  };
+  auto changed_between = [&](bool cache, bool off) {
+    const auto w = lin->weight.clone();
+    torch::Tensor before, after;
+    {
+      std::optional<AutocastWeightCache> scope;
+      if (cache) scope.emplace();
+      std::optional<AutocastCacheOff> fresh;
+      if (off) fresh.emplace();
+      before = forward();
+      lin->weight.add_(1.0);
+      after = forward();
+    }
+    lin->weight.copy_(w);
+    return !torch::equal(before, after);
+  };
+  EXPECT_TRUE(changed_between(false, false));  // each region casts the weight again
+  EXPECT_FALSE(changed_between(true, false));  // the scope's first cast serves both regions
+  EXPECT_TRUE(changed_between(true, true));    // the cache off: cast afresh inside the scope too
+  EXPECT_TRUE(changed_between(false, false));  // the scope's end dropped its casts
 }
 
 }  // namespace
