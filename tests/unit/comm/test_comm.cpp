@@ -335,13 +335,16 @@ namespace {
 // Ranks as threads that must all have failed before any lets its Comm go: a Comm destroyed early
 // closes its connections, and a rank still waiting would then fail with "lost the connection" (as a
 // real rank does when another exits) instead of the timeout a test looks at.
+// A rank that fails before it arrives (an exception run_ranks catches) fails the test after 120 s
+// instead of leaving the others waiting for ever.
 class Arrivals {
  public:
   explicit Arrivals(int n) : left_(n) {}
   void arrive_and_wait() {
     std::unique_lock<std::mutex> lock(m_);
     if (--left_ == 0) cv_.notify_all();
-    cv_.wait(lock, [&] { return left_ <= 0; });
+    if (!cv_.wait_for(lock, std::chrono::seconds(120), [&] { return left_ <= 0; }))
+      ADD_FAILURE() << "Arrivals: " << left_ << " rank(s) never arrived (one failed first: see the ranks' errors)";
   }
 
  private:
@@ -384,12 +387,14 @@ TEST(DistComm, AHungRankAmongFourIsNamedByTheOthers) {
 
 // A rank that lost a connection reports that too, so the ranks that time out name only the one that
 // is silent, and say it may be gone: rank 3 leaves (its connections close), rank 0 waits on it, ranks
-// 1 and 2 on each other.
+// 1 and 2 on each other. Rank 3 leaves once every rank has its group: leaving while another still
+// connects to it would fail that one's connecting instead.
 TEST(DistComm, RanksThatLostAConnectionAreNotNamedAsHung) {
-  Arrivals failed(3);
+  Arrivals connected(4), failed(3);
   std::vector<std::string> errors(4);
-  run_ranks(4, probing(), [&](Comm& c) {
+  const auto escaped = run_ranks(4, probing(), [&](Comm& c) {
     auto t = torch::ones({4});
+    connected.arrive_and_wait();
     if (c.rank() == 3) return c.close("leaving");
     const int peer = c.rank() == 0 ? 3 : 3 - c.rank();
     errors[c.rank()] = error_message([&] { c.wait(c.recv_async(t, peer, 5), "receive from rank " + std::to_string(peer)); });
@@ -402,13 +407,14 @@ TEST(DistComm, RanksThatLostAConnectionAreNotNamedAsHung) {
                                "exited or been killed)"))
         << r << ": " << errors[r];
   EXPECT_EQ(errors[3], "");
+  for (const auto& e : escaped) EXPECT_EQ(e, "");  // what a rank threw that was not ddm's error
 }
 
 // Every rank timed out, each in a collective the others did not run: named as different code paths.
 TEST(DistComm, RanksInDifferentCollectivesAreToldSo) {
   Arrivals all(3);
   std::vector<std::string> errors(3);
-  run_ranks(3, probing(), [&](Comm& c) {
+  const auto escaped = run_ranks(3, probing(), [&](Comm& c) {
     auto t = torch::ones({4});
     errors[c.rank()] = error_message([&] {
       if (c.rank() == 2)  // expects a message rank 0 never sends
@@ -423,6 +429,7 @@ TEST(DistComm, RanksInDifferentCollectivesAreToldSo) {
                                "all-reduce, rank 2 in receive from rank 0; the ranks ran different collectives, so "
                                "their code paths or configs differ)"))
         << r << ": " << errors[r];
+  for (const auto& e : escaped) EXPECT_EQ(e, "");
 }
 
 TEST(DistComm, RendezvousErrors) {
