@@ -17,7 +17,8 @@
 #   then (unless GPU_BENCH=0) the GPU benchmark side by side: ddm's training step (ddm_bench train;
 #   for dit-b also with DDM_FUSED_CUDA=0, without its hand-written kernels; and with train.cuda_graphs)
 #   and PyTorch's (bench/reference.py) for dit-b and unet-small (BENCH_PRESETS) at batch 256 in bf16,
-#   PyTorch eager and torch.compile, default and "reduce-overhead" (unless REF_COMPILE=0), dit-b in
+#   PyTorch eager and torch.compile, default and "reduce-overhead" (unless REF_COMPILE=0; "max-autotune" too
+#   with REF_AUTOTUNE=1, minutes of autotuning: a call of its own, BENCH_PRESETS=dit-b), dit-b in
 #   fp32; and sampling 256 images in 20 steps for each preset: eager, from CUDA graphs, a routed
 #   ensemble of 4 experts both ways, PyTorch eager and "reduce-overhead"; one JSON line each in
 #   OUT/bench.jsonl;
@@ -155,7 +156,7 @@ PY
       peak=989  # dense bf16 TFLOP/s of an H100 SXM and of an H200 (the same compute)
       bench() {  # one bounded run, its JSON line appended (a failure is reported, not fatal)
         local line
-        if line=$(timeout 240 "$@" 2>"$out/bench.err"); then echo "$line" | tail -1 | tee -a "$out/bench.jsonl"
+        if line=$(timeout "${BENCH_TIMEOUT:-240}" "$@" 2>"$out/bench.err"); then echo "$line" | tail -1 | tee -a "$out/bench.jsonl"
         else echo "gpu-check: $* failed: $(tail -3 "$out/bench.err")"; fi
       }
       for preset in ${BENCH_PRESETS:-dit-b unet-small}; do
@@ -170,6 +171,9 @@ PY
         [ "${REF_COMPILE:-1}" = 0 ] || bench python3 bench/reference.py $preset --batch 256 --precision bf16 --steps 20 --warmup 3 --device cuda --threads 8 --compile
         # torch.compile's CUDA graphs ("reduce-overhead"): the comparison for train.cuda_graphs.
         [ "${REF_COMPILE:-1}" = 0 ] || bench python3 bench/reference.py $preset --batch 256 --precision bf16 --steps 20 --warmup 3 --device cuda --threads 8 --compile-mode reduce-overhead
+        # "max-autotune" (issue 55's target reports it): minutes of autotuning, so only with REF_AUTOTUNE=1.
+        [ "${REF_AUTOTUNE:-0}" = 0 ] || BENCH_TIMEOUT=450 bench python3 bench/reference.py $preset --batch 256 --precision bf16 \
+          --steps 20 --warmup 3 --device cuda --threads 8 --compile-mode max-autotune
       done
       bench "$dir/bin/ddm_bench" train dit-b --batch 256 --device cuda --precision fp32 --steps 10 --warmup 2 --threads 8 --peak $peak
       # Sampling 256 images with 20 Euler steps: eager, from CUDA graphs (`ddm sample --cuda-graphs`), a
