@@ -14,6 +14,9 @@
 #include "core/error.h"
 #include "core/presets.h"
 #include "core/rng.h"
+#include "diffusion/denoiser.h"
+#include "diffusion/path.h"
+#include "diffusion/sampler.h"
 #include "float_tolerance.h"
 #include "grad_check.h"
 #include "model/dit.h"
@@ -587,3 +590,41 @@ TEST(FusedGpu, OnUnlessTurnedOffAndNeverForCpuTensors) {
   EXPECT_THROW(ddm::adaln_modulate_cuda(x, m, m, 1e-6), ddm::Error);
   was ? setenv("DDM_FUSED_CUDA", before.c_str(), 1) : unsetenv("DDM_FUSED_CUDA");
 }
+
+namespace ddm {
+
+// bf16 sampling casts each weight once per run (AutocastWeightCache in sample(), apply_linear in the
+// DiT): the casts end with the run, so a run after the weights change samples the new weights, bit
+// for bit as a network built with them does (a cast kept across runs would sample the old ones).
+TEST(Sampling, Bf16WeightCastsLastOneRunAndFollowTheWeights) {
+  torch::manual_seed(5);
+  const ModelConfig cfg = preset_cfg("dit-tiny");
+  Net net = make_net(cfg);
+  randomize(*net, 0.05);
+  const NoisePath path(PathKind::kFlow);
+  Denoiser den(net, path, Prediction::kVelocity, cfg.num_classes);
+  den.set_precision(Precision::kBf16);
+  const auto x1 = images_for(cfg, 3);                                  // [3, C, S, S]
+  const Cond y(torch::tensor({0, 1, 2}, torch::kLong));
+  SampleOptions opt;
+  opt.steps = 2;
+  const auto before = sample(den, x1, y, opt).x;                       // [3, C, S, S]
+  EXPECT_TRUE(torch::equal(before, sample(den, x1, y, opt).x));         // a run repeats itself
+  {
+    torch::NoGradGuard ng;
+    for (auto& p : net->parameters()) p.mul_(1.5);
+  }
+  const auto after = sample(den, x1, y, opt).x;
+  EXPECT_FALSE(torch::equal(before, after));
+  Net fresh = make_net(cfg);
+  {
+    torch::NoGradGuard ng;
+    const auto from = net->parameters(), to = fresh->parameters();
+    for (size_t i = 0; i < from.size(); ++i) to[i].copy_(from[i]);
+  }
+  Denoiser den2(fresh, path, Prediction::kVelocity, cfg.num_classes);
+  den2.set_precision(Precision::kBf16);
+  EXPECT_TRUE(torch::equal(after, sample(den2, x1, y, opt).x));
+}
+
+}  // namespace ddm
