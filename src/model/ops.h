@@ -6,6 +6,7 @@
 //     else LibTorch's fused at::scaled_dot_product_attention (CUDA, other dtypes);
 //   - adaln_modulate, gated_residual: the fused_cpu.h kernels for float32 CPU tensors on AVX2 + FMA
 //     CPUs, the fused_gpu.h kernels for CUDA tensors, else the same expression in ATen ops.
+// Also apply_linear: an nn::Linear's map through at::linear, for autocast's cache of weight casts.
 #pragma once
 #include <torch/torch.h>
 
