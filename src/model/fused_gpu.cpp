@@ -155,8 +155,9 @@ bool fused_cuda_runs_on(int device) {
 bool adaln_modulate_cuda_supported(const torch::Tensor& x, const torch::Tensor& shift, const torch::Tensor& scale) {
   // The kernels read shift and scale in the output's type (a DiT's adaLN linear runs under the same
   // autocast); float32 modulation under bf16 autocast takes LibTorch's ops.
-  return block_input(x) && modulation(shift, x) && modulation(scale, x) && shift.scalar_type() == adaln_out_type() &&
-         scale.scalar_type() == adaln_out_type() && shift.stride(0) == scale.stride(0);
+  const auto out = adaln_out_type();
+  return block_input(x) && modulation(shift, x) && modulation(scale, x) && shift.scalar_type() == out &&
+         scale.scalar_type() == out && shift.stride(0) == scale.stride(0);
 }
 
 torch::Tensor adaln_modulate_cuda(const torch::Tensor& x, const torch::Tensor& shift, const torch::Tensor& scale,

@@ -95,7 +95,7 @@ TEST(Device, AutocastWeightCacheKeepsAWeightsCastAcrossRegions) {
   const torch::NoGradGuard no_grad;
   auto forward = [&] {
     const Autocast autocast(torch::kCPU, Precision::kBf16);
-    return apply_linear(lin, x);  // [4, 8] bfloat16 (model/ops.h; nn::Linear's forward casts W^T, a view, at every call)
+    return apply_linear(lin, x);  // [4, 8] bfloat16 (nn::Linear's own forward casts a view, W^T, every call)
   };
   auto changed_between = [&](bool cache, bool off) {
     const auto w = lin->weight.clone();
