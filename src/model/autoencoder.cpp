@@ -7,6 +7,7 @@
 
 #include "core/error.h"
 #include "model/flops.h"
+#include "model/ops.h"
 
 namespace ddm {
 
@@ -73,8 +74,8 @@ ResnetBlockImpl::ResnetBlockImpl(int64_t in_ch, int64_t out_ch, int64_t groups) 
 }
 
 torch::Tensor ResnetBlockImpl::forward(const torch::Tensor& x) {
-  auto h = conv1_(torch::silu(norm1_(x)));        // [B, out, H, W]
-  h = conv2_(torch::silu(norm2_(h)));             // [B, out, H, W]
+  auto h = conv1_(group_norm_silu(norm1_, x));    // [B, out, H, W]
+  h = conv2_(group_norm_silu(norm2_, h));         // [B, out, H, W]
   return (skip_ ? skip_(x) : x) + h;              // [B, out, H, W]
 }
 
@@ -142,7 +143,7 @@ Posterior AutoencoderImpl::encode(const torch::Tensor& x) {
       h = down_[l](torch::constant_pad_nd(h, {0, 1, 0, 1}));    // [B, ch*m_l, S/2^(l+1), S/2^(l+1)]
   }
   h = run_middle(enc_mid_, h);                                  // [B, ch*m_last, S/f, S/f]
-  h = quant_(enc_out_(torch::silu(enc_norm_(h))));              // [B, 2z, S/f, S/f]
+  h = quant_(enc_out_(group_norm_silu(enc_norm_, h)));          // [B, 2z, S/f, S/f]
   auto parts = h.chunk(2, 1);                                   // 2 x [B, z, S/f, S/f]
   return {parts[0], parts[1].clamp(-30.0, 20.0)};
 }
@@ -164,7 +165,7 @@ torch::Tensor AutoencoderImpl::decode(const torch::Tensor& z) {
     if (i < up_.size())
       h = up_[i](torch::upsample_nearest2d(h, {2 * h.size(2), 2 * h.size(3)}));  // [B, ch*m_l, S/2^(l-1), S/2^(l-1)]
   }
-  return dec_out_(torch::silu(dec_norm_(h)));                   // [B, C, S, S]
+  return dec_out_(group_norm_silu(dec_norm_, h));               // [B, C, S, S]
 }
 
 namespace {

@@ -1,4 +1,5 @@
-// Launchers of the hand-written CUDA kernels of a DiT block (fused_cuda.cu), on raw pointers, so that
+// Launchers of the hand-written CUDA kernels of a DiT block and of a U-Net's GroupNorm chain
+// (fused_cuda.cu), on raw pointers, so that
 // the .cu file compiles with nvcc alone, without LibTorch's headers. The autograd functions that call
 // them (and decide where they run) are in fused_gpu.h. Hand-written because LibTorch's eager ops run
 // each step of these chains as its own pass over [B N, W]: the adaLN chain (layer norm, modulate, the
@@ -46,5 +47,31 @@ const char* adaln_backward(const void* g, DType g_type, const float* x, const fl
 const char* gated_backward(const float* g, const void* a, DType a_type, const void* gate, DType mod,
                            int64_t mod_stride, void* ga, float* part_gate, int64_t B, int64_t N, int64_t W,
                            void* stream);
+
+// GroupNorm, modulation and SiLU in one pass each way (a U-Net's res block: GroupNorm, then
+// h * (1 + scale) + shift, then SiLU, then the cast for the next convolution: five passes over
+// [B, C, H, W] in LibTorch's ops, three of them in float32 under bf16 autocast). x, out, gy, gx are
+// [B, C, HW] in NCHW order (contiguous) or, with nhwc, [B, HW, C] (channels-last), all four alike;
+// gamma, beta [C] float32 or null (1 and 0); scale, shift [B, C] of out's type with row stride
+// mod_stride, or null (no modulation). A block takes one group (b, g).
+// The widest group (channels per group) the kernels take: their per-channel values live in shared
+// memory. In NHWC order at most 256 (a block's threads each keep to one channel of the group).
+constexpr int kMaxGroupChannels = 2048;
+constexpr int kMaxGroupChannelsNHWC = 256;
+
+// out = act(((x - mean) * rstd * gamma + beta) * (1 + scale) + shift), act SiLU or none, per group
+// (biased variance, epsilon eps); mean and rstd [B G] for the backward.
+const char* group_norm_forward(const void* x, DType x_type, const float* gamma, const float* beta,
+                               const void* scale, const void* shift, int64_t mod_stride, void* out, DType out_type,
+                               float* mean, float* rstd, int64_t B, int64_t C, int64_t G, int64_t HW, bool nhwc,
+                               bool silu, float eps, void* stream);
+
+// From gy = dL/dout (of out's type): gx = dL/dx (x's type), and per (b, c) the sums over HW of
+// dz * xhat (p) and of dz (q), [B, C] float32, where dz = dL/d(the value before act) and xhat the
+// normalized x. The gradients of gamma, beta, scale and shift follow from p and q (fused_gpu.cpp).
+const char* group_norm_backward(const void* gy, DType out_type, const void* x, DType x_type, const float* mean,
+                                const float* rstd, const float* gamma, const float* beta, const void* scale,
+                                const void* shift, int64_t mod_stride, void* gx, float* p, float* q, int64_t B,
+                                int64_t C, int64_t G, int64_t HW, bool nhwc, bool silu, void* stream);
 
 }  // namespace ddm::cuda_kernels

@@ -6,6 +6,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <iostream>
+#include <climits>
+#include <cstdint>
 #include <map>
 #include <mutex>
 #include <string>
@@ -122,6 +124,91 @@ struct GatedResidualCuda : torch::autograd::Function<GatedResidualCuda> {
   }
 };
 
+// The type of group_norm_act's output: bfloat16 under bf16 CUDA autocast (a convolution or a linear
+// takes it and would cast it there), else x's.
+torch::ScalarType group_norm_out_type(const torch::Tensor& x) {
+  if (!at::autocast::is_autocast_enabled(at::kCUDA)) return x.scalar_type();
+  return at::autocast::get_autocast_dtype(at::kCUDA) == torch::kBFloat16 ? torch::kBFloat16 : torch::kHalf;
+}
+
+// Whether the kernels read x in channels-last (NHWC) order: a 4-D x that is channels-last and not
+// also contiguous (a tensor that is both, with one channel or one position, has the same offsets in
+// both orders).
+bool channels_last(const torch::Tensor& x) {
+  return x.dim() == 4 && !x.is_contiguous() && x.is_contiguous(at::MemoryFormat::ChannelsLast);
+}
+
+at::MemoryFormat memory_format(bool nhwc) {
+  return nhwc ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::Contiguous;
+}
+
+const float* optional_f32(const torch::Tensor& t) { return t.defined() ? t.data_ptr<float>() : nullptr; }
+const void* optional_ptr(const torch::Tensor& t) { return t.defined() ? t.data_ptr() : nullptr; }
+
+// act(GroupNorm(x) * (1 + scale) + shift); the modulation optional. Saves x (not the normalized
+// activations): the backward recomputes them, reading x twice.
+struct GroupNormAct : torch::autograd::Function<GroupNormAct> {
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x, const torch::Tensor& gamma,
+                               const torch::Tensor& beta, const torch::Tensor& scale, const torch::Tensor& shift,
+                               int64_t groups, double eps, bool silu) {
+    const c10::DeviceGuard guard(x.device());
+    const int64_t B = x.size(0), C = x.size(1), HW = x.numel() / (B * C);
+    const bool nhwc = channels_last(x);
+    auto out = torch::empty(x.sizes(), x.options().dtype(group_norm_out_type(x)),
+                            memory_format(nhwc));                           // [B, C, H, W], x's order
+    auto mean = torch::empty({B * groups}, x.options().dtype(torch::kFloat));       // [B G]
+    auto rstd = torch::empty({B * groups}, x.options().dtype(torch::kFloat));       // [B G]
+    const int64_t mod_stride = scale.defined() ? scale.stride(0) : 0;
+    check(k::group_norm_forward(x.data_ptr(), dtype(x), optional_f32(gamma), optional_f32(beta), optional_ptr(scale),
+                                optional_ptr(shift), mod_stride, out.data_ptr(), dtype(out), mean.data_ptr<float>(),
+                                rstd.data_ptr<float>(), B, C, groups, HW, nhwc, silu, static_cast<float>(eps),
+                                stream_of(x)),
+          "group_norm_act");
+    ctx->save_for_backward({x, gamma, beta, scale, shift, mean, rstd});
+    ctx->saved_data["groups"] = groups;
+    ctx->saved_data["silu"] = silu;
+    ctx->saved_data["nhwc"] = nhwc;
+    ctx->saved_data["out_type"] = static_cast<int64_t>(out.scalar_type());
+    return out;
+  }
+
+  static tensor_list backward(AutogradContext* ctx, tensor_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto &x = saved[0], &gamma = saved[1], &beta = saved[2], &scale = saved[3], &shift = saved[4];
+    const auto &mean = saved[5], &rstd = saved[6];
+    const int64_t groups = ctx->saved_data["groups"].toInt();
+    const bool silu = ctx->saved_data["silu"].toBool();
+    const bool nhwc = ctx->saved_data["nhwc"].toBool();
+    const auto out_type = static_cast<torch::ScalarType>(ctx->saved_data["out_type"].toInt());
+    const c10::DeviceGuard guard(x.device());
+    const int64_t B = x.size(0), C = x.size(1), HW = x.numel() / (B * C);
+    const auto gy = grads[0].to(out_type).contiguous(memory_format(nhwc));  // [B, C, H, W], the output's type
+    auto gx = torch::empty(x.sizes(), x.options(), memory_format(nhwc));    // [B, C, H, W], x's type and order
+    auto p = torch::empty({B, C}, x.options().dtype(torch::kFloat));  // [B, C]: sum over HW of dz * xhat
+    auto q = torch::empty({B, C}, x.options().dtype(torch::kFloat));  // [B, C]: sum over HW of dz
+    const int64_t mod_stride = scale.defined() ? scale.stride(0) : 0;
+    check(k::group_norm_backward(gy.data_ptr(), dtype(gy), x.data_ptr(), dtype(x), mean.data_ptr<float>(),
+                                 rstd.data_ptr<float>(), optional_f32(gamma), optional_f32(beta), optional_ptr(scale),
+                                 optional_ptr(shift), mod_stride, gx.data_ptr(), p.data_ptr<float>(),
+                                 q.data_ptr<float>(), B, C, groups, HW, nhwc, silu, stream_of(x)),
+          "group_norm_act backward");
+    // With z = u (1 + scale) + shift and u = xhat gamma + beta: dL/dshift = q, dL/dscale = gamma p + beta q,
+    // dL/dgamma = sum_b (1 + scale) p, dL/dbeta = sum_b (1 + scale) q. Fixed-order reductions over B.
+    const auto m = scale.defined() ? scale.to(torch::kFloat) + 1.0 : torch::Tensor();  // [B, C]
+    const auto pm = m.defined() ? p * m : p, qm = m.defined() ? q * m : q;            // [B, C]
+    torch::Tensor g_gamma, g_beta, g_scale, g_shift;
+    if (gamma.defined()) g_gamma = pm.sum(0);                                           // [C]
+    if (beta.defined()) g_beta = qm.sum(0);                                             // [C]
+    if (scale.defined()) {
+      auto u = gamma.defined() ? p * gamma : p;                                         // [B, C]
+      if (beta.defined()) u = u + q * beta;
+      g_scale = u.to(scale.scalar_type());
+      g_shift = q.to(shift.scalar_type());
+    }
+    return {gx, g_gamma, g_beta, g_scale, g_shift, torch::Tensor(), torch::Tensor(), torch::Tensor()};
+  }
+};
+
 }  // namespace
 
 bool fused_cuda_enabled() {
@@ -180,6 +267,53 @@ torch::Tensor gated_residual_cuda(const torch::Tensor& x, const torch::Tensor& g
             "gated_residual_cuda: needs float32 CUDA x [B, N, W] (contiguous), a of its shape and gate [B, W]; got "
                 << x.sizes() << " " << x.dtype() << ", " << a.sizes() << " " << a.dtype() << ", " << gate.sizes());
   return GatedResidualCuda::apply(x, gate, a);
+}
+
+}  // namespace ddm
+
+namespace ddm {
+
+bool fused_group_norm_enabled() {
+  const char* v = std::getenv("DDM_FUSED_GROUPNORM");
+  return fused_cuda_enabled() && v != nullptr && std::strcmp(v, "1") == 0;
+}
+
+bool group_norm_act_cuda_supported(const torch::Tensor& x, const torch::nn::GroupNorm& norm,
+                                   const torch::Tensor& scale, const torch::Tensor& shift) {
+  if (!fused_group_norm_enabled() || !x.is_cuda() || !kernel_type(x) || x.dim() < 3 || x.numel() == 0 ||
+      !(x.is_contiguous() || channels_last(x)))
+    return false;
+  const int64_t B = x.size(0), C = x.size(1), G = norm->options.num_groups();
+  const int64_t widest = channels_last(x) ? k::kMaxGroupChannelsNHWC : k::kMaxGroupChannels;
+  if (G <= 0 || C != norm->options.num_channels() || C % G != 0 || C / G > widest ||
+      x.numel() / B > INT32_MAX - 256 || B * G > INT32_MAX)  // fused_cuda.cu's int indices
+    return false;
+  const auto out = group_norm_out_type(x);
+  if (!(out == torch::kFloat || out == torch::kBFloat16)) return false;
+  for (const auto& p : {norm->weight, norm->bias})
+    if (p.defined() && !(p.device() == x.device() && p.scalar_type() == torch::kFloat && p.is_contiguous()))
+      return false;
+  if (scale.defined() != shift.defined()) return false;
+  if (scale.defined()) {
+    for (const auto& m : {scale, shift})
+      if (!(m.device() == x.device() && m.scalar_type() == out && m.dim() == 2 && m.size(0) == B && m.size(1) == C &&
+            m.stride(1) == 1))
+        return false;
+    if (scale.stride(0) != shift.stride(0)) return false;
+  }
+  return fused_cuda_runs_on(x.device().index());
+}
+
+torch::Tensor group_norm_act_cuda(const torch::Tensor& x, const torch::nn::GroupNorm& norm, bool silu,
+                                  const torch::Tensor& scale, const torch::Tensor& shift) {
+  DDM_CHECK(group_norm_act_cuda_supported(x, norm, scale, shift),
+            "group_norm_act_cuda: needs a contiguous or channels-last float32 or bfloat16 CUDA x [B, C, ...] of "
+            "the GroupNorm's channels (at most " << k::kMaxGroupChannels << " a group, " << k::kMaxGroupChannelsNHWC
+                << " channels-last), its float32 weight and bias, and scale, shift [B, C] of the output's type or "
+                   "neither; got " << x.sizes() << " " << x.dtype() << ", "
+            << scale.sizes() << ", " << shift.sizes());
+  return GroupNormAct::apply(x, norm->weight, norm->bias, scale, shift, norm->options.num_groups(),
+                             norm->options.eps(), silu);
 }
 
 }  // namespace ddm

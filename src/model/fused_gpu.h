@@ -1,6 +1,7 @@
-// The DiT block's adaLN modulation and gated residual on CUDA tensors, as autograd functions over the
-// hand-written kernels of fused_cuda.cu; model/ops.h decides when they run. Each replaces a chain of
-// LibTorch ops that makes a pass over [B, N, W] per op, forward and backward (fused_cuda.h).
+// The DiT block's adaLN modulation and gated residual, and a U-Net's GroupNorm + modulation + SiLU, on
+// CUDA tensors, as autograd functions over the hand-written kernels of fused_cuda.cu; model/ops.h
+// decides when they run. Each replaces a chain of LibTorch ops that makes a pass over the activations
+// per op, forward and backward (fused_cuda.h).
 // On by default since an H200 checked them (2026-12-04: within float32 rounding of their float64
 // expressions, bit-identical repeats, dit-b's step 1.21x faster); DDM_FUSED_CUDA=0 in the environment
 // turns them off, and LibTorch's ops run instead.
@@ -36,5 +37,25 @@ bool gated_residual_cuda_supported(const torch::Tensor& x, const torch::Tensor& 
 // gradient of a in a's type, the gate's summed over N without atomics).
 // Precondition: gated_residual_cuda_supported(x, gate, a).
 torch::Tensor gated_residual_cuda(const torch::Tensor& x, const torch::Tensor& gate, const torch::Tensor& a);
+
+// The GroupNorm kernel is opt-in until a GPU has checked it: it runs where DDM_FUSED_GROUPNORM=1 is set
+// (and DDM_FUSED_CUDA is not 0). Written 2026-12-04 without a GPU; tests/gpu/test_cuda.cpp checks it
+// against its float64 expression.
+bool fused_group_norm_enabled();
+
+// True when group_norm_act_cuda() runs on these: x a CUDA [B, C, H, W] (or [B, C, L]), contiguous or
+// channels-last, float32 or bfloat16, a GroupNorm's float32 weight and bias (or none), at most
+// kMaxGroupChannels channels a group (kMaxGroupChannelsNHWC channels-last); scale and shift [B, C] of
+// the output's type with unit column stride and one row stride, or both undefined. The output's
+// type: bfloat16 under bf16 CUDA autocast, else x's.
+bool group_norm_act_cuda_supported(const torch::Tensor& x, const torch::nn::GroupNorm& norm,
+                                   const torch::Tensor& scale, const torch::Tensor& shift);
+
+// act(GroupNorm(x) * (1 + scale) + shift), act SiLU (silu) or none, in one pass each way. Under bf16
+// autocast the result is bfloat16: the convolution or linear that takes it would cast it there (so
+// call it only where one does). The result, and the gradient of x, are in x's memory order.
+// Precondition: group_norm_act_cuda_supported(x, norm, scale, shift).
+torch::Tensor group_norm_act_cuda(const torch::Tensor& x, const torch::nn::GroupNorm& norm, bool silu,
+                                  const torch::Tensor& scale, const torch::Tensor& shift);
 
 }  // namespace ddm

@@ -100,12 +100,12 @@ ResBlockImpl::ResBlockImpl(int64_t in_ch, int64_t out_ch, int64_t emb_dim, int64
 }
 
 torch::Tensor ResBlockImpl::forward(const torch::Tensor& x, const torch::Tensor& emb_act) {
-  auto h = conv1_(torch::silu(norm1_(x)));                        // [B, out, H, W]
-  auto ss = apply_linear(emb_, emb_act).unsqueeze(-1).unsqueeze(-1);  // [B, 2 out, 1, 1]
-  auto scale = ss.narrow(1, 0, out_ch_);                          // [B, out, 1, 1]
-  auto shift = ss.narrow(1, out_ch_, out_ch_);                    // [B, out, 1, 1]
-  h = torch::addcmul(shift, norm2_(h), scale + 1.0);              // [B, out, H, W]
-  h = conv2_(torch::silu(h));                                     // [B, out, H, W]
+  auto h = conv1_(group_norm_silu(norm1_, x));                   // [B, out, H, W]
+  auto ss = apply_linear(emb_, emb_act);                          // [B, 2 out]
+  auto scale = ss.narrow(1, 0, out_ch_);                          // [B, out]
+  auto shift = ss.narrow(1, out_ch_, out_ch_);                    // [B, out]
+  // silu(norm2(h) * (1 + scale) + shift), one pass on a GPU with the fused kernel (ops.h)
+  h = conv2_(group_norm_act(norm2_, h, /*silu=*/true, scale, shift));  // [B, out, H, W]
   return skip_ ? skip_(x) + h : x + h;                            // [B, out, H, W]
 }
 
@@ -121,7 +121,14 @@ AttentionBlockImpl::AttentionBlockImpl(int64_t ch, int64_t heads, int64_t groups
 torch::Tensor AttentionBlockImpl::forward(const torch::Tensor& x) {
   const int64_t B = x.size(0), C = x.size(1), H = x.size(2), W = x.size(3);
   const int64_t d = C / heads_;
-  auto qkv = qkv_(norm_(x)).reshape({B, 3, heads_, d, H * W})    // [B, 3, h, d, N]
+  if (!x.is_contiguous() && x.is_contiguous(at::MemoryFormat::ChannelsLast)) {
+    // Channels-last: the qkv convolution's output is [B, H, W, 3 C] in memory, already tokens.
+    auto qkv = qkv_(group_norm_act(norm_, x, /*silu=*/false));    // [B, 3 C, H, W], channels-last
+    auto a = attention_tokens_qkv(qkv.permute({0, 2, 3, 1}).reshape({B, H * W, 3, heads_, d}));  // [B, h, N, d]
+    a = a.transpose(1, 2).reshape({B, H, W, C}).permute({0, 3, 1, 2});  // [B, C, H, W], channels-last
+    return x + proj_(a);                                          // [B, C, H, W]
+  }
+  auto qkv = qkv_(group_norm_act(norm_, x, /*silu=*/false)).reshape({B, 3, heads_, d, H * W})  // [B, 3, h, d, N]
                  .transpose(-1, -2);                              // [B, 3, h, N, d]
   auto a = attention_qkv(qkv);                                    // [B, h, N, d]
   a = a.transpose(-1, -2).reshape({B, C, H, W});                  // [B, C, H, W]

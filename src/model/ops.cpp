@@ -2,6 +2,8 @@
 #include "model/ops.h"
 
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 
 #include <torch/torch.h>
 
@@ -56,6 +58,31 @@ torch::Tensor gated_residual(const torch::Tensor& x, const torch::Tensor& gate, 
                              const torch::Tensor& bias) {
   if (gated_residual_cpu_supported(x, gate, a, bias)) return gated_residual_cpu(x, gate, a, bias);  // [B, N, W]
   return torch::addcmul(x, gate.unsqueeze(1), a + bias);                                           // [B, N, W]
+}
+
+bool channels_last_enabled() {
+  const char* v = std::getenv("DDM_CHANNELS_LAST");
+  return v != nullptr && std::strcmp(v, "1") == 0;
+}
+
+torch::Tensor group_norm_silu(const torch::nn::GroupNorm& norm, const torch::Tensor& x) {
+  return group_norm_act(norm, x, /*silu=*/true);  // [B, C, H, W]
+}
+
+torch::Tensor group_norm_act(const torch::nn::GroupNorm& norm, const torch::Tensor& x, bool silu,
+                             const torch::Tensor& scale, const torch::Tensor& shift) {
+  DDM_CHECK(scale.defined() == shift.defined(), "group_norm_act: scale and shift come together");
+  if (group_norm_act_cuda_supported(x, norm, scale, shift)) return group_norm_act_cuda(x, norm, silu, scale, shift);
+  // GroupNormImpl::forward's own call (through a const holder, whose operator() is not const).
+  auto h = torch::group_norm(x, norm->options.num_groups(), norm->weight, norm->bias, norm->options.eps(),
+                             at::globalContext().userEnabledCuDNN());     // [B, C, H, W]
+  if (scale.defined()) {
+    std::vector<int64_t> per_channel(static_cast<size_t>(x.dim()), 1);           // [B, C, 1, 1]
+    per_channel[0] = x.size(0);
+    per_channel[1] = x.size(1);
+    h = torch::addcmul(shift.view(per_channel), h, scale.view(per_channel) + 1.0);  // [B, C, H, W]
+  }
+  return silu ? torch::silu(h) : h;                                               // [B, C, H, W]
 }
 
 }  // namespace ddm

@@ -6,6 +6,8 @@
 //     else LibTorch's fused at::scaled_dot_product_attention (CUDA, other dtypes);
 //   - adaln_modulate, gated_residual: the fused_cpu.h kernels for float32 CPU tensors on AVX2 + FMA
 //     CPUs, the fused_gpu.h kernels for CUDA tensors, else the same expression in ATen ops.
+//   - group_norm_silu, group_norm_act: the fused_gpu.h kernel for CUDA tensors where it is enabled
+//     (DDM_FUSED_GROUPNORM=1 until a GPU has checked it), else the same expression in ATen ops.
 // Also apply_linear: an nn::Linear's map through at::linear, for autocast's cache of weight casts.
 #pragma once
 #include <torch/torch.h>
@@ -44,5 +46,21 @@ torch::Tensor gated_residual(const torch::Tensor& x, const torch::Tensor& gate, 
 // x + gate * (a + bias); x, a [B, N, W], gate [B, W], bias [W] (the bias of the linear that made a).
 torch::Tensor gated_residual(const torch::Tensor& x, const torch::Tensor& gate, const torch::Tensor& a,
                              const torch::Tensor& bias);
+
+// Whether ddm's U-Nets run their activations in channels-last order (NHWC: DDM_CHANNELS_LAST=1 in the
+// environment; read at each call). On a GPU that is cuDNN's own order for bf16 convolutions, which
+// otherwise transposes each convolution's input and output, and the GroupNorm kernel reads it as it
+// is (fused_gpu.h); on a CPU oneDNN's convolutions are slower in it (docs/results.md). Opt-in until a
+// GPU has measured it.
+bool channels_last_enabled();
+
+// silu(norm(x)) for a convolution to take; x [B, C, H, W]. On the CUDA kernel's path under bf16
+// autocast the result is bfloat16 (the convolution would cast it); elsewhere norm's and silu's types.
+torch::Tensor group_norm_silu(const torch::nn::GroupNorm& norm, const torch::Tensor& x);
+
+// act(norm(x) * (1 + scale) + shift) for a convolution or linear to take, act SiLU (silu) or none;
+// x [B, C, H, W], scale and shift [B, C] or both undefined (then act(norm(x))). Types as above.
+torch::Tensor group_norm_act(const torch::nn::GroupNorm& norm, const torch::Tensor& x, bool silu,
+                             const torch::Tensor& scale = {}, const torch::Tensor& shift = {});
 
 }  // namespace ddm

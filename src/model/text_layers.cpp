@@ -6,6 +6,7 @@
 
 #include "core/error.h"
 #include "model/layers.h"
+#include "model/ops.h"
 
 namespace ddm {
 
@@ -65,7 +66,7 @@ SpatialTransformerImpl::SpatialTransformerImpl(int64_t ch, int64_t context_dim, 
 
 torch::Tensor SpatialTransformerImpl::forward(const torch::Tensor& x, const torch::Tensor& context, const torch::Tensor& mask) {
   const int64_t B = x.size(0), H = x.size(2), W = x.size(3), N = H * W, d = ch_ / heads_;
-  auto h = proj_in_(norm_(x).flatten(2).transpose(1, 2));              // [B, N, ch]
+  auto h = proj_in_(group_norm_act(norm_, x, /*silu=*/false).flatten(2).transpose(1, 2));  // [B, N, ch]
   const auto qkv = qkv_(ln1_(h)).view({B, N, 3, heads_, d}).permute({2, 0, 3, 1, 4});  // [3, B, h, N, d]
   h = h + attn_out_(at::scaled_dot_product_attention(qkv[0], qkv[1], qkv[2]).transpose(1, 2).reshape({B, N, ch_}));
   h = h + cross_(ln2_(h), context, mask);                              // [B, N, ch]

@@ -8,6 +8,7 @@
 
 #include "core/error.h"
 #include "model/flops.h"
+#include "model/ops.h"
 
 namespace ddm {
 
@@ -138,6 +139,9 @@ void UNetImpl::unit_in(NetCarry& k, const torch::Tensor& t, const Cond& c, const
   k.emb = torch::silu(emb);                                      // [B, E]
   k.h = in_conv_(with_self_cond(x, c, cfg_.self_cond));         // [B, c0, S, S]
   if (in_add.defined()) k.h = k.h + in_add;                      // [B, c0, S, S]
+  // The activations in channels-last order from here to unit_out (ops.h): convolutions, GroupNorm,
+  // the elementwise ops, the skips' concatenation and the upsampling keep it.
+  if (channels_last_enabled()) k.h = k.h.contiguous(at::MemoryFormat::ChannelsLast);  // [B, c0, S, S]
 }
 
 void UNetImpl::unit_enc(NetCarry& k, size_t l, size_t j, const Cond& c) {
@@ -161,7 +165,7 @@ void UNetImpl::unit_dec(NetCarry& k, size_t l, size_t j, const Cond& c) {
 }
 
 void UNetImpl::unit_out(NetCarry& k) {
-  k.h = out_conv_(torch::silu(out_norm_(k.h)));                  // [B, C, S, S]
+  k.h = out_conv_(group_norm_silu(out_norm_, k.h)).contiguous();  // [B, C, S, S], in NCHW order again
   k.emb = torch::Tensor();
 }
 

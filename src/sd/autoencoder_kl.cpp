@@ -10,6 +10,7 @@
 
 #include "core/error.h"
 #include "core/json.h"
+#include "model/ops.h"
 #include "sd/diffusers_weights.h"
 
 namespace fs = std::filesystem;
@@ -129,8 +130,8 @@ VaeResnetImpl::VaeResnetImpl(int64_t in, int64_t out, int64_t groups) {
 }
 
 torch::Tensor VaeResnetImpl::forward(const torch::Tensor& x) {
-  torch::Tensor h = conv1(F::silu(norm1(x)));  // [B, out, H, W]
-  h = conv2(F::silu(norm2(h)));                 // [B, out, H, W]
+  torch::Tensor h = conv1(group_norm_silu(norm1, x));  // [B, out, H, W]
+  h = conv2(group_norm_silu(norm2, h));                 // [B, out, H, W]
   return (conv_shortcut ? conv_shortcut(x) : x) + h;
 }
 
@@ -145,7 +146,8 @@ VaeAttentionImpl::VaeAttentionImpl(int64_t ch, int64_t groups) {
 
 torch::Tensor VaeAttentionImpl::forward(const torch::Tensor& x) {
   const int64_t B = x.size(0), C = x.size(1), H = x.size(2), W = x.size(3);
-  const torch::Tensor h = group_norm(x).reshape({B, C, H * W}).transpose(1, 2);  // [B, HW, C]
+  const torch::Tensor h =
+      group_norm_act(group_norm, x, /*silu=*/false).reshape({B, C, H * W}).transpose(1, 2);  // [B, HW, C]
   // One head: [B, 1, HW, C], scaled by 1/sqrt(C).
   const torch::Tensor a = at::scaled_dot_product_attention(to_q(h).unsqueeze(1), to_k(h).unsqueeze(1),
                                                            to_v(h).unsqueeze(1)).squeeze(1);  // [B, HW, C]
@@ -205,7 +207,7 @@ torch::Tensor VaeEncoderImpl::forward(const torch::Tensor& x) {
   torch::Tensor h = conv_in(x);                                       // [B, w0, S, S]
   for (const auto& m : *down_blocks) h = m->as<VaeBlock>()->forward(h);  // [B, w[-1], S/f, S/f]
   h = mid_block(h);
-  return conv_out(F::silu(conv_norm_out(h)));  // [B, 2z, S/f, S/f]
+  return conv_out(group_norm_silu(conv_norm_out, h));  // [B, 2z, S/f, S/f]
 }
 
 VaeDecoderImpl::VaeDecoderImpl(const AutoencoderKLConfig& c) {
@@ -224,7 +226,7 @@ VaeDecoderImpl::VaeDecoderImpl(const AutoencoderKLConfig& c) {
 torch::Tensor VaeDecoderImpl::forward(const torch::Tensor& z) {
   torch::Tensor h = mid_block(conv_in(z));                           // [B, w[-1], h, w]
   for (const auto& m : *up_blocks) h = m->as<VaeBlock>()->forward(h);  // [B, w0, h*f, w*f]
-  return conv_out(F::silu(conv_norm_out(h)));  // [B, out_channels, h*f, w*f]
+  return conv_out(group_norm_silu(conv_norm_out, h));  // [B, out_channels, h*f, w*f]
 }
 
 AutoencoderKLImpl::AutoencoderKLImpl(AutoencoderKLConfig c) : c_(std::move(c)) {

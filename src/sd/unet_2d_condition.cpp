@@ -12,6 +12,7 @@
 
 #include "core/error.h"
 #include "core/json.h"
+#include "model/ops.h"
 #include "sd/diffusers_weights.h"
 
 namespace fs = std::filesystem;
@@ -151,7 +152,7 @@ void UNet2DConditionModelImpl::unit_upsample(NetCarry& k, size_t i) {  // neares
 }
 
 void UNet2DConditionModelImpl::unit_out(NetCarry& k) {
-  k.h = conv_out(F::silu(conv_norm_out(k.h)));  // [B, out_channels, H, W]
+  k.h = conv_out(group_norm_silu(conv_norm_out, k.h));  // [B, out_channels, H, W]
   k.emb = torch::Tensor();
 }
 

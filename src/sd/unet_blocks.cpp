@@ -9,6 +9,7 @@
 
 #include "core/error.h"
 #include "core/json.h"
+#include "model/ops.h"
 #include "sd/diffusers_weights.h"
 
 namespace nn = torch::nn;
@@ -185,9 +186,9 @@ UnetResnetImpl::UnetResnetImpl(int64_t in, int64_t out, int64_t temb, int64_t gr
 }
 
 torch::Tensor UnetResnetImpl::forward(const torch::Tensor& x, const torch::Tensor& temb) {
-  torch::Tensor h = conv1(F::silu(norm1(x)));                        // [B, out, H, W]
+  torch::Tensor h = conv1(group_norm_silu(norm1, x));                // [B, out, H, W]
   h = h + time_emb_proj(F::silu(temb)).unsqueeze(-1).unsqueeze(-1);  // + [B, out, 1, 1]
-  h = conv2(F::silu(norm2(h)));                                      // [B, out, H, W]
+  h = conv2(group_norm_silu(norm2, h));                              // [B, out, H, W]
   return (conv_shortcut ? conv_shortcut(x) : x) + h;
 }
 
@@ -229,7 +230,7 @@ torch::Tensor SdTransformerImpl::forward(const torch::Tensor& x, const torch::Te
   // Contiguous, as diffusers makes it: the residual stream stays in NCHW order (GroupNorm's CPU kernels
   // take another path for channels-last input).
   auto image = [&](const torch::Tensor& t) { return t.reshape({B, H, W, C}).permute({0, 3, 1, 2}).contiguous(); };  // [B, C, H, W]
-  torch::Tensor h = norm(x);
+  torch::Tensor h = group_norm_act(norm, x, /*silu=*/false);  // [B, C, H, W]
   h = linear_ ? proj_in->as<nn::Linear>()->forward(tokens(h)) : tokens(proj_in->as<nn::Conv2d>()->forward(h));
   h = transformer_blocks[0]->as<Block>()->forward(h, context);  // [B, HW, C]
   h = linear_ ? image(proj_out->as<nn::Linear>()->forward(h)) : proj_out->as<nn::Conv2d>()->forward(image(h));

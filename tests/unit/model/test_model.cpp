@@ -627,4 +627,130 @@ TEST(Sampling, Bf16WeightCastsLastOneRunAndFollowTheWeights) {
   EXPECT_TRUE(torch::equal(after, sample(den2, x1, y, opt).x));
 }
 
+namespace {
+// Sets an environment variable for a scope and restores it after.
+struct ScopedEnv {
+  std::string name;
+  bool had;
+  std::string value;
+  ScopedEnv(const char* n, const char* v) : name(n), had(std::getenv(n) != nullptr), value(had ? std::getenv(n) : "") {
+    v ? setenv(n, v, 1) : unsetenv(n);
+  }
+  ~ScopedEnv() { had ? setenv(name.c_str(), value.c_str(), 1) : unsetenv(name.c_str()); }
+};
+}  // namespace
+
+// The GroupNorm kernel (model/fused_gpu.h) is opt-in (DDM_FUSED_GROUPNORM=1) until a GPU has checked
+// it, off with DDM_FUSED_CUDA=0, and never takes CPU tensors; group_norm_act's CPU path is the
+// expressions it replaced, bit for bit: silu(norm(x)) and silu(norm(x) * (1 + scale) + shift) with
+// [B, C, 1, 1] views of the modulation, contiguous or channels-last.
+TEST(FusedGpu, GroupNormKernelIsOptInAndItsCpuPathIsTheOldExpression) {
+  torch::manual_seed(9);
+  auto norm = torch::nn::GroupNorm(4, 8);
+  {
+    torch::NoGradGuard ng;
+    norm->weight.normal_(1.0, 0.3);
+    norm->bias.normal_(0.0, 0.3);
+  }
+  const auto x = torch::randn({3, 8, 5, 6}), ss = torch::randn({3, 16});
+  const auto scale = ss.narrow(1, 0, 8), shift = ss.narrow(1, 8, 8);  // [3, 8], row stride 16
+  {
+    ScopedEnv off("DDM_FUSED_GROUPNORM", nullptr);
+    EXPECT_FALSE(fused_group_norm_enabled());
+  }
+  {
+    ScopedEnv on("DDM_FUSED_GROUPNORM", "1");
+    EXPECT_TRUE(fused_group_norm_enabled());
+    {
+      ScopedEnv cuda_off("DDM_FUSED_CUDA", "0");
+      EXPECT_FALSE(fused_group_norm_enabled());
+    }
+    EXPECT_FALSE(group_norm_act_cuda_supported(x, norm, scale, shift));  // a CPU tensor
+    EXPECT_THROW(group_norm_act_cuda(x, norm, true, scale, shift), Error);
+    for (const auto& in : {x, x.contiguous(at::MemoryFormat::ChannelsLast)}) {
+      EXPECT_TRUE(torch::equal(group_norm_silu(norm, in), torch::silu(norm(in))));
+      EXPECT_TRUE(torch::equal(group_norm_act(norm, in, /*silu=*/false), norm(in)));
+      const auto ss4 = ss.unsqueeze(-1).unsqueeze(-1);                   // [3, 16, 1, 1], as ResBlock had it
+      const auto old = torch::silu(torch::addcmul(ss4.narrow(1, 8, 8), norm(in), ss4.narrow(1, 0, 8) + 1.0));
+      EXPECT_TRUE(torch::equal(group_norm_act(norm, in, /*silu=*/true, scale, shift), old));
+    }
+  }
+  EXPECT_THROW(group_norm_act(norm, x, true, scale, torch::Tensor()), Error);  // scale without shift
+}
+
+// DDM_CHANNELS_LAST=1 (model/ops.h): a U-Net with attention, and one with SD's transformer (text
+// cross-attention), computes what it computes in NCHW order, forward and every gradient, within
+// float32 rounding (oneDNN's convolutions sum in another order in channels-last), and its output is in
+// NCHW order again. The attention block reads the qkv convolution's channels-last output as tokens; a
+// channel order mixed up there (or anywhere) would be far outside the bound, as one attention block's
+// value channels in reverse order are.
+TEST(Nets, AUNetInChannelsLastComputesWhatItComputesInNchw) {
+  ModelConfig text;  // a small text U-Net (model/text_layers.h's transformer at level 1)
+  text.arch = "unet";
+  text.in_channels = 3, text.image_size = 8, text.num_classes = 0;
+  text.channels = 16, text.channel_mult = {1, 2}, text.res_blocks = 1, text.attn_levels = {1}, text.groups = 4;
+  text.heads = 2, text.text_dim = 12, text.text_pooled_dim = 6, text.text_tokens = 5;
+  for (const ModelConfig& cfg : {preset_cfg("unet-small"), text}) {
+    torch::manual_seed(11);
+    ASSERT_FALSE(cfg.attn_levels.empty());
+    Net net = make_net(cfg);
+    randomize(*net, 0.05);
+    const auto x = images_for(cfg, 2), t = torch::rand({2});
+    Cond c(torch::tensor({3, 10}));
+    if (cfg.text_dim > 0) {
+      c = Cond();
+      c.context = torch::randn({2, 5, 12});
+      c.context_mask = torch::ones({2, 5}, torch::kInt64);
+      c.context_mask[0][4] = 0;
+      c.pooled = torch::randn({2, 6});
+    }
+    const auto w = torch::randn_like(x);
+    struct Out { torch::Tensor out; std::vector<torch::Tensor> grads; };
+    auto run = [&](const char* channels_last) {
+      ScopedEnv env("DDM_CHANNELS_LAST", channels_last);
+      net->zero_grad();
+      const auto out = net->forward(x, t, c);                            // [2, C, S, S]
+      weighted_sum(out, w).backward();
+      Out o{out.detach(), {}};
+      for (const auto& p : net->parameters()) o.grads.push_back(p.grad().clone());
+      return o;
+    };
+    const Out nchw = run(nullptr), nhwc = run("1");
+    const std::string which = cfg.text_dim > 0 ? "text U-Net" : "unet-small";
+    EXPECT_TRUE(nhwc.out.is_contiguous()) << which;
+    {  // the order holds through the encoder (its attention included) to the middle
+      ScopedEnv env("DDM_CHANNELS_LAST", "1");
+      torch::NoGradGuard ng;
+      const auto f = net->as<UNetImpl>()->encode(x, t, c);
+      EXPECT_TRUE(f.h.is_contiguous(at::MemoryFormat::ChannelsLast) && !f.h.is_contiguous()) << which;
+      for (const auto& skip : f.skips) EXPECT_TRUE(skip.is_contiguous(at::MemoryFormat::ChannelsLast)) << which;
+    }
+    auto rel = [](const torch::Tensor& a, const torch::Tensor& b) {
+      return (a - b).abs().max().item<double>() / (b.abs().max().item<double>() + 1e-30);
+    };
+    // Float32 rounding through about 20 layers of convolutions of up to 9 x 256 terms: a few times 1e-6.
+    constexpr double kBound = 1e-4;
+    EXPECT_LT(rel(nhwc.out, nchw.out), kBound) << which;
+    double worst = 0.0;
+    for (size_t i = 0; i < nchw.grads.size(); ++i) worst = std::max(worst, rel(nhwc.grads[i], nchw.grads[i]));
+    EXPECT_LT(worst, kBound) << which;
+    std::printf("%s, channels-last against NCHW: output %.1e, gradients at most %.1e\n", which.c_str(),
+                rel(nhwc.out, nchw.out), worst);
+    // What a real difference looks like: one attention block's value channels in reverse order, a
+    // mix-up of the kind a wrong layout would make.
+    bool reversed = false;
+    for (const auto& item : net->named_parameters()) {
+      if (item.key().find("qkv.weight") == std::string::npos) continue;
+      torch::NoGradGuard ng;
+      const int64_t ch = item.value().size(0) / 3;
+      const auto v = item.value().narrow(0, 2 * ch, ch);                // [ch, ...]: the value projection
+      v.copy_(v.flip({0}));
+      reversed = true;
+      break;
+    }
+    ASSERT_TRUE(reversed) << which;
+    EXPECT_GT(rel(run(nullptr).out, nchw.out), 10 * kBound) << which;
+  }
+}
+
 }  // namespace ddm
