@@ -13,9 +13,12 @@
 #       test_cuda_module  libddm_cuda.so loads there, exporting its one function;
 #       test_cuda         the `gpu` tests (the hand-written kernels on, as by default): CUDA results equal the CPU's within float32 rounding, and
 #                         ddm trains, resumes and samples there (tests/gpu/test_cuda.cpp);
+#                     then the U-Nets' GPU tests again with their activations channels-last;
 #   (TESTS=0 skips those three)
 #   then (unless GPU_BENCH=0) the GPU benchmark side by side: ddm's training step (ddm_bench train;
-#   for dit-b also with DDM_FUSED_CUDA=0, without its hand-written kernels; and with train.cuda_graphs)
+#   for dit-b also with DDM_FUSED_CUDA=0, without its hand-written kernels, for unet-small without the
+#   GroupNorm kernel and with its activations channels-last (DDM_CHANNELS_LAST=1, training and
+#   sampling); and with train.cuda_graphs)
 #   and PyTorch's (bench/reference.py) for dit-b and unet-small (BENCH_PRESETS) at batch 256 in bf16,
 #   PyTorch eager and torch.compile, default and "reduce-overhead" (unless REF_COMPILE=0; "max-autotune" too
 #   with REF_AUTOTUNE=1, minutes of autotuning: a call of its own, BENCH_PRESETS=dit-b), dit-b in
@@ -53,7 +56,7 @@
 #   their GPU time, kernel by kernel, in ddm and under torch.compile (sampling also a routed ensemble of
 #   4 dit-b experts), with the kernels launched and the GPU's idle share (DDM_BENCH_TRACE, reference.py
 #   --trace, bench/op_profile.py --gpu), ddm's kernels by the op that launched them (--by-op), and
-#   unet-small's training step in ddm and under torch.compile, in OUT/profile.txt.
+#   unet-small's training step in ddm (NCHW and channels-last) and under torch.compile, in OUT/profile.txt.
 # Exits non-zero if any check fails. Everything at once outlasts one call (10 minutes) and a lease
 # (15): a lease fits two or three calls, e.g. TESTS with GPU_BENCH (REF_COMPILE=0) and the rest off
 # (about 4 minutes); then PROFILE=1 alone (about 6); then SD_COMPARE and SD_PLAN (about 5 before
@@ -135,6 +138,10 @@ PY
     export DDM_BINARY="$(cd "$dir" && pwd)/bin/ddm"  # what the tests run as `ddm` (test_util.h)
     export DDM_FASHION_MNIST="$(cd "$dir" && pwd)/fashion-mnist"  # the data the GPU tests read
     [ -d "$dir/text-encoder" ] && export DDM_TEST_TEXT_ENCODER="$(cd "$dir" && pwd)/text-encoder"  # the text checks' encoder
+    # The hand-written GroupNorm kernel (opt-in until a GPU has checked it, model/fused_gpu.h) on in the
+    # tests, the benchmarks and the profiles; FUSED_GN=0 leaves it off. The U-Nets' steps are also
+    # measured without it, side by side.
+    export DDM_FUSED_GROUPNORM=${FUSED_GN:-1}
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt" || true
     # The packed wheels, where this python lacks them (installed into a folder of their own).
     if ! python3 -c "import diffusers, open_clip" 2>/dev/null && [ -d "$dir/wheels" ]; then
@@ -152,6 +159,15 @@ PY
       if DDM_FUSED_CUDA=1 "$t" --gtest_brief=1 >"$out/$name.log" 2>&1; then status=ok; else status=FAILED; failed+=("$name"); fi
       echo "gpu-check: $name $status ($(($(date +%s) - start)) s): $(grep -E '^\[  (PASSED|FAILED|SKIPPED) ' "$out/$name.log" | tr '\n' ' ')"
     done
+    if [ "${TESTS:-1}" != 0 ] && [ -x "$dir/test_cuda" ]; then
+      # The U-Nets' GPU checks again with their activations channels-last (DDM_CHANNELS_LAST=1, model/ops.h:
+      # the GroupNorm kernel in NHWC order, the attention block on tokens), CPU sides included.
+      start=$(date +%s)
+      if DDM_FUSED_CUDA=1 DDM_CHANNELS_LAST=1 "$dir/test_cuda" --gtest_brief=1 \
+           --gtest_filter='*FusedGroupNorm*:*TrainingOnCudaTrainsWhatTheCpuTrains*:*Bf16AutocastFollowsFp32*:*CudaGraphStepsTrainWhatEager*:*SamplingOnCudaGivesTheCpusImages*:*SamplingFromCudaGraphsGivesTheEagerImages*' \
+           >"$out/test_cuda_channels_last.log" 2>&1; then status=ok; else status=FAILED; failed+=(test_cuda_channels_last); fi
+      echo "gpu-check: test_cuda, channels-last $status ($(($(date +%s) - start)) s): $(grep -E '^\[  (PASSED|FAILED|SKIPPED) ' "$out/test_cuda_channels_last.log" | tr '\n' ' ')"
+    fi
     if [ "${GPU_BENCH:-1}" != 0 ]; then
       peak=989  # dense bf16 TFLOP/s of an H100 SXM and of an H200 (the same compute)
       bench() {  # one bounded run, its JSON line appended (a failure is reported, not fatal)
@@ -164,6 +180,16 @@ PY
         # The same without the hand-written DiT kernels (model/fused_gpu.h): LibTorch's ops instead.
         [ "$preset" != dit-b ] || bench env DDM_FUSED_CUDA=0 "$dir/bin/ddm_bench" train $preset --batch 256 --device cuda \
           --precision bf16 --steps 20 --warmup 3 --threads 8 --peak $peak
+        # A U-Net's without the GroupNorm kernel, and with its activations channels-last (DDM_CHANNELS_LAST=1,
+        # model/ops.h), eager and from a CUDA graph.
+        if [ "${preset#unet}" != "$preset" ]; then
+          for graphs in off on; do
+            [ "$DDM_FUSED_GROUPNORM" != 1 ] || bench env DDM_FUSED_GROUPNORM=0 "$dir/bin/ddm_bench" train $preset --batch 256 \
+              --device cuda --precision bf16 --steps 20 --warmup 3 --threads 8 --peak $peak --cuda-graphs $graphs
+            bench env DDM_CHANNELS_LAST=1 "$dir/bin/ddm_bench" train $preset --batch 256 --device cuda --precision bf16 \
+              --steps 20 --warmup 3 --threads 8 --peak $peak --cuda-graphs $graphs
+          done
+        fi
         # The step captured as a CUDA graph and replayed (train.cuda_graphs, train/step_graph.cpp).
         bench "$dir/bin/ddm_bench" train $preset --batch 256 --device cuda --precision bf16 --steps 20 --warmup 3 \
           --threads 8 --peak $peak --cuda-graphs on
@@ -182,6 +208,13 @@ PY
         bench "$dir/bin/ddm_bench" sample $preset --n 256 --nfe 20 --device cuda --precision bf16 --steps 3 --warmup 1 --threads 8
         bench "$dir/bin/ddm_bench" sample $preset --n 256 --nfe 20 --device cuda --precision bf16 --steps 3 --warmup 1 --threads 8 \
           --cuda-graphs on
+        # A U-Net's sampling with its activations channels-last, eager and from CUDA graphs.
+        if [ "${preset#unet}" != "$preset" ]; then
+          for graphs in off on; do
+            bench env DDM_CHANNELS_LAST=1 "$dir/bin/ddm_bench" sample $preset --n 256 --nfe 20 --device cuda --precision bf16 \
+              --steps 3 --warmup 1 --threads 8 --cuda-graphs $graphs
+          done
+        fi
         # A routed top-1 ensemble of 4 experts of the preset, eager and from graphs (padded groups):
         # against one model's sampling above (the issue's target: at least 0.9x).
         for graphs in off on; do
@@ -406,10 +439,15 @@ PY
       timeout 240 python3 bench/reference.py unet-small --batch 256 --precision bf16 --steps 5 --warmup 3 --device cuda \
         --threads 8 --compile --trace "$p/unet-compile.json" >/dev/null 2>>"$out/profile.err" ||
         echo "gpu-check: unet-small's compile trace failed"
-      echo "--- unet-small, training step" | tee -a "$out/profile.txt"
-      python3 bench/op_profile.py --gpu --top 25 ddm="$p/unet.json" compile="$p/unet-compile.json" | tee -a "$out/profile.txt" |
-        tail -4
+      # The same with its activations channels-last (model/ops.h).
+      DDM_CHANNELS_LAST=1 DDM_BENCH_TRACE="$p/unet-cl.json" timeout 120 "$dir/bin/ddm_bench" train unet-small --batch 256 \
+        --device cuda --precision bf16 --steps 5 --warmup 3 --threads 8 >/dev/null 2>>"$out/profile.err" ||
+        echo "gpu-check: unet-small's channels-last trace failed"
+      echo "--- unet-small, training step (ddm-cl: channels-last)" | tee -a "$out/profile.txt"
+      python3 bench/op_profile.py --gpu --top 25 ddm="$p/unet.json" ddm-cl="$p/unet-cl.json" compile="$p/unet-compile.json" |
+        tee -a "$out/profile.txt" | tail -4
       python3 bench/op_profile.py --gpu --by-op --top 25 ddm="$p/unet.json" >>"$out/profile.txt"
+      python3 bench/op_profile.py --gpu --by-op --top 25 ddm-cl="$p/unet-cl.json" >>"$out/profile.txt"
       rm -rf "$p"
     fi
     if [ ! -d "$dir/shards" ] && { [ "${LOADER:-1}" != 0 ] || [ "${SHARDS_E2E:-1}" != 0 ]; }; then
