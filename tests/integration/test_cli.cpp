@@ -123,6 +123,13 @@ TEST(Cli, HelpForEverySubcommand) {
             std::string::npos);
   r = test::run_command("DDM_FUSED_CUDA=0 " + ddm + " --version");
   EXPECT_NE(r.output.find("12.0; off (DDM_FUSED_CUDA=0)"), std::string::npos) << r.output;
+  // The opt-in GroupNorm kernel and channels-last U-Nets: off unless set.
+  r = test::run_command("env -u DDM_FUSED_GROUPNORM -u DDM_CHANNELS_LAST " + ddm + " --version");
+  EXPECT_NE(r.output.find("U-Nets' GroupNorm kernel: off (DDM_FUSED_GROUPNORM=1 turns it on); channels-last U-Nets: off"),
+            std::string::npos) << r.output;
+  r = test::run_command("DDM_FUSED_GROUPNORM=1 DDM_CHANNELS_LAST=1 " + ddm + " --version");
+  EXPECT_NE(r.output.find("GroupNorm kernel: on (DDM_FUSED_GROUPNORM=1); channels-last U-Nets: on"), std::string::npos)
+      << r.output;
   test::TempDir dir;
   expect_error(test::run_command("DDM_CUDA=1 " + ddm + " quickstart --device cuda --out " + (dir / "qs")),
                "--device = cuda, but this machine has no CUDA GPU that LibTorch can use (no GPU, or CUDA_VISIBLE_DEVICES "
