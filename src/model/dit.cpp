@@ -8,6 +8,7 @@
 
 #include "core/error.h"
 #include "model/flops.h"
+#include "model/ops.h"
 
 namespace ddm {
 
@@ -87,7 +88,7 @@ void DiTImpl::unit_in(NetCarry& k, const torch::Tensor& t, const Cond& cond) {
   const int64_t B = x.size(0), N = pos_.size(1);
   const auto xin = with_self_cond(x, cond, cfg_.self_cond);     // [B, C or 2C, S, S]
   auto tok = patchify(xin, p).reshape({B * N, xin.size(1) * p * p});  // [B N, C' p p]
-  k.h = patch_embed_(tok).view({B, N, -1}) + pos_;               // [B, N, W]
+  k.h = apply_linear(patch_embed_, tok).view({B, N, -1}) + pos_;               // [B, N, W]
   auto c = time_(t);                                             // [B, W]
   if (label_) {
     DDM_CHECK(cond.y.defined(), "DiT: class labels y are required (model.num_classes = " << cfg_.num_classes << ")");
@@ -95,7 +96,7 @@ void DiTImpl::unit_in(NetCarry& k, const torch::Tensor& t, const Cond& cond) {
   }
   if (embed_) c = c + embed_(cond, B);                           // [B, W]
   check_text_cond(cond, B, cfg_, "DiT");
-  if (pooled_) c = c + pooled_(cond.pooled);                    // [B, W]
+  if (pooled_) c = c + apply_linear(pooled_, cond.pooled);                    // [B, W]
   k.emb = torch::silu(c);                                        // [B, W]
 }
 

@@ -9,6 +9,7 @@
 #include "model/autoencoder.h"
 #include "model/controlnet.h"
 #include "model/dit.h"
+#include "model/ops.h"
 #include "model/router.h"
 #include "model/unet.h"
 
@@ -93,7 +94,7 @@ torch::Tensor EmbedProjectorImpl::forward(const Cond& c, int64_t batch) {
   if (!c.embed.defined()) return null_.expand({batch, null_.size(0)});  // [B, E]
   DDM_CHECK(c.embed.dim() == 2 && c.embed.size(0) == batch && c.embed.size(1) == embed_dim_,
             "model.embed: expected embeddings [" << batch << ", " << embed_dim_ << "], got " << c.embed.sizes());
-  auto e = proj_(c.embed.to(null_.scalar_type()));  // [B, E]
+  auto e = apply_linear(proj_, c.embed.to(null_.scalar_type()));  // [B, E]
   if (c.embed_null.defined()) e = torch::where(c.embed_null.view({-1, 1}), null_.expand_as(e), e);  // [B, E]
   return e;
 }

@@ -41,6 +41,10 @@ torch::Tensor apply_linear(const torch::nn::Linear& m, const torch::Tensor& x) {
   return at::linear(x, m->weight, m->bias);  // [.., out]
 }
 
+torch::Tensor apply_linear(const torch::nn::LinearImpl& m, const torch::Tensor& x) {
+  return at::linear(x, m.weight, m.bias);  // [.., out]
+}
+
 torch::Tensor adaln_modulate(const torch::Tensor& x, const torch::Tensor& shift, const torch::Tensor& scale,
                              double eps) {
   if (adaln_modulate_cpu_supported(x, shift, scale)) return adaln_modulate_cpu(x, shift, scale, eps);  // [B, N, W]

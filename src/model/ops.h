@@ -19,6 +19,7 @@ namespace ddm {
 // nn::Linear's own forward casts the view W^T instead, afresh at every call. The same arithmetic (for
 // 2-D x both are addmm(b, x, W^T)).
 torch::Tensor apply_linear(const torch::nn::Linear& m, const torch::Tensor& x);
+torch::Tensor apply_linear(const torch::nn::LinearImpl& m, const torch::Tensor& x);  // a ModuleList's entry
 
 // qkv: [B, 3, heads, N, d] (any strides, e.g. a permuted view of a linear's output).
 // Returns softmax(q k^T / sqrt(d)) v as [B, heads, N, d]; on the fused CPU path it is a view of a

@@ -6,6 +6,7 @@
 #include "core/error.h"
 #include "model/dit.h"
 #include "model/flops.h"
+#include "model/ops.h"
 
 namespace ddm {
 
@@ -66,7 +67,7 @@ torch::Tensor RouterDiTImpl::forward(const torch::Tensor& x, const torch::Tensor
             "router: expected x [B, " << C << ", " << S << ", " << S << "], got " << x.sizes());
   const int64_t B = x.size(0), N = pos_.size(1);
   auto tok = patchify(x, p).reshape({B * N, C * p * p});             // [B N, C p p]
-  auto h = patch_embed_(tok).view({B, N, -1}) + pos_;                // [B, N, W]
+  auto h = apply_linear(patch_embed_, tok).view({B, N, -1}) + pos_;                // [B, N, W]
   h = torch::cat({cls_.expand({B, 1, cfg_.width}), h}, 1);           // [B, 1 + N, W]
   auto c = time_(t);                                                 // [B, W]
   if (label_) {
@@ -75,11 +76,11 @@ torch::Tensor RouterDiTImpl::forward(const torch::Tensor& x, const torch::Tensor
   }
   if (pooled_) {
     DDM_CHECK(cond.pooled.defined(), "router: the prompts' pooled embedding is required (model.text_encoder)");
-    c = c + pooled_(cond.pooled);                                    // [B, W]
+    c = c + apply_linear(pooled_, cond.pooled);                                    // [B, W]
   }
   const auto c_act = torch::silu(c);                                 // [B, W]
   for (auto& block : blocks_) h = block->forward(h, c_act);          // [B, 1 + N, W]
-  return head_(norm_(h.select(1, 0)));                               // [B, K]
+  return apply_linear(head_, norm_(h.select(1, 0)));                               // [B, K]
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -122,7 +123,7 @@ torch::Tensor RouterConvImpl::forward(const torch::Tensor& x, const torch::Tenso
   }
   if (pooled_) {
     DDM_CHECK(cond.pooled.defined(), "router: the prompts' pooled embedding is required (model.text_encoder)");
-    e = e + pooled_(cond.pooled);                                    // [B, E]
+    e = e + apply_linear(pooled_, cond.pooled);                                    // [B, E]
   }
   const auto e_act = torch::silu(e);                                 // [B, E]
   auto h = stem_(x);                                                 // [B, ch0, S/p, S/p]
@@ -131,7 +132,7 @@ torch::Tensor RouterConvImpl::forward(const torch::Tensor& x, const torch::Tenso
     for (auto& block : levels_[l]) h = block->forward(h, e_act);     // [B, ch_l, s, s]
   }
   h = torch::silu(norm_(h)).mean({2, 3});                            // [B, ch]
-  return head_(h);                                                   // [B, K]
+  return apply_linear(head_, h);                                                   // [B, K]
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -40,11 +40,11 @@ torch::Tensor CrossAttentionImpl::forward(const torch::Tensor& x, const torch::T
   const int64_t B = x.size(0), N = x.size(1), W = x.size(2), T = context.size(1), d = W / heads_;
   DDM_CHECK(context.dim() == 3 && context.size(0) == B,
             "CrossAttention: a context of " << context.sizes() << " for " << B << " samples");
-  const auto q = q_(x).view({B, N, heads_, d}).transpose(1, 2);        // [B, h, N, d]
-  const auto k = k_(context).view({B, T, heads_, d}).transpose(1, 2);  // [B, h, T, d]
-  const auto v = v_(context).view({B, T, heads_, d}).transpose(1, 2);  // [B, h, T, d]
+  const auto q = apply_linear(q_, x).view({B, N, heads_, d}).transpose(1, 2);        // [B, h, N, d]
+  const auto k = apply_linear(k_, context).view({B, T, heads_, d}).transpose(1, 2);  // [B, h, T, d]
+  const auto v = apply_linear(v_, context).view({B, T, heads_, d}).transpose(1, 2);  // [B, h, T, d]
   const auto a = at::scaled_dot_product_attention(q, k, v, attention_key_mask(mask));  // [B, h, N, d]
-  return out_(a.transpose(1, 2).reshape({B, N, W}));                   // [B, N, W]
+  return apply_linear(out_, a.transpose(1, 2).reshape({B, N, W}));     // [B, N, W]
 }
 
 SpatialTransformerImpl::SpatialTransformerImpl(int64_t ch, int64_t context_dim, int64_t heads, int64_t groups)
@@ -66,13 +66,15 @@ SpatialTransformerImpl::SpatialTransformerImpl(int64_t ch, int64_t context_dim, 
 
 torch::Tensor SpatialTransformerImpl::forward(const torch::Tensor& x, const torch::Tensor& context, const torch::Tensor& mask) {
   const int64_t B = x.size(0), H = x.size(2), W = x.size(3), N = H * W, d = ch_ / heads_;
-  auto h = proj_in_(group_norm_act(norm_, x, /*silu=*/false).flatten(2).transpose(1, 2));  // [B, N, ch]
-  const auto qkv = qkv_(ln1_(h)).view({B, N, 3, heads_, d}).permute({2, 0, 3, 1, 4});  // [3, B, h, N, d]
-  h = h + attn_out_(at::scaled_dot_product_attention(qkv[0], qkv[1], qkv[2]).transpose(1, 2).reshape({B, N, ch_}));
+  auto h = apply_linear(proj_in_, group_norm_act(norm_, x, /*silu=*/false).flatten(2).transpose(1, 2));  // [B, N, ch]
+  const auto qkv = apply_linear(qkv_, ln1_(h)).view({B, N, 3, heads_, d}).permute({2, 0, 3, 1, 4});  // [3, B, h, N, d]
+  h = h + apply_linear(attn_out_, at::scaled_dot_product_attention(qkv[0], qkv[1], qkv[2])
+                                      .transpose(1, 2)
+                                      .reshape({B, N, ch_}));           // [B, N, ch]
   h = h + cross_(ln2_(h), context, mask);                              // [B, N, ch]
-  const auto ff = ff_in_(ln3_(h)).chunk(2, -1);                        // 2 x [B, N, 4 ch]
-  h = h + ff_out_(ff[0] * torch::gelu(ff[1]));                         // [B, N, ch]
-  return x + proj_out_(h).transpose(1, 2).reshape({B, ch_, H, W});     // [B, ch, H, W]
+  const auto ff = apply_linear(ff_in_, ln3_(h)).chunk(2, -1);          // 2 x [B, N, 4 ch]
+  h = h + apply_linear(ff_out_, ff[0] * torch::gelu(ff[1]));           // [B, N, ch]
+  return x + apply_linear(proj_out_, h).transpose(1, 2).reshape({B, ch_, H, W});  // [B, ch, H, W]
 }
 
 }  // namespace ddm

@@ -135,7 +135,7 @@ void UNetImpl::unit_in(NetCarry& k, const torch::Tensor& t, const Cond& c, const
   }
   if (embed_) emb = emb + embed_(c, x.size(0));                  // [B, E]
   check_text_cond(c, x.size(0), cfg_, "UNet");
-  if (pooled_) emb = emb + pooled_(c.pooled);                   // [B, E]
+  if (pooled_) emb = emb + apply_linear(pooled_, c.pooled);                   // [B, E]
   k.emb = torch::silu(emb);                                      // [B, E]
   k.h = in_conv_(with_self_cond(x, c, cfg_.self_cond));         // [B, c0, S, S]
   if (in_add.defined()) k.h = k.h + in_add;                      // [B, c0, S, S]

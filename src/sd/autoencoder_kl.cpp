@@ -149,9 +149,11 @@ torch::Tensor VaeAttentionImpl::forward(const torch::Tensor& x) {
   const torch::Tensor h =
       group_norm_act(group_norm, x, /*silu=*/false).reshape({B, C, H * W}).transpose(1, 2);  // [B, HW, C]
   // One head: [B, 1, HW, C], scaled by 1/sqrt(C).
-  const torch::Tensor a = at::scaled_dot_product_attention(to_q(h).unsqueeze(1), to_k(h).unsqueeze(1),
-                                                           to_v(h).unsqueeze(1)).squeeze(1);  // [B, HW, C]
-  const torch::Tensor o = to_out[0]->as<nn::Linear>()->forward(a);                                // [B, HW, C]
+  const torch::Tensor a =
+      at::scaled_dot_product_attention(apply_linear(to_q, h).unsqueeze(1), apply_linear(to_k, h).unsqueeze(1),
+                                       apply_linear(to_v, h).unsqueeze(1))
+          .squeeze(1);                                                           // [B, HW, C]
+  const torch::Tensor o = apply_linear(*to_out[0]->as<nn::Linear>(), a);        // [B, HW, C]
   return x + o.transpose(1, 2).reshape({B, C, H, W});
 }
 

@@ -33,7 +33,7 @@ TORCH_MODULE(ConvHolder);
 struct GegluImpl : nn::Module {
   GegluImpl(int64_t dim, int64_t inner) : proj(register_module("proj", linear(dim, 2 * inner))) {}
   torch::Tensor forward(const torch::Tensor& x) {  // [B, N, dim] -> [B, N, inner]
-    const auto parts = proj(x).chunk(2, -1);
+    const auto parts = apply_linear(proj, x).chunk(2, -1);
     return parts[0] * F::gelu(parts[1]);
   }
   nn::Linear proj;
@@ -59,7 +59,7 @@ struct BlockImpl : nn::Module {
     x = attn1(a, a) + x;
     x = attn2(norm2(x), context) + x;
     const torch::Tensor h = net[0]->as<Geglu>()->forward(norm3(x));  // [B, N, 4 dim]
-    return net[2]->as<nn::Linear>()->forward(h) + x;
+    return apply_linear(*net[2]->as<nn::Linear>(), h) + x;
   }
   nn::LayerNorm norm1{nullptr}, norm2{nullptr}, norm3{nullptr};
   SdAttention attn1{nullptr}, attn2{nullptr};
@@ -187,7 +187,7 @@ UnetResnetImpl::UnetResnetImpl(int64_t in, int64_t out, int64_t temb, int64_t gr
 
 torch::Tensor UnetResnetImpl::forward(const torch::Tensor& x, const torch::Tensor& temb) {
   torch::Tensor h = conv1(group_norm_silu(norm1, x));                // [B, out, H, W]
-  h = h + time_emb_proj(F::silu(temb)).unsqueeze(-1).unsqueeze(-1);  // + [B, out, 1, 1]
+  h = h + apply_linear(time_emb_proj, F::silu(temb)).unsqueeze(-1).unsqueeze(-1);  // + [B, out, 1, 1]
   h = conv2(group_norm_silu(norm2, h));                              // [B, out, H, W]
   return (conv_shortcut ? conv_shortcut(x) : x) + h;
 }
@@ -203,8 +203,9 @@ SdAttentionImpl::SdAttentionImpl(int64_t dim, int64_t context_dim, int64_t heads
 torch::Tensor SdAttentionImpl::forward(const torch::Tensor& x, const torch::Tensor& context) {
   const int64_t B = x.size(0), N = x.size(1), D = to_q->options.out_features(), hd = D / heads_;
   auto split = [&](const torch::Tensor& t) { return t.view({B, t.size(1), heads_, hd}).transpose(1, 2); };  // [B, h, n, hd]
-  const torch::Tensor a = at::scaled_dot_product_attention(split(to_q(x)), split(to_k(context)), split(to_v(context)));
-  return to_out[0]->as<nn::Linear>()->forward(a.transpose(1, 2).reshape({B, N, D}));  // [B, N, dim]
+  const torch::Tensor a = at::scaled_dot_product_attention(split(apply_linear(to_q, x)), split(apply_linear(to_k, context)),
+                                                           split(apply_linear(to_v, context)));  // [B, h, N, hd]
+  return apply_linear(*to_out[0]->as<nn::Linear>(), a.transpose(1, 2).reshape({B, N, D}));  // [B, N, dim]
 }
 
 SdTransformerImpl::SdTransformerImpl(int64_t ch, int64_t heads, int64_t context_dim, int64_t groups, bool linear_projection)
@@ -231,9 +232,9 @@ torch::Tensor SdTransformerImpl::forward(const torch::Tensor& x, const torch::Te
   // take another path for channels-last input).
   auto image = [&](const torch::Tensor& t) { return t.reshape({B, H, W, C}).permute({0, 3, 1, 2}).contiguous(); };  // [B, C, H, W]
   torch::Tensor h = group_norm_act(norm, x, /*silu=*/false);  // [B, C, H, W]
-  h = linear_ ? proj_in->as<nn::Linear>()->forward(tokens(h)) : tokens(proj_in->as<nn::Conv2d>()->forward(h));
+  h = linear_ ? apply_linear(*proj_in->as<nn::Linear>(), tokens(h)) : tokens(proj_in->as<nn::Conv2d>()->forward(h));
   h = transformer_blocks[0]->as<Block>()->forward(h, context);  // [B, HW, C]
-  h = linear_ ? image(proj_out->as<nn::Linear>()->forward(h)) : proj_out->as<nn::Conv2d>()->forward(image(h));
+  h = linear_ ? image(apply_linear(*proj_out->as<nn::Linear>(), h)) : proj_out->as<nn::Conv2d>()->forward(image(h));
   return h + x;
 }
 
@@ -264,7 +265,7 @@ TimeEmbeddingImpl::TimeEmbeddingImpl(int64_t in, int64_t dim) {
 
 torch::Tensor TimeEmbeddingImpl::forward(const torch::Tensor& timestep, torch::ScalarType dtype) {
   const torch::Tensor t_emb = timestep_embedding(timestep, linear_1->options.in_features()).to(dtype);  // [B, w0]
-  return linear_2(F::silu(linear_1(t_emb)));                                                           // [B, 4 w0]
+  return apply_linear(linear_2, F::silu(apply_linear(linear_1, t_emb)));                               // [B, 4 w0]
 }
 
 nn::ModuleList make_down_blocks(const UNet2DConditionConfig& c) {
