@@ -27,7 +27,8 @@ std::string version_text() {
   s += std::string("  U-Nets' GroupNorm kernel: ") +
        (fused_group_norm_enabled() ? "on (DDM_FUSED_GROUPNORM=1)" : "off (DDM_FUSED_GROUPNORM=1 turns it on)") +
        "; channels-last U-Nets: " +
-       (channels_last_enabled() ? "on (DDM_CHANNELS_LAST=1)\n" : "off (DDM_CHANNELS_LAST=1 turns them on)\n");
+       (channels_last_requested() ? "on (DDM_CHANNELS_LAST=1; on a GPU with the GroupNorm kernel only)\n"
+                                  : "off (DDM_CHANNELS_LAST=1 turns them on)\n");
   s += "LibTorch's CUDA libraries: " + cuda_status() + "\n";
   const int64_t gpus = static_cast<int64_t>(torch::cuda::device_count());
   s += "CUDA GPUs LibTorch sees: " + std::to_string(gpus);

@@ -682,7 +682,7 @@ int main(int argc, char** argv) try {
                         {"prepare_ms", prep[prep.size() / 2] * 1e3}};
     if (device.is_cuda()) j["fused_cuda"] = fused_cuda_enabled();  // DDM_FUSED_CUDA (model/fused_gpu.h)
     if (device.is_cuda()) j["fused_group_norm"] = fused_group_norm_enabled();  // DDM_FUSED_GROUPNORM
-    if (cfg.model.arch == "unet") j["channels_last"] = channels_last_enabled();  // DDM_CHANNELS_LAST (model/ops.h)
+    if (cfg.model.arch == "unet") j["channels_last"] = channels_last_enabled(device);  // DDM_CHANNELS_LAST (model/ops.h)
     if (device.is_cuda()) j["cuda_graphs"] = cfg.train.cuda_graphs;
     if (a.peak_tflops > 0) j["mfu"] = gflops / 1e3 / a.peak_tflops;
     std::printf("%s\n", j.dump().c_str());
@@ -846,7 +846,7 @@ int main(int argc, char** argv) try {
                         {"threads", a.threads}, {"device", device.str()}, {"precision", a.precision},
                         {"seconds", best}, {"img_per_s", a.n / best}, {"cuda_graphs", graphs}};
     if (device.is_cuda()) j["fused_group_norm"] = fused_group_norm_enabled();  // DDM_FUSED_GROUPNORM
-    if (channels_last_enabled()) j["channels_last"] = true;                    // DDM_CHANNELS_LAST (model/ops.h)
+    if (channels_last_enabled(device)) j["channels_last"] = true;              // DDM_CHANNELS_LAST (model/ops.h)
     if (ensemble) {  // how the routing spread the samples, over every run
       const EnsembleUsage& u = ensemble->usage();
       nlohmann::json share = nlohmann::json::array();

@@ -64,9 +64,13 @@ torch::Tensor gated_residual(const torch::Tensor& x, const torch::Tensor& gate, 
   return torch::addcmul(x, gate.unsqueeze(1), a + bias);                                           // [B, N, W]
 }
 
-bool channels_last_enabled() {
+bool channels_last_requested() {
   const char* v = std::getenv("DDM_CHANNELS_LAST");
   return v != nullptr && std::strcmp(v, "1") == 0;
+}
+
+bool channels_last_enabled(const torch::Device& device) {
+  return channels_last_requested() && (!device.is_cuda() || fused_group_norm_enabled());
 }
 
 torch::Tensor group_norm_silu(const torch::nn::GroupNorm& norm, const torch::Tensor& x) {

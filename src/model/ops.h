@@ -48,12 +48,15 @@ torch::Tensor gated_residual(const torch::Tensor& x, const torch::Tensor& gate, 
 torch::Tensor gated_residual(const torch::Tensor& x, const torch::Tensor& gate, const torch::Tensor& a,
                              const torch::Tensor& bias);
 
-// Whether ddm's U-Nets run their activations in channels-last order (NHWC: DDM_CHANNELS_LAST=1 in the
-// environment; read at each call). On a GPU that is cuDNN's own order for bf16 convolutions, which
-// otherwise transposes each convolution's input and output, and the GroupNorm kernel reads it as it
-// is (fused_gpu.h); on a CPU oneDNN's convolutions are slower in it (docs/results.md). Opt-in until a
-// GPU has measured it.
-bool channels_last_enabled();
+// Whether ddm's U-Nets run their activations on `device` in channels-last order (NHWC):
+// DDM_CHANNELS_LAST=1 in the environment (read at each call), and on a GPU the GroupNorm kernel on
+// (fused_gpu.h), which reads that order as it is; LibTorch's CUDA GroupNorm would copy it to NCHW
+// and back at every norm. On a GPU it is cuDNN's own order for bf16 convolutions, which otherwise
+// transposes each convolution's input and output; on a CPU oneDNN's convolutions are slower in it
+// (docs/results.md), so there it serves tests. Opt-in until a GPU has measured it.
+bool channels_last_enabled(const torch::Device& device);
+// DDM_CHANNELS_LAST=1 is set.
+bool channels_last_requested();
 
 // silu(norm(x)) for a convolution to take; x [B, C, H, W]. On the CUDA kernel's path under bf16
 // autocast the result is bfloat16 (the convolution would cast it); elsewhere norm's and silu's types.

@@ -23,6 +23,13 @@ bool has_attn(const ModelConfig& cfg, size_t l) {
          cfg.attn_levels.end();
 }
 
+// t in channels-last order where the U-Net runs so on t's device (ops.h), else t as it is; a no-op on
+// a tensor already in that order. Every unit applies it to what it reads, so that a pipeline stage,
+// whose carry arrives from the wire in NCHW order, runs channels-last too.
+torch::Tensor in_order(const torch::Tensor& t) {
+  return t.dim() == 4 && channels_last_enabled(t.device()) ? t.contiguous(at::MemoryFormat::ChannelsLast) : t;
+}
+
 }  // namespace
 
 void validate_unet(const ModelConfig& cfg) {
@@ -135,37 +142,39 @@ void UNetImpl::unit_in(NetCarry& k, const torch::Tensor& t, const Cond& c, const
   }
   if (embed_) emb = emb + embed_(c, x.size(0));                  // [B, E]
   check_text_cond(c, x.size(0), cfg_, "UNet");
-  if (pooled_) emb = emb + apply_linear(pooled_, c.pooled);                   // [B, E]
+  if (pooled_) emb = emb + apply_linear(pooled_, c.pooled);      // [B, E]
   k.emb = torch::silu(emb);                                      // [B, E]
   k.h = in_conv_(with_self_cond(x, c, cfg_.self_cond));         // [B, c0, S, S]
   if (in_add.defined()) k.h = k.h + in_add;                      // [B, c0, S, S]
-  // The activations in channels-last order from here to unit_out (ops.h): convolutions, GroupNorm,
-  // the elementwise ops, the skips' concatenation and the upsampling keep it.
-  if (channels_last_enabled()) k.h = k.h.contiguous(at::MemoryFormat::ChannelsLast);  // [B, c0, S, S]
+  // The activations in channels-last order from here to unit_out where enabled (ops.h): convolutions,
+  // GroupNorm, the elementwise ops, the skips' concatenation and the upsampling keep it.
+  k.h = in_order(k.h);                                           // [B, c0, S, S]
 }
 
 void UNetImpl::unit_enc(NetCarry& k, size_t l, size_t j, const Cond& c) {
-  k.h = run(enc_[l][j], k.h, k.emb, c);                             // [B, c_l, S_l, S_l]
+  k.h = run(enc_[l][j], in_order(k.h), k.emb, c);                  // [B, c_l, S_l, S_l]
   k.skips.push_back(k.h);
 }
 
-void UNetImpl::unit_down(NetCarry& k, size_t l) { k.h = down_[l](k.h); }  // [B, c_l, S_l / 2, S_l / 2]
+void UNetImpl::unit_down(NetCarry& k, size_t l) { k.h = down_[l](in_order(k.h)); }  // [B, c_l, S_l / 2, S_l / 2]
 
-void UNetImpl::unit_mid(NetCarry& k, size_t j, const Cond& c) { k.h = run(mid_[j], k.h, k.emb, c); }  // [B, c_{L-1}, S_{L-1}, S_{L-1}]
+void UNetImpl::unit_mid(NetCarry& k, size_t j, const Cond& c) {
+  k.h = run(mid_[j], in_order(k.h), k.emb, c);                   // [B, c_{L-1}, S_{L-1}, S_{L-1}]
+}
 
 void UNetImpl::unit_up(NetCarry& k, size_t l) {
-  k.h = torch::upsample_nearest2d(k.h, {k.h.size(2) * 2, k.h.size(3) * 2});  // [B, c_{l+1}, S_l, S_l]
+  k.h = torch::upsample_nearest2d(in_order(k.h), {k.h.size(2) * 2, k.h.size(3) * 2});  // [B, c_{l+1}, S_l, S_l]
   k.h = up_[l](k.h);                                             // [B, c_l, S_l, S_l]
 }
 
 void UNetImpl::unit_dec(NetCarry& k, size_t l, size_t j, const Cond& c) {
-  k.h = torch::cat({k.h, k.skips.back()}, 1);                    // [B, c + c_l, S_l, S_l]
+  k.h = torch::cat({in_order(k.h), in_order(k.skips.back())}, 1);  // [B, c + c_l, S_l, S_l]
   k.skips.pop_back();
   k.h = run(dec_[l][j], k.h, k.emb, c);                             // [B, c_l, S_l, S_l]
 }
 
 void UNetImpl::unit_out(NetCarry& k) {
-  k.h = out_conv_(group_norm_silu(out_norm_, k.h)).contiguous();  // [B, C, S, S], in NCHW order again
+  k.h = out_conv_(group_norm_silu(out_norm_, in_order(k.h))).contiguous();  // [B, C, S, S], in NCHW order again
   k.emb = torch::Tensor();
 }
 

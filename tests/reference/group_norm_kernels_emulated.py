@@ -1,6 +1,7 @@
 # The GroupNorm kernels of src/model/fused_cuda.cu (group_norm_forward_kernel, group_norm_backward_kernel),
 # transliterated thread by thread into float32 numpy (both memory orders: each thread's strided loops,
-# GroupLayout's offsets, the per-channel sums, the block sums in warp order) and compared with PyTorch's
+# GroupLayout's offsets, the per-channel sums, the block sums in warp order; a warp's own sum is
+# np.sum's, not the kernel's butterfly, so only the rounding order differs) and compared with PyTorch's
 # float64 autograd of GroupNorm -> (1 + scale), shift -> SiLU. Written to check the kernels' index
 # arithmetic and gradient formulas on a machine without a GPU; tests/gpu/test_cuda.cpp checks the
 # kernels themselves. Keep it in step with the .cu file. Run: "$(bash scripts/reference-env.sh)" THIS

@@ -724,6 +724,17 @@ TEST(Nets, AUNetInChannelsLastComputesWhatItComputesInNchw) {
       const auto f = net->as<UNetImpl>()->encode(x, t, c);
       EXPECT_TRUE(f.h.is_contiguous(at::MemoryFormat::ChannelsLast) && !f.h.is_contiguous()) << which;
       for (const auto& skip : f.skips) EXPECT_TRUE(skip.is_contiguous(at::MemoryFormat::ChannelsLast)) << which;
+      // Unit by unit with the carry in NCHW order between units, as a pipeline's wire delivers it:
+      // every unit puts what it reads back in channels-last order, and the output is the same.
+      NetCarry k{x, {}, {}};
+      for (const NetUnit& u : net->units()) {
+        u.run(k, t, c);
+        if (k.h.dim() == 4 && u.name != "out")
+          EXPECT_TRUE(k.h.is_contiguous(at::MemoryFormat::ChannelsLast)) << which << ", after " << u.name;
+        k.h = k.h.contiguous();
+        for (auto& skip : k.skips) skip = skip.contiguous();
+      }
+      EXPECT_LT((k.h - nchw.out).abs().max().item<double>() / nchw.out.abs().max().item<double>(), 1e-4) << which;
     }
     auto rel = [](const torch::Tensor& a, const torch::Tensor& b) {
       return (a - b).abs().max().item<double>() / (b.abs().max().item<double>() + 1e-30);
