@@ -31,6 +31,8 @@
 #include "core/runtime.h"
 #include "core/suggest.h"
 #include "core/version.h"
+#include "model/fused_gpu.h"
+#include "model/ops.h"
 #include "sample_cli.h"
 
 namespace {
@@ -96,6 +98,12 @@ int run(int argc, char** argv) {
     const int code = app.exit(e);
     return code == 0 ? 0 : kExitBadInput;
   }
+  // The kernels' switches in the environment (model/fused_gpu.h, model/ops.h), read deep inside a
+  // forward: a bad value is refused here, before a command writes anything.
+  as_input_error([] {
+    fused_group_norm_enabled();  // DDM_FUSED_CUDA and DDM_FUSED_GROUPNORM
+    return channels_last_requested();
+  });
   for (const Command& c : commands)
     if (*c.app) return c.run();
   return 0;

@@ -3,11 +3,11 @@
 // partial sums, and runs them on the current CUDA stream of the tensors' device.
 #include "model/fused_gpu.h"
 
+#include <climits>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <iostream>
-#include <climits>
-#include <cstdint>
 #include <map>
 #include <mutex>
 #include <string>
@@ -211,11 +211,20 @@ struct GroupNormAct : torch::autograd::Function<GroupNormAct> {
 
 }  // namespace
 
+bool env_switch(const char* name, bool unset) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') return unset;
+  DDM_CHECK(std::strcmp(v, "0") == 0 || std::strcmp(v, "1") == 0,
+            name << "=" << v << ": expected 1 (on) or 0 (off); unset it for the default (docs/gpu.md)");
+  return v[0] == '1';
+}
+
 bool fused_cuda_enabled() {
   // Read at every call (a few per block), so a test can turn the kernels on and off.
-  const char* v = std::getenv("DDM_FUSED_CUDA");
-  return v == nullptr || std::strcmp(v, "0") != 0;
+  return env_switch("DDM_FUSED_CUDA", true);
 }
+
+bool fused_group_norm_enabled() { return fused_cuda_enabled() && env_switch("DDM_FUSED_GROUPNORM", false); }
 
 std::string fused_cuda_archs() { return DDM_CUDA_ARCHS; }
 
@@ -267,15 +276,6 @@ torch::Tensor gated_residual_cuda(const torch::Tensor& x, const torch::Tensor& g
             "gated_residual_cuda: needs float32 CUDA x [B, N, W] (contiguous), a of its shape and gate [B, W]; got "
                 << x.sizes() << " " << x.dtype() << ", " << a.sizes() << " " << a.dtype() << ", " << gate.sizes());
   return GatedResidualCuda::apply(x, gate, a);
-}
-
-}  // namespace ddm
-
-namespace ddm {
-
-bool fused_group_norm_enabled() {
-  const char* v = std::getenv("DDM_FUSED_GROUPNORM");
-  return fused_cuda_enabled() && v != nullptr && std::strcmp(v, "1") == 0;
 }
 
 bool group_norm_act_cuda_supported(const torch::Tensor& x, const torch::nn::GroupNorm& norm,

@@ -10,6 +10,10 @@
 
 namespace ddm {
 
+// An on/off switch in the environment: `unset` when unset or empty, else 1 (true) or 0 (false); any
+// other value is refused with a ddm::Error naming the variable. Read at each call.
+bool env_switch(const char* name, bool unset);
+
 // False when DDM_FUSED_CUDA=0 is set; then neither function below runs (its _supported is false).
 bool fused_cuda_enabled();
 // The compute capabilities the kernels were built for ("7.5 8.0 ... 12.0"; each with its PTX, which

@@ -2,8 +2,6 @@
 #include "model/ops.h"
 
 #include <cmath>
-#include <cstdlib>
-#include <cstring>
 
 #include <torch/torch.h>
 
@@ -64,10 +62,7 @@ torch::Tensor gated_residual(const torch::Tensor& x, const torch::Tensor& gate, 
   return torch::addcmul(x, gate.unsqueeze(1), a + bias);                                           // [B, N, W]
 }
 
-bool channels_last_requested() {
-  const char* v = std::getenv("DDM_CHANNELS_LAST");
-  return v != nullptr && std::strcmp(v, "1") == 0;
-}
+bool channels_last_requested() { return env_switch("DDM_CHANNELS_LAST", false); }
 
 bool channels_last_enabled(const torch::Device& device) {
   return channels_last_requested() && (!device.is_cuda() || fused_group_norm_enabled());

@@ -127,6 +127,13 @@ TEST(Cli, HelpForEverySubcommand) {
   r = test::run_command("env -u DDM_FUSED_GROUPNORM -u DDM_CHANNELS_LAST " + ddm + " --version");
   EXPECT_NE(r.output.find("U-Nets' GroupNorm kernel: off (DDM_FUSED_GROUPNORM=1 turns it on); channels-last U-Nets: off"),
             std::string::npos) << r.output;
+  // A bad value of a switch: refused before the command writes anything (exit 2).
+  test::TempDir bad;
+  r = test::run_command("DDM_FUSED_GROUPNORM=1 DDM_CHANNELS_LAST=yes " + ddm + " train --config " + test::source_dir() +
+                        "/configs/quickstart.toml --out " + (bad / "run"));
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("DDM_CHANNELS_LAST=yes: expected 1 (on) or 0 (off)"), std::string::npos) << r.output;
+  EXPECT_FALSE(std::filesystem::exists(bad / "run"));
   r = test::run_command("DDM_FUSED_GROUPNORM=1 DDM_CHANNELS_LAST=1 " + ddm + " --version");
   EXPECT_NE(r.output.find("GroupNorm kernel: on (DDM_FUSED_GROUPNORM=1); channels-last U-Nets: on"), std::string::npos)
       << r.output;

@@ -641,8 +641,8 @@ struct ScopedEnv {
 }  // namespace
 
 // The GroupNorm kernel (model/fused_gpu.h) is opt-in (DDM_FUSED_GROUPNORM=1) until a GPU has checked
-// it, off with DDM_FUSED_CUDA=0, and never takes CPU tensors; group_norm_act's CPU path is the
-// expressions it replaced, bit for bit: silu(norm(x)) and silu(norm(x) * (1 + scale) + shift) with
+// it, off with DDM_FUSED_CUDA=0, and never takes CPU tensors; the switches take 1 or 0 and refuse
+// anything else; group_norm_act's CPU path is the expressions it replaced, bit for bit: silu(norm(x)) and silu(norm(x) * (1 + scale) + shift) with
 // [B, C, 1, 1] views of the modulation, contiguous or channels-last.
 TEST(FusedGpu, GroupNormKernelIsOptInAndItsCpuPathIsTheOldExpression) {
   torch::manual_seed(9);
@@ -676,6 +676,16 @@ TEST(FusedGpu, GroupNormKernelIsOptInAndItsCpuPathIsTheOldExpression) {
     }
   }
   EXPECT_THROW(group_norm_act(norm, x, true, scale, torch::Tensor()), Error);  // scale without shift
+  // A switch takes 1 or 0 (or nothing): another value is refused, naming it, not read as off.
+  for (const char* name : {"DDM_FUSED_GROUPNORM", "DDM_CHANNELS_LAST", "DDM_FUSED_CUDA"}) {
+    ScopedEnv bad(name, "yes");
+    const std::string e = error_of([] { (void)fused_group_norm_enabled(), (void)channels_last_requested(); });
+    EXPECT_NE(e.find(std::string(name) + "=yes: expected 1 (on) or 0 (off)"), std::string::npos) << e;
+  }
+  {
+    ScopedEnv empty("DDM_CHANNELS_LAST", "");
+    EXPECT_FALSE(channels_last_requested());
+  }
 }
 
 // DDM_CHANNELS_LAST=1 (model/ops.h): a U-Net with attention, and one with SD's transformer (text
