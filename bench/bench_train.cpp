@@ -18,7 +18,9 @@
 //           --experts K: a routed top-1 ensemble of K experts of PRESET (random weights, seeds 0..K-1)
 //           and an untrained router-conv-tiny whose probabilities a fixed random projection of x_t
 //           tilts, so that samples spread over the experts (expert_share says how); with --cuda-graphs on, as `ddm sample --ensemble --cuda-graphs`:
-//           every expert and the router from graphs, groups padded to multiples of n / 4K for K experts)
+//           every expert and the router from graphs, groups padded to multiples of n / 4K for K experts;
+//           [--side-by-side on|off] (on, the default: the experts each on a CUDA stream of their own, as
+//           `ddm sample --ensemble` on a GPU; off: one after another, Ensemble::set_side_by_side))
 //        ddm_bench ops PRESET [--batch 128] [--threads 2] [--steps 20] [--warmup 3]
 //          (attention, and adaLN + proj + gated residual of one DiT block, forward +
 //           backward: the fused CPU kernels against LibTorch's ops; attention also against
@@ -115,6 +117,7 @@ struct Args {
   std::vector<std::string> sets;  // phases: config overrides
   int64_t gloo_threads = 1;
   std::string device = "cpu", precision = "fp32", cuda_graphs = "off";  // train
+  std::string side_by_side = "on";                                     // sample --experts
   double peak_tflops = 0;
   int64_t resolution = 64;  // loader
   int64_t experts = 0;      // sample: a routed ensemble of this many experts (0: one model)
@@ -153,6 +156,7 @@ Args parse(int argc, char** argv) {
     else if (k == "--device") a.device = s;
     else if (k == "--precision") a.precision = s;
     else if (k == "--cuda-graphs") a.cuda_graphs = s;
+    else if (k == "--side-by-side") a.side_by_side = s;
     else if (k == "--peak") a.peak_tflops = std::atof(s.c_str());
     else if (k == "--resolution") a.resolution = v;
     else if (k == "--experts") a.experts = v;
@@ -168,6 +172,7 @@ Args parse(int argc, char** argv) {
   check_device_spec(a.device, "--device");
   DDM_CHECK(a.sync == "on" || a.sync == "off", "--sync must be on or off, got " << a.sync);
   DDM_CHECK(a.cuda_graphs == "on" || a.cuda_graphs == "off", "--cuda-graphs must be on or off, got " << a.cuda_graphs);
+  DDM_CHECK(a.side_by_side == "on" || a.side_by_side == "off", "--side-by-side must be on or off, got " << a.side_by_side);
   DDM_CHECK(a.bucket_mb > 0 && a.first_bucket_mb > 0 && a.gloo_threads >= 1,
             "--bucket-mb and --first-bucket-mb must be > 0, --gloo-threads >= 1");
   DDM_CHECK(a.batch >= 1 && a.threads >= 1 && a.steps >= 1 && a.warmup >= 0 && a.n >= 1 && a.nfe >= 1,
@@ -827,6 +832,7 @@ int main(int argc, char** argv) try {
                                             network_flops_per_image(rm), path, cfg.model.num_classes,
                                             parse_routing("top1"), 0, device);
       if (graphs) ensemble->set_group_quantum(graphed_group_quantum(a.n, a.experts));
+      ensemble->set_side_by_side(a.side_by_side == "on");
       den.emplace(ensemble->denoiser());
     }
     GenerateOptions g;
@@ -855,6 +861,7 @@ int main(int argc, char** argv) try {
       j["routing"] = "top1";
       j["expert_share"] = share;
       j["padding_rows_share"] = static_cast<double>(u.padding_evals) / std::max<int64_t>(1, u.sample_evals);
+      j["side_by_side"] = a.side_by_side == "on" && device.is_cuda();
     }
     std::printf("%s\n", j.dump().c_str());
     return 0;

@@ -219,10 +219,13 @@ PY
           done
         fi
         # A routed top-1 ensemble of 4 experts of the preset, eager and from graphs (padded groups):
-        # against one model's sampling above (the target: at least 0.9x).
+        # against one model's sampling above (the target: at least 0.9x); the experts side by
+        # side (each on a stream of its own, the default) and one after another.
         for graphs in off on; do
-          bench "$dir/bin/ddm_bench" sample $preset --n 256 --nfe 20 --device cuda --precision bf16 --steps 3 --warmup 1 \
-            --threads 8 --experts 4 --cuda-graphs $graphs
+          for side in on off; do
+            bench "$dir/bin/ddm_bench" sample $preset --n 256 --nfe 20 --device cuda --precision bf16 --steps 3 --warmup 1 \
+              --threads 8 --experts 4 --cuda-graphs $graphs --side-by-side $side
+          done
         done
         bench python3 bench/reference.py $preset --sample 20 --batch 256 --precision bf16 --steps 3 --warmup 1 --device cuda --threads 8
         [ "${REF_COMPILE:-1}" = 0 ] || bench python3 bench/reference.py $preset --sample 20 --batch 256 --precision bf16 \

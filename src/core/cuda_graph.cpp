@@ -23,6 +23,10 @@ GraphStream::~GraphStream() = default;
 
 void GraphStream::run(const std::function<void()>& f) { impl_->runner->run(f); }
 
+void GraphStream::fork(const std::function<void()>& f) { impl_->runner->fork(f); }
+
+void GraphStream::join(const std::vector<torch::Tensor>& read) { impl_->runner->join(read); }
+
 struct CapturedGraph::Impl {
   std::unique_ptr<CudaGraph> graph;
 };

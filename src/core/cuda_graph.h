@@ -4,7 +4,8 @@
 // what it queues next. A capture that fails (an op that reads back to the host or synchronizes) is
 // ended cleanly and its reason returned, so that the caller goes on eagerly. Autocast's cache of
 // low-precision weights is off while capturing: its copies would be stale on replay.
-// Users: train/step_graph.cpp (a training step), model/graphed_net.cpp (a network's forward).
+// Users: train/step_graph.cpp (a training step), model/graphed_net.cpp (a network's forward), and
+// decentral/ensemble.cpp (experts side by side, each on a stream of its own).
 #pragma once
 #include <functional>
 #include <memory>
@@ -25,6 +26,12 @@ class GraphStream {
   // Runs f with this stream current: after the caller's stream's queued work; the caller's stream
   // then waits for f's.
   void run(const std::function<void()>& f);
+  // run() in two halves, so that work on several such streams overlaps on the GPU: fork(f) runs f as
+  // run() does, but the caller's stream does not wait; join(read) makes the current stream wait for
+  // f's work, and keeps the tensors in `read` (made by f on this stream, read next on the current
+  // one) from the caching allocator until that stream is done with them. One fork, then its join.
+  void fork(const std::function<void()>& f);
+  void join(const std::vector<torch::Tensor>& read);
 
  private:
   struct Impl;

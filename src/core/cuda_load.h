@@ -27,7 +27,7 @@ const CudaModule* loaded_cuda_module();
 namespace ddm {
 // The version of core/cuda_module.h's interface: raise it with every change there, so that a binary
 // never calls into a libddm_cuda.so of another interface (a stale build beside it).
-inline constexpr int kCudaModuleInterface = 2;
+inline constexpr int kCudaModuleInterface = 3;
 }  // namespace ddm
 
 // The module's one exported function (src/cuda/module.cpp): its CudaModule, which lives as long as

@@ -17,6 +17,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
@@ -33,6 +34,12 @@ class CudaStreamRunner {
   // Runs f with this stream current: after the caller's stream's queued work; the caller's stream
   // then waits for f's.
   virtual void run(const std::function<void()>& f) = 0;
+  // Runs f with this stream current, after the caller's stream's queued work, and returns with the
+  // caller's stream not waiting for f's work: join() makes the then current stream wait for it, and
+  // keeps `read` (tensors f's work made on this stream, which the current stream goes on to read) from
+  // the caching allocator until that stream's work queued so far is done.
+  virtual void fork(const std::function<void()>& f) = 0;
+  virtual void join(const std::vector<at::Tensor>& read) = 0;
 };
 
 // One CUDA graph (core/cuda_graph.h's CapturedGraph).

@@ -21,21 +21,31 @@ class Stream final : public CudaStreamRunner {
   explicit Stream(int device) : stream_(c10::cuda::getStreamFromPool(false, static_cast<c10::DeviceIndex>(device))) {}
 
   void run(const std::function<void()>& f) override {
-    const c10::cuda::CUDAStream caller = c10::cuda::getCurrentCUDAStream(stream_.device_index());
+    fork(f);
+    join({});
+  }
+
+  void fork(const std::function<void()>& f) override {
     at::cuda::CUDAEvent ready;
-    ready.record(caller);
+    ready.record(c10::cuda::getCurrentCUDAStream(stream_.device_index()));
     ready.block(stream_);
     {
       const c10::cuda::CUDAStreamGuard guard(stream_);
       f();
     }
-    at::cuda::CUDAEvent done;
-    done.record(stream_);
-    done.block(caller);
+    done_.record(stream_);
+  }
+
+  void join(const std::vector<at::Tensor>& read) override {
+    const c10::cuda::CUDAStream current = c10::cuda::getCurrentCUDAStream(stream_.device_index());
+    done_.block(current);
+    for (const at::Tensor& t : read)
+      if (t.defined() && t.is_cuda()) c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), current);
   }
 
  private:
   c10::cuda::CUDAStream stream_;
+  at::cuda::CUDAEvent done_;  // recorded after fork's work
 };
 
 // LibTorch 2.11's CUDAGraph::capture_end throws at cudaStreamEndCapture for a capture that was

@@ -6,6 +6,7 @@
 
 #include <torch/torch.h>
 
+#include "core/cuda_graph.h"
 #include "core/error.h"
 #include "core/rng.h"
 #include "diffusion/path.h"
@@ -213,9 +214,11 @@ Denoiser::Estimate Ensemble::combine(const torch::Tensor& x, const torch::Tensor
   // sizes); padded with row 0 to a multiple of the quantum when one is set (its outputs are dropped).
   const auto chosen = weights.gt(0).t().contiguous();                                      // [K, B]
   const auto counts = chosen.sum(1).to(torch::kCPU, torch::kLong).contiguous();            // [K]
-  for (int64_t e = 0; e < k(); ++e) {
-    const int64_t n = counts.data_ptr<int64_t>()[e];
-    if (n == 0) continue;
+  struct Part {
+    torch::Tensor idx, x0, eps;  // the expert's rows [B_e] and its weighted estimates there [B_e,C,H,W]
+  };
+  std::vector<Part> parts(static_cast<size_t>(k()));
+  auto run = [&](int64_t e, int64_t n) {
     const int64_t rows = quantum_ > 0 ? (n + quantum_ - 1) / quantum_ * quantum_ : n;
     const auto group = torch::nonzero_static(chosen[e], rows, /*fill_value=*/0).flatten();  // [rows]
     const auto idx = group.narrow(0, 0, n);                                                          // [B_e]
@@ -224,12 +227,41 @@ Denoiser::Estimate Ensemble::combine(const torch::Tensor& x, const torch::Tensor
     const PathMatch m = match_path(path_, te, den.path());
     auto est = den.estimate(x.index_select(0, group) * col(m.scale), m.t, y.select(group), w);  // [rows,C,H,W]
     auto we = col(weights.index_select(0, idx).select(1, e));                                     // [B_e,1,1,1]
-    out.x0.index_add_(0, idx, we * est.x0.narrow(0, 0, n));
-    out.eps.index_add_(0, idx, we * est.eps.narrow(0, 0, n));
+    parts[static_cast<size_t>(e)] = {idx, we * est.x0.narrow(0, 0, n), we * est.eps.narrow(0, 0, n)};
     usage_.expert_evals[e] += n;
     usage_.padding_evals += rows - n;
     usage_.group_sizes[static_cast<size_t>(e)].insert(rows);
     usage_.expert_flops += static_cast<double>(rows) * branches * expert_flops_[e];
+  };
+  // Side by side (set_side_by_side): each group forked onto its expert's stream, all of them queued
+  // before any is joined.
+  const bool side = side_by_side_ && x.is_cuda() && !torch::GradMode::is_enabled();
+  if (side && streams_.size() != static_cast<size_t>(k())) streams_.assign(static_cast<size_t>(k()), nullptr);
+  std::vector<GraphStream*> forked;
+  try {
+    for (int64_t e = 0; e < k(); ++e) {
+      const int64_t n = counts.data_ptr<int64_t>()[e];
+      if (n == 0) continue;
+      if (!side) {
+        run(e, n);
+        continue;
+      }
+      auto& stream = streams_[static_cast<size_t>(e)];
+      if (!stream) stream = std::make_shared<GraphStream>(x.device());
+      stream->fork([&] { run(e, n); });
+      forked.push_back(stream.get());
+    }
+  } catch (...) {  // the caller's stream still waits for what was queued, which reads its tensors
+    for (GraphStream* s : forked) s->join({});
+    throw;
+  }
+  // The mixture, on the caller's stream, in the experts' order.
+  for (int64_t e = 0; e < k(); ++e) {
+    const Part& p = parts[static_cast<size_t>(e)];
+    if (!p.idx.defined()) continue;
+    if (side) streams_[static_cast<size_t>(e)]->join({p.idx, p.x0, p.eps});
+    out.x0.index_add_(0, p.idx, p.x0);
+    out.eps.index_add_(0, p.idx, p.eps);
   }
   usage_.calls += 1;
   usage_.sample_evals += b;

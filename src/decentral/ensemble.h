@@ -10,10 +10,16 @@
 // label when the whole sample is unconditional, w = 0). So both branches of a sample use the same
 // expert, the guidance direction cond - uncond is taken within one expert's model, and routing costs
 // one router pass per step whatever the guidance.
+//
+// On a GPU the experts run side by side: each expert's group on a CUDA stream of its own, so that
+// the kernels of small experts (or, from CUDA graphs, their graphs) overlap instead of queueing one
+// after another; their weighted estimates are then added into the mixture on the caller's stream in
+// the experts' order, which gives the same bits as running them one after another.
 #pragma once
 #include <algorithm>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <optional>
 #include <set>
 #include <string>
@@ -26,6 +32,7 @@
 
 namespace ddm {
 
+class GraphStream;
 struct Partition;
 
 struct Routing {
@@ -114,6 +121,11 @@ class Ensemble {
   // row 0 and their outputs are dropped; the real rows' estimates change only by the float rounding
   // of another batch size.
   void set_group_quantum(int64_t rows);
+  // Side by side (the default): on a GPU, outside gradient recording, each expert's group runs on a
+  // stream of its own (see the file comment), holding the working memory of all the experts' forward
+  // passes at once rather than one's. Off: one after another on the caller's stream. The same bits
+  // either way.
+  void set_side_by_side(bool on) { side_by_side_ = on; }
   // A Denoiser over this ensemble (which must outlive it).
   Denoiser denoiser() const;
 
@@ -139,6 +151,8 @@ class Ensemble {
   torch::Device device_;
   torch::Tensor present_;  // float [K]: 1 where the expert exists
   int64_t quantum_ = 0;    // set_group_quantum
+  bool side_by_side_ = true;
+  mutable std::vector<std::shared_ptr<GraphStream>> streams_;  // per expert, made at its first side-by-side run
   mutable EnsembleUsage usage_;
 };
 

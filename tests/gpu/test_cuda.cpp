@@ -7,7 +7,8 @@
 // over Gloo with CUDA tensors what one process trains (over NCCL too, where there are two GPUs), NCCL
 // forms a group and reduces with world size 1, a run moves between the CPU and the GPU on
 // resume, bf16 autocast follows fp32 (a text model's too), deterministic runs repeat bit for bit, and sampling on CUDA
-// (one model, and a routed ensemble of experts) gives the CPU's images; CUDA graphs of a training step
+// (one model, and a routed ensemble of experts) gives the CPU's images, an ensemble's experts side by side
+// the bits of one after another; CUDA graphs of a training step
 // (train.cuda_graphs) train what eager steps train, and sampling from graphs gives the eager images.
 #include <gtest/gtest.h>
 
@@ -31,6 +32,7 @@
 #include "data/shard_loader.h"
 #include "data/shard_write.h"
 #include "data/shards.h"
+#include "decentral/ensemble.h"
 #include "diffusion/generate.h"
 #include "model/fused_gpu.h"
 #include "model/graphed_net.h"
@@ -908,6 +910,84 @@ TEST(Gpu, ARoutedEnsembleSamplesOnCudaAsOnTheCpu) {
   r = run_ddm(distill + "--set train.device=cuda --out " + (dir / "s-gpu"));
   ASSERT_EQ(r.exit_code, 0) << r.output;
   expect_same_training(dir / "s-gpu", dir / "s-cpu", "distillation on cuda against the cpu");
+}
+
+// Experts side by side (Ensemble::set_side_by_side: each expert's group on a CUDA stream of its own,
+// the weighted estimates added on the caller's stream in the experts' order) give the bits of the
+// experts run one after another: eager and from CUDA graphs, fp32 and bf16, under top-1 routing
+// (disjoint groups whose sizes change from step to step) and top-2 (each row in two groups), with
+// guidance. Three random unet-tiny experts and a router that a fixed random projection of x_t tilts.
+// cuDNN's benchmark mode is off here so that both runs take the same convolution algorithms.
+TEST(Gpu, EnsembleExpertsSideBySideGiveTheBitsOfOneAfterAnother) {
+  if (no_gpu()) GTEST_SKIP() << kNoGpu;
+  configure_math(torch::kCUDA, /*deterministic=*/false);  // TF32 off, as `ddm sample`
+  struct BenchmarkOff {
+    BenchmarkOff() { at::globalContext().setBenchmarkCuDNN(false); }
+    ~BenchmarkOff() { at::globalContext().setBenchmarkCuDNN(true); }
+  } benchmark_off;
+  const int64_t k = 3, n = 24;
+  ModelConfig m;
+  m.in_channels = 1, m.image_size = 28, m.num_classes = 10, m.preset = "unet-tiny";
+  apply_preset("unet-tiny", m);
+  std::vector<Net> nets;
+  for (int64_t e = 0; e < k; ++e) {
+    torch::manual_seed(static_cast<uint64_t>(10 + e));
+    Net net = make_net(m);
+    {
+      torch::NoGradGuard no_grad;
+      for (auto& p : net->parameters()) p.normal_(0.0, 0.05);
+    }
+    net->to(torch::kCUDA);
+    net->eval();
+    nets.push_back(net);
+  }
+  torch::manual_seed(99);
+  const torch::Tensor proj = (3.0 * torch::randn({28 * 28, k})).to(torch::kCUDA);  // [HW, K]
+  RouterFn router = [proj](const torch::Tensor& x, const torch::Tensor&, const Cond&) {
+    return torch::softmax(torch::mm(x.flatten(1).to(torch::kFloat), proj), 1);  // [B, K]
+  };
+  DiffusionConfig d;
+  for (const bool graphs : {false, true}) {
+    std::vector<Net> experts_nets = nets;
+    if (graphs)
+      for (Net& net : experts_nets) net = std::make_shared<GraphedNetImpl>(net, graphed_expert_graphs(k));
+    for (const Precision precision : {Precision::kFp32, Precision::kBf16}) {
+      for (const char* routing : {"top1", "topk:2"}) {
+        auto sample = [&](bool side) {
+          std::vector<std::optional<Denoiser>> experts;
+          for (const Net& net : experts_nets) {
+            experts.emplace_back(Denoiser(net, make_path(d), prediction_for(d), 10));
+            experts.back()->set_precision(precision);
+          }
+          Ensemble ens(std::move(experts), std::vector<double>(k, 1.0), router, 0.0, make_path(d), 10,
+                       parse_routing(routing), 0, torch::kCUDA);
+          if (graphs) ens.set_group_quantum(graphed_group_quantum(n, k));
+          ens.set_side_by_side(side);
+          GenerateOptions g;
+          g.n = n, g.batch_size = n, g.seed = 4, g.per_class = 3;
+          g.sample.steps = 5, g.sample.cfg = 2.0;
+          const torch::Tensor images = generate(ens.denoiser(), 1, 28, g).images;
+          return std::make_pair(images, ens.usage().expert_evals);
+        };
+        const auto [apart, apart_evals] = sample(false);
+        const auto [side, side_evals] = sample(true);
+        const auto [again, again_evals] = sample(true);
+        const std::string what = std::string(graphs ? "graphs " : "eager ") +
+                                 (precision == Precision::kBf16 ? "bf16 " : "fp32 ") + routing;
+        EXPECT_EQ(side_evals, apart_evals) << what;
+        int used = 0;
+        for (int64_t evals : side_evals) used += evals > 0;
+        EXPECT_GE(used, 2) << what << ": the router sent the samples to fewer than two experts";
+        EXPECT_TRUE(torch::equal(side, apart)) << what << ": max |side by side - one after another| "
+                                               << (side - apart).abs().max().item<double>();
+        EXPECT_TRUE(torch::equal(side, again)) << what << ": side by side twice, max difference "
+                                               << (side - again).abs().max().item<double>();
+        std::printf("ensemble %s: side by side and one after another %s (expert evaluations %s)\n", what.c_str(),
+                    torch::equal(side, apart) ? "equal bit for bit" : "DIFFER",
+                    c10::str(side_evals).c_str());
+      }
+    }
+  }
 }
 
 // Evaluation with the feature network on the GPU: 500 training images scored against the test
