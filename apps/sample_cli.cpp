@@ -74,7 +74,8 @@ Source open_source(const SampleArgs& a) {
     throw InputError("--cuda-graphs replays the network on a CUDA GPU, but --device cpu: leave one of them out");
   const torch::Device device = resolve_device(a.device, 0, "--device");
   if (!a.ckpt.empty()) {
-    DDM_CHECK(a.routing.empty() && !a.allow_missing, "--routing and --allow-missing apply only to --ensemble");
+    DDM_CHECK(a.routing.empty() && !a.allow_missing && !a.one_expert_at_a_time,
+              "--routing, --allow-missing and --one-expert-at-a-time apply only to --ensemble");
     configure_math(device, false);
     s.model = load_model(a.ckpt, !a.no_ema, device);
     if (a.cuda_graphs) {
@@ -106,6 +107,7 @@ Source open_source(const SampleArgs& a) {
                              a.precision == "bf16" ? Precision::kBf16 : Precision::kFp32);
   // With graphs, each expert's group is padded to a few sizes (graphed_group_quantum).
   if (a.cuda_graphs) s.ensemble->set_group_quantum(graphed_group_quantum(std::min(a.batch, a.n), s.members->k));
+  s.ensemble->set_side_by_side(!a.one_expert_at_a_time);
   s.den = s.ensemble->denoiser();
   s.name = "ensemble " + a.ensemble + " (K = " + std::to_string(s.members->k) + ", routing " + s.routing.spec + ")";
   if (!device.is_cpu() || a.precision != "fp32") s.name += " on " + device.str() + " in " + a.precision;
@@ -524,6 +526,10 @@ void add_sample_flags(CLI::App* cmd, SampleArgs& a) {
   cmd->add_option("--control-type", a.control_type,
                   "edges | lowres: the maps of --control-from (default: the model's model.control, edges)")
       ->check(CLI::IsMember({"edges", "lowres"}));
+  cmd->add_flag("--one-expert-at-a-time", a.one_expert_at_a_time,
+                "GPUs, with --ensemble: run the experts one after another on one CUDA stream, rather than side by side "
+                "each on a stream of its own (the default; faster for small experts, whose kernels leave most of the GPU "
+                "idle). The same images; the memory of one expert's forward pass at a time instead of all of them");
   cmd->add_flag("--allow-missing", a.allow_missing,
                 "with --ensemble: sample even if some experts' checkpoints are missing (their probability is "
                 "renormalized over the rest)");

@@ -23,6 +23,7 @@ struct SampleArgs {
   double cfg = -1;
   bool no_ema = false, allow_missing = false;
   bool cuda_graphs = false;  // --cuda-graphs: the network's forward replayed from CUDA graphs (model/graphed_net.h)
+  bool one_expert_at_a_time = false;  // --one-expert-at-a-time: not side by side (Ensemble::set_side_by_side)
 };
 
 // Samples a.n images from a.ckpt or a.ensemble into the PNG grid a.out (and a.raw), printing progress.

@@ -37,7 +37,8 @@ class CudaStreamRunner {
   // Runs f with this stream current, after the caller's stream's queued work, and returns with the
   // caller's stream not waiting for f's work: join() makes the then current stream wait for it, and
   // keeps `read` (tensors f's work made on this stream, which the current stream goes on to read) from
-  // the caching allocator until that stream's work queued so far is done.
+  // the caching allocator until that stream's work queued so far is done. Where f throws, what it
+  // queued can still be joined.
   virtual void fork(const std::function<void()>& f) = 0;
   virtual void join(const std::vector<at::Tensor>& read) = 0;
 };

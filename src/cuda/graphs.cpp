@@ -21,17 +21,24 @@ class Stream final : public CudaStreamRunner {
   explicit Stream(int device) : stream_(c10::cuda::getStreamFromPool(false, static_cast<c10::DeviceIndex>(device))) {}
 
   void run(const std::function<void()>& f) override {
-    fork(f);
+    try {
+      fork(f);
+    } catch (...) {
+      join({});
+      throw;
+    }
     join({});
   }
 
   void fork(const std::function<void()>& f) override {
-    at::cuda::CUDAEvent ready;
-    ready.record(c10::cuda::getCurrentCUDAStream(stream_.device_index()));
-    ready.block(stream_);
-    {
+    ready_.record(c10::cuda::getCurrentCUDAStream(stream_.device_index()));
+    ready_.block(stream_);
+    try {
       const c10::cuda::CUDAStreamGuard guard(stream_);
       f();
+    } catch (...) {
+      done_.record(stream_);  // what f queued before it threw can still be joined
+      throw;
     }
     done_.record(stream_);
   }
@@ -45,7 +52,8 @@ class Stream final : public CudaStreamRunner {
 
  private:
   c10::cuda::CUDAStream stream_;
-  at::cuda::CUDAEvent done_;  // recorded after fork's work
+  at::cuda::CUDAEvent ready_;  // recorded on the caller's stream before fork's work
+  at::cuda::CUDAEvent done_;   // recorded after it
 };
 
 // LibTorch 2.11's CUDAGraph::capture_end throws at cudaStreamEndCapture for a capture that was

@@ -140,6 +140,13 @@ Ensemble::Ensemble(std::vector<std::optional<Denoiser>> experts, std::vector<dou
   for (int64_t e = 0; e < K; ++e)
     if (experts_[e]) present_[e] = 1.0;
   DDM_CHECK(present_.sum().item<double>() > 0, "ensemble: no expert is present");
+  // Experts that share a network do not run side by side: a network may fill caches of its own (autocast's
+  // weight casts) on one stream that another would then read unordered.
+  for (int64_t a = 0; a < K; ++a)
+    for (int64_t b = a + 1; b < K; ++b)
+      if (experts_[a] && experts_[b] && experts_[a]->network() != nullptr &&
+          experts_[a]->network() == experts_[b]->network())
+        shared_network_ = true;
   present_ = present_.to(device_);
   reset_usage();
 }
@@ -234,32 +241,46 @@ Denoiser::Estimate Ensemble::combine(const torch::Tensor& x, const torch::Tensor
     usage_.expert_flops += static_cast<double>(rows) * branches * expert_flops_[e];
   };
   // Side by side (set_side_by_side): each group forked onto its expert's stream, all of them queued
-  // before any is joined.
-  const bool side = side_by_side_ && x.is_cuda() && !torch::GradMode::is_enabled();
-  if (side && streams_.size() != static_cast<size_t>(k())) streams_.assign(static_cast<size_t>(k()), nullptr);
-  std::vector<GraphStream*> forked;
-  try {
-    for (int64_t e = 0; e < k(); ++e) {
-      const int64_t n = counts.data_ptr<int64_t>()[e];
-      if (n == 0) continue;
-      if (!side) {
-        run(e, n);
-        continue;
+  // before any is joined. Every fork is joined before this returns, also when an expert throws: the
+  // experts' work reads the caller's tensors.
+  const bool side = side_by_side_ && !shared_network_ && x.is_cuda() && !torch::GradMode::is_enabled();
+  if (side && (streams_.size() != static_cast<size_t>(k()) || streams_device_ != x.device())) {
+    streams_.assign(static_cast<size_t>(k()), nullptr);
+    streams_device_ = x.device();
+  }
+  std::vector<GraphStream*> unjoined(static_cast<size_t>(k()), nullptr);
+  struct JoinAll {
+    std::vector<GraphStream*>& streams;
+    ~JoinAll() {
+      for (GraphStream* s : streams) {
+        if (s == nullptr) continue;
+        try {
+          s->join({});
+        } catch (const std::exception&) {  // already failing: the first error is the one reported
+        }
       }
-      auto& stream = streams_[static_cast<size_t>(e)];
-      if (!stream) stream = std::make_shared<GraphStream>(x.device());
-      stream->fork([&] { run(e, n); });
-      forked.push_back(stream.get());
     }
-  } catch (...) {  // the caller's stream still waits for what was queued, which reads its tensors
-    for (GraphStream* s : forked) s->join({});
-    throw;
+  } join_all{unjoined};
+  for (int64_t e = 0; e < k(); ++e) {
+    const int64_t n = counts.data_ptr<int64_t>()[e];
+    if (n == 0) continue;
+    if (!side) {
+      run(e, n);
+      continue;
+    }
+    auto& stream = streams_[static_cast<size_t>(e)];
+    if (!stream) stream = std::make_shared<GraphStream>(x.device());
+    unjoined[static_cast<size_t>(e)] = stream.get();
+    stream->fork([&] { run(e, n); });
   }
   // The mixture, on the caller's stream, in the experts' order.
   for (int64_t e = 0; e < k(); ++e) {
     const Part& p = parts[static_cast<size_t>(e)];
     if (!p.idx.defined()) continue;
-    if (side) streams_[static_cast<size_t>(e)]->join({p.idx, p.x0, p.eps});
+    if (GraphStream*& s = unjoined[static_cast<size_t>(e)]) {
+      s->join({p.idx, p.x0, p.eps});
+      s = nullptr;
+    }
     out.x0.index_add_(0, p.idx, p.x0);
     out.eps.index_add_(0, p.idx, p.eps);
   }

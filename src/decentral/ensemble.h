@@ -123,8 +123,10 @@ class Ensemble {
   void set_group_quantum(int64_t rows);
   // Side by side (the default): on a GPU, outside gradient recording, each expert's group runs on a
   // stream of its own (see the file comment), holding the working memory of all the experts' forward
-  // passes at once rather than one's. Off: one after another on the caller's stream. The same bits
-  // either way.
+  // passes at once rather than one's (`ddm sample --one-expert-at-a-time` turns it off). Off: one after
+  // another on the caller's stream. The same bits either way, given the same convolution algorithms
+  // (cuDNN's benchmark mode times them afresh in each process). Experts that share one network run one
+  // after another.
   void set_side_by_side(bool on) { side_by_side_ = on; }
   // A Denoiser over this ensemble (which must outlive it).
   Denoiser denoiser() const;
@@ -152,7 +154,9 @@ class Ensemble {
   torch::Tensor present_;  // float [K]: 1 where the expert exists
   int64_t quantum_ = 0;    // set_group_quantum
   bool side_by_side_ = true;
+  bool shared_network_ = false;  // two experts with one network: never side by side
   mutable std::vector<std::shared_ptr<GraphStream>> streams_;  // per expert, made at its first side-by-side run
+  mutable torch::Device streams_device_ = torch::kCPU;          // where they are
   mutable EnsembleUsage usage_;
 };
 

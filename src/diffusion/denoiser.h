@@ -65,6 +65,8 @@ class Denoiser {
   // A self-conditioned network (model.self_cond): samplers pass each estimate's x0 to the next call.
   bool self_conditioned() const { return net_ && net_->self_conditioned(); }
   int64_t nfe() const { return nfe_; }
+  // The network (null for an estimator): who shares one with whom.
+  const NetImpl* network() const { return net_.get(); }
   void reset_nfe() { nfe_ = 0; }
   // Where the network computes (its parameters' device; an estimator's given device): samplers put their
   // noise there. bf16: its forward passes under bfloat16 autocast, the estimates in float32.

@@ -739,8 +739,9 @@ TEST(Nets, AUNetInChannelsLastComputesWhatItComputesInNchw) {
       NetCarry k{x, {}, {}};
       for (const NetUnit& u : net->units()) {
         u.run(k, t, c);
-        if (k.h.dim() == 4 && u.name != "out")
+        if (k.h.dim() == 4 && u.name != "out") {
           EXPECT_TRUE(k.h.is_contiguous(at::MemoryFormat::ChannelsLast)) << which << ", after " << u.name;
+        }
         k.h = k.h.contiguous();
         for (auto& skip : k.skips) skip = skip.contiguous();
       }
