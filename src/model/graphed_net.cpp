@@ -2,6 +2,7 @@
 #include "model/graphed_net.h"
 
 #include <iostream>
+#include <optional>
 
 #include <ATen/autocast_mode.h>
 #include <torch/autograd.h>
@@ -9,6 +10,50 @@
 #include "core/device.h"
 
 namespace ddm {
+
+namespace {
+// The layers whose weights autocast casts to its lower precision at every use (linear, convolution).
+bool casts_weights(torch::nn::Module& m) {
+  namespace nn = torch::nn;
+  return m.as<nn::Linear>() || m.as<nn::Conv1d>() || m.as<nn::Conv2d>() || m.as<nn::Conv3d>() ||
+         m.as<nn::ConvTranspose1d>() || m.as<nn::ConvTranspose2d>() || m.as<nn::ConvTranspose3d>();
+}
+}  // namespace
+
+HeldWeightCasts::HeldWeightCasts(torch::nn::Module& net, at::ScalarType dtype) {
+  torch::NoGradGuard no_grad;
+  for (const auto& m : net.modules(/*include_self=*/true)) {
+    if (!casts_weights(*m)) continue;
+    for (auto& item : m->named_parameters(/*recurse=*/false)) {
+      torch::Tensor& p = item.value();
+      if (item.key() != "weight" || p.scalar_type() != torch::kFloat || p.is_view()) continue;
+      params_.push_back(p);
+      weights_.push_back(p.detach());
+      casts_.push_back(p.detach().to(dtype));
+      versions_.push_back(p._version());
+    }
+  }
+}
+
+int64_t HeldWeightCasts::refresh() {
+  torch::NoGradGuard no_grad;
+  int64_t n = 0;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (weights_[i]._version() == versions_[i]) continue;
+    casts_[i].copy_(weights_[i]);
+    versions_[i] = weights_[i]._version();
+    ++n;
+  }
+  return n;
+}
+
+HeldWeightCasts::Swap::Swap(HeldWeightCasts& h) : h_(h) {
+  for (size_t i = 0; i < h_.params_.size(); ++i) h_.params_[i].set_data(h_.casts_[i]);
+}
+
+HeldWeightCasts::Swap::~Swap() {
+  for (size_t i = 0; i < h_.params_.size(); ++i) h_.params_[i].set_data(h_.weights_[i]);
+}
 
 GraphedNetImpl::GraphedNetImpl(std::shared_ptr<NetImpl> inner, int64_t max_graphs)
     : inner_(std::move(inner)), max_graphs_(max_graphs) {
@@ -19,8 +64,9 @@ GraphedNetImpl::GraphedNetImpl(std::shared_ptr<NetImpl> inner, int64_t max_graph
 
 torch::Tensor GraphedNetImpl::forward(const torch::Tensor& x, const torch::Tensor& t, const Cond& c) {
   if (failed_ || torch::GradMode::is_enabled() || !x.is_cuda()) return inner_->forward(x, t, c);
-  // A graph casts its weights itself: autocast's cached casts (a sampler keeps them across its steps)
-  // would be freed when the sampler returns, under the graph's feet.
+  // A graph's casts are its own (the linear and convolution weights' in HeldWeightCasts, the rest cast
+  // at every replay): autocast's cached casts (a sampler keeps them across its steps) would be freed
+  // when the sampler returns, under the graph's feet.
   const AutocastCacheOff own_casts;
   Cond cc = c;
   std::vector<const torch::Tensor*> in{&x, &t};
@@ -48,7 +94,21 @@ torch::Tensor GraphedNetImpl::forward(const torch::Tensor& x, const torch::Tenso
     // Every graph of this network allocates from the first one's memory pool: they replay one at a time
     // on stream_, and each one's output is copied out right after its replay (below).
     const CapturedGraph* pool = graphs_.empty() ? nullptr : &graphs_.begin()->second->graph;
-    stream_->run([&] { why = g->graph.capture([&] { g->out = inner_->forward(g->x, g->t, g->c); }, pool); });
+    // Under autocast the graph reads the weights' held casts (swapped in while it is captured).
+    if (at::autocast::is_autocast_enabled(cuda)) {
+      const at::ScalarType dtype = at::autocast::get_autocast_dtype(cuda);
+      auto& held = casts_[dtype];
+      if (!held) stream_->run([&] { held = std::make_unique<HeldWeightCasts>(*inner_, dtype); });
+      g->casts = held.get();
+    }
+    stream_->run([&] {
+      std::optional<HeldWeightCasts::Swap> swap;
+      if (g->casts) {
+        g->casts->refresh();
+        swap.emplace(*g->casts);
+      }
+      why = g->graph.capture([&] { g->out = inner_->forward(g->x, g->t, g->c); }, pool);
+    });
     if (!why.empty()) {
       failed_ = true;
       std::cerr << "--cuda-graphs: the network could not be captured as a CUDA graph (" << why
@@ -65,6 +125,7 @@ torch::Tensor GraphedNetImpl::forward(const torch::Tensor& x, const torch::Tenso
     const std::vector<torch::Tensor*> to = g.c.slots(), from = cc.slots();
     for (size_t k = 0; k < to.size(); ++k)
       if (to[k]->defined()) to[k]->copy_(*from[k]);
+    if (g.casts) g.casts->refresh();  // a weight changed since: its cast made again, where the graph reads it
     g.graph.replay();
     out = g.out.clone();  // the next replay overwrites g.out
   });

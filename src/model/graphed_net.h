@@ -7,16 +7,52 @@
 // the memory of the largest one's forward (and each one's output), not the sum. Shapes beyond
 // max_graphs, calls that record gradients, CPU tensors, and a network that cannot be captured (said
 // once on stderr) run eagerly: the same results either way, bit for bit, since a replay runs the
-// eager call's kernels.
+// eager call's kernels. Under autocast a graph does not cast the linear and convolution weights at
+// every replay: it reads casts made once (HeldWeightCasts below), made again where a weight changed.
 #pragma once
 #include <map>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "core/cuda_graph.h"
 #include "model/net.h"
 
 namespace ddm {
+
+// A network's linear and convolution weights (float32 parameters named "weight" in those layers)
+// cast to `dtype` and held: what autocast casts them to at each use. While a Swap lives, those
+// parameters are the casts, so that autocast, finding them in its lower precision already, casts
+// nothing; a CUDA graph captured then reads the held casts instead of casting at every replay. The
+// forward's bits do not change: autocast runs linear and convolution in `dtype`, and the cast is the
+// same rounding, done once (Nets.HeldWeightCastsChangeNoBitOfAForward checks every preset on the CPU).
+// Biases are left as they are (the DiT's fused residual adds a linear's bias itself, in float32), and
+// so are parameters that are views (of a flat buffer).
+class HeldWeightCasts {
+ public:
+  HeldWeightCasts(torch::nn::Module& net, at::ScalarType dtype);
+  // Casts again, in place (on the current stream), every weight whose version changed since its cast.
+  // Returns how many.
+  int64_t refresh();
+  int64_t size() const { return static_cast<int64_t>(params_.size()); }
+
+  class Swap {
+   public:
+    explicit Swap(HeldWeightCasts& h);
+    ~Swap();
+    Swap(const Swap&) = delete;
+    Swap& operator=(const Swap&) = delete;
+
+   private:
+    HeldWeightCasts& h_;
+  };
+
+ private:
+  std::vector<torch::Tensor> params_;    // the parameters themselves
+  std::vector<torch::Tensor> weights_;   // their float32 data (detached: the same storage and version counter)
+  std::vector<torch::Tensor> casts_;     // [i]: weights_[i] in dtype
+  std::vector<uint32_t> versions_;       // weights_[i]'s version when cast
+};
 
 class GraphedNetImpl : public NetImpl {
  public:
@@ -36,10 +72,13 @@ class GraphedNetImpl : public NetImpl {
     CapturedGraph graph;
     torch::Tensor x, t, out;  // the graph's input and output tensors
     Cond c;
+    HeldWeightCasts* casts = nullptr;  // under autocast: the weights' casts it reads (in casts_)
   };
   std::shared_ptr<NetImpl> inner_;
   int64_t max_graphs_;
   std::unique_ptr<GraphStream> stream_;
+  // Per autocast type: the weights' casts that the graphs captured under it read (kept while they live).
+  std::map<at::ScalarType, std::unique_ptr<HeldWeightCasts>> casts_;
   std::map<std::string, std::unique_ptr<Graph>> graphs_;  // by the inputs' signature
   std::map<std::string, int64_t> eager_calls_;            // shapes seen, not yet captured
   bool failed_ = false;

@@ -782,7 +782,8 @@ TEST(Gpu, ANetworkThatCannotBeCapturedRunsEagerlyAndLeavesTheAllocatorWhole) {
 // `ddm sample --cuda-graphs` (model/graphed_net.h): the network's forward replayed from CUDA graphs
 // gives the images the eager forward gives (the same kernels: within 1e-5, and in practice equal), with
 // guidance (a doubled batch), a last batch of another size (its own graph), self-conditioning (the
-// first evaluation without an estimate, the rest with: two graphs) and bf16; the graphs were replayed.
+// first evaluation without an estimate, the rest with: two graphs) and bf16, and after the weights
+// changed (bf16 graphs read weight casts made once, made again then); the graphs were replayed.
 TEST(Gpu, SamplingFromCudaGraphsGivesTheEagerImages) {
   if (no_gpu()) GTEST_SKIP() << kNoGpu;
   for (const std::string name : {"unet-tiny", "dit-tiny"}) {
@@ -814,6 +815,23 @@ TEST(Gpu, SamplingFromCudaGraphsGivesTheEagerImages) {
       std::printf("%s: max |graphed - eager| over the images %.2e (%lld graphs, %lld replays)\n", what.c_str(), diff,
                   static_cast<long long>(graphed->graphs()), static_cast<long long>(graphed->replays()));
     }
+    // Weights changed after the graphs were captured: bf16 graphs read their weights' casts made once
+    // (HeldWeightCasts), which are made again, so they sample the new weights as eager calls do.
+    {
+      torch::NoGradGuard no_grad;
+      for (auto& p : net->parameters()) p.mul_(1.25);
+    }
+    GenerateOptions g;
+    g.n = 8, g.batch_size = 8, g.seed = 3, g.per_class = 1;
+    g.sample.steps = 6, g.sample.cfg = 2.0;
+    Denoiser eager(net, make_path(d), prediction_for(d), 10), replayed(graphed, make_path(d), prediction_for(d), 10);
+    eager.set_precision(Precision::kBf16);
+    replayed.set_precision(Precision::kBf16);
+    const int64_t replays = graphed->replays();
+    const double diff = (generate(eager, 1, 28, g).images - generate(replayed, 1, 28, g).images).abs().max().item<double>();
+    EXPECT_LE(diff, 1e-5) << name << " bf16, weights changed after capture";
+    EXPECT_GT(graphed->replays(), replays) << name;
+    std::printf("%s bf16, weights changed after capture: max |graphed - eager| %.2e\n", name.c_str(), diff);
     EXPECT_GE(graphed->graphs(), 2) << name;
     EXPECT_GT(graphed->replays(), 0) << name;
   }

@@ -11,6 +11,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include "core/device.h"
 #include "core/error.h"
 #include "core/presets.h"
 #include "core/rng.h"
@@ -204,6 +205,44 @@ TEST(Nets, AGraphedOrCheckpointedNetworkIsItsInnerNetworkOnTheCpu) {
   EXPECT_EQ(graphed->graphs(), 0);
   EXPECT_EQ(graphed->replays(), 0);
   expect_wrapper_is_inner(std::make_shared<RecomputedNetImpl>(unet), unet);
+}
+
+// A `--cuda-graphs` network's graphs read its linear and convolution weights cast once
+// (HeldWeightCasts, model/graphed_net.h): with those parameters swapped for their casts, every
+// preset's forward under bf16 autocast gives the bits it gives with its float32 weights (autocast casts
+// them to bf16 for those layers anyway), and the swap ends with the float32 weights in place. A weight
+// changed afterwards is cast again by refresh(); without it the swapped forward would read the old cast.
+TEST(Nets, HeldWeightCastsChangeNoBitOfAForward) {
+  torch::manual_seed(4);
+  torch::NoGradGuard no_grad;
+  for (const auto& name : preset_names()) {
+    const ModelConfig cfg = preset_cfg(name);
+    Net net = make_net(cfg);
+    randomize(*net, 0.05);
+    const auto x = images_for(cfg, 3), t = torch::rand({3});
+    const Cond y(torch::tensor({0, 9, 10}));
+    const Autocast autocast(torch::kCPU, Precision::kBf16);
+    const AutocastCacheOff no_cache;  // as in a graph's capture: a cached cast would not see weights change
+    const auto plain = net->forward(x, t, y);
+    HeldWeightCasts held(*net, torch::kBFloat16);
+    EXPECT_GT(held.size(), 0) << name;
+    std::printf("%s: %lld weights held cast\n", name.c_str(), static_cast<long long>(held.size()));
+    {
+      const HeldWeightCasts::Swap swap(held);
+      EXPECT_TRUE(torch::equal(net->forward(x, t, y), plain)) << name;
+    }
+    for (const auto& p : net->parameters()) EXPECT_EQ(p.scalar_type(), torch::kFloat) << name;
+    for (auto& p : net->parameters()) p.mul_(1.5);
+    const auto changed = net->forward(x, t, y);
+    {
+      const HeldWeightCasts::Swap swap(held);
+      EXPECT_FALSE(torch::equal(net->forward(x, t, y), changed)) << name << ": the old casts read the new weights";
+    }
+    EXPECT_EQ(held.refresh(), held.size()) << name;
+    EXPECT_EQ(held.refresh(), 0) << name;
+    const HeldWeightCasts::Swap swap(held);
+    EXPECT_TRUE(torch::equal(net->forward(x, t, y), changed)) << name;
+  }
 }
 
 TEST(Nets, NullClassIsItsOwnLabel) {
