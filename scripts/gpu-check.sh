@@ -23,7 +23,8 @@
 #   PyTorch eager and torch.compile, default and "reduce-overhead" (unless REF_COMPILE=0; "max-autotune" too
 #   with REF_AUTOTUNE=1, minutes of autotuning: a call of its own, BENCH_PRESETS=dit-b), dit-b in
 #   fp32; and sampling 256 images in 20 steps for each preset: eager, from CUDA graphs, a routed
-#   ensemble of 4 experts both ways, PyTorch eager and "reduce-overhead"; one JSON line each in
+#   ensemble of 4 experts both ways (its experts side by side, and one after another), PyTorch eager
+#   and "reduce-overhead"; one JSON line each in
 #   OUT/bench.jsonl;
 #   then (unless QUICKSTART=0) the single-model quickstart on the GPU (configs/quickstart.toml: train
 #   in bf16, then sample), timed, its grid in OUT/quickstart-gpu.png, and the decentralized
