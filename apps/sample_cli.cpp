@@ -528,8 +528,9 @@ void add_sample_flags(CLI::App* cmd, SampleArgs& a) {
       ->check(CLI::IsMember({"edges", "lowres"}));
   cmd->add_flag("--one-expert-at-a-time", a.one_expert_at_a_time,
                 "GPUs, with --ensemble: run the experts one after another on one CUDA stream, rather than side by side "
-                "each on a stream of its own (the default; faster for small experts, whose kernels leave most of the GPU "
-                "idle). The same images; the memory of one expert's forward pass at a time instead of all of them");
+                "each on a stream of its own (the default: small experts' kernels leave most of the GPU idle, side by "
+                "side they share it). The same images; the memory of one expert's forward pass at a time instead of "
+                "all of them at once");
   cmd->add_flag("--allow-missing", a.allow_missing,
                 "with --ensemble: sample even if some experts' checkpoints are missing (their probability is "
                 "renormalized over the rest)");
