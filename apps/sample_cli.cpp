@@ -530,7 +530,7 @@ void add_sample_flags(CLI::App* cmd, SampleArgs& a) {
                 "GPUs, with --ensemble: run the experts one after another on one CUDA stream, rather than side by side "
                 "each on a stream of its own (the default: small experts' kernels leave most of the GPU idle, side by "
                 "side they share it). The same images; the memory of one expert's forward pass at a time instead of "
-                "all of them at once");
+                "all of them at once (a run out of GPU memory side by side goes on one at a time by itself)");
   cmd->add_flag("--allow-missing", a.allow_missing,
                 "with --ensemble: sample even if some experts' checkpoints are missing (their probability is "
                 "renormalized over the rest)");

@@ -2,11 +2,13 @@
 #include "decentral/ensemble.h"
 
 #include <cstdio>
+#include <iostream>
 #include <sstream>
 
 #include <torch/torch.h>
 
 #include "core/cuda_graph.h"
+#include "core/cuda_module.h"
 #include "core/error.h"
 #include "core/rng.h"
 #include "diffusion/path.h"
@@ -243,44 +245,70 @@ Denoiser::Estimate Ensemble::combine(const torch::Tensor& x, const torch::Tensor
   // Side by side (set_side_by_side): each group forked onto its expert's stream, all of them queued
   // before any is joined. Every fork is joined before this returns, also when an expert throws: the
   // experts' work reads the caller's tensors.
-  const bool side = side_by_side_ && !shared_network_ && x.is_cuda() && !torch::GradMode::is_enabled();
-  if (side && (streams_.size() != static_cast<size_t>(k()) || streams_device_ != x.device())) {
-    streams_.assign(static_cast<size_t>(k()), nullptr);
-    streams_device_ = x.device();
-  }
-  std::vector<GraphStream*> unjoined(static_cast<size_t>(k()), nullptr);
-  struct JoinAll {
-    std::vector<GraphStream*>& streams;
-    ~JoinAll() {
-      for (GraphStream* s : streams) {
-        if (s == nullptr) continue;
-        try {
-          s->join({});
-        } catch (const std::exception&) {  // already failing: the first error is the one reported
+  auto side_by_side = [&] {
+    if (streams_.size() != static_cast<size_t>(k()) || streams_device_ != x.device()) {
+      streams_.assign(static_cast<size_t>(k()), nullptr);
+      streams_device_ = x.device();
+    }
+    std::vector<GraphStream*> unjoined(static_cast<size_t>(k()), nullptr);
+    struct JoinAll {
+      std::vector<GraphStream*>& streams;
+      ~JoinAll() {
+        for (GraphStream* s : streams) {
+          if (s == nullptr) continue;
+          try {
+            s->join({});
+          } catch (const std::exception&) {  // already failing: the first error is the one reported
+          }
         }
       }
+    } join_all{unjoined};
+    for (int64_t e = 0; e < k(); ++e) {
+      const int64_t n = counts.data_ptr<int64_t>()[e];
+      if (n == 0) continue;
+      auto& stream = streams_[static_cast<size_t>(e)];
+      if (!stream) stream = std::make_shared<GraphStream>(x.device());
+      unjoined[static_cast<size_t>(e)] = stream.get();
+      stream->fork([&] { run(e, n); });
     }
-  } join_all{unjoined};
-  for (int64_t e = 0; e < k(); ++e) {
-    const int64_t n = counts.data_ptr<int64_t>()[e];
-    if (n == 0) continue;
-    if (!side) {
-      run(e, n);
-      continue;
+    for (int64_t e = 0; e < k(); ++e) {
+      const Part& p = parts[static_cast<size_t>(e)];
+      if (GraphStream*& s = unjoined[static_cast<size_t>(e)]) {
+        s->join({p.idx, p.x0, p.eps});
+        s = nullptr;
+      }
     }
-    auto& stream = streams_[static_cast<size_t>(e)];
-    if (!stream) stream = std::make_shared<GraphStream>(x.device());
-    unjoined[static_cast<size_t>(e)] = stream.get();
-    stream->fork([&] { run(e, n); });
+  };
+  auto in_turn = [&] {
+    for (int64_t e = 0; e < k(); ++e)
+      if (const int64_t n = counts.data_ptr<int64_t>()[e]; n > 0) run(e, n);
+  };
+  if (side_by_side_ && !side_by_side_failed_ && !shared_network_ && x.is_cuda() && !torch::GradMode::is_enabled()) {
+    const EnsembleUsage before = usage_;
+    try {
+      side_by_side();
+    } catch (const c10::OutOfMemoryError& e) {
+      // All the experts' forward passes at once did not fit: from here on one at a time, which gives the
+      // same bits (this step's experts run again from the start).
+      std::string why = e.what();
+      why.resize(std::min(why.find('\n'), why.size()));
+      std::cerr << "ensemble: out of GPU memory with the experts side by side (" << why
+                << "); going on with one expert at a time, the same images (`ddm sample --one-expert-at-a-time` "
+                   "starts so)"
+                << std::endl;
+      side_by_side_failed_ = true;
+      usage_ = before;
+      parts.assign(static_cast<size_t>(k()), Part{});
+      cuda_module().empty_cache();
+      in_turn();
+    }
+  } else {
+    in_turn();
   }
   // The mixture, on the caller's stream, in the experts' order.
   for (int64_t e = 0; e < k(); ++e) {
     const Part& p = parts[static_cast<size_t>(e)];
     if (!p.idx.defined()) continue;
-    if (GraphStream*& s = unjoined[static_cast<size_t>(e)]) {
-      s->join({p.idx, p.x0, p.eps});
-      s = nullptr;
-    }
     out.x0.index_add_(0, p.idx, p.x0);
     out.eps.index_add_(0, p.idx, p.eps);
   }

@@ -126,7 +126,8 @@ class Ensemble {
   // passes at once rather than one's (`ddm sample --one-expert-at-a-time` turns it off). Off: one after
   // another on the caller's stream. The same bits either way, given the same convolution algorithms
   // (cuDNN's benchmark mode times them afresh in each process). Experts that share one network run one
-  // after another.
+  // after another, and so does every step after one that ran out of GPU memory side by side (said once
+  // on stderr; that step's experts run again, one at a time).
   void set_side_by_side(bool on) { side_by_side_ = on; }
   // A Denoiser over this ensemble (which must outlive it).
   Denoiser denoiser() const;
@@ -154,7 +155,8 @@ class Ensemble {
   torch::Tensor present_;  // float [K]: 1 where the expert exists
   int64_t quantum_ = 0;    // set_group_quantum
   bool side_by_side_ = true;
-  bool shared_network_ = false;  // two experts with one network: never side by side
+  bool shared_network_ = false;               // two experts with one network: never side by side
+  mutable bool side_by_side_failed_ = false;  // out of memory side by side once: one at a time since
   mutable std::vector<std::shared_ptr<GraphStream>> streams_;  // per expert, made at its first side-by-side run
   mutable torch::Device streams_device_ = torch::kCPU;          // where they are
   mutable EnsembleUsage usage_;

@@ -1015,6 +1015,69 @@ TEST(Gpu, EnsembleExpertsSideBySideGiveTheBitsOfOneAfterAnother) {
   }
 }
 
+// An ensemble whose experts run out of GPU memory side by side goes on one expert at a time (said
+// once on stderr) and gives the images of one at a time from the start, with the same usage counts:
+// two unet-tiny experts that throw c10::OutOfMemoryError, as the caching allocator does, whenever
+// they are called on a stream other than the test's (that is, side by side).
+TEST(Gpu, AnEnsembleOutOfMemorySideBySideGoesOnOneExpertAtATime) {
+  if (no_gpu()) GTEST_SKIP() << kNoGpu;
+  configure_math(torch::kCUDA, /*deterministic=*/false);
+  ModelConfig m;
+  m.in_channels = 1, m.image_size = 28, m.num_classes = 10, m.preset = "unet-tiny";
+  apply_preset("unet-tiny", m);
+  DiffusionConfig d;
+  void* const main_stream = cuda_module().current_stream(0);
+  std::vector<Denoiser> inner;
+  for (int64_t e = 0; e < 2; ++e) {
+    torch::manual_seed(static_cast<uint64_t>(20 + e));
+    Net net = make_net(m);
+    {
+      torch::NoGradGuard no_grad;
+      for (auto& p : net->parameters()) p.normal_(0.0, 0.05);
+    }
+    net->to(torch::kCUDA);
+    net->eval();
+    inner.emplace_back(net, make_path(d), prediction_for(d), 10);
+  }
+  torch::manual_seed(98);
+  const torch::Tensor proj = (3.0 * torch::randn({28 * 28, 2})).to(torch::kCUDA);  // [HW, 2]
+  RouterFn router = [proj](const torch::Tensor& x, const torch::Tensor&, const Cond&) {
+    return torch::softmax(torch::mm(x.flatten(1).to(torch::kFloat), proj), 1);  // [B, 2]
+  };
+  auto sample = [&](bool side) {
+    std::vector<std::optional<Denoiser>> experts;
+    for (const Denoiser& den : inner)
+      experts.emplace_back(Denoiser(
+          [den, main_stream](const torch::Tensor& x, const torch::Tensor& t, const Cond& y, double w, const torch::Tensor&) {
+            TORCH_CHECK_WITH(OutOfMemoryError, cuda_module().current_stream(0) == main_stream,
+                             "CUDA out of memory (the test's expert, called side by side)");
+            return den.estimate(x, t, y, w);
+          },
+          den.path(), 10, torch::kCUDA));
+    Ensemble ens(std::move(experts), {1.0, 1.0}, router, 0.0, make_path(d), 10, parse_routing("top1"), 0, torch::kCUDA);
+    ens.set_side_by_side(side);
+    GenerateOptions g;
+    g.n = 40, g.batch_size = 40, g.seed = 6, g.per_class = 4;
+    g.sample.steps = 4, g.sample.cfg = 2.0;
+    testing::internal::CaptureStderr();
+    const torch::Tensor images = generate(ens.denoiser(), 1, 28, g).images;
+    const std::string err = testing::internal::GetCapturedStderr();
+    return std::make_tuple(images, ens.usage().expert_evals, ens.usage().calls, err);
+  };
+  const auto [fell_back, fell_back_evals, fell_back_calls, fell_back_err] = sample(true);
+  const auto [in_turn, in_turn_evals, in_turn_calls, in_turn_err] = sample(false);
+  EXPECT_TRUE(torch::equal(fell_back, in_turn)) << (fell_back - in_turn).abs().max().item<double>();
+  EXPECT_EQ(fell_back_evals, in_turn_evals);
+  EXPECT_EQ(fell_back_calls, in_turn_calls);
+  const std::string said = "out of GPU memory with the experts side by side";
+  const size_t at = fell_back_err.find(said);
+  EXPECT_NE(at, std::string::npos) << fell_back_err;
+  EXPECT_EQ(fell_back_err.find(said, at + 1), std::string::npos) << "said more than once: " << fell_back_err;
+  EXPECT_EQ(in_turn_err.find(said), std::string::npos) << in_turn_err;
+  std::printf("ensemble out of memory side by side: went on one at a time, images equal to one at a time: %s\n",
+              torch::equal(fell_back, in_turn) ? "yes" : "NO");
+}
+
 // Evaluation with the feature network on the GPU: 500 training images scored against the test
 // split (reference features cached by the CPU run) give the CPU's FD-fmnist and KID within float32
 // rounding of the features; `ddm partition --device cuda` with feature-network features runs there.
