@@ -13,11 +13,13 @@
 #include <torch/torch.h>
 
 #include "core/config.h"
+#include "core/device.h"
 #include "core/error.h"
 #include "core/safetensors.h"
 #include "diffusion/denoiser.h"
 #include "diffusion/path.h"
 #include "diffusion/sampler.h"
+#include "model/graphed_net.h"
 #include "sd/scheduler.h"
 #include "sd/unet_net.h"
 #include "test_util.h"
@@ -87,6 +89,18 @@ TEST(SdUNetNet, OneTrainingStepIsDiffusersTrainingStep) {
     EXPECT_TRUE(torch::equal(k.h, net->forward(ref.at("noisy"), t, c)));
     EXPECT_TRUE(k.skips.empty());
     EXPECT_EQ(held, static_cast<int64_t>(net->parameters().size()));
+  }
+  // `ddm sample --cuda-graphs` of this UNet in bf16 captures it with its linear and convolution weights
+  // swapped for casts held beside the graphs (model/graphed_net.h): the bits of autocast's own casts.
+  {
+    torch::NoGradGuard no_grad;
+    const Autocast autocast(torch::kCPU, Precision::kBf16);
+    const AutocastCacheOff no_cache;
+    const torch::Tensor plain = net->forward(ref.at("noisy"), t, c);
+    HeldWeightCasts held(*net, torch::kBFloat16);
+    EXPECT_GT(held.size(), 0);
+    const HeldWeightCasts::Swap swap(held);
+    EXPECT_TRUE(torch::equal(net->forward(ref.at("noisy"), t, c), plain));
   }
   // The same UNet's FLOPs, as torch's flop counter counts diffusers' forward of one sample.
   const sd::UNet2DConditionConfig& uc = net->unet()->config();
