@@ -46,7 +46,8 @@ class CapturedGraph {
   CapturedGraph(const CapturedGraph&) = delete;
   CapturedGraph& operator=(const CapturedGraph&) = delete;
   // Captures f's work on the current stream (inside GraphStream::run; nothing runs). Returns "" or,
-  // when the capture failed, why (the first line of the error); the graph is then empty.
+  // when the capture failed, why (the first line of the error); the graph is then empty. Out of GPU
+  // memory is thrown (c10::OutOfMemoryError) instead: the same capture may succeed with memory to spare.
   // share_pool_of: a captured graph whose memory pool this one allocates from, so that a set of
   // graphs holds the memory of its largest capture rather than the sum of all. Safe where the
   // graphs replay one at a time on one stream and what each leaves in the pool (its output) is read

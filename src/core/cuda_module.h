@@ -48,6 +48,8 @@ class CudaGraph {
  public:
   virtual ~CudaGraph() = default;
   // Captures f's work on the current stream; "" or, when the capture failed, why (its first line).
+  // Running out of GPU memory is thrown (c10::OutOfMemoryError), not returned: with memory to spare
+  // the same capture may succeed.
   // With share_pool_of (a graph of this module, captured), the capture allocates from that graph's
   // memory pool instead of a pool of its own (CapturedGraph::capture says when that is safe).
   virtual std::string capture(const std::function<void()>& f, const CudaGraph* share_pool_of) = 0;

@@ -85,8 +85,11 @@ class Graph final : public CudaGraph {
     const auto* other = dynamic_cast<const Graph*>(share_pool_of);
     const c10::MempoolId_t pool =
         other != nullptr && other->graph_ ? other->graph_->pool() : at::cuda::graph_pool_handle();
-    const bool cache = at::autocast::is_autocast_cache_enabled();
-    at::autocast::set_autocast_cache_enabled(false);
+    struct CacheOff {  // autocast's cache off while capturing, and as it was after, however this ends
+      bool was = at::autocast::is_autocast_cache_enabled();
+      CacheOff() { at::autocast::set_autocast_cache_enabled(false); }
+      ~CacheOff() { at::autocast::set_autocast_cache_enabled(was); }
+    } cache_off;
     auto graph = std::make_unique<at::cuda::CUDAGraph>();
     const c10::DeviceIndex device = c10::cuda::current_device();
     std::string why;
@@ -110,12 +113,13 @@ class Graph final : public CudaGraph {
         throw;
       }
       graph_ = std::move(graph);
+    } catch (const c10::OutOfMemoryError&) {
+      throw;  // not a network that cannot be captured: with memory to spare it can
     } catch (const std::exception& e) {
       why = e.what();
       if (const auto nl = why.find('\n'); nl != std::string::npos) why.resize(nl);
       if (why.empty()) why = "an error without a message";
     }
-    at::autocast::set_autocast_cache_enabled(cache);
     return why;
   }
 

@@ -8,6 +8,7 @@
 #include <torch/autograd.h>
 
 #include "core/device.h"
+#include "core/error.h"
 
 namespace ddm {
 
@@ -26,7 +27,11 @@ HeldWeightCasts::HeldWeightCasts(torch::nn::Module& net, at::ScalarType dtype) {
     if (!casts_weights(*m)) continue;
     for (auto& item : m->named_parameters(/*recurse=*/false)) {
       torch::Tensor& p = item.value();
-      if (item.key() != "weight" || p.scalar_type() != torch::kFloat || p.is_view()) continue;
+      // Only a weight that is all of its memory: one in a flat buffer (FlatAdamW's) changes through that
+      // buffer, whose version counter is not the weight's.
+      if (item.key() != "weight" || p.scalar_type() != torch::kFloat || p.storage_offset() != 0 ||
+          p.storage().nbytes() != p.nbytes())
+        continue;
       params_.push_back(p);
       weights_.push_back(p.detach());
       casts_.push_back(p.detach().to(dtype));
@@ -39,6 +44,10 @@ int64_t HeldWeightCasts::refresh() {
   torch::NoGradGuard no_grad;
   int64_t n = 0;
   for (size_t i = 0; i < params_.size(); ++i) {
+    DDM_CHECK(params_[i].data_ptr() == weights_[i].data_ptr() && params_[i].scalar_type() == torch::kFloat &&
+                  params_[i].sizes() == weights_[i].sizes(),
+              "--cuda-graphs: a weight of the network was given other memory after its casts for CUDA graphs were "
+              "made (moved, converted or loaded into anew): wrap the network for graphs after it is loaded and placed");
     if (weights_[i]._version() == versions_[i]) continue;
     casts_[i].copy_(weights_[i]);
     versions_[i] = weights_[i]._version();
@@ -48,11 +57,15 @@ int64_t HeldWeightCasts::refresh() {
 }
 
 HeldWeightCasts::Swap::Swap(HeldWeightCasts& h) : h_(h) {
-  for (size_t i = 0; i < h_.params_.size(); ++i) h_.params_[i].set_data(h_.casts_[i]);
+  saved_.reserve(h_.params_.size());
+  for (size_t i = 0; i < h_.params_.size(); ++i) {
+    saved_.push_back(h_.params_[i].detach());  // the parameter's data as it is, put back at the end
+    h_.params_[i].set_data(h_.casts_[i]);
+  }
 }
 
 HeldWeightCasts::Swap::~Swap() {
-  for (size_t i = 0; i < h_.params_.size(); ++i) h_.params_[i].set_data(h_.weights_[i]);
+  for (size_t i = 0; i < saved_.size(); ++i) h_.params_[i].set_data(saved_[i]);
 }
 
 GraphedNetImpl::GraphedNetImpl(std::shared_ptr<NetImpl> inner, int64_t max_graphs)
@@ -80,7 +93,7 @@ torch::Tensor GraphedNetImpl::forward(const torch::Tensor& x, const torch::Tenso
   torch::Tensor out;
   auto it = graphs_.find(key);
   if (it == graphs_.end()) {
-    if (static_cast<int64_t>(graphs_.size()) >= max_graphs_ || eager_calls_[key]++ == 0) {
+    if (static_cast<int64_t>(graphs_.size()) >= max_graphs_ || eager_calls_[key]++ == 0 || eager_only_.count(key)) {
       stream_->run([&] { out = inner_->forward(x, t, c); });  // first of its shape: warm up eagerly
       return out;
     }
@@ -101,18 +114,33 @@ torch::Tensor GraphedNetImpl::forward(const torch::Tensor& x, const torch::Tenso
       if (!held) stream_->run([&] { held = std::make_unique<HeldWeightCasts>(*inner_, dtype); });
       g->casts = held.get();
     }
-    stream_->run([&] {
-      std::optional<HeldWeightCasts::Swap> swap;
-      if (g->casts) {
-        g->casts->refresh();
-        swap.emplace(*g->casts);
-      }
-      why = g->graph.capture([&] { g->out = inner_->forward(g->x, g->t, g->c); }, pool);
-    });
+    try {
+      stream_->run([&] {
+        std::optional<HeldWeightCasts::Swap> swap;
+        if (g->casts) {
+          g->casts->refresh();
+          swap.emplace(*g->casts);
+        }
+        why = g->graph.capture([&] { g->out = inner_->forward(g->x, g->t, g->c); }, pool);
+      });
+    } catch (const c10::OutOfMemoryError& e) {
+      // Out of GPU memory while capturing: this shape runs without a graph from now on (its eager call
+      // needs no pool of its own), the others keep theirs.
+      std::string first = e.what();
+      first.resize(std::min(first.find('\n'), first.size()));
+      if (eager_only_.empty())
+        std::cerr << "--cuda-graphs: out of GPU memory capturing a graph (" << first
+                  << "); that batch shape runs without one\n";
+      eager_only_.insert(key);
+      stream_->run([&] { out = inner_->forward(x, t, c); });
+      return out;
+    }
     if (!why.empty()) {
       failed_ = true;
       std::cerr << "--cuda-graphs: the network could not be captured as a CUDA graph (" << why
                 << "); it runs without graphs\n";
+      graphs_.clear();  // nothing replays from here on; the graphs first, then the casts they read
+      casts_.clear();
       stream_->run([&] { out = inner_->forward(x, t, c); });
       return out;
     }

@@ -5,12 +5,13 @@
 // it; from then on the inputs are copied into the graph's and its output is copied out (a caller may
 // keep it while the next call replays). The graphs share one memory pool, so that many shapes cost
 // the memory of the largest one's forward (and each one's output), not the sum. Shapes beyond
-// max_graphs, calls that record gradients, CPU tensors, and a network that cannot be captured (said
-// once on stderr) run eagerly: the same results either way, bit for bit, since a replay runs the
+// max_graphs, calls that record gradients, CPU tensors, a shape whose capture ran out of GPU memory
+// and a network that cannot be captured (each said once on stderr) run eagerly: the same results either way, bit for bit, since a replay runs the
 // eager call's kernels. Under autocast a graph does not cast the linear and convolution weights at
 // every replay: it reads casts made once (HeldWeightCasts below), made again where a weight changed.
 #pragma once
 #include <map>
+#include <set>
 #include <memory>
 #include <string>
 #include <vector>
@@ -27,12 +28,14 @@ namespace ddm {
 // forward's bits do not change: autocast runs linear and convolution in `dtype`, and the cast is the
 // same rounding, done once (Nets.HeldWeightCastsChangeNoBitOfAForward checks every preset on the CPU).
 // Biases are left as they are (the DiT's fused residual adds a linear's bias itself, in float32), and
-// so are parameters that are views (of a flat buffer).
+// so are weights that share their memory with more (a flat buffer's). Only the network's registered
+// modules are seen (a ControlNet's locked UNet is not one: its weights are cast at each use).
 class HeldWeightCasts {
  public:
   HeldWeightCasts(torch::nn::Module& net, at::ScalarType dtype);
   // Casts again, in place (on the current stream), every weight whose version changed since its cast.
-  // Returns how many.
+  // Returns how many. Not while a Swap lives. A weight given other memory since (Module::to, a load
+  // into it anew) is refused, naming the fix: the graphs read the memory they were captured with.
   int64_t refresh();
   int64_t size() const { return static_cast<int64_t>(params_.size()); }
 
@@ -45,6 +48,7 @@ class HeldWeightCasts {
 
    private:
     HeldWeightCasts& h_;
+    std::vector<torch::Tensor> saved_;  // the parameters' data before the swap
   };
 
  private:
@@ -81,6 +85,7 @@ class GraphedNetImpl : public NetImpl {
   std::map<at::ScalarType, std::unique_ptr<HeldWeightCasts>> casts_;
   std::map<std::string, std::unique_ptr<Graph>> graphs_;  // by the inputs' signature
   std::map<std::string, int64_t> eager_calls_;            // shapes seen, not yet captured
+  std::set<std::string> eager_only_;                      // shapes whose capture ran out of GPU memory
   bool failed_ = false;
   int64_t replays_ = 0;
 };

@@ -1017,8 +1017,10 @@ TEST(Gpu, EnsembleExpertsSideBySideGiveTheBitsOfOneAfterAnother) {
 
 // An ensemble whose experts run out of GPU memory side by side goes on one expert at a time (said
 // once on stderr) and gives the images of one at a time from the start, with the same usage counts:
-// two unet-tiny experts that throw c10::OutOfMemoryError, as the caching allocator does, whenever
-// they are called on a stream other than the test's (that is, side by side).
+// two bf16 unet-tiny experts, the second of which throws c10::OutOfMemoryError, as the caching
+// allocator does, whenever it is called on a stream other than the test's (that is, side by side),
+// after the first has run there (its counts and weight casts made side by side, then dropped or read
+// on the test's stream).
 TEST(Gpu, AnEnsembleOutOfMemorySideBySideGoesOnOneExpertAtATime) {
   if (no_gpu()) GTEST_SKIP() << kNoGpu;
   configure_math(torch::kCUDA, /*deterministic=*/false);
@@ -1038,6 +1040,7 @@ TEST(Gpu, AnEnsembleOutOfMemorySideBySideGoesOnOneExpertAtATime) {
     net->to(torch::kCUDA);
     net->eval();
     inner.emplace_back(net, make_path(d), prediction_for(d), 10);
+    inner.back().set_precision(Precision::kBf16);
   }
   torch::manual_seed(98);
   const torch::Tensor proj = (3.0 * torch::randn({28 * 28, 2})).to(torch::kCUDA);  // [HW, 2]
@@ -1046,21 +1049,30 @@ TEST(Gpu, AnEnsembleOutOfMemorySideBySideGoesOnOneExpertAtATime) {
   };
   auto sample = [&](bool side) {
     std::vector<std::optional<Denoiser>> experts;
-    for (const Denoiser& den : inner)
+    for (size_t e = 0; e < inner.size(); ++e) {
+      const Denoiser den = inner[e];
       experts.emplace_back(Denoiser(
-          [den, main_stream](const torch::Tensor& x, const torch::Tensor& t, const Cond& y, double w, const torch::Tensor&) {
-            TORCH_CHECK_WITH(OutOfMemoryError, cuda_module().current_stream(0) == main_stream,
-                             "CUDA out of memory (the test's expert, called side by side)");
+          [den, e, main_stream](const torch::Tensor& x, const torch::Tensor& t, const Cond& y, double w,
+                                const torch::Tensor&) {
+            TORCH_CHECK_WITH(OutOfMemoryError, e == 0 || cuda_module().current_stream(0) == main_stream,
+                             "CUDA out of memory (the test's expert 1, called side by side)");
             return den.estimate(x, t, y, w);
           },
           den.path(), 10, torch::kCUDA));
+    }
     Ensemble ens(std::move(experts), {1.0, 1.0}, router, 0.0, make_path(d), 10, parse_routing("top1"), 0, torch::kCUDA);
     ens.set_side_by_side(side);
     GenerateOptions g;
     g.n = 40, g.batch_size = 40, g.seed = 6, g.per_class = 4;
     g.sample.steps = 4, g.sample.cfg = 2.0;
     testing::internal::CaptureStderr();
-    const torch::Tensor images = generate(ens.denoiser(), 1, 28, g).images;
+    torch::Tensor images;
+    try {
+      images = generate(ens.denoiser(), 1, 28, g).images;
+    } catch (...) {
+      std::fprintf(stdout, "%s", testing::internal::GetCapturedStderr().c_str());
+      throw;
+    }
     const std::string err = testing::internal::GetCapturedStderr();
     return std::make_tuple(images, ens.usage().expert_evals, ens.usage().calls, err);
   };
@@ -1068,6 +1080,9 @@ TEST(Gpu, AnEnsembleOutOfMemorySideBySideGoesOnOneExpertAtATime) {
   const auto [in_turn, in_turn_evals, in_turn_calls, in_turn_err] = sample(false);
   EXPECT_TRUE(torch::equal(fell_back, in_turn)) << (fell_back - in_turn).abs().max().item<double>();
   EXPECT_EQ(fell_back_evals, in_turn_evals);
+  ASSERT_EQ(in_turn_evals.size(), 2u);
+  EXPECT_GT(in_turn_evals[0], 0) << "the router sent no sample to expert 0";
+  EXPECT_GT(in_turn_evals[1], 0) << "the router sent no sample to expert 1";
   EXPECT_EQ(fell_back_calls, in_turn_calls);
   const std::string said = "out of GPU memory with the experts side by side";
   const size_t at = fell_back_err.find(said);

@@ -240,8 +240,20 @@ TEST(Nets, HeldWeightCastsChangeNoBitOfAForward) {
     }
     EXPECT_EQ(held.refresh(), held.size()) << name;
     EXPECT_EQ(held.refresh(), 0) << name;
-    const HeldWeightCasts::Swap swap(held);
-    EXPECT_TRUE(torch::equal(net->forward(x, t, y), changed)) << name;
+    {
+      const HeldWeightCasts::Swap swap(held);
+      EXPECT_TRUE(torch::equal(net->forward(x, t, y), changed)) << name;
+    }
+    // Weights given other memory (as Module::to or a load anew would) are refused, not read stale; a
+    // weight that is part of a larger buffer (a flat one) is not held.
+    for (auto& p : net->parameters()) p.set_data(p.detach().clone());
+    EXPECT_NE(error_of([&] { held.refresh(); }).find("wrap the network for graphs after it is loaded"),
+              std::string::npos) << name;
+    for (auto& p : net->parameters()) {
+      auto flat = torch::zeros({p.numel() + 1});
+      p.set_data(flat.narrow(0, 1, p.numel()).view(p.sizes()));
+    }
+    EXPECT_EQ(HeldWeightCasts(*net, torch::kBFloat16).size(), 0) << name;
   }
 }
 
