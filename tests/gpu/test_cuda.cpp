@@ -930,6 +930,35 @@ TEST(Gpu, ARoutedEnsembleSamplesOnCudaAsOnTheCpu) {
   expect_same_training(dir / "s-gpu", dir / "s-cpu", "distillation on cuda against the cpu");
 }
 
+namespace {
+// A unet-tiny expert for 28 x 28 grey images of 10 classes, random (N(0, 0.05) weights from `seed`),
+// on the GPU in eval mode.
+Net random_unet_tiny_on_cuda(uint64_t seed) {
+  ModelConfig m;
+  m.in_channels = 1, m.image_size = 28, m.num_classes = 10, m.preset = "unet-tiny";
+  apply_preset("unet-tiny", m);
+  torch::manual_seed(seed);
+  Net net = make_net(m);
+  {
+    torch::NoGradGuard no_grad;
+    for (auto& p : net->parameters()) p.normal_(0.0, 0.05);
+  }
+  net->to(torch::kCUDA);
+  net->eval();
+  return net;
+}
+
+// A router over k experts whose probabilities a fixed random projection of x_t (from `seed`) tilts,
+// so that samples spread over the experts and their groups change from step to step.
+RouterFn tilted_router(int64_t k, uint64_t seed) {
+  torch::manual_seed(seed);
+  const torch::Tensor proj = (3.0 * torch::randn({28 * 28, k})).to(torch::kCUDA);  // [HW, K]
+  return [proj](const torch::Tensor& x, const torch::Tensor&, const Cond&) {
+    return torch::softmax(torch::mm(x.flatten(1).to(torch::kFloat), proj), 1);  // [B, K]
+  };
+}
+}  // namespace
+
 // Experts side by side (Ensemble::set_side_by_side: each expert's group on a CUDA stream of its own,
 // the weighted estimates added on the caller's stream in the experts' order) give the bits of the
 // experts run one after another: eager and from CUDA graphs (each run with graphs of its own, captured
@@ -946,26 +975,9 @@ TEST(Gpu, EnsembleExpertsSideBySideGiveTheBitsOfOneAfterAnother) {
     ~BenchmarkOff() { at::globalContext().setBenchmarkCuDNN(was); }
   } benchmark_off;
   const int64_t k = 3, n = 96;
-  ModelConfig m;
-  m.in_channels = 1, m.image_size = 28, m.num_classes = 10, m.preset = "unet-tiny";
-  apply_preset("unet-tiny", m);
   std::vector<Net> nets;
-  for (int64_t e = 0; e < k; ++e) {
-    torch::manual_seed(static_cast<uint64_t>(10 + e));
-    Net net = make_net(m);
-    {
-      torch::NoGradGuard no_grad;
-      for (auto& p : net->parameters()) p.normal_(0.0, 0.05);
-    }
-    net->to(torch::kCUDA);
-    net->eval();
-    nets.push_back(net);
-  }
-  torch::manual_seed(99);
-  const torch::Tensor proj = (3.0 * torch::randn({28 * 28, k})).to(torch::kCUDA);  // [HW, K]
-  RouterFn router = [proj](const torch::Tensor& x, const torch::Tensor&, const Cond&) {
-    return torch::softmax(torch::mm(x.flatten(1).to(torch::kFloat), proj), 1);  // [B, K]
-  };
+  for (int64_t e = 0; e < k; ++e) nets.push_back(random_unet_tiny_on_cuda(static_cast<uint64_t>(10 + e)));
+  const RouterFn router = tilted_router(k, 99);
   DiffusionConfig d;
   for (const bool graphs : {false, true}) {
     for (const Precision precision : {Precision::kFp32, Precision::kBf16}) {
@@ -1024,29 +1036,14 @@ TEST(Gpu, EnsembleExpertsSideBySideGiveTheBitsOfOneAfterAnother) {
 TEST(Gpu, AnEnsembleOutOfMemorySideBySideGoesOnOneExpertAtATime) {
   if (no_gpu()) GTEST_SKIP() << kNoGpu;
   configure_math(torch::kCUDA, /*deterministic=*/false);
-  ModelConfig m;
-  m.in_channels = 1, m.image_size = 28, m.num_classes = 10, m.preset = "unet-tiny";
-  apply_preset("unet-tiny", m);
   DiffusionConfig d;
   void* const main_stream = cuda_module().current_stream(0);
   std::vector<Denoiser> inner;
   for (int64_t e = 0; e < 2; ++e) {
-    torch::manual_seed(static_cast<uint64_t>(20 + e));
-    Net net = make_net(m);
-    {
-      torch::NoGradGuard no_grad;
-      for (auto& p : net->parameters()) p.normal_(0.0, 0.05);
-    }
-    net->to(torch::kCUDA);
-    net->eval();
-    inner.emplace_back(net, make_path(d), prediction_for(d), 10);
+    inner.emplace_back(random_unet_tiny_on_cuda(static_cast<uint64_t>(20 + e)), make_path(d), prediction_for(d), 10);
     inner.back().set_precision(Precision::kBf16);
   }
-  torch::manual_seed(98);
-  const torch::Tensor proj = (3.0 * torch::randn({28 * 28, 2})).to(torch::kCUDA);  // [HW, 2]
-  RouterFn router = [proj](const torch::Tensor& x, const torch::Tensor&, const Cond&) {
-    return torch::softmax(torch::mm(x.flatten(1).to(torch::kFloat), proj), 1);  // [B, 2]
-  };
+  const RouterFn router = tilted_router(2, 98);
   auto sample = [&](bool side) {
     std::vector<std::optional<Denoiser>> experts;
     for (size_t e = 0; e < inner.size(); ++e) {
