@@ -74,8 +74,8 @@ Source open_source(const SampleArgs& a) {
     throw InputError("--cuda-graphs replays the network on a CUDA GPU, but --device cpu: leave one of them out");
   const torch::Device device = resolve_device(a.device, 0, "--device");
   if (!a.ckpt.empty()) {
-    DDM_CHECK(a.routing.empty() && !a.allow_missing && !a.one_expert_at_a_time,
-              "--routing, --allow-missing and --one-expert-at-a-time apply only to --ensemble");
+    if (!a.routing.empty() || a.allow_missing || a.one_expert_at_a_time)  // a flag that does not apply: exit 2
+      throw InputError("--routing, --allow-missing and --one-expert-at-a-time apply only to --ensemble");
     configure_math(device, false);
     s.model = load_model(a.ckpt, !a.no_ema, device);
     if (a.cuda_graphs) {

@@ -5,6 +5,7 @@
 #include <iostream>
 #include <sstream>
 
+#include <ATen/autocast_mode.h>
 #include <torch/torch.h>
 
 #include "core/cuda_graph.h"
@@ -299,6 +300,10 @@ Denoiser::Estimate Ensemble::combine(const torch::Tensor& x, const torch::Tensor
       side_by_side_failed_ = true;
       usage_ = before;
       parts.assign(static_cast<size_t>(k()), Part{});
+      // Autocast's weight casts made on the experts' streams are dropped (cast again on this one): read
+      // here and freed later into a stream that another user of the stream pool may share, their memory
+      // could be reused before this stream is done with it.
+      at::autocast::clear_cache();
       cuda_module().empty_cache();
       in_turn();
     }

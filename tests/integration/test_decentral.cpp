@@ -261,8 +261,9 @@ TEST(DecentralCli, RouterEnsembleAndRoutedSamplingRefuseMismatchedParts) {
   expect_error(test::run_ddm(assemble + " --routing topk:5"), "routing topk:5: the ensemble has only K = 2 experts");
   expect_error(test::run_ddm("sample --ckpt " + (dir / "e0") + " --routing full --out " + (dir / "x.png")),
                "apply only to --ensemble");
-  expect_error(test::run_ddm("sample --ckpt " + (dir / "e0") + " --one-expert-at-a-time --out " + (dir / "x.png")),
-               "apply only to --ensemble");
+  r = test::run_ddm("sample --ckpt " + (dir / "e0") + " --one-expert-at-a-time --out " + (dir / "x.png"));
+  expect_error(r, "apply only to --ensemble");
+  EXPECT_EQ(r.exit_code, 2);  // a flag that does not apply is bad input, as a bad flag is
   expect_error(test::run_ddm("sample --ensemble " + (dir / "e0") + " --out " + (dir / "x.png")),
                "is not an ensemble directory");
   EXPECT_FALSE(fs::exists(dir / "x"));
