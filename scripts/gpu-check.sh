@@ -29,8 +29,8 @@
 #   then (unless QUICKSTART=0) the single-model quickstart on the GPU (configs/quickstart.toml: train
 #   in bf16, then sample), timed, its grid in OUT/quickstart-gpu.png, and the decentralized
 #   `ddm quickstart --device cuda`, its grid in OUT/quickstart-ddm-gpu.png;
-#   then (unless LOADER=0; the pack has JPEG shards where this machine's venv has Pillow) the shard
-#   loader on that machine's cores (ddm_bench loader at 64x64 and 256x256, several thread counts) and
+#   then (unless LOADER=0; the pack has JPEG shards where this machine has Pillow, in the torch venv
+#   or the reference environment) the shard loader on that machine's cores (ddm_bench loader at 64x64 and 256x256, several thread counts) and
 #   the trainer's wait for data (metrics.jsonl's data_wait) training DiTs on the GPU from JPEG shards;
 #   then (unless SHARDS_E2E=0) experts, a router and a distilled student over shards on CUDA, latent
 #   shards written by `ddm encode` on CUDA and a latent model trained from them, and with
@@ -108,12 +108,18 @@ for name, head, size in (("train-images-idx3-ubyte", 16, 784), ("train-labels-id
 PY
     # Procedural colour JPEG shards for the loader checks (bench/make_jpeg_shards.py), small enough
     # to carry: the loader cycles through them epoch after epoch.
-    source scripts/torch-env.sh
-    if "$venv/bin/python" -c "import PIL, numpy" 2>/dev/null; then
-      "$venv/bin/python" bench/make_jpeg_shards.py "$dir/shards/64" --n 400 --width 80 --height 80 --shards 4
-      "$venv/bin/python" bench/make_jpeg_shards.py "$dir/shards/256" --n 200 --width 320 --height 288 --shards 4
+    # Made by a python with Pillow and numpy: the torch venv's, or the reference environment's
+    # (scripts/reference-env.sh, which scripts/setup.sh makes).
+    source scripts/reference-env.sh
+    shards_py=""
+    for py in "$venv/bin/python" "$(reference_env_python)"; do
+      if [ -x "$py" ] && "$py" -c "import PIL, numpy" 2>/dev/null; then shards_py=$py; break; fi
+    done
+    if [ -n "$shards_py" ]; then
+      "$shards_py" bench/make_jpeg_shards.py "$dir/shards/64" --n 400 --width 80 --height 80 --shards 4
+      "$shards_py" bench/make_jpeg_shards.py "$dir/shards/256" --n 200 --width 320 --height 288 --shards 4
     else
-      echo "gpu-check: no JPEG shards packed ($venv/bin/python lacks Pillow or numpy: $venv/bin/pip install pillow numpy); the loader and shards checks will be skipped" >&2
+      echo "gpu-check: no JPEG shards packed (neither $venv/bin/python nor the reference environment has Pillow and numpy: run scripts/setup.sh); the loader and shards checks will be skipped" >&2
     fi
     # A small sentence encoder (2 layers of width 32, random, in sentence-transformers' layout) for the
     # text-model checks: the real MiniLM (90 MB) does not fit what a check carries.
