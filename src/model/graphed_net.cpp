@@ -107,19 +107,17 @@ torch::Tensor GraphedNetImpl::forward(const torch::Tensor& x, const torch::Tenso
     // Every graph of this network allocates from the first one's memory pool: they replay one at a time
     // on stream_, and each one's output is copied out right after its replay (below).
     const CapturedGraph* pool = graphs_.empty() ? nullptr : &graphs_.begin()->second->graph;
-    // Under autocast the graph reads the weights' held casts (swapped in while it is captured).
-    if (at::autocast::is_autocast_enabled(cuda)) {
-      const at::ScalarType dtype = at::autocast::get_autocast_dtype(cuda);
-      auto& held = casts_[dtype];
-      if (!held) stream_->run([&] { held = std::make_unique<HeldWeightCasts>(*inner_, dtype); });
-      g->casts = held.get();
-    }
     try {
       stream_->run([&] {
+        // Under autocast the graph reads the weights' held casts, swapped in while it is captured.
         std::optional<HeldWeightCasts::Swap> swap;
-        if (g->casts) {
-          g->casts->refresh();
-          swap.emplace(*g->casts);
+        if (at::autocast::is_autocast_enabled(cuda)) {
+          const at::ScalarType dtype = at::autocast::get_autocast_dtype(cuda);
+          auto& held = casts_[dtype];
+          if (!held) held = std::make_unique<HeldWeightCasts>(*inner_, dtype);
+          held->refresh();
+          g->casts = held.get();
+          swap.emplace(*held);
         }
         why = g->graph.capture([&] { g->out = inner_->forward(g->x, g->t, g->c); }, pool);
       });
