@@ -9,6 +9,9 @@
 //          (PRESET: any model preset, on 28x28x1 with 10 classes, or dit-b: DiT-B/2 on 32x32x4 latents
 //           with 1000 classes, as bench/reference.py's; on a GPU the step is timed to its end (a device
 //           synchronization) and --peak, the card's dense bf16 TFLOP/s, gives the MFU)
+//        ddm_bench forward PRESET --out FILE.safetensors [--batch 4] [--text T:D]
+//          (the preset's network with random weights, one float32 forward on the CPU, written with its
+//           weights and inputs; bench/reference.py PRESET --check FILE compares its model's forward)
 //        ddm_bench peak [--threads 2]
 //        ddm_bench sample PRESET [--n 256] [--nfe 50] [--threads 2] [--steps 20] [--warmup 3]
 //          [--device cpu|cuda] [--precision fp32|bf16] [--cuda-graphs on|off] (on: the network's forward
@@ -81,6 +84,7 @@
 #include "core/error.h"
 #include "core/presets.h"
 #include "core/runtime.h"
+#include "core/safetensors.h"
 #include "data/shard_loader.h"
 #include "decentral/ensemble.h"
 #include "decentral/train_run.h"
@@ -118,9 +122,11 @@ struct Args {
   int64_t gloo_threads = 1;
   std::string device = "cpu", precision = "fp32", cuda_graphs = "off";  // train
   std::string side_by_side = "on";                                     // sample --experts
+  std::string out;                                                     // forward: the file written
   double peak_tflops = 0;
   int64_t resolution = 64;  // loader
   int64_t experts = 0;      // sample: a routed ensemble of this many experts (0: one model)
+  int64_t text_tokens = 0, text_dim = 0;  // train, sample: --text T:D (0: a class-conditional preset)
   bool threads_set = false, steps_set = false, warmup_set = false;
 };
 
@@ -160,6 +166,14 @@ Args parse(int argc, char** argv) {
     else if (k == "--peak") a.peak_tflops = std::atof(s.c_str());
     else if (k == "--resolution") a.resolution = v;
     else if (k == "--experts") a.experts = v;
+    else if (k == "--out") a.out = s;
+    else if (k == "--text") {
+      const auto colon = s.find(':');
+      DDM_CHECK(colon != std::string::npos, "--text takes TOKENS:WIDTH (e.g. 77:1024), got " << s);
+      a.text_tokens = std::atoll(s.substr(0, colon).c_str());
+      a.text_dim = std::atoll(s.substr(colon + 1).c_str());
+      DDM_CHECK(a.text_tokens >= 2 && a.text_dim >= 1, "--text: TOKENS must be >= 2 and WIDTH >= 1, got " << s);
+    }
     else DDM_FAIL("unknown flag " << k);
   }
   if (a.mode == "dp") {  // defaults of the data-parallel mode: one thread per rank, few (slow) steps
@@ -178,6 +192,9 @@ Args parse(int argc, char** argv) {
   DDM_CHECK(a.batch >= 1 && a.threads >= 1 && a.steps >= 1 && a.warmup >= 0 && a.n >= 1 && a.nfe >= 1,
             "ddm_bench: --batch, --threads, --steps, --n and --nfe must be >= 1 and --warmup >= 0");
   DDM_CHECK(a.experts == 0 || (a.experts >= 2 && a.mode == "sample"), "--experts K (K >= 2) applies to ddm_bench sample");
+  DDM_CHECK(a.text_tokens == 0 || ((a.mode == "train" || a.mode == "sample" || a.mode == "forward") && a.experts == 0),
+            "--text applies to ddm_bench train, sample and forward, without --experts");
+  DDM_CHECK(a.mode != "forward" || !a.out.empty(), "ddm_bench forward needs --out FILE.safetensors");
   return a;
 }
 
@@ -192,6 +209,42 @@ RunConfig preset_config(const std::string& preset, int64_t batch) {
   cfg.model.image_size = 28;
   cfg.model.num_classes = 10;
   return cfg;
+}
+
+// --text T:D: the preset conditioned on text instead of classes, with what ddm trains text models
+// with (model.text_dim, train.caption_dropout's default 0.1): cross-attention after every DiT block's
+// self-attention (PixArt-alpha's), SD's spatial transformer at a U-Net's attention levels. No text
+// encoder runs: the token states are given, as latent shards with cached encodings give them.
+void apply_bench_text(RunConfig& cfg, const Args& a) {
+  if (a.text_tokens == 0) return;
+  DDM_CHECK(cfg.model.arch == "dit" || !cfg.model.attn_levels.empty(),
+            "--text: " << a.preset << " has no attention level to attend to the text from");
+  cfg.model.text_dim = a.text_dim;
+  cfg.model.text_tokens = a.text_tokens;
+  cfg.model.num_classes = 0;
+}
+
+// The bench's text conditions, the same as bench/reference.py's: n samples' token states, float
+// [n, T, D] standard normal (seeded), and their masks, int64 [n, T]: sample i attends to its first
+// min(T, 8 + 13 i mod 24) tokens (captions of 8 to 31 tokens), as a text encoder with a padding mask
+// gives them (BERT's; CLIP's attends to all T). null: the empty prompt's, [1, T, D]
+// with its first 2 tokens (start and end) attended to.
+Cond bench_text_cond(int64_t n, const Args& a, bool null) {
+  const int64_t T = a.text_tokens;
+  torch::manual_seed(null ? 2 : 1);
+  Cond c;
+  c.context = torch::randn({n, T, a.text_dim});  // [n, T, D]
+  const auto len = null ? torch::full({n, 1}, 2, torch::kLong)
+                        : (8 + (13 * torch::arange(n, torch::kLong)).remainder(24)).clamp_max(T).view({n, 1});  // [n, 1]
+  c.context_mask = torch::arange(T, torch::kLong).view({1, T}).lt(len).to(torch::kLong);  // [n, T]
+  c.pooled = torch::zeros({n, 0});  // [n, 0]: no pooled embedding (model.text_pooled_dim = 0), as cached encodings hold it
+  return c;
+}
+
+// The preset as the JSON lines name it: "dit-b" or, with --text 77:1024, "dit-b+text77x1024" (as bench/reference.py's).
+std::string bench_name(const Args& a) {
+  if (a.text_tokens == 0) return a.preset;
+  return a.preset + "+text" + std::to_string(a.text_tokens) + "x" + std::to_string(a.text_dim);
 }
 
 double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
@@ -627,10 +680,41 @@ int main(int argc, char** argv) try {
   torch::set_num_threads(static_cast<int>(a.threads));
   if (a.mode == "phases") return run_phases(a);
   RunConfig cfg = preset_config(a.preset, a.batch);
+  apply_bench_text(cfg, a);
   torch::manual_seed(0);
   Net net = make_net(cfg.model);
   const double fwd_flops = forward_flops_per_image(cfg.model);
   if (a.mode == "dp") return run_dp(a, cfg, net);
+  if (a.mode == "forward") {
+    // The preset's network with every parameter drawn at random (the zero-initialised output layers
+    // too, so that every path counts), one forward of --batch samples in float32 on the CPU, written
+    // with its inputs: bench/reference.py --check FILE loads the weights into its model and compares
+    // (tests/reference_bench.sh): the PyTorch model ddm is measured against is ddm's model.
+    torch::NoGradGuard no_grad;
+    torch::manual_seed(3);
+    SafetensorsFile f;
+    for (const auto& p : net->named_parameters()) {
+      const double fan_in = p.value().dim() >= 2 ? static_cast<double>(p.value()[0].numel()) : 16.0;
+      p.value().normal_(0.0, 1.0 / std::sqrt(fan_in));
+      f.tensors["param/" + p.key()] = p.value().clone();
+    }
+    const int64_t B = a.batch, c = cfg.model.in_channels, s = cfg.model.image_size;
+    const torch::Tensor x = torch::randn({B, c, s, s}), t = torch::rand({B});  // [B, C, S, S], [B]
+    Cond cond(torch::randint(0, std::max<int64_t>(1, cfg.model.num_classes), {B}));  // [B]
+    if (a.text_tokens > 0) {
+      const Cond text = bench_text_cond(B, a, false);
+      cond.context = text.context, cond.context_mask = text.context_mask;  // [B, T, D], [B, T]
+      f.tensors["context"] = text.context, f.tensors["mask"] = text.context_mask;
+    }
+    net->eval();
+    f.tensors["x"] = x, f.tensors["t"] = t, f.tensors["y"] = cond.y;
+    f.tensors["out"] = net->forward(x, t, cond);  // [B, C, S, S]
+    f.metadata["preset"] = bench_name(a);
+    save_safetensors(a.out, f);
+    std::printf("{\"impl\": \"cpp\", \"mode\": \"forward\", \"preset\": \"%s\", \"params\": %lld, \"out\": \"%s\"}\n",
+                bench_name(a).c_str(), static_cast<long long>(count_params(*net)), a.out.c_str());
+    return 0;
+  }
   const torch::Device device = resolve_device(a.device, 0, "--device");
   configure_math(device, false);
   auto sync = [&] {  // a GPU step is over when the device is done
@@ -640,10 +724,16 @@ int main(int argc, char** argv) try {
     cfg.train.precision = a.precision == "bf16" ? Precision::kBf16 : Precision::kFp32;
     cfg.train.cuda_graphs = a.cuda_graphs == "on";  // train/step_graph.cpp: captured after 2 eager steps
     net->to(device);
-    TrainStep stepper(cfg, net, make_objective(cfg));
+    const auto objective = make_objective(cfg);
     const int64_t c = cfg.model.in_channels, s = cfg.model.image_size;
-    Batch batch{torch::rand({a.batch, c, s, s}) * 2 - 1, torch::randint(0, cfg.model.num_classes, {a.batch}),
+    Batch batch{torch::rand({a.batch, c, s, s}) * 2 - 1, torch::randint(0, std::max<int64_t>(1, cfg.model.num_classes), {a.batch}),
                 torch::Tensor(), 0};
+    if (a.text_tokens > 0) {  // the batch's caption encodings, and the empty prompt's for caption dropout
+      const Cond text = bench_text_cond(a.batch, a, false);
+      batch.context = text.context, batch.context_mask = text.context_mask, batch.pooled = text.pooled;
+      objective->set_cached_text(bench_text_cond(1, a, true));
+    }
+    TrainStep stepper(cfg, net, objective);
     batch = batch.to(device);  // (the data's copy to the device is not part of the step timed here)
     // As the training loop steps: each step prepares the next one at its end (train/step.h), here
     // the same batch at the next step's draws.
@@ -680,7 +770,7 @@ int main(int argc, char** argv) try {
     std::sort(prep.begin(), prep.end());
     // Training FLOPs: forward + backward ~ 3x forward.
     const double gflops = 3.0 * fwd_flops * a.batch / step_s / 1e9;
-    nlohmann::json j = {{"impl", "cpp"},        {"mode", "train"},        {"preset", a.preset},
+    nlohmann::json j = {{"impl", "cpp"},        {"mode", "train"},        {"preset", bench_name(a)},
                         {"batch", a.batch},     {"threads", a.threads},   {"device", device.str()},
                         {"precision", a.precision}, {"params", count_params(*net)}, {"step_s", step_s},
                         {"img_per_s", a.batch / step_s}, {"train_gflops", gflops},
@@ -840,6 +930,7 @@ int main(int argc, char** argv) try {
     g.sample.steps = a.nfe;
     g.sample.cfg = 1.0;
     g.batch_size = a.n;
+    if (a.text_tokens > 0) g.text = bench_text_cond(a.n, a, false);
     int64_t nfe = 0;
     const int64_t c = cfg.model.in_channels, s = cfg.model.image_size;
     const double best = best_seconds([&] { nfe = generate(*den, c, s, g).nfe; }, a.warmup, a.steps);
@@ -848,7 +939,7 @@ int main(int argc, char** argv) try {
         generate(*den, c, s, g);
         sync();
       });
-    nlohmann::json j = {{"impl", "cpp"}, {"mode", "sample"}, {"preset", a.preset}, {"n", a.n}, {"nfe", nfe},
+    nlohmann::json j = {{"impl", "cpp"}, {"mode", "sample"}, {"preset", bench_name(a)}, {"n", a.n}, {"nfe", nfe},
                         {"threads", a.threads}, {"device", device.str()}, {"precision", a.precision},
                         {"seconds", best}, {"img_per_s", a.n / best}, {"cuda_graphs", graphs}};
     if (device.is_cuda()) j["fused_group_norm"] = fused_group_norm_enabled();  // DDM_FUSED_GROUPNORM
@@ -866,7 +957,7 @@ int main(int argc, char** argv) try {
     std::printf("%s\n", j.dump().c_str());
     return 0;
   }
-  DDM_FAIL("unknown mode " << a.mode << " (train | peak | sample | ops | dp | timeline)");
+  DDM_FAIL("unknown mode " << a.mode << " (train | peak | sample | forward | ops | optim | dp | timeline | loader | phases)");
 } catch (const std::exception& e) {
   std::fprintf(stderr, "error: %s\n", e.what());
   return 1;

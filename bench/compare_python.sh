@@ -11,6 +11,8 @@
 #        PRESETS="dit-tiny dit-small" ...   a subset of the presets
 #        WHAT="train" | "sample" ...         one table only (default: both)
 #        COMPILE=0 ...                       no torch.compile runs (each compiles for a minute or so)
+#        TEXT=77:768 ...                     text models: each preset attends to T token states of width D
+#                                            instead of class labels (--text of both; DiTs and U-Nets with attention)
 #        PY_PRELOAD=libtcmalloc_minimal.so.4 ...  PyTorch on the allocator ddm links (LD_PRELOAD)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -23,6 +25,7 @@ source scripts/torch-env.sh
 py=$venv/bin/python
 compile=${COMPILE:-1}
 pyrun=(env ${PY_PRELOAD:+LD_PRELOAD=$PY_PRELOAD} "$py")
+text=(${TEXT:+--text "$TEXT"})
 field() { $py -c "import json,sys; print(json.loads(sys.argv[1])['$2'])" "$1"; }
 minf() { $py -c "print(min($1, $2))"; }
 
@@ -42,12 +45,12 @@ for what in ${WHAT:-train sample}; do
       steps=20
       case $preset in *small) steps=$((batch >= 128 ? 4 : 10));; esac
       if [ "$what" = train ]; then
-        ours=(build/ddm_bench train "$preset" --batch "$batch" --threads "$threads" --steps "$steps" --warmup 2)
-        ref=(bench/reference.py "$preset" --batch "$batch" --threads "$threads" --steps "$steps" --warmup 2)
+        ours=(build/ddm_bench train "$preset" --batch "$batch" --threads "$threads" --steps "$steps" --warmup 2 "${text[@]}")
+        ref=(bench/reference.py "$preset" --batch "$batch" --threads "$threads" --steps "$steps" --warmup 2 "${text[@]}")
         key=step_s
       else
-        ours=(build/ddm_bench sample "$preset" --n "$batch" --nfe 20 --threads "$threads" --steps 3 --warmup 1)
-        ref=(bench/reference.py "$preset" --batch "$batch" --threads "$threads" --steps 3 --warmup 1 --sample 20)
+        ours=(build/ddm_bench sample "$preset" --n "$batch" --nfe 20 --threads "$threads" --steps 3 --warmup 1 "${text[@]}")
+        ref=(bench/reference.py "$preset" --batch "$batch" --threads "$threads" --steps 3 --warmup 1 --sample 20 "${text[@]}")
         key=seconds
       fi
       best_c=999; best_p=999; best_k=999; gf=0; ks=0
@@ -65,7 +68,7 @@ for what in ${WHAT:-train sample}; do
       done
       $py -c "
 k = $best_k if $compile else float('nan')
-row = '| $preset | $batch | %.0f | %.0f | %.0f | %.2fx | %.2fx | %.0f |' % ($batch/$best_c, $batch/$best_p, $batch/k, $best_p/$best_c, k/$best_c, $ks)
+row = '| $preset${TEXT:+ + text $TEXT} | $batch | %.0f | %.0f | %.0f | %.2fx | %.2fx | %.0f |' % ($batch/$best_c, $batch/$best_p, $batch/k, $best_p/$best_c, k/$best_c, $ks)
 print(row + (' %.0f |' % $gf if '$what' == 'train' else ''))"
     done
   done

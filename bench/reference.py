@@ -6,6 +6,12 @@ through F.scaled_dot_product_attention, AdamW (torch.optim's default implementat
 clipping, EMA. With --compile the model runs under torch.compile (inductor), and the time of the
 warm-up steps, which include compiling, is reported as compile_s.
 
+With --text T:D the preset attends to T text token states of width D instead of class labels, as
+`ddm_bench --text T:D` builds it (model.text_dim): PixArt-alpha's cross-attention after each DiT
+block's self-attention, Stable Diffusion's spatial transformer at a U-Net's attention levels, with
+caption dropout 0.1 in training (the empty prompt's states instead). No text encoder runs: the states
+are given (random, fixed), each sample attending to its first min(T, 8 + 13 i mod 24) tokens.
+
 With --sample NFE it measures sampling instead, as `ddm_bench sample` does: --batch images from
 noise in one batch with the Euler sampler of flow matching (NFE steps from t = 1 to 0, no guidance),
 under torch.inference_mode(); the best of --steps timed runs after --warmup untimed ones.
@@ -15,7 +21,13 @@ autocast (fp32 weights, gradients, AdamW state and EMA); the step's FLOPs are co
 torch.utils.flop_counter and reported with the achieved TFLOP/s and the MFU against the card's dense
 bf16 peak (--peak TFLOPS, or known from the card's name).
 
-usage: python bench/reference.py PRESET --batch 128 --threads 2 --steps 20 --warmup 3 [--compile]
+With --check FILE (`ddm_bench forward PRESET --out FILE`'s weights, inputs and output) it loads ddm's
+random weights into this model under ddm's parameter names, runs the same forward in float32 and
+exits non-zero unless it gives ddm's output within float32 rounding: the model measured here is
+ddm's (tests/integration/test_bench_reference.cpp; the safetensors package of the reference
+environment reads the file).
+
+usage: python bench/reference.py PRESET --batch 128 --threads 2 --steps 20 --warmup 3 [--compile] [--text T:D]
          [--compile-mode default|reduce-overhead|max-autotune] [--sample NFE] [--trace FILE] [--device cpu|cuda] [--precision fp32|bf16] [--peak TFLOPS]
 prints one JSON line: {"impl": "python" | "python-compile", "compile_mode" (compiled), "preset", "batch", "threads", "step_s",
 "img_per_s", "compile_s", "device", "precision", "tflops", "mfu"} (with --sample: "mode": "sample", "nfe", "seconds" per batch)
@@ -23,6 +35,7 @@ prints one JSON line: {"impl": "python" | "python-compile", "compile_mode" (comp
 import argparse
 import json
 import math
+import re
 import sys
 import time
 
@@ -102,15 +115,63 @@ class AttentionBlock(nn.Module):
         return x + self.proj(a)
 
 
+class CrossAttention(nn.Module):
+    """x [B, N, dim] attends to the text states ctx [B, T, cdim] where mask [B, 1, 1, T] is True."""
+    def __init__(self, dim, cdim, heads):
+        super().__init__()
+        self.heads = heads
+        self.q, self.k, self.v = nn.Linear(dim, dim, bias=False), nn.Linear(cdim, dim, bias=False), nn.Linear(cdim, dim, bias=False)
+        self.out = nn.Linear(dim, dim)
+        nn.init.zeros_(self.out.weight), nn.init.zeros_(self.out.bias)
+
+    def forward(self, x, ctx, mask):
+        B, N, W = x.shape
+        T, d = ctx.shape[1], W // self.heads
+        q = self.q(x).view(B, N, self.heads, d).transpose(1, 2)
+        k = self.k(ctx).view(B, T, self.heads, d).transpose(1, 2)
+        v = self.v(ctx).view(B, T, self.heads, d).transpose(1, 2)
+        return self.out(F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).reshape(B, N, W))
+
+
+class SpatialTransformer(nn.Module):
+    """Stable Diffusion's transformer block on a U-Net's features: self-attention, cross-attention on
+    the text, a GEGLU feed-forward, between linear projections in and out."""
+    def __init__(self, ch, cdim, heads, groups):
+        super().__init__()
+        self.heads = heads
+        self.norm, self.proj_in = nn.GroupNorm(groups, ch, eps=1e-6), nn.Linear(ch, ch)
+        self.ln1, self.qkv, self.attn_out = nn.LayerNorm(ch), nn.Linear(ch, 3 * ch, bias=False), nn.Linear(ch, ch)
+        self.ln2, self.cross = nn.LayerNorm(ch), CrossAttention(ch, cdim, heads)
+        self.ln3, self.ff_in, self.ff_out = nn.LayerNorm(ch), nn.Linear(ch, 8 * ch), nn.Linear(4 * ch, ch)
+        self.proj_out = nn.Linear(ch, ch)
+        nn.init.zeros_(self.proj_out.weight), nn.init.zeros_(self.proj_out.bias)
+
+    def forward(self, x, ctx, mask):
+        B, C, H, W = x.shape
+        h = self.proj_in(self.norm(x).flatten(2).transpose(1, 2))
+        q, k, v = self.qkv(self.ln1(h)).view(B, H * W, 3, self.heads, C // self.heads).permute(2, 0, 3, 1, 4)
+        h = h + self.attn_out(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(B, H * W, C))
+        h = h + self.cross(self.ln2(h), ctx, mask)
+        a, g = self.ff_in(self.ln3(h)).chunk(2, -1)
+        h = h + self.ff_out(a * F.gelu(g))
+        return x + self.proj_out(h).transpose(1, 2).reshape(B, C, H, W)
+
+
 class Stage(nn.Module):
     def __init__(self, cin, cout, emb, cfg, level):
         super().__init__()
         self.res = ResBlock(cin, cout, emb, cfg["groups"])
-        self.attn = AttentionBlock(cout, cfg["heads"], cfg["groups"]) if level in cfg["attn_levels"] else None
+        self.attn = None
+        if level in cfg["attn_levels"]:
+            text = cfg.get("text_dim", 0)
+            self.attn = (SpatialTransformer(cout, text, cfg["heads"], cfg["groups"]) if text
+                         else AttentionBlock(cout, cfg["heads"], cfg["groups"]))
 
-    def forward(self, h, e):
+    def forward(self, h, e, ctx=None, mask=None):
         h = self.res(h, e)
-        return self.attn(h) if self.attn is not None else h
+        if self.attn is None:
+            return h
+        return self.attn(h, ctx, mask) if ctx is not None else self.attn(h)
 
 
 class UNet(nn.Module):
@@ -118,7 +179,8 @@ class UNet(nn.Module):
         super().__init__()
         L, ch = len(cfg["channel_mult"]), [cfg["channels"] * m for m in cfg["channel_mult"]]
         emb = 4 * cfg["channels"]
-        self.time, self.label = TimeEmbedder(cfg["channels"], emb), nn.Embedding(classes + 1, emb)
+        self.time = TimeEmbedder(cfg["channels"], emb)
+        self.label = nn.Embedding(classes + 1, emb) if classes else None  # a text model: none
         self.in_conv = nn.Conv2d(cin, ch[0], 3, padding=1)
         cur, skip_ch = ch[0], []
         self.enc, self.down = nn.ModuleList(), nn.ModuleList()
@@ -146,26 +208,27 @@ class UNet(nn.Module):
         self.out_norm, self.out_conv = nn.GroupNorm(cfg["groups"], cur), nn.Conv2d(cur, cin, 3, padding=1)
         nn.init.zeros_(self.out_conv.weight), nn.init.zeros_(self.out_conv.bias)
 
-    def forward(self, x, t, y):
-        e = F.silu(self.time(t) + self.label(y))
+    def forward(self, x, t, y, ctx=None, mask=None):
+        e = F.silu(self.time(t) + self.label(y) if self.label is not None else self.time(t))
         h, skips = self.in_conv(x), []
         for stages, down in zip(self.enc, self.down):
             for s in stages:
-                h = s(h, e)
+                h = s(h, e, ctx, mask)
                 skips.append(h)
             h = down(h)
         for s in self.mid:
-            h = s(h, e)
+            h = s(h, e, ctx, mask)
         for up, stages in zip(self.up, self.dec):
             h = up(F.interpolate(h, scale_factor=2, mode="nearest"))
             for s in stages:
-                h = s(torch.cat([h, skips.pop()], 1), e)
+                h = s(torch.cat([h, skips.pop()], 1), e, ctx, mask)
         return self.out_conv(F.silu(self.out_norm(h)))
 
 
 class DiTBlock(nn.Module):
-    def __init__(self, w, heads, ratio):
+    def __init__(self, w, heads, ratio, text_dim=0):
         super().__init__()
+        self.cross = CrossAttention(w, text_dim, heads) if text_dim else None  # PixArt-alpha's
         self.heads, hidden = heads, round(w * ratio)
         self.norm1 = nn.LayerNorm(w, elementwise_affine=False, eps=1e-6)
         self.qkv, self.proj = nn.Linear(w, 3 * w), nn.Linear(w, w)
@@ -174,7 +237,7 @@ class DiTBlock(nn.Module):
         self.ada = nn.Linear(w, 6 * w)
         nn.init.zeros_(self.ada.weight), nn.init.zeros_(self.ada.bias)
 
-    def forward(self, x, c):
+    def forward(self, x, c, ctx=None, mask=None):
         B, N, W = x.shape
         m = self.ada(c)[:, None].chunk(6, -1)
         h = torch.addcmul(m[0], self.norm1(x), m[1] + 1.0)
@@ -182,6 +245,8 @@ class DiTBlock(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         a = self.proj(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(B, N, W))
         out = torch.addcmul(x, m[2], a)
+        if self.cross is not None:
+            out = out + self.cross(out, ctx, mask)
         h = torch.addcmul(m[3], self.norm2(out), m[4] + 1.0)
         return torch.addcmul(out, m[5], self.fc2(F.gelu(self.fc1(h))))
 
@@ -193,20 +258,22 @@ class DiT(nn.Module):
         self.p, self.cin, self.size = p, cin, size
         self.patch_embed = nn.Linear(cin * p * p, w)
         self.register_buffer("pos", pos_embed_2d(w, size // p)[None])
-        self.time, self.label = TimeEmbedder(256, w), nn.Embedding(classes + 1, w)
-        self.blocks = nn.ModuleList([DiTBlock(w, cfg["heads"], cfg["mlp_ratio"]) for _ in range(cfg["depth"])])
+        self.time = TimeEmbedder(256, w)
+        self.label = nn.Embedding(classes + 1, w) if classes else None  # a text model: none
+        self.blocks = nn.ModuleList([DiTBlock(w, cfg["heads"], cfg["mlp_ratio"], cfg.get("text_dim", 0))
+                                     for _ in range(cfg["depth"])])
         self.final_norm = nn.LayerNorm(w, elementwise_affine=False, eps=1e-6)
         self.final_ada, self.final_linear = nn.Linear(w, 2 * w), nn.Linear(w, p * p * cin)
         for lin in (self.final_ada, self.final_linear):
             nn.init.zeros_(lin.weight), nn.init.zeros_(lin.bias)
 
-    def forward(self, x, t, y):
+    def forward(self, x, t, y, ctx=None, mask=None):
         B, C, S, p = x.shape[0], self.cin, self.size, self.p
         tok = x.reshape(B, C, S // p, p, S // p, p).permute(0, 2, 4, 1, 3, 5).reshape(B, -1, C * p * p)
         h = self.patch_embed(tok) + self.pos
-        c = F.silu(self.time(t) + self.label(y))
+        c = F.silu(self.time(t) + self.label(y) if self.label is not None else self.time(t))
         for b in self.blocks:
-            h = b(h, c)
+            h = b(h, c, ctx, mask)
         m = self.final_ada(c)[:, None].chunk(2, -1)
         h = self.final_linear(torch.addcmul(m[0], self.final_norm(h), m[1] + 1.0))
         return h.reshape(B, S // p, S // p, C, p, p).permute(0, 3, 1, 4, 2, 5).reshape(B, C, S, S)
@@ -227,34 +294,56 @@ def main():
     ap.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
     ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16"], help="bf16: autocast forward and loss")
     ap.add_argument("--peak", type=float, help="the device's dense bf16 peak in TFLOP/s, for the MFU (default: by the card's name)")
+    ap.add_argument("--text", metavar="T:D", help="a text model: attend to T token states of width D instead of class labels")
+    ap.add_argument("--check", metavar="FILE", help="compare a forward with ddm's (ddm_bench forward's file) and exit")
     a = ap.parse_args()
     a.compile = a.compile or a.compile_mode is not None
     a.mode = a.compile_mode or "default"
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
-    cfg = PRESETS[a.preset]
+    cfg = dict(PRESETS[a.preset])
     cin, size, classes = cfg.get("cin", 1), cfg.get("size", 28), cfg.get("classes", 10)
+    text, a.name, a.text = a.text, a.preset, None
+    if text:
+        tokens, dim = (int(v) for v in text.split(":"))
+        if cfg["arch"] == "unet" and not cfg["attn_levels"]:
+            sys.exit(f"--text: {a.preset} has no attention level to attend to the text from")
+        cfg["text_dim"], classes = dim, 0
+        a.name, a.text = f"{a.preset}+text{tokens}x{dim}", (tokens, dim)
     model = UNet(cfg, cin, classes) if cfg["arch"] == "unet" else DiT(cfg, cin, size, classes)
     dev = torch.device(a.device)
     model.to(dev)
     a.shape, a.classes, a.dev = (cin, size, size), classes, dev
     a.autocast = lambda: torch.autocast(dev.type, dtype=torch.bfloat16, enabled=a.precision == "bf16")
     a.sync = (lambda: torch.cuda.synchronize()) if dev.type == "cuda" else (lambda: None)
+    a.ctx = a.mask = None
+    if a.text:  # each sample's token states and mask, and the empty prompt's (ddm_bench's bench_text_cond)
+        a.ctx, a.mask = text_states(a.batch, *a.text, dev, null=False)
+        a.null_ctx, a.null_mask = text_states(1, *a.text, dev, null=True)
+    if a.check:
+        return check(a, model, cfg)
     if a.sample:
         return sample(a, model)
     ema = [p.detach().clone() for p in model.parameters()]
     run = torch.compile(model, mode=a.mode) if a.compile else model
     opt = torch.optim.AdamW(model.parameters(), lr=2e-4, weight_decay=0.0)
     x0 = torch.rand(a.batch, *a.shape, device=dev) * 2 - 1
-    y0 = torch.randint(0, a.classes, (a.batch,), device=dev)
+    y0 = torch.randint(0, max(a.classes, 1), (a.batch,), device=dev)
 
     def step(net=None):
         eps = torch.randn_like(x0)
         t = torch.rand(a.batch, device=dev)
-        y = torch.where(torch.rand(a.batch, device=dev) < 0.1, torch.full_like(y0, a.classes), y0)
+        ctx = mask = None
+        if a.text:  # caption dropout: the empty prompt's states instead
+            drop = torch.rand(a.batch, device=dev) < 0.1
+            ctx = torch.where(drop[:, None, None], a.null_ctx, a.ctx)
+            mask = torch.where(drop[:, None, None, None], a.null_mask, a.mask)
+            y = y0
+        else:
+            y = torch.where(torch.rand(a.batch, device=dev) < 0.1, torch.full_like(y0, a.classes), y0)
         xt = (1 - t)[:, None, None, None] * x0 + t[:, None, None, None] * eps
         with a.autocast():
-            loss = F.mse_loss((net or run)(xt, t, y).float(), eps - x0)
+            loss = F.mse_loss((net or run)(xt, t, y, ctx, mask).float(), eps - x0)
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -282,10 +371,63 @@ def main():
         step()
         times.append(time.perf_counter() - t0)
     dt = sorted(times)[len(times) // 2]
-    print(json.dumps({"impl": "python-compile" if a.compile else "python", "preset": a.preset, "batch": a.batch, "threads": a.threads,
+    print(json.dumps({"impl": "python-compile" if a.compile else "python", "preset": a.name, "batch": a.batch, "threads": a.threads,
                       **({"compile_mode": a.mode} if a.compile else {}),
                       "params": sum(p.numel() for p in model.parameters()), "step_s": dt,
                       "img_per_s": a.batch / dt, "compile_s": compile_s, **speed(a, flops, dt)}))
+
+
+def ddm_name(model, cfg, name):
+    """The name ddm gives this model's parameter `name` (its modules' registered names)."""
+    attn = "xattn" if cfg.get("text_dim") else "attn"
+    rules = [(r"label\.weight", "label.table.weight"), (r"blocks\.(\d+)\.", r"block\1."),
+             (r"final_ada\.", "final.ada."), (r"final_linear\.", "final.linear."),
+             (r"(enc)\.(\d+)\.(\d+)\.res\.", r"enc\2_\3."), (r"enc\.(\d+)\.(\d+)\.attn\.", rf"enc\1_\2_{attn}."),
+             (r"down\.(\d+)\.", r"down\1."), (r"mid\.(\d+)\.res\.", r"mid_\1."), (r"mid\.(\d+)\.attn\.", rf"mid_\1_{attn}.")]
+    for pattern, repl in rules:
+        if re.match(pattern, name):
+            return re.sub("^" + pattern, repl, name)
+    m = re.match(r"(up|dec)\.(\d+)\.(?:(\d+)\.(res|attn)\.)?(.*)", name)
+    if m:  # this model keeps the decoder's levels from the deepest up, ddm by level
+        level = len(model.up) - 1 - int(m[2])
+        if m[1] == "up":
+            return f"up{level}.{m[5]}"
+        return f"dec{level}_{m[3]}" + ("." if m[4] == "res" else f"_{attn}.") + m[5]
+    return name
+
+
+def check(a, model, cfg):
+    from safetensors.torch import load_file
+    f = load_file(a.check)
+    params = dict(model.named_parameters())
+    names = {ddm_name(model, cfg, n): n for n in params}
+    theirs = {k[len("param/"):] for k in f if k.startswith("param/")}
+    if set(names) != theirs:
+        sys.exit(f"--check {a.check}: the parameters differ: only here {sorted(set(names) - theirs)}, "
+                 f"only in ddm's {sorted(theirs - set(names))}")
+    with torch.no_grad():
+        for d, n in names.items():
+            if params[n].shape != f["param/" + d].shape:
+                sys.exit(f"--check: {n} is {tuple(params[n].shape)} here, ddm's {d} {tuple(f['param/' + d].shape)}")
+            params[n].copy_(f["param/" + d])
+        mask = (f["mask"] != 0)[:, None, None] if "mask" in f else None
+        out = model.eval()(f["x"], f["t"], f["y"], f.get("context"), mask)
+    ref = f["out"]
+    err = ((out - ref).abs().max() / ref.abs().max()).item()
+    print(json.dumps({"impl": "python", "mode": "check", "preset": a.name, "params": sum(p.numel() for p in params.values()),
+                      "max_abs_out": ref.abs().max().item(), "rel_err": err}))
+    if not err <= 1e-5:  # float32 rounding through the net (different kernels, different orders)
+        sys.exit(f"--check: {a.name}'s forward differs from ddm's by {err:.3g} of its largest value")
+
+
+def text_states(n, tokens, dim, dev, null):
+    """n samples' text states [n, T, D] (standard normal, seeded) and masks bool [n, 1, 1, T]: sample i
+    attends to its first min(T, 8 + 13 i mod 24) tokens; null: the empty prompt's, its first 2."""
+    g = torch.Generator().manual_seed(2 if null else 1)
+    ctx = torch.randn(n, tokens, dim, generator=g)
+    length = torch.full((n, 1), 2) if null else (8 + (13 * torch.arange(n)) % 24).clamp(max=tokens)[:, None]
+    mask = torch.arange(tokens)[None] < length
+    return ctx.to(dev), mask[:, None, None].to(dev)
 
 
 def profiled(a):
@@ -315,7 +457,7 @@ def speed(a, flops, seconds):
 def sample(a, model):
     model.eval()
     run = torch.compile(model, mode=a.mode) if a.compile else model
-    y = torch.arange(a.batch, device=a.dev) % a.classes
+    y = torch.arange(a.batch, device=a.dev) % max(a.classes, 1)
 
     @torch.inference_mode()
     def generate(net=None):
@@ -323,7 +465,7 @@ def sample(a, model):
         for i in range(a.sample):  # Euler on the flow-matching ODE, t from 1 (noise) to 0 (data)
             t, t_next = 1 - i / a.sample, 1 - (i + 1) / a.sample
             with a.autocast():
-                v = (net or run)(x, torch.full((a.batch,), t, device=a.dev), y).float()
+                v = (net or run)(x, torch.full((a.batch,), t, device=a.dev), y, a.ctx, a.mask).float()
             x = x + (t_next - t) * v
         a.sync()
         return x
@@ -343,7 +485,7 @@ def sample(a, model):
         with torch.profiler.profile(activities=profiled(a)) as prof:
             generate()
         prof.export_chrome_trace(a.trace)
-    print(json.dumps({"impl": "python-compile" if a.compile else "python", "mode": "sample", "preset": a.preset,
+    print(json.dumps({"impl": "python-compile" if a.compile else "python", "mode": "sample", "preset": a.name,
                       **({"compile_mode": a.mode} if a.compile else {}),
                       "batch": a.batch, "threads": a.threads, "nfe": a.sample, "seconds": best,
                       "img_per_s": a.batch / best, "compile_s": compile_s, **speed(a, flops, best)}))

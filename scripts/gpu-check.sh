@@ -26,6 +26,9 @@
 #   ensemble of 4 experts both ways (its experts side by side, and one after another), PyTorch eager
 #   and "reduce-overhead"; one JSON line each in
 #   OUT/bench.jsonl;
+#   then (with BENCH_TEXT=T:D, e.g. 77:1024) the same presets as text models (--text T:D of ddm_bench and
+#   reference.py: cross-attention on T token states of width D instead of class labels): ddm's training
+#   step and sampling, eager and from CUDA graphs, beside PyTorch eager and compiled, in OUT/bench.jsonl;
 #   then (unless QUICKSTART=0) the single-model quickstart on the GPU (configs/quickstart.toml: train
 #   in bf16, then sample), timed, its grid in OUT/quickstart-gpu.png, and the decentralized
 #   `ddm quickstart --device cuda`, its grid in OUT/quickstart-ddm-gpu.png;
@@ -64,7 +67,8 @@
 # REF_COMPILE=1); then PROFILE=1 alone (about 6); then SD_COMPARE and SD_PLAN (about 5 before
 # SD_PLAN took the ControlNet too: give that call up to 10). Calls of their own, each turning every
 # other part off: SD_COMPARE=1 SD_COMPILE=1 SD_PIECES=0 (diffusers compiled), SD_LINKS=1 (SD 2.1 data
-# parallel against its pipeline on the host's CPUs).
+# parallel against its pipeline on the host's CPUs), GPU_BENCH=0 BENCH_TEXT=77:1024 BENCH_PRESETS=dit-b
+# (the text DiT; about 4 minutes, estimated from the dit-b rows).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -178,13 +182,13 @@ PY
            >"$out/test_cuda_channels_last.log" 2>&1; then status=ok; else status=FAILED; failed+=(test_cuda_channels_last); fi
       echo "gpu-check: test_cuda, channels-last $status ($(($(date +%s) - start)) s): $(grep -E '^\[  (PASSED|FAILED|SKIPPED) ' "$out/test_cuda_channels_last.log" | tr '\n' ' ')"
     fi
+    peak=989  # dense bf16 TFLOP/s of an H100 SXM and of an H200 (the same compute)
+    bench() {  # one bounded run, its JSON line appended (a failure is reported, not fatal)
+      local line
+      if line=$(timeout "${BENCH_TIMEOUT:-240}" "$@" 2>"$out/bench.err"); then echo "$line" | tail -1 | tee -a "$out/bench.jsonl"
+      else echo "gpu-check: $* failed: $(tail -3 "$out/bench.err")"; fi
+    }
     if [ "${GPU_BENCH:-1}" != 0 ]; then
-      peak=989  # dense bf16 TFLOP/s of an H100 SXM and of an H200 (the same compute)
-      bench() {  # one bounded run, its JSON line appended (a failure is reported, not fatal)
-        local line
-        if line=$(timeout "${BENCH_TIMEOUT:-240}" "$@" 2>"$out/bench.err"); then echo "$line" | tail -1 | tee -a "$out/bench.jsonl"
-        else echo "gpu-check: $* failed: $(tail -3 "$out/bench.err")"; fi
-      }
       for preset in ${BENCH_PRESETS:-dit-b unet-small}; do
         bench "$dir/bin/ddm_bench" train $preset --batch 256 --device cuda --precision bf16 --steps 20 --warmup 3 --threads 8 --peak $peak
         # The same without the hand-written DiT kernels (model/fused_gpu.h): LibTorch's ops instead.
@@ -237,6 +241,33 @@ PY
         bench python3 bench/reference.py $preset --sample 20 --batch 256 --precision bf16 --steps 3 --warmup 1 --device cuda --threads 8
         [ "${REF_COMPILE:-1}" = 0 ] || bench python3 bench/reference.py $preset --sample 20 --batch 256 --precision bf16 \
           --steps 3 --warmup 1 --device cuda --threads 8 --compile-mode reduce-overhead
+      done
+    fi
+    if [ -n "${BENCH_TEXT:-}" ]; then
+      # Text models (issue 55's item 5): each of BENCH_PRESETS attending to T token states of width D
+      # (BENCH_TEXT=T:D; 77:1024 is SD 2.1's OpenCLIP text states) instead of class labels, with
+      # PixArt-alpha's cross-attention in a DiT (SD's spatial transformer in a U-Net): ddm's training
+      # step and sampling, eager and from CUDA graphs, beside PyTorch's eager and compiled
+      # (bench/reference.py --text, the same model).
+      tx=(--text "$BENCH_TEXT")
+      for preset in ${BENCH_PRESETS:-dit-b unet-small}; do
+        for graphs in off on; do
+          bench "$dir/bin/ddm_bench" train $preset --batch 256 --device cuda --precision bf16 --steps 20 --warmup 3 \
+            --threads 8 --peak $peak --cuda-graphs $graphs "${tx[@]}"
+        done
+        bench python3 bench/reference.py $preset --batch 256 --precision bf16 --steps 20 --warmup 3 --device cuda --threads 8 "${tx[@]}"
+        [ "${REF_COMPILE:-1}" = 0 ] || bench python3 bench/reference.py $preset --batch 256 --precision bf16 --steps 20 \
+          --warmup 3 --device cuda --threads 8 --compile "${tx[@]}"
+        [ "${REF_COMPILE:-1}" = 0 ] || bench python3 bench/reference.py $preset --batch 256 --precision bf16 --steps 20 \
+          --warmup 3 --device cuda --threads 8 --compile-mode reduce-overhead "${tx[@]}"
+        for graphs in off on; do
+          bench "$dir/bin/ddm_bench" sample $preset --n 256 --nfe 20 --device cuda --precision bf16 --steps 3 --warmup 1 \
+            --threads 8 --cuda-graphs $graphs "${tx[@]}"
+        done
+        bench python3 bench/reference.py $preset --sample 20 --batch 256 --precision bf16 --steps 3 --warmup 1 --device cuda \
+          --threads 8 "${tx[@]}"
+        [ "${REF_COMPILE:-1}" = 0 ] || bench python3 bench/reference.py $preset --sample 20 --batch 256 --precision bf16 \
+          --steps 3 --warmup 1 --device cuda --threads 8 --compile-mode reduce-overhead "${tx[@]}"
       done
     fi
     if [ "${QUICKSTART:-1}" != 0 ]; then
