@@ -20,6 +20,12 @@
 // process's peak resident set).
 //   ddm_bench_sd --memory CONFIG [--batch 1] [--latent 64] [--tokens 77] [--device cpu|cuda]
 //                [--precision fp32|bf16] [--repeat 2] [--threads 2] [--checkpoint both|on|off]
+//                [--controlnet off|on]
+// With --controlnet on the step trains a ControlNet (v1.0's: diffusers' from_unet, its encoder copied
+// from the UNet, an RGB control image of 8x the latents) on that UNet, locked, as `ddm train` trains
+// one (sd/controlnet_net.h: the locked encoder in the no-grad prepare phase, then the ControlNet and
+// the locked decoder forward and backward, AdamW + EMA on the ControlNet's parameters alone);
+// bench/sd_reference.py --controlnet-step is the same step in diffusers.
 #include <chrono>
 #include <fstream>
 #include <functional>
@@ -37,6 +43,8 @@
 #include "model/net.h"
 #include "model/recompute.h"
 #include "sd/autoencoder_kl.h"
+#include "sd/controlnet_model.h"
+#include "sd/controlnet_net.h"
 #include "sd/unet_2d_condition.h"
 #include "sd/unet_net.h"
 #include "train/optimizer.h"
@@ -70,7 +78,7 @@ int memory_mode(int argc, char** argv) {
   const std::string config = argv[2];
   int64_t batch = 1, latent = 64, tokens = 77;
   int repeat = 2, threads = 2;
-  std::string device_name = "cpu", precision_name = "fp32", which = "both";
+  std::string device_name = "cpu", precision_name = "fp32", which = "both", controlnet = "off";
   for (int i = 3; i + 1 < argc; i += 2) {
     const std::string flag = argv[i], v = argv[i + 1];
     if (flag == "--batch") batch = std::stoll(v);
@@ -81,8 +89,10 @@ int memory_mode(int argc, char** argv) {
     else if (flag == "--repeat") repeat = std::stoi(v);
     else if (flag == "--threads") threads = std::stoi(v);
     else if (flag == "--checkpoint") which = v;
+    else if (flag == "--controlnet") controlnet = v;
     else throw std::runtime_error("unknown flag " + flag);
   }
+  if (controlnet != "on" && controlnet != "off") throw std::runtime_error("--controlnet must be on or off, got " + controlnet);
   torch::set_num_threads(threads);
   const torch::Device device(device_name);
   const ddm::Precision precision = precision_name == "bf16" ? ddm::Precision::kBf16 : ddm::Precision::kFp32;
@@ -91,7 +101,20 @@ int memory_mode(int argc, char** argv) {
   if (!in) throw std::runtime_error(config + ": cannot read it");
   const auto cfg = ddm::sd::parse_unet_2d_condition_config(nlohmann::json::parse(in), config);
   torch::manual_seed(0);
-  auto net = std::make_shared<ddm::sd::SdUNetNetImpl>(ddm::sd::UNet2DConditionModel(cfg), 1000);
+  ddm::Net net;
+  std::string model = "sd-unet step";
+  ddm::sd::UNet2DConditionModel unet(cfg);
+  if (controlnet == "on") {  // the UNet locked, a ControlNet made from it trained
+    for (auto& p : unet->parameters()) p.requires_grad_(false);
+    ddm::sd::ControlNetModel cn(ddm::sd::controlnet_config_from_unet(cfg, 3));
+    cn->copy_encoder_from(*unet);
+    auto cnet = std::make_shared<ddm::sd::SdControlNetNetImpl>(unet, cn, 1000);
+    cnet->set_unet_loaded();
+    net = cnet;
+    model = "sd-controlnet step";
+  } else {
+    net = std::make_shared<ddm::sd::SdUNetNetImpl>(unet, 1000);
+  }
   net->to(device);
   ddm::FlatAdamW opt(*net, ddm::AdamWOptions{});
   const auto f32 = torch::TensorOptions().device(device);
@@ -99,6 +122,7 @@ int memory_mode(int argc, char** argv) {
   const torch::Tensor t = torch::rand({batch}, f32), target = torch::randn_like(x);
   ddm::Cond c;
   c.context = torch::randn({batch, tokens, cfg.cross_attention_dim}, f32);
+  if (controlnet == "on") c.control = torch::rand({batch, 3, 8 * latent, 8 * latent}, f32) * 2 - 1;  // [B, 3, 8 h, 8 w] in [-1, 1]
   for (const bool checkpointed : {false, true}) {
     if ((which == "on" && !checkpointed) || (which == "off" && checkpointed)) continue;
     double held = 0, best = 1e30;
@@ -113,7 +137,12 @@ int memory_mode(int argc, char** argv) {
         const double before = ddm::allocated_bytes_on(device);
         {
           ddm::Autocast autocast(device, precision);
-          const torch::Tensor out = checkpointed ? ddm::forward_recomputed(*net, x, t, c) : net->forward(x, t, c);
+          ddm::Cond pc;  // the network's frozen part (a ControlNet's locked encoder), as TrainStep::prepare runs it
+          {
+            torch::NoGradGuard no_grad;
+            pc = net->precompute(x, t, c);
+          }
+          const torch::Tensor out = checkpointed ? ddm::forward_recomputed(*net, x, t, pc) : net->forward(x, t, pc);
           held = ddm::allocated_bytes_on(device) - before;
           loss = torch::mse_loss(out.to(torch::kFloat), target);
         }
@@ -127,7 +156,7 @@ int memory_mode(int argc, char** argv) {
       }
     }
     nlohmann::json j{{"impl", "ddm"},
-                     {"model", "sd-unet step" + std::string(checkpointed ? ", checkpointed" : "")},
+                     {"model", model + (checkpointed ? ", checkpointed" : "")},
                      {"config", config},
                      {"params", ddm::count_params(*net)},
                      {"batch", batch},

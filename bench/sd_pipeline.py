@@ -26,11 +26,7 @@ from open_clip.tokenizer import SimpleTokenizer
 from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from sd_reference import UNET, VAE  # noqa: E402
-
-
-SD15_UNET = dict(UNET, sample_size=64, attention_head_dim=8, cross_attention_dim=768, use_linear_projection=False,
-                 upcast_attention=False)
+from sd_reference import SD15_UNET, UNET, VAE  # noqa: E402
 
 
 def tokenizer(out_dir, pad_token):

@@ -16,6 +16,8 @@ Usage: python sd_reference.py DIR BATCH SIZE THREADS [REPEAT] [COMPILE=1] [DEVIC
        (the reference environment's python)
        python sd_reference.py --config-only DIR   (DIR/unet/config.json alone, for ddm_bench_sd --memory)
        python sd_reference.py --step CONFIG BATCH SIZE DEVICE PRECISION [REPEAT] [COMPILE=none|default|reduce-overhead]
+       python sd_reference.py --controlnet-step CONFIG BATCH SIZE DEVICE PRECISION [REPEAT] [COMPILE=none|...]
+       python sd_reference.py --config-only DIR sd15   (SD 1.5's UNet config, the ControlNet steps' UNet)
 
 The --step mode is ddm_bench_sd --memory's training step in diffusers (bench/bench_sd.cpp): the UNet
 made from CONFIG (random weights) on DEVICE, forward under autocast (bf16) or not (fp32), the MSE
@@ -23,6 +25,13 @@ against a random target in float32, backward, the global norm clipped to 1, torc
 on CUDA; lr 1e-5, weight decay 0) and an EMA (decay 0.9999) of every parameter. One JSON line: the
 best of REPEAT steps after a first (with torch.compile: the compilation, timed), the peak memory of
 the step and the step's FLOPs (torch.utils.flop_counter), for an MFU.
+
+The --controlnet-step mode is ddm_bench_sd --memory CONFIG --controlnet on's step in diffusers, as its
+examples/controlnet/train_controlnet.py steps: the UNet made from CONFIG locked (requires_grad off and,
+under bf16, held in bfloat16 as the script holds it in its weight_dtype), ControlNetModel.from_unet(unet)
+trained; the ControlNet's residuals from the noisy latents, the text states and an RGB control image
+in [0, 1] of 8x the latents' size, the UNet's prediction with them added, the MSE, backward, clipping,
+AdamW and the EMA on the ControlNet's parameters.
 """
 import json
 import os
@@ -40,6 +49,10 @@ UNET = dict(sample_size=96, in_channels=4, out_channels=4, block_out_channels=[3
 VAE = dict(in_channels=3, out_channels=3, block_out_channels=[128, 256, 512, 512], layers_per_block=2,
            down_block_types=["DownEncoderBlock2D"] * 4, up_block_types=["UpDecoderBlock2D"] * 4, latent_channels=4,
            sample_size=768)
+# Stable Diffusion 1.5's UNet (860M; 8 heads, 1x1 convolution projections, CLIP ViT-L's 768 text states):
+# ControlNet v1.0's locked UNet.
+SD15_UNET = dict(UNET, sample_size=64, attention_head_dim=8, cross_attention_dim=768, use_linear_projection=False,
+                 upcast_attention=False)
 
 
 def timed(fn, repeat):
@@ -65,25 +78,42 @@ def sync(device):
         torch.cuda.synchronize()
 
 
-def train_step(config, batch, size, device, precision, repeat, compile_mode):
-    """The --step mode (see the top of this file)."""
+def train_step(config, batch, size, device, precision, repeat, compile_mode, controlnet=False):
+    """The --step and --controlnet-step modes (see the top of this file)."""
     from torch.utils.flop_counter import FlopCounterMode
     torch.manual_seed(0)
     with open(config) as f:
         unet = UNet2DConditionModel.from_config(json.load(f)).to(device)
-    params = list(unet.parameters())
+    trained, cn, hint = unet, None, None
+    if controlnet:
+        from diffusers import ControlNetModel
+        cn = ControlNetModel.from_unet(unet).to(device)
+        unet.requires_grad_(False)
+        if precision == "bf16":
+            unet.to(dtype=torch.bfloat16)  # train_controlnet.py's weight_dtype for the frozen UNet
+        trained = cn
+        hint = torch.rand(batch, 3, 8 * size, 8 * size, device=device)
+    params = list(trained.parameters())
     opt = torch.optim.AdamW(params, lr=1e-5, weight_decay=0.0, fused=device.startswith("cuda"))
     ema = [p.detach().clone() for p in params]
     run = unet if compile_mode == "none" else torch.compile(unet, mode=compile_mode)
+    run_cn = cn if compile_mode == "none" or cn is None else torch.compile(cn, mode=compile_mode)
     x = torch.randn(batch, unet.config.in_channels, size, size, device=device)
     t = torch.rand(batch, device=device) * 1000
     target = torch.randn_like(x)
     context = torch.randn(batch, 77, unet.config.cross_attention_dim, device=device)
 
+    def forward(unet_fn, cn_fn):
+        if cn is None:
+            return unet_fn(x, t, encoder_hidden_states=context).sample
+        down, mid = cn_fn(x, t, encoder_hidden_states=context, controlnet_cond=hint, return_dict=False)
+        return unet_fn(x, t, encoder_hidden_states=context, down_block_additional_residuals=down,
+                       mid_block_additional_residual=mid).sample
+
     def step():
         opt.zero_grad(set_to_none=False)
         with autocast(device, precision):
-            out = run(x, t, encoder_hidden_states=context).sample
+            out = forward(run, run_cn)
         torch.nn.functional.mse_loss(out.float(), target).backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
@@ -98,23 +128,25 @@ def train_step(config, batch, size, device, precision, repeat, compile_mode):
     with counter:  # eager, so that every op is counted
         opt.zero_grad(set_to_none=False)
         with autocast(device, precision):
-            out = unet(x, t, encoder_hidden_states=context).sample
+            out = forward(unet, cn)
         torch.nn.functional.mse_loss(out.float(), target).backward()
     impl = "diffusers" if compile_mode == "none" else "diffusers-compile"
-    print(json.dumps({"impl": impl, "compile_mode": compile_mode, "model": "sd-unet step", "params": sum(p.numel() for p in params), "batch": batch, "latent": size,
+    model = "sd-controlnet step" if controlnet else "sd-unet step"
+    print(json.dumps({"impl": impl, "compile_mode": compile_mode, "model": model, "params": sum(p.numel() for p in params), "batch": batch, "latent": size,
                       "device": device, "precision": precision, "first_s": round(first, 3), "best_s": round(best, 4),
                       "peak_gib": peak, "flops": counter.get_total_flops()}), flush=True)
 
 
 def main():
-    if sys.argv[1] == "--step":
+    if sys.argv[1] in ("--step", "--controlnet-step"):
         a = sys.argv[2:]
         train_step(a[0], int(a[1]), int(a[2]), a[3], a[4], int(a[5]) if len(a) > 5 else 3,
-                   a[6] if len(a) > 6 else "none")
+                   a[6] if len(a) > 6 else "none", controlnet=sys.argv[1] == "--controlnet-step")
         return
     if sys.argv[1] == "--config-only":
+        config = SD15_UNET if len(sys.argv) > 3 and sys.argv[3] == "sd15" else UNET
         with torch.device("meta"):  # the config alone: no weights made
-            UNet2DConditionModel(**UNET).save_config(os.path.join(sys.argv[2], "unet"))
+            UNet2DConditionModel(**config).save_config(os.path.join(sys.argv[2], "unet"))
         return
     out_dir, batch, size, threads = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
     repeat = int(sys.argv[5]) if len(sys.argv) > 5 else 3

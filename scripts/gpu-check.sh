@@ -44,7 +44,9 @@
 #   then (unless SD_COMPARE=0; where this python3 imports diffusers) the same step of SD 2.1's UNet in
 #   ddm beside diffusers eager (bench/sd_reference.py --step) at batch SD_BATCH (8) in bf16, and the
 #   UNet's forward + backward, the VAE's encoder and the VAE's forward + backward at 768 px, batch 2,
-#   in both (sd_reference.py DIR ... cuda bf16, then ddm_bench_sd DIR --device cuda); with
+#   in both (sd_reference.py DIR ... cuda bf16, then ddm_bench_sd DIR --device cuda), and (unless
+#   SD_CONTROLNET=0) ControlNet v1.0's training step on SD 1.5's locked UNet at 512 px in both
+#   (ddm_bench_sd --memory --controlnet on, sd_reference.py --controlnet-step); with
 #   SD_COMPILE=1 diffusers' training step under torch.compile too (minutes of compilation: give it a
 #   call of its own, with SD_PIECES=0 leaving the pieces out), SD_COMPILE=2 the pieces compiled as well;
 #   in OUT/sd-compare.jsonl;
@@ -139,6 +141,9 @@ PY
     # Stable Diffusion 2.1's UNet config (diffusers writes it; no weights) for the memory check.
     "$(bash scripts/reference-env.sh)" bench/sd_reference.py --config-only "$dir/sd21" ||
       echo "gpu-check: no SD 2.1 UNet config packed; the SD memory check will be skipped" >&2
+    # SD 1.5's, the ControlNet step's locked UNet.
+    "$(bash scripts/reference-env.sh)" bench/sd_reference.py --config-only "$dir/sd15" sd15 ||
+      echo "gpu-check: no SD 1.5 UNet config packed; the ControlNet step's comparison will be skipped" >&2
     du -sh "$dir"
     ;;
   run)
@@ -390,6 +395,18 @@ print("data_wait", [round(r["data_wait"], 4) for r in rows], "img/s", [round(r.g
           2>>"$out/sd-compare.err" | tee -a "$out/sd-compare.jsonl" ||
           echo "gpu-check: diffusers' SD step ($mode) failed: $(tail -3 "$out/sd-compare.err")"
       done
+      # ControlNet v1.0's training step on SD 1.5's locked UNet at 512 px (64x64 latents) in bf16: ddm,
+      # then diffusers as its train_controlnet.py steps (the locked UNet held in bf16), eager and compiled.
+      if [ "${SD_CONTROLNET:-1}" != 0 ] && [ -f "$dir/sd15/unet/config.json" ]; then
+        timeout 120 "$dir/bin/ddm_bench_sd" --memory "$dir/sd15/unet/config.json" --batch $b --latent 64 --device cuda \
+          --precision bf16 --repeat 3 --threads 8 --checkpoint off --controlnet on 2>>"$out/sd-compare.err" |
+          tee -a "$out/sd-compare.jsonl" || echo "gpu-check: ddm's ControlNet step failed: $(tail -3 "$out/sd-compare.err")"
+        for mode in none $([ "${SD_COMPILE:-0}" != 0 ] && echo default); do
+          timeout $([ $mode = none ] && echo 180 || echo 450) python3 bench/sd_reference.py --controlnet-step \
+            "$dir/sd15/unet/config.json" $b 64 cuda bf16 3 $mode 2>>"$out/sd-compare.err" | tee -a "$out/sd-compare.jsonl" ||
+            echo "gpu-check: diffusers' ControlNet step ($mode) failed: $(tail -3 "$out/sd-compare.err")"
+        done
+      fi
       # The pieces, on one seeded batch that diffusers writes with its networks (random weights).
       if [ "${SD_PIECES:-1}" != 0 ]; then
         s=$(mktemp -d)
