@@ -126,8 +126,8 @@ struct Args {
   double peak_tflops = 0;
   int64_t resolution = 64;  // loader
   int64_t experts = 0;      // sample: a routed ensemble of this many experts (0: one model)
-  int64_t text_tokens = 0, text_dim = 0;  // train, sample: --text T:D (0: a class-conditional preset)
-  bool threads_set = false, steps_set = false, warmup_set = false;
+  int64_t text_tokens = 0, text_dim = 0;  // train, sample, forward: --text T:D (0: a class-conditional preset)
+  bool batch_set = false, threads_set = false, steps_set = false, warmup_set = false;
 };
 
 Args parse(int argc, char** argv) {
@@ -146,7 +146,7 @@ Args parse(int argc, char** argv) {
     DDM_CHECK(i + 1 < argc, "ddm_bench: " << k << " needs a value");
     const std::string s = argv[i + 1];
     const int64_t v = std::atoll(s.c_str());
-    if (k == "--batch") a.batch = v;
+    if (k == "--batch") a.batch = v, a.batch_set = true;
     else if (k == "--threads") a.threads = v, a.threads_set = true;
     else if (k == "--steps") a.steps = v, a.steps_set = true;
     else if (k == "--warmup") a.warmup = v, a.warmup_set = true;
@@ -176,6 +176,7 @@ Args parse(int argc, char** argv) {
     }
     else DDM_FAIL("unknown flag " << k);
   }
+  if (a.mode == "forward" && !a.batch_set) a.batch = 4;  // a file to compare, not a speed
   if (a.mode == "dp") {  // defaults of the data-parallel mode: one thread per rank, few (slow) steps
     if (!a.threads_set) a.threads = 1;
     if (!a.steps_set) a.steps = 5;
@@ -689,7 +690,7 @@ int main(int argc, char** argv) try {
     // The preset's network with every parameter drawn at random (the zero-initialised output layers
     // too, so that every path counts), one forward of --batch samples in float32 on the CPU, written
     // with its inputs: bench/reference.py --check FILE loads the weights into its model and compares
-    // (tests/reference_bench.sh): the PyTorch model ddm is measured against is ddm's model.
+    // (tests/integration/test_bench_reference.cpp): the PyTorch model ddm is measured against is ddm's.
     torch::NoGradGuard no_grad;
     torch::manual_seed(3);
     SafetensorsFile f;
