@@ -84,7 +84,7 @@ Source open_source(const SampleArgs& a) {
       s.model->net = std::make_shared<GraphedNetImpl>(s.model->net);
     }
     s.den = make_denoiser(*s.model);
-    s.den->set_precision(a.precision == "bf16" ? Precision::kBf16 : Precision::kFp32);
+    s.den->set_precision(precision_named(a.precision));
     s.name = s.model->checkpoint;
     if (!device.is_cpu() || a.precision != "fp32") s.name += " on " + device.str() + " in " + a.precision;
     return s;
@@ -104,7 +104,7 @@ Source open_source(const SampleArgs& a) {
     std::cout << "warning: expert " << m << " is missing (--allow-missing): its router probability is set to 0 and "
               << "the rest renormalized; samples of its cluster come from the other experts" << std::endl;
   s.ensemble = make_ensemble(*s.members, s.routing, static_cast<uint64_t>(a.seed),
-                             a.precision == "bf16" ? Precision::kBf16 : Precision::kFp32);
+                             precision_named(a.precision));
   // With graphs, each expert's group is padded to a few sizes (graphed_group_quantum).
   if (a.cuda_graphs) s.ensemble->set_group_quantum(graphed_group_quantum(std::min(a.batch, a.n), s.members->k));
   s.ensemble->set_side_by_side(!a.one_expert_at_a_time);
@@ -498,8 +498,10 @@ void add_sample_flags(CLI::App* cmd, SampleArgs& a) {
                   "CPU). The noise is drawn on the CPU, so every device starts from the same noise")
       ->check(kDeviceSpec);
   cmd->add_option("--precision", a.precision,
-                  "fp32 | bf16: bf16 runs the network under bfloat16 autocast (faster on GPUs), the sampler in float32")
-      ->check(CLI::IsMember({"fp32", "bf16"}));
+                  "fp32 | bf16 | fp16: bf16 runs the network under bfloat16 autocast (faster on GPUs of compute "
+                  "capability 8.0 and newer), fp16 under float16 autocast (for GPUs without bfloat16 tensor cores: "
+                  "T4); the sampler integrates in float32 either way")
+      ->check(CLI::IsMember({"fp32", "bf16", "fp16"}));
   cmd->add_flag("--cuda-graphs", a.cuda_graphs,
                 "GPUs: capture the network's forward as a CUDA graph (one per batch shape) and replay it at every "
                 "step: the same images, fewer kernel launches by the host. With --ensemble, every expert's and the "

@@ -183,7 +183,8 @@ Args parse(int argc, char** argv) {
     if (!a.warmup_set) a.warmup = 2;
   }
   DDM_CHECK(a.wire == "float32" || a.wire == "float16", "--wire must be float32 or float16, got " << a.wire);
-  DDM_CHECK(a.precision == "fp32" || a.precision == "bf16", "--precision must be fp32 or bf16, got " << a.precision);
+  DDM_CHECK(a.precision == "fp32" || a.precision == "bf16" || (a.precision == "fp16" && a.mode == "sample"),
+            "--precision must be fp32 or bf16 (fp16: sample only), got " << a.precision);
   check_device_spec(a.device, "--device");
   DDM_CHECK(a.sync == "on" || a.sync == "off", "--sync must be on or off, got " << a.sync);
   DDM_CHECK(a.cuda_graphs == "on" || a.cuda_graphs == "off", "--cuda-graphs must be on or off, got " << a.cuda_graphs);
@@ -878,7 +879,7 @@ int main(int argc, char** argv) try {
   if (a.mode == "sample") {
     const bool graphs = a.cuda_graphs == "on";
     DDM_CHECK(!graphs || device.is_cuda(), "ddm_bench sample: --cuda-graphs on needs --device cuda");
-    const Precision precision = a.precision == "bf16" ? Precision::kBf16 : Precision::kFp32;
+    const Precision precision = precision_named(a.precision);
     auto ready = [&](Net n, int64_t max_graphs) -> Net {  // eval mode on the device, from graphs if asked
       n->eval();
       n->to(device);

@@ -227,6 +227,9 @@ PY
         bench "$dir/bin/ddm_bench" sample $preset --n 256 --nfe 20 --device cuda --precision bf16 --steps 3 --warmup 1 --threads 8
         bench "$dir/bin/ddm_bench" sample $preset --n 256 --nfe 20 --device cuda --precision bf16 --steps 3 --warmup 1 --threads 8 \
           --cuda-graphs on
+        # In fp16 (`ddm sample --precision fp16`, for GPUs without bfloat16 tensor cores; the hand-written
+        # kernels take float32 and bfloat16 only, so LibTorch's ops run): what it costs on a GPU that has both.
+        bench "$dir/bin/ddm_bench" sample $preset --n 256 --nfe 20 --device cuda --precision fp16 --steps 3 --warmup 1 --threads 8
         # A U-Net's sampling with its activations channels-last, eager and from CUDA graphs.
         if [ "${preset#unet}" != "$preset" ]; then
           for graphs in off on; do

@@ -149,7 +149,8 @@ const std::vector<std::pair<std::string, ScheduleKind>>& names() {
 }
 template <>
 const std::vector<std::pair<std::string, Precision>>& names() {
-  static const std::vector<std::pair<std::string, Precision>> t = {{"fp32", Precision::kFp32}, {"bf16", Precision::kBf16}};
+  static const std::vector<std::pair<std::string, Precision>> t = {{"fp32", Precision::kFp32}, {"bf16", Precision::kBf16},
+                                                                    {"fp16", Precision::kFp16}};
   return t;
 }
 template <>
@@ -357,7 +358,8 @@ const std::map<std::string, std::string>& key_docs() {
       {"train.device",
        "auto, cpu, cuda or cuda:N (auto and cuda: the GPU of the process's LOCAL_RANK)"},
       {"train.precision",
-       "fp32, or bf16: bfloat16 autocast with float32 weights, optimizer and EMA"},
+       "fp32, or bf16: bfloat16 autocast with float32 weights, optimizer and EMA (fp16 is refused: it is for "
+       "`ddm sample --precision fp16`)"},
       {"train.deterministic",
        "GPUs: deterministic algorithms only, so a run repeats bit for bit (slower)"},
       {"train.checkpoint_activations",
@@ -520,7 +522,7 @@ std::vector<Field> fields(RunConfig& c) {
       field("train.seed", &c.train.seed),
       field("train.threads", &c.train.threads),
       field("train.device", &c.train.device),
-      choice("train.precision", &c.train.precision, {"fp32", "bf16"}),
+      choice("train.precision", &c.train.precision, {"fp32", "bf16", "fp16"}),
       field("train.deterministic", &c.train.deterministic),
       field("train.checkpoint_activations", &c.train.checkpoint_activations),
       field("train.cuda_graphs", &c.train.cuda_graphs),
@@ -605,6 +607,11 @@ std::string name_of(SyncMode m) { return enum_name(m); }
 std::string name_of(ScheduleKind s) { return enum_name(s); }
 std::string name_of(WireFormat w) { return enum_name(w); }
 std::string name_of(Precision p) { return enum_name(p); }
+Precision precision_named(const std::string& name) {
+  for (const auto& [n, v] : names<Precision>())
+    if (n == name) return v;
+  DDM_FAIL("precision " << name << ": not one of fp32, bf16, fp16");
+}
 std::string name_of(CommBackend b) { return enum_name(b); }
 
 std::string unknown_key_message(const std::string& key) {
@@ -942,6 +949,10 @@ void validate_train(const RunConfig& c) {
             "the unflipped one's); turn one of them off");
   DDM_CHECK(t.label_dropout >= 0 && t.label_dropout <= 1,
             "train.label_dropout must be in [0, 1], got " << t.label_dropout);
+  DDM_CHECK(t.precision != Precision::kFp16,
+            "train.precision = fp16: training in float16 needs loss scaling, which ddm does not do; use bf16 (GPUs "
+            "of compute capability 8.0 and newer, and CPUs) or fp32. fp16 is for sampling: `ddm sample --precision "
+            "fp16` on GPUs without bfloat16 tensor cores (T4, compute capability 7.5)");
   DDM_CHECK(t.caption_dropout >= 0 && t.caption_dropout <= 1,
             "train.caption_dropout must be in [0, 1], got " << t.caption_dropout);
   DDM_CHECK(std::isfinite(t.kl_weight) && t.kl_weight >= 0, "train.kl_weight must be >= 0, got " << t.kl_weight);

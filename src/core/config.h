@@ -12,12 +12,13 @@ namespace ddm {
 enum class SyncMode { kDp, kDiloco };                           // parallel.mode
 enum class ScheduleKind { kGpipe, k1f1b, kZbH1, k1f1bV, kZbV };  // parallel.schedule
 enum class WireFormat { kFloat32, kFloat16, kBfloat16 };        // parallel.wire, parallel.pipe_wire, diloco.wire
-enum class Precision { kFp32, kBf16 };                          // train.precision, --precision
+enum class Precision { kFp32, kBf16, kFp16 };                   // train.precision, --precision (fp16: sampling only)
 enum class CommBackend { kAuto, kGloo, kNccl };                 // parallel.backend
 std::string name_of(SyncMode m);
 std::string name_of(ScheduleKind s);
 std::string name_of(WireFormat w);
 std::string name_of(Precision p);
+Precision precision_named(const std::string& name);  // fp32 | bf16 | fp16; another name throws ddm::Error
 std::string name_of(CommBackend b);
 // 1f1b-v and zb-v run two stages on each process, in a V.
 inline bool v_shaped(ScheduleKind s) { return s == ScheduleKind::k1f1bV || s == ScheduleKind::kZbV; }

@@ -117,12 +117,12 @@ std::string gpu_name(torch::Device device) {
 }
 
 Autocast::Autocast(torch::Device device, Precision precision) : type_(device.type()) {
-  if (precision != Precision::kBf16) return;
+  if (precision == Precision::kFp32) return;
   on_ = true;
   was_enabled_ = at::autocast::is_autocast_enabled(type_);
   was_dtype_ = at::autocast::get_autocast_dtype(type_);
   at::autocast::set_autocast_enabled(type_, true);
-  at::autocast::set_autocast_dtype(type_, at::kBFloat16);
+  at::autocast::set_autocast_dtype(type_, precision == Precision::kBf16 ? at::kBFloat16 : at::kHalf);
   at::autocast::increment_nesting();
 }
 

@@ -201,8 +201,9 @@ torch::Tensor forward_recomputed(NetImpl& net, const torch::Tensor& x, const tor
   if (!torch::GradMode::is_enabled()) return net.forward(x, t, c);
   check_cond(c);
   const c10::DeviceType type = x.device().type();
-  const bool bf16 = at::autocast::is_autocast_enabled(type) && at::autocast::get_autocast_dtype(type) == at::kBFloat16;
-  const Precision precision = bf16 ? Precision::kBf16 : Precision::kFp32;
+  const bool on = at::autocast::is_autocast_enabled(type);
+  const at::ScalarType dtype = at::autocast::get_autocast_dtype(type);
+  const Precision precision = !on ? Precision::kFp32 : dtype == at::kHalf ? Precision::kFp16 : Precision::kBf16;
   NetCarry k{x, {}, {}};  // [B, C, H, W]
   for (const NetUnit& u : net.units()) run_unit(u, k, t, c, x.device(), precision);
   return k.h;  // [B, C, H, W]

@@ -782,8 +782,8 @@ TEST(Gpu, ANetworkThatCannotBeCapturedRunsEagerlyAndLeavesTheAllocatorWhole) {
 // `ddm sample --cuda-graphs` (model/graphed_net.h): the network's forward replayed from CUDA graphs
 // gives the images the eager forward gives (the same kernels: within 1e-5, and in practice equal), with
 // guidance (a doubled batch), a last batch of another size (its own graph), self-conditioning (the
-// first evaluation without an estimate, the rest with: two graphs) and bf16, and after the weights
-// changed (bf16 graphs read weight casts made once, made again then); the graphs were replayed.
+// first evaluation without an estimate, the rest with: two graphs), bf16 and fp16 (finite), and after
+// the weights changed (bf16 graphs read weight casts made once, made again then); the graphs were replayed.
 TEST(Gpu, SamplingFromCudaGraphsGivesTheEagerImages) {
   if (no_gpu()) GTEST_SKIP() << kNoGpu;
   for (const std::string name : {"unet-tiny", "dit-tiny"}) {
@@ -801,7 +801,7 @@ TEST(Gpu, SamplingFromCudaGraphsGivesTheEagerImages) {
     net->eval();
     auto graphed = std::make_shared<GraphedNetImpl>(net);
     DiffusionConfig d;
-    for (const Precision precision : {Precision::kFp32, Precision::kBf16}) {
+    for (const Precision precision : {Precision::kFp32, Precision::kBf16, Precision::kFp16}) {
       GenerateOptions g;
       g.n = 12, g.batch_size = 8, g.seed = 3, g.per_class = 1;  // batches of 8 and 4
       g.sample.steps = 6, g.sample.cfg = 2.0;
@@ -810,8 +810,9 @@ TEST(Gpu, SamplingFromCudaGraphsGivesTheEagerImages) {
       replayed.set_precision(precision);
       const Generated a = generate(eager, 1, 28, g), b = generate(replayed, 1, 28, g);
       const double diff = (a.images - b.images).abs().max().item<double>();
-      const std::string what = name + (precision == Precision::kBf16 ? " bf16" : " fp32");
+      const std::string what = name + " " + name_of(precision);
       EXPECT_LE(diff, 1e-5) << what;
+      EXPECT_TRUE(torch::isfinite(a.images).all().item<bool>()) << what;
       std::printf("%s: max |graphed - eager| over the images %.2e (%lld graphs, %lld replays)\n", what.c_str(), diff,
                   static_cast<long long>(graphed->graphs()), static_cast<long long>(graphed->replays()));
     }

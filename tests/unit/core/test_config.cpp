@@ -174,6 +174,17 @@ TEST(Config, ControlNetKeys) {
   EXPECT_EQ(c.model.control, "lowres");
 }
 
+// fp16 is a precision for sampling (`ddm sample --precision fp16`); training in it is refused with
+// what to use instead, not run without the loss scaling float16 gradients need.
+TEST(Config, Fp16IsForSamplingAndTrainingInItIsRefused) {
+  const std::string why = error_of("", {"train.precision=fp16"});
+  EXPECT_NE(why.find("loss scaling"), std::string::npos) << why;
+  EXPECT_NE(why.find("use bf16"), std::string::npos) << why;
+  EXPECT_EQ(precision_named("fp16"), Precision::kFp16);
+  EXPECT_EQ(name_of(Precision::kFp16), "fp16");
+  EXPECT_THROW(precision_named("f16"), Error);
+}
+
 TEST(Config, EmbedSelfCondAndCacheKeys) {
   EXPECT_NE(error_of("", {"model.embed=feature-net", "train.label_dropout=0"}).find("null embedding"), std::string::npos);
   EXPECT_NE(error_of("", {"model.embed=feature-net", "train.teacher=ens"}).find("train.teacher"), std::string::npos);
