@@ -55,6 +55,12 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
+// --precision: fp32 or bf16 (fp16 is for sampling; these are training steps), another name refused.
+ddm::Precision training_precision(const std::string& name) {
+  if (name != "fp32" && name != "bf16") throw std::runtime_error("--precision must be fp32 or bf16, got " + name);
+  return ddm::precision_named(name);
+}
+
 // The first call and the best of `repeat` more.
 std::pair<double, double> timed(const std::function<void()>& fn, int repeat) {
   auto t0 = std::chrono::steady_clock::now();
@@ -95,7 +101,7 @@ int memory_mode(int argc, char** argv) {
   if (controlnet != "on" && controlnet != "off") throw std::runtime_error("--controlnet must be on or off, got " + controlnet);
   torch::set_num_threads(threads);
   const torch::Device device(device_name);
-  const ddm::Precision precision = precision_name == "bf16" ? ddm::Precision::kBf16 : ddm::Precision::kFp32;
+  const ddm::Precision precision = training_precision(precision_name);
   ddm::configure_math(device, false);
   std::ifstream in(config);
   if (!in) throw std::runtime_error(config + ": cannot read it");
@@ -195,7 +201,7 @@ int main(int argc, char** argv) try {
   }
   torch::set_num_threads(threads);
   const torch::Device device(device_name);
-  const ddm::Precision precision = precision_name == "bf16" ? ddm::Precision::kBf16 : ddm::Precision::kFp32;
+  const ddm::Precision precision = training_precision(precision_name);
   ddm::configure_math(device, false);
   const auto in = ddm::load_safetensors(dir + "/bench.safetensors").tensors;
   auto unet = ddm::sd::load_unet_2d_condition(dir + "/unet");

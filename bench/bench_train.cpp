@@ -14,7 +14,7 @@
 //           weights and inputs; bench/reference.py PRESET --check FILE compares its model's forward)
 //        ddm_bench peak [--threads 2]
 //        ddm_bench sample PRESET [--n 256] [--nfe 50] [--threads 2] [--steps 20] [--warmup 3]
-//          [--device cpu|cuda] [--precision fp32|bf16] [--cuda-graphs on|off] (on: the network's forward
+//          [--device cpu|cuda] [--precision fp32|bf16|fp16] [--cuda-graphs on|off] (on: the network's forward
 //          replayed from a CUDA graph, as `ddm sample --cuda-graphs`) [--experts K]
 //          (n images from noise with the Euler sampler in one batch, no guidance; the best of --steps
 //           timed runs after --warmup untimed ones; bench/reference.py --sample is the same in PyTorch.

@@ -266,8 +266,8 @@ TEST(Cli, BadSampleInputs) {
   EXPECT_FALSE(fs::exists(dir / "g.png"));
   expect_error(test::run_ddm("sample --ckpt " + (dir / "run") + " --device gpu --out " + (dir / "g.png")),
                "--device = \"gpu\" is not one of: auto, cpu, cuda, cuda:N");
-  expect_error(test::run_ddm("sample --ckpt " + (dir / "run") + " --precision fp16 --out " + (dir / "g.png")),
-               "--precision");
+  expect_error(test::run_ddm("sample --ckpt " + (dir / "run") + " --precision fp8 --out " + (dir / "g.png")),
+               "--precision: fp8 not in {fp32,bf16,fp16}");
   if (!torch::cuda::is_available())  // a GPU machine samples there instead
     expect_error(test::run_ddm("sample --ckpt " + (dir / "run") + " --device cuda --out " + (dir / "g.png")),
                  "--device = cuda, but this machine has no CUDA GPU that LibTorch can use");
@@ -291,11 +291,15 @@ TEST(Cli, BadSampleInputs) {
   }
   expect_error(test::run_ddm("quickstart --device cpu --data-root " + (dir / "nowhere") + " --out " + (dir / "qs")),
                "is not a directory");
-  // --device auto (the default) samples on the CPU here, bf16 too.
-  ASSERT_EQ(test::run_ddm("sample --ckpt " + (dir / "run") + " --n 4 --steps 2 --precision bf16 --out " + (dir / "b.png"))
-                .exit_code,
-            0);
-  EXPECT_TRUE(fs::exists(dir / "b.png"));
+  // --device auto (the default) samples on the CPU here, bf16 and fp16 too.
+  for (const std::string p : {"bf16", "fp16"}) {
+    ASSERT_EQ(test::run_ddm("sample --ckpt " + (dir / "run") + " --n 4 --steps 2 --precision " + p + " --out " +
+                            (dir / (p + ".png")))
+                  .exit_code,
+              0)
+        << p;
+    EXPECT_TRUE(fs::exists(dir / (p + ".png"))) << p;
+  }
   // Corrupt the weights of the only checkpoint: sampling refuses with a checksum message.
   const std::string w = *latest_checkpoint(dir / "run") + "/ema.safetensors";
   std::string bytes = test::read_text(w);

@@ -209,8 +209,8 @@ TEST(Nets, AGraphedOrCheckpointedNetworkIsItsInnerNetworkOnTheCpu) {
 
 // A `--cuda-graphs` network's graphs read its linear and convolution weights cast once
 // (HeldWeightCasts, model/graphed_net.h): with those parameters swapped for their casts, every
-// preset's forward under bf16 autocast gives the bits it gives with its float32 weights (autocast casts
-// them to bf16 for those layers anyway), and the swap ends with the float32 weights in place. A weight
+// preset's forward under bf16 autocast (and fp16's) gives the bits it gives with its float32 weights
+// (autocast casts them for those layers anyway), and the swap ends with the float32 weights in place. A weight
 // changed afterwards is cast again by refresh(); without it the swapped forward would read the old cast.
 TEST(Nets, HeldWeightCastsChangeNoBitOfAForward) {
   torch::manual_seed(4);
@@ -221,6 +221,14 @@ TEST(Nets, HeldWeightCastsChangeNoBitOfAForward) {
     randomize(*net, 0.05);
     const auto x = images_for(cfg, 3), t = torch::rand({3});
     const Cond y(torch::tensor({0, 9, 10}));
+    {  // float16 (`ddm sample --precision fp16` from graphs): held half casts change no bit either
+      const Autocast half(torch::kCPU, Precision::kFp16);
+      const AutocastCacheOff no_cache;
+      const auto plain = net->forward(x, t, y);
+      HeldWeightCasts held(*net, torch::kHalf);
+      const HeldWeightCasts::Swap swap(held);
+      EXPECT_TRUE(torch::equal(net->forward(x, t, y), plain)) << name << " fp16";
+    }
     const Autocast autocast(torch::kCPU, Precision::kBf16);
     const AutocastCacheOff no_cache;  // as in a graph's capture: a cached cast would not see weights change
     const auto plain = net->forward(x, t, y);
