@@ -411,6 +411,10 @@ TEST(DistComm, RanksThatLostAConnectionAreNotNamedAsHung) {
 }
 
 // Every rank timed out, each in a collective the others did not run: named as different code paths.
+// The ranks' timeouts fire within milliseconds of each other, and one whose timeout fires first may
+// close its connections before a slower one's fires: that one then reads a closed connection, says so,
+// and the others list it as a rank that lost a connection (a run under load on 2 cores did this once
+// in dozens). Either way every rank that timed out tells the disagreement.
 TEST(DistComm, RanksInDifferentCollectivesAreToldSo) {
   Arrivals all(3);
   std::vector<std::string> errors(3);
@@ -424,11 +428,31 @@ TEST(DistComm, RanksInDifferentCollectivesAreToldSo) {
     });
     all.arrive_and_wait();
   });
-  for (int r = 0; r < 3; ++r)
-    EXPECT_TRUE(has(errors[r], "waiting for the other ranks (every rank reported a failure: ranks 0, 1 timed out in "
-                               "all-reduce, rank 2 in receive from rank 0; the ranks ran different collectives, so "
-                               "their code paths or configs differ)"))
-        << r << ": " << errors[r];
+  std::vector<bool> lost(3);
+  for (int r = 0; r < 3; ++r) {
+    const std::string op = r == 2 ? "receive from rank 0" : "all-reduce";
+    lost[r] = has(errors[r], "lost the connection to a peer rank during " + op);  // the race above
+    if (!lost[r]) {
+      EXPECT_TRUE(has(errors[r], "rank " + std::to_string(r) + ": " + op + " timed out after 2s waiting for the "
+                                 "other ranks (every rank reported a failure: "))
+          << r << ": " << errors[r];
+    }
+  }
+  EXPECT_LE(lost[0] + lost[1] + lost[2], 2) << errors[0] << "\n" << errors[1] << "\n" << errors[2];
+  for (int r = 0; r < 3; ++r) {
+    if (lost[r]) continue;
+    // The ranks that timed out in different collectives (rank 2 and one of 0, 1 at least) are told so.
+    if (!lost[2]) {
+      EXPECT_TRUE(has(errors[r], "rank 2 in receive from rank 0; the ranks ran different collectives, so their "
+                                 "code paths or configs differ)"))
+          << r << ": " << errors[r];
+    }
+    // Without the race, the whole list.
+    if (!lost[0] && !lost[1] && !lost[2]) {
+      EXPECT_TRUE(has(errors[r], "(every rank reported a failure: ranks 0, 1 timed out in all-reduce, rank 2 in "))
+          << r << ": " << errors[r];
+    }
+  }
   for (const auto& e : escaped) EXPECT_EQ(e, "");
 }
 
