@@ -83,6 +83,7 @@
 #include "core/device.h"
 #include "core/error.h"
 #include "core/presets.h"
+#include "core/rng.h"
 #include "core/runtime.h"
 #include "core/safetensors.h"
 #include "data/shard_loader.h"
@@ -233,9 +234,8 @@ void apply_bench_text(RunConfig& cfg, const Args& a) {
 // with its first 2 tokens (start and end) attended to.
 Cond bench_text_cond(int64_t n, const Args& a, bool null) {
   const int64_t T = a.text_tokens;
-  torch::manual_seed(null ? 2 : 1);
   Cond c;
-  c.context = torch::randn({n, T, a.text_dim});  // [n, T, D]
+  c.context = torch::randn({n, T, a.text_dim}, make_generator(null ? 2 : 1));  // [n, T, D]
   const auto len = null ? torch::full({n, 1}, 2, torch::kLong)
                         : (8 + (13 * torch::arange(n, torch::kLong)).remainder(24)).clamp_max(T).view({n, 1});  // [n, 1]
   c.context_mask = torch::arange(T, torch::kLong).view({1, T}).lt(len).to(torch::kLong);  // [n, T]

@@ -7,12 +7,13 @@
 // the memory of the largest one's forward (and each one's output), not the sum. Shapes beyond
 // max_graphs, calls that record gradients, CPU tensors, a shape whose capture ran out of GPU memory
 // and a network that cannot be captured (each said once on stderr) run eagerly: the same results
-// either way, bit for bit, since a replay runs the eager call's kernels. Under autocast a graph does not cast the linear and convolution weights at
-// every replay: it reads casts made once (HeldWeightCasts below), made again where a weight changed.
+// either way, bit for bit, since a replay runs the eager call's kernels. Under autocast a graph does
+// not cast the linear and convolution weights at every replay: it reads casts made once
+// (HeldWeightCasts below), made again where a weight changed.
 #pragma once
 #include <map>
-#include <set>
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
