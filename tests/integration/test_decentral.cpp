@@ -295,7 +295,7 @@ TEST(DecentralCli, IslandsSurviveAKilledIslandAndWriteASlurmArray) {
   test::write_text(dir / "isl.toml", islands);
   const std::string cd = "cd " + dir.path + " && ";
   // Run in the background; kill -9 expert 0 once it has written its step-20 checkpoint.
-  test::run_command(cd + "(" + test::ddm_binary() + " islands run isl.toml > run.log 2>&1; echo $? > rc) > /dev/null 2>&1 &");
+  test::run_command(cd + "(" + test::ddm_binary() + " islands run isl.toml > run.log 2>&1; echo $? > rc.part; mv rc.part rc) > /dev/null 2>&1 &");
   const fs::path ckpt = dir / "runs/k2/experts/0/ckpt/step-00000020";
   for (int i = 0; i < 3000 && !fs::exists(ckpt); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(20));
   ASSERT_TRUE(fs::exists(ckpt)) << test::read_text(dir / "run.log");
@@ -368,7 +368,7 @@ TEST(DecentralCli, IslandsSurviveAKilledIslandAndWriteASlurmArray) {
   std::string one_at_a_time = std::string(islands).replace(islands.find("runs/k2"), 7, "runs/k2c");
   test::write_text(dir / "isl3.toml", one_at_a_time.replace(one_at_a_time.find("concurrency = 2"), 15, "concurrency = 1"));
   test::run_command(cd + "(" + test::ddm_binary() + " islands run isl3.toml > run3.log 2>&1 & echo $! > runner3.pid; wait $!; " +
-                    "echo $? > rc3) > /dev/null 2>&1 &");
+                    "echo $? > rc3.part; mv rc3.part rc3) > /dev/null 2>&1 &");
   const fs::path ckpt3 = dir / "runs/k2c/experts/0/ckpt/step-00000020";
   for (int i = 0; i < 3000 && !fs::exists(ckpt3); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(20));
   ASSERT_TRUE(fs::exists(ckpt3)) << test::read_text(dir / "run3.log");

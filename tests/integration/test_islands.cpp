@@ -149,7 +149,7 @@ TEST(Islands, TwoProcessIslandsTrainAsTheLauncherDoesAndAKilledRankRestartsOnlyI
   test::write_text(dir / "isl.toml", islands_file(dir.path, "runs", "concurrency = 2\nnproc = 2\nretries = 2\nthreads = 1\n"));
   RunnerGuard guard{dir / "runner.pid", dir / "rc"};
   test::run_command("(" + test::ddm_binary() + " islands run " + (dir / "isl.toml") + " > " + (dir / "run.log") +
-                    " 2>&1 & echo $! > " + (dir / "runner.pid") + "; wait $!; echo $? > " + (dir / "rc") +
+                    " 2>&1 & echo $! > " + (dir / "runner.pid") + "; wait $!; echo $? > " + (dir / "rc.part") + "; mv " + (dir / "rc.part") + " " + (dir / "rc") +
                     ") > /dev/null 2>&1 &");
   // Once expert 0 has a checkpoint, kill -9 its rank 1 (a worker of the island's launcher).
   const fs::path ckpt = dir / "runs/experts/0/ckpt/step-00000020";
@@ -339,7 +339,7 @@ TEST(Islands, SlurmRunsATwoProcessIslandAsOneArrayTaskOfTwoTasks) {
   // Array task 0 (expert 0) only: one job step of 2 ranks. Once it has a checkpoint, rank 1
   // (SLURM_PROCID=1) is killed with -9: the step fails and the script restarts the island.
   test::run_command("(" + slurm.env + "timeout 300 sbatch --wait --array=0 " + (dir / "job.sbatch") + " > " +
-                    (dir / "sbatch.out") + " 2>&1; echo $? > " + (dir / "rc")  + ") > /dev/null 2>&1 &");
+                    (dir / "sbatch.out") + " 2>&1; echo $? > " + (dir / "rc.part") + "; mv " + (dir / "rc.part") + " " + (dir / "rc") + ") > /dev/null 2>&1 &");
   auto logs = [&] {
     std::string text;
     for (const auto& e : fs::directory_iterator(dir / "runs/logs"))

@@ -198,7 +198,7 @@ TEST(Train, SigtermWritesCheckpointAndStops) {
   const std::string out = dir / "run";
   test::run_command("(" + test::ddm_binary() + " train --config " + (dir / "tiny.toml") +
                     " --set train.steps=1000000 --set train.ckpt_every=1000000 --out " + out + " > " +
-                    (dir / "log.txt") + " 2>&1 & echo $! > " + (dir / "pid") + "; wait $!; echo $? > " + (dir / "rc") +
+                    (dir / "log.txt") + " 2>&1 & echo $! > " + (dir / "pid") + "; wait $!; echo $? > " + (dir / "rc.part") + "; mv " + (dir / "rc.part") + " " + (dir / "rc") +
                     ") > /dev/null 2>&1 &");
   for (int i = 0; i < 600 && test::read_text(dir / "pid").empty(); ++i)
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
