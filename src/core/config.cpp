@@ -358,8 +358,10 @@ const std::map<std::string, std::string>& key_docs() {
       {"train.device",
        "auto, cpu, cuda or cuda:N (auto and cuda: the GPU of the process's LOCAL_RANK)"},
       {"train.precision",
-       "fp32, or bf16: bfloat16 autocast with float32 weights, optimizer and EMA (fp16 is refused: it is for "
-       "`ddm sample --precision fp16`)"},
+       "fp32, or bf16: bfloat16 autocast with float32 weights, optimizer and EMA, or fp16: float16 autocast with "
+       "dynamic loss scaling (for GPUs without bfloat16 tensor cores: T4)"},
+      {"train.loss_scale",
+       "fp16: the loss scale to start from (it halves at every overflow, doubles after 2000 good steps)"},
       {"train.deterministic",
        "GPUs: deterministic algorithms only, so a run repeats bit for bit (slower)"},
       {"train.checkpoint_activations",
@@ -523,6 +525,7 @@ std::vector<Field> fields(RunConfig& c) {
       field("train.threads", &c.train.threads),
       field("train.device", &c.train.device),
       choice("train.precision", &c.train.precision, {"fp32", "bf16", "fp16"}),
+      field("train.loss_scale", &c.train.loss_scale),
       field("train.deterministic", &c.train.deterministic),
       field("train.checkpoint_activations", &c.train.checkpoint_activations),
       field("train.cuda_graphs", &c.train.cuda_graphs),
@@ -949,10 +952,15 @@ void validate_train(const RunConfig& c) {
             "the unflipped one's); turn one of them off");
   DDM_CHECK(t.label_dropout >= 0 && t.label_dropout <= 1,
             "train.label_dropout must be in [0, 1], got " << t.label_dropout);
-  DDM_CHECK(t.precision != Precision::kFp16,
-            "train.precision = fp16: training in float16 needs loss scaling, which ddm does not do; use bf16 (GPUs "
-            "of compute capability 8.0 and newer, and CPUs) or fp32. fp16 is for sampling: `ddm sample --precision "
-            "fp16` on GPUs without bfloat16 tensor cores (T4, compute capability 7.5)");
+  DDM_CHECK(std::isfinite(t.loss_scale) && t.loss_scale > 0,
+            "train.loss_scale must be a finite number > 0 (fp16's starting loss scale; 65536 = 2^16), got "
+                << t.loss_scale);
+  DDM_CHECK(t.precision != Precision::kFp16 || c.parallel.mode != SyncMode::kDiloco,
+            "train.precision = fp16 with parallel.mode = diloco is not supported (each replica's loss scale is not "
+            "yet part of DiLoCo's state): train in bf16 (GPUs of compute capability 8.0 and newer, and CPUs) or fp32");
+  DDM_CHECK(t.precision != Precision::kFp16 || !t.cuda_graphs,
+            "train.cuda_graphs with train.precision = fp16 is not supported (the graph would hold one loss scale): "
+            "turn train.cuda_graphs off, or train in bf16");
   DDM_CHECK(t.caption_dropout >= 0 && t.caption_dropout <= 1,
             "train.caption_dropout must be in [0, 1], got " << t.caption_dropout);
   DDM_CHECK(std::isfinite(t.kl_weight) && t.kl_weight >= 0, "train.kl_weight must be >= 0, got " << t.kl_weight);

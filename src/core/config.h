@@ -12,7 +12,7 @@ namespace ddm {
 enum class SyncMode { kDp, kDiloco };                           // parallel.mode
 enum class ScheduleKind { kGpipe, k1f1b, kZbH1, k1f1bV, kZbV };  // parallel.schedule
 enum class WireFormat { kFloat32, kFloat16, kBfloat16 };        // parallel.wire, parallel.pipe_wire, diloco.wire
-enum class Precision { kFp32, kBf16, kFp16 };                   // train.precision, --precision (fp16: sampling only)
+enum class Precision { kFp32, kBf16, kFp16 };                   // train.precision, --precision
 enum class CommBackend { kAuto, kGloo, kNccl };                 // parallel.backend
 std::string name_of(SyncMode m);
 std::string name_of(ScheduleKind s);
@@ -168,8 +168,11 @@ struct TrainConfig {
   // the process's LOCAL_RANK; auto: the CPU where LibTorch sees no GPU). Every mode runs on a GPU.
   std::string device = "auto";
   // fp32: every op in float32 (TF32 off on GPUs). bf16: the forward passes and their backward under
-  // bfloat16 autocast; weights, gradients, AdamW state and EMA stay float32 (core/device.h).
+  // bfloat16 autocast; weights, gradients, AdamW state and EMA stay float32 (core/device.h). fp16: the
+  // same under float16 autocast, with dynamic loss scaling (train/loss_scale.h), for GPUs without
+  // bfloat16 tensor cores (T4); not with DiLoCo or train.cuda_graphs.
   Precision precision = Precision::kFp32;
+  double loss_scale = 65536;  // fp16: the loss scale to start from (torch.amp.GradScaler's 2^16)
   // GPUs: deterministic algorithms only (cuBLAS workspace, no atomics-based kernels), so a run repeats
   // bit for bit on the same card; slower. The CPU path is deterministic either way.
   bool deterministic = false;

@@ -1,6 +1,7 @@
 // Progress display and JSONL metrics (see progress.h).
 #include "core/progress.h"
 
+#include <cmath>
 #include <cstdio>
 #include <ctime>
 #include <filesystem>
@@ -72,8 +73,10 @@ void Progress::reset_interval() {
 }
 
 void Progress::step(int64_t step, double loss, double lr, double grad_norm, int64_t batch_size) {
-  interval_sum_ += loss;
-  ++interval_n_;
+  if (std::isfinite(loss)) {  // an fp16 step skipped for a non-finite loss is left out of the mean
+    interval_sum_ += loss;
+    ++interval_n_;
+  }
   interval_images_ += batch_size;
   images_ += batch_size;
   last_loss_ = loss;

@@ -156,6 +156,8 @@ PipeStep::PipeStep(const RunConfig& cfg, Net net, std::shared_ptr<Objective> obj
   // its units' forward and input gradients.
   optim_ = std::make_unique<FlatAdamW>(*net_, AdamWOptions{tc.beta1, tc.beta2, tc.adam_eps, tc.weight_decay},
                                        /*allow_empty=*/true);
+  // fp16: every stage keeps the same loss scale, changed by the same agreed decisions.
+  if (tc.precision == Precision::kFp16) optim_->loss_scale() = LossScale(tc.loss_scale);
   for (auto& [stage, up] : here_units)  // ascending
     locals_.emplace_back(stage, S, std::move(up.first), std::move(up.second), *wire_, routes_, rows_);
   quantum_ = prepare_quantum(rows_);
@@ -183,7 +185,8 @@ void PipeStep::forward(PipeStage& l, int micro) {
   if (!l.last()) return;
   const torch::Tensor loss = objective_->loss(out, p);  // []
   loss_sum_ += loss.item<double>();
-  l.set_loss(micro, scale_ == 1.0 ? loss : loss * scale_);
+  const double backward_scale = scale_ * optim_->loss_scale().scale();  // fp16: the loss scale on top
+  l.set_loss(micro, backward_scale == 1.0 ? loss : loss * backward_scale);
 }
 
 void PipeStep::first_pass(PipeStage& l, int m, int64_t first, int64_t rows, bool filling, bool serial) {
@@ -276,6 +279,11 @@ StepResult PipeStep::run(const std::vector<Batch>& micro, int64_t step, const st
   times_.backward_end = Clock::now();
   // The loss (the mean of the replicas' last stages) and the squared gradient norm (a sum over the
   // stages' disjoint parts, once: replica 0's; after the average every replica holds the same).
+  LossScale& loss_scale = optim_->loss_scale();
+  if (loss_scale.on()) {  // fp16: this stage's gradient of the loss itself
+    r.loss_scale = loss_scale.scale();
+    optim_->flat_grad().mul_(1.0 / loss_scale.scale());
+  }
   const double norm_here = optim_->grad_norm();
   const double replicas = replicas_ ? replicas_->world_size() : 1;
   auto sums = torch::tensor({rank_of(stages() - 1) == rank_ ? loss_sum_ * scale_ / replicas : 0.0,
@@ -287,7 +295,13 @@ StepResult PipeStep::run(const std::vector<Batch>& micro, int64_t step, const st
   times_.synced = Clock::now();
   optim_->clip_grad_norm(tc.grad_clip, r.grad_norm);
   times_.clipped = times_.end = Clock::now();
-  if (!std::isfinite(r.loss) || !std::isfinite(r.grad_norm)) {
+  const bool finite = std::isfinite(r.loss) && std::isfinite(r.grad_norm);  // the same on every rank
+  if (loss_scale.on()) {
+    loss_scale.update(finite);
+    r.overflow = !finite;
+    r.overflows_in_a_row = loss_scale.skips_in_a_row();
+  }
+  if (!finite) {
     r.finite = false;
     return r;
   }

@@ -4,6 +4,8 @@
 #include <chrono>
 #include <cmath>
 #include <optional>
+#include <sstream>
+#include <string>
 #include <vector>
 
 #include "core/error.h"
@@ -66,12 +68,24 @@ int run_loop(Engine& engine, BatchSource& source, const LoopSpec& spec, const En
     const StepResult r = engine.step(split_micro(shard, spec.grad_accum), state.step, next);
     // Data parallel: the loss and the gradient norm are global, so every rank stops here alike. DiLoCo:
     // they are this replica's; the others learn of its exit at their next synchronization.
-    DDM_CHECK(r.finite, spec.who << "step " << state.step + 1 << ": the "
-                                 << (std::isfinite(r.loss) ? "gradient norm" : "loss") << " is "
-                                 << (std::isfinite(r.loss) ? r.grad_norm : r.loss)
-                                 << "; training stopped. The last good checkpoint (" << state.last_ckpt
-                                 << ") is intact. Lower train.lr (now " << spec.lr << ") or train.grad_clip (now "
-                                 << spec.grad_clip << "; 0 is off) and go on from it: --resume --set train.lr=" << spec.lr / 10);
+    // fp16: a step that overflowed float16 was skipped and the loss scale halved (train/loss_scale.h);
+    // training goes on unless it keeps happening.
+    const bool skipped = r.overflow && r.overflows_in_a_row < LossScale::kMaxSkipsInARow;
+    std::ostringstream at_scale;
+    at_scale << r.loss_scale;
+    DDM_CHECK(r.finite || skipped,
+              spec.who << "step " << state.step + 1 << ": the " << (std::isfinite(r.loss) ? "gradient norm" : "loss")
+                       << " is " << (std::isfinite(r.loss) ? r.grad_norm : r.loss)
+                       << (r.overflow ? " in float16 for " + std::to_string(r.overflows_in_a_row) +
+                                            " steps in a row (each skipped and the loss scale halved; this step's "
+                                            "was " + at_scale.str() + ")"
+                                      : std::string())
+                       << "; training stopped. The last good checkpoint (" << state.last_ckpt
+                       << ") is intact. Lower train.lr (now " << spec.lr << ") or train.grad_clip (now "
+                       << spec.grad_clip << "; 0 is off) and go on from it: --resume --set train.lr=" << spec.lr / 10
+                       << (r.overflow ? "; or train in bf16 (train.precision = bf16, on GPUs of compute capability "
+                                        "8.0 and newer) or fp32, which have the range float16 lacks"
+                                      : ""));
     ++state.step;
     // A signal to any rank stops every rank after the same step: agreed every step with data
     // parallelism, at the next synchronization with DiLoCo.

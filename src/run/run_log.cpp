@@ -6,6 +6,8 @@
 #include <cstdlib>
 #include <filesystem>
 #include <iostream>
+#include <string>
+#include <utility>
 
 #include <nlohmann/json.hpp>
 
@@ -42,7 +44,8 @@ void RunLog::step(int64_t step, const StepResult& r, const std::string& news) {
     progress_.finish();
     std::cout << news << std::endl;
   }
-  progress_.step(step, r.loss, r.lr, r.grad_norm, spec_.batch_size);
+  progress_.step(step, r.loss, r.lr, r.grad_norm, spec_.batch_size);  // (a non-finite loss is not averaged)
+  overflows_ += r.overflow ? 1 : 0;
   // Every replica names its own skipped samples (data.skip_bad) in its own output, as they come.
   if (spec_.name_skips && data_.skipped_mine() > noticed_skips_) {
     progress_.finish();
@@ -61,6 +64,8 @@ void RunLog::step(int64_t step, const StepResult& r, const std::string& news) {
     // The time this rank waited for its batches, as a share of the interval's wall time: how far the
     // loader is from being the bottleneck.
     rec["data_wait"] = waited_ / std::max(1e-9, seconds);
+    // fp16: the loss scale of this step, and the interval's steps skipped because float16 overflowed.
+    if (r.loss_scale > 0) rec["loss_scale"] = r.loss_scale, rec["skipped_steps"] = overflows_;
     // The most memory this process has held so far (core/device.h: a GPU's tensors, or the host's
     // resident set), for sizing a run's batch and train.checkpoint_activations.
     rec["peak_memory_bytes"] = static_cast<int64_t>(peak_memory_bytes_on(spec_.device));
@@ -81,11 +86,20 @@ void RunLog::step(int64_t step, const StepResult& r, const std::string& news) {
   interval_first_ = step;
   waited_ = 0;
   interval_start_ = Clock::now();
+  const int64_t overflows = std::exchange(overflows_, 0);
   if (!progress_.tty() && !spec_.quiet) {
     const double eta = progress_.eta_seconds(step);
     const std::string at = step < spec_.steps ? format_finish_time(eta) : "";
-    std::printf("step %lld/%lld  loss %.4f  lr %.2e  |g| %.3f  %.0f img/s  ETA %s%s\n", static_cast<long long>(step),
-                static_cast<long long>(spec_.steps), progress_.interval_loss(), r.lr, r.grad_norm,
+    // fp16: the loss scale, and the steps since the last line that float16 overflowed and were skipped.
+    std::string scale;
+    if (r.loss_scale > 0) {
+      char buf[80];
+      std::snprintf(buf, sizeof buf, "  scale %g%s", r.loss_scale,
+                    overflows > 0 ? (" (" + std::to_string(overflows) + " skipped)").c_str() : "");
+      scale = buf;
+    }
+    std::printf("step %lld/%lld  loss %.4f  lr %.2e  |g| %.3f%s  %.0f img/s  ETA %s%s\n", static_cast<long long>(step),
+                static_cast<long long>(spec_.steps), progress_.interval_loss(), r.lr, r.grad_norm, scale.c_str(),
                 progress_.interval_img_per_s(), format_duration(eta).c_str(), at.empty() ? "" : (" (" + at + ")").c_str());
     std::fflush(stdout);
   }

@@ -71,6 +71,7 @@ class RunLog {
   std::optional<MetricsLog> metrics_;
   std::optional<EventWriter> events_;
   double waited_ = 0;
+  int64_t overflows_ = 0;  // fp16: steps of this interval skipped for an overflow (train/loss_scale.h)
   Clock::time_point interval_start_;
   int64_t interval_sent_ = 0, interval_first_ = 0;
   int64_t noticed_skips_ = 0;   // this replica's, last named

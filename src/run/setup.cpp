@@ -34,6 +34,7 @@ RunConfig normalized_for_resume(RunConfig c) {
   c.train.threads = d.train.threads;
   c.train.device = d.train.device;
   c.train.precision = d.train.precision;
+  c.train.loss_scale = d.train.loss_scale;  // fp16's starting scale: a checkpoint's own scale goes on
   c.train.deterministic = d.train.deterministic;
   c.train.checkpoint_activations = d.train.checkpoint_activations;  // what backward keeps, not what it computes
   c.train.cuda_graphs = d.train.cuda_graphs;  // how the same step is launched
@@ -97,7 +98,7 @@ FileLock prepare_run_dir(const TrainOptions& opt, const RunConfig& cfg) {
       const std::string diff =
           first_difference(to_toml(normalized_for_resume(stored)), to_toml(normalized_for_resume(cfg)));
       DDM_CHECK(diff.empty(), "--resume: the config differs from the run stored in " << opt.out_dir << ": " << diff
-                                  << ". Only train.steps, lr, grad_clip, log_every, ckpt_every, keep_ckpts, threads, device, precision, deterministic, checkpoint_activations, cuda_graphs, grad_accum, sample_every, sample_n, sample_prompts, sample.* and "
+                                  << ". Only train.steps, lr, grad_clip, log_every, ckpt_every, keep_ckpts, threads, device, precision, loss_scale, deterministic, checkpoint_activations, cuda_graphs, grad_accum, sample_every, sample_n, sample_prompts, sample.* and "
                                      "parallel.* may change on resume; use a new --out or --force to start over");
       // What changes the training from here on is said (and recorded: config.toml is rewritten).
       const auto changed = [&](const char* key, double was, double now) {
@@ -287,6 +288,10 @@ RunStart start_run(const TrainOptions& opt, const TrainJob& job, Net& net, Engin
             s.interval_steps = ck.field<int64_t>("/log_interval/steps");
           }
           if (ck.state.contains("sent_bytes")) s.sent_before = ck.field<int64_t>("/sent_bytes");
+          // fp16: the loss scale goes on from where it was (a checkpoint of another precision has none:
+          // the scale starts at train.loss_scale).
+          if (optim.loss_scale().on() && ck.state.contains("loss_scale"))
+            optim.loss_scale().from_json(ck.state["loss_scale"], RunDir(*latest) / RunDir::kState);
           s.step = ck.step;
           s.last_ckpt = *latest;
           if (!opt.quiet) std::cout << "resuming from " << *latest << " (step " << s.step << ")\n";
@@ -311,8 +316,11 @@ RunStart start_run(const TrainOptions& opt, const TrainJob& job, Net& net, Engin
   }
   torch::NoGradGuard no_grad;
   const int64_t loaded = s.resumed ? 1 : 0;
-  auto ints = torch::tensor({s.step, optim.step_count(), s.interval_steps, s.sent_before, loaded}, torch::kLong);
-  auto sums = torch::tensor({s.interval_loss_sum}, torch::kDouble);
+  const LossScale& scale = optim.loss_scale();
+  auto ints = torch::tensor({s.step, optim.step_count(), s.interval_steps, s.sent_before, loaded, scale.good_steps(),
+                             scale.skips_in_a_row()},
+                            torch::kLong);
+  auto sums = torch::tensor({s.interval_loss_sum, scale.scale()}, torch::kDouble);
   comm.broadcast(ints, 0);
   comm.broadcast(sums, 0);
   if (ints[4].item<int64_t>() != 0) {
@@ -334,6 +342,8 @@ RunStart start_run(const TrainOptions& opt, const TrainJob& job, Net& net, Engin
   }
   s.step = ints[0].item<int64_t>();
   optim.set_step_count(ints[1].item<int64_t>());
+  if (optim.loss_scale().on())
+    optim.loss_scale().set(sums[1].item<double>(), ints[5].item<int64_t>(), ints[6].item<int64_t>());
   data.share(comm);  // each replica's data position, rank 0's
   s.interval_steps = ints[2].item<int64_t>();
   s.sent_before = ints[3].item<int64_t>();
@@ -394,9 +404,15 @@ void print_run_header(const TrainJob& job, const BuiltModel& model, const Parall
             << (layout.world > 1 ? " per rank" : "") << ", seed " << tc.seed << "\n";
   if (!device.is_cpu() || tc.precision != Precision::kFp32)
     std::cout << "device: " << device.str() << (layout.world > 1 ? " (this rank's)" : "") << ", "
-              << (tc.precision == Precision::kBf16 ? "bf16 autocast (weights, gradients, AdamW and EMA in float32)"
-                                                   : "fp32")
+              << (tc.precision == Precision::kBf16   ? "bf16 autocast (weights, gradients, AdamW and EMA in float32)"
+                  : tc.precision == Precision::kFp16 ? "fp16 autocast with dynamic loss scaling (weights, gradients, "
+                                                       "AdamW and EMA in float32)"
+                                                     : "fp32")
               << (tc.deterministic ? ", deterministic algorithms" : "") << "\n";
+  if (device.is_cpu() && tc.precision == Precision::kFp16)
+    std::cout << "note: float16 has no fast kernels on the CPU (a U-Net's step took 13x as long as in fp32 on the "
+                 "CPU of docs/results.md): fp16 is for GPUs without bfloat16 tensor cores; on the CPU train in fp32 "
+                 "or bf16\n";
   const std::string parallel = engine.describe();
   if (!parallel.empty()) std::cout << parallel << "\n";
 

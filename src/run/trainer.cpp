@@ -139,6 +139,7 @@ TrainSummary train(TrainJob job, const TrainOptions& options) {
     ck.config_toml = config_text;
     ck.state["sent_bytes"] = sent_now();
     ck.state["optimizer_step"] = engine->optim().step_count();
+    if (engine->optim().loss_scale().on()) ck.state["loss_scale"] = engine->optim().loss_scale().to_json();
     ck.state["log_interval"] = {{"loss_sum", log.interval_loss_sum()}, {"steps", log.interval_steps()}};
     ck.state["rng"] = {{"seed", tc.seed},
                        {"scheme", "every draw is keyed by (seed, purpose, step, sample position): nothing else to save"}};

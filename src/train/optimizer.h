@@ -16,6 +16,7 @@
 #include <torch/types.h>
 
 #include "train/checkpoint.h"
+#include "train/loss_scale.h"
 
 namespace ddm {
 
@@ -76,6 +77,10 @@ class FlatAdamW {
   void count_step() { ++step_; }
 
   int64_t step_count() const { return step_; }
+  // train.precision = fp16: the dynamic loss scale of the steps this optimizer takes (off otherwise:
+  // 1); saved and restored with the step count.
+  LossScale& loss_scale() { return loss_scale_; }
+  const LossScale& loss_scale() const { return loss_scale_; }
   // The trainable parameters in flat-buffer order, and the flat gradient their .grad views point into
   // (what gradient synchronization reduces).
   const std::vector<torch::Tensor>& params() const { return params_; }
@@ -128,6 +133,7 @@ class FlatAdamW {
   std::vector<int64_t> offsets_;
   torch::Tensor data_, grad_, ema_, exp_avg_, exp_avg_sq_;  // float [P] (sharded: ema_ and the moments [end_ - begin_])
   int64_t step_ = 0;
+  LossScale loss_scale_;
   bool sharded_ = false;
   int64_t begin_ = 0, end_ = 0;  // the range the EMA and the moments cover
 };

@@ -30,6 +30,7 @@ TrainStep::TrainStep(const RunConfig& cfg, Net net, std::shared_ptr<Objective> o
       objective_(std::move(objective)) {
   DDM_CHECK(objective_, "TrainStep needs an objective");
   forward_net_ = net_;
+  if (cfg.train.precision == Precision::kFp16) optim_.loss_scale() = LossScale(cfg.train.loss_scale);
   if (cfg.train.checkpoint_activations) {
     try {
       (void)net_->units();
@@ -44,6 +45,9 @@ TrainStep::TrainStep(const RunConfig& cfg, Net net, std::shared_ptr<Objective> o
                                     << device << ": turn train.cuda_graphs off, or set train.device = cuda");
     DDM_CHECK(!cfg.train.checkpoint_activations,
               "train.cuda_graphs with train.checkpoint_activations is not supported: turn one of them off");
+    DDM_CHECK(cfg.train.precision != Precision::kFp16,
+              "train.cuda_graphs with train.precision = fp16 is not supported (the graph would hold one loss scale): "
+              "turn train.cuda_graphs off, or train in bf16");
     graph_ = make_step_graph(device);
   }
 }
@@ -125,18 +129,21 @@ StepResult TrainStep::run(const std::vector<Batch>& micro, int64_t step, const s
   times_.start = std::chrono::steady_clock::now();
   std::vector<Prepared> ahead = prepared_for(micro, step, /*lazy=*/true);
   optim_.zero_grad();
-  // Equal micro-batches: the mean of their mean losses is the mean over all their samples.
+  // Equal micro-batches: the mean of their mean losses is the mean over all their samples. fp16: the
+  // loss scale on top (finish() divides the gradient by it again).
   const double scale = 1.0 / static_cast<double>(micro.size());
+  const double backward_scale = scale * optim_.loss_scale().scale();
   torch::Tensor loss_sum;  // [] double, where the model is
   for (size_t i = 0; i < micro.size(); ++i) {
     // Gradient sync: only the last micro-batch's backward all-reduces (its buckets launch from the
     // gradient hooks while backward still runs); the others accumulate locally.
     if (sync_) sync_->set_enabled(i + 1 == micro.size());
-    const torch::Tensor l = forward_backward(ahead.empty() ? prepare(micro[i], step) : std::move(ahead[i]), scale);
+    const torch::Tensor l = forward_backward(ahead.empty() ? prepare(micro[i], step) : std::move(ahead[i]), backward_scale);
     loss_sum = i == 0 ? l : loss_sum + l;
   }
   const StepResult r = finish(loss_sum, scale, step);
-  if (r.finite) prepare_ahead(next, step + 1);  // after the update it reads (self-conditioning's first pass)
+  // After the update it reads (self-conditioning's first pass); a skipped fp16 step changed nothing.
+  if (r.finite || r.overflow) prepare_ahead(next, step + 1);
   return r;
 }
 
@@ -152,11 +159,23 @@ StepResult TrainStep::finish(const torch::Tensor& loss_sum, double scale, int64_
     comm_->allreduce_sum(l);
     r.loss = l.item<double>() / comm_->world_size();
   }
+  LossScale& loss_scale = optim_.loss_scale();
+  if (loss_scale.on()) {  // fp16: the gradient of the loss itself (exact where the scale is a power of two)
+    r.loss_scale = loss_scale.scale();
+    optim_.flat_grad().mul_(1.0 / loss_scale.scale());
+  }
   times_.synced = std::chrono::steady_clock::now();
-  // Clip by the global norm: after the all-reduce every rank holds the same (global) gradient.
+  // Clip by the global norm: after the all-reduce every rank holds the same (global) gradient, so
+  // every rank decides alike whether the step is finite (and, in fp16, how the scale changes).
   r.grad_norm = optim_.clip_grad_norm(tc.grad_clip);
   times_.clipped = times_.end = std::chrono::steady_clock::now();
-  if (!std::isfinite(r.loss) || !std::isfinite(r.grad_norm)) {
+  const bool finite = std::isfinite(r.loss) && std::isfinite(r.grad_norm);
+  if (loss_scale.on()) {
+    loss_scale.update(finite);
+    r.overflow = !finite;
+    r.overflows_in_a_row = loss_scale.skips_in_a_row();
+  }
+  if (!finite) {
     r.finite = false;
     return r;
   }

@@ -39,6 +39,12 @@ struct StepResult {
   double grad_norm = 0;  // global norm, before clipping
   double lr = 0;
   bool finite = true;    // false: loss or gradient not finite; no weight was changed
+  // train.precision = fp16 (train/loss_scale.h): the scale this step's loss was multiplied by (0: no
+  // loss scaling), and whether the step was not finite at it and so skipped, the scale halved. A
+  // skipped step is part of training (the run goes on) until too many come in a row.
+  double loss_scale = 0;
+  bool overflow = false;
+  int64_t overflows_in_a_row = 0;
 };
 
 // Learning rate at a 0-based step: linear warm-up, then constant or cosine decay to 0.

@@ -6,15 +6,17 @@
 // pipeline's stages too (and `ddm plan` profiles there), data parallelism
 // over Gloo with CUDA tensors what one process trains (over NCCL too, where there are two GPUs), NCCL
 // forms a group and reduces with world size 1, a run moves between the CPU and the GPU on
-// resume, bf16 autocast follows fp32 (a text model's too), deterministic runs repeat bit for bit, and sampling on CUDA
+// resume, bf16 autocast follows fp32 (a text model's too), fp16 with loss scaling too, deterministic runs repeat bit for bit, and sampling on CUDA
 // (one model, and a routed ensemble of experts) gives the CPU's images, an ensemble's experts side by side
 // the bits of one after another; CUDA graphs of a training step
 // (train.cuda_graphs) train what eager steps train, and sampling from graphs gives the eager images.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
 
 #include <nlohmann/json.hpp>
 #include <torch/cuda.h>
@@ -375,6 +377,45 @@ TEST(Gpu, Bf16AutocastFollowsFp32Over50Steps) {
     }
     std::printf("%s: bf16 against fp32: mean loss of the last 10 steps %.4f against %.4f (%.2e relative)\n", arch,
                 tail_b, tail_f, tail);
+  }
+}
+
+// fp16 training (train/loss_scale.h) on the GPU it is for: float16 autocast with dynamic loss
+// scaling follows fp32 as bf16 does (float16 keeps 11 significant bits, bf16 8); started at a scale
+// float16 overflows at, it skips steps, halving the scale, and then trains.
+TEST(Gpu, Fp16WithLossScalingFollowsFp32Over50Steps) {
+  if (no_gpu()) GTEST_SKIP() << kNoGpu;
+  for (const char* arch : {"unet", "dit"}) {
+    TempDir dir;
+    RunConfig cfg = on(tiny(arch), "cuda");
+    cfg.train.steps = 50;
+    cfg.train.ckpt_every = 50;
+    RunConfig fp16 = cfg;
+    fp16.train.precision = Precision::kFp16;
+    RunConfig high = fp16;
+    high.train.loss_scale = std::ldexp(1.0, 30);
+    ASSERT_EQ(train_ranks(1, {cfg}, dir / "fp32"), std::vector<std::string>{""});
+    ASSERT_EQ(train_ranks(1, {fp16}, dir / "fp16"), std::vector<std::string>{""});
+    ASSERT_EQ(train_ranks(1, {high}, dir / "high"), std::vector<std::string>{""});
+    const auto lf = losses(dir / "fp32"), lh = losses(dir / "fp16");
+    ASSERT_EQ(lh.size(), 50u);
+    double tail_f = 0, tail_h = 0;
+    for (size_t i = 40; i < 50; ++i) tail_f += lf[i] / 10, tail_h += lh[i] / 10;
+    const double tail = std::abs(tail_h - tail_f) / tail_f;
+    EXPECT_NE(lh, lf) << arch << ": fp16 trained exactly what fp32 did: autocast was not on";
+    EXPECT_LE(tail, 2e-2) << arch;
+    int64_t skipped = 0;
+    std::ifstream in(dir / "high/metrics.jsonl");
+    for (std::string line; std::getline(in, line);) skipped += nlohmann::json::parse(line).at("skipped_steps").get<int64_t>();
+    EXPECT_GE(skipped, 1) << arch;
+    EXPECT_LT(skipped, 32) << arch;
+    for (const auto& [name, t] : final_weights(dir / "high")) {
+      EXPECT_EQ(t.scalar_type(), torch::kFloat) << name;
+      EXPECT_TRUE(torch::isfinite(t).all().item<bool>()) << name;
+    }
+    std::printf("%s: fp16 against fp32 on cuda: mean loss of the last 10 steps %.4f against %.4f (%.2e relative); "
+                "from a scale of 2^30, %lld steps skipped\n",
+                arch, tail_h, tail_f, tail, static_cast<long long>(skipped));
   }
 }
 

@@ -291,10 +291,9 @@ TEST(TrainStep, PrecisionIsCheckedAsTheConfigIsRead) {
   EXPECT_NE(test::error_message([] { parse_config("[train]\nprecision = \"fp8\"\n", "t.toml"); })
                 .find("t.toml: train.precision = \"fp8\" is not one of: fp32, bf16, fp16"),
             std::string::npos);
-  // fp16 is a name it knows, for sampling: training in it is refused (config.cpp, validate).
-  EXPECT_NE(test::error_message([] { parse_config("[train]\nprecision = \"fp16\"\n", "t.toml"); }).find("loss scaling"),
-            std::string::npos);
+  EXPECT_EQ(parse_config("", "t.toml", {"train.precision=fp16"}).train.precision, Precision::kFp16);
   validate(parse_config("", "t.toml", {"train.precision=bf16", "parallel.pp=2"}));  // every mode trains in bf16
+  validate(parse_config("", "t.toml", {"train.precision=fp16", "parallel.pp=2"}));  // and fp16 but DiLoCo's
 }
 
 // train.cuda_graphs (train/step_graph.cpp) captures one process's step on a GPU; everywhere else it is
