@@ -55,7 +55,8 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
-// --precision: fp32 or bf16 (fp16 is for sampling; these are training steps), another name refused.
+// --precision: fp32 or bf16, the precisions of the diffusers comparisons (bench/sd_reference.py);
+// another name refused.
 ddm::Precision training_precision(const std::string& name) {
   if (name != "fp32" && name != "bf16") throw std::runtime_error("--precision must be fp32 or bf16, got " + name);
   return ddm::precision_named(name);

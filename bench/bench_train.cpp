@@ -4,7 +4,7 @@
 // asserted.
 //
 // usage: ddm_bench train PRESET [--batch 128] [--threads 2] [--steps 20] [--warmup 3] [--device cpu|cuda]
-//          [--precision fp32|bf16] [--peak TFLOPS] [--cuda-graphs on|off] (on: train.cuda_graphs, the step
+//          [--precision fp32|bf16|fp16] [--peak TFLOPS] [--cuda-graphs on|off] (on: train.cuda_graphs, the step
 //          captured after 2 eager steps, so keep --warmup >= 3)
 //          (PRESET: any model preset, on 28x28x1 with 10 classes, or dit-b: DiT-B/2 on 32x32x4 latents
 //           with 1000 classes, as bench/reference.py's; on a GPU the step is timed to its end (a device
@@ -184,8 +184,9 @@ Args parse(int argc, char** argv) {
     if (!a.warmup_set) a.warmup = 2;
   }
   DDM_CHECK(a.wire == "float32" || a.wire == "float16", "--wire must be float32 or float16, got " << a.wire);
-  DDM_CHECK(a.precision == "fp32" || a.precision == "bf16" || (a.precision == "fp16" && a.mode == "sample"),
-            "--precision must be fp32 or bf16 (fp16: sample only), got " << a.precision);
+  DDM_CHECK(a.precision == "fp32" || a.precision == "bf16" ||
+                (a.precision == "fp16" && (a.mode == "sample" || a.mode == "train")),
+            "--precision must be fp32, bf16 or fp16 (train and sample), got " << a.precision);
   check_device_spec(a.device, "--device");
   DDM_CHECK(a.sync == "on" || a.sync == "off", "--sync must be on or off, got " << a.sync);
   DDM_CHECK(a.cuda_graphs == "on" || a.cuda_graphs == "off", "--cuda-graphs must be on or off, got " << a.cuda_graphs);
@@ -723,7 +724,7 @@ int main(int argc, char** argv) try {
     if (device.is_cuda()) torch::cuda::synchronize(device.index());
   };
   if (a.mode == "train") {
-    cfg.train.precision = a.precision == "bf16" ? Precision::kBf16 : Precision::kFp32;
+    cfg.train.precision = precision_named(a.precision);  // fp16: with its loss scale (train/loss_scale.h)
     cfg.train.cuda_graphs = a.cuda_graphs == "on";  // train/step_graph.cpp: captured after 2 eager steps
     net->to(device);
     const auto objective = make_objective(cfg);
