@@ -952,12 +952,10 @@ void validate_train(const RunConfig& c) {
             "the unflipped one's); turn one of them off");
   DDM_CHECK(t.label_dropout >= 0 && t.label_dropout <= 1,
             "train.label_dropout must be in [0, 1], got " << t.label_dropout);
-  DDM_CHECK(std::isfinite(t.loss_scale) && t.loss_scale > 0,
-            "train.loss_scale must be a finite number > 0 (fp16's starting loss scale; 65536 = 2^16), got "
+  // (Beyond 1e30 the scaled loss or 1 / scale leaves float32's range.)
+  DDM_CHECK(t.loss_scale >= 1e-30 && t.loss_scale <= 1e30,
+            "train.loss_scale must be between 1e-30 and 1e30 (fp16's starting loss scale; 65536 = 2^16), got "
                 << t.loss_scale);
-  DDM_CHECK(t.precision != Precision::kFp16 || c.parallel.mode != SyncMode::kDiloco,
-            "train.precision = fp16 with parallel.mode = diloco is not supported (each replica's loss scale is not "
-            "yet part of DiLoCo's state): train in bf16 (GPUs of compute capability 8.0 and newer, and CPUs) or fp32");
   DDM_CHECK(t.precision != Precision::kFp16 || !t.cuda_graphs,
             "train.cuda_graphs with train.precision = fp16 is not supported (the graph would hold one loss scale): "
             "turn train.cuda_graphs off, or train in bf16");

@@ -72,7 +72,8 @@ void Progress::reset_interval() {
   interval_start_ = Clock::now();
 }
 
-void Progress::step(int64_t step, double loss, double lr, double grad_norm, int64_t batch_size) {
+void Progress::step(int64_t step, double loss, double lr, double grad_norm, int64_t batch_size,
+                    const std::string& extra) {
   if (std::isfinite(loss)) {  // an fp16 step skipped for a non-finite loss is left out of the mean
     interval_sum_ += loss;
     ++interval_n_;
@@ -89,9 +90,10 @@ void Progress::step(int64_t step, double loss, double lr, double grad_norm, int6
     if (std::chrono::duration<double>(now - last_draw_).count() < 0.2 && step != total_) return;
     last_draw_ = now;
     const std::string at = format_finish_time(eta);
-    std::printf("\r  step %lld/%lld %3d%%  loss %.4f  lr %.2e  |g| %.3f  %.0f img/s  ETA %s%s   ",
+    std::printf("\r  step %lld/%lld %3d%%  loss %.4f  lr %.2e  |g| %.3f%s  %.0f img/s  ETA %s%s   ",
                 static_cast<long long>(step), static_cast<long long>(total_),
-                static_cast<int>(100.0 * step / total_), loss, lr, grad_norm, img_s, format_duration(eta).c_str(),
+                static_cast<int>(100.0 * step / total_), loss, lr, grad_norm, extra.c_str(), img_s,
+                format_duration(eta).c_str(),
                 at.empty() || step == total_ ? "" : (" (" + at + ")").c_str());
     std::fflush(stdout);
   }

@@ -2,6 +2,7 @@
 // lines otherwise, and metrics as JSON lines (one record per logging interval).
 #pragma once
 #include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <fstream>
 #include <string>
@@ -22,12 +23,17 @@ class Progress {
  public:
   Progress(int64_t first_step, int64_t total_steps, bool quiet);
   // Called after every step with its loss; prints as appropriate. img_per_s over the interval.
-  void step(int64_t step, double loss, double lr, double grad_norm, int64_t batch_size);
+  // `extra`: appended to the live line (fp16's loss scale).
+  void step(int64_t step, double loss, double lr, double grad_norm, int64_t batch_size,
+            const std::string& extra = "");
   // Finishes the live line (if any).
   void finish();
   bool tty() const { return tty_; }
-  // Mean loss and img/s over the current logging interval, for the metrics record.
-  double interval_loss() const { return interval_n_ ? interval_sum_ / interval_n_ : 0.0; }
+  // Mean loss and img/s over the current logging interval, for the metrics record (the mean of the
+  // finite losses; NaN when the interval's steps had none: fp16 steps skipped for a non-finite loss).
+  double interval_loss() const {
+    return interval_n_ ? interval_sum_ / interval_n_ : interval_images_ > 0 ? std::nan("") : 0.0;
+  }
   double interval_img_per_s() const;
   // Estimated seconds to reach the last step, from the average step time so far.
   double eta_seconds(int64_t step) const;

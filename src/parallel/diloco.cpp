@@ -22,6 +22,16 @@ std::string cause(std::string m) {
   return m;
 }
 
+// A replica's loss scale (train/loss_scale.h) as double [3] (scale, good steps, skips in a row), to
+// send; and back.
+torch::Tensor scale_state(const LossScale& s) {
+  return torch::tensor({s.scale(), static_cast<double>(s.good_steps()), static_cast<double>(s.skips_in_a_row())},
+                       torch::kDouble);
+}
+void set_scale(LossScale& s, const torch::Tensor& t) {
+  s.set(t[0].item<double>(), static_cast<int64_t>(t[1].item<double>()), static_cast<int64_t>(t[2].item<double>()));
+}
+
 }  // namespace
 
 std::vector<std::pair<int64_t, int64_t>> Diloco::split_fragments(const std::vector<torch::Tensor>& params,
@@ -137,6 +147,9 @@ void Diloco::transfer(Phase phase, int64_t done) {
     c.broadcast(x, src);
     got.push_back(x);
   }
+  // fp16: a joiner goes on with the source's loss scale, as with its optimizer moments.
+  torch::Tensor scale = scale_state(optim_.loss_scale());
+  if (optim_.loss_scale().on()) c.broadcast(scale, src);
   if (transfer_hook_) transfer_hook_(c, src);
   if (!fresh_) return;
   joined_phase_ = static_cast<Phase>(ints[0].item<int64_t>());
@@ -147,6 +160,7 @@ void Diloco::transfer(Phase phase, int64_t done) {
   optim_.set_step_count(ints[5].item<int64_t>());
   last_sync_.assign(last.data_ptr<int64_t>(), last.data_ptr<int64_t>() + last.numel());
   for (size_t i = 0; i < state.size(); ++i) state[i].copy_(got[i]);
+  if (optim_.loss_scale().on()) set_scale(optim_.loss_scale(), scale);
   optim_.flat_params().copy_(global_);  // the joiner starts from the global weights
   const auto [b, e] = frags_[pending_];
   delta_ = torch::zeros({e - b}, global_.options());
@@ -278,6 +292,7 @@ DilocoReplicas Diloco::gather_replicas(int64_t step, const std::string& mine) {
       r.params = comm.gather(optim_.flat_params(), 0);
       r.exp_avg = comm.gather(optim_.flat_exp_avg(), 0);
       r.exp_avg_sq = comm.gather(optim_.flat_exp_avg_sq(), 0);
+      if (optim_.loss_scale().on()) r.loss_scales = comm.gather(scale_state(optim_.loss_scale()), 0);
       if (comm.rank() == 0)
         for (int i = 0; i < comm.world_size(); ++i) r.ranks.push_back(comm.job_rank_of(i));
       r.records = comm.world_size() > 1 ? comm.all_gather_strings(mine) : std::vector<std::string>{mine};
@@ -304,6 +319,15 @@ void add_diloco_state(Checkpoint& ck, Diloco& diloco, const FlatAdamW& optim, co
                         {"replicas", replicas.ranks},
                         {"fragments", diloco.fragments().size()},
                         {"last_sync", diloco.last_sync()}};
+  if (!replicas.loss_scales.empty()) {  // fp16: each replica's loss scale, in the order of "replicas"
+    nlohmann::json scales = nlohmann::json::array();
+    for (const torch::Tensor& t : replicas.loss_scales) {
+      LossScale one;
+      set_scale(one, t);
+      scales.push_back(one.to_json());
+    }
+    ck.state["diloco"]["loss_scales"] = scales;
+  }
 }
 
 void restore_diloco(Diloco& diloco, FlatAdamW& optim, Comm& comm, const Checkpoint* ck, int64_t step, bool quiet) {
@@ -311,8 +335,12 @@ void restore_diloco(Diloco& diloco, FlatAdamW& optim, Comm& comm, const Checkpoi
   const int world = comm.world_size();
   // Rank 0 says whether there is DiLoCo state to restore, and from how many replicas.
   const bool has = ck && ck->state.contains("diloco");
+  // fp16: the checkpoint holds each replica's loss scale (one of another precision holds none: the
+  // scales start at train.loss_scale, or rank 0's, which start_run gave every rank).
+  const bool scales = has && optim.loss_scale().on() && ck->state["diloco"].contains("loss_scales");
   auto head = torch::tensor({has ? int64_t{1} : int64_t{0},
-                             has ? ck->field<int64_t>("/diloco/world_size") : int64_t{0}}, torch::kLong);
+                             has ? ck->field<int64_t>("/diloco/world_size") : int64_t{0}, scales ? int64_t{1} : int64_t{0}},
+                            torch::kLong);
   comm.broadcast(head, 0);
   if (head[0].item<int64_t>() == 0) {
     if (ck && !quiet)
@@ -325,6 +353,7 @@ void restore_diloco(Diloco& diloco, FlatAdamW& optim, Comm& comm, const Checkpoi
   torch::Tensor momentum = torch::zeros_like(diloco.global());
   auto last = torch::full({nfrag}, step, torch::kLong);
   std::vector<std::vector<torch::Tensor>> parts(3);  // params, exp_avg, exp_avg_sq: one per replica
+  std::vector<torch::Tensor> scale_parts;            // fp16: each replica's loss scale, double [3]
   if (ck) {
     const std::string origin = ck->state_path;
     DDM_CHECK(old_world >= 1, origin << ": diloco.world_size is " << old_world);
@@ -340,12 +369,23 @@ void restore_diloco(Diloco& diloco, FlatAdamW& optim, Comm& comm, const Checkpoi
       for (int64_t r = 0; r < old_world; ++r) held.push_back(r);
     DDM_CHECK(!held.empty(), origin << ": diloco.replicas is empty");
     const char* kinds[3] = {"params.", "exp_avg.", "exp_avg_sq."};
+    const nlohmann::json* stored_scales = scales ? &ck->state["diloco"]["loss_scales"] : nullptr;
+    DDM_CHECK(!stored_scales || (stored_scales->is_array() && stored_scales->size() == held.size()),
+              origin << ": diloco.loss_scales must hold one entry per replica in diloco.replicas (" << held.size()
+                     << ")");
     for (int r = 0; r < world; ++r) {
       const bool own = std::find(held.begin(), held.end(), r) != held.end();
-      const std::string prefix = "replica" + std::to_string(own ? r : held[r % held.size()]) + ".";
+      const int64_t from = own ? r : held[r % held.size()];
+      const std::string prefix = "replica" + std::to_string(from) + ".";
       for (int k = 0; k < 3; ++k) {
         parts[k].push_back(torch::empty_like(diloco.global()));
         optim.fill_flat(parts[k].back(), ck->optim, prefix + kinds[k], RunDir::kOptim, origin);
+      }
+      if (stored_scales) {
+        const size_t at = static_cast<size_t>(std::find(held.begin(), held.end(), from) - held.begin());
+        LossScale one;
+        one.from_json((*stored_scales)[at], origin);
+        scale_parts.push_back(scale_state(one));
       }
     }
     if ((old_world != world || static_cast<int64_t>(held.size()) != old_world) && !quiet)
@@ -359,6 +399,11 @@ void restore_diloco(Diloco& diloco, FlatAdamW& optim, Comm& comm, const Checkpoi
   diloco.restore(diloco.global().clone(), momentum, last_sync, step);
   torch::Tensor outs[3] = {optim.flat_params(), optim.flat_exp_avg(), optim.flat_exp_avg_sq()};
   for (int k = 0; k < 3; ++k) comm.scatter(parts[k], outs[k], 0);
+  if (head[2].item<int64_t>() != 0) {
+    torch::Tensor mine = torch::empty({3}, torch::kDouble);
+    comm.scatter(scale_parts, mine, 0);
+    set_scale(optim.loss_scale(), mine);
+  }
 }
 
 }  // namespace ddm

@@ -43,7 +43,10 @@ class DilocoEngine : public DataParallelEngine {
       return begun;
     }
     std::cerr << "rank " << rank << ": rejoined at step " << at << " with " << diloco_->group().members().size()
-              << " of " << world_ << " replicas" << std::endl;
+              << " of " << world_ << " replicas";
+    if (step_.optim().loss_scale().on())  // fp16: the scale it goes on with (its sender's)
+      std::cerr << ", loss scale " << step_.optim().loss_scale().scale();
+    std::cerr << std::endl;
     begun.step = at;
     begun.joined = true;
     begun.stop = report.stop;

@@ -93,6 +93,7 @@ PipeProfile profile_workload(const RunConfig& cfg, const Dataset& data, Net net,
   // AdamW + EMA per million parameters: TrainStep's update phase at the smallest micro-batch.
   RunConfig eager = cfg;
   eager.train.cuda_graphs = false;  // a pipeline's stages update eagerly
+  eager.train.loss_scale = 1;       // fp16: a step skipped for an overflow would time no update
   TrainStep step(eager, net, objective);
   std::vector<double> upd;
   for (int rep = 0; rep <= repeats; ++rep) {

@@ -21,6 +21,28 @@ std::vector<Batch> split_micro(const Batch& shard, int64_t n) {
   return out;
 }
 
+// A step whose loss or gradient is not finite stops the run (fp16: after kMaxSkipsInARow skipped
+// steps in a row), saying what to do.
+[[noreturn]] void stop_not_finite(const LoopSpec& spec, const LoopState& state, const StepResult& r) {
+  std::ostringstream m;
+  m << spec.who << "step " << state.step + 1 << ": the " << (std::isfinite(r.loss) ? "gradient norm" : "loss") << " is "
+    << (std::isfinite(r.loss) ? r.grad_norm : r.loss);
+  if (r.overflow)
+    m << " in float16 for " << r.overflows_in_a_row << " steps in a row (each skipped and the loss scale halved; "
+      << "this step's was " << r.loss_scale << ")";
+  m << "; training stopped. The last good checkpoint (" << state.last_ckpt << ") is intact. ";
+  if (r.overflow)
+    m << "Float16 cannot hold what the model computes, or the learning rate made it diverge: go on from it in bf16 "
+         "(GPUs of compute capability 8.0 and newer) or fp32, which have the range float16 lacks (--resume --set "
+         "train.precision=bf16), or in fp16 with a lower learning rate and the loss scale started again (--resume --set "
+         "train.lr="
+      << spec.lr / 10 << " --set train.loss_scale=" << spec.loss_scale / 2 << ")";
+  else
+    m << "Lower train.lr (now " << spec.lr << ") or train.grad_clip (now " << spec.grad_clip
+      << "; 0 is off) and go on from it: --resume --set train.lr=" << spec.lr / 10;
+  throw Error(m.str());
+}
+
 }  // namespace
 
 int run_loop(Engine& engine, BatchSource& source, const LoopSpec& spec, const EngineBegun& begun, LoopState& state,
@@ -70,22 +92,8 @@ int run_loop(Engine& engine, BatchSource& source, const LoopSpec& spec, const En
     // they are this replica's; the others learn of its exit at their next synchronization.
     // fp16: a step that overflowed float16 was skipped and the loss scale halved (train/loss_scale.h);
     // training goes on unless it keeps happening.
-    const bool skipped = r.overflow && r.overflows_in_a_row < LossScale::kMaxSkipsInARow;
-    std::ostringstream at_scale;
-    at_scale << r.loss_scale;
-    DDM_CHECK(r.finite || skipped,
-              spec.who << "step " << state.step + 1 << ": the " << (std::isfinite(r.loss) ? "gradient norm" : "loss")
-                       << " is " << (std::isfinite(r.loss) ? r.grad_norm : r.loss)
-                       << (r.overflow ? " in float16 for " + std::to_string(r.overflows_in_a_row) +
-                                            " steps in a row (each skipped and the loss scale halved; this step's "
-                                            "was " + at_scale.str() + ")"
-                                      : std::string())
-                       << "; training stopped. The last good checkpoint (" << state.last_ckpt
-                       << ") is intact. Lower train.lr (now " << spec.lr << ") or train.grad_clip (now "
-                       << spec.grad_clip << "; 0 is off) and go on from it: --resume --set train.lr=" << spec.lr / 10
-                       << (r.overflow ? "; or train in bf16 (train.precision = bf16, on GPUs of compute capability "
-                                        "8.0 and newer) or fp32, which have the range float16 lacks"
-                                      : ""));
+    if (!r.finite && !(r.overflow && r.overflows_in_a_row < LossScale::kMaxSkipsInARow))
+      stop_not_finite(spec, state, r);
     ++state.step;
     // A signal to any rank stops every rank after the same step: agreed every step with data
     // parallelism, at the next synchronization with DiLoCo.

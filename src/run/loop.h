@@ -25,6 +25,7 @@ struct LoopSpec {
   std::string who;           // "rank N: " in a job of several processes (errors), else empty
   double lr = 0;             // train.lr, named in the error for a non-finite loss
   double grad_clip = 0;      // train.grad_clip, the same
+  double loss_scale = 0;     // fp16: train.loss_scale, named in the error for too many overflows
 };
 
 // Where the loop is. Shared with the engine's transfer hook: a DiLoCo replica joining mid-run takes

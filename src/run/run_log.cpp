@@ -7,7 +7,6 @@
 #include <filesystem>
 #include <iostream>
 #include <string>
-#include <utility>
 
 #include <nlohmann/json.hpp>
 
@@ -44,8 +43,16 @@ void RunLog::step(int64_t step, const StepResult& r, const std::string& news) {
     progress_.finish();
     std::cout << news << std::endl;
   }
-  progress_.step(step, r.loss, r.lr, r.grad_norm, spec_.batch_size);  // (a non-finite loss is not averaged)
   overflows_ += r.overflow ? 1 : 0;
+  // fp16: the loss scale, and the steps since the last line that float16 overflowed and were skipped.
+  std::string scale;
+  if (r.loss_scale > 0) {
+    char buf[80];
+    std::snprintf(buf, sizeof buf, "  scale %g%s", r.loss_scale,
+                  overflows_ > 0 ? (" (" + std::to_string(overflows_) + " skipped)").c_str() : "");
+    scale = buf;
+  }
+  progress_.step(step, r.loss, r.lr, r.grad_norm, spec_.batch_size, scale);  // (a non-finite loss is not averaged)
   // Every replica names its own skipped samples (data.skip_bad) in its own output, as they come.
   if (spec_.name_skips && data_.skipped_mine() > noticed_skips_) {
     progress_.finish();
@@ -86,18 +93,10 @@ void RunLog::step(int64_t step, const StepResult& r, const std::string& news) {
   interval_first_ = step;
   waited_ = 0;
   interval_start_ = Clock::now();
-  const int64_t overflows = std::exchange(overflows_, 0);
+  overflows_ = 0;
   if (!progress_.tty() && !spec_.quiet) {
     const double eta = progress_.eta_seconds(step);
     const std::string at = step < spec_.steps ? format_finish_time(eta) : "";
-    // fp16: the loss scale, and the steps since the last line that float16 overflowed and were skipped.
-    std::string scale;
-    if (r.loss_scale > 0) {
-      char buf[80];
-      std::snprintf(buf, sizeof buf, "  scale %g%s", r.loss_scale,
-                    overflows > 0 ? (" (" + std::to_string(overflows) + " skipped)").c_str() : "");
-      scale = buf;
-    }
     std::printf("step %lld/%lld  loss %.4f  lr %.2e  |g| %.3f%s  %.0f img/s  ETA %s%s\n", static_cast<long long>(step),
                 static_cast<long long>(spec_.steps), progress_.interval_loss(), r.lr, r.grad_norm, scale.c_str(),
                 progress_.interval_img_per_s(), format_duration(eta).c_str(), at.empty() ? "" : (" (" + at + ")").c_str());

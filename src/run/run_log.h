@@ -44,9 +44,13 @@ class RunLog {
 
   // The logging interval a resumed checkpoint was written in, so that the first record after a
   // resume averages the same steps as an uninterrupted run.
-  void restore_interval(double loss_sum, int64_t steps) { progress_.restore_interval(loss_sum, steps); }
+  void restore_interval(double loss_sum, int64_t steps, int64_t skipped) {
+    progress_.restore_interval(loss_sum, steps);
+    overflows_ = skipped;
+  }
   double interval_loss_sum() const { return progress_.interval_loss_sum(); }
   int64_t interval_steps() const { return progress_.interval_steps(); }
+  int64_t interval_skipped() const { return overflows_; }  // fp16: the interval's skipped steps so far
 
   void waited(double seconds) { waited_ += seconds; }  // for data (this interval)
   // After `step` (1-based count of steps done): its line, notes and, at a logging step, the record.

@@ -107,6 +107,9 @@ FileLock prepare_run_dir(const TrainOptions& opt, const RunConfig& cfg) {
       };
       changed("lr", stored.train.lr, cfg.train.lr);
       changed("grad_clip", stored.train.grad_clip, cfg.train.grad_clip);
+      if (cfg.train.precision == Precision::kFp16 && stored.train.loss_scale != cfg.train.loss_scale && !opt.quiet)
+        std::cout << "note: --resume: train.loss_scale changes from " << stored.train.loss_scale << " to "
+                  << cfg.train.loss_scale << ": the loss scale starts again from it" << std::endl;
       return lock;
     }
     DDM_CHECK(opt.force, "'" << opt.out_dir << "' already holds a run (" << cfg_path.string()
@@ -274,11 +277,19 @@ RunStart start_run(const TrainOptions& opt, const TrainJob& job, Net& net, Engin
   if (lead) {
     try {
       s.lock.emplace(prepare_run_dir(opt, job.recorded));
+      // fp16: a train.loss_scale changed on resume starts the scale again from it (the way on after a
+      // run stopped for overflowing); else the checkpoint's scale goes on.
+      const bool rescale = opt.resume && fs::exists(dir.config()) &&
+                           load_config(dir.config()).train.loss_scale != job.recorded.train.loss_scale;
       write_file_atomic(dir.config(), to_toml(job.recorded));
       if (job.records) job.records(dir, opt.resume);
       if (opt.resume) {
         if (auto latest = latest_checkpoint(opt.out_dir)) {
-          const Checkpoint& ck = s.resumed.emplace(read_checkpoint(*latest));
+          Checkpoint& ck = s.resumed.emplace(read_checkpoint(*latest));
+          if (rescale) {  // (DiLoCo's replicas too: restore_diloco finds no scales)
+            ck.state.erase("loss_scale");
+            if (ck.state.contains("diloco")) ck.state["diloco"].erase("loss_scales");
+          }
           resumed_from = *latest;
           load_module_state(*net, ck.model, RunDir(*latest) / RunDir::kModel, LoadScope::kHeld);
           optim.load(ck.model, ck.ema, ck.optim, ck.field<int64_t>("/optimizer_step"), *latest);
@@ -286,6 +297,8 @@ RunStart start_run(const TrainOptions& opt, const TrainJob& job, Net& net, Engin
           if (ck.state.contains("log_interval")) {  // absent in checkpoints of older versions
             s.interval_loss_sum = ck.field<double>("/log_interval/loss_sum");
             s.interval_steps = ck.field<int64_t>("/log_interval/steps");
+            if (ck.state["log_interval"].contains("skipped"))
+              s.interval_skipped = ck.field<int64_t>("/log_interval/skipped");
           }
           if (ck.state.contains("sent_bytes")) s.sent_before = ck.field<int64_t>("/sent_bytes");
           // fp16: the loss scale goes on from where it was (a checkpoint of another precision has none:
@@ -318,7 +331,7 @@ RunStart start_run(const TrainOptions& opt, const TrainJob& job, Net& net, Engin
   const int64_t loaded = s.resumed ? 1 : 0;
   const LossScale& scale = optim.loss_scale();
   auto ints = torch::tensor({s.step, optim.step_count(), s.interval_steps, s.sent_before, loaded, scale.good_steps(),
-                             scale.skips_in_a_row()},
+                             scale.skips_in_a_row(), s.interval_skipped},
                             torch::kLong);
   auto sums = torch::tensor({s.interval_loss_sum, scale.scale()}, torch::kDouble);
   comm.broadcast(ints, 0);
@@ -346,6 +359,7 @@ RunStart start_run(const TrainOptions& opt, const TrainJob& job, Net& net, Engin
     optim.loss_scale().set(sums[1].item<double>(), ints[5].item<int64_t>(), ints[6].item<int64_t>());
   data.share(comm);  // each replica's data position, rank 0's
   s.interval_steps = ints[2].item<int64_t>();
+  s.interval_skipped = ints[7].item<int64_t>();
   s.sent_before = ints[3].item<int64_t>();
   s.interval_loss_sum = sums[0].item<double>();
   return s;

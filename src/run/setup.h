@@ -55,6 +55,7 @@ struct RunStart {
   std::string last_ckpt = "none yet"; // the checkpoint it resumed from
   double interval_loss_sum = 0;       // the logging interval that checkpoint was written in, so far
   int64_t interval_steps = 0;
+  int64_t interval_skipped = 0;       // fp16: its steps skipped for an overflow
   int64_t sent_before = 0;            // bytes rank 0 had sent before this run resumed
   std::optional<Checkpoint> resumed;  // rank 0: the checkpoint it resumed from
 };

@@ -104,7 +104,7 @@ TrainSummary train(TrainJob job, const TrainOptions& options) {
     ls.metrics_path = dir.metrics(), ls.tensorboard_dir = dir / RunDir::kTensorBoard, ls.grids_dir = dir / RunDir::kGrids;
   }
   RunLog log(ls, sent_now, data, *source);
-  log.restore_interval(run.interval_loss_sum, run.interval_steps);
+  log.restore_interval(run.interval_loss_sum, run.interval_steps, run.interval_skipped);
   if (!opt.quiet) print_run_header(job, model, layout, *engine, threads, proc.device, opt.out_dir);
   // Rank 0 holds the whole model (train.sample_every refuses pipeline stages), and samples its grids.
   std::optional<TrainingGrids> grids;
@@ -141,6 +141,7 @@ TrainSummary train(TrainJob job, const TrainOptions& options) {
     ck.state["optimizer_step"] = engine->optim().step_count();
     if (engine->optim().loss_scale().on()) ck.state["loss_scale"] = engine->optim().loss_scale().to_json();
     ck.state["log_interval"] = {{"loss_sum", log.interval_loss_sum()}, {"steps", log.interval_steps()}};
+    if (engine->optim().loss_scale().on()) ck.state["log_interval"]["skipped"] = log.interval_skipped();
     ck.state["rng"] = {{"seed", tc.seed},
                        {"scheme", "every draw is keyed by (seed, purpose, step, sample position): nothing else to save"}};
     ck.state["class_names"] = job.data.class_names;
@@ -155,6 +156,7 @@ TrainSummary train(TrainJob job, const TrainOptions& options) {
   spec.who = world > 1 ? "rank " + std::to_string(rank) + ": " : std::string();
   spec.lr = tc.lr;
   spec.grad_clip = tc.grad_clip;
+  spec.loss_scale = tc.loss_scale;
   int stopped_by = 0;
   {
     const SignalsCaught signals;

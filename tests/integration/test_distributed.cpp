@@ -360,13 +360,16 @@ TEST(Distributed, DilocoGoesOnWithoutAKilledReplica) {
 // Under `ddm launch --restart failed`, the killed replica is restarted alone and rejoins: the others
 // went on without it (a short peer_wait), then took it back at a later synchronization; the run ends
 // with both replicas on the global weights.
+// In fp16 (train/loss_scale.h), started at a loss scale of 2^30 that float16 overflows at for the
+// first steps: the rejoining replica goes on with its sender's scale, not from 2^30 again.
 TEST(Distributed, DilocoKilledReplicaRejoins) {
   Workdir r;
   const std::string log = r.dir / "launch.log";
   const pid_t launcher = test::spawn_ddm("", "launch --timeout 300 --restart failed --max-restarts 1 --nproc 2 -- " +
                                        r.train("rejoin", " --set train.steps=150 --set train.ckpt_every=10 "
                                                          "--set parallel.mode=diloco --set diloco.inner_steps=5 "
-                                                         "--set diloco.peer_wait=0.2"),
+                                                         "--set diloco.peer_wait=0.2 --set train.precision=fp16 "
+                                                         "--set train.loss_scale=1073741824"),
                                log);
   wait_for_checkpoints(r.dir / "rejoin", 1, 120);
   auto workers = test::child_pids(launcher);
@@ -376,6 +379,8 @@ TEST(Distributed, DilocoKilledReplicaRejoins) {
   const std::string out = test::read_text(log);
   EXPECT_TRUE(has(out, "restarting it alone (restart 1 of 1, DDM_REJOIN=1)")) << out;
   EXPECT_TRUE(has(out, "[rank 1] rank 1: rejoined at step")) << out;
+  EXPECT_TRUE(has(out, "replicas, loss scale ")) << out;
+  EXPECT_FALSE(has(out, "loss scale 1.07374e+09")) << out;  // 2^30: the sender's scale had come down
   EXPECT_TRUE(has(out, "all 2 workers exited with status 0")) << out;
   const auto last = read_checkpoint(list_checkpoints(r.dir / "rejoin").back());
   EXPECT_EQ(last.step, 150);

@@ -3,7 +3,8 @@
 // a run started at a scale that float16 overflows skips those steps and halves the scale, and one
 // process, two data-parallel ranks and a two-stage pipeline skip the same steps and train the same
 // model; a resume from a checkpoint in the middle of the skipping repeats the uninterrupted run bit
-// for bit; a run that overflows whatever the scale stops with a clear message.
+// for bit; DiLoCo's replicas keep their own scales through a checkpoint; a run that overflows
+// whatever the scale stops with a clear message.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -138,6 +139,12 @@ TEST(LossScale, OneProcessDataParallelAndAPipelineSkipTheSameStepsAndTrainTheSam
   auto halved = want;
   for (auto& [scale, skipped_here] : halved) scale /= 2;
   EXPECT_EQ(scales(dir / "dp"), halved);
+  // A sharded optimizer (each rank updates its range, then the ranges are gathered) skips alike.
+  RunConfig sharded = dp;
+  sharded.parallel.shard_optimizer = true;
+  ASSERT_EQ(train_ranks(2, {sharded, sharded}, dir / "sharded"), (std::vector<std::string>{"", ""}));
+  EXPECT_EQ(scales(dir / "sharded"), halved);
+  EXPECT_EQ(max_weight_difference(final_weights(dir / "sharded"), final_weights(dir / "dp")), 0.0);
   // Started at one process's scale it overflows once more, at the scale one process settles at.
   dp.train.loss_scale = one.train.loss_scale;
   ASSERT_EQ(train_ranks(2, {dp, dp}, dir / "dp-same-start"), (std::vector<std::string>{"", ""}));
@@ -146,7 +153,9 @@ TEST(LossScale, OneProcessDataParallelAndAPipelineSkipTheSameStepsAndTrainTheSam
   EXPECT_EQ(same_start[static_cast<size_t>(skipped)], std::make_pair(want.back().first, int64_t{1}));
   EXPECT_EQ(same_start.back(), halved.back());
   for (const char* run : {"dp", "pp"}) {
-    if (std::string(run) == "pp") EXPECT_EQ(scales(dir / run), want);
+    if (std::string(run) == "pp") {
+      EXPECT_EQ(scales(dir / run), want);
+    }
     const auto got = losses(dir / run);
     ASSERT_EQ(got.size(), l.size()) << run;
     double worst = 0;
@@ -203,8 +212,63 @@ TEST(LossScale, ARunThatOverflowsWhateverTheScaleStopsWithAClearMessage) {
                    "5.76461e+17)"),  // 2^90 / 2^31
             std::string::npos)
       << e;
-  EXPECT_NE(e.find("train.precision = bf16"), std::string::npos) << e;
+  EXPECT_NE(e.find("(--resume --set train.precision=bf16)"), std::string::npos) << e;
+  EXPECT_NE(e.find("(--resume --set train.lr=0.0002 --set train.loss_scale=6.1897e+26)"), std::string::npos) << e;
+  EXPECT_EQ(e.find("grad_clip"), std::string::npos) << e;  // the clip comes after the unscale: no help here
   EXPECT_NE(e.find("ckpt/step-00000030) is intact"), std::string::npos) << e;
   EXPECT_TRUE(fs::exists(dir / "run/ckpt/step-00000030"));
   EXPECT_FALSE(fs::exists(dir / "run/ckpt/step-00000032"));
+  // Resumed as it was, the checkpoint's scale (2^60, after 30 skips) goes on, and 2 more skips stop it.
+  const std::string again = train_ranks(1, {cfg}, dir / "run", /*resume=*/true)[0];
+  EXPECT_NE(again.find("step 32: the gradient norm is "), std::string::npos) << again;
+  // With train.loss_scale changed, the scale starts again from it, and the run ends.
+  RunConfig lower = cfg;
+  lower.train.loss_scale = 65536;
+  ASSERT_EQ(train_ranks(1, {lower}, dir / "run", /*resume=*/true), std::vector<std::string>{""});
+  const auto end = state_of(dir / "run/ckpt/step-00000040");
+  EXPECT_LE(end["loss_scale"]["scale"].get<double>(), 65536.0) << end.dump();
+  EXPECT_EQ(end["loss_scale"]["skips_in_a_row"], 0) << end.dump();
+}
+
+// DiLoCo: each replica steps alone between synchronizations, so each keeps its own loss scale; a
+// checkpoint holds every replica's, and a resume gives each its own back (bit for bit as the
+// uninterrupted run), and a replica the checkpoint does not hold one it does.
+TEST(LossScale, DilocoReplicasKeepTheirOwnScalesThroughACheckpoint) {
+  TempDir dir;
+  RunConfig cfg = fp16();
+  cfg.parallel.mode = SyncMode::kDiloco;
+  cfg.diloco.inner_steps = 4;
+  cfg.train.grad_accum = 1;
+  cfg.train.ckpt_every = 8;
+  cfg.train.steps = 16;
+  ASSERT_EQ(train_ranks(2, {cfg, cfg}, dir / "a"), (std::vector<std::string>{"", ""}));
+  const auto mid = state_of(dir / "a/ckpt/step-00000008");
+  ASSERT_EQ(mid["diloco"]["loss_scales"].size(), 2u) << mid.dump();
+  for (const auto& s : mid["diloco"]["loss_scales"]) EXPECT_LT(s["scale"].get<double>(), std::ldexp(1.0, 30)) << mid.dump();
+  // Resumed from step 8: the same run, bit for bit.
+  fs::copy(dir / "a", dir / "b", fs::copy_options::recursive);
+  fs::remove_all(dir / "b/ckpt/step-00000016");
+  ASSERT_EQ(train_ranks(2, {cfg, cfg}, dir / "b", true), (std::vector<std::string>{"", ""}));
+  EXPECT_EQ(losses(dir / "b"), losses(dir / "a"));
+  EXPECT_EQ(scales(dir / "b"), scales(dir / "a"));
+  EXPECT_EQ(state_of(dir / "b/ckpt/step-00000016")["diloco"]["loss_scales"],
+            state_of(dir / "a/ckpt/step-00000016")["diloco"]["loss_scales"]);
+  EXPECT_EQ(max_weight_difference(final_weights(dir / "b"), final_weights(dir / "a")), 0.0);
+  // Each replica takes its own: replica 1's scale set apart in the checkpoint (1024, below where
+  // float16 overflowed, with 3 good steps) goes on from there, replica 0's from its own.
+  fs::copy(dir / "a", dir / "c", fs::copy_options::recursive);
+  fs::remove_all(dir / "c/ckpt/step-00000016");
+  auto edited = mid;
+  edited["diloco"]["loss_scales"][1] = {{"scale", 1024.0}, {"good_steps", 3}, {"skips_in_a_row", 0}};
+  write_file_atomic(dir / "c/ckpt/step-00000008/state.json", edited.dump(2) + "\n");
+  ASSERT_EQ(train_ranks(2, {cfg, cfg}, dir / "c", true), (std::vector<std::string>{"", ""}));
+  const auto end = state_of(dir / "c/ckpt/step-00000016")["diloco"]["loss_scales"];
+  EXPECT_EQ(end[1]["scale"], 1024.0) << end.dump();
+  EXPECT_EQ(end[1]["good_steps"], 3 + 8) << end.dump();
+  EXPECT_EQ(end[0], state_of(dir / "a/ckpt/step-00000016")["diloco"]["loss_scales"][0]) << end.dump();
+  // One replica from a checkpoint of two goes on with replica 0's.
+  fs::copy(dir / "c", dir / "d", fs::copy_options::recursive);
+  fs::remove_all(dir / "d/ckpt/step-00000016");
+  ASSERT_EQ(train_ranks(1, {cfg}, dir / "d", true), std::vector<std::string>{""});
+  EXPECT_EQ(state_of(dir / "d/ckpt/step-00000016")["diloco"]["loss_scales"].size(), 1u);
 }

@@ -293,7 +293,7 @@ TEST(TrainStep, PrecisionIsCheckedAsTheConfigIsRead) {
             std::string::npos);
   EXPECT_EQ(parse_config("", "t.toml", {"train.precision=fp16"}).train.precision, Precision::kFp16);
   validate(parse_config("", "t.toml", {"train.precision=bf16", "parallel.pp=2"}));  // every mode trains in bf16
-  validate(parse_config("", "t.toml", {"train.precision=fp16", "parallel.pp=2"}));  // and fp16 but DiLoCo's
+  validate(parse_config("", "t.toml", {"train.precision=fp16", "parallel.pp=2"}));  // and in fp16
 }
 
 // train.cuda_graphs (train/step_graph.cpp) captures one process's step on a GPU; everywhere else it is
