@@ -424,8 +424,8 @@ void print_run_header(const TrainJob& job, const BuiltModel& model, const Parall
                                                      : "fp32")
               << (tc.deterministic ? ", deterministic algorithms" : "") << "\n";
   if (device.is_cpu() && tc.precision == Precision::kFp16)
-    std::cout << "note: float16 has no fast kernels on the CPU (a U-Net's step took 13x as long as in fp32 on the "
-                 "CPU of docs/results.md): fp16 is for GPUs without bfloat16 tensor cores; on the CPU train in fp32 "
+    std::cout << "note: float16 has no fast kernels on the CPU (small U-Net and DiT steps took 12x and 22x as long as "
+                 "in fp32 on the CPU of docs/results.md): fp16 is for GPUs without bfloat16 tensor cores; on the CPU train in fp32 "
                  "or bf16\n";
   const std::string parallel = engine.describe();
   if (!parallel.empty()) std::cout << parallel << "\n";
