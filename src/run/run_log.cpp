@@ -2,6 +2,7 @@
 #include "run/run_log.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -52,7 +53,9 @@ void RunLog::step(int64_t step, const StepResult& r, const std::string& news) {
                   overflows_ > 0 ? (" (" + std::to_string(overflows_) + " skipped)").c_str() : "");
     scale = buf;
   }
-  progress_.step(step, r.loss, r.lr, r.grad_norm, spec_.batch_size, scale);  // (a non-finite loss is not averaged)
+  // (A skipped fp16 step's NaN norm printed as "nan", not the "-nan" its sign bit gives.)
+  const double grad_norm = std::isnan(r.grad_norm) ? std::nan("") : r.grad_norm;
+  progress_.step(step, r.loss, r.lr, grad_norm, spec_.batch_size, scale);  // (a non-finite loss is not averaged)
   // Every replica names its own skipped samples (data.skip_bad) in its own output, as they come.
   if (spec_.name_skips && data_.skipped_mine() > noticed_skips_) {
     progress_.finish();
@@ -98,7 +101,7 @@ void RunLog::step(int64_t step, const StepResult& r, const std::string& news) {
     const double eta = progress_.eta_seconds(step);
     const std::string at = step < spec_.steps ? format_finish_time(eta) : "";
     std::printf("step %lld/%lld  loss %.4f  lr %.2e  |g| %.3f%s  %.0f img/s  ETA %s%s\n", static_cast<long long>(step),
-                static_cast<long long>(spec_.steps), progress_.interval_loss(), r.lr, r.grad_norm, scale.c_str(),
+                static_cast<long long>(spec_.steps), progress_.interval_loss(), r.lr, grad_norm, scale.c_str(),
                 progress_.interval_img_per_s(), format_duration(eta).c_str(), at.empty() ? "" : (" (" + at + ")").c_str());
     std::fflush(stdout);
   }
