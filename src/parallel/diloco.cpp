@@ -22,14 +22,40 @@ std::string cause(std::string m) {
   return m;
 }
 
-// A replica's loss scale (train/loss_scale.h) as double [3] (scale, good steps, skips in a row), to
-// send; and back.
-torch::Tensor scale_state(const LossScale& s) {
-  return torch::tensor({s.scale(), static_cast<double>(s.good_steps()), static_cast<double>(s.skips_in_a_row())},
+// fp16: a replica's loss scale (train/loss_scale.h) and its optimizer's step count, which differ
+// between replicas (each skips its own steps, and a skipped step takes no AdamW step), as double [4]
+// (scale, good steps, skips in a row, optimizer step), to send; and back.
+torch::Tensor scale_state(const FlatAdamW& o) {
+  const LossScale& s = o.loss_scale();
+  return torch::tensor({s.scale(), static_cast<double>(s.good_steps()), static_cast<double>(s.skips_in_a_row()),
+                        static_cast<double>(o.step_count())},
                        torch::kDouble);
 }
-void set_scale(LossScale& s, const torch::Tensor& t) {
-  s.set(t[0].item<double>(), static_cast<int64_t>(t[1].item<double>()), static_cast<int64_t>(t[2].item<double>()));
+void set_scale(FlatAdamW& o, const torch::Tensor& t) {
+  o.loss_scale().set(t[0].item<double>(), static_cast<int64_t>(t[1].item<double>()),
+                     static_cast<int64_t>(t[2].item<double>()));
+  o.set_step_count(static_cast<int64_t>(t[3].item<double>()));
+}
+// The same as a replica's entry of state.json's diloco.loss_scales, and back (`step`: the
+// checkpoint's optimizer_step, for an entry without its own).
+nlohmann::json scale_json(const torch::Tensor& t) {
+  LossScale one;
+  one.set(t[0].item<double>(), static_cast<int64_t>(t[1].item<double>()), static_cast<int64_t>(t[2].item<double>()));
+  nlohmann::json j = one.to_json();
+  j["optimizer_step"] = static_cast<int64_t>(t[3].item<double>());
+  return j;
+}
+torch::Tensor scale_from_json(const nlohmann::json& j, int64_t step, const std::string& origin) {
+  LossScale one;
+  one.from_json(j, origin);
+  if (j.contains("optimizer_step")) {
+    DDM_CHECK(j["optimizer_step"].is_number_integer() && j["optimizer_step"].get<int64_t>() >= 0,
+              origin << ": diloco.loss_scales: \"optimizer_step\" must be an integer >= 0, got " << j.dump());
+    step = j["optimizer_step"].get<int64_t>();
+  }
+  return torch::tensor({one.scale(), static_cast<double>(one.good_steps()), static_cast<double>(one.skips_in_a_row()),
+                        static_cast<double>(step)},
+                       torch::kDouble);
 }
 
 }  // namespace
@@ -131,13 +157,18 @@ void Diloco::transfer(Phase phase, int64_t done) {
   const int src = group_->source();
   const bool sender = c.rank() == src;
   // Everyone but the source receives into scratch: only the joiners (fresh_) adopt what arrives.
+  const int64_t scaled = optim_.loss_scale().on() ? 1 : 0;  // fp16
   auto ints = torch::tensor({static_cast<int64_t>(phase), pending_, pending_step_, done, round_, optim_.step_count(),
-                             static_cast<int64_t>(frags_.size())},
+                             static_cast<int64_t>(frags_.size()), scaled},
                             torch::kLong);
   c.broadcast(ints, src);
   DDM_CHECK(ints[6].item<int64_t>() == static_cast<int64_t>(frags_.size()),
             "rank " << c.job_rank() << ": the group synchronizes " << ints[6].item<int64_t>()
                     << " fragments and this replica " << frags_.size() << ": every replica must run the same config");
+  DDM_CHECK(ints[7].item<int64_t>() == scaled,
+            "rank " << c.job_rank() << ": the group trains " << (scaled ? "without" : "in fp16 with")
+                    << " loss scaling and this replica " << (scaled ? "with it" : "without")
+                    << ": every replica must run the same train.precision");
   auto last = torch::tensor(last_sync_, torch::kLong);
   c.broadcast(last, src);
   std::vector<torch::Tensor> state{global_, momentum_, optim_.flat_ema(), optim_.flat_exp_avg(), optim_.flat_exp_avg_sq()};
@@ -148,7 +179,7 @@ void Diloco::transfer(Phase phase, int64_t done) {
     got.push_back(x);
   }
   // fp16: a joiner goes on with the source's loss scale, as with its optimizer moments.
-  torch::Tensor scale = scale_state(optim_.loss_scale());
+  torch::Tensor scale = scale_state(optim_);
   if (optim_.loss_scale().on()) c.broadcast(scale, src);
   if (transfer_hook_) transfer_hook_(c, src);
   if (!fresh_) return;
@@ -160,7 +191,7 @@ void Diloco::transfer(Phase phase, int64_t done) {
   optim_.set_step_count(ints[5].item<int64_t>());
   last_sync_.assign(last.data_ptr<int64_t>(), last.data_ptr<int64_t>() + last.numel());
   for (size_t i = 0; i < state.size(); ++i) state[i].copy_(got[i]);
-  if (optim_.loss_scale().on()) set_scale(optim_.loss_scale(), scale);
+  if (optim_.loss_scale().on()) set_scale(optim_, scale);
   optim_.flat_params().copy_(global_);  // the joiner starts from the global weights
   const auto [b, e] = frags_[pending_];
   delta_ = torch::zeros({e - b}, global_.options());
@@ -292,7 +323,7 @@ DilocoReplicas Diloco::gather_replicas(int64_t step, const std::string& mine) {
       r.params = comm.gather(optim_.flat_params(), 0);
       r.exp_avg = comm.gather(optim_.flat_exp_avg(), 0);
       r.exp_avg_sq = comm.gather(optim_.flat_exp_avg_sq(), 0);
-      if (optim_.loss_scale().on()) r.loss_scales = comm.gather(scale_state(optim_.loss_scale()), 0);
+      if (optim_.loss_scale().on()) r.loss_scales = comm.gather(scale_state(optim_), 0);
       if (comm.rank() == 0)
         for (int i = 0; i < comm.world_size(); ++i) r.ranks.push_back(comm.job_rank_of(i));
       r.records = comm.world_size() > 1 ? comm.all_gather_strings(mine) : std::vector<std::string>{mine};
@@ -321,11 +352,7 @@ void add_diloco_state(Checkpoint& ck, Diloco& diloco, const FlatAdamW& optim, co
                         {"last_sync", diloco.last_sync()}};
   if (!replicas.loss_scales.empty()) {  // fp16: each replica's loss scale, in the order of "replicas"
     nlohmann::json scales = nlohmann::json::array();
-    for (const torch::Tensor& t : replicas.loss_scales) {
-      LossScale one;
-      set_scale(one, t);
-      scales.push_back(one.to_json());
-    }
+    for (const torch::Tensor& t : replicas.loss_scales) scales.push_back(scale_json(t));
     ck.state["diloco"]["loss_scales"] = scales;
   }
 }
@@ -383,9 +410,7 @@ void restore_diloco(Diloco& diloco, FlatAdamW& optim, Comm& comm, const Checkpoi
       }
       if (stored_scales) {
         const size_t at = static_cast<size_t>(std::find(held.begin(), held.end(), from) - held.begin());
-        LossScale one;
-        one.from_json((*stored_scales)[at], origin);
-        scale_parts.push_back(scale_state(one));
+        scale_parts.push_back(scale_from_json((*stored_scales)[at], ck->field<int64_t>("/optimizer_step"), origin));
       }
     }
     if ((old_world != world || static_cast<int64_t>(held.size()) != old_world) && !quiet)
@@ -400,9 +425,9 @@ void restore_diloco(Diloco& diloco, FlatAdamW& optim, Comm& comm, const Checkpoi
   torch::Tensor outs[3] = {optim.flat_params(), optim.flat_exp_avg(), optim.flat_exp_avg_sq()};
   for (int k = 0; k < 3; ++k) comm.scatter(parts[k], outs[k], 0);
   if (head[2].item<int64_t>() != 0) {
-    torch::Tensor mine = torch::empty({3}, torch::kDouble);
+    torch::Tensor mine = torch::empty({4}, torch::kDouble);
     comm.scatter(scale_parts, mine, 0);
-    set_scale(optim.loss_scale(), mine);
+    set_scale(optim, mine);
   }
 }
 

@@ -37,8 +37,8 @@ namespace ddm {
 
 struct DilocoReplicas {  // every replica's inner state, on rank 0 (empty on the others)
   std::vector<torch::Tensor> params, exp_avg, exp_avg_sq;
-  // fp16 (train/loss_scale.h): each replica's loss scale, double [3] (scale, good steps, skips in a
-  // row); empty without loss scaling.
+  // fp16 (train/loss_scale.h): each replica's loss scale and optimizer step count, double [4] (scale,
+  // good steps, skips in a row, optimizer step); empty without loss scaling.
   std::vector<torch::Tensor> loss_scales;
   std::vector<int> ranks;  // their job ranks
   std::vector<std::string> records;  // each replica's `mine` (gather_replicas), on every replica

@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cmath>
 #include <optional>
+#include <iomanip>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -36,7 +37,7 @@ std::vector<Batch> split_micro(const Batch& shard, int64_t n) {
          "(GPUs of compute capability 8.0 and newer) or fp32, which have the range float16 lacks (--resume --set "
          "train.precision=bf16), or in fp16 with a lower learning rate and the loss scale started again (--resume --set "
          "train.lr="
-      << spec.lr / 10 << " --set train.loss_scale=" << spec.loss_scale / 2 << ")";
+      << spec.lr / 10 << " --set train.loss_scale=" << std::setprecision(17) << spec.loss_scale / 2 << ")";
   else
     m << "Lower train.lr (now " << spec.lr << ") or train.grad_clip (now " << spec.grad_clip
       << "; 0 is off) and go on from it: --resume --set train.lr=" << spec.lr / 10;

@@ -53,9 +53,9 @@ void RunLog::step(int64_t step, const StepResult& r, const std::string& news) {
                   overflows_ > 0 ? (" (" + std::to_string(overflows_) + " skipped)").c_str() : "");
     scale = buf;
   }
-  // (A skipped fp16 step's NaN norm printed as "nan", not the "-nan" its sign bit gives.)
+  // (A skipped fp16 step's NaN printed as "nan", not the "-nan" its sign bit gives.)
   const double grad_norm = std::isnan(r.grad_norm) ? std::nan("") : r.grad_norm;
-  progress_.step(step, r.loss, r.lr, grad_norm, spec_.batch_size, scale);  // (a non-finite loss is not averaged)
+  progress_.step(step, std::isnan(r.loss) ? std::nan("") : r.loss, r.lr, grad_norm, spec_.batch_size, scale);  // (a non-finite loss is not averaged)
   // Every replica names its own skipped samples (data.skip_bad) in its own output, as they come.
   if (spec_.name_skips && data_.skipped_mine() > noticed_skips_) {
     progress_.finish();

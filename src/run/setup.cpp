@@ -107,9 +107,6 @@ FileLock prepare_run_dir(const TrainOptions& opt, const RunConfig& cfg) {
       };
       changed("lr", stored.train.lr, cfg.train.lr);
       changed("grad_clip", stored.train.grad_clip, cfg.train.grad_clip);
-      if (cfg.train.precision == Precision::kFp16 && stored.train.loss_scale != cfg.train.loss_scale && !opt.quiet)
-        std::cout << "note: --resume: train.loss_scale changes from " << stored.train.loss_scale << " to "
-                  << cfg.train.loss_scale << ": the loss scale starts again from it" << std::endl;
       return lock;
     }
     DDM_CHECK(opt.force, "'" << opt.out_dir << "' already holds a run (" << cfg_path.string()
@@ -277,16 +274,21 @@ RunStart start_run(const TrainOptions& opt, const TrainJob& job, Net& net, Engin
   if (lead) {
     try {
       s.lock.emplace(prepare_run_dir(opt, job.recorded));
-      // fp16: a train.loss_scale changed on resume starts the scale again from it (the way on after a
-      // run stopped for overflowing); else the checkpoint's scale goes on.
-      const bool rescale = opt.resume && fs::exists(dir.config()) &&
-                           load_config(dir.config()).train.loss_scale != job.recorded.train.loss_scale;
       write_file_atomic(dir.config(), to_toml(job.recorded));
       if (job.records) job.records(dir, opt.resume);
       if (opt.resume) {
         if (auto latest = latest_checkpoint(opt.out_dir)) {
           Checkpoint& ck = s.resumed.emplace(read_checkpoint(*latest));
-          if (rescale) {  // (DiLoCo's replicas too: restore_diloco finds no scales)
+          // fp16: a train.loss_scale other than the one the checkpoint was trained with starts the
+          // scale again from it (the way on after a run stopped for overflowing; compared with the
+          // checkpoint's config, so a resume that dies before its next checkpoint does it again);
+          // else the checkpoint's scale goes on. DiLoCo's replicas too: restore_diloco finds none.
+          const double was = parse_config(ck.config_toml, ck.state_path).train.loss_scale;
+          if (optim.loss_scale().on() && ck.state.contains("loss_scale") && was != job.recorded.train.loss_scale) {
+            if (!opt.quiet)
+              std::cout << "note: --resume: train.loss_scale changes from " << was << " to "
+                        << job.recorded.train.loss_scale << ": the loss scale starts again from it (the checkpoint's "
+                        << "was " << ck.state["loss_scale"].value("scale", 0.0) << ")" << std::endl;
             ck.state.erase("loss_scale");
             if (ck.state.contains("diloco")) ck.state["diloco"].erase("loss_scales");
           }

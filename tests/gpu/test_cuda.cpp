@@ -387,6 +387,7 @@ TEST(Gpu, Bf16AutocastFollowsFp32Over50Steps) {
   for (const char* arch : {"unet", "dit"}) {
     TempDir dir;
     expect_follows_fp32(dir.path, arch, Precision::kBf16);
+    if (HasFatalFailure()) return;
   }
 }
 
@@ -398,6 +399,7 @@ TEST(Gpu, Fp16WithLossScalingFollowsFp32Over50Steps) {
   for (const char* arch : {"unet", "dit"}) {
     TempDir dir;
     expect_follows_fp32(dir.path, arch, Precision::kFp16);
+    if (HasFatalFailure()) return;
     RunConfig high = on(tiny(arch), "cuda");
     high.train.precision = Precision::kFp16;
     high.train.loss_scale = std::ldexp(1.0, 30);

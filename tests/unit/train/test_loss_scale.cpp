@@ -181,10 +181,13 @@ TEST(LossScale, AResumeInTheMiddleOfTheSkippingRepeatsTheUninterruptedRun) {
   cfg.train.steps = 12;
   cfg.train.ckpt_every = 2;
   cfg.train.keep_ckpts = 10;
+  cfg.train.log_every = 4;  // the checkpoint at step 2 is inside an interval: its skipped steps travel too
   ASSERT_EQ(train_ranks(1, {cfg}, dir / "ref"), std::vector<std::string>{""});
   const auto at2 = state_of(dir / "ref/ckpt/step-00000002");
   ASSERT_EQ(at2["loss_scale"]["scale"], std::ldexp(1.0, 28)) << at2.dump();
   ASSERT_EQ(at2["loss_scale"]["skips_in_a_row"], 2) << at2.dump();
+  ASSERT_EQ(at2["log_interval"]["skipped"], 2) << at2.dump();
+  ASSERT_EQ(scales(dir / "ref").front(), std::make_pair(std::ldexp(1.0, 27), int64_t{4}));  // step 4's record
   const std::string out = dir / "resumed";
   fs::copy(dir / "ref", out, fs::copy_options::recursive);
   for (const auto& ck : list_checkpoints(out))
@@ -213,7 +216,9 @@ TEST(LossScale, ARunThatOverflowsWhateverTheScaleStopsWithAClearMessage) {
             std::string::npos)
       << e;
   EXPECT_NE(e.find("(--resume --set train.precision=bf16)"), std::string::npos) << e;
-  EXPECT_NE(e.find("(--resume --set train.lr=0.0002 --set train.loss_scale=6.1897e+26)"), std::string::npos) << e;
+  EXPECT_NE(e.find("(--resume --set train.lr=0.0002 --set train.loss_scale=6.1897001964269014e+26)"),  // 2^89 exactly
+            std::string::npos)
+      << e;
   EXPECT_EQ(e.find("grad_clip"), std::string::npos) << e;  // the clip comes after the unscale: no help here
   EXPECT_NE(e.find("ckpt/step-00000030) is intact"), std::string::npos) << e;
   EXPECT_TRUE(fs::exists(dir / "run/ckpt/step-00000030"));
@@ -259,16 +264,20 @@ TEST(LossScale, DilocoReplicasKeepTheirOwnScalesThroughACheckpoint) {
   fs::copy(dir / "a", dir / "c", fs::copy_options::recursive);
   fs::remove_all(dir / "c/ckpt/step-00000016");
   auto edited = mid;
-  edited["diloco"]["loss_scales"][1] = {{"scale", 1024.0}, {"good_steps", 3}, {"skips_in_a_row", 0}};
+  edited["diloco"]["loss_scales"][1] = {{"scale", 1024.0}, {"good_steps", 3}, {"skips_in_a_row", 0}, {"optimizer_step", 5}};
   write_file_atomic(dir / "c/ckpt/step-00000008/state.json", edited.dump(2) + "\n");
   ASSERT_EQ(train_ranks(2, {cfg, cfg}, dir / "c", true), (std::vector<std::string>{"", ""}));
   const auto end = state_of(dir / "c/ckpt/step-00000016")["diloco"]["loss_scales"];
   EXPECT_EQ(end[1]["scale"], 1024.0) << end.dump();
   EXPECT_EQ(end[1]["good_steps"], 3 + 8) << end.dump();
+  EXPECT_EQ(end[1]["optimizer_step"], 5 + 8) << end.dump();  // each replica its own AdamW step count
   EXPECT_EQ(end[0], state_of(dir / "a/ckpt/step-00000016")["diloco"]["loss_scales"][0]) << end.dump();
-  // One replica from a checkpoint of two goes on with replica 0's.
+  // Four replicas from a checkpoint of two: replicas 2 and 3 go on from replicas 0's and 1's state.
   fs::copy(dir / "c", dir / "d", fs::copy_options::recursive);
   fs::remove_all(dir / "d/ckpt/step-00000016");
-  ASSERT_EQ(train_ranks(1, {cfg}, dir / "d", true), std::vector<std::string>{""});
-  EXPECT_EQ(state_of(dir / "d/ckpt/step-00000016")["diloco"]["loss_scales"].size(), 1u);
+  ASSERT_EQ(train_ranks(4, {cfg, cfg, cfg, cfg}, dir / "d", true), std::vector<std::string>(4, ""));
+  const auto four = state_of(dir / "d/ckpt/step-00000016")["diloco"]["loss_scales"];
+  ASSERT_EQ(four.size(), 4u) << four.dump();
+  EXPECT_EQ(four[3]["scale"], 1024.0) << four.dump();
+  EXPECT_EQ(four[3]["good_steps"], 3 + 8) << four.dump();
 }
