@@ -174,8 +174,6 @@ TEST(Config, ControlNetKeys) {
   EXPECT_EQ(c.model.control, "lowres");
 }
 
-// fp16 is a precision for sampling (`ddm sample --precision fp16`); training in it is refused with
-// what to use instead, not run without the loss scaling float16 gradients need.
 // fp16 trains with dynamic loss scaling (train/loss_scale.h) in every mode, but not from CUDA graphs,
 // which would hold one scale: that says so and what to do.
 TEST(Config, Fp16TrainsWithALossScaleButNotFromCudaGraphs) {
