@@ -956,9 +956,6 @@ void validate_train(const RunConfig& c) {
   DDM_CHECK(t.loss_scale >= 1e-30 && t.loss_scale <= 1e30,
             "train.loss_scale must be between 1e-30 and 1e30 (fp16's starting loss scale; 65536 = 2^16), got "
                 << t.loss_scale);
-  DDM_CHECK(t.precision != Precision::kFp16 || !t.cuda_graphs,
-            "train.cuda_graphs with train.precision = fp16 is not supported (the graph would hold one loss scale): "
-            "turn train.cuda_graphs off, or train in bf16");
   DDM_CHECK(t.caption_dropout >= 0 && t.caption_dropout <= 1,
             "train.caption_dropout must be in [0, 1], got " << t.caption_dropout);
   DDM_CHECK(std::isfinite(t.kl_weight) && t.kl_weight >= 0, "train.kl_weight must be >= 0, got " << t.kl_weight);

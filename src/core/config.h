@@ -170,7 +170,7 @@ struct TrainConfig {
   // fp32: every op in float32 (TF32 off on GPUs). bf16: the forward passes and their backward under
   // bfloat16 autocast; weights, gradients, AdamW state and EMA stay float32 (core/device.h). fp16: the
   // same under float16 autocast, with dynamic loss scaling (train/loss_scale.h), for GPUs without
-  // bfloat16 tensor cores (T4); not with train.cuda_graphs.
+  // bfloat16 tensor cores (T4).
   Precision precision = Precision::kFp32;
   double loss_scale = 65536;  // fp16: the loss scale to start from (torch.amp.GradScaler's 2^16)
   // GPUs: deterministic algorithms only (cuBLAS workspace, no atomics-based kernels), so a run repeats

@@ -45,9 +45,6 @@ TrainStep::TrainStep(const RunConfig& cfg, Net net, std::shared_ptr<Objective> o
                                     << device << ": turn train.cuda_graphs off, or set train.device = cuda");
     DDM_CHECK(!cfg.train.checkpoint_activations,
               "train.cuda_graphs with train.checkpoint_activations is not supported: turn one of them off");
-    DDM_CHECK(cfg.train.precision != Precision::kFp16,
-              "train.cuda_graphs with train.precision = fp16 is not supported (the graph would hold one loss scale): "
-              "turn train.cuda_graphs off, or train in bf16");
     graph_ = make_step_graph(device);
   }
 }
@@ -67,7 +64,7 @@ Prepared TrainStep::prepare(const Batch& micro, int64_t step) {
   return p;
 }
 
-torch::Tensor TrainStep::forward_backward(const Prepared& p, double scale) {
+torch::Tensor TrainStep::forward_backward(const Prepared& p, double scale, const torch::Tensor& scale_t) {
   torch::Tensor loss;
   {
     Autocast autocast(optim_.flat_params().device(), cfg_.train.precision);  // bf16: the forward in bfloat16, the loss in float32
@@ -76,7 +73,7 @@ torch::Tensor TrainStep::forward_backward(const Prepared& p, double scale) {
   // Backward even when the loss is not finite: with data parallelism every rank must take part in
   // the gradient all-reduce; the non-finite gradient then stops the step on every rank alike.
   times_.backward_start = std::chrono::steady_clock::now();
-  (scale == 1.0 ? loss : loss * scale).backward();
+  (scale_t.defined() ? loss * scale_t : scale == 1.0 ? loss : loss * scale).backward();
   times_.backward_end = std::chrono::steady_clock::now();
   return loss.detach().to(torch::kDouble);  // [], on the device: read once per step, not per micro-batch
 }

@@ -105,8 +105,9 @@ class TrainStep {
   // At the end of a step: the next step's prepare phase, kept for prepared_for.
   void prepare_ahead(const std::vector<Batch>& next, int64_t step);
   // forward + loss -> backward for one prepared micro-batch, on the model's device; returns its loss
-  // (before scaling: a double [] on that device).
-  torch::Tensor forward_backward(const Prepared& p, double scale);
+  // (before scaling: a double [] on that device). The loss is multiplied by `scale` before backward,
+  // or by `scale_t` (a float [] on the device, that a CUDA graph reads) where it is defined.
+  torch::Tensor forward_backward(const Prepared& p, double scale, const torch::Tensor& scale_t = {});
   // After the micro-batches' backward: the loss over the job, the clip and the update (the eager tail).
   StepResult finish(const torch::Tensor& loss_sum, double scale, int64_t step);
   // train.cuda_graphs (train/step_graph.cpp): the graph's stream, warm-up, capture and replay.

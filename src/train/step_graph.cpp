@@ -18,6 +18,10 @@
 // Numerics: a replay runs the kernels the eager step runs, but for the learning rate, which the
 // fused AdamW kernel reads from a float32 tensor instead of a double (within float32 rounding of
 // the eager step); runs with graphs repeat bit for bit as eager ones do (train.deterministic).
+// fp16 (train/loss_scale.h): the loss's multiplier (1 / micro-batches x the loss scale) and the
+// gradient's 1 / loss scale are float32 scalars on the device too, written before each replay from
+// the host's LossScale, which the replay's finite flag then updates (a non-finite step already
+// skips AdamW and the EMA on the device); with powers of two they multiply as the eager step's do.
 #include <chrono>
 #include <iostream>
 
@@ -36,6 +40,7 @@ struct StepGraph {
   std::vector<Prepared> inputs;  // the graph's inputs, one per micro-batch (its own tensors)
   std::string signature;         // their shapes and types
   torch::Tensor lr, step, ema_weight;  // 0-dim float, written before each replay (ema_weight: EMA on)
+  torch::Tensor loss_mult, unscale;    // fp16: 0-dim float, the loss's multiplier and 1 / loss scale
   torch::Tensor stats;                 // double [3]: the loss sum, the norm, 1 if finite (the graph's output)
   torch::Tensor host_stats;            // its copy in pinned host memory
   bool ema = true;                     // what the graph was captured with
@@ -96,11 +101,11 @@ StepResult TrainStep::graph_step(const std::vector<Batch>& micro, int64_t step, 
     optim_.zero_grad();
     torch::Tensor loss_sum;
     for (size_t i = 0; i < ps.size(); ++i) {
-      const torch::Tensor l = forward_backward(ps[i], scale);
+      const torch::Tensor l = forward_backward(ps[i], scale * optim_.loss_scale().scale());
       loss_sum = i == 0 ? l : loss_sum + l;
     }
     const StepResult r = finish(loss_sum, scale, step);
-    if (r.finite) prepare_ahead(next, step + 1);
+    if (r.finite || r.overflow) prepare_ahead(next, step + 1);
     return r;
   }
   {
@@ -116,6 +121,10 @@ StepResult TrainStep::graph_step(const std::vector<Batch>& micro, int64_t step, 
     g.lr.fill_(lr_at(tc, step));
     g.step.fill_(static_cast<double>(n));
     if (g.ema_weight.defined()) g.ema_weight.fill_(1.0 - ema_decay_at(tc.ema_decay, n));
+    if (g.loss_mult.defined()) {
+      g.loss_mult.fill_(scale * optim_.loss_scale().scale());
+      g.unscale.fill_(1.0 / optim_.loss_scale().scale());
+    }
   }
   times_.backward_start = std::chrono::steady_clock::now();
   g.graph.replay();
@@ -137,6 +146,13 @@ StepResult TrainStep::graph_step(const std::vector<Batch>& micro, int64_t step, 
   r.grad_norm = s[1];
   r.finite = s[2] != 0.0;  // the graph skipped AdamW and the EMA otherwise
   if (r.finite) optim_.count_step();
+  LossScale& loss_scale = optim_.loss_scale();
+  if (loss_scale.on()) {  // fp16: as finish() does after an eager step
+    r.loss_scale = loss_scale.scale();
+    loss_scale.update(r.finite);
+    r.overflow = !r.finite;
+    r.overflows_in_a_row = loss_scale.skips_in_a_row();
+  }
   return r;
 }
 
@@ -155,13 +171,17 @@ void TrainStep::capture(const std::vector<Prepared>& prepared, double scale) {
   g.step = torch::ones({}, f32);
   g.ema = ema_;
   g.ema_weight = ema_ ? torch::zeros({}, f32) : torch::Tensor();
+  const bool scaled = optim_.loss_scale().on();
+  g.loss_mult = scaled ? torch::full({}, scale * optim_.loss_scale().scale(), f32) : torch::Tensor();
+  g.unscale = scaled ? torch::full({}, 1.0 / optim_.loss_scale().scale(), f32) : torch::Tensor();
   const std::string why = g.graph.capture([&] {
     optim_.zero_grad();
     torch::Tensor loss_sum;
     for (size_t i = 0; i < g.inputs.size(); ++i) {
-      const torch::Tensor l = forward_backward(g.inputs[i], scale);
+      const torch::Tensor l = forward_backward(g.inputs[i], scale, g.loss_mult);
       loss_sum = i == 0 ? l : loss_sum + l;
     }
+    if (scaled) optim_.flat_grad().mul_(g.unscale);  // fp16: the gradient of the loss itself
     const torch::Tensor tail =
         optim_.clip_and_step_on_device(loss_sum, cfg_.train.grad_clip, g.lr, g.step, g.ema_weight);  // [2]
     g.stats = torch::cat({loss_sum.view({1}), tail});  // double [3]
