@@ -279,11 +279,7 @@ StepResult PipeStep::run(const std::vector<Batch>& micro, int64_t step, const st
   times_.backward_end = Clock::now();
   // The loss (the mean of the replicas' last stages) and the squared gradient norm (a sum over the
   // stages' disjoint parts, once: replica 0's; after the average every replica holds the same).
-  LossScale& loss_scale = optim_->loss_scale();
-  if (loss_scale.on()) {  // fp16: this stage's gradient of the loss itself
-    r.loss_scale = loss_scale.scale();
-    optim_->flat_grad().mul_(1.0 / loss_scale.scale());
-  }
+  optim_->unscale_grad();  // fp16: this stage's gradient of the loss itself
   const double norm_here = optim_->grad_norm();
   const double replicas = replicas_ ? replicas_->world_size() : 1;
   auto sums = torch::tensor({rank_of(stages() - 1) == rank_ ? loss_sum_ * scale_ / replicas : 0.0,
@@ -296,11 +292,7 @@ StepResult PipeStep::run(const std::vector<Batch>& micro, int64_t step, const st
   optim_->clip_grad_norm(tc.grad_clip, r.grad_norm);
   times_.clipped = times_.end = Clock::now();
   const bool finite = std::isfinite(r.loss) && std::isfinite(r.grad_norm);  // the same on every rank
-  if (loss_scale.on()) {
-    loss_scale.update(finite);
-    r.overflow = !finite;
-    r.overflows_in_a_row = loss_scale.skips_in_a_row();
-  }
+  settle_loss_scale(optim_->loss_scale(), finite, r);
   if (!finite) {
     r.finite = false;
     return r;

@@ -3,8 +3,8 @@
 
 #include <chrono>
 #include <cmath>
-#include <optional>
 #include <iomanip>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <vector>

@@ -81,6 +81,11 @@ class FlatAdamW {
   // 1); saved and restored with the step count.
   LossScale& loss_scale() { return loss_scale_; }
   const LossScale& loss_scale() const { return loss_scale_; }
+  // fp16: divides the gradient by the loss scale, leaving the gradient of the loss itself (exact
+  // where the scale is a power of two); nothing without loss scaling.
+  void unscale_grad() {
+    if (loss_scale_.on()) grad_.mul_(1.0 / loss_scale_.scale());
+  }
   // The trainable parameters in flat-buffer order, and the flat gradient their .grad views point into
   // (what gradient synchronization reduces).
   const std::vector<torch::Tensor>& params() const { return params_; }

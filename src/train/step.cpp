@@ -13,6 +13,14 @@
 
 namespace ddm {
 
+void settle_loss_scale(LossScale& scale, bool finite, StepResult& r) {
+  if (!scale.on()) return;
+  r.loss_scale = scale.scale();
+  scale.update(finite);
+  r.overflow = !finite;
+  r.overflows_in_a_row = scale.skips_in_a_row();
+}
+
 double lr_at(const TrainConfig& t, int64_t step) {
   double lr = t.lr;
   if (t.warmup > 0 && step < t.warmup) return lr * static_cast<double>(step + 1) / t.warmup;
@@ -156,22 +164,14 @@ StepResult TrainStep::finish(const torch::Tensor& loss_sum, double scale, int64_
     comm_->allreduce_sum(l);
     r.loss = l.item<double>() / comm_->world_size();
   }
-  LossScale& loss_scale = optim_.loss_scale();
-  if (loss_scale.on()) {  // fp16: the gradient of the loss itself (exact where the scale is a power of two)
-    r.loss_scale = loss_scale.scale();
-    optim_.flat_grad().mul_(1.0 / loss_scale.scale());
-  }
+  optim_.unscale_grad();  // fp16: the gradient of the loss itself
   times_.synced = std::chrono::steady_clock::now();
   // Clip by the global norm: after the all-reduce every rank holds the same (global) gradient, so
   // every rank decides alike whether the step is finite (and, in fp16, how the scale changes).
   r.grad_norm = optim_.clip_grad_norm(tc.grad_clip);
   times_.clipped = times_.end = std::chrono::steady_clock::now();
   const bool finite = std::isfinite(r.loss) && std::isfinite(r.grad_norm);
-  if (loss_scale.on()) {
-    loss_scale.update(finite);
-    r.overflow = !finite;
-    r.overflows_in_a_row = loss_scale.skips_in_a_row();
-  }
+  settle_loss_scale(optim_.loss_scale(), finite, r);
   if (!finite) {
     r.finite = false;
     return r;

@@ -47,6 +47,11 @@ struct StepResult {
   int64_t overflows_in_a_row = 0;
 };
 
+// fp16 (train/loss_scale.h), once a step knows whether it was finite: the scale it ran at goes into
+// `r`, the scale is updated, and a non-finite step is reported as an overflow (skipped). Nothing
+// without loss scaling. Every trainer's step ends so: TrainStep's eager and graphed, a pipeline's.
+void settle_loss_scale(LossScale& scale, bool finite, StepResult& r);
+
 // Learning rate at a 0-based step: linear warm-up, then constant or cosine decay to 0.
 double lr_at(const TrainConfig& t, int64_t step);
 

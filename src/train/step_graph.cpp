@@ -146,13 +146,7 @@ StepResult TrainStep::graph_step(const std::vector<Batch>& micro, int64_t step, 
   r.grad_norm = s[1];
   r.finite = s[2] != 0.0;  // the graph skipped AdamW and the EMA otherwise
   if (r.finite) optim_.count_step();
-  LossScale& loss_scale = optim_.loss_scale();
-  if (loss_scale.on()) {  // fp16: as finish() does after an eager step
-    r.loss_scale = loss_scale.scale();
-    loss_scale.update(r.finite);
-    r.overflow = !r.finite;
-    r.overflows_in_a_row = loss_scale.skips_in_a_row();
-  }
+  settle_loss_scale(optim_.loss_scale(), r.finite, r);  // fp16: as finish() does after an eager step
   return r;
 }
 
