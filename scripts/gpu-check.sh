@@ -13,8 +13,12 @@
 #       test_cuda_module  libddm_cuda.so loads there, exporting its one function;
 #       test_cuda         the `gpu` tests (the hand-written kernels on, as by default): CUDA results equal the CPU's within float32 rounding, and
 #                         ddm trains, resumes and samples there (tests/gpu/test_cuda.cpp);
+#       test_cuda_models  routers, ControlNets, image-embedding and latent models, and Stable Diffusion from
+#                         a diffusers pipeline (made there by tests/reference/diffusers_pipeline.py where
+#                         that python has diffusers, transformers and open_clip) train on CUDA what they
+#                         train on the CPU and sample its images (tests/gpu/test_cuda_models.cpp);
 #                     then the U-Nets' GPU tests again with their activations channels-last;
-#   (TESTS=0 skips those three)
+#   (TESTS=0 skips those four)
 #   then (unless GPU_BENCH=0) the GPU benchmark side by side: ddm's training step (ddm_bench train;
 #   for dit-b also with DDM_FUSED_CUDA=0, without its hand-written kernels, for unet-small without the
 #   GroupNorm kernel and with its activations channels-last (DDM_CHANNELS_LAST=1, training and
@@ -79,7 +83,7 @@ case "$what" in
   pack)
     dir=${2:?usage: $0 pack DIR}
     mkdir -p "$dir/lib" "$dir/bin" "$dir/fashion-mnist"
-    for b in test_torch_build test_cuda_module test_cuda; do
+    for b in test_torch_build test_cuda_module test_cuda test_cuda_models; do
       [ -x "build/$b" ] || { echo "gpu-check: build/$b is missing: run scripts/setup.sh first" >&2; exit 1; }
       strip -o "$dir/$b" "build/$b"
     done
@@ -167,6 +171,16 @@ PY
       site=$(mktemp -d)
       python3 -m pip install -q --root-user-action=ignore --no-index --no-deps --no-compile --target "$site" "$dir"/wheels/*.whl &&
         export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+    fi
+    # A small Stable Diffusion pipeline written by diffusers itself, for test_cuda_models' SD check: made
+    # here, because its weights (random, incompressible) do not fit what a call carries beside the pack.
+    if [ "${TESTS:-1}" != 0 ]; then
+      sd_pipeline=$(mktemp -d) && sd_log=$(mktemp)
+      if python3 tests/reference/diffusers_pipeline.py "$sd_pipeline" >"$sd_log" 2>&1; then
+        export DDM_TEST_SD_PIPELINE=$sd_pipeline
+      else
+        echo "gpu-check: no SD pipeline made (tests/reference/diffusers_pipeline.py: $(tail -1 "$sd_log")); test_cuda_models' SD check will be skipped"
+      fi
     fi
     failed=()
     for t in "$dir"/test_*; do
