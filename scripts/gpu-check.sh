@@ -69,7 +69,7 @@
 #   unet-small's training step in ddm (NCHW and channels-last) and under torch.compile, in OUT/profile.txt.
 # Exits non-zero if any check fails. Everything at once outlasts one call (10 minutes) and a lease
 # (15): a lease fits two or three calls, e.g. TESTS alone (GPU_BENCH=0 and the rest off; about 3
-# minutes with the channels-last rerun), then GPU_BENCH alone (about 5 for dit-b and unet-small with
+# minutes with the channels-last rerun, estimated 4 with test_cuda_models, which has not run there yet), then GPU_BENCH alone (about 5 for dit-b and unet-small with
 # REF_COMPILE=1); then PROFILE=1 alone (about 6); then SD_COMPARE and SD_PLAN (about 5 before
 # SD_PLAN took the ControlNet too: give that call up to 10). Calls of their own, each turning every
 # other part off: SD_COMPARE=1 SD_COMPILE=1 SD_PIECES=0 (diffusers compiled), SD_LINKS=1 (SD 2.1 data

@@ -228,7 +228,8 @@ const std::map<std::string, std::string>& key_docs() {
       {"data.scan_cache",
        "keep what the scan of each shard found, so the next run starts at once"},
       {"model.preset",
-       "a named architecture (`ddm presets`); the keys below override its values"},
+       "a named architecture (`ddm presets`); the keys below override its values (the defaults shown are this "
+       "default preset's)"},
       {"model.arch",
        "unet, dit, router-dit, router-conv, autoencoder or sd-unet (diffusers' UNet; model.unet)"},
       {"model.in_channels",
@@ -647,6 +648,7 @@ std::vector<std::string> config_keys() {
 
 std::string config_reference() {
   RunConfig c;
+  apply_preset(c.model.preset, c.model);  // the defaults a config without [model] keys gets
   const std::map<std::string, std::string>& docs = key_docs();
   std::ostringstream md;
   md << "# Config keys\n\n"

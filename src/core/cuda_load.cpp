@@ -8,6 +8,8 @@
 #include <iostream>
 #include <mutex>
 
+#include "core/error.h"
+
 namespace ddm {
 namespace {
 
@@ -43,6 +45,12 @@ bool driver_present() {
 void load(State& s, bool always) {
   const char* env = std::getenv("DDM_CUDA");
   const std::string want = always ? "1" : env != nullptr ? env : "";
+  if (want != "" && want != "0" && want != "1") {
+    // At a process's start, before any error handler: said and ended here, as ddm ends on bad input.
+    std::cerr << "error: DDM_CUDA=" << want << ": expected 1 (always load ddm's CUDA module) or 0 (never); unset it "
+              << "for the default, where an NVIDIA driver is (docs/gpu.md)" << std::endl;
+    std::exit(kExitBadInput);
+  }
   if (want == "0") {
     s.status = "not loaded: DDM_CUDA=0";
     return;

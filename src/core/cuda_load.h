@@ -1,7 +1,8 @@
 // Loading libddm_cuda.so, LibTorch's CUDA half (core/cuda_module.h says what it holds and why): at a
 // process's start, where an NVIDIA driver is present. Free of LibTorch's headers, as it must run
 // before anything asks LibTorch about CUDA. DDM_CUDA=0 in the environment never loads it, DDM_CUDA=1
-// always does, driver or not (what the tests use to check the module on a machine without a GPU).
+// always does, driver or not (what the tests use to check the module on a machine without a GPU); any
+// other value but the empty one ends the process with an error (exit status 2).
 #pragma once
 #include <string>
 

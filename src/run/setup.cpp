@@ -98,8 +98,8 @@ FileLock prepare_run_dir(const TrainOptions& opt, const RunConfig& cfg) {
       const std::string diff =
           first_difference(to_toml(normalized_for_resume(stored)), to_toml(normalized_for_resume(cfg)));
       DDM_CHECK(diff.empty(), "--resume: the config differs from the run stored in " << opt.out_dir << ": " << diff
-                                  << ". Only train.steps, lr, grad_clip, log_every, ckpt_every, keep_ckpts, threads, device, precision, loss_scale, deterministic, checkpoint_activations, cuda_graphs, grad_accum, sample_every, sample_n, sample_prompts, sample.* and "
-                                     "parallel.* may change on resume; use a new --out or --force to start over");
+                                  << ". Only train.steps, lr, grad_clip, log_every, ckpt_every, keep_ckpts, threads, device, precision, loss_scale, deterministic, checkpoint_activations, cuda_graphs, grad_accum, sample_every, sample_n, sample_prompts, data.decode_threads, "
+                                     "data.scan_cache, sample.*, parallel.* and diloco.* may change on resume; use a new --out or --force to start over");
       // What changes the training from here on is said (and recorded: config.toml is rewritten).
       const auto changed = [&](const char* key, double was, double now) {
         if (was != now && !opt.quiet)

@@ -118,6 +118,10 @@ TEST(Cli, HelpForEverySubcommand) {
   EXPECT_NE(r.output.find("LibTorch's CUDA libraries: loaded\nCUDA GPUs LibTorch sees: 0"), std::string::npos) << r.output;
   r = test::run_command("DDM_CUDA=0 " + ddm + " --version");
   EXPECT_NE(r.output.find("LibTorch's CUDA libraries: not loaded: DDM_CUDA=0"), std::string::npos) << r.output;
+  r = test::run_command("DDM_CUDA=yes " + ddm + " --version");  // neither: an error, as for the switches below
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("error: DDM_CUDA=yes: expected 1 (always load ddm's CUDA module) or 0 (never)"),
+            std::string::npos) << r.output;
   // The hand-written kernels (model/fused_gpu.h): on unless DDM_FUSED_CUDA=0.
   EXPECT_NE(test::run_command(ddm + " --version").output.find("12.0; on (DDM_FUSED_CUDA=0 turns them off)"),
             std::string::npos);
