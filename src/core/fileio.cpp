@@ -115,6 +115,11 @@ void fsync_dir(const std::string& dir) {
   }
 }
 
+std::string absolute_dir(const std::string& dir) {
+  const std::filesystem::path p = std::filesystem::absolute(dir).lexically_normal();
+  return (p.has_filename() ? p : p.parent_path()).string();
+}
+
 void create_output_dir(const std::string& dir, const std::string& what) {
   if (dir.empty()) return;
   std::error_code ec;

@@ -22,6 +22,10 @@ void fsync_dir(const std::string& dir);
 // the option, the path and why (a file where a directory should be, no permission). An empty dir
 // (the current directory) is left alone. Called before the work whose results go there.
 void create_output_dir(const std::string& dir, const std::string& what);
+// A directory named on the command line, absolute, in normal form and without a trailing separator
+// ("runs/x/" and "runs/./x" give "/cwd/runs/x"), so that its name and the names built beside it
+// (DIR.tmp-PID, renamed to DIR when complete) are what they look like.
+std::string absolute_dir(const std::string& dir);
 // Lower-case hex SHA-256 of bytes / of a file's content.
 std::string sha256_hex(const std::string& bytes);
 std::string sha256_file(const std::string& path);

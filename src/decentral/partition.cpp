@@ -232,7 +232,7 @@ void save_cluster_grid(const std::string& path, const torch::Tensor& images, con
 void save_partition(const std::string& dir, const Partition& p, const nlohmann::json& summary, bool force,
                     const std::function<void(const std::string&)>& extra) {
   DDM_CHECK(!fs::exists(dir) || force, "'" << dir << "' already exists; use --force to replace it or another --out");
-  const fs::path target = fs::absolute(dir);
+  const fs::path target = absolute_dir(dir);
   const fs::path tmp = target.string() + ".tmp-" + std::to_string(::getpid());
   fs::remove_all(tmp);
   fs::create_directories(tmp);

@@ -118,7 +118,7 @@ std::string export_diffusers(const LoadedModel& m, const std::string& out) {
   const json scheduler = scheduler_config(m.cfg);
   DDM_CHECK(!fs::exists(out), out << " exists: remove it or name another directory (nothing was written)");
 
-  const fs::path final_dir = fs::absolute(out).lexically_normal();
+  const fs::path final_dir = absolute_dir(out);
   const fs::path tmp = final_dir.string() + ".tmp-" + std::to_string(getpid());
   fs::remove_all(tmp);
   try {

@@ -53,8 +53,9 @@ TEST(DecentralCli, PartitionWritesBalancedClustersAndRefusesBadInput) {
   EXPECT_EQ(test::read_text(dir / "p/partition.safetensors"), before);
 
   // Random and unbalanced modes.
-  r = test::run_ddm("partition --limit 1000 --k 3 --method random --out " + (dir / "r"));
+  r = test::run_ddm("partition --limit 1000 --k 3 --method random --out " + (dir / "r/"));  // a trailing slash, too
   ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_TRUE(fs::is_regular_file(dir / "r/partition.safetensors"));
   EXPECT_NE(r.output.find("sizes 333 to 334"), std::string::npos) << r.output;
   r = test::run_ddm(base + "--unbalanced --features pixels:16 --out " + (dir / "u"));
   ASSERT_EQ(r.exit_code, 0) << r.output;
