@@ -148,7 +148,8 @@ std::optional<ControlSet> open_controls(const SampleArgs& a, const LoadedModel& 
             "--class with --control-from: the samples take the labels of the images their maps come from");
   if (a.control_file.empty() && a.control_from.empty()) {
     DDM_CHECK(!controlnet, m.checkpoint << " is a ControlNet (model.control = " << m.cfg.model.control
-                                        << "): give its control maps with --control FILE or --control-from test");
+                                        << "): give its control maps with --control FILE"
+                                        << (m.cfg.data.source == "fashion-mnist" ? " or --control-from test" : ""));
     DDM_CHECK(a.control_type.empty(), "--control-type needs --control FILE or --control-from SPLIT");
     return std::nullopt;
   }
@@ -470,7 +471,10 @@ void add_sample_flags(CLI::App* cmd, SampleArgs& a) {
   cmd->add_option("--steps", a.steps, "solver steps (default: the run's sample.steps)")
       ->default_str("")
       ->check(kPositive);
-  cmd->add_option("--sampler", a.sampler, "euler | heun | ddim | ddpm (default: the run's sample.sampler)")
+  cmd->add_option("--sampler", a.sampler,
+                  "euler | heun | ddim | ddpm (default: the run's sample.sampler). For Stable Diffusion's "
+                  "discrete schedule, ddim is the step of diffusers' EulerDiscreteScheduler with Karras sigmas: "
+                  "what diffusers samples from the same noise (docs/stable-diffusion.md)")
       ->check(CLI::IsMember({"euler", "heun", "ddim", "ddpm"}));
   cmd->add_option("--cfg", a.cfg, "classifier-free guidance scale; 1 = off, 0 = unconditional (default: the run's)")
       ->default_str("")
@@ -487,7 +491,8 @@ void add_sample_flags(CLI::App* cmd, SampleArgs& a) {
   cmd->add_option("--init-noise", a.init_noise,
                   "a safetensors file whose tensor `noise` [n, C, H, W] (float, one row per image; a latent model's "
                   "latent shape) is the noise the samples start from instead of the seeded draws, as diffusers "
-                  "pipelines take `latents=`");
+                  "pipelines take `latents=` (with --sampler ddim the same images, where diffusers is given that "
+                  "scheduler and the noise as docs/stable-diffusion.md says)");
   cmd->add_option("--batch", a.batch, "images per network batch")->check(kPositive);
   cmd->add_option("--threads", a.threads, "intra-op threads (0 = all cores)")->check(kNonNegative);
   cmd->add_flag("--no-ema", a.no_ema, "use the raw weights instead of the EMA");
@@ -789,6 +794,7 @@ Command add_sample_command(CLI::App& app) {
               "  ddm sample --ckpt runs/mine --out grid.png                 # a row per class\n"
               "  ddm sample --ckpt runs/mine --class 8 --n 16 --sampler heun --steps 10 --out bags.png\n"
               "  ddm sample --ckpt runs/text --prompt 'a red square' --prompt 'a blue circle' --out p.png\n"
+              "  ddm sample --ckpt runs/sd --prompt 'a red square' --sampler ddim --steps 30 --cfg 7.5 --out sd.png\n"
               "  ddm sample --ensemble runs/quickstart --routing top1 --out e.png\n"
               "  ddm sample --ckpt runs/photos --n 10000 --png-dir samples/ --out grid.png");
   return Command{cmd, [a] {

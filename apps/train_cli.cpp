@@ -269,7 +269,9 @@ Command add_train_command(CLI::App& app) {
                         "train a ControlNet on this trained U-Net run (or checkpoint), which stays locked: a trainable "
                         "copy of its encoder steers it with control maps of model.control (edges | lowres), computed "
                         "from each batch (sets model.controlnet; the model keys become the base's). Sample it with "
-                        "`ddm sample --control-from test`; see docs/conditioning.md");
+                        "`ddm sample --control-from test`; see docs/conditioning.md. For Stable Diffusion's UNet "
+                        "(model.arch = sd-unet) set model.controlnet = \"from-unet\" in its config instead "
+                        "(docs/stable-diffusion.md)");
   cmd->add_option("--set", a->overrides, "override a config key, e.g. --set train.steps=100 (repeatable)");
   cmd->add_option("--out", a->out_dir, "run directory (config, checkpoints, metrics, grids, TensorBoard files); required");
   cmd->add_option("--device", a->device, "auto | cpu | cuda | cuda:N (sets train.device)")->check(kDeviceSpec);
@@ -296,6 +298,8 @@ Command add_train_command(CLI::App& app) {
               "  ddm train --config configs/quickstart.toml --out runs/mine --resume      # after a stop or a crash\n"
               "  ddm train --config configs/quickstart.toml --print-config               # every key and its value\n"
               "  ddm launch --nproc 4 -- train --config configs/quickstart.toml --out runs/dp4   # data parallel\n"
+              "  ddm train --config configs/sd-finetune.toml --set model.unet=SD --set model.latent=SD \\\n"
+              "    --set model.text_encoder=SD --set diffusion.scheduler=SD --out runs/sd   # fine-tune a diffusers SD pipeline\n"
               "\nConfig keys, section by section (`--print-config` shows their values, docs/config.md what they mean):\n" +
               config_keys_by_section() +
               "\nSeveral processes: `ddm launch --nproc N -- train ...`, torchrun, srun or mpirun run one job, each "

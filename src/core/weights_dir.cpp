@@ -7,6 +7,7 @@
 #include <map>
 #include <set>
 
+#include "core/config.h"
 #include "core/error.h"
 #include "core/fileio.h"
 #include "core/json.h"
@@ -39,8 +40,10 @@ void refuse_missing(const std::string& dir, const std::string& stem) {
     std::string pickles;
     for (const char* p : {"pytorch_model.bin", "diffusion_pytorch_model.bin", "open_clip_pytorch_model.bin"})
       if (fs::exists(dir + "/" + p)) pickles += std::string(pickles.empty() ? "" : ", ") + p;
-    // The one-line conversion of this model's own pickle, where it has one.
-    const std::string bin = dir + "/" + stem + ".bin";
+    // The one-line conversion of this model's own pickle, where it has one: STEM.bin (diffusers'), or
+    // transformers' pytorch_model.bin for model.safetensors.
+    std::string bin = dir + "/" + stem + ".bin";
+    if (!fs::exists(bin) && stem == "model") bin = dir + "/pytorch_model.bin";
     const std::string convert =
         fs::exists(bin) ? "; or convert it: python3 -c \"import torch, safetensors.torch as st; st.save_file({k: "
                           "v.contiguous() for k, v in torch.load('" + bin + "', weights_only=True).items()}, '" +
@@ -53,7 +56,27 @@ void refuse_missing(const std::string& dir, const std::string& stem) {
   }
 }
 
+// Whether a ddm run's config.toml is of diffusers' UNet (model.arch = sd-unet): what `ddm export` writes out.
+bool holds_sd_unet_run(const fs::path& config) {
+  try {
+    return load_config(config.string()).model.arch == "sd-unet";
+  } catch (const Error&) {
+    return false;
+  }
+}
+
 }  // namespace
+
+std::string diffusers_folder_hint(const std::string& dir, const std::string& component) {
+  const fs::path d(dir);
+  if (fs::is_regular_file(d / "config.toml") && fs::is_directory(d / "ckpt") && holds_sd_unet_run(d / "config.toml"))
+    return "; it is a ddm run: `ddm export --ckpt " + dir + " --diffusers OUT` writes its UNet, VAE and text encoder "
+           "in diffusers' layout, then name OUT";
+  if (fs::is_directory(d / component) && !fs::exists(d / "model_index.json"))
+    return "; it holds " + component + "/ but no model_index.json, which a pipeline directory needs: restore it, or name " +
+           (d / component).string();
+  return "";
+}
 
 std::vector<std::string> weights_dir_files(const std::string& dir, const std::string& stem) {
   refuse_missing(dir, stem);

@@ -24,4 +24,9 @@ std::vector<std::string> weights_dir_files(const std::string& dir, const std::st
 // or, for sharded weights, the sha256 of the files' sha256s in name order, one per line.
 std::string weights_sha256(const std::vector<std::string>& files);
 
+// For the error that DIR is not the diffusers folder a key wants (`component`: "unet", "vae",
+// "text_encoder"): "; it is a ddm run: ..." (an sd-unet run: export it first), "; it holds COMPONENT/ but no
+// model_index.json ...", or "" when DIR is neither.
+std::string diffusers_folder_hint(const std::string& dir, const std::string& component);
+
 }  // namespace ddm

@@ -215,20 +215,27 @@ BuiltModel build_model(TrainJob& job, bool announce, torch::Device device, bool 
   static std::mutex init_mutex;  // the global generator: ranks may be threads of one process (tests)
   std::lock_guard<std::mutex> guard(init_mutex);
   torch::manual_seed(derive_seed({static_cast<uint64_t>(cfg.train.seed), static_cast<uint64_t>(RngPurpose::kInit)}));
-  m.net = make_network(cfg);
-  attach_controlnet(*m.net, cfg.model);  // the locked base, and (ddm's) the trainable copy's initial weights
-  if (pretrained) {  // fine-tuning: the folder's weights (an SD ControlNet's: after its locked UNet)
-    const std::string from = load_pretrained(*m.net, cfg.model);
-    if (!from.empty() && announce) std::cout << from << std::endl;
-  }
-  // Latent models: the frozen encoder runs in every step's prepare phase. Loaded under the lock
-  // too: building it draws (then overwritten) initial weights from the global generator.
-  if (cfg.train.cache_latents && announce)
-    std::cout << "caching the latents of " << data.images.size(0) << " images (train.cache_latents)..." << std::endl;
-  m.latent = attach_latent(*job.objective, cfg.model, device, cfg.train.cache_latents ? &data : nullptr,
-                           data.latents != nullptr);
-  attach_embed(*job.objective, cfg.model, device);  // image-embedding conditioning: the frozen feature network
-  attach_text(*job.objective, cfg.model, data, device);  // text conditioning: the frozen text encoder
+  // What the user's files hold (pretrained and frozen weights) is input: a file that does not fit
+  // fails every retry alike, so it exits as bad input and supervisors do not restart it.
+  as_input_error([&] {
+    m.net = make_network(cfg);
+    attach_controlnet(*m.net, cfg.model);  // the locked base, and (ddm's) the trainable copy's initial weights
+    if (pretrained) {  // fine-tuning: the folder's weights (an SD ControlNet's: after its locked UNet)
+      const std::string from = load_pretrained(*m.net, cfg.model);
+      if (!from.empty() && announce) std::cout << from << std::endl;
+      if (!from.empty() && announce && cfg.model.controlnet.empty() && cfg.train.lr > 1e-4)
+        std::cout << "note: fine-tuning pretrained weights at train.lr = " << cfg.train.lr << ", which soon undoes what "
+                  << "they learnt; diffusers' train_text_to_image.py uses 1e-5 (configs/sd-finetune.toml)" << std::endl;
+    }
+    // Latent models: the frozen encoder runs in every step's prepare phase. Loaded under the lock
+    // too: building it draws (then overwritten) initial weights from the global generator.
+    if (cfg.train.cache_latents && announce)
+      std::cout << "caching the latents of " << data.images.size(0) << " images (train.cache_latents)..." << std::endl;
+    m.latent = attach_latent(*job.objective, cfg.model, device, cfg.train.cache_latents ? &data : nullptr,
+                             data.latents != nullptr);
+    attach_embed(*job.objective, cfg.model, device);  // image-embedding conditioning: the frozen feature network
+    attach_text(*job.objective, cfg.model, data, device);  // text conditioning: the frozen text encoder
+  });
   m.net->to(device);  // initialized on the CPU, so every device starts from the same weights
   m.net->train();
   m.params = count_params(*m.net);  // the whole model's, before a pipeline stage freezes the others'

@@ -19,6 +19,10 @@ std::string pipeline_component(const std::string& dir, const std::string& name, 
   const std::string index = (fs::path(dir) / "model_index.json").string();
   const nlohmann::json j = read_json_file(index);
   DDM_CHECK(j.is_object(), index << ": not a JSON object (a diffusers pipeline's model_index.json)");
+  // The pipeline's class, which diffusers' from_pretrained needs; each component's class is checked below.
+  DDM_CHECK(j.contains("_class_name") && j["_class_name"].is_string(),
+            index << ": no \"_class_name\" naming the pipeline's class, so not a diffusers pipeline's model_index.json "
+                  << "(save_pretrained writes it); restore the file, or name the component's own folder");
   DDM_CHECK(j.contains(name), index << ": the pipeline has no \"" << name << "\" component (it lists "
                                     << [&] {
                                          std::string keys;
@@ -26,7 +30,10 @@ std::string pipeline_component(const std::string& dir, const std::string& name, 
                                            if (!k.empty() && k[0] != '_' && v.is_array()) keys += (keys.empty() ? "" : ", ") + k;
                                          return keys;
                                        }()
-                                    << "); name the component's own folder instead");
+                                    << "); name the component's own folder instead"
+                                    << (name == "controlnet" ? ", or model.controlnet = \"from-unet\" for a new one "
+                                                               "made from the UNet"
+                                                             : ""));
   const nlohmann::json& entry = j[name];
   DDM_CHECK(entry.is_array() && entry.size() == 2, index << ": \"" << name << "\" is " << entry.dump()
                                                          << ", not [library, class]");

@@ -8,6 +8,7 @@
 #include "core/device.h"
 #include "core/error.h"
 #include "core/json.h"
+#include "core/weights_dir.h"
 #include "text/bert_encoder.h"
 #include "text/clip_text_encoder.h"
 #include "text/tokenizer.h"
@@ -141,7 +142,8 @@ std::unique_ptr<TextEncoder> load_text_encoder(const std::string& spec, const Te
     c->weight_files_ = c->files();
     out = std::move(c);
   } else {
-    DDM_CHECK(fs::exists(dir / "config.json"), dir.string() << ": no config.json or open_clip_config.json: not a text encoder directory");
+    DDM_CHECK(fs::exists(dir / "config.json"), dir.string() << ": no config.json or open_clip_config.json: not a text encoder "
+                                                             << "directory" << diffusers_folder_hint(dir.string(), "text_encoder"));
     const std::string type = model_type(dir);
     if (type == "bert") {
       DDM_CHECK(options.skip == 0, dir.string() << ": skipping layers is for CLIP text encoders; this is a BERT model");
@@ -159,7 +161,8 @@ std::unique_ptr<TextEncoder> load_text_encoder(const std::string& spec, const Te
       if (tokenizer_dir.empty()) tokenizer_dir = has_tokenizer(dir) ? dir : dir.parent_path() / "tokenizer";
       DDM_CHECK(!options.tokenizer.empty() || has_tokenizer(tokenizer_dir),
                 dir.string() << ": no tokenizer in it or in " << tokenizer_dir.string()
-                             << " (diffusers' layout): name one (ddm text encode --tokenizer)");
+                             << " (diffusers' layout, beside text_encoder/): restore it, or give one (`ddm text "
+                                "encode --tokenizer`)");
       default_tokenizer = tokenizer_dir.string();
     }
   }

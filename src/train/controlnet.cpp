@@ -28,6 +28,15 @@ RunConfig base_config(const std::string& ckpt, const std::string& key) {
   return parse_config(ck.config_toml, ckpt + "/" + RunDir::kState + " (config)");
 }
 
+// The way to a ControlNet on an sd-unet run: diffusers' ControlNetModel on the run's UNet in diffusers' layout.
+void refuse_sd_unet_base(const RunConfig& base, const std::string& what, const std::string& run) {
+  DDM_CHECK(base.model.arch != "sd-unet",
+            what << ": " << run << " holds diffusers' UNet (model.arch = sd-unet), whose ControlNet is diffusers' "
+                 << "ControlNetModel: write the run out with `ddm export --ckpt " << run << " --diffusers OUT`, then "
+                 << "train with model.arch = \"sd-unet\", model.unet = OUT and model.controlnet = \"from-unet\" "
+                 << "(docs/stable-diffusion.md, \"ControlNet\")");
+}
+
 }  // namespace
 
 RunConfig controlnet_default_config(const std::string& base, const std::vector<std::string>& overrides) {
@@ -36,6 +45,7 @@ RunConfig controlnet_default_config(const std::string& base, const std::vector<s
   const std::string ckpt = resolve_checkpoint(base);
   const Checkpoint ck = read_checkpoint(ckpt, /*weights_only=*/true);
   const RunConfig own = parse_config(ck.config_toml, ckpt + "/" + RunDir::kState + " (the base's config)");
+  refuse_sd_unet_base(own, "--controlnet " + base, base);
   DDM_CHECK(own.model.arch == "unet" && own.model.latent.empty(),
             "--controlnet " << base << ": " << ckpt << " holds a " << (own.model.latent.empty() ? "" : "latent ")
                             << own.model.arch << " model; a ControlNet steers a pixel U-Net");
@@ -59,6 +69,7 @@ void resolve_controlnet(RunConfig& cfg, const Dataset& data) {
   const RunConfig base = base_config(ckpt, key);
   DDM_CHECK(base.model.controlnet.empty(), key << ": " << ckpt << " is itself a ControlNet; give the U-Net it "
                                                << "steers (" << base.model.controlnet << ")");
+  refuse_sd_unet_base(base, key, path.string());
   DDM_CHECK(base.model.arch == "unet" && base.model.latent.empty(),
             key << ": " << ckpt << " holds a " << (base.model.latent.empty() ? "" : "latent ") << base.model.arch
                 << " model; a ControlNet steers a pixel U-Net");

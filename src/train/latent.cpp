@@ -43,8 +43,11 @@ bool same_dir(const std::string& a, const std::string& b) {
 bool is_diffusers_vae(const fs::path& dir) {
   const fs::path config = dir / "config.json";
   if (!fs::is_regular_file(config)) return false;
+  // ddm's own runs and checkpoints hold no config.json: one without a class is a damaged diffusers folder.
   const auto j = read_json_file(config.string());
-  if (!j.is_object() || !j.contains("_class_name")) return false;
+  DDM_CHECK(j.is_object() && j.contains("_class_name"),
+            config.string() << ": no _class_name, so not the config.json of diffusers' AutoencoderKL; restore it "
+                            << "(model.latent takes diffusers' AutoencoderKL or a ddm train-autoencoder run)");
   // Another diffusers class (AutoencoderTiny, a UNet): named, not taken for a ddm run without its files.
   DDM_CHECK(j["_class_name"] == "AutoencoderKL",
             config.string() << ": _class_name " << j["_class_name"].dump() << ": model.latent takes diffusers' "
@@ -222,15 +225,17 @@ void resolve_latent(ModelConfig& m, const Dataset& data) {
                                         "one with: ddm train-autoencoder --config configs/autoencoder.toml --out "
                                      << m.latent << ")");
   // Absolute and without a trailing slash: the resolved config is read from other directories too.
-  fs::path dir = fs::absolute(m.latent).lexically_normal();
-  if (dir.filename().empty()) dir = dir.parent_path();
+  fs::path dir = absolute_dir(m.latent);
+  bool diffusers = false;
+  sd::AutoencoderKLConfig vae;
   try {
     dir = diffusers_vae_dir(dir);
+    diffusers = is_diffusers_vae(dir);
+    if (diffusers) vae = diffusers_vae_config(dir);
   } catch (const Error& e) {
     DDM_FAIL(key << ": " << e.what());
   }
-  if (is_diffusers_vae(dir)) {  // diffusers' AutoencoderKL: any image size its downsampling divides
-    const sd::AutoencoderKLConfig vae = diffusers_vae_config(dir);
+  if (diffusers) {  // diffusers' AutoencoderKL: any image size its downsampling divides
     const std::string sha = weights_sha256(weights_dir_files(dir.string(), "diffusion_pytorch_model"));
     DDM_CHECK(m.latent_sha256.empty() || m.latent_sha256 == sha,
               "the frozen autoencoder changed: model.latent_sha256 = " << m.latent_sha256 << ", but the weights of "
@@ -311,6 +316,9 @@ void resolve_latent(ModelConfig& m, const Dataset& data) {
   }
   // A run directory (with the record), or a checkpoint directory whose run's record measured it.
   const std::string run = is_ckpt ? dir.parent_path().parent_path().string() : dir.string();
+  if (!is_ckpt && !fs::exists(RunDir(run) / RunDir::kAutoencoder))  // a diffusers pipeline without its index?
+    if (const std::string hint = diffusers_folder_hint(run, "vae"); !hint.empty())
+      DDM_FAIL(key << ": neither a `ddm train-autoencoder` run nor diffusers' AutoencoderKL" << hint);
   const AutoencoderRecord rec = read_autoencoder_record(run);
   DDM_CHECK(!is_ckpt || same_dir(dir.string(), rec.checkpoint),
             key << ": " << RunDir(run) / RunDir::kAutoencoder << " measured " << rec.checkpoint

@@ -12,8 +12,9 @@
 #include "train/text.h"
 
 namespace ddm {
+namespace {
 
-LoadedModel load_model(const std::string& path, bool use_ema, torch::Device device) {
+LoadedModel load_model_files(const std::string& path, bool use_ema, torch::Device device) {
   LoadedModel m;
   m.checkpoint = resolve_checkpoint(path);
   Checkpoint ck = read_checkpoint(m.checkpoint, /*weights_only=*/true);
@@ -30,6 +31,13 @@ LoadedModel load_model(const std::string& path, bool use_ema, torch::Device devi
   if (!m.cfg.model.embed.empty()) m.embedder = ImageEmbedder::load(m.cfg.model, device);  // pinned by sha256
   if (!m.cfg.model.text_encoder.empty()) m.text = load_pinned_text_encoder(m.cfg.model, device);  // pinned by sha256
   return m;
+}
+
+}  // namespace
+
+LoadedModel load_model(const std::string& path, bool use_ema, torch::Device device) {
+  // A checkpoint, or a frozen part it pins, that cannot be read fails every retry alike: bad input.
+  return as_input_error([&] { return load_model_files(path, use_ema, device); });
 }
 
 std::function<torch::Tensor(const torch::Tensor&)> image_decoder(const LoadedModel& m) {

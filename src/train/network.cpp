@@ -123,7 +123,11 @@ void resolve_sd_unet(ModelConfig& m) {
                                           << "Stable Diffusion pipeline directory)");
   sd::UNet2DConditionConfig c;
   try {
-    m.unet = fs::absolute(sd::unet_folder(m.unet)).lexically_normal().string();
+    const std::string folder = absolute_dir(sd::unet_folder(m.unet));
+    DDM_CHECK(fs::is_regular_file(fs::path(folder) / "config.json"),
+              "no config.json, so neither diffusers' UNet2DConditionModel folder nor a Stable Diffusion pipeline directory"
+                  << diffusers_folder_hint(m.unet, "unet"));
+    m.unet = folder;
     c = pinned_unet_config(m);
   } catch (const Error& e) {
     DDM_FAIL(key << ": " << e.what());

@@ -112,7 +112,8 @@ TEST(SdControlNet, FromTheUnetTrainsResumesBitForBitAndSamplesFromControlMaps) {
   r = test::run_ddm(sample + " --control " + (dir / "edges.png") + " --raw " + (dir / "s.safetensors"));
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_EQ(load_safetensors(dir / "s.safetensors").tensors.at("images").sizes(), (std::vector<int64_t>{2, 3, 16, 16}));
-  test::expect_error(test::run_ddm(sample), "is a ControlNet (model.control = edges): give its control maps");
+  // (--control-from is not offered: a folder of images has no train/test splits.)
+  test::expect_error(test::run_ddm(sample), "is a ControlNet (model.control = edges): give its control maps with --control FILE\n");
   // Exported as a StableDiffusionControlNetPipeline and sampled by diffusers itself from the same noise,
   // prompts, control images, guidance and steps: what `ddm sample` gives, within float32 rounding.
   const std::string exported = dir / "exported";
@@ -240,6 +241,10 @@ TEST(SdControlNet, ControlNetsThatDoNotFitAndUnetsWithoutWeightsAreClearErrors) 
   refused(other.dir + "/sd15/controlnet", ": not a ControlNet of the UNet " + sd + "/unet: attention_head_dim is 2");
   // The pipeline's UNet as a ControlNet.
   refused(sd + "/unet", "_class_name \"UNet2DConditionModel\": ddm reads diffusers' ControlNetModel here");
+  // A pipeline without a ControlNet: from-unet makes one.
+  refused(sd, "model_index.json: the pipeline has no \"controlnet\" component (it lists feature_extractor, "
+              "image_encoder, safety_checker, scheduler, text_encoder, tokenizer, unet, vae); name the component's own "
+              "folder instead, or model.controlnet = \"from-unet\" for a new one made from the UNet");
   // A UNet given by its config alone has nothing to steer.
   test::write_text(dir / "y.toml", "[data]\nsource = \"folder\"\nroot = \"" + (dir / "images") +
                                        "\"\n[model]\narch = \"sd-unet\"\nunet = \"" + pipeline().dir +

@@ -66,6 +66,8 @@ TEST(SdTrain, AStableDiffusionPipelineFineTunesResumesBitForBitAndSamples) {
   auto r = test::run_ddm(train + (dir / "run") + " --set train.steps=2");
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("started from the UNet's weights in " + sd + "/unet"), std::string::npos) << r.output;
+  // ddm's default rate is for training anew: fine-tuning at it is said to be too much.
+  EXPECT_NE(r.output.find("note: fine-tuning pretrained weights at train.lr = 0.002"), std::string::npos) << r.output;
   const RunConfig cfg = load_config(dir / "run/config.toml");
   EXPECT_EQ(cfg.model.unet, sd + "/unet");
   EXPECT_EQ(cfg.model.unet_sha256, sha256_file(sd + "/unet/config.json"));
@@ -98,6 +100,7 @@ TEST(SdTrain, AStableDiffusionPipelineFineTunesResumesBitForBitAndSamples) {
   r = test::run_ddm(train + (dir / "still") + " --resume --set train.steps=1 --set train.lr=1e-30 --set train.grad_clip=0");
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("started from the UNet's weights"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("note: fine-tuning"), std::string::npos) << r.output;
   const auto still = load_safetensors(dir / "still/ckpt/step-00000001/model.safetensors").tensors;
   for (const auto& [name, t] : diffusers) EXPECT_TRUE(torch::equal(still.at("unet." + name), t)) << name;
   // Sampling: the VAE decodes 16x16 RGB images.
@@ -108,9 +111,10 @@ TEST(SdTrain, AStableDiffusionPipelineFineTunesResumesBitForBitAndSamples) {
   // Exported as a diffusers pipeline and sampled by diffusers itself from the same noise, prompts,
   // guidance and steps: what `ddm sample` gives, within float32 rounding.
   const std::string exported = dir / "exported";
-  r = test::run_ddm("export --ckpt " + (dir / "run") + " --diffusers " + exported);
+  r = test::run_ddm("export --ckpt " + (dir / "run") + " --diffusers " + exported + "/");  // a trailing slash, too
   ASSERT_EQ(r.exit_code, 0) << r.output;
-  EXPECT_NE(r.output.find("a StableDiffusionPipeline (unet/ from step 4"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("wrote " + exported + ": a StableDiffusionPipeline (unet/ from step 4"), std::string::npos)
+      << r.output;
   test::expect_error(test::run_ddm("export --ckpt " + (dir / "run") + " --diffusers " + exported),
                      exported + " exists: remove it or name another directory");
   SafetensorsFile noise;
@@ -262,7 +266,51 @@ TEST(SdTrain, WrongFoldersAndMisfitUnetsAreClearErrors) {
   fs::copy_file(sd + "/unet/config.json", pickled + "/config.json");
   test::write_text(pickled + "/diffusion_pytorch_model.bin", "not read");
   test::expect_error(test::run_ddm(train + " --set model.unet=" + pickled), "safetensors");
+  // A pipeline copied without its model_index.json: each key says what is missing, and where the part is.
+  const std::string unindexed = dir / "unindexed";
+  fs::copy(sd, unindexed, fs::copy_options::recursive);
+  fs::remove(unindexed + "/model_index.json");
+  for (const auto& [key, part] : {std::pair{"unet", "unet"}, std::pair{"latent", "vae"}, std::pair{"text_encoder", "text_encoder"}})
+    test::expect_error(test::run_ddm(train + " --set model." + key + "=" + unindexed),
+                       std::string("; it holds ") + part + "/ but no model_index.json, which a pipeline directory needs: "
+                       "restore it, or name " + unindexed + "/" + part);
+  // An index without the pipeline's class is not diffusers'.
+  std::string classless = test::read_text(sd + "/model_index.json");
+  classless.replace(classless.find("\"_class_name\""), 13, "\"_not_class\"");
+  test::write_text(unindexed + "/model_index.json", classless);
+  test::expect_error(test::run_ddm(train + " --set model.unet=" + unindexed),
+                     "model_index.json: no \"_class_name\" naming the pipeline's class");
+  // A VAE folder whose config.json lost its class is named as damaged, not taken for a ddm run.
+  test::write_text(unindexed + "/vae/config.json", "{}");
+  test::expect_error(test::run_ddm(train + " --set model.latent=" + unindexed + "/vae"),
+                     unindexed + "/vae/config.json: no _class_name, so not the config.json of diffusers' AutoencoderKL");
+  // transformers' pickle of the text encoder: refused with the conversion to safetensors.
+  fs::remove(unindexed + "/text_encoder/model.safetensors");
+  test::write_text(unindexed + "/text_encoder/pytorch_model.bin", "not read");
+  test::expect_error(test::run_ddm(train + " --set model.text_encoder=" + unindexed + "/text_encoder"),
+                     "or convert it: python3 -c \"import torch, safetensors.torch as st;");
+  // Weights that do not fit the UNet's config: bad input (exit 2, not restarted by a supervisor).
+  const std::string misfit = dir / "misfit";
+  fs::create_directories(misfit);
+  fs::copy_file(sd + "/unet/config.json", misfit + "/config.json");
+  SafetensorsFile unet_weights = load_safetensors(sd + "/unet/diffusion_pytorch_model.safetensors");
+  unet_weights.tensors["conv_in.bias"] = torch::zeros({7});
+  save_safetensors(misfit + "/diffusion_pytorch_model.safetensors", unet_weights);
+  auto r = test::run_ddm(train + " --set model.unet=" + misfit);
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("\"conv_in.bias\" has shape [7], but " + misfit + "/config.json makes it [32]"), std::string::npos)
+      << r.output;
   EXPECT_FALSE(fs::exists(dir / "run/ckpt"));
+  // A ddm run of this UNet where diffusers' folder is wanted: export it first.
+  r = test::run_ddm(train + " --quiet");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  test::expect_error(test::run_ddm("train --config " + (dir / "sd.toml") + " --set model.unet=" + (dir / "run") +
+                                   " --out " + (dir / "run2")),
+                     "; it is a ddm run: `ddm export --ckpt " + (dir / "run") + " --diffusers OUT` writes its UNet");
+  test::expect_error(test::run_ddm("train --controlnet " + (dir / "run") + " --out " + (dir / "run2")),
+                     "holds diffusers' UNet (model.arch = sd-unet), whose ControlNet is diffusers' ControlNetModel: "
+                     "write the run out with `ddm export");
+  EXPECT_FALSE(fs::exists(dir / "run2"));
 }
 
 TEST(SdTrain, PlanProfilesTheUnetsUnitsAndItsFrozenWork) {
