@@ -120,7 +120,8 @@ std::string TextEncoder::describe() const {
 }
 
 std::unique_ptr<TextEncoder> load_text_encoder(const std::string& spec, const TextEncoderOptions& options) {
-  fs::path dir(spec);
+  fs::path dir = fs::path(spec).lexically_normal();
+  if (!dir.has_filename() && dir.has_parent_path()) dir = dir.parent_path();  // "X/text_encoder/": X is beside it
   DDM_CHECK(fs::is_directory(dir), spec << ": not a directory (a text encoder is a directory: open_clip's, "
                                         << "transformers' CLIP or BERT, or a diffusers Stable Diffusion one)");
   fs::path tokenizer_dir;

@@ -35,7 +35,7 @@ void resolve_text(ModelConfig& m, const Dataset& data) {
                            << "each image's caption (.txt or .json in shards, a .txt beside each image or a "
                            << "captions.jsonl in a folder: docs/data.md, Captions)");
   DDM_CHECK(fs::is_directory(m.text_encoder), key << ": no such directory (a text encoder's: docs/text.md)");
-  const std::string dir = fs::absolute(m.text_encoder).lexically_normal().string();
+  const std::string dir = absolute_dir(m.text_encoder);
   std::shared_ptr<text::TextEncoder> e;
   try {
     if (sd::is_pipeline_dir(dir)) {  // diffusers' layout: the parts model_index.json records, of CLIP's classes

@@ -301,9 +301,12 @@ TEST(SdTrain, WrongFoldersAndMisfitUnetsAreClearErrors) {
   EXPECT_NE(r.output.find("\"conv_in.bias\" has shape [7], but " + misfit + "/config.json makes it [32]"), std::string::npos)
       << r.output;
   EXPECT_FALSE(fs::exists(dir / "run/ckpt"));
-  // A ddm run of this UNet where diffusers' folder is wanted: export it first.
-  r = test::run_ddm(train + " --quiet");
+  // A ddm run of this UNet where diffusers' folder is wanted: export it first. (The run names each
+  // part's folder with a trailing slash: the tokenizer is still found beside text_encoder/.)
+  r = test::run_ddm(train + " --quiet --set model.unet=" + sd + "/unet/ --set model.latent=" + sd +
+                    "/vae/ --set model.text_encoder=" + sd + "/text_encoder/");
   ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(load_config(dir / "run/config.toml").model.text_encoder, sd + "/text_encoder");
   test::expect_error(test::run_ddm("train --config " + (dir / "sd.toml") + " --set model.unet=" + (dir / "run") +
                                    " --out " + (dir / "run2")),
                      "; it is a ddm run: `ddm export --ckpt " + (dir / "run") + " --diffusers OUT` writes its UNet");
