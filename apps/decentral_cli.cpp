@@ -57,7 +57,7 @@ int partition_cmd(const PartitionArgs& a) {
   DataConfig dc;
   const FeatureSource src = as_input_error([&] {
     DDM_CHECK(!a.out.empty(), "--out DIR is required");
-    DDM_CHECK(a.force || !fs::exists(a.out), "'" << a.out << "' already exists; use --force to replace it or another --out");
+    check_partition_out(a.out, a.force);
     if (!a.config.empty()) {
       dc = load_config(a.config).data;
     } else {
@@ -217,7 +217,7 @@ int ensemble_cmd(const std::string& out, const EnsembleSpec& spec, bool force) {
                                                << e["objective"].get<std::string>();
   std::cout << ") and router " << m["router"]["preset"].get<std::string>() << "; default routing " << spec.routing
             << "\nwrote " << out << "/ensemble.json\n"
-            << "next: ddm sample --ensemble " << out << " --out grid.png" << std::endl;
+            << "next: " << ensemble_sample_command(out) << std::endl;
   return 0;
 }
 
@@ -256,7 +256,8 @@ int distill_cmd(const DistillArgs& a) {
   if (s.interrupted) return 128 + s.signal;
   if (s.rank != 0) return 0;
   std::cout << "done: step " << s.last_step << ", checkpoint " << s.checkpoint << "\nnext: ddm sample --ckpt " << a.out
-            << " --out student.png   (or ddm eval --ckpt " << a.out << ")" << std::endl;
+            << (cfg.model.text_encoder.empty() ? "" : " --prompt 'a prompt of yours'") << " --out student.png   (or ddm "
+            << "eval --ckpt " << a.out << ")" << std::endl;
   return 0;
 }
 
@@ -370,13 +371,17 @@ std::vector<Command> add_decentral_commands(CLI::App& app) {
       ->check(kPositive)
       ->capture_default_str();
   part->add_flag("--force", pa->force, "replace an existing --out");
+  part->footer("\nExamples:\n"
+               "  ddm partition --k 4 --out runs/parts                                  # Fashion-MNIST, PCA of pixels\n"
+               "  ddm partition --config configs/own-64.toml --k 8 --features feature-net --out parts8\n"
+               "  ddm partition --config shards.toml --k 8 --reshard --out parts8       # tar shards, streamed\n");
   cmds.push_back({part, [pa] { return partition_cmd(*pa); }});
 
   auto ra = std::make_shared<RouterArgs>();
   auto* router = app.add_subcommand(
       "train-router",
       "Train the router that weighs the experts at each sampling step.\n"
-      "Train the router of a decentralized ensemble: a small classifier of p(cluster | x_t, t, class) on every "
+      "Train the router of a decentralized ensemble: a small classifier of p(cluster | x_t, t, class or prompt) on every "
       "image of the partition's data, with noisy inputs from the experts' own forward process, time distribution "
       "and label dropout (all taken from --config, the experts' config; the model is --preset). Then reports its "
       "accuracy and calibration per noise level on --holdout images it never saw (router_eval.json).");
@@ -398,6 +403,9 @@ std::vector<Command> add_decentral_commands(CLI::App& app) {
   router->add_flag("--force", ra->force, "overwrite a different run in --out");
   router->add_flag("--quiet", ra->quiet, "no training progress output");
   router->add_flag("--eval-only", ra->eval_only, "only (re)compute the report of the router in --out");
+  router->footer("\nExamples:\n"
+                 "  ddm train-router --config configs/quickstart.toml --partition runs/parts --out runs/router\n"
+                 "  ddm train-router --config c.toml --partition parts --preset router-conv-tiny --holdout 500 --out r\n");
   cmds.push_back({router, [ra] { return train_router_cmd(*ra); }});
 
   auto es = std::make_shared<EnsembleSpec>();
@@ -417,6 +425,9 @@ std::vector<Command> add_decentral_commands(CLI::App& app) {
   ens->add_option("--routing", es->routing, "default routing: top1 | topk:K | full | threshold:P | sample | oracle")
       ->capture_default_str();
   ens->add_flag("--force", *eforce, "replace an existing ensemble.json");
+  ens->footer("\nExamples:\n"
+              "  ddm ensemble --out runs/ens --partition runs/parts --router runs/router \\\n"
+              "    --expert runs/e0 --expert runs/e1 --expert runs/e2 --expert runs/e3   # in cluster order\n");
   cmds.push_back({ens, [es, eout, eforce] { return ensemble_cmd(*eout, *es, *eforce); }});
 
   auto* isl = app.add_subcommand(
@@ -437,6 +448,11 @@ std::vector<Command> add_decentral_commands(CLI::App& app) {
       "nproc) threads, at least 1; set by hand, keep concurrency x nproc x threads at about the cores. When all "
       "are done, writes OUT/ensemble.json. Running it again skips finished islands and resumes the rest.");
   irun->add_option("file", ia->file, "islands file (TOML)")->required();
+  irun->footer("\nExamples:\n"
+               "  ddm islands run configs/islands-k4.toml        # again after a stop or a crash: it continues\n"
+               "  ddm islands status configs/islands-k4.toml\n"
+               "configs/islands-k4.toml shows the file's keys, each with a comment; its relative paths are relative to\n"
+               "the working directory.\n");
   cmds.push_back({irun, [ia] { return islands_cmd("run", *ia); }});
   auto* istat = isl->add_subcommand("status", "Show each island's state, step, attempts and last failure.");
   istat->add_option("file", ia->file, "islands file (TOML)")->required();
@@ -467,6 +483,9 @@ std::vector<Command> add_decentral_commands(CLI::App& app) {
   dist->add_flag("--resume", da->resume, "continue from the latest checkpoint in --out");
   dist->add_flag("--force", da->force, "overwrite a different run in --out");
   dist->add_flag("--quiet", da->quiet, "no training progress output");
+  dist->footer("\nExamples:\n"
+               "  ddm distill --ensemble runs/islands-k4 --out runs/student                 # expert 0's config\n"
+               "  ddm distill --ensemble runs/ens --preset unet-small --set train.steps=5000 --out runs/student\n");
   cmds.push_back({dist, [da] { return distill_cmd(*da); }});
 
   return cmds;

@@ -4,6 +4,7 @@
 #include <filesystem>
 #include <sstream>
 
+#include "core/config.h"
 #include "core/device.h"
 #include "core/error.h"
 #include "core/fileio.h"
@@ -202,8 +203,9 @@ LoadedEnsemble load_ensemble(const std::string& dir, bool use_ema, bool allow_mi
     if (!fs::exists(ckpt)) {
       DDM_CHECK(is_expert && allow_missing,
                 what << " is missing: its checkpoint " << ckpt << " does not exist. Restore it or re-assemble the "
-                     << "ensemble" << (is_expert ? "; or pass --allow-missing to sample without it (the router's "
-                                                   "probabilities are then renormalized over the other experts)"
+                     << "ensemble" << (is_expert ? "; or, to sample or evaluate without it, pass --allow-missing to "
+                                                   "ddm sample or ddm eval (the router's probabilities are then "
+                                                   "renormalized over the other experts)"
                                                  : ""));
       return std::nullopt;
     }
@@ -213,11 +215,28 @@ LoadedEnsemble load_ensemble(const std::string& dir, bool use_ema, bool allow_mi
                    << " no longer match ensemble.json's sha256. Re-assemble with ddm ensemble");
     return load_model(ckpt, use_ema, device);
   };
-  for (int64_t i = 0; i < e.k; ++i)
+  for (int64_t i = 0; i < e.k; ++i) {
     e.experts.push_back(verified(e.manifest["experts"][i], "expert " + std::to_string(i), /*is_expert=*/true));
+    // The router's output i weighs entry i: an expert of another cluster there would be weighed wrongly.
+    if (e.experts.back())
+      DDM_CHECK(e.experts.back()->cfg.data.expert == i,
+                manifest.string() << ": expert " << i << " is " << e.experts.back()->checkpoint << ", trained on cluster "
+                                  << e.experts.back()->cfg.data.expert << ": the experts are listed out of cluster "
+                                  << "order; re-assemble the ensemble with ddm ensemble");
+  }
   DDM_CHECK(static_cast<int64_t>(e.missing().size()) < e.k, "every expert of the ensemble " << dir << " is missing");
   e.router = *verified(e.manifest.at("router"), "the router", /*is_expert=*/false);
   return e;
+}
+
+std::string ensemble_sample_command(const std::string& dir) {
+  std::string prompt;
+  try {  // a text ensemble samples from prompts: the command without one would be refused
+    const fs::path config = fs::path(ensemble_expert_run(dir, 0)) / "config.toml";
+    if (!load_config(config.string()).model.text_encoder.empty()) prompt = " --prompt 'a prompt of yours'";
+  } catch (const Error&) {
+  }
+  return "ddm sample --ensemble " + dir + prompt + " --out grid.png";
 }
 
 std::string ensemble_expert_run(const std::string& dir, int64_t k) {

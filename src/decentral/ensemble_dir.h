@@ -52,6 +52,9 @@ LoadedEnsemble load_ensemble(const std::string& dir, bool use_ema, bool allow_mi
 // The run directory of expert k as DIR/ensemble.json names it (nothing is loaded or verified).
 std::string ensemble_expert_run(const std::string& dir, int64_t k);
 
+// The `ddm sample` command that samples DIR, for a "next:" line (with a --prompt for text experts).
+std::string ensemble_sample_command(const std::string& dir);
+
 // The routed ensemble over the loaded models. Sampling happens on the first present expert's path;
 // `oracle` routing loads the partition's data for the exact posterior. It computes where the networks
 // were loaded; precision bf16 runs the experts' and the router's forward passes under bfloat16

@@ -542,8 +542,8 @@ int run_islands(const IslandsConfig& c, const std::string& ddm_binary) {
   std::vector<std::string> notes;
   assemble_ensemble(c.out, spec, notes);
   for (const auto& note : notes) std::cout << "note: " << note << std::endl;
-  std::cout << "[islands] all " << n << " islands done; wrote " << c.out << "/ensemble.json\nnext: ddm sample --ensemble "
-            << c.out << " --out grid.png" << std::endl;
+  std::cout << "[islands] all " << n << " islands done; wrote " << c.out << "/ensemble.json\nnext: "
+            << ensemble_sample_command(c.out) << std::endl;
   return 0;
 }
 

@@ -229,9 +229,17 @@ void save_cluster_grid(const std::string& path, const torch::Tensor& images, con
   save_image_grid(path, torch::cat(grid), kGridCols, names);
 }
 
+void check_partition_out(const std::string& dir, bool force) {
+  if (!fs::exists(dir)) return;
+  DDM_CHECK(force, "'" << dir << "' already exists; use --force to replace it or another --out");
+  DDM_CHECK(fs::is_directory(dir) && (fs::is_regular_file(fs::path(dir) / "partition.safetensors") || fs::is_empty(dir)),
+            "--force: '" << dir << "' holds no partition.safetensors, and --force replaces a partition only, never "
+                         << "another directory (its files would be lost): name another --out, or remove it yourself");
+}
+
 void save_partition(const std::string& dir, const Partition& p, const nlohmann::json& summary, bool force,
                     const std::function<void(const std::string&)>& extra) {
-  DDM_CHECK(!fs::exists(dir) || force, "'" << dir << "' already exists; use --force to replace it or another --out");
+  check_partition_out(dir, force);
   const fs::path target = absolute_dir(dir);
   const fs::path tmp = target.string() + ".tmp-" + std::to_string(::getpid());
   fs::remove_all(tmp);
@@ -266,9 +274,17 @@ void save_partition(const std::string& dir, const Partition& p, const nlohmann::
 Partition load_partition(const std::string& path) {
   fs::path file = path;
   if (fs::is_directory(file)) file /= "partition.safetensors";
-  DDM_CHECK(fs::is_regular_file(file), "partition '" << path << "' not found (expected a directory made by ddm "
-                                                     "partition, holding partition.safetensors)");
-  const SafetensorsFile f = load_safetensors(file.string());
+  DDM_CHECK(fs::is_regular_file(file),
+            "partition '" << path << "' not found (expected a directory made by ddm partition, holding "
+                          << "partition.safetensors" << (fs::is_regular_file(fs::path(path) / "config.toml")
+                                                             ? "; this is a run directory" : "") << ")");
+  SafetensorsFile f;
+  try {
+    f = load_safetensors(file.string());
+  } catch (const Error& e) {
+    DDM_FAIL("partition '" << path << "': not a ddm partition (" << e.what() << "); give a directory made by ddm "
+                           << "partition");
+  }
   auto meta = [&](const char* key) -> std::string {
     const auto it = f.metadata.find(key);
     DDM_CHECK(it != f.metadata.end(), file.string() << ": not a ddm partition (metadata lacks '" << key << "')");

@@ -60,8 +60,12 @@ nlohmann::json partition_summary(const Partition& p, const Dataset& data);
 // The summary as a few human-readable lines.
 std::string format_summary(const nlohmann::json& summary);
 
+// Refuses --out DIR for a partition unless it is new, or `force` and DIR holds a partition (or
+// nothing): --force replaces a partition, never another directory (an islands run, experts).
+void check_partition_out(const std::string& dir, bool force);
+
 // Writes a partition directory atomically (a temporary directory renamed into place). An existing
-// `dir` is replaced only with force. `extra(temporary directory)` may add files before the rename.
+// `dir` is replaced only with force, and only a partition (check_partition_out). `extra(temporary directory)` may add files before the rename.
 void save_partition(const std::string& dir, const Partition& p, const nlohmann::json& summary, bool force,
                     const std::function<void(const std::string&)>& extra = {});
 // A look at the clusters: a row of the first 12 images of each cluster (at most 64 rows), as PNG.

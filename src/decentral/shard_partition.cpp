@@ -332,7 +332,7 @@ nlohmann::json partition_shards(const ShardPartitionOptions& options, const std:
                               "some out: set it to false (a bad sample is then named) and mend or drop it");
   DDM_CHECK(o.shard_size >= 1, "--shard-size must be >= 1, got " << o.shard_size);
   DDM_CHECK(o.min_shards >= 1, "--min-shards must be >= 1, got " << o.min_shards);
-  DDM_CHECK(o.force || !fs::exists(out), "'" << out << "' already exists; use --force to replace it or another --out");
+  check_partition_out(out, o.force);
   const auto t0 = std::chrono::steady_clock::now();
   const Dataset opened = open_shards(o.data, o.threads, o.cfg.quiet);
   const ShardIndex& index = *opened.shards;

@@ -51,6 +51,12 @@ TEST(DecentralCli, PartitionWritesBalancedClustersAndRefusesBadInput) {
   expect_error(test::run_ddm(base + "--out " + (dir / "p")), "already exists");
   ASSERT_EQ(test::run_ddm(base + "--out " + (dir / "p") + " --force").exit_code, 0);
   EXPECT_EQ(test::read_text(dir / "p/partition.safetensors"), before);
+  // --force replaces a partition, never another directory (a run, an islands directory).
+  fs::create_directories(dir / "run/ckpt");
+  test::write_text(dir / "run/config.toml", "");
+  expect_error(test::run_ddm("partition --limit 100 --k 2 --force --out " + (dir / "run")),
+               "holds no partition.safetensors, and --force replaces a partition only, never another directory");
+  EXPECT_TRUE(fs::exists(dir / "run/config.toml"));
 
   // Random and unbalanced modes.
   r = test::run_ddm("partition --limit 1000 --k 3 --method random --out " + (dir / "r/"));  // a trailing slash, too
@@ -269,6 +275,17 @@ TEST(DecentralCli, RouterEnsembleAndRoutedSamplingRefuseMismatchedParts) {
                "is not an ensemble directory");
   EXPECT_FALSE(fs::exists(dir / "x"));
 
+  // Experts listed out of cluster order in a hand-edited manifest (their hashes still right): refused,
+  // as the router's output k weighs entry k.
+  {
+    const std::string kept = test::read_text(dir / "ens/ensemble.json");
+    auto swapped = manifest;
+    std::swap(swapped["experts"][0], swapped["experts"][1]);
+    test::write_text(dir / "ens/ensemble.json", swapped.dump(2));
+    expect_error(test::run_ddm(sample + "--out " + (dir / "x.png")),
+                 "trained on cluster 1: the experts are listed out of cluster order");
+    test::write_text(dir / "ens/ensemble.json", kept);
+  }
   // A missing expert: a clear error, or with --allow-missing the other expert takes all samples.
   fs::rename(dir / "e1/ckpt", dir / "e1/ckpt.away");
   expect_error(test::run_ddm(sample + "--out " + (dir / "x.png")), "expert 1 is missing");

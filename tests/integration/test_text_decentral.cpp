@@ -75,6 +75,7 @@ TEST(TextDecentral, ExpertsAPromptConditionedRouterAndTheirStudentFollowThePromp
   r = test::run_ddm("ensemble --out " + (dir / "ens") + " --partition " + (dir / "parts") + " --router " +
                     (dir / "router") + experts);
   ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("next: ddm sample --ensemble " + (dir / "ens") + " --prompt '"), std::string::npos) << r.output;
   std::string prompts;
   for (const char* n : kNames) prompts += std::string(" --prompt 'a ") + n + " square'";
   r = test::run_ddm("sample --ensemble " + (dir / "ens") + prompts + " --n 16 --steps 10 --cfg 3 --out " +
@@ -91,6 +92,7 @@ TEST(TextDecentral, ExpertsAPromptConditionedRouterAndTheirStudentFollowThePromp
   // Distilled into one text model: each caption's target is its cluster's expert, conditioned on it.
   r = test::run_ddm("distill --quiet --ensemble " + (dir / "ens") + " --out " + (dir / "student") + " --set train.steps=100");
   ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("next: ddm sample --ckpt " + (dir / "student") + " --prompt '"), std::string::npos) << r.output;
   r = test::run_ddm("sample --ckpt " + (dir / "student") + prompts + " --n 16 --steps 10 --cfg 3 --out " + (dir / "d.png") +
                     " --raw " + (dir / "d.safetensors"));
   ASSERT_EQ(r.exit_code, 0) << r.output;
