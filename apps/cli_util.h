@@ -7,6 +7,7 @@
 
 #include <CLI/CLI.hpp>
 
+#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <string>
@@ -52,13 +53,16 @@ inline std::vector<std::pair<std::string, std::string>> read_texts(const std::ve
   std::vector<std::pair<std::string, std::string>> texts;
   for (size_t i = 0; i < args.size(); ++i) texts.emplace_back(args[i], "text " + std::to_string(i + 1) + " of the command line");
   if (!file.empty()) {
+    if (std::filesystem::is_directory(file)) throw InputError(option + " " + file + ": a directory; give a text file, one per line");
     std::ifstream in(file, std::ios::binary);
     if (!in) throw InputError(file + ": cannot read it (" + option + ")");
     std::string line;
-    for (int n = 1; std::getline(in, line); ++n) {
+    int n = 1;
+    for (; std::getline(in, line); ++n) {
       if (!line.empty() && line.back() == '\r') line.pop_back();
       texts.emplace_back(line, file + " line " + std::to_string(n));
     }
+    if (n == 1) throw InputError(option + " " + file + ": the file is empty; write one per line");
   }
   return texts;
 }

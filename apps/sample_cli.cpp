@@ -259,6 +259,7 @@ std::vector<std::string> open_prompts(const SampleArgs& a, Source& src, Generate
       std::cout << "note: " << what[i] << " is " << full << " tokens; the text encoder reads the first "
                 << m.text->context() << " (the rest of the prompt is left out)" << std::endl;
   }
+  m.text->cuts_said();
   const torch::Device device = src.den->device();
   // Each prompt encoded once (in batches of 64, every prompt tokenized before any is encoded: a bad
   // one stops sampling before it starts, naming its line), then repeated for its samples.
@@ -283,8 +284,12 @@ std::vector<std::string> open_prompts(const SampleArgs& a, Source& src, Generate
     if (src.ensemble) src.ensemble->set_null_text(negative);  // each expert's guidance
     else src.den->set_null_text(negative);
   }
-  std::cout << "text: " << p << " prompt(s), " << per << " sample(s) each per row; guidance against "
-            << (a.negative_prompt.empty() ? "the empty prompt" : "--negative-prompt") << std::endl;
+  const int64_t rows = (a.n + per - 1) / per;  // the prompts in turn, row after row; the last may be short
+  std::cout << "text: " << p << " prompt(s), " << per << " sample(s) each per row";
+  if (rows != p)
+    std::cout << " (" << rows << " rows for --n " << a.n << ": the prompts in turn" << (a.n % per ? ", the last row short" : "")
+              << ")";
+  std::cout << "; guidance against " << (a.negative_prompt.empty() ? "the empty prompt" : "--negative-prompt") << std::endl;
   std::vector<std::string> labels;
   for (int64_t r = 0; r * per < a.n; ++r) labels.push_back(grid_row_label(prompts[r % p]));
   return labels;
@@ -484,7 +489,9 @@ void add_sample_flags(CLI::App* cmd, SampleArgs& a) {
       ->check(kNonNegative);
   cmd->add_option("--prompt", a.prompts,
                   "a text model's prompt; give it once per row of the grid (n / prompts samples each)");
-  cmd->add_option("--prompts", a.prompts_file, "a UTF-8 file of a text model's prompts, one per line (after --prompt's)");
+  cmd->add_option("--prompts", a.prompts_file,
+                  "a UTF-8 file of a text model's prompts, one per line (after --prompt's; a blank line is the empty "
+                  "prompt)");
   cmd->add_option("--negative-prompt", a.negative_prompt,
                   "what guidance steers away from (default: the empty prompt, the null condition the model learned)");
   cmd->add_option("--seed", a.seed, "sampling seed")->check(kNonNegative);

@@ -13,6 +13,7 @@
 #include "cli_util.h"
 #include "core/config.h"
 #include "core/error.h"
+#include "core/fileio.h"
 #include "core/progress.h"  // format_bytes
 #include "data/dataset.h"
 #include "data/origin.h"
@@ -129,11 +130,14 @@ Command add_encode_command(CLI::App& app) {
   cmd->add_flag("--text", a->text,
                 "also cache each caption's text encoding by the config's model.text_encoder (with its text_skip and "
                 "text_tokens): float32 states per token, so about T x D x 4 bytes a sample");
+  cmd->footer("\nExamples:\n"
+              "  ddm encode --ae runs/ae --config configs/own-64.toml --out latents       # then data.source = \"latents\"\n"
+              "  ddm encode --config text.toml --text --out encoded    # images kept, captions' encodings cached\n");
   return Command{cmd, [a] {
                    const RunConfig cfg = a->config.empty() ? parse_config("", "--set", a->overrides)
                                                            : load_config(a->config, a->overrides);
                    EncodeShardsOptions o;
-                   o.out = a->out;
+                   o.out = dir_without_slash(a->out);  // OUT.partial is renamed to OUT when complete
                    o.shard_size = a->shard_size;
                    o.device = resolve_device(a->device, 0, "--device");
                    o.threads = set_threads(a->threads);

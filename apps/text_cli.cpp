@@ -4,6 +4,7 @@
 #include <CLI/CLI.hpp>
 
 #include <algorithm>
+#include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <memory>
@@ -45,6 +46,9 @@ Command add_text_command(CLI::App& app) {
       ->default_str("")
       ->check(kPositive);
   tokenize->add_flag("--no-pad", a->no_pad, "print each text's ids without the padding");
+  tokenize->footer("\nExamples:\n"
+                   "  ddm text tokenize 'a red square' 'a blue circle'                  # CLIP's BPE, 77 ids each\n"
+                   "  ddm text tokenize --tokenizer stable-diffusion-2-1 --no-pad --file prompts.txt\n");
   auto* encode = cmd->add_subcommand(
       "encode", "Write a frozen text encoder's outputs for prompts into a safetensors file: per-token states "
                 "[N, T, D], their attention mask [N, T], the pooled embedding [N, P] and the ids [N, T].");
@@ -63,8 +67,14 @@ Command add_text_command(CLI::App& app) {
       ->check(kPositive);
   encode->add_option("--batch", a->batch, "prompts encoded at once")->check(kPositive);
   encode->add_option("--device", a->device, "where the encoder runs: cpu | cuda | cuda:N")->check(kDeviceSpec);
+  encode->footer("\nExamples:\n"
+                 "  ddm text encode --encoder stable-diffusion-2-1 --skip 1 'a red square' --out red.safetensors\n"
+                 "  ddm text encode --encoder all-MiniLM-L6-v2 --prompts prompts.txt --out prompts.safetensors\n");
   return Command{cmd, [a, encode] {
                    if (encode->parsed()) {
+                     if (!std::filesystem::path(a->out).has_filename() || std::filesystem::is_directory(a->out))
+                       throw InputError("--out " + a->out + ": a directory; name the safetensors file to write (e.g. " +
+                                        (std::filesystem::path(a->out).lexically_normal() / "prompts.safetensors").string() + ")");
                      const auto texts = read_texts(a->prompt_args, a->prompts, "--prompts");
                      if (texts.empty()) throw InputError("ddm text encode: give prompts or --prompts (see --help)");
                      text::TextEncoderOptions options;

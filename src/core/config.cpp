@@ -382,7 +382,8 @@ const std::map<std::string, std::string>& key_docs() {
       {"train.sample_n",
        "samples in each grid (a row per class or prompt)"},
       {"train.sample_prompts",
-       "text models: the grid's prompts, a row each (empty: the data's first 4 captions)"},
+       "text models: the grid's prompts, a row each (empty: the first 4 captions of data held in memory; "
+       "streamed shards need them)"},
       {"train.expert_budget",
        "experts: full, split-batch (batch_size / K) or split-steps (steps / K)"},
       {"train.teacher",

@@ -120,6 +120,11 @@ std::string absolute_dir(const std::string& dir) {
   return (p.has_filename() ? p : p.parent_path()).string();
 }
 
+std::string dir_without_slash(const std::string& dir) {
+  const std::filesystem::path p = std::filesystem::path(dir).lexically_normal();
+  return (p.has_filename() || !p.has_parent_path() ? p : p.parent_path()).string();
+}
+
 void create_output_dir(const std::string& dir, const std::string& what) {
   if (dir.empty()) return;
   std::error_code ec;

@@ -26,6 +26,9 @@ void create_output_dir(const std::string& dir, const std::string& what);
 // ("runs/x/" and "runs/./x" give "/cwd/runs/x"), so that its name and the names built beside it
 // (DIR.tmp-PID, renamed to DIR when complete) are what they look like.
 std::string absolute_dir(const std::string& dir);
+// The same without a trailing separator, relative where it was ("out/" -> "out"), for names built
+// beside it (OUT.partial).
+std::string dir_without_slash(const std::string& dir);
 // Lower-case hex SHA-256 of bytes / of a file's content.
 std::string sha256_hex(const std::string& bytes);
 std::string sha256_file(const std::string& path);

@@ -37,6 +37,7 @@ std::string caption_text(const std::string& bytes, const std::string& what) {
 std::optional<std::string> sample_caption(const ShardSample& s, const std::string& what) {
   if (auto txt = s.files.find("txt"); txt != s.files.end()) return caption_text(txt->second, what + ": its .txt");
   if (auto js = s.files.find("json"); js != s.files.end()) {
+    utf8_to_u32(js->second, what + ": its .json");  // bytes that are not UTF-8: named as such, not as bad JSON
     const nlohmann::json j = nlohmann::json::parse(js->second, nullptr, /*allow_exceptions=*/false);
     DDM_CHECK(!j.is_discarded() && j.is_object(), what << ": its .json is not a JSON object");
     return json_caption(j, what + ": its .json");

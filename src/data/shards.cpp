@@ -16,6 +16,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
+#include "core/utf8.h"
 
 namespace ddm {
 namespace fs = std::filesystem;
@@ -320,6 +321,7 @@ int64_t sample_label(const ShardSample& s, const std::string& what) {
   }
   auto js = s.files.find("json");
   if (js != s.files.end()) {
+    utf8_to_u32(js->second, what + ": its .json");  // bytes that are not UTF-8: named as such, not as bad JSON
     const nlohmann::json j = nlohmann::json::parse(js->second, nullptr, /*allow_exceptions=*/false);
     DDM_CHECK(!j.is_discarded() && j.is_object(), what << ": its .json is not a JSON object");
     auto it = j.find("label");

@@ -87,6 +87,9 @@ std::string grid_row_label(const std::string& text) {
 }
 
 void check_png_path(const std::string& path, const std::string& what) {
+  DDM_CHECK(fs::path(path).has_filename() && !fs::is_directory(path),
+            what << " " << path << ": a directory; name the PNG file to write (e.g. "
+                 << (fs::path(path).lexically_normal() / "grid.png").string() << ")");
   std::string ext = fs::path(path).extension().string();
   std::transform(ext.begin(), ext.end(), ext.begin(), [](unsigned char c) { return std::tolower(c); });
   DDM_CHECK(ext == ".png", what << " " << path << ": ddm writes image grids as PNG; name the file with a .png "

@@ -80,6 +80,19 @@ void fit_patch(ModelConfig& m) {
 void resolve_data_shape(RunConfig& cfg, const Dataset& data) {
   if (cfg.model.arch == "sd-unet" && cfg.model.num_classes == -1) cfg.model.num_classes = 0;  // no class embedding
   resolve_input_shape(cfg, data);
+  // A text model's grids (run/train_grids.h) take their rows from train.sample_prompts, else from the
+  // captions the data holds in memory: said before the run directory is written.
+  const ModelConfig& m = cfg.model;
+  if (cfg.train.sample_every > 0 && cfg.train.sample_prompts.empty() && !m.text_encoder.empty() &&
+      m.controlnet.empty() && m.embed.empty())
+    DDM_CHECK(!data.captions.empty(),
+              "train.sample_every = " << cfg.train.sample_every << ": a text model's grid takes its prompts from "
+                  << "train.sample_prompts or the data's first captions, and "
+                  << (data.encoded ? "a `ddm encode --text` directory holds the captions' encodings, not their text"
+                      : data.shards ? "shards stream theirs as training reads them"
+                                    : "the data holds none")
+                  << ": set train.sample_prompts = [\"a first prompt\", \"a second\"] (one row each), or "
+                  << "train.sample_every = 0");
   fit_patch(cfg.model);
   if (cfg.model.arch == "sd-unet") resolve_sd_unet(cfg.model);  // diffusers' UNet: its folder and sha256
   if (!cfg.diffusion.scheduler.empty()) resolve_scheduler(cfg.diffusion);  // diffusers' training schedule

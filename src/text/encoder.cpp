@@ -3,6 +3,7 @@
 #include "text/encoder.h"
 
 #include <filesystem>
+#include <iostream>
 #include <nlohmann/json.hpp>
 
 #include "core/device.h"
@@ -22,7 +23,7 @@ class Clip final : public TextEncoder {
  public:
   Clip(ClipTextEncoder e, int64_t skip) : e_(std::move(e)), skip_(skip) {
     DDM_CHECK(skip >= 0 && skip < static_cast<int64_t>(e_.layers.size()),
-              "a CLIP text encoder of " << e_.layers.size() << " layers cannot skip " << skip << " (text.skip)");
+              "a CLIP text encoder of " << e_.layers.size() << " layers cannot skip " << skip << " (model.text_skip, or --skip)");
   }
   // CLIP attends to every position, padding too, as Stable Diffusion does: the lengths are not used.
   TextEncoding encode_ids(const torch::Tensor& ids, const torch::Tensor& /*lengths*/) const override {
@@ -99,6 +100,13 @@ TextEncoding TextEncoder::encode(const std::vector<std::string>& texts, const st
     int64_t length = 0;
     const std::string name = static_cast<size_t>(i) < what.size() ? what[static_cast<size_t>(i)] : "text " + std::to_string(i + 1);
     const auto row = tokenizer_->tokenize(texts[static_cast<size_t>(i)], context_, name, &length);
+    if (length == context_ && !cut_said_) {  // full: perhaps cut (a long text is tokenized again, to count)
+      int64_t full = 0;
+      (void)tokenizer_->tokenize(texts[static_cast<size_t>(i)], 4096, name, &full);
+      if (full > context_ && !cut_said_.exchange(true))
+        std::cerr << "note: " << name << " is " << full << " tokens; the text encoder reads the first " << context_
+                  << " and cuts the rest, as diffusers does (said for the first such text only)" << std::endl;
+    }
     ids[i].copy_(torch::tensor(row, torch::kInt64));
     lengths[i] = length;
   }
@@ -162,8 +170,8 @@ std::unique_ptr<TextEncoder> load_text_encoder(const std::string& spec, const Te
       if (tokenizer_dir.empty()) tokenizer_dir = has_tokenizer(dir) ? dir : dir.parent_path() / "tokenizer";
       DDM_CHECK(!options.tokenizer.empty() || has_tokenizer(tokenizer_dir),
                 dir.string() << ": no tokenizer in it or in " << tokenizer_dir.string()
-                             << " (diffusers' layout, beside text_encoder/): restore it, or give one (`ddm text "
-                                "encode --tokenizer`)");
+                             << " (diffusers' layout, beside text_encoder/): restore it (`ddm text encode` also "
+                                "takes one with --tokenizer)");
       default_tokenizer = tokenizer_dir.string();
     }
   }

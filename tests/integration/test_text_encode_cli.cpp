@@ -60,4 +60,25 @@ TEST(TextEncodeCli, BadPromptsAndDirectoriesAreNamedAndNothingIsWritten) {
   EXPECT_EQ(run.exit_code, 2) << run.output;
   EXPECT_NE(run.output.find("give prompts or --prompts"), std::string::npos) << run.output;
   EXPECT_EQ(ddm::test::read_text(dir / "out.safetensors"), "earlier");
+  // An empty prompts file, a directory for it or for --out: each named, before the encoder loads.
+  ddm::test::write_text(dir / "empty.txt", "");
+  const std::string encode = ddm::test::ddm_binary() + " text encode --encoder " + model;
+  run = ddm::test::run_command(encode + " --prompts " + (dir / "empty.txt") + " --out " + (dir / "out.safetensors") + " 2>&1");
+  EXPECT_EQ(run.exit_code, 2) << run.output;
+  EXPECT_NE(run.output.find("--prompts " + (dir / "empty.txt") + ": the file is empty"), std::string::npos) << run.output;
+  run = ddm::test::run_command(encode + " --prompts " + dir.path + " --out " + (dir / "out.safetensors") + " 2>&1");
+  EXPECT_NE(run.output.find("--prompts " + dir.path + ": a directory"), std::string::npos) << run.output;
+  run = ddm::test::run_command(encode + " --out " + dir.path + "/ hello 2>&1");
+  EXPECT_EQ(run.exit_code, 2) << run.output;
+  EXPECT_NE(run.output.find(": a directory; name the safetensors file to write"), std::string::npos) << run.output;
+  EXPECT_EQ(ddm::test::read_text(dir / "out.safetensors"), "earlier");
+  // A prompt longer than the encoder's context (256 tokens for this MiniLM) is cut, and said once.
+  std::string longer;
+  for (int i = 0; i < 300; ++i) longer += "word ";
+  ddm::test::write_text(dir / "long.txt", longer + "\n" + longer + "\n");
+  run = ddm::test::run_command(encode + " --prompts " + (dir / "long.txt") + " --out " + (dir / "long.safetensors") + " 2>&1");
+  EXPECT_EQ(run.exit_code, 0) << run.output;
+  const std::string note = "long.txt line 1 is 302 tokens; the text encoder reads the first 256 and cuts the rest";
+  EXPECT_NE(run.output.find(note), std::string::npos) << run.output;
+  EXPECT_EQ(run.output.find("line 2 is 302 tokens"), std::string::npos) << run.output;
 }

@@ -270,6 +270,12 @@ TEST(TextTrain, EncodeCachesTheCaptionsEncodingsAndTrainingFromThemTrainsWhatEnc
   const std::string train = "train --quiet --config " + (dir / "text.toml") + " --set data.source=latents --set model.latent=" +
                             ae + " --set model.preset=latent-unet --set model.channels=8 --set model.groups=4 " +
                             "--set model.attn_levels=[0] --set train.caption_dropout=0.25 --set train.log_every=1 ";
+  // Grids need prompts that encoded data does not hold as text: said before anything is written.
+  test::expect_error(test::run_ddm(train + "--set data.root=" + (dir / "cached") + " --set train.sample_every=2 --out " +
+                                   (dir / "grids")),
+                     "a `ddm encode --text` directory holds the captions' encodings, not their text: set "
+                     "train.sample_prompts");
+  EXPECT_FALSE(fs::exists(dir / "grids"));
   r = test::run_ddm(train + "--set data.root=" + (dir / "cached") + " --out " + (dir / "from-cache"));
   ASSERT_EQ(r.exit_code, 0) << r.output;
   ASSERT_EQ(test::run_ddm(train + "--set data.root=" + (dir / "captions") + " --out " + (dir / "each-step")).exit_code, 0);
