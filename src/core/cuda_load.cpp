@@ -45,12 +45,6 @@ bool driver_present() {
 void load(State& s, bool always) {
   const char* env = std::getenv("DDM_CUDA");
   const std::string want = always ? "1" : env != nullptr ? env : "";
-  if (want != "" && want != "0" && want != "1") {
-    // At a process's start, before any error handler: said and ended here, as ddm ends on bad input.
-    std::cerr << "error: DDM_CUDA=" << want << ": expected 1 (always load ddm's CUDA module) or 0 (never); unset it "
-              << "for the default, where an NVIDIA driver is (docs/gpu.md)" << std::endl;
-    std::exit(kExitBadInput);
-  }
   if (want == "0") {
     s.status = "not loaded: DDM_CUDA=0";
     return;
@@ -83,6 +77,14 @@ void load(State& s, bool always) {
 }  // namespace
 
 void load_cuda(bool always) {
+  if (const char* env = std::getenv("DDM_CUDA"); !always && env != nullptr && *env != '\0' &&
+                                                 std::string(env) != "0" && std::string(env) != "1") {
+    // At a process's start, before any error handler (and before the lock below): said and ended
+    // here, as ddm ends on bad input.
+    std::cerr << "error: DDM_CUDA=" << env << ": expected 1 (always load ddm's CUDA module) or 0 (never); unset it "
+              << "for the default, where an NVIDIA driver is (docs/gpu.md)" << std::endl;
+    std::exit(kExitBadInput);
+  }
   State& s = state();
   const std::lock_guard<std::mutex> lock(s.mu);
   if (s.module != nullptr || (s.tried && !always)) return;

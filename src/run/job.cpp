@@ -88,7 +88,8 @@ void resolve_data_shape(RunConfig& cfg, const Dataset& data) {
     DDM_CHECK(!data.captions.empty(),
               "train.sample_every = " << cfg.train.sample_every << ": a text model's grid takes its prompts from "
                   << "train.sample_prompts or the data's first captions, and "
-                  << (data.encoded ? "a `ddm encode --text` directory holds the captions' encodings, not their text"
+                  << (data.encoded && !data.encoded->text.encoder.empty()
+                          ? "a `ddm encode --text` directory holds the captions' encodings, not their text"
                       : data.shards ? "shards stream theirs as training reads them"
                                     : "the data holds none")
                   << ": set train.sample_prompts = [\"a first prompt\", \"a second\"] (one row each), or "

@@ -49,6 +49,9 @@ RunConfig normalized_for_resume(RunConfig c) {
   c.sample = d.sample;
   c.parallel = d.parallel;
   c.diloco = d.diloco;
+  // Folders recorded with a trailing slash by earlier versions, which now record them without.
+  for (std::string* dir : {&c.model.text_encoder, &c.model.unet})
+    if (!dir->empty()) *dir = absolute_dir(*dir);
   return c;
 }
 
