@@ -456,6 +456,8 @@ std::vector<Command> add_decentral_commands(CLI::App& app) {
   cmds.push_back({irun, [ia] { return islands_cmd("run", *ia); }});
   auto* istat = isl->add_subcommand("status", "Show each island's state, step, attempts and last failure.");
   istat->add_option("file", ia->file, "islands file (TOML)")->required();
+  istat->footer("\nExamples:\n"
+                "  ddm islands status configs/islands-k4.toml\n");
   cmds.push_back({istat, [ia] { return islands_cmd("status", *ia); }});
   auto* islurm = isl->add_subcommand(
       "slurm",
@@ -465,6 +467,8 @@ std::vector<Command> add_decentral_commands(CLI::App& app) {
       "fails; --cpus-per-task is run.threads (2 when 0).");
   islurm->add_option("file", ia->file, "islands file (TOML)")->required();
   islurm->add_option("--script", ia->script, "script to write (default OUT/islands.sbatch)");
+  islurm->footer("\nExamples:\n"
+                 "  ddm islands slurm configs/islands-k4.toml && sbatch runs/islands-k4/islands.sbatch\n");
   cmds.push_back({islurm, [ia] { return islands_cmd("slurm", *ia); }});
 
   auto da = std::make_shared<DistillArgs>();

@@ -47,6 +47,10 @@ Command add_shards_command(CLI::App& app) {
   write->add_option("--shard-size", a->shard_size, "samples per shard")->check(kPositive);
   write->add_option("--prefix", a->prefix, "shard file names start with this");
   write->add_option("--from", a->from, "re-shard these shards (a brace pattern, a glob or a list file)");
+  write->footer("\nExamples:\n"
+                "  ddm shards write --out data/fmnist                       # Fashion-MNIST's training images\n"
+                "  ddm shards write --config configs/folder-example.toml --set data.root=path/to/photos --out data/mine\n"
+                "  ddm shards write --from 'big-{000000..000099}.tar' --out data/resharded\n");
   return Command{cmd, [a] {
                    const auto report = [&](int64_t shards) {
                      return [&, shards](int64_t done) {

@@ -328,6 +328,9 @@ Command add_autoencoder_command(CLI::App& app) {
   cmd->add_flag("--resume", a->resume, "continue from the latest checkpoint in --out");
   cmd->add_flag("--force", a->force, "overwrite a different run in --out");
   cmd->add_flag("--quiet", a->quiet, "no progress output");
+  cmd->footer("\nExamples:\n"
+              "  ddm train-autoencoder --config configs/autoencoder.toml --out runs/ae\n"
+              "  ddm train --config configs/latent-quickstart.toml --out runs/latent   # then, on its latents (model.latent)\n");
   return Command{cmd, [a] {
                    return train_autoencoder_cmd(a->config, a->overrides, a->out,
                                                 {a->out, a->resume, a->force, a->quiet, nullptr}, a->report);
@@ -361,11 +364,18 @@ Command add_classifier_command(CLI::App& app, int argc, char** argv) {
   cmd->add_flag("--force", a->force, "replace an existing --out file");
   std::string command = "ddm";
   for (int i = 1; i < argc; ++i) command += std::string(" ") + argv[i];
+  cmd->footer("\nExamples:\n"
+              "  ddm train-classifier                                  # Fashion-MNIST: feature-net.safetensors\n"
+              "  ddm train-classifier --config configs/own-64.toml --set data.root=photos-000000.tar --out net.safetensors\n"
+              "  ddm eval --ckpt runs/mine --feature-net net.safetensors                                  # then\n");
   return Command{cmd, [a, command] { return train_classifier_cmd(*a, command); }};
 }
 
 Command add_presets_command(CLI::App& app) {
   auto* cmd = app.add_subcommand("presets", "List model presets with their parameters and FLOPs per image.");
+  cmd->footer("\nExamples:\n"
+              "  ddm presets\n"
+              "  ddm train --config configs/quickstart.toml --set model.preset=dit-small --out runs/dit   # use one\n");
   return Command{cmd, [] { return presets_cmd(); }};
 }
 
