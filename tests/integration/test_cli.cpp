@@ -69,7 +69,10 @@ TEST(Cli, HelpForEverySubcommand) {
     // Defaults are shown one way, after the option's type (--n INT=100), not also in its text.
     EXPECT_FALSE(std::regex_search(r.output, std::regex(R"(\(default:? [0-9])"))) << sub << r.output;
     seen.push_back(sub);
-    for (const std::string& name : listed_subcommands(r.output)) todo.push_back(sub.empty() ? name : sub + " " + name);
+    const std::vector<std::string> listed = listed_subcommands(r.output);
+    // Every command that runs (not a group of them) shows examples, as the README says.
+    if (!sub.empty() && listed.empty()) EXPECT_NE(r.output.find("\nExamples:\n"), std::string::npos) << sub << " has no examples";
+    for (const std::string& name : listed) todo.push_back(sub.empty() ? name : sub + " " + name);
   }
   // The walk found them all: the list as of this writing, every one of them.
   for (const char* sub : {"train", "train-autoencoder", "sample", "quickstart", "presets", "eval", "train-classifier",
