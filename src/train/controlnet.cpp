@@ -63,8 +63,7 @@ void resolve_controlnet(RunConfig& cfg, const Dataset& data) {
   const std::string key = "model.controlnet = " + m.controlnet;
   DDM_CHECK(fs::exists(m.controlnet), key << ": no such directory; give a trained U-Net run (e.g. `ddm train --config "
                                              "configs/tiny.toml --out RUN`)");
-  fs::path path = fs::absolute(m.controlnet).lexically_normal();
-  if (path.filename().empty()) path = path.parent_path();
+  const fs::path path = absolute_dir(m.controlnet);
   const std::string ckpt = fs::absolute(resolve_checkpoint(path.string())).lexically_normal().string();
   const RunConfig base = base_config(ckpt, key);
   DDM_CHECK(base.model.controlnet.empty(), key << ": " << ckpt << " is itself a ControlNet; give the U-Net it "
