@@ -58,8 +58,11 @@ int partition_cmd(const PartitionArgs& a) {
   const FeatureSource src = as_input_error([&] {
     DDM_CHECK(!a.out.empty(), "--out DIR is required");
     check_partition_out(a.out, a.force);
+    std::string text_encoder;  // the config's, for --features text
     if (!a.config.empty()) {
-      dc = load_config(a.config).data;
+      const RunConfig full = load_config(a.config);
+      dc = full.data;
+      text_encoder = full.model.text_encoder;
     } else {
       dc.source = a.source;
       dc.root = a.root;
@@ -69,7 +72,15 @@ int partition_cmd(const PartitionArgs& a) {
     // Latent shards hold no pixels: their own latents are the default features (images that `ddm encode
     // --text` kept are partitioned by their pixels, as any images).
     const bool latent_features = dc.source == "latents" && !read_latent_shards_info(dc.root).holds_images();
-    return parse_feature_source(!a.features.empty() ? a.features : latent_features ? "latent" : "pixels");
+    FeatureSource f = parse_feature_source(!a.features.empty() ? a.features : latent_features ? "latent" : "pixels");
+    if (f.kind == "text" && f.path.empty()) {
+      // The encoder the experts will condition on: the config's, or the one `ddm encode --text` used.
+      if (text_encoder.empty() && dc.source == "latents") text_encoder = read_latent_shards_info(dc.root).text.encoder;
+      DDM_CHECK(!text_encoder.empty(), "--features text: name the text encoder (text:DIR, e.g. a CLIP or "
+                                       "sentence-transformers directory), or give --config with model.text_encoder");
+      f.path = text_encoder;
+    }
+    return f;
   });
   const bool latents = dc.source == "latents";
   const torch::Device device = resolve_device(a.device, 0, "--device");
@@ -319,7 +330,7 @@ std::vector<Command> add_decentral_commands(CLI::App& app) {
       "partition",
       "Split a dataset into K clusters, one per expert.\n"
       "Split a dataset into K clusters, one per expert: features (PCA of pixels, the feature network, an "
-      "autoencoder, or your own file), k-means into --fine centroids, then those centroids into K clusters; "
+      "autoencoder, the captions' text embeddings, or your own file), k-means into --fine centroids, then those centroids into K clusters; "
       "each image goes to the cluster of its fine centroid. Balanced (equal sizes) by default. Writes "
       "partition.safetensors, summary.json and clusters.png (the first images of each cluster) to --out. Tar "
       "shards (a --config with data.source = \"shards\") are streamed, with memory bounded by the features; "
@@ -331,7 +342,10 @@ std::vector<Command> add_decentral_commands(CLI::App& app) {
                    "pixels[:D] (PCA, default D 64; the default) | feature-net[:FILE] | autoencoder[:D] (D 32 unless given) | "
                    "latent:RUN (a `ddm train-autoencoder` run's latents, PCA 64: the space latent experts train in) | "
                    "latent (latent shards' own, PCA 64; the default for data.source = \"latents\") | "
-                   "file:PATH (.npy or .safetensors, one row per image in data order; or, for shards, an .npz of "
+                   "text[:ENCODER] (the captions' pooled embeddings by a text encoder's directory; `text` alone: "
+                   "--config's model.text_encoder) | "
+                   "file:PATH (.npy or .safetensors, one row per image in data order, `ddm text encode`'s output "
+                   "included; or, for shards, an .npz of "
                    "numpy.savez(PATH, features=F, keys=K): row i for the sample with key K[i], in any order)");
   part->add_option("--method", pa->cfg.method, "kmeans | random (a seeded balanced random split, for ablations)")
       ->check(CLI::IsMember({"kmeans", "random"}))
@@ -352,7 +366,7 @@ std::vector<Command> add_decentral_commands(CLI::App& app) {
   part->add_option("--limit", pa->limit, "use only the first N images (0 = all)")->check(kNonNegative);
   part->add_option("--threads", pa->threads, "intra-op threads (0 = all cores)")->check(kNonNegative);
   part->add_option("--device", pa->device,
-                   "cpu | auto | cuda | cuda:N: where feature-net and latent features are computed. The default, "
+                   "cpu | auto | cuda | cuda:N: where feature-net, latent and text features are computed. The default, "
                    "cpu, gives the same partition on every machine; a GPU's features differ within float32 "
                    "rounding, which may move an image lying on a cluster boundary")
       ->capture_default_str()
@@ -374,7 +388,8 @@ std::vector<Command> add_decentral_commands(CLI::App& app) {
   part->footer("\nExamples:\n"
                "  ddm partition --k 4 --out runs/parts                                  # Fashion-MNIST, PCA of pixels\n"
                "  ddm partition --config configs/own-64.toml --k 8 --features feature-net --out parts8\n"
-               "  ddm partition --config shards.toml --k 8 --reshard --out parts8       # tar shards, streamed\n");
+               "  ddm partition --config shards.toml --k 8 --reshard --out parts8       # tar shards, streamed\n"
+               "  ddm partition --config text.toml --k 4 --features text --out parts4   # by what the captions say\n");
   cmds.push_back({part, [pa] { return partition_cmd(*pa); }});
 
   auto ra = std::make_shared<RouterArgs>();

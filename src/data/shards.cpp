@@ -99,12 +99,21 @@ std::vector<std::string> expand_shards(const std::string& spec, const std::strin
     DDM_CHECK(rc == 0 || rc == GLOB_NOMATCH, key << " = \"" << spec << "\": the glob could not be read");
     std::sort(paths.begin(), paths.end());
     DDM_CHECK(!paths.empty(), key << " = \"" << spec << "\" matches no file");
-  } else if (!is_tar) {
-    std::error_code ec;
-    DDM_CHECK(!fs::is_directory(spec, ec),
-              key << " = \"" << spec << "\" is a folder: put its pictures in a tar (tar --sort=name -cf "
+  } else if (std::error_code ec; fs::is_directory(spec, ec)) {
+    // A folder of shards: its .tar files (not those of its subfolders), sorted, as the glob DIR/*.tar.
+    for (const auto& e : fs::directory_iterator(spec)) {
+      std::string name = e.path().filename().string();
+      for (char& c : name) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+      if (e.is_regular_file(ec) && name.size() > 4 && name.compare(name.size() - 4, 4, ".tar") == 0)
+        paths.push_back(e.path().string());
+    }
+    std::sort(paths.begin(), paths.end());
+    DDM_CHECK(!paths.empty(),
+              key << " = \"" << spec << "\" is a folder without .tar files: put its pictures in a tar (tar --sort=name -cf "
                   << fs::path(spec).lexically_normal().filename().string() << "-000000.tar -C " << spec
                   << " .) and name that, or read the folder itself with data.source = \"folder\"");
+  } else if (!is_tar) {
+    std::error_code ec;
     for (const char* z : {".tar.gz", ".tgz", ".tar.bz2", ".tar.xz", ".tar.zst", ".zip"})
       DDM_CHECK(lower.size() < std::strlen(z) || lower.compare(lower.size() - std::strlen(z), std::strlen(z), z) != 0,
                 key << " = \"" << spec << "\": a compressed archive; shards are plain tars (images are compressed "

@@ -26,6 +26,7 @@ namespace ddm {
 //   a list file      a text file (not a .tar) of one path per line, '#' comments and blank lines
 //                    skipped, relative paths taken from the file's folder
 //   one shard        a path ending in .tar
+//   a folder         its .tar files (not its subfolders'), sorted: the glob FOLDER/*.tar
 // Every path must exist: the first missing one is named. No shard at all is an error too. `key`
 // names the setting in errors (e.g. "data.root").
 std::vector<std::string> expand_shards(const std::string& spec, const std::string& key);

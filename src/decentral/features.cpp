@@ -16,6 +16,7 @@
 #include "core/rng.h"
 #include "decentral/features_file.h"
 #include "eval/feature_net.h"
+#include "text/encoder.h"
 #include "train/latent.h"
 
 namespace fs = std::filesystem;
@@ -24,7 +25,8 @@ namespace ddm {
 namespace {
 
 constexpr const char* kForms =
-    "pixels[:D], feature-net[:FILE], autoencoder[:D], latent:RUN, latent (latent shards) or file:PATH";
+    "pixels[:D], feature-net[:FILE], autoencoder[:D], latent:RUN, latent (latent shards), file:PATH or "
+    "text[:ENCODER]";
 
 int64_t parse_dim(const std::string& spec, const std::string& value) {
   int64_t d = 0;
@@ -106,7 +108,7 @@ torch::Tensor autoencoder_features(const Dataset& data, int64_t dim, uint64_t se
 
 std::string FeatureSource::spec() const {
   if (kind == "file") return kind + ":" + path;
-  if (kind == "feature-net" || kind == "latent") return path.empty() ? kind : kind + ":" + path;
+  if (kind == "feature-net" || kind == "latent" || kind == "text") return path.empty() ? kind : kind + ":" + path;
   return kind + ":" + std::to_string(dim);
 }
 
@@ -125,6 +127,8 @@ FeatureSource parse_feature_source(const std::string& spec) {
   } else if (f.kind == "latent") {
     f.path = arg;  // empty: latent shards' own posteriors (checked where the data is known)
     f.dim = 64;
+  } else if (f.kind == "text") {
+    f.path = arg;  // empty: the config's model.text_encoder (filled in where the config is read)
   } else {
     DDM_FAIL("--features '" << spec << "' is not a feature source; use " << kForms);
   }
@@ -188,6 +192,40 @@ torch::Tensor pca_project(const torch::Tensor& x_in, int64_t dim, double* explai
   return torch::cat(out);  // [N, dim]
 }
 
+torch::Tensor caption_rows(const std::string& encoder, const std::vector<std::string>& captions,
+                           const std::function<std::string(size_t)>& what, bool quiet, torch::Device device,
+                           std::string* description) {
+  DDM_CHECK(!encoder.empty(), "--features text: name the text encoder, text:DIR, or set model.text_encoder in --config");
+  auto enc = text::load_text_encoder(encoder);
+  enc->to(device);
+  torch::NoGradGuard no_grad;
+  const size_t n = captions.size();
+  if (!quiet) std::cout << "  encoding " << n << " captions with " << enc->describe() << std::endl;
+  constexpr size_t kBatch = 256;
+  std::vector<torch::Tensor> rows;
+  auto last = std::chrono::steady_clock::now();
+  for (size_t i = 0; i < n; i += kBatch) {
+    std::vector<std::string> batch, names;
+    for (size_t k = i; k < std::min(n, i + kBatch); ++k) {
+      batch.push_back(captions[k]);
+      names.push_back(what(k));
+    }
+    rows.push_back(enc->encode(batch, names).pooled.to(torch::kCPU, torch::kFloat32));  // [b, P]
+    if (!quiet && seconds_since(last) >= 10) {
+      std::printf("  captions: %zu/%zu\n", std::min(n, i + kBatch), n);
+      std::fflush(stdout);
+      last = std::chrono::steady_clock::now();
+    }
+  }
+  auto out = torch::cat(rows);  // [N, P]
+  if (description) {
+    std::ostringstream d;
+    d << "captions' pooled embeddings by " << enc->describe() << " (" << out.size(1) << "-d)";
+    *description = d.str();
+  }
+  return out;
+}
+
 Features compute_features(const Dataset& data, const FeatureSource& src, uint64_t seed, bool quiet,
                           torch::Device device) {
   const auto t0 = std::chrono::steady_clock::now();
@@ -241,6 +279,15 @@ Features compute_features(const Dataset& data, const FeatureSource& src, uint64_
                                                       << " has " << n << " images; it needs one row per image, in "
                                                          "dataset order");
     desc << "file " << src.path << " (" << out.rows.size(1) << "-d)";
+  } else if (src.kind == "text") {
+    DDM_CHECK(static_cast<int64_t>(data.captions.size()) == n,
+              "--features text: " << data.description << " has no captions (a .txt beside each image, or a "
+                                  << "captions.jsonl: docs/data.md); partition it by its images instead (pixels, "
+                                  << "feature-net, latent:RUN) or by your own rows (file:PATH)");
+    std::string d;
+    out.rows = caption_rows(src.path, data.captions, [](size_t i) { return "the caption of image " + std::to_string(i); }, quiet,
+                            device, &d);
+    desc << d;
   } else {
     DDM_FAIL("unknown feature source '" << src.kind << "'");
   }

@@ -10,10 +10,15 @@
 //   latent             the same for latent shards (`ddm encode`): their own posterior means, no encoder
 //   file:PATH          rows computed elsewhere (DINOv2, CLIP, ...): a .npy, .npz or .safetensors file
 //                      (decentral/features_file.h); in memory, one row per image in dataset order
+//   text:ENCODER       the captions' pooled embeddings by a frozen text encoder's directory (CLIP, BERT,
+//                      a diffusers pipeline: text/encoder.h): clusters of what the captions say; `text`
+//                      alone takes the config's model.text_encoder (the CLI fills it in)
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
+#include <vector>
 
 #include <torch/types.h>
 
@@ -22,9 +27,11 @@
 namespace ddm {
 
 struct FeatureSource {
-  std::string kind;  // pixels | feature-net | autoencoder | latent | file
+  std::string kind;  // pixels | feature-net | autoencoder | latent | file | text
   int64_t dim = 0;   // pixels / autoencoder / latent (PCA)
-  std::string path;  // feature-net (optional) / latent (the autoencoder run; empty: latent shards' own) / file
+  // feature-net (optional) / latent (the autoencoder run; empty: latent shards' own) / file / text (the
+  // encoder; empty: the config's)
+  std::string path;
   std::string spec() const;  // back to the flag's form
 };
 
@@ -41,6 +48,13 @@ struct Features {
 // come back to the host); PCA, the autoencoder trained here and k-means run on the CPU.
 Features compute_features(const Dataset& data, const FeatureSource& src, uint64_t seed, bool quiet,
                           torch::Device device = torch::kCPU);
+
+// The pooled embeddings, float32 [N, P], of `captions` by the text encoder in `encoder` (on `device`,
+// batches of 256, a line of progress every 10 s unless quiet); `what(i)` names caption i in errors.
+// `description` gets e.g. "captions' pooled embeddings by <the encoder> (384-d)".
+torch::Tensor caption_rows(const std::string& encoder, const std::vector<std::string>& captions,
+                           const std::function<std::string(size_t)>& what, bool quiet, torch::Device device,
+                           std::string* description);
 
 // Projection of x [N, F] on its top `dim` principal components (centred, covariance in float64,
 // each component's sign fixed so its largest entry is positive): float32 [N, dim]. explained gets

@@ -327,6 +327,10 @@ FeaturesFile read_features_file(const std::string& path) {
     const SafetensorsFile s = load_safetensors(path);
     if (s.tensors.count("features")) {
       f.rows = s.tensors.at("features");
+    } else if (s.tensors.count("pooled") && s.tensors.count("states") && s.metadata.count("encoder")) {
+      // `ddm text encode`'s output: one pooled embedding per caption is the caption's feature row.
+      what = path + ", tensor 'pooled' (ddm text encode's pooled embedding)";
+      f.rows = s.tensors.at("pooled");
     } else {
       DDM_CHECK(s.tensors.size() == 1, path << ": holds " << s.tensors.size()
                                             << " tensors; name the features tensor 'features' or store only one");

@@ -16,12 +16,14 @@
 #include "core/error.h"
 #include "core/fileio.h"
 #include "core/progress.h"
+#include "data/captions.h"
 #include "data/dataset.h"
 #include "data/latent_shards.h"
 #include "data/shard_loader.h"
 #include "data/shard_stream.h"
 #include "data/shard_write.h"
 #include "data/shards.h"
+#include "decentral/features.h"
 #include "decentral/features_file.h"
 #include "eval/feature_net.h"
 #include "train/latent.h"
@@ -96,6 +98,27 @@ torch::Tensor read_labels(const ShardIndex& index, std::vector<std::string>* key
   return labels;
 }
 
+// Every sample's caption (data/captions.h), in shard order, from its .txt / .json members alone.
+std::vector<std::string> read_captions(const ShardIndex& index) {
+  std::vector<std::string> captions;
+  captions.reserve(static_cast<size_t>(index.samples));
+  ShardSample smp;
+  for (size_t s = 0; s < index.shards.size(); ++s) {
+    TarShardReader r(index.shards[s]);
+    r.set_filter([](int64_t, const std::string& ext) { return ext == "txt" || ext == "json"; });
+    for (int64_t i = 0; i < index.counts[s]; ++i) {
+      DDM_CHECK(r.next(smp), "shard " << index.shards[s] << " has fewer samples than when it was scanned");
+      const std::string what = "shard " + index.shards[s] + ", sample '" + smp.key + "'";
+      auto caption = sample_caption(smp, what);
+      DDM_CHECK(caption, "--features text: " << what << " has no caption (a KEY.txt, or a KEY.json with \"caption\" "
+                                             << "or \"text\"); partition by text needs one for every sample (an empty "
+                                             << ".txt for a sample meant to go without)");
+      captions.push_back(std::move(*caption));
+    }
+  }
+  return captions;
+}
+
 struct Computed {
   torch::Tensor rows;    // float32 [N, D] (undefined for a random partition)
   torch::Tensor labels;  // int64 [N], the class labels (-1: none)
@@ -130,11 +153,22 @@ Computed compute(const Dataset& opened, const ShardPartitionOptions& o) {
     c.description = desc.str();
     return c;
   }
+  if (o.features.kind == "text") {
+    // The captions alone are read (no image is decoded), then encoded a batch at a time.
+    c.labels = read_labels(index);
+    const std::vector<std::string> captions = read_captions(index);
+    std::string d;
+    c.rows = caption_rows(o.features.path, captions, [](size_t i) { return "the caption of sample " + std::to_string(i); },
+                          o.cfg.quiet, o.device, &d);
+    c.description = d;
+    return c;
+  }
   const LatentShardsInfo* encoded = opened.latents.get();
   DDM_CHECK(!encoded || o.features.kind == "latent",
             "--features " << o.features.spec() << ": latent shards (" << opened.description << ") hold no images; "
                           << "their features are their own latents: --features latent (the default for latent "
-                             "shards), or file:PATH (one row per sample, in shard order, or by key)");
+                             "shards), their captions' embeddings (text[:ENCODER]), or file:PATH (one row per sample, "
+                             "in shard order, or by key)");
   c.labels = torch::empty({n}, torch::kInt64);
   const auto keep_labels = [&](const torch::Tensor& y, int64_t first) { c.labels.narrow(0, first, y.size(0)).copy_(y); };
   std::ostringstream desc;
@@ -223,8 +257,8 @@ Computed compute(const Dataset& opened, const ShardPartitionOptions& o) {
     desc << "feature network " << fnet.sha256.substr(0, 12) << " (" << c.rows.size(1) << "-d)";
   } else {
     DDM_FAIL("--features " << o.features.spec() << " is not supported over shards yet (it trains an autoencoder on "
-                           "the images in memory); use pixels[:D], feature-net, latent:RUN or file:PATH (one row per "
-                           "sample, in shard order, or by key)");
+                           "the images in memory); use pixels[:D], feature-net, latent:RUN, text[:ENCODER] or file:PATH "
+                           "(one row per sample, in shard order, or by key)");
   }
   c.description = desc.str();
   return c;

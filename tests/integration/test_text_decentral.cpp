@@ -14,6 +14,7 @@
 #include "core/json.h"
 #include "core/safetensors.h"
 #include "data/shard_write.h"
+#include "data/shards.h"
 #include "test_util.h"
 
 namespace fs = std::filesystem;
@@ -105,4 +106,87 @@ TEST(TextDecentral, ExpertsAPromptConditionedRouterAndTheirStudentFollowThePromp
                                    (dir / "plain") + experts),
                      "is not conditioned on text, the experts on " + encoder);
   EXPECT_FALSE(fs::exists(dir / "bad/ensemble.json"));
+}
+
+// Partitioned by what the captions say (`--features text`): images of noise, so their pixels carry
+// nothing, captioned by two topics (dogs, dishes) in varied words. The clusters are the topics, in memory and over
+// tar shards alike; `ddm text encode`'s output read as a features file gives the same partition; a
+// shard sample without a caption is named.
+TEST(TextDecentral, APartitionByTheCaptionsGroupsTheirTopics) {
+  test::TempDir dir;
+  const std::string root = dir / "images", cfg = dir / "text.toml", shards_cfg = dir / "shards.toml";
+  const std::string encoder = test::minilm_package_dir() + "/model";
+  const char* animals[] = {"a dog running in the park", "a small dog asleep on the sofa", "a puppy chewing a bone",
+                           "a dog catching a frisbee", "a brown dog swimming in a lake", "two dogs playing in the snow"};
+  const char* food[] = {"a bowl of tomato soup", "a slice of pepperoni pizza", "a plate of spaghetti with sauce",
+                        "a bowl of chicken soup", "a pizza with cheese and tomato", "spaghetti with meatballs"};
+  fs::create_directories(root);
+  torch::manual_seed(5);
+  std::string captions;  // in dataset order, for `ddm text encode`
+  std::vector<ShardSample> samples;
+  for (int i = 0; i < 24; ++i) {
+    const auto img = torch::randint(0, 256, {3, 8, 8}, torch::kLong).to(torch::kUInt8);
+    const std::string caption = i % 2 ? food[(i / 2) % 6] : animals[(i / 2) % 6];
+    const std::string stem = zero_padded(i, 3);
+    test::write_text(root + "/" + stem + ".png", png_of(img));
+    test::write_text(root + "/" + stem + ".txt", caption + "\n");
+    captions += caption + "\n";
+    ShardSample s;
+    s.key = stem;
+    s.files["png"] = png_of(img);
+    s.files["txt"] = caption;
+    samples.push_back(s);
+  }
+  const auto topics = torch::arange(24, torch::kLong).remainder(2);
+  const auto same_split = [&](const std::string& parts) {  // the clusters are the topics, in either order
+    const auto labels = load_safetensors(parts + "/partition.safetensors").tensors.at("labels");
+    return labels.equal(topics) || labels.equal(1 - topics);
+  };
+  test::write_text(cfg, "[data]\nsource = \"folder\"\nroot = \"" + root + "\"\n[model]\ntext_encoder = \"" + encoder +
+                            "\"\n");
+  auto r = test::run_ddm("partition --config " + cfg + " --k 2 --features text --out " + (dir / "by-text"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("captions' pooled embeddings by"), std::string::npos) << r.output;
+  EXPECT_TRUE(same_split(dir / "by-text")) << load_safetensors(dir / "by-text/partition.safetensors").tensors.at("labels");
+  // The same rows from `ddm text encode` (its pooled embeddings), read as a features file.
+  test::write_text(dir / "captions.txt", captions);
+  r = test::run_ddm("text encode --encoder " + encoder + " --prompts " + (dir / "captions.txt") + " --out " +
+                    (dir / "captions.safetensors"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  r = test::run_ddm("partition --config " + cfg + " --k 2 --features file:" + (dir / "captions.safetensors") +
+                    " --out " + (dir / "by-file"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_TRUE(load_safetensors(dir / "by-file/partition.safetensors").tensors.at("labels").equal(
+      load_safetensors(dir / "by-text/partition.safetensors").tensors.at("labels")));
+  // Without an encoder in the config or the flag: named.
+  test::write_text(dir / "plain.toml", "[data]\nsource = \"folder\"\nroot = \"" + root + "\"\n");
+  test::expect_error(test::run_ddm("partition --config " + (dir / "plain.toml") + " --k 2 --features text --out " +
+                                   (dir / "none")),
+                     "--features text: name the text encoder");
+  EXPECT_FALSE(fs::exists(dir / "none"));
+
+  // Tar shards: the captions read from the shards alone, the same clusters.
+  fs::create_directories(dir / "shards");
+  for (int s = 0; s < 2; ++s) {
+    TarShardWriter w(dir / ("shards/part-" + std::to_string(s) + ".tar"));
+    for (int i = 12 * s; i < 12 * s + 12; ++i) w.add(samples[static_cast<size_t>(i)]);
+    w.finish();
+  }
+  test::write_text(shards_cfg, "[data]\nsource = \"shards\"\nroot = \"" + (dir / "shards") +
+                                   "\"\nresolution = 8\nchannels = 3\n");
+  r = test::run_ddm("partition --config " + shards_cfg + " --k 2 --features text:" + encoder + " --out " +
+                    (dir / "by-text-shards"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_TRUE(load_safetensors(dir / "by-text-shards/partition.safetensors").tensors.at("labels").equal(
+      load_safetensors(dir / "by-text/partition.safetensors").tensors.at("labels")));
+  {  // a sample without its caption
+    samples[14].files.erase("txt");
+    TarShardWriter w(dir / "shards/part-1.tar");
+    for (int i = 12; i < 24; ++i) w.add(samples[static_cast<size_t>(i)]);
+    w.finish();
+  }
+  test::expect_error(test::run_ddm("partition --config " + shards_cfg + " --k 2 --features text:" + encoder +
+                                   " --out " + (dir / "bad")),
+                     "sample '014' of shard " + (dir / "shards/part-1.tar") + " has no caption");
+  EXPECT_FALSE(fs::exists(dir / "bad"));
 }

@@ -122,9 +122,15 @@ TEST(ShardList, PatternsGlobsAndListFilesNameExistingShards) {
   EXPECT_TRUE(has(test::error_message([&] { expand_shards(dir / "d/*.tgz", "data.root"); }), "matches no file"));
   EXPECT_TRUE(has(test::error_message([&] { expand_shards("", "data.root"); }), "data.root is empty"));
   EXPECT_TRUE(has(test::error_message([&] { expand_shards(dir / "nope.txt", "data.root"); }), "no such list file"));
+  // A folder of shards: its .tar files, sorted (the list file beside them is not one).
+  EXPECT_EQ(expand_shards(dir / "d", "data.root"), all);
+  EXPECT_EQ(expand_shards(dir / "d/", "data.root"), all);
   // What a user may name instead of a tar: the folder of pictures, a compressed tar; and .TAR is a tar.
-  EXPECT_TRUE(has(test::error_message([&] { expand_shards(dir / "d", "data.root"); }),
-                  "is a folder: put its pictures in a tar (tar --sort=name -cf d-000000.tar -C " + dir / "d"));
+  fs::create_directories(dir / "pictures");
+  test::write_text(dir / "pictures/cat.png", "x");
+  EXPECT_TRUE(has(test::error_message([&] { expand_shards(dir / "pictures", "data.root"); }),
+                  "is a folder without .tar files: put its pictures in a tar (tar --sort=name -cf pictures-000000.tar -C " +
+                      dir / "pictures"));
   test::write_text(dir / "p.tar.gz", "x");
   EXPECT_TRUE(has(test::error_message([&] { expand_shards(dir / "p.tar.gz", "data.root"); }), "a compressed archive"));
   fs::copy_file(dir / "d/s-00.tar", dir / "d/UPPER.TAR");

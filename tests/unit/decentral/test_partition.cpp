@@ -350,6 +350,20 @@ TEST(Features, FilesInNpyAndSafetensors) {
   save_safetensors(tmp / "g.safetensors", f);
   EXPECT_NE(test::error_message([&] { load_features_file(tmp / "g.safetensors"); }).find("name the features tensor"),
             std::string::npos);
+  // `ddm text encode`'s file (states, mask, pooled, ids and the encoder named): its pooled embeddings.
+  SafetensorsFile encoded;
+  encoded.tensors["states"] = torch::zeros({5, 4, 3});
+  encoded.tensors["mask"] = torch::ones({5, 4}, torch::kBool);
+  encoded.tensors["pooled"] = rows;
+  encoded.tensors["ids"] = torch::zeros({5, 4}, torch::kLong);
+  encoded.metadata["encoder"] = "BERT sentence encoder";
+  save_safetensors(tmp / "encoded.safetensors", encoded);
+  EXPECT_TRUE(load_features_file(tmp / "encoded.safetensors").equal(rows));
+  encoded.tensors["pooled"] = torch::zeros({5});
+  save_safetensors(tmp / "encoded.safetensors", encoded);
+  EXPECT_NE(test::error_message([&] { load_features_file(tmp / "encoded.safetensors"); })
+                .find("tensor 'pooled' (ddm text encode's pooled embedding): features must be 2-D"),
+            std::string::npos);
   EXPECT_NE(test::error_message([&] { load_features_file(tmp / "f.csv"); }).find("does not exist"), std::string::npos);
   test::write_text(tmp / "f.csv", "1,2\n");
   EXPECT_NE(test::error_message([&] { load_features_file(tmp / "f.csv"); }).find("use a .npy, .npz or .safetensors"),
