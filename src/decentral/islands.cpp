@@ -6,6 +6,7 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <csignal>
@@ -398,10 +399,13 @@ int run_islands(const IslandsConfig& c, const std::string& ddm_binary) {
                       "another `ddm islands run` is working in " + c.out);
   const int64_t k = ensure_partition(c, ddm_binary);
   // run.threads = 0 shares the cores among the processes that run at once (concurrency islands of
-  // nproc processes each): two OpenMP pools that each take every core are many times slower than
-  // one, not twice.
+  // nproc processes each, or fewer where fewer are left to run, as on a rerun): two OpenMP pools
+  // that each take every core are many times slower than one, not twice.
+  std::vector<bool> finished;
+  for (const Island& is : plan_islands(c, k)) finished.push_back(progress_of(is).done);
+  const int64_t left = std::count(finished.begin(), finished.end(), false);
   IslandsConfig shared = c;
-  const int64_t processes = c.concurrency * c.nproc;
+  const int64_t processes = std::min(c.concurrency, left) * c.nproc;
   if (c.threads == 0 && processes > 1)
     shared.threads = std::max<int64_t>(1, static_cast<int64_t>(std::thread::hardware_concurrency()) / processes);
   std::vector<Island> islands = plan_islands(shared, k);
@@ -410,7 +414,7 @@ int run_islands(const IslandsConfig& c, const std::string& ddm_binary) {
   std::deque<size_t> queue;
   std::vector<std::uintmax_t> log_start(n, 0);  // where each island's current attempt starts in its log
   for (size_t i = 0; i < n; ++i) {
-    const bool done = progress_of(islands[i]).done;
+    const bool done = finished[i];
     state.push_back({{"name", islands[i].name}, {"dir", islands[i].dir}, {"log", islands[i].log},
                      {"state", done ? "done" : "pending"}, {"attempts", 0}, {"pid", 0}, {"nproc", c.nproc},
                      {"last_exit", ""}, {"last_error", ""}});

@@ -344,12 +344,21 @@ TEST(DecentralCli, IslandsSurviveAKilledIslandAndWriteASlurmArray) {
   r = test::run_command(cd + test::ddm_binary() + " islands run isl.toml");
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("3 already done, 0 to run"), std::string::npos) << r.output;
-  // run.threads = 0 divides the cores among the concurrent islands.
+  // run.threads = 0 divides the cores among the islands that run at once: two experts deleted, two
+  // at a time; then one deleted, which runs alone on every core.
   test::write_text(dir / "isl0.toml", std::string(islands).replace(islands.find("threads = 1"), 11, "threads = 0"));
+  fs::remove_all(dir / "runs/k2/experts/0");
+  fs::remove_all(dir / "runs/k2/experts/1");
   r = test::run_command(cd + test::ddm_binary() + " islands run isl0.toml");
   ASSERT_EQ(r.exit_code, 0) << r.output;
   const auto share = std::max(1u, std::thread::hardware_concurrency() / 2);
-  EXPECT_NE(r.output.find("2 at a time, up to 2 restarts each, " + std::to_string(share) + " threads each"),
+  EXPECT_NE(r.output.find("1 already done, 2 to run, 2 at a time, up to 2 restarts each, " + std::to_string(share) +
+                          " threads each"),
+            std::string::npos) << r.output;
+  fs::remove_all(dir / "runs/k2/experts/1");
+  r = test::run_command(cd + test::ddm_binary() + " islands run isl0.toml");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("2 already done, 1 to run, 2 at a time, up to 2 restarts each, all cores each"),
             std::string::npos) << r.output;
 
   // A runner killed with -9 takes its islands down with it (each writes a checkpoint and stops), so
