@@ -551,6 +551,25 @@ int run_islands(const IslandsConfig& c, const std::string& ddm_binary) {
   return 0;
 }
 
+namespace {
+
+// Whether an ensemble.json holds island `expert`'s (-1: the router's) checkpoint `ckpt`: the weights'
+// sha256 it records against those the checkpoint's state.json recorded when it was written (nothing
+// is hashed again, so a status of large experts is immediate).
+bool holds_checkpoint(const nlohmann::json& ensemble, int64_t expert, const std::string& ckpt) {
+  try {
+    const nlohmann::json& entry = expert >= 0 ? ensemble.at("experts").at(static_cast<size_t>(expert)) : ensemble.at("router");
+    const nlohmann::json state = nlohmann::json::parse(read_file((RunDir(ckpt) / RunDir::kState)));
+    const nlohmann::json& now = state.at("sha256");
+    const nlohmann::json& then = entry.at("weights_sha256");
+    return now.at(RunDir::kEma) == then.at("ema") && now.at(RunDir::kModel) == then.at("model");
+  } catch (const std::exception&) {
+    return false;  // unreadable, or from another layout: not known to be the same
+  }
+}
+
+}  // namespace
+
 std::string islands_status(const IslandsConfig& c) {
   DDM_CHECK(fs::exists(c.partition), "the partition " << c.partition << " does not exist yet: nothing has run");
   const std::vector<Island> islands = plan_islands(c, load_partition(c.partition).k);
@@ -561,8 +580,19 @@ std::string islands_status(const IslandsConfig& c) {
   char line[256];
   std::snprintf(line, sizeof line, "%-10s %-12s %-15s %-9s %s\n", "island", "state", "step", "attempts", "last failure");
   s << line;
+  const fs::path ensemble = fs::path(c.out) / "ensemble.json";
+  const bool has_ensemble = fs::exists(ensemble);
+  std::vector<std::string> not_done, changed;  // islands the ensemble does not hold as they are now
+  nlohmann::json assembled;
+  if (has_ensemble) try {
+      assembled = nlohmann::json::parse(read_file(ensemble.string()));
+    } catch (const std::exception&) {
+    }
   for (size_t i = 0; i < islands.size(); ++i) {
     const IslandProgress p = progress_of(islands[i]);
+    if (!p.done) not_done.push_back(islands[i].name);
+    if (const auto latest = latest_checkpoint(islands[i].dir); p.done && has_ensemble && latest)
+      if (!holds_checkpoint(assembled, islands[i].expert, *latest)) changed.push_back(islands[i].name);
     std::string st = p.done ? "done" : (p.step > 0 || p.steps > 0 ? "partial" : "not started");
     int64_t attempts = 0;
     std::string err;
@@ -580,8 +610,23 @@ std::string islands_status(const IslandsConfig& c) {
                   static_cast<long long>(attempts));
     s << line << err << "\n";  // the whole message: it says what to do
   }
-  s << (fs::exists(fs::path(c.out) / "ensemble.json") ? "ensemble: " + c.out + "/ensemble.json\n"
-                                                       : std::string("ensemble: not assembled yet\n"));
+  const auto names = [](const std::vector<std::string>& v) {
+    std::string out;
+    for (const auto& n : v) out += (out.empty() ? "" : ", ") + n;
+    return out;
+  };
+  const std::string again = "`ddm islands run " + c.origin + "` ";
+  if (!has_ensemble)
+    s << "ensemble: not assembled yet" << (not_done.empty() ? " (every island is done: " + again + "assembles it)" : "")
+      << "\n";
+  else if (!not_done.empty())
+    s << "ensemble: " << ensemble.string() << " is out of date: " << names(not_done) << " not done; " << again
+      << "trains " << (not_done.size() > 1 ? "them" : "it") << " and assembles it again\n";
+  else if (!changed.empty())
+    s << "ensemble: " << ensemble.string() << " is out of date: " << names(changed) << " changed since it was "
+      << "assembled; " << again << "assembles it again\n";
+  else
+    s << "ensemble: " << ensemble.string() << "\n";
   return s.str();
 }
 

@@ -356,10 +356,27 @@ TEST(DecentralCli, IslandsSurviveAKilledIslandAndWriteASlurmArray) {
                           " threads each"),
             std::string::npos) << r.output;
   fs::remove_all(dir / "runs/k2/experts/1");
+  // The status says the ensemble no longer holds what the islands hold.
+  r = test::run_command(cd + test::ddm_binary() + " islands status isl0.toml");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("ensemble: runs/k2/ensemble.json is out of date: expert 1 not done; `ddm islands run isl0.toml` "
+                          "trains it and assembles it again"),
+            std::string::npos) << r.output;
   r = test::run_command(cd + test::ddm_binary() + " islands run isl0.toml");
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("2 already done, 1 to run, 2 at a time, up to 2 restarts each, all cores each"),
             std::string::npos) << r.output;
+  r = test::run_command(cd + test::ddm_binary() + " islands status isl0.toml");
+  EXPECT_NE(r.output.find("ensemble: runs/k2/ensemble.json\n"), std::string::npos) << r.output;
+  {  // an expert whose weights are not those ensemble.json records
+    auto manifest = nlohmann::json::parse(test::read_text(dir / "runs/k2/ensemble.json"));
+    const std::string kept = test::read_text(dir / "runs/k2/ensemble.json");
+    manifest["experts"][0]["weights_sha256"]["ema"] = std::string(64, '0');
+    test::write_text(dir / "runs/k2/ensemble.json", manifest.dump(2));
+    r = test::run_command(cd + test::ddm_binary() + " islands status isl0.toml");
+    EXPECT_NE(r.output.find("is out of date: expert 0 changed since it was assembled"), std::string::npos) << r.output;
+    test::write_text(dir / "runs/k2/ensemble.json", kept);
+  }
 
   // A runner killed with -9 takes its islands down with it (each writes a checkpoint and stops), so
   // the next runner resumes them alone; the result is still exactly the uninterrupted one.
