@@ -25,6 +25,10 @@ struct DistillTeacher {
   LoadedEnsemble ens;
   std::unique_ptr<Ensemble> model;
   std::string manifest_sha256;
+  // What the student learns from: the partition's, the experts' and the router's weights' sha256 as
+  // ensemble.json records them. Not its default routing (distillation routes top-1 always), its paths
+  // or the ddm version that assembled it, so re-assembling the same models keeps a student resumable.
+  std::string teacher_sha256;
   double flops_per_image = 0;  // mean over the data's clusters
   uint64_t seed = 0;
   // Where the experts are: loaded on the CPU (the job is prepared before its device is known) and
@@ -46,6 +50,12 @@ std::shared_ptr<DistillTeacher> load_distill_teacher(const RunConfig& cfg, Datas
   auto t = std::make_shared<DistillTeacher>();
   t->ens = load_ensemble(dir, /*use_ema=*/true, /*allow_missing=*/false);
   t->manifest_sha256 = sha256_file((fs::path(dir) / "ensemble.json").string());
+  {
+    const nlohmann::json& m = t->ens.manifest;
+    nlohmann::json who = {{"partition", m.at("partition").at("sha256")}, {"router", m.at("router").at("weights_sha256")}};
+    for (const auto& e : m.at("experts")) who["experts"].push_back(e.at("weights_sha256"));
+    t->teacher_sha256 = sha256_hex(who.dump());
+  }
   const Partition p = load_partition(t->ens.partition_dir);
   check_partition_matches(p, data);
   data.clusters = p.labels;
@@ -116,18 +126,20 @@ void check_distill_record(const std::string& out_dir, bool resume, const Distill
   const fs::path record = fs::path(RunDir(out_dir) / RunDir::kDistill);
   if (resume && fs::exists(record)) {
     const auto stored = nlohmann::json::parse(read_file(record.string()));
-    DDM_CHECK(stored.at("ensemble_sha256") == t.manifest_sha256,
-              "--resume: the ensemble " << t.ens.dir << " was re-assembled since this student started (ensemble.json "
-                                        << "sha256 " << stored.at("ensemble_sha256").get<std::string>().substr(0, 12)
-                                        << ", now " << t.manifest_sha256.substr(0, 12)
-                                        << "); a student must finish on the teacher it started with. Restore it, or "
-                                           "start over with --force");
+    // Records written before teacher_sha256 hold only the whole manifest's.
+    const bool same = stored.contains("teacher_sha256") ? stored.at("teacher_sha256") == t.teacher_sha256
+                                                        : stored.at("ensemble_sha256") == t.manifest_sha256;
+    DDM_CHECK(same, "--resume: the ensemble " << t.ens.dir << " holds other models than when this student started "
+                                              << "(its partition, an expert or the router changed; a new default "
+                                              << "routing alone would not count); a student must finish on the teacher "
+                                                 "it started with. Restore them, or start over with --force");
     return;
   }
   nlohmann::json experts = nlohmann::json::array();
   for (const auto& e : t.ens.experts) experts.push_back({{"checkpoint", e->checkpoint}, {"preset", e->cfg.model.preset}});
   const nlohmann::json j = {{"ensemble", t.ens.dir},
                             {"ensemble_sha256", t.manifest_sha256},
+                            {"teacher_sha256", t.teacher_sha256},
                             {"k", t.ens.k},
                             {"experts", experts},
                             {"teacher_flops_per_image", t.flops_per_image}};

@@ -219,7 +219,7 @@ TEST(DecentralCli, RouterEnsembleAndRoutedSamplingRefuseMismatchedParts) {
   EXPECT_NE(test::read_text(dir / "g.safetensors"), test::read_text(dir / "b.safetensors"));
 
   // Distillation: the student (expert 0's config on all 600 images) learns each image's own expert;
-  // it resumes bit for bit on the same teacher and refuses a re-assembled one.
+  // it resumes bit for bit on the same teacher and refuses another.
   const std::string distill = "distill --quiet --ensemble " + (dir / "ens") + " --set train.ckpt_every=3 ";
   r = test::run_ddm(distill + "--out " + (dir / "s"));
   ASSERT_EQ(r.exit_code, 0) << r.output;
@@ -245,8 +245,19 @@ TEST(DecentralCli, RouterEnsembleAndRoutedSamplingRefuseMismatchedParts) {
                "remove data.partition");
   const std::string assemble = "ensemble --force --out " + (dir / "ens") + " --partition " + (dir / "p") +
                                " --router " + (dir / "r") + experts;
+  // Re-assembled with another default routing: the same teacher (distillation routes top-1), so the
+  // student resumes; with an expert trained on, it is another teacher and the student is refused.
   ASSERT_EQ(test::run_ddm(assemble + " --routing full").exit_code, 0);
-  expect_error(test::run_ddm(distill + "--resume --set train.steps=9 --out " + (dir / "s")), "was re-assembled");
+  r = test::run_ddm(distill + "--resume --set train.steps=8 --out " + (dir / "s"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  fs::copy(dir / "e1", dir / "e1b", fs::copy_options::recursive);
+  ASSERT_EQ(test::run_ddm("train --quiet --resume --set train.steps=8 --out " + (dir / "e1b")).exit_code, 0);
+  ASSERT_EQ(test::run_ddm("ensemble --force --out " + (dir / "ens") + " --partition " + (dir / "p") + " --router " +
+                          (dir / "r") + " --expert " + (dir / "e0") + " --expert " + (dir / "e1b"))
+                .exit_code,
+            0);
+  expect_error(test::run_ddm(distill + "--resume --set train.steps=9 --out " + (dir / "s")),
+               "holds other models than when this student started");
   ASSERT_EQ(test::run_ddm(assemble).exit_code, 0);
 
   // Mismatched parts.
