@@ -56,7 +56,7 @@ int partition_cmd(const PartitionArgs& a) {
   // (exit status 2: `ddm islands` reports it as its own).
   DataConfig dc;
   const FeatureSource src = as_input_error([&] {
-    DDM_CHECK(!a.out.empty(), "--out DIR is required");
+    DDM_INPUT_CHECK(!a.out.empty(), "--out DIR is required");
     check_partition_out(a.out, a.force);
     std::string text_encoder;  // the config's, for --features text
     if (!a.config.empty()) {
@@ -76,7 +76,7 @@ int partition_cmd(const PartitionArgs& a) {
     if (f.kind == "text" && f.path.empty()) {
       // The encoder the experts will condition on: the config's, or the one `ddm encode --text` used.
       if (text_encoder.empty() && dc.source == "latents") text_encoder = read_latent_shards_info(dc.root).text.encoder;
-      DDM_CHECK(!text_encoder.empty(), "--features text: name the text encoder (text:DIR, e.g. a CLIP or "
+      DDM_INPUT_CHECK(!text_encoder.empty(), "--features text: name the text encoder (text:DIR, e.g. a CLIP or "
                                        "sentence-transformers directory), or give --config with model.text_encoder");
       f.path = text_encoder;
     }
@@ -88,7 +88,7 @@ int partition_cmd(const PartitionArgs& a) {
   PartitionConfig cfg = a.cfg;
   cfg.balanced = !a.unbalanced;
   if (dc.source == "shards" || latents) {
-    DDM_CHECK(!a.config.empty(), "tar shards are partitioned from a training config (--config CONFIG with "
+    DDM_INPUT_CHECK(!a.config.empty(), "tar shards are partitioned from a training config (--config CONFIG with "
                                  "data.source = \"shards\", data.root and data.resolution, or data.source = "
                                  "\"latents\" and data.root), so that the partition sees the data as the experts will");
     ShardPartitionOptions o;
@@ -107,7 +107,7 @@ int partition_cmd(const PartitionArgs& a) {
               << std::endl;
     return 0;
   }
-  DDM_CHECK(!a.reshard, "--reshard applies to tar shards (data.source = \"shards\" or \"latents\" in --config) only");
+  DDM_INPUT_CHECK(!a.reshard, "--reshard applies to tar shards (data.source = \"shards\" or \"latents\" in --config) only");
   const auto t0 = std::chrono::steady_clock::now();
   const Dataset data = as_input_error([&] { return load_dataset(dc); });
   const int64_t n = data.images.size(0);
@@ -218,7 +218,7 @@ int train_router_cmd(const RouterArgs& a) {
 }
 
 int ensemble_cmd(const std::string& out, const EnsembleSpec& spec, bool force) {
-  DDM_CHECK(force || !fs::exists(fs::path(out) / "ensemble.json"),
+  DDM_INPUT_CHECK(force || !fs::exists(fs::path(out) / "ensemble.json"),
             out << "/ensemble.json already exists; use --force to replace it or another --out");
   std::vector<std::string> notes;
   const nlohmann::json m = assemble_ensemble(out, spec, notes);
@@ -249,7 +249,7 @@ RunConfig distill_config(const DistillArgs& a) {
     ModelConfig m = c.model;  // apply_preset keeps what the model learns (the data's shape, model.latent*)
     m.preset = a.preset;
     apply_preset(a.preset, m);
-    DDM_CHECK(!is_router_arch(m.arch), "--preset " << a.preset << " is a router; the student is a diffusion model "
+    DDM_INPUT_CHECK(!is_router_arch(m.arch), "--preset " << a.preset << " is a router; the student is a diffusion model "
                                                       "(see `ddm presets`)");
     m.num_classes = c.model.num_classes == 0 ? 0 : -1;
     c.model = m;  // latent teachers: the student learns the same latents
@@ -303,7 +303,7 @@ int run_quickstart_islands(const std::string& out, const std::string& experts_co
                            int64_t router_steps, int64_t threads, const std::string& device,
                            int64_t concurrency) {
   const std::string abs = fs::absolute(out).lexically_normal().string();
-  DDM_CHECK(abs.find('\'') == std::string::npos && abs.find('\n') == std::string::npos,
+  DDM_INPUT_CHECK(abs.find('\'') == std::string::npos && abs.find('\n') == std::string::npos,
             "--out: a path with a ' or a line break is not supported: " << abs);
   fs::create_directories(abs);
   const std::string config = (fs::path(abs) / "quickstart.toml").string();

@@ -81,7 +81,7 @@ Command add_launch_command(CLI::App& app, int argc, char** argv) {
   cmd->footer(kLaunchFooter);
   auto run = [c, positional, argc, argv]() -> int {  // both outlive parsing: CLI11 writes into them
     const auto command = after_separator(argc, argv);
-    DDM_CHECK(command.has_value(), "ddm launch: put the command after `--`, e.g. `ddm launch --nproc 2 -- train "
+    DDM_INPUT_CHECK(command.has_value(), "ddm launch: put the command after `--`, e.g. `ddm launch --nproc 2 -- train "
                                    "--config c.toml --out runs/x` (or `--no-ddm -- PROGRAM ARGS`)");
     c->command = *command;
     return run_launch(*c);

@@ -134,7 +134,7 @@ PipeProfile measure(const PlanArgs& a, int64_t* batch) {
 // A pipelined run's measured last step (pipeline/timeline.h).
 MeasuredPipeTimeline read_measured(const std::string& run) {
   const std::string path = RunDir(run) / RunDir::kPipeTimeline;
-  DDM_CHECK(std::filesystem::exists(path), "ddm plan --measured: " << path << " does not exist; it is written at the end of a `ddm train` "
+  DDM_INPUT_CHECK(std::filesystem::exists(path), "ddm plan --measured: " << path << " does not exist; it is written at the end of a `ddm train` "
                                                         "with parallel.pp > 1 (the run may not have finished a step)");
   return read_pipe_timeline(path);
 }
@@ -151,16 +151,16 @@ void check_profile_fits_run(const PipeProfile& prof, const PipeTimelineRun& run,
     for (const PipeUnitProfile& u : prof.units) names.push_back(u.name);
     size_t k = 0;
     while (k < units.size() && k < names.size() && units[k] == names[k]) ++k;
-    DDM_CHECK(units == names, "ddm plan --measured: the profile " << profile_path << " is of another model ("
+    DDM_INPUT_CHECK(units == names, "ddm plan --measured: the profile " << profile_path << " is of another model ("
                                   << prof.model << "): it has " << names.size() << " units, the run " << run_dir << " "
                                   << units.size() << ", and unit " << k << " is '" << (k < names.size() ? names[k] : "-")
                                   << "' there but '" << (k < units.size() ? units[k] : "-") << "' in the run" << fix);
   }
-  DDM_CHECK(prof.threads == run.threads,
+  DDM_INPUT_CHECK(prof.threads == run.threads,
             "ddm plan --measured: the profile " << profile_path << " was taken with " << prof.threads << " thread(s), the run "
                                                 << run_dir << " ran " << run.threads << " per process" << fix);
   if (!run.machine.empty()) {
-    DDM_CHECK(prof.machine.rfind(run.machine + ",", 0) == 0,
+    DDM_INPUT_CHECK(prof.machine.rfind(run.machine + ",", 0) == 0,
               "ddm plan --measured: the profile " << profile_path << " was taken on another machine (" << prof.machine
                                                   << "), the run " << run_dir << " on " << run.machine << fix);
   }
@@ -185,15 +185,15 @@ int run_plan(PlanArgs a) {
       if (a.rows.empty()) a.rows = {r.rows};
     }
   }
-  DDM_CHECK(a.config.empty() != a.profile.empty(), "ddm plan: give --config (profile now) or --profile (a saved profile), not both");
+  DDM_INPUT_CHECK(a.config.empty() != a.profile.empty(), "ddm plan: give --config (profile now) or --profile (a saved profile), not both");
   if (!a.timeline.empty()) check_png_path(a.timeline, "--timeline");
   int64_t batch = a.batch;
   PipeProfile prof;
   if (!a.profile.empty()) {
-    DDM_CHECK(a.sets.empty() && a.rows.empty(), "ddm plan: --set and --rows apply to --config, not to a saved --profile");
+    DDM_INPUT_CHECK(a.sets.empty() && a.rows.empty(), "ddm plan: --set and --rows apply to --config, not to a saved --profile");
     prof = read_profile(a.profile);
     if (measured) check_profile_fits_run(prof, measured->run, a.profile, a.measured);
-    DDM_CHECK(batch > 0, "ddm plan --profile: give the global batch with --batch");
+    DDM_INPUT_CHECK(batch > 0, "ddm plan --profile: give the global batch with --batch");
   } else {
     prof = measure(a, &batch);
     if (!a.save_profile.empty()) {

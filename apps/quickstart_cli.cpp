@@ -77,9 +77,9 @@ int quickstart_cmd(const QuickstartArgs& q) {
     return 0;
   }
   const bool single = fs::exists(RunDir(q.out).config()), islands = fs::exists(fs::path(q.out) / "islands.toml");
-  DDM_CHECK(!(single && !q.monolith), q.out << " holds a single-model quickstart (" << q.out
+  DDM_INPUT_CHECK(!(single && !q.monolith), q.out << " holds a single-model quickstart (" << q.out
                                             << "/config.toml); continue it with --monolith, or use another --out");
-  DDM_CHECK(!(islands && q.monolith), q.out << " holds a decentralized quickstart (" << q.out
+  DDM_INPUT_CHECK(!(islands && q.monolith), q.out << " holds a decentralized quickstart (" << q.out
                                              << "/islands.toml); drop --monolith to continue it, or use another --out");
   // A device this machine lacks fails here, before any island starts.
   const bool gpu = resolve_device(q.device, 0, "--device").is_cuda();
@@ -111,8 +111,8 @@ int quickstart_cmd(const QuickstartArgs& q) {
     std::string config = kQuickstartConfig;
     if (!q.data_root.empty()) {
       const std::string root = fs::absolute(q.data_root).lexically_normal().string();
-      DDM_CHECK(fs::is_directory(root), "--data-root " << q.data_root << " is not a directory");
-      DDM_CHECK(root.find('\'') == std::string::npos && root.find('\n') == std::string::npos,
+      DDM_INPUT_CHECK(fs::is_directory(root), "--data-root " << q.data_root << " is not a directory");
+      DDM_INPUT_CHECK(root.find('\'') == std::string::npos && root.find('\n') == std::string::npos,
                 "--data-root: a path with a ' or a line break is not supported: " << root);
       const std::string source = "source = \"fashion-mnist\"\n";
       config.insert(config.find(source) + source.size(), "root = '" + root + "'\n");

@@ -63,7 +63,7 @@ struct Source {
 };
 
 Source open_source(const SampleArgs& a) {
-  DDM_CHECK(a.ckpt.empty() != a.ensemble.empty(), "give exactly one of --ckpt DIR and --ensemble DIR");
+  DDM_INPUT_CHECK(a.ckpt.empty() != a.ensemble.empty(), "give exactly one of --ckpt DIR and --ensemble DIR");
   Source s;
   // A path on the command line that is not there is bad input (exit 2), as a bad flag is.
   if (!a.ckpt.empty() && !fs::exists(a.ckpt))
@@ -79,7 +79,7 @@ Source open_source(const SampleArgs& a) {
     configure_math(device, false);
     s.model = load_model(a.ckpt, !a.no_ema, device);
     if (a.cuda_graphs) {
-      DDM_CHECK(device.is_cuda(), "--cuda-graphs needs a CUDA GPU, but the network runs on "
+      DDM_INPUT_CHECK(device.is_cuda(), "--cuda-graphs needs a CUDA GPU, but the network runs on "
                                       << device << ": leave --cuda-graphs out, or give --device cuda");
       s.model->net = std::make_shared<GraphedNetImpl>(s.model->net);
     }
@@ -94,7 +94,7 @@ Source open_source(const SampleArgs& a) {
   s.members = std::make_unique<LoadedEnsemble>(load_ensemble(a.ensemble, !a.no_ema, a.allow_missing, device));
   s.routing = parse_routing(a.routing.empty() ? s.members->manifest.value("routing", "top1") : a.routing);
   if (a.cuda_graphs) {  // every expert's and the router's forward from graphs, on padded groups (below)
-    DDM_CHECK(device.is_cuda(), "--cuda-graphs needs a CUDA GPU, but the ensemble runs on "
+    DDM_INPUT_CHECK(device.is_cuda(), "--cuda-graphs needs a CUDA GPU, but the ensemble runs on "
                                     << device << ": leave --cuda-graphs out, or give --device cuda");
     for (auto& e : s.members->experts)
       if (e) e->net = std::make_shared<GraphedNetImpl>(e->net, graphed_expert_graphs(s.members->k));
@@ -125,7 +125,7 @@ struct ControlSet {
 
 // The first n images of a split of the model's data with their labels (--control-from, --reference-from).
 Dataset split_images(const LoadedModel& m, const std::string& split, int64_t n, const std::string& flag) {
-  DDM_CHECK(m.cfg.data.source == "fashion-mnist",
+  DDM_INPUT_CHECK(m.cfg.data.source == "fashion-mnist",
             flag << " " << split << ": the model's data.source = " << m.cfg.data.source
                  << " has no train/test splits; give the images as a PNG instead");
   DataConfig dc = m.cfg.data;
@@ -134,7 +134,7 @@ Dataset split_images(const LoadedModel& m, const std::string& split, int64_t n, 
   dc.partition.clear();
   dc.expert = -1;
   Dataset d = load_dataset(dc);
-  DDM_CHECK(d.images.size(0) >= n, flag << " " << split << ": " << d.description << " has " << d.images.size(0)
+  DDM_INPUT_CHECK(d.images.size(0) >= n, flag << " " << split << ": " << d.description << " has " << d.images.size(0)
                                         << " images, fewer than --n " << n);
   d.images = d.images.narrow(0, 0, n);
   d.labels = d.labels.narrow(0, 0, n);
@@ -143,19 +143,19 @@ Dataset split_images(const LoadedModel& m, const std::string& split, int64_t n, 
 
 std::optional<ControlSet> open_controls(const SampleArgs& a, const LoadedModel& m, int64_t n) {
   const bool controlnet = !m.cfg.model.controlnet.empty();
-  DDM_CHECK(a.control_file.empty() || a.control_from.empty(), "give one of --control FILE and --control-from SPLIT");
-  DDM_CHECK(a.control_from.empty() || a.class_id < 0,
+  DDM_INPUT_CHECK(a.control_file.empty() || a.control_from.empty(), "give one of --control FILE and --control-from SPLIT");
+  DDM_INPUT_CHECK(a.control_from.empty() || a.class_id < 0,
             "--class with --control-from: the samples take the labels of the images their maps come from");
   if (a.control_file.empty() && a.control_from.empty()) {
-    DDM_CHECK(!controlnet, m.checkpoint << " is a ControlNet (model.control = " << m.cfg.model.control
+    DDM_INPUT_CHECK(!controlnet, m.checkpoint << " is a ControlNet (model.control = " << m.cfg.model.control
                                         << "): give its control maps with --control FILE"
                                         << (m.cfg.data.source == "fashion-mnist" ? " or --control-from test" : ""));
-    DDM_CHECK(a.control_type.empty(), "--control-type needs --control FILE or --control-from SPLIT");
+    DDM_INPUT_CHECK(a.control_type.empty(), "--control-type needs --control FILE or --control-from SPLIT");
     return std::nullopt;
   }
   ControlSet c;
   c.type = a.control_type.empty() ? m.cfg.model.control : a.control_type;
-  DDM_CHECK(!controlnet || c.type == m.cfg.model.control,
+  DDM_INPUT_CHECK(!controlnet || c.type == m.cfg.model.control,
             "--control-type " << c.type << ": this ControlNet takes " << m.cfg.model.control << " maps");
   const int64_t size = m.latent ? m.latent->shape().image_size : m.cfg.model.image_size;
   const int64_t channels = m.latent ? m.latent->shape().in_channels : m.cfg.model.in_channels;
@@ -167,7 +167,7 @@ std::optional<ControlSet> open_controls(const SampleArgs& a, const LoadedModel& 
     c.origin = "the " + c.type + " maps of the first " + std::to_string(n) + " images of " + d.description;
   } else {
     const torch::Tensor tiles = read_image_tiles(a.control_file, size, "--control");  // [N, C', S, S]
-    DDM_CHECK(tiles.size(1) == cc || (cc == 1 && tiles.size(1) == 3),
+    DDM_INPUT_CHECK(tiles.size(1) == cc || (cc == 1 && tiles.size(1) == 3),
               "--control " << a.control_file << ": " << tiles.size(1) << "-channel maps, but " << c.type << " maps of "
                            << channels << "-channel images have " << cc);
     torch::Tensor maps = to_unit_range(tiles);
@@ -190,11 +190,11 @@ struct ReferenceSet {
 };
 
 std::optional<ReferenceSet> open_references(const SampleArgs& a, const LoadedModel& m, int64_t n) {
-  DDM_CHECK(a.reference_file.empty() || a.reference_from.empty(), "give one of --reference FILE and --reference-from SPLIT");
+  DDM_INPUT_CHECK(a.reference_file.empty() || a.reference_from.empty(), "give one of --reference FILE and --reference-from SPLIT");
   if (a.reference_file.empty() && a.reference_from.empty()) return std::nullopt;
-  DDM_CHECK(a.reference_from.empty() || a.class_id < 0,
+  DDM_INPUT_CHECK(a.reference_from.empty() || a.class_id < 0,
             "--class with --reference-from: the samples take the labels of their reference images");
-  DDM_CHECK(a.reference_from.empty() || a.control_from.empty() || a.reference_from == a.control_from,
+  DDM_INPUT_CHECK(a.reference_from.empty() || a.control_from.empty() || a.reference_from == a.control_from,
             "--control-from " << a.control_from << " and --reference-from " << a.reference_from
                               << " would give the samples two sets of labels; use one split");
   ReferenceSet r;
@@ -208,7 +208,7 @@ std::optional<ReferenceSet> open_references(const SampleArgs& a, const LoadedMod
   } else {
     torch::Tensor tiles = read_image_tiles(a.reference_file, size, "--reference");  // [N, C', S, S]
     if (tiles.size(1) == 3 && channels == 1) tiles = tiles.to(torch::kFloat).mean(1, true).round().to(torch::kUInt8);
-    DDM_CHECK(tiles.size(1) == channels, "--reference " << a.reference_file << ": " << tiles.size(1)
+    DDM_INPUT_CHECK(tiles.size(1) == channels, "--reference " << a.reference_file << ": " << tiles.size(1)
                                                         << "-channel images, but the model's have " << channels);
     r.images = to_unit_range(tiles).index_select(0, torch::arange(n, torch::kLong).remainder(tiles.size(0)));
     r.origin = std::to_string(tiles.size(0)) + " reference image(s) from " + a.reference_file;
@@ -218,7 +218,7 @@ std::optional<ReferenceSet> open_references(const SampleArgs& a, const LoadedMod
   shipped.embed = default_feature_net_path();
   shipped.embed_sha256 = kDefaultFeatureNetSha256;
   r.embedder = ImageEmbedder::load(shipped);
-  DDM_CHECK(r.images.size(1) == 1 && r.images.size(2) == 28,
+  DDM_INPUT_CHECK(r.images.size(1) == 1 && r.images.size(2) == 28,
             (a.reference_from.empty() ? "--reference " + a.reference_file : "--reference-from " + a.reference_from)
                 << ": embedding similarity is measured by the shipped Fashion-MNIST network, which takes 1x28x28 "
                    "images, not "
@@ -234,16 +234,16 @@ std::vector<std::string> open_prompts(const SampleArgs& a, Source& src, Generate
   const bool given = !a.prompts.empty() || !a.prompts_file.empty() || !a.negative_prompt.empty();
   const LoadedModel& m = src.defaults();  // an ensemble's experts share one encoder (ddm ensemble checks)
   if (!m.text) {
-    DDM_CHECK(!given, "--prompt, --prompts and --negative-prompt: " << src.name
+    DDM_INPUT_CHECK(!given, "--prompt, --prompts and --negative-prompt: " << src.name
                                                                    << " is not conditioned on text (model.text_encoder)");
     return {};
   }
   const auto texts = read_texts(a.prompts, a.prompts_file, "--prompts");
-  DDM_CHECK(!texts.empty(), src.name << " is conditioned on text (model.text_encoder = " << m.cfg.model.text_encoder
+  DDM_INPUT_CHECK(!texts.empty(), src.name << " is conditioned on text (model.text_encoder = " << m.cfg.model.text_encoder
                                          << "): give --prompt TEXT (once per row) or --prompts FILE (one per line)");
   const auto p = static_cast<int64_t>(texts.size());
-  DDM_CHECK(p <= a.n, "--n " << a.n << " is fewer than the " << p << " prompts: give --n " << p << " or more");
-  DDM_CHECK(m.cfg.model.num_classes == 0 || a.class_id >= 0,
+  DDM_INPUT_CHECK(p <= a.n, "--n " << a.n << " is fewer than the " << p << " prompts: give --n " << p << " or more");
+  DDM_INPUT_CHECK(m.cfg.model.num_classes == 0 || a.class_id >= 0,
             m.checkpoint << " is conditioned on classes and text: give --class too (the rows are the prompts)");
   std::vector<std::string> prompts, what;
   for (const auto& [text, name] : texts) {
@@ -300,8 +300,8 @@ std::vector<std::string> open_prompts(const SampleArgs& a, Source& src, Generate
 std::pair<std::optional<ControlSet>, std::optional<ReferenceSet>> open_conditions(const SampleArgs& a,
                                                                                   const Source& src,
                                                                                   GenerateOptions& g) {
-  DDM_CHECK(src.model || (a.control_file.empty() && a.control_from.empty()), "--control applies only to --ckpt");
-  DDM_CHECK(src.model || (a.reference_file.empty() && a.reference_from.empty()), "--reference applies only to --ckpt");
+  DDM_INPUT_CHECK(src.model || (a.control_file.empty() && a.control_from.empty()), "--control applies only to --ckpt");
+  DDM_INPUT_CHECK(src.model || (a.reference_file.empty() && a.reference_from.empty()), "--reference applies only to --ckpt");
   if (!src.model) return {};
   const LoadedModel& m = *src.model;
   std::optional<ControlSet> controls = open_controls(a, m, a.n);
@@ -342,18 +342,18 @@ static torch::Tensor read_init_noise(const std::string& file, int64_t n, const M
   try {
     f = load_safetensors(file);
   } catch (const Error& e) {
-    DDM_FAIL("--init-noise " << file << ": " << e.what());
+    DDM_INPUT_FAIL("--init-noise " << file << ": " << e.what());
   }
   const auto it = f.tensors.find("noise");
-  DDM_CHECK(it != f.tensors.end(), "--init-noise " << file << ": no tensor named \"noise\" (it holds "
+  DDM_INPUT_CHECK(it != f.tensors.end(), "--init-noise " << file << ": no tensor named \"noise\" (it holds "
                                                    << f.tensors.size() << " other tensors)");
   const torch::Tensor& x = it->second;
   const std::vector<int64_t> want{n, m.in_channels, m.image_size, m.image_size};
-  DDM_CHECK(x.is_floating_point() && x.sizes() == torch::IntArrayRef(want),
+  DDM_INPUT_CHECK(x.is_floating_point() && x.sizes() == torch::IntArrayRef(want),
             "--init-noise " << file << ": \"noise\" is " << x.scalar_type() << " " << x.sizes() << ", but --n " << n
                             << " samples of this model start from float " << torch::IntArrayRef(want)
                             << (m.latent.empty() ? "" : " (its latents)"));
-  DDM_CHECK(torch::isfinite(x).all().item<bool>(), "--init-noise " << file << ": \"noise\" holds NaN or inf");
+  DDM_INPUT_CHECK(torch::isfinite(x).all().item<bool>(), "--init-noise " << file << ": \"noise\" holds NaN or inf");
   return x.to(torch::kFloat);
 }
 
@@ -401,7 +401,7 @@ void write_samples(const SampleArgs& a) {
   check_png_path(a.out);  // before any sampling
   create_output_dir(fs::path(a.out).parent_path().string(), "--out");
   if (!a.raw.empty()) create_output_dir(fs::path(a.raw).parent_path().string(), "--raw");
-  DDM_CHECK(a.png_dir.empty() || !fs::exists(a.png_dir) || fs::is_empty(a.png_dir),
+  DDM_INPUT_CHECK(a.png_dir.empty() || !fs::exists(a.png_dir) || fs::is_empty(a.png_dir),
             "--png-dir " << a.png_dir << " holds files already: name an empty or new directory (nothing was written)");
   set_threads(a.threads);
   Source src = open_source(a);
@@ -561,19 +561,19 @@ struct EvalArgs {
 
 // `ddm eval --shapes DIR`: prompt accuracy of a text model on the shapes dataset (eval/shapes_report.h).
 int eval_shapes_cmd(EvalArgs a) {
-  DDM_CHECK(a.sample.ckpt.empty() != a.sample.ensemble.empty() && a.samples_file.empty() && a.anchor.empty(),
+  DDM_INPUT_CHECK(a.sample.ckpt.empty() != a.sample.ensemble.empty() && a.samples_file.empty() && a.anchor.empty(),
             "ddm eval --shapes: give --ckpt DIR or --ensemble DIR (the text model whose prompts are measured)");
-  DDM_CHECK(!a.cfg.feature_net.empty(),
+  DDM_INPUT_CHECK(!a.cfg.feature_net.empty(),
             "ddm eval --shapes needs --feature-net FILE: a shape classifier trained on the dataset (`ddm "
             "train-classifier --config` on the shards scripts/make_shapes.py --labels wrote; docs/text.md)");
-  DDM_CHECK(a.sample.prompts.empty() && a.sample.prompts_file.empty(),
+  DDM_INPUT_CHECK(a.sample.prompts.empty() && a.sample.prompts_file.empty(),
             "ddm eval --shapes takes its prompts from " << a.shapes << "/prompts.jsonl; remove --prompt / --prompts");
   set_threads(a.sample.threads);
   const torch::Device device = resolve_device(a.sample.device, 0, "--device");
   const ShapesDataset data = read_shapes_dataset(a.shapes);
   LoadedFeatureNet net = load_feature_net(a.cfg.feature_net);
   const FeatureNetShape& shape = net.net->shape();
-  DDM_CHECK(shape.in_channels == 3 && shape.image_size == data.size &&
+  DDM_INPUT_CHECK(shape.in_channels == 3 && shape.image_size == data.size &&
                 shape.num_classes == static_cast<int64_t>(data.shapes.size()),
             "--feature-net " << a.cfg.feature_net << " classifies " << shape.in_channels << "x" << shape.image_size << "x"
                              << shape.image_size << " images into " << shape.num_classes << " classes, but "
@@ -593,7 +593,7 @@ int eval_shapes_cmd(EvalArgs a) {
   Generated out = generate(*src.den, m.cfg.model.in_channels, m.cfg.model.image_size, g);
   if (isatty(fileno(stdout))) std::printf("\n");
   const torch::Tensor images = to_uint8(out.images);  // [n, C, S, S]
-  DDM_CHECK(images.size(1) == 3 && images.size(2) == data.size,
+  DDM_INPUT_CHECK(images.size(1) == 3 && images.size(2) == data.size,
             src.name << " draws " << images.size(1) << "x" << images.size(2) << "x" << images.size(3) << " images, but "
                      << a.shapes << "'s are 3x" << data.size << "x" << data.size);
   const torch::Tensor classes = predict_classes(net.net, images);  // [n]
@@ -646,14 +646,14 @@ std::shared_ptr<const Dataset> open_reference(const EvalArgs& a, const RunConfig
   if (!a.reference_config.empty()) {
     cfg = load_config(a.reference_config, a.reference_sets);
   } else if (model_cfg && origin_of(model_cfg->data) != "fashion-mnist") {
-    DDM_CHECK(!a.cfg.feature_net.empty(),
+    DDM_INPUT_CHECK(!a.cfg.feature_net.empty(),
               what << " was trained on data from \"" << origin_of(model_cfg->data) << "\", not Fashion-MNIST: give "
                    << "--feature-net FILE, a network trained on that data (`ddm train-classifier --config RUN/config.toml --out "
                    << "F.safetensors`), and optionally --reference-set data.root=HELD_OUT to compare with images "
                    << "the model never saw (default: its training data)");
     cfg = parse_config(to_toml(*model_cfg), what + " (its config)", a.reference_sets);
   } else {
-    DDM_CHECK(a.reference_sets.empty(), "--reference-set applies to --reference-config's data or to a model trained "
+    DDM_INPUT_CHECK(a.reference_sets.empty(), "--reference-set applies to --reference-config's data or to a model trained "
                                         "on data other than Fashion-MNIST");
     return nullptr;
   }
@@ -664,7 +664,7 @@ std::shared_ptr<const Dataset> open_reference(const EvalArgs& a, const RunConfig
 
 int eval_cmd(EvalArgs a) {
   if (!a.shapes.empty()) return eval_shapes_cmd(std::move(a));
-  DDM_CHECK(a.sample.ckpt.empty() + a.sample.ensemble.empty() + a.samples_file.empty() + a.anchor.empty() == 3,
+  DDM_INPUT_CHECK(a.sample.ckpt.empty() + a.sample.ensemble.empty() + a.samples_file.empty() + a.anchor.empty() == 3,
             "ddm eval: give exactly one of --ckpt DIR, --ensemble DIR, --samples FILE or --anchor train|noise");
   set_threads(a.sample.threads);
   a.cfg.device = resolve_device(a.sample.device, 0, "--device");  // the feature network's too

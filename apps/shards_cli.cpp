@@ -72,7 +72,7 @@ Command add_shards_command(CLI::App& app) {
                                                              : load_config(a->config, a->overrides);
                      if (cfg.data.source == "shards") from = cfg.data.root;
                    } else {
-                     DDM_CHECK(a->config.empty() && a->overrides.empty(), "--from re-shards shards as they are; "
+                     DDM_INPUT_CHECK(a->config.empty() && a->overrides.empty(), "--from re-shards shards as they are; "
                                                                           "it takes no --config or --set");
                    }
                    if (!from.empty()) {

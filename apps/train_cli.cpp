@@ -68,7 +68,7 @@ std::string config_keys_by_section() {
 int train_cmd(TrainArgs a) {
   if (!a.partition.empty()) {  // a TOML literal string, so no path is mistaken for another TOML value
     const std::string abs = fs::absolute(a.partition).string();
-    DDM_CHECK(abs.find('\'') == std::string::npos, "--partition: a path with a ' is not supported: " << abs);
+    DDM_INPUT_CHECK(abs.find('\'') == std::string::npos, "--partition: a path with a ' is not supported: " << abs);
     a.overrides.push_back("data.partition='" + abs + "'");
   }
   if (a.expert >= 0) a.overrides.push_back("data.expert=" + std::to_string(a.expert));
@@ -84,7 +84,7 @@ int train_cmd(TrainArgs a) {
     a.config_path = RunDir(a.out_dir).config();
     if (!a.quiet) std::cout << "note: --resume without --config: the run's own " << a.config_path << std::endl;
   }
-  DDM_CHECK(!a.config_path.empty() || !a.controlnet.empty(),
+  DDM_INPUT_CHECK(!a.config_path.empty() || !a.controlnet.empty(),
             "ddm train: --config is required (or --controlnet BASE; with --resume, a run directory's own config.toml "
             "is used)");
   RunConfig cfg;
@@ -93,7 +93,7 @@ int train_cmd(TrainArgs a) {
   } else {
     if (!a.controlnet.empty()) {
       const std::string abs = fs::absolute(a.controlnet).string();
-      DDM_CHECK(abs.find('\'') == std::string::npos, "--controlnet: a path with a ' is not supported: " << abs);
+      DDM_INPUT_CHECK(abs.find('\'') == std::string::npos, "--controlnet: a path with a ' is not supported: " << abs);
       a.overrides.push_back("model.controlnet='" + abs + "'");
     }
     cfg = load_config(a.config_path, a.overrides);
@@ -103,7 +103,7 @@ int train_cmd(TrainArgs a) {
     std::cout << to_toml(cfg);
     return 0;
   }
-  DDM_CHECK(!a.out_dir.empty(), "ddm train: --out DIR is required (the run directory)");
+  DDM_INPUT_CHECK(!a.out_dir.empty(), "ddm train: --out DIR is required (the run directory)");
   TrainSummary s = train_run(cfg, {a.out_dir, a.resume, a.force, a.quiet, nullptr});
   if (s.rank == 0)
     std::cout << "done: step " << s.last_step << ", checkpoint " << s.checkpoint << ", peak memory "
@@ -126,7 +126,7 @@ struct AutoencoderArgs {
 int train_autoencoder_cmd(const std::string& config, const std::vector<std::string>& overrides, const std::string& out,
                           const TrainOptions& topt, AutoencoderReportOptions opt) {
   RunConfig cfg = load_config(config, overrides);
-  DDM_CHECK(cfg.model.arch == "autoencoder",
+  DDM_INPUT_CHECK(cfg.model.arch == "autoencoder",
             config << ": model.arch = " << cfg.model.arch << ", but train-autoencoder trains an autoencoder; set "
                    << "model.preset = \"ae-f4\" (or model.arch = \"autoencoder\"), or train this model with `ddm train`");
   TrainSummary s = train_run(cfg, topt);
@@ -153,26 +153,26 @@ struct ClassifierArgs {
 };
 
 int train_classifier_cmd(const ClassifierArgs& a, const std::string& command) {
-  DDM_CHECK(a.force || !fs::exists(a.out),
+  DDM_INPUT_CHECK(a.force || !fs::exists(a.out),
             a.out << " already exists; pass --force to replace it, or choose another --out");
   create_output_dir(fs::path(a.out).parent_path().string(), "--out");  // before the training
   set_threads(a.threads);
   Dataset train, test;
   std::string task = "classes";  // or "rotation" (unlabelled data)
   if (a.config.empty()) {  // Fashion-MNIST: train and test splits
-    DDM_CHECK(a.overrides.empty() && a.test_overrides.empty(), "--set and --test-set need --config");
+    DDM_INPUT_CHECK(a.overrides.empty() && a.test_overrides.empty(), "--set and --test-set need --config");
     DataConfig dc;
     dc.root = a.root;
     train = load_dataset(dc);
     dc.split = "test";
     test = load_dataset(dc);
   } else {
-    DDM_CHECK(a.root.empty(), "--data-root is for Fashion-MNIST; with --config the config's data.root names the data");
+    DDM_INPUT_CHECK(a.root.empty(), "--data-root is for Fashion-MNIST; with --config the config's data.root names the data");
     const RunConfig cfg = load_config(a.config, a.overrides);
     train = load_whole_dataset(cfg.data, static_cast<int>(a.threads));
     if (a.test_overrides.empty()) {  // the last tenth is held out: measured on, never trained on
       const int64_t n = train.images.size(0), held = std::max<int64_t>(1, n / 10);
-      DDM_CHECK(n >= 20, "train-classifier: " << train.description << " holds " << n << " images; at least 20 are "
+      DDM_INPUT_CHECK(n >= 20, "train-classifier: " << train.description << " holds " << n << " images; at least 20 are "
                                               "needed (a tenth is held out to measure the network on)");
       test = train;
       test.images = train.images.narrow(0, n - held, held);
@@ -189,7 +189,7 @@ int train_classifier_cmd(const ClassifierArgs& a, const std::string& command) {
       test_keys.insert(test_keys.end(), a.test_overrides.begin(), a.test_overrides.end());
       test = load_whole_dataset(load_config(a.config, test_keys).data, static_cast<int>(a.threads));
     }
-    DDM_CHECK(test.images.sizes().slice(1) == train.images.sizes().slice(1),
+    DDM_INPUT_CHECK(test.images.sizes().slice(1) == train.images.sizes().slice(1),
               "the test data (" << test.description << ") has images of " << test.images.sizes().slice(1)
                                 << ", the training data " << train.images.sizes().slice(1) << "; set data.resolution");
     if (train.num_classes < 2) {  // unlabelled: learn which way each image was turned
@@ -200,7 +200,7 @@ int train_classifier_cmd(const ClassifierArgs& a, const std::string& command) {
       test = rotation_dataset(test);
       task = "rotation";
     }
-    DDM_CHECK(test.num_classes <= train.num_classes,
+    DDM_INPUT_CHECK(test.num_classes <= train.num_classes,
               "the test data has " << test.num_classes << " classes, the training data " << train.num_classes);
   }
   ClassifierTrainConfig tc = a.cfg;

@@ -104,6 +104,19 @@ TEST(Cli, HelpForEverySubcommand) {
   r = test::run_ddm("presets");
   EXPECT_EQ(r.exit_code, 0);
   EXPECT_NE(r.output.find("dit-tiny"), std::string::npos) << r.output;
+  // A usage mistake exits 2 under every command, whether CLI11 or the command itself finds it.
+  for (const auto& [args, says] : std::vector<std::pair<std::string, std::string>>{
+           {"sample --n 4", "give exactly one of --ckpt DIR and --ensemble DIR"},
+           {"eval", "ddm eval: give exactly one of --ckpt DIR"},
+           {"plan", "ddm plan: give --config (profile now) or --profile"},
+           {"partition --k 2", "--out is required"},
+           {"train --out x", "ddm train: --config is required"},
+           {"launch --nproc 2", "ddm launch: put the command after `--`"},
+           {"text tokenize", "give texts or --file"}}) {
+    r = test::run_ddm(args);
+    EXPECT_EQ(r.exit_code, 2) << args << "\n" << r.output;
+    EXPECT_NE(r.output.find(says), std::string::npos) << args << "\n" << r.output;
+  }
   // A mistyped subcommand: refused as bad input (exit 2), with the nearest one.
   r = test::run_ddm("trian --config x.toml");
   EXPECT_EQ(r.exit_code, 2) << r.output;
