@@ -94,12 +94,14 @@ std::string RouterReport::table() const {
   char line[160];
   s << "router accuracy by noise level (" << images << " " << images_note << ", K = " << k
     << "; always guessing the largest cluster: " << prior_accuracy << ")\n";
-  std::snprintf(line, sizeof line, "%-12s %9s %11s %11s %8s %8s\n", "t", "accuracy", "acc (null)", "confidence",
+  std::snprintf(line, sizeof line, "%-16s %9s %11s %11s %8s %8s\n", "t", "accuracy", "acc (null)", "confidence",
                 "ECE", "NLL");
   s << line;
   for (const auto& b : buckets) {
-    std::snprintf(line, sizeof line, "[%.1f, %.1f)   %9.3f %11.3f %11.3f %8.3f %8.3f\n", b.t_lo, b.t_hi, b.accuracy,
-                  b.accuracy_null, b.confidence, b.ece, b.nll);
+    char t[48];  // the edges as they are (0.25, not 0.2), to 4 significant digits
+    std::snprintf(t, sizeof t, "[%.4g, %.4g)", b.t_lo, b.t_hi);
+    std::snprintf(line, sizeof line, "%-16s %9.3f %11.3f %11.3f %8.3f %8.3f\n", t, b.accuracy, b.accuracy_null,
+                  b.confidence, b.ece, b.nll);
     s << line;
   }
   return s.str();

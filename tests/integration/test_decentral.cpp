@@ -180,6 +180,7 @@ TEST(DecentralCli, RouterEnsembleAndRoutedSamplingRefuseMismatchedParts) {
                          "train.steps=20 --buckets 4 --out " + (dir / "r"));
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("router accuracy by noise level (100 held-out images"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("\n[0.25, 0.5)  "), std::string::npos) << r.output;  // the edges as they are
   const auto report = nlohmann::json::parse(test::read_text(dir / "r/router_eval.json"));
   ASSERT_EQ(report["buckets"].size(), 4u);
   EXPECT_EQ(report["k"], 2);
