@@ -229,8 +229,9 @@ std::optional<ReferenceSet> open_references(const SampleArgs& a, const LoadedMod
 // A text model's prompts (--prompt, --prompts) into g, as classes are laid out: n / P samples of each
 // of the P prompts in a row, cycling if n is not a multiple; guidance's unconditional branch takes
 // --negative-prompt's encoding instead of the empty prompt's. Returns the rows' labels; nothing for
-// a model without text, which refuses the flags.
-std::vector<std::string> open_prompts(const SampleArgs& a, Source& src, GenerateOptions& g) {
+// a model without text, which refuses the flags. `each` gets every sample's prompt, in sample order.
+std::vector<std::string> open_prompts(const SampleArgs& a, Source& src, GenerateOptions& g,
+                                      std::vector<std::string>* each = nullptr) {
   const bool given = !a.prompts.empty() || !a.prompts_file.empty() || !a.negative_prompt.empty();
   const LoadedModel& m = src.defaults();  // an ensemble's experts share one encoder (ddm ensemble checks)
   if (!m.text) {
@@ -279,6 +280,8 @@ std::vector<std::string> open_prompts(const SampleArgs& a, Source& src, Generate
   g.per_class = per;
   const torch::Tensor which = torch::arange(a.n, torch::kLong).div(per, "floor").remainder(p).to(device);  // [n]
   g.text = enc.select(which);  // [n, T, D], [n, T], [n, P]
+  if (each)
+    for (int64_t i = 0; i < a.n; ++i) each->push_back(prompts[static_cast<size_t>((i / per) % p)]);
   if (!a.negative_prompt.empty()) {
     const Cond negative = encode_texts(*m.text, {a.negative_prompt}, device, {"--negative-prompt"});
     if (src.ensemble) src.ensemble->set_null_text(negative);  // each expert's guidance
@@ -385,16 +388,20 @@ GenerateOptions generate_options(const SampleArgs& a, const LoadedModel& m) {
 }
 
 // Each image as its own PNG, DIR/000000.png ... (RGB; a grey image's channel three times): the folder
-// clean-fid, torch-fidelity and most FID tools take.
-static void write_png_folder(const std::string& dir, const torch::Tensor& images) {
+// clean-fid, torch-fidelity and most FID tools take. With prompts, each image's beside it as
+// 000000.txt (the captions of a folder dataset, data/captions.h; FID tools read only the images).
+static void write_png_folder(const std::string& dir, const torch::Tensor& images, const std::vector<std::string>& prompts) {
   fs::create_directories(dir);
   const torch::Tensor u8 = to_uint8(images);  // [N, C, H, W]
   for (int64_t i = 0; i < u8.size(0); ++i) {
     torch::Tensor rgb = u8[i].permute({1, 2, 0});  // [H, W, C]
     if (rgb.size(2) == 1) rgb = rgb.expand({rgb.size(0), rgb.size(1), 3});
     write_file_atomic((fs::path(dir) / (zero_padded(i, 6) + ".png")).string(), encode_png(rgb.contiguous()));
+    if (!prompts.empty())
+      write_file_atomic((fs::path(dir) / (zero_padded(i, 6) + ".txt")).string(), prompts[static_cast<size_t>(i)] + "\n");
   }
-  std::cout << "wrote " << u8.size(0) << " PNG files into " << dir << " (000000.png ...)" << std::endl;
+  std::cout << "wrote " << u8.size(0) << " PNG files into " << dir << " (000000.png ..."
+            << (prompts.empty() ? "" : ", each with its prompt in 000000.txt ...") << ")" << std::endl;
 }
 
 void write_samples(const SampleArgs& a) {
@@ -415,7 +422,8 @@ void write_samples(const SampleArgs& a) {
   if (src.model) std::cout << " (step " << m.step << ", " << (a.no_ema ? "raw" : "EMA") << " weights)";
   std::cout << ": " << g.sample.sampler << ", " << g.sample.steps << " steps, cfg " << g.sample.cfg << std::endl;
   const auto [controls, refs] = open_conditions(a, src, g);
-  std::vector<std::string> labels = open_prompts(a, src, g);
+  std::vector<std::string> sample_prompts;  // text models: each sample's
+  std::vector<std::string> labels = open_prompts(a, src, g, &sample_prompts);
   Generated out = generate(den, m.cfg.model.in_channels, m.cfg.model.image_size, g);
   if (tty) std::printf("\n");
   int64_t cols = std::min<int64_t>(a.n, 10);
@@ -451,7 +459,7 @@ void write_samples(const SampleArgs& a) {
             << ", " << out.seconds << " s, " << a.n / out.seconds << " img/s\n";
   if (src.ensemble) std::cout << src.ensemble->usage_report(a.n);
   std::cout << "wrote " << a.out << std::endl;
-  if (!a.png_dir.empty()) write_png_folder(a.png_dir, out.images);
+  if (!a.png_dir.empty()) write_png_folder(a.png_dir, out.images, sample_prompts);
   if (!a.raw.empty()) {
     SafetensorsFile f;
     f.tensors["images"] = to_uint8(out.images);
@@ -463,9 +471,15 @@ void write_samples(const SampleArgs& a) {
     f.metadata["sampler"] = g.sample.sampler;
     f.metadata["steps"] = std::to_string(g.sample.steps);
     f.metadata["cfg"] = std::to_string(g.sample.cfg);
+    if (!sample_prompts.empty()) {
+      f.metadata["prompts"] = nlohmann::json(sample_prompts).dump();  // sample i's prompt: json.loads(...)[i]
+      f.metadata["negative_prompt"] = a.negative_prompt;
+    }
     save_safetensors(a.raw, f);
     std::cout << "wrote " << a.raw << " (images uint8 NCHW, labels, samples float in [-1, 1]"
-              << (out.latents.defined() ? ", latents: the sampled latents before decoding" : "") << ")" << std::endl;
+              << (out.latents.defined() ? ", latents: the sampled latents before decoding" : "")
+              << (sample_prompts.empty() ? "" : "; metadata \"prompts\": each sample's prompt, a JSON list") << ")"
+              << std::endl;
   }
 }
 
@@ -793,9 +807,12 @@ Command add_sample_command(CLI::App& app) {
                                            "PNG files.");
   cmd->add_option("--ckpt", a->ckpt, "run directory (latest checkpoint) or checkpoint directory (or --ensemble)");
   cmd->add_option("--out", a->out, "PNG grid to write");
-  cmd->add_option("--raw", a->raw, "also write the samples as safetensors");
+  cmd->add_option("--raw", a->raw,
+                  "also write the samples as safetensors (images, labels, samples; a text model's prompts in its "
+                  "metadata \"prompts\", one per sample)");
   cmd->add_option("--png-dir", a->png_dir,
-                  "also write each sample as its own PNG into this new directory (for clean-fid, torch-fidelity)");
+                  "also write each sample as its own PNG into this new directory (for clean-fid, torch-fidelity); "
+                  "a text model's prompt beside each, 000000.txt");
   add_sample_flags(cmd, *a);
   cmd->footer("\nExamples:\n"
               "  ddm sample --ckpt runs/mine --out grid.png                 # a row per class\n"

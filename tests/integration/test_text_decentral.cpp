@@ -80,8 +80,13 @@ TEST(TextDecentral, ExpertsAPromptConditionedRouterAndTheirStudentFollowThePromp
   std::string prompts;
   for (const char* n : kNames) prompts += std::string(" --prompt 'a ") + n + " square'";
   r = test::run_ddm("sample --ensemble " + (dir / "ens") + prompts + " --n 16 --steps 10 --cfg 3 --out " +
-                    (dir / "s.png") + " --raw " + (dir / "s.safetensors"));
+                    (dir / "s.png") + " --raw " + (dir / "s.safetensors") + " --png-dir " + (dir / "pngs"));
   ASSERT_EQ(r.exit_code, 0) << r.output;
+  // Each sample's prompt kept with it: in --raw's metadata, and beside each PNG of --png-dir.
+  const auto kept = nlohmann::json::parse(load_safetensors(dir / "s.safetensors").metadata.at("prompts"));
+  ASSERT_EQ(kept.size(), 16u);
+  for (size_t i = 0; i < 16; ++i) EXPECT_EQ(kept[i], std::string("a ") + kNames[i / 4] + " square") << i;
+  EXPECT_EQ(test::read_text(dir / "pngs/000005.txt"), "a green square\n");
   EXPECT_NE(r.output.find("text: 4 prompt(s), 4 sample(s) each per row"), std::string::npos) << r.output;
   const auto want = torch::arange(4, torch::kLong).repeat_interleave(4);
   EXPECT_TRUE(nearest_colour(dir / "s.safetensors").equal(want)) << nearest_colour(dir / "s.safetensors");
