@@ -4,7 +4,9 @@
 // `ddm encode`: latent shards, a frozen autoencoder's posterior of every sample (train/encode_shards.h).
 #include <CLI/CLI.hpp>
 
+#include <algorithm>
 #include <chrono>
+#include <filesystem>
 #include <iostream>
 #include <memory>
 #include <string>
@@ -29,6 +31,7 @@ Command add_shards_command(CLI::App& app) {
     std::string config, out, prefix = "train", from;
     std::vector<std::string> overrides;
     int64_t shard_size = 10000;
+    bool force = false;
   };
   auto a = std::make_shared<Args>();
   auto* cmd = app.add_subcommand("shards", "Write tar shards (WebDataset layout) to stream large datasets from.");
@@ -47,6 +50,9 @@ Command add_shards_command(CLI::App& app) {
   write->add_option("--shard-size", a->shard_size, "samples per shard")->check(kPositive);
   write->add_option("--prefix", a->prefix, "shard file names start with this");
   write->add_option("--from", a->from, "re-shard these shards (a brace pattern, a glob or a list file)");
+  write->add_flag("--force", a->force,
+                  "replace the shards of this --prefix that --out holds already (without it they are refused: a "
+                  "folder or a glob would read the old ones beside the new)");
   write->footer("\nExamples:\n"
                 "  ddm shards write --out data/fmnist                       # Fashion-MNIST's training images\n"
                 "  ddm shards write --config configs/folder-example.toml --set data.root=path/to/photos --out data/mine\n"
@@ -75,12 +81,49 @@ Command add_shards_command(CLI::App& app) {
                      DDM_INPUT_CHECK(a->config.empty() && a->overrides.empty(), "--from re-shards shards as they are; "
                                                                           "it takes no --config or --set");
                    }
+                   // Shards of this prefix that --out holds already: a folder or a glob would read them beside
+                   // the new ones, and a shorter write leaves some. Refused, or with --force removed (never an
+                   // input of the re-sharding), before anything is written.
+                   const std::vector<std::string> inputs =
+                       from.empty() ? std::vector<std::string>{}
+                                    : as_input_error([&] { return expand_shards(from, a->from.empty() ? "data.root" : "--from"); });
+                   std::vector<std::string> old;
+                   if (std::error_code ec; std::filesystem::is_directory(a->out, ec))
+                     for (const auto& e : std::filesystem::directory_iterator(a->out)) {
+                       const std::string name = e.path().filename().string();
+                       if (name.rfind(a->prefix + "-", 0) == 0 && name.size() > 4 &&
+                           name.compare(name.size() - 4, 4, ".tar") == 0)
+                         old.push_back(e.path().string());
+                     }
+                   std::sort(old.begin(), old.end());
+                   if (!old.empty()) {
+                     DDM_INPUT_CHECK(a->force, "--out " << a->out << " holds " << old.size() << " shard"
+                                                        << (old.size() > 1 ? "s" : "") << " named " << a->prefix
+                                                        << "-*.tar already (" << old.front()
+                                                        << (old.size() > 1 ? ", ..." : "")
+                                                        << "), which a folder or a glob would read beside the new "
+                                                           "ones: pass --force to replace them, or use another --out "
+                                                           "or --prefix");
+                     for (const std::string& o : old)
+                       for (const std::string& in : inputs)
+                         DDM_INPUT_CHECK(!std::filesystem::equivalent(o, in),
+                                         "--force would delete " << o << ", an input shard of the re-sharding; "
+                                                                 "write into another --out or with another --prefix");
+                   }
+                   const auto remove_old = [&] {  // once the data is known to be readable
+                     if (old.empty()) return;
+                     for (const std::string& o : old) std::filesystem::remove(o);
+                     std::filesystem::remove(std::filesystem::path(a->out) / (a->prefix + ".shards.json"));
+                     std::cout << "removed " << old.size() << " earlier shard" << (old.size() > 1 ? "s" : "")
+                               << " of " << a->out << " (--force)" << std::endl;
+                   };
                    if (!from.empty()) {
-                     const auto shards = expand_shards(from, a->from.empty() ? "data.root" : "--from");
+                     const auto& shards = inputs;
                      std::cout << "re-sharding " << shards.size() << " shard" << (shards.size() > 1 ? "s" : "")
                                << " (" << from << ") into shards of " << a->shard_size << " in " << a->out << std::endl;
                      DataConfig source;
                      source.source = "shards", source.root = from;
+                     remove_old();
                      const ShardsWritten w = reshard(shards, a->out, a->shard_size, a->prefix, report(0));
                      write_shards_record(a->out, a->prefix, w, data_origin(source), "re-sharded from " + from);
                      done(w, "N");
@@ -92,6 +135,7 @@ Command add_shards_command(CLI::App& app) {
                    std::cout << "writing " << data.description << " as shards of " << a->shard_size << " into "
                              << a->out << std::endl;
                    const int64_t n = data.images.size(0), shards = (n + a->shard_size - 1) / a->shard_size;
+                   remove_old();
                    const ShardsWritten w = write_shards(data, a->out, a->shard_size, a->prefix, report(shards));
                    write_shards_record(a->out, a->prefix, w, data_origin(cfg.data), data.description);
                    done(w, std::to_string(data.images.size(2)));

@@ -170,20 +170,24 @@ int train_classifier_cmd(const ClassifierArgs& a, const std::string& command) {
     DDM_INPUT_CHECK(a.root.empty(), "--data-root is for Fashion-MNIST; with --config the config's data.root names the data");
     const RunConfig cfg = load_config(a.config, a.overrides);
     train = load_whole_dataset(cfg.data, static_cast<int>(a.threads));
-    if (a.test_overrides.empty()) {  // the last tenth is held out: measured on, never trained on
+    if (a.test_overrides.empty()) {
+      // A tenth is held out, drawn at random with the seed (a folder is ordered by class: its last
+      // tenth would be one class): measured on, never trained on.
       const int64_t n = train.images.size(0), held = std::max<int64_t>(1, n / 10);
       DDM_INPUT_CHECK(n >= 20, "train-classifier: " << train.description << " holds " << n << " images; at least 20 are "
                                               "needed (a tenth is held out to measure the network on)");
+      const auto [keep, out] = holdout_split(n, held, static_cast<uint64_t>(a.cfg.seed));
       test = train;
-      test.images = train.images.narrow(0, n - held, held);
-      test.description = "the last " + std::to_string(held) + " images of " + train.description + " (held out)";
+      test.images = train.images.index_select(0, out);
+      test.description = std::to_string(held) + " images of " + train.description + " drawn at random (held out)";
       std::cout << "measuring on " << test.description << ", training on the others (--test-set names other data)"
                 << std::endl;
-      train.images = train.images.narrow(0, 0, n - held);
+      train.images = train.images.index_select(0, keep);
       if (train.labels.defined()) {
-        test.labels = train.labels.narrow(0, n - held, held);
-        train.labels = train.labels.narrow(0, 0, n - held);
+        test.labels = train.labels.index_select(0, out);
+        train.labels = train.labels.index_select(0, keep);
       }
+      if (!train.captions.empty()) train.captions.clear(), test.captions.clear();  // not read here
     } else {
       std::vector<std::string> test_keys = a.overrides;
       test_keys.insert(test_keys.end(), a.test_overrides.begin(), a.test_overrides.end());
@@ -354,7 +358,7 @@ Command add_classifier_command(CLI::App& app, int argc, char** argv) {
   cmd->add_option("--set", a->overrides, "override a key of --config's, e.g. --set data.resolution=32 (repeatable)");
   cmd->add_option("--test-set", a->test_overrides,
                   "with --config: the overrides that make it name the test data, e.g. --test-set data.root=TEST "
-                  "(repeatable; default: the last tenth of the data, held out)");
+                  "(repeatable; default: a tenth of the data drawn at random with --seed, held out)");
   cmd->add_flag("--no-hflip", a->no_hflip, "no random horizontal flips while training (they are on without it)");
   cmd->add_option("--epochs", a->cfg.epochs, "training epochs")->check(kPositive);
   cmd->add_option("--batch", a->cfg.batch_size, "batch size")->check(kPositive);

@@ -15,8 +15,11 @@ namespace ddm {
 namespace {
 
 void check_size(int64_t w, int64_t h, const std::string& what) {
-  DDM_CHECK(w > 0 && h > 0 && w * h <= kMaxDecodedPixels,
-            what << ": the image claims " << w << " x " << h << " pixels (at most " << kMaxDecodedPixels << " are decoded)");
+  DDM_CHECK(w > 0 && h > 0, what << ": the image's header is damaged (it gives " << w << " x " << h << " pixels)");
+  DDM_CHECK(w * h <= kMaxDecodedPixels,
+            what << ": the image claims " << w << " x " << h << " pixels, more than the " << kMaxDecodedPixels / 1000000
+                 << " million ddm decodes (6000 x 5500 fits): scale it down first, e.g. `mogrify "
+                 << "-resize 4096x4096\\> FILE` (ImageMagick), which keeps any smaller image as it is");
 }
 
 // uint8 [H, W, 3] RGB (contiguous) -> [channels, H, W]: channels 3 a view; channels 1 integer BT.601

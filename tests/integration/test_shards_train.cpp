@@ -323,9 +323,17 @@ TEST(ShardsTrain, BadShardListsAndKeysAreClearErrors) {
   auto again = test::run_ddm("shards write --from \"" + r.pattern + "\" --shard-size 100 --out " + (r.dir / "w"));
   ASSERT_EQ(again.exit_code, 0) << again.output;
   EXPECT_TRUE(has(again.output, "wrote 512 samples in 6 shards")) << again.output;
-  auto over = test::run_ddm("shards write --from \"" + r.pattern + "\" --out " + (r.dir / "shards"));
-  EXPECT_NE(over.exit_code, 0);
-  EXPECT_TRUE(has(over.output, "would write over the input shard")) << over.output;
+  // Into a folder that holds shards of the prefix: refused (a glob would read the old beside the new);
+  // --force replaces them, and never deletes an input.
+  auto stale = test::run_ddm("shards write --from \"" + r.pattern + "\" --shard-size 200 --out " + (r.dir / "w"));
+  EXPECT_EQ(stale.exit_code, 2) << stale.output;
+  EXPECT_TRUE(has(stale.output, "holds 6 shards named train-*.tar already")) << stale.output;
+  auto forced = test::run_ddm("shards write --from \"" + r.pattern + "\" --shard-size 200 --force --out " + (r.dir / "w"));
+  ASSERT_EQ(forced.exit_code, 0) << forced.output;
+  EXPECT_EQ(expand_shards(r.dir / "w", "data.root").size(), 3u);
+  auto over = test::run_ddm("shards write --from \"" + r.pattern + "\" --force --out " + (r.dir / "shards"));
+  EXPECT_EQ(over.exit_code, 2) << over.output;
+  EXPECT_TRUE(has(over.output, "an input shard of the re-sharding")) << over.output;
   EXPECT_EQ(test::run_command("tar tf " + (r.dir / "shards/train-000000.tar") + " | wc -l").output, "128\n");
 }
 
