@@ -376,7 +376,7 @@ const std::map<std::string, std::string>& key_docs() {
       {"train.ckpt_every",
        "steps between checkpoints (the last step always writes one)"},
       {"train.keep_ckpts",
-       "checkpoints kept, newest first"},
+       "checkpoints kept, newest first (and any older one pinned by what is built on it: a latent model's or `ddm encode`'s autoencoder, a ControlNet's base, an ensemble's members)"},
       {"train.sample_every",
        "steps between grids of samples in RUN/grids/ and TensorBoard (0: none)"},
       {"train.sample_n",

@@ -163,6 +163,9 @@ nlohmann::json assemble_ensemble(const std::string& dir, const EnsembleSpec& spe
   m["image"] = {{"channels", channels}, {"size", size}, {"num_classes", classes}};
   fs::create_directories(dir);
   write_file_atomic((fs::path(dir) / "ensemble.json").string(), m.dump(2) + "\n");
+  // The experts' and the router's runs may train on; their rotation keeps what the ensemble names.
+  for (const auto& e : m["experts"]) pin_checkpoint(resolved_path(dir, e.at("checkpoint").get<std::string>()), dir);
+  pin_checkpoint(r.checkpoint, dir);
   return m;
 }
 

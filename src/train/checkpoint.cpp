@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <filesystem>
+#include <sstream>
 
 #include "core/error.h"
 #include "core/fileio.h"
@@ -96,9 +97,37 @@ std::string write_checkpoint(const std::string& run_dir, const Checkpoint& ckpt,
   fs::rename(tmp_dir, final_dir);
   fsync_dir(ckdir.string());
 
+  // The newest `keep`, and every one another run or directory pins (pin_checkpoint).
   auto all = list_checkpoints(run_dir);
-  for (size_t i = 0; i + keep < all.size(); ++i) fs::remove_all(all[i], ec);
+  for (size_t i = 0; i + keep < all.size(); ++i)
+    if (!fs::exists(fs::path(all[i]) / kPinned, ec)) fs::remove_all(all[i], ec);
   return final_dir.string();
+}
+
+void pin_checkpoint(const std::string& ckpt_dir, const std::string& by) {
+  const fs::path dir(ckpt_dir);
+  std::error_code ec;
+  if (!fs::is_regular_file(dir / RunDir::kState, ec)) return;  // not a ddm checkpoint (a diffusers folder, ...)
+  const std::string who = absolute_dir(by);  // one line per run, however it was named
+  const fs::path pins = dir / kPinned;
+  try {
+    std::string have = fs::exists(pins) ? read_file(pins.string()) : std::string();
+    if (("\n" + have).find("\n" + who + "\n") != std::string::npos) return;
+    write_file_atomic(pins.string(), have + who + "\n");
+  } catch (const std::exception&) {
+    // A checkpoint this process may not write to: its run cannot remove it either.
+  }
+}
+
+std::vector<std::string> checkpoint_pins(const std::string& ckpt_dir) {
+  std::vector<std::string> out;
+  const fs::path pins = fs::path(ckpt_dir) / kPinned;
+  std::error_code ec;
+  if (!fs::exists(pins, ec)) return out;
+  std::istringstream lines(read_file(pins.string()));
+  for (std::string line; std::getline(lines, line);)
+    if (!line.empty()) out.push_back(line);
+  return out;
 }
 
 Checkpoint read_checkpoint(const std::string& ckpt_dir, bool weights_only) {

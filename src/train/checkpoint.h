@@ -69,8 +69,19 @@ T Checkpoint::state_field(const nlohmann::json& state, const std::string& pointe
   }
 }
 
-// Writes RUN/ckpt/step-XXXXXXXX atomically; returns its path. Keeps the newest `keep` checkpoints.
+// Writes RUN/ckpt/step-XXXXXXXX atomically; returns its path. Keeps the newest `keep` checkpoints,
+// and every older one that is pinned (below).
 std::string write_checkpoint(const std::string& run_dir, const Checkpoint& ckpt, int64_t keep);
+
+// A checkpoint that something else is built on (a latent model's or a `ddm encode` directory's
+// autoencoder, a ControlNet's locked base, an ensemble's experts and router) is pinned: `by` (that
+// run or directory) is added to CKPT/pinned.txt, and the rotation of train.keep_ckpts never removes
+// it, however long its own run trains on. Nothing happens for a directory that is not a ddm
+// checkpoint, or one this process may not write to.
+inline constexpr const char* kPinned = "pinned.txt";
+void pin_checkpoint(const std::string& ckpt_dir, const std::string& by);
+// What pins a checkpoint (the lines of its pinned.txt), or nothing.
+std::vector<std::string> checkpoint_pins(const std::string& ckpt_dir);
 // Checkpoint directories of a run, oldest first.
 std::vector<std::string> list_checkpoints(const std::string& run_dir);
 std::optional<std::string> latest_checkpoint(const std::string& run_dir);

@@ -19,6 +19,7 @@
 #include "train/checkpoint.h"
 #include "train/optimizer.h"
 
+namespace fs = std::filesystem;
 using namespace ddm;
 using ddm::test::error_message;
 
@@ -206,6 +207,37 @@ TEST(ModuleState, ShapeMismatchIsAClearError) {
   TensorMap partial = module_state(*a);
   partial.erase(partial.begin());
   EXPECT_NE(error_message([&] { load_module_state(*a, partial, "x"); }).find("has no tensor"), std::string::npos);
+}
+
+// A checkpoint another run is built on (pin_checkpoint) outlives train.keep_ckpts' rotation; pinning
+// twice by the same run records it once; a directory that is no checkpoint is left alone.
+TEST(Checkpoint, PinnedCheckpointsAreKeptByTheRotation) {
+  test::TempDir dir;
+  auto m = small_mlp(4);
+  FlatAdamW opt(*m, {});
+  const auto write = [&](int64_t step) {
+    Checkpoint ck;
+    ck.step = step;
+    ck.config_toml = "[train]\nsteps = 60\n";
+    ck.model = module_state(*m);
+    ck.ema = opt.named_ema();
+    ck.optim = opt.optimizer_state();
+    return write_checkpoint(dir.path, ck, /*keep=*/2);
+  };
+  const std::string pinned = write(10);
+  pin_checkpoint(pinned, dir / "latent-run");
+  pin_checkpoint(pinned, dir / "latent-run/");
+  pin_checkpoint(pinned, dir / "encoded");
+  for (int64_t step : {20, 30, 40, 50, 60}) write(step);
+  const auto all = list_checkpoints(dir.path);
+  ASSERT_EQ(all.size(), 3u);
+  EXPECT_EQ(all[0], pinned);
+  EXPECT_NE(all[1].find("step-00000050"), std::string::npos);
+  EXPECT_EQ(checkpoint_pins(pinned), (std::vector<std::string>{dir / "latent-run", dir / "encoded"}));
+  EXPECT_TRUE(checkpoint_pins(all[2]).empty());
+  EXPECT_EQ(read_checkpoint(pinned).step, 10);  // still a whole checkpoint
+  pin_checkpoint(dir / "nothing-here", dir / "x");
+  EXPECT_FALSE(fs::exists(dir / "nothing-here"));
 }
 
 TEST(Checkpoint, RoundTripPruneAndCorruption) {
