@@ -15,20 +15,7 @@
 
 #include "core/device.h"
 #include "core/error.h"
-
-// DDM_CHECK for what a command was asked to do (its flags, the files and runs they name): throws
-// ddm::InputError, so every command exits kExitBadInput (2) for a usage mistake, as for a command
-// line CLI11 cannot parse. (Here rather than in core/error.h: only the commands use it.)
-#define DDM_INPUT_CHECK(cond, msg)                   \
-  do {                                               \
-    if (!(cond)) {                                   \
-      std::ostringstream ddm_check_os_;              \
-      ddm_check_os_ << msg;                          \
-      throw ::ddm::InputError(ddm_check_os_.str());  \
-    }                                                \
-  } while (0)
-
-#define DDM_INPUT_FAIL(msg) DDM_INPUT_CHECK(false, msg)
+#include "core/input_check.h"  // DDM_INPUT_CHECK: usage mistakes exit 2 under every command
 
 namespace ddm {
 

@@ -186,7 +186,7 @@ int run_plan(PlanArgs a) {
     }
   }
   DDM_INPUT_CHECK(a.config.empty() != a.profile.empty(), "ddm plan: give --config (profile now) or --profile (a saved profile), not both");
-  if (!a.timeline.empty()) check_png_path(a.timeline, "--timeline");
+  if (!a.timeline.empty()) as_input_error([&] { check_png_path(a.timeline, "--timeline"); });
   int64_t batch = a.batch;
   PipeProfile prof;
   if (!a.profile.empty()) {

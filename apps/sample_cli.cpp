@@ -383,6 +383,7 @@ GenerateOptions generate_options(const SampleArgs& a, const LoadedModel& m) {
   g.per_class = classes > 0 ? std::max<int64_t>(1, (a.n + classes - 1) / classes) : a.n;
   g.on_progress = sampling_progress(isatty(fileno(stdout)));
   g.decode = image_decoder(m);  // latent models: the frozen decoder
+  as_input_error([&] { sample_labels(1, classes, a.class_id, 1); });  // a --class the model lacks: before sampling
   if (!a.init_noise.empty()) g.init_noise = read_init_noise(a.init_noise, a.n, m.cfg.model);
   return g;
 }
@@ -405,7 +406,7 @@ static void write_png_folder(const std::string& dir, const torch::Tensor& images
 }
 
 void write_samples(const SampleArgs& a) {
-  check_png_path(a.out);  // before any sampling
+  as_input_error([&] { check_png_path(a.out); });  // before any sampling
   create_output_dir(fs::path(a.out).parent_path().string(), "--out");
   if (!a.raw.empty()) create_output_dir(fs::path(a.raw).parent_path().string(), "--raw");
   DDM_INPUT_CHECK(a.png_dir.empty() || !fs::exists(a.png_dir) || fs::is_empty(a.png_dir),
@@ -689,7 +690,7 @@ int eval_cmd(EvalArgs a) {
     stem = "anchor-" + a.anchor + "-n" + std::to_string(a.sample.n);
     if (a.out.empty()) a.out = "eval";
   } else if (!a.samples_file.empty()) {
-    a.cfg.reference = open_reference(a, nullptr, a.samples_file);
+    a.cfg.reference = as_input_error([&] { return open_reference(a, nullptr, a.samples_file); });
     set = load_samples(a.samples_file, /*any_source=*/a.cfg.reference != nullptr);
     if (set.images.size(0) > a.sample.n) {
       std::cout << "using the first " << a.sample.n << " of " << set.images.size(0) << " images (--n)" << std::endl;
@@ -701,10 +702,10 @@ int eval_cmd(EvalArgs a) {
   } else {
     Source src = open_source(a.sample);
     const LoadedModel& m = src.defaults();
-    a.cfg.reference = open_reference(a, &m.cfg, src.name);
+    a.cfg.reference = as_input_error([&] { return open_reference(a, &m.cfg, src.name); });
     const Denoiser& den = *src.den;
     // Everything that would refuse the samples is checked before they are made (hours at --n 10000).
-    check_eval_inputs(a.cfg, m.cfg.model.in_channels, m.cfg.model.image_size, a.sample.n, src.name);
+    as_input_error([&] { check_eval_inputs(a.cfg, m.cfg.model.in_channels, m.cfg.model.image_size, a.sample.n, src.name); });
     if (a.out.empty()) a.out = (fs::path(src.model ? a.sample.ckpt : a.sample.ensemble) / "eval").string();
     create_output_dir(a.out, "--out");
     GenerateOptions g = generate_options(a.sample, m);

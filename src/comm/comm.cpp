@@ -601,11 +601,10 @@ void Comm::check_same(const std::vector<std::pair<std::string, std::string>>& ke
       os << (ranks.size() == 1 ? " has " : " have ") << groups[i].first;
     }
     os << " (" << what << "); every rank must run the same " << what;
-    throw Error(os.str());
+    throw InputError(os.str());  // the job's input: a restart would find the same
   }
-  DDM_FAIL("ranks disagree on " << what << " (same keys and values, different order); every rank must run the "
-                                   "same "
-                                << what);
+  throw InputError("ranks disagree on " + what + " (same keys and values, different order); every rank must run the same " +
+                   what);
 }
 
 }  // namespace ddm

@@ -10,6 +10,7 @@
 
 #include "core/cuda_module.h"
 #include "core/error.h"
+#include "core/input_check.h"
 #include "core/runtime.h"
 
 namespace ddm {
@@ -29,7 +30,7 @@ std::string gpus(int n) { return std::to_string(n) + " CUDA GPU" + (n == 1 ? "" 
 }  // namespace
 
 void check_device_spec(const std::string& spec, const std::string& key) {
-  DDM_CHECK(spec == "auto" || spec == "cpu" || cuda_index(spec) != -2,
+  DDM_INPUT_CHECK(spec == "auto" || spec == "cpu" || cuda_index(spec) != -2,
             key << " = \"" << spec << "\" is not one of: auto, cpu, cuda, cuda:N (N = 0, 1, ...)");
 }
 
@@ -37,11 +38,11 @@ torch::Device resolve_device(const std::string& spec, int local_rank, int cuda_c
   check_device_spec(spec, key);
   if (spec == "cpu" || (spec == "auto" && cuda_count == 0)) return torch::Device(torch::kCPU);
   const int index = cuda_index(spec);
-  DDM_CHECK(cuda_count > 0, key << " = " << spec << ", but this machine has no CUDA GPU that LibTorch can use "
+  DDM_INPUT_CHECK(cuda_count > 0, key << " = " << spec << ", but this machine has no CUDA GPU that LibTorch can use "
                                 << "(" << (cuda_loaded() ? "no GPU, or CUDA_VISIBLE_DEVICES hides them" : "CUDA " + cuda_status())
                                 << "): use cpu or auto");
   if (index >= 0) {
-    DDM_CHECK(index < cuda_count, key << " = " << spec << ", but this machine has " << gpus(cuda_count)
+    DDM_INPUT_CHECK(index < cuda_count, key << " = " << spec << ", but this machine has " << gpus(cuda_count)
                                       << " (cuda:0.." << cuda_count - 1 << ")");
     return torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(index));
   }
@@ -55,7 +56,7 @@ torch::Device resolve_device(const std::string& spec, int local_rank, int cuda_c
                                       "task its own; ask for --gpus-per-node instead, so that every task of a node sees "
                                       "its GPUs and takes the one of its SLURM_LOCALID)"
                                 : std::string();
-  DDM_CHECK(local_rank < cuda_count,
+  DDM_INPUT_CHECK(local_rank < cuda_count,
             key << " = " << spec << " gives each process of a node its own GPU, but this is local rank " << local_rank
                 << " on a machine with " << gpus(cuda_count) << bound << ": launch at most " << cuda_count
                 << (cuda_count == 1 ? " process" : " processes") << " per node, or name one GPU (cuda:N) for processes to share");

@@ -4,6 +4,10 @@
 #include <malloc.h>
 #include <sys/resource.h>
 
+#include <cstdlib>
+#include <fstream>
+#include <string>
+
 #if defined(DDM_TCMALLOC)  // defined for this file when the binaries link tcmalloc (CMakeLists.txt)
 #include <gperftools/malloc_extension_c.h>
 #elif defined(__SANITIZE_ADDRESS__)
@@ -41,6 +45,11 @@ double allocated_bytes() {
 }
 
 double peak_rss_mib() {
+  // VmHWM: this program's own high-water mark. getrusage's ru_maxrss survives execve, so under a
+  // launcher that forks and execs it (torchrun's Python agent) it would report the launcher's peak.
+  std::ifstream status("/proc/self/status");
+  for (std::string line; std::getline(status, line);)
+    if (line.rfind("VmHWM:", 0) == 0) return std::strtod(line.c_str() + 6, nullptr) / 1024.0;  // in kB
   rusage usage{};
   getrusage(RUSAGE_SELF, &usage);
   return static_cast<double>(usage.ru_maxrss) / 1024.0;  // ru_maxrss is in KiB on Linux

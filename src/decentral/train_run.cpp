@@ -18,6 +18,7 @@
 #include "decentral/partition.h"
 #include "decentral/shard_partition.h"
 #include "model/router.h"
+#include "run/setup.h"  // absolute_data_root
 
 namespace fs = std::filesystem;
 
@@ -201,6 +202,7 @@ RunConfig router_config(const std::string& config, const std::string& partition,
 // Nothing has run yet: what fails here is the input (config, data, partition, model), so it fails
 // as an InputError (core/error.h) and a supervisor does not restart it.
 TrainJob prepare_train_job(RunConfig cfg) {
+  cfg.data.root = absolute_data_root(cfg.data.root);  // recorded so: the run resumes from anywhere
   return as_input_error([&] { return prepare_job(std::move(cfg)); });
 }
 

@@ -315,7 +315,7 @@ void check_launch_config(const LaunchConfig& c) {
 }
 
 int run_launch(const LaunchConfig& c) {
-  check_launch_config(c);
+  as_input_error([&] { check_launch_config(c); });  // its flags: exit 2
   ChildSpec base;
   if (c.no_ddm) {
     base.program = resolve_program(c.command[0]);

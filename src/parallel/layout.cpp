@@ -43,7 +43,7 @@ ParallelLayout derive_layout(const RunConfig& cfg, int world, int rank) {
                     << (world == 1 ? " process with DiLoCo" : " processes")
                     << " (their gradient all-reduce, a pipeline's sends and DiLoCo's outer step run outside what ddm "
                        "captures); turn train.cuda_graphs off, or train with one process");
-  DDM_CHECK(pipelined || l.diloco() || p.dp == 0 || p.dp == world,
+  DDM_CHECK(pipelined || p.dp == 0 || p.dp == world,
             "parallel.dp = " << p.dp << " but the job has " << world
                              << " processes; set parallel.dp = 0 (every process) or launch " << p.dp << " processes");
   l.replicas = pipelined ? world / l.pp : world;  // every stage of a pipeline replica takes that replica's batch

@@ -146,7 +146,8 @@ class PipelineEngine : public Engine {
     s << "parallel: "
       << (replicas > 1 ? std::to_string(replicas) + " data-parallel replicas of a pipeline" : "a pipeline") << " of "
       << stages << " stages" << (stages > pp ? " on " + std::to_string(pp) + " processes, V-shaped" : "") << " ("
-      << name_of(p.schedule) << ", " << pipe_->micro_batches() << " micro-batches of " << pipe_->rows() << "), units";
+      << name_of(p.schedule) << ", " << pipe_->micro_batches()
+      << (pipe_->micro_batches() == 1 ? " micro-batch of " : " micro-batches of ") << pipe_->rows() << "), units";
     const auto& names = pipe_->unit_names();
     for (int i = 0; i < stages; ++i)
       s << (i ? " | " : " ") << names[static_cast<size_t>(b[static_cast<size_t>(i)])] << ".."
@@ -156,6 +157,10 @@ class PipelineEngine : public Engine {
     for (int i = 1; i < stages; ++i) s << (i > 1 ? ", " : "") << b[static_cast<size_t>(i)];
     s << "]), activations in " << name_of(p.pipe_wire) << " on the wire" << (replicas > 1 ? ", gradients in " + name_of(p.wire) : "")
       << ", collective timeout " << p.timeout << " s";
+    if (pipe_->micro_batches() < stages)
+      s << "\nnote: " << pipe_->micro_batches() << " micro-batch" << (pipe_->micro_batches() > 1 ? "es" : "")
+        << " for " << stages << " stages: each stage waits for the others most of the step; train.grad_accum >= "
+        << stages << " keeps them busy (the global batch stays, split finer)";
     return s.str();
   }
 

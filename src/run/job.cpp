@@ -8,6 +8,7 @@
 
 #include "core/error.h"
 #include "data/shard_loader.h"
+#include "model/router.h"
 #include "train/controlnet.h"
 #include "train/embed.h"
 #include "train/latent.h"
@@ -80,6 +81,13 @@ void fit_patch(ModelConfig& m) {
 void resolve_data_shape(RunConfig& cfg, const Dataset& data) {
   if (cfg.model.arch == "sd-unet" && cfg.model.num_classes == -1) cfg.model.num_classes = 0;  // no class embedding
   resolve_input_shape(cfg, data);
+  // Captions found, and no encoder to read them: said, so that nobody trains text-to-image by mistake
+  // without the text (a router takes the experts' condition; an autoencoder none).
+  if (!data.captions.empty() && cfg.model.text_encoder.empty() && cfg.model.arch != "autoencoder" &&
+      !is_router_arch(cfg.model.arch))
+    std::cerr << "note: the data has captions, but model.text_encoder is not set: the model is not conditioned on "
+                 "them (to train text-to-image, set model.text_encoder to a text encoder's directory: docs/text.md)"
+              << std::endl;
   // A text model's grids (run/train_grids.h) take their rows from train.sample_prompts, else from the
   // captions the data holds in memory: said before the run directory is written.
   const ModelConfig& m = cfg.model;

@@ -25,6 +25,7 @@ struct TrainOptions {
   // The process group to train in; null: from the environment (a launcher's variables, else one
   // process). Only rank 0 touches the run directory and prints; see docs/distributed.md.
   std::shared_ptr<Comm> comm;
+  bool restarted = false;  // resume set by a launcher's restart (the run must be the one the job started)
 };
 
 // A run ready to train.

@@ -10,6 +10,7 @@
 #include "core/device.h"
 #include "core/error.h"
 #include "core/fileio.h"
+#include "core/input_check.h"
 #include "core/rng.h"
 #include "core/tensor_hash.h"
 #include "data/shard_stream.h"
@@ -49,9 +50,11 @@ RunConfig normalized_for_resume(RunConfig c) {
   c.sample = d.sample;
   c.parallel = d.parallel;
   c.diloco = d.diloco;
-  // Folders recorded with a trailing slash by earlier versions, which now record them without.
+  // Folders recorded with a trailing slash by earlier versions, which now record them without; a
+  // relative data.root they recorded, as it is read.
   for (std::string* dir : {&c.model.text_encoder, &c.model.unet})
     if (!dir->empty()) *dir = absolute_dir(*dir);
+  c.data.root = absolute_data_root(c.data.root);
   return c;
 }
 
@@ -79,14 +82,20 @@ FileLock prepare_run_dir(const TrainOptions& opt, const RunConfig& cfg) {
   const fs::path dir(opt.out_dir);
   const fs::path cfg_path = RunDir(opt.out_dir).config();
   const char* lock_name = RunDir::kLock;
+  // What --out holds is input: each refusal below fails a retry alike (exit 2, not restarted).
+  std::error_code ec;
+  if (fs::exists(dir, ec) && !fs::is_directory(dir, ec))
+    throw InputError("--out " + opt.out_dir + " is a file, not a run directory; name a directory (new or a run's)");
   if (!fs::exists(cfg_path) && fs::exists(dir) && !opt.force) {
     for (const auto& entry : fs::directory_iterator(dir))
-      DDM_CHECK(entry.path().filename() == lock_name,
-                "'" << opt.out_dir << "' is not empty and holds no ddm run; use another --out or --force");
+      if (entry.path().filename() != lock_name)
+        throw InputError("'" + opt.out_dir + "' is not empty and holds no ddm run; use another --out or --force");
   }
-  create_output_dir(opt.out_dir, "--out");
-  FileLock lock((dir / lock_name).string(), "another `ddm train` is writing to " + opt.out_dir +
-                                                "; wait for it to finish or stop it, or use another --out");
+  as_input_error([&] { create_output_dir(opt.out_dir, "--out"); });
+  FileLock lock = as_input_error([&] {
+    return FileLock((dir / lock_name).string(), "another `ddm train` is writing to " + opt.out_dir +
+                                                    "; wait for it to finish or stop it, or use another --out");
+  });
   // A run that saved no checkpoint (it failed early, or was killed before its first one) has nothing to
   // lose and nothing to resume: it never blocks a fresh start, whatever its config was.
   if (fs::exists(cfg_path) && !latest_checkpoint(opt.out_dir)) {
@@ -97,10 +106,20 @@ FileLock prepare_run_dir(const TrainOptions& opt, const RunConfig& cfg) {
   }
   if (fs::exists(cfg_path)) {
     if (opt.resume) {
-      const RunConfig stored = load_config(cfg_path.string());
+      const RunConfig stored = as_input_error([&] { return load_config(cfg_path.string()); });
+      if (opt.restarted) {
+        // Resumed because a launcher restarted the job, not because the user asked: the run must be the
+        // one this job's first attempt started, which recorded this very config. Another (the first
+        // attempt refused to touch it) is left as it is.
+        const std::string diff = first_difference(to_toml(normalized_for_ranks(stored)), to_toml(normalized_for_ranks(cfg)));
+        if (!diff.empty())
+          throw InputError("restart of this job: " + opt.out_dir + " holds a run with another config than this job's (" +
+                           diff + "), so this job's first attempt did not start it; it is left as it is. Use "
+                           "--resume to continue it, --force to overwrite it, or another --out");
+      }
       const std::string diff =
           first_difference(to_toml(normalized_for_resume(stored)), to_toml(normalized_for_resume(cfg)));
-      DDM_CHECK(diff.empty(), "--resume: the config differs from the run stored in " << opt.out_dir << ": " << diff
+      DDM_INPUT_CHECK(diff.empty(), "--resume: the config differs from the run stored in " << opt.out_dir << ": " << diff
                                   << ". Only train.steps, lr, grad_clip, log_every, ckpt_every, keep_ckpts, threads, device, precision, loss_scale, deterministic, checkpoint_activations, cuda_graphs, grad_accum, sample_every, sample_n, sample_prompts, data.decode_threads, "
                                      "data.scan_cache, sample.*, parallel.* and diloco.* may change on resume; use a new --out or --force to start over");
       // What changes the training from here on is said (and recorded: config.toml is rewritten).
@@ -110,9 +129,17 @@ FileLock prepare_run_dir(const TrainOptions& opt, const RunConfig& cfg) {
       };
       changed("lr", stored.train.lr, cfg.train.lr);
       changed("grad_clip", stored.train.grad_clip, cfg.train.grad_clip);
+      // How the processes train together may change too (a DiLoCo run resumed without its --set goes
+      // on as data parallelism): said, with the first key that differs.
+      RunConfig was, now;
+      was.parallel = stored.parallel, was.diloco = stored.diloco;
+      now.parallel = cfg.parallel, now.diloco = cfg.diloco;
+      if (const std::string how = first_difference(to_toml(was), to_toml(now)); !how.empty() && !opt.quiet)
+        std::cout << "note: --resume: the run goes on with other parallel settings than it was trained with (" << how
+                  << "); give the same --set as before to keep them" << std::endl;
       return lock;
     }
-    DDM_CHECK(opt.force, "'" << opt.out_dir << "' already holds a run (" << cfg_path.string()
+    DDM_INPUT_CHECK(opt.force, "'" << opt.out_dir << "' already holds a run (" << cfg_path.string()
                              << "); use --resume to continue it, --force to overwrite it, or another --out");
     remove_run_files(dir);
   }
@@ -178,6 +205,11 @@ bool finds_checkpoint(const TrainOptions& opt, Comm& comm, bool rejoining) {
 
 }  // namespace
 
+std::string absolute_data_root(const std::string& root) {
+  if (root.empty() || fs::path(root).is_absolute()) return root;
+  return (fs::current_path() / root).string();
+}
+
 JobProcess join_job(const RunConfig& cfg, TrainOptions& opt) {
   JobProcess p;
   p.comm = opt.comm;
@@ -199,6 +231,7 @@ JobProcess join_job(const RunConfig& cfg, TrainOptions& opt) {
     // Restarted by the launcher after a failure (torchelastic's semantics): continue from the last
     // checkpoint; never re-apply --force to the run the first attempt started.
     opt.resume = true;
+    opt.restarted = true;
     opt.force = false;
     if (env.rank == 0 && !opt.quiet)
       std::cout << "restart " << env.restart_count << " of this job: resuming from the last checkpoint" << std::endl;
@@ -281,10 +314,15 @@ RunStart start_run(const TrainOptions& opt, const TrainJob& job, Net& net, Engin
   std::string resumed_from;  // rank 0: the checkpoint's directory
   // Only rank 0 touches the run directory: lock, config, records, the checkpoint to resume from.
   std::string setup_error;
+  int64_t failure = 0;  // rank 0: 1 it failed, 2 it refused its input
   if (lead) {
     try {
       s.lock.emplace(prepare_run_dir(opt, job.recorded));
       write_file_atomic(dir.config(), to_toml(job.recorded));
+      // The checkpoints this run is built on stay where its config points, however long their own
+      // runs train on (train.keep_ckpts keeps pinned ones).
+      for (const std::string* ckpt : {&job.recorded.model.latent, &job.recorded.model.controlnet})
+        if (!ckpt->empty()) pin_checkpoint(*ckpt, opt.out_dir);
       if (job.records) job.records(dir, opt.resume);
       if (opt.resume) {
         if (auto latest = latest_checkpoint(opt.out_dir)) {
@@ -330,14 +368,19 @@ RunStart start_run(const TrainOptions& opt, const TrainJob& job, Net& net, Engin
     } catch (const std::exception& e) {
       if (!comm.distributed()) throw;
       setup_error = e.what();
+      failure = dynamic_cast<const InputError*>(&e) ? 2 : 1;
     }
   }
   if (!comm.distributed() || rejoining) return s;
-  // Every rank learns whether rank 0 could set up the run, then starts from rank 0's state (its
-  // checkpoint, or the same seeded initialization).
-  if (comm.max_int(setup_error.empty() ? 0 : 1) != 0) {
-    DDM_CHECK(!lead, setup_error);
-    DDM_FAIL("rank 0 could not set up the run in " << opt.out_dir << " (its message says why); nothing was trained");
+  // Every rank learns whether rank 0 could set up the run (and whether it refused its input, which
+  // every rank then exits as), then starts from rank 0's state (its checkpoint, or the same seeded
+  // initialization).
+  if (const int64_t worst = comm.max_int(failure); worst != 0) {
+    const std::string why = lead ? setup_error
+                                 : "rank 0 could not set up the run in " + opt.out_dir +
+                                       " (its message says why); nothing was trained";
+    if (worst == 2) throw InputError(why);
+    throw Error(why);
   }
   torch::NoGradGuard no_grad;
   const int64_t loaded = s.resumed ? 1 : 0;

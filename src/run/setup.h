@@ -34,6 +34,10 @@ struct JobProcess {
 // the launcher restarted after a failure resumes: opt.resume on, opt.force off.
 JobProcess join_job(const RunConfig& cfg, TrainOptions& opt);
 
+// data.root made absolute (a relative one is read from the current directory; a pattern keeps its
+// braces and globs): what a run records, so that it resumes and is evaluated from any directory.
+std::string absolute_data_root(const std::string& root);
+
 // The model, built alike on every rank from the seed, with the frozen parts attached: a latent
 // model's encoder (job.objective, made if null), a ControlNet's locked base, an embedding network.
 // With pretrained off (a run resuming from its checkpoint), model.unet's weights are not read.

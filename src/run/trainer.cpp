@@ -54,7 +54,8 @@ TrainSummary train(TrainJob job, const TrainOptions& options) {
   const int threads = set_threads(cfg.train.threads, proc.local_processes);
   const TrainConfig& tc = cfg.train;
   // Checked alike on every rank, before any collective, so a bad value fails every rank at once.
-  const ParallelLayout layout = derive_layout(cfg, world, rank);
+  // (A layout the config and the process count cannot make is bad input: exit 2, not restarted.)
+  const ParallelLayout layout = as_input_error([&] { return derive_layout(cfg, world, rank); });
   // The model and the engine are built before the run directory is touched, so a config they cannot
   // take leaves nothing.
   configure_math(proc.device, tc.deterministic);

@@ -13,6 +13,8 @@
 #include <torch/torch.h>
 
 #include "core/error.h"
+#include "core/input_check.h"
+#include "train/checkpoint.h"
 #include "core/fileio.h"
 #include "core/safetensors.h"
 #include "data/captions.h"
@@ -41,12 +43,12 @@ void add_text(SafetensorsFile& f, const Cond& text, int64_t i) {
 
 LatentShardsInfo encode_latent_shards(const DataConfig& data, const std::string& autoencoder,
                                       const EncodeShardsOptions& o) {
-  DDM_CHECK(!o.out.empty(), "--out DIR is required");
-  DDM_CHECK(!fs::exists(o.out), "--out " << o.out << " already exists; remove it or choose another directory");
+  DDM_INPUT_CHECK(!o.out.empty(), "--out DIR is required");
+  DDM_INPUT_CHECK(!fs::exists(o.out), "--out " << o.out << " already exists; remove it or choose another directory");
   const bool keep_images = autoencoder.empty();  // a pixel model's shards: images kept, captions encoded
-  DDM_CHECK(!keep_images || o.text, "--ae is required: name the autoencoder whose latents to write, or, for a pixel "
+  DDM_INPUT_CHECK(!keep_images || o.text, "--ae is required: name the autoencoder whose latents to write, or, for a pixel "
                                     "model, give --text alone to cache the captions' text encodings beside the images");
-  DDM_CHECK(keep_images || !data.hflip,
+  DDM_INPUT_CHECK(keep_images || !data.hflip,
             "data.hflip = true: latent shards hold each image's posterior as it is, and a flipped image's latent is "
             "not the flip of its latent; set data.hflip = false");
   DDM_CHECK(o.shard_size > 0 && o.batch > 0, "--shard-size and the batch must be > 0");
@@ -235,6 +237,7 @@ LatentShardsInfo encode_latent_shards(const DataConfig& data, const std::string&
   fsync_dir(partial);
   fs::rename(partial, o.out, ec);
   DDM_CHECK(!ec, "cannot rename " << partial << " to " << o.out << ": " << ec.message());
+  if (!keep_images) pin_checkpoint(info.autoencoder, o.out);  // the autoencoder run's rotation keeps it
   return info;
 }
 

@@ -354,6 +354,8 @@ TEST(Launch, RejectsBadInputClearly) {
        }) {
     const CommandResult r = ddm::test::run_ddm(c.args);
     EXPECT_NE(r.exit_code, 0) << c.args << "\n" << r.output;
+    // The launcher's own flags are bad input (exit 2); a program it cannot start fails the launch (1).
+    if (!contains(c.args, "no-such-program")) EXPECT_EQ(r.exit_code, 2) << c.args << "\n" << r.output;
     EXPECT_TRUE(contains(r.output, c.message)) << c.args << "\n" << r.output;
   }
 }
@@ -456,6 +458,36 @@ std::pair<std::string, int> final_weights(const Workspace& ws, const std::string
   return {run_command("sha256sum " + ck + "/model.safetensors | cut -c1-64").output, world};
 }
 }  // namespace
+
+// A fresh start refused because --out holds another run (no --resume, no --force) is bad input:
+// `ddm launch --max-restarts` does not restart it, and a launcher that restarts it anyway (torchrun)
+// does not turn the restart into a resume of that other run. The run is left as it was.
+TEST(Launchers, ARefusedFreshStartIsNeverRestartedIntoAResumeOfAnotherRun) {
+  Workspace ws;
+  ASSERT_EQ(run_command(command_line(ddm_program(train_args(ws, "old") + " --quiet --set train.ckpt_every=5"))).exit_code, 0);
+  const std::string config = read_text(ws.dir / "old/config.toml");
+  const auto before = final_weights(ws, "old");
+  const std::string again = train_args(ws, "old") + " --set train.steps=20 --set train.lr=0.001";
+  const CommandResult r = launch("--nproc 2 --max-restarts 2", ddm_program(again));
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_TRUE(contains(r.output, "already holds a run")) << r.output;
+  EXPECT_FALSE(contains(r.output, "restarting")) << r.output;
+  const auto unchanged = [&](const std::string& how) {
+    EXPECT_EQ(read_text(ws.dir / "old/config.toml"), config) << how;
+    EXPECT_EQ(final_weights(ws, "old"), before) << how;
+    EXPECT_TRUE(fs::exists(ws.dir / "old/ckpt/step-00000005")) << how;
+    EXPECT_FALSE(fs::exists(ws.dir / "old/ckpt/step-00000020")) << how;
+  };
+  unchanged("ddm launch");
+  if (!executable(kTorchrun)) GTEST_SKIP() << kNoTorchrun;
+  const CommandResult t = run_command("timeout 300 " + std::string(kTorchrun) + " --no_python --nproc_per_node 2 " +
+                                      "--max_restarts 1 --master_port " + std::to_string(free_port()) + " " +
+                                      command_line(ddm_program(again)));
+  EXPECT_NE(t.exit_code, 0) << t.output;
+  EXPECT_TRUE(contains(t.output, "restart of this job: " + ws.dir / "old" + " holds a run with another config than "
+                                 "this job's")) << t.output;
+  unchanged("torchrun");
+}
 
 TEST(Launchers, TheTrainerRunsUnderEveryLauncherWithIdenticalResults) {
   // Same config, seed, world size (2) and threads: every launcher's run ends bit for bit the same.

@@ -14,6 +14,7 @@
 #include <torch/cuda.h>
 
 #include "core/config.h"
+#include "data/dataset.h"
 #include "decentral/train_run.h"
 #include "run/trainer.h"
 #include "test_util.h"
@@ -231,7 +232,7 @@ TEST(Train, ADeviceItCannotUseIsAClearErrorAndLosesNothing) {
   if (gpu) {
     EXPECT_EQ(fresh.exit_code, 0) << fresh.output;  // it trains there
   } else {
-    EXPECT_EQ(fresh.exit_code, 1) << fresh.output;
+    EXPECT_EQ(fresh.exit_code, 2) << fresh.output;  // bad input: a restart would find no GPU either
     EXPECT_NE(fresh.output.find("train.device = cuda, but this machine has no CUDA GPU that LibTorch can use"),
               std::string::npos)
         << fresh.output;
@@ -251,7 +252,7 @@ TEST(Train, ADeviceItCannotUseIsAClearErrorAndLosesNothing) {
   // A run on the CPU, then a resume asking for a GPU: refused, the checkpoint intact; on the CPU it goes on.
   ASSERT_EQ(test::run_ddm("train --quiet" + cfg + " --out " + (dir / "run")).exit_code, 0);
   auto bad = test::run_ddm("train --quiet" + cfg + " --set train.steps=8 --set train.device=cuda:7 --out " + (dir / "run") + " --resume");
-  EXPECT_EQ(bad.exit_code, 1) << bad.output;
+  EXPECT_EQ(bad.exit_code, 2) << bad.output;
   EXPECT_NE(bad.output.find("train.device = cuda:7"), std::string::npos) << bad.output;
   ASSERT_TRUE(latest_checkpoint(dir / "run").has_value());
   auto res = test::run_ddm("train --quiet" + cfg + " --set train.steps=8 --set train.device=auto --out " + (dir / "run") + " --resume");
@@ -278,4 +279,21 @@ TEST(Train, ADeviceItCannotUseIsAClearErrorAndLosesNothing) {
   EXPECT_EQ(spelled.exit_code, 2);
   EXPECT_NE(spelled.output.find("train.device = \"gpu\" is not one of: auto, cpu, cuda, cuda:N"), std::string::npos)
       << spelled.output;
+}
+
+// A relative data.root is recorded as the absolute path it named, so that the run resumes (and is
+// evaluated) from any directory.
+TEST(Train, ARelativeDataRootIsRecordedAbsoluteSoTheRunResumesFromAnywhere) {
+  test::TempDir dir;
+  test::write_text(dir / "tiny.toml", kTinyConfig);
+  const std::string relative = std::string(kFashionMnistRoot).substr(1);  // from /
+  auto r = test::run_command("cd / && " + test::ddm_binary() + " train --quiet --config " + (dir / "tiny.toml") +
+                             " --set train.steps=4 --set data.root=" + relative + " --out " + (dir / "run"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(test::read_text(dir / "run/config.toml").find("root = '" + std::string(kFashionMnistRoot) + "'"),
+            std::string::npos)
+      << test::read_text(dir / "run/config.toml");
+  r = test::run_command("cd " + dir.path + " && " + test::ddm_binary() + " train --quiet --resume --set train.steps=6 --out run");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_TRUE(fs::exists(dir / "run/ckpt/step-00000006"));
 }
