@@ -80,6 +80,9 @@ int partition_cmd(const PartitionArgs& a) {
                                        "sentence-transformers directory), or give --config with model.text_encoder");
       f.path = text_encoder;
     }
+    if (f.kind == "text")  // before any data is read
+      DDM_INPUT_CHECK(fs::is_directory(f.path), "--features text:" << f.path << ": no such directory (a text encoder's: "
+                                                "CLIP, sentence-transformers or a diffusers pipeline)");
     return f;
   });
   const bool latents = dc.source == "latents";

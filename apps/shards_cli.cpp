@@ -90,16 +90,20 @@ Command add_shards_command(CLI::App& app) {
                    std::vector<std::string> old;
                    if (std::error_code ec; std::filesystem::is_directory(a->out, ec))
                      for (const auto& e : std::filesystem::directory_iterator(a->out)) {
-                       const std::string name = e.path().filename().string();
-                       if (name.rfind(a->prefix + "-", 0) == 0 && name.size() > 4 &&
-                           name.compare(name.size() - 4, 4, ".tar") == 0)
+                       // Exactly the names this command writes, PREFIX-NNNNNN.tar (not another dataset's
+                       // PREFIX-val-000000.tar).
+                       const std::string name = e.path().filename().string(), head = a->prefix + "-";
+                       if (name.size() == head.size() + 10 && name.rfind(head, 0) == 0 &&
+                           name.compare(name.size() - 4, 4, ".tar") == 0 &&
+                           std::all_of(name.begin() + static_cast<std::ptrdiff_t>(head.size()), name.end() - 4,
+                                       [](char c) { return c >= '0' && c <= '9'; }))
                          old.push_back(e.path().string());
                      }
                    std::sort(old.begin(), old.end());
                    if (!old.empty()) {
                      DDM_INPUT_CHECK(a->force, "--out " << a->out << " holds " << old.size() << " shard"
                                                         << (old.size() > 1 ? "s" : "") << " named " << a->prefix
-                                                        << "-*.tar already (" << old.front()
+                                                        << "-NNNNNN.tar already (" << old.front()
                                                         << (old.size() > 1 ? ", ..." : "")
                                                         << "), which a folder or a glob would read beside the new "
                                                            "ones: pass --force to replace them, or use another --out "

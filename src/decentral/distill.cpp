@@ -9,6 +9,7 @@
 #include <torch/torch.h>
 
 #include "core/error.h"
+#include "core/input_check.h"
 #include "core/fileio.h"
 #include "core/run_dir.h"
 #include "decentral/ensemble_dir.h"
@@ -125,11 +126,20 @@ TeacherFn teacher_fn(std::shared_ptr<DistillTeacher> t, const RunConfig& student
 void check_distill_record(const std::string& out_dir, bool resume, const DistillTeacher& t) {
   const fs::path record = fs::path(RunDir(out_dir) / RunDir::kDistill);
   if (resume && fs::exists(record)) {
-    const auto stored = nlohmann::json::parse(read_file(record.string()));
-    // Records written before teacher_sha256 hold only the whole manifest's.
-    const bool same = stored.contains("teacher_sha256") ? stored.at("teacher_sha256") == t.teacher_sha256
-                                                        : stored.at("ensemble_sha256") == t.manifest_sha256;
-    DDM_CHECK(same, "--resume: the ensemble " << t.ens.dir << " holds other models than when this student started "
+    auto stored = nlohmann::json::parse(read_file(record.string()));
+    if (!stored.contains("teacher_sha256")) {
+      // A record of an earlier version holds only the whole manifest's sha256: the same file goes on
+      // (and the record gains teacher_sha256); another may hold the same models, which it cannot tell.
+      DDM_INPUT_CHECK(stored.at("ensemble_sha256") == t.manifest_sha256,
+                      "--resume: the ensemble " << t.ens.dir << "'s ensemble.json changed since this student started, "
+                      "and its distill.json, written by an earlier version, records only that file's sha256: restore "
+                      "the file, or start over with --force");
+      stored["teacher_sha256"] = t.teacher_sha256;
+      write_file_atomic(record.string(), stored.dump(2) + "\n");
+      return;
+    }
+    DDM_INPUT_CHECK(stored.at("teacher_sha256") == t.teacher_sha256,
+                    "--resume: the ensemble " << t.ens.dir << " holds other models than when this student started "
                                               << "(its partition, an expert or the router changed; a new default "
                                               << "routing alone would not count); a student must finish on the teacher "
                                                  "it started with. Restore them, or start over with --force");

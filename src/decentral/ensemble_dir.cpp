@@ -162,7 +162,19 @@ nlohmann::json assemble_ensemble(const std::string& dir, const EnsembleSpec& spe
                  {"weights_sha256", weights_hashes(r.checkpoint)}};
   m["image"] = {{"channels", channels}, {"size", size}, {"num_classes", classes}};
   fs::create_directories(dir);
-  write_file_atomic((fs::path(dir) / "ensemble.json").string(), m.dump(2) + "\n");
+  // An ensemble assembled again lets go of the checkpoints it held (those it still holds are pinned
+  // again below).
+  const fs::path manifest = fs::path(dir) / "ensemble.json";
+  try {
+    if (fs::exists(manifest)) {
+      const nlohmann::json before = nlohmann::json::parse(read_file(manifest.string()));
+      for (const auto& e : before.at("experts")) unpin_checkpoint(resolved_path(dir, e.at("checkpoint").get<std::string>()), dir);
+      unpin_checkpoint(resolved_path(dir, before.at("router").at("checkpoint").get<std::string>()), dir);
+    }
+  } catch (const std::exception&) {
+    // A damaged manifest being replaced: its pins stay (deleting pinned.txt releases them).
+  }
+  write_file_atomic(manifest.string(), m.dump(2) + "\n");
   // The experts' and the router's runs may train on; their rotation keeps what the ensemble names.
   for (const auto& e : m["experts"]) pin_checkpoint(resolved_path(dir, e.at("checkpoint").get<std::string>()), dir);
   pin_checkpoint(r.checkpoint, dir);

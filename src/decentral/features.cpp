@@ -12,6 +12,7 @@
 #include <torch/torch.h>
 
 #include "core/error.h"
+#include "core/input_check.h"
 #include "core/progress.h"
 #include "core/rng.h"
 #include "decentral/features_file.h"
@@ -195,8 +196,8 @@ torch::Tensor pca_project(const torch::Tensor& x_in, int64_t dim, double* explai
 torch::Tensor caption_rows(const std::string& encoder, const std::vector<std::string>& captions,
                            const std::function<std::string(size_t)>& what, bool quiet, torch::Device device,
                            std::string* description) {
-  DDM_CHECK(!encoder.empty(), "--features text: name the text encoder, text:DIR, or set model.text_encoder in --config");
-  auto enc = text::load_text_encoder(encoder);
+  DDM_INPUT_CHECK(!encoder.empty(), "--features text: name the text encoder, text:DIR, or set model.text_encoder in --config");
+  auto enc = as_input_error([&] { return text::load_text_encoder(encoder); });
   enc->to(device);
   torch::NoGradGuard no_grad;
   const size_t n = captions.size();
@@ -280,7 +281,7 @@ Features compute_features(const Dataset& data, const FeatureSource& src, uint64_
                                                          "dataset order");
     desc << "file " << src.path << " (" << out.rows.size(1) << "-d)";
   } else if (src.kind == "text") {
-    DDM_CHECK(static_cast<int64_t>(data.captions.size()) == n,
+    DDM_INPUT_CHECK(static_cast<int64_t>(data.captions.size()) == n,
               "--features text: " << data.description << " has no captions (a .txt beside each image, or a "
                                   << "captions.jsonl: docs/data.md); partition it by its images instead (pixels, "
                                   << "feature-net, latent:RUN) or by your own rows (file:PATH)");

@@ -409,6 +409,19 @@ int run_islands(const IslandsConfig& c, const std::string& ddm_binary) {
   if (c.threads == 0 && processes > 1)
     shared.threads = std::max<int64_t>(1, static_cast<int64_t>(std::thread::hardware_concurrency()) / processes);
   std::vector<Island> islands = plan_islands(shared, k);
+  // An island that trained part of the way goes on with the threads it trained with: a run repeats
+  // bit for bit only at the same thread count (docs/determinism.md).
+  if (c.threads == 0)
+    for (Island& is : islands) {
+      if (progress_of(is).step == 0) continue;
+      try {
+        const int64_t was = load_config(RunDir(is.dir).config()).train.threads;
+        for (std::string& arg : is.args)
+          if (arg.rfind("train.threads=", 0) == 0) arg = "train.threads=" + std::to_string(was);
+      } catch (const std::exception&) {
+        // A run directory it cannot read: the island's own resume says why.
+      }
+    }
   const size_t n = islands.size();
   nlohmann::json state = nlohmann::json::array();
   std::deque<size_t> queue;

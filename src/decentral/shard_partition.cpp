@@ -15,6 +15,7 @@
 
 #include "core/error.h"
 #include "core/fileio.h"
+#include "core/input_check.h"
 #include "core/progress.h"
 #include "data/captions.h"
 #include "data/dataset.h"
@@ -110,7 +111,7 @@ std::vector<std::string> read_captions(const ShardIndex& index) {
       DDM_CHECK(r.next(smp), "shard " << index.shards[s] << " has fewer samples than when it was scanned");
       const std::string what = "shard " + index.shards[s] + ", sample '" + smp.key + "'";
       auto caption = sample_caption(smp, what);
-      DDM_CHECK(caption, "--features text: " << what << " has no caption (a KEY.txt, or a KEY.json with \"caption\" "
+      DDM_INPUT_CHECK(caption, "--features text: " << what << " has no caption (a KEY.txt, or a KEY.json with \"caption\" "
                                              << "or \"text\"); partition by text needs one for every sample (an empty "
                                              << ".txt for a sample meant to go without)");
       captions.push_back(std::move(*caption));

@@ -6,6 +6,7 @@
 #include <iostream>
 #include <thread>
 
+#include "comm/env.h"
 #include "core/error.h"
 #include "data/shard_loader.h"
 #include "model/router.h"
@@ -83,8 +84,15 @@ void resolve_data_shape(RunConfig& cfg, const Dataset& data) {
   resolve_input_shape(cfg, data);
   // Captions found, and no encoder to read them: said, so that nobody trains text-to-image by mistake
   // without the text (a router takes the experts' condition; an autoencoder none).
+  const auto lead = [] {  // rank 0 of a distributed job, or a process alone: says it once
+    try {
+      return detect_dist_env().rank == 0;
+    } catch (const std::exception&) {
+      return true;
+    }
+  };
   if (!data.captions.empty() && cfg.model.text_encoder.empty() && cfg.model.arch != "autoencoder" &&
-      !is_router_arch(cfg.model.arch))
+      !is_router_arch(cfg.model.arch) && lead())
     std::cerr << "note: the data has captions, but model.text_encoder is not set: the model is not conditioned on "
                  "them (to train text-to-image, set model.text_encoder to a text encoder's directory: docs/text.md)"
               << std::endl;

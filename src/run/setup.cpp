@@ -50,11 +50,10 @@ RunConfig normalized_for_resume(RunConfig c) {
   c.sample = d.sample;
   c.parallel = d.parallel;
   c.diloco = d.diloco;
-  // Folders recorded with a trailing slash by earlier versions, which now record them without; a
-  // relative data.root they recorded, as it is read.
+  // Folders recorded with a trailing slash by earlier versions, which now record them without.
   for (std::string* dir : {&c.model.text_encoder, &c.model.unet})
     if (!dir->empty()) *dir = absolute_dir(*dir);
-  c.data.root = absolute_data_root(c.data.root);
+  c.data.root = d.data.root;  // where the data is: moved with a project, or another machine's mount (said)
   return c;
 }
 
@@ -114,19 +113,23 @@ FileLock prepare_run_dir(const TrainOptions& opt, const RunConfig& cfg) {
         const std::string diff = first_difference(to_toml(normalized_for_ranks(stored)), to_toml(normalized_for_ranks(cfg)));
         if (!diff.empty())
           throw InputError("restart of this job: " + opt.out_dir + " holds a run with another config than this job's (" +
-                           diff + "), so this job's first attempt did not start it; it is left as it is. Use "
-                           "--resume to continue it, --force to overwrite it, or another --out");
+                           diff + "), so this job's first attempt did not start it; it is left as it is (a restart "
+                           "never overwrites a run: run the command again, with --resume to continue it, --force to "
+                           "overwrite it, or another --out)");
       }
       const std::string diff =
           first_difference(to_toml(normalized_for_resume(stored)), to_toml(normalized_for_resume(cfg)));
       DDM_INPUT_CHECK(diff.empty(), "--resume: the config differs from the run stored in " << opt.out_dir << ": " << diff
-                                  << ". Only train.steps, lr, grad_clip, log_every, ckpt_every, keep_ckpts, threads, device, precision, loss_scale, deterministic, checkpoint_activations, cuda_graphs, grad_accum, sample_every, sample_n, sample_prompts, data.decode_threads, "
+                                  << ". Only train.steps, lr, grad_clip, log_every, ckpt_every, keep_ckpts, threads, device, precision, loss_scale, deterministic, checkpoint_activations, cuda_graphs, grad_accum, sample_every, sample_n, sample_prompts, data.root, data.decode_threads, "
                                      "data.scan_cache, sample.*, parallel.* and diloco.* may change on resume; use a new --out or --force to start over");
       // What changes the training from here on is said (and recorded: config.toml is rewritten).
       const auto changed = [&](const char* key, double was, double now) {
         if (was != now && !opt.quiet)
           std::cout << "note: --resume: train." << key << " changes from " << was << " to " << now << std::endl;
       };
+      if (absolute_data_root(stored.data.root) != cfg.data.root && !opt.quiet)
+        std::cout << "note: --resume: data.root changes from " << stored.data.root << " to " << cfg.data.root
+                  << ": the run goes on over the data there (the same data moved goes on exactly)" << std::endl;
       changed("lr", stored.train.lr, cfg.train.lr);
       changed("grad_clip", stored.train.grad_clip, cfg.train.grad_clip);
       // How the processes train together may change too (a DiLoCo run resumed without its --set goes
@@ -141,6 +144,10 @@ FileLock prepare_run_dir(const TrainOptions& opt, const RunConfig& cfg) {
     }
     DDM_INPUT_CHECK(opt.force, "'" << opt.out_dir << "' already holds a run (" << cfg_path.string()
                              << "); use --resume to continue it, --force to overwrite it, or another --out");
+    if (!opt.quiet)
+      for (const std::string& ck : list_checkpoints(opt.out_dir))
+        for (const std::string& by : checkpoint_pins(ck))
+          std::cout << "note: --force removes " << ck << ", which " << by << " is built on (its pinned.txt)" << std::endl;
     remove_run_files(dir);
   }
   return lock;
@@ -206,7 +213,8 @@ bool finds_checkpoint(const TrainOptions& opt, Comm& comm, bool rejoining) {
 }  // namespace
 
 std::string absolute_data_root(const std::string& root) {
-  if (root.empty() || fs::path(root).is_absolute()) return root;
+  // A brace pattern may list absolute alternatives ({/mnt/a,/mnt/b}/x.tar): left as it is.
+  if (root.empty() || root[0] == '{' || fs::path(root).is_absolute()) return root;
   return (fs::current_path() / root).string();
 }
 

@@ -119,6 +119,22 @@ void pin_checkpoint(const std::string& ckpt_dir, const std::string& by) {
   }
 }
 
+void unpin_checkpoint(const std::string& ckpt_dir, const std::string& by) {
+  const fs::path pins = fs::path(ckpt_dir) / kPinned;
+  std::error_code ec;
+  if (!fs::exists(pins, ec)) return;
+  const std::string who = absolute_dir(by);
+  std::string kept;
+  for (const std::string& line : checkpoint_pins(ckpt_dir))
+    if (line != who) kept += line + "\n";
+  try {
+    if (kept.empty()) fs::remove(pins);
+    else write_file_atomic(pins.string(), kept);
+  } catch (const std::exception&) {
+    // As pin_checkpoint: a checkpoint this process may not write to.
+  }
+}
+
 std::vector<std::string> checkpoint_pins(const std::string& ckpt_dir) {
   std::vector<std::string> out;
   const fs::path pins = fs::path(ckpt_dir) / kPinned;

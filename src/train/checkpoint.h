@@ -80,6 +80,9 @@ std::string write_checkpoint(const std::string& run_dir, const Checkpoint& ckpt,
 // checkpoint, or one this process may not write to.
 inline constexpr const char* kPinned = "pinned.txt";
 void pin_checkpoint(const std::string& ckpt_dir, const std::string& by);
+// Takes `by` out of CKPT/pinned.txt (the file goes with its last line): an ensemble assembled again
+// lets go of the members it held before. By hand, deleting a line (or the file) does the same.
+void unpin_checkpoint(const std::string& ckpt_dir, const std::string& by);
 // What pins a checkpoint (the lines of its pinned.txt), or nothing.
 std::vector<std::string> checkpoint_pins(const std::string& ckpt_dir);
 // Checkpoint directories of a run, oldest first.

@@ -259,6 +259,10 @@ TEST(DecentralCli, RouterEnsembleAndRoutedSamplingRefuseMismatchedParts) {
             0);
   expect_error(test::run_ddm(distill + "--resume --set train.steps=9 --out " + (dir / "s")),
                "holds other models than when this student started");
+  // The ensemble pins the checkpoints it holds (their runs' rotation keeps them), and lets go of e1's.
+  EXPECT_EQ(test::read_text(dir / "e1b/ckpt/step-00000008/pinned.txt"), dir / "ens" + "\n");
+  EXPECT_FALSE(fs::exists(dir / "e1/ckpt/step-00000006/pinned.txt"));
+  EXPECT_EQ(test::read_text(dir / "e0/ckpt/step-00000006/pinned.txt"), dir / "ens" + "\n");
   ASSERT_EQ(test::run_ddm(assemble).exit_code, 0);
 
   // Mismatched parts.

@@ -327,10 +327,12 @@ TEST(ShardsTrain, BadShardListsAndKeysAreClearErrors) {
   // --force replaces them, and never deletes an input.
   auto stale = test::run_ddm("shards write --from \"" + r.pattern + "\" --shard-size 200 --out " + (r.dir / "w"));
   EXPECT_EQ(stale.exit_code, 2) << stale.output;
-  EXPECT_TRUE(has(stale.output, "holds 6 shards named train-*.tar already")) << stale.output;
+  EXPECT_TRUE(has(stale.output, "holds 6 shards named train-NNNNNN.tar already")) << stale.output;
+  fs::copy_file(r.dir / "w/train-000000.tar", r.dir / "w/train-val-000000.tar");  // another dataset's: kept
   auto forced = test::run_ddm("shards write --from \"" + r.pattern + "\" --shard-size 200 --force --out " + (r.dir / "w"));
   ASSERT_EQ(forced.exit_code, 0) << forced.output;
-  EXPECT_EQ(expand_shards(r.dir / "w", "data.root").size(), 3u);
+  EXPECT_EQ(expand_shards(r.dir / "w/train-[0-9]*.tar", "data.root").size(), 3u);
+  EXPECT_TRUE(fs::exists(r.dir / "w/train-val-000000.tar"));
   auto over = test::run_ddm("shards write --from \"" + r.pattern + "\" --force --out " + (r.dir / "shards"));
   EXPECT_EQ(over.exit_code, 2) << over.output;
   EXPECT_TRUE(has(over.output, "an input shard of the re-sharding")) << over.output;

@@ -296,4 +296,10 @@ TEST(Train, ARelativeDataRootIsRecordedAbsoluteSoTheRunResumesFromAnywhere) {
   r = test::run_command("cd " + dir.path + " && " + test::ddm_binary() + " train --quiet --resume --set train.steps=6 --out run");
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_TRUE(fs::exists(dir / "run/ckpt/step-00000006"));
+  // Data that moved (here: the same folder by another path) is resumed over, and said.
+  const std::string moved = "/usr/share/datasets/../datasets/fashion-mnist";
+  r = test::run_ddm("train --resume --set train.steps=8 --set data.root=" + moved + " --out " + (dir / "run"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("note: --resume: data.root changes from " + std::string(kFashionMnistRoot) + " to " + moved),
+            std::string::npos) << r.output;
 }

@@ -236,6 +236,13 @@ TEST(Checkpoint, PinnedCheckpointsAreKeptByTheRotation) {
   EXPECT_EQ(checkpoint_pins(pinned), (std::vector<std::string>{dir / "latent-run", dir / "encoded"}));
   EXPECT_TRUE(checkpoint_pins(all[2]).empty());
   EXPECT_EQ(read_checkpoint(pinned).step, 10);  // still a whole checkpoint
+  // Released by what pinned it: the last release removes the file, and the next rotation the checkpoint.
+  unpin_checkpoint(pinned, dir / "latent-run/");
+  EXPECT_EQ(checkpoint_pins(pinned), (std::vector<std::string>{dir / "encoded"}));
+  unpin_checkpoint(pinned, dir / "encoded");
+  EXPECT_FALSE(fs::exists(fs::path(pinned) / kPinned));
+  write(70);
+  EXPECT_FALSE(fs::exists(pinned));
   pin_checkpoint(dir / "nothing-here", dir / "x");
   EXPECT_FALSE(fs::exists(dir / "nothing-here"));
 }
