@@ -209,21 +209,24 @@ TEST(ModuleState, ShapeMismatchIsAClearError) {
   EXPECT_NE(error_message([&] { load_module_state(*a, partial, "x"); }).find("has no tensor"), std::string::npos);
 }
 
+// A checkpoint of step `step` of a run of `steps` steps: the module's weights and its optimizer's state.
+static Checkpoint checkpoint_of(torch::nn::Module& m, FlatAdamW& opt, int64_t step, int64_t steps) {
+  Checkpoint ck;
+  ck.step = step;
+  ck.config_toml = "[train]\nsteps = " + std::to_string(steps) + "\n";
+  ck.model = module_state(m);
+  ck.ema = opt.named_ema();
+  ck.optim = opt.optimizer_state();
+  return ck;
+}
+
 // A checkpoint another run is built on (pin_checkpoint) outlives train.keep_ckpts' rotation; pinning
 // twice by the same run records it once; a directory that is no checkpoint is left alone.
 TEST(Checkpoint, PinnedCheckpointsAreKeptByTheRotation) {
   test::TempDir dir;
   auto m = small_mlp(4);
   FlatAdamW opt(*m, {});
-  const auto write = [&](int64_t step) {
-    Checkpoint ck;
-    ck.step = step;
-    ck.config_toml = "[train]\nsteps = 60\n";
-    ck.model = module_state(*m);
-    ck.ema = opt.named_ema();
-    ck.optim = opt.optimizer_state();
-    return write_checkpoint(dir.path, ck, /*keep=*/2);
-  };
+  const auto write = [&](int64_t step) { return write_checkpoint(dir.path, checkpoint_of(*m, opt, step, 60), /*keep=*/2); };
   const std::string pinned = write(10);
   pin_checkpoint(pinned, dir / "latent-run");
   pin_checkpoint(pinned, dir / "latent-run/");
@@ -252,12 +255,7 @@ TEST(Checkpoint, RoundTripPruneAndCorruption) {
   auto m = small_mlp(4);
   FlatAdamW opt(*m, {});
   for (int64_t step : {10, 20, 30, 40}) {
-    Checkpoint ck;
-    ck.step = step;
-    ck.config_toml = "[train]\nsteps = 40\n";
-    ck.model = module_state(*m);
-    ck.ema = opt.named_ema();
-    ck.optim = opt.optimizer_state();
+    Checkpoint ck = checkpoint_of(*m, opt, step, 40);
     ck.state["data_cursor"] = {{"epoch", 1}, {"index", step}};
     write_checkpoint(dir.path, ck, /*keep=*/2);
   }
