@@ -401,9 +401,9 @@ int run_islands(const IslandsConfig& c, const std::string& ddm_binary) {
   // run.threads = 0 shares the cores among the processes that run at once (concurrency islands of
   // nproc processes each, or fewer where fewer are left to run, as on a rerun): two OpenMP pools
   // that each take every core are many times slower than one, not twice.
-  std::vector<bool> finished;
-  for (const Island& is : plan_islands(c, k)) finished.push_back(progress_of(is).done);
-  const int64_t left = std::count(finished.begin(), finished.end(), false);
+  std::vector<IslandProgress> progress;  // each island's, read once
+  for (const Island& is : plan_islands(c, k)) progress.push_back(progress_of(is));
+  const int64_t left = std::count_if(progress.begin(), progress.end(), [](const IslandProgress& p) { return !p.done; });
   IslandsConfig shared = c;
   const int64_t processes = std::min(c.concurrency, left) * c.nproc;
   if (c.threads == 0 && processes > 1)
@@ -412,8 +412,9 @@ int run_islands(const IslandsConfig& c, const std::string& ddm_binary) {
   // An island that trained part of the way goes on with the threads it trained with: a run repeats
   // bit for bit only at the same thread count (docs/determinism.md).
   if (c.threads == 0)
-    for (Island& is : islands) {
-      if (progress_of(is).step == 0) continue;
+    for (size_t i = 0; i < islands.size(); ++i) {
+      Island& is = islands[i];
+      if (progress[i].step == 0) continue;
       try {
         const int64_t was = load_config(RunDir(is.dir).config()).train.threads;
         for (std::string& arg : is.args)
@@ -427,7 +428,7 @@ int run_islands(const IslandsConfig& c, const std::string& ddm_binary) {
   std::deque<size_t> queue;
   std::vector<std::uintmax_t> log_start(n, 0);  // where each island's current attempt starts in its log
   for (size_t i = 0; i < n; ++i) {
-    const bool done = finished[i];
+    const bool done = progress[i].done;
     state.push_back({{"name", islands[i].name}, {"dir", islands[i].dir}, {"log", islands[i].log},
                      {"state", done ? "done" : "pending"}, {"attempts", 0}, {"pid", 0}, {"nproc", c.nproc},
                      {"last_exit", ""}, {"last_error", ""}});

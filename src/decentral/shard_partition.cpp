@@ -81,43 +81,33 @@ torch::Tensor pixel_rows(const torch::Tensor& x) {
   return y.flatten(1).contiguous();
 }
 
-// Every sample's label (-1 for none) from the shards' .cls / .json members alone, and with `keys` its key.
-torch::Tensor read_labels(const ShardIndex& index, std::vector<std::string>* keys = nullptr) {
+// Every sample's label (-1 for none) from the shards' .cls / .json members alone (one pass, no image
+// decoded); with `keys` its key, and with `captions` its caption (data/captions.h; then .txt is read too).
+torch::Tensor read_labels(const ShardIndex& index, std::vector<std::string>* keys = nullptr,
+                          std::vector<std::string>* captions = nullptr) {
   auto labels = torch::empty({index.samples}, torch::kInt64);
   auto* out = labels.data_ptr<int64_t>();
   if (keys) keys->reserve(static_cast<size_t>(index.samples));
+  if (captions) captions->reserve(static_cast<size_t>(index.samples));
   for (size_t s = 0; s < index.shards.size(); ++s) {
     TarShardReader r(index.shards[s]);
-    r.set_filter([](int64_t, const std::string& ext) { return ext == "cls" || ext == "json"; });
+    const bool text = captions != nullptr;
+    r.set_filter([text](int64_t, const std::string& ext) { return ext == "cls" || ext == "json" || (text && ext == "txt"); });
     ShardSample smp;
     for (int64_t i = 0; i < index.counts[s]; ++i) {
       DDM_CHECK(r.next(smp), "shard " << index.shards[s] << " has fewer samples than when it was scanned");
-      *out++ = sample_label(smp, "shard " + index.shards[s] + ", sample '" + smp.key + "'");
-      if (keys) keys->push_back(smp.key);
-    }
-  }
-  return labels;
-}
-
-// Every sample's caption (data/captions.h), in shard order, from its .txt / .json members alone.
-std::vector<std::string> read_captions(const ShardIndex& index) {
-  std::vector<std::string> captions;
-  captions.reserve(static_cast<size_t>(index.samples));
-  ShardSample smp;
-  for (size_t s = 0; s < index.shards.size(); ++s) {
-    TarShardReader r(index.shards[s]);
-    r.set_filter([](int64_t, const std::string& ext) { return ext == "txt" || ext == "json"; });
-    for (int64_t i = 0; i < index.counts[s]; ++i) {
-      DDM_CHECK(r.next(smp), "shard " << index.shards[s] << " has fewer samples than when it was scanned");
       const std::string what = "shard " + index.shards[s] + ", sample '" + smp.key + "'";
+      *out++ = sample_label(smp, what);
+      if (keys) keys->push_back(smp.key);
+      if (!captions) continue;
       auto caption = sample_caption(smp, what);
       DDM_INPUT_CHECK(caption, "--features text: " << what << " has no caption (a KEY.txt, or a KEY.json with \"caption\" "
                                              << "or \"text\"); partition by text needs one for every sample (an empty "
                                              << ".txt for a sample meant to go without)");
-      captions.push_back(std::move(*caption));
+      captions->push_back(std::move(*caption));
     }
   }
-  return captions;
+  return labels;
 }
 
 struct Computed {
@@ -156,8 +146,8 @@ Computed compute(const Dataset& opened, const ShardPartitionOptions& o) {
   }
   if (o.features.kind == "text") {
     // The captions alone are read (no image is decoded), then encoded a batch at a time.
-    c.labels = read_labels(index);
-    const std::vector<std::string> captions = read_captions(index);
+    std::vector<std::string> captions;
+    c.labels = read_labels(index, nullptr, &captions);
     std::string d;
     c.rows = caption_rows(o.features.path, captions, [](size_t i) { return "the caption of sample " + std::to_string(i); },
                           o.cfg.quiet, o.device, &d);

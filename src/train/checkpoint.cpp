@@ -109,11 +109,13 @@ void pin_checkpoint(const std::string& ckpt_dir, const std::string& by) {
   std::error_code ec;
   if (!fs::is_regular_file(dir / RunDir::kState, ec)) return;  // not a ddm checkpoint (a diffusers folder, ...)
   const std::string who = absolute_dir(by);  // one line per run, however it was named
-  const fs::path pins = dir / kPinned;
   try {
-    std::string have = fs::exists(pins) ? read_file(pins.string()) : std::string();
-    if (("\n" + have).find("\n" + who + "\n") != std::string::npos) return;
-    write_file_atomic(pins.string(), have + who + "\n");
+    std::string lines;
+    for (const std::string& line : checkpoint_pins(ckpt_dir)) {
+      if (line == who) return;
+      lines += line + "\n";
+    }
+    write_file_atomic((dir / kPinned).string(), lines + who + "\n");
   } catch (const std::exception&) {
     // A checkpoint this process may not write to: its run cannot remove it either.
   }
