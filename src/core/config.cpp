@@ -4,6 +4,9 @@
 #include "core/config.h"
 
 #include <algorithm>
+#include <cctype>
+#include <charconv>
+#include <cstdlib>
 #include <cmath>
 #include <functional>
 #include <map>
@@ -1121,6 +1124,60 @@ std::string first_difference(const std::string& a, const std::string& b, const s
   }
 }
 
+// toml++ (Debian's build of it) writes a double with 17 significant digits: `outer_lr = 0.7` comes
+// out as 0.69999999999999996. Each float of the written text (outside its strings) is rewritten in
+// the shortest form that reads back to the same double (std::to_chars), so config.toml says what
+// the user wrote.
+static std::string shortest_floats(const std::string& text) {
+  std::string out;
+  out.reserve(text.size());
+  char quote = 0;
+  for (size_t i = 0; i < text.size();) {
+    const char c = text[i];
+    if (quote) {  // inside a string: copied as it is ('...' literal, "..." with escapes)
+      out += c, ++i;
+      if (quote == '"' && c == '\\' && i < text.size()) out += text[i++];
+      else if (c == quote) quote = 0;
+      continue;
+    }
+    if (c == '\'' || c == '"') {
+      quote = c, out += c, ++i;
+      continue;
+    }
+    // A value starts after "= ", "[" or ", ": keys are never rewritten.
+    const bool value_start = !out.empty() && (out.back() == ' ' || out.back() == '[');
+    if (value_start && (std::isdigit(static_cast<unsigned char>(c)) || c == '-')) {
+      size_t j = i + (c == '-');
+      bool is_float = false;
+      while (j < text.size() && (std::isdigit(static_cast<unsigned char>(text[j])) || text[j] == '.' || text[j] == 'e' ||
+                                 text[j] == 'E' || ((text[j] == '+' || text[j] == '-') && (text[j - 1] == 'e' || text[j - 1] == 'E')))) {
+        is_float |= !std::isdigit(static_cast<unsigned char>(text[j]));
+        ++j;
+      }
+      const std::string token = text.substr(i, j - i);
+      char* end = nullptr;
+      const double v = is_float ? std::strtod(token.c_str(), &end) : 0.0;
+      if (is_float && end == token.c_str() + token.size()) {
+        char buf[64];
+        const auto r = std::to_chars(buf, buf + sizeof buf, v);
+        std::string s(buf, r.ptr);
+        if (const size_t e = s.find('e'); e != std::string::npos) {  // 3e-04 as 3e-4
+          const size_t digits = e + 1 + (s[e + 1] == '-' || s[e + 1] == '+');
+          while (s.size() > digits + 1 && s[digits] == '0') s.erase(digits, 1);
+        }
+        if (s.find_first_of(".eE") == std::string::npos) s += ".0";  // still a TOML float
+        out += s;
+      } else {
+        out += token;
+      }
+      i = j;
+      continue;
+    }
+    out += c, ++i;
+  }
+  return out;
+}
+
 std::string to_toml(const RunConfig& cfg) {
   RunConfig copy = cfg;
   std::vector<Field> fs = fields(copy);
@@ -1132,7 +1189,7 @@ std::string to_toml(const RunConfig& cfg) {
   }
   std::ostringstream os;
   os << root << "\n";
-  return os.str();
+  return shortest_floats(os.str());
 }
 
 }  // namespace ddm

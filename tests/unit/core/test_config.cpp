@@ -260,6 +260,27 @@ TEST(Config, ResolvedConfigRoundTrips) {
   EXPECT_EQ(d.model.channel_mult, (std::vector<int64_t>{1, 2, 2}));
 }
 
+// config.toml says what the user wrote: each float in its shortest form that reads back exactly
+// (toml++ alone writes 0.7 as 0.69999999999999996), strings untouched.
+TEST(Config, FloatsAreWrittenAsTheyWereGivenAndReadBackExactly) {
+  RunConfig c = parse_config("", "a", {"diloco.outer_lr=0.7", "train.lr=3e-4", "train.ema_decay=0.9999",
+                                       "sample.cfg=3", "train.label_dropout=0.1"});
+  c.train.beta2 = 1.0 / 3.0;
+  c.diffusion.logit_mean = -2.5e-300;
+  c.data.root = "pics 0.69999999999999996 '=1.50'";
+  const std::string text = to_toml(c);
+  for (const char* want : {"outer_lr = 0.7\n", "lr = 3e-4\n", "adam_eps = 1e-8\n", "ema_decay = 0.9999\n", "cfg = 3.0\n",
+                           "label_dropout = 0.1\n", "logit_mean = -2.5e-300\n"})
+    EXPECT_NE(text.find(want), std::string::npos) << want << " in\n" << text;
+  EXPECT_EQ(text.find("0.6999"), text.find("pics 0.6999") + 5) << text;  // only inside the string
+  const RunConfig d = parse_config(text, "resolved");
+  EXPECT_EQ(d.diloco.outer_lr, 0.7);
+  EXPECT_EQ(d.train.beta2, 1.0 / 3.0);  // bit for bit
+  EXPECT_EQ(d.diffusion.logit_mean, -2.5e-300);
+  EXPECT_EQ(d.data.root, c.data.root);
+  EXPECT_EQ(to_toml(d), text);
+}
+
 TEST(Config, MissingFile) {
   try {
     load_config("/nonexistent/x.toml");
