@@ -41,6 +41,16 @@ std::vector<std::string> list_sorted(const std::string& dir, bool want_dirs) {
   return names;
 }
 
+// The image files anywhere below `dir` (sub-folders included, as torchvision's ImageFolder takes a
+// class folder's), as paths: the folder's own files by name, then each sub-folder's in name order;
+// hidden entries skipped.
+void images_below(const std::string& dir, std::vector<std::string>& out, int depth = 0) {
+  DDM_CHECK(depth < 32, dir << ": folders nested more than 32 deep (a symbolic link to a folder above it?)");
+  for (const auto& f : list_sorted(dir, false))
+    if (is_image_file_name(f)) out.push_back(dir + "/" + f);
+  for (const auto& sub : list_sorted(dir, true)) images_below(dir + "/" + sub, out, depth + 1);
+}
+
 // For a PNG, the first chunk whose length field runs past the end of the file, as an error text
 // ("" if none, or if the bytes are not a PNG). stb allocates a chunk's stated length (up to 1 GB)
 // before it reads the chunk, so an 80-byte file could make it allocate 300 MB.
@@ -156,11 +166,11 @@ Dataset load_image_folder(const std::string& root) {
     }
     for (size_t k = 0; k < classes.size(); ++k) {
       const std::string dir = root + "/" + classes[k];
-      size_t before = files.size();
-      for (const auto& f : list_sorted(dir, false))
-        if (is_image_file_name(f)) files.emplace_back(dir + "/" + f, static_cast<int64_t>(k));
-      DDM_CHECK(files.size() > before, dir << ": class folder '" << classes[k] << "' contains no images "
-                                           << "(add images or remove the folder)");
+      std::vector<std::string> images;
+      images_below(dir, images);
+      for (auto& f : images) files.emplace_back(std::move(f), static_cast<int64_t>(k));
+      DDM_CHECK(!images.empty(), dir << ": class folder '" << classes[k] << "' contains no images, nor do its "
+                                     << "sub-folders (add images or remove the folder)");
     }
     ds.num_classes = static_cast<int64_t>(classes.size());
     ds.class_names = classes;

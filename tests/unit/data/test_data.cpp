@@ -260,6 +260,31 @@ TEST(ImageFolder, LoadsClassesInSortedOrder) {
   EXPECT_EQ(d.images[3][0][1][0].item<int>(), 10 + 3 * 15);
 }
 
+// A class's pictures in sub-folders of its folder are the class's (torchvision's ImageFolder reads
+// them so): once they were skipped without a word, and a class folder holding only sub-folders was
+// "empty".
+TEST(ImageFolder, PicturesInSubFoldersOfAClassFolderAreThatClasss) {
+  ddm::test::TempDir dir;
+  fs::create_directories(dir / "imgs/cat/indoor/sofa");
+  fs::create_directories(dir / "imgs/dog/park");
+  fs::create_directories(dir / "imgs/dog/.thumbs");
+  write_png(dir / "imgs/cat/indoor/sofa/a.png", 5, 4, 3, 10);
+  write_png(dir / "imgs/cat/b.png", 5, 4, 3, 20);
+  write_png(dir / "imgs/dog/park/c.png", 5, 4, 3, 30);
+  write_png(dir / "imgs/dog/.thumbs/hidden.png", 5, 4, 3, 40);
+  DataConfig c;
+  c.source = "folder";
+  c.root = dir / "imgs";
+  Dataset d = ddm::load_dataset(c);
+  EXPECT_EQ(d.class_names, (std::vector<std::string>{"cat", "dog"}));
+  ASSERT_EQ(d.images.size(0), 3);  // not the hidden folder's
+  EXPECT_TRUE(torch::equal(d.labels, torch::tensor({0, 0, 1}, torch::kInt64)));
+  EXPECT_EQ(d.images[0][0][0][0].item<int>(), 20);  // cat/b.png, then cat/indoor/sofa/a.png
+  EXPECT_EQ(d.images[1][0][0][0].item<int>(), 10);
+  fs::remove(dir / "imgs/dog/park/c.png");
+  EXPECT_HAS(load_error(c), "class folder 'dog' contains no images, nor do its sub-folders");
+}
+
 // Every pixel comes back as written, for 1 to 4 channels. A one-channel image once pointed into stb's
 // buffer after it was freed (from_blob + an already-contiguous permute made no copy): the first bytes
 // then read as the allocator's free-list pointers, and the same folder hashed differently per load.
