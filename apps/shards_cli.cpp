@@ -129,7 +129,8 @@ Command add_shards_command(CLI::App& app) {
                      source.source = "shards", source.root = from;
                      remove_old();
                      const ShardsWritten w = reshard(shards, a->out, a->shard_size, a->prefix, report(0));
-                     write_shards_record(a->out, a->prefix, w, data_origin(source), "re-sharded from " + from);
+                     write_shards_record(a->out, a->prefix, w, data_origin(source), "re-sharded from " + from,
+                                         recorded_class_names(shards));
                      done(w, "N");
                      return 0;
                    }
@@ -141,7 +142,8 @@ Command add_shards_command(CLI::App& app) {
                    const int64_t n = data.images.size(0), shards = (n + a->shard_size - 1) / a->shard_size;
                    remove_old();
                    const ShardsWritten w = write_shards(data, a->out, a->shard_size, a->prefix, report(shards));
-                   write_shards_record(a->out, a->prefix, w, data_origin(cfg.data), data.description);
+                   write_shards_record(a->out, a->prefix, w, data_origin(cfg.data), data.description,
+                                       data.num_classes > 0 ? data.class_names : std::vector<std::string>{});
                    done(w, std::to_string(data.images.size(2)));
                    return 0;
                  }};

@@ -15,6 +15,7 @@
 #include "core/fileio.h"
 #include "core/rng.h"
 #include "data/captions.h"
+#include "data/origin.h"
 
 namespace ddm {
 namespace {
@@ -356,7 +357,11 @@ Dataset open_image_shards(const DataConfig& cfg, const std::vector<std::string>&
   Dataset d;
   d.shards = index;
   d.num_classes = index->num_classes;
-  for (int64_t c = 0; c < d.num_classes; ++c) d.class_names.push_back("class " + std::to_string(c));
+  // The names `ddm shards write` recorded (its data's sub-folders), else generic ones.
+  const std::vector<std::string> recorded = d.num_classes > 0 ? recorded_class_names(paths) : std::vector<std::string>{};
+  for (int64_t c = 0; c < d.num_classes; ++c)
+    d.class_names.push_back(c < static_cast<int64_t>(recorded.size()) ? recorded[static_cast<size_t>(c)]
+                                                                      : "class " + std::to_string(c));
   ShardLoaderOptions o = loader_options(cfg, channels, std::min<int64_t>(index->samples, 8), 1);
   o.crop = CropMode::kCenter, o.hflip = false, o.depth = 1;
   ShardLoader probe(index, first, o);

@@ -274,7 +274,15 @@ TEST(ShardsTrain, AModelOnShardsOfFashionMnistIsEvaluable) {
   const auto record = nlohmann::json::parse(test::read_text(r.dir / "shards/train.shards.json"));
   EXPECT_EQ(record["origin"], "fashion-mnist");
   EXPECT_EQ(record["shards"].size(), 8u);
+  // ... and the classes' names: a model trained on them and its samples' labels name them (they
+  // were "class 9" once), as do shards re-sharded from them.
+  ASSERT_EQ(record["class_names"].size(), 10u) << record.dump();
+  EXPECT_EQ(record["class_names"][9], "Ankle boot");
   ASSERT_EQ(test::run_ddm(r.train("run", " --set train.steps=2 --set data.resolution=28")).exit_code, 0);
+  const auto state = nlohmann::json::parse(test::read_text(r.dir / "run/ckpt/step-00000002/state.json"));
+  EXPECT_EQ(state["class_names"], record["class_names"]);
+  ASSERT_EQ(test::run_ddm("shards write --from '" + r.pattern + "' --shard-size 300 --out " + (r.dir / "re")).exit_code, 0);
+  EXPECT_EQ(nlohmann::json::parse(test::read_text(r.dir / "re/train.shards.json"))["class_names"], record["class_names"]);
   auto scored = test::run_ddm("eval --ckpt " + (r.dir / "run") + " --n 200 --steps 2 --out " + (r.dir / "ok"));
   ASSERT_EQ(scored.exit_code, 0) << scored.output;
   EXPECT_TRUE(has(scored.output, "Ankle boot")) << scored.output;  // its class accuracies, by name
