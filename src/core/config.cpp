@@ -723,13 +723,26 @@ RunConfig parse_config_text(const std::string& toml_text, const std::string& ori
   try {
     validate(cfg);
   } catch (const Error& err) {
-    // Named where the value came from: the file, or the --set that last set the key the message is about.
+    // Named where the value came from: of the keys the message names, the first that the file or a
+    // --set gave (the last to set it), else the file ("model.controlnet and model.embed ..." is
+    // about the --set model.embed=... that set the one).
     const std::string message = err.what();
+    const auto is_key_char = [](char c) { return std::isalnum(static_cast<unsigned char>(c)) || c == '_'; };
+    std::map<std::string, std::string> last_where;  // key -> who set it last
+    for (const Entry& e : entries) last_where[e.key] = e.where;
     std::string where = origin;
-    for (const Entry& e : entries) {
-      const bool about = message.rfind(e.key, 0) == 0 &&
-                         (message.size() == e.key.size() || std::string(" =:,").find(message[e.key.size()]) != std::string::npos);
-      if (about) where = e.where;
+    size_t first = std::string::npos;
+    for (const auto& [key, by] : last_where) {
+      for (size_t at = message.find(key); at != std::string::npos && at < first; at = message.find(key, at + 1)) {
+        const size_t end = at + key.size();
+        const bool starts = at == 0 || !(is_key_char(message[at - 1]) || message[at - 1] == '.');
+        const bool ends = end == message.size() || !(is_key_char(message[end]) ||
+                                                     (message[end] == '.' && end + 1 < message.size() && is_key_char(message[end + 1])));
+        if (starts && ends) {
+          first = at, where = by;
+          break;
+        }
+      }
     }
     DDM_FAIL(where << ": " << message);
   }

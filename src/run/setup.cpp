@@ -117,8 +117,10 @@ FileLock prepare_run_dir(const TrainOptions& opt, const RunConfig& cfg) {
                            "never overwrites a run: run the command again, with --resume to continue it, --force to "
                            "overwrite it, or another --out)");
       }
-      const std::string diff =
-          first_difference(to_toml(normalized_for_resume(stored)), to_toml(normalized_for_resume(cfg)));
+      std::string diff = first_difference(to_toml(normalized_for_resume(stored)), to_toml(normalized_for_resume(cfg)));
+      if (!diff.empty() && stored.model.preset != cfg.model.preset)  // named first: it sets many keys
+        diff = "[model] preset = '" + stored.model.preset + "'  (stored run)  vs  preset = '" + cfg.model.preset +
+               "'  (now), a model of another shape (the first key it sets otherwise: " + diff + ")";
       DDM_INPUT_CHECK(diff.empty(), "--resume: the config differs from the run stored in " << opt.out_dir << ": " << diff
                                   << ". Only train.steps, lr, grad_clip, log_every, ckpt_every, keep_ckpts, threads, device, precision, loss_scale, deterministic, checkpoint_activations, cuda_graphs, grad_accum, sample_every, sample_n, sample_prompts, data.root, data.decode_threads, "
                                      "data.scan_cache, sample.*, parallel.* and diloco.* may change on resume; use a new --out or --force to start over");

@@ -71,7 +71,9 @@ TEST(Cli, HelpForEverySubcommand) {
     seen.push_back(sub);
     const std::vector<std::string> listed = listed_subcommands(r.output);
     // Every command that runs (not a group of them) shows examples, as the README says.
-    if (!sub.empty() && listed.empty()) EXPECT_NE(r.output.find("\nExamples:\n"), std::string::npos) << sub << " has no examples";
+    if (!sub.empty() && listed.empty()) {
+      EXPECT_NE(r.output.find("\nExamples:\n"), std::string::npos) << sub << " has no examples";
+    }
     for (const std::string& name : listed) todo.push_back(sub.empty() ? name : sub + " " + name);
   }
   // The walk found them all: the list as of this writing, every one of them.
@@ -207,6 +209,9 @@ TEST(Cli, RunDirectoryProtection) {
   EXPECT_EQ(test::read_text(dir / "run/config.toml"), before);
   // Resuming with a different model is refused.
   expect_error(test::run_ddm(base + " --resume --set model.channels=16"), "config differs");
+  // Another preset is named as such, not by the first of the keys it sets.
+  expect_error(test::run_ddm(base + " --resume --set model.preset=dit-tiny"),
+               "[model] preset = 'unet-tiny'  (stored run)  vs  preset = 'dit-tiny'  (now)");
   // Resuming with more steps continues; --force starts over.
   auto more = test::run_ddm(base + " --resume --set train.steps=5");
   EXPECT_EQ(more.exit_code, 0) << more.output;

@@ -140,6 +140,13 @@ TEST(Config, ValidationErrorsNameTheSetThatGaveTheValue) {
   EXPECT_EQ(from_file.rfind("test.toml: parallel.bucket_mb = 0.0001 MiB", 0), 0u) << from_file;
   const std::string steps = error_of("[train]\nsteps = 3\n", {"train.steps=-5", "train.batch_size=4"});
   EXPECT_EQ(steps.rfind("--set train.steps=-5: train.steps must be > 0", 0), 0u) << steps;
+  // A message that names its key after another's (unset) one is the --set's too, not the file's.
+  const std::string later = error_of("[data]\nsource = 'shards'\nroot = 'a-{0..1}.tar'\nresolution = 8\n",
+                                     {"model.embed=e.safetensors"});
+  EXPECT_EQ(later.rfind("--set model.embed=e.safetensors: model.controlnet and model.embed", 0), 0u) << later;
+  // The first key named that was given decides: here the file's data.source.
+  const std::string file_first = error_of("[data]\nsource = 'shards'\nroot = 'a.tar'\n", {"train.steps=5"});
+  EXPECT_EQ(file_first.rfind("test.toml: data.source = shards needs data.resolution", 0), 0u) << file_first;
 }
 
 TEST(Config, AutoencoderAndLatentKeys) {
