@@ -9,6 +9,7 @@
 #include <limits>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -147,12 +148,13 @@ int train_autoencoder_cmd(const std::string& config, const std::vector<std::stri
 struct ClassifierArgs {
   std::string out = "feature-net.safetensors", root, config;
   std::vector<std::string> overrides, test_overrides;
-  int64_t threads = 2;
+  int64_t threads = 0;  // 0: every core
   bool force = false, no_hflip = false;
   ClassifierTrainConfig cfg;
 };
 
-int train_classifier_cmd(const ClassifierArgs& a, const std::string& command) {
+int train_classifier_cmd(ClassifierArgs a, const std::string& command) {
+  if (a.threads == 0) a.threads = std::max<int64_t>(1, std::thread::hardware_concurrency());
   DDM_INPUT_CHECK(a.force || !fs::exists(a.out),
             a.out << " already exists; pass --force to replace it, or choose another --out");
   create_output_dir(fs::path(a.out).parent_path().string(), "--out");  // before the training
@@ -364,7 +366,8 @@ Command add_classifier_command(CLI::App& app, int argc, char** argv) {
   cmd->add_option("--batch", a->cfg.batch_size, "batch size")->check(kPositive);
   cmd->add_option("--lr", a->cfg.lr, "peak AdamW learning rate")->check(kNonNegative);
   cmd->add_option("--seed", a->cfg.seed, "seed (initialization, data order, augmentation, dropout)");
-  cmd->add_option("--threads", a->threads, "intra-op threads; results depend on it")->check(kPositive);
+  cmd->add_option("--threads", a->threads, "intra-op threads (0 = every core); the result depends on the number, which the "
+                  "network records (give it again to train the same network)")->check(kNonNegative);
   cmd->add_flag("--force", a->force, "replace an existing --out file");
   std::string command = "ddm";
   for (int i = 1; i < argc; ++i) command += std::string(" ") + argv[i];

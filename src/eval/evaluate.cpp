@@ -1,6 +1,7 @@
 // Sample evaluation against real images (see evaluate.h).
 #include "eval/evaluate.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
@@ -11,6 +12,7 @@
 #include <torch/torch.h>
 
 #include "core/error.h"
+#include "core/input_check.h"
 #include "core/fileio.h"
 #include "core/rng.h"
 #include "core/safetensors.h"
@@ -205,6 +207,43 @@ LoadedFeatureNet load_eval_feature_net(const EvalConfig& cfg) {
 
 namespace {
 
+// What the network was trained on, as `ddm train-classifier` recorded it.
+std::string feature_net_data(const LoadedFeatureNet& f) {
+  const auto it = f.metadata.find("train_data");
+  return it == f.metadata.end() ? "data it does not record" : it->second;
+}
+
+// Why the network's classes are not the reference's ("" when they are, or either set is unnamed):
+// another number of classes, or other names where both name theirs ("class 3" names nothing).
+// Its features still serve FD, KID and precision/recall, as Inception's do for any data; its class
+// accuracies and CAS would score other classes.
+std::string other_classes(const LoadedFeatureNet& f, const std::vector<std::string>& ref_names, bool ref_labelled) {
+  const bool classes = f.metadata.count("task") == 0 || f.metadata.at("task") == "classes";
+  if (!classes || !ref_labelled) return "";
+  const int64_t k = f.net->shape().num_classes;
+  std::ostringstream why;
+  if (k != static_cast<int64_t>(ref_names.size())) {
+    why << "the feature network classifies " << k << " classes, the reference has " << ref_names.size();
+    return why.str();
+  }
+  std::vector<std::string> names;
+  if (auto it = f.metadata.find("class_names"); it != f.metadata.end()) {
+    const nlohmann::json j = nlohmann::json::parse(it->second, nullptr, /*allow_exceptions=*/false);
+    if (j.is_array() && std::all_of(j.begin(), j.end(), [](const nlohmann::json& x) { return x.is_string(); }))
+      names = j.get<std::vector<std::string>>();
+  }
+  const auto generic = [](const std::vector<std::string>& v) {
+    return v.empty() || std::all_of(v.begin(), v.end(), [](const std::string& n) { return n.rfind("class ", 0) == 0; });
+  };
+  if (generic(names) || generic(ref_names) || names == ref_names) return "";
+  for (size_t c = 0; c < names.size(); ++c)
+    if (names[c] != ref_names[c]) {
+      why << "the feature network's class " << c << " is '" << names[c] << "', the reference's '" << ref_names[c] << "'";
+      break;
+    }
+  return why.str();
+}
+
 void check_reference_has_a_network(const EvalConfig& cfg) {
   DDM_CHECK(!cfg.reference || !cfg.feature_net.empty(),
             "evaluating against " << cfg.reference->description << " needs a feature network trained on that data "
@@ -226,6 +265,12 @@ void check_eval_inputs(const EvalConfig& cfg, int64_t channels, int64_t image_si
             "--feature-net " << cfg.feature_net << ": no such file (`ddm train-classifier --config C --out F.safetensors` "
                                                    "makes one)");
   const LoadedFeatureNet fnet = load_eval_feature_net(cfg);  // a damaged file, or not a feature network, fails here
+  if (cfg.cas) {
+    const Dataset* ref = cfg.reference.get();
+    const std::string why = ref ? other_classes(fnet, ref->class_names, ref->num_classes > 0) : "";
+    DDM_INPUT_CHECK(why.empty(), "--cas: " << why << ": it was trained on other data (" << feature_net_data(fnet)
+                                     << "); train one on the reference's (`ddm train-classifier --config`)");
+  }
   SampleSet probe;
   probe.origin = what;
   probe.images = torch::zeros({1, channels, image_size, image_size}, torch::kUInt8);
@@ -238,7 +283,7 @@ void check_eval_inputs(const EvalConfig& cfg, int64_t channels, int64_t image_si
 }
 
 EvalReport evaluate_samples(const SampleSet& samples, const EvalConfig& cfg) {
-  DDM_CHECK(!cfg.cas || samples.labels.defined(), samples.origin << ": CAS needs labelled samples (class-conditional)");
+  DDM_INPUT_CHECK(!cfg.cas || samples.labels.defined(), samples.origin << ": CAS needs labelled samples (class-conditional)");
   check_reference_has_a_network(cfg);
   LoadedFeatureNet fnet = load_eval_feature_net(cfg);
   check_images(samples, fnet.net->shape());
@@ -248,15 +293,25 @@ EvalReport evaluate_samples(const SampleSet& samples, const EvalConfig& cfg) {
               "give it more images");
   // The network's classes are the data's (not the turns of an unlabelled set's network): then it
   // judges the requested classes.
-  const bool classes = fnet.metadata.count("task") == 0 || fnet.metadata.at("task") == "classes";
-  DDM_CHECK(!cfg.cas || (classes && ref.labelled),
+  bool classes = fnet.metadata.count("task") == 0 || fnet.metadata.at("task") == "classes";
+  DDM_INPUT_CHECK(!cfg.cas || (classes && ref.labelled),
             samples.origin << ": CAS measures a classifier of the samples on the reference's classes, and "
                            << ref.description << " has none");
+  const std::string other = other_classes(fnet, ref.class_names, ref.labelled);
+  DDM_INPUT_CHECK(!cfg.cas || other.empty(), "--cas: " << other << ": it was trained on other data (" << feature_net_data(fnet)
+                                                 << "); train one on the reference's (`ddm train-classifier --config`)");
+  if (!other.empty()) {
+    if (!cfg.quiet && samples.labels.defined())
+      std::cout << "note: no class accuracies: " << other << " (it was trained on " << feature_net_data(fnet)
+                << "); FD, KID, precision and recall use its features only" << std::endl;
+    classes = false;
+  }
   const auto t0 = std::chrono::steady_clock::now();
   EvalReport r;
   r.origin = samples.origin;
   r.info = samples.info;
   r.feature_net_sha256 = fnet.sha256;
+  if (fnet.metadata.count("train_data")) r.feature_net_data = fnet.metadata.at("train_data");
   r.fmnist = !cfg.reference;
   r.reference = ref.description;
   r.n = samples.images.size(0);
@@ -310,6 +365,7 @@ std::string EvalReport::json() const {
   nlohmann::json j = {{"origin", origin},
                       {"n", n},
                       {"feature_net_sha256", feature_net_sha256},
+                      {"feature_net_data", feature_net_data},
                       {"reference", reference},
                       {"reference_n", reference_n},
                       {fmnist ? "fd_fmnist" : "fd", fd},
@@ -336,7 +392,8 @@ std::string EvalReport::table() const {
   char buf[160];
   o << "samples          " << n << " from " << origin << "\n";
   o << "reference        " << reference << "\n";
-  o << "feature network  sha256 " << feature_net_sha256.substr(0, 16) << "...\n";
+  o << "feature network  sha256 " << feature_net_sha256.substr(0, 16) << "..."
+    << (feature_net_data.empty() ? "" : ", trained on " + feature_net_data) << "\n";
   std::snprintf(buf, sizeof buf, "%-16s %.3f%s\n", fmnist ? "FD-fmnist" : "FD", fd,
                 fmnist ? "" : " (in the feature network's space: not Inception FID, docs/evaluation.md)");
   o << buf;

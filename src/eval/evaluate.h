@@ -69,6 +69,7 @@ SampleSet anchor_samples(const std::string& kind, int64_t n, uint64_t seed, cons
 
 struct EvalReport {
   std::string origin, feature_net_sha256, reference;
+  std::string feature_net_data;        // what `ddm train-classifier` trained it on ("" for the shipped one)
   bool fmnist = true;                  // against Fashion-MNIST's test split (FD-fmnist), else EvalConfig::reference
   int64_t n = 0, reference_n = 0;
   double fd = 0;

@@ -117,4 +117,15 @@ TEST(EvalAnyData, AnUnlabelledFolderTrainsItsFeatureNetworkAndFdTellsTrainedFrom
   test::expect_error(test::run_ddm("eval --samples " + (dir / "s.safetensors") + " --feature-net " + net +
                                    " --reference-config " + (dir / "held.toml") + " --cas" + cache),
                      "CAS measures a classifier of the samples on the reference's classes, and folder");
+  // A network of other classes (the shipped one: Fashion-MNIST's ten) does not score a labelled
+  // reference's classes: CAS refused, naming what it was trained on.
+  image_folder(dir / "labelled/boots", "test", 0, 100);
+  image_folder(dir / "labelled/shirts", "test", 100, 100);
+  test::write_text(dir / "labelled.toml", "[data]\nsource = \"folder\"\nroot = \"" + (dir / "labelled") + "\"\n");
+  r = test::run_ddm("eval --samples " + (dir / "s.safetensors") + " --feature-net " +
+                    test::source_dir() + "/assets/feature-net/fmnist-cnn.safetensors" + " --reference-config " +
+                    (dir / "labelled.toml") + " --cas" + cache);
+  test::expect_error(r, "--cas: the feature network classifies 10 classes, the reference has 2: it was trained on "
+                        "other data (fashion-mnist train: 60000 x 1x28x28, 10 classes)");
+  EXPECT_EQ(r.exit_code, 2) << r.output;
 }
