@@ -57,7 +57,7 @@ std::shared_ptr<DistillTeacher> load_distill_teacher(const RunConfig& cfg, Datas
     for (const auto& e : m.at("experts")) who["experts"].push_back(e.at("weights_sha256"));
     t->teacher_sha256 = sha256_hex(who.dump());
   }
-  const Partition p = load_partition(t->ens.partition_dir);
+  const Partition p = load_ensemble_partition(t->ens);
   check_partition_matches(p, data);
   data.clusters = p.labels;
 

@@ -7,6 +7,7 @@
 #include "core/config.h"
 #include "core/device.h"
 #include "core/error.h"
+#include "core/input_check.h"
 #include "core/fileio.h"
 #include "core/json.h"
 #include "core/run_dir.h"
@@ -244,6 +245,18 @@ LoadedEnsemble load_ensemble(const std::string& dir, bool use_ema, bool allow_mi
   return e;
 }
 
+Partition load_ensemble_partition(const LoadedEnsemble& e) {
+  Partition p = load_partition(e.partition_dir);
+  const std::string was = e.manifest.at("partition").value("sha256", ""), now = sha256_file(p.origin);
+  DDM_INPUT_CHECK(now == was, "the partition " << e.partition_dir << " changed since the ensemble " << e.dir
+                                               << " was assembled (sha256 " << was.substr(0, 12) << ", now "
+                                               << now.substr(0, 12) << "): its clusters are not the ones the experts "
+                                               << "and the router were trained on. Restore it (`ddm partition` with "
+                                               << "the same settings gives the same file), or train the experts and "
+                                               << "the router on it and assemble again");
+  return p;
+}
+
 std::string ensemble_sample_command(const std::string& dir) {
   std::string prompt;
   try {  // a text ensemble samples from prompts: the command without one would be refused
@@ -288,7 +301,7 @@ std::unique_ptr<Ensemble> make_ensemble(const LoadedEnsemble& e, const Routing& 
   RouterFn router;
   double router_flops = 0;
   if (routing.oracle) {
-    const Partition p = load_partition(e.partition_dir);
+    const Partition p = load_ensemble_partition(e);
     DataConfig dc = e.router.cfg.data;
     DDM_CHECK(dc.source != "shards" && dc.source != "latents",
               "--routing oracle computes each step's exact posterior over every training image, held in memory, "

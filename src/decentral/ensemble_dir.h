@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 
 #include "decentral/ensemble.h"
+#include "decentral/partition.h"
 #include "train/loaded_model.h"
 
 namespace ddm {
@@ -48,6 +49,11 @@ struct LoadedEnsemble {
 // The networks (experts, router, a latent model's autoencoder) are loaded onto `device`.
 LoadedEnsemble load_ensemble(const std::string& dir, bool use_ema, bool allow_missing,
                              torch::Device device = torch::kCPU);
+
+// The partition the ensemble was assembled on, verified: the file must be the one ensemble.json
+// records (sha256), else its clusters are not the experts' (a partition made again with other
+// settings) and routing by them (--routing oracle, distillation) would be silently wrong.
+Partition load_ensemble_partition(const LoadedEnsemble& e);
 
 // The run directory of expert k as DIR/ensemble.json names it (nothing is loaded or verified).
 std::string ensemble_expert_run(const std::string& dir, int64_t k);

@@ -427,19 +427,29 @@ int run_islands(const IslandsConfig& c, const std::string& ddm_binary) {
   nlohmann::json state = nlohmann::json::array();
   std::deque<size_t> queue;
   std::vector<std::uintmax_t> log_start(n, 0);  // where each island's current attempt starts in its log
+  // A finished island runs too, resumed with this file's settings: with the ones it finished with,
+  // that does nothing (seconds); with more steps it trains on; with other settings (the file
+  // changed since, or a run of another config put in its place) `ddm train --resume` refuses,
+  // naming the key, and the ensemble is not assembled from it. Finished islands go first.
+  std::vector<bool> checking(n);
   for (size_t i = 0; i < n; ++i) {
     const bool done = progress[i].done;
+    checking[i] = done;
     state.push_back({{"name", islands[i].name}, {"dir", islands[i].dir}, {"log", islands[i].log},
-                     {"state", done ? "done" : "pending"}, {"attempts", 0}, {"pid", 0}, {"nproc", c.nproc},
+                     {"state", "pending"}, {"attempts", 0}, {"pid", 0}, {"nproc", c.nproc},
                      {"last_exit", ""}, {"last_error", ""}});
-    if (!done) queue.push_back(i);
+    if (done) queue.push_back(i);
   }
+  const size_t finished = queue.size();
+  for (size_t i = 0; i < n; ++i)
+    if (!checking[i]) queue.push_back(i);
   const std::string state_path = (fs::path(c.out) / "islands.json").string();
   auto save = [&] { write_file_atomic(state_path, state.dump(2) + "\n"); };
   save();
   const std::string per = c.nproc > 1 ? " per process" : " each";
-  std::cout << "[islands] " << k << " experts and a router in " << c.out << ": " << n - queue.size()
-            << " already done, " << queue.size() << " to run, " << c.concurrency << " at a time"
+  std::cout << "[islands] " << k << " experts and a router in " << c.out << ": " << finished
+            << " already done (each checked against " << c.origin << "), " << n - finished << " to run, "
+            << c.concurrency << " at a time"
             << (c.nproc > 1 ? ", " + std::to_string(c.nproc) + " processes each (ddm launch)" : std::string())
             << ", up to " << c.retries << " restarts each"
             << (shared.threads > 0 ? ", " + std::to_string(shared.threads) + " threads" + per : ", all cores" + per)
@@ -461,9 +471,13 @@ int run_islands(const IslandsConfig& c, const std::string& ddm_binary) {
       state[i]["pid"] = pid;
       state[i]["attempts"] = state[i]["attempts"].get<int64_t>() + 1;
       save();
-      std::cout << "[islands] " << islands[i].name << ": started (attempt " << state[i]["attempts"] << ", pid " << pid
-                << (c.nproc > 1 ? ", " + std::to_string(c.nproc) + " processes" : std::string()) << ", log "
-                << islands[i].log << ")" << std::endl;
+      if (checking[i])
+        std::cout << "[islands] " << islands[i].name << ": finished at step " << progress[i].step
+                  << "; resumed with this file's settings to check them (log " << islands[i].log << ")" << std::endl;
+      else
+        std::cout << "[islands] " << islands[i].name << ": started (attempt " << state[i]["attempts"] << ", pid " << pid
+                  << (c.nproc > 1 ? ", " + std::to_string(c.nproc) + " processes" : std::string()) << ", log "
+                  << islands[i].log << ")" << std::endl;
     }
     if (g_stop != 0 && !stopping) {
       stopping = true;
@@ -505,7 +519,8 @@ int run_islands(const IslandsConfig& c, const std::string& ddm_binary) {
     state[i]["last_exit"] = describe_exit(status);
     if (status.ok() && p.done) {
       state[i]["state"] = "done";
-      std::cout << "[islands] " << is.name << ": done (step " << p.step << ")" << std::endl;
+      if (!checking[i] || p.step != progress[i].step)
+        std::cout << "[islands] " << is.name << ": done (step " << p.step << ")" << std::endl;
     } else if (stopping) {
       state[i]["state"] = "stopped";
       std::cout << "[islands] " << is.name << ": stopped at step " << p.step << std::endl;
@@ -545,11 +560,11 @@ int run_islands(const IslandsConfig& c, const std::string& ddm_binary) {
     std::cout << "[islands] not done:";
     for (const auto& f : failed) std::cout << " " << f << ";";
     if (stopping)  // asked to stop (Ctrl-C, SIGTERM): nothing to fix
-      std::cout << " stopped as asked; run the same command again to go on: finished islands are skipped, the "
+      std::cout << " stopped as asked; run the same command again to go on: finished islands are kept, the "
                    "rest resume from their checkpoints" << std::endl;
     else
       std::cout << " the others are finished and kept. Fix the cause (see the logs), then run the same command "
-                   "again: finished islands are skipped, the rest resume from their checkpoints" << std::endl;
+                   "again: finished islands are kept, the rest resume from their checkpoints" << std::endl;
     return stopping ? 128 + g_stop.load() : 1;  // 130 for SIGINT, 143 for SIGTERM
   }
   EnsembleSpec spec;
@@ -586,11 +601,17 @@ bool holds_checkpoint(const nlohmann::json& ensemble, int64_t expert, const std:
 
 std::string islands_status(const IslandsConfig& c) {
   DDM_CHECK(fs::exists(c.partition), "the partition " << c.partition << " does not exist yet: nothing has run");
-  const std::vector<Island> islands = plan_islands(c, load_partition(c.partition).k);
+  const Partition partition = load_partition(c.partition);
+  const std::vector<Island> islands = plan_islands(c, partition.k);
   nlohmann::json state;
   const std::string state_path = (fs::path(c.out) / "islands.json").string();
-  if (fs::exists(state_path)) state = nlohmann::json::parse(read_file(state_path));
   std::ostringstream s;
+  if (fs::exists(state_path)) try {
+      state = nlohmann::json::parse(read_file(state_path));
+    } catch (const nlohmann::json::exception& e) {
+      s << "note: " << state_path << " is damaged (" << e.what() << "): no attempts or failures to show; the next "
+        << "`ddm islands run " << c.origin << "` writes it again\n";
+    }
   char line[256];
   std::snprintf(line, sizeof line, "%-10s %-12s %-15s %-9s %s\n", "island", "state", "step", "attempts", "last failure");
   s << line;
@@ -598,9 +619,13 @@ std::string islands_status(const IslandsConfig& c) {
   const bool has_ensemble = fs::exists(ensemble);
   std::vector<std::string> not_done, changed;  // islands the ensemble does not hold as they are now
   nlohmann::json assembled;
+  std::string unreadable;  // why ensemble.json cannot be read
   if (has_ensemble) try {
       assembled = nlohmann::json::parse(read_file(ensemble.string()));
-    } catch (const std::exception&) {
+      (void)assembled.at("partition").at("sha256").get<std::string>();
+      (void)assembled.at("experts").size();
+    } catch (const std::exception& e) {
+      unreadable = e.what();
     }
   for (size_t i = 0; i < islands.size(); ++i) {
     const IslandProgress p = progress_of(islands[i]);
@@ -630,7 +655,12 @@ std::string islands_status(const IslandsConfig& c) {
     return out;
   };
   const std::string again = "`ddm islands run " + c.origin + "` ";
-  if (!has_ensemble)
+  if (has_ensemble && !unreadable.empty())
+    s << "ensemble: " << ensemble.string() << " is damaged (" << unreadable << "); " << again << "assembles it again\n";
+  else if (has_ensemble && assembled["partition"]["sha256"] != sha256_file(partition.origin))
+    s << "ensemble: " << ensemble.string() << " is out of date: the partition " << c.partition << " changed since it "
+      << "was assembled (its experts and router trained on the old one refuse it; restore it, or train them again)\n";
+  else if (!has_ensemble)
     s << "ensemble: not assembled yet" << (not_done.empty() ? " (every island is done: " + again + "assembles it)" : "")
       << "\n";
   else if (!not_done.empty())

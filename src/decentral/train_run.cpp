@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
+#include "core/input_check.h"
 #include "core/fileio.h"
 #include "core/presets.h"
 #include "core/run_dir.h"
@@ -106,8 +107,20 @@ void check_partition_record(const RunDir& dir, bool resume, const RunConfig& cfg
   const bool router = is_router_arch(cfg.model.arch);
   const fs::path record = dir / (router ? RunDir::kRouter : RunDir::kExpert);
   if (resume && fs::exists(record)) {
-    const auto stored = nlohmann::json::parse(read_file(record.string()));
-    DDM_CHECK(stored.at("partition_sha256") == sha,
+    nlohmann::json stored;
+    try {
+      stored = nlohmann::json::parse(read_file(record.string()));
+      (void)stored.at("partition_sha256").get<std::string>();
+    } catch (const nlohmann::json::exception& e) {
+      throw InputError(record.string() + " is damaged (" + e.what() + "): it records the partition this run " +
+                       "started on. Restore it, or start over with --force");
+    }
+    // More steps on resume (experts.set of an islands file, --set train.steps): the target recorded.
+    if (!router && stored.value("steps", int64_t{0}) != cfg.train.steps && stored.at("partition_sha256") == sha) {
+      stored["steps"] = cfg.train.steps;
+      write_file_atomic(record.string(), stored.dump(2) + "\n");
+    }
+    DDM_INPUT_CHECK(stored.at("partition_sha256") == sha,
               "--resume: the partition " << p.origin << " changed since this run started (sha256 "
                                          << stored.at("partition_sha256").get<std::string>().substr(0, 12) << ", now "
                                          << sha.substr(0, 12)

@@ -264,6 +264,18 @@ TEST(DecentralCli, RouterEnsembleAndRoutedSamplingRefuseMismatchedParts) {
   EXPECT_FALSE(fs::exists(dir / "e1/ckpt/step-00000006/pinned.txt"));
   EXPECT_EQ(test::read_text(dir / "e0/ckpt/step-00000006/pinned.txt"), dir / "ens" + "\n");
   ASSERT_EQ(test::run_ddm(assemble).exit_code, 0);
+  // The partition made again (another seed) under the ensemble: oracle routing and distillation,
+  // which route by its clusters, refuse it (once they took the new clusters without a word).
+  fs::copy(dir / "p", dir / "p.kept", fs::copy_options::recursive);
+  ASSERT_EQ(test::run_ddm("partition --limit 600 --k 2 --fine 20 --seed 7 --force --out " + (dir / "p")).exit_code, 0);
+  for (const std::string& cmd : {sample + "--routing oracle --out " + (dir / "o.png"), distill + "--out " + (dir / "s9")}) {
+    r = test::run_ddm(cmd);
+    expect_error(r, "changed since the ensemble " + (dir / "ens") + " was assembled");
+    EXPECT_EQ(r.exit_code, 2) << r.output;
+  }
+  fs::remove_all(dir / "p");
+  fs::rename(dir / "p.kept", dir / "p");
+  ASSERT_EQ(test::run_ddm(sample + "--routing oracle --out " + (dir / "o.png")).exit_code, 0);
 
   // Mismatched parts.
   const std::string ens = "ensemble --out " + (dir / "x") + " --partition " + (dir / "p");
@@ -356,10 +368,24 @@ TEST(DecentralCli, IslandsSurviveAKilledIslandAndWriteASlurmArray) {
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("expert 0   done         120/120         2"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("ensemble: runs/k2/ensemble.json"), std::string::npos) << r.output;
-  // Running again skips the finished islands.
+  // Running again keeps the finished islands: each resumed with the file's settings, which finds
+  // nothing to do.
+  const std::string ensemble_before = test::read_text(dir / "runs/k2/ensemble.json");
   r = test::run_command(cd + test::ddm_binary() + " islands run isl.toml");
   ASSERT_EQ(r.exit_code, 0) << r.output;
-  EXPECT_NE(r.output.find("3 already done, 0 to run"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("3 already done (each checked against isl.toml), 0 to run"), std::string::npos) << r.output;
+  EXPECT_EQ(test::read_text(dir / "runs/k2/experts/0/ckpt/step-00000120/ema.safetensors"),
+            test::read_text(dir / "ref/ckpt/step-00000120/ema.safetensors"));
+  // A file whose experts are other than the finished ones (once they counted as done, whatever
+  // trained them, and were assembled): refused by the islands' own resume, naming the key; the
+  // ensemble is kept as it was.
+  test::write_text(dir / "other.toml", std::string(islands).replace(islands.find("[experts]\n"), 10,
+                                                                    "[experts]\nset = [\"model.channels=16\"]\n"));
+  r = test::run_command(cd + test::ddm_binary() + " islands run other.toml");
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find("expert 0: failed (exit code 2"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("the config differs from the run stored in"), std::string::npos) << r.output;
+  EXPECT_EQ(test::read_text(dir / "runs/k2/ensemble.json"), ensemble_before);
   // run.threads = 0 divides the cores among the islands that run at once: two experts deleted, two
   // at a time; then one deleted, which runs alone on every core.
   test::write_text(dir / "isl0.toml", std::string(islands).replace(islands.find("threads = 1"), 11, "threads = 0"));
@@ -368,7 +394,7 @@ TEST(DecentralCli, IslandsSurviveAKilledIslandAndWriteASlurmArray) {
   r = test::run_command(cd + test::ddm_binary() + " islands run isl0.toml");
   ASSERT_EQ(r.exit_code, 0) << r.output;
   const auto share = std::max(1u, std::thread::hardware_concurrency() / 2);
-  EXPECT_NE(r.output.find("1 already done, 2 to run, 2 at a time, up to 2 restarts each, " + std::to_string(share) +
+  EXPECT_NE(r.output.find("1 already done (each checked against isl0.toml), 2 to run, 2 at a time, up to 2 restarts each, " + std::to_string(share) +
                           " threads each"),
             std::string::npos) << r.output;
   fs::remove_all(dir / "runs/k2/experts/1");
@@ -380,7 +406,7 @@ TEST(DecentralCli, IslandsSurviveAKilledIslandAndWriteASlurmArray) {
             std::string::npos) << r.output;
   r = test::run_command(cd + test::ddm_binary() + " islands run isl0.toml");
   ASSERT_EQ(r.exit_code, 0) << r.output;
-  EXPECT_NE(r.output.find("2 already done, 1 to run, 2 at a time, up to 2 restarts each, all cores each"),
+  EXPECT_NE(r.output.find("2 already done (each checked against isl0.toml), 1 to run, 2 at a time, up to 2 restarts each, all cores each"),
             std::string::npos) << r.output;
   r = test::run_command(cd + test::ddm_binary() + " islands status isl0.toml");
   EXPECT_NE(r.output.find("ensemble: runs/k2/ensemble.json\n"), std::string::npos) << r.output;
@@ -391,6 +417,15 @@ TEST(DecentralCli, IslandsSurviveAKilledIslandAndWriteASlurmArray) {
     test::write_text(dir / "runs/k2/ensemble.json", manifest.dump(2));
     r = test::run_command(cd + test::ddm_binary() + " islands status isl0.toml");
     EXPECT_NE(r.output.find("is out of date: expert 0 changed since it was assembled"), std::string::npos) << r.output;
+    // A damaged manifest is said to be damaged (it was called "changed"), a damaged islands.json too.
+    test::write_text(dir / "runs/k2/ensemble.json", kept.substr(0, kept.size() / 2));
+    const std::string record = test::read_text(dir / "runs/k2/islands.json");
+    test::write_text(dir / "runs/k2/islands.json", "[{");
+    r = test::run_command(cd + test::ddm_binary() + " islands status isl0.toml");
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find("ensemble.json is damaged ("), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("islands.json is damaged ("), std::string::npos) << r.output;
+    test::write_text(dir / "runs/k2/islands.json", record);
     test::write_text(dir / "runs/k2/ensemble.json", kept);
   }
 
@@ -502,7 +537,8 @@ TEST(DecentralCli, QuickstartRunsTheWholeDecentralizedPipeline) {
 
   r = test::run_ddm(qs);
   ASSERT_EQ(r.exit_code, 0) << r.output;
-  EXPECT_NE(r.output.find("5 already done, 0 to run"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("5 already done (each checked against "), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find(", 0 to run"), std::string::npos) << r.output;
   r = test::run_ddm("islands status " + (dir / "qs/islands.toml"));
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("ensemble: "), std::string::npos) << r.output;
