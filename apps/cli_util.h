@@ -52,7 +52,13 @@ inline const CLI::Validator kDeviceSpec = CLI::Validator(
 inline std::vector<std::pair<std::string, std::string>> read_texts(const std::vector<std::string>& args,
                                                                    const std::string& file, const std::string& option) {
   std::vector<std::pair<std::string, std::string>> texts;
-  for (size_t i = 0; i < args.size(); ++i) texts.emplace_back(args[i], "text " + std::to_string(i + 1) + " of the command line");
+  // As a caption is read (data/captions.h): without the whitespace around it, nor a file's UTF-8 BOM.
+  const auto trimmed = [](std::string t) {
+    const char* ws = " \t\r\n\v\f";
+    const size_t b = t.find_first_not_of(ws);
+    return b == std::string::npos ? std::string() : t.substr(b, t.find_last_not_of(ws) - b + 1);
+  };
+  for (size_t i = 0; i < args.size(); ++i) texts.emplace_back(trimmed(args[i]), "text " + std::to_string(i + 1) + " of the command line");
   if (!file.empty()) {
     if (std::filesystem::is_directory(file)) throw InputError(option + " " + file + ": a directory; give a text file, one per line");
     std::ifstream in(file, std::ios::binary);
@@ -60,8 +66,8 @@ inline std::vector<std::pair<std::string, std::string>> read_texts(const std::ve
     std::string line;
     int n = 1;
     for (; std::getline(in, line); ++n) {
-      if (!line.empty() && line.back() == '\r') line.pop_back();
-      texts.emplace_back(line, file + " line " + std::to_string(n));
+      if (n == 1 && line.rfind("\xEF\xBB\xBF", 0) == 0) line.erase(0, 3);
+      texts.emplace_back(trimmed(line), file + " line " + std::to_string(n));
     }
     if (n == 1) throw InputError(option + " " + file + ": the file is empty; write one per line");
   }

@@ -239,7 +239,12 @@ std::vector<std::string> open_prompts(const SampleArgs& a, Source& src, Generate
                                                                    << " is not conditioned on text (model.text_encoder)");
     return {};
   }
-  const auto texts = read_texts(a.prompts, a.prompts_file, "--prompts");
+  auto texts = read_texts(a.prompts, a.prompts_file, "--prompts");
+  if (texts.empty() && !m.cfg.train.sample_prompts.empty()) {  // the prompts of the run's grids
+    for (size_t i = 0; i < m.cfg.train.sample_prompts.size(); ++i)
+      texts.emplace_back(m.cfg.train.sample_prompts[i], "train.sample_prompts[" + std::to_string(i) + "]");
+    std::cout << "note: no --prompt given: sampling the prompts of the run's grids (train.sample_prompts)" << std::endl;
+  }
   DDM_INPUT_CHECK(!texts.empty(), src.name << " is conditioned on text (model.text_encoder = " << m.cfg.model.text_encoder
                                          << "): give --prompt TEXT (once per row) or --prompts FILE (one per line)");
   const auto p = static_cast<int64_t>(texts.size());
@@ -282,6 +287,9 @@ std::vector<std::string> open_prompts(const SampleArgs& a, Source& src, Generate
   g.text = enc.select(which);  // [n, T, D], [n, T], [n, P]
   if (each)
     for (int64_t i = 0; i < a.n; ++i) each->push_back(prompts[static_cast<size_t>((i / per) % p)]);
+  if (!a.negative_prompt.empty() && g.sample.cfg == 1.0)
+    std::cout << "note: --negative-prompt does nothing at cfg 1 (no guidance: only the prompt's branch runs); give "
+                 "--cfg above 1 to guide away from it" << std::endl;
   if (!a.negative_prompt.empty()) {
     const Cond negative = encode_texts(*m.text, {a.negative_prompt}, device, {"--negative-prompt"});
     if (src.ensemble) src.ensemble->set_null_text(negative);  // each expert's guidance
@@ -292,7 +300,8 @@ std::vector<std::string> open_prompts(const SampleArgs& a, Source& src, Generate
   if (rows != p)
     std::cout << " (" << rows << " rows for --n " << a.n << ": the prompts in turn" << (a.n % per ? ", the last row short" : "")
               << ")";
-  std::cout << "; guidance against " << (a.negative_prompt.empty() ? "the empty prompt" : "--negative-prompt") << std::endl;
+  if (g.sample.cfg == 1.0) std::cout << "; no guidance (cfg 1)" << std::endl;
+  else std::cout << "; guidance against " << (a.negative_prompt.empty() ? "the empty prompt" : "--negative-prompt") << std::endl;
   std::vector<std::string> labels;
   for (int64_t r = 0; r * per < a.n; ++r) labels.push_back(grid_row_label(prompts[r % p]));
   return labels;

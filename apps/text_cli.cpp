@@ -38,7 +38,7 @@ Command add_text_command(CLI::App& app) {
   auto* tokenize = cmd->add_subcommand(
       "tokenize", "Print the token ids each text becomes, one line per text, as the model gets them.");
   tokenize->add_option("texts", a->texts, "texts to tokenize (or --file)");
-  tokenize->add_option("--file", a->file, "a UTF-8 file of texts, one per line");
+  tokenize->add_option("--file,--prompts", a->file, "a UTF-8 file of texts, one per line (--prompts, as `text encode` and `sample` call it)");
   tokenize->add_option("--tokenizer", a->tokenizer,
                        "clip (CLIP's BPE as open_clip tokenizes), a CLIP vocabulary file, a transformers "
                        "tokenizer directory (CLIP or BERT) or a Stable Diffusion directory");

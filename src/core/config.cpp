@@ -385,8 +385,8 @@ const std::map<std::string, std::string>& key_docs() {
       {"train.sample_n",
        "samples in each grid (a row per class or prompt)"},
       {"train.sample_prompts",
-       "text models: the grid's prompts, a row each (empty: the first 4 captions of data held in memory; "
-       "streamed shards need them)"},
+       "text models: the grid's prompts, a row each (empty: the data's first 4 distinct captions, recorded "
+       "here; `ddm sample` of the run takes them when given no --prompt)"},
       {"train.expert_budget",
        "experts: full, split-batch (batch_size / K) or split-steps (steps / K)"},
       {"train.teacher",
@@ -650,6 +650,8 @@ std::vector<std::string> config_keys() {
   return keys;
 }
 
+static std::string shortest_floats(const std::string& text);  // below, beside to_toml
+
 std::string config_reference() {
   RunConfig c;
   apply_preset(c.model.preset, c.model);  // the defaults a config without [model] keys gets
@@ -673,7 +675,7 @@ std::string config_reference() {
     f.dump(t);
     std::ostringstream value;
     t.begin()->second.visit([&](auto&& n) { value << n; });
-    std::string v = value.str();
+    std::string v = shortest_floats(" " + value.str()).substr(1);  // 0.1, not 0.10000000000000001
     if (v == "''" || v == "\"\"") v = "(empty)";
     const auto doc = docs.find(f.key);
     md << "| `" << f.key.substr(sec.size() + 1) << "` | " << f.type << " | `" << v << "` | "

@@ -6,6 +6,7 @@
 #include <atomic>
 #include <cstring>
 #include <iostream>
+#include <set>
 #include <sstream>
 #include <vector>
 
@@ -479,6 +480,29 @@ void for_each_in_order(const Dataset& opened, const DataConfig& cfg, int64_t n, 
     if (captions && !b.captions.empty()) captions->insert(captions->end(), b.captions.begin(), b.captions.begin() + rows);
     f(b.x.narrow(0, 0, rows), b.y.narrow(0, 0, rows), first);
   }
+}
+
+std::vector<std::string> first_captions(const Dataset& d, int64_t want) {
+  std::vector<std::string> out;
+  std::set<std::string> seen;
+  const auto take = [&](const std::string& c) {
+    if (!c.empty() && seen.insert(c).second) out.push_back(c);
+    return static_cast<int64_t>(out.size()) >= want;
+  };
+  for (const std::string& c : d.captions)
+    if (take(c)) return out;
+  if (!d.captions.empty() || !d.shards || d.shards->samples == 0) return out;
+  ShardOrder order;
+  order.shuffle = false;
+  ShardStream s(d.shards, order, 0, 0);
+  for (int64_t i = 0; i < std::min<int64_t>(d.shards->samples, 256); ++i) {
+    SampleRef ref;
+    const ShardSample smp = s.next(&ref);
+    const auto c = sample_caption(smp, "shard " + d.shards->shards[static_cast<size_t>(ref.shard)] + ", sample '" +
+                                           smp.key + "'");
+    if (c && take(*c)) break;
+  }
+  return out;
 }
 
 void require_images(const Dataset& opened) {

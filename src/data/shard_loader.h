@@ -116,6 +116,11 @@ void for_each_in_order(const Dataset& opened, const DataConfig& cfg, int64_t n, 
                        std::shared_ptr<const std::vector<bool>> keep = nullptr,
                        std::vector<std::string>* captions = nullptr);
 
+// Up to `want` distinct non-empty captions of the data in its stored order (the rows of a text
+// model's grid): from the captions held in memory, or those of the first samples of tar shards (at
+// most 256 read). Fewer, or none, when the data holds fewer.
+std::vector<std::string> first_captions(const Dataset& d, int64_t want);
+
 // Throws, naming `opened`, when it is latent shards: for the commands that need images.
 void require_images(const Dataset& opened);
 

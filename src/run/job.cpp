@@ -97,19 +97,19 @@ void resolve_data_shape(RunConfig& cfg, const Dataset& data) {
                  "them (to train text-to-image, set model.text_encoder to a text encoder's directory: docs/text.md)"
               << std::endl;
   // A text model's grids (run/train_grids.h) take their rows from train.sample_prompts, else from the
-  // captions the data holds in memory: said before the run directory is written.
+  // data's first distinct captions (in memory, or the first samples' of shards), which become the
+  // run's train.sample_prompts (recorded; `ddm sample` of the run takes them too). Said before the
+  // run directory is written.
   const ModelConfig& m = cfg.model;
   if (cfg.train.sample_every > 0 && cfg.train.sample_prompts.empty() && !m.text_encoder.empty() &&
-      m.controlnet.empty() && m.embed.empty())
-    DDM_CHECK(!data.captions.empty(),
+      m.controlnet.empty() && m.embed.empty()) {
+    cfg.train.sample_prompts = first_captions(data, std::min<int64_t>(4, cfg.train.sample_n));
+    DDM_CHECK(!cfg.train.sample_prompts.empty(),
               "train.sample_every = " << cfg.train.sample_every << ": a text model's grid takes its prompts from "
-                  << "train.sample_prompts or the data's first captions, and "
-                  << (data.encoded && !data.encoded->text.encoder.empty()
-                          ? "a `ddm encode --text` directory holds the captions' encodings, not their text"
-                      : data.shards ? "shards stream theirs as training reads them"
-                                    : "the data holds none")
+                  << "train.sample_prompts or the data's first captions, and the data holds none"
                   << ": set train.sample_prompts = [\"a first prompt\", \"a second\"] (one row each), or "
                   << "train.sample_every = 0");
+  }
   fit_patch(cfg.model);
   if (cfg.model.arch == "sd-unet") resolve_sd_unet(cfg.model);  // diffusers' UNet: its folder and sha256
   if (!cfg.diffusion.scheduler.empty()) resolve_scheduler(cfg.diffusion);  // diffusers' training schedule

@@ -173,8 +173,26 @@ TEST(TextSample, PromptsSteerTheSamplesAndTheNegativePromptIsGuidancesNullCondit
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find(" tokens; the text encoder reads the first 16 (the rest of the prompt is left out)"),
             std::string::npos) << r.output;
+  // Without --prompt, the prompts of the run's grids (its first captions, recorded as its
+  // train.sample_prompts); a prompts file's lines are read as captions are, without a BOM or the
+  // whitespace around them.
+  EXPECT_NE(test::read_text(run + "/config.toml").find("sample_prompts = [ 'a red square', 'a green square', 'a blue square' ]"),
+            std::string::npos) << test::read_text(run + "/config.toml");
+  r = test::run_ddm("sample --ckpt " + run + " --steps 10 --n 6 --seed 3 --threads 1 --out " + (dir / "grid2.png"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("note: no --prompt given: sampling the prompts of the run's grids"), std::string::npos) << r.output;
+  EXPECT_TRUE(test::read_text(dir / "grid2.png") == test::read_text(run + "/grids/step-00000200.png"));
+  test::write_text(dir / "padded.txt", "\xEF\xBB\xBF  a red square \t\r\n");
+  r = test::run_ddm("sample --ckpt " + run + " --steps 1 --n 1 --prompts " + (dir / "padded.txt") + " --out " +
+                    (dir / "p.png") + " --png-dir " + (dir / "p"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(test::read_text(dir / "p/000000.txt"), "a red square\n");
+  // A negative prompt at cfg 1 (no guidance) does nothing, and says so.
+  r = test::run_ddm("sample --ckpt " + run + " --steps 1 --n 1 --cfg 1 --prompt a --negative-prompt b --out " + (dir / "c1.png"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("note: --negative-prompt does nothing at cfg 1"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("; no guidance (cfg 1)"), std::string::npos) << r.output;
   // Bad prompts, before any sampling.
-  test::expect_error(test::run_ddm(sample + "--out " + (dir / "x.png")), "is conditioned on text (model.text_encoder = ");
   test::expect_error(test::run_ddm("sample --ckpt " + run + " --n 1 --prompt a --prompt b --out " + (dir / "x.png")),
                      "--n 1 is fewer than the 2 prompts");
   test::write_text(dir / "bad.txt", "a red square\n\xff broken\n");
@@ -277,14 +295,19 @@ TEST(TextTrain, EncodeCachesTheCaptionsEncodingsAndTrainingFromThemTrainsWhatEnc
   const std::string train = "train --quiet --config " + (dir / "text.toml") + " --set data.source=latents --set model.latent=" +
                             ae + " --set model.preset=latent-unet --set model.channels=8 --set model.groups=4 " +
                             "--set model.attn_levels=[0] --set train.caption_dropout=0.25 --set train.log_every=1 ";
-  // Grids need prompts that encoded data does not hold as text: said before anything is written.
-  test::expect_error(test::run_ddm(train + "--set data.root=" + (dir / "cached") + " --set train.sample_every=2 --out " +
-                                   (dir / "grids")),
-                     "a `ddm encode --text` directory holds the captions' encodings, not their text: set "
-                     "train.sample_prompts");
-  EXPECT_FALSE(fs::exists(dir / "grids"));
+  // Grids take the first captions, which the encoded shards keep beside their encodings (they once
+  // had to be given): recorded as the run's train.sample_prompts.
+  r = test::run_ddm(train + "--set data.root=" + (dir / "cached") + " --set train.sample_every=4 --set train.sample_n=3 "
+                    "--set sample.steps=2 --out " + (dir / "grids"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(test::read_text(dir / "grids/config.toml").find("sample_prompts = [ 'a red square', 'a green square', 'a blue square' ]"),
+            std::string::npos) << test::read_text(dir / "grids/config.toml");
+  EXPECT_TRUE(fs::exists(dir / "grids/grids/step-00000004.png"));
   r = test::run_ddm(train + "--set data.root=" + (dir / "cached") + " --out " + (dir / "from-cache"));
   ASSERT_EQ(r.exit_code, 0) << r.output;
+  // A text run without grid prompts samples only the prompts it is given.
+  test::expect_error(test::run_ddm("sample --ckpt " + (dir / "from-cache") + " --n 1 --steps 1 --out " + (dir / "x.png")),
+                     "is conditioned on text (model.text_encoder = ");
   ASSERT_EQ(test::run_ddm(train + "--set data.root=" + (dir / "captions") + " --out " + (dir / "each-step")).exit_code, 0);
   const auto w1 = load_safetensors(dir / "from-cache/ckpt/step-00000004/model.safetensors").tensors;
   const auto w2 = load_safetensors(dir / "each-step/ckpt/step-00000004/model.safetensors").tensors;
