@@ -73,6 +73,10 @@ Source open_source(const SampleArgs& a) {
   if (a.cuda_graphs && a.device == "cpu")
     throw InputError("--cuda-graphs replays the network on a CUDA GPU, but --device cpu: leave one of them out");
   const torch::Device device = resolve_device(a.device, 0, "--device");
+  if (!a.text_encoder.empty()) {
+    DDM_INPUT_CHECK(fs::is_directory(a.text_encoder), "--text-encoder " << a.text_encoder << ": no such directory");
+    use_text_encoder_at(a.text_encoder);  // checked against each checkpoint's recorded sha256 as it loads
+  }
   if (!a.ckpt.empty()) {
     if (!a.routing.empty() || a.allow_missing || a.one_expert_at_a_time)  // a flag that does not apply: exit 2
       throw InputError("--routing, --allow-missing and --one-expert-at-a-time apply only to --ensemble");
@@ -518,6 +522,9 @@ void add_sample_flags(CLI::App* cmd, SampleArgs& a) {
                   "prompt)");
   cmd->add_option("--negative-prompt", a.negative_prompt,
                   "what guidance steers away from (default: the empty prompt, the null condition the model learned)");
+  cmd->add_option("--text-encoder", a.text_encoder,
+                  "a text model's frozen encoder where it is now, if it moved since training (the same weights: "
+                  "checked against the sha256 the checkpoint records)");
   cmd->add_option("--seed", a.seed, "sampling seed")->check(kNonNegative);
   cmd->add_option("--init-noise", a.init_noise,
                   "a safetensors file whose tensor `noise` [n, C, H, W] (float, one row per image; a latent model's "

@@ -18,6 +18,7 @@ struct SampleArgs {
   std::string prompts_file, negative_prompt;              // --prompts FILE; guidance's unconditional prompt
   std::string init_noise;                                // --init-noise FILE: the noise each sample starts from
   std::string png_dir;                                   // --png-dir DIR: every sample as its own PNG
+  std::string text_encoder;                              // --text-encoder DIR: a text model's moved encoder
   int64_t n = 100, steps = 0, class_id = -1, seed = 0, batch = 250, threads = 0;
   std::string device = "auto", precision = "fp32";  // where the network runs, and in what
   double cfg = -1;

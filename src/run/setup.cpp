@@ -117,8 +117,34 @@ FileLock prepare_run_dir(const TrainOptions& opt, const RunConfig& cfg) {
                            "never overwrites a run: run the command again, with --resume to continue it, --force to "
                            "overwrite it, or another --out)");
       }
-      std::string diff = first_difference(to_toml(normalized_for_resume(stored)), to_toml(normalized_for_resume(cfg)));
-      if (!diff.empty() && stored.model.preset != cfg.model.preset)  // named first: it sets many keys
+      // A frozen part found elsewhere (a moved project, a rebuilt environment) with the weights the run
+      // recorded (its sha256): the run goes on with it there, said.
+      RunConfig was = stored;
+      struct Frozen {
+        std::string ModelConfig::*dir;
+        std::string ModelConfig::*sha;
+        const char* key;
+      };
+      for (const Frozen& f : {Frozen{&ModelConfig::text_encoder, &ModelConfig::text_sha256, "model.text_encoder"},
+                              Frozen{&ModelConfig::latent, &ModelConfig::latent_sha256, "model.latent"},
+                              Frozen{&ModelConfig::embed, &ModelConfig::embed_sha256, "model.embed"},
+                              Frozen{&ModelConfig::controlnet, &ModelConfig::controlnet_sha256, "model.controlnet"}}) {
+        std::string& dir = was.model.*f.dir;
+        const std::string& sha = was.model.*f.sha;
+        DDM_INPUT_CHECK(sha.empty() || (cfg.model.*f.sha).empty() || sha == cfg.model.*f.sha,
+                        "--resume: " << f.key << " = " << cfg.model.*f.dir << " holds other weights (sha256 "
+                                     << (cfg.model.*f.sha).substr(0, 12) << ") than those the run trained with (sha256 "
+                                     << sha.substr(0, 12) << "): restore them, or start over with --force");
+        if (dir.empty() || sha.empty() || sha != cfg.model.*f.sha || cfg.model.*f.dir == dir ||
+            absolute_dir(dir) == absolute_dir(cfg.model.*f.dir))
+          continue;
+        if (!opt.quiet)
+          std::cout << "note: --resume: " << f.key << " moves from " << dir << " to " << cfg.model.*f.dir
+                    << " (the same weights: sha256 " << sha.substr(0, 12) << ")" << std::endl;
+        dir = cfg.model.*f.dir;
+      }
+      std::string diff = first_difference(to_toml(normalized_for_resume(was)), to_toml(normalized_for_resume(cfg)));
+      if (!diff.empty() && was.model.preset != cfg.model.preset)  // named first: it sets many keys
         diff = "[model] preset = '" + stored.model.preset + "'  (stored run)  vs  preset = '" + cfg.model.preset +
                "'  (now), a model of another shape (the first key it sets otherwise: " + diff + ")";
       DDM_INPUT_CHECK(diff.empty(), "--resume: the config differs from the run stored in " << opt.out_dir << ": " << diff
@@ -136,10 +162,10 @@ FileLock prepare_run_dir(const TrainOptions& opt, const RunConfig& cfg) {
       changed("grad_clip", stored.train.grad_clip, cfg.train.grad_clip);
       // How the processes train together may change too (a DiLoCo run resumed without its --set goes
       // on as data parallelism): said, with the first key that differs.
-      RunConfig was, now;
-      was.parallel = stored.parallel, was.diloco = stored.diloco;
-      now.parallel = cfg.parallel, now.diloco = cfg.diloco;
-      if (const std::string how = first_difference(to_toml(was), to_toml(now)); !how.empty() && !opt.quiet)
+      RunConfig was_parallel, now_parallel;
+      was_parallel.parallel = stored.parallel, was_parallel.diloco = stored.diloco;
+      now_parallel.parallel = cfg.parallel, now_parallel.diloco = cfg.diloco;
+      if (const std::string how = first_difference(to_toml(was_parallel), to_toml(now_parallel)); !how.empty() && !opt.quiet)
         std::cout << "note: --resume: the run goes on with other parallel settings than it was trained with (" << how
                   << "); give the same --set as before to keep them" << std::endl;
       return lock;

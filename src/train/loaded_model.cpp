@@ -14,11 +14,14 @@
 namespace ddm {
 namespace {
 
+std::string g_text_encoder_at;  // use_text_encoder_at: set once by a command before it loads
+
 LoadedModel load_model_files(const std::string& path, bool use_ema, torch::Device device) {
   LoadedModel m;
   m.checkpoint = resolve_checkpoint(path);
   Checkpoint ck = read_checkpoint(m.checkpoint, /*weights_only=*/true);
   m.cfg = parse_config(ck.config_toml, m.checkpoint + "/" + RunDir::kState + " (config)");
+  if (!g_text_encoder_at.empty() && !m.cfg.model.text_encoder.empty()) m.cfg.model.text_encoder = g_text_encoder_at;
   m.step = ck.step;
   if (ck.state.contains("class_names")) m.class_names = ck.field<std::vector<std::string>>("/class_names");
   m.net = make_network(m.cfg);
@@ -34,6 +37,8 @@ LoadedModel load_model_files(const std::string& path, bool use_ema, torch::Devic
 }
 
 }  // namespace
+
+void use_text_encoder_at(const std::string& dir) { g_text_encoder_at = dir; }
 
 LoadedModel load_model(const std::string& path, bool use_ema, torch::Device device) {
   // A checkpoint, or a frozen part it pins, that cannot be read fails every retry alike: bad input.

@@ -26,6 +26,12 @@ struct LoadedModel {
   std::shared_ptr<const ImageEmbedder> embedder;  // model.embed: the frozen embedding network (else null)
   std::shared_ptr<const text::TextEncoder> text;  // model.text_encoder: the frozen text encoder (else null)
 };
+// Where the frozen text encoder that checkpoints name is now (`ddm sample --text-encoder DIR`: a
+// moved project, a rebuilt environment): every later load takes it from `dir` instead, verified
+// against the sha256 the checkpoint records, so only the same weights are accepted. "" restores
+// the recorded paths.
+void use_text_encoder_at(const std::string& dir);
+
 // path: a run directory (latest checkpoint) or a checkpoint directory. use_ema selects EMA weights
 // (frozen parameters, which have no EMA, keep their model weights).
 LoadedModel load_model(const std::string& path, bool use_ema, torch::Device device = torch::kCPU);

@@ -44,7 +44,9 @@ void resolve_text(ModelConfig& m, const Dataset& data) {
     }
     e = text::load_text_encoder(dir, options_of(m));
   } catch (const Error& err) {
-    DDM_FAIL(key << ": " << err.what());
+    const std::string what = err.what(), dir = m.text_encoder + ": ";
+    // (the encoder's own errors start with its directory, which the key names already)
+    DDM_FAIL(key << ": " << (what.rfind(dir, 0) == 0 ? what.substr(dir.size()) : what));
   }
   const std::string sha = weights_sha256(e->weight_files());
   DDM_CHECK(m.text_sha256.empty() || m.text_sha256 == sha,
@@ -86,6 +88,11 @@ std::shared_ptr<const text::TextEncoder> load_pinned_text_encoder(const ModelCon
                           std::to_string(m.text_tokens) + "\n" + device.str();
   std::lock_guard<std::mutex> lock(mutex);
   if (auto kept = loaded[key].lock()) return kept;
+  DDM_CHECK(fs::is_directory(m.text_encoder),
+            "the model's frozen text encoder " << m.text_encoder << " (model.text_encoder) is not there: restore it, "
+                << "or, if it moved, name its new place (`ddm sample --text-encoder DIR`; to train on, `ddm train ... "
+                << "--set model.text_encoder=DIR --resume`): the same weights (sha256 " << m.text_sha256.substr(0, 12)
+                << ") are accepted");
   std::shared_ptr<text::TextEncoder> e = text::load_text_encoder(m.text_encoder, options_of(m));
   const std::string sha = weights_sha256(e->weight_files());
   DDM_CHECK(sha == m.text_sha256, "the frozen text encoder changed: " << m.text_encoder << " has weights of sha256 " << sha

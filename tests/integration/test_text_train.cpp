@@ -103,11 +103,31 @@ TEST(TextTrain, AChangedEncoderUncaptionedDataAndContradictingKeysAreClearErrors
   test::write_text(dir / "text.toml", config(root, encoder));
   const std::string run = dir / "run";
   ASSERT_EQ(test::run_ddm("train --quiet --config " + (dir / "text.toml") + " --set train.steps=2 --out " + run).exit_code, 0);
-  auto w = load_safetensors(encoder + "/model.safetensors");
+  // The encoder moved (a project moved, an environment rebuilt): named as missing, with the way on;
+  // sampled and trained on from its new place, the same weights (its sha256) accepted.
+  const std::string moved = dir / "moved";
+  fs::rename(encoder, moved);
+  const std::string sample = "sample --ckpt " + run + " --n 1 --steps 1 --prompt 'a red square' --out " + (dir / "m.png");
+  auto r = test::run_ddm(sample);
+  test::expect_error(r, "frozen text encoder " + encoder + " (model.text_encoder) is not there");
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  r = test::run_ddm(sample + " --text-encoder " + moved);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  r = test::run_ddm("train --config " + (dir / "text.toml") + " --set model.text_encoder=" + moved +
+                    " --set train.steps=3 --out " + run + " --resume");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("note: --resume: model.text_encoder moves from " + encoder + " to " + moved), std::string::npos)
+      << r.output;
+  ASSERT_EQ(test::run_ddm(sample).exit_code, 0);  // the latest checkpoint names the new place
+  fs::copy(moved, encoder, fs::copy_options::recursive);  // (for the checks below)
+  // Changed weights are refused, on resume and where a moved encoder is named.
+  auto w = load_safetensors(moved + "/model.safetensors");
   w.tensors.at("pooler.dense.bias").add_(1.0);
-  save_safetensors(encoder + "/model.safetensors", w);
-  test::expect_error(test::run_ddm("train --quiet --config " + run + "/config.toml --out " + run + " --resume"),
-                     "the frozen text encoder changed: " + encoder);
+  save_safetensors(moved + "/model.safetensors", w);
+  test::expect_error(test::run_ddm("train --quiet --config " + (dir / "text.toml") + " --set model.text_encoder=" + moved +
+                                   " --set train.steps=4 --out " + run + " --resume"),
+                     "--resume: model.text_encoder = " + moved + " holds other weights (sha256 ");
+  test::expect_error(test::run_ddm(sample + " --text-encoder " + moved), "the frozen text encoder changed: " + moved);
   // Images without captions.
   for (const auto& e : fs::directory_iterator(root))
     if (e.path().extension() == ".txt") fs::remove(e.path());
