@@ -57,6 +57,9 @@ int partition_cmd(const PartitionArgs& a) {
   DataConfig dc;
   const FeatureSource src = as_input_error([&] {
     DDM_INPUT_CHECK(!a.out.empty(), "--out DIR is required");
+    PartitionConfig settings = a.cfg;
+    settings.balanced = !a.unbalanced;
+    check_partition_config(settings);  // before the features, which can take minutes
     check_partition_out(a.out, a.force);
     std::string text_encoder;  // the config's, for --features text
     if (!a.config.empty()) {
@@ -104,7 +107,7 @@ int partition_cmd(const PartitionArgs& a) {
     o.shard_size = a.shard_size;
     o.min_shards = a.min_shards;
     o.force = a.force;
-    std::cout << format_summary(partition_shards(o, a.out));
+    std::cout << format_summary(as_input_error([&] { return partition_shards(o, a.out); }));
     std::cout << "next: ddm train --config " << a.config << " --partition " << a.out << " --expert 0 --out runs/expert0"
               << (a.reshard ? "" : "  (after partitioning again with --reshard: experts over shards read their own)")
               << std::endl;
@@ -122,8 +125,10 @@ int partition_cmd(const PartitionArgs& a) {
                                                         cfg.metric)
             << ", seed " << cfg.seed << ")" << std::endl;
   Features feats;
-  if (cfg.method != "random") feats = compute_features(data, src, cfg.seed, /*quiet=*/false, device);
-  Partition p = make_partition(feats.rows, n, cfg);
+  // The features of the given data and the clusters of them: what fails here fails again the same way.
+  if (cfg.method != "random")
+    feats = as_input_error([&] { return compute_features(data, src, cfg.seed, /*quiet=*/false, device); });
+  Partition p = as_input_error([&] { return make_partition(feats.rows, n, cfg); });
   p.data_sha256 = dataset_sha256(data);
   p.data_description = data.description;
   p.features = cfg.method == "random" ? "none (random)" : feats.description;
@@ -224,7 +229,8 @@ int ensemble_cmd(const std::string& out, const EnsembleSpec& spec, bool force) {
   DDM_INPUT_CHECK(force || !fs::exists(fs::path(out) / "ensemble.json"),
             out << "/ensemble.json already exists; use --force to replace it or another --out");
   std::vector<std::string> notes;
-  const nlohmann::json m = assemble_ensemble(out, spec, notes);
+  // Every refusal is about the parts it was given (and a damaged checkpoint among them): exit 2.
+  const nlohmann::json m = as_input_error([&] { return assemble_ensemble(out, spec, notes); });
   for (const auto& n : notes) std::cout << "note: " << n << std::endl;
   std::cout << "ensemble of " << m["k"] << " experts (";
   for (const auto& e : m["experts"]) std::cout << (e["index"] == 0 ? "" : ", ") << e["preset"].get<std::string>() << " "

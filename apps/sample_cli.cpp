@@ -95,8 +95,9 @@ Source open_source(const SampleArgs& a) {
   }
   // An ensemble: its experts and router on the device.
   configure_math(device, false);
-  s.members = std::make_unique<LoadedEnsemble>(load_ensemble(a.ensemble, !a.no_ema, a.allow_missing, device));
-  s.routing = parse_routing(a.routing.empty() ? s.members->manifest.value("routing", "top1") : a.routing);
+  s.members = std::make_unique<LoadedEnsemble>(
+      as_input_error([&] { return load_ensemble(a.ensemble, !a.no_ema, a.allow_missing, device); }));
+  s.routing = as_input_error([&] { return parse_routing(a.routing.empty() ? s.members->manifest.value("routing", "top1") : a.routing); });
   if (a.cuda_graphs) {  // every expert's and the router's forward from graphs, on padded groups (below)
     DDM_INPUT_CHECK(device.is_cuda(), "--cuda-graphs needs a CUDA GPU, but the ensemble runs on "
                                     << device << ": leave --cuda-graphs out, or give --device cuda");

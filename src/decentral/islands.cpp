@@ -28,6 +28,7 @@
 
 #include "core/config.h"
 #include "core/error.h"
+#include "core/input_check.h"
 #include "core/fileio.h"
 #include "core/json.h"
 #include "core/run_dir.h"
@@ -324,6 +325,8 @@ std::string divisors(int64_t n) {
 void check_island_batches(const IslandsConfig& c) {
   // K before anything runs: the partition's, or partition.k for one still to be made.
   const int64_t k = fs::exists(c.partition) ? load_partition(c.partition).k : c.k;
+  DDM_INPUT_CHECK(c.k == 0 || c.k == k, c.origin << ": partition.k = " << c.k << " but " << c.partition << " has K = "
+                                                 << k << "; remove partition.k or use another partition.path");
   if (k < 2) return;  // no partition and no partition.k: ensure_partition says so
   // The expert's config exactly as `ddm train` builds it from the island's arguments.
   std::vector<std::string> expert_overrides = c.expert_set;
@@ -387,7 +390,7 @@ int64_t ensure_partition(const IslandsConfig& c, const std::string& ddm_binary) 
     }
   }
   const Partition p = load_partition(c.partition);
-  DDM_CHECK(c.k == 0 || c.k == p.k, c.origin << ": partition.k = " << c.k << " but " << c.partition << " has K = "
+  DDM_INPUT_CHECK(c.k == 0 || c.k == p.k, c.origin << ": partition.k = " << c.k << " but " << c.partition << " has K = "
                                              << p.k << "; remove partition.k or use another partition.path");
   return p.k;
 }
@@ -395,8 +398,9 @@ int64_t ensure_partition(const IslandsConfig& c, const std::string& ddm_binary) 
 int run_islands(const IslandsConfig& c, const std::string& ddm_binary) {
   check_island_batches(c);  // before anything is made or started: nothing runs on a bad run.nproc
   fs::create_directories(fs::path(c.out) / "logs");
-  const FileLock lock((fs::path(c.out) / "islands.lock").string(),
-                      "another `ddm islands run` is working in " + c.out);
+  const FileLock lock = as_input_error([&] {
+    return FileLock((fs::path(c.out) / "islands.lock").string(), "another `ddm islands run` is working in " + c.out);
+  });
   const int64_t k = ensure_partition(c, ddm_binary);
   // run.threads = 0 shares the cores among the processes that run at once (concurrency islands of
   // nproc processes each, or fewer where fewer are left to run, as on a rerun): two OpenMP pools

@@ -62,14 +62,19 @@ torch::Tensor labels_from_allocation(const torch::Tensor& x, const torch::Tensor
 
 }  // namespace
 
-Partition make_partition(const torch::Tensor& features, int64_t n, const PartitionConfig& cfg) {
+void check_partition_config(const PartitionConfig& cfg) {
   DDM_CHECK(cfg.k >= 2, "--k " << cfg.k << ": a partition needs at least 2 clusters (a router chooses among >= 2 "
                                    "experts); for one model on all the data use `ddm train`");
-  DDM_CHECK(cfg.k <= n, "--k " << cfg.k << " is larger than the data (" << n << " images); use at most " << n);
   DDM_CHECK(cfg.method == "kmeans" || cfg.method == "random",
             "--method '" << cfg.method << "': use kmeans or random");
   DDM_CHECK(cfg.metric == "euclidean" || cfg.metric == "cosine",
             "--metric '" << cfg.metric << "': use euclidean or cosine");
+  DDM_CHECK(cfg.method == "random" || cfg.fine >= cfg.k, "--fine " << cfg.fine << " must be at least --k " << cfg.k);
+}
+
+Partition make_partition(const torch::Tensor& features, int64_t n, const PartitionConfig& cfg) {
+  check_partition_config(cfg);
+  DDM_CHECK(cfg.k <= n, "--k " << cfg.k << " is larger than the data (" << n << " images); use at most " << n);
   Partition p;
   p.k = cfg.k;
   p.n = n;

@@ -47,6 +47,10 @@ struct Partition {
   nlohmann::json shards;         // made on tar shards: where each cluster's list and shards are (else null)
 };
 
+// Throws, naming the flag, for settings no data can make a partition of (--k < 2, --fine < --k, an
+// unknown --method or --metric): checked before any data is read.
+void check_partition_config(const PartitionConfig& cfg);
+
 // Clusters feature rows [N, D] (k-means) or just N rows (random). Fills labels, sizes, centroids and
 // settings; the caller fills the data fields.
 Partition make_partition(const torch::Tensor& features, int64_t n, const PartitionConfig& cfg);

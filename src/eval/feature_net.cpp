@@ -11,6 +11,7 @@
 
 #include "core/assets.h"
 #include "core/error.h"
+#include "core/input_check.h"
 #include "core/fileio.h"
 #include "core/progress.h"
 #include "core/rng.h"
@@ -126,7 +127,7 @@ FeatureNet train_classifier(const Dataset& train, const ClassifierTrainConfig& c
   DDM_CHECK(cfg.epochs >= 1 && cfg.batch_size >= 1 && cfg.lr > 0 && cfg.weight_decay >= 0 && cfg.max_shift >= 0,
             "train-classifier: epochs and batch size must be >= 1, lr > 0, weight decay and shift >= 0");
   const int64_t N = train.images.size(0);
-  DDM_CHECK(N >= cfg.batch_size, "train-classifier: " << N << " training images is fewer than one batch of "
+  DDM_INPUT_CHECK(N >= cfg.batch_size, "train-classifier: " << N << " training images is fewer than one batch of "
                                                       << cfg.batch_size);
   FeatureNetShape shape;
   shape.in_channels = train.images.size(1);

@@ -83,7 +83,7 @@ LatentShardsInfo encode_latent_shards(const DataConfig& data, const std::string&
   std::shared_ptr<const text::TextEncoder> encoder;
   ModelConfig tm = o.text_model;
   if (o.text) {
-    DDM_CHECK(!tm.text_encoder.empty(), "--text caches the captions' encodings by the config's model.text_encoder, "
+    DDM_INPUT_CHECK(!tm.text_encoder.empty(), "--text caches the captions' encodings by the config's model.text_encoder, "
                                         "and the config names none; set it (docs/text.md)");
     resolve_text(tm, d);  // the encoder's directory, sha256 and sizes; refuses data without captions
     encoder = load_pinned_text_encoder(tm, o.device);

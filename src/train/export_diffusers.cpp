@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
+#include "core/input_check.h"
 #include "core/fileio.h"
 #include "core/json.h"
 #include "core/weights_dir.h"
@@ -27,7 +28,7 @@ constexpr const char* kDiffusersVersion = "0.42.1";
 
 json read_json_object(const fs::path& file) {
   const json j = read_json_file(file.string());
-  DDM_CHECK(j.is_object(), file.string() << ": not a JSON object");
+  DDM_INPUT_CHECK(j.is_object(), file.string() << ": not a JSON object");
   return j;
 }
 
@@ -58,12 +59,12 @@ TextParts text_parts(const fs::path& dir) {
   if (c.contains("architectures") && c["architectures"].is_array() && !c["architectures"].empty() &&
       c["architectures"][0].is_string())
     p.encoder_class = c["architectures"][0].get<std::string>();
-  DDM_CHECK(p.encoder_class == "CLIPTextModel" || p.encoder_class == "CLIPTextModelWithProjection",
+  DDM_INPUT_CHECK(p.encoder_class == "CLIPTextModel" || p.encoder_class == "CLIPTextModelWithProjection",
             "model.text_encoder = " << dir.string() << ": a Stable Diffusion pipeline's text encoder is transformers' "
                                     << "CLIPTextModel, and this one is "
                                     << (p.encoder_class.empty() ? std::string("not a transformers model") : p.encoder_class));
   const fs::path tconf = p.tokenizer / "tokenizer_config.json";
-  DDM_CHECK(fs::is_regular_file(tconf), "model.text_encoder = " << dir.string() << ": no tokenizer_config.json in "
+  DDM_INPUT_CHECK(fs::is_regular_file(tconf), "model.text_encoder = " << dir.string() << ": no tokenizer_config.json in "
                                                                 << p.tokenizer.string() << " (its CLIPTokenizer)");
   const json t = read_json_object(tconf);
   p.tokenizer_class = t.contains("tokenizer_class") && t["tokenizer_class"].is_string()
@@ -74,14 +75,14 @@ TextParts text_parts(const fs::path& dir) {
 // The scheduler's config: the file the run was trained with, or an Euler scheduler of its schedule.
 json scheduler_config(const RunConfig& cfg) {
   const DiffusionConfig& d = cfg.diffusion;
-  DDM_CHECK(d.objective != "flow" && d.schedule == "discrete",
+  DDM_INPUT_CHECK(d.objective != "flow" && d.schedule == "discrete",
             "a Stable Diffusion pipeline's schedulers follow a discrete schedule (diffusion.schedule = discrete), and "
             "this run trained " << (d.objective == "flow" ? "flow matching" : "the continuous " + d.schedule + " schedule"));
   const std::string prediction = d.objective == "eps" ? "epsilon" : "v_prediction";
   if (!d.scheduler.empty() && fs::is_regular_file(d.scheduler)) {
     json j = read_json_object(d.scheduler);
     const sd::SchedulerConfig s = sd::parse_scheduler_config(j, d.scheduler);
-    DDM_CHECK(s.beta_schedule == d.beta_schedule && s.beta_start == d.beta_start && s.beta_end == d.beta_end &&
+    DDM_INPUT_CHECK(s.beta_schedule == d.beta_schedule && s.beta_start == d.beta_start && s.beta_end == d.beta_end &&
                   s.num_train_timesteps == d.timesteps && s.prediction_type == prediction,
               d.scheduler << " (diffusion.scheduler) no longer holds the schedule the run was trained with ("
                           << d.beta_schedule << " " << d.beta_start << ".." << d.beta_end << " over " << d.timesteps
@@ -103,20 +104,20 @@ json scheduler_config(const RunConfig& cfg) {
 
 std::string export_diffusers(const LoadedModel& m, const std::string& out) {
   const ModelConfig& mc = m.cfg.model;
-  DDM_CHECK(mc.arch == "sd-unet", m.checkpoint << " holds a " << mc.arch << " model; a Stable Diffusion pipeline "
+  DDM_INPUT_CHECK(mc.arch == "sd-unet", m.checkpoint << " holds a " << mc.arch << " model; a Stable Diffusion pipeline "
                                                << "holds diffusers' UNet (model.arch = sd-unet)");
   auto* net = dynamic_cast<sd::SdUNetNetImpl*>(m.net.get());
   auto* controlnet = dynamic_cast<sd::SdControlNetNetImpl*>(m.net.get());
-  DDM_CHECK(net || controlnet, "export_diffusers: the network of " << m.checkpoint << " is not diffusers' UNet");
+  DDM_INPUT_CHECK(net || controlnet, "export_diffusers: the network of " << m.checkpoint << " is not diffusers' UNet");
   const fs::path vae(mc.latent);
-  DDM_CHECK(!mc.latent.empty(), m.checkpoint << " is a pixel model, and a Stable Diffusion pipeline samples latents "
+  DDM_INPUT_CHECK(!mc.latent.empty(), m.checkpoint << " is a pixel model, and a Stable Diffusion pipeline samples latents "
                                              << "of diffusers' AutoencoderKL (model.latent)");
-  DDM_CHECK(fs::is_regular_file(vae / "config.json") && read_json_object(vae / "config.json").value("_class_name", "") == "AutoencoderKL",
+  DDM_INPUT_CHECK(fs::is_regular_file(vae / "config.json") && read_json_object(vae / "config.json").value("_class_name", "") == "AutoencoderKL",
             "model.latent = " << mc.latent << " is ddm's own autoencoder; a Stable Diffusion pipeline needs diffusers' "
                               << "AutoencoderKL");
   const TextParts text = text_parts(mc.text_encoder);
   const json scheduler = scheduler_config(m.cfg);
-  DDM_CHECK(!fs::exists(out), out << " exists: remove it or name another directory (nothing was written)");
+  DDM_INPUT_CHECK(!fs::exists(out), out << " exists: remove it or name another directory (nothing was written)");
 
   const fs::path final_dir = absolute_dir(out);
   const fs::path tmp = final_dir.string() + ".tmp-" + std::to_string(getpid());

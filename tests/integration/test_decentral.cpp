@@ -68,7 +68,12 @@ TEST(DecentralCli, PartitionWritesBalancedClustersAndRefusesBadInput) {
 
   expect_error(test::run_ddm("partition --limit 100 --k 101 --out " + (dir / "x")), "larger than the data");
   // K = 1 would make a partition that no router can take: refused at the source.
-  expect_error(test::run_ddm("partition --limit 100 --k 1 --out " + (dir / "x")), "at least 2 clusters");
+  // Said before any feature is computed, as bad input (exit 2: `ddm islands` and launchers do not
+  // retry it), as every refusal of the commands below.
+  auto refused = test::run_ddm("partition --limit 100 --k 1 --out " + (dir / "x"));
+  expect_error(refused, "at least 2 clusters");
+  EXPECT_EQ(refused.exit_code, 2) << refused.output;
+  EXPECT_EQ(refused.output.find("partitioning"), std::string::npos) << refused.output;
   expect_error(test::run_ddm("partition --limit 100 --k 4 --features dino --out " + (dir / "x")),
                "is not a feature source");
   expect_error(test::run_ddm("partition --limit 100 --k 4 --features file:" + (dir / "none.npy") + " --out " +
@@ -279,8 +284,11 @@ TEST(DecentralCli, RouterEnsembleAndRoutedSamplingRefuseMismatchedParts) {
 
   // Mismatched parts.
   const std::string ens = "ensemble --out " + (dir / "x") + " --partition " + (dir / "p");
-  expect_error(test::run_ddm(ens + " --router " + (dir / "r") + " --expert " + (dir / "e1") + " --expert " + (dir / "e0")),
-               "list the experts in cluster order");
+  auto out_of_order = test::run_ddm(ens + " --router " + (dir / "r") + " --expert " + (dir / "e1") + " --expert " + (dir / "e0"));
+  expect_error(out_of_order, "list the experts in cluster order");
+  EXPECT_EQ(out_of_order.exit_code, 2) << out_of_order.output;
+  auto bogus = test::run_ddm(sample + "--routing bogus --out " + (dir / "x.png"));
+  EXPECT_EQ(bogus.exit_code, 2) << bogus.output;
   expect_error(test::run_ddm(ens + " --router " + (dir / "r") + " --expert " + (dir / "e0")),
                "1 experts given, but the partition");
   expect_error(test::run_ddm(ens + " --router " + (dir / "e0") + experts), "has no router.json");
