@@ -390,6 +390,15 @@ GenerateOptions generate_options(const SampleArgs& a, const LoadedModel& m) {
                 << "sampling without guidance (cfg 1)" << std::endl;
     g.sample.cfg = 1.0;
   }
+  // Guidance steers away from the null condition, which the model learns only from the labels or
+  // captions training dropped: with none dropped it is untrained, and guidance extrapolates from noise.
+  const bool classes_untrained = mc.num_classes > 0 && m.cfg.train.label_dropout == 0;
+  const bool text_untrained = !mc.text_encoder.empty() && m.cfg.train.caption_dropout == 0;
+  if (g.sample.cfg != 1.0 && (classes_untrained || text_untrained))
+    std::cout << "note: cfg " << g.sample.cfg << " guides against the null condition, which " << m.checkpoint
+              << " never trained (" << (text_untrained ? "train.caption_dropout" : "train.label_dropout")
+              << " = 0): expect poor samples; give --cfg 1 (no guidance), or train with a dropout of about 0.1"
+              << std::endl;
   g.batch_size = a.batch;
   g.seed = static_cast<uint64_t>(a.seed);
   g.class_id = a.class_id;

@@ -375,3 +375,21 @@ TEST(Cli, EvalWritesAReportAndRefusesBadSamples) {
   expect_error(test::run_ddm("eval --anchor train --feature-net " + (dir / "junk.safetensors") + cache),
                "junk.safetensors");
 }
+
+// Guidance against a null condition the model never trained (no label dropped in training) is said
+// where it is asked for, and not at cfg 1.
+TEST(Cli, GuidanceWithoutATrainedNullConditionIsSaid) {
+  test::TempDir dir;
+  test::write_text(dir / "tiny.toml", kTiny);
+  ASSERT_EQ(test::run_ddm("train --quiet --config " + (dir / "tiny.toml") + " --set train.steps=1 "
+                          "--set train.label_dropout=0 --out " + (dir / "run")).exit_code,
+            0);
+  const std::string sample = "sample --ckpt " + (dir / "run") + " --n 10 --steps 1 --out " + (dir / "s.png");
+  auto r = test::run_ddm(sample);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("never trained (train.label_dropout = 0): expect poor samples; give --cfg 1"), std::string::npos)
+      << r.output;
+  r = test::run_ddm(sample + " --cfg 1");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(r.output.find("never trained"), std::string::npos) << r.output;
+}
