@@ -226,9 +226,24 @@ LoadedEnsemble load_ensemble(const std::string& dir, bool use_ema, bool allow_mi
       return std::nullopt;
     }
     const nlohmann::json now = weights_hashes(ckpt);
-    DDM_CHECK(now == entry.at("weights_sha256"),
-              what << " changed since the ensemble was assembled: the weights in " << ckpt
-                   << " no longer match ensemble.json's sha256. Re-assemble with ddm ensemble");
+    if (now != entry.at("weights_sha256")) {
+      // Damaged (its files no longer match the sha256 its own state.json recorded when it was written),
+      // or replaced by another checkpoint (training it further): two causes, two remedies.
+      nlohmann::json recorded;
+      try {
+        recorded = nlohmann::json::parse(read_file((RunDir(ckpt) / RunDir::kState))).at("sha256");
+      } catch (const std::exception&) {
+      }
+      for (const char* file : {RunDir::kModel, RunDir::kEma}) {
+        const std::string key = std::string(file) == RunDir::kModel ? "model" : "ema";
+        DDM_CHECK(!recorded.is_object() || !recorded.contains(file) || recorded.at(file) == now.at(key),
+                  what << "'s checkpoint " << ckpt << " is damaged: its " << file << " no longer matches the sha256 "
+                       << "its state.json recorded when it was written. Restore the file (a copy of the run), or "
+                       << "train that expert again and re-assemble with ddm ensemble");
+      }
+      DDM_FAIL(what << " changed since the ensemble was assembled: the weights in " << ckpt
+                    << " no longer match ensemble.json's sha256. Re-assemble with ddm ensemble");
+    }
     return load_model(ckpt, use_ema, device);
   };
   for (int64_t i = 0; i < e.k; ++i) {

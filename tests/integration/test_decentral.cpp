@@ -330,9 +330,15 @@ TEST(DecentralCli, RouterEnsembleAndRoutedSamplingRefuseMismatchedParts) {
   EXPECT_NE(r.output.find("warning: expert 1 is missing"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("1: 0.0% (missing)"), std::string::npos) << r.output;
   fs::rename(dir / "e1/ckpt.away", dir / "e1/ckpt");
-  // Weights that changed after assembly are refused (training it further, here: replacing them).
+  // A damaged checkpoint (a file that no longer matches its own state.json) is named as damaged;
+  // another checkpoint in its place as changed since assembly.
   fs::copy_file(dir / "e0/ckpt/step-00000006/ema.safetensors", dir / "e1/ckpt/step-00000006/ema.safetensors",
                 fs::copy_options::overwrite_existing);
+  expect_error(test::run_ddm(sample + "--out " + (dir / "x.png")),
+               "expert 1's checkpoint " + (dir / "e1/ckpt/step-00000006") + " is damaged: its ema.safetensors");
+  for (const char* file : {"model.safetensors", "state.json"})
+    fs::copy_file(dir / (std::string("e0/ckpt/step-00000006/") + file), dir / (std::string("e1/ckpt/step-00000006/") + file),
+                  fs::copy_options::overwrite_existing);
   expect_error(test::run_ddm(sample + "--out " + (dir / "x.png")), "changed since the ensemble was assembled");
 }
 
