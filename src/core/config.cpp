@@ -215,7 +215,7 @@ const std::map<std::string, std::string>& key_docs() {
       {"data.expert",
        "the cluster to train on, 0..K-1 (-1: all data; routers)"},
       {"data.holdout",
-       "routers: keep the last N images out of training, to measure the router on"},
+       "routers: keep N images, drawn at random (seeded by train.seed), out of training, to measure the router on"},
       {"data.resolution",
        "shards: crop each image square and resize it to this side (required for shards)"},
       {"data.channels",

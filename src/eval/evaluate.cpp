@@ -3,6 +3,8 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
+#include <cstdlib>
 #include <cstdio>
 #include <filesystem>
 #include <iostream>
@@ -361,7 +363,35 @@ EvalReport evaluate_samples(const SampleSet& samples, const EvalConfig& cfg) {
   return r;
 }
 
+namespace {
+
+// An info value as JSON: a number where the text is one ("2.000000" -> 2), a list of integers where
+// it is several separated by spaces (an ensemble's expert_sample_steps), else the text.
+nlohmann::json info_value(const std::string& text) {
+  const auto number = [](const std::string& t, double& v) {
+    char* end = nullptr;
+    v = std::strtod(t.c_str(), &end);
+    return !t.empty() && end == t.c_str() + t.size() && std::isfinite(v);
+  };
+  double v = 0;
+  if (number(text, v)) return v == std::floor(v) && std::abs(v) < 9e15 ? nlohmann::json(static_cast<int64_t>(v)) : nlohmann::json(v);
+  if (text.find(' ') != std::string::npos) {
+    nlohmann::json list = nlohmann::json::array();
+    std::istringstream in(text);
+    for (std::string part; in >> part;) {
+      if (!number(part, v) || v != std::floor(v)) return text;
+      list.push_back(static_cast<int64_t>(v));
+    }
+    return list;
+  }
+  return text;
+}
+
+}  // namespace
+
 std::string EvalReport::json() const {
+  nlohmann::json typed_info = nlohmann::json::object();
+  for (const auto& [key, value] : info) typed_info[key] = info_value(value);
   nlohmann::json j = {{"origin", origin},
                       {"n", n},
                       {"feature_net_sha256", feature_net_sha256},
@@ -377,7 +407,7 @@ std::string EvalReport::json() const {
                       {"recall", pr.recall},
                       {"pr_k", pr.k},
                       {"seconds", seconds},
-                      {"info", info}};
+                      {"info", typed_info}};
   if (cas >= 0) j["cas"] = cas;
   if (mean_class_accuracy >= 0) {
     j["class_accuracy"] = class_accuracy;  // -1 for classes without samples

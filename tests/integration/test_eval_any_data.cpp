@@ -92,6 +92,10 @@ TEST(EvalAnyData, AnUnlabelledFolderTrainsItsFeatureNetworkAndFdTellsTrainedFrom
   // (cfg 1: an unconditional model has nothing to guide by)
   const std::string json = "euler-10steps-cfg1.00-n200.json";
   const double trained = fd_of(dir / "e-run/" + json), untrained = fd_of(dir / "e-untrained/" + json);
+  const auto info = nlohmann::json::parse(test::read_text(dir / "e-run/" + json))["info"];
+  EXPECT_EQ(info["steps"], 10) << info.dump();  // numbers as numbers (they were "10", "1.000000")
+  EXPECT_EQ(info["cfg"], 1) << info.dump();
+  EXPECT_EQ(info["checkpoint"], dir / "run/ckpt/step-00000200") << info.dump();
   std::cout << "FD: trained " << trained << ", untrained " << untrained << std::endl;
   EXPECT_LT(trained * 1.5, untrained) << "trained " << trained << ", untrained " << untrained;
 
