@@ -59,7 +59,8 @@ Command add_text_command(CLI::App& app) {
       ->required();
   encode->add_option("--prompts", a->prompts, "a UTF-8 file of prompts, one per line");
   encode->add_option("--out", a->out, "the safetensors file to write (written whole or not at all)")->required();
-  encode->add_option("--skip", a->skip, "CLIP: states from this many layers before the last (1: the penultimate, as SD 2.x)")
+  encode->add_option("--skip", a->skip, "CLIP: states from this many layers before the last (1: the penultimate; diffusers' SD 2.x text_encoder/ "
+                                        "is stored cut to SD 2.x's penultimate layer already, so 0 there)")
       ->check(kNonNegative);
   encode->add_option("--tokenizer", a->encoder_tokenizer, "a tokenizer instead of the one found with the encoder");
   encode->add_option("--context", a->encode_context, "ids per prompt (default: the tokenizer's, at most the encoder's positions)")
@@ -68,7 +69,7 @@ Command add_text_command(CLI::App& app) {
   encode->add_option("--batch", a->batch, "prompts encoded at once")->check(kPositive);
   encode->add_option("--device", a->device, "where the encoder runs: cpu | cuda | cuda:N")->check(kDeviceSpec);
   encode->footer("\nExamples:\n"
-                 "  ddm text encode --encoder stable-diffusion-2-1 --skip 1 'a red square' --out red.safetensors\n"
+                 "  ddm text encode --encoder stable-diffusion-2-1 'a red square' --out red.safetensors  # SD 2.x's states\n"
                  "  ddm text encode --encoder all-MiniLM-L6-v2 --prompts prompts.txt --out prompts.safetensors\n");
   return Command{cmd, [a, encode] {
                    if (encode->parsed()) {

@@ -292,7 +292,8 @@ const std::map<std::string, std::string>& key_docs() {
       {"model.text_sha256",
        "the encoder's weights, pinned (filled in)"},
       {"model.text_skip",
-       "CLIP: states from this many layers before the last (1: SD 2.x's penultimate)"},
+       "CLIP: states from this many layers before the last (1: the penultimate; 0 for diffusers' SD 2.x "
+       "text_encoder/, stored cut to it)"},
       {"model.text_dim",
        "width of the encoder's token states (filled in)"},
       {"model.text_pooled_dim",
