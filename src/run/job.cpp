@@ -91,7 +91,9 @@ void resolve_data_shape(RunConfig& cfg, const Dataset& data) {
       return true;
     }
   };
-  if (!data.captions.empty() && cfg.model.text_encoder.empty() && cfg.model.arch != "autoencoder" &&
+  const bool captioned = !data.captions.empty() || (data.shards && data.shards->captioned > 0) ||
+                         (data.encoded && !data.encoded->text.encoder.empty());
+  if (captioned && cfg.model.text_encoder.empty() && cfg.model.arch != "autoencoder" &&
       !is_router_arch(cfg.model.arch) && lead())
     std::cerr << "note: the data has captions, but model.text_encoder is not set: the model is not conditioned on "
                  "them (to train text-to-image, set model.text_encoder to a text encoder's directory: docs/text.md)"
