@@ -362,8 +362,10 @@ static torch::Tensor read_init_noise(const std::string& file, int64_t n, const M
     DDM_INPUT_FAIL("--init-noise " << file << ": " << e.what());
   }
   const auto it = f.tensors.find("noise");
+  std::string names;
+  for (const auto& [name, t] : f.tensors) names += (names.empty() ? "" : ", ") + name;
   DDM_INPUT_CHECK(it != f.tensors.end(), "--init-noise " << file << ": no tensor named \"noise\" (it holds "
-                                                   << f.tensors.size() << " other tensors)");
+                                                   << (names.empty() ? "none" : names) << "); save the noise as \"noise\"");
   const torch::Tensor& x = it->second;
   const std::vector<int64_t> want{n, m.in_channels, m.image_size, m.image_size};
   DDM_INPUT_CHECK(x.is_floating_point() && x.sizes() == torch::IntArrayRef(want),
@@ -442,12 +444,12 @@ void write_samples(const SampleArgs& a) {
   const int64_t classes = m.cfg.model.num_classes;
   g.per_class = classes > 0 && a.class_id < 0 ? std::max<int64_t>(1, a.n / classes) : a.n;  // whole rows
   const bool tty = isatty(fileno(stdout));
-  std::cout << "sampling " << a.n << " images from " << src.name;
-  if (src.model) std::cout << " (step " << m.step << ", " << (a.no_ema ? "raw" : "EMA") << " weights)";
-  std::cout << ": " << g.sample.sampler << ", " << g.sample.steps << " steps, cfg " << g.sample.cfg << std::endl;
-  const auto [controls, refs] = open_conditions(a, src, g);
+  const auto [controls, refs] = open_conditions(a, src, g);  // what they refuse, before anything is said
   std::vector<std::string> sample_prompts;  // text models: each sample's
   std::vector<std::string> labels = open_prompts(a, src, g, &sample_prompts);
+  std::cout << "sampling " << a.n << (a.n == 1 ? " image" : " images") << " from " << src.name;
+  if (src.model) std::cout << " (step " << m.step << ", " << (a.no_ema ? "raw" : "EMA") << " weights)";
+  std::cout << ": " << g.sample.sampler << ", " << g.sample.steps << " steps, cfg " << g.sample.cfg << std::endl;
   Generated out = generate(den, m.cfg.model.in_channels, m.cfg.model.image_size, g);
   if (tty) std::printf("\n");
   int64_t cols = std::min<int64_t>(a.n, 10);
@@ -495,6 +497,8 @@ void write_samples(const SampleArgs& a) {
     f.metadata["sampler"] = g.sample.sampler;
     f.metadata["steps"] = std::to_string(g.sample.steps);
     f.metadata["cfg"] = std::to_string(g.sample.cfg);
+    f.metadata["seed"] = std::to_string(g.seed);
+    if (!a.init_noise.empty()) f.metadata["init_noise"] = a.init_noise;
     if (!sample_prompts.empty()) {
       f.metadata["prompts"] = nlohmann::json(sample_prompts).dump();  // sample i's prompt: json.loads(...)[i]
       f.metadata["negative_prompt"] = a.negative_prompt;

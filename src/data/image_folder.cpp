@@ -148,10 +148,11 @@ torch::Tensor read_image_tiles(const std::string& path, int64_t size, const std:
 }
 
 Dataset load_image_folder(const std::string& root) {
-  DDM_CHECK(!root.empty(), "data.root is empty: set it to a folder with one sub-folder of images per class");
+  DDM_CHECK(!root.empty(), "data.root is empty: set it to a folder of images (one sub-folder per class, or the images "
+                           "themselves)");
   std::error_code ec;
   DDM_CHECK(fs::is_directory(root, ec), root << ": image folder not found (set data.root to a directory "
-                                             << "with one sub-folder of images per class)");
+                                             << "of images: one sub-folder per class, or the images themselves)");
 
   Dataset ds;
   std::vector<std::pair<std::string, int64_t>> files;  // (path, label)

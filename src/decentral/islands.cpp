@@ -456,7 +456,8 @@ int run_islands(const IslandsConfig& c, const std::string& ddm_binary) {
             << c.concurrency << " at a time"
             << (c.nproc > 1 ? ", " + std::to_string(c.nproc) + " processes each (ddm launch)" : std::string())
             << ", up to " << c.retries << " restarts each"
-            << (shared.threads > 0 ? ", " + std::to_string(shared.threads) + " threads" + per : ", all cores" + per)
+            << (shared.threads > 0 ? ", " + std::to_string(shared.threads) + (shared.threads == 1 ? " thread" : " threads") + per
+                                   : ", all cores" + per)
             << std::endl;
 
   g_stop = 0;
@@ -530,7 +531,11 @@ int run_islands(const IslandsConfig& c, const std::string& ddm_binary) {
       std::cout << "[islands] " << is.name << ": stopped at step " << p.step << std::endl;
     } else {
       const std::string err = last_error(is.log, log_start[i]);
-      state[i]["last_error"] = describe_exit(status) + " at step " + std::to_string(p.step) + (err.empty() ? "" : ": " + err);
+      // Where it was (its metrics' last step) and where it goes on from (its last checkpoint).
+      const int64_t live = std::max(p.step, logged_step(is));
+      const std::string at = " at step " + std::to_string(live) +
+                             (live != p.step ? " (its last checkpoint: step " + std::to_string(p.step) + ")" : "");
+      state[i]["last_error"] = describe_exit(status) + at + (err.empty() ? "" : ": " + err);
       const int64_t attempts = state[i]["attempts"].get<int64_t>();
       // Exit status 2 (kExitBadInput): ddm refused the island's config or input before it ran (its
       // launcher passes that on); a restart would fail the same way, so the island fails now.
@@ -543,7 +548,7 @@ int run_islands(const IslandsConfig& c, const std::string& ddm_binary) {
       } else if (attempts <= c.retries) {
         state[i]["state"] = "retrying";
         queue.push_back(i);
-        std::cout << "[islands] " << is.name << ": " << describe_exit(status) << " at step " << p.step
+        std::cout << "[islands] " << is.name << ": " << describe_exit(status) << at
                   << (err.empty() ? std::string() : " (" + err + ")")
                   << "; restarting from its last checkpoint (restart " << attempts << " of " << c.retries << ")"
                   << std::endl;

@@ -3,6 +3,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <iomanip>
 #include <sstream>
 
 #include <torch/torch.h>
@@ -93,7 +94,8 @@ std::string RouterReport::table() const {
   std::ostringstream s;
   char line[160];
   s << "router accuracy by noise level (" << images << " " << images_note << ", K = " << k
-    << "; always guessing the largest cluster: " << prior_accuracy << ")\n";
+    << "; always guessing the largest cluster: " << std::fixed << std::setprecision(4) << prior_accuracy
+    << std::defaultfloat << ")\n";
   std::snprintf(line, sizeof line, "%-16s %9s %11s %11s %8s %8s\n", "t", "accuracy", "acc (null)", "confidence",
                 "ECE", "NLL");
   s << line;

@@ -169,7 +169,7 @@ std::string export_diffusers(const LoadedModel& m, const std::string& out) {
   return "wrote " + final_dir.string() + ": " + parts + ", vae/, text_encoder/, tokenizer/, scheduler/ " +
          scheduler.value("_class_name", "") + ")" +
          (mc.text_skip > 0 ? "; the run used the text encoder's states " + std::to_string(mc.text_skip) +
-                                 " layers before the last: pass clip_skip=" + std::to_string(mc.text_skip) + " to the pipeline, or prompt_embeds (" +
+                                 (mc.text_skip == 1 ? " layer" : " layers") + " before the last: pass clip_skip=" + std::to_string(mc.text_skip) + " to the pipeline, or prompt_embeds (" +
                                  "docs/stable-diffusion.md: clip_skip fails in diffusers 0.42.1 with transformers 5)"
                            : "");
 }

@@ -409,7 +409,7 @@ TEST(DecentralCli, IslandsSurviveAKilledIslandAndWriteASlurmArray) {
   ASSERT_EQ(r.exit_code, 0) << r.output;
   const auto share = std::max(1u, std::thread::hardware_concurrency() / 2);
   EXPECT_NE(r.output.find("1 already done (each checked against isl0.toml), 2 to run, 2 at a time, up to 2 restarts each, " + std::to_string(share) +
-                          " threads each"),
+                          (share == 1 ? " thread each" : " threads each")),
             std::string::npos) << r.output;
   fs::remove_all(dir / "runs/k2/experts/1");
   // The status says the ensemble no longer holds what the islands hold.
