@@ -61,6 +61,10 @@ int partition_cmd(const PartitionArgs& a) {
     settings.balanced = !a.unbalanced;
     check_partition_config(settings);  // before the features, which can take minutes
     check_partition_out(a.out, a.force);
+    if (fs::is_regular_file(fs::path(a.out) / "partition.safetensors"))  // --force: said before it is replaced
+      std::cout << "note: --force replaces the partition in " << a.out << ": experts, routers and ensembles trained "
+                << "on it will refuse the new one (they record its sha256); to keep going with them, partition into "
+                << "another --out" << std::endl;
     std::string text_encoder;  // the config's, for --features text
     if (!a.config.empty()) {
       const RunConfig full = load_config(a.config);

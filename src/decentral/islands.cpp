@@ -332,8 +332,20 @@ void check_island_batches(const IslandsConfig& c) {
   std::vector<std::string> expert_overrides = c.expert_set;
   expert_overrides.insert(expert_overrides.end(), {"data.partition='" + fs::absolute(c.partition).string() + "'",
                                                    "data.expert=0", "train.expert_budget=" + c.budget});
-  const TrainConfig expert = load_config(c.config, expert_overrides).train;
-  const TrainConfig router = router_run_config(c.config, c.partition, c.router_preset, c.holdout, c.router_set).train;
+  // Their errors said as the islands file's: its experts.set and router.* are what the islands pass
+  // on as --set and --preset.
+  const auto as_written = [&](const char* keys, const auto& f) {
+    try {
+      return f();
+    } catch (const Error& e) {
+      throw InputError(c.origin + ": " + keys + " (passed to each island as its --set / --preset): " + e.what());
+    }
+  };
+  const TrainConfig expert =
+      as_written("experts.set", [&] { return load_config(c.config, expert_overrides).train; });
+  const TrainConfig router = as_written("router.preset, router.holdout or router.set", [&] {
+    return router_run_config(c.config, c.partition, c.router_preset, c.holdout, c.router_set).train;
+  });
   int64_t expert_batch = expert.batch_size;
   std::string how = "train.batch_size = " + std::to_string(expert.batch_size);
   if (c.budget == "split-batch") {

@@ -208,6 +208,9 @@ std::string resolve_checkpoint(const std::string& path) {
   if (fs::is_directory(p) && (p.has_filename() ? p.filename() : p.parent_path().filename()) == RunDir::kCheckpoints)
     if (auto latest = latest_checkpoint(parent.empty() ? "." : parent.string())) return *latest;
   auto latest = latest_checkpoint(path);
+  DDM_CHECK(latest || !fs::is_regular_file(fs::path(path) / "ensemble.json"),
+            "'" << path << "' is a decentralized ensemble (ensemble.json), not one model's run: give it as "
+                << "--ensemble " << path);
   DDM_CHECK(latest, "'" << path << "' holds no checkpoint (expected " << path
                         << "/ckpt/step-XXXXXXXX/ or a checkpoint directory); train first with ddm train");
   return *latest;
