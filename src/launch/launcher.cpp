@@ -17,6 +17,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <fstream>
 #include <optional>
 
 #include "core/error.h"
@@ -110,6 +111,15 @@ void pump(Worker& w) {
       w.child.output_fd = -1;
     }
   }
+}
+
+// Whether process `pid` is stopped (SIGSTOP, SIGTSTP, a debugger): /proc/PID/stat's state T or t.
+bool is_stopped(pid_t pid) {
+  std::ifstream f("/proc/" + std::to_string(pid) + "/stat");
+  std::string stat;
+  std::getline(f, stat);
+  const size_t close = stat.rfind(')');  // the state follows the command name, which may hold spaces
+  return close != std::string::npos && close + 2 < stat.size() && (stat[close + 2] == 'T' || stat[close + 2] == 't');
 }
 
 // The workers of one attempt. Whatever happens (an exception included), the destructor leaves no
@@ -237,13 +247,19 @@ Outcome run_attempt(const LaunchConfig& c, int64_t attempt, const ChildSpec& bas
         const std::string how = describe(*w.exit);
         say("rank " + std::to_string(w.rank) + " (pid " + std::to_string(w.child.pid) + ") " + how +
             (c.nproc > 1 ? "; stopping the other workers" : ""));
+        // A rank that fails waiting for a stopped one: the stopped one is the cause.
+        for (const auto& other : a.workers)
+          if (!other.exit && is_stopped(other.child.pid))
+            say("rank " + std::to_string(other.rank) + " (pid " + std::to_string(other.child.pid) +
+                ") is stopped (SIGSTOP or a debugger) and has not run since: the others cannot finish a step "
+                "without it");
         begin_stop(SIGTERM, Outcome{Outcome::kFailed, w.rank, w.child.pid, how, 0, refused(*w.exit)});
       }
     }
     if (all_exited) break;
     const auto now = Clock::now();
     if (!stopping && c.timeout_s > 0 && now - start >= std::chrono::duration<double>(c.timeout_s)) {
-      say("attempt " + std::to_string(attempt) + " ran past --timeout " + seconds(c.timeout_s) +
+      say("attempt " + std::to_string(attempt + 1) + " ran past --timeout " + seconds(c.timeout_s) +
           ": stopping the workers (SIGTERM, then SIGKILL after " + seconds(c.grace_s) + ")");
       begin_stop(SIGTERM, Outcome{Outcome::kTimedOut, -1, 0, "", 0});
     }
@@ -337,7 +353,7 @@ int run_launch(const LaunchConfig& c) {
   int64_t restarts_used = 0;  // of max_restarts: whole attempts and single workers together
   for (int64_t attempt = 0;; ++attempt) {
     for (int sig : signals.read_stop_signals()) {  // arrived between attempts
-      say("got " + signal_name(sig) + " before attempt " + std::to_string(attempt) + " started: not starting it");
+      say("got " + signal_name(sig) + " before attempt " + std::to_string(attempt + 1) + " started: not starting it");
       return 128 + sig;
     }
     const Outcome o = run_attempt(c, attempt, base, store.port(), signals, restarts_used);
@@ -352,7 +368,7 @@ int run_launch(const LaunchConfig& c) {
       return 128 + o.signal;
     }
     DDM_CHECK(o.kind != Outcome::kTimedOut,
-              "attempt " << attempt << " ran past --timeout " << seconds(c.timeout_s)
+              "attempt " << attempt + 1 << " ran past --timeout " << seconds(c.timeout_s)
                          << " and its workers were stopped; raise --timeout (0: no limit) if the job needs longer");
     if (o.refused)
       throw InputError("rank " + std::to_string(o.rank) + " (pid " + std::to_string(o.pid) + ") " + o.how +

@@ -291,6 +291,8 @@ TEST(Launch, AStoppedWorkerEndsWithTheOthersNotAfterTheGracePeriod) {
                                       worker);
   EXPECT_EQ(r.exit_code, 1) << r.output;
   EXPECT_TRUE(contains(r.output, "rank 0 (pid")) << r.output;
+  // ... and names the stopped one as what the others waited for.
+  EXPECT_TRUE(contains(r.output, ") is stopped (SIGSTOP or a debugger) and has not run since")) << r.output;
   EXPECT_FALSE(contains(r.output, "sending SIGKILL")) << r.output;
   EXPECT_TRUE(ws.strays_after(5).empty());
 }
