@@ -224,6 +224,17 @@ int train_router_cmd(const RouterArgs& a) {
     if (s.interrupted) return 128 + s.signal;
     if (s.rank != 0) return 0;  // rank 0 evaluates and writes router_eval.json
     std::cout << "done: step " << s.last_step << ", checkpoint " << s.checkpoint << std::endl;
+    // A finished router resumed (`ddm islands run` checks its islands so): its report stands.
+    try {
+      const std::string report = RunDir(a.out) / RunDir::kRouterEval;
+      if (fs::is_regular_file(report) &&
+          nlohmann::json::parse(read_file(report)).value("checkpoint", "") == s.checkpoint) {
+        std::cout << report << " is the report of this checkpoint already" << std::endl;
+        return 0;
+      }
+    } catch (const std::exception&) {
+      // unreadable: written again below
+    }
   }
   evaluate_router_run(a.out, a.buckets);
   return 0;

@@ -386,8 +386,8 @@ const std::map<std::string, std::string>& key_docs() {
       {"train.sample_n",
        "samples in each grid (a row per class or prompt)"},
       {"train.sample_prompts",
-       "text models: the grid's prompts, a row each (empty: the data's first 4 distinct captions, recorded "
-       "here; `ddm sample` of the run takes them when given no --prompt)"},
+       "text models: the grid's prompts, a row each (\"\": a row of unconditional samples; none: the data's "
+       "first 4 distinct captions, recorded here; `ddm sample` of the run takes them when given no --prompt)"},
       {"train.expert_budget",
        "experts: full, split-batch (batch_size / K) or split-steps (steps / K)"},
       {"train.teacher",
@@ -1002,8 +1002,6 @@ void validate_sample_every(const RunConfig& c) {
   const TrainConfig& t = c.train;
   DDM_CHECK(t.sample_every >= 0, "train.sample_every must be >= 0 (steps between grids; 0 = none), got " << t.sample_every);
   DDM_CHECK(t.sample_n >= 1, "train.sample_n must be >= 1 (samples in each grid), got " << t.sample_n);
-  for (const std::string& p : t.sample_prompts)
-    DDM_CHECK(!p.empty(), "train.sample_prompts holds an empty prompt: give each row's text");
   DDM_CHECK(t.sample_prompts.size() <= static_cast<size_t>(t.sample_n),
             "train.sample_prompts has " << t.sample_prompts.size() << " prompts but train.sample_n = " << t.sample_n
                                         << ": each prompt needs a sample at least; raise train.sample_n");

@@ -665,7 +665,9 @@ std::string islands_status(const IslandsConfig& c) {
       if (!p.done && recorded == "running") st = pid > 0 && kill(pid, 0) == 0 ? "running" : "interrupted";
       if (!p.done && (recorded == "failed" || recorded == "stopped" || recorded == "retrying")) st = recorded;
     }
-    const std::string step = std::to_string(p.step) + "/" + (p.steps > 0 ? std::to_string(p.steps) : "?");
+    // A running island's live step (its metrics run ahead of its last checkpoint).
+    const int64_t at = st == "running" ? std::max(p.step, logged_step(islands[i])) : p.step;
+    const std::string step = std::to_string(at) + "/" + (p.steps > 0 ? std::to_string(p.steps) : "?");
     std::snprintf(line, sizeof line, "%-10s %-12s %-15s %-9lld ", islands[i].name.c_str(), st.c_str(), step.c_str(),
                   static_cast<long long>(attempts));
     s << line << err << "\n";  // the whole message: it says what to do

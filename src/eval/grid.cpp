@@ -75,6 +75,7 @@ std::vector<TextRect> text_rects(const std::string& text, int scale, int* width)
 }
 
 std::string grid_row_label(const std::string& text) {
+  if (text.empty()) return "(empty prompt)";  // the null condition: unconditional samples
   std::string out;
   int chars = 0;
   for (size_t i = 0; i < text.size(); ++i) {

@@ -14,7 +14,8 @@ void save_image_grid(const std::string& path, const torch::Tensor& images, int64
                      const std::vector<std::string>& row_labels = {}, int scale = 2);
 
 // A text (a prompt) as a row label: stb_easy_font draws printable ASCII only, so every other code
-// point shows as '?', and a text longer than 40 characters is cut, ending in "...".
+// point shows as '?', and a text longer than 40 characters is cut, ending in "...". The empty
+// prompt (unconditional samples) is "(empty prompt)".
 std::string grid_row_label(const std::string& text);
 
 // Throws ddm::Error unless `path` ends in .png (any case): grids are PNG, and PNG bytes under another

@@ -388,6 +388,8 @@ TEST(DecentralCli, IslandsSurviveAKilledIslandAndWriteASlurmArray) {
   r = test::run_command(cd + test::ddm_binary() + " islands run isl.toml");
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("3 already done (each checked against isl.toml), 0 to run"), std::string::npos) << r.output;
+  EXPECT_NE(test::read_text(dir / "runs/k2/logs/router.log").find("is the report of this checkpoint already"),
+            std::string::npos);  // the router's report is not made again
   EXPECT_EQ(test::read_text(dir / "runs/k2/experts/0/ckpt/step-00000120/ema.safetensors"),
             test::read_text(dir / "ref/ckpt/step-00000120/ema.safetensors"));
   // A file whose experts are other than the finished ones (once they counted as done, whatever

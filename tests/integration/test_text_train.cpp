@@ -207,6 +207,13 @@ TEST(TextSample, PromptsSteerTheSamplesAndTheNegativePromptIsGuidancesNullCondit
                     (dir / "p.png") + " --png-dir " + (dir / "p"));
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_EQ(test::read_text(dir / "p/000000.txt"), "a red square\n");
+  // An empty prompt in train.sample_prompts is a grid row of unconditional samples (as a blank line
+  // of a prompts file is).
+  r = test::run_ddm("train --quiet --config " + (dir / "text.toml") + " --set train.steps=2 --set train.sample_every=2 "
+                    "--set train.sample_n=2 --set sample.steps=2 --set 'train.sample_prompts=[\"a red square\", \"\"]' "
+                    "--out " + (dir / "empty"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_TRUE(fs::exists(dir / "empty/grids/step-00000002.png"));
   // A negative prompt at cfg 1 (no guidance) does nothing, and says so.
   r = test::run_ddm("sample --ckpt " + run + " --steps 1 --n 1 --cfg 1 --prompt a --negative-prompt b --out " + (dir / "c1.png"));
   ASSERT_EQ(r.exit_code, 0) << r.output;
