@@ -82,6 +82,8 @@ Source open_source(const SampleArgs& a) {
       throw InputError("--routing, --allow-missing and --one-expert-at-a-time apply only to --ensemble");
     configure_math(device, false);
     s.model = load_model(a.ckpt, !a.no_ema, device);
+    DDM_INPUT_CHECK(a.text_encoder.empty() || s.model->text,
+                    "--text-encoder: " << s.model->checkpoint << " is not conditioned on text (model.text_encoder)");
     if (a.cuda_graphs) {
       DDM_INPUT_CHECK(device.is_cuda(), "--cuda-graphs needs a CUDA GPU, but the network runs on "
                                       << device << ": leave --cuda-graphs out, or give --device cuda");

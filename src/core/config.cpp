@@ -1145,17 +1145,32 @@ std::string first_difference(const std::string& a, const std::string& b, const s
 static std::string shortest_floats(const std::string& text) {
   std::string out;
   out.reserve(text.size());
-  char quote = 0;
+  std::string quote;  // inside a string: its delimiter, ' or " or a multi-line string's three
+  const auto run_of = [&](size_t at, char q) {  // how many q start at `at`
+    size_t n = 0;
+    while (at + n < text.size() && text[at + n] == q) ++n;
+    return n;
+  };
   for (size_t i = 0; i < text.size();) {
     const char c = text[i];
-    if (quote) {  // inside a string: copied as it is ('...' literal, "..." with escapes)
+    if (!quote.empty()) {  // copied as it is (literal strings; basic ones with their escapes)
+      if (quote[0] == '"' && c == '\\' && i + 1 < text.size()) {
+        out += text.substr(i, 2), i += 2;
+        continue;
+      }
+      if (c == quote[0] && text.compare(i, quote.size(), quote) == 0) {
+        // A multi-line string closes at the last three of a run of up to five quotes (TOML 1.0).
+        const size_t n = quote.size() == 3 ? std::min<size_t>(run_of(i, c), 5) : 1;
+        out += text.substr(i, n), i += n;
+        quote.clear();
+        continue;
+      }
       out += c, ++i;
-      if (quote == '"' && c == '\\' && i < text.size()) out += text[i++];
-      else if (c == quote) quote = 0;
       continue;
     }
     if (c == '\'' || c == '"') {
-      quote = c, out += c, ++i;
+      quote = run_of(i, c) >= 3 ? std::string(3, c) : std::string(1, c);
+      out += quote, i += quote.size();
       continue;
     }
     // A value starts after "= ", "[" or ", ": keys are never rewritten.

@@ -41,14 +41,23 @@ std::vector<std::string> list_sorted(const std::string& dir, bool want_dirs) {
   return names;
 }
 
-// The image files anywhere below `dir` (sub-folders included, as torchvision's ImageFolder takes a
-// class folder's), as paths: the folder's own files by name, then each sub-folder's in name order;
-// hidden entries skipped.
-void images_below(const std::string& dir, std::vector<std::string>& out, int depth = 0) {
+// `dir` and every folder below it (hidden ones skipped), as paths.
+void folders_below(const std::string& dir, std::vector<std::string>& out, int depth = 0) {
   DDM_CHECK(depth < 32, dir << ": folders nested more than 32 deep (a symbolic link to a folder above it?)");
-  for (const auto& f : list_sorted(dir, false))
-    if (is_image_file_name(f)) out.push_back(dir + "/" + f);
-  for (const auto& sub : list_sorted(dir, true)) images_below(dir + "/" + sub, out, depth + 1);
+  out.push_back(dir);
+  for (const auto& sub : list_sorted(dir, true)) folders_below(dir + "/" + sub, out, depth + 1);
+}
+
+// The image files anywhere below `dir` (sub-folders included), in torchvision's ImageFolder order:
+// the folders sorted by their paths, each folder's files by name.
+std::vector<std::string> images_below(const std::string& dir) {
+  std::vector<std::string> folders, out;
+  folders_below(dir, folders);
+  std::sort(folders.begin(), folders.end());
+  for (const auto& folder : folders)
+    for (const auto& f : list_sorted(folder, false))
+      if (is_image_file_name(f)) out.push_back(folder + "/" + f);
+  return out;
 }
 
 // For a PNG, the first chunk whose length field runs past the end of the file, as an error text
@@ -167,8 +176,7 @@ Dataset load_image_folder(const std::string& root) {
     }
     for (size_t k = 0; k < classes.size(); ++k) {
       const std::string dir = root + "/" + classes[k];
-      std::vector<std::string> images;
-      images_below(dir, images);
+      std::vector<std::string> images = images_below(dir);
       for (auto& f : images) files.emplace_back(std::move(f), static_cast<int64_t>(k));
       DDM_CHECK(!images.empty(), dir << ": class folder '" << classes[k] << "' contains no images, nor do its "
                                      << "sub-folders (add images or remove the folder)");

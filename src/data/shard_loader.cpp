@@ -498,8 +498,11 @@ std::vector<std::string> first_captions(const Dataset& d, int64_t want) {
   for (int64_t i = 0; i < std::min<int64_t>(d.shards->samples, 256); ++i) {
     SampleRef ref;
     const ShardSample smp = s.next(&ref);
-    const auto c = sample_caption(smp, "shard " + d.shards->shards[static_cast<size_t>(ref.shard)] + ", sample '" +
-                                           smp.key + "'");
+    std::optional<std::string> c;
+    try {  // a bad caption is training's to refuse or skip (data.skip_bad), not the grid's
+      c = sample_caption(smp, "shard " + d.shards->shards[static_cast<size_t>(ref.shard)] + ", sample '" + smp.key + "'");
+    } catch (const Error&) {
+    }
     if (c && take(*c)) break;
   }
   return out;

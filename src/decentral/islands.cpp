@@ -161,6 +161,73 @@ IslandsConfig parse(const toml::table& t, const std::string& origin) {
   return c;
 }
 
+// ---- a finished island against the file's settings ----
+
+// The config an island's command makes before its data is read (what `ddm train` / `ddm
+// train-router` builds from the same arguments).
+RunConfig planned_config(const IslandsConfig& c, const Island& is) {
+  if (is.expert < 0) return router_run_config(c.config, c.partition, c.router_preset, c.holdout, c.router_set);
+  std::vector<std::string> sets = c.expert_set;
+  sets.insert(sets.end(), {"data.partition='" + fs::absolute(c.partition).string() + "'",
+                           "data.expert=" + std::to_string(is.expert), "train.expert_budget=" + c.budget});
+  return load_config(c.config, sets);  // (a run records the budget's batch and steps before its split)
+}
+
+// What a run trains as, for comparing a finished island with the file: its [model], [diffusion] and
+// [train] keys, less those a resume may change, the frozen parts' folders and files (resolved and
+// pinned by sha256 when the run started: moved folders compare alike), and what a diffusers UNet,
+// ControlNet base or scheduler file sets.
+RunConfig trained_as(const RunConfig& r) {
+  RunConfig t, d;
+  t.model = r.model, t.diffusion = r.diffusion, t.train = r.train;
+  ModelConfig& m = t.model;
+  for (std::string* s : {&m.text_encoder, &m.latent, &m.embed, &m.controlnet, &m.unet, &m.text_sha256, &m.latent_sha256,
+                         &m.embed_sha256, &m.controlnet_sha256, &m.unet_sha256})
+    s->clear();
+  if (r.model.arch == "sd-unet" || !r.model.controlnet.empty()) t.model = d.model;
+  if (!r.diffusion.scheduler.empty()) t.diffusion = d.diffusion;
+  TrainConfig& x = t.train;
+  x.steps = d.train.steps, x.log_every = d.train.log_every, x.ckpt_every = d.train.ckpt_every;
+  x.keep_ckpts = d.train.keep_ckpts, x.threads = d.train.threads, x.device = d.train.device;
+  x.precision = d.train.precision, x.loss_scale = d.train.loss_scale, x.deterministic = d.train.deterministic;
+  x.checkpoint_activations = d.train.checkpoint_activations, x.cuda_graphs = d.train.cuda_graphs;
+  x.grad_accum = d.train.grad_accum, x.lr = d.train.lr, x.grad_clip = d.train.grad_clip;
+  x.sample_every = d.train.sample_every, x.sample_n = d.train.sample_n, x.sample_prompts = d.train.sample_prompts;
+  x.teacher.clear();
+  return t;
+}
+
+// A finished island as the file asks for it: "" when it is, else the first key that differs. More
+// steps than it trained sets `more_steps` (it trains on).
+std::string finished_differs(const IslandsConfig& c, const Island& is, bool& more_steps) {
+  const std::string stored_path = RunDir(is.dir).config();
+  RunConfig stored, planned;
+  try {
+    stored = load_config(stored_path);
+  } catch (const Error& e) {
+    throw InputError(is.name + " in " + is.dir + " is finished, but its " + stored_path + " cannot be read (" + e.what() +
+                     "): restore it, or move the directory away to train the island again");
+  }
+  try {
+    planned = planned_config(c, is);
+  } catch (const Error& e) {
+    throw InputError(c.origin + ": " + is.name + "'s settings: " + e.what());
+  }
+  more_steps = planned.train.steps > stored.train.steps;
+  // What the run filled in from its data and frozen parts where the settings leave it to them.
+  ModelConfig& p = planned.model;
+  const ModelConfig& s = stored.model;
+  for (auto [key, auto_value] : {std::pair{&ModelConfig::in_channels, int64_t{0}}, {&ModelConfig::image_size, int64_t{0}},
+                                 {&ModelConfig::num_classes, int64_t{-1}}, {&ModelConfig::num_experts, int64_t{0}},
+                                 {&ModelConfig::text_dim, int64_t{0}}, {&ModelConfig::text_pooled_dim, int64_t{0}},
+                                 {&ModelConfig::text_tokens, int64_t{0}}, {&ModelConfig::embed_dim, int64_t{0}}})
+    if (p.*key == auto_value) p.*key = s.*key;
+  if (p.latent_scale == 0 && p.latent_shift == 0) p.latent_scale = s.latent_scale, p.latent_shift = s.latent_shift;
+  p.self_cond = s.self_cond;  // derived from train.self_cond, which is compared
+  if (is.expert < 0 || p.arch == "router-dit") p.patch = s.patch;  // fitted to the image size (fit_patch)
+  return first_difference(to_toml(trained_as(stored)), to_toml(trained_as(planned)), is.dir, c.origin);
+}
+
 // ---- islands on disk ----
 
 struct IslandProgress {
@@ -338,7 +405,9 @@ void check_island_batches(const IslandsConfig& c) {
     try {
       return f();
     } catch (const Error& e) {
-      throw InputError(c.origin + ": " + keys + " (passed to each island as its --set / --preset): " + e.what());
+      const std::string what = e.what();  // the file's own keys named as the islands pass them on
+      if (what.rfind("--set ", 0) != 0 && what.rfind("--preset", 0) != 0) throw;
+      throw InputError(c.origin + ": " + keys + " (passed to each island as its --set / --preset): " + what);
     }
   };
   const TrainConfig expert =
@@ -419,6 +488,22 @@ int run_islands(const IslandsConfig& c, const std::string& ddm_binary) {
   // that each take every core are many times slower than one, not twice.
   std::vector<IslandProgress> progress;  // each island's, read once
   for (const Island& is : plan_islands(c, k)) progress.push_back(progress_of(is));
+  // A finished island is what this file asks for, or it is not taken: trained with other settings
+  // (the file changed since, or another run put in its directory) it is refused before anything
+  // starts, naming the key; with more train.steps than it trained it trains on.
+  {
+    const std::vector<Island> planned = plan_islands(c, k);
+    for (size_t i = 0; i < planned.size(); ++i) {
+      if (!progress[i].done) continue;
+      bool more = false;
+      const std::string diff = finished_differs(c, planned[i], more);
+      DDM_INPUT_CHECK(diff.empty(), planned[i].name << " in " << planned[i].dir << " finished with other settings than "
+                                                    << c.origin << " asks for: " << diff << ". Move its directory away "
+                                                    << "to train it again with the file's settings, or restore the "
+                                                    << "settings it was trained with (nothing was started)");
+      if (more) progress[i].done = false;  // resumed: it trains on to the file's steps
+    }
+  }
   const int64_t left = std::count_if(progress.begin(), progress.end(), [](const IslandProgress& p) { return !p.done; });
   IslandsConfig shared = c;
   const int64_t processes = std::min(c.concurrency, left) * c.nproc;
@@ -443,29 +528,20 @@ int run_islands(const IslandsConfig& c, const std::string& ddm_binary) {
   nlohmann::json state = nlohmann::json::array();
   std::deque<size_t> queue;
   std::vector<std::uintmax_t> log_start(n, 0);  // where each island's current attempt starts in its log
-  // A finished island runs too, resumed with this file's settings: with the ones it finished with,
-  // that does nothing (seconds); with more steps it trains on; with other settings (the file
-  // changed since, or a run of another config put in its place) `ddm train --resume` refuses,
-  // naming the key, and the ensemble is not assembled from it. Finished islands go first.
-  std::vector<bool> checking(n);
   for (size_t i = 0; i < n; ++i) {
     const bool done = progress[i].done;
-    checking[i] = done;
     state.push_back({{"name", islands[i].name}, {"dir", islands[i].dir}, {"log", islands[i].log},
-                     {"state", "pending"}, {"attempts", 0}, {"pid", 0}, {"nproc", c.nproc},
+                     {"state", done ? "done" : "pending"}, {"attempts", 0}, {"pid", 0}, {"nproc", c.nproc},
                      {"last_exit", ""}, {"last_error", ""}});
-    if (done) queue.push_back(i);
+    if (!done) queue.push_back(i);
   }
-  const size_t finished = queue.size();
-  for (size_t i = 0; i < n; ++i)
-    if (!checking[i]) queue.push_back(i);
+  const size_t finished = n - queue.size();
   const std::string state_path = (fs::path(c.out) / "islands.json").string();
   auto save = [&] { write_file_atomic(state_path, state.dump(2) + "\n"); };
   save();
   const std::string per = c.nproc > 1 ? " per process" : " each";
-  std::cout << "[islands] " << k << " experts and a router in " << c.out << ": " << finished
-            << " already done (each checked against " << c.origin << "), " << n - finished << " to run, "
-            << c.concurrency << " at a time"
+  std::cout << "[islands] " << k << " experts and a router in " << c.out << ": " << finished << " already done, "
+            << n - finished << " to run, " << c.concurrency << " at a time"
             << (c.nproc > 1 ? ", " + std::to_string(c.nproc) + " processes each (ddm launch)" : std::string())
             << ", up to " << c.retries << " restarts each"
             << (shared.threads > 0 ? ", " + std::to_string(shared.threads) + (shared.threads == 1 ? " thread" : " threads") + per
@@ -488,13 +564,9 @@ int run_islands(const IslandsConfig& c, const std::string& ddm_binary) {
       state[i]["pid"] = pid;
       state[i]["attempts"] = state[i]["attempts"].get<int64_t>() + 1;
       save();
-      if (checking[i])
-        std::cout << "[islands] " << islands[i].name << ": finished at step " << progress[i].step
-                  << "; resumed with this file's settings to check them (log " << islands[i].log << ")" << std::endl;
-      else
-        std::cout << "[islands] " << islands[i].name << ": started (attempt " << state[i]["attempts"] << ", pid " << pid
-                  << (c.nproc > 1 ? ", " + std::to_string(c.nproc) + " processes" : std::string()) << ", log "
-                  << islands[i].log << ")" << std::endl;
+      std::cout << "[islands] " << islands[i].name << ": started (attempt " << state[i]["attempts"] << ", pid " << pid
+                << (c.nproc > 1 ? ", " + std::to_string(c.nproc) + " processes" : std::string()) << ", log "
+                << islands[i].log << ")" << std::endl;
     }
     if (g_stop != 0 && !stopping) {
       stopping = true;
@@ -536,8 +608,7 @@ int run_islands(const IslandsConfig& c, const std::string& ddm_binary) {
     state[i]["last_exit"] = describe_exit(status);
     if (status.ok() && p.done) {
       state[i]["state"] = "done";
-      if (!checking[i] || p.step != progress[i].step)
-        std::cout << "[islands] " << is.name << ": done (step " << p.step << ")" << std::endl;
+      std::cout << "[islands] " << is.name << ": done (step " << p.step << ")" << std::endl;
     } else if (stopping) {
       state[i]["state"] = "stopped";
       std::cout << "[islands] " << is.name << ": stopped at step " << p.step << std::endl;

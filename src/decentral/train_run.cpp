@@ -111,6 +111,7 @@ void check_partition_record(const RunDir& dir, bool resume, const RunConfig& cfg
     try {
       stored = nlohmann::json::parse(read_file(record.string()));
       (void)stored.at("partition_sha256").get<std::string>();
+      (void)stored.value("steps", int64_t{0});
     } catch (const nlohmann::json::exception& e) {
       throw InputError(record.string() + " is damaged (" + e.what() + "): it records the partition this run " +
                        "started on. Restore it, or start over with --force");

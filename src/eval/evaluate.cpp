@@ -3,6 +3,8 @@
 
 #include <algorithm>
 #include <chrono>
+#include <set>
+#include <charconv>
 #include <cmath>
 #include <cstdlib>
 #include <cstdio>
@@ -237,7 +239,7 @@ std::string other_classes(const LoadedFeatureNet& f, const std::vector<std::stri
   const auto generic = [](const std::vector<std::string>& v) {
     return v.empty() || std::all_of(v.begin(), v.end(), [](const std::string& n) { return n.rfind("class ", 0) == 0; });
   };
-  if (generic(names) || generic(ref_names) || names == ref_names) return "";
+  if (generic(names) || generic(ref_names) || names.size() != ref_names.size() || names == ref_names) return "";
   for (size_t c = 0; c < names.size(); ++c)
     if (names[c] != ref_names[c]) {
       why << "the feature network's class " << c << " is '" << names[c] << "', the reference's '" << ref_names[c] << "'";
@@ -365,33 +367,36 @@ EvalReport evaluate_samples(const SampleSet& samples, const EvalConfig& cfg) {
 
 namespace {
 
-// An info value as JSON: a number where the text is one ("2.000000" -> 2), a list of integers where
-// it is several separated by spaces (an ensemble's expert_sample_steps), else the text.
-nlohmann::json info_value(const std::string& text) {
-  const auto number = [](const std::string& t, double& v) {
-    char* end = nullptr;
-    v = std::strtod(t.c_str(), &end);
-    return !t.empty() && end == t.c_str() + t.size() && std::isfinite(v);
+// An info value as JSON: the numeric ones as numbers ("2.000000" -> 2; a seed as the exact integer),
+// an ensemble's expert_sample_steps as a list of integers, the rest (paths, names) as text.
+nlohmann::json info_value(const std::string& key, const std::string& text) {
+  static const std::set<std::string> numeric = {"steps", "cfg", "nfe", "seed", "sampling_seconds", "gflop_per_image",
+                                                "router_gflop_per_image", "control_mse", "embed_similarity",
+                                                "expert_sample_steps"};
+  if (!numeric.count(key)) return text;  // paths and names stay text, whatever they look like
+  const auto integer = [](const std::string& t, int64_t& v) {
+    const auto [end, ec] = std::from_chars(t.data(), t.data() + t.size(), v);
+    return !t.empty() && ec == std::errc() && end == t.data() + t.size();
   };
-  double v = 0;
-  if (number(text, v)) return v == std::floor(v) && std::abs(v) < 9e15 ? nlohmann::json(static_cast<int64_t>(v)) : nlohmann::json(v);
-  if (text.find(' ') != std::string::npos) {
-    nlohmann::json list = nlohmann::json::array();
-    std::istringstream in(text);
-    for (std::string part; in >> part;) {
-      if (!number(part, v) || v != std::floor(v)) return text;
-      list.push_back(static_cast<int64_t>(v));
-    }
-    return list;
+  int64_t i = 0;
+  if (integer(text, i)) return i;
+  char* end = nullptr;
+  const double v = std::strtod(text.c_str(), &end);
+  if (!text.empty() && end == text.c_str() + text.size() && std::isfinite(v)) return v == std::floor(v) && std::abs(v) < 1e15 ? nlohmann::json(static_cast<int64_t>(v)) : nlohmann::json(v);
+  nlohmann::json list = nlohmann::json::array();  // a list of integers separated by spaces
+  std::istringstream in(text);
+  for (std::string part; in >> part;) {
+    if (!integer(part, i)) return text;
+    list.push_back(i);
   }
-  return text;
+  return list.empty() ? nlohmann::json(text) : list;
 }
 
 }  // namespace
 
 std::string EvalReport::json() const {
   nlohmann::json typed_info = nlohmann::json::object();
-  for (const auto& [key, value] : info) typed_info[key] = info_value(value);
+  for (const auto& [key, value] : info) typed_info[key] = info_value(key, value);
   nlohmann::json j = {{"origin", origin},
                       {"n", n},
                       {"feature_net_sha256", feature_net_sha256},

@@ -108,7 +108,8 @@ void resolve_data_shape(RunConfig& cfg, const Dataset& data) {
     cfg.train.sample_prompts = first_captions(data, std::min<int64_t>(4, cfg.train.sample_n));
     DDM_CHECK(!cfg.train.sample_prompts.empty(),
               "train.sample_every = " << cfg.train.sample_every << ": a text model's grid takes its prompts from "
-                  << "train.sample_prompts or the data's first captions, and the data holds none"
+                  << "train.sample_prompts or the data's first captions, and "
+                  << (data.shards ? "the first 256 samples hold none" : "the data holds none")
                   << ": set train.sample_prompts = [\"a first prompt\", \"a second\"] (one row each), or "
                   << "train.sample_every = 0");
   }

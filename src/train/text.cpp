@@ -34,7 +34,8 @@ void resolve_text(ModelConfig& m, const Dataset& data) {
   DDM_CHECK(captioned, key << ": the data (" << data.description << ") has no captions; text-to-image training reads "
                            << "each image's caption (.txt or .json in shards, a .txt beside each image or a "
                            << "captions.jsonl in a folder: docs/data.md, Captions)");
-  DDM_CHECK(fs::is_directory(m.text_encoder), key << ": no such directory (a text encoder's: docs/text.md)");
+  DDM_CHECK(fs::is_directory(m.text_encoder), key << ": no such directory (a text encoder's: docs/text.md; if it "
+                                                    "moved, name its new place: --set model.text_encoder=DIR)");
   const std::string dir = absolute_dir(m.text_encoder);
   std::shared_ptr<text::TextEncoder> e;
   try {
@@ -44,9 +45,9 @@ void resolve_text(ModelConfig& m, const Dataset& data) {
     }
     e = text::load_text_encoder(dir, options_of(m));
   } catch (const Error& err) {
-    const std::string what = err.what(), dir = m.text_encoder + ": ";
     // (the encoder's own errors start with its directory, which the key names already)
-    DDM_FAIL(key << ": " << (what.rfind(dir, 0) == 0 ? what.substr(dir.size()) : what));
+    const std::string what = err.what(), named = dir + ": ";
+    DDM_FAIL(key << ": " << (what.rfind(named, 0) == 0 ? what.substr(named.size()) : what));
   }
   const std::string sha = weights_sha256(e->weight_files());
   DDM_CHECK(m.text_sha256.empty() || m.text_sha256 == sha,

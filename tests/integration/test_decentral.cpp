@@ -382,26 +382,33 @@ TEST(DecentralCli, IslandsSurviveAKilledIslandAndWriteASlurmArray) {
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("expert 0   done         120/120         2"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("ensemble: runs/k2/ensemble.json"), std::string::npos) << r.output;
-  // Running again keeps the finished islands: each resumed with the file's settings, which finds
-  // nothing to do.
+  // Running again skips the finished islands.
   const std::string ensemble_before = test::read_text(dir / "runs/k2/ensemble.json");
   r = test::run_command(cd + test::ddm_binary() + " islands run isl.toml");
   ASSERT_EQ(r.exit_code, 0) << r.output;
-  EXPECT_NE(r.output.find("3 already done (each checked against isl.toml), 0 to run"), std::string::npos) << r.output;
-  EXPECT_NE(test::read_text(dir / "runs/k2/logs/router.log").find("is the report of this checkpoint already"),
-            std::string::npos);  // the router's report is not made again
-  EXPECT_EQ(test::read_text(dir / "runs/k2/experts/0/ckpt/step-00000120/ema.safetensors"),
-            test::read_text(dir / "ref/ckpt/step-00000120/ema.safetensors"));
+  EXPECT_NE(r.output.find("3 already done, 0 to run"), std::string::npos) << r.output;
   // A file whose experts are other than the finished ones (once they counted as done, whatever
-  // trained them, and were assembled): refused by the islands' own resume, naming the key; the
+  // trained them, and were assembled): refused before anything starts, naming the key; the
   // ensemble is kept as it was.
   test::write_text(dir / "other.toml", std::string(islands).replace(islands.find("[experts]\n"), 10,
                                                                     "[experts]\nset = [\"model.channels=16\"]\n"));
   r = test::run_command(cd + test::ddm_binary() + " islands run other.toml");
-  EXPECT_EQ(r.exit_code, 1) << r.output;
-  EXPECT_NE(r.output.find("expert 0: failed (exit code 2"), std::string::npos) << r.output;
-  EXPECT_NE(r.output.find("the config differs from the run stored in"), std::string::npos) << r.output;
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("expert 0 in runs/k2/experts/0 finished with other settings than other.toml asks for: "
+                          "[model] channels = 8  (runs/k2/experts/0)  vs  channels = 16  (other.toml)"),
+            std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find(": started (attempt"), std::string::npos) << r.output;
   EXPECT_EQ(test::read_text(dir / "runs/k2/ensemble.json"), ensemble_before);
+  // More steps than the experts trained: they train on (the router, done, is kept).
+  test::write_text(dir / "more.toml", std::string(islands).replace(islands.find("[experts]\n"), 10,
+                                                                   "[experts]\nset = [\"train.steps=140\"]\n"));
+  r = test::run_command(cd + test::ddm_binary() + " islands run more.toml");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("1 already done, 2 to run"), std::string::npos) << r.output;
+  EXPECT_TRUE(fs::exists(dir / "runs/k2/experts/1/ckpt/step-00000140"));
+  EXPECT_EQ(nlohmann::json::parse(test::read_text(dir / "runs/k2/experts/1/expert.json"))["steps"], 140);
+  r = test::run_command(cd + test::ddm_binary() + " islands run more.toml");
+  EXPECT_NE(r.output.find("3 already done, 0 to run"), std::string::npos) << r.output;
   // run.threads = 0 divides the cores among the islands that run at once: two experts deleted, two
   // at a time; then one deleted, which runs alone on every core.
   test::write_text(dir / "isl0.toml", std::string(islands).replace(islands.find("threads = 1"), 11, "threads = 0"));
@@ -410,7 +417,7 @@ TEST(DecentralCli, IslandsSurviveAKilledIslandAndWriteASlurmArray) {
   r = test::run_command(cd + test::ddm_binary() + " islands run isl0.toml");
   ASSERT_EQ(r.exit_code, 0) << r.output;
   const auto share = std::max(1u, std::thread::hardware_concurrency() / 2);
-  EXPECT_NE(r.output.find("1 already done (each checked against isl0.toml), 2 to run, 2 at a time, up to 2 restarts each, " + std::to_string(share) +
+  EXPECT_NE(r.output.find("1 already done, 2 to run, 2 at a time, up to 2 restarts each, " + std::to_string(share) +
                           (share == 1 ? " thread each" : " threads each")),
             std::string::npos) << r.output;
   fs::remove_all(dir / "runs/k2/experts/1");
@@ -422,7 +429,7 @@ TEST(DecentralCli, IslandsSurviveAKilledIslandAndWriteASlurmArray) {
             std::string::npos) << r.output;
   r = test::run_command(cd + test::ddm_binary() + " islands run isl0.toml");
   ASSERT_EQ(r.exit_code, 0) << r.output;
-  EXPECT_NE(r.output.find("2 already done (each checked against isl0.toml), 1 to run, 2 at a time, up to 2 restarts each, all cores each"),
+  EXPECT_NE(r.output.find("2 already done, 1 to run, 2 at a time, up to 2 restarts each, all cores each"),
             std::string::npos) << r.output;
   r = test::run_command(cd + test::ddm_binary() + " islands status isl0.toml");
   EXPECT_NE(r.output.find("ensemble: runs/k2/ensemble.json\n"), std::string::npos) << r.output;
@@ -553,8 +560,7 @@ TEST(DecentralCli, QuickstartRunsTheWholeDecentralizedPipeline) {
 
   r = test::run_ddm(qs);
   ASSERT_EQ(r.exit_code, 0) << r.output;
-  EXPECT_NE(r.output.find("5 already done (each checked against "), std::string::npos) << r.output;
-  EXPECT_NE(r.output.find(", 0 to run"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("5 already done, 0 to run"), std::string::npos) << r.output;
   r = test::run_ddm("islands status " + (dir / "qs/islands.toml"));
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("ensemble: "), std::string::npos) << r.output;

@@ -275,6 +275,10 @@ TEST(Config, FloatsAreWrittenAsTheyWereGivenAndReadBackExactly) {
   c.train.beta2 = 1.0 / 3.0;
   c.diffusion.logit_mean = -2.5e-300;
   c.data.root = "pics 0.69999999999999996 '=1.50'";
+  // toml++ writes a text with a line break as a multi-line literal string, apostrophes and all.
+  c.train.sample_prompts = {"it's a 3.10 m statue\non grass", "a \"2.50\" quote", "x'''y 1.0", "z\n'' 4.50''"};
+  c.model.text_encoder = "enc";  // (prompts are for text models)
+  c.train.sample_n = 8;
   const std::string text = to_toml(c);
   for (const char* want : {"outer_lr = 0.7\n", "lr = 3e-4\n", "adam_eps = 1e-8\n", "ema_decay = 0.9999\n", "cfg = 3.0\n",
                            "label_dropout = 0.1\n", "logit_mean = -2.5e-300\n"})
@@ -285,6 +289,7 @@ TEST(Config, FloatsAreWrittenAsTheyWereGivenAndReadBackExactly) {
   EXPECT_EQ(d.train.beta2, 1.0 / 3.0);  // bit for bit
   EXPECT_EQ(d.diffusion.logit_mean, -2.5e-300);
   EXPECT_EQ(d.data.root, c.data.root);
+  EXPECT_EQ(d.train.sample_prompts, c.train.sample_prompts);
   EXPECT_EQ(to_toml(d), text);
 }
 

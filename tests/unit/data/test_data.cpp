@@ -272,15 +272,21 @@ TEST(ImageFolder, PicturesInSubFoldersOfAClassFolderAreThatClasss) {
   write_png(dir / "imgs/cat/b.png", 5, 4, 3, 20);
   write_png(dir / "imgs/dog/park/c.png", 5, 4, 3, 30);
   write_png(dir / "imgs/dog/.thumbs/hidden.png", 5, 4, 3, 40);
+  fs::create_directories(dir / "imgs/cat/x/z");
+  fs::create_directories(dir / "imgs/cat/x-y");
+  write_png(dir / "imgs/cat/x/z/f.png", 5, 4, 3, 60);
+  write_png(dir / "imgs/cat/x-y/e.png", 5, 4, 3, 50);
   DataConfig c;
   c.source = "folder";
   c.root = dir / "imgs";
   Dataset d = ddm::load_dataset(c);
   EXPECT_EQ(d.class_names, (std::vector<std::string>{"cat", "dog"}));
-  ASSERT_EQ(d.images.size(0), 3);  // not the hidden folder's
-  EXPECT_TRUE(torch::equal(d.labels, torch::tensor({0, 0, 1}, torch::kInt64)));
-  EXPECT_EQ(d.images[0][0][0][0].item<int>(), 20);  // cat/b.png, then cat/indoor/sofa/a.png
-  EXPECT_EQ(d.images[1][0][0][0].item<int>(), 10);
+  ASSERT_EQ(d.images.size(0), 5);  // not the hidden folder's
+  EXPECT_TRUE(torch::equal(d.labels, torch::tensor({0, 0, 0, 0, 1}, torch::kInt64)));
+  // torchvision's order (sorted(os.walk(...)): folders by path, "cat/x-y" before "cat/x/z").
+  std::vector<int> first;
+  for (int64_t i = 0; i < 4; ++i) first.push_back(d.images[i][0][0][0].item<int>());
+  EXPECT_EQ(first, (std::vector<int>{20, 10, 50, 60}));
   fs::remove(dir / "imgs/dog/park/c.png");
   EXPECT_HAS(load_error(c), "class folder 'dog' contains no images, nor do its sub-folders");
 }
