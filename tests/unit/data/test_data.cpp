@@ -88,6 +88,14 @@ void write_png(const std::string& path, int w, int h, int c, uint8_t base) {
   ASSERT_NE(stbi_write_png(path.c_str(), w, h, c, px.data(), w * c), 0) << path;
 }
 
+// data.source = "folder" at `root`.
+DataConfig folder_source(const std::string& root) {
+  DataConfig c;
+  c.source = "folder";
+  c.root = root;
+  return c;
+}
+
 // ---- Fashion-MNIST (real files from the Debian package) ---------------------------------------
 
 TEST(FashionMnist, RealTrainAndTestSplits) {
@@ -276,9 +284,7 @@ TEST(ImageFolder, PicturesInSubFoldersOfAClassFolderAreThatClasss) {
   fs::create_directories(dir / "imgs/cat/x-y");
   write_png(dir / "imgs/cat/x/z/f.png", 5, 4, 3, 60);
   write_png(dir / "imgs/cat/x-y/e.png", 5, 4, 3, 50);
-  DataConfig c;
-  c.source = "folder";
-  c.root = dir / "imgs";
+  const DataConfig c = folder_source(dir / "imgs");
   Dataset d = ddm::load_dataset(c);
   EXPECT_EQ(d.class_names, (std::vector<std::string>{"cat", "dog"}));
   ASSERT_EQ(d.images.size(0), 5);  // not the hidden folder's
