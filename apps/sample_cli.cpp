@@ -110,8 +110,9 @@ Source open_source(const SampleArgs& a) {
   for (int64_t m : s.members->missing())
     std::cout << "warning: expert " << m << " is missing (--allow-missing): its router probability is set to 0 and "
               << "the rest renormalized; samples of its cluster come from the other experts" << std::endl;
-  s.ensemble = make_ensemble(*s.members, s.routing, static_cast<uint64_t>(a.seed),
-                             precision_named(a.precision));
+  s.ensemble = as_input_error([&] {  // a routing the ensemble cannot do (topk:K for K > its experts): bad input
+    return make_ensemble(*s.members, s.routing, static_cast<uint64_t>(a.seed), precision_named(a.precision));
+  });
   // With graphs, each expert's group is padded to a few sizes (graphed_group_quantum).
   if (a.cuda_graphs) s.ensemble->set_group_quantum(graphed_group_quantum(std::min(a.batch, a.n), s.members->k));
   s.ensemble->set_side_by_side(!a.one_expert_at_a_time);
@@ -247,10 +248,12 @@ std::vector<std::string> open_prompts(const SampleArgs& a, Source& src, Generate
     return {};
   }
   auto texts = read_texts(a.prompts, a.prompts_file, "--prompts");
-  if (texts.empty() && !m.cfg.train.sample_prompts.empty()) {  // the prompts of the run's grids
-    for (size_t i = 0; i < m.cfg.train.sample_prompts.size(); ++i)
-      texts.emplace_back(m.cfg.train.sample_prompts[i], "train.sample_prompts[" + std::to_string(i) + "]");
-    std::cout << "note: no --prompt given: sampling the prompts of the run's grids (train.sample_prompts)" << std::endl;
+  if (texts.empty() && !m.cfg.train.sample_prompts.empty()) {  // the prompts of the run's grids, as many as --n takes
+    const auto& run = m.cfg.train.sample_prompts;
+    const size_t take = std::min<size_t>(run.size(), static_cast<size_t>(a.n));
+    for (size_t i = 0; i < take; ++i) texts.emplace_back(run[i], "train.sample_prompts[" + std::to_string(i) + "]");
+    std::cout << "note: no --prompt given: sampling " << (take < run.size() ? "the first " + std::to_string(take) + " of " : "")
+              << "the prompts of the run's grids (train.sample_prompts)" << std::endl;
   }
   DDM_INPUT_CHECK(!texts.empty(), src.name << " is conditioned on text (model.text_encoder = " << m.cfg.model.text_encoder
                                          << "): give --prompt TEXT (once per row) or --prompts FILE (one per line)");

@@ -1002,9 +1002,7 @@ void validate_sample_every(const RunConfig& c) {
   const TrainConfig& t = c.train;
   DDM_CHECK(t.sample_every >= 0, "train.sample_every must be >= 0 (steps between grids; 0 = none), got " << t.sample_every);
   DDM_CHECK(t.sample_n >= 1, "train.sample_n must be >= 1 (samples in each grid), got " << t.sample_n);
-  DDM_CHECK(t.sample_prompts.size() <= static_cast<size_t>(t.sample_n),
-            "train.sample_prompts has " << t.sample_prompts.size() << " prompts but train.sample_n = " << t.sample_n
-                                        << ": each prompt needs a sample at least; raise train.sample_n");
+  // (More prompts than train.sample_n: the grid shows the first sample_n, one sample each.)
   DDM_CHECK(t.sample_prompts.empty() || !c.model.text_encoder.empty(),
             "train.sample_prompts is set, but the model is not conditioned on text (model.text_encoder)");
   if (t.sample_every == 0) return;

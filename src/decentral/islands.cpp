@@ -213,6 +213,18 @@ std::string finished_differs(const IslandsConfig& c, const Island& is, bool& mor
   } catch (const Error& e) {
     throw InputError(c.origin + ": " + is.name + "'s settings: " + e.what());
   }
+  // The partition it trained on (its expert.json / router.json): the file's, as it is now.
+  const fs::path record = RunDir(is.dir) / (is.expert >= 0 ? RunDir::kExpert : RunDir::kRouter);
+  try {
+    const std::string was = nlohmann::json::parse(read_file(record.string())).at("partition_sha256").get<std::string>();
+    const std::string now = sha256_file(load_partition(c.partition).origin);
+    if (was != now)
+      return "it trained on another partition (sha256 " + was.substr(0, 12) + ") than " + c.partition + " holds now (" +
+             now.substr(0, 12) + ")";
+  } catch (const nlohmann::json::exception& e) {
+    throw InputError(is.name + " in " + is.dir + " is finished, but its " + record.string() + " is damaged (" + e.what() +
+                     "): restore it, or move the directory away to train the island again");
+  }
   more_steps = planned.train.steps > stored.train.steps;
   // What the run filled in from its data and frozen parts where the settings leave it to them.
   ModelConfig& p = planned.model;
@@ -665,7 +677,7 @@ int run_islands(const IslandsConfig& c, const std::string& ddm_binary) {
   spec.routing = c.routing;
   for (int64_t e = 0; e < k; ++e) spec.experts.push_back(islands[e].dir);
   std::vector<std::string> notes;
-  assemble_ensemble(c.out, spec, notes);
+  as_input_error([&] { return assemble_ensemble(c.out, spec, notes); });  // parts that do not fit: bad input
   for (const auto& note : notes) std::cout << "note: " << note << std::endl;
   std::cout << "[islands] all " << n << " islands done; wrote " << c.out << "/ensemble.json\nnext: "
             << ensemble_sample_command(c.out) << std::endl;
@@ -719,8 +731,19 @@ std::string islands_status(const IslandsConfig& c) {
     } catch (const std::exception& e) {
       unreadable = e.what();
     }
+  std::vector<std::string> refused;  // finished islands that `islands run` refuses with this file
   for (size_t i = 0; i < islands.size(); ++i) {
-    const IslandProgress p = progress_of(islands[i]);
+    IslandProgress p = progress_of(islands[i]);
+    std::string differs;  // a finished island against the file's settings, as `islands run` checks it
+    if (p.done) try {
+        bool more = false;
+        differs = finished_differs(c, islands[i], more);
+        if (differs.empty() && more) p.done = false, differs = "the file asks for more train.steps: it trains on";
+        else if (!differs.empty()) refused.push_back(islands[i].name);
+      } catch (const Error& e) {
+        differs = e.what();
+        refused.push_back(islands[i].name);
+      }
     if (!p.done) not_done.push_back(islands[i].name);
     if (const auto latest = latest_checkpoint(islands[i].dir); p.done && has_ensemble && latest)
       if (!holds_checkpoint(assembled, islands[i].expert, *latest)) changed.push_back(islands[i].name);
@@ -741,7 +764,7 @@ std::string islands_status(const IslandsConfig& c) {
     const std::string step = std::to_string(at) + "/" + (p.steps > 0 ? std::to_string(p.steps) : "?");
     std::snprintf(line, sizeof line, "%-10s %-12s %-15s %-9lld ", islands[i].name.c_str(), st.c_str(), step.c_str(),
                   static_cast<long long>(attempts));
-    s << line << err << "\n";  // the whole message: it says what to do
+    s << line << (differs.empty() ? err : "not as " + c.origin + " asks: " + differs) << "\n";  // says what to do
   }
   const auto names = [](const std::vector<std::string>& v) {
     std::string out;
@@ -749,7 +772,11 @@ std::string islands_status(const IslandsConfig& c) {
     return out;
   };
   const std::string again = "`ddm islands run " + c.origin + "` ";
-  if (has_ensemble && !unreadable.empty())
+  if (!refused.empty())
+    s << "ensemble: " << again << "refuses " << names(refused) << " (trained with other settings than the file's, "
+      << "above): move " << (refused.size() > 1 ? "their directories" : "its directory") << " away to train "
+      << (refused.size() > 1 ? "them" : "it") << " again, or restore the settings\n";
+  else if (has_ensemble && !unreadable.empty())
     s << "ensemble: " << ensemble.string() << " is damaged (" << unreadable << "); " << again << "assembles it again\n";
   else if (has_ensemble && assembled["partition"]["sha256"] != sha256_file(partition.origin))
     s << "ensemble: " << ensemble.string() << " is out of date: the partition " << c.partition << " changed since it "

@@ -103,10 +103,9 @@ void resolve_data_shape(RunConfig& cfg, const Dataset& data) {
   // run's train.sample_prompts (recorded; `ddm sample` of the run takes them too). Said before the
   // run directory is written.
   const ModelConfig& m = cfg.model;
-  if (cfg.train.sample_every > 0 && cfg.train.sample_prompts.empty() && !m.text_encoder.empty() &&
-      m.controlnet.empty() && m.embed.empty()) {
+  if (cfg.train.sample_prompts.empty() && !m.text_encoder.empty() && m.controlnet.empty() && m.embed.empty()) {
     cfg.train.sample_prompts = first_captions(data, std::min<int64_t>(4, cfg.train.sample_n));
-    DDM_CHECK(!cfg.train.sample_prompts.empty(),
+    DDM_CHECK(cfg.train.sample_every == 0 || !cfg.train.sample_prompts.empty(),
               "train.sample_every = " << cfg.train.sample_every << ": a text model's grid takes its prompts from "
                   << "train.sample_prompts or the data's first captions, and "
                   << (data.shards ? "the first 256 samples hold none" : "the data holds none")

@@ -289,6 +289,9 @@ TEST(DecentralCli, RouterEnsembleAndRoutedSamplingRefuseMismatchedParts) {
   EXPECT_EQ(out_of_order.exit_code, 2) << out_of_order.output;
   auto bogus = test::run_ddm(sample + "--routing bogus --out " + (dir / "x.png"));
   EXPECT_EQ(bogus.exit_code, 2) << bogus.output;
+  auto too_many = test::run_ddm(sample + "--routing topk:3 --out " + (dir / "x.png"));
+  expect_error(too_many, "the ensemble has only K = 2 experts");
+  EXPECT_EQ(too_many.exit_code, 2) << too_many.output;
   expect_error(test::run_ddm(ens + " --router " + (dir / "r") + " --expert " + (dir / "e0")),
                "1 experts given, but the partition");
   expect_error(test::run_ddm(ens + " --router " + (dir / "e0") + experts), "has no router.json");
@@ -399,6 +402,22 @@ TEST(DecentralCli, IslandsSurviveAKilledIslandAndWriteASlurmArray) {
             std::string::npos) << r.output;
   EXPECT_EQ(r.output.find(": started (attempt"), std::string::npos) << r.output;
   EXPECT_EQ(test::read_text(dir / "runs/k2/ensemble.json"), ensemble_before);
+  r = test::run_command(cd + test::ddm_binary() + " islands status other.toml");  // says so too
+  EXPECT_NE(r.output.find("not as other.toml asks: [model] channels = 8"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("ensemble: `ddm islands run other.toml` refuses expert 0, expert 1"), std::string::npos)
+      << r.output;
+  // The partition made again under the finished islands: refused before anything starts.
+  fs::copy(dir / "parts/k2", dir / "parts/k2.kept", fs::copy_options::recursive);
+  ASSERT_EQ(test::run_command(cd + test::ddm_binary() + " partition --config tiny.toml --k 2 --features pixels:16 "
+                              "--seed 7 --force --out parts/k2").exit_code,
+            0);
+  r = test::run_command(cd + test::ddm_binary() + " islands run isl.toml");
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("expert 0 in runs/k2/experts/0 finished with other settings than isl.toml asks for: it "
+                          "trained on another partition"),
+            std::string::npos) << r.output;
+  fs::remove_all(dir / "parts/k2");
+  fs::rename(dir / "parts/k2.kept", dir / "parts/k2");
   // More steps than the experts trained: they train on (the router, done, is kept).
   test::write_text(dir / "more.toml", std::string(islands).replace(islands.find("[experts]\n"), 10,
                                                                    "[experts]\nset = [\"train.steps=140\"]\n"));

@@ -103,6 +103,9 @@ TEST(TextTrain, AChangedEncoderUncaptionedDataAndContradictingKeysAreClearErrors
   test::write_text(dir / "text.toml", config(root, encoder));
   const std::string run = dir / "run";
   ASSERT_EQ(test::run_ddm("train --quiet --config " + (dir / "text.toml") + " --set train.steps=2 --out " + run).exit_code, 0);
+  // A text run records its first captions as the prompts `ddm sample` takes by default, grids or not.
+  EXPECT_NE(test::read_text(run + "/config.toml").find("sample_prompts = [ 'a red square', "), std::string::npos)
+      << test::read_text(run + "/config.toml");
   // The encoder moved (a project moved, an environment rebuilt): named as missing, with the way on;
   // sampled and trained on from its new place, the same weights (its sha256) accepted.
   const std::string moved = dir / "moved";
@@ -202,6 +205,9 @@ TEST(TextSample, PromptsSteerTheSamplesAndTheNegativePromptIsGuidancesNullCondit
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("note: no --prompt given: sampling the prompts of the run's grids"), std::string::npos) << r.output;
   EXPECT_TRUE(test::read_text(dir / "grid2.png") == test::read_text(run + "/grids/step-00000200.png"));
+  r = test::run_ddm("sample --ckpt " + run + " --steps 1 --n 2 --out " + (dir / "two.png"));  // fewer than the prompts
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("sampling the first 2 of the prompts of the run's grids"), std::string::npos) << r.output;
   test::write_text(dir / "padded.txt", "\xEF\xBB\xBF  a red square \t\r\n");
   r = test::run_ddm("sample --ckpt " + run + " --steps 1 --n 1 --prompts " + (dir / "padded.txt") + " --out " +
                     (dir / "p.png") + " --png-dir " + (dir / "p"));
@@ -332,9 +338,11 @@ TEST(TextTrain, EncodeCachesTheCaptionsEncodingsAndTrainingFromThemTrainsWhatEnc
   EXPECT_TRUE(fs::exists(dir / "grids/grids/step-00000004.png"));
   r = test::run_ddm(train + "--set data.root=" + (dir / "cached") + " --out " + (dir / "from-cache"));
   ASSERT_EQ(r.exit_code, 0) << r.output;
-  // A text run without grid prompts samples only the prompts it is given.
-  test::expect_error(test::run_ddm("sample --ckpt " + (dir / "from-cache") + " --n 1 --steps 1 --out " + (dir / "x.png")),
-                     "is conditioned on text (model.text_encoder = ");
+  // A text run without grids records its first captions too (the encoded shards keep them), which
+  // `ddm sample` takes when given no prompt.
+  r = test::run_ddm("sample --ckpt " + (dir / "from-cache") + " --n 1 --steps 1 --out " + (dir / "x.png"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("sampling the first 1 of the prompts of the run's grids"), std::string::npos) << r.output;
   ASSERT_EQ(test::run_ddm(train + "--set data.root=" + (dir / "captions") + " --out " + (dir / "each-step")).exit_code, 0);
   const auto w1 = load_safetensors(dir / "from-cache/ckpt/step-00000004/model.safetensors").tensors;
   const auto w2 = load_safetensors(dir / "each-step/ckpt/step-00000004/model.safetensors").tensors;
