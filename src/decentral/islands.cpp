@@ -537,6 +537,12 @@ int run_islands(const IslandsConfig& c, const std::string& ddm_binary) {
       }
     }
   const size_t n = islands.size();
+  const std::string state_path = (fs::path(c.out) / "islands.json").string();
+  nlohmann::json before;  // an earlier runner's record: a finished island keeps its attempts
+  try {
+    if (fs::exists(state_path)) before = nlohmann::json::parse(read_file(state_path));
+  } catch (const std::exception&) {
+  }
   nlohmann::json state = nlohmann::json::array();
   std::deque<size_t> queue;
   std::vector<std::uintmax_t> log_start(n, 0);  // where each island's current attempt starts in its log
@@ -545,10 +551,14 @@ int run_islands(const IslandsConfig& c, const std::string& ddm_binary) {
     state.push_back({{"name", islands[i].name}, {"dir", islands[i].dir}, {"log", islands[i].log},
                      {"state", done ? "done" : "pending"}, {"attempts", 0}, {"pid", 0}, {"nproc", c.nproc},
                      {"last_exit", ""}, {"last_error", ""}});
+    if (done && before.is_array() && i < before.size() && before[i].is_object() &&
+        before[i].value("name", "") == islands[i].name && before[i].value("state", "") == "done") {
+      const auto attempts = before[i].find("attempts");
+      if (attempts != before[i].end() && attempts->is_number_integer()) state[i]["attempts"] = *attempts;
+    }
     if (!done) queue.push_back(i);
   }
   const size_t finished = n - queue.size();
-  const std::string state_path = (fs::path(c.out) / "islands.json").string();
   auto save = [&] { write_file_atomic(state_path, state.dump(2) + "\n"); };
   save();
   const std::string per = c.nproc > 1 ? " per process" : " each";

@@ -390,6 +390,7 @@ TEST(DecentralCli, IslandsSurviveAKilledIslandAndWriteASlurmArray) {
   r = test::run_command(cd + test::ddm_binary() + " islands run isl.toml");
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("3 already done, 0 to run"), std::string::npos) << r.output;
+  EXPECT_EQ(nlohmann::json::parse(test::read_text(dir / "runs/k2/islands.json"))[0]["attempts"], 2);  // kept
   // A file whose experts are other than the finished ones (once they counted as done, whatever
   // trained them, and were assembled): refused before anything starts, naming the key; the
   // ensemble is kept as it was.
