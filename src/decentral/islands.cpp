@@ -36,6 +36,7 @@
 #include "decentral/partition.h"
 #include "decentral/train_run.h"
 #include "launch/process.h"
+#include "run/setup.h"
 #include "train/checkpoint.h"
 
 namespace fs = std::filesystem;
@@ -174,32 +175,28 @@ RunConfig planned_config(const IslandsConfig& c, const Island& is) {
 }
 
 // What a run trains as, for comparing a finished island with the file: its [model], [diffusion] and
-// [train] keys, less those a resume may change, the frozen parts' folders and files (resolved and
-// pinned by sha256 when the run started: moved folders compare alike), and what a diffusers UNet,
-// ControlNet base or scheduler file sets.
+// [train] keys, less those a resume may change (normalized_for_resume), the frozen parts' folders and
+// files (resolved and pinned by sha256 when the run started: moved folders compare alike), and what a
+// diffusers UNet, ControlNet base or scheduler file sets.
 RunConfig trained_as(const RunConfig& r) {
+  const RunConfig n = normalized_for_resume(r);
   RunConfig t, d;
-  t.model = r.model, t.diffusion = r.diffusion, t.train = r.train;
+  t.model = n.model, t.diffusion = n.diffusion, t.train = n.train;
   ModelConfig& m = t.model;
   for (std::string* s : {&m.text_encoder, &m.latent, &m.embed, &m.controlnet, &m.unet, &m.text_sha256, &m.latent_sha256,
                          &m.embed_sha256, &m.controlnet_sha256, &m.unet_sha256})
     s->clear();
   if (r.model.arch == "sd-unet" || !r.model.controlnet.empty()) t.model = d.model;
   if (!r.diffusion.scheduler.empty()) t.diffusion = d.diffusion;
-  TrainConfig& x = t.train;
-  x.steps = d.train.steps, x.log_every = d.train.log_every, x.ckpt_every = d.train.ckpt_every;
-  x.keep_ckpts = d.train.keep_ckpts, x.threads = d.train.threads, x.device = d.train.device;
-  x.precision = d.train.precision, x.loss_scale = d.train.loss_scale, x.deterministic = d.train.deterministic;
-  x.checkpoint_activations = d.train.checkpoint_activations, x.cuda_graphs = d.train.cuda_graphs;
-  x.grad_accum = d.train.grad_accum, x.lr = d.train.lr, x.grad_clip = d.train.grad_clip;
-  x.sample_every = d.train.sample_every, x.sample_n = d.train.sample_n, x.sample_prompts = d.train.sample_prompts;
-  x.teacher.clear();
+  t.train.teacher.clear();
   return t;
 }
 
-// A finished island as the file asks for it: "" when it is, else the first key that differs. More
-// steps than it trained sets `more_steps` (it trains on).
-std::string finished_differs(const IslandsConfig& c, const Island& is, bool& more_steps) {
+// A finished island as the file asks for it: "" when it is, else the first key that differs (or the
+// partition it trained on, when not the one of sha256 `partition_sha` there now). More steps than it
+// trained sets `more_steps` (it trains on).
+std::string finished_differs(const IslandsConfig& c, const Island& is, const std::string& partition_sha,
+                             bool& more_steps) {
   const std::string stored_path = RunDir(is.dir).config();
   RunConfig stored, planned;
   try {
@@ -217,10 +214,9 @@ std::string finished_differs(const IslandsConfig& c, const Island& is, bool& mor
   const fs::path record = RunDir(is.dir) / (is.expert >= 0 ? RunDir::kExpert : RunDir::kRouter);
   try {
     const std::string was = nlohmann::json::parse(read_file(record.string())).at("partition_sha256").get<std::string>();
-    const std::string now = sha256_file(load_partition(c.partition).origin);
-    if (was != now)
+    if (was != partition_sha)
       return "it trained on another partition (sha256 " + was.substr(0, 12) + ") than " + c.partition + " holds now (" +
-             now.substr(0, 12) + ")";
+             partition_sha.substr(0, 12) + ")";
   } catch (const nlohmann::json::exception& e) {
     throw InputError(is.name + " in " + is.dir + " is finished, but its " + record.string() + " is damaged (" + e.what() +
                      "): restore it, or move the directory away to train the island again");
@@ -407,11 +403,8 @@ void check_island_batches(const IslandsConfig& c) {
   DDM_INPUT_CHECK(c.k == 0 || c.k == k, c.origin << ": partition.k = " << c.k << " but " << c.partition << " has K = "
                                                  << k << "; remove partition.k or use another partition.path");
   if (k < 2) return;  // no partition and no partition.k: ensure_partition says so
-  // The expert's config exactly as `ddm train` builds it from the island's arguments.
-  std::vector<std::string> expert_overrides = c.expert_set;
-  expert_overrides.insert(expert_overrides.end(), {"data.partition='" + fs::absolute(c.partition).string() + "'",
-                                                   "data.expert=0", "train.expert_budget=" + c.budget});
-  // Their errors said as the islands file's: its experts.set and router.* are what the islands pass
+  // The expert's and the router's configs exactly as `ddm train` builds them from the islands'
+  // arguments. Their errors said as the islands file's: its experts.set and router.* are what the islands pass
   // on as --set and --preset.
   const auto as_written = [&](const char* keys, const auto& f) {
     try {
@@ -422,11 +415,11 @@ void check_island_batches(const IslandsConfig& c) {
       throw InputError(c.origin + ": " + keys + " (passed to each island as its --set / --preset): " + what);
     }
   };
-  const TrainConfig expert =
-      as_written("experts.set", [&] { return load_config(c.config, expert_overrides).train; });
-  const TrainConfig router = as_written("router.preset, router.holdout or router.set", [&] {
-    return router_run_config(c.config, c.partition, c.router_preset, c.holdout, c.router_set).train;
-  });
+  Island first_expert, the_router;
+  first_expert.expert = 0;
+  const TrainConfig expert = as_written("experts.set", [&] { return planned_config(c, first_expert).train; });
+  const TrainConfig router =
+      as_written("router.preset, router.holdout or router.set", [&] { return planned_config(c, the_router).train; });
   int64_t expert_batch = expert.batch_size;
   std::string how = "train.batch_size = " + std::to_string(expert.batch_size);
   if (c.budget == "split-batch") {
@@ -499,16 +492,17 @@ int run_islands(const IslandsConfig& c, const std::string& ddm_binary) {
   // nproc processes each, or fewer where fewer are left to run, as on a rerun): two OpenMP pools
   // that each take every core are many times slower than one, not twice.
   std::vector<IslandProgress> progress;  // each island's, read once
-  for (const Island& is : plan_islands(c, k)) progress.push_back(progress_of(is));
   // A finished island is what this file asks for, or it is not taken: trained with other settings
   // (the file changed since, or another run put in its directory) it is refused before anything
   // starts, naming the key; with more train.steps than it trained it trains on.
   {
     const std::vector<Island> planned = plan_islands(c, k);
+    const std::string partition_sha = sha256_file(load_partition(c.partition).origin);
     for (size_t i = 0; i < planned.size(); ++i) {
+      progress.push_back(progress_of(planned[i]));
       if (!progress[i].done) continue;
       bool more = false;
-      const std::string diff = finished_differs(c, planned[i], more);
+      const std::string diff = finished_differs(c, planned[i], partition_sha, more);
       DDM_INPUT_CHECK(diff.empty(), planned[i].name << " in " << planned[i].dir << " finished with other settings than "
                                                     << c.origin << " asks for: " << diff << ". Move its directory away "
                                                     << "to train it again with the file's settings, or restore the "
@@ -742,12 +736,13 @@ std::string islands_status(const IslandsConfig& c) {
       unreadable = e.what();
     }
   std::vector<std::string> refused;  // finished islands that `islands run` refuses with this file
+  const std::string partition_sha = sha256_file(partition.origin);
   for (size_t i = 0; i < islands.size(); ++i) {
     IslandProgress p = progress_of(islands[i]);
     std::string differs;  // a finished island against the file's settings, as `islands run` checks it
     if (p.done) try {
         bool more = false;
-        differs = finished_differs(c, islands[i], more);
+        differs = finished_differs(c, islands[i], partition_sha, more);
         if (differs.empty() && more) p.done = false, differs = "the file asks for more train.steps: it trains on";
         else if (!differs.empty()) refused.push_back(islands[i].name);
       } catch (const Error& e) {
@@ -788,7 +783,7 @@ std::string islands_status(const IslandsConfig& c) {
       << (refused.size() > 1 ? "them" : "it") << " again, or restore the settings\n";
   else if (has_ensemble && !unreadable.empty())
     s << "ensemble: " << ensemble.string() << " is damaged (" << unreadable << "); " << again << "assembles it again\n";
-  else if (has_ensemble && assembled["partition"]["sha256"] != sha256_file(partition.origin))
+  else if (has_ensemble && assembled["partition"]["sha256"] != partition_sha)
     s << "ensemble: " << ensemble.string() << " is out of date: the partition " << c.partition << " changed since it "
       << "was assembled (its experts and router trained on the old one refuse it; restore it, or train them again)\n";
   else if (!has_ensemble)

@@ -25,38 +25,6 @@ namespace fs = std::filesystem;
 namespace ddm {
 namespace {
 
-// Keys that may differ between a run and its resumption.
-RunConfig normalized_for_resume(RunConfig c) {
-  RunConfig d;
-  c.train.steps = d.train.steps;
-  c.train.log_every = d.train.log_every;
-  c.train.ckpt_every = d.train.ckpt_every;
-  c.train.keep_ckpts = d.train.keep_ckpts;
-  c.train.threads = d.train.threads;
-  c.train.device = d.train.device;
-  c.train.precision = d.train.precision;
-  c.train.loss_scale = d.train.loss_scale;  // fp16's starting scale: a checkpoint's own scale goes on
-  c.train.deterministic = d.train.deterministic;
-  c.train.checkpoint_activations = d.train.checkpoint_activations;  // what backward keeps, not what it computes
-  c.train.cuda_graphs = d.train.cuda_graphs;  // how the same step is launched
-  c.train.grad_accum = d.train.grad_accum;  // the global batch stays; how it is split may change
-  c.train.lr = d.train.lr;  // the way on after a loss that was not finite (said when it changes)
-  c.train.grad_clip = d.train.grad_clip;
-  c.train.sample_every = d.train.sample_every;  // what is watched, not what is trained
-  c.train.sample_n = d.train.sample_n;
-  c.train.sample_prompts = d.train.sample_prompts;
-  c.data.decode_threads = d.data.decode_threads;  // how the same samples are read
-  c.data.scan_cache = d.data.scan_cache;
-  c.sample = d.sample;
-  c.parallel = d.parallel;
-  c.diloco = d.diloco;
-  // Folders recorded with a trailing slash by earlier versions, which now record them without.
-  for (std::string* dir : {&c.model.text_encoder, &c.model.unet})
-    if (!dir->empty()) *dir = absolute_dir(*dir);
-  c.data.root = d.data.root;  // where the data is: moved with a project, or another machine's mount (said)
-  return c;
-}
-
 // Keys that may differ between the ranks of one job: how many threads each uses, its device, and
 // where and how each finds the data (whose content is compared by hash).
 RunConfig normalized_for_ranks(RunConfig c) {
@@ -239,6 +207,37 @@ bool finds_checkpoint(const TrainOptions& opt, Comm& comm, bool rejoining) {
 }
 
 }  // namespace
+
+RunConfig normalized_for_resume(RunConfig c) {
+  RunConfig d;
+  c.train.steps = d.train.steps;
+  c.train.log_every = d.train.log_every;
+  c.train.ckpt_every = d.train.ckpt_every;
+  c.train.keep_ckpts = d.train.keep_ckpts;
+  c.train.threads = d.train.threads;
+  c.train.device = d.train.device;
+  c.train.precision = d.train.precision;
+  c.train.loss_scale = d.train.loss_scale;  // fp16's starting scale: a checkpoint's own scale goes on
+  c.train.deterministic = d.train.deterministic;
+  c.train.checkpoint_activations = d.train.checkpoint_activations;  // what backward keeps, not what it computes
+  c.train.cuda_graphs = d.train.cuda_graphs;  // how the same step is launched
+  c.train.grad_accum = d.train.grad_accum;  // the global batch stays; how it is split may change
+  c.train.lr = d.train.lr;  // the way on after a loss that was not finite (said when it changes)
+  c.train.grad_clip = d.train.grad_clip;
+  c.train.sample_every = d.train.sample_every;  // what is watched, not what is trained
+  c.train.sample_n = d.train.sample_n;
+  c.train.sample_prompts = d.train.sample_prompts;
+  c.data.decode_threads = d.data.decode_threads;  // how the same samples are read
+  c.data.scan_cache = d.data.scan_cache;
+  c.sample = d.sample;
+  c.parallel = d.parallel;
+  c.diloco = d.diloco;
+  // Folders recorded with a trailing slash by earlier versions, which now record them without.
+  for (std::string* dir : {&c.model.text_encoder, &c.model.unet})
+    if (!dir->empty()) *dir = absolute_dir(*dir);
+  c.data.root = d.data.root;  // where the data is: moved with a project, or another machine's mount (said)
+  return c;
+}
 
 std::string absolute_data_root(const std::string& root) {
   // A brace pattern may list absolute alternatives ({/mnt/a,/mnt/b}/x.tar): left as it is.

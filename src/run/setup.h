@@ -38,6 +38,11 @@ JobProcess join_job(const RunConfig& cfg, TrainOptions& opt);
 // braces and globs): what a run records, so that it resumes and is evaluated from any directory.
 std::string absolute_data_root(const std::string& root);
 
+// A recorded config less what may change between a run and its resumption (train.steps, lr,
+// threads, device, data.root, sample.*, parallel.*, ...): two runs whose normalized configs are
+// equal train the same model, and a resume is refused where they differ.
+RunConfig normalized_for_resume(RunConfig c);
+
 // The model, built alike on every rank from the seed, with the frozen parts attached: a latent
 // model's encoder (job.objective, made if null), a ControlNet's locked base, an embedding network.
 // With pretrained off (a run resuming from its checkpoint), model.unet's weights are not read.
