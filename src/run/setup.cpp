@@ -209,13 +209,12 @@ bool finds_checkpoint(const TrainOptions& opt, Comm& comm, bool rejoining) {
 }  // namespace
 
 RunConfig normalized_for_resume(RunConfig c) {
+  c = normalized_for_ranks(std::move(c));  // what may differ between ranks may change on resume too
   RunConfig d;
   c.train.steps = d.train.steps;
   c.train.log_every = d.train.log_every;
   c.train.ckpt_every = d.train.ckpt_every;
   c.train.keep_ckpts = d.train.keep_ckpts;
-  c.train.threads = d.train.threads;
-  c.train.device = d.train.device;
   c.train.precision = d.train.precision;
   c.train.loss_scale = d.train.loss_scale;  // fp16's starting scale: a checkpoint's own scale goes on
   c.train.deterministic = d.train.deterministic;
@@ -227,15 +226,12 @@ RunConfig normalized_for_resume(RunConfig c) {
   c.train.sample_every = d.train.sample_every;  // what is watched, not what is trained
   c.train.sample_n = d.train.sample_n;
   c.train.sample_prompts = d.train.sample_prompts;
-  c.data.decode_threads = d.data.decode_threads;  // how the same samples are read
-  c.data.scan_cache = d.data.scan_cache;
   c.sample = d.sample;
   c.parallel = d.parallel;
   c.diloco = d.diloco;
   // Folders recorded with a trailing slash by earlier versions, which now record them without.
   for (std::string* dir : {&c.model.text_encoder, &c.model.unet})
     if (!dir->empty()) *dir = absolute_dir(*dir);
-  c.data.root = d.data.root;  // where the data is: moved with a project, or another machine's mount (said)
   return c;
 }
 
