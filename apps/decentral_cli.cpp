@@ -240,24 +240,40 @@ int train_router_cmd(const RouterArgs& a) {
   return 0;
 }
 
-int ensemble_cmd(const std::string& out, const EnsembleSpec& spec, bool force) {
+// --text-encoder DIR of `ddm ensemble` and `ddm distill`: text experts' frozen encoder where it is now
+// (a moved project, a rebuilt environment), checked against each checkpoint's sha256 as it loads.
+void use_moved_text_encoder(const std::string& dir) {
+  if (dir.empty()) return;
+  DDM_INPUT_CHECK(fs::is_directory(dir), "--text-encoder " << dir << ": no such directory");
+  use_text_encoder_at(fs::absolute(dir).lexically_normal().string());
+}
+
+int ensemble_cmd(const std::string& out, const EnsembleSpec& spec, bool force, const std::string& text_encoder) {
   DDM_INPUT_CHECK(force || !fs::exists(fs::path(out) / "ensemble.json"),
             out << "/ensemble.json already exists; use --force to replace it or another --out");
+  use_moved_text_encoder(text_encoder);
   std::vector<std::string> notes;
   // Every refusal is about the parts it was given (and a damaged checkpoint among them): exit 2.
-  const nlohmann::json m = as_input_error([&] { return assemble_ensemble(out, spec, notes); });
+  const nlohmann::json m = assemble_ensemble(out, spec, notes);
+  std::string moved;  // sampling needs the encoder's new place too
+  if (!text_encoder.empty()) {
+    if (load_config((fs::path(spec.experts.at(0)) / "config.toml").string()).model.text_encoder.empty())
+      notes.push_back("--text-encoder: the experts are not conditioned on text; it was not used");
+    else
+      moved = " --text-encoder " + text_encoder;
+  }
   for (const auto& n : notes) std::cout << "note: " << n << std::endl;
   std::cout << "ensemble of " << m["k"] << " experts (";
   for (const auto& e : m["experts"]) std::cout << (e["index"] == 0 ? "" : ", ") << e["preset"].get<std::string>() << " "
                                                << e["objective"].get<std::string>();
   std::cout << ") and router " << m["router"]["preset"].get<std::string>() << "; default routing " << spec.routing
             << "\nwrote " << out << "/ensemble.json\n"
-            << "next: " << ensemble_sample_command(out) << std::endl;
+            << "next: " << ensemble_sample_command(out) << moved << std::endl;
   return 0;
 }
 
 struct DistillArgs {
-  std::string ensemble, config, out, preset;
+  std::string ensemble, config, out, preset, text_encoder;
   std::vector<std::string> overrides;
   bool resume = false, force = false, quiet = false;
 };
@@ -282,10 +298,16 @@ RunConfig distill_config(const DistillArgs& a) {
   c.data.expert = -1;
   c.train.expert_budget = "full";
   c.train.teacher = fs::absolute(a.ensemble).lexically_normal().string();
+  if (!a.text_encoder.empty()) {  // the teachers' encoder moved: the student's is the same one
+    DDM_INPUT_CHECK(!c.model.text_encoder.empty(),
+                    "--text-encoder: the student (" << from << ") is not conditioned on text (model.text_encoder)");
+    c.model.text_encoder = fs::absolute(a.text_encoder).lexically_normal().string();
+  }
   return parse_config(to_toml(c), "the student config made from " + from, a.overrides);
 }
 
 int distill_cmd(const DistillArgs& a) {
+  use_moved_text_encoder(a.text_encoder);
   const RunConfig cfg = distill_config(a);
   TrainSummary s = train_run(cfg, {a.out, a.resume, a.force, a.quiet, nullptr});
   if (s.interrupted) return 128 + s.signal;
@@ -464,10 +486,14 @@ std::vector<Command> add_decentral_commands(CLI::App& app) {
   ens->add_option("--routing", es->routing, "default routing: top1 | topk:K | full | threshold:P | sample | oracle")
       ->capture_default_str();
   ens->add_flag("--force", *eforce, "replace an existing ensemble.json");
+  auto etext = std::make_shared<std::string>();
+  ens->add_option("--text-encoder", *etext,
+                  "text experts' frozen encoder where it is now, if it moved since training (the same weights: "
+                  "checked against the sha256 each checkpoint records)");
   ens->footer("\nExamples:\n"
               "  ddm ensemble --out runs/ens --partition runs/parts --router runs/router \\\n"
               "    --expert runs/e0 --expert runs/e1 --expert runs/e2 --expert runs/e3   # in cluster order\n");
-  cmds.push_back({ens, [es, eout, eforce] { return ensemble_cmd(*eout, *es, *eforce); }});
+  cmds.push_back({ens, [es, eout, eforce, etext] { return ensemble_cmd(*eout, *es, *eforce, *etext); }});
 
   auto* isl = app.add_subcommand(
       "islands",
@@ -523,6 +549,9 @@ std::vector<Command> add_decentral_commands(CLI::App& app) {
   dist->add_option("--config", da->config, "the student's training config (default: expert 0's)");
   dist->add_option("--preset", da->preset, "the student's model preset (default: the config's; see `ddm presets`)");
   dist->add_option("--set", da->overrides, "override a config key, e.g. --set train.steps=600 (repeatable)");
+  dist->add_option("--text-encoder", da->text_encoder,
+                   "text teachers' frozen encoder where it is now, if it moved since training (the same weights: "
+                   "checked against the sha256 each checkpoint records); the student's too");
   dist->add_flag("--resume", da->resume, "continue from the latest checkpoint in --out");
   dist->add_flag("--force", da->force, "overwrite a different run in --out");
   dist->add_flag("--quiet", da->quiet, "no training progress output");

@@ -20,7 +20,7 @@ const char* kLaunchHelp =
     "Start --nproc worker processes of a ddm command, as torchrun does.\n"
     "Start --nproc workers on this machine, each running `ddm COMMAND...` (this ddm binary), with the "
     "environment torchrun gives its workers: RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK=0, "
-    "ROLE_RANK, ROLE_WORLD_SIZE, MASTER_ADDR=127.0.0.1, MASTER_PORT, TORCHELASTIC_RESTART_COUNT, "
+    "GROUP_WORLD_SIZE=1, ROLE_NAME=default, ROLE_RANK, ROLE_WORLD_SIZE, MASTER_ADDR=127.0.0.1, MASTER_PORT, TORCHELASTIC_RESTART_COUNT, "
     "TORCHELASTIC_MAX_RESTARTS, TORCHELASTIC_RUN_ID, TORCHELASTIC_USE_AGENT_STORE=True, and DDM_LAUNCHER=ddm. "
     "Like torchrun's agent, the launcher hosts the rendezvous TCPStore at MASTER_ADDR:MASTER_PORT for the whole "
     "launch; workers connect to it as clients under the prefix /worker/attempt_<TORCHELASTIC_RESTART_COUNT>. "

@@ -17,6 +17,7 @@
 #include <map>
 #include <thread>
 
+#include <c10/util/Logging.h>
 #include <torch/cuda.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
@@ -140,7 +141,19 @@ std::shared_ptr<Comm> Comm::create_impl(const DistEnv& env, CommOptions options,
     const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
     so.timeout = std::chrono::seconds(std::max<int64_t>(1, (left.count() + 999) / 1000));
     try {
-      store = c10::make_intrusive<c10d::TCPStore>(env.master_addr, so);
+      // A client's refused connects are retried here and, at the deadline, named by store_error:
+      // LibTorch's own lines per failed try (an error and its stack trace each) would only come
+      // before that line, so they are quieted while connecting (TORCH_CPP_LOG_LEVEL, when set, is
+      // kept as given).
+      const int level = ::FLAGS_caffe2_log_level;
+      if (!server && !std::getenv("TORCH_CPP_LOG_LEVEL")) ::FLAGS_caffe2_log_level = std::max(level, 3);  // FATAL only
+      try {
+        store = c10::make_intrusive<c10d::TCPStore>(env.master_addr, so);
+      } catch (...) {
+        ::FLAGS_caffe2_log_level = level;
+        throw;
+      }
+      ::FLAGS_caffe2_log_level = level;
     } catch (const std::exception& e) {
       const auto now = std::chrono::steady_clock::now();
       if (server || now >= deadline) store_error(env, options, server, e);

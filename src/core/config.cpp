@@ -407,7 +407,7 @@ const std::map<std::string, std::string>& key_docs() {
       {"parallel.dp",
        "data-parallel degree (0: every process; with pipelines: the replicas)"},
       {"parallel.timeout",
-       "seconds a collective waits for the other ranks before the job fails"},
+       "seconds a collective waits for the other ranks before the job fails (more than 0, at most 86400)"},
       {"parallel.backend",
        "auto, gloo or nccl (auto: NCCL where each rank has its own GPU)"},
       {"parallel.bucket_mb",
@@ -443,7 +443,7 @@ const std::map<std::string, std::string>& key_docs() {
       {"diloco.wire",
        "the outer gradient on the wire: float32 or float16"},
       {"diloco.peer_wait",
-       "seconds a synchronization waits for a failed replica before going on without it"},
+       "seconds a synchronization waits for a failed replica before going on without it (more than 0, at most 86400)"},
   };
   return d;
 }

@@ -3,7 +3,9 @@
 
 #include <filesystem>
 #include <fstream>
+#include <iostream>
 #include <map>
+#include <set>
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
@@ -93,6 +95,25 @@ std::vector<std::string> folder_captions(const std::string& root, const std::vec
       first_without = image;
     }
   }
+  // A .txt beside no image (a caption whose image was renamed, "a.jpg.txt" for "a.jpg") is read by
+  // nothing: said, so that a caption meant for an image is not lost without a word.
+  std::set<std::string> stems;
+  for (const auto& image : images) stems.insert(fs::path(image).replace_extension("").lexically_normal().string());
+  int64_t orphans = 0;
+  std::string first_orphan;
+  std::error_code ec;
+  for (fs::recursive_directory_iterator it(root, fs::directory_options::skip_permission_denied, ec), end; !ec && it != end;
+       it.increment(ec)) {
+    const fs::path& f = it->path();
+    if (f.extension() != ".txt" || !it->is_regular_file(ec)) continue;
+    if (stems.count(fs::path(f).replace_extension("").lexically_normal().string())) continue;
+    if (orphans++ == 0) first_orphan = f.string();
+  }
+  if (orphans > 0)
+    std::cerr << "note: " << root << ": " << orphans << " .txt file" << (orphans == 1 ? " is" : "s are")
+              << " beside no image and not read as a caption (" << first_orphan
+              << (orphans == 1 ? "" : ", ...") << "); a caption is IMAGE-NAME.txt beside IMAGE-NAME.png/.jpg/..."
+              << std::endl;
   if (out.empty()) return out;
   DDM_CHECK(first_without.empty(),
             first_without << " has no caption (no .txt beside it" << (list_file.empty() ? "" : ", no line in " + list_file)

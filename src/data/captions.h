@@ -26,7 +26,8 @@ std::optional<std::string> sample_caption(const ShardSample& s, const std::strin
 // The captions of a folder's images (paths under `root`, as the folder dataset lists them), in
 // their order: all of them, or an empty vector when the folder has no captions at all. Throws,
 // naming the first image without one, when only some have captions; naming file and line for a
-// malformed captions file or one naming an image that is not there.
+// malformed captions file or one naming an image that is not there. Notes on stderr the .txt files
+// that are beside no image (read by nothing).
 std::vector<std::string> folder_captions(const std::string& root, const std::vector<std::string>& images);
 
 }  // namespace ddm

@@ -62,9 +62,8 @@ void check_routing_fits(const Routing& r, int64_t experts) {
                        << experts << " (topk:" << experts << " is the same as full)");
 }
 
-}  // namespace
-
-nlohmann::json assemble_ensemble(const std::string& dir, const EnsembleSpec& spec, std::vector<std::string>& notes) {
+// The manifest of the runs in `spec`, checked (assemble_ensemble's first half).
+nlohmann::json checked_manifest(const std::string& dir, const EnsembleSpec& spec, std::vector<std::string>& notes) {
   const Routing routing = parse_routing(spec.routing);  // a bad default fails before any work
   const Partition p = load_partition(spec.partition);
   check_routing_fits(routing, p.k);
@@ -162,6 +161,14 @@ nlohmann::json assemble_ensemble(const std::string& dir, const EnsembleSpec& spe
                  {"forward_flops", network_flops_per_image(r.cfg.model)},
                  {"weights_sha256", weights_hashes(r.checkpoint)}};
   m["image"] = {{"channels", channels}, {"size", size}, {"num_classes", classes}};
+  return m;
+}
+
+}  // namespace
+
+nlohmann::json assemble_ensemble(const std::string& dir, const EnsembleSpec& spec, std::vector<std::string>& notes) {
+  // Parts that do not belong together (or a damaged one) are bad input; writing the manifest is not.
+  const nlohmann::json m = as_input_error([&] { return checked_manifest(dir, spec, notes); });
   fs::create_directories(dir);
   // An ensemble assembled again lets go of the checkpoints it held (those it still holds are pinned
   // again below).
@@ -178,7 +185,7 @@ nlohmann::json assemble_ensemble(const std::string& dir, const EnsembleSpec& spe
   write_file_atomic(manifest.string(), m.dump(2) + "\n");
   // The experts' and the router's runs may train on; their rotation keeps what the ensemble names.
   for (const auto& e : m["experts"]) pin_checkpoint(resolved_path(dir, e.at("checkpoint").get<std::string>()), dir);
-  pin_checkpoint(r.checkpoint, dir);
+  pin_checkpoint(resolved_path(dir, m["router"].at("checkpoint").get<std::string>()), dir);
   return m;
 }
 

@@ -29,7 +29,8 @@ struct EnsembleSpec {
 
 // Checks that the runs belong together (the partition the experts and the router were trained on,
 // one expert per cluster in order, equal image shapes and classes) and writes DIR/ensemble.json
-// atomically. Returns the manifest. Notes (e.g. an unfinished expert) go to `notes`.
+// atomically. Returns the manifest. Notes (e.g. an unfinished expert) go to `notes`. A refusal of the
+// runs is an InputError (exit 2); a manifest that cannot be written, an Error.
 nlohmann::json assemble_ensemble(const std::string& dir, const EnsembleSpec& spec, std::vector<std::string>& notes);
 
 struct LoadedEnsemble {

@@ -141,6 +141,24 @@ IslandsConfig parse(const toml::table& t, const std::string& origin) {
   str("router.preset", c.router_preset, false);
   num("router.holdout", c.holdout, 0);
   list("router.set", c.router_set);
+  // Which images the islands see is the config's: the partition is made from it, and every expert and the
+  // router must see the data it was made on (each would otherwise refuse the partition, one by one).
+  for (const auto* sets : {&c.expert_set, &c.router_set})
+    for (const std::string& s : *sets) {
+      const std::string key = s.substr(0, s.find('='));
+      const size_t from = std::min(key.size(), key.find_first_not_of(" \t"));
+      const std::string trimmed = key.substr(from, key.find_last_not_of(" \t") + 1 - from);
+      for (const char* data_key : {"data.source", "data.root", "data.split", "data.limit", "data.partition",
+                                   "data.expert", "data.holdout"})
+        DDM_CHECK(trimmed != data_key,
+                  origin << ": " << (sets == &c.expert_set ? "experts.set" : "router.set") << " sets " << data_key
+                         << ", but which images the islands train on is the config's (" << c.config
+                         << "): the partition is made from it and every island must see the same data"
+                         << (std::string(data_key) == "data.holdout" ? "; the router's is router.holdout"
+                             : std::string(data_key) == "data.partition" || std::string(data_key) == "data.expert"
+                                 ? "; the islands set it themselves"
+                                 : "; set it there (a copy of the config for these islands)"));
+    }
   num("run.concurrency", c.concurrency, 1);
   num("run.nproc", c.nproc, std::numeric_limits<int64_t>::min());
   DDM_CHECK(c.nproc >= 1, origin << ": run.nproc = " << c.nproc << " is not a number of processes: each island needs at "
@@ -681,7 +699,7 @@ int run_islands(const IslandsConfig& c, const std::string& ddm_binary) {
   spec.routing = c.routing;
   for (int64_t e = 0; e < k; ++e) spec.experts.push_back(islands[e].dir);
   std::vector<std::string> notes;
-  as_input_error([&] { return assemble_ensemble(c.out, spec, notes); });  // parts that do not fit: bad input
+  assemble_ensemble(c.out, spec, notes);  // parts that do not fit: bad input
   for (const auto& note : notes) std::cout << "note: " << note << std::endl;
   std::cout << "[islands] all " << n << " islands done; wrote " << c.out << "/ensemble.json\nnext: "
             << ensemble_sample_command(c.out) << std::endl;

@@ -20,6 +20,7 @@
 #include "data/captions.h"
 #include "data/dataset.h"
 #include "data/latent_shards.h"
+#include "data/origin.h"
 #include "data/shard_loader.h"
 #include "data/shard_stream.h"
 #include "data/shard_write.h"
@@ -325,6 +326,22 @@ void write_clusters(const Dataset& opened, const Partition& p, const ShardPartit
   }
   for (auto& w : writers)
     if (w) w->finish();
+  // Each cluster's image shards keep the source's record (its origin, as `ddm eval` reads it, and
+  // its class names): CLUSTER.shards.json beside them, as `ddm shards write` leaves.
+  if (!encoded && o.reshard) {
+    const std::string origin = data_origin(o.data);
+    const std::vector<std::string> names = recorded_class_names(index.shards);
+    for (int64_t c = 0; c < p.k; ++c) {
+      const int64_t n = written[static_cast<size_t>(c)];
+      if (n == 0) continue;
+      ShardsWritten w;
+      w.samples = n;
+      w.shards = (n + o.shard_size - 1) / o.shard_size;
+      write_shards_record((dir / "shards").string(), "cluster-" + std::to_string(c), w, origin,
+                          "cluster " + std::to_string(c) + " of " + std::to_string(p.k) + " of " + opened.description,
+                          names);
+    }
+  }
   for (int64_t c = 0; encoded && o.reshard && c < p.k; ++c) {
     const LatentShardsWriter& w = *latent_out[static_cast<size_t>(c)];
     LatentShardsInfo info = *encoded;

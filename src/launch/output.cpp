@@ -1,5 +1,5 @@
 // LinePrefixer (see output.h): worker bytes in, whole "[rank N] " lines out, without the rank
-// repeated after "error: ".
+// repeated at a line's start or after "error: ".
 #include "launch/output.h"
 
 #include <utility>
@@ -16,12 +16,14 @@ LinePrefixer LinePrefixer::for_rank(int64_t rank, std::chrono::milliseconds prog
 }
 
 std::string LinePrefixer::emit(const std::string& text) {
-  if (!named_.empty() && !continued_)
+  if (!named_.empty() && !continued_) {
+    if (text.compare(0, named_.size(), named_) == 0) return prefix_ + text.substr(named_.size()) + "\n";
     for (const char* error : {"error: ", "error (LibTorch): "}) {
       const std::string e = error;
       if (text.compare(0, e.size(), e) == 0 && text.compare(e.size(), named_.size(), named_) == 0)
         return prefix_ + e + text.substr(e.size() + named_.size()) + "\n";
     }
+  }
   return prefix_ + text + "\n";
 }
 

@@ -50,7 +50,7 @@ class LinePrefixer {
   std::string emit(const std::string& text);
 
   std::string prefix_;
-  std::string named_;  // "rank N: " for for_rank(N): dropped after "error: "; "" otherwise
+  std::string named_;  // "rank N: " for for_rank(N): dropped at a line's start or after "error: "; "" otherwise
   std::chrono::milliseconds progress_interval_;
   size_t max_line_;
   bool continued_ = false;  // the current line was split at max_line: its rest does not start a line

@@ -251,6 +251,20 @@ TEST(Islands, BadNprocOrSlurmLinesAreClearErrorsBeforeAnythingStarts) {
   expect_error(slurm("sbatch = \"--time=1:00:00\"\n"), "'slurm.sbatch' must be an array of strings like \"--partition=gpu\"");
   expect_error(slurm("setup = [\"a\\nb\"]\n"), "slurm.setup holds one shell line per string");
   expect_error(slurm("account = \"x\"\n"), "unknown key 'slurm.account'");
+  // Which images the islands see is the config's (the partition is made from it): data keys in
+  // experts.set or router.set would make every island refuse the partition, one by one.
+  std::string limited = islands_file(dir.path, "runs", "");
+  limited.replace(limited.find("budget = \"split-batch\""), 22, "budget = \"split-batch\"\nset = [\" data.limit = 100\"]");
+  test::write_text(dir / "bad.toml", limited);
+  expect_error(test::run_ddm("islands run " + (dir / "bad.toml")),
+               "bad.toml: experts.set sets data.limit, but which images the islands train on is the config's (" +
+                   (dir / "tiny.toml") + "): the partition is made from it and every island must see the same data; "
+                   "set it there");
+  std::string holdout = islands_file(dir.path, "runs", "");
+  holdout.replace(holdout.find("\"train.steps=20\""), 16, "\"train.steps=20\", \"data.holdout=10\"");
+  test::write_text(dir / "bad.toml", holdout);
+  expect_error(test::run_ddm("islands status " + (dir / "bad.toml")),
+               "router.set sets data.holdout, but which images the islands train on is the config's");
   // Nothing was made or started: no partition, no run directory.
   EXPECT_FALSE(fs::exists(dir / "parts/k2"));
   EXPECT_FALSE(fs::exists(dir / "runs"));

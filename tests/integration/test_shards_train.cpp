@@ -24,6 +24,7 @@
 #include "core/fileio.h"
 #include "data/dataset.h"
 #include "data/latent_shards.h"
+#include "data/origin.h"
 #include "data/scan_cache.h"
 #include "data/shard_loader.h"
 #include "data/shard_write.h"
@@ -186,14 +187,14 @@ TEST(ShardsTrain, ARejoiningDilocoReplicaGoesOnFromItsCheckpointedPosition) {
   kill(workers[1], SIGKILL);
   ASSERT_EQ(test::wait_exit(launcher, 300), 0) << test::read_text(log);
   const std::string text = test::read_text(log);
-  ASSERT_TRUE(has(text, "[rank 1] rank 1: rejoined at step")) << text;
+  ASSERT_TRUE(has(text, "[rank 1] rejoined at step")) << text;
   // "replica 1's shards go on from epoch E, sample I: its position at the checkpoint of step S"
   const size_t said = text.find("replica 1's shards go on from epoch ");
   ASSERT_NE(said, std::string::npos) << text;
   int64_t epoch = -1, index = -1, ckpt = -1, joined = -1;
   ASSERT_EQ(std::sscanf(text.c_str() + said, "replica 1's shards go on from epoch %ld, sample %ld: its position at "
                                              "the checkpoint of step %ld", &epoch, &index, &ckpt), 3) << text;
-  ASSERT_EQ(std::sscanf(text.c_str() + text.find("rank 1: rejoined at step "), "rank 1: rejoined at step %ld", &joined), 1);
+  ASSERT_EQ(std::sscanf(text.c_str() + text.find("[rank 1] rejoined at step "), "[rank 1] rejoined at step %ld", &joined), 1);
   char name[32];
   std::snprintf(name, sizeof name, "/ckpt/step-%08ld", static_cast<long>(ckpt));
   const auto at_ckpt = read_checkpoint(out + name).state["data_cursor"]["replicas"][1];
@@ -358,6 +359,14 @@ TEST(ShardsTrain, AnExpertTrainsOnItsClustersShards) {
   ASSERT_EQ(part.exit_code, 0) << part.output;
   EXPECT_TRUE(has(part.output, "partition of 512 images into 2 clusters: sizes 256 to 256")) << part.output;
   EXPECT_TRUE(fs::exists(r.dir / "p/shards/cluster-1-000002.tar"));  // 256 samples in shards of 100
+  // Each cluster's shards keep the source's record: its origin (eval's FD-fmnist) and class names.
+  const auto cluster1 = expand_shards(r.dir / "p/shards/cluster-1-{000000..000002}.tar", "test");
+  EXPECT_EQ(recorded_class_names(cluster1), recorded_class_names(expand_shards(r.pattern, "test")));
+  EXPECT_EQ(recorded_class_names(cluster1).at(0), "T-shirt/top");
+  DataConfig cluster_data;
+  cluster_data.source = "shards";
+  cluster_data.root = r.dir / "p/shards/cluster-1-{000000..000002}.tar";
+  EXPECT_EQ(data_origin(cluster_data), "fashion-mnist");
   const std::string expert = " --partition " + (r.dir / "p") + " --expert 1 --set train.steps=12";
   auto e = test::run_ddm(r.train("e1", expert, /*quiet=*/false));
   ASSERT_EQ(e.exit_code, 0) << e.output;

@@ -51,7 +51,8 @@ torch::Tensor nearest_colour(const std::string& raw) {
 TEST(TextDecentral, ExpertsAPromptConditionedRouterAndTheirStudentFollowThePrompts) {
   test::TempDir dir;
   const std::string root = dir / "images", cfg = dir / "text.toml";
-  const std::string encoder = test::minilm_package_dir() + "/model";
+  const std::string encoder = dir / "minilm";  // a copy, to move it at the end
+  fs::copy(test::minilm_package_dir() + "/model", encoder, fs::copy_options::recursive);
   colour_folder(root);
   test::write_text(cfg, "[data]\nsource = \"folder\"\nroot = \"" + root + "\"\n[model]\npreset = \"unet-tiny\"\n" +
                             "channels = 8\ngroups = 4\nattn_levels = [1]\nheads = 2\ntext_encoder = \"" + encoder +
@@ -111,6 +112,26 @@ TEST(TextDecentral, ExpertsAPromptConditionedRouterAndTheirStudentFollowThePromp
                                    (dir / "plain") + experts),
                      "is not conditioned on text, the experts on " + encoder);
   EXPECT_FALSE(fs::exists(dir / "bad/ensemble.json"));
+  // The encoder moved (a project moved, an environment rebuilt): named as missing; assembled,
+  // sampled and distilled from its new place, the same weights (its sha256) accepted.
+  const std::string moved = dir / "moved-minilm";
+  fs::rename(encoder, moved);
+  const std::string again = "ensemble --force --out " + (dir / "ens") + " --partition " + (dir / "parts") + " --router " +
+                            (dir / "router") + experts;
+  test::expect_error(test::run_ddm(again), "frozen text encoder " + encoder + " (model.text_encoder) is not there");
+  r = test::run_ddm(again + " --text-encoder " + moved);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find(" --out grid.png --text-encoder " + moved), std::string::npos) << r.output;
+  r = test::run_ddm("sample --ensemble " + (dir / "ens") + " --prompt 'a red square' --n 2 --steps 2 --out " +
+                    (dir / "m.png") + " --text-encoder " + moved);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  r = test::run_ddm("distill --quiet --ensemble " + (dir / "ens") + " --out " + (dir / "moved-student") +
+                    " --set train.steps=2 --text-encoder " + moved);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(test::read_text(dir / "moved-student/config.toml").find("text_encoder = '" + moved + "'"), std::string::npos);
+  test::expect_error(test::run_ddm("distill --quiet --ensemble " + (dir / "ens") + " --out " + (dir / "s2") +
+                                   " --text-encoder " + (dir / "nowhere")),
+                     "--text-encoder " + (dir / "nowhere") + ": no such directory");
 }
 
 // Partitioned by what the captions say (`--features text`): images of noise, so their pixels carry

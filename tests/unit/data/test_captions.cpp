@@ -113,8 +113,18 @@ TEST(Captions, FoldersTakeATxtBesideEachImageOrOneJsonlAndShardsWriteCarriesThem
   std::string e = test::error_message([&] { load_image_folder(root); });
   EXPECT_TRUE(has(e, root + "/dogs/c.png has no caption (no .txt beside it) but " + root + "/cats/a.png has one")) << e;
   test::write_text(root + "/dogs/c.txt", "  a dog  ");
+  testing::internal::CaptureStderr();
   Dataset d = load_image_folder(root);
+  EXPECT_EQ(testing::internal::GetCapturedStderr(), "");
   EXPECT_EQ(d.captions, (std::vector<std::string>{"a grey cat", "", "a dog"}));
+  // A .txt beside no image (its image renamed, or named "c.png.txt") is read by nothing: a note says so.
+  test::write_text(root + "/dogs/c.png.txt", "a lost caption");
+  testing::internal::CaptureStderr();
+  EXPECT_EQ(load_image_folder(root).captions, d.captions);
+  const std::string said = testing::internal::GetCapturedStderr();
+  EXPECT_TRUE(has(said, "note: " + root + ": 1 .txt file is beside no image and not read as a caption (" + root +
+                            "/dogs/c.png.txt); a caption is IMAGE-NAME.txt")) << said;
+  fs::remove(root + "/dogs/c.png.txt");
   EXPECT_TRUE(has(d.description, "captioned")) << d.description;
   // A captions.jsonl wins over the .txt files for the images it names.
   test::write_text(root + "/captions.jsonl", R"({"file_name": "dogs/c.png", "text": "a listed dog"})" "\n\n"

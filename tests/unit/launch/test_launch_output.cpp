@@ -67,7 +67,10 @@ TEST(LinePrefixer, ARanksErrorLineNamesTheRankOnce) {
   EXPECT_EQ(p.feed("error: rank 0: lost the connection to rank 1\n", t0),
             "[rank 1] error: rank 0: lost the connection to rank 1\n");
   EXPECT_EQ(p.feed("error: rank 12: x\n", t0), "[rank 1] error: rank 12: x\n");
-  EXPECT_EQ(p.feed("rank 1: rejoined at step 40\n", t0), "[rank 1] rank 1: rejoined at step 40\n");
+  // A status line that names its own rank (DiLoCo's) names it once too; another rank is kept.
+  EXPECT_EQ(p.feed("rank 1: rejoined at step 40\n", t0), "[rank 1] rejoined at step 40\n");
+  EXPECT_EQ(p.feed("rank 2: rejoined at step 40\n", t0), "[rank 1] rank 2: rejoined at step 40\n");
+  EXPECT_EQ(p.feed("rank 10: x\n", t0), "[rank 1] rank 10: x\n");
   EXPECT_EQ(p.feed("note: error: rank 1: x\n", t0), "[rank 1] note: error: rank 1: x\n");
   EXPECT_EQ(p.feed("error: rank 1 (pid 7) exited\n", t0), "[rank 1] error: rank 1 (pid 7) exited\n");
   // A line that arrives in pieces, and one the pipe's close ends.
