@@ -35,7 +35,9 @@ const char* kLaunchFooter =
     "checkpoint. Ranks are not tied to processes across restarts. A ddm worker that exits with status 2 had its "
     "command line or config refused before it ran: it is not restarted, since it would fail the same way.\n"
     "Signals: SIGINT, SIGTERM and SIGHUP are forwarded to every worker; the launcher waits --grace seconds, kills "
-    "what is left and exits with 128 + the signal (130 for Ctrl-C). A second signal kills at once.\n"
+    "what is left and exits with 128 + the signal (130 for Ctrl-C). A second signal kills at once. A ddm worker "
+    "sent SIGTERM or SIGINT itself stops the job (the ranks agree on the step, rank 0 writes a checkpoint): "
+    "not restarted, and the launcher exits with its status.\n"
     "Exit status: 0 when every worker exited 0; 1 when the restarts ran out, --timeout expired, or the launch "
     "could not start; 2 when its own flags or a ddm worker's input were refused (a worker's exit status 2, not "
     "restarted); 128 + signal when "
@@ -80,10 +82,21 @@ Command add_launch_command(CLI::App& app, int argc, char** argv) {
   cmd->add_option("command", *positional, "after `--`: the ddm subcommand and its flags (or, with --no-ddm, a "
                                           "program and its arguments)");
   cmd->footer(kLaunchFooter);
-  auto run = [c, positional, argc, argv]() -> int {  // both outlive parsing: CLI11 writes into them
+  auto run = [c, positional, argc, argv, &app]() -> int {  // both outlive parsing: CLI11 writes into them
     const auto command = after_separator(argc, argv);
     DDM_INPUT_CHECK(command.has_value(), "ddm launch: put the command after `--`, e.g. `ddm launch --nproc 2 -- train "
                                    "--config c.toml --out runs/x` (or `--no-ddm -- PROGRAM ARGS`)");
+    // A ddm subcommand that does not exist is said once, not by each of the --nproc workers.
+    if (!c->no_ddm && !command->empty()) {
+      const std::string& sub = command->front();
+      bool known = false;
+      for (const CLI::App* s : app.get_subcommands([](const CLI::App*) { return true; }))
+        known = known || s->get_name() == sub;
+      const bool ddm_again = sub == "ddm" || (sub.size() > 4 && sub.compare(sub.size() - 4, 4, "/ddm") == 0);
+      DDM_INPUT_CHECK(known || ddm_again || sub.rfind("-", 0) == 0,  // (`-- ddm train`: the launcher says what to do)
+                      "ddm launch: `" << sub << "` is not a ddm command (`ddm --help` lists them); to run a program "
+                                      << "of your own, give --no-ddm");
+    }
     c->command = *command;
     return run_launch(*c);
   };

@@ -240,7 +240,12 @@ int run_plan(PlanArgs a) {
               best.micro, static_cast<long long>(best.rows), best.filled_iteration(), batch / (best.filled_iteration() / 1e3),
               best.cuts_text().c_str());
   // The flags that train it.
-  if (best.schedule == "dp-sharded") std::printf("  train it: --set parallel.shard_optimizer=true (%d processes)\n", best.replicas);
+  if (best.stages == 1) {  // data parallelism: its micro-batches are train.grad_accum's
+    std::string flags = best.schedule == "dp-sharded" ? " parallel.shard_optimizer=true" : "";
+    if (best.micro > 1) flags += " train.grad_accum=" + std::to_string(best.micro);
+    std::printf("  train it: %s%s(%d process%s)\n", flags.empty() ? "" : "--set", flags.empty() ? "" : (flags + " ").c_str(),
+                best.replicas, best.replicas == 1 ? "" : "es");
+  }
   if (best.stages > 1) {
     std::printf("  train it: --set parallel.pp=%d parallel.schedule=%s train.grad_accum=%d parallel.cuts=[", best.stages,
                 best.schedule.c_str(), best.micro);

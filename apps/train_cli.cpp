@@ -106,8 +106,8 @@ int train_cmd(TrainArgs a) {
   }
   DDM_INPUT_CHECK(!a.out_dir.empty(), "ddm train: --out DIR is required (the run directory)");
   TrainSummary s = train_run(cfg, {a.out_dir, a.resume, a.force, a.quiet, nullptr});
-  if (s.rank == 0)
-    std::cout << "done: step " << s.last_step << ", checkpoint " << s.checkpoint << ", peak memory "
+  if (s.rank == 0)  // a stop on a signal is not the end of the run: `stopped:` (its line above says how to go on)
+    std::cout << (s.interrupted ? "stopped: step " : "done: step ") << s.last_step << ", checkpoint " << s.checkpoint << ", peak memory "
             << static_cast<int64_t>(peak_rss_mib()) << " MiB"
             << (s.device_peak_bytes > 0 ? " resident, " + format_bytes(static_cast<int64_t>(s.device_peak_bytes)) +
                                               " of tensors on " + s.device

@@ -15,6 +15,7 @@
 #include <cstdlib>
 #include <future>
 #include <map>
+#include <mutex>
 #include <thread>
 
 #include <c10/util/Logging.h>
@@ -118,6 +119,46 @@ namespace {
 [[maybe_unused]] const bool kFlightRecorderOff = [] { return setenv("TORCH_FR_BUFFER_SIZE", "0", /*overwrite=*/0) == 0; }();
 }  // namespace
 
+namespace {
+
+// While a rank connects to the store and waits for the others to join, ddm names what failed itself
+// (the store that never answered, the ranks that never joined): LibTorch's own lines for each failed
+// try or slow wait (a warning, or an error with its stack trace) would only come before that line,
+// so they are quieted meanwhile, unless TORCH_CPP_LOG_LEVEL asks for them. Counted, for ranks that
+// are threads of one process (tests).
+class QuietStoreLog {
+ public:
+  QuietStoreLog() {
+    std::lock_guard<std::mutex> lock(mutex());
+    if (depth()++ == 0) {
+      saved() = ::FLAGS_caffe2_log_level;
+      if (!std::getenv("TORCH_CPP_LOG_LEVEL")) ::FLAGS_caffe2_log_level = std::max(saved(), 3);  // FATAL only
+    }
+  }
+  ~QuietStoreLog() {
+    std::lock_guard<std::mutex> lock(mutex());
+    if (--depth() == 0) ::FLAGS_caffe2_log_level = saved();
+  }
+  QuietStoreLog(const QuietStoreLog&) = delete;
+  QuietStoreLog& operator=(const QuietStoreLog&) = delete;
+
+ private:
+  static std::mutex& mutex() {
+    static std::mutex m;
+    return m;
+  }
+  static int& depth() {
+    static int d = 0;
+    return d;
+  }
+  static int& saved() {
+    static int s = 0;
+    return s;
+  }
+};
+
+}  // namespace
+
 std::shared_ptr<Comm> Comm::create_impl(const DistEnv& env, CommOptions options, bool form_group) {
   std::shared_ptr<Comm> comm(new Comm(env.rank, env.world_size, options));
   if (!env.distributed()) return comm;
@@ -141,19 +182,9 @@ std::shared_ptr<Comm> Comm::create_impl(const DistEnv& env, CommOptions options,
     const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
     so.timeout = std::chrono::seconds(std::max<int64_t>(1, (left.count() + 999) / 1000));
     try {
-      // A client's refused connects are retried here and, at the deadline, named by store_error:
-      // LibTorch's own lines per failed try (an error and its stack trace each) would only come
-      // before that line, so they are quieted while connecting (TORCH_CPP_LOG_LEVEL, when set, is
-      // kept as given).
-      const int level = ::FLAGS_caffe2_log_level;
-      if (!server && !std::getenv("TORCH_CPP_LOG_LEVEL")) ::FLAGS_caffe2_log_level = std::max(level, 3);  // FATAL only
-      try {
-        store = c10::make_intrusive<c10d::TCPStore>(env.master_addr, so);
-      } catch (...) {
-        ::FLAGS_caffe2_log_level = level;
-        throw;
-      }
-      ::FLAGS_caffe2_log_level = level;
+      // A client's refused connects are retried here and, at the deadline, named by store_error.
+      const QuietStoreLog quiet;
+      store = c10::make_intrusive<c10d::TCPStore>(env.master_addr, so);
     } catch (const std::exception& e) {
       const auto now = std::chrono::steady_clock::now();
       if (server || now >= deadline) store_error(env, options, server, e);
@@ -220,6 +251,7 @@ void Comm::connect(c10::intrusive_ptr<c10d::Store> store, const std::string& whe
   std::vector<std::string> keys;
   for (int r = 0; r < world_; ++r) keys.push_back("joined/" + std::to_string(r));
   try {
+    const QuietStoreLog quiet;  // a rank that never joins is named below
     store_->set(keys[rank_], std::vector<uint8_t>{1});
     store_->wait(keys, options_.connect_timeout);
   } catch (const std::exception& e) {
@@ -594,6 +626,7 @@ void Comm::check_same(const std::vector<std::pair<std::string, std::string>>& ke
       maps[r][kv[0]] = kv[1];
     }
   }
+  std::ostringstream os;  // every key that differs, in the first rank's order
   for (const auto& key : order) {
     // Group ranks by value: "ranks 0, 2 have 0.002, rank 1 has 0.001".
     std::vector<std::pair<std::string, std::vector<int>>> groups;
@@ -605,14 +638,15 @@ void Comm::check_same(const std::vector<std::pair<std::string, std::string>>& ke
       else g->second.push_back(r);
     }
     if (groups.size() == 1) continue;
-    std::ostringstream os;
-    os << "ranks disagree on " << key << ": ";
+    os << (os.tellp() == 0 ? "ranks disagree on " : "; on ") << key << ": ";
     for (size_t i = 0; i < groups.size(); ++i) {
       const auto& ranks = groups[i].second;
       os << (i ? ", " : "") << (ranks.size() == 1 ? "rank " : "ranks ");
       for (size_t j = 0; j < ranks.size(); ++j) os << (j ? "," : "") << ranks[j];
       os << (ranks.size() == 1 ? " has " : " have ") << groups[i].first;
     }
+  }
+  if (os.tellp() > 0) {
     os << " (" << what << "); every rank must run the same " << what;
     throw InputError(os.str());  // the job's input: a restart would find the same
   }

@@ -112,8 +112,8 @@ class Comm {
   std::vector<std::string> all_gather_strings(const std::string& s);
   // The maximum of v over ranks: for agreeing on stop decisions (any rank's flag wins).
   int64_t max_int(int64_t v);
-  // Throws ddm::Error on every rank if any key's value differs between ranks, naming the key and each
-  // rank's value ("ranks disagree on train.lr: rank 0 has 0.002, rank 1 has 0.001; ..."). `what` says
+  // Throws ddm::Error on every rank if any key's value differs between ranks, naming each such key and
+  // each rank's value ("ranks disagree on train.lr: rank 0 has 0.002, rank 1 has 0.001; on ..."). `what` says
   // what the pairs are ("config"). One small all-gather of hashes when they agree.
   void check_same(const std::vector<std::pair<std::string, std::string>>& key_values, const std::string& what);
 

@@ -91,6 +91,7 @@ struct Worker {
   LinePrefixer out;
   std::optional<ExitStatus> exit;
   bool reaped = false;
+  bool spoke = false;  // it wrote something (stdout or stderr)
   Worker(int64_t r, Child c) : rank(r), child(c), out(LinePrefixer::for_rank(r)) {}
 };
 
@@ -100,6 +101,7 @@ void pump(Worker& w) {
   while (w.child.output_fd >= 0) {
     const ssize_t n = ::read(w.child.output_fd, buf, sizeof buf);
     if (n > 0) {
+      w.spoke = true;
       write_all(1, w.out.feed(buf, static_cast<size_t>(n)));
     } else if (n < 0 && errno == EINTR) {
       continue;
@@ -144,6 +146,7 @@ struct Outcome {
   std::string how;
   int signal = 0;
   bool refused = false;  // a ddm worker exited kExitBadInput: its input was refused, a restart fails alike
+  bool spoke = true;     // the worker of `rank` wrote something: its output is above
 };
 
 // Output a finished worker still has in its pipe, for up to two seconds (a pipe held open by a
@@ -210,6 +213,12 @@ Outcome run_attempt(const LaunchConfig& c, int64_t attempt, const ChildSpec& bas
   // A ddm worker that exited kExitBadInput (core/error.h) was refused its command line or config
   // before it ran: a restart would fail the same way, so it gets none.
   auto refused = [&](const ExitStatus& s) { return !c.no_ddm && s.signal == 0 && s.code == kExitBadInput; };
+  // A ddm worker that exited 128 + SIGTERM or SIGINT stopped on that signal (someone sent it to that
+  // worker): the ranks agree on a stop, so the others stop after the same step (DiLoCo's at the next
+  // synchronization) and rank 0 writes a checkpoint. A stop asked for, not a fault: no restart.
+  auto stopped_on_signal = [&](const ExitStatus& s) {
+    return !c.no_ddm && s.signal == 0 && (s.code == 128 + SIGTERM || s.code == 128 + SIGINT);
+  };
   auto kill_now = [&](const std::string& why) {
     say(why + ": sending SIGKILL to the workers still running");
     signal_running(SIGKILL);
@@ -226,6 +235,17 @@ Outcome run_attempt(const LaunchConfig& c, int64_t attempt, const ChildSpec& bas
         continue;
       }
       pump(w);  // its last lines come before the news of its exit
+      if (!stopping && stopped_on_signal(*w.exit)) {
+        const int sig = w.exit->code - 128;
+        say("rank " + std::to_string(w.rank) + " (pid " + std::to_string(w.child.pid) + ") " + describe(*w.exit) +
+            ": a worker was sent " + signal_name(sig) + " and stopped" +
+            (c.nproc > 1 ? "; the others stop with it (killed if still running after " + seconds(c.grace_s) + ")" : "") +
+            "; no restart");
+        out = Outcome{Outcome::kSignalled, w.rank, w.child.pid, describe(*w.exit), sig};
+        stopping = true;
+        kill_at = Clock::now() + grace;
+        continue;
+      }
       if (!w.exit->ok() && !stopping && c.restart == "failed" && w.rank != 0 && restarts_used < c.max_restarts &&
           !refused(*w.exit)) {
         ++restarts_used;
@@ -302,8 +322,15 @@ Outcome run_attempt(const LaunchConfig& c, int64_t attempt, const ChildSpec& bas
     if (w.child.output_fd >= 0) write_all(1, w.out.flush());
     reap(w.child.pid);
     w.reaped = true;
+    if (w.rank == out.rank) out.spoke = w.spoke;
   }
   return out;
+}
+
+// Where the failed worker's words are.
+std::string output_of(const Outcome& o) {
+  return o.spoke ? "Its output is above, prefixed [rank " + std::to_string(o.rank) + "]"
+                 : "It printed nothing (its exit status is all there is)";
 }
 
 }  // namespace
@@ -364,7 +391,8 @@ int run_launch(const LaunchConfig& c) {
       return 0;
     }
     if (o.kind == Outcome::kSignalled) {
-      say("stopped by " + signal_name(o.signal) + "; exiting with status " + std::to_string(128 + o.signal));
+      say(std::string(o.rank >= 0 ? "the workers stopped on " : "stopped by ") + signal_name(o.signal) +
+          "; exiting with status " + std::to_string(128 + o.signal) + (c.no_ddm ? "" : " (continue with --resume)"));
       return 128 + o.signal;
     }
     DDM_CHECK(o.kind != Outcome::kTimedOut,
@@ -374,12 +402,10 @@ int run_launch(const LaunchConfig& c) {
       throw InputError("rank " + std::to_string(o.rank) + " (pid " + std::to_string(o.pid) + ") " + o.how +
                        " in attempt " + std::to_string(attempt + 1) +
                        ": ddm refused its command line or config before it ran, and a restart would fail the same "
-                       "way, so none was made; fix the input and launch again. Its output is above, prefixed [rank " +
-                       std::to_string(o.rank) + "]");
+                       "way, so none was made; fix the input and launch again. " + output_of(o));
     DDM_CHECK(restarts_used < c.max_restarts,
               "rank " << o.rank << " (pid " << o.pid << ") " << o.how << " in attempt " << attempt + 1
-                      << "; no restarts left (--max-restarts " << c.max_restarts
-                      << "). Its output is above, prefixed [rank " << o.rank << "]");
+                      << "; no restarts left (--max-restarts " << c.max_restarts << "). " << output_of(o));
     ++restarts_used;
     say("restarting all " + std::to_string(c.nproc) + " workers (restart " + std::to_string(restarts_used) + " of " +
         std::to_string(c.max_restarts) + ", TORCHELASTIC_RESTART_COUNT=" + std::to_string(attempt + 1) + ")");

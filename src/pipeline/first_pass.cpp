@@ -102,7 +102,7 @@ void PipeFirstPass::estimate(int micro, Prepared& p) {
   Micro& f = micro_.at(static_cast<size_t>(micro));
   p.cond.self_cond = torch::zeros_like(p.xt);  // [B, C, H, W]
   if (f.idx.numel() == 0) return;
-  const torch::Tensor out = wire_.wait(f.out, "receive the first pass's output from stage " + std::to_string(stages_ - 1));
+  const torch::Tensor out = wire_.wait(f.out, "receiving the first pass's output from stage " + std::to_string(stages_ - 1));
   torch::NoGradGuard no_grad;
   p.cond.self_cond.index_copy_(0, f.idx, objective_.self_cond_estimate(f.x, f.t, out));
 }

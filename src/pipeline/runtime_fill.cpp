@@ -101,7 +101,7 @@ void PipeStep::post_incoming(bool has_next) {
 
 void PipeStep::receive(Incoming& in) {
   const PrepPiece& pc = pieces_[in.piece];
-  const std::string what = "receive prepared rows from stage " + std::to_string(pc.rank);
+  const std::string what = "receiving prepared rows from stage " + std::to_string(pc.rank);
   comm_->wait(in.work, what);
   const int64_t n = in.length.item<int64_t>();
   DDM_CHECK(n > 0 && n < (int64_t{1} << 40), "pipeline: stage " << pc.rank << " announced " << n << " bytes of prepared rows");

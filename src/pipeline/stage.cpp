@@ -98,7 +98,7 @@ void PipeStage::send_carry(const NetCarry& carry, int micro, bool first_pass, Mi
 
 NetCarry PipeStage::recv_carry(int micro, std::vector<torch::Tensor>& inputs, bool first_pass) {
   const int prev = stage_ - 1;
-  const std::string what = "receive from stage " + std::to_string(prev);
+  const std::string what = "receiving from stage " + std::to_string(prev);
   std::optional<PostedCarry>* posted = first_pass ? nullptr : posted_for(micro);
   Recv hr = posted ? (*posted)->header
                    : wire_.post_recv(torch::zeros({kCarryHeaderSize}, torch::kLong), prev, wire_.tag(prev, micro, first_pass ? kFirstHeader : kCarryHeader));
@@ -147,7 +147,7 @@ torch::Tensor PipeStage::forward(int micro, const Prepared& p) {
                 "pipeline: stage " << s << " expected skip " << d.slot << " from stage " << d.from << " in place of a placeholder");
       Recv r = posted ? (*posted)->direct[j]
                       : wire_.post_recv(torch::empty(direct_shape(d), wire_.floats()), d.from, wire_.tag(d.from, micro, kSkip + 2 * d.slot));
-      torch::Tensor x = wire_.wait(r, "receive a skip from stage " + std::to_string(d.from));
+      torch::Tensor x = wire_.wait(r, "receiving a skip from stage " + std::to_string(d.from));
       k.skips[static_cast<size_t>(d.slot)] = x.requires_grad_(true);
       m.direct_inputs.push_back(x);
     }
@@ -180,9 +180,9 @@ void PipeStage::backward(int micro, PipeOp op) {
     DDM_CHECK(m.grad_recvs.size() == 1 + m.direct_roots.size(), "pipeline: backward of micro-batch " << micro << " before its forward");
     std::vector<std::vector<int64_t>> shapes;
     for (const torch::Tensor& r : m.roots) shapes.push_back(r.sizes().vec());
-    m.grads = split_flat(wire_.wait(m.grad_recvs[0], "receive a gradient from stage " + std::to_string(s + 1)), shapes);
+    m.grads = split_flat(wire_.wait(m.grad_recvs[0], "receiving a gradient from stage " + std::to_string(s + 1)), shapes);
     for (size_t j = 0; j < m.direct_roots.size(); ++j)  // the gradients of the skips sent straight to their readers
-      m.grads.push_back(wire_.wait(m.grad_recvs[1 + j], "receive a skip's gradient from stage " + std::to_string(m.direct_roots[j].to)));
+      m.grads.push_back(wire_.wait(m.grad_recvs[1 + j], "receiving a skip's gradient from stage " + std::to_string(m.direct_roots[j].to)));
     m.grad_recvs.clear();
     m.received = true;
   }

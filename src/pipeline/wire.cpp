@@ -150,7 +150,7 @@ torch::Tensor PipeWire::wait(Recv& r, const std::string& what) {
 }
 
 void PipeWire::wait_sends() {
-  for (auto& [work, tensor] : sends_) comm_->wait(work, "send to a neighbouring stage");
+  for (auto& [work, tensor] : sends_) comm_->wait(work, "sending to a neighbouring stage");
   sends_.clear();
 }
 

@@ -1,6 +1,7 @@
 // Setting up a training run (see setup.h).
 #include "run/setup.h"
 
+#include <algorithm>
 #include <filesystem>
 #include <iostream>
 #include <mutex>
@@ -133,7 +134,11 @@ FileLock prepare_run_dir(const TrainOptions& opt, const RunConfig& cfg) {
       RunConfig was_parallel, now_parallel;
       was_parallel.parallel = stored.parallel, was_parallel.diloco = stored.diloco;
       now_parallel.parallel = cfg.parallel, now_parallel.diloco = cfg.diloco;
-      if (const std::string how = first_difference(to_toml(was_parallel), to_toml(now_parallel)); !how.empty() && !opt.quiet)
+      std::string how = first_difference(to_toml(was_parallel), to_toml(now_parallel));
+      if (stored.parallel.mode != cfg.parallel.mode)  // named first: the other keys follow from it
+        how = "[parallel] mode = '" + name_of(stored.parallel.mode) + "'  (stored run)  vs  mode = '" +
+              name_of(cfg.parallel.mode) + "'  (now)";
+      if (!how.empty() && !opt.quiet)
         std::cout << "note: --resume: the run goes on with other parallel settings than it was trained with (" << how
                   << "); give the same --set as before to keep them" << std::endl;
       return lock;
@@ -195,7 +200,11 @@ int nccl_device(const RunConfig& cfg, torch::Device device, const DistEnv& env) 
 // rejoining replica takes the group's weights and loads the pretrained ones as on a fresh start). A
 // directory rank 0 cannot list counts as none here; start_run then reports it.
 bool finds_checkpoint(const TrainOptions& opt, Comm& comm, bool rejoining) {
-  if (!opt.resume || rejoining) return false;
+  if (rejoining) return false;
+  // Every rank of a job resumes, or none: a rank started without --resume would start another run
+  // (and wait at other collectives than the others, until the timeout).
+  if (comm.distributed()) comm.check_same({{"--resume", opt.resume ? "--resume" : "no --resume"}}, "command line");
+  if (!opt.resume) return false;
   int64_t found = 0;
   if (comm.rank() == 0) {
     try {
@@ -323,6 +332,9 @@ std::vector<std::pair<std::string, std::string>> run_identity(const RunConfig& r
     const auto eq = line.find(" = ");
     if (eq != std::string::npos) kv.emplace_back(section + "." + line.substr(0, eq), line.substr(eq + 3));
   }
+  // model.preset first: it sets many keys, so ranks given other presets are told that, not the first
+  // key it sets.
+  std::stable_partition(kv.begin(), kv.end(), [](const auto& p) { return p.first == "model.preset"; });
   Sha256 data_hash;
   hash_tensor(data_hash, data.images);
   hash_tensor(data_hash, data.labels);

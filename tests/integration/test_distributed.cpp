@@ -301,6 +301,26 @@ TEST(Distributed, SigtermToOneRankStopsEveryRankAfterTheSameStepWithACheckpoint)
   const auto state = sigterm_to_rank_one(r, "term", "");
   ASSERT_FALSE(state.is_null());
   EXPECT_EQ(state["step"].get<size_t>(), losses(r.dir / "term").size());
+  // Under `ddm launch`, restarts allowed: a stop asked for, not a fault. No restart; the launcher
+  // exits as the workers did (128 + SIGTERM), saying so.
+  const std::string log = r.dir / "launch.log";
+  const pid_t launcher = test::spawn_ddm("", "launch --timeout 300 --max-restarts 2 --nproc 2 -- " +
+                                                 r.train("launched", " --set train.steps=100000 --set train.ckpt_every=100000"),
+                                         log);
+  const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+  while (losses(r.dir / "launched").size() < 3 && std::chrono::steady_clock::now() < end)
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  const auto workers = test::child_pids(launcher);
+  ASSERT_EQ(workers.size(), 2u) << test::read_text(log);
+  kill(workers[1], SIGTERM);
+  ASSERT_EQ(test::wait_exit(launcher, 120), 0) << test::read_text(log);
+  const std::string out = test::read_text(log);
+  EXPECT_TRUE(has(out, "exited with status 143: a worker was sent SIGTERM and stopped; the others stop with it")) << out;
+  EXPECT_TRUE(has(out, "[launch] the workers stopped on SIGTERM; exiting with status 143 (continue with --resume)")) << out;
+  EXPECT_FALSE(has(out, "restarting")) << out;
+  const auto ckpts = list_checkpoints(r.dir / "launched");
+  ASSERT_EQ(ckpts.size(), 1u) << out;
+  EXPECT_EQ(read_checkpoint(ckpts[0]).step, static_cast<int64_t>(losses(r.dir / "launched").size()));
 }
 
 // DiLoCo as real processes: Streaming DiLoCo (2 fragments, an overlapped all-reduce) killed with
@@ -419,6 +439,22 @@ TEST(Distributed, BadStartsAreClearErrors) {
   EXPECT_NE(differ.exit_code, 0) << differ.output;
   EXPECT_TRUE(has(differ.output, "ranks disagree on train.lr")) << differ.output;
   EXPECT_FALSE(fs::exists(r.dir / "differ/config.toml"));
+  // Other presets are named as such (not the first key a preset sets), beside every other key that differs.
+  auto presets = test::run_ddm("launch --timeout 120 --nproc 2 --no-ddm -- sh -c '" + binary() + " " +
+                               r.train("presets", " --set model.preset=$([ $RANK = 0 ] && echo unet-tiny || echo "
+                                                  "unet-32) --set model.attn_levels=[] --set train.seed=$RANK") + "'");
+  EXPECT_NE(presets.exit_code, 0) << presets.output;  // (1: --no-ddm runs sh, whose status 2 the launcher does not read)
+  EXPECT_TRUE(has(presets.output, "ranks disagree on model.preset: rank 0 has 'unet-tiny', rank 1 has 'unet-32'; on "))
+      << presets.output;
+  EXPECT_TRUE(has(presets.output, "; on train.seed: rank 0 has 0, rank 1 has 1")) << presets.output;
+  // One rank given --resume, the other not: refused at once (not two ranks waiting at other
+  // collectives until the timeout).
+  auto resume = test::run_ddm("launch --timeout 120 --nproc 2 --no-ddm -- sh -c '" + binary() + " " +
+                              r.train("resume", " --set parallel.timeout=100") + " $([ $RANK = 1 ] && echo --resume)'");
+  EXPECT_NE(resume.exit_code, 0) << resume.output;
+  EXPECT_TRUE(has(resume.output, "ranks disagree on --resume: rank 0 has no --resume, rank 1 has --resume (command line)"))
+      << resume.output;
+  EXPECT_FALSE(fs::exists(r.dir / "resume/config.toml"));
   // A global batch that does not split over the ranks.
   auto odd = test::run_ddm("launch --timeout 120 --nproc 2 -- " + r.train("odd", " --set train.batch_size=15"));
   EXPECT_NE(odd.exit_code, 0) << odd.output;

@@ -178,15 +178,14 @@ TEST(Launch, RunsDdmSubcommandsWithThisBinary) {
   const CommandResult ok = launch("--nproc 2", ddm_program("--version"));
   EXPECT_EQ(ok.exit_code, 0) << ok.output;
   EXPECT_TRUE(contains(ok.output, "[rank 1] ddm ")) << ok.output;
-  // An unknown subcommand is the worker's error, a refused command line (exit 2): the launcher
-  // reports the failed rank and makes no restart, which would fail the same way.
+  // An unknown subcommand is refused by the launcher itself, once, before any worker starts (exit 2).
   const CommandResult bad = launch("--nproc 2 --max-restarts 2", ddm_program("no-such-subcommand"));
   EXPECT_EQ(bad.exit_code, 2) << bad.output;
-  EXPECT_TRUE(contains(bad.output, "exited with status 2")) << bad.output;
-  EXPECT_TRUE(contains(bad.output, "a restart would fail the same way")) << bad.output;
-  EXPECT_FALSE(contains(bad.output, "restarting")) << bad.output;
-  // So is a bad config key; the rank's error names the rank once ("[rank R] error: ...", where
-  // torchrun or srun show ddm's "error: rank R: ...").
+  EXPECT_TRUE(contains(bad.output, "error: ddm launch: `no-such-subcommand` is not a ddm command")) << bad.output;
+  EXPECT_FALSE(contains(bad.output, "[rank ")) << bad.output;
+  // A worker's refused command line (exit 2): the launcher reports the failed rank and makes no
+  // restart, which would fail the same way (here a bad config key); the rank's error names the rank
+  // once ("[rank R] error: ...", where torchrun or srun show ddm's "error: rank R: ...").
   Workspace ws;
   write_text(ws.dir / "bad.toml", "[train]\nstepz = 3\n");
   const std::string train = "train --config " + (ws.dir / "bad.toml") + " --out " + (ws.dir / "run");
@@ -195,6 +194,8 @@ TEST(Launch, RunsDdmSubcommandsWithThisBinary) {
   EXPECT_TRUE(contains(key.output, "] error: " + (ws.dir / "bad.toml") + ": unknown config key 'train.stepz'"))
       << key.output;
   EXPECT_FALSE(contains(key.output, "] error: rank ")) << key.output;
+  EXPECT_TRUE(contains(key.output, "exited with status 2")) << key.output;
+  EXPECT_TRUE(contains(key.output, "a restart would fail the same way")) << key.output;
   EXPECT_FALSE(contains(key.output, "restarting")) << key.output;
   EXPECT_FALSE(fs::exists(ws.dir / "run"));
 }
@@ -223,7 +224,7 @@ TEST(Launch, FailsWhenNoRestartsAreLeftAndStopsTheOtherWorkers) {
   EXPECT_EQ(r.exit_code, 1) << r.output;
   EXPECT_TRUE(contains(r.output, "error: rank 1 (pid ")) << r.output;
   EXPECT_TRUE(contains(r.output, "SIGKILL")) << r.output;
-  EXPECT_TRUE(contains(r.output, "no restarts left (--max-restarts 0)")) << r.output;
+  EXPECT_TRUE(contains(r.output, "no restarts left (--max-restarts 0). It printed nothing")) << r.output;
   EXPECT_FALSE(contains(r.output, "woke up")) << r.output;
   EXPECT_TRUE(ws.strays_after(5).empty()) << "processes left behind: " << ws.strays().size();
 }

@@ -51,6 +51,10 @@ TEST(PlanCli, ProfilesPlansAndDraws) {
   EXPECT_NE(r.output.find("train it: --set parallel.pp=2 parallel.schedule=1f1b-v train.grad_accum=8 parallel.cuts=["),
             std::string::npos)
       << r.output;
+  // Data parallelism in 4 micro-batches: the flags that train it name them (train.grad_accum).
+  r = test::run_ddm("plan --profile " + (dir / "p.json") + " --batch 64 --devices 2 --stages 1 --micro 4");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("train.grad_accum=4 (2 processes)"), std::string::npos) << r.output;
 
   // Bad input.
   expect_error(test::run_ddm(base + "--profile " + (dir / "p.json")), "give --config (profile now) or --profile");

@@ -300,10 +300,10 @@ TEST(DistComm, CheckSameNamesKeyAndRanks) {
     if (c.rank() == 2) kv.push_back({"train.extra", "1"});
     c.check_same(kv, "config");
   });
-  // Every rank stops with the same message: the first key that differs, grouped by value.
+  // Every rank stops with the same message: each key that differs, grouped by value.
   for (int r = 0; r < 3; ++r)
-    EXPECT_EQ(errors[r], "ranks disagree on train.lr: ranks 0,2 have 0.002, rank 1 has 0.001 (config); every rank "
-                         "must run the same config")
+    EXPECT_EQ(errors[r], "ranks disagree on train.lr: ranks 0,2 have 0.002, rank 1 has 0.001; on train.extra: ranks "
+                         "0,1 have (not set), rank 2 has 1 (config); every rank must run the same config")
         << r;
 }
 
