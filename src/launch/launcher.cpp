@@ -194,6 +194,7 @@ Outcome run_attempt(const LaunchConfig& c, int64_t attempt, const ChildSpec& bas
   const auto grace = std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(c.grace_s));
   Outcome out;
   bool stopping = false, killed = false;
+  bool agreed_stop = false;  // stopping because a worker stopped on a signal; nothing forwarded yet
   Clock::time_point kill_at{};
   // A stopped worker (SIGSTOP, a debugger) cannot act on SIGTERM until it runs again: each signal
   // that asks the workers to stop is followed by SIGCONT, so it acts at once, not after the grace.
@@ -242,7 +243,7 @@ Outcome run_attempt(const LaunchConfig& c, int64_t attempt, const ChildSpec& bas
             (c.nproc > 1 ? "; the others stop with it (killed if still running after " + seconds(c.grace_s) + ")" : "") +
             "; no restart");
         out = Outcome{Outcome::kSignalled, w.rank, w.child.pid, describe(*w.exit), sig};
-        stopping = true;
+        stopping = agreed_stop = true;
         kill_at = Clock::now() + grace;
         continue;
       }
@@ -300,6 +301,10 @@ Outcome run_attempt(const LaunchConfig& c, int64_t attempt, const ChildSpec& bas
         say("got " + signal_name(sig) + ": forwarding it to the workers; waiting up to " + seconds(c.grace_s) +
             " for them to exit (a second signal kills them at once)");
         begin_stop(sig, Outcome{Outcome::kSignalled, -1, 0, "", sig});
+      } else if (agreed_stop) {  // the workers are stopping already: this is the first signal the launcher got
+        agreed_stop = false;
+        say("got " + signal_name(sig) + ": forwarding it to the workers (a second signal kills them at once)");
+        signal_running(sig);
       } else if (out.kind != Outcome::kSignalled) {  // stopping after a fault or timeout: no restart now
         say("got " + signal_name(sig) + ": forwarding it to the workers; no restart");
         out = Outcome{Outcome::kSignalled, -1, 0, "", sig};
@@ -387,7 +392,8 @@ int run_launch(const LaunchConfig& c) {
     if (o.kind == Outcome::kSuccess) {
       say((c.nproc == 1 ? std::string("the worker") : "all " + std::to_string(c.nproc) + " workers") +
           " exited with status 0" +
-          (attempt > 0 ? " (after " + std::to_string(attempt) + " restart" + (attempt > 1 ? "s" : "") + ")" : ""));
+          (restarts_used > 0 ? " (after " + std::to_string(restarts_used) + " restart" + (restarts_used > 1 ? "s" : "") + ")"
+                             : ""));
       return 0;
     }
     if (o.kind == Outcome::kSignalled) {

@@ -401,7 +401,7 @@ TEST(Distributed, DilocoKilledReplicaRejoins) {
   EXPECT_TRUE(has(out, "[rank 1] rejoined at step")) << out;
   EXPECT_TRUE(has(out, "replicas, loss scale ")) << out;
   EXPECT_FALSE(has(out, "loss scale 1.07374e+09")) << out;  // 2^30: the sender's scale had come down
-  EXPECT_TRUE(has(out, "all 2 workers exited with status 0")) << out;
+  EXPECT_TRUE(has(out, "all 2 workers exited with status 0 (after 1 restart)")) << out;
   const auto last = read_checkpoint(list_checkpoints(r.dir / "rejoin").back());
   EXPECT_EQ(last.step, 150);
   EXPECT_EQ(last.state["diloco"]["replicas"], (std::vector<int>{0, 1}));
