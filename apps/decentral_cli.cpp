@@ -252,16 +252,20 @@ int ensemble_cmd(const std::string& out, const EnsembleSpec& spec, bool force, c
   DDM_INPUT_CHECK(force || !fs::exists(fs::path(out) / "ensemble.json"),
             out << "/ensemble.json already exists; use --force to replace it or another --out");
   use_moved_text_encoder(text_encoder);
+  if (!text_encoder.empty() && !spec.experts.empty()) {  // as `ddm sample` refuses it for a model without text
+    bool text = true;
+    try {
+      text = !load_config((fs::path(spec.experts[0]) / "config.toml").string()).model.text_encoder.empty();
+    } catch (const Error&) {
+      // unreadable: assembling names it
+    }
+    DDM_INPUT_CHECK(text, "--text-encoder: the experts (" << spec.experts[0] << ", ...) are not conditioned on text "
+                                                         "(model.text_encoder)");
+  }
   std::vector<std::string> notes;
   // Every refusal is about the parts it was given (and a damaged checkpoint among them): exit 2.
   const nlohmann::json m = assemble_ensemble(out, spec, notes);
-  std::string moved;  // sampling needs the encoder's new place too
-  if (!text_encoder.empty()) {
-    if (load_config((fs::path(spec.experts.at(0)) / "config.toml").string()).model.text_encoder.empty())
-      notes.push_back("--text-encoder: the experts are not conditioned on text; it was not used");
-    else
-      moved = " --text-encoder " + text_encoder;
-  }
+  const std::string moved = text_encoder.empty() ? "" : " --text-encoder " + text_encoder;  // sampling needs it too
   for (const auto& n : notes) std::cout << "note: " << n << std::endl;
   std::cout << "ensemble of " << m["k"] << " experts (";
   for (const auto& e : m["experts"]) std::cout << (e["index"] == 0 ? "" : ", ") << e["preset"].get<std::string>() << " "

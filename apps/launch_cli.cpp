@@ -2,6 +2,7 @@
 // torchrun's environment, and supervise them (src/launch/launcher.h).
 #include <CLI/CLI.hpp>
 
+#include <algorithm>
 #include <cstring>
 #include <memory>
 #include <optional>
@@ -10,6 +11,7 @@
 
 #include "cli_util.h"
 #include "core/error.h"
+#include "core/suggest.h"
 #include "launch/launcher.h"
 
 namespace ddm {
@@ -41,7 +43,7 @@ const char* kLaunchFooter =
     "Exit status: 0 when every worker exited 0; 1 when the restarts ran out, --timeout expired, or the launch "
     "could not start; 2 when its own flags or a ddm worker's input were refused (a worker's exit status 2, not "
     "restarted); 128 + signal when "
-    "the launcher was signalled. Worker processes never outlive the launcher, "
+    "the launcher, or a ddm worker, was sent that signal. Worker processes never outlive the launcher, "
     "even one killed with SIGKILL (they get SIGTERM; a worker that starts children of its own must pass it on).\n"
     "Examples:\n"
     "  ddm launch --nproc 2 -- train --config configs/quickstart.toml --out runs/dp2\n"
@@ -82,20 +84,21 @@ Command add_launch_command(CLI::App& app, int argc, char** argv) {
   cmd->add_option("command", *positional, "after `--`: the ddm subcommand and its flags (or, with --no-ddm, a "
                                           "program and its arguments)");
   cmd->footer(kLaunchFooter);
-  auto run = [c, positional, argc, argv, &app]() -> int {  // both outlive parsing: CLI11 writes into them
+  // c and positional outlive parsing (CLI11 writes into them); app outlives the run (apps/ddm.cpp).
+  auto run = [c, positional, argc, argv, &app]() -> int {
     const auto command = after_separator(argc, argv);
     DDM_INPUT_CHECK(command.has_value(), "ddm launch: put the command after `--`, e.g. `ddm launch --nproc 2 -- train "
                                    "--config c.toml --out runs/x` (or `--no-ddm -- PROGRAM ARGS`)");
     // A ddm subcommand that does not exist is said once, not by each of the --nproc workers.
     if (!c->no_ddm && !command->empty()) {
       const std::string& sub = command->front();
-      bool known = false;
-      for (const CLI::App* s : app.get_subcommands([](const CLI::App*) { return true; }))
-        known = known || s->get_name() == sub;
+      std::vector<std::string> names;
+      for (const CLI::App* s : app.get_subcommands([](const CLI::App*) { return true; })) names.push_back(s->get_name());
+      const bool known = std::find(names.begin(), names.end(), sub) != names.end();
       const bool ddm_again = sub == "ddm" || (sub.size() > 4 && sub.compare(sub.size() - 4, 4, "/ddm") == 0);
       DDM_INPUT_CHECK(known || ddm_again || sub.rfind("-", 0) == 0,  // (`-- ddm train`: the launcher says what to do)
-                      "ddm launch: `" << sub << "` is not a ddm command (`ddm --help` lists them); to run a program "
-                                      << "of your own, give --no-ddm");
+                      "ddm launch: `" << sub << "` is not a ddm command" << did_you_mean(sub, names)
+                                      << " (`ddm --help` lists them); to run a program of your own, give --no-ddm");
     }
     c->command = *command;
     return run_launch(*c);

@@ -243,8 +243,10 @@ int run_plan(PlanArgs a) {
   if (best.stages == 1) {  // data parallelism: its micro-batches are train.grad_accum's
     std::string flags = best.schedule == "dp-sharded" ? " parallel.shard_optimizer=true" : "";
     if (best.micro > 1) flags += " train.grad_accum=" + std::to_string(best.micro);
-    std::printf("  train it: %s%s(%d process%s)\n", flags.empty() ? "" : "--set", flags.empty() ? "" : (flags + " ").c_str(),
-                best.replicas, best.replicas == 1 ? "" : "es");
+    if (flags.empty())
+      std::printf("  train it: %d process%s, no --set needed\n", best.replicas, best.replicas == 1 ? "" : "es");
+    else
+      std::printf("  train it: --set%s (%d process%s)\n", flags.c_str(), best.replicas, best.replicas == 1 ? "" : "es");
   }
   if (best.stages > 1) {
     std::printf("  train it: --set parallel.pp=%d parallel.schedule=%s train.grad_accum=%d parallel.cuts=[", best.stages,

@@ -16,6 +16,7 @@
 #include <future>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <thread>
 
 #include <c10/util/Logging.h>
@@ -125,7 +126,8 @@ namespace {
 // (the store that never answered, the ranks that never joined): LibTorch's own lines for each failed
 // try or slow wait (a warning, or an error with its stack trace) would only come before that line,
 // so they are quieted meanwhile, unless TORCH_CPP_LOG_LEVEL asks for them. Counted, for ranks that
-// are threads of one process (tests).
+// are threads of one process (tests). LibTorch reads its level without a lock: a thread that logs
+// meanwhile sees the old or the new level, either of which is harmless here.
 class QuietStoreLog {
  public:
   QuietStoreLog() {
@@ -251,7 +253,10 @@ void Comm::connect(c10::intrusive_ptr<c10d::Store> store, const std::string& whe
   std::vector<std::string> keys;
   for (int r = 0; r < world_; ++r) keys.push_back("joined/" + std::to_string(r));
   try {
-    const QuietStoreLog quiet;  // a rank that never joins is named below
+    // The job's first group: a rank that never joins is named below. (Not a later group, a pipeline's
+    // or a regrouping's, whose wait runs beside the training's threads.)
+    std::optional<QuietStoreLog> quiet;
+    if (members_.empty()) quiet.emplace();
     store_->set(keys[rank_], std::vector<uint8_t>{1});
     store_->wait(keys, options_.connect_timeout);
   } catch (const std::exception& e) {
@@ -626,7 +631,9 @@ void Comm::check_same(const std::vector<std::pair<std::string, std::string>>& ke
       maps[r][kv[0]] = kv[1];
     }
   }
-  std::ostringstream os;  // every key that differs, in the first rank's order
+  std::ostringstream os;  // the keys that differ, in the first rank's order: the first 5, then a count
+  constexpr int kNamed = 5;
+  int differ = 0;
   for (const auto& key : order) {
     // Group ranks by value: "ranks 0, 2 have 0.002, rank 1 has 0.001".
     std::vector<std::pair<std::string, std::vector<int>>> groups;
@@ -637,8 +644,8 @@ void Comm::check_same(const std::vector<std::pair<std::string, std::string>>& ke
       if (g == groups.end()) groups.push_back({v, {r}});
       else g->second.push_back(r);
     }
-    if (groups.size() == 1) continue;
-    os << (os.tellp() == 0 ? "ranks disagree on " : "; on ") << key << ": ";
+    if (groups.size() == 1 || ++differ > kNamed) continue;
+    os << (differ == 1 ? "ranks disagree on " : "; on ") << key << ": ";
     for (size_t i = 0; i < groups.size(); ++i) {
       const auto& ranks = groups[i].second;
       os << (i ? ", " : "") << (ranks.size() == 1 ? "rank " : "ranks ");
@@ -646,7 +653,8 @@ void Comm::check_same(const std::vector<std::pair<std::string, std::string>>& ke
       os << (ranks.size() == 1 ? " has " : " have ") << groups[i].first;
     }
   }
-  if (os.tellp() > 0) {
+  if (differ > 0) {
+    if (differ > kNamed) os << "; and " << differ - kNamed << " more key" << (differ - kNamed == 1 ? "" : "s");
     os << " (" << what << "); every rank must run the same " << what;
     throw InputError(os.str());  // the job's input: a restart would find the same
   }

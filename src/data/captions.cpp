@@ -10,6 +10,7 @@
 
 #include "core/error.h"
 #include "core/utf8.h"
+#include "data/image_folder.h"
 
 namespace ddm {
 namespace {
@@ -96,18 +97,28 @@ std::vector<std::string> folder_captions(const std::string& root, const std::vec
     }
   }
   // A .txt beside no image (a caption whose image was renamed, "a.jpg.txt" for "a.jpg") is read by
-  // nothing: said, so that a caption meant for an image is not lost without a word.
+  // nothing: said, so that a caption meant for an image is not lost without a word. Only in the
+  // folders that hold the images, hidden files skipped; in a folder without captions only such
+  // "IMAGE.png.txt" names (a README.txt there is no caption).
   std::set<std::string> stems;
-  for (const auto& image : images) stems.insert(fs::path(image).replace_extension("").lexically_normal().string());
+  std::set<fs::path> dirs;
+  for (const auto& image : images) {
+    stems.insert(fs::path(image).replace_extension("").lexically_normal().string());
+    dirs.insert(fs::path(image).parent_path());
+  }
   int64_t orphans = 0;
   std::string first_orphan;
-  std::error_code ec;
-  for (fs::recursive_directory_iterator it(root, fs::directory_options::skip_permission_denied, ec), end; !ec && it != end;
-       it.increment(ec)) {
-    const fs::path& f = it->path();
-    if (f.extension() != ".txt" || !it->is_regular_file(ec)) continue;
-    if (stems.count(fs::path(f).replace_extension("").lexically_normal().string())) continue;
-    if (orphans++ == 0) first_orphan = f.string();
+  for (const fs::path& dir : dirs) {
+    std::error_code listing;
+    for (fs::directory_iterator it(dir, listing), end; !listing && it != end; it.increment(listing)) {
+      const fs::path& f = it->path();
+      const std::string name = f.filename().string();
+      std::error_code stat;
+      if (name.empty() || name[0] == '.' || f.extension() != ".txt" || !it->is_regular_file(stat)) continue;
+      if (stems.count(fs::path(f).replace_extension("").lexically_normal().string())) continue;
+      if (out.empty() && !is_image_file_name(f.stem().string())) continue;
+      if (orphans++ == 0) first_orphan = f.string();
+    }
   }
   if (orphans > 0)
     std::cerr << "note: " << root << ": " << orphans << " .txt file" << (orphans == 1 ? " is" : "s are")

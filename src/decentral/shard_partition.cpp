@@ -331,7 +331,7 @@ void write_clusters(const Dataset& opened, const Partition& p, const ShardPartit
   if (!encoded && o.reshard) {
     const std::string origin = data_origin(o.data);
     const std::vector<std::string> names = recorded_class_names(index.shards);
-    for (int64_t c = 0; c < p.k; ++c) {
+    for (int64_t c = 0; c < p.k && (origin != "shards" || !names.empty()); ++c) {  // (nothing known: no record)
       const int64_t n = written[static_cast<size_t>(c)];
       if (n == 0) continue;
       ShardsWritten w;

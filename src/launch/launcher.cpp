@@ -147,6 +147,7 @@ struct Outcome {
   int signal = 0;
   bool refused = false;  // a ddm worker exited kExitBadInput: its input was refused, a restart fails alike
   bool spoke = true;     // the worker of `rank` wrote something: its output is above
+  std::string stop_fault{};  // kSignalled by a worker's signal: another worker that failed meanwhile
 };
 
 // Output a finished worker still has in its pipe, for up to two seconds (a pipe held open by a
@@ -215,10 +216,13 @@ Outcome run_attempt(const LaunchConfig& c, int64_t attempt, const ChildSpec& bas
   // before it ran: a restart would fail the same way, so it gets none.
   auto refused = [&](const ExitStatus& s) { return !c.no_ddm && s.signal == 0 && s.code == kExitBadInput; };
   // A ddm worker that exited 128 + SIGTERM or SIGINT stopped on that signal (someone sent it to that
-  // worker): the ranks agree on a stop, so the others stop after the same step (DiLoCo's at the next
-  // synchronization) and rank 0 writes a checkpoint. A stop asked for, not a fault: no restart.
-  auto stopped_on_signal = [&](const ExitStatus& s) {
-    return !c.no_ddm && s.signal == 0 && (s.code == 128 + SIGTERM || s.code == 128 + SIGINT);
+  // worker; one that got it before it could act on it was killed by it): the ranks agree on a stop, so
+  // the others stop after the same step (DiLoCo's at the next synchronization) and rank 0 writes a
+  // checkpoint. A stop asked for, not a fault: no restart. Returns the signal, or 0.
+  auto stop_signal_of = [&](const ExitStatus& s) {
+    if (c.no_ddm) return 0;
+    const int sig = s.signal != 0 ? s.signal : s.code > 128 ? s.code - 128 : 0;
+    return sig == SIGTERM || sig == SIGINT ? sig : 0;
   };
   auto kill_now = [&](const std::string& why) {
     say(why + ": sending SIGKILL to the workers still running");
@@ -236,16 +240,26 @@ Outcome run_attempt(const LaunchConfig& c, int64_t attempt, const ChildSpec& bas
         continue;
       }
       pump(w);  // its last lines come before the news of its exit
-      if (!stopping && stopped_on_signal(*w.exit)) {
-        const int sig = w.exit->code - 128;
+      if (const int sig = stopping ? 0 : stop_signal_of(*w.exit)) {
         say("rank " + std::to_string(w.rank) + " (pid " + std::to_string(w.child.pid) + ") " + describe(*w.exit) +
             ": a worker was sent " + signal_name(sig) + " and stopped" +
-            (c.nproc > 1 ? "; the others stop with it (killed if still running after " + seconds(c.grace_s) + ")" : "") +
+            (c.nproc > 1 ? "; the others stop with it (sent " + signal_name(sig) + ", killed if still running after " +
+                               seconds(c.grace_s) + ")"
+                         : "") +
             "; no restart");
         out = Outcome{Outcome::kSignalled, w.rank, w.child.pid, describe(*w.exit), sig};
         stopping = agreed_stop = true;
         kill_at = Clock::now() + grace;
+        signal_running(sig);  // ranks that agree stop anyway; a command that does not, or a rank in a collective, too
         continue;
+      }
+      // A worker that fails while the others stop on a signal (rank 0 writing the checkpoint): said,
+      // and the launch fails (no restart: a stop was asked for).
+      if (out.kind == Outcome::kSignalled && out.rank >= 0 && !w.exit->ok() && !stop_signal_of(*w.exit) &&
+          !(killed && w.exit->signal == SIGKILL) && out.stop_fault.empty()) {
+        out.stop_fault = "rank " + std::to_string(w.rank) + " (pid " + std::to_string(w.child.pid) + ") " +
+                         describe(*w.exit) + " while the workers stopped";
+        say(out.stop_fault);
       }
       if (!w.exit->ok() && !stopping && c.restart == "failed" && w.rank != 0 && restarts_used < c.max_restarts &&
           !refused(*w.exit)) {
@@ -304,6 +318,7 @@ Outcome run_attempt(const LaunchConfig& c, int64_t attempt, const ChildSpec& bas
       } else if (agreed_stop) {  // the workers are stopping already: this is the first signal the launcher got
         agreed_stop = false;
         say("got " + signal_name(sig) + ": forwarding it to the workers (a second signal kills them at once)");
+        out.signal = sig;
         signal_running(sig);
       } else if (out.kind != Outcome::kSignalled) {  // stopping after a fault or timeout: no restart now
         say("got " + signal_name(sig) + ": forwarding it to the workers; no restart");
@@ -396,6 +411,10 @@ int run_launch(const LaunchConfig& c) {
                              : ""));
       return 0;
     }
+    DDM_CHECK(o.kind != Outcome::kSignalled || o.stop_fault.empty(),
+              "the workers stopped on " << signal_name(o.signal) << ", but " << o.stop_fault
+                                        << " (its output is above); no restart, as a stop was asked for: check its "
+                                        << "run, then go on with --resume");
     if (o.kind == Outcome::kSignalled) {
       say(std::string(o.rank >= 0 ? "the workers stopped on " : "stopped by ") + signal_name(o.signal) +
           "; exiting with status " + std::to_string(128 + o.signal) + (c.no_ddm ? "" : " (continue with --resume)"));

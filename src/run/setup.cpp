@@ -196,7 +196,8 @@ int nccl_device(const RunConfig& cfg, torch::Device device, const DistEnv& env) 
   return shared ? -1 : device.index();
 }
 
-// Whether rank 0 will resume from a checkpoint, known to every rank (a collective unless rejoining: a
+// Whether rank 0 will resume from a checkpoint, known to every rank (collectives, first the ranks'
+// agreement on --resume, unless rejoining: a
 // rejoining replica takes the group's weights and loads the pretrained ones as on a fresh start). A
 // directory rank 0 cannot list counts as none here; start_run then reports it.
 bool finds_checkpoint(const TrainOptions& opt, Comm& comm, bool rejoining) {

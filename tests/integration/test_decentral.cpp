@@ -295,6 +295,9 @@ TEST(DecentralCli, RouterEnsembleAndRoutedSamplingRefuseMismatchedParts) {
   expect_error(test::run_ddm(ens + " --router " + (dir / "r") + " --expert " + (dir / "e0")),
                "1 experts given, but the partition");
   expect_error(test::run_ddm(ens + " --router " + (dir / "e0") + experts), "has no router.json");
+  auto no_text = test::run_ddm(ens + " --router " + (dir / "r") + experts + " --text-encoder " + (dir / "p"));
+  expect_error(no_text, "--text-encoder: the experts (" + (dir / "e0") + ", ...) are not conditioned on text");
+  EXPECT_EQ(no_text.exit_code, 2) << no_text.output;
   expect_error(test::run_ddm("train-router --quiet" + cfg + " --preset unet-tiny --out " + (dir / "x")),
                "not a router preset");
   expect_error(test::run_ddm("train-router --quiet" + cfg + " --set data.limit=500 --out " + (dir / "x")),

@@ -305,6 +305,17 @@ TEST(DistComm, CheckSameNamesKeyAndRanks) {
     EXPECT_EQ(errors[r], "ranks disagree on train.lr: ranks 0,2 have 0.002, rank 1 has 0.001; on train.extra: ranks "
                          "0,1 have (not set), rank 2 has 1 (config); every rank must run the same config")
         << r;
+  // Five keys named, then a count (another preset differs in every key it sets).
+  const auto many = run_ranks(2, short_timeouts(), [](Comm& c) {
+    std::vector<std::pair<std::string, std::string>> kv;
+    for (int k = 0; k < 7; ++k) kv.push_back({"k" + std::to_string(k), std::to_string(c.rank())});
+    c.check_same(kv, "config");
+  });
+  for (int r = 0; r < 2; ++r)
+    EXPECT_EQ(many[r], "ranks disagree on k0: rank 0 has 0, rank 1 has 1; on k1: rank 0 has 0, rank 1 has 1; on k2: "
+                       "rank 0 has 0, rank 1 has 1; on k3: rank 0 has 0, rank 1 has 1; on k4: rank 0 has 0, rank 1 "
+                       "has 1; and 2 more keys (config); every rank must run the same config")
+        << r;
 }
 
 TEST(DistComm, PeerThatNeverJoinsTimesOut) {

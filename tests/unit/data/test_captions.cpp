@@ -125,6 +125,22 @@ TEST(Captions, FoldersTakeATxtBesideEachImageOrOneJsonlAndShardsWriteCarriesThem
   EXPECT_TRUE(has(said, "note: " + root + ": 1 .txt file is beside no image and not read as a caption (" + root +
                             "/dogs/c.png.txt); a caption is IMAGE-NAME.txt")) << said;
   fs::remove(root + "/dogs/c.png.txt");
+  {  // A folder without captions: a README.txt is no caption; "IMAGE.png.txt" is one, misnamed.
+    const std::string plain = dir / "plain";
+    fs::create_directories(plain);
+    test::write_text(plain + "/x.png", png_of(torch::zeros({3, 4, 4}, torch::kUInt8)));
+    test::write_text(plain + "/README.txt", "my photos");
+    test::write_text(plain + "/.hidden.png.txt", "an editor's file");
+    testing::internal::CaptureStderr();
+    EXPECT_TRUE(load_image_folder(plain).captions.empty());
+    EXPECT_EQ(testing::internal::GetCapturedStderr(), "");
+    test::write_text(plain + "/x.png.txt", "a caption under the wrong name");
+    testing::internal::CaptureStderr();
+    EXPECT_TRUE(load_image_folder(plain).captions.empty());
+    const std::string misnamed = testing::internal::GetCapturedStderr();
+    EXPECT_TRUE(has(misnamed, "1 .txt file is beside no image and not read as a caption (" + plain + "/x.png.txt)"))
+        << misnamed;
+  }
   EXPECT_TRUE(has(d.description, "captioned")) << d.description;
   // A captions.jsonl wins over the .txt files for the images it names.
   test::write_text(root + "/captions.jsonl", R"({"file_name": "dogs/c.png", "text": "a listed dog"})" "\n\n"
