@@ -220,9 +220,12 @@ std::vector<int> ElasticGroup::recover_impl(const std::string& round, const std:
       break;
     // Asked to stop while waiting (a launcher stopping the job after it lost a worker): stop now,
     // not after the wait for rank 0, which would outlast the launcher's grace period.
-    if (const int sig = stop_signal(); sig != 0)
-      throw Fatal("rank " + std::to_string(job_rank_) + ": stopped by signal " + std::to_string(sig) +
-                  " while regrouping (" + what + "); nothing after the last checkpoint is kept");
+    if (const int sig = stop_signal(); sig != 0) {
+      const std::string own = "rank " + std::to_string(job_rank_) + ": ";  // named once
+      const std::string why = what.rfind(own, 0) == 0 ? what.substr(own.size()) : what;
+      throw Fatal(own + "stopped by signal " + std::to_string(sig) + " while regrouping (" + why +
+                  "); nothing after the last checkpoint is kept");
+    }
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
   }
   const Plan plan = decide(plan_key, proposal);

@@ -333,6 +333,7 @@ TEST(Distributed, DilocoKilledAndRestartedEndsAsIfUninterrupted) {
   // The survivor, regrouping without rank 0 (it waits for rank 0 up to parallel.timeout), stops at
   // the launcher's SIGTERM instead of outlasting its grace period until SIGKILL.
   EXPECT_TRUE(has(out, "stopped by signal 15 while regrouping")) << out;
+  EXPECT_FALSE(has(out, "while regrouping (rank 1: ")) << out;  // the rank named once
   EXPECT_FALSE(has(out, "sending SIGKILL")) << out;
 }
 
