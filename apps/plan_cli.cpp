@@ -211,7 +211,16 @@ int run_plan(PlanArgs a) {
   PipePlanOptions o;
   o.batch = batch, o.stages = a.stages, o.micro = a.micro, o.schedules = a.schedules;
   if (measured) o.first = measured->run.first_units;
-  for (const std::string& s : o.schedules) make_schedule(s, 1, 1);  // a clear error for an unknown name
+  for (const std::string& s : o.schedules)  // a clear error for an unknown name
+    if (s != "data-parallel" && s != "dp-sharded")
+      as_input_error([&] {
+        try {
+          make_schedule(s, 1, 1);
+        } catch (const Error&) {
+          DDM_FAIL("--schedule " << s << ": not a schedule; use gpipe, 1f1b, zb-h1, 1f1b-v, zb-v, or for one stage "
+                                     "data-parallel or dp-sharded");
+        }
+      });
   const std::vector<PipePlan> plans = plan_pipeline(prof, m, o);
 
   std::printf("model     %s\nworkload  %s\nprofiled  %s\nmachine   %d devices at %.3gx that speed, %s per device, link %.3g GB/s + %.3g us"
@@ -234,10 +243,10 @@ int run_plan(PlanArgs a) {
   }
   if (static_cast<int>(plans.size()) > a.top) std::printf("(%zu more; --top N shows more)\n", plans.size() - a.top);
   const PipePlan& best = plans.front();
-  std::printf("\nbest: %d %s%s x %d replica%s, %s, %d micro-batches of %lld rows: %.1f ms per iteration (%.1f img/s)\n"
+  std::printf("\nbest: %d %s%s x %d replica%s, %s, %d micro-batch%s of %lld rows: %.1f ms per iteration (%.1f img/s)\n"
               "  stages: %s\n",
               best.stages, is_v_schedule(best.schedule) ? "rank" : "stage", best.stages == 1 ? "" : "s", best.replicas, best.replicas == 1 ? "" : "s", best.schedule.c_str(),
-              best.micro, static_cast<long long>(best.rows), best.filled_iteration(), batch / (best.filled_iteration() / 1e3),
+              best.micro, best.micro == 1 ? "" : "es", static_cast<long long>(best.rows), best.filled_iteration(), batch / (best.filled_iteration() / 1e3),
               best.cuts_text().c_str());
   // The flags that train it.
   if (best.stages == 1) {  // data parallelism: its micro-batches are train.grad_accum's
@@ -280,11 +289,11 @@ int run_plan(PlanArgs a) {
     return fmt_gib(p.partition.stage_memory.empty() ? 0 : p.partition.stage_memory[0] / (1ull << 30));
   };
   if (dp)
-    std::printf("  data parallelism (%d devices, %d micro-batches): %.1f ms, %s of state and activations per device\n",
-                dp->replicas, dp->micro, dp->serial_iteration(), held(*dp).c_str());
+    std::printf("  data parallelism (%d devices, %d micro-batch%s): %.1f ms, %s of state and activations per device\n",
+                dp->replicas, dp->micro, dp->micro == 1 ? "" : "es", dp->serial_iteration(), held(*dp).c_str());
   if (sharded)
-    std::printf("  data parallelism, optimizer state sharded (%d devices, %d micro-batches): %.1f ms, %s per device\n",
-                sharded->replicas, sharded->micro, sharded->serial_iteration(), held(*sharded).c_str());
+    std::printf("  data parallelism, optimizer state sharded (%d devices, %d micro-batch%s): %.1f ms, %s per device\n",
+                sharded->replicas, sharded->micro, sharded->micro == 1 ? "" : "es", sharded->serial_iteration(), held(*sharded).c_str());
   if (serial) std::printf("  best pipeline, frozen work serial (%s): %.1f ms\n", describe(*serial).c_str(), serial->serial_iteration());
   if (filled) {
     std::printf("  best pipeline, frozen work filled (%s): %.1f ms, bubbles %.1f%% of the iteration", describe(*filled).c_str(),
@@ -324,7 +333,8 @@ int run_plan(PlanArgs a) {
       save_pipe_picture(a.timeline,
                         prof.model + ", " + std::to_string(p.stages) + (is_v_schedule(p.schedule) ? " ranks, " : " stages, ") +
                             p.schedule + ", " +
-                            std::to_string(p.micro) + " micro-batches of " + std::to_string(p.rows),
+                            std::to_string(p.micro) + (p.micro == 1 ? " micro-batch of " : " micro-batches of ") +
+                            std::to_string(p.rows),
                         panels);
       std::cout << "wrote " << a.timeline << std::endl;
     }
@@ -387,7 +397,8 @@ Command add_plan_command(CLI::App& app) {
   cmd->add_option("--micro", a->micro, "micro-batch counts to try (default: every divisor of a replica's batch up to 64)")
       ->check(kPositive);
   cmd->add_option("--schedule", a->schedules,
-                  "schedules to try: gpipe, 1f1b, zb-h1, and the V-shaped 1f1b-v, zb-v (default: all)");
+                  "schedules to try: gpipe, 1f1b, zb-h1, and the V-shaped 1f1b-v, zb-v; for one stage data-parallel "
+                  "and dp-sharded (default: all)");
   cmd->add_option("--speed", a->speed, "each device's compute speed relative to the profiled one")
       ->check(CLI::PositiveNumber);
   cmd->add_option("--memory", a->memory_gib, "memory per device in GiB (default: unlimited)")

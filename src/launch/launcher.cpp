@@ -241,11 +241,11 @@ Outcome run_attempt(const LaunchConfig& c, int64_t attempt, const ChildSpec& bas
       }
       pump(w);  // its last lines come before the news of its exit
       if (const int sig = stopping ? 0 : stop_signal_of(*w.exit)) {
+        // (The first to exit, not necessarily the one that was sent the signal: the ranks stop together.)
         say("rank " + std::to_string(w.rank) + " (pid " + std::to_string(w.child.pid) + ") " + describe(*w.exit) +
-            ": a worker was sent " + signal_name(sig) + " and stopped" +
-            (c.nproc > 1 ? "; the others stop with it (sent " + signal_name(sig) + ", killed if still running after " +
-                               seconds(c.grace_s) + ")"
-                         : "") +
+            ": the workers stop on " + signal_name(sig) + ", which " + (c.nproc > 1 ? "one of them" : "it") +
+            " was sent" +
+            (c.nproc > 1 ? "; the others are sent it too (killed if still running after " + seconds(c.grace_s) + ")" : "") +
             "; no restart");
         out = Outcome{Outcome::kSignalled, w.rank, w.child.pid, describe(*w.exit), sig};
         stopping = agreed_stop = true;

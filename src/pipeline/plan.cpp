@@ -88,7 +88,13 @@ std::vector<PipePlan> plan_pipeline(const PipeProfile& p, const PipeMachine& m, 
                                                              << " devices into equal replicas: use a divisor of " << m.devices);
     DDM_CHECK(s <= L, "a pipeline of " << s << " stages needs at least " << s << " units, but the model has " << L);
   }
-  const std::vector<std::string> schedules = o.schedules.empty() ? schedule_names() : o.schedules;
+  // --schedule may name the one-stage plans too (data-parallel, dp-sharded: the table's names); a
+  // list of those alone plans no pipeline.
+  const auto one_stage = [](const std::string& n) { return n == "data-parallel" || n == "dp-sharded"; };
+  std::vector<std::string> schedules, dp_names;
+  for (const std::string& n : o.schedules.empty() ? schedule_names() : o.schedules)
+    (one_stage(n) ? dp_names : schedules).push_back(n);
+  if (dp_names.empty()) dp_names = {"data-parallel", "dp-sharded"};
   std::vector<PipePlan> plans;
   std::string last_error;
   for (int S : stages) {
@@ -110,7 +116,7 @@ std::vector<PipePlan> plan_pipeline(const PipeProfile& p, const PipeMachine& m, 
       std::vector<PipeUnit> sharded_units = units;
       for (PipeUnit& u : sharded_units) u.state_bytes *= (2 + 3.0 / replicas) / 5;
       const std::vector<std::string> names =
-          S > 1 ? schedules : replicas > 1 ? std::vector<std::string>{"data-parallel", "dp-sharded"} : std::vector<std::string>{"single"};
+          S > 1 ? schedules : replicas > 1 ? dp_names : std::vector<std::string>{"single"};
       for (const std::string& name : names) {
         PipePlan plan;
         plan.stages = S, plan.replicas = replicas, plan.micro = M, plan.rows = rows, plan.units = units;

@@ -315,7 +315,8 @@ TEST(Distributed, SigtermToOneRankStopsEveryRankAfterTheSameStepWithACheckpoint)
   kill(workers[1], SIGTERM);
   ASSERT_EQ(test::wait_exit(launcher, 120), 0) << test::read_text(log);
   const std::string out = test::read_text(log);
-  EXPECT_TRUE(has(out, "exited with status 143: a worker was sent SIGTERM and stopped; the others stop with it")) << out;
+  EXPECT_TRUE(has(out, "exited with status 143: the workers stop on SIGTERM, which one of them was sent; the others "
+                       "are sent it too")) << out;
   EXPECT_TRUE(has(out, "[launch] the workers stopped on SIGTERM; exiting with status 143 (continue with --resume)")) << out;
   EXPECT_FALSE(has(out, "restarting")) << out;
   const auto ckpts = list_checkpoints(r.dir / "launched");

@@ -55,6 +55,11 @@ TEST(PlanCli, ProfilesPlansAndDraws) {
   r = test::run_ddm("plan --profile " + (dir / "p.json") + " --batch 64 --devices 2 --stages 1 --micro 4");
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("train.grad_accum=4 (2 processes)"), std::string::npos) << r.output;
+  // The table's one-stage names are --schedule's too: plain data parallelism in one micro-batch needs no flag.
+  r = test::run_ddm("plan --profile " + (dir / "p.json") + " --batch 64 --devices 2 --stages 1 --micro 1 --schedule data-parallel");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("best: 1 stage x 2 replicas, data-parallel, 1 micro-batch of 32 rows"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("train it: 2 processes, no --set needed"), std::string::npos) << r.output;
 
   // Bad input.
   expect_error(test::run_ddm(base + "--profile " + (dir / "p.json")), "give --config (profile now) or --profile");
@@ -68,8 +73,10 @@ TEST(PlanCli, ProfilesPlansAndDraws) {
                "micro-batch count 3 does not divide a replica's batch of 8");
   expect_error(test::run_ddm("plan --profile " + (dir / "p.json") + " --batch 8 --devices 2 --stages 2 --memory 0.000001"),
                "the smallest limit that works is");
-  expect_error(test::run_ddm("plan --profile " + (dir / "p.json") + " --batch 8 --schedule interleaved"),
-               "use gpipe, 1f1b, zb-h1, 1f1b-v or zb-v");
+  const auto interleaved = test::run_ddm("plan --profile " + (dir / "p.json") + " --batch 8 --schedule interleaved");
+  expect_error(interleaved, "--schedule interleaved: not a schedule; use gpipe, 1f1b, zb-h1, 1f1b-v, zb-v, or for one "
+                            "stage data-parallel or dp-sharded");
+  EXPECT_EQ(interleaved.exit_code, 2) << interleaved.output;
   expect_error(test::run_ddm("plan --profile " + (dir / "p.json") + " --batch 8 --devices 64 --stages 64"),
                "needs at least 64 units");
   expect_error(test::run_ddm("plan --profile " + (dir / "p.json") + " --batch 8 --timeline " + (dir / "t.jpg")), "t.jpg");
