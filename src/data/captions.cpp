@@ -1,6 +1,7 @@
 // Reads captions from shard samples and from folders (data/captions.h).
 #include "data/captions.h"
 
+#include <cctype>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
@@ -10,7 +11,6 @@
 
 #include "core/error.h"
 #include "core/utf8.h"
-#include "data/image_folder.h"
 
 namespace ddm {
 namespace {
@@ -99,11 +99,16 @@ std::vector<std::string> folder_captions(const std::string& root, const std::vec
   // A .txt beside no image (a caption whose image was renamed, "a.jpg.txt" for "a.jpg") is read by
   // nothing: said, so that a caption meant for an image is not lost without a word. Only in the
   // folders that hold the images, hidden files skipped; in a folder without captions only such
-  // "IMAGE.png.txt" names (a README.txt there is no caption).
-  std::set<std::string> stems;
+  // "IMAGE.png.txt" names, with an extension the images have (a README.txt there is no caption).
+  std::set<std::string> stems, extensions;
   std::set<fs::path> dirs;
+  const auto lower = [](std::string e) {
+    for (char& ch : e) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
+    return e;
+  };
   for (const auto& image : images) {
     stems.insert(fs::path(image).replace_extension("").lexically_normal().string());
+    extensions.insert(lower(fs::path(image).extension().string()));
     dirs.insert(fs::path(image).parent_path());
   }
   int64_t orphans = 0;
@@ -116,7 +121,7 @@ std::vector<std::string> folder_captions(const std::string& root, const std::vec
       std::error_code stat;
       if (name.empty() || name[0] == '.' || f.extension() != ".txt" || !it->is_regular_file(stat)) continue;
       if (stems.count(fs::path(f).replace_extension("").lexically_normal().string())) continue;
-      if (out.empty() && !is_image_file_name(f.stem().string())) continue;
+      if (out.empty() && !extensions.count(lower(f.stem().extension().string()))) continue;
       if (orphans++ == 0) first_orphan = f.string();
     }
   }
