@@ -3,6 +3,7 @@
 // (pipeline/plan.h), print them best first and draw the best one's timeline.
 #include <CLI/CLI.hpp>
 
+#include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <iostream>
@@ -24,6 +25,7 @@
 #include "eval/grid.h"
 #include "pipeline/picture.h"
 #include "pipeline/plan.h"
+#include "pipeline/schedule.h"
 #include "pipeline/profile.h"
 #include "pipeline/timeline.h"
 #include "pipeline/workload.h"
@@ -211,16 +213,11 @@ int run_plan(PlanArgs a) {
   PipePlanOptions o;
   o.batch = batch, o.stages = a.stages, o.micro = a.micro, o.schedules = a.schedules;
   if (measured) o.first = measured->run.first_units;
+  const std::vector<std::string>& known = schedule_names();
   for (const std::string& s : o.schedules)  // a clear error for an unknown name
-    if (s != "data-parallel" && s != "dp-sharded")
-      as_input_error([&] {
-        try {
-          make_schedule(s, 1, 1);
-        } catch (const Error&) {
-          DDM_FAIL("--schedule " << s << ": not a schedule; use gpipe, 1f1b, zb-h1, 1f1b-v, zb-v, or for one stage "
+    DDM_INPUT_CHECK(s == "data-parallel" || s == "dp-sharded" || std::find(known.begin(), known.end(), s) != known.end(),
+                    "--schedule " << s << ": not a schedule; use gpipe, 1f1b, zb-h1, 1f1b-v, zb-v, or for one stage "
                                      "data-parallel or dp-sharded");
-        }
-      });
   const std::vector<PipePlan> plans = plan_pipeline(prof, m, o);
 
   std::printf("model     %s\nworkload  %s\nprofiled  %s\nmachine   %d devices at %.3gx that speed, %s per device, link %.3g GB/s + %.3g us"

@@ -128,35 +128,23 @@ namespace {
 // so they are quieted meanwhile, unless TORCH_CPP_LOG_LEVEL asks for them. Counted, for ranks that
 // are threads of one process (tests). LibTorch reads its level without a lock: a thread that logs
 // meanwhile sees the old or the new level, either of which is harmless here.
+std::mutex g_quiet_mutex;
+int g_quiet_depth = 0, g_quiet_saved = 0;  // under g_quiet_mutex
+
 class QuietStoreLog {
  public:
   QuietStoreLog() {
-    std::lock_guard<std::mutex> lock(mutex());
-    if (depth()++ == 0) {
-      saved() = ::FLAGS_caffe2_log_level;
-      if (!std::getenv("TORCH_CPP_LOG_LEVEL")) ::FLAGS_caffe2_log_level = std::max(saved(), 3);  // FATAL only
-    }
+    std::lock_guard<std::mutex> lock(g_quiet_mutex);
+    if (g_quiet_depth++ > 0) return;
+    g_quiet_saved = ::FLAGS_caffe2_log_level;
+    if (!std::getenv("TORCH_CPP_LOG_LEVEL")) ::FLAGS_caffe2_log_level = std::max(g_quiet_saved, 3);  // FATAL only
   }
   ~QuietStoreLog() {
-    std::lock_guard<std::mutex> lock(mutex());
-    if (--depth() == 0) ::FLAGS_caffe2_log_level = saved();
+    std::lock_guard<std::mutex> lock(g_quiet_mutex);
+    if (--g_quiet_depth == 0) ::FLAGS_caffe2_log_level = g_quiet_saved;
   }
   QuietStoreLog(const QuietStoreLog&) = delete;
   QuietStoreLog& operator=(const QuietStoreLog&) = delete;
-
- private:
-  static std::mutex& mutex() {
-    static std::mutex m;
-    return m;
-  }
-  static int& depth() {
-    static int d = 0;
-    return d;
-  }
-  static int& saved() {
-    static int s = 0;
-    return s;
-  }
 };
 
 }  // namespace

@@ -143,21 +143,21 @@ IslandsConfig parse(const toml::table& t, const std::string& origin) {
   list("router.set", c.router_set);
   // Which images the islands see is the config's: the partition is made from it, and every expert and the
   // router must see the data it was made on (each would otherwise refuse the partition, one by one).
+  const std::map<std::string, const char*> data_keys = {
+      {"data.source", "set it there (a copy of the config for these islands)"},
+      {"data.root", "set it there (a copy of the config for these islands)"},
+      {"data.split", "set it there (a copy of the config for these islands)"},
+      {"data.limit", "set it there (a copy of the config for these islands)"},
+      {"data.holdout", "the router's is router.holdout"},
+      {"data.partition", "the islands set it themselves"},
+      {"data.expert", "the islands set it themselves"}};
   for (const auto* sets : {&c.expert_set, &c.router_set})
     for (const std::string& s : *sets) {
-      const std::string key = s.substr(0, s.find('='));
-      const size_t from = std::min(key.size(), key.find_first_not_of(" \t"));
-      const std::string trimmed = key.substr(from, key.find_last_not_of(" \t") + 1 - from);
-      for (const char* data_key : {"data.source", "data.root", "data.split", "data.limit", "data.partition",
-                                   "data.expert", "data.holdout"})
-        DDM_CHECK(trimmed != data_key,
-                  origin << ": " << (sets == &c.expert_set ? "experts.set" : "router.set") << " sets " << data_key
-                         << ", but which images the islands train on is the config's (" << c.config
-                         << "): the partition is made from it and every island must see the same data"
-                         << (std::string(data_key) == "data.holdout" ? "; the router's is router.holdout"
-                             : std::string(data_key) == "data.partition" || std::string(data_key) == "data.expert"
-                                 ? "; the islands set it themselves"
-                                 : "; set it there (a copy of the config for these islands)"));
+      const auto hit = data_keys.find(s.substr(0, s.find('=')));  // the key as --set reads it
+      DDM_CHECK(hit == data_keys.end(),
+                origin << ": " << (sets == &c.expert_set ? "experts.set" : "router.set") << " sets " << hit->first
+                       << ", but which images the islands train on is the config's (" << c.config
+                       << "): the partition is made from it and every island must see the same data; " << hit->second);
     }
   num("run.concurrency", c.concurrency, 1);
   num("run.nproc", c.nproc, std::numeric_limits<int64_t>::min());

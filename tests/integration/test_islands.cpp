@@ -254,7 +254,7 @@ TEST(Islands, BadNprocOrSlurmLinesAreClearErrorsBeforeAnythingStarts) {
   // Which images the islands see is the config's (the partition is made from it): data keys in
   // experts.set or router.set would make every island refuse the partition, one by one.
   std::string limited = islands_file(dir.path, "runs", "");
-  limited.replace(limited.find("budget = \"split-batch\""), 22, "budget = \"split-batch\"\nset = [\" data.limit = 100\"]");
+  limited.replace(limited.find("budget = \"split-batch\""), 22, "budget = \"split-batch\"\nset = [\"data.limit=100\"]");
   test::write_text(dir / "bad.toml", limited);
   expect_error(test::run_ddm("islands run " + (dir / "bad.toml")),
                "bad.toml: experts.set sets data.limit, but which images the islands train on is the config's (" +
