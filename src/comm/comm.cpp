@@ -240,13 +240,16 @@ void Comm::connect(c10::intrusive_ptr<c10d::Store> store, const std::string& whe
   // rather than surfacing as an anonymous timeout inside Gloo's rendezvous.
   std::vector<std::string> keys;
   for (int r = 0; r < world_; ++r) keys.push_back("joined/" + std::to_string(r));
+  bool duplicate = false;
   try {
     // The job's first group: a rank that never joins is named below. (Not a later group, a pipeline's
     // or a regrouping's, whose wait runs beside the training's threads.)
     std::optional<QuietStoreLog> quiet;
     if (members_.empty()) quiet.emplace();
-    store_->set(keys[rank_], std::vector<uint8_t>{1});
-    store_->wait(keys, options_.connect_timeout);
+    // A counter rather than a flag: a second process started with the same RANK is told so at once
+    // (with a flag it would pass the join and fail later inside Gloo's rendezvous, in Gloo's words).
+    if (store_->add(keys[rank_], 1) > 1) duplicate = true;
+    if (!duplicate) store_->wait(keys, options_.connect_timeout);
   } catch (const std::exception& e) {
     std::string missing;
     try {
@@ -261,6 +264,10 @@ void Comm::connect(c10::intrusive_ptr<c10d::Store> store, const std::string& whe
     DDM_FAIL("rank " << job_rank() << ": lost " << where << " while joining (" << strip_location(e.what())
                      << "): rank 0 or the launcher exited; the job stops");
   }
+  DDM_CHECK(!duplicate, "rank " << job_rank() << ": another process already joined " << where << " as "
+                                 << (members_.empty() ? "rank " : "group rank ") << rank_
+                                 << ": two processes were started with the same RANK; give each of the "
+                                 << world_ << " processes its own RANK, 0 to " << world_ - 1);
   auto opts = c10d::ProcessGroupGloo::Options::create(options_.timeout);
   opts->threads = std::max(1, options_.gloo_threads);
   try {

@@ -534,6 +534,46 @@ TEST(DistComm, ClientWaitsForTheStoreOverTcp) {
   EXPECT_EQ(error1, "");
 }
 
+// Two processes started with the same RANK (world 2, ranks 0, 1, 1): the second to join as rank 1 is
+// told so at once, and the other two form the group as if it had never started.
+TEST(DistComm, ASecondProcessWithTheSameRankIsRefusedAtOnce) {
+  DistEnv env;
+  env.world_size = 2;
+  env.master_addr = "127.0.0.1";
+  env.master_port = ddm::test::free_port();
+  env.launcher = "env";
+  std::string errors[2];
+  std::vector<std::thread> ones;
+  for (int i = 0; i < 2; ++i)
+    ones.emplace_back([&, i] {
+      errors[i] = error_message([&] {
+        DistEnv e = env;
+        e.rank = 1;
+        auto c = Comm::create(e, short_timeouts());
+        auto t = torch::full({2}, 5.0f);
+        c->allreduce_sum(t);
+        EXPECT_TRUE(torch::equal(t, torch::full({2}, 6.0f)));
+      });
+    });
+  std::shared_ptr<Comm> c0;  // kept (and its store open) until the refused process has been told
+  const std::string error0 = error_message([&] {
+    c0 = Comm::create(env, short_timeouts());
+    auto t = torch::full({2}, 1.0f);
+    c0->allreduce_sum(t);
+    EXPECT_TRUE(torch::equal(t, torch::full({2}, 6.0f)));
+  });
+  for (auto& t : ones) t.join();
+  c0.reset();
+  EXPECT_EQ(error0, "");
+  EXPECT_TRUE(errors[0].empty() != errors[1].empty()) << errors[0] << "\n" << errors[1];
+  const std::string& refused = errors[0].empty() ? errors[1] : errors[0];
+  EXPECT_TRUE(has(shown(refused), "rank 1: another process already joined the rendezvous store at 127.0.0.1:" +
+                                      std::to_string(env.master_port) +
+                                      " as rank 1: two processes were started with the same RANK; give each of "
+                                      "the 2 processes its own RANK, 0 to 1"))
+      << refused;
+}
+
 namespace {
 struct Reaper {  // no process is left behind, whatever happens in a test
   pid_t pid = -1;
