@@ -111,7 +111,7 @@ int partition_cmd(const PartitionArgs& a) {
     o.shard_size = a.shard_size;
     o.min_shards = a.min_shards;
     o.force = a.force;
-    std::cout << format_summary(as_input_error([&] { return partition_shards(o, a.out); }));
+    std::cout << format_summary(partition_shards(o, a.out));  // (bad input there exits 2, a failed write 1)
     std::cout << "next: ddm train --config " << a.config << " --partition " << a.out << " --expert 0 --out runs/expert0"
               << (a.reshard ? "" : "  (after partitioning again with --reshard: experts over shards read their own)")
               << std::endl;

@@ -242,13 +242,9 @@ void check_partition_out(const std::string& dir, bool force) {
                          << "another directory (its files would be lost): name another --out, or remove it yourself");
 }
 
-void save_partition(const std::string& dir, const Partition& p, const nlohmann::json& summary, bool force,
-                    const std::function<void(const std::string&)>& extra) {
-  check_partition_out(dir, force);
-  const fs::path target = absolute_dir(dir);
-  const fs::path tmp = target.string() + ".tmp-" + std::to_string(::getpid());
-  fs::remove_all(tmp);
-  fs::create_directories(tmp);
+// The partition's files, written into the temporary directory `tmp` that save_partition moves in place.
+void write_partition_into(const fs::path& tmp, const Partition& p, const nlohmann::json& summary,
+                          const std::function<void(const std::string&)>& extra) {
   SafetensorsFile f;
   f.tensors["labels"] = p.labels;
   f.tensors["sizes"] = p.sizes;
@@ -269,6 +265,22 @@ void save_partition(const std::string& dir, const Partition& p, const nlohmann::
   write_file_atomic((tmp / "summary.json").string(), summary.dump(2) + "\n");
   if (extra) extra(tmp.string());
   fsync_dir(tmp.string());
+}
+
+void save_partition(const std::string& dir, const Partition& p, const nlohmann::json& summary, bool force,
+                    const std::function<void(const std::string&)>& extra) {
+  check_partition_out(dir, force);
+  const fs::path target = absolute_dir(dir);
+  const fs::path tmp = target.string() + ".tmp-" + std::to_string(::getpid());
+  fs::remove_all(tmp);
+  fs::create_directories(tmp);
+  try {  // a failed write (a full disk) leaves neither half a partition nor its temporary directory
+    write_partition_into(tmp, p, summary, extra);
+  } catch (...) {
+    std::error_code ec;
+    fs::remove_all(tmp, ec);
+    throw;
+  }
   const fs::path old = target.string() + ".old-" + std::to_string(::getpid());
   if (fs::exists(target)) fs::rename(target, old);
   fs::rename(tmp, target);

@@ -367,26 +367,40 @@ std::string shards_fingerprint(const std::vector<std::string>& shards) {
   return sha256_hex(s);
 }
 
-nlohmann::json partition_shards(const ShardPartitionOptions& options, const std::string& out) {
-  ShardPartitionOptions o = options;  // the shard size may shrink to give each cluster --min-shards
+namespace {
+
+// What partition_shards decides before it writes anything.
+struct Planned {
+  ShardPartitionOptions o;  // the shard size may shrink to give each cluster --min-shards
+  Dataset opened;
+  std::shared_ptr<const LatentSpace> decoder;  // latent shards: clusters.png shows the decoded means
+  Partition p;
+  nlohmann::json summary;
+};
+
+// Reads the shards and partitions them; writes nothing (so every failure here is the input's).
+Planned plan_partition(const ShardPartitionOptions& options, const std::string& out,
+                       std::chrono::steady_clock::time_point t0) {
+  Planned planned;
+  planned.o = options;
+  ShardPartitionOptions& o = planned.o;
   DDM_CHECK(o.data.source == "shards" || o.data.source == "latents", "partition_shards: data.source is " << o.data.source);
   DDM_CHECK(!o.data.skip_bad, "ddm partition places every sample of the shards; data.skip_bad = true would leave "
                               "some out: set it to false (a bad sample is then named) and mend or drop it");
   DDM_CHECK(o.shard_size >= 1, "--shard-size must be >= 1, got " << o.shard_size);
   DDM_CHECK(o.min_shards >= 1, "--min-shards must be >= 1, got " << o.min_shards);
   check_partition_out(out, o.force);
-  const auto t0 = std::chrono::steady_clock::now();
-  const Dataset opened = open_shards(o.data, o.threads, o.cfg.quiet);
+  planned.opened = open_shards(o.data, o.threads, o.cfg.quiet);
+  const Dataset& opened = planned.opened;
   const ShardIndex& index = *opened.shards;
   const int64_t n = index.samples;
   // Latent shards: clusters.png shows the decoded means, so the autoencoder must load (before the work).
-  std::shared_ptr<const LatentSpace> decoder;
   if (opened.latents) {
     ModelConfig m;
     m.latent = opened.latents->autoencoder, m.latent_sha256 = opened.latents->autoencoder_sha256;
     m.latent_scale = opened.latents->latent_scale, m.latent_shift = opened.latents->latent_shift;
     m.in_channels = opened.latents->latent_channels, m.image_size = opened.latents->latent_size;
-    decoder = LatentSpace::load(m, o.device);
+    planned.decoder = LatentSpace::load(m, o.device);
   }
   DDM_CHECK(o.cfg.k <= n, "--k " << o.cfg.k << " is larger than the data (" << opened.description << "); use at most " << n);
   if (!o.cfg.quiet)
@@ -398,7 +412,8 @@ nlohmann::json partition_shards(const ShardPartitionOptions& options, const std:
   if (!o.cfg.quiet && c.rows.defined())
     std::printf("features: %s, %lld x %lld in %.1f s\n", c.description.c_str(), static_cast<long long>(n),
                 static_cast<long long>(c.rows.size(1)), seconds_since(t0));
-  Partition p = make_partition(c.rows, n, o.cfg);
+  planned.p = make_partition(c.rows, n, o.cfg);
+  Partition& p = planned.p;
   if (o.reshard && o.min_shards > 1) {  // e.g. an island of N data-parallel processes needs N shards
     const int64_t smallest = p.sizes.min().item<int64_t>();
     const int64_t fit = std::max<int64_t>(1, smallest / o.min_shards);
@@ -434,8 +449,20 @@ nlohmann::json partition_shards(const ShardPartitionOptions& options, const std:
   labelled.num_classes = c.labels.lt(0).any().item<bool>() ? 0 : opened.num_classes;
   labelled.class_names = opened.class_names;
   labelled.latents = opened.latents;  // the summary then counts latents, not images
-  const auto summary = partition_summary(p, labelled);
-  save_partition(out, p, summary, o.force, [&](const std::string& tmp) {
+  planned.summary = partition_summary(p, labelled);
+  return planned;
+}
+
+}  // namespace
+
+nlohmann::json partition_shards(const ShardPartitionOptions& options, const std::string& out) {
+  const auto t0 = std::chrono::steady_clock::now();
+  // Bad input exits 2 and a failed write 1 (main.cpp): only the planning reads the input.
+  const Planned planned = as_input_error([&] { return plan_partition(options, out, t0); });
+  const ShardPartitionOptions& o = planned.o;
+  const Dataset& opened = planned.opened;
+  const Partition& p = planned.p;
+  save_partition(out, p, planned.summary, o.force, [&](const std::string& tmp) {
     // clusters.png: the first images of each cluster, decoded again up to the last one shown.
     const auto rows = cluster_grid_rows(p);
     const auto* wanted = rows.data_ptr<int64_t>();
@@ -447,7 +474,7 @@ nlohmann::json partition_shards(const ShardPartitionOptions& options, const std:
                        shown.push_back(x[wanted[shown.size()] - first].clone());
                    });
     torch::Tensor images = torch::stack(shown);  // [m, C, S, S] in [-1, 1]
-    if (decoder)
+    if (const auto& decoder = planned.decoder)
       images = decoder->decode(normalized_means(images, decoder->scale(), decoder->shift()));  // the means, decoded
     save_cluster_grid((fs::path(tmp) / "clusters.png").string(), to_uint8(images), rows, p);
     write_clusters(opened, p, o, tmp);
@@ -460,7 +487,7 @@ nlohmann::json partition_shards(const ShardPartitionOptions& options, const std:
                 : opened.latents ? " and shards/ (each cluster's latents as a `ddm encode` directory)"
                 : opened.encoded ? " and shards/ (each cluster's images and text encodings as a `ddm encode` directory)"
                                  : " and shards/ (each cluster's samples as shards)");
-  return summary;
+  return planned.summary;
 }
 
 void check_partition_of_shards(const Partition& p, const std::vector<std::string>& shards, bool latents,

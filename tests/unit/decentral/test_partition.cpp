@@ -229,7 +229,17 @@ TEST(Partition, FilesRoundTripAndMustMatchTheirData) {
   EXPECT_NE(test::error_message([&] { load_partition(tmp / "foreign.safetensors"); }).find("not a ddm partition"),
             std::string::npos);
   // --force replaces the directory; the old one stays intact until the new one is complete.
+  const torch::Tensor before = p.labels;
   p.labels = p.labels.roll(1);
+  // A write that fails half-way (a full disk) leaves the old partition as it was and no temporary
+  // directory beside it.
+  const auto failed = test::error_message([&] {
+    save_partition(dir, p, summary, true, [](const std::string&) { DDM_FAIL("no space left (the test's)"); });
+  });
+  EXPECT_NE(failed.find("no space left (the test's)"), std::string::npos) << failed;
+  EXPECT_TRUE(load_partition(dir).labels.equal(before));
+  for (const auto& e : fs::directory_iterator(tmp.path))
+    EXPECT_EQ(e.path().filename().string().find("part.tmp-"), std::string::npos) << e.path();
   save_partition(dir, p, summary, true);
   EXPECT_TRUE(load_partition(dir).labels.equal(p.labels));
 }
