@@ -469,8 +469,16 @@ void print_run_header(const TrainJob& job, const BuiltModel& model, const Parall
   const RunConfig& cfg = job.cfg;
   const TrainConfig& tc = cfg.train;
   const Dataset& data = job.data;
-  std::cout << "data:  " << data.description << "\n"
-            << "model: " << network_name(cfg.model) << ", " << model.params
+  std::cout << "data:  " << data.description << "\n";
+  // (A small cluster, a router's data.holdout, or data.limit can leave fewer samples than one batch.)
+  const int64_t samples = data.shard_keep ? std::count(data.shard_keep->begin(), data.shard_keep->end(), true)
+                          : data.shards   ? data.shards->samples
+                                          : data.images.size(0);
+  if (samples < tc.batch_size)
+    std::cout << "note: training takes " << samples << (samples == 1 ? " sample" : " samples")
+              << ", fewer than a batch of " << tc.batch_size
+              << ": each batch holds some of them more than once (lower train.batch_size, or give it more data)\n";
+  std::cout << "model: " << network_name(cfg.model) << ", " << model.params
             << " parameters, " << network_flops_per_image(cfg.model) / 1e6 << " MFLOP/image forward\n"
             << "objective: " << job.objective->describe() << "\n";
   if (model.latent) {

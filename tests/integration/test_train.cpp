@@ -303,3 +303,21 @@ TEST(Train, ARelativeDataRootIsRecordedAbsoluteSoTheRunResumesFromAnywhere) {
   EXPECT_NE(r.output.find("note: --resume: data.root changes from " + std::string(kFashionMnistRoot) + " to " + moved),
             std::string::npos) << r.output;
 }
+
+// Fewer samples than a batch (a small cluster, a router's hold-out, data.limit): the batches repeat
+// samples, which the run says once before it starts.
+TEST(Train, DataSmallerThanABatchIsSaid) {
+  test::TempDir dir;
+  test::write_text(dir / "tiny.toml", kTinyConfig);
+  auto r = test::run_ddm("train --config " + (dir / "tiny.toml") + " --set train.steps=1 --set data.limit=10 --out " +
+                         (dir / "run"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("note: training takes 10 samples, fewer than a batch of 16: each batch holds some of them "
+                          "more than once"),
+            std::string::npos)
+      << r.output;
+  r = test::run_ddm("train --config " + (dir / "tiny.toml") + " --set train.steps=1 --set data.limit=16 --out " +
+                    (dir / "run16"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(r.output.find("fewer than a batch"), std::string::npos) << r.output;
+}
