@@ -17,6 +17,7 @@
 #include "core/fileio.h"
 #include "core/input_check.h"
 #include "core/progress.h"
+#include "core/weights_dir.h"
 #include "data/captions.h"
 #include "data/dataset.h"
 #include "data/latent_shards.h"
@@ -28,6 +29,7 @@
 #include "decentral/features.h"
 #include "decentral/features_file.h"
 #include "eval/feature_net.h"
+#include "text/encoder.h"
 #include "train/latent.h"
 
 namespace fs = std::filesystem;
@@ -83,9 +85,11 @@ torch::Tensor pixel_rows(const torch::Tensor& x) {
 }
 
 // Every sample's label (-1 for none) from the shards' .cls / .json members alone (one pass, no image
-// decoded); with `keys` its key, and with `captions` its caption (data/captions.h; then .txt is read too).
+// decoded); with `keys` its key, with `captions` its caption (data/captions.h; then .txt is read too),
+// and with `pooled` the pooled text encoding that `ddm encode --text` stored (`encoded` says its shape).
 torch::Tensor read_labels(const ShardIndex& index, std::vector<std::string>* keys = nullptr,
-                          std::vector<std::string>* captions = nullptr) {
+                          std::vector<std::string>* captions = nullptr, std::vector<torch::Tensor>* pooled = nullptr,
+                          const LatentShardsInfo* encoded = nullptr) {
   auto labels = torch::empty({index.samples}, torch::kInt64);
   auto* out = labels.data_ptr<int64_t>();
   if (keys) keys->reserve(static_cast<size_t>(index.samples));
@@ -93,13 +97,22 @@ torch::Tensor read_labels(const ShardIndex& index, std::vector<std::string>* key
   for (size_t s = 0; s < index.shards.size(); ++s) {
     TarShardReader r(index.shards[s]);
     const bool text = captions != nullptr;
-    r.set_filter([text](int64_t, const std::string& ext) { return ext == "cls" || ext == "json" || (text && ext == "txt"); });
+    const bool stored = pooled != nullptr;
+    r.set_filter([text, stored](int64_t, const std::string& ext) {
+      return ext == "cls" || ext == "json" || (text && ext == "txt") || (stored && ext == "safetensors");
+    });
+    if (pooled) pooled->reserve(static_cast<size_t>(index.samples));
     ShardSample smp;
     for (int64_t i = 0; i < index.counts[s]; ++i) {
       DDM_CHECK(r.next(smp), "shard " << index.shards[s] << " has fewer samples than when it was scanned");
       const std::string what = "shard " + index.shards[s] + ", sample '" + smp.key + "'";
       *out++ = sample_label(smp, what);
       if (keys) keys->push_back(smp.key);
+      if (pooled) {
+        const auto it = smp.files.find("safetensors");
+        DDM_INPUT_CHECK(it != smp.files.end(), what << " has no .safetensors, which `ddm encode --text` writes for every sample");
+        pooled->push_back(read_encoded(it->second, *encoded, what).pooled);  // [P]
+      }
       if (!captions) continue;
       auto caption = sample_caption(smp, what);
       DDM_INPUT_CHECK(caption, "--features text: " << what << " has no caption (a KEY.txt, or a KEY.json with \"caption\" "
@@ -146,6 +159,27 @@ Computed compute(const Dataset& opened, const ShardPartitionOptions& o) {
     return c;
   }
   if (o.features.kind == "text") {
+    // `ddm encode --text` shards hold each caption's pooled encoding: read, not encoded again, where
+    // the encoder is the one named (its weights' sha256) and cut captions at the same length.
+    const LatentShardsInfo* stored =
+        opened.encoded && !opened.encoded->text.encoder.empty() && !o.features.path.empty() ? opened.encoded.get() : nullptr;
+    if (stored) {
+      const auto enc = as_input_error([&] { return text::load_text_encoder(o.features.path); });
+      if (weights_sha256(enc->weight_files()) == stored->text.sha256 && enc->context() == stored->text.tokens) {
+        std::vector<torch::Tensor> pooled;
+        c.labels = read_labels(index, nullptr, nullptr, &pooled, stored);
+        c.rows = torch::stack(pooled);  // [N, P]
+        std::ostringstream d;
+        d << "captions' pooled embeddings by " << enc->describe() << " (" << c.rows.size(1)
+          << "-d), as `ddm encode --text` stored them";
+        c.description = d.str();
+        return c;
+      }
+      if (!o.cfg.quiet)
+        std::cout << "note: the shards hold the text encodings of " << stored->text.encoder << " ("
+                  << stored->text.tokens << " tokens); --features " << o.features.spec()
+                  << " is another encoder or length, so the captions are encoded again" << std::endl;
+    }
     // The captions alone are read (no image is decoded), then encoded a batch at a time.
     std::vector<std::string> captions;
     c.labels = read_labels(index, nullptr, &captions);

@@ -205,6 +205,33 @@ TEST(TextDecentral, APartitionByTheCaptionsGroupsTheirTopics) {
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_TRUE(load_safetensors(dir / "by-text-shards/partition.safetensors").tensors.at("labels").equal(
       load_safetensors(dir / "by-text/partition.safetensors").tensors.at("labels")));
+  // `ddm encode --text` shards: the pooled encodings they hold are read, not encoded again (and give
+  // the same clusters); with another text length they are encoded again, and said.
+  test::write_text(dir / "encode.toml", "[data]\nsource = \"shards\"\nroot = \"" + (dir / "shards") +
+                                            "\"\nresolution = 8\nchannels = 3\n[model]\ntext_encoder = \"" + encoder +
+                                            "\"\n");
+  r = test::run_ddm("encode --threads 1 --text --config " + (dir / "encode.toml") + " --out " + (dir / "encoded"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  test::write_text(dir / "encoded.toml", "[data]\nsource = \"latents\"\nroot = \"" + (dir / "encoded") + "\"\n");
+  r = test::run_ddm("partition --config " + (dir / "encoded.toml") + " --k 2 --features text:" + encoder + " --out " +
+                    (dir / "by-stored"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("-d), as `ddm encode --text` stored them"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("encoding 24 captions"), std::string::npos) << r.output;
+  EXPECT_TRUE(load_safetensors(dir / "by-stored/partition.safetensors").tensors.at("labels").equal(
+      load_safetensors(dir / "by-text/partition.safetensors").tensors.at("labels")));
+  r = test::run_ddm("encode --threads 1 --text --config " + (dir / "encode.toml") + " --set model.text_tokens=16 --out " +
+                    (dir / "encoded16"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  test::write_text(dir / "encoded16.toml", "[data]\nsource = \"latents\"\nroot = \"" + (dir / "encoded16") + "\"\n");
+  r = test::run_ddm("partition --config " + (dir / "encoded16.toml") + " --k 2 --features text:" + encoder + " --out " +
+                    (dir / "by-16"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("note: the shards hold the text encodings of " + encoder + " (16 tokens); --features text:" +
+                          encoder + " is another encoder or length, so the captions are encoded again"),
+            std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find("encoding 24 captions"), std::string::npos) << r.output;
   {  // a sample without its caption
     samples[14].files.erase("txt");
     TarShardWriter w(dir / "shards/part-1.tar");
