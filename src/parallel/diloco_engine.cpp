@@ -80,6 +80,7 @@ class DilocoEngine : public DataParallelEngine {
         << ")";
     s << ", outer Nesterov lr " << d.outer_lr << " momentum " << d.outer_momentum << ", " << name_of(d.wire)
       << " on the wire, collective timeout " << cfg_.parallel.timeout << " s";
+    if (world_ > 1) s << ", over " << comm_->backend_description();  // as data parallelism's line says it
     return s.str();
   }
 
