@@ -12,6 +12,7 @@
 #include "core/rng.h"
 #include "data/idx.h"
 #include "data/image_folder.h"
+#include "data/shard_stream.h"
 #include "data/tensor_file.h"
 
 namespace ddm {
@@ -63,6 +64,11 @@ std::string shape_text(const torch::Tensor& images) {
 }
 
 }  // namespace
+
+int64_t training_samples(const Dataset& data) {
+  if (data.shard_keep) return std::count(data.shard_keep->begin(), data.shard_keep->end(), true);
+  return data.shards ? data.shards->samples : data.images.size(0);
+}
 
 Dataset load_dataset(const DataConfig& cfg) {
   DDM_CHECK(cfg.limit >= 0, "data.limit is " << cfg.limit << "; it must be >= 0 (0 = all images)");

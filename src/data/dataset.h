@@ -40,6 +40,10 @@ struct Dataset {
   std::shared_ptr<const LatentShardsInfo> encoded;
 };
 
+// The samples a training epoch draws from: the images, the shards' samples, or those of them
+// shard_keep keeps (a router's hold-out left out).
+int64_t training_samples(const Dataset& data);
+
 // Default root for the Debian package dataset-fashion-mnist.
 inline constexpr const char* kFashionMnistRoot = "/usr/share/datasets/fashion-mnist";
 

@@ -71,7 +71,9 @@ Decoded decode_one(const ShardSample& s, const SampleRef& ref, int64_t epoch, co
     d.image = crop_resize(x, o.resolution, o.crop, uniform_from_key(key(RngPurpose::kCrop)));  // uint8 [C, S, S]
     d.flip = o.hflip && (key(RngPurpose::kFlip) >> 63) != 0;
   } catch (const Error& e) {
-    if (!o.skip_bad) DDM_FAIL(e.what() << ". Mend or remove it, or set data.skip_bad = true to skip such samples");
+    // Bad input (exit 2: a restart would meet it again), which data.skip_bad would skip.
+    if (!o.skip_bad)
+      throw InputError(std::string(e.what()) + ". Mend or remove it, or set data.skip_bad = true to skip such samples");
     d.bad = e.what();
   }
   return d;

@@ -50,11 +50,13 @@ int run_loop(Engine& engine, BatchSource& source, const LoopSpec& spec, const En
              RunLog& log, const LoopHooks& hooks) {
   // The end of every step: a checkpoint if one is due and the engine can take one, then the agreed
   // stop (true: the run stops here).
+  int64_t saved_step = state.step;  // the step of the last checkpoint written (or resumed from)
   auto end_step = [&](int sig) {
     state.ckpt_due = state.ckpt_due || state.step % spec.ckpt_every == 0 || state.step == spec.steps || sig != 0;
     if (state.ckpt_due && engine.can_checkpoint()) {
       state.last_ckpt = hooks.save(state.step);
       state.ckpt_due = false;
+      saved_step = state.step;
     }
     if (sig != 0) log.stopped(sig, state.step, state.last_ckpt);
     return sig != 0;
@@ -68,7 +70,22 @@ int run_loop(Engine& engine, BatchSource& source, const LoopSpec& spec, const En
   std::optional<Batch> peeked;  // the batch this step draws, on the device since the step before peeked it
   while (state.step < spec.steps) {
     const auto wait_start = Clock::now();
-    Batch drawn = source.next(spec.shard_offset, spec.local_batch);  // [local_batch, C, H, W]
+    const BatchSource::Cursor before = source.cursor();
+    Batch drawn;
+    try {
+      drawn = source.next(spec.shard_offset, spec.local_batch);  // [local_batch, C, H, W]
+    } catch (const Error& e) {
+      // A sample that cannot be used (data.skip_bad = false): one process keeps the steps since its
+      // last checkpoint, at the position before this batch. (Several processes cannot: the others
+      // wait in this step's collectives.)
+      if (!spec.alone || state.step == saved_step || !engine.can_checkpoint()) throw;
+      source.set_cursor(before);
+      state.last_ckpt = hooks.save(state.step);
+      const std::string what = std::string(e.what()) + " (the checkpoint of step " + std::to_string(state.step) +
+                               " is written: --resume goes on from it)";
+      if (dynamic_cast<const InputError*>(&e)) throw InputError(what);
+      throw Error(what);
+    }
     const Batch shard = peeked ? *peeked : drawn.to(spec.device);  // the same rows: peek's contract
     peeked.reset();
     // The next step's batch, for engines that work on it during this step: a filled pipeline prepares

@@ -117,7 +117,7 @@ FileLock prepare_run_dir(const TrainOptions& opt, const RunConfig& cfg) {
         diff = "[model] preset = '" + stored.model.preset + "'  (stored run)  vs  preset = '" + cfg.model.preset +
                "'  (now), a model of another shape (the first key it sets otherwise: " + diff + ")";
       DDM_INPUT_CHECK(diff.empty(), "--resume: the config differs from the run stored in " << opt.out_dir << ": " << diff
-                                  << ". Only train.steps, lr, grad_clip, log_every, ckpt_every, keep_ckpts, threads, device, precision, loss_scale, deterministic, checkpoint_activations, cuda_graphs, grad_accum, sample_every, sample_n, sample_prompts, data.root, data.decode_threads, "
+                                  << ". Only train.steps, lr, grad_clip, log_every, ckpt_every, keep_ckpts, threads, device, precision, loss_scale, deterministic, checkpoint_activations, cuda_graphs, grad_accum, sample_every, sample_n, sample_prompts, data.root, data.skip_bad, data.decode_threads, "
                                      "data.scan_cache, sample.*, parallel.* and diloco.* may change on resume; use a new --out or --force to start over");
       // What changes the training from here on is said (and recorded: config.toml is rewritten).
       const auto changed = [&](const char* key, double was, double now) {
@@ -127,6 +127,12 @@ FileLock prepare_run_dir(const TrainOptions& opt, const RunConfig& cfg) {
       if (absolute_data_root(stored.data.root) != cfg.data.root && !opt.quiet)
         std::cout << "note: --resume: data.root changes from " << stored.data.root << " to " << cfg.data.root
                   << ": the run goes on over the data there (the same data moved goes on exactly)" << std::endl;
+      if (stored.data.skip_bad != cfg.data.skip_bad && !opt.quiet)
+        std::cout << "note: --resume: data.skip_bad changes from " << std::boolalpha << stored.data.skip_bad << " to "
+                  << cfg.data.skip_bad << std::noboolalpha
+                  << (cfg.data.skip_bad ? ": a bad sample is skipped from here on (and counted)"
+                                        : ": a bad sample stops the run from here on")
+                  << std::endl;
       changed("lr", stored.train.lr, cfg.train.lr);
       changed("grad_clip", stored.train.grad_clip, cfg.train.grad_clip);
       // How the processes train together may change too (a DiLoCo run resumed without its --set goes
@@ -236,6 +242,7 @@ RunConfig normalized_for_resume(RunConfig c) {
   c.train.sample_every = d.train.sample_every;  // what is watched, not what is trained
   c.train.sample_n = d.train.sample_n;
   c.train.sample_prompts = d.train.sample_prompts;
+  c.data.skip_bad = d.data.skip_bad;  // the way on past a bad sample that stopped the run (said when it changes)
   c.sample = d.sample;
   c.parallel = d.parallel;
   c.diloco = d.diloco;
@@ -388,6 +395,17 @@ RunStart start_run(const TrainOptions& opt, const TrainJob& job, Net& net, Engin
           load_module_state(*net, ck.model, RunDir(*latest) / RunDir::kModel, LoadScope::kHeld);
           optim.load(ck.model, ck.ema, ck.optim, ck.field<int64_t>("/optimizer_step"), *latest);
           data.resume(ck, opt.quiet);
+          // Data that gained or lost samples since (a bad one removed, shards added): the epoch goes on
+          // at the same position of a new order, which is said (recorded since 2026-12-06).
+          const int64_t samples = training_samples(job.data);
+          if (ck.state.contains("data_cursor") && ck.state["data_cursor"].contains("samples") && !opt.quiet) {
+            const int64_t then = ck.field<int64_t>("/data_cursor/samples");
+            if (then != samples)
+              std::cout << "note: --resume: the data holds " << samples << " samples, the run's had " << then
+                        << " at the checkpoint: the rest of this epoch is drawn in an order of the new data (some "
+                           "samples may come twice in it and some not at all); every later epoch draws each once"
+                        << std::endl;
+          }
           if (ck.state.contains("log_interval")) {  // absent in checkpoints of older versions
             s.interval_loss_sum = ck.field<double>("/log_interval/loss_sum");
             s.interval_steps = ck.field<int64_t>("/log_interval/steps");
@@ -471,9 +489,7 @@ void print_run_header(const TrainJob& job, const BuiltModel& model, const Parall
   const Dataset& data = job.data;
   std::cout << "data:  " << data.description << "\n";
   // (A small cluster, a router's data.holdout, or data.limit can leave fewer samples than one batch.)
-  const int64_t samples = data.shard_keep ? std::count(data.shard_keep->begin(), data.shard_keep->end(), true)
-                          : data.shards   ? data.shards->samples
-                                          : data.images.size(0);
+  const int64_t samples = training_samples(data);
   if (samples < tc.batch_size)
     std::cout << "note: training takes " << samples << (samples == 1 ? " sample" : " samples")
               << ", fewer than a batch of " << tc.batch_size

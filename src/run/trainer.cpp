@@ -134,6 +134,7 @@ TrainSummary train(TrainJob job, const TrainOptions& options) {
     Checkpoint ck;
     const std::vector<std::string> positions = engine->contribute(ck, at_step, data.mine());
     data.record(positions, at_step, cfg.data.skip_bad, ck.state);
+    ck.state["data_cursor"]["samples"] = training_samples(job.data);  // a resume over changed data says so
     if (!lead) return state.last_ckpt;
     if (cfg.data.skip_bad) log.skipped_at_checkpoint(data.skipped_recorded(), source->replicas());
     ck.step = at_step;
@@ -155,6 +156,7 @@ TrainSummary train(TrainJob job, const TrainOptions& options) {
   spec.steps = tc.steps, spec.ckpt_every = tc.ckpt_every, spec.grad_accum = tc.grad_accum;
   spec.shard_offset = layout.shard_offset(), spec.local_batch = layout.local_batch, spec.device = proc.device;
   spec.who = world > 1 ? "rank " + std::to_string(rank) + ": " : std::string();
+  spec.alone = world == 1;
   spec.lr = tc.lr;
   spec.grad_clip = tc.grad_clip;
   spec.loss_scale = tc.loss_scale;

@@ -1,7 +1,9 @@
 // Training on tar shards end to end with the real `ddm` binary: `ddm shards write` turns Fashion-MNIST
 // into shards; a run on them killed with kill -9 and resumed ends with the bytes of the uninterrupted
 // run; two launched replicas, each reading shards of its own, resume exactly too; a damaged image
-// stops the run naming shard and key, or with data.skip_bad is skipped and counted in the metrics;
+// stops the run naming shard and key (exit 2, with a checkpoint of the last step done, which --resume
+// with data.skip_bad goes on from exactly), or with data.skip_bad is skipped and counted in the metrics;
+// a resume over data that lost samples says so;
 // bad shard lists are clear errors; shards are re-sharded; an expert of a partition made with
 // --reshard trains on its cluster's shards; a router (with samples held out) and a distilled student
 // train on shards; an autoencoder and a latent model train on shards, `ddm encode` writes the
@@ -15,6 +17,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <regex>
 #include <thread>
 
 #include <nlohmann/json.hpp>
@@ -237,9 +240,17 @@ TEST(ShardsTrain, ADamagedImageStopsTheRunOrWithSkipBadIsSkippedAndCounted) {
   // shard's ninth, and without a shuffle buffer an epoch starts with a shard's first).
   const std::string sets = " --set train.steps=32 --set data.shuffle_buffer=0";
   auto strict = test::run_ddm(r.train("strict", sets));
-  EXPECT_NE(strict.exit_code, 0) << strict.output;
+  EXPECT_EQ(strict.exit_code, 2) << strict.output;  // bad input: a supervisor's restart would meet it again
   EXPECT_TRUE(has(strict.output, "shard " + bad + ", sample '00000200'")) << strict.output;
   EXPECT_TRUE(has(strict.output, "not a PNG")) << strict.output;
+  // The steps since the last checkpoint are kept: a checkpoint of the last step done, at the data
+  // position before the bad batch.
+  std::smatch at;
+  ASSERT_TRUE(std::regex_search(strict.output, at, std::regex("the checkpoint of step ([0-9]+) is written: --resume goes on from it")))
+      << strict.output;
+  char stopped[32];
+  std::snprintf(stopped, sizeof stopped, "strict/ckpt/step-%08d", std::stoi(at[1]));
+  EXPECT_TRUE(fs::is_directory(r.dir / stopped)) << strict.output;
   auto lenient = test::run_ddm(r.train("lenient", sets + " --set data.skip_bad=true", /*quiet=*/false));
   ASSERT_EQ(lenient.exit_code, 0) << lenient.output;
   EXPECT_TRUE(has(lenient.output, "skipped 1 bad sample so far; the last: shard " + bad + ", sample '00000200'"))
@@ -251,6 +262,21 @@ TEST(ShardsTrain, ADamagedImageStopsTheRunOrWithSkipBadIsSkippedAndCounted) {
     return nlohmann::json::parse(file_bytes(r.dir / (ckpt + "/state.json")))["skipped_samples"];
   };
   EXPECT_EQ(skipped_at("lenient/ckpt/step-00000032")["total"], 1);
+  // The stopped run goes on past it with data.skip_bad (a key a resume may change, said), to the
+  // weights of the run that skipped it from the start, bit for bit.
+  auto resumed = test::run_ddm(r.train("strict", sets + " --set data.skip_bad=true", /*quiet=*/false) + " --resume");
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+  EXPECT_TRUE(has(resumed.output, "note: --resume: data.skip_bad changes from false to true")) << resumed.output;
+  EXPECT_EQ(file_bytes(r.dir / "strict/ckpt/step-00000032/model.safetensors"),
+            file_bytes(r.dir / "lenient/ckpt/step-00000032/model.safetensors"));
+  // Resumed over fewer shards (one left out): the epoch goes on in another order, which is said.
+  const std::string seven = r.dir / "shards/train-{000000..000006}.tar";
+  auto fewer = test::run_ddm("train --config " + (r.dir / "tiny.toml") + " --set \"data.root=" + seven + "\"" + sets +
+                             " --set train.steps=34 --set data.skip_bad=true --resume --out " + (r.dir / "strict"));
+  ASSERT_EQ(fewer.exit_code, 0) << fewer.output;
+  EXPECT_TRUE(has(fewer.output, "note: --resume: the data holds 448 samples, the run's had 512 at the checkpoint: the "
+                                "rest of this epoch is drawn in an order of the new data"))
+      << fewer.output;
   // The count goes on across a resume: 64 steps straight, or 32 and 32 more, skip alike (the
   // second epoch meets the bad sample again).
   const std::string more = " --set train.steps=64 --set data.shuffle_buffer=0 --set data.skip_bad=true";
