@@ -73,9 +73,14 @@ Command add_shards_command(CLI::App& app) {
                                << "\" --set data.resolution=" << resolution << std::endl;
                    };
                    std::string from = a->from;
+                   // What the command line asks for is checked before anything is written (exit 2).
+                   DDM_INPUT_CHECK(!a->prefix.empty() && a->prefix.find('/') == std::string::npos &&
+                                       a->prefix.find('{') == std::string::npos,
+                                   "--prefix '" << a->prefix << "' must be a plain file name start (no '/', no braces)");
                    if (from.empty()) {
-                     const RunConfig cfg = a->config.empty() ? parse_config("", "--set", a->overrides)
-                                                             : load_config(a->config, a->overrides);
+                     const RunConfig cfg = as_input_error([&] {
+                       return a->config.empty() ? parse_config("", "--set", a->overrides) : load_config(a->config, a->overrides);
+                     });
                      if (cfg.data.source == "shards") from = cfg.data.root;
                    } else {
                      DDM_INPUT_CHECK(a->config.empty() && a->overrides.empty(), "--from re-shards shards as they are; "
@@ -127,6 +132,7 @@ Command add_shards_command(CLI::App& app) {
                                << " (" << from << ") into shards of " << a->shard_size << " in " << a->out << std::endl;
                      DataConfig source;
                      source.source = "shards", source.root = from;
+                     as_input_error([&] { create_output_dir(a->out, "--out"); });
                      remove_old();
                      const ShardsWritten w = reshard(shards, a->out, a->shard_size, a->prefix, report(0));
                      write_shards_record(a->out, a->prefix, w, data_origin(source), "re-sharded from " + from,
@@ -134,12 +140,14 @@ Command add_shards_command(CLI::App& app) {
                      done(w, "N");
                      return 0;
                    }
-                   const RunConfig cfg = a->config.empty() ? parse_config("", "--set", a->overrides)
-                                                           : load_config(a->config, a->overrides);
-                   const Dataset data = load_dataset(cfg.data);
+                   const RunConfig cfg = as_input_error([&] {
+                     return a->config.empty() ? parse_config("", "--set", a->overrides) : load_config(a->config, a->overrides);
+                   });
+                   const Dataset data = as_input_error([&] { return load_dataset(cfg.data); });
                    std::cout << "writing " << data.description << " as shards of " << a->shard_size << " into "
                              << a->out << std::endl;
                    const int64_t n = data.images.size(0), shards = (n + a->shard_size - 1) / a->shard_size;
+                   as_input_error([&] { create_output_dir(a->out, "--out"); });
                    remove_old();
                    const ShardsWritten w = write_shards(data, a->out, a->shard_size, a->prefix, report(shards));
                    write_shards_record(a->out, a->prefix, w, data_origin(cfg.data), data.description,
@@ -188,8 +196,9 @@ Command add_encode_command(CLI::App& app) {
               "  ddm encode --ae runs/ae --config configs/own-64.toml --out latents       # then data.source = \"latents\"\n"
               "  ddm encode --config text.toml --text --out encoded    # images kept, captions' encodings cached\n");
   return Command{cmd, [a] {
-                   const RunConfig cfg = a->config.empty() ? parse_config("", "--set", a->overrides)
-                                                           : load_config(a->config, a->overrides);
+                   const RunConfig cfg = as_input_error([&] {
+                     return a->config.empty() ? parse_config("", "--set", a->overrides) : load_config(a->config, a->overrides);
+                   });
                    EncodeShardsOptions o;
                    o.out = dir_without_slash(a->out);  // OUT.partial is renamed to OUT when complete
                    o.shard_size = a->shard_size;

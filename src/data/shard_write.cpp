@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <memory>
+#include <optional>
 
 #include "core/error.h"
 #include "data/shards.h"
@@ -89,9 +90,11 @@ ShardsWritten reshard(const std::vector<std::string>& shards, const std::string&
     if (progress) progress(out.samples);
   };
   for (const std::string& in : shards) {
-    TarShardReader r(in);
+    // A shard that cannot be read is bad input (exit 2); a shard that cannot be written is not.
+    std::optional<TarShardReader> r;
+    as_input_error([&] { r.emplace(in); });
     ShardSample smp;
-    while (r.next(smp)) {
+    while (as_input_error([&] { return r->next(smp); })) {
       if (out.samples % shard_size == 0) {
         if (w) close();
         path = out_path(out.shards++);

@@ -112,6 +112,26 @@ std::vector<std::string> expand_shards(const std::string& spec, const std::strin
               key << " = \"" << spec << "\" is a folder without .tar files: put its pictures in a tar (tar --sort=name -cf "
                   << fs::path(spec).lexically_normal().filename().string() << "-000000.tar -C " << spec
                   << " .) and name that, or read the folder itself with data.source = \"folder\"");
+  } else if (const std::string rec = ".shards.json";
+             lower.size() > rec.size() && lower.compare(lower.size() - rec.size(), rec.size(), rec) == 0) {
+    // The record `ddm shards write` leaves beside its shards: the shards it lists, from its folder.
+    nlohmann::json j;
+    try {
+      j = nlohmann::json::parse(std::ifstream(spec));
+    } catch (const std::exception& e) {
+      DDM_FAIL(key << " = \"" << spec << "\": " << (fs::is_regular_file(spec) ? "not JSON (" + std::string(e.what()) + ")"
+                                                                            : std::string("no such file")));
+    }
+    DDM_CHECK(j.is_object() && j.value("format", "") == "ddm shards" && j.contains("shards") && j["shards"].is_array(),
+              key << " = \"" << spec << "\": not the record of `ddm shards write` (format \"ddm shards\" with a "
+                                        "\"shards\" list); name the shards themselves");
+    const fs::path dir = fs::path(spec).parent_path();
+    for (const auto& e : j["shards"]) {
+      DDM_CHECK(e.is_object() && e.contains("name") && e["name"].is_string(),
+                key << " = \"" << spec << "\": an entry of \"shards\" has no \"name\"");
+      paths.push_back((dir / e["name"].get<std::string>()).string());
+    }
+    DDM_CHECK(!paths.empty(), key << " = \"" << spec << "\": the record lists no shard");
   } else if (!is_tar) {
     std::error_code ec;
     for (const char* z : {".tar.gz", ".tgz", ".tar.bz2", ".tar.xz", ".tar.zst", ".zip"})

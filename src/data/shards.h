@@ -25,6 +25,8 @@ namespace ddm {
 //   a glob           "data/*.tar" (`*`, `?`, `[...]`): the matches, sorted
 //   a list file      a text file (not a .tar) of one path per line, '#' comments and blank lines
 //                    skipped, relative paths taken from the file's folder
+//   a record         PREFIX.shards.json, which `ddm shards write` leaves beside its shards: those
+//                    it lists, from its folder
 //   one shard        a path ending in .tar
 //   a folder         its .tar files (not its subfolders'), sorted: the glob FOLDER/*.tar
 // Every path must exist: the first missing one is named. No shard at all is an error too. `key`

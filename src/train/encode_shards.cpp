@@ -53,15 +53,21 @@ LatentShardsInfo encode_latent_shards(const DataConfig& data, const std::string&
             "not the flip of its latent; set data.hflip = false");
   DDM_CHECK(o.shard_size > 0 && o.batch > 0, "--shard-size and the batch must be > 0");
   const bool from_shards = data.source == "shards";
-  DDM_CHECK(data.source != "latents", "data.source = latents: the data is a `ddm encode` directory already; give "
-                                      "the config of the data it was encoded from");
-  const Dataset d = from_shards ? open_shards(data, o.threads, o.quiet) : load_dataset(data);
+  DDM_INPUT_CHECK(data.source != "latents", "data.source = latents: the data is a `ddm encode` directory already; "
+                                            "give the config of the data it was encoded from");
+  // What is read before anything is written: a failure there is bad input (exit 2).
+  const Dataset d = as_input_error([&] { return from_shards ? open_shards(data, o.threads, o.quiet) : load_dataset(data); });
   ModelConfig m;
   std::shared_ptr<const LatentSpace> latent;
   if (!keep_images) {
     m.latent = autoencoder;
-    resolve_latent(m, d);  // the autoencoder's checkpoint and sha256; refuses images of another shape
-    latent = LatentSpace::load(m, o.device);
+    try {
+      resolve_latent(m, d);  // the autoencoder's checkpoint and sha256; refuses images of another shape
+      latent = LatentSpace::load(m, o.device);
+    } catch (const Error& e) {  // named as the flag that gave it
+      const std::string what = e.what(), key = "model.latent = " + autoencoder;
+      throw InputError(what.rfind(key, 0) == 0 ? "--ae " + autoencoder + what.substr(key.size()) : "--ae " + autoencoder + ": " + what);
+    }
   }
 
   LatentShardsInfo info;
@@ -78,15 +84,17 @@ LatentShardsInfo encode_latent_shards(const DataConfig& data, const std::string&
   if (static_cast<int64_t>(d.class_names.size()) == d.num_classes) info.class_names = d.class_names;
   info.data = d.description;
   info.origin = data_origin(data);
-  DDM_CHECK(info.samples > 0, d.description << " has no samples to encode");
+  DDM_INPUT_CHECK(info.samples > 0, d.description << " has no samples to encode");
   info.captioned = from_shards ? d.shards->captioned > 0 : !d.captions.empty();
   std::shared_ptr<const text::TextEncoder> encoder;
   ModelConfig tm = o.text_model;
   if (o.text) {
     DDM_INPUT_CHECK(!tm.text_encoder.empty(), "--text caches the captions' encodings by the config's model.text_encoder, "
                                         "and the config names none; set it (docs/text.md)");
-    resolve_text(tm, d);  // the encoder's directory, sha256 and sizes; refuses data without captions
-    encoder = load_pinned_text_encoder(tm, o.device);
+    as_input_error([&] {
+      resolve_text(tm, d);  // the encoder's directory, sha256 and sizes; refuses data without captions
+      encoder = load_pinned_text_encoder(tm, o.device);
+    });
     info.text = {tm.text_encoder, tm.text_sha256, tm.text_skip, tm.text_tokens, tm.text_dim, tm.text_pooled_dim};
   }
   std::vector<int64_t> sizes;

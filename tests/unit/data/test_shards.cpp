@@ -137,6 +137,14 @@ TEST(ShardList, PatternsGlobsAndListFilesNameExistingShards) {
   EXPECT_EQ(expand_shards(dir / "d/UPPER.TAR", "data.root"), std::vector<std::string>{dir / "d/UPPER.TAR"});
   test::write_text(dir / "empty.txt", "# nothing\n");
   EXPECT_TRUE(has(test::error_message([&] { expand_shards(dir / "empty.txt", "data.root"); }), "names no shard"));
+  // The record `ddm shards write` leaves: the shards it lists, from its folder; another JSON is named.
+  test::write_text(dir / "d/s.shards.json", R"({"format": "ddm shards", "version": 1, "samples": 2,
+    "shards": [{"name": "s-01.tar", "bytes": 1}, {"name": "s-02.tar", "bytes": 1}]})");
+  EXPECT_EQ(expand_shards(dir / "d/s.shards.json", "data.root"),
+            (std::vector<std::string>{(fs::path(dir / "d") / "s-01.tar").string(), (fs::path(dir / "d") / "s-02.tar").string()}));
+  test::write_text(dir / "d/other.shards.json", R"({"format": "something else"})");
+  EXPECT_TRUE(has(test::error_message([&] { expand_shards(dir / "d/other.shards.json", "data.root"); }),
+                  "not the record of `ddm shards write`"));
 }
 
 // A shard's origin is its record's when the record lists it at its current size; one shard without
