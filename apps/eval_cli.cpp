@@ -3,6 +3,7 @@
 // with --shapes, a text model's prompt accuracy on the shapes dataset.
 #include <algorithm>
 #include <filesystem>
+#include <functional>
 #include <iostream>
 #include <memory>
 #include <unistd.h>
@@ -119,15 +120,27 @@ int eval_shapes_cmd(EvalArgs a) {
 // --reference-set overrides (e.g. data.root=TEST). Null: Fashion-MNIST.
 std::shared_ptr<const Dataset> open_reference(const EvalArgs& a, const RunConfig* model_cfg, const std::string& what) {
   std::optional<RunConfig> cfg;
+  // (The overrides' errors name them as --set does: here they are --reference-set's.)
+  const auto as_reference_sets = [&](const std::function<RunConfig()>& f) {
+    try {
+      return f();
+    } catch (const Error& e) {
+      std::string m = e.what();
+      for (const std::string& ov : a.reference_sets)
+        for (size_t at = m.find("--set " + ov); at != std::string::npos; at = m.find("--set " + ov, at + 1))
+          m.replace(at, 5, "--reference-set");
+      throw InputError(m);
+    }
+  };
   if (!a.reference_config.empty()) {
-    cfg = load_config(a.reference_config, a.reference_sets);
+    cfg = as_reference_sets([&] { return load_config(a.reference_config, a.reference_sets); });
   } else if (model_cfg && origin_of(model_cfg->data) != "fashion-mnist") {
     DDM_INPUT_CHECK(!a.cfg.feature_net.empty(),
               what << " was trained on data from \"" << origin_of(model_cfg->data) << "\", not Fashion-MNIST: give "
                    << "--feature-net FILE, a network trained on that data (`ddm train-classifier --config RUN/config.toml --out "
                    << "F.safetensors`), and optionally --reference-set data.root=HELD_OUT to compare with images "
                    << "the model never saw (default: its training data)");
-    cfg = parse_config(to_toml(*model_cfg), what + " (its config)", a.reference_sets);
+    cfg = as_reference_sets([&] { return parse_config(to_toml(*model_cfg), what + " (its config)", a.reference_sets); });
   } else {
     DDM_INPUT_CHECK(a.reference_sets.empty(), "--reference-set applies to --reference-config's data or to a model trained "
                                         "on data other than Fashion-MNIST");
@@ -147,8 +160,19 @@ int eval_cmd(EvalArgs a) {
   SampleSet set;
   std::string stem;
   if (!a.anchor.empty()) {
-    set = anchor_samples(a.anchor, a.sample.n, static_cast<uint64_t>(a.sample.seed), a.cfg.data_root);
-    stem = "anchor-" + a.anchor + "-n" + std::to_string(a.sample.n);
+    if (a.reference_config.empty()) {
+      DDM_INPUT_CHECK(a.reference_sets.empty(), "--reference-set applies to --reference-config's data");
+      set = as_input_error([&] { return anchor_samples(a.anchor, a.sample.n, static_cast<uint64_t>(a.sample.seed), a.cfg.data_root); });
+    } else {
+      // Your own data: the anchor's images are the config's data (its training images), the reference
+      // that data with --reference-set's overrides (e.g. data.root=HELD_OUT; without any, itself).
+      a.cfg.reference = as_input_error([&] { return open_reference(a, nullptr, "--anchor"); });
+      const Dataset own = as_input_error([&] {
+        return load_whole_dataset(load_config(a.reference_config).data, static_cast<int>(std::max<int64_t>(1, a.sample.threads)));
+      });
+      set = as_input_error([&] { return anchor_samples(a.anchor, a.sample.n, static_cast<uint64_t>(a.sample.seed), own); });
+    }
+    stem = "anchor-" + a.anchor + "-n" + std::to_string(a.sample.n) + (a.sample.seed != 0 ? "-seed" + std::to_string(a.sample.seed) : "");
     if (a.out.empty()) a.out = "eval";
   } else if (!a.samples_file.empty()) {
     a.cfg.reference = as_input_error([&] { return open_reference(a, nullptr, a.samples_file); });
@@ -159,7 +183,10 @@ int eval_cmd(EvalArgs a) {
       if (set.labels.defined()) set.labels = set.labels.narrow(0, 0, a.sample.n);
     }
     stem = fs::path(a.samples_file).stem().string();
-    if (a.out.empty()) a.out = (fs::path(a.samples_file).parent_path() / "eval").string();
+    if (a.out.empty()) {  // beside the samples (in eval/ already when `ddm eval` wrote them)
+      const fs::path dir = fs::path(a.samples_file).parent_path();
+      a.out = (dir.filename() == "eval" ? dir : dir / "eval").string();
+    }
   } else {
     Source src = open_source(a.sample);
     const LoadedModel& m = src.defaults();
@@ -223,19 +250,26 @@ int eval_cmd(EvalArgs a) {
            std::to_string(g.sample.steps) + "steps-cfg" +
            std::to_string(g.sample.cfg).substr(0, 4) + "-n" + std::to_string(a.sample.n) +
            (controls ? "-control-" + controls->type + (a.sample.control_from.empty() ? "-file" : "-" + a.sample.control_from) : "") +
-           (refs ? "-reference" + (a.sample.reference_from.empty() ? std::string("-file") : "-" + a.sample.reference_from) : "");
+           (refs ? "-reference" + (a.sample.reference_from.empty() ? std::string("-file") : "-" + a.sample.reference_from) : "") +
+           (a.sample.seed != 0 ? "-seed" + std::to_string(a.sample.seed) : "");
     SafetensorsFile f;
     f.tensors["images"] = set.images;
     f.tensors["labels"] = out.labels;
     f.metadata["origin"] = set.origin;
     f.metadata["data_source"] = origin_of(m.cfg.data);
     save_safetensors((fs::path(a.out) / (stem + ".safetensors")).string(), f);
+    std::cout << "wrote " << (fs::path(a.out) / (stem + ".safetensors")).string() << " (the samples)" << std::endl;
   }
   EvalReport r = evaluate_samples(set, a.cfg);
   std::cout << "\n" << r.table();
   std::printf("(features and statistics: %.1f s)\n", r.seconds);
   create_output_dir(a.out, "--out");
   const std::string json_path = (fs::path(a.out) / (stem + ".json")).string();
+  // (The name says how the samples were made, not what they were measured against: another
+  // --feature-net or reference lands on the same name.)
+  if (fs::exists(json_path))
+    std::cout << "note: " << json_path << " held an earlier evaluation of the same samples' settings; it is replaced "
+              << "(give --out DIR to keep both)" << std::endl;
   write_file_atomic(json_path, r.json() + "\n");
   std::cout << "wrote " << json_path << std::endl;
   // One row of up to 10 images per requested class, so a person can look as well as read.
@@ -282,7 +316,8 @@ Command add_eval_command(CLI::App& app) {
                   "from `ddm sample --raw`");
   cmd->add_option("--anchor", ea.anchor,
                   "evaluate a reference point instead: train (random train images: the floor) or noise "
-                  "(per-pixel Gaussian with the data's mean and variance: a ceiling)")
+                  "(per-pixel Gaussian with the data's mean and variance: a ceiling); of Fashion-MNIST, or of "
+                  "--reference-config's data (the reference then that data with --reference-set's overrides)")
       ->check(CLI::IsMember({"train", "noise"}));
   cmd->add_option("--out", ea.out,
                   "output directory (default: eval/ in the run directory, next to --samples, or in the "

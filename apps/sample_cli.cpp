@@ -3,7 +3,10 @@
 #include "sample_setup.h"
 
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <functional>
 #include <iostream>
 #include <memory>
@@ -394,12 +397,32 @@ static void write_png_folder(const std::string& dir, const torch::Tensor& images
             << (prompts.empty() ? "" : ", each with its prompt in 000000.txt ...") << ")" << std::endl;
 }
 
+// Refuses (exit 2) an output file that could not be written, before the sampling it would hold: its
+// folder is made, and a file beside the target is opened and removed.
+static void check_writable(const std::string& path, const std::string& flag) {
+  as_input_error([&] { create_output_dir(fs::path(path).parent_path().string(), flag); });
+  const std::string probe = path + ".probe-" + std::to_string(::getpid());
+  errno = 0;
+  const bool ok = static_cast<bool>(std::ofstream(probe));
+  const std::string why = std::strerror(errno);
+  std::error_code ec;
+  fs::remove(probe, ec);
+  DDM_INPUT_CHECK(ok, flag << " " << path << ": cannot write there (" << why << "); give another path (nothing was sampled)");
+}
+
 void write_samples(const SampleArgs& a) {
   as_input_error([&] { check_png_path(a.out); });  // before any sampling
-  create_output_dir(fs::path(a.out).parent_path().string(), "--out");
-  if (!a.raw.empty()) create_output_dir(fs::path(a.raw).parent_path().string(), "--raw");
+  check_writable(a.out, "--out");
+  if (!a.raw.empty()) {
+    DDM_INPUT_CHECK(fs::path(a.raw).extension() == ".safetensors",
+                    "--raw " << a.raw << ": the raw samples are written as safetensors; name a .safetensors file");
+    check_writable(a.raw, "--raw");
+  }
+  DDM_INPUT_CHECK(a.png_dir.empty() || !fs::exists(a.png_dir) || fs::is_directory(a.png_dir),
+                  "--png-dir " << a.png_dir << " is a file: name an empty or new directory (nothing was written)");
   DDM_INPUT_CHECK(a.png_dir.empty() || !fs::exists(a.png_dir) || fs::is_empty(a.png_dir),
             "--png-dir " << a.png_dir << " holds files already: name an empty or new directory (nothing was written)");
+  if (!a.png_dir.empty()) as_input_error([&] { create_output_dir(a.png_dir, "--png-dir"); });
   set_threads(a.threads);
   Source src = open_source(a);
   const LoadedModel& m = src.defaults();
@@ -567,7 +590,7 @@ Command add_sample_command(CLI::App& app) {
   cmd->add_option("--ckpt", a->ckpt, "run directory (latest checkpoint) or checkpoint directory (or --ensemble)");
   cmd->add_option("--out", a->out, "PNG grid to write");
   cmd->add_option("--raw", a->raw,
-                  "also write the samples as safetensors (images, labels, samples; a text model's prompts in its "
+                  "also write the samples as a .safetensors file (images, labels, samples; a text model's prompts in its "
                   "metadata \"prompts\", one per sample)");
   cmd->add_option("--png-dir", a->png_dir,
                   "also write each sample as its own PNG into this new directory (for clean-fid, torch-fidelity); "

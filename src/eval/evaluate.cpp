@@ -136,8 +136,8 @@ void check_evaluable_source(const std::string& origin, const std::string& what) 
             what << " was trained on data from \"" << origin << "\"" << unknown << ", not Fashion-MNIST. ddm eval scores "
                  "samples against Fashion-MNIST's test split with a feature network trained on Fashion-MNIST (and "
                  "names its classes), so for other data its FD, KID, precision/recall and class accuracy would be "
-                 "meaningless: give --feature-net (a network `ddm train-classifier --config` trained on that data) "
-                 "and --reference-config (that data's config)");
+                 "meaningless: give --reference-config (that data's config) and a --feature-net trained on that "
+                 "data (`ddm train-classifier --config` makes one)");
 }
 
 SampleSet load_samples(const std::string& path, bool any_source) {
@@ -172,25 +172,31 @@ SampleSet load_samples(const std::string& path, bool any_source) {
 }
 
 SampleSet anchor_samples(const std::string& kind, int64_t n, uint64_t seed, const std::string& data_root) {
-  DDM_CHECK(kind == "train" || kind == "noise", "unknown anchor '" << kind << "' (train | noise)");
   DataConfig dc;
   dc.root = data_root;
-  const Dataset train = load_dataset(dc);
-  DDM_CHECK(n >= 1 && n <= train.images.size(0),
-            "anchor " << kind << ": n must be in 1.." << train.images.size(0) << ", got " << n);
+  return anchor_samples(kind, n, seed, load_dataset(dc));
+}
+
+SampleSet anchor_samples(const std::string& kind, int64_t n, uint64_t seed, const Dataset& train) {
+  DDM_CHECK(kind == "train" || kind == "noise", "unknown anchor '" << kind << "' (train | noise)");
+  DDM_INPUT_CHECK(n >= 1 && n <= train.images.size(0),
+                  "anchor " << kind << ": --n must be in 1.." << train.images.size(0) << " (the images of "
+                            << train.description << "), got " << n);
+  const bool fmnist = train.description.rfind("fashion-mnist", 0) == 0;
   auto gen = make_generator(derive_seed({seed, static_cast<uint64_t>(RngPurpose::kSample), 0xa7c4ULL}));
   SampleSet s;
   if (kind == "train") {
     const auto idx = torch::randperm(train.images.size(0), gen, torch::kLong).narrow(0, 0, n);
     s.images = train.images.index_select(0, idx);
     s.labels = train.labels.index_select(0, idx);
-    s.origin = "anchor: " + std::to_string(n) + " random train images";
+    s.origin = "anchor: " + std::to_string(n) + " random " + (fmnist ? "train images" : "images of " + train.description);
   } else {
     const auto x = to_unit_range(train.images).to(torch::kFloat64);  // [N, C, H, W]
     const auto mean = x.mean(0), std = x.std(0);                     // [C, H, W] each
     auto noise = torch::randn({n, x.size(1), x.size(2), x.size(3)}, gen, torch::kFloat64);
     s.images = (mean + std * noise).clamp(-1, 1).to(torch::kFloat32);
-    s.origin = "anchor: per-pixel Gaussian noise with the train split's mean and variance";
+    s.origin = "anchor: per-pixel Gaussian noise with each pixel's mean and variance over " +
+               (fmnist ? std::string("the train split") : train.description);
   }
   return s;
 }
@@ -279,6 +285,18 @@ void check_eval_inputs(const EvalConfig& cfg, int64_t channels, int64_t image_si
   probe.origin = what;
   probe.images = torch::zeros({1, channels, image_size, image_size}, torch::kUInt8);
   check_images(probe, fnet.net->shape());
+  if (cfg.reference) {  // the samples fit the network: a reference that does not is at another size
+    const torch::Tensor& r = cfg.reference->images;  // [N, C, H, W]
+    DDM_INPUT_CHECK(r.dim() == 4 && r.size(1) == channels && r.size(2) == image_size && r.size(3) == image_size,
+                    "the reference (" << cfg.reference->description << ") holds images of " << r.sizes().slice(1)
+                                      << ", but the samples of " << what << " and the feature network are ["
+                                      << channels << ", " << image_size << ", " << image_size
+                                      << "]: compare them at one size (--reference-set data.resolution=" << image_size
+                                      << (r.dim() == 4 && r.size(1) != channels
+                                              ? " --reference-set data.channels=" + std::to_string(channels)
+                                              : std::string())
+                                      << "; nothing was sampled)");
+  }
   const int64_t dim = fnet.net->shape().feature_dim;
   check_count(n, dim, what, "give a larger --n (at least " + std::to_string(dim + 1) + "; 10000 is the default)");
   if (cfg.reference)

@@ -66,6 +66,8 @@ void check_evaluable_source(const std::string& origin, const std::string& what);
 //   "noise": n images of independent per-pixel Gaussian noise with each pixel's mean and variance
 //            over the train split (clamped to [-1, 1]; no labels), a ceiling.
 SampleSet anchor_samples(const std::string& kind, int64_t n, uint64_t seed, const std::string& data_root = "");
+// The same of `data` (another dataset's images: `ddm eval --anchor --reference-config`).
+SampleSet anchor_samples(const std::string& kind, int64_t n, uint64_t seed, const Dataset& data);
 
 struct EvalReport {
   std::string origin, feature_net_sha256, reference;
