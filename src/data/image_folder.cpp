@@ -8,6 +8,7 @@
 #include <cctype>
 #include <cstring>
 #include <filesystem>
+#include <iostream>
 #include <limits>
 #include <memory>
 
@@ -57,6 +58,27 @@ std::vector<std::string> images_below(const std::string& dir) {
   for (const auto& folder : folders)
     for (const auto& f : list_sorted(folder, false))
       if (is_image_file_name(f)) out.push_back(folder + "/" + f);
+  return out;
+}
+
+// Files named as images of formats ddm does not decode (a phone's HEIC, a scanner's TIFF, a camera's
+// raw): in `dir` alone, or below it too. A folder dataset leaves them out, which a note says.
+std::vector<std::string> other_image_formats(const std::string& dir, bool below) {
+  static const char* kExt[] = {".tif", ".tiff", ".heic", ".heif", ".avif", ".jxl", ".jp2",
+                               ".dng", ".cr2",  ".cr3",  ".nef",  ".arw",  ".raf", ".svg"};
+  std::vector<std::string> folders{dir}, out;
+  if (below) {
+    folders.clear();
+    folders_below(dir, folders);
+  }
+  for (const auto& folder : folders)
+    for (const auto& f : list_sorted(folder, false)) {
+      std::string lower = f;
+      std::transform(lower.begin(), lower.end(), lower.begin(), [](unsigned char c) { return std::tolower(c); });
+      for (const char* e : kExt)
+        if (lower.size() > std::strlen(e) && lower.compare(lower.size() - std::strlen(e), std::strlen(e), e) == 0)
+          out.push_back(folder + "/" + f);
+    }
   return out;
 }
 
@@ -184,6 +206,18 @@ Dataset load_image_folder(const std::string& root) {
     ds.num_classes = static_cast<int64_t>(classes.size());
     ds.class_names = classes;
   }
+  std::vector<std::string> others;
+  if (classes.empty()) {
+    others = other_image_formats(root, false);
+  } else {
+    for (const auto& c : classes)
+      for (auto& f : other_image_formats(root + "/" + c, true)) others.push_back(std::move(f));
+  }
+  if (!others.empty())
+    std::cerr << "note: " << root << ": " << others.size() << (others.size() == 1 ? " file is an image" : " files are images")
+              << " of a format ddm does not read, left out (" << others.front() << (others.size() > 1 ? ", ..." : "")
+              << "): convert " << (others.size() == 1 ? "it" : "them") << " to PNG or JPEG to train on "
+              << (others.size() == 1 ? "it" : "them") << std::endl;
   DDM_CHECK(!files.empty(), root << ": no images found (expected .png/.jpg/... files, in one sub-folder per "
                                  << "class or directly in the folder)");
 

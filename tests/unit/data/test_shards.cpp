@@ -341,6 +341,16 @@ TEST(Decode, AFolderDecodesJpegWebpAndCmykAsShardsDo) {
   EXPECT_LE((d.images[2].to(torch::kFloat) - pillow).abs().max().item<double>(), 1.0);
   EXPECT_TRUE(torch::equal(d.images[3], d.images[0]));
   EXPECT_TRUE(torch::equal(d.images[4], gradient(24, 40).permute({2, 0, 1})));
+  // A phone's HEIC or a scanner's TIFF is not read: left out, and said.
+  test::write_text(dir / "imgs/a/6.HEIC", "x");
+  fs::create_directories(dir / "imgs/a/deep");
+  test::write_text(dir / "imgs/a/deep/8.tiff", "x");
+  testing::internal::CaptureStderr();
+  EXPECT_EQ(load_image_folder(dir / "imgs").images.size(0), 5);
+  const std::string said = testing::internal::GetCapturedStderr();
+  EXPECT_TRUE(has(said, "note: " + (dir / "imgs") + ": 2 files are images of a format ddm does not read, left out (" +
+                            (dir / "imgs/a/6.HEIC") + ", ...): convert them to PNG or JPEG"))
+      << said;
   test::write_text(dir / "imgs/a/7.jpg", jpg.substr(0, 200));
   const std::string e = test::error_message([&] { load_image_folder(dir / "imgs"); });
   EXPECT_TRUE(has(e, "imgs/a/7.jpg: ")) << e;
