@@ -242,7 +242,9 @@ Dataset load_image_folder(const std::string& root) {
   for (const auto& f : files) paths.push_back(f.first);
   ds.captions = folder_captions(root, paths);
   ds.description = "folder " + root + ": " + std::to_string(n) + " x " + shape_str(first) + ", " +
-                   (ds.num_classes ? std::to_string(ds.num_classes) + " classes" : std::string("unlabeled")) +
+                   (ds.num_classes > 1 ? std::to_string(ds.num_classes) + " classes"
+                    : ds.num_classes == 1 ? std::string("1 class")
+                                          : std::string("unlabeled")) +
                    (ds.captions.empty() ? "" : ", captioned");
   return ds;
 }

@@ -360,6 +360,10 @@ Dataset open_image_shards(const DataConfig& cfg, const std::vector<std::string>&
   Dataset d;
   d.shards = index;
   d.num_classes = index->num_classes;
+  if (d.num_classes > index->samples && !quiet)  // a stray label (a .cls of 1000000) would make a model that large
+    std::cerr << "note: data.root = " << cfg.root << ": the labels run to " << d.num_classes - 1 << ", so a model gets "
+              << d.num_classes << " classes, more than the " << index->samples
+              << " samples; if a .cls or .json label is wrong, mend it (labels are 0, 1, ... one per class)" << std::endl;
   // The names `ddm shards write` recorded (its data's sub-folders), else generic ones.
   const std::vector<std::string> recorded = d.num_classes > 0 ? recorded_class_names(paths) : std::vector<std::string>{};
   for (int64_t c = 0; c < d.num_classes; ++c)
@@ -374,7 +378,8 @@ Dataset open_image_shards(const DataConfig& cfg, const std::vector<std::string>&
   std::ostringstream desc;
   desc << "shards " << cfg.root << ": " << index->samples << " samples in " << index->shards.size() << " shard"
        << (index->shards.size() > 1 ? "s" : "") << ", as " << channels << "x" << cfg.resolution << "x" << cfg.resolution
-       << " (" << cfg.crop << " crop), " << (d.num_classes > 0 ? std::to_string(d.num_classes) + " classes" : "unlabeled")
+       << " (" << cfg.crop << " crop), "
+       << (d.num_classes > 1 ? std::to_string(d.num_classes) + " classes" : d.num_classes == 1 ? "1 class" : "unlabeled")
        << ", streamed";
   d.description = desc.str();
   return d;
