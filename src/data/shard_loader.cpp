@@ -32,6 +32,15 @@ struct Decoded {
   std::string bad;  // non-empty: the reason it is skipped (data.skip_bad)
 };
 
+// A reason without its advice to set data.skip_bad (it is set: the sample is being skipped).
+std::string without_skip_advice(std::string why) {
+  for (const char* advice : {" (or set data.skip_bad = true to skip such samples)",
+                             ", or set data.skip_bad = true to skip such samples", ", or set data.skip_bad = true to skip it"})
+    for (size_t at = why.find(advice); at != std::string::npos; at = why.find(advice))
+      why.erase(at, std::strlen(advice));
+  return why;
+}
+
 Decoded decode_one(const ShardSample& s, const SampleRef& ref, int64_t epoch, const ShardIndex& index,
                    const ShardOrder& order, const ShardLoaderOptions& o) {
   const std::string what = "shard " + index.shards[static_cast<size_t>(ref.shard)] + ", sample '" + s.key + "'";
@@ -74,7 +83,7 @@ Decoded decode_one(const ShardSample& s, const SampleRef& ref, int64_t epoch, co
     // Bad input (exit 2: a restart would meet it again), which data.skip_bad would skip.
     if (!o.skip_bad)
       throw InputError(std::string(e.what()) + ". Mend or remove it, or set data.skip_bad = true to skip such samples");
-    d.bad = e.what();
+    d.bad = without_skip_advice(e.what());
   }
   return d;
 }

@@ -128,7 +128,8 @@ FeatureNet train_classifier(const Dataset& train, const ClassifierTrainConfig& c
             "train-classifier: epochs and batch size must be >= 1, lr > 0, weight decay and shift >= 0");
   const int64_t N = train.images.size(0);
   DDM_INPUT_CHECK(N >= cfg.batch_size, "train-classifier: " << N << " training images is fewer than one batch of "
-                                                      << cfg.batch_size);
+                                                      << cfg.batch_size << ": give a smaller --batch (at most " << N
+                                                      << "), or more images");
   FeatureNetShape shape;
   shape.in_channels = train.images.size(1);
   shape.image_size = train.images.size(2);
