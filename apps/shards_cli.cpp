@@ -63,14 +63,16 @@ Command add_shards_command(CLI::App& app) {
                        const int64_t k = (done + a->shard_size - 1) / a->shard_size;
                        if (shards <= 0 || k == shards || k % std::max<int64_t>(1, shards / 10) == 0)
                          std::cout << "  " << k << (shards > 0 ? "/" + std::to_string(shards) : std::string())
-                                   << " shards, " << done << " samples" << std::endl;
+                                   << (shards > 1 || (shards <= 0 && k != 1) ? " shards, " : " shard, ") << done
+                                   << (done == 1 ? " sample" : " samples") << std::endl;
                      };
                    };
                    const auto done = [&](const ShardsWritten& w, const std::string& resolution) {
                      std::cout << "wrote " << w.samples << " samples in " << w.shards << " shard"
                                << (w.shards > 1 ? "s" : "") << " (" << format_bytes(w.bytes) << ")\n"
                                << "train on them with: --set data.source=shards --set \"data.root=" << w.pattern
-                               << "\" --set data.resolution=" << resolution << std::endl;
+                               << "\" --set data.resolution=" << resolution
+                               << (resolution == "SIDE" ? "  (the side images are cropped to, e.g. 64)" : "") << std::endl;
                    };
                    std::string from = a->from;
                    // What the command line asks for is checked before anything is written (exit 2).
@@ -106,11 +108,21 @@ Command add_shards_command(CLI::App& app) {
                      }
                    std::sort(old.begin(), old.end());
                    if (!old.empty()) {
+                     // A write that was stopped leaves the shard it was writing as NAME.tar.partial.
+                     bool stopped = false;
+                     for (const auto& e : std::filesystem::directory_iterator(a->out)) {
+                       const std::string name = e.path().filename().string();
+                       stopped = stopped || (name.rfind(a->prefix + "-", 0) == 0 && name.size() > 8 &&
+                                             name.compare(name.size() - 8, 8, ".partial") == 0);
+                     }
                      DDM_INPUT_CHECK(a->force, "--out " << a->out << " holds " << old.size() << " shard"
                                                         << (old.size() > 1 ? "s" : "") << " named " << a->prefix
                                                         << "-NNNNNN.tar already (" << old.front()
-                                                        << (old.size() > 1 ? ", ..." : "")
-                                                        << "), which a folder or a glob would read beside the new "
+                                                        << (old.size() > 1 ? ", ..." : "") << ")"
+                                                        << (stopped ? ", of a write that was stopped before it finished "
+                                                                      "(a .partial shard is beside them)"
+                                                                    : "")
+                                                        << ", which a folder or a glob would read beside the new "
                                                            "ones: pass --force to replace them, or use another --out "
                                                            "or --prefix");
                      for (const std::string& o : old)
@@ -137,7 +149,7 @@ Command add_shards_command(CLI::App& app) {
                      const ShardsWritten w = reshard(shards, a->out, a->shard_size, a->prefix, report(0));
                      write_shards_record(a->out, a->prefix, w, data_origin(source), "re-sharded from " + from,
                                          recorded_class_names(shards));
-                     done(w, "N");
+                     done(w, "SIDE");  // shards hold images of any size
                      return 0;
                    }
                    const RunConfig cfg = as_input_error([&] {
