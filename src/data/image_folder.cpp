@@ -234,7 +234,10 @@ Dataset load_image_folder(const std::string& root) {
     DDM_CHECK(img.sizes() == first.sizes(),
               files[i].first << ": image is " << shape_str(img) << " (channels x height x width) but "
                              << files[0].first << " is " << shape_str(first)
-                             << "; all images in a folder dataset must share size and channel count");
+                             << "; all images in a folder dataset must share size and channel count. Images of "
+                             << "mixed sizes or channels train from a tar shard, which crops and resizes each: "
+                             << "tar --sort=name -cf images-000000.tar -C " << root << " . and data.source = \"shards\", "
+                             << "data.root = that tar, data.resolution = the side to train at (docs/data.md)");
     ds.images[i].copy_(img);
     lab[i] = files[i].second;
   }
