@@ -193,7 +193,10 @@ int eval_cmd(EvalArgs a) {
     a.cfg.reference = as_input_error([&] { return open_reference(a, &m.cfg, src.name); });
     const Denoiser& den = *src.den;
     // Everything that would refuse the samples is checked before they are made (hours at --n 10000).
-    as_input_error([&] { check_eval_inputs(a.cfg, m.cfg.model.in_channels, m.cfg.model.image_size, a.sample.n, src.name); });
+    // The images the samples will be (a latent model's: decoded, of its autoencoder's image shape).
+    const int64_t channels = m.latent ? m.latent->shape().in_channels : m.cfg.model.in_channels;
+    const int64_t size = m.latent ? m.latent->shape().image_size : m.cfg.model.image_size;
+    as_input_error([&] { check_eval_inputs(a.cfg, channels, size, a.sample.n, src.name); });
     if (a.out.empty()) a.out = (fs::path(src.model ? a.sample.ckpt : a.sample.ensemble) / "eval").string();
     create_output_dir(a.out, "--out");
     GenerateOptions g = generate_options(a.sample, m);
@@ -268,8 +271,8 @@ int eval_cmd(EvalArgs a) {
   // (The name says how the samples were made, not what they were measured against: another
   // --feature-net or reference lands on the same name.)
   if (fs::exists(json_path))
-    std::cout << "note: " << json_path << " held an earlier evaluation of the same samples' settings; it is replaced "
-              << "(give --out DIR to keep both)" << std::endl;
+    std::cout << "note: " << json_path << " held an earlier evaluation with the same sampling settings; it is "
+              << "replaced, with its samples (give --out DIR to keep both)" << std::endl;
   write_file_atomic(json_path, r.json() + "\n");
   std::cout << "wrote " << json_path << std::endl;
   // One row of up to 10 images per requested class, so a person can look as well as read.

@@ -1,5 +1,6 @@
-// `ddm sample` and `ddm eval` (apps/sample_cli.cpp): what they share with the quickstart, which
-// writes its grid as `ddm sample` does.
+// `ddm sample` (apps/sample_cli.cpp) and `ddm eval` (apps/eval_cli.cpp): what they share with the
+// quickstart, which writes its grid as `ddm sample` does (what they share with each other:
+// apps/sample_setup.h).
 #pragma once
 #include <cstdint>
 #include <string>

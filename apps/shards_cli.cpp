@@ -144,9 +144,25 @@ Command add_shards_command(CLI::App& app) {
                                << " (" << from << ") into shards of " << a->shard_size << " in " << a->out << std::endl;
                      DataConfig source;
                      source.source = "shards", source.root = from;
+                     // Each input opens as a tar and reads its first sample (if any) before --force removes
+                     // anything (a shard damaged further on is met while re-sharding).
+                     for (const std::string& in : shards)
+                       as_input_error([&] {
+                         TarShardReader r(in);
+                         ShardSample first;
+                         r.next(first);
+                       });
+                     const bool made = !std::filesystem::exists(a->out);
                      as_input_error([&] { create_output_dir(a->out, "--out"); });
                      remove_old();
-                     const ShardsWritten w = reshard(shards, a->out, a->shard_size, a->prefix, report(0));
+                     ShardsWritten w;
+                     try {
+                       w = reshard(shards, a->out, a->shard_size, a->prefix, report(0));
+                     } catch (const Error&) {  // (a first shard that is not a tar: nothing was written)
+                       std::error_code ec;
+                       if (made && std::filesystem::is_empty(a->out, ec)) std::filesystem::remove(a->out, ec);
+                       throw;
+                     }
                      write_shards_record(a->out, a->prefix, w, data_origin(source), "re-sharded from " + from,
                                          recorded_class_names(shards));
                      done(w, "SIDE");  // shards hold images of any size

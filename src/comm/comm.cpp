@@ -267,7 +267,9 @@ void Comm::connect(c10::intrusive_ptr<c10d::Store> store, const std::string& whe
   DDM_CHECK(!duplicate, "rank " << job_rank() << ": another process already joined " << where << " as "
                                  << (members_.empty() ? "rank " : "group rank ") << rank_
                                  << ": two processes were started with the same RANK; give each of the "
-                                 << world_ << " processes its own RANK, 0 to " << world_ - 1);
+                                 << world_ << " processes its own RANK, 0 to " << world_ - 1
+                                 << " (or, if this rank was started again while the job was still forming, start "
+                                    "every rank again)");
   auto opts = c10d::ProcessGroupGloo::Options::create(options_.timeout);
   opts->threads = std::max(1, options_.gloo_threads);
   try {

@@ -234,10 +234,15 @@ Dataset load_image_folder(const std::string& root) {
     DDM_CHECK(img.sizes() == first.sizes(),
               files[i].first << ": image is " << shape_str(img) << " (channels x height x width) but "
                              << files[0].first << " is " << shape_str(first)
-                             << "; all images in a folder dataset must share size and channel count. Images of "
-                             << "mixed sizes or channels train from a tar shard, which crops and resizes each: "
-                             << "tar --sort=name -cf images-000000.tar -C " << root << " . and data.source = \"shards\", "
-                             << "data.root = that tar, data.resolution = the side to train at (docs/data.md)");
+                             << "; all images in a folder dataset must share size and channel count. "
+                             << (ds.num_classes > 0 || fs::exists(fs::path(root) / "captions.jsonl")
+                                     // (a tar of class folders would lose its labels, one with captions.jsonl its captions)
+                                     ? "Resize them to one size (e.g. mogrify -resize 64x64^ -gravity center -extent "
+                                       "64x64 on a copy)"
+                                     : "Images of mixed sizes or channels train from a tar shard, which crops and "
+                                       "resizes each: tar --sort=name -cf images-000000.tar -C " + root +
+                                           " . and data.source = \"shards\", data.root = that tar, data.resolution = "
+                                           "the side to train at (docs/data.md)"));
     ds.images[i].copy_(img);
     lab[i] = files[i].second;
   }

@@ -243,7 +243,7 @@ void check_partition_out(const std::string& dir, bool force) {
 }
 
 // The partition's files, written into the temporary directory `tmp` that save_partition moves in place.
-void write_partition_into(const fs::path& tmp, const Partition& p, const nlohmann::json& summary,
+static void write_partition_into(const fs::path& tmp, const Partition& p, const nlohmann::json& summary,
                           const std::function<void(const std::string&)>& extra) {
   SafetensorsFile f;
   f.tensors["labels"] = p.labels;

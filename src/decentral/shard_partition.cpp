@@ -165,7 +165,8 @@ Computed compute(const Dataset& opened, const ShardPartitionOptions& o) {
         opened.encoded && !opened.encoded->text.encoder.empty() && !o.features.path.empty() ? opened.encoded.get() : nullptr;
     if (stored) {
       const auto enc = as_input_error([&] { return text::load_text_encoder(o.features.path); });
-      if (weights_sha256(enc->weight_files()) == stored->text.sha256 && enc->context() == stored->text.tokens) {
+      const bool same_weights = weights_sha256(enc->weight_files()) == stored->text.sha256;
+      if (same_weights && enc->context() == stored->text.tokens) {
         std::vector<torch::Tensor> pooled;
         c.labels = read_labels(index, nullptr, nullptr, &pooled, stored);
         c.rows = torch::stack(pooled);  // [N, P]
@@ -176,9 +177,11 @@ Computed compute(const Dataset& opened, const ShardPartitionOptions& o) {
         return c;
       }
       if (!o.cfg.quiet)
-        std::cout << "note: the shards hold the text encodings of " << stored->text.encoder << " ("
-                  << stored->text.tokens << " tokens); --features " << o.features.spec()
-                  << " is another encoder or length, so the captions are encoded again" << std::endl;
+        std::cout << "note: the shards hold the text encodings of " << stored->text.encoder << " at "
+                  << stored->text.tokens << " tokens, and the partition's encoder (" << o.features.path << ") "
+                  << (same_weights ? "cuts captions at " + std::to_string(enc->context()) + " tokens"
+                                   : std::string("has other weights"))
+                  << ": the captions are encoded again" << std::endl;
     }
     // The captions alone are read (no image is decoded), then encoded a batch at a time.
     std::vector<std::string> captions;

@@ -291,10 +291,13 @@ void check_eval_inputs(const EvalConfig& cfg, int64_t channels, int64_t image_si
                     "the reference (" << cfg.reference->description << ") holds images of " << r.sizes().slice(1)
                                       << ", but the samples of " << what << " and the feature network are ["
                                       << channels << ", " << image_size << ", " << image_size
-                                      << "]: compare them at one size (--reference-set data.resolution=" << image_size
-                                      << (r.dim() == 4 && r.size(1) != channels
-                                              ? " --reference-set data.channels=" + std::to_string(channels)
-                                              : std::string())
+                                      << "]: compare them at one size ("
+                                      << (cfg.reference->shards  // shards are cropped and resized as data.* says
+                                              ? "--reference-set data.resolution=" + std::to_string(image_size) +
+                                                    (r.size(1) != channels
+                                                         ? " --reference-set data.channels=" + std::to_string(channels)
+                                                         : std::string())
+                                              : "reference images of the samples' size")
                                       << "; nothing was sampled)");
   }
   const int64_t dim = fnet.net->shape().feature_dim;

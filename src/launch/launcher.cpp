@@ -212,8 +212,8 @@ Outcome run_attempt(const LaunchConfig& c, int64_t attempt, const ChildSpec& bas
     kill_at = Clock::now() + grace;
     signal_running(sig);
   };
-  // A ddm worker that exited kExitBadInput (core/error.h) was refused its command line or config
-  // before it ran: a restart would fail the same way, so it gets none.
+  // A ddm worker that exited kExitBadInput (core/error.h) stopped on bad input (its command line or
+  // config before it ran, or a sample of its data): a restart would fail the same way, so it gets none.
   auto refused = [&](const ExitStatus& s) { return !c.no_ddm && s.signal == 0 && s.code == kExitBadInput; };
   // A ddm worker that exited 128 + SIGTERM or SIGINT stopped on that signal (someone sent it to that
   // worker; one that got it before it could act on it was killed by it): the ranks agree on a stop, so
@@ -260,6 +260,13 @@ Outcome run_attempt(const LaunchConfig& c, int64_t attempt, const ChildSpec& bas
         out.stop_fault = "rank " + std::to_string(w.rank) + " (pid " + std::to_string(w.child.pid) + ") " +
                          describe(*w.exit) + " while the workers stopped";
         say(out.stop_fault);
+      }
+      // A worker that stops on bad input after another failed waiting for it (the bad rank exits a moment
+      // after its peers see it leave): the cause, and no restart.
+      if (stopping && out.kind == Outcome::kFailed && !out.refused && refused(*w.exit)) {
+        out = Outcome{Outcome::kFailed, w.rank, w.child.pid, describe(*w.exit), 0, true};
+        say("rank " + std::to_string(w.rank) + " (pid " + std::to_string(w.child.pid) + ") " + out.how +
+            ": it stopped on bad input, the cause");
       }
       if (!w.exit->ok() && !stopping && c.restart == "failed" && w.rank != 0 && restarts_used < c.max_restarts &&
           !refused(*w.exit)) {
@@ -426,8 +433,8 @@ int run_launch(const LaunchConfig& c) {
     if (o.refused)
       throw InputError("rank " + std::to_string(o.rank) + " (pid " + std::to_string(o.pid) + ") " + o.how +
                        " in attempt " + std::to_string(attempt + 1) +
-                       ": ddm refused its command line or config before it ran, and a restart would fail the same "
-                       "way, so none was made; fix the input and launch again. " + output_of(o));
+                       ": ddm stopped on bad input (its command line, its config or its data), and a restart "
+                       "would fail the same way, so none was made; fix the input and launch again. " + output_of(o));
     DDM_CHECK(restarts_used < c.max_restarts,
               "rank " << o.rank << " (pid " << o.pid << ") " << o.how << " in attempt " << attempt + 1
                       << "; no restarts left (--max-restarts " << c.max_restarts << "). " << output_of(o));

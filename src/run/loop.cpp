@@ -80,7 +80,12 @@ int run_loop(Engine& engine, BatchSource& source, const LoopSpec& spec, const En
       // wait in this step's collectives.)
       if (!spec.alone || state.step == saved_step || !engine.can_checkpoint()) throw;
       source.set_cursor(before);
-      state.last_ckpt = hooks.save(state.step);
+      try {
+        state.last_ckpt = hooks.save(state.step);
+      } catch (const std::exception& failed) {  // the bad sample is still the news
+        throw Error(std::string(e.what()) + " (and the checkpoint of step " + std::to_string(state.step) +
+                    " could not be written: " + failed.what() + ")");
+      }
       const std::string what = std::string(e.what()) + " (the checkpoint of step " + std::to_string(state.step) +
                                " is written: --resume goes on from it)";
       if (dynamic_cast<const InputError*>(&e)) throw InputError(what);

@@ -26,7 +26,7 @@ struct LoopSpec {
   double lr = 0;             // train.lr, named in the error for a non-finite loss
   double grad_clip = 0;      // train.grad_clip, the same
   double loss_scale = 0;     // fp16: train.loss_scale, named in the error for too many overflows
-  bool alone = true;         // one process: it can write a checkpoint without the others (a bad sample)
+  bool alone = false;        // one process: it can write a checkpoint without the others (a bad sample)
 };
 
 // Where the loop is. Shared with the engine's transfer hook: a DiLoCo replica joining mid-run takes

@@ -394,17 +394,30 @@ RunStart start_run(const TrainOptions& opt, const TrainJob& job, Net& net, Engin
           resumed_from = *latest;
           load_module_state(*net, ck.model, RunDir(*latest) / RunDir::kModel, LoadScope::kHeld);
           optim.load(ck.model, ck.ema, ck.optim, ck.field<int64_t>("/optimizer_step"), *latest);
-          data.resume(ck, opt.quiet);
           // Data that gained or lost samples since (a bad one removed, shards added): the epoch goes on
-          // at the same position of a new order, which is said (recorded since 2026-12-06).
+          // at the same position of a new order, which is said (recorded since 2026-12-06); a position
+          // past the end of the smaller data's epoch starts the next epoch.
           const int64_t samples = training_samples(job.data);
-          if (ck.state.contains("data_cursor") && ck.state["data_cursor"].contains("samples") && !opt.quiet) {
-            const int64_t then = ck.field<int64_t>("/data_cursor/samples");
-            if (then != samples)
-              std::cout << "note: --resume: the data holds " << samples << " samples, the run's had " << then
-                        << " at the checkpoint: the rest of this epoch is drawn in an order of the new data (some "
-                           "samples may come twice in it and some not at all); every later epoch draws each once"
-                        << std::endl;
+          const int64_t then = ck.state.contains("data_cursor") && ck.state["data_cursor"].contains("samples")
+                                   ? ck.field<int64_t>("/data_cursor/samples")
+                                   : samples;
+          if (then != samples && !opt.quiet)
+            std::cout << "note: --resume: the data holds " << samples << " samples, the run's had " << then
+                      << " at the checkpoint: the rest of this epoch is drawn in an order of the new data (some "
+                         "samples may come twice in it and some not at all); every later epoch draws each once"
+                      << std::endl;
+          try {
+            data.resume(ck, opt.quiet);
+          } catch (const Error&) {
+            if (then == samples) throw;
+            nlohmann::json& c = ck.state["data_cursor"];
+            c["epoch"] = c["epoch"].get<int64_t>() + 1, c["index"] = 0;
+            if (c.contains("replicas"))
+              for (auto& r : c["replicas"]) r = {r[0].get<int64_t>() + 1, 0};
+            if (!opt.quiet)
+              std::cout << "note: --resume: the checkpoint's data position is past the end of the new data's epoch; "
+                           "the run starts its next epoch" << std::endl;
+            data.resume(ck, opt.quiet);
           }
           if (ck.state.contains("log_interval")) {  // absent in checkpoints of older versions
             s.interval_loss_sum = ck.field<double>("/log_interval/loss_sum");

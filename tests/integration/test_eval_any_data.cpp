@@ -2,8 +2,9 @@
 // Fashion-MNIST pictures written as PNG files, as a user's photos would sit in a folder) trains a
 // model; `ddm train-classifier --config` learns the self-supervised turn of each image on it;
 // `ddm eval` compares samples with held-out images of the folder in that network's space, and its FD
-// tells a trained model from an untrained one; `ddm sample --png-dir` writes a folder of PNGs for
-// other FID tools; what cannot be measured is a clear error.
+// tells a trained model from an untrained one, and the folder's own images (the anchor) score below
+// both; `ddm sample --png-dir` writes a folder of PNGs for other FID tools; what cannot be measured or
+// written is a clear error before anything is sampled.
 #include <gtest/gtest.h>
 
 #include <filesystem>
@@ -108,6 +109,32 @@ TEST(EvalAnyData, AnUnlabelledFolderTrainsItsFeatureNetworkAndFdTellsTrainedFrom
   test::expect_error(test::run_ddm("sample --ckpt " + (dir / "run") + " --n 2 --out " + (dir / "t.png") + " --png-dir " +
                                    (dir / "pngs")),
                      "holds files already");
+  // Outputs that cannot be written, and a reference of another size, are refused before sampling.
+  r = test::run_ddm("sample --ckpt " + (dir / "run") + " --n 2 --out /proc/ddm-test.png");
+  test::expect_error(r, "--out /proc/ddm-test.png: cannot write there");
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_EQ(r.output.find("sampling 2"), std::string::npos) << r.output;
+  {
+    DataConfig dc;
+    dc.split = "test";
+    const Dataset d = load_dataset(dc);
+    fs::create_directories(dir / "small");
+    for (int64_t i = 0; i < 200; ++i)
+      test::write_text(dir / ("small/" + zero_padded(i, 4) + ".png"), png_of(d.images[i].narrow(1, 0, 14).narrow(2, 0, 14)));
+  }
+  r = test::run_ddm("eval --ckpt " + (dir / "run") + " --n 200 --feature-net " + net + " --reference-set data.root=" +
+                    (dir / "small") + cache);
+  test::expect_error(r, "holds images of [1, 14, 14], but the samples of " + (dir / "run/ckpt/step-00000200") +
+                            " and the feature network are [1, 28, 28]: compare them at one size");
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_EQ(r.output.find("sampling 200"), std::string::npos) << r.output;
+  // The anchors of this data: random images of the folder (the floor) against the held-out ones.
+  r = test::run_ddm("eval --anchor train --n 200 --feature-net " + net + " --reference-config " + (dir / "mine.toml") +
+                    " --reference-set data.root=" +
+                    (dir / "held") + cache + " --out " + (dir / "e-anchor"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("anchor: 200 random images of folder " + (dir / "mine")), std::string::npos) << r.output;
+  EXPECT_LT(fd_of(dir / "e-anchor/anchor-train-n200.json"), trained);  // real images: below any model
   test::write_text(dir / "held.toml", "[data]\nsource = \"folder\"\nroot = \"" + (dir / "held") + "\"\n");
   r = test::run_ddm("eval --samples " + (dir / "s.safetensors") + " --feature-net " + net + " --reference-config " +
                     (dir / "held.toml") + cache + " --out " + (dir / "e-file"));

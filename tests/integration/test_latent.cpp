@@ -152,6 +152,11 @@ TEST_F(Latent, ModelPinsItsAutoencoderTrainsResumesAndSamplesImages) {
   const auto samples = load_safetensors(path("s.safetensors")).tensors.at("samples");
   EXPECT_EQ(samples.sizes(), (std::vector<int64_t>{10, 1, 28, 28}));
   EXPECT_LE(samples.abs().max().item<float>(), 1.0f);
+  // And `ddm eval` measures the decoded images (it once checked the latents' shape against the network).
+  const auto e = test::run_ddm("eval --ckpt " + run + " --n 200 --steps 2 --cache-dir " + path("cache") + " --out " +
+                               path("eval"));
+  ASSERT_EQ(e.exit_code, 0) << e.output;
+  EXPECT_NE(e.output.find("FD-fmnist"), std::string::npos) << e.output;
 }
 
 // The losses of a run's metrics.jsonl, step by step.

@@ -372,6 +372,19 @@ TEST(ShardsTrain, BadShardListsAndKeysAreClearErrors) {
   EXPECT_EQ(over.exit_code, 2) << over.output;
   EXPECT_TRUE(has(over.output, "an input shard of the re-sharding")) << over.output;
   EXPECT_EQ(test::run_command("tar tf " + (r.dir / "shards/train-000000.tar") + " | wc -l").output, "128\n");
+  // Bad input to `shards write` exits 2 and leaves no --out: a folder that is not there, a shard that
+  // is not a tar, a --prefix with a slash. The record of written shards names them as data.root.
+  auto no_folder = test::run_ddm("shards write --set data.source=folder --set data.root=" + (r.dir / "nothere") +
+                                 " --out " + (r.dir / "x1"));
+  EXPECT_EQ(no_folder.exit_code, 2) << no_folder.output;
+  EXPECT_TRUE(has(no_folder.output, "image folder not found")) << no_folder.output;
+  test::write_text(r.dir / "notatar.tar", "this is not a tar");
+  auto not_tar = test::run_ddm("shards write --from " + (r.dir / "notatar.tar") + " --out " + (r.dir / "x2"));
+  EXPECT_EQ(not_tar.exit_code, 2) << not_tar.output;
+  auto prefix = test::run_ddm("shards write --from \"" + r.pattern + "\" --prefix a/b --out " + (r.dir / "x3"));
+  EXPECT_EQ(prefix.exit_code, 2) << prefix.output;
+  for (const char* x : {"x1", "x2", "x3"}) EXPECT_FALSE(fs::exists(r.dir / x)) << x;
+  EXPECT_EQ(expand_shards(r.dir / "w/train.shards.json", "data.root").size(), 3u);
 }
 
 // Decentralized diffusion over shards: `ddm partition --reshard` on the shards, then an expert

@@ -227,8 +227,9 @@ TEST(TextDecentral, APartitionByTheCaptionsGroupsTheirTopics) {
   r = test::run_ddm("partition --config " + (dir / "encoded16.toml") + " --k 2 --features text:" + encoder + " --out " +
                     (dir / "by-16"));
   ASSERT_EQ(r.exit_code, 0) << r.output;
-  EXPECT_NE(r.output.find("note: the shards hold the text encodings of " + encoder + " (16 tokens); --features text:" +
-                          encoder + " is another encoder or length, so the captions are encoded again"),
+  EXPECT_NE(r.output.find("note: the shards hold the text encodings of " + encoder + " at 16 tokens, and the "
+                          "partition's encoder (" + encoder + ") cuts captions at 256 tokens: the captions are encoded "
+                          "again"),
             std::string::npos)
       << r.output;
   EXPECT_NE(r.output.find("encoding 24 captions"), std::string::npos) << r.output;
