@@ -499,36 +499,38 @@ TEST(DistComm, RendezvousErrors) {
       << msg;
 }
 
-// Over real TCP (two threads, each with its own TCPStore): rank 1 starts before rank 0 has opened
-// the store and keeps retrying (LibTorch 1.13's own client gives up at once on a refused connection).
-TEST(DistComm, ClientWaitsForTheStoreOverTcp) {
+namespace {
+
+// Two ranks' environment on 127.0.0.1 at a free port, as `env` launches set it (the rank is the test's).
+DistEnv loopback_env() {
   DistEnv env;
   env.world_size = 2;
   env.master_addr = "127.0.0.1";
   env.master_port = ddm::test::free_port();
   env.launcher = "env";
+  return env;
+}
+
+// Joins env's job as `rank` and all-reduces its value: rank 0 gives 1, rank 1 gives 5, and both get 6.
+std::shared_ptr<Comm> join_and_sum(DistEnv env, int rank) {
+  env.rank = rank;
+  auto c = Comm::create(env, short_timeouts());
+  auto t = torch::full({2}, rank == 0 ? 1.0f : 5.0f);
+  c->allreduce_sum(t);
+  EXPECT_TRUE(torch::equal(t, torch::full({2}, 6.0f)));
+  return c;
+}
+
+}  // namespace
+
+// Over real TCP (two threads, each with its own TCPStore): rank 1 starts before rank 0 has opened
+// the store and keeps retrying (LibTorch 1.13's own client gives up at once on a refused connection).
+TEST(DistComm, ClientWaitsForTheStoreOverTcp) {
+  DistEnv env = loopback_env();
   std::string error1;
-  std::thread rank1([&] {
-    try {
-      DistEnv e = env;
-      e.rank = 1;
-      auto c = Comm::create(e, short_timeouts());
-      auto t = torch::full({2}, 5.0f);
-      c->allreduce_sum(t);
-      EXPECT_TRUE(torch::equal(t, torch::full({2}, 6.0f)));
-      c->barrier();
-    } catch (const std::exception& e) {
-      error1 = e.what();
-    }
-  });
+  std::thread rank1([&] { error1 = error_message([&] { join_and_sum(env, 1)->barrier(); }); });
   std::this_thread::sleep_for(std::chrono::milliseconds(700));
-  std::string error0 = error_message([&] {
-    auto c = Comm::create(env, short_timeouts());
-    auto t = torch::full({2}, 1.0f);
-    c->allreduce_sum(t);
-    EXPECT_TRUE(torch::equal(t, torch::full({2}, 6.0f)));
-    c->barrier();
-  });
+  std::string error0 = error_message([&] { join_and_sum(env, 0)->barrier(); });
   rank1.join();
   EXPECT_EQ(error0, "");
   EXPECT_EQ(error1, "");
@@ -537,31 +539,13 @@ TEST(DistComm, ClientWaitsForTheStoreOverTcp) {
 // Two processes started with the same RANK (world 2, ranks 0, 1, 1): the second to join as rank 1 is
 // told so at once, and the other two form the group as if it had never started.
 TEST(DistComm, ASecondProcessWithTheSameRankIsRefusedAtOnce) {
-  DistEnv env;
-  env.world_size = 2;
-  env.master_addr = "127.0.0.1";
-  env.master_port = ddm::test::free_port();
-  env.launcher = "env";
+  DistEnv env = loopback_env();
   std::string errors[2];
   std::vector<std::thread> ones;
   for (int i = 0; i < 2; ++i)
-    ones.emplace_back([&, i] {
-      errors[i] = error_message([&] {
-        DistEnv e = env;
-        e.rank = 1;
-        auto c = Comm::create(e, short_timeouts());
-        auto t = torch::full({2}, 5.0f);
-        c->allreduce_sum(t);
-        EXPECT_TRUE(torch::equal(t, torch::full({2}, 6.0f)));
-      });
-    });
+    ones.emplace_back([&, i] { errors[i] = error_message([&] { join_and_sum(env, 1); }); });
   std::shared_ptr<Comm> c0;  // kept (and its store open) until the refused process has been told
-  const std::string error0 = error_message([&] {
-    c0 = Comm::create(env, short_timeouts());
-    auto t = torch::full({2}, 1.0f);
-    c0->allreduce_sum(t);
-    EXPECT_TRUE(torch::equal(t, torch::full({2}, 6.0f)));
-  });
+  const std::string error0 = error_message([&] { c0 = join_and_sum(env, 0); });
   for (auto& t : ones) t.join();
   c0.reset();
   EXPECT_EQ(error0, "");
