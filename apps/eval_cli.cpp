@@ -135,6 +135,13 @@ std::shared_ptr<const Dataset> open_reference(const EvalArgs& a, const RunConfig
   if (!a.reference_config.empty()) {
     cfg = as_reference_sets([&] { return load_config(a.reference_config, a.reference_sets); });
   } else if (model_cfg && origin_of(model_cfg->data) != "fashion-mnist") {
+    // A model of `ddm encode` latent shards: their images are elsewhere (encode.json names only where
+    // they came from), so the reference is named.
+    DDM_INPUT_CHECK(model_cfg->data.source != "latents",
+                    what << " was trained on latent shards (`ddm encode`, " << model_cfg->data.root
+                         << "), which hold no images to compare its samples with: give --reference-config, the "
+                            "config of the data they were encoded from (and --reference-set data.root=HELD_OUT for "
+                            "images it never saw)");
     DDM_INPUT_CHECK(!a.cfg.feature_net.empty(),
               what << " was trained on data from \"" << origin_of(model_cfg->data) << "\", not Fashion-MNIST: give "
                    << "--feature-net FILE, a network trained on that data (`ddm train-classifier --config RUN/config.toml --out "
@@ -272,7 +279,7 @@ int eval_cmd(EvalArgs a) {
   // --feature-net or reference lands on the same name.)
   if (fs::exists(json_path))
     std::cout << "note: " << json_path << " held an earlier evaluation with the same sampling settings; it is "
-              << "replaced, with its samples (give --out DIR to keep both)" << std::endl;
+              << "replaced, with its samples (give another --out to keep both)" << std::endl;
   write_file_atomic(json_path, r.json() + "\n");
   std::cout << "wrote " << json_path << std::endl;
   // One row of up to 10 images per requested class, so a person can look as well as read.

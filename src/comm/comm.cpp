@@ -27,6 +27,7 @@
 
 #include "comm/nccl.h"
 #include "core/error.h"
+#include "core/input_check.h"
 
 namespace ddm {
 namespace {
@@ -264,7 +265,7 @@ void Comm::connect(c10::intrusive_ptr<c10d::Store> store, const std::string& whe
     DDM_FAIL("rank " << job_rank() << ": lost " << where << " while joining (" << strip_location(e.what())
                      << "): rank 0 or the launcher exited; the job stops");
   }
-  DDM_CHECK(!duplicate, "rank " << job_rank() << ": another process already joined " << where << " as "
+  DDM_INPUT_CHECK(!duplicate, "rank " << job_rank() << ": another process already joined " << where << " as "
                                  << (members_.empty() ? "rank " : "group rank ") << rank_
                                  << ": two processes were started with the same RANK; give each of the "
                                  << world_ << " processes its own RANK, 0 to " << world_ - 1

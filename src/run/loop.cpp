@@ -77,19 +77,25 @@ int run_loop(Engine& engine, BatchSource& source, const LoopSpec& spec, const En
     } catch (const Error& e) {
       // A sample that cannot be used (data.skip_bad = false): one process keeps the steps since its
       // last checkpoint, at the position before this batch. (Several processes cannot: the others
-      // wait in this step's collectives.)
-      if (!spec.alone || state.step == saved_step || !engine.can_checkpoint()) throw;
+      // wait in this step's collectives.) The error, of its own type, says where --resume goes on.
+      const auto with = [&](const std::string& said) {
+        const std::string what = std::string(e.what()) + " (" + said + ")";
+        if (dynamic_cast<const InputError*>(&e)) throw InputError(what);
+        throw Error(what);
+      };
+      if (!spec.alone) throw;
+      const std::string step = std::to_string(state.step);
+      if (state.step == saved_step && !state.last_ckpt.empty())
+        with("the last checkpoint, of step " + step + ", holds every step done: --resume goes on from it");
+      if (state.step == saved_step || !engine.can_checkpoint()) throw;
       source.set_cursor(before);
       try {
         state.last_ckpt = hooks.save(state.step);
       } catch (const std::exception& failed) {  // the bad sample is still the news
-        throw Error(std::string(e.what()) + " (and the checkpoint of step " + std::to_string(state.step) +
-                    " could not be written: " + failed.what() + ")");
+        throw Error(std::string(e.what()) + " (and the checkpoint of step " + step + " could not be written: " +
+                    failed.what() + ")");
       }
-      const std::string what = std::string(e.what()) + " (the checkpoint of step " + std::to_string(state.step) +
-                               " is written: --resume goes on from it)";
-      if (dynamic_cast<const InputError*>(&e)) throw InputError(what);
-      throw Error(what);
+      with("the checkpoint of step " + step + " is written: --resume goes on from it");
     }
     const Batch shard = peeked ? *peeked : drawn.to(spec.device);  // the same rows: peek's contract
     peeked.reset();

@@ -67,7 +67,7 @@ FileLock prepare_run_dir(const TrainOptions& opt, const RunConfig& cfg) {
   // A run that saved no checkpoint (it failed early, or was killed before its first one) has nothing to
   // lose and nothing to resume: it never blocks a fresh start, whatever its config was.
   if (fs::exists(cfg_path) && !latest_checkpoint(opt.out_dir)) {
-    if (!opt.quiet)
+    if (!opt.quiet && !opt.resume)  // (--resume says it below: "no checkpoint in ...")
       std::cout << "note: " << opt.out_dir << " holds a run that saved no checkpoint; starting afresh" << std::endl;
     remove_run_files(dir);
     return lock;
@@ -401,11 +401,7 @@ RunStart start_run(const TrainOptions& opt, const TrainJob& job, Net& net, Engin
           const int64_t then = ck.state.contains("data_cursor") && ck.state["data_cursor"].contains("samples")
                                    ? ck.field<int64_t>("/data_cursor/samples")
                                    : samples;
-          if (then != samples && !opt.quiet)
-            std::cout << "note: --resume: the data holds " << samples << " samples, the run's had " << then
-                      << " at the checkpoint: the rest of this epoch is drawn in an order of the new data (some "
-                         "samples may come twice in it and some not at all); every later epoch draws each once"
-                      << std::endl;
+          bool past_the_end = false;
           try {
             data.resume(ck, opt.quiet);
           } catch (const Error&) {
@@ -414,11 +410,17 @@ RunStart start_run(const TrainOptions& opt, const TrainJob& job, Net& net, Engin
             c["epoch"] = c["epoch"].get<int64_t>() + 1, c["index"] = 0;
             if (c.contains("replicas"))
               for (auto& r : c["replicas"]) r = {r[0].get<int64_t>() + 1, 0};
-            if (!opt.quiet)
-              std::cout << "note: --resume: the checkpoint's data position is past the end of the new data's epoch; "
-                           "the run starts its next epoch" << std::endl;
             data.resume(ck, opt.quiet);
+            past_the_end = true;
           }
+          if (then != samples && !opt.quiet)
+            std::cout << "note: --resume: the data holds " << samples << " samples, the run's had " << then
+                      << " at the checkpoint: "
+                      << (past_the_end ? "its position there is past the end of the new data's epoch, so the run "
+                                         "starts its next epoch"
+                                       : "the rest of this epoch is drawn in an order of the new data (some samples "
+                                         "may come twice in it and some not at all); every later epoch draws each once")
+                      << std::endl;
           if (ck.state.contains("log_interval")) {  // absent in checkpoints of older versions
             s.interval_loss_sum = ck.field<double>("/log_interval/loss_sum");
             s.interval_steps = ck.field<int64_t>("/log_interval/steps");

@@ -45,6 +45,14 @@ LatentShardsInfo encode_latent_shards(const DataConfig& data, const std::string&
                                       const EncodeShardsOptions& o) {
   DDM_INPUT_CHECK(!o.out.empty(), "--out DIR is required");
   DDM_INPUT_CHECK(!fs::exists(o.out), "--out " << o.out << " already exists; remove it or choose another directory");
+  {  // --out can be made (OUT.partial first, renamed when complete): checked before anything is read
+    const std::string probe = o.out + ".partial";
+    const bool was = fs::exists(probe);
+    std::error_code ec;
+    fs::create_directories(probe, ec);
+    DDM_INPUT_CHECK(!ec, "--out " << o.out << ": cannot create it there (" << ec.message() << "); give another path");
+    if (!was) fs::remove(probe, ec);
+  }
   const bool keep_images = autoencoder.empty();  // a pixel model's shards: images kept, captions encoded
   DDM_INPUT_CHECK(!keep_images || o.text, "--ae is required: name the autoencoder whose latents to write, or, for a pixel "
                                     "model, give --text alone to cache the captions' text encodings beside the images");
