@@ -407,13 +407,16 @@ std::vector<Command> add_decentral_commands(CLI::App& app) {
   part->add_flag("--unbalanced", pa->unbalanced, "plain k-means: clusters may differ in size");
   part->add_option("--iters", pa->cfg.max_iter, "maximum Lloyd iterations per stage")->check(kPositive)->capture_default_str();
   part->add_option("--seed", pa->cfg.seed, "seed (k-means++ seeding, subsets, random partitions)")->capture_default_str();
-  part->add_option("--config", pa->config,
-                   "take the data from this training config's [data] section (so the partition matches the "
-                   "experts' data exactly); otherwise use the flags below");
-  part->add_option("--data", pa->source, "fashion-mnist | folder | safetensors")->capture_default_str();
-  part->add_option("--data-root", pa->root, "dataset directory or file (default: the Debian Fashion-MNIST)");
-  part->add_option("--split", pa->split, "fashion-mnist split")->capture_default_str();
-  part->add_option("--limit", pa->limit, "use only the first N images (0 = all)")->check(kNonNegative);
+  CLI::Option* from_config = part->add_option("--config", pa->config,
+                                               "take the data from this training config's [data] section (so the "
+                                               "partition matches the experts' data exactly); otherwise use the "
+                                               "flags below");
+  // (With --config its [data] names the data: these would be ignored, so they are refused.)
+  part->add_option("--data", pa->source, "fashion-mnist | folder | safetensors")->capture_default_str()->excludes(from_config);
+  part->add_option("--data-root", pa->root, "dataset directory or file (default: the Debian Fashion-MNIST)")
+      ->excludes(from_config);
+  part->add_option("--split", pa->split, "fashion-mnist split")->capture_default_str()->excludes(from_config);
+  part->add_option("--limit", pa->limit, "use only the first N images (0 = all)")->check(kNonNegative)->excludes(from_config);
   part->add_option("--threads", pa->threads, "intra-op threads (0 = all cores)")->check(kNonNegative);
   part->add_option("--device", pa->device,
                    "cpu | auto | cuda | cuda:N: where feature-net, latent and text features are computed. The default, "

@@ -67,6 +67,11 @@ TEST(DecentralCli, PartitionWritesBalancedClustersAndRefusesBadInput) {
   ASSERT_EQ(r.exit_code, 0) << r.output;
 
   expect_error(test::run_ddm("partition --limit 100 --k 101 --out " + (dir / "x")), "larger than the data");
+  // With --config its [data] names the data: flags that would describe other data are refused.
+  test::write_text(dir / "c.toml", "[data]\nlimit = 100\n");
+  expect_error(test::run_ddm("partition --config " + (dir / "c.toml") + " --data-root /elsewhere --k 2 --out " +
+                             (dir / "x")),
+               "--config excludes --data-root");
   // K = 1 would make a partition that no router can take: refused at the source.
   // Said before any feature is computed, as bad input (exit 2: `ddm islands` and launchers do not
   // retry it), as every refusal of the commands below.
