@@ -400,7 +400,7 @@ static void write_png_folder(const std::string& dir, const torch::Tensor& images
 // Refuses (exit 2) an output file that could not be written, before the sampling it would hold: its
 // folder is made, and a file beside the target is opened and removed.
 static void check_writable(const std::string& path, const std::string& flag) {
-  as_input_error([&] { create_output_dir(fs::path(path).parent_path().string(), flag); });
+  as_input_error([&] { create_output_dir(fs::path(path).parent_path().string(), flag + " " + path + ": the folder"); });
   const std::string probe = path + ".probe-" + std::to_string(::getpid());
   errno = 0;
   const bool ok = static_cast<bool>(std::ofstream(probe));

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <atomic>
 #include <exception>
+#include <fstream>
 #include <sstream>
 #include <thread>
 #include <unordered_map>
@@ -59,6 +60,18 @@ struct ShardScan {
   std::exception_ptr error;
 };
 
+// Whether the file's last 1024 bytes are zeros, as every tar writer ends an archive (GNU and BSD tar,
+// Python's tarfile, libarchive).
+bool ends_as_a_tar(const std::string& path) {
+  std::ifstream in(path, std::ios::binary | std::ios::ate);
+  const std::streamoff size = in.tellg();
+  if (!in || size < 1024) return false;
+  std::string tail(1024, '\1');
+  in.seekg(size - 1024);
+  in.read(tail.data(), 1024);
+  return in && tail.find_first_not_of('\0') == std::string::npos;
+}
+
 ShardScan scan_one(const std::string& path, bool skip_bad, SampleContent content) {
   ShardScan s;
   try {
@@ -106,6 +119,15 @@ ShardScan scan_one(const std::string& path, bool skip_bad, SampleContent content
       } else if (s.f.uncaptioned_key.empty()) {
         s.f.uncaptioned_key = smp.key;
       }
+    }
+    // A tar ends with two blocks of zeros. One cut exactly between two members (a copy that stopped)
+    // reads as a shorter tar, its last sample perhaps without all its files: that is said.
+    if (!s.cut && !ends_as_a_tar(path)) {
+      const std::string why = "shard " + path + " ends without a tar's end-of-archive blocks (two blocks of zeros): it "
+                              "was cut short, e.g. by a copy that stopped";
+      DDM_CHECK(skip_bad, why << "; copy it again, or set data.skip_bad = true to use it up to there");
+      s.cut = true;
+      s.note = why + "; its first " + std::to_string(s.f.count) + " samples are used";
     }
   } catch (...) {
     s.error = std::current_exception();

@@ -286,6 +286,19 @@ struct TarShardWriter::Impl {
   }
 };
 
+namespace {
+
+// Why a write failed: libarchive's text ("Write error") with the system's reason ("No space left on
+// device"), and where to look.
+std::string write_failure(archive* a) {
+  std::string why = archive_error_string(a) ? archive_error_string(a) : "unknown error";
+  const int e = archive_errno(a);
+  if (e > 0 && why.find(std::strerror(e)) == std::string::npos) why += std::string(": ") + std::strerror(e);
+  return why + "; check free disk space and permissions";
+}
+
+}  // namespace
+
 TarShardWriter::TarShardWriter(const std::string& path)
     : impl_(std::make_unique<Impl>()), path_(path), partial_(path + ".partial") {
   impl_->a = archive_write_new();
@@ -293,7 +306,7 @@ TarShardWriter::TarShardWriter(const std::string& path)
   DDM_CHECK(impl_->a && impl_->e, "libarchive could not allocate a writer");
   archive_write_set_format_pax_restricted(impl_->a);  // ustar headers, pax extensions only where needed
   DDM_CHECK(archive_write_open_filename(impl_->a, partial_.c_str()) == ARCHIVE_OK,
-            "cannot write shard " << partial_ << " (" << archive_error_string(impl_->a) << ")");
+            "cannot write shard " << partial_ << " (" << write_failure(impl_->a) << ")");
 }
 
 TarShardWriter::~TarShardWriter() {
@@ -317,9 +330,9 @@ void TarShardWriter::add(const ShardSample& s) {
     archive_entry_set_size(impl_->e, static_cast<la_int64_t>(bytes.size()));
     archive_entry_set_mtime(impl_->e, 0, 0);  // the same bytes for the same samples
     DDM_CHECK(archive_write_header(impl_->a, impl_->e) == ARCHIVE_OK,
-              "shard " << partial_ << ": cannot write " << member << " (" << archive_error_string(impl_->a) << ")");
+              "shard " << partial_ << ": cannot write " << member << " (" << write_failure(impl_->a) << ")");
     DDM_CHECK(archive_write_data(impl_->a, bytes.data(), bytes.size()) == static_cast<la_ssize_t>(bytes.size()),
-              "shard " << partial_ << ": cannot write " << member << " (" << archive_error_string(impl_->a) << ")");
+              "shard " << partial_ << ": cannot write " << member << " (" << write_failure(impl_->a) << ")");
     bytes_ += static_cast<int64_t>(bytes.size());
   }
 }
@@ -327,7 +340,7 @@ void TarShardWriter::add(const ShardSample& s) {
 void TarShardWriter::finish() {
   DDM_CHECK(!finished_, "shard " << path_ << " finished twice");
   DDM_CHECK(archive_write_close(impl_->a) == ARCHIVE_OK,
-            "shard " << partial_ << ": cannot finish it (" << archive_error_string(impl_->a) << ")");
+            "shard " << partial_ << ": cannot finish it (" << write_failure(impl_->a) << ")");
   impl_.reset();
   const int fd = ::open(partial_.c_str(), O_RDONLY);  // on disk before it takes its final name
   const bool synced = fd >= 0 && ::fsync(fd) == 0;

@@ -422,6 +422,19 @@ TEST(ShardLoader, BadShardSetsAreClearErrors) {
   EXPECT_EQ(lenient->counts, std::vector<int64_t>{2});
   ASSERT_EQ(lenient->notes.size(), 1u);
   EXPECT_TRUE(has(lenient->notes[0], "shard " + cut)) << lenient->notes[0];
+  // Cut exactly between two samples (no end-of-archive blocks): said too, not read as a shorter tar.
+  const std::string between = dir.path + "/between.tar";
+  {
+    std::ifstream in(whole, std::ios::binary);
+    std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    std::ofstream(between, std::ios::binary) << bytes.substr(0, 2 * 2048);
+  }
+  const std::string e = test::error_message([&] { index_of(between); });
+  EXPECT_TRUE(has(e, "shard " + between + " ends without a tar's end-of-archive blocks")) << e;
+  const auto used = index_of(between, true);
+  EXPECT_EQ(used->counts, std::vector<int64_t>{2});
+  ASSERT_EQ(used->notes.size(), 1u);
+  EXPECT_TRUE(has(used->notes[0], "its first 2 samples are used")) << used->notes[0];
 }
 
 TEST(ShardLoader, ReshardingCopiesEverySampleInOrderAndCommandsThatLoadWholeRefuseShards) {
