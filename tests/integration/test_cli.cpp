@@ -286,7 +286,8 @@ TEST(Cli, BadSampleInputs) {
   // An --out under a file: named before any sampling (the message, not "sampling").
   test::write_text(dir / "afile", "x");
   const auto under_file = test::run_ddm("sample --ckpt " + (dir / "run") + " --out " + (dir / "afile/g.png"));
-  expect_error(under_file, "--out " + (dir / "afile") + ": cannot create the directory, " + (dir / "afile") + " is a file");
+  expect_error(under_file, "--out " + (dir / "afile/g.png") + ": the folder " + (dir / "afile") +
+                               ": cannot create the directory, " + (dir / "afile") + " is a file");
   EXPECT_EQ(under_file.output.find("sampling"), std::string::npos) << under_file.output;
   EXPECT_FALSE(fs::exists(dir / "g.jpg"));
   expect_error(test::run_ddm("sample --ckpt " + (dir / "run") + " --cfg inf --out " + (dir / "g.png")), "cfg");
