@@ -222,12 +222,7 @@ Dataset load_image_folder(const std::string& root) {
                                  << "class or directly in the folder)");
 
   const int64_t n = static_cast<int64_t>(files.size());
-  // An alpha channel is dropped, as tar shards' decoders drop it (a PNG with transparency beside
-  // RGB ones is one more RGB image).
-  const auto without_alpha = [](torch::Tensor img) {  // [C, H, W]
-    return img.size(0) == 2 || img.size(0) == 4 ? img.narrow(0, 0, img.size(0) - 1).contiguous() : img;
-  };
-  torch::Tensor first = without_alpha(read_image(files[0].first));
+  torch::Tensor first = read_image(files[0].first);
   ds.images = torch::empty({n, first.size(0), first.size(1), first.size(2)},
                            torch::TensorOptions().dtype(torch::kUInt8));
   ds.images[0].copy_(first);
@@ -235,7 +230,7 @@ Dataset load_image_folder(const std::string& root) {
   auto lab = ds.labels.accessor<int64_t, 1>();
   lab[0] = files[0].second;
   for (int64_t i = 1; i < n; ++i) {
-    torch::Tensor img = without_alpha(read_image(files[i].first));
+    torch::Tensor img = read_image(files[i].first);
     DDM_CHECK(img.sizes() == first.sizes(),
               files[i].first << ": image is " << shape_str(img) << " (channels x height x width) but "
                              << files[0].first << " is " << shape_str(first)

@@ -6,7 +6,6 @@
 // is refused before any allocation; crops take the centre or the drawn offset, resizing keeps a
 // flat image flat. The origin of shards follows the records `ddm shards write` and `ddm encode` leave.
 #include <gtest/gtest.h>
-#include <stb_image_write.h>
 
 #include <turbojpeg.h>
 #include <webp/encode.h>
@@ -342,19 +341,6 @@ TEST(Decode, AFolderDecodesJpegWebpAndCmykAsShardsDo) {
   EXPECT_LE((d.images[2].to(torch::kFloat) - pillow).abs().max().item<double>(), 1.0);
   EXPECT_TRUE(torch::equal(d.images[3], d.images[0]));
   EXPECT_TRUE(torch::equal(d.images[4], gradient(24, 40).permute({2, 0, 1})));
-  // A PNG with an alpha channel beside RGB ones: its alpha dropped, as shards' decoders drop it.
-  {
-    const torch::Tensor rgba = torch::cat({gradient(24, 40), torch::full({24, 40, 1}, 7, torch::kUInt8)}, 2).contiguous();
-    std::string png;
-    ASSERT_NE(stbi_write_png_to_func([](void* to, void* data, int n) { static_cast<std::string*>(to)->append(static_cast<char*>(data), n); },
-                                     &png, 40, 24, 4, rgba.data_ptr<uint8_t>(), 40 * 4), 0);
-    test::write_text(dir / "imgs/a/5b.png", png);
-    const Dataset with_alpha = load_image_folder(dir / "imgs");
-    ASSERT_EQ(with_alpha.images.sizes(), (std::vector<int64_t>{6, 3, 24, 40}));
-    EXPECT_TRUE(torch::equal(with_alpha.images[5], gradient(24, 40).permute({2, 0, 1})));
-    EXPECT_TRUE(torch::equal(with_alpha.images[5], decode_image(png, "png", 3, "5b.png")));  // as a shard reads it
-    fs::remove(dir / "imgs/a/5b.png");
-  }
   // A phone's HEIC or a scanner's TIFF is not read: left out, and said.
   test::write_text(dir / "imgs/a/6.HEIC", "x");
   fs::create_directories(dir / "imgs/a/deep");
