@@ -85,6 +85,10 @@ Npy read_npy(const Source& in) {
     for (int i = 0; i < 4; ++i) header_len |= static_cast<size_t>(static_cast<unsigned char>(head[8 + i])) << (8 * i);
     start = 12;
   }
+  // (numpy writes headers of under 10 kB and reads none over 10 kB unless told: a bigger length is a
+  // damaged file, whose recorded size in an .npz may be damaged too; nothing that size is allocated.)
+  DDM_CHECK(header_len <= (size_t{1} << 20), name << ": a .npy header of " << header_len
+                                                  << " bytes, which numpy never writes; the file is damaged");
   DDM_CHECK(static_cast<int64_t>(start + header_len) <= in.size, name << ": truncated .npy header");
   std::string header(header_len, '\0');
   DDM_CHECK(read_up_to(in, header.data(), header_len) == header_len, name << ": truncated .npy header");
