@@ -113,6 +113,30 @@ std::string shape_str(const torch::Tensor& chw) {
   return std::to_string(chw.size(0)) + "x" + std::to_string(chw.size(1)) + "x" + std::to_string(chw.size(2));
 }
 
+// uint8 [..., C, H, W] -> [..., wanted, H, W]: an alpha channel dropped (as tar shards drop it),
+// grey repeated into RGB. `wanted` is 1 or 3, and at least C's colour (no RGB to grey here).
+torch::Tensor folder_channels(const torch::Tensor& img, int64_t wanted) {
+  const int64_t d = img.dim() - 3, c = img.size(d);
+  torch::Tensor x = c == 2 || c == 4 ? img.narrow(d, 0, c - 1) : img;
+  if (x.size(d) == 1 && wanted == 3) {
+    std::vector<int64_t> times(static_cast<size_t>(x.dim()), 1);
+    times[static_cast<size_t>(d)] = 3;
+    x = x.repeat(times);
+  }
+  return x.contiguous();
+}
+
+// "12 RGB and 3 RGBA images": how many of each channel count a folder mixes (counts[c], c = 1..4).
+std::string channel_mix(const std::vector<int64_t>& counts) {
+  static const char* const kNames[] = {"", "grey", "grey+alpha", "RGB", "RGBA"};
+  std::vector<std::string> parts;
+  for (int c = 1; c <= 4; ++c)
+    if (counts[static_cast<size_t>(c)] > 0) parts.push_back(std::to_string(counts[static_cast<size_t>(c)]) + " " + kNames[c]);
+  std::string out;
+  for (size_t i = 0; i < parts.size(); ++i) out += (i == 0 ? "" : i + 1 == parts.size() ? " and " : ", ") + parts[i];
+  return out + " images";
+}
+
 }  // namespace
 
 bool is_image_file_name(const std::string& name) {
@@ -223,6 +247,11 @@ Dataset load_image_folder(const std::string& root) {
 
   const int64_t n = static_cast<int64_t>(files.size());
   torch::Tensor first = read_image(files[0].first);
+  // A folder of one channel count keeps it exactly; one that mixes them (some PNGs with alpha, some
+  // grey) reads every image as RGB (or grey, if none has colour), alpha dropped, as tar shards do.
+  int64_t channels = first.size(0);
+  std::vector<int64_t> counts(5, 0);
+  ++counts[static_cast<size_t>(channels)];
   ds.images = torch::empty({n, first.size(0), first.size(1), first.size(2)},
                            torch::TensorOptions().dtype(torch::kUInt8));
   ds.images[0].copy_(first);
@@ -231,25 +260,37 @@ Dataset load_image_folder(const std::string& root) {
   lab[0] = files[0].second;
   for (int64_t i = 1; i < n; ++i) {
     torch::Tensor img = read_image(files[i].first);
-    DDM_CHECK(img.sizes() == first.sizes(),
+    DDM_CHECK(img.size(1) == first.size(1) && img.size(2) == first.size(2),
               files[i].first << ": image is " << shape_str(img) << " (channels x height x width) but "
                              << files[0].first << " is " << shape_str(first)
-                             << "; all images in a folder dataset must share size and channel count. "
+                             << "; all images in a folder dataset must share their size. "
                              << (ds.num_classes > 0 || fs::exists(fs::path(root) / "captions.jsonl")
                                      // (a tar of class folders would lose its labels, one with captions.jsonl its captions)
                                      ? "Resize them to one size (e.g. mogrify -resize 64x64^ -gravity center -extent "
                                        "64x64 on a copy)"
-                                     : "Images of mixed sizes or channels train from a tar shard, which crops and "
+                                     : "Images of mixed sizes train from a tar shard, which crops and "
                                        "resizes each: tar --sort=name -cf images-000000.tar -C " + root +
                                            " . and data.source = \"shards\", data.root = that tar, data.resolution = "
                                            "the side to train at (docs/data.md)"));
+    ++counts[static_cast<size_t>(img.size(0))];
+    if (img.size(0) != channels) {
+      const int64_t wanted = channels >= 3 || img.size(0) >= 3 ? 3 : 1;
+      if (wanted != channels) ds.images = folder_channels(ds.images, wanted);  // the rows read so far
+      channels = wanted;
+      img = folder_channels(img, wanted);
+    }
     ds.images[i].copy_(img);
     lab[i] = files[i].second;
   }
+  if (std::count_if(counts.begin(), counts.end(), [](int64_t k) { return k > 0; }) > 1)
+    std::cerr << "note: " << root << ": " << channel_mix(counts) << ": each is read as " << (channels == 3 ? "RGB" : "grey")
+              << (counts[2] + counts[4] > 0 ? ", its alpha dropped" : "")
+              << (channels == 3 && counts[1] + counts[2] > 0 ? ", grey repeated in red, green and blue" : "")
+              << " (as tar shards read them)" << std::endl;
   std::vector<std::string> paths;
   for (const auto& f : files) paths.push_back(f.first);
   ds.captions = folder_captions(root, paths);
-  ds.description = "folder " + root + ": " + std::to_string(n) + " x " + shape_str(first) + ", " +
+  ds.description = "folder " + root + ": " + std::to_string(n) + " x " + shape_str(ds.images[0]) + ", " +
                    (ds.num_classes > 1 ? std::to_string(ds.num_classes) + " classes"
                     : ds.num_classes == 1 ? std::string("1 class")
                                           : std::string("unlabeled")) +

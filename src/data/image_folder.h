@@ -30,7 +30,9 @@ torch::Tensor read_image_tiles(const std::string& path, int64_t size, const std:
 
 // Loads every image under `root`. Images inside a class folder are taken in sorted file-name order;
 // files without an image extension and hidden entries (".*") are skipped. All images must have the
-// same size and channel count; the first one that differs is named in the error.
+// same size; the first one that differs is named in the error. A folder of one channel count keeps
+// it exactly; one that mixes them reads every image as RGB (grey if none has colour), alpha
+// dropped, and says so.
 Dataset load_image_folder(const std::string& root);
 
 }  // namespace ddm

@@ -339,7 +339,7 @@ TEST(ImageFolder, MalformedPngNamesFileAndReason) {
   EXPECT_GT(msg.size(), msg.find("cannot decode image: ") + 22) << "stb's reason is missing: " << msg;
 }
 
-TEST(ImageFolder, MixedSizesAndChannelsNameTheOddFile) {
+TEST(ImageFolder, MixedSizesNameTheOddFile) {
   ddm::test::TempDir dir;
   fs::create_directories(dir / "imgs/a");
   write_png(dir / "imgs/a/1.png", 4, 4, 1, 0);
@@ -350,9 +350,48 @@ TEST(ImageFolder, MixedSizesAndChannelsNameTheOddFile) {
   std::string msg = load_error(c);
   EXPECT_HAS(msg, "2.png: image is 1x4x5");
   EXPECT_HAS(msg, "1.png is 1x4x4");
-  write_png(dir / "imgs/a/2.png", 4, 4, 3, 0);
+  write_png(dir / "imgs/a/2.png", 5, 4, 3, 0);  // of another channel count too
   msg = load_error(c);
-  EXPECT_HAS(msg, "2.png: image is 3x4x4");
+  EXPECT_HAS(msg, "2.png: image is 3x4x5");
+}
+
+TEST(ImageFolder, MixedChannelCountsReadAsRgbWithAlphaDroppedAndGreyRepeated) {
+  // PNGs with and without alpha, and grey ones, side by side (what a folder of a user's icons holds):
+  // each read as RGB, as tar shards read them, in whatever order they come.
+  const int w = 6, h = 5;
+  const auto pixels = [&](int c, uint8_t base) {  // what write_png writes, as [C, H, W]
+    return ((torch::arange(h * w * c, torch::kInt64) * 3 + base) % 256).to(torch::kUInt8).view({h, w, c}).permute({2, 0, 1});
+  };
+  for (const std::vector<int>& order : {std::vector<int>{4, 3, 1}, std::vector<int>{1, 2, 3}, std::vector<int>{3, 4, 2}}) {
+    ddm::test::TempDir dir;
+    fs::create_directories(dir / "imgs/a");
+    for (size_t i = 0; i < order.size(); ++i)
+      write_png(dir / ("imgs/a/" + std::to_string(i) + ".png"), w, h, order[i], static_cast<uint8_t>(10 * i));
+    testing::internal::CaptureStderr();
+    const Dataset d = ddm::load_dataset(folder_source(dir / "imgs"));
+    const std::string said = testing::internal::GetCapturedStderr();
+    ASSERT_EQ(d.images.sizes(), (std::vector<int64_t>{3, 3, h, w})) << order[0] << order[1] << order[2];
+    for (size_t i = 0; i < order.size(); ++i) {
+      const int c = order[i];
+      torch::Tensor want = pixels(c, static_cast<uint8_t>(10 * i));
+      if (c == 2 || c == 4) want = want.narrow(0, 0, c - 1);
+      if (want.size(0) == 1) want = want.repeat({3, 1, 1});
+      EXPECT_TRUE(torch::equal(d.images[static_cast<int64_t>(i)], want)) << "image " << i << " of " << c << " channels";
+    }
+    EXPECT_HAS(said, "each is read as RGB");
+    EXPECT_HAS(said, "its alpha dropped");
+  }
+  // Grey with and without alpha: grey.
+  ddm::test::TempDir dir;
+  fs::create_directories(dir / "imgs");
+  write_png(dir / "imgs/0.png", w, h, 2, 0);
+  write_png(dir / "imgs/1.png", w, h, 1, 7);
+  testing::internal::CaptureStderr();
+  const Dataset d = ddm::load_dataset(folder_source(dir / "imgs"));
+  EXPECT_HAS(testing::internal::GetCapturedStderr(), "1 grey and 1 grey+alpha images: each is read as grey, its alpha dropped");
+  ASSERT_EQ(d.images.sizes(), (std::vector<int64_t>{2, 1, h, w}));
+  EXPECT_TRUE(torch::equal(d.images[0], pixels(2, 0).narrow(0, 0, 1)));
+  EXPECT_TRUE(torch::equal(d.images[1], pixels(1, 7)));
 }
 
 TEST(ImageFolder, HugeImageHeaderIsRefusedBeforeDecoding) {
