@@ -19,6 +19,9 @@ class BatchSource {
   virtual Batch next(int64_t begin = 0, int64_t count = -1) = 0;
   // The batch next(begin, count) returns next, without advancing.
   virtual Batch peek(int64_t begin, int64_t count) = 0;
+  // Whether next() can meet a sample it cannot use mid-run (shards decoded while training; data in
+  // memory was checked when it was read).
+  virtual bool may_fail() const { return false; }
   virtual Cursor cursor() const = 0;
   virtual void set_cursor(const Cursor& c) = 0;
   // True when each data-parallel replica has a cursor of its own (it reads data of its own), false

@@ -56,6 +56,7 @@ class ShardLoader : public BatchSource {
   // `count` must be options.batch (or -1); `begin` is recorded as the batch's position (Batch::first).
   Batch next(int64_t begin = 0, int64_t count = -1) override;
   Batch peek(int64_t begin, int64_t count) override;
+  bool may_fail() const override { return true; }
   // (epoch, samples drawn in it) before the next batch.
   Cursor cursor() const override;
   void set_cursor(const Cursor& c) override;

@@ -10,7 +10,8 @@
 namespace ddm {
 
 // The stop every rank of `comm` makes, given this process's signal (0: none): one small all-reduce
-// (none for one process); SIGINT wins over SIGTERM.
+// (none for one process); SIGINT wins over SIGTERM, and a rank's bad input (kStopBadInput, engine.h)
+// over both.
 int agree_on_stop(Comm& comm, int signal);
 
 class DataParallelEngine : public Engine {
@@ -26,6 +27,7 @@ class DataParallelEngine : public Engine {
   // the weights in between.
   bool wants_next() const override { return true; }
   int agree_stop(int64_t done, int64_t last, int signal) override;
+  bool agrees_every_step() const override { return true; }
   std::vector<std::string> contribute(Checkpoint& ck, int64_t step, const std::string& mine) override;
   std::string describe() const override;
   int64_t bytes_sent() const override { return comm_->bytes_sent(); }

@@ -60,6 +60,11 @@ struct EngineBegun {
   int stop = 0;
 };
 
+// agree_stop's stop for bad input: a rank met a sample it cannot use in its next batch (a value no
+// signal has; the agreed value adds the rank).
+constexpr int kStopBadInput = 1 << 20;
+inline bool is_bad_input_stop(int stop) { return stop >= kStopBadInput; }
+
 class Engine {
  public:
   virtual ~Engine() = default;
@@ -84,8 +89,14 @@ class Engine {
   // made); empty: none.
   virtual std::string news(int64_t /*done*/) { return {}; }
   // Collective after each step: the stop every rank makes after `done` steps (of `last`), given the
-  // signal this process received (0: none). SIGINT wins over SIGTERM.
+  // signal this process received (0: none). SIGINT wins over SIGTERM. Engines that agree every step
+  // (agrees_every_step()) also take kStopBadInput: this process cannot read its next batch; it wins
+  // over any signal, and comes back as kStopBadInput + the rank (the highest) that said it.
   virtual int agree_stop(int64_t done, int64_t last, int signal) = 0;
+  // Whether agree_stop is a collective of every rank after every step (data parallelism, pipelines):
+  // then a rank that cannot read its next batch stops them all after the same step (run/loop.h).
+  // DiLoCo's replicas agree only at their synchronizations.
+  virtual bool agrees_every_step() const { return false; }
 
   // Collective: the EMA of the trainable parameters by name on rank 0, for its training grids (a
   // sharded optimizer's assembled from every rank's range; elsewhere this process's own, no

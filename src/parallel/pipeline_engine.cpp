@@ -103,6 +103,7 @@ class PipelineEngine : public Engine {
     return "parallel.fill after step " + std::to_string(done) + ": " + pipe_->fill_plan()->summary;
   }
   int agree_stop(int64_t, int64_t, int signal) override { return agree_on_stop(*comm_, signal); }
+  bool agrees_every_step() const override { return true; }
 
   std::vector<std::string> contribute(Checkpoint& ck, int64_t, const std::string& mine_record) override {
     // The data positions first; then rank 0 writes every stage's parameters' state by name while

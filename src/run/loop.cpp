@@ -3,6 +3,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <exception>
 #include <iomanip>
 #include <optional>
 #include <sstream>
@@ -44,6 +45,40 @@ std::vector<Batch> split_micro(const Batch& shard, int64_t n) {
   throw Error(m.str());
 }
 
+// The error of a sample that cannot be used, with what became of the steps done, of its own type (a
+// bad sample is bad input: exit 2, which a supervisor does not restart into).
+[[noreturn]] void rethrow_saying(const std::exception& e, const std::string& said) {
+  const std::string what = std::string(e.what()) + " (" + said + ")";
+  if (dynamic_cast<const InputError*>(&e)) throw InputError(what);
+  throw Error(what);
+}
+
+// What a stop for bad input leaves: the checkpoint of the step it stopped after, or the one that
+// already holds every step done.
+std::string kept(const LoopState& state, bool written_now) {
+  const std::string step = std::to_string(state.step);
+  if (written_now) return "the checkpoint of step " + step + " is written: --resume goes on from it";
+  if (state.step == 0) return "no step was done";
+  return "the last checkpoint, of step " + step + ", holds every step done: --resume goes on from it";
+}
+
+// Several processes agreed to stop after this step for a rank's bad input (`stop`: kStopBadInput +
+// its rank); `mine`: this process's own error, if it is that rank or met one too.
+[[noreturn]] void stop_for_bad_input(const LoopSpec& spec, const LoopState& state, int stop, bool written_now,
+                                     const std::exception_ptr& mine) {
+  if (mine) {
+    try {
+      std::rethrow_exception(mine);
+    } catch (const std::exception& e) {
+      rethrow_saying(e, kept(state, written_now));
+    }
+  }
+  throw InputError(spec.who + "stopped after step " + std::to_string(state.step) + ": rank " +
+                   std::to_string(stop - kStopBadInput) +
+                   " met a sample it cannot use in its next batch (its message says which) (" +
+                   kept(state, written_now) + ")");
+}
+
 }  // namespace
 
 int run_loop(Engine& engine, BatchSource& source, const LoopSpec& spec, const EngineBegun& begun, LoopState& state,
@@ -58,16 +93,35 @@ int run_loop(Engine& engine, BatchSource& source, const LoopSpec& spec, const En
       state.ckpt_due = false;
       saved_step = state.step;
     }
-    if (sig != 0) log.stopped(sig, state.step, state.last_ckpt);
+    if (sig != 0 && !is_bad_input_stop(sig)) log.stopped(sig, state.step, state.last_ckpt);
     return sig != 0;
   };
+  // Several processes over data read while training, whose engine agrees after every step: each reads
+  // its next batch before they agree, so that one meeting a sample it cannot use stops them all after
+  // the same step, with its checkpoint (failing alone, it would leave the others waiting in the next
+  // step's collectives). Before the first step, they agree once on the first batch.
+  const bool agree_input = !spec.alone && engine.agrees_every_step() && source.may_fail();
+  std::exception_ptr bad_next;  // this process could not read its next batch (agree_input)
+  std::optional<Batch> peeked;  // the batch this step draws, on the device since the step before peeked it
+  const auto peek_next = [&] {
+    try {
+      peeked = source.peek(spec.shard_offset, spec.local_batch).to(spec.device);
+    } catch (const std::exception&) {
+      peeked.reset();
+      bad_next = std::current_exception();
+    }
+  };
+  if (agree_input && state.step < spec.steps && !begun.joined) {
+    peek_next();
+    const int stop = engine.agree_stop(state.step, spec.steps, bad_next ? kStopBadInput : 0);
+    if (is_bad_input_stop(stop)) stop_for_bad_input(spec, state, stop, false, bad_next);
+  }
   int stopped_by = 0;
   if (begun.joined) {  // a replica that joined a running group: the rest of the step the group was at
     stopped_by = state.step == spec.steps ? engine.agree_stop(state.step, spec.steps, 0) : begun.stop;
     if (end_step(stopped_by)) return stopped_by;
   }
   using Clock = std::chrono::steady_clock;
-  std::optional<Batch> peeked;  // the batch this step draws, on the device since the step before peeked it
   while (state.step < spec.steps) {
     const auto wait_start = Clock::now();
     const BatchSource::Cursor before = source.cursor();
@@ -76,26 +130,20 @@ int run_loop(Engine& engine, BatchSource& source, const LoopSpec& spec, const En
       drawn = source.next(spec.shard_offset, spec.local_batch);  // [local_batch, C, H, W]
     } catch (const Error& e) {
       // A sample that cannot be used (data.skip_bad = false): one process keeps the steps since its
-      // last checkpoint, at the position before this batch. (Several processes cannot: the others
-      // wait in this step's collectives.) The error, of its own type, says where --resume goes on.
-      const auto with = [&](const std::string& said) {
-        const std::string what = std::string(e.what()) + " (" + said + ")";
-        if (dynamic_cast<const InputError*>(&e)) throw InputError(what);
-        throw Error(what);
-      };
+      // last checkpoint, at the position before this batch. (Several processes that agree on their
+      // input met it before this step, above; others cannot: the rest wait in this step's
+      // collectives.) The error, of its own type, says where --resume goes on.
       if (!spec.alone) throw;
-      const std::string step = std::to_string(state.step);
-      if (state.step == saved_step && !state.last_ckpt.empty())
-        with("the last checkpoint, of step " + step + ", holds every step done: --resume goes on from it");
-      if (state.step == saved_step || !engine.can_checkpoint()) throw;
+      if (state.step == saved_step) rethrow_saying(e, kept(state, false));
+      if (!engine.can_checkpoint()) throw;
       source.set_cursor(before);
       try {
         state.last_ckpt = hooks.save(state.step);
       } catch (const std::exception& failed) {  // the bad sample is still the news
-        throw Error(std::string(e.what()) + " (and the checkpoint of step " + step + " could not be written: " +
-                    failed.what() + ")");
+        throw Error(std::string(e.what()) + " (and the checkpoint of step " + std::to_string(state.step) +
+                    " could not be written: " + failed.what() + ")");
       }
-      with("the checkpoint of step " + step + " is written: --resume goes on from it");
+      rethrow_saying(e, kept(state, true));
     }
     const Batch shard = peeked ? *peeked : drawn.to(spec.device);  // the same rows: peek's contract
     peeked.reset();
@@ -109,10 +157,12 @@ int run_loop(Engine& engine, BatchSource& source, const LoopSpec& spec, const En
         peeked = source.peek(spec.shard_offset, spec.local_batch).to(spec.device);
         next = split_micro(*peeked, spec.grad_accum);
       } catch (const std::exception&) {
-        // A batch that cannot be read (a corrupt sample in a shard) fails at its own step, as before:
-        // this step runs, and its checkpoint is written if one is due.
+        // A batch that cannot be read (a corrupt sample in a shard): this step runs, and its checkpoint
+        // is written if one is due; then the batch fails at its own step, or (agree_input) every rank
+        // stops after this one.
         peeked.reset();
         next.clear();
+        if (agree_input) bad_next = std::current_exception();
       }
     }
     log.waited(std::chrono::duration<double>(Clock::now() - wait_start).count());
@@ -124,12 +174,16 @@ int run_loop(Engine& engine, BatchSource& source, const LoopSpec& spec, const En
     if (!r.finite && !(r.overflow && r.overflows_in_a_row < LossScale::kMaxSkipsInARow))
       stop_not_finite(spec, state, r);
     ++state.step;
+    if (agree_input && !peeked && !bad_next && state.step < spec.steps) peek_next();
     // A signal to any rank stops every rank after the same step: agreed every step with data
-    // parallelism, at the next synchronization with DiLoCo.
-    stopped_by = engine.agree_stop(state.step, spec.steps, hooks.signal());
+    // parallelism, at the next synchronization with DiLoCo. A rank's bad input wins over signals.
+    stopped_by = engine.agree_stop(state.step, spec.steps, bad_next ? kStopBadInput : hooks.signal());
     log.step(state.step, r, engine.news(state.step));
     if (stopped_by == 0 && hooks.after_step) hooks.after_step(state.step);
-    if (end_step(stopped_by)) break;
+    if (end_step(stopped_by)) {
+      if (is_bad_input_stop(stopped_by)) stop_for_bad_input(spec, state, stopped_by, !state.ckpt_due, bad_next);
+      break;
+    }
   }
   return stopped_by;
 }

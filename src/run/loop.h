@@ -2,7 +2,10 @@
 // this process's rows of the global batch, split them into micro-batches, step, stop at a non-finite
 // loss (the last good checkpoint named), agree on a stop with the other ranks after every step,
 // log, and checkpoint every train.ckpt_every steps, at the last step and on a signal (deferred while
-// the engine cannot take one). run/trainer.cpp sets up what it runs over; tests drive it with an
+// the engine cannot take one). A sample that cannot be used (data.skip_bad = false) stops the run
+// with a checkpoint of the last step done, at the data position before the batch that holds it: one
+// process writes it alone; several whose engine agrees every step read their next batch before they
+// agree, and stop together. run/trainer.cpp sets up what it runs over; tests drive it with an
 // engine of their own (tests/unit/run/test_loop.cpp).
 #pragma once
 #include <cstdint>
@@ -27,6 +30,7 @@ struct LoopSpec {
   double grad_clip = 0;      // train.grad_clip, the same
   double loss_scale = 0;     // fp16: train.loss_scale, named in the error for too many overflows
   bool alone = false;        // one process: it can write a checkpoint without the others (a bad sample)
+  int rank = 0;              // this process's, named by the others when it meets a bad sample
 };
 
 // Where the loop is. Shared with the engine's transfer hook: a DiLoCo replica joining mid-run takes

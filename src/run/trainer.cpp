@@ -157,6 +157,7 @@ TrainSummary train(TrainJob job, const TrainOptions& options) {
   spec.shard_offset = layout.shard_offset(), spec.local_batch = layout.local_batch, spec.device = proc.device;
   spec.who = world > 1 ? "rank " + std::to_string(rank) + ": " : std::string();
   spec.alone = world == 1;
+  spec.rank = rank;
   spec.lr = tc.lr;
   spec.grad_clip = tc.grad_clip;
   spec.loss_scale = tc.loss_scale;

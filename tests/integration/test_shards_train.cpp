@@ -2,8 +2,8 @@
 // into shards; a run on them killed with kill -9 and resumed ends with the bytes of the uninterrupted
 // run; two launched replicas, each reading shards of its own, resume exactly too; a damaged image
 // stops the run naming shard and key (exit 2, with a checkpoint of the last step done, which --resume
-// with data.skip_bad goes on from exactly), or with data.skip_bad is skipped and counted in the metrics;
-// a resume over data that lost samples says so;
+// with data.skip_bad goes on from exactly; two processes stop together), or with data.skip_bad is
+// skipped and counted in the metrics; a resume over data that lost samples says so;
 // bad shard lists are clear errors; shards are re-sharded; an expert of a partition made with
 // --reshard trains on its cluster's shards; a router (with samples held out) and a distilled student
 // train on shards; an autoencoder and a latent model train on shards, `ddm encode` writes the
@@ -292,6 +292,24 @@ TEST(ShardsTrain, ADamagedImageStopsTheRunOrWithSkipBadIsSkippedAndCounted) {
   const auto both = skipped_at("two/ckpt/step-00000032");
   EXPECT_EQ(both["total"], 1) << both.dump();
   EXPECT_EQ(both["replicas"].size(), 2u) << both.dump();
+  // Two replicas without it: they stop together after the same step, with its checkpoint (the one
+  // that met the sample names it, the other names that rank), exit 2 and are not restarted; resumed
+  // with data.skip_bad, the run ends bit-identical to the one that skipped it from the start.
+  auto strict_two = test::run_ddm("launch --timeout 300 --nproc 2 -- " + r.train("strict2", sets, /*quiet=*/false));
+  EXPECT_EQ(strict_two.exit_code, 2) << strict_two.output;
+  EXPECT_TRUE(has(strict_two.output, "stopped on bad input")) << strict_two.output;
+  EXPECT_TRUE(has(strict_two.output, "sample '00000200'")) << strict_two.output;
+  EXPECT_TRUE(has(strict_two.output, "met a sample it cannot use in its next batch")) << strict_two.output;
+  ASSERT_TRUE(std::regex_search(strict_two.output, at,
+                                std::regex("the checkpoint of step ([0-9]+) is written: --resume goes on from it")))
+      << strict_two.output;
+  std::snprintf(stopped, sizeof stopped, "strict2/ckpt/step-%08d", std::stoi(at[1]));
+  EXPECT_TRUE(fs::is_directory(r.dir / stopped)) << strict_two.output;
+  auto resumed_two = test::run_ddm("launch --timeout 300 --nproc 2 -- " +
+                                   r.train("strict2", sets + " --set data.skip_bad=true", /*quiet=*/false) + " --resume");
+  ASSERT_EQ(resumed_two.exit_code, 0) << resumed_two.output;
+  EXPECT_EQ(file_bytes(r.dir / "strict2/ckpt/step-00000032/model.safetensors"),
+            file_bytes(r.dir / "two/ckpt/step-00000032/model.safetensors"));
 }
 
 // `ddm shards write` records where its shards come from, so a model trained on shards of

@@ -96,7 +96,10 @@ TEST(Engine, AgreedStopIsTheStrongestSignalOfAnyRank) {
   const std::vector<Case> cases{{{0, 0, 0}, 0},
                                 {{0, SIGTERM, 0}, SIGTERM},
                                 {{SIGTERM, 0, SIGINT}, SIGINT},
-                                {{SIGINT, SIGINT, SIGTERM}, SIGINT}};
+                                {{SIGINT, SIGINT, SIGTERM}, SIGINT},
+                                // a rank that cannot read its next batch wins, named (the highest)
+                                {{SIGINT, kStopBadInput, 0}, kStopBadInput + 1},
+                                {{kStopBadInput, SIGTERM, kStopBadInput}, kStopBadInput + 2}};
   for (const Case& c : cases) {
     std::vector<int> got(3, -1);
     const auto errors = on_ranks(3, [&](std::shared_ptr<Comm> comm) {
@@ -110,6 +113,7 @@ TEST(Engine, AgreedStopIsTheStrongestSignalOfAnyRank) {
   const auto errors = on_ranks(1, [](std::shared_ptr<Comm> comm) {
     EXPECT_EQ(agree_on_stop(*comm, SIGTERM), SIGTERM);  // one process: its own signal, no collective
     EXPECT_EQ(agree_on_stop(*comm, 0), 0);
+    EXPECT_EQ(agree_on_stop(*comm, kStopBadInput), kStopBadInput);
   });
   EXPECT_EQ(errors[0], "");
 }

@@ -1,10 +1,12 @@
 // run_loop (src/run/loop.h) driven by an engine of the test's own over a real in-memory batch source:
 // the checkpoint cadence (every ckpt_every, the last step, deferred while the engine cannot take
 // one), stops agreed after a signal on this or another rank (with a checkpoint first), a non-finite
-// loss, a resumed loop drawing what the uninterrupted one drew, micro-batches, and a replica that
-// joins a running group.
+// loss, a resumed loop drawing what the uninterrupted one drew, micro-batches, a replica that
+// joins a running group, and a sample that cannot be used (one process alone; several that agree
+// every step stop together after the same step).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <csignal>
 #include <stdexcept>
 #include <string>
@@ -33,6 +35,9 @@ class FakeEngine : public Engine {
   int64_t fail_at = -1;       // step() reports a non-finite loss at this 0-based step
   int64_t others_stop_at = -1;  // another rank's SIGINT, agreed after this many steps
   bool want_next = false;       // wants_next(): the next step's micro-batches with each step
+  bool every_step = false;      // agrees_every_step(): data parallelism's or a pipeline's agreement
+  int rank = 0;                 // this process's, added to a bad-input stop as agree_on_stop does
+  int64_t others_bad_at = -1;   // rank 2 cannot read its next batch after this many steps
   int64_t done = 0;
 
   FlatAdamW& optim() override { throw std::logic_error("the loop never asks for the optimizer"); }
@@ -56,9 +61,12 @@ class FakeEngine : public Engine {
   }
   int agree_stop(int64_t d, int64_t, int signal) override {
     done = d;
+    if (signal == kStopBadInput) return kStopBadInput + std::max(rank, d == others_bad_at ? 2 : 0);
+    if (d == others_bad_at) return kStopBadInput + 2;
     if (d == others_stop_at) return signal == SIGINT || signal == 0 ? SIGINT : signal;
     return signal;
   }
+  bool agrees_every_step() const override { return every_step; }
   bool can_checkpoint() const override { return done != busy_at; }
   std::vector<std::string> contribute(Checkpoint&, int64_t, const std::string& mine) override { return {mine}; }
   std::string describe() const override { return {}; }
@@ -75,9 +83,36 @@ Dataset numbered_images() {
   return d;
 }
 
+// The in-memory loader, but its `bad_draw`-th batch (0-based) holds a sample it cannot use, as a
+// shard's corrupt image does: next() and peek() of it throw InputError.
+class FailingSource : public BatchSource {
+ public:
+  FailingSource(const Dataset& data, int64_t batch) : inner_(data, batch, 7, false) {}
+  int64_t bad_draw = -1;
+  Batch next(int64_t begin, int64_t count) override {
+    check();
+    ++drawn_;
+    return inner_.next(begin, count);
+  }
+  Batch peek(int64_t begin, int64_t count) override {
+    check();
+    return inner_.peek(begin, count);
+  }
+  bool may_fail() const override { return true; }
+  Cursor cursor() const override { return inner_.cursor(); }
+  void set_cursor(const Cursor& c) override { inner_.set_cursor(c); }
+
+ private:
+  void check() const {
+    if (drawn_ == bad_draw) throw InputError("shard s.tar, sample '00000042': not a PNG");
+  }
+  BatchLoader inner_;
+  int64_t drawn_ = 0;
+};
+
 struct Harness {
   Dataset data = numbered_images();
-  BatchLoader source{data, 8, 7, false};
+  FailingSource source{data, 8};
   DataPosition position{source};
   FakeEngine engine;
   LoopSpec spec;
@@ -182,7 +217,7 @@ TEST(Loop, ThisProcesssRowsGoToTheEngineAsMicroBatchesWithTheirGlobalPositions) 
   Harness all;
   all.spec.steps = 1;
   all.run();
-  const Batch first = BatchLoader(all.data, 8, 7, false).next();
+  const Batch first = BatchLoader(all.data, 8, 7, false).next();  // what FailingSource wraps
   EXPECT_EQ(h.engine.seen[0].sum, first.x.slice(0, 4, 8).to(torch::kDouble).sum().item<double>());
 }
 
@@ -201,6 +236,83 @@ TEST(Loop, AReplicaJoiningARunningGroupFinishesTheStepTheGroupWasAtFirst) {
   EXPECT_EQ(going_on.run(begun), 0);
   EXPECT_EQ(going_on.engine.seen.size(), 3u);
   EXPECT_EQ(going_on.saved, (std::vector<int64_t>{8, 10}));
+}
+
+// What a run of several processes keeps when a sample of one of them cannot be used: the steps done,
+// in a checkpoint of the last one at the position before the batch that holds it, and an error on
+// every rank (the one that met it: its own; the others: naming it).
+std::string bad_input_error(Harness& h) {
+  try {
+    h.run();
+  } catch (const InputError& e) {
+    return e.what();
+  }
+  ADD_FAILURE() << "the bad sample did not stop the loop";
+  return {};
+}
+
+TEST(Loop, ASampleThatCannotBeUsedStopsEveryRankAfterTheSameStepWithItsCheckpoint) {
+  Harness plain;  // where the data stands after 6 steps
+  plain.spec.ckpt_every = 6;
+  plain.run();
+  ASSERT_EQ(plain.saved.front(), 6);
+  for (const bool ahead : {false, true}) {  // with an engine that prepares the next batch or not
+    SCOPED_TRACE(ahead ? "wants_next" : "no next");
+    Harness mine;  // rank 1 meets it in the batch of its seventh step
+    mine.engine.every_step = true, mine.engine.rank = 1, mine.engine.want_next = ahead;
+    mine.spec.rank = 1, mine.spec.who = "rank 1: ";
+    mine.source.bad_draw = 6;
+    const std::string m = bad_input_error(mine);
+    EXPECT_NE(m.find("sample '00000042': not a PNG (the checkpoint of step 6 is written: --resume goes on from it)"),
+              std::string::npos) << m;
+    EXPECT_EQ(mine.engine.seen.size(), 6u);
+    EXPECT_EQ(mine.saved, (std::vector<int64_t>{4, 6}));
+    EXPECT_EQ(mine.cursors.back().index, plain.cursors.front().index);  // before the bad batch
+    EXPECT_EQ(mine.cursors.back().epoch, plain.cursors.front().epoch);
+
+    Harness other;  // rank 0 reads its batches; rank 2 cannot read its seventh
+    other.engine.every_step = true, other.engine.others_bad_at = 6, other.engine.want_next = ahead;
+    other.spec.who = "rank 0: ";
+    const std::string o = bad_input_error(other);
+    EXPECT_NE(o.find("rank 0: stopped after step 6: rank 2 met a sample it cannot use in its next batch"),
+              std::string::npos) << o;
+    EXPECT_NE(o.find("the checkpoint of step 6 is written"), std::string::npos) << o;
+    EXPECT_EQ(other.saved, (std::vector<int64_t>{4, 6}));
+    EXPECT_EQ(other.engine.seen.size(), 6u);
+  }
+  // In the first batch: they agree on it before any step, and nothing is written.
+  Harness first;
+  first.engine.every_step = true, first.engine.rank = 1, first.spec.rank = 1;
+  first.source.bad_draw = 0;
+  const std::string f = bad_input_error(first);
+  EXPECT_NE(f.find("not a PNG (no step was done)"), std::string::npos) << f;
+  EXPECT_TRUE(first.saved.empty());
+  EXPECT_TRUE(first.engine.seen.empty());
+  // A resumed run's first batch: its checkpoint holds every step done.
+  Harness resumed;
+  resumed.engine.every_step = true, resumed.engine.rank = 1, resumed.spec.rank = 1;
+  resumed.state.step = 4;
+  resumed.source.bad_draw = 0;
+  const std::string r = bad_input_error(resumed);
+  EXPECT_NE(r.find("(the last checkpoint, of step 4, holds every step done: --resume goes on from it)"),
+            std::string::npos) << r;
+  EXPECT_TRUE(resumed.saved.empty());
+}
+
+TEST(Loop, OneProcessMeetingASampleItCannotUseWritesTheCheckpointAlone) {
+  Harness alone;
+  alone.spec.alone = true;
+  alone.source.bad_draw = 6;
+  const std::string m = bad_input_error(alone);
+  EXPECT_NE(m.find("not a PNG (the checkpoint of step 6 is written: --resume goes on from it)"), std::string::npos) << m;
+  EXPECT_EQ(alone.saved, (std::vector<int64_t>{4, 6}));
+  // Several processes whose engine agrees only now and then (DiLoCo's replicas): the one that met it
+  // stops with its error as it is (the others go on without it), and writes nothing.
+  Harness replica;
+  replica.source.bad_draw = 6;
+  const std::string r = bad_input_error(replica);
+  EXPECT_EQ(r, "shard s.tar, sample '00000042': not a PNG");
+  EXPECT_EQ(replica.saved, (std::vector<int64_t>{4}));
 }
 
 }  // namespace
