@@ -25,6 +25,25 @@
 #include "train/encode_shards.h"
 
 namespace ddm {
+namespace {
+
+// A write that failed part-way (a source shard damaged further on, a full disk): the shards it wrote
+// are removed (the one it was writing, NAME.tar.partial, went with its writer), and --out if it made
+// it, so that nothing of it is read as data; the error, of its own type, says so.
+[[noreturn]] void throw_without_partial_write(const Error& e, const std::vector<std::string>& written, bool made,
+                                              const std::string& out) {
+  std::error_code ec;
+  for (const std::string& f : written) std::filesystem::remove(f, ec);
+  if (made && std::filesystem::is_empty(out, ec)) std::filesystem::remove(out, ec);
+  std::string what = e.what();
+  if (!written.empty())
+    what += " (the " + std::to_string(written.size()) + " shard" + (written.size() > 1 ? "s" : "") +
+            " this write made before it " + (written.size() > 1 ? "are" : "is") + " removed: nothing of it is left)";
+  if (dynamic_cast<const InputError*>(&e)) throw InputError(what);
+  throw Error(what);
+}
+
+}  // namespace
 
 Command add_shards_command(CLI::App& app) {
   struct Args {
@@ -94,18 +113,22 @@ Command add_shards_command(CLI::App& app) {
                    const std::vector<std::string> inputs =
                        from.empty() ? std::vector<std::string>{}
                                     : as_input_error([&] { return expand_shards(from, a->from.empty() ? "data.root" : "--from"); });
-                   std::vector<std::string> old;
-                   if (std::error_code ec; std::filesystem::is_directory(a->out, ec))
-                     for (const auto& e : std::filesystem::directory_iterator(a->out)) {
-                       // Exactly the names this command writes, PREFIX-NNNNNN.tar (not another dataset's
-                       // PREFIX-val-000000.tar).
-                       const std::string name = e.path().filename().string(), head = a->prefix + "-";
-                       if (name.size() == head.size() + 10 && name.rfind(head, 0) == 0 &&
-                           name.compare(name.size() - 4, 4, ".tar") == 0 &&
-                           std::all_of(name.begin() + static_cast<std::ptrdiff_t>(head.size()), name.end() - 4,
-                                       [](char c) { return c >= '0' && c <= '9'; }))
-                         old.push_back(e.path().string());
-                     }
+                   // Exactly the names this command writes, PREFIX-NNNNNN.tar (not another dataset's
+                   // PREFIX-val-000000.tar), in --out now.
+                   const auto ours = [&] {
+                     std::vector<std::string> found;
+                     if (std::error_code ec; std::filesystem::is_directory(a->out, ec))
+                       for (const auto& e : std::filesystem::directory_iterator(a->out)) {
+                         const std::string name = e.path().filename().string(), head = a->prefix + "-";
+                         if (name.size() == head.size() + 10 && name.rfind(head, 0) == 0 &&
+                             name.compare(name.size() - 4, 4, ".tar") == 0 &&
+                             std::all_of(name.begin() + static_cast<std::ptrdiff_t>(head.size()), name.end() - 4,
+                                         [](char c) { return c >= '0' && c <= '9'; }))
+                           found.push_back(e.path().string());
+                       }
+                     return found;
+                   };
+                   std::vector<std::string> old = ours();
                    std::sort(old.begin(), old.end());
                    if (!old.empty()) {
                      // A write that was stopped leaves the shard it was writing as NAME.tar.partial.
@@ -144,24 +167,23 @@ Command add_shards_command(CLI::App& app) {
                                << " (" << from << ") into shards of " << a->shard_size << " in " << a->out << std::endl;
                      DataConfig source;
                      source.source = "shards", source.root = from;
-                     // Each input opens as a tar and reads its first sample (if any) before --force removes
-                     // anything (a shard damaged further on is met while re-sharding).
+                     // Each input opens as a tar, reads its first sample (if any) and ends as a tar before
+                     // --force removes anything (a shard damaged further on is met while re-sharding).
                      for (const std::string& in : shards)
                        as_input_error([&] {
                          TarShardReader r(in);
                          ShardSample first;
                          r.next(first);
                        });
+                     check_whole_tars(shards);
                      const bool made = !std::filesystem::exists(a->out);
                      as_input_error([&] { create_output_dir(a->out, "--out"); });
                      remove_old();
                      ShardsWritten w;
                      try {
                        w = reshard(shards, a->out, a->shard_size, a->prefix, report(0));
-                     } catch (const Error&) {  // (a first shard that is not a tar: nothing was written)
-                       std::error_code ec;
-                       if (made && std::filesystem::is_empty(a->out, ec)) std::filesystem::remove(a->out, ec);
-                       throw;
+                     } catch (const Error& e) {
+                       throw_without_partial_write(e, ours(), made, a->out);
                      }
                      write_shards_record(a->out, a->prefix, w, data_origin(source), "re-sharded from " + from,
                                          recorded_class_names(shards));
@@ -175,9 +197,15 @@ Command add_shards_command(CLI::App& app) {
                    std::cout << "writing " << data.description << " as shards of " << a->shard_size << " into "
                              << a->out << std::endl;
                    const int64_t n = data.images.size(0), shards = (n + a->shard_size - 1) / a->shard_size;
+                   const bool made = !std::filesystem::exists(a->out);
                    as_input_error([&] { create_output_dir(a->out, "--out"); });
                    remove_old();
-                   const ShardsWritten w = write_shards(data, a->out, a->shard_size, a->prefix, report(shards));
+                   ShardsWritten w;
+                   try {
+                     w = write_shards(data, a->out, a->shard_size, a->prefix, report(shards));
+                   } catch (const Error& e) {
+                     throw_without_partial_write(e, ours(), made, a->out);
+                   }
                    write_shards_record(a->out, a->prefix, w, data_origin(cfg.data), data.description,
                                        data.num_classes > 0 ? data.class_names : std::vector<std::string>{});
                    done(w, std::to_string(data.images.size(2)));
@@ -223,10 +251,16 @@ Command add_encode_command(CLI::App& app) {
   cmd->footer("\nExamples:\n"
               "  ddm encode --ae runs/ae --config configs/own-64.toml --out latents       # then data.source = \"latents\"\n"
               "  ddm encode --config text.toml --text --out encoded    # images kept, captions' encodings cached\n");
-  return Command{cmd, [a] {
+  return Command{cmd, [a, cmd] {
                    const RunConfig cfg = as_input_error([&] {
                      return a->config.empty() ? parse_config("", "--set", a->overrides) : load_config(a->config, a->overrides);
                    });
+                   if (cmd->count("--shard-size") > 0 && cfg.data.source == "shards")
+                     std::cerr << "note: --shard-size is for data held in memory: the latent shards keep the sizes of "
+                                  "the source shards, so that each sample keeps its position (which partitions and "
+                                  "hold-outs name); for other sizes, re-shard the source first (ddm shards write "
+                                  "--from ... --shard-size N)"
+                               << std::endl;
                    EncodeShardsOptions o;
                    o.out = dir_without_slash(a->out);  // OUT.partial is renamed to OUT when complete
                    o.shard_size = a->shard_size;

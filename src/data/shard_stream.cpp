@@ -60,18 +60,6 @@ struct ShardScan {
   std::exception_ptr error;
 };
 
-// Whether the file's last 1024 bytes are zeros, as every tar writer ends an archive (GNU and BSD tar,
-// Python's tarfile, libarchive).
-bool ends_as_a_tar(const std::string& path) {
-  std::ifstream in(path, std::ios::binary | std::ios::ate);
-  const std::streamoff size = in.tellg();
-  if (!in || size < 1024) return false;
-  std::string tail(1024, '\1');
-  in.seekg(size - 1024);
-  in.read(tail.data(), 1024);
-  return in && tail.find_first_not_of('\0') == std::string::npos;
-}
-
 ShardScan scan_one(const std::string& path, bool skip_bad, SampleContent content) {
   ShardScan s;
   try {
@@ -136,6 +124,16 @@ ShardScan scan_one(const std::string& path, bool skip_bad, SampleContent content
 }
 
 }  // namespace
+
+bool ends_as_a_tar(const std::string& path) {
+  std::ifstream in(path, std::ios::binary | std::ios::ate);
+  const std::streamoff size = in.tellg();
+  if (!in || size < 1024) return false;
+  std::string tail(1024, '\1');
+  in.seekg(size - 1024);
+  in.read(tail.data(), 1024);
+  return in && tail.find_first_not_of('\0') == std::string::npos;
+}
 
 ShardIndex scan_shards(const std::vector<std::string>& shards, bool skip_bad, int threads, const std::string& key,
                        SampleContent content, const std::string& cache_dir) {

@@ -32,6 +32,11 @@ struct ShardIndex {
   std::vector<std::string> notes;  // what was skipped, one line each (skip_bad only)
 };
 
+// Whether the file's last 1024 bytes are zeros, as every tar writer ends an archive (GNU and BSD tar,
+// Python's tarfile, libarchive). A tar cut exactly between two members (a copy that stopped) reads as
+// a shorter one without this check.
+bool ends_as_a_tar(const std::string& path);
+
 // What a sample must hold: an image (jpg, jpeg, png or webp), or a latent posterior (safetensors:
 // latent shards, data/latent_shards.h).
 enum class SampleContent { kImage, kPosterior };

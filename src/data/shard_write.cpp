@@ -9,6 +9,8 @@
 #include <optional>
 
 #include "core/error.h"
+#include "core/input_check.h"
+#include "data/shard_stream.h"  // ends_as_a_tar
 #include "data/shards.h"
 
 namespace ddm {
@@ -64,6 +66,13 @@ ShardsWritten write_shards(const Dataset& data, const std::string& dir, int64_t 
   return out;
 }
 
+void check_whole_tars(const std::vector<std::string>& shards) {
+  for (const std::string& in : shards)
+    DDM_INPUT_CHECK(ends_as_a_tar(in), "shard " << in << " ends without a tar's end-of-archive blocks (two blocks of "
+                                                   "zeros): it was cut short, e.g. by a copy that stopped, and re-sharding "
+                                                   "it would lose the samples after the cut; copy it again");
+}
+
 ShardsWritten reshard(const std::vector<std::string>& shards, const std::string& dir, int64_t shard_size,
                       const std::string& prefix, const std::function<void(int64_t)>& progress) {
   DDM_CHECK(shard_size > 0, "--shard-size must be > 0, got " << shard_size);
@@ -81,6 +90,7 @@ ShardsWritten reshard(const std::vector<std::string>& shards, const std::string&
               "--out " << dir << " with --prefix " << prefix << " would write over the input shard " << in
                        << "; use another --out or --prefix");
   }
+  check_whole_tars(shards);
   ShardsWritten out;
   std::unique_ptr<TarShardWriter> w;
   std::string path;

@@ -24,6 +24,10 @@ struct ShardsWritten {
 ShardsWritten write_shards(const Dataset& data, const std::string& dir, int64_t shard_size, const std::string& prefix,
                            const std::function<void(int64_t)>& progress = {});
 
+// Refuses (InputError, exit 2) a shard to re-shard that is cut short: one that ends without a tar's
+// end-of-archive blocks would give only the samples before the cut, without an error.
+void check_whole_tars(const std::vector<std::string>& shards);
+
 // Re-shards: every sample of `shards` (paths, in order), member for member and with its key, into
 // shards of `shard_size` samples named as write_shards names them. Refuses to write over one of
 // `shards`. `progress(samples written)` is called after each shard.

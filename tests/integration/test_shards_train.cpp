@@ -401,7 +401,29 @@ TEST(ShardsTrain, BadShardListsAndKeysAreClearErrors) {
   EXPECT_EQ(not_tar.exit_code, 2) << not_tar.output;
   auto prefix = test::run_ddm("shards write --from \"" + r.pattern + "\" --prefix a/b --out " + (r.dir / "x3"));
   EXPECT_EQ(prefix.exit_code, 2) << prefix.output;
-  for (const char* x : {"x1", "x2", "x3"}) EXPECT_FALSE(fs::exists(r.dir / x)) << x;
+  // A source shard cut short between two members (a copy that stopped) reads as a shorter tar: it is
+  // refused before anything is written. One damaged further on (a tar header's checksum) is met while
+  // re-sharding: the shards written before it are removed with --out, so that nothing of a failed
+  // write is read as data.
+  fs::create_directories(r.dir / "cut");
+  for (const std::string& in : expand_shards(r.pattern, "data.root"))
+    fs::copy_file(in, r.dir / "cut" / fs::path(in).filename());
+  const fs::path last = r.dir / "cut/train-000007.tar";
+  const std::string whole = file_bytes(last);
+  const size_t header = whole.find("ustar", whole.size() / 2) - 257;  // a member's header, half-way in
+  ASSERT_EQ(header % 512, 0u);
+  fs::resize_file(last, header);
+  auto cut = test::run_ddm("shards write --from " + (r.dir / "cut") + " --shard-size 100 --out " + (r.dir / "x4"));
+  EXPECT_EQ(cut.exit_code, 2) << cut.output;
+  EXPECT_TRUE(has(cut.output, "train-000007.tar ends without a tar's end-of-archive blocks")) << cut.output;
+  std::string damaged = whole;
+  damaged.replace(header + 148, 8, "garbage!");  // its checksum
+  test::write_text(last, damaged);
+  auto bad = test::run_ddm("shards write --from " + (r.dir / "cut") + " --shard-size 100 --out " + (r.dir / "x5"));
+  EXPECT_EQ(bad.exit_code, 2) << bad.output;
+  EXPECT_TRUE(has(bad.output, "train-000007.tar: corrupt or truncated")) << bad.output;
+  EXPECT_TRUE(has(bad.output, "(the 4 shards this write made before it are removed: nothing of it is left)")) << bad.output;
+  for (const char* x : {"x1", "x2", "x3", "x4", "x5"}) EXPECT_FALSE(fs::exists(r.dir / x)) << x;
   EXPECT_EQ(expand_shards(r.dir / "w/train.shards.json", "data.root").size(), 3u);
 }
 
