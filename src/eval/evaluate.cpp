@@ -191,9 +191,20 @@ SampleSet anchor_samples(const std::string& kind, int64_t n, uint64_t seed, cons
     s.labels = train.labels.index_select(0, idx);
     s.origin = "anchor: " + std::to_string(n) + " random " + (fmnist ? "train images" : "images of " + train.description);
   } else {
-    const auto x = to_unit_range(train.images).to(torch::kFloat64);  // [N, C, H, W]
-    const auto mean = x.mean(0), std = x.std(0);                     // [C, H, W] each
-    auto noise = torch::randn({n, x.size(1), x.size(2), x.size(3)}, gen, torch::kFloat64);
+    // Each pixel's mean and (unbiased) standard deviation in float64, two passes over chunks of the
+    // images: the whole data in float64 is 8 bytes a pixel (9.8 GB for 100000 RGB images of 64x64).
+    const torch::Tensor& all = train.images;  // uint8 [N, C, H, W]
+    const int64_t count = all.size(0), chunk = 1024;
+    const auto unit = [&](int64_t at) {       // float64 [<= chunk, C, H, W] in [-1, 1]
+      return to_unit_range(all.narrow(0, at, std::min(chunk, count - at))).to(torch::kFloat64);
+    };
+    auto mean = torch::zeros({all.size(1), all.size(2), all.size(3)}, torch::kFloat64);  // [C, H, W]
+    for (int64_t at = 0; at < count; at += chunk) mean += unit(at).sum(0);
+    mean /= static_cast<double>(count);
+    auto squares = torch::zeros_like(mean);  // [C, H, W]: sum of squared deviations
+    for (int64_t at = 0; at < count; at += chunk) squares += (unit(at) - mean).square().sum(0);
+    const auto std = count > 1 ? (squares / static_cast<double>(count - 1)).sqrt() : torch::zeros_like(mean);
+    auto noise = torch::randn({n, all.size(1), all.size(2), all.size(3)}, gen, torch::kFloat64);
     s.images = (mean + std * noise).clamp(-1, 1).to(torch::kFloat32);
     s.origin = "anchor: per-pixel Gaussian noise with each pixel's mean and variance over " +
                (fmnist ? std::string("the train split") : train.description);

@@ -13,6 +13,7 @@
 
 #include "core/error.h"
 #include "core/fileio.h"
+#include "core/rng.h"
 #include "core/safetensors.h"
 #include "data/dataset.h"
 #include "eval/evaluate.h"
@@ -282,6 +283,24 @@ TEST(FeatureNet, TrainingIsDeterministicAndFilesRoundTrip) {
       std::string::npos);
   EXPECT_NE(error_message([&] { extract_features(a, torch::zeros({2, 3, 28, 28})); }).find("expected images"),
             std::string::npos);
+}
+
+TEST(Evaluate, TheNoiseAnchorHasEachPixelsMeanAndDeviationOverTheData) {
+  // 2500 images: the anchor's two passes cross chunks of 1024. Against the whole data in float64 at
+  // once (torch's mean and unbiased std), from the same draws: equal within float64 rounding, which
+  // the float32 result cannot show beyond a unit in its last place.
+  Dataset d;
+  d.images = torch::randint(0, 256, {2500, 2, 3, 3}, make_generator(5), torch::kUInt8);
+  d.labels = torch::zeros({2500}, torch::kLong);
+  d.description = "random";
+  const SampleSet s = anchor_samples("noise", 40, 9, d);
+  const auto x = to_unit_range(d.images).to(torch::kFloat64);  // [N, C, H, W]
+  auto gen = make_generator(derive_seed({9, static_cast<uint64_t>(RngPurpose::kSample), 0xa7c4ULL}));
+  const auto noise = torch::randn({40, 2, 3, 3}, gen, torch::kFloat64);
+  const auto want = (x.mean(0) + x.std(0) * noise).clamp(-1, 1).to(torch::kFloat32);
+  ASSERT_EQ(s.images.sizes(), want.sizes());
+  EXPECT_TRUE(torch::allclose(s.images, want, 0, 2.4e-7)) << (s.images - want).abs().max().item<float>();
+  EXPECT_GT(s.images.std().item<double>(), 0.3);  // noise, not a constant
 }
 
 TEST(Evaluate, ScoresAreDeterministicOrderedAndBadInputsAreClear) {
