@@ -30,7 +30,7 @@ namespace {
 // A write that failed part-way (a source shard damaged further on, a full disk): the shards it wrote
 // are removed (the one it was writing, NAME.tar.partial, went with its writer), and --out if it made
 // it, so that nothing of it is read as data; the error, of its own type, says so.
-[[noreturn]] void throw_without_partial_write(const Error& e, const std::vector<std::string>& written, bool made,
+[[noreturn]] void throw_without_partial_write(const std::exception& e, const std::vector<std::string>& written, bool made,
                                               const std::string& out) {
   std::error_code ec;
   for (const std::string& f : written) std::filesystem::remove(f, ec);
@@ -182,7 +182,7 @@ Command add_shards_command(CLI::App& app) {
                      ShardsWritten w;
                      try {
                        w = reshard(shards, a->out, a->shard_size, a->prefix, report(0));
-                     } catch (const Error& e) {
+                     } catch (const std::exception& e) {
                        throw_without_partial_write(e, ours(), made, a->out);
                      }
                      write_shards_record(a->out, a->prefix, w, data_origin(source), "re-sharded from " + from,
@@ -203,7 +203,7 @@ Command add_shards_command(CLI::App& app) {
                    ShardsWritten w;
                    try {
                      w = write_shards(data, a->out, a->shard_size, a->prefix, report(shards));
-                   } catch (const Error& e) {
+                   } catch (const std::exception& e) {
                      throw_without_partial_write(e, ours(), made, a->out);
                    }
                    write_shards_record(a->out, a->prefix, w, data_origin(cfg.data), data.description,

@@ -14,11 +14,14 @@
 namespace ddm {
 
 int agree_on_stop(Comm& comm, int signal) {
-  if (!comm.distributed()) return signal == kStopBadInput ? kStopBadInput + comm.rank() : signal;
-  // One all-reduce of the strongest: 0 none, 1 a signal, 2 SIGINT, 3 + r rank r's bad input.
-  const int64_t level = signal == kStopBadInput ? 3 + comm.rank() : signal == SIGINT ? 2 : signal != 0 ? 1 : 0;
-  const int64_t agreed = comm.max_int(level);
-  if (agreed >= 3) return kStopBadInput + static_cast<int>(agreed - 3);
+  // One all-reduce of the strongest: 0 none, 1 a signal, 2 SIGINT, 3 + 2 r + b: rank r cannot read its
+  // next batch (b = 1: bad input).
+  const int64_t level = is_cannot_read_stop(signal) ? 3 + 2 * comm.rank() + (signal - kStopCannotRead)
+                        : signal == SIGINT          ? 2
+                        : signal != 0               ? 1
+                                                    : 0;
+  const int64_t agreed = comm.distributed() ? comm.max_int(level) : level;
+  if (agreed >= 3) return kStopCannotRead + static_cast<int>(agreed - 3);
   return agreed == 2 ? SIGINT : agreed == 1 ? (signal != 0 ? signal : SIGTERM) : 0;
 }
 

@@ -10,8 +10,8 @@
 namespace ddm {
 
 // The stop every rank of `comm` makes, given this process's signal (0: none): one small all-reduce
-// (none for one process); SIGINT wins over SIGTERM, and a rank's bad input (kStopBadInput, engine.h)
-// over both.
+// (none for one process); SIGINT wins over SIGTERM, and a rank that cannot read its next batch
+// (cannot_read_stop, engine.h) over both.
 int agree_on_stop(Comm& comm, int signal);
 
 class DataParallelEngine : public Engine {

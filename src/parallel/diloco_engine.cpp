@@ -56,8 +56,9 @@ class DilocoEngine : public DataParallelEngine {
   int agree_stop(int64_t done, int64_t last, int signal) override {
     return diloco_->after_step(done, last, signal).stop;
   }
-  // Replicas agree at their synchronizations only: one that meets a bad sample stops, as a replica
-  // lost to any other fault does.
+  // Replicas agree at their synchronizations only: one that meets a bad sample stops with its error
+  // and no checkpoint of the steps since the last (exit 2: a launcher stops the job, and --resume goes
+  // on from that checkpoint).
   bool agrees_every_step() const override { return false; }
   // No prepare ahead: an outer step can change the weights between two inner steps, and
   // self-conditioning's first pass reads them.

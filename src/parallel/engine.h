@@ -60,10 +60,15 @@ struct EngineBegun {
   int stop = 0;
 };
 
-// agree_stop's stop for bad input: a rank met a sample it cannot use in its next batch (a value no
-// signal has; the agreed value adds the rank).
-constexpr int kStopBadInput = 1 << 20;
-inline bool is_bad_input_stop(int stop) { return stop >= kStopBadInput; }
+// agree_stop's stop for a rank that cannot read its next batch: a value no signal has, which carries
+// whether its error was bad input (a sample it cannot use: InputError, exit 2) or another failure
+// (an I/O error: exit 1, which a launcher may restart), and, once agreed, the rank.
+constexpr int kStopCannotRead = 1 << 20;
+inline int cannot_read_stop(bool bad_input) { return kStopCannotRead + (bad_input ? 1 : 0); }
+inline bool is_cannot_read_stop(int stop) { return stop >= kStopCannotRead; }
+// Of an agreed stop (is_cannot_read_stop): the rank that could not read, and whether it was bad input.
+inline int cannot_read_rank(int stop) { return (stop - kStopCannotRead) / 2; }
+inline bool cannot_read_bad_input(int stop) { return (stop - kStopCannotRead) % 2 == 1; }
 
 class Engine {
  public:
@@ -90,8 +95,8 @@ class Engine {
   virtual std::string news(int64_t /*done*/) { return {}; }
   // Collective after each step: the stop every rank makes after `done` steps (of `last`), given the
   // signal this process received (0: none). SIGINT wins over SIGTERM. Engines that agree every step
-  // (agrees_every_step()) also take kStopBadInput: this process cannot read its next batch; it wins
-  // over any signal, and comes back as kStopBadInput + the rank (the highest) that said it.
+  // (agrees_every_step()) also take cannot_read_stop(): this process cannot read its next batch; it
+  // wins over any signal, and comes back naming the rank (the highest) that said it.
   virtual int agree_stop(int64_t done, int64_t last, int signal) = 0;
   // Whether agree_stop is a collective of every rank after every step (data parallelism, pipelines):
   // then a rank that cannot read its next batch stops them all after the same step (run/loop.h).

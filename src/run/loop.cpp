@@ -53,30 +53,34 @@ std::vector<Batch> split_micro(const Batch& shard, int64_t n) {
   throw Error(what);
 }
 
-// What a stop for bad input leaves: the checkpoint of the step it stopped after, or the one that
-// already holds every step done.
-std::string kept(const LoopState& state, bool written_now) {
+// What a stop for bad input leaves: the checkpoint of the step it stopped after (written by rank 0,
+// `lead`), or the one that already holds every step done.
+std::string kept(const LoopState& state, bool written_now, bool lead = true) {
   const std::string step = std::to_string(state.step);
+  if (written_now && !lead) return "rank 0 writes the checkpoint of step " + step + ": --resume goes on from it";
   if (written_now) return "the checkpoint of step " + step + " is written: --resume goes on from it";
   if (state.step == 0) return "no step was done";
   return "the last checkpoint, of step " + step + ", holds every step done: --resume goes on from it";
 }
 
-// Several processes agreed to stop after this step for a rank's bad input (`stop`: kStopBadInput +
-// its rank); `mine`: this process's own error, if it is that rank or met one too.
-[[noreturn]] void stop_for_bad_input(const LoopSpec& spec, const LoopState& state, int stop, bool written_now,
-                                     const std::exception_ptr& mine) {
+// The error of this process, or a message for another rank's (`stop`, agreed): why the processes
+// stopped after this step, with `said` (what became of the steps done).
+[[noreturn]] void throw_cannot_read(const LoopSpec& spec, const LoopState& state, int stop,
+                                    const std::exception_ptr& mine, const std::string& said) {
   if (mine) {
     try {
       std::rethrow_exception(mine);
     } catch (const std::exception& e) {
-      rethrow_saying(e, kept(state, written_now));
+      rethrow_saying(e, said);
     }
   }
-  throw InputError(spec.who + "stopped after step " + std::to_string(state.step) + ": rank " +
-                   std::to_string(stop - kStopBadInput) +
-                   " met a sample it cannot use in its next batch (its message says which) (" +
-                   kept(state, written_now) + ")");
+  const std::string what = spec.who + "stopped after step " + std::to_string(state.step) + ": rank " +
+                           std::to_string(cannot_read_rank(stop)) +
+                           (cannot_read_bad_input(stop) ? " met a sample it cannot use in its next batch"
+                                                        : " could not read its next batch") +
+                           " (its message says " + (cannot_read_bad_input(stop) ? "which" : "why") + ") (" + said + ")";
+  if (cannot_read_bad_input(stop)) throw InputError(what);
+  throw Error(what);
 }
 
 }  // namespace
@@ -93,28 +97,44 @@ int run_loop(Engine& engine, BatchSource& source, const LoopSpec& spec, const En
       state.ckpt_due = false;
       saved_step = state.step;
     }
-    if (sig != 0 && !is_bad_input_stop(sig)) log.stopped(sig, state.step, state.last_ckpt);
+    if (sig != 0 && !is_cannot_read_stop(sig)) log.stopped(sig, state.step, state.last_ckpt);
     return sig != 0;
   };
   // Several processes over data read while training, whose engine agrees after every step: each reads
   // its next batch before they agree, so that one meeting a sample it cannot use stops them all after
   // the same step, with its checkpoint (failing alone, it would leave the others waiting in the next
   // step's collectives). Before the first step, they agree once on the first batch.
+  // (A filled pipeline whose stages fail apart, e.g. an I/O error on one machine, can still wait in the
+  // step for the pieces the failed stage does not prepare: every stage reads the same rows, so a bad
+  // sample fails them all alike.)
   const bool agree_input = !spec.alone && engine.agrees_every_step() && source.may_fail();
   std::exception_ptr bad_next;  // this process could not read its next batch (agree_input)
   std::optional<Batch> peeked;  // the batch this step draws, on the device since the step before peeked it
   const auto peek_next = [&] {
+    const auto t0 = std::chrono::steady_clock::now();
     try {
       peeked = source.peek(spec.shard_offset, spec.local_batch).to(spec.device);
     } catch (const std::exception&) {
       peeked.reset();
       bad_next = std::current_exception();
     }
+    log.waited(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  };
+  // This process's part of the agreement: whether it could read its next batch, and if not, whether
+  // its error was bad input.
+  const auto cannot_read = [&] {
+    try {
+      std::rethrow_exception(bad_next);
+    } catch (const InputError&) {
+      return cannot_read_stop(true);
+    } catch (...) {
+      return cannot_read_stop(false);
+    }
   };
   if (agree_input && state.step < spec.steps && !begun.joined) {
     peek_next();
-    const int stop = engine.agree_stop(state.step, spec.steps, bad_next ? kStopBadInput : 0);
-    if (is_bad_input_stop(stop)) stop_for_bad_input(spec, state, stop, false, bad_next);
+    const int stop = engine.agree_stop(state.step, spec.steps, bad_next ? cannot_read() : 0);
+    if (is_cannot_read_stop(stop)) throw_cannot_read(spec, state, stop, bad_next, kept(state, false));
   }
   int stopped_by = 0;
   if (begun.joined) {  // a replica that joined a running group: the rest of the step the group was at
@@ -134,7 +154,7 @@ int run_loop(Engine& engine, BatchSource& source, const LoopSpec& spec, const En
       // input met it before this step, above; others cannot: the rest wait in this step's
       // collectives.) The error, of its own type, says where --resume goes on.
       if (!spec.alone) throw;
-      if (state.step == saved_step) rethrow_saying(e, kept(state, false));
+      if (state.step == saved_step) rethrow_saying(e, kept(state, false));  // (nothing to write)
       if (!engine.can_checkpoint()) throw;
       source.set_cursor(before);
       try {
@@ -177,13 +197,20 @@ int run_loop(Engine& engine, BatchSource& source, const LoopSpec& spec, const En
     if (agree_input && !peeked && !bad_next && state.step < spec.steps) peek_next();
     // A signal to any rank stops every rank after the same step: agreed every step with data
     // parallelism, at the next synchronization with DiLoCo. A rank's bad input wins over signals.
-    stopped_by = engine.agree_stop(state.step, spec.steps, bad_next ? kStopBadInput : hooks.signal());
+    stopped_by = engine.agree_stop(state.step, spec.steps, bad_next ? cannot_read() : hooks.signal());
     log.step(state.step, r, engine.news(state.step));
     if (stopped_by == 0 && hooks.after_step) hooks.after_step(state.step);
-    if (end_step(stopped_by)) {
-      if (is_bad_input_stop(stopped_by)) stop_for_bad_input(spec, state, stopped_by, !state.ckpt_due, bad_next);
-      break;
+    if (is_cannot_read_stop(stopped_by)) {  // every rank: the checkpoint of this step, then the error
+      try {
+        end_step(stopped_by);
+      } catch (const std::exception& failed) {  // why they stopped is still the news
+        throw_cannot_read(spec, state, stopped_by, bad_next,
+                          "and the checkpoint of step " + std::to_string(state.step) + " could not be written: " +
+                              failed.what());
+      }
+      throw_cannot_read(spec, state, stopped_by, bad_next, kept(state, !state.ckpt_due, spec.rank == 0));
     }
+    if (end_step(stopped_by)) break;
   }
   return stopped_by;
 }

@@ -5,7 +5,8 @@
 // the engine cannot take one). A sample that cannot be used (data.skip_bad = false) stops the run
 // with a checkpoint of the last step done, at the data position before the batch that holds it: one
 // process writes it alone; several whose engine agrees every step read their next batch before they
-// agree, and stop together. run/trainer.cpp sets up what it runs over; tests drive it with an
+// agree, and stop together (a DiLoCo replica, which agrees only at synchronizations, stops alone and
+// writes none). run/trainer.cpp sets up what it runs over; tests drive it with an
 // engine of their own (tests/unit/run/test_loop.cpp).
 #pragma once
 #include <cstdint>
@@ -30,7 +31,7 @@ struct LoopSpec {
   double grad_clip = 0;      // train.grad_clip, the same
   double loss_scale = 0;     // fp16: train.loss_scale, named in the error for too many overflows
   bool alone = false;        // one process: it can write a checkpoint without the others (a bad sample)
-  int rank = 0;              // this process's, named by the others when it meets a bad sample
+  int rank = 0;              // this process's (rank 0 writes the checkpoints)
 };
 
 // Where the loop is. Shared with the engine's transfer hook: a DiLoCo replica joining mid-run takes

@@ -89,6 +89,9 @@ RunConfig mode(const std::string& which) {
 }
 
 TEST(Engine, AgreedStopIsTheStrongestSignalOfAnyRank) {
+  EXPECT_EQ(cannot_read_rank(kStopCannotRead + 2 * 5 + 1), 5);  // the agreed value's parts
+  EXPECT_TRUE(cannot_read_bad_input(kStopCannotRead + 2 * 5 + 1));
+  EXPECT_FALSE(cannot_read_bad_input(kStopCannotRead + 2 * 5));
   struct Case {
     std::vector<int> signals;
     int agreed;
@@ -98,8 +101,9 @@ TEST(Engine, AgreedStopIsTheStrongestSignalOfAnyRank) {
                                 {{SIGTERM, 0, SIGINT}, SIGINT},
                                 {{SIGINT, SIGINT, SIGTERM}, SIGINT},
                                 // a rank that cannot read its next batch wins, named (the highest)
-                                {{SIGINT, kStopBadInput, 0}, kStopBadInput + 1},
-                                {{kStopBadInput, SIGTERM, kStopBadInput}, kStopBadInput + 2}};
+                                {{SIGINT, cannot_read_stop(true), 0}, kStopCannotRead + 2 * 1 + 1},
+                                {{cannot_read_stop(false), SIGTERM, cannot_read_stop(true)}, kStopCannotRead + 2 * 2 + 1},
+                                {{cannot_read_stop(false), 0, 0}, kStopCannotRead}};
   for (const Case& c : cases) {
     std::vector<int> got(3, -1);
     const auto errors = on_ranks(3, [&](std::shared_ptr<Comm> comm) {
@@ -113,7 +117,11 @@ TEST(Engine, AgreedStopIsTheStrongestSignalOfAnyRank) {
   const auto errors = on_ranks(1, [](std::shared_ptr<Comm> comm) {
     EXPECT_EQ(agree_on_stop(*comm, SIGTERM), SIGTERM);  // one process: its own signal, no collective
     EXPECT_EQ(agree_on_stop(*comm, 0), 0);
-    EXPECT_EQ(agree_on_stop(*comm, kStopBadInput), kStopBadInput);
+    const int alone = agree_on_stop(*comm, cannot_read_stop(true));
+    EXPECT_TRUE(is_cannot_read_stop(alone));
+    EXPECT_EQ(cannot_read_rank(alone), 0);
+    EXPECT_TRUE(cannot_read_bad_input(alone));
+    EXPECT_FALSE(cannot_read_bad_input(agree_on_stop(*comm, cannot_read_stop(false))));
   });
   EXPECT_EQ(errors[0], "");
 }

@@ -36,8 +36,10 @@ class FakeEngine : public Engine {
   int64_t others_stop_at = -1;  // another rank's SIGINT, agreed after this many steps
   bool want_next = false;       // wants_next(): the next step's micro-batches with each step
   bool every_step = false;      // agrees_every_step(): data parallelism's or a pipeline's agreement
-  int rank = 0;                 // this process's, added to a bad-input stop as agree_on_stop does
+  int rank = 0;                 // this process's, put in a cannot-read stop as agree_on_stop does
   int64_t others_bad_at = -1;   // rank 2 cannot read its next batch after this many steps
+  bool others_bad_input = true; // ... because of a sample it cannot use (false: another failure)
+  int agreements = 0;           // agree_stop calls
   int64_t done = 0;
 
   FlatAdamW& optim() override { throw std::logic_error("the loop never asks for the optimizer"); }
@@ -61,8 +63,11 @@ class FakeEngine : public Engine {
   }
   int agree_stop(int64_t d, int64_t, int signal) override {
     done = d;
-    if (signal == kStopBadInput) return kStopBadInput + std::max(rank, d == others_bad_at ? 2 : 0);
-    if (d == others_bad_at) return kStopBadInput + 2;
+    ++agreements;
+    int best = -1;  // the strongest cannot-read part, 2 rank + bad input, as agree_on_stop's all-reduce
+    if (is_cannot_read_stop(signal)) best = 2 * rank + (signal - kStopCannotRead);
+    if (d == others_bad_at) best = std::max(best, 2 * 2 + (others_bad_input ? 1 : 0));
+    if (best >= 0) return kStopCannotRead + best;
     if (d == others_stop_at) return signal == SIGINT || signal == 0 ? SIGINT : signal;
     return signal;
   }
@@ -89,6 +94,7 @@ class FailingSource : public BatchSource {
  public:
   FailingSource(const Dataset& data, int64_t batch) : inner_(data, batch, 7, false) {}
   int64_t bad_draw = -1;
+  bool io_error = false;  // the bad draw fails as a read error, not a sample that cannot be used
   Batch next(int64_t begin, int64_t count) override {
     check();
     ++drawn_;
@@ -104,6 +110,7 @@ class FailingSource : public BatchSource {
 
  private:
   void check() const {
+    if (drawn_ == bad_draw && io_error) throw Error("shard s.tar: Input/output error");
     if (drawn_ == bad_draw) throw InputError("shard s.tar, sample '00000042': not a PNG");
   }
   BatchLoader inner_;
@@ -118,6 +125,7 @@ struct Harness {
   LoopSpec spec;
   LoopState state;
   std::vector<int64_t> saved;                 // the steps checkpointed
+  int64_t save_fails_at = -1;                 // the checkpoint of this step cannot be written
   std::vector<BatchSource::Cursor> cursors;   // the source's position at each
   int signal_from = -1;                       // this process gets SIGTERM once this many steps are done
 
@@ -130,6 +138,7 @@ struct Harness {
     RunLog log(ls, [] { return int64_t{0}; }, position, source);
     LoopHooks hooks;
     hooks.save = [&](int64_t step) {
+      if (step == save_fails_at) throw Error("No space left on device");
       saved.push_back(step);
       cursors.push_back(source.cursor());
       return "ckpt-" + std::to_string(step);
@@ -251,6 +260,20 @@ std::string bad_input_error(Harness& h) {
   return {};
 }
 
+// The same for a batch that could not be read for another reason (an I/O error): an Error, not bad
+// input (exit 1, which a launcher may restart).
+std::string read_error(Harness& h) {
+  try {
+    h.run();
+  } catch (const InputError& e) {
+    ADD_FAILURE() << "bad input: " << e.what();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  ADD_FAILURE() << "the failed read did not stop the loop";
+  return {};
+}
+
 TEST(Loop, ASampleThatCannotBeUsedStopsEveryRankAfterTheSameStepWithItsCheckpoint) {
   Harness plain;  // where the data stands after 6 steps
   plain.spec.ckpt_every = 6;
@@ -263,9 +286,10 @@ TEST(Loop, ASampleThatCannotBeUsedStopsEveryRankAfterTheSameStepWithItsCheckpoin
     mine.spec.rank = 1, mine.spec.who = "rank 1: ";
     mine.source.bad_draw = 6;
     const std::string m = bad_input_error(mine);
-    EXPECT_NE(m.find("sample '00000042': not a PNG (the checkpoint of step 6 is written: --resume goes on from it)"),
+    EXPECT_NE(m.find("sample '00000042': not a PNG (rank 0 writes the checkpoint of step 6: --resume goes on from it)"),
               std::string::npos) << m;
     EXPECT_EQ(mine.engine.seen.size(), 6u);
+    EXPECT_EQ(mine.engine.agreements, 7);  // before the first step, and after each
     EXPECT_EQ(mine.saved, (std::vector<int64_t>{4, 6}));
     EXPECT_EQ(mine.cursors.back().index, plain.cursors.front().index);  // before the bad batch
     EXPECT_EQ(mine.cursors.back().epoch, plain.cursors.front().epoch);
@@ -279,7 +303,26 @@ TEST(Loop, ASampleThatCannotBeUsedStopsEveryRankAfterTheSameStepWithItsCheckpoin
     EXPECT_NE(o.find("the checkpoint of step 6 is written"), std::string::npos) << o;
     EXPECT_EQ(other.saved, (std::vector<int64_t>{4, 6}));
     EXPECT_EQ(other.engine.seen.size(), 6u);
+    EXPECT_EQ(other.engine.agreements, 7);
   }
+  // Another failure than a bad sample (an I/O error): every rank stops alike, as a failure (exit 1).
+  Harness io;
+  io.engine.every_step = true, io.engine.rank = 1, io.spec.rank = 1;
+  io.source.bad_draw = 3, io.source.io_error = true;
+  EXPECT_NE(read_error(io).find("Input/output error (rank 0 writes the checkpoint of step 3"), std::string::npos);
+  Harness io_other;
+  io_other.engine.every_step = true, io_other.engine.others_bad_at = 3, io_other.engine.others_bad_input = false;
+  const std::string i = read_error(io_other);
+  EXPECT_NE(i.find("stopped after step 3: rank 2 could not read its next batch (its message says why) (the checkpoint "
+                   "of step 3 is written"),
+            std::string::npos) << i;
+  // Rank 0 cannot write the checkpoint: why they stopped is still said, and that it is not written.
+  Harness full;
+  full.engine.every_step = true, full.engine.others_bad_at = 6, full.save_fails_at = 6;
+  const std::string u = bad_input_error(full);
+  EXPECT_NE(u.find("rank 2 met a sample it cannot use in its next batch (its message says which) (and the "
+                   "checkpoint of step 6 could not be written: No space left on device)"),
+            std::string::npos) << u;
   // In the first batch: they agree on it before any step, and nothing is written.
   Harness first;
   first.engine.every_step = true, first.engine.rank = 1, first.spec.rank = 1;
