@@ -440,8 +440,9 @@ std::vector<Command> add_decentral_commands(CLI::App& app) {
   part->add_flag("--force", pa->force, "replace an existing --out");
   part->footer("\nExamples:\n"
                "  ddm partition --k 4 --out runs/parts                                  # Fashion-MNIST, PCA of pixels\n"
-               "  ddm partition --config configs/own-64.toml --k 8 --features feature-net --out parts8\n"
                "  ddm partition --config shards.toml --k 8 --reshard --out parts8       # tar shards, streamed\n"
+               "  ddm partition --config configs/own-64.toml --k 8 --features feature-net:net.safetensors --reshard "
+               "--out parts8  # by a network of your data (ddm train-classifier)\n"
                "  ddm partition --config text.toml --k 4 --features text --out parts4   # by what the captions say\n");
   cmds.push_back({part, [pa] { return partition_cmd(*pa); }});
 
@@ -523,8 +524,8 @@ std::vector<Command> add_decentral_commands(CLI::App& app) {
   irun->footer("\nExamples:\n"
                "  ddm islands run configs/islands-k4.toml        # again after a stop or a crash: it continues\n"
                "  ddm islands status configs/islands-k4.toml\n"
-               "configs/islands-k4.toml shows the file's keys, each with a comment; its relative paths are relative to\n"
-               "the working directory.\n");
+               "configs/islands-k4.toml shows the file's keys, each with a comment (configs/islands-gpu.toml also its\n"
+               "[slurm] table for `ddm islands slurm`); relative paths are relative to the working directory.\n");
   cmds.push_back({irun, [ia] { return islands_cmd("run", *ia); }});
   auto* istat = isl->add_subcommand("status", "Show each island's state, step, attempts and last failure.");
   istat->add_option("file", ia->file, "islands file (TOML)")->required();

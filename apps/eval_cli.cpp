@@ -354,7 +354,7 @@ Command add_eval_command(CLI::App& app) {
   add_sample_flags(cmd, ea.sample);
   cmd->get_option("--n")->description("number of images (report results at 10000)");
   cmd->footer("\nExamples:\n"
-              "  ddm eval --ckpt runs/quickstart                      # Fashion-MNIST: FD-fmnist against its test split\n"
+              "  ddm eval --ensemble runs/quickstart                  # Fashion-MNIST: FD-fmnist against its test split\n"
               "  ddm eval --ckpt runs/photos --feature-net photos-net.safetensors --reference-set data.root=held-out.tar\n"
               "  ddm eval --samples samples.safetensors --cas\n"
               "  ddm eval --anchor train                              # the floor: real images");

@@ -225,7 +225,7 @@ const std::map<std::string, std::string>& key_docs() {
       {"data.shuffle_buffer",
        "shards: samples mixed across shard boundaries (0 or 1: none)"},
       {"data.skip_bad",
-       "skip and count samples that cannot be used instead of stopping at the first"},
+       "shards (and latent shards): skip and count samples that cannot be used instead of stopping at the first"},
       {"data.decode_threads",
        "threads decoding shard images (0: a quarter of the cores, at least 1)"},
       {"data.scan_cache",
