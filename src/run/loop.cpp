@@ -45,6 +45,15 @@ std::vector<Batch> split_micro(const Batch& shard, int64_t n) {
   throw Error(m.str());
 }
 
+// A copy of a batch in memory of its own (an engine recognises the tensors it worked on by their
+// memory): what a rank that cannot read its next batch prepares ahead instead, below.
+Batch stand_in(const Batch& b) {
+  Batch c = b;
+  for (torch::Tensor* t : {&c.x, &c.y, &c.k, &c.index, &c.context, &c.context_mask, &c.pooled})
+    if (t->defined()) *t = t->clone();
+  return c;
+}
+
 // The error of a sample that cannot be used, with what became of the steps done, of its own type (a
 // bad sample is bad input: exit 2, which a supervisor does not restart into).
 [[noreturn]] void rethrow_saying(const std::exception& e, const std::string& said) {
@@ -104,9 +113,6 @@ int run_loop(Engine& engine, BatchSource& source, const LoopSpec& spec, const En
   // its next batch before they agree, so that one meeting a sample it cannot use stops them all after
   // the same step, with its checkpoint (failing alone, it would leave the others waiting in the next
   // step's collectives). Before the first step, they agree once on the first batch.
-  // (A filled pipeline whose stages fail apart, e.g. an I/O error on one machine, can still wait in the
-  // step for the pieces the failed stage does not prepare: every stage reads the same rows, so a bad
-  // sample fails them all alike.)
   const bool agree_input = !spec.alone && engine.agrees_every_step() && source.may_fail();
   std::exception_ptr bad_next;  // this process could not read its next batch (agree_input)
   std::optional<Batch> peeked;  // the batch this step draws, on the device since the step before peeked it
@@ -179,10 +185,15 @@ int run_loop(Engine& engine, BatchSource& source, const LoopSpec& spec, const En
       } catch (const std::exception&) {
         // A batch that cannot be read (a corrupt sample in a shard): this step runs, and its checkpoint
         // is written if one is due; then the batch fails at its own step, or (agree_input) every rank
-        // stops after this one.
+        // stops after this one. There, this rank prepares a stand-in of this step's shapes instead,
+        // so that a filled pipeline's peers that did read theirs (an I/O error on one machine; a bad
+        // sample fails every stage alike) get the pieces they wait for; nothing of it is used.
         peeked.reset();
         next.clear();
-        if (agree_input) bad_next = std::current_exception();
+        if (agree_input) {
+          bad_next = std::current_exception();
+          next = split_micro(stand_in(shard), spec.grad_accum);
+        }
       }
     }
     log.waited(std::chrono::duration<double>(Clock::now() - wait_start).count());
