@@ -2,7 +2,7 @@
 // into shards; a run on them killed with kill -9 and resumed ends with the bytes of the uninterrupted
 // run; two launched replicas, each reading shards of its own, resume exactly too; a damaged image
 // stops the run naming shard and key (exit 2, with a checkpoint of the last step done, which --resume
-// with data.skip_bad goes on from exactly; two processes stop together), or with data.skip_bad is
+// with data.skip_bad goes on from exactly; two replicas, or a filled pipeline's two stages, stop together), or with data.skip_bad is
 // skipped and counted in the metrics; a resume over data that lost samples says so;
 // bad shard lists are clear errors; shards are re-sharded; an expert of a partition made with
 // --reshard trains on its cluster's shards; a router (with samples held out) and a distilled student
@@ -310,6 +310,18 @@ TEST(ShardsTrain, ADamagedImageStopsTheRunOrWithSkipBadIsSkippedAndCounted) {
   ASSERT_EQ(resumed_two.exit_code, 0) << resumed_two.output;
   EXPECT_EQ(file_bytes(r.dir / "strict2/ckpt/step-00000032/model.safetensors"),
             file_bytes(r.dir / "two/ckpt/step-00000032/model.safetensors"));
+  // A pipeline of two stages, its bubbles filled: each stage reads the same rows and meets the sample;
+  // they stop together after the same step with its checkpoint (no stage waits for the other's pieces).
+  auto piped = test::run_ddm("launch --timeout 300 --nproc 2 -- " +
+                             r.train("piped", sets + " --set parallel.pp=2 --set train.grad_accum=4", /*quiet=*/false));
+  EXPECT_EQ(piped.exit_code, 2) << piped.output;
+  EXPECT_TRUE(has(piped.output, "[rank 0] parallel.fill after step")) << piped.output;
+  ASSERT_TRUE(std::regex_search(piped.output, at, std::regex("\\[rank 0\\] error: .*sample '00000200'.* \\(the checkpoint of "
+                                                             "step ([0-9]+) is written: --resume goes on from it\\)")))
+      << piped.output;
+  EXPECT_TRUE(has(piped.output, "[rank 1] error: ")) << piped.output;
+  std::snprintf(stopped, sizeof stopped, "piped/ckpt/step-%08d", std::stoi(at[1]));
+  EXPECT_TRUE(fs::is_directory(r.dir / stopped)) << piped.output;
 }
 
 // `ddm shards write` records where its shards come from, so a model trained on shards of
