@@ -2,8 +2,9 @@
 // into shards; a run on them killed with kill -9 and resumed ends with the bytes of the uninterrupted
 // run; two launched replicas, each reading shards of its own, resume exactly too; a damaged image
 // stops the run naming shard and key (exit 2, with a checkpoint of the last step done, which --resume
-// with data.skip_bad goes on from exactly; two replicas, or a filled pipeline's two stages, stop together), or with data.skip_bad is
-// skipped and counted in the metrics; a resume over data that lost samples says so;
+// with data.skip_bad goes on from exactly; two replicas, or a filled pipeline's two stages, stop
+// together), or with data.skip_bad is skipped and counted in the metrics; a resume over data that lost
+// samples says so;
 // bad shard lists are clear errors; shards are re-sharded; an expert of a partition made with
 // --reshard trains on its cluster's shards; a router (with samples held out) and a distilled student
 // train on shards; an autoencoder and a latent model train on shards, `ddm encode` writes the
