@@ -369,7 +369,6 @@ RunStart start_run(const TrainOptions& opt, const TrainJob& job, Net& net, Engin
   if (lead) {
     try {
       s.lock.emplace(prepare_run_dir(opt, job.recorded));
-      write_file_atomic(dir.config(), to_toml(job.recorded));
       // The checkpoints this run is built on stay where its config points, however long their own
       // runs train on (train.keep_ckpts keeps pinned ones).
       for (const std::string* ckpt : {&job.recorded.model.latent, &job.recorded.model.controlnet})
@@ -377,7 +376,8 @@ RunStart start_run(const TrainOptions& opt, const TrainJob& job, Net& net, Engin
       if (job.records) job.records(dir, opt.resume);
       if (opt.resume) {
         if (auto latest = latest_checkpoint(opt.out_dir)) {
-          Checkpoint& ck = s.resumed.emplace(read_checkpoint(*latest));
+          // (A damaged checkpoint fails every restart alike: bad input, exit 2.)
+          Checkpoint& ck = s.resumed.emplace(as_input_error([&] { return read_checkpoint(*latest); }));
           // fp16: a train.loss_scale other than the one the checkpoint was trained with starts the
           // scale again from it (the way on after a run stopped for overflowing; compared with the
           // checkpoint's config, so a resume that dies before its next checkpoint does it again);
@@ -435,6 +435,10 @@ RunStart start_run(const TrainOptions& opt, const TrainJob& job, Net& net, Engin
           s.step = ck.step;
           s.last_ckpt = *latest;
           if (!opt.quiet) std::cout << "resuming from " << *latest << " (step " << s.step << ")\n";
+          if (s.step >= job.recorded.train.steps && !opt.quiet)
+            std::cout << "note: --resume: the run is at step " << s.step << ", train.steps is "
+                      << job.recorded.train.steps << ": nothing more to train (--set train.steps=N to go on)"
+                      << std::endl;
         } else {
           DDM_CHECK(!from_checkpoint, "the checkpoints in " << opt.out_dir
                                           << " went away while this run started (another process removed them?); "
@@ -442,6 +446,9 @@ RunStart start_run(const TrainOptions& opt, const TrainJob& job, Net& net, Engin
           if (!opt.quiet) std::cout << "no checkpoint in " << opt.out_dir << ": starting from step 0\n";
         }
       }
+      // The config is recorded once the checkpoint it goes on from is read: a resume refused over a
+      // damaged checkpoint leaves the run's config as it was (its next resume says what changes).
+      write_file_atomic(dir.config(), to_toml(job.recorded));
     } catch (const std::exception& e) {
       if (!comm.distributed()) throw;
       setup_error = e.what();

@@ -16,6 +16,10 @@ namespace fs = std::filesystem;
 namespace ddm {
 namespace {
 constexpr const char* kFormat = "ddm-checkpoint-1";
+// What to do with a damaged checkpoint, after "delete DIR".
+constexpr const char* kDamagedTail =
+    " to resume from the previous checkpoint (`ddm sample` and `ddm export` take an earlier one as it is: --ckpt "
+    "RUN/ckpt/step-N)";
 
 std::string step_name(int64_t step) {
   char buf[32];
@@ -38,7 +42,7 @@ void bad_state_field(const std::string& path, const std::string& pointer, const 
   const std::string what = !found ? "missing" : found->is_null() ? "null" : std::string("a ") + found->type_name();
   DDM_FAIL(path << ": field '" << field << "' is " << what
                 << ", expected " << expected << "; the checkpoint is damaged: delete " << ckpt_dir
-                << " to fall back to the previous one");
+                << kDamagedTail);
 }
 
 std::vector<std::string> list_checkpoints(const std::string& run_dir) {
@@ -74,25 +78,33 @@ std::string write_checkpoint(const std::string& run_dir, const Checkpoint& ckpt,
   const fs::path tmp_dir = ckdir / (".tmp-" + step_name(ckpt.step));
   std::error_code ec;
   fs::remove_all(tmp_dir, ec);
-  fs::create_directories(tmp_dir);
-
-  nlohmann::json state = ckpt.state;
-  state["format"] = kFormat;
-  state["step"] = ckpt.step;
-  state["config"] = ckpt.config_toml;
-  const std::pair<const char*, const TensorMap*> parts[] = {
-      {RunDir::kModel, &ckpt.model}, {RunDir::kEma, &ckpt.ema}, {RunDir::kOptim, &ckpt.optim}};
-  for (int part = 0; part < 3; ++part) {
-    const auto& [name, tensors] = parts[part];
-    SafetensorsFile f;
-    f.tensors = *tensors;
-    if (ckpt.fetch) f.fetch = [&ckpt, part](const std::string& key) { return ckpt.fetch(part, key); };
-    f.metadata["format"] = kFormat;
-    f.metadata["step"] = std::to_string(ckpt.step);
-    state["sha256"][name] = save_safetensors((tmp_dir / name).string(), f);  // streamed: no copy in memory
+  try {
+    fs::create_directories(tmp_dir);
+    nlohmann::json state = ckpt.state;
+    state["format"] = kFormat;
+    state["step"] = ckpt.step;
+    state["config"] = ckpt.config_toml;
+    const std::pair<const char*, const TensorMap*> parts[] = {
+        {RunDir::kModel, &ckpt.model}, {RunDir::kEma, &ckpt.ema}, {RunDir::kOptim, &ckpt.optim}};
+    for (int part = 0; part < 3; ++part) {
+      const auto& [name, tensors] = parts[part];
+      SafetensorsFile f;
+      f.tensors = *tensors;
+      if (ckpt.fetch) f.fetch = [&ckpt, part](const std::string& key) { return ckpt.fetch(part, key); };
+      f.metadata["format"] = kFormat;
+      f.metadata["step"] = std::to_string(ckpt.step);
+      state["sha256"][name] = save_safetensors((tmp_dir / name).string(), f);  // streamed: no copy in memory
+    }
+    write_file_atomic((tmp_dir / RunDir::kState).string(), state.dump(2) + "\n");
+    fsync_dir(tmp_dir.string());
+  } catch (const std::exception& e) {
+    // A full disk, say: what was written of it goes (it would hold the space), the earlier ones stay.
+    fs::remove_all(tmp_dir, ec);
+    const auto kept = latest_checkpoint(run_dir);
+    DDM_FAIL(e.what() << "; the checkpoint of step " << ckpt.step << " is not written (its partial files are removed)"
+                      << (kept ? "; the earlier ones are intact: --resume goes on from the last, " + *kept
+                               : std::string("; the run has no earlier one")));
   }
-  write_file_atomic((tmp_dir / RunDir::kState).string(), state.dump(2) + "\n");
-  fsync_dir(tmp_dir.string());
   fs::remove_all(final_dir, ec);  // a re-written step (after a resume) replaces the old one
   fs::rename(tmp_dir, final_dir);
   fsync_dir(ckdir.string());
@@ -152,41 +164,44 @@ Checkpoint read_checkpoint(const std::string& ckpt_dir, bool weights_only) {
   const fs::path dir(ckpt_dir);
   const std::string state_path = (dir / RunDir::kState).string();
   DDM_CHECK(fs::is_regular_file(state_path),
-            "'" << ckpt_dir << "' is not a ddm checkpoint: " << state_path << " is missing");
+            "'" << ckpt_dir << "' is not a ddm checkpoint: " << state_path << " is missing"
+                << (is_step_dir(fs::path(ckpt_dir + "/").parent_path())  // (a trailing '/' or none)
+                        ? std::string("; the checkpoint is damaged: delete ") + ckpt_dir + kDamagedTail
+                        : std::string()));
   nlohmann::json state;
   try {
     state = nlohmann::json::parse(read_file(state_path));
   } catch (const nlohmann::json::exception& e) {
     DDM_FAIL(state_path << " is not valid JSON (" << e.what() << "); the checkpoint is damaged: "
-                        << "delete " << ckpt_dir << " to fall back to the previous one");
+                        << "delete " << ckpt_dir << kDamagedTail);
   }
   Checkpoint ck;
   ck.state_path = state_path;
   DDM_CHECK(state.is_object(), state_path << " is JSON but not an object (it is " << state.type_name()
                                           << "); the checkpoint is damaged: delete " << ckpt_dir
-                                          << " to fall back to the previous one");
+                                          << kDamagedTail);
   const std::string format = Checkpoint::state_field<std::string>(state, "/format", state_path);
   DDM_CHECK(format == kFormat, state_path << ": unknown checkpoint format '" << format << "' (expected " << kFormat << ")");
   ck.step = Checkpoint::state_field<int64_t>(state, "/step", state_path);
   DDM_CHECK(ck.step >= 0, state_path << ": field 'step' is " << ck.step << ", expected a step >= 0; the checkpoint is "
-                                     << "damaged: delete " << ckpt_dir << " to fall back to the previous one");
+                                     << "damaged: delete " << ckpt_dir << kDamagedTail);
   ck.config_toml = Checkpoint::state_field<std::string>(state, "/config", state_path);
   for (const char* name : {RunDir::kModel, RunDir::kEma, RunDir::kOptim}) {
     if (weights_only && std::string(name) == RunDir::kOptim) continue;
     const std::string path = (dir / name).string();
     const std::string want = Checkpoint::state_field<std::string>(state, std::string("/sha256/") + name, state_path);
     DDM_CHECK(fs::is_regular_file(path), path << " is missing; the checkpoint is damaged: delete " << ckpt_dir
-                                                << " to resume from the previous checkpoint");
+                                                << kDamagedTail);
     std::string got;
     SafetensorsFile f;
     try {
       f = load_safetensors(path, got);  // straight into the tensors, hashed on the way
     } catch (const Error& e) {
-      DDM_FAIL(e.what() << "; the checkpoint is damaged: delete " << ckpt_dir << " to resume from the previous checkpoint");
+      DDM_FAIL(e.what() << "; the checkpoint is damaged: delete " << ckpt_dir << kDamagedTail);
     }
     DDM_CHECK(got == want, path << ": checksum mismatch (sha256 " << got << ", state.json says " << want
                                 << "); the checkpoint is damaged: delete " << ckpt_dir
-                                << " to resume from the previous checkpoint");
+                                << kDamagedTail);
     TensorMap& dst = std::string(name) == RunDir::kModel ? ck.model
                      : std::string(name) == RunDir::kEma ? ck.ema
                                                                : ck.optim;
@@ -200,6 +215,8 @@ Checkpoint read_checkpoint(const std::string& ckpt_dir, bool weights_only) {
 std::string resolve_checkpoint(const std::string& path) {
   DDM_CHECK(fs::exists(path), "checkpoint path '" << path << "' does not exist");
   if (fs::is_regular_file(fs::path(path) / RunDir::kState)) return path;
+  // A checkpoint's directory without its state.json: read_checkpoint says it is damaged.
+  if (fs::is_directory(path) && is_step_dir(fs::path(path + "/").parent_path())) return path;
   const fs::path p = fs::path(path).lexically_normal();
   const fs::path parent = (p.has_filename() ? p : p.parent_path()).parent_path();
   // A file of a checkpoint (RUN/ckpt/step-N/model.safetensors): that checkpoint.

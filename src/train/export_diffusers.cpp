@@ -158,6 +158,16 @@ std::string export_diffusers(const LoadedModel& m, const std::string& out) {
     write_file_atomic((tmp / "model_index.json").string(), index.dump(2) + "\n");
     fs::rename(tmp, final_dir);
     fsync_dir(final_dir.parent_path().string());
+  } catch (const std::exception& e) {
+    // A full disk shows as an I/O error when a file is copied (the kernel's short write): said.
+    std::error_code ec;
+    const fs::path under = final_dir.has_parent_path() ? final_dir.parent_path() : fs::path(".");
+    const fs::space_info space = fs::space(under, ec);
+    const bool full = !ec && space.available < (uintmax_t(1) << 20);
+    fs::remove_all(tmp, ec);
+    if (!full) throw;
+    throw Error(std::string(e.what()) + "; the disk under " + under.string() + " is full (" +
+                std::to_string(space.available) + " bytes free): free space and export again (nothing was written)");
   } catch (...) {
     std::error_code ec;
     fs::remove_all(tmp, ec);

@@ -18,8 +18,19 @@ std::string g_text_encoder_at;  // use_text_encoder_at: set once by a command be
 
 LoadedModel load_model_files(const std::string& path, bool use_ema, torch::Device device) {
   LoadedModel m;
-  m.checkpoint = resolve_checkpoint(path);
-  Checkpoint ck = read_checkpoint(m.checkpoint, /*weights_only=*/true);
+  Checkpoint ck;
+  for (int attempt = 1;; ++attempt) {
+    m.checkpoint = resolve_checkpoint(path);
+    try {
+      ck = read_checkpoint(m.checkpoint, /*weights_only=*/true);
+      break;
+    } catch (const Error&) {
+      // A run that trains writes a newer checkpoint and then prunes the older ones (train.keep_ckpts):
+      // the one read may be pruned under it. Then the newer one; a checkpoint still the latest is
+      // damaged.
+      if (attempt == 5 || m.checkpoint == path || resolve_checkpoint(path) == m.checkpoint) throw;
+    }
+  }
   m.cfg = parse_config(ck.config_toml, m.checkpoint + "/" + RunDir::kState + " (config)");
   if (!g_text_encoder_at.empty() && !m.cfg.model.text_encoder.empty()) m.cfg.model.text_encoder = g_text_encoder_at;
   m.step = ck.step;

@@ -1,6 +1,7 @@
 // Training end to end on real Fashion-MNIST with a tiny model: the golden loss curve of a seeded
 // run, bit-identical resume after kill -9 of a real `ddm train` process, a non-finite loss that
-// stops with a clear message and leaves the last checkpoint intact, and sampling from the result.
+// stops with a clear message and leaves the last checkpoint intact, a damaged checkpoint refused
+// without changing the run, and sampling from the result.
 #include <gtest/gtest.h>
 
 #include <chrono>
@@ -320,4 +321,32 @@ TEST(Train, DataSmallerThanABatchIsSaid) {
                     (dir / "run16"));
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_EQ(r.output.find("fewer than a batch"), std::string::npos) << r.output;
+}
+
+// A damaged latest checkpoint: `--resume` refuses it as bad input (exit 2: a launcher does not
+// restart into it), names what to do, and leaves the run's config as it was (a key changed on that
+// resume is not recorded); `ddm sample` names the damage of a checkpoint directory without its
+// state.json. A run already past train.steps says there is nothing more to train.
+TEST(Train, ADamagedCheckpointIsRefusedAsBadInputAndChangesNothing) {
+  test::TempDir dir;
+  test::write_text(dir / "tiny.toml", kTinyConfig);
+  const std::string train = "train --config " + (dir / "tiny.toml") + " --set train.steps=10 --out " + (dir / "run");
+  ASSERT_EQ(test::run_ddm(train).exit_code, 0);
+  const std::string config = test::read_text(dir / "run/config.toml");
+  fs::resize_file(dir / "run/ckpt/step-00000010/model.safetensors", 0);
+  auto r = test::run_ddm(train + " --set train.lr=5e-4 --resume");
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("the checkpoint is damaged: delete " + (dir / "run/ckpt/step-00000010") +
+                          " to resume from the previous checkpoint"),
+            std::string::npos) << r.output;
+  EXPECT_EQ(test::read_text(dir / "run/config.toml"), config);
+  fs::remove(dir / "run/ckpt/step-00000010/state.json");
+  r = test::run_ddm("sample --ckpt " + (dir / "run/ckpt/step-00000010") + " --n 2 --steps 2 --out " + (dir / "s.png"));
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("state.json is missing; the checkpoint is damaged"), std::string::npos) << r.output;
+  fs::remove_all(dir / "run/ckpt/step-00000010");
+  r = test::run_ddm(train + " --set train.steps=5 --resume");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("note: --resume: the run is at step 5, train.steps is 5: nothing more to train"),
+            std::string::npos) << r.output;
 }

@@ -332,8 +332,15 @@ TEST(Checkpoint, PlaceholdersAreFetchedOneTensorAtATime) {
   // A fetched tensor that is not what the header promised is an error, and nothing is written.
   ck.step = 6;
   ck.fetch = [](int, const std::string&) { return torch::zeros({7}); };
-  EXPECT_NE(error_message([&] { write_checkpoint(dir.path, ck, 1); }).find("but the header says"), std::string::npos);
+  const std::string e = error_message([&] { write_checkpoint(dir.path, ck, 1); });
+  EXPECT_NE(e.find("but the header says"), std::string::npos) << e;
   EXPECT_EQ(list_checkpoints(dir.path).size(), 1u);
+  // What was written of it is removed (it would hold the space of a full disk), and the message says
+  // which checkpoint --resume goes on from.
+  EXPECT_NE(e.find("the checkpoint of step 6 is not written (its partial files are removed); the earlier ones are "
+                   "intact: --resume goes on from the last, " + path),
+            std::string::npos) << e;
+  EXPECT_FALSE(std::filesystem::exists(dir / "ckpt/.tmp-step-00000006"));
 }
 
 // A checksum only proves the file is what was written: weights that are NaN or inf are refused by
