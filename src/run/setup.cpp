@@ -404,8 +404,10 @@ RunStart start_run(const TrainOptions& opt, const TrainJob& job, Net& net, Engin
           bool past_the_end = false;
           try {
             data.resume(ck, opt.quiet);
-          } catch (const Error&) {
-            if (then == samples) throw;
+          } catch (const Error& e) {
+            if (then == samples)  // the same data: the checkpoint's position is not one of it
+              throw InputError(ck.state_path + ": " + e.what() + " (or its state.json was changed: delete " +
+                               *latest + " to resume from the previous checkpoint)");
             nlohmann::json& c = ck.state["data_cursor"];
             c["epoch"] = c["epoch"].get<int64_t>() + 1, c["index"] = 0;
             if (c.contains("replicas"))
