@@ -7,6 +7,8 @@
 
 #include <CLI/CLI.hpp>
 
+#include <cmath>
+
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -19,19 +21,23 @@
 
 namespace ddm {
 
-// "must be a positive integer, got 'x'" (CLI11's numeric ranges print the whole double range).
-inline CLI::Validator number_at_least(double min, const std::string& what) {
+// "must be a positive integer, got 'x'" (CLI11's numeric ranges print the whole double range). A
+// finite number in [min, max]: an integer too large for its type would be capped by CLI11 silently.
+inline CLI::Validator number_in(double min, double max, const std::string& what) {
   return CLI::Validator(
-      [min, what](std::string& value) -> std::string {
+      [min, max, what](std::string& value) -> std::string {
         try {
           size_t used = 0;
           const double v = std::stod(value, &used);
-          if (used == value.size() && v >= min) return "";
+          if (used == value.size() && std::isfinite(v) && v >= min && v <= max) return "";
         } catch (const std::exception&) {
         }
         return "must be " + what + ", got '" + value + "'";
       },
       "");  // nothing after the type in --help: the type and the default say it (INT=100)
+}
+inline CLI::Validator number_at_least(double min, const std::string& what) {
+  return number_in(min, 9.2e18, what);  // (below 2^63: what an int64 holds)
 }
 inline const CLI::Validator kPositive = number_at_least(1, "a positive integer");
 inline const CLI::Validator kNonNegative = number_at_least(0, "a number >= 0");

@@ -3,6 +3,7 @@
 #include "sample_setup.h"
 
 #include <algorithm>
+#include <cctype>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
@@ -364,9 +365,14 @@ GenerateOptions generate_options(const SampleArgs& a, const LoadedModel& m) {
   const bool classes_untrained = mc.num_classes > 0 && m.cfg.train.label_dropout == 0;
   const bool text_untrained = !mc.text_encoder.empty() && m.cfg.train.caption_dropout == 0;
   if (g.sample.cfg != 1.0 && (classes_untrained || text_untrained))
-    std::cout << "note: cfg " << g.sample.cfg << " guides against the null condition, which " << m.checkpoint
-              << " never trained (" << (text_untrained ? "train.caption_dropout" : "train.label_dropout")
+    std::cout << "note: cfg " << g.sample.cfg
+              << (g.sample.cfg == 0.0 ? " samples the null condition alone, which " : " guides against the null condition, which ")
+              << m.checkpoint << " never trained (" << (text_untrained ? "train.caption_dropout" : "train.label_dropout")
               << " = 0): expect poor samples; give --cfg 1 (no guidance), or train with a dropout of about 0.1"
+              << std::endl;
+  else if (g.sample.cfg == 0.0 && mc.num_classes > 0)
+    std::cout << "note: cfg 0 samples the null condition alone: the images are unconditional, whatever class their "
+                 "row names"
               << std::endl;
   g.batch_size = a.batch;
   g.seed = static_cast<uint64_t>(a.seed);
@@ -397,10 +403,36 @@ static void write_png_folder(const std::string& dir, const torch::Tensor& images
             << (prompts.empty() ? "" : ", each with its prompt in 000000.txt ...") << ")" << std::endl;
 }
 
+// The folders the output checks made, removed again (when they hold no file) if the command stops
+// before it writes into them: a refused command leaves nothing.
+struct MadeFolders {
+  std::vector<fs::path> tops;  // the first folder of each path that did not exist
+  void make(const std::string& dir, const std::string& what) {
+    std::error_code ec;
+    fs::path top;
+    for (fs::path p = fs::absolute(dir, ec); !p.empty() && !fs::exists(p, ec); p = p.parent_path()) {
+      top = p;
+      if (p == p.parent_path()) break;
+    }
+    as_input_error([&] { create_output_dir(dir, what); });
+    if (!top.empty()) tops.push_back(top);
+  }
+  void undo() const {
+    for (const fs::path& top : tops) {
+      std::error_code ec;
+      bool empty = true;
+      for (auto it = fs::recursive_directory_iterator(top, ec); !ec && it != fs::recursive_directory_iterator();
+           it.increment(ec))
+        empty = empty && it->is_directory(ec);
+      if (empty && !ec) fs::remove_all(top, ec);
+    }
+  }
+};
+
 // Refuses (exit 2) an output file that could not be written, before the sampling it would hold: its
 // folder is made, and a file beside the target is opened and removed.
-static void check_writable(const std::string& path, const std::string& flag) {
-  as_input_error([&] { create_output_dir(fs::path(path).parent_path().string(), flag + " " + path + ": the folder"); });
+static void check_writable(const std::string& path, const std::string& flag, MadeFolders& made) {
+  made.make(fs::path(path).parent_path().string(), flag + " " + path + ": the folder");
   const std::string probe = path + ".probe-" + std::to_string(::getpid());
   errno = 0;
   const bool ok = static_cast<bool>(std::ofstream(probe));
@@ -410,19 +442,33 @@ static void check_writable(const std::string& path, const std::string& flag) {
   DDM_INPUT_CHECK(ok, flag << " " << path << ": cannot write there (" << why << "); give another path (nothing was sampled)");
 }
 
+static void write_samples_made(const SampleArgs& a, MadeFolders& made);
+
 void write_samples(const SampleArgs& a) {
+  MadeFolders made;
+  try {
+    write_samples_made(a, made);
+  } catch (...) {
+    made.undo();
+    throw;
+  }
+}
+
+static void write_samples_made(const SampleArgs& a, MadeFolders& made) {
   as_input_error([&] { check_png_path(a.out); });  // before any sampling
-  check_writable(a.out, "--out");
+  check_writable(a.out, "--out", made);
   if (!a.raw.empty()) {
-    DDM_INPUT_CHECK(fs::path(a.raw).extension() == ".safetensors",
+    std::string ext = fs::path(a.raw).extension().string();
+    std::transform(ext.begin(), ext.end(), ext.begin(), [](unsigned char c) { return std::tolower(c); });
+    DDM_INPUT_CHECK(ext == ".safetensors",
                     "--raw " << a.raw << ": the raw samples are written as safetensors; name a .safetensors file");
-    check_writable(a.raw, "--raw");
+    check_writable(a.raw, "--raw", made);
   }
   DDM_INPUT_CHECK(a.png_dir.empty() || !fs::exists(a.png_dir) || fs::is_directory(a.png_dir),
                   "--png-dir " << a.png_dir << " is a file: name an empty or new directory (nothing was written)");
   DDM_INPUT_CHECK(a.png_dir.empty() || !fs::exists(a.png_dir) || fs::is_empty(a.png_dir),
             "--png-dir " << a.png_dir << " holds files already: name an empty or new directory (nothing was written)");
-  if (!a.png_dir.empty()) as_input_error([&] { create_output_dir(a.png_dir, "--png-dir"); });
+  if (!a.png_dir.empty()) made.make(a.png_dir, "--png-dir");
   set_threads(a.threads);
   Source src = open_source(a);
   const LoadedModel& m = src.defaults();
@@ -430,6 +476,11 @@ void write_samples(const SampleArgs& a) {
   GenerateOptions g = generate_options(a, m);
   const int64_t classes = m.cfg.model.num_classes;
   g.per_class = classes > 0 && a.class_id < 0 ? std::max<int64_t>(1, a.n / classes) : a.n;  // whole rows
+  if (classes > 0 && a.class_id < 0 && a.n > classes && a.n % classes != 0)
+    std::cout << "note: --n " << a.n << " is not a multiple of the " << classes << " classes: a row of "
+              << g.per_class << " per class, then " << a.n % classes << " more in rows of the first classes again "
+              << "(--n " << classes * (a.n / classes) << " or " << classes * (a.n / classes + 1)
+              << " gives a row per class)" << std::endl;
   const bool tty = isatty(fileno(stdout));
   const auto [controls, refs] = open_conditions(a, src, g);  // what they refuse, before anything is said
   std::vector<std::string> sample_prompts;  // text models: each sample's
@@ -449,6 +500,11 @@ void write_samples(const SampleArgs& a) {
       labels.push_back(c < static_cast<int64_t>(m.class_names.size()) ? m.class_names[c]
                                                                       : "class " + std::to_string(c));
     }
+  } else if (classes > 0 && a.class_id >= 0 && !g.labels.defined()) {  // --class: every row names it
+    const std::string name = a.class_id < static_cast<int64_t>(m.class_names.size())
+                                 ? m.class_names[static_cast<size_t>(a.class_id)]
+                                 : "class " + std::to_string(a.class_id);
+    labels.assign(static_cast<size_t>((a.n + cols - 1) / cols), name);
   }
   save_image_grid(a.out, out.images, cols, labels);
   if (controls) {
@@ -467,7 +523,8 @@ void write_samples(const SampleArgs& a) {
                 embed_similarity(*refs->embedder, out.images, refs->images));
     std::cout << "wrote " << refs_png << " (the reference images, laid out as the samples)" << std::endl;
   }
-  const bool guided = g.sample.cfg != 1.0 && (classes > 0 || g.text.context.defined());
+  // (cfg 0 runs the null condition alone: one batch.)
+  const bool guided = g.sample.cfg != 1.0 && g.sample.cfg != 0.0 && (classes > 0 || g.text.context.defined());
   std::cout << "NFE " << out.nfe << " per image" << (guided ? " (CFG: batch of 2)" : "")
             << ", " << out.seconds << " s, " << a.n / out.seconds << " img/s\n";
   if (src.ensemble) std::cout << src.ensemble->usage_report(a.n);
@@ -499,10 +556,12 @@ void write_samples(const SampleArgs& a) {
 }
 
 void add_sample_flags(CLI::App* cmd, SampleArgs& a) {
-  cmd->add_option("--n", a.n, "number of images")->check(kPositive);
+  // (Every sample is kept in memory for the grid and --raw: a million 64x64 RGB images are 49 GB.)
+  cmd->add_option("--n", a.n, "number of images (at most 1000000; all are held in memory)")
+      ->check(number_in(1, 1e6, "a positive integer up to 1000000"));
   cmd->add_option("--steps", a.steps, "solver steps (default: the run's sample.steps)")
       ->default_str("")
-      ->check(kPositive);
+      ->check(number_in(1, 1e5, "a positive integer up to 100000"));
   cmd->add_option("--sampler", a.sampler,
                   "euler | heun | ddim | ddpm (default: the run's sample.sampler). For Stable Diffusion's "
                   "discrete schedule, ddim is the step of diffusers' EulerDiscreteScheduler with Karras sigmas: "

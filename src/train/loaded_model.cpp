@@ -2,6 +2,7 @@
 #include "train/loaded_model.h"
 
 #include "core/error.h"
+#include "core/input_check.h"
 #include "core/run_dir.h"
 #include "diffusion/path.h"
 #include "model/router.h"
@@ -62,9 +63,9 @@ std::function<torch::Tensor(const torch::Tensor&)> image_decoder(const LoadedMod
 }
 
 Denoiser make_denoiser(const LoadedModel& m) {
-  DDM_CHECK(!is_router_arch(m.cfg.model.arch), m.checkpoint << " holds a router (" << m.cfg.model.arch
+  DDM_INPUT_CHECK(!is_router_arch(m.cfg.model.arch), m.checkpoint << " holds a router (" << m.cfg.model.arch
                                                 << "), not a diffusion model; sample an ensemble with --ensemble DIR");
-  DDM_CHECK(m.cfg.model.arch != "autoencoder",
+  DDM_INPUT_CHECK(m.cfg.model.arch != "autoencoder",
             m.checkpoint << " holds an autoencoder, not a diffusion model: it reconstructs images (`ddm "
                             "train-autoencoder --config RUN/config.toml --out RUN --resume` reports it) and latent models train on it "
                             "(model.latent = RUN)");

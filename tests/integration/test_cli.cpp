@@ -292,6 +292,14 @@ TEST(Cli, BadSampleInputs) {
   EXPECT_FALSE(fs::exists(dir / "g.jpg"));
   expect_error(test::run_ddm("sample --ckpt " + (dir / "run") + " --cfg inf --out " + (dir / "g.png")), "cfg");
   EXPECT_FALSE(fs::exists(dir / "g.png"));
+  // A number beyond what the flag holds is refused, not capped; a refused command leaves none of the
+  // folders its outputs would have gone to.
+  expect_error(test::run_ddm("sample --ckpt " + (dir / "run") + " --n 99999999999999999999"),
+               "--n: must be a positive integer up to 1000000");
+  const auto refused = test::run_ddm("sample --ckpt " + (dir / "nope") + " --out " + (dir / "d1/x.png") + " --png-dir " +
+                                     (dir / "pd1/p") + " --raw " + (dir / "d1r/r.safetensors"));
+  EXPECT_EQ(refused.exit_code, 2) << refused.output;
+  for (const char* made : {"d1", "pd1", "d1r"}) EXPECT_FALSE(fs::exists(dir / made)) << made;
   expect_error(test::run_ddm("sample --ckpt " + (dir / "run") + " --device gpu --out " + (dir / "g.png")),
                "--device = \"gpu\" is not one of: auto, cpu, cuda, cuda:N");
   expect_error(test::run_ddm("sample --ckpt " + (dir / "run") + " --precision fp8 --out " + (dir / "g.png")),
