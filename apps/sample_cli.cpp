@@ -287,8 +287,8 @@ std::vector<std::string> open_prompts(const SampleArgs& a, Source& src, Generate
 std::pair<std::optional<ControlSet>, std::optional<ReferenceSet>> open_conditions(const SampleArgs& a,
                                                                                   const Source& src,
                                                                                   GenerateOptions& g) {
-  DDM_INPUT_CHECK(src.model || (a.control_file.empty() && a.control_from.empty()), "--control applies only to --ckpt");
-  DDM_INPUT_CHECK(src.model || (a.reference_file.empty() && a.reference_from.empty()), "--reference applies only to --ckpt");
+  DDM_INPUT_CHECK(src.model || (a.control_file.empty() && a.control_from.empty()), "--control and --control-from apply only to --ckpt (one model)");
+  DDM_INPUT_CHECK(src.model || (a.reference_file.empty() && a.reference_from.empty()), "--reference and --reference-from apply only to --ckpt (one model)");
   if (!src.model) return {};
   const LoadedModel& m = *src.model;
   std::optional<ControlSet> controls = open_controls(a, m, a.n);

@@ -202,7 +202,12 @@ std::vector<int64_t> LoadedEnsemble::missing() const {
   return out;
 }
 
-LoadedEnsemble load_ensemble(const std::string& dir, bool use_ema, bool allow_missing, torch::Device device) {
+LoadedEnsemble load_ensemble(const std::string& given, bool use_ema, bool allow_missing, torch::Device device) {
+  // The ensemble's folder, or its ensemble.json.
+  const fs::path named(given);
+  const std::string dir = named.filename() == "ensemble.json" && fs::is_regular_file(named)
+                              ? (named.has_parent_path() ? named.parent_path().string() : std::string("."))
+                              : given;
   const fs::path manifest = fs::path(dir) / "ensemble.json";
   DDM_CHECK(fs::exists(manifest), "'" << dir << "' is not an ensemble directory (no ensemble.json); make one with "
                                   "ddm ensemble --out DIR --partition P --router R --expert E0 ...");

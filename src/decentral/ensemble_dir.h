@@ -44,7 +44,8 @@ struct LoadedEnsemble {
   std::vector<int64_t> missing() const;
 };
 
-// Loads DIR/ensemble.json and the pinned checkpoints, verifying their hashes. A missing expert
+// Loads DIR/ensemble.json (DIR may be given as that file) and the pinned checkpoints, verifying their
+// hashes. A missing expert
 // checkpoint is an error naming it, unless allow_missing (then that expert is left out and the
 // router's probabilities are renormalized over the rest). A changed checkpoint is always an error.
 // The networks (experts, router, a latent model's autoencoder) are loaded onto `device`.
